@@ -59,7 +59,16 @@ impl CommonHeader {
     pub const fn to_bytes(&self) -> [u8; 8] {
         let t = self.common_type.to_le_bytes();
         let p = self.pid.to_le_bytes();
-        [t[0], t[1], self.flags, self.preempt_count, p[0], p[1], p[2], p[3]]
+        [
+            t[0],
+            t[1],
+            self.flags,
+            self.preempt_count,
+            p[0],
+            p[1],
+            p[2],
+            p[3],
+        ]
     }
 
     /// Decodes the header from the start of a payload; `None` if it is shorter than 8 bytes.
@@ -111,5 +120,11 @@ pub fn text(out: &mut [u8], pid: i32, seq: u64, msg: &[u8]) -> Option<usize> {
 }
 
 const fn header(id: u16, pid: i32) -> [u8; 8] {
-    CommonHeader { common_type: id, flags: 0, preempt_count: 0, pid }.to_bytes()
+    CommonHeader {
+        common_type: id,
+        flags: 0,
+        preempt_count: 0,
+        pid,
+    }
+    .to_bytes()
 }

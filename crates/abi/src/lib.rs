@@ -1,5 +1,26 @@
-//! hyptrace shared-memory ABI (placeholder while the core lands).
+//! hyptrace shared-memory ABI: what the guest writer and the host reader agree on.
+//!
+//! - [`page`]: Linux `buffer_data_page` and ring-buffer event encoding (byte-compatible,
+//!   so pages copied into a trace.dat are read by trace-cmd);
+//! - [`layout`]: the trace region (pack header, per-CPU descriptors, control blocks,
+//!   pages with footers) and its validation;
+//! - [`mem`]: the memory-access trait both sides use, over raw memory or safe words;
+//! - [`events`]: the built-in guest events; [`guest`]: the VMM ⇄ guest contract.
+//!
+//! `docs/abi.md` describes every structure; `docs/design.md` the protocol.
 #![no_std]
+#![warn(missing_docs)]
+
+#[cfg(feature = "alloc")]
+extern crate alloc;
+
 pub mod events;
 pub mod guest;
+pub mod layout;
+pub mod mem;
 pub mod page;
+
+pub use layout::{Layout, LayoutError, Mode};
+#[cfg(feature = "alloc")]
+pub use mem::{HeapMem, WordMem};
+pub use mem::{RawMem, SharedMem};

@@ -142,8 +142,12 @@ pub enum DecodeError {
 impl core::fmt::Display for DecodeError {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         match self {
-            Self::Truncated { offset } => write!(f, "event at data offset {offset} runs past commit"),
-            Self::BadLength { offset } => write!(f, "event at data offset {offset} has a bad length word"),
+            Self::Truncated { offset } => {
+                write!(f, "event at data offset {offset} runs past commit")
+            }
+            Self::BadLength { offset } => {
+                write!(f, "event at data offset {offset} has a bad length word")
+            }
         }
     }
 }
@@ -206,7 +210,14 @@ pub fn decode_record(data: &[u8], offset: usize) -> Result<Option<(Record, usize
             if end > data.len() {
                 return Err(trunc);
             }
-            Ok(Some((Record::Data { delta, start: arr, len }, end)))
+            Ok(Some((
+                Record::Data {
+                    delta,
+                    start: arr,
+                    len,
+                },
+                end,
+            )))
         }
     }
 }
@@ -236,7 +247,12 @@ impl<'a> Events<'a> {
     /// Iterates over `data` (the committed bytes after the page header), starting from the
     /// page's `time_stamp`.
     pub fn new(data: &'a [u8], time_stamp: u64) -> Self {
-        Self { data, offset: 0, ts: time_stamp, done: false }
+        Self {
+            data,
+            offset: 0,
+            ts: time_stamp,
+            done: false,
+        }
     }
 
     /// Offset of the next record in the data area.
@@ -271,7 +287,11 @@ impl<'a> Iterator for Events<'a> {
                     match rec {
                         Record::Data { delta, start, len } => {
                             self.ts = self.ts.wrapping_add(delta);
-                            return Some(Ok(PageEvent { ts: self.ts, payload: &self.data[start..start + len], offset: at }));
+                            return Some(Ok(PageEvent {
+                                ts: self.ts,
+                                payload: &self.data[start..start + len],
+                                offset: at,
+                            }));
                         }
                         Record::TimeExtend { delta } => self.ts = self.ts.wrapping_add(delta),
                         Record::TimeStamp { ts } => self.ts = ts,

@@ -1,1 +1,634 @@
-//! placeholder
+//! hyptrace's per-CPU ring-buffer writer.
+//!
+//! One [`Writer`] per CPU writes Linux-format events into its ring of pages in shared
+//! memory, lock-free and without ever waiting for the reader. The writer-domain
+//! operations behind the reader's callbacks, [`swap_reader_page`] and
+//! [`update_footers`], are free functions over the same shared memory: the host runs
+//! them itself (`--swap host`, concurrently with the writer on its CPU) or asks the
+//! writer to run them through the mailbox ([`Writer::serve_mailbox`], `--swap guest`).
+//!
+//! The protocol (links with HEAD/UPDATE flags, who writes which word) and its
+//! invariants are described in `docs/design.md`; each is stated again where it is kept.
+//!
+//! `no_std`, no allocation; the same code runs in the guest, in host threads and under
+//! loom (through [`SharedMem`]).
+#![no_std]
+#![warn(missing_docs)]
+
+#[cfg(any(test, loom))]
+extern crate std;
+
+use core::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release, SeqCst};
+use hyptrace_abi::layout::{
+    ctl, footer, link, Layout, LayoutError, Mode, CTL_MAGIC, FT_COMMIT, FT_HEAD, FT_READER,
+    LINK_FLAGS, LINK_HEAD, LINK_UPDATE, MBOX_OP_SWAP, MBOX_OP_UPDATE_FOOTERS, MBOX_STATUS_BUSY,
+    MBOX_STATUS_ERROR, MBOX_STATUS_OK, WRITER_ACTIVE, WRITER_FINISHED,
+};
+use hyptrace_abi::page::{self, COMMIT_OFFSET, PAGE_HEADER_SIZE, RB_MISSED_EVENTS};
+use hyptrace_abi::SharedMem;
+
+/// Most attempts of a swap (each failed attempt means the writer moved the head).
+pub const SWAP_RETRIES: u32 = 16;
+/// Most attempts of the writer to move its tail (each failure means a swap moved the
+/// head under it; a swap changes a link at most once per call, so this never runs out
+/// unless the ring is corrupt).
+pub const MOVE_RETRIES: u32 = 8;
+
+/// What became of one event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WriteOutcome {
+    /// Committed to the ring.
+    Written,
+    /// Not written: its enable bit is clear (counted as skipped).
+    Disabled,
+    /// Not written: the ring is full in stop mode (counted as dropped).
+    Dropped,
+    /// Not written: the payload can never fit a page.
+    TooLarge,
+    /// Not written: the ring's links are corrupt (the writer stops writing).
+    Corrupt,
+}
+
+/// Result of a swap.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SwapStatus {
+    /// The head page became the reader page; the old reader page joined the ring.
+    Swapped {
+        /// The new reader page.
+        page: u32,
+    },
+    /// The writer is on the reader page: there is nothing to swap yet.
+    Busy,
+}
+
+/// Why a writer-domain operation failed: the shared ring is inconsistent (corrupt or
+/// hostile), or the head kept moving.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RingError {
+    /// The pack or a control block is not valid.
+    Layout(LayoutError),
+    /// A page id in a control block or link is outside the CPU's pages.
+    BadPageId(u64),
+    /// No head link found within the ring length.
+    NoHead,
+    /// A link carries flags it cannot carry here.
+    BadLink(u64),
+    /// The head moved under every attempt.
+    Retries,
+    /// The CPU number is out of range.
+    BadCpu(u32),
+}
+
+impl core::fmt::Display for RingError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            Self::Layout(e) => write!(f, "bad layout: {e}"),
+            Self::BadPageId(id) => write!(f, "page id {id} outside this CPU's pages"),
+            Self::NoHead => write!(f, "no head page found in the ring"),
+            Self::BadLink(l) => write!(f, "unexpected link word {l:#x}"),
+            Self::Retries => write!(f, "head kept moving: swap retries exhausted"),
+            Self::BadCpu(c) => write!(f, "CPU {c} out of range"),
+        }
+    }
+}
+
+impl From<LayoutError> for RingError {
+    fn from(e: LayoutError) -> Self {
+        Self::Layout(e)
+    }
+}
+
+#[inline]
+fn relax() {
+    #[cfg(loom)]
+    loom::thread::yield_now();
+    #[cfg(not(loom))]
+    core::hint::spin_loop();
+}
+
+/// Validates that `id` is one of `cpu`'s pages.
+#[inline]
+fn page_id(l: &Layout, cpu: u32, id: u64) -> Result<u32, RingError> {
+    if l.owns(cpu, id) {
+        Ok(id as u32)
+    } else {
+        Err(RingError::BadPageId(id))
+    }
+}
+
+/// The per-CPU writer. Its fields cache what only the writer changes; the shared
+/// control block mirrors what other agents read (see `hyptrace_abi::layout::ctl`).
+#[derive(Debug)]
+pub struct Writer<M: SharedMem> {
+    mem: M,
+    l: Layout,
+    cpu: u32,
+    ctl: usize,
+    cap: usize,
+    max_payload: usize,
+    tail: u32,
+    tail_off: usize,
+    /// Bytes used in the tail page's data area.
+    write: usize,
+    /// RB_MISSED_EVENTS if the tail page starts after drops (stop mode), else 0.
+    commit_flags: u64,
+    write_stamp: u64,
+    entries: u64,
+    dropped: u64,
+    overrun: u64,
+    pages_touched: u64,
+    bytes: u64,
+    page_entries: u64,
+    lost_pending: u64,
+    skipped: u64,
+    mbox_seen: u64,
+    mbox_served: u64,
+    corrupt: bool,
+}
+
+impl<M: SharedMem> Writer<M> {
+    /// Attaches to CPU `cpu`'s ring in the trace region `mem` (the pack at offset 0),
+    /// which the host initialised. Validates the pack and the control block.
+    pub fn attach(mem: M, cpu: u32) -> Result<Self, RingError> {
+        let l = Layout::parse(&mem)?;
+        if cpu >= l.nr_cpus {
+            return Err(RingError::BadCpu(cpu));
+        }
+        let c = l.ctl(cpu);
+        if mem.load(c + ctl::MAGIC, Relaxed) != CTL_MAGIC {
+            return Err(RingError::Layout(LayoutError::BadMagic));
+        }
+        let tail = page_id(&l, cpu, mem.load(c + ctl::TAIL_PAGE, Acquire))?;
+        let mut w = Self {
+            cap: l.data_capacity(),
+            max_payload: l.max_payload(),
+            tail,
+            tail_off: l.page_off(tail),
+            write: 0,
+            commit_flags: 0,
+            write_stamp: mem.load(c + ctl::WRITE_STAMP, Relaxed),
+            entries: mem.load(c + ctl::ENTRIES, Relaxed),
+            dropped: mem.load(c + ctl::DROPPED, Relaxed),
+            overrun: mem.load(c + ctl::OVERRUN, Relaxed),
+            pages_touched: mem.load(c + ctl::PAGES_TOUCHED, Relaxed),
+            bytes: mem.load(c + ctl::BYTES, Relaxed),
+            page_entries: 0,
+            lost_pending: mem.load(c + ctl::LOST_PENDING, Relaxed),
+            skipped: 0,
+            mbox_seen: mem.load(c + ctl::MBOX_REQ, Acquire),
+            mbox_served: 0,
+            corrupt: false,
+            mem,
+            l,
+            cpu,
+            ctl: c,
+        };
+        // Resume on a page that already holds events (re-attach after a reset of the
+        // guest side): continue after its committed bytes.
+        let commit = w.mem.load(w.tail_off + COMMIT_OFFSET, Acquire);
+        let len = (commit & page::COMMIT_LEN_MASK) as usize;
+        if len > 0 && len <= w.cap {
+            w.write = len;
+            w.commit_flags = commit & RB_MISSED_EVENTS;
+            w.page_entries = w
+                .mem
+                .load(w.l.footer_off(tail) + footer::PAGE_ENTRIES, Relaxed);
+        }
+        w.mem.swap(c + ctl::WRITER_STATE, WRITER_ACTIVE, Release);
+        Ok(w)
+    }
+
+    /// The CPU this writer writes for.
+    pub fn cpu(&self) -> u32 {
+        self.cpu
+    }
+
+    /// The layout of the trace region.
+    pub fn layout(&self) -> &Layout {
+        &self.l
+    }
+
+    /// The shared memory.
+    pub fn mem(&self) -> &M {
+        &self.mem
+    }
+
+    /// Events committed.
+    pub fn entries(&self) -> u64 {
+        self.entries
+    }
+
+    /// Events dropped (stop mode, ring full).
+    pub fn dropped(&self) -> u64 {
+        self.dropped
+    }
+
+    /// Events overwritten (overwrite mode).
+    pub fn overrun(&self) -> u64 {
+        self.overrun
+    }
+
+    /// Events skipped because disabled.
+    pub fn skipped(&self) -> u64 {
+        self.skipped
+    }
+
+    /// Mailbox requests served.
+    pub fn mailbox_served(&self) -> u64 {
+        self.mbox_served
+    }
+
+    /// Largest payload [`Writer::write`] accepts.
+    pub fn max_payload(&self) -> usize {
+        self.max_payload
+    }
+
+    /// Whether event slot `slot` (0..64) is enabled: one relaxed load of the enable word
+    /// the host flips.
+    #[inline(always)]
+    pub fn enabled(&self, slot: u32) -> bool {
+        (self.mem.load(self.ctl + ctl::ENABLE, Relaxed) >> (slot & 63)) & 1 != 0
+    }
+
+    /// Writes one event of `payload` with timestamp `ts` if slot `slot` is enabled.
+    ///
+    /// reserve → fill → commit: the event (and a TIME_EXTEND before it when the delta
+    /// needs more than 27 bits) is written past the committed bytes of the tail page,
+    /// then `commit` is published with Release, so a reader that loads `commit` with
+    /// Acquire sees the whole payload. A `ts` below the previous event's is clamped to
+    /// it (delta 0), never turned into a huge unsigned delta.
+    #[inline]
+    pub fn write(&mut self, slot: u32, ts: u64, payload: &[u8]) -> WriteOutcome {
+        if !self.enabled(slot) {
+            self.skipped += 1;
+            return WriteOutcome::Disabled;
+        }
+        self.write_enabled(ts, payload)
+    }
+
+    /// [`Writer::write`] without the enable check.
+    #[inline]
+    pub fn write_enabled(&mut self, ts: u64, payload: &[u8]) -> WriteOutcome {
+        if payload.len() > self.max_payload {
+            return WriteOutcome::TooLarge;
+        }
+        if self.corrupt {
+            return WriteOutcome::Corrupt;
+        }
+        let ts = if ts < self.write_stamp {
+            self.write_stamp
+        } else {
+            ts
+        };
+        let size = page::data_event_size(payload.len());
+        let mut delta = ts - self.write_stamp;
+        let mut need = size
+            + if delta > page::MAX_DELTA {
+                page::TIME_EXTEND_SIZE
+            } else {
+                0
+            };
+        if self.write == 0 {
+            need = size;
+        }
+        if self.write + need > self.cap {
+            match self.move_tail() {
+                Ok(true) => need = size,
+                Ok(false) => {
+                    self.dropped += 1;
+                    self.lost_pending += 1;
+                    self.mem
+                        .store(self.ctl + ctl::DROPPED, self.dropped, Relaxed);
+                    self.mem
+                        .store(self.ctl + ctl::LOST_PENDING, self.lost_pending, Relaxed);
+                    return WriteOutcome::Dropped;
+                }
+                Err(_) => {
+                    self.corrupt = true;
+                    return WriteOutcome::Corrupt;
+                }
+            }
+        }
+        let data = self.tail_off + PAGE_HEADER_SIZE;
+        let mut at = data + self.write;
+        if self.write == 0 {
+            // First event of the page: the page's time_stamp is its time, delta 0.
+            self.mem.write_bytes(self.tail_off, &ts.to_le_bytes());
+            delta = 0;
+        } else if delta > page::MAX_DELTA {
+            let d = if delta > page::MAX_EXTENDED_DELTA {
+                page::MAX_EXTENDED_DELTA
+            } else {
+                delta
+            };
+            self.mem.write_bytes(at, &page::encode_time_extend(d));
+            at += page::TIME_EXTEND_SIZE;
+            delta = 0;
+        }
+        let mut hdr = [0u8; 8];
+        let hlen = page::encode_data_header(&mut hdr, payload.len(), delta as u32);
+        self.mem.write_bytes(at, &hdr[..hlen]);
+        at += hlen;
+        self.mem.write_bytes(at, payload);
+        let pad = page::align4(payload.len()) - payload.len();
+        if pad != 0 {
+            self.mem.write_bytes(at + payload.len(), &[0u8; 3][..pad]);
+        }
+        self.write += need;
+        // Publish: the payload above happens-before any Acquire load that sees this.
+        self.mem.store(
+            self.tail_off + COMMIT_OFFSET,
+            self.write as u64 | self.commit_flags,
+            Release,
+        );
+        self.write_stamp = ts;
+        self.entries += 1;
+        self.page_entries += 1;
+        self.bytes += need as u64;
+        self.mem
+            .store(self.ctl + ctl::ENTRIES, self.entries, Relaxed);
+        self.mem.store(self.ctl + ctl::BYTES, self.bytes, Relaxed);
+        self.mem.store(self.ctl + ctl::WRITE_STAMP, ts, Relaxed);
+        WriteOutcome::Written
+    }
+
+    /// Moves the tail to the next page. Returns `Ok(false)` when the ring is full in
+    /// stop mode.
+    ///
+    /// Invariant kept here: the writer only ever moves onto the page its tail's link
+    /// names, and onto the head page only after turning the HEAD link into UPDATE with
+    /// a compare-exchange (overwrite mode) — so it never writes the reader page, which
+    /// no ring link names.
+    #[cold]
+    fn move_tail(&mut self) -> Result<bool, RingError> {
+        let tf = self.l.footer_off(self.tail);
+        let mut attempts = 0;
+        let next = loop {
+            attempts += 1;
+            if attempts > MOVE_RETRIES {
+                return Err(RingError::Retries);
+            }
+            let lk = self.mem.load(tf + footer::NEXT, Acquire);
+            let nid = page_id(&self.l, self.cpu, lk >> 2)?;
+            match lk & LINK_FLAGS {
+                0 => break nid,
+                LINK_HEAD => {
+                    if self.l.mode == Mode::Stop {
+                        return Ok(false);
+                    }
+                    // Overwrite: take the head link; a swap racing us makes this fail
+                    // (it replaced the link with the reader page): retry.
+                    if self
+                        .mem
+                        .compare_exchange(
+                            tf + footer::NEXT,
+                            lk,
+                            link(nid, LINK_UPDATE),
+                            SeqCst,
+                            Acquire,
+                        )
+                        .is_err()
+                    {
+                        continue;
+                    }
+                    self.push_head(tf, nid)?;
+                    break nid;
+                }
+                _ => return Err(RingError::BadLink(lk)),
+            }
+        };
+        // Leave the old tail: its entry count is final, it is no longer the commit page.
+        self.mem
+            .store(tf + footer::PAGE_ENTRIES, self.page_entries, Release);
+        self.mem
+            .fetch_and(tf + footer::WRITER_STATUS, !FT_COMMIT, AcqRel);
+        // Start the new page.
+        let nf = self.l.footer_off(next);
+        let off = self.l.page_off(next);
+        self.pages_touched += 1;
+        self.mem.store(off + COMMIT_OFFSET, 0, Relaxed);
+        self.mem.store(nf + footer::PAGE_ENTRIES, 0, Relaxed);
+        self.mem.store(
+            nf + footer::FIRST_INDEX,
+            self.entries + self.dropped,
+            Relaxed,
+        );
+        self.mem
+            .store(nf + footer::MISSED, self.lost_pending, Relaxed);
+        self.mem
+            .store(nf + footer::PAGE_SEQ, self.pages_touched, Relaxed);
+        self.mem
+            .fetch_or(nf + footer::WRITER_STATUS, FT_COMMIT, AcqRel);
+        self.commit_flags = if self.lost_pending != 0 {
+            RB_MISSED_EVENTS
+        } else {
+            0
+        };
+        self.lost_pending = 0;
+        self.tail = next;
+        self.tail_off = off;
+        self.write = 0;
+        self.page_entries = 0;
+        self.mem.store(self.ctl + ctl::LOST_PENDING, 0, Relaxed);
+        self.mem
+            .store(self.ctl + ctl::PAGES_TOUCHED, self.pages_touched, Relaxed);
+        // Release: the new page's footer is initialised before anyone sees it as tail.
+        self.mem
+            .store(self.ctl + ctl::TAIL_PAGE, u64::from(next), Release);
+        Ok(true)
+    }
+
+    /// Overwrite mode, with the link to `head` (in footer `tf`) turned to UPDATE:
+    /// account the overwritten events, move FT_HEAD and the HEAD link to the page after
+    /// `head`, then clear UPDATE. While UPDATE is set no link carries HEAD, so no swap
+    /// can succeed; the footer bits are moved before the new HEAD link is published.
+    fn push_head(&mut self, tf: usize, head: u32) -> Result<(), RingError> {
+        let hf = self.l.footer_off(head);
+        let lost = self.mem.load(hf + footer::PAGE_ENTRIES, Acquire);
+        self.overrun += lost;
+        self.mem
+            .store(self.ctl + ctl::OVERRUN, self.overrun, Relaxed);
+        let nl = self.mem.load(hf + footer::NEXT, Acquire);
+        let nn = page_id(&self.l, self.cpu, nl >> 2)?;
+        if nl & LINK_FLAGS != 0 {
+            return Err(RingError::BadLink(nl));
+        }
+        self.mem
+            .fetch_and(hf + footer::WRITER_STATUS, !FT_HEAD, SeqCst);
+        self.mem.fetch_or(
+            self.l.footer_off(nn) + footer::WRITER_STATUS,
+            FT_HEAD,
+            SeqCst,
+        );
+        #[cfg(not(hyptrace_seeded_bug))]
+        let new_head = link(nn, LINK_HEAD);
+        // Seeded bug for the model checker: forget to mark the new head, so the ring
+        // loses its head and a later swap cannot find it / the writer laps the reader.
+        #[cfg(hyptrace_seeded_bug)]
+        let new_head = link(nn, 0);
+        self.mem.swap(hf + footer::NEXT, new_head, SeqCst);
+        self.mem.swap(tf + footer::NEXT, link(head, 0), SeqCst);
+        Ok(())
+    }
+
+    /// Serves a pending mailbox request (`--swap guest`): runs the requested
+    /// writer-domain operation on this CPU and acknowledges it. One relaxed load when
+    /// there is nothing to do. Returns whether a request was served.
+    #[inline]
+    pub fn serve_mailbox(&mut self) -> bool {
+        let req = self.mem.load(self.ctl + ctl::MBOX_REQ, Acquire);
+        if req == self.mbox_seen {
+            return false;
+        }
+        self.serve_request(req);
+        true
+    }
+
+    #[cold]
+    fn serve_request(&mut self, req: u64) {
+        self.mbox_seen = req;
+        let status = match req & 0xff {
+            MBOX_OP_SWAP => match swap_reader_page(&self.mem, &self.l, self.cpu) {
+                Ok(SwapStatus::Swapped { .. }) => MBOX_STATUS_OK,
+                Ok(SwapStatus::Busy) => MBOX_STATUS_BUSY,
+                Err(_) => MBOX_STATUS_ERROR,
+            },
+            MBOX_OP_UPDATE_FOOTERS => match update_footers(&self.mem, &self.l, self.cpu) {
+                Ok(()) => MBOX_STATUS_OK,
+                Err(_) => MBOX_STATUS_ERROR,
+            },
+            _ => MBOX_STATUS_ERROR,
+        };
+        self.mbox_served += 1;
+        self.mem
+            .store(self.ctl + ctl::MBOX_ACK, (req & !0xff) | status, Release);
+    }
+
+    /// Marks the writer finished: it will write no more (the host may then read
+    /// without swapping).
+    pub fn finish(&mut self) {
+        self.mem
+            .swap(self.ctl + ctl::WRITER_STATE, WRITER_FINISHED, Release);
+    }
+}
+
+/// Finds the head: the page named by the one link that carries HEAD (or UPDATE while
+/// the writer moves it), walking from the tail at most the ring's length. Returns the
+/// footer offset of the page whose link names the head, and that link.
+fn find_head<M: SharedMem + ?Sized>(
+    mem: &M,
+    l: &Layout,
+    cpu: u32,
+    tail: u32,
+) -> Result<(usize, u64), RingError> {
+    let mut p = tail;
+    for _ in 0..l.pages_per_cpu {
+        let f = l.footer_off(p);
+        let lk = mem.load(f + footer::NEXT, Acquire);
+        if lk & LINK_FLAGS != 0 {
+            return Ok((f, lk));
+        }
+        p = page_id(l, cpu, lk >> 2)?;
+    }
+    Err(RingError::NoHead)
+}
+
+/// Swaps CPU `cpu`'s reader page with the head page (the Linux lockless reader swap),
+/// lock-free against the writer, from any thread or domain. The caller must have read
+/// the reader page completely; only one swap per CPU may run at a time (the reader's
+/// side serialises them).
+///
+/// 1. the reader page's link := the page after head, flagged HEAD;
+/// 2. compare-exchange the link naming the head from `head|HEAD` to the reader page —
+///    this moves the head atomically, and fails if the writer is moving it (UPDATE) or
+///    moved it; then retry, at most [`SWAP_RETRIES`] times;
+/// 3. footers: READER moves to the old head, HEAD to the new head, and the new reader
+///    page's footer gets `overrun` (read before the exchange, as Linux does).
+///
+/// Returns [`SwapStatus::Busy`] without touching anything when the writer is on the
+/// reader page (the page is not complete yet).
+pub fn swap_reader_page<M: SharedMem + ?Sized>(
+    mem: &M,
+    l: &Layout,
+    cpu: u32,
+) -> Result<SwapStatus, RingError> {
+    if cpu >= l.nr_cpus {
+        return Err(RingError::BadCpu(cpu));
+    }
+    let c = l.ctl(cpu);
+    let reader = page_id(l, cpu, mem.load(c + ctl::READER_PAGE, Acquire))?;
+    let tail = page_id(l, cpu, mem.load(c + ctl::TAIL_PAGE, Acquire))?;
+    if tail == reader {
+        return Ok(SwapStatus::Busy);
+    }
+    let rf = l.footer_off(reader);
+    for _ in 0..SWAP_RETRIES {
+        let (pf, lk) = find_head(mem, l, cpu, tail)?;
+        if lk & LINK_FLAGS != LINK_HEAD {
+            // UPDATE: the writer is pushing the head; it finishes without waiting for us.
+            if lk & LINK_FLAGS == LINK_UPDATE {
+                relax();
+                continue;
+            }
+            return Err(RingError::BadLink(lk));
+        }
+        let head = page_id(l, cpu, lk >> 2)?;
+        if head == reader {
+            return Err(RingError::BadPageId(head.into()));
+        }
+        let hl = mem.load(l.footer_off(head) + footer::NEXT, Acquire);
+        let after = page_id(l, cpu, hl >> 2)?;
+        mem.swap(rf + footer::NEXT, link(after, LINK_HEAD), SeqCst);
+        let overrun = mem.load(c + ctl::OVERRUN, Acquire);
+        if mem
+            .compare_exchange(pf + footer::NEXT, lk, link(reader, 0), SeqCst, Acquire)
+            .is_err()
+        {
+            relax();
+            continue;
+        }
+        let hf = l.footer_off(head);
+        mem.fetch_and(hf + footer::WRITER_STATUS, !FT_HEAD, SeqCst);
+        mem.swap(hf + footer::READER_STATUS, FT_READER, SeqCst);
+        mem.swap(rf + footer::READER_STATUS, 0, SeqCst);
+        mem.store(hf + footer::OVERRUN, overrun, Relaxed);
+        // Mark the new head; if the writer pushed it meanwhile (the reader page's link
+        // no longer names it as head), the writer already moved FT_HEAD on: undo ours.
+        let af = l.footer_off(after);
+        mem.fetch_or(af + footer::WRITER_STATUS, FT_HEAD, SeqCst);
+        if mem.load(rf + footer::NEXT, SeqCst) != link(after, LINK_HEAD) {
+            mem.fetch_and(af + footer::WRITER_STATUS, !FT_HEAD, SeqCst);
+        }
+        mem.store(c + ctl::READER_PAGE, u64::from(head), Release);
+        mem.fetch_add(c + ctl::SWAPS, 1, Relaxed);
+        return Ok(SwapStatus::Swapped { page: head });
+    }
+    Err(RingError::Retries)
+}
+
+/// Copies the writer's counters (entries, pages_touched, overrun, dropped) into the
+/// reader page's footer stats, as `ring_buffer_ext`'s `update_footers` does.
+pub fn update_footers<M: SharedMem + ?Sized>(
+    mem: &M,
+    l: &Layout,
+    cpu: u32,
+) -> Result<(), RingError> {
+    if cpu >= l.nr_cpus {
+        return Err(RingError::BadCpu(cpu));
+    }
+    let c = l.ctl(cpu);
+    let reader = page_id(l, cpu, mem.load(c + ctl::READER_PAGE, Acquire))?;
+    let f = l.footer_off(reader);
+    for (from, to) in [
+        (ctl::ENTRIES, footer::ENTRIES),
+        (ctl::PAGES_TOUCHED, footer::PAGES_TOUCHED),
+        (ctl::OVERRUN, footer::OVERRUN),
+        (ctl::DROPPED, footer::DROPPED),
+    ] {
+        mem.store(f + to, mem.load(c + from, Relaxed), Relaxed);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;
