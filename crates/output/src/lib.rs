@@ -1,1 +1,20 @@
-//! placeholder
+//! hyptrace output: sinks for exported ring pages (trace.dat v6/v7, Chrome trace-event
+//! JSON, text, raw page streams), a trace.dat reader, and the `trace-cmd report -t`
+//! compatible text formatter shared by `run`, `report` and the text sink.
+
+mod clock;
+mod error;
+mod export;
+pub mod format;
+mod sink;
+pub mod tracedat;
+
+pub use clock::{Clock, TscConversion};
+pub use error::OutputError;
+pub use export::{
+    check_page_size, commit_len, export_page, export_page_into, page_missed, Missed, MAX_PAGE_SIZE,
+    MIN_PAGE_SIZE,
+};
+pub use format::{guest_formats, EventFormat, Field};
+pub use sink::{CpuStats, PageSink, RunSummary, TraceMeta};
+pub use tracedat::{write_trace_dat, TraceDatSink, TraceDatVersion};

@@ -1,0 +1,168 @@
+//! The exported copy of a ring page that every sink writes.
+//!
+//! A ring page is `header (16) + data + private footer`. The exported copy keeps the
+//! header and the committed data, zeroes everything after `16 + commit_len` (the footer
+//! is ours, not Linux's), and, after a loss, sets `RB_MISSED_EVENTS | RB_MISSED_STORED`
+//! in `commit` and stores the u64 count at `data + commit_len`, which is where trace-cmd
+//! looks for it (`CPU:N [K EVENTS DROPPED]`).
+
+use hyptrace_abi::page::{
+    page_header, COMMIT_LEN_MASK, COMMIT_OFFSET, PAGE_HEADER_SIZE, RB_MISSED_EVENTS,
+    RB_MISSED_STORED,
+};
+
+use crate::OutputError;
+
+/// Smallest page size accepted (the kernel's and trace-cmd's minimum).
+pub const MIN_PAGE_SIZE: usize = 4096;
+/// Largest page size accepted (trace-cmd masks `commit` with 27 bits).
+pub const MAX_PAGE_SIZE: usize = 1 << 26;
+
+/// Checks that `page_size` is a power of two in `MIN_PAGE_SIZE..=MAX_PAGE_SIZE`.
+pub fn check_page_size(page_size: usize) -> Result<(), OutputError> {
+    if page_size.is_power_of_two() && (MIN_PAGE_SIZE..=MAX_PAGE_SIZE).contains(&page_size) {
+        Ok(())
+    } else {
+        Err(OutputError::BadMeta(format!(
+            "page size {page_size} is not a power of two in 4096..=64MiB"
+        )))
+    }
+}
+
+/// Committed data length of a page (the `commit` word without its flags).
+pub fn commit_len(page: &[u8]) -> Option<usize> {
+    page_header(page).map(|(_, c)| (c & COMMIT_LEN_MASK) as usize)
+}
+
+/// Writes the exported copy of ring page `raw` into `out` (same length as `raw`).
+///
+/// `missed`: `Some(n)` with `n > 0` marks `n` events lost before this page; `None` or
+/// `Some(0)`: no loss. Fails if the page is shorter than its header, if the committed
+/// data (plus the 8-byte count after a loss) runs past the page, or if `out` has another
+/// length.
+pub fn export_page_into(
+    cpu: u32,
+    raw: &[u8],
+    missed: Option<u64>,
+    out: &mut [u8],
+) -> Result<(), OutputError> {
+    let bad = |reason: String| OutputError::BadPage { cpu, reason };
+    if out.len() != raw.len() {
+        return Err(bad(format!(
+            "output of {} bytes for a page of {}",
+            out.len(),
+            raw.len()
+        )));
+    }
+    let (_, commit) =
+        page_header(raw).ok_or_else(|| bad(format!("page of {} bytes", raw.len())))?;
+    let len = (commit & COMMIT_LEN_MASK) as usize;
+    let missed = missed.filter(|&n| n > 0);
+    let end = PAGE_HEADER_SIZE + len;
+    let need = end + if missed.is_some() { 8 } else { 0 };
+    if need > raw.len() {
+        return Err(bad(format!(
+            "commit {len} (+ missed count) runs past the page of {} bytes",
+            raw.len()
+        )));
+    }
+    out[..end].copy_from_slice(&raw[..end]);
+    out[end..].fill(0);
+    let mut word = len as u64;
+    if let Some(n) = missed {
+        word |= RB_MISSED_EVENTS | RB_MISSED_STORED;
+        out[end..end + 8].copy_from_slice(&n.to_le_bytes());
+    }
+    out[COMMIT_OFFSET..COMMIT_OFFSET + 8].copy_from_slice(&word.to_le_bytes());
+    Ok(())
+}
+
+/// Returns the exported copy of ring page `raw` (see [`export_page_into`]).
+pub fn export_page(cpu: u32, raw: &[u8], missed: Option<u64>) -> Result<Vec<u8>, OutputError> {
+    let mut out = vec![0u8; raw.len()];
+    export_page_into(cpu, raw, missed, &mut out)?;
+    Ok(out)
+}
+
+/// What an exported (or trace.dat) page says about losses before it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Missed {
+    /// No loss.
+    None,
+    /// Events were lost, count unknown (`RB_MISSED_EVENTS` only).
+    Unknown,
+    /// This many events were lost.
+    Count(u64),
+}
+
+/// Reads the loss information of an exported page: flags in `commit`, count at
+/// `data + commit_len` (`Unknown` if the count would run past the page).
+pub fn page_missed(page: &[u8]) -> Missed {
+    let Some((_, commit)) = page_header(page) else {
+        return Missed::None;
+    };
+    if commit & RB_MISSED_EVENTS == 0 {
+        return Missed::None;
+    }
+    if commit & RB_MISSED_STORED == 0 {
+        return Missed::Unknown;
+    }
+    let at = PAGE_HEADER_SIZE + (commit & COMMIT_LEN_MASK) as usize;
+    match page.get(at..at + 8) {
+        Some(b) => {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(b);
+            Missed::Count(u64::from_le_bytes(w))
+        }
+        None => Missed::Unknown,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ring_page(size: usize, commit: usize) -> Vec<u8> {
+        let mut p = vec![0xAAu8; size];
+        p[..8].copy_from_slice(&77u64.to_le_bytes());
+        p[8..16].copy_from_slice(&(commit as u64).to_le_bytes());
+        p
+    }
+
+    #[test]
+    fn zeroes_tail_and_stores_missed() {
+        let raw = ring_page(4096, 100);
+        let e = export_page(0, &raw, None).unwrap();
+        assert_eq!(&e[..116], &raw[..116]);
+        assert!(e[116..].iter().all(|&b| b == 0));
+        assert_eq!(page_missed(&e), Missed::None);
+        let e = export_page(0, &raw, Some(42)).unwrap();
+        assert_eq!(
+            u64::from_le_bytes(e[8..16].try_into().unwrap()),
+            100 | RB_MISSED_EVENTS | RB_MISSED_STORED
+        );
+        assert_eq!(u64::from_le_bytes(e[116..124].try_into().unwrap()), 42);
+        assert!(e[124..].iter().all(|&b| b == 0));
+        assert_eq!(page_missed(&e), Missed::Count(42));
+        assert_eq!(
+            export_page(0, &raw, Some(0)).unwrap(),
+            export_page(0, &raw, None).unwrap()
+        );
+    }
+
+    #[test]
+    fn rejects_bad_pages() {
+        assert!(export_page(0, &[0u8; 8], None).is_err());
+        assert!(export_page(0, &ring_page(4096, 4081), None).is_err());
+        assert!(export_page(0, &ring_page(4096, 4080), None).is_ok());
+        assert!(export_page(0, &ring_page(4096, 4080), Some(1)).is_err());
+        assert!(export_page(0, &ring_page(4096, 4072), Some(1)).is_ok());
+        // Flags in the ring's commit word are dropped; only the length is kept.
+        let mut raw = ring_page(4096, 8);
+        raw[8..16].copy_from_slice(&(8 | RB_MISSED_EVENTS).to_le_bytes());
+        let e = export_page(0, &raw, None).unwrap();
+        assert_eq!(u64::from_le_bytes(e[8..16].try_into().unwrap()), 8);
+        assert!(check_page_size(4096).is_ok() && check_page_size(16384).is_ok());
+        assert!(check_page_size(2048).is_err() && check_page_size(5000).is_err());
+    }
+}

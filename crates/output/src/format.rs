@@ -1,0 +1,380 @@
+//! Event `format` files: the guest event table, generation of the text the kernel
+//! prints in `events/<system>/<event>/format`, and parsing of such text (from any
+//! trace.dat), plus `header_page` / `header_event`.
+
+use hyptrace_abi::events;
+
+use crate::OutputError;
+
+/// One field of an event format.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Field {
+    /// C type as written in the format (`u64`, `unsigned short`, `__data_loc char[]`, `char[16]`...).
+    pub type_name: String,
+    /// Field name.
+    pub name: String,
+    /// Offset in the payload.
+    pub offset: usize,
+    /// Size in bytes.
+    pub size: usize,
+    /// Signedness.
+    pub signed: bool,
+}
+
+impl Field {
+    /// `__data_loc` field (u32 `offset | len << 16` pointing into the payload).
+    pub fn is_data_loc(&self) -> bool {
+        self.type_name.starts_with("__data_loc")
+    }
+
+    /// `__rel_loc` field (like `__data_loc`, offset relative to the end of the field).
+    pub fn is_rel_loc(&self) -> bool {
+        self.type_name.starts_with("__rel_loc")
+    }
+
+    /// Fixed-size array (`char comm[16]` is parsed as type `char[16]`).
+    pub fn is_array(&self) -> bool {
+        self.type_name.ends_with(']') && !self.is_data_loc() && !self.is_rel_loc()
+    }
+
+    /// Character string (char array, `__data_loc char[]`).
+    pub fn is_string(&self) -> bool {
+        let t = self
+            .type_name
+            .trim_start_matches("__data_loc")
+            .trim_start_matches("__rel_loc")
+            .trim();
+        t.starts_with("char") && t.ends_with(']')
+    }
+}
+
+/// An event format (what one `format` file says).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EventFormat {
+    /// System (`guest`, `sched`...).
+    pub system: String,
+    /// Event name.
+    pub name: String,
+    /// Event id (`common_type`).
+    pub id: u16,
+    /// Common fields (`common_type`...).
+    pub common_fields: Vec<Field>,
+    /// Event fields.
+    pub fields: Vec<Field>,
+    /// The print fmt line after `print fmt: ` (format string in quotes, then arguments).
+    pub print_fmt: String,
+}
+
+/// The common header fields every event starts with.
+pub fn common_fields() -> Vec<Field> {
+    let f = |t: &str, n: &str, offset, size, signed| Field {
+        type_name: t.into(),
+        name: n.into(),
+        offset,
+        size,
+        signed,
+    };
+    vec![
+        f("unsigned short", "common_type", 0, 2, false),
+        f("unsigned char", "common_flags", 2, 1, false),
+        f("unsigned char", "common_preempt_count", 3, 1, false),
+        f("int", "common_pid", 4, 4, true),
+    ]
+}
+
+/// One row of the guest event table.
+struct GuestEvent {
+    name: &'static str,
+    id: u16,
+    /// (type, name, offset, size, signed)
+    fields: &'static [(&'static str, &'static str, usize, usize, bool)],
+    print_fmt: &'static str,
+}
+
+/// The built-in guest events (system `guest`), from the layouts in `hyptrace_abi::events`.
+const GUEST_EVENTS: &[GuestEvent] = &[
+    GuestEvent {
+        name: "marker",
+        id: events::MARKER_ID,
+        fields: &[("u64", "seq", 8, 8, false), ("u64", "value", 16, 8, false)],
+        print_fmt: "\"seq=%llu value=%llu\", REC->seq, REC->value",
+    },
+    GuestEvent {
+        name: "span",
+        id: events::SPAN_ID,
+        fields: &[
+            ("u64", "seq", 8, 8, false),
+            ("u64", "id", 16, 8, false),
+            ("u64", "dur", 24, 8, false),
+        ],
+        print_fmt: "\"seq=%llu id=%llu dur=%llu\", REC->seq, REC->id, REC->dur",
+    },
+    GuestEvent {
+        name: "text",
+        id: events::TEXT_ID,
+        fields: &[
+            ("u64", "seq", 8, 8, false),
+            ("__data_loc char[]", "msg", 16, 4, false),
+        ],
+        print_fmt: "\"seq=%llu msg=%s\", REC->seq, __get_str(msg)",
+    },
+];
+
+/// The formats of the built-in guest events.
+pub fn guest_formats() -> Vec<EventFormat> {
+    GUEST_EVENTS
+        .iter()
+        .map(|e| EventFormat {
+            system: events::SYSTEM.into(),
+            name: e.name.into(),
+            id: e.id,
+            common_fields: common_fields(),
+            fields: e
+                .fields
+                .iter()
+                .map(|&(t, n, offset, size, signed)| Field {
+                    type_name: t.into(),
+                    name: n.into(),
+                    offset,
+                    size,
+                    signed,
+                })
+                .collect(),
+            print_fmt: e.print_fmt.into(),
+        })
+        .collect()
+}
+
+fn field_line(out: &mut String, f: &Field) {
+    // Arrays are written `char comm[16]`: the bracket goes after the name.
+    let decl = match (f.is_array(), f.type_name.find('[')) {
+        (true, Some(i)) => format!("{} {}{}", &f.type_name[..i], f.name, &f.type_name[i..]),
+        _ => format!("{} {}", f.type_name, f.name),
+    };
+    out.push_str(&format!(
+        "\tfield:{decl};\toffset:{};\tsize:{};\tsigned:{};\n",
+        f.offset,
+        f.size,
+        u8::from(f.signed)
+    ));
+}
+
+impl EventFormat {
+    /// The `format` file text, as the kernel prints it.
+    pub fn to_format_text(&self) -> String {
+        let mut s = format!("name: {}\nID: {}\nformat:\n", self.name, self.id);
+        for f in &self.common_fields {
+            field_line(&mut s, f);
+        }
+        s.push('\n');
+        for f in &self.fields {
+            field_line(&mut s, f);
+        }
+        s.push_str(&format!("\nprint fmt: {}\n", self.print_fmt));
+        s
+    }
+
+    /// Looks a field (event or common) up by name.
+    pub fn field(&self, name: &str) -> Option<&Field> {
+        self.fields
+            .iter()
+            .chain(&self.common_fields)
+            .find(|f| f.name == name)
+    }
+
+    /// Parses a `format` file. `system` is the system the file was stored under.
+    pub fn parse(system: &str, text: &str) -> Result<Self, OutputError> {
+        let bad = |r: &str| OutputError::format(0u64, format!("event format ({system}): {r}"));
+        let mut name = None;
+        let mut id = None;
+        let mut common = Vec::new();
+        let mut fields = Vec::new();
+        let mut print_fmt = String::new();
+        for line in text.lines() {
+            let t = line.trim();
+            if let Some(v) = t.strip_prefix("name:") {
+                name = Some(v.trim().to_string());
+            } else if let Some(v) = t.strip_prefix("ID:") {
+                id = Some(v.trim().parse::<u16>().map_err(|_| bad("bad ID"))?);
+            } else if let Some(v) = t.strip_prefix("field:") {
+                let f = parse_field_line(v).ok_or_else(|| bad("bad field line"))?;
+                if f.name.starts_with("common_") && fields.is_empty() {
+                    common.push(f);
+                } else {
+                    fields.push(f);
+                }
+            } else if let Some(v) = t.strip_prefix("print fmt:") {
+                print_fmt = v.trim().to_string();
+            }
+        }
+        Ok(Self {
+            system: system.into(),
+            name: name.ok_or_else(|| bad("no name"))?,
+            id: id.ok_or_else(|| bad("no ID"))?,
+            common_fields: common,
+            fields,
+            print_fmt,
+        })
+    }
+}
+
+/// Parses `TYPE NAME;\toffset:N;\tsize:N;\tsigned:N;` (after `field:`).
+fn parse_field_line(v: &str) -> Option<Field> {
+    let mut parts = v.split(';').map(str::trim);
+    let decl = parts.next()?;
+    let mut offset = None;
+    let mut size = None;
+    let mut signed = false;
+    for p in parts {
+        if let Some(x) = p.strip_prefix("offset:") {
+            offset = x.trim().parse().ok();
+        } else if let Some(x) = p.strip_prefix("size:") {
+            size = x.trim().parse().ok();
+        } else if let Some(x) = p.strip_prefix("signed:") {
+            signed = x.trim() == "1";
+        }
+    }
+    // Split the declaration into type and name; `char comm[16]` → type `char[16]`.
+    let (decl, array) = match decl.find('[') {
+        Some(i) if !decl.starts_with("__data_loc") && !decl.starts_with("__rel_loc") => {
+            (&decl[..i], &decl[i..])
+        }
+        _ => (decl, ""),
+    };
+    let decl = decl.trim_end();
+    let sp = decl.rfind(|c: char| c.is_whitespace() || c == '*')?;
+    let name = decl[sp + 1..].trim();
+    let ty = decl[..=sp].trim();
+    if name.is_empty() || ty.is_empty() {
+        return None;
+    }
+    Some(Field {
+        type_name: format!("{ty}{array}"),
+        name: name.into(),
+        offset: offset?,
+        size: size?,
+        signed,
+    })
+}
+
+/// The `header_page` text for pages of `page_size` bytes (x86_64: 8-byte `commit`).
+pub fn header_page_text(page_size: usize) -> String {
+    format!(
+        "\tfield: u64 timestamp;\toffset:0;\tsize:8;\tsigned:0;\n\
+         \tfield: local_t commit;\toffset:8;\tsize:8;\tsigned:1;\n\
+         \tfield: int overwrite;\toffset:8;\tsize:1;\tsigned:1;\n\
+         \tfield: char data;\toffset:16;\tsize:{};\tsigned:0;\n",
+        page_size.saturating_sub(16)
+    )
+}
+
+/// The `header_event` text, as the kernel prints it.
+pub const HEADER_EVENT_TEXT: &str = "# compressed entry header\n\
+\ttype_len    :    5 bits\n\
+\ttime_delta  :   27 bits\n\
+\tarray       :   32 bits\n\
+\n\
+\tpadding     : type == 29\n\
+\ttime_extend : type == 30\n\
+\ttime_stamp : type == 31\n\
+\tdata max type_len  == 28\n";
+
+/// What a `header_page` text says: sizes of `commit` and of the data area.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeaderPage {
+    /// Size of the `commit` field (8 on 64-bit kernels).
+    pub commit_size: usize,
+    /// Offset of `data`.
+    pub data_offset: usize,
+    /// Size of `data` (page size − 16).
+    pub data_size: usize,
+}
+
+impl HeaderPage {
+    /// Parses a `header_page` text.
+    pub fn parse(text: &str) -> Result<Self, OutputError> {
+        let mut commit = None;
+        let mut data = None;
+        for line in text.lines() {
+            let t = line.trim();
+            let Some(v) = t.strip_prefix("field:") else {
+                continue;
+            };
+            let Some(f) = parse_field_line(v) else {
+                continue;
+            };
+            match f.name.as_str() {
+                "commit" => commit = Some(f.size),
+                "data" => data = Some((f.offset, f.size)),
+                _ => {}
+            }
+        }
+        let commit_size =
+            commit.ok_or_else(|| OutputError::format(0u64, "header_page has no commit field"))?;
+        let (data_offset, data_size) =
+            data.ok_or_else(|| OutputError::format(0u64, "header_page has no data field"))?;
+        Ok(Self {
+            commit_size,
+            data_offset,
+            data_size,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn guest_format_text_round_trips() {
+        for f in guest_formats() {
+            let text = f.to_format_text();
+            let back = EventFormat::parse("guest", &text).unwrap();
+            assert_eq!(back, f, "{text}");
+        }
+        let text = guest_formats()[2].to_format_text();
+        assert!(
+            text.contains("\tfield:__data_loc char[] msg;\toffset:16;\tsize:4;\tsigned:0;\n"),
+            "{text}"
+        );
+        assert!(text.ends_with("print fmt: \"seq=%llu msg=%s\", REC->seq, __get_str(msg)\n"));
+        assert!(text.starts_with(
+            "name: text\nID: 1002\nformat:\n\tfield:unsigned short common_type;\toffset:0;"
+        ));
+    }
+
+    #[test]
+    fn parses_kernel_arrays() {
+        let f = parse_field_line("char comm[16];\toffset:8;\tsize:16;\tsigned:0;").unwrap();
+        assert_eq!(
+            (f.type_name.as_str(), f.name.as_str(), f.offset, f.size),
+            ("char[16]", "comm", 8, 16)
+        );
+        assert!(f.is_array() && f.is_string());
+        let mut s = String::new();
+        field_line(&mut s, &f);
+        assert_eq!(
+            s,
+            "\tfield:char comm[16];\toffset:8;\tsize:16;\tsigned:0;\n"
+        );
+        let f = parse_field_line("const char * name;\toffset:8;\tsize:8;\tsigned:0;").unwrap();
+        assert_eq!(
+            (f.type_name.as_str(), f.name.as_str()),
+            ("const char *", "name")
+        );
+    }
+
+    #[test]
+    fn header_page() {
+        let h = HeaderPage::parse(&header_page_text(16384)).unwrap();
+        assert_eq!(
+            h,
+            HeaderPage {
+                commit_size: 8,
+                data_offset: 16,
+                data_size: 16368
+            }
+        );
+        assert!(header_page_text(4096).contains("size:4080;"));
+    }
+}

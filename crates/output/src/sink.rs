@@ -1,0 +1,146 @@
+//! The page-sink interface: ring pages are copied out through a callback into a sink
+//! (the perf-AUX idea), which writes them in its format.
+
+use std::collections::BTreeMap;
+
+use crate::clock::Clock;
+use crate::format::{guest_formats, EventFormat};
+use crate::OutputError;
+
+/// What a sink needs to know before the first page.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TraceMeta {
+    /// Page size (power of two ≥ 4096); every page handed to the sink has this length.
+    pub page_size: usize,
+    /// Number of CPUs (vCPUs); `cpu` arguments are below it.
+    pub nr_cpus: u32,
+    /// pid → comm (saved cmdlines).
+    pub cmdlines: BTreeMap<i32, String>,
+    /// Clock of the page timestamps.
+    pub clock: Clock,
+    /// Event formats (the guest events by default).
+    pub formats: Vec<EventFormat>,
+}
+
+impl TraceMeta {
+    /// Metadata of a hyptrace guest: the built-in guest events, and the pid of vCPU `n`
+    /// (`n + 1`) named `vcpu<n>`.
+    pub fn guest(page_size: usize, nr_cpus: u32, clock: Clock) -> Self {
+        let cmdlines = (0..nr_cpus)
+            .map(|n| (hyptrace_abi::events::vcpu_pid(n), format!("vcpu{n}")))
+            .collect();
+        Self {
+            page_size,
+            nr_cpus,
+            cmdlines,
+            clock,
+            formats: guest_formats(),
+        }
+    }
+
+    /// Checks page size, CPU count and format ids (unique).
+    pub fn validate(&self) -> Result<(), OutputError> {
+        crate::export::check_page_size(self.page_size)?;
+        if self.nr_cpus == 0 || self.nr_cpus > 4096 {
+            return Err(OutputError::BadMeta(format!("{} CPUs", self.nr_cpus)));
+        }
+        let mut ids: Vec<u16> = self.formats.iter().map(|f| f.id).collect();
+        ids.sort_unstable();
+        if ids.windows(2).any(|w| w[0] == w[1]) {
+            return Err(OutputError::BadMeta("duplicate event id".into()));
+        }
+        Ok(())
+    }
+
+    /// The format of event `id`.
+    pub fn format(&self, id: u16) -> Option<&EventFormat> {
+        self.formats.iter().find(|f| f.id == id)
+    }
+
+    pub(crate) fn check_page(&self, cpu: u32, page: &[u8]) -> Result<(), OutputError> {
+        if cpu >= self.nr_cpus {
+            return Err(OutputError::BadPage {
+                cpu,
+                reason: format!("cpu {cpu} ≥ nr_cpus {}", self.nr_cpus),
+            });
+        }
+        if page.len() != self.page_size {
+            return Err(OutputError::BadPage {
+                cpu,
+                reason: format!(
+                    "page of {} bytes, page size is {}",
+                    page.len(),
+                    self.page_size
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Per-CPU statistics, as in the kernel's `per_cpu/cpuN/stats` (trace.dat CPUSTAT).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CpuStats {
+    /// Events still in the ring (not read).
+    pub entries: u64,
+    /// Events overwritten (lost) in the ring.
+    pub overrun: u64,
+    /// Events lost because a commit was interrupted (0 for us).
+    pub commit_overrun: u64,
+    /// Bytes of event data still in the ring.
+    pub bytes: u64,
+    /// Timestamp of the oldest event, ns.
+    pub oldest_event_ts: u64,
+    /// Timestamp at the time of the stats, ns.
+    pub now_ts: u64,
+    /// Events dropped (ring full, no overwrite).
+    pub dropped_events: u64,
+    /// Events read out of the ring.
+    pub read_events: u64,
+}
+
+impl CpuStats {
+    /// The CPUSTAT text for CPU `cpu`, exactly as the kernel's `stats` file plus the
+    /// leading `CPU: N` line trace-cmd adds.
+    pub fn to_cpustat_text(&self, cpu: u32) -> String {
+        let ts = |ns: u64| {
+            format!(
+                "{:5}.{:06}",
+                ns / 1_000_000_000,
+                (ns % 1_000_000_000) / 1000
+            )
+        };
+        format!(
+            "CPU: {cpu}\nentries: {}\noverrun: {}\ncommit overrun: {}\nbytes: {}\noldest event ts: {}\nnow ts: {}\ndropped events: {}\nread events: {}\n",
+            self.entries,
+            self.overrun,
+            self.commit_overrun,
+            self.bytes,
+            ts(self.oldest_event_ts),
+            ts(self.now_ts),
+            self.dropped_events,
+            self.read_events
+        )
+    }
+}
+
+/// What a sink learns at the end of a run.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RunSummary {
+    /// Stats per CPU (index = cpu); missing CPUs count as all zero.
+    pub cpus: Vec<CpuStats>,
+}
+
+/// A consumer of exported ring pages.
+///
+/// `page` receives the raw page as it is in the ring (header + data + private footer,
+/// exactly `TraceMeta::page_size` bytes); the sink makes the exported copy itself
+/// ([`crate::export_page`]): tail zeroed, `missed` (`Some(n)`, `n > 0`: `n` events lost
+/// before this page) stored the Linux way. Pages of one CPU arrive in order.
+pub trait PageSink {
+    /// One page of CPU `cpu`.
+    fn page(&mut self, cpu: u32, page: &[u8], missed: Option<u64>) -> Result<(), OutputError>;
+    /// End of the run: write what is left and close. A sink dropped without `finish`
+    /// leaves no output that looks complete.
+    fn finish(self: Box<Self>, summary: &RunSummary) -> Result<(), OutputError>;
+}

@@ -1,0 +1,496 @@
+//! trace.dat writer: streaming per-CPU spill files, assembled into v6 or v7 at the end.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, BufWriter, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+
+use super::{option, MAGIC};
+use crate::export::export_page_into;
+use crate::format::{header_page_text, EventFormat, HEADER_EVENT_TEXT};
+use crate::sink::{CpuStats, PageSink, RunSummary, TraceMeta};
+use crate::OutputError;
+
+/// Which trace.dat version to write.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TraceDatVersion {
+    /// Version 6 (flat metadata, flyrecord table).
+    V6,
+    /// Version 7 (sections and options; written uncompressed).
+    V7,
+}
+
+/// Trace clocks the kernel lists in `trace_clock`; the TRACECLOCK text brackets ours.
+const CLOCKS: &[&str] = &[
+    "local", "global", "counter", "uptime", "perf", "mono", "mono_raw", "boot", "tai", "x86-tsc",
+];
+
+fn clock_text(name: &str) -> String {
+    let mut list: Vec<String> = CLOCKS.iter().map(|c| c.to_string()).collect();
+    if !CLOCKS.contains(&name) {
+        list.push(name.to_string());
+    }
+    let items: Vec<String> = list
+        .into_iter()
+        .map(|c| if c == name { format!("[{c}]") } else { c })
+        .collect();
+    format!("{}\n", items.join(" "))
+}
+
+fn cstr(s: &str) -> Vec<u8> {
+    let mut v = s.as_bytes().to_vec();
+    v.push(0);
+    v
+}
+
+fn align_up(v: u64, a: u64) -> u64 {
+    v.div_ceil(a) * a
+}
+
+fn push_opt(out: &mut Vec<u8>, id: u16, data: &[u8]) {
+    out.extend_from_slice(&id.to_le_bytes());
+    out.extend_from_slice(&(data.len() as u32).to_le_bytes());
+    out.extend_from_slice(data);
+}
+
+fn header_info(page_size: usize) -> Vec<u8> {
+    let mut v = Vec::new();
+    let hp = header_page_text(page_size);
+    v.extend_from_slice(b"header_page\0");
+    v.extend_from_slice(&(hp.len() as u64).to_le_bytes());
+    v.extend_from_slice(hp.as_bytes());
+    v.extend_from_slice(b"header_event\0");
+    v.extend_from_slice(&(HEADER_EVENT_TEXT.len() as u64).to_le_bytes());
+    v.extend_from_slice(HEADER_EVENT_TEXT.as_bytes());
+    v
+}
+
+fn event_formats(formats: &[EventFormat]) -> Vec<u8> {
+    let mut systems: Vec<&str> = Vec::new();
+    for f in formats {
+        if !systems.contains(&f.system.as_str()) {
+            systems.push(&f.system);
+        }
+    }
+    let mut v = Vec::new();
+    v.extend_from_slice(&(systems.len() as u32).to_le_bytes());
+    for s in systems {
+        v.extend_from_slice(&cstr(s));
+        let evs: Vec<&EventFormat> = formats.iter().filter(|f| f.system == s).collect();
+        v.extend_from_slice(&(evs.len() as u32).to_le_bytes());
+        for e in evs {
+            let t = e.to_format_text();
+            v.extend_from_slice(&(t.len() as u64).to_le_bytes());
+            v.extend_from_slice(t.as_bytes());
+        }
+    }
+    v
+}
+
+fn cmdlines(meta: &TraceMeta) -> Vec<u8> {
+    let text: String = meta
+        .cmdlines
+        .iter()
+        .map(|(pid, comm)| format!("{pid} {comm}\n"))
+        .collect();
+    let mut v = (text.len() as u64).to_le_bytes().to_vec();
+    v.extend_from_slice(text.as_bytes());
+    v
+}
+
+/// Options common to v6 and v7 (clock, TSC2NSEC, CPUSTAT per CPU).
+fn common_options(meta: &TraceMeta, stats: &[CpuStats], out: &mut Vec<u8>) {
+    push_opt(
+        out,
+        option::TRACECLOCK,
+        &cstr(&clock_text(&meta.clock.name)),
+    );
+    if let Some(t) = &meta.clock.tsc {
+        let mut d = Vec::with_capacity(16);
+        d.extend_from_slice(&t.mult.to_le_bytes());
+        d.extend_from_slice(&t.shift.to_le_bytes());
+        d.extend_from_slice(&t.offset.to_le_bytes());
+        push_opt(out, option::TSC2NSEC, &d);
+    }
+    for cpu in 0..meta.nr_cpus {
+        let s = stats.get(cpu as usize).copied().unwrap_or_default();
+        push_opt(out, option::CPUSTAT, &cstr(&s.to_cpustat_text(cpu)));
+    }
+}
+
+fn file_start(version: u8, page_size: usize) -> Vec<u8> {
+    let mut v = MAGIC.to_vec();
+    v.push(b'0' + version);
+    v.push(0);
+    v.push(0); // little endian
+    v.push(8); // sizeof(long)
+    v.extend_from_slice(&(page_size as u32).to_le_bytes());
+    v
+}
+
+/// Builds the v6 metadata (everything before the first page) for CPU data starting at
+/// `data_start` with the given per-CPU sizes.
+fn v6_metadata(meta: &TraceMeta, stats: &[CpuStats], sizes: &[u64], data_start: u64) -> Vec<u8> {
+    let mut v = file_start(6, meta.page_size);
+    v.extend_from_slice(&header_info(meta.page_size));
+    v.extend_from_slice(&0u32.to_le_bytes()); // ftrace event formats
+    v.extend_from_slice(&event_formats(&meta.formats));
+    v.extend_from_slice(&0u32.to_le_bytes()); // kallsyms
+    v.extend_from_slice(&0u32.to_le_bytes()); // printk formats
+    v.extend_from_slice(&cmdlines(meta));
+    v.extend_from_slice(&meta.nr_cpus.to_le_bytes());
+    v.extend_from_slice(b"options  \0");
+    common_options(meta, stats, &mut v);
+    v.extend_from_slice(&option::DONE.to_le_bytes());
+    v.extend_from_slice(b"flyrecord\0");
+    let mut off = data_start;
+    for &s in sizes {
+        v.extend_from_slice(&off.to_le_bytes());
+        v.extend_from_slice(&s.to_le_bytes());
+        off += s;
+    }
+    let clock = clock_text(&meta.clock.name);
+    v.extend_from_slice(&(clock.len() as u64).to_le_bytes());
+    v.extend_from_slice(clock.as_bytes());
+    v
+}
+
+struct Strings(Vec<u8>);
+
+impl Strings {
+    fn id(&mut self, s: &str) -> u32 {
+        let needle = cstr(s);
+        // Look for an existing copy at a string start.
+        let mut at = 0;
+        while at < self.0.len() {
+            let end = self.0[at..]
+                .iter()
+                .position(|&b| b == 0)
+                .map_or(self.0.len(), |p| at + p + 1);
+            if self.0[at..end] == needle[..] {
+                return at as u32;
+            }
+            at = end;
+        }
+        let id = self.0.len() as u32;
+        self.0.extend_from_slice(&needle);
+        id
+    }
+}
+
+fn section(out: &mut Vec<u8>, strings: &mut Strings, id: u16, name: &str, content: &[u8]) -> u64 {
+    let at = out.len() as u64;
+    out.extend_from_slice(&id.to_le_bytes());
+    out.extend_from_slice(&0u16.to_le_bytes()); // flags: not compressed
+    out.extend_from_slice(&strings.id(name).to_le_bytes());
+    out.extend_from_slice(&(content.len() as u64).to_le_bytes());
+    out.extend_from_slice(content);
+    at
+}
+
+/// Builds the v7 metadata: header, sections, options, strings, and the flyrecord section
+/// header; returns it with the offset where CPU data starts (page aligned).
+fn v7_metadata(meta: &TraceMeta, stats: &[CpuStats], sizes: &[u64]) -> (Vec<u8>, u64) {
+    let build = |flyrecord_at: u64, data_start: u64| -> Vec<u8> {
+        let mut strings = Strings(Vec::new());
+        let mut v = file_start(7, meta.page_size);
+        v.extend_from_slice(b"none\0\0");
+        let opt_ptr = v.len();
+        v.extend_from_slice(&0u64.to_le_bytes());
+        let headers = section(
+            &mut v,
+            &mut strings,
+            option::HEADER_INFO,
+            "headers",
+            &header_info(meta.page_size),
+        );
+        let ftrace = section(
+            &mut v,
+            &mut strings,
+            option::FTRACE_EVENTS,
+            "ftrace events",
+            &0u32.to_le_bytes(),
+        );
+        let events = section(
+            &mut v,
+            &mut strings,
+            option::EVENT_FORMATS,
+            "events format",
+            &event_formats(&meta.formats),
+        );
+        let kallsyms = section(
+            &mut v,
+            &mut strings,
+            option::KALLSYMS,
+            "kallsyms",
+            &0u32.to_le_bytes(),
+        );
+        let printk = section(
+            &mut v,
+            &mut strings,
+            option::PRINTK,
+            "printk",
+            &0u32.to_le_bytes(),
+        );
+        let cmd = section(
+            &mut v,
+            &mut strings,
+            option::CMDLINES,
+            "command lines",
+            &cmdlines(meta),
+        );
+
+        let mut opts = Vec::new();
+        common_options(meta, stats, &mut opts);
+        push_opt(&mut opts, option::CPUCOUNT, &meta.nr_cpus.to_le_bytes());
+        for (id, off) in [
+            (option::HEADER_INFO, headers),
+            (option::FTRACE_EVENTS, ftrace),
+            (option::EVENT_FORMATS, events),
+            (option::KALLSYMS, kallsyms),
+            (option::PRINTK, printk),
+            (option::CMDLINES, cmd),
+        ] {
+            push_opt(&mut opts, id, &off.to_le_bytes());
+        }
+        let mut buf = Vec::new();
+        buf.extend_from_slice(&flyrecord_at.to_le_bytes());
+        buf.extend_from_slice(b"\0"); // top-level buffer: empty name
+        buf.extend_from_slice(&cstr(&meta.clock.name));
+        buf.extend_from_slice(&(meta.page_size as u32).to_le_bytes());
+        buf.extend_from_slice(&meta.nr_cpus.to_le_bytes());
+        let mut off = data_start;
+        for (cpu, &s) in sizes.iter().enumerate() {
+            buf.extend_from_slice(&(cpu as u32).to_le_bytes());
+            buf.extend_from_slice(&off.to_le_bytes());
+            buf.extend_from_slice(&s.to_le_bytes());
+            off += s;
+        }
+        push_opt(&mut opts, option::BUFFER, &buf);
+        push_opt(&mut opts, option::DONE, &0u64.to_le_bytes());
+        // Names used below must be in the strings before the strings section is written.
+        strings.id("strings");
+        strings.id("buffer flyrecord");
+        let options_at = section(&mut v, &mut strings, 0, "options", &opts);
+        v[opt_ptr..opt_ptr + 8].copy_from_slice(&options_at.to_le_bytes());
+        let s = strings.0.clone();
+        section(&mut v, &mut strings, option::STRINGS, "strings", &s);
+        // Flyrecord section header: its content is the padding plus all CPU data.
+        let at = v.len() as u64;
+        let total: u64 = sizes.iter().sum();
+        v.extend_from_slice(&option::BUFFER.to_le_bytes());
+        v.extend_from_slice(&0u16.to_le_bytes());
+        v.extend_from_slice(&strings.id("buffer flyrecord").to_le_bytes());
+        v.extend_from_slice(&(data_start.saturating_sub(at + 16) + total).to_le_bytes());
+        v
+    };
+    let page = meta.page_size as u64;
+    let first = build(0, 0);
+    let flyrecord_at = first.len() as u64 - 16;
+    let data_start = align_up(first.len() as u64, page);
+    let v = build(flyrecord_at, data_start);
+    debug_assert_eq!(v.len(), first.len());
+    (v, data_start)
+}
+
+/// Builds the complete metadata for `version`; returns it and where CPU data starts.
+fn metadata(
+    meta: &TraceMeta,
+    stats: &[CpuStats],
+    sizes: &[u64],
+    version: TraceDatVersion,
+) -> (Vec<u8>, u64) {
+    match version {
+        TraceDatVersion::V6 => {
+            let len = v6_metadata(meta, stats, sizes, 0).len() as u64;
+            let start = align_up(len, meta.page_size as u64);
+            (v6_metadata(meta, stats, sizes, start), start)
+        }
+        TraceDatVersion::V7 => v7_metadata(meta, stats, sizes),
+    }
+}
+
+struct Spill {
+    path: PathBuf,
+    file: BufWriter<File>,
+    bytes: u64,
+}
+
+/// A [`PageSink`] writing a trace.dat: pages go to per-CPU spill files next to the output
+/// while the run goes on; `finish` assembles metadata and each CPU's pages (contiguous,
+/// page aligned, copied verbatim) into a temporary file and renames it to the output path.
+/// Dropped without `finish` (or failing in it), it removes its temporary files: nothing
+/// that looks like a complete trace appears at the output path.
+pub struct TraceDatSink {
+    path: PathBuf,
+    tmp: PathBuf,
+    meta: TraceMeta,
+    version: TraceDatVersion,
+    spills: Vec<Spill>,
+    scratch: Vec<u8>,
+    done: bool,
+}
+
+fn sibling(path: &Path, suffix: &str) -> PathBuf {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "trace.dat".into());
+    path.with_file_name(format!(".{name}.{}.{suffix}", std::process::id()))
+}
+
+impl TraceDatSink {
+    /// Creates the sink (and its spill files) for output `path`.
+    pub fn create(
+        path: impl AsRef<Path>,
+        meta: TraceMeta,
+        version: TraceDatVersion,
+    ) -> Result<Self, OutputError> {
+        meta.validate()?;
+        if let Some(t) = &meta.clock.tsc {
+            // trace-cmd 3.1.6 ignores the offset and sign-extends mult ≥ 2^31: refuse what it
+            // would print differently from our own conversion.
+            if t.offset != 0 || t.mult > i32::MAX as u32 || t.mult == 0 || t.shift > 32 {
+                return Err(OutputError::BadMeta(format!(
+                    "TSC2NSEC {t:?}: trace-cmd needs offset 0, 0 < mult < 2^31, shift <= 32"
+                )));
+            }
+        }
+        let path = path.as_ref().to_path_buf();
+        let mut sink = Self {
+            tmp: sibling(&path, "tmp"),
+            path,
+            scratch: vec![0; meta.page_size],
+            meta,
+            version,
+            spills: Vec::new(),
+            done: false,
+        };
+        for cpu in 0..sink.meta.nr_cpus {
+            let p = sibling(&sink.path, &format!("cpu{cpu}"));
+            let f = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(&p)
+                .map_err(|e| OutputError::io(&p, e))?;
+            sink.spills.push(Spill {
+                path: p,
+                file: BufWriter::new(f),
+                bytes: 0,
+            });
+        }
+        Ok(sink)
+    }
+
+    /// Output path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn assemble(&mut self, summary: &RunSummary) -> Result<(), OutputError> {
+        let sizes: Vec<u64> = self.spills.iter().map(|s| s.bytes).collect();
+        let (head, data_start) = metadata(&self.meta, &summary.cpus, &sizes, self.version);
+        let tmp = self.tmp.clone();
+        let io = |e: io::Error| OutputError::io(&tmp, e);
+        let f = File::create(&tmp).map_err(io)?;
+        let mut w = BufWriter::new(f);
+        w.write_all(&head).map_err(io)?;
+        let pad = data_start - head.len() as u64;
+        io::copy(&mut io::Read::take(io::repeat(0), pad), &mut w).map_err(io)?;
+        for s in &mut self.spills {
+            let sp = s.path.clone();
+            s.file.flush().map_err(|e| OutputError::io(&sp, e))?;
+            let f = s.file.get_mut();
+            f.seek(SeekFrom::Start(0))
+                .map_err(|e| OutputError::io(&sp, e))?;
+            let n = io::copy(&mut io::Read::take(&mut *f, s.bytes), &mut w).map_err(io)?;
+            if n != s.bytes {
+                return Err(OutputError::io(
+                    &sp,
+                    io::Error::new(io::ErrorKind::UnexpectedEof, "spill file shrank"),
+                ));
+            }
+        }
+        let f = w.into_inner().map_err(|e| io(e.into_error()))?;
+        f.sync_all().map_err(io)?;
+        drop(f);
+        fs::rename(&tmp, &self.path).map_err(|e| OutputError::io(&self.path, e))?;
+        Ok(())
+    }
+
+    fn cleanup(&mut self) {
+        for s in self.spills.drain(..) {
+            drop(s.file);
+            let _ = fs::remove_file(&s.path);
+        }
+        let _ = fs::remove_file(&self.tmp);
+    }
+}
+
+impl PageSink for TraceDatSink {
+    fn page(&mut self, cpu: u32, page: &[u8], missed: Option<u64>) -> Result<(), OutputError> {
+        self.meta.check_page(cpu, page)?;
+        export_page_into(cpu, page, missed, &mut self.scratch)?;
+        let s = &mut self.spills[cpu as usize];
+        s.file
+            .write_all(&self.scratch)
+            .map_err(|e| OutputError::io(&s.path, e))?;
+        s.bytes += self.scratch.len() as u64;
+        Ok(())
+    }
+
+    fn finish(mut self: Box<Self>, summary: &RunSummary) -> Result<(), OutputError> {
+        let r = self.assemble(summary);
+        self.done = r.is_ok();
+        self.cleanup();
+        r
+    }
+}
+
+impl Drop for TraceDatSink {
+    fn drop(&mut self) {
+        self.cleanup();
+    }
+}
+
+/// Writes a whole trace.dat at once: `pages` are `(cpu, raw ring page, missed)` in order
+/// per CPU (see [`PageSink::page`]).
+pub fn write_trace_dat<'a>(
+    path: impl AsRef<Path>,
+    meta: TraceMeta,
+    version: TraceDatVersion,
+    pages: impl IntoIterator<Item = (u32, &'a [u8], Option<u64>)>,
+    summary: &RunSummary,
+) -> Result<(), OutputError> {
+    let mut sink = Box::new(TraceDatSink::create(path, meta, version)?);
+    for (cpu, page, missed) in pages {
+        sink.page(cpu, page, missed)?;
+    }
+    sink.finish(summary)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn clock_text_brackets_the_clock() {
+        assert_eq!(
+            clock_text("x86-tsc"),
+            "local global counter uptime perf mono mono_raw boot tai [x86-tsc]\n"
+        );
+        assert_eq!(
+            clock_text("mine"),
+            "local global counter uptime perf mono mono_raw boot tai x86-tsc [mine]\n"
+        );
+    }
+
+    #[test]
+    fn strings_dedup() {
+        let mut s = Strings(Vec::new());
+        assert_eq!(s.id("options"), 0);
+        assert_eq!(s.id("headers"), 8);
+        assert_eq!(s.id("options"), 0);
+    }
+}

@@ -1,0 +1,153 @@
+//! Test helpers: a tiny ring-page builder (using the abi codec), trace-cmd runners.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use hyptrace_abi::events;
+use hyptrace_abi::page::{
+    data_event_size, encode_data_header, encode_time_extend, MAX_DELTA, PAGE_HEADER_SIZE,
+};
+
+/// Bytes of private footer our ring pages carry (filled with garbage here).
+pub const FOOTER: usize = 64;
+
+/// Builds ring pages (header + data + garbage footer) for one CPU.
+pub struct PageBuilder {
+    pub page_size: usize,
+    pub pages: Vec<(Vec<u8>, Option<u64>)>,
+    data: Vec<u8>,
+    page_ts: u64,
+    last_ts: u64,
+    pending_missed: Option<u64>,
+}
+
+impl PageBuilder {
+    pub fn new(page_size: usize) -> Self {
+        Self {
+            page_size,
+            pages: Vec::new(),
+            data: Vec::new(),
+            page_ts: 0,
+            last_ts: 0,
+            pending_missed: None,
+        }
+    }
+
+    fn capacity(&self) -> usize {
+        self.page_size - PAGE_HEADER_SIZE - FOOTER
+    }
+
+    /// Appends an event with absolute timestamp `ts` (non-decreasing).
+    pub fn push(&mut self, ts: u64, payload: &[u8]) {
+        let size = data_event_size(payload.len());
+        if !self.data.is_empty() {
+            let delta = ts - self.last_ts;
+            let ext = if delta > MAX_DELTA { 8 } else { 0 };
+            if self.data.len() + ext + size > self.capacity() {
+                self.flush();
+            } else {
+                if ext != 0 {
+                    self.data.extend_from_slice(&encode_time_extend(delta));
+                    self.write_event(0, payload);
+                } else {
+                    self.write_event(delta as u32, payload);
+                }
+                self.last_ts = ts;
+                return;
+            }
+        }
+        assert!(size <= self.capacity());
+        self.page_ts = ts;
+        self.last_ts = ts;
+        self.write_event(0, payload);
+    }
+
+    fn write_event(&mut self, delta: u32, payload: &[u8]) {
+        let mut hdr = [0u8; 8];
+        let n = encode_data_header(&mut hdr, payload.len(), delta);
+        self.data.extend_from_slice(&hdr[..n]);
+        self.data.extend_from_slice(payload);
+        while self.data.len() % 4 != 0 {
+            self.data.push(0);
+        }
+    }
+
+    /// Closes the current page (if it has events).
+    pub fn flush(&mut self) {
+        if self.data.is_empty() {
+            return;
+        }
+        let mut p = vec![0xEEu8; self.page_size];
+        p[..8].copy_from_slice(&self.page_ts.to_le_bytes());
+        p[8..16].copy_from_slice(&(self.data.len() as u64).to_le_bytes());
+        p[16..16 + self.data.len()].copy_from_slice(&self.data);
+        // Garbage between the data and the footer too: the sink must zero it.
+        self.pages.push((p, self.pending_missed.take()));
+        self.data.clear();
+    }
+
+    /// Marks `n` events lost before the next page (closes the current one).
+    pub fn lose(&mut self, n: u64) {
+        self.flush();
+        self.pending_missed = Some(n);
+    }
+
+    pub fn finish(mut self) -> Vec<(Vec<u8>, Option<u64>)> {
+        self.flush();
+        self.pages
+    }
+}
+
+pub fn marker(cpu: u32, seq: u64, value: u64) -> Vec<u8> {
+    events::marker(events::vcpu_pid(cpu), seq, value).to_vec()
+}
+
+pub fn span(cpu: u32, seq: u64, id: u64, dur: u64) -> Vec<u8> {
+    events::span(events::vcpu_pid(cpu), seq, id, dur).to_vec()
+}
+
+pub fn text(cpu: u32, seq: u64, msg: &str) -> Vec<u8> {
+    let mut b = vec![0u8; 300];
+    let n = events::text(&mut b, events::vcpu_pid(cpu), seq, msg.as_bytes()).unwrap();
+    b.truncate(n);
+    b
+}
+
+/// A fresh scratch directory under the target dir's tmp.
+pub fn scratch_dir(name: &str) -> PathBuf {
+    let base = std::env::var_os("CARGO_TARGET_TMPDIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir);
+    let d = base.join(format!("hyptrace-output-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Output of the real trace-cmd, or `None` (after printing SKIP) when it is not
+/// installed; panics then if `HYPTRACE_REQUIRE_TRACE_CMD=1`.
+pub fn trace_cmd(args: &[&str], file: &Path) -> Option<(String, String, bool)> {
+    let mut cmd = Command::new("trace-cmd");
+    cmd.args(args).arg("-i").arg(file);
+    match cmd.output() {
+        Ok(o) => Some((
+            String::from_utf8_lossy(&o.stdout).into_owned(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+            o.status.success(),
+        )),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            if std::env::var("HYPTRACE_REQUIRE_TRACE_CMD").as_deref() == Ok("1") {
+                panic!("trace-cmd not installed and HYPTRACE_REQUIRE_TRACE_CMD=1");
+            }
+            println!("SKIP: trace-cmd not installed");
+            None
+        }
+        Err(e) => panic!("running trace-cmd: {e}"),
+    }
+}
+
+/// Collapses runs of whitespace (trace-cmd pads columns).
+pub fn norm(line: &str) -> String {
+    line.split_whitespace().collect::<Vec<_>>().join(" ")
+}
