@@ -658,3 +658,4 @@ impl Layout {
         }
     }
 }
+impl core::error::Error for LayoutError {}

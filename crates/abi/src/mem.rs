@@ -96,7 +96,7 @@ fn check_range(off: usize, len: usize, size: usize) {
 #[inline(always)]
 #[track_caller]
 fn check_word(off: usize, size: usize) {
-    if off % 8 != 0 || off >= size || size - off < 8 {
+    if !off.is_multiple_of(8) || off >= size || size - off < 8 {
         out_of_range(off, 8, size)
     }
 }
@@ -208,7 +208,7 @@ impl SharedMem for RawMem {
         // (a hostile or buggy writer), and the copy must not be elided or torn into UB.
         let mut i = 0;
         let n = dst.len();
-        while i < n && (off + i) % 8 != 0 {
+        while i < n && !(off + i).is_multiple_of(8) {
             // SAFETY: `off + i` is inside the checked range.
             dst[i] = unsafe { core::ptr::read_volatile(self.base.add(off + i)) };
             i += 1;
@@ -410,5 +410,56 @@ impl SharedMem for HeapMem {
     #[inline(always)]
     fn read_bytes(&self, off: usize, dst: &mut [u8]) {
         self.raw.read_bytes(off, dst)
+    }
+}
+
+#[cfg(feature = "alloc")]
+impl<T: SharedMem + ?Sized> SharedMem for alloc::sync::Arc<T> {
+    #[inline(always)]
+    fn size(&self) -> usize {
+        (**self).size()
+    }
+    #[inline(always)]
+    fn load(&self, off: usize, order: Ordering) -> u64 {
+        (**self).load(off, order)
+    }
+    #[inline(always)]
+    fn store(&self, off: usize, val: u64, order: Ordering) {
+        (**self).store(off, val, order)
+    }
+    #[inline(always)]
+    fn swap(&self, off: usize, val: u64, order: Ordering) -> u64 {
+        (**self).swap(off, val, order)
+    }
+    #[inline(always)]
+    fn compare_exchange(
+        &self,
+        off: usize,
+        current: u64,
+        new: u64,
+        success: Ordering,
+        failure: Ordering,
+    ) -> Result<u64, u64> {
+        (**self).compare_exchange(off, current, new, success, failure)
+    }
+    #[inline(always)]
+    fn fetch_or(&self, off: usize, val: u64, order: Ordering) -> u64 {
+        (**self).fetch_or(off, val, order)
+    }
+    #[inline(always)]
+    fn fetch_and(&self, off: usize, val: u64, order: Ordering) -> u64 {
+        (**self).fetch_and(off, val, order)
+    }
+    #[inline(always)]
+    fn fetch_add(&self, off: usize, val: u64, order: Ordering) -> u64 {
+        (**self).fetch_add(off, val, order)
+    }
+    #[inline(always)]
+    fn write_bytes(&self, off: usize, src: &[u8]) {
+        (**self).write_bytes(off, src)
+    }
+    #[inline(always)]
+    fn read_bytes(&self, off: usize, dst: &mut [u8]) {
+        (**self).read_bytes(off, dst)
     }
 }

@@ -315,3 +315,4 @@ pub fn page_header(page: &[u8]) -> Option<(u64, u64)> {
     c.copy_from_slice(&h[8..16]);
     Some((u64::from_le_bytes(ts), u64::from_le_bytes(c)))
 }
+impl core::error::Error for DecodeError {}

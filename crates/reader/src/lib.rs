@@ -1,1 +1,803 @@
-//! placeholder
+//! hyptrace's host-side reader.
+//!
+//! [`RingBuffer`] allocates (initialises) the per-CPU rings in a trace region, and reads
+//! them back through two callbacks ([`Callbacks`]): `swap_reader(cpu)` takes the next
+//! full page away from the writer, `update_footers(cpu)` refreshes the writer's stats in
+//! the reader page footer; [`RingBuffer::poke`] polls. Reads are consuming: per CPU an
+//! event at a time ([`RingBuffer::next_event`]) or a whole page at a time
+//! ([`RingBuffer::next_page`], for zero-copy output), with the exact number of events
+//! lost at the exact place of the loss. After the writer stopped (or crashed),
+//! [`RingBuffer::finalize`] switches to a read-only walk of the remaining pages in ring
+//! order, recovered from the footers' page sequence numbers — no swaps.
+//!
+//! **Every byte of the region is hostile input**: the writer may be buggy, crashed or
+//! malicious. Every id, length, commit and counter read from the region is validated,
+//! every loop is bounded, and inconsistencies are [`ReadError`]s — never panics, never
+//! accesses outside the region.
+
+pub mod callbacks;
+pub mod merge;
+
+pub use callbacks::{Callbacks, Direct, Mailbox, SwapStatus};
+use hyptrace_abi::layout::{self, ctl, footer, Layout, LayoutError, Mode, FOOTER_MAGIC};
+use hyptrace_abi::page::{self, Record, COMMIT_LEN_MASK, COMMIT_OFFSET, PAGE_HEADER_SIZE};
+use hyptrace_abi::SharedMem;
+pub use merge::{Merged, Merger};
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering::Acquire;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+/// Swaps one `next_event`/`next_page` call may do before returning (a hostile writer
+/// could otherwise hand out empty pages forever).
+const MAX_SWAPS_PER_CALL: u32 = 4;
+
+/// Errors of the reader. Most mean the shared region is inconsistent: the writer is
+/// buggy, crashed mid-operation, or hostile.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ReadError {
+    /// The pack or layout is invalid.
+    #[error("trace region: {0}")]
+    Layout(#[from] LayoutError),
+    /// A writer-domain operation failed.
+    #[error("cpu {cpu}: {err}")]
+    Ring {
+        /// The CPU.
+        cpu: u32,
+        /// What went wrong.
+        err: hyptrace_writer::RingError,
+    },
+    /// No such CPU.
+    #[error("cpu {0} out of range")]
+    BadCpu(u32),
+    /// A page id read from the region is not one of the CPU's pages.
+    #[error("cpu {cpu}: page id {id} outside its pages")]
+    BadPageId {
+        /// The CPU.
+        cpu: u32,
+        /// The id.
+        id: u64,
+    },
+    /// A page's commit is past its data area or went backwards.
+    #[error("cpu {cpu}: page {page}: bad commit {commit:#x} (had {had} bytes)")]
+    BadCommit {
+        /// The CPU.
+        cpu: u32,
+        /// The page.
+        page: u32,
+        /// The commit word.
+        commit: u64,
+        /// Bytes already seen.
+        had: usize,
+    },
+    /// Event data did not decode.
+    #[error("cpu {cpu}: page {page}: {err}")]
+    Decode {
+        /// The CPU.
+        cpu: u32,
+        /// The page.
+        page: u32,
+        /// The decoder's error.
+        err: page::DecodeError,
+    },
+    /// A page's first event index is before events already read.
+    #[error("cpu {cpu}: page {page} starts at event {first}, before {expected}")]
+    IndexBackwards {
+        /// The CPU.
+        cpu: u32,
+        /// The page.
+        page: u32,
+        /// Its first index.
+        first: u64,
+        /// Index expected.
+        expected: u64,
+    },
+    /// A swap reported success but the reader page did not change.
+    #[error("cpu {cpu}: swap reported success but reader page stayed {page}")]
+    SwapNoProgress {
+        /// The CPU.
+        cpu: u32,
+        /// The reader page.
+        page: u32,
+    },
+    /// A footer counter went backwards.
+    #[error("cpu {cpu}: footer counter {what} went backwards ({old} -> {new})")]
+    CounterBackwards {
+        /// The CPU.
+        cpu: u32,
+        /// Which counter.
+        what: &'static str,
+        /// Previous value.
+        old: u64,
+        /// New value.
+        new: u64,
+    },
+    /// A footer is not ours (magic or id).
+    #[error("cpu {cpu}: page {page}: bad footer")]
+    BadFooter {
+        /// The CPU.
+        cpu: u32,
+        /// The page.
+        page: u32,
+    },
+    /// Two pages claim the same sequence number in the final walk.
+    #[error("cpu {cpu}: pages {a} and {b} have the same sequence number")]
+    DuplicateSeq {
+        /// The CPU.
+        cpu: u32,
+        /// One page.
+        a: u32,
+        /// The other.
+        b: u32,
+    },
+    /// The writer did not answer a mailbox request in time.
+    #[error(
+        "cpu {cpu}: the guest writer did not answer the mailbox within {timeout:?} (stuck writer?)"
+    )]
+    MailboxTimeout {
+        /// The CPU.
+        cpu: u32,
+        /// The timeout.
+        timeout: Duration,
+    },
+    /// The writer answered a mailbox request with a failure.
+    #[error("cpu {cpu}: the guest writer failed a mailbox request (status {status})")]
+    MailboxFailed {
+        /// The CPU.
+        cpu: u32,
+        /// The status.
+        status: u64,
+    },
+    /// A configuration value is invalid.
+    #[error("{0}")]
+    Config(String),
+}
+
+/// Configuration of a trace buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Config {
+    /// Number of CPUs.
+    pub nr_cpus: u32,
+    /// Ring bytes per CPU (rounded up to whole pages, at least 2 ring pages; the reader
+    /// page comes on top).
+    pub buffer_bytes: u64,
+    /// Page size (power of two ≥ 4096).
+    pub page_size: usize,
+    /// Overwrite (flight recorder) or stop-when-full.
+    pub mode: Mode,
+    /// Whether the guest serves swap/update requests itself (mailbox).
+    pub guest_swap: bool,
+}
+
+impl Config {
+    /// The region layout for this configuration.
+    pub fn layout(&self) -> Result<Layout, ReadError> {
+        if !self.page_size.is_power_of_two()
+            || self.page_size < layout::MIN_PAGE_SIZE
+            || self.page_size > layout::MAX_PAGE_SIZE
+        {
+            return Err(LayoutError::BadPageSize(self.page_size as u64).into());
+        }
+        let pages = Layout::pages_for_bytes(self.buffer_bytes, self.page_size);
+        let pages = u32::try_from(pages).map_err(|_| LayoutError::BadPageCount(pages))?;
+        Ok(Layout::new(
+            self.nr_cpus,
+            pages,
+            self.page_size,
+            self.mode,
+            self.guest_swap,
+        )?)
+    }
+}
+
+/// Per-CPU statistics, as the reader sees them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CpuStats {
+    /// Events the writer committed (from the footer after the last poke, or the control
+    /// block after the writer stopped).
+    pub written: u64,
+    /// Events read.
+    pub read: u64,
+    /// Events overwritten (writer's count).
+    pub overrun: u64,
+    /// Events dropped while the ring was full (writer's count).
+    pub dropped: u64,
+    /// Events lost as the reader saw them (gaps in the event index), reported where
+    /// they happened. Equals `overrun + dropped` once everything is read.
+    pub lost: u64,
+    /// Pages the writer moved onto.
+    pub pages_touched: u64,
+    /// Bytes of event data read (encoded sizes).
+    pub bytes: u64,
+    /// Reader-page swaps this reader did.
+    pub swaps: u64,
+    /// Pages read (consumed).
+    pub pages_read: u64,
+}
+
+/// A page handed out by [`RingBuffer::next_page`].
+#[derive(Debug)]
+pub struct PageOut<'a> {
+    /// The page as in the ring: header and committed data (commit flags cleared); the
+    /// bytes after the data are not meaningful (footer, stale data) — sinks zero them.
+    pub bytes: &'a [u8],
+    /// Committed data bytes.
+    pub commit_len: usize,
+    /// Events lost right before this page (0: none).
+    pub missed: u64,
+    /// Events on the page.
+    pub events: u64,
+    /// Timestamp of the first event, if any.
+    pub first_ts: Option<u64>,
+    /// Timestamp of the last event, if any.
+    pub last_ts: Option<u64>,
+}
+
+/// An item of a CPU's consuming read.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Item<'a> {
+    /// An event: absolute timestamp and payload (zero-padded to its encoded length).
+    Event {
+        /// Timestamp (guest clock).
+        ts: u64,
+        /// Payload.
+        payload: &'a [u8],
+    },
+    /// `n` events were lost right here (before the next event).
+    Lost(u64),
+}
+
+#[derive(Debug)]
+struct CpuState {
+    cpu: u32,
+    reader: u32,
+    buf: Vec<u8>,
+    /// Data bytes of the reader page copied into `buf`.
+    copied: usize,
+    /// Offset of the next record in the data area.
+    read: usize,
+    clock: u64,
+    page_events: u64,
+    first_ts: Option<u64>,
+    expected: u64,
+    pending_lost: u64,
+    page_handed: bool,
+    stats: CpuStats,
+    last_entries: u64,
+    /// Final walk: remaining pages in ring order (set by `finalize`).
+    final_queue: Option<VecDeque<u32>>,
+    trailing_done: bool,
+}
+
+/// Wakes threads waiting for data ([`RingBuffer::waiter`]).
+#[derive(Debug, Default)]
+pub struct Waiter {
+    gen: Mutex<u64>,
+    cv: Condvar,
+}
+
+impl Waiter {
+    fn notify(&self) {
+        let mut g = self.gen.lock().unwrap_or_else(|p| p.into_inner());
+        *g += 1;
+        self.cv.notify_all();
+    }
+
+    /// Waits until a poke finds new events after generation `seen` or `timeout`
+    /// passes; returns the current generation.
+    pub fn wait(&self, seen: u64, timeout: Duration) -> u64 {
+        let g = self.gen.lock().unwrap_or_else(|p| p.into_inner());
+        let (g, _) = self
+            .cv
+            .wait_timeout_while(g, timeout, |g| *g == seen)
+            .unwrap_or_else(|p| p.into_inner());
+        *g
+    }
+
+    /// The current generation.
+    pub fn generation(&self) -> u64 {
+        *self.gen.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// The host side of the per-CPU trace buffers.
+#[derive(Debug)]
+pub struct RingBuffer<M, C> {
+    mem: M,
+    layout: Layout,
+    cb: C,
+    cpus: Vec<CpuState>,
+    waiter: Arc<Waiter>,
+}
+
+impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
+    /// Allocates the buffers: writes the pack and initialises every CPU's ring in `mem`
+    /// (the trace region, at least `layout.region_size` bytes).
+    pub fn alloc(
+        mem: M,
+        layout: Layout,
+        cb: C,
+        tsc_khz: u64,
+        generation: u64,
+    ) -> Result<Self, ReadError> {
+        if mem.size() < layout.region_size {
+            return Err(LayoutError::TooSmall {
+                needed: layout.region_size as u64,
+                available: mem.size() as u64,
+            }
+            .into());
+        }
+        layout.init_region(&mem, tsc_khz, generation);
+        Self::attach(mem, cb)
+    }
+
+    /// Attaches to a region already initialised (by `alloc`, possibly in another
+    /// process, or found in a dump), validating its pack.
+    pub fn attach(mem: M, cb: C) -> Result<Self, ReadError> {
+        let layout = Layout::parse(&mem)?;
+        let mut cpus = Vec::with_capacity(layout.nr_cpus as usize);
+        for cpu in 0..layout.nr_cpus {
+            let reader = valid_page(
+                &layout,
+                cpu,
+                mem.load(layout.ctl(cpu) + ctl::READER_PAGE, Acquire),
+            )?;
+            let first = mem.load(layout.footer_off(reader) + footer::FIRST_INDEX, Acquire);
+            cpus.push(CpuState {
+                cpu,
+                reader,
+                buf: vec![0u8; layout.page_size],
+                copied: 0,
+                read: 0,
+                clock: 0,
+                page_events: 0,
+                first_ts: None,
+                expected: first,
+                pending_lost: 0,
+                page_handed: false,
+                stats: CpuStats::default(),
+                last_entries: 0,
+                final_queue: None,
+                trailing_done: false,
+            });
+        }
+        Ok(Self {
+            mem,
+            layout,
+            cb,
+            cpus,
+            waiter: Arc::new(Waiter::default()),
+        })
+    }
+
+    /// The layout of the region.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// The shared memory.
+    pub fn mem(&self) -> &M {
+        &self.mem
+    }
+
+    /// The callbacks.
+    pub fn callbacks(&self) -> &C {
+        &self.cb
+    }
+
+    /// Number of CPUs.
+    pub fn nr_cpus(&self) -> u32 {
+        self.layout.nr_cpus
+    }
+
+    /// A handle to wait for data found by [`RingBuffer::poke`].
+    pub fn waiter(&self) -> Arc<Waiter> {
+        self.waiter.clone()
+    }
+
+    /// Sets the enable word of `cpu`'s built-in events (bit n = slot n).
+    pub fn set_enable(&self, cpu: u32, bits: u64) -> Result<(), ReadError> {
+        self.check_cpu(cpu)?;
+        self.mem.store(
+            self.layout.ctl(cpu) + ctl::ENABLE,
+            bits,
+            std::sync::atomic::Ordering::Release,
+        );
+        Ok(())
+    }
+
+    fn check_cpu(&self, cpu: u32) -> Result<(), ReadError> {
+        if cpu < self.layout.nr_cpus {
+            Ok(())
+        } else {
+            Err(ReadError::BadCpu(cpu))
+        }
+    }
+
+    /// Polls `cpu`: runs `update_footers`, refreshes the stats from the reader page
+    /// footer (checking that the counters only grow), and wakes waiters if the writer
+    /// committed events since the last poke. Returns the stats.
+    pub fn poke(&mut self, cpu: u32) -> Result<CpuStats, ReadError> {
+        self.check_cpu(cpu)?;
+        self.cb.update_footers(cpu)?;
+        let st = &mut self.cpus[cpu as usize];
+        let reader = valid_page(
+            &self.layout,
+            cpu,
+            self.mem
+                .load(self.layout.ctl(cpu) + ctl::READER_PAGE, Acquire),
+        )?;
+        let f = self.layout.footer_off(reader);
+        let get = |o: usize| self.mem.load(f + o, Acquire);
+        let (entries, touched, overrun, dropped) = (
+            get(footer::ENTRIES),
+            get(footer::PAGES_TOUCHED),
+            get(footer::OVERRUN),
+            get(footer::DROPPED),
+        );
+        for (what, old, new) in [
+            ("entries", st.stats.written, entries),
+            ("pages_touched", st.stats.pages_touched, touched),
+            ("overrun", st.stats.overrun, overrun),
+            ("dropped", st.stats.dropped, dropped),
+        ] {
+            if new < old {
+                return Err(ReadError::CounterBackwards {
+                    cpu,
+                    what,
+                    old,
+                    new,
+                });
+            }
+        }
+        st.stats.written = entries;
+        st.stats.pages_touched = touched;
+        st.stats.overrun = overrun;
+        st.stats.dropped = dropped;
+        let stats = st.stats;
+        if entries != st.last_entries {
+            st.last_entries = entries;
+            self.waiter.notify();
+        }
+        Ok(stats)
+    }
+
+    /// The commit (tail) page of `cpu` as the writer last published it.
+    pub fn commit_page(&self, cpu: u32) -> Result<u32, ReadError> {
+        self.check_cpu(cpu)?;
+        valid_page(
+            &self.layout,
+            cpu,
+            self.mem
+                .load(self.layout.ctl(cpu) + ctl::TAIL_PAGE, Acquire),
+        )
+    }
+
+    /// Statistics of `cpu` so far.
+    pub fn stats(&self, cpu: u32) -> CpuStats {
+        self.cpus
+            .get(cpu as usize)
+            .map(|c| c.stats)
+            .unwrap_or_default()
+    }
+
+    /// Reads the writer's own counters from `cpu`'s control block into the stats (use
+    /// once the writer stopped: they are final then). Hostile values are taken as they
+    /// are; the caller compares them with what was read.
+    pub fn sync_writer_counters(&mut self, cpu: u32) -> Result<CpuStats, ReadError> {
+        self.check_cpu(cpu)?;
+        let c = self.layout.ctl(cpu);
+        let st = &mut self.cpus[cpu as usize];
+        st.stats.written = self.mem.load(c + ctl::ENTRIES, Acquire);
+        st.stats.overrun = self.mem.load(c + ctl::OVERRUN, Acquire);
+        st.stats.dropped = self.mem.load(c + ctl::DROPPED, Acquire);
+        st.stats.pages_touched = self.mem.load(c + ctl::PAGES_TOUCHED, Acquire);
+        Ok(st.stats)
+    }
+
+    /// Switches `cpu` to the final, read-only walk: the writer has stopped (finished or
+    /// crashed), so instead of swapping, the reader reads what is left of its reader
+    /// page and then every ring page holding unread events, in ring order — the pages
+    /// whose sequence number is above the reader page's, sorted by it. Needs nothing
+    /// from the writer but the footers.
+    pub fn finalize(&mut self, cpu: u32) -> Result<(), ReadError> {
+        self.check_cpu(cpu)?;
+        let l = self.layout;
+        let st = &mut self.cpus[cpu as usize];
+        let reader_seq = self
+            .mem
+            .load(l.footer_off(st.reader) + footer::PAGE_SEQ, Acquire);
+        let mut pages: Vec<(u64, u32)> = Vec::new();
+        let first = l.first_page(cpu);
+        for id in first..first + l.pages_per_cpu {
+            if id == st.reader {
+                continue;
+            }
+            let f = l.footer_off(id);
+            let im = self.mem.load(f + footer::ID_MAGIC, Acquire);
+            if im != u64::from(id) | (u64::from(FOOTER_MAGIC) << 32) {
+                return Err(ReadError::BadFooter { cpu, page: id });
+            }
+            let seq = self.mem.load(f + footer::PAGE_SEQ, Acquire);
+            if seq > reader_seq {
+                pages.push((seq, id));
+            }
+        }
+        pages.sort_unstable();
+        for w in pages.windows(2) {
+            if w[0].0 == w[1].0 {
+                return Err(ReadError::DuplicateSeq {
+                    cpu,
+                    a: w[0].1,
+                    b: w[1].1,
+                });
+            }
+        }
+        st.final_queue = Some(pages.into_iter().map(|(_, id)| id).collect());
+        Ok(())
+    }
+
+    /// Whether `cpu` is in the final walk and has nothing left.
+    pub fn finished(&self, cpu: u32) -> bool {
+        self.cpus.get(cpu as usize).is_some_and(|c| {
+            c.final_queue.as_ref().is_some_and(|q| q.is_empty()) && c.read >= c.copied
+        })
+    }
+
+    /// Copies newly committed bytes of the reader page into the local buffer.
+    fn refresh(mem: &M, l: &Layout, st: &mut CpuState) -> Result<(), ReadError> {
+        let off = l.page_off(st.reader);
+        let commit = mem.load(off + COMMIT_OFFSET, Acquire);
+        let len = (commit & COMMIT_LEN_MASK) as usize;
+        if len > l.data_capacity()
+            || len < st.copied
+            || commit & !(COMMIT_LEN_MASK | page::RB_MISSED_FLAGS) != 0
+        {
+            return Err(ReadError::BadCommit {
+                cpu: st.cpu,
+                page: st.reader,
+                commit,
+                had: st.copied,
+            });
+        }
+        if len > st.copied {
+            if st.copied == 0 {
+                mem.read_bytes(off, &mut st.buf[..8]);
+                st.clock = u64::from_le_bytes(st.buf[..8].try_into().unwrap_or([0; 8]));
+            }
+            let (a, b) = (PAGE_HEADER_SIZE + st.copied, PAGE_HEADER_SIZE + len);
+            mem.read_bytes(off + a, &mut st.buf[a..b]);
+            st.copied = len;
+        }
+        Ok(())
+    }
+
+    /// Makes `page` the page being read (after a swap or in the final walk), computing
+    /// the loss before it from its first event index.
+    fn enter_page(mem: &M, l: &Layout, st: &mut CpuState, page: u32) -> Result<(), ReadError> {
+        let f = l.footer_off(page);
+        let first = mem.load(f + footer::FIRST_INDEX, Acquire);
+        let expected = st.expected;
+        if first < expected {
+            return Err(ReadError::IndexBackwards {
+                cpu: st.cpu,
+                page,
+                first,
+                expected,
+            });
+        }
+        st.pending_lost += first - expected;
+        st.expected = first;
+        st.reader = page;
+        st.copied = 0;
+        st.read = 0;
+        st.page_events = 0;
+        st.first_ts = None;
+        st.page_handed = false;
+        st.stats.pages_read += 1;
+        Ok(())
+    }
+
+    /// Moves to the next page: a swap while live, the next page of the final walk
+    /// after. Returns false when there is none now.
+    fn advance(&mut self, cpu: u32) -> Result<bool, ReadError> {
+        let st = &mut self.cpus[cpu as usize];
+        if let Some(q) = st.final_queue.as_mut() {
+            let Some(next) = q.pop_front() else {
+                return Ok(false);
+            };
+            Self::enter_page(&self.mem, &self.layout, st, next)?;
+            return Ok(true);
+        }
+        match self.cb.swap_reader(cpu)? {
+            SwapStatus::Busy => Ok(false),
+            SwapStatus::Swapped { .. } => {
+                let page = valid_page(
+                    &self.layout,
+                    cpu,
+                    self.mem
+                        .load(self.layout.ctl(cpu) + ctl::READER_PAGE, Acquire),
+                )?;
+                let st = &mut self.cpus[cpu as usize];
+                if page == st.reader {
+                    return Err(ReadError::SwapNoProgress { cpu, page });
+                }
+                st.stats.swaps += 1;
+                Self::enter_page(&self.mem, &self.layout, st, page)?;
+                Ok(true)
+            }
+        }
+    }
+
+    /// Whether the writer is still on `cpu`'s reader page (its page is not complete).
+    fn writer_on_reader(&self, cpu: u32) -> Result<bool, ReadError> {
+        let st = &self.cpus[cpu as usize];
+        if st.final_queue.is_some() {
+            return Ok(false);
+        }
+        let tail = valid_page(
+            &self.layout,
+            cpu,
+            self.mem
+                .load(self.layout.ctl(cpu) + ctl::TAIL_PAGE, Acquire),
+        )?;
+        Ok(tail == st.reader)
+    }
+
+    /// The next item of `cpu`'s consuming read: an event, or the count of events lost
+    /// right here. `Ok(None)` when nothing more is committed now.
+    pub fn next_event(&mut self, cpu: u32) -> Result<Option<Item<'_>>, ReadError> {
+        self.check_cpu(cpu)?;
+        let mut swaps = 0;
+        loop {
+            let st = &mut self.cpus[cpu as usize];
+            if st.pending_lost > 0 {
+                let n = std::mem::take(&mut st.pending_lost);
+                st.stats.lost += n;
+                return Ok(Some(Item::Lost(n)));
+            }
+            // Decode what is already copied (each record advances `read`; bounded by the page).
+            while st.read < st.copied {
+                let data = &st.buf[PAGE_HEADER_SIZE..PAGE_HEADER_SIZE + st.copied];
+                let (rec, next) = match page::decode_record(data, st.read) {
+                    Ok(Some(r)) => r,
+                    Ok(None) => {
+                        st.read = st.copied;
+                        break;
+                    }
+                    Err(err) => {
+                        return Err(ReadError::Decode {
+                            cpu,
+                            page: st.reader,
+                            err,
+                        })
+                    }
+                };
+                let size = next - st.read;
+                st.read = next;
+                st.stats.bytes += size as u64;
+                match rec {
+                    Record::Data { delta, start, len } => {
+                        st.clock = st.clock.wrapping_add(delta);
+                        st.page_events += 1;
+                        st.expected += 1;
+                        st.stats.read += 1;
+                        let ts = st.clock;
+                        let st = &self.cpus[cpu as usize];
+                        let a = PAGE_HEADER_SIZE + start;
+                        return Ok(Some(Item::Event {
+                            ts,
+                            payload: &st.buf[a..a + len],
+                        }));
+                    }
+                    Record::TimeExtend { delta } => st.clock = st.clock.wrapping_add(delta),
+                    Record::TimeStamp { ts } => st.clock = ts,
+                    Record::Padding { .. } => {}
+                }
+            }
+            // Order: the tail is loaded before the commit, so if the writer has left
+            // the page, the commit loaded after is final.
+            let writer_here = self.writer_on_reader(cpu)?;
+            let st = &mut self.cpus[cpu as usize];
+            Self::refresh(&self.mem, &self.layout, st)?;
+            if st.read < st.copied {
+                continue;
+            }
+            if writer_here || swaps >= MAX_SWAPS_PER_CALL {
+                return Ok(None);
+            }
+            if !self.advance(cpu)? {
+                let n = self.take_trailing_loss(cpu);
+                return Ok((n > 0).then_some(Item::Lost(n)));
+            }
+            swaps += 1;
+        }
+    }
+
+    /// The next complete page of `cpu` (consuming), for page-at-a-time output. A page is
+    /// handed out once the writer has left it (or, in the final walk, as it is).
+    /// `Ok(None)` when no complete page is available now. Pages and events of one CPU
+    /// must be read through one of `next_page` / `next_event`, not both.
+    pub fn next_page(&mut self, cpu: u32) -> Result<Option<PageOut<'_>>, ReadError> {
+        self.check_cpu(cpu)?;
+        for _ in 0..=MAX_SWAPS_PER_CALL {
+            let writer_here = self.writer_on_reader(cpu)?;
+            let st = &mut self.cpus[cpu as usize];
+            Self::refresh(&self.mem, &self.layout, st)?;
+            if !st.page_handed && st.copied > 0 && !writer_here {
+                // Validate the whole page and count its events before handing it out.
+                let data = &st.buf[PAGE_HEADER_SIZE..PAGE_HEADER_SIZE + st.copied];
+                let (mut first_ts, mut last_ts, mut n) = (None, None, 0u64);
+                for ev in page::Events::new(data, st.clock) {
+                    let ev = ev.map_err(|err| ReadError::Decode {
+                        cpu,
+                        page: st.reader,
+                        err,
+                    })?;
+                    first_ts.get_or_insert(ev.ts);
+                    last_ts = Some(ev.ts);
+                    n += 1;
+                }
+                st.page_handed = true;
+                st.read = st.copied;
+                st.page_events = n;
+                st.expected += n;
+                st.stats.read += n;
+                st.stats.bytes += st.copied as u64;
+                let missed = std::mem::take(&mut st.pending_lost);
+                st.stats.lost += missed;
+                // The local copy carries the length without flags; sinks add their own.
+                st.buf[COMMIT_OFFSET..COMMIT_OFFSET + 8]
+                    .copy_from_slice(&(st.copied as u64).to_le_bytes());
+                let st = &self.cpus[cpu as usize];
+                return Ok(Some(PageOut {
+                    bytes: &st.buf[..PAGE_HEADER_SIZE + st.copied],
+                    commit_len: st.copied,
+                    missed,
+                    events: n,
+                    first_ts,
+                    last_ts,
+                }));
+            }
+            if writer_here || !self.advance(cpu)? {
+                return Ok(None);
+            }
+        }
+        Ok(None)
+    }
+
+    /// At the end of the final walk: the events lost after the last page (stop mode:
+    /// dropped while the ring was full, with no page started after them), from the
+    /// writer's index (`entries + dropped`) minus the events accounted for. Counted in
+    /// the stats once; 0 before the walk ended or when called again.
+    pub fn take_trailing_loss(&mut self, cpu: u32) -> u64 {
+        if !self.finished(cpu) {
+            return 0;
+        }
+        let c = self.layout.ctl(cpu);
+        let total = self
+            .mem
+            .load(c + ctl::ENTRIES, Acquire)
+            .saturating_add(self.mem.load(c + ctl::DROPPED, Acquire));
+        let st = &mut self.cpus[cpu as usize];
+        if st.trailing_done {
+            return 0;
+        }
+        st.trailing_done = true;
+        let n = total.saturating_sub(st.expected) + std::mem::take(&mut st.pending_lost);
+        st.expected = st.expected.max(total);
+        st.stats.lost += n;
+        n
+    }
+}
+
+fn valid_page(l: &Layout, cpu: u32, id: u64) -> Result<u32, ReadError> {
+    if l.owns(cpu, id) {
+        Ok(id as u32)
+    } else {
+        Err(ReadError::BadPageId { cpu, id })
+    }
+}
+
+#[cfg(test)]
+mod tests;

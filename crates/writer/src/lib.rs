@@ -92,6 +92,8 @@ impl core::fmt::Display for RingError {
     }
 }
 
+impl core::error::Error for RingError {}
+
 impl From<LayoutError> for RingError {
     fn from(e: LayoutError) -> Self {
         Self::Layout(e)
@@ -175,7 +177,9 @@ impl<M: SharedMem> Writer<M> {
             page_entries: 0,
             lost_pending: mem.load(c + ctl::LOST_PENDING, Relaxed),
             skipped: 0,
-            mbox_seen: mem.load(c + ctl::MBOX_REQ, Acquire),
+            // Requests are served once: a request whose seq was acknowledged is done (a
+            // request posted before this attach is still served).
+            mbox_seen: mem.load(c + ctl::MBOX_ACK, Acquire) >> 8,
             mbox_served: 0,
             corrupt: false,
             mem,
@@ -477,7 +481,7 @@ impl<M: SharedMem> Writer<M> {
     #[inline]
     pub fn serve_mailbox(&mut self) -> bool {
         let req = self.mem.load(self.ctl + ctl::MBOX_REQ, Acquire);
-        if req == self.mbox_seen {
+        if req >> 8 == self.mbox_seen {
             return false;
         }
         self.serve_request(req);
@@ -486,7 +490,7 @@ impl<M: SharedMem> Writer<M> {
 
     #[cold]
     fn serve_request(&mut self, req: u64) {
-        self.mbox_seen = req;
+        self.mbox_seen = req >> 8;
         let status = match req & 0xff {
             MBOX_OP_SWAP => match swap_reader_page(&self.mem, &self.l, self.cpu) {
                 Ok(SwapStatus::Swapped { .. }) => MBOX_STATUS_OK,

@@ -166,11 +166,7 @@ fn overwrite_counts_overrun_and_keeps_index_gaps_exact() {
     let mut expected = 0u64;
     let mut read = 0u64;
     let mut lost = 0u64;
-    loop {
-        let page = match swap_reader_page(&m, &l, 0).unwrap() {
-            SwapStatus::Swapped { page } => page,
-            SwapStatus::Busy => break,
-        };
+    while let SwapStatus::Swapped { page } = swap_reader_page(&m, &l, 0).unwrap() {
         assert_one_each(&m, &l);
         let first = m.load(l.footer_off(page) + footer::FIRST_INDEX, Relaxed);
         lost += first - expected;

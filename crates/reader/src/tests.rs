@@ -1,0 +1,211 @@
+use super::*;
+use hyptrace_abi::HeapMem;
+use hyptrace_writer::{WriteOutcome, Writer};
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+
+fn setup(
+    mode: Mode,
+    ring_pages: u64,
+) -> (Arc<HeapMem>, RingBuffer<Arc<HeapMem>, Direct<Arc<HeapMem>>>) {
+    let cfg = Config {
+        nr_cpus: 1,
+        buffer_bytes: ring_pages * 4096,
+        page_size: 4096,
+        mode,
+        guest_swap: false,
+    };
+    let l = cfg.layout().unwrap();
+    let mem = Arc::new(HeapMem::new(l.region_size));
+    let rb = RingBuffer::alloc(mem.clone(), l, Direct::new(mem.clone(), l), 0, 1).unwrap();
+    (mem, rb)
+}
+
+fn drain<C: Callbacks>(
+    rb: &mut RingBuffer<Arc<HeapMem>, C>,
+    out: &mut Vec<Result<(u64, u64), u64>>,
+) {
+    while let Some(it) = rb.next_event(0).unwrap() {
+        out.push(match it {
+            Item::Event { ts, payload } => {
+                Ok((ts, u64::from_le_bytes(payload[..8].try_into().unwrap())))
+            }
+            Item::Lost(n) => Err(n),
+        });
+    }
+}
+
+/// Checks a stream: seq strictly increasing, each gap equal to the loss reported right
+/// before it; returns (read, lost).
+fn check_stream(items: &[Result<(u64, u64), u64>]) -> (u64, u64) {
+    let (mut next, mut read, mut lost, mut pending) = (0u64, 0, 0, 0);
+    let mut last_ts = 0;
+    for it in items {
+        match *it {
+            Err(n) => pending += n,
+            Ok((ts, seq)) => {
+                assert!(ts >= last_ts);
+                last_ts = ts;
+                assert_eq!(seq - next, pending, "gap at seq {seq}");
+                lost += pending;
+                pending = 0;
+                next = seq + 1;
+                read += 1;
+            }
+        }
+    }
+    (read, lost + pending)
+}
+
+#[test]
+fn interleaved_write_and_read_both_modes() {
+    for mode in [Mode::Stop, Mode::Overwrite] {
+        let (mem, mut rb) = setup(mode, 4);
+        let mut w = Writer::attach(mem.clone(), 0).unwrap();
+        let mut items = vec![];
+        let mut written = 0;
+        for i in 0..5000u64 {
+            let mut p = [0u8; 40];
+            p[..8].copy_from_slice(&i.to_le_bytes());
+            if w.write(0, i * 3, &p) == WriteOutcome::Written {
+                written += 1;
+            }
+            if i % 1000 == 0 {
+                rb.poke(0).unwrap();
+                drain(&mut rb, &mut items);
+            }
+        }
+        rb.finalize(0).unwrap();
+        drain(&mut rb, &mut items);
+        let (read, lost) = check_stream(&items);
+        let st = rb.sync_writer_counters(0).unwrap();
+        assert_eq!(st.written, written);
+        assert_eq!(read + lost, 5000, "{mode:?}");
+        assert_eq!(st.written + st.dropped, 5000);
+        assert_eq!(lost, st.overrun + st.dropped, "{mode:?}");
+        assert!(lost > 0, "{mode:?}: this run must lose events");
+    }
+}
+
+#[test]
+fn pages_carry_missed_counts() {
+    let (mem, mut rb) = setup(Mode::Overwrite, 2);
+    let mut w = Writer::attach(mem.clone(), 0).unwrap();
+    for i in 0..100u64 {
+        w.write(0, i, &[i as u8; 500]);
+    }
+    rb.finalize(0).unwrap();
+    let mut total = 0;
+    let mut missed = 0;
+    while let Some(p) = rb.next_page(0).unwrap() {
+        total += p.events;
+        missed += p.missed;
+    }
+    assert_eq!(total + missed, 100);
+    assert_eq!(missed, w.overrun());
+}
+
+#[test]
+fn hostile_commit_and_ids_are_errors() {
+    let (mem, mut rb) = setup(Mode::Stop, 4);
+    let l = *rb.layout();
+    let mut w = Writer::attach(mem.clone(), 0).unwrap();
+    w.write(0, 1, &[0; 16]);
+    // Swap the page in, then corrupt its commit.
+    assert!(matches!(rb.next_event(0), Ok(Some(_))));
+    let reader = mem.load(l.ctl(0) + ctl::READER_PAGE, Relaxed) as u32;
+    mem.store(l.page_off(reader) + COMMIT_OFFSET, 1 << 29, Relaxed);
+    assert!(matches!(rb.next_event(0), Err(ReadError::BadCommit { .. })));
+    mem.store(l.ctl(0) + ctl::READER_PAGE, 1 << 40, Relaxed);
+    assert!(matches!(
+        rb.poke(0),
+        Err(ReadError::Ring {
+            err: hyptrace_writer::RingError::BadPageId(_),
+            ..
+        })
+    ));
+    assert!(rb.commit_page(0).is_ok());
+    mem.store(l.ctl(0) + ctl::TAIL_PAGE, 3 << 33, Relaxed);
+    assert!(matches!(
+        rb.commit_page(0),
+        Err(ReadError::BadPageId { .. })
+    ));
+}
+
+#[test]
+fn mailbox_backend_with_writer_thread() {
+    let cfg = Config {
+        nr_cpus: 1,
+        buffer_bytes: 3 * 4096,
+        page_size: 4096,
+        mode: Mode::Stop,
+        guest_swap: true,
+    };
+    let l = cfg.layout().unwrap();
+    let mem = Arc::new(HeapMem::new(l.region_size));
+    let mut rb = RingBuffer::alloc(
+        mem.clone(),
+        l,
+        Mailbox::new(mem.clone(), l, Duration::from_secs(10)),
+        0,
+        1,
+    )
+    .unwrap();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (m2, s2) = (mem.clone(), stop.clone());
+    let t = std::thread::spawn(move || {
+        let mut w = Writer::attach(m2, 0).unwrap();
+        let mut i = 0u64;
+        while !s2.load(Relaxed) {
+            w.serve_mailbox();
+            if i < 20000 {
+                w.write(0, i, &i.to_le_bytes());
+                i += 1;
+            } else {
+                std::thread::yield_now();
+            }
+        }
+        (w.entries(), w.dropped())
+    });
+    let mut items = vec![];
+    loop {
+        rb.poke(0).unwrap();
+        drain(&mut rb, &mut items);
+        let (read, lost) = check_stream(&items);
+        if read + lost == 20000
+            || (rb.stats(0).written + rb.stats(0).dropped == 20000 && read == rb.stats(0).written)
+        {
+            break;
+        }
+    }
+    stop.store(true, Relaxed);
+    let (entries, dropped) = t.join().unwrap();
+    rb.finalize(0).unwrap();
+    drain(&mut rb, &mut items);
+    let (read, lost) = check_stream(&items);
+    assert_eq!((read, lost), (entries, dropped));
+    assert_eq!(read + lost, 20000);
+    assert!(rb.stats(0).swaps > 10);
+}
+
+#[test]
+fn mailbox_times_out_on_a_dead_writer() {
+    let cfg = Config {
+        nr_cpus: 1,
+        buffer_bytes: 3 * 4096,
+        page_size: 4096,
+        mode: Mode::Stop,
+        guest_swap: true,
+    };
+    let l = cfg.layout().unwrap();
+    let mem = Arc::new(HeapMem::new(l.region_size));
+    let mut rb = RingBuffer::alloc(
+        mem.clone(),
+        l,
+        Mailbox::new(mem.clone(), l, Duration::from_millis(100)),
+        0,
+        1,
+    )
+    .unwrap();
+    assert!(matches!(rb.poke(0), Err(ReadError::MailboxTimeout { .. })));
+}
