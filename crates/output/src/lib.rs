@@ -7,6 +7,7 @@ mod error;
 mod export;
 pub mod format;
 mod sink;
+pub mod text;
 pub mod tracedat;
 
 pub use clock::{Clock, TscConversion};
@@ -17,4 +18,6 @@ pub use export::{
 };
 pub use format::{guest_formats, EventFormat, Field};
 pub use sink::{CpuStats, PageSink, RunSummary, TraceMeta};
-pub use tracedat::{write_trace_dat, TraceDatSink, TraceDatVersion};
+pub use tracedat::{
+    write_trace_dat, TraceDatSink, TraceDatVersion, TraceFile, TraceItem, TraceRecord,
+};

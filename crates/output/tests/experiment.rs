@@ -118,3 +118,12 @@ fn names() {
     )
     .unwrap();
 }
+
+#[test]
+#[ignore]
+fn report() {
+    for f in std::env::var("HX_FILES").unwrap().split(',') {
+        let t = TraceFile::open(f).unwrap();
+        print!("{}", t.report());
+    }
+}

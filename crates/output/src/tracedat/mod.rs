@@ -1,7 +1,9 @@
 //! trace.dat v6/v7: writer ([`TraceDatSink`]) and reader ([`TraceFile`]).
 
+mod read;
 mod write;
 
+pub use read::{CpuBuffer, Records, TraceFile, TraceItem, TraceOption, TraceRecord};
 pub use write::{write_trace_dat, TraceDatSink, TraceDatVersion};
 
 /// The magic at the start of every trace.dat: `17 08 44 "tracing"`.
