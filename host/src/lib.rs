@@ -1,1 +1,33 @@
-//! placeholder
+//! hyptrace-host: the VMM that boots the hyptrace guest payload on KVM (one thread per
+//! vCPU, guest at CPL3) and the `hyptrace` command line.
+//!
+//! ```no_run
+//! use hyptrace_host::{RunParams, Vm, VmConfig, GUEST_ELF};
+//! let vm = Vm::new(VmConfig {
+//!     vcpus: 2,
+//!     mem_bytes: 64 << 20,
+//!     guest_elf: GUEST_ELF.into(),
+//!     trace_region_bytes: 4 << 20,
+//! })?;
+//! let region = vm.trace_region(); // hand to the ring-buffer reader before start
+//! let running = vm.start(&RunParams { events: 1000, ..Default::default() })?;
+//! while !running.wait_timeout(std::time::Duration::from_millis(1)) { /* poll region */ }
+//! let outcomes = running.wait();
+//! # Ok::<(), hyptrace_host::Error>(())
+//! ```
+
+pub mod arch;
+pub mod cli;
+pub mod elf;
+pub mod error;
+pub mod layout;
+pub mod vcpu;
+pub mod vm;
+
+pub use error::{Error, Result};
+pub use layout::Layout;
+pub use vcpu::{VcpuOutcome, VcpuStats};
+pub use vm::{host_tsc, RunParams, RunningVm, TraceRegion, Vm, VmConfig};
+
+/// The guest payload built from guest/ by build.rs.
+pub static GUEST_ELF: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/hyptrace-guest.elf"));

@@ -1,0 +1,103 @@
+//! hyptrace guest payload: runs one workload per vCPU at CPL3 and reports through its
+//! result slot and the exit ports (see `hyptrace_abi::guest`).
+//!
+//! VMM contract beyond `hyptrace_abi::guest`: every vCPU's GS base is the GPA of its
+//! result slot (used by the panic handler, which has no other context).
+#![no_std]
+#![no_main]
+
+mod emit;
+mod rt;
+mod workload;
+
+use hyptrace_abi::guest::{
+    params, result, Workload, PORT_EXIT, RUN_PARAMS_MAGIC, RUN_PARAMS_SIZE, RUN_PARAMS_VERSION,
+    VCPU_RESULT_SIZE,
+};
+
+use emit::{Emitter, ScratchSink};
+use rt::{out32, rdtsc};
+
+/// A guest-physical (= virtual, identity-mapped) block read and written with volatile
+/// accesses at byte offsets.
+#[derive(Clone, Copy)]
+struct Block(u64);
+
+impl Block {
+    fn read_u32(self, off: usize) -> u32 {
+        // SAFETY: the VMM placed this block in mapped guest memory (contract); offsets
+        // are the ABI's, inside the block, and naturally aligned.
+        unsafe { ((self.0 as usize + off) as *const u32).read_volatile() }
+    }
+    fn read_u64(self, off: usize) -> u64 {
+        // SAFETY: as in `read_u32`.
+        unsafe { ((self.0 as usize + off) as *const u64).read_volatile() }
+    }
+    fn write_u64(self, off: usize, v: u64) {
+        // SAFETY: as in `read_u32`; this vCPU is the only writer of its result slot.
+        unsafe { ((self.0 as usize + off) as *mut u64).write_volatile(v) }
+    }
+}
+
+/// The run parameters the workloads use.
+pub struct Params {
+    /// Workload number (checked).
+    pub workload: Workload,
+    /// Events to attempt.
+    pub events: u64,
+    /// Events per second, 0 = as fast as possible.
+    pub rate: u64,
+    /// TSC frequency in kHz (0 = unknown: no pacing).
+    pub tsc_khz: u64,
+    /// Seed of the pseudo-random choices.
+    pub seed: u64,
+    /// `RUN_FLAG_*`.
+    pub flags: u32,
+    /// Events per burst (`burst` workload).
+    pub burst: u32,
+}
+
+/// Entry from `_start`: rdi = pack GPA, rsi = vCPU id, rdx = RunParams GPA.
+#[no_mangle]
+pub extern "C" fn guest_main(_pack: u64, cpu: u64, params_gpa: u64) -> ! {
+    let tsc_start = rdtsc();
+    let p = Block(params_gpa);
+    if p.read_u64(params::MAGIC) != RUN_PARAMS_MAGIC
+        || p.read_u32(params::VERSION) != RUN_PARAMS_VERSION
+        || p.read_u32(params::SIZE) as usize != RUN_PARAMS_SIZE
+    {
+        panic!("bad run parameter block");
+    }
+    let nr = u64::from(p.read_u32(params::NR_VCPUS));
+    if cpu >= nr {
+        panic!("vcpu id {cpu} out of range (nr_vcpus {nr})");
+    }
+    let Some(workload) = Workload::from_u32(p.read_u32(params::WORKLOAD)) else {
+        panic!("unknown workload {}", p.read_u32(params::WORKLOAD));
+    };
+    let slot = Block(params_gpa + p.read_u64(params::RESULTS_OFF) + cpu * VCPU_RESULT_SIZE as u64);
+    slot.write_u64(result::TSC_START, tsc_start);
+    let params = Params {
+        workload,
+        events: p.read_u64(params::EVENTS),
+        rate: p.read_u64(params::RATE),
+        tsc_khz: p.read_u64(params::TSC_KHZ),
+        seed: p.read_u64(params::SEED),
+        flags: p.read_u32(params::FLAGS),
+        burst: p.read_u32(params::BURST),
+    };
+
+    let cpu = cpu as u32;
+    let mut em = Emitter::new(ScratchSink::new(), cpu);
+    let served = workload::run(&params, cpu, tsc_start, &mut em);
+
+    slot.write_u64(result::ATTEMPTED, em.attempted);
+    slot.write_u64(result::SKIPPED, em.skipped);
+    slot.write_u64(result::TSC_END, rdtsc());
+    slot.write_u64(result::MAILBOX_SERVED, served);
+    slot.write_u64(result::STATUS, 1);
+    out32(PORT_EXIT, cpu);
+    loop {
+        core::hint::spin_loop();
+    }
+}

@@ -1,0 +1,227 @@
+//! The workloads (`hyptrace_abi::guest::Workload`).
+
+use hyptrace_abi::events::TEXT_MAX_MSG;
+use hyptrace_abi::guest::{Workload, RUN_FLAG_SERVE_MAILBOX};
+
+use crate::emit::{Emitter, Sink};
+use crate::rt::rdtsc;
+use crate::Params;
+
+/// Events written before the `panic` and `fault` workloads crash.
+const EVENTS_BEFORE_CRASH: u64 = 16;
+/// Burst length when the parameter block says 0.
+const DEFAULT_BURST: u64 = 1024;
+/// An address no page table maps (PML4 slot 254): a store there page-faults, and
+/// with no IDT that is a triple fault.
+const UNMAPPED: u64 = 0x0000_7f00_dead_0000;
+
+/// Serves the host's mailbox while the vCPU waits (placeholder until the writer lands).
+struct Mailbox {
+    enabled: bool,
+    served: u64,
+}
+
+impl Mailbox {
+    /// Called from every busy-wait loop.
+    #[inline(always)]
+    fn poll(&mut self) {
+        if self.enabled {
+            // Nothing to serve yet: the writer's mailbox comes with the integration.
+            self.served += 0;
+        }
+    }
+}
+
+/// Paces event `i` at `rate` events/s from `start` (absolute deadlines, no drift).
+struct Pacer {
+    start: u64,
+    tsc_hz: u64,
+    rate: u64,
+}
+
+impl Pacer {
+    fn new(start: u64, p: &Params) -> Self {
+        Self {
+            start,
+            tsc_hz: p.tsc_khz.saturating_mul(1000),
+            rate: p.rate,
+        }
+    }
+
+    fn enabled(&self) -> bool {
+        self.rate != 0 && self.tsc_hz != 0
+    }
+
+    /// TSC deadline of event `i`.
+    fn deadline(&self, i: u64) -> u64 {
+        let off = u128::from(i) * u128::from(self.tsc_hz) / u128::from(self.rate);
+        self.start.wrapping_add(off as u64)
+    }
+
+    /// Busy-waits (serving the mailbox) until event `i` is due.
+    fn wait(&self, i: u64, mb: &mut Mailbox) {
+        if self.enabled() {
+            spin_until(self.deadline(i), mb);
+        }
+    }
+}
+
+fn spin_until(deadline: u64, mb: &mut Mailbox) {
+    while (deadline.wrapping_sub(rdtsc()) as i64) > 0 {
+        mb.poll();
+        core::hint::spin_loop();
+    }
+}
+
+/// xorshift64*: small, fast, good enough for picking event kinds.
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64, cpu: u32) -> Self {
+        let s = seed ^ (u64::from(cpu) + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        Self(if s == 0 { 0x2545_f491_4f6c_dd1d } else { s })
+    }
+
+    fn next(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+}
+
+/// Runs the workload; returns the number of mailbox requests served.
+pub fn run<S: Sink>(p: &Params, cpu: u32, start: u64, em: &mut Emitter<S>) -> u64 {
+    let mut mb = Mailbox {
+        enabled: p.flags & RUN_FLAG_SERVE_MAILBOX != 0,
+        served: 0,
+    };
+    let pacer = Pacer::new(start, p);
+    match p.workload {
+        Workload::Steady => {
+            for i in 0..p.events {
+                pacer.wait(i, &mut mb);
+                em.marker(i);
+            }
+        }
+        Workload::Mixed => mixed(p, cpu, &pacer, &mut mb, em),
+        Workload::Burst => {
+            let burst = if p.burst == 0 {
+                DEFAULT_BURST
+            } else {
+                u64::from(p.burst)
+            };
+            let mut i = 0;
+            while i < p.events {
+                if pacer.enabled() {
+                    pacer.wait(i, &mut mb);
+                } else if i != 0 {
+                    // As fast as possible between bursts, but still a pause: ~1 ms.
+                    let gap = if p.tsc_khz != 0 { p.tsc_khz } else { 1 << 20 };
+                    spin_until(rdtsc().wrapping_add(gap), &mut mb);
+                }
+                let end = (i + burst).min(p.events);
+                while i < end {
+                    em.marker(i);
+                    i += 1;
+                }
+            }
+        }
+        Workload::Panic => {
+            let n = p.events.min(EVENTS_BEFORE_CRASH);
+            for i in 0..n {
+                em.marker(i);
+            }
+            panic!("guest workload panic on vcpu {cpu} after {n} events");
+        }
+        Workload::Fault => {
+            for i in 0..p.events.min(EVENTS_BEFORE_CRASH) {
+                em.marker(i);
+            }
+            // SAFETY: deliberately invalid: the store page-faults and the vCPU
+            // triple-faults (no IDT); nothing is ever written.
+            unsafe { (UNMAPPED as *mut u64).write_volatile(0xdead) };
+            panic!("fault workload survived a store to {UNMAPPED:#x}");
+        }
+    }
+    mb.served
+}
+
+/// Markers, spans and texts (1..=TEXT_MAX_MSG bytes, so many longer than 112) picked
+/// pseudo-randomly.
+fn mixed<S: Sink>(p: &Params, cpu: u32, pacer: &Pacer, mb: &mut Mailbox, em: &mut Emitter<S>) {
+    let mut rng = Rng::new(p.seed, cpu);
+    let mut msg = [0u8; TEXT_MAX_MSG];
+    for i in 0..p.events {
+        pacer.wait(i, mb);
+        let r = rng.next();
+        match r % 8 {
+            0..=3 => em.marker(r >> 8),
+            4 | 5 => em.span((r >> 16) & 0xffff, (r >> 32) & 0xf_ffff),
+            _ => {
+                let len = 1 + ((r >> 24) as usize) % TEXT_MAX_MSG;
+                let n = fill_text(&mut msg[..len], cpu, i);
+                em.text(&msg[..n]);
+            }
+        }
+    }
+}
+
+/// Fills `buf` with "vcpu C event I " followed by a letter pattern; returns its length.
+fn fill_text(buf: &mut [u8], cpu: u32, i: u64) -> usize {
+    let mut n = 0;
+    let cap = buf.len();
+    let mut put = |b: u8, n: &mut usize| {
+        if *n < cap {
+            buf[*n] = b;
+            *n += 1;
+        }
+    };
+    for &b in b"vcpu " {
+        put(b, &mut n);
+    }
+    for b in Dec::new(u64::from(cpu)).bytes() {
+        put(b, &mut n);
+    }
+    for &b in b" event " {
+        put(b, &mut n);
+    }
+    for b in Dec::new(i).bytes() {
+        put(b, &mut n);
+    }
+    put(b' ', &mut n);
+    let mut k = 0u8;
+    while n < cap {
+        put(b'a' + k % 26, &mut n);
+        k = k.wrapping_add(1);
+    }
+    n
+}
+
+/// Decimal digits of a u64 without allocation.
+struct Dec {
+    digits: [u8; 20],
+    start: usize,
+}
+
+impl Dec {
+    fn new(mut v: u64) -> Self {
+        let mut digits = [0u8; 20];
+        let mut start = 20;
+        loop {
+            start -= 1;
+            digits[start] = b'0' + (v % 10) as u8;
+            v /= 10;
+            if v == 0 {
+                break;
+            }
+        }
+        Self { digits, start }
+    }
+
+    fn bytes(&self) -> impl Iterator<Item = u8> + '_ {
+        self.digits[self.start..].iter().copied()
+    }
+}

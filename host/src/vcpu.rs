@@ -1,0 +1,224 @@
+//! The vCPU run loop (one host thread per vCPU), its outcome, and the kick that makes
+//! a vCPU leave `KVM_RUN` when a stop is requested.
+//!
+//! Stop protocol: the stopper sets the shared stop flag, then sends [`kick_signal`] to
+//! every vCPU thread. The signal's handler sets `immediate_exit` in the thread's own
+//! `kvm_run` (found through a thread-local pointer), so `KVM_RUN` returns `EINTR` whether
+//! the signal lands during the ioctl (it interrupts it) or just before it (the next
+//! entry returns at once); the loop then sees the flag and returns `Stopped`.
+
+use std::cell::Cell;
+use std::ptr;
+use std::sync::atomic::Ordering;
+use std::sync::OnceLock;
+
+use hyptrace_abi::guest::{result, PANIC_MSG_MAX, PORT_EXIT, PORT_PANIC};
+use kvm_ioctls::{VcpuExit, VcpuFd};
+use libc::{c_int, c_void, siginfo_t};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+
+use crate::vm::Shared;
+
+/// Counters a finished vCPU reported in its result slot.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct VcpuStats {
+    /// Events the workload attempted.
+    pub attempted: u64,
+    /// Events skipped because they were disabled.
+    pub skipped: u64,
+    /// Guest TSC when the workload started (right after entry).
+    pub tsc_start: u64,
+    /// Guest TSC when it ended.
+    pub tsc_end: u64,
+    /// Mailbox requests the guest served.
+    pub mailbox_served: u64,
+}
+
+/// How a vCPU ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum VcpuOutcome {
+    /// The workload completed and reported through `PORT_EXIT`.
+    Finished(VcpuStats),
+    /// The guest panicked (message from its result slot).
+    Panicked(String),
+    /// The guest crashed: triple fault (`KVM_EXIT_SHUTDOWN`), KVM internal error, failed
+    /// entry, access to unbacked memory, or an unexpected exit.
+    Faulted(String),
+    /// Stopped on request before it finished.
+    Stopped,
+    /// A host-side failure (an ioctl failed, the thread died).
+    Error(String),
+}
+
+impl VcpuOutcome {
+    /// Whether the guest crashed (panic or fault).
+    pub fn is_crash(&self) -> bool {
+        matches!(self, Self::Panicked(_) | Self::Faulted(_))
+    }
+}
+
+thread_local! {
+    /// `&kvm_run.immediate_exit` of the vCPU this thread runs, or null.
+    static IMMEDIATE_EXIT: Cell<*mut u8> = const { Cell::new(ptr::null_mut()) };
+}
+
+extern "C" fn kick_handler(_: c_int, _: *mut siginfo_t, _: *mut c_void) {
+    let p = IMMEDIATE_EXIT.with(Cell::get);
+    if !p.is_null() {
+        // SAFETY: the pointer was set by this very thread from its `VcpuFd`'s mmapped
+        // `kvm_run` and is cleared before that `VcpuFd` is dropped, so it is valid here;
+        // `immediate_exit` is a byte userspace may set at any time (KVM API).
+        unsafe { p.write_volatile(1) };
+    }
+}
+
+/// The real-time signal used to kick vCPU threads out of `KVM_RUN`.
+pub fn kick_signal() -> c_int {
+    vmm_sys_util::signal::SIGRTMIN()
+}
+
+/// Installs the kick handler (once per process).
+pub(crate) fn install_kick_handler() -> Result<(), String> {
+    static DONE: OnceLock<Result<(), String>> = OnceLock::new();
+    DONE.get_or_init(|| {
+        vmm_sys_util::signal::register_signal_handler(kick_signal(), kick_handler)
+            .map_err(|e| format!("cannot install the vCPU kick signal handler: {e}"))
+    })
+    .clone()
+}
+
+fn read_u64(mem: &GuestMemoryMmap, gpa: u64) -> u64 {
+    mem.read_obj::<u64>(GuestAddress(gpa)).unwrap_or(0)
+}
+
+fn read_stats(mem: &GuestMemoryMmap, slot: u64) -> VcpuStats {
+    VcpuStats {
+        attempted: read_u64(mem, slot + result::ATTEMPTED as u64),
+        skipped: read_u64(mem, slot + result::SKIPPED as u64),
+        tsc_start: read_u64(mem, slot + result::TSC_START as u64),
+        tsc_end: read_u64(mem, slot + result::TSC_END as u64),
+        mailbox_served: read_u64(mem, slot + result::MAILBOX_SERVED as u64),
+    }
+}
+
+fn read_panic(mem: &GuestMemoryMmap, slot: u64, len: u32) -> String {
+    let len = (len as usize).min(PANIC_MSG_MAX);
+    let mut buf = vec![0u8; len];
+    if mem
+        .read_slice(&mut buf, GuestAddress(slot + result::MSG as u64))
+        .is_err()
+    {
+        return String::from("<unreadable panic message>");
+    }
+    String::from_utf8_lossy(&buf).into_owned()
+}
+
+fn le_u32(data: &[u8]) -> u32 {
+    let mut b = [0u8; 4];
+    let n = data.len().min(4);
+    b[..n].copy_from_slice(&data[..n]);
+    u32::from_le_bytes(b)
+}
+
+/// Where the guest was when it crashed, for the message.
+fn where_(fd: &VcpuFd) -> String {
+    match (fd.get_regs(), fd.get_sregs()) {
+        (Ok(r), Ok(s)) => format!(
+            " (rip {:#x}, rsp {:#x}, rflags {:#x}, cs {:#x}, cr2 {:#x})",
+            r.rip, r.rsp, r.rflags, s.cs.selector, s.cr2
+        ),
+        _ => String::new(),
+    }
+}
+
+fn internal_suberror(fd: &mut VcpuFd) -> u32 {
+    let run = fd.get_kvm_run();
+    // SAFETY: called right after KVM_RUN returned KVM_EXIT_INTERNAL_ERROR, for which the
+    // kernel fills the `internal` member of the union; it is plain data.
+    unsafe { run.__bindgen_anon_1.internal.suberror }
+}
+
+/// Runs vCPU `id` until it finishes, crashes or is stopped.
+pub(crate) fn run(
+    id: u32,
+    mut fd: VcpuFd,
+    mem: GuestMemoryMmap,
+    slot: u64,
+    shared: &Shared,
+) -> VcpuOutcome {
+    IMMEDIATE_EXIT.with(|p| p.set(ptr::addr_of_mut!(fd.get_kvm_run().immediate_exit)));
+    let outcome = run_loop(id, &mut fd, &mem, slot, shared);
+    IMMEDIATE_EXIT.with(|p| p.set(ptr::null_mut()));
+    outcome
+}
+
+fn run_loop(
+    id: u32,
+    fd: &mut VcpuFd,
+    mem: &GuestMemoryMmap,
+    slot: u64,
+    shared: &Shared,
+) -> VcpuOutcome {
+    loop {
+        if shared.stop.load(Ordering::SeqCst) {
+            return VcpuOutcome::Stopped;
+        }
+        let exit = match fd.run() {
+            Ok(exit) => exit,
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
+                fd.set_kvm_immediate_exit(0);
+                continue;
+            }
+            Err(e) => return VcpuOutcome::Error(format!("KVM_RUN failed: {e}")),
+        };
+        match exit {
+            VcpuExit::IoOut(PORT_EXIT, data) => {
+                let who = le_u32(data);
+                if who != id {
+                    return VcpuOutcome::Faulted(format!("vCPU {id} reported exit as vCPU {who}"));
+                }
+                return VcpuOutcome::Finished(read_stats(mem, slot));
+            }
+            VcpuExit::IoOut(PORT_PANIC, data) => {
+                let len = le_u32(data);
+                return VcpuOutcome::Panicked(read_panic(mem, slot, len));
+            }
+            VcpuExit::IoOut(port, _) => {
+                return VcpuOutcome::Faulted(format!("unexpected write to I/O port {port:#x}"));
+            }
+            VcpuExit::IoIn(port, _) => {
+                return VcpuOutcome::Faulted(format!("unexpected read of I/O port {port:#x}"));
+            }
+            VcpuExit::Intr => continue,
+            VcpuExit::Shutdown => {
+                return VcpuOutcome::Faulted(format!(
+                    "guest fault: triple fault (KVM_EXIT_SHUTDOWN){}",
+                    where_(fd)
+                ));
+            }
+            VcpuExit::InternalError => {
+                let sub = internal_suberror(fd);
+                return VcpuOutcome::Faulted(format!(
+                    "KVM internal error (suberror {sub}){}",
+                    where_(fd)
+                ));
+            }
+            VcpuExit::FailEntry(reason, cpu) => {
+                return VcpuOutcome::Faulted(format!(
+                    "VM entry failed (hardware reason {reason:#x}, host cpu {cpu})"
+                ));
+            }
+            VcpuExit::MmioRead(addr, _) | VcpuExit::MmioWrite(addr, _) => {
+                return VcpuOutcome::Faulted(format!(
+                    "access to unbacked guest-physical address {addr:#x}{}",
+                    where_(fd)
+                ));
+            }
+            VcpuExit::Hlt => return VcpuOutcome::Faulted(format!("guest halted{}", where_(fd))),
+            other => {
+                let what = format!("{other:?}");
+                return VcpuOutcome::Faulted(format!("unexpected exit {what}{}", where_(fd)));
+            }
+        }
+    }
+}

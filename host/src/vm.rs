@@ -1,0 +1,521 @@
+//! The VM: creation (memory, page tables, vCPUs), start (one thread per vCPU), stop and
+//! outcomes.
+
+use std::borrow::Cow;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use hyptrace_abi::guest::{
+    params, Workload, RUN_PARAMS_MAGIC, RUN_PARAMS_SIZE, RUN_PARAMS_VERSION, VCPU_RESULT_SIZE,
+};
+use kvm_bindings::{kvm_userspace_memory_region, KVM_MAX_CPUID_ENTRIES};
+use kvm_ioctls::{Kvm, VcpuFd, VmFd};
+use vm_memory::{
+    Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion, VolatileSlice,
+};
+use vmm_sys_util::signal::Killable;
+
+use crate::arch;
+use crate::elf::GuestImage;
+use crate::error::{Error, Result};
+use crate::layout::{Layout, KVM_TSS_ADDR};
+use crate::vcpu::{self, VcpuOutcome};
+
+/// What to build.
+#[derive(Clone, Debug)]
+pub struct VmConfig {
+    /// Number of vCPUs (1..=[`crate::layout::MAX_VCPUS`] and KVM's limit).
+    pub vcpus: u32,
+    /// Guest memory size: a multiple of 2 MiB, at most 3 GiB.
+    pub mem_bytes: u64,
+    /// The guest payload (a static x86-64 ELF executable), e.g. [`crate::GUEST_ELF`].
+    pub guest_elf: Cow<'static, [u8]>,
+    /// Size of the trace region (rdi at entry), placed 2 MiB-aligned.
+    pub trace_region_bytes: u64,
+}
+
+/// What the guest runs (the host side of the RunParams block). `nr_vcpus` and
+/// `tsc_khz` are filled in by the VM.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RunParams {
+    /// Workload.
+    pub workload: Workload,
+    /// Events per vCPU.
+    pub events: u64,
+    /// Events per second per vCPU, 0 = as fast as possible.
+    pub rate: u64,
+    /// Seed of the pseudo-random choices.
+    pub seed: u64,
+    /// `RUN_FLAG_*` of `hyptrace_abi::guest`.
+    pub flags: u32,
+    /// Events per burst for the burst workload (0 = the guest's default, 1024).
+    pub burst: u32,
+}
+
+/// Default seed of [`RunParams`].
+pub const DEFAULT_SEED: u64 = 0x6879_7074_7261_6365;
+
+impl Default for RunParams {
+    fn default() -> Self {
+        Self {
+            workload: Workload::Steady,
+            events: 0,
+            rate: 0,
+            seed: DEFAULT_SEED,
+            flags: 0,
+            burst: 0,
+        }
+    }
+}
+
+/// The trace region: a page-aligned range of guest memory the ring-buffer reader
+/// initialises and reads while the guest writes it.
+///
+/// It holds a handle on guest memory, so the mapping stays valid for as long as this
+/// value (or a clone) lives, even after the VM is gone. The guest's vCPUs write the
+/// same bytes concurrently: access it only through atomics or volatile accesses (or
+/// [`VolatileSlice`]), never through `&`/`&mut` references to the bytes while the VM
+/// runs.
+#[derive(Clone, Debug)]
+pub struct TraceRegion {
+    memory: GuestMemoryMmap,
+    gpa: u64,
+    len: usize,
+}
+
+impl TraceRegion {
+    /// Guest-physical (= guest-virtual) address.
+    pub fn gpa(&self) -> u64 {
+        self.gpa
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it is empty (never, for a VM).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Host address of the first byte; valid for `len()` bytes while `self` lives.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.memory
+            .get_host_address(GuestAddress(self.gpa))
+            .expect("trace region is in guest memory")
+    }
+
+    /// `(gpa, host pointer, len)`.
+    pub fn raw_parts(&self) -> (u64, *mut u8, usize) {
+        (self.gpa, self.as_ptr(), self.len)
+    }
+
+    /// The region as a volatile slice.
+    pub fn as_volatile_slice(&self) -> VolatileSlice<'_, vm_memory::bitmap::BS<'_, ()>> {
+        self.memory
+            .get_slice(GuestAddress(self.gpa), self.len)
+            .expect("trace region is in guest memory")
+    }
+
+    /// Guest memory the region lives in.
+    pub fn memory(&self) -> &GuestMemoryMmap {
+        &self.memory
+    }
+}
+
+/// A created VM, ready to start.
+pub struct Vm {
+    _kvm: Kvm,
+    vm_fd: VmFd,
+    memory: GuestMemoryMmap,
+    layout: Layout,
+    vcpus: Vec<VcpuFd>,
+    tsc_khz: u64,
+    entry: u64,
+}
+
+fn open_kvm() -> Result<Kvm> {
+    Kvm::new().map_err(|e| {
+        let why = match e.errno() {
+            libc::ENOENT | libc::ENODEV | libc::ENXIO => {
+                "not available (no such device)".to_string()
+            }
+            libc::EACCES | libc::EPERM => "permission denied (need read/write access)".to_string(),
+            _ => e.to_string(),
+        };
+        Error::KvmUnavailable(why)
+    })
+}
+
+/// Host TSC now.
+pub fn host_tsc() -> u64 {
+    // SAFETY: `rdtsc` has no preconditions on x86-64 (it only reads the counter).
+    unsafe { core::arch::x86_64::_rdtsc() }
+}
+
+/// TSC frequency measured against the monotonic clock (when KVM cannot say).
+fn calibrate_tsc_khz() -> u64 {
+    let t0 = Instant::now();
+    let c0 = host_tsc();
+    std::thread::sleep(Duration::from_millis(20));
+    let c1 = host_tsc();
+    let ns = t0.elapsed().as_nanos().max(1) as u64;
+    c1.wrapping_sub(c0).saturating_mul(1_000_000) / ns
+}
+
+impl Vm {
+    /// Creates the VM: checks the image and layout, opens KVM, creates and fills guest
+    /// memory (tables, image), and the vCPUs at their entry state.
+    pub fn new(cfg: VmConfig) -> Result<Self> {
+        let image = GuestImage::parse(&cfg.guest_elf)?;
+        let layout = Layout::new(&image, cfg.vcpus, cfg.mem_bytes, cfg.trace_region_bytes)?;
+        if image.end > cfg.mem_bytes {
+            return Err(Error::ImageOutsideMemory {
+                start: image.start,
+                end: image.end,
+                mem_bytes: cfg.mem_bytes,
+            });
+        }
+
+        let kvm = open_kvm()?;
+        let max = kvm.get_max_vcpus() as u32;
+        if cfg.vcpus > max {
+            return Err(Error::TooManyVcpus {
+                want: cfg.vcpus,
+                max,
+            });
+        }
+        let vm_fd = kvm.create_vm().map_err(Error::kvm("KVM_CREATE_VM"))?;
+        vm_fd
+            .set_tss_address(KVM_TSS_ADDR as usize)
+            .map_err(Error::kvm("KVM_SET_TSS_ADDR"))?;
+
+        let memory = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), cfg.mem_bytes as usize)])
+            .map_err(|e| Error::Memory(e.to_string()))?;
+        for (slot, region) in memory.iter().enumerate() {
+            let host = region
+                .get_host_address(vm_memory::MemoryRegionAddress(0))
+                .map_err(|e| Error::Memory(e.to_string()))?;
+            let r = kvm_userspace_memory_region {
+                slot: slot as u32,
+                flags: 0,
+                guest_phys_addr: region.start_addr().0,
+                memory_size: region.len(),
+                userspace_addr: host as u64,
+            };
+            // SAFETY: the region is a live mmap owned by `memory`, which the VM keeps
+            // (and the trace region clones) for at least as long as the VM fd exists; it
+            // is registered once, in a slot of its own.
+            unsafe { vm_fd.set_user_memory_region(r) }
+                .map_err(Error::kvm("KVM_SET_USER_MEMORY_REGION"))?;
+        }
+
+        arch::setup_memory(&memory, &layout).map_err(|e| Error::Memory(e.to_string()))?;
+        for seg in &image.segments {
+            let bytes = &cfg.guest_elf[seg.offset as usize..(seg.offset + seg.filesz) as usize];
+            memory
+                .write_slice(bytes, GuestAddress(seg.paddr))
+                .map_err(|e| Error::Memory(e.to_string()))?;
+            // Fresh anonymous memory is zero already: .bss needs nothing.
+        }
+
+        let cpuid = kvm
+            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+            .map_err(Error::kvm("KVM_GET_SUPPORTED_CPUID"))?;
+        let mut vcpus = Vec::with_capacity(cfg.vcpus as usize);
+        for id in 0..cfg.vcpus {
+            let fd = vm_fd
+                .create_vcpu(u64::from(id))
+                .map_err(Error::kvm("KVM_CREATE_VCPU"))?;
+            arch::setup_vcpu(&fd, &cpuid, id, &layout, image.entry)
+                .map_err(Error::kvm("vCPU set-up"))?;
+            vcpus.push(fd);
+        }
+        let tsc_khz = match vcpus[0].get_tsc_khz() {
+            Ok(k) if k > 0 => u64::from(k),
+            _ => calibrate_tsc_khz(),
+        };
+
+        Ok(Self {
+            _kvm: kvm,
+            vm_fd,
+            memory,
+            layout,
+            vcpus,
+            tsc_khz,
+            entry: image.entry,
+        })
+    }
+
+    /// The memory map.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// Guest memory.
+    pub fn memory(&self) -> &GuestMemoryMmap {
+        &self.memory
+    }
+
+    /// The trace region (see [`TraceRegion`] for lifetime and aliasing rules).
+    pub fn trace_region(&self) -> TraceRegion {
+        TraceRegion {
+            memory: self.memory.clone(),
+            gpa: self.layout.trace_gpa,
+            len: self.layout.trace_len as usize,
+        }
+    }
+
+    /// GPA of the RunParams block (rdx at entry); result slots follow at +128.
+    pub fn params_gpa(&self) -> u64 {
+        self.layout.params_gpa
+    }
+
+    /// TSC frequency of the vCPUs in kHz (`KVM_GET_TSC_KHZ`, else measured).
+    pub fn tsc_khz(&self) -> u64 {
+        self.tsc_khz
+    }
+
+    /// Entry point of the guest image.
+    pub fn entry(&self) -> u64 {
+        self.entry
+    }
+
+    /// Number of vCPUs.
+    pub fn vcpu_count(&self) -> u32 {
+        self.layout.vcpus
+    }
+
+    fn write_params(&self, p: &RunParams) -> Result<()> {
+        let base = self.layout.params_gpa;
+        let m = &self.memory;
+        let w64 = |off: usize, v: u64| m.write_obj(v, GuestAddress(base + off as u64));
+        let w32 = |off: usize, v: u32| m.write_obj(v, GuestAddress(base + off as u64));
+        let zero = vec![0u8; RUN_PARAMS_SIZE + self.layout.vcpus as usize * VCPU_RESULT_SIZE];
+        m.write_slice(&zero, GuestAddress(base))
+            .and_then(|()| w64(params::MAGIC, RUN_PARAMS_MAGIC))
+            .and_then(|()| w32(params::VERSION, RUN_PARAMS_VERSION))
+            .and_then(|()| w32(params::SIZE, RUN_PARAMS_SIZE as u32))
+            .and_then(|()| w32(params::WORKLOAD, p.workload as u32))
+            .and_then(|()| w32(params::NR_VCPUS, self.layout.vcpus))
+            .and_then(|()| w64(params::EVENTS, p.events))
+            .and_then(|()| w64(params::RATE, p.rate))
+            .and_then(|()| w64(params::TSC_KHZ, self.tsc_khz))
+            .and_then(|()| w64(params::SEED, p.seed))
+            .and_then(|()| w32(params::FLAGS, p.flags))
+            .and_then(|()| w32(params::BURST, p.burst))
+            .and_then(|()| w64(params::RESULTS_OFF, RUN_PARAMS_SIZE as u64))
+            .map_err(|e| Error::Memory(e.to_string()))
+    }
+
+    /// Writes the run parameters and starts one thread per vCPU.
+    pub fn start(self, p: &RunParams) -> Result<RunningVm> {
+        self.write_params(p)?;
+        vcpu::install_kick_handler().map_err(Error::Host)?;
+        let shared = Arc::new(Shared {
+            stop: AtomicBool::new(false),
+            crashed: AtomicBool::new(false),
+            done: Mutex::new(0),
+            cv: Condvar::new(),
+        });
+        let started_at = Instant::now();
+        let start_tsc = host_tsc();
+        let n = self.vcpus.len();
+        let mut running = RunningVm {
+            _vm_fd: self.vm_fd,
+            memory: self.memory,
+            layout: self.layout,
+            tsc_khz: self.tsc_khz,
+            threads: Vec::with_capacity(n),
+            shared,
+            started_at,
+            start_tsc,
+        };
+        for (id, fd) in self.vcpus.into_iter().enumerate() {
+            let id = id as u32;
+            let mem = running.memory.clone();
+            let slot = running.layout.result_slot(id);
+            let shared = Arc::clone(&running.shared);
+            let spawned = std::thread::Builder::new()
+                .name(format!("vcpu{id}"))
+                .spawn(move || {
+                    let out = vcpu::run(id, fd, mem, slot, &shared);
+                    if out.is_crash() || matches!(out, VcpuOutcome::Error(_)) {
+                        shared.crashed.store(true, Ordering::SeqCst);
+                    }
+                    *shared.done.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+                    shared.cv.notify_all();
+                    out
+                });
+            match spawned {
+                Ok(h) => running.threads.push(h),
+                Err(e) => {
+                    // Dropping `running` stops and joins the threads started so far.
+                    return Err(Error::Host(format!(
+                        "cannot start the thread of vCPU {id}: {e}"
+                    )));
+                }
+            }
+        }
+        Ok(running)
+    }
+}
+
+/// State shared by the vCPU threads and the [`RunningVm`].
+pub(crate) struct Shared {
+    pub(crate) stop: AtomicBool,
+    crashed: AtomicBool,
+    done: Mutex<usize>,
+    cv: Condvar,
+}
+
+/// A started VM: its vCPU threads are running.
+pub struct RunningVm {
+    _vm_fd: VmFd,
+    memory: GuestMemoryMmap,
+    layout: Layout,
+    tsc_khz: u64,
+    threads: Vec<JoinHandle<VcpuOutcome>>,
+    shared: Arc<Shared>,
+    started_at: Instant,
+    start_tsc: u64,
+}
+
+impl RunningVm {
+    /// Whether every vCPU thread has ended.
+    pub fn is_finished(&self) -> bool {
+        *self.shared.done.lock().unwrap_or_else(|e| e.into_inner()) >= self.threads.len()
+    }
+
+    /// Waits up to `timeout` for every vCPU to end; returns [`Self::is_finished`].
+    pub fn wait_timeout(&self, timeout: Duration) -> bool {
+        let n = self.threads.len();
+        let done = self.shared.done.lock().unwrap_or_else(|e| e.into_inner());
+        let (done, _) = self
+            .shared
+            .cv
+            .wait_timeout_while(done, timeout, |d| *d < n)
+            .unwrap_or_else(|e| e.into_inner());
+        *done >= n
+    }
+
+    /// Whether a vCPU has crashed (panic, fault) or failed.
+    pub fn any_crashed(&self) -> bool {
+        self.shared.crashed.load(Ordering::SeqCst)
+    }
+
+    /// Asks every vCPU to stop: each leaves `KVM_RUN` promptly, even if the guest spins.
+    /// Idempotent; vCPUs that already ended keep their outcome.
+    pub fn stop(&self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        for h in &self.threads {
+            if !h.is_finished() {
+                // An error only means the thread has just exited.
+                let _ = h.kill(vcpu::kick_signal());
+            }
+        }
+    }
+
+    /// Waits for every vCPU thread and returns the outcomes, by vCPU id.
+    pub fn wait(mut self) -> Vec<VcpuOutcome> {
+        std::mem::take(&mut self.threads)
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| VcpuOutcome::Error("vCPU thread panicked".into()))
+            })
+            .collect()
+    }
+
+    /// The trace region (see [`TraceRegion`]).
+    pub fn trace_region(&self) -> TraceRegion {
+        TraceRegion {
+            memory: self.memory.clone(),
+            gpa: self.layout.trace_gpa,
+            len: self.layout.trace_len as usize,
+        }
+    }
+
+    /// Guest memory.
+    pub fn memory(&self) -> &GuestMemoryMmap {
+        &self.memory
+    }
+
+    /// The memory map.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// TSC frequency in kHz.
+    pub fn tsc_khz(&self) -> u64 {
+        self.tsc_khz
+    }
+
+    /// When [`Vm::start`] started the threads.
+    pub fn started_at(&self) -> Instant {
+        self.started_at
+    }
+
+    /// Host TSC just before the threads started. A vCPU's [`vcpu::VcpuStats::tsc_start`]
+    /// minus this is the start latency (guest and host TSCs agree under PVM; on hardware
+    /// KVM mind the vCPU TSC offset).
+    pub fn start_tsc(&self) -> u64 {
+        self.start_tsc
+    }
+}
+
+impl Drop for RunningVm {
+    fn drop(&mut self) {
+        if !self.threads.is_empty() {
+            self.stop();
+            for h in self.threads.drain(..) {
+                let _ = h.join();
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::GUEST_ELF;
+
+    fn kvm_present() -> bool {
+        std::path::Path::new("/dev/kvm").exists()
+    }
+
+    fn boot(vcpus: u32, p: &RunParams) -> Vec<VcpuOutcome> {
+        let vm = Vm::new(VmConfig {
+            vcpus,
+            mem_bytes: 16 << 20,
+            guest_elf: GUEST_ELF.into(),
+            trace_region_bytes: 1 << 20,
+        })
+        .expect("create VM");
+        vm.start(p).expect("start").wait()
+    }
+
+    #[test]
+    fn boots_steady_and_reports_counts() {
+        if !kvm_present() {
+            eprintln!("SKIP: /dev/kvm not available");
+            return;
+        }
+        let out = boot(
+            2,
+            &RunParams {
+                events: 1000,
+                ..Default::default()
+            },
+        );
+        for o in &out {
+            match o {
+                VcpuOutcome::Finished(s) => assert_eq!(s.attempted, 1000),
+                o => panic!("unexpected outcome {o:?}"),
+            }
+        }
+    }
+}
