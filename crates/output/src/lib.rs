@@ -7,6 +7,7 @@ mod error;
 mod export;
 pub mod format;
 mod sink;
+mod sinks;
 pub mod text;
 pub mod tracedat;
 
@@ -18,6 +19,8 @@ pub use export::{
 };
 pub use format::{guest_formats, EventFormat, Field};
 pub use sink::{CpuStats, PageSink, RunSummary, TraceMeta};
+pub use sinks::{JsonSink, RawSink, RawTrace, TextSink, JSON_PID, RAW_MAGIC};
+pub use text::{format_drop, format_event, format_guest_line, guest_printers, EventPrinter};
 pub use tracedat::{
     write_trace_dat, TraceDatSink, TraceDatVersion, TraceFile, TraceItem, TraceRecord,
 };

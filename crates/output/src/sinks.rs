@@ -1,0 +1,607 @@
+//! Sinks besides trace.dat: text (`trace-cmd report -t` lines), Chrome trace-event
+//! JSON, and raw page streams (`--format raw`).
+
+use std::collections::BTreeMap;
+use std::fs::{self, File};
+use std::io::{self, BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use hyptrace_abi::page::{page_header, Events, PAGE_HEADER_SIZE};
+
+use crate::clock::{Clock, TscConversion};
+use crate::export::{commit_len, export_page_into, page_missed, Missed};
+use crate::format::EventFormat;
+use crate::sink::{CpuStats, PageSink, RunSummary, TraceMeta};
+use crate::text::{comm_of, field_bytes, field_int, format_drop, format_event, EventPrinter};
+use crate::OutputError;
+
+/// A file written under a temporary name and renamed into place by `commit`; removed
+/// if dropped before.
+struct AtomicFile {
+    path: PathBuf,
+    tmp: PathBuf,
+    w: Option<BufWriter<File>>,
+}
+
+impl AtomicFile {
+    fn create(path: &Path) -> Result<Self, OutputError> {
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "out".into());
+        let tmp = path.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
+        let f = File::create(&tmp).map_err(|e| OutputError::io(&tmp, e))?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            tmp,
+            w: Some(BufWriter::new(f)),
+        })
+    }
+
+    fn commit(mut self) -> Result<(), OutputError> {
+        let w = self
+            .w
+            .take()
+            .ok_or_else(|| OutputError::BadMeta("file already closed".into()))?;
+        let f = w
+            .into_inner()
+            .map_err(|e| OutputError::io(&self.tmp, e.into_error()))?;
+        f.sync_all().map_err(|e| OutputError::io(&self.tmp, e))?;
+        drop(f);
+        fs::rename(&self.tmp, &self.path).map_err(|e| OutputError::io(&self.path, e))
+    }
+}
+
+impl Write for AtomicFile {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match &mut self.w {
+            Some(w) => w.write(buf),
+            None => Err(io::Error::other("closed")),
+        }
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        match &mut self.w {
+            Some(w) => w.flush(),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for AtomicFile {
+    fn drop(&mut self) {
+        if self.w.take().is_some() {
+            let _ = fs::remove_file(&self.tmp);
+        }
+    }
+}
+
+/// Where a streaming sink writes.
+enum Out {
+    File(AtomicFile),
+    Writer(Box<dyn Write + Send>),
+}
+
+impl Out {
+    fn w(&mut self) -> &mut dyn Write {
+        match self {
+            Out::File(f) => f,
+            Out::Writer(w) => w,
+        }
+    }
+
+    fn close(self) -> Result<(), OutputError> {
+        match self {
+            Out::File(f) => f.commit(),
+            Out::Writer(mut w) => w.flush().map_err(OutputError::from),
+        }
+    }
+}
+
+/// Decodes the events of an exported page: `(raw ts, payload)`; stops at the first
+/// decode error (returned as `Err` with the events before it).
+fn page_events(page: &[u8]) -> (u64, Vec<(u64, &[u8])>, Option<String>) {
+    let Some((ts, _)) = page_header(page) else {
+        return (0, Vec::new(), Some("short page".into()));
+    };
+    let len = commit_len(page).unwrap_or(0);
+    let Some(area) = page.get(PAGE_HEADER_SIZE..PAGE_HEADER_SIZE + len) else {
+        return (ts, Vec::new(), Some("commit past the page".into()));
+    };
+    let mut out = Vec::new();
+    for e in Events::new(area, ts) {
+        match e {
+            Ok(e) => out.push((e.ts, e.payload)),
+            Err(err) => return (ts, out, Some(err.to_string())),
+        }
+    }
+    (ts, out, None)
+}
+
+/// Text sink: `cpus=N`, then for each page (in arrival order) its drop marker and its
+/// events, formatted exactly like `trace-cmd report -t` lines. Lines are not merged
+/// across CPUs (for a time-sorted listing, write a trace.dat and use [`crate::TraceFile::report`]).
+pub struct TextSink {
+    meta: TraceMeta,
+    printers: BTreeMap<u16, EventPrinter>,
+    out: Option<Out>,
+    scratch: Vec<u8>,
+    line: String,
+}
+
+impl TextSink {
+    /// Text into the file `path` (temporary name, renamed at `finish`).
+    pub fn create(path: impl AsRef<Path>, meta: TraceMeta) -> Result<Self, OutputError> {
+        Self::new(Out::File(AtomicFile::create(path.as_ref())?), meta)
+    }
+
+    /// Text into any writer (stdout...).
+    pub fn to_writer(w: Box<dyn Write + Send>, meta: TraceMeta) -> Result<Self, OutputError> {
+        Self::new(Out::Writer(w), meta)
+    }
+
+    fn new(mut out: Out, meta: TraceMeta) -> Result<Self, OutputError> {
+        meta.validate()?;
+        writeln!(out.w(), "cpus={}", meta.nr_cpus)?;
+        let printers = meta
+            .formats
+            .iter()
+            .map(|f| (f.id, EventPrinter::new(f.clone())))
+            .collect();
+        Ok(Self {
+            scratch: vec![0; meta.page_size],
+            meta,
+            printers,
+            out: Some(out),
+            line: String::new(),
+        })
+    }
+}
+
+impl PageSink for TextSink {
+    fn page(&mut self, cpu: u32, page: &[u8], missed: Option<u64>) -> Result<(), OutputError> {
+        self.meta.check_page(cpu, page)?;
+        export_page_into(cpu, page, missed, &mut self.scratch)?;
+        let missed = page_missed(&self.scratch);
+        let (_, events, _err) = page_events(&self.scratch);
+        let Some(out) = self.out.as_mut() else {
+            return Ok(());
+        };
+        let mut s = std::mem::take(&mut self.line);
+        s.clear();
+        if missed != Missed::None {
+            format_drop(&mut s, cpu, missed);
+            s.push('\n');
+        }
+        for (ts, payload) in events {
+            let ts_ns = self.meta.clock.to_ns(ts);
+            let id = payload
+                .get(..2)
+                .map_or(0, |b| u16::from_le_bytes([b[0], b[1]]));
+            let pid = payload
+                .get(4..8)
+                .map_or(-1, |b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+            let comm = comm_of(&self.meta.cmdlines, pid);
+            match self.printers.get(&id) {
+                Some(p) => {
+                    let mut fields = String::new();
+                    p.format_fields(&mut fields, payload);
+                    format_event(&mut s, comm, pid, cpu, ts_ns, &p.format.name, &fields);
+                }
+                None => format_event(
+                    &mut s,
+                    comm,
+                    pid,
+                    cpu,
+                    ts_ns,
+                    "[UNKNOWN EVENT]",
+                    &format!("id={id}"),
+                ),
+            }
+            s.push('\n');
+        }
+        let r = out.w().write_all(s.as_bytes());
+        self.line = s;
+        r.map_err(OutputError::from)
+    }
+
+    fn finish(mut self: Box<Self>, _summary: &RunSummary) -> Result<(), OutputError> {
+        match self.out.take() {
+            Some(o) => o.close(),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Formats `ns` as µs with 3 decimals (a JSON number).
+fn us(ns: u64) -> String {
+    format!("{}.{:03}", ns / 1000, ns % 1000)
+}
+
+fn json_str(s: &str) -> String {
+    serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into())
+}
+
+/// Event fields as a JSON object (integers as numbers, strings as strings).
+fn json_args(f: &EventFormat, payload: &[u8]) -> serde_json::Map<String, serde_json::Value> {
+    let mut m = serde_json::Map::new();
+    for fd in &f.fields {
+        let v = if fd.is_string() {
+            field_bytes(fd, payload)
+                .map(|b| serde_json::Value::from(String::from_utf8_lossy(b).into_owned()))
+        } else if fd.is_array() || fd.is_data_loc() || fd.is_rel_loc() {
+            field_bytes(fd, payload).map(|b| serde_json::Value::from(b.to_vec()))
+        } else {
+            field_int(fd, payload).map(|v| {
+                if fd.signed {
+                    serde_json::Value::from(v as i64)
+                } else {
+                    serde_json::Value::from(v)
+                }
+            })
+        };
+        m.insert(fd.name.clone(), v.unwrap_or(serde_json::Value::Null));
+    }
+    m
+}
+
+/// Chrome trace-event JSON sink (chrome://tracing, Perfetto): `pid` 1 (the VM), one
+/// track per vCPU (`tid` = vCPU number, `thread_name` metadata `vcpu<n>`), instant
+/// events (`ph: "i"`) for markers/text/other events, complete events (`ph: "X"`) for
+/// `guest:span` (the span event is written when the span ends: `ts = event − dur`,
+/// `dur` converted from TSC cycles), instant `lost events` markers (args `count`),
+/// timestamps in µs with 3 decimals (ns precision).
+pub struct JsonSink {
+    meta: TraceMeta,
+    out: Option<Out>,
+    scratch: Vec<u8>,
+    first: bool,
+}
+
+/// The JSON `pid` of the VM.
+pub const JSON_PID: u32 = 1;
+
+impl JsonSink {
+    /// JSON into the file `path` (temporary name, renamed at `finish`).
+    pub fn create(path: impl AsRef<Path>, meta: TraceMeta) -> Result<Self, OutputError> {
+        Self::new(Out::File(AtomicFile::create(path.as_ref())?), meta)
+    }
+
+    /// JSON into any writer.
+    pub fn to_writer(w: Box<dyn Write + Send>, meta: TraceMeta) -> Result<Self, OutputError> {
+        Self::new(Out::Writer(w), meta)
+    }
+
+    fn new(out: Out, meta: TraceMeta) -> Result<Self, OutputError> {
+        meta.validate()?;
+        let mut s = Self {
+            scratch: vec![0; meta.page_size],
+            meta,
+            out: Some(out),
+            first: true,
+        };
+        s.raw("{\"traceEvents\":[\n")?;
+        s.entry(&format!(
+            "{{\"name\":\"process_name\",\"ph\":\"M\",\"ts\":0,\"pid\":{JSON_PID},\"tid\":0,\"args\":{{\"name\":\"vm\"}}}}"
+        ))?;
+        for cpu in 0..s.meta.nr_cpus {
+            let name = s
+                .meta
+                .cmdlines
+                .get(&hyptrace_abi::events::vcpu_pid(cpu))
+                .cloned()
+                .unwrap_or_else(|| format!("vcpu{cpu}"));
+            s.entry(&format!(
+                "{{\"name\":\"thread_name\",\"ph\":\"M\",\"ts\":0,\"pid\":{JSON_PID},\"tid\":{cpu},\"args\":{{\"name\":{}}}}}",
+                json_str(&name)
+            ))?;
+        }
+        Ok(s)
+    }
+
+    fn raw(&mut self, s: &str) -> Result<(), OutputError> {
+        match self.out.as_mut() {
+            Some(o) => o.w().write_all(s.as_bytes()).map_err(OutputError::from),
+            None => Ok(()),
+        }
+    }
+
+    fn entry(&mut self, e: &str) -> Result<(), OutputError> {
+        let sep = if self.first { "" } else { ",\n" };
+        self.first = false;
+        self.raw(sep)?;
+        self.raw(e)
+    }
+}
+
+impl PageSink for JsonSink {
+    fn page(&mut self, cpu: u32, page: &[u8], missed: Option<u64>) -> Result<(), OutputError> {
+        self.meta.check_page(cpu, page)?;
+        export_page_into(cpu, page, missed, &mut self.scratch)?;
+        let scratch = std::mem::take(&mut self.scratch);
+        let r = self.page_inner(cpu, &scratch);
+        self.scratch = scratch;
+        r
+    }
+
+    fn finish(mut self: Box<Self>, _summary: &RunSummary) -> Result<(), OutputError> {
+        self.raw("\n],\"displayTimeUnit\":\"ns\"}\n")?;
+        match self.out.take() {
+            Some(o) => o.close(),
+            None => Ok(()),
+        }
+    }
+}
+
+impl JsonSink {
+    fn page_inner(&mut self, cpu: u32, page: &[u8]) -> Result<(), OutputError> {
+        let (page_ts, events, _err) = page_events(page);
+        let clock = self.meta.clock.clone();
+        match page_missed(page) {
+            Missed::None => {}
+            m => {
+                let args = match m {
+                    Missed::Count(n) => format!("{{\"count\":{n}}}"),
+                    _ => "{\"count\":null}".into(),
+                };
+                let ts = events.first().map_or(page_ts, |e| e.0);
+                self.entry(&format!(
+                    "{{\"name\":\"lost events\",\"cat\":\"hyptrace\",\"ph\":\"i\",\"s\":\"t\",\"ts\":{},\"pid\":{JSON_PID},\"tid\":{cpu},\"args\":{args}}}",
+                    us(clock.to_ns(ts))
+                ))?;
+            }
+        }
+        for (ts, payload) in events {
+            let ts_ns = clock.to_ns(ts);
+            let id = payload
+                .get(..2)
+                .map_or(0, |b| u16::from_le_bytes([b[0], b[1]]));
+            let (name, cat, args) = match self.meta.format(id) {
+                Some(f) => (f.name.clone(), f.system.clone(), json_args(f, payload)),
+                None => (
+                    format!("event_{id}"),
+                    "unknown".to_string(),
+                    serde_json::Map::new(),
+                ),
+            };
+            let is_span =
+                id == hyptrace_abi::events::SPAN_ID && cat == hyptrace_abi::events::SYSTEM;
+            let args_s = serde_json::to_string(&args).unwrap_or_else(|_| "{}".into());
+            let e = if is_span {
+                let dur_cyc = args
+                    .get("dur")
+                    .and_then(serde_json::Value::as_u64)
+                    .unwrap_or(0);
+                let dur_ns = clock.duration_ns(dur_cyc);
+                format!(
+                    "{{\"name\":{},\"cat\":{},\"ph\":\"X\",\"ts\":{},\"dur\":{},\"pid\":{JSON_PID},\"tid\":{cpu},\"args\":{args_s}}}",
+                    json_str(&name),
+                    json_str(&cat),
+                    us(ts_ns.saturating_sub(dur_ns)),
+                    us(dur_ns)
+                )
+            } else {
+                format!(
+                    "{{\"name\":{},\"cat\":{},\"ph\":\"i\",\"s\":\"t\",\"ts\":{},\"pid\":{JSON_PID},\"tid\":{cpu},\"args\":{args_s}}}",
+                    json_str(&name),
+                    json_str(&cat),
+                    us(ts_ns)
+                )
+            };
+            self.entry(&e)?;
+        }
+        Ok(())
+    }
+}
+
+/// Magic of a raw page stream.
+pub const RAW_MAGIC: &[u8; 8] = b"HTRAWPG1";
+const RAW_TAG_PAGE: u32 = 1;
+const RAW_TAG_END: u32 = 2;
+
+/// Raw sink (`--format raw`): the exported pages as they arrive, in a simple stream
+/// (all little-endian):
+///
+/// ```text
+/// header:  "HTRAWPG1" | u32 page_size | u32 nr_cpus | u32 mult | u32 shift | u64 offset
+///          | u32 clock_name_len | clock name bytes
+///          (mult = 0: timestamps are ns; else ns = ((ts - offset) * mult) >> shift)
+/// page:    u32 1 | u32 cpu | page_size bytes (exported copy: Linux buffer_data_page,
+///          tail zeroed, losses as RB_MISSED_* flags + count after the data)
+/// end:     u32 2 | u32 n | n × 8 u64 stats (entries, overrun, commit_overrun, bytes,
+///          oldest_event_ts, now_ts, dropped_events, read_events)
+/// ```
+///
+/// A stream without the end record was cut short; its pages are still readable.
+pub struct RawSink {
+    meta: TraceMeta,
+    out: Option<Out>,
+    scratch: Vec<u8>,
+}
+
+impl RawSink {
+    /// Raw stream into the file `path` (temporary name, renamed at `finish`).
+    pub fn create(path: impl AsRef<Path>, meta: TraceMeta) -> Result<Self, OutputError> {
+        Self::new(Out::File(AtomicFile::create(path.as_ref())?), meta)
+    }
+
+    /// Raw stream into any writer.
+    pub fn to_writer(w: Box<dyn Write + Send>, meta: TraceMeta) -> Result<Self, OutputError> {
+        Self::new(Out::Writer(w), meta)
+    }
+
+    fn new(mut out: Out, meta: TraceMeta) -> Result<Self, OutputError> {
+        meta.validate()?;
+        let mut h = RAW_MAGIC.to_vec();
+        h.extend_from_slice(&(meta.page_size as u32).to_le_bytes());
+        h.extend_from_slice(&meta.nr_cpus.to_le_bytes());
+        let t = meta.clock.tsc.unwrap_or(TscConversion {
+            mult: 0,
+            shift: 0,
+            offset: 0,
+        });
+        h.extend_from_slice(&t.mult.to_le_bytes());
+        h.extend_from_slice(&t.shift.to_le_bytes());
+        h.extend_from_slice(&t.offset.to_le_bytes());
+        h.extend_from_slice(&(meta.clock.name.len() as u32).to_le_bytes());
+        h.extend_from_slice(meta.clock.name.as_bytes());
+        out.w().write_all(&h)?;
+        Ok(Self {
+            scratch: vec![0; meta.page_size],
+            meta,
+            out: Some(out),
+        })
+    }
+}
+
+impl PageSink for RawSink {
+    fn page(&mut self, cpu: u32, page: &[u8], missed: Option<u64>) -> Result<(), OutputError> {
+        self.meta.check_page(cpu, page)?;
+        export_page_into(cpu, page, missed, &mut self.scratch)?;
+        let Some(out) = self.out.as_mut() else {
+            return Ok(());
+        };
+        let w = out.w();
+        w.write_all(&RAW_TAG_PAGE.to_le_bytes())?;
+        w.write_all(&cpu.to_le_bytes())?;
+        w.write_all(&self.scratch)?;
+        Ok(())
+    }
+
+    fn finish(mut self: Box<Self>, summary: &RunSummary) -> Result<(), OutputError> {
+        let Some(mut out) = self.out.take() else {
+            return Ok(());
+        };
+        let mut e = RAW_TAG_END.to_le_bytes().to_vec();
+        e.extend_from_slice(&(summary.cpus.len() as u32).to_le_bytes());
+        for s in &summary.cpus {
+            for v in [
+                s.entries,
+                s.overrun,
+                s.commit_overrun,
+                s.bytes,
+                s.oldest_event_ts,
+                s.now_ts,
+                s.dropped_events,
+                s.read_events,
+            ] {
+                e.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        out.w().write_all(&e)?;
+        out.close()
+    }
+}
+
+/// A parsed raw page stream.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RawTrace {
+    /// Page size.
+    pub page_size: usize,
+    /// CPU count.
+    pub nr_cpus: u32,
+    /// Clock.
+    pub clock: Clock,
+    /// Exported pages `(cpu, page)` in stream order.
+    pub pages: Vec<(u32, Vec<u8>)>,
+    /// Stats from the end record; `None` if the stream was cut short.
+    pub summary: Option<RunSummary>,
+}
+
+impl RawTrace {
+    /// Parses a raw page stream (hostile-safe).
+    pub fn parse(b: &[u8]) -> Result<Self, OutputError> {
+        let bad = |m: &str| OutputError::Raw(m.to_string());
+        let mut pos = 0usize;
+        let mut take = |n: usize| -> Result<&[u8], OutputError> {
+            let end = pos
+                .checked_add(n)
+                .filter(|&e| e <= b.len())
+                .ok_or_else(|| bad("truncated"))?;
+            let s = &b[pos..end];
+            pos = end;
+            Ok(s)
+        };
+        let u32_ = |s: &[u8]| u32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+        if take(8)? != RAW_MAGIC {
+            return Err(bad("bad magic"));
+        }
+        let page_size = u32_(take(4)?) as usize;
+        crate::export::check_page_size(page_size).map_err(|_| bad("bad page size"))?;
+        let nr_cpus = u32_(take(4)?);
+        let mult = u32_(take(4)?);
+        let shift = u32_(take(4)?);
+        let mut o = [0u8; 8];
+        o.copy_from_slice(take(8)?);
+        let offset = u64::from_le_bytes(o);
+        let n = u32_(take(4)?) as usize;
+        let name = String::from_utf8_lossy(take(n)?).into_owned();
+        let tsc = (mult != 0).then_some(TscConversion {
+            mult,
+            shift,
+            offset,
+        });
+        let mut pages = Vec::new();
+        let mut summary = None;
+        loop {
+            let tag = match take(4) {
+                Ok(t) => u32_(t),
+                Err(_) => break, // cut short
+            };
+            match tag {
+                RAW_TAG_PAGE => {
+                    let cpu = u32_(take(4)?);
+                    if cpu >= nr_cpus {
+                        return Err(bad("cpu out of range"));
+                    }
+                    pages.push((cpu, take(page_size)?.to_vec()));
+                }
+                RAW_TAG_END => {
+                    let n = u32_(take(4)?) as usize;
+                    let mut cpus = Vec::new();
+                    for _ in 0..n {
+                        let s = take(64)?;
+                        let v = |i: usize| {
+                            let mut w = [0u8; 8];
+                            w.copy_from_slice(&s[i * 8..i * 8 + 8]);
+                            u64::from_le_bytes(w)
+                        };
+                        cpus.push(CpuStats {
+                            entries: v(0),
+                            overrun: v(1),
+                            commit_overrun: v(2),
+                            bytes: v(3),
+                            oldest_event_ts: v(4),
+                            now_ts: v(5),
+                            dropped_events: v(6),
+                            read_events: v(7),
+                        });
+                    }
+                    summary = Some(RunSummary { cpus });
+                    break;
+                }
+                _ => return Err(bad("bad record tag")),
+            }
+        }
+        Ok(Self {
+            page_size,
+            nr_cpus,
+            clock: Clock { name, tsc },
+            pages,
+            summary,
+        })
+    }
+
+    /// Feeds the pages into another sink (e.g. a [`crate::TraceDatSink`]), losses
+    /// preserved, then finishes it.
+    pub fn replay(&self, mut sink: Box<dyn PageSink>) -> Result<(), OutputError> {
+        for (cpu, p) in &self.pages {
+            let missed = match page_missed(p) {
+                Missed::Count(n) => Some(n),
+                // A flag-only loss (count unknown; hyptrace never writes one) is not carried over.
+                Missed::Unknown | Missed::None => None,
+            };
+            sink.page(*cpu, p, missed)?;
+        }
+        sink.finish(&self.summary.clone().unwrap_or_default())
+    }
+}
