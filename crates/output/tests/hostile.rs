@@ -1,0 +1,164 @@
+//! Hostile input: truncated and corrupted trace.dat files and raw streams give errors
+//! (or garbage events), never panics or hangs.
+
+mod common;
+
+use std::path::PathBuf;
+
+use common::*;
+use hyptrace_output::*;
+
+fn small_file(version: TraceDatVersion) -> Vec<u8> {
+    let dir = scratch_dir(&format!("hostile-{version:?}"));
+    let path = dir.join("t.dat");
+    let mut pages = Vec::new();
+    for cpu in 0..2u32 {
+        let mut b = PageBuilder::new(4096);
+        b.push(100, &marker(cpu, 1, 2));
+        b.push(100 + (1 << 30), &text(cpu, 2, "a \"quoted\" string that is long enough to need the length word form...........................!"));
+        b.lose(3);
+        b.push(200 + (1 << 30), &span(cpu, 3, 4, 5));
+        for (p, m) in b.finish() {
+            pages.push((cpu, p, m));
+        }
+    }
+    write_trace_dat(
+        &path,
+        TraceMeta::guest(4096, 2, Clock::guest_tsc(3_000_000).unwrap()),
+        version,
+        pages.iter().map(|(c, p, m)| (*c, p.as_slice(), *m)),
+        &RunSummary::default(),
+    )
+    .unwrap();
+    std::fs::read(&path).unwrap()
+}
+
+/// Parses and, if that works, reads every event and formats the report.
+fn exercise(data: &[u8]) -> bool {
+    match TraceFile::parse(data) {
+        Ok(f) => {
+            let r = f.report();
+            assert!(r.starts_with("cpus="));
+            true
+        }
+        Err(e) => {
+            let _ = e.to_string();
+            false
+        }
+    }
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+#[test]
+fn every_prefix_v6_v7() {
+    for v in [TraceDatVersion::V6, TraceDatVersion::V7] {
+        let data = small_file(v);
+        assert!(exercise(&data));
+        assert_eq!(TraceFile::parse(&data).unwrap().event_count(), 6);
+        // Every prefix short of the metadata fails; prefixes cutting the pages must
+        // fail too (data past the end of the file).
+        for n in 0..data.len() {
+            assert!(!exercise(&data[..n]), "{v:?}: prefix {n} parsed");
+        }
+    }
+}
+
+#[test]
+fn every_prefix_zstd_fixture() {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/kernel-v7-zstd.dat");
+    let data = std::fs::read(p).unwrap();
+    assert!(exercise(&data));
+    for n in (0..data.len()).step_by(7) {
+        exercise(&data[..n]);
+    }
+}
+
+#[test]
+fn random_byte_flips() {
+    let mut rng = Rng(0x1234_5678_9abc_def1);
+    let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let inputs = [
+        small_file(TraceDatVersion::V6),
+        small_file(TraceDatVersion::V7),
+        std::fs::read(fixtures.join("kernel-v7-zstd.dat")).unwrap(),
+        std::fs::read(fixtures.join("kernel-v6.dat")).unwrap(),
+    ];
+    for base in &inputs {
+        for _ in 0..1500 {
+            let mut d = base.clone();
+            let flips = 1 + rng.next() % 8;
+            for _ in 0..flips {
+                let i = (rng.next() % d.len() as u64) as usize;
+                let v = rng.next();
+                d[i] = match v % 4 {
+                    0 => d[i] ^ (1 << (v % 8)),
+                    1 => 0xff,
+                    2 => 0,
+                    _ => v as u8,
+                };
+            }
+            exercise(&d);
+        }
+    }
+}
+
+#[test]
+fn garbage_and_lengths() {
+    for d in [
+        &b""[..],
+        b"\x17\x08\x44tracing",
+        b"\x17\x08\x44tracing6\0",
+        b"\x17\x08\x44tracing7\0\0\x08\0\x10\0\0none\0\0\xff\xff\xff\xff\xff\xff\xff\xff",
+    ] {
+        assert!(!exercise(d));
+    }
+    // Huge lengths in the header_page size field.
+    let mut d = small_file(TraceDatVersion::V6);
+    let at = 10 + 2 + 2 + 4 + 12;
+    d[at..at + 8].copy_from_slice(&u64::MAX.to_le_bytes());
+    assert!(!exercise(&d));
+}
+
+#[test]
+fn raw_stream_prefixes_and_flips() {
+    let dir = scratch_dir("raw-hostile");
+    let path = dir.join("t.raw");
+    let mut sink: Box<dyn PageSink> =
+        Box::new(RawSink::create(&path, TraceMeta::guest(4096, 2, Clock::nanoseconds())).unwrap());
+    let mut b = PageBuilder::new(4096);
+    b.push(1, &marker(0, 1, 1));
+    b.lose(4);
+    b.push(2, &marker(0, 2, 2));
+    for (p, m) in b.finish() {
+        sink.page(0, &p, m).unwrap();
+    }
+    sink.finish(&RunSummary {
+        cpus: vec![CpuStats::default(); 2],
+    })
+    .unwrap();
+    let data = std::fs::read(&path).unwrap();
+    let full = RawTrace::parse(&data).unwrap();
+    assert_eq!(full.pages.len(), 2);
+    assert!(full.summary.is_some());
+    for n in 0..data.len() {
+        if let Ok(t) = RawTrace::parse(&data[..n]) {
+            assert!(t.summary.is_none() || n == data.len());
+        }
+    }
+    let mut rng = Rng(77);
+    for _ in 0..2000 {
+        let mut d = data.clone();
+        let i = (rng.next() % d.len() as u64) as usize;
+        d[i] = rng.next() as u8;
+        let _ = RawTrace::parse(&d);
+    }
+}
