@@ -99,7 +99,10 @@ impl Out {
 
 /// Decodes the events of an exported page: `(raw ts, payload)`; stops at the first
 /// decode error (returned as `Err` with the events before it).
-fn page_events(page: &[u8]) -> (u64, Vec<(u64, &[u8])>, Option<String>) {
+/// `(page time_stamp, [(raw ts, payload)], decode error)`.
+type PageEvents<'a> = (u64, Vec<(u64, &'a [u8])>, Option<String>);
+
+fn page_events(page: &[u8]) -> PageEvents<'_> {
     let Some((ts, _)) = page_header(page) else {
         return (0, Vec::new(), Some("short page".into()));
     };
@@ -542,11 +545,9 @@ impl RawTrace {
         });
         let mut pages = Vec::new();
         let mut summary = None;
-        loop {
-            let tag = match take(4) {
-                Ok(t) => u32_(t),
-                Err(_) => break, // cut short
-            };
+        // A stream cut short simply ends (no end record).
+        while let Ok(t) = take(4) {
+            let tag = u32_(t);
             match tag {
                 RAW_TAG_PAGE => {
                     let cpu = u32_(take(4)?);

@@ -26,11 +26,7 @@ fn split(line: &str) -> Option<(String, String, String, String)> {
         cpu,
         ts.to_string(),
         name.to_string(),
-        fields
-            .trim()
-            .split_whitespace()
-            .collect::<Vec<_>>()
-            .join(" "),
+        fields.split_whitespace().collect::<Vec<_>>().join(" "),
     ))
 }
 

@@ -68,7 +68,7 @@ impl PageBuilder {
         let n = encode_data_header(&mut hdr, payload.len(), delta);
         self.data.extend_from_slice(&hdr[..n]);
         self.data.extend_from_slice(payload);
-        while self.data.len() % 4 != 0 {
+        while !self.data.len().is_multiple_of(4) {
             self.data.push(0);
         }
     }

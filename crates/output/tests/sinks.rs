@@ -1,0 +1,286 @@
+//! Sinks: trace.dat atomicity, Chrome JSON, text, raw streams.
+
+mod common;
+
+use common::*;
+use hyptrace_output::*;
+
+fn pages_2cpu() -> Vec<(u32, Vec<u8>, Option<u64>)> {
+    let mut out = Vec::new();
+    for cpu in 0..2u32 {
+        let mut b = PageBuilder::new(4096);
+        b.push(1_000, &marker(cpu, 1, 10));
+        b.push(3_000_000, &span(cpu, 2, 9, 2_000_000));
+        b.lose(5);
+        b.push(
+            4_000_000,
+            &text(cpu, 3, "quote \" backslash \\ tab \t nl \n ctl \u{1} end"),
+        );
+        for (p, m) in b.finish() {
+            out.push((cpu, p, m));
+        }
+    }
+    out
+}
+
+fn leftovers(dir: &std::path::Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect()
+}
+
+#[test]
+fn trace_dat_dropped_or_failed_leaves_nothing() {
+    let dir = scratch_dir("atomic");
+    let path = dir.join("out.dat");
+    {
+        let mut s = TraceDatSink::create(
+            &path,
+            TraceMeta::guest(4096, 2, Clock::nanoseconds()),
+            TraceDatVersion::V7,
+        )
+        .unwrap();
+        for (c, p, m) in pages_2cpu() {
+            s.page(c, &p, m).unwrap();
+        }
+        assert!(
+            !leftovers(&dir).is_empty(),
+            "spill files exist while running"
+        );
+        // Bad pages are refused, the sink stays usable.
+        assert!(s.page(5, &[0u8; 4096], None).is_err());
+        assert!(s.page(0, &[0u8; 100], None).is_err());
+    }
+    assert!(leftovers(&dir).is_empty(), "{:?}", leftovers(&dir));
+    // A previous complete file is untouched by a failed run.
+    std::fs::write(&path, b"old").unwrap();
+    drop(
+        TraceDatSink::create(
+            &path,
+            TraceMeta::guest(4096, 2, Clock::nanoseconds()),
+            TraceDatVersion::V6,
+        )
+        .unwrap(),
+    );
+    assert_eq!(std::fs::read(&path).unwrap(), b"old");
+    assert_eq!(leftovers(&dir), vec!["out.dat".to_string()]);
+    // A bad clock for trace-cmd is refused up front.
+    let mut clock = Clock::guest_tsc(2_000_000).unwrap();
+    clock.tsc.as_mut().unwrap().offset = 5;
+    assert!(
+        TraceDatSink::create(&path, TraceMeta::guest(4096, 2, clock), TraceDatVersion::V6).is_err()
+    );
+    assert!(TraceDatSink::create(
+        &path,
+        TraceMeta::guest(1000, 2, Clock::nanoseconds()),
+        TraceDatVersion::V6
+    )
+    .is_err());
+}
+
+#[test]
+fn trace_dat_pages_page_aligned_and_verbatim() {
+    let dir = scratch_dir("aligned");
+    let path = dir.join("out.dat");
+    let pages = pages_2cpu();
+    write_trace_dat(
+        &path,
+        TraceMeta::guest(4096, 2, Clock::nanoseconds()),
+        TraceDatVersion::V6,
+        pages.iter().map(|(c, p, m)| (*c, p.as_slice(), *m)),
+        &RunSummary::default(),
+    )
+    .unwrap();
+    let data = std::fs::read(&path).unwrap();
+    assert_eq!(data.len() % 4096, 0);
+    let f = TraceFile::parse(&data).unwrap();
+    for (cpu, buf) in f.cpus.iter().enumerate() {
+        let mine: Vec<Vec<u8>> = pages
+            .iter()
+            .filter(|p| p.0 == cpu as u32)
+            .map(|(c, p, m)| export_page(*c, p, *m).unwrap())
+            .collect();
+        assert_eq!(buf.data, mine.concat());
+        // Each CPU's pages sit page-aligned in the file.
+        let at = data
+            .windows(buf.data.len())
+            .position(|w| w == buf.data.as_slice())
+            .unwrap();
+        assert_eq!(at % 4096, 0);
+    }
+}
+
+#[test]
+fn chrome_json() {
+    let dir = scratch_dir("json");
+    let path = dir.join("t.json");
+    let clock = Clock::guest_tsc(2_000_000).unwrap(); // 2 cycles per ns
+    let meta = TraceMeta::guest(4096, 2, clock.clone());
+    let mut sink: Box<dyn PageSink> = Box::new(JsonSink::create(&path, meta).unwrap());
+    let pages = pages_2cpu();
+    for (c, p, m) in &pages {
+        sink.page(*c, p, *m).unwrap();
+    }
+    sink.finish(&RunSummary::default()).unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let evs = v["traceEvents"].as_array().unwrap();
+    // 1 process_name + 2 thread_name + 2×3 events + 2 lost markers.
+    assert_eq!(evs.len(), 1 + 2 + 6 + 2);
+    for e in evs {
+        for k in ["ph", "ts", "pid", "tid", "name"] {
+            assert!(e.get(k).is_some(), "{k} missing in {e}");
+        }
+        assert_eq!(e["pid"], 1);
+        if e["ph"] == "X" {
+            assert!(e["dur"].is_number());
+        }
+    }
+    let spans: Vec<_> = evs.iter().filter(|e| e["ph"] == "X").collect();
+    assert_eq!(spans.len(), 2);
+    // span at 3_000_000 cycles = 1.5 ms, dur 2_000_000 cycles = 1 ms → starts at 0.5 ms.
+    assert_eq!(spans[0]["dur"].as_f64().unwrap(), 1000.0);
+    assert_eq!(spans[0]["ts"].as_f64().unwrap(), 500.0);
+    assert_eq!(spans[0]["args"]["id"], 9);
+    let texts: Vec<_> = evs.iter().filter(|e| e["name"] == "text").collect();
+    assert_eq!(
+        texts[0]["args"]["msg"],
+        "quote \" backslash \\ tab \t nl \n ctl \u{1} end"
+    );
+    assert_eq!(texts[0]["ph"], "i");
+    assert_eq!(texts[0]["tid"], 0);
+    assert_eq!(texts[1]["tid"], 1);
+    let lost: Vec<_> = evs.iter().filter(|e| e["name"] == "lost events").collect();
+    assert_eq!(lost.len(), 2);
+    assert_eq!(lost[0]["args"]["count"], 5);
+    assert_eq!(lost[0]["ts"].as_f64().unwrap(), 2000.0);
+    let names: Vec<_> = evs
+        .iter()
+        .filter(|e| e["name"] == "thread_name")
+        .map(|e| e["args"]["name"].clone())
+        .collect();
+    assert_eq!(names, vec!["vcpu0", "vcpu1"]);
+    // ns precision: 1_000 cycles = 500 ns = 0.500 µs.
+    let m = evs.iter().find(|e| e["name"] == "marker").unwrap();
+    assert_eq!(m["ts"].as_f64().unwrap(), 0.5);
+    let raw = std::fs::read_to_string(&path).unwrap();
+    assert!(raw.contains("\"ts\":0.500,"), "{raw}");
+}
+
+#[test]
+fn text_sink_matches_report() {
+    let dir = scratch_dir("text");
+    let meta = TraceMeta::guest(4096, 1, Clock::guest_tsc(2_500_000).unwrap());
+    let mut b = PageBuilder::new(4096);
+    let mut ts = 1_000_000u64;
+    for i in 0..300u64 {
+        ts += 977 + (i % 7 / 6) * (1 << 28);
+        b.push(ts, &marker(0, i, i * 3));
+        if i == 150 {
+            b.lose(12);
+        }
+    }
+    let pages = b.finish();
+    let txt = dir.join("t.txt");
+    let dat = dir.join("t.dat");
+    let mut sink: Box<dyn PageSink> = Box::new(TextSink::create(&txt, meta.clone()).unwrap());
+    for (p, m) in &pages {
+        sink.page(0, p, *m).unwrap();
+    }
+    sink.finish(&RunSummary::default()).unwrap();
+    write_trace_dat(
+        &dat,
+        meta,
+        TraceDatVersion::V6,
+        pages.iter().map(|(p, m)| (0, p.as_slice(), *m)),
+        &RunSummary::default(),
+    )
+    .unwrap();
+    let report = TraceFile::open(&dat).unwrap().report();
+    assert_eq!(std::fs::read_to_string(&txt).unwrap(), report);
+    assert!(report.contains("CPU:0 [12 EVENTS DROPPED]"));
+}
+
+#[test]
+fn raw_roundtrip_to_trace_dat() {
+    let dir = scratch_dir("raw");
+    let meta = TraceMeta::guest(4096, 2, Clock::guest_tsc(2_918_400).unwrap());
+    let raw = dir.join("t.raw");
+    let mut sink: Box<dyn PageSink> = Box::new(RawSink::create(&raw, meta.clone()).unwrap());
+    let pages = pages_2cpu();
+    for (c, p, m) in &pages {
+        sink.page(*c, p, *m).unwrap();
+    }
+    let stats = RunSummary {
+        cpus: vec![
+            CpuStats {
+                overrun: 5,
+                read_events: 3,
+                ..Default::default()
+            };
+            2
+        ],
+    };
+    sink.finish(&stats).unwrap();
+    let t = RawTrace::parse(&std::fs::read(&raw).unwrap()).unwrap();
+    assert_eq!((t.page_size, t.nr_cpus), (4096, 2));
+    assert_eq!(t.clock, meta.clock);
+    assert_eq!(t.summary.as_ref(), Some(&stats));
+    for ((c, p), (c2, p2, m2)) in t.pages.iter().zip(&pages) {
+        assert_eq!(c, c2);
+        assert_eq!(p, &export_page(*c2, p2, *m2).unwrap());
+    }
+    let a = dir.join("a.dat");
+    let b = dir.join("b.dat");
+    t.replay(Box::new(
+        TraceDatSink::create(&a, meta.clone(), TraceDatVersion::V7).unwrap(),
+    ))
+    .unwrap();
+    write_trace_dat(
+        &b,
+        meta,
+        TraceDatVersion::V7,
+        pages.iter().map(|(c, p, m)| (*c, p.as_slice(), *m)),
+        &stats,
+    )
+    .unwrap();
+    assert_eq!(std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
+}
+
+#[test]
+fn guest_line_formatter_is_report_formatter() {
+    // The live formatter (format_guest_line) prints what report prints for our files.
+    let printers = guest_printers();
+    let meta = TraceMeta::guest(4096, 2, Clock::guest_tsc(2_918_400).unwrap());
+    let mut lines = vec!["cpus=2".to_string()];
+    let pages = pages_2cpu();
+    let dir = scratch_dir("live");
+    let dat = dir.join("t.dat");
+    write_trace_dat(
+        &dat,
+        meta.clone(),
+        TraceDatVersion::V6,
+        pages.iter().map(|(c, p, m)| (*c, p.as_slice(), *m)),
+        &RunSummary::default(),
+    )
+    .unwrap();
+    let f = TraceFile::open(&dat).unwrap();
+    for item in f.records() {
+        let mut s = String::new();
+        match item {
+            TraceItem::Event(r) => format_guest_line(
+                &mut s,
+                &printers,
+                &meta.cmdlines,
+                r.cpu,
+                meta.clock.to_ns(r.ts_raw),
+                r.payload,
+            ),
+            TraceItem::Dropped { cpu, missed } => format_drop(&mut s, cpu, missed),
+            TraceItem::BadPage { .. } => unreachable!(),
+        }
+        lines.push(s);
+    }
+    // (joined: the text message contains a newline, printed as is, like trace-cmd.)
+    assert_eq!(lines.join("\n") + "\n", f.report());
+}
