@@ -75,7 +75,7 @@ pub fn field_bytes<'a>(f: &Field, payload: &'a [u8]) -> Option<&'a [u8]> {
         let w = u32::from_le_bytes([w[0], w[1], w[2], w[3]]);
         let mut off = (w & 0xffff) as usize;
         if f.is_rel_loc() {
-            off += f.offset + f.size;
+            off = off.checked_add(f.offset)?.checked_add(f.size)?;
         }
         let len = (w >> 16) as usize;
         payload.get(off..off.checked_add(len)?)?
@@ -665,5 +665,38 @@ mod tests {
 
     fn norm(s: &str) -> String {
         s.split_whitespace().collect::<Vec<_>>().join(" ")
+    }
+}
+
+#[cfg(test)]
+mod hostile_tests {
+    use super::*;
+
+    #[test]
+    fn huge_field_offsets_do_not_panic() {
+        let f = Field {
+            type_name: "__rel_loc char[]".into(),
+            name: "x".into(),
+            offset: usize::MAX - 1,
+            size: 4,
+            signed: false,
+        };
+        assert_eq!(field_bytes(&f, &[0u8; 16]), None);
+        let f = Field {
+            type_name: "u64".into(),
+            name: "x".into(),
+            offset: usize::MAX,
+            size: 8,
+            signed: false,
+        };
+        assert_eq!(field_int(&f, &[0u8; 16]), None);
+        let f = Field {
+            type_name: "char[4]".into(),
+            name: "x".into(),
+            offset: usize::MAX,
+            size: 4,
+            signed: false,
+        };
+        assert_eq!(field_bytes(&f, &[0u8; 16]), None);
     }
 }

@@ -20,7 +20,7 @@ const READ_COMMIT_MASK: u64 = (1 << 27) - 1;
 /// Most options sections followed through DONE links.
 const MAX_OPTION_SECTIONS: usize = 1024;
 /// Largest decompressed chunk/section accepted.
-const MAX_DECOMPRESSED: usize = 256 << 20;
+const MAX_DECOMPRESSED: usize = 64 << 20;
 
 /// One option as stored in the file.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -493,7 +493,7 @@ impl<'a> Parser<'a> {
             let us = c.u32("chunk size")? as usize;
             let at = c.pos as u64;
             let d = c.bytes(cs, "chunk data")?;
-            if out.len() + us > MAX_DECOMPRESSED * 4 {
+            if out.len().saturating_add(us) > MAX_DECOMPRESSED * 64 {
                 return Err(OutputError::format(at, "cpu data too large"));
             }
             out.extend_from_slice(&unzstd(d, us, at)?);
