@@ -27,7 +27,7 @@ pub enum Error {
         mem_bytes: u64,
     },
     /// `/dev/kvm` cannot be opened (missing, or no permission).
-    #[error("cannot open /dev/kvm: {0}")]
+    #[error("cannot open the KVM device {0}")]
     KvmUnavailable(String),
     /// More vCPUs than KVM allows.
     #[error("too many vCPUs: {want} requested, KVM allows {max}")]

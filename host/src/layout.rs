@@ -50,6 +50,8 @@ pub const MIN_MEM_BYTES: u64 = 4 << 20;
 pub const STACK_SIZE: u64 = 64 << 10;
 /// Where KVM puts its 3 TSS pages (`KVM_SET_TSS_ADDR`, needed on Intel): above guest memory.
 pub const KVM_TSS_ADDR: u64 = 0xfffb_d000;
+/// Largest trace region alignment.
+pub const MAX_TRACE_ALIGN: u64 = 1 << 30;
 /// Most vCPUs a VM may have (KVM's own limit may be lower).
 pub const MAX_VCPUS: u32 = 256;
 
@@ -78,6 +80,9 @@ pub enum LayoutError {
         /// Bytes available.
         have: u64,
     },
+    /// The trace region alignment is not a power of two or too large.
+    #[error("trace region alignment {0:#x} is not a power of two up to 1 GiB")]
+    BadTraceAlign(u64),
     /// The trace region size is zero.
     #[error("the trace region must not be empty")]
     EmptyTraceRegion,
@@ -113,12 +118,18 @@ const fn align_up(v: u64, a: u64) -> u64 {
 impl Layout {
     /// Bytes of guest memory needed for `image`, `vcpus` and a trace region of
     /// `trace_len` bytes (a multiple of 2 MiB).
-    pub fn required_mem(image: &GuestImage, vcpus: u32, trace_len: u64) -> u64 {
-        let l = Self::place(image, vcpus, trace_len, u64::MAX);
+    pub fn required_mem(image: &GuestImage, vcpus: u32, trace_len: u64, trace_align: u64) -> u64 {
+        let l = Self::place(image, vcpus, trace_len, trace_align, u64::MAX);
         align_up(l.trace_gpa + l.trace_len, HUGE_PAGE)
     }
 
-    fn place(image: &GuestImage, vcpus: u32, trace_len: u64, mem_bytes: u64) -> Self {
+    fn place(
+        image: &GuestImage,
+        vcpus: u32,
+        trace_len: u64,
+        trace_align: u64,
+        mem_bytes: u64,
+    ) -> Self {
         let n = u64::from(vcpus);
         let params_gpa = align_up(image.end.max(LOW_END), HUGE_PAGE);
         let params_len = align_up(
@@ -126,7 +137,7 @@ impl Layout {
             PAGE_SIZE,
         );
         let stacks_gpa = params_gpa + params_len;
-        let trace_gpa = align_up(stacks_gpa + n * STACK_SIZE, HUGE_PAGE);
+        let trace_gpa = align_up(stacks_gpa + n * STACK_SIZE, trace_align.max(HUGE_PAGE));
         Self {
             mem_bytes,
             vcpus,
@@ -140,12 +151,14 @@ impl Layout {
         }
     }
 
-    /// Lays out guest memory, checking that everything fits.
+    /// Lays out guest memory, checking that everything fits. The trace region is aligned
+    /// to `trace_align` (a power of two, e.g. the ring page size), at least 2 MiB.
     pub fn new(
         image: &GuestImage,
         vcpus: u32,
         mem_bytes: u64,
         trace_len: u64,
+        trace_align: u64,
     ) -> Result<Self, LayoutError> {
         if vcpus == 0 {
             return Err(LayoutError::NoVcpus);
@@ -156,17 +169,20 @@ impl Layout {
         if trace_len == 0 {
             return Err(LayoutError::EmptyTraceRegion);
         }
+        if !trace_align.is_power_of_two() || trace_align > MAX_TRACE_ALIGN {
+            return Err(LayoutError::BadTraceAlign(trace_align));
+        }
         if image.start < LOW_END {
             return Err(LayoutError::ImageTooLow(image.start, image.end));
         }
-        if mem_bytes % HUGE_PAGE != 0 || !(MIN_MEM_BYTES..=MAX_MEM_BYTES).contains(&mem_bytes) {
+        if mem_bytes & (HUGE_PAGE - 1) != 0 || !(MIN_MEM_BYTES..=MAX_MEM_BYTES).contains(&mem_bytes) {
             return Err(LayoutError::BadMemSize(mem_bytes));
         }
         // A huge image or trace region must report "too small", not overflow.
         let need = if image.end > MAX_MEM_BYTES || trace_len > MAX_MEM_BYTES {
             image.end.saturating_add(trace_len)
         } else {
-            Self::required_mem(image, vcpus, trace_len)
+            Self::required_mem(image, vcpus, trace_len, trace_align)
         };
         if need > mem_bytes {
             return Err(LayoutError::TooSmall {
@@ -175,7 +191,7 @@ impl Layout {
                 have: mem_bytes,
             });
         }
-        Ok(Self::place(image, vcpus, trace_len, mem_bytes))
+        Ok(Self::place(image, vcpus, trace_len, trace_align, mem_bytes))
     }
 
     /// Result slot of vCPU `id`.
@@ -205,7 +221,7 @@ mod tests {
     #[test]
     fn areas_do_not_overlap() {
         let img = image(0x20_0000, 0x20_9000);
-        let l = Layout::new(&img, 4, 64 << 20, 5 << 20).unwrap();
+        let l = Layout::new(&img, 4, 64 << 20, 5 << 20, HUGE_PAGE).unwrap();
         assert_eq!(l.params_gpa, 0x40_0000);
         assert!(l.results_gpa + 4 * VCPU_RESULT_SIZE as u64 <= l.stacks_gpa);
         assert!(l.stack_top(3) <= l.trace_gpa);
@@ -217,24 +233,24 @@ mod tests {
     fn rejects_bad_configs() {
         let img = image(0x20_0000, 0x20_9000);
         assert_eq!(
-            Layout::new(&img, 0, 64 << 20, 1 << 20),
+            Layout::new(&img, 0, 64 << 20, 1 << 20, HUGE_PAGE),
             Err(LayoutError::NoVcpus)
         );
         assert!(matches!(
-            Layout::new(&img, 1, 8 << 20, 64 << 20),
+            Layout::new(&img, 1, 8 << 20, 64 << 20, HUGE_PAGE),
             Err(LayoutError::TooSmall { .. })
         ));
         assert!(matches!(
-            Layout::new(&img, 1, 8 << 20, u64::MAX),
+            Layout::new(&img, 1, 8 << 20, u64::MAX, HUGE_PAGE),
             Err(LayoutError::TooSmall { .. })
         ));
         assert_eq!(
-            Layout::new(&img, 1, (8 << 20) + 4096, 1 << 20),
+            Layout::new(&img, 1, (8 << 20) + 4096, 1 << 20, HUGE_PAGE),
             Err(LayoutError::BadMemSize((8 << 20) + 4096))
         );
         let low = image(0x10_0000, 0x10_9000);
         assert!(matches!(
-            Layout::new(&low, 1, 64 << 20, 1 << 20),
+            Layout::new(&low, 1, 64 << 20, 1 << 20, HUGE_PAGE),
             Err(LayoutError::ImageTooLow(..))
         ));
     }

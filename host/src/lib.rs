@@ -8,6 +8,7 @@
 //!     mem_bytes: 64 << 20,
 //!     guest_elf: GUEST_ELF.into(),
 //!     trace_region_bytes: 4 << 20,
+//!     trace_region_align: 4096,
 //! })?;
 //! let region = vm.trace_region(); // hand to the ring-buffer reader before start
 //! let running = vm.start(&RunParams { events: 1000, ..Default::default() })?;

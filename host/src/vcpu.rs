@@ -192,7 +192,7 @@ fn run_loop(
             VcpuExit::Intr => continue,
             VcpuExit::Shutdown => {
                 return VcpuOutcome::Faulted(format!(
-                    "guest fault: triple fault (KVM_EXIT_SHUTDOWN){}",
+                    "triple fault (KVM_EXIT_SHUTDOWN): CPU exception with no IDT{}",
                     where_(fd)
                 ));
             }
