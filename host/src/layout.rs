@@ -175,7 +175,8 @@ impl Layout {
         if image.start < LOW_END {
             return Err(LayoutError::ImageTooLow(image.start, image.end));
         }
-        if mem_bytes & (HUGE_PAGE - 1) != 0 || !(MIN_MEM_BYTES..=MAX_MEM_BYTES).contains(&mem_bytes) {
+        if mem_bytes & (HUGE_PAGE - 1) != 0 || !(MIN_MEM_BYTES..=MAX_MEM_BYTES).contains(&mem_bytes)
+        {
             return Err(LayoutError::BadMemSize(mem_bytes));
         }
         // A huge image or trace region must report "too small", not overflow.
