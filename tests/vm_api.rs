@@ -7,7 +7,7 @@ use hyptrace_abi::guest::Workload;
 use hyptrace_host::{RunParams, VcpuOutcome, Vm, VmConfig, GUEST_ELF};
 
 /// Whether KVM-backed tests can run (see tests/vm_boot.rs).
-fn kvm_available() -> bool {
+fn kvm_available(test: &str) -> bool {
     let ok = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
@@ -19,7 +19,24 @@ fn kvm_available() -> bool {
         }
         println!("SKIP: /dev/kvm not available");
     }
+    if ok {
+        log_vm_test(test);
+    }
     ok
+}
+
+/// Appends the test's name to `$HYPTRACE_VM_TEST_LOG` (CI checks that VM tests ran).
+fn log_vm_test(test: &str) {
+    use std::io::Write as _;
+    if let Some(path) = std::env::var_os("HYPTRACE_VM_TEST_LOG") {
+        if let Ok(mut f) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+        {
+            let _ = writeln!(f, "{}: {test}", env!("CARGO_CRATE_NAME"));
+        }
+    }
 }
 
 fn vm(vcpus: u32, trace: u64) -> Vm {
@@ -35,7 +52,7 @@ fn vm(vcpus: u32, trace: u64) -> Vm {
 
 #[test]
 fn outcomes_and_trace_region() {
-    if !kvm_available() {
+    if !kvm_available("outcomes_and_trace_region") {
         return;
     }
     let vm = vm(3, (3 << 20) + 4096);
@@ -92,7 +109,7 @@ fn outcomes_and_trace_region() {
 
 #[test]
 fn stop_interrupts_spinning_guests() {
-    if !kvm_available() {
+    if !kvm_available("stop_interrupts_spinning_guests") {
         return;
     }
     let running = vm(2, 1 << 20)
@@ -111,7 +128,7 @@ fn stop_interrupts_spinning_guests() {
 
 #[test]
 fn stop_right_after_start() {
-    if !kvm_available() {
+    if !kvm_available("stop_right_after_start") {
         return;
     }
     for _ in 0..5 {
@@ -131,7 +148,7 @@ fn stop_right_after_start() {
 
 #[test]
 fn crash_outcomes() {
-    if !kvm_available() {
+    if !kvm_available("crash_outcomes") {
         return;
     }
     let out = vm(1, 1 << 20)
@@ -165,7 +182,7 @@ fn crash_outcomes() {
 
 #[test]
 fn dropping_a_running_vm_stops_it() {
-    if !kvm_available() {
+    if !kvm_available("dropping_a_running_vm_stops_it") {
         return;
     }
     let running = vm(2, 1 << 20)

@@ -10,7 +10,7 @@ const BIN: &str = env!("CARGO_BIN_EXE_hyptrace");
 
 /// Whether KVM-backed tests can run. Prints `SKIP: ...` when not; with
 /// `HYPTRACE_REQUIRE_KVM=1` a missing /dev/kvm fails the test instead.
-fn kvm_available() -> bool {
+fn kvm_available(test: &str) -> bool {
     let ok = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
@@ -22,7 +22,24 @@ fn kvm_available() -> bool {
         }
         println!("SKIP: /dev/kvm not available");
     }
+    if ok {
+        log_vm_test(test);
+    }
     ok
+}
+
+/// Appends the test's name to `$HYPTRACE_VM_TEST_LOG` (CI checks that VM tests ran).
+fn log_vm_test(test: &str) {
+    use std::io::Write as _;
+    if let Some(path) = std::env::var_os("HYPTRACE_VM_TEST_LOG") {
+        if let Ok(mut f) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+        {
+            let _ = writeln!(f, "{}: {test}", env!("CARGO_CRATE_NAME"));
+        }
+    }
 }
 
 fn hyptrace(args: &[&str]) -> Output {
@@ -74,7 +91,7 @@ fn assert_all_finished(vcpus: usize, events: u64, args: &[&str]) {
 
 #[test]
 fn steady_on_1_2_4_vcpus() {
-    if !kvm_available() {
+    if !kvm_available("steady_on_1_2_4_vcpus") {
         return;
     }
     for vcpus in [1usize, 2, 4] {
@@ -89,7 +106,7 @@ fn steady_on_1_2_4_vcpus() {
 
 #[test]
 fn steady_paced() {
-    if !kvm_available() {
+    if !kvm_available("steady_paced") {
         return;
     }
     assert_all_finished(
@@ -101,7 +118,7 @@ fn steady_paced() {
 
 #[test]
 fn mixed_and_burst_finish() {
-    if !kvm_available() {
+    if !kvm_available("mixed_and_burst_finish") {
         return;
     }
     assert_all_finished(
@@ -136,7 +153,7 @@ fn mixed_and_burst_finish() {
 
 #[test]
 fn guest_swap_and_page_size_options_boot() {
-    if !kvm_available() {
+    if !kvm_available("guest_swap_and_page_size_options_boot") {
         return;
     }
     assert_all_finished(
@@ -161,7 +178,7 @@ fn guest_swap_and_page_size_options_boot() {
 
 #[test]
 fn panic_workload_exits_3_with_message() {
-    if !kvm_available() {
+    if !kvm_available("panic_workload_exits_3_with_message") {
         return;
     }
     let out = hyptrace(&["run", "--vcpus", "2", "--workload", "panic"]);
@@ -176,7 +193,7 @@ fn panic_workload_exits_3_with_message() {
 
 #[test]
 fn fault_workload_exits_3_with_shutdown() {
-    if !kvm_available() {
+    if !kvm_available("fault_workload_exits_3_with_shutdown") {
         return;
     }
     let out = hyptrace(&["run", "--vcpus", "2", "--workload", "fault"]);
@@ -187,7 +204,7 @@ fn fault_workload_exits_3_with_shutdown() {
 
 #[test]
 fn duration_stops_cleanly() {
-    if !kvm_available() {
+    if !kvm_available("duration_stops_cleanly") {
         return;
     }
     let (out, stats) = run_with_stats(&[
@@ -211,7 +228,7 @@ fn duration_stops_cleanly() {
 
 #[test]
 fn sigterm_stops_cleanly() {
-    if !kvm_available() {
+    if !kvm_available("sigterm_stops_cleanly") {
         return;
     }
     let child = Command::new(BIN)
