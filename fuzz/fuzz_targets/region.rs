@@ -21,7 +21,9 @@
 //! is patched, anything but a panic (or an unbounded loop) is acceptable.
 #![no_main]
 
-use hyptrace_abi::layout::{footer, Layout, Mode, CTL_SIZE, FOOTER_SIZE};
+use hyptrace_abi::layout::{
+    ctl, footer, Layout, Mode, CPU_DESC_SIZE, CTL_SIZE, FOOTER_SIZE, PACK_HEADER_SIZE,
+};
 use hyptrace_abi::page::{self, COMMIT_OFFSET};
 use hyptrace_abi::{SharedMem, WordMem};
 use hyptrace_reader::{Direct, Item, ReadError, RingBuffer};
@@ -313,19 +315,30 @@ impl<'m> World<'m> {
         self.known_bug_guard();
     }
 
-    /// Known reader bug (fuzz/regressions/region/reader-expected-overflow): a footer
-    /// `first_index` near `u64::MAX` makes `st.expected += 1` (reader/src/lib.rs,
-    /// `next_event`; also `+= n` in `next_page`) overflow — a panic in builds with
-    /// overflow checks. Unless HYPTRACE_FUZZ_STRICT=1, such values are clamped to leave
-    /// 2^32 events of headroom, so the fuzzer goes on to find other bugs.
+    /// Known reader bug (fuzz/regressions/region/reader-expected-overflow*): a footer
+    /// `first_index` (taken by `enter_page`) or control-block `entries`/`dropped`
+    /// (taken by `take_trailing_loss`) near `u64::MAX` makes `st.expected += 1`
+    /// (reader/src/lib.rs, `next_event`; also `+= n` in `next_page`) overflow — a
+    /// panic in builds with overflow checks. Unless HYPTRACE_FUZZ_STRICT=1, such
+    /// values are clamped to leave 2^32 events of headroom, so the fuzzer goes on to
+    /// find other bugs.
     fn known_bug_guard(&mut self) {
         if strict() {
             return;
         }
         const LIMIT: u64 = u64::MAX - (1 << 32);
-        for id in 0..self.l.total_pages() as u32 {
-            let off = self.l.footer_off(id) + footer::FIRST_INDEX;
-            if self.mem.load(off, Relaxed) > LIMIT {
+        // Every footer's first_index, for any page size a patched pack may declare
+        // (pages are page-size aligned, page sizes are multiples of 4096).
+        let first = PAGE_SIZE - FOOTER_SIZE + footer::FIRST_INDEX;
+        let footers = (first..self.mem.size()).step_by(PAGE_SIZE);
+        // And the writer's entries and dropped counters, which `take_trailing_loss` adds
+        // into `expected` (control blocks of packs declaring 1..=8 CPUs).
+        let ctls = (1..=8usize).flat_map(|n| {
+            let c0 = PACK_HEADER_SIZE + n * CPU_DESC_SIZE;
+            (0..n).flat_map(move |c| [c0 + c * CTL_SIZE + ctl::ENTRIES, c0 + c * CTL_SIZE + ctl::DROPPED])
+        });
+        for off in footers.chain(ctls) {
+            if off < self.mem.size() && self.mem.load(off, Relaxed) > LIMIT {
                 self.mem.store(off, LIMIT, Relaxed);
             }
         }
