@@ -57,6 +57,12 @@ fn outcomes_and_trace_region() {
     }
     let vm = vm(3, (3 << 20) + 4096);
     assert!(vm.tsc_khz() > 0);
+    // The VMM sets the guest TSC offset to 0 where the kernel supports it.
+    assert!(
+        matches!(vm.tsc_offset(), None | Some(0)),
+        "{:?}",
+        vm.tsc_offset()
+    );
     let l = vm.layout().clone();
     let region = vm.trace_region();
     assert_eq!(region.gpa(), l.trace_gpa);

@@ -178,3 +178,56 @@ pub fn setup_vcpu(
     };
     vcpu.set_regs(&regs)
 }
+
+/// The vCPU TSC offset (`KVM_{GET,SET}_DEVICE_ATTR`, group `KVM_VCPU_TSC_CTRL`, attr
+/// `KVM_VCPU_TSC_OFFSET`): guest TSC = host TSC + offset. kvm-ioctls has no x86 wrapper.
+mod tsc_ioctl {
+    vmm_sys_util::ioctl_iow_nr!(
+        KVM_SET_DEVICE_ATTR,
+        0xAE,
+        0xe1,
+        kvm_bindings::kvm_device_attr
+    );
+    vmm_sys_util::ioctl_iow_nr!(
+        KVM_GET_DEVICE_ATTR,
+        0xAE,
+        0xe2,
+        kvm_bindings::kvm_device_attr
+    );
+}
+
+fn tsc_offset_ioctl(vcpu: &VcpuFd, set: bool, value: &mut i64) -> std::io::Result<()> {
+    let attr = kvm_bindings::kvm_device_attr {
+        flags: 0,
+        group: kvm_bindings::KVM_VCPU_TSC_CTRL,
+        attr: u64::from(kvm_bindings::KVM_VCPU_TSC_OFFSET),
+        addr: value as *mut i64 as u64,
+    };
+    let nr = if set {
+        tsc_ioctl::KVM_SET_DEVICE_ATTR()
+    } else {
+        tsc_ioctl::KVM_GET_DEVICE_ATTR()
+    };
+    // SAFETY: a device-attribute ioctl on a vCPU fd with a valid `kvm_device_attr` whose
+    // `addr` points to an i64 that lives across the call (the kernel reads or writes
+    // exactly 8 bytes there); the return value is checked.
+    let ret = unsafe { vmm_sys_util::ioctl::ioctl_with_ref(vcpu, nr, &attr) };
+    if ret < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Reads the vCPU's TSC offset (guest TSC − host TSC); `Err` on kernels without it.
+pub fn tsc_offset(vcpu: &VcpuFd) -> std::io::Result<i64> {
+    let mut v = 0;
+    tsc_offset_ioctl(vcpu, false, &mut v)?;
+    Ok(v)
+}
+
+/// Sets the vCPU's TSC offset (0 makes guest and host TSCs equal on hardware KVM; PVM
+/// ignores it and runs with 0 anyway).
+pub fn set_tsc_offset(vcpu: &VcpuFd, offset: i64) -> std::io::Result<()> {
+    let mut v = offset;
+    tsc_offset_ioctl(vcpu, true, &mut v)
+}

@@ -380,6 +380,7 @@ pub fn run(a: &RunArgs) -> i32 {
         }
     };
     let tsc_khz = vm.tsc_khz();
+    let tsc_offset = vm.tsc_offset();
     let running = match vm.start(&plan.params) {
         Ok(r) => r,
         Err(e) => {
@@ -413,7 +414,7 @@ pub fn run(a: &RunArgs) -> i32 {
     if let Some(r) = stop_reason {
         eprintln!("hyptrace: stopped: {r}");
     }
-    let report = summary(&outcomes, tsc_khz, start_tsc, wall);
+    let report = summary(&outcomes, tsc_khz, start_tsc, tsc_offset, wall);
     eprint!("{report}");
     let code = exit_code(&outcomes);
     if let Some(path) = &a.stats {
@@ -437,7 +438,13 @@ pub fn exit_code(outcomes: &[VcpuOutcome]) -> i32 {
     }
 }
 
-fn summary(outcomes: &[VcpuOutcome], tsc_khz: u64, start_tsc: u64, wall: Duration) -> String {
+fn summary(
+    outcomes: &[VcpuOutcome],
+    tsc_khz: u64,
+    start_tsc: u64,
+    tsc_offset: Option<i64>,
+    wall: Duration,
+) -> String {
     let mut s = String::new();
     let mut total = 0;
     let ms = |cycles: u64| {
@@ -458,13 +465,24 @@ fn summary(outcomes: &[VcpuOutcome], tsc_khz: u64, start_tsc: u64, wall: Duratio
                 } else {
                     0.0
                 };
+                // First guest instruction relative to the start of the vCPU threads, when
+                // guest and host TSCs can be related.
+                let started = match tsc_offset {
+                    Some(off) => {
+                        let host = st.tsc_start.wrapping_sub(off as u64);
+                        format!(
+                            ", first instruction {:.3} ms after start",
+                            ms(host.wrapping_sub(start_tsc))
+                        )
+                    }
+                    None => String::new(),
+                };
                 writeln!(
                     s,
-                    "hyptrace: vcpu {id}: finished: {} events attempted, {} skipped, {t:.3} ms in the guest ({:.2} M events/s), started {:.3} ms after start",
+                    "hyptrace: vcpu {id}: finished: {} events attempted, {} skipped, {t:.3} ms in the guest ({:.2} M events/s){started}",
                     st.attempted,
                     st.skipped,
                     rate / 1e6,
-                    ms(st.tsc_start.wrapping_sub(start_tsc)),
                 )
             }
             VcpuOutcome::Panicked(msg) => writeln!(s, "hyptrace: vcpu {id}: guest panicked: {msg}"),

@@ -137,6 +137,7 @@ pub struct Vm {
     layout: Layout,
     vcpus: Vec<VcpuFd>,
     tsc_khz: u64,
+    tsc_offset: Option<i64>,
     entry: u64,
 }
 
@@ -249,6 +250,12 @@ impl Vm {
                 .map_err(Error::kvm("vCPU set-up"))?;
             vcpus.push(fd);
         }
+        // Guest TSC = host TSC: the reader can then put host and guest times on one
+        // clock. Best effort (older kernels lack the attribute); read back to check.
+        for fd in &vcpus {
+            let _ = arch::set_tsc_offset(fd, 0);
+        }
+        let tsc_offset = arch::tsc_offset(&vcpus[0]).ok();
         let tsc_khz = match vcpus[0].get_tsc_khz() {
             Ok(k) if k > 0 => u64::from(k),
             _ => calibrate_tsc_khz(),
@@ -261,6 +268,7 @@ impl Vm {
             layout,
             vcpus,
             tsc_khz,
+            tsc_offset,
             entry: image.entry,
         })
     }
@@ -292,6 +300,12 @@ impl Vm {
     /// TSC frequency of the vCPUs in kHz (`KVM_GET_TSC_KHZ`, else measured).
     pub fn tsc_khz(&self) -> u64 {
         self.tsc_khz
+    }
+
+    /// vCPU TSC offset (guest TSC − host TSC) after setting it to 0, or `None` when the
+    /// kernel cannot tell (then assume nothing about guest vs host TSC).
+    pub fn tsc_offset(&self) -> Option<i64> {
+        self.tsc_offset
     }
 
     /// Entry point of the guest image.
@@ -344,6 +358,7 @@ impl Vm {
             memory: self.memory,
             layout: self.layout,
             tsc_khz: self.tsc_khz,
+            tsc_offset: self.tsc_offset,
             threads: Vec::with_capacity(n),
             shared,
             started_at,
@@ -393,6 +408,7 @@ pub struct RunningVm {
     memory: GuestMemoryMmap,
     layout: Layout,
     tsc_khz: u64,
+    tsc_offset: Option<i64>,
     threads: Vec<JoinHandle<VcpuOutcome>>,
     shared: Arc<Shared>,
     started_at: Instant,
@@ -469,14 +485,18 @@ impl RunningVm {
         self.tsc_khz
     }
 
+    /// See [`Vm::tsc_offset`].
+    pub fn tsc_offset(&self) -> Option<i64> {
+        self.tsc_offset
+    }
+
     /// When [`Vm::start`] started the threads.
     pub fn started_at(&self) -> Instant {
         self.started_at
     }
 
     /// Host TSC just before the threads started. A vCPU's [`vcpu::VcpuStats::tsc_start`]
-    /// minus this is the start latency (guest and host TSCs agree under PVM; on hardware
-    /// KVM mind the vCPU TSC offset).
+    /// minus [`Self::tsc_offset`] minus this is the start latency.
     pub fn start_tsc(&self) -> u64 {
         self.start_tsc
     }
