@@ -295,7 +295,9 @@ impl<M: SharedMem> Writer<M> {
         if self.write == 0 {
             need = size;
         }
-        if self.write + need > self.cap {
+        // After a drop (stop mode), the tail page is closed: an event written on it now
+        // would put the loss inside the page, where no first_index can mark it.
+        if self.lost_pending != 0 || self.write + need > self.cap {
             match self.move_tail() {
                 Ok(true) => need = size,
                 Ok(false) => {
