@@ -1,9 +1,10 @@
-//! How workloads emit events. Everything goes through [`Sink::write`]: today
-//! [`ScratchSink`] stores the payload into a scratch buffer (a plain memory store, no
-//! exit); the ring-buffer integration swaps in a sink backed by the writer's
-//! `write(slot, ts, payload)`.
+//! How workloads emit events. Everything goes through [`Sink::write`]: the vCPU's
+//! ring-buffer writer ([`WriterSink`]): a plain memory write and a Release store of
+//! `commit`, never an exit.
 
 use hyptrace_abi::events;
+use hyptrace_abi::RawMem;
+use hyptrace_writer::{WriteOutcome, Writer};
 
 use crate::rt::rdtsc;
 
@@ -12,36 +13,46 @@ pub trait Sink {
     /// Writes one event of enable-slot `slot` with timestamp `ts` (TSC). Returns `false`
     /// if it was not written because the event is disabled (counted as skipped).
     fn write(&mut self, slot: u32, ts: u64, payload: &[u8]) -> bool;
+    /// Called from idle (busy-wait) loops: serve the host's mailbox.
+    fn idle(&mut self) {}
 }
 
-/// Stand-in sink until the writer lands: copies the payload into a scratch buffer.
-pub struct ScratchSink {
-    buf: [u8; 512],
-    last_ts: u64,
-    last_slot: u32,
+/// The ring-buffer writer of this vCPU. In `--swap guest` mode it serves the host's
+/// mailbox between events (one relaxed load each) and in idle loops.
+pub struct WriterSink {
+    w: Writer<RawMem>,
+    serve: bool,
 }
 
-impl ScratchSink {
-    /// A sink with an empty scratch buffer.
-    pub const fn new() -> Self {
-        Self {
-            buf: [0; 512],
-            last_ts: 0,
-            last_slot: 0,
-        }
+impl WriterSink {
+    /// Wraps the attached writer.
+    pub fn new(w: Writer<RawMem>, serve: bool) -> Self {
+        Self { w, serve }
+    }
+
+    /// The writer.
+    pub fn writer(&mut self) -> &mut Writer<RawMem> {
+        &mut self.w
     }
 }
 
-impl Sink for ScratchSink {
-    #[inline]
+impl Sink for WriterSink {
+    #[inline(always)]
     fn write(&mut self, slot: u32, ts: u64, payload: &[u8]) -> bool {
-        let n = payload.len().min(self.buf.len());
-        self.buf[..n].copy_from_slice(&payload[..n]);
-        self.last_ts = ts;
-        self.last_slot = slot;
-        // Keep the stores: the optimiser must not drop an unobserved buffer.
-        core::hint::black_box(&mut *self);
-        true
+        let out = self.w.write(slot, ts, payload);
+        if self.serve {
+            self.w.serve_mailbox();
+        }
+        // Dropped (ring full) and the rest count as attempted-and-enabled: the writer
+        // accounts for them (dropped / corrupt); only disabled events are skipped.
+        out != WriteOutcome::Disabled
+    }
+
+    #[inline(always)]
+    fn idle(&mut self) {
+        if self.serve {
+            self.w.serve_mailbox();
+        }
     }
 }
 
@@ -77,6 +88,17 @@ impl<S: Sink> Emitter<S> {
         if !self.sink.write(slot, ts, payload) {
             self.skipped += 1;
         }
+    }
+
+    /// Idle hook (serves the mailbox in `--swap guest` mode).
+    #[inline(always)]
+    pub fn idle(&mut self) {
+        self.sink.idle();
+    }
+
+    /// The sink.
+    pub fn sink(&mut self) -> &mut S {
+        &mut self.sink
     }
 
     fn next_seq(&mut self) -> u64 {

@@ -15,7 +15,11 @@ use hyptrace_abi::guest::{
     VCPU_RESULT_SIZE,
 };
 
-use emit::{Emitter, ScratchSink};
+use emit::{Emitter, WriterSink};
+use hyptrace_abi::guest::RUN_FLAG_SERVE_MAILBOX;
+use hyptrace_abi::layout::pack as pack_hdr;
+use hyptrace_abi::RawMem;
+use hyptrace_writer::Writer;
 use rt::{out32, rdtsc};
 
 /// A guest-physical (= virtual, identity-mapped) block read and written with volatile
@@ -59,7 +63,7 @@ pub struct Params {
 
 /// Entry from `_start`: rdi = pack GPA, rsi = vCPU id, rdx = RunParams GPA.
 #[no_mangle]
-pub extern "C" fn guest_main(_pack: u64, cpu: u64, params_gpa: u64) -> ! {
+pub extern "C" fn guest_main(pack: u64, cpu: u64, params_gpa: u64) -> ! {
     let tsc_start = rdtsc();
     let p = Block(params_gpa);
     if p.read_u64(params::MAGIC) != RUN_PARAMS_MAGIC
@@ -88,8 +92,23 @@ pub extern "C" fn guest_main(_pack: u64, cpu: u64, params_gpa: u64) -> ! {
     };
 
     let cpu = cpu as u32;
-    let mut em = Emitter::new(ScratchSink::new(), cpu);
-    let served = workload::run(&params, cpu, tsc_start, &mut em);
+    // The trace region: its size is in the pack the host wrote (the writer validates
+    // the whole pack against it).
+    let region = Block(pack).read_u64(pack_hdr::REGION_SIZE) as usize;
+    // SAFETY: the host placed the trace region at `pack`, identity-mapped, page-aligned,
+    // `region` bytes long (its own pack says so), for the life of the VM; the host
+    // accesses it only through atomics and volatile copies.
+    let mem = unsafe { RawMem::new(pack as *mut u8, region) };
+    let writer = match Writer::attach(mem, cpu) {
+        Ok(w) => w,
+        Err(e) => panic!("cannot attach the trace writer: {e}"),
+    };
+    let serve = params.flags & RUN_FLAG_SERVE_MAILBOX != 0;
+    let mut em = Emitter::new(WriterSink::new(writer, serve), cpu);
+    workload::run(&params, cpu, tsc_start, &mut em);
+    let w = em.sink().writer();
+    w.finish();
+    let served = w.mailbox_served();
 
     slot.write_u64(result::ATTEMPTED, em.attempted);
     slot.write_u64(result::SKIPPED, em.skipped);

@@ -1,7 +1,7 @@
 //! The workloads (`hyptrace_abi::guest::Workload`).
 
 use hyptrace_abi::events::TEXT_MAX_MSG;
-use hyptrace_abi::guest::{Workload, RUN_FLAG_SERVE_MAILBOX};
+use hyptrace_abi::guest::Workload;
 
 use crate::emit::{Emitter, Sink};
 use crate::rt::rdtsc;
@@ -14,23 +14,6 @@ const DEFAULT_BURST: u64 = 1024;
 /// An address no page table maps (PML4 slot 254): a store there page-faults, and
 /// with no IDT that is a triple fault.
 const UNMAPPED: u64 = 0x0000_7f00_dead_0000;
-
-/// Serves the host's mailbox while the vCPU waits (placeholder until the writer lands).
-struct Mailbox {
-    enabled: bool,
-    served: u64,
-}
-
-impl Mailbox {
-    /// Called from every busy-wait loop.
-    #[inline(always)]
-    fn poll(&mut self) {
-        if self.enabled {
-            // Nothing to serve yet: the writer's mailbox comes with the integration.
-            self.served += 0;
-        }
-    }
-}
 
 /// Paces event `i` at `rate` events/s from `start` (absolute deadlines, no drift).
 struct Pacer {
@@ -59,16 +42,16 @@ impl Pacer {
     }
 
     /// Busy-waits (serving the mailbox) until event `i` is due.
-    fn wait(&self, i: u64, mb: &mut Mailbox) {
+    fn wait<S: Sink>(&self, i: u64, em: &mut Emitter<S>) {
         if self.enabled() {
-            spin_until(self.deadline(i), mb);
+            spin_until(self.deadline(i), em);
         }
     }
 }
 
-fn spin_until(deadline: u64, mb: &mut Mailbox) {
+fn spin_until<S: Sink>(deadline: u64, em: &mut Emitter<S>) {
     while (deadline.wrapping_sub(rdtsc()) as i64) > 0 {
-        mb.poll();
+        em.idle();
         core::hint::spin_loop();
     }
 }
@@ -92,21 +75,17 @@ impl Rng {
     }
 }
 
-/// Runs the workload; returns the number of mailbox requests served.
-pub fn run<S: Sink>(p: &Params, cpu: u32, start: u64, em: &mut Emitter<S>) -> u64 {
-    let mut mb = Mailbox {
-        enabled: p.flags & RUN_FLAG_SERVE_MAILBOX != 0,
-        served: 0,
-    };
+/// Runs the workload.
+pub fn run<S: Sink>(p: &Params, cpu: u32, start: u64, em: &mut Emitter<S>) {
     let pacer = Pacer::new(start, p);
     match p.workload {
         Workload::Steady => {
             for i in 0..p.events {
-                pacer.wait(i, &mut mb);
+                pacer.wait(i, em);
                 em.marker(i);
             }
         }
-        Workload::Mixed => mixed(p, cpu, &pacer, &mut mb, em),
+        Workload::Mixed => mixed(p, cpu, &pacer, em),
         Workload::Burst => {
             let burst = if p.burst == 0 {
                 DEFAULT_BURST
@@ -116,11 +95,11 @@ pub fn run<S: Sink>(p: &Params, cpu: u32, start: u64, em: &mut Emitter<S>) -> u6
             let mut i = 0;
             while i < p.events {
                 if pacer.enabled() {
-                    pacer.wait(i, &mut mb);
+                    pacer.wait(i, em);
                 } else if i != 0 {
                     // As fast as possible between bursts, but still a pause: ~1 ms.
                     let gap = if p.tsc_khz != 0 { p.tsc_khz } else { 1 << 20 };
-                    spin_until(rdtsc().wrapping_add(gap), &mut mb);
+                    spin_until(rdtsc().wrapping_add(gap), em);
                 }
                 let end = (i + burst).min(p.events);
                 while i < end {
@@ -146,16 +125,15 @@ pub fn run<S: Sink>(p: &Params, cpu: u32, start: u64, em: &mut Emitter<S>) -> u6
             panic!("fault workload survived a store to {UNMAPPED:#x}");
         }
     }
-    mb.served
 }
 
 /// Markers, spans and texts (1..=TEXT_MAX_MSG bytes, so many longer than 112) picked
 /// pseudo-randomly.
-fn mixed<S: Sink>(p: &Params, cpu: u32, pacer: &Pacer, mb: &mut Mailbox, em: &mut Emitter<S>) {
+fn mixed<S: Sink>(p: &Params, cpu: u32, pacer: &Pacer, em: &mut Emitter<S>) {
     let mut rng = Rng::new(p.seed, cpu);
     let mut msg = [0u8; TEXT_MAX_MSG];
     for i in 0..p.events {
-        pacer.wait(i, mb);
+        pacer.wait(i, em);
         let r = rng.next();
         match r % 8 {
             0..=3 => em.marker(r >> 8),

@@ -7,6 +7,7 @@
 use std::borrow::Cow;
 use std::ffi::OsString;
 use std::fmt::Write as _;
+
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -16,8 +17,15 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use hyptrace_abi::guest::{Workload, RUN_FLAG_SERVE_MAILBOX};
 use hyptrace_abi::layout as ring;
 
+use hyptrace_output::{
+    Clock, JsonSink, PageSink, RawSink, TextSink, TraceDatSink, TraceDatVersion, TraceMeta,
+};
+use hyptrace_reader::Merger;
+use std::io::{IsTerminal, Write};
+
 use crate::elf::GuestImage;
 use crate::layout::{Layout, HUGE_PAGE, MAX_MEM_BYTES, MAX_VCPUS, MIN_MEM_BYTES};
+use crate::trace::{alloc_reader, Output, Session};
 use crate::vcpu::VcpuOutcome;
 use crate::vm::{RunParams, Vm, VmConfig, DEFAULT_SEED};
 use crate::GUEST_ELF;
@@ -48,8 +56,65 @@ pub struct Cli {
 /// Subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Boot the guest payload on KVM, run a workload on every vCPU, report.
+    /// Boot the guest on KVM, run a workload on every vCPU, print every event (merged
+    /// by time, as `trace-cmd report -t` prints them) and a per-CPU summary.
     Run(RunArgs),
+    /// Like `run`, but stream the ring pages into a file: trace.dat (v7 or v6) that
+    /// trace-cmd and KernelShark read, Chrome trace-event JSON, text, or raw pages.
+    Record(RecordArgs),
+    /// Print a trace.dat (ours or one trace-cmd wrote) as `trace-cmd report -t` does.
+    Report(ReportArgs),
+}
+
+/// Output formats of `record`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum FormatArg {
+    /// trace.dat version 7 (trace-cmd's current format), uncompressed.
+    Dat,
+    /// trace.dat version 6.
+    Dat6,
+    /// Chrome trace-event JSON (Perfetto UI, chrome://tracing).
+    Json,
+    /// Text, one event per line as `trace-cmd report -t` prints it.
+    Text,
+    /// Raw ring pages (see docs/output.md).
+    Raw,
+}
+
+/// Options of `hyptrace record`.
+#[derive(Clone, Debug, Args)]
+pub struct RecordArgs {
+    /// Output file (written to a temporary name, renamed when complete).
+    #[arg(
+        short = 'o',
+        long = "output",
+        value_name = "FILE",
+        default_value = "trace.dat"
+    )]
+    pub output: PathBuf,
+    /// Output format [default: from the extension: .dat → dat, .json → json, .txt →
+    /// text, .raw → raw; otherwise dat].
+    #[arg(long, value_enum)]
+    pub format: Option<FormatArg>,
+    /// Options of the run.
+    #[command(flatten)]
+    pub run: RunArgs,
+}
+
+/// Options of `hyptrace report`.
+#[derive(Clone, Debug, Args)]
+pub struct ReportArgs {
+    /// The trace.dat to read (v6, v7, v7 compressed with zstd).
+    #[arg(
+        short = 'i',
+        long = "input",
+        value_name = "FILE",
+        default_value = "trace.dat"
+    )]
+    pub input: PathBuf,
+    /// Print the per-CPU statistics instead of the events.
+    #[arg(long)]
+    pub stat: bool,
 }
 
 /// Workloads of the guest payload.
@@ -112,7 +177,8 @@ pub struct RunArgs {
     /// Guest workload.
     #[arg(long, value_enum, default_value_t = WorkloadArg::Steady)]
     pub workload: WorkloadArg,
-    /// Ring buffer size per vCPU in KiB, reader page included (at least 3 pages).
+    /// Ring buffer size per vCPU in KiB, reader page included, rounded up to whole pages
+    /// (like trace-cmd's -b); at least 3 pages (reader page + 2 ring pages).
     #[arg(long = "buffer-kb", value_name = "K", default_value_t = 1024)]
     pub buffer_kb: u64,
     /// Ring page size in bytes: a power of two, at least 4096.
@@ -172,6 +238,8 @@ where
     };
     match cli.command {
         Command::Run(args) => run(&args),
+        Command::Record(args) => record(&args),
+        Command::Report(args) => report(&args),
     }
 }
 
@@ -180,15 +248,15 @@ fn usage_error(msg: impl std::fmt::Display) -> i32 {
     EXIT_USAGE
 }
 
-/// Size of the trace region for `vcpus` rings of `pages_per_cpu` pages (reader page
-/// included) of `page_size` bytes: the ring-buffer pack layout's own number.
-pub fn trace_region_bytes(
+/// The trace region layout for `vcpus` rings of `pages_per_cpu` pages (reader page
+/// included) of `page_size` bytes.
+pub fn ring_layout(
     vcpus: u32,
     pages_per_cpu: u64,
     page_size: u64,
     mode: ModeArg,
     swap: SwapArg,
-) -> Result<u64, String> {
+) -> Result<ring::Layout, String> {
     let pages = u32::try_from(pages_per_cpu)
         .map_err(|_| format!("{pages_per_cpu} pages per vCPU is too many"))?;
     let mode = match mode {
@@ -202,7 +270,6 @@ pub fn trace_region_bytes(
         mode,
         swap == SwapArg::Guest,
     )
-    .map(|l| l.region_size as u64)
     .map_err(|e| format!("trace region: {e}"))
 }
 
@@ -210,6 +277,7 @@ pub fn trace_region_bytes(
 #[derive(Debug)]
 struct Plan {
     cfg: VmConfig,
+    ring: ring::Layout,
     params: RunParams,
     duration: Option<Duration>,
     poll: Duration,
@@ -251,14 +319,9 @@ fn plan(a: &RunArgs) -> Result<Plan, String> {
             a.buffer_kb, a.page_size
         ));
     }
-    if buffer % a.page_size != 0 {
-        return Err(format!(
-            "--buffer-kb {} is not a multiple of the page size ({} bytes)",
-            a.buffer_kb, a.page_size
-        ));
-    }
-    let pages = buffer / a.page_size;
-    let trace = trace_region_bytes(a.vcpus, pages, a.page_size, a.mode, a.swap)?;
+    let pages = buffer.div_ceil(a.page_size);
+    let ring_layout = ring_layout(a.vcpus, pages, a.page_size, a.mode, a.swap)?;
+    let trace = ring_layout.region_size as u64;
     if a.poll_ms == 0 {
         return Err("--poll-ms must be at least 1".into());
     }
@@ -326,6 +389,7 @@ fn plan(a: &RunArgs) -> Result<Plan, String> {
         flags |= RUN_FLAG_SERVE_MAILBOX;
     }
     Ok(Plan {
+        ring: ring_layout,
         cfg: VmConfig {
             vcpus: a.vcpus,
             mem_bytes,
@@ -358,47 +422,173 @@ fn termination_flag() -> Result<Arc<AtomicBool>, String> {
     Ok(term)
 }
 
+/// Where `execute` sends the trace.
+enum Target {
+    /// Text lines on stdout (`run`).
+    Stdout,
+    /// A file in a format (`record`).
+    File(PathBuf, FormatArg),
+}
+
+/// Per-CPU result of a run, as printed and written to `--stats`.
+#[derive(Debug, Clone, Default)]
+struct CpuReport {
+    attempted: Option<u64>,
+    skipped: Option<u64>,
+    written: u64,
+    stats: hyptrace_reader::CpuStats,
+    error: Option<String>,
+}
+
+impl CpuReport {
+    /// `written == read + lost`, `lost == overrun + dropped`, and `written ==
+    /// attempted − skipped` when the guest reported its counts.
+    fn consistent(&self) -> bool {
+        let s = &self.stats;
+        self.error.is_none()
+            && self.written == s.read + s.lost
+            && s.lost == s.overrun + s.dropped
+            && match (self.attempted, self.skipped) {
+                (Some(a), Some(k)) => a.checked_sub(k) == Some(self.written),
+                _ => true,
+            }
+    }
+}
+
 /// `hyptrace run`.
 pub fn run(a: &RunArgs) -> i32 {
+    execute(a, Target::Stdout)
+}
+
+/// `hyptrace record`.
+pub fn record(a: &RecordArgs) -> i32 {
+    let format = a.format.unwrap_or_else(|| {
+        match a
+            .output
+            .extension()
+            .and_then(|e| e.to_str())
+            .map(str::to_ascii_lowercase)
+            .as_deref()
+        {
+            Some("json") => FormatArg::Json,
+            Some("txt") | Some("text") => FormatArg::Text,
+            Some("raw") => FormatArg::Raw,
+            _ => FormatArg::Dat,
+        }
+    });
+    execute(&a.run, Target::File(a.output.clone(), format))
+}
+
+/// `hyptrace report`.
+pub fn report(a: &ReportArgs) -> i32 {
+    let file = match hyptrace_output::TraceFile::open(&a.input) {
+        Ok(f) => f,
+        Err(e) => return usage_error(format!("{}: {e}", a.input.display())),
+    };
+    let text = if a.stat {
+        file.stat_text()
+    } else {
+        file.report()
+    };
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Ok(()) => EXIT_OK,
+        // A closed pipe (`| head`) is not an error worth a message.
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => EXIT_OK,
+        Err(e) => {
+            eprintln!("hyptrace: error: writing the report: {e}");
+            EXIT_RUNTIME
+        }
+    }
+}
+
+fn runtime_error(msg: impl std::fmt::Display) -> i32 {
+    eprintln!("hyptrace: error: {msg}");
+    EXIT_RUNTIME
+}
+
+fn make_sink(
+    path: &std::path::Path,
+    format: FormatArg,
+    meta: TraceMeta,
+) -> Result<Box<dyn PageSink>, String> {
+    let r: Result<Box<dyn PageSink>, hyptrace_output::OutputError> = match format {
+        FormatArg::Dat => {
+            TraceDatSink::create(path, meta, TraceDatVersion::V7).map(|s| Box::new(s) as _)
+        }
+        FormatArg::Dat6 => {
+            TraceDatSink::create(path, meta, TraceDatVersion::V6).map(|s| Box::new(s) as _)
+        }
+        FormatArg::Json => JsonSink::create(path, meta).map(|s| Box::new(s) as _),
+        FormatArg::Text => TextSink::create(path, meta).map(|s| Box::new(s) as _),
+        FormatArg::Raw => RawSink::create(path, meta).map(|s| Box::new(s) as _),
+    };
+    r.map_err(|e| format!("cannot write {}: {e}", path.display()))
+}
+
+/// Boots the VM, drains the rings while it runs and after, and reports.
+fn execute(a: &RunArgs, target: Target) -> i32 {
     let plan = match plan(a) {
         Ok(p) => p,
         Err(msg) => return usage_error(msg),
     };
+    let nr = plan.cfg.vcpus;
     let vm = match Vm::new(plan.cfg) {
         Ok(vm) => vm,
         Err(e) if e.is_input_error() => return usage_error(e),
-        Err(e) => {
-            eprintln!("hyptrace: error: {e}");
-            return EXIT_RUNTIME;
-        }
-    };
-    let term = match termination_flag() {
-        Ok(t) => t,
-        Err(msg) => {
-            eprintln!("hyptrace: error: {msg}");
-            return EXIT_RUNTIME;
-        }
+        Err(e) => return runtime_error(e),
     };
     let tsc_khz = vm.tsc_khz();
     let tsc_offset = vm.tsc_offset();
-    let running = match vm.start(&plan.params) {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("hyptrace: error: {e}");
-            return EXIT_RUNTIME;
+    let clock = match Clock::guest_tsc(tsc_khz) {
+        Ok(c) => c,
+        Err(e) => return runtime_error(format!("guest clock ({tsc_khz} kHz): {e}")),
+    };
+    let output = match &target {
+        Target::Stdout => Output::Text {
+            out: Box::new(std::io::BufWriter::with_capacity(
+                1 << 16,
+                std::io::stdout(),
+            )),
+            merger: Merger::new(nr as usize),
+        },
+        Target::File(path, format) => {
+            let meta = TraceMeta::guest(plan.ring.page_size, nr, clock.clone());
+            match make_sink(path, *format, meta) {
+                Ok(s) => Output::Pages(s),
+                Err(msg) => return usage_error(msg),
+            }
         }
     };
+    let generation = crate::vm::host_tsc();
+    let reader = match alloc_reader(vm.trace_region(), plan.ring, tsc_khz, generation) {
+        Ok(r) => r,
+        Err(e) => return runtime_error(format!("trace buffers: {e}")),
+    };
+    let term = match termination_flag() {
+        Ok(t) => t,
+        Err(msg) => return runtime_error(msg),
+    };
+    let running = match vm.start(&plan.params) {
+        Ok(r) => r,
+        Err(e) => return runtime_error(e),
+    };
+    let mut session = Session::new(reader, output, clock);
     let deadline = plan.duration.map(|d| running.started_at() + d);
-    let mut stop_reason: Option<&str> = None;
-    while !running.wait_timeout(plan.poll) {
-        // The ring-buffer reader will poll the trace region here, every --poll-ms.
+    let progress = matches!(target, Target::File(..)) && std::io::stderr().is_terminal();
+    let mut stop_reason: Option<String> = None;
+    let mut host_error = false;
+    let mut swaps_live = vec![0u64; nr as usize];
+    let mut last_progress = Instant::now();
+    loop {
+        let all_done = running.wait_timeout(plan.poll);
         if stop_reason.is_none() {
             stop_reason = if term.load(Ordering::SeqCst) {
-                Some("interrupted")
+                Some("interrupted".into())
             } else if deadline.is_some_and(|d| Instant::now() >= d) {
-                Some("--duration elapsed")
+                Some("--duration elapsed".into())
             } else if running.any_crashed() {
-                Some("a vCPU crashed")
+                Some("a vCPU crashed".into())
             } else {
                 None
             };
@@ -406,19 +596,140 @@ pub fn run(a: &RunArgs) -> i32 {
                 running.stop();
             }
         }
+        for cpu in 0..nr {
+            if !session.is_live(cpu) {
+                continue;
+            }
+            let r = if running.vcpu_finished(cpu) {
+                session.end_cpu(cpu)
+            } else {
+                let r = session.poll(cpu);
+                swaps_live[cpu as usize] = session.stats(cpu).swaps;
+                r
+            };
+            // A mailbox request that timed out because the vCPU just stopped is no error:
+            // what it wrote is read by the final walk.
+            let r = match r {
+                Err(_) if running.vcpu_finished(cpu) => session.end_cpu(cpu),
+                r => r,
+            };
+            if let Err(e) = r {
+                eprintln!("hyptrace: error: reading vcpu {cpu}: {e}");
+                session.fail_cpu(cpu, &e);
+                host_error = true;
+                if stop_reason.is_none() {
+                    stop_reason = Some(format!("reading vcpu {cpu} failed"));
+                    running.stop();
+                }
+                if !running.vcpu_finished(cpu) {
+                    continue;
+                }
+                let _ = session.end_cpu(cpu);
+            }
+        }
+        if let Err(e) = session.flush() {
+            eprintln!("hyptrace: error: {e}");
+            host_error = true;
+            if stop_reason.is_none() {
+                stop_reason = Some("output failed".into());
+                running.stop();
+            }
+        }
+        if progress && last_progress.elapsed() >= Duration::from_millis(500) {
+            last_progress = Instant::now();
+            let read: u64 = (0..nr).map(|c| session.stats(c).read).sum();
+            let lost: u64 = (0..nr).map(|c| session.stats(c).lost).sum();
+            eprint!("\rhyptrace: recording: {read} events read, {lost} lost ");
+        }
+        if all_done && (0..nr).all(|c| !session.is_live(c)) {
+            break;
+        }
+    }
+    if progress {
+        eprintln!();
     }
     let wall = running.started_at().elapsed();
     let start_tsc = running.start_tsc();
     let outcomes = running.wait();
+    // Every vCPU has stopped: read what is left, read-only.
+    for cpu in 0..nr {
+        if let Err(e) = session.end_cpu(cpu) {
+            eprintln!("hyptrace: error: reading vcpu {cpu}: {e}");
+            session.fail_cpu(cpu, &e);
+            host_error = true;
+        }
+    }
+    if let Err(e) = session.flush() {
+        eprintln!("hyptrace: error: {e}");
+        host_error = true;
+    }
 
-    if let Some(r) = stop_reason {
+    let reports: Vec<CpuReport> = (0..nr)
+        .map(|cpu| {
+            let (attempted, skipped) = match outcomes.get(cpu as usize) {
+                Some(VcpuOutcome::Finished(st)) => (Some(st.attempted), Some(st.skipped)),
+                _ => (None, None),
+            };
+            let mut stats = session.stats(cpu);
+            stats.swaps = swaps_live[cpu as usize].max(stats.swaps);
+            CpuReport {
+                attempted,
+                skipped,
+                written: session.writer_index(cpu),
+                stats,
+                error: session.error(cpu).map(str::to_string),
+            }
+        })
+        .collect();
+    let summary_stats = hyptrace_output::RunSummary {
+        cpus: reports
+            .iter()
+            .map(|r| hyptrace_output::CpuStats {
+                entries: r.written.saturating_sub(r.stats.read + r.stats.lost),
+                overrun: r.stats.overrun,
+                commit_overrun: 0,
+                bytes: r.stats.bytes,
+                oldest_event_ts: 0,
+                now_ts: 0,
+                dropped_events: r.stats.dropped,
+                read_events: r.stats.read,
+            })
+            .collect(),
+    };
+    let lines = match session.finish(&summary_stats) {
+        Ok(n) => n,
+        Err(e) => {
+            eprintln!("hyptrace: error: {e}");
+            host_error = true;
+            0
+        }
+    };
+
+    if let Some(r) = &stop_reason {
         eprintln!("hyptrace: stopped: {r}");
     }
-    let report = summary(&outcomes, tsc_khz, start_tsc, tsc_offset, wall);
-    eprint!("{report}");
-    let code = exit_code(&outcomes);
+    let mut code = exit_code(&outcomes);
+    let consistent = reports.iter().all(CpuReport::consistent);
+    if code == EXIT_OK && (host_error || !consistent) {
+        code = EXIT_RUNTIME;
+    }
+    eprint!(
+        "{}",
+        summary(&outcomes, &reports, tsc_khz, start_tsc, tsc_offset, wall, lines, &target)
+    );
+    if !consistent {
+        eprintln!("hyptrace: error: accounting mismatch: written != read + lost on some vCPU");
+    }
     if let Some(path) = &a.stats {
-        let json = stats_json(a, &outcomes, tsc_khz, wall, stop_reason, code);
+        let json = stats_json(
+            a,
+            &outcomes,
+            &reports,
+            tsc_khz,
+            wall,
+            stop_reason.as_deref(),
+            code,
+        );
         if let Err(e) = std::fs::write(path, json) {
             eprintln!("hyptrace: error: cannot write {}: {e}", path.display());
             return EXIT_RUNTIME;
@@ -438,15 +749,18 @@ pub fn exit_code(outcomes: &[VcpuOutcome]) -> i32 {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn summary(
     outcomes: &[VcpuOutcome],
+    reports: &[CpuReport],
     tsc_khz: u64,
     start_tsc: u64,
     tsc_offset: Option<i64>,
     wall: Duration,
+    lines: u64,
+    target: &Target,
 ) -> String {
     let mut s = String::new();
-    let mut total = 0;
     let ms = |cycles: u64| {
         if tsc_khz == 0 {
             0.0
@@ -455,110 +769,131 @@ fn summary(
         }
     };
     for (id, o) in outcomes.iter().enumerate() {
-        let _ = match o {
+        let outcome = match o {
             VcpuOutcome::Finished(st) => {
-                total += st.attempted;
                 let t = ms(st.tsc_end.wrapping_sub(st.tsc_start));
-                // Events per millisecond = thousands per second.
-                let rate = if t > 0.0 {
-                    st.attempted as f64 / t * 1000.0
-                } else {
-                    0.0
-                };
-                // First guest instruction relative to the start of the vCPU threads, when
-                // guest and host TSCs can be related.
                 let started = match tsc_offset {
-                    Some(off) => {
-                        let host = st.tsc_start.wrapping_sub(off as u64);
-                        format!(
-                            ", first instruction {:.3} ms after start",
-                            ms(host.wrapping_sub(start_tsc))
-                        )
-                    }
+                    Some(off) => format!(
+                        ", first instruction {:.3} ms after start",
+                        ms(st
+                            .tsc_start
+                            .wrapping_sub(off as u64)
+                            .wrapping_sub(start_tsc))
+                    ),
                     None => String::new(),
                 };
-                writeln!(
-                    s,
-                    "hyptrace: vcpu {id}: finished: {} events attempted, {} skipped, {t:.3} ms in the guest ({:.2} M events/s){started}",
-                    st.attempted,
-                    st.skipped,
-                    rate / 1e6,
-                )
+                format!("finished in {t:.3} ms{started}")
             }
-            VcpuOutcome::Panicked(msg) => writeln!(s, "hyptrace: vcpu {id}: guest panicked: {msg}"),
-            VcpuOutcome::Faulted(msg) => writeln!(s, "hyptrace: vcpu {id}: guest crashed: {msg}"),
-            VcpuOutcome::Stopped => writeln!(s, "hyptrace: vcpu {id}: stopped"),
-            VcpuOutcome::Error(msg) => writeln!(s, "hyptrace: vcpu {id}: error: {msg}"),
+            VcpuOutcome::Panicked(msg) => format!("guest panicked: {msg}"),
+            VcpuOutcome::Faulted(msg) => format!("guest crashed: {msg}"),
+            VcpuOutcome::Stopped => "stopped".to_string(),
+            VcpuOutcome::Error(msg) => format!("error: {msg}"),
         };
-    }
-    let _ = writeln!(
-        s,
-        "hyptrace: {} vCPUs, {total} events attempted by finished vCPUs, {:.3} s",
-        outcomes.len(),
-        wall.as_secs_f64()
-    );
-    s
-}
-
-fn json_str(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(out, "\\u{:04x}", c as u32);
-            }
-            c => out.push(c),
+        let _ = writeln!(s, "hyptrace: vcpu {id}: {outcome}");
+        if let Some(r) = reports.get(id) {
+            let st = &r.stats;
+            let opt = |v: Option<u64>| v.map_or("?".to_string(), |v| v.to_string());
+            let _ = writeln!(
+                s,
+                "hyptrace: cpu {id}: attempted {} skipped {} written {} read {} lost {} (overrun {} dropped {}) swaps {} pages_touched {} bytes {}{}",
+                opt(r.attempted),
+                opt(r.skipped),
+                r.written,
+                st.read,
+                st.lost,
+                st.overrun,
+                st.dropped,
+                st.swaps,
+                st.pages_touched,
+                st.bytes,
+                if r.consistent() { "" } else { "  MISMATCH" }
+            );
         }
     }
-    out.push('"');
-    out
+    let read: u64 = reports.iter().map(|r| r.stats.read).sum();
+    let lost: u64 = reports.iter().map(|r| r.stats.lost).sum();
+    let written: u64 = reports.iter().map(|r| r.written).sum();
+    let secs = wall.as_secs_f64();
+    let mb = reports.iter().map(|r| r.stats.bytes).sum::<u64>() as f64 / 1e6;
+    let _ = writeln!(
+        s,
+        "hyptrace: {} vCPUs: written {written} = read {read} + lost {lost}; {secs:.3} s, {mb:.1} MB of events ({:.1} MB/s){}",
+        outcomes.len(),
+        if secs > 0.0 { mb / secs } else { 0.0 },
+        match target {
+            Target::Stdout => format!(", {lines} lines printed"),
+            Target::File(p, f) => format!(", {:?} written to {}", f, p.display()),
+        }
+    );
+    s
 }
 
 fn stats_json(
     a: &RunArgs,
     outcomes: &[VcpuOutcome],
+    reports: &[CpuReport],
     tsc_khz: u64,
     wall: Duration,
     stop_reason: Option<&str>,
     code: i32,
 ) -> String {
-    let mut s = String::from("{\n");
-    let _ = writeln!(
-        s,
-        "  \"workload\": {},",
-        json_str(&format!("{:?}", a.workload).to_lowercase())
-    );
-    let _ = writeln!(s, "  \"vcpus\": {},", a.vcpus);
-    let _ = writeln!(s, "  \"events_per_vcpu\": {},", a.events);
-    let _ = writeln!(s, "  \"rate\": {},", a.rate);
-    let _ = writeln!(s, "  \"tsc_khz\": {tsc_khz},");
-    let _ = writeln!(s, "  \"wall_seconds\": {:.6},", wall.as_secs_f64());
-    let _ = writeln!(
-        s,
-        "  \"stop_reason\": {},",
-        stop_reason.map_or("null".to_string(), json_str)
-    );
-    let _ = writeln!(s, "  \"exit_code\": {code},");
-    s.push_str("  \"per_vcpu\": [\n");
-    for (id, o) in outcomes.iter().enumerate() {
-        let body = match o {
-            VcpuOutcome::Finished(st) => format!(
-                "\"outcome\": \"finished\", \"attempted\": {}, \"skipped\": {}, \"tsc_start\": {}, \"tsc_end\": {}, \"mailbox_served\": {}",
-                st.attempted, st.skipped, st.tsc_start, st.tsc_end, st.mailbox_served
-            ),
-            VcpuOutcome::Panicked(m) => format!("\"outcome\": \"panicked\", \"message\": {}", json_str(m)),
-            VcpuOutcome::Faulted(m) => format!("\"outcome\": \"faulted\", \"message\": {}", json_str(m)),
-            VcpuOutcome::Stopped => "\"outcome\": \"stopped\"".to_string(),
-            VcpuOutcome::Error(m) => format!("\"outcome\": \"error\", \"message\": {}", json_str(m)),
-        };
-        let comma = if id + 1 < outcomes.len() { "," } else { "" };
-        let _ = writeln!(s, "    {{\"vcpu\": {id}, {body}}}{comma}");
-    }
-    s.push_str("  ]\n}\n");
+    let cpus: Vec<serde_json::Value> = reports
+        .iter()
+        .enumerate()
+        .map(|(cpu, r)| {
+            let st = &r.stats;
+            serde_json::json!({
+                "cpu": cpu,
+                "attempted": r.attempted,
+                "skipped": r.skipped,
+                "written": r.written,
+                "read": st.read,
+                "overrun": st.overrun,
+                "dropped": st.dropped,
+                "lost": st.lost,
+                "swaps": st.swaps,
+                "pages_touched": st.pages_touched,
+                "bytes": st.bytes,
+                "pages_read": st.pages_read,
+                "outcome": outcome_name(outcomes.get(cpu)),
+                "error": r.error,
+            })
+        })
+        .collect();
+    let guest_exit = outcomes
+        .iter()
+        .map(|o| outcome_name(Some(o)))
+        .find(|n| *n != "ok")
+        .unwrap_or("ok");
+    let v = serde_json::json!({
+        "cpus": cpus,
+        "guest_exit": guest_exit,
+        "workload": format!("{:?}", a.workload).to_lowercase(),
+        "mode": format!("{:?}", a.mode).to_lowercase(),
+        "swap": format!("{:?}", a.swap).to_lowercase(),
+        "vcpus": a.vcpus,
+        "events_per_vcpu": a.events,
+        "rate": a.rate,
+        "tsc_khz": tsc_khz,
+        "wall_seconds": wall.as_secs_f64(),
+        "stop_reason": stop_reason,
+        "exit_code": code,
+    });
+    let mut s = serde_json::to_string_pretty(&v).unwrap_or_else(|_| "{}".into());
+    s.push('\n');
     s
+}
+
+/// `ok`, `panic`, `fault`, `stopped`, `error` (or `unknown` without an outcome).
+fn outcome_name(o: Option<&VcpuOutcome>) -> &'static str {
+    match o {
+        Some(VcpuOutcome::Finished(_)) => "ok",
+        Some(VcpuOutcome::Panicked(_)) => "panic",
+        Some(VcpuOutcome::Faulted(_)) => "fault",
+        Some(VcpuOutcome::Stopped) => "stopped",
+        Some(VcpuOutcome::Error(_)) => "error",
+        None => "unknown",
+    }
 }
 
 #[cfg(test)]
@@ -570,6 +905,7 @@ mod tests {
         v.extend_from_slice(extra);
         match Cli::try_parse_from(v).expect("parses").command {
             Command::Run(a) => a,
+            c => panic!("not run: {c:?}"),
         }
     }
 
@@ -589,7 +925,6 @@ mod tests {
             &["--page-size", "5000"],
             &["--page-size", "2048"],
             &["--buffer-kb", "8"],
-            &["--buffer-kb", "13"],
             &["--mem-mb", "1"],
             &["--mem-mb", "100000"],
             &["--poll-ms", "0"],
@@ -599,10 +934,5 @@ mod tests {
         ] {
             assert!(plan(&args(bad)).is_err(), "{bad:?} accepted");
         }
-    }
-
-    #[test]
-    fn json_escapes() {
-        assert_eq!(json_str("a\"b\\c\n"), "\"a\\\"b\\\\c\\u000a\"");
     }
 }

@@ -22,6 +22,7 @@ pub mod cli;
 pub mod elf;
 pub mod error;
 pub mod layout;
+pub mod trace;
 pub mod vcpu;
 pub mod vm;
 

@@ -433,6 +433,13 @@ impl RunningVm {
         *done >= n
     }
 
+    /// Whether vCPU `id`'s thread has ended (finished, crashed or stopped).
+    pub fn vcpu_finished(&self, id: u32) -> bool {
+        self.threads
+            .get(id as usize)
+            .is_none_or(|h| h.is_finished())
+    }
+
     /// Whether a vCPU has crashed (panic, fault) or failed.
     pub fn any_crashed(&self) -> bool {
         self.shared.crashed.load(Ordering::SeqCst)

@@ -3,25 +3,50 @@
 //!
 //! - [`Direct`]: run them here, on the shared memory, lock-free against the writer
 //!   (`--swap host`; also the in-process backend of tests and benchmarks).
-//! - [`Mailbox`]: post a request in the CPU's control block and wait for the writer to
-//!   run it and acknowledge (`--swap guest`: only the writer touches its metadata).
+//! - [`Mailbox`]: post a request in the CPU's control block for the writer to run and
+//!   acknowledge (`--swap guest`: only the writer touches its metadata); the reader
+//!   does not wait for a descheduled writer but comes back for the answer.
 
 use crate::ReadError;
 use hyptrace_abi::layout::{
     ctl, Layout, MBOX_OP_SWAP, MBOX_OP_UPDATE_FOOTERS, MBOX_STATUS_BUSY, MBOX_STATUS_OK,
+    WRITER_FINISHED,
 };
 use hyptrace_abi::SharedMem;
-pub use hyptrace_writer::SwapStatus;
 use std::sync::atomic::Ordering::{Acquire, Release};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+/// Outcome of a swap request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SwapStatus {
+    /// The head page became the reader page.
+    Swapped {
+        /// The new reader page.
+        page: u32,
+    },
+    /// The writer is on the reader page: nothing to swap yet.
+    Busy,
+    /// The request is in flight (mailbox): ask again later.
+    Pending,
+}
+
+impl From<hyptrace_writer::SwapStatus> for SwapStatus {
+    fn from(s: hyptrace_writer::SwapStatus) -> Self {
+        match s {
+            hyptrace_writer::SwapStatus::Swapped { page } => Self::Swapped { page },
+            hyptrace_writer::SwapStatus::Busy => Self::Busy,
+        }
+    }
+}
 
 /// How the reader gets the writer-domain operations done for a CPU.
 pub trait Callbacks {
     /// Swap the CPU's reader page with its head page.
     fn swap_reader(&self, cpu: u32) -> Result<SwapStatus, ReadError>;
-    /// Refresh the stats in the CPU's reader page footer.
-    fn update_footers(&self, cpu: u32) -> Result<(), ReadError>;
+    /// Refresh the stats in the CPU's reader page footer. `Ok(false)`: the request is
+    /// still in flight (mailbox); the footer is refreshed later.
+    fn update_footers(&self, cpu: u32) -> Result<bool, ReadError>;
 }
 
 /// Runs the writer-domain operations directly on the shared memory.
@@ -41,70 +66,128 @@ impl<M: SharedMem> Direct<M> {
 impl<M: SharedMem> Callbacks for Direct<M> {
     fn swap_reader(&self, cpu: u32) -> Result<SwapStatus, ReadError> {
         hyptrace_writer::swap_reader_page(&self.mem, &self.layout, cpu)
+            .map(SwapStatus::from)
             .map_err(|e| ReadError::Ring { cpu, err: e })
     }
-    fn update_footers(&self, cpu: u32) -> Result<(), ReadError> {
+    fn update_footers(&self, cpu: u32) -> Result<bool, ReadError> {
         hyptrace_writer::update_footers(&self.mem, &self.layout, cpu)
+            .map(|()| true)
             .map_err(|e| ReadError::Ring { cpu, err: e })
     }
 }
 
-/// Posts requests to the writer's mailbox and waits for the acknowledgement.
+/// How long a mailbox request is spun on before the reader moves on and comes back.
+pub const MAILBOX_SPIN: Duration = Duration::from_micros(30);
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Slot {
+    /// Last sequence number posted.
+    seq: u64,
+    /// The request in flight: op and when it was posted.
+    pending: Option<(u64, Instant)>,
+    /// A swap's answer that arrived while another op was asked for: the swap happened,
+    /// so the reader must learn of it at its next swap call (never dropped).
+    swap_answer: Option<u64>,
+}
+
+/// Posts requests to the writer's mailbox; never blocks for long. A request not
+/// answered within [`MAILBOX_SPIN`] stays in flight and the call reports it pending;
+/// the next call for that CPU picks up the answer (one request per CPU at a time).
+/// The reader thus serves all CPUs while a descheduled vCPU gets to its mailbox.
 #[derive(Debug)]
 pub struct Mailbox<M> {
     mem: M,
     layout: Layout,
     timeout: Duration,
-    seq: Mutex<Vec<u64>>,
+    slots: Mutex<Vec<Slot>>,
+}
+
+/// Result of one mailbox exchange.
+enum Reply {
+    Done(u64),
+    Pending,
 }
 
 impl<M: SharedMem> Mailbox<M> {
     /// Mailbox callbacks over `mem`; a request not acknowledged within `timeout` is an
     /// error ([`ReadError::MailboxTimeout`]: a stuck or dead writer).
     pub fn new(mem: M, layout: Layout, timeout: Duration) -> Self {
-        let seq = (0..layout.nr_cpus)
-            .map(|c| mem.load(layout.ctl(c) + ctl::MBOX_REQ, Acquire) >> 8)
+        let slots = (0..layout.nr_cpus)
+            .map(|c| Slot {
+                seq: mem.load(layout.ctl(c) + ctl::MBOX_REQ, Acquire) >> 8,
+                pending: None,
+                swap_answer: None,
+            })
             .collect();
         Self {
             mem,
             layout,
             timeout,
-            seq: Mutex::new(seq),
+            slots: Mutex::new(slots),
         }
     }
 
-    fn request(&self, cpu: u32, op: u64) -> Result<u64, ReadError> {
+    fn acked(&self, c: usize, seq: u64) -> Option<u64> {
+        let ack = self.mem.load(c + ctl::MBOX_ACK, Acquire);
+        (ack >> 8 == seq & (u64::MAX >> 8)).then_some(ack & 0xff)
+    }
+
+    fn request(&self, cpu: u32, op: u64) -> Result<Reply, ReadError> {
         if cpu >= self.layout.nr_cpus {
             return Err(ReadError::BadCpu(cpu));
         }
-        let seq = {
-            let mut s = self.seq.lock().unwrap_or_else(|p| p.into_inner());
-            s[cpu as usize] += 1;
-            s[cpu as usize]
-        };
         let c = self.layout.ctl(cpu);
+        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        let slot = &mut slots[cpu as usize];
+        if op == MBOX_OP_SWAP {
+            if let Some(status) = slot.swap_answer.take() {
+                return Ok(Reply::Done(status));
+            }
+        }
+        if let Some((pop, posted)) = slot.pending {
+            match self.acked(c, slot.seq) {
+                Some(status) => {
+                    slot.pending = None;
+                    if pop == op {
+                        return Ok(Reply::Done(status));
+                    }
+                    // The answer to another op. A swap's is kept for the next swap
+                    // call (the reader page changed); an update's needs nothing more.
+                    if pop == MBOX_OP_SWAP {
+                        slot.swap_answer = Some(status);
+                    }
+                }
+                None => {
+                    if self.mem.load(c + ctl::WRITER_STATE, Acquire) == WRITER_FINISHED {
+                        return Err(ReadError::WriterStopped { cpu });
+                    }
+                    if posted.elapsed() > self.timeout {
+                        return Err(ReadError::MailboxTimeout {
+                            cpu,
+                            timeout: self.timeout,
+                        });
+                    }
+                    return Ok(Reply::Pending);
+                }
+            }
+        }
+        slot.seq += 1;
+        let seq = slot.seq;
         self.mem.store(c + ctl::MBOX_REQ, (seq << 8) | op, Release);
         let start = Instant::now();
-        let mut spins = 0u32;
         loop {
-            let ack = self.mem.load(c + ctl::MBOX_ACK, Acquire);
-            if ack >> 8 == seq & (u64::MAX >> 8) {
-                return Ok(ack & 0xff);
+            if let Some(status) = self.acked(c, seq) {
+                return Ok(Reply::Done(status));
             }
-            spins += 1;
-            if spins < 64 {
-                std::hint::spin_loop();
-            } else if spins < 256 {
-                std::thread::yield_now();
-            } else {
-                if start.elapsed() > self.timeout {
-                    return Err(ReadError::MailboxTimeout {
-                        cpu,
-                        timeout: self.timeout,
-                    });
-                }
-                std::thread::sleep(Duration::from_micros(20));
+            // A writer that said it will write no more serves no more requests either.
+            if self.mem.load(c + ctl::WRITER_STATE, Acquire) == WRITER_FINISHED {
+                return Err(ReadError::WriterStopped { cpu });
             }
+            if start.elapsed() > MAILBOX_SPIN {
+                slot.pending = Some((op, start));
+                return Ok(Reply::Pending);
+            }
+            std::hint::spin_loop();
         }
     }
 }
@@ -112,20 +195,22 @@ impl<M: SharedMem> Mailbox<M> {
 impl<M: SharedMem> Callbacks for Mailbox<M> {
     fn swap_reader(&self, cpu: u32) -> Result<SwapStatus, ReadError> {
         match self.request(cpu, MBOX_OP_SWAP)? {
-            MBOX_STATUS_OK => {
+            Reply::Pending => Ok(SwapStatus::Pending),
+            Reply::Done(MBOX_STATUS_OK) => {
                 let page = self
                     .mem
                     .load(self.layout.ctl(cpu) + ctl::READER_PAGE, Acquire);
                 Ok(SwapStatus::Swapped { page: page as u32 })
             }
-            MBOX_STATUS_BUSY => Ok(SwapStatus::Busy),
-            s => Err(ReadError::MailboxFailed { cpu, status: s }),
+            Reply::Done(MBOX_STATUS_BUSY) => Ok(SwapStatus::Busy),
+            Reply::Done(s) => Err(ReadError::MailboxFailed { cpu, status: s }),
         }
     }
-    fn update_footers(&self, cpu: u32) -> Result<(), ReadError> {
+    fn update_footers(&self, cpu: u32) -> Result<bool, ReadError> {
         match self.request(cpu, MBOX_OP_UPDATE_FOOTERS)? {
-            MBOX_STATUS_OK => Ok(()),
-            s => Err(ReadError::MailboxFailed { cpu, status: s }),
+            Reply::Pending => Ok(false),
+            Reply::Done(MBOX_STATUS_OK) => Ok(true),
+            Reply::Done(s) => Err(ReadError::MailboxFailed { cpu, status: s }),
         }
     }
 }
@@ -134,7 +219,7 @@ impl<T: Callbacks + ?Sized> Callbacks for &T {
     fn swap_reader(&self, cpu: u32) -> Result<SwapStatus, ReadError> {
         (**self).swap_reader(cpu)
     }
-    fn update_footers(&self, cpu: u32) -> Result<(), ReadError> {
+    fn update_footers(&self, cpu: u32) -> Result<bool, ReadError> {
         (**self).update_footers(cpu)
     }
 }
@@ -143,7 +228,7 @@ impl<T: Callbacks + ?Sized> Callbacks for Box<T> {
     fn swap_reader(&self, cpu: u32) -> Result<SwapStatus, ReadError> {
         (**self).swap_reader(cpu)
     }
-    fn update_footers(&self, cpu: u32) -> Result<(), ReadError> {
+    fn update_footers(&self, cpu: u32) -> Result<bool, ReadError> {
         (**self).update_footers(cpu)
     }
 }

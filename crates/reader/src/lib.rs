@@ -140,6 +140,13 @@ pub enum ReadError {
         /// The timeout.
         timeout: Duration,
     },
+    /// The writer has finished (it serves no more mailbox requests): read the rest with
+    /// [`RingBuffer::finalize`].
+    #[error("cpu {cpu}: the writer has finished")]
+    WriterStopped {
+        /// The CPU.
+        cpu: u32,
+    },
     /// The writer answered a mailbox request with a failure.
     #[error("cpu {cpu}: the guest writer failed a mailbox request (status {status})")]
     MailboxFailed {
@@ -218,8 +225,9 @@ pub struct CpuStats {
 /// A page handed out by [`RingBuffer::next_page`].
 #[derive(Debug)]
 pub struct PageOut<'a> {
-    /// The page as in the ring: header and committed data (commit flags cleared); the
-    /// bytes after the data are not meaningful (footer, stale data) — sinks zero them.
+    /// The whole page (`page_size` bytes) as copied from the ring: header and committed
+    /// data (commit flags cleared); the bytes after the data are not meaningful (stale
+    /// data, footer) — sinks zero them.
     pub bytes: &'a [u8],
     /// Committed data bytes.
     pub commit_len: usize,
@@ -267,6 +275,10 @@ struct CpuState {
     /// Final walk: remaining pages in ring order (set by `finalize`).
     final_queue: Option<VecDeque<u32>>,
     trailing_done: bool,
+    /// A swap request is in flight (mailbox): the writer may swap at any moment, after
+    /// which our page is back in the ring — so the page is not touched again until the
+    /// answer is in.
+    swap_in_flight: bool,
 }
 
 /// Wakes threads waiting for data ([`RingBuffer::waiter`]).
@@ -359,6 +371,7 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
                 last_entries: 0,
                 final_queue: None,
                 trailing_done: false,
+                swap_in_flight: false,
             });
         }
         Ok(Self {
@@ -419,7 +432,10 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
     /// committed events since the last poke. Returns the stats.
     pub fn poke(&mut self, cpu: u32) -> Result<CpuStats, ReadError> {
         self.check_cpu(cpu)?;
-        self.cb.update_footers(cpu)?;
+        if !self.cb.update_footers(cpu)? {
+            // In flight (mailbox): the footer is refreshed by a later poke.
+            return Ok(self.cpus[cpu as usize].stats);
+        }
         let st = &mut self.cpus[cpu as usize];
         let reader = valid_page(
             &self.layout,
@@ -460,6 +476,13 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
             self.waiter.notify();
         }
         Ok(stats)
+    }
+
+    /// Whether a swap request for `cpu` is in flight (mailbox callbacks).
+    pub fn request_in_flight(&self, cpu: u32) -> bool {
+        self.cpus
+            .get(cpu as usize)
+            .is_some_and(|c| c.swap_in_flight)
     }
 
     /// The commit (tail) page of `cpu` as the writer last published it.
@@ -504,6 +527,19 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
         self.check_cpu(cpu)?;
         let l = self.layout;
         let st = &mut self.cpus[cpu as usize];
+        if std::mem::take(&mut st.swap_in_flight) {
+            // The writer may have run the requested swap before it stopped: then the
+            // reader page it made is where reading goes on.
+            let actual = valid_page(
+                &l,
+                cpu,
+                self.mem.load(l.ctl(cpu) + ctl::READER_PAGE, Acquire),
+            )?;
+            if actual != st.reader {
+                st.stats.swaps += 1;
+                Self::enter_page(&self.mem, &l, st, actual)?;
+            }
+        }
         let reader_seq = self
             .mem
             .load(l.footer_off(st.reader) + footer::PAGE_SEQ, Acquire);
@@ -609,8 +645,10 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
             Self::enter_page(&self.mem, &self.layout, st, next)?;
             return Ok(true);
         }
-        match self.cb.swap_reader(cpu)? {
-            SwapStatus::Busy => Ok(false),
+        let status = self.cb.swap_reader(cpu)?;
+        self.cpus[cpu as usize].swap_in_flight = status == SwapStatus::Pending;
+        match status {
+            SwapStatus::Busy | SwapStatus::Pending => Ok(false),
             SwapStatus::Swapped { .. } => {
                 let page = valid_page(
                     &self.layout,
@@ -695,6 +733,13 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
                     Record::Padding { .. } => {}
                 }
             }
+            if self.cpus[cpu as usize].swap_in_flight {
+                if swaps >= MAX_SWAPS_PER_CALL || !self.advance(cpu)? {
+                    return Ok(None);
+                }
+                swaps += 1;
+                continue;
+            }
             // Order: the tail is loaded before the commit, so if the writer has left
             // the page, the commit loaded after is final.
             let writer_here = self.writer_on_reader(cpu)?;
@@ -721,6 +766,12 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
     pub fn next_page(&mut self, cpu: u32) -> Result<Option<PageOut<'_>>, ReadError> {
         self.check_cpu(cpu)?;
         for _ in 0..=MAX_SWAPS_PER_CALL {
+            if self.cpus[cpu as usize].swap_in_flight {
+                if !self.advance(cpu)? {
+                    return Ok(None);
+                }
+                continue;
+            }
             let writer_here = self.writer_on_reader(cpu)?;
             let st = &mut self.cpus[cpu as usize];
             Self::refresh(&self.mem, &self.layout, st)?;
@@ -751,7 +802,7 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
                     .copy_from_slice(&(st.copied as u64).to_le_bytes());
                 let st = &self.cpus[cpu as usize];
                 return Ok(Some(PageOut {
-                    bytes: &st.buf[..PAGE_HEADER_SIZE + st.copied],
+                    bytes: &st.buf,
                     commit_len: st.copied,
                     missed,
                     events: n,

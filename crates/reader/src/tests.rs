@@ -206,5 +206,19 @@ fn mailbox_times_out_on_a_dead_writer() {
         1,
     )
     .unwrap();
-    assert!(matches!(rb.poke(0), Err(ReadError::MailboxTimeout { .. })));
+    // Requests do not block: the first poke leaves one in flight; later pokes report
+    // the timeout once it is older than 100 ms.
+    let start = std::time::Instant::now();
+    let err = loop {
+        match rb.poke(0) {
+            Ok(_) => assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "no timeout reported"
+            ),
+            Err(e) => break e,
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    assert!(matches!(err, ReadError::MailboxTimeout { .. }), "{err}");
+    assert!(start.elapsed() >= Duration::from_millis(100));
 }
