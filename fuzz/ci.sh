@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Short, bounded fuzz runs for CI (called by .ci/run): each target runs FUZZ_SECONDS
+# (default 30) from the committed seed corpus, with its dictionary; a crash fails the
+# script (libFuzzer exits non-zero and leaves the input under fuzz/artifacts/<target>/).
+# The committed reproducers of known bugs are replayed first (they pass while the
+# harness tolerates those bugs; HYPTRACE_FUZZ_STRICT=1 makes them fail).
+# See docs/fuzzing.md.
+set -euo pipefail
+fuzz_dir=$(cd "$(dirname "$0")" && pwd)
+secs=${FUZZ_SECONDS:-30}
+targets=${FUZZ_TARGETS:-"region page"}
+
+if ! cargo fuzz --version >/dev/null 2>&1; then
+    cargo install cargo-fuzz --locked
+fi
+
+cd "$fuzz_dir"
+cargo fuzz build --sanitizer none
+for f in regressions/*/*; do
+    [ -f "$f" ] || continue
+    t=$(basename "$(dirname "$f")")
+    cargo fuzz run --sanitizer none "$t" "$f"
+done
+for t in $targets; do
+    # New inputs go to a scratch dir: the committed corpus stays as it is.
+    work=$(mktemp -d)
+    trap 'rm -rf "$work"' EXIT
+    echo "fuzz: $t for ${secs}s"
+    cargo fuzz run --sanitizer none "$t" "$work" "corpus/$t" -- \
+        -max_total_time="$secs" -dict="$fuzz_dir/$t.dict" -max_len=512 -print_final_stats=1
+    rm -rf "$work"
+    trap - EXIT
+done
+echo "fuzz: all targets ran without a crash"
