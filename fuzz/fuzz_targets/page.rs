@@ -34,7 +34,10 @@ fuzz_target!(|input: &[u8]| {
     let mut steps = 0usize;
     loop {
         steps += 1;
-        assert!(steps <= data.len() / 4 + 2, "decode_record does not progress");
+        assert!(
+            steps <= data.len() / 4 + 2,
+            "decode_record does not progress"
+        );
         match page::decode_record(data, off) {
             Ok(None) => break,
             Err(e) => {
@@ -70,7 +73,10 @@ fuzz_target!(|input: &[u8]| {
     // The iterator yields the same events, then the same error (once), then nothing.
     let mut it = Events::new(data, ts0);
     for &(ts, start, len, at) in &expected {
-        let ev = it.next().expect("iterator ended early").expect("iterator error early");
+        let ev = it
+            .next()
+            .expect("iterator ended early")
+            .expect("iterator error early");
         assert_eq!(ev.ts, ts);
         assert_eq!(ev.offset, at);
         assert_eq!(ev.payload, &data[start..start + len]);

@@ -108,6 +108,16 @@ struct Stream {
     finalized: bool,
 }
 
+/// A page handed out by `next_page`, copied (header + committed data).
+struct CopiedPage {
+    missed: u64,
+    bytes: Vec<u8>,
+    commit_len: usize,
+    events: u64,
+    first_ts: Option<u64>,
+    last_ts: Option<u64>,
+}
+
 struct World<'m> {
     mem: &'m WordMem,
     l: Layout,
@@ -171,7 +181,10 @@ impl<'m> World<'m> {
                 WriteOutcome::Written | WriteOutcome::Dropped | WriteOutcome::Disabled => {}
                 WriteOutcome::TooLarge => unreachable!("payload clamped to max_payload"),
                 WriteOutcome::Corrupt => {
-                    assert!(self.patched, "writer reports corruption on an unpatched ring");
+                    assert!(
+                        self.patched,
+                        "writer reports corruption on an unpatched ring"
+                    );
                     return;
                 }
             }
@@ -202,7 +215,11 @@ impl<'m> World<'m> {
         // timestamp too).
         if payload.len() >= 12 {
             let idx = u64::from_le_bytes(payload[..8].try_into().unwrap());
-            assert!(idx >= s.next, "cpu {cpu}: event {idx} read again (expected {})", s.next);
+            assert!(
+                idx >= s.next,
+                "cpu {cpu}: event {idx} read again (expected {})",
+                s.next
+            );
             if idx - s.next > s.pending && self.l.mode == Mode::Stop && !strict() {
                 // Known writer bug (fuzz/regressions/region/stop-mode-write-after-drop):
                 // in stop mode, after events were dropped for a full ring, a smaller
@@ -266,7 +283,7 @@ impl<'m> World<'m> {
 
     fn drain_pages(&mut self, cpu: u32) {
         let Some(rb) = self.reader() else { return };
-        let mut got: Vec<(u64, Vec<u8>, usize, u64, Option<u64>, Option<u64>)> = Vec::new();
+        let mut got: Vec<CopiedPage> = Vec::new();
         let mut err = None;
         for _ in 0..MAX_PAGES {
             match rb.next_page(cpu) {
@@ -274,7 +291,14 @@ impl<'m> World<'m> {
                     let end = page::PAGE_HEADER_SIZE + p.commit_len;
                     assert!(p.bytes.len() >= end, "page copy shorter than its commit");
                     let bytes = p.bytes[..end].to_vec();
-                    got.push((p.missed, bytes, p.commit_len, p.events, p.first_ts, p.last_ts));
+                    got.push(CopiedPage {
+                        missed: p.missed,
+                        bytes,
+                        commit_len: p.commit_len,
+                        events: p.events,
+                        first_ts: p.first_ts,
+                        last_ts: p.last_ts,
+                    });
                 }
                 Ok(None) => break,
                 Err(e) => {
@@ -283,9 +307,20 @@ impl<'m> World<'m> {
                 }
             }
         }
-        for (missed, bytes, commit_len, events, first_ts, last_ts) in got {
+        for CopiedPage {
+            missed,
+            bytes,
+            commit_len,
+            events,
+            first_ts,
+            last_ts,
+        } in got
+        {
             let (ts0, commit) = page::page_header(&bytes).unwrap();
-            assert_eq!(commit, commit_len as u64, "page copy carries its length, no flags");
+            assert_eq!(
+                commit, commit_len as u64,
+                "page copy carries its length, no flags"
+            );
             self.lost(cpu, missed);
             let data = &bytes[page::PAGE_HEADER_SIZE..];
             let mut n = 0;
@@ -337,7 +372,12 @@ impl<'m> World<'m> {
         // into `expected` (control blocks of packs declaring 1..=8 CPUs).
         let ctls = (1..=8usize).flat_map(|n| {
             let c0 = PACK_HEADER_SIZE + n * CPU_DESC_SIZE;
-            (0..n).flat_map(move |c| [c0 + c * CTL_SIZE + ctl::ENTRIES, c0 + c * CTL_SIZE + ctl::DROPPED])
+            (0..n).flat_map(move |c| {
+                [
+                    c0 + c * CTL_SIZE + ctl::ENTRIES,
+                    c0 + c * CTL_SIZE + ctl::DROPPED,
+                ]
+            })
         });
         for off in footers.chain(ctls) {
             if off < self.mem.size() && self.mem.load(off, Relaxed) > LIMIT {
@@ -399,7 +439,11 @@ fuzz_target!(|data: &[u8]| {
     let cfg = inp.u8();
     let nr_cpus = 1 + u32::from(cfg & 1);
     let pages = 3 + u32::from((cfg >> 1) & 3);
-    let mode = if cfg & 8 != 0 { Mode::Overwrite } else { Mode::Stop };
+    let mode = if cfg & 8 != 0 {
+        Mode::Overwrite
+    } else {
+        Mode::Stop
+    };
     let l = Layout::new(nr_cpus, pages, PAGE_SIZE, mode, cfg & 16 != 0).unwrap();
     let mem = WordMem::new(l.region_size);
     l.init_region(&mem, 1_000_000, 1);
@@ -540,7 +584,11 @@ fuzz_target!(|data: &[u8]| {
                     2 => (v & page::COMMIT_LEN_MASK) | page::RB_MISSED_FLAGS,
                     _ => v,
                 };
-                let word = if sel & 4 != 0 { page::TIME_STAMP_OFFSET } else { COMMIT_OFFSET };
+                let word = if sel & 4 != 0 {
+                    page::TIME_STAMP_OFFSET
+                } else {
+                    COMMIT_OFFSET
+                };
                 w.patch_word(w.l.page_off(id) + word, v);
             }
             Op::PatchPack => {
@@ -578,14 +626,20 @@ fuzz_target!(|data: &[u8]| {
             continue;
         }
         let rb = w.rb.as_mut().unwrap();
-        assert!(rb.finished(cpu), "cpu {cpu}: final walk not done after draining");
+        assert!(
+            rb.finished(cpu),
+            "cpu {cpu}: final walk not done after draining"
+        );
         let trailing = rb.take_trailing_loss(cpu);
         let st = rb.sync_writer_counters(cpu).unwrap();
         w.lost(cpu, trailing);
         let s = &mut w.streams[cpu as usize];
         s.lost += s.pending;
         s.pending = 0;
-        assert_eq!(s.deferred, 0, "cpu {cpu}: losses never reported by the reader");
+        assert_eq!(
+            s.deferred, 0,
+            "cpu {cpu}: losses never reported by the reader"
+        );
         let wr = &w.writers[cpu as usize];
         assert_eq!(
             s.read + s.lost,
