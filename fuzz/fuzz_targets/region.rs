@@ -100,9 +100,6 @@ struct Stream {
     read: u64,
     lost: u64,
     last_ts: u64,
-    /// Losses the oracle accepted before the reader reported them (known bug, see
-    /// `check_event`); the reader's later report of them is not counted again.
-    deferred: u64,
     /// The writer was finished (no more writes to this CPU).
     finished: bool,
     finalized: bool,
@@ -196,10 +193,7 @@ impl<'m> World<'m> {
         if self.patched {
             return;
         }
-        let s = &mut self.streams[cpu as usize];
-        let d = n.min(s.deferred);
-        s.deferred -= d;
-        s.pending += n - d;
+        self.streams[cpu as usize].pending += n;
     }
 
     /// Checks one event of `cpu` against the oracle (unpatched regions only).
@@ -220,17 +214,6 @@ impl<'m> World<'m> {
                 "cpu {cpu}: event {idx} read again (expected {})",
                 s.next
             );
-            if idx - s.next > s.pending && self.l.mode == Mode::Stop && !strict() {
-                // Known writer bug (fuzz/regressions/region/stop-mode-write-after-drop):
-                // in stop mode, after events were dropped for a full ring, a smaller
-                // event that still fits the tail page is written there, right after the
-                // events before the drops, so the reader cannot report the loss in its
-                // place (it is reported at the end, as trailing loss). Tolerated unless
-                // HYPTRACE_FUZZ_STRICT=1; every other placement error stays fatal.
-                let extra = idx - s.next - s.pending;
-                s.deferred += extra;
-                s.pending += extra;
-            }
             assert_eq!(
                 idx - s.next,
                 s.pending,
@@ -636,10 +619,6 @@ fuzz_target!(|data: &[u8]| {
         let s = &mut w.streams[cpu as usize];
         s.lost += s.pending;
         s.pending = 0;
-        assert_eq!(
-            s.deferred, 0,
-            "cpu {cpu}: losses never reported by the reader"
-        );
         let wr = &w.writers[cpu as usize];
         assert_eq!(
             s.read + s.lost,
