@@ -341,7 +341,7 @@ impl<'m> World<'m> {
     /// (reader/src/lib.rs, `next_event`; also `+= n` in `next_page`) overflow — a
     /// panic in builds with overflow checks. Unless HYPTRACE_FUZZ_STRICT=1, such
     /// values are clamped to leave 2^32 events of headroom, so the fuzzer goes on to
-    /// find other bugs.
+    /// find other bugs. Same for the writer bug below.
     fn known_bug_guard(&mut self) {
         if strict() {
             return;
@@ -365,6 +365,18 @@ impl<'m> World<'m> {
         for off in footers.chain(ctls) {
             if off < self.mem.size() && self.mem.load(off, Relaxed) > LIMIT {
                 self.mem.store(off, LIMIT, Relaxed);
+            }
+        }
+        // Known writer bug (fuzz/regressions/region/writer-overrun-overflow): in
+        // overwrite mode `push_head` (writer/src/lib.rs) does `self.overrun += lost`
+        // with `lost` the pushed page's footer `page_entries`, read from shared memory
+        // unchecked: a huge value overflows. Clamped to 2^32 (no sum of them overflows
+        // within a run).
+        const ENTRIES_LIMIT: u64 = 1 << 32;
+        let entries = PAGE_SIZE - FOOTER_SIZE + footer::PAGE_ENTRIES;
+        for off in (entries..self.mem.size()).step_by(PAGE_SIZE) {
+            if self.mem.load(off, Relaxed) > ENTRIES_LIMIT {
+                self.mem.store(off, ENTRIES_LIMIT, Relaxed);
             }
         }
     }
