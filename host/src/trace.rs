@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use hyptrace_abi::layout::{ctl, Layout};
+use hyptrace_abi::layout::{ctl, Layout, WRITER_FINISHED};
 use hyptrace_abi::{RawMem, SharedMem};
 use hyptrace_output::{
     format_drop, format_guest_line, guest_printers, Clock, EventPrinter, Missed, PageSink,
@@ -368,11 +368,27 @@ impl Session {
     }
 
     /// Events the writer of `cpu` took in (committed or dropped), from its control block.
+    ///
+    /// The writer publishes an event's `commit` before it stores `entries`: a vCPU
+    /// stopped (`--duration`, Ctrl-C) or crashed between the two leaves the control
+    /// block one event behind its pages. Once such a CPU has been read to the end, the
+    /// one committed event the reader found beyond `entries + dropped` counts as written.
     pub fn writer_index(&self, cpu: u32) -> u64 {
         let l = self.reader.layout();
         let m = self.reader.mem();
-        m.load(l.ctl(cpu) + ctl::ENTRIES, Ordering::Acquire)
-            .wrapping_add(m.load(l.ctl(cpu) + ctl::DROPPED, Ordering::Acquire))
+        let c = l.ctl(cpu);
+        let index = m
+            .load(c + ctl::ENTRIES, Ordering::Acquire)
+            .wrapping_add(m.load(c + ctl::DROPPED, Ordering::Acquire));
+        let interrupted = m.load(c + ctl::WRITER_STATE, Ordering::Acquire) != WRITER_FINISHED;
+        if interrupted && !self.is_live(cpu) {
+            let st = self.reader.stats(cpu);
+            let seen = st.read.wrapping_add(st.lost);
+            if seen == index.wrapping_add(1) {
+                return seen;
+            }
+        }
+        index
     }
 
     /// Finishes the output: flushes text, or closes the sink with the summary.
