@@ -551,6 +551,7 @@ fn execute(a: &RunArgs, target: Target) -> i32 {
                 std::io::stdout(),
             )),
             merger: Merger::new(nr as usize),
+            payloads: vec![Default::default(); nr as usize],
         },
         Target::File(path, format) => {
             let meta = TraceMeta::guest(plan.ring.page_size, nr, clock.clone());

@@ -119,8 +119,11 @@ pub enum Output {
     Text {
         /// The destination.
         out: Box<dyn Write>,
-        /// Merges the CPUs' streams.
-        merger: Merger<Vec<u8>>,
+        /// Merges the CPUs' streams (events carry their payload length; the bytes wait
+        /// in `payloads`, one FIFO per CPU, so no event costs an allocation).
+        merger: Merger<usize>,
+        /// Payload bytes of the queued events, per CPU, in order.
+        payloads: Vec<std::collections::VecDeque<u8>>,
     },
     /// Whole pages into a sink (trace.dat, JSON, text file, raw).
     Pages(Box<dyn PageSink>),
@@ -290,8 +293,11 @@ impl Session {
 
     fn drain(&mut self, cpu: u32) -> Result<(), SessionError> {
         match &mut self.output {
-            Output::Text { merger, .. } => {
+            Output::Text {
+                merger, payloads, ..
+            } => {
                 let st = &mut self.cpus[cpu as usize];
+                let fifo = &mut payloads[cpu as usize];
                 // Bounded: every item consumes committed bytes or a page.
                 while let Some(item) = self.reader.next_event(cpu)? {
                     match item {
@@ -304,7 +310,8 @@ impl Session {
                                 );
                             }
                             st.last_ts = ts;
-                            merger.push(cpu as usize, ts, Merged::Event(payload.to_vec()));
+                            fifo.extend(payload);
+                            merger.push(cpu as usize, ts, Merged::Event(payload.len()));
                         }
                         Item::Lost(n) => st.pending_lost += n,
                     }
@@ -324,9 +331,15 @@ impl Session {
 
     /// Prints the merged events that are ready (all of them once every CPU ended).
     pub fn flush(&mut self) -> Result<(), SessionError> {
-        let Output::Text { out, merger } = &mut self.output else {
+        let Output::Text {
+            out,
+            merger,
+            payloads,
+        } = &mut self.output
+        else {
             return Ok(());
         };
+        let mut payload = Vec::new();
         let (clock, printers, cmdlines, line, lines) = (
             &self.clock,
             &self.printers,
@@ -338,14 +351,18 @@ impl Session {
         merger.pop_ready(|cpu, ts, item| {
             line.clear();
             match item {
-                Merged::Event(payload) => format_guest_line(
-                    line,
-                    printers,
-                    cmdlines,
-                    cpu as u32,
-                    clock.to_ns(ts),
-                    &payload,
-                ),
+                Merged::Event(len) => {
+                    payload.clear();
+                    payload.extend(payloads[cpu].drain(..len));
+                    format_guest_line(
+                        line,
+                        printers,
+                        cmdlines,
+                        cpu as u32,
+                        clock.to_ns(ts),
+                        &payload,
+                    )
+                }
                 Merged::Lost(n) => format_drop(line, cpu as u32, Missed::Count(n)),
             }
             line.push('\n');

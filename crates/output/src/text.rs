@@ -14,7 +14,9 @@ use std::fmt::Write as _;
 use crate::export::Missed;
 use crate::format::{EventFormat, Field};
 
-/// Appends one event line (no newline) as `trace-cmd report -t` prints it.
+/// Appends one event line (no newline) as `trace-cmd report -t` prints it:
+/// `{comm:>16}-{pid:<5} [{cpu:03}] {sec:>5}.{nsec:09}: {event+":":<21} {fields}`.
+/// Written by hand (no `format!`): `run` prints hundreds of thousands of lines a second.
 pub fn format_event(
     out: &mut String,
     comm: &str,
@@ -24,13 +26,70 @@ pub fn format_event(
     event: &str,
     fields: &str,
 ) {
-    let name = format!("{event}:");
-    let _ = write!(
-        out,
-        "{comm:>16}-{pid:<5} [{cpu:03}] {:5}.{:09}: {name:<21} {fields}",
-        ts_ns / 1_000_000_000,
-        ts_ns % 1_000_000_000
-    );
+    let mut num = itoa::Buffer::new();
+    spaces(out, 16usize.saturating_sub(comm.chars().count()));
+    out.push_str(comm);
+    out.push('-');
+    let p = num.format(pid);
+    out.push_str(p);
+    spaces(out, 5usize.saturating_sub(p.len()));
+    out.push_str(" [");
+    let c = num.format(cpu);
+    zeros(out, 3usize.saturating_sub(c.len()));
+    out.push_str(c);
+    out.push_str("] ");
+    let sec = num.format(ts_ns / 1_000_000_000);
+    spaces(out, 5usize.saturating_sub(sec.len()));
+    out.push_str(sec);
+    out.push('.');
+    let ns = num.format(ts_ns % 1_000_000_000);
+    zeros(out, 9 - ns.len());
+    out.push_str(ns);
+    out.push_str(": ");
+    out.push_str(event);
+    out.push(':');
+    spaces(out, 20usize.saturating_sub(event.chars().count()));
+    out.push(' ');
+    out.push_str(fields);
+}
+
+fn spaces(out: &mut String, n: usize) {
+    const SPACES: &str = "                                ";
+    let mut n = n;
+    while n > 0 {
+        let k = n.min(SPACES.len());
+        out.push_str(&SPACES[..k]);
+        n -= k;
+    }
+}
+
+fn zeros(out: &mut String, n: usize) {
+    for _ in 0..n {
+        out.push('0');
+    }
+}
+
+/// Fields of the built-in `marker` and `span` events, printed directly (their print
+/// fmts are `seq=%llu value=%llu` and `seq=%llu id=%llu dur=%llu`); `None` for other
+/// events or short payloads. A test checks it against the print-fmt interpreter.
+fn guest_fast_fields(out: &mut String, id: u16, payload: &[u8]) -> bool {
+    use hyptrace_abi::events::{MARKER_ID, MARKER_SIZE, SPAN_ID, SPAN_SIZE};
+    let word = |off: usize| {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&payload[off..off + 8]);
+        u64::from_le_bytes(b)
+    };
+    let mut num = itoa::Buffer::new();
+    let names: &[&str] = match id {
+        MARKER_ID if payload.len() >= MARKER_SIZE => &["seq=", " value="],
+        SPAN_ID if payload.len() >= SPAN_SIZE => &["seq=", " id=", " dur="],
+        _ => return false,
+    };
+    for (i, name) in names.iter().enumerate() {
+        out.push_str(name);
+        out.push_str(num.format(word(8 + 8 * i)));
+    }
+    true
 }
 
 /// Appends a drop-marker line (no newline).
@@ -542,9 +601,11 @@ pub fn format_guest_line(
     let comm = comm_of(cmdlines, h.pid);
     match printers.get(&h.common_type) {
         Some(p) => {
-            let mut fields = String::new();
-            p.format_fields(&mut fields, payload);
-            format_event(out, comm, h.pid, cpu, ts_ns, &p.format.name, &fields);
+            // The fields end the line: append them right after the prefix.
+            format_event(out, comm, h.pid, cpu, ts_ns, &p.format.name, "");
+            if !guest_fast_fields(out, h.common_type, payload) {
+                p.format_fields(out, payload);
+            }
         }
         None => {
             let mut hex = String::new();
@@ -698,5 +759,37 @@ mod hostile_tests {
             signed: false,
         };
         assert_eq!(field_bytes(&f, &[0u8; 16]), None);
+    }
+
+    #[test]
+    fn fast_guest_fields_match_the_print_fmt() {
+        let printers = guest_printers();
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        for i in 0..2000u64 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let vals = [i, x, x.rotate_left(17), u64::MAX - i];
+            for (id, size) in [
+                (
+                    hyptrace_abi::events::MARKER_ID,
+                    hyptrace_abi::events::MARKER_SIZE,
+                ),
+                (
+                    hyptrace_abi::events::SPAN_ID,
+                    hyptrace_abi::events::SPAN_SIZE,
+                ),
+            ] {
+                let mut p = vec![0u8; size];
+                p[..2].copy_from_slice(&id.to_le_bytes());
+                for (k, v) in vals.iter().take((size - 8) / 8).enumerate() {
+                    p[8 + 8 * k..16 + 8 * k].copy_from_slice(&v.to_le_bytes());
+                }
+                let (mut fast, mut slow) = (String::new(), String::new());
+                assert!(guest_fast_fields(&mut fast, id, &p));
+                assert!(printers[&id].format_fields(&mut slow, &p));
+                assert_eq!(fast, slow);
+            }
+        }
     }
 }
