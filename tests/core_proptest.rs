@@ -211,7 +211,7 @@ proptest! {
         let mut last = 0u64;
         let mut written = vec![];
         let mut expect = vec![];
-        for (i, &(len, d, b)) in evs.iter().enumerate() {
+        for &(len, d, b) in &evs {
             let len = len.min(page_size - 112 - 8);
             let t = (i128::from(ts) + d).max(0) as u64;
             // The writer clamps a clock going backwards to the last timestamp.
