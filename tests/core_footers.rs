@@ -539,7 +539,6 @@ fn stop_mode_drop_closes_the_tail_page() {
 /// `page_entries` counts only the events written since, and in overwrite mode pushing
 /// that page as head under-counts `overrun` (lost != overrun + dropped).
 #[test]
-#[ignore = "known writer bug: re-attach loses the tail page's entry count (see report)"]
 fn reattach_keeps_tail_page_entries() {
     let (m, l) = region(1, 3, Mode::Overwrite);
     let mut w = Writer::attach(m.clone(), 0).unwrap();
@@ -719,7 +718,6 @@ impl SharedMem for HookMem<'_> {
 /// mode: the HEAD flag moves ahead of the walker) makes the swap fail although the ring
 /// is fine. A swap racing the writer must retry (it has SWAP_RETRIES), not fail.
 #[test]
-#[ignore = "known writer bug: swap fails with NoHead when the writer pushes the head during the search (see report)"]
 fn swap_racing_head_pushes_does_not_fail() {
     let (m, l) = region(1, 4, Mode::Overwrite);
     let mut w = Writer::attach(m.clone(), 0).unwrap();

@@ -572,7 +572,6 @@ fn writer_on_corrupt_links_stops_with_corrupt() {
 /// adds a head page's `page_entries` to `overrun` (`push_head`) with plain `+`, so
 /// huge values panic with overflow checks (see `writer_huge_ctl_entries`).
 #[test]
-#[ignore = "known writer bug: counter arithmetic overflows on huge shared counters (see report)"]
 fn huge_counters_writer_side_never_panics() {
     fuzz(1500, 0x0b16_c0de, true, false);
 }
@@ -583,7 +582,6 @@ fn huge_counters_writer_side_never_panics() {
 /// `expected += 1` (crates/reader/src/lib.rs, `next_event`; `+= n` in `next_page`)
 /// overflow: a panic with overflow checks (debug, tests), a wrap in release.
 #[test]
-#[ignore = "known reader bug: index arithmetic overflows on huge first_index (see report)"]
 fn huge_counters_never_panic() {
     fuzz(600, 0x0b16_c0de, true, true);
 }
@@ -592,7 +590,6 @@ fn huge_counters_never_panic() {
 /// attaches and its first write overflows `entries += 1` (crates/writer/src/lib.rs,
 /// `write_enabled`) instead of writing (wrapping) or reporting `Corrupt`.
 #[test]
-#[ignore = "known writer bug: counter arithmetic overflows on huge shared counters (see report)"]
 fn writer_huge_ctl_entries() {
     for (which, v) in [
         (ctl::ENTRIES, u64::MAX),

@@ -622,7 +622,7 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
                 expected,
             });
         }
-        st.pending_lost += first - expected;
+        st.pending_lost = st.pending_lost.saturating_add(first - expected);
         st.expected = first;
         st.reader = page;
         st.copied = 0;
@@ -691,7 +691,7 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
             let st = &mut self.cpus[cpu as usize];
             if st.pending_lost > 0 {
                 let n = std::mem::take(&mut st.pending_lost);
-                st.stats.lost += n;
+                st.stats.lost = st.stats.lost.saturating_add(n);
                 return Ok(Some(Item::Lost(n)));
             }
             // Decode what is already copied (each record advances `read`; bounded by the page).
@@ -718,7 +718,7 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
                     Record::Data { delta, start, len } => {
                         st.clock = st.clock.wrapping_add(delta);
                         st.page_events += 1;
-                        st.expected += 1;
+                        st.expected = st.expected.saturating_add(1);
                         st.stats.read += 1;
                         let ts = st.clock;
                         let st = &self.cpus[cpu as usize];
@@ -792,11 +792,11 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
                 st.page_handed = true;
                 st.read = st.copied;
                 st.page_events = n;
-                st.expected += n;
+                st.expected = st.expected.saturating_add(n);
                 st.stats.read += n;
                 st.stats.bytes += st.copied as u64;
                 let missed = std::mem::take(&mut st.pending_lost);
-                st.stats.lost += missed;
+                st.stats.lost = st.stats.lost.saturating_add(missed);
                 // The local copy carries the length without flags; sinks add their own.
                 st.buf[COMMIT_OFFSET..COMMIT_OFFSET + 8]
                     .copy_from_slice(&(st.copied as u64).to_le_bytes());
@@ -837,7 +837,7 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
         st.trailing_done = true;
         let n = total.saturating_sub(st.expected) + std::mem::take(&mut st.pending_lost);
         st.expected = st.expected.max(total);
-        st.stats.lost += n;
+        st.stats.lost = st.stats.lost.saturating_add(n);
         n
     }
 }

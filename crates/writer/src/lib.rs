@@ -77,6 +77,8 @@ pub enum RingError {
     Retries,
     /// The CPU number is out of range.
     BadCpu(u32),
+    /// A page's event count is more than a page can hold.
+    BadCount(u64),
 }
 
 impl core::fmt::Display for RingError {
@@ -88,6 +90,7 @@ impl core::fmt::Display for RingError {
             Self::BadLink(l) => write!(f, "unexpected link word {l:#x}"),
             Self::Retries => write!(f, "head kept moving: swap retries exhausted"),
             Self::BadCpu(c) => write!(f, "CPU {c} out of range"),
+            Self::BadCount(n) => write!(f, "page event count {n} is more than a page holds"),
         }
     }
 }
@@ -194,9 +197,8 @@ impl<M: SharedMem> Writer<M> {
         if len > 0 && len <= w.cap {
             w.write = len;
             w.commit_flags = commit & RB_MISSED_EVENTS;
-            w.page_entries = w
-                .mem
-                .load(w.l.footer_off(tail) + footer::PAGE_ENTRIES, Relaxed);
+            // The footer's count is only stored when the writer leaves a page: recount.
+            w.page_entries = count_events(&w.mem, w.tail_off + PAGE_HEADER_SIZE, len);
         }
         w.mem.swap(c + ctl::WRITER_STATE, WRITER_ACTIVE, Release);
         Ok(w)
@@ -264,7 +266,7 @@ impl<M: SharedMem> Writer<M> {
     #[inline]
     pub fn write(&mut self, slot: u32, ts: u64, payload: &[u8]) -> WriteOutcome {
         if !self.enabled(slot) {
-            self.skipped += 1;
+            self.skipped = self.skipped.wrapping_add(1);
             return WriteOutcome::Disabled;
         }
         self.write_enabled(ts, payload)
@@ -301,8 +303,8 @@ impl<M: SharedMem> Writer<M> {
             match self.move_tail() {
                 Ok(true) => need = size,
                 Ok(false) => {
-                    self.dropped += 1;
-                    self.lost_pending += 1;
+                    self.dropped = self.dropped.wrapping_add(1);
+                    self.lost_pending = self.lost_pending.wrapping_add(1);
                     self.mem
                         .store(self.ctl + ctl::DROPPED, self.dropped, Relaxed);
                     self.mem
@@ -348,9 +350,11 @@ impl<M: SharedMem> Writer<M> {
             Release,
         );
         self.write_stamp = ts;
-        self.entries += 1;
+        // Counters may have been continued from shared memory (attach): wrap, never
+        // overflow-panic.
+        self.entries = self.entries.wrapping_add(1);
         self.page_entries += 1;
-        self.bytes += need as u64;
+        self.bytes = self.bytes.wrapping_add(need as u64);
         self.mem
             .store(self.ctl + ctl::ENTRIES, self.entries, Relaxed);
         self.mem.store(self.ctl + ctl::BYTES, self.bytes, Relaxed);
@@ -411,7 +415,7 @@ impl<M: SharedMem> Writer<M> {
         // Start the new page.
         let nf = self.l.footer_off(next);
         let off = self.l.page_off(next);
-        self.pages_touched += 1;
+        self.pages_touched = self.pages_touched.wrapping_add(1);
         self.mem.store(off + COMMIT_OFFSET, 0, Relaxed);
         self.mem.store(nf + footer::PAGE_ENTRIES, 0, Relaxed);
         self.mem.store(
@@ -451,7 +455,11 @@ impl<M: SharedMem> Writer<M> {
     fn push_head(&mut self, tf: usize, head: u32) -> Result<(), RingError> {
         let hf = self.l.footer_off(head);
         let lost = self.mem.load(hf + footer::PAGE_ENTRIES, Acquire);
-        self.overrun += lost;
+        // A page holds at most one event per 8 bytes of data.
+        if lost > (self.cap / 8) as u64 {
+            return Err(RingError::BadCount(lost));
+        }
+        self.overrun = self.overrun.wrapping_add(lost);
         self.mem
             .store(self.ctl + ctl::OVERRUN, self.overrun, Relaxed);
         let nl = self.mem.load(hf + footer::NEXT, Acquire);
@@ -505,7 +513,7 @@ impl<M: SharedMem> Writer<M> {
             },
             _ => MBOX_STATUS_ERROR,
         };
-        self.mbox_served += 1;
+        self.mbox_served = self.mbox_served.wrapping_add(1);
         self.mem
             .store(self.ctl + ctl::MBOX_ACK, (req & !0xff) | status, Release);
     }
@@ -516,6 +524,49 @@ impl<M: SharedMem> Writer<M> {
         self.mem
             .swap(self.ctl + ctl::WRITER_STATE, WRITER_FINISHED, Release);
     }
+}
+
+/// Counts the data events in the `len` committed bytes at `data` (the writer's own
+/// page, on re-attach). Stops at the first malformed record.
+fn count_events<M: SharedMem + ?Sized>(mem: &M, data: usize, len: usize) -> u64 {
+    let word = |off: usize| {
+        let mut b = [0u8; 4];
+        mem.read_bytes(data + off, &mut b);
+        u32::from_le_bytes(b)
+    };
+    let (mut off, mut n) = (0usize, 0u64);
+    // Each record is at least 4 bytes: at most len / 4 iterations.
+    while off + 4 <= len {
+        let h = word(off);
+        let size = match h & 0x1f {
+            page::TYPE_PADDING | page::TYPE_TIME_EXTEND | page::TYPE_TIME_STAMP
+                if off + 8 <= len =>
+            {
+                if h & 0x1f == page::TYPE_PADDING {
+                    if h >> 5 == 0 {
+                        break;
+                    }
+                    4 + word(off + 4) as usize
+                } else {
+                    8
+                }
+            }
+            0 if off + 8 <= len => {
+                n += 1;
+                4 + page::align4(word(off + 4) as usize)
+            }
+            t @ 1..=28 => {
+                n += 1;
+                4 + 4 * t as usize
+            }
+            _ => break,
+        };
+        if size < 4 {
+            break;
+        }
+        off += page::align4(size);
+    }
+    n
 }
 
 /// Finds the head: the page named by the one link that carries HEAD (or UPDATE while
@@ -569,7 +620,17 @@ pub fn swap_reader_page<M: SharedMem + ?Sized>(
     }
     let rf = l.footer_off(reader);
     for _ in 0..SWAP_RETRIES {
-        let (pf, lk) = find_head(mem, l, cpu, tail)?;
+        // Search from where the writer is now: it may have moved since the last try.
+        let from = page_id(l, cpu, mem.load(c + ctl::TAIL_PAGE, Acquire)).unwrap_or(tail);
+        let (pf, lk) = match find_head(mem, l, cpu, from) {
+            Ok(found) => found,
+            // The writer pushed the head past our walk (overwrite mode): search again.
+            Err(RingError::NoHead) => {
+                relax();
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
         if lk & LINK_FLAGS != LINK_HEAD {
             // UPDATE: the writer is pushing the head; it finishes without waiting for us.
             if lk & LINK_FLAGS == LINK_UPDATE {

@@ -430,7 +430,6 @@ fn builder() -> loom::model::Builder {
 /// `swap_racing_head_pushes_does_not_fail`.
 #[cfg(not(hyptrace_seeded_bug))]
 #[test]
-#[ignore = "known writer bug: swap fails with NoHead while the writer pushes the head"]
 fn overwrite_writer_vs_swap() {
     check("overwrite 5/1", || model(Mode::Overwrite, 5, 1));
 }
