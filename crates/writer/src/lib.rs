@@ -281,7 +281,7 @@ impl<M: SharedMem> Writer<M> {
         if self.corrupt {
             return WriteOutcome::Corrupt;
         }
-        let ts = if ts < self.write_stamp {
+        let mut ts = if ts < self.write_stamp {
             self.write_stamp
         } else {
             ts
@@ -324,7 +324,10 @@ impl<M: SharedMem> Writer<M> {
             self.mem.write_bytes(self.tail_off, &ts.to_le_bytes());
             delta = 0;
         } else if delta > page::MAX_DELTA {
+            // A jump beyond 59 bits (years of TSC) is recorded as the largest extend,
+            // and the event's time as what the page then decodes to.
             let d = if delta > page::MAX_EXTENDED_DELTA {
+                ts = self.write_stamp + page::MAX_EXTENDED_DELTA;
                 page::MAX_EXTENDED_DELTA
             } else {
                 delta
