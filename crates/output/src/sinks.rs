@@ -43,12 +43,19 @@ impl AtomicFile {
             .w
             .take()
             .ok_or_else(|| OutputError::BadMeta("file already closed".into()))?;
-        let f = w
+        // `w` is taken, so Drop no longer removes the temporary file: do it here if
+        // anything below fails.
+        let r = w
             .into_inner()
-            .map_err(|e| OutputError::io(&self.tmp, e.into_error()))?;
-        f.sync_all().map_err(|e| OutputError::io(&self.tmp, e))?;
-        drop(f);
-        fs::rename(&self.tmp, &self.path).map_err(|e| OutputError::io(&self.path, e))
+            .map_err(|e| OutputError::io(&self.tmp, e.into_error()))
+            .and_then(|f| f.sync_all().map_err(|e| OutputError::io(&self.tmp, e)))
+            .and_then(|()| {
+                fs::rename(&self.tmp, &self.path).map_err(|e| OutputError::io(&self.path, e))
+            });
+        if r.is_err() {
+            let _ = fs::remove_file(&self.tmp);
+        }
+        r
     }
 }
 
