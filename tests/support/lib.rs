@@ -1,1 +1,12 @@
 //! Shared helpers for the integration tests.
+//!
+//! - [`env`]: skip helpers (`/dev/kvm`, `trace-cmd`), the VM test log for CI, a lock that
+//!   serialises VM-booting tests of one test binary, temporary directories.
+//! - [`text`]: parses `trace-cmd report -t` / `hyptrace run` lines and checks the event
+//!   stream rules (per-CPU `seq` gaps equal to the drop count printed before them,
+//!   timestamps non-decreasing).
+//! - [`model`]: what the guest workloads write, event by event, to check every field.
+
+pub mod env;
+pub mod model;
+pub mod text;

@@ -1,0 +1,142 @@
+//! Test environment: skips, CI log, serialisation, temporary directories.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+/// Whether KVM-backed tests can run. Prints `SKIP: /dev/kvm not available` when not;
+/// with `HYPTRACE_REQUIRE_KVM=1` a missing /dev/kvm fails the test instead. When it
+/// can, logs `crate: test` to `$HYPTRACE_VM_TEST_LOG` (CI checks that VM tests ran).
+pub fn kvm_available(krate: &str, test: &str) -> bool {
+    let ok = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+        .is_ok();
+    if !ok {
+        if std::env::var("HYPTRACE_REQUIRE_KVM").is_ok_and(|v| v == "1") {
+            panic!("/dev/kvm not available (or not accessible) and HYPTRACE_REQUIRE_KVM=1");
+        }
+        println!("SKIP: /dev/kvm not available");
+        return false;
+    }
+    log_vm_test(krate, test);
+    true
+}
+
+/// Appends `krate: test` to `$HYPTRACE_VM_TEST_LOG`.
+pub fn log_vm_test(krate: &str, test: &str) {
+    use std::io::Write as _;
+    if let Some(path) = std::env::var_os("HYPTRACE_VM_TEST_LOG") {
+        if let Ok(mut f) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+        {
+            let _ = writeln!(f, "{krate}: {test}");
+        }
+    }
+}
+
+/// Whether `trace-cmd` can be run. Prints `SKIP: trace-cmd not installed` when not;
+/// with `HYPTRACE_REQUIRE_TRACE_CMD=1` a missing trace-cmd fails the test instead.
+pub fn trace_cmd_available() -> bool {
+    let ok = Command::new("trace-cmd").arg("--help").output().is_ok();
+    if !ok {
+        if std::env::var("HYPTRACE_REQUIRE_TRACE_CMD").is_ok_and(|v| v == "1") {
+            panic!("trace-cmd not installed and HYPTRACE_REQUIRE_TRACE_CMD=1");
+        }
+        println!("SKIP: trace-cmd not installed");
+    }
+    ok
+}
+
+/// Serialises the VM-booting tests of one test binary: the host has few cores, and
+/// the vCPU threads and the reader compete for them, so two VMs at once would change
+/// what a run loses (the tests that need a lossless run pick rates for one VM).
+pub fn vm_lock() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Runs `bin` with `args`, capturing stdout and stderr.
+pub fn run(bin: &str, args: &[&str]) -> Output {
+    Command::new(bin)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {bin}: {e}"))
+}
+
+/// stderr as text.
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// stdout as text.
+pub fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// Asserts a usage error: exit 2, exactly one line `hyptrace: error: ...` containing
+/// `needle` on stderr, nothing on stdout, no Rust panic.
+pub fn assert_usage_error(o: &Output, what: &str, needle: &str) {
+    let err = stderr(o);
+    assert_eq!(o.status.code(), Some(2), "{what}: stderr: {err}");
+    assert_eq!(err.lines().count(), 1, "{what}: not one line: {err}");
+    assert!(err.starts_with("hyptrace: error: "), "{what}: {err}");
+    assert!(err.contains(needle), "{what}: {err:?} lacks {needle:?}");
+    assert!(!err.contains("panicked"), "{what}: {err}");
+    assert!(o.stdout.is_empty(), "{what}: stdout: {}", stdout(o));
+}
+
+/// A temporary directory, removed (with its contents) when dropped.
+#[derive(Debug)]
+pub struct TempDir(PathBuf);
+
+impl TempDir {
+    /// A new empty directory under the system temporary directory.
+    pub fn new(tag: &str) -> Self {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let p = std::env::temp_dir().join(format!(
+            "hyptrace-it-{}-{}-{tag}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&p).unwrap_or_else(|e| panic!("mkdir {}: {e}", p.display()));
+        Self(p)
+    }
+
+    /// The directory.
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+
+    /// A path inside it, as a string.
+    pub fn file(&self, name: &str) -> String {
+        self.0
+            .join(name)
+            .to_str()
+            .expect("utf-8 temp path")
+            .to_string()
+    }
+
+    /// Names of the entries in the directory, sorted.
+    pub fn entries(&self) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(&self.0)
+            .map(|rd| {
+                rd.filter_map(|e| e.ok())
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        v.sort();
+        v
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
