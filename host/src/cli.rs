@@ -861,10 +861,11 @@ fn stats_json(
             })
         })
         .collect();
-    let guest_exit = outcomes
-        .iter()
-        .map(|o| outcome_name(Some(o)))
-        .find(|n| *n != "ok")
+    // The most telling outcome of any vCPU: a host error, then a crash (the other vCPUs
+    // are then `stopped` because of it, whatever their order), then a stop.
+    let guest_exit = ["error", "panic", "fault", "stopped"]
+        .into_iter()
+        .find(|want| outcomes.iter().any(|o| outcome_name(Some(o)) == *want))
         .unwrap_or("ok");
     let v = serde_json::json!({
         "cpus": cpus,
