@@ -362,9 +362,15 @@ impl<'m> World<'m> {
                 ]
             })
         });
-        for off in footers.chain(ctls) {
-            if off < self.mem.size() && self.mem.load(off, Relaxed) > LIMIT {
+        for off in footers {
+            if self.mem.load(off, Relaxed) > LIMIT {
                 self.mem.store(off, LIMIT, Relaxed);
+            }
+        }
+        // `entries + dropped` (saturating) must stay under LIMIT too: half each.
+        for off in ctls {
+            if off < self.mem.size() && self.mem.load(off, Relaxed) > LIMIT / 2 {
+                self.mem.store(off, LIMIT / 2, Relaxed);
             }
         }
         // Known writer bug (fuzz/regressions/region/writer-overrun-overflow): in
