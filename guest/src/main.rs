@@ -59,6 +59,8 @@ pub struct Params {
     pub flags: u32,
     /// Events per burst (`burst` workload).
     pub burst: u32,
+    /// Payload bytes of each event (`bench` workload).
+    pub payload: u32,
 }
 
 /// Entry from `_start`: rdi = pack GPA, rsi = vCPU id, rdx = RunParams GPA.
@@ -89,6 +91,7 @@ pub extern "C" fn guest_main(pack: u64, cpu: u64, params_gpa: u64) -> ! {
         seed: p.read_u64(params::SEED),
         flags: p.read_u32(params::FLAGS),
         burst: p.read_u32(params::BURST),
+        payload: p.read_u32(params::PAYLOAD),
     };
 
     let cpu = cpu as u32;
@@ -105,7 +108,7 @@ pub extern "C" fn guest_main(pack: u64, cpu: u64, params_gpa: u64) -> ! {
     };
     let serve = params.flags & RUN_FLAG_SERVE_MAILBOX != 0;
     let mut em = Emitter::new(WriterSink::new(writer, serve), cpu);
-    workload::run(&params, cpu, tsc_start, &mut em);
+    let bench = workload::run(&params, cpu, tsc_start, &mut em);
     let w = em.sink().writer();
     w.finish();
     let served = w.mailbox_served();
@@ -114,6 +117,10 @@ pub extern "C" fn guest_main(pack: u64, cpu: u64, params_gpa: u64) -> ! {
     slot.write_u64(result::SKIPPED, em.skipped);
     slot.write_u64(result::TSC_END, rdtsc());
     slot.write_u64(result::MAILBOX_SERVED, served);
+    if let Some(b) = bench {
+        slot.write_u64(result::BENCH_CYCLES, b.cycles);
+        slot.write_u64(result::BENCH_MIN_CHUNK, b.min_chunk);
+    }
     slot.write_u64(result::STATUS, 1);
     out32(PORT_EXIT, cpu);
     loop {

@@ -1,7 +1,7 @@
 //! The workloads (`hyptrace_abi::guest::Workload`).
 
-use hyptrace_abi::events::TEXT_MAX_MSG;
-use hyptrace_abi::guest::Workload;
+use hyptrace_abi::events::{MARKER_SLOT, TEXT_MAX_MSG};
+use hyptrace_abi::guest::{Workload, BENCH_CHUNK};
 
 use crate::emit::{Emitter, Sink};
 use crate::rt::rdtsc;
@@ -75,10 +75,22 @@ impl Rng {
     }
 }
 
-/// Runs the workload.
-pub fn run<S: Sink>(p: &Params, cpu: u32, start: u64, em: &mut Emitter<S>) {
+/// Largest payload of the `bench` workload (longer requests are cut to it).
+pub const BENCH_MAX_PAYLOAD: usize = 2048;
+
+/// What the `bench` workload measured (TSC cycles).
+pub struct BenchResult {
+    /// The whole timed loop.
+    pub cycles: u64,
+    /// The fastest full chunk of [`BENCH_CHUNK`] events (0 if there was none).
+    pub min_chunk: u64,
+}
+
+/// Runs the workload; the `bench` workload returns what it measured.
+pub fn run<S: Sink>(p: &Params, cpu: u32, start: u64, em: &mut Emitter<S>) -> Option<BenchResult> {
     let pacer = Pacer::new(start, p);
     match p.workload {
+        Workload::Bench => return Some(bench(p, em)),
         Workload::Steady => {
             for i in 0..p.events {
                 pacer.wait(i, em);
@@ -124,6 +136,39 @@ pub fn run<S: Sink>(p: &Params, cpu: u32, start: u64, em: &mut Emitter<S>) {
             unsafe { (UNMAPPED as *mut u64).write_volatile(0xdead) };
             panic!("fault workload survived a store to {UNMAPPED:#x}");
         }
+    }
+    None
+}
+
+/// `bench`: `events` events of `payload` bytes, back to back, through the same path as
+/// every workload (`Emitter::emit`: rdtsc + `Writer::write`, + the mailbox check in
+/// `--swap guest` mode), timed with the TSC per chunk of [`BENCH_CHUNK`] events. The
+/// host runs the same loop natively (`hyptrace bench`) to compare.
+fn bench<S: Sink>(p: &Params, em: &mut Emitter<S>) -> BenchResult {
+    let mut buf = [0u8; BENCH_MAX_PAYLOAD];
+    for (i, b) in buf.iter_mut().enumerate() {
+        *b = i as u8;
+    }
+    let payload = &buf[..(p.payload as usize).min(BENCH_MAX_PAYLOAD)];
+    let mut min_chunk = u64::MAX;
+    let mut i = 0;
+    let t0 = rdtsc();
+    while i < p.events {
+        let end = (i + BENCH_CHUNK).min(p.events);
+        let full = end - i == BENCH_CHUNK;
+        let c0 = rdtsc();
+        while i < end {
+            em.emit(MARKER_SLOT, core::hint::black_box(payload));
+            i += 1;
+        }
+        let c = rdtsc().wrapping_sub(c0);
+        if full && c < min_chunk {
+            min_chunk = c;
+        }
+    }
+    BenchResult {
+        cycles: rdtsc().wrapping_sub(t0),
+        min_chunk: if min_chunk == u64::MAX { 0 } else { min_chunk },
     }
 }
 

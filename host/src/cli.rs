@@ -64,6 +64,10 @@ pub enum Command {
     Record(RecordArgs),
     /// Print a trace.dat (ours or one trace-cmd wrote) as `trace-cmd report -t` does.
     Report(ReportArgs),
+    /// Measure the writer in the guest and natively, drain throughput, swap latency in
+    /// both modes, the highest loss-free rate and start-up time; print a table and
+    /// optionally write JSON (see docs/benchmarks.md).
+    Bench(crate::bench::BenchArgs),
 }
 
 /// Output formats of `record`.
@@ -240,6 +244,7 @@ where
         Command::Run(args) => run(&args),
         Command::Record(args) => record(&args),
         Command::Report(args) => report(&args),
+        Command::Bench(args) => crate::bench::bench(&args),
     }
 }
 
@@ -404,6 +409,7 @@ fn plan(a: &RunArgs) -> Result<Plan, String> {
             seed: DEFAULT_SEED,
             flags,
             burst: 0,
+            payload: 0,
         },
         duration,
         poll: Duration::from_millis(a.poll_ms),

@@ -18,6 +18,7 @@
 //! ```
 
 pub mod arch;
+pub mod bench;
 pub mod cli;
 pub mod elf;
 pub mod error;

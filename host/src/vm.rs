@@ -55,6 +55,8 @@ pub struct RunParams {
     pub flags: u32,
     /// Events per burst for the burst workload (0 = the guest's default, 1024).
     pub burst: u32,
+    /// Payload bytes of each event of the bench workload.
+    pub payload: u32,
 }
 
 /// Default seed of [`RunParams`].
@@ -69,6 +71,7 @@ impl Default for RunParams {
             seed: DEFAULT_SEED,
             flags: 0,
             burst: 0,
+            payload: 0,
         }
     }
 }
@@ -336,6 +339,7 @@ impl Vm {
             .and_then(|()| w64(params::SEED, p.seed))
             .and_then(|()| w32(params::FLAGS, p.flags))
             .and_then(|()| w32(params::BURST, p.burst))
+            .and_then(|()| w32(params::PAYLOAD, p.payload))
             .and_then(|()| w64(params::RESULTS_OFF, RUN_PARAMS_SIZE as u64))
             .map_err(|e| Error::Memory(e.to_string()))
     }

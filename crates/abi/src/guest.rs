@@ -55,6 +55,9 @@ pub mod params {
     pub const BURST: usize = 60;
     /// u64 offset (from the block) of the first result slot.
     pub const RESULTS_OFF: usize = 64;
+    /// u32 payload size in bytes for the `bench` workload (0 is a valid size). Older
+    /// hosts leave it zero (the block's bytes 72..128 are reserved, zero).
+    pub const PAYLOAD: usize = 72;
 }
 
 /// Flag: the guest serves the host's swap/update requests from its mailbox.
@@ -74,9 +77,18 @@ pub mod result {
     pub const STATUS: usize = 32;
     /// u64 requests served from the mailbox.
     pub const MAILBOX_SERVED: usize = 40;
+    /// u64 `bench` workload: TSC cycles of the whole timed write loop.
+    pub const BENCH_CYCLES: usize = 48;
+    /// u64 `bench` workload: TSC cycles of the fastest chunk of
+    /// [`super::BENCH_CHUNK`] events (the undisturbed rate: a chunk the host never
+    /// preempted).
+    pub const BENCH_MIN_CHUNK: usize = 56;
     /// Panic message bytes (up to [`super::PANIC_MSG_MAX`]).
     pub const MSG: usize = 64;
 }
+
+/// Events per timed chunk of the `bench` workload.
+pub const BENCH_CHUNK: u64 = 1024;
 
 /// Workloads the guest payload runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -92,6 +104,9 @@ pub enum Workload {
     Panic = 3,
     /// Writes some events, then faults (tests the triple-fault path).
     Fault = 4,
+    /// `hyptrace bench`: writes `events` events of `payload` bytes back to back (no
+    /// pacing) and reports the TSC cycles they took in its result slot.
+    Bench = 5,
 }
 
 impl Workload {
@@ -103,6 +118,7 @@ impl Workload {
             2 => Self::Burst,
             3 => Self::Panic,
             4 => Self::Fault,
+            5 => Self::Bench,
             _ => return None,
         })
     }
