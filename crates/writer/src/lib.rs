@@ -338,13 +338,21 @@ impl<M: SharedMem> Writer<M> {
         }
         let mut hdr = [0u8; 8];
         let hlen = page::encode_data_header(&mut hdr, payload.len(), delta as u32);
-        self.mem.write_bytes(at, &hdr[..hlen]);
-        at += hlen;
-        self.mem.write_bytes(at, payload);
-        let pad = page::align4(payload.len()) - payload.len();
-        if pad != 0 {
-            self.mem.write_bytes(at + payload.len(), &[0u8; 3][..pad]);
+        // Fixed-size stores (one instruction each), never a variable-length copy: a
+        // small copy is a call to memcpy, which in the guest is a `rep movsb`.
+        if hlen == 4 {
+            self.mem.write_bytes(at, &hdr[..4]);
+        } else {
+            self.mem.write_bytes(at, &hdr);
         }
+        at += hlen;
+        let padded = page::align4(payload.len());
+        if padded != payload.len() {
+            // Zero the event's last word (its 1..=3 padding bytes), then copy the payload
+            // over its head: one 4-byte store instead of a memset call.
+            self.mem.write_bytes(at + padded - 4, &[0u8; 4]);
+        }
+        self.mem.write_bytes(at, payload);
         self.write += need;
         // Publish: the payload above happens-before any Acquire load that sees this.
         self.mem.store(
