@@ -417,7 +417,7 @@ fn duration_stops_with_exact_accounting() {
 /// whose final walk still reads that page: `lost != overrun + dropped` (overrun one
 /// page too high) and exit 1, in ~1 of 10 runs here.
 #[test]
-#[ignore = "reported bug: torn head push of an interrupted overwrite writer"]
+
 fn duration_interrupts_overwrite_push() {
     if !kvm_available(KRATE, "duration_interrupts_overwrite_push") {
         return;
