@@ -13,7 +13,8 @@ use hyptrace_abi::layout::{
     WRITER_FINISHED,
 };
 use hyptrace_abi::SharedMem;
-use std::sync::atomic::Ordering::{Acquire, Release};
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -54,19 +55,36 @@ pub trait Callbacks {
 pub struct Direct<M> {
     mem: M,
     layout: Layout,
+    /// Per CPU, where its last swap left the HEAD link (`hyptrace_writer::SwapHint`):
+    /// page id + 1, 0 for none. Only a starting point for the head search.
+    hints: Vec<AtomicU64>,
 }
 
 impl<M: SharedMem> Direct<M> {
     /// Callbacks over `mem`, whose pack describes `layout`.
     pub fn new(mem: M, layout: Layout) -> Self {
-        Self { mem, layout }
+        Self {
+            mem,
+            layout,
+            hints: (0..layout.nr_cpus).map(|_| AtomicU64::new(0)).collect(),
+        }
     }
 }
 
 impl<M: SharedMem> Callbacks for Direct<M> {
     fn swap_reader(&self, cpu: u32) -> Result<SwapStatus, ReadError> {
-        hyptrace_writer::swap_reader_page(&self.mem, &self.layout, cpu)
-            .map(SwapStatus::from)
+        let slot = self.hints.get(cpu as usize);
+        // Swaps of one CPU are serialised by the reader: a plain load/store suffices.
+        let stored = slot.map_or(0, |h| h.load(Relaxed));
+        let mut hint = hyptrace_writer::SwapHint::default();
+        if let Some(page) = stored.checked_sub(1).and_then(|p| u32::try_from(p).ok()) {
+            hint = hyptrace_writer::SwapHint::at(page);
+        }
+        let r = hyptrace_writer::swap_reader_page_hinted(&self.mem, &self.layout, cpu, &mut hint);
+        if let (Some(h), Some(page)) = (slot, hint.page()) {
+            h.store(u64::from(page) + 1, Relaxed);
+        }
+        r.map(SwapStatus::from)
             .map_err(|e| ReadError::Ring { cpu, err: e })
     }
     fn update_footers(&self, cpu: u32) -> Result<bool, ReadError> {
