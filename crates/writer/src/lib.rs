@@ -516,16 +516,13 @@ impl<M: SharedMem> Writer<M> {
     fn serve_request(&mut self, req: u64) {
         self.mbox_seen = req >> 8;
         let status = match req & 0xff {
-            MBOX_OP_SWAP => match swap_reader_page_hinted(
-                &self.mem,
-                &self.l,
-                self.cpu,
-                &mut self.swap_hint,
-            ) {
-                Ok(SwapStatus::Swapped { .. }) => MBOX_STATUS_OK,
-                Ok(SwapStatus::Busy) => MBOX_STATUS_BUSY,
-                Err(_) => MBOX_STATUS_ERROR,
-            },
+            MBOX_OP_SWAP => {
+                match swap_reader_page_hinted(&self.mem, &self.l, self.cpu, &mut self.swap_hint) {
+                    Ok(SwapStatus::Swapped { .. }) => MBOX_STATUS_OK,
+                    Ok(SwapStatus::Busy) => MBOX_STATUS_BUSY,
+                    Err(_) => MBOX_STATUS_ERROR,
+                }
+            }
             MBOX_OP_UPDATE_FOOTERS => match update_footers(&self.mem, &self.l, self.cpu) {
                 Ok(()) => MBOX_STATUS_OK,
                 Err(_) => MBOX_STATUS_ERROR,
@@ -676,9 +673,7 @@ pub fn swap_reader_page_hinted<M: SharedMem + ?Sized>(
     }
     let rf = l.footer_off(reader);
     // A ring page (not the reader page) the last swap left the HEAD link on.
-    let mut start = hint
-        .0
-        .filter(|&h| h != reader && l.owns(cpu, u64::from(h)));
+    let mut start = hint.0.filter(|&h| h != reader && l.owns(cpu, u64::from(h)));
     for _ in 0..SWAP_RETRIES {
         // Search from the hint, else (and on retries) from where the writer is now: it
         // may have moved since the last try.
