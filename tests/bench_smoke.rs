@@ -1,0 +1,146 @@
+//! Smoke test of `hyptrace bench`: `--quick --json F` boots the guest (skipped without
+//! /dev/kvm unless HYPTRACE_REQUIRE_KVM=1), exits 0 and writes JSON with every section.
+//! Checks keys and shapes only — never a duration or a rate.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+const BIN: &str = env!("CARGO_BIN_EXE_hyptrace");
+
+/// Whether KVM-backed tests can run. Prints `SKIP: ...` when not; with
+/// `HYPTRACE_REQUIRE_KVM=1` a missing /dev/kvm fails the test instead.
+fn kvm_available(test: &str) -> bool {
+    let ok = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+        .is_ok();
+    if !ok {
+        if std::env::var("HYPTRACE_REQUIRE_KVM").is_ok_and(|v| v == "1") {
+            panic!("/dev/kvm not available (or not accessible) and HYPTRACE_REQUIRE_KVM=1");
+        }
+        println!("SKIP: /dev/kvm not available");
+    }
+    if ok {
+        log_vm_test(test);
+    }
+    ok
+}
+
+/// Appends the test's name to `$HYPTRACE_VM_TEST_LOG` (CI checks that VM tests ran).
+fn log_vm_test(test: &str) {
+    use std::io::Write as _;
+    if let Some(path) = std::env::var_os("HYPTRACE_VM_TEST_LOG") {
+        if let Ok(mut f) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+        {
+            let _ = writeln!(f, "{}: {test}", env!("CARGO_CRATE_NAME"));
+        }
+    }
+}
+
+fn temp_path(tag: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("hyptrace-test-{}-{tag}", std::process::id()))
+}
+
+fn is_number(v: &serde_json::Value) -> bool {
+    v.as_f64().is_some_and(f64::is_finite)
+}
+
+/// A `{median, min, max, spread, samples}` summary of numbers.
+fn assert_summary(v: &serde_json::Value, what: &str) {
+    for k in ["median", "min", "max", "spread"] {
+        assert!(is_number(&v[k]), "{what}.{k} not a number: {v}");
+    }
+    assert!(v["samples"].is_array(), "{what}.samples: {v}");
+}
+
+#[test]
+fn bench_quick_writes_json() {
+    if !kvm_available("bench_quick_writes_json") {
+        return;
+    }
+    let json = temp_path("bench.json");
+    let out = Command::new(BIN)
+        .args(["bench", "--quick", "--json"])
+        .arg(&json)
+        .output()
+        .expect("run hyptrace bench");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "stderr: {stderr}");
+    let text = std::fs::read_to_string(&json)
+        .unwrap_or_else(|e| panic!("no JSON written ({e}); stderr: {stderr}"));
+    let _ = std::fs::remove_file(&json);
+    let v: serde_json::Value = serde_json::from_str(&text).expect("valid JSON");
+
+    for k in [
+        "version",
+        "quick",
+        "machine",
+        "config",
+        "startup",
+        "writer",
+        "swap",
+        "drain",
+        "max_rate",
+        "criterion",
+    ] {
+        assert!(v.get(k).is_some(), "missing key {k}: {v}");
+    }
+    assert_eq!(v["quick"], true);
+    for k in ["cpu", "kernel", "kvm", "tsc_khz"] {
+        assert!(v["machine"].get(k).is_some(), "machine.{k}: {v}");
+    }
+    for k in [
+        "first_event_ms",
+        "vm_create_ms",
+        "start_to_first_instruction_ms",
+    ] {
+        assert_summary(&v["startup"][k], k);
+    }
+    let writer = v["writer"].as_array().expect("writer rows");
+    assert!(!writer.is_empty(), "no writer rows");
+    for r in writer {
+        for k in ["vcpus", "payload", "guest_rate_vs_native", "guest_vs_bound"] {
+            assert!(is_number(&r[k]), "writer.{k}: {r}");
+        }
+        for k in [
+            "guest_ns",
+            "guest_mean_ns",
+            "native_ns",
+            "native_mean_ns",
+            "bound_ns",
+            "rdtsc_ns",
+        ] {
+            assert_summary(&r[k], k);
+        }
+    }
+    for mode in ["host", "guest"] {
+        let s = &v["swap"][mode];
+        for k in [
+            "swapped",
+            "median_ns",
+            "p10_ns",
+            "p90_ns",
+            "p99_ns",
+            "pending",
+        ] {
+            assert!(is_number(&s[k]), "swap.{mode}.{k}: {s}");
+        }
+    }
+    for k in ["reader_to_file", "reader_only", "vm_record_raw"] {
+        assert_summary(&v["drain"][k]["mb_per_s"], k);
+        assert_summary(&v["drain"][k]["pages_per_s"], k);
+    }
+    let rates = v["max_rate"].as_array().expect("max_rate rows");
+    assert!(!rates.is_empty());
+    for r in rates {
+        assert!(
+            is_number(&r["vcpus"]) && is_number(&r["max_rate_zero_loss"]),
+            "{r}"
+        );
+        assert!(r["runs"].as_array().is_some_and(|a| !a.is_empty()), "{r}");
+    }
+}
