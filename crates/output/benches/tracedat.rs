@@ -1,0 +1,113 @@
+//! Output benchmarks: ring pages already in memory written to a file.
+//!
+//! - `tracedat/v7/pages`, `tracedat/v6/pages`: `TraceDatSink` (trace.dat v7 / v6)
+//!   writing `PAGES` full 4 KiB pages of `guest:marker` events (2 CPUs), header and
+//!   final sync included.
+//! - `tracedat/raw/pages`: `RawSink` over the same pages, for comparison.
+//!
+//! Throughput is reported in bytes of pages. `cargo bench -p hyptrace-output --bench
+//! tracedat` (add `-- --quick` for a fast pass).
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use hyptrace_abi::events;
+use hyptrace_abi::page::{self, COMMIT_OFFSET, PAGE_HEADER_SIZE};
+use hyptrace_output::{
+    Clock, PageSink, RawSink, RunSummary, TraceDatSink, TraceDatVersion, TraceMeta,
+};
+use std::path::PathBuf;
+use std::time::Duration;
+
+const PAGE: usize = 4096;
+const PAGES: usize = 2048;
+const CPUS: u32 = 2;
+
+/// A full page of marker events (delta 100 each), as the reader hands it out.
+fn page_of_markers(cpu: u32, first_seq: u64, ts: u64) -> Vec<u8> {
+    let mut p = vec![0u8; PAGE];
+    p[..8].copy_from_slice(&ts.to_le_bytes());
+    let cap = PAGE - PAGE_HEADER_SIZE - 96;
+    let mut at = 0;
+    let mut seq = first_seq;
+    loop {
+        let payload = events::marker(events::vcpu_pid(cpu), seq, seq);
+        let size = page::data_event_size(payload.len());
+        if at + size > cap {
+            break;
+        }
+        let mut hdr = [0u8; 8];
+        let delta = if at == 0 { 0 } else { 100 };
+        let hlen = page::encode_data_header(&mut hdr, payload.len(), delta);
+        let o = PAGE_HEADER_SIZE + at;
+        p[o..o + hlen].copy_from_slice(&hdr[..hlen]);
+        p[o + hlen..o + hlen + payload.len()].copy_from_slice(&payload);
+        at += size;
+        seq += 1;
+    }
+    p[COMMIT_OFFSET..COMMIT_OFFSET + 8].copy_from_slice(&(at as u64).to_le_bytes());
+    p
+}
+
+fn pages() -> Vec<(u32, Vec<u8>)> {
+    (0..PAGES)
+        .map(|i| {
+            let cpu = (i % CPUS as usize) as u32;
+            (
+                cpu,
+                page_of_markers(cpu, i as u64 * 200, 1_000_000 + i as u64 * 20_000),
+            )
+        })
+        .collect()
+}
+
+fn meta() -> TraceMeta {
+    TraceMeta::guest(PAGE, CPUS, Clock::guest_tsc(2_600_000).expect("clock"))
+}
+
+fn out_path(tag: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("hyptrace-bench-{}-{tag}", std::process::id()))
+}
+
+fn write_all(mut sink: Box<dyn PageSink>, pages: &[(u32, Vec<u8>)]) {
+    for (cpu, p) in pages {
+        sink.page(*cpu, p, None).expect("page");
+    }
+    sink.finish(&RunSummary::default()).expect("finish");
+}
+
+fn tracedat_benches(c: &mut Criterion) {
+    let pages = pages();
+    let mut g = c.benchmark_group("tracedat");
+    g.throughput(Throughput::Bytes((PAGES * PAGE) as u64));
+    for (name, v) in [("v7", TraceDatVersion::V7), ("v6", TraceDatVersion::V6)] {
+        let path = out_path(&format!("{name}.dat"));
+        g.bench_function(BenchmarkId::new(name, PAGES), |b| {
+            b.iter(|| {
+                let sink = TraceDatSink::create(&path, meta(), v).expect("create");
+                write_all(Box::new(sink), &pages);
+            })
+        });
+        let _ = std::fs::remove_file(&path);
+    }
+    let path = out_path("pages.raw");
+    g.bench_function(BenchmarkId::new("raw", PAGES), |b| {
+        b.iter(|| {
+            let sink = RawSink::create(&path, meta()).expect("create");
+            write_all(Box::new(sink), &pages);
+        })
+    });
+    let _ = std::fs::remove_file(&path);
+    g.finish();
+}
+
+fn config() -> Criterion {
+    Criterion::default()
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(3))
+        .sample_size(10)
+}
+
+criterion_group! {
+    name = benches;
+    config = config();
+    targets = tracedat_benches
+}
+criterion_main!(benches);
