@@ -384,6 +384,16 @@ impl Session {
         self.reader.stats(cpu)
     }
 
+    /// Whether the writer of `cpu` said it finished (rather than being stopped or
+    /// crashing in the middle of a write).
+    pub fn writer_finished(&self, cpu: u32) -> bool {
+        let l = self.reader.layout();
+        self.reader
+            .mem()
+            .load(l.ctl(cpu) + ctl::WRITER_STATE, Ordering::Acquire)
+            == WRITER_FINISHED
+    }
+
     /// Events the writer of `cpu` took in (committed or dropped), from its control block.
     ///
     /// The writer publishes an event's `commit` before it stores `entries`: a vCPU

@@ -34,7 +34,7 @@ impl AtomicFile {
         Ok(Self {
             path: path.to_path_buf(),
             tmp,
-            w: Some(BufWriter::new(f)),
+            w: Some(BufWriter::with_capacity(1 << 20, f)),
         })
     }
 

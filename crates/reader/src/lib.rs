@@ -545,18 +545,8 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
             .load(l.footer_off(st.reader) + footer::PAGE_SEQ, Acquire);
         let mut pages: Vec<(u64, u32)> = Vec::new();
         let first = l.first_page(cpu);
-        // A writer stopped in the middle of pushing the head (overwrite mode) left the
-        // link to the head flagged UPDATE: it already counted that page's events as
-        // overrun, so they are lost, not to be read (the index gap after it says so).
-        let mut torn = None;
         for id in first..first + l.pages_per_cpu {
-            let lk = self.mem.load(l.footer_off(id) + footer::NEXT, Acquire);
-            if lk & layout::LINK_FLAGS == layout::LINK_UPDATE {
-                torn = Some(valid_page(&l, cpu, lk >> 2)?);
-            }
-        }
-        for id in first..first + l.pages_per_cpu {
-            if id == st.reader || Some(id) == torn {
+            if id == st.reader {
                 continue;
             }
             let f = l.footer_off(id);

@@ -430,6 +430,10 @@ impl<M: SharedMem> Writer<M> {
         let nf = self.l.footer_off(next);
         let off = self.l.page_off(next);
         self.pages_touched = self.pages_touched.wrapping_add(1);
+        // page_seq 0 first ("never written"), the real one last: a writer stopped in
+        // the middle of this set-up leaves a page a post-mortem walk leaves out (its
+        // old events were already counted as overrun), never a half-reset page.
+        self.mem.store(nf + footer::PAGE_SEQ, 0, Release);
         self.mem.store(off + COMMIT_OFFSET, 0, Relaxed);
         self.mem.store(nf + footer::PAGE_ENTRIES, 0, Relaxed);
         self.mem.store(
@@ -440,7 +444,7 @@ impl<M: SharedMem> Writer<M> {
         self.mem
             .store(nf + footer::MISSED, self.lost_pending, Relaxed);
         self.mem
-            .store(nf + footer::PAGE_SEQ, self.pages_touched, Relaxed);
+            .store(nf + footer::PAGE_SEQ, self.pages_touched, Release);
         self.mem
             .fetch_or(nf + footer::WRITER_STATUS, FT_COMMIT, AcqRel);
         self.commit_flags = if self.lost_pending != 0 {

@@ -376,7 +376,7 @@ impl TraceDatSink {
                 .map_err(|e| OutputError::io(&p, e))?;
             sink.spills.push(Spill {
                 path: p,
-                file: BufWriter::new(f),
+                file: BufWriter::with_capacity(1 << 20, f),
                 bytes: 0,
             });
         }
@@ -394,7 +394,7 @@ impl TraceDatSink {
         let tmp = self.tmp.clone();
         let io = |e: io::Error| OutputError::io(&tmp, e);
         let f = File::create(&tmp).map_err(io)?;
-        let mut w = BufWriter::new(f);
+        let mut w = BufWriter::with_capacity(1 << 20, f);
         w.write_all(&head).map_err(io)?;
         let pad = data_start - head.len() as u64;
         io::copy(&mut io::Read::take(io::repeat(0), pad), &mut w).map_err(io)?;
