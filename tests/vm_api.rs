@@ -39,15 +39,27 @@ fn log_vm_test(test: &str) {
     }
 }
 
-fn vm(vcpus: u32, trace: u64) -> Vm {
-    Vm::new(VmConfig {
+/// A VM whose trace region holds `pages` ring pages per vCPU, initialised by the
+/// ring-buffer reader (the guest writer attaches to it at start).
+fn vm(vcpus: u32, pages: u32) -> Vm {
+    vm_with_reader(vcpus, pages).0
+}
+
+fn vm_with_reader(vcpus: u32, pages: u32) -> (Vm, hyptrace_host::trace::Reader) {
+    let layout =
+        hyptrace_abi::Layout::new(vcpus, pages, 4096, hyptrace_abi::Mode::Overwrite, false)
+            .expect("layout");
+    let vm = Vm::new(VmConfig {
         vcpus,
         mem_bytes: 32 << 20,
         guest_elf: GUEST_ELF.into(),
-        trace_region_bytes: trace,
+        trace_region_bytes: layout.region_size as u64,
         trace_region_align: 65536,
     })
-    .expect("create VM")
+    .expect("create VM");
+    let reader = hyptrace_host::trace::alloc_reader(vm.trace_region(), layout, vm.tsc_khz(), 1)
+        .expect("trace buffers");
+    (vm, reader)
 }
 
 #[test]
@@ -55,7 +67,7 @@ fn outcomes_and_trace_region() {
     if !kvm_available("outcomes_and_trace_region") {
         return;
     }
-    let vm = vm(3, (3 << 20) + 4096);
+    let (vm, reader) = vm_with_reader(3, 768);
     assert!(vm.tsc_khz() > 0);
     // The VMM sets the guest TSC offset to 0 where the kernel supports it.
     assert!(
@@ -67,21 +79,11 @@ fn outcomes_and_trace_region() {
     let region = vm.trace_region();
     assert_eq!(region.gpa(), l.trace_gpa);
     assert_eq!(region.gpa() % 65536, 0);
-    assert_eq!(region.len(), (3 << 20) + 4096);
+    assert_eq!(region.len(), reader.layout().region_size);
     assert!(region.gpa() + region.len() as u64 <= l.mem_bytes);
     assert!(l.stack_top(2) <= region.gpa());
     assert!(l.result_slot(2) + 256 <= l.stacks_gpa);
     assert!(l.image.1 <= l.params_gpa);
-
-    // The host can write the region through its pointer (the reader initialises it so).
-    let (gpa, ptr, len) = region.raw_parts();
-    assert_eq!(gpa, l.trace_gpa);
-    // SAFETY: the region is `len` bytes of live guest memory kept mapped by `region`;
-    // no vCPU runs yet, so nothing else accesses it.
-    unsafe {
-        ptr.write_volatile(0xa5);
-        ptr.add(len - 1).write_volatile(0x5a);
-    }
     let running = vm
         .start(&RunParams {
             events: 777,
@@ -104,12 +106,15 @@ fn outcomes_and_trace_region() {
             o => panic!("unexpected {o:?}"),
         }
     }
-    // The region outlives the VM and kept what the host wrote (the guest does not touch
-    // it yet).
-    // SAFETY: as above; the VM and its threads are gone.
-    unsafe {
-        assert_eq!(ptr.read_volatile(), 0xa5);
-        assert_eq!(ptr.add(len - 1).read_volatile(), 0x5a);
+    // The region outlives the VM: the writers' counters are still readable there.
+    use hyptrace_abi::layout::ctl;
+    use hyptrace_abi::SharedMem;
+    for cpu in 0..3 {
+        let entries = reader.mem().load(
+            reader.layout().ctl(cpu) + ctl::ENTRIES,
+            std::sync::atomic::Ordering::Acquire,
+        );
+        assert_eq!(entries, 777, "cpu {cpu}");
     }
 }
 
@@ -118,7 +123,7 @@ fn stop_interrupts_spinning_guests() {
     if !kvm_available("stop_interrupts_spinning_guests") {
         return;
     }
-    let running = vm(2, 1 << 20)
+    let running = vm(2, 64)
         .start(&RunParams {
             events: u64::MAX,
             rate: 0,
@@ -138,7 +143,7 @@ fn stop_right_after_start() {
         return;
     }
     for _ in 0..5 {
-        let running = vm(2, 1 << 20)
+        let running = vm(2, 64)
             .start(&RunParams {
                 events: u64::MAX,
                 rate: 1,
@@ -157,7 +162,7 @@ fn crash_outcomes() {
     if !kvm_available("crash_outcomes") {
         return;
     }
-    let out = vm(1, 1 << 20)
+    let out = vm(1, 64)
         .start(&RunParams {
             events: 5,
             workload: Workload::Panic,
@@ -172,7 +177,7 @@ fn crash_outcomes() {
         ),
         o => panic!("unexpected {o:?}"),
     }
-    let out = vm(1, 1 << 20)
+    let out = vm(1, 64)
         .start(&RunParams {
             events: 5,
             workload: Workload::Fault,
@@ -191,7 +196,7 @@ fn dropping_a_running_vm_stops_it() {
     if !kvm_available("dropping_a_running_vm_stops_it") {
         return;
     }
-    let running = vm(2, 1 << 20)
+    let running = vm(2, 64)
         .start(&RunParams {
             events: u64::MAX,
             rate: 0,
