@@ -170,27 +170,52 @@ pub enum SwapArg {
 #[derive(Clone, Debug, Args)]
 pub struct RunArgs {
     /// Number of vCPUs (one host thread each).
-    #[arg(long, value_name = "N", default_value_t = 2)]
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 2,
+        allow_negative_numbers = true
+    )]
     pub vcpus: u32,
     /// Events each vCPU writes.
-    #[arg(long, value_name = "N", default_value_t = 100_000)]
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 100_000,
+        allow_negative_numbers = true
+    )]
     pub events: u64,
     /// Events per second per vCPU; 0 = as fast as possible.
-    #[arg(long, value_name = "R", default_value_t = 200_000)]
+    #[arg(
+        long,
+        value_name = "R",
+        default_value_t = 200_000,
+        allow_negative_numbers = true
+    )]
     pub rate: u64,
     /// Guest workload.
     #[arg(long, value_enum, default_value_t = WorkloadArg::Steady)]
     pub workload: WorkloadArg,
     /// Ring buffer size per vCPU in KiB, reader page included, rounded up to whole pages
     /// (like trace-cmd's -b); at least 3 pages (reader page + 2 ring pages).
-    #[arg(long = "buffer-kb", value_name = "K", default_value_t = 1024)]
+    #[arg(
+        long = "buffer-kb",
+        value_name = "K",
+        default_value_t = 1024,
+        allow_negative_numbers = true
+    )]
     pub buffer_kb: u64,
     /// Ring page size in bytes: a power of two, at least 4096.
-    #[arg(long = "page-size", value_name = "B", default_value_t = 4096)]
+    #[arg(
+        long = "page-size",
+        value_name = "B",
+        default_value_t = 4096,
+        allow_negative_numbers = true
+    )]
     pub page_size: u64,
     /// Guest memory in MiB [default: just enough for the guest image, stacks, parameters
     /// and trace region, rounded up to 2 MiB; at most 3072].
-    #[arg(long = "mem-mb", value_name = "M")]
+    #[arg(long = "mem-mb", value_name = "M", allow_negative_numbers = true)]
     pub mem_mb: Option<u64>,
     /// Ring mode when full.
     #[arg(long, value_enum, default_value_t = ModeArg::Overwrite)]
@@ -199,7 +224,12 @@ pub struct RunArgs {
     #[arg(long, value_enum, default_value_t = SwapArg::Host)]
     pub swap: SwapArg,
     /// Host reader poll period in milliseconds (at least 1).
-    #[arg(long = "poll-ms", value_name = "MS", default_value_t = 1)]
+    #[arg(
+        long = "poll-ms",
+        value_name = "MS",
+        default_value_t = 1,
+        allow_negative_numbers = true
+    )]
     pub poll_ms: u64,
     /// Stop the vCPUs after S seconds (decimals allowed) [default: run to completion].
     #[arg(long, value_name = "S", allow_negative_numbers = true)]
@@ -495,7 +525,16 @@ pub fn record(a: &RecordArgs) -> i32 {
 pub fn report(a: &ReportArgs) -> i32 {
     let file = match hyptrace_output::TraceFile::open(&a.input) {
         Ok(f) => f,
-        Err(e) => return usage_error(format!("{}: {e}", a.input.display())),
+        // Errors that already name the file (I/O) are not prefixed again.
+        Err(e) => {
+            let msg = e.to_string();
+            let path = a.input.display().to_string();
+            return usage_error(if msg.contains(&path) {
+                msg
+            } else {
+                format!("{path}: {msg}")
+            });
+        }
     };
     let text = if a.stat {
         file.stat_text()
