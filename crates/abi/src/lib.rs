@@ -19,6 +19,7 @@ pub mod guest;
 pub mod layout;
 pub mod mem;
 pub mod page;
+pub mod structs;
 
 pub use layout::{Layout, LayoutError, Mode};
 #[cfg(feature = "alloc")]
