@@ -8,38 +8,10 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 const BIN: &str = env!("CARGO_BIN_EXE_hyptrace");
 
-/// Whether KVM-backed tests can run. Prints `SKIP: ...` when not; with
-/// `HYPTRACE_REQUIRE_KVM=1` a missing /dev/kvm fails the test instead.
+/// Whether KVM-backed tests can run (prints `SKIP` or fails under
+/// `HYPTRACE_REQUIRE_KVM=1`; logs the test for CI): see `tests/support/env.rs`.
 fn kvm_available(test: &str) -> bool {
-    let ok = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/kvm")
-        .is_ok();
-    if !ok {
-        if std::env::var("HYPTRACE_REQUIRE_KVM").is_ok_and(|v| v == "1") {
-            panic!("/dev/kvm not available (or not accessible) and HYPTRACE_REQUIRE_KVM=1");
-        }
-        println!("SKIP: /dev/kvm not available");
-    }
-    if ok {
-        log_vm_test(test);
-    }
-    ok
-}
-
-/// Appends the test's name to `$HYPTRACE_VM_TEST_LOG` (CI checks that VM tests ran).
-fn log_vm_test(test: &str) {
-    use std::io::Write as _;
-    if let Some(path) = std::env::var_os("HYPTRACE_VM_TEST_LOG") {
-        if let Ok(mut f) = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-        {
-            let _ = writeln!(f, "{}: {test}", env!("CARGO_CRATE_NAME"));
-        }
-    }
+    hyptrace::env::kvm_available("vm_boot", test)
 }
 
 fn hyptrace(args: &[&str]) -> Output {
