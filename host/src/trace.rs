@@ -52,44 +52,7 @@ impl GuestTraceMem {
 }
 
 impl SharedMem for GuestTraceMem {
-    fn size(&self) -> usize {
-        self.raw.size()
-    }
-    fn load(&self, off: usize, order: Ordering) -> u64 {
-        self.raw.load(off, order)
-    }
-    fn store(&self, off: usize, val: u64, order: Ordering) {
-        self.raw.store(off, val, order)
-    }
-    fn swap(&self, off: usize, val: u64, order: Ordering) -> u64 {
-        self.raw.swap(off, val, order)
-    }
-    fn compare_exchange(
-        &self,
-        off: usize,
-        current: u64,
-        new: u64,
-        success: Ordering,
-        failure: Ordering,
-    ) -> Result<u64, u64> {
-        self.raw
-            .compare_exchange(off, current, new, success, failure)
-    }
-    fn fetch_or(&self, off: usize, val: u64, order: Ordering) -> u64 {
-        self.raw.fetch_or(off, val, order)
-    }
-    fn fetch_and(&self, off: usize, val: u64, order: Ordering) -> u64 {
-        self.raw.fetch_and(off, val, order)
-    }
-    fn fetch_add(&self, off: usize, val: u64, order: Ordering) -> u64 {
-        self.raw.fetch_add(off, val, order)
-    }
-    fn write_bytes(&self, off: usize, src: &[u8]) {
-        self.raw.write_bytes(off, src)
-    }
-    fn read_bytes(&self, off: usize, dst: &mut [u8]) {
-        self.raw.read_bytes(off, dst)
-    }
+    hyptrace_abi::forward_shared_mem!(self => self.raw);
 }
 
 /// The reader over a VM's trace region.

@@ -43,44 +43,64 @@ pub trait SharedMem {
     fn read_bytes(&self, off: usize, dst: &mut [u8]);
 }
 
+/// Implements every [`SharedMem`] method by forwarding it to `$via`, an expression on
+/// `$this` (the method's `self`) that yields something implementing `SharedMem`: for
+/// references, smart pointers and wrappers. Used inside an `impl SharedMem for ...` block.
+#[macro_export]
+macro_rules! forward_shared_mem {
+    ($this:ident => $via:expr) => {
+        #[inline(always)]
+        fn size(&$this) -> usize {
+            $via.size()
+        }
+        #[inline(always)]
+        fn load(&$this, off: usize, order: core::sync::atomic::Ordering) -> u64 {
+            $via.load(off, order)
+        }
+        #[inline(always)]
+        fn store(&$this, off: usize, val: u64, order: core::sync::atomic::Ordering) {
+            $via.store(off, val, order)
+        }
+        #[inline(always)]
+        fn swap(&$this, off: usize, val: u64, order: core::sync::atomic::Ordering) -> u64 {
+            $via.swap(off, val, order)
+        }
+        #[inline(always)]
+        fn compare_exchange(
+            &$this,
+            off: usize,
+            current: u64,
+            new: u64,
+            success: core::sync::atomic::Ordering,
+            failure: core::sync::atomic::Ordering,
+        ) -> Result<u64, u64> {
+            $via.compare_exchange(off, current, new, success, failure)
+        }
+        #[inline(always)]
+        fn fetch_or(&$this, off: usize, val: u64, order: core::sync::atomic::Ordering) -> u64 {
+            $via.fetch_or(off, val, order)
+        }
+        #[inline(always)]
+        fn fetch_and(&$this, off: usize, val: u64, order: core::sync::atomic::Ordering) -> u64 {
+            $via.fetch_and(off, val, order)
+        }
+        #[inline(always)]
+        fn fetch_add(&$this, off: usize, val: u64, order: core::sync::atomic::Ordering) -> u64 {
+            $via.fetch_add(off, val, order)
+        }
+        #[inline(always)]
+        fn write_bytes(&$this, off: usize, src: &[u8]) {
+            $via.write_bytes(off, src)
+        }
+        #[inline(always)]
+        fn read_bytes(&$this, off: usize, dst: &mut [u8]) {
+            $via.read_bytes(off, dst)
+        }
+    };
+}
+
 impl<T: SharedMem + ?Sized> SharedMem for &T {
-    fn size(&self) -> usize {
-        (**self).size()
-    }
-    fn load(&self, off: usize, order: Ordering) -> u64 {
-        (**self).load(off, order)
-    }
-    fn store(&self, off: usize, val: u64, order: Ordering) {
-        (**self).store(off, val, order)
-    }
-    fn swap(&self, off: usize, val: u64, order: Ordering) -> u64 {
-        (**self).swap(off, val, order)
-    }
-    fn compare_exchange(
-        &self,
-        off: usize,
-        current: u64,
-        new: u64,
-        success: Ordering,
-        failure: Ordering,
-    ) -> Result<u64, u64> {
-        (**self).compare_exchange(off, current, new, success, failure)
-    }
-    fn fetch_or(&self, off: usize, val: u64, order: Ordering) -> u64 {
-        (**self).fetch_or(off, val, order)
-    }
-    fn fetch_and(&self, off: usize, val: u64, order: Ordering) -> u64 {
-        (**self).fetch_and(off, val, order)
-    }
-    fn fetch_add(&self, off: usize, val: u64, order: Ordering) -> u64 {
-        (**self).fetch_add(off, val, order)
-    }
-    fn write_bytes(&self, off: usize, src: &[u8]) {
-        (**self).write_bytes(off, src)
-    }
-    fn read_bytes(&self, off: usize, dst: &mut [u8]) {
-        (**self).read_bytes(off, dst)
-    }
+    crate::forward_shared_mem!(self => (**self));
 }
 
 /// Panics unless `[off, off + len)` lies inside a region of `size` bytes.
@@ -363,103 +383,10 @@ impl core::ops::Deref for HeapMem {
 
 #[cfg(feature = "alloc")]
 impl SharedMem for HeapMem {
-    #[inline(always)]
-    fn size(&self) -> usize {
-        self.raw.size()
-    }
-    #[inline(always)]
-    fn load(&self, off: usize, order: Ordering) -> u64 {
-        self.raw.load(off, order)
-    }
-    #[inline(always)]
-    fn store(&self, off: usize, val: u64, order: Ordering) {
-        self.raw.store(off, val, order)
-    }
-    #[inline(always)]
-    fn swap(&self, off: usize, val: u64, order: Ordering) -> u64 {
-        self.raw.swap(off, val, order)
-    }
-    #[inline(always)]
-    fn compare_exchange(
-        &self,
-        off: usize,
-        current: u64,
-        new: u64,
-        success: Ordering,
-        failure: Ordering,
-    ) -> Result<u64, u64> {
-        self.raw
-            .compare_exchange(off, current, new, success, failure)
-    }
-    #[inline(always)]
-    fn fetch_or(&self, off: usize, val: u64, order: Ordering) -> u64 {
-        self.raw.fetch_or(off, val, order)
-    }
-    #[inline(always)]
-    fn fetch_and(&self, off: usize, val: u64, order: Ordering) -> u64 {
-        self.raw.fetch_and(off, val, order)
-    }
-    #[inline(always)]
-    fn fetch_add(&self, off: usize, val: u64, order: Ordering) -> u64 {
-        self.raw.fetch_add(off, val, order)
-    }
-    #[inline(always)]
-    fn write_bytes(&self, off: usize, src: &[u8]) {
-        self.raw.write_bytes(off, src)
-    }
-    #[inline(always)]
-    fn read_bytes(&self, off: usize, dst: &mut [u8]) {
-        self.raw.read_bytes(off, dst)
-    }
+    crate::forward_shared_mem!(self => self.raw);
 }
 
 #[cfg(feature = "alloc")]
 impl<T: SharedMem + ?Sized> SharedMem for alloc::sync::Arc<T> {
-    #[inline(always)]
-    fn size(&self) -> usize {
-        (**self).size()
-    }
-    #[inline(always)]
-    fn load(&self, off: usize, order: Ordering) -> u64 {
-        (**self).load(off, order)
-    }
-    #[inline(always)]
-    fn store(&self, off: usize, val: u64, order: Ordering) {
-        (**self).store(off, val, order)
-    }
-    #[inline(always)]
-    fn swap(&self, off: usize, val: u64, order: Ordering) -> u64 {
-        (**self).swap(off, val, order)
-    }
-    #[inline(always)]
-    fn compare_exchange(
-        &self,
-        off: usize,
-        current: u64,
-        new: u64,
-        success: Ordering,
-        failure: Ordering,
-    ) -> Result<u64, u64> {
-        (**self).compare_exchange(off, current, new, success, failure)
-    }
-    #[inline(always)]
-    fn fetch_or(&self, off: usize, val: u64, order: Ordering) -> u64 {
-        (**self).fetch_or(off, val, order)
-    }
-    #[inline(always)]
-    fn fetch_and(&self, off: usize, val: u64, order: Ordering) -> u64 {
-        (**self).fetch_and(off, val, order)
-    }
-    #[inline(always)]
-    fn fetch_add(&self, off: usize, val: u64, order: Ordering) -> u64 {
-        (**self).fetch_add(off, val, order)
-    }
-    #[inline(always)]
-    fn write_bytes(&self, off: usize, src: &[u8]) {
-        (**self).write_bytes(off, src)
-    }
-    #[inline(always)]
-    fn read_bytes(&self, off: usize, dst: &mut [u8]) {
-        (**self).read_bytes(off, dst)
-    }
+    crate::forward_shared_mem!(self => (**self));
 }
