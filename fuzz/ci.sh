@@ -2,8 +2,8 @@
 # Short, bounded fuzz runs for CI (called by .ci/run): each target runs FUZZ_SECONDS
 # (default 30) from the committed seed corpus, with its dictionary; a crash fails the
 # script (libFuzzer exits non-zero and leaves the input under fuzz/artifacts/<target>/).
-# The committed reproducers of known bugs are replayed first (they pass while the
-# harness tolerates those bugs; HYPTRACE_FUZZ_STRICT=1 makes them fail).
+# The committed reproducers of bugs the fuzzer found are replayed first (they pass: the
+# bugs are fixed).
 # See docs/fuzzing.md.
 set -euo pipefail
 fuzz_dir=$(cd "$(dirname "$0")" && pwd)

@@ -21,16 +21,13 @@
 //! is patched, anything but a panic (or an unbounded loop) is acceptable.
 #![no_main]
 
-use hyptrace_abi::layout::{
-    ctl, footer, Layout, Mode, CPU_DESC_SIZE, CTL_SIZE, FOOTER_SIZE, PACK_HEADER_SIZE,
-};
+use hyptrace_abi::layout::{Layout, Mode, CTL_SIZE, FOOTER_SIZE};
 use hyptrace_abi::page::{self, COMMIT_OFFSET};
 use hyptrace_abi::{SharedMem, WordMem};
 use hyptrace_reader::{Direct, Item, ReadError, RingBuffer};
 use hyptrace_writer::{WriteOutcome, Writer};
 use libfuzzer_sys::fuzz_target;
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::OnceLock;
 
 const PAGE_SIZE: usize = 4096;
 /// Most items one `next_event` op drains (a full ring of 6 pages of 12-byte events is
@@ -44,12 +41,6 @@ const MAX_OPS: usize = 256;
 const MAX_BURST: usize = 128;
 
 type Rb<'m> = RingBuffer<&'m WordMem, Direct<&'m WordMem>>;
-
-/// `HYPTRACE_FUZZ_STRICT=1`: no tolerance for known bugs.
-fn strict() -> bool {
-    static STRICT: OnceLock<bool> = OnceLock::new();
-    *STRICT.get_or_init(|| std::env::var_os("HYPTRACE_FUZZ_STRICT").is_some_and(|v| v == "1"))
-}
 
 /// Reads the input from the front; past its end every byte reads as 0.
 struct Input<'a>(&'a [u8]);
@@ -332,59 +323,6 @@ impl<'m> World<'m> {
     fn patch_word(&mut self, off: usize, v: u64) {
         self.patch();
         self.mem.store(off & !7, v, Relaxed);
-        self.known_bug_guard();
-    }
-
-    /// Known reader bug (fuzz/regressions/region/reader-expected-overflow*): a footer
-    /// `first_index` (taken by `enter_page`) or control-block `entries`/`dropped`
-    /// (taken by `take_trailing_loss`) near `u64::MAX` makes `st.expected += 1`
-    /// (reader/src/lib.rs, `next_event`; also `+= n` in `next_page`) overflow — a
-    /// panic in builds with overflow checks. Unless HYPTRACE_FUZZ_STRICT=1, such
-    /// values are clamped to leave 2^32 events of headroom, so the fuzzer goes on to
-    /// find other bugs. Same for the writer bug below.
-    fn known_bug_guard(&mut self) {
-        if strict() {
-            return;
-        }
-        const LIMIT: u64 = u64::MAX - (1 << 32);
-        // Every footer's first_index, for any page size a patched pack may declare
-        // (pages are page-size aligned, page sizes are multiples of 4096).
-        let first = PAGE_SIZE - FOOTER_SIZE + footer::FIRST_INDEX;
-        let footers = (first..self.mem.size()).step_by(PAGE_SIZE);
-        // And the writer's entries and dropped counters, which `take_trailing_loss` adds
-        // into `expected` (control blocks of packs declaring 1..=8 CPUs).
-        let ctls = (1..=8usize).flat_map(|n| {
-            let c0 = PACK_HEADER_SIZE + n * CPU_DESC_SIZE;
-            (0..n).flat_map(move |c| {
-                [
-                    c0 + c * CTL_SIZE + ctl::ENTRIES,
-                    c0 + c * CTL_SIZE + ctl::DROPPED,
-                ]
-            })
-        });
-        for off in footers {
-            if self.mem.load(off, Relaxed) > LIMIT {
-                self.mem.store(off, LIMIT, Relaxed);
-            }
-        }
-        // `entries + dropped` (saturating) must stay under LIMIT too: half each.
-        for off in ctls {
-            if off < self.mem.size() && self.mem.load(off, Relaxed) > LIMIT / 2 {
-                self.mem.store(off, LIMIT / 2, Relaxed);
-            }
-        }
-        // Known writer bug (fuzz/regressions/region/writer-overrun-overflow): in
-        // overwrite mode `push_head` (writer/src/lib.rs) does `self.overrun += lost`
-        // with `lost` the pushed page's footer `page_entries`, read from shared memory
-        // unchecked: a huge value overflows. Clamped to 2^32 (no sum of them overflows
-        // within a run).
-        const ENTRIES_LIMIT: u64 = 1 << 32;
-        let entries = PAGE_SIZE - FOOTER_SIZE + footer::PAGE_ENTRIES;
-        for off in (entries..self.mem.size()).step_by(PAGE_SIZE) {
-            if self.mem.load(off, Relaxed) > ENTRIES_LIMIT {
-                self.mem.store(off, ENTRIES_LIMIT, Relaxed);
-            }
-        }
     }
 }
 
@@ -561,7 +499,6 @@ fuzz_target!(|data: &[u8]| {
                 let len = len.min(w.l.region_size - off);
                 w.patch();
                 w.mem.write_bytes(off, &b[..len]);
-                w.known_bug_guard();
             }
             Op::PatchFooter => {
                 let id = u32::from(inp.u8()) % (w.l.total_pages() as u32);
