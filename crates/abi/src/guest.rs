@@ -3,8 +3,9 @@
 //!
 //! Entry (every vCPU): `rdi` = guest-physical address of the trace pack (the start of
 //! the trace region, see [`crate::pack`]), `rsi` = vCPU id, `rdx` = guest-physical
-//! address of the [`RunParams`] block, `rsp` = top of this vCPU's stack. Guest memory is
-//! identity-mapped, so these addresses are also the guest's virtual addresses.
+//! address of the [`RunParams`] block, `rsp` = top of this vCPU's stack, GS base = the
+//! address of this vCPU's result slot. Guest memory is identity-mapped, so these addresses
+//! are also the guest's virtual addresses.
 //!
 //! Exit: the guest fills its [`VcpuResult`] slot, then writes its vCPU id to
 //! [`PORT_EXIT`] (32-bit `out`). A panic writes the message into the slot's `msg` bytes
