@@ -15,8 +15,8 @@
 //!   progress counters) while each writer writes more than its whole ring can hold;
 //! - swaps really happen: at least one swap per stall, and pages_read covers read.
 //!
-//! Defaults write 2.5 M events per test, 4 tests: 10^7 in total. `HYPTRACE_STRESS_EVENTS`
-//! (events per test) can only raise that.
+//! Defaults write 5 M events per test, 4 tests: 10^7 per mode, 2 x 10^7 in total.
+//! `HYPTRACE_STRESS_EVENTS` (events per test) can only raise that.
 
 use hyptrace_abi::layout::{Layout, Mode, FOOTER_SIZE};
 use hyptrace_abi::page::{data_event_size, PAGE_HEADER_SIZE};
@@ -31,7 +31,7 @@ const CPUS: u32 = 2;
 const PAGE: usize = 4096;
 /// Pages per CPU: the reader page and 3 ring pages.
 const PAGES_PER_CPU: u32 = 4;
-const DEFAULT_EVENTS_PER_TEST: u64 = 2_500_000;
+const DEFAULT_EVENTS_PER_TEST: u64 = 5_000_000;
 /// Header of every payload: cpu, seq, ts (u64 each).
 const HDR: usize = 24;
 
