@@ -127,15 +127,65 @@ fn page_events(page: &[u8]) -> PageEvents<'_> {
     (ts, out, None)
 }
 
-/// Text sink: `cpus=N`, then for each page (in arrival order) its drop marker and its
-/// events, formatted exactly like `trace-cmd report -t` lines. Lines are not merged
-/// across CPUs (for a time-sorted listing, write a trace.dat and use [`crate::TraceFile::report`]).
+/// Text sink: `cpus=N`, then every event as `trace-cmd report -t` prints it, merged
+/// across CPUs by time (ties: lower CPU first), each page's drop marker right before
+/// its first event. Merging is by watermark, as `hyptrace run` does: pages of one CPU
+/// arrive in time order, so a line is written once every CPU that may still deliver
+/// pages has delivered one at or after its time; the rest is written at `finish`.
+/// A CPU that delivers no page holds the others' lines in memory until it does.
 pub struct TextSink {
     meta: TraceMeta,
     printers: BTreeMap<u16, EventPrinter>,
     out: Option<Out>,
     scratch: Vec<u8>,
     line: String,
+    /// Per CPU: formatted lines waiting for the watermark, with their times.
+    queues: Vec<std::collections::VecDeque<(u64, String)>>,
+    /// Per CPU: the time of its last line (None: no page yet).
+    last: Vec<Option<u64>>,
+}
+
+impl TextSink {
+    /// Writes, in time order, every queued line at or below the watermark (all of them
+    /// when `all`).
+    fn release(&mut self, all: bool) -> Result<(), OutputError> {
+        let wm = if all {
+            u64::MAX
+        } else {
+            match self
+                .last
+                .iter()
+                .try_fold(u64::MAX, |m, l| l.map(|t| m.min(t)))
+            {
+                Some(w) => w,
+                None => return Ok(()),
+            }
+        };
+        let Some(out) = self.out.as_mut() else {
+            return Ok(());
+        };
+        let mut buf = String::new();
+        loop {
+            let mut best: Option<(u64, usize)> = None;
+            for (cpu, q) in self.queues.iter().enumerate() {
+                if let Some(&(ts, _)) = q.front() {
+                    if ts <= wm && best.is_none_or(|(b, _)| ts < b) {
+                        best = Some((ts, cpu));
+                    }
+                }
+            }
+            let Some((_, cpu)) = best else { break };
+            if let Some((_, line)) = self.queues[cpu].pop_front() {
+                buf.push_str(&line);
+                if buf.len() >= 1 << 16 {
+                    out.w().write_all(buf.as_bytes())?;
+                    buf.clear();
+                }
+            }
+        }
+        out.w().write_all(buf.as_bytes())?;
+        Ok(())
+    }
 }
 
 impl TextSink {
@@ -157,12 +207,15 @@ impl TextSink {
             .iter()
             .map(|f| (f.id, EventPrinter::new(f.clone())))
             .collect();
+        let n = meta.nr_cpus as usize;
         Ok(Self {
             scratch: vec![0; meta.page_size],
             meta,
             printers,
             out: Some(out),
             line: String::new(),
+            queues: vec![Default::default(); n],
+            last: vec![None; n],
         })
     }
 }
@@ -173,14 +226,18 @@ impl PageSink for TextSink {
         export_page_into(cpu, page, missed, &mut self.scratch)?;
         let missed = page_missed(&self.scratch);
         let (_, events, _err) = page_events(&self.scratch);
-        let Some(out) = self.out.as_mut() else {
+        if self.out.is_none() {
             return Ok(());
-        };
+        }
+        let c = cpu as usize;
         let mut s = std::mem::take(&mut self.line);
         s.clear();
         if missed != Missed::None {
             format_drop(&mut s, cpu, missed);
             s.push('\n');
+            // The marker goes right before the page's first event (same time, same CPU).
+            let t = events.first().map_or(self.last[c].unwrap_or(0), |e| e.0);
+            self.queues[c].push_back((t, std::mem::take(&mut s)));
         }
         for (ts, payload) in events {
             let ts_ns = self.meta.clock.to_ns(ts);
@@ -208,13 +265,20 @@ impl PageSink for TextSink {
                 ),
             }
             s.push('\n');
+            let t = self.last[c].map_or(ts, |l| l.max(ts));
+            self.last[c] = Some(t);
+            self.queues[c].push_back((t, std::mem::take(&mut s)));
         }
-        let r = out.w().write_all(s.as_bytes());
+        if self.last[c].is_none() {
+            // A page without events still tells that this CPU delivers.
+            self.last[c] = Some(0);
+        }
         self.line = s;
-        r.map_err(OutputError::from)
+        self.release(false)
     }
 
     fn finish(mut self: Box<Self>, _summary: &RunSummary) -> Result<(), OutputError> {
+        self.release(true)?;
         match self.out.take() {
             Some(o) => o.close(),
             None => Ok(()),
