@@ -6,6 +6,7 @@ use hyptrace_abi::guest::{Workload, BENCH_CHUNK};
 use crate::emit::{Emitter, Sink};
 use crate::rt::rdtsc;
 use crate::Params;
+use hyptrace_abi::guest::WorkloadRng as Rng;
 
 /// Events written before the `panic` and `fault` workloads crash.
 const EVENTS_BEFORE_CRASH: u64 = 16;
@@ -53,25 +54,6 @@ fn spin_until<S: Sink>(deadline: u64, em: &mut Emitter<S>) {
     while (deadline.wrapping_sub(rdtsc()) as i64) > 0 {
         em.idle();
         core::hint::spin_loop();
-    }
-}
-
-/// xorshift64*: small, fast, good enough for picking event kinds.
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64, cpu: u32) -> Self {
-        let s = seed ^ (u64::from(cpu) + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        Self(if s == 0 { 0x2545_f491_4f6c_dd1d } else { s })
-    }
-
-    fn next(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        self.0 = x;
-        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
     }
 }
 

@@ -1,30 +1,12 @@
 //! What the guest workloads write (a replay of guest/src/workload.rs), so that every
 //! field of every event can be checked.
 
+use hyptrace_abi::guest::WorkloadRng as Rng;
+
 /// The seed `hyptrace run` passes (`hyptrace_host::vm::DEFAULT_SEED`).
 pub const DEFAULT_SEED: u64 = hyptrace_host::vm::DEFAULT_SEED;
 /// Longest `guest:text` message (`hyptrace_abi::events::TEXT_MAX_MSG`).
 pub const TEXT_MAX_MSG: usize = 240;
-
-/// The guest's xorshift64* (guest/src/workload.rs `Rng`).
-#[derive(Debug, Clone)]
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64, cpu: u32) -> Self {
-        let s = seed ^ (u64::from(cpu) + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        Self(if s == 0 { 0x2545_f491_4f6c_dd1d } else { s })
-    }
-
-    fn next(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        self.0 = x;
-        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-}
 
 /// `fill_text` of guest/src/workload.rs: "vcpu C event I " then a letter pattern, cut
 /// to `len` bytes.

@@ -124,3 +124,27 @@ impl Workload {
         })
     }
 }
+
+/// The workloads' pseudo-random generator (xorshift64*), seeded from the run's seed and
+/// the vCPU id: shared by the guest payload and by tests that replay what it wrote.
+#[derive(Clone, Debug)]
+pub struct WorkloadRng(u64);
+
+impl WorkloadRng {
+    /// The generator of vCPU `cpu` for `seed`.
+    pub const fn new(seed: u64, cpu: u32) -> Self {
+        let s = seed ^ (cpu as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        Self(if s == 0 { 0x2545_f491_4f6c_dd1d } else { s })
+    }
+
+    /// The next value.
+    #[allow(clippy::should_implement_trait)]
+    pub fn next(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+}
