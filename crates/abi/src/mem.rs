@@ -43,6 +43,51 @@ pub trait SharedMem {
     fn read_bytes(&self, off: usize, dst: &mut [u8]);
 }
 
+/// Implements the atomic-word methods of [`SharedMem`] (`load` … `fetch_add`) by calling
+/// the same method on the atomic word that `$this.$word(off)` returns (a
+/// `core::sync::atomic::AtomicU64`, or loom's, which has the same methods). Used inside an
+/// `impl SharedMem for ...` block, next to `size` and the byte copies.
+#[macro_export]
+macro_rules! atomic_word_ops {
+    ($this:ident, $word:ident) => {
+        #[inline(always)]
+        fn load(&$this, off: usize, order: core::sync::atomic::Ordering) -> u64 {
+            $this.$word(off).load(order)
+        }
+        #[inline(always)]
+        fn store(&$this, off: usize, val: u64, order: core::sync::atomic::Ordering) {
+            $this.$word(off).store(val, order)
+        }
+        #[inline(always)]
+        fn swap(&$this, off: usize, val: u64, order: core::sync::atomic::Ordering) -> u64 {
+            $this.$word(off).swap(val, order)
+        }
+        #[inline(always)]
+        fn compare_exchange(
+            &$this,
+            off: usize,
+            current: u64,
+            new: u64,
+            success: core::sync::atomic::Ordering,
+            failure: core::sync::atomic::Ordering,
+        ) -> Result<u64, u64> {
+            $this.$word(off).compare_exchange(current, new, success, failure)
+        }
+        #[inline(always)]
+        fn fetch_or(&$this, off: usize, val: u64, order: core::sync::atomic::Ordering) -> u64 {
+            $this.$word(off).fetch_or(val, order)
+        }
+        #[inline(always)]
+        fn fetch_and(&$this, off: usize, val: u64, order: core::sync::atomic::Ordering) -> u64 {
+            $this.$word(off).fetch_and(val, order)
+        }
+        #[inline(always)]
+        fn fetch_add(&$this, off: usize, val: u64, order: core::sync::atomic::Ordering) -> u64 {
+            $this.$word(off).fetch_add(val, order)
+        }
+    };
+}
+
 /// Implements every [`SharedMem`] method by forwarding it to `$via`, an expression on
 /// `$this` (the method's `self`) that yields something implementing `SharedMem`: for
 /// references, smart pointers and wrappers. Used inside an `impl SharedMem for ...` block.
@@ -176,42 +221,7 @@ impl SharedMem for RawMem {
     fn size(&self) -> usize {
         self.size
     }
-    #[inline(always)]
-    fn load(&self, off: usize, order: Ordering) -> u64 {
-        self.word(off).load(order)
-    }
-    #[inline(always)]
-    fn store(&self, off: usize, val: u64, order: Ordering) {
-        self.word(off).store(val, order)
-    }
-    #[inline(always)]
-    fn swap(&self, off: usize, val: u64, order: Ordering) -> u64 {
-        self.word(off).swap(val, order)
-    }
-    #[inline(always)]
-    fn compare_exchange(
-        &self,
-        off: usize,
-        current: u64,
-        new: u64,
-        success: Ordering,
-        failure: Ordering,
-    ) -> Result<u64, u64> {
-        self.word(off)
-            .compare_exchange(current, new, success, failure)
-    }
-    #[inline(always)]
-    fn fetch_or(&self, off: usize, val: u64, order: Ordering) -> u64 {
-        self.word(off).fetch_or(val, order)
-    }
-    #[inline(always)]
-    fn fetch_and(&self, off: usize, val: u64, order: Ordering) -> u64 {
-        self.word(off).fetch_and(val, order)
-    }
-    #[inline(always)]
-    fn fetch_add(&self, off: usize, val: u64, order: Ordering) -> u64 {
-        self.word(off).fetch_add(val, order)
-    }
+    crate::atomic_word_ops!(self, word);
     #[inline(always)]
     fn write_bytes(&self, off: usize, src: &[u8]) {
         check_range(off, src.len(), self.size);
@@ -291,34 +301,7 @@ impl SharedMem for WordMem {
     fn size(&self) -> usize {
         self.words.len() * 8
     }
-    fn load(&self, off: usize, order: Ordering) -> u64 {
-        self.w(off).load(order)
-    }
-    fn store(&self, off: usize, val: u64, order: Ordering) {
-        self.w(off).store(val, order)
-    }
-    fn swap(&self, off: usize, val: u64, order: Ordering) -> u64 {
-        self.w(off).swap(val, order)
-    }
-    fn compare_exchange(
-        &self,
-        off: usize,
-        current: u64,
-        new: u64,
-        success: Ordering,
-        failure: Ordering,
-    ) -> Result<u64, u64> {
-        self.w(off).compare_exchange(current, new, success, failure)
-    }
-    fn fetch_or(&self, off: usize, val: u64, order: Ordering) -> u64 {
-        self.w(off).fetch_or(val, order)
-    }
-    fn fetch_and(&self, off: usize, val: u64, order: Ordering) -> u64 {
-        self.w(off).fetch_and(val, order)
-    }
-    fn fetch_add(&self, off: usize, val: u64, order: Ordering) -> u64 {
-        self.w(off).fetch_add(val, order)
-    }
+    crate::atomic_word_ops!(self, w);
     fn write_bytes(&self, off: usize, src: &[u8]) {
         check_range(off, src.len(), self.size());
         for (i, &b) in src.iter().enumerate() {

@@ -122,35 +122,7 @@ impl SharedMem for Region {
     fn size(&self) -> usize {
         self.slots.len() * 8
     }
-    fn load(&self, off: usize, order: Ordering) -> u64 {
-        self.atomic(off).load(order)
-    }
-    fn store(&self, off: usize, val: u64, order: Ordering) {
-        self.atomic(off).store(val, order)
-    }
-    fn swap(&self, off: usize, val: u64, order: Ordering) -> u64 {
-        self.atomic(off).swap(val, order)
-    }
-    fn compare_exchange(
-        &self,
-        off: usize,
-        current: u64,
-        new: u64,
-        success: Ordering,
-        failure: Ordering,
-    ) -> Result<u64, u64> {
-        self.atomic(off)
-            .compare_exchange(current, new, success, failure)
-    }
-    fn fetch_or(&self, off: usize, val: u64, order: Ordering) -> u64 {
-        self.atomic(off).fetch_or(val, order)
-    }
-    fn fetch_and(&self, off: usize, val: u64, order: Ordering) -> u64 {
-        self.atomic(off).fetch_and(val, order)
-    }
-    fn fetch_add(&self, off: usize, val: u64, order: Ordering) -> u64 {
-        self.atomic(off).fetch_add(val, order)
-    }
+    hyptrace_abi::atomic_word_ops!(self, atomic);
     fn write_bytes(&self, off: usize, src: &[u8]) {
         self.cells(off, src.len(), |base, lo, i, n| {
             self.cell(base).with_mut(|p| {
