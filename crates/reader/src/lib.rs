@@ -817,6 +817,29 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
         Ok(None)
     }
 
+    /// The writer's event index of `cpu`: events it took in, committed or dropped
+    /// (`entries + dropped` of its control block; hostile values saturate). 0 for a CPU
+    /// out of range.
+    pub fn writer_index(&self, cpu: u32) -> u64 {
+        if cpu >= self.layout.nr_cpus {
+            return 0;
+        }
+        let c = self.layout.ctl(cpu);
+        self.mem
+            .load(c + ctl::ENTRIES, Acquire)
+            .saturating_add(self.mem.load(c + ctl::DROPPED, Acquire))
+    }
+
+    /// Whether the writer of `cpu` marked itself finished (rather than being stopped or
+    /// crashing in the middle of a write).
+    pub fn writer_finished(&self, cpu: u32) -> bool {
+        cpu < self.layout.nr_cpus
+            && self
+                .mem
+                .load(self.layout.ctl(cpu) + ctl::WRITER_STATE, Acquire)
+                == layout::WRITER_FINISHED
+    }
+
     /// At the end of the final walk: the events lost after the last page (stop mode:
     /// dropped while the ring was full, with no page started after them), from the
     /// writer's index (`entries + dropped`) minus the events accounted for. Counted in
@@ -825,11 +848,7 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
         if !self.finished(cpu) {
             return 0;
         }
-        let c = self.layout.ctl(cpu);
-        let total = self
-            .mem
-            .load(c + ctl::ENTRIES, Acquire)
-            .saturating_add(self.mem.load(c + ctl::DROPPED, Acquire));
+        let total = self.writer_index(cpu);
         let st = &mut self.cpus[cpu as usize];
         if st.trailing_done {
             return 0;
