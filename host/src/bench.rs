@@ -549,27 +549,9 @@ fn vm_run(spec: &VmSpec) -> Result<VmOut, String> {
     let mut error: Option<String> = None;
     loop {
         let all_done = running.wait_timeout(poll);
-        for cpu in 0..nr {
-            if !session.is_live(cpu) {
-                continue;
-            }
-            let r = if running.vcpu_finished(cpu) {
-                session.end_cpu(cpu)
-            } else {
-                session.poll(cpu)
-            };
-            let r = match r {
-                Err(_) if running.vcpu_finished(cpu) => session.end_cpu(cpu),
-                r => r,
-            };
-            if let Err(e) = r {
-                error.get_or_insert_with(|| format!("reading vcpu {cpu}: {e}"));
-                session.fail_cpu(cpu, &e);
-                running.stop();
-                if running.vcpu_finished(cpu) {
-                    let _ = session.end_cpu(cpu);
-                }
-            }
+        for (cpu, e) in session.service(|c| running.vcpu_finished(c)) {
+            error.get_or_insert_with(|| format!("reading vcpu {cpu}: {e}"));
+            running.stop();
         }
         if all_done && (0..nr).all(|c| !session.is_live(c)) {
             break;

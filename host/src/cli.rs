@@ -630,7 +630,6 @@ fn execute(a: &RunArgs, target: Target) -> i32 {
     let progress = matches!(target, Target::File(..)) && std::io::stderr().is_terminal();
     let mut stop_reason: Option<String> = None;
     let mut host_error = false;
-    let mut swaps_live = vec![0u64; nr as usize];
     let mut last_progress = Instant::now();
     loop {
         let all_done = running.wait_timeout(plan.poll);
@@ -648,35 +647,12 @@ fn execute(a: &RunArgs, target: Target) -> i32 {
                 running.stop();
             }
         }
-        for cpu in 0..nr {
-            if !session.is_live(cpu) {
-                continue;
-            }
-            let r = if running.vcpu_finished(cpu) {
-                session.end_cpu(cpu)
-            } else {
-                let r = session.poll(cpu);
-                swaps_live[cpu as usize] = session.stats(cpu).swaps;
-                r
-            };
-            // A mailbox request that timed out because the vCPU just stopped is no error:
-            // what it wrote is read by the final walk.
-            let r = match r {
-                Err(_) if running.vcpu_finished(cpu) => session.end_cpu(cpu),
-                r => r,
-            };
-            if let Err(e) = r {
-                eprintln!("hyptrace: error: reading vcpu {cpu}: {e}");
-                session.fail_cpu(cpu, &e);
-                host_error = true;
-                if stop_reason.is_none() {
-                    stop_reason = Some(format!("reading vcpu {cpu} failed"));
-                    running.stop();
-                }
-                if !running.vcpu_finished(cpu) {
-                    continue;
-                }
-                let _ = session.end_cpu(cpu);
+        for (cpu, e) in session.service(|c| running.vcpu_finished(c)) {
+            eprintln!("hyptrace: error: reading vcpu {cpu}: {e}");
+            host_error = true;
+            if stop_reason.is_none() {
+                stop_reason = Some(format!("reading vcpu {cpu} failed"));
+                running.stop();
             }
         }
         if let Err(e) = session.flush() {
@@ -722,8 +698,7 @@ fn execute(a: &RunArgs, target: Target) -> i32 {
                 Some(VcpuOutcome::Finished(st)) => (Some(st.attempted), Some(st.skipped)),
                 _ => (None, None),
             };
-            let mut stats = session.stats(cpu);
-            stats.swaps = swaps_live[cpu as usize].max(stats.swaps);
+            let stats = session.stats(cpu);
             CpuReport {
                 finished: session.writer_finished(cpu),
                 attempted,

@@ -4,11 +4,10 @@
 
 use std::collections::BTreeMap;
 use std::io::Write;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use hyptrace_abi::layout::{ctl, Layout, WRITER_FINISHED};
+use hyptrace_abi::layout::Layout;
 use hyptrace_abi::{RawMem, SharedMem};
 use hyptrace_output::{
     format_drop, format_guest_line, guest_printers, Clock, EventPrinter, Missed, PageSink,
@@ -247,11 +246,43 @@ impl Session {
         r
     }
 
-    /// Records an error for `cpu` and stops reading it live.
+    /// Records the first error seen on `cpu` (reported by [`Session::error`]).
     pub fn fail_cpu(&mut self, cpu: u32, e: &SessionError) {
         if let Some(st) = self.cpus.get_mut(cpu as usize) {
             st.error.get_or_insert_with(|| e.to_string());
         }
+    }
+
+    /// One round over the CPUs still read live: a CPU whose vCPU has stopped
+    /// (`vcpu_stopped`) gets the final read-only walk, the others a poll. A poll that
+    /// failed because its vCPU stopped meanwhile (a mailbox request it could no longer
+    /// answer) is no error: that CPU gets the final walk instead. Every other failure is
+    /// recorded ([`Session::fail_cpu`]), the CPU is walked anyway once its vCPU has
+    /// stopped, and the failures are returned for the caller to report.
+    pub fn service(&mut self, vcpu_stopped: impl Fn(u32) -> bool) -> Vec<(u32, SessionError)> {
+        let mut failed = Vec::new();
+        for cpu in 0..self.reader.nr_cpus() {
+            if !self.is_live(cpu) {
+                continue;
+            }
+            let r = if vcpu_stopped(cpu) {
+                self.end_cpu(cpu)
+            } else {
+                self.poll(cpu)
+            };
+            let r = match r {
+                Err(_) if vcpu_stopped(cpu) => self.end_cpu(cpu),
+                r => r,
+            };
+            if let Err(e) = r {
+                self.fail_cpu(cpu, &e);
+                if vcpu_stopped(cpu) {
+                    let _ = self.end_cpu(cpu);
+                }
+                failed.push((cpu, e));
+            }
+        }
+        failed
     }
 
     fn drain(&mut self, cpu: u32) -> Result<(), SessionError> {
@@ -350,11 +381,7 @@ impl Session {
     /// Whether the writer of `cpu` said it finished (rather than being stopped or
     /// crashing in the middle of a write).
     pub fn writer_finished(&self, cpu: u32) -> bool {
-        let l = self.reader.layout();
-        self.reader
-            .mem()
-            .load(l.ctl(cpu) + ctl::WRITER_STATE, Ordering::Acquire)
-            == WRITER_FINISHED
+        self.reader.writer_finished(cpu)
     }
 
     /// Events the writer of `cpu` took in (committed or dropped), from its control block.
@@ -364,17 +391,11 @@ impl Session {
     /// block one event behind its pages. Once such a CPU has been read to the end, the
     /// one committed event the reader found beyond `entries + dropped` counts as written.
     pub fn writer_index(&self, cpu: u32) -> u64 {
-        let l = self.reader.layout();
-        let m = self.reader.mem();
-        let c = l.ctl(cpu);
-        let index = m
-            .load(c + ctl::ENTRIES, Ordering::Acquire)
-            .wrapping_add(m.load(c + ctl::DROPPED, Ordering::Acquire));
-        let interrupted = m.load(c + ctl::WRITER_STATE, Ordering::Acquire) != WRITER_FINISHED;
-        if interrupted && !self.is_live(cpu) {
+        let index = self.reader.writer_index(cpu);
+        if !self.reader.writer_finished(cpu) && !self.is_live(cpu) {
             let st = self.reader.stats(cpu);
-            let seen = st.read.wrapping_add(st.lost);
-            if seen == index.wrapping_add(1) {
+            let seen = st.read.saturating_add(st.lost);
+            if seen == index.saturating_add(1) {
                 return seen;
             }
         }
