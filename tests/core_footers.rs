@@ -319,8 +319,11 @@ fn swap_and_account(
     let n = decode(m, l, r).len() as u64;
     let end = ft(m, l, r, footer::FIRST_INDEX) + n;
     let overrun_before = ld(m, c + ctl::OVERRUN);
-    let SwapStatus::Swapped { page } = via() else {
-        panic!("swap busy while the writer is not on the reader page");
+    let page = match via() {
+        SwapStatus::Swapped { page } => page,
+        // Lost every attempt to a writer pushing the head: nothing changed.
+        SwapStatus::Contended if concurrent => return false,
+        s => panic!("swap {s:?} while the writer is not on the reader page"),
     };
     assert_eq!(ld(m, c + ctl::READER_PAGE), u64::from(page));
     assert_ne!(page, r);

@@ -401,7 +401,8 @@ impl Callbacks for Timed {
             }
             Ok(_) if after => log.after_pending += 1,
             Ok(SwapStatus::Swapped { .. }) => log.swapped.push(dt),
-            Ok(SwapStatus::Busy) => log.busy.push(dt),
+            // Busy and contended swaps change nothing: timed as "nothing to swap".
+            Ok(SwapStatus::Busy | SwapStatus::Contended) => log.busy.push(dt),
             Err(_) => log.errors += 1,
         }
         r
@@ -899,7 +900,9 @@ fn swap_section(cfg: &Cfg, tsc: Tsc, swap: SwapArg) -> Result<Value, String> {
 /// acknowledgement (the same protocol as `Mailbox`, without its 30 µs give-up, so a
 /// round trip is timed even when the vCPU thread was descheduled). No exits either way.
 fn swap_pingpong(cfg: &Cfg, tsc: Tsc, swap: SwapArg) -> Result<Value, String> {
-    use hyptrace_abi::layout::{ctl, MBOX_OP_SWAP, MBOX_STATUS_BUSY, MBOX_STATUS_OK};
+    use hyptrace_abi::layout::{
+        ctl, MBOX_OP_SWAP, MBOX_STATUS_BUSY, MBOX_STATUS_CONTENDED, MBOX_STATUS_OK,
+    };
     let layout = ring_layout(1, DEFAULT_PAGES, PAGE_SIZE, ModeArg::Overwrite, swap)?;
     let trace = layout.region_size as u64;
     let vm = Vm::new(VmConfig {
@@ -943,16 +946,12 @@ fn swap_pingpong(cfg: &Cfg, tsc: Tsc, swap: SwapArg) -> Result<Value, String> {
         let status = match swap {
             SwapArg::Host => match reader.callbacks().swap_reader(0) {
                 Ok(SwapStatus::Swapped { .. }) => MBOX_STATUS_OK,
-                Ok(_) => MBOX_STATUS_BUSY,
-                // Transient (as `Session::poll` treats it): the overwriting writer kept
-                // pushing the head under every attempt.
-                Err(ReadError::Ring {
-                    err: hyptrace_writer::RingError::Retries | hyptrace_writer::RingError::NoHead,
-                    ..
-                }) => {
+                // The overwriting writer kept pushing the head under every attempt.
+                Ok(SwapStatus::Contended) => {
                     transient += 1;
                     continue;
                 }
+                Ok(_) => MBOX_STATUS_BUSY,
                 Err(e) => return Err(format!("swap: {e}")),
             },
             SwapArg::Guest => {
@@ -979,6 +978,7 @@ fn swap_pingpong(cfg: &Cfg, tsc: Tsc, swap: SwapArg) -> Result<Value, String> {
         match status {
             MBOX_STATUS_OK => swapped.push(tsc.ns(dt as f64)),
             MBOX_STATUS_BUSY => busy += 1,
+            MBOX_STATUS_CONTENDED => transient += 1,
             u64::MAX => {
                 timeouts += 1;
                 break;

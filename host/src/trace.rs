@@ -15,7 +15,6 @@ use hyptrace_output::{
 use hyptrace_reader::{
     Callbacks, CpuStats, Direct, Item, Mailbox, Merged, Merger, ReadError, RingBuffer,
 };
-use hyptrace_writer::RingError;
 
 use crate::vm::TraceRegion;
 
@@ -98,13 +97,7 @@ struct CpuRun {
     last_ts: u64,
     pending_lost: u64,
     error: Option<String>,
-    /// Consecutive polls whose swap failed transiently (see [`Session::poll`]).
-    transient: u32,
 }
-
-/// Consecutive polls of a CPU whose swap may fail transiently (retries exhausted, head
-/// search lapped) before the failure is reported as an error.
-const MAX_TRANSIENT_SWAP_FAILURES: u32 = 1000;
 
 /// Drains a VM's rings while it runs and after it stopped.
 pub struct Session {
@@ -196,25 +189,7 @@ impl Session {
             // The guest writer finished (mailbox mode): nothing more to ask it; the rest
             // is read by `end_cpu` once its vCPU has stopped.
             Err(SessionError::Read(ReadError::WriterStopped { .. })) => Ok(()),
-            // The swap lost every compare-exchange to the writer (an overwriting writer
-            // pushing the head, or a vCPU descheduled while it holds UPDATE on a shared
-            // host core), or the head search was lapped (the writer overwrote the whole
-            // ring while the reader thread was descheduled mid-walk). Nothing changed on
-            // the reader's side: try again next poll, up to a bound (a ring that stays
-            // like this is corrupt).
-            Err(SessionError::Read(ReadError::Ring {
-                err: RingError::Retries | RingError::NoHead,
-                ..
-            })) if self.cpus[cpu as usize].transient < MAX_TRANSIENT_SWAP_FAILURES => {
-                self.cpus[cpu as usize].transient += 1;
-                Ok(())
-            }
-            r => {
-                if r.is_ok() {
-                    self.cpus[cpu as usize].transient = 0;
-                }
-                r
-            }
+            r => r,
         }
     }
 

@@ -177,8 +177,11 @@ pub const MBOX_OP_UPDATE_FOOTERS: u64 = 2;
 pub const MBOX_STATUS_OK: u64 = 0;
 /// Mailbox status: nothing to swap (the writer is on the reader page).
 pub const MBOX_STATUS_BUSY: u64 = 1;
-/// Mailbox status: the operation failed (corrupt ring, retries exhausted, bad op).
+/// Mailbox status: the operation failed (corrupt ring, bad op).
 pub const MBOX_STATUS_ERROR: u64 = 2;
+/// Mailbox status: the swap lost every attempt to the writer moving the head; nothing
+/// changed, ask again (added in ABI 1.1; a 1.0 writer answered `MBOX_STATUS_ERROR`).
+pub const MBOX_STATUS_CONTENDED: u64 = 3;
 
 /// Footer field offsets (from the footer start, `page_size - FOOTER_SIZE` into the page).
 ///

@@ -9,8 +9,8 @@
 
 use crate::ReadError;
 use hyptrace_abi::layout::{
-    ctl, Layout, MBOX_OP_SWAP, MBOX_OP_UPDATE_FOOTERS, MBOX_STATUS_BUSY, MBOX_STATUS_OK,
-    WRITER_FINISHED,
+    ctl, Layout, MBOX_OP_SWAP, MBOX_OP_UPDATE_FOOTERS, MBOX_STATUS_BUSY, MBOX_STATUS_CONTENDED,
+    MBOX_STATUS_OK, WRITER_FINISHED,
 };
 use hyptrace_abi::SharedMem;
 use std::sync::atomic::AtomicU64;
@@ -30,6 +30,9 @@ pub enum SwapStatus {
     Busy,
     /// The request is in flight (mailbox): ask again later.
     Pending,
+    /// The swap lost every attempt to the writer moving the head (overwrite mode):
+    /// nothing changed, ask again later. A lost race, never an error.
+    Contended,
 }
 
 impl From<hyptrace_writer::SwapStatus> for SwapStatus {
@@ -37,6 +40,7 @@ impl From<hyptrace_writer::SwapStatus> for SwapStatus {
         match s {
             hyptrace_writer::SwapStatus::Swapped { page } => Self::Swapped { page },
             hyptrace_writer::SwapStatus::Busy => Self::Busy,
+            hyptrace_writer::SwapStatus::Contended => Self::Contended,
         }
     }
 }
@@ -221,6 +225,7 @@ impl<M: SharedMem> Callbacks for Mailbox<M> {
                 Ok(SwapStatus::Swapped { page: page as u32 })
             }
             Reply::Done(MBOX_STATUS_BUSY) => Ok(SwapStatus::Busy),
+            Reply::Done(MBOX_STATUS_CONTENDED) => Ok(SwapStatus::Contended),
             Reply::Done(s) => Err(ReadError::MailboxFailed { cpu, status: s }),
         }
     }

@@ -220,6 +220,8 @@ pub struct CpuStats {
     pub swaps: u64,
     /// Pages read (consumed).
     pub pages_read: u64,
+    /// Swaps that lost every attempt to a writer moving the head (retried later).
+    pub contended: u64,
 }
 
 /// A page handed out by [`RingBuffer::next_page`].
@@ -649,6 +651,11 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
         self.cpus[cpu as usize].swap_in_flight = status == SwapStatus::Pending;
         match status {
             SwapStatus::Busy | SwapStatus::Pending => Ok(false),
+            SwapStatus::Contended => {
+                let st = &mut self.cpus[cpu as usize];
+                st.stats.contended = st.stats.contended.saturating_add(1);
+                Ok(false)
+            }
             SwapStatus::Swapped { .. } => {
                 let page = valid_page(
                     &self.layout,

@@ -22,7 +22,7 @@ use core::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release, SeqCst};
 use hyptrace_abi::layout::{
     ctl, footer, link, Layout, LayoutError, Mode, CTL_MAGIC, FT_COMMIT, FT_HEAD, FT_READER,
     LINK_FLAGS, LINK_HEAD, LINK_UPDATE, MBOX_OP_SWAP, MBOX_OP_UPDATE_FOOTERS, MBOX_STATUS_BUSY,
-    MBOX_STATUS_ERROR, MBOX_STATUS_OK, WRITER_ACTIVE, WRITER_FINISHED,
+    MBOX_STATUS_CONTENDED, MBOX_STATUS_ERROR, MBOX_STATUS_OK, WRITER_ACTIVE, WRITER_FINISHED,
 };
 use hyptrace_abi::page::{self, COMMIT_OFFSET, PAGE_HEADER_SIZE, RB_MISSED_EVENTS};
 use hyptrace_abi::SharedMem;
@@ -59,6 +59,17 @@ pub enum SwapStatus {
     },
     /// The writer is on the reader page: there is nothing to swap yet.
     Busy,
+    /// The swap lost every attempt to the writer (an overwriting writer kept pushing the
+    /// head, or lapped the whole ring during the head search). Nothing changed on the
+    /// reader's side; try again later. A lost race is an outcome, never an error.
+    Contended,
+}
+
+impl SwapStatus {
+    /// Whether the swap moved a page to the reader.
+    pub const fn swapped(&self) -> bool {
+        matches!(self, Self::Swapped { .. })
+    }
 }
 
 /// Why a writer-domain operation failed: the shared ring is inconsistent (corrupt or
@@ -73,7 +84,8 @@ pub enum RingError {
     NoHead,
     /// A link carries flags it cannot carry here.
     BadLink(u64),
-    /// The head moved under every attempt.
+    /// The writer's tail move failed every attempt (a link that keeps changing under
+    /// the writer: only a corrupt ring does that; a swap changes a link at most once).
     Retries,
     /// The CPU number is out of range.
     BadCpu(u32),
@@ -88,7 +100,10 @@ impl core::fmt::Display for RingError {
             Self::BadPageId(id) => write!(f, "page id {id} outside this CPU's pages"),
             Self::NoHead => write!(f, "no head page found in the ring"),
             Self::BadLink(l) => write!(f, "unexpected link word {l:#x}"),
-            Self::Retries => write!(f, "head kept moving: swap retries exhausted"),
+            Self::Retries => write!(
+                f,
+                "tail move retries exhausted: the ring's links keep changing"
+            ),
             Self::BadCpu(c) => write!(f, "CPU {c} out of range"),
             Self::BadCount(n) => write!(f, "page event count {n} is more than a page holds"),
         }
@@ -524,6 +539,7 @@ impl<M: SharedMem> Writer<M> {
                 match swap_reader_page_hinted(&self.mem, &self.l, self.cpu, &mut self.swap_hint) {
                     Ok(SwapStatus::Swapped { .. }) => MBOX_STATUS_OK,
                     Ok(SwapStatus::Busy) => MBOX_STATUS_BUSY,
+                    Ok(SwapStatus::Contended) => MBOX_STATUS_CONTENDED,
                     Err(_) => MBOX_STATUS_ERROR,
                 }
             }
@@ -623,7 +639,9 @@ fn find_head<M: SharedMem + ?Sized>(
 ///    page's footer gets `overrun` (read before the exchange, as Linux does).
 ///
 /// Returns [`SwapStatus::Busy`] without touching anything when the writer is on the
-/// reader page (the page is not complete yet).
+/// reader page (the page is not complete yet), and [`SwapStatus::Contended`] when the
+/// writer moved the head under every attempt (nothing changed: try again later). An
+/// `Err` always means the ring is inconsistent.
 pub fn swap_reader_page<M: SharedMem + ?Sized>(
     mem: &M,
     l: &Layout,
@@ -735,7 +753,7 @@ pub fn swap_reader_page_hinted<M: SharedMem + ?Sized>(
         *hint = SwapHint(Some(reader));
         return Ok(SwapStatus::Swapped { page: head });
     }
-    Err(RingError::Retries)
+    Ok(SwapStatus::Contended)
 }
 
 /// Copies the writer's counters (entries, pages_touched, overrun, dropped) into the
