@@ -140,6 +140,13 @@ pub struct RunSummary {
 pub trait PageSink {
     /// One page of CPU `cpu`.
     fn page(&mut self, cpu: u32, page: &[u8], missed: Option<u64>) -> Result<(), OutputError>;
+    /// `lost` (> 0) events of CPU `cpu` were lost after its last page (stop mode: the
+    /// ring was full when the writer stopped). Called at most once per CPU, after its
+    /// last `page`. Each sink shows the loss in its format.
+    fn trailing_lost(&mut self, cpu: u32, lost: u64) -> Result<(), OutputError> {
+        let _ = (cpu, lost);
+        Ok(())
+    }
     /// End of the run: write what is left and close. A sink dropped without `finish`
     /// leaves no output that looks complete.
     fn finish(self: Box<Self>, summary: &RunSummary) -> Result<(), OutputError>;
