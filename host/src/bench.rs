@@ -578,10 +578,11 @@ fn vm_run(spec: &VmSpec) -> Result<VmOut, String> {
     };
     for cpu in 0..nr {
         let st = session.stats(cpu);
-        out.written += session.writer_index(cpu);
-        out.read += st.read;
-        out.lost += st.lost;
-        out.bytes += st.bytes;
+        // Guest numbers: saturate.
+        out.written = out.written.saturating_add(session.writer_index(cpu));
+        out.read = out.read.saturating_add(st.read);
+        out.lost = out.lost.saturating_add(st.lost);
+        out.bytes = out.bytes.saturating_add(st.bytes);
     }
     let summary = RunSummary { cpus: Vec::new() };
     if let Err(e) = session.finish(&summary) {

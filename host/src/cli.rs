@@ -487,9 +487,10 @@ impl CpuReport {
         // writer's own overrun counter can be one page ahead of it when the vCPU was
         // stopped in the middle of overwriting a page: the page was counted but not yet
         // overwritten, and was read. Compared only for writers that finished.
+        // Guest numbers: sums that overflow match nothing.
         self.error.is_none()
-            && self.written == s.read + s.lost
-            && (!self.finished || s.lost == s.overrun + s.dropped)
+            && s.read.checked_add(s.lost) == Some(self.written)
+            && (!self.finished || s.overrun.checked_add(s.dropped) == Some(s.lost))
             && match (self.attempted, self.skipped) {
                 (Some(a), Some(k)) => a.checked_sub(k) == Some(self.written),
                 _ => true,
@@ -632,7 +633,13 @@ fn execute(a: &RunArgs, target: Target) -> i32 {
     let mut host_error = false;
     let mut last_progress = Instant::now();
     loop {
-        let all_done = running.wait_timeout(plan.poll);
+        // A round that stopped at its bound left data behind: come back at once.
+        let wait = if session.backlog() {
+            Duration::ZERO
+        } else {
+            plan.poll
+        };
+        let all_done = running.wait_timeout(wait);
         if stop_reason.is_none() {
             stop_reason = if term.load(Ordering::SeqCst) {
                 Some("interrupted".into())
@@ -665,8 +672,8 @@ fn execute(a: &RunArgs, target: Target) -> i32 {
         }
         if progress && last_progress.elapsed() >= Duration::from_millis(500) {
             last_progress = Instant::now();
-            let read: u64 = (0..nr).map(|c| session.stats(c).read).sum();
-            let lost: u64 = (0..nr).map(|c| session.stats(c).lost).sum();
+            let read = sat_sum((0..nr).map(|c| session.stats(c).read));
+            let lost = sat_sum((0..nr).map(|c| session.stats(c).lost));
             eprint!("\rhyptrace: recording: {read} events read, {lost} lost ");
         }
         if all_done && (0..nr).all(|c| !session.is_live(c)) {
@@ -713,7 +720,9 @@ fn execute(a: &RunArgs, target: Target) -> i32 {
         cpus: reports
             .iter()
             .map(|r| hyptrace_output::CpuStats {
-                entries: r.written.saturating_sub(r.stats.read + r.stats.lost),
+                entries: r
+                    .written
+                    .saturating_sub(r.stats.read.saturating_add(r.stats.lost)),
                 overrun: r.stats.overrun,
                 commit_overrun: 0,
                 bytes: r.stats.bytes,
@@ -838,11 +847,12 @@ fn summary(
             );
         }
     }
-    let read: u64 = reports.iter().map(|r| r.stats.read).sum();
-    let lost: u64 = reports.iter().map(|r| r.stats.lost).sum();
-    let written: u64 = reports.iter().map(|r| r.written).sum();
+    // Totals of guest numbers saturate (a hostile guest's counters can be anything).
+    let read = sat_sum(reports.iter().map(|r| r.stats.read));
+    let lost = sat_sum(reports.iter().map(|r| r.stats.lost));
+    let written = sat_sum(reports.iter().map(|r| r.written));
     let secs = wall.as_secs_f64();
-    let mb = reports.iter().map(|r| r.stats.bytes).sum::<u64>() as f64 / 1e6;
+    let mb = sat_sum(reports.iter().map(|r| r.stats.bytes)) as f64 / 1e6;
     let _ = writeln!(
         s,
         "hyptrace: {} vCPUs: written {written} = read {read} + lost {lost}; {secs:.3} s, {mb:.1} MB of events ({:.1} MB/s){}",
@@ -854,6 +864,11 @@ fn summary(
         }
     );
     s
+}
+
+/// The sum of `v`, saturating at `u64::MAX`.
+fn sat_sum(v: impl IntoIterator<Item = u64>) -> u64 {
+    v.into_iter().fold(0, u64::saturating_add)
 }
 
 fn stats_json(

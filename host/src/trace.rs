@@ -74,6 +74,18 @@ pub fn alloc_reader(
     RingBuffer::alloc(mem, layout, cb, tsc_khz, generation)
 }
 
+/// Most events one drain round reads from one CPU (text output).
+pub const ROUND_MAX_EVENTS: usize = 1 << 16;
+/// Most page bytes one drain round hands to the sink from one CPU (page output).
+pub const ROUND_MAX_BYTES: usize = 4 << 20;
+/// Longest one drain round of one CPU goes on (checked every few items).
+pub const ROUND_MAX_TIME: Duration = Duration::from_millis(20);
+/// Most events the text merger holds back (all CPUs). Past it, the oldest are printed
+/// ahead of the CPU that holds them back, after a marker line, down to half of it.
+pub const MERGE_MAX_EVENTS: usize = 1 << 18;
+/// Most payload bytes the text merger holds back (all CPUs); as [`MERGE_MAX_EVENTS`].
+pub const MERGE_MAX_BYTES: usize = 16 << 20;
+
 /// Where the events go.
 pub enum Output {
     /// Text lines (`trace-cmd report -t` format), merged across CPUs by time.
@@ -90,18 +102,42 @@ pub enum Output {
     Pages(Box<dyn PageSink>),
 }
 
+impl Output {
+    /// Text output to `out`, merging `nr_cpus` CPUs.
+    pub fn text(out: Box<dyn Write>, nr_cpus: u32) -> Self {
+        Output::Text {
+            out,
+            merger: Merger::new(nr_cpus as usize),
+            payloads: vec![Default::default(); nr_cpus as usize],
+        }
+    }
+}
+
 /// Per-CPU state of a session.
 #[derive(Debug, Default, Clone)]
 struct CpuRun {
-    live: bool,
+    /// The final walk has run (or was attempted): nothing more is read.
+    ended: bool,
+    /// A live read failed: no more polls; the final walk runs once its vCPU stopped.
+    failed: bool,
+    /// The last drain round stopped at its bound: more may be committed.
+    more: bool,
     last_ts: u64,
     pending_lost: u64,
     error: Option<String>,
 }
 
 /// Drains a VM's rings while it runs and after it stopped.
-pub struct Session {
-    reader: Reader,
+///
+/// Generic over the reader's memory and callbacks so that it runs over a heap region
+/// in tests; the VMM uses the defaults (guest memory, `Direct`/`Mailbox`).
+///
+/// Bounds (every one independent of what the guest does): a drain round reads at most
+/// [`ROUND_MAX_EVENTS`] events or [`ROUND_MAX_BYTES`] of pages of one CPU and lasts at
+/// most about [`ROUND_MAX_TIME`]; the text merger holds at most [`MERGE_MAX_EVENTS`]
+/// events and [`MERGE_MAX_BYTES`] payload bytes (plus the one event being queued).
+pub struct Session<M = Arc<GuestTraceMem>, C = Box<dyn Callbacks + Send>> {
+    reader: RingBuffer<M, C>,
     output: Output,
     cpus: Vec<CpuRun>,
     clock: Clock,
@@ -109,6 +145,12 @@ pub struct Session {
     cmdlines: BTreeMap<i32, String>,
     line: String,
     lines: u64,
+    /// Payload bytes queued in the text merger.
+    queued_bytes: usize,
+    /// Times the merger's cap forced events out ahead of a held-back CPU.
+    merge_overflows: u64,
+    /// The first output error (reported once; later output is discarded).
+    output_error: Option<String>,
 }
 
 /// What went wrong while draining a CPU.
@@ -122,9 +164,9 @@ pub enum SessionError {
     Output(String),
 }
 
-impl Session {
+impl<M: SharedMem, C: Callbacks> Session<M, C> {
     /// A session over `reader` writing to `output`; timestamps convert with `clock`.
-    pub fn new(reader: Reader, output: Output, clock: Clock) -> Self {
+    pub fn new(reader: RingBuffer<M, C>, output: Output, clock: Clock) -> Self {
         let n = reader.nr_cpus();
         let cmdlines = (0..n)
             .map(|c| (hyptrace_abi::events::vcpu_pid(c), format!("vcpu{c}")))
@@ -132,34 +174,31 @@ impl Session {
         Self {
             reader,
             output,
-            cpus: vec![
-                CpuRun {
-                    live: true,
-                    ..CpuRun::default()
-                };
-                n as usize
-            ],
+            cpus: vec![CpuRun::default(); n as usize],
             clock,
             printers: guest_printers(),
             cmdlines,
             line: String::new(),
             lines: 0,
+            queued_bytes: 0,
+            merge_overflows: 0,
+            output_error: None,
         }
     }
 
     /// The reader.
-    pub fn reader(&self) -> &Reader {
+    pub fn reader(&self) -> &RingBuffer<M, C> {
         &self.reader
     }
 
-    /// Text lines printed so far (events and drop markers).
+    /// Text lines printed so far (events, drop markers and merge-window markers).
     pub fn lines(&self) -> u64 {
         self.lines
     }
 
-    /// Whether `cpu` is still being read live.
+    /// Whether `cpu` still has to be read (its final walk has not run yet).
     pub fn is_live(&self, cpu: u32) -> bool {
-        self.cpus.get(cpu as usize).is_some_and(|c| c.live)
+        self.cpus.get(cpu as usize).is_some_and(|c| !c.ended)
     }
 
     /// The first error seen on `cpu`, if any.
@@ -167,15 +206,36 @@ impl Session {
         self.cpus.get(cpu as usize).and_then(|c| c.error.as_deref())
     }
 
-    /// One poll of a live CPU: poke (update_footers), then drain what is committed,
-    /// swapping pages away from the writer.
+    /// Whether the last round over a CPU stopped at its bound with more to read: the
+    /// caller should come back without waiting.
+    pub fn backlog(&self) -> bool {
+        self.cpus.iter().any(|c| !c.ended && !c.failed && c.more)
+    }
+
+    /// Events (and loss markers) the text merger holds back now, and their payload bytes.
+    pub fn queued(&self) -> (usize, usize) {
+        match &self.output {
+            Output::Text { merger, .. } => (merger.pending(), self.queued_bytes),
+            Output::Pages(_) => (0, 0),
+        }
+    }
+
+    /// Times the text merger's cap released events ahead of a CPU that held them back.
+    pub fn merge_overflows(&self) -> u64 {
+        self.merge_overflows
+    }
+
+    /// One poll of a live CPU: one bounded drain round (swapping pages away from the
+    /// writer), then a poke (update_footers).
     pub fn poll(&mut self, cpu: u32) -> Result<(), SessionError> {
-        if !self.is_live(cpu) {
-            return Ok(());
+        match self.cpus.get(cpu as usize) {
+            Some(st) if !st.ended && !st.failed => {}
+            _ => return Ok(()),
         }
         // Drain first (swaps), then poke: with the mailbox, one request is in flight
         // per CPU at a time, and a page swap matters more than refreshed stats.
-        let r = self.drain(cpu).and_then(|()| {
+        let r = self.drain(cpu).and_then(|more| {
+            self.cpus[cpu as usize].more = more;
             if self.reader.request_in_flight(cpu) {
                 Ok(())
             } else {
@@ -188,37 +248,66 @@ impl Session {
         match r {
             // The guest writer finished (mailbox mode): nothing more to ask it; the rest
             // is read by `end_cpu` once its vCPU has stopped.
-            Err(SessionError::Read(ReadError::WriterStopped { .. })) => Ok(()),
+            Err(SessionError::Read(ReadError::WriterStopped { .. })) => {
+                self.cpus[cpu as usize].more = false;
+                Ok(())
+            }
             r => r,
         }
     }
 
     /// The writer of `cpu` has stopped (finished, crashed or stopped): switch to the
-    /// read-only walk of what is left and read it all. Never swaps.
+    /// read-only walk of what is left and read it all (in bounded rounds, printing
+    /// between them). Never swaps. Runs once per CPU: later calls return `Ok`. Whatever
+    /// fails, the CPU is marked finished in the merger afterwards, so one CPU's failure
+    /// never holds back the other CPUs' output; the error is recorded
+    /// ([`Session::error`]) and returned.
     pub fn end_cpu(&mut self, cpu: u32) -> Result<(), SessionError> {
         let Some(st) = self.cpus.get_mut(cpu as usize) else {
             return Ok(());
         };
-        if !st.live {
+        if st.ended {
             return Ok(());
         }
-        st.live = false;
-        self.reader.sync_writer_counters(cpu)?;
-        self.reader.finalize(cpu)?;
-        let r = self.drain(cpu);
+        st.ended = true;
+        st.more = false;
+        let mut r = self.final_walk(cpu);
         let trailing = self.reader.take_trailing_loss(cpu);
         let st = &mut self.cpus[cpu as usize];
-        st.pending_lost += trailing;
-        if st.pending_lost > 0 {
-            let (n, ts) = (std::mem::take(&mut st.pending_lost), st.last_ts);
-            if let Output::Text { merger, .. } = &mut self.output {
-                merger.push(cpu as usize, ts, Merged::Lost(n));
+        let lost = std::mem::take(&mut st.pending_lost).saturating_add(trailing);
+        let ts = st.last_ts;
+        match &mut self.output {
+            Output::Text { merger, .. } => {
+                if lost > 0 {
+                    merger.push(cpu as usize, ts, Merged::Lost(lost));
+                }
+                merger.finish(cpu as usize);
+            }
+            Output::Pages(sink) => {
+                if lost > 0 {
+                    if let Err(e) = sink.trailing_lost(cpu, lost) {
+                        r = r.and(Err(SessionError::Output(e.to_string())));
+                    }
+                }
             }
         }
-        if let Output::Text { merger, .. } = &mut self.output {
-            merger.finish(cpu as usize);
+        if let Err(e) = &r {
+            self.fail_cpu(cpu, e);
         }
         r
+    }
+
+    fn final_walk(&mut self, cpu: u32) -> Result<(), SessionError> {
+        self.reader.sync_writer_counters(cpu)?;
+        self.reader.finalize(cpu)?;
+        // Bounded: the walk covers the pages left in the ring, each round consumes at
+        // least one item of them or ends the walk.
+        while self.drain(cpu)? {
+            // Print between rounds (the merger's cap bounds what waits); an output
+            // error is kept and reported by the caller's own flush.
+            let _ = self.flush();
+        }
+        Ok(())
     }
 
     /// Records the first error seen on `cpu` (reported by [`Session::error`]).
@@ -228,47 +317,69 @@ impl Session {
         }
     }
 
-    /// One round over the CPUs still read live: a CPU whose vCPU has stopped
-    /// (`vcpu_stopped`) gets the final read-only walk, the others a poll. A poll that
-    /// failed because its vCPU stopped meanwhile (a mailbox request it could no longer
-    /// answer) is no error: that CPU gets the final walk instead. Every other failure is
-    /// recorded ([`Session::fail_cpu`]), the CPU is walked anyway once its vCPU has
-    /// stopped, and the failures are returned for the caller to report.
+    /// One round over the CPUs not yet ended: a CPU whose vCPU has stopped
+    /// (`vcpu_stopped`) gets the final read-only walk, the others one bounded poll. A
+    /// mailbox request that timed out because its vCPU stopped meanwhile is no error:
+    /// that CPU gets the final walk instead. A CPU whose live read failed is not polled
+    /// again; it is walked once its vCPU has stopped. Returns each CPU's first failure
+    /// once (later failures of the same CPU are recorded nowhere else), for the caller
+    /// to report.
     pub fn service(&mut self, vcpu_stopped: impl Fn(u32) -> bool) -> Vec<(u32, SessionError)> {
         let mut failed = Vec::new();
         for cpu in 0..self.reader.nr_cpus() {
-            if !self.is_live(cpu) {
+            let st = &self.cpus[cpu as usize];
+            if st.ended {
                 continue;
             }
+            let had_error = st.error.is_some();
             let r = if vcpu_stopped(cpu) {
                 self.end_cpu(cpu)
+            } else if st.failed {
+                continue;
             } else {
-                self.poll(cpu)
-            };
-            let r = match r {
-                Err(_) if vcpu_stopped(cpu) => self.end_cpu(cpu),
-                r => r,
+                match self.poll(cpu) {
+                    Err(SessionError::Read(ReadError::MailboxTimeout { .. }))
+                        if vcpu_stopped(cpu) =>
+                    {
+                        self.end_cpu(cpu)
+                    }
+                    Err(e) => {
+                        self.cpus[cpu as usize].failed = true;
+                        self.fail_cpu(cpu, &e);
+                        Err(e)
+                    }
+                    Ok(()) => Ok(()),
+                }
             };
             if let Err(e) = r {
-                self.fail_cpu(cpu, &e);
-                if vcpu_stopped(cpu) {
-                    let _ = self.end_cpu(cpu);
+                if !had_error {
+                    failed.push((cpu, e));
                 }
-                failed.push((cpu, e));
             }
         }
         failed
     }
 
-    fn drain(&mut self, cpu: u32) -> Result<(), SessionError> {
+    /// One bounded round of reading `cpu` into the output: returns whether it stopped
+    /// at a bound (more may be there) rather than because nothing more is committed.
+    fn drain(&mut self, cpu: u32) -> Result<bool, SessionError> {
+        let started = std::time::Instant::now();
         match &mut self.output {
             Output::Text {
                 merger, payloads, ..
             } => {
                 let st = &mut self.cpus[cpu as usize];
                 let fifo = &mut payloads[cpu as usize];
-                // Bounded: every item consumes committed bytes or a page.
-                while let Some(item) = self.reader.next_event(cpu)? {
+                for n in 0..ROUND_MAX_EVENTS {
+                    if merger.pending() >= MERGE_MAX_EVENTS
+                        || self.queued_bytes >= MERGE_MAX_BYTES
+                        || (n % 256 == 255 && started.elapsed() >= ROUND_MAX_TIME)
+                    {
+                        return Ok(true);
+                    }
+                    let Some(item) = self.reader.next_event(cpu)? else {
+                        return Ok(false);
+                    };
                     match item {
                         Item::Event { ts, payload } => {
                             if st.pending_lost > 0 {
@@ -280,25 +391,39 @@ impl Session {
                             }
                             st.last_ts = ts;
                             fifo.extend(payload);
+                            self.queued_bytes = self.queued_bytes.saturating_add(payload.len());
                             merger.push(cpu as usize, ts, Merged::Event(payload.len()));
                         }
-                        Item::Lost(n) => st.pending_lost += n,
+                        Item::Lost(n) => st.pending_lost = st.pending_lost.saturating_add(n),
                     }
                 }
-                Ok(())
+                Ok(true)
             }
             Output::Pages(sink) => {
-                while let Some(page) = self.reader.next_page(cpu)? {
+                let mut bytes = 0usize;
+                while bytes < ROUND_MAX_BYTES {
+                    if bytes > 0 && started.elapsed() >= ROUND_MAX_TIME {
+                        return Ok(true);
+                    }
+                    let Some(page) = self.reader.next_page(cpu)? else {
+                        return Ok(false);
+                    };
+                    bytes = bytes.saturating_add(page.bytes.len().max(1));
                     let missed = (page.missed > 0).then_some(page.missed);
                     sink.page(cpu, page.bytes, missed)
                         .map_err(|e| SessionError::Output(e.to_string()))?;
                 }
-                Ok(())
+                Ok(true)
             }
         }
     }
 
-    /// Prints the merged events that are ready (all of them once every CPU ended).
+    /// Prints the merged events that are ready (all of them once every CPU ended). If
+    /// the merger holds more than its cap ([`MERGE_MAX_EVENTS`], [`MERGE_MAX_BYTES`]) —
+    /// a CPU that neither writes nor ends holds the others back — it prints a marker
+    /// line naming that CPU and the oldest events down to half the cap: order across
+    /// CPUs is no longer exact from there. Returns the first output error once; after
+    /// it, lines are discarded.
     pub fn flush(&mut self) -> Result<(), SessionError> {
         let Output::Text {
             out,
@@ -308,42 +433,39 @@ impl Session {
         else {
             return Ok(());
         };
-        let mut payload = Vec::new();
-        let (clock, printers, cmdlines, line, lines) = (
-            &self.clock,
-            &self.printers,
-            &self.cmdlines,
-            &mut self.line,
-            &mut self.lines,
-        );
-        let mut err = None;
-        merger.pop_ready(|cpu, ts, item| {
-            line.clear();
-            match item {
-                Merged::Event(len) => {
-                    payload.clear();
-                    payload.extend(payloads[cpu].drain(..len));
-                    format_guest_line(
-                        line,
-                        printers,
-                        cmdlines,
-                        cpu as u32,
-                        clock.to_ns(ts),
-                        &payload,
-                    )
-                }
-                Merged::Lost(n) => format_drop(line, cpu as u32, Missed::Count(n)),
-            }
-            line.push('\n');
-            *lines += 1;
-            if err.is_none() {
-                if let Err(e) = out.write_all(line.as_bytes()) {
-                    err = Some(e);
-                }
-            }
-        });
-        if let Some(e) = err {
-            return Err(SessionError::Output(e.to_string()));
+        let mut p = LinePrinter {
+            out: out.as_mut(),
+            payloads,
+            clock: &self.clock,
+            printers: &self.printers,
+            cmdlines: &self.cmdlines,
+            line: &mut self.line,
+            lines: &mut self.lines,
+            queued: &mut self.queued_bytes,
+            discard: self.output_error.is_some(),
+            err: None,
+            payload: Vec::new(),
+        };
+        merger.pop_ready(|cpu, ts, item| p.item(cpu, ts, item));
+        let mut held = merger.pending();
+        if held > MERGE_MAX_EVENTS || *p.queued > MERGE_MAX_BYTES {
+            self.merge_overflows = self.merge_overflows.saturating_add(1);
+            let who = merger
+                .lagging()
+                .map_or_else(|| "a CPU".to_string(), |c| format!("cpu {c}"));
+            p.raw(&format!(
+                "hyptrace: merge window exceeded: {held} events wait for {who}; printing the oldest ahead of it (order across CPUs is not exact from here)\n"
+            ));
+            merger.pop_oldest(|cpu, ts, item| {
+                p.item(cpu, ts, item);
+                held = held.saturating_sub(1);
+                held > MERGE_MAX_EVENTS / 2 || *p.queued > MERGE_MAX_BYTES / 2
+            });
+        }
+        if let Some(e) = p.err.take() {
+            let msg = e.to_string();
+            self.output_error = Some(msg.clone());
+            return Err(SessionError::Output(msg));
         }
         Ok(())
     }
@@ -381,13 +503,70 @@ impl Session {
     pub fn finish(self, summary: &hyptrace_output::RunSummary) -> Result<u64, SessionError> {
         match self.output {
             Output::Text { mut out, .. } => {
-                out.flush()
-                    .map_err(|e| SessionError::Output(e.to_string()))?;
+                // After a reported output error, the same error again is no news.
+                if let Err(e) = out.flush() {
+                    if self.output_error.is_none() {
+                        return Err(SessionError::Output(e.to_string()));
+                    }
+                }
             }
             Output::Pages(sink) => sink
                 .finish(summary)
                 .map_err(|e| SessionError::Output(e.to_string()))?,
         }
         Ok(self.lines)
+    }
+}
+
+/// Formats and writes the text lines of one [`Session::flush`].
+struct LinePrinter<'a> {
+    out: &'a mut dyn Write,
+    payloads: &'a mut [std::collections::VecDeque<u8>],
+    clock: &'a Clock,
+    printers: &'a BTreeMap<u16, EventPrinter>,
+    cmdlines: &'a BTreeMap<i32, String>,
+    line: &'a mut String,
+    lines: &'a mut u64,
+    queued: &'a mut usize,
+    /// An earlier flush failed: count lines, write nothing.
+    discard: bool,
+    err: Option<std::io::Error>,
+    payload: Vec<u8>,
+}
+
+impl LinePrinter<'_> {
+    fn item(&mut self, cpu: usize, ts: u64, item: Merged<usize>) {
+        self.line.clear();
+        match item {
+            Merged::Event(len) => {
+                let fifo = &mut self.payloads[cpu];
+                let len = len.min(fifo.len());
+                self.payload.clear();
+                self.payload.extend(fifo.drain(..len));
+                *self.queued = self.queued.saturating_sub(len);
+                format_guest_line(
+                    self.line,
+                    self.printers,
+                    self.cmdlines,
+                    cpu as u32,
+                    self.clock.to_ns(ts),
+                    &self.payload,
+                )
+            }
+            Merged::Lost(n) => format_drop(self.line, cpu as u32, Missed::Count(n)),
+        }
+        self.line.push('\n');
+        let line = std::mem::take(self.line);
+        self.raw(&line);
+        *self.line = line;
+    }
+
+    fn raw(&mut self, text: &str) {
+        *self.lines += 1;
+        if !self.discard && self.err.is_none() {
+            if let Err(e) = self.out.write_all(text.as_bytes()) {
+                self.err = Some(e);
+            }
+        }
     }
 }

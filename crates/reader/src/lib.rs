@@ -861,7 +861,9 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
             return 0;
         }
         st.trailing_done = true;
-        let n = total.saturating_sub(st.expected) + std::mem::take(&mut st.pending_lost);
+        let n = total
+            .saturating_sub(st.expected)
+            .saturating_add(std::mem::take(&mut st.pending_lost));
         st.expected = st.expected.max(total);
         st.stats.lost = st.stats.lost.saturating_add(n);
         n

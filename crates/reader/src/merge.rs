@@ -4,7 +4,9 @@
 //! time t, no later event of c is older than t. An event is released when its time is
 //! at or below the *watermark*: the smallest last-seen time over the CPUs that are not
 //! finished. The output is therefore exactly ordered (ties: lower CPU first) while the
-//! run goes on; events wait only while some CPU is silent and not finished.
+//! run goes on; events wait only while some CPU is silent and not finished. A caller
+//! that must bound its memory releases the oldest events ahead of the watermark with
+//! [`Merger::pop_oldest`] (the host does so past a fixed cap, with a marker line).
 
 use std::collections::{BinaryHeap, VecDeque};
 
@@ -104,6 +106,51 @@ impl<T> Merger<T> {
         }
     }
 
+    /// The CPU holding the watermark back: the first CPU not finished that has
+    /// delivered nothing yet, else the one with the smallest last time. `None` when
+    /// every CPU is finished.
+    pub fn lagging(&self) -> Option<usize> {
+        let mut best: Option<(u64, usize)> = None;
+        for (i, c) in self.cpus.iter().enumerate() {
+            if c.done {
+                continue;
+            }
+            if !c.seen {
+                return Some(i);
+            }
+            if best.is_none_or(|(t, _)| c.last < t) {
+                best = Some((c.last, i));
+            }
+        }
+        best.map(|(_, i)| i)
+    }
+
+    /// Releases queued events oldest first **regardless of the watermark**, while `out`
+    /// returns true (the event it is given is released either way). For a caller that
+    /// bounds its memory: a CPU that neither delivers nor finishes would otherwise hold
+    /// every other CPU's events back without limit. Events the held-back CPU delivers
+    /// later may be older than some released here (the caller says so in its output).
+    pub fn pop_oldest(&mut self, mut out: impl FnMut(usize, u64, Merged<T>) -> bool) {
+        let mut heap: BinaryHeap<std::cmp::Reverse<(u64, usize)>> = BinaryHeap::new();
+        for (i, c) in self.cpus.iter().enumerate() {
+            if let Some(&(ts, _)) = c.queue.front() {
+                heap.push(std::cmp::Reverse((ts, i)));
+            }
+        }
+        while let Some(std::cmp::Reverse((_, i))) = heap.pop() {
+            let c = &mut self.cpus[i];
+            let Some((ts, item)) = c.queue.pop_front() else {
+                continue;
+            };
+            if let Some(&(next, _)) = c.queue.front() {
+                heap.push(std::cmp::Reverse((next, i)));
+            }
+            if !out(i, ts, item) {
+                return;
+            }
+        }
+    }
+
     /// Releases everything queued, in order (at the end of a run).
     pub fn drain(&mut self, out: impl FnMut(usize, u64, Merged<T>)) {
         for c in &mut self.cpus {
@@ -135,6 +182,29 @@ mod tests {
         m.pop_ready(|c, t, e| out.push((c, t, e)));
         assert_eq!(out.last(), Some(&(0, 30, Merged::Event("c"))));
         assert_eq!(m.pending(), 0);
+    }
+
+    #[test]
+    fn pop_oldest_ignores_the_watermark_and_stops_when_told() {
+        let mut m = Merger::new(3);
+        for t in [10, 20, 30] {
+            m.push(0, t, Merged::Event(t));
+        }
+        m.push(2, 15, Merged::Event(15));
+        assert_eq!(m.lagging(), Some(1), "cpu 1 never delivered");
+        let mut out = vec![];
+        m.pop_ready(|_, t, _| out.push(t));
+        assert!(out.is_empty());
+        m.pop_oldest(|_, t, _| {
+            out.push(t);
+            out.len() < 3
+        });
+        assert_eq!(out, vec![10, 15, 20]);
+        assert_eq!(m.pending(), 1);
+        m.push(1, 5, Merged::Event(5));
+        assert_eq!(m.lagging(), Some(1));
+        m.finish(1);
+        assert_eq!(m.lagging(), Some(2));
     }
 
     #[test]
