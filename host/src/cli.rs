@@ -961,6 +961,49 @@ mod tests {
         assert!(p.cfg.mem_bytes >= p.cfg.trace_region_bytes);
     }
 
+    /// Issue 8 defect 4: guest counters at the top of u64 made the summary's sums
+    /// overflow (a panic in debug builds, wrapped garbage in release builds).
+    #[test]
+    fn summary_of_hostile_counters_saturates() {
+        let hostile = hyptrace_reader::CpuStats {
+            written: u64::MAX,
+            read: 3,
+            overrun: u64::MAX,
+            dropped: u64::MAX,
+            lost: u64::MAX - 3,
+            pages_touched: u64::MAX,
+            bytes: u64::MAX,
+            ..Default::default()
+        };
+        let report = CpuReport {
+            finished: true,
+            attempted: Some(u64::MAX),
+            skipped: Some(u64::MAX),
+            written: u64::MAX,
+            stats: hostile,
+            error: None,
+        };
+        // read + lost == written per CPU, but overrun + dropped overflows.
+        assert!(!report.consistent());
+        let reports = vec![report.clone(), report];
+        let outcomes = vec![VcpuOutcome::Stopped, VcpuOutcome::Stopped];
+        let text = summary(
+            &outcomes,
+            &reports,
+            1_000_000,
+            0,
+            None,
+            Duration::from_secs(1),
+            0,
+            &Target::Stdout,
+        );
+        let m = u64::MAX;
+        assert!(
+            text.contains(&format!("written {m} = read 6 + lost {m}")),
+            "{text}"
+        );
+    }
+
     #[test]
     fn rejects_bad_input() {
         for bad in [

@@ -448,7 +448,7 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
         };
         merger.pop_ready(|cpu, ts, item| p.item(cpu, ts, item));
         let mut held = merger.pending();
-        if held > MERGE_MAX_EVENTS || *p.queued > MERGE_MAX_BYTES {
+        if held >= MERGE_MAX_EVENTS || *p.queued >= MERGE_MAX_BYTES {
             self.merge_overflows = self.merge_overflows.saturating_add(1);
             let who = merger
                 .lagging()
