@@ -20,7 +20,10 @@ pub use export::{
 pub use format::{guest_formats, EventFormat, Field};
 pub use sink::{CpuStats, PageSink, RunSummary, TraceMeta};
 pub use sinks::{JsonSink, RawSink, RawTrace, TextSink, JSON_PID, RAW_MAGIC};
-pub use text::{format_drop, format_event, format_guest_line, guest_printers, EventPrinter};
+pub use text::{
+    escape_guest_bytes, escape_guest_str, escaped_guest_bytes, format_drop, format_event,
+    format_guest_line, guest_printers, EventPrinter,
+};
 pub use tracedat::{
     write_trace_dat, TraceDatSink, TraceDatVersion, TraceFile, TraceItem, TraceRecord,
 };
