@@ -17,7 +17,9 @@ pub use export::{
     check_page_size, commit_len, export_page, export_page_into, page_missed, Missed, MAX_PAGE_SIZE,
     MIN_PAGE_SIZE,
 };
-pub use format::{guest_formats, EventFormat, Field};
+pub use format::{
+    guest_formats, trailing_lost_format, EventFormat, Field, HYPTRACE_SYSTEM, TRAILING_LOST_NAME,
+};
 pub use sink::{CpuStats, PageSink, RunSummary, TraceMeta};
 pub use sinks::{JsonSink, RawSink, RawTrace, TextSink, JSON_PID, RAW_MAGIC};
 pub use text::{

@@ -277,6 +277,27 @@ impl PageSink for TextSink {
         self.release(false)
     }
 
+    /// A `CPU:N [lost EVENTS DROPPED]` line after the CPU's last event.
+    fn trailing_lost(&mut self, cpu: u32, lost: u64) -> Result<(), OutputError> {
+        if cpu >= self.meta.nr_cpus {
+            return Err(OutputError::BadPage {
+                cpu,
+                reason: format!("cpu {cpu} ≥ nr_cpus {}", self.meta.nr_cpus),
+            });
+        }
+        if lost == 0 || self.out.is_none() {
+            return Ok(());
+        }
+        let c = cpu as usize;
+        let mut s = String::new();
+        format_drop(&mut s, cpu, Missed::Count(lost));
+        s.push('\n');
+        let t = self.last[c].unwrap_or(0);
+        self.last[c] = Some(t);
+        self.queues[c].push_back((t, s));
+        self.release(false)
+    }
+
     fn finish(mut self: Box<Self>, _summary: &RunSummary) -> Result<(), OutputError> {
         self.release(true)?;
         match self.out.take() {
@@ -329,6 +350,8 @@ pub struct JsonSink {
     out: Option<Out>,
     scratch: Vec<u8>,
     first: bool,
+    /// Per CPU: raw time of its last event (or lossy page).
+    last: Vec<u64>,
 }
 
 /// The JSON `pid` of the VM.
@@ -349,6 +372,7 @@ impl JsonSink {
         meta.validate()?;
         let mut s = Self {
             scratch: vec![0; meta.page_size],
+            last: vec![0; meta.nr_cpus as usize],
             meta,
             out: Some(out),
             first: true,
@@ -397,6 +421,20 @@ impl PageSink for JsonSink {
         r
     }
 
+    /// A `lost events` instant (args `count`) at the time of the CPU's last event.
+    fn trailing_lost(&mut self, cpu: u32, lost: u64) -> Result<(), OutputError> {
+        let Some(&ts) = self.last.get(cpu as usize) else {
+            return Err(OutputError::BadPage {
+                cpu,
+                reason: format!("cpu {cpu} ≥ nr_cpus {}", self.meta.nr_cpus),
+            });
+        };
+        if lost == 0 {
+            return Ok(());
+        }
+        self.lost_entry(cpu, ts, &format!("{{\"count\":{lost}}}"))
+    }
+
     fn finish(mut self: Box<Self>, _summary: &RunSummary) -> Result<(), OutputError> {
         self.raw("\n],\"displayTimeUnit\":\"ns\"}\n")?;
         match self.out.take() {
@@ -407,6 +445,14 @@ impl PageSink for JsonSink {
 }
 
 impl JsonSink {
+    fn lost_entry(&mut self, cpu: u32, ts: u64, args: &str) -> Result<(), OutputError> {
+        let ns = self.meta.clock.to_ns(ts);
+        self.entry(&format!(
+            "{{\"name\":\"lost events\",\"cat\":\"hyptrace\",\"ph\":\"i\",\"s\":\"t\",\"ts\":{},\"pid\":{JSON_PID},\"tid\":{cpu},\"args\":{args}}}",
+            us(ns)
+        ))
+    }
+
     fn page_inner(&mut self, cpu: u32, page: &[u8]) -> Result<(), OutputError> {
         let (page_ts, events, _err) = page_events(page);
         let clock = self.meta.clock.clone();
@@ -418,11 +464,13 @@ impl JsonSink {
                     _ => "{\"count\":null}".into(),
                 };
                 let ts = events.first().map_or(page_ts, |e| e.0);
-                self.entry(&format!(
-                    "{{\"name\":\"lost events\",\"cat\":\"hyptrace\",\"ph\":\"i\",\"s\":\"t\",\"ts\":{},\"pid\":{JSON_PID},\"tid\":{cpu},\"args\":{args}}}",
-                    us(clock.to_ns(ts))
-                ))?;
+                self.lost_entry(cpu, ts, &args)?;
             }
+        }
+        if let Some(&(ts, _)) = events.last() {
+            self.last[cpu as usize] = ts;
+        } else if page_missed(page) != Missed::None {
+            self.last[cpu as usize] = page_ts;
         }
         for (ts, payload) in events {
             let ts_ns = clock.to_ns(ts);
@@ -539,6 +587,19 @@ impl PageSink for RawSink {
         w.write_all(&cpu.to_le_bytes())?;
         w.write_all(&self.scratch)?;
         Ok(())
+    }
+
+    /// An event-less page record carrying the count (`commit` 0 with `RB_MISSED_EVENTS |
+    /// RB_MISSED_STORED`, the u64 count right after the header), timestamped like the
+    /// CPU's last page: [`RawTrace::replay`] turns a CPU's last page of that kind back
+    /// into `trailing_lost`.
+    fn trailing_lost(&mut self, cpu: u32, lost: u64) -> Result<(), OutputError> {
+        let empty = vec![0u8; self.meta.page_size];
+        self.meta.check_page(cpu, &empty)?;
+        if lost == 0 {
+            return Ok(());
+        }
+        self.page(cpu, &empty, Some(lost))
     }
 
     fn finish(mut self: Box<Self>, summary: &RunSummary) -> Result<(), OutputError> {
@@ -665,13 +726,25 @@ impl RawTrace {
 
     /// Feeds the pages into another sink (e.g. a [`crate::TraceDatSink`]), losses
     /// preserved, then finishes it.
+    /// A CPU's last page that holds no event but a loss count (what
+    /// [`RawSink`]'s `trailing_lost` writes) is replayed as `trailing_lost`.
     pub fn replay(&self, mut sink: Box<dyn PageSink>) -> Result<(), OutputError> {
-        for (cpu, p) in &self.pages {
+        let mut last_of_cpu = BTreeMap::new();
+        for (i, (cpu, _)) in self.pages.iter().enumerate() {
+            last_of_cpu.insert(*cpu, i);
+        }
+        for (i, (cpu, p)) in self.pages.iter().enumerate() {
             let missed = match page_missed(p) {
                 Missed::Count(n) => Some(n),
                 // A flag-only loss (count unknown; hyptrace never writes one) is not carried over.
                 Missed::Unknown | Missed::None => None,
             };
+            if let (Some(n), Some(0)) = (missed, commit_len(p)) {
+                if last_of_cpu.get(cpu) == Some(&i) {
+                    sink.trailing_lost(*cpu, n)?;
+                    continue;
+                }
+            }
             sink.page(*cpu, p, missed)?;
         }
         sink.finish(&self.summary.clone().unwrap_or_default())

@@ -10,6 +10,10 @@ use crate::format::{header_page_text, EventFormat, HEADER_EVENT_TEXT};
 use crate::sink::{CpuStats, PageSink, RunSummary, TraceMeta};
 use crate::OutputError;
 
+/// Preferred event id of `hyptrace:trailing_lost` (the next free one below 65536 if a
+/// format already uses it).
+pub const TRAILING_LOST_ID: u16 = 999;
+
 /// Which trace.dat version to write.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TraceDatVersion {
@@ -313,6 +317,8 @@ struct Spill {
     path: PathBuf,
     file: BufWriter<File>,
     bytes: u64,
+    /// Offset of the last page written (None: no page yet).
+    last_page: Option<u64>,
 }
 
 /// A [`PageSink`] writing a trace.dat: pages go to per-CPU spill files next to the output
@@ -378,6 +384,7 @@ impl TraceDatSink {
                 path: p,
                 file: BufWriter::with_capacity(1 << 20, f),
                 bytes: 0,
+                last_page: None,
             });
         }
         Ok(sink)
@@ -419,6 +426,50 @@ impl TraceDatSink {
         Ok(())
     }
 
+    /// The id of `hyptrace:trailing_lost`, its format added to the metadata on first use
+    /// (files without trailing losses do not carry it).
+    fn trailing_lost_id(&mut self) -> u16 {
+        if let Some(f) = self.meta.formats.iter().find(|f| f.is_trailing_lost()) {
+            return f.id;
+        }
+        let used = |id: u16| self.meta.formats.iter().any(|f| f.id == id);
+        let id = std::iter::once(TRAILING_LOST_ID)
+            .chain((1..=u16::MAX).rev())
+            .find(|&id| !used(id))
+            .unwrap_or(TRAILING_LOST_ID);
+        self.meta
+            .formats
+            .push(crate::format::trailing_lost_format(id));
+        id
+    }
+
+    /// Raw timestamp of the last event of `cpu` (its last page's time if it has no
+    /// event, 0 without pages), read back from the spill file: the page path stays a
+    /// plain copy.
+    fn last_time(&mut self, cpu: u32) -> Result<u64, OutputError> {
+        use std::os::unix::fs::FileExt;
+        let s = &mut self.spills[cpu as usize];
+        let Some(at) = s.last_page else {
+            return Ok(0);
+        };
+        s.file.flush().map_err(|e| OutputError::io(&s.path, e))?;
+        let mut page = vec![0u8; self.meta.page_size];
+        s.file
+            .get_ref()
+            .read_exact_at(&mut page, at)
+            .map_err(|e| OutputError::io(&s.path, e))?;
+        let Some((ts, commit)) = hyptrace_abi::page::page_header(&page) else {
+            return Ok(0);
+        };
+        let len = (commit & hyptrace_abi::page::COMMIT_LEN_MASK) as usize;
+        let area = page.get(16..16usize.saturating_add(len)).unwrap_or(&[]);
+        let mut last = ts;
+        for e in hyptrace_abi::page::Events::new(area, ts).flatten() {
+            last = e.ts;
+        }
+        Ok(last)
+    }
+
     fn cleanup(&mut self) {
         for s in self.spills.drain(..) {
             drop(s.file);
@@ -436,8 +487,37 @@ impl PageSink for TraceDatSink {
         s.file
             .write_all(&self.scratch)
             .map_err(|e| OutputError::io(&s.path, e))?;
+        s.last_page = Some(s.bytes);
         s.bytes += self.scratch.len() as u64;
         Ok(())
+    }
+
+    /// Appends a page to CPU `cpu` holding one `hyptrace:trailing_lost` event (field
+    /// `count` = `lost`) at the time of the CPU's last event, with `RB_MISSED_EVENTS |
+    /// RB_MISSED_STORED` and the count: trace-cmd prints `CPU:N [lost EVENTS DROPPED]`
+    /// before that event, after the CPU's last event (it shows a loss only before a
+    /// record: an empty page carrying a count prints nothing).
+    fn trailing_lost(&mut self, cpu: u32, lost: u64) -> Result<(), OutputError> {
+        if lost == 0 {
+            return Ok(());
+        }
+        self.meta.check_page(cpu, &self.scratch)?;
+        let id = self.trailing_lost_id();
+        let ts = self.last_time(cpu)?;
+        let ps = self.meta.page_size;
+        let mut raw = vec![0u8; ps];
+        let mut payload = [0u8; crate::format::TRAILING_LOST_SIZE];
+        payload[..2].copy_from_slice(&id.to_le_bytes());
+        payload[4..8].copy_from_slice(&hyptrace_abi::events::vcpu_pid(cpu).to_le_bytes());
+        payload[8..16].copy_from_slice(&lost.to_le_bytes());
+        let mut hdr = [0u8; 8];
+        let n = hyptrace_abi::page::encode_data_header(&mut hdr, payload.len(), 0);
+        let len = n + payload.len();
+        raw[..8].copy_from_slice(&ts.to_le_bytes());
+        raw[8..16].copy_from_slice(&(len as u64).to_le_bytes());
+        raw[16..16 + n].copy_from_slice(&hdr[..n]);
+        raw[16 + n..16 + len].copy_from_slice(&payload);
+        self.page(cpu, &raw, Some(lost))
     }
 
     fn finish(mut self: Box<Self>, summary: &RunSummary) -> Result<(), OutputError> {
