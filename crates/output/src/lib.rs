@@ -8,6 +8,7 @@ mod export;
 pub mod format;
 mod sink;
 mod sinks;
+mod target;
 pub mod text;
 pub mod tracedat;
 
@@ -22,6 +23,7 @@ pub use format::{
 };
 pub use sink::{CpuStats, PageSink, RunSummary, TraceMeta};
 pub use sinks::{JsonSink, RawSink, RawTrace, TextSink, JSON_PID, RAW_MAGIC};
+pub use target::{OutputFile, OutputTarget, TargetKind};
 pub use text::{
     escape_guest_bytes, escape_guest_str, escaped_guest_bytes, format_drop, format_event,
     format_guest_line, guest_printers, EventPrinter,

@@ -2,9 +2,8 @@
 //! JSON, and raw page streams (`--format raw`).
 
 use std::collections::BTreeMap;
-use std::fs::{self, File};
-use std::io::{self, BufWriter, Write};
-use std::path::{Path, PathBuf};
+use std::io::Write;
+use std::path::Path;
 
 use hyptrace_abi::page::{page_header, Events, PAGE_HEADER_SIZE};
 
@@ -12,93 +11,29 @@ use crate::clock::{Clock, TscConversion};
 use crate::export::{commit_len, export_page_into, page_missed, Missed};
 use crate::format::EventFormat;
 use crate::sink::{CpuStats, PageSink, RunSummary, TraceMeta};
+use crate::target::{OutputFile, OutputTarget};
 use crate::text::{comm_of, field_bytes, field_int, format_drop, format_event, EventPrinter};
 use crate::OutputError;
 
-/// A file written under a temporary name and renamed into place by `commit`; removed
-/// if dropped before.
-struct AtomicFile {
-    path: PathBuf,
-    tmp: PathBuf,
-    w: Option<BufWriter<File>>,
-}
-
-impl AtomicFile {
-    fn create(path: &Path) -> Result<Self, OutputError> {
-        let name = path
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "out".into());
-        let tmp = path.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
-        let f = File::create(&tmp).map_err(|e| OutputError::io(&tmp, e))?;
-        Ok(Self {
-            path: path.to_path_buf(),
-            tmp,
-            w: Some(BufWriter::with_capacity(1 << 20, f)),
-        })
-    }
-
-    fn commit(mut self) -> Result<(), OutputError> {
-        let w = self
-            .w
-            .take()
-            .ok_or_else(|| OutputError::BadMeta("file already closed".into()))?;
-        // `w` is taken, so Drop no longer removes the temporary file: do it here if
-        // anything below fails.
-        let r = w
-            .into_inner()
-            .map_err(|e| OutputError::io(&self.tmp, e.into_error()))
-            .and_then(|f| f.sync_all().map_err(|e| OutputError::io(&self.tmp, e)))
-            .and_then(|()| {
-                fs::rename(&self.tmp, &self.path).map_err(|e| OutputError::io(&self.path, e))
-            });
-        if r.is_err() {
-            let _ = fs::remove_file(&self.tmp);
-        }
-        r
-    }
-}
-
-impl Write for AtomicFile {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        match &mut self.w {
-            Some(w) => w.write(buf),
-            None => Err(io::Error::other("closed")),
-        }
-    }
-    fn flush(&mut self) -> io::Result<()> {
-        match &mut self.w {
-            Some(w) => w.flush(),
-            None => Ok(()),
-        }
-    }
-}
-
-impl Drop for AtomicFile {
-    fn drop(&mut self) {
-        if self.w.take().is_some() {
-            let _ = fs::remove_file(&self.tmp);
-        }
-    }
-}
-
 /// Where a streaming sink writes.
 enum Out {
-    File(AtomicFile),
+    File(OutputFile),
     Writer(Box<dyn Write + Send>),
 }
 
 impl Out {
-    fn w(&mut self) -> &mut dyn Write {
+    /// Writes `b`; an error names the output (a file's path) and closes a file output
+    /// (its temporary file removed).
+    fn write_all(&mut self, b: &[u8]) -> Result<(), OutputError> {
         match self {
-            Out::File(f) => f,
-            Out::Writer(w) => w,
+            Out::File(f) => f.write_all(b).map_err(|e| f.error(e)),
+            Out::Writer(w) => w.write_all(b).map_err(OutputError::from),
         }
     }
 
     fn close(self) -> Result<(), OutputError> {
         match self {
-            Out::File(f) => f.commit(),
+            Out::File(f) => f.finish(),
             Out::Writer(mut w) => w.flush().map_err(OutputError::from),
         }
     }
@@ -178,20 +113,28 @@ impl TextSink {
             if let Some((_, line)) = self.queues[cpu].pop_front() {
                 buf.push_str(&line);
                 if buf.len() >= 1 << 16 {
-                    out.w().write_all(buf.as_bytes())?;
+                    out.write_all(buf.as_bytes())?;
                     buf.clear();
                 }
             }
         }
-        out.w().write_all(buf.as_bytes())?;
+        out.write_all(buf.as_bytes())?;
         Ok(())
     }
 }
 
 impl TextSink {
-    /// Text into the file `path` (temporary name, renamed at `finish`).
+    /// Text into `path` (checked and opened as [`OutputTarget`] does: `-` is
+    /// stdout, a regular file is written under a temporary name and renamed at `finish`,
+    /// a device or FIFO is written in place).
     pub fn create(path: impl AsRef<Path>, meta: TraceMeta) -> Result<Self, OutputError> {
-        Self::new(Out::File(AtomicFile::create(path.as_ref())?), meta)
+        Self::open(&OutputTarget::check(path)?, meta)
+    }
+
+    /// Text into a checked target.
+    pub fn open(target: &OutputTarget, meta: TraceMeta) -> Result<Self, OutputError> {
+        meta.validate()?;
+        Self::new(Out::File(target.open()?), meta)
     }
 
     /// Text into any writer (stdout...).
@@ -201,7 +144,7 @@ impl TextSink {
 
     fn new(mut out: Out, meta: TraceMeta) -> Result<Self, OutputError> {
         meta.validate()?;
-        writeln!(out.w(), "cpus={}", meta.nr_cpus)?;
+        out.write_all(format!("cpus={}\n", meta.nr_cpus).as_bytes())?;
         let printers = meta
             .formats
             .iter()
@@ -358,9 +301,17 @@ pub struct JsonSink {
 pub const JSON_PID: u32 = 1;
 
 impl JsonSink {
-    /// JSON into the file `path` (temporary name, renamed at `finish`).
+    /// JSON into `path` (checked and opened as [`OutputTarget`] does: `-` is
+    /// stdout, a regular file is written under a temporary name and renamed at `finish`,
+    /// a device or FIFO is written in place).
     pub fn create(path: impl AsRef<Path>, meta: TraceMeta) -> Result<Self, OutputError> {
-        Self::new(Out::File(AtomicFile::create(path.as_ref())?), meta)
+        Self::open(&OutputTarget::check(path)?, meta)
+    }
+
+    /// JSON into a checked target.
+    pub fn open(target: &OutputTarget, meta: TraceMeta) -> Result<Self, OutputError> {
+        meta.validate()?;
+        Self::new(Out::File(target.open()?), meta)
     }
 
     /// JSON into any writer.
@@ -398,7 +349,7 @@ impl JsonSink {
 
     fn raw(&mut self, s: &str) -> Result<(), OutputError> {
         match self.out.as_mut() {
-            Some(o) => o.w().write_all(s.as_bytes()).map_err(OutputError::from),
+            Some(o) => o.write_all(s.as_bytes()),
             None => Ok(()),
         }
     }
@@ -541,9 +492,17 @@ pub struct RawSink {
 }
 
 impl RawSink {
-    /// Raw stream into the file `path` (temporary name, renamed at `finish`).
+    /// Raw stream into `path` (checked and opened as [`OutputTarget`] does: `-` is
+    /// stdout, a regular file is written under a temporary name and renamed at `finish`,
+    /// a device or FIFO is written in place).
     pub fn create(path: impl AsRef<Path>, meta: TraceMeta) -> Result<Self, OutputError> {
-        Self::new(Out::File(AtomicFile::create(path.as_ref())?), meta)
+        Self::open(&OutputTarget::check(path)?, meta)
+    }
+
+    /// Raw stream into a checked target.
+    pub fn open(target: &OutputTarget, meta: TraceMeta) -> Result<Self, OutputError> {
+        meta.validate()?;
+        Self::new(Out::File(target.open()?), meta)
     }
 
     /// Raw stream into any writer.
@@ -566,7 +525,7 @@ impl RawSink {
         h.extend_from_slice(&t.offset.to_le_bytes());
         h.extend_from_slice(&(meta.clock.name.len() as u32).to_le_bytes());
         h.extend_from_slice(meta.clock.name.as_bytes());
-        out.w().write_all(&h)?;
+        out.write_all(&h)?;
         Ok(Self {
             scratch: vec![0; meta.page_size],
             meta,
@@ -582,10 +541,9 @@ impl PageSink for RawSink {
         let Some(out) = self.out.as_mut() else {
             return Ok(());
         };
-        let w = out.w();
-        w.write_all(&RAW_TAG_PAGE.to_le_bytes())?;
-        w.write_all(&cpu.to_le_bytes())?;
-        w.write_all(&self.scratch)?;
+        out.write_all(&RAW_TAG_PAGE.to_le_bytes())?;
+        out.write_all(&cpu.to_le_bytes())?;
+        out.write_all(&self.scratch)?;
         Ok(())
     }
 
@@ -622,7 +580,7 @@ impl PageSink for RawSink {
                 e.extend_from_slice(&v.to_le_bytes());
             }
         }
-        out.w().write_all(&e)?;
+        out.write_all(&e)?;
         out.close()
     }
 }
