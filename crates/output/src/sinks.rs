@@ -12,7 +12,7 @@ use crate::export::{commit_len, export_page_into, page_missed, Missed};
 use crate::format::EventFormat;
 use crate::sink::{CpuStats, PageSink, RunSummary, TraceMeta};
 use crate::target::{OutputFile, OutputTarget};
-use crate::text::{comm_of, field_bytes, field_int, format_drop, format_event, EventPrinter};
+use crate::text::{field_bytes, field_int, format_drop, format_guest_line, EventPrinter};
 use crate::OutputError;
 
 /// Where a streaming sink writes.
@@ -184,29 +184,14 @@ impl PageSink for TextSink {
         }
         for (ts, payload) in events {
             let ts_ns = self.meta.clock.to_ns(ts);
-            let id = payload
-                .get(..2)
-                .map_or(0, |b| u16::from_le_bytes([b[0], b[1]]));
-            let pid = payload
-                .get(4..8)
-                .map_or(-1, |b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]));
-            let comm = comm_of(&self.meta.cmdlines, pid);
-            match self.printers.get(&id) {
-                Some(p) => {
-                    let mut fields = String::new();
-                    p.format_fields(&mut fields, payload);
-                    format_event(&mut s, comm, pid, cpu, ts_ns, &p.format.name, &fields);
-                }
-                None => format_event(
-                    &mut s,
-                    comm,
-                    pid,
-                    cpu,
-                    ts_ns,
-                    "[UNKNOWN EVENT]",
-                    &format!("id={id}"),
-                ),
-            }
+            format_guest_line(
+                &mut s,
+                &self.printers,
+                &self.meta.cmdlines,
+                cpu,
+                ts_ns,
+                payload,
+            );
             s.push('\n');
             let t = self.last[c].map_or(ts, |l| l.max(ts));
             self.last[c] = Some(t);

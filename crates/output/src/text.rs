@@ -634,13 +634,20 @@ pub struct EventPrinter {
     /// The format.
     pub format: EventFormat,
     print: Option<PrintFmt>,
+    /// The format is one of the built-in guest events: print it without the interpreter.
+    guest_fast: bool,
 }
 
 impl EventPrinter {
     /// Parses the print fmt of `format` once.
     pub fn new(format: EventFormat) -> Self {
         let print = PrintFmt::parse(&format.print_fmt);
-        Self { format, print }
+        let guest_fast = crate::format::guest_formats().contains(&format);
+        Self {
+            format,
+            print,
+            guest_fast,
+        }
     }
 
     /// Whether the print fmt is interpreted (else fields are printed raw).
@@ -672,10 +679,13 @@ pub fn guest_printers() -> BTreeMap<u16, EventPrinter> {
         .collect()
 }
 
-/// Formats one guest event payload (common header + fields) into a full line the way
-/// `trace-cmd report -t` would print it from our trace.dat. `cmdlines` maps pids to
-/// comms (see [`crate::TraceMeta::cmdlines`]). Unknown event ids print as
-/// `[UNKNOWN EVENT id]`-free raw hex.
+/// Formats one event payload (common header + fields) into a full line the way
+/// `trace-cmd report -t` prints it: the one formatter of `run` (live events), the text
+/// sink and `report`. `printers` are the event formats by id, `cmdlines` maps pids to
+/// comms (see [`crate::TraceMeta::cmdlines`]). An event whose id has no format prints
+/// as `[UNKNOWN EVENT]` with `id=N` in the usual columns (trace-cmd 3.1.6 prints
+/// `[UNKNOWN EVENT][UNKNOWN EVENT] (NULL): [UNKNOWN EVENT]` without CPU or time);
+/// a payload shorter than its id counts as id 0, shorter than its pid as pid -1.
 pub fn format_guest_line(
     out: &mut String,
     printers: &BTreeMap<u16, EventPrinter>,
@@ -684,33 +694,24 @@ pub fn format_guest_line(
     ts_ns: u64,
     payload: &[u8],
 ) {
-    let Some(h) = hyptrace_abi::events::CommonHeader::parse(payload) else {
-        format_event(out, "<...>", -1, cpu, ts_ns, "short_event", "");
-        return;
-    };
-    let comm = comm_of(cmdlines, h.pid);
-    match printers.get(&h.common_type) {
+    let id = payload
+        .get(..2)
+        .map_or(0, |b| u16::from_le_bytes([b[0], b[1]]));
+    let pid = payload
+        .get(4..8)
+        .map_or(-1, |b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+    let comm = comm_of(cmdlines, pid);
+    match printers.get(&id) {
         Some(p) => {
             // The fields end the line: append them right after the prefix.
-            format_event(out, comm, h.pid, cpu, ts_ns, &p.format.name, "");
-            if !guest_fast_fields(out, h.common_type, payload) {
+            format_event(out, comm, pid, cpu, ts_ns, &p.format.name, "");
+            if !(p.guest_fast && guest_fast_fields(out, id, payload)) {
                 p.format_fields(out, payload);
             }
         }
         None => {
-            let mut hex = String::new();
-            for b in payload {
-                let _ = write!(hex, "{b:02x}");
-            }
-            format_event(
-                out,
-                comm,
-                h.pid,
-                cpu,
-                ts_ns,
-                &format!("event_{}", h.common_type),
-                &hex,
-            );
+            format_event(out, comm, pid, cpu, ts_ns, "[UNKNOWN EVENT]", "id=");
+            out.push_str(itoa::Buffer::new().format(id));
         }
     }
 }

@@ -12,7 +12,7 @@ use super::{option, MAGIC};
 use crate::clock::TscConversion;
 use crate::export::{check_page_size, Missed};
 use crate::format::{EventFormat, HeaderPage};
-use crate::text::{comm_of, format_drop, format_event, EventPrinter};
+use crate::text::{format_drop, format_guest_line, EventPrinter};
 use crate::OutputError;
 
 /// trace-cmd masks `commit` with 27 bits when reading.
@@ -644,31 +644,14 @@ impl TraceFile {
             }
             TraceItem::BadPage { .. } => false,
             TraceItem::Event(r) => {
-                let id = r
-                    .payload
-                    .get(..2)
-                    .map_or(0, |b| u16::from_le_bytes([b[0], b[1]]));
-                let pid = r
-                    .payload
-                    .get(4..8)
-                    .map_or(-1, |b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]));
-                let comm = comm_of(&self.cmdlines, pid);
-                match self.printers.get(&id) {
-                    Some(p) => {
-                        let mut fields = String::new();
-                        p.format_fields(&mut fields, r.payload);
-                        format_event(out, comm, pid, r.cpu, r.ts_ns, &p.format.name, &fields);
-                    }
-                    None => format_event(
-                        out,
-                        comm,
-                        pid,
-                        r.cpu,
-                        r.ts_ns,
-                        "[UNKNOWN EVENT]",
-                        &format!("id={id}"),
-                    ),
-                }
+                format_guest_line(
+                    out,
+                    &self.printers,
+                    &self.cmdlines,
+                    r.cpu,
+                    r.ts_ns,
+                    r.payload,
+                );
                 true
             }
         }
