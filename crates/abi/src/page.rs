@@ -8,8 +8,10 @@
 //! An event is a `u32` header word (`type_len:5`, `time_delta:27`) followed by
 //! `array[]` words:
 //! - `type_len` 1..=28: data, payload of `type_len * 4` bytes at `array[0]`;
-//! - `type_len` 0: data, `array[0]` = payload length + 4, payload at `array[1]`;
-//! - 29: padding (delta 0: the rest of the page is empty; else `array[0] + 4` bytes);
+//! - `type_len` 0: data, `array[0]` = payload length + 4, payload at `array[1]`; the event
+//!   takes `array[0] + 4` bytes (the kernel's `rb_event_data_length`, not rounded up);
+//! - 29: padding (delta 0: the rest of the page is empty; else `array[0] + 4` bytes, its
+//!   delta ignored);
 //! - 30: TIME_EXTEND, delta = `(array[0] << 27) + time_delta`;
 //! - 31: TIME_STAMP, absolute time with the same split.
 //!
@@ -104,7 +106,8 @@ pub enum Record {
         delta: u64,
         /// Start of the payload in the data area.
         start: usize,
-        /// Encoded payload length (a multiple of 4).
+        /// Payload length: `type_len * 4`, or `array[0] - 4` for the long form (a
+        /// multiple of 4 unless the length word is not).
         len: usize,
     },
     /// A TIME_EXTEND: add `delta` to the clock.
@@ -192,12 +195,15 @@ pub fn decode_record(data: &[u8], offset: usize) -> Result<Option<(Record, usize
             Ok(Some((rec, offset + TIME_EXTEND_SIZE)))
         }
         0 => {
+            // The kernel's extent (rb_event_data_length): `array[0] + 4` bytes in all, not
+            // rounded up — a length word that is not a multiple of 4 puts the next record
+            // at an unaligned offset, as the kernel would read it (trace-cmd rounds up).
             let len_word = word(data, arr).ok_or(trunc)? as usize;
             if len_word < 4 {
                 return Err(DecodeError::BadLength { offset });
             }
             let start = arr + 4;
-            let len = align4(len_word - 4);
+            let len = len_word - 4;
             let end = start.checked_add(len).ok_or(trunc)?;
             if end > data.len() {
                 return Err(trunc);
@@ -229,6 +235,7 @@ pub struct Events<'a> {
     data: &'a [u8],
     offset: usize,
     ts: u64,
+    page_ts: u64,
     done: bool,
 }
 
@@ -251,6 +258,7 @@ impl<'a> Events<'a> {
             data,
             offset: 0,
             ts: time_stamp,
+            page_ts: time_stamp,
             done: false,
         }
     }
@@ -294,7 +302,7 @@ impl<'a> Iterator for Events<'a> {
                             }));
                         }
                         Record::TimeExtend { delta } => self.ts = self.ts.wrapping_add(delta),
-                        Record::TimeStamp { ts } => self.ts = ts,
+                        Record::TimeStamp { ts } => self.ts = fix_abs_ts(ts, self.page_ts),
                         // Padding deltas are ignored (the kernel's reading); we never write them.
                         Record::Padding { .. } => {}
                     }
@@ -302,6 +310,24 @@ impl<'a> Iterator for Events<'a> {
             }
         }
         None
+    }
+}
+
+/// Bits of a timestamp above the 59 a TIME_STAMP record carries.
+pub const TS_MSB: u64 = !MAX_EXTENDED_DELTA;
+
+/// The absolute time of a TIME_STAMP record carrying `abs` (59 bits) on a page whose
+/// `time_stamp` is `page_ts`, as the kernel's reader computes it (`rb_fix_abs_ts`): the
+/// bits above 59 come from the page time, plus one 2^59 step if that would go back.
+pub const fn fix_abs_ts(abs: u64, page_ts: u64) -> u64 {
+    if page_ts & TS_MSB == 0 {
+        return abs;
+    }
+    let t = abs | (page_ts & TS_MSB);
+    if t < page_ts {
+        t.wrapping_add(1 << 59)
+    } else {
+        t
     }
 }
 
@@ -316,3 +342,123 @@ pub fn page_header(page: &[u8]) -> Option<(u64, u64)> {
     Some((u64::from_le_bytes(ts), u64::from_le_bytes(c)))
 }
 impl core::error::Error for DecodeError {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    extern crate std;
+    use std::vec::Vec;
+
+    fn hdr(type_len: u32, delta: u32) -> [u8; 4] {
+        header_word(type_len, delta).to_le_bytes()
+    }
+
+    fn events(data: &[u8], ts: u64) -> Vec<(u64, Vec<u8>)> {
+        Events::new(data, ts)
+            .map(|e| {
+                let e = e.unwrap();
+                (e.ts, e.payload.to_vec())
+            })
+            .collect()
+    }
+
+    /// A padding record with delta 0 ends the page's data even inside `commit`: the
+    /// kernel's reader (rb_iter_peek: rb_null_event → next page; rb_event_length:
+    /// undefined) never reads past it. trace-cmd 3.1.6 reads on (docs/output.md).
+    #[test]
+    fn null_padding_ends_the_page() {
+        let mut d = Vec::new();
+        d.extend_from_slice(&hdr(2, 0));
+        d.extend_from_slice(&[1u8; 8]);
+        d.extend_from_slice(&hdr(TYPE_PADDING, 0));
+        d.extend_from_slice(&8u32.to_le_bytes());
+        d.extend_from_slice(&[0u8; 4]);
+        d.extend_from_slice(&hdr(2, 5));
+        d.extend_from_slice(&[2u8; 8]);
+        assert_eq!(events(&d, 100), [(100, [1u8; 8].to_vec())]);
+        assert_eq!(decode_record(&d, 12), Ok(None));
+    }
+
+    /// A padding record with a delta is a discarded event of `array[0] + 4` bytes whose
+    /// delta the kernel ignores (rb_update_read_stamp); trace-cmd adds it.
+    #[test]
+    fn padding_delta_is_ignored() {
+        let mut d = Vec::new();
+        d.extend_from_slice(&hdr(2, 0));
+        d.extend_from_slice(&[1u8; 8]);
+        d.extend_from_slice(&hdr(TYPE_PADDING, 7));
+        d.extend_from_slice(&8u32.to_le_bytes());
+        d.extend_from_slice(&[0u8; 4]);
+        d.extend_from_slice(&hdr(2, 5));
+        d.extend_from_slice(&[2u8; 8]);
+        assert_eq!(
+            events(&d, 100),
+            [(100, [1u8; 8].to_vec()), (105, [2u8; 8].to_vec())]
+        );
+    }
+
+    /// The long form takes `array[0] + 4` bytes, the kernel's rb_event_data_length, even
+    /// when `array[0]` is not a multiple of 4 (trace-cmd rounds up); the largest event
+    /// fills the page.
+    #[test]
+    fn long_form_extent_is_the_kernels() {
+        // array[0] = 4 + 6: a 6-byte payload, the next record right after it.
+        let mut d = Vec::new();
+        d.extend_from_slice(&hdr(0, 0));
+        d.extend_from_slice(&10u32.to_le_bytes());
+        d.extend_from_slice(&[7u8; 6]);
+        d.extend_from_slice(&hdr(1, 3));
+        d.extend_from_slice(&[9u8; 4]);
+        assert_eq!(
+            decode_record(&d, 0),
+            Ok(Some((
+                Record::Data {
+                    delta: 0,
+                    start: 8,
+                    len: 6
+                },
+                14
+            )))
+        );
+        assert_eq!(
+            events(&d, 10),
+            [(10, [7u8; 6].to_vec()), (13, [9u8; 4].to_vec())]
+        );
+        // A maximum-size event: the whole data area of a 4 KiB page.
+        let mut d = Vec::new();
+        d.extend_from_slice(&hdr(0, 0));
+        d.extend_from_slice(&4076u32.to_le_bytes());
+        d.resize(4080, 0xab);
+        let e = events(&d, 1);
+        assert_eq!(e.len(), 1);
+        assert_eq!(e[0].1.len(), 4072);
+        // One byte more runs past commit; a length word below 4 is refused.
+        d[4..8].copy_from_slice(&4077u32.to_le_bytes());
+        assert_eq!(
+            decode_record(&d, 0),
+            Err(DecodeError::Truncated { offset: 0 })
+        );
+        d[4..8].copy_from_slice(&3u32.to_le_bytes());
+        assert_eq!(
+            decode_record(&d, 0),
+            Err(DecodeError::BadLength { offset: 0 })
+        );
+    }
+
+    /// TIME_STAMP carries 59 bits; the bits above come from the page time_stamp
+    /// (rb_fix_abs_ts).
+    #[test]
+    fn time_stamp_takes_the_page_msb() {
+        let page_ts = (3u64 << 59) + 1000;
+        let abs = 2000u64;
+        let mut d = Vec::new();
+        d.extend_from_slice(&hdr(TYPE_TIME_STAMP, (abs & MAX_DELTA) as u32));
+        d.extend_from_slice(&((abs >> DELTA_BITS) as u32).to_le_bytes());
+        d.extend_from_slice(&hdr(1, 0));
+        d.extend_from_slice(&[1u8; 4]);
+        assert_eq!(events(&d, page_ts)[0].0, (3u64 << 59) + 2000);
+        // Smaller than the page time: the next 2^59 step.
+        assert_eq!(fix_abs_ts(500, page_ts), (4u64 << 59) + 500);
+        assert_eq!(fix_abs_ts(500, 1000), 500);
+    }
+}

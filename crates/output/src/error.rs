@@ -36,6 +36,10 @@ pub enum OutputError {
     /// A trace.dat feature this reader does not implement.
     #[error("unsupported trace.dat: {0}")]
     Unsupported(String),
+    /// The output failed earlier (or was finished): nothing more is written. The first
+    /// error said why; this one need not be reported again.
+    #[error("output closed after an earlier error")]
+    Closed,
     /// A raw page stream (`--format raw`) is malformed.
     #[error("malformed raw page stream: {0}")]
     Raw(String),

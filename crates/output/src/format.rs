@@ -145,6 +145,39 @@ pub fn guest_formats() -> Vec<EventFormat> {
         .collect()
 }
 
+/// System of the events hyptrace itself adds to a trace.dat (never written by a guest).
+pub const HYPTRACE_SYSTEM: &str = "hyptrace";
+/// Name of the event that closes a CPU whose writer lost events after its last page.
+pub const TRAILING_LOST_NAME: &str = "trailing_lost";
+/// Payload size of a `hyptrace:trailing_lost` event: common header + u64 count.
+pub const TRAILING_LOST_SIZE: usize = 16;
+
+/// The format of `hyptrace:trailing_lost` (field `u64 count` at 8, print fmt
+/// `count=%llu`) with event id `id`.
+pub fn trailing_lost_format(id: u16) -> EventFormat {
+    EventFormat {
+        system: HYPTRACE_SYSTEM.into(),
+        name: TRAILING_LOST_NAME.into(),
+        id,
+        common_fields: common_fields(),
+        fields: vec![Field {
+            type_name: "u64".into(),
+            name: "count".into(),
+            offset: 8,
+            size: 8,
+            signed: false,
+        }],
+        print_fmt: "\"count=%llu\", REC->count".into(),
+    }
+}
+
+impl EventFormat {
+    /// Whether this is hyptrace's own `trailing_lost` event.
+    pub fn is_trailing_lost(&self) -> bool {
+        self.system == HYPTRACE_SYSTEM && self.name == TRAILING_LOST_NAME
+    }
+}
+
 fn field_line(out: &mut String, f: &Field) {
     // Arrays are written `char comm[16]`: the bracket goes after the name.
     let decl = match (f.is_array(), f.type_name.find('[')) {

@@ -8,6 +8,7 @@ mod export;
 pub mod format;
 mod sink;
 mod sinks;
+mod target;
 pub mod text;
 pub mod tracedat;
 
@@ -17,10 +18,16 @@ pub use export::{
     check_page_size, commit_len, export_page, export_page_into, page_missed, Missed, MAX_PAGE_SIZE,
     MIN_PAGE_SIZE,
 };
-pub use format::{guest_formats, EventFormat, Field};
+pub use format::{
+    guest_formats, trailing_lost_format, EventFormat, Field, HYPTRACE_SYSTEM, TRAILING_LOST_NAME,
+};
 pub use sink::{CpuStats, PageSink, RunSummary, TraceMeta};
 pub use sinks::{JsonSink, RawSink, RawTrace, TextSink, JSON_PID, RAW_MAGIC};
-pub use text::{format_drop, format_event, format_guest_line, guest_printers, EventPrinter};
+pub use target::{OutputFile, OutputTarget, TargetKind};
+pub use text::{
+    escape_guest_bytes, escape_guest_str, escaped_guest_bytes, format_drop, format_event,
+    format_guest_line, guest_printers, EventPrinter,
+};
 pub use tracedat::{
     write_trace_dat, TraceDatSink, TraceDatVersion, TraceFile, TraceItem, TraceRecord,
 };

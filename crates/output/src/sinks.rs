@@ -2,9 +2,8 @@
 //! JSON, and raw page streams (`--format raw`).
 
 use std::collections::BTreeMap;
-use std::fs::{self, File};
-use std::io::{self, BufWriter, Write};
-use std::path::{Path, PathBuf};
+use std::io::Write;
+use std::path::Path;
 
 use hyptrace_abi::page::{page_header, Events, PAGE_HEADER_SIZE};
 
@@ -12,93 +11,29 @@ use crate::clock::{Clock, TscConversion};
 use crate::export::{commit_len, export_page_into, page_missed, Missed};
 use crate::format::EventFormat;
 use crate::sink::{CpuStats, PageSink, RunSummary, TraceMeta};
-use crate::text::{comm_of, field_bytes, field_int, format_drop, format_event, EventPrinter};
+use crate::target::{OutputFile, OutputTarget};
+use crate::text::{field_bytes, field_int, format_drop, format_guest_line, EventPrinter};
 use crate::OutputError;
-
-/// A file written under a temporary name and renamed into place by `commit`; removed
-/// if dropped before.
-struct AtomicFile {
-    path: PathBuf,
-    tmp: PathBuf,
-    w: Option<BufWriter<File>>,
-}
-
-impl AtomicFile {
-    fn create(path: &Path) -> Result<Self, OutputError> {
-        let name = path
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "out".into());
-        let tmp = path.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
-        let f = File::create(&tmp).map_err(|e| OutputError::io(&tmp, e))?;
-        Ok(Self {
-            path: path.to_path_buf(),
-            tmp,
-            w: Some(BufWriter::with_capacity(1 << 20, f)),
-        })
-    }
-
-    fn commit(mut self) -> Result<(), OutputError> {
-        let w = self
-            .w
-            .take()
-            .ok_or_else(|| OutputError::BadMeta("file already closed".into()))?;
-        // `w` is taken, so Drop no longer removes the temporary file: do it here if
-        // anything below fails.
-        let r = w
-            .into_inner()
-            .map_err(|e| OutputError::io(&self.tmp, e.into_error()))
-            .and_then(|f| f.sync_all().map_err(|e| OutputError::io(&self.tmp, e)))
-            .and_then(|()| {
-                fs::rename(&self.tmp, &self.path).map_err(|e| OutputError::io(&self.path, e))
-            });
-        if r.is_err() {
-            let _ = fs::remove_file(&self.tmp);
-        }
-        r
-    }
-}
-
-impl Write for AtomicFile {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        match &mut self.w {
-            Some(w) => w.write(buf),
-            None => Err(io::Error::other("closed")),
-        }
-    }
-    fn flush(&mut self) -> io::Result<()> {
-        match &mut self.w {
-            Some(w) => w.flush(),
-            None => Ok(()),
-        }
-    }
-}
-
-impl Drop for AtomicFile {
-    fn drop(&mut self) {
-        if self.w.take().is_some() {
-            let _ = fs::remove_file(&self.tmp);
-        }
-    }
-}
 
 /// Where a streaming sink writes.
 enum Out {
-    File(AtomicFile),
+    File(OutputFile),
     Writer(Box<dyn Write + Send>),
 }
 
 impl Out {
-    fn w(&mut self) -> &mut dyn Write {
+    /// Writes `b`; an error names the output (a file's path) and closes a file output
+    /// (its temporary file removed).
+    fn write_all(&mut self, b: &[u8]) -> Result<(), OutputError> {
         match self {
-            Out::File(f) => f,
-            Out::Writer(w) => w,
+            Out::File(f) => f.write_all(b).map_err(|e| f.error(e)),
+            Out::Writer(w) => w.write_all(b).map_err(OutputError::from),
         }
     }
 
     fn close(self) -> Result<(), OutputError> {
         match self {
-            Out::File(f) => f.commit(),
+            Out::File(f) => f.finish(),
             Out::Writer(mut w) => w.flush().map_err(OutputError::from),
         }
     }
@@ -178,20 +113,28 @@ impl TextSink {
             if let Some((_, line)) = self.queues[cpu].pop_front() {
                 buf.push_str(&line);
                 if buf.len() >= 1 << 16 {
-                    out.w().write_all(buf.as_bytes())?;
+                    out.write_all(buf.as_bytes())?;
                     buf.clear();
                 }
             }
         }
-        out.w().write_all(buf.as_bytes())?;
+        out.write_all(buf.as_bytes())?;
         Ok(())
     }
 }
 
 impl TextSink {
-    /// Text into the file `path` (temporary name, renamed at `finish`).
+    /// Text into `path` (checked and opened as [`OutputTarget`] does: `-` is
+    /// stdout, a regular file is written under a temporary name and renamed at `finish`,
+    /// a device or FIFO is written in place).
     pub fn create(path: impl AsRef<Path>, meta: TraceMeta) -> Result<Self, OutputError> {
-        Self::new(Out::File(AtomicFile::create(path.as_ref())?), meta)
+        Self::open(&OutputTarget::check(path)?, meta)
+    }
+
+    /// Text into a checked target.
+    pub fn open(target: &OutputTarget, meta: TraceMeta) -> Result<Self, OutputError> {
+        meta.validate()?;
+        Self::new(Out::File(target.open()?), meta)
     }
 
     /// Text into any writer (stdout...).
@@ -201,7 +144,7 @@ impl TextSink {
 
     fn new(mut out: Out, meta: TraceMeta) -> Result<Self, OutputError> {
         meta.validate()?;
-        writeln!(out.w(), "cpus={}", meta.nr_cpus)?;
+        out.write_all(format!("cpus={}\n", meta.nr_cpus).as_bytes())?;
         let printers = meta
             .formats
             .iter()
@@ -241,29 +184,14 @@ impl PageSink for TextSink {
         }
         for (ts, payload) in events {
             let ts_ns = self.meta.clock.to_ns(ts);
-            let id = payload
-                .get(..2)
-                .map_or(0, |b| u16::from_le_bytes([b[0], b[1]]));
-            let pid = payload
-                .get(4..8)
-                .map_or(-1, |b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]));
-            let comm = comm_of(&self.meta.cmdlines, pid);
-            match self.printers.get(&id) {
-                Some(p) => {
-                    let mut fields = String::new();
-                    p.format_fields(&mut fields, payload);
-                    format_event(&mut s, comm, pid, cpu, ts_ns, &p.format.name, &fields);
-                }
-                None => format_event(
-                    &mut s,
-                    comm,
-                    pid,
-                    cpu,
-                    ts_ns,
-                    "[UNKNOWN EVENT]",
-                    &format!("id={id}"),
-                ),
-            }
+            format_guest_line(
+                &mut s,
+                &self.printers,
+                &self.meta.cmdlines,
+                cpu,
+                ts_ns,
+                payload,
+            );
             s.push('\n');
             let t = self.last[c].map_or(ts, |l| l.max(ts));
             self.last[c] = Some(t);
@@ -274,6 +202,27 @@ impl PageSink for TextSink {
             self.last[c] = Some(0);
         }
         self.line = s;
+        self.release(false)
+    }
+
+    /// A `CPU:N [lost EVENTS DROPPED]` line after the CPU's last event.
+    fn trailing_lost(&mut self, cpu: u32, lost: u64) -> Result<(), OutputError> {
+        if cpu >= self.meta.nr_cpus {
+            return Err(OutputError::BadPage {
+                cpu,
+                reason: format!("cpu {cpu} ≥ nr_cpus {}", self.meta.nr_cpus),
+            });
+        }
+        if lost == 0 || self.out.is_none() {
+            return Ok(());
+        }
+        let c = cpu as usize;
+        let mut s = String::new();
+        format_drop(&mut s, cpu, Missed::Count(lost));
+        s.push('\n');
+        let t = self.last[c].unwrap_or(0);
+        self.last[c] = Some(t);
+        self.queues[c].push_back((t, s));
         self.release(false)
     }
 
@@ -329,15 +278,25 @@ pub struct JsonSink {
     out: Option<Out>,
     scratch: Vec<u8>,
     first: bool,
+    /// Per CPU: raw time of its last event (or lossy page).
+    last: Vec<u64>,
 }
 
 /// The JSON `pid` of the VM.
 pub const JSON_PID: u32 = 1;
 
 impl JsonSink {
-    /// JSON into the file `path` (temporary name, renamed at `finish`).
+    /// JSON into `path` (checked and opened as [`OutputTarget`] does: `-` is
+    /// stdout, a regular file is written under a temporary name and renamed at `finish`,
+    /// a device or FIFO is written in place).
     pub fn create(path: impl AsRef<Path>, meta: TraceMeta) -> Result<Self, OutputError> {
-        Self::new(Out::File(AtomicFile::create(path.as_ref())?), meta)
+        Self::open(&OutputTarget::check(path)?, meta)
+    }
+
+    /// JSON into a checked target.
+    pub fn open(target: &OutputTarget, meta: TraceMeta) -> Result<Self, OutputError> {
+        meta.validate()?;
+        Self::new(Out::File(target.open()?), meta)
     }
 
     /// JSON into any writer.
@@ -349,6 +308,7 @@ impl JsonSink {
         meta.validate()?;
         let mut s = Self {
             scratch: vec![0; meta.page_size],
+            last: vec![0; meta.nr_cpus as usize],
             meta,
             out: Some(out),
             first: true,
@@ -374,7 +334,7 @@ impl JsonSink {
 
     fn raw(&mut self, s: &str) -> Result<(), OutputError> {
         match self.out.as_mut() {
-            Some(o) => o.w().write_all(s.as_bytes()).map_err(OutputError::from),
+            Some(o) => o.write_all(s.as_bytes()),
             None => Ok(()),
         }
     }
@@ -397,6 +357,20 @@ impl PageSink for JsonSink {
         r
     }
 
+    /// A `lost events` instant (args `count`) at the time of the CPU's last event.
+    fn trailing_lost(&mut self, cpu: u32, lost: u64) -> Result<(), OutputError> {
+        let Some(&ts) = self.last.get(cpu as usize) else {
+            return Err(OutputError::BadPage {
+                cpu,
+                reason: format!("cpu {cpu} ≥ nr_cpus {}", self.meta.nr_cpus),
+            });
+        };
+        if lost == 0 {
+            return Ok(());
+        }
+        self.lost_entry(cpu, ts, &format!("{{\"count\":{lost}}}"))
+    }
+
     fn finish(mut self: Box<Self>, _summary: &RunSummary) -> Result<(), OutputError> {
         self.raw("\n],\"displayTimeUnit\":\"ns\"}\n")?;
         match self.out.take() {
@@ -407,6 +381,14 @@ impl PageSink for JsonSink {
 }
 
 impl JsonSink {
+    fn lost_entry(&mut self, cpu: u32, ts: u64, args: &str) -> Result<(), OutputError> {
+        let ns = self.meta.clock.to_ns(ts);
+        self.entry(&format!(
+            "{{\"name\":\"lost events\",\"cat\":\"hyptrace\",\"ph\":\"i\",\"s\":\"t\",\"ts\":{},\"pid\":{JSON_PID},\"tid\":{cpu},\"args\":{args}}}",
+            us(ns)
+        ))
+    }
+
     fn page_inner(&mut self, cpu: u32, page: &[u8]) -> Result<(), OutputError> {
         let (page_ts, events, _err) = page_events(page);
         let clock = self.meta.clock.clone();
@@ -418,11 +400,13 @@ impl JsonSink {
                     _ => "{\"count\":null}".into(),
                 };
                 let ts = events.first().map_or(page_ts, |e| e.0);
-                self.entry(&format!(
-                    "{{\"name\":\"lost events\",\"cat\":\"hyptrace\",\"ph\":\"i\",\"s\":\"t\",\"ts\":{},\"pid\":{JSON_PID},\"tid\":{cpu},\"args\":{args}}}",
-                    us(clock.to_ns(ts))
-                ))?;
+                self.lost_entry(cpu, ts, &args)?;
             }
+        }
+        if let Some(&(ts, _)) = events.last() {
+            self.last[cpu as usize] = ts;
+        } else if page_missed(page) != Missed::None {
+            self.last[cpu as usize] = page_ts;
         }
         for (ts, payload) in events {
             let ts_ns = clock.to_ns(ts);
@@ -493,9 +477,17 @@ pub struct RawSink {
 }
 
 impl RawSink {
-    /// Raw stream into the file `path` (temporary name, renamed at `finish`).
+    /// Raw stream into `path` (checked and opened as [`OutputTarget`] does: `-` is
+    /// stdout, a regular file is written under a temporary name and renamed at `finish`,
+    /// a device or FIFO is written in place).
     pub fn create(path: impl AsRef<Path>, meta: TraceMeta) -> Result<Self, OutputError> {
-        Self::new(Out::File(AtomicFile::create(path.as_ref())?), meta)
+        Self::open(&OutputTarget::check(path)?, meta)
+    }
+
+    /// Raw stream into a checked target.
+    pub fn open(target: &OutputTarget, meta: TraceMeta) -> Result<Self, OutputError> {
+        meta.validate()?;
+        Self::new(Out::File(target.open()?), meta)
     }
 
     /// Raw stream into any writer.
@@ -518,7 +510,7 @@ impl RawSink {
         h.extend_from_slice(&t.offset.to_le_bytes());
         h.extend_from_slice(&(meta.clock.name.len() as u32).to_le_bytes());
         h.extend_from_slice(meta.clock.name.as_bytes());
-        out.w().write_all(&h)?;
+        out.write_all(&h)?;
         Ok(Self {
             scratch: vec![0; meta.page_size],
             meta,
@@ -534,11 +526,23 @@ impl PageSink for RawSink {
         let Some(out) = self.out.as_mut() else {
             return Ok(());
         };
-        let w = out.w();
-        w.write_all(&RAW_TAG_PAGE.to_le_bytes())?;
-        w.write_all(&cpu.to_le_bytes())?;
-        w.write_all(&self.scratch)?;
+        out.write_all(&RAW_TAG_PAGE.to_le_bytes())?;
+        out.write_all(&cpu.to_le_bytes())?;
+        out.write_all(&self.scratch)?;
         Ok(())
+    }
+
+    /// An event-less page record carrying the count (`commit` 0 with `RB_MISSED_EVENTS |
+    /// RB_MISSED_STORED`, the u64 count right after the header), timestamped like the
+    /// CPU's last page: [`RawTrace::replay`] turns a CPU's last page of that kind back
+    /// into `trailing_lost`.
+    fn trailing_lost(&mut self, cpu: u32, lost: u64) -> Result<(), OutputError> {
+        let empty = vec![0u8; self.meta.page_size];
+        self.meta.check_page(cpu, &empty)?;
+        if lost == 0 {
+            return Ok(());
+        }
+        self.page(cpu, &empty, Some(lost))
     }
 
     fn finish(mut self: Box<Self>, summary: &RunSummary) -> Result<(), OutputError> {
@@ -561,7 +565,7 @@ impl PageSink for RawSink {
                 e.extend_from_slice(&v.to_le_bytes());
             }
         }
-        out.w().write_all(&e)?;
+        out.write_all(&e)?;
         out.close()
     }
 }
@@ -665,13 +669,25 @@ impl RawTrace {
 
     /// Feeds the pages into another sink (e.g. a [`crate::TraceDatSink`]), losses
     /// preserved, then finishes it.
+    /// A CPU's last page that holds no event but a loss count (what
+    /// [`RawSink`]'s `trailing_lost` writes) is replayed as `trailing_lost`.
     pub fn replay(&self, mut sink: Box<dyn PageSink>) -> Result<(), OutputError> {
-        for (cpu, p) in &self.pages {
+        let mut last_of_cpu = BTreeMap::new();
+        for (i, (cpu, _)) in self.pages.iter().enumerate() {
+            last_of_cpu.insert(*cpu, i);
+        }
+        for (i, (cpu, p)) in self.pages.iter().enumerate() {
             let missed = match page_missed(p) {
                 Missed::Count(n) => Some(n),
                 // A flag-only loss (count unknown; hyptrace never writes one) is not carried over.
                 Missed::Unknown | Missed::None => None,
             };
+            if let (Some(n), Some(0)) = (missed, commit_len(p)) {
+                if last_of_cpu.get(cpu) == Some(&i) {
+                    sink.trailing_lost(*cpu, n)?;
+                    continue;
+                }
+            }
             sink.page(*cpu, p, missed)?;
         }
         sink.finish(&self.summary.clone().unwrap_or_default())

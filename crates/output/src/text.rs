@@ -27,8 +27,9 @@ pub fn format_event(
     fields: &str,
 ) {
     let mut num = itoa::Buffer::new();
+    let comm = escape_guest_str(comm);
     spaces(out, 16usize.saturating_sub(comm.chars().count()));
-    out.push_str(comm);
+    out.push_str(&comm);
     out.push('-');
     let p = num.format(pid);
     out.push_str(p);
@@ -46,7 +47,8 @@ pub fn format_event(
     zeros(out, 9 - ns.len());
     out.push_str(ns);
     out.push_str(": ");
-    out.push_str(event);
+    let event = escape_guest_str(event);
+    out.push_str(&event);
     out.push(':');
     spaces(out, 20usize.saturating_sub(event.chars().count()));
     out.push(' ');
@@ -90,6 +92,88 @@ fn guest_fast_fields(out: &mut String, id: u16, payload: &[u8]) -> bool {
         out.push_str(num.format(word(8 + 8 * i)));
     }
     true
+}
+
+/// Whether `c` is written escaped in text output: C0 controls, DEL, C1 controls, the
+/// line/paragraph separators and the bidirectional-text controls (which reorder what a
+/// terminal shows).
+fn must_escape(c: char) -> bool {
+    c.is_control()
+        || matches!(
+            c,
+            '\u{2028}' | '\u{2029}' | '\u{200e}' | '\u{200f}' | '\u{061c}'
+        )
+        || ('\u{202a}'..='\u{202e}').contains(&c)
+        || ('\u{2066}'..='\u{2069}').contains(&c)
+}
+
+fn push_escaped_char(out: &mut String, c: char) {
+    match c {
+        '\n' => out.push_str("\\n"),
+        '\t' => out.push_str("\\t"),
+        '\r' => out.push_str("\\r"),
+        c if (c as u32) < 0x100 => {
+            let _ = write!(out, "\\x{:02x}", c as u32);
+        }
+        c => {
+            let _ = write!(out, "\\u{{{:x}}}", c as u32);
+        }
+    }
+}
+
+/// Appends guest-controlled bytes `b` (a `%s` field, a panic message) to a text line so
+/// that they can neither end the line nor drive the terminal: control characters are
+/// written as C escapes (`\n`, `\t`, `\r`, `\xNN` for the other C0/C1 controls and DEL,
+/// `\u{NNNN}` for line separators and bidirectional controls), bytes that are not UTF-8
+/// as `\xNN`; everything else, backslashes included, is copied as is (so printable
+/// strings stay byte-identical to what `trace-cmd report` prints; trace-cmd prints `%s`
+/// raw).
+pub fn escape_guest_bytes(out: &mut String, b: &[u8]) {
+    for chunk in b.utf8_chunks() {
+        let valid = chunk.valid();
+        if !valid.chars().any(must_escape) {
+            out.push_str(valid);
+        } else {
+            for c in valid.chars() {
+                if must_escape(c) {
+                    push_escaped_char(out, c);
+                } else {
+                    out.push(c);
+                }
+            }
+        }
+        for &x in chunk.invalid() {
+            let _ = write!(out, "\\x{x:02x}");
+        }
+    }
+}
+
+/// A guest string made safe for one line of text output (see [`escape_guest_bytes`]);
+/// borrowed when nothing needs escaping. The host uses it for the guest's panic message.
+pub fn escape_guest_str(s: &str) -> std::borrow::Cow<'_, str> {
+    if s.chars().any(must_escape) {
+        let mut out = String::with_capacity(s.len() + 8);
+        escape_guest_bytes(&mut out, s.as_bytes());
+        std::borrow::Cow::Owned(out)
+    } else {
+        std::borrow::Cow::Borrowed(s)
+    }
+}
+
+/// [`escape_guest_bytes`] into a new string.
+pub fn escaped_guest_bytes(b: &[u8]) -> String {
+    let mut out = String::with_capacity(b.len());
+    escape_guest_bytes(&mut out, b);
+    out
+}
+
+/// Appends `s` escaped if it needs it (names and comms read from a trace.dat).
+fn push_safe(out: &mut String, s: &str) {
+    if s.chars().any(must_escape) {
+        escape_guest_bytes(out, s.as_bytes());
+    } else {
+        out.push_str(s);
+    }
 }
 
 /// Appends a drop-marker line (no newline).
@@ -385,7 +469,7 @@ impl PrintFmt {
         let mut out = String::new();
         for p in &self.pieces {
             match p {
-                Piece::Lit(s) => out.push_str(s),
+                Piece::Lit(s) => push_safe(&mut out, s),
                 Piece::Conv(sp, arg) => {
                     let (name, is_str) = match arg {
                         Arg::Field(n) => (n, false),
@@ -399,9 +483,14 @@ impl PrintFmt {
                         } else {
                             return None;
                         };
-                        let mut s = String::from_utf8_lossy(bytes).into_owned();
-                        if let Some(p) = sp.prec {
-                            s = s.chars().take(p).collect();
+                        let mut s = String::new();
+                        match sp.prec {
+                            Some(p) => {
+                                let cut: String =
+                                    String::from_utf8_lossy(bytes).chars().take(p).collect();
+                                escape_guest_bytes(&mut s, cut.as_bytes());
+                            }
+                            None => escape_guest_bytes(&mut s, bytes),
                         }
                         s
                     } else {
@@ -442,7 +531,7 @@ fn format_int(sp: &Spec, v: u64) -> String {
         b'x' | b'p' => (false, format!("{u:x}")),
         b'X' => (false, format!("{u:X}")),
         b'o' => (false, format!("{u:o}")),
-        b'c' => return char::from(u as u8).to_string(),
+        b'c' => return escaped_guest_bytes(&[u as u8]),
         _ => (false, u.to_string()),
     };
     if sp.conv == b'p' {
@@ -507,10 +596,11 @@ pub fn format_fields_raw(out: &mut String, fmt: &EventFormat, payload: &[u8]) {
             out.push(' ');
         }
         first = false;
-        let _ = write!(out, "{}=", f.name);
+        push_safe(out, &f.name);
+        out.push('=');
         if f.is_string() {
             match field_bytes(f, payload) {
-                Some(b) => out.push_str(&String::from_utf8_lossy(b)),
+                Some(b) => escape_guest_bytes(out, b),
                 None => out.push_str("<bad>"),
             }
         } else if f.is_array() || f.is_data_loc() || f.is_rel_loc() {
@@ -544,13 +634,20 @@ pub struct EventPrinter {
     /// The format.
     pub format: EventFormat,
     print: Option<PrintFmt>,
+    /// The format is one of the built-in guest events: print it without the interpreter.
+    guest_fast: bool,
 }
 
 impl EventPrinter {
     /// Parses the print fmt of `format` once.
     pub fn new(format: EventFormat) -> Self {
         let print = PrintFmt::parse(&format.print_fmt);
-        Self { format, print }
+        let guest_fast = crate::format::guest_formats().contains(&format);
+        Self {
+            format,
+            print,
+            guest_fast,
+        }
     }
 
     /// Whether the print fmt is interpreted (else fields are printed raw).
@@ -582,10 +679,13 @@ pub fn guest_printers() -> BTreeMap<u16, EventPrinter> {
         .collect()
 }
 
-/// Formats one guest event payload (common header + fields) into a full line the way
-/// `trace-cmd report -t` would print it from our trace.dat. `cmdlines` maps pids to
-/// comms (see [`crate::TraceMeta::cmdlines`]). Unknown event ids print as
-/// `[UNKNOWN EVENT id]`-free raw hex.
+/// Formats one event payload (common header + fields) into a full line the way
+/// `trace-cmd report -t` prints it: the one formatter of `run` (live events), the text
+/// sink and `report`. `printers` are the event formats by id, `cmdlines` maps pids to
+/// comms (see [`crate::TraceMeta::cmdlines`]). An event whose id has no format prints
+/// as `[UNKNOWN EVENT]` with `id=N` in the usual columns (trace-cmd 3.1.6 prints
+/// `[UNKNOWN EVENT][UNKNOWN EVENT] (NULL): [UNKNOWN EVENT]` without CPU or time);
+/// a payload shorter than its id counts as id 0, shorter than its pid as pid -1.
 pub fn format_guest_line(
     out: &mut String,
     printers: &BTreeMap<u16, EventPrinter>,
@@ -594,33 +694,24 @@ pub fn format_guest_line(
     ts_ns: u64,
     payload: &[u8],
 ) {
-    let Some(h) = hyptrace_abi::events::CommonHeader::parse(payload) else {
-        format_event(out, "<...>", -1, cpu, ts_ns, "short_event", "");
-        return;
-    };
-    let comm = comm_of(cmdlines, h.pid);
-    match printers.get(&h.common_type) {
+    let id = payload
+        .get(..2)
+        .map_or(0, |b| u16::from_le_bytes([b[0], b[1]]));
+    let pid = payload
+        .get(4..8)
+        .map_or(-1, |b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+    let comm = comm_of(cmdlines, pid);
+    match printers.get(&id) {
         Some(p) => {
             // The fields end the line: append them right after the prefix.
-            format_event(out, comm, h.pid, cpu, ts_ns, &p.format.name, "");
-            if !guest_fast_fields(out, h.common_type, payload) {
+            format_event(out, comm, pid, cpu, ts_ns, &p.format.name, "");
+            if !(p.guest_fast && guest_fast_fields(out, id, payload)) {
                 p.format_fields(out, payload);
             }
         }
         None => {
-            let mut hex = String::new();
-            for b in payload {
-                let _ = write!(hex, "{b:02x}");
-            }
-            format_event(
-                out,
-                comm,
-                h.pid,
-                cpu,
-                ts_ns,
-                &format!("event_{}", h.common_type),
-                &hex,
-            );
+            format_event(out, comm, pid, cpu, ts_ns, "[UNKNOWN EVENT]", "id=");
+            out.push_str(itoa::Buffer::new().format(id));
         }
     }
 }

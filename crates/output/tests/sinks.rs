@@ -281,6 +281,110 @@ fn guest_line_formatter_is_report_formatter() {
         }
         lines.push(s);
     }
-    // (joined: the text message contains a newline, printed as is, like trace-cmd.)
+    // (the text message's newline, tab and control byte are escaped: one line per item.)
     assert_eq!(lines.join("\n") + "\n", f.report());
+}
+
+/// A guest text event that tries to forge a drop marker and an event line.
+const FORGED: &str = "x\nCPU:0 [999 EVENTS DROPPED]\n           vcpu0-1     [000]     9.000000000: marker:               seq=7 value=7\r\x1b[2K\u{202e}end";
+const FORGED_ESCAPED: &str = "x\\nCPU:0 [999 EVENTS DROPPED]\\n           vcpu0-1     [000]     9.000000000: marker:               seq=7 value=7\\r\\x1b[2K\\u{202e}end";
+
+fn forged_pages() -> Vec<(Vec<u8>, Option<u64>)> {
+    let mut b = PageBuilder::new(4096);
+    b.push(1_000, &marker(0, 1, 10));
+    b.push(2_000, &text(0, 2, FORGED));
+    b.push(3_000, &marker(0, 3, 30));
+    b.finish()
+}
+
+/// Lines of a text output: exactly `events` event lines plus the `cpus=` line, no drop
+/// marker (none was lost), the message escaped on its line.
+fn check_forged_text(out: &str, what: &str) {
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 4, "{what}: {out}");
+    assert_eq!(lines[0], "cpus=1", "{what}");
+    assert!(
+        !lines.iter().any(|l| l.starts_with("CPU:")),
+        "{what}: forged marker: {out}"
+    );
+    assert_eq!(lines.iter().filter(|l| l.contains("marker:")).count(), 3);
+    assert!(
+        lines[2].ends_with(&format!("msg={FORGED_ESCAPED}")),
+        "{what}: {}",
+        lines[2]
+    );
+    assert!(
+        out.bytes().all(|c| c == b'\n' || !c.is_ascii_control()),
+        "{what}"
+    );
+}
+
+#[test]
+fn forged_lines_are_escaped_in_every_text_output() {
+    let dir = scratch_dir("forged");
+    let meta = TraceMeta::guest(4096, 1, Clock::nanoseconds());
+    let pages = forged_pages();
+    // TextSink.
+    let txt = dir.join("t.txt");
+    let mut sink: Box<dyn PageSink> = Box::new(TextSink::create(&txt, meta.clone()).unwrap());
+    for (p, m) in &pages {
+        sink.page(0, p, *m).unwrap();
+    }
+    sink.finish(&RunSummary::default()).unwrap();
+    check_forged_text(&std::fs::read_to_string(&txt).unwrap(), "text sink");
+    // trace.dat report.
+    let dat = dir.join("t.dat");
+    write_trace_dat(
+        &dat,
+        meta.clone(),
+        TraceDatVersion::V7,
+        pages.iter().map(|(p, m)| (0, p.as_slice(), *m)),
+        &RunSummary::default(),
+    )
+    .unwrap();
+    let f = TraceFile::open(&dat).unwrap();
+    check_forged_text(&f.report(), "report");
+    // The live formatter (`run`).
+    let printers = guest_printers();
+    let mut live = String::from("cpus=1\n");
+    for item in f.records() {
+        if let TraceItem::Event(r) = item {
+            format_guest_line(&mut live, &printers, &meta.cmdlines, 0, r.ts_ns, r.payload);
+            live.push('\n');
+        }
+    }
+    check_forged_text(&live, "run");
+    // JSON: valid, and the message exact.
+    let js = dir.join("t.json");
+    let mut sink: Box<dyn PageSink> = Box::new(JsonSink::create(&js, meta.clone()).unwrap());
+    for (p, m) in &pages {
+        sink.page(0, p, *m).unwrap();
+    }
+    sink.finish(&RunSummary::default()).unwrap();
+    let raw = std::fs::read_to_string(&js).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&raw).unwrap();
+    let msgs: Vec<_> = v["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["name"] == "text")
+        .map(|e| e["args"]["msg"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(msgs, vec![FORGED.to_string()]);
+    assert!(!raw.lines().any(|l| l.starts_with("CPU:")));
+}
+
+#[test]
+fn escape_guest_str_for_panic_messages() {
+    assert_eq!(escape_guest_str("plain \\ text"), "plain \\ text");
+    assert!(matches!(
+        escape_guest_str("plain"),
+        std::borrow::Cow::Borrowed(_)
+    ));
+    assert_eq!(
+        escape_guest_str("boom\x1b[2J\n\tat\u{7f}\u{85}\u{2028}x"),
+        "boom\\x1b[2J\\n\\tat\\x7f\\x85\\u{2028}x"
+    );
+    assert_eq!(escaped_guest_bytes(b"a\xffb\xc3"), "a\\xffb\\xc3");
+    assert_eq!(escaped_guest_bytes("é ü".as_bytes()), "é ü");
 }

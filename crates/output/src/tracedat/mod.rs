@@ -4,7 +4,7 @@ mod read;
 mod write;
 
 pub use read::{CpuBuffer, Records, TraceFile, TraceItem, TraceOption, TraceRecord};
-pub use write::{write_trace_dat, TraceDatSink, TraceDatVersion};
+pub use write::{write_trace_dat, TraceDatSink, TraceDatVersion, TRAILING_LOST_ID};
 
 /// The magic at the start of every trace.dat: `17 08 44 "tracing"`.
 pub const MAGIC: &[u8; 10] = b"\x17\x08\x44tracing";

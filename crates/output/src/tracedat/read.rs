@@ -12,7 +12,7 @@ use super::{option, MAGIC};
 use crate::clock::TscConversion;
 use crate::export::{check_page_size, Missed};
 use crate::format::{EventFormat, HeaderPage};
-use crate::text::{comm_of, format_drop, format_event, EventPrinter};
+use crate::text::{format_drop, format_guest_line, EventPrinter};
 use crate::OutputError;
 
 /// trace-cmd masks `commit` with 27 bits when reading.
@@ -644,31 +644,14 @@ impl TraceFile {
             }
             TraceItem::BadPage { .. } => false,
             TraceItem::Event(r) => {
-                let id = r
-                    .payload
-                    .get(..2)
-                    .map_or(0, |b| u16::from_le_bytes([b[0], b[1]]));
-                let pid = r
-                    .payload
-                    .get(4..8)
-                    .map_or(-1, |b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]));
-                let comm = comm_of(&self.cmdlines, pid);
-                match self.printers.get(&id) {
-                    Some(p) => {
-                        let mut fields = String::new();
-                        p.format_fields(&mut fields, r.payload);
-                        format_event(out, comm, pid, r.cpu, r.ts_ns, &p.format.name, &fields);
-                    }
-                    None => format_event(
-                        out,
-                        comm,
-                        pid,
-                        r.cpu,
-                        r.ts_ns,
-                        "[UNKNOWN EVENT]",
-                        &format!("id={id}"),
-                    ),
-                }
+                format_guest_line(
+                    out,
+                    &self.printers,
+                    &self.cmdlines,
+                    r.cpu,
+                    r.ts_ns,
+                    r.payload,
+                );
                 true
             }
         }
@@ -851,11 +834,38 @@ impl<'a> Iterator for Records<'a> {
 }
 
 impl TraceFile {
-    /// Number of events (drop markers and bad pages not counted).
+    /// Number of events (drop markers, bad pages and hyptrace's own `trailing_lost`
+    /// events not counted).
     pub fn event_count(&self) -> usize {
         self.records()
-            .filter(|i| matches!(i, TraceItem::Event(_)))
+            .filter(|i| matches!(i, TraceItem::Event(r) if !self.is_trailing_lost(r)))
             .count()
+    }
+
+    /// Whether `r` is hyptrace's `trailing_lost` event (the record that carries the drop
+    /// marker of events lost after a CPU's last page; see `TraceDatSink`).
+    pub fn is_trailing_lost(&self, r: &TraceRecord<'_>) -> bool {
+        r.payload
+            .get(..2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+            .and_then(|id| self.format(id))
+            .is_some_and(EventFormat::is_trailing_lost)
+    }
+
+    /// Sum of the drop markers' counts and the number of markers without a count.
+    pub fn dropped(&self) -> (u64, usize) {
+        let (mut n, mut unknown) = (0u64, 0usize);
+        for i in self.records() {
+            match i {
+                TraceItem::Dropped {
+                    missed: Missed::Count(c),
+                    ..
+                } => n = n.saturating_add(c),
+                TraceItem::Dropped { .. } => unknown += 1,
+                _ => {}
+            }
+        }
+        (n, unknown)
     }
 
     /// Debug summary (version, page size, CPUs, formats), one `key: value` per line.

@@ -1,14 +1,18 @@
 //! trace.dat writer: streaming per-CPU spill files, assembled into v6 or v7 at the end.
 
-use std::fs::{self, File, OpenOptions};
 use std::io::{self, BufWriter, Seek, SeekFrom, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use super::{option, MAGIC};
 use crate::export::export_page_into;
 use crate::format::{header_page_text, EventFormat, HEADER_EVENT_TEXT};
 use crate::sink::{CpuStats, PageSink, RunSummary, TraceMeta};
+use crate::target::{OutputFile, OutputTarget, Temp};
 use crate::OutputError;
+
+/// Preferred event id of `hyptrace:trailing_lost` (the next free one below 65536 if a
+/// format already uses it).
+pub const TRAILING_LOST_ID: u16 = 999;
 
 /// Which trace.dat version to write.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -310,38 +314,54 @@ fn metadata(
 }
 
 struct Spill {
-    path: PathBuf,
-    file: BufWriter<File>,
+    file: BufWriter<Temp>,
     bytes: u64,
+    /// Offset of the last page written (None: no page yet).
+    last_page: Option<u64>,
 }
 
-/// A [`PageSink`] writing a trace.dat: pages go to per-CPU spill files next to the output
-/// while the run goes on; `finish` assembles metadata and each CPU's pages (contiguous,
-/// page aligned, copied verbatim) into a temporary file and renames it to the output path.
-/// Dropped without `finish` (or failing in it), it removes its temporary files: nothing
-/// that looks like a complete trace appears at the output path.
+impl Spill {
+    fn path(&self) -> &Path {
+        self.file.get_ref().path()
+    }
+
+    fn err(&self, e: io::Error) -> OutputError {
+        OutputError::io(self.path(), e)
+    }
+}
+
+/// A [`PageSink`] writing a trace.dat: pages go to per-CPU spill files while the run goes
+/// on (next to a regular output file, in the temporary directory for a device, FIFO or
+/// stdout); `finish` writes the metadata and each CPU's pages (contiguous, page aligned,
+/// copied verbatim) to the output ([`OutputTarget`]: a temporary file renamed over a
+/// regular file, or streamed to a device/FIFO/stdout).
+///
+/// On an error every temporary and spill file is removed at once, the error is returned
+/// (path and OS error), and later calls return [`OutputError::Closed`]. Dropped without
+/// `finish`, it removes them too: nothing that looks like a complete trace appears.
 pub struct TraceDatSink {
-    path: PathBuf,
-    tmp: PathBuf,
+    target: OutputTarget,
+    /// None once failed or finished.
+    out: Option<OutputFile>,
     meta: TraceMeta,
     version: TraceDatVersion,
     spills: Vec<Spill>,
     scratch: Vec<u8>,
-    done: bool,
-}
-
-fn sibling(path: &Path, suffix: &str) -> PathBuf {
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "trace.dat".into());
-    path.with_file_name(format!(".{name}.{}.{suffix}", std::process::id()))
 }
 
 impl TraceDatSink {
-    /// Creates the sink (and its spill files) for output `path`.
+    /// Creates the sink for output `path` (checked as [`OutputTarget::check`] does).
     pub fn create(
         path: impl AsRef<Path>,
+        meta: TraceMeta,
+        version: TraceDatVersion,
+    ) -> Result<Self, OutputError> {
+        Self::open(&OutputTarget::check(path)?, meta, version)
+    }
+
+    /// Creates the sink (output and spill files) for a checked target.
+    pub fn open(
+        target: &OutputTarget,
         meta: TraceMeta,
         version: TraceDatVersion,
     ) -> Result<Self, OutputError> {
@@ -355,94 +375,185 @@ impl TraceDatSink {
                 )));
             }
         }
-        let path = path.as_ref().to_path_buf();
-        let mut sink = Self {
-            tmp: sibling(&path, "tmp"),
-            path,
+        let mut spills = Vec::new();
+        for cpu in 0..meta.nr_cpus {
+            let f = target.spill(&format!(".cpu{cpu}"))?;
+            spills.push(Spill {
+                file: BufWriter::with_capacity(1 << 20, f),
+                bytes: 0,
+                last_page: None,
+            });
+        }
+        let out = target.open()?;
+        Ok(Self {
+            target: target.clone(),
+            out: Some(out),
             scratch: vec![0; meta.page_size],
             meta,
             version,
-            spills: Vec::new(),
-            done: false,
-        };
-        for cpu in 0..sink.meta.nr_cpus {
-            let p = sibling(&sink.path, &format!("cpu{cpu}"));
-            let f = OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .open(&p)
-                .map_err(|e| OutputError::io(&p, e))?;
-            sink.spills.push(Spill {
-                path: p,
-                file: BufWriter::with_capacity(1 << 20, f),
-                bytes: 0,
-            });
-        }
-        Ok(sink)
+            spills,
+        })
     }
 
-    /// Output path.
+    /// Output path (as given).
     pub fn path(&self) -> &Path {
-        &self.path
+        self.target.path()
     }
 
     fn assemble(&mut self, summary: &RunSummary) -> Result<(), OutputError> {
+        let Some(mut out) = self.out.take() else {
+            return Err(OutputError::Closed);
+        };
         let sizes: Vec<u64> = self.spills.iter().map(|s| s.bytes).collect();
         let (head, data_start) = metadata(&self.meta, &summary.cpus, &sizes, self.version);
-        let tmp = self.tmp.clone();
-        let io = |e: io::Error| OutputError::io(&tmp, e);
-        let f = File::create(&tmp).map_err(io)?;
-        let mut w = BufWriter::with_capacity(1 << 20, f);
-        w.write_all(&head).map_err(io)?;
+        out.write_all(&head).map_err(|e| out.error(e))?;
         let pad = data_start - head.len() as u64;
-        io::copy(&mut io::Read::take(io::repeat(0), pad), &mut w).map_err(io)?;
+        io::copy(&mut io::Read::take(io::repeat(0), pad), &mut out).map_err(|e| out.error(e))?;
         for s in &mut self.spills {
-            let sp = s.path.clone();
-            s.file.flush().map_err(|e| OutputError::io(&sp, e))?;
-            let f = s.file.get_mut();
+            s.file
+                .flush()
+                .map_err(|e| OutputError::io(s.file.get_ref().path(), e))?;
+            let f = s.file.get_mut().file_mut();
             f.seek(SeekFrom::Start(0))
-                .map_err(|e| OutputError::io(&sp, e))?;
-            let n = io::copy(&mut io::Read::take(&mut *f, s.bytes), &mut w).map_err(io)?;
+                .map_err(|e| OutputError::io(s.file.get_ref().path(), e))?;
+            let f = s.file.get_mut().file_mut();
+            let mut src = io::Read::take(&mut *f, s.bytes);
+            // Copy by hand: a read error names the spill file, a write error the output.
+            let mut buf = vec![0u8; 1 << 16];
+            let mut n = 0u64;
+            loop {
+                let k = match io::Read::read(&mut src, &mut buf) {
+                    Ok(0) => break,
+                    Ok(k) => k,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(OutputError::io(s.file.get_ref().path(), e)),
+                };
+                out.write_all(&buf[..k]).map_err(|e| out.error(e))?;
+                n += k as u64;
+            }
             if n != s.bytes {
-                return Err(OutputError::io(
-                    &sp,
-                    io::Error::new(io::ErrorKind::UnexpectedEof, "spill file shrank"),
-                ));
+                return Err(s.err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "spill file shrank",
+                )));
             }
         }
-        let f = w.into_inner().map_err(|e| io(e.into_error()))?;
-        f.sync_all().map_err(io)?;
-        drop(f);
-        fs::rename(&tmp, &self.path).map_err(|e| OutputError::io(&self.path, e))?;
-        Ok(())
+        out.finish()
     }
 
+    /// Removes every spill and temporary file.
     fn cleanup(&mut self) {
-        for s in self.spills.drain(..) {
-            drop(s.file);
-            let _ = fs::remove_file(&s.path);
+        self.spills.clear();
+        self.out = None;
+    }
+
+    /// The id of `hyptrace:trailing_lost`, its format added to the metadata on first use
+    /// (files without trailing losses do not carry it).
+    fn trailing_lost_id(&mut self) -> u16 {
+        if let Some(f) = self.meta.formats.iter().find(|f| f.is_trailing_lost()) {
+            return f.id;
         }
-        let _ = fs::remove_file(&self.tmp);
+        let used = |id: u16| self.meta.formats.iter().any(|f| f.id == id);
+        let id = std::iter::once(TRAILING_LOST_ID)
+            .chain((1..=u16::MAX).rev())
+            .find(|&id| !used(id))
+            .unwrap_or(TRAILING_LOST_ID);
+        self.meta
+            .formats
+            .push(crate::format::trailing_lost_format(id));
+        id
+    }
+
+    /// Raw timestamp of the last event of `cpu` (its last page's time if it has no
+    /// event, 0 without pages), read back from the spill file: the page path stays a
+    /// plain copy.
+    fn last_time(&mut self, cpu: u32) -> Result<u64, OutputError> {
+        use std::os::unix::fs::FileExt;
+        let s = &mut self.spills[cpu as usize];
+        let Some(at) = s.last_page else {
+            return Ok(0);
+        };
+        s.file
+            .flush()
+            .map_err(|e| OutputError::io(s.file.get_ref().path(), e))?;
+        let mut page = vec![0u8; self.meta.page_size];
+        s.file
+            .get_ref()
+            .file()
+            .read_exact_at(&mut page, at)
+            .map_err(|e| s.err(e))?;
+        let Some((ts, commit)) = hyptrace_abi::page::page_header(&page) else {
+            return Ok(0);
+        };
+        let len = (commit & hyptrace_abi::page::COMMIT_LEN_MASK) as usize;
+        let area = page.get(16..16usize.saturating_add(len)).unwrap_or(&[]);
+        let mut last = ts;
+        for e in hyptrace_abi::page::Events::new(area, ts).flatten() {
+            last = e.ts;
+        }
+        Ok(last)
+    }
+
+    /// Closes the sink after an error: every temporary file removed.
+    fn fail<T>(&mut self, e: OutputError) -> Result<T, OutputError> {
+        self.cleanup();
+        Err(e)
     }
 }
 
 impl PageSink for TraceDatSink {
     fn page(&mut self, cpu: u32, page: &[u8], missed: Option<u64>) -> Result<(), OutputError> {
+        if self.out.is_none() {
+            return Err(OutputError::Closed);
+        }
         self.meta.check_page(cpu, page)?;
         export_page_into(cpu, page, missed, &mut self.scratch)?;
         let s = &mut self.spills[cpu as usize];
-        s.file
-            .write_all(&self.scratch)
-            .map_err(|e| OutputError::io(&s.path, e))?;
+        if let Err(e) = s.file.write_all(&self.scratch) {
+            let e = s.err(e);
+            return self.fail(e);
+        }
+        s.last_page = Some(s.bytes);
         s.bytes += self.scratch.len() as u64;
         Ok(())
     }
 
+    /// Appends a page to CPU `cpu` holding one `hyptrace:trailing_lost` event (field
+    /// `count` = `lost`) at the time of the CPU's last event, with `RB_MISSED_EVENTS |
+    /// RB_MISSED_STORED` and the count: trace-cmd prints `CPU:N [lost EVENTS DROPPED]`
+    /// before that event, after the CPU's last event (it shows a loss only before a
+    /// record: an empty page carrying a count prints nothing).
+    fn trailing_lost(&mut self, cpu: u32, lost: u64) -> Result<(), OutputError> {
+        if self.out.is_none() {
+            return Err(OutputError::Closed);
+        }
+        if lost == 0 {
+            return Ok(());
+        }
+        self.meta.check_page(cpu, &self.scratch)?;
+        let ts = match self.last_time(cpu) {
+            Ok(t) => t,
+            Err(e) => return self.fail(e),
+        };
+        let id = self.trailing_lost_id();
+        let ps = self.meta.page_size;
+        let mut raw = vec![0u8; ps];
+        let mut payload = [0u8; crate::format::TRAILING_LOST_SIZE];
+        payload[..2].copy_from_slice(&id.to_le_bytes());
+        payload[4..8].copy_from_slice(&hyptrace_abi::events::vcpu_pid(cpu).to_le_bytes());
+        payload[8..16].copy_from_slice(&lost.to_le_bytes());
+        let mut hdr = [0u8; 8];
+        let n = hyptrace_abi::page::encode_data_header(&mut hdr, payload.len(), 0);
+        let len = n + payload.len();
+        raw[..8].copy_from_slice(&ts.to_le_bytes());
+        raw[8..16].copy_from_slice(&(len as u64).to_le_bytes());
+        raw[16..16 + n].copy_from_slice(&hdr[..n]);
+        raw[16 + n..16 + len].copy_from_slice(&payload);
+        self.page(cpu, &raw, Some(lost))
+    }
+
     fn finish(mut self: Box<Self>, summary: &RunSummary) -> Result<(), OutputError> {
         let r = self.assemble(summary);
-        self.done = r.is_ok();
         self.cleanup();
         r
     }

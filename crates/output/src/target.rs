@@ -1,0 +1,424 @@
+//! Output destinations: where a sink (or the host's `--stats`/`--json` writer) writes,
+//! checked before any work is done.
+//!
+//! - a regular file or a new path: written to a temporary file in the same directory
+//!   and renamed over the path at `finish` (nothing that looks complete appears before;
+//!   a previous file stays untouched if the run fails);
+//! - a symlink: followed (chains too); its target is written that way;
+//! - a character or block device, a FIFO, or `-` (stdout): written in place, streaming
+//!   (never replaced by a regular file);
+//! - a directory, a socket, a missing directory or one we cannot write to: refused by
+//!   [`OutputTarget::check`], so the caller can refuse before starting.
+//!
+//! On a write error the temporary file is removed at once and the error (path and OS
+//! error as its source) is returned; every later call returns [`OutputError::Closed`].
+//! Dropped without `finish`, an [`OutputFile`] removes its temporary file.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, BufWriter, Write};
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use tempfile::NamedTempFile;
+
+use crate::OutputError;
+
+/// Most symlinks followed (Linux's own limit).
+const MAX_SYMLINKS: usize = 40;
+/// `O_NONBLOCK` (Linux, every architecture we build for): opening a FIFO without a reader
+/// for writing fails with ENXIO instead of waiting.
+const O_NONBLOCK: i32 = 0o4000;
+/// Buffer of an output file.
+const BUF: usize = 1 << 20;
+
+/// What kind of destination a path is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TargetKind {
+    /// A regular file or a new path: temporary file + rename at `finish`.
+    File,
+    /// A character/block device or a FIFO: written in place, streaming.
+    Stream,
+    /// Standard output (`-`).
+    Stdout,
+}
+
+/// A checked output destination ([`OutputTarget::check`]), opened with
+/// [`OutputTarget::open`] or handed to a sink's `open`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OutputTarget {
+    /// The path as the user gave it (for messages).
+    path: PathBuf,
+    /// The path written: the symlink target for a symlink.
+    dest: PathBuf,
+    kind: TargetKind,
+    /// Where spill files go (None: see [`OutputTarget::spill_dir`]).
+    spill_dir: Option<PathBuf>,
+}
+
+fn refuse(path: &Path, kind: io::ErrorKind, msg: &str) -> OutputError {
+    OutputError::io(path, io::Error::new(kind, msg.to_string()))
+}
+
+/// Follows `path` through symlinks to the path that will be written.
+fn resolve(path: &Path) -> Result<(PathBuf, Option<fs::Metadata>), OutputError> {
+    let mut p = path.to_path_buf();
+    for _ in 0..MAX_SYMLINKS {
+        match fs::symlink_metadata(&p) {
+            Ok(m) if m.file_type().is_symlink() => {
+                let t = fs::read_link(&p).map_err(|e| OutputError::io(&p, e))?;
+                p = match p.parent() {
+                    Some(dir) if t.is_relative() => dir.join(t),
+                    _ => t,
+                };
+            }
+            Ok(m) => return Ok((p, Some(m))),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok((p, None)),
+            Err(e) => return Err(OutputError::io(&p, e)),
+        }
+    }
+    Err(refuse(
+        path,
+        io::ErrorKind::InvalidInput,
+        "too many levels of symbolic links",
+    ))
+}
+
+/// The directory a new file `p` goes in (`.` for a bare name).
+fn parent_dir(p: &Path) -> PathBuf {
+    match p.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    }
+}
+
+fn temp_in(dir: &Path, dest: &Path, suffix: &str) -> io::Result<NamedTempFile> {
+    let name = dest
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "out".into());
+    tempfile::Builder::new()
+        .prefix(&format!(".{name}."))
+        .suffix(suffix)
+        // Created 0666 minus the umask, like any file a shell redirection creates
+        // (tempfile's default is 0600).
+        .permissions(fs::Permissions::from_mode(0o666))
+        .tempfile_in(dir)
+}
+
+impl OutputTarget {
+    /// Standard output.
+    pub fn stdout() -> Self {
+        Self {
+            path: PathBuf::from("-"),
+            dest: PathBuf::from("-"),
+            kind: TargetKind::Stdout,
+            spill_dir: None,
+        }
+    }
+
+    /// Classifies `path` and checks that it can be written, creating nothing that stays:
+    /// `-` is stdout; a directory, a socket, a path in a missing or read-only directory,
+    /// a read-only file or device are refused (the error names the path, the OS error is
+    /// its source). Call it before starting work; errors are the user's (bad input).
+    pub fn check(path: impl AsRef<Path>) -> Result<Self, OutputError> {
+        let path = path.as_ref();
+        if path.as_os_str() == "-" {
+            return Ok(Self::stdout());
+        }
+        if path.as_os_str().is_empty() {
+            return Err(refuse(path, io::ErrorKind::InvalidInput, "empty path"));
+        }
+        let (dest, meta) = resolve(path)?;
+        let kind = match &meta {
+            None => TargetKind::File,
+            Some(m) => {
+                let t = m.file_type();
+                if t.is_dir() {
+                    return Err(refuse(path, io::ErrorKind::IsADirectory, "is a directory"));
+                } else if t.is_file() {
+                    TargetKind::File
+                } else if t.is_char_device() || t.is_block_device() || t.is_fifo() {
+                    TargetKind::Stream
+                } else {
+                    return Err(refuse(
+                        path,
+                        io::ErrorKind::InvalidInput,
+                        "not a regular file, device or FIFO",
+                    ));
+                }
+            }
+        };
+        match kind {
+            TargetKind::File => {
+                if meta.is_some() {
+                    // An existing file we may not write is refused, as `>` would.
+                    OpenOptions::new()
+                        .write(true)
+                        .open(&dest)
+                        .map_err(|e| OutputError::io(path, e))?;
+                }
+                let dir = parent_dir(&dest);
+                // The definitive check: a temporary file can be made next to it.
+                drop(temp_in(&dir, &dest, ".check").map_err(|e| OutputError::io(path, e))?);
+            }
+            TargetKind::Stream => {
+                match OpenOptions::new()
+                    .write(true)
+                    .custom_flags(O_NONBLOCK)
+                    .open(&dest)
+                {
+                    Ok(_) => {}
+                    // A FIFO without a reader yet: writable, `open` waits for the reader.
+                    Err(e) if e.raw_os_error() == Some(6) => {}
+                    Err(e) => return Err(OutputError::io(path, e)),
+                }
+            }
+            TargetKind::Stdout => {}
+        }
+        Ok(Self {
+            path: path.to_path_buf(),
+            dest,
+            kind,
+            spill_dir: None,
+        })
+    }
+
+    /// The path as given.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The path written (a symlink's target).
+    pub fn dest(&self) -> &Path {
+        &self.dest
+    }
+
+    /// What kind of destination this is.
+    pub fn kind(&self) -> TargetKind {
+        self.kind
+    }
+
+    /// Opens the destination for writing: a temporary file next to it (renamed at
+    /// [`OutputFile::finish`]), the device or FIFO itself (a FIFO's open waits for a
+    /// reader), or stdout.
+    pub fn open(&self) -> Result<OutputFile, OutputError> {
+        let inner = match self.kind {
+            TargetKind::File => {
+                let t = temp_in(&parent_dir(&self.dest), &self.dest, ".tmp")
+                    .map_err(|e| OutputError::io(&self.path, e))?;
+                Inner::Temp(BufWriter::with_capacity(BUF, Temp(t)))
+            }
+            TargetKind::Stream => {
+                let f = OpenOptions::new()
+                    .write(true)
+                    .open(&self.dest)
+                    .map_err(|e| OutputError::io(&self.path, e))?;
+                Inner::Stream(BufWriter::with_capacity(BUF, f))
+            }
+            TargetKind::Stdout => Inner::Stdout(BufWriter::with_capacity(BUF, io::stdout())),
+        };
+        Ok(OutputFile {
+            target: self.clone(),
+            inner,
+        })
+    }
+
+    /// Keeps spill files (trace.dat's per-CPU page files) in `dir` instead.
+    pub fn with_spill_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.spill_dir = Some(dir.into());
+        self
+    }
+
+    /// Where a sink writing here keeps its spill files: the directory given with
+    /// [`OutputTarget::with_spill_dir`], else next to a regular file (same file system
+    /// as the output), else the system's temporary directory (`TMPDIR`).
+    pub fn spill_dir(&self) -> PathBuf {
+        match (&self.spill_dir, self.kind) {
+            (Some(d), _) => d.clone(),
+            (None, TargetKind::File) => parent_dir(&self.dest),
+            (None, _) => std::env::temp_dir(),
+        }
+    }
+
+    /// A spill file for this output (removed when dropped).
+    pub(crate) fn spill(&self, suffix: &str) -> Result<Temp, OutputError> {
+        let dir = self.spill_dir();
+        let name = match self.kind {
+            TargetKind::File if self.spill_dir.is_none() => self.dest.clone(),
+            _ => PathBuf::from("hyptrace-spill"),
+        };
+        temp_in(&dir, &name, suffix)
+            .map(Temp)
+            .map_err(|e| OutputError::io(&dir, e))
+    }
+}
+
+/// A temporary file written through its `File` (NamedTempFile's own `Write` wraps errors
+/// in a second layer that hides the OS error code); removed when dropped.
+pub(crate) struct Temp(pub(crate) NamedTempFile);
+
+impl Temp {
+    pub(crate) fn path(&self) -> &Path {
+        self.0.path()
+    }
+
+    pub(crate) fn file(&self) -> &File {
+        self.0.as_file()
+    }
+
+    pub(crate) fn file_mut(&mut self) -> &mut File {
+        self.0.as_file_mut()
+    }
+}
+
+impl Write for Temp {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.0.as_file_mut().write(buf)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.0.as_file_mut().flush()
+    }
+}
+
+enum Inner {
+    Temp(BufWriter<Temp>),
+    Stream(BufWriter<File>),
+    Stdout(BufWriter<io::Stdout>),
+    /// Failed or finished: nothing more is written.
+    Closed,
+}
+
+/// An open output ([`OutputTarget::open`]): `Write` into it, then [`OutputFile::finish`].
+/// A write error removes the temporary file at once; dropped unfinished, it removes it.
+pub struct OutputFile {
+    target: OutputTarget,
+    inner: Inner,
+}
+
+impl OutputFile {
+    /// The target.
+    pub fn target(&self) -> &OutputTarget {
+        &self.target
+    }
+
+    /// Whether a write failed or the file was finished.
+    pub fn is_closed(&self) -> bool {
+        matches!(self.inner, Inner::Closed)
+    }
+
+    /// The error for an `io::Error` from writing this output: the path as the user gave
+    /// it with the OS error as source, or [`OutputError::Closed`] for writes after a
+    /// failure (the first error already said why).
+    pub fn error(&self, e: io::Error) -> OutputError {
+        if is_closed_error(&e) {
+            OutputError::Closed
+        } else {
+            OutputError::io(&self.target.path, e)
+        }
+    }
+
+    /// Stops writing: the temporary file is removed, buffered bytes are discarded.
+    fn abort(&mut self) {
+        match std::mem::replace(&mut self.inner, Inner::Closed) {
+            Inner::Temp(w) => {
+                let (t, _) = w.into_parts();
+                let _ = t.0.close();
+            }
+            Inner::Stream(w) => drop(w.into_parts()),
+            Inner::Stdout(w) => drop(w.into_parts()),
+            Inner::Closed => {}
+        }
+    }
+
+    /// Flushes, syncs and (regular file) renames the temporary file over the target.
+    /// On any error the temporary file is removed and the error returned.
+    pub fn finish(mut self) -> Result<(), OutputError> {
+        let path = self.target.path.clone();
+        let io = |e: io::Error| OutputError::io(&path, e);
+        match std::mem::replace(&mut self.inner, Inner::Closed) {
+            Inner::Temp(w) => {
+                // An error drops the temporary file (NamedTempFile removes it).
+                let t = w.into_inner().map_err(|e| io(e.into_error()))?;
+                t.file().sync_all().map_err(io)?;
+                t.0.persist(&self.target.dest)
+                    .map_err(|e| OutputError::io(&self.target.dest, e.error))?;
+                Ok(())
+            }
+            Inner::Stream(w) => {
+                w.into_inner().map_err(|e| io(e.into_error()))?;
+                Ok(())
+            }
+            Inner::Stdout(mut w) => w.flush().map_err(io),
+            Inner::Closed => Err(OutputError::Closed),
+        }
+    }
+}
+
+/// The error a write after a failure gets.
+#[derive(Debug)]
+struct ClosedMarker;
+
+impl std::fmt::Display for ClosedMarker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("output closed after an earlier error")
+    }
+}
+
+impl std::error::Error for ClosedMarker {}
+
+fn closed() -> io::Error {
+    io::Error::other(ClosedMarker)
+}
+
+/// Whether `e` is the error of a write after the output failed or finished.
+pub(crate) fn is_closed_error(e: &io::Error) -> bool {
+    e.get_ref().is_some_and(|x| x.is::<ClosedMarker>())
+}
+
+impl Write for OutputFile {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let r = match &mut self.inner {
+            Inner::Temp(w) => w.write(buf),
+            Inner::Stream(w) => w.write(buf),
+            Inner::Stdout(w) => w.write(buf),
+            Inner::Closed => return Err(closed()),
+        };
+        if r.as_ref().is_err_and(|e| !is_closed_error(e)) {
+            self.abort();
+        }
+        r
+    }
+
+    fn write_all(&mut self, buf: &[u8]) -> io::Result<()> {
+        let r = match &mut self.inner {
+            Inner::Temp(w) => w.write_all(buf),
+            Inner::Stream(w) => w.write_all(buf),
+            Inner::Stdout(w) => w.write_all(buf),
+            Inner::Closed => return Err(closed()),
+        };
+        if r.as_ref().is_err_and(|e| !is_closed_error(e)) {
+            self.abort();
+        }
+        r
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        let r = match &mut self.inner {
+            Inner::Temp(w) => w.flush(),
+            Inner::Stream(w) => w.flush(),
+            Inner::Stdout(w) => w.flush(),
+            Inner::Closed => return Err(closed()),
+        };
+        if r.as_ref().is_err_and(|e| !is_closed_error(e)) {
+            self.abort();
+        }
+        r
+    }
+}
+
+impl Drop for OutputFile {
+    fn drop(&mut self) {
+        // A temporary file never replaces the target unless finished.
+        self.abort();
+    }
+}
