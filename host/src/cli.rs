@@ -13,7 +13,7 @@ use std::ffi::OsString;
 use std::fmt::Write as _;
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -575,8 +575,9 @@ fn plan(a: &RunArgs) -> Result<Plan, String> {
 /// process of a pipeline.
 pub const SIGNAL_BURST: Duration = Duration::from_millis(500);
 
-/// What Ctrl-C (SIGINT) and SIGTERM asked for, set by a watcher thread (outside signal
-/// context, so it can print):
+/// What Ctrl-C (SIGINT) and SIGTERM asked for. Decided in the signal handler itself,
+/// with the time the signal arrived (not when a thread got around to it), using only
+/// async-signal-safe operations (atomics, `clock_gettime`, `write`, `_exit`):
 /// 1. the first signal: stop cleanly (the vCPUs stop, everything committed is read and
 ///    written out, exit 0); `hyptrace: stopping… (Ctrl-C again to abort)` on stderr;
 /// 2. a second one, later than [`SIGNAL_BURST`]: abort — the run returns at once without
@@ -585,9 +586,25 @@ pub const SIGNAL_BURST: Duration = Duration::from_millis(500);
 /// 3. a third one (the process did not manage to return): exit 130 immediately.
 #[derive(Debug, Default)]
 pub struct Interrupts {
-    stop: AtomicBool,
-    abort: AtomicBool,
-    signal: std::sync::atomic::AtomicI32,
+    /// CLOCK_MONOTONIC ns (at least 1) of the signal that asked for the stop; 0: none.
+    stop_at: AtomicU64,
+    /// The same for the abort.
+    abort_at: AtomicU64,
+    signal: AtomicI32,
+    tty: AtomicBool,
+}
+
+/// What a signal does, given the ones before it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SignalAction {
+    /// The first: stop cleanly.
+    Stop,
+    /// Within [`SIGNAL_BURST`] of the stop or the abort: part of it.
+    Burst,
+    /// Abort.
+    Abort,
+    /// Exit at once.
+    Exit,
 }
 
 impl Interrupts {
@@ -599,30 +616,77 @@ impl Interrupts {
             .get_or_init(|| {
                 use signal_hook::consts::{SIGINT, SIGTERM};
                 let state: &'static Interrupts = Box::leak(Box::default());
-                let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])
-                    .map_err(|e| format!("cannot install the signal handlers: {e}"))?;
-                std::thread::Builder::new()
-                    .name("hyptrace-signals".into())
-                    .spawn(move || {
-                        let mut watch = SignalWatch::default();
-                        for sig in signals.forever() {
-                            watch.on_signal(state, sig, Instant::now());
-                        }
-                    })
-                    .map_err(|e| format!("cannot start the signal thread: {e}"))?;
+                state
+                    .tty
+                    .store(std::io::stderr().is_terminal(), Ordering::SeqCst);
+                for sig in [SIGINT, SIGTERM] {
+                    let handler = move || state.handle(sig, monotonic_ns());
+                    // SAFETY: `handle` is async-signal-safe: it uses atomics,
+                    // `write(2)` on fd 2 with static bytes and `_exit(2)`; no allocation,
+                    // no lock, no `std::io`.
+                    unsafe { signal_hook::low_level::register(sig, handler) }
+                        .map_err(|e| format!("cannot install the signal handlers: {e}"))?;
+                }
                 Ok(state)
             })
             .clone()
     }
 
+    /// In the signal handler: decide, say so on stderr, exit on a third signal.
+    fn handle(&self, sig: i32, now_ns: u64) {
+        let action = self.on_signal(sig, now_ns);
+        let msg: &[u8] = match action {
+            SignalAction::Burst => return,
+            SignalAction::Stop => "hyptrace: stopping… (Ctrl-C again to abort)\n".as_bytes(),
+            SignalAction::Abort => {
+                b"hyptrace: aborting: removing temporary files (Ctrl-C again to exit at once)\n"
+            }
+            SignalAction::Exit => b"hyptrace: exiting at once; temporary files may remain\n",
+        };
+        if self.tty.load(Ordering::Relaxed) {
+            write_stderr_raw(b"\r\x1b[K");
+        }
+        write_stderr_raw(msg);
+        if action == SignalAction::Exit {
+            // SAFETY: `_exit` is async-signal-safe and ends the process.
+            unsafe { libc::_exit(EXIT_ABORT) };
+        }
+    }
+
+    /// The decision for a signal `sig` arriving at `now_ns` (CLOCK_MONOTONIC).
+    fn on_signal(&self, sig: i32, now_ns: u64) -> SignalAction {
+        let now = now_ns.clamp(1, u64::MAX - 1);
+        let window = SIGNAL_BURST.as_nanos() as u64;
+        let sc = Ordering::SeqCst;
+        match self.stop_at.compare_exchange(0, now, sc, sc) {
+            Ok(_) => {
+                self.signal.store(sig, sc);
+                return SignalAction::Stop;
+            }
+            Err(at) if now.saturating_sub(at) < window => return SignalAction::Burst,
+            Err(_) => {}
+        }
+        match self.abort_at.compare_exchange(0, now, sc, sc) {
+            Ok(_) => SignalAction::Abort,
+            Err(at) if at == u64::MAX || now.saturating_sub(at) < window => SignalAction::Burst,
+            Err(at) => {
+                if self.abort_at.compare_exchange(at, u64::MAX, sc, sc).is_ok() {
+                    SignalAction::Exit
+                } else {
+                    SignalAction::Burst
+                }
+            }
+        }
+    }
+
     /// A clean stop was asked for.
     pub fn stop_requested(&self) -> bool {
-        self.stop.load(Ordering::SeqCst)
+        self.stop_at.load(Ordering::SeqCst) != 0
     }
 
     /// An abort was asked for.
     pub fn aborted(&self) -> bool {
-        self.abort.load(Ordering::SeqCst)
+        self.abort_at.load(Ordering::SeqCst) != 0
     }
 
     /// The name of the signal that asked for the stop (`SIGINT`, `SIGTERM`).
@@ -634,51 +698,23 @@ impl Interrupts {
     }
 }
 
-/// The watcher's own state: when the stop and the abort were asked for.
-#[derive(Debug, Default)]
-struct SignalWatch {
-    stop_at: Option<Instant>,
-    abort_at: Option<Instant>,
+/// CLOCK_MONOTONIC in ns (async-signal-safe).
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec; clock_gettime is async-signal-safe.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    (ts.tv_sec as u64)
+        .saturating_mul(1_000_000_000)
+        .saturating_add(ts.tv_nsec as u64)
 }
 
-impl SignalWatch {
-    fn on_signal(&mut self, state: &Interrupts, sig: i32, now: Instant) {
-        let within = |t: Instant| now.saturating_duration_since(t) < SIGNAL_BURST;
-        match (self.stop_at, self.abort_at) {
-            (None, _) => {
-                self.stop_at = Some(now);
-                state.signal.store(sig, Ordering::SeqCst);
-                state.stop.store(true, Ordering::SeqCst);
-                note!(
-                    "{}hyptrace: stopping… (Ctrl-C again to abort)",
-                    clear_line()
-                );
-            }
-            (Some(t), None) if within(t) => {}
-            (Some(_), None) => {
-                self.abort_at = Some(now);
-                state.abort.store(true, Ordering::SeqCst);
-                note!(
-                    "{}hyptrace: aborting: removing temporary files (Ctrl-C again to exit at once)",
-                    clear_line()
-                );
-            }
-            (Some(_), Some(t)) if within(t) => {}
-            (Some(_), Some(_)) => {
-                note!("hyptrace: exiting at once; temporary files may remain");
-                std::process::exit(EXIT_ABORT);
-            }
-        }
-    }
-}
-
-/// `\r` + erase-line on a terminal (over a live status line), else nothing.
-fn clear_line() -> &'static str {
-    if std::io::stderr().is_terminal() {
-        "\r\x1b[K"
-    } else {
-        ""
-    }
+/// `write(2)` to stderr, result ignored (async-signal-safe).
+fn write_stderr_raw(b: &[u8]) {
+    // SAFETY: `b` is valid for `b.len()` bytes for the duration of the call.
+    let _ = unsafe { libc::write(2, b.as_ptr().cast(), b.len()) };
 }
 
 /// Checks, before the VM starts, that `path` can receive the output of `flag`, and says
@@ -974,6 +1010,26 @@ impl CpuReport {
     }
 }
 
+impl CpuReport {
+    /// The mark after the CPU's summary line: none when the counts balance;
+    /// `INCOMPLETE` when a failure (`failed`: reading or writing) stopped the reading
+    /// with events still unread — the failure is the cause, reported on its own;
+    /// `MISMATCH` otherwise.
+    fn flag(&self, failed: bool) -> String {
+        let seen = self.stats.read.saturating_add(self.stats.lost);
+        if self.consistent() {
+            String::new()
+        } else if failed && self.written > seen {
+            format!(
+                "  INCOMPLETE: {} events not read after the failure",
+                self.written - seen
+            )
+        } else {
+            "  MISMATCH".into()
+        }
+    }
+}
+
 /// `hyptrace run`.
 pub fn run(a: &RunArgs) -> i32 {
     execute(a, Target::Stdout)
@@ -1251,14 +1307,27 @@ fn execute(a: &RunArgs, target: Target) -> i32 {
     };
     note!(
         "{}",
-        summary(&outcomes, &reports, tsc_khz, start_tsc, tsc_offset, wall, written_to).trim_end()
+        summary(
+            &outcomes,
+            &reports,
+            tsc_khz,
+            start_tsc,
+            tsc_offset,
+            wall,
+            written_to,
+            failures.any()
+        )
+        .trim_end()
     );
     let lost: u64 = reports.iter().map(|r| r.stats.lost).sum();
     if lost > 0 {
         note!("hyptrace: hint: {}", loss_hint(a.mode));
     }
-    if !consistent {
-        note!("hyptrace: error: accounting mismatch: written != read + lost on a vCPU marked MISMATCH");
+    if reports
+        .iter()
+        .any(|r| r.flag(failures.any()).contains("MISMATCH"))
+    {
+        note!("hyptrace: error: accounting mismatch on a vCPU marked MISMATCH: written != read + lost, lost != overrun + dropped, or written != attempted - skipped");
     }
     failures.print(&target);
     if let Some(path) = &a.stats {
@@ -1368,6 +1437,7 @@ fn summary(
     tsc_offset: Option<i64>,
     wall: Duration,
     written_to: Written<'_>,
+    failed: bool,
 ) -> String {
     let mut s = String::new();
     let ms = |cycles: u64| {
@@ -1415,7 +1485,7 @@ fn summary(
                 st.swaps,
                 st.pages_touched,
                 st.bytes,
-                if r.consistent() { "" } else { "  MISMATCH" }
+                r.flag(failed)
             );
         }
     }
@@ -1696,29 +1766,33 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
-    /// Signals within SIGNAL_BURST of the first count as one; a later one aborts.
+    /// Signals within SIGNAL_BURST of the first count as one; a later one aborts; a
+    /// third, later still, exits.
     #[test]
     fn signal_bursts() {
+        use signal_hook::consts::{SIGINT, SIGTERM};
         let st = Interrupts::default();
-        let mut w = SignalWatch::default();
-        let t0 = Instant::now();
-        w.on_signal(&st, signal_hook::consts::SIGTERM, t0);
+        let w = SIGNAL_BURST.as_nanos() as u64;
+        let t0 = 5_000_000_000u64;
+        assert_eq!(st.on_signal(SIGTERM, t0), SignalAction::Stop);
         assert!(st.stop_requested() && !st.aborted());
         assert_eq!(st.signal_name(), "SIGTERM");
-        w.on_signal(&st, signal_hook::consts::SIGINT, t0 + SIGNAL_BURST / 2);
-        assert!(
-            !st.aborted(),
-            "a burst (timeout signals the process and its group)"
+        // `timeout` signals the process, then its group.
+        assert_eq!(st.on_signal(SIGINT, t0), SignalAction::Burst);
+        assert_eq!(st.on_signal(SIGINT, t0 + w - 1), SignalAction::Burst);
+        assert_eq!(
+            st.on_signal(SIGINT, t0 - 10),
+            SignalAction::Burst,
+            "handlers race"
         );
+        assert!(!st.aborted());
         assert_eq!(st.signal_name(), "SIGTERM");
-        w.on_signal(&st, signal_hook::consts::SIGINT, t0 + SIGNAL_BURST * 2);
+        assert_eq!(st.on_signal(SIGINT, t0 + w), SignalAction::Abort);
         assert!(st.aborted());
-        // The abort's own burst does not force an exit (this process would end here).
-        w.on_signal(
-            &st,
-            signal_hook::consts::SIGINT,
-            t0 + SIGNAL_BURST * 2 + SIGNAL_BURST / 2,
-        );
+        assert_eq!(st.on_signal(SIGINT, t0 + w + w / 2), SignalAction::Burst);
+        assert_eq!(st.on_signal(SIGINT, t0 + 3 * w), SignalAction::Exit);
+        assert_eq!(st.on_signal(SIGINT, t0 + 9 * w), SignalAction::Burst);
+        assert!(monotonic_ns() > 0);
     }
 
     #[test]
