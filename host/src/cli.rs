@@ -1080,14 +1080,14 @@ pub fn report(a: &ReportArgs) -> i32 {
         // A closed pipe (`| head`) is not an error worth a message.
         Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => EXIT_OK,
         Err(e) => {
-            eprintln!("hyptrace: error: writing the report: {e}");
+            note!("hyptrace: error: writing the report: {e}");
             EXIT_RUNTIME
         }
     }
 }
 
 fn runtime_error(msg: impl std::fmt::Display) -> i32 {
-    eprintln!("hyptrace: error: {msg}");
+    note!("hyptrace: error: {msg}");
     EXIT_RUNTIME
 }
 
