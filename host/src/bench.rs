@@ -13,7 +13,11 @@
 //! - `swap`: every `swap_reader` call of a real drain timed, host-executed (`Direct`
 //!   on guest memory) and guest-executed (the mailbox round trip), no exits.
 //! - `max_rate`: the highest `--rate` sustained with zero loss in stop mode at the
-//!   default poll interval and buffer size (a short doubling + bisection search).
+//!   default poll interval and buffer size (a short doubling + bisection search). Every
+//!   run writes at least twice what a ring holds, so a loss-free run means the reader
+//!   kept up. `--quick` makes one run at the first rate: a lower bound, not a search
+//!   (`searched: false`); a search that never lost reports a lower bound too
+//!   (`first_lossy_rate: null`, `lower_bound: true`).
 //! - `startup`: VMM start (before the VM is created) → the first event's timestamp.
 //!
 //! Times are TSC cycles converted with the vCPUs' TSC frequency (guest TSC = host TSC
@@ -211,6 +215,13 @@ pub fn bench(a: &BenchArgs) -> i32 {
             return EXIT_USAGE;
         }
     };
+    // Before the first VM boots: a bad --json path costs nothing.
+    if let Some(path) = &a.json {
+        if let Err(msg) = crate::cli::check_destination(path, "--json") {
+            eprintln!("hyptrace: error: {msg}");
+            return EXIT_USAGE;
+        }
+    }
     match run_all(&cfg, a) {
         Ok(v) => {
             print!("{}", table(&v));
@@ -1128,8 +1139,13 @@ fn drain_section(cfg: &Cfg, tsc: Tsc) -> Result<Value, String> {
 // ---------------------------------------------------------------------------------
 // Highest loss-free rate.
 
+/// Events per vCPU that overflow a ring of the rate search twice over if the reader
+/// does not drain it (`guest:marker`: 4-byte header + 24-byte payload), so a run without
+/// loss is evidence.
+const RATE_FILL_EVENTS: u64 = 2 * DEFAULT_PAGES * PAGE_SIZE / 28;
+
 fn rate_run(cfg: &Cfg, vcpus: u32, rate: u64) -> Result<(bool, Value), String> {
-    let events = ((rate as f64 * cfg.rate_seconds) as u64).max(1000);
+    let events = ((rate as f64 * cfg.rate_seconds) as u64).max(RATE_FILL_EVENTS);
     let o = vm_run(&VmSpec {
         vcpus,
         workload: Workload::Steady,
@@ -1189,17 +1205,20 @@ fn max_rate_section(cfg: &Cfg) -> Result<Value, String> {
                 bad = Some(mid);
             }
         }
-        eprintln!("  vcpus {v}: {good} events/s per vCPU without loss");
-        rows.push(json!({
+        let row = json!({
             "vcpus": v,
             "max_rate_zero_loss": good,
             "first_lossy_rate": bad,
+            "lower_bound": bad.is_none(),
+            "searched": !cfg.quick,
             "runs": runs,
             "mode": "stop",
             "poll_ms": 1,
             "buffer_kb": DEFAULT_PAGES * PAGE_SIZE / 1024,
             "sink": "trace.dat v7 file",
-        }));
+        });
+        eprintln!("  vcpus {v}: {}", rate_text(&row));
+        rows.push(row);
     }
     Ok(Value::Array(rows))
 }
@@ -1255,18 +1274,47 @@ fn f(v: &Value) -> f64 {
     v.as_f64().unwrap_or(0.0)
 }
 
+/// A JSON number as table text (`-` when absent), so that widths apply: `Value`'s own
+/// `Display` ignores them.
+fn n(v: &Value) -> String {
+    match v {
+        Value::Number(x) => x.to_string(),
+        Value::String(x) => x.clone(),
+        _ => "-".into(),
+    }
+}
+
+/// The highest loss-free rate of a `max_rate` row, in words.
+fn rate_text(r: &Value) -> String {
+    let good = n(&r["max_rate_zero_loss"]);
+    match (r["first_lossy_rate"].as_u64(), r["searched"].as_bool()) {
+        (_, Some(false)) if r["max_rate_zero_loss"].as_u64().unwrap_or(0) > 0 => {
+            format!("at least {good} events/s per vCPU (--quick: one run, no search)")
+        }
+        (_, Some(false)) => {
+            let lossy = r["runs"][0]["rate"].as_u64().unwrap_or(0);
+            format!("not measured (--quick: the one run at {lossy}/s lost events)")
+        }
+        (Some(bad), _) if r["max_rate_zero_loss"].as_u64() == Some(0) => {
+            format!("below {bad} events/s per vCPU (the first rate tried lost events)")
+        }
+        (Some(bad), _) => format!("{good} events/s per vCPU (first lossy rate: {bad})"),
+        (None, _) => format!("at least {good} events/s per vCPU (no rate tried lost events)"),
+    }
+}
+
 fn table(v: &Value) -> String {
     use std::fmt::Write as _;
     let mut s = String::new();
     let m = &v["machine"];
     let _ = writeln!(
         s,
-        "hyptrace bench: {} ({} CPUs), kernel {}, {} , TSC {} kHz{}",
+        "hyptrace bench: {} ({} CPUs), kernel {}, {}, TSC {} kHz{}",
         m["cpu"].as_str().unwrap_or("?"),
-        m["cpus"],
+        n(&m["cpus"]),
         m["kernel"].as_str().unwrap_or("?"),
         m["kvm"].as_str().unwrap_or("?"),
-        m["tsc_khz"],
+        n(&m["tsc_khz"]),
         if v["quick"].as_bool() == Some(true) {
             " (--quick)"
         } else {
@@ -1280,7 +1328,7 @@ fn table(v: &Value) -> String {
     );
     let _ = writeln!(
         s,
-        "{:>5} {:>7} {:>15} {:>15} {:>15} {:>7} {:>11} {:>11}",
+        "{:>5} {:>7} {:>15} {:>15} {:>15} {:>7} {:>12} {:>11}",
         "vcpus",
         "payload",
         "guest",
@@ -1300,9 +1348,9 @@ fn table(v: &Value) -> String {
         };
         let _ = writeln!(
             s,
-            "{:>5} {:>7} {:>15} {:>15} {:>15} {:>7.2} {:>11.2} {:>11.2}",
-            r["vcpus"],
-            r["payload"],
+            "{:>5} {:>7} {:>15} {:>15} {:>15} {:>7.2} {:>12.2} {:>11.2}",
+            n(&r["vcpus"]),
+            n(&r["payload"]),
             cell("guest_ns"),
             cell("native_ns"),
             cell("bound_ns"),
@@ -1326,12 +1374,12 @@ fn table(v: &Value) -> String {
             s,
             "{:>17} {:>8} {:>8.0} {:>8.0} {:>8.0} {:>8.0} {:>8}",
             k,
-            r["swapped"],
+            n(&r["swapped"]),
             f(&r["median_ns"]),
             f(&r["p10_ns"]),
             f(&r["p90_ns"]),
             f(&r["p99_ns"]),
-            r["pending"]
+            n(&r["pending"])
         );
     }
     let _ = writeln!(
@@ -1358,11 +1406,9 @@ fn table(v: &Value) -> String {
         "\nhighest --rate with zero loss (stop mode, poll 1 ms, 1 MiB/vCPU, record to trace.dat)"
     );
     for r in v["max_rate"].as_array().into_iter().flatten() {
-        let _ = writeln!(
-            s,
-            "  {} vCPU(s): {} events/s per vCPU (first lossy: {})",
-            r["vcpus"], r["max_rate_zero_loss"], r["first_lossy_rate"]
-        );
+        let v = r["vcpus"].as_u64().unwrap_or(0);
+        let who = format!("{v} vCPU{}:", if v == 1 { "" } else { "s" });
+        let _ = writeln!(s, "  {who:<10} {}", rate_text(r));
     }
     let st = &v["startup"];
     let _ = writeln!(
@@ -1386,6 +1432,66 @@ mod tests {
         assert_eq!(quantile(&v, 0.99), 5.0);
         assert_eq!(quantile(&v, 0.0), 1.0);
         assert_eq!(median(&[]), 0.0);
+    }
+
+    /// The table: numbers right-aligned under their headers (a `Value`'s `Display`
+    /// ignores widths), no JSON `null` in the text, a --quick rate reported as a lower
+    /// bound.
+    #[test]
+    fn table_aligned_without_nulls() {
+        let sum = |x: f64| json!({ "median": x, "spread": 0.0 });
+        let v = json!({
+            "quick": true,
+            "machine": { "cpu": "X", "cpus": 2, "kernel": "k", "kvm": "kvm", "tsc_khz": 1000 },
+            "writer": [{ "vcpus": 1, "payload": 16, "guest_ns": sum(12.5), "native_ns": sum(10.0),
+                         "bound_ns": sum(9.0), "rdtsc_ns": sum(8.0),
+                         "guest_rate_vs_native": 0.8, "guest_vs_bound": 1.4 }],
+            "swap": { "host": { "swapped": 200, "median_ns": 70.0, "p10_ns": 40.0,
+                                "p90_ns": 300.0, "p99_ns": 900.0, "pending": 0 } },
+            "max_rate": [
+                { "vcpus": 1, "max_rate_zero_loss": 200000, "first_lossy_rate": null,
+                  "searched": false, "runs": [{ "rate": 200000 }] },
+                { "vcpus": 2, "max_rate_zero_loss": 400000, "first_lossy_rate": null,
+                  "searched": true, "runs": [] },
+                { "vcpus": 4, "max_rate_zero_loss": 300000, "first_lossy_rate": 350000,
+                  "searched": true, "runs": [] },
+            ],
+        });
+        let t = table(&v);
+        assert!(!t.replace("null sink", "").contains("null"), "{t}");
+        assert!(
+            t.contains("1 vCPU:    at least 200000 events/s per vCPU (--quick"),
+            "{t}"
+        );
+        assert!(t.contains("2 vCPUs:   at least 400000"), "{t}");
+        assert!(
+            t.contains("300000 events/s per vCPU (first lossy rate: 350000)"),
+            "{t}"
+        );
+        let lines: Vec<&str> = t.lines().collect();
+        let at = |needle: &str| {
+            lines
+                .iter()
+                .position(|l| l.starts_with(needle))
+                .unwrap_or_else(|| panic!("no line {needle:?} in {t}"))
+        };
+        // Every column ends where its header ends.
+        let ends = |l: &str| -> Vec<usize> {
+            let b: Vec<char> = l.chars().collect();
+            (0..b.len())
+                .filter(|&i| b[i] != ' ' && (i + 1 == b.len() || b[i + 1] == ' '))
+                .collect()
+        };
+        let h = at("vcpus payload");
+        let row = lines[h + 1];
+        assert_eq!(ends(lines[h]).first(), ends(row).first(), "{t}");
+        assert_eq!(ends(lines[h]).last(), ends(row).last(), "{t}");
+        assert_eq!(lines[h].chars().count(), row.chars().count(), "{t}");
+        let h = lines
+            .iter()
+            .position(|l| l.trim_start().starts_with("swap "))
+            .expect("swap");
+        assert_eq!(ends(lines[h]), ends(lines[h + 1]), "{t}");
     }
 
     #[test]

@@ -1,15 +1,19 @@
 //! The `hyptrace` command line.
 //!
-//! Exit codes: [`EXIT_OK`] 0, [`EXIT_RUNTIME`] 1 (a host-side failure), [`EXIT_USAGE`] 2
-//! (bad input, no usable /dev/kvm), [`EXIT_CRASH`] 3 (the guest panicked or faulted).
-//! Errors are one line on stderr: `hyptrace: error: ...`.
+//! Exit codes: [`EXIT_OK`] 0 (the run completed: the guest finished, or was stopped as
+//! asked by `--duration` or a first Ctrl-C / SIGTERM, and every event is accounted for),
+//! [`EXIT_RUNTIME`] 1 (a host-side failure), [`EXIT_USAGE`] 2 (bad input, an unusable
+//! output path, no usable /dev/kvm), [`EXIT_CRASH`] 3 (the guest panicked or faulted),
+//! [`EXIT_ABORT`] 130 (a second Ctrl-C aborted the run; no output file is left).
+//! An error is one line on stderr, `hyptrace: error: ...` (argument errors are followed
+//! by clap's hints: valid values, tips, usage).
 
 use std::borrow::Cow;
 use std::ffi::OsString;
 use std::fmt::Write as _;
 
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -25,10 +29,18 @@ use std::io::{IsTerminal, Write};
 
 use crate::elf::GuestImage;
 use crate::layout::{Layout, HUGE_PAGE, MAX_MEM_BYTES, MAX_VCPUS, MIN_MEM_BYTES};
-use crate::trace::{alloc_reader, Output, Session};
+use crate::trace::{alloc_reader, Output, Session, SessionError};
 use crate::vcpu::VcpuOutcome;
 use crate::vm::{RunParams, Vm, VmConfig, DEFAULT_SEED};
 use crate::GUEST_ELF;
+
+/// `eprintln!` that never panics: stderr may be a closed pipe (`2>&1 | head`).
+macro_rules! note {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
 
 /// Success.
 pub const EXIT_OK: i32 = 0;
@@ -38,6 +50,26 @@ pub const EXIT_RUNTIME: i32 = 1;
 pub const EXIT_USAGE: i32 = 2;
 /// The guest crashed.
 pub const EXIT_CRASH: i32 = 3;
+/// Aborted by a second Ctrl-C / SIGTERM (128 + SIGINT, what shells report).
+pub const EXIT_ABORT: i32 = 130;
+
+/// What the counters of the summary and of `--stats` mean (`run --help`, `record --help`).
+const COUNTERS_HELP: &str = "\
+Counters (per vCPU, in the summary on stderr and in --stats):
+  attempted  events the guest workload tried to emit
+  skipped    of those, events whose tracepoint was disabled (never reach the writer)
+  written    events the writer took in: attempted - skipped. Each one was either
+             committed to the ring or, in --mode stop while the ring was full, dropped
+  read       events the host read from the ring (printed or recorded)
+  lost       events written but never read: overrun + dropped
+  overrun    committed events overwritten before the reader got them (--mode overwrite)
+  dropped    events refused because the ring was full (--mode stop)
+Every vCPU must satisfy written = read + lost (else MISMATCH, exit 1).
+
+Exit status: 0 the run completed (the guest finished, or was stopped by --duration or a
+first Ctrl-C/SIGTERM; --stats says which in \"end\"); 1 runtime error; 2 bad input or an
+unusable output path (checked before the VM starts); 3 the guest crashed; 130 aborted by
+a second Ctrl-C (temporary files removed, no output file).";
 
 /// hyptrace: per-vCPU tracing ring buffers in guest memory, read by the host.
 #[derive(Debug, Parser)]
@@ -58,9 +90,11 @@ pub struct Cli {
 pub enum Command {
     /// Boot the guest on KVM, run a workload on every vCPU, print every event (merged
     /// by time, as `trace-cmd report -t` prints them) and a per-CPU summary.
+    #[command(after_help = COUNTERS_HELP)]
     Run(RunArgs),
     /// Like `run`, but stream the ring pages into a file: trace.dat (v7 or v6) that
     /// trace-cmd and KernelShark read, Chrome trace-event JSON, text, or raw pages.
+    #[command(after_help = COUNTERS_HELP)]
     Record(RecordArgs),
     /// Print a trace.dat (ours or one trace-cmd wrote) as `trace-cmd report -t` does.
     Report(ReportArgs),
@@ -88,7 +122,10 @@ pub enum FormatArg {
 /// Options of `hyptrace record`.
 #[derive(Clone, Debug, Args)]
 pub struct RecordArgs {
-    /// Output file (written to a temporary name, renamed when complete).
+    /// Output file: a regular file is written to a temporary name and renamed when
+    /// complete (a symlink's target is written that way); a device, a FIFO or `-`
+    /// (stdout) is written in place. A directory or an unwritable location is refused
+    /// before the VM starts.
     #[arg(
         short = 'o',
         long = "output",
@@ -169,12 +206,13 @@ pub enum SwapArg {
 /// Options of `hyptrace run`.
 #[derive(Clone, Debug, Args)]
 pub struct RunArgs {
-    /// Number of vCPUs (one host thread each).
+    /// Number of vCPUs (one host thread each), 1 to 256.
     #[arg(
         long,
         value_name = "N",
         default_value_t = 2,
-        allow_negative_numbers = true
+        allow_negative_numbers = true,
+        value_parser = clap::value_parser!(u32).range(1..=i64::from(MAX_VCPUS))
     )]
     pub vcpus: u32,
     /// Events each vCPU writes.
@@ -231,10 +269,17 @@ pub struct RunArgs {
         allow_negative_numbers = true
     )]
     pub poll_ms: u64,
-    /// Stop the vCPUs after S seconds (decimals allowed) [default: run to completion].
-    #[arg(long, value_name = "S", allow_negative_numbers = true)]
+    /// Stop the vCPUs after S seconds (decimals allowed, more than 0) [default: run to
+    /// completion]. A run stopped this way exits 0.
+    #[arg(
+        long,
+        value_name = "S",
+        allow_negative_numbers = true,
+        value_parser = parse_duration
+    )]
     pub duration: Option<f64>,
-    /// Write run statistics (JSON) to FILE.
+    /// Write run statistics (JSON) to FILE: the counters per vCPU, how the run ended
+    /// ("end"), the crash detail if the guest crashed, the exit code.
     #[arg(long, value_name = "FILE")]
     pub stats: Option<PathBuf>,
     /// Guest payload ELF to load instead of the embedded one.
@@ -265,9 +310,16 @@ where
                 let _ = e.print();
                 return EXIT_USAGE;
             }
+            // clap's message whole: the error line, then its hints (valid values, tips,
+            // usage), which a user needs to fix the command line.
             let text = e.render().to_string();
-            let line = text.lines().next().unwrap_or("invalid arguments");
-            return usage_error(line.strip_prefix("error: ").unwrap_or(line));
+            let text = text.trim_end();
+            let text = text.strip_prefix("error: ").unwrap_or(text);
+            return usage_error(if text.is_empty() {
+                "invalid arguments"
+            } else {
+                text
+            });
         }
     };
     match cli.command {
@@ -279,8 +331,34 @@ where
 }
 
 fn usage_error(msg: impl std::fmt::Display) -> i32 {
-    eprintln!("hyptrace: error: {msg}");
+    note!("hyptrace: error: {msg}");
     EXIT_USAGE
+}
+
+/// Longest `--duration`, in seconds (about 31 years).
+pub const MAX_DURATION_S: f64 = 1e9;
+
+/// `--duration`: seconds, finite, more than 0, at most [`MAX_DURATION_S`].
+fn parse_duration(s: &str) -> Result<f64, String> {
+    let v: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| "not a number of seconds (e.g. 2 or 0.5)".to_string())?;
+    if v.is_nan() {
+        Err("not a number of seconds (e.g. 2 or 0.5)".into())
+    } else if v.is_infinite() {
+        Err(format!(
+            "must be a finite number of seconds, at most {MAX_DURATION_S:.0} (leave --duration out to run to completion)"
+        ))
+    } else if v <= 0.0 {
+        Err("must be more than 0 seconds".into())
+    } else if v > MAX_DURATION_S {
+        Err(format!(
+            "more than the limit of {MAX_DURATION_S:.0} seconds"
+        ))
+    } else {
+        Ok(v)
+    }
 }
 
 /// The trace region layout for `vcpus` rings of `pages_per_cpu` pages (reader page
@@ -306,6 +384,28 @@ pub fn ring_layout(
         swap == SwapArg::Guest,
     )
     .map_err(|e| format!("trace region: {e}"))
+}
+
+/// The largest `n` in `lo..=hi` with `ok(n)`, for `ok` true up to some point and false
+/// after it; `None` if `ok(lo)` is false. At most 64 probes.
+fn largest(lo: u64, hi: u64, ok: impl Fn(u64) -> bool) -> Option<u64> {
+    if hi < lo || !ok(lo) {
+        return None;
+    }
+    if ok(hi) {
+        return Some(hi);
+    }
+    // ok(good) && !ok(bad)
+    let (mut good, mut bad) = (lo, hi);
+    while bad - good > 1 {
+        let mid = good + (bad - good) / 2;
+        if ok(mid) {
+            good = mid;
+        } else {
+            bad = mid;
+        }
+    }
+    Some(good)
 }
 
 /// A validated `run` configuration.
@@ -344,10 +444,16 @@ fn plan(a: &RunArgs) -> Result<Plan, String> {
     }
     let min_pages = ring::MIN_PAGES_PER_CPU as u64;
     let min_kb = min_pages * a.page_size / 1024;
-    let buffer = a
-        .buffer_kb
-        .checked_mul(1024)
-        .ok_or_else(|| format!("--buffer-kb {} is too large", a.buffer_kb))?;
+    // Every ring lives in guest memory: no vCPU's can be larger than all of it.
+    let max_kb = MAX_MEM_BYTES / 1024;
+    if a.buffer_kb > max_kb {
+        return Err(format!(
+            "--buffer-kb {} is more than the limit of {max_kb} KiB per vCPU (guest memory is at most {} MiB)",
+            a.buffer_kb,
+            MAX_MEM_BYTES >> 20
+        ));
+    }
+    let buffer = a.buffer_kb * 1024;
     if buffer < min_pages * a.page_size {
         return Err(format!(
             "--buffer-kb {} is below the minimum of {min_kb} KiB ({min_pages} pages of {} bytes: reader page + 2 ring pages)",
@@ -396,10 +502,27 @@ fn plan(a: &RunArgs) -> Result<Plan, String> {
     let need = Layout::required_mem(&image, a.vcpus, trace, align).max(MIN_MEM_BYTES);
     let need_mb = need.div_ceil(1 << 20);
     if need > MAX_MEM_BYTES {
-        return Err(format!(
-            "this configuration needs {need_mb} MiB of guest memory, more than the limit of {} MiB (lower --vcpus or --buffer-kb)",
-            MAX_MEM_BYTES >> 20
-        ));
+        let fits = |pages: u64| {
+            self::ring_layout(a.vcpus, pages, a.page_size, a.mode, a.swap).is_ok_and(|l| {
+                Layout::required_mem(&image, a.vcpus, l.region_size as u64, align)
+                    .max(MIN_MEM_BYTES)
+                    <= MAX_MEM_BYTES
+            })
+        };
+        return Err(match largest(min_pages, pages, fits) {
+            Some(p) => format!(
+                "--buffer-kb {} with {} vCPUs needs {need_mb} MiB of guest memory, more than the limit of {} MiB: at most {} KiB per vCPU fits (lower --buffer-kb or --vcpus)",
+                a.buffer_kb,
+                a.vcpus,
+                MAX_MEM_BYTES >> 20,
+                p * a.page_size / 1024
+            ),
+            None => format!(
+                "{} vCPUs need {need_mb} MiB of guest memory even with the smallest rings, more than the limit of {} MiB (lower --vcpus or --page-size)",
+                a.vcpus,
+                MAX_MEM_BYTES >> 20
+            ),
+        });
     }
     let mem_bytes = match a.mem_mb {
         None => need,
@@ -446,16 +569,405 @@ fn plan(a: &RunArgs) -> Result<Plan, String> {
     })
 }
 
-/// Ctrl-C / SIGTERM flag (a second Ctrl-C kills the process).
-fn termination_flag() -> Result<Arc<AtomicBool>, String> {
-    use signal_hook::consts::{SIGINT, SIGTERM};
-    let term = Arc::new(AtomicBool::new(false));
-    for sig in [SIGINT, SIGTERM] {
-        signal_hook::flag::register_conditional_shutdown(sig, 130, Arc::clone(&term))
-            .and_then(|_| signal_hook::flag::register(sig, Arc::clone(&term)))
-            .map_err(|e| format!("cannot install the signal handlers: {e}"))?;
+/// Signals that arrive within this time of the one that started a stop (or an abort)
+/// count as that one: `timeout` signals the process and then its process group, so one
+/// `timeout -s INT` delivers two SIGINTs at once, and a terminal's Ctrl-C reaches every
+/// process of a pipeline.
+pub const SIGNAL_BURST: Duration = Duration::from_millis(500);
+
+/// What Ctrl-C (SIGINT) and SIGTERM asked for. Decided in the signal handler itself,
+/// with the time the signal arrived (not when a thread got around to it), using only
+/// async-signal-safe operations (atomics, `clock_gettime`, `write`, `_exit`):
+/// 1. the first signal: stop cleanly (the vCPUs stop, everything committed is read and
+///    written out, exit 0); `hyptrace: stopping… (Ctrl-C again to abort)` on stderr;
+/// 2. a second one, later than [`SIGNAL_BURST`]: abort — the run returns at once without
+///    finishing its output, which drops the sinks: their temporary and spill files are
+///    removed, no output file appears; exit 130;
+/// 3. a third one (the process did not manage to return): exit 130 immediately.
+#[derive(Debug, Default)]
+pub struct Interrupts {
+    /// CLOCK_MONOTONIC ns (at least 1) of the signal that asked for the stop; 0: none.
+    stop_at: AtomicU64,
+    /// The same for the abort.
+    abort_at: AtomicU64,
+    signal: AtomicI32,
+    tty: AtomicBool,
+}
+
+/// What a signal does, given the ones before it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SignalAction {
+    /// The first: stop cleanly.
+    Stop,
+    /// Within [`SIGNAL_BURST`] of the stop or the abort: part of it.
+    Burst,
+    /// Abort.
+    Abort,
+    /// Exit at once.
+    Exit,
+}
+
+impl Interrupts {
+    /// Installs the handlers (once per process) and returns the shared state.
+    pub fn install() -> Result<&'static Interrupts, String> {
+        static STATE: std::sync::OnceLock<Result<&'static Interrupts, String>> =
+            std::sync::OnceLock::new();
+        STATE
+            .get_or_init(|| {
+                use signal_hook::consts::{SIGINT, SIGTERM};
+                let state: &'static Interrupts = Box::leak(Box::default());
+                state
+                    .tty
+                    .store(std::io::stderr().is_terminal(), Ordering::SeqCst);
+                for sig in [SIGINT, SIGTERM] {
+                    let handler = move || state.handle(sig, monotonic_ns());
+                    // SAFETY: `handle` is async-signal-safe: it uses atomics,
+                    // `write(2)` on fd 2 with static bytes and `_exit(2)`; no allocation,
+                    // no lock, no `std::io`.
+                    unsafe { signal_hook::low_level::register(sig, handler) }
+                        .map_err(|e| format!("cannot install the signal handlers: {e}"))?;
+                }
+                Ok(state)
+            })
+            .clone()
     }
-    Ok(term)
+
+    /// In the signal handler: decide, say so on stderr, exit on a third signal.
+    fn handle(&self, sig: i32, now_ns: u64) {
+        let action = self.on_signal(sig, now_ns);
+        let msg: &[u8] = match action {
+            SignalAction::Burst => return,
+            SignalAction::Stop => "hyptrace: stopping… (Ctrl-C again to abort)\n".as_bytes(),
+            SignalAction::Abort => {
+                b"hyptrace: aborting: removing temporary files (Ctrl-C again to exit at once)\n"
+            }
+            SignalAction::Exit => b"hyptrace: exiting at once; temporary files may remain\n",
+        };
+        if self.tty.load(Ordering::Relaxed) {
+            write_stderr_raw(b"\r\x1b[K");
+        }
+        write_stderr_raw(msg);
+        if action == SignalAction::Exit {
+            // SAFETY: `_exit` is async-signal-safe and ends the process.
+            unsafe { libc::_exit(EXIT_ABORT) };
+        }
+    }
+
+    /// The decision for a signal `sig` arriving at `now_ns` (CLOCK_MONOTONIC).
+    fn on_signal(&self, sig: i32, now_ns: u64) -> SignalAction {
+        let now = now_ns.clamp(1, u64::MAX - 1);
+        let window = SIGNAL_BURST.as_nanos() as u64;
+        let sc = Ordering::SeqCst;
+        match self.stop_at.compare_exchange(0, now, sc, sc) {
+            Ok(_) => {
+                self.signal.store(sig, sc);
+                return SignalAction::Stop;
+            }
+            Err(at) if now.saturating_sub(at) < window => return SignalAction::Burst,
+            Err(_) => {}
+        }
+        match self.abort_at.compare_exchange(0, now, sc, sc) {
+            Ok(_) => SignalAction::Abort,
+            Err(at) if at == u64::MAX || now.saturating_sub(at) < window => SignalAction::Burst,
+            Err(at) => {
+                if self.abort_at.compare_exchange(at, u64::MAX, sc, sc).is_ok() {
+                    SignalAction::Exit
+                } else {
+                    SignalAction::Burst
+                }
+            }
+        }
+    }
+
+    /// A clean stop was asked for.
+    pub fn stop_requested(&self) -> bool {
+        self.stop_at.load(Ordering::SeqCst) != 0
+    }
+
+    /// An abort was asked for.
+    pub fn aborted(&self) -> bool {
+        self.abort_at.load(Ordering::SeqCst) != 0
+    }
+
+    /// The name of the signal that asked for the stop (`SIGINT`, `SIGTERM`).
+    pub fn signal_name(&self) -> &'static str {
+        match self.signal.load(Ordering::SeqCst) {
+            signal_hook::consts::SIGTERM => "SIGTERM",
+            _ => "SIGINT",
+        }
+    }
+}
+
+/// CLOCK_MONOTONIC in ns (async-signal-safe).
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec; clock_gettime is async-signal-safe.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    (ts.tv_sec as u64)
+        .saturating_mul(1_000_000_000)
+        .saturating_add(ts.tv_nsec as u64)
+}
+
+/// `write(2)` to stderr, result ignored (async-signal-safe).
+fn write_stderr_raw(b: &[u8]) {
+    // SAFETY: `b` is valid for `b.len()` bytes for the duration of the call.
+    let _ = unsafe { libc::write(2, b.as_ptr().cast(), b.len()) };
+}
+
+/// Checks, before the VM starts, that `path` can receive the output of `flag`, and says
+/// in one line why not: a regular file or a new path needs an existing, writable
+/// directory (the file is written to a temporary name there and renamed; a symlink is
+/// followed to its target); a device or FIFO must be writable (it is written in place);
+/// a directory is refused.
+pub fn check_destination(path: &Path, flag: &str) -> Result<(), String> {
+    let shown = path.display();
+    let bytes = path.as_os_str().as_encoded_bytes();
+    if bytes.is_empty() {
+        return Err(format!("cannot write ({flag}): the path is empty"));
+    }
+    if bytes.ends_with(b"/") {
+        return Err(format!(
+            "cannot write {shown} ({flag}): names a directory, not a file"
+        ));
+    }
+    match std::fs::metadata(path) {
+        Ok(m) if m.is_dir() => Err(format!("cannot write {shown} ({flag}): is a directory")),
+        Ok(m) if m.is_file() => {
+            let real = std::fs::canonicalize(path)
+                .map_err(|e| format!("cannot write {shown} ({flag}): {e}"))?;
+            check_parent(&real, flag, path)
+        }
+        // A device, FIFO or socket: written in place.
+        Ok(_) => {
+            access(path, libc::W_OK).map_err(|e| format!("cannot write {shown} ({flag}): {e}"))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            // A new file, or a dangling symlink whose target will be created.
+            let target = match std::fs::read_link(path) {
+                Ok(t) if t.is_relative() => path.parent().unwrap_or(Path::new("")).join(t),
+                Ok(t) => t,
+                Err(_) => path.to_path_buf(),
+            };
+            check_parent(&target, flag, path)
+        }
+        Err(e) => Err(format!("cannot write {shown} ({flag}): {e}")),
+    }
+}
+
+/// The directory that will hold `target` exists and accepts new files.
+fn check_parent(target: &Path, flag: &str, path: &Path) -> Result<(), String> {
+    let shown = path.display();
+    let dir = match target.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    match std::fs::metadata(dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(format!(
+            "cannot write {shown} ({flag}): directory {} does not exist",
+            dir.display()
+        )),
+        Err(e) => Err(format!(
+            "cannot write {shown} ({flag}): {}: {e}",
+            dir.display()
+        )),
+        Ok(m) if !m.is_dir() => Err(format!(
+            "cannot write {shown} ({flag}): {} is not a directory",
+            dir.display()
+        )),
+        Ok(_) => access(dir, libc::W_OK | libc::X_OK).map_err(|e| {
+            format!(
+                "cannot write {shown} ({flag}): cannot create files in {}: {e}",
+                dir.display()
+            )
+        }),
+    }
+}
+
+/// `access(2)`: permission bits, ACLs, read-only mounts, for the real user.
+fn access(path: &Path, mode: libc::c_int) -> Result<(), std::io::Error> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+    // SAFETY: `c` is a valid NUL-terminated string that outlives the call; access only
+    // reads it.
+    if unsafe { libc::access(c.as_ptr(), mode) } == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// Stdout for `run`: a reader that went away (`| head`) ends the run quietly. After
+/// the first EPIPE every write is accepted and discarded, so the run keeps reading
+/// (the accounting stays exact) while it stops; `closed` tells the run loop. Counts the
+/// lines that did reach stdout.
+#[derive(Debug, Default)]
+struct StdoutState {
+    closed: AtomicBool,
+    lines: std::sync::atomic::AtomicU64,
+}
+
+struct QuietStdout {
+    out: std::io::Stdout,
+    state: Arc<StdoutState>,
+}
+
+impl Write for QuietStdout {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.state.closed.load(Ordering::Relaxed) {
+            return Ok(buf.len());
+        }
+        match self.out.write(buf) {
+            Ok(n) => {
+                let nl = buf[..n].iter().filter(|&&b| b == b'\n').count() as u64;
+                self.state.lines.fetch_add(nl, Ordering::Relaxed);
+                Ok(n)
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
+                self.state.closed.store(true, Ordering::Relaxed);
+                Ok(buf.len())
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        if self.state.closed.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        match self.out.flush() {
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
+                self.state.closed.store(true, Ordering::Relaxed);
+                Ok(())
+            }
+            r => r,
+        }
+    }
+}
+
+/// Progress of a run whose events are not on the terminal (`record`, or `run` with
+/// stdout redirected): on a terminal stderr a status line redrawn every 0.5 s, else
+/// one line every 5 s — a long, otherwise silent recording shows it is alive.
+struct Heartbeat {
+    tty: bool,
+    every: Duration,
+    last: Instant,
+    drawn: bool,
+}
+
+impl Heartbeat {
+    fn new(enabled: bool) -> Option<Self> {
+        let tty = std::io::stderr().is_terminal();
+        enabled.then(|| Self {
+            tty,
+            every: if tty {
+                Duration::from_millis(500)
+            } else {
+                Duration::from_secs(5)
+            },
+            last: Instant::now(),
+            drawn: false,
+        })
+    }
+
+    fn tick(&mut self, session: &Session, nr: u32, started: Instant) {
+        if self.last.elapsed() < self.every {
+            return;
+        }
+        self.last = Instant::now();
+        let read: u64 = (0..nr).map(|c| session.stats(c).read).sum();
+        let lost: u64 = (0..nr).map(|c| session.stats(c).lost).sum();
+        let t = started.elapsed().as_secs_f64();
+        if self.tty {
+            self.drawn = true;
+            let mut err = std::io::stderr();
+            let _ = write!(
+                err,
+                "\r\x1b[Khyptrace: recording: {t:.1} s, {read} events read, {lost} lost"
+            );
+            let _ = err.flush();
+        } else {
+            note!("hyptrace: recording: {t:.1} s, {read} events read, {lost} lost");
+        }
+    }
+
+    /// Ends the status line before other messages.
+    fn end(&mut self) {
+        if std::mem::take(&mut self.drawn) {
+            note!();
+        }
+    }
+}
+
+/// Failures of a run, reported once each after the summary (the last lines on stderr):
+/// the first output failure (later ones are its consequences), the first read failure
+/// of each vCPU.
+#[derive(Debug, Default)]
+struct Failures {
+    output: Option<String>,
+    read: Vec<(u32, String)>,
+    other: Vec<String>,
+}
+
+impl Failures {
+    fn session(&mut self, cpu: Option<u32>, e: &SessionError) {
+        match (e, cpu) {
+            (SessionError::Output(msg), _) => {
+                self.output.get_or_insert_with(|| msg.clone());
+            }
+            (e, Some(cpu)) => {
+                if !self.read.iter().any(|(c, _)| *c == cpu) {
+                    self.read.push((cpu, e.to_string()));
+                }
+            }
+            (e, None) => self.other.push(e.to_string()),
+        }
+    }
+
+    fn any(&self) -> bool {
+        self.output.is_some() || !self.read.is_empty() || !self.other.is_empty()
+    }
+
+    fn output_failed(&self) -> bool {
+        self.output.is_some()
+    }
+
+    fn print(&self, target: &Target) {
+        for (cpu, e) in &self.read {
+            note!("hyptrace: error: reading vcpu {cpu}: {e}");
+        }
+        for e in &self.other {
+            note!("hyptrace: error: {e}");
+        }
+        if let Some(e) = &self.output {
+            let e = e.strip_prefix("output: ").unwrap_or(e);
+            match target {
+                Target::Stdout => note!("hyptrace: error: writing to stdout: {e}"),
+                Target::File(p, _) => note!("hyptrace: error: writing {}: {e}", p.display()),
+            }
+        }
+    }
+}
+
+/// Guest text (a panic message) made safe for a terminal: control characters escaped.
+fn escape_guest(s: &str) -> Cow<'_, str> {
+    if !s.chars().any(char::is_control) {
+        return Cow::Borrowed(s);
+    }
+    Cow::Owned(
+        s.chars()
+            .map(|c| {
+                if c.is_control() {
+                    c.escape_default().to_string()
+                } else {
+                    c.to_string()
+                }
+            })
+            .collect(),
+    )
 }
 
 /// Where `execute` sends the trace.
@@ -487,14 +999,35 @@ impl CpuReport {
         // writer's own overrun counter can be one page ahead of it when the vCPU was
         // stopped in the middle of overwriting a page: the page was counted but not yet
         // overwritten, and was read. Compared only for writers that finished.
-        // Guest numbers: sums that overflow match nothing.
-        self.error.is_none()
-            && s.read.checked_add(s.lost) == Some(self.written)
+        // A failure on the CPU (read or output) is reported on its own; it is no
+        // accounting mismatch when the counts balance. Guest numbers: sums that
+        // overflow match nothing.
+        s.read.checked_add(s.lost) == Some(self.written)
             && (!self.finished || s.overrun.checked_add(s.dropped) == Some(s.lost))
             && match (self.attempted, self.skipped) {
                 (Some(a), Some(k)) => a.checked_sub(k) == Some(self.written),
                 _ => true,
             }
+    }
+}
+
+impl CpuReport {
+    /// The mark after the CPU's summary line: none when the counts balance;
+    /// `INCOMPLETE` when a failure (`failed`: reading or writing) stopped the reading
+    /// with events still unread — the failure is the cause, reported on its own;
+    /// `MISMATCH` otherwise.
+    fn flag(&self, failed: bool) -> String {
+        let seen = self.stats.read.saturating_add(self.stats.lost);
+        if self.consistent() {
+            String::new()
+        } else if failed && self.written > seen {
+            format!(
+                "  INCOMPLETE: {} events not read after the failure",
+                self.written - seen
+            )
+        } else {
+            "  MISMATCH".into()
+        }
     }
 }
 
@@ -548,14 +1081,14 @@ pub fn report(a: &ReportArgs) -> i32 {
         // A closed pipe (`| head`) is not an error worth a message.
         Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => EXIT_OK,
         Err(e) => {
-            eprintln!("hyptrace: error: writing the report: {e}");
+            note!("hyptrace: error: writing the report: {e}");
             EXIT_RUNTIME
         }
     }
 }
 
 fn runtime_error(msg: impl std::fmt::Display) -> i32 {
-    eprintln!("hyptrace: error: {msg}");
+    note!("hyptrace: error: {msg}");
     EXIT_RUNTIME
 }
 
@@ -584,6 +1117,24 @@ fn execute(a: &RunArgs, target: Target) -> i32 {
         Ok(p) => p,
         Err(msg) => return usage_error(msg),
     };
+    // Every output path is checked before the VM boots: a bad one costs nothing.
+    if let Target::File(path, _) = &target {
+        if path.as_os_str() != "-" {
+            if let Err(msg) = check_destination(path, "-o") {
+                return usage_error(msg);
+            }
+        }
+    }
+    if let Some(path) = &a.stats {
+        if let Err(msg) = check_destination(path, "--stats") {
+            return usage_error(msg);
+        }
+    }
+    // Before any temporary file exists: a signal from now on stops or aborts cleanly.
+    let interrupts = match Interrupts::install() {
+        Ok(i) => i,
+        Err(msg) => return runtime_error(msg),
+    };
     let nr = plan.cfg.vcpus;
     let vm = match Vm::new(plan.cfg) {
         Ok(vm) => vm,
@@ -596,11 +1147,15 @@ fn execute(a: &RunArgs, target: Target) -> i32 {
         Ok(c) => c,
         Err(e) => return runtime_error(format!("guest clock ({tsc_khz} kHz): {e}")),
     };
+    let stdout = Arc::new(StdoutState::default());
     let output = match &target {
         Target::Stdout => Output::Text {
             out: Box::new(std::io::BufWriter::with_capacity(
                 1 << 16,
-                std::io::stdout(),
+                QuietStdout {
+                    out: std::io::stdout(),
+                    state: Arc::clone(&stdout),
+                },
             )),
             merger: Merger::new(nr as usize),
             payloads: vec![Default::default(); nr as usize],
@@ -618,20 +1173,17 @@ fn execute(a: &RunArgs, target: Target) -> i32 {
         Ok(r) => r,
         Err(e) => return runtime_error(format!("trace buffers: {e}")),
     };
-    let term = match termination_flag() {
-        Ok(t) => t,
-        Err(msg) => return runtime_error(msg),
-    };
     let running = match vm.start(&plan.params) {
         Ok(r) => r,
         Err(e) => return runtime_error(e),
     };
     let mut session = Session::new(reader, output, clock);
     let deadline = plan.duration.map(|d| running.started_at() + d);
-    let progress = matches!(target, Target::File(..)) && std::io::stderr().is_terminal();
-    let mut stop_reason: Option<String> = None;
-    let mut host_error = false;
-    let mut last_progress = Instant::now();
+    let events_on_tty = matches!(target, Target::Stdout) && std::io::stdout().is_terminal();
+    let mut heartbeat = Heartbeat::new(!events_on_tty);
+    let mut stop_reason: Option<Stop> = None;
+    let mut failures = Failures::default();
+    let mut aborted = false;
     loop {
         // A round that stopped at its bound left data behind: come back at once.
         let wait = if session.backlog() {
@@ -640,13 +1192,20 @@ fn execute(a: &RunArgs, target: Target) -> i32 {
             plan.poll
         };
         let all_done = running.wait_timeout(wait);
+        if interrupts.aborted() {
+            aborted = true;
+            running.stop();
+            break;
+        }
         if stop_reason.is_none() {
-            stop_reason = if term.load(Ordering::SeqCst) {
-                Some("interrupted".into())
+            stop_reason = if interrupts.stop_requested() {
+                Some(Stop::Signal(interrupts.signal_name()))
             } else if deadline.is_some_and(|d| Instant::now() >= d) {
-                Some("--duration elapsed".into())
+                Some(Stop::Duration)
             } else if running.any_crashed() {
-                Some("a vCPU crashed".into())
+                Some(Stop::Crash)
+            } else if stdout.closed.load(Ordering::Relaxed) {
+                Some(Stop::StdoutClosed)
             } else {
                 None
             };
@@ -655,48 +1214,50 @@ fn execute(a: &RunArgs, target: Target) -> i32 {
             }
         }
         for (cpu, e) in session.service(|c| running.vcpu_finished(c)) {
-            eprintln!("hyptrace: error: reading vcpu {cpu}: {e}");
-            host_error = true;
+            failures.session(Some(cpu), &e);
             if stop_reason.is_none() {
-                stop_reason = Some(format!("reading vcpu {cpu} failed"));
+                stop_reason = Some(Stop::Failed(match e {
+                    SessionError::Output(_) => "output failed".into(),
+                    _ => format!("reading vcpu {cpu} failed"),
+                }));
                 running.stop();
             }
         }
         if let Err(e) = session.flush() {
-            eprintln!("hyptrace: error: {e}");
-            host_error = true;
+            failures.session(None, &e);
             if stop_reason.is_none() {
-                stop_reason = Some("output failed".into());
+                stop_reason = Some(Stop::Failed("output failed".into()));
                 running.stop();
             }
         }
-        if progress && last_progress.elapsed() >= Duration::from_millis(500) {
-            last_progress = Instant::now();
-            let read = sat_sum((0..nr).map(|c| session.stats(c).read));
-            let lost = sat_sum((0..nr).map(|c| session.stats(c).lost));
-            eprint!("\rhyptrace: recording: {read} events read, {lost} lost ");
+        if let Some(h) = &mut heartbeat {
+            h.tick(&session, nr, running.started_at());
         }
         if all_done && (0..nr).all(|c| !session.is_live(c)) {
             break;
         }
     }
-    if progress {
-        eprintln!();
+    if let Some(h) = &mut heartbeat {
+        h.end();
     }
     let wall = running.started_at().elapsed();
     let start_tsc = running.start_tsc();
     let outcomes = running.wait();
+    if aborted {
+        return abort(session);
+    }
     // Every vCPU has stopped: read what is left, read-only.
     for cpu in 0..nr {
         if let Err(e) = session.end_cpu(cpu) {
-            eprintln!("hyptrace: error: reading vcpu {cpu}: {e}");
             session.fail_cpu(cpu, &e);
-            host_error = true;
+            failures.session(Some(cpu), &e);
         }
     }
     if let Err(e) = session.flush() {
-        eprintln!("hyptrace: error: {e}");
-        host_error = true;
+        failures.session(None, &e);
+    }
+    if interrupts.aborted() {
+        return abort(session);
     }
 
     let reports: Vec<CpuReport> = (0..nr)
@@ -733,46 +1294,136 @@ fn execute(a: &RunArgs, target: Target) -> i32 {
             })
             .collect(),
     };
-    let lines = match session.finish(&summary_stats) {
-        Ok(n) => n,
-        Err(e) => {
-            eprintln!("hyptrace: error: {e}");
-            host_error = true;
-            0
-        }
-    };
+    if let Err(e) = session.finish(&summary_stats) {
+        failures.session(None, &e);
+    }
+    let lines = stdout.lines.load(Ordering::Relaxed);
 
-    if let Some(r) = &stop_reason {
-        eprintln!("hyptrace: stopped: {r}");
+    // How the run ended, then the summary, then what went wrong (the last lines).
+    match &stop_reason {
+        Some(Stop::Failed(_)) | None => {}
+        Some(r) => note!("hyptrace: stopped: {r}"),
     }
     let mut code = exit_code(&outcomes);
     let consistent = reports.iter().all(CpuReport::consistent);
-    if code == EXIT_OK && (host_error || !consistent) {
+    if code == EXIT_OK && (failures.any() || !consistent) {
         code = EXIT_RUNTIME;
     }
-    eprint!(
+    let written_to = match &target {
+        Target::Stdout => Written::Stdout(lines),
+        Target::File(p, _) if failures.output_failed() => Written::Failed(p),
+        Target::File(p, f) => Written::File(p, *f),
+    };
+    note!(
         "{}",
-        summary(&outcomes, &reports, tsc_khz, start_tsc, tsc_offset, wall, lines, &target)
+        summary(
+            &outcomes,
+            &reports,
+            tsc_khz,
+            start_tsc,
+            tsc_offset,
+            wall,
+            written_to,
+            failures.any()
+        )
+        .trim_end()
     );
-    if !consistent {
-        eprintln!("hyptrace: error: accounting mismatch: written != read + lost on some vCPU");
+    let lost: u64 = reports.iter().map(|r| r.stats.lost).sum();
+    if lost > 0 {
+        note!("hyptrace: hint: {}", loss_hint(a.mode));
     }
+    if reports
+        .iter()
+        .any(|r| r.flag(failures.any()).contains("MISMATCH"))
+    {
+        note!("hyptrace: error: accounting mismatch on a vCPU marked MISMATCH: written != read + lost, lost != overrun + dropped, or written != attempted - skipped");
+    }
+    failures.print(&target);
     if let Some(path) = &a.stats {
+        let end = run_end(&outcomes, stop_reason.as_ref(), failures.any());
         let json = stats_json(
             a,
             &outcomes,
             &reports,
             tsc_khz,
             wall,
-            stop_reason.as_deref(),
+            stop_reason.as_ref().map(|r| r.to_string()).as_deref(),
+            end,
             code,
         );
         if let Err(e) = std::fs::write(path, json) {
-            eprintln!("hyptrace: error: cannot write {}: {e}", path.display());
+            note!("hyptrace: error: cannot write {}: {e}", path.display());
             return EXIT_RUNTIME;
         }
     }
     code
+}
+
+/// A second Ctrl-C: drop the session without finishing its output (the sink removes
+/// its temporary and spill files when dropped), say so, exit 130.
+fn abort(session: Session) -> i32 {
+    drop(session);
+    note!("hyptrace: aborted: no output written");
+    EXIT_ABORT
+}
+
+/// Why a run stopped before its guest finished.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Stop {
+    /// The first Ctrl-C (SIGINT) or SIGTERM.
+    Signal(&'static str),
+    /// `--duration` elapsed.
+    Duration,
+    /// A vCPU crashed; the others were stopped.
+    Crash,
+    /// Stdout was closed by its reader (`| head`).
+    StdoutClosed,
+    /// Reading a ring or writing the output failed (reported on its own).
+    Failed(String),
+}
+
+impl std::fmt::Display for Stop {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Signal(sig) => write!(f, "interrupted by {sig}"),
+            Self::Duration => f.write_str("--duration elapsed"),
+            Self::Crash => f.write_str("a vCPU crashed"),
+            Self::StdoutClosed => f.write_str("stdout closed"),
+            Self::Failed(what) => f.write_str(what),
+        }
+    }
+}
+
+/// `end` of `--stats`: how the run ended. `guest_finished`, `duration`, `signal`,
+/// `stdout_closed` (exit 0 when every event is accounted for), `guest_crashed` (3),
+/// `error` (1).
+fn run_end(outcomes: &[VcpuOutcome], stop: Option<&Stop>, failed: bool) -> &'static str {
+    if outcomes.iter().any(|o| matches!(o, VcpuOutcome::Error(_))) || failed {
+        return "error";
+    }
+    if outcomes.iter().any(VcpuOutcome::is_crash) {
+        return "guest_crashed";
+    }
+    match stop {
+        None => "guest_finished",
+        Some(Stop::Signal(_)) => "signal",
+        Some(Stop::Duration) => "duration",
+        Some(Stop::StdoutClosed) => "stdout_closed",
+        Some(Stop::Crash) => "guest_crashed",
+        Some(Stop::Failed(_)) => "error",
+    }
+}
+
+/// What to do about lost events, for the mode that lost them.
+fn loss_hint(mode: ModeArg) -> &'static str {
+    match mode {
+        ModeArg::Stop => {
+            "events were lost (dropped while a ring was full): raise --buffer-kb or lower --rate, or use --mode overwrite to keep the newest events"
+        }
+        ModeArg::Overwrite => {
+            "events were lost (overwritten before they were read): raise --buffer-kb or lower --rate"
+        }
+    }
 }
 
 /// 1 if a vCPU failed on the host side, else 3 if the guest crashed, else 0.
@@ -794,8 +1445,8 @@ fn summary(
     start_tsc: u64,
     tsc_offset: Option<i64>,
     wall: Duration,
-    lines: u64,
-    target: &Target,
+    written_to: Written<'_>,
+    failed: bool,
 ) -> String {
     let mut s = String::new();
     let ms = |cycles: u64| {
@@ -821,8 +1472,8 @@ fn summary(
                 };
                 format!("finished in {t:.3} ms{started}")
             }
-            VcpuOutcome::Panicked(msg) => format!("guest panicked: {msg}"),
-            VcpuOutcome::Faulted(msg) => format!("guest crashed: {msg}"),
+            VcpuOutcome::Panicked(msg) => format!("guest panicked: {}", escape_guest(msg)),
+            VcpuOutcome::Faulted(msg) => format!("guest crashed: {}", escape_guest(msg)),
             VcpuOutcome::Stopped => "stopped".to_string(),
             VcpuOutcome::Error(msg) => format!("error: {msg}"),
         };
@@ -843,7 +1494,7 @@ fn summary(
                 st.swaps,
                 st.pages_touched,
                 st.bytes,
-                if r.consistent() { "" } else { "  MISMATCH" }
+                r.flag(failed)
             );
         }
     }
@@ -853,14 +1504,18 @@ fn summary(
     let written = sat_sum(reports.iter().map(|r| r.written));
     let secs = wall.as_secs_f64();
     let mb = sat_sum(reports.iter().map(|r| r.stats.bytes)) as f64 / 1e6;
+    let overrun = sat_sum(reports.iter().map(|r| r.stats.overrun));
+    let dropped = sat_sum(reports.iter().map(|r| r.stats.dropped));
+    let n = outcomes.len();
     let _ = writeln!(
         s,
-        "hyptrace: {} vCPUs: written {written} = read {read} + lost {lost}; {secs:.3} s, {mb:.1} MB of events ({:.1} MB/s){}",
-        outcomes.len(),
+        "hyptrace: {n} vCPU{}: written {written} = read {read} + lost {lost} (overrun {overrun}, dropped {dropped}); {secs:.3} s, {mb:.1} MB of events ({:.1} MB/s), {}",
+        if n == 1 { "" } else { "s" },
         if secs > 0.0 { mb / secs } else { 0.0 },
-        match target {
-            Target::Stdout => format!(", {lines} lines printed"),
-            Target::File(p, f) => format!(", {:?} written to {}", f, p.display()),
+        match written_to {
+            Written::Stdout(n) => format!("{n} line{} printed", if n == 1 { "" } else { "s" }),
+            Written::File(p, f) => format!("{} written to {}", format_name(f), shown_path(p)),
+            Written::Failed(p) => format!("{} not written", shown_path(p)),
         }
     );
     s
@@ -871,6 +1526,61 @@ fn sat_sum(v: impl IntoIterator<Item = u64>) -> u64 {
     v.into_iter().fold(0, u64::saturating_add)
 }
 
+/// Where the events went, for the last words of the summary.
+enum Written<'a> {
+    /// Lines that reached stdout.
+    Stdout(u64),
+    /// A complete file.
+    File(&'a Path, FormatArg),
+    /// The output failed (the error follows the summary).
+    Failed(&'a Path),
+}
+
+/// What a file of `format` is called in messages.
+fn format_name(format: FormatArg) -> &'static str {
+    match format {
+        FormatArg::Dat => "trace.dat (v7)",
+        FormatArg::Dat6 => "trace.dat (v6)",
+        FormatArg::Json => "JSON",
+        FormatArg::Text => "text",
+        FormatArg::Raw => "raw pages",
+    }
+}
+
+/// A path for messages; `-` is stdout.
+fn shown_path(p: &Path) -> Cow<'_, str> {
+    if p.as_os_str() == "-" {
+        Cow::Borrowed("stdout")
+    } else {
+        p.to_string_lossy()
+    }
+}
+
+/// The crash of a vCPU for `--stats`: its kind, the message (a panic's text comes from
+/// the guest; JSON escapes it) and the instruction pointer when the host read it.
+fn crash_json(cpu: usize, o: &VcpuOutcome) -> Option<serde_json::Value> {
+    let (kind, msg) = match o {
+        VcpuOutcome::Panicked(m) => ("panic", m),
+        VcpuOutcome::Faulted(m) => ("fault", m),
+        _ => return None,
+    };
+    // `where_` in vcpu.rs appends "(rip 0x…, …)" when the registers could be read.
+    let rip = msg.rfind("(rip 0x").and_then(|i| {
+        let hex: String = msg[i + 7..]
+            .chars()
+            .take_while(char::is_ascii_hexdigit)
+            .collect();
+        u64::from_str_radix(&hex, 16).ok()
+    });
+    Some(serde_json::json!({
+        "cpu": cpu,
+        "kind": kind,
+        "message": msg,
+        "rip": rip.map(|r| format!("{r:#x}")),
+    }))
+}
+
+#[allow(clippy::too_many_arguments)]
 fn stats_json(
     a: &RunArgs,
     outcomes: &[VcpuOutcome],
@@ -878,6 +1588,7 @@ fn stats_json(
     tsc_khz: u64,
     wall: Duration,
     stop_reason: Option<&str>,
+    end: &str,
     code: i32,
 ) -> String {
     let cpus: Vec<serde_json::Value> = reports
@@ -900,6 +1611,7 @@ fn stats_json(
                 "pages_read": st.pages_read,
                 "outcome": outcome_name(outcomes.get(cpu)),
                 "error": r.error,
+                "crash": outcomes.get(cpu).and_then(|o| crash_json(cpu, o)),
             })
         })
         .collect();
@@ -921,6 +1633,8 @@ fn stats_json(
         "tsc_khz": tsc_khz,
         "wall_seconds": wall.as_secs_f64(),
         "stop_reason": stop_reason,
+        "end": end,
+        "crash": outcomes.iter().enumerate().find_map(|(cpu, o)| crash_json(cpu, o)),
         "exit_code": code,
     });
     let mut s = serde_json::to_string_pretty(&v).unwrap_or_else(|_| "{}".into());
@@ -994,8 +1708,8 @@ mod tests {
             0,
             None,
             Duration::from_secs(1),
-            0,
-            &Target::Stdout,
+            Written::Stdout(0),
+            false,
         );
         let m = u64::MAX;
         assert!(
@@ -1004,18 +1718,175 @@ mod tests {
         );
     }
 
+    fn parse_err(extra: &[&str]) -> String {
+        let mut v = vec!["hyptrace", "run"];
+        v.extend_from_slice(extra);
+        match Cli::try_parse_from(v) {
+            Ok(c) => panic!("{extra:?} parsed: {c:?}"),
+            Err(e) => e.render().to_string(),
+        }
+    }
+
+    #[test]
+    fn range_errors_name_the_flag_and_the_limit() {
+        for (bad, needles) in [
+            (&["--vcpus", "0"][..], &["--vcpus", "1..=256"][..]),
+            (&["--vcpus", "-1"], &["--vcpus", "1..=256"]),
+            (&["--vcpus", "100000"], &["--vcpus", "1..=256"]),
+            (
+                &["--duration", "inf"],
+                &["--duration", "finite", "1000000000"],
+            ),
+            (&["--duration", "nan"], &["--duration", "not a number"]),
+            (&["--duration", "-1"], &["--duration", "more than 0"]),
+            (&["--duration", "0"], &["--duration", "more than 0"]),
+            (&["--duration", "1e10"], &["--duration", "limit"]),
+            (&["--workload", "nope"], &["possible values: steady, mixed"]),
+        ] {
+            let e = parse_err(bad);
+            for n in needles {
+                assert!(e.contains(n), "{bad:?}: {e:?} lacks {n:?}");
+            }
+        }
+        let e = plan(&args(&["--buffer-kb", "99999999999"])).expect_err("accepted");
+        assert!(
+            e.contains("--buffer-kb") && e.contains("3145728 KiB"),
+            "{e}"
+        );
+        assert_eq!(parse_duration("0.5"), Ok(0.5));
+    }
+
+    /// The largest --buffer-kb the memory-limit message names is accepted, one page more
+    /// is not.
+    #[test]
+    fn buffer_limit_is_exact() {
+        let e = plan(&args(&["--vcpus", "256", "--buffer-kb", "65536"])).expect_err("fits?");
+        let max: u64 = e
+            .split("at most ")
+            .nth(1)
+            .and_then(|t| t.split(' ').next())
+            .and_then(|t| t.parse().ok())
+            .unwrap_or_else(|| panic!("no limit in {e}"));
+        assert!(
+            e.contains("guest memory") && e.contains("--buffer-kb"),
+            "{e}"
+        );
+        let ok = max.to_string();
+        plan(&args(&["--vcpus", "256", "--buffer-kb", &ok])).expect("the limit fits");
+        let over = (max + 4).to_string();
+        assert!(plan(&args(&["--vcpus", "256", "--buffer-kb", &over])).is_err());
+    }
+
+    #[test]
+    fn largest_search() {
+        assert_eq!(largest(3, 100, |n| n <= 42), Some(42));
+        assert_eq!(largest(3, 100, |_| true), Some(100));
+        assert_eq!(largest(3, 100, |_| false), None);
+        assert_eq!(largest(3, 3, |n| n == 3), Some(3));
+        assert_eq!(largest(5, 3, |_| true), None);
+    }
+
+    #[test]
+    fn destinations() {
+        let dir = std::env::temp_dir().join(format!("hyptrace-dest-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        let p = |n: &str| dir.join(n);
+        std::fs::write(p("file"), b"x").expect("write");
+        // New file, existing file, a symlink to either: fine.
+        check_destination(&p("new.dat"), "-o").expect("new file");
+        check_destination(&p("file"), "-o").expect("existing file");
+        std::os::unix::fs::symlink(p("file"), p("link")).expect("symlink");
+        check_destination(&p("link"), "-o").expect("symlink to a file");
+        std::os::unix::fs::symlink(p("later"), p("dangling")).expect("symlink");
+        check_destination(&p("dangling"), "-o").expect("dangling symlink, target creatable");
+        std::os::unix::fs::symlink("/nonexistent/dir/x", p("nowhere")).expect("symlink");
+        let e = check_destination(&p("nowhere"), "-o").expect_err("target dir missing");
+        assert!(e.contains("does not exist"), "{e}");
+        // A FIFO is written in place.
+        let fifo = std::ffi::CString::new(p("fifo").as_os_str().as_encoded_bytes()).expect("c");
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+        check_destination(&p("fifo"), "-o").expect("fifo");
+        // Refused: a directory, a missing directory, a file used as a directory.
+        let e = check_destination(&dir, "--stats").expect_err("dir");
+        assert!(
+            e.contains("(--stats)") && e.contains("is a directory"),
+            "{e}"
+        );
+        let e = check_destination(&p("sub/"), "-o").expect_err("trailing slash");
+        assert!(e.contains("directory"), "{e}");
+        let e = check_destination(&p("missing/x.json"), "--json").expect_err("missing dir");
+        assert!(e.contains("does not exist"), "{e}");
+        let e = check_destination(&p("file/x.json"), "--json").expect_err("not a dir");
+        assert!(e.contains("--json"), "{e}");
+        let e = check_destination(Path::new(""), "-o").expect_err("empty");
+        assert!(e.contains("empty"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Signals within SIGNAL_BURST of the first count as one; a later one aborts; a
+    /// third, later still, exits.
+    #[test]
+    fn signal_bursts() {
+        use signal_hook::consts::{SIGINT, SIGTERM};
+        let st = Interrupts::default();
+        let w = SIGNAL_BURST.as_nanos() as u64;
+        let t0 = 5_000_000_000u64;
+        assert_eq!(st.on_signal(SIGTERM, t0), SignalAction::Stop);
+        assert!(st.stop_requested() && !st.aborted());
+        assert_eq!(st.signal_name(), "SIGTERM");
+        // `timeout` signals the process, then its group.
+        assert_eq!(st.on_signal(SIGINT, t0), SignalAction::Burst);
+        assert_eq!(st.on_signal(SIGINT, t0 + w - 1), SignalAction::Burst);
+        assert_eq!(
+            st.on_signal(SIGINT, t0 - 10),
+            SignalAction::Burst,
+            "handlers race"
+        );
+        assert!(!st.aborted());
+        assert_eq!(st.signal_name(), "SIGTERM");
+        assert_eq!(st.on_signal(SIGINT, t0 + w), SignalAction::Abort);
+        assert!(st.aborted());
+        assert_eq!(st.on_signal(SIGINT, t0 + w + w / 2), SignalAction::Burst);
+        assert_eq!(st.on_signal(SIGINT, t0 + 3 * w), SignalAction::Exit);
+        assert_eq!(st.on_signal(SIGINT, t0 + 9 * w), SignalAction::Burst);
+        assert!(monotonic_ns() > 0);
+    }
+
+    #[test]
+    fn guest_text_escaped() {
+        assert_eq!(escape_guest("plain text"), "plain text");
+        assert_eq!(escape_guest("a\x1b[2Jb\n"), "a\\u{1b}[2Jb\\n");
+    }
+
+    #[test]
+    fn crash_detail() {
+        let f = VcpuOutcome::Faulted("triple fault (rip 0x1f00a, rsp 0x10)".into());
+        let v = crash_json(1, &f).expect("crash");
+        assert_eq!(v["rip"], "0x1f00a");
+        assert_eq!(v["kind"], "fault");
+        assert_eq!(v["cpu"], 1);
+        let p = VcpuOutcome::Panicked("boom \"quoted\"\x07".into());
+        let v = crash_json(0, &p).expect("crash");
+        assert_eq!(v["message"], "boom \"quoted\"\x07");
+        assert!(v["rip"].is_null());
+        let text = serde_json::to_string(&v).expect("json");
+        assert!(
+            text.contains("\\u0007") && text.contains("\\\"quoted"),
+            "{text}"
+        );
+        assert!(crash_json(0, &VcpuOutcome::Stopped).is_none());
+    }
+
     #[test]
     fn rejects_bad_input() {
         for bad in [
-            &["--vcpus", "0"][..],
-            &["--vcpus", "100000"],
-            &["--page-size", "5000"],
+            &["--page-size", "5000"][..],
             &["--page-size", "2048"],
             &["--buffer-kb", "8"],
             &["--mem-mb", "1"],
             &["--mem-mb", "100000"],
             &["--poll-ms", "0"],
-            &["--duration", "-1"],
             &["--guest", "/nonexistent/guest.elf"],
             &["--vcpus", "256", "--buffer-kb", "65536"],
         ] {

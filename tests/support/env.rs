@@ -78,12 +78,14 @@ pub fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
-/// Asserts a usage error: exit 2, exactly one line `hyptrace: error: ...` containing
-/// `needle` on stderr, nothing on stdout, no Rust panic.
+/// Asserts a usage error: exit 2, exactly one line `hyptrace: ...` on stderr, first,
+/// `hyptrace: error: ...` (argument errors add clap's hints after it: valid values, tips,
+/// usage), `needle` in the message, nothing on stdout, no Rust panic.
 pub fn assert_usage_error(o: &Output, what: &str, needle: &str) {
     let err = stderr(o);
     assert_eq!(o.status.code(), Some(2), "{what}: stderr: {err}");
-    assert_eq!(err.lines().count(), 1, "{what}: not one line: {err}");
+    let ours = err.lines().filter(|l| l.starts_with("hyptrace:")).count();
+    assert_eq!(ours, 1, "{what}: not one hyptrace line: {err}");
     assert!(err.starts_with("hyptrace: error: "), "{what}: {err}");
     assert!(err.contains(needle), "{what}: {err:?} lacks {needle:?}");
     assert!(!err.contains("panicked"), "{what}: {err}");

@@ -1,0 +1,936 @@
+//! The command line under real use (issue 9), with the real binary: signals (a clean
+//! stop, `timeout`'s double signal, an abort that leaves nothing behind), output paths
+//! refused before the VM starts, one root-cause message per failure, a closed stdout,
+//! whole argument errors, the summary's wording and hints, `--stats` (how the run ended,
+//! the crash detail), the heartbeat, `bench --quick`'s rate and the README.
+//!
+//! VM-booting tests are skipped without /dev/kvm (unless HYPTRACE_REQUIRE_KVM=1); the
+//! ones that need root (mount, mknod) print `SKIP: ...` when they cannot. Every wait is
+//! bounded; no duration is asserted.
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::Path;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use hyptrace::env::{self, kvm_available, vm_lock, TempDir};
+
+const BIN: &str = env!("CARGO_BIN_EXE_hyptrace");
+const KRATE: &str = env!("CARGO_CRATE_NAME");
+
+/// How long any one child may take before the test kills it and fails.
+const LIMIT: Duration = Duration::from_secs(120);
+
+fn stats(path: &str) -> serde_json::Value {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}: {text}"))
+}
+
+/// Every vCPU of `--stats` balances: written = read + lost.
+fn assert_balanced(s: &serde_json::Value) {
+    for c in s["cpus"].as_array().expect("cpus") {
+        let u = |k: &str| c[k].as_u64().unwrap_or_else(|| panic!("{k} in {c}"));
+        assert_eq!(u("written"), u("read") + u("lost"), "{s}");
+    }
+}
+
+/// Waits for `child` at most [`LIMIT`]; kills it and fails past that.
+fn wait_bounded(child: &mut Child, what: &str) -> ExitStatus {
+    let t0 = Instant::now();
+    loop {
+        match child.try_wait() {
+            Ok(Some(st)) => return st,
+            Ok(None) if t0.elapsed() < LIMIT => std::thread::sleep(Duration::from_millis(20)),
+            Ok(None) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("{what}: still running after {LIMIT:?}");
+            }
+            Err(e) => panic!("{what}: wait: {e}"),
+        }
+    }
+}
+
+fn kill(child: &Child, sig: &str) {
+    let st = Command::new("kill")
+        .args([sig, &child.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(st.success(), "kill {sig}");
+}
+
+/// Reads a child's stderr on a thread: lines arrive on the channel as they come.
+fn stderr_lines(child: &mut Child) -> (mpsc::Receiver<String>, std::thread::JoinHandle<()>) {
+    let err = child.stderr.take().expect("piped stderr");
+    let (tx, rx) = mpsc::channel();
+    let h = std::thread::spawn(move || {
+        for line in BufReader::new(err).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    (rx, h)
+}
+
+/// Waits (bounded) for a stderr line containing `needle`; returns the lines so far.
+fn wait_line(rx: &mpsc::Receiver<String>, needle: &str, seen: &mut Vec<String>) {
+    let t0 = Instant::now();
+    while t0.elapsed() < LIMIT {
+        match rx.recv_timeout(Duration::from_millis(100)) {
+            Ok(l) => {
+                let hit = l.contains(needle);
+                seen.push(l);
+                if hit {
+                    return;
+                }
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        }
+    }
+    panic!("no stderr line with {needle:?}: {seen:#?}");
+}
+
+/// A tmpfs mounted on a new directory (unmounted when dropped), or `None` with a SKIP
+/// line when this process may not mount.
+struct Tmpfs(std::path::PathBuf);
+
+impl Tmpfs {
+    fn new(dir: &TempDir, name: &str, opts: &str) -> Option<Self> {
+        let p = dir.path().join(name);
+        std::fs::create_dir(&p).expect("mkdir");
+        let ok = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", opts, "tmpfs"])
+            .arg(&p)
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !ok {
+            println!("SKIP: cannot mount a tmpfs (needs root)");
+            return None;
+        }
+        Some(Self(p))
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
+}
+
+/// `mknod path c major minor`, or `None` with a SKIP line without the privilege.
+fn mknod_char(path: &Path, major: u32, minor: u32) -> Option<()> {
+    let ok = Command::new("mknod")
+        .arg(path)
+        .args(["c", &major.to_string(), &minor.to_string()])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        println!("SKIP: cannot mknod (needs root)");
+    }
+    ok.then_some(())
+}
+
+fn trace_complete(path: &str) -> bool {
+    env::run(BIN, &["report", "-i", path, "--stat"])
+        .status
+        .success()
+}
+
+// ---- 2: signals ---------------------------------------------------------------------
+
+/// `timeout -s INT` signals the process and then its group: two SIGINTs at once. They
+/// count as one clean stop: exit 0, a complete trace.dat, no temporary or spill file,
+/// `--stats` says the run ended by a signal. 20 times. On a loaded machine the signal
+/// can come before the process has installed its handlers (before it creates any
+/// file): then it dies of the SIGINT (130) and leaves nothing at all.
+#[test]
+fn interrupted_records_leave_no_debris() {
+    if !kvm_available(KRATE, "interrupted_records_leave_no_debris") {
+        return;
+    }
+    let _vm = vm_lock();
+    let dir = TempDir::new("int");
+    let (out, st) = (dir.file("t.dat"), dir.file("s.json"));
+    let mut clean = 0;
+    for i in 0..20 {
+        let o = Command::new("timeout")
+            .args([
+                "--preserve-status",
+                "-s",
+                "INT",
+                "1",
+                BIN,
+                "record",
+                "-o",
+                &out,
+            ])
+            .args(["--stats", &st, "--events", "100000000"])
+            .output()
+            .expect("timeout");
+        let err = env::stderr(&o);
+        if o.status.code() == Some(130) && err.is_empty() {
+            assert!(dir.entries().is_empty(), "run {i}: {:?}", dir.entries());
+            continue;
+        }
+        clean += 1;
+        assert_eq!(o.status.code(), Some(0), "run {i}: {err}");
+        check_clean_stop(&dir, &out, &st, &err, &format!("run {i}"));
+    }
+    println!("{clean} of 20 runs stopped cleanly, the others were signalled before start-up");
+}
+
+/// A clean stop by SIGINT: one "stopping" line, no abort, complete output, `--stats`
+/// says `signal`; removes the files for the next run.
+fn check_clean_stop(dir: &TempDir, out: &str, st: &str, err: &str, what: &str) {
+    assert_eq!(
+        err.matches("stopping… (Ctrl-C again to abort)").count(),
+        1,
+        "{what}: {err}"
+    );
+    assert!(!err.contains("aborting"), "{what}: {err}");
+    assert!(
+        err.contains("stopped: interrupted by SIGINT"),
+        "{what}: {err}"
+    );
+    assert_eq!(dir.entries(), ["s.json", "t.dat"], "{what}: {err}");
+    assert!(trace_complete(out), "{what}: incomplete trace.dat");
+    let s = stats(st);
+    assert_eq!(s["end"], "signal", "{s}");
+    assert_eq!(s["exit_code"], 0, "{s}");
+    assert_balanced(&s);
+    std::fs::remove_file(out).expect("rm");
+    std::fs::remove_file(st).expect("rm");
+}
+
+/// What `timeout` does, once the run is under way (its temporary files exist): SIGINT
+/// to the process, then to its process group, at once. One clean stop, every time.
+#[test]
+fn signal_to_process_and_group_is_one_stop() {
+    use std::os::unix::process::CommandExt;
+    if !kvm_available(KRATE, "signal_to_process_and_group_is_one_stop") {
+        return;
+    }
+    let _vm = vm_lock();
+    let dir = TempDir::new("grp");
+    let (out, st) = (dir.file("t.dat"), dir.file("s.json"));
+    for i in 0..5 {
+        let mut child = Command::new(BIN)
+            .args([
+                "record",
+                "-o",
+                &out,
+                "--stats",
+                &st,
+                "--events",
+                "100000000",
+            ])
+            .process_group(0)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn");
+        let t0 = Instant::now();
+        while dir.entries().is_empty() && t0.elapsed() < LIMIT {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let pid = child.id().to_string();
+        let group = format!("-{pid}");
+        let st_kill = Command::new("sh")
+            .args(["-c", "kill -INT \"$1\" \"$2\"", "sh", &pid, &group])
+            .status()
+            .expect("kill");
+        assert!(st_kill.success());
+        let mut err = String::new();
+        child
+            .stderr
+            .take()
+            .expect("stderr")
+            .read_to_string(&mut err)
+            .expect("stderr");
+        let code = wait_bounded(&mut child, "record").code();
+        assert_eq!(code, Some(0), "run {i}: {err}");
+        check_clean_stop(&dir, &out, &st, &err, &format!("run {i}"));
+    }
+}
+
+/// A second Ctrl-C, later than the burst window, aborts: exit 130. The run is held in a
+/// write to a stdout pipe nobody reads, so the first Ctrl-C cannot complete the stop
+/// before the second arrives.
+#[test]
+fn second_ctrl_c_aborts_with_130() {
+    if !kvm_available(KRATE, "second_ctrl_c_aborts_with_130") {
+        return;
+    }
+    let _vm = vm_lock();
+    let mut child = Command::new(BIN)
+        .args(["run", "--events", "100000000"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let mut stdout = child.stdout.take().expect("stdout");
+    let (rx, reader) = stderr_lines(&mut child);
+    // The run prints: its handlers are installed, and the unread pipe fills up.
+    let mut byte = [0u8; 1];
+    stdout.read_exact(&mut byte).expect("first byte");
+    kill(&child, "-INT");
+    let mut seen = Vec::new();
+    wait_line(&rx, "stopping…", &mut seen);
+    std::thread::sleep(Duration::from_millis(700));
+    kill(&child, "-INT");
+    wait_line(&rx, "aborting", &mut seen);
+    drop(stdout);
+    let st = wait_bounded(&mut child, "aborted run");
+    reader.join().expect("stderr reader");
+    seen.extend(rx.try_iter());
+    assert_eq!(st.code(), Some(130), "{seen:#?}");
+    assert!(seen.iter().any(|l| l.contains("aborted")), "{seen:#?}");
+    assert!(!seen.iter().any(|l| l.contains("panicked")), "{seen:#?}");
+}
+
+/// Two Ctrl-Cs apart during a `record`: whichever wins (the clean stop finishing, or
+/// the abort), no temporary or spill file is left, and the output is complete (exit 0)
+/// or absent (exit 130).
+#[test]
+fn ctrl_c_twice_during_record_leaves_complete_or_nothing() {
+    if !kvm_available(
+        KRATE,
+        "ctrl_c_twice_during_record_leaves_complete_or_nothing",
+    ) {
+        return;
+    }
+    let _vm = vm_lock();
+    let dir = TempDir::new("int2");
+    let out = dir.file("t.dat");
+    for format in ["dat", "json", "text"] {
+        let mut child = Command::new(BIN)
+            .args(["record", "-o", &out, "--format", format])
+            .args(["--events", "100000000", "--vcpus", "2", "--rate", "0"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn");
+        let (rx, reader) = stderr_lines(&mut child);
+        // Wait for the sink's temporary files: the run is under way.
+        let t0 = Instant::now();
+        while dir.entries().is_empty() && t0.elapsed() < LIMIT {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        kill(&child, "-INT");
+        let mut seen = Vec::new();
+        wait_line(&rx, "stopping…", &mut seen);
+        std::thread::sleep(Duration::from_millis(600));
+        let _ = Command::new("kill")
+            .args(["-INT", &child.id().to_string()])
+            .status();
+        let st = wait_bounded(&mut child, "record");
+        reader.join().expect("stderr reader");
+        seen.extend(rx.try_iter());
+        match st.code() {
+            Some(0) => {
+                assert_eq!(dir.entries(), ["t.dat"], "{format}: {seen:#?}");
+                if format == "dat" {
+                    assert!(trace_complete(&out), "{format}");
+                }
+                std::fs::remove_file(&out).expect("rm");
+            }
+            Some(130) => assert!(dir.entries().is_empty(), "{format}: {:?}", dir.entries()),
+            c => panic!("{format}: exit {c:?}: {seen:#?}"),
+        }
+    }
+}
+
+/// A record into a FIFO is held in its `open` until a reader comes: both Ctrl-Cs
+/// arrive before any page is written, so the abort is certain: exit 130, no spill file.
+/// Needs the output crate's in-place writing of FIFOs (issue 9, output side): before
+/// that, the FIFO is replaced by a file and the run completes.
+#[test]
+#[ignore = "needs the output crate's in-place FIFO/device writing (issue 9)"]
+fn abort_while_fifo_waits_leaves_no_spill_files() {
+    if !kvm_available(KRATE, "abort_while_fifo_waits_leaves_no_spill_files") {
+        return;
+    }
+    let _vm = vm_lock();
+    let dir = TempDir::new("fifo");
+    let fifo = dir.file("pipe");
+    assert!(Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .expect("mkfifo")
+        .success());
+    let mut child = Command::new(BIN)
+        .args(["record", "-o", &fifo, "--events", "100000"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let (rx, reader) = stderr_lines(&mut child);
+    std::thread::sleep(Duration::from_millis(500));
+    kill(&child, "-INT");
+    let mut seen = Vec::new();
+    wait_line(&rx, "stopping…", &mut seen);
+    std::thread::sleep(Duration::from_millis(700));
+    kill(&child, "-INT");
+    wait_line(&rx, "aborting", &mut seen);
+    // Open the read side (without blocking) and drain it, letting the writer go on.
+    let mut r = std::fs::File::open(&fifo).expect("open fifo");
+    let mut sink = Vec::new();
+    let _ = r.read_to_end(&mut sink);
+    let st = wait_bounded(&mut child, "record to fifo");
+    reader.join().expect("stderr reader");
+    assert_eq!(st.code(), Some(130), "{seen:#?}");
+    assert_eq!(dir.entries(), ["pipe"], "{seen:#?}");
+}
+
+// ---- 3: output paths checked before the VM starts ------------------------------------
+
+/// Exit 2, one `hyptrace: error: cannot write PATH (FLAG): ...` line, nothing else: no
+/// vCPU line, no bench section was started.
+fn assert_refused(args: &[&str], path: &str, flag: &str, needle: &str) {
+    let o = env::run(BIN, args);
+    let err = env::stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+    assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
+    assert!(
+        err.starts_with(&format!("hyptrace: error: cannot write {path} ({flag}): ")),
+        "{args:?}: {err}"
+    );
+    assert!(err.contains(needle), "{args:?}: {err:?} lacks {needle:?}");
+    assert!(o.stdout.is_empty(), "{args:?}");
+}
+
+#[test]
+fn bad_destinations_refused_before_the_vm_starts() {
+    let dir = TempDir::new("dest");
+    let d = dir.path().to_str().expect("utf-8").to_string();
+    let file = dir.file("file");
+    std::fs::write(&file, b"x").expect("write");
+    let out = dir.file("t.dat");
+    let nodir = dir.file("missing/s.json");
+    let under_file = format!("{file}/s.json");
+    assert_refused(&["record", "-o", &d], &d, "-o", "is a directory");
+    for fmt in ["dat", "json", "text", "raw"] {
+        assert_refused(
+            &["record", "-o", &d, "--format", fmt],
+            &d,
+            "-o",
+            "is a directory",
+        );
+    }
+    assert_refused(
+        &["record", "-o", &out, "--stats", &nodir],
+        &nodir,
+        "--stats",
+        "does not exist",
+    );
+    assert_refused(
+        &["record", "-o", &out, "--stats", &d],
+        &d,
+        "--stats",
+        "directory",
+    );
+    assert_refused(&["run", "--stats", &d], &d, "--stats", "is a directory");
+    assert_refused(
+        &["run", "--stats", &under_file],
+        &under_file,
+        "--stats",
+        "Not a directory",
+    );
+    assert_refused(
+        &["bench", "--quick", "--json", &d],
+        &d,
+        "--json",
+        "is a directory",
+    );
+    assert_refused(
+        &["bench", "--quick", "--json", &nodir],
+        &nodir,
+        "--json",
+        "does not exist",
+    );
+    assert_eq!(dir.entries(), ["file"]);
+    // A read-only location.
+    if let Some(ro) = Tmpfs::new(&dir, "ro", "ro,size=64k") {
+        let p = ro.0.join("b.json").to_str().expect("utf-8").to_string();
+        assert_refused(
+            &["bench", "--quick", "--json", &p],
+            &p,
+            "--json",
+            "Read-only",
+        );
+        let p = ro.0.join("t.dat").to_str().expect("utf-8").to_string();
+        assert_refused(&["record", "-o", &p], &p, "-o", "Read-only");
+    }
+}
+
+// ---- 5: write failures --------------------------------------------------------------
+
+/// ENOSPC while recording: exit 1, the cause said once, as the last line; no success
+/// line, no MISMATCH (a vCPU whose reading the failure cut short is INCOMPLETE, with
+/// the number of events not read), no file.
+#[test]
+fn full_disk_reports_one_cause_last() {
+    if !kvm_available(KRATE, "full_disk_reports_one_cause_last") {
+        return;
+    }
+    let dir = TempDir::new("enospc");
+    let Some(small) = Tmpfs::new(&dir, "small", "size=64k") else {
+        return;
+    };
+    let _vm = vm_lock();
+    let st = dir.file("s.json");
+    for fmt in ["dat", "json", "text", "raw"] {
+        let out = small.0.join("x.out").to_str().expect("utf-8").to_string();
+        let o = env::run(
+            BIN,
+            &[
+                "record", "-o", &out, "--format", fmt, "--events", "200000", "--stats", &st,
+            ],
+        );
+        let err = env::stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "{fmt}: {err}");
+        let errors: Vec<&str> = err.lines().filter(|l| l.contains("error")).collect();
+        assert_eq!(errors.len(), 1, "{fmt}: {err}");
+        assert_eq!(err.lines().last(), Some(errors[0]), "{fmt}: {err}");
+        assert!(
+            errors[0].contains("No space left on device"),
+            "{fmt}: {err}"
+        );
+        assert!(!err.contains("written to"), "{fmt}: {err}");
+        assert!(
+            !err.contains("MISMATCH") && !err.contains("mismatch"),
+            "{fmt}: {err}"
+        );
+        assert_eq!(std::fs::read_dir(&small.0).expect("ls").count(), 0, "{fmt}");
+        let s = stats(&st);
+        assert_eq!(s["end"], "error", "{s}");
+        assert_eq!(s["exit_code"], 1, "{s}");
+        for (i, c) in s["cpus"].as_array().expect("cpus").iter().enumerate() {
+            let u = |k: &str| c[k].as_u64().unwrap_or_else(|| panic!("{k} in {c}"));
+            let line = err
+                .lines()
+                .find(|l| l.starts_with(&format!("hyptrace: cpu {i}: ")))
+                .unwrap_or_else(|| panic!("no cpu {i} line: {err}"));
+            let unread = u("written") - u("read") - u("lost");
+            if unread == 0 {
+                assert!(!line.contains("INCOMPLETE"), "{line}");
+            } else {
+                let mark = format!("INCOMPLETE: {unread} events not read after the failure");
+                assert!(line.ends_with(&mark), "{line}");
+            }
+        }
+    }
+}
+
+/// A `--stats` that cannot be written (a full device): exit 1, the error last.
+#[test]
+fn stats_write_failure_is_the_last_line() {
+    if !kvm_available(KRATE, "stats_write_failure_is_the_last_line") {
+        return;
+    }
+    let dir = TempDir::new("statsfull");
+    let full = dir.path().join("full");
+    if mknod_char(&full, 1, 7).is_none() {
+        return;
+    }
+    let _vm = vm_lock();
+    let full = full.to_str().expect("utf-8");
+    let o = env::run(BIN, &["run", "--events", "100", "--stats", full]);
+    let err = env::stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    let last = err.lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("hyptrace: error: cannot write ") && last.contains(full),
+        "{err}"
+    );
+    assert_eq!(
+        err.lines().filter(|l| l.contains("error:")).count(),
+        1,
+        "{err}"
+    );
+}
+
+// ---- 6: a closed stdout -------------------------------------------------------------
+
+/// `hyptrace run | head -2`: exit 0, no error, the run stopped and accounted for.
+#[test]
+fn closed_stdout_ends_the_run_quietly() {
+    if !kvm_available(KRATE, "closed_stdout_ends_the_run_quietly") {
+        return;
+    }
+    let _vm = vm_lock();
+    let dir = TempDir::new("epipe");
+    let st = dir.file("s.json");
+    let mut child = Command::new(BIN)
+        .args(["run", "--events", "10000000", "--stats", &st])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let mut out = BufReader::new(child.stdout.take().expect("stdout"));
+    for _ in 0..2 {
+        let mut line = String::new();
+        out.read_line(&mut line).expect("line");
+        assert!(line.contains("marker"), "{line}");
+    }
+    drop(out);
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .expect("stderr")
+        .read_to_string(&mut err)
+        .expect("stderr");
+    let code = wait_bounded(&mut child, "run | head").code();
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        !err.contains("error") && !err.contains("Broken pipe"),
+        "{err}"
+    );
+    assert!(err.contains("stopped: stdout closed"), "{err}");
+    let s = stats(&st);
+    assert_eq!(s["end"], "stdout_closed", "{s}");
+    assert_eq!(s["exit_code"], 0, "{s}");
+    assert_balanced(&s);
+}
+
+// ---- 7: messages --------------------------------------------------------------------
+
+/// Exit 2, the first line `hyptrace: error: ...`, every needle somewhere.
+fn assert_arg_error(args: &[&str], needles: &[&str]) {
+    let o = env::run(BIN, args);
+    let err = env::stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+    assert!(err.starts_with("hyptrace: error: "), "{args:?}: {err}");
+    for n in needles {
+        assert!(err.contains(n), "{args:?}: {err:?} lacks {n:?}");
+    }
+    assert!(!err.contains("panicked"), "{args:?}: {err}");
+}
+
+#[test]
+fn argument_errors_are_whole_and_name_the_limit() {
+    for cmd in ["run", "record"] {
+        let a = |extra: &[&'static str]| {
+            let mut v = vec![cmd];
+            v.extend_from_slice(extra);
+            v
+        };
+        assert_arg_error(
+            &a(&["--workload", "nope"]),
+            &[
+                "'--workload <WORKLOAD>'",
+                "[possible values: steady, mixed, burst, panic, fault]",
+                "For more information, try '--help'.",
+            ],
+        );
+        assert_arg_error(
+            &a(&["--vcpu", "2"]),
+            &[
+                "unexpected argument '--vcpu'",
+                "tip: a similar argument exists: '--vcpus'",
+            ],
+        );
+        assert_arg_error(&a(&["--vcpus", "-1"]), &["--vcpus", "1..=256"]);
+        assert_arg_error(&a(&["--vcpus", "0"]), &["--vcpus", "1..=256"]);
+        assert_arg_error(
+            &a(&["--buffer-kb", "99999999999"]),
+            &["--buffer-kb 99999999999", "3145728 KiB"],
+        );
+        assert_arg_error(
+            &a(&["--vcpus", "256", "--buffer-kb", "65536"]),
+            &["--buffer-kb", "KiB per vCPU fits", "guest memory"],
+        );
+        assert_arg_error(&a(&["--duration", "inf"]), &["--duration", "finite"]);
+        assert_arg_error(&a(&["--duration", "nan"]), &["--duration", "not a number"]);
+        assert_arg_error(&a(&["--duration", "-2"]), &["--duration", "more than 0"]);
+    }
+}
+
+#[test]
+fn help_defines_the_counters_and_exit_codes() {
+    for cmd in ["run", "record"] {
+        let o = env::run(BIN, &[cmd, "--help"]);
+        let out = env::stdout(&o);
+        assert_eq!(o.status.code(), Some(0));
+        for n in [
+            "attempted",
+            "skipped",
+            "written    events the writer took in",
+            "dropped",
+            "read ",
+            "lost       events written but never read",
+            "written = read + lost",
+            "Exit status: 0",
+            "130",
+        ] {
+            assert!(out.contains(n), "{cmd} --help lacks {n:?}: {out}");
+        }
+    }
+}
+
+/// "1 vCPU", the format's name, "written to" only for a complete file.
+#[test]
+fn summary_wording() {
+    if !kvm_available(KRATE, "summary_wording") {
+        return;
+    }
+    let _vm = vm_lock();
+    let dir = TempDir::new("words");
+    for (name, what) in [
+        ("t.json", "JSON written to"),
+        ("t.dat", "trace.dat (v7) written to"),
+        ("t.txt", "text written to"),
+    ] {
+        let out = dir.file(name);
+        let o = env::run(
+            BIN,
+            &["record", "-o", &out, "--vcpus", "1", "--events", "10"],
+        );
+        let err = env::stderr(&o);
+        assert_eq!(o.status.code(), Some(0), "{err}");
+        let last = err.lines().last().unwrap_or_default();
+        assert!(
+            last.contains("hyptrace: 1 vCPU: written 10 = read 10 + lost 0"),
+            "{err}"
+        );
+        assert!(last.ends_with(&format!("{what} {out}")), "{err}");
+        assert!(!err.contains("hint"), "a lossless run: {err}");
+    }
+    let o = env::run(BIN, &["run", "--vcpus", "2", "--events", "10"]);
+    let err = env::stderr(&o);
+    assert!(err.contains("hyptrace: 2 vCPUs: written 20"), "{err}");
+    assert!(err.contains(", 20 lines printed"), "{err}");
+}
+
+// ---- 8: bench --quick ---------------------------------------------------------------
+
+#[test]
+fn bench_quick_reports_the_rate_honestly() {
+    if !kvm_available(KRATE, "bench_quick_reports_the_rate_honestly") {
+        return;
+    }
+    let _vm = vm_lock();
+    let dir = TempDir::new("bench");
+    let json = dir.file("b.json");
+    let o = env::run(BIN, &["bench", "--quick", "--json", &json]);
+    let out = env::stdout(&o);
+    assert_eq!(o.status.code(), Some(0), "{}", env::stderr(&o));
+    assert!(!out.replace("null sink", "").contains("null"), "{out}");
+    let rate = out
+        .lines()
+        .find(|l| l.trim_start().starts_with("1 vCPU:"))
+        .unwrap_or_else(|| panic!("no rate line: {out}"));
+    assert!(
+        rate.contains("(--quick: one run, no search)") || rate.contains("not measured"),
+        "{rate}"
+    );
+    let v = stats(&json);
+    let r = &v["max_rate"][0];
+    assert_eq!(r["searched"], false, "{r}");
+    // The one run wrote more than its 1 MiB ring holds: a loss-free result means something.
+    let run = &r["runs"][0];
+    let bytes_per_event = 28;
+    assert!(
+        run["events_per_vcpu"].as_u64().unwrap_or(0) * bytes_per_event > 1 << 20,
+        "{run}"
+    );
+}
+
+// ---- 9: README ----------------------------------------------------------------------
+
+#[test]
+fn readme_tells_a_new_user_what_they_need() {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"))
+        .expect("README.md");
+    for n in [
+        "/dev/kvm",
+        "kvm group",
+        "target/release/hyptrace",
+        "cargo install --path .",
+        "trace-cmd",
+        "SKIP",
+        "Exit status:",
+        "130",
+    ] {
+        assert!(readme.contains(n), "README lacks {n:?}");
+    }
+    // The first command shown that prints events does not flood the terminal: it is
+    // paged, or asks for a few events.
+    let first = readme
+        .split("```sh\n")
+        .skip(1)
+        .filter_map(|b| b.split("```").next())
+        .flat_map(str::lines)
+        .find(|l| l.contains("hyptrace run") || l.contains("-- run"))
+        .expect("a run command in a sh block");
+    let events = first
+        .split("--events ")
+        .nth(1)
+        .and_then(|t| t.split_whitespace().next())
+        .and_then(|n| n.parse::<u64>().ok());
+    assert!(
+        first.contains("| less") || first.contains("| head") || events.is_some_and(|n| n <= 1000),
+        "{first}"
+    );
+}
+
+// ---- 10: stdout output, exit codes, crash detail, heartbeat, hints --------------------
+
+/// `record -o -`: the trace on stdout, the summary on stderr, no file named `-`.
+#[test]
+#[ignore = "needs the output crate's streaming of `-` (issue 9)"]
+fn record_to_stdout() {
+    if !kvm_available(KRATE, "record_to_stdout") {
+        return;
+    }
+    let _vm = vm_lock();
+    let dir = TempDir::new("stdout");
+    let o = Command::new(BIN)
+        .args(["record", "-o", "-", "--events", "1000"])
+        .current_dir(dir.path())
+        .output()
+        .expect("run");
+    let err = env::stderr(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert!(o.stdout.starts_with(b"\x17\x08\x44tracing"), "{err}");
+    assert!(err.contains("written to stdout"), "{err}");
+    assert!(dir.entries().is_empty(), "{:?}", dir.entries());
+}
+
+/// How a run ended, in `--stats`, and its exit code: 0 for a finished guest and for a
+/// stop the user asked for.
+#[test]
+fn exit_codes_and_end() {
+    if !kvm_available(KRATE, "exit_codes_and_end") {
+        return;
+    }
+    let _vm = vm_lock();
+    let dir = TempDir::new("end");
+    let st = dir.file("s.json");
+    let out = dir.file("t.dat");
+    for (args, code, end) in [
+        (&["--events", "1000"][..], 0, "guest_finished"),
+        (
+            &["--events", "100000000", "--duration", "0.3"],
+            0,
+            "duration",
+        ),
+        (&["--workload", "panic"], 3, "guest_crashed"),
+    ] {
+        let mut all = vec!["record", "-o", &out, "--stats", &st];
+        all.extend_from_slice(args);
+        let o = env::run(BIN, &all);
+        assert_eq!(o.status.code(), Some(code), "{args:?}: {}", env::stderr(&o));
+        let s = stats(&st);
+        assert_eq!(s["end"], end, "{args:?}: {s}");
+        assert_eq!(s["exit_code"], code, "{s}");
+    }
+}
+
+/// A crash is in `--stats`: which vCPU, panic or fault, the message (JSON-escaped), the
+/// instruction pointer of a fault.
+#[test]
+fn crash_detail_in_stats() {
+    if !kvm_available(KRATE, "crash_detail_in_stats") {
+        return;
+    }
+    let _vm = vm_lock();
+    let dir = TempDir::new("crash");
+    let st = dir.file("s.json");
+    for (w, kind) in [("panic", "panic"), ("fault", "fault")] {
+        let o = env::run(
+            BIN,
+            &["run", "--workload", w, "--vcpus", "1", "--stats", &st],
+        );
+        assert_eq!(o.status.code(), Some(3), "{}", env::stderr(&o));
+        let s = stats(&st);
+        let c = &s["crash"];
+        assert_eq!(c["kind"], kind, "{s}");
+        assert_eq!(c["cpu"], 0, "{s}");
+        assert!(c["message"].as_str().is_some_and(|m| !m.is_empty()), "{s}");
+        assert_eq!(&s["cpus"][0]["crash"], c, "{s}");
+        if kind == "fault" {
+            let rip = c["rip"].as_str().unwrap_or_else(|| panic!("no rip: {s}"));
+            assert!(rip.starts_with("0x"), "{s}");
+        }
+    }
+}
+
+/// A recording whose stderr is not a terminal says every 5 s that it is alive.
+#[test]
+fn long_record_has_a_heartbeat() {
+    if !kvm_available(KRATE, "long_record_has_a_heartbeat") {
+        return;
+    }
+    let _vm = vm_lock();
+    let dir = TempDir::new("beat");
+    let out = dir.file("t.dat");
+    let o = env::run(
+        BIN,
+        &[
+            "record",
+            "-o",
+            &out,
+            "--events",
+            "1000000000",
+            "--rate",
+            "1000",
+            "--duration",
+            "5.5",
+        ],
+    );
+    let err = env::stderr(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert!(
+        err.lines()
+            .any(|l| l.starts_with("hyptrace: recording: ") && l.contains("events read")),
+        "{err}"
+    );
+}
+
+/// Lost events come with a hint fitting the mode.
+#[test]
+fn lost_events_come_with_a_hint() {
+    if !kvm_available(KRATE, "lost_events_come_with_a_hint") {
+        return;
+    }
+    let _vm = vm_lock();
+    let dir = TempDir::new("hint");
+    let out = dir.file("t.dat");
+    let lossy = [
+        "--vcpus",
+        "1",
+        "--events",
+        "300000",
+        "--rate",
+        "0",
+        "--buffer-kb",
+        "64",
+    ];
+    for (mode, needle) in [
+        ("stop", "use --mode overwrite"),
+        ("overwrite", "overwritten before they were read"),
+    ] {
+        let mut a = vec!["record", "-o", &out, "--mode", mode];
+        a.extend_from_slice(&lossy);
+        let o = env::run(BIN, &a);
+        let err = env::stderr(&o);
+        assert_eq!(o.status.code(), Some(0), "{err}");
+        let hint = err
+            .lines()
+            .find(|l| l.starts_with("hyptrace: hint: "))
+            .unwrap_or_else(|| panic!("{mode}: no hint: {err}"));
+        assert!(
+            hint.contains("raise --buffer-kb") && hint.contains(needle),
+            "{hint}"
+        );
+    }
+}
