@@ -352,7 +352,7 @@ fn ctrl_c_twice_during_record_leaves_complete_or_nothing() {
 /// Needs the output crate's in-place writing of FIFOs (issue 9, output side): before
 /// that, the FIFO is replaced by a file and the run completes.
 #[test]
-#[ignore = "needs the output crate's in-place FIFO/device writing (issue 9)"]
+
 fn abort_while_fifo_waits_leaves_no_spill_files() {
     if !kvm_available(KRATE, "abort_while_fifo_waits_leaves_no_spill_files") {
         return;
@@ -786,7 +786,7 @@ fn readme_tells_a_new_user_what_they_need() {
 
 /// `record -o -`: the trace on stdout, the summary on stderr, no file named `-`.
 #[test]
-#[ignore = "needs the output crate's streaming of `-` (issue 9)"]
+
 fn record_to_stdout() {
     if !kvm_available(KRATE, "record_to_stdout") {
         return;

@@ -216,20 +216,26 @@ pub fn bench(a: &BenchArgs) -> i32 {
         }
     };
     // Before the first VM boots: a bad --json path costs nothing.
-    if let Some(path) = &a.json {
-        if let Err(msg) = crate::cli::check_destination(path, "--json") {
+    let json_target = match a
+        .json
+        .as_deref()
+        .map(|p| crate::cli::check_destination(p, "--json"))
+    {
+        Some(Err(msg)) => {
             eprintln!("hyptrace: error: {msg}");
             return EXIT_USAGE;
         }
-    }
+        Some(Ok(t)) => Some(t),
+        None => None,
+    };
     match run_all(&cfg, a) {
         Ok(v) => {
             print!("{}", table(&v));
-            if let Some(path) = &a.json {
+            if let Some(t) = &json_target {
                 let mut s = serde_json::to_string_pretty(&v).unwrap_or_else(|_| "{}".into());
                 s.push('\n');
-                if let Err(e) = std::fs::write(path, s) {
-                    eprintln!("hyptrace: error: cannot write {}: {e}", path.display());
+                if let Err(e) = crate::cli::write_destination(t, &s) {
+                    eprintln!("hyptrace: error: cannot write --json: {e}");
                     return EXIT_RUNTIME;
                 }
             }

@@ -22,7 +22,8 @@ use hyptrace_abi::guest::{Workload, RUN_FLAG_SERVE_MAILBOX};
 use hyptrace_abi::layout as ring;
 
 use hyptrace_output::{
-    Clock, JsonSink, PageSink, RawSink, TextSink, TraceDatSink, TraceDatVersion, TraceMeta,
+    Clock, JsonSink, OutputTarget, PageSink, RawSink, TextSink, TraceDatSink, TraceDatVersion,
+    TraceMeta,
 };
 use hyptrace_reader::Merger;
 use std::io::{IsTerminal, Write};
@@ -718,86 +719,26 @@ fn write_stderr_raw(b: &[u8]) {
 }
 
 /// Checks, before the VM starts, that `path` can receive the output of `flag`, and says
-/// in one line why not: a regular file or a new path needs an existing, writable
-/// directory (the file is written to a temporary name there and renamed; a symlink is
-/// followed to its target); a device or FIFO must be writable (it is written in place);
-/// a directory is refused.
-pub fn check_destination(path: &Path, flag: &str) -> Result<(), String> {
-    let shown = path.display();
-    let bytes = path.as_os_str().as_encoded_bytes();
-    if bytes.is_empty() {
-        return Err(format!("cannot write ({flag}): the path is empty"));
-    }
-    if bytes.ends_with(b"/") {
-        return Err(format!(
-            "cannot write {shown} ({flag}): names a directory, not a file"
-        ));
-    }
-    match std::fs::metadata(path) {
-        Ok(m) if m.is_dir() => Err(format!("cannot write {shown} ({flag}): is a directory")),
-        Ok(m) if m.is_file() => {
-            let real = std::fs::canonicalize(path)
-                .map_err(|e| format!("cannot write {shown} ({flag}): {e}"))?;
-            check_parent(&real, flag, path)
-        }
-        // A device, FIFO or socket: written in place.
-        Ok(_) => {
-            access(path, libc::W_OK).map_err(|e| format!("cannot write {shown} ({flag}): {e}"))
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            // A new file, or a dangling symlink whose target will be created.
-            let target = match std::fs::read_link(path) {
-                Ok(t) if t.is_relative() => path.parent().unwrap_or(Path::new("")).join(t),
-                Ok(t) => t,
-                Err(_) => path.to_path_buf(),
-            };
-            check_parent(&target, flag, path)
-        }
-        Err(e) => Err(format!("cannot write {shown} ({flag}): {e}")),
-    }
+/// in one line why not (`hyptrace_output::OutputTarget::check`: a regular file or a new
+/// path is written to a temporary name in its directory and renamed, a symlink is
+/// followed, a device or FIFO is written in place, `-` is stdout, a directory or an
+/// unwritable place is refused).
+pub fn check_destination(path: &Path, flag: &str) -> Result<OutputTarget, String> {
+    OutputTarget::check(path).map_err(|e| {
+        let why = match &e {
+            hyptrace_output::OutputError::Io { source, .. } => source.to_string(),
+            e => e.to_string(),
+        };
+        format!("cannot write {} ({flag}): {why}", path.display())
+    })
 }
 
-/// The directory that will hold `target` exists and accepts new files.
-fn check_parent(target: &Path, flag: &str, path: &Path) -> Result<(), String> {
-    let shown = path.display();
-    let dir = match target.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    match std::fs::metadata(dir) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(format!(
-            "cannot write {shown} ({flag}): directory {} does not exist",
-            dir.display()
-        )),
-        Err(e) => Err(format!(
-            "cannot write {shown} ({flag}): {}: {e}",
-            dir.display()
-        )),
-        Ok(m) if !m.is_dir() => Err(format!(
-            "cannot write {shown} ({flag}): {} is not a directory",
-            dir.display()
-        )),
-        Ok(_) => access(dir, libc::W_OK | libc::X_OK).map_err(|e| {
-            format!(
-                "cannot write {shown} ({flag}): cannot create files in {}: {e}",
-                dir.display()
-            )
-        }),
-    }
-}
-
-/// `access(2)`: permission bits, ACLs, read-only mounts, for the real user.
-fn access(path: &Path, mode: libc::c_int) -> Result<(), std::io::Error> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
-        .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
-    // SAFETY: `c` is a valid NUL-terminated string that outlives the call; access only
-    // reads it.
-    if unsafe { libc::access(c.as_ptr(), mode) } == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
+/// Writes `text` to a checked destination (temporary file renamed, or in place).
+pub fn write_destination(target: &OutputTarget, text: &str) -> Result<(), String> {
+    let mut f = target.open().map_err(|e| e.to_string())?;
+    f.write_all(text.as_bytes())
+        .map_err(|e| format!("{}: {e}", target.path().display()))?;
+    f.finish().map_err(|e| e.to_string())
 }
 
 /// Stdout for `run`: a reader that went away (`| head`) ends the run quietly. After
@@ -952,24 +893,6 @@ impl Failures {
     }
 }
 
-/// Guest text (a panic message) made safe for a terminal: control characters escaped.
-fn escape_guest(s: &str) -> Cow<'_, str> {
-    if !s.chars().any(char::is_control) {
-        return Cow::Borrowed(s);
-    }
-    Cow::Owned(
-        s.chars()
-            .map(|c| {
-                if c.is_control() {
-                    c.escape_default().to_string()
-                } else {
-                    c.to_string()
-                }
-            })
-            .collect(),
-    )
-}
-
 /// Where `execute` sends the trace.
 enum Target {
     /// Text lines on stdout (`run`).
@@ -1093,22 +1016,22 @@ fn runtime_error(msg: impl std::fmt::Display) -> i32 {
 }
 
 fn make_sink(
-    path: &std::path::Path,
+    target: &OutputTarget,
     format: FormatArg,
     meta: TraceMeta,
 ) -> Result<Box<dyn PageSink>, String> {
     let r: Result<Box<dyn PageSink>, hyptrace_output::OutputError> = match format {
         FormatArg::Dat => {
-            TraceDatSink::create(path, meta, TraceDatVersion::V7).map(|s| Box::new(s) as _)
+            TraceDatSink::open(target, meta, TraceDatVersion::V7).map(|s| Box::new(s) as _)
         }
         FormatArg::Dat6 => {
-            TraceDatSink::create(path, meta, TraceDatVersion::V6).map(|s| Box::new(s) as _)
+            TraceDatSink::open(target, meta, TraceDatVersion::V6).map(|s| Box::new(s) as _)
         }
-        FormatArg::Json => JsonSink::create(path, meta).map(|s| Box::new(s) as _),
-        FormatArg::Text => TextSink::create(path, meta).map(|s| Box::new(s) as _),
-        FormatArg::Raw => RawSink::create(path, meta).map(|s| Box::new(s) as _),
+        FormatArg::Json => JsonSink::open(target, meta).map(|s| Box::new(s) as _),
+        FormatArg::Text => TextSink::open(target, meta).map(|s| Box::new(s) as _),
+        FormatArg::Raw => RawSink::open(target, meta).map(|s| Box::new(s) as _),
     };
-    r.map_err(|e| format!("cannot write {}: {e}", path.display()))
+    r.map_err(|e| format!("cannot write {}: {e}", target.path().display()))
 }
 
 /// Boots the VM, drains the rings while it runs and after, and reports.
@@ -1118,18 +1041,18 @@ fn execute(a: &RunArgs, target: Target) -> i32 {
         Err(msg) => return usage_error(msg),
     };
     // Every output path is checked before the VM boots: a bad one costs nothing.
-    if let Target::File(path, _) = &target {
-        if path.as_os_str() != "-" {
-            if let Err(msg) = check_destination(path, "-o") {
-                return usage_error(msg);
-            }
-        }
-    }
-    if let Some(path) = &a.stats {
-        if let Err(msg) = check_destination(path, "--stats") {
-            return usage_error(msg);
-        }
-    }
+    let out_target = match &target {
+        Target::File(path, _) => match check_destination(path, "-o") {
+            Ok(t) => Some(t),
+            Err(msg) => return usage_error(msg),
+        },
+        Target::Stdout => None,
+    };
+    let stats_target = match a.stats.as_deref().map(|p| check_destination(p, "--stats")) {
+        Some(Err(msg)) => return usage_error(msg),
+        Some(Ok(t)) => Some(t),
+        None => None,
+    };
     // Before any temporary file exists: a signal from now on stops or aborts cleanly.
     let interrupts = match Interrupts::install() {
         Ok(i) => i,
@@ -1160,9 +1083,12 @@ fn execute(a: &RunArgs, target: Target) -> i32 {
             merger: Merger::new(nr as usize),
             payloads: vec![Default::default(); nr as usize],
         },
-        Target::File(path, format) => {
+        Target::File(_, format) => {
             let meta = TraceMeta::guest(plan.ring.page_size, nr, clock.clone());
-            match make_sink(path, *format, meta) {
+            let Some(t) = &out_target else {
+                return runtime_error("no output destination");
+            };
+            match make_sink(t, *format, meta) {
                 Ok(s) => Output::Pages(s),
                 Err(msg) => return usage_error(msg),
             }
@@ -1339,7 +1265,7 @@ fn execute(a: &RunArgs, target: Target) -> i32 {
         note!("hyptrace: error: accounting mismatch on a vCPU marked MISMATCH: written != read + lost, lost != overrun + dropped, or written != attempted - skipped");
     }
     failures.print(&target);
-    if let Some(path) = &a.stats {
+    if let Some(st) = &stats_target {
         let end = run_end(&outcomes, stop_reason.as_ref(), failures.any());
         let json = stats_json(
             a,
@@ -1351,8 +1277,8 @@ fn execute(a: &RunArgs, target: Target) -> i32 {
             end,
             code,
         );
-        if let Err(e) = std::fs::write(path, json) {
-            note!("hyptrace: error: cannot write {}: {e}", path.display());
+        if let Err(e) = write_destination(st, &json) {
+            note!("hyptrace: error: cannot write stats: {e}");
             return EXIT_RUNTIME;
         }
     }
@@ -1472,8 +1398,12 @@ fn summary(
                 };
                 format!("finished in {t:.3} ms{started}")
             }
-            VcpuOutcome::Panicked(msg) => format!("guest panicked: {}", escape_guest(msg)),
-            VcpuOutcome::Faulted(msg) => format!("guest crashed: {}", escape_guest(msg)),
+            VcpuOutcome::Panicked(msg) => {
+                format!("guest panicked: {}", hyptrace_output::escape_guest_str(msg))
+            }
+            VcpuOutcome::Faulted(msg) => {
+                format!("guest crashed: {}", hyptrace_output::escape_guest_str(msg))
+            }
             VcpuOutcome::Stopped => "stopped".to_string(),
             VcpuOutcome::Error(msg) => format!("error: {msg}"),
         };
@@ -1855,8 +1785,14 @@ mod tests {
 
     #[test]
     fn guest_text_escaped() {
-        assert_eq!(escape_guest("plain text"), "plain text");
-        assert_eq!(escape_guest("a\x1b[2Jb\n"), "a\\u{1b}[2Jb\\n");
+        assert_eq!(
+            hyptrace_output::escape_guest_str("plain text"),
+            "plain text"
+        );
+        assert_eq!(
+            hyptrace_output::escape_guest_str("a\x1b[2Jb\n"),
+            "a\\x1b[2Jb\\n"
+        );
     }
 
     #[test]

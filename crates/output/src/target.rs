@@ -128,6 +128,14 @@ impl OutputTarget {
         if path.as_os_str().is_empty() {
             return Err(refuse(path, io::ErrorKind::InvalidInput, "empty path"));
         }
+        // `name/` names a directory (existing or not): never a file we could rename to.
+        if path.as_os_str().as_encoded_bytes().ends_with(b"/") {
+            return Err(refuse(
+                path,
+                io::ErrorKind::IsADirectory,
+                "names a directory, not a file",
+            ));
+        }
         let (dest, meta) = resolve(path)?;
         let kind = match &meta {
             None => TargetKind::File,
@@ -158,8 +166,24 @@ impl OutputTarget {
                         .map_err(|e| OutputError::io(path, e))?;
                 }
                 let dir = parent_dir(&dest);
-                // The definitive check: a temporary file can be made next to it.
-                drop(temp_in(&dir, &dest, ".check").map_err(|e| OutputError::io(path, e))?);
+                match fs::metadata(&dir) {
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                        let msg = format!("directory {} does not exist", dir.display());
+                        return Err(refuse(path, io::ErrorKind::NotFound, &msg));
+                    }
+                    Ok(m) if !m.is_dir() => {
+                        let msg = format!("{} is not a directory", dir.display());
+                        return Err(refuse(path, io::ErrorKind::NotADirectory, &msg));
+                    }
+                    _ => {}
+                }
+                // The definitive check: a temporary file can be made next to it. The
+                // OS error alone (tempfile adds the temporary name, which means nothing
+                // to the user).
+                drop(temp_in(&dir, &dest, ".check").map_err(|e| {
+                    let e = e.raw_os_error().map_or(e, io::Error::from_raw_os_error);
+                    OutputError::io(path, e)
+                })?);
             }
             TargetKind::Stream => {
                 match OpenOptions::new()
