@@ -17,6 +17,10 @@
 //!
 //! Defaults write 5 M events per test, 4 tests: 10^7 per mode, 2 x 10^7 in total.
 //! `HYPTRACE_STRESS_EVENTS` (events per test) can only raise that.
+//!
+//! The threads run in a `std::thread::scope`; a thread that panics raises a shared
+//! abort flag that every wait loop checks, so the test fails — never hangs — when any
+//! thread fails, and a wait that sees no progress at all for [`STUCK`] fails too.
 
 use hyptrace_abi::layout::{Layout, Mode, FOOTER_SIZE};
 use hyptrace_abi::page::{data_event_size, PAGE_HEADER_SIZE};
@@ -26,6 +30,10 @@ use hyptrace_writer::{WriteOutcome, Writer};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+/// A wait that sees no progress for this long is a hang (a lost wake-up or a livelock,
+/// never slowness: every wait is for another thread's next few events).
+const STUCK: Duration = Duration::from_secs(120);
 
 const CPUS: u32 = 2;
 const PAGE: usize = 4096;
@@ -136,6 +144,27 @@ struct Shared {
     done: Vec<AtomicBool>,
     /// The reader no longer needs the writers (mailbox mode: stop serving).
     stop: AtomicBool,
+    /// A thread panicked: every other thread stops waiting and fails.
+    abort: AtomicBool,
+}
+
+/// Raises `abort` when the thread holding it unwinds (a failed assertion), so the
+/// other threads do not wait forever for it.
+struct AbortOnPanic<'a>(&'a AtomicBool);
+
+impl Drop for AbortOnPanic<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.store(true, SeqCst);
+        }
+    }
+}
+
+impl Shared {
+    /// Fails this thread if another one failed.
+    fn check_abort(&self, who: &str) {
+        assert!(!self.abort.load(SeqCst), "{who}: another thread failed");
+    }
 }
 
 struct WriterResult {
@@ -161,10 +190,22 @@ struct Ctx {
     overflow: u64,
 }
 
+/// Waits for the reader (serving the mailbox meanwhile); fails if another thread
+/// failed or if nothing happens for [`STUCK`].
 fn wait_until(w: &mut Writer<Arc<HeapMem>>, ctx: &Ctx, mut cond: impl FnMut() -> bool) {
+    let start = Instant::now();
+    let mut spins = 0u32;
     while !cond() {
         if !(ctx.mailbox && w.serve_mailbox()) {
             std::thread::yield_now();
+        }
+        spins = spins.wrapping_add(1);
+        if spins.is_multiple_of(256) {
+            ctx.sh.check_abort("writer");
+            assert!(
+                start.elapsed() < STUCK,
+                "writer: reader made no progress for {STUCK:?}"
+            );
         }
     }
 }
@@ -233,7 +274,11 @@ fn drain<C: Callbacks>(
     pos: &AtomicU64,
 ) -> u64 {
     let mut n = 0;
-    while let Some(it) = rb.next_event(cpu).unwrap() {
+    // Honest writers: any error is a real inconsistency (a lost race is `Ok`).
+    while let Some(it) = rb
+        .next_event(cpu)
+        .unwrap_or_else(|e| panic!("cpu {cpu}: next_event: {e}"))
+    {
         ck.item(cpu, it);
         n += 1;
         if n % 32 == 0 {
@@ -267,50 +312,76 @@ fn run<C: Callbacks>(mode: Mode, mailbox: bool, make_cb: impl FnOnce(Arc<HeapMem
         paused: (0..n).map(|_| AtomicBool::new(false)).collect(),
         done: (0..n).map(|_| AtomicBool::new(false)).collect(),
         stop: AtomicBool::new(false),
+        abort: AtomicBool::new(false),
     });
     let t0 = Instant::now();
-    let writers: Vec<_> = (0..CPUS)
-        .map(|cpu| {
-            let m = mem.clone();
-            let ctx = Ctx {
-                mailbox,
-                sh: sh.clone(),
-                overflow,
-            };
-            std::thread::spawn(move || writer_thread(m, cpu, per_cpu, ctx, t0))
-        })
-        .collect();
-
     let mut ck: Vec<Check> = (0..CPUS).map(|_| Check::default()).collect();
-    loop {
-        let all_done = sh.done.iter().all(|d| d.load(Acquire));
+    let results: Vec<WriterResult> = std::thread::scope(|s| {
+        let writers: Vec<_> = (0..CPUS)
+            .map(|cpu| {
+                let m = mem.clone();
+                let ctx = Ctx {
+                    mailbox,
+                    sh: sh.clone(),
+                    overflow,
+                };
+                s.spawn(move || {
+                    let sh = ctx.sh.clone();
+                    let _g = AbortOnPanic(&sh.abort);
+                    writer_thread(m, cpu, per_cpu, ctx, t0)
+                })
+            })
+            .collect();
+        let _g = AbortOnPanic(&sh.abort);
+        let mut last_progress = (Instant::now(), 0u64);
+        loop {
+            sh.check_abort("reader");
+            let all_done = sh.done.iter().all(|d| d.load(Acquire));
+            let mut moved = 0;
+            for cpu in 0..CPUS {
+                let c = cpu as usize;
+                if sh.pause_req[c].load(Acquire) {
+                    // Acknowledge and leave this CPU alone until the writer clears it.
+                    sh.paused[c].store(true, Release);
+                    continue;
+                }
+                sh.paused[c].store(false, Release);
+                rb.poke(cpu)
+                    .unwrap_or_else(|e| panic!("cpu {cpu}: poke: {e}"));
+                drain(&mut rb, cpu, &mut ck[c], &sh.reader_pos[c]);
+                moved += sh.progress[c].load(Acquire);
+            }
+            if all_done {
+                break;
+            }
+            if moved != last_progress.1 {
+                last_progress = (Instant::now(), moved);
+            } else {
+                assert!(
+                    last_progress.0.elapsed() < STUCK,
+                    "reader: writers made no progress for {STUCK:?}"
+                );
+            }
+        }
+        // Writers are done writing: one more live pass, then stop them and read the rest
+        // with the final walk.
         for cpu in 0..CPUS {
             let c = cpu as usize;
-            if sh.pause_req[c].load(Acquire) {
-                // Acknowledge and leave this CPU alone until the writer clears it.
-                sh.paused[c].store(true, Release);
-                continue;
-            }
-            sh.paused[c].store(false, Release);
-            rb.poke(cpu).unwrap();
+            rb.poke(cpu)
+                .unwrap_or_else(|e| panic!("cpu {cpu}: poke: {e}"));
             drain(&mut rb, cpu, &mut ck[c], &sh.reader_pos[c]);
         }
-        if all_done {
-            break;
-        }
-    }
-    // Writers are done writing: one more live pass, then stop them and read the rest
-    // with the final walk.
+        sh.stop.store(true, Release);
+        // A writer's panic fails the test here (the others saw `abort` and stopped).
+        writers
+            .into_iter()
+            .map(|t| t.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+            .collect()
+    });
     for cpu in 0..CPUS {
         let c = cpu as usize;
-        rb.poke(cpu).unwrap();
-        drain(&mut rb, cpu, &mut ck[c], &sh.reader_pos[c]);
-    }
-    sh.stop.store(true, Release);
-    let results: Vec<WriterResult> = writers.into_iter().map(|t| t.join().unwrap()).collect();
-    for cpu in 0..CPUS {
-        let c = cpu as usize;
-        rb.finalize(cpu).unwrap();
+        rb.finalize(cpu)
+            .unwrap_or_else(|e| panic!("cpu {cpu}: finalize: {e}"));
         drain(&mut rb, cpu, &mut ck[c], &sh.reader_pos[c]);
         assert!(rb.finished(cpu));
         assert_eq!(rb.take_trailing_loss(cpu), 0, "next_event took it already");
