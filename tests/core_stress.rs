@@ -16,7 +16,14 @@
 //! - swaps really happen: at least one swap per stall, and pages_read covers read.
 //!
 //! Defaults write 5 M events per test, 4 tests: 10^7 per mode, 2 x 10^7 in total.
-//! `HYPTRACE_STRESS_EVENTS` (events per test) can only raise that.
+//! `HYPTRACE_STRESS_EVENTS` (events per test, at least 200 000) overrides that: the
+//! oversubscribed CI step (`.ci/oversubscribed.sh`) runs several copies at once next to
+//! CPU hogs with fewer events each — there the point is preemption at every point, not
+//! volume.
+//!
+//! The threads run in a `std::thread::scope`; a thread that panics raises a shared
+//! abort flag that every wait loop checks, so the test fails — never hangs — when any
+//! thread fails, and a wait that sees no progress at all for [`STUCK`] fails too.
 
 use hyptrace_abi::layout::{Layout, Mode, FOOTER_SIZE};
 use hyptrace_abi::page::{data_event_size, PAGE_HEADER_SIZE};
@@ -27,6 +34,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// A wait that sees no progress for this long is a hang (a lost wake-up or a livelock,
+/// never slowness: every wait is for another thread's next few events).
+const STUCK: Duration = Duration::from_secs(120);
+
 const CPUS: u32 = 2;
 const PAGE: usize = 4096;
 /// Pages per CPU: the reader page and 3 ring pages.
@@ -35,12 +46,14 @@ const DEFAULT_EVENTS_PER_TEST: u64 = 5_000_000;
 /// Header of every payload: cpu, seq, ts (u64 each).
 const HDR: usize = 24;
 
+/// Fewest events per test: every CPU still gets several pause blocks (losses).
+const MIN_EVENTS_PER_TEST: u64 = 200_000;
+
 fn events_per_test() -> u64 {
-    let env = std::env::var("HYPTRACE_STRESS_EVENTS")
+    std::env::var("HYPTRACE_STRESS_EVENTS")
         .ok()
         .and_then(|v| v.parse::<u64>().ok())
-        .unwrap_or(0);
-    env.max(DEFAULT_EVENTS_PER_TEST)
+        .map_or(DEFAULT_EVENTS_PER_TEST, |n| n.max(MIN_EVENTS_PER_TEST))
 }
 
 /// Payload length of event `seq`: mostly small, sometimes past the small form (112).
@@ -136,6 +149,27 @@ struct Shared {
     done: Vec<AtomicBool>,
     /// The reader no longer needs the writers (mailbox mode: stop serving).
     stop: AtomicBool,
+    /// A thread panicked: every other thread stops waiting and fails.
+    abort: AtomicBool,
+}
+
+/// Raises `abort` when the thread holding it unwinds (a failed assertion), so the
+/// other threads do not wait forever for it.
+struct AbortOnPanic<'a>(&'a AtomicBool);
+
+impl Drop for AbortOnPanic<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.store(true, SeqCst);
+        }
+    }
+}
+
+impl Shared {
+    /// Fails this thread if another one failed.
+    fn check_abort(&self, who: &str) {
+        assert!(!self.abort.load(SeqCst), "{who}: another thread failed");
+    }
 }
 
 struct WriterResult {
@@ -161,10 +195,27 @@ struct Ctx {
     overflow: u64,
 }
 
+/// Waits for the reader (serving the mailbox meanwhile); fails if another thread
+/// failed or if nothing happens for [`STUCK`].
 fn wait_until(w: &mut Writer<Arc<HeapMem>>, ctx: &Ctx, mut cond: impl FnMut() -> bool) {
+    let start = Instant::now();
+    let mut spins = 0u32;
     while !cond() {
         if !(ctx.mailbox && w.serve_mailbox()) {
-            std::thread::yield_now();
+            // Yield first; on a busy machine, leave the CPU to the reader for a while.
+            if spins < 64 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(20));
+            }
+        }
+        spins = spins.wrapping_add(1);
+        if spins.is_multiple_of(256) {
+            ctx.sh.check_abort("writer");
+            assert!(
+                start.elapsed() < STUCK,
+                "writer: reader made no progress for {STUCK:?}"
+            );
         }
     }
 }
@@ -233,7 +284,11 @@ fn drain<C: Callbacks>(
     pos: &AtomicU64,
 ) -> u64 {
     let mut n = 0;
-    while let Some(it) = rb.next_event(cpu).unwrap() {
+    // Honest writers: any error is a real inconsistency (a lost race is `Ok`).
+    while let Some(it) = rb
+        .next_event(cpu)
+        .unwrap_or_else(|e| panic!("cpu {cpu}: next_event: {e}"))
+    {
         ck.item(cpu, it);
         n += 1;
         if n % 32 == 0 {
@@ -267,50 +322,84 @@ fn run<C: Callbacks>(mode: Mode, mailbox: bool, make_cb: impl FnOnce(Arc<HeapMem
         paused: (0..n).map(|_| AtomicBool::new(false)).collect(),
         done: (0..n).map(|_| AtomicBool::new(false)).collect(),
         stop: AtomicBool::new(false),
+        abort: AtomicBool::new(false),
     });
     let t0 = Instant::now();
-    let writers: Vec<_> = (0..CPUS)
-        .map(|cpu| {
-            let m = mem.clone();
-            let ctx = Ctx {
-                mailbox,
-                sh: sh.clone(),
-                overflow,
-            };
-            std::thread::spawn(move || writer_thread(m, cpu, per_cpu, ctx, t0))
-        })
-        .collect();
-
     let mut ck: Vec<Check> = (0..CPUS).map(|_| Check::default()).collect();
-    loop {
-        let all_done = sh.done.iter().all(|d| d.load(Acquire));
+    let results: Vec<WriterResult> = std::thread::scope(|s| {
+        let writers: Vec<_> = (0..CPUS)
+            .map(|cpu| {
+                let m = mem.clone();
+                let ctx = Ctx {
+                    mailbox,
+                    sh: sh.clone(),
+                    overflow,
+                };
+                s.spawn(move || {
+                    let sh = ctx.sh.clone();
+                    let _g = AbortOnPanic(&sh.abort);
+                    writer_thread(m, cpu, per_cpu, ctx, t0)
+                })
+            })
+            .collect();
+        let _g = AbortOnPanic(&sh.abort);
+        let mut last_progress = (Instant::now(), 0u64);
+        let mut idle = 0u32;
+        loop {
+            sh.check_abort("reader");
+            let all_done = sh.done.iter().all(|d| d.load(Acquire));
+            let (mut moved, mut got) = (0, 0);
+            for cpu in 0..CPUS {
+                let c = cpu as usize;
+                if sh.pause_req[c].load(Acquire) {
+                    // Acknowledge and leave this CPU alone until the writer clears it.
+                    sh.paused[c].store(true, Release);
+                    continue;
+                }
+                sh.paused[c].store(false, Release);
+                rb.poke(cpu)
+                    .unwrap_or_else(|e| panic!("cpu {cpu}: poke: {e}"));
+                got += drain(&mut rb, cpu, &mut ck[c], &sh.reader_pos[c]);
+                moved += sh.progress[c].load(Acquire);
+            }
+            if all_done {
+                break;
+            }
+            // Nothing to read: leave the CPU to the writers (a busy machine).
+            idle = if got == 0 { idle + 1 } else { 0 };
+            if idle > 64 {
+                std::thread::sleep(Duration::from_micros(20));
+            } else if idle > 0 {
+                std::thread::yield_now();
+            }
+            if moved != last_progress.1 {
+                last_progress = (Instant::now(), moved);
+            } else {
+                assert!(
+                    last_progress.0.elapsed() < STUCK,
+                    "reader: writers made no progress for {STUCK:?}"
+                );
+            }
+        }
+        // Writers are done writing: one more live pass, then stop them and read the rest
+        // with the final walk.
         for cpu in 0..CPUS {
             let c = cpu as usize;
-            if sh.pause_req[c].load(Acquire) {
-                // Acknowledge and leave this CPU alone until the writer clears it.
-                sh.paused[c].store(true, Release);
-                continue;
-            }
-            sh.paused[c].store(false, Release);
-            rb.poke(cpu).unwrap();
+            rb.poke(cpu)
+                .unwrap_or_else(|e| panic!("cpu {cpu}: poke: {e}"));
             drain(&mut rb, cpu, &mut ck[c], &sh.reader_pos[c]);
         }
-        if all_done {
-            break;
-        }
-    }
-    // Writers are done writing: one more live pass, then stop them and read the rest
-    // with the final walk.
+        sh.stop.store(true, Release);
+        // A writer's panic fails the test here (the others saw `abort` and stopped).
+        writers
+            .into_iter()
+            .map(|t| t.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+            .collect()
+    });
     for cpu in 0..CPUS {
         let c = cpu as usize;
-        rb.poke(cpu).unwrap();
-        drain(&mut rb, cpu, &mut ck[c], &sh.reader_pos[c]);
-    }
-    sh.stop.store(true, Release);
-    let results: Vec<WriterResult> = writers.into_iter().map(|t| t.join().unwrap()).collect();
-    for cpu in 0..CPUS {
-        let c = cpu as usize;
-        rb.finalize(cpu).unwrap();
+        rb.finalize(cpu)
+            .unwrap_or_else(|e| panic!("cpu {cpu}: finalize: {e}"));
         drain(&mut rb, cpu, &mut ck[c], &sh.reader_pos[c]);
         assert!(rb.finished(cpu));
         assert_eq!(rb.take_trailing_loss(cpu), 0, "next_event took it already");

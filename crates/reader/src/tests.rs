@@ -131,6 +131,15 @@ fn hostile_commit_and_ids_are_errors() {
     ));
 }
 
+/// Sets the flag when dropped (also while unwinding): a thread waiting for it stops.
+struct SetOnDrop<'a>(&'a std::sync::atomic::AtomicBool);
+
+impl Drop for SetOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
 #[test]
 fn mailbox_backend_with_writer_thread() {
     let cfg = Config {
@@ -150,35 +159,50 @@ fn mailbox_backend_with_writer_thread() {
         1,
     )
     .unwrap();
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let (m2, s2) = (mem.clone(), stop.clone());
-    let t = std::thread::spawn(move || {
-        let mut w = Writer::attach(m2, 0).unwrap();
-        let mut i = 0u64;
-        while !s2.load(Relaxed) {
-            w.serve_mailbox();
-            if i < 20000 {
-                w.write(0, i, &i.to_le_bytes());
-                i += 1;
-            } else {
-                std::thread::yield_now();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let mut items = vec![];
+    // Scoped: a panic of either side fails the test; the reader loop also stops (and
+    // fails) if the writer thread ended early, so nothing waits on a dead thread.
+    let (entries, dropped) = std::thread::scope(|s| {
+        let t = s.spawn(|| {
+            let mut w = Writer::attach(mem.clone(), 0).unwrap();
+            let mut i = 0u64;
+            while !stop.load(Relaxed) {
+                w.serve_mailbox();
+                if i < 20000 {
+                    w.write(0, i, &i.to_le_bytes());
+                    i += 1;
+                } else {
+                    std::thread::yield_now();
+                }
+            }
+            (w.entries(), w.dropped())
+        });
+        // Stops the writer however this closure ends (a failed assertion included).
+        let _stop = SetOnDrop(&stop);
+        let mut last = (std::time::Instant::now(), 0);
+        loop {
+            assert!(!t.is_finished(), "the writer thread ended early");
+            rb.poke(0).unwrap();
+            drain(&mut rb, &mut items);
+            let (read, lost) = check_stream(&items);
+            if read + lost == 20000
+                || (rb.stats(0).written + rb.stats(0).dropped == 20000
+                    && read == rb.stats(0).written)
+            {
+                break;
+            }
+            // No progress at all for a long time is a hang, not slowness.
+            if read + lost != last.1 {
+                last = (std::time::Instant::now(), read + lost);
+            }
+            if last.0.elapsed() > Duration::from_secs(120) {
+                panic!("no progress for 120 s at {} events", last.1);
             }
         }
-        (w.entries(), w.dropped())
+        stop.store(true, Relaxed);
+        t.join().unwrap_or_else(|e| std::panic::resume_unwind(e))
     });
-    let mut items = vec![];
-    loop {
-        rb.poke(0).unwrap();
-        drain(&mut rb, &mut items);
-        let (read, lost) = check_stream(&items);
-        if read + lost == 20000
-            || (rb.stats(0).written + rb.stats(0).dropped == 20000 && read == rb.stats(0).written)
-        {
-            break;
-        }
-    }
-    stop.store(true, Relaxed);
-    let (entries, dropped) = t.join().unwrap();
     rb.finalize(0).unwrap();
     drain(&mut rb, &mut items);
     let (read, lost) = check_stream(&items);
