@@ -680,3 +680,52 @@ fn mailbox_never_acks() {
     skip_without_kvm!("mailbox_never_acks");
     mailbox_case("mailbox_never_acks", sc::MBOX_NEVER, &["mailbox"]);
 }
+
+// ---- The harness itself (no KVM needed) ----------------------------------------------
+
+/// The watchdog kills on its time and RSS bounds and reports why, sends the SIGTERM,
+/// and the stream summaries count what the checks rely on: a failing run fails the
+/// test, it never hangs it.
+#[test]
+fn watchdog_self_test() {
+    let limits = |wall_ms: u64, rss_kib: u64, sigterm_ms: Option<u64>| Limits {
+        wall: Duration::from_millis(wall_ms),
+        rss_kib,
+        sigterm_after: sigterm_ms.map(Duration::from_millis),
+        file: None,
+    };
+    let w = run_watched("sleep", &["30"], &limits(300, RSS_BOUND_KIB, None));
+    assert!(
+        w.killed
+            .as_deref()
+            .is_some_and(|k| k.contains("still running")),
+        "{w:?}"
+    );
+    assert_eq!(w.code, None, "{w:?}");
+    assert!(w.wall < Duration::from_secs(20), "{w:?}");
+
+    let w = run_watched("sleep", &["30"], &limits(20_000, 1, None));
+    assert!(
+        w.killed.as_deref().is_some_and(|k| k.contains("peak RSS")),
+        "{w:?}"
+    );
+    assert!(w.peak_rss_kib > 1, "{w:?}");
+
+    let w = run_watched("sleep", &["30"], &limits(20_000, RSS_BOUND_KIB, Some(100)));
+    assert!(w.killed.is_none(), "{w:?}");
+    assert_eq!(w.status, "killed by signal 15", "{w:?}");
+    assert!(w.after_sigterm.is_some(), "{w:?}");
+
+    let script = format!(
+        "printf '   vcpu1-2     [001]     1.0: marker: seq=0\\n{FORGED_MARKER}\\nCPU:1 [7 EVENTS DROPPED]\\n\\a x'; echo oops >&2; exit 3"
+    );
+    let w = run_watched("sh", &["-c", &script], &limits(20_000, RSS_BOUND_KIB, None));
+    assert_eq!(w.code, Some(3), "{w:?}");
+    assert_eq!(w.out.lines, 4, "{w:?}");
+    assert_eq!(w.out.events_of(1), 1, "{w:?}");
+    assert_eq!(w.out.dropped_of(1), 7, "{w:?}");
+    assert_eq!(w.out.dropped_of(0), 999, "{w:?}");
+    assert_eq!(w.out.forged.len(), 1, "{w:?}");
+    assert_eq!(w.out.control_bytes, 1, "{w:?}");
+    assert_eq!(w.err.text, "oops\n", "{w:?}");
+}
