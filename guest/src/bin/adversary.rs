@@ -61,7 +61,8 @@ enum Scenario {
     BadIds = 6,
     /// Halfway: every link skips a page, many carry HEAD, some UPDATE; keeps writing.
     LinkChaos = 7,
-    /// After `events` events: every footer magic is wrong; the writer finishes.
+    /// After `events` events and the other vCPUs' writers finished: every footer
+    /// magic is wrong; the writer finishes.
     FooterMagic = 8,
     /// After `events` events: every page but the reader page gets a duplicated,
     /// decreasing `page_seq`; the writer finishes.
@@ -454,6 +455,18 @@ fn adversary(cx: &Ctx, s: Scenario, mut h: Honest) -> ! {
         FooterMagic => {
             for _ in 0..or_default(cx.events) {
                 h.marker();
+            }
+            // Lie only once the honest vCPUs are done (bounded wait): the host stops
+            // every vCPU when it finds the lie, and the test checks that all of their
+            // events are printed.
+            let end = rdtsc().wrapping_add(cx.ms_cycles(5000));
+            for other in 0..cx.l.nr_cpus {
+                while other != cx.cpu
+                    && cx.mem.load(cx.l.ctl(other) + ctl::WRITER_STATE, Relaxed) != WRITER_FINISHED
+                    && (end.wrapping_sub(rdtsc()) as i64) > 0
+                {
+                    core::hint::spin_loop();
+                }
             }
             for id in cx.pages() {
                 // Right id, wrong magic ("HTFX").
