@@ -1,5 +1,7 @@
 //! Shared helpers for the integration tests.
 //!
+//! - [`adversary`]: builds the adversarial guest, runs `hyptrace` under a watchdog
+//!   (peak RSS, wall time, SIGTERM, kill on a bound).
 //! - [`env`]: skip helpers (`/dev/kvm`, `trace-cmd`), the VM test log for CI, a lock that
 //!   serialises VM-booting tests of one test binary, temporary directories.
 //! - [`text`]: parses `trace-cmd report -t` / `hyptrace run` lines and checks the event
@@ -9,6 +11,7 @@
 //! - [`watchdog`]: tests that fail, never hang (progress watchdog, drop guards, scoped
 //!   joins that re-raise panics) and a per-thread allocation counter.
 
+pub mod adversary;
 pub mod env;
 pub mod model;
 pub mod text;
