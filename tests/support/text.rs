@@ -207,6 +207,8 @@ pub fn check_stream(lines: &[Line], rules: &StreamRules) -> Vec<CpuTally> {
                 tally[c].dropped += count;
                 tally[c].drop_lines += 1;
             }
+            // The trace.dat carrier of a trailing loss (the drop line before it counts).
+            Line::Event(e) if e.name == "trailing_lost" => {}
             Line::Event(e) => {
                 let c = e.cpu as usize;
                 assert!(c < n, "{at}: cpu out of range");

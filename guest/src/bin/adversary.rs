@@ -581,7 +581,9 @@ fn adversary(cx: &Ctx, s: Scenario, mut h: Honest) -> ! {
             for _ in 0..or_default(cx.events) {
                 h.marker();
             }
-            let mut seen = cx.c(ctl::MBOX_REQ) >> 8;
+            // Start from the last acknowledged request, as the real writer does: a
+            // request the host posted while this vCPU was writing is still answered.
+            let mut seen = cx.c(ctl::MBOX_ACK) >> 8;
             loop {
                 let req = cx.c(ctl::MBOX_REQ);
                 if req >> 8 != seen {
