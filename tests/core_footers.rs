@@ -443,12 +443,9 @@ fn random_run(seed: u64, mode: Mode, pages: u32, steps: usize) {
                 fresh = true;
             }
             _ => {
-                // The guest side restarts: a new writer resumes from the shared state.
-                // Only on an empty tail page: see `reattach_keeps_tail_page_entries`.
-                let t = ld(&m, l.ctl(cpu) + ctl::TAIL_PAGE) as u32;
-                if ld(&m, l.page_off(t) + COMMIT_OFFSET) & COMMIT_LEN_MASK == 0 {
-                    ws[ci] = Writer::attach(m.clone(), cpu).unwrap();
-                }
+                // The guest side restarts: a new writer resumes from the shared state
+                // (W4; stopped inside a write: `reattach_after_write_stopped_anywhere`).
+                ws[ci] = Writer::attach(m.clone(), cpu).unwrap();
             }
         }
         let mut md = models[ci].lock().unwrap();
@@ -536,8 +533,8 @@ fn stop_mode_drop_closes_the_tail_page() {
     assert_eq!(next + pending, 40);
 }
 
-/// Known bug: `Writer::attach` resumes a tail page holding events but takes its event
-/// count from the footer's `page_entries`, which the writer only stores when it leaves
+/// Regression (fixed): `Writer::attach` resumed a tail page holding events but took its
+/// event count from the footer's `page_entries`, which the writer only stores when it leaves
 /// a page (it is 0 while the writer is on it). After a re-attach the page's final
 /// `page_entries` counts only the events written since, and in overwrite mode pushing
 /// that page as head under-counts `overrun` (lost != overrun + dropped).
@@ -748,4 +745,314 @@ fn swap_racing_head_pushes_does_not_fail() {
     let r = swap_reader_page(&hm, &l, 0);
     drop(hm);
     assert!(matches!(r, Ok(SwapStatus::Swapped { .. })), "{r:?}");
+}
+
+/// A region through which a writer can be stopped between two of its stores: every
+/// mutating access is counted (and logged with its offset) and, once `cut` says so
+/// after one of them, every later mutation is ignored — as if the writer (a vCPU) had
+/// stopped right there. Loads still answer, so the stopped writer runs on without
+/// effect (its loops are bounded).
+struct CutMem<'a> {
+    m: &'a HeapMem,
+    armed: std::cell::Cell<bool>,
+    frozen: std::cell::Cell<bool>,
+    log: std::cell::RefCell<Vec<usize>>,
+    /// Given (number of mutations since armed, offset of the last one): stop now?
+    cut: Box<dyn Fn(usize, usize) -> bool + 'a>,
+}
+
+impl<'a> CutMem<'a> {
+    fn new(m: &'a HeapMem, cut: impl Fn(usize, usize) -> bool + 'a) -> Self {
+        Self {
+            m,
+            armed: false.into(),
+            frozen: false.into(),
+            log: Vec::new().into(),
+            cut: Box::new(cut),
+        }
+    }
+    /// Runs one mutation unless frozen; counts it and freezes when `cut` says so.
+    fn mutate<T>(&self, off: usize, f: impl FnOnce() -> T, frozen: impl FnOnce() -> T) -> T {
+        if self.frozen.get() {
+            return frozen();
+        }
+        let r = f();
+        if self.armed.get() {
+            let mut log = self.log.borrow_mut();
+            log.push(off);
+            if (self.cut)(log.len(), off) {
+                self.frozen.set(true);
+            }
+        }
+        r
+    }
+}
+
+impl SharedMem for CutMem<'_> {
+    fn size(&self) -> usize {
+        self.m.size()
+    }
+    fn load(&self, off: usize, order: std::sync::atomic::Ordering) -> u64 {
+        self.m.load(off, order)
+    }
+    fn store(&self, off: usize, val: u64, order: std::sync::atomic::Ordering) {
+        self.mutate(off, || self.m.store(off, val, order), || ())
+    }
+    fn swap(&self, off: usize, val: u64, order: std::sync::atomic::Ordering) -> u64 {
+        let cur = || self.m.load(off, std::sync::atomic::Ordering::SeqCst);
+        self.mutate(off, || self.m.swap(off, val, order), cur)
+    }
+    fn compare_exchange(
+        &self,
+        off: usize,
+        current: u64,
+        new: u64,
+        success: std::sync::atomic::Ordering,
+        failure: std::sync::atomic::Ordering,
+    ) -> Result<u64, u64> {
+        let frozen = || match self.m.load(off, std::sync::atomic::Ordering::SeqCst) {
+            v if v == current => Ok(v),
+            v => Err(v),
+        };
+        self.mutate(
+            off,
+            || self.m.compare_exchange(off, current, new, success, failure),
+            frozen,
+        )
+    }
+    fn fetch_or(&self, off: usize, val: u64, order: std::sync::atomic::Ordering) -> u64 {
+        let cur = || self.m.load(off, std::sync::atomic::Ordering::SeqCst);
+        self.mutate(off, || self.m.fetch_or(off, val, order), cur)
+    }
+    fn fetch_and(&self, off: usize, val: u64, order: std::sync::atomic::Ordering) -> u64 {
+        let cur = || self.m.load(off, std::sync::atomic::Ordering::SeqCst);
+        self.mutate(off, || self.m.fetch_and(off, val, order), cur)
+    }
+    fn fetch_add(&self, off: usize, val: u64, order: std::sync::atomic::Ordering) -> u64 {
+        let cur = || self.m.load(off, std::sync::atomic::Ordering::SeqCst);
+        self.mutate(off, || self.m.fetch_add(off, val, order), cur)
+    }
+    fn write_bytes(&self, off: usize, src: &[u8]) {
+        self.mutate(off, || self.m.write_bytes(off, src), || ())
+    }
+    fn read_bytes(&self, off: usize, dst: &mut [u8]) {
+        self.m.read_bytes(off, dst)
+    }
+}
+
+/// An event of the re-attach tests: its index (as the writer will number it) and its
+/// timestamp in the payload, `len` bytes in all (≥ 16).
+fn indexed_payload(seq: u64, ts: u64, len: usize) -> Vec<u8> {
+    let mut p = vec![0x5a; len];
+    p[..8].copy_from_slice(&seq.to_le_bytes());
+    p[8..16].copy_from_slice(&ts.to_le_bytes());
+    p
+}
+
+/// What a re-attach test does before the interrupted write.
+#[derive(Clone, Copy, Debug)]
+enum Before {
+    /// A few small events: the interrupted one lands on the same page.
+    SamePage,
+    /// The tail page nearly full: the interrupted one moves the tail (overwrite: after
+    /// filling the ring, it pushes the head).
+    PageMove,
+    /// Stop mode, ring full: the interrupted (large) event is dropped.
+    Drop,
+}
+
+/// Writes events through a [`CutMem`], stops the writer inside one write (after the
+/// mutation `cut` picks), attaches a new writer to the same memory, writes on, then
+/// reads everything back and checks what a reader must see: no error, every event's
+/// index (in its payload) where the reader's count puts it, each loss reported right
+/// before the event after it (W3), every timestamp as written, and the total.
+/// Returns the offsets the interrupted write mutated, in order.
+fn interrupted_write(
+    mode: Mode,
+    before: Before,
+    cut: impl Fn(usize, usize) -> bool,
+    what: &str,
+) -> Vec<usize> {
+    let (m, l) = region(1, 4, mode);
+    let cm = CutMem::new(&m, cut);
+    let mut w = Writer::attach(&cm, 0).unwrap();
+    let mut ts = 1000u64;
+    let mut next_seq = 0u64;
+    let mut write = |w: &mut Writer<&CutMem>, ts: u64, len: usize| {
+        let out = w.write(0, ts, &indexed_payload(next_seq, ts, len));
+        assert!(
+            matches!(out, WriteOutcome::Written | WriteOutcome::Dropped),
+            "{what}: {out:?}"
+        );
+        next_seq += 1;
+        out
+    };
+    let big = 2000;
+    match before {
+        Before::SamePage => {
+            for _ in 0..5 {
+                ts += 10;
+                write(&mut w, ts, 24);
+            }
+        }
+        Before::PageMove => {
+            // Fill the ring (overwrite: more than once), ending on a page with no room
+            // for the next big event.
+            // (One big event per page; 3 ring pages.)
+            for _ in 0..if mode == Mode::Overwrite { 7 } else { 2 } {
+                ts += 10;
+                write(&mut w, ts, big);
+            }
+        }
+        Before::Drop => {
+            assert_eq!(mode, Mode::Stop);
+            // The 3 ring pages full (one big event each): the next write is the first
+            // drop.
+            for _ in 0..3 {
+                ts += 10;
+                assert_eq!(write(&mut w, ts, big), WriteOutcome::Written, "{what}");
+            }
+        }
+    }
+    // The interrupted write: a timestamp jump that needs a TIME_EXTEND.
+    ts += (1 << 30) + 7;
+    let len = if matches!(before, Before::SamePage) {
+        24
+    } else {
+        big
+    };
+    cm.armed.set(true);
+    write(&mut w, ts, len);
+    assert!(cm.frozen.get() || !cm.log.borrow().is_empty(), "{what}");
+    let log = cm.log.take();
+    // The guest side restarts: a new writer on the memory as the old one left it.
+    let mut w = Writer::attach(&m, 0).unwrap();
+    let resumed = w.entries() + w.dropped();
+    assert!(
+        resumed == next_seq - 1 || resumed == next_seq,
+        "{what}: resumed at index {resumed}, {next_seq} attempts"
+    );
+    let mut seq = resumed;
+    // Enough to fill the ring again (overwrite: to lap it).
+    for k in 0..400u64 {
+        ts += 3 + k;
+        let out = w.write(0, ts, &indexed_payload(seq, ts, 24 + (k as usize % 3) * 8));
+        assert!(
+            matches!(out, WriteOutcome::Written | WriteOutcome::Dropped),
+            "{what}: {out:?}"
+        );
+        seq += 1;
+    }
+    assert_eq!(w.entries() + w.dropped(), seq, "{what}: writer index");
+    // Read everything back, as the host does after the writer stopped.
+    let mut rb = RingBuffer::attach(m.clone(), Direct::new(m.clone(), l)).unwrap();
+    rb.finalize(0).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let (mut next, mut pending, mut events) = (0u64, 0u64, 0u64);
+    loop {
+        match rb.next_event(0) {
+            Ok(None) => break,
+            Ok(Some(Item::Lost(n))) => pending += n,
+            Ok(Some(Item::Event { ts, payload })) => {
+                let s = u64::from_le_bytes(payload[..8].try_into().unwrap());
+                let t = u64::from_le_bytes(payload[8..16].try_into().unwrap());
+                assert!(s >= next, "{what}: event {s} after {next}");
+                assert_eq!(s - next, pending, "{what}: loss before event {s} not there");
+                assert_eq!(ts, t, "{what}: timestamp of event {s}");
+                pending = 0;
+                next = s + 1;
+                events += 1;
+            }
+            Err(e) => panic!("{what}: read error after {events} events: {e}"),
+        }
+    }
+    assert_eq!(next + pending, seq, "{what}: read + lost != written");
+    assert!(events > 0, "{what}");
+    log
+}
+
+fn ctl_word(off: usize) -> impl Fn(usize, usize) -> bool {
+    let l = Layout::new(1, 4, 4096, Mode::Stop, false).unwrap();
+    let at = l.ctl(0) + off;
+    move |_, o| o == at
+}
+
+/// Defect: a write stopped after publishing `commit` but before storing `entries`
+/// left the control block one event behind the page; a writer attaching then numbered
+/// the next page one short (the reader fails with IndexBackwards) and stamped the
+/// events after it with deltas from a stale `write_stamp`.
+#[test]
+fn reattach_after_write_stopped_after_commit() {
+    let l = Layout::new(1, 4, 4096, Mode::Stop, false).unwrap();
+    let commits: Vec<usize> = (0..4).map(|p| l.page_off(p) + COMMIT_OFFSET).collect();
+    for mode in [Mode::Stop, Mode::Overwrite] {
+        for before in [Before::SamePage, Before::PageMove] {
+            let what = format!("{mode:?} {before:?} stopped after commit");
+            // A move stores the new page's commit (0) first: stop after the event's.
+            let nth = if matches!(before, Before::PageMove) {
+                2
+            } else {
+                1
+            };
+            let seen = std::cell::Cell::new(0);
+            let cut = |_, o| {
+                seen.set(seen.get() + usize::from(commits.contains(&o)));
+                seen.get() == nth && commits.contains(&o)
+            };
+            let log = interrupted_write(mode, before, cut, &what);
+            assert!(commits.contains(log.last().unwrap()), "{what}: {log:?}");
+        }
+    }
+}
+
+/// Defect: a write stopped between `entries` and `write_stamp`: the next events on the
+/// page were stamped with deltas from the stale `write_stamp`.
+#[test]
+fn reattach_after_write_stopped_after_entries() {
+    for mode in [Mode::Stop, Mode::Overwrite] {
+        for before in [Before::SamePage, Before::PageMove] {
+            let what = format!("{mode:?} {before:?} stopped after entries");
+            interrupted_write(mode, before, ctl_word(ctl::ENTRIES), &what);
+        }
+    }
+}
+
+/// As above, stopped between `bytes` and `write_stamp`.
+#[test]
+fn reattach_after_write_stopped_after_bytes() {
+    for mode in [Mode::Stop, Mode::Overwrite] {
+        for before in [Before::SamePage, Before::PageMove] {
+            let what = format!("{mode:?} {before:?} stopped after bytes");
+            interrupted_write(mode, before, ctl_word(ctl::BYTES), &what);
+        }
+    }
+}
+
+/// Defect: a drop stopped between `dropped` and `lost_pending` (stop mode): the writer
+/// attaching did not know the tail page is closed (W3), wrote the next small event on
+/// it, and the loss was reported after that event instead of before it.
+#[test]
+fn reattach_after_drop_stopped_after_dropped() {
+    let what = "stop drop stopped after dropped";
+    interrupted_write(Mode::Stop, Before::Drop, ctl_word(ctl::DROPPED), what);
+}
+
+/// Every place a write can stop (after each of its mutations, in each scenario): the
+/// writer attaching afterwards goes on so that the reader sees exactly what was
+/// written (W4). Writes stopped inside a head push (overwrite mode, the UPDATE flag
+/// still on a link) are left out: see `Writer::resume`.
+#[test]
+fn reattach_after_write_stopped_anywhere() {
+    for (mode, before) in [
+        (Mode::Stop, Before::SamePage),
+        (Mode::Stop, Before::PageMove),
+        (Mode::Stop, Before::Drop),
+        (Mode::Overwrite, Before::SamePage),
+        (Mode::Overwrite, Before::PageMove),
+    ] {
+        let all = interrupted_write(mode, before, |_, _| false, "dry run");
+        for k in 1..=all.len() {
+            let what = format!("{mode:?} {before:?} stopped after mutation {k} of {all:?}");
+            interrupted_write(mode, before, move |n, _| n == k, &what);
+        }
+    }
 }
