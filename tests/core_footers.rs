@@ -658,12 +658,31 @@ fn concurrent_writer_and_swapper_stop() {
     }
 }
 
-/// A region whose link loads run a hook first: lets a test run the writer "during" a
-/// swap's head search, deterministically.
+/// A region whose accesses run a hook first, given the kind of access and its offset:
+/// lets a test run the writer "during" a swap, between two of its accesses,
+/// deterministically.
 struct HookMem<'a> {
     m: &'a HeapMem,
-    l: Layout,
-    hook: std::cell::RefCell<Box<dyn FnMut() + 'a>>,
+    hook: std::cell::RefCell<Box<dyn FnMut(Access, usize) + 'a>>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Access {
+    Load,
+    Store,
+    Swap,
+    Cas,
+    Or,
+    And,
+    Add,
+    Write,
+    Read,
+}
+
+impl HookMem<'_> {
+    fn on(&self, a: Access, off: usize) {
+        (self.hook.borrow_mut())(a, off)
+    }
 }
 
 impl SharedMem for HookMem<'_> {
@@ -671,18 +690,15 @@ impl SharedMem for HookMem<'_> {
         self.m.size()
     }
     fn load(&self, off: usize, order: std::sync::atomic::Ordering) -> u64 {
-        let in_pages = off >= self.l.pages_off;
-        if in_pages
-            && (off - self.l.pages_off) % self.l.page_size == self.l.page_size - 96 + footer::NEXT
-        {
-            (self.hook.borrow_mut())();
-        }
+        self.on(Access::Load, off);
         self.m.load(off, order)
     }
     fn store(&self, off: usize, val: u64, order: std::sync::atomic::Ordering) {
+        self.on(Access::Store, off);
         self.m.store(off, val, order)
     }
     fn swap(&self, off: usize, val: u64, order: std::sync::atomic::Ordering) -> u64 {
+        self.on(Access::Swap, off);
         self.m.swap(off, val, order)
     }
     fn compare_exchange(
@@ -693,22 +709,127 @@ impl SharedMem for HookMem<'_> {
         success: std::sync::atomic::Ordering,
         failure: std::sync::atomic::Ordering,
     ) -> Result<u64, u64> {
+        self.on(Access::Cas, off);
         self.m.compare_exchange(off, current, new, success, failure)
     }
     fn fetch_or(&self, off: usize, val: u64, order: std::sync::atomic::Ordering) -> u64 {
+        self.on(Access::Or, off);
         self.m.fetch_or(off, val, order)
     }
     fn fetch_and(&self, off: usize, val: u64, order: std::sync::atomic::Ordering) -> u64 {
+        self.on(Access::And, off);
         self.m.fetch_and(off, val, order)
     }
     fn fetch_add(&self, off: usize, val: u64, order: std::sync::atomic::Ordering) -> u64 {
+        self.on(Access::Add, off);
         self.m.fetch_add(off, val, order)
     }
     fn write_bytes(&self, off: usize, src: &[u8]) {
+        self.on(Access::Write, off);
         self.m.write_bytes(off, src)
     }
     fn read_bytes(&self, off: usize, dst: &mut [u8]) {
+        self.on(Access::Read, off);
         self.m.read_bytes(off, dst)
+    }
+}
+
+/// Invariant S1 at a quiescent point: one FT_READER (the reader page), one FT_COMMIT
+/// (the tail page), one FT_HEAD, one flagged link, HEAD, naming the FT_HEAD page.
+fn assert_s1(m: &HeapMem, l: &Layout, what: &str) {
+    let c = l.ctl(0);
+    let with = |off: usize, bit: u64| -> Vec<u32> {
+        (0..l.pages_per_cpu)
+            .filter(|&p| ft(m, l, p, off) & bit != 0)
+            .collect()
+    };
+    let (r, t) = (ld(m, c + ctl::READER_PAGE), ld(m, c + ctl::TAIL_PAGE));
+    assert_eq!(
+        with(footer::READER_STATUS, FT_READER),
+        vec![r as u32],
+        "{what}"
+    );
+    assert_eq!(
+        with(footer::WRITER_STATUS, FT_COMMIT),
+        vec![t as u32],
+        "{what}"
+    );
+    let links: Vec<u64> = (0..l.pages_per_cpu)
+        .map(|p| ft(m, l, p, footer::NEXT))
+        .collect();
+    let flagged: Vec<&u64> = links.iter().filter(|&&lk| lk & LINK_FLAGS != 0).collect();
+    assert_eq!(flagged.len(), 1, "{what}: links {links:x?}");
+    assert_eq!(
+        flagged[0] & LINK_FLAGS,
+        LINK_HEAD,
+        "{what}: links {links:x?}"
+    );
+    assert_eq!(
+        with(footer::WRITER_STATUS, FT_HEAD),
+        vec![link_id(*flagged[0]) as u32],
+        "{what}: FT_HEAD vs the HEAD link (links {links:x?})"
+    );
+}
+
+/// Defect (S1): the swap's FT_HEAD fix-up — set FT_HEAD on the new head, re-load the
+/// reader page's link, clear FT_HEAD again if the link changed — cleared the FT_HEAD
+/// that a writer lapping the ring had just set: the ring's HEAD link then named a page
+/// without FT_HEAD until the next head move. Here the writer pushes the new head right
+/// after the swap made it (before the swap re-loads the link), then laps the ring until
+/// that page is the head again (before the swap clears its bit).
+#[test]
+fn swap_fixup_keeps_ft_head_of_a_lapping_writer() {
+    let (m, l) = region(1, 4, Mode::Overwrite);
+    let mut w = Writer::attach(m.clone(), 0).unwrap();
+    let one_page = [0u8; 2000];
+    let mut ts = 0;
+    // Fill the 3 ring pages (1, 2, 3): tail 3, its link names the head, 1.
+    for _ in 0..3 {
+        ts += 1;
+        assert_eq!(w.write(0, ts, &one_page), WriteOutcome::Written);
+    }
+    let (reader, head, after, before_head) = (0u32, 1u32, 2u32, 3u32);
+    let next = |p: u32| l.footer_off(p) + footer::NEXT;
+    let status = |p: u32| l.footer_off(p) + footer::WRITER_STATUS;
+    // 0: before the swap's exchange; 1: after it; 2: the writer pushed the new head;
+    // 3: the writer lapped the ring back to it.
+    let stage = std::cell::Cell::new(0);
+    let hm = HookMem {
+        m: &m,
+        hook: std::cell::RefCell::new(Box::new(|a, off| {
+            let mut write = |n| {
+                for _ in 0..n {
+                    ts += 1;
+                    assert_eq!(w.write(0, ts, &one_page), WriteOutcome::Written);
+                }
+            };
+            match (stage.get(), a) {
+                (0, Access::Cas) if off == next(before_head) => stage.set(1),
+                (1, Access::Load) if off == next(reader) => {
+                    // Onto the old reader page (now in the ring), then push `after`.
+                    write(2);
+                    stage.set(2);
+                }
+                (2, Access::And) if off == status(after) => {
+                    // Push 3, then 0: `after` is the head again.
+                    write(2);
+                    stage.set(3);
+                }
+                _ => {}
+            }
+        })),
+    };
+    let r = swap_reader_page(&hm, &l, 0);
+    drop(hm);
+    assert_eq!(r, Ok(SwapStatus::Swapped { page: head }));
+    assert_eq!(stage.get(), 3, "the interleaving did not happen");
+    assert_eq!(link_id(ft(&m, &l, reader, footer::NEXT)), u64::from(after));
+    assert_s1(&m, &l, "after the swap");
+    // And the ring goes on correctly.
+    for _ in 0..7 {
+        ts += 1;
+        assert_eq!(w.write(0, ts, &one_page), WriteOutcome::Written);
+        assert_s1(&m, &l, "writing on");
     }
 }
 
@@ -731,11 +852,13 @@ fn swap_racing_head_pushes_does_not_fail() {
     // Before each link the swap loads, the writer fills one more page (pushing the head
     // one page on, as a running writer does while the swapping thread is slow).
     let pushes = std::cell::Cell::new(0);
+    let is_link = |off: usize| {
+        off >= l.pages_off && (off - l.pages_off) % l.page_size == l.page_size - 96 + footer::NEXT
+    };
     let hm = HookMem {
         m: &m,
-        l,
-        hook: std::cell::RefCell::new(Box::new(|| {
-            if pushes.get() < 4 {
+        hook: std::cell::RefCell::new(Box::new(|a, off| {
+            if a == Access::Load && is_link(off) && pushes.get() < 4 {
                 pushes.set(pushes.get() + 1);
                 ts += 1;
                 assert_eq!(w.write(0, ts, &one_page), WriteOutcome::Written);

@@ -602,8 +602,12 @@ impl<M: SharedMem> Writer<M> {
 
     /// Overwrite mode, with the link to `head` (in footer `tf`) turned to UPDATE:
     /// account the overwritten events, move FT_HEAD and the HEAD link to the page after
-    /// `head`, then clear UPDATE. While UPDATE is set no link carries HEAD, so no swap
-    /// can succeed; the footer bits are moved before the new HEAD link is published.
+    /// `head`, then clear UPDATE. While UPDATE is set no swap can take `head`; once the
+    /// new HEAD link is published (before UPDATE is cleared) a swap that starts its search
+    /// past the tail (hinted) can take the new head and complete — it only replaces
+    /// `head`'s link, and clearing UPDATE on the tail's link, which still names `head`,
+    /// keeps the ring consistent. S1: the footer bits are moved before the new HEAD link
+    /// is published (set before a link names the page, cleared after it stopped).
     fn push_head(&mut self, tf: usize, head: u32, resuming: bool) -> Result<(), RingError> {
         let hf = self.l.footer_off(head);
         // Taken (and zeroed: the page is reset when the writer moves onto it) with one
@@ -900,13 +904,7 @@ pub fn swap_reader_page_hinted<M: SharedMem + ?Sized>(
         mem.swap(hf + footer::READER_STATUS, FT_READER, SeqCst);
         mem.swap(rf + footer::READER_STATUS, 0, SeqCst);
         mem.store(hf + footer::OVERRUN, overrun, Relaxed);
-        // Mark the new head; if the writer pushed it meanwhile (the reader page's link
-        // no longer names it as head), the writer already moved FT_HEAD on: undo ours.
-        let af = l.footer_off(after);
-        mem.fetch_or(af + footer::WRITER_STATUS, FT_HEAD, SeqCst);
-        if mem.load(rf + footer::NEXT, SeqCst) != link(after, LINK_HEAD) {
-            mem.fetch_and(af + footer::WRITER_STATUS, !FT_HEAD, SeqCst);
-        }
+        mark_new_head(mem, l, pf, reader, after);
         mem.store(c + ctl::READER_PAGE, u64::from(head), Release);
         mem.fetch_add(c + ctl::SWAPS, 1, Relaxed);
         // The old reader page is in the ring now, its link naming the new head.
@@ -914,6 +912,43 @@ pub fn swap_reader_page_hinted<M: SharedMem + ?Sized>(
         return Ok(SwapStatus::Swapped { page: head });
     }
     Ok(SwapStatus::Contended)
+}
+
+/// FT_HEAD on `after`, the page a swap just made the head by putting the old reader page
+/// `reader` into the ring behind it (`pf` is the footer of the page before `reader`),
+/// while the writer may push that head on and even lap the ring back to it meanwhile.
+///
+/// The writer changes `after`'s FT_HEAD only inside its head pushes, always *after* the
+/// link change that decides it: it sets the bit while it holds UPDATE on the link naming
+/// `reader` (pushing `reader`; the HEAD link naming `after` follows), and clears it after
+/// turning `reader`'s link from `after|HEAD` to `after|UPDATE` (pushing `after`). So
+/// "`after` is or is becoming the head" is `pf`'s link = `reader|UPDATE` (loaded first)
+/// or `reader`'s link = `after|HEAD`. The swap writes the bit that this predicate gave
+/// (true at first: the swap just made `after` the head), then evaluates it again: equal,
+/// and any later change of the predicate is followed by a write of the writer, which
+/// then has the last word; different, the writer moved the head past `after` or back to
+/// it meanwhile, and the swap writes the new value. Never a blind undo: the old fix-up
+/// (set, re-load the link, clear if it changed) could clear the bit a writer that lapped
+/// the ring had just set (S1 broken until the next head move). Each extra round needs the
+/// writer to move the head by half a ring during one round of the swap; after
+/// [`SWAP_RETRIES`] rounds the writer's next push of `after` puts the bit right.
+fn mark_new_head<M: SharedMem + ?Sized>(mem: &M, l: &Layout, pf: usize, reader: u32, after: u32) {
+    let ws = l.footer_off(after) + footer::WRITER_STATUS;
+    let rl = l.footer_off(reader) + footer::NEXT;
+    let mut head = true;
+    for _ in 0..SWAP_RETRIES {
+        if head {
+            mem.fetch_or(ws, FT_HEAD, SeqCst);
+        } else {
+            mem.fetch_and(ws, !FT_HEAD, SeqCst);
+        }
+        let becoming = mem.load(pf + footer::NEXT, SeqCst) == link(reader, LINK_UPDATE);
+        let now = becoming || mem.load(rl, SeqCst) == link(after, LINK_HEAD);
+        if now == head {
+            return;
+        }
+        head = now;
+    }
 }
 
 /// Copies the writer's counters (entries, pages_touched, overrun, dropped) into the
