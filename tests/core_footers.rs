@@ -19,7 +19,8 @@
 //!   pages_touched and overrun never decrease.
 //!
 //! A concurrent version runs a writer thread and a swapping thread and checks the same
-//! at quiescent points (both paused at a barrier).
+//! at quiescent points (both paused at a gate that fails, never hangs, when a thread
+//! panics).
 
 use hyptrace_abi::layout::{
     ctl, footer, link_id, Layout, Mode, FT_COMMIT, FT_HEAD, FT_READER, LINK_FLAGS, LINK_HEAD,
@@ -28,9 +29,13 @@ use hyptrace_abi::layout::{
 use hyptrace_abi::page::{Events, COMMIT_LEN_MASK, COMMIT_OFFSET, RB_MISSED_EVENTS};
 use hyptrace_abi::{HeapMem, SharedMem};
 use hyptrace_reader::{Direct, Item, RingBuffer};
-use hyptrace_writer::{swap_reader_page, update_footers, SwapStatus, WriteOutcome, Writer};
+use hyptrace_writer::{
+    swap_reader_page, swap_reader_page_hinted, update_footers, SwapHint, SwapStatus, WriteOutcome,
+    Writer,
+};
 use std::sync::atomic::Ordering::{Acquire, Release};
-use std::sync::{Arc, Barrier, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
+use std::sync::{Arc, Mutex};
 
 /// splitmix64: small, seeded, reproducible.
 struct Rng(u64);
@@ -570,20 +575,69 @@ fn reattach_keeps_tail_page_entries() {
     }
 }
 
+/// A barrier for the threads of one test that never waits for a thread that died: a
+/// party that panics (its [`Gate::guard`] drops while unwinding) aborts the gate, and
+/// every wait then panics instead of spinning on. Used with `std::thread::scope`, which
+/// joins every thread and propagates the first panic: a failing thread fails the test,
+/// it never hangs it.
+struct Gate {
+    parties: usize,
+    arrived: AtomicUsize,
+    aborted: AtomicBool,
+}
+
+/// Aborts its gate when dropped during a panic.
+struct GateGuard<'a>(&'a Gate);
+
+impl Drop for GateGuard<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.aborted.store(true, SeqCst);
+        }
+    }
+}
+
+impl Gate {
+    fn new(parties: usize) -> Self {
+        Self {
+            parties,
+            arrived: AtomicUsize::new(0),
+            aborted: AtomicBool::new(false),
+        }
+    }
+    /// Keep alive for as long as the party takes part.
+    fn guard(&self) -> GateGuard<'_> {
+        GateGuard(self)
+    }
+    /// The `round`-th wait (from 1) of a party: returns once every party arrived there.
+    fn wait(&self, round: usize) {
+        self.arrived.fetch_add(1, SeqCst);
+        while self.arrived.load(SeqCst) < round * self.parties {
+            assert!(
+                !self.aborted.load(SeqCst),
+                "another thread of the test failed"
+            );
+            std::thread::yield_now();
+        }
+    }
+}
+
 /// The same invariants with a writer thread and a swapping thread running
-/// concurrently, checked at quiescent points where both wait at a barrier.
+/// concurrently, checked at quiescent points where both wait at a [`Gate`]. The swapper
+/// uses the hinted swap (as `Direct` and the mailbox do) and the plain one in turn; a
+/// swap that lost every attempt to the writer (`Contended`) is an outcome.
 fn concurrent_run(seed: u64, mode: Mode, pages: u32, rounds: usize) {
     let (m, l) = region(1, pages, mode);
-    let model = Arc::new(Mutex::new(Model::default()));
-    let bar = Arc::new(Barrier::new(3));
-    let writer = {
-        let (m, model, bar) = (m.clone(), model.clone(), bar.clone());
-        std::thread::spawn(move || {
+    let model = Mutex::new(Model::default());
+    let gate = Gate::new(3);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let _g = gate.guard();
             let mut rng = Rng(seed);
-            let mut w = Writer::attach(m, 0).unwrap();
+            let mut w = Writer::attach(m.clone(), 0).unwrap();
             let mut ts = 0;
-            for _ in 0..rounds {
-                bar.wait();
+            for round in 0..rounds {
+                gate.wait(2 * round + 1);
                 for _ in 0..rng.below(40) {
                     let seq = model.lock().unwrap().attempts;
                     let p = random_payload(&mut rng, w.max_payload(), seq);
@@ -597,44 +651,47 @@ fn concurrent_run(seed: u64, mode: Mode, pages: u32, rounds: usize) {
                         o => panic!("{o:?}"),
                     }
                 }
-                bar.wait();
+                gate.wait(2 * round + 2);
             }
-        })
-    };
-    let swapper = {
-        let (m, model, bar) = (m.clone(), model.clone(), bar.clone());
-        std::thread::spawn(move || {
+        });
+        s.spawn(|| {
+            let _g = gate.guard();
             let mut rng = Rng(seed ^ 0xabcdef);
-            for _ in 0..rounds {
-                bar.wait();
+            let mut hint = SwapHint::default();
+            for round in 0..rounds {
+                gate.wait(2 * round + 1);
                 for _ in 0..rng.below(6) {
                     if rng.chance(70) {
+                        let hinted = rng.chance(50);
                         swap_and_account(&m, &l, 0, &model, true, || {
-                            swap_reader_page(&*m, &l, 0).unwrap()
+                            if hinted {
+                                swap_reader_page_hinted(&*m, &l, 0, &mut hint).unwrap()
+                            } else {
+                                swap_reader_page(&*m, &l, 0).unwrap()
+                            }
                         });
                     } else {
                         update_footers(&*m, &l, 0).unwrap();
                     }
                     std::thread::yield_now();
                 }
-                bar.wait();
+                gate.wait(2 * round + 2);
             }
-        })
-    };
-    for round in 0..rounds {
-        bar.wait();
-        bar.wait();
-        // Quiescent: both threads wait at the next round's barrier.
-        let mut md = model.lock().unwrap();
-        let what = format!("concurrent seed {seed:#x} {mode:?} {pages} pages round {round}");
-        check(&m, &l, 0, &mut md, false, &what);
-        if round % 3 == 0 {
-            update_footers(&*m, &l, 0).unwrap();
-            check(&m, &l, 0, &mut md, true, &what);
+        });
+        let _g = gate.guard();
+        for round in 0..rounds {
+            gate.wait(2 * round + 1);
+            gate.wait(2 * round + 2);
+            // Quiescent: both threads wait at the next round's gate.
+            let mut md = model.lock().unwrap();
+            let what = format!("concurrent seed {seed:#x} {mode:?} {pages} pages round {round}");
+            check(&m, &l, 0, &mut md, false, &what);
+            if round % 3 == 0 {
+                update_footers(&*m, &l, 0).unwrap();
+                check(&m, &l, 0, &mut md, true, &what);
+            }
         }
-    }
-    writer.join().unwrap();
-    swapper.join().unwrap();
+    });
     let md = model.lock().unwrap();
     assert!(md.swaps > 0 && md.read_done > 0, "{md:?}");
     assert!(
