@@ -34,6 +34,15 @@ pub const SWAP_RETRIES: u32 = 16;
 /// unless the ring is corrupt).
 pub const MOVE_RETRIES: u32 = 8;
 
+/// The ordering of the `commit` store that publishes an event (invariant W1: Release).
+#[cfg(not(hyptrace_seeded_bug_relaxed_commit))]
+const COMMIT_ORDER: core::sync::atomic::Ordering = Release;
+/// Seeded bug for the model checker (`--cfg hyptrace_seeded_bug_relaxed_commit`): the
+/// commit is published Relaxed, so a reader that sees it may read the payload before it
+/// was written (W1 broken); loom reports the race on the payload bytes.
+#[cfg(hyptrace_seeded_bug_relaxed_commit)]
+const COMMIT_ORDER: core::sync::atomic::Ordering = Relaxed;
+
 /// What became of one event.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WriteOutcome {
@@ -491,11 +500,11 @@ impl<M: SharedMem> Writer<M> {
         }
         self.mem.write_bytes(at, payload);
         self.write += need;
-        // Publish: the payload above happens-before any Acquire load that sees this.
+        // Publish: the payload above happens-before any Acquire load that sees this (W1).
         self.mem.store(
             self.tail_off + COMMIT_OFFSET,
             self.write as u64 | self.commit_flags,
-            Release,
+            COMMIT_ORDER,
         );
         self.write_stamp = ts;
         // Counters may have been continued from shared memory (attach): wrap, never
