@@ -19,7 +19,8 @@
 //!   pages_touched and overrun never decrease.
 //!
 //! A concurrent version runs a writer thread and a swapping thread and checks the same
-//! at quiescent points (both paused at a barrier).
+//! at quiescent points (both paused at a gate that fails, never hangs, when a thread
+//! panics).
 
 use hyptrace_abi::layout::{
     ctl, footer, link_id, Layout, Mode, FT_COMMIT, FT_HEAD, FT_READER, LINK_FLAGS, LINK_HEAD,
@@ -28,9 +29,13 @@ use hyptrace_abi::layout::{
 use hyptrace_abi::page::{Events, COMMIT_LEN_MASK, COMMIT_OFFSET, RB_MISSED_EVENTS};
 use hyptrace_abi::{HeapMem, SharedMem};
 use hyptrace_reader::{Direct, Item, RingBuffer};
-use hyptrace_writer::{swap_reader_page, update_footers, SwapStatus, WriteOutcome, Writer};
+use hyptrace_writer::{
+    swap_reader_page, swap_reader_page_hinted, update_footers, SwapHint, SwapStatus, WriteOutcome,
+    Writer,
+};
 use std::sync::atomic::Ordering::{Acquire, Release};
-use std::sync::{Arc, Barrier, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
+use std::sync::{Arc, Mutex};
 
 /// splitmix64: small, seeded, reproducible.
 struct Rng(u64);
@@ -443,12 +448,9 @@ fn random_run(seed: u64, mode: Mode, pages: u32, steps: usize) {
                 fresh = true;
             }
             _ => {
-                // The guest side restarts: a new writer resumes from the shared state.
-                // Only on an empty tail page: see `reattach_keeps_tail_page_entries`.
-                let t = ld(&m, l.ctl(cpu) + ctl::TAIL_PAGE) as u32;
-                if ld(&m, l.page_off(t) + COMMIT_OFFSET) & COMMIT_LEN_MASK == 0 {
-                    ws[ci] = Writer::attach(m.clone(), cpu).unwrap();
-                }
+                // The guest side restarts: a new writer resumes from the shared state
+                // (W4; stopped inside a write: `reattach_after_write_stopped_anywhere`).
+                ws[ci] = Writer::attach(m.clone(), cpu).unwrap();
             }
         }
         let mut md = models[ci].lock().unwrap();
@@ -536,8 +538,8 @@ fn stop_mode_drop_closes_the_tail_page() {
     assert_eq!(next + pending, 40);
 }
 
-/// Known bug: `Writer::attach` resumes a tail page holding events but takes its event
-/// count from the footer's `page_entries`, which the writer only stores when it leaves
+/// Regression (fixed): `Writer::attach` resumed a tail page holding events but took its
+/// event count from the footer's `page_entries`, which the writer only stores when it leaves
 /// a page (it is 0 while the writer is on it). After a re-attach the page's final
 /// `page_entries` counts only the events written since, and in overwrite mode pushing
 /// that page as head under-counts `overrun` (lost != overrun + dropped).
@@ -573,20 +575,69 @@ fn reattach_keeps_tail_page_entries() {
     }
 }
 
+/// A barrier for the threads of one test that never waits for a thread that died: a
+/// party that panics (its [`Gate::guard`] drops while unwinding) aborts the gate, and
+/// every wait then panics instead of spinning on. Used with `std::thread::scope`, which
+/// joins every thread and propagates the first panic: a failing thread fails the test,
+/// it never hangs it.
+struct Gate {
+    parties: usize,
+    arrived: AtomicUsize,
+    aborted: AtomicBool,
+}
+
+/// Aborts its gate when dropped during a panic.
+struct GateGuard<'a>(&'a Gate);
+
+impl Drop for GateGuard<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.aborted.store(true, SeqCst);
+        }
+    }
+}
+
+impl Gate {
+    fn new(parties: usize) -> Self {
+        Self {
+            parties,
+            arrived: AtomicUsize::new(0),
+            aborted: AtomicBool::new(false),
+        }
+    }
+    /// Keep alive for as long as the party takes part.
+    fn guard(&self) -> GateGuard<'_> {
+        GateGuard(self)
+    }
+    /// The `round`-th wait (from 1) of a party: returns once every party arrived there.
+    fn wait(&self, round: usize) {
+        self.arrived.fetch_add(1, SeqCst);
+        while self.arrived.load(SeqCst) < round * self.parties {
+            assert!(
+                !self.aborted.load(SeqCst),
+                "another thread of the test failed"
+            );
+            std::thread::yield_now();
+        }
+    }
+}
+
 /// The same invariants with a writer thread and a swapping thread running
-/// concurrently, checked at quiescent points where both wait at a barrier.
+/// concurrently, checked at quiescent points where both wait at a [`Gate`]. The swapper
+/// uses the hinted swap (as `Direct` and the mailbox do) and the plain one in turn; a
+/// swap that lost every attempt to the writer (`Contended`) is an outcome.
 fn concurrent_run(seed: u64, mode: Mode, pages: u32, rounds: usize) {
     let (m, l) = region(1, pages, mode);
-    let model = Arc::new(Mutex::new(Model::default()));
-    let bar = Arc::new(Barrier::new(3));
-    let writer = {
-        let (m, model, bar) = (m.clone(), model.clone(), bar.clone());
-        std::thread::spawn(move || {
+    let model = Mutex::new(Model::default());
+    let gate = Gate::new(3);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let _g = gate.guard();
             let mut rng = Rng(seed);
-            let mut w = Writer::attach(m, 0).unwrap();
+            let mut w = Writer::attach(m.clone(), 0).unwrap();
             let mut ts = 0;
-            for _ in 0..rounds {
-                bar.wait();
+            for round in 0..rounds {
+                gate.wait(2 * round + 1);
                 for _ in 0..rng.below(40) {
                     let seq = model.lock().unwrap().attempts;
                     let p = random_payload(&mut rng, w.max_payload(), seq);
@@ -600,44 +651,47 @@ fn concurrent_run(seed: u64, mode: Mode, pages: u32, rounds: usize) {
                         o => panic!("{o:?}"),
                     }
                 }
-                bar.wait();
+                gate.wait(2 * round + 2);
             }
-        })
-    };
-    let swapper = {
-        let (m, model, bar) = (m.clone(), model.clone(), bar.clone());
-        std::thread::spawn(move || {
+        });
+        s.spawn(|| {
+            let _g = gate.guard();
             let mut rng = Rng(seed ^ 0xabcdef);
-            for _ in 0..rounds {
-                bar.wait();
+            let mut hint = SwapHint::default();
+            for round in 0..rounds {
+                gate.wait(2 * round + 1);
                 for _ in 0..rng.below(6) {
                     if rng.chance(70) {
+                        let hinted = rng.chance(50);
                         swap_and_account(&m, &l, 0, &model, true, || {
-                            swap_reader_page(&*m, &l, 0).unwrap()
+                            if hinted {
+                                swap_reader_page_hinted(&*m, &l, 0, &mut hint).unwrap()
+                            } else {
+                                swap_reader_page(&*m, &l, 0).unwrap()
+                            }
                         });
                     } else {
                         update_footers(&*m, &l, 0).unwrap();
                     }
                     std::thread::yield_now();
                 }
-                bar.wait();
+                gate.wait(2 * round + 2);
             }
-        })
-    };
-    for round in 0..rounds {
-        bar.wait();
-        bar.wait();
-        // Quiescent: both threads wait at the next round's barrier.
-        let mut md = model.lock().unwrap();
-        let what = format!("concurrent seed {seed:#x} {mode:?} {pages} pages round {round}");
-        check(&m, &l, 0, &mut md, false, &what);
-        if round % 3 == 0 {
-            update_footers(&*m, &l, 0).unwrap();
-            check(&m, &l, 0, &mut md, true, &what);
+        });
+        let _g = gate.guard();
+        for round in 0..rounds {
+            gate.wait(2 * round + 1);
+            gate.wait(2 * round + 2);
+            // Quiescent: both threads wait at the next round's gate.
+            let mut md = model.lock().unwrap();
+            let what = format!("concurrent seed {seed:#x} {mode:?} {pages} pages round {round}");
+            check(&m, &l, 0, &mut md, false, &what);
+            if round % 3 == 0 {
+                update_footers(&*m, &l, 0).unwrap();
+                check(&m, &l, 0, &mut md, true, &what);
+            }
         }
-    }
-    writer.join().unwrap();
-    swapper.join().unwrap();
+    });
     let md = model.lock().unwrap();
     assert!(md.swaps > 0 && md.read_done > 0, "{md:?}");
     assert!(
@@ -661,12 +715,31 @@ fn concurrent_writer_and_swapper_stop() {
     }
 }
 
-/// A region whose link loads run a hook first: lets a test run the writer "during" a
-/// swap's head search, deterministically.
+/// A region whose accesses run a hook first, given the kind of access and its offset:
+/// lets a test run the writer "during" a swap, between two of its accesses,
+/// deterministically.
 struct HookMem<'a> {
     m: &'a HeapMem,
-    l: Layout,
-    hook: std::cell::RefCell<Box<dyn FnMut() + 'a>>,
+    hook: std::cell::RefCell<Box<dyn FnMut(Access, usize) + 'a>>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Access {
+    Load,
+    Store,
+    Swap,
+    Cas,
+    Or,
+    And,
+    Add,
+    Write,
+    Read,
+}
+
+impl HookMem<'_> {
+    fn on(&self, a: Access, off: usize) {
+        (self.hook.borrow_mut())(a, off)
+    }
 }
 
 impl SharedMem for HookMem<'_> {
@@ -674,18 +747,15 @@ impl SharedMem for HookMem<'_> {
         self.m.size()
     }
     fn load(&self, off: usize, order: std::sync::atomic::Ordering) -> u64 {
-        let in_pages = off >= self.l.pages_off;
-        if in_pages
-            && (off - self.l.pages_off) % self.l.page_size == self.l.page_size - 96 + footer::NEXT
-        {
-            (self.hook.borrow_mut())();
-        }
+        self.on(Access::Load, off);
         self.m.load(off, order)
     }
     fn store(&self, off: usize, val: u64, order: std::sync::atomic::Ordering) {
+        self.on(Access::Store, off);
         self.m.store(off, val, order)
     }
     fn swap(&self, off: usize, val: u64, order: std::sync::atomic::Ordering) -> u64 {
+        self.on(Access::Swap, off);
         self.m.swap(off, val, order)
     }
     fn compare_exchange(
@@ -696,22 +766,127 @@ impl SharedMem for HookMem<'_> {
         success: std::sync::atomic::Ordering,
         failure: std::sync::atomic::Ordering,
     ) -> Result<u64, u64> {
+        self.on(Access::Cas, off);
         self.m.compare_exchange(off, current, new, success, failure)
     }
     fn fetch_or(&self, off: usize, val: u64, order: std::sync::atomic::Ordering) -> u64 {
+        self.on(Access::Or, off);
         self.m.fetch_or(off, val, order)
     }
     fn fetch_and(&self, off: usize, val: u64, order: std::sync::atomic::Ordering) -> u64 {
+        self.on(Access::And, off);
         self.m.fetch_and(off, val, order)
     }
     fn fetch_add(&self, off: usize, val: u64, order: std::sync::atomic::Ordering) -> u64 {
+        self.on(Access::Add, off);
         self.m.fetch_add(off, val, order)
     }
     fn write_bytes(&self, off: usize, src: &[u8]) {
+        self.on(Access::Write, off);
         self.m.write_bytes(off, src)
     }
     fn read_bytes(&self, off: usize, dst: &mut [u8]) {
+        self.on(Access::Read, off);
         self.m.read_bytes(off, dst)
+    }
+}
+
+/// Invariant S1 at a quiescent point: one FT_READER (the reader page), one FT_COMMIT
+/// (the tail page), one FT_HEAD, one flagged link, HEAD, naming the FT_HEAD page.
+fn assert_s1(m: &HeapMem, l: &Layout, what: &str) {
+    let c = l.ctl(0);
+    let with = |off: usize, bit: u64| -> Vec<u32> {
+        (0..l.pages_per_cpu)
+            .filter(|&p| ft(m, l, p, off) & bit != 0)
+            .collect()
+    };
+    let (r, t) = (ld(m, c + ctl::READER_PAGE), ld(m, c + ctl::TAIL_PAGE));
+    assert_eq!(
+        with(footer::READER_STATUS, FT_READER),
+        vec![r as u32],
+        "{what}"
+    );
+    assert_eq!(
+        with(footer::WRITER_STATUS, FT_COMMIT),
+        vec![t as u32],
+        "{what}"
+    );
+    let links: Vec<u64> = (0..l.pages_per_cpu)
+        .map(|p| ft(m, l, p, footer::NEXT))
+        .collect();
+    let flagged: Vec<&u64> = links.iter().filter(|&&lk| lk & LINK_FLAGS != 0).collect();
+    assert_eq!(flagged.len(), 1, "{what}: links {links:x?}");
+    assert_eq!(
+        flagged[0] & LINK_FLAGS,
+        LINK_HEAD,
+        "{what}: links {links:x?}"
+    );
+    assert_eq!(
+        with(footer::WRITER_STATUS, FT_HEAD),
+        vec![link_id(*flagged[0]) as u32],
+        "{what}: FT_HEAD vs the HEAD link (links {links:x?})"
+    );
+}
+
+/// Defect (S1): the swap's FT_HEAD fix-up — set FT_HEAD on the new head, re-load the
+/// reader page's link, clear FT_HEAD again if the link changed — cleared the FT_HEAD
+/// that a writer lapping the ring had just set: the ring's HEAD link then named a page
+/// without FT_HEAD until the next head move. Here the writer pushes the new head right
+/// after the swap made it (before the swap re-loads the link), then laps the ring until
+/// that page is the head again (before the swap clears its bit).
+#[test]
+fn swap_fixup_keeps_ft_head_of_a_lapping_writer() {
+    let (m, l) = region(1, 4, Mode::Overwrite);
+    let mut w = Writer::attach(m.clone(), 0).unwrap();
+    let one_page = [0u8; 2000];
+    let mut ts = 0;
+    // Fill the 3 ring pages (1, 2, 3): tail 3, its link names the head, 1.
+    for _ in 0..3 {
+        ts += 1;
+        assert_eq!(w.write(0, ts, &one_page), WriteOutcome::Written);
+    }
+    let (reader, head, after, before_head) = (0u32, 1u32, 2u32, 3u32);
+    let next = |p: u32| l.footer_off(p) + footer::NEXT;
+    let status = |p: u32| l.footer_off(p) + footer::WRITER_STATUS;
+    // 0: before the swap's exchange; 1: after it; 2: the writer pushed the new head;
+    // 3: the writer lapped the ring back to it.
+    let stage = std::cell::Cell::new(0);
+    let hm = HookMem {
+        m: &m,
+        hook: std::cell::RefCell::new(Box::new(|a, off| {
+            let mut write = |n| {
+                for _ in 0..n {
+                    ts += 1;
+                    assert_eq!(w.write(0, ts, &one_page), WriteOutcome::Written);
+                }
+            };
+            match (stage.get(), a) {
+                (0, Access::Cas) if off == next(before_head) => stage.set(1),
+                (1, Access::Load) if off == next(reader) => {
+                    // Onto the old reader page (now in the ring), then push `after`.
+                    write(2);
+                    stage.set(2);
+                }
+                (2, Access::And) if off == status(after) => {
+                    // Push 3, then 0: `after` is the head again.
+                    write(2);
+                    stage.set(3);
+                }
+                _ => {}
+            }
+        })),
+    };
+    let r = swap_reader_page(&hm, &l, 0);
+    drop(hm);
+    assert_eq!(r, Ok(SwapStatus::Swapped { page: head }));
+    assert_eq!(stage.get(), 3, "the interleaving did not happen");
+    assert_eq!(link_id(ft(&m, &l, reader, footer::NEXT)), u64::from(after));
+    assert_s1(&m, &l, "after the swap");
+    // And the ring goes on correctly.
+    for _ in 0..7 {
+        ts += 1;
+        assert_eq!(w.write(0, ts, &one_page), WriteOutcome::Written);
+        assert_s1(&m, &l, "writing on");
     }
 }
 
@@ -734,11 +909,13 @@ fn swap_racing_head_pushes_does_not_fail() {
     // Before each link the swap loads, the writer fills one more page (pushing the head
     // one page on, as a running writer does while the swapping thread is slow).
     let pushes = std::cell::Cell::new(0);
+    let is_link = |off: usize| {
+        off >= l.pages_off && (off - l.pages_off) % l.page_size == l.page_size - 96 + footer::NEXT
+    };
     let hm = HookMem {
         m: &m,
-        l,
-        hook: std::cell::RefCell::new(Box::new(|| {
-            if pushes.get() < 4 {
+        hook: std::cell::RefCell::new(Box::new(|a, off| {
+            if a == Access::Load && is_link(off) && pushes.get() < 4 {
                 pushes.set(pushes.get() + 1);
                 ts += 1;
                 assert_eq!(w.write(0, ts, &one_page), WriteOutcome::Written);
@@ -748,4 +925,314 @@ fn swap_racing_head_pushes_does_not_fail() {
     let r = swap_reader_page(&hm, &l, 0);
     drop(hm);
     assert!(matches!(r, Ok(SwapStatus::Swapped { .. })), "{r:?}");
+}
+
+/// A region through which a writer can be stopped between two of its stores: every
+/// mutating access is counted (and logged with its offset) and, once `cut` says so
+/// after one of them, every later mutation is ignored — as if the writer (a vCPU) had
+/// stopped right there. Loads still answer, so the stopped writer runs on without
+/// effect (its loops are bounded).
+struct CutMem<'a> {
+    m: &'a HeapMem,
+    armed: std::cell::Cell<bool>,
+    frozen: std::cell::Cell<bool>,
+    log: std::cell::RefCell<Vec<usize>>,
+    /// Given (number of mutations since armed, offset of the last one): stop now?
+    cut: Box<dyn Fn(usize, usize) -> bool + 'a>,
+}
+
+impl<'a> CutMem<'a> {
+    fn new(m: &'a HeapMem, cut: impl Fn(usize, usize) -> bool + 'a) -> Self {
+        Self {
+            m,
+            armed: false.into(),
+            frozen: false.into(),
+            log: Vec::new().into(),
+            cut: Box::new(cut),
+        }
+    }
+    /// Runs one mutation unless frozen; counts it and freezes when `cut` says so.
+    fn mutate<T>(&self, off: usize, f: impl FnOnce() -> T, frozen: impl FnOnce() -> T) -> T {
+        if self.frozen.get() {
+            return frozen();
+        }
+        let r = f();
+        if self.armed.get() {
+            let mut log = self.log.borrow_mut();
+            log.push(off);
+            if (self.cut)(log.len(), off) {
+                self.frozen.set(true);
+            }
+        }
+        r
+    }
+}
+
+impl SharedMem for CutMem<'_> {
+    fn size(&self) -> usize {
+        self.m.size()
+    }
+    fn load(&self, off: usize, order: std::sync::atomic::Ordering) -> u64 {
+        self.m.load(off, order)
+    }
+    fn store(&self, off: usize, val: u64, order: std::sync::atomic::Ordering) {
+        self.mutate(off, || self.m.store(off, val, order), || ())
+    }
+    fn swap(&self, off: usize, val: u64, order: std::sync::atomic::Ordering) -> u64 {
+        let cur = || self.m.load(off, std::sync::atomic::Ordering::SeqCst);
+        self.mutate(off, || self.m.swap(off, val, order), cur)
+    }
+    fn compare_exchange(
+        &self,
+        off: usize,
+        current: u64,
+        new: u64,
+        success: std::sync::atomic::Ordering,
+        failure: std::sync::atomic::Ordering,
+    ) -> Result<u64, u64> {
+        let frozen = || match self.m.load(off, std::sync::atomic::Ordering::SeqCst) {
+            v if v == current => Ok(v),
+            v => Err(v),
+        };
+        self.mutate(
+            off,
+            || self.m.compare_exchange(off, current, new, success, failure),
+            frozen,
+        )
+    }
+    fn fetch_or(&self, off: usize, val: u64, order: std::sync::atomic::Ordering) -> u64 {
+        let cur = || self.m.load(off, std::sync::atomic::Ordering::SeqCst);
+        self.mutate(off, || self.m.fetch_or(off, val, order), cur)
+    }
+    fn fetch_and(&self, off: usize, val: u64, order: std::sync::atomic::Ordering) -> u64 {
+        let cur = || self.m.load(off, std::sync::atomic::Ordering::SeqCst);
+        self.mutate(off, || self.m.fetch_and(off, val, order), cur)
+    }
+    fn fetch_add(&self, off: usize, val: u64, order: std::sync::atomic::Ordering) -> u64 {
+        let cur = || self.m.load(off, std::sync::atomic::Ordering::SeqCst);
+        self.mutate(off, || self.m.fetch_add(off, val, order), cur)
+    }
+    fn write_bytes(&self, off: usize, src: &[u8]) {
+        self.mutate(off, || self.m.write_bytes(off, src), || ())
+    }
+    fn read_bytes(&self, off: usize, dst: &mut [u8]) {
+        self.m.read_bytes(off, dst)
+    }
+}
+
+/// An event of the re-attach tests: its index (as the writer will number it) and its
+/// timestamp in the payload, `len` bytes in all (≥ 16).
+fn indexed_payload(seq: u64, ts: u64, len: usize) -> Vec<u8> {
+    let mut p = vec![0x5a; len];
+    p[..8].copy_from_slice(&seq.to_le_bytes());
+    p[8..16].copy_from_slice(&ts.to_le_bytes());
+    p
+}
+
+/// What a re-attach test does before the interrupted write.
+#[derive(Clone, Copy, Debug)]
+enum Before {
+    /// A few small events: the interrupted one lands on the same page.
+    SamePage,
+    /// The tail page nearly full: the interrupted one moves the tail (overwrite: after
+    /// filling the ring, it pushes the head).
+    PageMove,
+    /// Stop mode, ring full: the interrupted (large) event is dropped.
+    Drop,
+}
+
+/// Writes events through a [`CutMem`], stops the writer inside one write (after the
+/// mutation `cut` picks), attaches a new writer to the same memory, writes on, then
+/// reads everything back and checks what a reader must see: no error, every event's
+/// index (in its payload) where the reader's count puts it, each loss reported right
+/// before the event after it (W3), every timestamp as written, and the total.
+/// Returns the offsets the interrupted write mutated, in order.
+fn interrupted_write(
+    mode: Mode,
+    before: Before,
+    cut: impl Fn(usize, usize) -> bool,
+    what: &str,
+) -> Vec<usize> {
+    let (m, l) = region(1, 4, mode);
+    let cm = CutMem::new(&m, cut);
+    let mut w = Writer::attach(&cm, 0).unwrap();
+    let mut ts = 1000u64;
+    let mut next_seq = 0u64;
+    let mut write = |w: &mut Writer<&CutMem>, ts: u64, len: usize| {
+        let out = w.write(0, ts, &indexed_payload(next_seq, ts, len));
+        assert!(
+            matches!(out, WriteOutcome::Written | WriteOutcome::Dropped),
+            "{what}: {out:?}"
+        );
+        next_seq += 1;
+        out
+    };
+    let big = 2000;
+    match before {
+        Before::SamePage => {
+            for _ in 0..5 {
+                ts += 10;
+                write(&mut w, ts, 24);
+            }
+        }
+        Before::PageMove => {
+            // Fill the ring (overwrite: more than once), ending on a page with no room
+            // for the next big event.
+            // (One big event per page; 3 ring pages.)
+            for _ in 0..if mode == Mode::Overwrite { 7 } else { 2 } {
+                ts += 10;
+                write(&mut w, ts, big);
+            }
+        }
+        Before::Drop => {
+            assert_eq!(mode, Mode::Stop);
+            // The 3 ring pages full (one big event each): the next write is the first
+            // drop.
+            for _ in 0..3 {
+                ts += 10;
+                assert_eq!(write(&mut w, ts, big), WriteOutcome::Written, "{what}");
+            }
+        }
+    }
+    // The interrupted write: a timestamp jump that needs a TIME_EXTEND.
+    ts += (1 << 30) + 7;
+    let len = if matches!(before, Before::SamePage) {
+        24
+    } else {
+        big
+    };
+    cm.armed.set(true);
+    write(&mut w, ts, len);
+    assert!(cm.frozen.get() || !cm.log.borrow().is_empty(), "{what}");
+    let log = cm.log.take();
+    // The guest side restarts: a new writer on the memory as the old one left it.
+    let mut w = Writer::attach(&m, 0).unwrap();
+    let resumed = w.entries() + w.dropped();
+    assert!(
+        resumed == next_seq - 1 || resumed == next_seq,
+        "{what}: resumed at index {resumed}, {next_seq} attempts"
+    );
+    let mut seq = resumed;
+    // Enough to fill the ring again (overwrite: to lap it).
+    for k in 0..400u64 {
+        ts += 3 + k;
+        let out = w.write(0, ts, &indexed_payload(seq, ts, 24 + (k as usize % 3) * 8));
+        assert!(
+            matches!(out, WriteOutcome::Written | WriteOutcome::Dropped),
+            "{what}: {out:?}"
+        );
+        seq += 1;
+    }
+    assert_eq!(w.entries() + w.dropped(), seq, "{what}: writer index");
+    // Read everything back, as the host does after the writer stopped.
+    let mut rb = RingBuffer::attach(m.clone(), Direct::new(m.clone(), l)).unwrap();
+    rb.finalize(0).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let (mut next, mut pending, mut events) = (0u64, 0u64, 0u64);
+    loop {
+        match rb.next_event(0) {
+            Ok(None) => break,
+            Ok(Some(Item::Lost(n))) => pending += n,
+            Ok(Some(Item::Event { ts, payload })) => {
+                let s = u64::from_le_bytes(payload[..8].try_into().unwrap());
+                let t = u64::from_le_bytes(payload[8..16].try_into().unwrap());
+                assert!(s >= next, "{what}: event {s} after {next}");
+                assert_eq!(s - next, pending, "{what}: loss before event {s} not there");
+                assert_eq!(ts, t, "{what}: timestamp of event {s}");
+                pending = 0;
+                next = s + 1;
+                events += 1;
+            }
+            Err(e) => panic!("{what}: read error after {events} events: {e}"),
+        }
+    }
+    assert_eq!(next + pending, seq, "{what}: read + lost != written");
+    assert!(events > 0, "{what}");
+    log
+}
+
+fn ctl_word(off: usize) -> impl Fn(usize, usize) -> bool {
+    let l = Layout::new(1, 4, 4096, Mode::Stop, false).unwrap();
+    let at = l.ctl(0) + off;
+    move |_, o| o == at
+}
+
+/// Defect: a write stopped after publishing `commit` but before storing `entries`
+/// left the control block one event behind the page; a writer attaching then numbered
+/// the next page one short (the reader fails with IndexBackwards) and stamped the
+/// events after it with deltas from a stale `write_stamp`.
+#[test]
+fn reattach_after_write_stopped_after_commit() {
+    let l = Layout::new(1, 4, 4096, Mode::Stop, false).unwrap();
+    let commits: Vec<usize> = (0..4).map(|p| l.page_off(p) + COMMIT_OFFSET).collect();
+    for mode in [Mode::Stop, Mode::Overwrite] {
+        for before in [Before::SamePage, Before::PageMove] {
+            let what = format!("{mode:?} {before:?} stopped after commit");
+            // A move stores the new page's commit (0) first: stop after the event's.
+            let nth = if matches!(before, Before::PageMove) {
+                2
+            } else {
+                1
+            };
+            let seen = std::cell::Cell::new(0);
+            let cut = |_, o| {
+                seen.set(seen.get() + usize::from(commits.contains(&o)));
+                seen.get() == nth && commits.contains(&o)
+            };
+            let log = interrupted_write(mode, before, cut, &what);
+            assert!(commits.contains(log.last().unwrap()), "{what}: {log:?}");
+        }
+    }
+}
+
+/// Defect: a write stopped between `entries` and `write_stamp`: the next events on the
+/// page were stamped with deltas from the stale `write_stamp`.
+#[test]
+fn reattach_after_write_stopped_after_entries() {
+    for mode in [Mode::Stop, Mode::Overwrite] {
+        for before in [Before::SamePage, Before::PageMove] {
+            let what = format!("{mode:?} {before:?} stopped after entries");
+            interrupted_write(mode, before, ctl_word(ctl::ENTRIES), &what);
+        }
+    }
+}
+
+/// As above, stopped between `bytes` and `write_stamp`.
+#[test]
+fn reattach_after_write_stopped_after_bytes() {
+    for mode in [Mode::Stop, Mode::Overwrite] {
+        for before in [Before::SamePage, Before::PageMove] {
+            let what = format!("{mode:?} {before:?} stopped after bytes");
+            interrupted_write(mode, before, ctl_word(ctl::BYTES), &what);
+        }
+    }
+}
+
+/// Defect: a drop stopped between `dropped` and `lost_pending` (stop mode): the writer
+/// attaching did not know the tail page is closed (W3), wrote the next small event on
+/// it, and the loss was reported after that event instead of before it.
+#[test]
+fn reattach_after_drop_stopped_after_dropped() {
+    let what = "stop drop stopped after dropped";
+    interrupted_write(Mode::Stop, Before::Drop, ctl_word(ctl::DROPPED), what);
+}
+
+/// Every place a write can stop (after each of its mutations, in each scenario): the
+/// writer attaching afterwards goes on so that the reader sees exactly what was
+/// written (W4). Writes stopped inside a head push (overwrite mode, the UPDATE flag
+/// still on a link) are left out: see `Writer::resume`.
+#[test]
+fn reattach_after_write_stopped_anywhere() {
+    for (mode, before) in [
+        (Mode::Stop, Before::SamePage),
+        (Mode::Stop, Before::PageMove),
+        (Mode::Stop, Before::Drop),
+        (Mode::Overwrite, Before::SamePage),
+        (Mode::Overwrite, Before::PageMove),
+    ] {
+        let all = interrupted_write(mode, before, |_, _| false, "dry run");
+        for k in 1..=all.len() {
+            let what = format!("{mode:?} {before:?} stopped after mutation {k} of {all:?}");
+            interrupted_write(mode, before, move |n, _| n == k, &what);
+        }
+    }
 }

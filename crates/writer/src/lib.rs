@@ -34,6 +34,15 @@ pub const SWAP_RETRIES: u32 = 16;
 /// unless the ring is corrupt).
 pub const MOVE_RETRIES: u32 = 8;
 
+/// The ordering of the `commit` store that publishes an event (invariant W1: Release).
+#[cfg(not(hyptrace_seeded_bug_relaxed_commit))]
+const COMMIT_ORDER: core::sync::atomic::Ordering = Release;
+/// Seeded bug for the model checker (`--cfg hyptrace_seeded_bug_relaxed_commit`): the
+/// commit is published Relaxed, so a reader that sees it may read the payload before it
+/// was written (W1 broken); loom reports the race on the payload bytes.
+#[cfg(hyptrace_seeded_bug_relaxed_commit)]
+const COMMIT_ORDER: core::sync::atomic::Ordering = Relaxed;
+
 /// What became of one event.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WriteOutcome {
@@ -208,18 +217,137 @@ impl<M: SharedMem> Writer<M> {
             cpu,
             ctl: c,
         };
-        // Resume on a page that already holds events (re-attach after a reset of the
-        // guest side): continue after its committed bytes.
-        let commit = w.mem.load(w.tail_off + COMMIT_OFFSET, Acquire);
-        let len = (commit & page::COMMIT_LEN_MASK) as usize;
-        if len > 0 && len <= w.cap {
-            w.write = len;
-            w.commit_flags = commit & RB_MISSED_EVENTS;
-            // The footer's count is only stored when the writer leaves a page: recount.
-            w.page_entries = count_events(&w.mem, w.tail_off + PAGE_HEADER_SIZE, len);
-        }
+        w.resume();
         w.mem.swap(c + ctl::WRITER_STATE, WRITER_ACTIVE, Release);
         Ok(w)
+    }
+
+    /// Derives where to go on from the pages, not from the control block's counters
+    /// (attach-time work only; the write path is unchanged).
+    ///
+    /// *Invariant W4 (resume): a writer attaching to a ring another writer left —
+    /// stopped anywhere, even between two stores — goes on exactly where the pages say
+    /// that writer was.* The control block can lag the pages: `write` publishes
+    /// `commit` before it stores `entries`, `bytes` and `write_stamp`, and a drop stores
+    /// `dropped` before `lost_pending`; a move stores `lost_pending = 0` and
+    /// `pages_touched` before `tail_page`. So:
+    /// - the tail page is decoded ([`scan_page`], bounded): its events `n` and its clock
+    ///   (`time_stamp` + deltas + TIME_EXTENDs) give `write_stamp` and `page_entries`;
+    /// - its `first_index + n` is the index after its last event; with `dropped` (stored
+    ///   first, so never behind) the identity `entries + dropped = first_index + n +
+    ///   lost_pending` (drops only happen after the tail page's last event, W3) tells
+    ///   which counter lags: `entries` (a write stopped after its commit) or
+    ///   `lost_pending` (a drop stopped before it, or a move stopped after clearing it);
+    /// - `lost_pending > 0` closes the tail page (W3); the new page's missed flag comes
+    ///   from the footer's `missed` (set before the first event gives `commit` its flag);
+    /// - `pages_touched` is the tail page's `page_seq`; a page set up by a move that
+    ///   stopped before publishing `tail_page` (page_seq above the tail's) goes back to
+    ///   page_seq 0, "never written"; FT_COMMIT is put back on the tail page alone (such
+    ///   a move may have moved it already).
+    ///
+    /// Memory that does not fit (a page this writer would not have written, counters
+    /// ahead of the page in overwrite mode, a commit beyond the page) is handled the
+    /// safe way: the tail page is closed, so the next event starts a new page whose
+    /// `first_index` is never below an index already on a page (a reader sees a gap,
+    /// never an index going backwards). The corrected counters are stored back.
+    /// `bytes` (a statistic nobody checks) can still miss one event if the writer
+    /// stopped between `entries` and `bytes`.
+    #[cold]
+    fn resume(&mut self) {
+        let tf = self.l.footer_off(self.tail);
+        // A head push stopped while it held UPDATE on the tail's link: finish it (every
+        // step of `push_head` can be done again; the pushed page's event count is
+        // taken with a swap, so it is counted as overrun once).
+        let tl = self.mem.load(tf + footer::NEXT, Acquire);
+        if tl & LINK_FLAGS == LINK_UPDATE {
+            let pushed = page_id(&self.l, self.cpu, tl >> 2);
+            if pushed.and_then(|h| self.push_head(tf, h, true)).is_err() {
+                self.corrupt = true;
+            }
+        }
+        let (mem, c) = (&self.mem, self.ctl);
+        let commit = mem.load(self.tail_off + COMMIT_OFFSET, Acquire);
+        let len = (commit & page::COMMIT_LEN_MASK) as usize;
+        let scan = if len <= self.cap {
+            scan_page(mem, self.tail_off, len)
+        } else {
+            PageScan {
+                events: 0,
+                clock: self.write_stamp,
+                last_bytes: 0,
+                clean: false,
+            }
+        };
+        let mut closed = !scan.clean;
+        let index_end = mem
+            .load(tf + footer::FIRST_INDEX, Acquire)
+            .wrapping_add(scan.events);
+        let base = self
+            .entries
+            .wrapping_add(self.dropped)
+            .wrapping_sub(self.lost_pending);
+        // How far the pages are ahead of the counters: 1 after a write stopped between
+        // its commit and `entries`; -1 after a drop stopped before `lost_pending`; -k
+        // after a move (with k drops pending) stopped between clearing `lost_pending`
+        // and publishing `tail_page`.
+        let ahead = index_end.wrapping_sub(base) as i64;
+        if ahead > 0 {
+            if ahead == 1 && scan.clean {
+                self.bytes = self.bytes.wrapping_add(scan.last_bytes);
+            }
+            self.entries = self.entries.wrapping_add(ahead as u64);
+        } else if ahead < 0 {
+            match self.l.mode {
+                Mode::Stop => {
+                    self.lost_pending = self.lost_pending.wrapping_sub(ahead as u64);
+                }
+                // No drops in overwrite mode: counters ahead of the page do not fit.
+                // Keep them (the next page's first_index leaves a gap) and close.
+                Mode::Overwrite => closed = true,
+            }
+        }
+        if len > 0 {
+            self.write = if closed { self.cap } else { len };
+            if scan.events > 0 {
+                self.write_stamp = scan.clock;
+            }
+        } else if closed {
+            self.write = self.cap;
+        }
+        self.page_entries = scan.events;
+        let missed = mem.load(tf + footer::MISSED, Relaxed) != 0;
+        self.commit_flags = if missed || commit & RB_MISSED_EVENTS != 0 {
+            RB_MISSED_EVENTS
+        } else {
+            0
+        };
+        self.pages_touched = mem.load(tf + footer::PAGE_SEQ, Acquire);
+        for (off, v) in [
+            (ctl::ENTRIES, self.entries),
+            (ctl::BYTES, self.bytes),
+            (ctl::WRITE_STAMP, self.write_stamp),
+            (ctl::LOST_PENDING, self.lost_pending),
+            (ctl::PAGES_TOUCHED, self.pages_touched),
+        ] {
+            mem.store(c + off, v, Relaxed);
+        }
+        let first = self.l.first_page(self.cpu);
+        for p in first..first + self.l.pages_per_cpu {
+            let f = self.l.footer_off(p);
+            // A page set up by a move that stopped before publishing it as the tail
+            // carries a page_seq above the tail's: back to "never written", or a
+            // post-mortem walk would read it (with a stale first_index) after the
+            // tail page, which this writer goes on filling.
+            if p != self.tail && mem.load(f + footer::PAGE_SEQ, Acquire) > self.pages_touched {
+                mem.store(f + footer::PAGE_SEQ, 0, Release);
+            }
+            let ws = f + footer::WRITER_STATUS;
+            if p == self.tail {
+                mem.fetch_or(ws, FT_COMMIT, AcqRel);
+            } else if mem.load(ws, Relaxed) & FT_COMMIT != 0 {
+                mem.fetch_and(ws, !FT_COMMIT, AcqRel);
+            }
+        }
     }
 
     /// The CPU this writer writes for.
@@ -372,11 +500,11 @@ impl<M: SharedMem> Writer<M> {
         }
         self.mem.write_bytes(at, payload);
         self.write += need;
-        // Publish: the payload above happens-before any Acquire load that sees this.
+        // Publish: the payload above happens-before any Acquire load that sees this (W1).
         self.mem.store(
             self.tail_off + COMMIT_OFFSET,
             self.write as u64 | self.commit_flags,
-            Release,
+            COMMIT_ORDER,
         );
         self.write_stamp = ts;
         // Counters may have been continued from shared memory (attach): wrap, never
@@ -430,7 +558,7 @@ impl<M: SharedMem> Writer<M> {
                     {
                         continue;
                     }
-                    self.push_head(tf, nid)?;
+                    self.push_head(tf, nid, false)?;
                     break nid;
                 }
                 _ => return Err(RingError::BadLink(lk)),
@@ -483,11 +611,17 @@ impl<M: SharedMem> Writer<M> {
 
     /// Overwrite mode, with the link to `head` (in footer `tf`) turned to UPDATE:
     /// account the overwritten events, move FT_HEAD and the HEAD link to the page after
-    /// `head`, then clear UPDATE. While UPDATE is set no link carries HEAD, so no swap
-    /// can succeed; the footer bits are moved before the new HEAD link is published.
-    fn push_head(&mut self, tf: usize, head: u32) -> Result<(), RingError> {
+    /// `head`, then clear UPDATE. While UPDATE is set no swap can take `head`; once the
+    /// new HEAD link is published (before UPDATE is cleared) a swap that starts its search
+    /// past the tail (hinted) can take the new head and complete — it only replaces
+    /// `head`'s link, and clearing UPDATE on the tail's link, which still names `head`,
+    /// keeps the ring consistent. S1: the footer bits are moved before the new HEAD link
+    /// is published (set before a link names the page, cleared after it stopped).
+    fn push_head(&mut self, tf: usize, head: u32, resuming: bool) -> Result<(), RingError> {
         let hf = self.l.footer_off(head);
-        let lost = self.mem.load(hf + footer::PAGE_ENTRIES, Acquire);
+        // Taken (and zeroed: the page is reset when the writer moves onto it) with one
+        // swap, so a push finished again on attach does not count the page twice.
+        let lost = self.mem.swap(hf + footer::PAGE_ENTRIES, 0, AcqRel);
         // A page holds at most one event per 8 bytes of data.
         if lost > (self.cap / 8) as u64 {
             return Err(RingError::BadCount(lost));
@@ -497,7 +631,9 @@ impl<M: SharedMem> Writer<M> {
             .store(self.ctl + ctl::OVERRUN, self.overrun, Relaxed);
         let nl = self.mem.load(hf + footer::NEXT, Acquire);
         let nn = page_id(&self.l, self.cpu, nl >> 2)?;
-        if nl & LINK_FLAGS != 0 {
+        // Finishing a stopped push, the new HEAD link may already be there.
+        let allowed = if resuming { LINK_HEAD } else { 0 };
+        if nl & LINK_FLAGS & !allowed != 0 {
             return Err(RingError::BadLink(nl));
         }
         self.mem
@@ -562,47 +698,84 @@ impl<M: SharedMem> Writer<M> {
     }
 }
 
-/// Counts the data events in the `len` committed bytes at `data` (the writer's own
-/// page, on re-attach). Stops at the first malformed record.
-fn count_events<M: SharedMem + ?Sized>(mem: &M, data: usize, len: usize) -> u64 {
+/// What [`scan_page`] found in the committed bytes of the writer's own tail page.
+#[derive(Clone, Copy, Debug)]
+struct PageScan {
+    /// Data events decoded.
+    events: u64,
+    /// The page's clock after the last record: its `time_stamp` plus every delta and
+    /// TIME_EXTEND (the timestamp of its last event, as the writer's `write_stamp`).
+    clock: u64,
+    /// Bytes of the last data event with the TIME_EXTEND before it (what the write that
+    /// committed it added to `bytes`).
+    last_bytes: u64,
+    /// The bytes are exactly what this writer writes: data events and TIME_EXTENDs
+    /// ending at `len`. Anything else (padding, an absolute TIME_STAMP, a record
+    /// running past `len`, a bad length word) is not ours.
+    clean: bool,
+}
+
+/// Decodes the `len` committed bytes of the page at `page` (the writer's own tail page,
+/// on attach) straight from shared memory, without allocation. Bounded: every record
+/// advances at least 4 bytes, so at most `len / 4` iterations; stops at the first
+/// record this writer would not have written.
+fn scan_page<M: SharedMem + ?Sized>(mem: &M, page: usize, len: usize) -> PageScan {
+    let data = page + PAGE_HEADER_SIZE;
     let word = |off: usize| {
         let mut b = [0u8; 4];
         mem.read_bytes(data + off, &mut b);
         u32::from_le_bytes(b)
     };
-    let (mut off, mut n) = (0usize, 0u64);
-    // Each record is at least 4 bytes: at most len / 4 iterations.
-    while off + 4 <= len {
-        let h = word(off);
-        let size = match h & 0x1f {
-            page::TYPE_PADDING | page::TYPE_TIME_EXTEND | page::TYPE_TIME_STAMP
-                if off + 8 <= len =>
-            {
-                if h & 0x1f == page::TYPE_PADDING {
-                    if h >> 5 == 0 {
-                        break;
-                    }
-                    4 + word(off + 4) as usize
-                } else {
-                    8
-                }
-            }
-            0 if off + 8 <= len => {
-                n += 1;
-                4 + page::align4(word(off + 4) as usize)
-            }
-            t @ 1..=28 => {
-                n += 1;
-                4 + 4 * t as usize
-            }
-            _ => break,
-        };
-        if size < 4 {
+    let mut ts = [0u8; 8];
+    mem.read_bytes(page, &mut ts);
+    let mut s = PageScan {
+        events: 0,
+        clock: u64::from_le_bytes(ts),
+        last_bytes: 0,
+        clean: true,
+    };
+    let (mut off, mut group) = (0usize, 0usize);
+    while off < len {
+        if off + 8 > len {
+            // Every record this writer writes is at least 8 bytes.
+            s.clean = false;
             break;
         }
-        off += page::align4(size);
+        let h = word(off);
+        let delta = u64::from(h >> 5);
+        let size = match h & 0x1f {
+            page::TYPE_TIME_EXTEND => {
+                let d = (u64::from(word(off + 4)) << page::DELTA_BITS) + delta;
+                s.clock = s.clock.wrapping_add(d);
+                page::TIME_EXTEND_SIZE
+            }
+            0 => match word(off + 4) as usize {
+                lw if lw >= 4 => 8 + page::align4(lw - 4),
+                _ => {
+                    s.clean = false;
+                    break;
+                }
+            },
+            t @ 1..=page::TYPE_DATA_MAX => 4 + 4 * t as usize,
+            // Padding or an absolute TIME_STAMP: never written by this writer.
+            _ => {
+                s.clean = false;
+                break;
+            }
+        };
+        if size > len - off {
+            s.clean = false;
+            break;
+        }
+        off += size;
+        if h & 0x1f != page::TYPE_TIME_EXTEND {
+            s.clock = s.clock.wrapping_add(delta);
+            s.events += 1;
+            s.last_bytes = (off - group) as u64;
+            group = off;
+        }
     }
-    n
+    s
 }
 
 /// Finds the head: the page named by the one link that carries HEAD (or UPDATE while
@@ -740,13 +913,7 @@ pub fn swap_reader_page_hinted<M: SharedMem + ?Sized>(
         mem.swap(hf + footer::READER_STATUS, FT_READER, SeqCst);
         mem.swap(rf + footer::READER_STATUS, 0, SeqCst);
         mem.store(hf + footer::OVERRUN, overrun, Relaxed);
-        // Mark the new head; if the writer pushed it meanwhile (the reader page's link
-        // no longer names it as head), the writer already moved FT_HEAD on: undo ours.
-        let af = l.footer_off(after);
-        mem.fetch_or(af + footer::WRITER_STATUS, FT_HEAD, SeqCst);
-        if mem.load(rf + footer::NEXT, SeqCst) != link(after, LINK_HEAD) {
-            mem.fetch_and(af + footer::WRITER_STATUS, !FT_HEAD, SeqCst);
-        }
+        mark_new_head(mem, l, pf, reader, after);
         mem.store(c + ctl::READER_PAGE, u64::from(head), Release);
         mem.fetch_add(c + ctl::SWAPS, 1, Relaxed);
         // The old reader page is in the ring now, its link naming the new head.
@@ -754,6 +921,43 @@ pub fn swap_reader_page_hinted<M: SharedMem + ?Sized>(
         return Ok(SwapStatus::Swapped { page: head });
     }
     Ok(SwapStatus::Contended)
+}
+
+/// FT_HEAD on `after`, the page a swap just made the head by putting the old reader page
+/// `reader` into the ring behind it (`pf` is the footer of the page before `reader`),
+/// while the writer may push that head on and even lap the ring back to it meanwhile.
+///
+/// The writer changes `after`'s FT_HEAD only inside its head pushes, always *after* the
+/// link change that decides it: it sets the bit while it holds UPDATE on the link naming
+/// `reader` (pushing `reader`; the HEAD link naming `after` follows), and clears it after
+/// turning `reader`'s link from `after|HEAD` to `after|UPDATE` (pushing `after`). So
+/// "`after` is or is becoming the head" is `pf`'s link = `reader|UPDATE` (loaded first)
+/// or `reader`'s link = `after|HEAD`. The swap writes the bit that this predicate gave
+/// (true at first: the swap just made `after` the head), then evaluates it again: equal,
+/// and any later change of the predicate is followed by a write of the writer, which
+/// then has the last word; different, the writer moved the head past `after` or back to
+/// it meanwhile, and the swap writes the new value. Never a blind undo: the old fix-up
+/// (set, re-load the link, clear if it changed) could clear the bit a writer that lapped
+/// the ring had just set (S1 broken until the next head move). Each extra round needs the
+/// writer to move the head by half a ring during one round of the swap; after
+/// [`SWAP_RETRIES`] rounds the writer's next push of `after` puts the bit right.
+fn mark_new_head<M: SharedMem + ?Sized>(mem: &M, l: &Layout, pf: usize, reader: u32, after: u32) {
+    let ws = l.footer_off(after) + footer::WRITER_STATUS;
+    let rl = l.footer_off(reader) + footer::NEXT;
+    let mut head = true;
+    for _ in 0..SWAP_RETRIES {
+        if head {
+            mem.fetch_or(ws, FT_HEAD, SeqCst);
+        } else {
+            mem.fetch_and(ws, !FT_HEAD, SeqCst);
+        }
+        let becoming = mem.load(pf + footer::NEXT, SeqCst) == link(reader, LINK_UPDATE);
+        let now = becoming || mem.load(rl, SeqCst) == link(after, LINK_HEAD);
+        if now == head {
+            return;
+        }
+        head = now;
+    }
 }
 
 /// Copies the writer's counters (entries, pages_touched, overrun, dropped) into the

@@ -1,26 +1,35 @@
 //! Model checking (loom) of the real writer against the real writer-domain swap.
 //!
-//! Run (the CI runs exactly these):
+//! Run (the CI runs exactly these; `--nocapture` shows each model's execution count):
 //!
 //! ```text
 //! # the models (the correct protocol: every execution must pass)
 //! RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom LOOM_MAX_PREEMPTIONS=2 \
-//!     cargo test -p hyptrace-writer --release --test loom
-//! # the seeded bug (push_head does not flag the new head): the model must catch it
+//!     cargo test -p hyptrace-writer --release --test loom -- --nocapture
+//! # seeded bug 1 (push_head does not flag the new head): caught as an S1 violation
 //! RUSTFLAGS="--cfg loom --cfg hyptrace_seeded_bug" CARGO_TARGET_DIR=target/loom-seeded \
 //!     LOOM_MAX_PREEMPTIONS=2 cargo test -p hyptrace-writer --release --test loom
+//! # seeded bug 2 (the commit published Relaxed, W1): caught as a causality violation
+//! RUSTFLAGS="--cfg loom --cfg hyptrace_seeded_bug_relaxed_commit" \
+//!     CARGO_TARGET_DIR=target/loom-seeded2 LOOM_MAX_PREEMPTIONS=2 \
+//!     cargo test -p hyptrace-writer --release --test loom
 //! ```
 //!
-//! Each model: one CPU, a ring of 4 pages (the reader page and 3 ring pages) in a loom
-//! [`Region`]; a writer thread writes events whose payloads fill most of a page (so
-//! every event after the first moves the tail: `move_tail`, and in overwrite mode
-//! `push_head`), while a reader thread reads the reader page and swaps it
-//! (`swap_reader_page`) like the host reader: it swaps only once the writer left the
-//! reader page, after reading that page completely. Afterwards the main thread checks
-//! the ring (one FT_READER / FT_COMMIT / FT_HEAD, one HEAD link naming the FT_HEAD page,
-//! no UPDATE, the reader page outside the ring), reads everything left in ring order,
-//! and checks the events: in order, each seq equal to its index, gaps exactly the
-//! `first_index` jumps, read + lost == attempts, lost == overrun + dropped.
+//! Each model ([`Model`]): one CPU, a ring of 4 pages (the reader page and 3 ring pages;
+//! 3 in the lap model) in a loom [`Region`]; a writer thread writes events (one-page
+//! payloads, so every event after the first moves the tail: `move_tail`, and in
+//! overwrite mode `push_head`; or three 1300-byte events and a TIME_EXTEND per page),
+//! while a reader thread reads the reader page and gets the next one like the host
+//! reader — a plain swap, a hinted swap (as `Direct` does), or a swap request in the
+//! mailbox that the writer thread serves between its writes — only once the writer left
+//! the reader page, after reading that page completely. A swap that loses to the writer
+//! (`Contended`) and a request left unanswered are outcomes; while a request is in
+//! flight the reader does not touch its page (M1). Afterwards the main thread answers a
+//! request still in flight, checks the ring (S1: one FT_READER / FT_COMMIT / FT_HEAD,
+//! one HEAD link naming the FT_HEAD page, no UPDATE, the reader page outside the ring),
+//! reads everything left in ring order, and checks the events: in order, each seq equal
+//! to its index, timestamps as written, gaps exactly the `first_index` jumps, read +
+//! lost == attempts, lost == overrun + dropped.
 //!
 //! The region: every 8-byte word is either atomic (pack, control blocks, footers, the
 //! page `commit` words: loom `AtomicU64`) or plain data (page `time_stamp` and data
@@ -31,14 +40,16 @@
 
 use hyptrace_abi::layout::{
     ctl, footer, link_id, Layout, Mode, FOOTER_SIZE, FT_COMMIT, FT_HEAD, FT_READER, LINK_FLAGS,
-    LINK_HEAD,
+    LINK_HEAD, MBOX_OP_SWAP, MBOX_STATUS_BUSY, MBOX_STATUS_CONTENDED, MBOX_STATUS_OK,
 };
 use hyptrace_abi::page::{Events, COMMIT_LEN_MASK, COMMIT_OFFSET, PAGE_HEADER_SIZE};
 use hyptrace_abi::SharedMem;
-use hyptrace_writer::{swap_reader_page, SwapStatus, WriteOutcome, Writer};
+use hyptrace_writer::{
+    swap_reader_page, swap_reader_page_hinted, SwapHint, SwapStatus, WriteOutcome, Writer,
+};
 use loom::cell::UnsafeCell;
 use loom::sync::atomic::AtomicU64;
-use std::sync::atomic::Ordering::{self, Acquire};
+use std::sync::atomic::Ordering::{Acquire, Release};
 use std::sync::Arc;
 
 /// One 8-byte word of the region.
@@ -146,13 +157,36 @@ impl SharedMem for Region {
 
 type Mem = Arc<Region>;
 
+/// Pages of a CPU (the reader page and 3 ring pages), unless a model says otherwise.
 const PAGES: u32 = 4;
 const PAGE: usize = 4096;
 /// A payload that fills most of a page: two never fit one page.
-const PAYLOAD: usize = 2000;
+const BIG: usize = 2000;
+/// Three of these and a TIME_EXTEND fit one page (3 × 1308 + 8 ≤ 3984 bytes).
+const SMALL: usize = 1300;
 
 fn ld(m: &Region, off: usize) -> u64 {
     m.load(off, Acquire)
+}
+
+/// An event's payload: its index and its timestamp, then filler.
+fn payload(seq: u64, ts: u64, len: usize) -> Vec<u8> {
+    let mut p = vec![0x5a; len];
+    p[..8].copy_from_slice(&seq.to_le_bytes());
+    p[8..16].copy_from_slice(&ts.to_le_bytes());
+    p
+}
+
+/// How the reader gets the next page.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Via {
+    /// `swap_reader_page`, without a hint.
+    Plain,
+    /// `swap_reader_page_hinted`, keeping the hint (as the host's `Direct` does).
+    Hinted,
+    /// A swap request in the mailbox, run by the writer thread between its writes
+    /// (`Writer::serve_mailbox`, `--swap guest`).
+    Mailbox,
 }
 
 /// The host reader, reduced to what the model needs: it tracks the reader page, how
@@ -164,10 +198,18 @@ struct MiniReader {
     expected: u64,
     lost: u64,
     read: u64,
+    via: Via,
+    hint: SwapHint,
+    mbox_seq: u64,
+    /// A mailbox request is in flight: the reader page is not touched (M1).
+    pending: bool,
+    /// Swaps that lost to the writer, and requests left unanswered for now: outcomes.
+    contended: u64,
+    unanswered: u64,
 }
 
 impl MiniReader {
-    fn new(m: &Region, l: &Layout) -> Self {
+    fn new(m: &Region, l: &Layout, via: Via) -> Self {
         let page = ld(m, l.ctl(0) + ctl::READER_PAGE) as u32;
         let expected = ld(m, l.footer_off(page) + footer::FIRST_INDEX);
         Self {
@@ -176,6 +218,12 @@ impl MiniReader {
             expected,
             lost: 0,
             read: 0,
+            via,
+            hint: SwapHint::default(),
+            mbox_seq: 0,
+            pending: false,
+            contended: 0,
+            unanswered: 0,
         }
     }
 
@@ -195,10 +243,11 @@ impl MiniReader {
         let events: Vec<u64> = Events::new(&buf[PAGE_HEADER_SIZE..], ts)
             .map(|e| {
                 let e = e.expect("committed data decodes");
-                assert_eq!(e.payload.len(), PAYLOAD);
+                assert!(e.payload.len() >= 16, "payload {}", e.payload.len());
                 assert_eq!(
                     e.ts,
-                    u64::from_le_bytes(e.payload[8..16].try_into().unwrap())
+                    u64::from_le_bytes(e.payload[8..16].try_into().unwrap()),
+                    "timestamp"
                 );
                 u64::from_le_bytes(e.payload[..8].try_into().unwrap())
             })
@@ -231,10 +280,51 @@ impl MiniReader {
         self.seen = 0;
     }
 
+    /// The swap handed out `page`: read it.
+    fn swapped(&mut self, m: &Region, l: &Layout, page: u32) {
+        assert_ne!(page, self.page);
+        assert_eq!(ld(m, l.ctl(0) + ctl::READER_PAGE), u64::from(page));
+        self.enter(m, l, page);
+        self.read_committed(m, l);
+    }
+
+    /// Looks for the answer to the request in flight, `tries` times (yielding between:
+    /// the host's bounded spin). Returns whether a page was swapped in.
+    fn poll_answer(&mut self, m: &Region, l: &Layout, tries: usize) -> bool {
+        for i in 0..tries {
+            let ack = ld(m, l.ctl(0) + ctl::MBOX_ACK);
+            if ack >> 8 == self.mbox_seq {
+                self.pending = false;
+                return match ack & 0xff {
+                    MBOX_STATUS_OK => {
+                        let page = ld(m, l.ctl(0) + ctl::READER_PAGE) as u32;
+                        self.swapped(m, l, page);
+                        true
+                    }
+                    MBOX_STATUS_CONTENDED => {
+                        self.contended += 1;
+                        false
+                    }
+                    MBOX_STATUS_BUSY => panic!("busy although the writer left the reader page"),
+                    s => panic!("mailbox status {s}"),
+                };
+            }
+            if i + 1 < tries {
+                loom::thread::yield_now();
+            }
+        }
+        self.unanswered += 1;
+        false
+    }
+
     /// One step of the live reader: read the reader page; if the writer has left it,
     /// swap and read the new one.
     fn step(&mut self, m: &Region, l: &Layout) -> bool {
         let c = l.ctl(0);
+        if self.pending {
+            // M1: nothing of the reader page is touched while the request is in flight.
+            return self.poll_answer(m, l, 2);
+        }
         assert_eq!(ld(m, c + ctl::READER_PAGE), u64::from(self.page));
         // The tail before the commit: if the writer left the page, what is read next is
         // final.
@@ -243,143 +333,214 @@ impl MiniReader {
         if tail == self.page {
             return false;
         }
-        match swap_reader_page(m, l, 0).expect("swap failed") {
+        let status = match self.via {
+            Via::Plain => swap_reader_page(m, l, 0),
+            Via::Hinted => swap_reader_page_hinted(m, l, 0, &mut self.hint),
+            Via::Mailbox => {
+                self.mbox_seq += 1;
+                m.store(
+                    c + ctl::MBOX_REQ,
+                    (self.mbox_seq << 8) | MBOX_OP_SWAP,
+                    Release,
+                );
+                self.pending = true;
+                return self.poll_answer(m, l, 2);
+            }
+        };
+        match status.expect("swap failed: the ring is inconsistent") {
             SwapStatus::Swapped { page } => {
-                assert_ne!(page, self.page);
-                assert_eq!(ld(m, c + ctl::READER_PAGE), u64::from(page));
-                self.enter(m, l, page);
-                self.read_committed(m, l);
+                self.swapped(m, l, page);
                 true
             }
             SwapStatus::Busy => panic!("busy although the writer left the reader page"),
+            SwapStatus::Contended => {
+                self.contended += 1;
+                false
+            }
         }
     }
 }
 
-/// The ring's structural invariants at rest. Returns (head, ring from the head).
+/// The ring's structural invariants at rest (S1). Returns (head, ring from the head).
 fn check_ring(m: &Region, l: &Layout) -> (u32, Vec<u32>) {
+    let pages = l.pages_per_cpu;
     let c = l.ctl(0);
     let r = ld(m, c + ctl::READER_PAGE) as u32;
     let t = ld(m, c + ctl::TAIL_PAGE) as u32;
-    assert!(r < PAGES && t < PAGES);
+    assert!(r < pages && t < pages);
     let with = |off: usize, bit: u64| -> Vec<u32> {
-        (0..PAGES)
+        (0..pages)
             .filter(|&p| ld(m, l.footer_off(p) + off) & bit != 0)
             .collect()
     };
-    assert_eq!(with(footer::READER_STATUS, FT_READER), vec![r], "FT_READER");
-    assert_eq!(with(footer::WRITER_STATUS, FT_COMMIT), vec![t], "FT_COMMIT");
-    let heads = with(footer::WRITER_STATUS, FT_HEAD);
-    assert_eq!(heads.len(), 1, "FT_HEAD on {heads:?}");
-    let h = heads[0];
-    let links: Vec<u64> = (0..PAGES)
+    assert_eq!(
+        with(footer::READER_STATUS, FT_READER),
+        vec![r],
+        "S1: FT_READER"
+    );
+    assert_eq!(
+        with(footer::WRITER_STATUS, FT_COMMIT),
+        vec![t],
+        "S1: FT_COMMIT"
+    );
+    let links: Vec<u64> = (0..pages)
         .map(|p| ld(m, l.footer_off(p) + footer::NEXT))
         .collect();
-    let flagged: Vec<u32> = (0..PAGES)
+    let flagged: Vec<u32> = (0..pages)
         .filter(|&p| links[p as usize] & LINK_FLAGS != 0)
         .collect();
-    assert_eq!(flagged.len(), 1, "flagged links {links:x?}");
+    assert_eq!(flagged.len(), 1, "S1: flagged links {links:x?}");
     let lk = links[flagged[0] as usize];
-    assert_eq!(lk & LINK_FLAGS, LINK_HEAD, "link {lk:#x}");
+    assert_eq!(lk & LINK_FLAGS, LINK_HEAD, "S1: link {lk:#x}");
+    let heads = with(footer::WRITER_STATUS, FT_HEAD);
     assert_eq!(
-        link_id(lk),
-        u64::from(h),
-        "HEAD link does not name the FT_HEAD page"
+        heads,
+        vec![link_id(lk) as u32],
+        "S1: FT_HEAD not (only) on the page the HEAD link names; links {links:x?}"
     );
-    assert_ne!(flagged[0], r, "the reader page's link carries HEAD");
+    let h = heads[0];
+    assert_ne!(
+        flagged[0], r,
+        "S1: no ring link carries HEAD, only the reader page's; links {links:x?}"
+    );
     let mut ring = vec![h];
     let mut p = h;
-    for _ in 0..PAGES {
+    for _ in 0..pages {
         p = link_id(links[p as usize]) as u32;
         if p == h {
             break;
         }
         ring.push(p);
     }
-    assert_eq!(ring.len(), PAGES as usize - 1, "ring {ring:?}");
-    assert!(!ring.contains(&r), "reader page {r} in the ring {ring:?}");
+    assert_eq!(ring.len(), pages as usize - 1, "S1: ring {ring:?}");
+    assert!(
+        !ring.contains(&r),
+        "S1: reader page {r} in the ring {ring:?}"
+    );
     (h, ring)
 }
 
-struct Written {
-    attempts: u64,
-    entries: u64,
-    dropped: u64,
-    overrun: u64,
+/// One model: the events (payload length, timestamp) a writer writes against `steps`
+/// steps of a reader, in `mode`.
+#[derive(Clone, Debug)]
+struct Model {
+    mode: Mode,
+    pages: u32,
+    events: Vec<(usize, u64)>,
+    /// Events written before the threads start (no interleaving to explore there).
+    setup: usize,
+    /// The writer thread yields after every `burst` events (0: never), as a writer
+    /// between bursts does; a yield is a context switch loom does not count as a
+    /// preemption, so a bound of 2 preemptions reaches deeper interleavings.
+    burst: usize,
+    steps: usize,
+    via: Via,
 }
 
-/// The model: `events` writes against `swaps` reader steps, in `mode`.
-fn model(mode: Mode, events: u64, swaps: usize) {
-    let l = Layout::new(1, PAGES, PAGE, mode, false).unwrap();
-    let mem: Mem = Arc::new(Region::new(&l));
-    l.init_region(&*mem, 0, 1);
+impl Model {
+    fn new(mode: Mode, events: usize, len: usize, steps: usize, via: Via) -> Self {
+        Self {
+            mode,
+            pages: PAGES,
+            events: (0..events as u64).map(|i| (len, 100 + i * 10)).collect(),
+            setup: 0,
+            burst: 0,
+            steps,
+            via,
+        }
+    }
 
-    let wm = mem.clone();
-    let writer = loom::thread::spawn(move || {
-        let mut w = Writer::attach(wm, 0).unwrap();
-        let mut p = [0u8; PAYLOAD];
-        for seq in 0..events {
-            let ts = 100 + seq * 10;
-            p[..8].copy_from_slice(&seq.to_le_bytes());
-            p[8..16].copy_from_slice(&ts.to_le_bytes());
-            match w.write(0, ts, &p) {
+    fn run(&self) {
+        let l = Layout::new(1, self.pages, PAGE, self.mode, false).unwrap();
+        let mem: Mem = Arc::new(Region::new(&l));
+        l.init_region(&*mem, 0, 1);
+        let events = self.events.clone();
+        let mut w = Writer::attach(mem.clone(), 0).unwrap();
+        fn write(w: &mut Writer<Mem>, events: &[(usize, u64)], seq: usize) {
+            let (len, ts) = events[seq];
+            match w.write(0, ts, &payload(seq as u64, ts, len)) {
                 WriteOutcome::Written | WriteOutcome::Dropped => {}
                 o => panic!("write {seq}: {o:?}"),
             }
         }
-        Written {
-            attempts: events,
-            entries: w.entries(),
-            dropped: w.dropped(),
-            overrun: w.overrun(),
+        for seq in 0..self.setup {
+            write(&mut w, &events, seq);
         }
-    });
-    let rm = mem.clone();
-    let reader = loom::thread::spawn(move || {
-        let mut rd = MiniReader::new(&rm, &l);
-        for _ in 0..swaps {
-            rd.step(&rm, &l);
+        let (setup, burst, via, n) = (self.setup, self.burst, self.via, events.len());
+        let writer = loom::thread::spawn(move || {
+            for seq in setup..n {
+                write(&mut w, &events, seq);
+                if via == Via::Mailbox {
+                    w.serve_mailbox();
+                }
+                if burst > 0 && (seq + 1 - setup) % burst == 0 && seq + 1 < n {
+                    loom::thread::yield_now();
+                }
+            }
+            w
+        });
+        let rm = mem.clone();
+        let steps = self.steps;
+        let reader = loom::thread::spawn(move || {
+            let mut rd = MiniReader::new(&rm, &l, via);
+            for _ in 0..steps {
+                rd.step(&rm, &l);
+            }
+            rd
+        });
+        let mut w = writer.join().unwrap();
+        let mut rd = reader.join().unwrap();
+        if rd.pending {
+            // A request still in flight: the writer answers it (M1: the answer is not
+            // dropped), as a writer serving its mailbox in its idle loop would.
+            // (The writer thread may have served it after the reader stopped looking.)
+            w.serve_mailbox();
+            rd.poll_answer(&mem, &l, 1);
+            assert!(!rd.pending, "request not answered");
         }
-        rd
-    });
-    let w = writer.join().unwrap();
-    let mut rd = reader.join().unwrap();
 
-    // At rest: the ring's invariants, the counters, then read what is left in ring
-    // order (as the final walk does) and account for every event.
-    let (_, ring) = check_ring(&mem, &l);
-    let c = l.ctl(0);
-    assert_eq!(ld(&mem, c + ctl::ENTRIES), w.entries);
-    assert_eq!(ld(&mem, c + ctl::DROPPED), w.dropped);
-    assert_eq!(ld(&mem, c + ctl::OVERRUN), w.overrun);
-    assert_eq!(w.entries + w.dropped, w.attempts);
-    let t = ld(&mem, c + ctl::TAIL_PAGE) as u32;
-    rd.read_committed(&mem, &l);
-    if t != rd.page {
-        for &p in &ring {
-            rd.enter(&mem, &l, p);
-            rd.read_committed(&mem, &l);
-            if p == t {
-                break;
+        // At rest: the ring's invariants, the counters, then read what is left in ring
+        // order (as the final walk does) and account for every event.
+        let (_, ring) = check_ring(&mem, &l);
+        let c = l.ctl(0);
+        let attempts = n as u64;
+        assert_eq!(ld(&mem, c + ctl::ENTRIES), w.entries());
+        assert_eq!(ld(&mem, c + ctl::DROPPED), w.dropped());
+        assert_eq!(ld(&mem, c + ctl::OVERRUN), w.overrun());
+        assert_eq!(w.entries() + w.dropped(), attempts);
+        let t = ld(&mem, c + ctl::TAIL_PAGE) as u32;
+        rd.read_committed(&mem, &l);
+        if t != rd.page {
+            for &p in &ring {
+                rd.enter(&mem, &l, p);
+                rd.read_committed(&mem, &l);
+                if p == t {
+                    break;
+                }
             }
         }
+        let pending = ld(&mem, c + ctl::LOST_PENDING);
+        assert_eq!(rd.expected + pending, attempts, "{rd:?}");
+        assert_eq!(rd.read + rd.lost + pending, attempts, "{rd:?}");
+        assert_eq!(rd.lost + pending, w.overrun() + w.dropped(), "{rd:?}");
     }
-    let pending = ld(&mem, c + ctl::LOST_PENDING);
-    assert_eq!(rd.expected + pending, w.attempts, "{rd:?}");
-    assert_eq!(rd.read + rd.lost + pending, w.attempts, "{rd:?}");
-    assert_eq!(rd.lost + pending, w.overrun + w.dropped, "{rd:?}");
 }
 
-/// Checks `f` under loom and reports how many executions it explored.
-fn check(name: &str, f: impl Fn() + Sync + Send + 'static) {
+/// Checks `model` under loom and reports how many executions it explored.
+fn check(name: &str, model: Model) {
     use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
     let n = Arc::new(AtomicUsize::new(0));
     let n2 = n.clone();
+    let t = std::time::Instant::now();
     builder().check(move || {
         n2.fetch_add(1, Relaxed);
-        f()
+        model.run()
     });
-    eprintln!("{name}: {} executions", n.load(Relaxed));
+    eprintln!(
+        "loom model {name}: {} executions in {:.1} s",
+        n.load(Relaxed),
+        t.elapsed().as_secs_f64()
+    );
 }
 
 fn builder() -> loom::model::Builder {
@@ -391,42 +552,145 @@ fn builder() -> loom::model::Builder {
     b
 }
 
-/// Overwrite mode: 5 one-page events on 3 ring pages against one swap: the writer
-/// always laps the reader (push_head), racing the swap for the head.
-///
-/// Known bug, found by this model: `swap_reader_page` fails with `NoHead` when the
-/// writer pushes the head while `find_head` walks the ring (its one bounded pass misses
-/// the moving HEAD flag, and the error is returned instead of retried). Ignored until
-/// the swap retries on `NoHead`; then it passes (12,885 executions at 2 preemptions).
-/// Deterministic reproduction: `tests/core_footers.rs`,
-/// `swap_racing_head_pushes_does_not_fail`.
-#[cfg(not(hyptrace_seeded_bug))]
-#[test]
-fn overwrite_writer_vs_swap() {
-    check("overwrite 5/1", || model(Mode::Overwrite, 5, 1));
+/// Runs `f` (a loom check expected to fail) and returns its panic message.
+#[cfg(any(hyptrace_seeded_bug, hyptrace_seeded_bug_relaxed_commit))]
+fn panic_message(f: impl FnOnce() + std::panic::UnwindSafe) -> String {
+    let err = std::panic::catch_unwind(f).expect_err("the seeded bug was not caught");
+    err.downcast_ref::<String>()
+        .cloned()
+        .or_else(|| err.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default()
 }
 
-/// Overwrite mode, two reader steps against a ring of 4 events.
-#[cfg(not(hyptrace_seeded_bug))]
+/// Overwrite mode, two plain reader steps against a ring of 4 events.
+#[cfg(not(any(hyptrace_seeded_bug, hyptrace_seeded_bug_relaxed_commit)))]
 #[test]
 fn overwrite_writer_vs_two_swaps() {
-    check("overwrite 4/2", || model(Mode::Overwrite, 4, 2));
+    check(
+        "overwrite 4/2 plain",
+        Model::new(Mode::Overwrite, 4, BIG, 2, Via::Plain),
+    );
 }
 
 /// Stop mode: the writer fills the ring and drops while the reader swaps.
+#[cfg(not(any(hyptrace_seeded_bug, hyptrace_seeded_bug_relaxed_commit)))]
 #[test]
 fn stop_writer_vs_two_swaps() {
-    check("stop 5/2", || model(Mode::Stop, 5, 2));
+    check(
+        "stop 5/2 plain",
+        Model::new(Mode::Stop, 5, BIG, 2, Via::Plain),
+    );
 }
 
-/// The seeded bug (push_head does not flag the new head) must make the overwrite
-/// model fail: the ring loses its HEAD link. The same model as
-/// `overwrite_writer_vs_two_swaps`, which passes without the seeded bug: in the
-/// executions where the writer laps the reader, the ring check (or a later swap) finds
-/// no HEAD link.
+/// The hinted swap (as `Direct` and the guest's mailbox use it): the second swap
+/// starts its head search where the first left the HEAD link, while the writer may be
+/// pushing the head (overwrite) — including the window where the new HEAD link is
+/// published but the writer still holds UPDATE on its tail's link.
+#[cfg(not(any(hyptrace_seeded_bug, hyptrace_seeded_bug_relaxed_commit)))]
+#[test]
+fn hinted_swaps_overwrite() {
+    check(
+        "overwrite 4/2 hinted",
+        Model::new(Mode::Overwrite, 4, BIG, 2, Via::Hinted),
+    );
+}
+
+/// The mailbox path (`--swap guest`), stop mode: the reader posts swap requests, the
+/// writer thread serves them between its writes; busy/contended/unanswered are
+/// outcomes, and a request in flight keeps the reader off its page (M1).
+#[cfg(not(any(hyptrace_seeded_bug, hyptrace_seeded_bug_relaxed_commit)))]
+#[test]
+fn mailbox_stop() {
+    check(
+        "stop 4/2 mailbox",
+        Model::new(Mode::Stop, 4, BIG, 2, Via::Mailbox),
+    );
+}
+
+/// The mailbox path in overwrite mode.
+#[cfg(not(any(hyptrace_seeded_bug, hyptrace_seeded_bug_relaxed_commit)))]
+#[test]
+fn mailbox_overwrite() {
+    check(
+        "overwrite 4/2 mailbox",
+        Model::new(Mode::Overwrite, 4, BIG, 2, Via::Mailbox),
+    );
+}
+
+/// Pages holding several events and a TIME_EXTEND: three events per page, the third
+/// 2^28 ticks after the second; the reader reads a page while the writer appends to it
+/// (hinted swaps, stop mode).
+fn multi_event_model() -> Model {
+    let mut m = Model::new(Mode::Stop, 5, SMALL, 2, Via::Hinted);
+    for (i, e) in m.events.iter_mut().enumerate() {
+        if i >= 2 {
+            e.1 += 1 << 28;
+        }
+    }
+    m
+}
+
+#[cfg(not(any(hyptrace_seeded_bug, hyptrace_seeded_bug_relaxed_commit)))]
+#[test]
+fn multi_event_pages_time_extend() {
+    check("stop 5x1300/2 time-extend hinted", multi_event_model());
+}
+
+/// A writer that laps the ring after a swap (overwrite): the smallest ring (the reader
+/// page and 2 ring pages), both filled before the threads start, then 3 more one-page
+/// events in bursts of 2 against one hinted swap. The writer can push the page the swap
+/// made the head and lap the ring back to it while the swap marks it (its FT_HEAD
+/// fix-up); S1's FT_HEAD is checked at the end. The old fix-up (set, re-load the link,
+/// clear if it changed) fails here: the writer pushes the new head before the re-load
+/// and makes it the head again before the clear (2 preemptions and a burst yield).
+fn lap_model() -> Model {
+    let mut m = Model::new(Mode::Overwrite, 5, BIG, 1, Via::Hinted);
+    m.pages = 3;
+    m.setup = 2;
+    m.burst = 2;
+    m
+}
+
+#[cfg(not(any(hyptrace_seeded_bug, hyptrace_seeded_bug_relaxed_commit)))]
+#[test]
+fn writer_laps_after_swap() {
+    check("overwrite 3 pages 2+3/1 lap hinted", lap_model());
+}
+
+/// Seeded bug 1 (`--cfg hyptrace_seeded_bug`: push_head publishes the new head's link
+/// without the HEAD flag): the ring loses its head, and the overwrite model reports
+/// exactly that — an S1 violation of the ring at rest: no ring link carries HEAD (the
+/// only flagged link left is the reader page's stale one).
 #[cfg(hyptrace_seeded_bug)]
 #[test]
-#[should_panic]
-fn seeded_bug_is_caught() {
-    check("seeded bug", || model(Mode::Overwrite, 4, 2));
+fn seeded_bug_lost_head_flag_is_caught() {
+    let msg = panic_message(|| {
+        check(
+            "seeded: no HEAD flag",
+            Model::new(Mode::Overwrite, 4, BIG, 2, Via::Plain),
+        )
+    });
+    assert!(
+        msg.contains("S1: no ring link carries HEAD"),
+        "caught, but not as the lost head: {msg}"
+    );
+}
+
+/// Seeded bug 2 (`--cfg hyptrace_seeded_bug_relaxed_commit`: the commit that publishes
+/// an event is stored Relaxed instead of Release, W1): a reader that sees the commit
+/// can read the payload before it was written; loom reports the race on the payload
+/// cells as a causality violation.
+#[cfg(hyptrace_seeded_bug_relaxed_commit)]
+#[test]
+fn seeded_relaxed_commit_is_caught() {
+    let msg = panic_message(|| {
+        check(
+            "seeded: relaxed commit",
+            Model::new(Mode::Stop, 2, SMALL, 1, Via::Plain),
+        )
+    });
+    assert!(
+        msg.contains("Causality violation: Concurrent read and write accesses"),
+        "caught, but not as a race on the payload: {msg}"
+    );
 }
