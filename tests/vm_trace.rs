@@ -205,25 +205,31 @@ fn matrix_vcpus_modes_swaps() {
 
 /// Stop mode at a rate the reader sustains, with a 64 KiB buffer (16 pages) and ~141
 /// pages written per CPU: nothing lost, every page swapped out at least 100 times.
+///
+/// Whether the reader keeps up depends on it getting a CPU: on a machine loaded far
+/// beyond its cores (2 cores here, shared by 2 spinning vCPUs, the reader and whatever
+/// else runs) a run can lose events although nothing is wrong. Such a run must still
+/// account for every loss exactly; the lossless claim needs one of
+/// [`LOSSLESS_ATTEMPTS`] runs (a reader that does not drain fails them all).
 fn lossless_small_buffer(swap: &str, rate: &str) {
     let _vm = vm_lock();
     let what = format!("--mode stop --swap {swap} --rate {rate} --buffer-kb 64");
-    let (out, s) = run(&[
-        "--vcpus",
-        "2",
-        "--mode",
-        "stop",
-        "--swap",
-        swap,
-        "--events",
-        "20000",
-        "--rate",
-        rate,
-        "--buffer-kb",
-        "64",
-    ]);
-    assert_ok(&out, &what);
-    assert_accounting(&s, &what);
+    let mut attempt = 0;
+    let (out, s) = loop {
+        attempt += 1;
+        let (out, s) = lossless_run(swap, rate);
+        assert_ok(&out, &what);
+        assert_accounting(&s, &what);
+        if attempt < LOSSLESS_ATTEMPTS && s.cpus.iter().any(|c| c.lost > 0) {
+            check_output(&out, &s, "steady", &what);
+            eprintln!(
+                "{what}: attempt {attempt} lost events (machine busy?): {}",
+                s.json
+            );
+            continue;
+        }
+        break (out, s);
+    };
     for (i, c) in s.cpus.iter().enumerate() {
         assert_eq!(c.lost, 0, "{what}: cpu {i} lost events: {}", s.json);
         assert_eq!(c.read, c.written, "{what}: cpu {i}");
@@ -237,6 +243,26 @@ fn lossless_small_buffer(swap: &str, rate: &str) {
         assert_eq!(t.drop_lines, 0, "{what}");
         assert_eq!(t.last_seq, Some(19_999), "{what}");
     }
+}
+
+/// Runs of [`lossless_small_buffer`] before a lossy one fails it.
+const LOSSLESS_ATTEMPTS: u32 = 3;
+
+fn lossless_run(swap: &str, rate: &str) -> (Output, Stats) {
+    run(&[
+        "--vcpus",
+        "2",
+        "--mode",
+        "stop",
+        "--swap",
+        swap,
+        "--events",
+        "20000",
+        "--rate",
+        rate,
+        "--buffer-kb",
+        "64",
+    ])
 }
 
 /// Host swap. Losses start near 200k events/s per vCPU on this 2-core PVM host when
