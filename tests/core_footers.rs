@@ -23,7 +23,7 @@
 //! panics).
 
 use hyptrace_abi::layout::{
-    ctl, footer, link_id, Layout, Mode, FT_COMMIT, FT_HEAD, FT_READER, LINK_FLAGS, LINK_HEAD,
+    ctl, footer, link_id, Mode, RingGeometry, FT_COMMIT, FT_HEAD, FT_READER, LINK_FLAGS, LINK_HEAD,
     MBOX_OP_SWAP, MBOX_OP_UPDATE_FOOTERS, MBOX_STATUS_BUSY, MBOX_STATUS_OK,
 };
 use hyptrace_abi::page::{Events, COMMIT_LEN_MASK, COMMIT_OFFSET, RB_MISSED_EVENTS};
@@ -60,12 +60,12 @@ fn ld(m: &HeapMem, off: usize) -> u64 {
     m.load(off, Acquire)
 }
 
-fn ft(m: &HeapMem, l: &Layout, id: u32, off: usize) -> u64 {
+fn ft(m: &HeapMem, l: &RingGeometry, id: u32, off: usize) -> u64 {
     ld(m, l.footer_off(id) + off)
 }
 
 /// Decodes page `id`: (events, seqs of the events whose payload carries one).
-fn decode(m: &HeapMem, l: &Layout, id: u32) -> Vec<Option<u64>> {
+fn decode(m: &HeapMem, l: &RingGeometry, id: u32) -> Vec<Option<u64>> {
     let mut page = vec![0u8; l.page_size];
     m.read_bytes(l.page_off(id), &mut page);
     let commit = ld(m, l.page_off(id) + COMMIT_OFFSET);
@@ -102,7 +102,7 @@ struct Model {
 
 /// Checks every invariant of `cpu`'s ring (see the module doc). `fresh_footers`: the
 /// reader page footer was just refreshed by `update_footers`.
-fn check(m: &HeapMem, l: &Layout, cpu: u32, md: &mut Model, fresh_footers: bool, what: &str) {
+fn check(m: &HeapMem, l: &RingGeometry, cpu: u32, md: &mut Model, fresh_footers: bool, what: &str) {
     let c = l.ctl(cpu);
     let first = l.first_page(cpu);
     let pages: Vec<u32> = (first..first + l.pages_per_cpu).collect();
@@ -303,7 +303,7 @@ fn check(m: &HeapMem, l: &Layout, cpu: u32, md: &mut Model, fresh_footers: bool,
 /// model's read/lost accounting. Returns whether it swapped.
 fn swap_and_account(
     m: &HeapMem,
-    l: &Layout,
+    l: &RingGeometry,
     cpu: u32,
     md: &Mutex<Model>,
     concurrent: bool,
@@ -373,8 +373,8 @@ fn next_ts(rng: &mut Rng, ts: &mut u64) -> u64 {
     *ts
 }
 
-fn region(cpus: u32, pages: u32, mode: Mode) -> (Arc<HeapMem>, Layout) {
-    let l = Layout::new(cpus, pages, 4096, mode, false).unwrap();
+fn region(cpus: u32, pages: u32, mode: Mode) -> (Arc<HeapMem>, RingGeometry) {
+    let l = RingGeometry::new(cpus, pages, 4096, mode, false).unwrap();
     let m = Arc::new(HeapMem::new(l.region_size));
     l.init_region(&*m, 0, 1);
     (m, l)
@@ -793,7 +793,7 @@ impl SharedMem for HookMem<'_> {
 
 /// Invariant S1 at a quiescent point: one FT_READER (the reader page), one FT_COMMIT
 /// (the tail page), one FT_HEAD, one flagged link, HEAD, naming the FT_HEAD page.
-fn assert_s1(m: &HeapMem, l: &Layout, what: &str) {
+fn assert_s1(m: &HeapMem, l: &RingGeometry, what: &str) {
     let c = l.ctl(0);
     let with = |off: usize, bit: u64| -> Vec<u32> {
         (0..l.pages_per_cpu)
@@ -1151,7 +1151,7 @@ fn interrupted_write(
 }
 
 fn ctl_word(off: usize) -> impl Fn(usize, usize) -> bool {
-    let l = Layout::new(1, 4, 4096, Mode::Stop, false).unwrap();
+    let l = RingGeometry::new(1, 4, 4096, Mode::Stop, false).unwrap();
     let at = l.ctl(0) + off;
     move |_, o| o == at
 }
@@ -1162,7 +1162,7 @@ fn ctl_word(off: usize) -> impl Fn(usize, usize) -> bool {
 /// events after it with deltas from a stale `write_stamp`.
 #[test]
 fn reattach_after_write_stopped_after_commit() {
-    let l = Layout::new(1, 4, 4096, Mode::Stop, false).unwrap();
+    let l = RingGeometry::new(1, 4, 4096, Mode::Stop, false).unwrap();
     let commits: Vec<usize> = (0..4).map(|p| l.page_off(p) + COMMIT_OFFSET).collect();
     for mode in [Mode::Stop, Mode::Overwrite] {
         for before in [Before::SamePage, Before::PageMove] {

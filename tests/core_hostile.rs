@@ -10,10 +10,10 @@
 //! huge counters, random pack fields and random bytes — before and between the
 //! operations, from a seeded RNG (the seed is in every failure message). Every loop in
 //! the code under test must be bounded: a watchdog fails the test if an iteration
-//! takes more than 60 s. `Layout::parse` gets random and mutated packs.
+//! takes more than 60 s. `RingGeometry::parse` gets random and mutated packs.
 
 use hyptrace_abi::layout::{
-    cpu_desc, ctl, footer, link, Layout, Mode, CTL_SIZE, FOOTER_SIZE, LINK_HEAD, LINK_UPDATE,
+    cpu_desc, ctl, footer, link, Mode, RingGeometry, CTL_SIZE, FOOTER_SIZE, LINK_HEAD, LINK_UPDATE,
     PACK_HEADER_SIZE,
 };
 use hyptrace_abi::page::{header_word, COMMIT_OFFSET, PAGE_HEADER_SIZE, TYPE_PADDING};
@@ -66,8 +66,8 @@ const PAGES: u32 = 4;
 const CPUS: u32 = 2;
 
 /// A valid region with real content: both CPUs wrapped their rings, a few pages read.
-fn base_region(mode: Mode, seed: u64) -> (Vec<u8>, Layout) {
-    let l = Layout::new(CPUS, PAGES, 4096, mode, false).unwrap();
+fn base_region(mode: Mode, seed: u64) -> (Vec<u8>, RingGeometry) {
+    let l = RingGeometry::new(CPUS, PAGES, 4096, mode, false).unwrap();
     let m = Arc::new(HeapMem::new(l.region_size));
     let mut rb = RingBuffer::alloc(m.clone(), l, Direct::new(m.clone(), l), 0, 1).unwrap();
     let mut rng = Rng(seed);
@@ -90,7 +90,7 @@ fn base_region(mode: Mode, seed: u64) -> (Vec<u8>, Layout) {
     (m.to_vec(), l)
 }
 
-fn word_of(l: &Layout, rng: &mut Rng, cpu: u32) -> usize {
+fn word_of(l: &RingGeometry, rng: &mut Rng, cpu: u32) -> usize {
     // A word of a footer, a page header, or the control block of `cpu`.
     let page = l.first_page(cpu) + rng.below(u64::from(PAGES)) as u32;
     match rng.below(3) {
@@ -101,7 +101,7 @@ fn word_of(l: &Layout, rng: &mut Rng, cpu: u32) -> usize {
 }
 
 /// Applies one corruption to `m`; returns what it did (for failure messages).
-fn corrupt(m: &HeapMem, l: &Layout, rng: &mut Rng, huge: bool) -> String {
+fn corrupt(m: &HeapMem, l: &RingGeometry, rng: &mut Rng, huge: bool) -> String {
     let cpu = rng.below(u64::from(CPUS)) as u32;
     let first = l.first_page(cpu);
     let page = first + rng.below(u64::from(PAGES)) as u32;
@@ -287,7 +287,7 @@ struct Seen {
 /// Runs a random session of operations on a corrupted region.
 fn session(
     m: &Arc<HeapMem>,
-    l: &Layout,
+    l: &RingGeometry,
     rng: &mut Rng,
     huge: bool,
     reader: bool,
@@ -438,7 +438,7 @@ fn with_watchdog(limit: Duration, f: impl FnOnce(&AtomicU64) + Send + 'static) {
 
 fn fuzz(iterations: u64, seed0: u64, huge: bool, reader: bool) {
     with_watchdog(Duration::from_secs(60), move |progress| {
-        let bases: Vec<(Vec<u8>, Layout)> = [Mode::Overwrite, Mode::Stop]
+        let bases: Vec<(Vec<u8>, RingGeometry)> = [Mode::Overwrite, Mode::Stop]
             .into_iter()
             .enumerate()
             .map(|(i, mode)| base_region(mode, seed0 + i as u64))
@@ -480,12 +480,12 @@ fn hostile_regions_never_panic_or_hang() {
     );
 }
 
-/// `Layout::parse` on random bytes and on valid packs with random fields: an error or
+/// `RingGeometry::parse` on random bytes and on valid packs with random fields: an error or
 /// a layout that fits the region and equals the one computed from its parameters.
 #[test]
 fn layout_parse_random_and_mutated_packs() {
     let mut rng = Rng(0x1a70);
-    let good = Layout::new(3, 5, 4096, Mode::Overwrite, true).unwrap();
+    let good = RingGeometry::new(3, 5, 4096, Mode::Overwrite, true).unwrap();
     for it in 0..20000 {
         let m = if it % 2 == 0 {
             let n = rng.below(4096) as usize;
@@ -509,9 +509,9 @@ fn layout_parse_random_and_mutated_packs() {
             }
             m
         };
-        if let Ok(l) = Layout::parse(&m) {
+        if let Ok(l) = RingGeometry::parse(&m) {
             assert!(l.region_size <= m.size(), "iteration {it}");
-            let again = Layout::new(
+            let again = RingGeometry::new(
                 l.nr_cpus,
                 l.pages_per_cpu,
                 l.page_size,
@@ -537,7 +537,7 @@ fn writer_on_corrupt_links_stops_with_corrupt() {
             u64::MAX,
             link(PAGES + 1, LINK_HEAD),
         ] {
-            let l = Layout::new(2, PAGES, 4096, mode, false).unwrap();
+            let l = RingGeometry::new(2, PAGES, 4096, mode, false).unwrap();
             let m = HeapMem::new(l.region_size);
             l.init_region(&m, 0, 1);
             let mut w = Writer::attach(&m, 0).unwrap();
@@ -596,7 +596,7 @@ fn writer_huge_ctl_entries() {
         (ctl::OVERRUN, u64::MAX),
         (ctl::DROPPED, u64::MAX),
     ] {
-        let l = Layout::new(1, PAGES, 4096, Mode::Overwrite, false).unwrap();
+        let l = RingGeometry::new(1, PAGES, 4096, Mode::Overwrite, false).unwrap();
         let m = HeapMem::new(l.region_size);
         l.init_region(&m, 0, 1);
         m.store(l.ctl(0) + which, v, Relaxed);

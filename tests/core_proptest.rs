@@ -10,7 +10,7 @@
 //!   (page by page, in page_seq order, and through the reader) to exactly the events
 //!   written, with page_entries and first_index matching.
 
-use hyptrace_abi::layout::{ctl, footer, Layout, Mode};
+use hyptrace_abi::layout::{ctl, footer, Mode, RingGeometry};
 use hyptrace_abi::page::{
     self, data_event_size, decode_record, encode_data_header, encode_time_extend, Events, Record,
     COMMIT_LEN_MASK, COMMIT_OFFSET, MAX_DELTA, MAX_EXTENDED_DELTA, MAX_SMALL_PAYLOAD,
@@ -39,7 +39,7 @@ fn bytes(seed: u64, len: usize) -> Vec<u8> {
 #[test]
 fn codec_every_payload_length_round_trips() {
     for page_size in [4096usize, 16384] {
-        let l = Layout::new(1, 3, page_size, Mode::Stop, false).unwrap();
+        let l = RingGeometry::new(1, 3, page_size, Mode::Stop, false).unwrap();
         let max = l.max_payload();
         assert_eq!(data_event_size(max), l.data_capacity(), "max fills a page");
         for len in 0..=max {
@@ -82,7 +82,7 @@ fn codec_every_payload_length_round_trips() {
 #[test]
 fn writer_every_payload_length_round_trips() {
     for page_size in [4096usize, 16384] {
-        let l = Layout::new(1, 3, page_size, Mode::Overwrite, false).unwrap();
+        let l = RingGeometry::new(1, 3, page_size, Mode::Overwrite, false).unwrap();
         let m = HeapMem::new(l.region_size);
         l.init_region(&m, 0, 1);
         let mut w = Writer::attach(&m, 0).unwrap();
@@ -119,7 +119,7 @@ type Decoded = Vec<(u64, Vec<u8>)>;
 
 fn write_and_decode(page_size: usize, events: &[(Vec<u8>, u64)]) -> (Decoded, Decoded) {
     let pages = events.len() as u32 + 3;
-    let l = Layout::new(1, pages, page_size, Mode::Stop, false).unwrap();
+    let l = RingGeometry::new(1, pages, page_size, Mode::Stop, false).unwrap();
     let m = Arc::new(HeapMem::new(l.region_size));
     l.init_region(&*m, 0, 1);
     let mut w = Writer::attach(m.clone(), 0).unwrap();

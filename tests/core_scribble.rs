@@ -22,7 +22,7 @@
 
 use hyptrace::watchdog::{join, take_thread_peak, thread_net_bytes, with_watchdog, SetOnDrop};
 use hyptrace_abi::layout::{
-    ctl, footer, link, Layout, Mode, CTL_SIZE, FOOTER_SIZE, LINK_HEAD, LINK_UPDATE,
+    ctl, footer, link, Mode, RingGeometry, CTL_SIZE, FOOTER_SIZE, LINK_HEAD, LINK_UPDATE,
 };
 use hyptrace_abi::page::{COMMIT_OFFSET, PAGE_HEADER_SIZE};
 use hyptrace_abi::{HeapMem, SharedMem};
@@ -88,7 +88,7 @@ fn nasty(rng: &mut Rng) -> u64 {
 /// most `MAILBOX_SPIN` — is bounded in time, not in steps: not counted.)
 struct Counted {
     m: Arc<HeapMem>,
-    l: Layout,
+    l: RingGeometry,
     ops: AtomicU64,
 }
 
@@ -154,7 +154,7 @@ impl SharedMem for Counted {
 
 /// One scribble: a random or targeted lie somewhere in the CPU's pages or control
 /// block. Returns a label (for coverage counts).
-fn scribble(m: &HeapMem, l: &Layout, rng: &mut Rng) -> usize {
+fn scribble(m: &HeapMem, l: &RingGeometry, rng: &mut Rng) -> usize {
     let cpu = rng.below(u64::from(CPUS)) as u32;
     let first = l.first_page(cpu);
     let page = first + rng.below(u64::from(PAGES)) as u32;
@@ -313,7 +313,7 @@ struct Coverage {
     max_heap: i64,
 }
 
-fn make_cb(m: &Arc<Counted>, l: Layout, mailbox: bool) -> Box<dyn Callbacks + Send> {
+fn make_cb(m: &Arc<Counted>, l: RingGeometry, mailbox: bool) -> Box<dyn Callbacks + Send> {
     if mailbox {
         Box::new(Mailbox::new(m.clone(), l, Duration::from_millis(50)))
     } else {
@@ -342,7 +342,7 @@ fn check_stats(before: &CpuStats, after: &CpuStats, what: &str) {
 
 fn reader(
     m: &Arc<Counted>,
-    l: Layout,
+    l: RingGeometry,
     mailbox: bool,
     seed: u64,
     progress: &AtomicU64,
@@ -464,7 +464,7 @@ fn run(mode: Mode, mailbox: bool, seed: u64) {
     let cov = Arc::new(std::sync::Mutex::new(Coverage::default()));
     let cov2 = cov.clone();
     with_watchdog(STALL, move |progress| {
-        let l = Layout::new(CPUS, PAGES, PAGE, mode, mailbox).unwrap();
+        let l = RingGeometry::new(CPUS, PAGES, PAGE, mode, mailbox).unwrap();
         let heap = Arc::new(HeapMem::new(l.region_size));
         l.init_region(&*heap, 0, 1);
         let m = Arc::new(Counted {

@@ -25,7 +25,7 @@
 //! abort flag that every wait loop checks, so the test fails — never hangs — when any
 //! thread fails, and a wait that sees no progress at all for [`STUCK`] fails too.
 
-use hyptrace_abi::layout::{Layout, Mode, FOOTER_SIZE};
+use hyptrace_abi::layout::{Mode, RingGeometry, FOOTER_SIZE};
 use hyptrace_abi::page::{data_event_size, PAGE_HEADER_SIZE};
 use hyptrace_abi::HeapMem;
 use hyptrace_reader::{Callbacks, Direct, Item, Mailbox, RingBuffer};
@@ -299,10 +299,14 @@ fn drain<C: Callbacks>(
     n
 }
 
-fn run<C: Callbacks>(mode: Mode, mailbox: bool, make_cb: impl FnOnce(Arc<HeapMem>, Layout) -> C) {
+fn run<C: Callbacks>(
+    mode: Mode,
+    mailbox: bool,
+    make_cb: impl FnOnce(Arc<HeapMem>, RingGeometry) -> C,
+) {
     let total = events_per_test();
     let per_cpu = total.div_ceil(u64::from(CPUS));
-    let l = Layout::new(CPUS, PAGES_PER_CPU, PAGE, mode, mailbox).unwrap();
+    let l = RingGeometry::new(CPUS, PAGES_PER_CPU, PAGE, mode, mailbox).unwrap();
     let mem = Arc::new(HeapMem::new(l.region_size));
     let cb = make_cb(mem.clone(), l);
     let mut rb = RingBuffer::alloc(mem.clone(), l, cb, 0, 1).unwrap();
@@ -481,11 +485,11 @@ fn run<C: Callbacks>(mode: Mode, mailbox: bool, make_cb: impl FnOnce(Arc<HeapMem
     }
 }
 
-fn direct(m: Arc<HeapMem>, l: Layout) -> Direct<Arc<HeapMem>> {
+fn direct(m: Arc<HeapMem>, l: RingGeometry) -> Direct<Arc<HeapMem>> {
     Direct::new(m, l)
 }
 
-fn mailbox(m: Arc<HeapMem>, l: Layout) -> Mailbox<Arc<HeapMem>> {
+fn mailbox(m: Arc<HeapMem>, l: RingGeometry) -> Mailbox<Arc<HeapMem>> {
     Mailbox::new(m, l, Duration::from_secs(60))
 }
 

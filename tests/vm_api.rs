@@ -20,7 +20,7 @@ fn vm(vcpus: u32, pages: u32) -> Vm {
 
 fn vm_with_reader(vcpus: u32, pages: u32) -> (Vm, hyptrace_host::trace::Reader) {
     let layout =
-        hyptrace_abi::Layout::new(vcpus, pages, 4096, hyptrace_abi::Mode::Overwrite, false)
+        hyptrace_abi::RingGeometry::new(vcpus, pages, 4096, hyptrace_abi::Mode::Overwrite, false)
             .expect("layout");
     let vm = Vm::new(VmConfig {
         vcpus,

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use hyptrace::env::{self, kvm_available, vm_lock, TempDir};
 use hyptrace_abi::events::{marker, vcpu_pid};
-use hyptrace_abi::layout::{ctl, footer, Layout, Mode, CTL_SIZE, FOOTER_SIZE};
+use hyptrace_abi::layout::{ctl, footer, Mode, RingGeometry, CTL_SIZE, FOOTER_SIZE};
 use hyptrace_abi::{HeapMem, SharedMem};
 use hyptrace_host::trace::{Output, Session, SessionError, MERGE_MAX_BYTES, MERGE_MAX_EVENTS};
 use hyptrace_output::{Clock, OutputError, PageSink, RunSummary};
@@ -97,12 +97,12 @@ impl PageSink for CountingSink {
     }
 }
 
-fn region(cpus: u32, pages: u32, mode: Mode) -> (Mem, Layout) {
-    let l = Layout::new(cpus, pages, 4096, mode, false).expect("layout");
+fn region(cpus: u32, pages: u32, mode: Mode) -> (Mem, RingGeometry) {
+    let l = RingGeometry::new(cpus, pages, 4096, mode, false).expect("layout");
     (Arc::new(HeapMem::new(l.region_size)), l)
 }
 
-fn session(m: &Mem, l: Layout, output: Output) -> HeapSession {
+fn session(m: &Mem, l: RingGeometry, output: Output) -> HeapSession {
     let rb =
         RingBuffer::alloc(m.clone(), l, Direct::new(m.clone(), l), 1_000_000, 1).expect("alloc");
     Session::new(rb, output, Clock::nanoseconds())
@@ -119,7 +119,7 @@ fn write_markers(w: &mut Writer<Mem>, cpu: u32, t0: u64, n: u64) {
 
 /// Two CPUs: cpu 0 honest (4 events), cpu 1 (3 events) with the footer magic of one
 /// of its ring pages zeroed, so its final walk fails. Both writers finished.
-fn one_bad_footer(output: Output) -> (Mem, Layout, HeapSession) {
+fn one_bad_footer(output: Output) -> (Mem, RingGeometry, HeapSession) {
     let (m, l) = region(2, 4, Mode::Overwrite);
     let s = session(&m, l, output);
     for (cpu, n) in [(0u32, 4u64), (1, 3)] {
@@ -365,7 +365,7 @@ impl Rng {
 }
 
 /// A word of a footer (links included), a page header or the control block.
-fn hostile_word(l: &Layout, rng: &mut Rng) -> usize {
+fn hostile_word(l: &RingGeometry, rng: &mut Rng) -> usize {
     let cpu = rng.below(u64::from(l.nr_cpus)) as u32;
     let page = l.first_page(cpu) + rng.below(u64::from(l.pages_per_cpu)) as u32;
     match rng.below(4) {

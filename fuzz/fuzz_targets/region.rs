@@ -1,7 +1,7 @@
 //! Fuzz target `region`: the host reader's page, footer, control-block and pack parsing
 //! over the safe `WordMem` backend, driven by a small program.
 //!
-//! The fuzzer would hardly ever produce a region that passes `Layout::parse` (magics,
+//! The fuzzer would hardly ever produce a region that passes `RingGeometry::parse` (magics,
 //! exact sizes and offsets), so the region is built valid first and the input then
 //! drives the real writer, the reader and byte/word patches of the shared memory:
 //!
@@ -21,7 +21,7 @@
 //! is patched, anything but a panic (or an unbounded loop) is acceptable.
 #![no_main]
 
-use hyptrace_abi::layout::{Layout, Mode, CTL_SIZE, FOOTER_SIZE};
+use hyptrace_abi::layout::{RingGeometry, Mode, CTL_SIZE, FOOTER_SIZE};
 use hyptrace_abi::page::{self, COMMIT_OFFSET};
 use hyptrace_abi::{SharedMem, WordMem};
 use hyptrace_reader::{Direct, Item, ReadError, RingBuffer};
@@ -108,7 +108,7 @@ struct CopiedPage {
 
 struct World<'m> {
     mem: &'m WordMem,
-    l: Layout,
+    l: RingGeometry,
     writers: Vec<Writer<&'m WordMem>>,
     rb: Option<Rb<'m>>,
     /// The reader could not attach (patched pack): reader ops are no-ops.
@@ -123,7 +123,7 @@ struct World<'m> {
 impl<'m> World<'m> {
     fn reader(&mut self) -> Option<&mut Rb<'m>> {
         if self.rb.is_none() && !self.rb_dead {
-            match Layout::parse(self.mem) {
+            match RingGeometry::parse(self.mem) {
                 Ok(l) => match RingBuffer::attach(self.mem, Direct::new(self.mem, l)) {
                     Ok(rb) => self.rb = Some(rb),
                     Err(e) => {
@@ -383,7 +383,7 @@ fuzz_target!(|data: &[u8]| {
     } else {
         Mode::Stop
     };
-    let l = Layout::new(nr_cpus, pages, PAGE_SIZE, mode, cfg & 16 != 0).unwrap();
+    let l = RingGeometry::new(nr_cpus, pages, PAGE_SIZE, mode, cfg & 16 != 0).unwrap();
     let mem = WordMem::new(l.region_size);
     l.init_region(&mem, 1_000_000, 1);
     let writers = (0..nr_cpus)

@@ -6,7 +6,9 @@ use kvm_bindings::{kvm_fpu, kvm_regs, kvm_segment, CpuId};
 use kvm_ioctls::VcpuFd;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryError, GuestMemoryMmap};
 
-use crate::layout::{Layout, GDT_ADDR, HUGE_PAGE, PDPT_ADDR, PD_ADDR, PML4_ADDR, TSS_ADDR};
+use crate::memory_map::{
+    GuestMemoryMap, GDT_ADDR, HUGE_PAGE, PDPT_ADDR, PD_ADDR, PML4_ADDR, TSS_ADDR,
+};
 
 /// GDT: null, kernel code, kernel data, TSS (two slots), user code, user data.
 const GDT: [u64; 5] = [
@@ -52,7 +54,10 @@ const EFER_LMA: u64 = 1 << 10;
 pub const RFLAGS: u64 = 0x3002;
 
 /// Writes the GDT, the TSS and the identity page tables for `[0, layout.mem_bytes)`.
-pub fn setup_memory(mem: &GuestMemoryMmap, layout: &Layout) -> Result<(), GuestMemoryError> {
+pub fn setup_memory(
+    mem: &GuestMemoryMmap,
+    layout: &GuestMemoryMap,
+) -> Result<(), GuestMemoryError> {
     // GDT with the 16-byte TSS descriptor (type 0xb: busy 64-bit TSS, present, DPL0).
     let tss_lo = (TSS_LIMIT & 0xffff)
         | ((TSS_ADDR & 0xff_ffff) << 16)
@@ -119,7 +124,7 @@ pub fn setup_vcpu(
     vcpu: &VcpuFd,
     cpuid: &CpuId,
     id: u32,
-    layout: &Layout,
+    layout: &GuestMemoryMap,
     entry: u64,
 ) -> Result<(), kvm_ioctls::Error> {
     vcpu.set_cpuid2(cpuid)?;

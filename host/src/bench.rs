@@ -42,7 +42,7 @@ use vm_memory::{Bytes, GuestAddress};
 
 use crate::cli::{ring_layout, ModeArg, SwapArg, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE};
 use crate::elf::GuestImage;
-use crate::layout::{Layout as MemLayout, MIN_MEM_BYTES};
+use crate::memory_map::{GuestMemoryMap, MIN_MEM_BYTES};
 use crate::trace::{GuestTraceMem, Output, Session, MAILBOX_TIMEOUT};
 use crate::vcpu::VcpuOutcome;
 use crate::vm::{host_tsc, RunParams, Vm, VmConfig, DEFAULT_SEED};
@@ -488,7 +488,7 @@ impl Drop for TempPath {
 
 fn guest_mem_bytes(vcpus: u32, trace: u64) -> Result<u64, String> {
     let image = GuestImage::parse(GUEST_ELF).map_err(|e| format!("guest image: {e}"))?;
-    let need = MemLayout::required_mem(&image, vcpus, trace, PAGE_SIZE).max(MIN_MEM_BYTES);
+    let need = GuestMemoryMap::required_mem(&image, vcpus, trace, PAGE_SIZE).max(MIN_MEM_BYTES);
     Ok(need.div_ceil(2 << 20) * (2 << 20))
 }
 
@@ -720,7 +720,7 @@ fn bench_payload(n: u32) -> Vec<u8> {
 /// the guest's layout, overwrite mode), with the guest's emit path (count, rdtsc,
 /// write, count skipped).
 fn native_writer(payload: u32, events: u64) -> Result<Timing, String> {
-    let l = ring::Layout::new(
+    let l = ring::RingGeometry::new(
         1,
         DEFAULT_PAGES as u32,
         PAGE_SIZE as usize,
@@ -1033,7 +1033,7 @@ fn swap_pingpong(cfg: &Cfg, tsc: Tsc, swap: SwapArg) -> Result<Value, String> {
 /// A host region (1 CPU, stop mode, `pages` pages) filled by the writer with 16-byte
 /// payloads; returns the reader over it.
 fn filled_region(pages: u32) -> Result<RingBuffer<Arc<HeapMem>, Direct<Arc<HeapMem>>>, String> {
-    let l = ring::Layout::new(1, pages, PAGE_SIZE as usize, ring::Mode::Stop, false)
+    let l = ring::RingGeometry::new(1, pages, PAGE_SIZE as usize, ring::Mode::Stop, false)
         .map_err(|e| e.to_string())?;
     let mem = Arc::new(HeapMem::new(l.region_size));
     let rb = RingBuffer::alloc(mem.clone(), l, Direct::new(mem.clone(), l), 1_000_000, 1)

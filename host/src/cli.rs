@@ -29,7 +29,7 @@ use hyptrace_reader::Merger;
 use std::io::{IsTerminal, Write};
 
 use crate::elf::GuestImage;
-use crate::layout::{Layout, HUGE_PAGE, MAX_MEM_BYTES, MAX_VCPUS, MIN_MEM_BYTES};
+use crate::memory_map::{GuestMemoryMap, HUGE_PAGE, MAX_MEM_BYTES, MAX_VCPUS, MIN_MEM_BYTES};
 use crate::trace::{alloc_reader, Output, Session, SessionError};
 use crate::vcpu::VcpuOutcome;
 use crate::vm::{RunParams, Vm, VmConfig, DEFAULT_SEED};
@@ -370,14 +370,14 @@ pub fn ring_layout(
     page_size: u64,
     mode: ModeArg,
     swap: SwapArg,
-) -> Result<ring::Layout, String> {
+) -> Result<ring::RingGeometry, String> {
     let pages = u32::try_from(pages_per_cpu)
         .map_err(|_| format!("{pages_per_cpu} pages per vCPU is too many"))?;
     let mode = match mode {
         ModeArg::Overwrite => ring::Mode::Overwrite,
         ModeArg::Stop => ring::Mode::Stop,
     };
-    ring::Layout::new(
+    ring::RingGeometry::new(
         vcpus,
         pages,
         page_size as usize,
@@ -413,7 +413,7 @@ fn largest(lo: u64, hi: u64, ok: impl Fn(u64) -> bool) -> Option<u64> {
 #[derive(Debug)]
 struct Plan {
     cfg: VmConfig,
-    ring: ring::Layout,
+    ring: ring::RingGeometry,
     params: RunParams,
     duration: Option<Duration>,
     poll: Duration,
@@ -486,11 +486,11 @@ fn plan(a: &RunArgs) -> Result<Plan, String> {
         }
     };
     let image = GuestImage::parse(&elf).map_err(|e| format!("bad guest image {name}: {e}"))?;
-    if image.start < crate::layout::LOW_END {
+    if image.start < crate::memory_map::LOW_END {
         return Err(format!(
             "bad guest image {name}: loads at {:#x}, below {:#x} (reserved for page tables)",
             image.start,
-            crate::layout::LOW_END
+            crate::memory_map::LOW_END
         ));
     }
     if image.end > MAX_MEM_BYTES {
@@ -500,12 +500,12 @@ fn plan(a: &RunArgs) -> Result<Plan, String> {
         ));
     }
     let align = a.page_size;
-    let need = Layout::required_mem(&image, a.vcpus, trace, align).max(MIN_MEM_BYTES);
+    let need = GuestMemoryMap::required_mem(&image, a.vcpus, trace, align).max(MIN_MEM_BYTES);
     let need_mb = need.div_ceil(1 << 20);
     if need > MAX_MEM_BYTES {
         let fits = |pages: u64| {
             self::ring_layout(a.vcpus, pages, a.page_size, a.mode, a.swap).is_ok_and(|l| {
-                Layout::required_mem(&image, a.vcpus, l.region_size as u64, align)
+                GuestMemoryMap::required_mem(&image, a.vcpus, l.region_size as u64, align)
                     .max(MIN_MEM_BYTES)
                     <= MAX_MEM_BYTES
             })

@@ -3,14 +3,14 @@
 use thiserror::Error;
 
 use crate::elf::ElfError;
-use crate::layout::LayoutError;
+use crate::memory_map::MemoryMapError;
 
 /// Errors creating or starting a VM.
 #[derive(Debug, Error)]
 pub enum Error {
     /// The configuration does not fit guest memory.
     #[error(transparent)]
-    Layout(#[from] LayoutError),
+    MemoryMap(#[from] MemoryMapError),
     /// The guest image is not a loadable ELF.
     #[error("bad guest image: {0}")]
     Elf(#[from] ElfError),
@@ -60,7 +60,7 @@ impl Error {
     pub fn is_input_error(&self) -> bool {
         matches!(
             self,
-            Self::Layout(_)
+            Self::MemoryMap(_)
                 | Self::Elf(_)
                 | Self::ImageOutsideMemory { .. }
                 | Self::KvmUnavailable(_)

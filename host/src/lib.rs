@@ -22,13 +22,13 @@ pub mod bench;
 pub mod cli;
 pub mod elf;
 pub mod error;
-pub mod layout;
+pub mod memory_map;
 pub mod trace;
 pub mod vcpu;
 pub mod vm;
 
 pub use error::{Error, Result};
-pub use layout::Layout;
+pub use memory_map::GuestMemoryMap;
 pub use vcpu::{VcpuOutcome, VcpuStats};
 pub use vm::{host_tsc, RunParams, RunningVm, TraceRegion, Vm, VmConfig};
 

@@ -7,7 +7,7 @@ use std::io::Write;
 use std::sync::Arc;
 use std::time::Duration;
 
-use hyptrace_abi::layout::Layout;
+use hyptrace_abi::layout::RingGeometry;
 use hyptrace_abi::{RawMem, SharedMem};
 use hyptrace_output::{
     format_drop, format_guest_line, guest_printers, Clock, EventPrinter, Missed, PageSink,
@@ -61,7 +61,7 @@ pub type Reader = RingBuffer<Arc<GuestTraceMem>, Box<dyn Callbacks + Send>>;
 /// callbacks.
 pub fn alloc_reader(
     region: TraceRegion,
-    layout: Layout,
+    layout: RingGeometry,
     tsc_khz: u64,
     generation: u64,
 ) -> Result<Reader, ReadError> {

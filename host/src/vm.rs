@@ -20,13 +20,13 @@ use vmm_sys_util::signal::Killable;
 use crate::arch;
 use crate::elf::GuestImage;
 use crate::error::{Error, Result};
-use crate::layout::{Layout, KVM_TSS_ADDR};
+use crate::memory_map::{GuestMemoryMap, KVM_TSS_ADDR};
 use crate::vcpu::{self, VcpuOutcome};
 
 /// What to build.
 #[derive(Clone, Debug)]
 pub struct VmConfig {
-    /// Number of vCPUs (1..=[`crate::layout::MAX_VCPUS`] and KVM's limit).
+    /// Number of vCPUs (1..=[`crate::memory_map::MAX_VCPUS`] and KVM's limit).
     pub vcpus: u32,
     /// Guest memory size: a multiple of 2 MiB, at most 3 GiB.
     pub mem_bytes: u64,
@@ -137,7 +137,7 @@ pub struct Vm {
     _kvm: Kvm,
     vm_fd: VmFd,
     memory: GuestMemoryMmap,
-    layout: Layout,
+    layout: GuestMemoryMap,
     vcpus: Vec<VcpuFd>,
     tsc_khz: u64,
     tsc_offset: Option<i64>,
@@ -184,7 +184,7 @@ impl Vm {
     /// memory (tables, image), and the vCPUs at their entry state.
     pub fn new(cfg: VmConfig) -> Result<Self> {
         let image = GuestImage::parse(&cfg.guest_elf)?;
-        let layout = Layout::new(
+        let layout = GuestMemoryMap::new(
             &image,
             cfg.vcpus,
             cfg.mem_bytes,
@@ -277,7 +277,7 @@ impl Vm {
     }
 
     /// The memory map.
-    pub fn layout(&self) -> &Layout {
+    pub fn layout(&self) -> &GuestMemoryMap {
         &self.layout
     }
 
@@ -410,7 +410,7 @@ pub(crate) struct Shared {
 pub struct RunningVm {
     _vm_fd: VmFd,
     memory: GuestMemoryMmap,
-    layout: Layout,
+    layout: GuestMemoryMap,
     tsc_khz: u64,
     tsc_offset: Option<i64>,
     threads: Vec<JoinHandle<VcpuOutcome>>,
@@ -487,7 +487,7 @@ impl RunningVm {
     }
 
     /// The memory map.
-    pub fn layout(&self) -> &Layout {
+    pub fn layout(&self) -> &GuestMemoryMap {
         &self.layout
     }
 

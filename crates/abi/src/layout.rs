@@ -320,7 +320,7 @@ impl core::fmt::Display for LayoutError {
 /// Where everything is in a trace region: computed by the host when it allocates,
 /// parsed (and validated) from the pack by the guest and by post-mortem readers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Layout {
+pub struct RingGeometry {
     /// Number of CPUs.
     pub nr_cpus: u32,
     /// Page size.
@@ -345,7 +345,7 @@ const fn align_up(v: usize, a: usize) -> usize {
     (v + a - 1) & !(a - 1)
 }
 
-impl Layout {
+impl RingGeometry {
     /// Computes the layout for `nr_cpus` CPUs with `pages_per_cpu` pages (reader page
     /// included) of `page_size` bytes.
     pub fn new(
@@ -652,7 +652,7 @@ impl Layout {
     }
 }
 
-impl Layout {
+impl RingGeometry {
     /// Writes the pack and initialises every CPU's control block and pages.
     pub fn init_region<M: SharedMem + ?Sized>(&self, mem: &M, tsc_khz: u64, generation: u64) {
         self.write_pack(mem, tsc_khz, generation);

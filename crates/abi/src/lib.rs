@@ -21,7 +21,7 @@ pub mod mem;
 pub mod page;
 pub mod structs;
 
-pub use layout::{Layout, LayoutError, Mode};
+pub use layout::{LayoutError, Mode, RingGeometry};
 #[cfg(feature = "alloc")]
 pub use mem::{HeapMem, WordMem};
 pub use mem::{RawMem, SharedMem};

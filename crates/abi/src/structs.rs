@@ -227,13 +227,13 @@ same_offset!(DataPageHeader, commit, COMMIT_OFFSET);
 #[cfg(all(test, feature = "alloc"))]
 mod tests {
     use super::*;
-    use crate::layout::{Layout, Mode, PACK_MAGIC};
+    use crate::layout::{Mode, RingGeometry, PACK_MAGIC};
     use crate::mem::WordMem;
     use crate::SharedMem;
 
     #[test]
     fn a_region_read_as_bytes_matches_the_pack_the_host_wrote() {
-        let l = Layout::new(2, 4, 4096, Mode::Stop, true).unwrap();
+        let l = RingGeometry::new(2, 4, 4096, Mode::Stop, true).unwrap();
         let m = WordMem::new(l.region_size);
         l.init_region(&m, 2_600_000, 7);
         let bytes = m.to_vec();

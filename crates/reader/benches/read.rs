@@ -10,7 +10,7 @@
 //!
 //! `cargo bench -p hyptrace-reader --bench read` (add `-- --quick` for a fast pass).
 use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion, Throughput};
-use hyptrace_abi::layout::{Layout, Mode};
+use hyptrace_abi::layout::{Mode, RingGeometry};
 use hyptrace_abi::HeapMem;
 use hyptrace_reader::{Callbacks, Direct, Item, RingBuffer, SwapStatus};
 use hyptrace_writer::{WriteOutcome, Writer};
@@ -26,7 +26,7 @@ const PAYLOAD: usize = 32;
 /// A region whose ring (stop mode) the writer filled with `PAYLOAD`-byte events; the
 /// writer is left on the last page. Returns the reader and the number of events.
 fn filled() -> (Rb, u64) {
-    let l = Layout::new(1, PAGES + 1, 4096, Mode::Stop, false).expect("layout");
+    let l = RingGeometry::new(1, PAGES + 1, 4096, Mode::Stop, false).expect("layout");
     let mem = Arc::new(HeapMem::new(l.region_size));
     let rb = RingBuffer::alloc(mem.clone(), l, Direct::new(mem.clone(), l), 1_000_000, 1)
         .expect("alloc");
@@ -91,7 +91,7 @@ fn swap_benches(c: &mut Criterion) {
     let mut g = c.benchmark_group("swap_reader");
     g.throughput(Throughput::Elements(1));
     for pages in [4u32, 64, 512] {
-        let l = Layout::new(1, pages, 4096, Mode::Overwrite, false).expect("layout");
+        let l = RingGeometry::new(1, pages, 4096, Mode::Overwrite, false).expect("layout");
         let mem = Arc::new(HeapMem::new(l.region_size));
         l.init_region(&*mem, 1_000_000, 1);
         let cb = Direct::new(mem.clone(), l);

@@ -9,8 +9,8 @@
 
 use crate::ReadError;
 use hyptrace_abi::layout::{
-    ctl, Layout, MBOX_OP_SWAP, MBOX_OP_UPDATE_FOOTERS, MBOX_STATUS_BUSY, MBOX_STATUS_CONTENDED,
-    MBOX_STATUS_OK, WRITER_FINISHED,
+    ctl, RingGeometry, MBOX_OP_SWAP, MBOX_OP_UPDATE_FOOTERS, MBOX_STATUS_BUSY,
+    MBOX_STATUS_CONTENDED, MBOX_STATUS_OK, WRITER_FINISHED,
 };
 use hyptrace_abi::SharedMem;
 use std::sync::atomic::AtomicU64;
@@ -58,7 +58,7 @@ pub trait Callbacks {
 #[derive(Debug)]
 pub struct Direct<M> {
     mem: M,
-    layout: Layout,
+    layout: RingGeometry,
     /// Per CPU, where its last swap left the HEAD link (`hyptrace_writer::SwapHint`):
     /// page id + 1, 0 for none. Only a starting point for the head search.
     hints: Vec<AtomicU64>,
@@ -66,7 +66,7 @@ pub struct Direct<M> {
 
 impl<M: SharedMem> Direct<M> {
     /// Callbacks over `mem`, whose pack describes `layout`.
-    pub fn new(mem: M, layout: Layout) -> Self {
+    pub fn new(mem: M, layout: RingGeometry) -> Self {
         Self {
             mem,
             layout,
@@ -119,7 +119,7 @@ struct Slot {
 #[derive(Debug)]
 pub struct Mailbox<M> {
     mem: M,
-    layout: Layout,
+    layout: RingGeometry,
     timeout: Duration,
     slots: Mutex<Vec<Slot>>,
 }
@@ -133,7 +133,7 @@ enum Reply {
 impl<M: SharedMem> Mailbox<M> {
     /// Mailbox callbacks over `mem`; a request not acknowledged within `timeout` is an
     /// error ([`ReadError::MailboxTimeout`]: a stuck or dead writer).
-    pub fn new(mem: M, layout: Layout, timeout: Duration) -> Self {
+    pub fn new(mem: M, layout: RingGeometry, timeout: Duration) -> Self {
         let slots = (0..layout.nr_cpus)
             .map(|c| Slot {
                 seq: mem.load(layout.ctl(c) + ctl::MBOX_REQ, Acquire) >> 8,

@@ -19,7 +19,7 @@ pub mod callbacks;
 pub mod merge;
 
 pub use callbacks::{Callbacks, Direct, Mailbox, SwapStatus};
-use hyptrace_abi::layout::{self, ctl, footer, Layout, LayoutError, Mode, FOOTER_MAGIC};
+use hyptrace_abi::layout::{self, ctl, footer, LayoutError, Mode, RingGeometry, FOOTER_MAGIC};
 use hyptrace_abi::page::{self, Record, COMMIT_LEN_MASK, COMMIT_OFFSET, PAGE_HEADER_SIZE};
 use hyptrace_abi::SharedMem;
 pub use merge::{Merged, Merger};
@@ -38,7 +38,7 @@ const MAX_SWAPS_PER_CALL: u32 = 4;
 pub enum ReadError {
     /// The pack or layout is invalid.
     #[error("trace region: {0}")]
-    Layout(#[from] LayoutError),
+    RingGeometry(#[from] LayoutError),
     /// A writer-domain operation failed.
     #[error("cpu {cpu}: {err}")]
     Ring {
@@ -178,16 +178,16 @@ pub struct Config {
 
 impl Config {
     /// The region layout for this configuration.
-    pub fn layout(&self) -> Result<Layout, ReadError> {
+    pub fn layout(&self) -> Result<RingGeometry, ReadError> {
         if !self.page_size.is_power_of_two()
             || self.page_size < layout::MIN_PAGE_SIZE
             || self.page_size > layout::MAX_PAGE_SIZE
         {
             return Err(LayoutError::BadPageSize(self.page_size as u64).into());
         }
-        let pages = Layout::pages_for_bytes(self.buffer_bytes, self.page_size);
+        let pages = RingGeometry::pages_for_bytes(self.buffer_bytes, self.page_size);
         let pages = u32::try_from(pages).map_err(|_| LayoutError::BadPageCount(pages))?;
-        Ok(Layout::new(
+        Ok(RingGeometry::new(
             self.nr_cpus,
             pages,
             self.page_size,
@@ -318,7 +318,7 @@ impl Waiter {
 #[derive(Debug)]
 pub struct RingBuffer<M, C> {
     mem: M,
-    layout: Layout,
+    layout: RingGeometry,
     cb: C,
     cpus: Vec<CpuState>,
     waiter: Arc<Waiter>,
@@ -329,7 +329,7 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
     /// (the trace region, at least `layout.region_size` bytes).
     pub fn alloc(
         mem: M,
-        layout: Layout,
+        layout: RingGeometry,
         cb: C,
         tsc_khz: u64,
         generation: u64,
@@ -348,7 +348,7 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
     /// Attaches to a region already initialised (by `alloc`, possibly in another
     /// process, or found in a dump), validating its pack.
     pub fn attach(mem: M, cb: C) -> Result<Self, ReadError> {
-        let layout = Layout::parse(&mem)?;
+        let layout = RingGeometry::parse(&mem)?;
         let mut cpus = Vec::with_capacity(layout.nr_cpus as usize);
         for cpu in 0..layout.nr_cpus {
             let reader = valid_page(
@@ -386,7 +386,7 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
     }
 
     /// The layout of the region.
-    pub fn layout(&self) -> &Layout {
+    pub fn layout(&self) -> &RingGeometry {
         &self.layout
     }
 
@@ -583,7 +583,7 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
     }
 
     /// Copies newly committed bytes of the reader page into the local buffer.
-    fn refresh(mem: &M, l: &Layout, st: &mut CpuState) -> Result<(), ReadError> {
+    fn refresh(mem: &M, l: &RingGeometry, st: &mut CpuState) -> Result<(), ReadError> {
         let off = l.page_off(st.reader);
         let commit = mem.load(off + COMMIT_OFFSET, Acquire);
         let len = (commit & COMMIT_LEN_MASK) as usize;
@@ -612,7 +612,12 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
 
     /// Makes `page` the page being read (after a swap or in the final walk), computing
     /// the loss before it from its first event index.
-    fn enter_page(mem: &M, l: &Layout, st: &mut CpuState, page: u32) -> Result<(), ReadError> {
+    fn enter_page(
+        mem: &M,
+        l: &RingGeometry,
+        st: &mut CpuState,
+        page: u32,
+    ) -> Result<(), ReadError> {
         let f = l.footer_off(page);
         let first = mem.load(f + footer::FIRST_INDEX, Acquire);
         let expected = st.expected;
@@ -870,7 +875,7 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
     }
 }
 
-fn valid_page(l: &Layout, cpu: u32, id: u64) -> Result<u32, ReadError> {
+fn valid_page(l: &RingGeometry, cpu: u32, id: u64) -> Result<u32, ReadError> {
     if l.owns(cpu, id) {
         Ok(id as u32)
     } else {

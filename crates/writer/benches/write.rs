@@ -18,7 +18,7 @@
 //!
 //! `cargo bench -p hyptrace-writer --bench write` (add `-- --quick` for a fast pass).
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use hyptrace_abi::layout::{ctl, Layout, Mode};
+use hyptrace_abi::layout::{ctl, Mode, RingGeometry};
 use hyptrace_abi::{HeapMem, SharedMem};
 use hyptrace_writer::Writer;
 use std::hint::black_box;
@@ -48,8 +48,8 @@ fn rdtsc() -> u64 {
     }
 }
 
-fn region(mode: Mode) -> (HeapMem, Layout) {
-    let l = Layout::new(1, RING_PAGES + 1, 4096, mode, false).expect("layout");
+fn region(mode: Mode) -> (HeapMem, RingGeometry) {
+    let l = RingGeometry::new(1, RING_PAGES + 1, 4096, mode, false).expect("layout");
     let mem = HeapMem::new(l.region_size);
     l.init_region(&mem, 1_000_000, 1);
     (mem, l)

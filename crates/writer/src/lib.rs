@@ -20,7 +20,7 @@ extern crate std;
 
 use core::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release, SeqCst};
 use hyptrace_abi::layout::{
-    ctl, footer, link, Layout, LayoutError, Mode, CTL_MAGIC, FT_COMMIT, FT_HEAD, FT_READER,
+    ctl, footer, link, LayoutError, Mode, RingGeometry, CTL_MAGIC, FT_COMMIT, FT_HEAD, FT_READER,
     LINK_FLAGS, LINK_HEAD, LINK_UPDATE, MBOX_OP_SWAP, MBOX_OP_UPDATE_FOOTERS, MBOX_STATUS_BUSY,
     MBOX_STATUS_CONTENDED, MBOX_STATUS_ERROR, MBOX_STATUS_OK, WRITER_ACTIVE, WRITER_FINISHED,
 };
@@ -86,7 +86,7 @@ impl SwapStatus {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RingError {
     /// The pack or a control block is not valid.
-    Layout(LayoutError),
+    RingGeometry(LayoutError),
     /// A page id in a control block or link is outside the CPU's pages.
     BadPageId(u64),
     /// No head link found within the ring length.
@@ -105,7 +105,7 @@ pub enum RingError {
 impl core::fmt::Display for RingError {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         match self {
-            Self::Layout(e) => write!(f, "bad layout: {e}"),
+            Self::RingGeometry(e) => write!(f, "bad layout: {e}"),
             Self::BadPageId(id) => write!(f, "page id {id} outside this CPU's pages"),
             Self::NoHead => write!(f, "no head page found in the ring"),
             Self::BadLink(l) => write!(f, "unexpected link word {l:#x}"),
@@ -123,7 +123,7 @@ impl core::error::Error for RingError {}
 
 impl From<LayoutError> for RingError {
     fn from(e: LayoutError) -> Self {
-        Self::Layout(e)
+        Self::RingGeometry(e)
     }
 }
 
@@ -137,7 +137,7 @@ fn relax() {
 
 /// Validates that `id` is one of `cpu`'s pages.
 #[inline]
-fn page_id(l: &Layout, cpu: u32, id: u64) -> Result<u32, RingError> {
+fn page_id(l: &RingGeometry, cpu: u32, id: u64) -> Result<u32, RingError> {
     if l.owns(cpu, id) {
         Ok(id as u32)
     } else {
@@ -150,7 +150,7 @@ fn page_id(l: &Layout, cpu: u32, id: u64) -> Result<u32, RingError> {
 #[derive(Debug)]
 pub struct Writer<M: SharedMem> {
     mem: M,
-    l: Layout,
+    l: RingGeometry,
     cpu: u32,
     ctl: usize,
     cap: usize,
@@ -181,13 +181,13 @@ impl<M: SharedMem> Writer<M> {
     /// Attaches to CPU `cpu`'s ring in the trace region `mem` (the pack at offset 0),
     /// which the host initialised. Validates the pack and the control block.
     pub fn attach(mem: M, cpu: u32) -> Result<Self, RingError> {
-        let l = Layout::parse(&mem)?;
+        let l = RingGeometry::parse(&mem)?;
         if cpu >= l.nr_cpus {
             return Err(RingError::BadCpu(cpu));
         }
         let c = l.ctl(cpu);
         if mem.load(c + ctl::MAGIC, Relaxed) != CTL_MAGIC {
-            return Err(RingError::Layout(LayoutError::BadMagic));
+            return Err(RingError::RingGeometry(LayoutError::BadMagic));
         }
         let tail = page_id(&l, cpu, mem.load(c + ctl::TAIL_PAGE, Acquire))?;
         let mut w = Self {
@@ -356,7 +356,7 @@ impl<M: SharedMem> Writer<M> {
     }
 
     /// The layout of the trace region.
-    pub fn layout(&self) -> &Layout {
+    pub fn layout(&self) -> &RingGeometry {
         &self.l
     }
 
@@ -783,7 +783,7 @@ fn scan_page<M: SharedMem + ?Sized>(mem: &M, page: usize, len: usize) -> PageSca
 /// footer offset of the page whose link names the head, and that link.
 fn find_head<M: SharedMem + ?Sized>(
     mem: &M,
-    l: &Layout,
+    l: &RingGeometry,
     cpu: u32,
     tail: u32,
 ) -> Result<(usize, u64), RingError> {
@@ -817,7 +817,7 @@ fn find_head<M: SharedMem + ?Sized>(
 /// `Err` always means the ring is inconsistent.
 pub fn swap_reader_page<M: SharedMem + ?Sized>(
     mem: &M,
-    l: &Layout,
+    l: &RingGeometry,
     cpu: u32,
 ) -> Result<SwapStatus, RingError> {
     swap_reader_page_hinted(mem, l, cpu, &mut SwapHint::default())
@@ -853,7 +853,7 @@ impl SwapHint {
 /// updating it for the next swap. Retries search from the tail, as without a hint.
 pub fn swap_reader_page_hinted<M: SharedMem + ?Sized>(
     mem: &M,
-    l: &Layout,
+    l: &RingGeometry,
     cpu: u32,
     hint: &mut SwapHint,
 ) -> Result<SwapStatus, RingError> {
@@ -941,7 +941,13 @@ pub fn swap_reader_page_hinted<M: SharedMem + ?Sized>(
 /// the ring had just set (S1 broken until the next head move). Each extra round needs the
 /// writer to move the head by half a ring during one round of the swap; after
 /// [`SWAP_RETRIES`] rounds the writer's next push of `after` puts the bit right.
-fn mark_new_head<M: SharedMem + ?Sized>(mem: &M, l: &Layout, pf: usize, reader: u32, after: u32) {
+fn mark_new_head<M: SharedMem + ?Sized>(
+    mem: &M,
+    l: &RingGeometry,
+    pf: usize,
+    reader: u32,
+    after: u32,
+) {
     let ws = l.footer_off(after) + footer::WRITER_STATUS;
     let rl = l.footer_off(reader) + footer::NEXT;
     let mut head = true;
@@ -964,7 +970,7 @@ fn mark_new_head<M: SharedMem + ?Sized>(mem: &M, l: &Layout, pf: usize, reader: 
 /// reader page's footer stats, as `ring_buffer_ext`'s `update_footers` does.
 pub fn update_footers<M: SharedMem + ?Sized>(
     mem: &M,
-    l: &Layout,
+    l: &RingGeometry,
     cpu: u32,
 ) -> Result<(), RingError> {
     if cpu >= l.nr_cpus {

@@ -6,15 +6,15 @@ use hyptrace_abi::page::{Events, COMMIT_LEN_MASK, RB_MISSED_EVENTS};
 use hyptrace_abi::HeapMem;
 use std::vec::Vec;
 
-fn region(pages: u32, mode: Mode) -> (HeapMem, Layout) {
-    let l = Layout::new(1, pages, 4096, mode, false).unwrap();
+fn region(pages: u32, mode: Mode) -> (HeapMem, RingGeometry) {
+    let l = RingGeometry::new(1, pages, 4096, mode, false).unwrap();
     let m = HeapMem::new(l.region_size);
     l.init_region(&m, 0, 1);
     (m, l)
 }
 
 /// Decodes a page's events as (ts, first u64 of payload).
-fn page_events(m: &HeapMem, l: &Layout, id: u32) -> Vec<(u64, u64)> {
+fn page_events(m: &HeapMem, l: &RingGeometry, id: u32) -> Vec<(u64, u64)> {
     let off = l.page_off(id);
     let mut page = std::vec![0u8; l.page_size];
     m.read_bytes(off, &mut page);
@@ -28,17 +28,17 @@ fn page_events(m: &HeapMem, l: &Layout, id: u32) -> Vec<(u64, u64)> {
         .collect()
 }
 
-fn reader_page(m: &HeapMem, l: &Layout) -> u32 {
+fn reader_page(m: &HeapMem, l: &RingGeometry) -> u32 {
     m.load(l.ctl(0) + ctl::READER_PAGE, Relaxed) as u32
 }
 
-fn count_flag(m: &HeapMem, l: &Layout, off: usize, flag: u64) -> usize {
+fn count_flag(m: &HeapMem, l: &RingGeometry, off: usize, flag: u64) -> usize {
     (0..l.pages_per_cpu)
         .filter(|&p| m.load(l.footer_off(p) + off, Relaxed) & flag != 0)
         .count()
 }
 
-fn assert_one_each(m: &HeapMem, l: &Layout) {
+fn assert_one_each(m: &HeapMem, l: &RingGeometry) {
     assert_eq!(
         count_flag(m, l, footer::READER_STATUS, FT_READER),
         1,

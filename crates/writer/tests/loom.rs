@@ -39,8 +39,8 @@
 #![cfg(loom)]
 
 use hyptrace_abi::layout::{
-    ctl, footer, link_id, Layout, Mode, FOOTER_SIZE, FT_COMMIT, FT_HEAD, FT_READER, LINK_FLAGS,
-    LINK_HEAD, MBOX_OP_SWAP, MBOX_STATUS_BUSY, MBOX_STATUS_CONTENDED, MBOX_STATUS_OK,
+    ctl, footer, link_id, Mode, RingGeometry, FOOTER_SIZE, FT_COMMIT, FT_HEAD, FT_READER,
+    LINK_FLAGS, LINK_HEAD, MBOX_OP_SWAP, MBOX_STATUS_BUSY, MBOX_STATUS_CONTENDED, MBOX_STATUS_OK,
 };
 use hyptrace_abi::page::{Events, COMMIT_LEN_MASK, COMMIT_OFFSET, PAGE_HEADER_SIZE};
 use hyptrace_abi::SharedMem;
@@ -73,7 +73,7 @@ unsafe impl Sync for Region {}
 unsafe impl Send for Region {}
 
 impl Region {
-    fn new(l: &Layout) -> Self {
+    fn new(l: &RingGeometry) -> Self {
         let used_header = l.ctl_off + l.nr_cpus as usize * hyptrace_abi::layout::CTL_SIZE;
         let slots = (0..l.region_size / 8)
             .map(|w| {
@@ -209,7 +209,7 @@ struct MiniReader {
 }
 
 impl MiniReader {
-    fn new(m: &Region, l: &Layout, via: Via) -> Self {
+    fn new(m: &Region, l: &RingGeometry, via: Via) -> Self {
         let page = ld(m, l.ctl(0) + ctl::READER_PAGE) as u32;
         let expected = ld(m, l.footer_off(page) + footer::FIRST_INDEX);
         Self {
@@ -228,7 +228,7 @@ impl MiniReader {
     }
 
     /// Reads the events of the reader page committed so far and not read yet.
-    fn read_committed(&mut self, m: &Region, l: &Layout) {
+    fn read_committed(&mut self, m: &Region, l: &RingGeometry) {
         let off = l.page_off(self.page);
         let commit = ld(m, off + COMMIT_OFFSET);
         let len = (commit & COMMIT_LEN_MASK) as usize;
@@ -268,7 +268,7 @@ impl MiniReader {
     }
 
     /// Makes `page` the page being read, counting the loss before it.
-    fn enter(&mut self, m: &Region, l: &Layout, page: u32) {
+    fn enter(&mut self, m: &Region, l: &RingGeometry, page: u32) {
         let first = ld(m, l.footer_off(page) + footer::FIRST_INDEX);
         assert!(
             first >= self.expected,
@@ -281,7 +281,7 @@ impl MiniReader {
     }
 
     /// The swap handed out `page`: read it.
-    fn swapped(&mut self, m: &Region, l: &Layout, page: u32) {
+    fn swapped(&mut self, m: &Region, l: &RingGeometry, page: u32) {
         assert_ne!(page, self.page);
         assert_eq!(ld(m, l.ctl(0) + ctl::READER_PAGE), u64::from(page));
         self.enter(m, l, page);
@@ -290,7 +290,7 @@ impl MiniReader {
 
     /// Looks for the answer to the request in flight, `tries` times (yielding between:
     /// the host's bounded spin). Returns whether a page was swapped in.
-    fn poll_answer(&mut self, m: &Region, l: &Layout, tries: usize) -> bool {
+    fn poll_answer(&mut self, m: &Region, l: &RingGeometry, tries: usize) -> bool {
         for i in 0..tries {
             let ack = ld(m, l.ctl(0) + ctl::MBOX_ACK);
             if ack >> 8 == self.mbox_seq {
@@ -319,7 +319,7 @@ impl MiniReader {
 
     /// One step of the live reader: read the reader page; if the writer has left it,
     /// swap and read the new one.
-    fn step(&mut self, m: &Region, l: &Layout) -> bool {
+    fn step(&mut self, m: &Region, l: &RingGeometry) -> bool {
         let c = l.ctl(0);
         if self.pending {
             // M1: nothing of the reader page is touched while the request is in flight.
@@ -362,7 +362,7 @@ impl MiniReader {
 }
 
 /// The ring's structural invariants at rest (S1). Returns (head, ring from the head).
-fn check_ring(m: &Region, l: &Layout) -> (u32, Vec<u32>) {
+fn check_ring(m: &Region, l: &RingGeometry) -> (u32, Vec<u32>) {
     let pages = l.pages_per_cpu;
     let c = l.ctl(0);
     let r = ld(m, c + ctl::READER_PAGE) as u32;
@@ -451,7 +451,7 @@ impl Model {
     }
 
     fn run(&self) {
-        let l = Layout::new(1, self.pages, PAGE, self.mode, false).unwrap();
+        let l = RingGeometry::new(1, self.pages, PAGE, self.mode, false).unwrap();
         let mem: Mem = Arc::new(Region::new(&l));
         l.init_region(&*mem, 0, 1);
         let events = self.events.clone();

@@ -31,7 +31,7 @@ use hyptrace_abi::guest::{
     RUN_PARAMS_MAGIC, VCPU_RESULT_SIZE,
 };
 use hyptrace_abi::layout::{
-    ctl, footer, link, pack as pack_hdr, Layout, FOOTER_MAGIC, LINK_HEAD, LINK_UPDATE,
+    ctl, footer, link, pack as pack_hdr, RingGeometry, FOOTER_MAGIC, LINK_HEAD, LINK_UPDATE,
     MBOX_STATUS_OK, WRITER_FINISHED,
 };
 use hyptrace_abi::page::{
@@ -155,7 +155,7 @@ impl Block {
 struct Ctx {
     /// The trace region, for the lies (the writer has its own handle).
     mem: RawMem,
-    l: Layout,
+    l: RingGeometry,
     cpu: u32,
     ctl: usize,
     first: u32,
@@ -308,7 +308,7 @@ pub extern "C" fn guest_main(pack: u64, cpu: u64, params_gpa: u64) -> ! {
             RawMem::new(pack as *mut u8, region),
         )
     };
-    let l = match Layout::parse(&mem) {
+    let l = match RingGeometry::parse(&mem) {
         Ok(l) => l,
         Err(e) => panic!("bad pack: {e}"),
     };

@@ -57,7 +57,7 @@ pub const MAX_VCPUS: u32 = 256;
 
 /// Why a configuration does not fit guest memory.
 #[derive(Debug, Error, PartialEq, Eq)]
-pub enum LayoutError {
+pub enum MemoryMapError {
     /// No vCPU.
     #[error("the number of vCPUs must be at least 1")]
     NoVcpus,
@@ -90,7 +90,7 @@ pub enum LayoutError {
 
 /// Where everything is, in guest-physical addresses.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Layout {
+pub struct GuestMemoryMap {
     /// Guest memory size.
     pub mem_bytes: u64,
     /// Number of vCPUs.
@@ -115,7 +115,7 @@ const fn align_up(v: u64, a: u64) -> u64 {
     v.div_ceil(a) * a
 }
 
-impl Layout {
+impl GuestMemoryMap {
     /// Bytes of guest memory needed for `image`, `vcpus` and a trace region of
     /// `trace_len` bytes (a multiple of 2 MiB).
     pub fn required_mem(image: &GuestImage, vcpus: u32, trace_len: u64, trace_align: u64) -> u64 {
@@ -159,25 +159,25 @@ impl Layout {
         mem_bytes: u64,
         trace_len: u64,
         trace_align: u64,
-    ) -> Result<Self, LayoutError> {
+    ) -> Result<Self, MemoryMapError> {
         if vcpus == 0 {
-            return Err(LayoutError::NoVcpus);
+            return Err(MemoryMapError::NoVcpus);
         }
         if vcpus > MAX_VCPUS {
-            return Err(LayoutError::TooManyVcpus(vcpus));
+            return Err(MemoryMapError::TooManyVcpus(vcpus));
         }
         if trace_len == 0 {
-            return Err(LayoutError::EmptyTraceRegion);
+            return Err(MemoryMapError::EmptyTraceRegion);
         }
         if !trace_align.is_power_of_two() || trace_align > MAX_TRACE_ALIGN {
-            return Err(LayoutError::BadTraceAlign(trace_align));
+            return Err(MemoryMapError::BadTraceAlign(trace_align));
         }
         if image.start < LOW_END {
-            return Err(LayoutError::ImageTooLow(image.start, image.end));
+            return Err(MemoryMapError::ImageTooLow(image.start, image.end));
         }
         if mem_bytes & (HUGE_PAGE - 1) != 0 || !(MIN_MEM_BYTES..=MAX_MEM_BYTES).contains(&mem_bytes)
         {
-            return Err(LayoutError::BadMemSize(mem_bytes));
+            return Err(MemoryMapError::BadMemSize(mem_bytes));
         }
         // A huge image or trace region must report "too small", not overflow.
         let need = if image.end > MAX_MEM_BYTES || trace_len > MAX_MEM_BYTES {
@@ -186,7 +186,7 @@ impl Layout {
             Self::required_mem(image, vcpus, trace_len, trace_align)
         };
         if need > mem_bytes {
-            return Err(LayoutError::TooSmall {
+            return Err(MemoryMapError::TooSmall {
                 need,
                 need_mb: need.div_ceil(1 << 20),
                 have: mem_bytes,
@@ -222,7 +222,7 @@ mod tests {
     #[test]
     fn areas_do_not_overlap() {
         let img = image(0x20_0000, 0x20_9000);
-        let l = Layout::new(&img, 4, 64 << 20, 5 << 20, HUGE_PAGE).unwrap();
+        let l = GuestMemoryMap::new(&img, 4, 64 << 20, 5 << 20, HUGE_PAGE).unwrap();
         assert_eq!(l.params_gpa, 0x40_0000);
         assert!(l.results_gpa + 4 * VCPU_RESULT_SIZE as u64 <= l.stacks_gpa);
         assert!(l.stack_top(3) <= l.trace_gpa);
@@ -234,25 +234,25 @@ mod tests {
     fn rejects_bad_configs() {
         let img = image(0x20_0000, 0x20_9000);
         assert_eq!(
-            Layout::new(&img, 0, 64 << 20, 1 << 20, HUGE_PAGE),
-            Err(LayoutError::NoVcpus)
+            GuestMemoryMap::new(&img, 0, 64 << 20, 1 << 20, HUGE_PAGE),
+            Err(MemoryMapError::NoVcpus)
         );
         assert!(matches!(
-            Layout::new(&img, 1, 8 << 20, 64 << 20, HUGE_PAGE),
-            Err(LayoutError::TooSmall { .. })
+            GuestMemoryMap::new(&img, 1, 8 << 20, 64 << 20, HUGE_PAGE),
+            Err(MemoryMapError::TooSmall { .. })
         ));
         assert!(matches!(
-            Layout::new(&img, 1, 8 << 20, u64::MAX, HUGE_PAGE),
-            Err(LayoutError::TooSmall { .. })
+            GuestMemoryMap::new(&img, 1, 8 << 20, u64::MAX, HUGE_PAGE),
+            Err(MemoryMapError::TooSmall { .. })
         ));
         assert_eq!(
-            Layout::new(&img, 1, (8 << 20) + 4096, 1 << 20, HUGE_PAGE),
-            Err(LayoutError::BadMemSize((8 << 20) + 4096))
+            GuestMemoryMap::new(&img, 1, (8 << 20) + 4096, 1 << 20, HUGE_PAGE),
+            Err(MemoryMapError::BadMemSize((8 << 20) + 4096))
         );
         let low = image(0x10_0000, 0x10_9000);
         assert!(matches!(
-            Layout::new(&low, 1, 64 << 20, 1 << 20, HUGE_PAGE),
-            Err(LayoutError::ImageTooLow(..))
+            GuestMemoryMap::new(&low, 1, 64 << 20, 1 << 20, HUGE_PAGE),
+            Err(MemoryMapError::ImageTooLow(..))
         ));
     }
 }
