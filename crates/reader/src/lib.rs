@@ -571,6 +571,7 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
             if im != u64::from(id) | (u64::from(FOOTER_MAGIC) << 32) {
                 return Err(ReadError::BadFooter { cpu, page: id });
             }
+            // Acquire: paired with the Release stores of page_seq in Writer::move_tail (W4).
             let seq = self.mem.load(f + footer::PAGE_SEQ, Acquire);
             if seq > reader_seq {
                 pages.push((seq, id));
