@@ -10,10 +10,7 @@ mod emit;
 mod rt;
 mod workload;
 
-use hyptrace_abi::guest::{
-    params, result, Workload, PORT_EXIT, RUN_PARAMS_MAGIC, RUN_PARAMS_SIZE, RUN_PARAMS_VERSION,
-    VCPU_RESULT_SIZE,
-};
+use hyptrace_abi::guest::{result, RunParamBlock, Workload, PORT_EXIT, VCPU_RESULT_SIZE};
 
 use emit::{Emitter, WriterSink};
 use hyptrace_abi::guest::RUN_FLAG_SERVE_MAILBOX;
@@ -28,17 +25,20 @@ use rt::{out32, rdtsc};
 struct Block(u64);
 
 impl Block {
-    fn read_u32(self, off: usize) -> u32 {
-        // SAFETY: the VMM placed this block in mapped guest memory (contract); offsets
-        // are the ABI's, inside the block, and naturally aligned.
-        unsafe { ((self.0 as usize + off) as *const u32).read_volatile() }
+    /// The run parameter block at this address, copied at once.
+    fn read_params(self) -> RunParamBlock {
+        // SAFETY: the VMM placed the block in mapped guest memory at a 2 MiB-aligned
+        // address (contract; more than the struct's 8) and wrote it before any vCPU ran;
+        // `RunParamBlock` is plain integers, valid for any bytes.
+        unsafe { (self.0 as usize as *const RunParamBlock).read_volatile() }
     }
     fn read_u64(self, off: usize) -> u64 {
-        // SAFETY: as in `read_u32`.
+        // SAFETY: the VMM placed this block in mapped guest memory (contract); offsets
+        // are the ABI's, inside the block, and naturally aligned.
         unsafe { ((self.0 as usize + off) as *const u64).read_volatile() }
     }
     fn write_u64(self, off: usize, v: u64) {
-        // SAFETY: as in `read_u32`; this vCPU is the only writer of its result slot.
+        // SAFETY: as in `read_u64`; this vCPU is the only writer of its result slot.
         unsafe { ((self.0 as usize + off) as *mut u64).write_volatile(v) }
     }
 }
@@ -67,31 +67,28 @@ pub struct Params {
 #[no_mangle]
 pub extern "C" fn guest_main(pack: u64, cpu: u64, params_gpa: u64) -> ! {
     let tsc_start = rdtsc();
-    let p = Block(params_gpa);
-    if p.read_u64(params::MAGIC) != RUN_PARAMS_MAGIC
-        || p.read_u32(params::VERSION) != RUN_PARAMS_VERSION
-        || p.read_u32(params::SIZE) as usize != RUN_PARAMS_SIZE
-    {
+    let p = Block(params_gpa).read_params();
+    if !p.header_ok() {
         panic!("bad run parameter block");
     }
-    let nr = u64::from(p.read_u32(params::NR_VCPUS));
+    let nr = u64::from(p.nr_vcpus);
     if cpu >= nr {
         panic!("vcpu id {cpu} out of range (nr_vcpus {nr})");
     }
-    let Some(workload) = Workload::from_u32(p.read_u32(params::WORKLOAD)) else {
-        panic!("unknown workload {}", p.read_u32(params::WORKLOAD));
+    let Some(workload) = Workload::from_u32(p.workload) else {
+        panic!("unknown workload {}", p.workload);
     };
-    let slot = Block(params_gpa + p.read_u64(params::RESULTS_OFF) + cpu * VCPU_RESULT_SIZE as u64);
+    let slot = Block(params_gpa + p.results_off + cpu * VCPU_RESULT_SIZE as u64);
     slot.write_u64(result::TSC_START, tsc_start);
     let params = Params {
         workload,
-        events: p.read_u64(params::EVENTS),
-        rate: p.read_u64(params::RATE),
-        tsc_khz: p.read_u64(params::TSC_KHZ),
-        seed: p.read_u64(params::SEED),
-        flags: p.read_u32(params::FLAGS),
-        burst: p.read_u32(params::BURST),
-        payload: p.read_u32(params::PAYLOAD),
+        events: p.events,
+        rate: p.rate,
+        tsc_khz: p.tsc_khz,
+        seed: p.seed,
+        flags: p.flags,
+        burst: p.burst,
+        payload: p.payload,
     };
 
     let cpu = cpu as u32;

@@ -7,9 +7,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use hyptrace_abi::guest::{
-    params, Workload, RUN_PARAMS_MAGIC, RUN_PARAMS_SIZE, RUN_PARAMS_VERSION, VCPU_RESULT_SIZE,
-};
+use hyptrace_abi::guest::{RunParamBlock, Workload, RUN_PARAMS_SIZE, VCPU_RESULT_SIZE};
 use kvm_bindings::{kvm_userspace_memory_region, KVM_MAX_CPUID_ENTRIES};
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 use vm_memory::{
@@ -322,25 +320,21 @@ impl Vm {
     }
 
     fn write_params(&self, p: &RunParams) -> Result<()> {
-        let base = self.layout.params_gpa;
-        let m = &self.memory;
-        let w64 = |off: usize, v: u64| m.write_obj(v, GuestAddress(base + off as u64));
-        let w32 = |off: usize, v: u32| m.write_obj(v, GuestAddress(base + off as u64));
-        let zero = vec![0u8; RUN_PARAMS_SIZE + self.layout.vcpus as usize * VCPU_RESULT_SIZE];
-        m.write_slice(&zero, GuestAddress(base))
-            .and_then(|()| w64(params::MAGIC, RUN_PARAMS_MAGIC))
-            .and_then(|()| w32(params::VERSION, RUN_PARAMS_VERSION))
-            .and_then(|()| w32(params::SIZE, RUN_PARAMS_SIZE as u32))
-            .and_then(|()| w32(params::WORKLOAD, p.workload as u32))
-            .and_then(|()| w32(params::NR_VCPUS, self.layout.vcpus))
-            .and_then(|()| w64(params::EVENTS, p.events))
-            .and_then(|()| w64(params::RATE, p.rate))
-            .and_then(|()| w64(params::TSC_KHZ, self.tsc_khz))
-            .and_then(|()| w64(params::SEED, p.seed))
-            .and_then(|()| w32(params::FLAGS, p.flags))
-            .and_then(|()| w32(params::BURST, p.burst))
-            .and_then(|()| w32(params::PAYLOAD, p.payload))
-            .and_then(|()| w64(params::RESULTS_OFF, RUN_PARAMS_SIZE as u64))
+        let block = RunParamBlock {
+            events: p.events,
+            rate: p.rate,
+            tsc_khz: self.tsc_khz,
+            seed: p.seed,
+            flags: p.flags,
+            burst: p.burst,
+            payload: p.payload,
+            ..RunParamBlock::new(p.workload, self.layout.vcpus)
+        };
+        // The block and zeroed result slots, in one write before any vCPU runs.
+        let mut bytes = vec![0u8; RUN_PARAMS_SIZE + self.layout.vcpus as usize * VCPU_RESULT_SIZE];
+        bytes[..RUN_PARAMS_SIZE].copy_from_slice(&block.to_bytes());
+        self.memory
+            .write_slice(&bytes, GuestAddress(self.layout.params_gpa))
             .map_err(|e| Error::Memory(e.to_string()))
     }
 

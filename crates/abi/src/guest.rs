@@ -2,17 +2,19 @@
 //! parameter block, per-vCPU result slots and the I/O ports.
 //!
 //! Entry (every vCPU): `rdi` = guest-physical address of the trace pack (the start of
-//! the trace region, see [`crate::pack`]), `rsi` = vCPU id, `rdx` = guest-physical
-//! address of the [`RunParams`] block, `rsp` = top of this vCPU's stack, GS base = the
+//! the trace region, see [`crate::layout::pack`]), `rsi` = vCPU id, `rdx` = guest-physical
+//! address of the [`RunParamBlock`], `rsp` = top of this vCPU's stack, GS base = the
 //! address of this vCPU's result slot. Guest memory is identity-mapped, so these addresses
 //! are also the guest's virtual addresses.
 //!
-//! Exit: the guest fills its [`VcpuResult`] slot, then writes its vCPU id to
+//! Exit: the guest fills its result slot (offsets in [`result`]), then writes its vCPU id to
 //! [`PORT_EXIT`] (32-bit `out`). A panic writes the message into the slot's `msg` bytes
 //! and its length to [`PORT_PANIC`]. Any CPU exception triple-faults (the IDT is empty),
 //! which the VMM sees as `KVM_EXIT_SHUTDOWN`.
 //!
 //! All fields are little-endian; every block starts with a magic, a version and a size.
+
+use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
 
 /// Port the guest writes its vCPU id to when it has finished (after filling its result slot).
 pub const PORT_EXIT: u16 = 0x0510;
@@ -30,41 +32,121 @@ pub const VCPU_RESULT_SIZE: usize = 256;
 /// Longest panic message stored in a result slot.
 pub const PANIC_MSG_MAX: usize = VCPU_RESULT_SIZE - 64;
 
-/// Offsets of the fields of the run parameter block.
-pub mod params {
-    /// u64 magic ([`super::RUN_PARAMS_MAGIC`]).
-    pub const MAGIC: usize = 0;
-    /// u32 version.
-    pub const VERSION: usize = 8;
-    /// u32 size of the fixed part ([`super::RUN_PARAMS_SIZE`]).
-    pub const SIZE: usize = 12;
-    /// u32 workload ([`super::Workload`]).
-    pub const WORKLOAD: usize = 16;
-    /// u32 number of vCPUs (and result slots).
-    pub const NR_VCPUS: usize = 20;
-    /// u64 events each vCPU attempts.
-    pub const EVENTS: usize = 24;
-    /// u64 events per second per vCPU; 0 = as fast as possible.
-    pub const RATE: usize = 32;
-    /// u64 TSC frequency in kHz (for pacing).
-    pub const TSC_KHZ: usize = 40;
-    /// u64 seed of the workload's pseudo-random choices.
-    pub const SEED: usize = 48;
-    /// u32 flags ([`super::RUN_FLAG_SERVE_MAILBOX`]).
-    pub const FLAGS: usize = 56;
-    /// u32 burst length (events per burst) for the `burst` workload.
-    pub const BURST: usize = 60;
-    /// u64 offset (from the block) of the first result slot.
-    pub const RESULTS_OFF: usize = 64;
-    /// u32 payload size in bytes for the `bench` workload (0 is a valid size). Older
-    /// hosts leave it zero (the block's bytes 72..128 are reserved, zero).
-    pub const PAYLOAD: usize = 72;
+/// The run parameter block (`HTRUNPRM`, version 1, [`RUN_PARAMS_SIZE`] bytes), as the host
+/// writes it and the guest reads it: each side copies the whole block at once (the host
+/// before any vCPU runs, the guest once at entry), never field by field. Byte layout in
+/// `docs/abi.md`; the compile-time checks below keep this struct at those offsets. Result
+/// slots follow at [`RunParamBlock::results_off`].
+///
+/// ```
+/// use hyptrace_abi::guest::{RunParamBlock, Workload, RUN_PARAMS_SIZE};
+/// use zerocopy::{FromBytes, IntoBytes};
+///
+/// let block = RunParamBlock { events: 1000, ..RunParamBlock::new(Workload::Steady, 2) };
+/// let bytes = block.as_bytes();
+/// assert_eq!(bytes.len(), RUN_PARAMS_SIZE);
+/// let back = RunParamBlock::read_from_bytes(bytes).unwrap();
+/// assert!(back.header_ok());
+/// assert_eq!((back.nr_vcpus, back.events), (2, 1000));
+/// ```
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, FromBytes, IntoBytes, KnownLayout, Immutable)]
+pub struct RunParamBlock {
+    /// [`RUN_PARAMS_MAGIC`].
+    pub magic: u64,
+    /// [`RUN_PARAMS_VERSION`].
+    pub version: u32,
+    /// Size of the fixed part ([`RUN_PARAMS_SIZE`]).
+    pub size: u32,
+    /// Workload number ([`Workload`]; decode with [`Workload::from_u32`]).
+    pub workload: u32,
+    /// Number of vCPUs (and result slots).
+    pub nr_vcpus: u32,
+    /// Events each vCPU attempts.
+    pub events: u64,
+    /// Events per second per vCPU; 0 = as fast as possible.
+    pub rate: u64,
+    /// TSC frequency in kHz (for pacing; 0 = unknown).
+    pub tsc_khz: u64,
+    /// Seed of the workload's pseudo-random choices.
+    pub seed: u64,
+    /// `RUN_FLAG_*` ([`RUN_FLAG_SERVE_MAILBOX`]).
+    pub flags: u32,
+    /// Burst length (events per burst) for the `burst` workload.
+    pub burst: u32,
+    /// Offset (from the block) of the first result slot.
+    pub results_off: u64,
+    /// Payload size in bytes for the `bench` workload (0 is a valid size). Older hosts
+    /// left it zero (it was reserved).
+    pub payload: u32,
+    /// Reserved, zero.
+    pub reserved: [u32; 13],
 }
+
+impl RunParamBlock {
+    /// A block with the header (magic, version, size), `workload`, `nr_vcpus` and the
+    /// result slots right after the block; every other field zero.
+    pub const fn new(workload: Workload, nr_vcpus: u32) -> Self {
+        Self {
+            magic: RUN_PARAMS_MAGIC,
+            version: RUN_PARAMS_VERSION,
+            size: RUN_PARAMS_SIZE as u32,
+            workload: workload as u32,
+            nr_vcpus,
+            events: 0,
+            rate: 0,
+            tsc_khz: 0,
+            seed: 0,
+            flags: 0,
+            burst: 0,
+            results_off: RUN_PARAMS_SIZE as u64,
+            payload: 0,
+            reserved: [0; 13],
+        }
+    }
+
+    /// The block's bytes, as they go into guest memory (for callers without zerocopy;
+    /// [`IntoBytes::as_bytes`] gives the same bytes by reference).
+    pub fn to_bytes(&self) -> [u8; RUN_PARAMS_SIZE] {
+        zerocopy::transmute!(*self)
+    }
+
+    /// Whether magic, version and size are this crate's.
+    pub const fn header_ok(&self) -> bool {
+        self.magic == RUN_PARAMS_MAGIC
+            && self.version == RUN_PARAMS_VERSION
+            && self.size as usize == RUN_PARAMS_SIZE
+    }
+}
+
+// The documented byte layout (docs/abi.md, "Run-parameter block"): these are the ABI, the
+// struct must not move a field (a change here is a version bump, not an edit).
+const _: () = {
+    use core::mem::{align_of, offset_of, size_of};
+    assert!(size_of::<RunParamBlock>() == RUN_PARAMS_SIZE);
+    assert!(RUN_PARAMS_SIZE == 128);
+    assert!(align_of::<RunParamBlock>() == 8);
+    assert!(offset_of!(RunParamBlock, magic) == 0);
+    assert!(offset_of!(RunParamBlock, version) == 8);
+    assert!(offset_of!(RunParamBlock, size) == 12);
+    assert!(offset_of!(RunParamBlock, workload) == 16);
+    assert!(offset_of!(RunParamBlock, nr_vcpus) == 20);
+    assert!(offset_of!(RunParamBlock, events) == 24);
+    assert!(offset_of!(RunParamBlock, rate) == 32);
+    assert!(offset_of!(RunParamBlock, tsc_khz) == 40);
+    assert!(offset_of!(RunParamBlock, seed) == 48);
+    assert!(offset_of!(RunParamBlock, flags) == 56);
+    assert!(offset_of!(RunParamBlock, burst) == 60);
+    assert!(offset_of!(RunParamBlock, results_off) == 64);
+    assert!(offset_of!(RunParamBlock, payload) == 72);
+    assert!(offset_of!(RunParamBlock, reserved) == 76);
+};
 
 /// Flag: the guest serves the host's swap/update requests from its mailbox.
 pub const RUN_FLAG_SERVE_MAILBOX: u32 = 1 << 0;
 
-/// Offsets of the fields of a vCPU result slot (written by the guest).
+/// Offsets of the fields of a vCPU result slot. The guest writes them one at a time
+/// (`tsc_start` at entry, `status` last), so they stay offsets rather than a struct.
 pub mod result {
     /// u64 events the workload attempted (enabled or not).
     pub const ATTEMPTED: usize = 0;
@@ -146,5 +228,45 @@ impl WorkloadRng {
         x ^= x >> 27;
         self.0 = x;
         x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The struct's bytes are the documented version-1 block (docs/abi.md): what the
+    /// host wrote field by field at these offsets before the struct existed.
+    #[test]
+    fn run_param_block_bytes_are_the_documented_layout() {
+        let b = RunParamBlock {
+            events: 0x1122_3344_5566_7788,
+            rate: 2,
+            tsc_khz: 3,
+            seed: 4,
+            flags: RUN_FLAG_SERVE_MAILBOX,
+            burst: 6,
+            payload: 7,
+            ..RunParamBlock::new(Workload::Bench, 9)
+        };
+        let bytes = b.to_bytes();
+        let u32_at = |o: usize| u32::from_le_bytes(bytes[o..o + 4].try_into().unwrap());
+        let u64_at = |o: usize| u64::from_le_bytes(bytes[o..o + 8].try_into().unwrap());
+        assert_eq!(&bytes[..8], b"HTRUNPRM");
+        assert_eq!((u32_at(8), u32_at(12)), (1, 128));
+        assert_eq!((u32_at(16), u32_at(20)), (5, 9));
+        assert_eq!(u64_at(24), 0x1122_3344_5566_7788);
+        assert_eq!((u64_at(32), u64_at(40), u64_at(48)), (2, 3, 4));
+        assert_eq!((u32_at(56), u32_at(60)), (1, 6));
+        assert_eq!((u64_at(64), u32_at(72)), (128, 7));
+        assert!(bytes[76..].iter().all(|&x| x == 0));
+        assert!(RunParamBlock::read_from_bytes(&bytes[..])
+            .unwrap()
+            .header_ok());
+        let mut bad = bytes;
+        bad[8] = 2;
+        assert!(!RunParamBlock::read_from_bytes(&bad[..])
+            .unwrap()
+            .header_ok());
     }
 }

@@ -5,7 +5,8 @@
 //! - [`layout`]: the trace region (pack header, per-CPU descriptors, control blocks,
 //!   pages with footers) and its validation;
 //! - [`mem`]: the memory-access trait both sides use, over raw memory or safe words;
-//! - [`events`]: the built-in guest events; [`guest`]: the VMM ⇄ guest contract.
+//! - [`events`]: the built-in guest events; [`guest`]: the VMM ⇄ guest contract
+//!   (the run-parameter block as one `#[repr(C)]` zerocopy struct, [`guest::RunParamBlock`]).
 //!
 //! `docs/abi.md` describes every structure; `docs/design.md` the protocol.
 #![no_std]
@@ -19,7 +20,6 @@ pub mod guest;
 pub mod layout;
 pub mod mem;
 pub mod page;
-pub mod structs;
 
 pub use layout::{LayoutError, Mode, RingGeometry};
 #[cfg(feature = "alloc")]

@@ -136,6 +136,8 @@ impl<M: SharedMem> Mailbox<M> {
     pub fn new(mem: M, layout: RingGeometry, timeout: Duration) -> Self {
         let slots = (0..layout.nr_cpus)
             .map(|c| Slot {
+                // Acquire: paired with the Release store of mbox_req in Mailbox::request
+                // (an earlier Mailbox on this region): go on from its last seq.
                 seq: mem.load(layout.ctl(c) + ctl::MBOX_REQ, Acquire) >> 8,
                 pending: None,
                 swap_answer: None,
@@ -150,6 +152,8 @@ impl<M: SharedMem> Mailbox<M> {
     }
 
     fn acked(&self, c: usize, seq: u64) -> Option<u64> {
+        // Acquire: paired with the Release store of mbox_ack in Writer::serve_request: the
+        // swap's reader_page and footers are visible once its answer is (M1).
         let ack = self.mem.load(c + ctl::MBOX_ACK, Acquire);
         (ack >> 8 == seq & (u64::MAX >> 8)).then_some(ack & 0xff)
     }
@@ -176,10 +180,12 @@ impl<M: SharedMem> Mailbox<M> {
                     // The answer to another op. A swap's is kept for the next swap
                     // call (the reader page changed); an update's needs nothing more.
                     if pop == MBOX_OP_SWAP {
+                        // M1: a swap's answer is never dropped.
                         slot.swap_answer = Some(status);
                     }
                 }
                 None => {
+                    // Acquire: paired with the Release swap of writer_state in Writer::finish.
                     if self.mem.load(c + ctl::WRITER_STATE, Acquire) == WRITER_FINISHED {
                         return Err(ReadError::WriterStopped { cpu });
                     }
@@ -195,6 +201,7 @@ impl<M: SharedMem> Mailbox<M> {
         }
         slot.seq += 1;
         let seq = slot.seq;
+        // Release: paired with the Acquire load of mbox_req in Writer::serve_mailbox (M1).
         self.mem.store(c + ctl::MBOX_REQ, (seq << 8) | op, Release);
         let start = Instant::now();
         loop {
@@ -202,6 +209,7 @@ impl<M: SharedMem> Mailbox<M> {
                 return Ok(Reply::Done(status));
             }
             // A writer that said it will write no more serves no more requests either.
+            // Acquire: paired with the Release swap of writer_state in Writer::finish.
             if self.mem.load(c + ctl::WRITER_STATE, Acquire) == WRITER_FINISHED {
                 return Err(ReadError::WriterStopped { cpu });
             }
@@ -219,6 +227,8 @@ impl<M: SharedMem> Callbacks for Mailbox<M> {
         match self.request(cpu, MBOX_OP_SWAP)? {
             Reply::Pending => Ok(SwapStatus::Pending),
             Reply::Done(MBOX_STATUS_OK) => {
+                // Acquire: paired with the Release store of reader_page in swap_reader_page_hinted,
+                // ordered before the answer we saw (Mailbox::acked, M1).
                 let page = self
                     .mem
                     .load(self.layout.ctl(cpu) + ctl::READER_PAGE, Acquire);

@@ -351,6 +351,8 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
         let layout = RingGeometry::parse(&mem)?;
         let mut cpus = Vec::with_capacity(layout.nr_cpus as usize);
         for cpu in 0..layout.nr_cpus {
+            // Acquire: paired with the Release store of reader_page in swap_reader_page_hinted;
+            // then first_index: stored before the Release of page_seq in Writer::move_tail.
             let reader = valid_page(
                 &layout,
                 cpu,
@@ -413,6 +415,8 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
     /// Sets the enable word of `cpu`'s built-in events (bit n = slot n).
     pub fn set_enable(&self, cpu: u32, bits: u64) -> Result<(), ReadError> {
         self.check_cpu(cpu)?;
+        // Release: pairs with no Acquire: the writer loads enable Relaxed (Writer::enabled,
+        // one load per event); a flip takes effect at some later event.
         self.mem.store(
             self.layout.ctl(cpu) + ctl::ENABLE,
             bits,
@@ -439,6 +443,8 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
             return Ok(self.cpus[cpu as usize].stats);
         }
         let st = &mut self.cpus[cpu as usize];
+        // Acquire: paired with the Release store of reader_page in swap_reader_page_hinted
+        // (Direct: this thread; Mailbox: ordered by Mailbox::acked, M1).
         let reader = valid_page(
             &self.layout,
             cpu,
@@ -446,6 +452,8 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
                 .load(self.layout.ctl(cpu) + ctl::READER_PAGE, Acquire),
         )?;
         let f = self.layout.footer_off(reader);
+        // Acquire: update_footers stores these Relaxed; they are ordered by the Release/Acquire
+        // pair of mbox_ack (Writer::serve_request / Mailbox::acked) or by running here (Direct).
         let get = |o: usize| self.mem.load(f + o, Acquire);
         let (entries, touched, overrun, dropped) = (
             get(footer::ENTRIES),
@@ -490,6 +498,7 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
     /// The commit (tail) page of `cpu` as the writer last published it.
     pub fn commit_page(&self, cpu: u32) -> Result<u32, ReadError> {
         self.check_cpu(cpu)?;
+        // Acquire: paired with the Release store of tail_page in Writer::move_tail.
         valid_page(
             &self.layout,
             cpu,
@@ -513,6 +522,8 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
         self.check_cpu(cpu)?;
         let c = self.layout.ctl(cpu);
         let st = &mut self.cpus[cpu as usize];
+        // Acquire: the writer stores its counters Relaxed: pairs with no store; exact once
+        // writer_state says FINISHED (Release in Writer::finish) or the vCPU stopped (R1).
         st.stats.written = self.mem.load(c + ctl::ENTRIES, Acquire);
         st.stats.overrun = self.mem.load(c + ctl::OVERRUN, Acquire);
         st.stats.dropped = self.mem.load(c + ctl::DROPPED, Acquire);
@@ -532,6 +543,8 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
         if std::mem::take(&mut st.swap_in_flight) {
             // The writer may have run the requested swap before it stopped: then the
             // reader page it made is where reading goes on.
+            // Acquire: paired with the Release store of reader_page in swap_reader_page_hinted
+            // (a swap the writer served after our request: M1).
             let actual = valid_page(
                 &l,
                 cpu,
@@ -542,6 +555,8 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
                 Self::enter_page(&self.mem, &l, st, actual)?;
             }
         }
+        // Acquire (page_seq, id_magic): paired with the Release stores of page_seq in
+        // Writer::move_tail and Writer::resume: a page's set-up comes before its page_seq.
         let reader_seq = self
             .mem
             .load(l.footer_off(st.reader) + footer::PAGE_SEQ, Acquire);
@@ -556,6 +571,7 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
             if im != u64::from(id) | (u64::from(FOOTER_MAGIC) << 32) {
                 return Err(ReadError::BadFooter { cpu, page: id });
             }
+            // Acquire: paired with the Release stores of page_seq in Writer::move_tail (W4).
             let seq = self.mem.load(f + footer::PAGE_SEQ, Acquire);
             if seq > reader_seq {
                 pages.push((seq, id));
@@ -585,6 +601,8 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
     /// Copies newly committed bytes of the reader page into the local buffer.
     fn refresh(mem: &M, l: &RingGeometry, st: &mut CpuState) -> Result<(), ReadError> {
         let off = l.page_off(st.reader);
+        // Acquire: paired with the Release store of commit in Writer::write (W1): every byte
+        // below it is copied as written.
         let commit = mem.load(off + COMMIT_OFFSET, Acquire);
         let len = (commit & COMMIT_LEN_MASK) as usize;
         if len > l.data_capacity()
@@ -619,6 +637,8 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
         page: u32,
     ) -> Result<(), ReadError> {
         let f = l.footer_off(page);
+        // Acquire: first_index is stored before the Release of page_seq / tail_page in
+        // Writer::move_tail. R1: losses are counted here, from first_index, exactly.
         let first = mem.load(f + footer::FIRST_INDEX, Acquire);
         let expected = st.expected;
         if first < expected {
@@ -653,6 +673,8 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
             return Ok(true);
         }
         let status = self.cb.swap_reader(cpu)?;
+        // M1: while a swap request is in flight the reader page is not touched: next_event
+        // and next_page only call advance until the answer came.
         self.cpus[cpu as usize].swap_in_flight = status == SwapStatus::Pending;
         match status {
             SwapStatus::Busy | SwapStatus::Pending => Ok(false),
@@ -662,6 +684,7 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
                 Ok(false)
             }
             SwapStatus::Swapped { .. } => {
+                // Acquire: paired with the Release store of reader_page in swap_reader_page_hinted.
                 let page = valid_page(
                     &self.layout,
                     cpu,
@@ -685,6 +708,8 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
         if st.final_queue.is_some() {
             return Ok(false);
         }
+        // Acquire: paired with the Release store of tail_page in Writer::move_tail; loaded
+        // before commit (RingBuffer::refresh): if the writer left, that commit is final (W1).
         let tail = valid_page(
             &self.layout,
             cpu,
@@ -837,6 +862,8 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
             return 0;
         }
         let c = self.layout.ctl(cpu);
+        // Acquire: the writer stores entries/dropped Relaxed: pairs with no store; read after
+        // the vCPU stopped or writer_state said FINISHED (Release in Writer::finish).
         self.mem
             .load(c + ctl::ENTRIES, Acquire)
             .saturating_add(self.mem.load(c + ctl::DROPPED, Acquire))
@@ -845,6 +872,7 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
     /// Whether the writer of `cpu` marked itself finished (rather than being stopped or
     /// crashing in the middle of a write).
     pub fn writer_finished(&self, cpu: u32) -> bool {
+        // Acquire: paired with the Release swap of writer_state in Writer::finish (R1).
         cpu < self.layout.nr_cpus
             && self
                 .mem
@@ -866,6 +894,7 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
             return 0;
         }
         st.trailing_done = true;
+        // R1: drops after the last page complete written = read + lost.
         let n = total
             .saturating_sub(st.expected)
             .saturating_add(std::mem::take(&mut st.pending_lost));

@@ -189,6 +189,8 @@ impl<M: SharedMem> Writer<M> {
         if mem.load(c + ctl::MAGIC, Relaxed) != CTL_MAGIC {
             return Err(RingError::RingGeometry(LayoutError::BadMagic));
         }
+        // Acquire: paired with the Release store of tail_page in Writer::move_tail (of the
+        // writer that left this ring): the tail page's set-up is visible to resume() (W4).
         let tail = page_id(&l, cpu, mem.load(c + ctl::TAIL_PAGE, Acquire))?;
         let mut w = Self {
             cap: l.data_capacity(),
@@ -208,6 +210,7 @@ impl<M: SharedMem> Writer<M> {
             skipped: 0,
             // Requests are served once: a request whose seq was acknowledged is done (a
             // request posted before this attach is still served).
+            // Acquire: paired with the Release store of mbox_ack in Writer::serve_request (M1).
             mbox_seen: mem.load(c + ctl::MBOX_ACK, Acquire) >> 8,
             mbox_served: 0,
             swap_hint: SwapHint::default(),
@@ -218,6 +221,8 @@ impl<M: SharedMem> Writer<M> {
             ctl: c,
         };
         w.resume();
+        // Release: paired with the Acquire loads of writer_state in RingBuffer::writer_finished
+        // and Mailbox::request: the counters resume() stored back come before the state (W4).
         w.mem.swap(c + ctl::WRITER_STATE, WRITER_ACTIVE, Release);
         Ok(w)
     }
@@ -258,6 +263,8 @@ impl<M: SharedMem> Writer<M> {
         // A head push stopped while it held UPDATE on the tail's link: finish it (every
         // step of `push_head` can be done again; the pushed page's event count is
         // taken with a swap, so it is counted as overrun once).
+        // Acquire: paired with the SeqCst link changes in Writer::push_head, Writer::move_tail
+        // and swap_reader_page_hinted (S1).
         let tl = self.mem.load(tf + footer::NEXT, Acquire);
         if tl & LINK_FLAGS == LINK_UPDATE {
             let pushed = page_id(&self.l, self.cpu, tl >> 2);
@@ -266,6 +273,8 @@ impl<M: SharedMem> Writer<M> {
             }
         }
         let (mem, c) = (&self.mem, self.ctl);
+        // Acquire: paired with the Release store of commit in Writer::write (W1): scan_page
+        // decodes committed bytes only (W4).
         let commit = mem.load(self.tail_off + COMMIT_OFFSET, Acquire);
         let len = (commit & page::COMMIT_LEN_MASK) as usize;
         let scan = if len <= self.cap {
@@ -279,6 +288,8 @@ impl<M: SharedMem> Writer<M> {
             }
         };
         let mut closed = !scan.clean;
+        // Acquire: first_index is stored Relaxed before the Release store of page_seq in
+        // Writer::move_tail; ordered here by the Acquire load of tail_page in attach (W3, W4).
         let index_end = mem
             .load(tf + footer::FIRST_INDEX, Acquire)
             .wrapping_add(scan.events);
@@ -321,6 +332,7 @@ impl<M: SharedMem> Writer<M> {
         } else {
             0
         };
+        // Acquire: paired with the Release store of page_seq in Writer::move_tail (W4).
         self.pages_touched = mem.load(tf + footer::PAGE_SEQ, Acquire);
         for (off, v) in [
             (ctl::ENTRIES, self.entries),
@@ -338,10 +350,15 @@ impl<M: SharedMem> Writer<M> {
             // carries a page_seq above the tail's: back to "never written", or a
             // post-mortem walk would read it (with a stale first_index) after the
             // tail page, which this writer goes on filling.
+            // Acquire/Release on page_seq: paired with Writer::move_tail's Release stores and with
+            // the Acquire loads of page_seq in RingBuffer::finalize (a page_seq 0 page is skipped)
+            // (W4).
             if p != self.tail && mem.load(f + footer::PAGE_SEQ, Acquire) > self.pages_touched {
                 mem.store(f + footer::PAGE_SEQ, 0, Release);
             }
             let ws = f + footer::WRITER_STATUS;
+            // AcqRel on FT_COMMIT: pairs with no reader load (the host never reads the status
+            // bits); kept after the page_seq fix-up for the S1 checks (loom models, tests).
             if p == self.tail {
                 mem.fetch_or(ws, FT_COMMIT, AcqRel);
             } else if mem.load(ws, Relaxed) & FT_COMMIT != 0 {
@@ -444,7 +461,7 @@ impl<M: SharedMem> Writer<M> {
             need = size;
         }
         // After a drop (stop mode), the tail page is closed: an event written on it now
-        // would put the loss inside the page, where no first_index can mark it.
+        // would put the loss inside the page, where no first_index can mark it (W3).
         if self.lost_pending != 0 || self.write + need > self.cap {
             match self.move_tail() {
                 Ok(true) => need = size,
@@ -501,6 +518,8 @@ impl<M: SharedMem> Writer<M> {
         self.mem.write_bytes(at, payload);
         self.write += need;
         // Publish: the payload above happens-before any Acquire load that sees this (W1).
+        // Release (COMMIT_ORDER): paired with the Acquire load of commit in
+        // RingBuffer::refresh (and Writer::resume).
         self.mem.store(
             self.tail_off + COMMIT_OFFSET,
             self.write as u64 | self.commit_flags,
@@ -522,7 +541,7 @@ impl<M: SharedMem> Writer<M> {
     /// Moves the tail to the next page. Returns `Ok(false)` when the ring is full in
     /// stop mode.
     ///
-    /// Invariant kept here: the writer only ever moves onto the page its tail's link
+    /// Invariant W2, kept here: the writer only ever moves onto the page its tail's link
     /// names, and onto the head page only after turning the HEAD link into UPDATE with
     /// a compare-exchange (overwrite mode) — so it never writes the reader page, which
     /// no ring link names.
@@ -535,6 +554,9 @@ impl<M: SharedMem> Writer<M> {
             if attempts > MOVE_RETRIES {
                 return Err(RingError::Retries);
             }
+            // Acquire: paired with the SeqCst compare-exchange in swap_reader_page_hinted (the
+            // reader page it put in the ring has its link set before, W2) and the SeqCst link
+            // stores of Writer::push_head (S1).
             let lk = self.mem.load(tf + footer::NEXT, Acquire);
             let nid = page_id(&self.l, self.cpu, lk >> 2)?;
             match lk & LINK_FLAGS {
@@ -545,6 +567,9 @@ impl<M: SharedMem> Writer<M> {
                     }
                     // Overwrite: take the head link; a swap racing us makes this fail
                     // (it replaced the link with the reader page): retry.
+                    // SeqCst: paired with the SeqCst compare-exchange of the same link in
+                    // swap_reader_page_hinted: exactly one of the two takes H|HEAD (W2,
+                    // S1). Failure Acquire: paired with the swap's exchange; we reload.
                     if self
                         .mem
                         .compare_exchange(
@@ -565,8 +590,11 @@ impl<M: SharedMem> Writer<M> {
             }
         };
         // Leave the old tail: its entry count is final, it is no longer the commit page.
+        // Release: paired with the AcqRel swap of page_entries in Writer::push_head: a later
+        // head push counts these events as overrun once (R1).
         self.mem
             .store(tf + footer::PAGE_ENTRIES, self.page_entries, Release);
+        // AcqRel: FT_COMMIT leaves the old tail before it is set on the new one (S1).
         self.mem
             .fetch_and(tf + footer::WRITER_STATUS, !FT_COMMIT, AcqRel);
         // Start the new page.
@@ -576,6 +604,8 @@ impl<M: SharedMem> Writer<M> {
         // page_seq 0 first ("never written"), the real one last: a writer stopped in
         // the middle of this set-up leaves a page a post-mortem walk leaves out (its
         // old events were already counted as overrun), never a half-reset page.
+        // Release: paired with the Acquire loads of page_seq in RingBuffer::finalize and
+        // Writer::resume: a page being reset reads as never written (W4).
         self.mem.store(nf + footer::PAGE_SEQ, 0, Release);
         self.mem.store(off + COMMIT_OFFSET, 0, Relaxed);
         self.mem.store(nf + footer::PAGE_ENTRIES, 0, Relaxed);
@@ -586,8 +616,11 @@ impl<M: SharedMem> Writer<M> {
         );
         self.mem
             .store(nf + footer::MISSED, self.lost_pending, Relaxed);
+        // Release: paired with the Acquire loads of page_seq in RingBuffer::finalize and
+        // Writer::resume: commit, first_index and missed above come first (W3, W4).
         self.mem
             .store(nf + footer::PAGE_SEQ, self.pages_touched, Release);
+        // AcqRel: FT_COMMIT on the new tail, after it left the old one (S1).
         self.mem
             .fetch_or(nf + footer::WRITER_STATUS, FT_COMMIT, AcqRel);
         self.commit_flags = if self.lost_pending != 0 {
@@ -604,6 +637,8 @@ impl<M: SharedMem> Writer<M> {
         self.mem
             .store(self.ctl + ctl::PAGES_TOUCHED, self.pages_touched, Relaxed);
         // Release: the new page's footer is initialised before anyone sees it as tail.
+        // Paired with the Acquire loads of tail_page in RingBuffer::writer_on_reader,
+        // swap_reader_page_hinted and Writer::attach (W1 across pages, W2).
         self.mem
             .store(self.ctl + ctl::TAIL_PAGE, u64::from(next), Release);
         Ok(true)
@@ -621,6 +656,8 @@ impl<M: SharedMem> Writer<M> {
         let hf = self.l.footer_off(head);
         // Taken (and zeroed: the page is reset when the writer moves onto it) with one
         // swap, so a push finished again on attach does not count the page twice.
+        // AcqRel: paired with the Release store of page_entries in Writer::move_tail (R1:
+        // overrun counts the page's events once, even when a stopped push is finished again).
         let lost = self.mem.swap(hf + footer::PAGE_ENTRIES, 0, AcqRel);
         // A page holds at most one event per 8 bytes of data.
         if lost > (self.cap / 8) as u64 {
@@ -629,6 +666,7 @@ impl<M: SharedMem> Writer<M> {
         self.overrun = self.overrun.wrapping_add(lost);
         self.mem
             .store(self.ctl + ctl::OVERRUN, self.overrun, Relaxed);
+        // Acquire: paired with the SeqCst link changes of swap_reader_page_hinted (S1).
         let nl = self.mem.load(hf + footer::NEXT, Acquire);
         let nn = page_id(&self.l, self.cpu, nl >> 2)?;
         // Finishing a stopped push, the new HEAD link may already be there.
@@ -636,6 +674,8 @@ impl<M: SharedMem> Writer<M> {
         if nl & LINK_FLAGS & !allowed != 0 {
             return Err(RingError::BadLink(nl));
         }
+        // SeqCst (FT_HEAD, then the links): one total order with the SeqCst stores and loads
+        // of mark_new_head: FT_HEAD moves before the new HEAD link is published (S1).
         self.mem
             .fetch_and(hf + footer::WRITER_STATUS, !FT_HEAD, SeqCst);
         self.mem.fetch_or(
@@ -649,6 +689,8 @@ impl<M: SharedMem> Writer<M> {
         // loses its head and a later swap cannot find it / the writer laps the reader.
         #[cfg(hyptrace_seeded_bug)]
         let new_head = link(nn, 0);
+        // SeqCst: paired with the SeqCst loads of these links in mark_new_head and the Acquire
+        // loads of find_head: the new HEAD link is published before UPDATE is cleared (S1).
         self.mem.swap(hf + footer::NEXT, new_head, SeqCst);
         self.mem.swap(tf + footer::NEXT, link(head, 0), SeqCst);
         Ok(())
@@ -659,6 +701,7 @@ impl<M: SharedMem> Writer<M> {
     /// there is nothing to do. Returns whether a request was served.
     #[inline]
     pub fn serve_mailbox(&mut self) -> bool {
+        // Acquire: paired with the Release store of mbox_req in Mailbox::request (M1).
         let req = self.mem.load(self.ctl + ctl::MBOX_REQ, Acquire);
         if req >> 8 == self.mbox_seen {
             return false;
@@ -686,6 +729,8 @@ impl<M: SharedMem> Writer<M> {
             _ => MBOX_STATUS_ERROR,
         };
         self.mbox_served = self.mbox_served.wrapping_add(1);
+        // Release: paired with the Acquire load of mbox_ack in Mailbox::acked: the swap's
+        // reader_page and footers are visible to a reader that sees the answer (M1).
         self.mem
             .store(self.ctl + ctl::MBOX_ACK, (req & !0xff) | status, Release);
     }
@@ -693,6 +738,8 @@ impl<M: SharedMem> Writer<M> {
     /// Marks the writer finished: it will write no more (the host may then read
     /// without swapping).
     pub fn finish(&mut self) {
+        // Release: paired with the Acquire loads of writer_state in RingBuffer::writer_finished
+        // and Mailbox::request: every commit and counter comes before FINISHED (R1).
         self.mem
             .swap(self.ctl + ctl::WRITER_STATE, WRITER_FINISHED, Release);
     }
@@ -790,6 +837,8 @@ fn find_head<M: SharedMem + ?Sized>(
     let mut p = tail;
     for _ in 0..l.pages_per_cpu {
         let f = l.footer_off(p);
+        // Acquire: paired with the SeqCst link changes of Writer::push_head and
+        // swap_reader_page_hinted (S1).
         let lk = mem.load(f + footer::NEXT, Acquire);
         if lk & LINK_FLAGS != 0 {
             return Ok((f, lk));
@@ -861,6 +910,9 @@ pub fn swap_reader_page_hinted<M: SharedMem + ?Sized>(
         return Err(RingError::BadCpu(cpu));
     }
     let c = l.ctl(cpu);
+    // Acquire: paired with the Release store of reader_page by the previous swap (one swap
+    // per CPU at a time). Then tail_page: paired with the Release store in
+    // Writer::move_tail; the writer not on the reader page means it is complete (W2).
     let reader = page_id(l, cpu, mem.load(c + ctl::READER_PAGE, Acquire))?;
     let tail = page_id(l, cpu, mem.load(c + ctl::TAIL_PAGE, Acquire))?;
     if tail == reader {
@@ -874,6 +926,7 @@ pub fn swap_reader_page_hinted<M: SharedMem + ?Sized>(
         // may have moved since the last try.
         let from = match start.take() {
             Some(h) => h,
+            // Acquire: paired with the Release store of tail_page in Writer::move_tail.
             None => page_id(l, cpu, mem.load(c + ctl::TAIL_PAGE, Acquire)).unwrap_or(tail),
         };
         let (pf, lk) = match find_head(mem, l, cpu, from) {
@@ -897,10 +950,17 @@ pub fn swap_reader_page_hinted<M: SharedMem + ?Sized>(
         if head == reader {
             return Err(RingError::BadPageId(head.into()));
         }
+        // Acquire: paired with the SeqCst link stores of Writer::push_head (S1).
         let hl = mem.load(l.footer_off(head) + footer::NEXT, Acquire);
         let after = page_id(l, cpu, hl >> 2)?;
+        // SeqCst: R's link is set before the compare-exchange below puts R in the ring, so the
+        // writer's Acquire load of a link naming R (Writer::move_tail) sees it (W2, S1).
         mem.swap(rf + footer::NEXT, link(after, LINK_HEAD), SeqCst);
+        // Acquire: the writer stores overrun Relaxed: pairs with no store; a snapshot taken
+        // before the exchange, as Linux does (exact losses come from first_index: R1).
         let overrun = mem.load(c + ctl::OVERRUN, Acquire);
+        // SeqCst: paired with the writer's SeqCst compare-exchange H|HEAD -> H|UPDATE in
+        // Writer::move_tail: exactly one of them takes the head (W2, S1).
         if mem
             .compare_exchange(pf + footer::NEXT, lk, link(reader, 0), SeqCst, Acquire)
             .is_err()
@@ -909,11 +969,15 @@ pub fn swap_reader_page_hinted<M: SharedMem + ?Sized>(
             continue;
         }
         let hf = l.footer_off(head);
+        // SeqCst: footer bits after the exchange, before reader_page is published (S1).
         mem.fetch_and(hf + footer::WRITER_STATUS, !FT_HEAD, SeqCst);
         mem.swap(hf + footer::READER_STATUS, FT_READER, SeqCst);
         mem.swap(rf + footer::READER_STATUS, 0, SeqCst);
         mem.store(hf + footer::OVERRUN, overrun, Relaxed);
         mark_new_head(mem, l, pf, reader, after);
+        // Release: paired with the Acquire loads of reader_page in RingBuffer (attach, poke,
+        // advance, finalize), Mailbox::swap_reader, update_footers and the next swap: the
+        // footers above come first (S1).
         mem.store(c + ctl::READER_PAGE, u64::from(head), Release);
         mem.fetch_add(c + ctl::SWAPS, 1, Relaxed);
         // The old reader page is in the ring now, its link naming the new head.
@@ -952,6 +1016,9 @@ fn mark_new_head<M: SharedMem + ?Sized>(
     let rl = l.footer_off(reader) + footer::NEXT;
     let mut head = true;
     for _ in 0..SWAP_RETRIES {
+        // SeqCst: the bit store and the link loads below are a store -> load pair: only SeqCst
+        // (with Writer::push_head's SeqCst link stores and FT_HEAD changes) keeps a lapping
+        // writer's change from being missed (S1).
         if head {
             mem.fetch_or(ws, FT_HEAD, SeqCst);
         } else {
@@ -977,6 +1044,8 @@ pub fn update_footers<M: SharedMem + ?Sized>(
         return Err(RingError::BadCpu(cpu));
     }
     let c = l.ctl(cpu);
+    // Acquire: paired with the Release store of reader_page in swap_reader_page_hinted
+    // (update and swap run in the same domain, one at a time: M1).
     let reader = page_id(l, cpu, mem.load(c + ctl::READER_PAGE, Acquire))?;
     let f = l.footer_off(reader);
     for (from, to) in [

@@ -27,8 +27,8 @@ use core::sync::atomic::Ordering::{Relaxed, Release};
 
 use hyptrace_abi::events::{self, CommonHeader};
 use hyptrace_abi::guest::{
-    params, result, WorkloadRng, PANIC_MSG_MAX, PORT_EXIT, PORT_PANIC, RUN_FLAG_SERVE_MAILBOX,
-    RUN_PARAMS_MAGIC, VCPU_RESULT_SIZE,
+    result, RunParamBlock, WorkloadRng, PANIC_MSG_MAX, PORT_EXIT, PORT_PANIC,
+    RUN_FLAG_SERVE_MAILBOX, RUN_PARAMS_MAGIC, VCPU_RESULT_SIZE,
 };
 use hyptrace_abi::layout::{
     ctl, footer, link, pack as pack_hdr, RingGeometry, FOOTER_MAGIC, LINK_HEAD, LINK_UPDATE,
@@ -132,17 +132,20 @@ const DEFAULT_TSC_KHZ: u64 = 2_000_000;
 struct Block(u64);
 
 impl Block {
-    fn read_u32(self, off: usize) -> u32 {
-        // SAFETY: the VMM placed this block in mapped guest memory (ABI); offsets are
-        // the ABI's, inside the block, naturally aligned.
-        unsafe { ((self.0 as usize + off) as *const u32).read_volatile() }
+    /// The run parameter block at this address, copied at once.
+    fn read_params(self) -> RunParamBlock {
+        // SAFETY: the VMM placed the block in mapped guest memory at a 2 MiB-aligned
+        // address (ABI; more than the struct's 8) and wrote it before any vCPU ran;
+        // `RunParamBlock` is plain integers, valid for any bytes.
+        unsafe { (self.0 as usize as *const RunParamBlock).read_volatile() }
     }
     fn read_u64(self, off: usize) -> u64 {
-        // SAFETY: as in `read_u32`.
+        // SAFETY: the VMM placed this block in mapped guest memory (ABI); offsets are
+        // the ABI's, inside the block, naturally aligned.
         unsafe { ((self.0 as usize + off) as *const u64).read_volatile() }
     }
     fn write_u64(self, off: usize, v: u64) {
-        // SAFETY: as in `read_u32`; this vCPU is the only writer of its result slot.
+        // SAFETY: as in `read_u64`; this vCPU is the only writer of its result slot.
         unsafe { ((self.0 as usize + off) as *mut u64).write_volatile(v) }
     }
     fn write_u8(self, off: usize, v: u8) {
@@ -288,15 +291,15 @@ fn spin_forever() -> ! {
 /// Entry from `_start` (rt.rs): rdi = pack GPA, rsi = vCPU id, rdx = RunParams GPA.
 #[no_mangle]
 pub extern "C" fn guest_main(pack: u64, cpu: u64, params_gpa: u64) -> ! {
-    let p = Block(params_gpa);
-    if p.read_u64(params::MAGIC) != RUN_PARAMS_MAGIC {
+    let p = Block(params_gpa).read_params();
+    if p.magic != RUN_PARAMS_MAGIC {
         panic!("bad run parameter block");
     }
-    let slot = Block(params_gpa + p.read_u64(params::RESULTS_OFF) + cpu * VCPU_RESULT_SIZE as u64);
+    let slot = Block(params_gpa + p.results_off + cpu * VCPU_RESULT_SIZE as u64);
     slot.write_u64(result::TSC_START, rdtsc());
     let cpu = cpu as u32;
-    let Some(scenario) = Scenario::from_u64(p.read_u64(params::RATE)) else {
-        panic!("unknown adversary scenario {}", p.read_u64(params::RATE));
+    let Some(scenario) = Scenario::from_u64(p.rate) else {
+        panic!("unknown adversary scenario {}", p.rate);
     };
     let region = Block(pack).read_u64(pack_hdr::REGION_SIZE) as usize;
     // SAFETY: the host placed the trace region at `pack`, identity-mapped, `region`
@@ -312,7 +315,7 @@ pub extern "C" fn guest_main(pack: u64, cpu: u64, params_gpa: u64) -> ! {
         Ok(l) => l,
         Err(e) => panic!("bad pack: {e}"),
     };
-    let tsc_khz = match p.read_u64(params::TSC_KHZ) {
+    let tsc_khz = match p.tsc_khz {
         0 => DEFAULT_TSC_KHZ,
         k => k,
     };
@@ -325,9 +328,9 @@ pub extern "C" fn guest_main(pack: u64, cpu: u64, params_gpa: u64) -> ! {
         nr_pages: l.pages_per_cpu,
         tsc_khz,
         slot,
-        serve: p.read_u32(params::FLAGS) & RUN_FLAG_SERVE_MAILBOX != 0,
-        events: p.read_u64(params::EVENTS),
-        seed: p.read_u64(params::SEED),
+        serve: p.flags & RUN_FLAG_SERVE_MAILBOX != 0,
+        events: p.events,
+        seed: p.seed,
     };
     if scenario == Scenario::Encodings && cpu == 0 {
         // Hand-made pages: no writer.
