@@ -35,7 +35,7 @@ use hyptrace_abi::layout as ring;
 use hyptrace_abi::{HeapMem, RawMem, SharedMem};
 use hyptrace_output::{Clock, OutputError, PageSink, RawSink, RunSummary, TraceMeta};
 use hyptrace_output::{TraceDatSink, TraceDatVersion};
-use hyptrace_reader::{Callbacks, Direct, Mailbox, ReadError, RingBuffer, SwapStatus};
+use hyptrace_reader::{Callbacks, Direct, Mailbox, ReadError, RingBuffer, SwapReply, SwapStatus};
 use hyptrace_writer::{WriteOutcome, Writer};
 use serde_json::{json, Value};
 use vm_memory::{Bytes, GuestAddress};
@@ -401,7 +401,7 @@ struct Timed {
 }
 
 impl Callbacks for Timed {
-    fn swap_reader(&self, cpu: u32) -> Result<SwapStatus, ReadError> {
+    fn swap_reader(&self, cpu: u32) -> Result<SwapReply, ReadError> {
         let t = host_tsc();
         let r = self.inner.swap_reader(cpu);
         let dt = host_tsc().wrapping_sub(t);
@@ -412,14 +412,14 @@ impl Callbacks for Timed {
         }
         let after = std::mem::replace(&mut log.was_pending[c], false);
         match r {
-            Ok(SwapStatus::Pending) => {
+            Ok(SwapReply::Pending) => {
                 log.pending += 1;
                 log.was_pending[c] = true;
             }
             Ok(_) if after => log.after_pending += 1,
-            Ok(SwapStatus::Swapped { .. }) => log.swapped.push(dt),
+            Ok(SwapReply::Done(SwapStatus::Swapped { .. })) => log.swapped.push(dt),
             // Busy and contended swaps change nothing: timed as "nothing to swap".
-            Ok(SwapStatus::Busy | SwapStatus::Contended) => log.busy.push(dt),
+            Ok(SwapReply::Done(SwapStatus::Busy | SwapStatus::Contended)) => log.busy.push(dt),
             Err(_) => log.errors += 1,
         }
         r
@@ -963,9 +963,9 @@ fn swap_pingpong(cfg: &Cfg, tsc: Tsc, swap: SwapArg) -> Result<Value, String> {
         let t = host_tsc();
         let status = match swap {
             SwapArg::Host => match reader.callbacks().swap_reader(0) {
-                Ok(SwapStatus::Swapped { .. }) => MBOX_STATUS_OK,
+                Ok(SwapReply::Done(SwapStatus::Swapped { .. })) => MBOX_STATUS_OK,
                 // The overwriting writer kept pushing the head under every attempt.
-                Ok(SwapStatus::Contended) => {
+                Ok(SwapReply::Done(SwapStatus::Contended)) => {
                     transient += 1;
                     continue;
                 }

@@ -18,7 +18,9 @@
 pub mod callbacks;
 pub mod merge;
 
-pub use callbacks::{Callbacks, Direct, Mailbox, SwapStatus};
+pub use callbacks::{
+    Callbacks, Direct, Mailbox, MailboxOp, MailboxPort, MailboxStatus, Seq, SwapReply, SwapStatus,
+};
 use hyptrace_abi::layout::{self, ctl, footer, LayoutError, Mode, RingGeometry, FOOTER_MAGIC};
 use hyptrace_abi::page::{self, Record, COMMIT_LEN_MASK, COMMIT_OFFSET, PAGE_HEADER_SIZE};
 use hyptrace_abi::SharedMem;
@@ -652,16 +654,16 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
             Self::enter_page(&self.mem, &self.layout, st, next)?;
             return Ok(true);
         }
-        let status = self.cb.swap_reader(cpu)?;
-        self.cpus[cpu as usize].swap_in_flight = status == SwapStatus::Pending;
-        match status {
-            SwapStatus::Busy | SwapStatus::Pending => Ok(false),
-            SwapStatus::Contended => {
+        let reply = self.cb.swap_reader(cpu)?;
+        self.cpus[cpu as usize].swap_in_flight = reply == SwapReply::Pending;
+        match reply {
+            SwapReply::Done(SwapStatus::Busy) | SwapReply::Pending => Ok(false),
+            SwapReply::Done(SwapStatus::Contended) => {
                 let st = &mut self.cpus[cpu as usize];
                 st.stats.contended = st.stats.contended.saturating_add(1);
                 Ok(false)
             }
-            SwapStatus::Swapped { .. } => {
+            SwapReply::Done(SwapStatus::Swapped { .. }) => {
                 let page = valid_page(
                     &self.layout,
                     cpu,
