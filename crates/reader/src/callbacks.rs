@@ -153,7 +153,7 @@ impl MailboxStatus {
 
 /// The sequence number of a posted mailbox request (56 bits on the wire).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Seq(u64);
+pub struct MailboxSeq(u64);
 
 /// Bits of `MBOX_REQ`/`MBOX_ACK` below the sequence number: the op or the status.
 const SEQ_SHIFT: u32 = 8;
@@ -193,7 +193,7 @@ impl<M: SharedMem> MailboxPort<M> {
 
     /// Posts `op` for `cpu`'s writer; returns the request's sequence number to
     /// [`poll`](Self::poll) with. Replaces any request still in flight for that CPU.
-    pub fn post(&self, cpu: u32, op: MailboxOp) -> Result<Seq, ReadError> {
+    pub fn post(&self, cpu: u32, op: MailboxOp) -> Result<MailboxSeq, ReadError> {
         let slot = self.seqs.get(cpu as usize).ok_or(ReadError::BadCpu(cpu))?;
         // Posts for one CPU are serialised by the caller; the counter is host memory.
         let seq = slot.load(Relaxed).wrapping_add(1) & (u64::MAX >> SEQ_SHIFT);
@@ -203,11 +203,11 @@ impl<M: SharedMem> MailboxPort<M> {
             (seq << SEQ_SHIFT) | op.wire(),
             Release,
         );
-        Ok(Seq(seq))
+        Ok(MailboxSeq(seq))
     }
 
     /// The writer's answer to request `seq` of `cpu`, if it has answered it yet.
-    pub fn poll(&self, cpu: u32, seq: Seq) -> Result<Option<MailboxStatus>, ReadError> {
+    pub fn poll(&self, cpu: u32, seq: MailboxSeq) -> Result<Option<MailboxStatus>, ReadError> {
         if cpu >= self.layout.nr_cpus {
             return Err(ReadError::BadCpu(cpu));
         }
@@ -245,7 +245,7 @@ impl<M: SharedMem> MailboxPort<M> {
 #[derive(Debug, Clone, Copy, Default)]
 struct Slot {
     /// The request in flight: its sequence number, op, and when it was posted.
-    pending: Option<(Seq, MailboxOp, Instant)>,
+    pending: Option<(MailboxSeq, MailboxOp, Instant)>,
     /// A swap's answer that arrived while another op was asked for: the swap happened,
     /// so the reader must learn of it at its next swap call (never dropped).
     swap_answer: Option<MailboxStatus>,

@@ -19,7 +19,8 @@ pub mod callbacks;
 pub mod merge;
 
 pub use callbacks::{
-    Callbacks, Direct, Mailbox, MailboxOp, MailboxPort, MailboxStatus, Seq, SwapReply, SwapStatus,
+    Callbacks, Direct, Mailbox, MailboxOp, MailboxPort, MailboxSeq, MailboxStatus, SwapReply,
+    SwapStatus,
 };
 use hyptrace_abi::layout::{self, ctl, footer, LayoutError, Mode, RingGeometry, FOOTER_MAGIC};
 use hyptrace_abi::page::{self, Record, COMMIT_LEN_MASK, COMMIT_OFFSET, PAGE_HEADER_SIZE};

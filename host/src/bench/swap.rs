@@ -200,7 +200,7 @@ enum Alone {
 /// Spins until the guest answers request `seq` or 50 ms passed.
 fn await_answer(
     port: &MailboxPort<impl hyptrace_abi::SharedMem>,
-    seq: hyptrace_reader::Seq,
+    seq: hyptrace_reader::MailboxSeq,
 ) -> Result<Option<MailboxStatus>, String> {
     let deadline = Instant::now() + Duration::from_millis(50);
     loop {
