@@ -12,7 +12,7 @@
 use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion, Throughput};
 use hyptrace_abi::layout::{Mode, RingGeometry};
 use hyptrace_abi::HeapMem;
-use hyptrace_reader::{Callbacks, Direct, Item, RingBuffer, SwapStatus};
+use hyptrace_reader::{Callbacks, Direct, Item, RingBuffer, SwapReply, SwapStatus};
 use hyptrace_writer::{WriteOutcome, Writer};
 use std::hint::black_box;
 use std::sync::Arc;
@@ -110,7 +110,7 @@ fn swap_benches(c: &mut Criterion) {
                     let t = Instant::now();
                     let s = cb.swap_reader(0).expect("swap");
                     total += t.elapsed();
-                    assert!(matches!(s, SwapStatus::Swapped { .. }));
+                    assert!(matches!(s, SwapReply::Done(SwapStatus::Swapped { .. })));
                 }
                 total
             })

@@ -18,7 +18,10 @@
 pub mod callbacks;
 pub mod merge;
 
-pub use callbacks::{Callbacks, Direct, Mailbox, SwapStatus};
+pub use callbacks::{
+    Callbacks, Direct, Mailbox, MailboxOp, MailboxPort, MailboxSeq, MailboxStatus, SwapReply,
+    SwapStatus,
+};
 use hyptrace_abi::layout::{self, ctl, footer, LayoutError, Mode, RingGeometry, FOOTER_MAGIC};
 use hyptrace_abi::page::{self, Record, COMMIT_LEN_MASK, COMMIT_OFFSET, PAGE_HEADER_SIZE};
 use hyptrace_abi::SharedMem;
@@ -672,18 +675,18 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
             Self::enter_page(&self.mem, &self.layout, st, next)?;
             return Ok(true);
         }
-        let status = self.cb.swap_reader(cpu)?;
+        let reply = self.cb.swap_reader(cpu)?;
         // M1: while a swap request is in flight the reader page is not touched: next_event
         // and next_page only call advance until the answer came.
-        self.cpus[cpu as usize].swap_in_flight = status == SwapStatus::Pending;
-        match status {
-            SwapStatus::Busy | SwapStatus::Pending => Ok(false),
-            SwapStatus::Contended => {
+        self.cpus[cpu as usize].swap_in_flight = reply == SwapReply::Pending;
+        match reply {
+            SwapReply::Done(SwapStatus::Busy) | SwapReply::Pending => Ok(false),
+            SwapReply::Done(SwapStatus::Contended) => {
                 let st = &mut self.cpus[cpu as usize];
                 st.stats.contended = st.stats.contended.saturating_add(1);
                 Ok(false)
             }
-            SwapStatus::Swapped { .. } => {
+            SwapReply::Done(SwapStatus::Swapped { .. }) => {
                 // Acquire: paired with the Release store of reader_page in swap_reader_page_hinted.
                 let page = valid_page(
                     &self.layout,

@@ -1,0 +1,206 @@
+//! `drain`: page-at-a-time reading (`next_page`, validation and copy-out included) into
+//! a raw page file and into a null sink, on a host region filled beforehand (the reader
+//! alone); and `hyptrace record`'s pipeline in a VM with the guest writing as fast as it
+//! can (lossy by design: overwrite mode).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use hyptrace_abi::guest::Workload;
+use hyptrace_abi::layout as ring;
+use hyptrace_abi::HeapMem;
+use hyptrace_output::{Clock, PageSink, RawSink, RunSummary, TraceMeta};
+use hyptrace_reader::{Direct, RingBuffer};
+use hyptrace_writer::{WriteOutcome, Writer};
+use serde::Serialize;
+
+use super::harness::{vm_run, SinkKind, TempPath, VmSpec};
+use super::stats::{Summary, Tsc};
+use super::{bench_payload, Cfg, Measured, DEFAULT_PAGES, PAGE_SIZE};
+use crate::cli::{ModeArg, SwapArg};
+
+/// The `drain` JSON object; a section not run is `{}` in each.
+#[derive(Clone, Debug, Serialize)]
+pub(super) struct DrainReport {
+    pub(super) reader_to_file: Measured<ReaderDrainRow>,
+    pub(super) reader_only: Measured<ReaderDrainRow>,
+    pub(super) vm_record_raw: Measured<VmDrainRow>,
+}
+
+impl DrainReport {
+    /// The rows of the table, in order, with what they measure.
+    pub(super) fn throughputs(&self) -> [(&'static str, Option<&Throughput>); 3] {
+        [
+            (
+                "reader → raw file (page cache)",
+                self.reader_to_file.get().map(|r| &r.throughput),
+            ),
+            (
+                "reader → null sink",
+                self.reader_only.get().map(|r| &r.throughput),
+            ),
+            (
+                "VM record --format raw",
+                self.vm_record_raw.get().map(|r| &r.throughput),
+            ),
+        ]
+    }
+}
+
+/// What every drain row reports.
+#[derive(Clone, Debug, Serialize)]
+pub(super) struct Throughput {
+    /// MB (10⁶ bytes) of 4 KiB pages per second.
+    pub(super) mb_per_s: Summary,
+    pub(super) pages_per_s: Summary,
+}
+
+/// The reader alone, on a region filled beforehand.
+#[derive(Clone, Debug, Serialize)]
+pub(super) struct ReaderDrainRow {
+    #[serde(flatten)]
+    pub(super) throughput: Throughput,
+    /// Including the sink's `finish` (a file's fsync and rename).
+    pub(super) mb_per_s_incl_fsync: Summary,
+    pub(super) pages: u32,
+}
+
+/// `record --format raw` of a guest writing flat out.
+#[derive(Clone, Debug, Serialize)]
+pub(super) struct VmDrainRow {
+    #[serde(flatten)]
+    pub(super) throughput: Throughput,
+    /// Lost / written, per run.
+    pub(super) lost_fraction: Summary,
+    pub(super) events: u64,
+    pub(super) payload: u32,
+}
+
+/// A host region (1 CPU, stop mode, `pages` pages) filled by the writer with 16-byte
+/// payloads; returns the reader over it.
+fn filled_region(pages: u32) -> Result<RingBuffer<Arc<HeapMem>, Direct<Arc<HeapMem>>>, String> {
+    let l = ring::RingGeometry::new(1, pages, PAGE_SIZE as usize, ring::Mode::Stop, false)
+        .map_err(|e| e.to_string())?;
+    let mem = Arc::new(HeapMem::new(l.region_size));
+    let rb = RingBuffer::alloc(mem.clone(), l, Direct::new(mem.clone(), l), 1_000_000, 1)
+        .map_err(|e| e.to_string())?;
+    let mut w = Writer::attach(mem, 0).map_err(|e| e.to_string())?;
+    let p = bench_payload(16);
+    let mut ts = 1000u64;
+    loop {
+        ts += 37;
+        if w.write(0, ts, &p) != WriteOutcome::Written {
+            break;
+        }
+    }
+    Ok(rb)
+}
+
+/// Reads every complete page of a filled region into `sink`; returns (pages, bytes,
+/// seconds until the last page was handed to the sink, seconds including the sink's
+/// `finish`: for a file, its fsync and rename).
+fn drain_once(pages: u32, sink: Option<PathBuf>) -> Result<(u64, u64, f64, f64), String> {
+    let mut rb = filled_region(pages)?;
+    let meta = TraceMeta::guest(PAGE_SIZE as usize, 1, Clock::nanoseconds());
+    let mut sink: Option<RawSink> = match &sink {
+        Some(p) => Some(RawSink::create(p, meta).map_err(|e| e.to_string())?),
+        None => None,
+    };
+    let (mut n, mut bytes) = (0u64, 0u64);
+    let t = Instant::now();
+    while let Some(pg) = rb.next_page(0).map_err(|e| e.to_string())? {
+        n += 1;
+        bytes += pg.bytes.len() as u64;
+        match sink.as_mut() {
+            Some(s) => s
+                .page(0, pg.bytes, (pg.missed > 0).then_some(pg.missed))
+                .map_err(|e| e.to_string())?,
+            None => {
+                std::hint::black_box(pg.bytes);
+            }
+        }
+    }
+    let streamed = t.elapsed().as_secs_f64();
+    if let Some(s) = sink {
+        Box::new(s)
+            .finish(&RunSummary { cpus: Vec::new() })
+            .map_err(|e| e.to_string())?;
+    }
+    Ok((n, bytes, streamed, t.elapsed().as_secs_f64()))
+}
+
+/// The reader into a file, then into nothing, `reps` times each.
+fn reader_drain(cfg: &Cfg, to_file: bool) -> Result<ReaderDrainRow, String> {
+    let (mut mbs, mut pps, mut synced) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..cfg.reps {
+        let tmp = TempPath::new("raw");
+        let (n, bytes, secs, total) = drain_once(cfg.drain_pages, to_file.then(|| tmp.0.clone()))?;
+        mbs.push(bytes as f64 / secs / 1e6);
+        pps.push(n as f64 / secs);
+        synced.push(bytes as f64 / total / 1e6);
+    }
+    Ok(ReaderDrainRow {
+        throughput: Throughput {
+            mb_per_s: Summary::of(&mbs),
+            pages_per_s: Summary::of(&pps),
+        },
+        mb_per_s_incl_fsync: Summary::of(&synced),
+        pages: cfg.drain_pages,
+    })
+}
+
+/// End to end: `hyptrace record --format raw` of a guest writing as fast as it can.
+fn vm_drain(cfg: &Cfg, tsc: Tsc) -> Result<VmDrainRow, String> {
+    let (mut mbs, mut pps, mut lost) = (Vec::new(), Vec::new(), Vec::new());
+    let events = cfg.events * 4;
+    for _ in 0..cfg.reps {
+        let o = vm_run(&VmSpec {
+            vcpus: 1,
+            workload: Workload::Bench,
+            events,
+            rate: 0,
+            payload: 16,
+            mode: ModeArg::Overwrite,
+            swap: SwapArg::Host,
+            pages: DEFAULT_PAGES,
+            sink: SinkKind::Raw,
+            time_swaps: false,
+        })?;
+        let guest_s = tsc.ns(o.guest_cycles as f64) / 1e9;
+        let secs = o.wall.as_secs_f64().max(guest_s);
+        mbs.push((o.pages * PAGE_SIZE) as f64 / secs / 1e6);
+        pps.push(o.pages as f64 / secs);
+        lost.push(o.lost as f64 / o.written.max(1) as f64);
+    }
+    Ok(VmDrainRow {
+        throughput: Throughput {
+            mb_per_s: Summary::of(&mbs),
+            pages_per_s: Summary::of(&pps),
+        },
+        lost_fraction: Summary::of(&lost),
+        events,
+        payload: 16,
+    })
+}
+
+/// The three drains.
+pub(super) fn drain_section(cfg: &Cfg, tsc: Tsc) -> Result<DrainReport, String> {
+    let reader_to_file = reader_drain(cfg, true)?;
+    eprintln!(
+        "  reader_to_file: {:.0} MB/s",
+        reader_to_file.throughput.mb_per_s.median
+    );
+    let reader_only = reader_drain(cfg, false)?;
+    eprintln!(
+        "  reader_only: {:.0} MB/s",
+        reader_only.throughput.mb_per_s.median
+    );
+    let vm = vm_drain(cfg, tsc)?;
+    eprintln!("  vm_record_raw: {:.0} MB/s", vm.throughput.mb_per_s.median);
+    Ok(DrainReport {
+        reader_to_file: Measured::Ran(reader_to_file),
+        reader_only: Measured::Ran(reader_only),
+        vm_record_raw: Measured::Ran(vm),
+    })
+}

@@ -1,0 +1,385 @@
+//! `hyptrace bench`: end-to-end benchmarks in a real VM, with native baselines measured
+//! in the same invocation (see docs/benchmarks.md).
+//!
+//! Sections (each in the printed table and the JSON written by `--json FILE`):
+//! - `writer`: guest ns/event per payload size and vCPU count, from the guest's TSC (the
+//!   `bench` workload times its own write loop, chunk by chunk), against the same loop
+//!   run natively in host threads on a heap region of the same layout, and against the
+//!   bound — one `rdtsc` plus a raw store of the same bytes — and `rdtsc` alone.
+//! - `drain`: page-at-a-time reading (`next_page`, validation and copy-out included)
+//!   into a raw page file and into a null sink, on a host region filled beforehand
+//!   (the reader alone); and `hyptrace record`'s pipeline in a VM with the guest
+//!   writing as fast as it can.
+//! - `swap`: every `swap_reader` call of a real drain timed, host-executed (`Direct`
+//!   on guest memory) and guest-executed (the mailbox round trip), no exits.
+//! - `max_rate`: the highest `--rate` sustained with zero loss in stop mode at the
+//!   default poll interval and buffer size (a short doubling + bisection search). Every
+//!   run writes at least twice what a ring holds, so a loss-free run means the reader
+//!   kept up. `--quick` makes one run at the first rate: a lower bound, not a search
+//!   (`searched: false`); a search that never lost reports a lower bound too
+//!   (`first_lossy_rate: null`, `lower_bound: true`).
+//! - `startup`: VMM start (before the VM is created) → the first event's timestamp.
+//!
+//! Module map: [`harness`] (a VM run with a reader, as `record`), [`stats`]
+//! ([`Quantiles`](stats::Quantiles), JSON summaries, TSC units), one file per section
+//! ([`startup`], [`writer`], [`swap`], [`drain`], [`rate`], [`criterion`]) each with its
+//! typed rows, and [`table`] (the text). [`BenchReport`] is the JSON.
+//!
+//! Times are TSC cycles converted with the vCPUs' TSC frequency (guest TSC = host TSC
+//! on this machine; see `Vm::tsc_offset`). Every figure is a median over repetitions;
+//! spreads are reported next to them. No figure is asserted.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use clap::Args;
+use hyptrace_abi::guest::BENCH_CHUNK;
+use serde::Serialize;
+
+use crate::cli::{EXIT_OK, EXIT_RUNTIME, EXIT_USAGE};
+
+mod criterion;
+mod drain;
+mod harness;
+mod rate;
+mod startup;
+mod stats;
+mod swap;
+mod table;
+mod writer;
+
+use drain::DrainReport;
+use stats::Tsc;
+use swap::SwapReport;
+
+/// Options of `hyptrace bench`.
+#[derive(Clone, Debug, Args)]
+pub struct BenchArgs {
+    /// A tiny smoke run (one vCPU count, one payload, one repetition, short searches).
+    #[arg(long)]
+    pub quick: bool,
+    /// Write the results as JSON to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// vCPU counts of the writer runs [default: 1,2; --quick: 1].
+    #[arg(long, value_name = "N,..", value_delimiter = ',')]
+    pub vcpus: Vec<u32>,
+    /// Payload sizes in bytes of the writer runs [default: 0,8,16,64,256; --quick: 16].
+    #[arg(long, value_name = "B,..", value_delimiter = ',')]
+    pub payloads: Vec<u32>,
+    /// Events per vCPU per writer run [default: 1000000; --quick: 100000].
+    #[arg(long, value_name = "N")]
+    pub events: Option<u64>,
+    /// Repetitions of every measurement [default: 5; --quick: 1].
+    #[arg(long, value_name = "N")]
+    pub reps: Option<u32>,
+    /// Also import criterion's results from DIR (e.g. target/criterion after `cargo
+    /// bench`): medians of the rtrb, raw-store and rdtsc baselines etc. go into the JSON.
+    #[arg(long, value_name = "DIR")]
+    pub criterion: Option<PathBuf>,
+    /// Only these sections (startup always runs: it measures the TSC frequency)
+    /// [default: all].
+    #[arg(long, value_enum, value_name = "S,..", value_delimiter = ',')]
+    pub only: Vec<Section>,
+}
+
+/// Sections of `hyptrace bench`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Section {
+    /// Guest vs native vs bound ns/event.
+    Writer,
+    /// swap_reader latency, both modes.
+    Swap,
+    /// Drain throughput.
+    Drain,
+    /// Highest loss-free rate.
+    Rate,
+}
+
+/// Ring pages per vCPU (reader page included): `--buffer-kb 1024` of 4 KiB pages, the
+/// CLI's default.
+const DEFAULT_PAGES: u64 = 256;
+const PAGE_SIZE: u64 = 4096;
+/// Largest payload of the guest's bench workload.
+const MAX_BENCH_PAYLOAD: u32 = 2048;
+
+/// The effective configuration.
+#[derive(Clone, Debug)]
+struct Cfg {
+    quick: bool,
+    vcpus: Vec<u32>,
+    payloads: Vec<u32>,
+    events: u64,
+    reps: u32,
+    swap_events: u64,
+    swap_rate: u64,
+    drain_pages: u32,
+    rate_seconds: f64,
+    rate_steps: u32,
+}
+
+impl Cfg {
+    fn new(a: &BenchArgs) -> Result<Self, String> {
+        let q = a.quick;
+        let vcpus = if a.vcpus.is_empty() {
+            if q {
+                vec![1]
+            } else {
+                vec![1, 2]
+            }
+        } else {
+            a.vcpus.clone()
+        };
+        let payloads = if a.payloads.is_empty() {
+            if q {
+                vec![16]
+            } else {
+                vec![0, 8, 16, 64, 256]
+            }
+        } else {
+            a.payloads.clone()
+        };
+        if let Some(&v) = vcpus.iter().find(|&&v| v == 0 || v > 64) {
+            return Err(format!("--vcpus {v}: must be 1..=64"));
+        }
+        if let Some(&p) = payloads.iter().find(|&&p| p > MAX_BENCH_PAYLOAD) {
+            return Err(format!("--payloads {p}: at most {MAX_BENCH_PAYLOAD} bytes"));
+        }
+        let events = a.events.unwrap_or(if q { 100_000 } else { 1_000_000 });
+        if events < BENCH_CHUNK {
+            return Err(format!("--events {events}: at least {BENCH_CHUNK}"));
+        }
+        let reps = a.reps.unwrap_or(if q { 1 } else { 5 });
+        if reps == 0 {
+            return Err("--reps must be at least 1".into());
+        }
+        Ok(Self {
+            quick: q,
+            vcpus,
+            payloads,
+            events,
+            reps,
+            swap_events: if q { 20_000 } else { 400_000 },
+            swap_rate: 1_000_000,
+            drain_pages: if q { 512 } else { 8192 },
+            rate_seconds: if q { 0.05 } else { 0.25 },
+            rate_steps: if q { 1 } else { 12 },
+        })
+    }
+}
+
+/// The payload bytes of the bench workload's events (the guest writes the same).
+fn bench_payload(n: u32) -> Vec<u8> {
+    (0..n as usize).map(|i| i as u8).collect()
+}
+
+/// A section's object in the JSON: its row, or `{}` when the section was not run
+/// (`--only`).
+#[derive(Clone, Debug, Serialize)]
+#[serde(untagged)]
+enum Measured<T> {
+    /// Measured.
+    Ran(T),
+    /// Not run: serialised as `{}`.
+    NotRun {},
+}
+
+impl<T> Measured<T> {
+    fn get(&self) -> Option<&T> {
+        match self {
+            Self::Ran(t) => Some(t),
+            Self::NotRun {} => None,
+        }
+    }
+}
+
+/// Everything `hyptrace bench` measured: the `--json` document (docs/benchmarks.md).
+#[derive(Clone, Debug, Serialize)]
+struct BenchReport {
+    version: u32,
+    quick: bool,
+    machine: Machine,
+    config: BenchConfig,
+    startup: startup::StartupReport,
+    writer: Vec<writer::WriterRow>,
+    swap: SwapReport,
+    drain: DrainReport,
+    max_rate: Vec<rate::RateRow>,
+    /// `--criterion DIR`'s medians, keyed by benchmark id; `null` without it.
+    criterion: Option<BTreeMap<String, criterion::CriterionRow>>,
+    wall_seconds: f64,
+}
+
+impl BenchReport {
+    /// The JSON text: keys sorted at every level (as `serde_json::Value` orders them),
+    /// pretty-printed, one trailing newline.
+    fn json(&self) -> String {
+        let mut s = serde_json::to_value(self)
+            .and_then(|v| serde_json::to_string_pretty(&v))
+            .unwrap_or_else(|_| "{}".into());
+        s.push('\n');
+        s
+    }
+}
+
+/// The machine the figures come from.
+#[derive(Clone, Debug, Serialize)]
+struct Machine {
+    cpu: String,
+    cpus: usize,
+    kernel: String,
+    /// `pvm` or `kvm`.
+    kvm: &'static str,
+    tsc_khz: u64,
+    loadavg_at_end: String,
+}
+
+/// The effective configuration, as run.
+#[derive(Clone, Debug, Default, Serialize)]
+struct BenchConfig {
+    vcpus: Vec<u32>,
+    payloads: Vec<u32>,
+    events_per_vcpu: u64,
+    reps: u32,
+    chunk_events: u64,
+    ring_pages_per_vcpu: u64,
+    page_size: u64,
+    poll_ms: u32,
+}
+
+impl SwapReport {
+    fn not_run() -> Self {
+        Self {
+            host: Measured::NotRun {},
+            guest: Measured::NotRun {},
+            host_live_drain: Measured::NotRun {},
+            guest_live_drain: Measured::NotRun {},
+        }
+    }
+}
+
+impl DrainReport {
+    fn not_run() -> Self {
+        Self {
+            reader_to_file: Measured::NotRun {},
+            reader_only: Measured::NotRun {},
+            vm_record_raw: Measured::NotRun {},
+        }
+    }
+}
+
+/// `hyptrace bench`.
+pub fn bench(a: &BenchArgs) -> i32 {
+    let cfg = match Cfg::new(a) {
+        Ok(c) => c,
+        Err(msg) => {
+            eprintln!("hyptrace: error: {msg}");
+            return EXIT_USAGE;
+        }
+    };
+    // Before the first VM boots: a bad --json path costs nothing.
+    let json_target = match a
+        .json
+        .as_deref()
+        .map(|p| crate::cli::check_destination(p, "--json"))
+    {
+        Some(Err(msg)) => {
+            eprintln!("hyptrace: error: {msg}");
+            return EXIT_USAGE;
+        }
+        Some(Ok(t)) => Some(t),
+        None => None,
+    };
+    match run_all(&cfg, a) {
+        Ok(v) => {
+            print!("{}", table::table(&v));
+            if let Some(t) = &json_target {
+                if let Err(e) = crate::cli::write_destination(t, &v.json()) {
+                    eprintln!("hyptrace: error: cannot write --json: {e}");
+                    return EXIT_RUNTIME;
+                }
+            }
+            EXIT_OK
+        }
+        Err(e) => {
+            eprintln!("hyptrace: error: bench: {e}");
+            EXIT_RUNTIME
+        }
+    }
+}
+
+fn run_all(cfg: &Cfg, a: &BenchArgs) -> Result<BenchReport, String> {
+    let t0 = Instant::now();
+    eprintln!("hyptrace bench: startup");
+    let (startup, tsc) = startup::startup(cfg)?;
+    let on = |s: Section| a.only.is_empty() || a.only.contains(&s);
+    let mut writer = Vec::new();
+    if on(Section::Writer) {
+        eprintln!("hyptrace bench: writer (guest, native, bound)");
+        writer = writer::writer_section(cfg, tsc)?;
+    }
+    let mut swap = SwapReport::not_run();
+    if on(Section::Swap) {
+        eprintln!("hyptrace bench: swap latency");
+        swap = swap::swap_section(cfg, tsc)?;
+    }
+    let mut drain = DrainReport::not_run();
+    if on(Section::Drain) {
+        eprintln!("hyptrace bench: drain");
+        drain = drain::drain_section(cfg, tsc)?;
+    }
+    let mut max_rate = Vec::new();
+    if on(Section::Rate) {
+        eprintln!("hyptrace bench: highest loss-free rate");
+        max_rate = rate::max_rate_section(cfg)?;
+    }
+    let criterion = a.criterion.as_deref().map(criterion::import_criterion);
+    Ok(BenchReport {
+        version: 1,
+        quick: cfg.quick,
+        machine: machine(tsc),
+        config: BenchConfig {
+            vcpus: cfg.vcpus.clone(),
+            payloads: cfg.payloads.clone(),
+            events_per_vcpu: cfg.events,
+            reps: cfg.reps,
+            chunk_events: BENCH_CHUNK,
+            ring_pages_per_vcpu: DEFAULT_PAGES,
+            page_size: PAGE_SIZE,
+            poll_ms: 1,
+        },
+        startup,
+        writer,
+        swap,
+        drain,
+        max_rate,
+        criterion,
+        wall_seconds: t0.elapsed().as_secs_f64(),
+    })
+}
+
+fn machine(tsc: Tsc) -> Machine {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let cpu = cpuinfo
+        .lines()
+        .find_map(|l| l.strip_prefix("model name"))
+        .and_then(|l| l.split(':').nth(1))
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default();
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default();
+    let pvm = Path::new("/sys/module/kvm_pvm").exists();
+    let loadavg_at_end = std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default();
+    Machine {
+        cpu,
+        cpus: std::thread::available_parallelism().map_or(0, |n| n.get()),
+        kernel,
+        kvm: if pvm { "pvm" } else { "kvm" },
+        tsc_khz: tsc.khz,
+        loadavg_at_end,
+    }
+}

@@ -1,0 +1,161 @@
+//! `max_rate`: the highest `--rate` sustained with zero loss in stop mode at the default
+//! poll interval and buffer size (a short doubling + bisection search). Every run writes
+//! at least twice what a ring holds, so a loss-free run means the reader kept up.
+//! `--quick` makes one run at the first rate: a lower bound, not a search
+//! (`searched: false`); a search that never lost reports a lower bound too
+//! (`first_lossy_rate: null`, `lower_bound: true`).
+
+use hyptrace_abi::guest::Workload;
+use serde::Serialize;
+
+use super::harness::{vm_run, SinkKind, VmSpec};
+use super::{Cfg, DEFAULT_PAGES, PAGE_SIZE};
+use crate::cli::{ModeArg, SwapArg};
+
+/// Events per vCPU that overflow a ring of the rate search twice over if the reader
+/// does not drain it (`guest:marker`: 4-byte header + 24-byte payload), so a run without
+/// loss is evidence.
+const RATE_FILL_EVENTS: u64 = 2 * DEFAULT_PAGES * PAGE_SIZE / 28;
+
+/// One `max_rate` row: the search for one vCPU count.
+#[derive(Clone, Debug, Serialize)]
+pub(super) struct RateRow {
+    pub(super) vcpus: u32,
+    /// The highest rate run without loss (0: none).
+    pub(super) max_rate_zero_loss: u64,
+    /// The lowest rate that lost events, if any did.
+    pub(super) first_lossy_rate: Option<u64>,
+    /// No rate lost events: `max_rate_zero_loss` is a lower bound.
+    pub(super) lower_bound: bool,
+    /// False for `--quick`'s single run.
+    pub(super) searched: bool,
+    pub(super) runs: Vec<RateRun>,
+    pub(super) mode: &'static str,
+    pub(super) poll_ms: u32,
+    pub(super) buffer_kb: u64,
+    pub(super) sink: &'static str,
+}
+
+/// One run of the search.
+#[derive(Clone, Debug, Serialize)]
+pub(super) struct RateRun {
+    pub(super) rate: u64,
+    pub(super) events_per_vcpu: u64,
+    pub(super) lost: u64,
+    pub(super) read: u64,
+    /// Events/s per vCPU the guest reached (its own TSC).
+    pub(super) achieved_rate: f64,
+    /// Nothing lost, everything written read.
+    pub(super) ok: bool,
+}
+
+impl RateRow {
+    /// The highest loss-free rate, in words.
+    pub(super) fn text(&self) -> String {
+        let good = self.max_rate_zero_loss;
+        match (self.first_lossy_rate, self.searched) {
+            (_, false) if good > 0 => {
+                format!("at least {good} events/s per vCPU (--quick: one run, no search)")
+            }
+            (_, false) => {
+                let lossy = self.runs.first().map_or(0, |r| r.rate);
+                format!("not measured (--quick: the one run at {lossy}/s lost events)")
+            }
+            (Some(bad), _) if good == 0 => {
+                format!("below {bad} events/s per vCPU (the first rate tried lost events)")
+            }
+            (Some(bad), _) => format!("{good} events/s per vCPU (first lossy rate: {bad})"),
+            (None, _) => format!("at least {good} events/s per vCPU (no rate tried lost events)"),
+        }
+    }
+}
+
+fn rate_run(cfg: &Cfg, vcpus: u32, rate: u64) -> Result<RateRun, String> {
+    let events = ((rate as f64 * cfg.rate_seconds) as u64).max(RATE_FILL_EVENTS);
+    let o = vm_run(&VmSpec {
+        vcpus,
+        workload: Workload::Steady,
+        events,
+        rate,
+        payload: 0,
+        mode: ModeArg::Stop,
+        swap: SwapArg::Host,
+        pages: DEFAULT_PAGES,
+        sink: SinkKind::Dat,
+        time_swaps: false,
+    })?;
+    let achieved = if o.guest_cycles > 0 {
+        events as f64 * o.tsc_khz as f64 * 1000.0 / o.guest_cycles as f64
+    } else {
+        0.0
+    };
+    Ok(RateRun {
+        rate,
+        events_per_vcpu: events,
+        lost: o.lost,
+        read: o.read,
+        achieved_rate: achieved,
+        ok: o.lost == 0 && o.written == o.read,
+    })
+}
+
+/// The search for one vCPU count: double until a loss (or the guest cannot go
+/// faster), then bisect, `rate_steps` runs at most.
+fn search(cfg: &Cfg, vcpus: u32) -> Result<RateRow, String> {
+    let mut runs = Vec::new();
+    let mut good = 0u64;
+    let mut bad = None;
+    let mut rate = 200_000u64;
+    let mut steps = 0;
+    while steps < cfg.rate_steps && rate <= 256_000_000 {
+        steps += 1;
+        let r = rate_run(cfg, vcpus, rate)?;
+        let ok = r.ok;
+        runs.push(r);
+        if ok {
+            good = rate;
+            rate *= 2;
+        } else {
+            bad = Some(rate);
+            break;
+        }
+    }
+    while let Some(b) = bad {
+        if steps >= cfg.rate_steps || b - good <= good / 16 {
+            break;
+        }
+        steps += 1;
+        let mid = good + (b - good) / 2;
+        let r = rate_run(cfg, vcpus, mid)?;
+        let ok = r.ok;
+        runs.push(r);
+        if ok {
+            good = mid;
+        } else {
+            bad = Some(mid);
+        }
+    }
+    Ok(RateRow {
+        vcpus,
+        max_rate_zero_loss: good,
+        first_lossy_rate: bad,
+        lower_bound: bad.is_none(),
+        searched: !cfg.quick,
+        runs,
+        mode: "stop",
+        poll_ms: 1,
+        buffer_kb: DEFAULT_PAGES * PAGE_SIZE / 1024,
+        sink: "trace.dat v7 file",
+    })
+}
+
+/// The `max_rate` rows: one search per vCPU count.
+pub(super) fn max_rate_section(cfg: &Cfg) -> Result<Vec<RateRow>, String> {
+    let mut rows = Vec::new();
+    for &v in &cfg.vcpus {
+        let row = search(cfg, v)?;
+        eprintln!("  vcpus {v}: {}", row.text());
+        rows.push(row);
+    }
+    Ok(rows)
+}

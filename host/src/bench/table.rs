@@ -1,0 +1,279 @@
+//! The text table `hyptrace bench` prints (the JSON's figures, rounded; a section not
+//! run shows `-` and zeros).
+
+use std::fmt::Write as _;
+
+use hyptrace_abi::guest::BENCH_CHUNK;
+
+use super::stats::Summary;
+use super::BenchReport;
+
+/// `12.34 ± 5%`: a summary's median and spread.
+fn cell(s: &Summary) -> String {
+    format!("{:.2} ±{:>3.0}%", s.median, s.spread * 100.0)
+}
+
+/// A count, `-` when not measured.
+fn count(v: Option<impl ToString>) -> String {
+    v.map_or_else(|| "-".into(), |v| v.to_string())
+}
+
+/// The table of a report.
+pub(super) fn table(v: &BenchReport) -> String {
+    let mut s = String::new();
+    let m = &v.machine;
+    let _ = writeln!(
+        s,
+        "hyptrace bench: {} ({} CPUs), kernel {}, {}, TSC {} kHz{}",
+        m.cpu,
+        m.cpus,
+        m.kernel,
+        m.kvm,
+        m.tsc_khz,
+        if v.quick { " (--quick)" } else { "" }
+    );
+    let _ = writeln!(
+        s,
+        "\nwriter, ns/event (median of the fastest {}-event chunk per run; spread = (max-min)/median)",
+        BENCH_CHUNK
+    );
+    let _ = writeln!(
+        s,
+        "{:>5} {:>7} {:>15} {:>15} {:>15} {:>7} {:>12} {:>11}",
+        "vcpus",
+        "payload",
+        "guest",
+        "native",
+        "rdtsc+store",
+        "rdtsc",
+        "native/guest",
+        "guest/bound"
+    );
+    for r in &v.writer {
+        let _ = writeln!(
+            s,
+            "{:>5} {:>7} {:>15} {:>15} {:>15} {:>7.2} {:>12.2} {:>11.2}",
+            r.vcpus,
+            r.payload,
+            cell(&r.guest_ns),
+            cell(&r.native_ns),
+            cell(&r.bound_ns),
+            r.rdtsc_ns.median,
+            r.guest_rate_vs_native,
+            r.guest_vs_bound,
+        );
+    }
+    let _ = writeln!(
+        s,
+        "\nswap_reader latency, ns (alone: one swap every 150 µs; live: every swap of a drain, pending = mailbox not answered within 30 µs)"
+    );
+    let _ = writeln!(
+        s,
+        "{:>17} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8}",
+        "swap", "swaps", "median", "p10", "p90", "p99", "pending"
+    );
+    for (k, r) in v.swap.latencies() {
+        let _ = writeln!(
+            s,
+            "{:>17} {:>8} {:>8.0} {:>8.0} {:>8.0} {:>8.0} {:>8}",
+            k,
+            count(r.map(|r| r.swapped)),
+            r.map_or(0.0, |r| r.median_ns),
+            r.map_or(0.0, |r| r.p10_ns),
+            r.map_or(0.0, |r| r.p90_ns),
+            r.map_or(0.0, |r| r.p99_ns),
+            count(r.map(|r| r.pending)),
+        );
+    }
+    let _ = writeln!(
+        s,
+        "\ndrain (4 KiB pages; raw file incl. its final fsync: {:.0} MB/s)",
+        v.drain
+            .reader_to_file
+            .get()
+            .map_or(0.0, |r| r.mb_per_s_incl_fsync.median)
+    );
+    for (what, r) in v.drain.throughputs() {
+        let _ = writeln!(
+            s,
+            "  {what:<32} {:>8.0} MB/s ±{:>3.0}%  {:>9.0} pages/s",
+            r.map_or(0.0, |r| r.mb_per_s.median),
+            r.map_or(0.0, |r| r.mb_per_s.spread) * 100.0,
+            r.map_or(0.0, |r| r.pages_per_s.median),
+        );
+    }
+    let _ = writeln!(
+        s,
+        "\nhighest --rate with zero loss (stop mode, poll 1 ms, 1 MiB/vCPU, record to trace.dat)"
+    );
+    for r in &v.max_rate {
+        let who = format!("{} vCPU{}:", r.vcpus, if r.vcpus == 1 { "" } else { "s" });
+        let _ = writeln!(s, "  {who:<10} {}", r.text());
+    }
+    let st = &v.startup;
+    let _ = writeln!(
+        s,
+        "\nstart-up: VMM start → first event {:.2} ms (VM creation {:.2} ms, vCPU start → first instruction {:.2} ms)",
+        st.first_event_ms.median,
+        st.vm_create_ms.median,
+        st.start_to_first_instruction_ms.median,
+    );
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::rate::{RateRow, RateRun};
+    use super::super::swap::{PingPongRow, PingPongWorkload, SwapLatency, SwapReport};
+    use super::super::writer::WriterRow;
+    use super::super::{BenchConfig, DrainReport, Machine, Measured};
+    use super::*;
+
+    fn rate_row(vcpus: u32, good: u64, bad: Option<u64>, searched: bool) -> RateRow {
+        RateRow {
+            vcpus,
+            max_rate_zero_loss: good,
+            first_lossy_rate: bad,
+            lower_bound: bad.is_none(),
+            searched,
+            runs: vec![RateRun {
+                rate: 200_000,
+                events_per_vcpu: 1,
+                lost: 0,
+                read: 1,
+                achieved_rate: 1.0,
+                ok: true,
+            }],
+            mode: "stop",
+            poll_ms: 1,
+            buffer_kb: 1024,
+            sink: "trace.dat v7 file",
+        }
+    }
+
+    /// A report with one writer row, one swap row, three rate rows; the rest not run.
+    fn sample() -> BenchReport {
+        let sum = |x: f64| Summary::of(&[x]);
+        BenchReport {
+            version: 1,
+            quick: true,
+            machine: Machine {
+                cpu: "X".into(),
+                cpus: 2,
+                kernel: "k".into(),
+                kvm: "kvm",
+                tsc_khz: 1000,
+                loadavg_at_end: String::new(),
+            },
+            config: BenchConfig::default(),
+            startup: Default::default(),
+            writer: vec![WriterRow {
+                vcpus: 1,
+                payload: 16,
+                event_bytes: 24,
+                guest_ns: sum(12.5),
+                guest_mean_ns: sum(12.5),
+                native_ns: sum(10.0),
+                native_mean_ns: sum(10.0),
+                bound_ns: sum(9.0),
+                bound_mean_ns: sum(9.0),
+                rdtsc_ns: sum(8.0),
+                guest_rate_vs_native: 0.8,
+                guest_vs_bound: 1.4,
+                native_vs_bound: 1.1,
+            }],
+            swap: SwapReport {
+                host: Measured::Ran(PingPongRow {
+                    latency: SwapLatency {
+                        mode: "host".into(),
+                        swapped: 200,
+                        median_ns: 70.0,
+                        p10_ns: 40.0,
+                        p90_ns: 300.0,
+                        p99_ns: 900.0,
+                        max_ns: 1000.0,
+                        pending: 0,
+                    },
+                    busy: 0,
+                    transient_failures: 0,
+                    workload: PingPongWorkload {
+                        rate: 1,
+                        ring_pages: 256,
+                        interval_us: 150,
+                    },
+                }),
+                guest: Measured::NotRun {},
+                host_live_drain: Measured::NotRun {},
+                guest_live_drain: Measured::NotRun {},
+            },
+            drain: DrainReport::not_run(),
+            max_rate: vec![
+                rate_row(1, 200_000, None, false),
+                rate_row(2, 400_000, None, true),
+                rate_row(4, 300_000, Some(350_000), true),
+            ],
+            criterion: None,
+            wall_seconds: 0.0,
+        }
+    }
+
+    /// The table: numbers right-aligned under their headers, no JSON `null` in the
+    /// text, sections not run shown as `-`, a --quick rate reported as a lower bound.
+    #[test]
+    fn table_aligned_without_nulls() {
+        let t = table(&sample());
+        assert!(!t.replace("null sink", "").contains("null"), "{t}");
+        assert!(
+            t.contains("1 vCPU:    at least 200000 events/s per vCPU (--quick"),
+            "{t}"
+        );
+        assert!(t.contains("2 vCPUs:   at least 400000"), "{t}");
+        assert!(
+            t.contains("300000 events/s per vCPU (first lossy rate: 350000)"),
+            "{t}"
+        );
+        assert!(
+            t.contains("            guest        -        0        0        0        0        -"),
+            "{t}"
+        );
+        let lines: Vec<&str> = t.lines().collect();
+        let at = |needle: &str| {
+            lines
+                .iter()
+                .position(|l| l.starts_with(needle))
+                .unwrap_or_else(|| panic!("no line {needle:?} in {t}"))
+        };
+        // Every column ends where its header ends.
+        let ends = |l: &str| -> Vec<usize> {
+            let b: Vec<char> = l.chars().collect();
+            (0..b.len())
+                .filter(|&i| b[i] != ' ' && (i + 1 == b.len() || b[i + 1] == ' '))
+                .collect()
+        };
+        let h = at("vcpus payload");
+        let row = lines[h + 1];
+        assert_eq!(ends(lines[h]).first(), ends(row).first(), "{t}");
+        assert_eq!(ends(lines[h]).last(), ends(row).last(), "{t}");
+        assert_eq!(lines[h].chars().count(), row.chars().count(), "{t}");
+        let h = lines
+            .iter()
+            .position(|l| l.trim_start().starts_with("swap "))
+            .expect("swap");
+        assert_eq!(ends(lines[h]), ends(lines[h + 1]), "{t}");
+    }
+
+    /// Sections not run are `{}` in the JSON, as before the report was typed.
+    #[test]
+    fn sections_not_run_are_empty_objects() {
+        let v = serde_json::to_value(sample()).expect("json");
+        assert_eq!(v["swap"]["guest"], serde_json::json!({}));
+        assert_eq!(v["drain"]["vm_record_raw"], serde_json::json!({}));
+        assert_eq!(v["swap"]["host"]["swapped"], 200);
+        assert_eq!(v["swap"]["host"]["workload"]["interval_us"], 150);
+        assert!(v["criterion"].is_null());
+        assert_eq!(
+            v["writer"][0]["guest_ns"]["samples"],
+            serde_json::json!([12.5])
+        );
+    }
+}

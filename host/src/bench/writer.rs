@@ -1,0 +1,248 @@
+//! `writer`: guest ns/event per payload size and vCPU count, from the guest's TSC (the
+//! `bench` workload times its own write loop, chunk by chunk), against the same loop
+//! run natively in host threads on a heap region of the same layout, against the bound
+//! — one `rdtsc` plus a raw store of the same bytes — and against `rdtsc` alone.
+
+use hyptrace_abi::guest::{Workload, BENCH_CHUNK};
+use hyptrace_abi::layout as ring;
+use hyptrace_abi::{HeapMem, RawMem, SharedMem};
+use hyptrace_writer::{WriteOutcome, Writer};
+use serde::Serialize;
+
+use super::harness::{vm_run, SinkKind, VmSpec};
+use super::stats::{Quantiles, Summary, Tsc};
+use super::{bench_payload, Cfg, DEFAULT_PAGES, PAGE_SIZE};
+use crate::cli::{ModeArg, SwapArg};
+use crate::vm::host_tsc;
+
+/// One `writer` row: a vCPU count and payload size, ns/event.
+#[derive(Clone, Debug, Serialize)]
+pub(super) struct WriterRow {
+    pub(super) vcpus: u32,
+    pub(super) payload: u32,
+    /// Bytes one event takes in the ring (header and padding included).
+    pub(super) event_bytes: usize,
+    /// The guest's fastest chunk per run and vCPU.
+    pub(super) guest_ns: Summary,
+    /// The guest's whole-loop mean per run and vCPU.
+    pub(super) guest_mean_ns: Summary,
+    pub(super) native_ns: Summary,
+    pub(super) native_mean_ns: Summary,
+    pub(super) bound_ns: Summary,
+    pub(super) bound_mean_ns: Summary,
+    pub(super) rdtsc_ns: Summary,
+    /// native / guest (fastest chunks' medians): the guest's rate against native.
+    pub(super) guest_rate_vs_native: f64,
+    pub(super) guest_vs_bound: f64,
+    pub(super) native_vs_bound: f64,
+}
+
+/// `a / b`, 0 when `b` is not positive.
+fn ratio(a: f64, b: f64) -> f64 {
+    if b > 0.0 {
+        a / b
+    } else {
+        0.0
+    }
+}
+
+/// Per-event ns of every measurement of one row.
+#[derive(Default)]
+struct Samples {
+    g_mean: Vec<f64>,
+    g_best: Vec<f64>,
+    n_mean: Vec<f64>,
+    n_best: Vec<f64>,
+    b_mean: Vec<f64>,
+    b_best: Vec<f64>,
+    r_best: Vec<f64>,
+}
+
+/// One repetition of a row: the guest in a VM, then natively on as many threads, the
+/// bound and rdtsc.
+fn measure(cfg: &Cfg, tsc: Tsc, vcpus: u32, payload: u32, s: &mut Samples) -> Result<(), String> {
+    let per_event = |cycles: u64, events: u64| tsc.ns(cycles as f64) / events.max(1) as f64;
+    let chunk = |t: Timing| per_event(t.min_chunk, BENCH_CHUNK);
+    let o = vm_run(&VmSpec {
+        vcpus,
+        workload: Workload::Bench,
+        events: cfg.events,
+        rate: 0,
+        payload,
+        mode: ModeArg::Overwrite,
+        swap: SwapArg::Host,
+        pages: DEFAULT_PAGES,
+        sink: SinkKind::Null,
+        time_swaps: false,
+    })?;
+    for (c, m) in o.bench_cycles.iter().zip(&o.bench_min_chunk) {
+        s.g_mean.push(per_event(*c, cfg.events));
+        s.g_best.push(per_event(*m, BENCH_CHUNK));
+    }
+    for t in on_threads(vcpus, || native_writer(payload, cfg.events)) {
+        let t = t?;
+        s.n_mean.push(per_event(t.cycles, cfg.events));
+        s.n_best.push(chunk(t));
+    }
+    let b = native_bound(payload, cfg.events);
+    s.b_mean.push(per_event(b.cycles, cfg.events));
+    s.b_best.push(chunk(b));
+    s.r_best.push(chunk(native_rdtsc(cfg.events.min(1 << 20))));
+    Ok(())
+}
+
+/// The `writer` rows: every vCPU count × payload size, `reps` times each.
+pub(super) fn writer_section(cfg: &Cfg, tsc: Tsc) -> Result<Vec<WriterRow>, String> {
+    let mut rows = Vec::new();
+    for &v in &cfg.vcpus {
+        for &p in &cfg.payloads {
+            let mut s = Samples::default();
+            for _ in 0..cfg.reps {
+                measure(cfg, tsc, v, p, &mut s)?;
+            }
+            let g = Quantiles::new(&s.g_best).median();
+            let n = Quantiles::new(&s.n_best).median();
+            let b = Quantiles::new(&s.b_best).median();
+            eprintln!(
+                "  vcpus {v} payload {p:>4}: guest {g:6.2} ns  native {n:6.2} ns  bound {b:6.2} ns"
+            );
+            rows.push(WriterRow {
+                vcpus: v,
+                payload: p,
+                event_bytes: hyptrace_abi::page::data_event_size(p as usize),
+                guest_ns: Summary::of(&s.g_best),
+                guest_mean_ns: Summary::of(&s.g_mean),
+                native_ns: Summary::of(&s.n_best),
+                native_mean_ns: Summary::of(&s.n_mean),
+                bound_ns: Summary::of(&s.b_best),
+                bound_mean_ns: Summary::of(&s.b_mean),
+                rdtsc_ns: Summary::of(&s.r_best),
+                guest_rate_vs_native: ratio(n, g),
+                guest_vs_bound: ratio(g, b),
+                native_vs_bound: ratio(n, b),
+            });
+        }
+    }
+    Ok(rows)
+}
+
+/// Cycles of a timed loop: the whole and the fastest full chunk.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Timing {
+    pub(super) cycles: u64,
+    pub(super) min_chunk: u64,
+}
+
+/// Runs `one` `events` times in chunks of [`BENCH_CHUNK`], timed with the TSC, exactly
+/// as the guest's bench workload does.
+#[inline(always)]
+fn timed_loop(events: u64, mut one: impl FnMut()) -> Timing {
+    let mut min_chunk = u64::MAX;
+    let mut i = 0;
+    let t0 = host_tsc();
+    while i < events {
+        let end = (i + BENCH_CHUNK).min(events);
+        let full = end - i == BENCH_CHUNK;
+        let c0 = host_tsc();
+        while i < end {
+            one();
+            i += 1;
+        }
+        let c = host_tsc().wrapping_sub(c0);
+        if full && c < min_chunk {
+            min_chunk = c;
+        }
+    }
+    Timing {
+        cycles: host_tsc().wrapping_sub(t0),
+        min_chunk: if min_chunk == u64::MAX { 0 } else { min_chunk },
+    }
+}
+
+/// The guest's loop run natively: the same `Writer` on raw memory (a heap region of
+/// the guest's layout, overwrite mode), with the guest's emit path (count, rdtsc,
+/// write, count skipped).
+pub(super) fn native_writer(payload: u32, events: u64) -> Result<Timing, String> {
+    let l = ring::RingGeometry::new(
+        1,
+        DEFAULT_PAGES as u32,
+        PAGE_SIZE as usize,
+        ring::Mode::Overwrite,
+        false,
+    )
+    .map_err(|e| e.to_string())?;
+    let heap = HeapMem::new(l.region_size);
+    l.init_region(&heap, 1_000_000, 1);
+    // SAFETY: `heap` owns `size()` bytes at `as_ptr()`, 8-aligned, and outlives the
+    // writer (both are dropped at the end of this function, the writer first); it is
+    // only accessed through this RawMem and `heap`'s own atomics/byte copies.
+    let raw = unsafe { RawMem::new(heap.as_ptr(), heap.size()) };
+    let mut w = Writer::attach(raw, 0).map_err(|e| e.to_string())?;
+    let p = bench_payload(payload);
+    let (mut attempted, mut skipped) = (0u64, 0u64);
+    let t = timed_loop(events, || {
+        attempted += 1;
+        let ts = host_tsc();
+        if w.write(
+            hyptrace_abi::events::MARKER_SLOT,
+            ts,
+            std::hint::black_box(&p),
+        ) == WriteOutcome::Disabled
+        {
+            skipped += 1;
+        }
+    });
+    std::hint::black_box((attempted, skipped));
+    Ok(t)
+}
+
+/// The bound: one rdtsc plus a raw store of the timestamp and the same payload bytes
+/// into a buffer of the ring's size, at a moving offset.
+pub(super) fn native_bound(payload: u32, events: u64) -> Timing {
+    let len = (DEFAULT_PAGES * PAGE_SIZE) as usize;
+    let mut buf = vec![0u8; len];
+    let p = bench_payload(payload);
+    let need = 8 + p.len();
+    let mut off = 0usize;
+    let t = timed_loop(events, || {
+        if off + need > len {
+            off = 0;
+        }
+        buf[off..off + 8].copy_from_slice(&host_tsc().to_le_bytes());
+        buf[off + 8..off + need].copy_from_slice(std::hint::black_box(&p));
+        off += need;
+        std::hint::black_box(&buf);
+    });
+    std::hint::black_box(&buf);
+    t
+}
+
+/// `rdtsc` alone.
+fn native_rdtsc(events: u64) -> Timing {
+    let mut acc = 0u64;
+    let t = timed_loop(events, || acc = acc.wrapping_add(host_tsc()));
+    std::hint::black_box(acc);
+    t
+}
+
+/// Runs `f` on `n` threads at once; returns their results.
+fn on_threads<T: Send>(n: u32, f: impl Fn() -> T + Sync) -> Vec<T> {
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n).map(|_| s.spawn(&f)).collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("bench thread"))
+            .collect()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn native_loops_run() {
+        let t = native_writer(16, 4 * BENCH_CHUNK).expect("native");
+        assert!(t.cycles >= t.min_chunk);
+        assert!(native_bound(16, BENCH_CHUNK).cycles > 0);
+    }
+}
