@@ -213,7 +213,7 @@ fn raw_roundtrip_to_trace_dat() {
     }
     let stats = RunSummary {
         cpus: vec![
-            CpuStats {
+            KernelCpuStat {
                 overrun: 5,
                 read_events: 3,
                 ..Default::default()
