@@ -264,7 +264,14 @@ impl<T> Merger<T> {
     /// for a caller that pulls one item at a time (`report`).
     pub fn next_ready(&mut self) -> Option<(usize, u64, Merged<T>)> {
         let wm = self.watermark()?;
-        let Reverse((_, i)) = self.fronts(wm).pop()?;
+        // A scan, no heap: one item per call.
+        let (_, i) = self
+            .cpus
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| c.queue.front().map(|f| (f.0, i)))
+            .filter(|&(ts, _)| ts <= wm)
+            .min()?;
         self.take(i).map(|(ts, item)| (i, ts, item))
     }
 
