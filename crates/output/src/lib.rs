@@ -6,6 +6,7 @@ mod clock;
 mod error;
 mod export;
 pub mod format;
+pub mod merge;
 mod sink;
 mod sinks;
 mod target;
@@ -21,12 +22,16 @@ pub use export::{
 pub use format::{
     guest_formats, trailing_lost_format, EventFormat, Field, HYPTRACE_SYSTEM, TRAILING_LOST_NAME,
 };
-pub use sink::{CpuStats, PageSink, RunSummary, TraceMeta};
+pub use merge::{MergeWindow, Merged, Merger, Released};
+/// The old name of [`KernelCpuStat`], kept only until the host uses the new one.
+#[doc(hidden)]
+pub use sink::KernelCpuStat as CpuStats;
+pub use sink::{KernelCpuStat, PageSink, RunSummary, TraceMeta};
 pub use sinks::{JsonSink, RawSink, RawTrace, TextSink, JSON_PID, RAW_MAGIC};
 pub use target::{OutputFile, OutputTarget, TargetKind};
 pub use text::{
     escape_guest_bytes, escape_guest_str, escaped_guest_bytes, format_drop, format_event,
-    format_guest_line, guest_printers, EventPrinter,
+    format_guest_line, format_window_exceeded, guest_printers, EventPrinter,
 };
 pub use tracedat::{
     write_trace_dat, TraceDatSink, TraceDatVersion, TraceFile, TraceItem, TraceRecord,

@@ -78,9 +78,10 @@ impl TraceMeta {
     }
 }
 
-/// Per-CPU statistics, as in the kernel's `per_cpu/cpuN/stats` (trace.dat CPUSTAT).
+/// The kernel's per-CPU ring statistics, as in `per_cpu/cpuN/stats` (one trace.dat
+/// CPUSTAT option per CPU; not the reader's accounting, `hyptrace_reader::CpuStats`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct CpuStats {
+pub struct KernelCpuStat {
     /// Events still in the ring (not read).
     pub entries: u64,
     /// Events overwritten (lost) in the ring.
@@ -99,7 +100,7 @@ pub struct CpuStats {
     pub read_events: u64,
 }
 
-impl CpuStats {
+impl KernelCpuStat {
     /// The CPUSTAT text for CPU `cpu`, exactly as the kernel's `stats` file plus the
     /// leading `CPU: N` line trace-cmd adds.
     pub fn to_cpustat_text(&self, cpu: u32) -> String {
@@ -128,7 +129,7 @@ impl CpuStats {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RunSummary {
     /// Stats per CPU (index = cpu); missing CPUs count as all zero.
-    pub cpus: Vec<CpuStats>,
+    pub cpus: Vec<KernelCpuStat>,
 }
 
 /// A consumer of exported ring pages.

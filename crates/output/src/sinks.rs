@@ -10,9 +10,12 @@ use hyptrace_abi::page::{page_header, Events, PAGE_HEADER_SIZE};
 use crate::clock::{Clock, TscConversion};
 use crate::export::{commit_len, export_page_into, page_missed, Missed};
 use crate::format::EventFormat;
-use crate::sink::{CpuStats, PageSink, RunSummary, TraceMeta};
+use crate::merge::{MergeWindow, Merged, Merger, Released};
+use crate::sink::{KernelCpuStat, PageSink, RunSummary, TraceMeta};
 use crate::target::{OutputFile, OutputTarget};
-use crate::text::{field_bytes, field_int, format_drop, format_guest_line, EventPrinter};
+use crate::text::{
+    field_bytes, field_int, format_drop, format_guest_line, format_window_exceeded, EventPrinter,
+};
 use crate::OutputError;
 
 /// Where a streaming sink writes.
@@ -64,62 +67,73 @@ fn page_events(page: &[u8]) -> PageEvents<'_> {
 
 /// Text sink: `cpus=N`, then every event as `trace-cmd report -t` prints it, merged
 /// across CPUs by time (ties: lower CPU first), each page's drop marker right before
-/// its first event. Merging is by watermark, as `hyptrace run` does: pages of one CPU
-/// arrive in time order, so a line is written once every CPU that may still deliver
-/// pages has delivered one at or after its time; the rest is written at `finish`.
-/// A CPU that delivers no page holds the others' lines in memory until it does.
+/// its first event — with the one [`Merger`] of `hyptrace run` and `report`: pages of
+/// one CPU arrive in time order, so a line is written once every CPU that may still
+/// deliver pages has delivered one at or after its time; the rest at `finish`. Memory is
+/// bounded by [`MergeWindow::DEFAULT`] (lines, and their bytes): a CPU that delivers no
+/// page never holds the others' lines beyond it — past it, the line
+/// [`crate::format_window_exceeded`] and the oldest lines down to half the window are
+/// written, as `hyptrace run` does.
 pub struct TextSink {
     meta: TraceMeta,
     printers: BTreeMap<u16, EventPrinter>,
     out: Option<Out>,
     scratch: Vec<u8>,
-    line: String,
-    /// Per CPU: formatted lines waiting for the watermark, with their times.
-    queues: Vec<std::collections::VecDeque<(u64, String)>>,
-    /// Per CPU: the time of its last line (None: no page yet).
-    last: Vec<Option<u64>>,
+    /// Formatted lines waiting for the watermark (each with its newline).
+    merger: Merger<String>,
+    /// Where released lines are gathered before a write.
+    buf: String,
+}
+
+/// Queues a formatted line of `cpu` at raw time `ts` (its length counts against the
+/// window).
+fn queue_line(merger: &mut Merger<String>, cpu: usize, ts: u64, line: String) {
+    let n = line.len();
+    merger.push_sized(cpu, ts, Merged::Event(line), n);
 }
 
 impl TextSink {
-    /// Writes, in time order, every queued line at or below the watermark (all of them
-    /// when `all`).
+    /// Writes, in time order, every queued line the merger releases (all of them when
+    /// `all`), and the window marker if it is exceeded.
     fn release(&mut self, all: bool) -> Result<(), OutputError> {
-        let wm = if all {
-            u64::MAX
-        } else {
-            match self
-                .last
-                .iter()
-                .try_fold(u64::MAX, |m, l| l.map(|t| m.min(t)))
-            {
-                Some(w) => w,
-                None => return Ok(()),
-            }
-        };
         let Some(out) = self.out.as_mut() else {
             return Ok(());
         };
-        let mut buf = String::new();
-        loop {
-            let mut best: Option<(u64, usize)> = None;
-            for (cpu, q) in self.queues.iter().enumerate() {
-                if let Some(&(ts, _)) = q.front() {
-                    if ts <= wm && best.is_none_or(|(b, _)| ts < b) {
-                        best = Some((ts, cpu));
-                    }
-                }
+        let buf = &mut self.buf;
+        buf.clear();
+        let mut err = None;
+        let mut put = |line: &str, buf: &mut String| {
+            buf.push_str(line);
+            if buf.len() >= 1 << 16 && err.is_none() {
+                err = out.write_all(buf.as_bytes()).err();
+                buf.clear();
             }
-            let Some((_, cpu)) = best else { break };
-            if let Some((_, line)) = self.queues[cpu].pop_front() {
-                buf.push_str(&line);
-                if buf.len() >= 1 << 16 {
-                    out.write_all(buf.as_bytes())?;
-                    buf.clear();
+        };
+        if all {
+            self.merger.drain(|_, _, item| {
+                if let Merged::Event(line) = item {
+                    put(&line, buf);
                 }
-            }
+            });
+        } else {
+            self.merger.release(|r| match r {
+                Released::Item {
+                    item: Merged::Event(line),
+                    ..
+                } => put(&line, buf),
+                Released::Item { .. } => {}
+                Released::WindowExceeded { held, lagging } => {
+                    let mut line = String::new();
+                    format_window_exceeded(&mut line, held, lagging);
+                    line.push('\n');
+                    put(&line, buf);
+                }
+            });
         }
-        out.write_all(buf.as_bytes())?;
-        Ok(())
+        if let Some(e) = err {
+            return Err(e);
+        }
+        out.write_all(buf.as_bytes())
     }
 }
 
@@ -156,9 +170,8 @@ impl TextSink {
             meta,
             printers,
             out: Some(out),
-            line: String::new(),
-            queues: vec![Default::default(); n],
-            last: vec![None; n],
+            merger: Merger::with_window(n, MergeWindow::DEFAULT),
+            buf: String::new(),
         })
     }
 }
@@ -173,35 +186,33 @@ impl PageSink for TextSink {
             return Ok(());
         }
         let c = cpu as usize;
-        let mut s = std::mem::take(&mut self.line);
-        s.clear();
         if missed != Missed::None {
+            let mut s = String::new();
             format_drop(&mut s, cpu, missed);
             s.push('\n');
             // The marker goes right before the page's first event (same time, same CPU).
-            let t = events.first().map_or(self.last[c].unwrap_or(0), |e| e.0);
-            self.queues[c].push_back((t, std::mem::take(&mut s)));
+            let t = events
+                .first()
+                .map_or(self.merger.last(c).unwrap_or(0), |e| e.0);
+            queue_line(&mut self.merger, c, t, s);
         }
         for (ts, payload) in events {
-            let ts_ns = self.meta.clock.to_ns(ts);
+            let mut s = String::new();
             format_guest_line(
                 &mut s,
                 &self.printers,
                 &self.meta.cmdlines,
                 cpu,
-                ts_ns,
+                self.meta.clock.to_ns(ts),
                 payload,
             );
             s.push('\n');
-            let t = self.last[c].map_or(ts, |l| l.max(ts));
-            self.last[c] = Some(t);
-            self.queues[c].push_back((t, std::mem::take(&mut s)));
+            queue_line(&mut self.merger, c, ts, s);
         }
-        if self.last[c].is_none() {
+        if self.merger.last(c).is_none() {
             // A page without events still tells that this CPU delivers.
-            self.last[c] = Some(0);
+            self.merger.advance(c, 0);
         }
-        self.line = s;
         self.release(false)
     }
 
@@ -220,9 +231,8 @@ impl PageSink for TextSink {
         let mut s = String::new();
         format_drop(&mut s, cpu, Missed::Count(lost));
         s.push('\n');
-        let t = self.last[c].unwrap_or(0);
-        self.last[c] = Some(t);
-        self.queues[c].push_back((t, s));
+        let t = self.merger.last(c).unwrap_or(0);
+        queue_line(&mut self.merger, c, t, s);
         self.release(false)
     }
 
@@ -641,7 +651,7 @@ impl RawTrace {
                             w.copy_from_slice(&s[i * 8..i * 8 + 8]);
                             u64::from_le_bytes(w)
                         };
-                        cpus.push(CpuStats {
+                        cpus.push(KernelCpuStat {
                             entries: v(0),
                             overrun: v(1),
                             commit_overrun: v(2),

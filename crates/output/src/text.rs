@@ -184,6 +184,22 @@ pub fn format_drop(out: &mut String, cpu: u32, missed: Missed) {
     };
 }
 
+/// Appends the line (no newline) a merger prints when its window is exceeded: `held`
+/// events wait for CPU `lagging` and the oldest are printed ahead of it (see
+/// [`crate::Merger::release`]).
+pub fn format_window_exceeded(out: &mut String, held: usize, lagging: Option<usize>) {
+    let _ = match lagging {
+        Some(c) => write!(
+            out,
+            "hyptrace: merge window exceeded: {held} events wait for cpu {c}; printing the oldest ahead of it (order across CPUs is not exact from here)"
+        ),
+        None => write!(
+            out,
+            "hyptrace: merge window exceeded: {held} events wait for a CPU; printing the oldest ahead of it (order across CPUs is not exact from here)"
+        ),
+    };
+}
+
 /// The comm trace-cmd shows for `pid`: `<idle>` for 0, the saved cmdline, else `<...>`.
 pub fn comm_of(cmdlines: &BTreeMap<i32, String>, pid: i32) -> &str {
     if pid == 0 {

@@ -145,7 +145,7 @@ fn raw_stream_prefixes_and_flips() {
         sink.page(0, &p, m).unwrap();
     }
     sink.finish(&RunSummary {
-        cpus: vec![CpuStats::default(); 2],
+        cpus: vec![KernelCpuStat::default(); 2],
     })
     .unwrap();
     let data = std::fs::read(&path).unwrap();

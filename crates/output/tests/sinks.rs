@@ -213,7 +213,7 @@ fn raw_roundtrip_to_trace_dat() {
     }
     let stats = RunSummary {
         cpus: vec![
-            CpuStats {
+            KernelCpuStat {
                 overrun: 5,
                 read_events: 3,
                 ..Default::default()
@@ -387,4 +387,83 @@ fn escape_guest_str_for_panic_messages() {
     );
     assert_eq!(escaped_guest_bytes(b"a\xffb\xc3"), "a\\xffb\\xc3");
     assert_eq!(escaped_guest_bytes("é ü".as_bytes()), "é ü");
+}
+
+/// Bytes written into a shared buffer, and how many there were when `finish` began.
+#[derive(Clone, Default)]
+struct Shared(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Shared {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Shared {
+    fn len(&self) -> usize {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap_or_else(|p| p.into_inner())).into_owned()
+    }
+}
+
+/// Issue 10: a CPU that delivers no page used to make the text sink hold every other
+/// CPU's lines until `finish` (memory growing with the guest's output). Now the sink
+/// keeps within `MergeWindow::DEFAULT`, like `hyptrace run`: past it, a marker line
+/// naming the silent CPU, then the oldest lines; everything is written once.
+#[test]
+fn text_sink_is_bounded_when_a_cpu_is_silent() {
+    const N: u64 = 300_000; // > MergeWindow::DEFAULT.events lines
+    let meta = TraceMeta::guest(4096, 2, Clock::nanoseconds());
+    let out = Shared::default();
+    let mut sink: Box<dyn PageSink> =
+        Box::new(TextSink::to_writer(Box::new(out.clone()), meta).unwrap());
+    let mut b = PageBuilder::new(4096);
+    let mut most_unwritten = 0u64;
+    for i in 0..N {
+        b.push(1_000 + i * 10, &marker(0, i, i));
+        if b.pages.len() > 8 {
+            for (p, m) in std::mem::take(&mut b.pages) {
+                sink.page(0, &p, m).unwrap();
+            }
+            let written_lines = out.text().lines().count() as u64;
+            most_unwritten = most_unwritten.max(i.saturating_sub(written_lines));
+        }
+    }
+    for (p, m) in b.finish() {
+        sink.page(0, &p, m).unwrap();
+    }
+    let before_finish = out.len();
+    assert!(before_finish > 0, "nothing written before finish");
+    assert!(
+        most_unwritten <= MergeWindow::DEFAULT.events as u64 + 2000,
+        "held {most_unwritten} lines"
+    );
+    sink.finish(&RunSummary::default()).unwrap();
+    let text = out.text();
+    let markers: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("hyptrace: merge window exceeded:"))
+        .collect();
+    assert!(!markers.is_empty());
+    assert!(markers.iter().all(|l| l.contains("cpu 1")), "{markers:?}");
+    assert_eq!(
+        text.lines().count() as u64,
+        1 + N + markers.len() as u64,
+        "every line once"
+    );
+    // The lines stay in time order (one CPU).
+    let seqs: Vec<u64> = text
+        .lines()
+        .filter_map(|l| l.split("seq=").nth(1)?.split(' ').next()?.parse().ok())
+        .collect();
+    assert_eq!(seqs, (0..N).collect::<Vec<_>>());
 }

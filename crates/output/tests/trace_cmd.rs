@@ -86,7 +86,7 @@ fn write(g: &Gen, path: &std::path::Path, meta: TraceMeta, version: TraceDatVers
             }
         }
     }
-    let stats = (0..meta_cpus(g)).map(|c| CpuStats {
+    let stats = (0..meta_cpus(g)).map(|c| KernelCpuStat {
         overrun: 3,
         read_events: 10 + c as u64,
         ..Default::default()

@@ -12,6 +12,7 @@ use super::{option, MAGIC};
 use crate::clock::TscConversion;
 use crate::export::{check_page_size, Missed};
 use crate::format::{EventFormat, HeaderPage};
+use crate::merge::{Merged, Merger};
 use crate::text::{format_drop, format_guest_line, EventPrinter};
 use crate::OutputError;
 
@@ -626,12 +627,16 @@ impl TraceFile {
     }
 
     /// Events (and drop markers) of all CPUs merged by timestamp, ties to the lower CPU,
-    /// as trace-cmd orders them.
+    /// as trace-cmd orders them (the one [`Merger`] of `run` and the text sink, pulled one
+    /// item at a time: it holds the next record or two of each CPU).
     pub fn records(&self) -> Records<'_> {
         let mut cpus: Vec<CpuCursor<'_>> =
             self.cpus.iter().map(|b| CpuCursor::new(self, b)).collect();
         cpus.sort_by_key(|c| c.cpu);
-        Records { cpus }
+        Records {
+            merger: Merger::new(cpus.len()),
+            cpus,
+        }
     }
 
     /// Formats one item the way `trace-cmd report -t` does (no newline). Returns false
@@ -814,22 +819,35 @@ impl<'a> CpuCursor<'a> {
 /// Iterator over the merged events of a [`TraceFile`].
 pub struct Records<'a> {
     cpus: Vec<CpuCursor<'a>>,
+    /// Holds the next unit (drop marker + event, or a bad page) of every CPU not done.
+    merger: Merger<TraceItem<'a>>,
 }
 
 impl<'a> Iterator for Records<'a> {
     type Item = TraceItem<'a>;
 
     fn next(&mut self) -> Option<Self::Item> {
-        let mut best: Option<(u64, usize)> = None;
         for (i, c) in self.cpus.iter_mut().enumerate() {
-            if let Some(k) = c.fill() {
-                if best.is_none_or(|(bk, _)| k < bk) {
-                    best = Some((k, i));
+            if self.merger.queued(i) > 0 || self.merger.is_finished(i) {
+                continue;
+            }
+            match c.fill() {
+                Some(key) => {
+                    while let Some(item) = c.queue.pop() {
+                        self.merger.push(i, key, Merged::Event(item));
+                    }
                 }
+                None => self.merger.finish(i),
             }
         }
-        let (_, i) = best?;
-        self.cpus[i].queue.pop()
+        // Every CPU not done has its next unit queued: the oldest is always released.
+        match self.merger.next_ready()? {
+            (_, _, Merged::Event(item)) => Some(item),
+            (cpu, _, Merged::Lost(n)) => Some(TraceItem::Dropped {
+                cpu: self.cpus.get(cpu).map_or(0, |c| c.cpu),
+                missed: Missed::Count(n),
+            }),
+        }
     }
 }
 

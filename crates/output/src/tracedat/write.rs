@@ -6,7 +6,7 @@ use std::path::Path;
 use super::{option, MAGIC};
 use crate::export::export_page_into;
 use crate::format::{header_page_text, EventFormat, HEADER_EVENT_TEXT};
-use crate::sink::{CpuStats, PageSink, RunSummary, TraceMeta};
+use crate::sink::{KernelCpuStat, PageSink, RunSummary, TraceMeta};
 use crate::target::{OutputFile, OutputTarget, Temp};
 use crate::OutputError;
 
@@ -102,7 +102,7 @@ fn cmdlines(meta: &TraceMeta) -> Vec<u8> {
 }
 
 /// Options common to v6 and v7 (clock, TSC2NSEC, CPUSTAT per CPU).
-fn common_options(meta: &TraceMeta, stats: &[CpuStats], out: &mut Vec<u8>) {
+fn common_options(meta: &TraceMeta, stats: &[KernelCpuStat], out: &mut Vec<u8>) {
     push_opt(
         out,
         option::TRACECLOCK,
@@ -133,7 +133,12 @@ fn file_start(version: u8, page_size: usize) -> Vec<u8> {
 
 /// Builds the v6 metadata (everything before the first page) for CPU data starting at
 /// `data_start` with the given per-CPU sizes.
-fn v6_metadata(meta: &TraceMeta, stats: &[CpuStats], sizes: &[u64], data_start: u64) -> Vec<u8> {
+fn v6_metadata(
+    meta: &TraceMeta,
+    stats: &[KernelCpuStat],
+    sizes: &[u64],
+    data_start: u64,
+) -> Vec<u8> {
     let mut v = file_start(6, meta.page_size);
     v.extend_from_slice(&header_info(meta.page_size));
     v.extend_from_slice(&0u32.to_le_bytes()); // ftrace event formats
@@ -193,7 +198,7 @@ fn section(out: &mut Vec<u8>, strings: &mut Strings, id: u16, name: &str, conten
 
 /// Builds the v7 metadata: header, sections, options, strings, and the flyrecord section
 /// header; returns it with the offset where CPU data starts (page aligned).
-fn v7_metadata(meta: &TraceMeta, stats: &[CpuStats], sizes: &[u64]) -> (Vec<u8>, u64) {
+fn v7_metadata(meta: &TraceMeta, stats: &[KernelCpuStat], sizes: &[u64]) -> (Vec<u8>, u64) {
     let build = |flyrecord_at: u64, data_start: u64| -> Vec<u8> {
         let mut strings = Strings(Vec::new());
         let mut v = file_start(7, meta.page_size);
@@ -299,7 +304,7 @@ fn v7_metadata(meta: &TraceMeta, stats: &[CpuStats], sizes: &[u64]) -> (Vec<u8>,
 /// Builds the complete metadata for `version`; returns it and where CPU data starts.
 fn metadata(
     meta: &TraceMeta,
-    stats: &[CpuStats],
+    stats: &[KernelCpuStat],
     sizes: &[u64],
     version: TraceDatVersion,
 ) -> (Vec<u8>, u64) {
