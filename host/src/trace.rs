@@ -159,9 +159,19 @@ pub enum SessionError {
     /// The ring is inconsistent or the writer did not answer.
     #[error(transparent)]
     Read(#[from] ReadError),
-    /// Writing the output failed.
+    /// A page sink failed (writing, or the page or metadata it was given).
     #[error("output: {0}")]
-    Output(String),
+    Sink(#[from] hyptrace_output::OutputError),
+    /// Writing the text lines failed.
+    #[error("output: {0}")]
+    Write(#[source] std::io::Error),
+}
+
+impl SessionError {
+    /// Whether the output failed (rather than reading a ring).
+    pub fn is_output(&self) -> bool {
+        matches!(self, Self::Sink(_) | Self::Write(_))
+    }
 }
 
 impl<M: SharedMem, C: Callbacks> Session<M, C> {
@@ -286,7 +296,7 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
             Output::Pages(sink) => {
                 if lost > 0 {
                     if let Err(e) = sink.trailing_lost(cpu, lost) {
-                        r = r.and(Err(SessionError::Output(e.to_string())));
+                        r = r.and(Err(SessionError::Sink(e)));
                     }
                 }
             }
@@ -410,8 +420,7 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
                     };
                     bytes = bytes.saturating_add(page.bytes.len().max(1));
                     let missed = (page.missed > 0).then_some(page.missed);
-                    sink.page(cpu, page.bytes, missed)
-                        .map_err(|e| SessionError::Output(e.to_string()))?;
+                    sink.page(cpu, page.bytes, missed)?;
                 }
                 Ok(true)
             }
@@ -463,9 +472,8 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
             });
         }
         if let Some(e) = p.err.take() {
-            let msg = e.to_string();
-            self.output_error = Some(msg.clone());
-            return Err(SessionError::Output(msg));
+            self.output_error = Some(e.to_string());
+            return Err(SessionError::Write(e));
         }
         Ok(())
     }
@@ -506,13 +514,11 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
                 // After a reported output error, the same error again is no news.
                 if let Err(e) = out.flush() {
                     if self.output_error.is_none() {
-                        return Err(SessionError::Output(e.to_string()));
+                        return Err(SessionError::Write(e));
                     }
                 }
             }
-            Output::Pages(sink) => sink
-                .finish(summary)
-                .map_err(|e| SessionError::Output(e.to_string()))?,
+            Output::Pages(sink) => sink.finish(summary)?,
         }
         Ok(self.lines)
     }

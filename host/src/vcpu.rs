@@ -78,13 +78,11 @@ pub fn kick_signal() -> c_int {
 }
 
 /// Installs the kick handler (once per process).
-pub(crate) fn install_kick_handler() -> Result<(), String> {
-    static DONE: OnceLock<Result<(), String>> = OnceLock::new();
-    DONE.get_or_init(|| {
-        vmm_sys_util::signal::register_signal_handler(kick_signal(), kick_handler)
-            .map_err(|e| format!("cannot install the vCPU kick signal handler: {e}"))
-    })
-    .clone()
+pub(crate) fn install_kick_handler() -> crate::Result<()> {
+    static DONE: OnceLock<Result<(), vmm_sys_util::errno::Error>> = OnceLock::new();
+    (*DONE
+        .get_or_init(|| vmm_sys_util::signal::register_signal_handler(kick_signal(), kick_handler)))
+    .map_err(crate::Error::KickSignal)
 }
 
 fn read_u64(mem: &GuestMemoryMmap, gpa: u64) -> u64 {

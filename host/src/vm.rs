@@ -213,11 +213,9 @@ impl Vm {
             .map_err(Error::kvm("KVM_SET_TSS_ADDR"))?;
 
         let memory = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), cfg.mem_bytes as usize)])
-            .map_err(|e| Error::Memory(e.to_string()))?;
+            .map_err(Error::MemoryMmap)?;
         for (slot, region) in memory.iter().enumerate() {
-            let host = region
-                .get_host_address(vm_memory::MemoryRegionAddress(0))
-                .map_err(|e| Error::Memory(e.to_string()))?;
+            let host = region.get_host_address(vm_memory::MemoryRegionAddress(0))?;
             let r = kvm_userspace_memory_region {
                 slot: slot as u32,
                 flags: 0,
@@ -232,12 +230,10 @@ impl Vm {
                 .map_err(Error::kvm("KVM_SET_USER_MEMORY_REGION"))?;
         }
 
-        arch::setup_memory(&memory, &layout).map_err(|e| Error::Memory(e.to_string()))?;
+        arch::setup_memory(&memory, &layout)?;
         for seg in &image.segments {
             let bytes = &cfg.guest_elf[seg.offset as usize..(seg.offset + seg.filesz) as usize];
-            memory
-                .write_slice(bytes, GuestAddress(seg.paddr))
-                .map_err(|e| Error::Memory(e.to_string()))?;
+            memory.write_slice(bytes, GuestAddress(seg.paddr))?;
             // Fresh anonymous memory is zero already: .bss needs nothing.
         }
 
@@ -341,13 +337,13 @@ impl Vm {
             .and_then(|()| w32(params::BURST, p.burst))
             .and_then(|()| w32(params::PAYLOAD, p.payload))
             .and_then(|()| w64(params::RESULTS_OFF, RUN_PARAMS_SIZE as u64))
-            .map_err(|e| Error::Memory(e.to_string()))
+            .map_err(Error::from)
     }
 
     /// Writes the run parameters and starts one thread per vCPU.
     pub fn start(self, p: &RunParams) -> Result<RunningVm> {
         self.write_params(p)?;
-        vcpu::install_kick_handler().map_err(Error::Host)?;
+        vcpu::install_kick_handler()?;
         let shared = Arc::new(Shared {
             stop: AtomicBool::new(false),
             crashed: AtomicBool::new(false),
@@ -388,9 +384,7 @@ impl Vm {
                 Ok(h) => running.threads.push(h),
                 Err(e) => {
                     // Dropping `running` stops and joins the threads started so far.
-                    return Err(Error::Host(format!(
-                        "cannot start the thread of vCPU {id}: {e}"
-                    )));
+                    return Err(Error::VcpuThread { id, source: e });
                 }
             }
         }
