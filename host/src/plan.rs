@@ -433,8 +433,8 @@ mod tests {
         }
     }
 
-    fn plan(a: &RunArgs) -> Result<Plan, String> {
-        Plan::new(a).map_err(|e| e.to_string())
+    fn plan(a: &RunArgs) -> Result<Plan, PlanError> {
+        Plan::new(a)
     }
 
     #[test]
@@ -475,7 +475,9 @@ mod tests {
                 assert!(e.contains(n), "{bad:?}: {e:?} lacks {n:?}");
             }
         }
-        let e = plan(&args(&["--buffer-kb", "99999999999"])).expect_err("accepted");
+        let e = plan(&args(&["--buffer-kb", "99999999999"]))
+            .expect_err("accepted")
+            .to_string();
         assert!(
             e.contains("--buffer-kb") && e.contains("3145728 KiB"),
             "{e}"
@@ -487,7 +489,9 @@ mod tests {
     /// is not.
     #[test]
     fn buffer_limit_is_exact() {
-        let e = plan(&args(&["--vcpus", "256", "--buffer-kb", "65536"])).expect_err("fits?");
+        let e = plan(&args(&["--vcpus", "256", "--buffer-kb", "65536"]))
+            .expect_err("fits?")
+            .to_string();
         let max: u64 = e
             .split("at most ")
             .nth(1)

@@ -141,6 +141,14 @@ impl<'a> Run<'a> {
         let generation = crate::vm::host_tsc();
         let reader = alloc_reader(vm.trace_region(), plan.ring, tsc_khz, generation)
             .map_err(RunError::TraceBuffers)?;
+        log::debug!(
+            "rings allocated in the trace region (generation {generation:#x}); {} swaps",
+            if plan.ring.guest_swap {
+                "the guest runs the"
+            } else {
+                "the host runs the"
+            }
+        );
         let running = vm.start(&plan.params)?;
         log::info!("started {nr} vCPUs ({tsc_khz} kHz TSC)");
         let events_on_tty = matches!(target, Target::Stdout) && std::io::stdout().is_terminal();
@@ -171,9 +179,6 @@ impl<'a> Run<'a> {
             ..
         } = live;
         let outcomes = running.wait();
-        for (cpu, o) in outcomes.iter().enumerate() {
-            log::debug!("vcpu {cpu}: {o:?}");
-        }
         if aborted {
             // Dropping the session drops the sink: its temporary files go.
             return Err(RunError::Aborted);

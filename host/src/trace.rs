@@ -242,11 +242,13 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
             Some(st) if !st.ended && !st.failed => {}
             _ => return Ok(()),
         }
+        let before = log::log_enabled!(log::Level::Debug).then(|| self.reader.stats(cpu));
         // Drain first (swaps), then poke: with the mailbox, one request is in flight
         // per CPU at a time, and a page swap matters more than refreshed stats.
         let r = self.drain(cpu).and_then(|more| {
             self.cpus[cpu as usize].more = more;
             if self.reader.request_in_flight(cpu) {
+                log::trace!("cpu {cpu}: mailbox request pending, no poke this round");
                 Ok(())
             } else {
                 self.reader
@@ -255,14 +257,47 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
                     .map_err(SessionError::from)
             }
         });
+        if let Some(b) = before {
+            self.log_poll(cpu, &b);
+        }
         match r {
             // The guest writer finished (mailbox mode): nothing more to ask it; the rest
             // is read by `end_cpu` once its vCPU has stopped.
             Err(SessionError::Read(ReadError::WriterStopped { .. })) => {
+                log::debug!("cpu {cpu}: the guest writer finished; the rest is read read-only");
                 self.cpus[cpu as usize].more = false;
                 Ok(())
             }
+            Err(e @ SessionError::Read(ReadError::MailboxTimeout { .. })) => {
+                log::debug!("cpu {cpu}: {e}");
+                Err(e)
+            }
             r => r,
+        }
+    }
+
+    /// Logs what one poll of `cpu` did (`before`: its counters before): swaps and
+    /// events at trace level; swaps lost to the writer (contended, retried at the next
+    /// poll) at debug level.
+    fn log_poll(&self, cpu: u32, before: &CpuStats) {
+        let now = self.reader.stats(cpu);
+        log::trace!(
+            "cpu {cpu}: poll: {} swaps, {} events read, {} lost{}",
+            now.swaps.saturating_sub(before.swaps),
+            now.read.saturating_sub(before.read),
+            now.lost.saturating_sub(before.lost),
+            if self.cpus[cpu as usize].more {
+                " (round bound reached: more to read)"
+            } else {
+                ""
+            }
+        );
+        let contended = now.contended.saturating_sub(before.contended);
+        if contended > 0 {
+            log::debug!(
+                "cpu {cpu}: {contended} swap(s) lost every retry to the writer (contended; {} so far)",
+                now.contended
+            );
         }
     }
 
@@ -308,6 +343,7 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
     }
 
     fn final_walk(&mut self, cpu: u32) -> Result<(), SessionError> {
+        log::debug!("cpu {cpu}: final read-only walk");
         self.reader.sync_writer_counters(cpu)?;
         self.reader.finalize(cpu)?;
         // Bounded: the walk covers the pages left in the ring, each round consumes at

@@ -145,8 +145,10 @@ pub(crate) fn run(
     shared: &Shared,
 ) -> VcpuOutcome {
     IMMEDIATE_EXIT.with(|p| p.set(ptr::addr_of_mut!(fd.get_kvm_run().immediate_exit)));
+    log::debug!("vcpu {id}: running");
     let outcome = run_loop(id, &mut fd, &mem, slot, shared);
     IMMEDIATE_EXIT.with(|p| p.set(ptr::null_mut()));
+    log::debug!("vcpu {id}: exit: {outcome:?}");
     outcome
 }
 

@@ -199,6 +199,18 @@ impl Vm {
             });
         }
 
+        log::debug!(
+            "memory map: {:#x} bytes of guest memory, image [{:#x}, {:#x}), entry {:#x}, run parameters at {:#x} (results at {:#x}), stacks at {:#x}, trace region [{:#x}, +{:#x})",
+            layout.mem_bytes,
+            layout.image.0,
+            layout.image.1,
+            image.entry,
+            layout.params_gpa,
+            layout.results_gpa,
+            layout.stacks_gpa,
+            layout.trace_gpa,
+            layout.trace_len
+        );
         let kvm = open_kvm()?;
         let max = kvm.get_max_vcpus() as u32;
         if cfg.vcpus > max {
@@ -259,6 +271,10 @@ impl Vm {
             Ok(k) if k > 0 => u64::from(k),
             _ => calibrate_tsc_khz(),
         };
+        log::debug!(
+            "created {} vCPUs (KVM allows {max}); TSC {tsc_khz} kHz, guest - host TSC offset {tsc_offset:?}",
+            vcpus.len()
+        );
 
         Ok(Self {
             _kvm: kvm,
@@ -381,7 +397,10 @@ impl Vm {
                     out
                 });
             match spawned {
-                Ok(h) => running.threads.push(h),
+                Ok(h) => {
+                    log::debug!("vcpu {id}: thread started");
+                    running.threads.push(h);
+                }
                 Err(e) => {
                     // Dropping `running` stops and joins the threads started so far.
                     return Err(Error::VcpuThread { id, source: e });
