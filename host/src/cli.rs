@@ -572,6 +572,39 @@ mod tests {
         );
     }
 
+    /// The OS error under a message, found by walking `source()`.
+    fn os_error(e: &(dyn std::error::Error + 'static)) -> Option<std::io::ErrorKind> {
+        let mut cur = Some(e);
+        while let Some(e) = cur {
+            if let Some(io) = e.downcast_ref::<std::io::Error>() {
+                return Some(io.kind());
+            }
+            cur = e.source();
+        }
+        None
+    }
+
+    /// Errors keep their sources: the I/O error under "cannot read guest image" and
+    /// under "cannot write ... (-o)" is reachable through `source()`.
+    #[test]
+    fn errors_keep_their_sources() {
+        let a = match Cli::try_parse_from(["hyptrace", "run", "--guest", "/nonexistent/g.elf"])
+            .expect("parses")
+            .command
+        {
+            Command::Run(a) => a,
+            c => panic!("not run: {c:?}"),
+        };
+        let e = CliError::from(Plan::new(&a).expect_err("no such guest"));
+        assert!(e.to_string().contains("cannot read guest image"), "{e}");
+        assert_eq!(os_error(&e), Some(std::io::ErrorKind::NotFound), "{e:?}");
+        assert_eq!(e.exit_code(), EXIT_USAGE);
+        let e = CliError::from(
+            check_destination(Path::new("/nonexistent/dir/x.dat"), "-o").expect_err("no dir"),
+        );
+        assert!(os_error(&e).is_some(), "{e:?}");
+    }
+
     /// Each kind of failure maps to its exit code.
     #[test]
     fn exit_codes() {
