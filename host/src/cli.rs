@@ -504,7 +504,7 @@ fn execute(a: &RunArgs, file: Option<(&PathBuf, FormatArg)>) -> Result<i32, CliE
         .transpose()?;
     // Before any temporary file exists: a signal from now on stops or aborts cleanly.
     let interrupts = Interrupts::install()?;
-    let report = Run::new(plan, target, interrupts).execute()?;
+    let report = Run::new(plan, target).interrupts(interrupts).execute()?;
     let _ = write!(std::io::stderr(), "{report}");
     let code = report.exit_code();
     if let Some(st) = &stats {

@@ -91,6 +91,7 @@ impl Failures {
                 Destination::Stdout { .. } => {
                     writeln!(f, "hyptrace: error: writing to stdout: {e}")?
                 }
+                Destination::Sink => writeln!(f, "hyptrace: error: writing to the sink: {e}")?,
                 Destination::File { path, .. } => {
                     writeln!(f, "hyptrace: error: writing {}: {e}", path.display())?
                 }
@@ -184,6 +185,8 @@ pub enum Destination {
         /// Lines that reached stdout.
         lines: u64,
     },
+    /// The caller's page sink.
+    Sink,
     /// A file in a format.
     File {
         /// The path given.
@@ -196,6 +199,8 @@ pub enum Destination {
 /// Clocks and times of a run.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Timing {
+    /// Host TSC before the VM was created.
+    pub created_tsc: u64,
     /// TSC frequency of the vCPUs.
     pub tsc_khz: u64,
     /// Host TSC when the vCPUs were started.
@@ -235,6 +240,17 @@ pub struct RunReport {
     pub echo: OptionsEcho,
     /// `--mode` (the loss hint depends on it).
     pub mode: ModeArg,
+    /// The guest's memory after the run (result slots, for `bench`).
+    pub guest: Option<GuestView>,
+}
+
+/// The guest memory of a run that ended, and where things are in it.
+#[derive(Debug, Clone)]
+pub struct GuestView {
+    /// Guest memory.
+    pub memory: vm_memory::GuestMemoryMmap,
+    /// The guest-physical map (result slots: [`crate::GuestMemoryMap::result_slot`]).
+    pub map: crate::GuestMemoryMap,
 }
 
 /// 1 if a vCPU failed on the host side, else 3 if the guest crashed, else 0.
@@ -382,6 +398,7 @@ impl RunReport {
             Destination::File { path, format } => {
                 format!("{} written to {}", format_name(*format), shown_path(path))
             }
+            Destination::Sink => "pages handed to the sink".to_string(),
         };
         write!(
             f,
@@ -608,6 +625,7 @@ mod tests {
                 rate: 0,
             },
             mode: ModeArg::Overwrite,
+            guest: None,
         }
     }
 

@@ -18,13 +18,13 @@ use hyptrace_output::{
     Clock, JsonSink, OutputError, OutputTarget, PageSink, RawSink, TextSink, TraceDatSink,
     TraceDatVersion, TraceMeta,
 };
-use hyptrace_reader::ReadError;
+use hyptrace_reader::{Callbacks, Direct, Mailbox, ReadError, RingBuffer};
 
 use crate::cli::FormatArg;
 use crate::plan::Plan;
-use crate::report::{CpuReport, Destination, Failures, RunReport, Stop, Timing};
+use crate::report::{CpuReport, Destination, Failures, GuestView, RunReport, Stop, Timing};
 use crate::signals::Interrupts;
-use crate::trace::{alloc_reader, Output, Session};
+use crate::trace::{alloc_reader, Output, Session, MAILBOX_TIMEOUT};
 use crate::vcpu::VcpuOutcome;
 use crate::vm::{RunningVm, Vm};
 
@@ -37,10 +37,11 @@ macro_rules! note {
 }
 
 /// Where a run sends its events.
-#[derive(Debug)]
 pub enum Target {
     /// Text lines on stdout (`run`).
     Stdout,
+    /// A page sink of the caller's (`bench`: counting or timing sinks).
+    Sink(Box<dyn PageSink>),
     /// A checked file in a format (`record`).
     File {
         /// The destination, checked before the VM starts.
@@ -97,21 +98,61 @@ impl RunError {
     }
 }
 
+/// Wraps the reader's callbacks (e.g. to time every swap).
+pub type WrapCallbacks = Box<dyn FnOnce(Box<dyn Callbacks + Send>) -> Box<dyn Callbacks + Send>>;
+
 /// A run: a checked plan, where its events go, and the signals that stop it.
 pub struct Run<'a> {
     plan: Plan,
     target: Target,
-    interrupts: &'a Interrupts,
+    interrupts: Option<&'a Interrupts>,
+    wrap: Option<WrapCallbacks>,
+}
+
+impl std::fmt::Debug for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Stdout => f.write_str("Stdout"),
+            Self::Sink(_) => f.write_str("Sink"),
+            Self::File { path, format, .. } => f
+                .debug_struct("File")
+                .field("path", path)
+                .field("format", format)
+                .finish_non_exhaustive(),
+        }
+    }
+}
+
+impl std::fmt::Debug for Run<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Run")
+            .field("plan", &self.plan)
+            .field("target", &self.target)
+            .finish_non_exhaustive()
+    }
 }
 
 impl<'a> Run<'a> {
-    /// A run of `plan` into `target`, stopped by `interrupts`.
-    pub fn new(plan: Plan, target: Target, interrupts: &'a Interrupts) -> Self {
+    /// A run of `plan` into `target`. Without [`Run::interrupts`] no signal stops it.
+    pub fn new(plan: Plan, target: Target) -> Self {
         Self {
             plan,
             target,
-            interrupts,
+            interrupts: None,
+            wrap: None,
         }
+    }
+
+    /// Signals stop the run (a first one) or abort it (a second one).
+    pub fn interrupts(mut self, interrupts: &'a Interrupts) -> Self {
+        self.interrupts = Some(interrupts);
+        self
+    }
+
+    /// The reader's callbacks (`Direct` or `Mailbox`) go through `wrap`.
+    pub fn wrap_callbacks(mut self, wrap: WrapCallbacks) -> Self {
+        self.wrap = Some(wrap);
+        self
     }
 
     /// Boots the VM, drains the rings while it runs and after, and reports.
@@ -120,6 +161,7 @@ impl<'a> Run<'a> {
             plan,
             target,
             interrupts,
+            wrap,
         } = self;
         let nr = plan.cfg.vcpus;
         log::debug!(
@@ -131,15 +173,20 @@ impl<'a> Run<'a> {
             plan.ring.mode,
             plan.ring.guest_swap
         );
+        let created_tsc = crate::vm::host_tsc();
         let vm = Vm::new(plan.cfg)?;
+        let guest = GuestView {
+            memory: vm.memory().clone(),
+            map: vm.layout().clone(),
+        };
         let tsc_khz = vm.tsc_khz();
         let tsc_offset = vm.tsc_offset();
         let clock =
             Clock::guest_tsc(tsc_khz).map_err(|source| RunError::Clock { tsc_khz, source })?;
         let stdout = Arc::new(StdoutState::default());
-        let output = open_output(&target, &plan.ring, nr, &clock, &stdout)?;
+        let (output, target) = open_output(target, &plan.ring, nr, &clock, &stdout)?;
         let generation = crate::vm::host_tsc();
-        let reader = alloc_reader(vm.trace_region(), plan.ring, tsc_khz, generation)
+        let reader = alloc_reader_with(vm.trace_region(), plan.ring, tsc_khz, generation, wrap)
             .map_err(RunError::TraceBuffers)?;
         log::debug!(
             "rings allocated in the trace region (generation {generation:#x}); {} swaps",
@@ -151,20 +198,26 @@ impl<'a> Run<'a> {
         );
         let running = vm.start(&plan.params)?;
         log::info!("started {nr} vCPUs ({tsc_khz} kHz TSC)");
-        let events_on_tty = matches!(target, Target::Stdout) && std::io::stdout().is_terminal();
+        // Progress when the events are not on the terminal (a caller's sink: none).
+        let heartbeat = match target {
+            Shown::Stdout => !std::io::stdout().is_terminal(),
+            Shown::File { .. } => true,
+            Shown::Sink => false,
+        };
         let mut live = Live {
             deadline: plan.duration.map(|d| running.started_at() + d),
             running,
             session: Session::new(reader, output, clock),
             stdout,
             interrupts,
-            heartbeat: Heartbeat::new(!events_on_tty),
+            heartbeat: Heartbeat::new(heartbeat),
             stop: None,
             failures: Failures::default(),
             nr,
         };
         let aborted = live.poll_loop(plan.poll);
         let timing = Timing {
+            created_tsc,
             tsc_khz,
             start_tsc: live.running.start_tsc(),
             tsc_offset,
@@ -185,10 +238,11 @@ impl<'a> Run<'a> {
         }
         let (cpus, failures) = finish_session(session, &outcomes, failures, interrupts)?;
         let destination = match target {
-            Target::Stdout => Destination::Stdout {
+            Shown::Stdout => Destination::Stdout {
                 lines: stdout.lines.load(Ordering::Relaxed),
             },
-            Target::File { path, format, .. } => Destination::File { path, format },
+            Shown::File { path, format } => Destination::File { path, format },
+            Shown::Sink => Destination::Sink,
         };
         Ok(RunReport {
             outcomes,
@@ -199,28 +253,62 @@ impl<'a> Run<'a> {
             destination,
             echo: plan.echo,
             mode: plan.mode,
+            guest: Some(guest),
         })
+    }
+}
+
+/// What the report says of where the events went.
+enum Shown {
+    Stdout,
+    File { path: PathBuf, format: FormatArg },
+    Sink,
+}
+
+/// The reader over a VM's trace region, its callbacks wrapped by `wrap`.
+fn alloc_reader_with(
+    region: crate::vm::TraceRegion,
+    ring: RingGeometry,
+    tsc_khz: u64,
+    generation: u64,
+    wrap: Option<WrapCallbacks>,
+) -> Result<crate::trace::Reader, ReadError> {
+    match wrap {
+        None => alloc_reader(region, ring, tsc_khz, generation),
+        Some(wrap) => {
+            let mem = Arc::new(crate::trace::GuestTraceMem::new(region));
+            let cb: Box<dyn Callbacks + Send> = if ring.guest_swap {
+                Box::new(Mailbox::new(mem.clone(), ring, MAILBOX_TIMEOUT))
+            } else {
+                Box::new(Direct::new(mem.clone(), ring))
+            };
+            RingBuffer::alloc(mem, ring, wrap(cb), tsc_khz, generation)
+        }
     }
 }
 
 /// The output of a run: text lines merged on stdout, or a page sink.
 fn open_output(
-    target: &Target,
+    target: Target,
     ring: &RingGeometry,
     nr: u32,
     clock: &Clock,
     stdout: &Arc<StdoutState>,
-) -> Result<Output, RunError> {
+) -> Result<(Output, Shown), RunError> {
     match target {
-        Target::Stdout => Ok(Output::text(
-            Box::new(std::io::BufWriter::with_capacity(
-                1 << 16,
-                QuietStdout {
-                    out: std::io::stdout(),
-                    state: Arc::clone(stdout),
-                },
-            )),
-            nr,
+        Target::Sink(sink) => Ok((Output::Pages(sink), Shown::Sink)),
+        Target::Stdout => Ok((
+            Output::text(
+                Box::new(std::io::BufWriter::with_capacity(
+                    1 << 16,
+                    QuietStdout {
+                        out: std::io::stdout(),
+                        state: Arc::clone(stdout),
+                    },
+                )),
+                nr,
+            ),
+            Shown::Stdout,
         )),
         Target::File {
             target,
@@ -228,12 +316,10 @@ fn open_output(
             format,
         } => {
             let meta = TraceMeta::guest(ring.page_size, nr, clock.clone());
-            make_sink(target, *format, meta)
-                .map(Output::Pages)
-                .map_err(|source| RunError::Sink {
-                    path: path.clone(),
-                    source,
-                })
+            match make_sink(&target, format, meta) {
+                Ok(sink) => Ok((Output::Pages(sink), Shown::File { path, format })),
+                Err(source) => Err(RunError::Sink { path, source }),
+            }
         }
     }
 }
@@ -259,7 +345,7 @@ fn finish_session(
     mut session: Session,
     outcomes: &[VcpuOutcome],
     mut failures: Failures,
-    interrupts: &Interrupts,
+    interrupts: Option<&Interrupts>,
 ) -> Result<(Vec<CpuReport>, Failures), RunError> {
     let nr = session.reader().nr_cpus();
     for cpu in 0..nr {
@@ -272,7 +358,7 @@ fn finish_session(
     if let Err(e) = session.flush() {
         failures.session(None, &e);
     }
-    if interrupts.aborted() {
+    if interrupts.is_some_and(Interrupts::aborted) {
         return Err(RunError::Aborted);
     }
     let cpus: Vec<CpuReport> = (0..nr)
@@ -323,7 +409,7 @@ struct Live<'a> {
     running: RunningVm,
     session: Session,
     stdout: Arc<StdoutState>,
-    interrupts: &'a Interrupts,
+    interrupts: Option<&'a Interrupts>,
     heartbeat: Option<Heartbeat>,
     deadline: Option<Instant>,
     stop: Option<Stop>,
@@ -343,7 +429,7 @@ impl Live<'_> {
                 poll
             };
             let all_done = self.running.wait_timeout(wait);
-            if self.interrupts.aborted() {
+            if self.interrupts.is_some_and(Interrupts::aborted) {
                 log::info!("aborted by a second signal");
                 self.running.stop();
                 break true;
@@ -377,8 +463,9 @@ impl Live<'_> {
         if self.stop.is_some() {
             return;
         }
-        let why = if self.interrupts.stop_requested() {
-            Some(Stop::Signal(self.interrupts.signal_name()))
+        let signal = self.interrupts.filter(|i| i.stop_requested());
+        let why = if let Some(i) = signal {
+            Some(Stop::Signal(i.signal_name()))
         } else if self.deadline.is_some_and(|d| Instant::now() >= d) {
             Some(Stop::Duration)
         } else if self.running.any_crashed() {
