@@ -120,11 +120,18 @@ fn pipeline_with_a_callers_sink_and_callbacks() {
         }
         assert_eq!(pages.load(Ordering::Relaxed), read_pages, "{what}");
         let swapped: u64 = report.cpus.iter().map(|c| c.stats.swaps).sum();
-        assert_eq!(
-            swaps.load(Ordering::Relaxed),
-            swapped,
-            "{what}: wrapped callbacks"
-        );
+        // Every swap the reader made went through the wrapped callbacks; with the
+        // mailbox, a swap in flight when the writer stopped is found by the final walk
+        // (counted, never answered): at most one per CPU.
+        let through = swaps.load(Ordering::Relaxed);
+        if swap == "host" {
+            assert_eq!(through, swapped, "{what}: wrapped callbacks");
+        } else {
+            assert!(
+                through <= swapped && swapped - through <= 2,
+                "{what}: {through} swaps through the callbacks, {swapped} counted"
+            );
+        }
         assert_eq!(
             wrapped.load(Ordering::Relaxed),
             1,

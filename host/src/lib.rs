@@ -34,7 +34,7 @@ pub mod vm;
 
 pub use error::{Error, Result};
 pub use memory_map::GuestMemoryMap;
-pub use vcpu::{VcpuOutcome, VcpuStats};
+pub use vcpu::{VcpuError, VcpuOutcome, VcpuStats};
 pub use vm::{host_tsc, RunParams, RunningVm, TraceRegion, Vm, VmConfig};
 
 /// The guest payload built from guest/ by build.rs.

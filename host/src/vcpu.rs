@@ -47,7 +47,18 @@ pub enum VcpuOutcome {
     /// Stopped on request before it finished.
     Stopped,
     /// A host-side failure (an ioctl failed, the thread died).
-    Error(String),
+    Error(VcpuError),
+}
+
+/// A host-side failure of a vCPU thread.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum VcpuError {
+    /// `KVM_RUN` failed (other than EINTR/EAGAIN).
+    #[error("KVM_RUN failed: {0}")]
+    Run(#[source] kvm_ioctls::Error),
+    /// The vCPU thread panicked.
+    #[error("vCPU thread panicked")]
+    ThreadPanicked,
 }
 
 impl VcpuOutcome {
@@ -169,7 +180,7 @@ fn run_loop(
                 fd.set_kvm_immediate_exit(0);
                 continue;
             }
-            Err(e) => return VcpuOutcome::Error(format!("KVM_RUN failed: {e}")),
+            Err(e) => return VcpuOutcome::Error(VcpuError::Run(e)),
         };
         match exit {
             VcpuExit::IoOut(PORT_EXIT, data) => {

@@ -480,7 +480,7 @@ impl RunningVm {
             .into_iter()
             .map(|h| {
                 h.join()
-                    .unwrap_or_else(|_| VcpuOutcome::Error("vCPU thread panicked".into()))
+                    .unwrap_or(VcpuOutcome::Error(crate::vcpu::VcpuError::ThreadPanicked))
             })
             .collect()
     }
