@@ -6,6 +6,22 @@
 //! stdout or a failure stops the vCPUs; everything committed is still read (R1 holds
 //! at the end). A second signal aborts: [`RunError::Aborted`], the output is dropped
 //! unfinished (its temporary files are removed).
+//!
+//! ```no_run
+//! use clap::Parser;
+//! use hyptrace_host::cli::{Cli, Command};
+//! use hyptrace_host::plan::Plan;
+//! use hyptrace_host::run::{Run, Target};
+//!
+//! let Command::Run(args) = Cli::parse_from(["hyptrace", "run", "--events", "10"]).command
+//! else {
+//!     unreachable!()
+//! };
+//! let report = Run::new(Plan::new(&args)?, Target::Stdout).execute()?;
+//! eprint!("{report}"); // the summary, as `hyptrace run` prints it
+//! let json = report.stats_json(report.exit_code()); // what `--stats` writes
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
