@@ -1,6 +1,7 @@
-//! A small ELF64 loader for the guest payload: statically linked x86-64 executables,
-//! loaded at their physical addresses (which must equal their virtual addresses, as
-//! guest memory is identity-mapped).
+//! The guest payload's ELF64 image, read with goblin and checked by us: statically
+//! linked x86-64 executables, loaded at their physical addresses (which must equal
+//! their virtual addresses, as guest memory is identity-mapped), entry point in an
+//! executable segment. Placement in guest memory is checked by `memory_map`.
 
 use thiserror::Error;
 
@@ -25,6 +26,9 @@ pub enum ElfError {
     /// Not ET_EXEC (e.g. a PIE or a shared object).
     #[error("not a static executable (ELF type {0}, want EXEC)")]
     NotExecutable(u16),
+    /// Dynamically linked (a PT_INTERP segment names an interpreter).
+    #[error("not a static executable (it asks for an interpreter, PT_INTERP)")]
+    NotStatic,
     /// Program headers malformed.
     #[error("bad program headers: {0}")]
     BadProgramHeaders(&'static str),
@@ -65,110 +69,114 @@ pub struct GuestImage {
     pub end: u64,
 }
 
-const PT_LOAD: u32 = 1;
-const PF_X: u32 = 1;
-const ET_EXEC: u16 = 2;
-const EM_X86_64: u16 = 62;
-const PHDR_SIZE: usize = 56;
+use goblin::container::Endian;
+use goblin::elf::header::{EI_CLASS, EI_DATA, ELFCLASS64, ELFDATA2LSB, ELFMAG, EM_X86_64, ET_EXEC};
+use goblin::elf::program_header::{PF_X, PT_INTERP, PT_LOAD};
+use goblin::elf64::header::{Header, SIZEOF_EHDR};
+use goblin::elf64::program_header::{ProgramHeader, SIZEOF_PHDR};
 
-fn u16_at(b: &[u8], off: usize) -> u16 {
-    u16::from_le_bytes([b[off], b[off + 1]])
+/// The ELF64 header (read by goblin), after our own checks of what goblin would accept
+/// but we cannot load: not ELF, 32-bit, big-endian, another machine, not `ET_EXEC`.
+fn header(elf: &[u8]) -> Result<Header, ElfError> {
+    if elf.len() < ELFMAG.len() {
+        return Err(ElfError::TooShort);
+    }
+    if elf[..ELFMAG.len()] != *ELFMAG {
+        return Err(ElfError::BadMagic);
+    }
+    if elf.len() < SIZEOF_EHDR {
+        return Err(ElfError::TooShort);
+    }
+    if elf[EI_CLASS] != ELFCLASS64 {
+        return Err(ElfError::Not64Bit);
+    }
+    if elf[EI_DATA] != ELFDATA2LSB {
+        return Err(ElfError::NotLittleEndian);
+    }
+    let h = Header::parse(elf).map_err(|_| ElfError::TooShort)?;
+    if h.e_machine != EM_X86_64 {
+        return Err(ElfError::NotX86_64(h.e_machine));
+    }
+    if h.e_type != ET_EXEC {
+        return Err(ElfError::NotExecutable(h.e_type));
+    }
+    Ok(h)
 }
-fn u32_at(b: &[u8], off: usize) -> u32 {
-    u32::from_le_bytes(b[off..off + 4].try_into().expect("4 bytes"))
+
+/// The program header table (read by goblin), checked to lie inside the file.
+fn program_headers(elf: &[u8], h: &Header) -> Result<Vec<ProgramHeader>, ElfError> {
+    let phnum = usize::from(h.e_phnum);
+    if phnum == 0 {
+        return Err(ElfError::NoLoadableSegment);
+    }
+    if usize::from(h.e_phentsize) != SIZEOF_PHDR {
+        return Err(ElfError::BadProgramHeaders("unexpected e_phentsize"));
+    }
+    let phoff = usize::try_from(h.e_phoff)
+        .ok()
+        .filter(|o| o.checked_add(phnum * SIZEOF_PHDR).is_some())
+        .ok_or(ElfError::BadProgramHeaders("table offset out of range"))?;
+    if phoff + phnum * SIZEOF_PHDR > elf.len() {
+        return Err(ElfError::BadProgramHeaders(
+            "table past the end of the file",
+        ));
+    }
+    ProgramHeader::parse(elf, phoff, phnum, Endian::Little)
+        .map_err(|_| ElfError::BadProgramHeaders("table past the end of the file"))
 }
-fn u64_at(b: &[u8], off: usize) -> u64 {
-    u64::from_le_bytes(b[off..off + 8].try_into().expect("8 bytes"))
+
+/// A PT_LOAD segment, checked: sizes consistent, file range inside the file, address
+/// range without overflow, loaded where it runs (vaddr = paddr: identity-mapped).
+fn segment(i: usize, ph: &ProgramHeader, file_len: usize) -> Result<Segment, ElfError> {
+    let seg = Segment {
+        offset: ph.p_offset,
+        paddr: ph.p_paddr,
+        filesz: ph.p_filesz,
+        memsz: ph.p_memsz,
+    };
+    if seg.filesz > seg.memsz {
+        return Err(ElfError::BadSegment(i, "file size larger than memory size"));
+    }
+    if seg
+        .offset
+        .checked_add(seg.filesz)
+        .is_none_or(|e| e > file_len as u64)
+    {
+        return Err(ElfError::BadSegment(
+            i,
+            "file range past the end of the file",
+        ));
+    }
+    if seg.paddr.checked_add(seg.memsz).is_none() {
+        return Err(ElfError::BadSegment(i, "address range overflows"));
+    }
+    if ph.p_vaddr != seg.paddr {
+        return Err(ElfError::BadSegment(
+            i,
+            "virtual address differs from physical address",
+        ));
+    }
+    Ok(seg)
 }
 
 impl GuestImage {
-    /// Parses and validates `elf`. Placement inside guest memory is checked by the
-    /// memory layout.
+    /// Parses (with goblin) and validates `elf`: a static x86-64 ELF64 executable whose
+    /// entry point is in an executable loaded segment. Placement inside guest memory is
+    /// checked by the memory layout.
     pub fn parse(elf: &[u8]) -> Result<Self, ElfError> {
-        if elf.len() < 4 {
-            return Err(ElfError::TooShort);
-        }
-        if elf[..4] != *b"\x7fELF" {
-            return Err(ElfError::BadMagic);
-        }
-        if elf.len() < 64 {
-            return Err(ElfError::TooShort);
-        }
-        if elf[4] != 2 {
-            return Err(ElfError::Not64Bit);
-        }
-        if elf[5] != 1 {
-            return Err(ElfError::NotLittleEndian);
-        }
-        let e_type = u16_at(elf, 16);
-        let machine = u16_at(elf, 18);
-        if machine != EM_X86_64 {
-            return Err(ElfError::NotX86_64(machine));
-        }
-        if e_type != ET_EXEC {
-            return Err(ElfError::NotExecutable(e_type));
-        }
-        let entry = u64_at(elf, 24);
-        let phoff = u64_at(elf, 32);
-        let phentsize = usize::from(u16_at(elf, 54));
-        let phnum = usize::from(u16_at(elf, 56));
-        if phnum == 0 {
-            return Err(ElfError::NoLoadableSegment);
-        }
-        if phentsize != PHDR_SIZE {
-            return Err(ElfError::BadProgramHeaders("unexpected e_phentsize"));
-        }
-        let ph_end = usize::try_from(phoff)
-            .ok()
-            .and_then(|o| o.checked_add(phnum * PHDR_SIZE))
-            .ok_or(ElfError::BadProgramHeaders("table offset out of range"))?;
-        if ph_end > elf.len() {
-            return Err(ElfError::BadProgramHeaders(
-                "table past the end of the file",
-            ));
-        }
-
+        let h = header(elf)?;
+        let entry = h.e_entry;
         let mut segments = Vec::new();
         let mut entry_ok = false;
-        for i in 0..phnum {
-            let ph = &elf[phoff as usize + i * PHDR_SIZE..][..PHDR_SIZE];
-            if u32_at(ph, 0) != PT_LOAD {
+        for (i, ph) in program_headers(elf, &h)?.iter().enumerate() {
+            if ph.p_type == PT_INTERP {
+                return Err(ElfError::NotStatic);
+            }
+            if ph.p_type != PT_LOAD || ph.p_memsz == 0 {
                 continue;
             }
-            let flags = u32_at(ph, 4);
-            let seg = Segment {
-                offset: u64_at(ph, 8),
-                paddr: u64_at(ph, 24),
-                filesz: u64_at(ph, 32),
-                memsz: u64_at(ph, 40),
-            };
-            let vaddr = u64_at(ph, 16);
-            if seg.memsz == 0 {
-                continue;
-            }
-            if seg.filesz > seg.memsz {
-                return Err(ElfError::BadSegment(i, "file size larger than memory size"));
-            }
-            if seg
-                .offset
-                .checked_add(seg.filesz)
-                .is_none_or(|e| e > elf.len() as u64)
-            {
-                return Err(ElfError::BadSegment(
-                    i,
-                    "file range past the end of the file",
-                ));
-            }
-            if seg.paddr.checked_add(seg.memsz).is_none() {
-                return Err(ElfError::BadSegment(i, "address range overflows"));
-            }
-            if vaddr != seg.paddr {
-                return Err(ElfError::BadSegment(
-                    i,
-                    "virtual address differs from physical address",
-                ));
-            }
-            if flags & PF_X != 0 && entry >= seg.paddr && entry < seg.paddr + seg.memsz {
+            let seg = segment(i, ph, elf.len())?;
+            if ph.p_flags & PF_X != 0 && entry >= seg.paddr && entry < seg.paddr + seg.memsz {
                 entry_ok = true;
             }
             segments.push(seg);
@@ -220,5 +228,53 @@ mod tests {
         assert_eq!(GuestImage::parse(&e), Err(ElfError::NotExecutable(3)));
         let e = &crate::GUEST_ELF[..200];
         assert!(GuestImage::parse(e).is_err());
+    }
+
+    /// Program header `i` of `e` (ELF64 little-endian), as (offset of the entry).
+    fn phdr(e: &[u8], i: usize) -> usize {
+        let phoff = u64::from_le_bytes(e[32..40].try_into().expect("8 bytes")) as usize;
+        phoff + i * SIZEOF_PHDR
+    }
+
+    /// Our checks on what goblin reads: a truncated table, a dynamic executable, vaddr
+    /// != paddr, an entry outside every executable segment, a segment past the file.
+    #[test]
+    fn rejects_unloadable_images() {
+        let good = crate::GUEST_ELF;
+        let load = (0..usize::from(u16::from_le_bytes([good[56], good[57]])))
+            .find(|&i| good[phdr(good, i)..][..4] == PT_LOAD.to_le_bytes())
+            .expect("a PT_LOAD");
+        // The table runs past the end of the file.
+        let mut e = good.to_vec();
+        e[56..58].copy_from_slice(&u16::MAX.to_le_bytes());
+        assert!(matches!(
+            GuestImage::parse(&e),
+            Err(ElfError::BadProgramHeaders(_))
+        ));
+        // A PT_INTERP: dynamically linked.
+        let mut e = good.to_vec();
+        let p = phdr(&e, load);
+        e[p..p + 4].copy_from_slice(&PT_INTERP.to_le_bytes());
+        assert_eq!(GuestImage::parse(&e), Err(ElfError::NotStatic));
+        // vaddr != paddr.
+        let mut e = good.to_vec();
+        let p = phdr(&e, load);
+        e[p + 16] ^= 0x10;
+        assert!(matches!(
+            GuestImage::parse(&e),
+            Err(ElfError::BadSegment(i, m)) if i == load && m.contains("virtual")
+        ));
+        // File range past the end.
+        let mut e = good.to_vec();
+        let p = phdr(&e, load);
+        e[p + 8..p + 16].copy_from_slice(&(good.len() as u64).to_le_bytes());
+        assert!(matches!(
+            GuestImage::parse(&e),
+            Err(ElfError::BadSegment(_, _))
+        ));
+        // Entry point outside every executable segment.
+        let mut e = good.to_vec();
+        e[24..32].copy_from_slice(&1u64.to_le_bytes());
+        assert_eq!(GuestImage::parse(&e), Err(ElfError::BadEntry(1)));
     }
 }

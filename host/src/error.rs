@@ -46,12 +46,24 @@ pub enum Error {
         #[source]
         source: kvm_ioctls::Error,
     },
-    /// Guest memory could not be created or written.
+    /// Guest memory could not be mapped.
     #[error("guest memory: {0}")]
-    Memory(String),
-    /// A vCPU thread could not be started, or the kick signal installed.
-    #[error("{0}")]
-    Host(String),
+    MemoryMmap(#[source] vm_memory::mmap::FromRangesError),
+    /// Guest memory could not be read or written (tables, image, run parameters).
+    #[error("guest memory: {0}")]
+    Memory(#[from] vm_memory::GuestMemoryError),
+    /// The signal that kicks vCPU threads out of `KVM_RUN` could not be installed.
+    #[error("cannot install the vCPU kick signal handler: {0}")]
+    KickSignal(#[source] vmm_sys_util::errno::Error),
+    /// A vCPU thread could not be started.
+    #[error("cannot start the thread of vCPU {id}: {source}")]
+    VcpuThread {
+        /// The vCPU.
+        id: u32,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 impl Error {

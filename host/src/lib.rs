@@ -22,14 +22,19 @@ pub mod bench;
 pub mod cli;
 pub mod elf;
 pub mod error;
+pub mod logging;
 pub mod memory_map;
+pub mod plan;
+pub mod report;
+pub mod run;
+pub mod signals;
 pub mod trace;
 pub mod vcpu;
 pub mod vm;
 
 pub use error::{Error, Result};
 pub use memory_map::GuestMemoryMap;
-pub use vcpu::{VcpuOutcome, VcpuStats};
+pub use vcpu::{VcpuError, VcpuOutcome, VcpuStats};
 pub use vm::{host_tsc, RunParams, RunningVm, TraceRegion, Vm, VmConfig};
 
 /// The guest payload built from guest/ by build.rs.

@@ -159,9 +159,19 @@ pub enum SessionError {
     /// The ring is inconsistent or the writer did not answer.
     #[error(transparent)]
     Read(#[from] ReadError),
-    /// Writing the output failed.
+    /// A page sink failed (writing, or the page or metadata it was given).
     #[error("output: {0}")]
-    Output(String),
+    Sink(#[from] hyptrace_output::OutputError),
+    /// Writing the text lines failed.
+    #[error("output: {0}")]
+    Write(#[source] std::io::Error),
+}
+
+impl SessionError {
+    /// Whether the output failed (rather than reading a ring).
+    pub fn is_output(&self) -> bool {
+        matches!(self, Self::Sink(_) | Self::Write(_))
+    }
 }
 
 impl<M: SharedMem, C: Callbacks> Session<M, C> {
@@ -232,11 +242,13 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
             Some(st) if !st.ended && !st.failed => {}
             _ => return Ok(()),
         }
+        let before = log::log_enabled!(log::Level::Debug).then(|| self.reader.stats(cpu));
         // Drain first (swaps), then poke: with the mailbox, one request is in flight
         // per CPU at a time, and a page swap matters more than refreshed stats.
         let r = self.drain(cpu).and_then(|more| {
             self.cpus[cpu as usize].more = more;
             if self.reader.request_in_flight(cpu) {
+                log::trace!("cpu {cpu}: mailbox request pending, no poke this round");
                 Ok(())
             } else {
                 self.reader
@@ -245,14 +257,47 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
                     .map_err(SessionError::from)
             }
         });
+        if let Some(b) = before {
+            self.log_poll(cpu, &b);
+        }
         match r {
             // The guest writer finished (mailbox mode): nothing more to ask it; the rest
             // is read by `end_cpu` once its vCPU has stopped.
             Err(SessionError::Read(ReadError::WriterStopped { .. })) => {
+                log::debug!("cpu {cpu}: the guest writer finished; the rest is read read-only");
                 self.cpus[cpu as usize].more = false;
                 Ok(())
             }
+            Err(e @ SessionError::Read(ReadError::MailboxTimeout { .. })) => {
+                log::debug!("cpu {cpu}: {e}");
+                Err(e)
+            }
             r => r,
+        }
+    }
+
+    /// Logs what one poll of `cpu` did (`before`: its counters before): swaps and
+    /// events at trace level; swaps lost to the writer (contended, retried at the next
+    /// poll) at debug level.
+    fn log_poll(&self, cpu: u32, before: &CpuStats) {
+        let now = self.reader.stats(cpu);
+        log::trace!(
+            "cpu {cpu}: poll: {} swaps, {} events read, {} lost{}",
+            now.swaps.saturating_sub(before.swaps),
+            now.read.saturating_sub(before.read),
+            now.lost.saturating_sub(before.lost),
+            if self.cpus[cpu as usize].more {
+                " (round bound reached: more to read)"
+            } else {
+                ""
+            }
+        );
+        let contended = now.contended.saturating_sub(before.contended);
+        if contended > 0 {
+            log::debug!(
+                "cpu {cpu}: {contended} swap(s) lost every retry to the writer (contended; {} so far)",
+                now.contended
+            );
         }
     }
 
@@ -286,7 +331,7 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
             Output::Pages(sink) => {
                 if lost > 0 {
                     if let Err(e) = sink.trailing_lost(cpu, lost) {
-                        r = r.and(Err(SessionError::Output(e.to_string())));
+                        r = r.and(Err(SessionError::Sink(e)));
                     }
                 }
             }
@@ -298,6 +343,7 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
     }
 
     fn final_walk(&mut self, cpu: u32) -> Result<(), SessionError> {
+        log::debug!("cpu {cpu}: final read-only walk");
         self.reader.sync_writer_counters(cpu)?;
         self.reader.finalize(cpu)?;
         // Bounded: the walk covers the pages left in the ring, each round consumes at
@@ -410,8 +456,7 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
                     };
                     bytes = bytes.saturating_add(page.bytes.len().max(1));
                     let missed = (page.missed > 0).then_some(page.missed);
-                    sink.page(cpu, page.bytes, missed)
-                        .map_err(|e| SessionError::Output(e.to_string()))?;
+                    sink.page(cpu, page.bytes, missed)?;
                 }
                 Ok(true)
             }
@@ -463,9 +508,8 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
             });
         }
         if let Some(e) = p.err.take() {
-            let msg = e.to_string();
-            self.output_error = Some(msg.clone());
-            return Err(SessionError::Output(msg));
+            self.output_error = Some(e.to_string());
+            return Err(SessionError::Write(e));
         }
         Ok(())
     }
@@ -506,13 +550,11 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
                 // After a reported output error, the same error again is no news.
                 if let Err(e) = out.flush() {
                     if self.output_error.is_none() {
-                        return Err(SessionError::Output(e.to_string()));
+                        return Err(SessionError::Write(e));
                     }
                 }
             }
-            Output::Pages(sink) => sink
-                .finish(summary)
-                .map_err(|e| SessionError::Output(e.to_string()))?,
+            Output::Pages(sink) => sink.finish(summary)?,
         }
         Ok(self.lines)
     }

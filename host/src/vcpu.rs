@@ -47,7 +47,18 @@ pub enum VcpuOutcome {
     /// Stopped on request before it finished.
     Stopped,
     /// A host-side failure (an ioctl failed, the thread died).
-    Error(String),
+    Error(VcpuError),
+}
+
+/// A host-side failure of a vCPU thread.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum VcpuError {
+    /// `KVM_RUN` failed (other than EINTR/EAGAIN).
+    #[error("KVM_RUN failed: {0}")]
+    Run(#[source] kvm_ioctls::Error),
+    /// The vCPU thread panicked.
+    #[error("vCPU thread panicked")]
+    ThreadPanicked,
 }
 
 impl VcpuOutcome {
@@ -78,13 +89,11 @@ pub fn kick_signal() -> c_int {
 }
 
 /// Installs the kick handler (once per process).
-pub(crate) fn install_kick_handler() -> Result<(), String> {
-    static DONE: OnceLock<Result<(), String>> = OnceLock::new();
-    DONE.get_or_init(|| {
-        vmm_sys_util::signal::register_signal_handler(kick_signal(), kick_handler)
-            .map_err(|e| format!("cannot install the vCPU kick signal handler: {e}"))
-    })
-    .clone()
+pub(crate) fn install_kick_handler() -> crate::Result<()> {
+    static DONE: OnceLock<Result<(), vmm_sys_util::errno::Error>> = OnceLock::new();
+    (*DONE
+        .get_or_init(|| vmm_sys_util::signal::register_signal_handler(kick_signal(), kick_handler)))
+    .map_err(crate::Error::KickSignal)
 }
 
 fn read_u64(mem: &GuestMemoryMmap, gpa: u64) -> u64 {
@@ -147,8 +156,10 @@ pub(crate) fn run(
     shared: &Shared,
 ) -> VcpuOutcome {
     IMMEDIATE_EXIT.with(|p| p.set(ptr::addr_of_mut!(fd.get_kvm_run().immediate_exit)));
+    log::debug!("vcpu {id}: running");
     let outcome = run_loop(id, &mut fd, &mem, slot, shared);
     IMMEDIATE_EXIT.with(|p| p.set(ptr::null_mut()));
+    log::debug!("vcpu {id}: exit: {outcome:?}");
     outcome
 }
 
@@ -169,7 +180,7 @@ fn run_loop(
                 fd.set_kvm_immediate_exit(0);
                 continue;
             }
-            Err(e) => return VcpuOutcome::Error(format!("KVM_RUN failed: {e}")),
+            Err(e) => return VcpuOutcome::Error(VcpuError::Run(e)),
         };
         match exit {
             VcpuExit::IoOut(PORT_EXIT, data) => {

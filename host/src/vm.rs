@@ -197,6 +197,18 @@ impl Vm {
             });
         }
 
+        log::debug!(
+            "memory map: {:#x} bytes of guest memory, image [{:#x}, {:#x}), entry {:#x}, run parameters at {:#x} (results at {:#x}), stacks at {:#x}, trace region [{:#x}, +{:#x})",
+            layout.mem_bytes,
+            layout.image.0,
+            layout.image.1,
+            image.entry,
+            layout.params_gpa,
+            layout.results_gpa,
+            layout.stacks_gpa,
+            layout.trace_gpa,
+            layout.trace_len
+        );
         let kvm = open_kvm()?;
         let max = kvm.get_max_vcpus() as u32;
         if cfg.vcpus > max {
@@ -211,11 +223,9 @@ impl Vm {
             .map_err(Error::kvm("KVM_SET_TSS_ADDR"))?;
 
         let memory = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), cfg.mem_bytes as usize)])
-            .map_err(|e| Error::Memory(e.to_string()))?;
+            .map_err(Error::MemoryMmap)?;
         for (slot, region) in memory.iter().enumerate() {
-            let host = region
-                .get_host_address(vm_memory::MemoryRegionAddress(0))
-                .map_err(|e| Error::Memory(e.to_string()))?;
+            let host = region.get_host_address(vm_memory::MemoryRegionAddress(0))?;
             let r = kvm_userspace_memory_region {
                 slot: slot as u32,
                 flags: 0,
@@ -230,12 +240,10 @@ impl Vm {
                 .map_err(Error::kvm("KVM_SET_USER_MEMORY_REGION"))?;
         }
 
-        arch::setup_memory(&memory, &layout).map_err(|e| Error::Memory(e.to_string()))?;
+        arch::setup_memory(&memory, &layout)?;
         for seg in &image.segments {
             let bytes = &cfg.guest_elf[seg.offset as usize..(seg.offset + seg.filesz) as usize];
-            memory
-                .write_slice(bytes, GuestAddress(seg.paddr))
-                .map_err(|e| Error::Memory(e.to_string()))?;
+            memory.write_slice(bytes, GuestAddress(seg.paddr))?;
             // Fresh anonymous memory is zero already: .bss needs nothing.
         }
 
@@ -261,6 +269,10 @@ impl Vm {
             Ok(k) if k > 0 => u64::from(k),
             _ => calibrate_tsc_khz(),
         };
+        log::debug!(
+            "created {} vCPUs (KVM allows {max}); TSC {tsc_khz} kHz, guest - host TSC offset {tsc_offset:?}",
+            vcpus.len()
+        );
 
         Ok(Self {
             _kvm: kvm,
@@ -335,13 +347,13 @@ impl Vm {
         bytes[..RUN_PARAMS_SIZE].copy_from_slice(&block.to_bytes());
         self.memory
             .write_slice(&bytes, GuestAddress(self.layout.params_gpa))
-            .map_err(|e| Error::Memory(e.to_string()))
+            .map_err(Error::from)
     }
 
     /// Writes the run parameters and starts one thread per vCPU.
     pub fn start(self, p: &RunParams) -> Result<RunningVm> {
         self.write_params(p)?;
-        vcpu::install_kick_handler().map_err(Error::Host)?;
+        vcpu::install_kick_handler()?;
         let shared = Arc::new(Shared {
             stop: AtomicBool::new(false),
             crashed: AtomicBool::new(false),
@@ -379,12 +391,13 @@ impl Vm {
                     out
                 });
             match spawned {
-                Ok(h) => running.threads.push(h),
+                Ok(h) => {
+                    log::debug!("vcpu {id}: thread started");
+                    running.threads.push(h);
+                }
                 Err(e) => {
                     // Dropping `running` stops and joins the threads started so far.
-                    return Err(Error::Host(format!(
-                        "cannot start the thread of vCPU {id}: {e}"
-                    )));
+                    return Err(Error::VcpuThread { id, source: e });
                 }
             }
         }
@@ -461,7 +474,7 @@ impl RunningVm {
             .into_iter()
             .map(|h| {
                 h.join()
-                    .unwrap_or_else(|_| VcpuOutcome::Error("vCPU thread panicked".into()))
+                    .unwrap_or(VcpuOutcome::Error(crate::vcpu::VcpuError::ThreadPanicked))
             })
             .collect()
     }

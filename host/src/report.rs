@@ -1,0 +1,738 @@
+//! What a run produced ([`RunReport`]): per-CPU accounting (invariant R1: written =
+//! read + lost, lost = overrun + dropped), the vCPUs' outcomes, timings, how the run
+//! stopped and what failed. It renders the summary on stderr (`Display`), the
+//! `--stats` JSON ([`RunReport::stats_json`], typed serde structs) and the exit code.
+
+use std::borrow::Cow;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::cli::{FormatArg, ModeArg, EXIT_CRASH, EXIT_OK, EXIT_RUNTIME};
+use crate::plan::OptionsEcho;
+use crate::trace::SessionError;
+use crate::vcpu::VcpuOutcome;
+
+/// Why a run stopped before its guest finished.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Stop {
+    /// The first Ctrl-C (SIGINT) or SIGTERM.
+    Signal(&'static str),
+    /// `--duration` elapsed.
+    Duration,
+    /// A vCPU crashed; the others were stopped.
+    Crash,
+    /// Stdout was closed by its reader (`| head`).
+    StdoutClosed,
+    /// Reading a ring or writing the output failed (reported on its own).
+    Failed(String),
+}
+
+impl fmt::Display for Stop {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Signal(sig) => write!(f, "interrupted by {sig}"),
+            Self::Duration => f.write_str("--duration elapsed"),
+            Self::Crash => f.write_str("a vCPU crashed"),
+            Self::StdoutClosed => f.write_str("stdout closed"),
+            Self::Failed(what) => f.write_str(what),
+        }
+    }
+}
+
+/// Failures of a run, reported once each after the summary (the last lines on stderr):
+/// the first output failure (later ones are its consequences), the first read failure
+/// of each vCPU.
+#[derive(Debug, Default)]
+pub struct Failures {
+    output: Option<String>,
+    read: Vec<(u32, String)>,
+    other: Vec<String>,
+}
+
+impl Failures {
+    /// Records a failure of the session (on `cpu`, or of the output as a whole).
+    pub fn session(&mut self, cpu: Option<u32>, e: &SessionError) {
+        match (e, cpu) {
+            (e, _) if e.is_output() => {
+                self.output.get_or_insert_with(|| e.to_string());
+            }
+            (e, Some(cpu)) => {
+                if !self.read.iter().any(|(c, _)| *c == cpu) {
+                    self.read.push((cpu, e.to_string()));
+                }
+            }
+            (e, None) => self.other.push(e.to_string()),
+        }
+    }
+
+    /// Whether anything failed.
+    pub fn any(&self) -> bool {
+        self.output.is_some() || !self.read.is_empty() || !self.other.is_empty()
+    }
+
+    /// Whether the output failed.
+    pub fn output_failed(&self) -> bool {
+        self.output.is_some()
+    }
+
+    fn fmt_lines(&self, f: &mut fmt::Formatter<'_>, to: &Destination) -> fmt::Result {
+        for (cpu, e) in &self.read {
+            writeln!(f, "hyptrace: error: reading vcpu {cpu}: {e}")?;
+        }
+        for e in &self.other {
+            writeln!(f, "hyptrace: error: {e}")?;
+        }
+        if let Some(e) = &self.output {
+            let e = e.strip_prefix("output: ").unwrap_or(e);
+            match to {
+                Destination::Stdout { .. } => {
+                    writeln!(f, "hyptrace: error: writing to stdout: {e}")?
+                }
+                Destination::Sink => writeln!(f, "hyptrace: error: writing to the sink: {e}")?,
+                Destination::File { path, .. } => {
+                    writeln!(f, "hyptrace: error: writing {}: {e}", path.display())?
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Per-CPU result of a run, as printed and written to `--stats`.
+#[derive(Debug, Clone, Default)]
+pub struct CpuReport {
+    /// The writer finished (not stopped or crashed mid-write).
+    pub finished: bool,
+    /// Events the guest workload tried to emit (when it finished and said so).
+    pub attempted: Option<u64>,
+    /// Of those, events whose tracepoint was disabled.
+    pub skipped: Option<u64>,
+    /// Events the writer took in.
+    pub written: u64,
+    /// The reader's counters.
+    pub stats: hyptrace_reader::CpuStats,
+    /// The first error on this CPU.
+    pub error: Option<String>,
+}
+
+impl CpuReport {
+    /// `written == read + lost`, `lost == overrun + dropped`, and `written ==
+    /// attempted − skipped` when the guest reported its counts (invariant R1).
+    pub fn consistent(&self) -> bool {
+        let s = &self.stats;
+        // The reader's count of lost events (gaps in the event index) is exact. The
+        // writer's own overrun counter can be one page ahead of it when the vCPU was
+        // stopped in the middle of overwriting a page: the page was counted but not yet
+        // overwritten, and was read. Compared only for writers that finished.
+        // A failure on the CPU (read or output) is reported on its own; it is no
+        // accounting mismatch when the counts balance. Guest numbers: sums that
+        // overflow match nothing.
+        s.read.checked_add(s.lost) == Some(self.written)
+            && (!self.finished || s.overrun.checked_add(s.dropped) == Some(s.lost))
+            && match (self.attempted, self.skipped) {
+                (Some(a), Some(k)) => a.checked_sub(k) == Some(self.written),
+                _ => true,
+            }
+    }
+
+    /// The mark after the CPU's summary line: none when the counts balance;
+    /// `INCOMPLETE` when a failure (`failed`: reading or writing) stopped the reading
+    /// with events still unread — the failure is the cause, reported on its own;
+    /// `MISMATCH` otherwise.
+    fn flag(&self, failed: bool) -> String {
+        let seen = self.stats.read.saturating_add(self.stats.lost);
+        if self.consistent() {
+            String::new()
+        } else if failed && self.written > seen {
+            format!(
+                "  INCOMPLETE: {} events not read after the failure",
+                self.written - seen
+            )
+        } else {
+            "  MISMATCH".into()
+        }
+    }
+
+    fn fmt_line(&self, f: &mut fmt::Formatter<'_>, id: usize, failed: bool) -> fmt::Result {
+        let st = &self.stats;
+        let opt = |v: Option<u64>| v.map_or("?".to_string(), |v| v.to_string());
+        writeln!(
+            f,
+            "hyptrace: cpu {id}: attempted {} skipped {} written {} read {} lost {} (overrun {} dropped {}) swaps {} pages_touched {} bytes {}{}",
+            opt(self.attempted),
+            opt(self.skipped),
+            self.written,
+            st.read,
+            st.lost,
+            st.overrun,
+            st.dropped,
+            st.swaps,
+            st.pages_touched,
+            st.bytes,
+            self.flag(failed)
+        )
+    }
+}
+
+/// Where the events of a run went.
+#[derive(Debug, Clone)]
+pub enum Destination {
+    /// Text lines on stdout: how many reached it.
+    Stdout {
+        /// Lines that reached stdout.
+        lines: u64,
+    },
+    /// The caller's page sink.
+    Sink,
+    /// A file in a format.
+    File {
+        /// The path given.
+        path: PathBuf,
+        /// Its format.
+        format: FormatArg,
+    },
+}
+
+/// Clocks and times of a run.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Timing {
+    /// Host TSC before the VM was created.
+    pub created_tsc: u64,
+    /// TSC frequency of the vCPUs.
+    pub tsc_khz: u64,
+    /// Host TSC when the vCPUs were started.
+    pub start_tsc: u64,
+    /// Guest TSC − host TSC, when known.
+    pub tsc_offset: Option<i64>,
+    /// From start until every vCPU stopped.
+    pub wall: Duration,
+}
+
+impl Timing {
+    fn ms(&self, cycles: u64) -> f64 {
+        if self.tsc_khz == 0 {
+            0.0
+        } else {
+            cycles as f64 / self.tsc_khz as f64
+        }
+    }
+}
+
+/// What a run produced.
+#[derive(Debug)]
+pub struct RunReport {
+    /// How each vCPU ended.
+    pub outcomes: Vec<VcpuOutcome>,
+    /// Accounting per CPU.
+    pub cpus: Vec<CpuReport>,
+    /// Clocks and times.
+    pub timing: Timing,
+    /// Why the run stopped before the guest finished, if it did.
+    pub stop: Option<Stop>,
+    /// What failed.
+    pub failures: Failures,
+    /// Where the events went.
+    pub destination: Destination,
+    /// The options `--stats` repeats.
+    pub echo: OptionsEcho,
+    /// `--mode` (the loss hint depends on it).
+    pub mode: ModeArg,
+    /// The guest's memory after the run (result slots, for `bench`).
+    pub guest: Option<GuestView>,
+}
+
+/// The guest memory of a run that ended, and where things are in it.
+#[derive(Debug, Clone)]
+pub struct GuestView {
+    /// Guest memory.
+    pub memory: vm_memory::GuestMemoryMmap,
+    /// The guest-physical map (result slots: [`crate::GuestMemoryMap::result_slot`]).
+    pub map: crate::GuestMemoryMap,
+}
+
+/// 1 if a vCPU failed on the host side, else 3 if the guest crashed, else 0.
+pub fn exit_code(outcomes: &[VcpuOutcome]) -> i32 {
+    if outcomes.iter().any(|o| matches!(o, VcpuOutcome::Error(_))) {
+        EXIT_RUNTIME
+    } else if outcomes.iter().any(VcpuOutcome::is_crash) {
+        EXIT_CRASH
+    } else {
+        EXIT_OK
+    }
+}
+
+/// The sum of `v`, saturating at `u64::MAX`.
+fn sat_sum(v: impl IntoIterator<Item = u64>) -> u64 {
+    v.into_iter().fold(0, u64::saturating_add)
+}
+
+/// What a file of `format` is called in messages.
+fn format_name(format: FormatArg) -> &'static str {
+    match format {
+        FormatArg::Dat => "trace.dat (v7)",
+        FormatArg::Dat6 => "trace.dat (v6)",
+        FormatArg::Json => "JSON",
+        FormatArg::Text => "text",
+        FormatArg::Raw => "raw pages",
+    }
+}
+
+/// A path for messages; `-` is stdout.
+pub(crate) fn shown_path(p: &Path) -> Cow<'_, str> {
+    if p.as_os_str() == "-" {
+        Cow::Borrowed("stdout")
+    } else {
+        p.to_string_lossy()
+    }
+}
+
+/// What to do about lost events, for the mode that lost them.
+fn loss_hint(mode: ModeArg) -> &'static str {
+    match mode {
+        ModeArg::Stop => {
+            "events were lost (dropped while a ring was full): raise --buffer-kb or lower --rate, or use --mode overwrite to keep the newest events"
+        }
+        ModeArg::Overwrite => {
+            "events were lost (overwritten before they were read): raise --buffer-kb or lower --rate"
+        }
+    }
+}
+
+/// `ok`, `panic`, `fault`, `stopped`, `error` (or `unknown` without an outcome).
+fn outcome_name(o: Option<&VcpuOutcome>) -> &'static str {
+    match o {
+        Some(VcpuOutcome::Finished(_)) => "ok",
+        Some(VcpuOutcome::Panicked(_)) => "panic",
+        Some(VcpuOutcome::Faulted(_)) => "fault",
+        Some(VcpuOutcome::Stopped) => "stopped",
+        Some(VcpuOutcome::Error(_)) => "error",
+        None => "unknown",
+    }
+}
+
+impl RunReport {
+    /// The exit code: 1 if a vCPU failed on the host side, a read or the output failed,
+    /// or the accounting does not balance; else 3 if the guest crashed; else 0.
+    pub fn exit_code(&self) -> i32 {
+        let code = exit_code(&self.outcomes);
+        let consistent = self.cpus.iter().all(CpuReport::consistent);
+        if code == EXIT_OK && (self.failures.any() || !consistent) {
+            EXIT_RUNTIME
+        } else {
+            code
+        }
+    }
+
+    /// `end` of `--stats`: how the run ended. `guest_finished`, `duration`, `signal`,
+    /// `stdout_closed` (exit 0 when every event is accounted for), `guest_crashed` (3),
+    /// `error` (1).
+    pub fn end(&self) -> &'static str {
+        let outcomes = &self.outcomes;
+        if outcomes.iter().any(|o| matches!(o, VcpuOutcome::Error(_))) || self.failures.any() {
+            return "error";
+        }
+        if outcomes.iter().any(VcpuOutcome::is_crash) {
+            return "guest_crashed";
+        }
+        match &self.stop {
+            None => "guest_finished",
+            Some(Stop::Signal(_)) => "signal",
+            Some(Stop::Duration) => "duration",
+            Some(Stop::StdoutClosed) => "stdout_closed",
+            Some(Stop::Crash) => "guest_crashed",
+            Some(Stop::Failed(_)) => "error",
+        }
+    }
+
+    fn fmt_outcome(&self, f: &mut fmt::Formatter<'_>, id: usize, o: &VcpuOutcome) -> fmt::Result {
+        let t = &self.timing;
+        let outcome = match o {
+            VcpuOutcome::Finished(st) => {
+                let ms = t.ms(st.tsc_end.wrapping_sub(st.tsc_start));
+                let started = match t.tsc_offset {
+                    Some(off) => format!(
+                        ", first instruction {:.3} ms after start",
+                        t.ms(st
+                            .tsc_start
+                            .wrapping_sub(off as u64)
+                            .wrapping_sub(t.start_tsc))
+                    ),
+                    None => String::new(),
+                };
+                format!("finished in {ms:.3} ms{started}")
+            }
+            VcpuOutcome::Panicked(msg) => {
+                format!("guest panicked: {}", hyptrace_output::escape_guest_str(msg))
+            }
+            VcpuOutcome::Faulted(msg) => {
+                format!("guest crashed: {}", hyptrace_output::escape_guest_str(msg))
+            }
+            VcpuOutcome::Stopped => "stopped".to_string(),
+            VcpuOutcome::Error(msg) => format!("error: {msg}"),
+        };
+        writeln!(f, "hyptrace: vcpu {id}: {outcome}")
+    }
+
+    /// The last line of the summary: totals (saturating: a hostile guest's counters can
+    /// be anything) and where the events went.
+    fn fmt_totals(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let r = &self.cpus;
+        let read = sat_sum(r.iter().map(|r| r.stats.read));
+        let lost = sat_sum(r.iter().map(|r| r.stats.lost));
+        let written = sat_sum(r.iter().map(|r| r.written));
+        let secs = self.timing.wall.as_secs_f64();
+        let mb = sat_sum(r.iter().map(|r| r.stats.bytes)) as f64 / 1e6;
+        let overrun = sat_sum(r.iter().map(|r| r.stats.overrun));
+        let dropped = sat_sum(r.iter().map(|r| r.stats.dropped));
+        let n = self.outcomes.len();
+        let to = match &self.destination {
+            Destination::Stdout { lines } => {
+                format!("{lines} line{} printed", if *lines == 1 { "" } else { "s" })
+            }
+            Destination::File { path, .. } if self.failures.output_failed() => {
+                format!("{} not written", shown_path(path))
+            }
+            Destination::File { path, format } => {
+                format!("{} written to {}", format_name(*format), shown_path(path))
+            }
+            Destination::Sink => "pages handed to the sink".to_string(),
+        };
+        write!(
+            f,
+            "hyptrace: {n} vCPU{}: written {written} = read {read} + lost {lost} (overrun {overrun}, dropped {dropped}); {secs:.3} s, {mb:.1} MB of events ({:.1} MB/s), {to}",
+            if n == 1 { "" } else { "s" },
+            if secs > 0.0 { mb / secs } else { 0.0 },
+        )
+    }
+
+    /// The summary proper: a line per vCPU's outcome and one per CPU's counters, then
+    /// the totals (no newline after them).
+    pub fn summary(&self) -> Summary<'_> {
+        Summary(self)
+    }
+
+    /// The `--stats` JSON (pretty, keys in alphabetical order, ending in a newline),
+    /// with the run's exit code `code`.
+    pub fn stats_json(&self, code: i32) -> String {
+        let stats = Stats::new(self, code);
+        let mut s = serde_json::to_string_pretty(&stats).unwrap_or_else(|_| "{}".into());
+        s.push('\n');
+        s
+    }
+}
+
+/// The summary lines of a [`RunReport`] (see [`RunReport::summary`]).
+pub struct Summary<'a>(&'a RunReport);
+
+impl fmt::Display for Summary<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let r = self.0;
+        let failed = r.failures.any();
+        for (id, o) in r.outcomes.iter().enumerate() {
+            r.fmt_outcome(f, id, o)?;
+            if let Some(c) = r.cpus.get(id) {
+                c.fmt_line(f, id, failed)?;
+            }
+        }
+        r.fmt_totals(f)
+    }
+}
+
+/// Everything a run says on stderr at its end, in order: how it stopped, the summary,
+/// the hint about lost events, the accounting mismatch, then the failures (the last
+/// lines). Each line ends in a newline.
+impl fmt::Display for RunReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.stop {
+            Some(Stop::Failed(_)) | None => {}
+            Some(r) => writeln!(f, "hyptrace: stopped: {r}")?,
+        }
+        writeln!(f, "{}", self.summary())?;
+        if self.cpus.iter().any(|r| r.stats.lost > 0) {
+            writeln!(f, "hyptrace: hint: {}", loss_hint(self.mode))?;
+        }
+        let failed = self.failures.any();
+        if self
+            .cpus
+            .iter()
+            .any(|r| r.flag(failed).contains("MISMATCH"))
+        {
+            writeln!(f, "hyptrace: error: accounting mismatch on a vCPU marked MISMATCH: written != read + lost, lost != overrun + dropped, or written != attempted - skipped")?;
+        }
+        self.failures.fmt_lines(f, &self.destination)
+    }
+}
+
+/// The crash of a vCPU in `--stats`.
+#[derive(Debug, Serialize, PartialEq, Eq)]
+pub struct CrashStats {
+    /// The vCPU.
+    pub cpu: usize,
+    /// `panic` or `fault`.
+    pub kind: &'static str,
+    /// The panic's text (from the guest; JSON escapes it) or the fault.
+    pub message: String,
+    /// The instruction pointer when the host read it (`0x…`).
+    pub rip: Option<String>,
+}
+
+impl CrashStats {
+    /// The crash of vCPU `cpu`, if its outcome is one.
+    pub fn new(cpu: usize, o: &VcpuOutcome) -> Option<Self> {
+        let (kind, msg) = match o {
+            VcpuOutcome::Panicked(m) => ("panic", m),
+            VcpuOutcome::Faulted(m) => ("fault", m),
+            _ => return None,
+        };
+        // `where_` in vcpu.rs appends "(rip 0x…, …)" when the registers could be read.
+        let rip = msg.rfind("(rip 0x").and_then(|i| {
+            let hex: String = msg[i + 7..]
+                .chars()
+                .take_while(char::is_ascii_hexdigit)
+                .collect();
+            u64::from_str_radix(&hex, 16).ok()
+        });
+        Some(Self {
+            cpu,
+            kind,
+            message: msg.clone(),
+            rip: rip.map(|r| format!("{r:#x}")),
+        })
+    }
+}
+
+/// One CPU in `--stats` (fields in alphabetical order: the JSON's key order).
+#[derive(Debug, Serialize)]
+pub struct CpuStatsJson {
+    attempted: Option<u64>,
+    bytes: u64,
+    cpu: usize,
+    crash: Option<CrashStats>,
+    dropped: u64,
+    error: Option<String>,
+    lost: u64,
+    outcome: &'static str,
+    overrun: u64,
+    pages_read: u64,
+    pages_touched: u64,
+    read: u64,
+    skipped: Option<u64>,
+    swaps: u64,
+    written: u64,
+}
+
+/// The `--stats` document (fields in alphabetical order: the JSON's key order).
+#[derive(Debug, Serialize)]
+pub struct Stats {
+    cpus: Vec<CpuStatsJson>,
+    crash: Option<CrashStats>,
+    end: &'static str,
+    events_per_vcpu: u64,
+    exit_code: i32,
+    guest_exit: &'static str,
+    mode: String,
+    rate: u64,
+    stop_reason: Option<String>,
+    swap: String,
+    tsc_khz: u64,
+    vcpus: u32,
+    wall_seconds: f64,
+    workload: String,
+}
+
+impl Stats {
+    fn new(r: &RunReport, code: i32) -> Self {
+        let outcomes = &r.outcomes;
+        let cpus = r
+            .cpus
+            .iter()
+            .enumerate()
+            .map(|(cpu, c)| {
+                let st = &c.stats;
+                CpuStatsJson {
+                    attempted: c.attempted,
+                    bytes: st.bytes,
+                    cpu,
+                    crash: outcomes.get(cpu).and_then(|o| CrashStats::new(cpu, o)),
+                    dropped: st.dropped,
+                    error: c.error.clone(),
+                    lost: st.lost,
+                    outcome: outcome_name(outcomes.get(cpu)),
+                    overrun: st.overrun,
+                    pages_read: st.pages_read,
+                    pages_touched: st.pages_touched,
+                    read: st.read,
+                    skipped: c.skipped,
+                    swaps: st.swaps,
+                    written: c.written,
+                }
+            })
+            .collect();
+        // The most telling outcome of any vCPU: a host error, then a crash (the other
+        // vCPUs are then `stopped` because of it, whatever their order), then a stop.
+        let guest_exit = ["error", "panic", "fault", "stopped"]
+            .into_iter()
+            .find(|want| outcomes.iter().any(|o| outcome_name(Some(o)) == *want))
+            .unwrap_or("ok");
+        let e = &r.echo;
+        Self {
+            cpus,
+            crash: outcomes
+                .iter()
+                .enumerate()
+                .find_map(|(cpu, o)| CrashStats::new(cpu, o)),
+            end: r.end(),
+            events_per_vcpu: e.events,
+            exit_code: code,
+            guest_exit,
+            mode: e.mode.clone(),
+            rate: e.rate,
+            stop_reason: r.stop.as_ref().map(ToString::to_string),
+            swap: e.swap.clone(),
+            tsc_khz: r.timing.tsc_khz,
+            vcpus: e.vcpus,
+            wall_seconds: r.timing.wall.as_secs_f64(),
+            workload: e.workload.clone(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(cpus: Vec<CpuReport>, outcomes: Vec<VcpuOutcome>) -> RunReport {
+        RunReport {
+            outcomes,
+            cpus,
+            timing: Timing {
+                tsc_khz: 1_000_000,
+                wall: Duration::from_secs(1),
+                ..Default::default()
+            },
+            stop: None,
+            failures: Failures::default(),
+            destination: Destination::Stdout { lines: 0 },
+            echo: OptionsEcho {
+                workload: "steady".into(),
+                mode: "overwrite".into(),
+                swap: "host".into(),
+                vcpus: 2,
+                events: 10,
+                rate: 0,
+            },
+            mode: ModeArg::Overwrite,
+            guest: None,
+        }
+    }
+
+    /// Issue 8 defect 4: guest counters at the top of u64 made the summary's sums
+    /// overflow (a panic in debug builds, wrapped garbage in release builds).
+    #[test]
+    fn summary_of_hostile_counters_saturates() {
+        let hostile = hyptrace_reader::CpuStats {
+            written: u64::MAX,
+            read: 3,
+            overrun: u64::MAX,
+            dropped: u64::MAX,
+            lost: u64::MAX - 3,
+            pages_touched: u64::MAX,
+            bytes: u64::MAX,
+            ..Default::default()
+        };
+        let cpu = CpuReport {
+            finished: true,
+            attempted: Some(u64::MAX),
+            skipped: Some(u64::MAX),
+            written: u64::MAX,
+            stats: hostile,
+            error: None,
+        };
+        // read + lost == written per CPU, but overrun + dropped overflows.
+        assert!(!cpu.consistent());
+        let r = report(
+            vec![cpu.clone(), cpu],
+            vec![VcpuOutcome::Stopped, VcpuOutcome::Stopped],
+        );
+        let text = r.summary().to_string();
+        let m = u64::MAX;
+        assert!(
+            text.contains(&format!("written {m} = read 6 + lost {m}")),
+            "{text}"
+        );
+        // The whole report too (the loss hint and the mismatch line).
+        let all = r.to_string();
+        assert!(all.contains("hint:") && all.contains("MISMATCH"), "{all}");
+        assert_eq!(r.exit_code(), EXIT_RUNTIME);
+    }
+
+    #[test]
+    fn crash_detail() {
+        let f = VcpuOutcome::Faulted("triple fault (rip 0x1f00a, rsp 0x10)".into());
+        let c = CrashStats::new(1, &f).expect("crash");
+        let v = serde_json::to_value(&c).expect("json");
+        assert_eq!(v["rip"], "0x1f00a");
+        assert_eq!(v["kind"], "fault");
+        assert_eq!(v["cpu"], 1);
+        let p = VcpuOutcome::Panicked("boom \"quoted\"\x07".into());
+        let c = CrashStats::new(0, &p).expect("crash");
+        let v = serde_json::to_value(&c).expect("json");
+        assert_eq!(v["message"], "boom \"quoted\"\x07");
+        assert!(v["rip"].is_null());
+        let text = serde_json::to_string(&v).expect("json");
+        assert!(
+            text.contains("\\u0007") && text.contains("\\\"quoted"),
+            "{text}"
+        );
+        assert!(CrashStats::new(0, &VcpuOutcome::Stopped).is_none());
+    }
+
+    /// The stats JSON keeps the keys and their (alphabetical) order of the `json!`
+    /// document it replaced.
+    #[test]
+    fn stats_keys_in_order() {
+        let r = report(vec![CpuReport::default()], vec![VcpuOutcome::Stopped]);
+        let s = r.stats_json(0);
+        let keys: Vec<&str> = s
+            .lines()
+            .filter(|l| l.starts_with("  \"") || l.starts_with("      \""))
+            .map(|l| l.trim().split('"').nth(1).unwrap_or(""))
+            .collect();
+        let want = [
+            "cpus",
+            "attempted",
+            "bytes",
+            "cpu",
+            "crash",
+            "dropped",
+            "error",
+            "lost",
+            "outcome",
+            "overrun",
+            "pages_read",
+            "pages_touched",
+            "read",
+            "skipped",
+            "swaps",
+            "written",
+            "crash",
+            "end",
+            "events_per_vcpu",
+            "exit_code",
+            "guest_exit",
+            "mode",
+            "rate",
+            "stop_reason",
+            "swap",
+            "tsc_khz",
+            "vcpus",
+            "wall_seconds",
+            "workload",
+        ];
+        assert_eq!(keys, want, "{s}");
+        assert!(s.ends_with("}\n"));
+    }
+}
