@@ -646,7 +646,9 @@ fn text_events_cannot_forge_lines() {
 
 fn mailbox_case(name: &'static str, scenario: u32, needles: &'static [&'static str]) {
     let c = Case {
-        extra: &["--swap", "guest"],
+        // A liar that never answers is found once a request has been unanswered for the
+        // mailbox timeout: shorter than --duration here (the default is generous).
+        extra: &["--swap", "guest", "--mailbox-timeout-ms", "500"],
         ..Case::new(name, scenario, 20_000, Expect::Corrupt(needles))
     };
     run_case(&c);

@@ -30,8 +30,14 @@ fn vm_with_reader(vcpus: u32, pages: u32) -> (Vm, hyptrace_host::trace::Reader) 
         trace_region_align: 65536,
     })
     .expect("create VM");
-    let reader = hyptrace_host::trace::alloc_reader(vm.trace_region(), layout, vm.tsc_khz(), 1)
-        .expect("trace buffers");
+    let reader = hyptrace_host::trace::alloc_reader(
+        vm.trace_region(),
+        layout,
+        vm.tsc_khz(),
+        1,
+        hyptrace_host::trace::MAILBOX_TIMEOUT,
+    )
+    .expect("trace buffers");
     (vm, reader)
 }
 

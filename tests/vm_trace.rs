@@ -525,7 +525,14 @@ fn footers_consistent_after_run() {
         .expect("VM");
         let tsc_khz = vm.tsc_khz();
         let clock = hyptrace_output::Clock::guest_tsc(tsc_khz).expect("clock");
-        let reader = alloc_reader(vm.trace_region(), layout, tsc_khz, 7).expect("reader");
+        let reader = alloc_reader(
+            vm.trace_region(),
+            layout,
+            tsc_khz,
+            7,
+            hyptrace_host::trace::MAILBOX_TIMEOUT,
+        )
+        .expect("reader");
         let running = vm
             .start(&RunParams {
                 workload,

@@ -264,6 +264,16 @@ pub struct RunArgs {
         allow_negative_numbers = true
     )]
     pub poll_ms: u64,
+    /// `--swap guest`: milliseconds a swap request may stay unanswered before the
+    /// writer counts as stuck (an error naming the CPU). Generous by default: on a
+    /// loaded host a runnable vCPU can wait long for a core.
+    #[arg(
+        long = "mailbox-timeout-ms",
+        value_name = "MS",
+        default_value_t = 5000,
+        allow_negative_numbers = true
+    )]
+    pub mailbox_timeout_ms: u64,
     /// Stop the vCPUs after S seconds (decimals allowed, more than 0) [default: run to
     /// completion]. A run stopped this way exits 0.
     #[arg(

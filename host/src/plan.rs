@@ -61,6 +61,9 @@ pub enum PlanError {
     /// `--poll-ms 0`.
     #[error("--poll-ms must be at least 1")]
     PollMs,
+    /// `--mailbox-timeout-ms 0`.
+    #[error("--mailbox-timeout-ms must be at least 1")]
+    MailboxTimeout,
     /// `--duration` out of range (the value parser catches it first).
     #[error("--duration {0} must be a positive number of seconds")]
     Duration(f64),
@@ -233,6 +236,8 @@ pub struct Plan {
     pub duration: Option<Duration>,
     /// `--poll-ms`.
     pub poll: Duration,
+    /// `--mailbox-timeout-ms`.
+    pub mailbox_timeout: Duration,
     /// `--mode` (for the loss hint and `--stats`).
     pub mode: ModeArg,
     /// What `--stats` echoes of the options.
@@ -371,6 +376,9 @@ impl Plan {
         if a.poll_ms == 0 {
             return Err(PlanError::PollMs);
         }
+        if a.mailbox_timeout_ms == 0 {
+            return Err(PlanError::MailboxTimeout);
+        }
         let duration = match a.duration {
             None => None,
             Some(s) if s.is_finite() && s > 0.0 && s < MAX_DURATION_S => {
@@ -405,6 +413,7 @@ impl Plan {
             },
             duration,
             poll: Duration::from_millis(a.poll_ms),
+            mailbox_timeout: Duration::from_millis(a.mailbox_timeout_ms),
             mode: a.mode,
             echo: OptionsEcho {
                 workload: format!("{:?}", a.workload).to_lowercase(),

@@ -40,7 +40,7 @@ use crate::cli::FormatArg;
 use crate::plan::Plan;
 use crate::report::{CpuReport, Destination, Failures, GuestView, RunReport, Stop, Timing};
 use crate::signals::Interrupts;
-use crate::trace::{alloc_reader, Output, Session, MAILBOX_TIMEOUT};
+use crate::trace::{alloc_reader, Output, Session};
 use crate::vcpu::VcpuOutcome;
 use crate::vm::{RunningVm, Vm};
 
@@ -202,8 +202,15 @@ impl<'a> Run<'a> {
         let stdout = Arc::new(StdoutState::default());
         let (output, target) = open_output(target, &plan.ring, nr, &clock, &stdout)?;
         let generation = crate::vm::host_tsc();
-        let reader = alloc_reader_with(vm.trace_region(), plan.ring, tsc_khz, generation, wrap)
-            .map_err(RunError::TraceBuffers)?;
+        let reader = alloc_reader_with(
+            vm.trace_region(),
+            plan.ring,
+            tsc_khz,
+            generation,
+            plan.mailbox_timeout,
+            wrap,
+        )
+        .map_err(RunError::TraceBuffers)?;
         log::debug!(
             "rings allocated in the trace region (generation {generation:#x}); {} swaps",
             if plan.ring.guest_swap {
@@ -287,14 +294,15 @@ fn alloc_reader_with(
     ring: RingGeometry,
     tsc_khz: u64,
     generation: u64,
+    mailbox_timeout: Duration,
     wrap: Option<WrapCallbacks>,
 ) -> Result<crate::trace::Reader, ReadError> {
     match wrap {
-        None => alloc_reader(region, ring, tsc_khz, generation),
+        None => alloc_reader(region, ring, tsc_khz, generation, mailbox_timeout),
         Some(wrap) => {
             let mem = Arc::new(crate::trace::GuestTraceMem::new(region));
             let cb: Box<dyn Callbacks + Send> = if ring.guest_swap {
-                Box::new(Mailbox::new(mem.clone(), ring, MAILBOX_TIMEOUT))
+                Box::new(Mailbox::new(mem.clone(), ring, mailbox_timeout))
             } else {
                 Box::new(Direct::new(mem.clone(), ring))
             };
@@ -404,7 +412,7 @@ fn sink_summary(cpus: &[CpuReport]) -> hyptrace_output::RunSummary {
     hyptrace_output::RunSummary {
         cpus: cpus
             .iter()
-            .map(|r| hyptrace_output::CpuStats {
+            .map(|r| hyptrace_output::KernelCpuStat {
                 entries: r
                     .written
                     .saturating_sub(r.stats.read.saturating_add(r.stats.lost)),

@@ -10,17 +10,20 @@ use std::time::Duration;
 use hyptrace_abi::layout::RingGeometry;
 use hyptrace_abi::{RawMem, SharedMem};
 use hyptrace_output::{
-    format_drop, format_guest_line, guest_printers, Clock, EventPrinter, Missed, PageSink,
+    format_drop, format_guest_line, format_window_exceeded, guest_printers, Clock, EventPrinter,
+    MergeWindow, Merged, Merger, Missed, PageSink, Released,
 };
-use hyptrace_reader::{
-    Callbacks, CpuStats, Direct, Item, Mailbox, Merged, Merger, ReadError, RingBuffer,
-};
+use hyptrace_reader::{Callbacks, CpuStats, Direct, Item, Mailbox, ReadError, RingBuffer};
 
 use crate::vm::TraceRegion;
 
-/// How long the host waits for the guest writer to answer a mailbox request before it
-/// reports a stuck writer (2 host cores are shared by every vCPU and the reader).
-pub const MAILBOX_TIMEOUT: Duration = Duration::from_millis(500);
+/// How long the host waits, by default (`--mailbox-timeout-ms`), for the guest writer to
+/// answer a mailbox request before it reports a stuck writer. The host cores are shared by every vCPU, the reader and
+/// whatever else the machine runs: on a machine loaded several times beyond its cores
+/// a runnable vCPU thread can wait for a core for hundreds of milliseconds (500 ms was
+/// seen to expire at a load of 10 on 2 cores), so the bound is generous; the reader
+/// serves the other CPUs meanwhile and `--duration`/signals are checked between polls.
+pub const MAILBOX_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The trace region of a VM as [`SharedMem`]: atomics and volatile copies on the guest
 /// memory, which the guest's vCPUs write concurrently.
@@ -64,10 +67,11 @@ pub fn alloc_reader(
     layout: RingGeometry,
     tsc_khz: u64,
     generation: u64,
+    mailbox_timeout: Duration,
 ) -> Result<Reader, ReadError> {
     let mem = Arc::new(GuestTraceMem::new(region));
     let cb: Box<dyn Callbacks + Send> = if layout.guest_swap {
-        Box::new(Mailbox::new(mem.clone(), layout, MAILBOX_TIMEOUT))
+        Box::new(Mailbox::new(mem.clone(), layout, mailbox_timeout))
     } else {
         Box::new(Direct::new(mem.clone(), layout))
     };
@@ -85,6 +89,11 @@ pub const ROUND_MAX_TIME: Duration = Duration::from_millis(20);
 pub const MERGE_MAX_EVENTS: usize = 1 << 18;
 /// Most payload bytes the text merger holds back (all CPUs); as [`MERGE_MAX_EVENTS`].
 pub const MERGE_MAX_BYTES: usize = 16 << 20;
+/// The text merger's window.
+pub const MERGE_WINDOW: MergeWindow = MergeWindow {
+    events: MERGE_MAX_EVENTS,
+    bytes: MERGE_MAX_BYTES,
+};
 
 /// Where the events go.
 pub enum Output {
@@ -107,7 +116,7 @@ impl Output {
     pub fn text(out: Box<dyn Write>, nr_cpus: u32) -> Self {
         Output::Text {
             out,
-            merger: Merger::new(nr_cpus as usize),
+            merger: Merger::with_window(nr_cpus as usize, MERGE_WINDOW),
             payloads: vec![Default::default(); nr_cpus as usize],
         }
     }
@@ -145,10 +154,6 @@ pub struct Session<M = Arc<GuestTraceMem>, C = Box<dyn Callbacks + Send>> {
     cmdlines: BTreeMap<i32, String>,
     line: String,
     lines: u64,
-    /// Payload bytes queued in the text merger.
-    queued_bytes: usize,
-    /// Times the merger's cap forced events out ahead of a held-back CPU.
-    merge_overflows: u64,
     /// The first output error (reported once; later output is discarded).
     output_error: Option<String>,
 }
@@ -190,8 +195,6 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
             cmdlines,
             line: String::new(),
             lines: 0,
-            queued_bytes: 0,
-            merge_overflows: 0,
             output_error: None,
         }
     }
@@ -225,14 +228,17 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
     /// Events (and loss markers) the text merger holds back now, and their payload bytes.
     pub fn queued(&self) -> (usize, usize) {
         match &self.output {
-            Output::Text { merger, .. } => (merger.pending(), self.queued_bytes),
+            Output::Text { merger, .. } => (merger.pending(), merger.pending_bytes()),
             Output::Pages(_) => (0, 0),
         }
     }
 
     /// Times the text merger's cap released events ahead of a CPU that held them back.
     pub fn merge_overflows(&self) -> u64 {
-        self.merge_overflows
+        match &self.output {
+            Output::Text { merger, .. } => merger.overflows(),
+            Output::Pages(_) => 0,
+        }
     }
 
     /// One poll of a live CPU: one bounded drain round (swapping pages away from the
@@ -417,10 +423,7 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
                 let st = &mut self.cpus[cpu as usize];
                 let fifo = &mut payloads[cpu as usize];
                 for n in 0..ROUND_MAX_EVENTS {
-                    if merger.pending() >= MERGE_MAX_EVENTS
-                        || self.queued_bytes >= MERGE_MAX_BYTES
-                        || (n % 256 == 255 && started.elapsed() >= ROUND_MAX_TIME)
-                    {
+                    if merger.is_full() || (n % 256 == 255 && started.elapsed() >= ROUND_MAX_TIME) {
                         return Ok(true);
                     }
                     let Some(item) = self.reader.next_event(cpu)? else {
@@ -437,8 +440,8 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
                             }
                             st.last_ts = ts;
                             fifo.extend(payload);
-                            self.queued_bytes = self.queued_bytes.saturating_add(payload.len());
-                            merger.push(cpu as usize, ts, Merged::Event(payload.len()));
+                            let n = payload.len();
+                            merger.push_sized(cpu as usize, ts, Merged::Event(n), n);
                         }
                         Item::Lost(n) => st.pending_lost = st.pending_lost.saturating_add(n),
                     }
@@ -486,27 +489,19 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
             cmdlines: &self.cmdlines,
             line: &mut self.line,
             lines: &mut self.lines,
-            queued: &mut self.queued_bytes,
             discard: self.output_error.is_some(),
             err: None,
             payload: Vec::new(),
         };
-        merger.pop_ready(|cpu, ts, item| p.item(cpu, ts, item));
-        let mut held = merger.pending();
-        if held >= MERGE_MAX_EVENTS || *p.queued >= MERGE_MAX_BYTES {
-            self.merge_overflows = self.merge_overflows.saturating_add(1);
-            let who = merger
-                .lagging()
-                .map_or_else(|| "a CPU".to_string(), |c| format!("cpu {c}"));
-            p.raw(&format!(
-                "hyptrace: merge window exceeded: {held} events wait for {who}; printing the oldest ahead of it (order across CPUs is not exact from here)\n"
-            ));
-            merger.pop_oldest(|cpu, ts, item| {
-                p.item(cpu, ts, item);
-                held = held.saturating_sub(1);
-                held > MERGE_MAX_EVENTS / 2 || *p.queued > MERGE_MAX_BYTES / 2
-            });
-        }
+        merger.release(|r| match r {
+            Released::Item { cpu, ts, item } => p.item(cpu, ts, item),
+            Released::WindowExceeded { held, lagging } => {
+                let mut line = String::new();
+                format_window_exceeded(&mut line, held, lagging);
+                line.push('\n');
+                p.raw(&line);
+            }
+        });
         if let Some(e) = p.err.take() {
             self.output_error = Some(e.to_string());
             return Err(SessionError::Write(e));
@@ -569,7 +564,6 @@ struct LinePrinter<'a> {
     cmdlines: &'a BTreeMap<i32, String>,
     line: &'a mut String,
     lines: &'a mut u64,
-    queued: &'a mut usize,
     /// An earlier flush failed: count lines, write nothing.
     discard: bool,
     err: Option<std::io::Error>,
@@ -585,7 +579,6 @@ impl LinePrinter<'_> {
                 let len = len.min(fifo.len());
                 self.payload.clear();
                 self.payload.extend(fifo.drain(..len));
-                *self.queued = self.queued.saturating_sub(len);
                 format_guest_line(
                     self.line,
                     self.printers,

@@ -24,9 +24,6 @@ pub use callbacks::{
 use hyptrace_abi::layout::{self, ctl, footer, LayoutError, Mode, RingGeometry, FOOTER_MAGIC};
 use hyptrace_abi::page::{self, Record, COMMIT_LEN_MASK, COMMIT_OFFSET, PAGE_HEADER_SIZE};
 use hyptrace_abi::SharedMem;
-/// The time-merge moved to `hyptrace_output::merge` (one merger for `run`, the text
-/// sink and `report`). Re-exported here only until the host imports it from there.
-pub use hyptrace_output::merge::{Merged, Merger};
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering::Acquire;
 use std::sync::{Arc, Condvar, Mutex};
