@@ -1,4 +1,4 @@
-//! The host's session layer (`hyptrace_host::trace::Session`: live drain rounds, final
+//! The host's session layer (`hyptrace_host::session::Session`: live drain rounds, final
 //! walks, the text merger, accounting) — over a heap region without a VM, and through
 //! the real binary on KVM (skipped without /dev/kvm unless HYPTRACE_REQUIRE_KVM=1).
 //!
@@ -20,7 +20,7 @@ use hyptrace::env::{self, kvm_available, vm_lock, TempDir};
 use hyptrace_abi::events::{marker, vcpu_pid};
 use hyptrace_abi::layout::{ctl, footer, Mode, RingGeometry, CTL_SIZE, FOOTER_SIZE};
 use hyptrace_abi::{HeapMem, SharedMem};
-use hyptrace_host::trace::{Output, Session, SessionError, MERGE_MAX_BYTES, MERGE_MAX_EVENTS};
+use hyptrace_host::session::{Output, Session, SessionError, MERGE_MAX_BYTES, MERGE_MAX_EVENTS};
 use hyptrace_output::{Clock, OutputError, PageSink, RunSummary};
 use hyptrace_reader::{Direct, ReadError, RingBuffer};
 use hyptrace_writer::{WriteOutcome, Writer};

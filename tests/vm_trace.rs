@@ -497,7 +497,7 @@ fn footers_consistent_after_run() {
     use hyptrace_abi::page::{Events, COMMIT_LEN_MASK, COMMIT_OFFSET};
     use hyptrace_abi::SharedMem;
     use hyptrace_host::cli::{ring_layout, ModeArg, SwapArg};
-    use hyptrace_host::trace::{alloc_reader, Output, Session};
+    use hyptrace_host::session::{alloc_reader, Output, Session};
     use hyptrace_host::{RunParams, VcpuOutcome, Vm, VmConfig, GUEST_ELF};
     use std::sync::atomic::Ordering::Acquire;
 
@@ -530,7 +530,7 @@ fn footers_consistent_after_run() {
             layout,
             tsc_khz,
             7,
-            hyptrace_host::trace::MAILBOX_TIMEOUT,
+            hyptrace_host::session::MAILBOX_TIMEOUT,
         )
         .expect("reader");
         let running = vm

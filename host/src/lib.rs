@@ -27,8 +27,8 @@ pub mod memory_map;
 pub mod plan;
 pub mod report;
 pub mod run;
+pub mod session;
 pub mod signals;
-pub mod trace;
 pub mod vcpu;
 pub mod vm;
 

@@ -12,7 +12,7 @@ use serde::Serialize;
 
 use crate::cli::{FormatArg, ModeArg, EXIT_CRASH, EXIT_OK, EXIT_RUNTIME};
 use crate::plan::OptionsEcho;
-use crate::trace::SessionError;
+use crate::session::SessionError;
 use crate::vcpu::VcpuOutcome;
 
 /// Why a run stopped before its guest finished.

@@ -39,8 +39,8 @@ use hyptrace_reader::{Callbacks, Direct, Mailbox, ReadError, RingBuffer};
 use crate::cli::FormatArg;
 use crate::plan::Plan;
 use crate::report::{CpuReport, Destination, Failures, GuestView, RunReport, Stop, Timing};
+use crate::session::{alloc_reader, Output, Session};
 use crate::signals::Interrupts;
-use crate::trace::{alloc_reader, Output, Session};
 use crate::vcpu::VcpuOutcome;
 use crate::vm::{RunningVm, Vm};
 
@@ -296,11 +296,11 @@ fn alloc_reader_with(
     generation: u64,
     mailbox_timeout: Duration,
     wrap: Option<WrapCallbacks>,
-) -> Result<crate::trace::Reader, ReadError> {
+) -> Result<crate::session::Reader, ReadError> {
     match wrap {
         None => alloc_reader(region, ring, tsc_khz, generation, mailbox_timeout),
         Some(wrap) => {
-            let mem = Arc::new(crate::trace::GuestTraceMem::new(region));
+            let mem = Arc::new(crate::session::GuestTraceMem::new(region));
             let cb: Box<dyn Callbacks + Send> = if ring.guest_swap {
                 Box::new(Mailbox::new(mem.clone(), ring, mailbox_timeout))
             } else {

@@ -16,7 +16,7 @@ use super::PAGE_SIZE;
 use crate::cli::{ring_layout, ModeArg, SwapArg};
 use crate::elf::GuestImage;
 use crate::memory_map::{GuestMemoryMap, MIN_MEM_BYTES};
-use crate::trace::{GuestTraceMem, Output, Session, MAILBOX_TIMEOUT};
+use crate::session::{GuestTraceMem, Output, Session, MAILBOX_TIMEOUT};
 use crate::vcpu::VcpuOutcome;
 use crate::vm::{host_tsc, RunParams, Vm, VmConfig, DEFAULT_SEED};
 use crate::GUEST_ELF;
@@ -215,7 +215,7 @@ pub(super) fn vm_run(spec: &VmSpec) -> Result<VmOut, String> {
         stats: sink_stats.clone(),
     };
     let mem = Arc::new(GuestTraceMem::new(vm.trace_region()));
-    // As `trace::alloc_reader`, but with the callbacks wrapped when swaps are timed.
+    // As `session::alloc_reader`, but with the callbacks wrapped when swaps are timed.
     let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), layout, MAILBOX_TIMEOUT);
     let log = Arc::new(Mutex::new(SwapLog::default()));
     let cb: Box<dyn Callbacks + Send> = if spec.time_swaps {

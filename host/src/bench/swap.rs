@@ -232,12 +232,12 @@ fn swap_pingpong(cfg: &Cfg, tsc: Tsc, swap: SwapArg) -> Result<PingPongRow, Stri
         trace_region_align: PAGE_SIZE,
     })
     .map_err(|e| e.to_string())?;
-    let reader = crate::trace::alloc_reader(
+    let reader = crate::session::alloc_reader(
         vm.trace_region(),
         layout,
         vm.tsc_khz(),
         1,
-        crate::trace::MAILBOX_TIMEOUT,
+        crate::session::MAILBOX_TIMEOUT,
     )
     .map_err(|e| format!("trace buffers: {e}"))?;
     let samples = if cfg.quick { 200 } else { 3000 };
