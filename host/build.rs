@@ -11,36 +11,9 @@ use std::env;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// Variables kept from the CARGO_* family: they say where and how to reach registries.
-fn keep_cargo_var(name: &str) -> bool {
-    name == "CARGO_HOME"
-        || name.starts_with("CARGO_NET_")
-        || name.starts_with("CARGO_HTTP_")
-        || name.starts_with("CARGO_REGISTRIES_")
-        || name.starts_with("CARGO_REGISTRY_")
-}
-
-fn strip_var(name: &str) -> bool {
-    (name.starts_with("CARGO") && !keep_cargo_var(name))
-        || name.starts_with("__CARGO")
-        || matches!(
-            name,
-            "RUSTFLAGS"
-                | "RUSTDOCFLAGS"
-                | "RUSTC"
-                | "RUSTDOC"
-                | "RUSTC_WRAPPER"
-                | "RUSTC_WORKSPACE_WRAPPER"
-                | "RUSTC_LINKER"
-                | "TARGET"
-                | "HOST"
-                | "OUT_DIR"
-                | "OPT_LEVEL"
-                | "PROFILE"
-                | "DEBUG"
-                | "NUM_JOBS"
-        )
-}
+// `strip_var`: which variables the nested guest build must not inherit (shared with the
+// tests, which build the adversarial guest the same way).
+include!("guest_build_env.rs");
 
 fn rerun_if_exists(p: &Path) {
     if p.exists() {
@@ -71,6 +44,7 @@ fn main() {
         }
     }
     println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-changed=guest_build_env.rs");
 
     let target_dir = out.join("guest-target");
     let mut cmd = Command::new(&cargo);

@@ -22,6 +22,7 @@
 //! at quiescent points (both paused at a gate that fails, never hangs, when a thread
 //! panics).
 
+use hyptrace::rng::Rng;
 use hyptrace_abi::layout::{
     ctl, footer, link_id, Mode, RingGeometry, FT_COMMIT, FT_HEAD, FT_READER, LINK_FLAGS, LINK_HEAD,
     MBOX_OP_SWAP, MBOX_OP_UPDATE_FOOTERS, MBOX_STATUS_BUSY, MBOX_STATUS_OK,
@@ -36,25 +37,6 @@ use hyptrace_writer::{
 use std::sync::atomic::Ordering::{Acquire, Release};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
-
-/// splitmix64: small, seeded, reproducible.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-    fn chance(&mut self, percent: u64) -> bool {
-        self.below(100) < percent
-    }
-}
 
 fn ld(m: &HeapMem, off: usize) -> u64 {
     m.load(off, Acquire)

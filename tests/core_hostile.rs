@@ -12,6 +12,7 @@
 //! the code under test must be bounded: a watchdog fails the test if an iteration
 //! takes more than 60 s. `RingGeometry::parse` gets random and mutated packs.
 
+use hyptrace::rng::Rng;
 use hyptrace_abi::layout::{
     cpu_desc, ctl, footer, link, Mode, RingGeometry, CTL_SIZE, FOOTER_SIZE, LINK_HEAD, LINK_UPDATE,
     PACK_HEADER_SIZE,
@@ -24,24 +25,6 @@ use std::sync::atomic::Ordering::{Relaxed, SeqCst};
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::Arc;
 use std::time::Duration;
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-    fn pick<T: Copy>(&mut self, v: &[T]) -> T {
-        v[self.below(v.len() as u64) as usize]
-    }
-}
 
 /// Values that stress arithmetic: huge, near powers of two, small.
 fn nasty(rng: &mut Rng, huge: bool) -> u64 {

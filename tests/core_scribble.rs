@@ -20,6 +20,7 @@
 //! Seeded (the seed is in every failure message); the number of reader calls is fixed,
 //! not the time, so a busy machine makes a run slower, never weaker.
 
+use hyptrace::rng::Rng;
 use hyptrace::watchdog::{join, take_thread_peak, thread_net_bytes, with_watchdog, SetOnDrop};
 use hyptrace_abi::layout::{
     ctl, footer, link, Mode, RingGeometry, CTL_SIZE, FOOTER_SIZE, LINK_HEAD, LINK_UPDATE,
@@ -50,24 +51,6 @@ const OPS_PER_CALL: u64 = 5_000;
 const HEAP_BOUND: i64 = 64 * 1024;
 /// No progress at all for this long is a hang.
 const STALL: Duration = Duration::from_secs(90);
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-    fn pick<T: Copy>(&mut self, v: &[T]) -> T {
-        v[self.below(v.len() as u64) as usize]
-    }
-}
 
 /// Values that stress arithmetic.
 fn nasty(rng: &mut Rng) -> u64 {

@@ -9,6 +9,7 @@
 //! (defect 7); swap contention at full speed is no error (defect 8); a thread
 //! scribbling the region while the session reads gives errors, never panics or hangs.
 
+use hyptrace::rng::Rng;
 use std::io::Write;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::Ordering::{Relaxed, SeqCst};
@@ -347,21 +348,6 @@ fn merge_window_marker_names_the_silent_cpu() {
         first.starts_with("hyptrace: merge window exceeded:") && first.contains("cpu 1"),
         "{first}"
     );
-}
-
-/// A small RNG (SplitMix64).
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
 }
 
 /// A word of a footer (links included), a page header or the control block.

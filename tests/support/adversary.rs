@@ -14,38 +14,9 @@ use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-/// Variables kept from the CARGO_* family: they say where and how to reach registries.
-/// (Same rule as host/build.rs, which builds the embedded guest the same way.)
-fn keep_cargo_var(name: &str) -> bool {
-    name == "CARGO_HOME"
-        || name.starts_with("CARGO_NET_")
-        || name.starts_with("CARGO_HTTP_")
-        || name.starts_with("CARGO_REGISTRIES_")
-        || name.starts_with("CARGO_REGISTRY_")
-}
-
-/// Whether the nested guest build must not inherit `name` (host/build.rs's list).
-fn strip_var(name: &str) -> bool {
-    (name.starts_with("CARGO") && !keep_cargo_var(name))
-        || name.starts_with("__CARGO")
-        || matches!(
-            name,
-            "RUSTFLAGS"
-                | "RUSTDOCFLAGS"
-                | "RUSTC"
-                | "RUSTDOC"
-                | "RUSTC_WRAPPER"
-                | "RUSTC_WORKSPACE_WRAPPER"
-                | "RUSTC_LINKER"
-                | "TARGET"
-                | "HOST"
-                | "OUT_DIR"
-                | "OPT_LEVEL"
-                | "PROFILE"
-                | "DEBUG"
-                | "NUM_JOBS"
-        )
-}
+// `strip_var`: which variables a nested guest build must not inherit (one list, shared
+// with host/build.rs, which builds the embedded guest the same way).
+include!("../../host/guest_build_env.rs");
 
 /// Builds the adversary guest (`cargo build --release --features adversary --bin
 /// adversary`, run from guest/ so its .cargo/config.toml applies) into

@@ -8,11 +8,13 @@
 //!   stream rules (per-CPU `seq` gaps equal to the drop count printed before them,
 //!   timestamps non-decreasing).
 //! - [`model`]: what the guest workloads write, event by event, to check every field.
+//! - [`rng`]: the tests' seeded SplitMix64 generator.
 //! - [`watchdog`]: tests that fail, never hang (progress watchdog, drop guards, scoped
 //!   joins that re-raise panics) and a per-thread allocation counter.
 
 pub mod adversary;
 pub mod env;
 pub mod model;
+pub mod rng;
 pub mod text;
 pub mod watchdog;
