@@ -7,6 +7,8 @@ pub struct Rng(pub u64);
 
 impl Rng {
     /// The next 64 random bits.
+    // An endless generator, named like every PRNG's step; not an `Iterator`.
+    #[allow(clippy::should_implement_trait)]
     pub fn next(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.0;
