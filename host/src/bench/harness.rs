@@ -12,7 +12,7 @@ use hyptrace_output::{TraceDatSink, TraceDatVersion};
 use hyptrace_reader::{Callbacks, ReadError, RingBuffer, SwapReply, SwapStatus};
 use vm_memory::{Bytes, GuestAddress};
 
-use super::PAGE_SIZE;
+use super::{BenchError, PAGE_SIZE};
 use crate::cli::{ring_layout, ModeArg, SwapArg};
 use crate::elf::GuestImage;
 use crate::memory_map::{GuestMemoryMap, MIN_MEM_BYTES};
@@ -172,13 +172,13 @@ impl Drop for TempPath {
     }
 }
 
-pub(super) fn guest_mem_bytes(vcpus: u32, trace: u64) -> Result<u64, String> {
-    let image = GuestImage::parse(GUEST_ELF).map_err(|e| format!("guest image: {e}"))?;
+pub(super) fn guest_mem_bytes(vcpus: u32, trace: u64) -> Result<u64, BenchError> {
+    let image = GuestImage::parse(GUEST_ELF).map_err(BenchError::GuestImage)?;
     let need = GuestMemoryMap::required_mem(&image, vcpus, trace, PAGE_SIZE).max(MIN_MEM_BYTES);
     Ok(need.div_ceil(2 << 20) * (2 << 20))
 }
 
-pub(super) fn vm_run(spec: &VmSpec) -> Result<VmOut, String> {
+pub(super) fn vm_run(spec: &VmSpec) -> Result<VmOut, BenchError> {
     let layout = ring_layout(spec.vcpus, spec.pages, PAGE_SIZE, spec.mode, spec.swap)?;
     let trace = layout.region_size as u64;
     let mem_bytes = guest_mem_bytes(spec.vcpus, trace)?;
@@ -189,22 +189,21 @@ pub(super) fn vm_run(spec: &VmSpec) -> Result<VmOut, String> {
         guest_elf: GUEST_ELF.into(),
         trace_region_bytes: trace,
         trace_region_align: PAGE_SIZE,
-    })
-    .map_err(|e| e.to_string())?;
+    })?;
     let tsc_khz = vm.tsc_khz();
     let tsc_offset = vm.tsc_offset().unwrap_or(0);
-    let clock = Clock::guest_tsc(tsc_khz).map_err(|e| format!("guest clock: {e}"))?;
+    let clock = Clock::guest_tsc(tsc_khz).map_err(BenchError::Clock)?;
     let nr = spec.vcpus;
     let tmp = TempPath::new("out");
     let meta = TraceMeta::guest(layout.page_size, nr, clock.clone());
     let inner: Option<Box<dyn PageSink>> = match spec.sink {
         SinkKind::Null => None,
-        SinkKind::Raw => Some(Box::new(
-            RawSink::create(&tmp.0, meta).map_err(|e| e.to_string())?,
-        )),
-        SinkKind::Dat => Some(Box::new(
-            TraceDatSink::create(&tmp.0, meta, TraceDatVersion::V7).map_err(|e| e.to_string())?,
-        )),
+        SinkKind::Raw => Some(Box::new(RawSink::create(&tmp.0, meta)?)),
+        SinkKind::Dat => Some(Box::new(TraceDatSink::create(
+            &tmp.0,
+            meta,
+            TraceDatVersion::V7,
+        )?)),
     };
     let sink_stats = Arc::new(SinkStats {
         first_ts: AtomicU64::new(u64::MAX),
@@ -227,7 +226,7 @@ pub(super) fn vm_run(spec: &VmSpec) -> Result<VmOut, String> {
         cb
     };
     let reader = RingBuffer::alloc(mem, layout, cb, tsc_khz, host_tsc())
-        .map_err(|e| format!("trace buffers: {e}"))?;
+        .map_err(BenchError::TraceBuffers)?;
     let params = RunParams {
         workload: spec.workload,
         events: spec.events,
@@ -243,7 +242,7 @@ pub(super) fn vm_run(spec: &VmSpec) -> Result<VmOut, String> {
     };
     let results: Vec<u64> = (0..nr).map(|i| vm.layout().result_slot(i)).collect();
     let memory = vm.memory().clone();
-    let running = vm.start(&params).map_err(|e| e.to_string())?;
+    let running = vm.start(&params)?;
     let t_start = running.start_tsc();
     // TODO(pipeline): from here to the outcomes, `record`'s run loop (poll, service,
     // stop on a reader error, final walk, finish): use the `Run` pipeline once it takes
@@ -251,11 +250,11 @@ pub(super) fn vm_run(spec: &VmSpec) -> Result<VmOut, String> {
     // guest memory (result slots).
     let mut session = Session::new(reader, Output::Pages(Box::new(sink)), clock);
     let poll = Duration::from_millis(1);
-    let mut error: Option<String> = None;
+    let mut error: Option<BenchError> = None;
     loop {
         let all_done = running.wait_timeout(poll);
         for (cpu, e) in session.service(|c| running.vcpu_finished(c)) {
-            error.get_or_insert_with(|| format!("reading vcpu {cpu}: {e}"));
+            error.get_or_insert(BenchError::Read { cpu, source: e });
             running.stop();
         }
         if all_done && (0..nr).all(|c| !session.is_live(c)) {
@@ -269,7 +268,7 @@ pub(super) fn vm_run(spec: &VmSpec) -> Result<VmOut, String> {
     let outcomes = running.wait();
     for cpu in 0..nr {
         if let Err(e) = session.end_cpu(cpu) {
-            error.get_or_insert_with(|| format!("reading vcpu {cpu}: {e}"));
+            error.get_or_insert(BenchError::Read { cpu, source: e });
         }
     }
     let mut out = VmOut {
@@ -290,7 +289,7 @@ pub(super) fn vm_run(spec: &VmSpec) -> Result<VmOut, String> {
     }
     let summary = RunSummary { cpus: Vec::new() };
     if let Err(e) = session.finish(&summary) {
-        error.get_or_insert_with(|| format!("output: {e}"));
+        error.get_or_insert(BenchError::Output(e));
     }
     for (i, o) in outcomes.iter().enumerate() {
         match o {
@@ -299,7 +298,10 @@ pub(super) fn vm_run(spec: &VmSpec) -> Result<VmOut, String> {
                 out.guest_cycles = out.guest_cycles.max(st.tsc_end.wrapping_sub(st.tsc_start));
             }
             other => {
-                error.get_or_insert_with(|| format!("vcpu {i}: {other:?}"));
+                error.get_or_insert_with(|| BenchError::Vcpu {
+                    cpu: i,
+                    outcome: other.clone(),
+                });
             }
         }
         let slot = results[i];
