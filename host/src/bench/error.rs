@@ -6,9 +6,9 @@ use hyptrace_reader::ReadError;
 use hyptrace_writer::RingError;
 
 use super::MAX_BENCH_PAYLOAD;
-use crate::elf::ElfError;
 use crate::plan::PlanError;
-use crate::session::SessionError;
+use crate::report::RunReport;
+use crate::run::RunError;
 use crate::vcpu::VcpuOutcome;
 use hyptrace_abi::guest::BENCH_CHUNK;
 
@@ -30,30 +30,21 @@ pub enum BenchError {
     /// A run's options (ring geometry, guest memory) are refused.
     #[error(transparent)]
     Plan(#[from] PlanError),
-    /// The embedded guest image does not parse.
-    #[error("guest image: {0}")]
-    GuestImage(#[source] ElfError),
+    /// The options of a VM run do not parse (`hyptrace run`'s, built by bench).
+    #[error("run options: {0}")]
+    RunArgs(#[source] clap::Error),
+    /// A VM run could not start.
+    #[error(transparent)]
+    Run(#[from] RunError),
+    /// A VM run failed while it ran (reading a ring, the output): the report's failures.
+    #[error("{}", failures(.0))]
+    RunFailed(Box<RunReport>),
     /// Creating or starting a VM failed.
     #[error(transparent)]
     Vm(#[from] crate::Error),
-    /// The guest TSC frequency gives no clock.
-    #[error("guest clock: {0}")]
-    Clock(#[source] OutputError),
     /// The rings could not be set up in a VM's trace region.
     #[error("trace buffers: {0}")]
     TraceBuffers(#[source] ReadError),
-    /// Reading a vCPU's ring during a run failed.
-    #[error("reading vcpu {cpu}: {source}")]
-    Read {
-        /// The vCPU.
-        cpu: u32,
-        /// Why.
-        #[source]
-        source: SessionError,
-    },
-    /// Finishing a run's output failed.
-    #[error("output: {0}")]
-    Output(#[source] SessionError),
     /// A vCPU did not finish its workload.
     #[error("vcpu {cpu}: {outcome:?}")]
     Vcpu {
@@ -80,6 +71,21 @@ pub enum BenchError {
     /// The guest answered a mailbox swap with a failure.
     #[error("guest swap failed (status {0})")]
     GuestSwap(u64),
+}
+
+/// The failure lines of a run's report (`reading vcpu N: …`, `writing to the sink:
+/// …`), without their `hyptrace: error: ` prefix, joined by `; `.
+fn failures(r: &RunReport) -> String {
+    let text = r.to_string();
+    let lines: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("hyptrace: error: "))
+        .collect();
+    if lines.is_empty() {
+        "the run failed".into()
+    } else {
+        lines.join("; ")
+    }
 }
 
 /// `e`'s text followed by every source whose text it does not already carry.

@@ -5,16 +5,15 @@
 
 use std::time::{Duration, Instant};
 
-use hyptrace_abi::guest::{Workload, RUN_FLAG_SERVE_MAILBOX};
+use hyptrace_abi::guest::Workload;
 use hyptrace_reader::{Callbacks, MailboxOp, MailboxPort, MailboxStatus, SwapReply, SwapStatus};
 use serde::Serialize;
 
-use super::harness::{guest_mem_bytes, vm_run, SinkKind, SwapLog, VmSpec};
+use super::harness::{plan, vm_run, SinkKind, SwapLog, VmSpec};
 use super::stats::{Quantiles, Tsc};
-use super::{BenchError, Cfg, Measured, DEFAULT_PAGES, PAGE_SIZE};
-use crate::cli::{ring_layout, ModeArg, SwapArg};
-use crate::vm::{host_tsc, RunParams, Vm, VmConfig};
-use crate::GUEST_ELF;
+use super::{BenchError, Cfg, Measured, DEFAULT_PAGES};
+use crate::cli::{ModeArg, SwapArg};
+use crate::vm::{host_tsc, Vm};
 
 /// The `swap` JSON object; a section not run is `{}` in each.
 #[derive(Clone, Debug, Serialize)]
@@ -220,37 +219,32 @@ fn await_answer(
 /// until the guest's acknowledgement (without `Mailbox`'s 30 µs give-up, so a round
 /// trip is timed even when the vCPU thread was descheduled). No exits either way.
 fn swap_pingpong(cfg: &Cfg, tsc: Tsc, swap: SwapArg) -> Result<PingPongRow, BenchError> {
-    let layout = ring_layout(1, DEFAULT_PAGES, PAGE_SIZE, ModeArg::Overwrite, swap)?;
-    let trace = layout.region_size as u64;
-    // TODO(pipeline): a VM started with a reader but no session (the benchmark drives
-    // the swaps itself): the pipeline's plan → VM step, stopped by the caller.
-    let vm = Vm::new(VmConfig {
+    let mut plan = plan(&VmSpec {
         vcpus: 1,
-        mem_bytes: guest_mem_bytes(1, trace)?,
-        guest_elf: GUEST_ELF.into(),
-        trace_region_bytes: trace,
-        trace_region_align: PAGE_SIZE,
+        workload: Workload::Steady,
+        events: 1,
+        rate: cfg.swap_rate,
+        payload: 0,
+        mode: ModeArg::Overwrite,
+        swap,
+        pages: DEFAULT_PAGES,
+        sink: SinkKind::Null,
+        time_swaps: false,
     })?;
+    plan.params.events = u64::MAX;
+    let layout = plan.ring;
+    // Its own VM start, not `Run`: the benchmark drives the swaps itself (no session).
+    let vm = Vm::new(plan.cfg)?;
     let reader = crate::session::alloc_reader(
         vm.trace_region(),
         layout,
         vm.tsc_khz(),
         1,
-        crate::session::MAILBOX_TIMEOUT,
+        plan.mailbox_timeout,
     )
     .map_err(BenchError::TraceBuffers)?;
     let samples = if cfg.quick { 200 } else { 3000 };
-    let running = vm.start(&RunParams {
-        workload: Workload::Steady,
-        events: u64::MAX,
-        rate: cfg.swap_rate,
-        flags: if swap == SwapArg::Guest {
-            RUN_FLAG_SERVE_MAILBOX
-        } else {
-            0
-        },
-        ..RunParams::default()
-    })?;
+    let running = vm.start(&plan.params)?;
     let port = MailboxPort::new(reader.mem().clone(), layout);
     let (mut swapped, mut busy, mut timeouts, mut transient) = (Vec::new(), 0u64, 0u64, 0u64);
     // Let the guest attach its writer first.
