@@ -104,3 +104,55 @@ pub(super) fn with_sources(e: &dyn std::error::Error) -> String {
     }
     text
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A wrapper whose text does not carry its source.
+    #[derive(Debug, thiserror::Error)]
+    #[error("cannot write --json")]
+    struct Bare(#[source] OutputError);
+
+    #[test]
+    fn sources_appear_once_in_the_text() {
+        let io = || std::io::Error::from_raw_os_error(28); // ENOSPC
+        let e = BenchError::Sink(OutputError::Io {
+            path: Some("/tmp/x.raw".into()),
+            source: io(),
+        });
+        // The variant's text carries the whole chain already: unchanged.
+        assert_eq!(with_sources(&e), e.to_string());
+        assert!(e.to_string().contains("/tmp/x.raw: "), "{e}");
+        // A text without its source gets the chain appended, down to the OS error.
+        let b = Bare(OutputError::Io {
+            path: None,
+            source: io(),
+        });
+        let text = with_sources(&b);
+        assert!(text.starts_with("cannot write --json: "), "{text}");
+        assert!(text.contains(&io().to_string()), "{text}");
+        assert_eq!(text.matches(&io().to_string()).count(), 1, "{text}");
+    }
+
+    #[test]
+    fn option_errors_name_the_flag_and_the_limit() {
+        assert_eq!(
+            BenchError::Vcpus(0).to_string(),
+            "--vcpus 0: must be 1..=64"
+        );
+        assert_eq!(
+            BenchError::Payload(4096).to_string(),
+            format!("--payloads 4096: at most {MAX_BENCH_PAYLOAD} bytes")
+        );
+        assert_eq!(
+            BenchError::Events(1).to_string(),
+            format!("--events 1: at least {BENCH_CHUNK}")
+        );
+        assert_eq!(BenchError::Reps.to_string(), "--reps must be at least 1");
+        assert_eq!(
+            BenchError::GuestSwap(7).to_string(),
+            "guest swap failed (status 7)"
+        );
+    }
+}

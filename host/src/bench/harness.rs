@@ -289,3 +289,56 @@ pub(super) fn vm_run(spec: &VmSpec) -> Result<VmOut, BenchError> {
     out.swaps = log.lock().unwrap_or_else(|p| p.into_inner()).clone();
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cli::ring_layout;
+    use crate::elf::GuestImage;
+    use crate::memory_map::{GuestMemoryMap, MIN_MEM_BYTES};
+
+    /// The plan of a bench run is the VM bench booted before it used the pipeline: the
+    /// same rings, memory (whole 2 MiB pages), workload, payload, flags and poll.
+    #[test]
+    fn plan_matches_the_bench_vm() {
+        for (vcpus, mode, swap) in [
+            (1, ModeArg::Overwrite, SwapArg::Host),
+            (2, ModeArg::Stop, SwapArg::Guest),
+        ] {
+            let spec = VmSpec {
+                vcpus,
+                workload: Workload::Bench,
+                events: 123_456,
+                rate: 0,
+                payload: 64,
+                mode,
+                swap,
+                pages: super::super::DEFAULT_PAGES,
+                sink: SinkKind::Null,
+                time_swaps: false,
+            };
+            let p = plan(&spec).expect("plan");
+            let ring = ring_layout(vcpus, spec.pages, PAGE_SIZE, mode, swap).expect("ring");
+            assert_eq!(p.ring, ring);
+            let image = GuestImage::parse(crate::GUEST_ELF).expect("image");
+            let need =
+                GuestMemoryMap::required_mem(&image, vcpus, ring.region_size as u64, PAGE_SIZE)
+                    .max(MIN_MEM_BYTES);
+            assert_eq!(p.cfg.mem_bytes, need.div_ceil(2 << 20) * (2 << 20));
+            assert_eq!(p.cfg.trace_region_bytes, ring.region_size as u64);
+            assert_eq!(p.params.workload, Workload::Bench);
+            assert_eq!((p.params.events, p.params.rate), (123_456, 0));
+            assert_eq!(p.params.payload, 64);
+            assert_eq!(
+                p.params.flags,
+                if swap == SwapArg::Guest {
+                    hyptrace_abi::guest::RUN_FLAG_SERVE_MAILBOX
+                } else {
+                    0
+                }
+            );
+            assert_eq!(p.poll, std::time::Duration::from_millis(1));
+            assert_eq!(p.mailbox_timeout, MAILBOX_TIMEOUT);
+        }
+    }
+}
