@@ -136,14 +136,6 @@ pub enum PlanError {
     },
 }
 
-/// For `bench`'s string errors (`ring_layout(..)?` in a function returning
-/// `Result<_, String>`) until it has typed errors of its own; remove with them.
-impl From<PlanError> for String {
-    fn from(e: PlanError) -> Self {
-        e.to_string()
-    }
-}
-
 /// Why a `--duration` value is refused (clap prints it after the flag).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DurationError {

@@ -1,6 +1,7 @@
 //! The run pipeline: a checked [`Plan`] → a booted VM → a [`Session`] draining its
 //! rings while the vCPUs run (poll loop, stop policy) and after (final walks) → a
-//! [`RunReport`]. `run` and `record` use it; the CLI only parses, checks and reports.
+//! [`RunReport`]. `run`, `record` and `bench` use it; the CLI only parses, checks and
+//! reports.
 //!
 //! Stop policy: the first signal (`Interrupts`), `--duration`, a crashed vCPU, a closed
 //! stdout or a failure stops the vCPUs; everything committed is still read (R1 holds
@@ -58,6 +59,9 @@ pub enum Target {
     Stdout,
     /// A page sink of the caller's (`bench`: counting or timing sinks).
     Sink(Box<dyn PageSink>),
+    /// A page sink of the caller's made once the VM's clock is known (`bench`: counting
+    /// sinks around a file sink).
+    MakeSink(MakeSink),
     /// A checked file in a format (`record`).
     File {
         /// The destination, checked before the VM starts.
@@ -94,6 +98,9 @@ pub enum RunError {
         #[source]
         source: OutputError,
     },
+    /// A [`Target::MakeSink`] sink could not be made.
+    #[error(transparent)]
+    MakeSink(OutputError),
     /// The rings could not be set up in the trace region.
     #[error("trace buffers: {0}")]
     TraceBuffers(#[source] ReadError),
@@ -114,6 +121,9 @@ impl RunError {
     }
 }
 
+/// Makes a page sink for a run's trace metadata (page size, CPUs, the guest clock).
+pub type MakeSink = Box<dyn FnOnce(TraceMeta) -> Result<Box<dyn PageSink>, OutputError>>;
+
 /// Wraps the reader's callbacks (e.g. to time every swap).
 pub type WrapCallbacks = Box<dyn FnOnce(Box<dyn Callbacks + Send>) -> Box<dyn Callbacks + Send>>;
 
@@ -130,6 +140,7 @@ impl std::fmt::Debug for Target {
         match self {
             Self::Stdout => f.write_str("Stdout"),
             Self::Sink(_) => f.write_str("Sink"),
+            Self::MakeSink(_) => f.write_str("MakeSink"),
             Self::File { path, format, .. } => f
                 .debug_struct("File")
                 .field("path", path)
@@ -321,6 +332,11 @@ fn open_output(
 ) -> Result<(Output, Shown), RunError> {
     match target {
         Target::Sink(sink) => Ok((Output::Pages(sink), Shown::Sink)),
+        Target::MakeSink(make) => {
+            let meta = TraceMeta::guest(ring.page_size, nr, clock.clone());
+            let sink = make(meta).map_err(RunError::MakeSink)?;
+            Ok((Output::Pages(sink), Shown::Sink))
+        }
         Target::Stdout => Ok((
             Output::text(
                 Box::new(std::io::BufWriter::with_capacity(

@@ -17,7 +17,7 @@ use serde::Serialize;
 
 use super::harness::{vm_run, SinkKind, TempPath, VmSpec};
 use super::stats::{Summary, Tsc};
-use super::{bench_payload, Cfg, Measured, DEFAULT_PAGES, PAGE_SIZE};
+use super::{bench_payload, BenchError, Cfg, Measured, DEFAULT_PAGES, PAGE_SIZE};
 use crate::cli::{ModeArg, SwapArg};
 
 /// The `drain` JSON object; a section not run is `{}` in each.
@@ -79,13 +79,11 @@ pub(super) struct VmDrainRow {
 
 /// A host region (1 CPU, stop mode, `pages` pages) filled by the writer with 16-byte
 /// payloads; returns the reader over it.
-fn filled_region(pages: u32) -> Result<RingBuffer<Arc<HeapMem>, Direct<Arc<HeapMem>>>, String> {
-    let l = ring::RingGeometry::new(1, pages, PAGE_SIZE as usize, ring::Mode::Stop, false)
-        .map_err(|e| e.to_string())?;
+fn filled_region(pages: u32) -> Result<RingBuffer<Arc<HeapMem>, Direct<Arc<HeapMem>>>, BenchError> {
+    let l = ring::RingGeometry::new(1, pages, PAGE_SIZE as usize, ring::Mode::Stop, false)?;
     let mem = Arc::new(HeapMem::new(l.region_size));
-    let rb = RingBuffer::alloc(mem.clone(), l, Direct::new(mem.clone(), l), 1_000_000, 1)
-        .map_err(|e| e.to_string())?;
-    let mut w = Writer::attach(mem, 0).map_err(|e| e.to_string())?;
+    let rb = RingBuffer::alloc(mem.clone(), l, Direct::new(mem.clone(), l), 1_000_000, 1)?;
+    let mut w = Writer::attach(mem, 0)?;
     let p = bench_payload(16);
     let mut ts = 1000u64;
     loop {
@@ -100,22 +98,20 @@ fn filled_region(pages: u32) -> Result<RingBuffer<Arc<HeapMem>, Direct<Arc<HeapM
 /// Reads every complete page of a filled region into `sink`; returns (pages, bytes,
 /// seconds until the last page was handed to the sink, seconds including the sink's
 /// `finish`: for a file, its fsync and rename).
-fn drain_once(pages: u32, sink: Option<PathBuf>) -> Result<(u64, u64, f64, f64), String> {
+fn drain_once(pages: u32, sink: Option<PathBuf>) -> Result<(u64, u64, f64, f64), BenchError> {
     let mut rb = filled_region(pages)?;
     let meta = TraceMeta::guest(PAGE_SIZE as usize, 1, Clock::nanoseconds());
     let mut sink: Option<RawSink> = match &sink {
-        Some(p) => Some(RawSink::create(p, meta).map_err(|e| e.to_string())?),
+        Some(p) => Some(RawSink::create(p, meta)?),
         None => None,
     };
     let (mut n, mut bytes) = (0u64, 0u64);
     let t = Instant::now();
-    while let Some(pg) = rb.next_page(0).map_err(|e| e.to_string())? {
+    while let Some(pg) = rb.next_page(0)? {
         n += 1;
         bytes += pg.bytes.len() as u64;
         match sink.as_mut() {
-            Some(s) => s
-                .page(0, pg.bytes, (pg.missed > 0).then_some(pg.missed))
-                .map_err(|e| e.to_string())?,
+            Some(s) => s.page(0, pg.bytes, (pg.missed > 0).then_some(pg.missed))?,
             None => {
                 std::hint::black_box(pg.bytes);
             }
@@ -123,15 +119,13 @@ fn drain_once(pages: u32, sink: Option<PathBuf>) -> Result<(u64, u64, f64, f64),
     }
     let streamed = t.elapsed().as_secs_f64();
     if let Some(s) = sink {
-        Box::new(s)
-            .finish(&RunSummary { cpus: Vec::new() })
-            .map_err(|e| e.to_string())?;
+        Box::new(s).finish(&RunSummary { cpus: Vec::new() })?;
     }
     Ok((n, bytes, streamed, t.elapsed().as_secs_f64()))
 }
 
 /// The reader into a file, then into nothing, `reps` times each.
-fn reader_drain(cfg: &Cfg, to_file: bool) -> Result<ReaderDrainRow, String> {
+fn reader_drain(cfg: &Cfg, to_file: bool) -> Result<ReaderDrainRow, BenchError> {
     let (mut mbs, mut pps, mut synced) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..cfg.reps {
         let tmp = TempPath::new("raw");
@@ -151,7 +145,7 @@ fn reader_drain(cfg: &Cfg, to_file: bool) -> Result<ReaderDrainRow, String> {
 }
 
 /// End to end: `hyptrace record --format raw` of a guest writing as fast as it can.
-fn vm_drain(cfg: &Cfg, tsc: Tsc) -> Result<VmDrainRow, String> {
+fn vm_drain(cfg: &Cfg, tsc: Tsc) -> Result<VmDrainRow, BenchError> {
     let (mut mbs, mut pps, mut lost) = (Vec::new(), Vec::new(), Vec::new());
     let events = cfg.events * 4;
     for _ in 0..cfg.reps {
@@ -185,7 +179,7 @@ fn vm_drain(cfg: &Cfg, tsc: Tsc) -> Result<VmDrainRow, String> {
 }
 
 /// The three drains.
-pub(super) fn drain_section(cfg: &Cfg, tsc: Tsc) -> Result<DrainReport, String> {
+pub(super) fn drain_section(cfg: &Cfg, tsc: Tsc) -> Result<DrainReport, BenchError> {
     let reader_to_file = reader_drain(cfg, true)?;
     eprintln!(
         "  reader_to_file: {:.0} MB/s",

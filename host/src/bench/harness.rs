@@ -1,25 +1,25 @@
 //! Running a VM with a reader, as `hyptrace record` does, and measuring it: the
-//! sections' common harness ([`vm_run`]).
+//! sections' common harness ([`vm_run`], on the run pipeline).
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use hyptrace_abi::guest::{result, Workload, RUN_FLAG_SERVE_MAILBOX};
-use hyptrace_output::{Clock, OutputError, PageSink, RawSink, RunSummary, TraceMeta};
+use clap::Parser;
+use hyptrace_abi::guest::{result, Workload};
+use hyptrace_output::{OutputError, PageSink, RawSink, RunSummary};
 use hyptrace_output::{TraceDatSink, TraceDatVersion};
-use hyptrace_reader::{Callbacks, ReadError, RingBuffer, SwapReply, SwapStatus};
+use hyptrace_reader::{Callbacks, ReadError, SwapReply, SwapStatus};
 use vm_memory::{Bytes, GuestAddress};
 
-use super::PAGE_SIZE;
-use crate::cli::{ring_layout, ModeArg, SwapArg};
-use crate::elf::GuestImage;
-use crate::memory_map::{GuestMemoryMap, MIN_MEM_BYTES};
-use crate::session::{GuestTraceMem, Output, Session, MAILBOX_TIMEOUT};
+use super::{BenchError, PAGE_SIZE};
+use crate::cli::{Cli, Command, ModeArg, SwapArg};
+use crate::plan::Plan;
+use crate::run::{MakeSink, Run, Target};
+use crate::session::MAILBOX_TIMEOUT;
 use crate::vcpu::VcpuOutcome;
-use crate::vm::{host_tsc, RunParams, Vm, VmConfig, DEFAULT_SEED};
-use crate::GUEST_ELF;
+use crate::vm::host_tsc;
 
 /// One VM run.
 pub(super) struct VmSpec {
@@ -172,151 +172,173 @@ impl Drop for TempPath {
     }
 }
 
-pub(super) fn guest_mem_bytes(vcpus: u32, trace: u64) -> Result<u64, String> {
-    let image = GuestImage::parse(GUEST_ELF).map_err(|e| format!("guest image: {e}"))?;
-    let need = GuestMemoryMap::required_mem(&image, vcpus, trace, PAGE_SIZE).max(MIN_MEM_BYTES);
-    Ok(need.div_ceil(2 << 20) * (2 << 20))
+/// The checked plan of a VM run of `spec`: `hyptrace run`'s options, then what the CLI
+/// cannot say (the bench workload, its payload, guest memory in whole 2 MiB pages).
+pub(super) fn plan(spec: &VmSpec) -> Result<Plan, BenchError> {
+    let lower = |v: &dyn std::fmt::Debug| format!("{v:?}").to_lowercase();
+    let args = [
+        "hyptrace".to_string(),
+        "run".into(),
+        "--vcpus".into(),
+        spec.vcpus.to_string(),
+        "--events".into(),
+        spec.events.to_string(),
+        "--rate".into(),
+        spec.rate.to_string(),
+        "--mode".into(),
+        lower(&spec.mode),
+        "--swap".into(),
+        lower(&spec.swap),
+        "--buffer-kb".into(),
+        (spec.pages * PAGE_SIZE / 1024).to_string(),
+        "--page-size".into(),
+        PAGE_SIZE.to_string(),
+        "--poll-ms".into(),
+        "1".into(),
+    ];
+    let Command::Run(a) = Cli::try_parse_from(args)
+        .map_err(BenchError::RunArgs)?
+        .command
+    else {
+        unreachable!("parsed as `run`")
+    };
+    let mut plan = Plan::new(&a)?;
+    plan.params.workload = spec.workload;
+    plan.params.payload = spec.payload;
+    plan.cfg.mem_bytes = plan.cfg.mem_bytes.div_ceil(2 << 20) * (2 << 20);
+    plan.mailbox_timeout = MAILBOX_TIMEOUT;
+    Ok(plan)
 }
 
-pub(super) fn vm_run(spec: &VmSpec) -> Result<VmOut, String> {
-    let layout = ring_layout(spec.vcpus, spec.pages, PAGE_SIZE, spec.mode, spec.swap)?;
-    let trace = layout.region_size as u64;
-    let mem_bytes = guest_mem_bytes(spec.vcpus, trace)?;
-    let t_new = host_tsc();
-    let vm = Vm::new(VmConfig {
-        vcpus: spec.vcpus,
-        mem_bytes,
-        guest_elf: GUEST_ELF.into(),
-        trace_region_bytes: trace,
-        trace_region_align: PAGE_SIZE,
-    })
-    .map_err(|e| e.to_string())?;
-    let tsc_khz = vm.tsc_khz();
-    let tsc_offset = vm.tsc_offset().unwrap_or(0);
-    let clock = Clock::guest_tsc(tsc_khz).map_err(|e| format!("guest clock: {e}"))?;
-    let nr = spec.vcpus;
+/// One VM run through the run pipeline ([`Run`]), its sink counted and its swaps timed
+/// as `spec` says; any failure of the run is an error.
+pub(super) fn vm_run(spec: &VmSpec) -> Result<VmOut, BenchError> {
+    let plan = plan(spec)?;
     let tmp = TempPath::new("out");
-    let meta = TraceMeta::guest(layout.page_size, nr, clock.clone());
-    let inner: Option<Box<dyn PageSink>> = match spec.sink {
-        SinkKind::Null => None,
-        SinkKind::Raw => Some(Box::new(
-            RawSink::create(&tmp.0, meta).map_err(|e| e.to_string())?,
-        )),
-        SinkKind::Dat => Some(Box::new(
-            TraceDatSink::create(&tmp.0, meta, TraceDatVersion::V7).map_err(|e| e.to_string())?,
-        )),
-    };
     let sink_stats = Arc::new(SinkStats {
         first_ts: AtomicU64::new(u64::MAX),
         ..SinkStats::default()
     });
-    let sink = CountSink {
-        inner,
-        stats: sink_stats.clone(),
-    };
-    let mem = Arc::new(GuestTraceMem::new(vm.trace_region()));
-    // As `session::alloc_reader`, but with the callbacks wrapped when swaps are timed.
-    let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), layout, MAILBOX_TIMEOUT);
+    let (kind, path, stats) = (spec.sink, tmp.0.clone(), sink_stats.clone());
+    let make: MakeSink = Box::new(move |meta| {
+        let inner: Option<Box<dyn PageSink>> = match kind {
+            SinkKind::Null => None,
+            SinkKind::Raw => Some(Box::new(RawSink::create(&path, meta)?)),
+            SinkKind::Dat => Some(Box::new(TraceDatSink::create(
+                &path,
+                meta,
+                TraceDatVersion::V7,
+            )?)),
+        };
+        Ok(Box::new(CountSink { inner, stats }))
+    });
     let log = Arc::new(Mutex::new(SwapLog::default()));
-    let cb: Box<dyn Callbacks + Send> = if spec.time_swaps {
-        Box::new(Timed {
-            inner: cb,
-            log: log.clone(),
-        })
-    } else {
-        cb
-    };
-    let reader = RingBuffer::alloc(mem, layout, cb, tsc_khz, host_tsc())
-        .map_err(|e| format!("trace buffers: {e}"))?;
-    let params = RunParams {
-        workload: spec.workload,
-        events: spec.events,
-        rate: spec.rate,
-        seed: DEFAULT_SEED,
-        flags: if spec.swap == SwapArg::Guest {
-            RUN_FLAG_SERVE_MAILBOX
-        } else {
-            0
-        },
-        burst: 0,
-        payload: spec.payload,
-    };
-    let results: Vec<u64> = (0..nr).map(|i| vm.layout().result_slot(i)).collect();
-    let memory = vm.memory().clone();
-    let running = vm.start(&params).map_err(|e| e.to_string())?;
-    let t_start = running.start_tsc();
-    // TODO(pipeline): from here to the outcomes, `record`'s run loop (poll, service,
-    // stop on a reader error, final walk, finish): use the `Run` pipeline once it takes
-    // a ready sink and callbacks and reports per-CPU stats, the vCPU outcomes and the
-    // guest memory (result slots).
-    let mut session = Session::new(reader, Output::Pages(Box::new(sink)), clock);
-    let poll = Duration::from_millis(1);
-    let mut error: Option<String> = None;
-    loop {
-        let all_done = running.wait_timeout(poll);
-        for (cpu, e) in session.service(|c| running.vcpu_finished(c)) {
-            error.get_or_insert_with(|| format!("reading vcpu {cpu}: {e}"));
-            running.stop();
-        }
-        if all_done && (0..nr).all(|c| !session.is_live(c)) {
-            break;
-        }
-        if error.is_some() && all_done {
-            break;
-        }
+    let mut run = Run::new(plan, Target::MakeSink(make));
+    if spec.time_swaps {
+        let log = log.clone();
+        run = run.wrap_callbacks(Box::new(move |inner| Box::new(Timed { inner, log })));
     }
-    let wall = running.started_at().elapsed();
-    let outcomes = running.wait();
-    for cpu in 0..nr {
-        if let Err(e) = session.end_cpu(cpu) {
-            error.get_or_insert_with(|| format!("reading vcpu {cpu}: {e}"));
-        }
+    let report = run.execute()?;
+    if report.failures.any() {
+        return Err(BenchError::RunFailed(Box::new(report)));
     }
+    let t = &report.timing;
     let mut out = VmOut {
-        tsc_khz,
-        t_new,
-        t_start,
-        tsc_offset,
-        wall,
+        tsc_khz: t.tsc_khz,
+        t_new: t.created_tsc,
+        t_start: t.start_tsc,
+        tsc_offset: t.tsc_offset.unwrap_or(0),
+        wall: t.wall,
         ..VmOut::default()
     };
-    for cpu in 0..nr {
-        let st = session.stats(cpu);
+    for c in &report.cpus {
         // Guest numbers: saturate.
-        out.written = out.written.saturating_add(session.writer_index(cpu));
-        out.read = out.read.saturating_add(st.read);
-        out.lost = out.lost.saturating_add(st.lost);
-        out.bytes = out.bytes.saturating_add(st.bytes);
+        out.written = out.written.saturating_add(c.written);
+        out.read = out.read.saturating_add(c.stats.read);
+        out.lost = out.lost.saturating_add(c.stats.lost);
+        out.bytes = out.bytes.saturating_add(c.stats.bytes);
     }
-    let summary = RunSummary { cpus: Vec::new() };
-    if let Err(e) = session.finish(&summary) {
-        error.get_or_insert_with(|| format!("output: {e}"));
-    }
-    for (i, o) in outcomes.iter().enumerate() {
+    let guest = report.guest.as_ref();
+    for (i, o) in report.outcomes.iter().enumerate() {
         match o {
             VcpuOutcome::Finished(st) => {
                 out.tsc_entry.push(st.tsc_start);
                 out.guest_cycles = out.guest_cycles.max(st.tsc_end.wrapping_sub(st.tsc_start));
             }
             other => {
-                error.get_or_insert_with(|| format!("vcpu {i}: {other:?}"));
+                return Err(BenchError::Vcpu {
+                    cpu: i,
+                    outcome: other.clone(),
+                })
             }
         }
-        let slot = results[i];
         let rd = |off: usize| {
-            memory
-                .read_obj::<u64>(GuestAddress(slot + off as u64))
-                .unwrap_or(0)
+            guest.map_or(0, |g| {
+                let slot = g.map.result_slot(i as u32);
+                g.memory
+                    .read_obj::<u64>(GuestAddress(slot + off as u64))
+                    .unwrap_or(0)
+            })
         };
         out.bench_cycles.push(rd(result::BENCH_CYCLES));
         out.bench_min_chunk.push(rd(result::BENCH_MIN_CHUNK));
-    }
-    if let Some(e) = error {
-        return Err(e);
     }
     out.pages = sink_stats.pages.load(Ordering::Relaxed);
     let first = sink_stats.first_ts.load(Ordering::Relaxed);
     out.first_ts = (first != u64::MAX).then_some(first);
     out.swaps = log.lock().unwrap_or_else(|p| p.into_inner()).clone();
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cli::ring_layout;
+    use crate::elf::GuestImage;
+    use crate::memory_map::{GuestMemoryMap, MIN_MEM_BYTES};
+
+    /// The plan of a bench run is the VM bench booted before it used the pipeline: the
+    /// same rings, memory (whole 2 MiB pages), workload, payload, flags and poll.
+    #[test]
+    fn plan_matches_the_bench_vm() {
+        for (vcpus, mode, swap) in [
+            (1, ModeArg::Overwrite, SwapArg::Host),
+            (2, ModeArg::Stop, SwapArg::Guest),
+        ] {
+            let spec = VmSpec {
+                vcpus,
+                workload: Workload::Bench,
+                events: 123_456,
+                rate: 0,
+                payload: 64,
+                mode,
+                swap,
+                pages: super::super::DEFAULT_PAGES,
+                sink: SinkKind::Null,
+                time_swaps: false,
+            };
+            let p = plan(&spec).expect("plan");
+            let ring = ring_layout(vcpus, spec.pages, PAGE_SIZE, mode, swap).expect("ring");
+            assert_eq!(p.ring, ring);
+            let image = GuestImage::parse(crate::GUEST_ELF).expect("image");
+            let need =
+                GuestMemoryMap::required_mem(&image, vcpus, ring.region_size as u64, PAGE_SIZE)
+                    .max(MIN_MEM_BYTES);
+            assert_eq!(p.cfg.mem_bytes, need.div_ceil(2 << 20) * (2 << 20));
+            assert_eq!(p.cfg.trace_region_bytes, ring.region_size as u64);
+            assert_eq!(p.params.workload, Workload::Bench);
+            assert_eq!((p.params.events, p.params.rate), (123_456, 0));
+            assert_eq!(p.params.payload, 64);
+            assert_eq!(
+                p.params.flags,
+                if swap == SwapArg::Guest {
+                    hyptrace_abi::guest::RUN_FLAG_SERVE_MAILBOX
+                } else {
+                    0
+                }
+            );
+            assert_eq!(p.poll, std::time::Duration::from_millis(1));
+            assert_eq!(p.mailbox_timeout, MAILBOX_TIMEOUT);
+        }
+    }
 }

@@ -41,6 +41,7 @@ use crate::cli::{EXIT_OK, EXIT_RUNTIME, EXIT_USAGE};
 
 mod criterion;
 mod drain;
+mod error;
 mod harness;
 mod rate;
 mod startup;
@@ -50,6 +51,7 @@ mod table;
 mod writer;
 
 use drain::DrainReport;
+pub use error::BenchError;
 use stats::Tsc;
 use swap::SwapReport;
 
@@ -120,7 +122,7 @@ struct Cfg {
 }
 
 impl Cfg {
-    fn new(a: &BenchArgs) -> Result<Self, String> {
+    fn new(a: &BenchArgs) -> Result<Self, BenchError> {
         let q = a.quick;
         let vcpus = if a.vcpus.is_empty() {
             if q {
@@ -141,18 +143,18 @@ impl Cfg {
             a.payloads.clone()
         };
         if let Some(&v) = vcpus.iter().find(|&&v| v == 0 || v > 64) {
-            return Err(format!("--vcpus {v}: must be 1..=64"));
+            return Err(BenchError::Vcpus(v));
         }
         if let Some(&p) = payloads.iter().find(|&&p| p > MAX_BENCH_PAYLOAD) {
-            return Err(format!("--payloads {p}: at most {MAX_BENCH_PAYLOAD} bytes"));
+            return Err(BenchError::Payload(p));
         }
         let events = a.events.unwrap_or(if q { 100_000 } else { 1_000_000 });
         if events < BENCH_CHUNK {
-            return Err(format!("--events {events}: at least {BENCH_CHUNK}"));
+            return Err(BenchError::Events(events));
         }
         let reps = a.reps.unwrap_or(if q { 1 } else { 5 });
         if reps == 0 {
-            return Err("--reps must be at least 1".into());
+            return Err(BenchError::Reps);
         }
         Ok(Self {
             quick: q,
@@ -273,8 +275,8 @@ impl DrainReport {
 pub fn bench(a: &BenchArgs) -> i32 {
     let cfg = match Cfg::new(a) {
         Ok(c) => c,
-        Err(msg) => {
-            eprintln!("hyptrace: error: {msg}");
+        Err(e) => {
+            eprintln!("hyptrace: error: {}", error::with_sources(&e));
             return EXIT_USAGE;
         }
     };
@@ -284,8 +286,8 @@ pub fn bench(a: &BenchArgs) -> i32 {
         .as_deref()
         .map(|p| crate::cli::check_destination(p, "--json"))
     {
-        Some(Err(msg)) => {
-            eprintln!("hyptrace: error: {msg}");
+        Some(Err(e)) => {
+            eprintln!("hyptrace: error: {}", error::with_sources(&e));
             return EXIT_USAGE;
         }
         Some(Ok(t)) => Some(t),
@@ -296,20 +298,23 @@ pub fn bench(a: &BenchArgs) -> i32 {
             print!("{}", table::table(&v));
             if let Some(t) = &json_target {
                 if let Err(e) = crate::cli::write_destination(t, &v.json()) {
-                    eprintln!("hyptrace: error: cannot write --json: {e}");
+                    eprintln!(
+                        "hyptrace: error: cannot write --json: {}",
+                        error::with_sources(&e)
+                    );
                     return EXIT_RUNTIME;
                 }
             }
             EXIT_OK
         }
         Err(e) => {
-            eprintln!("hyptrace: error: bench: {e}");
+            eprintln!("hyptrace: error: bench: {}", error::with_sources(&e));
             EXIT_RUNTIME
         }
     }
 }
 
-fn run_all(cfg: &Cfg, a: &BenchArgs) -> Result<BenchReport, String> {
+fn run_all(cfg: &Cfg, a: &BenchArgs) -> Result<BenchReport, BenchError> {
     let t0 = Instant::now();
     eprintln!("hyptrace bench: startup");
     let (startup, tsc) = startup::startup(cfg)?;

@@ -9,7 +9,7 @@ use hyptrace_abi::guest::Workload;
 use serde::Serialize;
 
 use super::harness::{vm_run, SinkKind, VmSpec};
-use super::{Cfg, DEFAULT_PAGES, PAGE_SIZE};
+use super::{BenchError, Cfg, DEFAULT_PAGES, PAGE_SIZE};
 use crate::cli::{ModeArg, SwapArg};
 
 /// Events per vCPU that overflow a ring of the rate search twice over if the reader
@@ -70,7 +70,7 @@ impl RateRow {
     }
 }
 
-fn rate_run(cfg: &Cfg, vcpus: u32, rate: u64) -> Result<RateRun, String> {
+fn rate_run(cfg: &Cfg, vcpus: u32, rate: u64) -> Result<RateRun, BenchError> {
     let events = ((rate as f64 * cfg.rate_seconds) as u64).max(RATE_FILL_EVENTS);
     let o = vm_run(&VmSpec {
         vcpus,
@@ -101,7 +101,7 @@ fn rate_run(cfg: &Cfg, vcpus: u32, rate: u64) -> Result<RateRun, String> {
 
 /// The search for one vCPU count: double until a loss (or the guest cannot go
 /// faster), then bisect, `rate_steps` runs at most.
-fn search(cfg: &Cfg, vcpus: u32) -> Result<RateRow, String> {
+fn search(cfg: &Cfg, vcpus: u32) -> Result<RateRow, BenchError> {
     let mut runs = Vec::new();
     let mut good = 0u64;
     let mut bad = None;
@@ -150,7 +150,7 @@ fn search(cfg: &Cfg, vcpus: u32) -> Result<RateRow, String> {
 }
 
 /// The `max_rate` rows: one search per vCPU count.
-pub(super) fn max_rate_section(cfg: &Cfg) -> Result<Vec<RateRow>, String> {
+pub(super) fn max_rate_section(cfg: &Cfg) -> Result<Vec<RateRow>, BenchError> {
     let mut rows = Vec::new();
     for &v in &cfg.vcpus {
         let row = search(cfg, v)?;

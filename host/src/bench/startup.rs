@@ -6,7 +6,7 @@ use serde::Serialize;
 
 use super::harness::{vm_run, SinkKind, VmSpec};
 use super::stats::{Summary, Tsc};
-use super::{Cfg, DEFAULT_PAGES};
+use super::{BenchError, Cfg, DEFAULT_PAGES};
 use crate::cli::{ModeArg, SwapArg};
 
 /// The `startup` JSON object (ms).
@@ -21,7 +21,7 @@ pub(super) struct StartupReport {
 }
 
 /// Boots a 1-vCPU VM writing 1000 markers `max(reps, 3)` times.
-pub(super) fn startup(cfg: &Cfg) -> Result<(StartupReport, Tsc), String> {
+pub(super) fn startup(cfg: &Cfg) -> Result<(StartupReport, Tsc), BenchError> {
     let mut first_event = Vec::new();
     let mut vm_new = Vec::new();
     let mut first_insn = Vec::new();

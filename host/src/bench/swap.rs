@@ -5,16 +5,15 @@
 
 use std::time::{Duration, Instant};
 
-use hyptrace_abi::guest::{Workload, RUN_FLAG_SERVE_MAILBOX};
+use hyptrace_abi::guest::Workload;
 use hyptrace_reader::{Callbacks, MailboxOp, MailboxPort, MailboxStatus, SwapReply, SwapStatus};
 use serde::Serialize;
 
-use super::harness::{guest_mem_bytes, vm_run, SinkKind, SwapLog, VmSpec};
+use super::harness::{plan, vm_run, SinkKind, SwapLog, VmSpec};
 use super::stats::{Quantiles, Tsc};
-use super::{Cfg, Measured, DEFAULT_PAGES, PAGE_SIZE};
-use crate::cli::{ring_layout, ModeArg, SwapArg};
-use crate::vm::{host_tsc, RunParams, Vm, VmConfig};
-use crate::GUEST_ELF;
+use super::{BenchError, Cfg, Measured, DEFAULT_PAGES};
+use crate::cli::{ModeArg, SwapArg};
+use crate::vm::{host_tsc, Vm};
 
 /// The `swap` JSON object; a section not run is `{}` in each.
 #[derive(Clone, Debug, Serialize)]
@@ -123,7 +122,7 @@ pub(super) struct LiveWorkload {
 }
 
 /// Both modes, alone and live.
-pub(super) fn swap_section(cfg: &Cfg, tsc: Tsc) -> Result<SwapReport, String> {
+pub(super) fn swap_section(cfg: &Cfg, tsc: Tsc) -> Result<SwapReport, BenchError> {
     Ok(SwapReport {
         host: Measured::Ran(swap_pingpong(cfg, tsc, SwapArg::Host)?),
         guest: Measured::Ran(swap_pingpong(cfg, tsc, SwapArg::Guest)?),
@@ -133,7 +132,7 @@ pub(super) fn swap_section(cfg: &Cfg, tsc: Tsc) -> Result<SwapReport, String> {
 }
 
 /// Every `swap_reader` call of a `record`-style drain of a steady writer, timed.
-fn swap_live(cfg: &Cfg, tsc: Tsc, swap: SwapArg) -> Result<LiveSwapRow, String> {
+fn swap_live(cfg: &Cfg, tsc: Tsc, swap: SwapArg) -> Result<LiveSwapRow, BenchError> {
     let mut log = SwapLog::default();
     let mut wall = 0.0;
     for _ in 0..cfg.reps.min(3) {
@@ -201,10 +200,10 @@ enum Alone {
 fn await_answer(
     port: &MailboxPort<impl hyptrace_abi::SharedMem>,
     seq: hyptrace_reader::MailboxSeq,
-) -> Result<Option<MailboxStatus>, String> {
+) -> Result<Option<MailboxStatus>, BenchError> {
     let deadline = Instant::now() + Duration::from_millis(50);
     loop {
-        if let Some(status) = port.poll(0, seq).map_err(|e| format!("swap: {e}"))? {
+        if let Some(status) = port.poll(0, seq).map_err(BenchError::Swap)? {
             return Ok(Some(status));
         }
         if Instant::now() > deadline {
@@ -219,41 +218,33 @@ fn await_answer(
 /// callbacks), or by posting a request in the mailbox ([`MailboxPort`]) and spinning
 /// until the guest's acknowledgement (without `Mailbox`'s 30 µs give-up, so a round
 /// trip is timed even when the vCPU thread was descheduled). No exits either way.
-fn swap_pingpong(cfg: &Cfg, tsc: Tsc, swap: SwapArg) -> Result<PingPongRow, String> {
-    let layout = ring_layout(1, DEFAULT_PAGES, PAGE_SIZE, ModeArg::Overwrite, swap)?;
-    let trace = layout.region_size as u64;
-    // TODO(pipeline): a VM started with a reader but no session (the benchmark drives
-    // the swaps itself): the pipeline's plan → VM step, stopped by the caller.
-    let vm = Vm::new(VmConfig {
+fn swap_pingpong(cfg: &Cfg, tsc: Tsc, swap: SwapArg) -> Result<PingPongRow, BenchError> {
+    let mut plan = plan(&VmSpec {
         vcpus: 1,
-        mem_bytes: guest_mem_bytes(1, trace)?,
-        guest_elf: GUEST_ELF.into(),
-        trace_region_bytes: trace,
-        trace_region_align: PAGE_SIZE,
-    })
-    .map_err(|e| e.to_string())?;
+        workload: Workload::Steady,
+        events: 1,
+        rate: cfg.swap_rate,
+        payload: 0,
+        mode: ModeArg::Overwrite,
+        swap,
+        pages: DEFAULT_PAGES,
+        sink: SinkKind::Null,
+        time_swaps: false,
+    })?;
+    plan.params.events = u64::MAX;
+    let layout = plan.ring;
+    // Its own VM start, not `Run`: the benchmark drives the swaps itself (no session).
+    let vm = Vm::new(plan.cfg)?;
     let reader = crate::session::alloc_reader(
         vm.trace_region(),
         layout,
         vm.tsc_khz(),
         1,
-        crate::session::MAILBOX_TIMEOUT,
+        plan.mailbox_timeout,
     )
-    .map_err(|e| format!("trace buffers: {e}"))?;
+    .map_err(BenchError::TraceBuffers)?;
     let samples = if cfg.quick { 200 } else { 3000 };
-    let running = vm
-        .start(&RunParams {
-            workload: Workload::Steady,
-            events: u64::MAX,
-            rate: cfg.swap_rate,
-            flags: if swap == SwapArg::Guest {
-                RUN_FLAG_SERVE_MAILBOX
-            } else {
-                0
-            },
-            ..RunParams::default()
-        })
-        .map_err(|e| e.to_string())?;
+    let running = vm.start(&plan.params)?;
     let port = MailboxPort::new(reader.mem().clone(), layout);
     let (mut swapped, mut busy, mut timeouts, mut transient) = (Vec::new(), 0u64, 0u64, 0u64);
     // Let the guest attach its writer first.
@@ -275,19 +266,15 @@ fn swap_pingpong(cfg: &Cfg, tsc: Tsc, swap: SwapArg) -> Result<PingPongRow, Stri
                     continue;
                 }
                 Ok(SwapReply::Done(SwapStatus::Busy) | SwapReply::Pending) => Alone::Busy,
-                Err(e) => return Err(format!("swap: {e}")),
+                Err(e) => return Err(BenchError::Swap(e)),
             },
             SwapArg::Guest => {
-                let seq = port
-                    .post(0, MailboxOp::Swap)
-                    .map_err(|e| format!("swap: {e}"))?;
+                let seq = port.post(0, MailboxOp::Swap).map_err(BenchError::Swap)?;
                 match await_answer(&port, seq)? {
                     Some(MailboxStatus::Ok) => Alone::Swapped,
                     Some(MailboxStatus::Busy) => Alone::Busy,
                     Some(MailboxStatus::Contended) => Alone::Contended,
-                    Some(MailboxStatus::Failed(s)) => {
-                        return Err(format!("guest swap failed (status {s})"))
-                    }
+                    Some(MailboxStatus::Failed(s)) => return Err(BenchError::GuestSwap(s)),
                     None => Alone::Unanswered,
                 }
             }

@@ -11,7 +11,7 @@ use serde::Serialize;
 
 use super::harness::{vm_run, SinkKind, VmSpec};
 use super::stats::{Quantiles, Summary, Tsc};
-use super::{bench_payload, Cfg, DEFAULT_PAGES, PAGE_SIZE};
+use super::{bench_payload, BenchError, Cfg, DEFAULT_PAGES, PAGE_SIZE};
 use crate::cli::{ModeArg, SwapArg};
 use crate::vm::host_tsc;
 
@@ -60,7 +60,13 @@ struct Samples {
 
 /// One repetition of a row: the guest in a VM, then natively on as many threads, the
 /// bound and rdtsc.
-fn measure(cfg: &Cfg, tsc: Tsc, vcpus: u32, payload: u32, s: &mut Samples) -> Result<(), String> {
+fn measure(
+    cfg: &Cfg,
+    tsc: Tsc,
+    vcpus: u32,
+    payload: u32,
+    s: &mut Samples,
+) -> Result<(), BenchError> {
     let per_event = |cycles: u64, events: u64| tsc.ns(cycles as f64) / events.max(1) as f64;
     let chunk = |t: Timing| per_event(t.min_chunk, BENCH_CHUNK);
     let o = vm_run(&VmSpec {
@@ -92,7 +98,7 @@ fn measure(cfg: &Cfg, tsc: Tsc, vcpus: u32, payload: u32, s: &mut Samples) -> Re
 }
 
 /// The `writer` rows: every vCPU count × payload size, `reps` times each.
-pub(super) fn writer_section(cfg: &Cfg, tsc: Tsc) -> Result<Vec<WriterRow>, String> {
+pub(super) fn writer_section(cfg: &Cfg, tsc: Tsc) -> Result<Vec<WriterRow>, BenchError> {
     let mut rows = Vec::new();
     for &v in &cfg.vcpus {
         for &p in &cfg.payloads {
@@ -162,22 +168,21 @@ fn timed_loop(events: u64, mut one: impl FnMut()) -> Timing {
 /// The guest's loop run natively: the same `Writer` on raw memory (a heap region of
 /// the guest's layout, overwrite mode), with the guest's emit path (count, rdtsc,
 /// write, count skipped).
-pub(super) fn native_writer(payload: u32, events: u64) -> Result<Timing, String> {
+pub(super) fn native_writer(payload: u32, events: u64) -> Result<Timing, BenchError> {
     let l = ring::RingGeometry::new(
         1,
         DEFAULT_PAGES as u32,
         PAGE_SIZE as usize,
         ring::Mode::Overwrite,
         false,
-    )
-    .map_err(|e| e.to_string())?;
+    )?;
     let heap = HeapMem::new(l.region_size);
     l.init_region(&heap, 1_000_000, 1);
     // SAFETY: `heap` owns `size()` bytes at `as_ptr()`, 8-aligned, and outlives the
     // writer (both are dropped at the end of this function, the writer first); it is
     // only accessed through this RawMem and `heap`'s own atomics/byte copies.
     let raw = unsafe { RawMem::new(heap.as_ptr(), heap.size()) };
-    let mut w = Writer::attach(raw, 0).map_err(|e| e.to_string())?;
+    let mut w = Writer::attach(raw, 0)?;
     let p = bench_payload(payload);
     let (mut attempted, mut skipped) = (0u64, 0u64);
     let t = timed_loop(events, || {

@@ -1,0 +1,158 @@
+//! Why `hyptrace bench` failed: one variant per failing operation, the source kept.
+
+use hyptrace_abi::LayoutError;
+use hyptrace_output::OutputError;
+use hyptrace_reader::ReadError;
+use hyptrace_writer::RingError;
+
+use super::MAX_BENCH_PAYLOAD;
+use crate::plan::PlanError;
+use crate::report::RunReport;
+use crate::run::RunError;
+use crate::vcpu::VcpuOutcome;
+use hyptrace_abi::guest::BENCH_CHUNK;
+
+/// A failure of `hyptrace bench` (its options, or a measurement).
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    /// `--vcpus` outside 1..=64.
+    #[error("--vcpus {0}: must be 1..=64")]
+    Vcpus(u32),
+    /// `--payloads` above the bench workload's largest payload.
+    #[error("--payloads {0}: at most {MAX_BENCH_PAYLOAD} bytes")]
+    Payload(u32),
+    /// `--events` below one chunk of the bench workload.
+    #[error("--events {0}: at least {BENCH_CHUNK}")]
+    Events(u64),
+    /// `--reps 0`.
+    #[error("--reps must be at least 1")]
+    Reps,
+    /// A run's options (ring geometry, guest memory) are refused.
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    /// The options of a VM run do not parse (`hyptrace run`'s, built by bench).
+    #[error("run options: {0}")]
+    RunArgs(#[source] clap::Error),
+    /// A VM run could not start.
+    #[error(transparent)]
+    Run(#[from] RunError),
+    /// A VM run failed while it ran (reading a ring, the output): the report's failures.
+    #[error("{}", failures(.0))]
+    RunFailed(Box<RunReport>),
+    /// Creating or starting a VM failed.
+    #[error(transparent)]
+    Vm(#[from] crate::Error),
+    /// The rings could not be set up in a VM's trace region.
+    #[error("trace buffers: {0}")]
+    TraceBuffers(#[source] ReadError),
+    /// A vCPU did not finish its workload.
+    #[error("vcpu {cpu}: {outcome:?}")]
+    Vcpu {
+        /// The vCPU.
+        cpu: usize,
+        /// How it ended.
+        outcome: VcpuOutcome,
+    },
+    /// A host ring's geometry is refused (drain and native writer baselines).
+    #[error(transparent)]
+    Geometry(#[from] LayoutError),
+    /// Attaching a writer to a host ring failed.
+    #[error(transparent)]
+    Writer(#[from] RingError),
+    /// Reading a host ring failed (drain baseline).
+    #[error(transparent)]
+    Reader(#[from] ReadError),
+    /// A page sink (file) failed.
+    #[error(transparent)]
+    Sink(#[from] OutputError),
+    /// A swap of the `swap` section failed: an inconsistent ring.
+    #[error("swap: {0}")]
+    Swap(#[source] ReadError),
+    /// The guest answered a mailbox swap with a failure.
+    #[error("guest swap failed (status {0})")]
+    GuestSwap(u64),
+}
+
+/// The failure lines of a run's report (`reading vcpu N: …`, `writing to the sink:
+/// …`), without their `hyptrace: error: ` prefix, joined by `; `.
+fn failures(r: &RunReport) -> String {
+    let text = r.to_string();
+    let lines: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("hyptrace: error: "))
+        .collect();
+    if lines.is_empty() {
+        "the run failed".into()
+    } else {
+        lines.join("; ")
+    }
+}
+
+/// `e`'s text followed by every source whose text it does not already carry.
+pub(super) fn with_sources(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut next = e.source();
+    // Bounded: error chains are finite, but a cycle would not be.
+    for _ in 0..16 {
+        let Some(src) = next else { break };
+        let s = src.to_string();
+        if !text.contains(&s) {
+            text.push_str(": ");
+            text.push_str(&s);
+        }
+        next = src.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A wrapper whose text does not carry its source.
+    #[derive(Debug, thiserror::Error)]
+    #[error("cannot write --json")]
+    struct Bare(#[source] OutputError);
+
+    #[test]
+    fn sources_appear_once_in_the_text() {
+        let io = || std::io::Error::from_raw_os_error(28); // ENOSPC
+        let e = BenchError::Sink(OutputError::Io {
+            path: Some("/tmp/x.raw".into()),
+            source: io(),
+        });
+        // The variant's text carries the whole chain already: unchanged.
+        assert_eq!(with_sources(&e), e.to_string());
+        assert!(e.to_string().contains("/tmp/x.raw: "), "{e}");
+        // A text without its source gets the chain appended, down to the OS error.
+        let b = Bare(OutputError::Io {
+            path: None,
+            source: io(),
+        });
+        let text = with_sources(&b);
+        assert!(text.starts_with("cannot write --json: "), "{text}");
+        assert!(text.contains(&io().to_string()), "{text}");
+        assert_eq!(text.matches(&io().to_string()).count(), 1, "{text}");
+    }
+
+    #[test]
+    fn option_errors_name_the_flag_and_the_limit() {
+        assert_eq!(
+            BenchError::Vcpus(0).to_string(),
+            "--vcpus 0: must be 1..=64"
+        );
+        assert_eq!(
+            BenchError::Payload(4096).to_string(),
+            format!("--payloads 4096: at most {MAX_BENCH_PAYLOAD} bytes")
+        );
+        assert_eq!(
+            BenchError::Events(1).to_string(),
+            format!("--events 1: at least {BENCH_CHUNK}")
+        );
+        assert_eq!(BenchError::Reps.to_string(), "--reps must be at least 1");
+        assert_eq!(
+            BenchError::GuestSwap(7).to_string(),
+            "guest swap failed (status 7)"
+        );
+    }
+}
