@@ -6,42 +6,20 @@
 #![no_std]
 #![no_main]
 
+mod block;
 mod emit;
 mod rt;
 mod workload;
 
-use hyptrace_abi::guest::{result, RunParamBlock, Workload, PORT_EXIT, VCPU_RESULT_SIZE};
+use hyptrace_abi::guest::{result, Workload, PORT_EXIT, VCPU_RESULT_SIZE};
 
+use block::Block;
 use emit::{Emitter, WriterSink};
 use hyptrace_abi::guest::RUN_FLAG_SERVE_MAILBOX;
 use hyptrace_abi::layout::pack as pack_hdr;
 use hyptrace_abi::RawMem;
 use hyptrace_writer::Writer;
 use rt::{out32, rdtsc};
-
-/// A guest-physical (= virtual, identity-mapped) block read and written with volatile
-/// accesses at byte offsets.
-#[derive(Clone, Copy)]
-struct Block(u64);
-
-impl Block {
-    /// The run parameter block at this address, copied at once.
-    fn read_params(self) -> RunParamBlock {
-        // SAFETY: the VMM placed the block in mapped guest memory at a 2 MiB-aligned
-        // address (contract; more than the struct's 8) and wrote it before any vCPU ran;
-        // `RunParamBlock` is plain integers, valid for any bytes.
-        unsafe { (self.0 as usize as *const RunParamBlock).read_volatile() }
-    }
-    fn read_u64(self, off: usize) -> u64 {
-        // SAFETY: the VMM placed this block in mapped guest memory (contract); offsets
-        // are the ABI's, inside the block, and naturally aligned.
-        unsafe { ((self.0 as usize + off) as *const u64).read_volatile() }
-    }
-    fn write_u64(self, off: usize, v: u64) {
-        // SAFETY: as in `read_u64`; this vCPU is the only writer of its result slot.
-        unsafe { ((self.0 as usize + off) as *mut u64).write_volatile(v) }
-    }
-}
 
 /// The run parameters the workloads use.
 pub struct Params {

@@ -20,15 +20,19 @@
 #![no_std]
 #![no_main]
 
+#[path = "../block.rs"]
+mod block;
 #[path = "../rt.rs"]
 mod rt;
+
+use block::Block;
 
 use core::sync::atomic::Ordering::{Relaxed, Release};
 
 use hyptrace_abi::events::{self, CommonHeader};
 use hyptrace_abi::guest::{
-    result, RunParamBlock, WorkloadRng, PANIC_MSG_MAX, PORT_EXIT, PORT_PANIC,
-    RUN_FLAG_SERVE_MAILBOX, RUN_PARAMS_MAGIC, VCPU_RESULT_SIZE,
+    result, WorkloadRng, PANIC_MSG_MAX, PORT_EXIT, PORT_PANIC, RUN_FLAG_SERVE_MAILBOX,
+    RUN_PARAMS_MAGIC, VCPU_RESULT_SIZE,
 };
 use hyptrace_abi::layout::{
     ctl, footer, link, pack as pack_hdr, RingGeometry, FOOTER_MAGIC, LINK_HEAD, LINK_UPDATE,
@@ -126,33 +130,6 @@ impl Scenario {
 const UNKNOWN_ID: u16 = 0xbeef;
 /// TSC frequency assumed when the host does not say.
 const DEFAULT_TSC_KHZ: u64 = 2_000_000;
-
-/// A guest-physical (= virtual) block read and written with volatile accesses.
-#[derive(Clone, Copy)]
-struct Block(u64);
-
-impl Block {
-    /// The run parameter block at this address, copied at once.
-    fn read_params(self) -> RunParamBlock {
-        // SAFETY: the VMM placed the block in mapped guest memory at a 2 MiB-aligned
-        // address (ABI; more than the struct's 8) and wrote it before any vCPU ran;
-        // `RunParamBlock` is plain integers, valid for any bytes.
-        unsafe { (self.0 as usize as *const RunParamBlock).read_volatile() }
-    }
-    fn read_u64(self, off: usize) -> u64 {
-        // SAFETY: the VMM placed this block in mapped guest memory (ABI); offsets are
-        // the ABI's, inside the block, naturally aligned.
-        unsafe { ((self.0 as usize + off) as *const u64).read_volatile() }
-    }
-    fn write_u64(self, off: usize, v: u64) {
-        // SAFETY: as in `read_u64`; this vCPU is the only writer of its result slot.
-        unsafe { ((self.0 as usize + off) as *mut u64).write_volatile(v) }
-    }
-    fn write_u8(self, off: usize, v: u8) {
-        // SAFETY: as in `write_u64`.
-        unsafe { ((self.0 as usize + off) as *mut u8).write_volatile(v) }
-    }
-}
 
 /// This vCPU's view of the run.
 struct Ctx {
