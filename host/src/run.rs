@@ -35,12 +35,12 @@ use hyptrace_output::{
     Clock, JsonSink, OutputError, OutputTarget, PageSink, RawSink, TextSink, TraceDatSink,
     TraceDatVersion, TraceMeta,
 };
-use hyptrace_reader::{Callbacks, Direct, Mailbox, ReadError, RingBuffer};
+use hyptrace_reader::{Callbacks, ReadError};
 
 use crate::cli::FormatArg;
 use crate::plan::Plan;
 use crate::report::{CpuReport, Destination, Failures, GuestView, RunReport, Stop, Timing};
-use crate::session::{alloc_reader, Output, Session};
+use crate::session::{alloc_reader_wrapped, Output, Session};
 use crate::signals::Interrupts;
 use crate::vcpu::VcpuOutcome;
 use crate::vm::{RunningVm, Vm};
@@ -213,7 +213,8 @@ impl<'a> Run<'a> {
         let stdout = Arc::new(StdoutState::default());
         let (output, target) = open_output(target, &plan.ring, nr, &clock, &stdout)?;
         let generation = crate::vm::host_tsc();
-        let reader = alloc_reader_with(
+        let wrap = wrap.unwrap_or_else(|| Box::new(|cb| cb));
+        let reader = alloc_reader_wrapped(
             vm.trace_region(),
             plan.ring,
             tsc_khz,
@@ -297,29 +298,6 @@ enum Shown {
     Stdout,
     File { path: PathBuf, format: FormatArg },
     Sink,
-}
-
-/// The reader over a VM's trace region, its callbacks wrapped by `wrap`.
-fn alloc_reader_with(
-    region: crate::vm::TraceRegion,
-    ring: RingGeometry,
-    tsc_khz: u64,
-    generation: u64,
-    mailbox_timeout: Duration,
-    wrap: Option<WrapCallbacks>,
-) -> Result<crate::session::Reader, ReadError> {
-    match wrap {
-        None => alloc_reader(region, ring, tsc_khz, generation, mailbox_timeout),
-        Some(wrap) => {
-            let mem = Arc::new(crate::session::GuestTraceMem::new(region));
-            let cb: Box<dyn Callbacks + Send> = if ring.guest_swap {
-                Box::new(Mailbox::new(mem.clone(), ring, mailbox_timeout))
-            } else {
-                Box::new(Direct::new(mem.clone(), ring))
-            };
-            RingBuffer::alloc(mem, ring, wrap(cb), tsc_khz, generation)
-        }
-    }
 }
 
 /// The output of a run: text lines merged on stdout, or a page sink.

@@ -13,7 +13,7 @@ use hyptrace_output::{
     format_drop, format_guest_line, format_window_exceeded, guest_printers, Clock, EventPrinter,
     MergeWindow, Merged, Merger, Missed, PageSink, Released,
 };
-use hyptrace_reader::{Callbacks, CpuStats, Direct, Item, Mailbox, ReadError, RingBuffer};
+use hyptrace_reader::{Callbacks, CpuStats, Item, ReadError, RingBuffer};
 
 use crate::vm::TraceRegion;
 
@@ -69,12 +69,26 @@ pub fn alloc_reader(
     generation: u64,
     mailbox_timeout: Duration,
 ) -> Result<Reader, ReadError> {
+    alloc_reader_wrapped(region, layout, tsc_khz, generation, mailbox_timeout, |cb| {
+        cb
+    })
+}
+
+/// [`alloc_reader`] with the callbacks passed through `wrap` (e.g. to time every swap).
+pub fn alloc_reader_wrapped(
+    region: TraceRegion,
+    layout: RingGeometry,
+    tsc_khz: u64,
+    generation: u64,
+    mailbox_timeout: Duration,
+    wrap: impl FnOnce(Box<dyn Callbacks + Send>) -> Box<dyn Callbacks + Send>,
+) -> Result<Reader, ReadError> {
     let mem = Arc::new(GuestTraceMem::new(region));
-    let cb: Box<dyn Callbacks + Send> = if layout.guest_swap {
-        Box::new(Mailbox::new(mem.clone(), layout, mailbox_timeout))
-    } else {
-        Box::new(Direct::new(mem.clone(), layout))
-    };
+    let cb = wrap(hyptrace_reader::callbacks::for_geometry(
+        mem.clone(),
+        layout,
+        mailbox_timeout,
+    ));
     RingBuffer::alloc(mem, layout, cb, tsc_khz, generation)
 }
 
