@@ -11,8 +11,8 @@
 //! heap part needs no VM; the VM part (`--workload mixed --mode stop` through the real
 //! binary) is skipped without /dev/kvm unless HYPTRACE_REQUIRE_KVM=1.
 
-use std::io::Write;
-use std::sync::{Arc, Mutex};
+use hyptrace::capture::Captured;
+use std::sync::Arc;
 
 use hyptrace::env::{self, kvm_available, vm_lock, TempDir};
 use hyptrace_abi::events::{marker, span, text, vcpu_pid};
@@ -37,30 +37,6 @@ const PAGE_SIZE: usize = 4096;
 const TSC_KHZ: u64 = 2_918_400;
 /// An event id without a format.
 const UNKNOWN_ID: u16 = 4242;
-
-/// Bytes written into a shared buffer.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Captured {
-    fn text(&self) -> String {
-        String::from_utf8(self.0.lock().unwrap_or_else(|p| p.into_inner()).clone())
-            .expect("text output is UTF-8")
-    }
-}
 
 fn clock() -> Clock {
     Clock::guest_tsc(TSC_KHZ).expect("clock")
@@ -188,10 +164,10 @@ fn without_trailing_records(report: &str) -> String {
 #[test]
 fn every_event_kind_prints_the_same_in_run_text_sink_and_report() {
     // (a) `hyptrace run`: the session's text output.
-    let run = Captured::default();
+    let run = Captured::keeping();
     let (written, dropped) = run_script(Output::text(Box::new(run.clone()), CPUS));
     // (b) `record --format text`: the text sink.
-    let sink_out = Captured::default();
+    let sink_out = Captured::keeping();
     let sink = TextSink::to_writer(Box::new(sink_out.clone()), meta()).expect("text sink");
     assert_eq!(
         run_script(Output::Pages(Box::new(sink) as Box<dyn PageSink>)),

@@ -9,11 +9,11 @@
 //! (defect 7); swap contention at full speed is no error (defect 8); a thread
 //! scribbling the region while the session reads gives errors, never panics or hangs.
 
+use hyptrace::capture::Captured;
 use hyptrace::rng::Rng;
-use std::io::Write;
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::AtomicBool;
 use std::sync::atomic::Ordering::{Relaxed, SeqCst};
-use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -31,43 +31,6 @@ const KRATE: &str = env!("CARGO_CRATE_NAME");
 
 type Mem = Arc<HeapMem>;
 type HeapSession = Session<Mem, Direct<Mem>>;
-
-/// Text output into a shared buffer (or only counted, with `keep == false`).
-#[derive(Clone, Default)]
-struct Captured {
-    bytes: Arc<Mutex<Vec<u8>>>,
-    lines: Arc<AtomicU64>,
-    keep: bool,
-}
-
-impl Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        let n = buf.iter().filter(|&&b| b == b'\n').count() as u64;
-        self.lines.fetch_add(n, Relaxed);
-        if self.keep {
-            self.bytes
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .extend_from_slice(buf);
-        }
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Captured {
-    fn keeping() -> Self {
-        Self {
-            keep: true,
-            ..Self::default()
-        }
-    }
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.bytes.lock().unwrap_or_else(|p| p.into_inner())).into()
-    }
-}
 
 /// A page sink that counts what it got.
 #[derive(Clone, Default)]
@@ -144,7 +107,7 @@ fn failed_final_walk_keeps_other_cpus_output() {
     let (_m, _l, mut s) = one_bad_footer(Output::text(Box::new(out.clone()), 2));
     let _ = s.service(|_| true);
     s.flush().expect("flush");
-    let text = out.text();
+    let text = out.text_lossy();
     let cpu0 = text.lines().filter(|l| l.contains("[000]")).count();
     assert_eq!(cpu0, 4, "cpu 0's events all printed: {text:?}");
     assert_eq!(s.queued(), (0, 0), "nothing left in the merger");
@@ -159,7 +122,7 @@ fn failed_final_walk_is_reported_once() {
     for text in [true, false] {
         let sink = CountingSink::default();
         let output = if text {
-            Output::text(Box::new(Captured::default()), 2)
+            Output::text(Box::new(Captured::counting()), 2)
         } else {
             Output::Pages(Box::new(sink.clone()))
         };
@@ -190,7 +153,7 @@ fn failed_final_walk_is_reported_once() {
 #[test]
 fn failed_live_read_is_not_polled_again() {
     let (m, l) = region(2, 4, Mode::Overwrite);
-    let mut s = session(&m, l, Output::text(Box::new(Captured::default()), 2));
+    let mut s = session(&m, l, Output::text(Box::new(Captured::counting()), 2));
     let mut w1 = Writer::attach(m.clone(), 1).expect("attach");
     write_markers(&mut w1, 1, 100, 2);
     // A commit past the page on cpu 1's reader page: every live read fails.
@@ -245,7 +208,7 @@ fn trailing_loss_goes_to_the_sink() {
 #[test]
 fn hostile_counters_saturate() {
     let (m, l) = region(2, 4, Mode::Overwrite);
-    let mut s = session(&m, l, Output::text(Box::new(Captured::default()), 2));
+    let mut s = session(&m, l, Output::text(Box::new(Captured::counting()), 2));
     for cpu in 0..2 {
         let mut w = Writer::attach(m.clone(), cpu).expect("attach");
         write_markers(&mut w, cpu, 10, 200);
@@ -282,7 +245,7 @@ fn hostile_counters_saturate() {
 #[test]
 fn silent_cpu_does_not_grow_the_merger() {
     let (m, l) = region(2, 66, Mode::Stop);
-    let out = Captured::default();
+    let out = Captured::counting();
     let mut s = session(&m, l, Output::text(Box::new(out.clone()), 2));
     let mut w = Writer::attach(m.clone(), 0).expect("attach");
     const TOTAL: u64 = 1_000_000;
@@ -301,7 +264,7 @@ fn silent_cpu_does_not_grow_the_merger() {
                 break;
             }
         }
-        printed_while_running = out.lines.load(Relaxed);
+        printed_while_running = out.lines();
     }
     assert_eq!(s.stats(0).read, TOTAL, "cpu 0 read while cpu 1 is silent");
     assert!(
@@ -318,7 +281,7 @@ fn silent_cpu_does_not_grow_the_merger() {
     s.flush().expect("flush");
     assert_eq!(s.queued(), (0, 0));
     // Every event and one marker line per overflow.
-    assert_eq!(out.lines.load(Relaxed), TOTAL + s.merge_overflows());
+    assert_eq!(out.lines(), TOTAL + s.merge_overflows());
 }
 
 /// The merge-window marker is a line of its own, naming the silent CPU.
@@ -342,7 +305,7 @@ fn merge_window_marker_names_the_silent_cpu() {
             }
         }
     }
-    let text = out.text();
+    let text = out.text_lossy();
     let first = text.lines().next().expect("printed before cpu 1 ended");
     assert!(
         first.starts_with("hyptrace: merge window exceeded:") && first.contains("cpu 1"),
@@ -398,7 +361,7 @@ fn scribble_round(seed: u64, text: bool) -> usize {
     };
     let (m, l) = region(CPUS, 6, mode);
     let output = if text {
-        Output::text(Box::new(Captured::default()), CPUS)
+        Output::text(Box::new(Captured::counting()), CPUS)
     } else {
         Output::Pages(Box::new(CountingSink::default()))
     };

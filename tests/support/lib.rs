@@ -2,6 +2,7 @@
 //!
 //! - [`adversary`]: builds the adversarial guest, runs `hyptrace` under a watchdog
 //!   (peak RSS, wall time, SIGTERM, kill on a bound).
+//! - [`capture`]: text output kept (or counted) in memory.
 //! - [`env`]: skip helpers (`/dev/kvm`, `trace-cmd`), the VM test log for CI, a lock that
 //!   serialises VM-booting tests of one test binary, temporary directories.
 //! - [`text`]: parses `trace-cmd report -t` / `hyptrace run` lines and checks the event
@@ -13,6 +14,7 @@
 //!   joins that re-raise panics) and a per-thread allocation counter.
 
 pub mod adversary;
+pub mod capture;
 pub mod env;
 pub mod model;
 pub mod rng;
