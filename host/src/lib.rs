@@ -22,6 +22,7 @@ pub mod bench;
 pub mod cli;
 pub mod elf;
 pub mod error;
+pub mod events;
 pub mod logging;
 pub mod memory_map;
 pub mod plan;
