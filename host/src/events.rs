@@ -167,7 +167,9 @@ pub enum Settled {
     Registered,
     /// The guest's table was refused as a whole (the message says why).
     Refused(String),
-    /// The guest started writing without registering, or stopped before it did.
+    /// A writer attached without a registration: the guest registers nothing.
+    Unregistered,
+    /// The caller gave up waiting (a vCPU ended, a signal, `--duration`, a timeout).
     None,
 }
 
@@ -393,7 +395,10 @@ impl<M: SharedMem> EventTable<M> {
                 State::Refused(why) => return Settled::Refused(why.clone()),
                 State::Waiting => {}
             }
-            if self.writer_attached() || give_up() {
+            if self.writer_attached() {
+                return Settled::Unregistered;
+            }
+            if give_up() {
                 return Settled::None;
             }
             st = self
@@ -491,14 +496,14 @@ pub fn list_guest(plan: crate::plan::Plan) -> Result<(Vec<EventInfo>, Vec<Reject
     match settled {
         Settled::Registered => Ok((table.list().unwrap_or_default(), table.rejections())),
         Settled::Refused(why) => Err(ListError::Refused(why)),
-        Settled::None if crashed => Err(ListError::Crashed(
+        Settled::None | Settled::Unregistered if crashed => Err(ListError::Crashed(
             outcomes
                 .iter()
                 .find(|o| o.is_crash())
                 .map(|o| format!("{o:?}"))
                 .unwrap_or_default(),
         )),
-        Settled::None => Err(ListError::None),
+        Settled::None | Settled::Unregistered => Err(ListError::None),
     }
 }
 

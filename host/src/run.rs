@@ -125,6 +125,10 @@ impl RunError {
     }
 }
 
+/// Called with the run's event table once the VM has started (e.g. to serve a control
+/// socket: [`EventTable::enable`], [`EventTable::disable`], [`EventTable::list`]).
+pub type EventsHook = Box<dyn FnOnce(VmEventTable)>;
+
 /// Makes a page sink for a run's trace metadata (page size, CPUs, the guest clock).
 pub type MakeSink = Box<dyn FnOnce(TraceMeta) -> Result<Box<dyn PageSink>, OutputError>>;
 
@@ -137,6 +141,7 @@ pub struct Run<'a> {
     target: Target,
     interrupts: Option<&'a Interrupts>,
     wrap: Option<WrapCallbacks>,
+    events_hook: Option<EventsHook>,
 }
 
 impl std::fmt::Debug for Target {
@@ -171,7 +176,16 @@ impl<'a> Run<'a> {
             target,
             interrupts: None,
             wrap: None,
+            events_hook: None,
         }
+    }
+
+    /// `hook` gets the run's event table once the VM has started, before the guest's
+    /// registration is answered (its `enable`/`disable`/`list` say `NotRegistered` until
+    /// then).
+    pub fn on_events(mut self, hook: EventsHook) -> Self {
+        self.events_hook = Some(hook);
+        self
     }
 
     /// Signals stop the run (a first one) or abort it (a second one).
@@ -193,6 +207,7 @@ impl<'a> Run<'a> {
             target,
             interrupts,
             wrap,
+            events_hook,
         } = self;
         let nr = plan.cfg.vcpus;
         log::debug!(
@@ -241,6 +256,9 @@ impl<'a> Run<'a> {
         );
         let running = vm.start_with_events(&plan.params, table.clone())?;
         log::info!("started {nr} vCPUs ({tsc_khz} kHz TSC)");
+        if let Some(hook) = events_hook {
+            hook(table.clone());
+        }
         let formats = settle_events(&table, &running, plan.duration, &plan.events, interrupts)?;
         // The output is opened once the formats are known (the guest writes no event
         // before its registration is answered); a failure stops the VM (dropped).
@@ -385,9 +403,13 @@ fn settle_events(
         note!("hyptrace: warning: {r}");
     }
     let selecting = !selection.enable.is_empty() || !selection.disable.is_empty();
+    // A guest that writes without registering, or ended cleanly without it, has none of
+    // the events asked for; a crash or a stop while waiting is reported as such instead.
+    let unregistered = settled == Settled::Unregistered
+        || (settled == Settled::None && running.is_finished() && !running.any_crashed());
     let error = match table.selection_error() {
         Some(e) => Some(e),
-        None if selecting && settled != Settled::Registered => Some(EventsError::NotRegistered),
+        None if selecting && unregistered => Some(EventsError::NotRegistered),
         None => None,
     };
     if let Some(e) = error {
