@@ -289,7 +289,9 @@ impl<M: SharedMem> EventTable<M> {
         Ok(mask)
     }
 
-    /// Sets every CPU's enable word to `mask` with atomic RMWs (clears, then sets).
+    /// Sets every CPU's enable word to `mask` with atomic RMWs (clears, then sets) (E1).
+    /// SeqCst like every host-side flip: the word pairs with no other access (the writer
+    /// loads it Relaxed; an event racing a flip may go either way).
     fn set_word(&self, mask: u64) {
         for cpu in 0..self.geometry.nr_cpus {
             let w = self.geometry.ctl(cpu) + ctl::ENABLE;
@@ -340,6 +342,7 @@ impl<M: SharedMem> EventTable<M> {
         self.flip(pattern, false)
     }
 
+    /// (E1) atomic RMW on every CPU's word, the other bits kept.
     fn flip(&self, pattern: &str, on: bool) -> Result<Vec<String>, EventsError> {
         let reg = self.registry()?;
         let mask = mask_of(&reg, pattern)?;

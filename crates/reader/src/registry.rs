@@ -511,6 +511,8 @@ pub fn answer<M: SharedMem + ?Sized>(mem: &M, l: &RingGeometry, reg: &Registry) 
 /// Marks the table REFUSED (Release): the header was unusable, nothing is accepted.
 pub fn refuse<M: SharedMem + ?Sized>(mem: &M, l: &RingGeometry) {
     if l.events_size != 0 {
+        // Release: paired with the guest's Acquire load of the state (read_answer,
+        // wait_registered); nothing else was written.
         mem.store(l.events_off + STATE_OFF, STATE_REFUSED, Release);
     }
 }

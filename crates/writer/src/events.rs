@@ -222,6 +222,8 @@ pub fn write_table<M: SharedMem + ?Sized>(
             available: size,
         });
     }
+    // Acquire: pairs with the host's Release store of DONE/REFUSED (a table already
+    // answered is never written again).
     if mem.load(base + STATE_OFF, Acquire) != STATE_EMPTY {
         return Err(RegisterError::AlreadyRegistered);
     }
@@ -353,6 +355,8 @@ pub fn wait_registered<M: SharedMem + ?Sized>(
     };
     let mut n = 0u64;
     loop {
+        // Acquire: paired with the host's Release store of DONE/REFUSED in
+        // hyptrace_reader::registry::answer / refuse: the results are visible after it.
         let st = mem.load(base + STATE_OFF, Acquire);
         if st == STATE_DONE || st == STATE_REFUSED || n >= spins {
             break;
