@@ -38,6 +38,7 @@ use hyptrace_output::{
 use hyptrace_reader::{Callbacks, ReadError};
 
 use crate::cli::FormatArg;
+use crate::control::{BuiltinSlots, Command, ControlServer, EventSwitch, Handler, Reply};
 use crate::plan::Plan;
 use crate::report::{CpuReport, Destination, Failures, GuestView, RunReport, Stop, Timing};
 use crate::session::{alloc_reader_wrapped, Output, Session};
@@ -133,6 +134,7 @@ pub struct Run<'a> {
     target: Target,
     interrupts: Option<&'a Interrupts>,
     wrap: Option<WrapCallbacks>,
+    control: Option<&'a ControlServer>,
 }
 
 impl std::fmt::Debug for Target {
@@ -167,7 +169,14 @@ impl<'a> Run<'a> {
             target,
             interrupts: None,
             wrap: None,
+            control: None,
         }
+    }
+
+    /// Commands from the control socket are executed between drain rounds.
+    pub fn control(mut self, control: &'a ControlServer) -> Self {
+        self.control = Some(control);
+        self
     }
 
     /// Signals stop the run (a first one) or abort it (a second one).
@@ -189,6 +198,7 @@ impl<'a> Run<'a> {
             target,
             interrupts,
             wrap,
+            control,
         } = self;
         let nr = plan.cfg.vcpus;
         log::debug!(
@@ -231,6 +241,10 @@ impl<'a> Run<'a> {
                 "the host runs the"
             }
         );
+        let events: Box<dyn EventSwitch> = Box::new(BuiltinSlots::new(
+            Arc::clone(reader.mem()),
+            *reader.layout(),
+        ));
         let running = vm.start(&plan.params)?;
         log::info!("started {nr} vCPUs ({tsc_khz} kHz TSC)");
         // Progress when the events are not on the terminal (a caller's sink: none).
@@ -249,6 +263,8 @@ impl<'a> Run<'a> {
             stop: None,
             failures: Failures::default(),
             nr,
+            control,
+            events,
         };
         let aborted = live.poll_loop(plan.poll);
         let timing = Timing {
@@ -433,6 +449,8 @@ struct Live<'a> {
     stop: Option<Stop>,
     failures: Failures,
     nr: u32,
+    control: Option<&'a ControlServer>,
+    events: Box<dyn EventSwitch>,
 }
 
 impl Live<'_> {
@@ -454,6 +472,7 @@ impl Live<'_> {
             }
             self.check_stop();
             self.service();
+            self.serve_control();
             if let Some(h) = &mut self.heartbeat {
                 h.tick(&self.session, self.nr, self.running.started_at());
             }
@@ -465,6 +484,18 @@ impl Live<'_> {
             h.end();
         }
         aborted
+    }
+
+    /// Executes the control socket's waiting commands.
+    fn serve_control(&mut self) {
+        let Some(control) = self.control else { return };
+        let mut h = RunControl {
+            session: &self.session,
+            running: &self.running,
+            events: self.events.as_mut(),
+            stop: self.stop.as_ref(),
+        };
+        control.serve(&mut h);
     }
 
     /// Stops the vCPUs for the first reason that came up, once.
@@ -514,6 +545,55 @@ impl Live<'_> {
             self.failures.session(None, &e);
             self.stop_for(Stop::Failed("output failed".into()));
         }
+    }
+}
+
+/// The control socket's commands, executed by the run loop.
+struct RunControl<'s> {
+    session: &'s Session,
+    running: &'s RunningVm,
+    events: &'s mut dyn EventSwitch,
+    stop: Option<&'s Stop>,
+}
+
+impl Handler for RunControl<'_> {
+    fn handle(&mut self, cmd: &Command) -> Reply {
+        match cmd {
+            Command::Enable(e) => self.events.set(e, true).map_or_else(Reply::Err, Reply::Ok),
+            Command::Disable(e) => self.events.set(e, false).map_or_else(Reply::Err, Reply::Ok),
+            Command::List => Reply::Ok(self.events.list().to_string()),
+            Command::Stats => Reply::Ok(self.stats().to_string()),
+        }
+    }
+}
+
+impl RunControl<'_> {
+    /// `stats`: the live per-CPU counters (docs/design.md, "The control socket").
+    fn stats(&self) -> serde_json::Value {
+        let nr = self.session.reader().nr_cpus();
+        let cpus: Vec<serde_json::Value> = (0..nr)
+            .map(|cpu| {
+                let s = self.session.stats(cpu);
+                serde_json::json!({
+                    "cpu": cpu,
+                    "running": !self.running.vcpu_finished(cpu),
+                    "written": s.written,
+                    "read": s.read,
+                    "lost": s.lost,
+                    "overrun": s.overrun,
+                    "dropped": s.dropped,
+                    "bytes": s.bytes,
+                    "pages_touched": s.pages_touched,
+                    "swaps": s.swaps,
+                    "error": self.session.error(cpu),
+                })
+            })
+            .collect();
+        serde_json::json!({
+            "elapsed_s": self.running.started_at().elapsed().as_secs_f64(),
+            "stopping": self.stop.map(ToString::to_string),
+            "cpus": cpus,
+        })
     }
 }
 
