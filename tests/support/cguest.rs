@@ -75,6 +75,7 @@ fn build(target_dir: &Path) -> Result<PathBuf, String> {
         "-fno-asynchronous-unwind-tables",
         "-Wall",
         "-Wextra",
+        "-Wpedantic",
         "-Werror",
         "-Wl,--build-id=none",
         "-Wl,--gc-sections",

@@ -7,7 +7,7 @@
  *       -I guest/c-sdk/include -Wl,-T,guest/link.ld -Wl,--build-id=none \
  *       guest/examples/c/main.c libhyptrace.a -o c-guest.elf
  * Run:
- *   hyptrace run --guest c-guest.elf --events 1000
+ *   hyptrace run --guest c-guest.elf --events 1000 [--rate R]
  */
 #include "hyptrace.h"
 
@@ -70,8 +70,16 @@ void c_main(uint64_t pack, uint64_t cpu, uint64_t params_gpa)
     if (r < 0 && r != HT_ERR_NO_TABLE)
         ht_panic("c guest: registration failed");
 
+    /* --rate: event i is due i periods after the start (absolute deadlines). */
+    uint64_t start = ht_rdtsc();
+    uint64_t period = p.rate ? p.tsc_khz * 1000 / p.rate : 0;
     uint64_t attempted = 0;
     for (uint64_t i = 0; i < p.events; i++) {
+        if (period) {
+            uint64_t due = start + i * period;
+            while ((int64_t)(due - ht_rdtsc()) > 0)
+                ht_idle(w);
+        }
         struct sample s = {
             .common_pid = (int32_t)cpu + 1,
             .seq = i,
