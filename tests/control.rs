@@ -263,3 +263,44 @@ fn control_replaces_a_stale_socket() {
     assert_eq!(o.status.code(), Some(0), "{}", env::stderr(&o));
     assert!(!Path::new(&sock).exists(), "removed at exit");
 }
+
+/// SIGTERM stops the run cleanly (exit 0) and the socket goes with it (an abort returns
+/// through the same scope in `cli::execute`, which drops the server).
+#[test]
+fn control_socket_removed_on_signals() {
+    if !kvm_available(KRATE, "control_socket_removed_on_signals") {
+        return;
+    }
+    let _vm = vm_lock();
+    let dir = TempDir::new("ctl-signal");
+    let sock = dir.file("s.sock");
+    let mut run = RunChild(Some(
+        Command::new(BIN)
+            .args([
+                "run",
+                "--vcpus",
+                "1",
+                "--rate",
+                "1000",
+                "--events",
+                "1000000",
+                "--control",
+                &sock,
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn"),
+    ));
+    wait_for(&mut run, "the socket", || Path::new(&sock).exists());
+    // The run serves: stats answers (so the VM is up, not only the socket).
+    wait_for(&mut run, "events", || written(&stats(&sock)) > 0);
+    let pid = run.0.as_ref().expect("child").id().to_string();
+    let st = Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("kill");
+    assert!(st.success());
+    assert_eq!(run.wait(), Some(0));
+    assert!(!Path::new(&sock).exists(), "socket left after SIGTERM");
+}
