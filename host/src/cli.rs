@@ -305,6 +305,16 @@ pub struct RunArgs {
     /// Guest payload ELF to load instead of the embedded one.
     #[arg(long, value_name = "PATH")]
     pub guest: Option<PathBuf>,
+    /// Record only the events PATTERN names (repeatable): SYSTEM:EVENT (globs `*` `?`
+    /// in either part, e.g. 'guest:*'), a system or an event name, or `all`
+    /// [default: every event the guest registers]. A name no registered event has is an
+    /// error (exit 2).
+    #[arg(short = 'e', long = "event", value_name = "PATTERN")]
+    pub event: Vec<String>,
+    /// Do not record the events PATTERN names (repeatable, applied after -e); they count
+    /// as skipped.
+    #[arg(long, value_name = "PATTERN")]
+    pub disable: Vec<String>,
     /// Serve a control socket at PATH while the VM runs (owner-only; a stale socket
     /// there is replaced, anything else refused): `hyptrace ctl PATH enable|disable
     /// EVENT`, `stats`, `list`. Removed at exit.

@@ -138,14 +138,14 @@ pub trait Handler {
 }
 
 /// Switching events on and off in the guest's enable words (atomically, one bit; the
-/// other bits stay) and listing them. The events module implements it over the guest's
-/// registrations; [`BuiltinSlots`] until then.
+/// other bits stay) and listing them: implemented over the guest's registrations
+/// (`crate::events::EventTable`, below).
 pub trait EventSwitch {
-    /// Enables (`on`) or disables the events `spec` names on every vCPU; returns what
-    /// changed, for the reply.
-    fn set(&mut self, spec: &str, on: bool) -> Result<String, String>;
-    /// The events and their state, as a JSON value.
-    fn list(&self) -> serde_json::Value;
+    /// Enables (`on`) or disables the events `spec` names on every vCPU (the patterns
+    /// of `-e`); returns what changed, for the reply.
+    fn set(&self, spec: &str, on: bool) -> Result<String, String>;
+    /// The events, their fields and whether they are enabled, as a JSON value.
+    fn list(&self) -> Result<serde_json::Value, String>;
 }
 
 /// A request from a client, executed by the run loop.
@@ -542,62 +542,14 @@ pub fn ctl(path: &Path, words: &[String]) -> Result<CtlOutcome, CtlError> {
     Err(proto(format!("not a reply: {:?}", truncate(&text, 80))))
 }
 
-/// The built-in events' enable slots (`guest:marker` 0, `guest:span` 1, `guest:text` 2),
-/// switched in every CPU's enable word with one atomic OR / AND-NOT (the other bits
-/// stay). Names: `guest:NAME`, `NAME`, `guest:*`, `all`.
-pub struct BuiltinSlots<M: hyptrace_abi::SharedMem> {
-    mem: M,
-    layout: hyptrace_abi::layout::RingGeometry,
-}
-
-/// The built-in events: name and enable slot.
-const BUILTIN: [(&str, u32); 3] = [
-    ("marker", hyptrace_abi::events::MARKER_SLOT),
-    ("span", hyptrace_abi::events::SPAN_SLOT),
-    ("text", hyptrace_abi::events::TEXT_SLOT),
-];
-
-impl<M: hyptrace_abi::SharedMem> BuiltinSlots<M> {
-    /// Over the trace region `mem` laid out as `layout`.
-    pub fn new(mem: M, layout: hyptrace_abi::layout::RingGeometry) -> Self {
-        Self { mem, layout }
-    }
-
-    fn word(&self, cpu: u32) -> usize {
-        self.layout.ctl(cpu) + hyptrace_abi::layout::ctl::ENABLE
-    }
-
-    /// The slots `spec` names (a bit mask), or why it names none.
-    fn mask(spec: &str) -> Result<u64, String> {
-        if spec == "all" || spec == "guest:*" {
-            return Ok(BUILTIN.iter().fold(0, |m, (_, s)| m | 1 << s));
+impl<M: hyptrace_abi::SharedMem> EventSwitch for crate::events::EventTable<M> {
+    fn set(&self, spec: &str, on: bool) -> Result<String, String> {
+        let names = if on {
+            self.enable(spec)
+        } else {
+            self.disable(spec)
         }
-        let name = spec.strip_prefix("guest:").unwrap_or(spec);
-        BUILTIN
-            .iter()
-            .find(|(n, _)| *n == name)
-            .map(|(_, s)| 1 << s)
-            .ok_or_else(|| format!("unknown event {:?}", truncate(spec, 64)))
-    }
-}
-
-impl<M: hyptrace_abi::SharedMem> EventSwitch for BuiltinSlots<M> {
-    fn set(&mut self, spec: &str, on: bool) -> Result<String, String> {
-        let mask = Self::mask(spec)?;
-        for cpu in 0..self.layout.nr_cpus {
-            // Relaxed: the writer loads the word Relaxed once per event; the flip takes
-            // effect at some later event. One RMW keeps the other bits.
-            if on {
-                self.mem.fetch_or(self.word(cpu), mask, Ordering::Relaxed);
-            } else {
-                self.mem.fetch_and(self.word(cpu), !mask, Ordering::Relaxed);
-            }
-        }
-        let names: Vec<String> = BUILTIN
-            .iter()
-            .filter(|(_, s)| mask >> s & 1 != 0)
-            .map(|(n, _)| format!("guest:{n}"))
-            .collect();
+        .map_err(|e| e.to_string())?;
         Ok(format!(
             "{} {}",
             names.join(","),
@@ -605,22 +557,35 @@ impl<M: hyptrace_abi::SharedMem> EventSwitch for BuiltinSlots<M> {
         ))
     }
 
-    fn list(&self) -> serde_json::Value {
-        let words: Vec<u64> = (0..self.layout.nr_cpus)
-            .map(|c| self.mem.load(self.word(c), Ordering::Relaxed))
-            .collect();
-        let events: Vec<serde_json::Value> = BUILTIN
-            .iter()
-            .map(|(n, s)| {
-                let on = words.iter().filter(|w| *w >> s & 1 != 0).count();
+    fn list(&self) -> Result<serde_json::Value, String> {
+        let events: Vec<serde_json::Value> = crate::events::EventTable::list(self)
+            .map_err(|e| e.to_string())?
+            .into_iter()
+            .map(|e| {
+                let fields: Vec<serde_json::Value> = e
+                    .reg
+                    .fields
+                    .iter()
+                    .map(|f| {
+                        serde_json::json!({
+                            "name": f.name,
+                            "type": f.ctype,
+                            "offset": f.offset,
+                            "size": f.size,
+                            "signed": f.signed,
+                        })
+                    })
+                    .collect();
                 serde_json::json!({
-                    "name": format!("guest:{n}"),
-                    "enabled": on == words.len(),
-                    "enabled_cpus": on,
+                    "name": e.reg.full_name(),
+                    "id": e.reg.id,
+                    "slot": e.reg.slot,
+                    "enabled": e.enabled,
+                    "fields": fields,
                 })
             })
             .collect();
-        serde_json::json!({ "events": events })
+        Ok(serde_json::json!({ "events": events }))
     }
 }
 

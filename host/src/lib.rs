@@ -23,6 +23,7 @@ pub mod cli;
 pub mod control;
 pub mod elf;
 pub mod error;
+pub mod events;
 pub mod logging;
 pub mod memory_map;
 pub mod plan;

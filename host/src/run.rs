@@ -32,16 +32,17 @@ use std::time::{Duration, Instant};
 
 use hyptrace_abi::layout::RingGeometry;
 use hyptrace_output::{
-    Clock, JsonSink, OutputError, OutputTarget, PageSink, RawSink, TextSink, TraceDatSink,
-    TraceDatVersion, TraceMeta,
+    Clock, EventFormat, JsonSink, OutputError, OutputTarget, PageSink, RawSink, TextSink,
+    TraceDatSink, TraceDatVersion, TraceMeta,
 };
 use hyptrace_reader::{Callbacks, ReadError};
 
 use crate::cli::FormatArg;
-use crate::control::{BuiltinSlots, Command, ControlServer, EventSwitch, Handler, Reply};
+use crate::control::{Command, ControlServer, EventSwitch, Handler, Reply};
+use crate::events::{EventTable, EventsError, Selection, Settled, VmEventTable};
 use crate::plan::Plan;
 use crate::report::{CpuReport, Destination, Failures, GuestView, RunReport, Stop, Timing};
-use crate::session::{alloc_reader_wrapped, Output, Session};
+use crate::session::{alloc_reader_wrapped, GuestTraceMem, Output, Session};
 use crate::signals::Interrupts;
 use crate::vcpu::VcpuOutcome;
 use crate::vm::{RunningVm, Vm};
@@ -108,6 +109,9 @@ pub enum RunError {
     /// A second Ctrl-C / SIGTERM: nothing was written.
     #[error("aborted: no output written")]
     Aborted,
+    /// `-e` / `--disable` named an event the guest did not register.
+    #[error(transparent)]
+    Events(#[from] EventsError),
 }
 
 impl RunError {
@@ -116,7 +120,7 @@ impl RunError {
     pub fn is_input_error(&self) -> bool {
         match self {
             Self::Vm(e) => e.is_input_error(),
-            Self::Sink { .. } => true,
+            Self::Sink { .. } | Self::Events(_) => true,
             _ => false,
         }
     }
@@ -221,9 +225,13 @@ impl<'a> Run<'a> {
         let clock =
             Clock::guest_tsc(tsc_khz).map_err(|source| RunError::Clock { tsc_khz, source })?;
         let stdout = Arc::new(StdoutState::default());
-        let (output, target) = open_output(target, &plan.ring, nr, &clock, &stdout)?;
         let generation = crate::vm::host_tsc();
         let wrap = wrap.unwrap_or_else(|| Box::new(|cb| cb));
+        let table: VmEventTable = Arc::new(EventTable::new(
+            Arc::new(GuestTraceMem::new(vm.trace_region())),
+            plan.ring,
+            plan.events.clone(),
+        ));
         let reader = alloc_reader_wrapped(
             vm.trace_region(),
             plan.ring,
@@ -241,12 +249,12 @@ impl<'a> Run<'a> {
                 "the host runs the"
             }
         );
-        let events: Box<dyn EventSwitch> = Box::new(BuiltinSlots::new(
-            Arc::clone(reader.mem()),
-            *reader.layout(),
-        ));
-        let running = vm.start(&plan.params)?;
+        let running = vm.start_with_events(&plan.params, table.clone())?;
         log::info!("started {nr} vCPUs ({tsc_khz} kHz TSC)");
+        let formats = settle_events(&table, &running, plan.duration, &plan.events, interrupts)?;
+        // The output is opened once the formats are known (the guest writes no event
+        // before its registration is answered); a failure stops the VM (dropped).
+        let (output, target) = open_output(target, &plan.ring, nr, &clock, &stdout, &formats)?;
         // Progress when the events are not on the terminal (a caller's sink: none).
         let heartbeat = match target {
             Shown::Stdout => !std::io::stdout().is_terminal(),
@@ -256,7 +264,7 @@ impl<'a> Run<'a> {
         let mut live = Live {
             deadline: plan.duration.map(|d| running.started_at() + d),
             running,
-            session: Session::new(reader, output, clock),
+            session: Session::new(reader, output, clock).with_formats(&formats),
             stdout,
             interrupts,
             heartbeat: Heartbeat::new(heartbeat),
@@ -264,7 +272,7 @@ impl<'a> Run<'a> {
             failures: Failures::default(),
             nr,
             control,
-            events,
+            events: table.clone(),
         };
         let aborted = live.poll_loop(plan.poll);
         let timing = Timing {
@@ -323,11 +331,16 @@ fn open_output(
     nr: u32,
     clock: &Clock,
     stdout: &Arc<StdoutState>,
+    formats: &[EventFormat],
 ) -> Result<(Output, Shown), RunError> {
+    let meta = || TraceMeta {
+        formats: formats.to_vec(),
+        ..TraceMeta::guest(ring.page_size, nr, clock.clone())
+    };
     match target {
         Target::Sink(sink) => Ok((Output::Pages(sink), Shown::Sink)),
         Target::MakeSink(make) => {
-            let meta = TraceMeta::guest(ring.page_size, nr, clock.clone());
+            let meta = meta();
             let sink = make(meta).map_err(RunError::MakeSink)?;
             Ok((Output::Pages(sink), Shown::Sink))
         }
@@ -349,13 +362,51 @@ fn open_output(
             path,
             format,
         } => {
-            let meta = TraceMeta::guest(ring.page_size, nr, clock.clone());
+            let meta = meta();
             match make_sink(&target, format, meta) {
                 Ok(sink) => Ok((Output::Pages(sink), Shown::File { path, format })),
                 Err(source) => Err(RunError::Sink { path, source }),
             }
         }
     }
+}
+
+/// Waits until the guest's event registration is answered (or it writes without one,
+/// or the run stops first), says which entries were rejected, and returns the formats
+/// of the accepted events. An `-e`/`--disable` name no registered event has is an
+/// input error (the VM is stopped).
+fn settle_events(
+    table: &VmEventTable,
+    running: &RunningVm,
+    duration: Option<Duration>,
+    selection: &Selection,
+    interrupts: Option<&Interrupts>,
+) -> Result<Vec<EventFormat>, RunError> {
+    let deadline = duration.map(|d| running.started_at() + d);
+    let settled = table.settle(Duration::from_millis(1), || {
+        running.is_finished()
+            || running.any_crashed()
+            || interrupts.is_some_and(|i| i.stop_requested() || i.aborted())
+            || deadline.is_some_and(|d| Instant::now() >= d)
+    });
+    log::debug!("event registration: {settled:?}");
+    if let Settled::Refused(why) = &settled {
+        note!("hyptrace: warning: the guest's event registration table was refused: {why}");
+    }
+    for r in table.rejections() {
+        note!("hyptrace: warning: {r}");
+    }
+    let selecting = !selection.enable.is_empty() || !selection.disable.is_empty();
+    let error = match table.selection_error() {
+        Some(e) => Some(e),
+        None if selecting && settled != Settled::Registered => Some(EventsError::NotRegistered),
+        None => None,
+    };
+    if let Some(e) = error {
+        running.stop();
+        return Err(RunError::Events(e));
+    }
+    Ok(table.formats())
 }
 
 /// The page sink of `format` on `target`.
@@ -450,7 +501,7 @@ struct Live<'a> {
     failures: Failures,
     nr: u32,
     control: Option<&'a ControlServer>,
-    events: Box<dyn EventSwitch>,
+    events: VmEventTable,
 }
 
 impl Live<'_> {
@@ -492,7 +543,7 @@ impl Live<'_> {
         let mut h = RunControl {
             session: &self.session,
             running: &self.running,
-            events: self.events.as_mut(),
+            events: self.events.as_ref(),
             stop: self.stop.as_ref(),
         };
         control.serve(&mut h);
@@ -552,7 +603,7 @@ impl Live<'_> {
 struct RunControl<'s> {
     session: &'s Session,
     running: &'s RunningVm,
-    events: &'s mut dyn EventSwitch,
+    events: &'s dyn EventSwitch,
     stop: Option<&'s Stop>,
 }
 
@@ -561,7 +612,10 @@ impl Handler for RunControl<'_> {
         match cmd {
             Command::Enable(e) => self.events.set(e, true).map_or_else(Reply::Err, Reply::Ok),
             Command::Disable(e) => self.events.set(e, false).map_or_else(Reply::Err, Reply::Ok),
-            Command::List => Reply::Ok(self.events.list().to_string()),
+            Command::List => self
+                .events
+                .list()
+                .map_or_else(Reply::Err, |v| Reply::Ok(v.to_string())),
             Command::Stats => Reply::Ok(self.stats().to_string()),
         }
     }

@@ -16,6 +16,7 @@
 //! accesses outside the region.
 
 pub mod callbacks;
+pub mod registry;
 
 pub use callbacks::{
     Callbacks, Direct, Mailbox, MailboxOp, MailboxPort, MailboxSeq, MailboxStatus, SwapReply,
