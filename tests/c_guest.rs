@@ -112,3 +112,95 @@ fn c_guest_event_printed_by_trace_cmd_with_fields() {
         }
     }
 }
+
+/// The C guest's event switched at run time: started disabled (`--disable`), then
+/// enabled through the control socket. Every event is written or skipped, exactly as
+/// `--stats` says: the skipped ones are the first `skipped` seq numbers, every later
+/// one is printed.
+#[test]
+fn c_guest_event_enabled_through_ctl() {
+    if !kvm_available(KRATE, "c_guest_event_enabled_through_ctl") {
+        return;
+    }
+    let elf = elf();
+    let _vm = vm_lock();
+    let dir = TempDir::new("c-guest-ctl");
+    let sock = dir.file("ctl.sock");
+    let st = dir.file("stats.json");
+    let out = std::fs::File::create(dir.path().join("out.txt")).expect("out");
+    let events = 4000u64;
+    let mut child = std::process::Command::new(BIN)
+        .args([
+            "run",
+            "--guest",
+            &elf,
+            "--vcpus",
+            "1",
+            "--rate",
+            "1000",
+            "--events",
+            &events.to_string(),
+            "--disable",
+            "cguest:sample",
+            "--control",
+            &sock,
+            "--stats",
+            &st,
+        ])
+        .stdout(std::process::Stdio::from(out))
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn");
+    let limit = std::time::Duration::from_secs(60);
+    let start = std::time::Instant::now();
+    // `list` answers once the guest registered (the run loop serves the socket).
+    let listed = loop {
+        assert!(start.elapsed() < limit, "no list reply");
+        let o = env::run(BIN, &["ctl", &sock, "list"]);
+        if o.status.success() {
+            break env::stdout(&o);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let list: serde_json::Value = serde_json::from_str(listed.trim()).expect("list JSON");
+    let ev = list["events"]
+        .as_array()
+        .expect("events")
+        .iter()
+        .find(|e| e["name"] == "cguest:sample")
+        .unwrap_or_else(|| panic!("cguest:sample not listed: {list}"))
+        .clone();
+    assert_eq!(ev["enabled"], false, "{ev}");
+    assert_eq!(ev["fields"].as_array().map(Vec::len), Some(4), "{ev}");
+    let o = env::run(BIN, &["ctl", &sock, "enable", "cguest:sample"]);
+    assert!(o.status.success(), "{}", env::stderr(&o));
+    assert_eq!(env::stdout(&o).trim(), "cguest:sample enabled");
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("try_wait") {
+            break s;
+        }
+        if start.elapsed() > limit * 3 {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the run did not end");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert_eq!(status.code(), Some(0));
+    let stats = std::fs::read_to_string(&st).expect("stats");
+    let (attempted, skipped, written, read, lost) = counters(&stats)[0];
+    assert_eq!((attempted, read, lost), (events, written, 0), "{stats}");
+    assert_eq!(written + skipped, events, "{stats}");
+    assert!(written > 0, "enable had no effect: {stats}");
+    let text = std::fs::read_to_string(dir.path().join("out.txt")).expect("out");
+    let seqs: Vec<u64> = text
+        .lines()
+        .filter(|l| l.contains(" sample:"))
+        .map(|l| {
+            let f = l.split("seq=").nth(1).expect("seq field");
+            f.split(' ').next().unwrap_or("").parse().expect("seq")
+        })
+        .collect();
+    let want: Vec<u64> = (skipped..events).collect();
+    assert_eq!(seqs, want, "the skipped events are the first {skipped}");
+}
