@@ -196,6 +196,14 @@ int32_t ht_emit(struct HtWriter *w,
 // `w` from `ht_attach` on this vCPU (or NULL).
 void ht_idle(struct HtWriter *w);
 
+// Marks this vCPU's writer finished (`Writer::finish`): it writes no more, and the
+// host reads the rest without swapping. `ht_exit` does it; for programs with their own
+// exit path.
+//
+// # Safety
+// `w` from `ht_attach` on this vCPU (or NULL: nothing).
+void ht_finish(struct HtWriter *w);
+
 // Events this vCPU's writer skipped because they were disabled.
 //
 // # Safety

@@ -558,6 +558,20 @@ pub unsafe extern "C" fn ht_idle(w: *mut HtWriter) {
     }
 }
 
+/// Marks this vCPU's writer finished (`Writer::finish`): it writes no more, and the
+/// host reads the rest without swapping. `ht_exit` does it; for programs with their own
+/// exit path.
+///
+/// # Safety
+/// `w` from `ht_attach` on this vCPU (or NULL: nothing).
+#[no_mangle]
+pub unsafe extern "C" fn ht_finish(w: *mut HtWriter) {
+    // SAFETY: per the caller.
+    if let Some(w) = unsafe { w.as_mut() } {
+        w.w.finish();
+    }
+}
+
 /// Events this vCPU's writer skipped because they were disabled.
 ///
 /// # Safety
