@@ -5,8 +5,8 @@
 use core::arch::asm;
 
 use hyptrace_abi::events::{
-    MARKER_ID, MARKER_SIZE, MARKER_SLOT, SPAN_ID, SPAN_SIZE, SPAN_SLOT, SYSTEM, TEXT_ID,
-    TEXT_SLOT, TEXT_STR_OFFSET,
+    MARKER_ID, MARKER_SIZE, MARKER_SLOT, SPAN_ID, SPAN_SIZE, SPAN_SLOT, SYSTEM, TEXT_ID, TEXT_SLOT,
+    TEXT_STR_OFFSET,
 };
 use hyptrace_abi::registry::{DATA_LOC_STR, PORT_REGISTER};
 use hyptrace_abi::RawMem;
@@ -37,7 +37,11 @@ pub static MARKER: Event<'static> = Event::new(
 pub static SPAN: Event<'static> = Event::new(
     SYSTEM,
     "span",
-    &[u64_field("seq", 8), u64_field("id", 16), u64_field("dur", 24)],
+    &[
+        u64_field("seq", 8),
+        u64_field("id", 16),
+        u64_field("dur", 24),
+    ],
     "\"seq=%llu id=%llu dur=%llu\", REC->seq, REC->id, REC->dur",
     SPAN_SIZE as u32,
     SPAN_SLOT,
@@ -78,7 +82,9 @@ fn notify(port: u16, value: u32) {
     // SAFETY: port I/O is allowed at CPL3 with IOPL=3; the VMM handles the exit and
     // resumes the vCPU. The asm touches no memory the compiler knows of; without `nomem`
     // it is treated as if it might, so memory accesses are not moved across it.
-    unsafe { asm!("out dx, eax", in("dx") port, in("eax") value, options(nostack, preserves_flags)) };
+    unsafe {
+        asm!("out dx, eax", in("dx") port, in("eax") value, options(nostack, preserves_flags))
+    };
 }
 
 /// Registers [`BUILTINS`] (vCPU 0) or waits for vCPU 0's registration to be answered

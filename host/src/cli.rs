@@ -93,6 +93,9 @@ pub enum Command {
     Record(RecordArgs),
     /// Print a trace.dat (ours or one trace-cmd wrote) as `trace-cmd report -t` does.
     Report(ReportArgs),
+    /// Boot the guest until it registers its events, print them (system, name, id,
+    /// fields, print fmt, as `trace-cmd list -e -F`) and exit.
+    List(ListArgs),
     /// Measure the writer in the guest and natively, drain throughput, swap latency in
     /// both modes, the highest loss-free rate and start-up time; print a table and
     /// optionally write JSON (see docs/benchmarks.md).
@@ -166,6 +169,14 @@ pub struct ReportArgs {
     /// Print the per-CPU statistics instead of the events.
     #[arg(long)]
     pub stat: bool,
+}
+
+/// Options of `hyptrace list`.
+#[derive(Clone, Debug, Args)]
+pub struct ListArgs {
+    /// Guest payload ELF to load instead of the embedded one.
+    #[arg(long, value_name = "PATH")]
+    pub guest: Option<PathBuf>,
 }
 
 /// Workloads of the guest payload.
@@ -358,6 +369,9 @@ pub enum CliError {
     /// `ctl`: the socket cannot be reached, or its reply is not one.
     #[error("ctl: {0}")]
     Ctl(#[source] crate::control::CtlError),
+    /// `list`: the guest's events could not be read.
+    #[error(transparent)]
+    List(#[from] crate::events::ListError),
 }
 
 impl CliError {
@@ -372,6 +386,7 @@ impl CliError {
             | Self::CtlUsage(_) => EXIT_USAGE,
             Self::Run(RunError::Aborted) => EXIT_ABORT,
             Self::Run(e) if e.is_input_error() => EXIT_USAGE,
+            Self::List(e) => e.exit_code(),
             Self::Signals(_)
             | Self::Run(_)
             | Self::Stats(_)
@@ -410,6 +425,7 @@ where
         Command::Run(args) => run(&args),
         Command::Record(args) => record(&args),
         Command::Report(args) => report(&args).map(|()| EXIT_OK),
+        Command::List(args) => list(&args),
         Command::Bench(args) => return crate::bench::bench(&args),
         Command::Ctl(args) => ctl(&args),
     };
@@ -514,6 +530,41 @@ fn record_format(a: &RecordArgs) -> FormatArg {
 /// `hyptrace record`.
 pub fn record(a: &RecordArgs) -> Result<i32, CliError> {
     execute(&a.run, Some((&a.output, record_format(a))))
+}
+
+/// `hyptrace list`: the guest's registered events on stdout, its rejected entries as
+/// warnings on stderr.
+pub fn list(a: &ListArgs) -> Result<i32, CliError> {
+    let mut argv: Vec<OsString> = ["hyptrace", "run", "--vcpus", "1", "--events", "0"]
+        .iter()
+        .map(OsString::from)
+        .collect();
+    if let Some(g) = &a.guest {
+        argv.push("--guest".into());
+        argv.push(g.clone().into_os_string());
+    }
+    let Command::Run(run_args) = Cli::try_parse_from(argv)
+        .map_err(|e| CliError::Args(e.to_string()))?
+        .command
+    else {
+        unreachable!("parsed as `run`")
+    };
+    let plan = Plan::new(&run_args)?;
+    let (events, rejected) = crate::events::list_guest(plan)?;
+    for r in rejected {
+        note!("hyptrace: warning: {r}");
+    }
+    let mut text = String::new();
+    for e in &events {
+        text.push_str(&format!("system: {}\n", e.reg.system));
+        text.push_str(&crate::events::to_format(&e.reg).to_format_text());
+        text.push('\n');
+    }
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(CliError::ReportWrite(e)),
+        _ => Ok(EXIT_OK),
+    }
 }
 
 /// `hyptrace report`.

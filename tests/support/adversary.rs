@@ -28,13 +28,25 @@ include!("../../host/guest_build_env.rs");
 /// holding the `hyptrace` binary).
 pub fn adversary_guest(target_dir: &Path) -> Result<PathBuf, String> {
     static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
-    BUILT.get_or_init(|| build(target_dir)).clone()
+    BUILT
+        .get_or_init(|| build(target_dir, "adversary", "adversary", "adversary-guest"))
+        .clone()
 }
 
-fn build(target_dir: &Path) -> Result<PathBuf, String> {
+/// Builds the example Rust guest (`--features examples --bin example_rust`, the Rust
+/// SDK's example: guest/src/bin/example_rust.rs) into `<target_dir>/example-guests`, once
+/// per test binary, like [`adversary_guest`].
+pub fn example_rust_guest(target_dir: &Path) -> Result<PathBuf, String> {
+    static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    BUILT
+        .get_or_init(|| build(target_dir, "examples", "example_rust", "example-guests"))
+        .clone()
+}
+
+fn build(target_dir: &Path, feature: &str, bin: &str, dir: &str) -> Result<PathBuf, String> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let guest = root.join("guest");
-    let out = target_dir.join("adversary-guest");
+    let out = target_dir.join(dir);
     let cargo = std::env::var_os("CARGO")
         .or_else(|| option_env!("CARGO").map(Into::into))
         .unwrap_or_else(|| "cargo".into());
@@ -44,9 +56,9 @@ fn build(target_dir: &Path) -> Result<PathBuf, String> {
             "build",
             "--release",
             "--features",
-            "adversary",
+            feature,
             "--bin",
-            "adversary",
+            bin,
             "--target-dir",
         ])
         .arg(&out)
@@ -58,20 +70,17 @@ fn build(target_dir: &Path) -> Result<PathBuf, String> {
     }
     let o = cmd
         .output()
-        .map_err(|e| format!("cannot run {cargo:?} for the adversary guest: {e}"))?;
+        .map_err(|e| format!("cannot run {cargo:?} for the {bin} guest: {e}"))?;
     if !o.status.success() {
         return Err(format!(
-            "building the adversary guest failed ({}):\n{}",
+            "building the {bin} guest failed ({}):\n{}",
             o.status,
             String::from_utf8_lossy(&o.stderr)
         ));
     }
-    let elf = out.join("x86_64-unknown-linux-gnu/release/adversary");
+    let elf = out.join("x86_64-unknown-linux-gnu/release").join(bin);
     if !elf.is_file() {
-        return Err(format!(
-            "the adversary guest build left no {}",
-            elf.display()
-        ));
+        return Err(format!("the {bin} guest build left no {}", elf.display()));
     }
     Ok(elf)
 }

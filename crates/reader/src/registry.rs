@@ -24,6 +24,9 @@ use hyptrace_abi::registry::{
 use hyptrace_abi::SharedMem;
 use zerocopy::FromBytes;
 
+/// The system of the VMM's own events (`hyptrace:trailing_lost`...): no guest's.
+pub const RESERVED_SYSTEM: &str = "hyptrace";
+
 /// Longest array a field may declare (elements).
 pub const MAX_ARRAY_LEN: u32 = 4096;
 
@@ -234,6 +237,11 @@ pub fn parse_table(bytes: &[u8]) -> Result<Registry, TableError> {
         };
         let checked = system.and_then(|system| {
             let name = name?;
+            if system == RESERVED_SYSTEM {
+                return Err(format!(
+                    "system {RESERVED_SYSTEM} is reserved for the VMM's own events"
+                ));
+            }
             let r = check_entry(&e, strings, &fields)?;
             if let Some(&prev) = names.get(&(system.clone(), name.clone())) {
                 return Err(format!(

@@ -179,9 +179,11 @@ fn malformed_entries_are_rejected_one_by_one() {
     let mut badarr = ev("badarr", 18);
     badarr.fields = vec![("s", "char[16]", 8, 15, 1)];
     let good1 = ev("good1", 63);
+    let mut reserved = ev("trailing_lost", 20);
+    reserved.system = "hyptrace";
     let evs = [
         good0, overlap, badsize, badsign, outside, header, unknown, slot64, dupslot, dupname,
-        dupfield, badname, bigrec, smallrec, badfmt, common, badreq, arr, badarr, good1,
+        dupfield, badname, bigrec, smallrec, badfmt, common, badreq, arr, badarr, good1, reserved,
     ];
     let r = parse_table(&table(&evs, |_, _| {})).unwrap();
     assert_eq!(accepted(&r), ["sys:good0", "sys:arr", "sys:good1"]);
@@ -203,6 +205,7 @@ fn malformed_entries_are_rejected_one_by_one() {
         (15, "event 15 (sys:common) rejected: field 0 (common_pid): names starting with common_ are the common header's"),
         (16, "event 16 (sys:badreq) rejected: requested id 70000 is not a 16-bit id"),
         (18, "event 18 (sys:badarr) rejected: field 0 (s): size 15 does not match char[16] (16 bytes)"),
+        (20, "event 20 (hyptrace:trailing_lost) rejected: system hyptrace is reserved for the VMM's own events"),
     ];
     let got = reasons(&r);
     for (w, g) in want.iter().zip(&got) {

@@ -7,6 +7,10 @@
 //! - `write/time_extend/16`: every event's delta is ≥ 2^27, so each one (but the first
 //!   of a page) carries a TIME_EXTEND.
 //! - `write/disabled`: `write` on a disabled slot (one relaxed load and a counter).
+//! - `event/enabled` / `event/disabled`: the typed `emit_at` of an event declared with
+//!   `hyptrace_writer::event!` (two u64 fields: a 24-byte record like `guest:marker`),
+//!   slot enabled / disabled; compare with `write/payload/16` (same record size less the
+//!   8-byte header the macro builds) and `write/disabled`.
 //! - `baseline/rdtsc`: the timestamp alone.
 //! - `baseline/raw_store/N`: a plain copy of the same N bytes into a 1 MiB buffer at a
 //!   moving offset — the lower bound.
@@ -20,7 +24,7 @@
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use hyptrace_abi::layout::{ctl, Mode, RingGeometry};
 use hyptrace_abi::{HeapMem, SharedMem};
-use hyptrace_writer::Writer;
+use hyptrace_writer::{event, Writer};
 use std::hint::black_box;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
@@ -95,6 +99,40 @@ fn writer_benches(c: &mut Criterion) {
     g.finish();
 }
 
+event! {
+    /// The benchmark's event: two u64 fields, a 24-byte record.
+    struct BenchEvent {
+        system: "bench",
+        name: "ev",
+        slot: 1,
+        id: 1500,
+        print: "\"a=%llu b=%llu\", REC->a, REC->b",
+        fields: { a: u64, b: u64 },
+    }
+}
+
+fn event_benches(c: &mut Criterion) {
+    let mut g = c.benchmark_group("event");
+    g.throughput(Throughput::Elements(1));
+    let (mem, l) = region(Mode::Overwrite);
+    // No registration table in this region: the event keeps its requested id.
+    let _ = hyptrace_writer::events::write_table(&mem, &[BenchEvent::event()]);
+    let mut w = Writer::attach(&mem, 0).expect("attach");
+    g.bench_function("enabled", |b| {
+        b.iter(|| BenchEvent::emit_at(&mut w, rdtsc(), black_box(1), black_box(2)))
+    });
+    mem.store(l.ctl(0) + ctl::ENABLE, !2u64, Relaxed);
+    let before = w.entries();
+    let bytes = mem.load(l.ctl(0) + ctl::BYTES, Relaxed);
+    g.bench_function("disabled", |b| {
+        b.iter(|| BenchEvent::emit_at(&mut w, black_box(0), black_box(1), black_box(2)))
+    });
+    // A disabled event costs no ring space.
+    assert_eq!(w.entries(), before);
+    assert_eq!(mem.load(l.ctl(0) + ctl::BYTES, Relaxed), bytes);
+    g.finish();
+}
+
 fn baseline_benches(c: &mut Criterion) {
     let mut g = c.benchmark_group("baseline");
     g.throughput(Throughput::Elements(1));
@@ -157,6 +195,6 @@ fn config() -> Criterion {
 criterion_group! {
     name = benches;
     config = config();
-    targets = writer_benches, baseline_benches
+    targets = writer_benches, event_benches, baseline_benches
 }
 criterion_main!(benches);

@@ -373,6 +373,252 @@ impl<M: SharedMem> Writer<M> {
     }
 }
 
+/// A field type the [`event!`](crate::event) macro lays out: its C type, size and
+/// signedness, and how it is stored (little-endian).
+pub trait EventField: Copy {
+    /// C type as a `format` file writes it.
+    const CTYPE: &'static str;
+    /// Size in bytes.
+    const SIZE: usize;
+    /// Signedness.
+    const SIGNED: bool;
+    /// Stores the value into `out` (exactly [`EventField::SIZE`] bytes).
+    fn put(self, out: &mut [u8]);
+}
+
+macro_rules! event_field {
+    ($($t:ty => $c:literal, $signed:literal;)*) => {$(
+        impl EventField for $t {
+            const CTYPE: &'static str = $c;
+            const SIZE: usize = core::mem::size_of::<$t>();
+            const SIGNED: bool = $signed;
+            #[inline(always)]
+            fn put(self, out: &mut [u8]) {
+                out.copy_from_slice(&self.to_le_bytes());
+            }
+        }
+    )*};
+}
+
+event_field! {
+    u8 => "u8", false;
+    i8 => "s8", true;
+    u16 => "u16", false;
+    i16 => "s16", true;
+    u32 => "u32", false;
+    i32 => "s32", true;
+    u64 => "u64", false;
+    i64 => "s64", true;
+}
+
+impl EventField for bool {
+    const CTYPE: &'static str = "bool";
+    const SIZE: usize = 1;
+    const SIGNED: bool = false;
+    #[inline(always)]
+    fn put(self, out: &mut [u8]) {
+        out[0] = u8::from(self);
+    }
+}
+
+/// Lays out `N` fields back to back from offset 8 (after the common header): what the
+/// [`event!`](crate::event) macro registers.
+pub const fn layout<const N: usize>(
+    names: [&'static str; N],
+    ctypes: [&'static str; N],
+    sizes: [usize; N],
+    signed: [bool; N],
+) -> [Field<'static>; N] {
+    let mut out = [Field {
+        name: "",
+        ctype: "",
+        offset: 0,
+        size: 0,
+        signed: false,
+    }; N];
+    let mut off = hyptrace_abi::events::COMMON_HEADER_SIZE;
+    let mut i = 0;
+    while i < N {
+        out[i] = Field {
+            name: names[i],
+            ctype: ctypes[i],
+            offset: off as u32,
+            size: sizes[i] as u32,
+            signed: signed[i],
+        };
+        off += sizes[i];
+        i += 1;
+    }
+    out
+}
+
+/// Record size of fields of `sizes` after the common header.
+pub const fn record_size(sizes: &[usize]) -> usize {
+    let mut n = hyptrace_abi::events::COMMON_HEADER_SIZE;
+    let mut i = 0;
+    while i < sizes.len() {
+        n += sizes[i];
+        i += 1;
+    }
+    n
+}
+
+/// The guest clock the typed `emit` stamps events with: the TSC.
+#[inline(always)]
+pub fn now() -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: RDTSC has no preconditions (it only reads the time-stamp counter)
+        // and exists on every x86_64 CPU.
+        #[allow(unused_unsafe)]
+        unsafe {
+            core::arch::x86_64::_rdtsc()
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        0
+    }
+}
+
+/// The common header of a record of event `id` written on `cpu`'s writer.
+#[inline(always)]
+pub fn header(id: u16, cpu: u32) -> [u8; 8] {
+    hyptrace_abi::events::CommonHeader {
+        common_type: id,
+        flags: 0,
+        preempt_count: 0,
+        pid: hyptrace_abi::events::vcpu_pid(cpu),
+    }
+    .to_bytes()
+}
+
+/// Declares a guest event once: its registration entry and a typed `emit`.
+///
+/// ```
+/// hyptrace_writer::event! {
+///     /// A packet went by.
+///     pub struct Packet {
+///         system: "demo",
+///         name: "packet",
+///         slot: 5,
+///         id: 0,
+///         print: "\"len=%u proto=%d\", REC->len, REC->proto",
+///         fields: { len: u32, proto: i32 },
+///     }
+/// }
+/// assert_eq!(Packet::SIZE, 16);
+/// assert_eq!(Packet::event().fields[1].offset, 12);
+/// ```
+///
+/// generates a unit struct `Packet` with
+/// - `Packet::event() -> &'static Event` (register it with [`register`]; its id is set
+///   from the host's answer),
+/// - `Packet::emit(&mut writer, len, proto) -> WriteOutcome`: the enable test (one
+///   load of the enable word; disabled: counted as skipped, nothing else), then the
+///   record built on the stack (common header with the assigned id and the vCPU's pid,
+///   the fields packed from offset 8, little-endian) and [`Writer::write_enabled`]
+///   stamped with [`now`]; `Packet::emit_at(&mut writer, ts, ...)` with a given stamp.
+///
+/// Field types: `u8 i8 u16 i16 u32 i32 u64 i64 bool` ([`EventField`]), laid out back to
+/// back (no padding) in declaration order.
+#[macro_export]
+macro_rules! event {
+    (
+        $(#[$meta:meta])*
+        $vis:vis struct $ty:ident {
+            system: $system:expr,
+            name: $name:expr,
+            slot: $slot:expr,
+            id: $id:expr,
+            print: $print:expr,
+            fields: { $($field:ident : $fty:ty),* $(,)? } $(,)?
+        }
+    ) => {
+        $(#[$meta])*
+        #[derive(Clone, Copy, Debug)]
+        $vis struct $ty;
+
+        #[allow(dead_code)]
+        impl $ty {
+            const SIZES: &'static [usize] = &[$(<$fty as $crate::events::EventField>::SIZE),*];
+            /// Record size, common header included.
+            pub const SIZE: usize = $crate::events::record_size(Self::SIZES);
+            /// The enable bit.
+            pub const SLOT: u32 = $slot;
+            const FIELDS: &'static [$crate::events::Field<'static>] = &$crate::events::layout(
+                [$(stringify!($field)),*],
+                [$(<$fty as $crate::events::EventField>::CTYPE),*],
+                [$(<$fty as $crate::events::EventField>::SIZE),*],
+                [$(<$fty as $crate::events::EventField>::SIGNED),*],
+            );
+
+            /// The event's registration entry (and, once registered, its id).
+            #[inline(always)]
+            pub fn event() -> &'static $crate::events::Event<'static> {
+                static EVENT: $crate::events::Event<'static> = $crate::events::Event::new(
+                    $system,
+                    $name,
+                    $ty::FIELDS,
+                    $print,
+                    $ty::SIZE as u32,
+                    $ty::SLOT,
+                    $id,
+                );
+                &EVENT
+            }
+
+            /// Writes the event stamped now, if enabled (else counted as skipped).
+            #[inline(always)]
+            pub fn emit<M: $crate::SharedMem>(
+                w: &mut $crate::Writer<M>,
+                $($field: $fty),*
+            ) -> $crate::WriteOutcome {
+                if !w.enabled(Self::SLOT) {
+                    w.skip();
+                    return $crate::WriteOutcome::Disabled;
+                }
+                Self::fill_and_write(w, $crate::events::now(), $($field),*)
+            }
+
+            /// Writes the event stamped `ts`, if enabled (else counted as skipped).
+            #[inline(always)]
+            pub fn emit_at<M: $crate::SharedMem>(
+                w: &mut $crate::Writer<M>,
+                ts: u64,
+                $($field: $fty),*
+            ) -> $crate::WriteOutcome {
+                if !w.enabled(Self::SLOT) {
+                    w.skip();
+                    return $crate::WriteOutcome::Disabled;
+                }
+                Self::fill_and_write(w, ts, $($field),*)
+            }
+
+            #[inline(always)]
+            fn fill_and_write<M: $crate::SharedMem>(
+                w: &mut $crate::Writer<M>,
+                ts: u64,
+                $($field: $fty),*
+            ) -> $crate::WriteOutcome {
+                let Some(id) = Self::event().id() else {
+                    w.skip();
+                    return $crate::WriteOutcome::Disabled;
+                };
+                let mut rec = [0u8; Self::SIZE];
+                rec[..8].copy_from_slice(&$crate::events::header(id, w.cpu()));
+                let mut _off = 8usize;
+                $(
+                    let n = <$fty as $crate::events::EventField>::SIZE;
+                    $crate::events::EventField::put($field, &mut rec[_off.._off + n]);
+                    _off += n;
+                )*
+                w.write_enabled(ts, &rec)
+            }
+        }
+    };
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -445,6 +691,63 @@ mod tests {
             .fetch_and(l.ctl(0) + ctl::ENABLE, !(1 << 3), Relaxed);
         assert_eq!(A.emit(&mut w, 7, &mut rec), WriteOutcome::Disabled);
         assert_eq!((w.entries(), w.skipped()), (1, 2));
+    }
+
+    crate::event! {
+        /// A test event.
+        pub struct Probe {
+            system: "t",
+            name: "probe",
+            slot: 7,
+            id: 3000,
+            print: "\"a=%u b=%d c=%llu\", REC->a, REC->b, REC->c",
+            fields: { a: u8, b: i32, c: u64, d: bool },
+        }
+    }
+
+    /// The macro's layout and its typed emit: one record with the assigned id, the pid
+    /// and the fields packed from 8; disabled: skipped, nothing written.
+    #[test]
+    fn macro_event_layout_and_emit() {
+        assert_eq!(Probe::SIZE, 8 + 1 + 4 + 8 + 1);
+        let e = Probe::event();
+        let got: std::vec::Vec<(&str, &str, u32, u32, bool)> = e
+            .fields
+            .iter()
+            .map(|f| (f.name, f.ctype, f.offset, f.size, f.signed))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("a", "u8", 8, 1, false),
+                ("b", "s32", 9, 4, true),
+                ("c", "u64", 13, 8, false),
+                ("d", "bool", 21, 1, false)
+            ]
+        );
+        let (m, l) = region(0);
+        // No table: the requested id.
+        assert_eq!(write_table(&m, &[e]), Err(RegisterError::NoTable));
+        let mut w = Writer::attach(&m, 0).unwrap();
+        assert_eq!(
+            Probe::emit_at(&mut w, 10, 1, -2, 3, true),
+            WriteOutcome::Written
+        );
+        m.fetch_and(l.ctl(0) + ctl::ENABLE, !(1 << 7), Relaxed);
+        assert_eq!(Probe::emit(&mut w, 1, -2, 3, true), WriteOutcome::Disabled);
+        assert_eq!((w.entries(), w.skipped()), (1, 1));
+        let page = l.page_off(l.first_page(0) + 1);
+        let mut rec = [0u8; 22];
+        m.read_bytes(page + 16 + 4, &mut rec);
+        let mut want = std::vec::Vec::new();
+        want.extend_from_slice(&3000u16.to_le_bytes());
+        want.extend_from_slice(&[0, 0]);
+        want.extend_from_slice(&1i32.to_le_bytes()); // pid of vCPU 0
+        want.push(1);
+        want.extend_from_slice(&(-2i32).to_le_bytes());
+        want.extend_from_slice(&3u64.to_le_bytes());
+        want.push(1);
+        assert_eq!(&rec[..], &want[..]);
     }
 
     #[test]

@@ -27,7 +27,8 @@ use hyptrace_abi::layout::{
     MBOX_STATUS_CONTENDED, MBOX_STATUS_ERROR, MBOX_STATUS_OK, WRITER_ACTIVE, WRITER_FINISHED,
 };
 use hyptrace_abi::page::{self, COMMIT_OFFSET, PAGE_HEADER_SIZE, RB_MISSED_EVENTS};
-use hyptrace_abi::SharedMem;
+/// The shared-memory trait (re-exported: the [`event!`] macro's code names it).
+pub use hyptrace_abi::SharedMem;
 
 /// Most attempts of a swap (each failed attempt means the writer moved the head).
 pub const SWAP_RETRIES: u32 = 16;
