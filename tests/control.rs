@@ -111,7 +111,7 @@ fn ctl_switches_events_while_the_guest_runs() {
     let st = dir.file("stats.json");
     let out = std::fs::File::create(dir.path().join("out.txt")).expect("out");
     let err = std::fs::File::create(dir.path().join("err.txt")).expect("err");
-    let events = 12_000u64;
+    let events = 16_000u64;
     let mut run = RunChild(Some(
         Command::new(BIN)
             .args([
