@@ -38,6 +38,7 @@ use hyptrace_output::{
 use hyptrace_reader::{Callbacks, ReadError};
 
 use crate::cli::FormatArg;
+use crate::control::{Command, ControlServer, EventSwitch, Handler, Reply};
 use crate::events::{EventTable, EventsError, Selection, Settled, VmEventTable};
 use crate::plan::Plan;
 use crate::report::{CpuReport, Destination, Failures, GuestView, RunReport, Stop, Timing};
@@ -142,6 +143,7 @@ pub struct Run<'a> {
     interrupts: Option<&'a Interrupts>,
     wrap: Option<WrapCallbacks>,
     events_hook: Option<EventsHook>,
+    control: Option<&'a ControlServer>,
 }
 
 impl std::fmt::Debug for Target {
@@ -177,6 +179,7 @@ impl<'a> Run<'a> {
             interrupts: None,
             wrap: None,
             events_hook: None,
+            control: None,
         }
     }
 
@@ -185,6 +188,12 @@ impl<'a> Run<'a> {
     /// then).
     pub fn on_events(mut self, hook: EventsHook) -> Self {
         self.events_hook = Some(hook);
+        self
+    }
+
+    /// Commands from the control socket are executed between drain rounds.
+    pub fn control(mut self, control: &'a ControlServer) -> Self {
+        self.control = Some(control);
         self
     }
 
@@ -208,6 +217,7 @@ impl<'a> Run<'a> {
             interrupts,
             wrap,
             events_hook,
+            control,
         } = self;
         let nr = plan.cfg.vcpus;
         log::debug!(
@@ -279,6 +289,8 @@ impl<'a> Run<'a> {
             stop: None,
             failures: Failures::default(),
             nr,
+            control,
+            events: table.clone(),
         };
         let aborted = live.poll_loop(plan.poll);
         let timing = Timing {
@@ -510,6 +522,8 @@ struct Live<'a> {
     stop: Option<Stop>,
     failures: Failures,
     nr: u32,
+    control: Option<&'a ControlServer>,
+    events: VmEventTable,
 }
 
 impl Live<'_> {
@@ -531,6 +545,7 @@ impl Live<'_> {
             }
             self.check_stop();
             self.service();
+            self.serve_control();
             if let Some(h) = &mut self.heartbeat {
                 h.tick(&self.session, self.nr, self.running.started_at());
             }
@@ -542,6 +557,18 @@ impl Live<'_> {
             h.end();
         }
         aborted
+    }
+
+    /// Executes the control socket's waiting commands.
+    fn serve_control(&mut self) {
+        let Some(control) = self.control else { return };
+        let mut h = RunControl {
+            session: &self.session,
+            running: &self.running,
+            events: self.events.as_ref(),
+            stop: self.stop.as_ref(),
+        };
+        control.serve(&mut h);
     }
 
     /// Stops the vCPUs for the first reason that came up, once.
@@ -591,6 +618,58 @@ impl Live<'_> {
             self.failures.session(None, &e);
             self.stop_for(Stop::Failed("output failed".into()));
         }
+    }
+}
+
+/// The control socket's commands, executed by the run loop.
+struct RunControl<'s> {
+    session: &'s Session,
+    running: &'s RunningVm,
+    events: &'s dyn EventSwitch,
+    stop: Option<&'s Stop>,
+}
+
+impl Handler for RunControl<'_> {
+    fn handle(&mut self, cmd: &Command) -> Reply {
+        match cmd {
+            Command::Enable(e) => self.events.set(e, true).map_or_else(Reply::Err, Reply::Ok),
+            Command::Disable(e) => self.events.set(e, false).map_or_else(Reply::Err, Reply::Ok),
+            Command::List => self
+                .events
+                .list()
+                .map_or_else(Reply::Err, |v| Reply::Ok(v.to_string())),
+            Command::Stats => Reply::Ok(self.stats().to_string()),
+        }
+    }
+}
+
+impl RunControl<'_> {
+    /// `stats`: the live per-CPU counters (docs/design.md, "The control socket").
+    fn stats(&self) -> serde_json::Value {
+        let nr = self.session.reader().nr_cpus();
+        let cpus: Vec<serde_json::Value> = (0..nr)
+            .map(|cpu| {
+                let s = self.session.stats(cpu);
+                serde_json::json!({
+                    "cpu": cpu,
+                    "running": !self.running.vcpu_finished(cpu),
+                    "written": s.written,
+                    "read": s.read,
+                    "lost": s.lost,
+                    "overrun": s.overrun,
+                    "dropped": s.dropped,
+                    "bytes": s.bytes,
+                    "pages_touched": s.pages_touched,
+                    "swaps": s.swaps,
+                    "error": self.session.error(cpu),
+                })
+            })
+            .collect();
+        serde_json::json!({
+            "elapsed_s": self.running.started_at().elapsed().as_secs_f64(),
+            "stopping": self.stop.map(ToString::to_string),
+            "cpus": cpus,
+        })
     }
 }
 
