@@ -20,6 +20,7 @@
 pub mod arch;
 pub mod bench;
 pub mod cli;
+pub mod dump;
 pub mod elf;
 pub mod error;
 pub mod logging;
@@ -29,6 +30,7 @@ pub mod report;
 pub mod run;
 pub mod session;
 pub mod signals;
+pub mod trace_mem;
 pub mod vcpu;
 pub mod vm;
 
