@@ -569,8 +569,9 @@ fn finished_file(dir: &TempDir) -> Vec<u8> {
         "done",
     );
     assert_eq!(r.code, Some(0), "{}", r.stderr);
-    // The file of a finished run dumps too: every event the final walk did not
-    // consume — after a `--drain none` run's final walk, the positions say: none.
+    // The file of a finished run dumps too: the positions are those of the live
+    // reader (none with `--drain none`), so the dump holds what the rings held at the
+    // end — what the final walk printed.
     let txt = dir.file("done.txt");
     let d = run_bounded(&["dump", "--trace-mem", &mem, "-o", &txt], dir, "donedump");
     assert_eq!(d.code, Some(0), "{}", d.stderr);
