@@ -8,7 +8,7 @@
 set -euo pipefail
 fuzz_dir=$(cd "$(dirname "$0")" && pwd)
 secs=${FUZZ_SECONDS:-30}
-targets=${FUZZ_TARGETS:-"region page trace_mem"}
+targets=${FUZZ_TARGETS:-"region page registration trace_mem"}
 
 if ! cargo fuzz --version >/dev/null 2>&1; then
     cargo install cargo-fuzz --locked
@@ -26,8 +26,11 @@ for t in $targets; do
     work=$(mktemp -d)
     trap 'rm -rf "$work"' EXIT
     echo "fuzz: $t for ${secs}s"
+    # A registration table with a few events and their strings is ~1 KB.
+    max_len=512
+    [ "$t" = registration ] && max_len=4096
     cargo fuzz run --sanitizer none "$t" "$work" "corpus/$t" -- \
-        -max_total_time="$secs" -dict="$fuzz_dir/$t.dict" -max_len=512 -print_final_stats=1
+        -max_total_time="$secs" -dict="$fuzz_dir/$t.dict" -max_len="$max_len" -print_final_stats=1
     rm -rf "$work"
     trap - EXIT
 done

@@ -6,6 +6,7 @@ use hyptrace_abi::events;
 use hyptrace_abi::RawMem;
 use hyptrace_writer::{WriteOutcome, Writer};
 
+use crate::builtin::{MARKER, SPAN, TEXT};
 use crate::rt::rdtsc;
 
 /// Where events go.
@@ -57,11 +58,14 @@ impl Sink for WriterSink {
 }
 
 /// Builds the built-in events of one vCPU (one `seq` counter across all types) and
-/// counts them.
+/// counts them. Their ids are the ones the host assigned at registration
+/// ([`crate::builtin`]); an event the host rejected is never written (skipped).
 pub struct Emitter<S: Sink> {
     sink: S,
     pid: i32,
     seq: u64,
+    /// Assigned ids of marker, span, text (`None`: rejected).
+    ids: [Option<u16>; 3],
     /// Events attempted (written or skipped).
     pub attempted: u64,
     /// Events not written because they were disabled.
@@ -69,12 +73,14 @@ pub struct Emitter<S: Sink> {
 }
 
 impl<S: Sink> Emitter<S> {
-    /// An emitter for vCPU `cpu` writing into `sink`.
+    /// An emitter for vCPU `cpu` writing into `sink`, once the built-in events are
+    /// registered.
     pub fn new(sink: S, cpu: u32) -> Self {
         Self {
             sink,
             pid: events::vcpu_pid(cpu),
             seq: 0,
+            ids: [MARKER.id(), SPAN.id(), TEXT.id()],
             attempted: 0,
             skipped: 0,
         }
@@ -107,18 +113,34 @@ impl<S: Sink> Emitter<S> {
         s
     }
 
+    /// Writes a built-in event whose common header says id `id` (the assigned one, or
+    /// skipped if the host rejected the event).
+    #[inline(always)]
+    fn emit_builtin(&mut self, id: Option<u16>, slot: u32, payload: &mut [u8]) {
+        match id {
+            Some(id) => {
+                payload[..2].copy_from_slice(&id.to_le_bytes());
+                self.emit(slot, payload);
+            }
+            None => {
+                self.attempted += 1;
+                self.skipped += 1;
+            }
+        }
+    }
+
     /// `guest:marker`.
     pub fn marker(&mut self, value: u64) {
         let seq = self.next_seq();
-        let p = events::marker(self.pid, seq, value);
-        self.emit(events::MARKER_SLOT, &p);
+        let mut p = events::marker(self.pid, seq, value);
+        self.emit_builtin(self.ids[0], events::MARKER_SLOT, &mut p);
     }
 
     /// `guest:span`.
     pub fn span(&mut self, id: u64, dur: u64) {
         let seq = self.next_seq();
-        let p = events::span(self.pid, seq, id, dur);
-        self.emit(events::SPAN_SLOT, &p);
+        let mut p = events::span(self.pid, seq, id, dur);
+        self.emit_builtin(self.ids[1], events::SPAN_SLOT, &mut p);
     }
 
     /// `guest:text`; `msg` (no NUL) is truncated to [`events::TEXT_MAX_MSG`] bytes.
@@ -127,7 +149,7 @@ impl<S: Sink> Emitter<S> {
         let msg = &msg[..msg.len().min(events::TEXT_MAX_MSG)];
         let mut buf = [0u8; events::TEXT_STR_OFFSET + events::TEXT_MAX_MSG + 1];
         if let Some(len) = events::text(&mut buf, self.pid, seq, msg) {
-            self.emit(events::TEXT_SLOT, &buf[..len]);
+            self.emit_builtin(self.ids[2], events::TEXT_SLOT, &mut buf[..len]);
         }
     }
 }

@@ -7,6 +7,7 @@
 #![no_main]
 
 mod block;
+mod builtin;
 mod emit;
 mod rt;
 mod workload;
@@ -77,6 +78,9 @@ pub extern "C" fn guest_main(pack: u64, cpu: u64, params_gpa: u64) -> ! {
     // `region` bytes long (its own pack says so), for the life of the VM; the host
     // accesses it only through atomics and volatile copies.
     let mem = unsafe { RawMem::new(pack as *mut u8, region) };
+    // Before the first event (and before attaching): the host sets the enable bits of
+    // the registered events while it answers.
+    builtin::register_builtins(&mem, cpu);
     let writer = match Writer::attach(mem, cpu) {
         Ok(w) => w,
         Err(e) => panic!("cannot attach the trace writer: {e}"),

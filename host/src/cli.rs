@@ -101,6 +101,21 @@ pub enum Command {
     /// both modes, the highest loss-free rate and start-up time; print a table and
     /// optionally write JSON (see docs/benchmarks.md).
     Bench(crate::bench::BenchArgs),
+    /// Send one command to a running `run`/`record --control PATH` and print the reply:
+    /// `enable EVENT`, `disable EVENT`, `stats` (JSON), `list` (JSON). Exit 0 on `ok`,
+    /// 1 on an `err` reply or when the socket cannot be reached, 2 on bad usage.
+    Ctl(CtlArgs),
+}
+
+/// Options of `hyptrace ctl`.
+#[derive(Clone, Debug, Args)]
+pub struct CtlArgs {
+    /// The control socket (`--control PATH` of the run).
+    #[arg(value_name = "PATH")]
+    pub path: PathBuf,
+    /// The command and its arguments, e.g. `disable guest:marker`.
+    #[arg(value_name = "CMD", required = true, num_args = 1.., trailing_var_arg = true, allow_hyphen_values = true)]
+    pub command: Vec<String>,
 }
 
 /// Output formats of `record`.
@@ -294,6 +309,21 @@ pub struct RunArgs {
     /// Guest payload ELF to load instead of the embedded one.
     #[arg(long, value_name = "PATH")]
     pub guest: Option<PathBuf>,
+    /// Record only the events PATTERN names (repeatable): SYSTEM:EVENT (globs `*` `?`
+    /// in either part, e.g. 'guest:*'), a system or an event name, or `all`
+    /// [default: every event the guest registers]. A name no registered event has is an
+    /// error (exit 2).
+    #[arg(short = 'e', long = "event", value_name = "PATTERN")]
+    pub event: Vec<String>,
+    /// Do not record the events PATTERN names (repeatable, applied after -e); they count
+    /// as skipped.
+    #[arg(long, value_name = "PATTERN")]
+    pub disable: Vec<String>,
+    /// Serve a control socket at PATH while the VM runs (owner-only; a stale socket
+    /// there is replaced, anything else refused): `hyptrace ctl PATH enable|disable
+    /// EVENT`, `stats`, `list`. Removed at exit.
+    #[arg(long, value_name = "PATH")]
+    pub control: Option<PathBuf>,
     /// Flight recorder options (`--drain`, `--hang-timeout`, `--crash-dump`, `--trace-mem`).
     #[command(flatten)]
     pub flight: FlightArgs,
@@ -367,18 +397,34 @@ pub enum CliError {
     /// `report`: writing the report to stdout failed.
     #[error("writing the report: {0}")]
     ReportWrite(#[source] std::io::Error),
+    /// `--control`: the socket cannot be created at the path.
+    #[error(transparent)]
+    Control(#[from] crate::control::ControlError),
+    /// `ctl`: the command cannot be sent.
+    #[error("ctl: {0}")]
+    CtlUsage(String),
+    /// `ctl`: the socket cannot be reached, or its reply is not one.
+    #[error("ctl: {0}")]
+    Ctl(#[source] crate::control::CtlError),
 }
 
 impl CliError {
     /// The exit code: 2 for bad input or environment, 130 for an abort, 1 otherwise.
     pub fn exit_code(&self) -> i32 {
         match self {
-            Self::Args(_) | Self::Plan(_) | Self::Destination(_) | Self::ReportInput(_) => {
-                EXIT_USAGE
-            }
+            Self::Args(_)
+            | Self::Plan(_)
+            | Self::Destination(_)
+            | Self::ReportInput(_)
+            | Self::Control(_)
+            | Self::CtlUsage(_) => EXIT_USAGE,
             Self::Run(RunError::Aborted) => EXIT_ABORT,
             Self::Run(e) if e.is_input_error() => EXIT_USAGE,
-            Self::Signals(_) | Self::Run(_) | Self::Stats(_) | Self::ReportWrite(_) => EXIT_RUNTIME,
+            Self::Signals(_)
+            | Self::Run(_)
+            | Self::Stats(_)
+            | Self::ReportWrite(_)
+            | Self::Ctl(_) => EXIT_RUNTIME,
         }
     }
 
@@ -414,6 +460,7 @@ where
         Command::Report(args) => report(&args).map(|()| EXIT_OK),
         Command::Bench(args) => return crate::bench::bench(&args),
         Command::Dump(args) => return crate::dump::dump(&args),
+        Command::Ctl(args) => ctl(&args),
     };
     match r {
         Ok(code) => code,
@@ -530,6 +577,25 @@ pub fn report(a: &ReportArgs) -> Result<(), CliError> {
     }
 }
 
+/// `hyptrace ctl`: prints an `ok` reply's payload on stdout (exit 0), an `err` reply on
+/// stderr (exit 1).
+pub fn ctl(a: &CtlArgs) -> Result<i32, CliError> {
+    use crate::control::{CtlError, CtlOutcome};
+    match crate::control::ctl(&a.path, &a.command) {
+        Ok(CtlOutcome::Ok(text)) => {
+            let mut out = std::io::stdout().lock();
+            let _ = writeln!(out, "{text}").and_then(|()| out.flush());
+            Ok(EXIT_OK)
+        }
+        Ok(CtlOutcome::Err(why)) => {
+            note!("hyptrace: ctl: err {why}");
+            Ok(EXIT_RUNTIME)
+        }
+        Err(CtlError::Usage(u)) => Err(CliError::CtlUsage(u)),
+        Err(e) => Err(CliError::Ctl(e)),
+    }
+}
+
 /// `run` and `record`: checks the options and every output path before the VM boots
 /// (a bad one costs nothing), runs the pipeline, prints the report, writes `--stats`.
 /// Returns the run's exit code (its causes are on stderr already).
@@ -562,10 +628,20 @@ fn execute(a: &RunArgs, file: Option<(&PathBuf, FormatArg)>) -> Result<i32, CliE
         .transpose()?;
     // Before any temporary file exists: a signal from now on stops or aborts cleanly.
     let interrupts = Interrupts::install()?;
-    let report = Run::new(plan, target)
+    // Last of the checks (a refused path costs nothing); removed when dropped, on every
+    // way out of this function.
+    let control = a
+        .control
+        .as_deref()
+        .map(crate::control::ControlServer::bind)
+        .transpose()?;
+    let mut run = Run::new(plan, target)
         .interrupts(interrupts)
-        .crash_dump(crash_dump)
-        .execute()?;
+        .crash_dump(crash_dump);
+    if let Some(c) = &control {
+        run = run.control(c);
+    }
+    let report = run.execute()?;
     let _ = write!(std::io::stderr(), "{report}");
     let code = report.exit_code();
     if let Some(st) = &stats {

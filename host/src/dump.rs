@@ -17,8 +17,8 @@ use clap::Args;
 use hyptrace_abi::layout::RingGeometry;
 use hyptrace_abi::SharedMem;
 use hyptrace_output::{
-    format_guest_line, guest_printers, Clock, OutputError, OutputTarget, PageSink, RunSummary,
-    TraceMeta,
+    format_guest_line, guest_printers, Clock, EventFormat, EventPrinter, OutputError, OutputTarget,
+    PageSink, RunSummary, TraceMeta,
 };
 use hyptrace_reader::postmortem::{walk_cpu, CpuDump, Position};
 use hyptrace_reader::trace_file;
@@ -141,8 +141,15 @@ impl DumpReport {
     }
 
     /// "vcpu N: last event: <line as `run` prints it>" for every CPU, for a crash report.
-    pub fn last_events(&self, clock: &Clock) -> String {
-        let printers = guest_printers();
+    pub fn last_events(&self, clock: &Clock, formats: &[EventFormat]) -> String {
+        let printers: BTreeMap<u16, EventPrinter> = if formats.is_empty() {
+            guest_printers()
+        } else {
+            formats
+                .iter()
+                .map(|f| (f.id, EventPrinter::new(f.clone())))
+                .collect()
+        };
         let cmdlines: BTreeMap<i32, String> = self
             .cpus
             .iter()
@@ -314,7 +321,14 @@ pub fn dump_trace_mem(
         path: out_path.to_path_buf(),
         source,
     };
-    let meta = TraceMeta::guest(l.page_size, l.nr_cpus, clock);
+    let mut meta = TraceMeta::guest(l.page_size, l.nr_cpus, clock);
+    match region_formats(&img.region, &l) {
+        Ok(Some(f)) => meta.formats = f,
+        Ok(None) => {}
+        Err(e) => warnings.push(format!(
+            "the event registration table: {e}: the built-in guest event formats are used"
+        )),
+    }
     let mut sink = crate::run::make_sink(target, format, meta).map_err(out_err)?;
     let positions = |c: u32| img.positions.get(c as usize).copied().flatten();
     let (report, err) = dump_region(&img.region, &l, &positions, &|_| true, Some(sink.as_mut()));
@@ -365,6 +379,34 @@ pub fn dump(a: &DumpArgs) -> i32 {
     }
 }
 
+/// The formats of the events the guest registered, rebuilt from the region's
+/// registration table as the host accepted it (`None`: the pack has no table; the
+/// built-in formats apply). The table is hostile: parsed from a private copy.
+pub fn region_formats<M: SharedMem + ?Sized>(
+    mem: &M,
+    l: &RingGeometry,
+) -> Result<Option<Vec<EventFormat>>, String> {
+    use hyptrace_abi::registry::{MAX_TABLE_SIZE, STATE_DONE, STATE_OFF, STATE_READY};
+    if l.events_size == 0 {
+        return Ok(None);
+    }
+    let mut bytes = vec![0u8; l.events_size.min(MAX_TABLE_SIZE)];
+    mem.read_bytes(l.events_off, &mut bytes);
+    let Some(state) = bytes.get_mut(STATE_OFF..STATE_OFF + 8) else {
+        return Err("too short".into());
+    };
+    let st = u64::from_le_bytes(state.try_into().unwrap_or([0; 8]));
+    if st != STATE_DONE && st != STATE_READY {
+        return Err(format!("state {st}: never answered"));
+    }
+    // The host answered this table (DONE): parse it as it was when READY.
+    state.copy_from_slice(&STATE_READY.to_le_bytes());
+    let reg = hyptrace_reader::registry::parse_table(&bytes).map_err(|e| e.to_string())?;
+    Ok(Some(
+        reg.events.iter().map(crate::events::to_format).collect(),
+    ))
+}
+
 /// Writes a crash dump of the VM's rings (stopped vCPUs: nothing changes them) into
 /// `target` in `format`: every CPU in `include`, from its reader's position.
 pub fn write_crash_dump<M: SharedMem + ?Sized>(
@@ -373,12 +415,16 @@ pub fn write_crash_dump<M: SharedMem + ?Sized>(
     positions: &dyn Fn(u32) -> Option<Position>,
     include: &dyn Fn(u32) -> bool,
     clock: &Clock,
+    formats: &[EventFormat],
     target: Option<(&OutputTarget, FormatArg)>,
 ) -> (DumpReport, Option<OutputError>) {
     let Some((target, format)) = target else {
         return dump_region(mem, l, positions, include, None);
     };
-    let meta = TraceMeta::guest(l.page_size, l.nr_cpus, clock.clone());
+    let meta = TraceMeta {
+        formats: formats.to_vec(),
+        ..TraceMeta::guest(l.page_size, l.nr_cpus, clock.clone())
+    };
     let mut sink = match crate::run::make_sink(target, format, meta) {
         Ok(s) => s,
         Err(e) => {

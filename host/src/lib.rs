@@ -20,9 +20,11 @@
 pub mod arch;
 pub mod bench;
 pub mod cli;
+pub mod control;
 pub mod dump;
 pub mod elf;
 pub mod error;
+pub mod events;
 pub mod logging;
 pub mod memory_map;
 pub mod plan;

@@ -170,7 +170,7 @@ pub fn parse_duration(s: &str) -> Result<f64, DurationError> {
 }
 
 /// The trace region layout for `vcpus` rings of `pages_per_cpu` pages (reader page
-/// included) of `page_size` bytes.
+/// included) of `page_size` bytes, with an event registration table.
 pub fn ring_layout(
     vcpus: u32,
     pages_per_cpu: u64,
@@ -190,6 +190,7 @@ pub fn ring_layout(
         mode,
         swap == SwapArg::Guest,
     )
+    .and_then(|l| l.with_events(hyptrace_abi::registry::DEFAULT_TABLE_SIZE))
     .map_err(PlanError::Geometry)
 }
 
@@ -234,6 +235,8 @@ pub struct Plan {
     pub mode: ModeArg,
     /// What `--stats` echoes of the options.
     pub echo: OptionsEcho,
+    /// `-e` / `--disable`: the events to record.
+    pub events: crate::events::Selection,
     /// `--drain`, `--hang-timeout`, `--crash-dump`, `--trace-mem`.
     pub flight: FlightPlan,
 }
@@ -451,6 +454,10 @@ impl Plan {
             poll: Duration::from_millis(a.poll_ms),
             mailbox_timeout: Duration::from_millis(a.mailbox_timeout_ms),
             mode: a.mode,
+            events: crate::events::Selection {
+                enable: a.event.clone(),
+                disable: a.disable.clone(),
+            },
             echo: OptionsEcho {
                 workload: format!("{:?}", a.workload).to_lowercase(),
                 mode: format!("{:?}", a.mode).to_lowercase(),

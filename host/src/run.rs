@@ -32,15 +32,17 @@ use std::time::{Duration, Instant};
 
 use hyptrace_abi::layout::RingGeometry;
 use hyptrace_output::{
-    Clock, JsonSink, OutputError, OutputTarget, PageSink, RawSink, TextSink, TraceDatSink,
-    TraceDatVersion, TraceMeta,
+    Clock, EventFormat, JsonSink, OutputError, OutputTarget, PageSink, RawSink, TextSink,
+    TraceDatSink, TraceDatVersion, TraceMeta,
 };
 use hyptrace_reader::{Callbacks, ReadError};
 
 use crate::cli::FormatArg;
+use crate::control::{Command, ControlServer, EventSwitch, Handler, Reply};
+use crate::events::{EventTable, EventsError, Selection, Settled, VmEventTable};
 use crate::plan::Plan;
 use crate::report::{CpuReport, Destination, Failures, GuestView, RunReport, Stop, Timing};
-use crate::session::{alloc_reader_wrapped, Output, Session};
+use crate::session::{alloc_reader_wrapped, GuestTraceMem, Output, Session};
 use crate::signals::Interrupts;
 use crate::trace_mem::TraceMemFile;
 use crate::vcpu::VcpuOutcome;
@@ -111,6 +113,9 @@ pub enum RunError {
     /// `--trace-mem`: the file could not be set up.
     #[error(transparent)]
     TraceMem(#[from] crate::trace_mem::TraceMemError),
+    /// `-e` / `--disable` named an event the guest did not register.
+    #[error(transparent)]
+    Events(#[from] EventsError),
 }
 
 impl RunError {
@@ -119,7 +124,7 @@ impl RunError {
     pub fn is_input_error(&self) -> bool {
         match self {
             Self::Vm(e) => e.is_input_error(),
-            Self::Sink { .. } | Self::TraceMem(_) => true,
+            Self::Sink { .. } | Self::TraceMem(_) | Self::Events(_) => true,
             _ => false,
         }
     }
@@ -138,6 +143,7 @@ pub struct Run<'a> {
     interrupts: Option<&'a Interrupts>,
     wrap: Option<WrapCallbacks>,
     crash_dump: Option<OutputTarget>,
+    control: Option<&'a ControlServer>,
 }
 
 impl std::fmt::Debug for Target {
@@ -173,6 +179,7 @@ impl<'a> Run<'a> {
             interrupts: None,
             wrap: None,
             crash_dump: None,
+            control: None,
         }
     }
 
@@ -180,6 +187,12 @@ impl<'a> Run<'a> {
     /// the format comes from `plan.flight.crash_dump`'s extension).
     pub fn crash_dump(mut self, target: Option<OutputTarget>) -> Self {
         self.crash_dump = target;
+        self
+    }
+
+    /// Commands from the control socket are executed between drain rounds.
+    pub fn control(mut self, control: &'a ControlServer) -> Self {
+        self.control = Some(control);
         self
     }
 
@@ -203,6 +216,7 @@ impl<'a> Run<'a> {
             interrupts,
             wrap,
             crash_dump,
+            control,
         } = self;
         let nr = plan.cfg.vcpus;
         log::debug!(
@@ -232,9 +246,13 @@ impl<'a> Run<'a> {
         let clock =
             Clock::guest_tsc(tsc_khz).map_err(|source| RunError::Clock { tsc_khz, source })?;
         let stdout = Arc::new(StdoutState::default());
-        let (output, target) = open_output(target, &plan.ring, nr, &clock, &stdout)?;
         let generation = crate::vm::host_tsc();
         let wrap = wrap.unwrap_or_else(|| Box::new(|cb| cb));
+        let table: VmEventTable = Arc::new(EventTable::new(
+            Arc::new(GuestTraceMem::new(vm.trace_region())),
+            plan.ring,
+            plan.events.clone(),
+        ));
         let reader = alloc_reader_wrapped(
             vm.trace_region(),
             plan.ring,
@@ -256,18 +274,22 @@ impl<'a> Run<'a> {
             tm.write_header(&plan.ring, vm.layout().trace_gpa, tsc_khz, generation);
             log::info!("trace memory in {}", tm.path().display());
         }
-        let running = vm.start(&plan.params)?;
+        let running = vm.start_with_events(&plan.params, table.clone())?;
         if let Some(tm) = &trace_mem {
             tm.set_state(crate::trace_mem::STATE_RUNNING);
         }
         log::info!("started {nr} vCPUs ({tsc_khz} kHz TSC)");
+        let formats = settle_events(&table, &running, plan.duration, &plan.events, interrupts)?;
+        // The output is opened once the formats are known (the guest writes no event
+        // before its registration is answered); a failure stops the VM (dropped).
+        let (output, target) = open_output(target, &plan.ring, nr, &clock, &stdout, &formats)?;
         // Progress when the events are not on the terminal (a caller's sink: none).
         let heartbeat = match target {
             Shown::Stdout => !std::io::stdout().is_terminal(),
             Shown::File { .. } => true,
             Shown::Sink => false,
         };
-        let mut session = Session::new(reader, output, clock.clone());
+        let mut session = Session::new(reader, output, clock.clone()).with_formats(&formats);
         session.set_live_drain(plan.flight.drain_live);
         let flight = Flight {
             trace_mem,
@@ -283,6 +305,7 @@ impl<'a> Run<'a> {
             }),
             dumped: false,
             clock,
+            formats: formats.clone(),
         };
         let mut live = Live {
             deadline: plan.duration.map(|d| running.started_at() + d),
@@ -295,6 +318,8 @@ impl<'a> Run<'a> {
             stop: None,
             failures: Failures::default(),
             nr,
+            control,
+            events: table.clone(),
         };
         let aborted = live.poll_loop(plan.poll);
         let timing = Timing {
@@ -363,11 +388,16 @@ fn open_output(
     nr: u32,
     clock: &Clock,
     stdout: &Arc<StdoutState>,
+    formats: &[EventFormat],
 ) -> Result<(Output, Shown), RunError> {
+    let meta = || TraceMeta {
+        formats: formats.to_vec(),
+        ..TraceMeta::guest(ring.page_size, nr, clock.clone())
+    };
     match target {
         Target::Sink(sink) => Ok((Output::Pages(sink), Shown::Sink)),
         Target::MakeSink(make) => {
-            let meta = TraceMeta::guest(ring.page_size, nr, clock.clone());
+            let meta = meta();
             let sink = make(meta).map_err(RunError::MakeSink)?;
             Ok((Output::Pages(sink), Shown::Sink))
         }
@@ -389,13 +419,51 @@ fn open_output(
             path,
             format,
         } => {
-            let meta = TraceMeta::guest(ring.page_size, nr, clock.clone());
+            let meta = meta();
             match make_sink(&target, format, meta) {
                 Ok(sink) => Ok((Output::Pages(sink), Shown::File { path, format })),
                 Err(source) => Err(RunError::Sink { path, source }),
             }
         }
     }
+}
+
+/// Waits until the guest's event registration is answered (or it writes without one,
+/// or the run stops first), says which entries were rejected, and returns the formats
+/// of the accepted events. An `-e`/`--disable` name no registered event has is an
+/// input error (the VM is stopped).
+fn settle_events(
+    table: &VmEventTable,
+    running: &RunningVm,
+    duration: Option<Duration>,
+    selection: &Selection,
+    interrupts: Option<&Interrupts>,
+) -> Result<Vec<EventFormat>, RunError> {
+    let deadline = duration.map(|d| running.started_at() + d);
+    let settled = table.settle(Duration::from_millis(1), || {
+        running.is_finished()
+            || running.any_crashed()
+            || interrupts.is_some_and(|i| i.stop_requested() || i.aborted())
+            || deadline.is_some_and(|d| Instant::now() >= d)
+    });
+    log::debug!("event registration: {settled:?}");
+    if let Settled::Refused(why) = &settled {
+        note!("hyptrace: warning: the guest's event registration table was refused: {why}");
+    }
+    for r in table.rejections() {
+        note!("hyptrace: warning: {r}");
+    }
+    let selecting = !selection.enable.is_empty() || !selection.disable.is_empty();
+    let error = match table.selection_error() {
+        Some(e) => Some(e),
+        None if selecting && settled != Settled::Registered => Some(EventsError::NotRegistered),
+        None => None,
+    };
+    if let Some(e) = error {
+        running.stop();
+        return Err(RunError::Events(e));
+    }
+    Ok(table.formats())
 }
 
 /// The page sink of `format` on `target`.
@@ -490,6 +558,8 @@ struct Live<'a> {
     stop: Option<Stop>,
     failures: Failures,
     nr: u32,
+    control: Option<&'a ControlServer>,
+    events: VmEventTable,
 }
 
 impl Live<'_> {
@@ -511,6 +581,7 @@ impl Live<'_> {
             }
             self.check_stop();
             self.service();
+            self.serve_control();
             if let Some(h) = &mut self.heartbeat {
                 h.tick(&self.session, self.nr, self.running.started_at());
             }
@@ -522,6 +593,18 @@ impl Live<'_> {
             h.end();
         }
         aborted
+    }
+
+    /// Executes the control socket's waiting commands.
+    fn serve_control(&mut self) {
+        let Some(control) = self.control else { return };
+        let mut h = RunControl {
+            session: &self.session,
+            running: &self.running,
+            events: self.events.as_ref(),
+            stop: self.stop.as_ref(),
+        };
+        control.serve(&mut h);
     }
 
     /// Stops the vCPUs for the first reason that came up, once.
@@ -617,9 +700,14 @@ impl Live<'_> {
             &|c| reader.position(c),
             &|c| session.is_live(c),
             &self.flight.clock,
+            &self.flight.formats,
             target,
         );
-        let _ = std::io::stderr().write_all(report.last_events(&self.flight.clock).as_bytes());
+        let _ = std::io::stderr().write_all(
+            report
+                .last_events(&self.flight.clock, &self.flight.formats)
+                .as_bytes(),
+        );
         if let Some((_, _, path)) = &self.flight.dump_target {
             match err {
                 None => note!(
@@ -695,6 +783,8 @@ struct Flight {
     dumped: bool,
     /// The guest clock.
     clock: Clock,
+    /// The event formats (the guest's registrations).
+    formats: Vec<EventFormat>,
 }
 
 /// `--hang-timeout`: the last progress seen and since when.
@@ -702,6 +792,58 @@ struct HangWatch {
     timeout: Duration,
     last: Option<(u64, usize)>,
     since: Instant,
+}
+
+/// The control socket's commands, executed by the run loop.
+struct RunControl<'s> {
+    session: &'s Session,
+    running: &'s RunningVm,
+    events: &'s dyn EventSwitch,
+    stop: Option<&'s Stop>,
+}
+
+impl Handler for RunControl<'_> {
+    fn handle(&mut self, cmd: &Command) -> Reply {
+        match cmd {
+            Command::Enable(e) => self.events.set(e, true).map_or_else(Reply::Err, Reply::Ok),
+            Command::Disable(e) => self.events.set(e, false).map_or_else(Reply::Err, Reply::Ok),
+            Command::List => self
+                .events
+                .list()
+                .map_or_else(Reply::Err, |v| Reply::Ok(v.to_string())),
+            Command::Stats => Reply::Ok(self.stats().to_string()),
+        }
+    }
+}
+
+impl RunControl<'_> {
+    /// `stats`: the live per-CPU counters (docs/design.md, "The control socket").
+    fn stats(&self) -> serde_json::Value {
+        let nr = self.session.reader().nr_cpus();
+        let cpus: Vec<serde_json::Value> = (0..nr)
+            .map(|cpu| {
+                let s = self.session.stats(cpu);
+                serde_json::json!({
+                    "cpu": cpu,
+                    "running": !self.running.vcpu_finished(cpu),
+                    "written": s.written,
+                    "read": s.read,
+                    "lost": s.lost,
+                    "overrun": s.overrun,
+                    "dropped": s.dropped,
+                    "bytes": s.bytes,
+                    "pages_touched": s.pages_touched,
+                    "swaps": s.swaps,
+                    "error": self.session.error(cpu),
+                })
+            })
+            .collect();
+        serde_json::json!({
+            "elapsed_s": self.running.started_at().elapsed().as_secs_f64(),
+            "stopping": self.stop.map(ToString::to_string),
+            "cpus": cpus,
+        })
+    }
 }
 
 /// Stdout for `run`: a reader that went away (`| head`) ends the run quietly. After

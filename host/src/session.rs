@@ -10,8 +10,8 @@ use std::time::Duration;
 use hyptrace_abi::layout::RingGeometry;
 use hyptrace_abi::{RawMem, SharedMem};
 use hyptrace_output::{
-    format_drop, format_guest_line, format_window_exceeded, guest_printers, Clock, EventPrinter,
-    MergeWindow, Merged, Merger, Missed, PageSink, Released,
+    format_drop, format_guest_line, format_window_exceeded, guest_printers, Clock, EventFormat,
+    EventPrinter, MergeWindow, Merged, Merger, Missed, PageSink, Released,
 };
 use hyptrace_reader::{Callbacks, CpuStats, Item, ReadError, RingBuffer};
 
@@ -220,6 +220,16 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
     /// runs — nothing is consumed until the vCPU has stopped (flight recorder).
     pub fn set_live_drain(&mut self, live: bool) {
         self.live_drain = live;
+    }
+
+    /// Prints events with `formats` (the guest's registered events) instead of the
+    /// built-in guest events' formats [`Session::new`] starts with.
+    pub fn with_formats(mut self, formats: &[EventFormat]) -> Self {
+        self.printers = formats
+            .iter()
+            .map(|f| (f.id, EventPrinter::new(f.clone())))
+            .collect();
+        self
     }
 
     /// The reader.

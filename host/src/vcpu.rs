@@ -13,6 +13,7 @@ use std::sync::atomic::Ordering;
 use std::sync::OnceLock;
 
 use hyptrace_abi::guest::{result, PANIC_MSG_MAX, PORT_EXIT, PORT_PANIC};
+use hyptrace_abi::registry::PORT_REGISTER;
 use kvm_ioctls::{VcpuExit, VcpuFd};
 use libc::{c_int, c_void, siginfo_t};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
@@ -189,6 +190,12 @@ fn run_loop(
                     return VcpuOutcome::Faulted(format!("vCPU {id} reported exit as vCPU {who}"));
                 }
                 return VcpuOutcome::Finished(read_stats(mem, slot));
+            }
+            VcpuExit::IoOut(PORT_REGISTER, _) => {
+                // Once per run (later exits are ignored, each bounded): the answer is
+                // written before the vCPU resumes.
+                shared.events.on_register(id);
+                continue;
             }
             VcpuExit::IoOut(PORT_PANIC, data) => {
                 let len = le_u32(data);

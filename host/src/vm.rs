@@ -18,6 +18,7 @@ use vmm_sys_util::signal::Killable;
 use crate::arch;
 use crate::elf::GuestImage;
 use crate::error::{Error, Result};
+use crate::events::{EventTable, RegisterHook, Selection};
 use crate::memory_map::{GuestMemoryMap, KVM_TSS_ADDR};
 use crate::vcpu::{self, VcpuOutcome};
 
@@ -378,8 +379,26 @@ impl Vm {
             .map_err(Error::from)
     }
 
-    /// Writes the run parameters and starts one thread per vCPU.
+    /// Writes the run parameters and starts one thread per vCPU. The guest's event
+    /// registration is answered with every valid event accepted and enabled (the
+    /// geometry is the pack's, read back from the trace region).
     pub fn start(self, p: &RunParams) -> Result<RunningVm> {
+        let region = self.trace_region();
+        let mem = Arc::new(crate::session::GuestTraceMem::new(region));
+        let hook: Arc<dyn RegisterHook> = match hyptrace_abi::RingGeometry::parse(&*mem) {
+            Ok(l) => Arc::new(EventTable::new(mem, l, Selection::default())),
+            Err(_) => Arc::new(NoTable),
+        };
+        self.start_with_events(p, hook)
+    }
+
+    /// [`Vm::start`] with the guest's event registration answered by `events` (e.g. an
+    /// [`EventTable`] with the command line's selection).
+    pub fn start_with_events(
+        self,
+        p: &RunParams,
+        events: Arc<dyn RegisterHook>,
+    ) -> Result<RunningVm> {
         self.write_params(p)?;
         vcpu::install_kick_handler()?;
         let shared = Arc::new(Shared {
@@ -388,6 +407,7 @@ impl Vm {
             reason: Mutex::new(None),
             done: Mutex::new(0),
             cv: Condvar::new(),
+            events,
         });
         let started_at = Instant::now();
         let start_tsc = host_tsc();
@@ -460,6 +480,18 @@ pub(crate) struct Shared {
     reason: Mutex<Option<String>>,
     done: Mutex<usize>,
     cv: Condvar,
+    /// Answers the guest's registration exit.
+    pub(crate) events: Arc<dyn RegisterHook>,
+}
+
+/// The answer when the trace region has no valid pack: nothing (the guest reads no
+/// answer and goes on without ids).
+struct NoTable;
+
+impl RegisterHook for NoTable {
+    fn on_register(&self, vcpu: u32) {
+        log::warn!("vcpu {vcpu}: registration exit, but the trace region has no valid pack");
+    }
 }
 
 /// A started VM: its vCPU threads are running.

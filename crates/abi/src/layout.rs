@@ -85,8 +85,8 @@ pub mod pack {
     pub const PAGES_OFF: usize = 48;
     /// u64 total number of pages.
     pub const TOTAL_PAGES: usize = 56;
-    /// u64 offset of the event registration table (0: none; reserved for
-    /// guest-registered events).
+    /// u64 offset of the event registration table (0: none), between the control
+    /// blocks and page 0, 64-aligned (see [`crate::registry`]).
     pub const EVENTS_OFF: usize = 64;
     /// u64 size of the event registration table.
     pub const EVENTS_SIZE: usize = 72;
@@ -154,8 +154,10 @@ pub mod ctl {
     /// `seq << 8 | status`.
     pub const MBOX_ACK: usize = 104;
     // 112..128 reserved (writer-owned).
-    /// Host → guest (separate cache line): enable bits of the built-in events
-    /// (bit n = slot n). The host flips them; the writer loads them once per event.
+    /// Host → guest (separate cache line): enable bits of the registered events
+    /// (bit n = slot n, [`crate::registry::EventEntry::slot`]). The host flips them
+    /// atomically (fetch_or / fetch_and: other bits stay); the writer loads them once per
+    /// event.
     pub const ENABLE: usize = 128;
     /// Host → guest: mailbox request, `seq << 8 | op` (`MBOX_OP_*`); seq starts at 1.
     pub const MBOX_REQ: usize = 136;
@@ -291,6 +293,8 @@ pub enum LayoutError {
     BadFlags(u32),
     /// A descriptor is inconsistent (CPU number, page range, offsets).
     BadDescriptor(u32),
+    /// The event registration table's size (or offset) is not one this layout allows.
+    BadEventTable(u64),
 }
 
 impl core::fmt::Display for LayoutError {
@@ -313,6 +317,11 @@ impl core::fmt::Display for LayoutError {
             Self::BadVersion(v) => write!(f, "unsupported version or size {v}"),
             Self::BadFlags(x) => write!(f, "unknown flags {x:#x}"),
             Self::BadDescriptor(c) => write!(f, "inconsistent descriptor for CPU {c}"),
+            Self::BadEventTable(v) => write!(
+                f,
+                "event registration table size or offset {v} is not a multiple of 64 in 64..={}",
+                crate::registry::MAX_TABLE_SIZE
+            ),
         }
     }
 }
@@ -335,6 +344,10 @@ pub struct RingGeometry {
     pub cpu_descs_off: usize,
     /// Offset of the first control block (CPU c's is at `ctl_off + c * CTL_SIZE`).
     pub ctl_off: usize,
+    /// Offset of the event registration table (0: none).
+    pub events_off: usize,
+    /// Size of the event registration table (0: none).
+    pub events_size: usize,
     /// Offset of page 0.
     pub pages_off: usize,
     /// Total size of the region.
@@ -347,7 +360,8 @@ const fn align_up(v: usize, a: usize) -> usize {
 
 impl RingGeometry {
     /// Computes the layout for `nr_cpus` CPUs with `pages_per_cpu` pages (reader page
-    /// included) of `page_size` bytes.
+    /// included) of `page_size` bytes, without an event registration table (see
+    /// [`RingGeometry::with_events`]).
     pub fn new(
         nr_cpus: u32,
         pages_per_cpu: u32,
@@ -355,6 +369,38 @@ impl RingGeometry {
         mode: Mode,
         guest_swap: bool,
     ) -> Result<Self, LayoutError> {
+        Self::with_table(nr_cpus, pages_per_cpu, page_size, mode, guest_swap, 0)
+    }
+
+    /// The same layout with an event registration table of `size` bytes (0: none; else a
+    /// multiple of 64 in `registry::HEADER_SIZE..=registry::MAX_TABLE_SIZE`) between the
+    /// control blocks and page 0.
+    pub fn with_events(self, size: usize) -> Result<Self, LayoutError> {
+        Self::with_table(
+            self.nr_cpus,
+            self.pages_per_cpu,
+            self.page_size,
+            self.mode,
+            self.guest_swap,
+            size,
+        )
+    }
+
+    fn with_table(
+        nr_cpus: u32,
+        pages_per_cpu: u32,
+        page_size: usize,
+        mode: Mode,
+        guest_swap: bool,
+        events_size: usize,
+    ) -> Result<Self, LayoutError> {
+        if events_size != 0
+            && (!events_size.is_multiple_of(64)
+                || !(crate::registry::HEADER_SIZE..=crate::registry::MAX_TABLE_SIZE)
+                    .contains(&events_size))
+        {
+            return Err(LayoutError::BadEventTable(events_size as u64));
+        }
         if !page_size.is_power_of_two() || !(MIN_PAGE_SIZE..=MAX_PAGE_SIZE).contains(&page_size) {
             return Err(LayoutError::BadPageSize(page_size as u64));
         }
@@ -368,7 +414,9 @@ impl RingGeometry {
         let n = nr_cpus as usize;
         let cpu_descs_off = PACK_HEADER_SIZE;
         let ctl_off = align_up(cpu_descs_off + n * CPU_DESC_SIZE, 64);
-        let pages_off = align_up(ctl_off + n * CTL_SIZE, page_size);
+        let ctl_end = ctl_off + n * CTL_SIZE;
+        let events_off = if events_size == 0 { 0 } else { ctl_end };
+        let pages_off = align_up(ctl_end + events_size, page_size);
         let total = (n as u64) * (ppc as u64) * (page_size as u64);
         let region = (pages_off as u64)
             .checked_add(total)
@@ -390,6 +438,8 @@ impl RingGeometry {
             guest_swap,
             cpu_descs_off,
             ctl_off,
+            events_off,
+            events_size,
             pages_off,
             region_size,
         })
@@ -483,8 +533,8 @@ impl RingGeometry {
         w(pack::CPU_DESCS_OFF, self.cpu_descs_off as u64);
         w(pack::PAGES_OFF, self.pages_off as u64);
         w(pack::TOTAL_PAGES, self.total_pages());
-        w(pack::EVENTS_OFF, 0);
-        w(pack::EVENTS_SIZE, 0);
+        w(pack::EVENTS_OFF, self.events_off as u64);
+        w(pack::EVENTS_SIZE, self.events_size as u64);
         w(pack::TSC_KHZ, tsc_khz);
         w(pack::GENERATION, generation);
         for off in (96..PACK_HEADER_SIZE).step_by(8) {
@@ -553,13 +603,21 @@ impl RingGeometry {
         } else {
             Mode::Stop
         };
-        let l = Self::new(
+        let events_size = r(pack::EVENTS_SIZE);
+        if events_size > crate::registry::MAX_TABLE_SIZE as u64 {
+            return Err(LayoutError::BadEventTable(events_size));
+        }
+        let l = Self::with_table(
             nr_cpus,
             pages_per_cpu,
             page_size,
             mode,
             flags & PACK_FLAG_GUEST_SWAP != 0,
+            events_size as usize,
         )?;
+        if r(pack::EVENTS_OFF) != l.events_off as u64 {
+            return Err(LayoutError::BadEventTable(r(pack::EVENTS_OFF)));
+        }
         if r(pack::REGION_SIZE) != l.region_size as u64
             || r(pack::CPU_DESCS_OFF) != l.cpu_descs_off as u64
             || r(pack::PAGES_OFF) != l.pages_off as u64
@@ -656,6 +714,10 @@ impl RingGeometry {
     /// Writes the pack and initialises every CPU's control block and pages.
     pub fn init_region<M: SharedMem + ?Sized>(&self, mem: &M, tsc_khz: u64, generation: u64) {
         self.write_pack(mem, tsc_khz, generation);
+        // The registration table starts empty (STATE_EMPTY): the guest fills it.
+        for off in (self.events_off..self.events_off + self.events_size).step_by(8) {
+            mem.store(off, 0, Relaxed);
+        }
         for cpu in 0..self.nr_cpus {
             self.init_cpu(mem, cpu);
         }

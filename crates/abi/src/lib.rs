@@ -5,7 +5,7 @@
 //! - [`layout`]: the trace region (pack header, per-CPU descriptors, control blocks,
 //!   pages with footers) and its validation;
 //! - [`mem`]: the memory-access trait both sides use, over raw memory or safe words;
-//! - [`events`]: the built-in guest events; [`guest`]: the VMM ⇄ guest contract
+//! - [`events`]: the built-in guest events; [`registry`]: the event-registration table; [`guest`]: the VMM ⇄ guest contract
 //!   (the run-parameter block as one `#[repr(C)]` zerocopy struct, [`guest::RunParamBlock`]).
 //!
 //! `docs/abi.md` describes every structure; `docs/design.md` the protocol.
@@ -20,6 +20,7 @@ pub mod guest;
 pub mod layout;
 pub mod mem;
 pub mod page;
+pub mod registry;
 
 pub use layout::{LayoutError, Mode, RingGeometry};
 #[cfg(feature = "alloc")]

@@ -17,6 +17,7 @@
 
 pub mod callbacks;
 pub mod postmortem;
+pub mod registry;
 pub mod trace_file;
 
 pub use callbacks::{

@@ -18,6 +18,8 @@
 #[cfg(any(test, loom))]
 extern crate std;
 
+pub mod events;
+
 use core::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release, SeqCst};
 use hyptrace_abi::layout::{
     ctl, footer, link, LayoutError, Mode, RingGeometry, CTL_MAGIC, FT_COMMIT, FT_HEAD, FT_READER,

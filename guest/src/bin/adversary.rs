@@ -23,6 +23,8 @@
 
 #[path = "../block.rs"]
 mod block;
+#[path = "../builtin.rs"]
+mod builtin;
 #[path = "../rt.rs"]
 mod rt;
 
@@ -326,6 +328,8 @@ pub extern "C" fn guest_main(pack: u64, cpu: u64, params_gpa: u64) -> ! {
         events: p.events,
         seed: p.seed,
     };
+    // The built-in events it writes, registered as the payload does.
+    builtin::register_builtins(&cx.mem, cpu);
     if scenario == Scenario::Encodings && cpu == 0 {
         // Hand-made pages: no writer.
         encodings(&cx);

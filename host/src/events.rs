@@ -1,0 +1,597 @@
+//! The guest's registered events on the host: the answer to its registration exit
+//! (validation in [`hyptrace_reader::registry`], ids, the enable bits the command line
+//! asks for), their trace-event formats, and enabling / disabling them while the guest
+//! runs (`-e`, `--disable`; the `--control` socket calls [`EventTable::enable`],
+//! [`EventTable::disable`] and [`EventTable::list`]).
+//!
+//! Enable bits live in every CPU's control block (`ctl::ENABLE`, host-owned): the host
+//! changes them only with atomic `fetch_or` / `fetch_and`, so the other bits stay; the
+//! writer loads the word once per event and counts a disabled event as skipped.
+
+use std::sync::atomic::Ordering::{Relaxed, SeqCst};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+
+use hyptrace_abi::layout::{ctl, RingGeometry, WRITER_IDLE};
+use hyptrace_abi::SharedMem;
+use hyptrace_output::format::common_fields;
+use hyptrace_output::{EventFormat, Field};
+use hyptrace_reader::registry::{
+    answer, read_table, refuse, RegField, Registration, Registry, Rejection, TableError,
+};
+
+/// Registration exits with the table not ready a guest may make before the table counts
+/// as refused (each costs a bounded look at one word).
+const MAX_EARLY_EXITS: u32 = 16;
+
+/// Which events a run records: `-e PATTERN` (repeatable; none = every registered event)
+/// then `--disable PATTERN` (repeatable).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Selection {
+    /// `-e` patterns; empty = all.
+    pub enable: Vec<String>,
+    /// `--disable` patterns.
+    pub disable: Vec<String>,
+}
+
+/// Errors of event selection.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum EventsError {
+    /// A pattern matches no registered event.
+    #[error("unknown event {pattern:?} (the guest registered: {known})")]
+    Unknown {
+        /// The pattern.
+        pattern: String,
+        /// The registered events, comma-separated (or "none").
+        known: String,
+    },
+    /// The guest has not registered its events (yet, or it never does).
+    #[error("the guest has not registered any events")]
+    NotRegistered,
+}
+
+/// One registered event, as `list` shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EventInfo {
+    /// The registration.
+    pub reg: Registration,
+    /// Whether its bit is set on every CPU.
+    pub enabled: bool,
+}
+
+impl EventInfo {
+    /// `system:name` and its fields, as `trace-cmd list -e -F` prints an event (the
+    /// common fields left out).
+    pub fn describe(&self) -> String {
+        let mut s = format!("{}\n", self.reg.full_name());
+        for f in &self.reg.fields {
+            s.push_str(&format!(
+                "\tfield:{};\toffset:{};\tsize:{};\tsigned:{};\n",
+                decl(f),
+                f.offset,
+                f.size,
+                u8::from(f.signed)
+            ));
+        }
+        s
+    }
+}
+
+fn decl(f: &RegField) -> String {
+    let arr = f.ctype.ends_with(']') && !f.ctype.starts_with("__data_loc");
+    match (arr, f.ctype.find('[')) {
+        (true, Some(i)) => format!("{} {}{}", &f.ctype[..i], f.name, &f.ctype[i..]),
+        _ => format!("{} {}", f.ctype, f.name),
+    }
+}
+
+/// The trace-event format of a registered event.
+pub fn to_format(r: &Registration) -> EventFormat {
+    EventFormat {
+        system: r.system.clone(),
+        name: r.name.clone(),
+        id: r.id,
+        common_fields: common_fields(),
+        fields: r
+            .fields
+            .iter()
+            .map(|f| Field {
+                type_name: f.ctype.clone(),
+                name: f.name.clone(),
+                offset: f.offset as usize,
+                size: f.size as usize,
+                signed: f.signed,
+            })
+            .collect(),
+        print_fmt: r.print_fmt.clone(),
+    }
+}
+
+/// Whether `text` matches the glob `pat` (`*` any run, `?` one character). Iterative,
+/// O(len(pat) × len(text)) at worst.
+fn glob(pat: &str, text: &str) -> bool {
+    let (p, t) = (pat.as_bytes(), text.as_bytes());
+    let (mut i, mut j) = (0, 0);
+    let mut star: Option<(usize, usize)> = None;
+    while j < t.len() {
+        if i < p.len() && (p[i] == b'?' || p[i] == t[j]) {
+            i += 1;
+            j += 1;
+        } else if i < p.len() && p[i] == b'*' {
+            star = Some((i, j));
+            i += 1;
+        } else if let Some((si, sj)) = star {
+            i = si + 1;
+            j = sj + 1;
+            star = Some((si, sj + 1));
+        } else {
+            return false;
+        }
+    }
+    p[i..].iter().all(|&c| c == b'*')
+}
+
+/// Whether pattern `pat` names event `system:name`: `all`, `SYSTEM:EVENT` (globs in
+/// either part), or a bare word that is the system or the event name (as trace-cmd's
+/// `-e`).
+pub fn matches(pat: &str, system: &str, name: &str) -> bool {
+    if pat == "all" {
+        return true;
+    }
+    match pat.split_once(':') {
+        Some((s, n)) => glob(s, system) && glob(n, name),
+        None => glob(pat, system) || glob(pat, name),
+    }
+}
+
+/// What the registration exit handler knows.
+#[derive(Debug, Default)]
+enum State {
+    /// No answered registration yet.
+    #[default]
+    Waiting,
+    /// The table was answered.
+    Registered {
+        reg: Registry,
+        /// The selection named an unknown event: nothing is enabled, the run must stop.
+        error: Option<EventsError>,
+    },
+    /// The table's header was refused.
+    Refused(String),
+}
+
+/// How the wait for the registration ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Settled {
+    /// The guest registered (some entries may have been rejected).
+    Registered,
+    /// The guest's table was refused as a whole (the message says why).
+    Refused(String),
+    /// The guest started writing without registering, or stopped before it did.
+    None,
+}
+
+/// The registration table of a run, its answer and the enable bits.
+pub struct EventTable<M> {
+    mem: M,
+    geometry: RingGeometry,
+    selection: Selection,
+    state: Mutex<State>,
+    cv: Condvar,
+    early_exits: std::sync::atomic::AtomicU32,
+}
+
+impl<M> std::fmt::Debug for EventTable<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EventTable")
+            .field("selection", &self.selection)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a vCPU thread calls when the guest writes to
+/// [`hyptrace_abi::registry::PORT_REGISTER`].
+pub trait RegisterHook: Send + Sync {
+    /// Answers the registration (synchronously: the vCPU resumes after this returns).
+    fn on_register(&self, vcpu: u32);
+}
+
+impl<M: SharedMem + Send + Sync> RegisterHook for EventTable<M> {
+    fn on_register(&self, vcpu: u32) {
+        self.register(vcpu);
+    }
+}
+
+impl<M: SharedMem> EventTable<M> {
+    /// The table of the region `mem` laid out as `geometry` (the host's, not the pack's),
+    /// answered with `selection`.
+    pub fn new(mem: M, geometry: RingGeometry, selection: Selection) -> Self {
+        Self {
+            mem,
+            geometry,
+            selection,
+            state: Mutex::new(State::Waiting),
+            cv: Condvar::new(),
+            early_exits: Default::default(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The registration exit: reads and validates the table, assigns ids, sets every
+    /// CPU's enable bits to the selected accepted events, writes the answer (DONE last).
+    /// Only the first ready table is answered; later exits change nothing.
+    pub fn register(&self, vcpu: u32) {
+        let mut st = self.lock();
+        if !matches!(*st, State::Waiting) {
+            log::debug!("vcpu {vcpu}: registration exit after the answer: ignored");
+            return;
+        }
+        match read_table(&self.mem, &self.geometry) {
+            Ok(None) => {
+                log::warn!("vcpu {vcpu}: registration exit, but the region has no table");
+            }
+            Err(TableError::NotReady(state)) => {
+                let n = self.early_exits.fetch_add(1, Relaxed) + 1;
+                log::warn!("vcpu {vcpu}: registration exit with the table in state {state}");
+                if n >= MAX_EARLY_EXITS {
+                    let why = format!("{n} registration exits without a ready table");
+                    refuse(&self.mem, &self.geometry);
+                    *st = State::Refused(why);
+                    self.cv.notify_all();
+                }
+            }
+            Err(e) => {
+                log::warn!("vcpu {vcpu}: {e}");
+                refuse(&self.mem, &self.geometry);
+                *st = State::Refused(e.to_string());
+                self.cv.notify_all();
+            }
+            Ok(Some(reg)) => {
+                for r in &reg.rejected {
+                    log::warn!("{r}");
+                }
+                let (mask, error) = match self.selected(&reg) {
+                    Ok(mask) => (mask, None),
+                    Err(e) => (0, Some(e)),
+                };
+                self.set_word(mask);
+                log::info!(
+                    "registered {} events ({} rejected), enable mask {mask:#x}",
+                    reg.events.len(),
+                    reg.rejected.len()
+                );
+                answer(&self.mem, &self.geometry, &reg);
+                *st = State::Registered { reg, error };
+                self.cv.notify_all();
+            }
+        }
+    }
+
+    /// The enable mask of the selection over `reg`.
+    fn selected(&self, reg: &Registry) -> Result<u64, EventsError> {
+        let mut mask = if self.selection.enable.is_empty() {
+            reg.events.iter().fold(0u64, |m, e| m | bit(e.slot))
+        } else {
+            let mut m = 0;
+            for p in &self.selection.enable {
+                m |= mask_of(reg, p)?;
+            }
+            m
+        };
+        for p in &self.selection.disable {
+            mask &= !mask_of(reg, p)?;
+        }
+        Ok(mask)
+    }
+
+    /// Sets every CPU's enable word to `mask` with atomic RMWs (clears, then sets).
+    fn set_word(&self, mask: u64) {
+        for cpu in 0..self.geometry.nr_cpus {
+            let w = self.geometry.ctl(cpu) + ctl::ENABLE;
+            self.mem.fetch_and(w, mask, SeqCst);
+            self.mem.fetch_or(w, mask, SeqCst);
+        }
+    }
+
+    fn registry(&self) -> Result<Registry, EventsError> {
+        match &*self.lock() {
+            State::Registered { reg, .. } => Ok(reg.clone()),
+            _ => Err(EventsError::NotRegistered),
+        }
+    }
+
+    /// The accepted events (after the registration).
+    pub fn registrations(&self) -> Vec<Registration> {
+        self.registry().map(|r| r.events).unwrap_or_default()
+    }
+
+    /// The rejected entries (after the registration).
+    pub fn rejections(&self) -> Vec<Rejection> {
+        self.registry().map(|r| r.rejected).unwrap_or_default()
+    }
+
+    /// The selection error of the registration (an unknown `-e`/`--disable` name).
+    pub fn selection_error(&self) -> Option<EventsError> {
+        match &*self.lock() {
+            State::Registered { error, .. } => error.clone(),
+            _ => None,
+        }
+    }
+
+    /// The formats of the accepted events (none before the registration).
+    pub fn formats(&self) -> Vec<EventFormat> {
+        self.registrations().iter().map(to_format).collect()
+    }
+
+    /// Sets the enable bit of every event `pattern` matches, on every CPU (other bits
+    /// stay); returns their names.
+    pub fn enable(&self, pattern: &str) -> Result<Vec<String>, EventsError> {
+        self.flip(pattern, true)
+    }
+
+    /// Clears the enable bit of every event `pattern` matches, on every CPU (other bits
+    /// stay); returns their names. The writer skips them from its next event on.
+    pub fn disable(&self, pattern: &str) -> Result<Vec<String>, EventsError> {
+        self.flip(pattern, false)
+    }
+
+    fn flip(&self, pattern: &str, on: bool) -> Result<Vec<String>, EventsError> {
+        let reg = self.registry()?;
+        let mask = mask_of(&reg, pattern)?;
+        for cpu in 0..self.geometry.nr_cpus {
+            let w = self.geometry.ctl(cpu) + ctl::ENABLE;
+            if on {
+                self.mem.fetch_or(w, mask, SeqCst);
+            } else {
+                self.mem.fetch_and(w, !mask, SeqCst);
+            }
+        }
+        Ok(reg
+            .events
+            .iter()
+            .filter(|e| mask & bit(e.slot) != 0)
+            .map(Registration::full_name)
+            .collect())
+    }
+
+    /// The registered events with their state (enabled: the bit is set on every CPU).
+    pub fn list(&self) -> Result<Vec<EventInfo>, EventsError> {
+        let reg = self.registry()?;
+        let words: Vec<u64> = (0..self.geometry.nr_cpus)
+            .map(|c| self.mem.load(self.geometry.ctl(c) + ctl::ENABLE, Relaxed))
+            .collect();
+        Ok(reg
+            .events
+            .into_iter()
+            .map(|r| EventInfo {
+                enabled: words.iter().all(|w| w & bit(r.slot) != 0),
+                reg: r,
+            })
+            .collect())
+    }
+
+    /// Whether some CPU's writer attached (a guest that writes without registering).
+    fn writer_attached(&self) -> bool {
+        (0..self.geometry.nr_cpus).any(|c| {
+            self.mem
+                .load(self.geometry.ctl(c) + ctl::WRITER_STATE, Relaxed)
+                != WRITER_IDLE
+        })
+    }
+
+    /// Waits until the guest's registration is answered, a writer attached without one,
+    /// `give_up()` says so (a vCPU ended, a signal, `--duration`), checking every
+    /// `step`.
+    pub fn settle(&self, step: Duration, mut give_up: impl FnMut() -> bool) -> Settled {
+        let mut st = self.lock();
+        loop {
+            match &*st {
+                State::Registered { .. } => return Settled::Registered,
+                State::Refused(why) => return Settled::Refused(why.clone()),
+                State::Waiting => {}
+            }
+            if self.writer_attached() || give_up() {
+                return Settled::None;
+            }
+            st = self
+                .cv
+                .wait_timeout(st, step)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+}
+
+const fn bit(slot: u32) -> u64 {
+    1u64 << (slot & 63)
+}
+
+fn mask_of(reg: &Registry, pattern: &str) -> Result<u64, EventsError> {
+    let mask = reg
+        .events
+        .iter()
+        .filter(|e| matches(pattern, &e.system, &e.name))
+        .fold(0u64, |m, e| m | bit(e.slot));
+    if mask == 0 {
+        let known: Vec<String> = reg.events.iter().map(Registration::full_name).collect();
+        return Err(EventsError::Unknown {
+            pattern: pattern.to_string(),
+            known: if known.is_empty() {
+                "none".into()
+            } else {
+                known.join(", ")
+            },
+        });
+    }
+    Ok(mask)
+}
+
+/// An [`EventTable`] over a VM's trace region, shared with the vCPU threads.
+pub type VmEventTable = Arc<EventTable<Arc<crate::session::GuestTraceMem>>>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hyptrace_abi::layout::Mode;
+    use hyptrace_abi::registry::DEFAULT_TABLE_SIZE;
+    use hyptrace_abi::HeapMem;
+    use hyptrace_writer::events::{read_answer, write_table, Event, Field as WField};
+
+    static F: &[WField<'static>] = &[WField {
+        name: "v",
+        ctype: "u64",
+        offset: 8,
+        size: 8,
+        signed: false,
+    }];
+
+    fn region() -> (Arc<HeapMem>, RingGeometry) {
+        let l = RingGeometry::new(2, 3, 4096, Mode::Stop, false)
+            .unwrap()
+            .with_events(DEFAULT_TABLE_SIZE)
+            .unwrap();
+        let m = Arc::new(HeapMem::new(l.region_size));
+        l.init_region(&*m, 0, 1);
+        (m, l)
+    }
+
+    fn word(m: &HeapMem, l: &RingGeometry, cpu: u32) -> u64 {
+        m.load(l.ctl(cpu) + ctl::ENABLE, Relaxed)
+    }
+
+    #[test]
+    fn globs() {
+        assert!(matches("all", "a", "b"));
+        assert!(matches("guest:*", "guest", "marker"));
+        assert!(!matches("guest:*", "other", "marker"));
+        assert!(matches("guest", "guest", "marker"));
+        assert!(matches("marker", "guest", "marker"));
+        assert!(matches("*:mark*", "guest", "marker"));
+        assert!(matches("g?est:m*r", "guest", "marker"));
+        assert!(!matches("mark", "guest", "marker"));
+        assert!(!matches("guest:span", "guest", "marker"));
+    }
+
+    /// The registration answer sets exactly the selected bits on every CPU; enable and
+    /// disable flip one event's bit with the others kept; unknown names are errors.
+    #[test]
+    fn selection_and_flips() {
+        static A: Event<'static> = Event::new("g", "a", F, "\"%llu\", REC->v", 16, 0, 0);
+        static B: Event<'static> = Event::new("g", "b", F, "\"%llu\", REC->v", 16, 5, 0);
+        static C: Event<'static> = Event::new("h", "c", F, "\"%llu\", REC->v", 16, 9, 0);
+        let (m, l) = region();
+        let evs = [&A, &B, &C];
+        write_table(&*m, &evs).unwrap();
+        let sel = Selection {
+            enable: vec!["g:*".into()],
+            disable: vec!["b".into()],
+        };
+        let t = EventTable::new(m.clone(), l, sel);
+        assert_eq!(t.enable("a"), Err(EventsError::NotRegistered));
+        t.register(0);
+        assert_eq!(read_answer(&*m, &evs), Ok(3));
+        assert_eq!((word(&m, &l, 0), word(&m, &l, 1)), (1, 1));
+        assert_eq!(t.enable("h:c").unwrap(), ["h:c"]);
+        assert_eq!((word(&m, &l, 0), word(&m, &l, 1)), (1 | 1 << 9, 1 | 1 << 9));
+        assert_eq!(t.disable("a").unwrap(), ["g:a"]);
+        assert_eq!(word(&m, &l, 1), 1 << 9);
+        let e = t.enable("nope").unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "unknown event \"nope\" (the guest registered: g:a, g:b, h:c)"
+        );
+        let list = t.list().unwrap();
+        let on: Vec<(String, bool)> = list
+            .iter()
+            .map(|i| (i.reg.full_name(), i.enabled))
+            .collect();
+        assert_eq!(
+            on,
+            [
+                ("g:a".into(), false),
+                ("g:b".into(), false),
+                ("h:c".into(), true)
+            ]
+        );
+        assert_eq!(
+            list[0].describe(),
+            "g:a\n\tfield:u64 v;\toffset:8;\tsize:8;\tsigned:0;\n"
+        );
+        assert_eq!(
+            t.formats()[2].to_format_text(),
+            to_format(&list[2].reg).to_format_text()
+        );
+        // A second exit changes nothing.
+        t.register(0);
+        assert_eq!(word(&m, &l, 0), 1 << 9);
+    }
+
+    #[test]
+    fn unknown_selection_enables_nothing_and_is_reported() {
+        static A: Event<'static> = Event::new("g", "a", F, "\"%llu\", REC->v", 16, 0, 0);
+        let (m, l) = region();
+        write_table(&*m, &[&A]).unwrap();
+        let t = EventTable::new(
+            m.clone(),
+            l,
+            Selection {
+                enable: vec!["g:zz".into()],
+                disable: vec![],
+            },
+        );
+        t.register(0);
+        assert_eq!(word(&m, &l, 0), 0);
+        assert!(matches!(
+            t.selection_error(),
+            Some(EventsError::Unknown { .. })
+        ));
+        assert_eq!(
+            t.settle(Duration::from_millis(1), || false),
+            Settled::Registered
+        );
+    }
+
+    #[test]
+    fn early_exits_and_bad_headers_refuse_the_table() {
+        let (m, l) = region();
+        let t = EventTable::new(m.clone(), l, Selection::default());
+        for _ in 0..MAX_EARLY_EXITS - 1 {
+            t.register(0);
+        }
+        let mut calls = 0;
+        assert_eq!(
+            t.settle(Duration::from_millis(1), || {
+                calls += 1;
+                calls > 2
+            }),
+            Settled::None
+        );
+        t.register(0);
+        assert!(matches!(
+            t.settle(Duration::from_millis(1), || false),
+            Settled::Refused(_)
+        ));
+        // A ready table with a bad version: refused, state REFUSED for the guest.
+        let (m, l) = region();
+        m.store(l.events_off, hyptrace_abi::registry::TABLE_MAGIC, Relaxed);
+        m.store(l.events_off + 16, 9, Relaxed);
+        m.store(
+            l.events_off + 8,
+            hyptrace_abi::registry::STATE_READY,
+            Relaxed,
+        );
+        let t = EventTable::new(m.clone(), l, Selection::default());
+        t.register(0);
+        assert!(matches!(
+            t.settle(Duration::from_millis(1), || false),
+            Settled::Refused(w) if w.contains("version 9")
+        ));
+        assert_eq!(
+            m.load(l.events_off + 8, Relaxed),
+            hyptrace_abi::registry::STATE_REFUSED
+        );
+    }
+}

@@ -1,0 +1,93 @@
+//! The example C guest (guest/examples/c/main.c): builds the C SDK (`libhyptrace.a`,
+//! guest/c-sdk, a nested `cargo build` from guest/ so its .cargo/config.toml applies;
+//! the SDK's build script fails if include/hyptrace.h is not what cbindgen generates)
+//! and links the example against it with gcc as a freestanding static image, once per
+//! test binary.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+
+// `strip_var`: which variables a nested guest build must not inherit (shared with
+// host/build.rs).
+include!("../../host/guest_build_env.rs");
+
+/// Builds the C SDK and the example C guest under `<target_dir>/c-guest` and returns
+/// the ELF's path (cached per test binary).
+///
+/// `target_dir` is the root package's target directory (the parent of the directory
+/// holding the `hyptrace` binary).
+pub fn c_guest(target_dir: &Path) -> Result<PathBuf, String> {
+    static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    BUILT.get_or_init(|| build(target_dir)).clone()
+}
+
+fn output(cmd: &mut Command, what: &str) -> Result<(), String> {
+    let o = cmd
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run {what}: {e}"))?;
+    if o.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{what} failed ({}):\n{}{}",
+            o.status,
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        ))
+    }
+}
+
+fn build(target_dir: &Path) -> Result<PathBuf, String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let guest = root.join("guest");
+    let out = target_dir.join("c-guest");
+    let cargo = std::env::var_os("CARGO")
+        .or_else(|| option_env!("CARGO").map(Into::into))
+        .unwrap_or_else(|| "cargo".into());
+    let mut cmd = Command::new(&cargo);
+    cmd.current_dir(&guest)
+        .args(["build", "--release", "-p", "hyptrace-c-sdk", "--target-dir"])
+        .arg(&out);
+    for (name, _) in std::env::vars_os() {
+        if name.to_str().is_some_and(strip_var) {
+            cmd.env_remove(&name);
+        }
+    }
+    output(&mut cmd, "building the C SDK (guest/c-sdk)")?;
+    let lib = out.join("x86_64-unknown-linux-gnu/release/libhyptrace.a");
+    if !lib.is_file() {
+        return Err(format!("the C SDK build left no {}", lib.display()));
+    }
+    let elf = out.join("c-guest.elf");
+    let mut gcc = Command::new("gcc");
+    gcc.args([
+        "-std=c11",
+        "-ffreestanding",
+        "-nostdlib",
+        "-static",
+        "-fno-pic",
+        "-no-pie",
+        "-O2",
+        "-mno-red-zone",
+        "-fno-stack-protector",
+        "-fno-asynchronous-unwind-tables",
+        "-Wall",
+        "-Wextra",
+        "-Wpedantic",
+        "-Werror",
+        "-Wl,--build-id=none",
+        "-Wl,--gc-sections",
+        "-Wl,--no-warn-rwx-segments",
+    ])
+    .arg("-I")
+    .arg(guest.join("c-sdk/include"))
+    .arg(format!("-Wl,-T,{}", guest.join("link.ld").display()))
+    .arg(guest.join("examples/c/main.c"))
+    .arg(&lib)
+    .arg("-o")
+    .arg(&elf);
+    output(&mut gcc, "compiling the example C guest (gcc)")?;
+    Ok(elf)
+}
