@@ -551,6 +551,10 @@ fn sigkill_drain_live_dump_has_no_duplicates() {
 /// A short finished run's trace memory file, and what it holds.
 fn finished_file(dir: &TempDir) -> Vec<u8> {
     let mem = dir.file("done.trace");
+    // An existing file is reused, made owner-only.
+    std::fs::write(&mem, b"old").expect("write");
+    std::fs::set_permissions(&mem, std::os::unix::fs::PermissionsExt::from_mode(0o644))
+        .expect("chmod");
     let r = run_bounded(
         &[
             "run",
@@ -569,6 +573,11 @@ fn finished_file(dir: &TempDir) -> Vec<u8> {
         "done",
     );
     assert_eq!(r.code, Some(0), "{}", r.stderr);
+    let mode = std::fs::metadata(&mem).expect("meta").permissions();
+    assert_eq!(
+        std::os::unix::fs::PermissionsExt::mode(&mode) & 0o777,
+        0o600
+    );
     // The file of a finished run dumps too: the positions are those of the live
     // reader (none with `--drain none`), so the dump holds what the rings held at the
     // end — what the final walk printed.
@@ -726,4 +735,112 @@ fn corrupted_trace_mem_files() {
         "nope",
     );
     assert_eq!(r.code, Some(2), "{}", r.stderr);
+}
+
+/// `--drain none` without a crash: nothing is read while the guest runs, the final walk
+/// gets the newest ring-full (overwrite): the last event, contiguous, exact losses,
+/// written = read + lost (exit 0). With `--mode stop` the first ring-full, and a note.
+#[test]
+fn drain_none_keeps_the_newest_or_the_first() {
+    if !kvm_available(KRATE, "drain_none_keeps_the_newest_or_the_first") {
+        return;
+    }
+    let _l = vm_lock();
+    let dir = TempDir::new("drain");
+    let out = dir.file("o.txt");
+    let r = run_bounded(
+        &[
+            "record",
+            "-o",
+            &out,
+            "--drain",
+            "none",
+            "--events",
+            "20000",
+            "--rate",
+            "0",
+            "--vcpus",
+            "2",
+            "--buffer-kb",
+            "16",
+        ],
+        &dir,
+        "over",
+    );
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    for t in check_text(&out, 2) {
+        assert_eq!(t.last_seq, Some(19_999), "{t:?}");
+        assert_eq!(t.events + t.dropped, 20_000, "{t:?}");
+        assert!(t.events >= 2 * MARKERS_PER_PAGE && t.events < 4 * MARKERS_PER_PAGE);
+    }
+    let r = run_bounded(
+        &[
+            "record",
+            "-o",
+            &out,
+            "--drain",
+            "none",
+            "--mode",
+            "stop",
+            "--events",
+            "20000",
+            "--rate",
+            "0",
+            "--vcpus",
+            "2",
+            "--buffer-kb",
+            "16",
+        ],
+        &dir,
+        "stop",
+    );
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("keeps the first ring-full"),
+        "{}",
+        r.stderr
+    );
+    for t in check_text(&out, 2) {
+        assert_eq!(t.events + t.trailing, 20_000, "{t:?}");
+        assert!(t.events >= 2 * MARKERS_PER_PAGE && t.events < 4 * MARKERS_PER_PAGE);
+        assert_eq!(t.last_seq, Some(t.events - 1), "the first events: {t:?}");
+    }
+}
+
+/// `--hang-timeout` counts progress, not speed: a guest writing 20 events/s with a
+/// 1-second timeout is not hung (exit 0).
+#[test]
+fn slow_guest_is_not_hung() {
+    if !kvm_available(KRATE, "slow_guest_is_not_hung") {
+        return;
+    }
+    let _l = vm_lock();
+    let dir = TempDir::new("slow");
+    let r = run_bounded(
+        &[
+            "run",
+            "--events",
+            "40",
+            "--rate",
+            "20",
+            "--vcpus",
+            "1",
+            "--hang-timeout",
+            "1",
+        ],
+        &dir,
+        "slow",
+    );
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    assert!(!r.stderr.contains("hung"), "{}", r.stderr);
+}
+
+/// `--trace-mem` in a directory that does not exist: exit 2, the flag named.
+#[test]
+fn trace_mem_bad_path_is_bad_input() {
+    let dir = TempDir::new("badpath");
+    let p = dir.file("missing/vm.trace");
+    let r = run_bounded(&["run", "--events", "1", "--trace-mem", &p], &dir, "bad");
+    assert_eq!(r.code, Some(2), "{}", r.stderr);
+    assert!(r.stderr.contains("--trace-mem"), "{}", r.stderr);
 }
