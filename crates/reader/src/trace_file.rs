@@ -28,8 +28,8 @@ pub const HEADER_FIXED: usize = 256;
 pub const POS_STRIDE: usize = 64;
 /// Alignment of the region in the file (the mapping's offset must be page-aligned).
 pub const FILE_ALIGN: usize = 4096;
-/// `events_abi`: the guest's built-in events (hyptrace_abi::events) — the formats are
-/// rebuilt from them (`hyptrace_output::TraceMeta::guest`).
+/// `events_abi`: the formats are rebuilt from the region — its event registration
+/// table as the host answered it, else the built-in guest events.
 pub const EVENTS_BUILTIN_V1: u64 = 1;
 
 /// Header field offsets.
