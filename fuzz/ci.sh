@@ -8,7 +8,7 @@
 set -euo pipefail
 fuzz_dir=$(cd "$(dirname "$0")" && pwd)
 secs=${FUZZ_SECONDS:-30}
-targets=${FUZZ_TARGETS:-"region page registration"}
+targets=${FUZZ_TARGETS:-"region page registration trace_mem"}
 
 if ! cargo fuzz --version >/dev/null 2>&1; then
     cargo install cargo-fuzz --locked

@@ -96,6 +96,10 @@ pub enum Command {
     /// Boot the guest until it registers its events, print them (system, name, id,
     /// fields, print fmt, as `trace-cmd list -e -F`) and exit.
     List(ListArgs),
+    /// Write the events left in a trace memory file (`--trace-mem`) — of a VMM killed,
+    /// crashed or finished — to a file in any `record` format: every committed event
+    /// no reader consumed, with the exact losses.
+    Dump(crate::dump::DumpArgs),
     /// Measure the writer in the guest and natively, drain throughput, swap latency in
     /// both modes, the highest loss-free rate and start-up time; print a table and
     /// optionally write JSON (see docs/benchmarks.md).
@@ -331,6 +335,50 @@ pub struct RunArgs {
     /// EVENT`, `stats`, `list`. Removed at exit.
     #[arg(long, value_name = "PATH")]
     pub control: Option<PathBuf>,
+    /// Flight recorder options (`--drain`, `--hang-timeout`, `--crash-dump`, `--trace-mem`).
+    #[command(flatten)]
+    pub flight: FlightArgs,
+}
+
+/// Who consumes the rings while the guest runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DrainArg {
+    /// The VMM's reader drains every ring while the guest runs.
+    Live,
+    /// Flight recorder: nothing consumes while the guest runs (with --mode overwrite
+    /// the rings keep the newest events); the rings are read at the end, on a crash,
+    /// or by `hyptrace dump` from --trace-mem.
+    None,
+}
+
+/// Flight recorder and post-mortem options of `run` and `record`.
+#[derive(Clone, Debug, Args)]
+pub struct FlightArgs {
+    /// Who consumes the rings while the guest runs: `live` (the VMM's reader) or
+    /// `none` (flight recorder: read at the end, on a crash or by `hyptrace dump`).
+    /// With --mode stop, `none` keeps the first ring-full of events per vCPU.
+    #[arg(long, value_enum, default_value_t = DrainArg::Live)]
+    pub drain: DrainArg,
+    /// A guest that makes no progress for S seconds (no vCPU commits or drops an event
+    /// and no vCPU exits) counts as hung: the vCPUs are stopped, the rings dumped as
+    /// for a crash, exit 3 [default: no limit].
+    #[arg(
+        long = "hang-timeout",
+        value_name = "S",
+        allow_negative_numbers = true,
+        value_parser = crate::plan::parse_duration
+    )]
+    pub hang_timeout: Option<f64>,
+    /// On a guest crash or hang, write every committed event no reader consumed to
+    /// FILE (format from the extension: .dat trace.dat, .json, .txt, .raw) [default:
+    /// trace.dat with `run --drain none`, none otherwise: the run's output gets them].
+    #[arg(long = "crash-dump", value_name = "FILE")]
+    pub crash_dump: Option<PathBuf>,
+    /// Put the trace region in a shared mapping of FILE (created owner-only, e.g.
+    /// /dev/shm/vm1.trace) that outlives the VMM: `hyptrace dump --trace-mem FILE`
+    /// reads it after a SIGKILL or a crash.
+    #[arg(long = "trace-mem", value_name = "FILE")]
+    pub trace_mem: Option<PathBuf>,
 }
 
 /// Why a command failed, mapped to the exit code in one place ([`CliError::exit_code`]).
@@ -427,6 +475,7 @@ where
         Command::Report(args) => report(&args).map(|()| EXIT_OK),
         Command::List(args) => list(&args),
         Command::Bench(args) => return crate::bench::bench(&args),
+        Command::Dump(args) => return crate::dump::dump(&args),
         Command::Ctl(args) => ctl(&args),
     };
     match r {
@@ -511,20 +560,7 @@ pub fn run(a: &RunArgs) -> Result<i32, CliError> {
 
 /// The format of `record`: `--format`, else from the file's extension.
 fn record_format(a: &RecordArgs) -> FormatArg {
-    a.format.unwrap_or_else(|| {
-        match a
-            .output
-            .extension()
-            .and_then(|e| e.to_str())
-            .map(str::to_ascii_lowercase)
-            .as_deref()
-        {
-            Some("json") => FormatArg::Json,
-            Some("txt") | Some("text") => FormatArg::Text,
-            Some("raw") => FormatArg::Raw,
-            _ => FormatArg::Dat,
-        }
-    })
+    crate::dump::format_for(&a.output, a.format)
 }
 
 /// `hyptrace record`.
@@ -615,7 +651,19 @@ pub fn ctl(a: &CtlArgs) -> Result<i32, CliError> {
 /// (a bad one costs nothing), runs the pipeline, prints the report, writes `--stats`.
 /// Returns the run's exit code (its causes are on stderr already).
 fn execute(a: &RunArgs, file: Option<(&PathBuf, FormatArg)>) -> Result<i32, CliError> {
-    let plan = Plan::new(a)?;
+    let mut plan = Plan::new(a)?;
+    if file.is_some() {
+        plan.flight.for_record(&a.flight);
+    }
+    let crash_dump = plan
+        .flight
+        .crash_dump
+        .as_deref()
+        .map(|p| check_destination(p, "--crash-dump"))
+        .transpose()?;
+    if !plan.flight.drain_live && a.mode == ModeArg::Stop {
+        note!("hyptrace: note: --drain none with --mode stop keeps the first ring-full of events of each vCPU and drops the rest");
+    }
     let target = match file {
         None => Target::Stdout,
         Some((path, format)) => Target::File {
@@ -638,7 +686,9 @@ fn execute(a: &RunArgs, file: Option<(&PathBuf, FormatArg)>) -> Result<i32, CliE
         .as_deref()
         .map(crate::control::ControlServer::bind)
         .transpose()?;
-    let mut run = Run::new(plan, target).interrupts(interrupts);
+    let mut run = Run::new(plan, target)
+        .interrupts(interrupts)
+        .crash_dump(crash_dump);
     if let Some(c) = &control {
         run = run.control(c);
     }

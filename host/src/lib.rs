@@ -21,6 +21,7 @@ pub mod arch;
 pub mod bench;
 pub mod cli;
 pub mod control;
+pub mod dump;
 pub mod elf;
 pub mod error;
 pub mod events;
@@ -31,6 +32,7 @@ pub mod report;
 pub mod run;
 pub mod session;
 pub mod signals;
+pub mod trace_mem;
 pub mod vcpu;
 pub mod vm;
 

@@ -237,6 +237,50 @@ pub struct Plan {
     pub echo: OptionsEcho,
     /// `-e` / `--disable`: the events to record.
     pub events: crate::events::Selection,
+    /// `--drain`, `--hang-timeout`, `--crash-dump`, `--trace-mem`.
+    pub flight: FlightPlan,
+}
+
+/// The flight recorder options of a run.
+#[derive(Debug, Clone, Default)]
+pub struct FlightPlan {
+    /// `--drain live` (the default): the reader drains while the guest runs.
+    pub drain_live: bool,
+    /// `--hang-timeout`.
+    pub hang_timeout: Option<Duration>,
+    /// `--crash-dump` (explicit, or trace.dat for `run --drain none`; see
+    /// [`FlightPlan::for_record`]).
+    pub crash_dump: Option<PathBuf>,
+    /// `--trace-mem`.
+    pub trace_mem: Option<PathBuf>,
+}
+
+impl FlightPlan {
+    fn new(a: &crate::cli::FlightArgs) -> Result<Self, PlanError> {
+        let hang_timeout = match a.hang_timeout {
+            None => None,
+            Some(s) if s.is_finite() && s > 0.0 && s < MAX_DURATION_S => {
+                Some(Duration::from_secs_f64(s))
+            }
+            Some(s) => return Err(PlanError::Duration(s)),
+        };
+        let drain_live = a.drain == crate::cli::DrainArg::Live;
+        Ok(Self {
+            drain_live,
+            hang_timeout,
+            crash_dump: a
+                .crash_dump
+                .clone()
+                .or_else(|| (!drain_live).then(|| PathBuf::from("trace.dat"))),
+            trace_mem: a.trace_mem.clone(),
+        })
+    }
+
+    /// `record`: its own output gets a crash's events, so there is no default crash
+    /// dump file (only an explicit `--crash-dump`).
+    pub fn for_record(&mut self, a: &crate::cli::FlightArgs) {
+        self.crash_dump = a.crash_dump.clone();
+    }
 }
 
 /// The options `--stats` repeats.
@@ -422,6 +466,7 @@ impl Plan {
                 events: a.events,
                 rate: a.rate,
             },
+            flight: FlightPlan::new(&a.flight)?,
         })
     }
 }

@@ -28,6 +28,8 @@ pub enum Stop {
     StdoutClosed,
     /// Reading a ring or writing the output failed (reported on its own).
     Failed(String),
+    /// No vCPU made progress for `--hang-timeout` (counts as a crash: exit 3).
+    Hang(Duration),
 }
 
 impl fmt::Display for Stop {
@@ -38,6 +40,11 @@ impl fmt::Display for Stop {
             Self::Crash => f.write_str("a vCPU crashed"),
             Self::StdoutClosed => f.write_str("stdout closed"),
             Self::Failed(what) => f.write_str(what),
+            Self::Hang(t) => write!(
+                f,
+                "the guest hung: no progress for {:.1} s (--hang-timeout)",
+                t.as_secs_f64()
+            ),
         }
     }
 }
@@ -66,6 +73,11 @@ impl Failures {
             }
             (e, None) => self.other.push(e.to_string()),
         }
+    }
+
+    /// Records a failure outside the session (e.g. writing the crash dump).
+    pub fn other(&mut self, what: String) {
+        self.other.push(what);
     }
 
     /// Whether anything failed.
@@ -321,6 +333,8 @@ impl RunReport {
         let consistent = self.cpus.iter().all(CpuReport::consistent);
         if code == EXIT_OK && (self.failures.any() || !consistent) {
             EXIT_RUNTIME
+        } else if code == EXIT_OK && matches!(self.stop, Some(Stop::Hang(_))) {
+            EXIT_CRASH
         } else {
             code
         }
@@ -343,6 +357,7 @@ impl RunReport {
             Some(Stop::Duration) => "duration",
             Some(Stop::StdoutClosed) => "stdout_closed",
             Some(Stop::Crash) => "guest_crashed",
+            Some(Stop::Hang(_)) => "guest_hung",
             Some(Stop::Failed(_)) => "error",
         }
     }

@@ -44,6 +44,7 @@ use crate::plan::Plan;
 use crate::report::{CpuReport, Destination, Failures, GuestView, RunReport, Stop, Timing};
 use crate::session::{alloc_reader_wrapped, GuestTraceMem, Output, Session};
 use crate::signals::Interrupts;
+use crate::trace_mem::TraceMemFile;
 use crate::vcpu::VcpuOutcome;
 use crate::vm::{RunningVm, Vm};
 
@@ -109,6 +110,9 @@ pub enum RunError {
     /// A second Ctrl-C / SIGTERM: nothing was written.
     #[error("aborted: no output written")]
     Aborted,
+    /// `--trace-mem`: the file could not be set up.
+    #[error(transparent)]
+    TraceMem(#[from] crate::trace_mem::TraceMemError),
     /// `-e` / `--disable` named an event the guest did not register.
     #[error(transparent)]
     Events(#[from] EventsError),
@@ -120,7 +124,7 @@ impl RunError {
     pub fn is_input_error(&self) -> bool {
         match self {
             Self::Vm(e) => e.is_input_error(),
-            Self::Sink { .. } | Self::Events(_) => true,
+            Self::Sink { .. } | Self::TraceMem(_) | Self::Events(_) => true,
             _ => false,
         }
     }
@@ -143,6 +147,7 @@ pub struct Run<'a> {
     interrupts: Option<&'a Interrupts>,
     wrap: Option<WrapCallbacks>,
     events_hook: Option<EventsHook>,
+    crash_dump: Option<OutputTarget>,
     control: Option<&'a ControlServer>,
 }
 
@@ -179,6 +184,7 @@ impl<'a> Run<'a> {
             interrupts: None,
             wrap: None,
             events_hook: None,
+            crash_dump: None,
             control: None,
         }
     }
@@ -188,6 +194,13 @@ impl<'a> Run<'a> {
     /// then).
     pub fn on_events(mut self, hook: EventsHook) -> Self {
         self.events_hook = Some(hook);
+        self
+    }
+
+    /// Where a crash or hang writes its dump (`--crash-dump`, checked by the caller;
+    /// the format comes from `plan.flight.crash_dump`'s extension).
+    pub fn crash_dump(mut self, target: Option<OutputTarget>) -> Self {
+        self.crash_dump = target;
         self
     }
 
@@ -217,6 +230,7 @@ impl<'a> Run<'a> {
             interrupts,
             wrap,
             events_hook,
+            crash_dump,
             control,
         } = self;
         let nr = plan.cfg.vcpus;
@@ -230,7 +244,14 @@ impl<'a> Run<'a> {
             plan.ring.guest_swap
         );
         let created_tsc = crate::vm::host_tsc();
-        let vm = Vm::new(plan.cfg)?;
+        let trace_mem = match &plan.flight.trace_mem {
+            Some(path) => Some(TraceMemFile::create(path, &plan.ring).map_err(RunError::TraceMem)?),
+            None => None,
+        };
+        let vm = Vm::with_trace_backing(
+            plan.cfg,
+            trace_mem.as_ref().map(TraceMemFile::region_backing),
+        )?;
         let guest = GuestView {
             memory: vm.memory().clone(),
             map: vm.layout().clone(),
@@ -264,7 +285,14 @@ impl<'a> Run<'a> {
                 "the host runs the"
             }
         );
+        if let Some(tm) = &trace_mem {
+            tm.write_header(&plan.ring, vm.layout().trace_gpa, tsc_khz, generation);
+            log::info!("trace memory in {}", tm.path().display());
+        }
         let running = vm.start_with_events(&plan.params, table.clone())?;
+        if let Some(tm) = &trace_mem {
+            tm.set_state(crate::trace_mem::STATE_RUNNING);
+        }
         log::info!("started {nr} vCPUs ({tsc_khz} kHz TSC)");
         if let Some(hook) = events_hook {
             hook(table.clone());
@@ -279,10 +307,29 @@ impl<'a> Run<'a> {
             Shown::File { .. } => true,
             Shown::Sink => false,
         };
+        let mut session = Session::new(reader, output, clock.clone()).with_formats(&formats);
+        session.set_live_drain(plan.flight.drain_live);
+        let flight = Flight {
+            trace_mem,
+            hang: plan.flight.hang_timeout.map(|timeout| HangWatch {
+                timeout,
+                last: None,
+                since: Instant::now(),
+            }),
+            dump_target: crash_dump.map(|t| {
+                let path = plan.flight.crash_dump.clone().unwrap_or_default();
+                let format = crate::dump::format_for(&path, None);
+                (t, format, path)
+            }),
+            dumped: false,
+            clock,
+            formats: formats.clone(),
+        };
         let mut live = Live {
             deadline: plan.duration.map(|d| running.started_at() + d),
             running,
-            session: Session::new(reader, output, clock).with_formats(&formats),
+            session,
+            flight,
             stdout,
             interrupts,
             heartbeat: Heartbeat::new(heartbeat),
@@ -306,9 +353,19 @@ impl<'a> Run<'a> {
             stdout,
             stop,
             failures,
+            flight,
             ..
         } = live;
         let outcomes = running.wait();
+        if let Some(tm) = &flight.trace_mem {
+            let crashed =
+                outcomes.iter().any(VcpuOutcome::is_crash) || matches!(stop, Some(Stop::Hang(_)));
+            tm.set_state(if crashed {
+                crate::trace_mem::STATE_CRASHED
+            } else {
+                crate::trace_mem::STATE_ENDED
+            });
+        }
         if aborted {
             // Dropping the session drops the sink: its temporary files go.
             return Err(RunError::Aborted);
@@ -432,7 +489,7 @@ fn settle_events(
 }
 
 /// The page sink of `format` on `target`.
-fn make_sink(
+pub(crate) fn make_sink(
     target: &OutputTarget,
     format: FormatArg,
     meta: TraceMeta,
@@ -515,6 +572,7 @@ fn sink_summary(cpus: &[CpuReport]) -> hyptrace_output::RunSummary {
 struct Live<'a> {
     running: RunningVm,
     session: Session,
+    flight: Flight,
     stdout: Arc<StdoutState>,
     interrupts: Option<&'a Interrupts>,
     heartbeat: Option<Heartbeat>,
@@ -583,6 +641,11 @@ impl Live<'_> {
     /// A signal, `--duration`, a crash or a closed stdout stops the run.
     fn check_stop(&mut self) {
         if self.stop.is_some() {
+            // A crash after the run was stopped for another reason is still dumped
+            // (service holds the rings until then).
+            if !self.flight.dumped && self.running.any_crashed() {
+                self.crash_dump();
+            }
             return;
         }
         let signal = self.interrupts.filter(|i| i.stop_requested());
@@ -592,20 +655,129 @@ impl Live<'_> {
             Some(Stop::Duration)
         } else if self.running.any_crashed() {
             Some(Stop::Crash)
+        } else if let Some(t) = self.hung() {
+            Some(Stop::Hang(t))
         } else if self.stdout.closed.load(Ordering::Relaxed) {
             Some(Stop::StdoutClosed)
         } else {
             None
         };
         if let Some(why) = why {
+            let crash = matches!(why, Stop::Crash | Stop::Hang(_));
             self.stop_for(why);
+            if crash {
+                self.crash_dump();
+            }
+        }
+    }
+
+    /// `--hang-timeout`: whether no vCPU made progress for that long. Progress is a
+    /// change of any CPU's writer index (`entries + dropped` in its control block: an
+    /// event committed or dropped) or of the number of vCPUs that exited.
+    fn hung(&mut self) -> Option<Duration> {
+        let h = self.flight.hang.as_mut()?;
+        let reader = self.session.reader();
+        let index = (0..self.nr).fold(0u64, |a, c| a.wrapping_add(reader.writer_index(c)));
+        let exited = (0..self.nr)
+            .filter(|&c| self.running.vcpu_finished(c))
+            .count();
+        if exited == self.nr as usize {
+            return None;
+        }
+        let now = (index, exited);
+        if h.last != Some(now) {
+            h.last = Some(now);
+            h.since = Instant::now();
+            return None;
+        }
+        (h.since.elapsed() >= h.timeout).then_some(h.timeout)
+    }
+
+    /// A crash or hang: the vCPUs are stopped (waited for, bounded); every CPU's
+    /// committed, unconsumed events are dumped read-only (no swaps) to `--crash-dump`
+    /// if there is one; the reason and the last event per vCPU go to stderr. Runs once,
+    /// before any final walk consumes the rings.
+    fn crash_dump(&mut self) {
+        if std::mem::replace(&mut self.flight.dumped, true) {
+            return;
+        }
+        let t0 = Instant::now();
+        // The vCPUs leave KVM_RUN at the kick; a vCPU thread that does not end within
+        // the bound is dumped anyway (reads are atomics and copies: safe, less exact).
+        while !self.running.wait_timeout(Duration::from_millis(20))
+            && t0.elapsed() < Duration::from_secs(5)
+        {}
+        let reason = match &self.stop {
+            Some(Stop::Hang(_)) => self.stop.as_ref().map(ToString::to_string),
+            _ => self.running.crash_reason(),
+        }
+        .unwrap_or_else(|| "a vCPU crashed".into());
+        note!("hyptrace: guest crashed: {reason}");
+        let reader = self.session.reader();
+        let session = &self.session;
+        let target = self.flight.dump_target.as_ref().map(|(t, f, _)| (t, *f));
+        let (report, err) = crate::dump::write_crash_dump(
+            &**reader.mem(),
+            reader.layout(),
+            &|c| reader.position(c),
+            &|c| session.is_live(c),
+            &self.flight.clock,
+            &self.flight.formats,
+            target,
+        );
+        let _ = std::io::stderr().write_all(
+            report
+                .last_events(&self.flight.clock, &self.flight.formats)
+                .as_bytes(),
+        );
+        if let Some((_, _, path)) = &self.flight.dump_target {
+            match err {
+                None => note!(
+                    "hyptrace: crash dump: {} events ({} lost before them) written to {} in {:.1} ms",
+                    report.events(),
+                    report.cpus.iter().map(|c| c.lost).fold(0, u64::saturating_add),
+                    crate::report::shown_path(path),
+                    t0.elapsed().as_secs_f64() * 1e3
+                ),
+                Some(e) => self.failures.other(format!(
+                    "writing the crash dump {}: {e}",
+                    path.display()
+                )),
+            }
+            for c in &report.cpus {
+                for w in &c.warnings {
+                    note!("hyptrace: crash dump: warning: {w}");
+                }
+            }
+        }
+    }
+
+    /// Records every CPU's reader position in the trace memory file.
+    fn record_positions(&self) {
+        if let Some(tm) = &self.flight.trace_mem {
+            let reader = self.session.reader();
+            for c in 0..self.nr {
+                if let Some(p) = reader.position(c) {
+                    tm.record(c, p);
+                }
+            }
         }
     }
 
     /// One round over the CPUs and a flush of the output; a failure stops the run.
     fn service(&mut self) {
         let running = &self.running;
-        for (cpu, e) in self.session.service(|c| running.vcpu_finished(c)) {
+        // A crash not yet dumped: nothing is consumed before the dump (check_stop
+        // takes it at the next round). A vCPU that crashed after check_stop looked is
+        // polled, not walked, until then.
+        let hold = !self.flight.dumped;
+        if hold && running.any_crashed() {
+            return;
+        }
+        let stopped = |c| running.vcpu_finished(c) && !(hold && running.any_crashed());
+        let failed = self.session.service(stopped);
+        self.record_positions();
+        for (cpu, e) in failed {
             log::debug!("cpu {cpu}: {e}");
             self.failures.session(Some(cpu), &e);
             self.stop_for(Stop::Failed(if e.is_output() {
@@ -619,6 +791,29 @@ impl Live<'_> {
             self.stop_for(Stop::Failed("output failed".into()));
         }
     }
+}
+
+/// The flight recorder state of a run.
+struct Flight {
+    /// `--trace-mem`.
+    trace_mem: Option<TraceMemFile>,
+    /// `--hang-timeout`.
+    hang: Option<HangWatch>,
+    /// `--crash-dump`: where, in which format, the path for messages.
+    dump_target: Option<(OutputTarget, FormatArg, PathBuf)>,
+    /// The crash dump was taken (or there was none to take).
+    dumped: bool,
+    /// The guest clock.
+    clock: Clock,
+    /// The event formats (the guest's registrations).
+    formats: Vec<EventFormat>,
+}
+
+/// `--hang-timeout`: the last progress seen and since when.
+struct HangWatch {
+    timeout: Duration,
+    last: Option<(u64, usize)>,
+    since: Instant,
 }
 
 /// The control socket's commands, executed by the run loop.

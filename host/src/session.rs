@@ -170,6 +170,8 @@ pub struct Session<M = Arc<GuestTraceMem>, C = Box<dyn Callbacks + Send>> {
     lines: u64,
     /// The first output error (reported once; later output is discarded).
     output_error: Option<String>,
+    /// `--drain live`: live CPUs are polled; `--drain none`: only final walks.
+    live_drain: bool,
 }
 
 /// What went wrong while draining a CPU.
@@ -210,7 +212,14 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
             line: String::new(),
             lines: 0,
             output_error: None,
+            live_drain: true,
         }
+    }
+
+    /// `--drain none` (`false`): [`Session::service`] no longer polls CPUs whose vCPU
+    /// runs — nothing is consumed until the vCPU has stopped (flight recorder).
+    pub fn set_live_drain(&mut self, live: bool) {
+        self.live_drain = live;
     }
 
     /// Prints events with `formats` (the guest's registered events) instead of the
@@ -410,7 +419,7 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
             let had_error = st.error.is_some();
             let r = if vcpu_stopped(cpu) {
                 self.end_cpu(cpu)
-            } else if st.failed {
+            } else if st.failed || !self.live_drain {
                 continue;
             } else {
                 match self.poll(cpu) {

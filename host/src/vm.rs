@@ -182,6 +182,17 @@ impl Vm {
     /// Creates the VM: checks the image and layout, opens KVM, creates and fills guest
     /// memory (tables, image), and the vCPUs at their entry state.
     pub fn new(cfg: VmConfig) -> Result<Self> {
+        Self::with_trace_backing(cfg, None)
+    }
+
+    /// [`Vm::new`] with the trace region in a shared mapping of a file (`--trace-mem`,
+    /// [`crate::trace_mem`]) instead of anonymous memory: guest memory is then three
+    /// regions — below the trace region, the trace region rounded up to 4 KiB (from
+    /// `backing`), and the rest — each in its own KVM memory slot.
+    pub fn with_trace_backing(
+        cfg: VmConfig,
+        backing: Option<vm_memory::FileOffset>,
+    ) -> Result<Self> {
         let image = GuestImage::parse(&cfg.guest_elf)?;
         let layout = GuestMemoryMap::new(
             &image,
@@ -223,8 +234,25 @@ impl Vm {
             .set_tss_address(KVM_TSS_ADDR as usize)
             .map_err(Error::kvm("KVM_SET_TSS_ADDR"))?;
 
-        let memory = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), cfg.mem_bytes as usize)])
-            .map_err(Error::MemoryMmap)?;
+        let memory = match backing {
+            None => GuestMemoryMmap::from_ranges(&[(GuestAddress(0), cfg.mem_bytes as usize)]),
+            Some(file) => {
+                let (gpa, len) = (
+                    layout.trace_gpa,
+                    crate::trace_mem::mapped_len(layout.trace_len as usize) as u64,
+                );
+                let end = gpa.saturating_add(len).min(cfg.mem_bytes);
+                let mut ranges = vec![
+                    (GuestAddress(0), gpa as usize, None),
+                    (GuestAddress(gpa), (end - gpa) as usize, Some(file)),
+                ];
+                if end < cfg.mem_bytes {
+                    ranges.push((GuestAddress(end), (cfg.mem_bytes - end) as usize, None));
+                }
+                GuestMemoryMmap::from_ranges_with_files(&ranges)
+            }
+        }
+        .map_err(Error::MemoryMmap)?;
         for (slot, region) in memory.iter().enumerate() {
             let host = region.get_host_address(vm_memory::MemoryRegionAddress(0))?;
             let r = kvm_userspace_memory_region {
@@ -376,6 +404,7 @@ impl Vm {
         let shared = Arc::new(Shared {
             stop: AtomicBool::new(false),
             crashed: AtomicBool::new(false),
+            reason: Mutex::new(None),
             done: Mutex::new(0),
             cv: Condvar::new(),
             events,
@@ -404,6 +433,11 @@ impl Vm {
                 .spawn(move || {
                     let out = vcpu::run(id, fd, mem, slot, &shared);
                     if out.is_crash() || matches!(out, VcpuOutcome::Error(_)) {
+                        shared
+                            .reason
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .get_or_insert_with(|| crash_reason(id, &out));
                         shared.crashed.store(true, Ordering::SeqCst);
                     }
                     *shared.done.lock().unwrap_or_else(|e| e.into_inner()) += 1;
@@ -425,10 +459,25 @@ impl Vm {
     }
 }
 
+/// One line saying how vCPU `id` crashed or failed.
+fn crash_reason(id: u32, out: &VcpuOutcome) -> String {
+    match out {
+        VcpuOutcome::Panicked(m) => format!(
+            "vcpu {id}: guest panic: {}",
+            hyptrace_output::escape_guest_str(m)
+        ),
+        VcpuOutcome::Faulted(m) => format!("vcpu {id}: {m}"),
+        VcpuOutcome::Error(e) => format!("vcpu {id}: {e}"),
+        other => format!("vcpu {id}: {other:?}"),
+    }
+}
+
 /// State shared by the vCPU threads and the [`RunningVm`].
 pub(crate) struct Shared {
     pub(crate) stop: AtomicBool,
     crashed: AtomicBool,
+    /// What the first vCPU that crashed or failed did (set before `crashed`).
+    reason: Mutex<Option<String>>,
     done: Mutex<usize>,
     cv: Condvar,
     /// Answers the guest's registration exit.
@@ -486,6 +535,16 @@ impl RunningVm {
     /// Whether a vCPU has crashed (panic, fault) or failed.
     pub fn any_crashed(&self) -> bool {
         self.shared.crashed.load(Ordering::SeqCst)
+    }
+
+    /// What the first vCPU that crashed or failed did (one line; the guest's panic
+    /// message escaped), once [`Self::any_crashed`].
+    pub fn crash_reason(&self) -> Option<String> {
+        self.shared
+            .reason
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Asks every vCPU to stop: each leaves `KVM_RUN` promptly, even if the guest spins.

@@ -16,7 +16,9 @@
 //! accesses outside the region.
 
 pub mod callbacks;
+pub mod postmortem;
 pub mod registry;
+pub mod trace_file;
 
 pub use callbacks::{
     Callbacks, Direct, Mailbox, MailboxOp, MailboxPort, MailboxSeq, MailboxStatus, SwapReply,
@@ -507,6 +509,23 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
             self.mem
                 .load(self.layout.ctl(cpu) + ctl::TAIL_PAGE, Acquire),
         )
+    }
+
+    /// Where the consuming read of `cpu` stands: its reader page, the data bytes of it
+    /// consumed, and the index of the next event (losses found but not yet reported are
+    /// not counted as consumed). A post-mortem walk from here
+    /// ([`postmortem::walk_cpu`]) reads exactly what this reader has not consumed.
+    /// `None` for a CPU out of range or in its final walk.
+    pub fn position(&self, cpu: u32) -> Option<postmortem::Position> {
+        let st = self.cpus.get(cpu as usize)?;
+        if st.final_queue.is_some() {
+            return None;
+        }
+        Some(postmortem::Position {
+            reader: st.reader,
+            consumed: st.read as u64,
+            expected: st.expected.saturating_sub(st.pending_lost),
+        })
     }
 
     /// Statistics of `cpu` so far.

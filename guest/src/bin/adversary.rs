@@ -16,7 +16,8 @@
 //! with a huge length and a message full of control characters and a forged drop
 //! marker), mailbox lies (wrong seq, unknown status, "done" without swapping, no
 //! answer at all), hand-made pages with hostile-but-legal encodings, text events that
-//! try to forge output lines, and a vCPU that stays silent while the others write.
+//! try to forge output lines, a vCPU that stays silent while the others write, and
+//! crashes after N events (fault, panic, invalid opcode, hang) for the flight recorder.
 #![no_std]
 #![no_main]
 
@@ -97,6 +98,16 @@ enum Scenario {
     MboxAckNoSwap = 18,
     /// Mailbox: never answers.
     MboxNever = 19,
+    /// Crash (flight recorder tests): after `events` markers, a store to unmapped
+    /// memory — a page fault with no IDT, a triple fault (`KVM_EXIT_SHUTDOWN`).
+    CrashFault = 20,
+    /// Crash: after `events` markers, a guest panic (the panic port).
+    CrashPanic = 21,
+    /// Crash: after `events` markers, `ud2` — an invalid opcode with no IDT, a triple
+    /// fault.
+    CrashUd = 22,
+    /// Hang: after `events` markers, spins for ever: no event, no exit.
+    CrashHang = 23,
 }
 
 impl Scenario {
@@ -123,6 +134,10 @@ impl Scenario {
             17 => MboxBadStatus,
             18 => MboxAckNoSwap,
             19 => MboxNever,
+            20 => CrashFault,
+            21 => CrashPanic,
+            22 => CrashUd,
+            23 => CrashHang,
             _ => return None,
         })
     }
@@ -130,6 +145,8 @@ impl Scenario {
 
 /// Unknown event id of the hand-made events (not a built-in one).
 const UNKNOWN_ID: u16 = 0xbeef;
+/// A guest-virtual address outside guest memory and unmapped (`CrashFault`).
+const UNMAPPED: u64 = 0x0000_7f00_dead_0000;
 /// TSC frequency assumed when the host does not say.
 const DEFAULT_TSC_KHZ: u64 = 2_000_000;
 
@@ -558,6 +575,28 @@ fn adversary(cx: &Ctx, s: Scenario, mut h: Honest) -> ! {
             h.w.finish();
             let a = h.attempted;
             cx.exit(a)
+        }
+        CrashFault | CrashPanic | CrashUd | CrashHang => {
+            // No finish: the writer is left as a crash leaves it.
+            for _ in 0..or_default(cx.events) {
+                h.marker();
+            }
+            match s {
+                CrashFault => {
+                    // SAFETY: deliberately invalid: the address is outside guest memory
+                    // and unmapped; the store faults and the vCPU triple-faults (no
+                    // IDT). Nothing is ever written.
+                    unsafe { (UNMAPPED as *mut u64).write_volatile(0xdead) };
+                    panic!("crash-fault survived a store to {UNMAPPED:#x}")
+                }
+                CrashPanic => panic!("adversary crash-panic after {} events", h.attempted),
+                CrashUd => {
+                    // SAFETY: `ud2` raises #UD, which with no IDT is a triple fault; it
+                    // touches no memory and never returns.
+                    unsafe { core::arch::asm!("ud2", options(noreturn)) }
+                }
+                _ => spin_forever(),
+            }
         }
         MboxWrongSeq | MboxBadStatus | MboxAckNoSwap | MboxNever => {
             // Write without serving, then answer (or not) every request wrongly.

@@ -1,0 +1,466 @@
+//! Post-mortem walks: every committed event of a CPU that no reader consumed, read from
+//! a trace region whose writer is gone (a crashed or stopped guest, a VMM killed with
+//! SIGKILL and its file-backed trace memory, a finished run's file) — read-only, no
+//! swaps, no writer, nothing trusted.
+//!
+//! The order of the pages comes from the footers alone: the reader page first (from
+//! where its reader stopped, [`Position`]), then every ring page whose `page_seq` is
+//! above the reader page's, by `page_seq` — ring order from the head to the tail
+//! (docs/design.md, "After the writer stopped"). Losses come from the pages'
+//! `first_index` (R1: exact, at the place they happened).
+//!
+//! Unlike [`crate::RingBuffer::finalize`], which fails a CPU at the first inconsistency,
+//! a walk goes on where it can and says what it skipped ([`CpuDump::warnings`]): a page
+//! with a foreign footer, a repeated `page_seq` or an index going backwards is left out;
+//! a commit past the data area is clamped; an event that does not decode (torn, or
+//! garbage) ends its page there — the events before it are kept, nothing after it on
+//! that page is guessed at. Every loop is bounded by the CPU's page count and the page
+//! length; host memory is one page buffer per walk.
+
+use core::sync::atomic::Ordering::Acquire;
+
+use hyptrace_abi::layout::{ctl, footer, RingGeometry, FOOTER_MAGIC};
+use hyptrace_abi::page::{self, COMMIT_LEN_MASK, COMMIT_OFFSET, PAGE_HEADER_SIZE};
+use hyptrace_abi::SharedMem;
+
+/// Most warnings kept per CPU (more are counted, not kept).
+pub const MAX_WARNINGS: usize = 16;
+
+/// Where a reader of a CPU stopped: its reader page, the data bytes of that page it
+/// consumed (a record boundary), and the event index after the last event it consumed
+/// (or reported as lost).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Position {
+    /// The reader page id.
+    pub reader: u32,
+    /// Data bytes of the reader page consumed.
+    pub consumed: u64,
+    /// Index of the next event the reader expected.
+    pub expected: u64,
+}
+
+/// One page for the output: a whole `page_size` buffer (`time_stamp`, `commit` = data
+/// length without flags, the data, zeros after it), with the events lost right before it.
+#[derive(Debug)]
+pub struct DumpPage<'a> {
+    /// The page bytes.
+    pub bytes: &'a [u8],
+    /// Events lost right before this page (0: none).
+    pub missed: u64,
+    /// Events on the page.
+    pub events: u64,
+}
+
+/// What a walk of one CPU found.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CpuDump {
+    /// The CPU.
+    pub cpu: u32,
+    /// Events dumped.
+    pub events: u64,
+    /// Events lost before or between the dumped ones (from `first_index`).
+    pub lost: u64,
+    /// Events the writer took in but that are on no page (after the last page: stop-mode
+    /// drops, or a control block ahead of the pages), from its `entries + dropped`.
+    pub trailing_lost: u64,
+    /// Pages with events handed out.
+    pub pages: u64,
+    /// The writer's event index (`entries + dropped` of its control block).
+    pub writer_index: u64,
+    /// The index after the last event dumped (or lost).
+    pub end_index: u64,
+    /// Timestamp and payload of the last event dumped.
+    pub last_event: Option<(u64, Vec<u8>)>,
+    /// What was skipped or cut, and why (at most [`MAX_WARNINGS`]).
+    pub warnings: Vec<String>,
+    /// Warnings not kept.
+    pub more_warnings: u64,
+}
+
+impl CpuDump {
+    fn warn(&mut self, w: String) {
+        if self.warnings.len() < MAX_WARNINGS {
+            self.warnings.push(w);
+        } else {
+            self.more_warnings = self.more_warnings.saturating_add(1);
+        }
+    }
+
+    /// Whether the walk skipped or cut anything.
+    pub fn damaged(&self) -> bool {
+        !self.warnings.is_empty()
+    }
+}
+
+/// A read-only snapshot of a trace region in host memory (a file's bytes), as
+/// [`SharedMem`]: `size` may be larger than the bytes held (a truncated file), the
+/// missing part reads as zeros. Only the loads and byte copies are used by a walk; the
+/// writing methods panic (a bug of the caller: a snapshot is never written).
+#[derive(Debug)]
+pub struct Snapshot<'a> {
+    bytes: &'a [u8],
+    size: usize,
+}
+
+impl<'a> Snapshot<'a> {
+    /// A snapshot of `bytes` that claims `size` bytes (at least `bytes.len()`).
+    pub fn new(bytes: &'a [u8], size: usize) -> Self {
+        Self {
+            bytes,
+            size: size.max(bytes.len()),
+        }
+    }
+
+    /// Bytes actually held (the rest reads as zeros).
+    pub fn held(&self) -> usize {
+        self.bytes.len()
+    }
+
+    fn copy(&self, off: usize, dst: &mut [u8]) {
+        let end = off.checked_add(dst.len()).filter(|&e| e <= self.size);
+        assert!(end.is_some(), "snapshot read out of range");
+        dst.fill(0);
+        if let Some(src) = self.bytes.get(off..) {
+            let n = src.len().min(dst.len());
+            dst[..n].copy_from_slice(&src[..n]);
+        }
+    }
+}
+
+impl SharedMem for Snapshot<'_> {
+    fn size(&self) -> usize {
+        self.size
+    }
+    fn load(&self, off: usize, _: core::sync::atomic::Ordering) -> u64 {
+        assert!(off.is_multiple_of(8), "unaligned snapshot load");
+        let mut b = [0u8; 8];
+        self.copy(off, &mut b);
+        u64::from_le_bytes(b)
+    }
+    fn store(&self, _: usize, _: u64, _: core::sync::atomic::Ordering) {
+        unreachable!("a snapshot is read-only")
+    }
+    fn swap(&self, _: usize, _: u64, _: core::sync::atomic::Ordering) -> u64 {
+        unreachable!("a snapshot is read-only")
+    }
+    fn compare_exchange(
+        &self,
+        _: usize,
+        _: u64,
+        _: u64,
+        _: core::sync::atomic::Ordering,
+        _: core::sync::atomic::Ordering,
+    ) -> Result<u64, u64> {
+        unreachable!("a snapshot is read-only")
+    }
+    fn fetch_or(&self, _: usize, _: u64, _: core::sync::atomic::Ordering) -> u64 {
+        unreachable!("a snapshot is read-only")
+    }
+    fn fetch_and(&self, _: usize, _: u64, _: core::sync::atomic::Ordering) -> u64 {
+        unreachable!("a snapshot is read-only")
+    }
+    fn fetch_add(&self, _: usize, _: u64, _: core::sync::atomic::Ordering) -> u64 {
+        unreachable!("a snapshot is read-only")
+    }
+    fn write_bytes(&self, _: usize, _: &[u8]) {
+        unreachable!("a snapshot is read-only")
+    }
+    fn read_bytes(&self, off: usize, dst: &mut [u8]) {
+        self.copy(off, dst)
+    }
+}
+
+/// Walks CPU `cpu` of the region in `mem` (layout `l`, parsed from the same memory)
+/// from `pos` (where its reader stopped; `None`: from the start of its reader page, as
+/// if nothing of it was consumed), handing every page with unconsumed events to `out`
+/// in order. `mem` must not change during the walk (a stopped writer, a file).
+pub fn walk_cpu<M: SharedMem + ?Sized, E>(
+    mem: &M,
+    l: &RingGeometry,
+    cpu: u32,
+    pos: Option<Position>,
+    mut out: impl FnMut(DumpPage<'_>) -> Result<(), E>,
+) -> Result<CpuDump, E> {
+    let mut d = CpuDump {
+        cpu,
+        ..CpuDump::default()
+    };
+    if cpu >= l.nr_cpus {
+        d.warn(format!("cpu {cpu}: not in the region"));
+        return Ok(d);
+    }
+    let c = l.ctl(cpu);
+    // Acquire: the writer is gone; these pair with its Release stores if it was stopped
+    // in this process (R1), and with nothing for a file.
+    d.writer_index = mem
+        .load(c + ctl::ENTRIES, Acquire)
+        .saturating_add(mem.load(c + ctl::DROPPED, Acquire));
+    let first = l.first_page(cpu);
+    let valid_footer = |id: u32| {
+        mem.load(l.footer_off(id) + footer::ID_MAGIC, Acquire)
+            == u64::from(id) | (u64::from(FOOTER_MAGIC) << 32)
+    };
+    let seq_of = |id: u32| mem.load(l.footer_off(id) + footer::PAGE_SEQ, Acquire);
+    let raw_reader = mem.load(c + ctl::READER_PAGE, Acquire);
+    let reader = if l.owns(cpu, raw_reader) && valid_footer(raw_reader as u32) {
+        Some(raw_reader as u32)
+    } else {
+        d.warn(format!(
+            "cpu {cpu}: reader page {raw_reader} is not one of its pages (or its footer is foreign): only ring pages are read"
+        ));
+        None
+    };
+    let reader_seq = reader.map_or(0, seq_of);
+    // Ring pages with events the reader has not had, in ring order.
+    let mut ring: Vec<(u64, u32)> = Vec::new();
+    for id in first..first.saturating_add(l.pages_per_cpu) {
+        if Some(id) == reader {
+            continue;
+        }
+        if !valid_footer(id) {
+            d.warn(format!("cpu {cpu}: page {id}: foreign footer, skipped"));
+            continue;
+        }
+        let seq = seq_of(id);
+        if seq > reader_seq {
+            ring.push((seq, id));
+        }
+    }
+    ring.sort_unstable();
+    let mut order: Vec<(u32, bool)> = Vec::with_capacity(ring.len() + 1);
+    if let Some(r) = reader {
+        order.push((r, true));
+    }
+    let mut last_seq = None;
+    for (seq, id) in ring {
+        if last_seq == Some(seq) {
+            d.warn(format!(
+                "cpu {cpu}: page {id}: sequence number {seq} repeated, skipped"
+            ));
+            continue;
+        }
+        last_seq = Some(seq);
+        order.push((id, false));
+    }
+
+    let mut expected = match (reader, pos) {
+        (Some(r), Some(p)) if p.reader == r => p.expected,
+        (Some(r), _) => mem.load(l.footer_off(r) + footer::FIRST_INDEX, Acquire),
+        (None, _) => pos.map_or(0, |p| p.expected),
+    };
+    let mut pending_lost = 0u64;
+    let cap = l.data_capacity();
+    let mut buf = vec![0u8; l.page_size];
+    let mut outbuf = vec![0u8; l.page_size];
+    for (id, is_reader) in order {
+        let off = l.page_off(id);
+        let skip = match pos {
+            Some(p) if is_reader && p.reader == id => p.consumed,
+            _ => 0,
+        };
+        if !(is_reader && pos.is_some_and(|p| p.reader == id)) {
+            let first_index = mem.load(l.footer_off(id) + footer::FIRST_INDEX, Acquire);
+            if first_index < expected {
+                d.warn(format!(
+                    "cpu {cpu}: page {id} starts at event {first_index}, before {expected}: skipped"
+                ));
+                continue;
+            }
+            pending_lost = pending_lost.saturating_add(first_index - expected);
+            expected = first_index;
+        }
+        // Acquire: paired with the Release store of commit in Writer::write (W1).
+        let commit = mem.load(off + COMMIT_OFFSET, Acquire);
+        let mut len = (commit & COMMIT_LEN_MASK) as usize;
+        if len > cap {
+            d.warn(format!(
+                "cpu {cpu}: page {id}: commit {len} past the data area ({cap}): clamped"
+            ));
+            len = cap;
+        }
+        mem.read_bytes(off, &mut buf[..PAGE_HEADER_SIZE + len]);
+        let time_stamp = u64::from_le_bytes(buf[..8].try_into().unwrap_or([0; 8]));
+        let data = &buf[PAGE_HEADER_SIZE..PAGE_HEADER_SIZE + len];
+        // The clock where the unconsumed part starts (bounded: each record ≥ 4 bytes).
+        let mut start = 0usize;
+        let mut clock = time_stamp;
+        if skip > 0 {
+            let mut it = page::Events::new(data, time_stamp);
+            let mut bad = false;
+            while (it.offset() as u64) < skip {
+                match it.next() {
+                    Some(Ok(_)) => {}
+                    Some(Err(_)) | None => {
+                        bad = true;
+                        break;
+                    }
+                }
+            }
+            start = it.offset();
+            clock = it.clock();
+            if bad || start as u64 != skip {
+                d.warn(format!(
+                    "cpu {cpu}: page {id}: the reader's position {skip} is not a record boundary of the {len} committed bytes: reading on from {start}"
+                ));
+            }
+        }
+        let rest = &data[start..];
+        let mut n = 0u64;
+        let mut cut = rest.len();
+        let mut last = None;
+        for ev in page::Events::new(rest, clock) {
+            match ev {
+                Ok(e) => {
+                    n += 1;
+                    let at = e.payload.as_ptr() as usize - rest.as_ptr() as usize;
+                    last = Some((e.ts, at, e.payload.len()));
+                }
+                Err(e) => {
+                    let at = match e {
+                        page::DecodeError::Truncated { offset }
+                        | page::DecodeError::BadLength { offset } => offset,
+                    };
+                    d.warn(format!(
+                        "cpu {cpu}: page {id}: {e} (at data offset {}): the page is cut there",
+                        start + at
+                    ));
+                    cut = at;
+                    break;
+                }
+            }
+        }
+        expected = expected.saturating_add(n);
+        if n == 0 {
+            continue;
+        }
+        if let Some((ts, at, plen)) = last {
+            d.last_event = rest.get(at..at + plen).map(|p| (ts, p.to_vec()));
+        }
+        outbuf.fill(0);
+        outbuf[..8].copy_from_slice(&clock.to_le_bytes());
+        outbuf[COMMIT_OFFSET..COMMIT_OFFSET + 8].copy_from_slice(&(cut as u64).to_le_bytes());
+        outbuf[PAGE_HEADER_SIZE..PAGE_HEADER_SIZE + cut].copy_from_slice(&rest[..cut]);
+        let missed = core::mem::take(&mut pending_lost);
+        d.lost = d.lost.saturating_add(missed);
+        d.events = d.events.saturating_add(n);
+        d.pages += 1;
+        out(DumpPage {
+            bytes: &outbuf,
+            missed,
+            events: n,
+        })?;
+    }
+    // Losses with no page after them, and what the writer counted past the pages.
+    let trailing = d.writer_index.saturating_sub(expected);
+    d.trailing_lost = trailing.saturating_add(pending_lost);
+    d.end_index = expected.max(d.writer_index);
+    Ok(d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hyptrace_abi::layout::Mode;
+    use hyptrace_abi::HeapMem;
+    use hyptrace_writer::Writer;
+
+    /// A 1-CPU overwrite region of 6 pages with `n` 16-byte events (payload = index).
+    fn region(n: u64) -> (HeapMem, RingGeometry) {
+        let l = RingGeometry::new(1, 6, 4096, Mode::Overwrite, false).expect("layout");
+        let mem = HeapMem::new(l.region_size);
+        l.init_region(&mem, 1_000_000, 1);
+        let mut w = Writer::attach(&mem, 0).expect("attach");
+        for i in 0..n {
+            let mut p = [0u8; 16];
+            p[..8].copy_from_slice(&i.to_le_bytes());
+            let _ = w.write(0, 100 + i, &p);
+        }
+        (mem, l)
+    }
+
+    /// Walks CPU 0; returns the event indexes (from the payloads) and the dump.
+    fn walk(mem: &HeapMem, l: &RingGeometry, pos: Option<Position>) -> (Vec<u64>, CpuDump) {
+        let mut seen = Vec::new();
+        let d = walk_cpu(mem, l, 0, pos, |p| {
+            let len = u64::from_le_bytes(p.bytes[8..16].try_into().expect("8")) as usize;
+            let data = &p.bytes[PAGE_HEADER_SIZE..PAGE_HEADER_SIZE + len];
+            for e in page::Events::new(data, 0) {
+                let e = e.expect("decodes");
+                seen.push(u64::from_le_bytes(e.payload[..8].try_into().expect("8")));
+            }
+            Ok::<(), ()>(())
+        })
+        .expect("walk");
+        (seen, d)
+    }
+
+    /// Overwrite mode, nothing consumed: the newest events, contiguous up to the last,
+    /// and the losses before them exactly the overwritten ones.
+    #[test]
+    fn newest_events_with_exact_losses() {
+        let n = 2000;
+        let (mem, l) = region(n);
+        let (seen, d) = walk(&mem, &l, None);
+        assert!(d.warnings.is_empty(), "{:?}", d.warnings);
+        assert_eq!(seen.last(), Some(&(n - 1)));
+        assert!(seen.windows(2).all(|w| w[1] == w[0] + 1));
+        assert_eq!(d.lost, seen[0]);
+        assert_eq!(d.events + d.lost + d.trailing_lost, n);
+        assert_eq!(d.last_event.as_ref().map(|e| e.0), Some(100 + n - 1));
+    }
+
+    /// A torn last event (commit cut in its middle) is cut off with a warning; the
+    /// events before it stay, nothing is misparsed.
+    #[test]
+    fn torn_last_event_is_cut_off() {
+        let n = 2000;
+        let (mem, l) = region(n);
+        let tail = mem.load(l.ctl(0) + ctl::TAIL_PAGE, Acquire) as u32;
+        let c = l.page_off(tail) + COMMIT_OFFSET;
+        let commit = mem.load(c, Acquire);
+        mem.store(c, commit - 6, core::sync::atomic::Ordering::Relaxed);
+        let (seen, d) = walk(&mem, &l, None);
+        assert_eq!(seen.last(), Some(&(n - 2)), "the torn event is gone");
+        assert!(seen.windows(2).all(|w| w[1] == w[0] + 1));
+        assert!(
+            d.warnings.iter().any(|w| w.contains("cut there")),
+            "{:?}",
+            d.warnings
+        );
+    }
+
+    /// From a reader's position: exactly the events after it, none before.
+    #[test]
+    fn position_skips_what_was_consumed() {
+        let (mem, l) = region(50);
+        // Everything is on the first ring page; make it the reader page as a swap would.
+        let tail = mem.load(l.ctl(0) + ctl::TAIL_PAGE, Acquire);
+        let (all, _) = walk(&mem, &l, None);
+        assert_eq!(all.len(), 50);
+        mem.store(
+            l.ctl(0) + ctl::READER_PAGE,
+            tail,
+            core::sync::atomic::Ordering::Relaxed,
+        );
+        // 20 events of 20 bytes (4-byte header + 16) consumed.
+        let pos = Position {
+            reader: tail as u32,
+            consumed: 20 * 20,
+            expected: 20,
+        };
+        let (seen, d) = walk(&mem, &l, Some(pos));
+        assert_eq!(seen, (20..50).collect::<Vec<_>>());
+        assert_eq!(d.lost, 0);
+        assert!(d.warnings.is_empty(), "{:?}", d.warnings);
+        // A position inside a record is not trusted to be a boundary.
+        let (_, d) = walk(
+            &mem,
+            &l,
+            Some(Position {
+                consumed: 22,
+                ..pos
+            }),
+        );
+        assert!(!d.warnings.is_empty());
+    }
+}

@@ -1,0 +1,441 @@
+//! Post-mortem dumps: every committed event no reader consumed, written to a file in
+//! any `record` format — from the guest memory of a VM whose guest crashed or hung
+//! (`--crash-dump`, written by the run pipeline) and from a trace memory file
+//! (`hyptrace dump --trace-mem PATH`: after the VMM was killed, or of a finished run).
+//!
+//! Both walk the rings read-only with `hyptrace_reader::postmortem::walk_cpu` (no
+//! swaps, nothing asked of the guest, nothing trusted): per CPU the reader page from
+//! where its reader stopped, then the ring pages in `page_seq` order, with the exact
+//! losses from the pages' `first_index`.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use clap::Args;
+use hyptrace_abi::layout::RingGeometry;
+use hyptrace_abi::SharedMem;
+use hyptrace_output::{
+    format_guest_line, guest_printers, Clock, EventFormat, EventPrinter, OutputError, OutputTarget,
+    PageSink, RunSummary, TraceMeta,
+};
+use hyptrace_reader::postmortem::{walk_cpu, CpuDump, Position};
+use hyptrace_reader::trace_file;
+
+use crate::cli::{FormatArg, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE};
+
+/// `eprintln!` that never panics: stderr may be a closed pipe.
+macro_rules! note {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
+/// Options of `hyptrace dump`.
+#[derive(Clone, Debug, Args)]
+pub struct DumpArgs {
+    /// The trace memory file a VMM ran with (`run`/`record --trace-mem PATH`), killed,
+    /// crashed or finished.
+    #[arg(long = "trace-mem", value_name = "PATH")]
+    pub trace_mem: PathBuf,
+    /// Output file (as `record -o`: written to a temporary name and renamed; `-` is
+    /// stdout).
+    #[arg(
+        short = 'o',
+        long = "output",
+        value_name = "FILE",
+        default_value = "trace.dat"
+    )]
+    pub output: PathBuf,
+    /// Output format [default: from the extension, as `record`].
+    #[arg(long, value_enum)]
+    pub format: Option<FormatArg>,
+}
+
+/// Why a dump failed.
+#[derive(Debug, thiserror::Error)]
+pub enum DumpError {
+    /// The trace memory file cannot be read.
+    #[error("cannot read {path}: {source}", path = .path.display())]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The trace memory file is not usable.
+    #[error("{path}: {source}", path = .path.display())]
+    File {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: trace_file::FileError,
+    },
+    /// The output failed.
+    #[error("cannot write {path}: {source}", path = .path.display())]
+    Output {
+        /// The output.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: OutputError,
+    },
+}
+
+impl DumpError {
+    /// 2 for input that cannot be used, 1 for an output failure.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            Self::Output { .. } => EXIT_RUNTIME,
+            _ => EXIT_USAGE,
+        }
+    }
+}
+
+/// What a dump found, per CPU.
+#[derive(Debug, Default)]
+pub struct DumpReport {
+    /// One entry per CPU walked.
+    pub cpus: Vec<CpuDump>,
+}
+
+impl DumpReport {
+    /// Events dumped in all.
+    pub fn events(&self) -> u64 {
+        self.cpus
+            .iter()
+            .map(|c| c.events)
+            .fold(0, u64::saturating_add)
+    }
+
+    /// Whether any CPU's walk skipped or cut something.
+    pub fn damaged(&self) -> bool {
+        self.cpus.iter().any(CpuDump::damaged)
+    }
+
+    /// The per-CPU lines of the summary on stderr (events, losses, warnings).
+    pub fn summary(&self) -> String {
+        let mut s = String::new();
+        for c in &self.cpus {
+            let _ = writeln!(
+                s,
+                "hyptrace: dump: cpu {}: {} events, {} lost before them, {} lost after the last page (writer index {})",
+                c.cpu, c.events, c.lost, c.trailing_lost, c.writer_index
+            );
+            for w in &c.warnings {
+                let _ = writeln!(s, "hyptrace: dump: warning: {w}");
+            }
+            if c.more_warnings > 0 {
+                let _ = writeln!(
+                    s,
+                    "hyptrace: dump: warning: cpu {}: {} more warnings",
+                    c.cpu, c.more_warnings
+                );
+            }
+        }
+        s
+    }
+
+    /// "vcpu N: last event: <line as `run` prints it>" for every CPU, for a crash report.
+    pub fn last_events(&self, clock: &Clock, formats: &[EventFormat]) -> String {
+        let printers: BTreeMap<u16, EventPrinter> = if formats.is_empty() {
+            guest_printers()
+        } else {
+            formats
+                .iter()
+                .map(|f| (f.id, EventPrinter::new(f.clone())))
+                .collect()
+        };
+        let cmdlines: BTreeMap<i32, String> = self
+            .cpus
+            .iter()
+            .map(|c| {
+                (
+                    hyptrace_abi::events::vcpu_pid(c.cpu),
+                    format!("vcpu{}", c.cpu),
+                )
+            })
+            .collect();
+        let mut s = String::new();
+        for c in &self.cpus {
+            match &c.last_event {
+                Some((ts, payload)) => {
+                    let mut line = String::new();
+                    format_guest_line(
+                        &mut line,
+                        &printers,
+                        &cmdlines,
+                        c.cpu,
+                        clock.to_ns(*ts),
+                        payload,
+                    );
+                    let _ = writeln!(s, "hyptrace: vcpu {}: last event: {}", c.cpu, line.trim());
+                }
+                None => {
+                    let _ = writeln!(
+                        s,
+                        "hyptrace: vcpu {}: no unconsumed event in its ring",
+                        c.cpu
+                    );
+                }
+            }
+        }
+        s
+    }
+
+    /// The statistics a page sink writes at its end.
+    fn sink_summary(&self) -> RunSummary {
+        RunSummary {
+            cpus: self
+                .cpus
+                .iter()
+                .map(|c| hyptrace_output::KernelCpuStat {
+                    entries: 0,
+                    overrun: c.lost,
+                    commit_overrun: 0,
+                    bytes: 0,
+                    oldest_event_ts: 0,
+                    now_ts: 0,
+                    dropped_events: c.trailing_lost,
+                    read_events: c.events,
+                })
+                .collect(),
+        }
+    }
+}
+
+/// Walks every CPU of the region in `mem` for which `include(cpu)`, from its reader's
+/// position (`positions(cpu)`), handing the pages to `sink` (if any). A sink failure
+/// stops the dump: the walks so far and the error are returned.
+pub fn dump_region<M: SharedMem + ?Sized>(
+    mem: &M,
+    l: &RingGeometry,
+    positions: &dyn Fn(u32) -> Option<Position>,
+    include: &dyn Fn(u32) -> bool,
+    mut sink: Option<&mut dyn PageSink>,
+) -> (DumpReport, Option<OutputError>) {
+    let mut report = DumpReport::default();
+    for cpu in 0..l.nr_cpus {
+        if !include(cpu) {
+            continue;
+        }
+        let r = walk_cpu(mem, l, cpu, positions(cpu), |p| match sink.as_mut() {
+            Some(s) => s.page(cpu, p.bytes, (p.missed > 0).then_some(p.missed)),
+            None => Ok(()),
+        });
+        match r {
+            Ok(d) => {
+                if d.trailing_lost > 0 {
+                    if let Some(s) = sink.as_mut() {
+                        if let Err(e) = s.trailing_lost(cpu, d.trailing_lost) {
+                            report.cpus.push(d);
+                            return (report, Some(e));
+                        }
+                    }
+                }
+                report.cpus.push(d);
+            }
+            Err(e) => return (report, Some(e)),
+        }
+    }
+    (report, None)
+}
+
+/// The format for an output path: `format`, else from the extension (as `record`).
+pub fn format_for(path: &Path, format: Option<FormatArg>) -> FormatArg {
+    format.unwrap_or_else(|| {
+        match path
+            .extension()
+            .and_then(|e| e.to_str())
+            .map(str::to_ascii_lowercase)
+            .as_deref()
+        {
+            Some("json") => FormatArg::Json,
+            Some("txt") | Some("text") => FormatArg::Text,
+            Some("raw") => FormatArg::Raw,
+            _ => FormatArg::Dat,
+        }
+    })
+}
+
+/// Reads a trace memory file whole (a regular file, at most the largest region and
+/// header: a hostile size is refused, not allocated).
+pub fn read_trace_mem(path: &Path) -> Result<Vec<u8>, DumpError> {
+    let err = |source| DumpError::Read {
+        path: path.to_path_buf(),
+        source,
+    };
+    let f = std::fs::File::open(path).map_err(err)?;
+    let meta = f.metadata().map_err(err)?;
+    if !meta.file_type().is_file() {
+        return Err(err(std::io::Error::other("not a regular file")));
+    }
+    let max = trace_file::MAX_REGION + trace_file::MAX_HEADER as u64;
+    if meta.len() > max {
+        return Err(err(std::io::Error::other(format!(
+            "{} bytes: larger than any trace memory file ({max})",
+            meta.len()
+        ))));
+    }
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    f.take(max).read_to_end(&mut bytes).map_err(err)?;
+    Ok(bytes)
+}
+
+/// Dumps a trace memory file's unconsumed events into `target` in `format`. Returns
+/// what was dumped and the warnings of the file itself.
+pub fn dump_trace_mem(
+    bytes: &[u8],
+    path: &Path,
+    target: &OutputTarget,
+    out_path: &Path,
+    format: FormatArg,
+) -> Result<(DumpReport, Vec<String>), DumpError> {
+    let img = trace_file::parse(bytes).map_err(|source| DumpError::File {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let mut warnings = img.warnings.clone();
+    warnings.push(format!(
+        "{}: written by pid {}, state {}",
+        path.display(),
+        img.pid,
+        img.state_name()
+    ));
+    let clock = match Clock::guest_tsc(img.tsc_khz) {
+        Ok(c) => c,
+        Err(e) => {
+            warnings.push(format!(
+                "guest clock ({} kHz): {e}: timestamps are raw TSC values",
+                img.tsc_khz
+            ));
+            Clock::nanoseconds()
+        }
+    };
+    let l = img.layout;
+    let out_err = |source| DumpError::Output {
+        path: out_path.to_path_buf(),
+        source,
+    };
+    let mut meta = TraceMeta::guest(l.page_size, l.nr_cpus, clock);
+    match region_formats(&img.region, &l) {
+        Ok(Some(f)) => meta.formats = f,
+        Ok(None) => {}
+        Err(e) => warnings.push(format!(
+            "the event registration table: {e}: the built-in guest event formats are used"
+        )),
+    }
+    let mut sink = crate::run::make_sink(target, format, meta).map_err(out_err)?;
+    let positions = |c: u32| img.positions.get(c as usize).copied().flatten();
+    let (report, err) = dump_region(&img.region, &l, &positions, &|_| true, Some(sink.as_mut()));
+    if let Some(e) = err {
+        return Err(out_err(e));
+    }
+    sink.finish(&report.sink_summary()).map_err(out_err)?;
+    Ok((report, warnings))
+}
+
+/// `hyptrace dump`: returns the exit code (0: dumped, even partly — warnings on
+/// stderr; 2: the file is unusable; 1: the output failed).
+pub fn dump(a: &DumpArgs) -> i32 {
+    let format = format_for(&a.output, a.format);
+    let target = match crate::cli::check_destination(&a.output, "-o") {
+        Ok(t) => t,
+        Err(e) => {
+            note!("hyptrace: error: {e}");
+            return EXIT_USAGE;
+        }
+    };
+    let started = std::time::Instant::now();
+    let r = read_trace_mem(&a.trace_mem)
+        .and_then(|bytes| dump_trace_mem(&bytes, &a.trace_mem, &target, &a.output, format));
+    match r {
+        Ok((report, warnings)) => {
+            for w in &warnings {
+                note!("hyptrace: dump: {w}");
+            }
+            let _ = std::io::Write::write_all(&mut std::io::stderr(), report.summary().as_bytes());
+            note!(
+                "hyptrace: dump: {} events written to {} in {:.1} ms{}",
+                report.events(),
+                crate::report::shown_path(&a.output),
+                started.elapsed().as_secs_f64() * 1e3,
+                if report.damaged() {
+                    " (partial: see the warnings)"
+                } else {
+                    ""
+                }
+            );
+            EXIT_OK
+        }
+        Err(e) => {
+            note!("hyptrace: error: {e}");
+            e.exit_code()
+        }
+    }
+}
+
+/// The formats of the events the guest registered, rebuilt from the region's
+/// registration table as the host accepted it (`None`: the pack has no table; the
+/// built-in formats apply). The table is hostile: parsed from a private copy.
+pub fn region_formats<M: SharedMem + ?Sized>(
+    mem: &M,
+    l: &RingGeometry,
+) -> Result<Option<Vec<EventFormat>>, String> {
+    use hyptrace_abi::registry::{MAX_TABLE_SIZE, STATE_DONE, STATE_OFF, STATE_READY};
+    if l.events_size == 0 {
+        return Ok(None);
+    }
+    let mut bytes = vec![0u8; l.events_size.min(MAX_TABLE_SIZE)];
+    mem.read_bytes(l.events_off, &mut bytes);
+    let Some(state) = bytes.get_mut(STATE_OFF..STATE_OFF + 8) else {
+        return Err("too short".into());
+    };
+    let st = u64::from_le_bytes(state.try_into().unwrap_or([0; 8]));
+    if st != STATE_DONE && st != STATE_READY {
+        return Err(format!("state {st}: never answered"));
+    }
+    // The host answered this table (DONE): parse it as it was when READY.
+    state.copy_from_slice(&STATE_READY.to_le_bytes());
+    let reg = hyptrace_reader::registry::parse_table(&bytes).map_err(|e| e.to_string())?;
+    Ok(Some(
+        reg.events.iter().map(crate::events::to_format).collect(),
+    ))
+}
+
+/// Writes a crash dump of the VM's rings (stopped vCPUs: nothing changes them) into
+/// `target` in `format`: every CPU in `include`, from its reader's position.
+pub fn write_crash_dump<M: SharedMem + ?Sized>(
+    mem: &M,
+    l: &RingGeometry,
+    positions: &dyn Fn(u32) -> Option<Position>,
+    include: &dyn Fn(u32) -> bool,
+    clock: &Clock,
+    formats: &[EventFormat],
+    target: Option<(&OutputTarget, FormatArg)>,
+) -> (DumpReport, Option<OutputError>) {
+    let Some((target, format)) = target else {
+        return dump_region(mem, l, positions, include, None);
+    };
+    let meta = TraceMeta {
+        formats: formats.to_vec(),
+        ..TraceMeta::guest(l.page_size, l.nr_cpus, clock.clone())
+    };
+    let mut sink = match crate::run::make_sink(target, format, meta) {
+        Ok(s) => s,
+        Err(e) => {
+            let (r, _) = dump_region(mem, l, positions, include, None);
+            return (r, Some(e));
+        }
+    };
+    let (report, err) = dump_region(mem, l, positions, include, Some(sink.as_mut()));
+    if let Some(e) = err {
+        return (report, Some(e));
+    }
+    let e = sink.finish(&report.sink_summary()).err();
+    (report, e)
+}
