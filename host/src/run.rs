@@ -343,7 +343,7 @@ fn open_output(
 }
 
 /// The page sink of `format` on `target`.
-fn make_sink(
+pub(crate) fn make_sink(
     target: &OutputTarget,
     format: FormatArg,
     meta: TraceMeta,
