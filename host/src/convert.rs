@@ -16,7 +16,7 @@ use hyptrace_output::{
     ReportFilter, RunSummary, TextSink, TraceFile, TraceMeta, RAW_MAGIC,
 };
 
-use crate::cli::{check_destination, format_for, CliError, ConvertArgs, ReportArgs};
+use crate::cli::{check_destination, format_for, CliError, ConvertArgs, FormatArg, ReportArgs};
 
 /// What a trace file is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -75,7 +75,7 @@ pub fn detect(path: &Path) -> Result<InputKind, CliError> {
         Ok(InputKind::Raw)
     } else {
         Err(CliError::ReportInput(format!(
-            "{}: neither a trace.dat nor a hyptrace raw page stream (bad magic)",
+            "{}: not a trace.dat, nor a hyptrace raw page stream (bad magic)",
             path.display()
         )))
     }
@@ -116,6 +116,7 @@ fn filter(a: &ReportArgs) -> ReportFilter {
         events,
         skip: a.skip,
         limit: a.count,
+        threads: 0,
     }
 }
 
@@ -282,6 +283,25 @@ fn next_head(
     }))
 }
 
+/// A raw page stream carries no event formats (its reader assumes hyptrace's guest
+/// events): only a trace of those converts to raw.
+fn check_raw_formats(f: &TraceFile, path: &Path) -> Result<(), CliError> {
+    let guest = hyptrace_output::guest_formats();
+    match f
+        .formats
+        .iter()
+        .find(|x| !x.is_trailing_lost() && !guest.contains(x))
+    {
+        None => Ok(()),
+        Some(x) => Err(CliError::ReportInput(format!(
+            "{}: event {}:{} has no place in a raw page stream (it carries no event formats; only hyptrace's own guest events convert to raw)",
+            path.display(),
+            x.system,
+            x.name
+        ))),
+    }
+}
+
 /// `hyptrace convert`.
 pub fn convert(a: &ConvertArgs) -> Result<(), CliError> {
     let format = format_for(a.format, &a.output);
@@ -296,6 +316,9 @@ pub fn convert(a: &ConvertArgs) -> Result<(), CliError> {
         }
         InputKind::TraceDat => {
             let f = TraceFile::open(&a.input).map_err(|e| input_error(&a.input, &e))?;
+            if format == FormatArg::Raw {
+                check_raw_formats(&f, &a.input)?;
+            }
             let sink = crate::run::make_sink(&target, format, meta_of(&f))
                 .map_err(CliError::ConvertOutput)?;
             pump_pages(&f, sink)

@@ -926,15 +926,54 @@ impl TraceFile {
 
     /// Writes the `trace-cmd report -t` text (`cpus=N` then one line per item, as
     /// [`TraceFile::format_item`] formats it) of the items `filter` selects to `out`,
-    /// streaming: lines are collected in a small buffer and written out in chunks.
-    /// Returns how many events were printed.
+    /// streaming: lines are collected in a small buffer and written out in chunks. With
+    /// more than one thread ([`ReportFilter::threads`]), this thread reads and merges
+    /// while the others format batches of items, written in order (memory: a few
+    /// batches). Returns how many events were printed.
     pub fn write_report(
         &self,
         out: &mut dyn Write,
         filter: &ReportFilter,
     ) -> Result<u64, OutputError> {
-        let mut s = String::with_capacity(WRITE_CHUNK + 4096);
-        let _ = writeln!(s, "cpus={}", self.nr_cpus);
+        let threads = match filter.threads {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get().min(MAX_THREADS)),
+            n => n.min(MAX_THREADS),
+        };
+        let head = format!("cpus={}\n", self.nr_cpus);
+        out.write_all(head.as_bytes())?;
+        let printed = if threads <= 1 {
+            let mut s = String::with_capacity(WRITE_CHUNK + 4096);
+            let n = self.select(filter, |item| {
+                if self.format_item(&mut s, item) {
+                    s.push('\n');
+                }
+                if s.len() >= WRITE_CHUNK {
+                    out.write_all(s.as_bytes())?;
+                    s.clear();
+                }
+                Ok(())
+            })?;
+            out.write_all(s.as_bytes())?;
+            n
+        } else {
+            std::thread::scope(|sc| {
+                let mut p = Pipeline::start(self, sc, threads - 1);
+                let n = self.select(filter, |item| p.push(item, out))?;
+                p.finish(out)?;
+                Ok::<u64, OutputError>(n)
+            })?
+        };
+        out.flush()?;
+        Ok(printed)
+    }
+
+    /// Pulls the items `filter` selects, in order, into `emit`; returns how many events
+    /// were selected (a read error is returned after the items before it).
+    fn select(
+        &self,
+        filter: &ReportFilter,
+        mut emit: impl FnMut(&TraceItem<'_>) -> Result<(), OutputError>,
+    ) -> Result<u64, OutputError> {
         let ids = filter.event_ids(self);
         let mut recs = self.records_of(|c| filter.wants_cpu(c));
         let mut printed = 0u64;
@@ -961,16 +1000,8 @@ impl TraceFile {
             } else if skip > 0 {
                 continue;
             }
-            if self.format_item(&mut s, &item) {
-                s.push('\n');
-            }
-            if s.len() >= WRITE_CHUNK {
-                out.write_all(s.as_bytes())?;
-                s.clear();
-            }
+            emit(&item)?;
         }
-        out.write_all(s.as_bytes())?;
-        out.flush()?;
         match recs.take_error() {
             Some(e) => Err(e),
             None => Ok(printed),
@@ -998,6 +1029,166 @@ pub struct ReportFilter {
     pub skip: u64,
     /// Most events to print.
     pub limit: Option<u64>,
+    /// Threads (this one and formatting threads); 0: one per core, at most 8.
+    pub threads: usize,
+}
+
+/// Most threads `report` uses.
+const MAX_THREADS: usize = 8;
+/// Items per batch handed to a formatting thread.
+const BATCH_ITEMS: usize = 4096;
+
+/// An item copied out of its page for a formatting thread.
+enum BatchItem {
+    Event {
+        cpu: u32,
+        ts_ns: u64,
+        start: usize,
+        len: usize,
+    },
+    Dropped {
+        cpu: u32,
+        missed: Missed,
+    },
+}
+
+/// Items (their payloads in `bytes`) and, once formatted, their text.
+#[derive(Default)]
+struct Batch {
+    items: Vec<BatchItem>,
+    bytes: Vec<u8>,
+    text: String,
+}
+
+impl Batch {
+    fn format(&mut self, f: &TraceFile) {
+        self.text.clear();
+        for it in &self.items {
+            let item = match *it {
+                BatchItem::Event {
+                    cpu,
+                    ts_ns,
+                    start,
+                    len,
+                } => TraceItem::Event(TraceRecord {
+                    cpu,
+                    ts_raw: 0,
+                    ts_ns,
+                    payload: self.bytes.get(start..start + len).unwrap_or_default(),
+                }),
+                BatchItem::Dropped { cpu, missed } => TraceItem::Dropped { cpu, missed },
+            };
+            if f.format_item(&mut self.text, &item) {
+                self.text.push('\n');
+            }
+        }
+    }
+}
+
+/// Formatting threads fed batches round-robin; their texts are taken back in the same
+/// order, so the output keeps the merged order. At most two batches per thread are in
+/// flight.
+struct Pipeline {
+    to: Vec<std::sync::mpsc::Sender<Batch>>,
+    from: Vec<std::sync::mpsc::Receiver<Batch>>,
+    sent: usize,
+    written: usize,
+    cur: Batch,
+    spare: Vec<Batch>,
+}
+
+impl Pipeline {
+    fn start<'s, 'e: 's>(
+        f: &'e TraceFile,
+        sc: &'s std::thread::Scope<'s, 'e>,
+        workers: usize,
+    ) -> Self {
+        let workers = workers.max(1);
+        let (mut to, mut from) = (Vec::new(), Vec::new());
+        for _ in 0..workers {
+            let (tx, rx) = std::sync::mpsc::channel::<Batch>();
+            let (rtx, rrx) = std::sync::mpsc::channel::<Batch>();
+            sc.spawn(move || {
+                // Ends when the pipeline drops its sender (or stops taking results).
+                for mut b in rx {
+                    b.format(f);
+                    if rtx.send(b).is_err() {
+                        break;
+                    }
+                }
+            });
+            to.push(tx);
+            from.push(rrx);
+        }
+        Self {
+            to,
+            from,
+            sent: 0,
+            written: 0,
+            cur: Batch::default(),
+            spare: Vec::new(),
+        }
+    }
+
+    fn push(&mut self, item: &TraceItem<'_>, out: &mut dyn Write) -> Result<(), OutputError> {
+        match item {
+            TraceItem::Event(r) => {
+                let start = self.cur.bytes.len();
+                self.cur.bytes.extend_from_slice(r.payload);
+                self.cur.items.push(BatchItem::Event {
+                    cpu: r.cpu,
+                    ts_ns: r.ts_ns,
+                    start,
+                    len: r.payload.len(),
+                });
+            }
+            TraceItem::Dropped { cpu, missed } => self.cur.items.push(BatchItem::Dropped {
+                cpu: *cpu,
+                missed: *missed,
+            }),
+            TraceItem::BadPage { .. } => {}
+        }
+        if self.cur.items.len() >= BATCH_ITEMS {
+            self.send(out)?;
+        }
+        Ok(())
+    }
+
+    fn send(&mut self, out: &mut dyn Write) -> Result<(), OutputError> {
+        if self.sent - self.written >= 2 * self.to.len() {
+            self.write_one(out)?;
+        }
+        let mut next = self.spare.pop().unwrap_or_default();
+        next.items.clear();
+        next.bytes.clear();
+        let b = std::mem::replace(&mut self.cur, next);
+        self.to[self.sent % self.to.len()]
+            .send(b)
+            .map_err(|_| OutputError::Closed)?;
+        self.sent += 1;
+        Ok(())
+    }
+
+    /// Writes the oldest batch in flight.
+    fn write_one(&mut self, out: &mut dyn Write) -> Result<(), OutputError> {
+        let b = self.from[self.written % self.from.len()]
+            .recv()
+            .map_err(|_| OutputError::Closed)?;
+        self.written += 1;
+        out.write_all(b.text.as_bytes())?;
+        self.spare.push(b);
+        Ok(())
+    }
+
+    fn finish(mut self, out: &mut dyn Write) -> Result<(), OutputError> {
+        if !self.cur.items.is_empty() {
+            self.send(out)?;
+        }
+        while self.written < self.sent {
+            self.write_one(out)?;
+        }
+        Ok(())
+    }
 }
 
 /// A set of event ids.
