@@ -217,4 +217,14 @@ fn raw_stream_is_reported() {
     // --stat: the end record.
     let st = report(&[&raw, "--stat"]);
     assert!(st.contains("CPU: 0\n") && st.contains("CPU: 1\n"), "{st}");
+    // Cut anywhere: the lines before the cut, or an error; never a panic.
+    let data = std::fs::read(&raw).expect("raw");
+    let cut = dir.file("cut.raw");
+    for n in (0..data.len()).step_by(data.len() / 40 + 1) {
+        std::fs::write(&cut, &data[..n]).expect("write");
+        let o = env::run(BIN, &["report", &cut]);
+        let err = env::stderr(&o);
+        assert!(!err.contains("panicked"), "{n}: {err}");
+        assert!(matches!(o.status.code(), Some(0 | 2)), "{n}: {err}");
+    }
 }

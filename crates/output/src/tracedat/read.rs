@@ -1035,8 +1035,8 @@ pub struct ReportFilter {
 
 /// Most threads `report` uses.
 const MAX_THREADS: usize = 8;
-/// Items per batch handed to a formatting thread.
-const BATCH_ITEMS: usize = 4096;
+/// Items per batch handed to a formatting thread (small in unit tests: many batches).
+const BATCH_ITEMS: usize = if cfg!(test) { 61 } else { 4096 };
 
 /// An item copied out of its page for a formatting thread.
 enum BatchItem {
@@ -1727,6 +1727,89 @@ mod tests {
         assert!(f.matches_event("guest", "marker"));
         assert!(f.matches_event("irq", "irq_handler_entry"));
         assert!(!f.matches_event("guest", "span"));
+    }
+
+    fn fixture(name: &str) -> TraceFile {
+        let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures")
+            .join(name);
+        TraceFile::open(p).unwrap()
+    }
+
+    fn report_with(f: &TraceFile, filter: &ReportFilter) -> String {
+        let mut v = Vec::new();
+        f.write_report(&mut v, filter).unwrap();
+        String::from_utf8(v).unwrap()
+    }
+
+    /// The formatting threads print exactly what one thread prints (many batches of 61
+    /// items, drop markers among them), with and without filters.
+    #[test]
+    fn threads_print_what_one_thread_prints() {
+        for name in ["kernel-v6.dat", "kernel-v7.dat", "kernel-v7-zstd.dat"] {
+            let f = fixture(name);
+            let want = std::fs::read_to_string(
+                std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                    .join("tests/fixtures")
+                    .join(name.replace(".dat", ".report-t.txt")),
+            )
+            .unwrap();
+            for filter in [
+                ReportFilter::default(),
+                ReportFilter {
+                    events: vec!["sched:*".into()],
+                    skip: 7,
+                    limit: Some(300),
+                    ..Default::default()
+                },
+                ReportFilter {
+                    cpus: Some([1].into()),
+                    ..Default::default()
+                },
+            ] {
+                let one = report_with(
+                    &f,
+                    &ReportFilter {
+                        threads: 1,
+                        ..filter.clone()
+                    },
+                );
+                assert!(one.lines().count() > 100, "{name} {filter:?}");
+                for threads in [2, 3, 8] {
+                    let many = report_with(
+                        &f,
+                        &ReportFilter {
+                            threads,
+                            ..filter.clone()
+                        },
+                    );
+                    assert_eq!(one, many, "{name} {filter:?} threads {threads}");
+                }
+                if filter == ReportFilter::default() {
+                    assert_eq!(one.lines().count(), want.lines().count(), "{name}");
+                }
+            }
+        }
+    }
+
+    /// Pages come out whole, one at a time, through a bounded buffer.
+    #[test]
+    fn pages_stream_through_bounded_buffers() {
+        for name in ["kernel-v6.dat", "kernel-v7.dat", "kernel-v7-zstd.dat"] {
+            let f = fixture(name);
+            for i in 0..f.cpus.len() {
+                let mut p = f.pages(i).unwrap();
+                let mut n = 0;
+                while let Some(page) = p.next_page().unwrap() {
+                    assert_eq!(page.len(), f.page_size);
+                    n += 1;
+                }
+                assert!(p.buf.capacity() <= MAX_BATCH.max(max_chunk(1, f.page_size)));
+                if !f.is_compressed() {
+                    assert_eq!(n as u64, f.cpus[i].size / f.page_size as u64, "{name}");
+                }
+            }
+        }
     }
 
     #[test]
