@@ -1,6 +1,6 @@
 //! `hyptrace report` as trace-cmd users type it (issue 11): the input positional or
 //! with `-i`, `--cpu LIST`, `-F/--events SYSTEM:EVENT` globs, `--skip`/`--count`,
-//! `--stat`, clap's errors for what it does not take, a raw page stream read like a
+//! `--stat`, trace-cmd's `--cpus`/`--first-event`/`--last-event`, clap's errors for what it does not take, a raw page stream read like a
 //! trace.dat (told apart by magic), a corrupt file an error (never a panic). The
 //! kernel fixtures need no VM; the raw stream comes from a VM run (skipped without
 //! /dev/kvm unless HYPTRACE_REQUIRE_KVM=1).
@@ -226,5 +226,52 @@ fn raw_stream_is_reported() {
         let err = env::stderr(&o);
         assert!(!err.contains("panicked"), "{n}: {err}");
         assert!(matches!(o.status.code(), Some(0 | 2)), "{n}: {err}");
+    }
+}
+
+/// `--cpus`, `--first-event`, `--last-event` print what trace-cmd prints (checked
+/// against the real trace-cmd when it is installed).
+#[test]
+fn cpu_listing_like_trace_cmd() {
+    let dir = TempDir::new("report-cpus");
+    for name in ["kernel-v6.dat", "kernel-v7.dat", "kernel-v7-zstd.dat"] {
+        // A relative path, as trace-cmd echoes it.
+        std::fs::copy(fixture(name), dir.path().join(name)).expect("copy");
+        for flags in [
+            &["--cpus"][..],
+            &["--first-event"],
+            &["--last-event"],
+            &["--first-event", "--last-event"],
+        ] {
+            let mut args = vec!["report", name];
+            args.extend_from_slice(flags);
+            let o = std::process::Command::new(BIN)
+                .args(&args)
+                .current_dir(dir.path())
+                .output()
+                .expect("run");
+            assert_eq!(o.status.code(), Some(0), "{}", env::stderr(&o));
+            let ours = env::stdout(&o);
+            assert!(
+                ours.starts_with(&format!("List of CPUs in {name} with data:\n  0")),
+                "{ours}"
+            );
+            if flags.contains(&"--first-event") {
+                assert!(ours.contains("\tFirst event:  515."), "{ours}");
+            }
+            if !env::trace_cmd_available() {
+                continue;
+            }
+            // trace-cmd takes its flags before the file only.
+            let mut targs = vec!["report"];
+            targs.extend_from_slice(flags);
+            targs.push(name);
+            let t = std::process::Command::new("trace-cmd")
+                .args(&targs)
+                .current_dir(dir.path())
+                .output()
+                .expect("trace-cmd");
+            assert_eq!(ours, env::stdout(&t), "{name} {flags:?}");
+        }
     }
 }

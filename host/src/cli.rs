@@ -168,6 +168,17 @@ pub struct ReportArgs {
     /// Print at most N events (of those selected). trace.dat input only.
     #[arg(long, value_name = "N")]
     pub count: Option<u64>,
+    /// List the CPUs that have data, then exit (as trace-cmd). trace.dat input only.
+    #[arg(long = "cpus")]
+    pub list_cpus: bool,
+    /// List the CPUs with the time of their first event, then exit (as trace-cmd).
+    /// trace.dat input only.
+    #[arg(long = "first-event")]
+    pub first_event: bool,
+    /// List the CPUs with the time of their last event, then exit (as trace-cmd).
+    /// trace.dat input only.
+    #[arg(long = "last-event")]
+    pub last_event: bool,
 }
 
 impl ReportArgs {

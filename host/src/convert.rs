@@ -133,6 +133,13 @@ pub fn report(a: &ReportArgs) -> Result<(), CliError> {
         InputKind::TraceDat => {
             let file = TraceFile::open(&path).map_err(|e| input_error(&path, &e))?;
             let mut out = std::io::stdout().lock();
+            if a.list_cpus || a.first_event || a.last_event {
+                let text = cpu_list(&file, a, &path)?;
+                return match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+                    Err(e) => stdout_result(e.into(), &path),
+                    Ok(()) => Ok(()),
+                };
+            }
             if a.stat {
                 let text = file.stat_text();
                 return match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
@@ -149,12 +156,55 @@ pub fn report(a: &ReportArgs) -> Result<(), CliError> {
     }
 }
 
+/// `--cpus`, `--first-event`, `--last-event`: trace-cmd's list of the CPUs with data,
+/// with the times of their first/last events (µs, rounded, as trace-cmd prints them).
+fn cpu_list(f: &TraceFile, a: &ReportArgs, path: &Path) -> Result<String, CliError> {
+    use std::fmt::Write as _;
+    let mut s = format!("List of CPUs in {} with data:\n", path.display());
+    let mut cpus: Vec<u32> = f
+        .cpus
+        .iter()
+        .filter(|b| b.size > 0)
+        .map(|b| b.cpu)
+        .collect();
+    cpus.sort_unstable();
+    cpus.dedup();
+    let t = |ns: u64| {
+        let us = ns.saturating_add(500) / 1000;
+        format!("{:5}.{:06}", us / 1_000_000, us % 1_000_000)
+    };
+    for cpu in cpus {
+        if a.cpu.iter().flatten().next().is_some() && !a.cpu.iter().flatten().any(|&c| c == cpu) {
+            continue;
+        }
+        let _ = write!(s, "  {cpu}");
+        if a.first_event || a.last_event {
+            if let Some((first, last)) = f.cpu_span(cpu).map_err(|e| input_error(path, &e))? {
+                if a.first_event {
+                    let _ = write!(s, "\tFirst event:{}", t(first));
+                }
+                if a.last_event {
+                    let _ = write!(s, "\tLast event:{}", t(last));
+                }
+            }
+        }
+        s.push('\n');
+    }
+    Ok(s)
+}
+
 /// `report` of a raw page stream: replayed into the text sink of `record --format
 /// text` (the same lines as the run printed).
 fn report_raw(a: &ReportArgs, f: &ReportFilter, path: &Path) -> Result<(), CliError> {
-    if !f.events.is_empty() || f.skip > 0 || f.limit.is_some() {
+    if !f.events.is_empty()
+        || f.skip > 0
+        || f.limit.is_some()
+        || a.list_cpus
+        || a.first_event
+        || a.last_event
+    {
         return Err(CliError::ReportInput(format!(
-            "{}: -F/--events, --skip and --count need a trace.dat; convert the raw stream first: hyptrace convert -i {} -o trace.dat",
+            "{}: -F/--events, --skip, --count, --cpus, --first-event and --last-event need a trace.dat; convert the raw stream first: hyptrace convert -i {} -o trace.dat",
             path.display(),
             path.display()
         )));

@@ -1668,6 +1668,22 @@ impl TraceFile {
             .is_some_and(EventFormat::is_trailing_lost)
     }
 
+    /// The times (ns) of the first and the last event of CPU `cpu` (`None` without
+    /// events), for `report --first-event/--last-event`; a read error is returned.
+    pub fn cpu_span(&self, cpu: u32) -> Result<Option<(u64, u64)>, OutputError> {
+        let mut span: Option<(u64, u64)> = None;
+        let mut r = self.records_of(|c| c == cpu);
+        while let Some(i) = r.next_item() {
+            if let TraceItem::Event(e) = i {
+                span = Some(span.map_or((e.ts_ns, e.ts_ns), |(f, _)| (f, e.ts_ns)));
+            }
+        }
+        match r.take_error() {
+            Some(e) => Err(e),
+            None => Ok(span),
+        }
+    }
+
     /// Sum of the drop markers' counts and the number of markers without a count.
     pub fn dropped(&self) -> (u64, usize) {
         let (mut n, mut unknown) = (0u64, 0usize);
