@@ -171,6 +171,18 @@ fn kernel_dat_to_dat_keeps_the_report() {
             let out = dir.file(name);
             ok(&["convert", "-i", &f, "-o", &out, "--format", fmt]);
             assert_eq!(ok(&["report", &out]), want, "{src} → {fmt}");
+            // The real trace-cmd reads the converted file as it reads the original.
+            if env::trace_cmd_available() {
+                let tc = |p: &str| {
+                    let o = std::process::Command::new("trace-cmd")
+                        .args(["report", "-t", p])
+                        .output()
+                        .expect("trace-cmd");
+                    assert!(o.status.success(), "trace-cmd report {p}");
+                    env::stdout(&o)
+                };
+                assert_eq!(tc(&out), tc(&f), "trace-cmd: {src} → {fmt}");
+            }
         }
         // → text: the report's lines.
         let out = dir.file("k.txt");

@@ -1037,6 +1037,9 @@ pub struct ReportFilter {
 const MAX_THREADS: usize = 8;
 /// Items per batch handed to a formatting thread (small in unit tests: many batches).
 const BATCH_ITEMS: usize = if cfg!(test) { 61 } else { 4096 };
+/// Payload bytes per batch (a batch is sent when it holds this much, whatever the
+/// item count: big pages with big events do not make big batches).
+const BATCH_BYTES: usize = 1 << 20;
 
 /// An item copied out of its page for a formatting thread.
 enum BatchItem {
@@ -1148,7 +1151,7 @@ impl Pipeline {
             }),
             TraceItem::BadPage { .. } => {}
         }
-        if self.cur.items.len() >= BATCH_ITEMS {
+        if self.cur.items.len() >= BATCH_ITEMS || self.cur.bytes.len() >= BATCH_BYTES {
             self.send(out)?;
         }
         Ok(())
