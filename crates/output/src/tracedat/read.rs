@@ -47,6 +47,29 @@ const CHUNK_BUDGET: usize = 256 << 20;
 /// How many bytes the report collects before writing them out.
 const WRITE_CHUNK: usize = 64 << 10;
 
+/// Most buffer memory the readers of all CPUs may need together (see
+/// [`read_memory`]); a file that would need more is refused at `open`.
+pub const MAX_READ_MEMORY: u64 = 4 << 30;
+
+/// The most buffer memory reading `readers` CPUs of data takes: per CPU a page buffer
+/// and a read batch (uncompressed) or a decompressed chunk and its compressed input.
+pub fn read_memory(readers: usize, page_size: usize, compressed: bool) -> u64 {
+    let per = if compressed {
+        let cap = max_chunk(readers, page_size);
+        page_size + cap + zstd_bound(cap)
+    } else {
+        page_size + plain_batch(readers, page_size)
+    };
+    (readers as u64).saturating_mul(per as u64)
+}
+
+/// Bytes of uncompressed CPU data read at a time when `readers` CPUs are read: whole
+/// pages, at least one, at most [`MAX_BATCH`], [`READ_BUDGET`] for all CPUs together.
+fn plain_batch(readers: usize, page_size: usize) -> usize {
+    let pages = (READ_BUDGET / readers.max(1)).min(MAX_BATCH) / page_size.max(1);
+    pages.max(1) * page_size
+}
+
 /// The largest decompressed v7 chunk accepted from a file with `cpus` CPUs of data and
 /// pages of `page_size` bytes: at least 16 pages (trace-cmd writes 10), at most 16 MiB,
 /// and [`CHUNK_BUDGET`] for all CPUs together when that is more than 16 pages each.
@@ -785,6 +808,15 @@ impl TraceFile {
                 f.header_page
             )));
         }
+        let readers = f.cpus.iter().filter(|b| b.size > 0).count();
+        let need = read_memory(readers, f.page_size, f.compressed);
+        if need > MAX_READ_MEMORY {
+            return Err(OutputError::Unsupported(format!(
+                "{readers} CPUs of {}-byte pages would need {} MiB of read buffers",
+                f.page_size,
+                need >> 20
+            )));
+        }
         if f.nr_cpus == 0 {
             f.nr_cpus = f
                 .cpus
@@ -1340,11 +1372,10 @@ impl CpuPages {
                 dec: None,
             }
         } else {
-            let pages = (READ_BUDGET / readers.max(1)).min(MAX_BATCH) / ps;
             StreamKind::Plain {
                 next: b.offset,
                 end: b.offset.saturating_add(b.size),
-                batch: pages.max(1) * ps,
+                batch: plain_batch(readers, ps),
             }
         };
         Self {
@@ -1829,6 +1860,18 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Read buffers grow with the CPU count and the page size, not the file; past
+    /// [`MAX_READ_MEMORY`] a file is refused.
+    #[test]
+    fn read_memory_bound() {
+        assert!(read_memory(2, 4096, true) < 80 << 20);
+        assert!(read_memory(2, 4096, false) < 1 << 20);
+        assert!(read_memory(1024, 4096, true) < MAX_READ_MEMORY);
+        assert!(read_memory(65536, 4096, false) < MAX_READ_MEMORY);
+        assert!(read_memory(65536, 4096, true) > MAX_READ_MEMORY);
+        assert!(read_memory(65536, 1 << 26, false) > MAX_READ_MEMORY);
     }
 
     #[test]
