@@ -968,7 +968,9 @@ impl TraceFile {
         filter: &ReportFilter,
     ) -> Result<u64, OutputError> {
         let threads = match filter.threads {
-            0 => std::thread::available_parallelism().map_or(1, |n| n.get().min(MAX_THREADS)),
+            // The reading thread plus one formatting thread per core: reading takes about
+            // a third of the work, so one formatter per core keeps every core busy.
+            0 => std::thread::available_parallelism().map_or(1, |n| (n.get() + 1).min(MAX_THREADS)),
             n => n.min(MAX_THREADS),
         };
         let head = format!("cpus={}\n", self.nr_cpus);
