@@ -91,7 +91,8 @@ pub enum Command {
     /// trace-cmd and KernelShark read, Chrome trace-event JSON, text, or raw pages.
     #[command(after_help = COUNTERS_HELP)]
     Record(RecordArgs),
-    /// Print a trace.dat (ours or one trace-cmd wrote) as `trace-cmd report -t` does.
+    /// Print a trace.dat (ours or one trace-cmd wrote, v6, v7, v7 zstd) or a raw page
+    /// stream (`record --format raw`) as `trace-cmd report -t` does, streaming.
     Report(ReportArgs),
     /// Boot the guest until it registers its events, print them (system, name, id,
     /// fields, print fmt, as `trace-cmd list -e -F`) and exit.
@@ -100,6 +101,9 @@ pub enum Command {
     /// crashed or finished — to a file in any `record` format: every committed event
     /// no reader consumed, with the exact losses.
     Dump(crate::dump::DumpArgs),
+    /// Convert a trace (trace.dat v6/v7/zstd, ours or the kernel's, or a raw page
+    /// stream) into any output format of `record`.
+    Convert(ConvertArgs),
     /// Measure the writer in the guest and natively, drain throughput, swap latency in
     /// both modes, the highest loss-free rate and start-up time; print a table and
     /// optionally write JSON (see docs/benchmarks.md).
@@ -162,17 +166,94 @@ pub struct RecordArgs {
 /// Options of `hyptrace report`.
 #[derive(Clone, Debug, Args)]
 pub struct ReportArgs {
-    /// The trace.dat to read (v6, v7, v7 compressed with zstd).
-    #[arg(
-        short = 'i',
-        long = "input",
-        value_name = "FILE",
-        default_value = "trace.dat"
-    )]
-    pub input: PathBuf,
+    /// The trace to read: trace.dat (v6, v7, v7 compressed with zstd) or a raw page
+    /// stream, told apart by their magic [default: trace.dat].
+    #[arg(value_name = "FILE", conflicts_with = "input_flag")]
+    pub input: Option<PathBuf>,
+    /// The trace to read (as trace-cmd's -i).
+    #[arg(short = 'i', long = "input", value_name = "FILE")]
+    pub input_flag: Option<PathBuf>,
     /// Print the per-CPU statistics instead of the events.
     #[arg(long)]
     pub stat: bool,
+    /// Only these CPUs: a list of numbers and ranges, e.g. `0,2-3` (repeatable).
+    #[arg(long = "cpu", value_name = "LIST", value_parser = parse_cpu_list)]
+    pub cpu: Vec<Vec<u32>>,
+    /// Only these events: `[SYSTEM:]EVENT` with `*`/`?` globs, comma-separated
+    /// (repeatable), e.g. `sched:*`, `*:sched_switch`, `guest:marker`, `irq_*`.
+    /// trace.dat input only; trace-cmd's `/FILTER` expressions are not supported.
+    #[arg(short = 'F', long = "events", value_name = "SYSTEM:EVENT")]
+    pub events: Vec<String>,
+    /// Skip the first N events (of those selected). trace.dat input only.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub skip: u64,
+    /// Print at most N events (of those selected). trace.dat input only.
+    #[arg(long, value_name = "N")]
+    pub count: Option<u64>,
+    /// List the CPUs that have data, then exit (as trace-cmd). trace.dat input only.
+    #[arg(long = "cpus")]
+    pub list_cpus: bool,
+    /// List the CPUs with the time of their first event, then exit (as trace-cmd).
+    /// trace.dat input only.
+    #[arg(long = "first-event")]
+    pub first_event: bool,
+    /// List the CPUs with the time of their last event, then exit (as trace-cmd).
+    /// trace.dat input only.
+    #[arg(long = "last-event")]
+    pub last_event: bool,
+}
+
+impl ReportArgs {
+    /// The file to read: the positional FILE, else `-i`, else `trace.dat`.
+    pub fn path(&self) -> PathBuf {
+        self.input
+            .clone()
+            .or_else(|| self.input_flag.clone())
+            .unwrap_or_else(|| PathBuf::from("trace.dat"))
+    }
+}
+
+/// Parses a CPU list: numbers and ranges separated by commas (`0,2-3`).
+pub fn parse_cpu_list(s: &str) -> Result<Vec<u32>, String> {
+    const MAX: u32 = 65535;
+    let mut out = Vec::new();
+    for part in s.split(',') {
+        let part = part.trim();
+        let num = |t: &str| {
+            t.trim()
+                .parse::<u32>()
+                .ok()
+                .filter(|&n| n <= MAX)
+                .ok_or_else(|| format!("`{t}` is not a CPU number (0 to {MAX})"))
+        };
+        match part.split_once('-') {
+            Some((a, b)) => {
+                let (a, b) = (num(a)?, num(b)?);
+                if a > b {
+                    return Err(format!("range `{part}` goes backwards"));
+                }
+                out.extend(a..=b);
+            }
+            None => out.push(num(part)?),
+        }
+    }
+    Ok(out)
+}
+
+/// Options of `hyptrace convert`.
+#[derive(Clone, Debug, Args)]
+pub struct ConvertArgs {
+    /// The trace to read: trace.dat (v6, v7, v7 zstd; ours or the kernel's) or a raw
+    /// page stream.
+    #[arg(short = 'i', long = "input", value_name = "FILE")]
+    pub input: PathBuf,
+    /// Output file (`-` is stdout; a regular file is written to a temporary name and
+    /// renamed when complete).
+    #[arg(short = 'o', long = "output", value_name = "FILE")]
+    pub output: PathBuf,
+    /// Output format [default: from the extension of -o, as `record`].
+    #[arg(long, value_enum)]
+    pub format: Option<FormatArg>,
 }
 
 /// Options of `hyptrace list`.
@@ -402,7 +483,8 @@ pub enum CliError {
     /// `--stats` could not be written.
     #[error("cannot write stats: {0}")]
     Stats(#[source] OutputError),
-    /// `report`: the input is not a readable trace.dat.
+    /// `report`/`convert`: the input is not a readable trace, or asks for what its
+    /// kind cannot give.
     #[error("{0}")]
     ReportInput(String),
     /// `report`: writing the report to stdout failed.
@@ -420,6 +502,9 @@ pub enum CliError {
     /// `list`: the guest's events could not be read.
     #[error(transparent)]
     List(#[from] crate::events::ListError),
+    /// `convert`: writing the output failed.
+    #[error("{0}")]
+    ConvertOutput(#[source] OutputError),
 }
 
 impl CliError {
@@ -440,6 +525,7 @@ impl CliError {
             | Self::Stats(_)
             | Self::ReportWrite(_)
             | Self::Ctl(_) => EXIT_RUNTIME,
+            | Self::ConvertOutput(_) => EXIT_RUNTIME,
         }
     }
 
@@ -472,8 +558,9 @@ where
     let r = match cli.command {
         Command::Run(args) => run(&args),
         Command::Record(args) => record(&args),
-        Command::Report(args) => report(&args).map(|()| EXIT_OK),
         Command::List(args) => list(&args),
+        Command::Report(args) => crate::convert::report(&args).map(|()| EXIT_OK),
+        Command::Convert(args) => crate::convert::convert(&args).map(|()| EXIT_OK),
         Command::Bench(args) => return crate::bench::bench(&args),
         Command::Dump(args) => return crate::dump::dump(&args),
         Command::Ctl(args) => ctl(&args),
@@ -560,7 +647,24 @@ pub fn run(a: &RunArgs) -> Result<i32, CliError> {
 
 /// The format of `record`: `--format`, else from the file's extension.
 fn record_format(a: &RecordArgs) -> FormatArg {
-    crate::dump::format_for(&a.output, a.format)
+    format_for(a.format, &a.output)
+}
+
+/// `format`, else the format the extension of `output` names (dat otherwise).
+pub fn format_for(format: Option<FormatArg>, output: &Path) -> FormatArg {
+    format.unwrap_or_else(|| {
+        match output
+            .extension()
+            .and_then(|e| e.to_str())
+            .map(str::to_ascii_lowercase)
+            .as_deref()
+        {
+            Some("json") => FormatArg::Json,
+            Some("txt") | Some("text") => FormatArg::Text,
+            Some("raw") => FormatArg::Raw,
+            _ => FormatArg::Dat,
+        }
+    })
 }
 
 /// `hyptrace record`.
@@ -600,31 +704,6 @@ pub fn list(a: &ListArgs) -> Result<i32, CliError> {
     match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
         Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(CliError::ReportWrite(e)),
         _ => Ok(EXIT_OK),
-    }
-}
-
-/// `hyptrace report`.
-pub fn report(a: &ReportArgs) -> Result<(), CliError> {
-    let file = hyptrace_output::TraceFile::open(&a.input).map_err(|e| {
-        // Errors that already name the file (I/O) are not prefixed again.
-        let msg = e.to_string();
-        let path = a.input.display().to_string();
-        CliError::ReportInput(if msg.contains(&path) {
-            msg
-        } else {
-            format!("{path}: {msg}")
-        })
-    })?;
-    let text = if a.stat {
-        file.stat_text()
-    } else {
-        file.report()
-    };
-    let mut out = std::io::stdout().lock();
-    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
-        // A closed pipe (`| head`) is not an error worth a message.
-        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(CliError::ReportWrite(e)),
-        _ => Ok(()),
     }
 }
 

@@ -245,23 +245,6 @@ pub fn dump_region<M: SharedMem + ?Sized>(
     (report, None)
 }
 
-/// The format for an output path: `format`, else from the extension (as `record`).
-pub fn format_for(path: &Path, format: Option<FormatArg>) -> FormatArg {
-    format.unwrap_or_else(|| {
-        match path
-            .extension()
-            .and_then(|e| e.to_str())
-            .map(str::to_ascii_lowercase)
-            .as_deref()
-        {
-            Some("json") => FormatArg::Json,
-            Some("txt") | Some("text") => FormatArg::Text,
-            Some("raw") => FormatArg::Raw,
-            _ => FormatArg::Dat,
-        }
-    })
-}
-
 /// Reads a trace memory file whole (a regular file, at most the largest region and
 /// header: a hostile size is refused, not allocated).
 pub fn read_trace_mem(path: &Path) -> Result<Vec<u8>, DumpError> {
@@ -342,7 +325,7 @@ pub fn dump_trace_mem(
 /// `hyptrace dump`: returns the exit code (0: dumped, even partly — warnings on
 /// stderr; 2: the file is unusable; 1: the output failed).
 pub fn dump(a: &DumpArgs) -> i32 {
-    let format = format_for(&a.output, a.format);
+    let format = crate::cli::format_for(a.format, &a.output);
     let target = match crate::cli::check_destination(&a.output, "-o") {
         Ok(t) => t,
         Err(e) => {

@@ -22,6 +22,7 @@ pub mod bench;
 pub mod cli;
 pub mod control;
 pub mod dump;
+pub mod convert;
 pub mod elf;
 pub mod error;
 pub mod events;

@@ -318,7 +318,7 @@ impl<'a> Run<'a> {
             }),
             dump_target: crash_dump.map(|t| {
                 let path = plan.flight.crash_dump.clone().unwrap_or_default();
-                let format = crate::dump::format_for(&path, None);
+                let format = crate::cli::format_for(None, &path);
                 (t, format, path)
             }),
             dumped: false,

@@ -39,10 +39,13 @@ impl Field {
 
     /// Character string (char array, `__data_loc char[]`).
     pub fn is_string(&self) -> bool {
-        let t = self
-            .type_name
-            .trim_start_matches("__data_loc")
-            .trim_start_matches("__rel_loc")
+        // strip_prefix, not trim_start_matches: no substring searcher per call (this
+        // runs for every field of every event `report` prints raw).
+        let t = self.type_name.as_str();
+        let t = t
+            .strip_prefix("__data_loc")
+            .or_else(|| t.strip_prefix("__rel_loc"))
+            .unwrap_or(t)
             .trim();
         t.starts_with("char") && t.ends_with(']')
     }

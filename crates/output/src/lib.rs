@@ -27,12 +27,12 @@ pub use merge::{MergeWindow, Merged, Merger, Released};
 #[doc(hidden)]
 pub use sink::KernelCpuStat as CpuStats;
 pub use sink::{KernelCpuStat, PageSink, RunSummary, TraceMeta};
-pub use sinks::{JsonSink, RawSink, RawTrace, TextSink, JSON_PID, RAW_MAGIC};
+pub use sinks::{JsonSink, RawReader, RawSink, RawTrace, TextSink, JSON_PID, RAW_MAGIC};
 pub use target::{OutputFile, OutputTarget, TargetKind};
 pub use text::{
     escape_guest_bytes, escape_guest_str, escaped_guest_bytes, format_drop, format_event,
     format_guest_line, format_window_exceeded, guest_printers, EventPrinter,
 };
 pub use tracedat::{
-    write_trace_dat, TraceDatSink, TraceDatVersion, TraceFile, TraceItem, TraceRecord,
+    write_trace_dat, ReportFilter, TraceDatSink, TraceDatVersion, TraceFile, TraceItem, TraceRecord,
 };

@@ -595,83 +595,275 @@ pub struct RawTrace {
     pub summary: Option<RunSummary>,
 }
 
-impl RawTrace {
-    /// Parses a raw page stream (hostile-safe).
-    pub fn parse(b: &[u8]) -> Result<Self, OutputError> {
-        let bad = |m: &str| OutputError::Raw(m.to_string());
-        let mut pos = 0usize;
-        let mut take = |n: usize| -> Result<&[u8], OutputError> {
-            let end = pos
-                .checked_add(n)
-                .filter(|&e| e <= b.len())
-                .ok_or_else(|| bad("truncated"))?;
-            let s = &b[pos..end];
-            pos = end;
-            Ok(s)
-        };
-        let u32_ = |s: &[u8]| u32::from_le_bytes([s[0], s[1], s[2], s[3]]);
-        if take(8)? != RAW_MAGIC {
-            return Err(bad("bad magic"));
+/// One record of a raw page stream.
+enum RawRecord<'a> {
+    Page(u32, &'a [u8]),
+    End(RunSummary),
+}
+
+/// Most CPUs a raw stream may declare (what [`TraceMeta::validate`] accepts).
+const RAW_MAX_CPUS: u32 = 4096;
+
+/// Reads the records of a raw page stream (hostile-safe: every length is checked, a
+/// stream cut short at a record boundary simply ends, one cut inside a record is an
+/// error).
+struct RawStream<R> {
+    r: R,
+    page_size: usize,
+    nr_cpus: u32,
+    clock: Clock,
+    page: Vec<u8>,
+    done: bool,
+}
+
+fn raw_bad(m: &str) -> OutputError {
+    OutputError::Raw(m.to_string())
+}
+
+/// `read_exact`, with a short read as "truncated" (other I/O errors kept).
+fn raw_read(r: &mut impl std::io::Read, buf: &mut [u8]) -> Result<(), OutputError> {
+    r.read_exact(buf).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::UnexpectedEof {
+            raw_bad("truncated")
+        } else {
+            OutputError::from(e)
         }
-        let page_size = u32_(take(4)?) as usize;
-        crate::export::check_page_size(page_size).map_err(|_| bad("bad page size"))?;
-        let nr_cpus = u32_(take(4)?);
-        let mult = u32_(take(4)?);
-        let shift = u32_(take(4)?);
+    })
+}
+
+fn raw_u32(r: &mut impl std::io::Read) -> Result<u32, OutputError> {
+    let mut w = [0u8; 4];
+    raw_read(r, &mut w)?;
+    Ok(u32::from_le_bytes(w))
+}
+
+impl<R: std::io::Read> RawStream<R> {
+    /// Reads the header.
+    fn new(mut r: R) -> Result<Self, OutputError> {
+        let mut magic = [0u8; 8];
+        raw_read(&mut r, &mut magic)?;
+        if &magic != RAW_MAGIC {
+            return Err(raw_bad("bad magic"));
+        }
+        let page_size = raw_u32(&mut r)? as usize;
+        crate::export::check_page_size(page_size).map_err(|_| raw_bad("bad page size"))?;
+        let nr_cpus = raw_u32(&mut r)?;
+        if nr_cpus == 0 || nr_cpus > RAW_MAX_CPUS {
+            return Err(raw_bad("bad cpu count"));
+        }
+        let mult = raw_u32(&mut r)?;
+        let shift = raw_u32(&mut r)?;
         let mut o = [0u8; 8];
-        o.copy_from_slice(take(8)?);
+        raw_read(&mut r, &mut o)?;
         let offset = u64::from_le_bytes(o);
-        let n = u32_(take(4)?) as usize;
-        let name = String::from_utf8_lossy(take(n)?).into_owned();
+        let n = raw_u32(&mut r)? as usize;
+        if n > 4096 {
+            return Err(raw_bad("clock name too long"));
+        }
+        let mut name = vec![0u8; n];
+        raw_read(&mut r, &mut name)?;
         let tsc = (mult != 0).then_some(TscConversion {
             mult,
             shift,
             offset,
         });
-        let mut pages = Vec::new();
-        let mut summary = None;
-        // A stream cut short simply ends (no end record).
-        while let Ok(t) = take(4) {
-            let tag = u32_(t);
-            match tag {
-                RAW_TAG_PAGE => {
-                    let cpu = u32_(take(4)?);
-                    if cpu >= nr_cpus {
-                        return Err(bad("cpu out of range"));
-                    }
-                    pages.push((cpu, take(page_size)?.to_vec()));
+        Ok(Self {
+            r,
+            page_size,
+            nr_cpus,
+            clock: Clock {
+                name: String::from_utf8_lossy(&name).into_owned(),
+                tsc,
+            },
+            page: vec![0u8; page_size],
+            done: false,
+        })
+    }
+
+    /// The next record; `None` after the end record or at the end of the stream.
+    fn next(&mut self) -> Result<Option<RawRecord<'_>>, OutputError> {
+        if self.done {
+            return Ok(None);
+        }
+        let mut t = [0u8; 4];
+        // A stream cut short at a record boundary simply ends.
+        let mut got = 0;
+        while got < 4 {
+            match self.r.read(&mut t[got..]) {
+                Ok(0) if got == 0 => {
+                    self.done = true;
+                    return Ok(None);
                 }
-                RAW_TAG_END => {
-                    let n = u32_(take(4)?) as usize;
-                    let mut cpus = Vec::new();
-                    for _ in 0..n {
-                        let s = take(64)?;
-                        let v = |i: usize| {
-                            let mut w = [0u8; 8];
-                            w.copy_from_slice(&s[i * 8..i * 8 + 8]);
-                            u64::from_le_bytes(w)
-                        };
-                        cpus.push(KernelCpuStat {
-                            entries: v(0),
-                            overrun: v(1),
-                            commit_overrun: v(2),
-                            bytes: v(3),
-                            oldest_event_ts: v(4),
-                            now_ts: v(5),
-                            dropped_events: v(6),
-                            read_events: v(7),
-                        });
-                    }
-                    summary = Some(RunSummary { cpus });
+                Ok(0) => return Err(raw_bad("truncated")),
+                Ok(n) => got += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        match u32::from_le_bytes(t) {
+            RAW_TAG_PAGE => {
+                let cpu = raw_u32(&mut self.r)?;
+                if cpu >= self.nr_cpus {
+                    return Err(raw_bad("cpu out of range"));
+                }
+                raw_read(&mut self.r, &mut self.page)?;
+                Ok(Some(RawRecord::Page(cpu, &self.page)))
+            }
+            RAW_TAG_END => {
+                self.done = true;
+                let n = raw_u32(&mut self.r)?;
+                if n > RAW_MAX_CPUS {
+                    return Err(raw_bad("bad cpu count in the end record"));
+                }
+                let mut cpus = Vec::new();
+                for _ in 0..n {
+                    let mut s = [0u8; 64];
+                    raw_read(&mut self.r, &mut s)?;
+                    let v = |i: usize| {
+                        let mut w = [0u8; 8];
+                        w.copy_from_slice(&s[i * 8..i * 8 + 8]);
+                        u64::from_le_bytes(w)
+                    };
+                    cpus.push(KernelCpuStat {
+                        entries: v(0),
+                        overrun: v(1),
+                        commit_overrun: v(2),
+                        bytes: v(3),
+                        oldest_event_ts: v(4),
+                        now_ts: v(5),
+                        dropped_events: v(6),
+                        read_events: v(7),
+                    });
+                }
+                Ok(Some(RawRecord::End(RunSummary { cpus })))
+            }
+            _ => Err(raw_bad("bad record tag")),
+        }
+    }
+}
+
+/// The losses a page carries, as a sink takes them (a flag-only loss, count unknown,
+/// is not carried over: hyptrace never writes one).
+fn raw_missed(p: &[u8]) -> Option<u64> {
+    match page_missed(p) {
+        Missed::Count(n) => Some(n),
+        Missed::Unknown | Missed::None => None,
+    }
+}
+
+/// A raw page stream read from a file, streaming: [`RawReader::replay`] holds one page
+/// per CPU, whatever the file size.
+pub struct RawReader {
+    stream: RawStream<std::io::BufReader<std::fs::File>>,
+    path: std::path::PathBuf,
+}
+
+impl RawReader {
+    /// Opens a raw page stream and reads its header.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, OutputError> {
+        let p = path.as_ref();
+        let f = std::fs::File::open(p).map_err(|e| OutputError::Io {
+            path: Some(p.to_path_buf()),
+            source: e,
+        })?;
+        let stream = RawStream::new(std::io::BufReader::with_capacity(1 << 17, f))?;
+        Ok(Self {
+            stream,
+            path: p.to_path_buf(),
+        })
+    }
+
+    /// Page size.
+    pub fn page_size(&self) -> usize {
+        self.stream.page_size
+    }
+
+    /// CPU count.
+    pub fn nr_cpus(&self) -> u32 {
+        self.stream.nr_cpus
+    }
+
+    /// Clock of the page timestamps.
+    pub fn clock(&self) -> &Clock {
+        &self.stream.clock
+    }
+
+    /// The metadata of the run that wrote the stream (the built-in guest events).
+    pub fn meta(&self) -> TraceMeta {
+        TraceMeta::guest(self.page_size(), self.nr_cpus(), self.clock().clone())
+    }
+
+    /// Feeds the pages of the CPUs `want` accepts into `sink`, losses preserved, then
+    /// finishes it (with the end record's stats). Each CPU's page is handed over when
+    /// the CPU's next page arrives (at most one page per CPU is held): a CPU's last page
+    /// that holds no event but a loss count (what [`RawSink`]'s `trailing_lost` writes)
+    /// is replayed as `trailing_lost`.
+    pub fn replay(
+        mut self,
+        mut sink: Box<dyn PageSink>,
+        want: impl Fn(u32) -> bool,
+    ) -> Result<(), OutputError> {
+        let ps = self.stream.page_size;
+        let mut held: Vec<Option<Vec<u8>>> = vec![None; self.stream.nr_cpus as usize];
+        let mut summary = RunSummary::default();
+        let path = self.path.clone();
+        let named = |e: OutputError| match e {
+            OutputError::Raw(m) => OutputError::Raw(format!("{}: {m}", path.display())),
+            e => e,
+        };
+        // Bounded: every record consumes bytes of the file.
+        loop {
+            match self.stream.next().map_err(named)? {
+                None => break,
+                Some(RawRecord::End(s)) => {
+                    summary = s;
                     break;
                 }
-                _ => return Err(bad("bad record tag")),
+                Some(RawRecord::Page(cpu, page)) => {
+                    if !want(cpu) {
+                        continue;
+                    }
+                    let slot = &mut held[cpu as usize];
+                    if let Some(prev) = slot.as_mut() {
+                        sink.page(cpu, prev, raw_missed(prev))?;
+                        prev.copy_from_slice(page);
+                    } else {
+                        let mut v = vec![0u8; ps];
+                        v.copy_from_slice(page);
+                        *slot = Some(v);
+                    }
+                }
+            }
+        }
+        for (cpu, p) in held.iter().enumerate() {
+            let Some(p) = p else { continue };
+            let cpu = cpu as u32;
+            match (raw_missed(p), commit_len(p)) {
+                (Some(n), Some(0)) => sink.trailing_lost(cpu, n)?,
+                (m, _) => sink.page(cpu, p, m)?,
+            }
+        }
+        sink.finish(&summary)
+    }
+}
+
+impl RawTrace {
+    /// Parses a raw page stream held in memory (hostile-safe).
+    pub fn parse(b: &[u8]) -> Result<Self, OutputError> {
+        let mut st = RawStream::new(b)?;
+        let mut pages = Vec::new();
+        let mut summary = None;
+        // Bounded: every record consumes bytes of `b`.
+        while let Some(r) = st.next()? {
+            match r {
+                RawRecord::Page(cpu, p) => pages.push((cpu, p.to_vec())),
+                RawRecord::End(s) => summary = Some(s),
             }
         }
         Ok(Self {
-            page_size,
-            nr_cpus,
-            clock: Clock { name, tsc },
+            page_size: st.page_size,
+            nr_cpus: st.nr_cpus,
+            clock: st.clock,
             pages,
             summary,
         })
@@ -687,11 +879,7 @@ impl RawTrace {
             last_of_cpu.insert(*cpu, i);
         }
         for (i, (cpu, p)) in self.pages.iter().enumerate() {
-            let missed = match page_missed(p) {
-                Missed::Count(n) => Some(n),
-                // A flag-only loss (count unknown; hyptrace never writes one) is not carried over.
-                Missed::Unknown | Missed::None => None,
-            };
+            let missed = raw_missed(p);
             if let (Some(n), Some(0)) = (missed, commit_len(p)) {
                 if last_of_cpu.get(cpu) == Some(&i) {
                     sink.trailing_lost(*cpu, n)?;

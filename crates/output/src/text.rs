@@ -27,9 +27,7 @@ pub fn format_event(
     fields: &str,
 ) {
     let mut num = itoa::Buffer::new();
-    let comm = escape_guest_str(comm);
-    spaces(out, 16usize.saturating_sub(comm.chars().count()));
-    out.push_str(&comm);
+    push_padded_left(out, comm, 16);
     out.push('-');
     let p = num.format(pid);
     out.push_str(p);
@@ -39,6 +37,48 @@ pub fn format_event(
     zeros(out, 3usize.saturating_sub(c.len()));
     out.push_str(c);
     out.push_str("] ");
+    push_ts(out, ts_ns);
+    out.push_str(": ");
+    let width = push_escaped_width(out, event);
+    out.push(':');
+    spaces(out, 20usize.saturating_sub(width));
+    out.push(' ');
+    out.push_str(fields);
+}
+
+/// Whether `s` is printable ASCII (nothing to escape, one column per byte): the
+/// common case, checked without decoding characters.
+fn plain_ascii(s: &str) -> bool {
+    s.bytes().all(|b| (0x20..0x7f).contains(&b))
+}
+
+/// Appends `s` (escaped) right-aligned in `width` columns.
+fn push_padded_left(out: &mut String, s: &str, width: usize) {
+    if plain_ascii(s) {
+        spaces(out, width.saturating_sub(s.len()));
+        out.push_str(s);
+    } else {
+        let e = escape_guest_str(s);
+        spaces(out, width.saturating_sub(e.chars().count()));
+        out.push_str(&e);
+    }
+}
+
+/// Appends `s` escaped; returns its width in characters.
+fn push_escaped_width(out: &mut String, s: &str) -> usize {
+    if plain_ascii(s) {
+        out.push_str(s);
+        s.len()
+    } else {
+        let e = escape_guest_str(s);
+        out.push_str(&e);
+        e.chars().count()
+    }
+}
+
+/// Appends `{sec:>5}.{nsec:09}` with two itoa conversions and no formatter.
+fn push_ts(out: &mut String, ts_ns: u64) {
+    let mut num = itoa::Buffer::new();
     let sec = num.format(ts_ns / 1_000_000_000);
     spaces(out, 5usize.saturating_sub(sec.len()));
     out.push_str(sec);
@@ -46,13 +86,6 @@ pub fn format_event(
     let ns = num.format(ts_ns % 1_000_000_000);
     zeros(out, 9 - ns.len());
     out.push_str(ns);
-    out.push_str(": ");
-    let event = escape_guest_str(event);
-    out.push_str(&event);
-    out.push(':');
-    spaces(out, 20usize.saturating_sub(event.chars().count()));
-    out.push(' ');
-    out.push_str(fields);
 }
 
 fn spaces(out: &mut String, n: usize) {
@@ -66,7 +99,9 @@ fn spaces(out: &mut String, n: usize) {
 }
 
 fn zeros(out: &mut String, n: usize) {
-    for _ in 0..n {
+    const ZEROS: &str = "000000000";
+    out.push_str(&ZEROS[..n.min(ZEROS.len())]);
+    for _ in ZEROS.len()..n {
         out.push('0');
     }
 }

@@ -44,6 +44,7 @@ mod drain;
 mod error;
 mod harness;
 mod rate;
+pub mod report;
 mod startup;
 mod stats;
 mod swap;
@@ -84,6 +85,17 @@ pub struct BenchArgs {
     /// [default: all].
     #[arg(long, value_enum, value_name = "S,..", value_delimiter = ',')]
     pub only: Vec<Section>,
+    /// A benchmark of its own instead of the sections above.
+    #[command(subcommand)]
+    pub what: Option<BenchWhat>,
+}
+
+/// Benchmarks run on their own.
+#[derive(Clone, Debug, clap::Subcommand)]
+pub enum BenchWhat {
+    /// `hyptrace report FILE` against `trace-cmd report -t FILE`, side by side: events/s,
+    /// CPU time, peak RSS, the ratio.
+    Report(report::ReportBenchArgs),
 }
 
 /// Sections of `hyptrace bench`.
@@ -273,6 +285,9 @@ impl DrainReport {
 
 /// `hyptrace bench`.
 pub fn bench(a: &BenchArgs) -> i32 {
+    if let Some(BenchWhat::Report(r)) = &a.what {
+        return report::bench_report(r);
+    }
     let cfg = match Cfg::new(a) {
         Ok(c) => c,
         Err(e) => {

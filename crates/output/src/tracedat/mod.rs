@@ -3,7 +3,10 @@
 mod read;
 mod write;
 
-pub use read::{CpuBuffer, Records, TraceFile, TraceItem, TraceOption, TraceRecord};
+pub use read::{
+    glob, max_chunk, CpuBuffer, CpuPages, Records, ReportFilter, TraceFile, TraceItem, TraceOption,
+    TraceRecord,
+};
 pub use write::{write_trace_dat, TraceDatSink, TraceDatVersion, TRAILING_LOST_ID};
 
 /// The magic at the start of every trace.dat: `17 08 44 "tracing"`.

@@ -1,12 +1,25 @@
-//! trace.dat reader (v6, v7 uncompressed, v7 zstd), hostile-input safe: every length
-//! and offset is checked, every loop is bounded by the bytes it consumes or by a fixed
-//! limit, and errors are returned, never panics.
+//! trace.dat reader (v6, v7 uncompressed, v7 zstd), streaming and hostile-input safe.
+//!
+//! [`TraceFile::open`] reads only the metadata (headers, formats, cmdlines, options, the
+//! CPU table) with positional reads; the event pages stay in the file. [`Records`] reads
+//! each CPU's pages (or decompresses its v7 zstd chunks) one at a time: memory is bounded
+//! by the CPU count times the page size (plus one compression chunk per CPU, at most
+//! [`max_chunk`]), not by the file size. Every length and offset is checked against the
+//! file, every loop is bounded by the bytes it consumes or by a fixed limit, and errors
+//! are returned, never panics.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
-use std::path::Path;
+use std::fs::File;
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-use hyptrace_abi::page::{page_header, Events, RB_MISSED_EVENTS, RB_MISSED_STORED};
+use hyptrace_abi::page::{
+    decode_record, fix_abs_ts, page_header, Record, PAGE_HEADER_SIZE, RB_MISSED_EVENTS,
+    RB_MISSED_STORED,
+};
 
 use super::{option, MAGIC};
 use crate::clock::TscConversion;
@@ -20,8 +33,50 @@ use crate::OutputError;
 const READ_COMMIT_MASK: u64 = (1 << 27) - 1;
 /// Most options sections followed through DONE links.
 const MAX_OPTION_SECTIONS: usize = 1024;
-/// Largest decompressed chunk/section accepted.
+/// Largest decompressed metadata section accepted.
 const MAX_DECOMPRESSED: usize = 64 << 20;
+/// Longest `\0`-terminated name (system, compression, buffer) accepted.
+const MAX_NAME: usize = 4096;
+/// Bytes of uncompressed CPU data read at a time, for all CPUs together (each CPU reads
+/// at least one page at a time).
+const READ_BUDGET: usize = 1 << 20;
+/// Most bytes a CPU reads at a time.
+const MAX_BATCH: usize = 128 << 10;
+/// Decompressed chunk budget for all CPUs together (see [`max_chunk`]).
+const CHUNK_BUDGET: usize = 256 << 20;
+/// How many bytes the report collects before writing them out.
+const WRITE_CHUNK: usize = 64 << 10;
+
+/// Most buffer memory the readers of all CPUs may need together (see
+/// [`read_memory`]); a file that would need more is refused at `open`.
+pub const MAX_READ_MEMORY: u64 = 4 << 30;
+
+/// The most buffer memory reading `readers` CPUs of data takes: per CPU a page buffer
+/// and a read batch (uncompressed) or a decompressed chunk and its compressed input.
+pub fn read_memory(readers: usize, page_size: usize, compressed: bool) -> u64 {
+    let per = if compressed {
+        let cap = max_chunk(readers, page_size);
+        page_size + cap + zstd_bound(cap)
+    } else {
+        page_size + plain_batch(readers, page_size)
+    };
+    (readers as u64).saturating_mul(per as u64)
+}
+
+/// Bytes of uncompressed CPU data read at a time when `readers` CPUs are read: whole
+/// pages, at least one, at most [`MAX_BATCH`], [`READ_BUDGET`] for all CPUs together.
+fn plain_batch(readers: usize, page_size: usize) -> usize {
+    let pages = (READ_BUDGET / readers.max(1)).min(MAX_BATCH) / page_size.max(1);
+    pages.max(1) * page_size
+}
+
+/// The largest decompressed v7 chunk accepted from a file with `cpus` CPUs of data and
+/// pages of `page_size` bytes: at least 16 pages (trace-cmd writes 10), at most 16 MiB,
+/// and [`CHUNK_BUDGET`] for all CPUs together when that is more than 16 pages each.
+pub fn max_chunk(cpus: usize, page_size: usize) -> usize {
+    let share = CHUNK_BUDGET / cpus.max(1);
+    share.min(16 << 20).max(page_size.saturating_mul(16))
+}
 
 /// One option as stored in the file.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -32,16 +87,234 @@ pub struct TraceOption {
     pub data: Vec<u8>,
 }
 
-/// The pages of one CPU.
+/// Where the pages of one CPU lie in the file.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CpuBuffer {
     /// CPU number.
     pub cpu: u32,
-    /// Page data (whole pages; a trailing partial page is ignored).
-    pub data: Vec<u8>,
+    /// File offset of the data (v7 zstd: of the chunk count).
+    pub offset: u64,
+    /// Size of the data in the file (compressed size for v7 zstd).
+    pub size: u64,
 }
 
-/// A parsed trace.dat.
+/// The bytes of a trace.dat: a file read with positional reads, or a copy in memory.
+#[derive(Clone)]
+enum Source {
+    File {
+        file: Arc<File>,
+        path: PathBuf,
+        len: u64,
+    },
+    Mem(Arc<[u8]>),
+}
+
+impl std::fmt::Debug for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::File { path, len, .. } => write!(f, "File({}, {len} bytes)", path.display()),
+            Self::Mem(d) => write!(f, "Mem({} bytes)", d.len()),
+        }
+    }
+}
+
+impl Source {
+    fn len(&self) -> u64 {
+        match self {
+            Self::File { len, .. } => *len,
+            Self::Mem(d) => d.len() as u64,
+        }
+    }
+
+    /// Fills `buf` from offset `off`; an error if that runs past the end of the file.
+    fn read_at(&self, off: u64, buf: &mut [u8], what: &str) -> Result<(), OutputError> {
+        let end = off
+            .checked_add(buf.len() as u64)
+            .filter(|&e| e <= self.len())
+            .ok_or_else(|| OutputError::format(off, format!("{what} runs past the end")))?;
+        match self {
+            Self::File { file, path, .. } => file
+                .read_exact_at(buf, off)
+                .map_err(|e| OutputError::io(path, e)),
+            Self::Mem(d) => {
+                // In range: end <= len checked above.
+                buf.copy_from_slice(&d[off as usize..end as usize]);
+                Ok(())
+            }
+        }
+    }
+
+    /// Reads `n` bytes at `off` into a new vector (checked against the file length
+    /// before allocating).
+    fn read_vec(&self, off: u64, n: usize, what: &str) -> Result<Vec<u8>, OutputError> {
+        if off.checked_add(n as u64).is_none_or(|e| e > self.len()) {
+            return Err(OutputError::format(
+                off,
+                format!("{what} runs past the end"),
+            ));
+        }
+        let mut v = vec![0u8; n];
+        self.read_at(off, &mut v, what)?;
+        Ok(v)
+    }
+}
+
+/// Sequential reading of metadata, from memory ([`Cur`]) or from the file ([`FileCur`]).
+trait Input {
+    /// The next `n` bytes.
+    fn bytes(&mut self, n: usize, what: &str) -> Result<&[u8], OutputError>;
+    /// Bytes left.
+    fn remaining(&self) -> u64;
+    /// An error at the current position.
+    fn err(&self, what: &str) -> OutputError;
+
+    /// Skips `n` bytes.
+    fn skip(&mut self, n: u64, what: &str) -> Result<(), OutputError>;
+
+    fn u8(&mut self, what: &str) -> Result<u8, OutputError> {
+        Ok(self.bytes(1, what)?[0])
+    }
+
+    fn u16(&mut self, what: &str) -> Result<u16, OutputError> {
+        let b = self.bytes(2, what)?;
+        Ok(u16::from_le_bytes([b[0], b[1]]))
+    }
+
+    fn u32(&mut self, what: &str) -> Result<u32, OutputError> {
+        let b = self.bytes(4, what)?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+
+    fn u64(&mut self, what: &str) -> Result<u64, OutputError> {
+        let b = self.bytes(8, what)?;
+        let mut w = [0u8; 8];
+        w.copy_from_slice(b);
+        Ok(u64::from_le_bytes(w))
+    }
+
+    /// A u64 length that must fit in what is left.
+    fn len64(&mut self, what: &str) -> Result<usize, OutputError> {
+        let n = self.u64(what)?;
+        if n > self.remaining() {
+            return Err(self.err(what));
+        }
+        usize::try_from(n).map_err(|_| self.err(what))
+    }
+
+    /// A `\0`-terminated string of at most [`MAX_NAME`] bytes.
+    fn cstr(&mut self, what: &str) -> Result<String, OutputError> {
+        let mut s = Vec::new();
+        for _ in 0..=MAX_NAME {
+            match self.u8(what)? {
+                0 => return Ok(String::from_utf8_lossy(&s).into_owned()),
+                b => s.push(b),
+            }
+        }
+        Err(self.err(what))
+    }
+
+    fn text(&mut self, n: usize, what: &str) -> Result<String, OutputError> {
+        Ok(String::from_utf8_lossy(self.bytes(n, what)?).into_owned())
+    }
+}
+
+struct Cur<'a> {
+    buf: &'a [u8],
+    pos: usize,
+    /// Offset of `buf` in the file, for error messages.
+    base: u64,
+}
+
+impl<'a> Cur<'a> {
+    fn new(buf: &'a [u8], pos: usize, base: u64) -> Self {
+        Self { buf, pos, base }
+    }
+}
+
+impl Input for Cur<'_> {
+    fn err(&self, what: &str) -> OutputError {
+        OutputError::format(self.base + self.pos as u64, what.to_string())
+    }
+
+    fn remaining(&self) -> u64 {
+        self.buf.len().saturating_sub(self.pos) as u64
+    }
+
+    fn bytes(&mut self, n: usize, what: &str) -> Result<&[u8], OutputError> {
+        let end = self
+            .pos
+            .checked_add(n)
+            .filter(|&e| e <= self.buf.len())
+            .ok_or_else(|| self.err(what))?;
+        let b = &self.buf[self.pos..end];
+        self.pos = end;
+        Ok(b)
+    }
+
+    fn skip(&mut self, n: u64, what: &str) -> Result<(), OutputError> {
+        let n = usize::try_from(n).map_err(|_| self.err(what))?;
+        self.bytes(n, what).map(|_| ())
+    }
+}
+
+/// Sequential reads from the file through a small window.
+struct FileCur<'s> {
+    src: &'s Source,
+    pos: u64,
+    win: Vec<u8>,
+    win_off: u64,
+}
+
+impl<'s> FileCur<'s> {
+    fn new(src: &'s Source, pos: u64) -> Self {
+        Self {
+            src,
+            pos,
+            win: Vec::new(),
+            win_off: 0,
+        }
+    }
+}
+
+impl Input for FileCur<'_> {
+    fn err(&self, what: &str) -> OutputError {
+        OutputError::format(self.pos, what.to_string())
+    }
+
+    fn remaining(&self) -> u64 {
+        self.src.len().saturating_sub(self.pos)
+    }
+
+    fn bytes(&mut self, n: usize, what: &str) -> Result<&[u8], OutputError> {
+        let end = self
+            .pos
+            .checked_add(n as u64)
+            .filter(|&e| e <= self.src.len())
+            .ok_or_else(|| self.err(what))?;
+        let win_end = self.win_off + self.win.len() as u64;
+        if self.pos < self.win_off || end > win_end {
+            // Refill: at least 64 KiB, never past the end of the file.
+            let want = (n as u64).max(64 << 10).min(self.src.len() - self.pos);
+            self.win.resize(want as usize, 0);
+            self.src.read_at(self.pos, &mut self.win, what)?;
+            self.win_off = self.pos;
+        }
+        let s = (self.pos - self.win_off) as usize;
+        self.pos = end;
+        Ok(&self.win[s..s + n])
+    }
+
+    fn skip(&mut self, n: u64, what: &str) -> Result<(), OutputError> {
+        if n > self.remaining() {
+            return Err(self.err(what));
+        }
+        self.pos += n;
+        Ok(())
+    }
+}
+
+/// A parsed trace.dat: its metadata in memory, its pages read from the file on demand
+/// ([`TraceFile::records`]).
 #[derive(Clone, Debug)]
 pub struct TraceFile {
     /// File version (6 or 7).
@@ -66,95 +339,27 @@ pub struct TraceFile {
     pub tsc2nsec: Option<TscConversion>,
     /// All options, in file order.
     pub options: Vec<TraceOption>,
-    /// Pages per CPU, by CPU number.
+    /// Where each CPU's pages are, in file order.
     pub cpus: Vec<CpuBuffer>,
+    /// Whether the CPU data is zstd-compressed (v7).
+    compressed: bool,
+    src: Source,
     printers: BTreeMap<u16, EventPrinter>,
 }
 
-struct Cur<'a> {
-    buf: &'a [u8],
-    pos: usize,
-    /// Offset of `buf` in the file, for error messages.
-    base: u64,
-}
-
-impl<'a> Cur<'a> {
-    fn new(buf: &'a [u8], pos: usize, base: u64) -> Self {
-        Self { buf, pos, base }
-    }
-
-    fn err(&self, what: &str) -> OutputError {
-        OutputError::format(self.base + self.pos as u64, what.to_string())
-    }
-
-    fn bytes(&mut self, n: usize, what: &str) -> Result<&'a [u8], OutputError> {
-        let end = self
-            .pos
-            .checked_add(n)
-            .filter(|&e| e <= self.buf.len())
-            .ok_or_else(|| self.err(what))?;
-        let b = &self.buf[self.pos..end];
-        self.pos = end;
-        Ok(b)
-    }
-
-    fn u8(&mut self, what: &str) -> Result<u8, OutputError> {
-        Ok(self.bytes(1, what)?[0])
-    }
-
-    fn u16(&mut self, what: &str) -> Result<u16, OutputError> {
-        let b = self.bytes(2, what)?;
-        Ok(u16::from_le_bytes([b[0], b[1]]))
-    }
-
-    fn u32(&mut self, what: &str) -> Result<u32, OutputError> {
-        let b = self.bytes(4, what)?;
-        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-    }
-
-    fn u64(&mut self, what: &str) -> Result<u64, OutputError> {
-        let b = self.bytes(8, what)?;
-        let mut w = [0u8; 8];
-        w.copy_from_slice(b);
-        Ok(u64::from_le_bytes(w))
-    }
-
-    fn len64(&mut self, what: &str) -> Result<usize, OutputError> {
-        let n = self.u64(what)?;
-        usize::try_from(n)
-            .ok()
-            .filter(|&n| n <= self.buf.len())
-            .ok_or_else(|| self.err(what))
-    }
-
-    fn cstr(&mut self, what: &str) -> Result<String, OutputError> {
-        let rest = &self.buf[self.pos.min(self.buf.len())..];
-        let n = rest
-            .iter()
-            .position(|&b| b == 0)
-            .ok_or_else(|| self.err(what))?;
-        let s = String::from_utf8_lossy(&rest[..n]).into_owned();
-        self.pos += n + 1;
-        Ok(s)
-    }
-
-    fn text(&mut self, n: usize, what: &str) -> Result<String, OutputError> {
-        Ok(String::from_utf8_lossy(self.bytes(n, what)?).into_owned())
-    }
-}
-
-/// zstd-decompresses `input` into exactly `size` bytes.
-fn unzstd(input: &[u8], size: usize, at: u64) -> Result<Vec<u8>, OutputError> {
-    if size > MAX_DECOMPRESSED {
-        return Err(OutputError::format(
-            at,
-            format!("compressed block claims {size} bytes"),
-        ));
-    }
-    let mut out = vec![0u8; size];
-    let mut dec = ruzstd::decoding::FrameDecoder::new();
+/// zstd-decompresses `input` into `out` (resized to exactly `size` bytes): libzstd's
+/// one-shot decompression into a fixed buffer (no window allocated; a frame that would
+/// need more than `size` bytes is an error).
+fn unzstd_into(
+    dec: &mut zstd::bulk::Decompressor<'static>,
+    input: &[u8],
+    size: usize,
+    out: &mut Vec<u8>,
+    at: u64,
+) -> Result<(), OutputError> {
+    out.resize(size, 0);
     let n = dec
-        .decode_all(input, &mut out)
+        .decompress_to_buffer(input, out.as_mut_slice())
         .map_err(|e| OutputError::format(at, format!("zstd: {e}")))?;
     if n != size {
         return Err(OutputError::format(
@@ -162,16 +367,28 @@ fn unzstd(input: &[u8], size: usize, at: u64) -> Result<Vec<u8>, OutputError> {
             format!("zstd: {n} bytes, expected {size}"),
         ));
     }
+    Ok(())
+}
+
+/// zstd-decompresses a metadata section of `size` bytes.
+fn unzstd(input: &[u8], size: usize, at: u64) -> Result<Vec<u8>, OutputError> {
+    if size > MAX_DECOMPRESSED {
+        return Err(OutputError::format(
+            at,
+            format!("compressed block claims {size} bytes"),
+        ));
+    }
+    let mut out = Vec::new();
+    let mut dec = decompressor(at)?;
+    unzstd_into(&mut dec, input, size, &mut out, at)?;
     Ok(out)
 }
 
-struct Parser<'a> {
-    file: &'a [u8],
-    compressed: bool,
-    f: TraceFile,
+fn decompressor(at: u64) -> Result<zstd::bulk::Decompressor<'static>, OutputError> {
+    zstd::bulk::Decompressor::new().map_err(|e| OutputError::format(at, format!("zstd: {e}")))
 }
 
-fn parse_header_info(c: &mut Cur<'_>) -> Result<HeaderPage, OutputError> {
+fn parse_header_info(c: &mut impl Input) -> Result<HeaderPage, OutputError> {
     if c.bytes(12, "header_page tag")? != b"header_page\0" {
         return Err(c.err("expected header_page"));
     }
@@ -181,12 +398,13 @@ fn parse_header_info(c: &mut Cur<'_>) -> Result<HeaderPage, OutputError> {
         return Err(c.err("expected header_event"));
     }
     let n = c.len64("header_event size")?;
-    c.bytes(n, "header_event text")?;
+    c.skip(n as u64, "header_event text")?;
     Ok(hp)
 }
 
-fn parse_ftrace_events(c: &mut Cur<'_>, out: &mut Vec<EventFormat>) -> Result<(), OutputError> {
+fn parse_ftrace_events(c: &mut impl Input, out: &mut Vec<EventFormat>) -> Result<(), OutputError> {
     let n = c.u32("ftrace event count")?;
+    // Bounded: each format consumes at least its 8-byte length.
     for _ in 0..n {
         let len = c.len64("ftrace event size")?;
         let t = c.text(len, "ftrace event format")?;
@@ -197,7 +415,7 @@ fn parse_ftrace_events(c: &mut Cur<'_>, out: &mut Vec<EventFormat>) -> Result<()
     Ok(())
 }
 
-fn parse_event_formats(c: &mut Cur<'_>, out: &mut Vec<EventFormat>) -> Result<(), OutputError> {
+fn parse_event_formats(c: &mut impl Input, out: &mut Vec<EventFormat>) -> Result<(), OutputError> {
     let systems = c.u32("system count")?;
     for _ in 0..systems {
         let sys = c.cstr("system name")?;
@@ -213,13 +431,12 @@ fn parse_event_formats(c: &mut Cur<'_>, out: &mut Vec<EventFormat>) -> Result<()
     Ok(())
 }
 
-fn skip_u32_sized(c: &mut Cur<'_>, what: &str) -> Result<(), OutputError> {
-    let n = c.u32(what)? as usize;
-    c.bytes(n, what)?;
-    Ok(())
+fn skip_u32_sized(c: &mut impl Input, what: &str) -> Result<(), OutputError> {
+    let n = c.u32(what)?;
+    c.skip(u64::from(n), what)
 }
 
-fn parse_cmdlines(c: &mut Cur<'_>, out: &mut BTreeMap<i32, String>) -> Result<(), OutputError> {
+fn parse_cmdlines(c: &mut impl Input, out: &mut BTreeMap<i32, String>) -> Result<(), OutputError> {
     let n = c.len64("cmdlines size")?;
     let t = c.text(n, "cmdlines")?;
     for line in t.lines() {
@@ -238,7 +455,16 @@ fn selected_clock(text: &str) -> Option<String> {
     Some(text[s + 1..e].to_string())
 }
 
-impl<'a> Parser<'a> {
+struct Parser {
+    compressed: bool,
+    f: TraceFile,
+}
+
+impl Parser {
+    fn src(&self) -> &Source {
+        &self.f.src
+    }
+
     fn option(&mut self, id: u16, data: &[u8]) {
         match id {
             option::TRACECLOCK => {
@@ -270,14 +496,13 @@ impl<'a> Parser<'a> {
 
     /// Reads a v7 section at `off`: checks its id, decompresses it if flagged.
     fn section(&self, off: u64, want: u16) -> Result<Vec<u8>, OutputError> {
-        let start = usize::try_from(off).map_err(|_| OutputError::format(off, "section offset"))?;
-        let mut c = Cur::new(self.file, start, 0);
-        if start >= self.file.len() {
+        if off >= self.src().len() {
             return Err(OutputError::format(
                 off,
                 "section offset past the end of the file",
             ));
         }
+        let mut c = FileCur::new(self.src(), off);
         let id = c.u16("section id")?;
         let flags = c.u16("section flags")?;
         let _string = c.u32("section name")?;
@@ -288,7 +513,7 @@ impl<'a> Parser<'a> {
                 format!("section id {id}, expected {want}"),
             ));
         }
-        let body = c.bytes(size, "section body")?;
+        let body = self.src().read_vec(off + 16, size, "section body")?;
         if flags & 1 != 0 {
             if !self.compressed {
                 return Err(OutputError::format(
@@ -296,17 +521,17 @@ impl<'a> Parser<'a> {
                     "compressed section in an uncompressed file",
                 ));
             }
-            let mut b = Cur::new(body, 0, off + 16);
+            let mut b = Cur::new(&body, 0, off + 16);
             let csize = b.u32("compressed size")? as usize;
             let usize_ = b.u32("uncompressed size")? as usize;
             let data = b.bytes(csize, "compressed data")?;
             unzstd(data, usize_, off + 16)
         } else {
-            Ok(body.to_vec())
+            Ok(body)
         }
     }
 
-    fn parse_v6(&mut self, c: &mut Cur<'a>) -> Result<(), OutputError> {
+    fn parse_v6(&mut self, c: &mut FileCur<'_>) -> Result<(), OutputError> {
         self.f.header_page = parse_header_info(c)?;
         parse_ftrace_events(c, &mut self.f.formats)?;
         parse_event_formats(c, &mut self.f.formats)?;
@@ -325,9 +550,9 @@ impl<'a> Parser<'a> {
                         break;
                     }
                     let n = c.u32("option size")? as usize;
-                    let d = c.bytes(n, "option data")?;
+                    let d = c.bytes(n, "option data")?.to_vec();
                     has_clock |= id == option::TRACECLOCK;
-                    self.option(id, d);
+                    self.option(id, &d);
                 },
                 b"latency  \0" => {
                     return Err(OutputError::Unsupported("latency (text) trace.dat".into()))
@@ -352,31 +577,50 @@ impl<'a> Parser<'a> {
                 self.f.clock = Some(s);
             }
         }
-        for (cpu, (off, size)) in table.into_iter().enumerate() {
-            let data = self.slice(off, size)?.to_vec();
+        for (cpu, (offset, size)) in table.into_iter().enumerate() {
+            self.check_plain(offset, size)?;
             self.f.cpus.push(CpuBuffer {
                 cpu: cpu as u32,
-                data,
+                offset,
+                size,
             });
         }
         Ok(())
     }
 
-    fn slice(&self, off: u64, size: u64) -> Result<&'a [u8], OutputError> {
-        let s = usize::try_from(off).ok();
-        let n = usize::try_from(size).ok();
-        match (s, n) {
-            (Some(s), Some(n)) if s.checked_add(n).is_some_and(|e| e <= self.file.len()) => {
-                Ok(&self.file[s..s + n])
-            }
-            _ => Err(OutputError::format(
+    /// Uncompressed CPU data must lie within the file.
+    fn check_plain(&self, off: u64, size: u64) -> Result<(), OutputError> {
+        if off.checked_add(size).is_none_or(|e| e > self.src().len()) {
+            return Err(OutputError::format(
                 off,
                 format!("cpu data of {size} bytes runs past the end of the file"),
-            )),
+            ));
         }
+        Ok(())
     }
 
-    fn parse_v7(&mut self, c: &mut Cur<'a>) -> Result<(), OutputError> {
+    /// Compressed CPU data: u32 chunk count, then (u32 compressed, u32 uncompressed,
+    /// data) per chunk. Walks the chunk headers (no decompression): every chunk must lie
+    /// within the file and decompress to at most `cap` bytes.
+    fn check_chunks(&self, off: u64, size: u64, cap: usize) -> Result<(), OutputError> {
+        if size == 0 {
+            return Ok(());
+        }
+        let mut c = FileCur::new(self.src(), off);
+        let n = c.u32("chunk count")?;
+        // Bounded: each chunk consumes at least its 8-byte header.
+        for _ in 0..n {
+            let cs = c.u32("chunk compressed size")?;
+            let us = c.u32("chunk size")? as usize;
+            if us > cap || cs as usize > zstd_bound(cap) {
+                return Err(c.err("compressed chunk too large"));
+            }
+            c.skip(u64::from(cs), "chunk data")?;
+        }
+        Ok(())
+    }
+
+    fn parse_v7(&mut self, c: &mut FileCur<'_>) -> Result<(), OutputError> {
         let name = c.cstr("compression name")?;
         let ver = c.cstr("compression version")?;
         self.compressed = match name.as_str() {
@@ -462,58 +706,54 @@ impl<'a> Parser<'a> {
             if n > 65536 {
                 return Err(o.err("too many CPUs"));
             }
+            let mut table = Vec::new();
             for _ in 0..n {
                 let cpu = o.u32("cpu id")?;
-                let off = o.u64("cpu data offset")?;
+                let offset = o.u64("cpu data offset")?;
                 let size = o.u64("cpu data size")?;
-                let data = if self.compressed {
-                    self.chunks(off, size)?
-                } else {
-                    self.slice(off, size)?.to_vec()
-                };
-                self.f.cpus.push(CpuBuffer { cpu, data });
+                table.push(CpuBuffer { cpu, offset, size });
             }
+            let cap = max_chunk(table.len(), self.f.page_size);
+            for b in &table {
+                if self.compressed {
+                    self.check_chunks(b.offset, b.size, cap)?;
+                } else {
+                    self.check_plain(b.offset, b.size)?;
+                }
+            }
+            self.f.cpus = table;
             break;
         }
         Ok(())
     }
+}
 
-    /// Compressed CPU data: u32 chunk count, then (u32 compressed, u32 uncompressed, data).
-    fn chunks(&self, off: u64, size: u64) -> Result<Vec<u8>, OutputError> {
-        if size == 0 {
-            return Ok(Vec::new());
-        }
-        let start = usize::try_from(off).ok().filter(|&s| s < self.file.len());
-        let start =
-            start.ok_or_else(|| OutputError::format(off, "cpu data offset past the end"))?;
-        let mut c = Cur::new(self.file, start, 0);
-        let n = c.u32("chunk count")?;
-        let mut out = Vec::new();
-        for _ in 0..n {
-            let cs = c.u32("chunk compressed size")? as usize;
-            let us = c.u32("chunk size")? as usize;
-            let at = c.pos as u64;
-            let d = c.bytes(cs, "chunk data")?;
-            if out.len().saturating_add(us) > MAX_DECOMPRESSED * 64 {
-                return Err(OutputError::format(at, "cpu data too large"));
-            }
-            out.extend_from_slice(&unzstd(d, us, at)?);
-        }
-        Ok(out)
-    }
+/// The most a zstd frame of `n` bytes of content can take (zstd's ZSTD_COMPRESSBOUND).
+fn zstd_bound(n: usize) -> usize {
+    n.saturating_add(n >> 8).saturating_add(64 << 10)
 }
 
 impl TraceFile {
-    /// Reads and parses a trace.dat file.
+    /// Opens a trace.dat file and parses its metadata (the pages are read later, a few
+    /// at a time, by [`TraceFile::records`]).
     pub fn open(path: impl AsRef<Path>) -> Result<Self, OutputError> {
         let p = path.as_ref();
-        let data = std::fs::read(p).map_err(|e| OutputError::io(p, e))?;
-        Self::parse(&data)
+        let file = File::open(p).map_err(|e| OutputError::io(p, e))?;
+        let len = file.metadata().map_err(|e| OutputError::io(p, e))?.len();
+        Self::from_source(Source::File {
+            file: Arc::new(file),
+            path: p.to_path_buf(),
+            len,
+        })
     }
 
-    /// Parses a trace.dat held in memory.
+    /// Parses a trace.dat held in memory (copied).
     pub fn parse(data: &[u8]) -> Result<Self, OutputError> {
-        let mut c = Cur::new(data, 0, 0);
+        Self::from_source(Source::Mem(Arc::from(data)))
+    }
+
+    fn from_source(src: Source) -> Result<Self, OutputError> {
+        let mut c = FileCur::new(&src, 0);
         if c.bytes(10, "magic")? != MAGIC {
             return Err(OutputError::format(0u64, "not a trace.dat (bad magic)"));
         }
@@ -527,7 +767,8 @@ impl TraceFile {
         let long_size = c.u8("long size")?;
         let page_size = c.u32("page size")? as usize;
         check_page_size(page_size)
-            .map_err(|_| OutputError::format(c.pos as u64 - 4, "bad page size"))?;
+            .map_err(|_| OutputError::format(c.pos.saturating_sub(4), "bad page size"))?;
+        let pos = c.pos;
         let f = TraceFile {
             version,
             page_size,
@@ -545,23 +786,35 @@ impl TraceFile {
             tsc2nsec: None,
             options: Vec::new(),
             cpus: Vec::new(),
+            compressed: false,
+            src: src.clone(),
             printers: BTreeMap::new(),
         };
         let mut p = Parser {
-            file: data,
             compressed: false,
             f,
         };
+        let mut c = FileCur::new(&src, pos);
         match version {
             6 => p.parse_v6(&mut c)?,
             7 => p.parse_v7(&mut c)?,
             v => return Err(OutputError::Unsupported(format!("trace.dat version {v}"))),
         }
         let mut f = p.f;
+        f.compressed = p.compressed;
         if f.header_page.commit_size != 8 || f.header_page.data_offset != 16 {
             return Err(OutputError::Unsupported(format!(
                 "header_page {:?}",
                 f.header_page
+            )));
+        }
+        let readers = f.cpus.iter().filter(|b| b.size > 0).count();
+        let need = read_memory(readers, f.page_size, f.compressed);
+        if need > MAX_READ_MEMORY {
+            return Err(OutputError::Unsupported(format!(
+                "{readers} CPUs of {}-byte pages would need {} MiB of read buffers",
+                f.page_size,
+                need >> 20
             )));
         }
         if f.nr_cpus == 0 {
@@ -572,12 +825,18 @@ impl TraceFile {
                 .max()
                 .unwrap_or(0);
         }
+        // The printers of every event format, by id (the formatter of `report`).
         f.printers = f
             .formats
             .iter()
             .map(|e| (e.id, EventPrinter::new(e.clone())))
             .collect();
         Ok(f)
+    }
+
+    /// Whether the CPU data is zstd-compressed (v7).
+    pub fn is_compressed(&self) -> bool {
+        self.compressed
     }
 
     /// Converts a raw page timestamp to ns the way trace-cmd does (TSC2NSEC, if present).
@@ -626,16 +885,51 @@ impl TraceFile {
         s
     }
 
+    /// The pages of `self.cpus[index]`, one at a time (decompressed).
+    pub fn pages(&self, index: usize) -> Option<CpuPages> {
+        let b = self.cpus.get(index)?;
+        let readers = self.cpus.iter().filter(|b| b.size > 0).count();
+        Some(CpuPages::new(self, b, readers))
+    }
+
     /// Events (and drop markers) of all CPUs merged by timestamp, ties to the lower CPU,
     /// as trace-cmd orders them (the one [`Merger`] of `run` and the text sink, pulled one
-    /// item at a time: it holds the next record or two of each CPU).
+    /// item at a time: it holds the next record or two of each CPU). Pull items with
+    /// [`Records::next_item`]; a read error (I/O, a corrupt compressed chunk) ends the
+    /// items and is then in [`Records::error`].
     pub fn records(&self) -> Records<'_> {
-        let mut cpus: Vec<CpuCursor<'_>> =
-            self.cpus.iter().map(|b| CpuCursor::new(self, b)).collect();
+        self.records_of(|_| true)
+    }
+
+    /// [`TraceFile::records`] of the CPUs `want` accepts (by CPU number); the others'
+    /// pages are not read.
+    pub fn records_of(&self, want: impl Fn(u32) -> bool) -> Records<'_> {
+        let readers = self.cpus.iter().filter(|b| b.size > 0).count();
+        let mut cpus: Vec<CpuCursor> = self
+            .cpus
+            .iter()
+            .filter(|b| want(b.cpu))
+            .map(|b| CpuCursor {
+                cpu: b.cpu,
+                pages: CpuPages::new(self, b, readers),
+                tsc: self.tsc2nsec,
+                live: false,
+                area_end: 0,
+                off: 0,
+                clock: 0,
+                page_ts: 0,
+                page_missed: Missed::None,
+                first_on_page: false,
+                last_ns: 0,
+            })
+            .collect();
         cpus.sort_by_key(|c| c.cpu);
         Records {
             merger: Merger::new(cpus.len()),
             cpus,
+            scratch: Vec::with_capacity(2),
+            error: None,
+            _file: std::marker::PhantomData,
         }
     }
 
@@ -662,16 +956,340 @@ impl TraceFile {
         }
     }
 
-    /// The whole `trace-cmd report -t` text: `cpus=N` then one line per item.
+    /// Writes the `trace-cmd report -t` text (`cpus=N` then one line per item, as
+    /// [`TraceFile::format_item`] formats it) of the items `filter` selects to `out`,
+    /// streaming: lines are collected in a small buffer and written out in chunks. With
+    /// more than one thread ([`ReportFilter::threads`]), this thread reads and merges
+    /// while the others format batches of items, written in order (memory: a few
+    /// batches). Returns how many events were printed.
+    pub fn write_report(
+        &self,
+        out: &mut dyn Write,
+        filter: &ReportFilter,
+    ) -> Result<u64, OutputError> {
+        let threads = match filter.threads {
+            // The reading thread plus one formatting thread per core: reading takes about
+            // a third of the work, so one formatter per core keeps every core busy.
+            0 => std::thread::available_parallelism().map_or(1, |n| (n.get() + 1).min(MAX_THREADS)),
+            n => n.min(MAX_THREADS),
+        };
+        let head = format!("cpus={}\n", self.nr_cpus);
+        out.write_all(head.as_bytes())?;
+        let printed = if threads <= 1 {
+            let mut s = String::with_capacity(WRITE_CHUNK + 4096);
+            let n = self.select(filter, |item| {
+                if self.format_item(&mut s, item) {
+                    s.push('\n');
+                }
+                if s.len() >= WRITE_CHUNK {
+                    out.write_all(s.as_bytes())?;
+                    s.clear();
+                }
+                Ok(())
+            })?;
+            out.write_all(s.as_bytes())?;
+            n
+        } else {
+            std::thread::scope(|sc| {
+                let mut p = Pipeline::start(self, sc, threads - 1);
+                let n = self.select(filter, |item| p.push(item, out))?;
+                p.finish(out)?;
+                Ok::<u64, OutputError>(n)
+            })?
+        };
+        out.flush()?;
+        Ok(printed)
+    }
+
+    /// Pulls the items `filter` selects, in order, into `emit`; returns how many events
+    /// were selected (a read error is returned after the items before it).
+    fn select(
+        &self,
+        filter: &ReportFilter,
+        mut emit: impl FnMut(&TraceItem<'_>) -> Result<(), OutputError>,
+    ) -> Result<u64, OutputError> {
+        let ids = filter.event_ids(self);
+        let mut recs = self.records_of(|c| filter.wants_cpu(c));
+        let mut printed = 0u64;
+        let mut skip = filter.skip;
+        while let Some(item) = recs.next_item() {
+            if let TraceItem::Event(r) = &item {
+                if let Some(ids) = &ids {
+                    let id = r
+                        .payload
+                        .get(..2)
+                        .map_or(0, |b| u16::from_le_bytes([b[0], b[1]]));
+                    if !ids.contains(id) {
+                        continue;
+                    }
+                }
+                if skip > 0 {
+                    skip -= 1;
+                    continue;
+                }
+                if filter.limit.is_some_and(|l| printed >= l) {
+                    break;
+                }
+                printed += 1;
+            } else if skip > 0 {
+                continue;
+            }
+            emit(&item)?;
+        }
+        match recs.take_error() {
+            Some(e) => Err(e),
+            None => Ok(printed),
+        }
+    }
+
+    /// The whole `trace-cmd report -t` text, in memory (tests; a read error ends it
+    /// early: use [`TraceFile::write_report`] to see it).
     pub fn report(&self) -> String {
-        let mut s = format!("cpus={}\n", self.nr_cpus);
-        for item in self.records() {
-            if self.format_item(&mut s, &item) {
-                s.push('\n');
+        let mut v = Vec::new();
+        let _ = self.write_report(&mut v, &ReportFilter::default());
+        String::from_utf8_lossy(&v).into_owned()
+    }
+}
+
+/// What `report` prints: CPUs, events (by `SYSTEM:EVENT` globs), how many.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ReportFilter {
+    /// CPUs to print (`None`: all).
+    pub cpus: Option<BTreeSet<u32>>,
+    /// Event patterns `[SYSTEM:]EVENT`, `*` and `?` globs (empty: all). An event
+    /// matches if any pattern does.
+    pub events: Vec<String>,
+    /// Events (of those selected) to skip first.
+    pub skip: u64,
+    /// Most events to print.
+    pub limit: Option<u64>,
+    /// Threads (this one and formatting threads); 0: one per core, at most 8.
+    pub threads: usize,
+}
+
+/// Most threads `report` uses.
+const MAX_THREADS: usize = 8;
+/// Items per batch handed to a formatting thread (small in unit tests: many batches).
+const BATCH_ITEMS: usize = if cfg!(test) { 61 } else { 4096 };
+/// Payload bytes per batch (a batch is sent when it holds this much, whatever the
+/// item count: big pages with big events do not make big batches).
+const BATCH_BYTES: usize = 1 << 20;
+
+/// An item copied out of its page for a formatting thread.
+enum BatchItem {
+    Event {
+        cpu: u32,
+        ts_ns: u64,
+        start: usize,
+        len: usize,
+    },
+    Dropped {
+        cpu: u32,
+        missed: Missed,
+    },
+}
+
+/// Items (their payloads in `bytes`) and, once formatted, their text.
+#[derive(Default)]
+struct Batch {
+    items: Vec<BatchItem>,
+    bytes: Vec<u8>,
+    text: String,
+}
+
+impl Batch {
+    fn format(&mut self, f: &TraceFile) {
+        self.text.clear();
+        for it in &self.items {
+            let item = match *it {
+                BatchItem::Event {
+                    cpu,
+                    ts_ns,
+                    start,
+                    len,
+                } => TraceItem::Event(TraceRecord {
+                    cpu,
+                    ts_raw: 0,
+                    ts_ns,
+                    payload: self.bytes.get(start..start + len).unwrap_or_default(),
+                }),
+                BatchItem::Dropped { cpu, missed } => TraceItem::Dropped { cpu, missed },
+            };
+            if f.format_item(&mut self.text, &item) {
+                self.text.push('\n');
             }
         }
-        s
     }
+}
+
+/// Formatting threads fed batches round-robin; their texts are taken back in the same
+/// order, so the output keeps the merged order. At most two batches per thread are in
+/// flight.
+struct Pipeline {
+    to: Vec<std::sync::mpsc::Sender<Batch>>,
+    from: Vec<std::sync::mpsc::Receiver<Batch>>,
+    sent: usize,
+    written: usize,
+    cur: Batch,
+    spare: Vec<Batch>,
+}
+
+impl Pipeline {
+    fn start<'s, 'e: 's>(
+        f: &'e TraceFile,
+        sc: &'s std::thread::Scope<'s, 'e>,
+        workers: usize,
+    ) -> Self {
+        let workers = workers.max(1);
+        let (mut to, mut from) = (Vec::new(), Vec::new());
+        for _ in 0..workers {
+            let (tx, rx) = std::sync::mpsc::channel::<Batch>();
+            let (rtx, rrx) = std::sync::mpsc::channel::<Batch>();
+            sc.spawn(move || {
+                // Ends when the pipeline drops its sender (or stops taking results).
+                for mut b in rx {
+                    b.format(f);
+                    if rtx.send(b).is_err() {
+                        break;
+                    }
+                }
+            });
+            to.push(tx);
+            from.push(rrx);
+        }
+        Self {
+            to,
+            from,
+            sent: 0,
+            written: 0,
+            cur: Batch::default(),
+            spare: Vec::new(),
+        }
+    }
+
+    fn push(&mut self, item: &TraceItem<'_>, out: &mut dyn Write) -> Result<(), OutputError> {
+        match item {
+            TraceItem::Event(r) => {
+                let start = self.cur.bytes.len();
+                self.cur.bytes.extend_from_slice(r.payload);
+                self.cur.items.push(BatchItem::Event {
+                    cpu: r.cpu,
+                    ts_ns: r.ts_ns,
+                    start,
+                    len: r.payload.len(),
+                });
+            }
+            TraceItem::Dropped { cpu, missed } => self.cur.items.push(BatchItem::Dropped {
+                cpu: *cpu,
+                missed: *missed,
+            }),
+            TraceItem::BadPage { .. } => {}
+        }
+        if self.cur.items.len() >= BATCH_ITEMS || self.cur.bytes.len() >= BATCH_BYTES {
+            self.send(out)?;
+        }
+        Ok(())
+    }
+
+    fn send(&mut self, out: &mut dyn Write) -> Result<(), OutputError> {
+        if self.sent - self.written >= 2 * self.to.len() {
+            self.write_one(out)?;
+        }
+        let mut next = self.spare.pop().unwrap_or_default();
+        next.items.clear();
+        next.bytes.clear();
+        let b = std::mem::replace(&mut self.cur, next);
+        self.to[self.sent % self.to.len()]
+            .send(b)
+            .map_err(|_| OutputError::Closed)?;
+        self.sent += 1;
+        Ok(())
+    }
+
+    /// Writes the oldest batch in flight.
+    fn write_one(&mut self, out: &mut dyn Write) -> Result<(), OutputError> {
+        let b = self.from[self.written % self.from.len()]
+            .recv()
+            .map_err(|_| OutputError::Closed)?;
+        self.written += 1;
+        out.write_all(b.text.as_bytes())?;
+        self.spare.push(b);
+        Ok(())
+    }
+
+    fn finish(mut self, out: &mut dyn Write) -> Result<(), OutputError> {
+        if !self.cur.items.is_empty() {
+            self.send(out)?;
+        }
+        while self.written < self.sent {
+            self.write_one(out)?;
+        }
+        Ok(())
+    }
+}
+
+/// A set of event ids.
+struct IdSet(Vec<u64>);
+
+impl IdSet {
+    fn contains(&self, id: u16) -> bool {
+        self.0
+            .get(usize::from(id) / 64)
+            .is_some_and(|w| w & (1 << (id % 64)) != 0)
+    }
+}
+
+impl ReportFilter {
+    fn wants_cpu(&self, cpu: u32) -> bool {
+        self.cpus.as_ref().is_none_or(|s| s.contains(&cpu))
+    }
+
+    /// Whether `system:name` matches a pattern (`[SYSTEM:]EVENT`, globs).
+    pub fn matches_event(&self, system: &str, name: &str) -> bool {
+        self.events.iter().any(|p| match p.split_once(':') {
+            Some((s, e)) => glob(s, system) && glob(e, name),
+            None => glob(p, name),
+        })
+    }
+
+    /// The ids of the formats the patterns select; `None` when there are no patterns.
+    fn event_ids(&self, f: &TraceFile) -> Option<IdSet> {
+        if self.events.is_empty() {
+            return None;
+        }
+        let mut set = IdSet(vec![0; 1024]);
+        for fmt in &f.formats {
+            if self.matches_event(&fmt.system, &fmt.name) {
+                set.0[usize::from(fmt.id) / 64] |= 1 << (fmt.id % 64);
+            }
+        }
+        Some(set)
+    }
+}
+
+/// Whether `text` matches the glob `pat` (`*` any run, `?` one character).
+pub fn glob(pat: &str, text: &str) -> bool {
+    let p: Vec<char> = pat.chars().collect();
+    let t: Vec<char> = text.chars().collect();
+    // Iterative matcher with one backtrack point: O(|p| * |t|) at worst.
+    let (mut i, mut j) = (0usize, 0usize);
+    let mut star: Option<(usize, usize)> = None;
+    while j < t.len() {
+        if i < p.len() && (p[i] == '?' || p[i] == t[j]) {
+            i += 1;
+            j += 1;
+        } else if i < p.len() && p[i] == '*' {
+            star = Some((i, j));
+            i += 1;
+        } else if let Some((si, sj)) = star {
+            i = si + 1;
+            j = sj + 1;
+            star = Some((si, sj + 1));
+        } else {
+            return false;
+        }
+    }
+    p[i..].iter().all(|&c| c == '*')
 }
 
 /// One event read from a trace.dat.
@@ -687,7 +1305,7 @@ pub struct TraceRecord<'a> {
     pub payload: &'a [u8],
 }
 
-/// What [`TraceFile::records`] yields.
+/// What [`Records::next_item`] yields.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum TraceItem<'a> {
     /// An event.
@@ -710,154 +1328,370 @@ pub enum TraceItem<'a> {
     },
 }
 
-struct CpuCursor<'a> {
-    file: &'a TraceFile,
-    cpu: u32,
-    data: &'a [u8],
-    next_page: usize,
-    events: Option<Events<'a>>,
-    page_missed: Missed,
-    first_on_page: bool,
-    last_ns: u64,
-    queue: Vec<TraceItem<'a>>,
+/// Reads one CPU's pages: uncompressed data a batch of pages at a time, or v7 zstd
+/// chunks one at a time; each page is copied into one page buffer.
+pub struct CpuPages {
+    src: Source,
+    page_size: usize,
+    /// Read or decompressed bytes not consumed yet: `buf[pos..]`.
+    buf: Vec<u8>,
+    pos: usize,
+    kind: StreamKind,
+    page: Vec<u8>,
+    /// Pages handed out so far.
+    count: usize,
 }
 
-impl<'a> CpuCursor<'a> {
-    fn new(file: &'a TraceFile, b: &'a CpuBuffer) -> Self {
+enum StreamKind {
+    Plain {
+        next: u64,
+        end: u64,
+        batch: usize,
+    },
+    Zstd {
+        /// File offset of the next chunk header, or of the chunk count before it is
+        /// read (`None`: no more chunks).
+        next: Option<u64>,
+        counted: bool,
+        left: u32,
+        cap: usize,
+        cbuf: Vec<u8>,
+        /// Made at the first chunk.
+        dec: Option<Box<zstd::bulk::Decompressor<'static>>>,
+    },
+}
+
+impl CpuPages {
+    fn new(f: &TraceFile, b: &CpuBuffer, readers: usize) -> Self {
+        let ps = f.page_size;
+        let kind = if f.compressed {
+            StreamKind::Zstd {
+                next: (b.size > 0).then_some(b.offset),
+                counted: false,
+                left: 0,
+                cap: max_chunk(readers, ps),
+                cbuf: Vec::new(),
+                dec: None,
+            }
+        } else {
+            StreamKind::Plain {
+                next: b.offset,
+                end: b.offset.saturating_add(b.size),
+                batch: plain_batch(readers, ps),
+            }
+        };
         Self {
-            file,
-            cpu: b.cpu,
-            data: &b.data,
-            next_page: 0,
-            events: None,
-            page_missed: Missed::None,
-            first_on_page: false,
-            last_ns: 0,
-            queue: Vec::new(),
+            src: f.src.clone(),
+            page_size: ps,
+            buf: Vec::new(),
+            pos: 0,
+            kind,
+            page: Vec::new(),
+            count: 0,
         }
     }
 
-    /// Fills `queue` (reversed: pop from the end) with the next unit: optional drop
-    /// marker + event, or a bad-page item. Returns the sort key, or None when done.
-    fn fill(&mut self) -> Option<u64> {
-        if let Some(item) = self.queue.first() {
-            return Some(match item {
-                TraceItem::Event(r) => r.ts_ns,
-                _ => self.last_ns,
-            });
+    /// Reads more bytes into `buf`; false at the end of the CPU's data.
+    fn refill(&mut self) -> Result<bool, OutputError> {
+        self.pos = 0;
+        match &mut self.kind {
+            StreamKind::Plain { next, end, batch } => {
+                let n = (*end - *next).min(*batch as u64) as usize;
+                if n == 0 {
+                    self.buf.clear();
+                    return Ok(false);
+                }
+                self.buf.resize(n, 0);
+                self.src.read_at(*next, &mut self.buf, "cpu data")?;
+                *next += n as u64;
+                Ok(true)
+            }
+            StreamKind::Zstd {
+                next,
+                counted,
+                left,
+                cap,
+                cbuf,
+                dec,
+            } => {
+                let Some(mut at) = *next else {
+                    self.buf.clear();
+                    return Ok(false);
+                };
+                if !*counted {
+                    let mut w = [0u8; 4];
+                    self.src.read_at(at, &mut w, "chunk count")?;
+                    *left = u32::from_le_bytes(w);
+                    *counted = true;
+                    at += 4;
+                }
+                if *left == 0 {
+                    *next = None;
+                    self.buf.clear();
+                    return Ok(false);
+                }
+                let mut h = [0u8; 8];
+                self.src.read_at(at, &mut h, "chunk header")?;
+                let cs = u32::from_le_bytes([h[0], h[1], h[2], h[3]]) as usize;
+                let us = u32::from_le_bytes([h[4], h[5], h[6], h[7]]) as usize;
+                if us > *cap || cs > zstd_bound(*cap) {
+                    return Err(OutputError::format(at, "compressed chunk too large"));
+                }
+                cbuf.resize(cs, 0);
+                self.src.read_at(at + 8, cbuf, "chunk data")?;
+                let d = match dec {
+                    Some(d) => d,
+                    None => dec.insert(Box::new(decompressor(at)?)),
+                };
+                unzstd_into(d, cbuf, us, &mut self.buf, at + 8)?;
+                *left -= 1;
+                *next = Some(at + 8 + cs as u64);
+                Ok(true)
+            }
         }
-        let ps = self.file.page_size;
+    }
+
+    /// The next whole page, or `None` at the end (a trailing partial page is ignored).
+    pub fn next_page(&mut self) -> Result<Option<&[u8]>, OutputError> {
+        let ps = self.page_size;
+        self.page.resize(ps, 0);
+        let mut have = 0;
+        // Bounded: every refill consumes file bytes (a batch, or a chunk header).
+        while have < ps {
+            if self.pos >= self.buf.len() {
+                if !self.refill()? {
+                    return Ok(None);
+                }
+                continue;
+            }
+            let n = (ps - have).min(self.buf.len() - self.pos);
+            self.page[have..have + n].copy_from_slice(&self.buf[self.pos..self.pos + n]);
+            have += n;
+            self.pos += n;
+        }
+        self.count += 1;
+        Ok(Some(&self.page))
+    }
+}
+
+/// What the merger holds for a CPU: its next event (as a range of the CPU's current
+/// page), a drop marker or a bad page.
+#[derive(Clone, Debug)]
+enum Slot {
+    Event {
+        ts_raw: u64,
+        ts_ns: u64,
+        start: usize,
+        len: usize,
+    },
+    Dropped(Missed),
+    Bad {
+        page: usize,
+        error: String,
+    },
+}
+
+struct CpuCursor {
+    cpu: u32,
+    pages: CpuPages,
+    tsc: Option<TscConversion>,
+    /// A page is being decoded: its data area is `page[16..area_end]`, the next record
+    /// at `off` within it.
+    live: bool,
+    area_end: usize,
+    off: usize,
+    clock: u64,
+    page_ts: u64,
+    page_missed: Missed,
+    first_on_page: bool,
+    last_ns: u64,
+}
+
+impl CpuCursor {
+    fn ns(&self, raw: u64) -> u64 {
+        match &self.tsc {
+            Some(t) => t.trace_cmd_ns(raw),
+            None => raw,
+        }
+    }
+
+    /// Pushes the next unit to `q` (drop marker + event, or a bad page; reversed: pop
+    /// from the end). Returns its sort key, or None when the CPU is done.
+    fn fill(&mut self, q: &mut Vec<Slot>) -> Result<Option<u64>, OutputError> {
+        // Bounded: each record decoded consumes at least 4 bytes of the page, each page
+        // read consumes the CPU's data.
         loop {
-            if let Some(ev) = self.events.as_mut() {
-                match ev.next() {
-                    Some(Ok(e)) => {
-                        let ts_ns = self.file.ts_ns(e.ts);
-                        self.last_ns = ts_ns;
-                        let rec = TraceItem::Event(TraceRecord {
-                            cpu: self.cpu,
-                            ts_raw: e.ts,
-                            ts_ns,
-                            payload: e.payload,
-                        });
-                        self.queue.push(rec);
-                        // trace-cmd reports a loss only when the page's first record is at
-                        // offset 0 (a leading TIME_EXTEND hides it).
-                        if self.first_on_page && e.offset == 0 && self.page_missed != Missed::None {
-                            self.queue.push(TraceItem::Dropped {
-                                cpu: self.cpu,
-                                missed: self.page_missed,
-                            });
-                        }
-                        self.first_on_page = false;
-                        return Some(ts_ns);
-                    }
-                    Some(Err(err)) => {
-                        self.events = None;
-                        self.queue.push(TraceItem::BadPage {
-                            cpu: self.cpu,
-                            page: self.next_page - 1,
+            if self.live {
+                let area = &self.pages.page[PAGE_HEADER_SIZE..self.area_end];
+                match decode_record(area, self.off) {
+                    Ok(None) => self.live = false,
+                    Err(err) => {
+                        self.live = false;
+                        q.push(Slot::Bad {
+                            page: self.pages.count.saturating_sub(1),
                             error: err.to_string(),
                         });
-                        return Some(self.last_ns);
+                        return Ok(Some(self.last_ns));
                     }
-                    None => self.events = None,
+                    Ok(Some((rec, next))) => {
+                        let at = self.off;
+                        self.off = next;
+                        match rec {
+                            Record::Data { delta, start, len } => {
+                                self.clock = self.clock.wrapping_add(delta);
+                                let ts_ns = self.ns(self.clock);
+                                self.last_ns = ts_ns;
+                                q.push(Slot::Event {
+                                    ts_raw: self.clock,
+                                    ts_ns,
+                                    start: PAGE_HEADER_SIZE + start,
+                                    len,
+                                });
+                                // trace-cmd reports a loss only when the page's first
+                                // record is at offset 0 (a leading TIME_EXTEND hides it).
+                                if self.first_on_page && at == 0 && self.page_missed != Missed::None
+                                {
+                                    q.push(Slot::Dropped(self.page_missed));
+                                }
+                                self.first_on_page = false;
+                                return Ok(Some(ts_ns));
+                            }
+                            Record::TimeExtend { delta } => {
+                                self.clock = self.clock.wrapping_add(delta)
+                            }
+                            Record::TimeStamp { ts } => self.clock = fix_abs_ts(ts, self.page_ts),
+                            // Padding deltas are ignored (the kernel's reading).
+                            Record::Padding { .. } => {}
+                        }
+                    }
                 }
+                continue;
             }
-            let start = self.next_page.checked_mul(ps)?;
-            let page = self.data.get(start..start.checked_add(ps)?)?;
-            self.next_page += 1;
-            let (ts, commit) = page_header(page)?;
+            let Some(page) = self.pages.next_page()? else {
+                return Ok(None);
+            };
+            let Some((ts, commit)) = page_header(page) else {
+                return Ok(None);
+            };
             let len = (commit & READ_COMMIT_MASK) as usize;
-            let Some(area) = page.get(16..16 + len) else {
-                self.queue.push(TraceItem::BadPage {
-                    cpu: self.cpu,
-                    page: self.next_page - 1,
+            let end = PAGE_HEADER_SIZE + len;
+            let fits = end <= page.len();
+            let stored = page.get(end..end.saturating_add(8)).map(|b| {
+                let mut w = [0u8; 8];
+                w.copy_from_slice(b);
+                u64::from_le_bytes(w)
+            });
+            if !fits {
+                q.push(Slot::Bad {
+                    page: self.pages.count.saturating_sub(1),
                     error: format!("commit {len} past the page"),
                 });
-                return Some(self.last_ns);
-            };
+                return Ok(Some(self.last_ns));
+            }
             self.page_missed = if commit & RB_MISSED_EVENTS == 0 {
                 Missed::None
             } else if commit & RB_MISSED_STORED != 0 {
-                match page.get(16 + len..24 + len) {
-                    Some(b) => {
-                        let mut w = [0u8; 8];
-                        w.copy_from_slice(b);
-                        Missed::Count(u64::from_le_bytes(w))
-                    }
-                    None => Missed::Unknown,
-                }
+                stored.map_or(Missed::Unknown, Missed::Count)
             } else {
                 Missed::Unknown
             };
             self.first_on_page = true;
-            self.events = Some(Events::new(area, ts));
+            self.live = true;
+            self.area_end = end;
+            self.off = 0;
+            self.clock = ts;
+            self.page_ts = ts;
         }
     }
 }
 
-/// Iterator over the merged events of a [`TraceFile`].
+/// The merged events of a [`TraceFile`], pulled one at a time with
+/// [`Records::next_item`] (each item borrows the CPU's current page).
 pub struct Records<'a> {
-    cpus: Vec<CpuCursor<'a>>,
+    cpus: Vec<CpuCursor>,
     /// Holds the next unit (drop marker + event, or a bad page) of every CPU not done.
-    merger: Merger<TraceItem<'a>>,
+    merger: Merger<Slot>,
+    scratch: Vec<Slot>,
+    error: Option<OutputError>,
+    _file: std::marker::PhantomData<&'a TraceFile>,
 }
 
-impl<'a> Iterator for Records<'a> {
-    type Item = TraceItem<'a>;
-
-    fn next(&mut self) -> Option<Self::Item> {
+impl Records<'_> {
+    /// The next item in merged order; `None` at the end or after a read error
+    /// ([`Records::error`]).
+    pub fn next_item(&mut self) -> Option<TraceItem<'_>> {
+        if self.error.is_some() {
+            return None;
+        }
         for (i, c) in self.cpus.iter_mut().enumerate() {
             if self.merger.queued(i) > 0 || self.merger.is_finished(i) {
                 continue;
             }
-            match c.fill() {
-                Some(key) => {
-                    while let Some(item) = c.queue.pop() {
-                        self.merger.push(i, key, Merged::Event(item));
+            match c.fill(&mut self.scratch) {
+                Ok(Some(key)) => {
+                    while let Some(slot) = self.scratch.pop() {
+                        self.merger.push(i, key, Merged::Event(slot));
                     }
                 }
-                None => self.merger.finish(i),
+                Ok(None) => self.merger.finish(i),
+                Err(e) => {
+                    self.error = Some(e);
+                    return None;
+                }
             }
         }
         // Every CPU not done has its next unit queued: the oldest is always released.
-        match self.merger.next_ready()? {
-            (_, _, Merged::Event(item)) => Some(item),
-            (cpu, _, Merged::Lost(n)) => Some(TraceItem::Dropped {
-                cpu: self.cpus.get(cpu).map_or(0, |c| c.cpu),
-                missed: Missed::Count(n),
+        let (i, _, m) = self.merger.next_ready()?;
+        let c = &self.cpus[i];
+        Some(match m {
+            Merged::Event(Slot::Event {
+                ts_raw,
+                ts_ns,
+                start,
+                len,
+            }) => TraceItem::Event(TraceRecord {
+                cpu: c.cpu,
+                ts_raw,
+                ts_ns,
+                // In range: decode_record checked it against the page's data area.
+                payload: &c.pages.page[start..start + len],
             }),
-        }
+            Merged::Event(Slot::Dropped(missed)) => TraceItem::Dropped { cpu: c.cpu, missed },
+            Merged::Event(Slot::Bad { page, error }) => TraceItem::BadPage {
+                cpu: c.cpu,
+                page,
+                error,
+            },
+            Merged::Lost(n) => TraceItem::Dropped {
+                cpu: c.cpu,
+                missed: Missed::Count(n),
+            },
+        })
+    }
+
+    /// The read error that ended the items, if any.
+    pub fn error(&self) -> Option<&OutputError> {
+        self.error.as_ref()
+    }
+
+    /// Takes the read error that ended the items, if any.
+    pub fn take_error(&mut self) -> Option<OutputError> {
+        self.error.take()
     }
 }
 
 impl TraceFile {
     /// Number of events (drop markers, bad pages and hyptrace's own `trailing_lost`
-    /// events not counted).
+    /// events not counted; a read error ends the count).
     pub fn event_count(&self) -> usize {
-        self.records()
-            .filter(|i| matches!(i, TraceItem::Event(r) if !self.is_trailing_lost(r)))
-            .count()
+        let mut n = 0;
+        let mut r = self.records();
+        while let Some(i) = r.next_item() {
+            if matches!(&i, TraceItem::Event(r) if !self.is_trailing_lost(r)) {
+                n += 1;
+            }
+        }
+        n
     }
 
     /// Whether `r` is hyptrace's `trailing_lost` event (the record that carries the drop
@@ -870,10 +1704,27 @@ impl TraceFile {
             .is_some_and(EventFormat::is_trailing_lost)
     }
 
+    /// The times (ns) of the first and the last event of CPU `cpu` (`None` without
+    /// events), for `report --first-event/--last-event`; a read error is returned.
+    pub fn cpu_span(&self, cpu: u32) -> Result<Option<(u64, u64)>, OutputError> {
+        let mut span: Option<(u64, u64)> = None;
+        let mut r = self.records_of(|c| c == cpu);
+        while let Some(i) = r.next_item() {
+            if let TraceItem::Event(e) = i {
+                span = Some(span.map_or((e.ts_ns, e.ts_ns), |(f, _)| (f, e.ts_ns)));
+            }
+        }
+        match r.take_error() {
+            Some(e) => Err(e),
+            None => Ok(span),
+        }
+    }
+
     /// Sum of the drop markers' counts and the number of markers without a count.
     pub fn dropped(&self) -> (u64, usize) {
         let (mut n, mut unknown) = (0u64, 0usize);
-        for i in self.records() {
+        let mut r = self.records();
+        while let Some(i) = r.next_item() {
             match i {
                 TraceItem::Dropped {
                     missed: Missed::Count(c),
@@ -904,5 +1755,132 @@ impl TraceFile {
             let _ = writeln!(s, "event: {}:{} id={}", f.system, f.name, f.id);
         }
         s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn globs() {
+        assert!(glob("*", ""));
+        assert!(glob("sched_*", "sched_switch"));
+        assert!(glob("*switch", "sched_switch"));
+        assert!(glob("s?hed*", "sched_switch"));
+        assert!(!glob("sched", "sched_switch"));
+        assert!(!glob("*x*", "sched_switch"));
+        assert!(glob("a*b*c", "aXbYbZc"));
+        let f = ReportFilter {
+            events: vec!["sched:*".into(), "*:marker".into(), "irq_*".into()],
+            ..Default::default()
+        };
+        assert!(f.matches_event("sched", "sched_wakeup"));
+        assert!(f.matches_event("guest", "marker"));
+        assert!(f.matches_event("irq", "irq_handler_entry"));
+        assert!(!f.matches_event("guest", "span"));
+    }
+
+    fn fixture(name: &str) -> TraceFile {
+        let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures")
+            .join(name);
+        TraceFile::open(p).unwrap()
+    }
+
+    fn report_with(f: &TraceFile, filter: &ReportFilter) -> String {
+        let mut v = Vec::new();
+        f.write_report(&mut v, filter).unwrap();
+        String::from_utf8(v).unwrap()
+    }
+
+    /// The formatting threads print exactly what one thread prints (many batches of 61
+    /// items, drop markers among them), with and without filters.
+    #[test]
+    fn threads_print_what_one_thread_prints() {
+        for name in ["kernel-v6.dat", "kernel-v7.dat", "kernel-v7-zstd.dat"] {
+            let f = fixture(name);
+            let want = std::fs::read_to_string(
+                std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                    .join("tests/fixtures")
+                    .join(name.replace(".dat", ".report-t.txt")),
+            )
+            .unwrap();
+            for filter in [
+                ReportFilter::default(),
+                ReportFilter {
+                    events: vec!["sched:*".into()],
+                    skip: 7,
+                    limit: Some(300),
+                    ..Default::default()
+                },
+                ReportFilter {
+                    cpus: Some([1].into()),
+                    ..Default::default()
+                },
+            ] {
+                let one = report_with(
+                    &f,
+                    &ReportFilter {
+                        threads: 1,
+                        ..filter.clone()
+                    },
+                );
+                assert!(one.lines().count() > 100, "{name} {filter:?}");
+                for threads in [2, 3, 8] {
+                    let many = report_with(
+                        &f,
+                        &ReportFilter {
+                            threads,
+                            ..filter.clone()
+                        },
+                    );
+                    assert_eq!(one, many, "{name} {filter:?} threads {threads}");
+                }
+                if filter == ReportFilter::default() {
+                    assert_eq!(one.lines().count(), want.lines().count(), "{name}");
+                }
+            }
+        }
+    }
+
+    /// Pages come out whole, one at a time, through a bounded buffer.
+    #[test]
+    fn pages_stream_through_bounded_buffers() {
+        for name in ["kernel-v6.dat", "kernel-v7.dat", "kernel-v7-zstd.dat"] {
+            let f = fixture(name);
+            for i in 0..f.cpus.len() {
+                let mut p = f.pages(i).unwrap();
+                let mut n = 0;
+                while let Some(page) = p.next_page().unwrap() {
+                    assert_eq!(page.len(), f.page_size);
+                    n += 1;
+                }
+                assert!(p.buf.capacity() <= MAX_BATCH.max(max_chunk(1, f.page_size)));
+                if !f.is_compressed() {
+                    assert_eq!(n as u64, f.cpus[i].size / f.page_size as u64, "{name}");
+                }
+            }
+        }
+    }
+
+    /// Read buffers grow with the CPU count and the page size, not the file; past
+    /// [`MAX_READ_MEMORY`] a file is refused.
+    #[test]
+    fn read_memory_bound() {
+        assert!(read_memory(2, 4096, true) < 80 << 20);
+        assert!(read_memory(2, 4096, false) < 1 << 20);
+        assert!(read_memory(1024, 4096, true) < MAX_READ_MEMORY);
+        assert!(read_memory(65536, 4096, false) < MAX_READ_MEMORY);
+        assert!(read_memory(65536, 4096, true) > MAX_READ_MEMORY);
+        assert!(read_memory(65536, 1 << 26, false) > MAX_READ_MEMORY);
+    }
+
+    #[test]
+    fn chunk_caps() {
+        assert_eq!(max_chunk(1, 4096), 16 << 20);
+        assert_eq!(max_chunk(64, 4096), 4 << 20);
+        assert_eq!(max_chunk(65536, 4096), 16 * 4096);
+        assert_eq!(max_chunk(0, 4096), 16 << 20);
     }
 }

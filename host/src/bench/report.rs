@@ -1,0 +1,163 @@
+//! `hyptrace bench report --input FILE`: `hyptrace report FILE` against `trace-cmd
+//! report -t FILE`, side by side in one run, both writing to /dev/null as child
+//! processes (start-up included), alternating, each repeated; medians of wall time and
+//! CPU time (user + sys), events/s and the ratio, and each one's peak RSS (from
+//! `wait4`'s rusage).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+use clap::Args;
+
+use crate::cli::{EXIT_OK, EXIT_RUNTIME, EXIT_USAGE};
+
+/// Options of `hyptrace bench report`.
+#[derive(Clone, Debug, Args)]
+pub struct ReportBenchArgs {
+    /// The trace.dat to read (a big kernel trace: `trace-cmd extract`, v7 zstd).
+    #[arg(short = 'i', long = "input", value_name = "FILE")]
+    pub input: PathBuf,
+    /// Repetitions of each command.
+    #[arg(long, value_name = "N", default_value_t = 3,
+          value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub reps: u32,
+    /// The trace-cmd to compare with.
+    #[arg(long = "trace-cmd", value_name = "PATH", default_value = "trace-cmd")]
+    pub trace_cmd: PathBuf,
+}
+
+/// One timed run of a child.
+#[derive(Clone, Copy, Debug)]
+struct Sample {
+    wall: f64,
+    cpu: f64,
+    rss_kb: i64,
+}
+
+/// Runs `cmd` with stdout and stderr on /dev/null; its wall time, CPU time and peak RSS.
+fn timed(cmd: &mut Command) -> Result<Sample, String> {
+    let t0 = Instant::now();
+    let child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("{cmd:?}: {e}"))?;
+    let pid = child.id() as libc::pid_t;
+    let mut status = 0;
+    // SAFETY: an all-zero rusage is a valid value of this plain C struct.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // Reap the child ourselves (std's Child is not waited on after this; dropping it
+    // does not wait). EINTR is retried; the loop ends when the child is reaped.
+    loop {
+        // SAFETY: `pid` is our child; `status` and `ru` are valid for writes.
+        let r = unsafe { libc::wait4(pid, &mut status, 0, &mut ru) };
+        if r == pid {
+            break;
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(format!("{cmd:?}: wait4: {e}"));
+        }
+    }
+    let wall = t0.elapsed().as_secs_f64();
+    drop(child);
+    if !libc::WIFEXITED(status) || libc::WEXITSTATUS(status) != 0 {
+        return Err(format!("{cmd:?} failed (status {status:#x})"));
+    }
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    Ok(Sample {
+        wall,
+        cpu: tv(ru.ru_utime) + tv(ru.ru_stime),
+        rss_kb: ru.ru_maxrss,
+    })
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// The events `hyptrace report` prints for `path` (drop markers not counted).
+fn count_events(path: &Path) -> Result<u64, String> {
+    let f = hyptrace_output::TraceFile::open(path).map_err(|e| e.to_string())?;
+    let mut n = 0u64;
+    let mut r = f.records();
+    while let Some(i) = r.next_item() {
+        n += u64::from(matches!(i, hyptrace_output::TraceItem::Event(_)));
+    }
+    match r.take_error() {
+        Some(e) => Err(e.to_string()),
+        None => Ok(n),
+    }
+}
+
+/// `hyptrace bench report`.
+pub fn bench_report(a: &ReportBenchArgs) -> i32 {
+    match run(a) {
+        Ok(()) => EXIT_OK,
+        Err((code, msg)) => {
+            eprintln!("hyptrace: error: bench report: {msg}");
+            code
+        }
+    }
+}
+
+fn run(a: &ReportBenchArgs) -> Result<(), (i32, String)> {
+    let events = count_events(&a.input).map_err(|e| (EXIT_USAGE, e))?;
+    let me = std::env::current_exe().map_err(|e| (EXIT_RUNTIME, e.to_string()))?;
+    let mut ours = Vec::new();
+    let mut theirs = Vec::new();
+    for rep in 0..a.reps {
+        let mut tc = Command::new(&a.trace_cmd);
+        tc.arg("report").arg("-t").arg(&a.input);
+        let mut hy = Command::new(&me);
+        hy.arg("report").arg(&a.input);
+        // Alternate which goes first: a load change hits both alike.
+        if rep % 2 == 0 {
+            theirs.push(timed(&mut tc).map_err(|e| (EXIT_RUNTIME, e))?);
+            ours.push(timed(&mut hy).map_err(|e| (EXIT_RUNTIME, e))?);
+        } else {
+            ours.push(timed(&mut hy).map_err(|e| (EXIT_RUNTIME, e))?);
+            theirs.push(timed(&mut tc).map_err(|e| (EXIT_RUNTIME, e))?);
+        }
+    }
+    let summary = |s: &[Sample]| {
+        (
+            median(s.iter().map(|x| x.wall).collect()),
+            median(s.iter().map(|x| x.cpu).collect()),
+            s.iter().map(|x| x.rss_kb).max().unwrap_or(0),
+        )
+    };
+    let (tw, tcpu, trss) = summary(&theirs);
+    let (hw, hcpu, hrss) = summary(&ours);
+    let rate = |t: f64| if t > 0.0 { events as f64 / t } else { 0.0 };
+    let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
+    println!(
+        "report of {} ({events} events), median of {} runs each, output to /dev/null:",
+        a.input.display(),
+        a.reps
+    );
+    println!(
+        "  {:<26} {:>9} {:>13} {:>9} {:>13} {:>10}",
+        "", "wall s", "events/s", "cpu s", "events/cpu-s", "peak RSS"
+    );
+    for (name, w, c, rss) in [
+        ("trace-cmd report -t", tw, tcpu, trss),
+        ("hyptrace report", hw, hcpu, hrss),
+    ] {
+        println!(
+            "  {name:<26} {w:>9.3} {:>13.0} {c:>9.3} {:>13.0} {:>7} MB",
+            rate(w),
+            rate(c),
+            rss / 1024
+        );
+    }
+    println!(
+        "  hyptrace / trace-cmd: {:.2}x events/s (wall), {:.2}x events/cpu-s",
+        ratio(tw, hw),
+        ratio(tcpu, hcpu)
+    );
+    Ok(())
+}

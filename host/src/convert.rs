@@ -1,0 +1,387 @@
+//! `hyptrace report` and `hyptrace convert`: read any trace hyptrace reads — trace.dat
+//! v6/v7/v7-zstd (ours or the kernel's, via trace-cmd) or a raw page stream (`record
+//! --format raw`), told apart by their magic — and print it as `trace-cmd report -t`
+//! does, or write it in any output format of `record` (the sinks of the run pipeline,
+//! [`crate::run::make_sink`], so every format `record` writes is a `convert` target).
+//!
+//! Both stream: a trace.dat is read a page (or a compression chunk) per CPU at a time, a
+//! raw stream a page per CPU at a time; memory does not grow with the file.
+
+use std::collections::BTreeSet;
+use std::io::{Read, Write};
+use std::path::Path;
+
+use hyptrace_output::{
+    tracedat::MAGIC as DAT_MAGIC, Clock, KernelCpuStat, Missed, OutputError, PageSink, RawReader,
+    ReportFilter, RunSummary, TextSink, TraceFile, TraceMeta, RAW_MAGIC,
+};
+
+use crate::cli::{check_destination, format_for, CliError, ConvertArgs, FormatArg, ReportArgs};
+
+/// What a trace file is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InputKind {
+    /// trace.dat (any version; the reader checks it).
+    TraceDat,
+    /// A raw page stream (`record --format raw`).
+    Raw,
+}
+
+/// An input error naming `path` once (I/O errors name it already).
+fn input_error(path: &Path, e: &OutputError) -> CliError {
+    let msg = e.to_string();
+    let p = path.display().to_string();
+    CliError::ReportInput(if msg.contains(&p) {
+        msg
+    } else {
+        format!("{p}: {msg}")
+    })
+}
+
+/// Tells a trace.dat from a raw page stream by the magic at the start of `path`.
+pub fn detect(path: &Path) -> Result<InputKind, CliError> {
+    let mut f = std::fs::File::open(path).map_err(|e| {
+        input_error(
+            path,
+            &OutputError::Io {
+                path: Some(path.to_path_buf()),
+                source: e,
+            },
+        )
+    })?;
+    let mut head = [0u8; 10];
+    let mut n = 0;
+    // Bounded: each read fills part of 10 bytes or ends.
+    while n < head.len() {
+        match f.read(&mut head[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => {
+                return Err(input_error(
+                    path,
+                    &OutputError::Io {
+                        path: Some(path.to_path_buf()),
+                        source: e,
+                    },
+                ))
+            }
+        }
+    }
+    let head = &head[..n];
+    if head.starts_with(DAT_MAGIC) {
+        Ok(InputKind::TraceDat)
+    } else if head.starts_with(RAW_MAGIC) {
+        Ok(InputKind::Raw)
+    } else {
+        Err(CliError::ReportInput(format!(
+            "{}: not a trace.dat, nor a hyptrace raw page stream (bad magic)",
+            path.display()
+        )))
+    }
+}
+
+/// Whether `e` is an error writing stdout (not reading the input).
+fn is_write_error(e: &OutputError) -> bool {
+    matches!(e, OutputError::Io { path: None, .. })
+}
+
+/// A failed write to stdout: quiet for a closed pipe (`| head`), else an error.
+fn stdout_result(e: OutputError, path: &Path) -> Result<(), CliError> {
+    match e {
+        OutputError::Io { path: None, source } => {
+            if source.kind() == std::io::ErrorKind::BrokenPipe {
+                Ok(())
+            } else {
+                Err(CliError::ReportWrite(source))
+            }
+        }
+        e => Err(input_error(path, &e)),
+    }
+}
+
+/// The report filter of the command line.
+fn filter(a: &ReportArgs) -> ReportFilter {
+    let cpus = (!a.cpu.is_empty()).then(|| a.cpu.iter().flatten().copied().collect());
+    let events = a
+        .events
+        .iter()
+        .flat_map(|s| s.split(','))
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_string)
+        .collect();
+    ReportFilter {
+        cpus,
+        events,
+        skip: a.skip,
+        limit: a.count,
+        threads: 0,
+    }
+}
+
+/// `hyptrace report`.
+pub fn report(a: &ReportArgs) -> Result<(), CliError> {
+    let path = a.path();
+    if let Some(bad) = a.events.iter().find(|e| e.contains('/')) {
+        return Err(CliError::ReportInput(format!(
+            "-F {bad}: filter expressions (`/...`) are not supported; give [SYSTEM:]EVENT globs"
+        )));
+    }
+    let f = filter(a);
+    match detect(&path)? {
+        InputKind::TraceDat => {
+            let file = TraceFile::open(&path).map_err(|e| input_error(&path, &e))?;
+            let mut out = std::io::stdout().lock();
+            if a.list_cpus || a.first_event || a.last_event {
+                let text = cpu_list(&file, a, &path)?;
+                return match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+                    Err(e) => stdout_result(e.into(), &path),
+                    Ok(()) => Ok(()),
+                };
+            }
+            if a.stat {
+                let text = file.stat_text();
+                return match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+                    Err(e) => stdout_result(e.into(), &path),
+                    Ok(()) => Ok(()),
+                };
+            }
+            match file.write_report(&mut out, &f) {
+                Ok(_) => Ok(()),
+                Err(e) => stdout_result(e, &path),
+            }
+        }
+        InputKind::Raw => report_raw(a, &f, &path),
+    }
+}
+
+/// `--cpus`, `--first-event`, `--last-event`: trace-cmd's list of the CPUs with data,
+/// with the times of their first/last events (µs, rounded, as trace-cmd prints them).
+fn cpu_list(f: &TraceFile, a: &ReportArgs, path: &Path) -> Result<String, CliError> {
+    use std::fmt::Write as _;
+    let mut s = format!("List of CPUs in {} with data:\n", path.display());
+    let mut cpus: Vec<u32> = f
+        .cpus
+        .iter()
+        .filter(|b| b.size > 0)
+        .map(|b| b.cpu)
+        .collect();
+    cpus.sort_unstable();
+    cpus.dedup();
+    let t = |ns: u64| {
+        let us = ns.saturating_add(500) / 1000;
+        format!("{:5}.{:06}", us / 1_000_000, us % 1_000_000)
+    };
+    for cpu in cpus {
+        if a.cpu.iter().flatten().next().is_some() && !a.cpu.iter().flatten().any(|&c| c == cpu) {
+            continue;
+        }
+        let _ = write!(s, "  {cpu}");
+        if a.first_event || a.last_event {
+            if let Some((first, last)) = f.cpu_span(cpu).map_err(|e| input_error(path, &e))? {
+                if a.first_event {
+                    let _ = write!(s, "\tFirst event:{}", t(first));
+                }
+                if a.last_event {
+                    let _ = write!(s, "\tLast event:{}", t(last));
+                }
+            }
+        }
+        s.push('\n');
+    }
+    Ok(s)
+}
+
+/// `report` of a raw page stream: replayed into the text sink of `record --format
+/// text` (the same lines as the run printed).
+fn report_raw(a: &ReportArgs, f: &ReportFilter, path: &Path) -> Result<(), CliError> {
+    if !f.events.is_empty()
+        || f.skip > 0
+        || f.limit.is_some()
+        || a.list_cpus
+        || a.first_event
+        || a.last_event
+    {
+        return Err(CliError::ReportInput(format!(
+            "{}: -F/--events, --skip, --count, --cpus, --first-event and --last-event need a trace.dat; convert the raw stream first: hyptrace convert -i {} -o trace.dat",
+            path.display(),
+            path.display()
+        )));
+    }
+    let reader = RawReader::open(path).map_err(|e| input_error(path, &e))?;
+    let cpus: Option<BTreeSet<u32>> = f.cpus.clone();
+    let want = move |c: u32| cpus.as_ref().is_none_or(|s| s.contains(&c));
+    if a.stat {
+        let summary = std::sync::Arc::new(std::sync::Mutex::new(None));
+        let sink = Box::new(StatSink(summary.clone()));
+        reader
+            .replay(sink, want)
+            .map_err(|e| input_error(path, &e))?;
+        let s = summary
+            .lock()
+            .map(|g| g.clone())
+            .unwrap_or_default()
+            .unwrap_or_default();
+        let text = stat_text(&s);
+        let mut out = std::io::stdout().lock();
+        return match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+            Err(e) => stdout_result(e.into(), path),
+            Ok(()) => Ok(()),
+        };
+    }
+    let meta = reader.meta();
+    let sink = TextSink::to_writer(Box::new(std::io::stdout()), meta)
+        .map_err(|e| input_error(path, &e))?;
+    match reader.replay(Box::new(sink), want) {
+        Ok(()) => Ok(()),
+        Err(e) => stdout_result(e, path),
+    }
+}
+
+/// The `--stat` block of a raw stream's end record (as `trace-cmd report --stat`
+/// prints a trace.dat's CPUSTAT options).
+fn stat_text(s: &RunSummary) -> String {
+    let mut t = String::from(
+        "\nKernel buffer statistics:\n  Note: \"entries\" are the entries left in the kernel ring buffer and are not\n        recorded in the trace data. They should all be zero.\n\n",
+    );
+    for (cpu, c) in s.cpus.iter().enumerate() {
+        let c: &KernelCpuStat = c;
+        t.push_str(&c.to_cpustat_text(cpu as u32));
+        if !t.ends_with('\n') {
+            t.push('\n');
+        }
+        t.push('\n');
+    }
+    t
+}
+
+/// Keeps only the end record's stats.
+struct StatSink(std::sync::Arc<std::sync::Mutex<Option<RunSummary>>>);
+
+impl PageSink for StatSink {
+    fn page(&mut self, _cpu: u32, _page: &[u8], _missed: Option<u64>) -> Result<(), OutputError> {
+        Ok(())
+    }
+
+    fn trailing_lost(&mut self, _cpu: u32, _lost: u64) -> Result<(), OutputError> {
+        Ok(())
+    }
+
+    fn finish(self: Box<Self>, summary: &RunSummary) -> Result<(), OutputError> {
+        if let Ok(mut g) = self.0.lock() {
+            *g = Some(summary.clone());
+        }
+        Ok(())
+    }
+}
+
+/// The metadata a sink needs to write what `f` holds: its formats, cmdlines, clock.
+fn meta_of(f: &TraceFile) -> TraceMeta {
+    TraceMeta {
+        page_size: f.page_size,
+        nr_cpus: f.nr_cpus,
+        cmdlines: f.cmdlines.clone(),
+        clock: Clock {
+            name: f.clock.clone().unwrap_or_else(|| "local".into()),
+            tsc: f.tsc2nsec,
+        },
+        formats: f.formats.clone(),
+    }
+}
+
+/// Feeds every page of `f` into `sink`, the CPUs' pages merged by page time (each
+/// CPU's in file order; memory: one page per CPU), then finishes it.
+pub fn pump_pages(f: &TraceFile, mut sink: Box<dyn PageSink>) -> Result<(), OutputError> {
+    let mut cursors: Vec<_> = (0..f.cpus.len()).filter_map(|i| f.pages(i)).collect();
+    let cpus: Vec<u32> = f.cpus.iter().map(|b| b.cpu).collect();
+    // The head page of each CPU: (time, page).
+    let mut heads: Vec<Option<(u64, Vec<u8>)>> = Vec::with_capacity(cursors.len());
+    for c in &mut cursors {
+        heads.push(next_head(c)?);
+    }
+    // Bounded: every step consumes a page of some CPU.
+    while let Some(i) = heads
+        .iter()
+        .enumerate()
+        .filter_map(|(i, h)| h.as_ref().map(|(t, _)| (*t, cpus[i], i)))
+        .min()
+        .map(|(_, _, i)| i)
+    {
+        if let Some((_, page)) = heads[i].take() {
+            let missed = match hyptrace_output::page_missed(&page) {
+                Missed::Count(n) => Some(n),
+                Missed::Unknown | Missed::None => None,
+            };
+            sink.page(cpus[i], &page, missed)?;
+            heads[i] = next_head(&mut cursors[i])?;
+        }
+    }
+    sink.finish(&RunSummary::default())
+}
+
+fn next_head(
+    c: &mut hyptrace_output::tracedat::CpuPages,
+) -> Result<Option<(u64, Vec<u8>)>, OutputError> {
+    Ok(c.next_page()?.map(|p| {
+        let ts = p.get(..8).map_or(0, |b| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(b);
+            u64::from_le_bytes(w)
+        });
+        (ts, p.to_vec())
+    }))
+}
+
+/// A raw page stream carries no event formats (its reader assumes hyptrace's guest
+/// events): only a trace of those converts to raw.
+fn check_raw_formats(f: &TraceFile, path: &Path) -> Result<(), CliError> {
+    let guest = hyptrace_output::guest_formats();
+    match f
+        .formats
+        .iter()
+        .find(|x| !x.is_trailing_lost() && !guest.contains(x))
+    {
+        None => Ok(()),
+        Some(x) => Err(CliError::ReportInput(format!(
+            "{}: event {}:{} has no place in a raw page stream (it carries no event formats; only hyptrace's own guest events convert to raw)",
+            path.display(),
+            x.system,
+            x.name
+        ))),
+    }
+}
+
+/// `hyptrace convert`.
+pub fn convert(a: &ConvertArgs) -> Result<(), CliError> {
+    let format = format_for(a.format, &a.output);
+    let kind = detect(&a.input)?;
+    let target = check_destination(&a.output, "-o")?;
+    let r = match kind {
+        InputKind::Raw => {
+            let reader = RawReader::open(&a.input).map_err(|e| input_error(&a.input, &e))?;
+            let sink = crate::run::make_sink(&target, format, reader.meta())
+                .map_err(CliError::ConvertOutput)?;
+            reader.replay(sink, |_| true)
+        }
+        InputKind::TraceDat => {
+            let f = TraceFile::open(&a.input).map_err(|e| input_error(&a.input, &e))?;
+            if format == FormatArg::Raw {
+                check_raw_formats(&f, &a.input)?;
+            }
+            let sink = crate::run::make_sink(&target, format, meta_of(&f))
+                .map_err(CliError::ConvertOutput)?;
+            pump_pages(&f, sink)
+        }
+    };
+    r.map_err(|e| match e {
+        OutputError::Io {
+            path: Some(ref p), ..
+        } if p.as_path() == a.input.as_path() => input_error(&a.input, &e),
+        OutputError::Format { .. } | OutputError::Raw(_) | OutputError::Unsupported(_) => {
+            input_error(&a.input, &e)
+        }
+        e if is_write_error(&e) => CliError::ConvertOutput(e),
+        e => CliError::ConvertOutput(e),
+    })
+}
