@@ -290,6 +290,10 @@ pub struct RunArgs {
     /// Guest payload ELF to load instead of the embedded one.
     #[arg(long, value_name = "PATH")]
     pub guest: Option<PathBuf>,
+    /// Clock of every timestamp (text, JSON, raw, trace.dat, --stats): host
+    /// CLOCK_MONOTONIC, CLOCK_BOOTTIME, or the raw guest TSC counter.
+    #[arg(long, value_enum, default_value_t = crate::clock::ClockKind::Mono)]
+    pub clock: crate::clock::ClockKind,
 }
 
 /// Why a command failed, mapped to the exit code in one place ([`CliError::exit_code`]).

@@ -20,6 +20,7 @@
 pub mod arch;
 pub mod bench;
 pub mod cli;
+pub mod clock;
 pub mod elf;
 pub mod error;
 pub mod logging;

@@ -234,6 +234,8 @@ pub struct Plan {
     pub mode: ModeArg,
     /// What `--stats` echoes of the options.
     pub echo: OptionsEcho,
+    /// `--clock`.
+    pub clock: crate::clock::ClockKind,
 }
 
 /// The options `--stats` repeats.
@@ -407,6 +409,7 @@ impl Plan {
             poll: Duration::from_millis(a.poll_ms),
             mailbox_timeout: Duration::from_millis(a.mailbox_timeout_ms),
             mode: a.mode,
+            clock: a.clock,
             echo: OptionsEcho {
                 workload: format!("{:?}", a.workload).to_lowercase(),
                 mode: format!("{:?}", a.mode).to_lowercase(),

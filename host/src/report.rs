@@ -238,6 +238,8 @@ pub struct RunReport {
     pub destination: Destination,
     /// The options `--stats` repeats.
     pub echo: OptionsEcho,
+    /// The clock of every output (`--clock`) and how its map held, if one was made.
+    pub clock: Option<crate::clock::ClockStats>,
     /// `--mode` (the loss hint depends on it).
     pub mode: ModeArg,
     /// The guest's memory after the run (result slots, for `bench`).
@@ -527,6 +529,7 @@ pub struct CpuStatsJson {
 /// The `--stats` document (fields in alphabetical order: the JSON's key order).
 #[derive(Debug, Serialize)]
 pub struct Stats {
+    clock: Option<crate::clock::ClockStats>,
     cpus: Vec<CpuStatsJson>,
     crash: Option<CrashStats>,
     end: &'static str,
@@ -579,6 +582,7 @@ impl Stats {
             .unwrap_or("ok");
         let e = &r.echo;
         Self {
+            clock: r.clock.clone(),
             cpus,
             crash: outcomes
                 .iter()
@@ -626,6 +630,7 @@ mod tests {
             },
             mode: ModeArg::Overwrite,
             guest: None,
+            clock: None,
         }
     }
 
@@ -702,6 +707,7 @@ mod tests {
             .map(|l| l.trim().split('"').nth(1).unwrap_or(""))
             .collect();
         let want = [
+            "clock",
             "cpus",
             "attempted",
             "bytes",

@@ -38,6 +38,7 @@ use hyptrace_output::{
 use hyptrace_reader::{Callbacks, ReadError};
 
 use crate::cli::FormatArg;
+use crate::clock::HostClock;
 use crate::plan::Plan;
 use crate::report::{CpuReport, Destination, Failures, GuestView, RunReport, Stop, Timing};
 use crate::session::{alloc_reader_wrapped, Output, Session};
@@ -208,8 +209,11 @@ impl<'a> Run<'a> {
         };
         let tsc_khz = vm.tsc_khz();
         let tsc_offset = vm.tsc_offset();
-        let clock =
-            Clock::guest_tsc(tsc_khz).map_err(|source| RunError::Clock { tsc_khz, source })?;
+        // One map guest TSC → `--clock` for every output of the run (see crate::clock).
+        let host_clock = HostClock::calibrate(plan.clock, tsc_khz, tsc_offset.unwrap_or(0))
+            .map_err(|source| RunError::Clock { tsc_khz, source })?;
+        let clock = host_clock.clock.clone();
+        log::debug!("clock: {:?}", host_clock.stats());
         let stdout = Arc::new(StdoutState::default());
         let (output, target) = open_output(target, &plan.ring, nr, &clock, &stdout)?;
         let generation = crate::vm::host_tsc();
@@ -249,8 +253,10 @@ impl<'a> Run<'a> {
             stop: None,
             failures: Failures::default(),
             nr,
+            clock: host_clock,
         };
         let aborted = live.poll_loop(plan.poll);
+        live.clock.recheck(true);
         let timing = Timing {
             created_tsc,
             tsc_khz,
@@ -264,6 +270,7 @@ impl<'a> Run<'a> {
             stdout,
             stop,
             failures,
+            clock,
             ..
         } = live;
         let outcomes = running.wait();
@@ -289,6 +296,7 @@ impl<'a> Run<'a> {
             echo: plan.echo,
             mode: plan.mode,
             guest: Some(guest),
+            clock: Some(clock.stats()),
         })
     }
 }
@@ -433,6 +441,7 @@ struct Live<'a> {
     stop: Option<Stop>,
     failures: Failures,
     nr: u32,
+    clock: HostClock,
 }
 
 impl Live<'_> {
@@ -454,6 +463,7 @@ impl Live<'_> {
             }
             self.check_stop();
             self.service();
+            self.clock.recheck(false);
             if let Some(h) = &mut self.heartbeat {
                 h.tick(&self.session, self.nr, self.running.started_at());
             }

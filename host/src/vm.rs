@@ -260,11 +260,33 @@ impl Vm {
             vcpus.push(fd);
         }
         // Guest TSC = host TSC: the reader can then put host and guest times on one
-        // clock. Best effort (older kernels lack the attribute); read back to check.
-        for fd in &vcpus {
-            let _ = arch::set_tsc_offset(fd, 0);
-        }
-        let tsc_offset = arch::tsc_offset(&vcpus[0]).ok();
+        // clock. Best effort (older kernels lack the attribute, PVM refuses or ignores
+        // it); read back to check, and say which case this is.
+        let set = vcpus
+            .iter()
+            .map(|fd| arch::set_tsc_offset(fd, 0))
+            .find(|r| r.is_err())
+            .unwrap_or(Ok(()));
+        let tsc_offset = match (set, arch::tsc_offset(&vcpus[0])) {
+            (Ok(()), Ok(v)) => {
+                log::info!("TSC offset set to 0, read back {v}");
+                Some(v)
+            }
+            (Err(e), Ok(v)) => {
+                log::info!("TSC offset cannot be set ({e}); KVM reports {v}: using it");
+                Some(v)
+            }
+            (Ok(()), Err(e)) => {
+                log::info!("TSC offset set to 0 but cannot be read back ({e}): assuming 0");
+                None
+            }
+            (Err(e), Err(_)) => {
+                log::info!(
+                    "TSC offset not supported by this KVM ({e}): assuming guest TSC = host TSC"
+                );
+                None
+            }
+        };
         let tsc_khz = match vcpus[0].get_tsc_khz() {
             Ok(k) if k > 0 => u64::from(k),
             _ => calibrate_tsc_khz(),

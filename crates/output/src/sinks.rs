@@ -462,7 +462,9 @@ impl JsonSink {
 }
 
 /// Magic of a raw page stream.
-pub const RAW_MAGIC: &[u8; 8] = b"HTRAWPG1";
+pub const RAW_MAGIC: &[u8; 8] = b"HTRAWPG2";
+/// Magic of the previous raw stream (no `offset_ns`), still read.
+const RAW_MAGIC_V1: &[u8; 8] = b"HTRAWPG1";
 const RAW_TAG_PAGE: u32 = 1;
 const RAW_TAG_END: u32 = 2;
 
@@ -470,9 +472,10 @@ const RAW_TAG_END: u32 = 2;
 /// (all little-endian):
 ///
 /// ```text
-/// header:  "HTRAWPG1" | u32 page_size | u32 nr_cpus | u32 mult | u32 shift | u64 offset
-///          | u32 clock_name_len | clock name bytes
-///          (mult = 0: timestamps are ns; else ns = ((ts - offset) * mult) >> shift)
+/// header:  "HTRAWPG2" | u32 page_size | u32 nr_cpus | u32 mult | u32 shift | u64 offset
+///          | u32 clock_name_len | clock name bytes | i64 offset_ns
+///          (mult = 0: timestamps are ns; else ns = ((ts - offset) * mult) >> shift;
+///          then + offset_ns, see `Clock`; "HTRAWPG1" streams lack offset_ns: 0)
 /// page:    u32 1 | u32 cpu | page_size bytes (exported copy: Linux buffer_data_page,
 ///          tail zeroed, losses as RB_MISSED_* flags + count after the data)
 /// end:     u32 2 | u32 n | n × 8 u64 stats (entries, overrun, commit_overrun, bytes,
@@ -520,6 +523,7 @@ impl RawSink {
         h.extend_from_slice(&t.offset.to_le_bytes());
         h.extend_from_slice(&(meta.clock.name.len() as u32).to_le_bytes());
         h.extend_from_slice(meta.clock.name.as_bytes());
+        h.extend_from_slice(&meta.clock.offset_ns.to_le_bytes());
         out.write_all(&h)?;
         Ok(Self {
             scratch: vec![0; meta.page_size],
@@ -610,7 +614,9 @@ impl RawTrace {
             Ok(s)
         };
         let u32_ = |s: &[u8]| u32::from_le_bytes([s[0], s[1], s[2], s[3]]);
-        if take(8)? != RAW_MAGIC {
+        let magic = take(8)?;
+        let v1 = magic == RAW_MAGIC_V1;
+        if magic != RAW_MAGIC && !v1 {
             return Err(bad("bad magic"));
         }
         let page_size = u32_(take(4)?) as usize;
@@ -623,6 +629,13 @@ impl RawTrace {
         let offset = u64::from_le_bytes(o);
         let n = u32_(take(4)?) as usize;
         let name = String::from_utf8_lossy(take(n)?).into_owned();
+        let offset_ns = if v1 {
+            0
+        } else {
+            let mut o = [0u8; 8];
+            o.copy_from_slice(take(8)?);
+            i64::from_le_bytes(o)
+        };
         let tsc = (mult != 0).then_some(TscConversion {
             mult,
             shift,
@@ -671,7 +684,11 @@ impl RawTrace {
         Ok(Self {
             page_size,
             nr_cpus,
-            clock: Clock { name, tsc },
+            clock: Clock {
+                name,
+                tsc,
+                offset_ns,
+            },
             pages,
             summary,
         })
