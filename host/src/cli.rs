@@ -166,6 +166,9 @@ pub enum WorkloadArg {
     Panic,
     /// A few events, then a CPU fault / triple fault (exit code 3).
     Fault,
+    /// Clock alignment: events/2 port exits, each between two guest TSC stamps; the
+    /// second marker's value is the host clock the VMM read at the exit.
+    Align,
 }
 
 impl From<WorkloadArg> for Workload {
@@ -176,6 +179,7 @@ impl From<WorkloadArg> for Workload {
             WorkloadArg::Burst => Workload::Burst,
             WorkloadArg::Panic => Workload::Panic,
             WorkloadArg::Fault => Workload::Fault,
+            WorkloadArg::Align => Workload::Align,
         }
     }
 }

@@ -89,6 +89,11 @@ pub fn monotonic_ns() -> u64 {
     clock_ns(libc::CLOCK_MONOTONIC)
 }
 
+/// Host `CLOCK_BOOTTIME` in ns.
+pub fn boottime_ns() -> u64 {
+    clock_ns(libc::CLOCK_BOOTTIME)
+}
+
 /// One paired sample: the host TSC at the middle of the tightest `rdtsc; clock_gettime;
 /// rdtsc` bracket, the clock reading inside it, and the bracket's width in cycles.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

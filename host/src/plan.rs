@@ -404,6 +404,7 @@ impl Plan {
                 flags,
                 burst: 0,
                 payload: 0,
+                clock: a.clock,
             },
             duration,
             poll: Duration::from_millis(a.poll_ms),

@@ -12,7 +12,7 @@ use std::ptr;
 use std::sync::atomic::Ordering;
 use std::sync::OnceLock;
 
-use hyptrace_abi::guest::{result, PANIC_MSG_MAX, PORT_EXIT, PORT_PANIC};
+use hyptrace_abi::guest::{result, PANIC_MSG_MAX, PORT_ALIGN, PORT_EXIT, PORT_PANIC};
 use kvm_ioctls::{VcpuExit, VcpuFd};
 use libc::{c_int, c_void, siginfo_t};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
@@ -189,6 +189,17 @@ fn run_loop(
                     return VcpuOutcome::Faulted(format!("vCPU {id} reported exit as vCPU {who}"));
                 }
                 return VcpuOutcome::Finished(read_stats(mem, slot));
+            }
+            VcpuExit::IoOut(PORT_ALIGN, _) => {
+                // The `align` workload: the host clock at this exit, for the guest to
+                // record next to its own TSC stamps around it.
+                let now = shared.stamp.now();
+                if mem
+                    .write_obj(now, GuestAddress(slot + result::ALIGN_HOST as u64))
+                    .is_err()
+                {
+                    return VcpuOutcome::Faulted("result slot not writable".into());
+                }
             }
             VcpuExit::IoOut(PORT_PANIC, data) => {
                 let len = le_u32(data);

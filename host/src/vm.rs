@@ -55,6 +55,8 @@ pub struct RunParams {
     pub burst: u32,
     /// Payload bytes of each event of the bench workload.
     pub payload: u32,
+    /// The clock the VMM stamps `PORT_ALIGN` exits with (the run's `--clock`).
+    pub clock: crate::clock::ClockKind,
 }
 
 /// Default seed of [`RunParams`].
@@ -70,6 +72,7 @@ impl Default for RunParams {
             flags: 0,
             burst: 0,
             payload: 0,
+            clock: crate::clock::ClockKind::Mono,
         }
     }
 }
@@ -379,6 +382,10 @@ impl Vm {
         let shared = Arc::new(Shared {
             stop: AtomicBool::new(false),
             crashed: AtomicBool::new(false),
+            stamp: Stamp {
+                clock: p.clock,
+                tsc_offset: self.tsc_offset.unwrap_or(0),
+            },
             done: Mutex::new(0),
             cv: Condvar::new(),
         });
@@ -427,10 +434,32 @@ impl Vm {
     }
 }
 
+/// The host clock a vCPU thread stamps exits with.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Stamp {
+    clock: crate::clock::ClockKind,
+    tsc_offset: i64,
+}
+
+impl Stamp {
+    /// Now, on the run's clock: `clock_gettime` for `mono`/`boot`, the guest-equivalent
+    /// TSC (host TSC + offset) for `tsc`.
+    pub(crate) fn now(&self) -> u64 {
+        use crate::clock::ClockKind;
+        match self.clock {
+            ClockKind::Mono => crate::clock::clock_ns(libc::CLOCK_MONOTONIC),
+            ClockKind::Boot => crate::clock::clock_ns(libc::CLOCK_BOOTTIME),
+            ClockKind::Tsc => host_tsc().wrapping_add_signed(self.tsc_offset),
+        }
+    }
+}
+
 /// State shared by the vCPU threads and the [`RunningVm`].
 pub(crate) struct Shared {
     pub(crate) stop: AtomicBool,
     crashed: AtomicBool,
+    /// How the vCPUs stamp `PORT_ALIGN` exits.
+    pub(crate) stamp: Stamp,
     done: Mutex<usize>,
     cv: Condvar,
 }

@@ -20,6 +20,10 @@ use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
 pub const PORT_EXIT: u16 = 0x0510;
 /// Port the guest writes a panic message length to (message in its result slot).
 pub const PORT_PANIC: u16 = 0x0511;
+/// `align` workload: the guest writes its vCPU id here (32-bit `out`); the VMM stamps
+/// the exit with the run's host clock and stores it (u64) at [`result::ALIGN_HOST`] of
+/// the vCPU's result slot before resuming it.
+pub const PORT_ALIGN: u16 = 0x0512;
 
 /// Magic of the run parameter block: `"HTRUNPRM"` as little-endian bytes.
 pub const RUN_PARAMS_MAGIC: u64 = u64::from_le_bytes(*b"HTRUNPRM");
@@ -166,6 +170,9 @@ pub mod result {
     /// [`super::BENCH_CHUNK`] events (the undisturbed rate: a chunk the host never
     /// preempted).
     pub const BENCH_MIN_CHUNK: usize = 56;
+    /// u64 `align` workload: the host clock (the run's `--clock`) the VMM stamped at the
+    /// last [`super::PORT_ALIGN`] exit (shares the `bench` workload's bytes).
+    pub const ALIGN_HOST: usize = 48;
     /// Panic message bytes (up to [`super::PANIC_MSG_MAX`]).
     pub const MSG: usize = 64;
 }
@@ -190,6 +197,11 @@ pub enum Workload {
     /// `hyptrace bench`: writes `events` events of `payload` bytes back to back (no
     /// pacing) and reports the TSC cycles they took in its result slot.
     Bench = 5,
+    /// Clock alignment: per pair of `marker` events, the guest stamps the TSC, exits on
+    /// [`PORT_ALIGN`] (the VMM stamps its host clock), stamps the TSC again, then writes
+    /// `marker(seq 2i, value i)` at the first stamp and `marker(seq 2i+1, value = the
+    /// VMM's stamp)` at the second. `events / 2` exits.
+    Align = 6,
 }
 
 impl Workload {
@@ -202,6 +214,7 @@ impl Workload {
             3 => Self::Panic,
             4 => Self::Fault,
             5 => Self::Bench,
+            6 => Self::Align,
             _ => return None,
         })
     }
