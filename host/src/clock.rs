@@ -94,6 +94,18 @@ pub fn boottime_ns() -> u64 {
     clock_ns(libc::CLOCK_BOOTTIME)
 }
 
+/// `lfence; rdtsc; lfence`: the TSC read in program order (what the vDSO's
+/// `clock_gettime` does too), so a bracket really brackets.
+fn fenced_tsc() -> u64 {
+    // SAFETY: `lfence` and `rdtsc` have no preconditions on x86-64 (SSE2 is baseline).
+    unsafe {
+        core::arch::x86_64::_mm_lfence();
+        let t = core::arch::x86_64::_rdtsc();
+        core::arch::x86_64::_mm_lfence();
+        t
+    }
+}
+
 /// One paired sample: the host TSC at the middle of the tightest `rdtsc; clock_gettime;
 /// rdtsc` bracket, the clock reading inside it, and the bracket's width in cycles.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -114,9 +126,9 @@ pub fn sample(clock: libc::clockid_t) -> Sample {
         width: u64::MAX,
     };
     for _ in 0..TRIES {
-        let a = crate::vm::host_tsc();
+        let a = fenced_tsc();
         let ns = clock_ns(clock);
-        let b = crate::vm::host_tsc();
+        let b = fenced_tsc();
         let width = b.wrapping_sub(a);
         if width < best.width {
             best = Sample {
@@ -252,6 +264,86 @@ pub struct ClockStats {
     pub tsc_khz: u64,
     /// Guest − host TSC offset assumed.
     pub tsc_offset: i64,
+}
+
+/// One memory ping of a guest in the `align` workload's ping phase: the host clock just
+/// before the request and just after the answer, and the guest TSC the guest read when
+/// it saw the request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ping {
+    /// Host clock before the request, ns.
+    pub before_ns: u64,
+    /// Guest TSC when the guest saw it.
+    pub guest_tsc: u64,
+    /// Host clock after the answer, ns.
+    pub after_ns: u64,
+}
+
+/// Pings the guest vCPU whose result slot is at `slot` (`RUN_FLAG_ALIGN_PING`) with
+/// request numbers `first..first + n` (never reuse one; 0 and `PING_STOP` are not
+/// requests) through guest memory (no exit), on host clock `clock` (`tsc`: the
+/// monotonic clock); each wait is
+/// bounded by `timeout` (an unanswered ping is left out). [`end_pings`] ends the phase.
+pub fn ping_guest(
+    mem: &vm_memory::GuestMemoryMmap,
+    slot: u64,
+    clock: ClockKind,
+    first: u64,
+    n: u32,
+    timeout: Duration,
+) -> Vec<Ping> {
+    use hyptrace_abi::guest::result;
+    use std::sync::atomic::Ordering;
+    use vm_memory::{Bytes, GuestAddress};
+    let at = |off: usize| GuestAddress(slot + off as u64);
+    let clock = clock.clockid().unwrap_or(libc::CLOCK_MONOTONIC);
+    let mut out = Vec::with_capacity(n as usize);
+    let first = first.max(1);
+    // Exclusive end: k never reaches PING_STOP (u64::MAX).
+    for k in first..first.saturating_add(u64::from(n)) {
+        let before_ns = clock_ns(clock);
+        if mem
+            .store(k, at(result::PING_REQ), Ordering::Release)
+            .is_err()
+        {
+            break;
+        }
+        let deadline = Instant::now() + timeout;
+        let answered = loop {
+            match mem.load::<u64>(at(result::PING_ACK), Ordering::Acquire) {
+                Ok(a) if a == k => break true,
+                Ok(_) => {}
+                Err(_) => break false,
+            }
+            if Instant::now() >= deadline {
+                break false;
+            }
+            std::hint::spin_loop();
+        };
+        let after_ns = clock_ns(clock);
+        if !answered {
+            continue;
+        }
+        if let Ok(guest_tsc) = mem.load::<u64>(at(result::PING_TSC), Ordering::Acquire) {
+            out.push(Ping {
+                before_ns,
+                guest_tsc,
+                after_ns,
+            });
+        }
+    }
+    out
+}
+
+/// Ends the guest's ping phase (see [`ping_guest`]).
+pub fn end_pings(mem: &vm_memory::GuestMemoryMmap, slot: u64) {
+    use vm_memory::{Bytes, GuestAddress};
+    let addr = GuestAddress(slot + hyptrace_abi::guest::result::PING_REQ as u64);
+    let _ = mem.store(
+        hyptrace_abi::guest::PING_STOP,
+        addr,
+        std::sync::atomic::Ordering::Release,
+    );
 }
 
 /// `offset_ns` such that guest TSC `s.tsc + tsc_offset` maps to `s.ns`.

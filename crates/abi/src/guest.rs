@@ -148,6 +148,14 @@ const _: () = {
 
 /// Flag: the guest serves the host's swap/update requests from its mailbox.
 pub const RUN_FLAG_SERVE_MAILBOX: u32 = 1 << 0;
+/// Flag (`align` workload): after its exits, the guest answers the host's memory pings
+/// (see [`result::PING_REQ`]) until the host writes [`PING_STOP`] (or
+/// [`PING_IDLE_SECONDS`] pass without a new request).
+pub const RUN_FLAG_ALIGN_PING: u32 = 1 << 1;
+/// [`result::PING_REQ`] value that ends the ping phase.
+pub const PING_STOP: u64 = u64::MAX;
+/// The ping phase ends after this long without a new request.
+pub const PING_IDLE_SECONDS: u64 = 10;
 
 /// Offsets of the fields of a vCPU result slot. The guest writes them one at a time
 /// (`tsc_start` at entry, `status` last), so they stay offsets rather than a struct.
@@ -175,6 +183,15 @@ pub mod result {
     pub const ALIGN_HOST: usize = 48;
     /// Panic message bytes (up to [`super::PANIC_MSG_MAX`]).
     pub const MSG: usize = 64;
+    /// u64 `align` ping phase (host → guest): request number (non-zero, new each time),
+    /// or [`super::PING_STOP`]. Shares the panic message bytes.
+    pub const PING_REQ: usize = 64;
+    /// u64 `align` ping phase (guest → host): the guest TSC read when it saw request
+    /// number [`PING_ACK`]'s value; written before the ack.
+    pub const PING_TSC: usize = 72;
+    /// u64 `align` ping phase (guest → host): the request number answered (a Release
+    /// store after [`PING_TSC`]).
+    pub const PING_ACK: usize = 80;
 }
 
 /// Events per timed chunk of the `bench` workload.
