@@ -298,6 +298,10 @@ pub struct RunArgs {
     /// CLOCK_MONOTONIC, CLOCK_BOOTTIME, or the raw guest TSC counter.
     #[arg(long, value_enum, default_value_t = crate::clock::ClockKind::Mono)]
     pub clock: crate::clock::ClockKind,
+    /// Record the VMM's own events (vCPU exits, swaps, pokes, mailbox timeouts) on the
+    /// same clock, as one more CPU (number = --vcpus, comm `vmm`, system `vmm`).
+    #[arg(long)]
+    pub host_events: bool,
 }
 
 /// Why a command failed, mapped to the exit code in one place ([`CliError::exit_code`]).

@@ -23,6 +23,7 @@ pub mod cli;
 pub mod clock;
 pub mod elf;
 pub mod error;
+pub mod host_events;
 pub mod logging;
 pub mod memory_map;
 pub mod plan;

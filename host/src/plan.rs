@@ -236,6 +236,8 @@ pub struct Plan {
     pub echo: OptionsEcho,
     /// `--clock`.
     pub clock: crate::clock::ClockKind,
+    /// `--host-events`.
+    pub host_events: bool,
 }
 
 /// The options `--stats` repeats.
@@ -411,6 +413,7 @@ impl Plan {
             mailbox_timeout: Duration::from_millis(a.mailbox_timeout_ms),
             mode: a.mode,
             clock: a.clock,
+            host_events: a.host_events,
             echo: OptionsEcho {
                 workload: format!("{:?}", a.workload).to_lowercase(),
                 mode: format!("{:?}", a.mode).to_lowercase(),

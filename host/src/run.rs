@@ -39,6 +39,7 @@ use hyptrace_reader::{Callbacks, ReadError};
 
 use crate::cli::FormatArg;
 use crate::clock::HostClock;
+use crate::host_events::{HostEvents, Recording};
 use crate::plan::Plan;
 use crate::report::{CpuReport, Destination, Failures, GuestView, RunReport, Stop, Timing};
 use crate::session::{alloc_reader_wrapped, Output, Session};
@@ -202,7 +203,7 @@ impl<'a> Run<'a> {
             plan.ring.guest_swap
         );
         let created_tsc = crate::vm::host_tsc();
-        let vm = Vm::new(plan.cfg)?;
+        let mut vm = Vm::new(plan.cfg)?;
         let guest = GuestView {
             memory: vm.memory().clone(),
             map: vm.layout().clone(),
@@ -215,9 +216,34 @@ impl<'a> Run<'a> {
         let clock = host_clock.clock.clone();
         log::debug!("clock: {:?}", host_clock.stats());
         let stdout = Arc::new(StdoutState::default());
-        let (output, target) = open_output(target, &plan.ring, nr, &clock, &stdout)?;
+        let (output, target) =
+            open_output(target, &plan.ring, nr, &clock, &stdout, plan.host_events)?;
         let generation = crate::vm::host_tsc();
-        let wrap = wrap.unwrap_or_else(|| Box::new(|cb| cb));
+        // `--host-events`: the VMM's ring in host memory, fed by the vCPU threads' exits
+        // and the reader's callbacks.
+        let host = if plan.host_events {
+            let (events, reader) = HostEvents::new(
+                nr,
+                plan.ring.page_size,
+                tsc_khz,
+                tsc_offset.unwrap_or(0),
+                generation,
+            )
+            .map_err(RunError::TraceBuffers)?;
+            vm.record_exits(Arc::clone(&events));
+            Some((events, reader))
+        } else {
+            None
+        };
+        let user_wrap = wrap.unwrap_or_else(|| Box::new(|cb| cb));
+        let recording = host.as_ref().map(|(e, _)| Arc::clone(e));
+        let wrap: WrapCallbacks = Box::new(move |cb| {
+            let cb = user_wrap(cb);
+            match recording {
+                Some(ev) => Box::new(Recording::new(cb, ev)),
+                None => cb,
+            }
+        });
         let reader = alloc_reader_wrapped(
             vm.trace_region(),
             plan.ring,
@@ -246,7 +272,12 @@ impl<'a> Run<'a> {
         let mut live = Live {
             deadline: plan.duration.map(|d| running.started_at() + d),
             running,
-            session: Session::new(reader, output, clock),
+            session: match host {
+                Some((events, reader_h)) => {
+                    Session::new(reader, output, clock).with_host_events(reader_h, events)
+                }
+                None => Session::new(reader, output, clock),
+            },
             stdout,
             interrupts,
             heartbeat: Heartbeat::new(heartbeat),
@@ -315,11 +346,24 @@ fn open_output(
     nr: u32,
     clock: &Clock,
     stdout: &Arc<StdoutState>,
+    host_events: bool,
 ) -> Result<(Output, Shown), RunError> {
+    // `--host-events`: one more CPU, the VMM's (comm `vmm`, system `vmm`).
+    let meta = |nr: u32| {
+        let mut m = TraceMeta::guest(ring.page_size, nr, clock.clone());
+        if host_events {
+            m.nr_cpus = nr + 1;
+            m.cmdlines
+                .insert(hyptrace_abi::events::vcpu_pid(nr), "vmm".into());
+            m.formats.extend(crate::host_events::formats());
+        }
+        m
+    };
+    let text_cpus = nr + u32::from(host_events);
     match target {
         Target::Sink(sink) => Ok((Output::Pages(sink), Shown::Sink)),
         Target::MakeSink(make) => {
-            let meta = TraceMeta::guest(ring.page_size, nr, clock.clone());
+            let meta = meta(nr);
             let sink = make(meta).map_err(RunError::MakeSink)?;
             Ok((Output::Pages(sink), Shown::Sink))
         }
@@ -332,7 +376,7 @@ fn open_output(
                         state: Arc::clone(stdout),
                     },
                 )),
-                nr,
+                text_cpus,
             ),
             Shown::Stdout,
         )),
@@ -341,7 +385,7 @@ fn open_output(
             path,
             format,
         } => {
-            let meta = TraceMeta::guest(ring.page_size, nr, clock.clone());
+            let meta = meta(nr);
             match make_sink(&target, format, meta) {
                 Ok(sink) => Ok((Output::Pages(sink), Shown::File { path, format })),
                 Err(source) => Err(RunError::Sink { path, source }),
@@ -380,6 +424,10 @@ fn finish_session(
             session.fail_cpu(cpu, &e);
             failures.session(Some(cpu), &e);
         }
+    }
+    if let Err(e) = session.end_host() {
+        log::debug!("host events: final walk failed: {e}");
+        failures.session(None, &e);
     }
     if let Err(e) = session.flush() {
         failures.session(None, &e);

@@ -147,6 +147,21 @@ fn internal_suberror(fd: &mut VcpuFd) -> u32 {
     unsafe { run.__bindgen_anon_1.internal.suberror }
 }
 
+/// `KVM_EXIT_*` and the I/O port (0 for other exits) of an exit, for `vmm:vcpu_exit`.
+fn exit_reason(exit: &VcpuExit<'_>) -> (u32, u32) {
+    use crate::host_events as h;
+    match exit {
+        VcpuExit::IoOut(port, _) | VcpuExit::IoIn(port, _) => (h::KVM_EXIT_IO, u32::from(*port)),
+        VcpuExit::Intr => (h::KVM_EXIT_INTR, 0),
+        VcpuExit::Hlt => (h::KVM_EXIT_HLT, 0),
+        VcpuExit::MmioRead(..) | VcpuExit::MmioWrite(..) => (h::KVM_EXIT_MMIO, 0),
+        VcpuExit::Shutdown => (h::KVM_EXIT_SHUTDOWN, 0),
+        VcpuExit::FailEntry(..) => (h::KVM_EXIT_FAIL_ENTRY, 0),
+        VcpuExit::InternalError => (h::KVM_EXIT_INTERNAL_ERROR, 0),
+        _ => (h::KVM_EXIT_UNKNOWN, 0),
+    }
+}
+
 /// Runs vCPU `id` until it finishes, crashes or is stopped.
 pub(crate) fn run(
     id: u32,
@@ -177,11 +192,18 @@ fn run_loop(
         let exit = match fd.run() {
             Ok(exit) => exit,
             Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
+                if let Some(ev) = &shared.host_events {
+                    ev.vcpu_exit(id, crate::host_events::KVM_EXIT_INTR, 0);
+                }
                 fd.set_kvm_immediate_exit(0);
                 continue;
             }
             Err(e) => return VcpuOutcome::Error(VcpuError::Run(e)),
         };
+        if let Some(ev) = &shared.host_events {
+            let (reason, port) = exit_reason(&exit);
+            ev.vcpu_exit(id, reason, port);
+        }
         match exit {
             VcpuExit::IoOut(PORT_EXIT, data) => {
                 let who = le_u32(data);

@@ -143,6 +143,7 @@ pub struct Vm {
     tsc_khz: u64,
     tsc_offset: Option<i64>,
     entry: u64,
+    host_events: Option<Arc<crate::host_events::HostEvents>>,
 }
 
 /// Environment variable naming the KVM device instead of `/dev/kvm` (for tests).
@@ -308,6 +309,7 @@ impl Vm {
             tsc_khz,
             tsc_offset,
             entry: image.entry,
+            host_events: None,
         })
     }
 
@@ -344,6 +346,11 @@ impl Vm {
     /// kernel cannot tell (then assume nothing about guest vs host TSC).
     pub fn tsc_offset(&self) -> Option<i64> {
         self.tsc_offset
+    }
+
+    /// The vCPU threads record their exits into `events` (`--host-events`).
+    pub fn record_exits(&mut self, events: Arc<crate::host_events::HostEvents>) {
+        self.host_events = Some(events);
     }
 
     /// Entry point of the guest image.
@@ -386,6 +393,7 @@ impl Vm {
                 clock: p.clock,
                 tsc_offset: self.tsc_offset.unwrap_or(0),
             },
+            host_events: self.host_events.clone(),
             done: Mutex::new(0),
             cv: Condvar::new(),
         });
@@ -460,6 +468,8 @@ pub(crate) struct Shared {
     crashed: AtomicBool,
     /// How the vCPUs stamp `PORT_ALIGN` exits.
     pub(crate) stamp: Stamp,
+    /// `--host-events`: where the vCPUs record their exits.
+    pub(crate) host_events: Option<Arc<crate::host_events::HostEvents>>,
     done: Mutex<usize>,
     cv: Condvar,
 }

@@ -20,7 +20,8 @@ pub use export::{
     MIN_PAGE_SIZE,
 };
 pub use format::{
-    guest_formats, trailing_lost_format, EventFormat, Field, HYPTRACE_SYSTEM, TRAILING_LOST_NAME,
+    common_fields, guest_formats, trailing_lost_format, EventFormat, Field, HYPTRACE_SYSTEM,
+    TRAILING_LOST_NAME,
 };
 pub use merge::{MergeWindow, Merged, Merger, Released};
 /// The old name of [`KernelCpuStat`], kept only until the host uses the new one.
