@@ -102,6 +102,37 @@ fn every_event_lies_between_the_host_clock_bounds() {
         }
         assert_eq!(n, 1000, "{clock}: JSON events");
     }
+
+    // An interrupted run (--duration) converts with the same map: its events too lie
+    // between the bounds.
+    let (lo, out, hi) = bracketed(
+        "mono",
+        &[
+            "run",
+            "--vcpus",
+            "1",
+            "--events",
+            "100000000",
+            "--rate",
+            "5000",
+            "--duration",
+            "0.3",
+        ],
+    );
+    let evs = events(&env::stdout(&out), "run --duration");
+    assert!(!evs.is_empty(), "--duration: no event");
+    assert!(
+        env::stderr(&out).contains("stopped"),
+        "{}",
+        env::stderr(&out)
+    );
+    for e in &evs {
+        assert!(
+            lo <= e.ts_ns && e.ts_ns <= hi,
+            "--duration: event at {} outside [{lo}, {hi}]",
+            e.ts_ns
+        );
+    }
 }
 
 /// Offsets of the `align` workload's exits: (host − before, after − host) per exit.

@@ -401,6 +401,24 @@ mod tests {
         assert_eq!(raw.stats().mult, 0);
     }
 
+    /// A map off by 5 µs: the re-check sees it, records it and warns (once).
+    #[test]
+    fn recheck_reports_drift_and_keeps_the_map() {
+        let Some(khz) = kvm_free_tsc_khz() else {
+            return;
+        };
+        let mut c = HostClock::calibrate(ClockKind::Mono, khz, 0).unwrap();
+        c.clock.offset_ns += 5_000;
+        let before = c.clock.clone();
+        c.recheck(true);
+        c.recheck(true);
+        assert_eq!(c.checks, 2);
+        assert!(c.max_drift_ns >= 4_000, "{}", c.max_drift_ns);
+        assert!(c.warned);
+        assert_eq!(c.clock, before, "the map stays the same for the whole run");
+        assert_eq!(c.stats().max_drift_ns, c.max_drift_ns);
+    }
+
     /// The host TSC frequency measured over 20 ms (no KVM needed).
     fn kvm_free_tsc_khz() -> Option<u64> {
         let a = sample(libc::CLOCK_MONOTONIC);

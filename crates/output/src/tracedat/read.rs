@@ -949,3 +949,24 @@ impl TraceFile {
         s
     }
 }
+
+#[cfg(test)]
+mod offset_tests {
+    use super::parse_c_integer;
+
+    /// The OFFSET option is read as trace-cmd reads it (`strtoll(buf, NULL, 0)`).
+    #[test]
+    fn offset_text_as_strtoll() {
+        assert_eq!(parse_c_integer(b"-80251194\0"), Some(-80_251_194));
+        assert_eq!(parse_c_integer(b"12345"), Some(12_345));
+        assert_eq!(parse_c_integer(b"+7 junk"), Some(7));
+        assert_eq!(parse_c_integer(b"0x10\0"), Some(16));
+        assert_eq!(parse_c_integer(b"010"), Some(8));
+        assert_eq!(parse_c_integer(b"0"), Some(0));
+        assert_eq!(parse_c_integer(b"  42"), Some(42));
+        assert_eq!(parse_c_integer(b""), None);
+        assert_eq!(parse_c_integer(b"x"), None);
+        assert_eq!(parse_c_integer(b"99999999999999999999999"), None);
+        assert_eq!(parse_c_integer(&[0xff, 0xfe]), None);
+    }
+}
