@@ -80,20 +80,32 @@ fn run_interleaves_guest_and_vmm_events() {
         return;
     }
     let _vm = vm_lock();
-    let mut args = vec!["run"];
+    let dir = TempDir::new("host-events-run");
+    let stats = dir.file("stats.json");
+    let read_stats = || -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(&stats).expect("stats")).expect("json")
+    };
+    let mut args = vec!["run", "--stats", &stats];
     args.extend(align_args(&["--host-events"]));
     let out = env::run(BIN, &args);
     assert_eq!(out.status.code(), Some(0), "{}", env::stderr(&out));
     let (_, evs) = events(&env::stdout(&out), "run --host-events");
     check_interleaving(&evs, "run --host-events");
+    let s = read_stats();
+    let vmm = evs.iter().filter(|e| e.cpu == VCPUS).count() as u64;
+    assert_eq!(s["host_events"]["read"], vmm, "{s}");
+    assert_eq!(s["host_events"]["lost"], 0, "{s}");
+    assert_eq!(s["cpus"].as_array().map(Vec::len), Some(VCPUS as usize));
 
-    let mut args = vec!["run"];
+    let mut args = vec!["run", "--stats", &stats];
     args.extend(align_args(&[]));
     let out = env::run(BIN, &args);
     assert_eq!(out.status.code(), Some(0), "{}", env::stderr(&out));
     let (_, evs) = events(&env::stdout(&out), "run");
     assert_eq!(evs.len() as u64, u64::from(VCPUS) * 2 * EXITS);
     assert!(evs.iter().all(|e| e.cpu < VCPUS && e.name == "marker"));
+    let s = read_stats();
+    assert!(s.get("host_events").is_none(), "{s}");
 }
 
 /// `record --host-events` into trace.dat v7 and v6: the real trace-cmd sees one more CPU

@@ -240,6 +240,8 @@ pub struct RunReport {
     pub echo: OptionsEcho,
     /// The clock of every output (`--clock`) and how its map held, if one was made.
     pub clock: Option<crate::clock::ClockStats>,
+    /// `--host-events`: what the VMM's ring held (absent without the flag).
+    pub host_events: Option<HostEventsStats>,
     /// `--mode` (the loss hint depends on it).
     pub mode: ModeArg,
     /// The guest's memory after the run (result slots, for `bench`).
@@ -526,6 +528,15 @@ pub struct CpuStatsJson {
     written: u64,
 }
 
+/// The VMM's own events of a run (`--host-events`), in `--stats`.
+#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq, Eq)]
+pub struct HostEventsStats {
+    /// Events lost in the VMM's ring (overwritten before they were read).
+    pub lost: u64,
+    /// Events read from it.
+    pub read: u64,
+}
+
 /// The `--stats` document (fields in alphabetical order: the JSON's key order).
 #[derive(Debug, Serialize)]
 pub struct Stats {
@@ -536,6 +547,8 @@ pub struct Stats {
     events_per_vcpu: u64,
     exit_code: i32,
     guest_exit: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    host_events: Option<HostEventsStats>,
     mode: String,
     rate: u64,
     stop_reason: Option<String>,
@@ -592,6 +605,7 @@ impl Stats {
             events_per_vcpu: e.events,
             exit_code: code,
             guest_exit,
+            host_events: r.host_events,
             mode: e.mode.clone(),
             rate: e.rate,
             stop_reason: r.stop.as_ref().map(ToString::to_string),
@@ -631,6 +645,7 @@ mod tests {
             mode: ModeArg::Overwrite,
             guest: None,
             clock: None,
+            host_events: None,
         }
     }
 

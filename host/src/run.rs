@@ -41,7 +41,9 @@ use crate::cli::FormatArg;
 use crate::clock::HostClock;
 use crate::host_events::{HostEvents, Recording};
 use crate::plan::Plan;
-use crate::report::{CpuReport, Destination, Failures, GuestView, RunReport, Stop, Timing};
+use crate::report::{
+    CpuReport, Destination, Failures, GuestView, HostEventsStats, RunReport, Stop, Timing,
+};
 use crate::session::{alloc_reader_wrapped, Output, Session};
 use crate::signals::Interrupts;
 use crate::vcpu::VcpuOutcome;
@@ -309,7 +311,8 @@ impl<'a> Run<'a> {
             // Dropping the session drops the sink: its temporary files go.
             return Err(RunError::Aborted);
         }
-        let (cpus, failures) = finish_session(session, &outcomes, failures, interrupts)?;
+        let (cpus, failures, host_events) =
+            finish_session(session, &outcomes, failures, interrupts)?;
         let destination = match target {
             Shown::Stdout => Destination::Stdout {
                 lines: stdout.lines.load(Ordering::Relaxed),
@@ -328,6 +331,7 @@ impl<'a> Run<'a> {
             mode: plan.mode,
             guest: Some(guest),
             clock: Some(clock.stats()),
+            host_events,
         })
     }
 }
@@ -416,7 +420,7 @@ fn finish_session(
     outcomes: &[VcpuOutcome],
     mut failures: Failures,
     interrupts: Option<&Interrupts>,
-) -> Result<(Vec<CpuReport>, Failures), RunError> {
+) -> Result<(Vec<CpuReport>, Failures, Option<HostEventsStats>), RunError> {
     let nr = session.reader().nr_cpus();
     for cpu in 0..nr {
         if let Err(e) = session.end_cpu(cpu) {
@@ -451,10 +455,14 @@ fn finish_session(
             }
         })
         .collect();
+    let host = session.host_stats().map(|s| HostEventsStats {
+        lost: s.lost,
+        read: s.read,
+    });
     if let Err(e) = session.finish(&sink_summary(&cpus)) {
         failures.session(None, &e);
     }
-    Ok((cpus, failures))
+    Ok((cpus, failures, host))
 }
 
 /// The per-CPU statistics a page sink writes at its end (trace.dat's stat options).
