@@ -627,7 +627,7 @@ fn argument_errors_are_whole_and_name_the_limit() {
             &a(&["--workload", "nope"]),
             &[
                 "'--workload <WORKLOAD>'",
-                "[possible values: steady, mixed, burst, panic, fault]",
+                "[possible values: steady, mixed, burst, panic, fault, align]",
                 "For more information, try '--help'.",
             ],
         );

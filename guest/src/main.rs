@@ -6,6 +6,7 @@
 #![no_std]
 #![no_main]
 
+mod align;
 mod block;
 mod builtin;
 mod emit;

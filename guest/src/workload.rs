@@ -80,6 +80,7 @@ pub fn run<S: Sink>(p: &Params, cpu: u32, start: u64, em: &mut Emitter<S>) -> Op
             }
         }
         Workload::Mixed => mixed(p, cpu, &pacer, em),
+        Workload::Align => crate::align::run(p, cpu, em),
         Workload::Burst => {
             let burst = if p.burst == 0 {
                 DEFAULT_BURST

@@ -277,6 +277,9 @@ pub enum WorkloadArg {
     Panic,
     /// A few events, then a CPU fault / triple fault (exit code 3).
     Fault,
+    /// Clock alignment: events/2 port exits, each between two guest TSC stamps; the
+    /// second marker's value is the host clock the VMM read at the exit.
+    Align,
 }
 
 impl From<WorkloadArg> for Workload {
@@ -287,6 +290,7 @@ impl From<WorkloadArg> for Workload {
             WorkloadArg::Burst => Workload::Burst,
             WorkloadArg::Panic => Workload::Panic,
             WorkloadArg::Fault => Workload::Fault,
+            WorkloadArg::Align => Workload::Align,
         }
     }
 }
@@ -401,6 +405,14 @@ pub struct RunArgs {
     /// Guest payload ELF to load instead of the embedded one.
     #[arg(long, value_name = "PATH")]
     pub guest: Option<PathBuf>,
+    /// Clock of every timestamp (text, JSON, raw, trace.dat, --stats): host
+    /// CLOCK_MONOTONIC, CLOCK_BOOTTIME, or the raw guest TSC counter.
+    #[arg(long, value_enum, default_value_t = crate::clock::ClockKind::Mono)]
+    pub clock: crate::clock::ClockKind,
+    /// Record the VMM's own events (vCPU exits, swaps, pokes, mailbox timeouts) on the
+    /// same clock, as one more CPU (number = --vcpus, comm `vmm`, system `vmm`).
+    #[arg(long)]
+    pub host_events: bool,
     /// Record only the events PATTERN names (repeatable): SYSTEM:EVENT (globs `*` `?`
     /// in either part, e.g. 'guest:*'), a system or an event name, or `all`
     /// [default: every event the guest registers]. A name no registered event has is an
@@ -525,7 +537,7 @@ impl CliError {
             | Self::Stats(_)
             | Self::ReportWrite(_)
             | Self::Ctl(_) => EXIT_RUNTIME,
-            | Self::ConvertOutput(_) => EXIT_RUNTIME,
+            Self::ConvertOutput(_) => EXIT_RUNTIME,
         }
     }
 

@@ -13,7 +13,7 @@ use std::path::Path;
 
 use hyptrace_output::{
     tracedat::MAGIC as DAT_MAGIC, Clock, KernelCpuStat, Missed, OutputError, PageSink, RawReader,
-    ReportFilter, RunSummary, TextSink, TraceFile, TraceMeta, RAW_MAGIC,
+    ReportFilter, RunSummary, TextSink, TraceFile, TraceMeta,
 };
 
 use crate::cli::{check_destination, format_for, CliError, ConvertArgs, FormatArg, ReportArgs};
@@ -71,7 +71,7 @@ pub fn detect(path: &Path) -> Result<InputKind, CliError> {
     let head = &head[..n];
     if head.starts_with(DAT_MAGIC) {
         Ok(InputKind::TraceDat)
-    } else if head.starts_with(RAW_MAGIC) {
+    } else if hyptrace_output::is_raw_stream(&head) {
         Ok(InputKind::Raw)
     } else {
         Err(CliError::ReportInput(format!(
@@ -285,6 +285,7 @@ fn meta_of(f: &TraceFile) -> TraceMeta {
         clock: Clock {
             name: f.clock.clone().unwrap_or_else(|| "local".into()),
             tsc: f.tsc2nsec,
+            offset_ns: f.ts_offset,
         },
         formats: f.formats.clone(),
     }

@@ -20,12 +20,14 @@
 pub mod arch;
 pub mod bench;
 pub mod cli;
+pub mod clock;
 pub mod control;
-pub mod dump;
 pub mod convert;
+pub mod dump;
 pub mod elf;
 pub mod error;
 pub mod events;
+pub mod host_events;
 pub mod logging;
 pub mod memory_map;
 pub mod plan;

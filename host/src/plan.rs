@@ -235,6 +235,10 @@ pub struct Plan {
     pub mode: ModeArg,
     /// What `--stats` echoes of the options.
     pub echo: OptionsEcho,
+    /// `--clock`.
+    pub clock: crate::clock::ClockKind,
+    /// `--host-events`.
+    pub host_events: bool,
     /// `-e` / `--disable`: the events to record.
     pub events: crate::events::Selection,
     /// `--drain`, `--hang-timeout`, `--crash-dump`, `--trace-mem`.
@@ -449,6 +453,7 @@ impl Plan {
                 flags,
                 burst: 0,
                 payload: 0,
+                clock: a.clock,
             },
             duration,
             poll: Duration::from_millis(a.poll_ms),
@@ -458,6 +463,8 @@ impl Plan {
                 enable: a.event.clone(),
                 disable: a.disable.clone(),
             },
+            clock: a.clock,
+            host_events: a.host_events,
             echo: OptionsEcho {
                 workload: format!("{:?}", a.workload).to_lowercase(),
                 mode: format!("{:?}", a.mode).to_lowercase(),

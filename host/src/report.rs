@@ -250,6 +250,10 @@ pub struct RunReport {
     pub destination: Destination,
     /// The options `--stats` repeats.
     pub echo: OptionsEcho,
+    /// The clock of every output (`--clock`) and how its map held, if one was made.
+    pub clock: Option<crate::clock::ClockStats>,
+    /// `--host-events`: what the VMM's ring held (absent without the flag).
+    pub host_events: Option<HostEventsStats>,
     /// `--mode` (the loss hint depends on it).
     pub mode: ModeArg,
     /// The guest's memory after the run (result slots, for `bench`).
@@ -539,15 +543,27 @@ pub struct CpuStatsJson {
     written: u64,
 }
 
+/// The VMM's own events of a run (`--host-events`), in `--stats`.
+#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq, Eq)]
+pub struct HostEventsStats {
+    /// Events lost in the VMM's ring (overwritten before they were read).
+    pub lost: u64,
+    /// Events read from it.
+    pub read: u64,
+}
+
 /// The `--stats` document (fields in alphabetical order: the JSON's key order).
 #[derive(Debug, Serialize)]
 pub struct Stats {
+    clock: Option<crate::clock::ClockStats>,
     cpus: Vec<CpuStatsJson>,
     crash: Option<CrashStats>,
     end: &'static str,
     events_per_vcpu: u64,
     exit_code: i32,
     guest_exit: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    host_events: Option<HostEventsStats>,
     mode: String,
     rate: u64,
     stop_reason: Option<String>,
@@ -594,6 +610,7 @@ impl Stats {
             .unwrap_or("ok");
         let e = &r.echo;
         Self {
+            clock: r.clock.clone(),
             cpus,
             crash: outcomes
                 .iter()
@@ -603,6 +620,7 @@ impl Stats {
             events_per_vcpu: e.events,
             exit_code: code,
             guest_exit,
+            host_events: r.host_events,
             mode: e.mode.clone(),
             rate: e.rate,
             stop_reason: r.stop.as_ref().map(ToString::to_string),
@@ -641,6 +659,8 @@ mod tests {
             },
             mode: ModeArg::Overwrite,
             guest: None,
+            clock: None,
+            host_events: None,
         }
     }
 
@@ -717,6 +737,7 @@ mod tests {
             .map(|l| l.trim().split('"').nth(1).unwrap_or(""))
             .collect();
         let want = [
+            "clock",
             "cpus",
             "attempted",
             "bytes",

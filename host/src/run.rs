@@ -38,10 +38,14 @@ use hyptrace_output::{
 use hyptrace_reader::{Callbacks, ReadError};
 
 use crate::cli::FormatArg;
+use crate::clock::HostClock;
 use crate::control::{Command, ControlServer, EventSwitch, Handler, Reply};
 use crate::events::{EventTable, EventsError, Selection, Settled, VmEventTable};
+use crate::host_events::{HostEvents, Recording};
 use crate::plan::Plan;
-use crate::report::{CpuReport, Destination, Failures, GuestView, RunReport, Stop, Timing};
+use crate::report::{
+    CpuReport, Destination, Failures, GuestView, HostEventsStats, RunReport, Stop, Timing,
+};
 use crate::session::{alloc_reader_wrapped, GuestTraceMem, Output, Session};
 use crate::signals::Interrupts;
 use crate::trace_mem::TraceMemFile;
@@ -248,7 +252,7 @@ impl<'a> Run<'a> {
             Some(path) => Some(TraceMemFile::create(path, &plan.ring).map_err(RunError::TraceMem)?),
             None => None,
         };
-        let vm = Vm::with_trace_backing(
+        let mut vm = Vm::with_trace_backing(
             plan.cfg,
             trace_mem.as_ref().map(TraceMemFile::region_backing),
         )?;
@@ -258,11 +262,38 @@ impl<'a> Run<'a> {
         };
         let tsc_khz = vm.tsc_khz();
         let tsc_offset = vm.tsc_offset();
-        let clock =
-            Clock::guest_tsc(tsc_khz).map_err(|source| RunError::Clock { tsc_khz, source })?;
+        // One map guest TSC → `--clock` for every output of the run (see crate::clock).
+        let host_clock = HostClock::calibrate(plan.clock, tsc_khz, tsc_offset.unwrap_or(0))
+            .map_err(|source| RunError::Clock { tsc_khz, source })?;
+        let clock = host_clock.clock.clone();
+        log::debug!("clock: {:?}", host_clock.stats());
         let stdout = Arc::new(StdoutState::default());
         let generation = crate::vm::host_tsc();
-        let wrap = wrap.unwrap_or_else(|| Box::new(|cb| cb));
+        // `--host-events`: the VMM's ring in host memory, fed by the vCPU threads' exits
+        // and the reader's callbacks.
+        let host = if plan.host_events {
+            let (events, reader) = HostEvents::new(
+                nr,
+                plan.ring.page_size,
+                tsc_khz,
+                tsc_offset.unwrap_or(0),
+                generation,
+            )
+            .map_err(RunError::TraceBuffers)?;
+            vm.record_exits(Arc::clone(&events));
+            Some((events, reader))
+        } else {
+            None
+        };
+        let user_wrap = wrap.unwrap_or_else(|| Box::new(|cb| cb));
+        let recording = host.as_ref().map(|(e, _)| Arc::clone(e));
+        let wrap: WrapCallbacks = Box::new(move |cb| {
+            let cb = user_wrap(cb);
+            match recording {
+                Some(ev) => Box::new(Recording::new(cb, ev)),
+                None => cb,
+            }
+        });
         let table: VmEventTable = Arc::new(EventTable::new(
             Arc::new(GuestTraceMem::new(vm.trace_region())),
             plan.ring,
@@ -300,7 +331,15 @@ impl<'a> Run<'a> {
         let formats = settle_events(&table, &running, plan.duration, &plan.events, interrupts)?;
         // The output is opened once the formats are known (the guest writes no event
         // before its registration is answered); a failure stops the VM (dropped).
-        let (output, target) = open_output(target, &plan.ring, nr, &clock, &stdout, &formats)?;
+        let (output, target) = open_output(
+            target,
+            &plan.ring,
+            nr,
+            &clock,
+            &stdout,
+            &formats,
+            plan.host_events,
+        )?;
         // Progress when the events are not on the terminal (a caller's sink: none).
         let heartbeat = match target {
             Shown::Stdout => !std::io::stdout().is_terminal(),
@@ -308,6 +347,9 @@ impl<'a> Run<'a> {
             Shown::Sink => false,
         };
         let mut session = Session::new(reader, output, clock.clone()).with_formats(&formats);
+        if let Some((events, reader_h)) = host {
+            session = session.with_host_events(reader_h, events);
+        }
         session.set_live_drain(plan.flight.drain_live);
         let flight = Flight {
             trace_mem,
@@ -338,8 +380,10 @@ impl<'a> Run<'a> {
             nr,
             control,
             events: table.clone(),
+            clock: host_clock,
         };
         let aborted = live.poll_loop(plan.poll);
+        live.clock.recheck(true);
         let timing = Timing {
             created_tsc,
             tsc_khz,
@@ -354,6 +398,7 @@ impl<'a> Run<'a> {
             stop,
             failures,
             flight,
+            clock,
             ..
         } = live;
         let outcomes = running.wait();
@@ -370,7 +415,8 @@ impl<'a> Run<'a> {
             // Dropping the session drops the sink: its temporary files go.
             return Err(RunError::Aborted);
         }
-        let (cpus, failures) = finish_session(session, &outcomes, failures, interrupts)?;
+        let (cpus, failures, host_events) =
+            finish_session(session, &outcomes, failures, interrupts)?;
         let destination = match target {
             Shown::Stdout => Destination::Stdout {
                 lines: stdout.lines.load(Ordering::Relaxed),
@@ -388,6 +434,8 @@ impl<'a> Run<'a> {
             echo: plan.echo,
             mode: plan.mode,
             guest: Some(guest),
+            clock: Some(clock.stats()),
+            host_events,
         })
     }
 }
@@ -407,11 +455,23 @@ fn open_output(
     clock: &Clock,
     stdout: &Arc<StdoutState>,
     formats: &[EventFormat],
+    host_events: bool,
 ) -> Result<(Output, Shown), RunError> {
-    let meta = || TraceMeta {
-        formats: formats.to_vec(),
-        ..TraceMeta::guest(ring.page_size, nr, clock.clone())
+    // `--host-events`: one more CPU, the VMM's (comm `vmm`, system `vmm`).
+    let meta = || {
+        let mut m = TraceMeta {
+            formats: formats.to_vec(),
+            ..TraceMeta::guest(ring.page_size, nr, clock.clone())
+        };
+        if host_events {
+            m.nr_cpus = nr + 1;
+            m.cmdlines
+                .insert(hyptrace_abi::events::vcpu_pid(nr), "vmm".into());
+            m.formats.extend(crate::host_events::formats());
+        }
+        m
     };
+    let text_cpus = nr + u32::from(host_events);
     match target {
         Target::Sink(sink) => Ok((Output::Pages(sink), Shown::Sink)),
         Target::MakeSink(make) => {
@@ -428,7 +488,7 @@ fn open_output(
                         state: Arc::clone(stdout),
                     },
                 )),
-                nr,
+                text_cpus,
             ),
             Shown::Stdout,
         )),
@@ -510,7 +570,7 @@ fn finish_session(
     outcomes: &[VcpuOutcome],
     mut failures: Failures,
     interrupts: Option<&Interrupts>,
-) -> Result<(Vec<CpuReport>, Failures), RunError> {
+) -> Result<(Vec<CpuReport>, Failures, Option<HostEventsStats>), RunError> {
     let nr = session.reader().nr_cpus();
     for cpu in 0..nr {
         if let Err(e) = session.end_cpu(cpu) {
@@ -518,6 +578,10 @@ fn finish_session(
             session.fail_cpu(cpu, &e);
             failures.session(Some(cpu), &e);
         }
+    }
+    if let Err(e) = session.end_host() {
+        log::debug!("host events: final walk failed: {e}");
+        failures.session(None, &e);
     }
     if let Err(e) = session.flush() {
         failures.session(None, &e);
@@ -541,10 +605,14 @@ fn finish_session(
             }
         })
         .collect();
+    let host = session.host_stats().map(|s| HostEventsStats {
+        lost: s.lost,
+        read: s.read,
+    });
     if let Err(e) = session.finish(&sink_summary(&cpus)) {
         failures.session(None, &e);
     }
-    Ok((cpus, failures))
+    Ok((cpus, failures, host))
 }
 
 /// The per-CPU statistics a page sink writes at its end (trace.dat's stat options).
@@ -582,6 +650,7 @@ struct Live<'a> {
     nr: u32,
     control: Option<&'a ControlServer>,
     events: VmEventTable,
+    clock: HostClock,
 }
 
 impl Live<'_> {
@@ -604,6 +673,7 @@ impl Live<'_> {
             self.check_stop();
             self.service();
             self.serve_control();
+            self.clock.recheck(false);
             if let Some(h) = &mut self.heartbeat {
                 h.tick(&self.session, self.nr, self.running.started_at());
             }

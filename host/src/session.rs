@@ -172,6 +172,17 @@ pub struct Session<M = Arc<GuestTraceMem>, C = Box<dyn Callbacks + Send>> {
     output_error: Option<String>,
     /// `--drain live`: live CPUs are polled; `--drain none`: only final walks.
     live_drain: bool,
+    /// `--host-events`: the VMM's own ring, read as CPU `nr_cpus` of the output.
+    host: Option<HostCpu>,
+}
+
+/// The VMM's ring in a session (see [`crate::host_events`]).
+struct HostCpu {
+    reader: crate::host_events::HostReader,
+    events: Arc<crate::host_events::HostEvents>,
+    run: CpuRun,
+    /// Its CPU number in the output (the guest's CPU count).
+    cpu: u32,
 }
 
 /// What went wrong while draining a CPU.
@@ -213,6 +224,7 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
             lines: 0,
             output_error: None,
             live_drain: true,
+            host: None,
         }
     }
 
@@ -230,6 +242,105 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
             .map(|f| (f.id, EventPrinter::new(f.clone())))
             .collect();
         self
+    }
+
+    /// Adds the VMM's ring (`--host-events`) as CPU `nr_cpus` of the output (comm
+    /// `vmm`, formats of [`crate::host_events::formats`]). A text output must have been
+    /// made for `nr_cpus + 1` CPUs ([`Output::text`]).
+    pub fn with_host_events(
+        mut self,
+        reader: crate::host_events::HostReader,
+        events: Arc<crate::host_events::HostEvents>,
+    ) -> Self {
+        let cpu = self.reader.nr_cpus();
+        self.cmdlines.insert(events.pid(), "vmm".into());
+        for f in crate::host_events::formats() {
+            self.printers.insert(f.id, EventPrinter::new(f));
+        }
+        self.host = Some(HostCpu {
+            reader,
+            events,
+            run: CpuRun::default(),
+            cpu,
+        });
+        self
+    }
+
+    /// One bounded round over the VMM's ring; a text output's merger then knows no
+    /// VMM event older than the watermark taken before the round is still to come.
+    fn service_host(&mut self) -> Option<SessionError> {
+        let h = self.host.as_mut()?;
+        if h.run.ended || h.run.failed {
+            return None;
+        }
+        let mark = h.events.watermark();
+        let r =
+            drain_ring(&mut h.reader, 0, h.cpu, &mut h.run, &mut self.output).and_then(|more| {
+                h.run.more = more;
+                h.reader.poke(0).map(|_| ()).map_err(SessionError::from)
+            });
+        match r {
+            Ok(()) => {
+                if let (false, Output::Text { merger, .. }) = (h.run.more, &mut self.output) {
+                    merger.advance(h.cpu as usize, mark);
+                }
+                None
+            }
+            Err(e) => {
+                h.run.failed = true;
+                h.run.error.get_or_insert_with(|| e.to_string());
+                Some(e)
+            }
+        }
+    }
+
+    /// Ends the VMM's ring (after every vCPU stopped): no more events, the rest read.
+    pub fn end_host(&mut self) -> Result<(), SessionError> {
+        let Some(h) = self.host.as_mut() else {
+            return Ok(());
+        };
+        if h.run.ended {
+            return Ok(());
+        }
+        h.run.ended = true;
+        h.events.finish();
+        let mut r = h
+            .reader
+            .sync_writer_counters(0)
+            .and_then(|_| h.reader.finalize(0))
+            .map_err(SessionError::from)
+            .map(|_| ());
+        // Bounded: each round consumes what is left of a finished ring or ends.
+        while r.is_ok() {
+            match drain_ring(&mut h.reader, 0, h.cpu, &mut h.run, &mut self.output) {
+                Ok(true) => {}
+                Ok(false) => break,
+                Err(e) => r = Err(e),
+            }
+        }
+        let lost =
+            std::mem::take(&mut h.run.pending_lost).saturating_add(h.reader.take_trailing_loss(0));
+        match &mut self.output {
+            Output::Text { merger, .. } => {
+                if lost > 0 {
+                    merger.push(h.cpu as usize, h.run.last_ts, Merged::Lost(lost));
+                }
+                merger.finish(h.cpu as usize);
+            }
+            Output::Pages(sink) => {
+                if lost > 0 {
+                    if let Err(e) = sink.trailing_lost(h.cpu, lost) {
+                        r = r.and(Err(SessionError::Sink(e)));
+                    }
+                }
+            }
+        }
+        r
+    }
+
+    /// Events read from the VMM's ring and lost there (`--host-events`), if any.
+    pub fn host_stats(&self) -> Option<CpuStats> {
+        self.host.as_ref().map(|h| h.reader.stats(0))
     }
 
     /// The reader.
@@ -442,61 +553,23 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
                 }
             }
         }
+        if let Some(e) = self.service_host() {
+            let cpu = self.reader.nr_cpus();
+            failed.push((cpu, e));
+        }
         failed
     }
 
     /// One bounded round of reading `cpu` into the output: returns whether it stopped
     /// at a bound (more may be there) rather than because nothing more is committed.
     fn drain(&mut self, cpu: u32) -> Result<bool, SessionError> {
-        let started = std::time::Instant::now();
-        match &mut self.output {
-            Output::Text {
-                merger, payloads, ..
-            } => {
-                let st = &mut self.cpus[cpu as usize];
-                let fifo = &mut payloads[cpu as usize];
-                for n in 0..ROUND_MAX_EVENTS {
-                    if merger.is_full() || (n % 256 == 255 && started.elapsed() >= ROUND_MAX_TIME) {
-                        return Ok(true);
-                    }
-                    let Some(item) = self.reader.next_event(cpu)? else {
-                        return Ok(false);
-                    };
-                    match item {
-                        Item::Event { ts, payload } => {
-                            if st.pending_lost > 0 {
-                                merger.push(
-                                    cpu as usize,
-                                    ts,
-                                    Merged::Lost(std::mem::take(&mut st.pending_lost)),
-                                );
-                            }
-                            st.last_ts = ts;
-                            fifo.extend(payload);
-                            let n = payload.len();
-                            merger.push_sized(cpu as usize, ts, Merged::Event(n), n);
-                        }
-                        Item::Lost(n) => st.pending_lost = st.pending_lost.saturating_add(n),
-                    }
-                }
-                Ok(true)
-            }
-            Output::Pages(sink) => {
-                let mut bytes = 0usize;
-                while bytes < ROUND_MAX_BYTES {
-                    if bytes > 0 && started.elapsed() >= ROUND_MAX_TIME {
-                        return Ok(true);
-                    }
-                    let Some(page) = self.reader.next_page(cpu)? else {
-                        return Ok(false);
-                    };
-                    bytes = bytes.saturating_add(page.bytes.len().max(1));
-                    let missed = (page.missed > 0).then_some(page.missed);
-                    sink.page(cpu, page.bytes, missed)?;
-                }
-                Ok(true)
-            }
-        }
+        drain_ring(
+            &mut self.reader,
+            cpu,
+            cpu,
+            &mut self.cpus[cpu as usize],
+            &mut self.output,
+        )
     }
 
     /// Prints the merged events that are ready (all of them once every CPU ended). If
@@ -585,6 +658,67 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
             Output::Pages(sink) => sink.finish(summary)?,
         }
         Ok(self.lines)
+    }
+}
+
+/// One bounded round of reading CPU `rcpu` of `reader` into `output` as CPU `cpu`:
+/// returns whether it stopped at a bound (more may be there) rather than because
+/// nothing more is committed. The guest's rings (`rcpu == cpu`) and the VMM's own ring
+/// (`--host-events`: its CPU 0 is the output's CPU `nr_vcpus`) go through here.
+fn drain_ring<M: SharedMem, C: Callbacks>(
+    reader: &mut RingBuffer<M, C>,
+    rcpu: u32,
+    cpu: u32,
+    st: &mut CpuRun,
+    output: &mut Output,
+) -> Result<bool, SessionError> {
+    let started = std::time::Instant::now();
+    match output {
+        Output::Text {
+            merger, payloads, ..
+        } => {
+            let fifo = &mut payloads[cpu as usize];
+            for n in 0..ROUND_MAX_EVENTS {
+                if merger.is_full() || (n % 256 == 255 && started.elapsed() >= ROUND_MAX_TIME) {
+                    return Ok(true);
+                }
+                let Some(item) = reader.next_event(rcpu)? else {
+                    return Ok(false);
+                };
+                match item {
+                    Item::Event { ts, payload } => {
+                        if st.pending_lost > 0 {
+                            merger.push(
+                                cpu as usize,
+                                ts,
+                                Merged::Lost(std::mem::take(&mut st.pending_lost)),
+                            );
+                        }
+                        st.last_ts = ts;
+                        fifo.extend(payload);
+                        let n = payload.len();
+                        merger.push_sized(cpu as usize, ts, Merged::Event(n), n);
+                    }
+                    Item::Lost(n) => st.pending_lost = st.pending_lost.saturating_add(n),
+                }
+            }
+            Ok(true)
+        }
+        Output::Pages(sink) => {
+            let mut bytes = 0usize;
+            while bytes < ROUND_MAX_BYTES {
+                if bytes > 0 && started.elapsed() >= ROUND_MAX_TIME {
+                    return Ok(true);
+                }
+                let Some(page) = reader.next_page(rcpu)? else {
+                    return Ok(false);
+                };
+                bytes = bytes.saturating_add(page.bytes.len().max(1));
+                let missed = (page.missed > 0).then_some(page.missed);
+                sink.page(cpu, page.bytes, missed)?;
+            }
+            Ok(true)
+        }
     }
 }
 

@@ -12,7 +12,7 @@ use std::ptr;
 use std::sync::atomic::Ordering;
 use std::sync::OnceLock;
 
-use hyptrace_abi::guest::{result, PANIC_MSG_MAX, PORT_EXIT, PORT_PANIC};
+use hyptrace_abi::guest::{result, PANIC_MSG_MAX, PORT_ALIGN, PORT_EXIT, PORT_PANIC};
 use hyptrace_abi::registry::PORT_REGISTER;
 use kvm_ioctls::{VcpuExit, VcpuFd};
 use libc::{c_int, c_void, siginfo_t};
@@ -148,6 +148,21 @@ fn internal_suberror(fd: &mut VcpuFd) -> u32 {
     unsafe { run.__bindgen_anon_1.internal.suberror }
 }
 
+/// `KVM_EXIT_*` and the I/O port (0 for other exits) of an exit, for `vmm:vcpu_exit`.
+fn exit_reason(exit: &VcpuExit<'_>) -> (u32, u32) {
+    use crate::host_events as h;
+    match exit {
+        VcpuExit::IoOut(port, _) | VcpuExit::IoIn(port, _) => (h::KVM_EXIT_IO, u32::from(*port)),
+        VcpuExit::Intr => (h::KVM_EXIT_INTR, 0),
+        VcpuExit::Hlt => (h::KVM_EXIT_HLT, 0),
+        VcpuExit::MmioRead(..) | VcpuExit::MmioWrite(..) => (h::KVM_EXIT_MMIO, 0),
+        VcpuExit::Shutdown => (h::KVM_EXIT_SHUTDOWN, 0),
+        VcpuExit::FailEntry(..) => (h::KVM_EXIT_FAIL_ENTRY, 0),
+        VcpuExit::InternalError => (h::KVM_EXIT_INTERNAL_ERROR, 0),
+        _ => (h::KVM_EXIT_UNKNOWN, 0),
+    }
+}
+
 /// Runs vCPU `id` until it finishes, crashes or is stopped.
 pub(crate) fn run(
     id: u32,
@@ -178,11 +193,18 @@ fn run_loop(
         let exit = match fd.run() {
             Ok(exit) => exit,
             Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
+                if let Some(ev) = &shared.host_events {
+                    ev.vcpu_exit(id, crate::host_events::KVM_EXIT_INTR, 0);
+                }
                 fd.set_kvm_immediate_exit(0);
                 continue;
             }
             Err(e) => return VcpuOutcome::Error(VcpuError::Run(e)),
         };
+        if let Some(ev) = &shared.host_events {
+            let (reason, port) = exit_reason(&exit);
+            ev.vcpu_exit(id, reason, port);
+        }
         match exit {
             VcpuExit::IoOut(PORT_EXIT, data) => {
                 let who = le_u32(data);
@@ -196,6 +218,17 @@ fn run_loop(
                 // written before the vCPU resumes.
                 shared.events.on_register(id);
                 continue;
+            }
+            VcpuExit::IoOut(PORT_ALIGN, _) => {
+                // The `align` workload: the host clock at this exit, for the guest to
+                // record next to its own TSC stamps around it.
+                let now = shared.stamp.now();
+                if mem
+                    .write_obj(now, GuestAddress(slot + result::ALIGN_HOST as u64))
+                    .is_err()
+                {
+                    return VcpuOutcome::Faulted("result slot not writable".into());
+                }
             }
             VcpuExit::IoOut(PORT_PANIC, data) => {
                 let len = le_u32(data);

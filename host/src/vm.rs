@@ -56,6 +56,8 @@ pub struct RunParams {
     pub burst: u32,
     /// Payload bytes of each event of the bench workload.
     pub payload: u32,
+    /// The clock the VMM stamps `PORT_ALIGN` exits with (the run's `--clock`).
+    pub clock: crate::clock::ClockKind,
 }
 
 /// Default seed of [`RunParams`].
@@ -71,6 +73,7 @@ impl Default for RunParams {
             flags: 0,
             burst: 0,
             payload: 0,
+            clock: crate::clock::ClockKind::Mono,
         }
     }
 }
@@ -141,6 +144,7 @@ pub struct Vm {
     tsc_khz: u64,
     tsc_offset: Option<i64>,
     entry: u64,
+    host_events: Option<Arc<crate::host_events::HostEvents>>,
 }
 
 /// Environment variable naming the KVM device instead of `/dev/kvm` (for tests).
@@ -289,11 +293,33 @@ impl Vm {
             vcpus.push(fd);
         }
         // Guest TSC = host TSC: the reader can then put host and guest times on one
-        // clock. Best effort (older kernels lack the attribute); read back to check.
-        for fd in &vcpus {
-            let _ = arch::set_tsc_offset(fd, 0);
-        }
-        let tsc_offset = arch::tsc_offset(&vcpus[0]).ok();
+        // clock. Best effort (older kernels lack the attribute, PVM refuses or ignores
+        // it); read back to check, and say which case this is.
+        let set = vcpus
+            .iter()
+            .map(|fd| arch::set_tsc_offset(fd, 0))
+            .find(|r| r.is_err())
+            .unwrap_or(Ok(()));
+        let tsc_offset = match (set, arch::tsc_offset(&vcpus[0])) {
+            (Ok(()), Ok(v)) => {
+                log::info!("TSC offset set to 0, read back {v}");
+                Some(v)
+            }
+            (Err(e), Ok(v)) => {
+                log::info!("TSC offset cannot be set ({e}); KVM reports {v}: using it");
+                Some(v)
+            }
+            (Ok(()), Err(e)) => {
+                log::info!("TSC offset set to 0 but cannot be read back ({e}): assuming 0");
+                None
+            }
+            (Err(e), Err(_)) => {
+                log::info!(
+                    "TSC offset not supported by this KVM ({e}): assuming guest TSC = host TSC"
+                );
+                None
+            }
+        };
         let tsc_khz = match vcpus[0].get_tsc_khz() {
             Ok(k) if k > 0 => u64::from(k),
             _ => calibrate_tsc_khz(),
@@ -312,6 +338,7 @@ impl Vm {
             tsc_khz,
             tsc_offset,
             entry: image.entry,
+            host_events: None,
         })
     }
 
@@ -348,6 +375,11 @@ impl Vm {
     /// kernel cannot tell (then assume nothing about guest vs host TSC).
     pub fn tsc_offset(&self) -> Option<i64> {
         self.tsc_offset
+    }
+
+    /// The vCPU threads record their exits into `events` (`--host-events`).
+    pub fn record_exits(&mut self, events: Arc<crate::host_events::HostEvents>) {
+        self.host_events = Some(events);
     }
 
     /// Entry point of the guest image.
@@ -405,6 +437,11 @@ impl Vm {
             stop: AtomicBool::new(false),
             crashed: AtomicBool::new(false),
             reason: Mutex::new(None),
+            stamp: Stamp {
+                clock: p.clock,
+                tsc_offset: self.tsc_offset.unwrap_or(0),
+            },
+            host_events: self.host_events.clone(),
             done: Mutex::new(0),
             cv: Condvar::new(),
             events,
@@ -472,12 +509,36 @@ fn crash_reason(id: u32, out: &VcpuOutcome) -> String {
     }
 }
 
+/// The host clock a vCPU thread stamps exits with.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Stamp {
+    clock: crate::clock::ClockKind,
+    tsc_offset: i64,
+}
+
+impl Stamp {
+    /// Now, on the run's clock: `clock_gettime` for `mono`/`boot`, the guest-equivalent
+    /// TSC (host TSC + offset) for `tsc`.
+    pub(crate) fn now(&self) -> u64 {
+        use crate::clock::ClockKind;
+        match self.clock {
+            ClockKind::Mono => crate::clock::clock_ns(libc::CLOCK_MONOTONIC),
+            ClockKind::Boot => crate::clock::clock_ns(libc::CLOCK_BOOTTIME),
+            ClockKind::Tsc => host_tsc().wrapping_add_signed(self.tsc_offset),
+        }
+    }
+}
+
 /// State shared by the vCPU threads and the [`RunningVm`].
 pub(crate) struct Shared {
     pub(crate) stop: AtomicBool,
     crashed: AtomicBool,
     /// What the first vCPU that crashed or failed did (set before `crashed`).
     reason: Mutex<Option<String>>,
+    /// How the vCPUs stamp `PORT_ALIGN` exits.
+    pub(crate) stamp: Stamp,
+    /// `--host-events`: where the vCPUs record their exits.
+    pub(crate) host_events: Option<Arc<crate::host_events::HostEvents>>,
     done: Mutex<usize>,
     cv: Condvar,
     /// Answers the guest's registration exit.

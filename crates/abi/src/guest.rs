@@ -20,6 +20,10 @@ use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
 pub const PORT_EXIT: u16 = 0x0510;
 /// Port the guest writes a panic message length to (message in its result slot).
 pub const PORT_PANIC: u16 = 0x0511;
+/// `align` workload: the guest writes its vCPU id here (32-bit `out`); the VMM stamps
+/// the exit with the run's host clock and stores it (u64) at [`result::ALIGN_HOST`] of
+/// the vCPU's result slot before resuming it.
+pub const PORT_ALIGN: u16 = 0x0513;
 
 /// Magic of the run parameter block: `"HTRUNPRM"` as little-endian bytes.
 pub const RUN_PARAMS_MAGIC: u64 = u64::from_le_bytes(*b"HTRUNPRM");
@@ -144,6 +148,14 @@ const _: () = {
 
 /// Flag: the guest serves the host's swap/update requests from its mailbox.
 pub const RUN_FLAG_SERVE_MAILBOX: u32 = 1 << 0;
+/// Flag (`align` workload): after its exits, the guest answers the host's memory pings
+/// (see [`result::PING_REQ`]) until the host writes [`PING_STOP`] (or
+/// [`PING_IDLE_SECONDS`] pass without a new request).
+pub const RUN_FLAG_ALIGN_PING: u32 = 1 << 1;
+/// [`result::PING_REQ`] value that ends the ping phase.
+pub const PING_STOP: u64 = u64::MAX;
+/// The ping phase ends after this long without a new request.
+pub const PING_IDLE_SECONDS: u64 = 10;
 
 /// Offsets of the fields of a vCPU result slot. The guest writes them one at a time
 /// (`tsc_start` at entry, `status` last), so they stay offsets rather than a struct.
@@ -166,8 +178,20 @@ pub mod result {
     /// [`super::BENCH_CHUNK`] events (the undisturbed rate: a chunk the host never
     /// preempted).
     pub const BENCH_MIN_CHUNK: usize = 56;
+    /// u64 `align` workload: the host clock (the run's `--clock`) the VMM stamped at the
+    /// last [`super::PORT_ALIGN`] exit (shares the `bench` workload's bytes).
+    pub const ALIGN_HOST: usize = 48;
     /// Panic message bytes (up to [`super::PANIC_MSG_MAX`]).
     pub const MSG: usize = 64;
+    /// u64 `align` ping phase (host → guest): request number (non-zero, new each time),
+    /// or [`super::PING_STOP`]. Shares the panic message bytes.
+    pub const PING_REQ: usize = 64;
+    /// u64 `align` ping phase (guest → host): the guest TSC read when it saw request
+    /// number [`PING_ACK`]'s value; written before the ack.
+    pub const PING_TSC: usize = 72;
+    /// u64 `align` ping phase (guest → host): the request number answered (a Release
+    /// store after [`PING_TSC`]).
+    pub const PING_ACK: usize = 80;
 }
 
 /// Events per timed chunk of the `bench` workload.
@@ -190,6 +214,11 @@ pub enum Workload {
     /// `hyptrace bench`: writes `events` events of `payload` bytes back to back (no
     /// pacing) and reports the TSC cycles they took in its result slot.
     Bench = 5,
+    /// Clock alignment: per pair of `marker` events, the guest stamps the TSC, exits on
+    /// [`PORT_ALIGN`] (the VMM stamps its host clock), stamps the TSC again, then writes
+    /// `marker(seq 2i, value i)` at the first stamp and `marker(seq 2i+1, value = the
+    /// VMM's stamp)` at the second. `events / 2` exits.
+    Align = 6,
 }
 
 impl Workload {
@@ -202,6 +231,7 @@ impl Workload {
             3 => Self::Panic,
             4 => Self::Fault,
             5 => Self::Bench,
+            6 => Self::Align,
             _ => return None,
         })
     }

@@ -65,6 +65,9 @@ pub const MAX_RECORD: usize = 4096;
 pub const NR_SLOTS: u32 = 64;
 /// First id the host assigns to an event that requested none (or a taken one).
 pub const FIRST_DYNAMIC_ID: u16 = 2000;
+/// Ids from here up belong to the VMM's own events (`--host-events`): a guest that
+/// requests one gets an assigned id instead.
+pub const FIRST_VMM_ID: u16 = 0xff00;
 
 /// State word: the table is not written yet (what the host reserved: zeros).
 pub const STATE_EMPTY: u64 = 0;

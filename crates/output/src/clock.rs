@@ -9,6 +9,11 @@
 //! whatever the trace clock's name; its `offset` is **ignored** by `report`; a multiplier
 //! of 2^31 or more is sign-extended (trace-cmd keeps it in an `int`), which gives garbage,
 //! so [`TscConversion::from_tsc_khz`] keeps `mult ≤ i32::MAX`.
+//!
+//! Putting guest time on a host clock (`CLOCK_MONOTONIC`...) needs a signed nanosecond
+//! offset added *after* the scaling: [`Clock::offset_ns`], which trace.dat carries in
+//! trace-cmd's OFFSET option (id 7, a decimal string; `report` adds it to every
+//! converted timestamp: `ts = mul_u64_u32_shr(raw, mult, shift) + offset`).
 
 use crate::OutputError;
 
@@ -92,8 +97,11 @@ impl TscConversion {
 pub struct Clock {
     /// Trace clock name (`x86-tsc` for raw guest TSC, `local` for ns clocks...).
     pub name: String,
-    /// Conversion of raw timestamps; `None` means they already are ns.
+    /// Conversion of raw timestamps; `None` means they already are ns (or are shown raw).
     pub tsc: Option<TscConversion>,
+    /// Nanoseconds added (wrapping, signed) after the conversion: maps the converted
+    /// guest TSC onto a host clock. trace.dat: the OFFSET option.
+    pub offset_ns: i64,
 }
 
 impl Clock {
@@ -103,7 +111,24 @@ impl Clock {
         Ok(Self {
             name: "x86-tsc".into(),
             tsc: Some(TscConversion::from_tsc_khz(tsc_khz)?),
+            offset_ns: 0,
         })
+    }
+
+    /// Raw guest TSC cycles shown as they are (`--clock tsc`): clock `x86-tsc` without
+    /// TSC2NSEC, like `trace-cmd record -C x86-tsc`.
+    pub fn raw_tsc() -> Self {
+        Self {
+            name: "x86-tsc".into(),
+            tsc: None,
+            offset_ns: 0,
+        }
+    }
+
+    /// The same clock with `offset_ns` added after the conversion.
+    pub fn with_offset_ns(mut self, offset_ns: i64) -> Self {
+        self.offset_ns = offset_ns;
+        self
     }
 
     /// Timestamps already in ns (clock `local`).
@@ -111,15 +136,27 @@ impl Clock {
         Self {
             name: "local".into(),
             tsc: None,
+            offset_ns: 0,
         }
     }
 
-    /// Converts a raw page timestamp to ns.
+    /// Converts a raw page timestamp to ns (then adds [`Self::offset_ns`], wrapping).
     pub fn to_ns(&self, raw: u64) -> u64 {
-        match &self.tsc {
+        let ns = match &self.tsc {
             Some(t) => t.to_ns(raw),
             None => raw,
-        }
+        };
+        ns.wrapping_add_signed(self.offset_ns)
+    }
+
+    /// What trace-cmd 3.1.6 prints for a raw timestamp of a file with this clock:
+    /// TSC2NSEC (offset ignored, see [`TscConversion::trace_cmd_ns`]) then OFFSET.
+    pub fn trace_cmd_ns(&self, raw: u64) -> u64 {
+        let ns = match &self.tsc {
+            Some(t) => t.trace_cmd_ns(raw),
+            None => raw,
+        };
+        ns.wrapping_add_signed(self.offset_ns)
     }
 
     /// Converts a duration in raw units to ns.
@@ -149,6 +186,22 @@ mod tests {
         assert_eq!(c.to_ns(5), 5_000_000);
         assert!(TscConversion::from_tsc_khz(0).is_err());
         assert!(TscConversion::from_tsc_khz(u64::MAX).is_err());
+    }
+
+    #[test]
+    fn offset_is_added_after_scaling() {
+        let c = Clock::guest_tsc(2_000_000).unwrap().with_offset_ns(-500);
+        assert_eq!(c.to_ns(2_000), 500);
+        assert_eq!(c.trace_cmd_ns(2_000), 500);
+        assert_eq!(c.duration_ns(2_000), 1_000);
+        let c = Clock::raw_tsc();
+        assert_eq!(c.to_ns(123_456), 123_456);
+        assert_eq!(Clock::nanoseconds().with_offset_ns(7).to_ns(1), 8);
+        // Wrapping, never a panic, on any guest value.
+        let c = Clock::guest_tsc(1_000_000)
+            .unwrap()
+            .with_offset_ns(i64::MIN);
+        let _ = c.to_ns(u64::MAX);
     }
 
     #[test]

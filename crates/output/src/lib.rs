@@ -20,14 +20,18 @@ pub use export::{
     MIN_PAGE_SIZE,
 };
 pub use format::{
-    guest_formats, trailing_lost_format, EventFormat, Field, HYPTRACE_SYSTEM, TRAILING_LOST_NAME,
+    common_fields, guest_formats, trailing_lost_format, EventFormat, Field, HYPTRACE_SYSTEM,
+    TRAILING_LOST_NAME,
 };
 pub use merge::{MergeWindow, Merged, Merger, Released};
 /// The old name of [`KernelCpuStat`], kept only until the host uses the new one.
 #[doc(hidden)]
 pub use sink::KernelCpuStat as CpuStats;
 pub use sink::{KernelCpuStat, PageSink, RunSummary, TraceMeta};
-pub use sinks::{JsonSink, RawReader, RawSink, RawTrace, TextSink, JSON_PID, RAW_MAGIC};
+pub use sinks::{
+    is_raw_stream, JsonSink, RawReader, RawSink, RawTrace, TextSink, JSON_PID, RAW_MAGIC,
+    RAW_MAGIC_V1,
+};
 pub use target::{OutputFile, OutputTarget, TargetKind};
 pub use text::{
     escape_guest_bytes, escape_guest_str, escaped_guest_bytes, format_drop, format_event,

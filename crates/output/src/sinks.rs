@@ -462,7 +462,14 @@ impl JsonSink {
 }
 
 /// Magic of a raw page stream.
-pub const RAW_MAGIC: &[u8; 8] = b"HTRAWPG1";
+pub const RAW_MAGIC: &[u8; 8] = b"HTRAWPG2";
+/// Magic of the previous raw stream (no `offset_ns`), still read.
+pub const RAW_MAGIC_V1: &[u8; 8] = b"HTRAWPG1";
+
+/// Whether `head` starts like a raw page stream (either version).
+pub fn is_raw_stream(head: &[u8]) -> bool {
+    head.starts_with(RAW_MAGIC) || head.starts_with(RAW_MAGIC_V1)
+}
 const RAW_TAG_PAGE: u32 = 1;
 const RAW_TAG_END: u32 = 2;
 
@@ -470,9 +477,10 @@ const RAW_TAG_END: u32 = 2;
 /// (all little-endian):
 ///
 /// ```text
-/// header:  "HTRAWPG1" | u32 page_size | u32 nr_cpus | u32 mult | u32 shift | u64 offset
-///          | u32 clock_name_len | clock name bytes
-///          (mult = 0: timestamps are ns; else ns = ((ts - offset) * mult) >> shift)
+/// header:  "HTRAWPG2" | u32 page_size | u32 nr_cpus | u32 mult | u32 shift | u64 offset
+///          | u32 clock_name_len | clock name bytes | i64 offset_ns
+///          (mult = 0: timestamps are ns; else ns = ((ts - offset) * mult) >> shift;
+///          then + offset_ns, see `Clock`; "HTRAWPG1" streams lack offset_ns: 0)
 /// page:    u32 1 | u32 cpu | page_size bytes (exported copy: Linux buffer_data_page,
 ///          tail zeroed, losses as RB_MISSED_* flags + count after the data)
 /// end:     u32 2 | u32 n | n × 8 u64 stats (entries, overrun, commit_overrun, bytes,
@@ -520,6 +528,7 @@ impl RawSink {
         h.extend_from_slice(&t.offset.to_le_bytes());
         h.extend_from_slice(&(meta.clock.name.len() as u32).to_le_bytes());
         h.extend_from_slice(meta.clock.name.as_bytes());
+        h.extend_from_slice(&meta.clock.offset_ns.to_le_bytes());
         out.write_all(&h)?;
         Ok(Self {
             scratch: vec![0; meta.page_size],
@@ -642,7 +651,8 @@ impl<R: std::io::Read> RawStream<R> {
     fn new(mut r: R) -> Result<Self, OutputError> {
         let mut magic = [0u8; 8];
         raw_read(&mut r, &mut magic)?;
-        if &magic != RAW_MAGIC {
+        let v1 = &magic == RAW_MAGIC_V1;
+        if &magic != RAW_MAGIC && !v1 {
             return Err(raw_bad("bad magic"));
         }
         let page_size = raw_u32(&mut r)? as usize;
@@ -662,6 +672,13 @@ impl<R: std::io::Read> RawStream<R> {
         }
         let mut name = vec![0u8; n];
         raw_read(&mut r, &mut name)?;
+        let offset_ns = if v1 {
+            0
+        } else {
+            let mut o = [0u8; 8];
+            raw_read(&mut r, &mut o)?;
+            i64::from_le_bytes(o)
+        };
         let tsc = (mult != 0).then_some(TscConversion {
             mult,
             shift,
@@ -674,6 +691,7 @@ impl<R: std::io::Read> RawStream<R> {
             clock: Clock {
                 name: String::from_utf8_lossy(&name).into_owned(),
                 tsc,
+                offset_ns,
             },
             page: vec![0u8; page_size],
             done: false,

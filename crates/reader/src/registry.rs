@@ -16,7 +16,7 @@ use hyptrace_abi::events::COMMON_HEADER_SIZE;
 use hyptrace_abi::layout::RingGeometry;
 use hyptrace_abi::registry::{
     scalar_type, EventEntry, FieldEntry, StrRef, TableHeader, ACCEPTED_OFF, DATA_LOC_STR,
-    ENTRY_SIZE, FIELD_SIZE, FIRST_DYNAMIC_ID, HEADER_SIZE, MAX_EVENTS, MAX_FIELDS,
+    ENTRY_SIZE, FIELD_SIZE, FIRST_DYNAMIC_ID, FIRST_VMM_ID, HEADER_SIZE, MAX_EVENTS, MAX_FIELDS,
     MAX_FIELDS_PER_EVENT, MAX_NAME, MAX_PRINT_FMT, MAX_RECORD, MAX_TABLE_SIZE, MAX_TYPE, NR_SLOTS,
     STATE_DONE, STATE_OFF, STATE_READY, STATE_REFUSED, STATUS_ACCEPTED, STATUS_REJECTED,
     TABLE_MAGIC, TABLE_VERSION,
@@ -24,8 +24,9 @@ use hyptrace_abi::registry::{
 use hyptrace_abi::SharedMem;
 use zerocopy::FromBytes;
 
-/// The system of the VMM's own events (`hyptrace:trailing_lost`...): no guest's.
-pub const RESERVED_SYSTEM: &str = "hyptrace";
+/// The systems of the VMM's own events (`hyptrace:trailing_lost`, `vmm:vcpu_exit`...):
+/// no guest's.
+pub const RESERVED_SYSTEMS: [&str; 2] = ["hyptrace", "vmm"];
 
 /// Longest array a field may declare (elements).
 pub const MAX_ARRAY_LEN: u32 = 4096;
@@ -237,9 +238,9 @@ pub fn parse_table(bytes: &[u8]) -> Result<Registry, TableError> {
         };
         let checked = system.and_then(|system| {
             let name = name?;
-            if system == RESERVED_SYSTEM {
+            if RESERVED_SYSTEMS.contains(&system.as_str()) {
                 return Err(format!(
-                    "system {RESERVED_SYSTEM} is reserved for the VMM's own events"
+                    "system {system} is reserved for the VMM's own events"
                 ));
             }
             let r = check_entry(&e, strings, &fields)?;
@@ -261,7 +262,7 @@ pub fn parse_table(bytes: &[u8]) -> Result<Registry, TableError> {
                 names.insert((system.clone(), name.clone()), i);
                 slots.insert(e.slot, i);
                 let requested = e.requested_id as u16;
-                if requested != 0 && !ids.contains(&requested) {
+                if requested != 0 && requested < FIRST_VMM_ID && !ids.contains(&requested) {
                     ids.insert(requested);
                     want.push((reg.events.len(), u32::from(requested)));
                 } else {

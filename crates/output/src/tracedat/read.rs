@@ -337,6 +337,8 @@ pub struct TraceFile {
     pub clock: Option<String>,
     /// TSC2NSEC option, if any.
     pub tsc2nsec: Option<TscConversion>,
+    /// Sum of the OFFSET options (ns added after TSC2NSEC, as trace-cmd does).
+    pub ts_offset: i64,
     /// All options, in file order.
     pub options: Vec<TraceOption>,
     /// Where each CPU's pages are, in file order.
@@ -455,6 +457,35 @@ fn selected_clock(text: &str) -> Option<String> {
     Some(text[s + 1..e].to_string())
 }
 
+/// The integer `strtoll(text, NULL, 0)` reads (sign, `0x` hex, `0` octal or decimal;
+/// stops at the first other byte); `None` without digits or when it overflows.
+fn parse_c_integer(data: &[u8]) -> Option<i64> {
+    let text = data.split(|&b| b == 0).next().unwrap_or(&[]);
+    let text = std::str::from_utf8(text).ok()?.trim_start();
+    let (neg, rest) = match text.as_bytes().first() {
+        Some(b'-') => (true, &text[1..]),
+        Some(b'+') => (false, &text[1..]),
+        _ => (false, text),
+    };
+    let (radix, digits) =
+        if let Some(h) = rest.strip_prefix("0x").or_else(|| rest.strip_prefix("0X")) {
+            (16, h)
+        } else if rest.len() > 1 && rest.starts_with('0') {
+            (8, &rest[1..])
+        } else {
+            (10, rest)
+        };
+    let end = digits
+        .find(|c: char| !c.is_digit(radix))
+        .unwrap_or(digits.len());
+    let digits = &digits[..end];
+    if digits.is_empty() {
+        return (radix == 8).then_some(0);
+    }
+    let v = i128::from_str_radix(digits, radix).ok()?;
+    i64::try_from(if neg { -v } else { v }).ok()
+}
+
 struct Parser {
     compressed: bool,
     f: TraceFile,
@@ -481,6 +512,12 @@ impl Parser {
                         shift,
                         offset,
                     });
+                }
+            }
+            option::OFFSET => {
+                // trace-cmd: `ts_offset += strtoll(buf, NULL, 0)`.
+                if let Some(v) = parse_c_integer(data) {
+                    self.f.ts_offset = self.f.ts_offset.wrapping_add(v);
                 }
             }
             option::CPUCOUNT if data.len() >= 4 => {
@@ -784,6 +821,7 @@ impl TraceFile {
             nr_cpus: 0,
             clock: None,
             tsc2nsec: None,
+            ts_offset: 0,
             options: Vec::new(),
             cpus: Vec::new(),
             compressed: false,
@@ -839,12 +877,14 @@ impl TraceFile {
         self.compressed
     }
 
-    /// Converts a raw page timestamp to ns the way trace-cmd does (TSC2NSEC, if present).
+    /// Converts a raw page timestamp to ns the way trace-cmd does (TSC2NSEC, if
+    /// present, then the OFFSET options).
     pub fn ts_ns(&self, raw: u64) -> u64 {
-        match &self.tsc2nsec {
+        let ns = match &self.tsc2nsec {
             Some(t) => t.trace_cmd_ns(raw),
             None => raw,
-        }
+        };
+        ns.wrapping_add_signed(self.ts_offset)
     }
 
     /// The format of event `id`.
@@ -1751,6 +1791,9 @@ impl TraceFile {
                 t.mult, t.shift, t.offset
             );
         }
+        if self.ts_offset != 0 {
+            let _ = writeln!(s, "offset: {}", self.ts_offset);
+        }
         for f in &self.formats {
             let _ = writeln!(s, "event: {}:{} id={}", f.system, f.name, f.id);
         }
@@ -1882,5 +1925,26 @@ mod tests {
         assert_eq!(max_chunk(64, 4096), 4 << 20);
         assert_eq!(max_chunk(65536, 4096), 16 * 4096);
         assert_eq!(max_chunk(0, 4096), 16 << 20);
+    }
+}
+
+#[cfg(test)]
+mod offset_tests {
+    use super::parse_c_integer;
+
+    /// The OFFSET option is read as trace-cmd reads it (`strtoll(buf, NULL, 0)`).
+    #[test]
+    fn offset_text_as_strtoll() {
+        assert_eq!(parse_c_integer(b"-80251194\0"), Some(-80_251_194));
+        assert_eq!(parse_c_integer(b"12345"), Some(12_345));
+        assert_eq!(parse_c_integer(b"+7 junk"), Some(7));
+        assert_eq!(parse_c_integer(b"0x10\0"), Some(16));
+        assert_eq!(parse_c_integer(b"010"), Some(8));
+        assert_eq!(parse_c_integer(b"0"), Some(0));
+        assert_eq!(parse_c_integer(b"  42"), Some(42));
+        assert_eq!(parse_c_integer(b""), None);
+        assert_eq!(parse_c_integer(b"x"), None);
+        assert_eq!(parse_c_integer(b"99999999999999999999999"), None);
+        assert_eq!(parse_c_integer(&[0xff, 0xfe]), None);
     }
 }

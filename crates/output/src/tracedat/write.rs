@@ -115,6 +115,14 @@ fn common_options(meta: &TraceMeta, stats: &[KernelCpuStat], out: &mut Vec<u8>) 
         d.extend_from_slice(&t.offset.to_le_bytes());
         push_opt(out, option::TSC2NSEC, &d);
     }
+    if meta.clock.offset_ns != 0 {
+        // trace-cmd adds it after TSC2NSEC (Clock::trace_cmd_ns).
+        push_opt(
+            out,
+            option::OFFSET,
+            &cstr(&meta.clock.offset_ns.to_string()),
+        );
+    }
     for cpu in 0..meta.nr_cpus {
         let s = stats.get(cpu as usize).copied().unwrap_or_default();
         push_opt(out, option::CPUSTAT, &cstr(&s.to_cpustat_text(cpu)));

@@ -1,0 +1,430 @@
+//! Guest time on a host clock (`--clock mono|boot|tsc`).
+//!
+//! Pages keep raw guest TSC values. At start the VMM knows the guest TSC frequency
+//! (`KVM_GET_TSC_KHZ`) and the guest − host TSC offset (set to 0 and read back where
+//! KVM allows; see [`crate::vm::Vm::tsc_offset`]). [`HostClock::calibrate`] takes paired
+//! samples of the host TSC and the host clock (`rdtsc; clock_gettime; rdtsc`), keeps
+//! the tightest bracket, and fixes one linear map for the whole run:
+//!
+//! ```text
+//! ns = ((guest_tsc * mult) >> shift) + offset_ns       (wrapping, offset_ns signed)
+//! ```
+//!
+//! `mult/shift` come from the kHz frequency exactly as trace-cmd's TSC2NSEC uses them;
+//! `offset_ns` anchors the map on the host clock at the calibration sample (guest TSC =
+//! host TSC + tsc_offset, the TSC is not scaled under KVM unless asked). trace.dat
+//! carries it as the TSC2NSEC option + the OFFSET option, so `trace-cmd report` prints
+//! the same times as our text/JSON.
+//!
+//! The map is re-checked every [`RECHECK_EVERY`] while the run lasts (as upstream pKVM
+//! tracing does): a new tight sample is compared with what the map predicts. The kHz
+//! frequency is rounded (here 0.07 ppm: ~70 ns/s), so the drift grows linearly with the
+//! run's length. Above [`DRIFT_WARN_NS`] the run warns once and **keeps the same map**:
+//! one linear map is all a trace.dat can carry, the outputs stay identical and in order,
+//! and interrupted runs convert like finished ones; the largest drift seen is reported
+//! (`--stats` `clock.max_drift_ns`) so a user can correct it.
+
+use std::time::{Duration, Instant};
+
+use hyptrace_output::{Clock, OutputError, TscConversion};
+
+/// How often a run re-checks its map.
+pub const RECHECK_EVERY: Duration = Duration::from_millis(500);
+/// Drift above which a run warns (once).
+pub const DRIFT_WARN_NS: u64 = 1_000;
+/// Brackets tried per sample (the tightest wins).
+const TRIES: usize = 64;
+
+/// The clock every output uses.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum ClockKind {
+    /// Host `CLOCK_MONOTONIC` (what `clock_gettime`, `perf` and trace-cmd's `mono` use).
+    #[default]
+    Mono,
+    /// Host `CLOCK_BOOTTIME` (monotonic + time suspended).
+    Boot,
+    /// Raw guest TSC cycles, unconverted (like trace-cmd's `x86-tsc` clock without
+    /// TSC2NSEC).
+    Tsc,
+}
+
+impl ClockKind {
+    /// Lower-case name (`--stats`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Mono => "mono",
+            Self::Boot => "boot",
+            Self::Tsc => "tsc",
+        }
+    }
+
+    fn clockid(self) -> Option<libc::clockid_t> {
+        match self {
+            Self::Mono => Some(libc::CLOCK_MONOTONIC),
+            Self::Boot => Some(libc::CLOCK_BOOTTIME),
+            Self::Tsc => None,
+        }
+    }
+}
+
+/// Reads a host clock in ns.
+pub fn clock_ns(id: libc::clockid_t) -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec for the duration of the call; the clock
+    // ids used here exist on every supported kernel (the result is checked).
+    let r = unsafe { libc::clock_gettime(id, &mut ts) };
+    if r != 0 {
+        return 0;
+    }
+    (ts.tv_sec as u64)
+        .saturating_mul(1_000_000_000)
+        .saturating_add(ts.tv_nsec as u64)
+}
+
+/// Host `CLOCK_MONOTONIC` in ns.
+pub fn monotonic_ns() -> u64 {
+    clock_ns(libc::CLOCK_MONOTONIC)
+}
+
+/// Host `CLOCK_BOOTTIME` in ns.
+pub fn boottime_ns() -> u64 {
+    clock_ns(libc::CLOCK_BOOTTIME)
+}
+
+/// `lfence; rdtsc; lfence`: the TSC read in program order (what the vDSO's
+/// `clock_gettime` does too), so a bracket really brackets.
+fn fenced_tsc() -> u64 {
+    // SAFETY: `lfence` and `rdtsc` have no preconditions on x86-64 (SSE2 is baseline).
+    unsafe {
+        core::arch::x86_64::_mm_lfence();
+        let t = core::arch::x86_64::_rdtsc();
+        core::arch::x86_64::_mm_lfence();
+        t
+    }
+}
+
+/// One paired sample: the host TSC at the middle of the tightest `rdtsc; clock_gettime;
+/// rdtsc` bracket, the clock reading inside it, and the bracket's width in cycles.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Sample {
+    /// Host TSC (middle of the bracket).
+    pub tsc: u64,
+    /// Host clock, ns.
+    pub ns: u64,
+    /// Bracket width, cycles.
+    pub width: u64,
+}
+
+/// The tightest of [`TRIES`] brackets of `clock`.
+pub fn sample(clock: libc::clockid_t) -> Sample {
+    let mut best = Sample {
+        tsc: 0,
+        ns: 0,
+        width: u64::MAX,
+    };
+    for _ in 0..TRIES {
+        let a = fenced_tsc();
+        let ns = clock_ns(clock);
+        let b = fenced_tsc();
+        let width = b.wrapping_sub(a);
+        if width < best.width {
+            best = Sample {
+                tsc: a.wrapping_add(width / 2),
+                ns,
+                width,
+            };
+        }
+    }
+    best
+}
+
+/// The run's clock: the map from guest TSC to the chosen host clock, and how it held.
+#[derive(Clone, Debug)]
+pub struct HostClock {
+    /// Which clock.
+    pub kind: ClockKind,
+    /// Guest TSC frequency.
+    pub tsc_khz: u64,
+    /// Guest − host TSC offset assumed (what KVM reported, else 0).
+    pub tsc_offset: i64,
+    /// The clock every output converts with.
+    pub clock: Clock,
+    /// The calibration sample (host TSC, host ns, width).
+    pub anchor: Option<Sample>,
+    /// Largest |drift| seen by the re-checks, ns.
+    pub max_drift_ns: u64,
+    /// Re-checks done.
+    pub checks: u64,
+    warned: bool,
+    last_check: Option<Instant>,
+}
+
+impl HostClock {
+    /// Calibrates the map for `kind` (a sample now; `tsc`: no map).
+    pub fn calibrate(kind: ClockKind, tsc_khz: u64, tsc_offset: i64) -> Result<Self, OutputError> {
+        let (clock, anchor) = match kind.clockid() {
+            None => (Clock::raw_tsc(), None),
+            Some(id) => {
+                let base = Clock::guest_tsc(tsc_khz)?;
+                let s = sample(id);
+                let offset_ns = anchor_offset(base.tsc.as_ref(), s, tsc_offset);
+                (base.with_offset_ns(offset_ns), Some(s))
+            }
+        };
+        Ok(Self {
+            kind,
+            tsc_khz,
+            tsc_offset,
+            clock,
+            anchor,
+            max_drift_ns: 0,
+            checks: 0,
+            warned: false,
+            last_check: Some(Instant::now()),
+        })
+    }
+
+    /// Converts a host TSC value to the run's clock (for the VMM's own stamps).
+    pub fn host_tsc_ns(&self, host_tsc: u64) -> u64 {
+        self.clock
+            .to_ns(host_tsc.wrapping_add_signed(self.tsc_offset))
+    }
+
+    /// Signed drift now: what the map says minus what the host clock says, ns.
+    pub fn drift_now(&self) -> Option<i64> {
+        let id = self.kind.clockid()?;
+        let s = sample(id);
+        let predicted = self.host_tsc_ns(s.tsc);
+        Some(predicted.wrapping_sub(s.ns) as i64)
+    }
+
+    /// Re-checks the map if [`RECHECK_EVERY`] has passed (or `force`); warns once when
+    /// the drift exceeds [`DRIFT_WARN_NS`].
+    pub fn recheck(&mut self, force: bool) {
+        let due = self.last_check.is_none_or(|t| t.elapsed() >= RECHECK_EVERY);
+        if !(force || due) {
+            return;
+        }
+        self.last_check = Some(Instant::now());
+        let Some(d) = self.drift_now() else {
+            return;
+        };
+        self.checks += 1;
+        self.max_drift_ns = self.max_drift_ns.max(d.unsigned_abs());
+        log::debug!("clock re-check: map − {} = {d} ns", self.kind.name());
+        if d.unsigned_abs() > DRIFT_WARN_NS && !self.warned {
+            self.warned = true;
+            log::warn!(
+                "guest clock drifted {d} ns from CLOCK_{} (the {} kHz TSC frequency is rounded); \
+                 keeping the same conversion for the whole run so every output agrees (see --stats clock.max_drift_ns)",
+                self.kind.name().to_uppercase(),
+                self.tsc_khz
+            );
+        }
+    }
+
+    /// What `--stats` says of the clock.
+    pub fn stats(&self) -> ClockStats {
+        let (mult, shift) = self.clock.tsc.map_or((0, 0), |t| (t.mult, t.shift));
+        ClockStats {
+            calibration_width_cycles: self.anchor.map_or(0, |a| a.width),
+            checks: self.checks,
+            max_drift_ns: self.max_drift_ns,
+            mult,
+            name: self.kind.name(),
+            offset_ns: self.clock.offset_ns,
+            shift,
+            tsc_khz: self.tsc_khz,
+            tsc_offset: self.tsc_offset,
+        }
+    }
+}
+
+/// The `--stats` `clock` object (keys in alphabetical order).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct ClockStats {
+    /// Width of the calibration bracket, host cycles (0: no calibration).
+    pub calibration_width_cycles: u64,
+    /// Re-checks done during the run.
+    pub checks: u64,
+    /// Largest |drift| a re-check saw, ns.
+    pub max_drift_ns: u64,
+    /// TSC2NSEC multiplier (0: raw TSC).
+    pub mult: u32,
+    /// `mono`, `boot` or `tsc`.
+    pub name: &'static str,
+    /// ns added after scaling (trace.dat OFFSET option).
+    pub offset_ns: i64,
+    /// TSC2NSEC shift.
+    pub shift: u32,
+    /// Guest TSC frequency.
+    pub tsc_khz: u64,
+    /// Guest − host TSC offset assumed.
+    pub tsc_offset: i64,
+}
+
+/// One memory ping of a guest in the `align` workload's ping phase: the host clock just
+/// before the request and just after the answer, and the guest TSC the guest read when
+/// it saw the request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ping {
+    /// Host clock before the request, ns.
+    pub before_ns: u64,
+    /// Guest TSC when the guest saw it.
+    pub guest_tsc: u64,
+    /// Host clock after the answer, ns.
+    pub after_ns: u64,
+}
+
+/// Pings the guest vCPU whose result slot is at `slot` (`RUN_FLAG_ALIGN_PING`) with
+/// request numbers `first..first + n` (never reuse one; 0 and `PING_STOP` are not
+/// requests) through guest memory (no exit), on host clock `clock` (`tsc`: the
+/// monotonic clock); each wait is
+/// bounded by `timeout` (an unanswered ping is left out). [`end_pings`] ends the phase.
+pub fn ping_guest(
+    mem: &vm_memory::GuestMemoryMmap,
+    slot: u64,
+    clock: ClockKind,
+    first: u64,
+    n: u32,
+    timeout: Duration,
+) -> Vec<Ping> {
+    use hyptrace_abi::guest::result;
+    use std::sync::atomic::Ordering;
+    use vm_memory::{Bytes, GuestAddress};
+    let at = |off: usize| GuestAddress(slot + off as u64);
+    let clock = clock.clockid().unwrap_or(libc::CLOCK_MONOTONIC);
+    let mut out = Vec::with_capacity(n as usize);
+    let first = first.max(1);
+    // Exclusive end: k never reaches PING_STOP (u64::MAX).
+    for k in first..first.saturating_add(u64::from(n)) {
+        let before_ns = clock_ns(clock);
+        if mem
+            .store(k, at(result::PING_REQ), Ordering::Release)
+            .is_err()
+        {
+            break;
+        }
+        let deadline = Instant::now() + timeout;
+        let answered = loop {
+            match mem.load::<u64>(at(result::PING_ACK), Ordering::Acquire) {
+                Ok(a) if a == k => break true,
+                Ok(_) => {}
+                Err(_) => break false,
+            }
+            if Instant::now() >= deadline {
+                break false;
+            }
+            std::hint::spin_loop();
+        };
+        let after_ns = clock_ns(clock);
+        if !answered {
+            continue;
+        }
+        if let Ok(guest_tsc) = mem.load::<u64>(at(result::PING_TSC), Ordering::Acquire) {
+            out.push(Ping {
+                before_ns,
+                guest_tsc,
+                after_ns,
+            });
+        }
+    }
+    out
+}
+
+/// Ends the guest's ping phase (see [`ping_guest`]).
+pub fn end_pings(mem: &vm_memory::GuestMemoryMmap, slot: u64) {
+    use vm_memory::{Bytes, GuestAddress};
+    let addr = GuestAddress(slot + hyptrace_abi::guest::result::PING_REQ as u64);
+    let _ = mem.store(
+        hyptrace_abi::guest::PING_STOP,
+        addr,
+        std::sync::atomic::Ordering::Release,
+    );
+}
+
+/// `offset_ns` such that guest TSC `s.tsc + tsc_offset` maps to `s.ns`.
+fn anchor_offset(t: Option<&TscConversion>, s: Sample, tsc_offset: i64) -> i64 {
+    let Some(t) = t else { return 0 };
+    let guest = s.tsc.wrapping_add_signed(tsc_offset);
+    let scaled = i128::from(t.to_ns(guest));
+    let off = i128::from(s.ns) - scaled;
+    off.clamp(i128::from(i64::MIN), i128::from(i64::MAX)) as i64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn anchor_maps_the_sample_exactly() {
+        let t = TscConversion::from_tsc_khz(2_000_000).unwrap();
+        let s = Sample {
+            tsc: 10_000,
+            ns: 1_000_000,
+            width: 40,
+        };
+        let off = anchor_offset(Some(&t), s, 0);
+        assert_eq!(off, 1_000_000 - 5_000);
+        let clock = Clock::guest_tsc(2_000_000).unwrap().with_offset_ns(off);
+        assert_eq!(clock.to_ns(10_000), 1_000_000);
+        // Guest TSC ahead of the host's by 2000 cycles: guest 12000 is host 10000.
+        let off = anchor_offset(Some(&t), s, 2_000);
+        let clock = Clock::guest_tsc(2_000_000).unwrap().with_offset_ns(off);
+        assert_eq!(clock.to_ns(12_000), 1_000_000);
+    }
+
+    #[test]
+    fn calibration_tracks_the_host_clock() {
+        let khz = match kvm_free_tsc_khz() {
+            Some(k) => k,
+            None => return,
+        };
+        let mut c = HostClock::calibrate(ClockKind::Mono, khz, 0).unwrap();
+        let before = monotonic_ns();
+        let now = c.host_tsc_ns(crate::vm::host_tsc());
+        let after = monotonic_ns();
+        // Not a timing assertion: the map is anchored on this clock a moment ago, so
+        // "now" lies between two readings up to the (generous) rounding drift.
+        assert!(
+            now + 1_000_000 >= before && now <= after + 1_000_000,
+            "{before} {now} {after}"
+        );
+        c.recheck(true);
+        assert_eq!(c.checks, 1);
+        let raw = HostClock::calibrate(ClockKind::Tsc, khz, 0).unwrap();
+        assert_eq!(raw.clock.to_ns(12345), 12345);
+        assert_eq!(raw.stats().name, "tsc");
+        assert_eq!(raw.stats().mult, 0);
+    }
+
+    /// A map off by 5 µs: the re-check sees it, records it and warns (once).
+    #[test]
+    fn recheck_reports_drift_and_keeps_the_map() {
+        let Some(khz) = kvm_free_tsc_khz() else {
+            return;
+        };
+        let mut c = HostClock::calibrate(ClockKind::Mono, khz, 0).unwrap();
+        c.clock.offset_ns += 5_000;
+        let before = c.clock.clone();
+        c.recheck(true);
+        c.recheck(true);
+        assert_eq!(c.checks, 2);
+        assert!(c.max_drift_ns >= 4_000, "{}", c.max_drift_ns);
+        assert!(c.warned);
+        assert_eq!(c.clock, before, "the map stays the same for the whole run");
+        assert_eq!(c.stats().max_drift_ns, c.max_drift_ns);
+    }
+
+    /// The host TSC frequency measured over 20 ms (no KVM needed).
+    fn kvm_free_tsc_khz() -> Option<u64> {
+        let a = sample(libc::CLOCK_MONOTONIC);
+        std::thread::sleep(Duration::from_millis(20));
+        let b = sample(libc::CLOCK_MONOTONIC);
+        let ns = b.ns.checked_sub(a.ns)?;
+        (ns > 0).then(|| b.tsc.wrapping_sub(a.tsc).saturating_mul(1_000_000) / ns)
+    }
+}
