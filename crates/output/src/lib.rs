@@ -34,5 +34,6 @@ pub use text::{
     format_guest_line, format_window_exceeded, guest_printers, EventPrinter,
 };
 pub use tracedat::{
-    write_trace_dat, TraceDatSink, TraceDatVersion, TraceFile, TraceItem, TraceRecord,
+    write_trace_dat, write_trace_dat_with, Compression, TraceDatSink, TraceDatVersion, TraceFile,
+    TraceItem, TraceRecord,
 };

@@ -4,7 +4,10 @@ mod read;
 mod write;
 
 pub use read::{CpuBuffer, Records, TraceFile, TraceItem, TraceOption, TraceRecord};
-pub use write::{write_trace_dat, TraceDatSink, TraceDatVersion, TRAILING_LOST_ID};
+pub use write::{
+    write_trace_dat, write_trace_dat_with, Compression, TraceDatSink, TraceDatVersion,
+    TRAILING_LOST_ID, ZSTD_CHUNK_PAGES,
+};
 
 /// The magic at the start of every trace.dat: `17 08 44 "tracing"`.
 pub const MAGIC: &[u8; 10] = b"\x17\x08\x44tracing";

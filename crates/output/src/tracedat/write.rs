@@ -23,6 +23,26 @@ pub enum TraceDatVersion {
     V7,
 }
 
+/// How the CPU data and the metadata sections of a v7 trace.dat are stored.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Compression {
+    /// Uncompressed (pages copied verbatim, page aligned).
+    None,
+    /// zstd, as `trace-cmd record` writes by default: each CPU's pages in chunks of
+    /// [`ZSTD_CHUNK_PAGES`] pages (one zstd frame each), the metadata sections (headers,
+    /// formats, kallsyms, printk, cmdlines, strings) compressed; options uncompressed.
+    /// Version 6 has no compression: a v6 file is always written uncompressed.
+    #[default]
+    Zstd,
+}
+
+/// Pages per compressed chunk (trace-cmd's own chunk: 10 pages).
+pub const ZSTD_CHUNK_PAGES: usize = 10;
+/// zstd level: -1, zstd's first fast level: about twice the speed of level 1 at 6.4× on
+/// marker pages instead of 7.5× (`cargo bench -p hyptrace-output --bench tracedat --
+/// zstd`); the drain compresses on its own thread and must keep up.
+const ZSTD_LEVEL: i32 = -1;
+
 /// Trace clocks the kernel lists in `trace_clock`; the TRACECLOCK text brackets ours.
 const CLOCKS: &[&str] = &[
     "local", "global", "counter", "uptime", "perf", "mono", "mono_raw", "boot", "tai", "x86-tsc",
@@ -186,23 +206,90 @@ impl Strings {
     }
 }
 
-fn section(out: &mut Vec<u8>, strings: &mut Strings, id: u16, name: &str, content: &[u8]) -> u64 {
+/// Section flag: the content is compressed (`TRACECMD_SEC_FL_COMPRESS`).
+const SEC_FL_COMPRESS: u16 = 1;
+
+/// zstd-compresses `content` as trace-cmd stores a compressed block: u32 compressed
+/// size, u32 uncompressed size, the zstd frame.
+fn zstd_block(content: &[u8]) -> Result<Vec<u8>, OutputError> {
+    let z = zstd::bulk::compress(content, ZSTD_LEVEL)
+        .map_err(|e| OutputError::BadMeta(format!("zstd: {e}")))?;
+    let too_big = |_| OutputError::BadMeta("section too large to compress".into());
+    let mut v = Vec::with_capacity(8 + z.len());
+    v.extend_from_slice(&u32::try_from(z.len()).map_err(too_big)?.to_le_bytes());
+    v.extend_from_slice(&u32::try_from(content.len()).map_err(too_big)?.to_le_bytes());
+    v.extend_from_slice(&z);
+    Ok(v)
+}
+
+/// Appends a v7 section (compressed when `compress`); returns its offset.
+fn section(
+    out: &mut Vec<u8>,
+    strings: &mut Strings,
+    id: u16,
+    name: &str,
+    content: &[u8],
+    compress: bool,
+) -> Result<u64, OutputError> {
     let at = out.len() as u64;
+    let packed;
+    let (flags, content) = if compress {
+        packed = zstd_block(content)?;
+        (SEC_FL_COMPRESS, &packed[..])
+    } else {
+        (0, content)
+    };
     out.extend_from_slice(&id.to_le_bytes());
-    out.extend_from_slice(&0u16.to_le_bytes()); // flags: not compressed
+    out.extend_from_slice(&flags.to_le_bytes());
     out.extend_from_slice(&strings.id(name).to_le_bytes());
     out.extend_from_slice(&(content.len() as u64).to_le_bytes());
     out.extend_from_slice(content);
-    at
+    Ok(at)
+}
+
+/// Where each CPU's data starts: the first at `data_start`, each next one on the
+/// first page boundary after the previous one's end (as trace-cmd lays them out;
+/// uncompressed data is whole pages, so the starts are contiguous).
+fn cpu_offsets(data_start: u64, sizes: &[u64], page: u64) -> Vec<u64> {
+    let mut off = data_start;
+    sizes
+        .iter()
+        .map(|&s| {
+            let at = off;
+            off = align_up(off + s, page);
+            at
+        })
+        .collect()
+}
+
+/// End of the CPU data (the last CPU's end).
+fn data_end(data_start: u64, sizes: &[u64], page: u64) -> u64 {
+    match (cpu_offsets(data_start, sizes, page).last(), sizes.last()) {
+        (Some(o), Some(s)) => o + s,
+        _ => data_start,
+    }
 }
 
 /// Builds the v7 metadata: header, sections, options, strings, and the flyrecord section
 /// header; returns it with the offset where CPU data starts (page aligned).
-fn v7_metadata(meta: &TraceMeta, stats: &[KernelCpuStat], sizes: &[u64]) -> (Vec<u8>, u64) {
-    let build = |flyrecord_at: u64, data_start: u64| -> Vec<u8> {
+fn v7_metadata(
+    meta: &TraceMeta,
+    stats: &[KernelCpuStat],
+    sizes: &[u64],
+    compression: Compression,
+) -> Result<(Vec<u8>, u64), OutputError> {
+    let z = compression == Compression::Zstd;
+    let page = meta.page_size as u64;
+    let build = |flyrecord_at: u64, data_start: u64| -> Result<Vec<u8>, OutputError> {
         let mut strings = Strings(Vec::new());
         let mut v = file_start(7, meta.page_size);
-        v.extend_from_slice(b"none\0\0");
+        match compression {
+            Compression::None => v.extend_from_slice(b"none\0\0"),
+            Compression::Zstd => {
+                v.extend_from_slice(b"zstd\0");
+                v.extend_from_slice(&cstr(zstd::zstd_safe::version_string()));
+            }
+        }
         let opt_ptr = v.len();
         v.extend_from_slice(&0u64.to_le_bytes());
         let headers = section(
@@ -211,42 +298,48 @@ fn v7_metadata(meta: &TraceMeta, stats: &[KernelCpuStat], sizes: &[u64]) -> (Vec
             option::HEADER_INFO,
             "headers",
             &header_info(meta.page_size),
-        );
+            z,
+        )?;
         let ftrace = section(
             &mut v,
             &mut strings,
             option::FTRACE_EVENTS,
             "ftrace events",
             &0u32.to_le_bytes(),
-        );
+            z,
+        )?;
         let events = section(
             &mut v,
             &mut strings,
             option::EVENT_FORMATS,
             "events format",
             &event_formats(&meta.formats),
-        );
+            z,
+        )?;
         let kallsyms = section(
             &mut v,
             &mut strings,
             option::KALLSYMS,
             "kallsyms",
             &0u32.to_le_bytes(),
-        );
+            z,
+        )?;
         let printk = section(
             &mut v,
             &mut strings,
             option::PRINTK,
             "printk",
             &0u32.to_le_bytes(),
-        );
+            z,
+        )?;
         let cmd = section(
             &mut v,
             &mut strings,
             option::CMDLINES,
             "command lines",
             &cmdlines(meta),
-        );
+            z,
+        )?;
 
         let mut opts = Vec::new();
         common_options(meta, stats, &mut opts);
@@ -267,38 +360,38 @@ fn v7_metadata(meta: &TraceMeta, stats: &[KernelCpuStat], sizes: &[u64]) -> (Vec
         buf.extend_from_slice(&cstr(&meta.clock.name));
         buf.extend_from_slice(&(meta.page_size as u32).to_le_bytes());
         buf.extend_from_slice(&meta.nr_cpus.to_le_bytes());
-        let mut off = data_start;
-        for (cpu, &s) in sizes.iter().enumerate() {
+        let offsets = cpu_offsets(data_start, sizes, page);
+        for (cpu, (&s, &off)) in sizes.iter().zip(&offsets).enumerate() {
             buf.extend_from_slice(&(cpu as u32).to_le_bytes());
             buf.extend_from_slice(&off.to_le_bytes());
             buf.extend_from_slice(&s.to_le_bytes());
-            off += s;
         }
         push_opt(&mut opts, option::BUFFER, &buf);
         push_opt(&mut opts, option::DONE, &0u64.to_le_bytes());
         // Names used below must be in the strings before the strings section is written.
         strings.id("strings");
         strings.id("buffer flyrecord");
-        let options_at = section(&mut v, &mut strings, 0, "options", &opts);
+        // Options stay uncompressed (as trace-cmd writes them).
+        let options_at = section(&mut v, &mut strings, 0, "options", &opts, false)?;
         v[opt_ptr..opt_ptr + 8].copy_from_slice(&options_at.to_le_bytes());
         let s = strings.0.clone();
-        section(&mut v, &mut strings, option::STRINGS, "strings", &s);
+        section(&mut v, &mut strings, option::STRINGS, "strings", &s, z)?;
         // Flyrecord section header: its content is the padding plus all CPU data.
         let at = v.len() as u64;
-        let total: u64 = sizes.iter().sum();
+        let end = data_end(data_start, sizes, page);
         v.extend_from_slice(&option::BUFFER.to_le_bytes());
-        v.extend_from_slice(&0u16.to_le_bytes());
+        let flags = if z { SEC_FL_COMPRESS } else { 0 };
+        v.extend_from_slice(&flags.to_le_bytes());
         v.extend_from_slice(&strings.id("buffer flyrecord").to_le_bytes());
-        v.extend_from_slice(&(data_start.saturating_sub(at + 16) + total).to_le_bytes());
-        v
+        v.extend_from_slice(&end.saturating_sub(at + 16).to_le_bytes());
+        Ok(v)
     };
-    let page = meta.page_size as u64;
-    let first = build(0, 0);
+    let first = build(0, 0)?;
     let flyrecord_at = first.len() as u64 - 16;
     let data_start = align_up(first.len() as u64, page);
-    let v = build(flyrecord_at, data_start);
+    let v = build(flyrecord_at, data_start)?;
     debug_assert_eq!(v.len(), first.len());
-    (v, data_start)
+    Ok((v, data_start))
 }
 
 /// Builds the complete metadata for `version`; returns it and where CPU data starts.
@@ -307,22 +400,28 @@ fn metadata(
     stats: &[KernelCpuStat],
     sizes: &[u64],
     version: TraceDatVersion,
-) -> (Vec<u8>, u64) {
+    compression: Compression,
+) -> Result<(Vec<u8>, u64), OutputError> {
     match version {
         TraceDatVersion::V6 => {
             let len = v6_metadata(meta, stats, sizes, 0).len() as u64;
             let start = align_up(len, meta.page_size as u64);
-            (v6_metadata(meta, stats, sizes, start), start)
+            Ok((v6_metadata(meta, stats, sizes, start), start))
         }
-        TraceDatVersion::V7 => v7_metadata(meta, stats, sizes),
+        TraceDatVersion::V7 => v7_metadata(meta, stats, sizes, compression),
     }
 }
 
 struct Spill {
     file: BufWriter<Temp>,
     bytes: u64,
-    /// Offset of the last page written (None: no page yet).
+    /// Offset of the last page written (None: no page yet; uncompressed only).
     last_page: Option<u64>,
+    /// zstd: exported pages not compressed yet (at most [`ZSTD_CHUNK_PAGES`]; the last
+    /// page of the CPU is always here once it has one).
+    chunk: Vec<u8>,
+    /// zstd: chunks written to the spill file.
+    chunks: u32,
 }
 
 impl Spill {
@@ -341,6 +440,10 @@ impl Spill {
 /// copied verbatim) to the output ([`OutputTarget`]: a temporary file renamed over a
 /// regular file, or streamed to a device/FIFO/stdout).
 ///
+/// With [`Compression::Zstd`] (v7 only) each CPU's pages are gathered in chunks of
+/// [`ZSTD_CHUNK_PAGES`] pages, each compressed into the spill file as it fills (memory:
+/// one chunk per CPU), and the spill files hold trace-cmd's chunk records.
+///
 /// On an error every temporary and spill file is removed at once, the error is returned
 /// (path and OS error), and later calls return [`OutputError::Closed`]. Dropped without
 /// `finish`, it removes them too: nothing that looks like a complete trace appears.
@@ -350,8 +453,11 @@ pub struct TraceDatSink {
     out: Option<OutputFile>,
     meta: TraceMeta,
     version: TraceDatVersion,
+    compression: Compression,
     spills: Vec<Spill>,
     scratch: Vec<u8>,
+    /// zstd: the compressor (context reused) and its output buffer.
+    zstd: Option<(zstd::bulk::Compressor<'static>, Vec<u8>)>,
 }
 
 impl TraceDatSink {
@@ -364,13 +470,37 @@ impl TraceDatSink {
         Self::open(&OutputTarget::check(path)?, meta, version)
     }
 
-    /// Creates the sink (output and spill files) for a checked target.
+    /// Creates the sink (output and spill files) for a checked target, uncompressed.
     pub fn open(
         target: &OutputTarget,
         meta: TraceMeta,
         version: TraceDatVersion,
     ) -> Result<Self, OutputError> {
+        Self::open_with(target, meta, version, Compression::None)
+    }
+
+    /// Creates the sink for a checked target with `compression` (ignored for v6,
+    /// which has none).
+    pub fn open_with(
+        target: &OutputTarget,
+        meta: TraceMeta,
+        version: TraceDatVersion,
+        compression: Compression,
+    ) -> Result<Self, OutputError> {
         meta.validate()?;
+        let compression = match version {
+            TraceDatVersion::V6 => Compression::None,
+            TraceDatVersion::V7 => compression,
+        };
+        let zstd = match compression {
+            Compression::None => None,
+            Compression::Zstd => {
+                let c = zstd::bulk::Compressor::new(ZSTD_LEVEL)
+                    .map_err(|e| OutputError::BadMeta(format!("zstd: {e}")))?;
+                let bound = zstd::zstd_safe::compress_bound(meta.page_size * ZSTD_CHUNK_PAGES);
+                Some((c, Vec::with_capacity(bound)))
+            }
+        };
         if let Some(t) = &meta.clock.tsc {
             // trace-cmd 3.1.6 ignores the offset and sign-extends mult ≥ 2^31: refuse what it
             // would print differently from our own conversion.
@@ -387,6 +517,8 @@ impl TraceDatSink {
                 file: BufWriter::with_capacity(1 << 20, f),
                 bytes: 0,
                 last_page: None,
+                chunk: Vec::new(),
+                chunks: 0,
             });
         }
         let out = target.open()?;
@@ -396,8 +528,53 @@ impl TraceDatSink {
             scratch: vec![0; meta.page_size],
             meta,
             version,
+            compression,
             spills,
+            zstd,
         })
+    }
+
+    /// Creates the sink for output `path` with `compression`.
+    pub fn create_with(
+        path: impl AsRef<Path>,
+        meta: TraceMeta,
+        version: TraceDatVersion,
+        compression: Compression,
+    ) -> Result<Self, OutputError> {
+        Self::open_with(&OutputTarget::check(path)?, meta, version, compression)
+    }
+
+    /// Compresses CPU `cpu`'s pending pages into one chunk record of its spill file:
+    /// u32 compressed size, u32 uncompressed size, the zstd frame.
+    fn flush_chunk(&mut self, cpu: usize) -> Result<(), OutputError> {
+        let (Some((c, zbuf)), Some(s)) = (self.zstd.as_mut(), self.spills.get_mut(cpu)) else {
+            return Ok(());
+        };
+        if s.chunk.is_empty() {
+            return Ok(());
+        }
+        zbuf.clear();
+        c.compress_to_buffer(&s.chunk, zbuf)
+            .map_err(|e| s.err(io::Error::other(format!("zstd: {e}"))))?;
+        // Both fit: a chunk is at most ZSTD_CHUNK_PAGES pages of at most MAX_PAGE_SIZE.
+        let mut rec = [0u8; 8];
+        rec[..4].copy_from_slice(&(zbuf.len() as u32).to_le_bytes());
+        rec[4..].copy_from_slice(&(s.chunk.len() as u32).to_le_bytes());
+        s.file.write_all(&rec).map_err(|e| s.err(e))?;
+        s.file.write_all(zbuf).map_err(|e| s.err(e))?;
+        s.bytes += 8 + zbuf.len() as u64;
+        s.chunks += 1;
+        s.chunk.clear();
+        Ok(())
+    }
+
+    /// Size of CPU `cpu`'s data in the file: zstd adds the u32 chunk count (a CPU
+    /// without pages has no data at all).
+    fn data_size(&self, s: &Spill) -> u64 {
+        match self.compression {
+            Compression::Zstd if s.chunks > 0 => 4 + s.bytes,
+            _ => s.bytes,
+        }
     }
 
     /// Output path (as given).
@@ -409,12 +586,32 @@ impl TraceDatSink {
         let Some(mut out) = self.out.take() else {
             return Err(OutputError::Closed);
         };
-        let sizes: Vec<u64> = self.spills.iter().map(|s| s.bytes).collect();
-        let (head, data_start) = metadata(&self.meta, &summary.cpus, &sizes, self.version);
+        for cpu in 0..self.spills.len() {
+            self.flush_chunk(cpu)?;
+        }
+        let sizes: Vec<u64> = self.spills.iter().map(|s| self.data_size(s)).collect();
+        let (head, data_start) = metadata(
+            &self.meta,
+            &summary.cpus,
+            &sizes,
+            self.version,
+            self.compression,
+        )?;
         out.write_all(&head).map_err(|e| out.error(e))?;
-        let pad = data_start - head.len() as u64;
-        io::copy(&mut io::Read::take(io::repeat(0), pad), &mut out).map_err(|e| out.error(e))?;
-        for s in &mut self.spills {
+        let offsets = cpu_offsets(data_start, &sizes, self.meta.page_size as u64);
+        let mut at = head.len() as u64;
+        for ((s, &size), &off) in self.spills.iter_mut().zip(&sizes).zip(&offsets) {
+            let pad = off - at;
+            io::copy(&mut io::Read::take(io::repeat(0), pad), &mut out)
+                .map_err(|e| out.error(e))?;
+            at = off + size;
+            if size == 0 {
+                continue;
+            }
+            if self.compression == Compression::Zstd {
+                out.write_all(&s.chunks.to_le_bytes())
+                    .map_err(|e| out.error(e))?;
+            }
             s.file
                 .flush()
                 .map_err(|e| OutputError::io(s.file.get_ref().path(), e))?;
@@ -474,19 +671,29 @@ impl TraceDatSink {
     /// plain copy.
     fn last_time(&mut self, cpu: u32) -> Result<u64, OutputError> {
         use std::os::unix::fs::FileExt;
+        let ps = self.meta.page_size;
         let s = &mut self.spills[cpu as usize];
-        let Some(at) = s.last_page else {
-            return Ok(0);
+        let page = if self.compression == Compression::Zstd {
+            // The last page is still in the pending chunk (see `page`).
+            match s.chunk.len().checked_sub(ps) {
+                Some(at) => s.chunk[at..].to_vec(),
+                None => return Ok(0),
+            }
+        } else {
+            let Some(at) = s.last_page else {
+                return Ok(0);
+            };
+            s.file
+                .flush()
+                .map_err(|e| OutputError::io(s.file.get_ref().path(), e))?;
+            let mut page = vec![0u8; ps];
+            s.file
+                .get_ref()
+                .file()
+                .read_exact_at(&mut page, at)
+                .map_err(|e| s.err(e))?;
+            page
         };
-        s.file
-            .flush()
-            .map_err(|e| OutputError::io(s.file.get_ref().path(), e))?;
-        let mut page = vec![0u8; self.meta.page_size];
-        s.file
-            .get_ref()
-            .file()
-            .read_exact_at(&mut page, at)
-            .map_err(|e| s.err(e))?;
         let Some((ts, commit)) = hyptrace_abi::page::page_header(&page) else {
             return Ok(0);
         };
@@ -513,6 +720,18 @@ impl PageSink for TraceDatSink {
         }
         self.meta.check_page(cpu, page)?;
         export_page_into(cpu, page, missed, &mut self.scratch)?;
+        if self.compression == Compression::Zstd {
+            let c = cpu as usize;
+            // Compress a full chunk only when the next page arrives: the CPU's last page
+            // stays in memory for `trailing_lost`.
+            if self.spills[c].chunk.len() >= ZSTD_CHUNK_PAGES * self.meta.page_size {
+                if let Err(e) = self.flush_chunk(c) {
+                    return self.fail(e);
+                }
+            }
+            self.spills[c].chunk.extend_from_slice(&self.scratch);
+            return Ok(());
+        }
         let s = &mut self.spills[cpu as usize];
         if let Err(e) = s.file.write_all(&self.scratch) {
             let e = s.err(e);
@@ -579,7 +798,19 @@ pub fn write_trace_dat<'a>(
     pages: impl IntoIterator<Item = (u32, &'a [u8], Option<u64>)>,
     summary: &RunSummary,
 ) -> Result<(), OutputError> {
-    let mut sink = Box::new(TraceDatSink::create(path, meta, version)?);
+    write_trace_dat_with(path, meta, version, Compression::None, pages, summary)
+}
+
+/// [`write_trace_dat`] with a compression.
+pub fn write_trace_dat_with<'a>(
+    path: impl AsRef<Path>,
+    meta: TraceMeta,
+    version: TraceDatVersion,
+    compression: Compression,
+    pages: impl IntoIterator<Item = (u32, &'a [u8], Option<u64>)>,
+    summary: &RunSummary,
+) -> Result<(), OutputError> {
+    let mut sink = Box::new(TraceDatSink::create_with(path, meta, version, compression)?);
     for (cpu, page, missed) in pages {
         sink.page(cpu, page, missed)?;
     }
