@@ -32,8 +32,8 @@ use std::time::{Duration, Instant};
 
 use hyptrace_abi::layout::RingGeometry;
 use hyptrace_output::{
-    Clock, JsonSink, OutputError, OutputTarget, PageSink, RawSink, TextSink, TraceDatSink,
-    TraceDatVersion, TraceMeta,
+    Clock, Compression, JsonSink, OutputError, OutputTarget, PageSink, RawSink, TextSink,
+    TraceDatSink, TraceDatVersion, TraceMeta,
 };
 use hyptrace_reader::{Callbacks, ReadError};
 
@@ -70,6 +70,8 @@ pub enum Target {
         path: PathBuf,
         /// The format.
         format: FormatArg,
+        /// The compression of a v7 trace.dat (other formats: ignored).
+        compression: Compression,
     },
 }
 
@@ -332,9 +334,10 @@ fn open_output(
             target,
             path,
             format,
+            compression,
         } => {
             let meta = TraceMeta::guest(ring.page_size, nr, clock.clone());
-            match make_sink(&target, format, meta) {
+            match make_sink(&target, format, compression, meta) {
                 Ok(sink) => Ok((Output::Pages(sink), Shown::File { path, format })),
                 Err(source) => Err(RunError::Sink { path, source }),
             }
@@ -342,14 +345,20 @@ fn open_output(
     }
 }
 
-/// The page sink of `format` on `target`.
+/// The page sink of `format` on `target` (`compression`: of a v7 trace.dat).
 fn make_sink(
     target: &OutputTarget,
     format: FormatArg,
+    compression: Compression,
     meta: TraceMeta,
 ) -> Result<Box<dyn PageSink>, OutputError> {
     Ok(match format {
-        FormatArg::Dat => Box::new(TraceDatSink::open(target, meta, TraceDatVersion::V7)?),
+        FormatArg::Dat => Box::new(TraceDatSink::open_with(
+            target,
+            meta,
+            TraceDatVersion::V7,
+            compression,
+        )?),
         FormatArg::Dat6 => Box::new(TraceDatSink::open(target, meta, TraceDatVersion::V6)?),
         FormatArg::Json => Box::new(JsonSink::open(target, meta)?),
         FormatArg::Text => Box::new(TextSink::open(target, meta)?),

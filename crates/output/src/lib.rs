@@ -27,7 +27,9 @@ pub use merge::{MergeWindow, Merged, Merger, Released};
 #[doc(hidden)]
 pub use sink::KernelCpuStat as CpuStats;
 pub use sink::{KernelCpuStat, PageSink, RunSummary, TraceMeta};
-pub use sinks::{JsonSink, RawSink, RawTrace, TextSink, JSON_PID, RAW_MAGIC};
+pub use sinks::{
+    JsonSink, RawSink, RawTrace, TextSink, JSON_MAX_SAFE_INTEGER, JSON_PID, RAW_MAGIC,
+};
 pub use target::{OutputFile, OutputTarget, TargetKind};
 pub use text::{
     escape_guest_bytes, escape_guest_str, escaped_guest_bytes, format_drop, format_event,
