@@ -1,5 +1,5 @@
-//! hyptrace output: sinks for exported ring pages (trace.dat v6/v7, Chrome trace-event
-//! JSON, text, raw page streams), a trace.dat reader, and the `trace-cmd report -t`
+//! hyptrace output: sinks for exported ring pages (trace.dat v6/v7 (zstd), Chrome
+//! trace-event JSON, native Perfetto protobuf, text, raw page streams), a trace.dat reader, and the `trace-cmd report -t`
 //! compatible text formatter shared by `run`, `report` and the text sink.
 
 mod clock;
@@ -7,6 +7,7 @@ mod error;
 mod export;
 pub mod format;
 pub mod merge;
+pub mod perfetto;
 mod sink;
 mod sinks;
 mod target;
@@ -23,6 +24,7 @@ pub use format::{
     guest_formats, trailing_lost_format, EventFormat, Field, HYPTRACE_SYSTEM, TRAILING_LOST_NAME,
 };
 pub use merge::{MergeWindow, Merged, Merger, Released};
+pub use perfetto::PerfettoSink;
 /// The old name of [`KernelCpuStat`], kept only until the host uses the new one.
 #[doc(hidden)]
 pub use sink::KernelCpuStat as CpuStats;

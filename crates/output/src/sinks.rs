@@ -19,7 +19,7 @@ use crate::text::{
 use crate::OutputError;
 
 /// Where a streaming sink writes.
-enum Out {
+pub(crate) enum Out {
     File(OutputFile),
     Writer(Box<dyn Write + Send>),
 }
@@ -27,14 +27,14 @@ enum Out {
 impl Out {
     /// Writes `b`; an error names the output (a file's path) and closes a file output
     /// (its temporary file removed).
-    fn write_all(&mut self, b: &[u8]) -> Result<(), OutputError> {
+    pub(crate) fn write_all(&mut self, b: &[u8]) -> Result<(), OutputError> {
         match self {
             Out::File(f) => f.write_all(b).map_err(|e| f.error(e)),
             Out::Writer(w) => w.write_all(b).map_err(OutputError::from),
         }
     }
 
-    fn close(self) -> Result<(), OutputError> {
+    pub(crate) fn close(self) -> Result<(), OutputError> {
         match self {
             Out::File(f) => f.finish(),
             Out::Writer(mut w) => w.flush().map_err(OutputError::from),
@@ -47,7 +47,7 @@ impl Out {
 /// `(page time_stamp, [(raw ts, payload)], decode error)`.
 type PageEvents<'a> = (u64, Vec<(u64, &'a [u8])>, Option<String>);
 
-fn page_events(page: &[u8]) -> PageEvents<'_> {
+pub(crate) fn page_events(page: &[u8]) -> PageEvents<'_> {
     let Some((ts, _)) = page_header(page) else {
         return (0, Vec::new(), Some("short page".into()));
     };
