@@ -109,6 +109,8 @@ pub enum FormatArg {
     Dat6,
     /// Chrome trace-event JSON (Perfetto UI, chrome://tracing).
     Json,
+    /// Native Perfetto trace (protobuf TracePackets; open in ui.perfetto.dev).
+    Perfetto,
     /// Text, one event per line as `trace-cmd report -t` prints it.
     Text,
     /// Raw ring pages (see docs/output.md).
@@ -148,7 +150,7 @@ pub struct RecordArgs {
     )]
     pub output: PathBuf,
     /// Output format [default: from the extension: .dat → dat, .json → json, .txt →
-    /// text, .raw → raw; otherwise dat].
+    /// text, .raw → raw, .pftrace/.perfetto-trace → perfetto; otherwise dat].
     #[arg(long, value_enum)]
     pub format: Option<FormatArg>,
     /// Compression of a trace.dat v7 (`--format dat`) [default: zstd, like trace-cmd];
@@ -482,6 +484,7 @@ fn record_format(a: &RecordArgs) -> FormatArg {
             Some("json") => FormatArg::Json,
             Some("txt") | Some("text") => FormatArg::Text,
             Some("raw") => FormatArg::Raw,
+            Some("pftrace") | Some("perfetto-trace") | Some("perfetto") => FormatArg::Perfetto,
             _ => FormatArg::Dat,
         }
     })
@@ -495,7 +498,7 @@ pub fn record(a: &RecordArgs) -> Result<i32, CliError> {
         (_, None | Some(CompressionArg::None)) => hyptrace_output::Compression::None,
         (f, Some(c)) => {
             return Err(CliError::Args(format!(
-                "error: --compression {} applies to --format dat only, not {}",
+                "--compression {} applies to --format dat only, not {}",
                 format!("{c:?}").to_lowercase(),
                 format!("{f:?}").to_lowercase()
             )))

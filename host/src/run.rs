@@ -32,8 +32,8 @@ use std::time::{Duration, Instant};
 
 use hyptrace_abi::layout::RingGeometry;
 use hyptrace_output::{
-    Clock, Compression, JsonSink, OutputError, OutputTarget, PageSink, RawSink, TextSink,
-    TraceDatSink, TraceDatVersion, TraceMeta,
+    Clock, Compression, JsonSink, OutputError, OutputTarget, PageSink, PerfettoSink, RawSink,
+    TextSink, TraceDatSink, TraceDatVersion, TraceMeta,
 };
 use hyptrace_reader::{Callbacks, ReadError};
 
@@ -361,6 +361,7 @@ fn make_sink(
         )?),
         FormatArg::Dat6 => Box::new(TraceDatSink::open(target, meta, TraceDatVersion::V6)?),
         FormatArg::Json => Box::new(JsonSink::open(target, meta)?),
+        FormatArg::Perfetto => Box::new(PerfettoSink::open(target, meta)?),
         FormatArg::Text => Box::new(TextSink::open(target, meta)?),
         FormatArg::Raw => Box::new(RawSink::open(target, meta)?),
     })
