@@ -2,6 +2,7 @@
 
 mod read;
 mod write;
+mod zpool;
 
 pub use read::{CpuBuffer, Records, TraceFile, TraceItem, TraceOption, TraceRecord};
 pub use write::{

@@ -40,8 +40,10 @@ pub enum Compression {
 pub const ZSTD_CHUNK_PAGES: usize = 10;
 /// zstd level: -1, zstd's first fast level: about twice the speed of level 1 at 6.4× on
 /// marker pages instead of 7.5× (`cargo bench -p hyptrace-output --bench tracedat --
-/// zstd`); the drain compresses on its own thread and must keep up.
+/// zstd`).
 const ZSTD_LEVEL: i32 = -1;
+/// Most compression worker threads of one sink (also at most one per CPU and per core).
+const ZSTD_MAX_WORKERS: usize = 8;
 
 /// Trace clocks the kernel lists in `trace_clock`; the TRACECLOCK text brackets ours.
 const CLOCKS: &[&str] = &[
@@ -456,8 +458,11 @@ pub struct TraceDatSink {
     compression: Compression,
     spills: Vec<Spill>,
     scratch: Vec<u8>,
-    /// zstd: the compressor (context reused) and its output buffer.
+    /// zstd: the compressor (context reused) and its output buffer, when compressing on
+    /// the caller's thread (no worker threads could be made).
     zstd: Option<(zstd::bulk::Compressor<'static>, Vec<u8>)>,
+    /// zstd: the compression worker threads.
+    pool: Option<super::zpool::ZPool>,
 }
 
 impl TraceDatSink {
@@ -492,14 +497,25 @@ impl TraceDatSink {
             TraceDatVersion::V6 => Compression::None,
             TraceDatVersion::V7 => compression,
         };
-        let zstd = match compression {
+        let chunk = meta.page_size * ZSTD_CHUNK_PAGES;
+        let pool = match compression {
             Compression::None => None,
             Compression::Zstd => {
+                let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+                let workers = cores.min(meta.nr_cpus as usize).min(ZSTD_MAX_WORKERS);
+                super::zpool::ZPool::new(workers, ZSTD_LEVEL, chunk)
+            }
+        };
+        let zstd = match compression {
+            Compression::Zstd if pool.is_none() => {
                 let c = zstd::bulk::Compressor::new(ZSTD_LEVEL)
                     .map_err(|e| OutputError::BadMeta(format!("zstd: {e}")))?;
-                let bound = zstd::zstd_safe::compress_bound(meta.page_size * ZSTD_CHUNK_PAGES);
-                Some((c, Vec::with_capacity(bound)))
+                Some((
+                    c,
+                    Vec::with_capacity(zstd::zstd_safe::compress_bound(chunk)),
+                ))
             }
+            _ => None,
         };
         if let Some(t) = &meta.clock.tsc {
             // trace-cmd 3.1.6 ignores the offset and sign-extends mult ≥ 2^31: refuse what it
@@ -531,6 +547,7 @@ impl TraceDatSink {
             compression,
             spills,
             zstd,
+            pool,
         })
     }
 
@@ -544,28 +561,42 @@ impl TraceDatSink {
         Self::open_with(&OutputTarget::check(path)?, meta, version, compression)
     }
 
-    /// Compresses CPU `cpu`'s pending pages into one chunk record of its spill file:
-    /// u32 compressed size, u32 uncompressed size, the zstd frame.
+    /// Compresses CPU `cpu`'s pending pages into one chunk record of its spill file
+    /// (u32 compressed size, u32 uncompressed size, the zstd frame): handed to the
+    /// workers, or compressed here without them.
     fn flush_chunk(&mut self, cpu: usize) -> Result<(), OutputError> {
-        let (Some((c, zbuf)), Some(s)) = (self.zstd.as_mut(), self.spills.get_mut(cpu)) else {
+        let Self {
+            pool, spills, zstd, ..
+        } = self;
+        let Some(s) = spills.get_mut(cpu) else {
             return Ok(());
         };
         if s.chunk.is_empty() {
             return Ok(());
         }
+        if let Some(pool) = pool.as_mut() {
+            let data = std::mem::replace(&mut s.chunk, pool.buffer());
+            return pool.submit(cpu, data, &mut |c, z, n| write_chunk(spills, c, z, n));
+        }
+        let Some((c, zbuf)) = zstd.as_mut() else {
+            return Ok(());
+        };
         zbuf.clear();
+        zbuf.reserve(zstd::zstd_safe::compress_bound(s.chunk.len()));
         c.compress_to_buffer(&s.chunk, zbuf)
             .map_err(|e| s.err(io::Error::other(format!("zstd: {e}"))))?;
-        // Both fit: a chunk is at most ZSTD_CHUNK_PAGES pages of at most MAX_PAGE_SIZE.
-        let mut rec = [0u8; 8];
-        rec[..4].copy_from_slice(&(zbuf.len() as u32).to_le_bytes());
-        rec[4..].copy_from_slice(&(s.chunk.len() as u32).to_le_bytes());
-        s.file.write_all(&rec).map_err(|e| s.err(e))?;
-        s.file.write_all(zbuf).map_err(|e| s.err(e))?;
-        s.bytes += 8 + zbuf.len() as u64;
-        s.chunks += 1;
+        let n = s.chunk.len();
         s.chunk.clear();
-        Ok(())
+        write_chunk(spills, cpu, zbuf, n)
+    }
+
+    /// Waits for the chunks the workers still compress (all written to the spill files).
+    fn wait_chunks(&mut self) -> Result<(), OutputError> {
+        let Self { pool, spills, .. } = self;
+        match pool.as_mut() {
+            Some(pool) => pool.wait_all(&mut |c, z, n| write_chunk(spills, c, z, n)),
+            None => Ok(()),
+        }
     }
 
     /// Size of CPU `cpu`'s data in the file: zstd adds the u32 chunk count (a CPU
@@ -589,6 +620,8 @@ impl TraceDatSink {
         for cpu in 0..self.spills.len() {
             self.flush_chunk(cpu)?;
         }
+        self.wait_chunks()?;
+        self.pool = None;
         let sizes: Vec<u64> = self.spills.iter().map(|s| self.data_size(s)).collect();
         let (head, data_start) = metadata(
             &self.meta,
@@ -645,6 +678,7 @@ impl TraceDatSink {
 
     /// Removes every spill and temporary file.
     fn cleanup(&mut self) {
+        self.pool = None;
         self.spills.clear();
         self.out = None;
     }
@@ -789,6 +823,23 @@ impl Drop for TraceDatSink {
     }
 }
 
+/// Appends one chunk record (u32 compressed size, u32 uncompressed size, the zstd frame
+/// `z` of `n` bytes of pages) to CPU `cpu`'s spill file.
+fn write_chunk(spills: &mut [Spill], cpu: usize, z: &[u8], n: usize) -> Result<(), OutputError> {
+    let Some(s) = spills.get_mut(cpu) else {
+        return Ok(());
+    };
+    // Both fit: a chunk is at most ZSTD_CHUNK_PAGES pages of at most MAX_PAGE_SIZE.
+    let mut rec = [0u8; 8];
+    rec[..4].copy_from_slice(&(z.len() as u32).to_le_bytes());
+    rec[4..].copy_from_slice(&(n as u32).to_le_bytes());
+    s.file.write_all(&rec).map_err(|e| s.err(e))?;
+    s.file.write_all(z).map_err(|e| s.err(e))?;
+    s.bytes += 8 + z.len() as u64;
+    s.chunks += 1;
+    Ok(())
+}
+
 /// Writes a whole trace.dat at once: `pages` are `(cpu, raw ring page, missed)` in order
 /// per CPU (see [`PageSink::page`]).
 pub fn write_trace_dat<'a>(
@@ -831,6 +882,87 @@ mod tests {
             clock_text("mine"),
             "local global counter uptime perf mono mono_raw boot tai x86-tsc [mine]\n"
         );
+    }
+
+    /// Pages of `cpu` with `n` small events each (valid for `check_page`/export).
+    fn test_pages(cpu: u32, count: usize) -> Vec<Vec<u8>> {
+        (0..count)
+            .map(|i| {
+                let mut p = vec![0u8; 4096];
+                p[..8].copy_from_slice(&(1_000 + i as u64 * 10_000).to_le_bytes());
+                let payload = hyptrace_abi::events::marker(
+                    hyptrace_abi::events::vcpu_pid(cpu),
+                    i as u64,
+                    (i * 7919) as u64,
+                );
+                let mut hdr = [0u8; 8];
+                let n = hyptrace_abi::page::encode_data_header(&mut hdr, payload.len(), 0);
+                p[16..16 + n].copy_from_slice(&hdr[..n]);
+                p[16 + n..16 + n + payload.len()].copy_from_slice(&payload);
+                p[8..16].copy_from_slice(&((n + payload.len()) as u64).to_le_bytes());
+                p
+            })
+            .collect()
+    }
+
+    fn write_zstd(dir: &Path, name: &str, inline: bool) -> Vec<u8> {
+        let path = dir.join(name);
+        let meta = TraceMeta::guest(4096, 3, crate::Clock::nanoseconds());
+        let mut s =
+            TraceDatSink::create_with(&path, meta, TraceDatVersion::V7, Compression::Zstd).unwrap();
+        if inline {
+            s.pool = None;
+            s.zstd = Some((zstd::bulk::Compressor::new(ZSTD_LEVEL).unwrap(), Vec::new()));
+        } else {
+            assert!(s.pool.is_some());
+        }
+        // CPU 2 gets no page; CPU 1 ends mid-chunk; losses and a trailing loss.
+        let (a, b) = (test_pages(0, 95), test_pages(1, 23));
+        for i in 0..95 {
+            s.page(0, &a[i], (i == 40).then_some(3)).unwrap();
+            if let Some(p) = b.get(i) {
+                s.page(1, p, None).unwrap();
+            }
+        }
+        s.trailing_lost(1, 9).unwrap();
+        Box::new(s).finish(&RunSummary::default()).unwrap();
+        std::fs::read(&path).unwrap()
+    }
+
+    /// The worker threads write exactly what compressing on the caller's thread writes,
+    /// and the file reads back page for page.
+    #[test]
+    fn zstd_workers_match_inline() {
+        let dir = tempfile::tempdir().unwrap();
+        let pooled = write_zstd(dir.path(), "pool.dat", false);
+        let inline = write_zstd(dir.path(), "inline.dat", true);
+        assert!(pooled == inline, "worker and inline files differ");
+        let f = crate::TraceFile::parse(&pooled).unwrap();
+        assert_eq!(f.cpus.len(), 3);
+        assert_eq!(f.cpus[0].data.len(), 95 * 4096);
+        assert_eq!(f.cpus[1].data.len(), 24 * 4096);
+        assert!(f.cpus[2].data.is_empty());
+        assert_eq!(f.event_count(), 95 + 23);
+        assert_eq!(f.dropped().0, 3 + 9);
+        // Only the spill files' leftovers would remain: none.
+        let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+        assert_eq!(left.len(), 2);
+    }
+
+    /// A zstd sink dropped mid-run (chunks in flight) joins its workers and leaves no file.
+    #[test]
+    fn zstd_dropped_leaves_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.dat");
+        let meta = TraceMeta::guest(4096, 2, crate::Clock::nanoseconds());
+        let mut s =
+            TraceDatSink::create_with(&path, meta, TraceDatVersion::V7, Compression::Zstd).unwrap();
+        for p in test_pages(0, 200) {
+            s.page(0, &p, None).unwrap();
+        }
+        drop(s);
+        let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+        assert!(left.is_empty(), "{left:?}");
     }
 
     #[test]
