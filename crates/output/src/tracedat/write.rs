@@ -918,8 +918,8 @@ mod tests {
         }
         // CPU 2 gets no page; CPU 1 ends mid-chunk; losses and a trailing loss.
         let (a, b) = (test_pages(0, 95), test_pages(1, 23));
-        for i in 0..95 {
-            s.page(0, &a[i], (i == 40).then_some(3)).unwrap();
+        for (i, p) in a.iter().enumerate() {
+            s.page(0, p, (i == 40).then_some(3)).unwrap();
             if let Some(p) = b.get(i) {
                 s.page(1, p, None).unwrap();
             }
