@@ -146,6 +146,7 @@ fn perfetto_decodes_with_the_official_schema() {
         .expect("loss instant of CPU 1");
     assert_eq!(evs[l][0], json!(vcpu_track_uuid(1)));
     assert_eq!(evs[l][5]["count"], json!(8));
+    assert_eq!(evs[l][4], json!(["hyptrace"]));
     assert_eq!(evs[l + 1][0], json!(vcpu_track_uuid(1)));
     assert_eq!(evs[l][1], evs[l + 1][1]);
     // The trailing loss: last packet, at CPU 1's last event.

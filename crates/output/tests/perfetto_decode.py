@@ -7,9 +7,14 @@
   {instants: {name: n}, begins, ends, lost, lost_unknown, open_at_end}}), events (with
   --events: [track, ts, type, name, categories, {arg: value}] in file order).
 
+Interned names (event names, categories, debug annotation names) are resolved as the
+trace processor does: from the InternedData of packets with incremental state, valid
+only after a packet that cleared it.
+
 Exits 1 (message on stderr) on a packet that breaks what hyptrace promises: every packet on
 one trusted sequence, track events on clock 64 and on a declared track, ends matching
-begins, unknown fields (our bytes not in the official schema).
+begins, unknown fields (our bytes not in the official schema), an iid that was not
+interned, interned data used without SEQ_NEEDS_INCREMENTAL_STATE or before a clear.
 Usage: perfetto_decode.py FILE [--events]
 """
 import json
@@ -52,12 +57,35 @@ def main():
         trace.ParseFromString(f.read())
     out = {"packets": len(trace.packet), "clocks": [], "primary_clock": None,
            "process": None, "threads": {}, "tracks": {}, "events": []}
-    depth = {}
+    interned = None  # {"cat": {iid: name}, "name": {...}, "arg": {...}} once cleared
     for i, p in enumerate(trace.packet):
         if unknown(p):
             fail(f"packet {i}: unknown fields")
         if p.trusted_packet_sequence_id != 1:
             fail(f"packet {i}: sequence {p.trusted_packet_sequence_id}")
+        if p.sequence_flags & pb.TracePacket.SEQ_INCREMENTAL_STATE_CLEARED:
+            interned = {"cat": {}, "name": {}, "arg": {}}
+        if p.HasField("interned_data"):
+            if interned is None:
+                fail(f"packet {i}: interned data before the state was cleared")
+            d = p.interned_data
+            for key, entries in (("cat", d.event_categories), ("name", d.event_names),
+                                 ("arg", d.debug_annotation_names)):
+                for e in entries:
+                    interned[key][e.iid] = e.name
+
+        def lookup(key, iid):
+            if not p.sequence_flags & pb.TracePacket.SEQ_NEEDS_INCREMENTAL_STATE:
+                fail(f"packet {i}: iid {iid} without SEQ_NEEDS_INCREMENTAL_STATE")
+            if interned is None or iid not in interned[key]:
+                fail(f"packet {i}: {key} iid {iid} not interned")
+            return interned[key][iid]
+
+        def arg_name(a):
+            if a.WhichOneof("name_field") == "name_iid":
+                return lookup("arg", a.name_iid)
+            return a.name
+
         kind = p.WhichOneof("data")
         if kind == "clock_snapshot":
             out["clocks"] = [[c.clock_id, c.timestamp] for c in p.clock_snapshot.clocks]
@@ -80,11 +108,14 @@ def main():
             t = out["tracks"].get(str(e.track_uuid))
             if t is None:
                 fail(f"packet {i}: undeclared track {e.track_uuid}")
-            args = {a.name: value(a) for a in e.debug_annotations}
+            args = {arg_name(a): value(a) for a in e.debug_annotations}
+            name = lookup("name", e.name_iid) if e.WhichOneof("name_field") == "name_iid" \
+                else e.name
+            categories = list(e.categories) + [lookup("cat", c) for c in e.category_iids]
             ty = pb.TrackEvent.Type.Name(e.type)
             if e.type == pb.TrackEvent.TYPE_INSTANT:
-                t["instants"][e.name] = t["instants"].get(e.name, 0) + 1
-                if e.name.startswith("lost"):
+                t["instants"][name] = t["instants"].get(name, 0) + 1
+                if name.startswith("lost"):
                     if "count" in args:
                         t["lost"] += args["count"]
                     else:
@@ -96,8 +127,7 @@ def main():
             else:
                 fail(f"packet {i}: type {ty}")
             if want_events:
-                out["events"].append([e.track_uuid, p.timestamp, ty, e.name,
-                                      list(e.categories), args])
+                out["events"].append([e.track_uuid, p.timestamp, ty, name, categories, args])
         else:
             fail(f"packet {i}: no data ({kind})")
     for uuid, t in out["tracks"].items():

@@ -5,7 +5,10 @@
 //! Layout (every packet on trusted sequence [`SEQUENCE_ID`]):
 //! 1. a `ClockSnapshot`: clock [`CLOCK_ID`] (hyptrace's trace clock in ns: the times
 //!    `trace-cmd report -t`, text and JSON show) equal to `BUILTIN_CLOCK_BOOTTIME` at 0,
-//!    the trace's primary clock — the UI's timeline is those same ns;
+//!    the trace's primary clock — the UI's timeline is those same ns; the same packet
+//!    clears the incremental state and interns every event name, category and field
+//!    name of the formats (known up front), which the events refer to by iid
+//!    (`SEQ_NEEDS_INCREMENTAL_STATE`);
 //! 2. a process track [`PROCESS_UUID`] "guest" (pid [`crate::JSON_PID`]) and one thread
 //!    track per vCPU ([`vcpu_track_uuid`], tid = the vCPU's pid, named from the cmdlines);
 //! 3. per event, on its vCPU's track: `guest:span` as a slice (`SLICE_BEGIN` at
@@ -19,6 +22,7 @@
 //! Packets go out as pages arrive (memory: one packet and a write buffer); the trace
 //! processor sorts them by time.
 
+use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::Path;
 
@@ -40,7 +44,8 @@ pub mod protos {
 
 use protos::{
     clock_snapshot, debug_annotation, trace_packet, track_event, BuiltinClock, ClockSnapshot,
-    DebugAnnotation, ProcessDescriptor, ThreadDescriptor, TracePacket, TrackDescriptor, TrackEvent,
+    DebugAnnotation, DebugAnnotationName, EventCategory, EventName, InternedData,
+    ProcessDescriptor, ThreadDescriptor, TracePacket, TrackDescriptor, TrackEvent,
 };
 
 /// `trusted_packet_sequence_id` of every packet.
@@ -66,7 +71,18 @@ pub struct PerfettoSink {
     buf: Vec<u8>,
     /// Per CPU: ns of its last event (or lossy page).
     last: Vec<u64>,
+    /// Interned strings: event id → (name iid, category iid); category and field name
+    /// → iid. Fixed at the start (from the formats).
+    event_iids: BTreeMap<u16, (u64, u64)>,
+    category_iids: BTreeMap<String, u64>,
+    arg_iids: BTreeMap<String, u64>,
 }
+
+/// Categories of hyptrace's own instants.
+const CAT_LOSS: &str = "hyptrace";
+const CAT_UNKNOWN: &str = "unknown";
+/// The annotation of a loss count.
+const ARG_COUNT: &str = "count";
 
 impl PerfettoSink {
     /// Perfetto trace into `path` (checked and opened as [`OutputTarget`] does).
@@ -87,12 +103,53 @@ impl PerfettoSink {
 
     fn new(out: Out, meta: TraceMeta) -> Result<Self, OutputError> {
         meta.validate()?;
+        let mut interned = InternedData::default();
+        let mut category_iids = BTreeMap::new();
+        let mut arg_iids = BTreeMap::new();
+        let mut event_iids = BTreeMap::new();
+        let mut category = |name: &str, interned: &mut InternedData| -> u64 {
+            let n = category_iids.len() as u64 + 1;
+            *category_iids.entry(name.to_string()).or_insert_with(|| {
+                interned.event_categories.push(EventCategory {
+                    iid: Some(n),
+                    name: Some(name.to_string()),
+                });
+                n
+            })
+        };
+        category(CAT_LOSS, &mut interned);
+        category(CAT_UNKNOWN, &mut interned);
+        let mut arg = |name: &str, interned: &mut InternedData| {
+            let n = arg_iids.len() as u64 + 1;
+            arg_iids.entry(name.to_string()).or_insert_with(|| {
+                interned.debug_annotation_names.push(DebugAnnotationName {
+                    iid: Some(n),
+                    name: Some(name.to_string()),
+                });
+                n
+            });
+        };
+        arg(ARG_COUNT, &mut interned);
+        for (i, f) in meta.formats.iter().enumerate() {
+            let name = i as u64 + 1;
+            interned.event_names.push(EventName {
+                iid: Some(name),
+                name: Some(f.name.clone()),
+            });
+            event_iids.insert(f.id, (name, category(&f.system, &mut interned)));
+            for fd in &f.fields {
+                arg(&fd.name, &mut interned);
+            }
+        }
         let mut s = Self {
             scratch: vec![0; meta.page_size],
             last: vec![0; meta.nr_cpus as usize],
             meta,
             out: Some(out),
             buf: Vec::with_capacity(1 << 16),
+            event_iids,
+            category_iids,
+            arg_iids,
         };
         s.push(TracePacket {
             timestamp: Some(0),
@@ -100,6 +157,7 @@ impl PerfettoSink {
             sequence_flags: Some(trace_packet::SequenceFlags::SeqIncrementalStateCleared as u32),
             incremental_state_cleared: Some(true),
             first_packet_on_sequence: Some(true),
+            interned_data: Some(interned),
             data: Some(trace_packet::Data::ClockSnapshot(ClockSnapshot {
                 clocks: vec![
                     clock_snapshot::Clock {
@@ -166,15 +224,22 @@ impl PerfettoSink {
         r
     }
 
-    /// A track event packet on vCPU `cpu`'s track at `ns`.
+    /// A track event packet on vCPU `cpu`'s track at `ns` (it may use the interned
+    /// strings).
     fn event(&mut self, cpu: u32, ns: u64, mut e: TrackEvent) {
         e.track_uuid = Some(vcpu_track_uuid(cpu));
         self.push(TracePacket {
             timestamp: Some(ns),
             timestamp_clock_id: Some(CLOCK_ID),
+            sequence_flags: Some(trace_packet::SequenceFlags::SeqNeedsIncrementalState as u32),
             data: Some(trace_packet::Data::TrackEvent(e)),
             ..Default::default()
         });
+    }
+
+    /// The interned category `name` (one of those interned at the start).
+    fn category(&self, name: &str) -> Vec<u64> {
+        self.category_iids.get(name).copied().into_iter().collect()
     }
 
     /// The `lost N events` instant (`lost events` when the count is unknown).
@@ -182,7 +247,11 @@ impl PerfettoSink {
         let (name, args) = match count {
             Some(n) => (
                 format!("lost {n} events"),
-                vec![annotation("count", debug_annotation::Value::UintValue(n))],
+                vec![annotation(
+                    self.arg_iids.get(ARG_COUNT).copied(),
+                    ARG_COUNT,
+                    debug_annotation::Value::UintValue(n),
+                )],
             ),
             None => ("lost events".to_string(), Vec::new()),
         };
@@ -191,7 +260,7 @@ impl PerfettoSink {
             ns,
             TrackEvent {
                 r#type: Some(track_event::Type::Instant as i32),
-                categories: vec!["hyptrace".into()],
+                category_iids: self.category(CAT_LOSS),
                 name_field: Some(track_event::NameField::Name(name)),
                 debug_annotations: args,
                 ..Default::default()
@@ -221,13 +290,15 @@ impl PerfettoSink {
             let id = payload
                 .get(..2)
                 .map_or(0, |b| u16::from_le_bytes([b[0], b[1]]));
-            let Some(f) = self.meta.format(id) else {
+            let (Some(f), Some(&(name_iid, cat_iid))) =
+                (self.meta.format(id), self.event_iids.get(&id))
+            else {
                 self.event(
                     cpu,
                     ns,
                     TrackEvent {
                         r#type: Some(track_event::Type::Instant as i32),
-                        categories: vec!["unknown".into()],
+                        category_iids: self.category(CAT_UNKNOWN),
                         name_field: Some(track_event::NameField::Name(format!("event_{id}"))),
                         ..Default::default()
                     },
@@ -237,9 +308,9 @@ impl PerfettoSink {
             let is_span =
                 id == hyptrace_abi::events::SPAN_ID && f.system == hyptrace_abi::events::SYSTEM;
             let e = TrackEvent {
-                categories: vec![f.system.clone()],
-                name_field: Some(track_event::NameField::Name(f.name.clone())),
-                debug_annotations: annotations(f, payload),
+                category_iids: vec![cat_iid],
+                name_field: Some(track_event::NameField::NameIid(name_iid)),
+                debug_annotations: annotations(f, payload, &self.arg_iids),
                 ..Default::default()
             };
             if is_span {
@@ -290,30 +361,44 @@ fn descriptor(d: TrackDescriptor) -> TracePacket {
     }
 }
 
-fn annotation(name: &str, value: debug_annotation::Value) -> DebugAnnotation {
+/// The annotation `name` (by its iid when interned) = `value`.
+fn annotation(iid: Option<u64>, name: &str, value: debug_annotation::Value) -> DebugAnnotation {
     DebugAnnotation {
-        name_field: Some(debug_annotation::NameField::Name(name.into())),
+        name_field: Some(annotation_name(iid, name)),
         value: Some(value),
         ..Default::default()
     }
 }
 
-/// The event's fields as debug annotations.
-fn annotations(f: &EventFormat, payload: &[u8]) -> Vec<DebugAnnotation> {
+fn annotation_name(iid: Option<u64>, name: &str) -> debug_annotation::NameField {
+    match iid {
+        Some(i) => debug_annotation::NameField::NameIid(i),
+        None => debug_annotation::NameField::Name(name.into()),
+    }
+}
+
+/// The event's fields as debug annotations (names interned in `iids`).
+fn annotations(
+    f: &EventFormat,
+    payload: &[u8],
+    iids: &BTreeMap<String, u64>,
+) -> Vec<DebugAnnotation> {
     use debug_annotation::Value;
     f.fields
         .iter()
         .filter_map(|fd| {
+            let iid = iids.get(&fd.name).copied();
             if fd.is_string() {
                 let b = field_bytes(fd, payload)?;
                 Some(annotation(
+                    iid,
                     &fd.name,
                     Value::StringValue(String::from_utf8_lossy(b).into_owned()),
                 ))
             } else if fd.is_array() || fd.is_data_loc() || fd.is_rel_loc() {
                 let b = field_bytes(fd, payload)?;
                 Some(DebugAnnotation {
-                    name_field: Some(debug_annotation::NameField::Name(fd.name.clone())),
+                    name_field: Some(annotation_name(iid, &fd.name)),
                     array_values: b
                         .iter()
                         .map(|&x| DebugAnnotation {
@@ -326,6 +411,7 @@ fn annotations(f: &EventFormat, payload: &[u8]) -> Vec<DebugAnnotation> {
             } else {
                 let v = field_int(fd, payload)?;
                 Some(annotation(
+                    iid,
                     &fd.name,
                     if fd.signed {
                         Value::IntValue(v as i64)
