@@ -8,6 +8,11 @@
 //! - `zstd/level/L`: the compression alone (10-page chunks, one context reused, no file)
 //!   at zstd levels -5, -1, 1 and 3, with the ratio printed once: the cost of
 //!   `v7-zstd` over `v7`.
+//! - `cpu/v7/pages`, `cpu/v7-zstd/pages`, `cpu/zstd-level/-1`: the same work timed in
+//!   **CPU time** of the process (all threads, `/proc/self/stat`, 10 ms ticks: use the
+//!   throughput, not single samples) instead of wall time: what the drain costs when it
+//!   has the cores to itself — on a loaded machine the wall-clock numbers measure the
+//!   other tenants.
 //! - `tracedat/raw/pages`: `RawSink` over the same pages, for comparison.
 //!
 //! Throughput is reported in bytes of pages. `cargo bench -p hyptrace-output --bench
@@ -145,6 +150,59 @@ fn zstd_benches(c: &mut Criterion) {
     g.finish();
 }
 
+/// CPU time (user + system) of this process so far, all threads included (exited ones
+/// too), from `/proc/self/stat` (clock ticks of 10 ms).
+fn process_cpu() -> Duration {
+    let s = std::fs::read_to_string("/proc/self/stat").expect("/proc/self/stat");
+    // Fields after the command name (which may hold spaces) in parentheses.
+    let rest = &s[s.rfind(')').expect("stat") + 2..];
+    let f: Vec<u64> = rest
+        .split_whitespace()
+        .map(|x| x.parse().unwrap_or(0))
+        .collect();
+    // utime, stime: fields 14 and 15 of stat = 11 and 12 after the state (field 3).
+    Duration::from_millis((f[11] + f[12]) * 10)
+}
+
+fn cpu_benches(c: &mut Criterion) {
+    let pages = pages();
+    let mut g = c.benchmark_group("cpu");
+    g.throughput(Throughput::Bytes((PAGES * PAGE) as u64));
+    for (name, z) in [("v7", Compression::None), ("v7-zstd", Compression::Zstd)] {
+        let path = out_path(&format!("cpu-{name}.dat"));
+        g.bench_function(BenchmarkId::new(name, PAGES), |b| {
+            b.iter_custom(|iters| {
+                let t0 = process_cpu();
+                for _ in 0..iters {
+                    let sink = TraceDatSink::create_with(&path, meta(), TraceDatVersion::V7, z)
+                        .expect("create");
+                    write_all(Box::new(sink), &pages);
+                }
+                // A zero would break criterion's statistics: at least one tick.
+                (process_cpu() - t0).max(Duration::from_millis(10))
+            })
+        });
+        let _ = std::fs::remove_file(&path);
+    }
+    let data: Vec<u8> = pages.iter().flat_map(|(_, p)| p.iter().copied()).collect();
+    let chunk = 10 * PAGE;
+    let mut z = zstd::bulk::Compressor::new(-1).expect("zstd");
+    let mut out = Vec::with_capacity(zstd::zstd_safe::compress_bound(chunk));
+    g.bench_function(BenchmarkId::new("zstd-level", -1), |b| {
+        b.iter_custom(|iters| {
+            let t0 = process_cpu();
+            for _ in 0..iters {
+                for c in data.chunks(chunk) {
+                    out.clear();
+                    z.compress_to_buffer(c, &mut out).expect("compress");
+                }
+            }
+            (process_cpu() - t0).max(Duration::from_millis(10))
+        })
+    });
+    g.finish();
+}
+
 fn config() -> Criterion {
     Criterion::default()
         .warm_up_time(Duration::from_millis(500))
@@ -155,6 +213,6 @@ fn config() -> Criterion {
 criterion_group! {
     name = benches;
     config = config();
-    targets = tracedat_benches, zstd_benches
+    targets = tracedat_benches, zstd_benches, cpu_benches
 }
 criterion_main!(benches);
