@@ -189,9 +189,10 @@ fn check_tally(tally: &[CpuTally], s: &Stats, what: &str) {
     }
 }
 
-/// `record` of real guest runs into trace.dat v6 and v7, both modes, 4 KiB and 16 KiB
-/// pages, the mixed workload, 2 and 3 vCPUs, a 4-page buffer (losses on every CPU),
-/// read back by trace-cmd and by `hyptrace report`.
+/// `record` of real guest runs into trace.dat v6, v7 (zstd, the default) and v7
+/// `--compression none`, both modes, 4 KiB and 16 KiB pages, the mixed workload, 2 and 3
+/// vCPUs, a 4-page buffer (losses on every CPU), read back by trace-cmd and by
+/// `hyptrace report`.
 #[test]
 fn record_trace_dat_matrix() {
     if !kvm_available(KRATE, "record_trace_dat_matrix") || !env::trace_cmd_available() {
@@ -201,35 +202,56 @@ fn record_trace_dat_matrix() {
     let dir = TempDir::new("dat");
     for mode in ["overwrite", "stop"] {
         for (page, buffer, vcpus) in [("4096", "16", "2"), ("16384", "64", "3")] {
-            for (format, version) in [("dat6", 6), ("dat", 7)] {
-                let what = format!("--mode {mode} --page-size {page} --format {format}");
-                let path = dir.file(&format!("{mode}-{page}-{format}.dat"));
+            for (format, version, compression) in
+                [("dat6", 6, "none"), ("dat", 7, "zstd"), ("dat", 7, "none")]
+            {
+                let what = format!(
+                    "--mode {mode} --page-size {page} --format {format} --compression {compression}"
+                );
+                let path = dir.file(&format!("{mode}-{page}-{format}-{compression}.dat"));
+                let z: &[&str] = if format == "dat" && compression == "none" {
+                    &["--compression", "none"]
+                } else {
+                    &[]
+                };
                 let s = record(
                     &path,
                     &[
-                        "--format",
-                        format,
-                        "--vcpus",
-                        vcpus,
-                        "--mode",
-                        mode,
-                        "--page-size",
-                        page,
-                        "--buffer-kb",
-                        buffer,
-                        "--workload",
-                        "mixed",
-                        "--events",
-                        "6000",
-                        "--rate",
-                        "0",
-                    ],
+                        z,
+                        &[
+                            "--format",
+                            format,
+                            "--vcpus",
+                            vcpus,
+                            "--mode",
+                            mode,
+                            "--page-size",
+                            page,
+                            "--buffer-kb",
+                            buffer,
+                            "--workload",
+                            "mixed",
+                            "--events",
+                            "6000",
+                            "--rate",
+                            "0",
+                        ],
+                    ]
+                    .concat(),
                 );
                 for (i, c) in s.cpus.iter().enumerate() {
                     assert!(c.lost > 0, "{what}: cpu {i} lost nothing: {}", s.json);
                     assert!(c.read > 0, "{what}: cpu {i} read nothing: {}", s.json);
                 }
                 check_dat(&path, &s, "mixed", version, page.parse().unwrap(), &what);
+                if version == 7 {
+                    // zstd by default, like trace-cmd record.
+                    let dump = clean_stdout("trace-cmd", &["dump", "--summary", "-i", &path]);
+                    assert!(
+                        dump.contains(&format!("{compression}\t[Compression algorithm]")),
+                        "{what}: {dump}"
+                    );
+                }
             }
         }
     }
@@ -283,14 +305,33 @@ fn acceptance_record_2_vcpus_50000_events() {
     check_dat(&path, &s, "steady", 7, 4096, "acceptance");
 }
 
+/// An integer arg of Chrome JSON: a number up to 2^53 − 1, the decimal digits in a
+/// string above (JavaScript viewers would round it).
+fn json_int(v: &serde_json::Value) -> String {
+    match v {
+        serde_json::Value::Number(n) => {
+            let x = n.as_u64().expect("unsigned");
+            assert!(x < 1 << 53, "{x} above 2^53 - 1 as a number");
+            x.to_string()
+        }
+        serde_json::Value::String(s) => {
+            let x: u64 = s.parse().expect("decimal digits");
+            assert!(x >= 1 << 53, "{x} fits a double but is a string");
+            x.to_string()
+        }
+        v => panic!("not an integer: {v}"),
+    }
+}
+
 /// The args of a Chrome JSON event as `trace-cmd report` would print its fields.
 fn json_fields(name: &str, args: &serde_json::Value) -> String {
+    let i = |k: &str| json_int(&args[k]);
     match name {
-        "marker" => format!("seq={} value={}", args["seq"], args["value"]),
-        "span" => format!("seq={} id={} dur={}", args["seq"], args["id"], args["dur"]),
+        "marker" => format!("seq={} value={}", i("seq"), i("value")),
+        "span" => format!("seq={} id={} dur={}", i("seq"), i("id"), i("dur")),
         "text" => format!(
             "seq={} msg={}",
-            args["seq"],
+            i("seq"),
             args["msg"].as_str().expect("msg is a string")
         ),
         n => panic!("unexpected event {n}"),

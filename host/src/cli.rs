@@ -128,16 +128,37 @@ pub struct CtlArgs {
 /// Output formats of `record`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum FormatArg {
-    /// trace.dat version 7 (trace-cmd's current format), uncompressed.
+    /// trace.dat version 7 (trace-cmd's current format), zstd-compressed like
+    /// `trace-cmd record` (see --compression).
     Dat,
     /// trace.dat version 6.
     Dat6,
     /// Chrome trace-event JSON (Perfetto UI, chrome://tracing).
     Json,
+    /// Native Perfetto trace (protobuf TracePackets; open in ui.perfetto.dev).
+    Perfetto,
     /// Text, one event per line as `trace-cmd report -t` prints it.
     Text,
     /// Raw ring pages (see docs/output.md).
     Raw,
+}
+
+/// Compressions of a v7 trace.dat (`record --compression`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum CompressionArg {
+    /// zstd, as `trace-cmd record` writes by default.
+    Zstd,
+    /// Uncompressed: pages copied verbatim.
+    None,
+}
+
+impl From<CompressionArg> for hyptrace_output::Compression {
+    fn from(c: CompressionArg) -> Self {
+        match c {
+            CompressionArg::Zstd => Self::Zstd,
+            CompressionArg::None => Self::None,
+        }
+    }
 }
 
 /// Options of `hyptrace record`.
@@ -155,9 +176,13 @@ pub struct RecordArgs {
     )]
     pub output: PathBuf,
     /// Output format [default: from the extension: .dat → dat, .json → json, .txt →
-    /// text, .raw → raw; otherwise dat].
+    /// text, .raw → raw, .pftrace/.perfetto-trace → perfetto; otherwise dat].
     #[arg(long, value_enum)]
     pub format: Option<FormatArg>,
+    /// Compression of a trace.dat v7 (`--format dat`) [default: zstd, like trace-cmd];
+    /// `none` writes the pages uncompressed. Other formats are never compressed.
+    #[arg(long, value_enum, value_name = "C")]
+    pub compression: Option<CompressionArg>,
     /// Options of the run.
     #[command(flatten)]
     pub run: RunArgs,
@@ -674,6 +699,7 @@ pub fn format_for(format: Option<FormatArg>, output: &Path) -> FormatArg {
             Some("json") => FormatArg::Json,
             Some("txt") | Some("text") => FormatArg::Text,
             Some("raw") => FormatArg::Raw,
+            Some("pftrace") | Some("perfetto-trace") | Some("perfetto") => FormatArg::Perfetto,
             _ => FormatArg::Dat,
         }
     })
@@ -681,7 +707,19 @@ pub fn format_for(format: Option<FormatArg>, output: &Path) -> FormatArg {
 
 /// `hyptrace record`.
 pub fn record(a: &RecordArgs) -> Result<i32, CliError> {
-    execute(&a.run, Some((&a.output, record_format(a))))
+    let format = record_format(a);
+    let compression = match (format, a.compression) {
+        (FormatArg::Dat, c) => c.unwrap_or(CompressionArg::Zstd).into(),
+        (_, None | Some(CompressionArg::None)) => hyptrace_output::Compression::None,
+        (f, Some(c)) => {
+            return Err(CliError::Args(format!(
+                "--compression {} applies to --format dat only, not {}",
+                format!("{c:?}").to_lowercase(),
+                format!("{f:?}").to_lowercase()
+            )))
+        }
+    };
+    execute(&a.run, Some((&a.output, format, compression)))
 }
 
 /// `hyptrace list`: the guest's registered events on stdout, its rejected entries as
@@ -741,7 +779,10 @@ pub fn ctl(a: &CtlArgs) -> Result<i32, CliError> {
 /// `run` and `record`: checks the options and every output path before the VM boots
 /// (a bad one costs nothing), runs the pipeline, prints the report, writes `--stats`.
 /// Returns the run's exit code (its causes are on stderr already).
-fn execute(a: &RunArgs, file: Option<(&PathBuf, FormatArg)>) -> Result<i32, CliError> {
+fn execute(
+    a: &RunArgs,
+    file: Option<(&PathBuf, FormatArg, hyptrace_output::Compression)>,
+) -> Result<i32, CliError> {
     let mut plan = Plan::new(a)?;
     if file.is_some() {
         plan.flight.for_record(&a.flight);
@@ -757,10 +798,11 @@ fn execute(a: &RunArgs, file: Option<(&PathBuf, FormatArg)>) -> Result<i32, CliE
     }
     let target = match file {
         None => Target::Stdout,
-        Some((path, format)) => Target::File {
+        Some((path, format, compression)) => Target::File {
             target: check_destination(path, "-o")?,
             path: path.clone(),
             format,
+            compression,
         },
     };
     let stats = a

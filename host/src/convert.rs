@@ -361,8 +361,13 @@ pub fn convert(a: &ConvertArgs) -> Result<(), CliError> {
     let r = match kind {
         InputKind::Raw => {
             let reader = RawReader::open(&a.input).map_err(|e| input_error(&a.input, &e))?;
-            let sink = crate::run::make_sink(&target, format, reader.meta())
-                .map_err(CliError::ConvertOutput)?;
+            let sink = crate::run::make_sink(
+                &target,
+                format,
+                hyptrace_output::Compression::Zstd,
+                reader.meta(),
+            )
+            .map_err(CliError::ConvertOutput)?;
             reader.replay(sink, |_| true)
         }
         InputKind::TraceDat => {
@@ -370,8 +375,13 @@ pub fn convert(a: &ConvertArgs) -> Result<(), CliError> {
             if format == FormatArg::Raw {
                 check_raw_formats(&f, &a.input)?;
             }
-            let sink = crate::run::make_sink(&target, format, meta_of(&f))
-                .map_err(CliError::ConvertOutput)?;
+            let sink = crate::run::make_sink(
+                &target,
+                format,
+                hyptrace_output::Compression::Zstd,
+                meta_of(&f),
+            )
+            .map_err(CliError::ConvertOutput)?;
             pump_pages(&f, sink)
         }
     };

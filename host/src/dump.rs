@@ -312,7 +312,8 @@ pub fn dump_trace_mem(
             "the event registration table: {e}: the built-in guest event formats are used"
         )),
     }
-    let mut sink = crate::run::make_sink(target, format, meta).map_err(out_err)?;
+    let mut sink = crate::run::make_sink(target, format, hyptrace_output::Compression::Zstd, meta)
+        .map_err(out_err)?;
     let positions = |c: u32| img.positions.get(c as usize).copied().flatten();
     let (report, err) = dump_region(&img.region, &l, &positions, &|_| true, Some(sink.as_mut()));
     if let Some(e) = err {
@@ -408,13 +409,14 @@ pub fn write_crash_dump<M: SharedMem + ?Sized>(
         formats: formats.to_vec(),
         ..TraceMeta::guest(l.page_size, l.nr_cpus, clock.clone())
     };
-    let mut sink = match crate::run::make_sink(target, format, meta) {
-        Ok(s) => s,
-        Err(e) => {
-            let (r, _) = dump_region(mem, l, positions, include, None);
-            return (r, Some(e));
-        }
-    };
+    let mut sink =
+        match crate::run::make_sink(target, format, hyptrace_output::Compression::Zstd, meta) {
+            Ok(s) => s,
+            Err(e) => {
+                let (r, _) = dump_region(mem, l, positions, include, None);
+                return (r, Some(e));
+            }
+        };
     let (report, err) = dump_region(mem, l, positions, include, Some(sink.as_mut()));
     if let Some(e) = err {
         return (report, Some(e));

@@ -291,6 +291,7 @@ fn format_name(format: FormatArg) -> &'static str {
         FormatArg::Dat => "trace.dat (v7)",
         FormatArg::Dat6 => "trace.dat (v6)",
         FormatArg::Json => "JSON",
+        FormatArg::Perfetto => "Perfetto trace",
         FormatArg::Text => "text",
         FormatArg::Raw => "raw pages",
     }

@@ -32,8 +32,8 @@ use std::time::{Duration, Instant};
 
 use hyptrace_abi::layout::RingGeometry;
 use hyptrace_output::{
-    Clock, EventFormat, JsonSink, OutputError, OutputTarget, PageSink, RawSink, TextSink,
-    TraceDatSink, TraceDatVersion, TraceMeta,
+    Clock, Compression, EventFormat, JsonSink, OutputError, OutputTarget, PageSink, PerfettoSink,
+    RawSink, TextSink, TraceDatSink, TraceDatVersion, TraceMeta,
 };
 use hyptrace_reader::{Callbacks, ReadError};
 
@@ -77,6 +77,8 @@ pub enum Target {
         path: PathBuf,
         /// The format.
         format: FormatArg,
+        /// The compression of a v7 trace.dat (other formats: ignored).
+        compression: Compression,
     },
 }
 
@@ -496,9 +498,10 @@ fn open_output(
             target,
             path,
             format,
+            compression,
         } => {
             let meta = meta();
-            match make_sink(&target, format, meta) {
+            match make_sink(&target, format, compression, meta) {
                 Ok(sink) => Ok((Output::Pages(sink), Shown::File { path, format })),
                 Err(source) => Err(RunError::Sink { path, source }),
             }
@@ -548,16 +551,23 @@ fn settle_events(
     Ok(table.formats())
 }
 
-/// The page sink of `format` on `target`.
+/// The page sink of `format` on `target` (`compression`: of a v7 trace.dat).
 pub(crate) fn make_sink(
     target: &OutputTarget,
     format: FormatArg,
+    compression: Compression,
     meta: TraceMeta,
 ) -> Result<Box<dyn PageSink>, OutputError> {
     Ok(match format {
-        FormatArg::Dat => Box::new(TraceDatSink::open(target, meta, TraceDatVersion::V7)?),
+        FormatArg::Dat => Box::new(TraceDatSink::open_with(
+            target,
+            meta,
+            TraceDatVersion::V7,
+            compression,
+        )?),
         FormatArg::Dat6 => Box::new(TraceDatSink::open(target, meta, TraceDatVersion::V6)?),
         FormatArg::Json => Box::new(JsonSink::open(target, meta)?),
+        FormatArg::Perfetto => Box::new(PerfettoSink::open(target, meta)?),
         FormatArg::Text => Box::new(TextSink::open(target, meta)?),
         FormatArg::Raw => Box::new(RawSink::open(target, meta)?),
     })

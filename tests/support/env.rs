@@ -52,6 +52,26 @@ pub fn trace_cmd_available() -> bool {
     ok
 }
 
+/// Whether python3 with Perfetto's official schema (`pip install perfetto`:
+/// perfetto_trace_pb2) can be run. Prints `SKIP: ...` when not; with
+/// `HYPTRACE_REQUIRE_PERFETTO=1` a missing one fails the test instead.
+pub fn perfetto_available() -> bool {
+    let ok = Command::new("python3")
+        .args([
+            "-c",
+            "import perfetto.protos.perfetto.trace.perfetto_trace_pb2",
+        ])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !ok {
+        if std::env::var("HYPTRACE_REQUIRE_PERFETTO").is_ok_and(|v| v == "1") {
+            panic!("python3 with the perfetto package missing and HYPTRACE_REQUIRE_PERFETTO=1");
+        }
+        println!("SKIP: python3 with the perfetto package (pip install perfetto) not available");
+    }
+    ok
+}
+
 /// Serialises the VM-booting tests of one test binary: the host has few cores, and
 /// the vCPU threads and the reader compete for them, so two VMs at once would change
 /// what a run loses (the tests that need a lossless run pick rates for one VM).

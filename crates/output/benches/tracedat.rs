@@ -3,6 +3,16 @@
 //! - `tracedat/v7/pages`, `tracedat/v6/pages`: `TraceDatSink` (trace.dat v7 / v6)
 //!   writing `PAGES` full 4 KiB pages of `guest:marker` events (2 CPUs), header and
 //!   final sync included.
+//! - `tracedat/v7-zstd/pages`: the same, zstd-compressed (`record`'s default); the
+//!   compressed size is printed once.
+//! - `zstd/level/L`: the compression alone (10-page chunks, one context reused, no file)
+//!   at zstd levels -5, -1, 1 and 3, with the ratio printed once: the cost of
+//!   `v7-zstd` over `v7`.
+//! - `cpu/v7/pages`, `cpu/v7-zstd/pages`, `cpu/zstd-level/-1`: the same work timed in
+//!   **CPU time** of the process (all threads, `/proc/self/stat`, 10 ms ticks: use the
+//!   throughput, not single samples) instead of wall time: what the drain costs when it
+//!   has the cores to itself — on a loaded machine the wall-clock numbers measure the
+//!   other tenants.
 //! - `tracedat/raw/pages`: `RawSink` over the same pages, for comparison.
 //!
 //! Throughput is reported in bytes of pages. `cargo bench -p hyptrace-output --bench
@@ -11,7 +21,7 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 use hyptrace_abi::events;
 use hyptrace_abi::page::{self, COMMIT_OFFSET, PAGE_HEADER_SIZE};
 use hyptrace_output::{
-    Clock, PageSink, RawSink, RunSummary, TraceDatSink, TraceDatVersion, TraceMeta,
+    Clock, Compression, PageSink, RawSink, RunSummary, TraceDatSink, TraceDatVersion, TraceMeta,
 };
 use std::path::PathBuf;
 use std::time::Duration;
@@ -77,14 +87,26 @@ fn tracedat_benches(c: &mut Criterion) {
     let pages = pages();
     let mut g = c.benchmark_group("tracedat");
     g.throughput(Throughput::Bytes((PAGES * PAGE) as u64));
-    for (name, v) in [("v7", TraceDatVersion::V7), ("v6", TraceDatVersion::V6)] {
+    for (name, v, z) in [
+        ("v7", TraceDatVersion::V7, Compression::None),
+        ("v7-zstd", TraceDatVersion::V7, Compression::Zstd),
+        ("v6", TraceDatVersion::V6, Compression::None),
+    ] {
         let path = out_path(&format!("{name}.dat"));
         g.bench_function(BenchmarkId::new(name, PAGES), |b| {
             b.iter(|| {
-                let sink = TraceDatSink::create(&path, meta(), v).expect("create");
+                let sink = TraceDatSink::create_with(&path, meta(), v, z).expect("create");
                 write_all(Box::new(sink), &pages);
             })
         });
+        if let Ok(m) = std::fs::metadata(&path) {
+            println!(
+                "{name}: {} bytes for {} bytes of pages ({:.1}x)",
+                m.len(),
+                PAGES * PAGE,
+                (PAGES * PAGE) as f64 / m.len() as f64
+            );
+        }
         let _ = std::fs::remove_file(&path);
     }
     let path = out_path("pages.raw");
@@ -98,6 +120,89 @@ fn tracedat_benches(c: &mut Criterion) {
     g.finish();
 }
 
+fn zstd_benches(c: &mut Criterion) {
+    let pages = pages();
+    let data: Vec<u8> = pages.iter().flat_map(|(_, p)| p.iter().copied()).collect();
+    let mut g = c.benchmark_group("zstd");
+    g.throughput(Throughput::Bytes(data.len() as u64));
+    let chunk = 10 * PAGE;
+    for level in [-5, -1, 1, 3] {
+        let mut z = zstd::bulk::Compressor::new(level).expect("zstd");
+        let mut out = Vec::with_capacity(zstd::zstd_safe::compress_bound(chunk));
+        let mut total = 0usize;
+        for c in data.chunks(chunk) {
+            out.clear();
+            total += z.compress_to_buffer(c, &mut out).expect("compress");
+        }
+        println!(
+            "zstd level {level}: {:.1}x",
+            data.len() as f64 / total as f64
+        );
+        g.bench_function(BenchmarkId::new("level", level), |b| {
+            b.iter(|| {
+                for c in data.chunks(chunk) {
+                    out.clear();
+                    z.compress_to_buffer(c, &mut out).expect("compress");
+                }
+            })
+        });
+    }
+    g.finish();
+}
+
+/// CPU time (user + system) of this process so far, all threads included (exited ones
+/// too), from `/proc/self/stat` (clock ticks of 10 ms).
+fn process_cpu() -> Duration {
+    let s = std::fs::read_to_string("/proc/self/stat").expect("/proc/self/stat");
+    // Fields after the command name (which may hold spaces) in parentheses.
+    let rest = &s[s.rfind(')').expect("stat") + 2..];
+    let f: Vec<u64> = rest
+        .split_whitespace()
+        .map(|x| x.parse().unwrap_or(0))
+        .collect();
+    // utime, stime: fields 14 and 15 of stat = 11 and 12 after the state (field 3).
+    Duration::from_millis((f[11] + f[12]) * 10)
+}
+
+fn cpu_benches(c: &mut Criterion) {
+    let pages = pages();
+    let mut g = c.benchmark_group("cpu");
+    g.throughput(Throughput::Bytes((PAGES * PAGE) as u64));
+    for (name, z) in [("v7", Compression::None), ("v7-zstd", Compression::Zstd)] {
+        let path = out_path(&format!("cpu-{name}.dat"));
+        g.bench_function(BenchmarkId::new(name, PAGES), |b| {
+            b.iter_custom(|iters| {
+                let t0 = process_cpu();
+                for _ in 0..iters {
+                    let sink = TraceDatSink::create_with(&path, meta(), TraceDatVersion::V7, z)
+                        .expect("create");
+                    write_all(Box::new(sink), &pages);
+                }
+                // A zero would break criterion's statistics: at least one tick.
+                (process_cpu() - t0).max(Duration::from_millis(10))
+            })
+        });
+        let _ = std::fs::remove_file(&path);
+    }
+    let data: Vec<u8> = pages.iter().flat_map(|(_, p)| p.iter().copied()).collect();
+    let chunk = 10 * PAGE;
+    let mut z = zstd::bulk::Compressor::new(-1).expect("zstd");
+    let mut out = Vec::with_capacity(zstd::zstd_safe::compress_bound(chunk));
+    g.bench_function(BenchmarkId::new("zstd-level", -1), |b| {
+        b.iter_custom(|iters| {
+            let t0 = process_cpu();
+            for _ in 0..iters {
+                for c in data.chunks(chunk) {
+                    out.clear();
+                    z.compress_to_buffer(c, &mut out).expect("compress");
+                }
+            }
+            (process_cpu() - t0).max(Duration::from_millis(10))
+        })
+    });
+    g.finish();
+}
+
 fn config() -> Criterion {
     Criterion::default()
         .warm_up_time(Duration::from_millis(500))
@@ -108,6 +213,6 @@ fn config() -> Criterion {
 criterion_group! {
     name = benches;
     config = config();
-    targets = tracedat_benches
+    targets = tracedat_benches, zstd_benches, cpu_benches
 }
 criterion_main!(benches);

@@ -1,5 +1,5 @@
-//! hyptrace output: sinks for exported ring pages (trace.dat v6/v7, Chrome trace-event
-//! JSON, text, raw page streams), a trace.dat reader, and the `trace-cmd report -t`
+//! hyptrace output: sinks for exported ring pages (trace.dat v6/v7 (zstd), Chrome
+//! trace-event JSON, native Perfetto protobuf, text, raw page streams), a trace.dat reader, and the `trace-cmd report -t`
 //! compatible text formatter shared by `run`, `report` and the text sink.
 
 mod clock;
@@ -7,6 +7,7 @@ mod error;
 mod export;
 pub mod format;
 pub mod merge;
+pub mod perfetto;
 mod sink;
 mod sinks;
 mod target;
@@ -24,13 +25,14 @@ pub use format::{
     TRAILING_LOST_NAME,
 };
 pub use merge::{MergeWindow, Merged, Merger, Released};
+pub use perfetto::PerfettoSink;
 /// The old name of [`KernelCpuStat`], kept only until the host uses the new one.
 #[doc(hidden)]
 pub use sink::KernelCpuStat as CpuStats;
 pub use sink::{KernelCpuStat, PageSink, RunSummary, TraceMeta};
 pub use sinks::{
-    is_raw_stream, JsonSink, RawReader, RawSink, RawTrace, TextSink, JSON_PID, RAW_MAGIC,
-    RAW_MAGIC_V1,
+    is_raw_stream, JsonSink, RawReader, RawSink, RawTrace, TextSink, JSON_MAX_SAFE_INTEGER,
+    JSON_PID, RAW_MAGIC, RAW_MAGIC_V1,
 };
 pub use target::{OutputFile, OutputTarget, TargetKind};
 pub use text::{
@@ -38,5 +40,6 @@ pub use text::{
     format_guest_line, format_window_exceeded, guest_printers, EventPrinter,
 };
 pub use tracedat::{
-    write_trace_dat, ReportFilter, TraceDatSink, TraceDatVersion, TraceFile, TraceItem, TraceRecord,
+    write_trace_dat, write_trace_dat_with, Compression, ReportFilter, TraceDatSink,
+    TraceDatVersion, TraceFile, TraceItem, TraceRecord,
 };

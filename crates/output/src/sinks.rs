@@ -19,7 +19,7 @@ use crate::text::{
 use crate::OutputError;
 
 /// Where a streaming sink writes.
-enum Out {
+pub(crate) enum Out {
     File(OutputFile),
     Writer(Box<dyn Write + Send>),
 }
@@ -27,14 +27,14 @@ enum Out {
 impl Out {
     /// Writes `b`; an error names the output (a file's path) and closes a file output
     /// (its temporary file removed).
-    fn write_all(&mut self, b: &[u8]) -> Result<(), OutputError> {
+    pub(crate) fn write_all(&mut self, b: &[u8]) -> Result<(), OutputError> {
         match self {
             Out::File(f) => f.write_all(b).map_err(|e| f.error(e)),
             Out::Writer(w) => w.write_all(b).map_err(OutputError::from),
         }
     }
 
-    fn close(self) -> Result<(), OutputError> {
+    pub(crate) fn close(self) -> Result<(), OutputError> {
         match self {
             Out::File(f) => f.finish(),
             Out::Writer(mut w) => w.flush().map_err(OutputError::from),
@@ -47,7 +47,7 @@ impl Out {
 /// `(page time_stamp, [(raw ts, payload)], decode error)`.
 type PageEvents<'a> = (u64, Vec<(u64, &'a [u8])>, Option<String>);
 
-fn page_events(page: &[u8]) -> PageEvents<'_> {
+pub(crate) fn page_events(page: &[u8]) -> PageEvents<'_> {
     let Some((ts, _)) = page_header(page) else {
         return (0, Vec::new(), Some("short page".into()));
     };
@@ -254,7 +254,29 @@ fn json_str(s: &str) -> String {
     serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into())
 }
 
-/// Event fields as a JSON object (integers as numbers, strings as strings).
+/// JavaScript's `Number.MAX_SAFE_INTEGER` (2^53 − 1): larger integers lose precision in
+/// a JSON viewer.
+pub const JSON_MAX_SAFE_INTEGER: u64 = (1 << 53) - 1;
+
+/// An integer field as JSON: a number when a JavaScript viewer holds it exactly
+/// (|v| ≤ 2^53 − 1), else its decimal digits as a string.
+fn json_int(v: u64, signed: bool) -> serde_json::Value {
+    if signed {
+        let i = v as i64;
+        if i.unsigned_abs() <= JSON_MAX_SAFE_INTEGER {
+            serde_json::Value::from(i)
+        } else {
+            serde_json::Value::from(i.to_string())
+        }
+    } else if v <= JSON_MAX_SAFE_INTEGER {
+        serde_json::Value::from(v)
+    } else {
+        serde_json::Value::from(v.to_string())
+    }
+}
+
+/// Event fields as a JSON object (integers as numbers — as strings above 2^53 − 1, see
+/// [`JSON_MAX_SAFE_INTEGER`] — strings as strings).
 fn json_args(f: &EventFormat, payload: &[u8]) -> serde_json::Map<String, serde_json::Value> {
     let mut m = serde_json::Map::new();
     for fd in &f.fields {
@@ -264,13 +286,7 @@ fn json_args(f: &EventFormat, payload: &[u8]) -> serde_json::Map<String, serde_j
         } else if fd.is_array() || fd.is_data_loc() || fd.is_rel_loc() {
             field_bytes(fd, payload).map(|b| serde_json::Value::from(b.to_vec()))
         } else {
-            field_int(fd, payload).map(|v| {
-                if fd.signed {
-                    serde_json::Value::from(v as i64)
-                } else {
-                    serde_json::Value::from(v)
-                }
-            })
+            field_int(fd, payload).map(|v| json_int(v, fd.signed))
         };
         m.insert(fd.name.clone(), v.unwrap_or(serde_json::Value::Null));
     }
@@ -423,7 +439,8 @@ impl JsonSink {
             let id = payload
                 .get(..2)
                 .map_or(0, |b| u16::from_le_bytes([b[0], b[1]]));
-            let (name, cat, args) = match self.meta.format(id) {
+            let format = self.meta.format(id);
+            let (name, cat, args) = match format {
                 Some(f) => (f.name.clone(), f.system.clone(), json_args(f, payload)),
                 None => (
                     format!("event_{id}"),
@@ -431,14 +448,15 @@ impl JsonSink {
                     serde_json::Map::new(),
                 ),
             };
+            // The duration from the field itself (the arg is a string above 2^53).
+            let dur_cyc = format
+                .and_then(|f| f.fields.iter().find(|fd| fd.name == "dur"))
+                .and_then(|fd| field_int(fd, payload))
+                .unwrap_or(0);
             let is_span =
                 id == hyptrace_abi::events::SPAN_ID && cat == hyptrace_abi::events::SYSTEM;
             let args_s = serde_json::to_string(&args).unwrap_or_else(|_| "{}".into());
             let e = if is_span {
-                let dur_cyc = args
-                    .get("dur")
-                    .and_then(serde_json::Value::as_u64)
-                    .unwrap_or(0);
                 let dur_ns = clock.duration_ns(dur_cyc);
                 format!(
                     "{{\"name\":{},\"cat\":{},\"ph\":\"X\",\"ts\":{},\"dur\":{},\"pid\":{JSON_PID},\"tid\":{cpu},\"args\":{args_s}}}",

@@ -472,3 +472,47 @@ fn text_sink_is_bounded_when_a_cpu_is_silent() {
         .collect();
     assert_eq!(seqs, (0..N).collect::<Vec<_>>());
 }
+
+/// Integers a JavaScript viewer cannot hold exactly (above 2^53 − 1) are written as
+/// decimal strings in the args; smaller ones stay numbers; a span's duration is taken
+/// from the field, not from the (string) arg.
+#[test]
+fn chrome_json_big_integers_as_strings() {
+    let dir = scratch_dir("json-big");
+    let path = dir.join("t.json");
+    let meta = TraceMeta::guest(4096, 1, Clock::nanoseconds());
+    let mut b = PageBuilder::new(4096);
+    let safe = JSON_MAX_SAFE_INTEGER;
+    b.push(1_000, &marker(0, 1, safe));
+    b.push(2_000, &marker(0, 2, safe + 1));
+    b.push(3_000, &marker(0, u64::MAX, u64::MAX));
+    b.push(10_000, &span(0, 4, u64::MAX, 4_000));
+    let mut sink: Box<dyn PageSink> = Box::new(JsonSink::create(&path, meta).unwrap());
+    for (p, m) in b.finish() {
+        sink.page(0, &p, m).unwrap();
+    }
+    sink.finish(&RunSummary::default()).unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let evs = v["traceEvents"].as_array().unwrap();
+    let m: Vec<_> = evs.iter().filter(|e| e["name"] == "marker").collect();
+    assert_eq!(m.len(), 3);
+    assert_eq!(m[0]["args"]["value"], serde_json::json!(safe));
+    assert_eq!(m[0]["args"]["seq"], serde_json::json!(1));
+    assert_eq!(m[1]["args"]["value"], serde_json::json!("9007199254740992"));
+    assert_eq!(
+        m[2]["args"]["value"],
+        serde_json::json!("18446744073709551615")
+    );
+    assert_eq!(
+        m[2]["args"]["seq"],
+        serde_json::json!("18446744073709551615")
+    );
+    let s = evs.iter().find(|e| e["ph"] == "X").unwrap();
+    assert_eq!(s["args"]["id"], serde_json::json!("18446744073709551615"));
+    assert_eq!(s["args"]["dur"], serde_json::json!(4000));
+    assert_eq!(s["dur"].as_f64().unwrap(), 4.0);
+    assert_eq!(s["ts"].as_f64().unwrap(), 6.0);
+    // Every number in the file is exact in a double.
+    let raw = std::fs::read_to_string(&path).unwrap();
+    assert!(!raw.contains(":18446744073709551615"), "{raw}");
+}

@@ -76,8 +76,15 @@ fn generate(page_size: usize, nr_cpus: u32, per_cpu: usize) -> Gen {
 }
 
 /// Writes the pages through the streaming sink, CPUs interleaved as a live run would.
-fn write(g: &Gen, path: &std::path::Path, meta: TraceMeta, version: TraceDatVersion) {
-    let mut sink: Box<dyn PageSink> = Box::new(TraceDatSink::create(path, meta, version).unwrap());
+fn write(
+    g: &Gen,
+    path: &std::path::Path,
+    meta: TraceMeta,
+    version: TraceDatVersion,
+    compression: Compression,
+) {
+    let mut sink: Box<dyn PageSink> =
+        Box::new(TraceDatSink::create_with(path, meta, version, compression).unwrap());
     let max = g.pages.iter().map(Vec::len).max().unwrap_or(0);
     for i in 0..max {
         for (cpu, p) in g.pages.iter().enumerate() {
@@ -146,7 +153,13 @@ fn expected_lines(g: &Gen, clock: &Clock) -> Vec<String> {
     out
 }
 
-fn check(page_size: usize, version: TraceDatVersion, clock: Clock, name: &str) {
+fn check(
+    page_size: usize,
+    version: TraceDatVersion,
+    compression: Compression,
+    clock: Clock,
+    name: &str,
+) {
     let g = generate(page_size, 3, if page_size > 4096 { 900 } else { 400 });
     // Our pages never start with a TIME_EXTEND (trace-cmd would hide a drop marker).
     for cpu_pages in &g.pages {
@@ -167,12 +180,22 @@ fn check(page_size: usize, version: TraceDatVersion, clock: Clock, name: &str) {
         &path,
         TraceMeta::guest(page_size, 3, clock.clone()),
         version,
+        compression,
     );
     let expected = expected_lines(&g, &clock);
     assert_eq!(expected.len(), 1 + g.events.len() + g.drops.len());
 
     // Our reader.
     let f = TraceFile::open(&path).unwrap();
+    let zstd = compression == Compression::Zstd && version == TraceDatVersion::V7;
+    assert_eq!(
+        f.compression.as_ref().map(|c| c.0.as_str()),
+        match (version, zstd) {
+            (TraceDatVersion::V6, _) => None,
+            (_, true) => Some("zstd"),
+            (_, false) => Some("none"),
+        }
+    );
     assert_eq!(f.page_size, page_size);
     assert_eq!(f.tsc2nsec, clock.tsc);
     assert_eq!(f.event_count(), g.events.len());
@@ -206,6 +229,9 @@ fn check(page_size: usize, version: TraceDatVersion, clock: Clock, name: &str) {
         out.contains(&format!("{page_size}\t[Page size, bytes]")),
         "{out}"
     );
+    if zstd {
+        assert!(out.contains("zstd\t[Compression algorithm]"), "{out}");
+    }
     let (out, err, _) = trace_cmd(&["report", "--stat"], &path).unwrap();
     assert!(err.is_empty());
     assert!(
@@ -220,6 +246,7 @@ fn v6_4k_tsc() {
     check(
         4096,
         TraceDatVersion::V6,
+        Compression::None,
         Clock::guest_tsc(2_918_400).unwrap(),
         "v6-4k",
     );
@@ -230,14 +257,55 @@ fn v7_4k_tsc() {
     check(
         4096,
         TraceDatVersion::V7,
+        Compression::None,
         Clock::guest_tsc(2_918_400).unwrap(),
         "v7-4k",
     );
 }
 
 #[test]
+fn v7_zstd_4k_tsc() {
+    check(
+        4096,
+        TraceDatVersion::V7,
+        Compression::Zstd,
+        Clock::guest_tsc(2_918_400).unwrap(),
+        "v7z-4k",
+    );
+}
+
+#[test]
+fn v7_zstd_16k_ns() {
+    check(
+        16384,
+        TraceDatVersion::V7,
+        Compression::Zstd,
+        Clock::nanoseconds(),
+        "v7z-16k",
+    );
+}
+
+/// v6 has no compression: asking for zstd writes a plain v6.
+#[test]
+fn v6_ignores_zstd() {
+    check(
+        4096,
+        TraceDatVersion::V6,
+        Compression::Zstd,
+        Clock::guest_tsc(2_918_400).unwrap(),
+        "v6z-4k",
+    );
+}
+
+#[test]
 fn v6_16k_ns() {
-    check(16384, TraceDatVersion::V6, Clock::nanoseconds(), "v6-16k");
+    check(
+        16384,
+        TraceDatVersion::V6,
+        Compression::None,
+        Clock::nanoseconds(),
+        "v6-16k",
+    );
 }
 
 #[test]
@@ -245,6 +313,7 @@ fn v7_16k_tsc() {
     check(
         16384,
         TraceDatVersion::V7,
+        Compression::None,
         Clock::guest_tsc(1_000_000).unwrap(),
         "v7-16k",
     );
@@ -260,6 +329,7 @@ fn trace_cmd_converts_our_files() {
         &path,
         TraceMeta::guest(4096, 2, Clock::guest_tsc(2_000_000).unwrap()),
         TraceDatVersion::V6,
+        Compression::None,
     );
     let out7 = dir.join("t7.dat");
     let st = std::process::Command::new("trace-cmd")
@@ -278,4 +348,75 @@ fn trace_cmd_converts_our_files() {
     let b = TraceFile::open(&out7).unwrap();
     assert_eq!(b.version, 7);
     assert_eq!(a, b.report());
+}
+
+/// A zstd v7 with an empty CPU (no pages) between two with pages: our reader and
+/// trace-cmd see every event, and `trace-cmd convert` makes an uncompressed copy that
+/// reads the same.
+#[test]
+fn zstd_with_an_empty_cpu() {
+    let g0 = generate(4096, 3, 300);
+    let g = Gen {
+        events: g0.events.iter().filter(|e| e.0 != 1).cloned().collect(),
+        pages: vec![g0.pages[0].clone(), Vec::new(), g0.pages[2].clone()],
+        drops: g0.drops.into_iter().filter(|d| d.0 .0 != 1).collect(),
+    };
+    let dir = scratch_dir("zstd-empty");
+    let path = dir.join("z.dat");
+    let clock = Clock::guest_tsc(2_000_000).unwrap();
+    write(
+        &g,
+        &path,
+        TraceMeta::guest(4096, 3, clock.clone()),
+        TraceDatVersion::V7,
+        Compression::Zstd,
+    );
+    let f = TraceFile::open(&path).unwrap();
+    assert_eq!(f.event_count(), g.events.len());
+    let mut expected = expected_lines(&g, &clock);
+    expected[0] = "cpus=3".into();
+    let ours: Vec<String> = f.report().lines().map(norm).collect();
+    assert_eq!(ours, expected);
+    let Some((out, err, ok)) = trace_cmd(&["report", "-t"], &path) else {
+        return;
+    };
+    assert!(ok && err.is_empty(), "{err}");
+    let theirs: Vec<String> = out.lines().map(norm).collect();
+    assert_eq!(theirs, expected);
+    let plain = dir.join("plain.dat");
+    let st = std::process::Command::new("trace-cmd")
+        .args(["convert", "--compression", "none", "-i"])
+        .arg(&path)
+        .arg("-o")
+        .arg(&plain)
+        .output()
+        .unwrap();
+    assert!(
+        st.status.success(),
+        "{}",
+        String::from_utf8_lossy(&st.stderr)
+    );
+    let p = TraceFile::open(&plain).unwrap();
+    assert_eq!(p.compression.as_ref().map(|c| c.0.as_str()), Some("none"));
+    assert_eq!(p.report(), f.report());
+}
+
+/// zstd makes the file several times smaller on marker-heavy pages.
+#[test]
+fn zstd_is_smaller() {
+    let g = generate(4096, 3, 3000);
+    let dir = scratch_dir("zstd-size");
+    let meta = TraceMeta::guest(4096, 3, Clock::guest_tsc(2_000_000).unwrap());
+    let (a, b) = (dir.join("a.dat"), dir.join("b.dat"));
+    write(&g, &a, meta.clone(), TraceDatVersion::V7, Compression::None);
+    write(&g, &b, meta, TraceDatVersion::V7, Compression::Zstd);
+    let (sa, sb) = (
+        std::fs::metadata(&a).unwrap().len(),
+        std::fs::metadata(&b).unwrap().len(),
+    );
+    assert!(sb * 2 < sa, "zstd {sb} bytes vs {sa} uncompressed");
+    assert_eq!(
+        TraceFile::open(&a).unwrap().report(),
+        TraceFile::open(&b).unwrap().report()
+    );
 }

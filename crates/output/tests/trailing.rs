@@ -149,12 +149,21 @@ fn raw_carries_trailing_losses_into_every_format() {
         TraceDatSink::create(&b, meta(), TraceDatVersion::V7).unwrap(),
     ));
     assert_eq!(std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
+    let (a, b) = (dir.join("az.dat"), dir.join("bz.dat"));
+    let z = || TraceDatSink::create_with(&a, meta(), TraceDatVersion::V7, Compression::Zstd);
+    t.replay(Box::new(z().unwrap())).unwrap();
+    feed(Box::new(
+        TraceDatSink::create_with(&b, meta(), TraceDatVersion::V7, Compression::Zstd).unwrap(),
+    ));
+    assert_eq!(std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
 }
 
-fn check_dat(version: TraceDatVersion, name: &str) {
+fn check_dat(version: TraceDatVersion, compression: Compression, name: &str) {
     let dir = scratch_dir(name);
     let p = dir.join("t.dat");
-    feed(Box::new(TraceDatSink::create(&p, meta(), version).unwrap()));
+    feed(Box::new(
+        TraceDatSink::create_with(&p, meta(), version, compression).unwrap(),
+    ));
     let f = TraceFile::open(&p).unwrap();
     assert_eq!(f.event_count(), 40 * NR as usize);
     assert_eq!(f.dropped(), (total(), 0));
@@ -186,12 +195,17 @@ fn check_dat(version: TraceDatVersion, name: &str) {
 
 #[test]
 fn trace_dat_v7_shows_trailing_losses_in_trace_cmd() {
-    check_dat(TraceDatVersion::V7, "trailing-v7");
+    check_dat(TraceDatVersion::V7, Compression::None, "trailing-v7");
+}
+
+#[test]
+fn trace_dat_v7_zstd_shows_trailing_losses_in_trace_cmd() {
+    check_dat(TraceDatVersion::V7, Compression::Zstd, "trailing-v7z");
 }
 
 #[test]
 fn trace_dat_v6_shows_trailing_losses_in_trace_cmd() {
-    check_dat(TraceDatVersion::V6, "trailing-v6");
+    check_dat(TraceDatVersion::V6, Compression::None, "trailing-v6");
 }
 
 #[test]

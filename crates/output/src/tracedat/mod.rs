@@ -2,12 +2,16 @@
 
 mod read;
 mod write;
+mod zpool;
 
 pub use read::{
     glob, max_chunk, CpuBuffer, CpuPages, Records, ReportFilter, TraceFile, TraceItem, TraceOption,
     TraceRecord,
 };
-pub use write::{write_trace_dat, TraceDatSink, TraceDatVersion, TRAILING_LOST_ID};
+pub use write::{
+    write_trace_dat, write_trace_dat_with, Compression, TraceDatSink, TraceDatVersion,
+    TRAILING_LOST_ID, ZSTD_CHUNK_PAGES,
+};
 
 /// The magic at the start of every trace.dat: `17 08 44 "tracing"`.
 pub const MAGIC: &[u8; 10] = b"\x17\x08\x44tracing";

@@ -23,6 +23,28 @@ pub enum TraceDatVersion {
     V7,
 }
 
+/// How the CPU data and the metadata sections of a v7 trace.dat are stored.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Compression {
+    /// Uncompressed (pages copied verbatim, page aligned).
+    None,
+    /// zstd, as `trace-cmd record` writes by default: each CPU's pages in chunks of
+    /// [`ZSTD_CHUNK_PAGES`] pages (one zstd frame each), the metadata sections (headers,
+    /// formats, kallsyms, printk, cmdlines, strings) compressed; options uncompressed.
+    /// Version 6 has no compression: a v6 file is always written uncompressed.
+    #[default]
+    Zstd,
+}
+
+/// Pages per compressed chunk (trace-cmd's own chunk: 10 pages).
+pub const ZSTD_CHUNK_PAGES: usize = 10;
+/// zstd level: -1, zstd's first fast level: about twice the speed of level 1 at 6.4× on
+/// marker pages instead of 7.5× (`cargo bench -p hyptrace-output --bench tracedat --
+/// zstd`).
+const ZSTD_LEVEL: i32 = -1;
+/// Most compression worker threads of one sink (also at most one per CPU and per core).
+const ZSTD_MAX_WORKERS: usize = 8;
+
 /// Trace clocks the kernel lists in `trace_clock`; the TRACECLOCK text brackets ours.
 const CLOCKS: &[&str] = &[
     "local", "global", "counter", "uptime", "perf", "mono", "mono_raw", "boot", "tai", "x86-tsc",
@@ -194,23 +216,90 @@ impl Strings {
     }
 }
 
-fn section(out: &mut Vec<u8>, strings: &mut Strings, id: u16, name: &str, content: &[u8]) -> u64 {
+/// Section flag: the content is compressed (`TRACECMD_SEC_FL_COMPRESS`).
+const SEC_FL_COMPRESS: u16 = 1;
+
+/// zstd-compresses `content` as trace-cmd stores a compressed block: u32 compressed
+/// size, u32 uncompressed size, the zstd frame.
+fn zstd_block(content: &[u8]) -> Result<Vec<u8>, OutputError> {
+    let z = zstd::bulk::compress(content, ZSTD_LEVEL)
+        .map_err(|e| OutputError::BadMeta(format!("zstd: {e}")))?;
+    let too_big = |_| OutputError::BadMeta("section too large to compress".into());
+    let mut v = Vec::with_capacity(8 + z.len());
+    v.extend_from_slice(&u32::try_from(z.len()).map_err(too_big)?.to_le_bytes());
+    v.extend_from_slice(&u32::try_from(content.len()).map_err(too_big)?.to_le_bytes());
+    v.extend_from_slice(&z);
+    Ok(v)
+}
+
+/// Appends a v7 section (compressed when `compress`); returns its offset.
+fn section(
+    out: &mut Vec<u8>,
+    strings: &mut Strings,
+    id: u16,
+    name: &str,
+    content: &[u8],
+    compress: bool,
+) -> Result<u64, OutputError> {
     let at = out.len() as u64;
+    let packed;
+    let (flags, content) = if compress {
+        packed = zstd_block(content)?;
+        (SEC_FL_COMPRESS, &packed[..])
+    } else {
+        (0, content)
+    };
     out.extend_from_slice(&id.to_le_bytes());
-    out.extend_from_slice(&0u16.to_le_bytes()); // flags: not compressed
+    out.extend_from_slice(&flags.to_le_bytes());
     out.extend_from_slice(&strings.id(name).to_le_bytes());
     out.extend_from_slice(&(content.len() as u64).to_le_bytes());
     out.extend_from_slice(content);
-    at
+    Ok(at)
+}
+
+/// Where each CPU's data starts: the first at `data_start`, each next one on the
+/// first page boundary after the previous one's end (as trace-cmd lays them out;
+/// uncompressed data is whole pages, so the starts are contiguous).
+fn cpu_offsets(data_start: u64, sizes: &[u64], page: u64) -> Vec<u64> {
+    let mut off = data_start;
+    sizes
+        .iter()
+        .map(|&s| {
+            let at = off;
+            off = align_up(off + s, page);
+            at
+        })
+        .collect()
+}
+
+/// End of the CPU data (the last CPU's end).
+fn data_end(data_start: u64, sizes: &[u64], page: u64) -> u64 {
+    match (cpu_offsets(data_start, sizes, page).last(), sizes.last()) {
+        (Some(o), Some(s)) => o + s,
+        _ => data_start,
+    }
 }
 
 /// Builds the v7 metadata: header, sections, options, strings, and the flyrecord section
 /// header; returns it with the offset where CPU data starts (page aligned).
-fn v7_metadata(meta: &TraceMeta, stats: &[KernelCpuStat], sizes: &[u64]) -> (Vec<u8>, u64) {
-    let build = |flyrecord_at: u64, data_start: u64| -> Vec<u8> {
+fn v7_metadata(
+    meta: &TraceMeta,
+    stats: &[KernelCpuStat],
+    sizes: &[u64],
+    compression: Compression,
+) -> Result<(Vec<u8>, u64), OutputError> {
+    let z = compression == Compression::Zstd;
+    let page = meta.page_size as u64;
+    let build = |flyrecord_at: u64, data_start: u64| -> Result<Vec<u8>, OutputError> {
         let mut strings = Strings(Vec::new());
         let mut v = file_start(7, meta.page_size);
-        v.extend_from_slice(b"none\0\0");
+        match compression {
+            Compression::None => v.extend_from_slice(b"none\0\0"),
+            Compression::Zstd => {
+                v.extend_from_slice(b"zstd\0");
+                v.extend_from_slice(&cstr(zstd::zstd_safe::version_string()));
+            }
+        }
         let opt_ptr = v.len();
         v.extend_from_slice(&0u64.to_le_bytes());
         let headers = section(
@@ -219,42 +308,48 @@ fn v7_metadata(meta: &TraceMeta, stats: &[KernelCpuStat], sizes: &[u64]) -> (Vec
             option::HEADER_INFO,
             "headers",
             &header_info(meta.page_size),
-        );
+            z,
+        )?;
         let ftrace = section(
             &mut v,
             &mut strings,
             option::FTRACE_EVENTS,
             "ftrace events",
             &0u32.to_le_bytes(),
-        );
+            z,
+        )?;
         let events = section(
             &mut v,
             &mut strings,
             option::EVENT_FORMATS,
             "events format",
             &event_formats(&meta.formats),
-        );
+            z,
+        )?;
         let kallsyms = section(
             &mut v,
             &mut strings,
             option::KALLSYMS,
             "kallsyms",
             &0u32.to_le_bytes(),
-        );
+            z,
+        )?;
         let printk = section(
             &mut v,
             &mut strings,
             option::PRINTK,
             "printk",
             &0u32.to_le_bytes(),
-        );
+            z,
+        )?;
         let cmd = section(
             &mut v,
             &mut strings,
             option::CMDLINES,
             "command lines",
             &cmdlines(meta),
-        );
+            z,
+        )?;
 
         let mut opts = Vec::new();
         common_options(meta, stats, &mut opts);
@@ -275,38 +370,38 @@ fn v7_metadata(meta: &TraceMeta, stats: &[KernelCpuStat], sizes: &[u64]) -> (Vec
         buf.extend_from_slice(&cstr(&meta.clock.name));
         buf.extend_from_slice(&(meta.page_size as u32).to_le_bytes());
         buf.extend_from_slice(&meta.nr_cpus.to_le_bytes());
-        let mut off = data_start;
-        for (cpu, &s) in sizes.iter().enumerate() {
+        let offsets = cpu_offsets(data_start, sizes, page);
+        for (cpu, (&s, &off)) in sizes.iter().zip(&offsets).enumerate() {
             buf.extend_from_slice(&(cpu as u32).to_le_bytes());
             buf.extend_from_slice(&off.to_le_bytes());
             buf.extend_from_slice(&s.to_le_bytes());
-            off += s;
         }
         push_opt(&mut opts, option::BUFFER, &buf);
         push_opt(&mut opts, option::DONE, &0u64.to_le_bytes());
         // Names used below must be in the strings before the strings section is written.
         strings.id("strings");
         strings.id("buffer flyrecord");
-        let options_at = section(&mut v, &mut strings, 0, "options", &opts);
+        // Options stay uncompressed (as trace-cmd writes them).
+        let options_at = section(&mut v, &mut strings, 0, "options", &opts, false)?;
         v[opt_ptr..opt_ptr + 8].copy_from_slice(&options_at.to_le_bytes());
         let s = strings.0.clone();
-        section(&mut v, &mut strings, option::STRINGS, "strings", &s);
+        section(&mut v, &mut strings, option::STRINGS, "strings", &s, z)?;
         // Flyrecord section header: its content is the padding plus all CPU data.
         let at = v.len() as u64;
-        let total: u64 = sizes.iter().sum();
+        let end = data_end(data_start, sizes, page);
         v.extend_from_slice(&option::BUFFER.to_le_bytes());
-        v.extend_from_slice(&0u16.to_le_bytes());
+        let flags = if z { SEC_FL_COMPRESS } else { 0 };
+        v.extend_from_slice(&flags.to_le_bytes());
         v.extend_from_slice(&strings.id("buffer flyrecord").to_le_bytes());
-        v.extend_from_slice(&(data_start.saturating_sub(at + 16) + total).to_le_bytes());
-        v
+        v.extend_from_slice(&end.saturating_sub(at + 16).to_le_bytes());
+        Ok(v)
     };
-    let page = meta.page_size as u64;
-    let first = build(0, 0);
+    let first = build(0, 0)?;
     let flyrecord_at = first.len() as u64 - 16;
     let data_start = align_up(first.len() as u64, page);
-    let v = build(flyrecord_at, data_start);
+    let v = build(flyrecord_at, data_start)?;
     debug_assert_eq!(v.len(), first.len());
-    (v, data_start)
+    Ok((v, data_start))
 }
 
 /// Builds the complete metadata for `version`; returns it and where CPU data starts.
@@ -315,22 +410,28 @@ fn metadata(
     stats: &[KernelCpuStat],
     sizes: &[u64],
     version: TraceDatVersion,
-) -> (Vec<u8>, u64) {
+    compression: Compression,
+) -> Result<(Vec<u8>, u64), OutputError> {
     match version {
         TraceDatVersion::V6 => {
             let len = v6_metadata(meta, stats, sizes, 0).len() as u64;
             let start = align_up(len, meta.page_size as u64);
-            (v6_metadata(meta, stats, sizes, start), start)
+            Ok((v6_metadata(meta, stats, sizes, start), start))
         }
-        TraceDatVersion::V7 => v7_metadata(meta, stats, sizes),
+        TraceDatVersion::V7 => v7_metadata(meta, stats, sizes, compression),
     }
 }
 
 struct Spill {
     file: BufWriter<Temp>,
     bytes: u64,
-    /// Offset of the last page written (None: no page yet).
+    /// Offset of the last page written (None: no page yet; uncompressed only).
     last_page: Option<u64>,
+    /// zstd: exported pages not compressed yet (at most [`ZSTD_CHUNK_PAGES`]; the last
+    /// page of the CPU is always here once it has one).
+    chunk: Vec<u8>,
+    /// zstd: chunks written to the spill file.
+    chunks: u32,
 }
 
 impl Spill {
@@ -349,6 +450,10 @@ impl Spill {
 /// copied verbatim) to the output ([`OutputTarget`]: a temporary file renamed over a
 /// regular file, or streamed to a device/FIFO/stdout).
 ///
+/// With [`Compression::Zstd`] (v7 only) each CPU's pages are gathered in chunks of
+/// [`ZSTD_CHUNK_PAGES`] pages, each compressed into the spill file as it fills (memory:
+/// one chunk per CPU), and the spill files hold trace-cmd's chunk records.
+///
 /// On an error every temporary and spill file is removed at once, the error is returned
 /// (path and OS error), and later calls return [`OutputError::Closed`]. Dropped without
 /// `finish`, it removes them too: nothing that looks like a complete trace appears.
@@ -358,8 +463,14 @@ pub struct TraceDatSink {
     out: Option<OutputFile>,
     meta: TraceMeta,
     version: TraceDatVersion,
+    compression: Compression,
     spills: Vec<Spill>,
     scratch: Vec<u8>,
+    /// zstd: the compressor (context reused) and its output buffer, when compressing on
+    /// the caller's thread (no worker threads could be made).
+    zstd: Option<(zstd::bulk::Compressor<'static>, Vec<u8>)>,
+    /// zstd: the compression worker threads.
+    pool: Option<super::zpool::ZPool>,
 }
 
 impl TraceDatSink {
@@ -372,13 +483,48 @@ impl TraceDatSink {
         Self::open(&OutputTarget::check(path)?, meta, version)
     }
 
-    /// Creates the sink (output and spill files) for a checked target.
+    /// Creates the sink (output and spill files) for a checked target, uncompressed.
     pub fn open(
         target: &OutputTarget,
         meta: TraceMeta,
         version: TraceDatVersion,
     ) -> Result<Self, OutputError> {
+        Self::open_with(target, meta, version, Compression::None)
+    }
+
+    /// Creates the sink for a checked target with `compression` (ignored for v6,
+    /// which has none).
+    pub fn open_with(
+        target: &OutputTarget,
+        meta: TraceMeta,
+        version: TraceDatVersion,
+        compression: Compression,
+    ) -> Result<Self, OutputError> {
         meta.validate()?;
+        let compression = match version {
+            TraceDatVersion::V6 => Compression::None,
+            TraceDatVersion::V7 => compression,
+        };
+        let chunk = meta.page_size * ZSTD_CHUNK_PAGES;
+        let pool = match compression {
+            Compression::None => None,
+            Compression::Zstd => {
+                let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+                let workers = cores.min(meta.nr_cpus as usize).min(ZSTD_MAX_WORKERS);
+                super::zpool::ZPool::new(workers, ZSTD_LEVEL, chunk)
+            }
+        };
+        let zstd = match compression {
+            Compression::Zstd if pool.is_none() => {
+                let c = zstd::bulk::Compressor::new(ZSTD_LEVEL)
+                    .map_err(|e| OutputError::BadMeta(format!("zstd: {e}")))?;
+                Some((
+                    c,
+                    Vec::with_capacity(zstd::zstd_safe::compress_bound(chunk)),
+                ))
+            }
+            _ => None,
+        };
         if let Some(t) = &meta.clock.tsc {
             // trace-cmd 3.1.6 ignores the offset and sign-extends mult ≥ 2^31: refuse what it
             // would print differently from our own conversion.
@@ -395,6 +541,8 @@ impl TraceDatSink {
                 file: BufWriter::with_capacity(1 << 20, f),
                 bytes: 0,
                 last_page: None,
+                chunk: Vec::new(),
+                chunks: 0,
             });
         }
         let out = target.open()?;
@@ -404,8 +552,68 @@ impl TraceDatSink {
             scratch: vec![0; meta.page_size],
             meta,
             version,
+            compression,
             spills,
+            zstd,
+            pool,
         })
+    }
+
+    /// Creates the sink for output `path` with `compression`.
+    pub fn create_with(
+        path: impl AsRef<Path>,
+        meta: TraceMeta,
+        version: TraceDatVersion,
+        compression: Compression,
+    ) -> Result<Self, OutputError> {
+        Self::open_with(&OutputTarget::check(path)?, meta, version, compression)
+    }
+
+    /// Compresses CPU `cpu`'s pending pages into one chunk record of its spill file
+    /// (u32 compressed size, u32 uncompressed size, the zstd frame): handed to the
+    /// workers, or compressed here without them.
+    fn flush_chunk(&mut self, cpu: usize) -> Result<(), OutputError> {
+        let Self {
+            pool, spills, zstd, ..
+        } = self;
+        let Some(s) = spills.get_mut(cpu) else {
+            return Ok(());
+        };
+        if s.chunk.is_empty() {
+            return Ok(());
+        }
+        if let Some(pool) = pool.as_mut() {
+            let data = std::mem::replace(&mut s.chunk, pool.buffer());
+            return pool.submit(cpu, data, &mut |c, z, n| write_chunk(spills, c, z, n));
+        }
+        let Some((c, zbuf)) = zstd.as_mut() else {
+            return Ok(());
+        };
+        zbuf.clear();
+        zbuf.reserve(zstd::zstd_safe::compress_bound(s.chunk.len()));
+        c.compress_to_buffer(&s.chunk, zbuf)
+            .map_err(|e| s.err(io::Error::other(format!("zstd: {e}"))))?;
+        let n = s.chunk.len();
+        s.chunk.clear();
+        write_chunk(spills, cpu, zbuf, n)
+    }
+
+    /// Waits for the chunks the workers still compress (all written to the spill files).
+    fn wait_chunks(&mut self) -> Result<(), OutputError> {
+        let Self { pool, spills, .. } = self;
+        match pool.as_mut() {
+            Some(pool) => pool.wait_all(&mut |c, z, n| write_chunk(spills, c, z, n)),
+            None => Ok(()),
+        }
+    }
+
+    /// Size of CPU `cpu`'s data in the file: zstd adds the u32 chunk count (a CPU
+    /// without pages has no data at all).
+    fn data_size(&self, s: &Spill) -> u64 {
+        match self.compression {
+            Compression::Zstd if s.chunks > 0 => 4 + s.bytes,
+            _ => s.bytes,
+        }
     }
 
     /// Output path (as given).
@@ -417,12 +625,34 @@ impl TraceDatSink {
         let Some(mut out) = self.out.take() else {
             return Err(OutputError::Closed);
         };
-        let sizes: Vec<u64> = self.spills.iter().map(|s| s.bytes).collect();
-        let (head, data_start) = metadata(&self.meta, &summary.cpus, &sizes, self.version);
+        for cpu in 0..self.spills.len() {
+            self.flush_chunk(cpu)?;
+        }
+        self.wait_chunks()?;
+        self.pool = None;
+        let sizes: Vec<u64> = self.spills.iter().map(|s| self.data_size(s)).collect();
+        let (head, data_start) = metadata(
+            &self.meta,
+            &summary.cpus,
+            &sizes,
+            self.version,
+            self.compression,
+        )?;
         out.write_all(&head).map_err(|e| out.error(e))?;
-        let pad = data_start - head.len() as u64;
-        io::copy(&mut io::Read::take(io::repeat(0), pad), &mut out).map_err(|e| out.error(e))?;
-        for s in &mut self.spills {
+        let offsets = cpu_offsets(data_start, &sizes, self.meta.page_size as u64);
+        let mut at = head.len() as u64;
+        for ((s, &size), &off) in self.spills.iter_mut().zip(&sizes).zip(&offsets) {
+            let pad = off - at;
+            io::copy(&mut io::Read::take(io::repeat(0), pad), &mut out)
+                .map_err(|e| out.error(e))?;
+            at = off + size;
+            if size == 0 {
+                continue;
+            }
+            if self.compression == Compression::Zstd {
+                out.write_all(&s.chunks.to_le_bytes())
+                    .map_err(|e| out.error(e))?;
+            }
             s.file
                 .flush()
                 .map_err(|e| OutputError::io(s.file.get_ref().path(), e))?;
@@ -456,6 +686,7 @@ impl TraceDatSink {
 
     /// Removes every spill and temporary file.
     fn cleanup(&mut self) {
+        self.pool = None;
         self.spills.clear();
         self.out = None;
     }
@@ -482,19 +713,29 @@ impl TraceDatSink {
     /// plain copy.
     fn last_time(&mut self, cpu: u32) -> Result<u64, OutputError> {
         use std::os::unix::fs::FileExt;
+        let ps = self.meta.page_size;
         let s = &mut self.spills[cpu as usize];
-        let Some(at) = s.last_page else {
-            return Ok(0);
+        let page = if self.compression == Compression::Zstd {
+            // The last page is still in the pending chunk (see `page`).
+            match s.chunk.len().checked_sub(ps) {
+                Some(at) => s.chunk[at..].to_vec(),
+                None => return Ok(0),
+            }
+        } else {
+            let Some(at) = s.last_page else {
+                return Ok(0);
+            };
+            s.file
+                .flush()
+                .map_err(|e| OutputError::io(s.file.get_ref().path(), e))?;
+            let mut page = vec![0u8; ps];
+            s.file
+                .get_ref()
+                .file()
+                .read_exact_at(&mut page, at)
+                .map_err(|e| s.err(e))?;
+            page
         };
-        s.file
-            .flush()
-            .map_err(|e| OutputError::io(s.file.get_ref().path(), e))?;
-        let mut page = vec![0u8; self.meta.page_size];
-        s.file
-            .get_ref()
-            .file()
-            .read_exact_at(&mut page, at)
-            .map_err(|e| s.err(e))?;
         let Some((ts, commit)) = hyptrace_abi::page::page_header(&page) else {
             return Ok(0);
         };
@@ -521,6 +762,18 @@ impl PageSink for TraceDatSink {
         }
         self.meta.check_page(cpu, page)?;
         export_page_into(cpu, page, missed, &mut self.scratch)?;
+        if self.compression == Compression::Zstd {
+            let c = cpu as usize;
+            // Compress a full chunk only when the next page arrives: the CPU's last page
+            // stays in memory for `trailing_lost`.
+            if self.spills[c].chunk.len() >= ZSTD_CHUNK_PAGES * self.meta.page_size {
+                if let Err(e) = self.flush_chunk(c) {
+                    return self.fail(e);
+                }
+            }
+            self.spills[c].chunk.extend_from_slice(&self.scratch);
+            return Ok(());
+        }
         let s = &mut self.spills[cpu as usize];
         if let Err(e) = s.file.write_all(&self.scratch) {
             let e = s.err(e);
@@ -578,6 +831,23 @@ impl Drop for TraceDatSink {
     }
 }
 
+/// Appends one chunk record (u32 compressed size, u32 uncompressed size, the zstd frame
+/// `z` of `n` bytes of pages) to CPU `cpu`'s spill file.
+fn write_chunk(spills: &mut [Spill], cpu: usize, z: &[u8], n: usize) -> Result<(), OutputError> {
+    let Some(s) = spills.get_mut(cpu) else {
+        return Ok(());
+    };
+    // Both fit: a chunk is at most ZSTD_CHUNK_PAGES pages of at most MAX_PAGE_SIZE.
+    let mut rec = [0u8; 8];
+    rec[..4].copy_from_slice(&(z.len() as u32).to_le_bytes());
+    rec[4..].copy_from_slice(&(n as u32).to_le_bytes());
+    s.file.write_all(&rec).map_err(|e| s.err(e))?;
+    s.file.write_all(z).map_err(|e| s.err(e))?;
+    s.bytes += 8 + z.len() as u64;
+    s.chunks += 1;
+    Ok(())
+}
+
 /// Writes a whole trace.dat at once: `pages` are `(cpu, raw ring page, missed)` in order
 /// per CPU (see [`PageSink::page`]).
 pub fn write_trace_dat<'a>(
@@ -587,7 +857,19 @@ pub fn write_trace_dat<'a>(
     pages: impl IntoIterator<Item = (u32, &'a [u8], Option<u64>)>,
     summary: &RunSummary,
 ) -> Result<(), OutputError> {
-    let mut sink = Box::new(TraceDatSink::create(path, meta, version)?);
+    write_trace_dat_with(path, meta, version, Compression::None, pages, summary)
+}
+
+/// [`write_trace_dat`] with a compression.
+pub fn write_trace_dat_with<'a>(
+    path: impl AsRef<Path>,
+    meta: TraceMeta,
+    version: TraceDatVersion,
+    compression: Compression,
+    pages: impl IntoIterator<Item = (u32, &'a [u8], Option<u64>)>,
+    summary: &RunSummary,
+) -> Result<(), OutputError> {
+    let mut sink = Box::new(TraceDatSink::create_with(path, meta, version, compression)?);
     for (cpu, page, missed) in pages {
         sink.page(cpu, page, missed)?;
     }
@@ -608,6 +890,96 @@ mod tests {
             clock_text("mine"),
             "local global counter uptime perf mono mono_raw boot tai x86-tsc [mine]\n"
         );
+    }
+
+    /// Pages of `cpu` with `n` small events each (valid for `check_page`/export).
+    fn test_pages(cpu: u32, count: usize) -> Vec<Vec<u8>> {
+        (0..count)
+            .map(|i| {
+                let mut p = vec![0u8; 4096];
+                p[..8].copy_from_slice(&(1_000 + i as u64 * 10_000).to_le_bytes());
+                let payload = hyptrace_abi::events::marker(
+                    hyptrace_abi::events::vcpu_pid(cpu),
+                    i as u64,
+                    (i * 7919) as u64,
+                );
+                let mut hdr = [0u8; 8];
+                let n = hyptrace_abi::page::encode_data_header(&mut hdr, payload.len(), 0);
+                p[16..16 + n].copy_from_slice(&hdr[..n]);
+                p[16 + n..16 + n + payload.len()].copy_from_slice(&payload);
+                p[8..16].copy_from_slice(&((n + payload.len()) as u64).to_le_bytes());
+                p
+            })
+            .collect()
+    }
+
+    fn write_zstd(dir: &Path, name: &str, inline: bool) -> Vec<u8> {
+        let path = dir.join(name);
+        let meta = TraceMeta::guest(4096, 3, crate::Clock::nanoseconds());
+        let mut s =
+            TraceDatSink::create_with(&path, meta, TraceDatVersion::V7, Compression::Zstd).unwrap();
+        if inline {
+            s.pool = None;
+            s.zstd = Some((zstd::bulk::Compressor::new(ZSTD_LEVEL).unwrap(), Vec::new()));
+        } else {
+            assert!(s.pool.is_some());
+        }
+        // CPU 2 gets no page; CPU 1 ends mid-chunk; losses and a trailing loss.
+        let (a, b) = (test_pages(0, 95), test_pages(1, 23));
+        for (i, p) in a.iter().enumerate() {
+            s.page(0, p, (i == 40).then_some(3)).unwrap();
+            if let Some(p) = b.get(i) {
+                s.page(1, p, None).unwrap();
+            }
+        }
+        s.trailing_lost(1, 9).unwrap();
+        Box::new(s).finish(&RunSummary::default()).unwrap();
+        std::fs::read(&path).unwrap()
+    }
+
+    /// The worker threads write exactly what compressing on the caller's thread writes,
+    /// and the file reads back page for page.
+    #[test]
+    fn zstd_workers_match_inline() {
+        let dir = tempfile::tempdir().unwrap();
+        let pooled = write_zstd(dir.path(), "pool.dat", false);
+        let inline = write_zstd(dir.path(), "inline.dat", true);
+        assert!(pooled == inline, "worker and inline files differ");
+        let f = crate::TraceFile::parse(&pooled).unwrap();
+        assert_eq!(f.cpus.len(), 3);
+        let pages = |i: usize| {
+            let mut p = f.pages(i).unwrap();
+            let mut n = 0;
+            while let Some(page) = p.next_page().unwrap() {
+                assert_eq!(page.len(), 4096);
+                n += 1;
+            }
+            n
+        };
+        assert_eq!(pages(0), 95);
+        assert_eq!(pages(1), 24);
+        assert_eq!(pages(2), 0);
+        assert_eq!(f.event_count(), 95 + 23);
+        assert_eq!(f.dropped().0, 3 + 9);
+        // Only the spill files' leftovers would remain: none.
+        let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+        assert_eq!(left.len(), 2);
+    }
+
+    /// A zstd sink dropped mid-run (chunks in flight) joins its workers and leaves no file.
+    #[test]
+    fn zstd_dropped_leaves_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.dat");
+        let meta = TraceMeta::guest(4096, 2, crate::Clock::nanoseconds());
+        let mut s =
+            TraceDatSink::create_with(&path, meta, TraceDatVersion::V7, Compression::Zstd).unwrap();
+        for p in test_pages(0, 200) {
+            s.page(0, &p, None).unwrap();
+        }
+        drop(s);
+        let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+        assert!(left.is_empty(), "{left:?}");
     }
 
     #[test]

@@ -151,3 +151,45 @@ pub fn trace_cmd(args: &[&str], file: &Path) -> Option<(String, String, bool)> {
 pub fn norm(line: &str) -> String {
     line.split_whitespace().collect::<Vec<_>>().join(" ")
 }
+
+/// Decodes a Perfetto trace with Perfetto's official schema (`perfetto_decode.py`, the
+/// `perfetto` PyPI package's perfetto_trace_pb2) and returns its JSON summary; `None`
+/// (after printing SKIP) when python3 or the package is missing — panics then if
+/// `HYPTRACE_REQUIRE_PERFETTO=1`. Panics if the decoder rejects the file.
+#[allow(dead_code)]
+pub fn perfetto_decode(file: &Path, events: bool) -> Option<serde_json::Value> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/perfetto_decode.py");
+    perfetto_decode_with(&script, file, events)
+}
+
+/// [`perfetto_decode`] with the script's path.
+#[allow(dead_code)]
+pub fn perfetto_decode_with(script: &Path, file: &Path, events: bool) -> Option<serde_json::Value> {
+    let have = Command::new("python3")
+        .args([
+            "-c",
+            "import perfetto.protos.perfetto.trace.perfetto_trace_pb2",
+        ])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !have {
+        if std::env::var("HYPTRACE_REQUIRE_PERFETTO").as_deref() == Ok("1") {
+            panic!("python3 with the perfetto package missing and HYPTRACE_REQUIRE_PERFETTO=1");
+        }
+        println!("SKIP: python3 with the perfetto package (pip install perfetto) not available");
+        return None;
+    }
+    let mut cmd = Command::new("python3");
+    cmd.arg(script).arg(file);
+    if events {
+        cmd.arg("--events");
+    }
+    let o = cmd.output().expect("running python3");
+    assert!(
+        o.status.success(),
+        "perfetto_decode.py rejected {}: {}",
+        file.display(),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    Some(serde_json::from_slice(&o.stdout).expect("decoder JSON"))
+}

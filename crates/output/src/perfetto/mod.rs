@@ -1,0 +1,464 @@
+//! Native Perfetto trace sink (`--format perfetto`): a stream of protobuf `TracePacket`s
+//! (each written as field 1 of `perfetto.protos.Trace`, so the file is a `Trace`), made
+//! with prost from the upstream proto subset in `proto/perfetto_trace.proto`.
+//!
+//! Layout (every packet on trusted sequence [`SEQUENCE_ID`]):
+//! 1. a `ClockSnapshot`: clock [`CLOCK_ID`] (hyptrace's trace clock in ns: the times
+//!    `trace-cmd report -t`, text and JSON show) equal to `BUILTIN_CLOCK_BOOTTIME` at 0,
+//!    the trace's primary clock — the UI's timeline is those same ns; the same packet
+//!    clears the incremental state and interns every event name, category and field
+//!    name of the formats (known up front), which the events refer to by iid
+//!    (`SEQ_NEEDS_INCREMENTAL_STATE`);
+//! 2. a process track [`PROCESS_UUID`] "guest" (pid [`crate::JSON_PID`]) and one thread
+//!    track per vCPU ([`vcpu_track_uuid`], tid = the vCPU's pid, named from the cmdlines);
+//! 3. per event, on its vCPU's track: `guest:span` as a slice (`SLICE_BEGIN` at
+//!    `ts − dur`, `SLICE_END` at `ts`: the guest writes a span when it ends), every
+//!    other event as an instant; the event's fields as debug annotations (integers as
+//!    int/uint, strings as strings, arrays as arrays of uint); lost events as an instant
+//!    `lost N events` (annotation `count`; `lost events` without one when only the flag
+//!    is known) before the page's first event, and a trailing loss after the CPU's last
+//!    event.
+//!
+//! Packets go out as pages arrive (memory: one packet and a write buffer); the trace
+//! processor sorts them by time.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::Path;
+
+use prost::Message;
+
+use crate::export::{export_page_into, page_missed, Missed};
+use crate::format::EventFormat;
+use crate::sink::{PageSink, RunSummary, TraceMeta};
+use crate::sinks::{page_events, Out};
+use crate::target::OutputTarget;
+use crate::text::{field_bytes, field_int};
+use crate::OutputError;
+
+/// The generated Perfetto protos (package `perfetto.protos`, the subset we write).
+#[allow(missing_docs, clippy::all, clippy::pedantic)]
+pub mod protos {
+    include!(concat!(env!("OUT_DIR"), "/perfetto.protos.rs"));
+}
+
+use protos::{
+    clock_snapshot, debug_annotation, trace_packet, track_event, BuiltinClock, ClockSnapshot,
+    DebugAnnotation, DebugAnnotationName, EventCategory, EventName, InternedData,
+    ProcessDescriptor, ThreadDescriptor, TracePacket, TrackDescriptor, TrackEvent,
+};
+
+/// `trusted_packet_sequence_id` of every packet.
+pub const SEQUENCE_ID: u32 = 1;
+/// The sequence-scoped clock of the packets' timestamps (ns of hyptrace's trace clock).
+pub const CLOCK_ID: u32 = 64;
+/// uuid of the "guest" process track.
+pub const PROCESS_UUID: u64 = 1;
+/// Name of the process track.
+pub const PROCESS_NAME: &str = "guest";
+
+/// uuid of vCPU `cpu`'s thread track.
+pub fn vcpu_track_uuid(cpu: u32) -> u64 {
+    0x1000 + u64::from(cpu)
+}
+
+/// Perfetto sink: see the module documentation.
+pub struct PerfettoSink {
+    meta: TraceMeta,
+    out: Option<Out>,
+    scratch: Vec<u8>,
+    /// Encoded packets waiting for a write.
+    buf: Vec<u8>,
+    /// Per CPU: ns of its last event (or lossy page).
+    last: Vec<u64>,
+    /// Interned strings: event id → (name iid, category iid); category and field name
+    /// → iid. Fixed at the start (from the formats).
+    event_iids: BTreeMap<u16, (u64, u64)>,
+    category_iids: BTreeMap<String, u64>,
+    arg_iids: BTreeMap<String, u64>,
+}
+
+/// Categories of hyptrace's own instants.
+const CAT_LOSS: &str = "hyptrace";
+const CAT_UNKNOWN: &str = "unknown";
+/// The annotation of a loss count.
+const ARG_COUNT: &str = "count";
+
+impl PerfettoSink {
+    /// Perfetto trace into `path` (checked and opened as [`OutputTarget`] does).
+    pub fn create(path: impl AsRef<Path>, meta: TraceMeta) -> Result<Self, OutputError> {
+        Self::open(&OutputTarget::check(path)?, meta)
+    }
+
+    /// Perfetto trace into a checked target.
+    pub fn open(target: &OutputTarget, meta: TraceMeta) -> Result<Self, OutputError> {
+        meta.validate()?;
+        Self::new(Out::File(target.open()?), meta)
+    }
+
+    /// Perfetto trace into any writer.
+    pub fn to_writer(w: Box<dyn Write + Send>, meta: TraceMeta) -> Result<Self, OutputError> {
+        Self::new(Out::Writer(w), meta)
+    }
+
+    fn new(out: Out, meta: TraceMeta) -> Result<Self, OutputError> {
+        meta.validate()?;
+        let mut interned = InternedData::default();
+        let mut category_iids = BTreeMap::new();
+        let mut arg_iids = BTreeMap::new();
+        let mut event_iids = BTreeMap::new();
+        let mut category = |name: &str, interned: &mut InternedData| -> u64 {
+            let n = category_iids.len() as u64 + 1;
+            *category_iids.entry(name.to_string()).or_insert_with(|| {
+                interned.event_categories.push(EventCategory {
+                    iid: Some(n),
+                    name: Some(name.to_string()),
+                });
+                n
+            })
+        };
+        category(CAT_LOSS, &mut interned);
+        category(CAT_UNKNOWN, &mut interned);
+        let mut arg = |name: &str, interned: &mut InternedData| {
+            let n = arg_iids.len() as u64 + 1;
+            arg_iids.entry(name.to_string()).or_insert_with(|| {
+                interned.debug_annotation_names.push(DebugAnnotationName {
+                    iid: Some(n),
+                    name: Some(name.to_string()),
+                });
+                n
+            });
+        };
+        arg(ARG_COUNT, &mut interned);
+        for (i, f) in meta.formats.iter().enumerate() {
+            let name = i as u64 + 1;
+            interned.event_names.push(EventName {
+                iid: Some(name),
+                name: Some(f.name.clone()),
+            });
+            event_iids.insert(f.id, (name, category(&f.system, &mut interned)));
+            for fd in &f.fields {
+                arg(&fd.name, &mut interned);
+            }
+        }
+        let mut s = Self {
+            scratch: vec![0; meta.page_size],
+            last: vec![0; meta.nr_cpus as usize],
+            meta,
+            out: Some(out),
+            buf: Vec::with_capacity(1 << 16),
+            event_iids,
+            category_iids,
+            arg_iids,
+        };
+        s.push(TracePacket {
+            timestamp: Some(0),
+            timestamp_clock_id: Some(BuiltinClock::Boottime as u32),
+            sequence_flags: Some(trace_packet::SequenceFlags::SeqIncrementalStateCleared as u32),
+            incremental_state_cleared: Some(true),
+            first_packet_on_sequence: Some(true),
+            interned_data: Some(interned),
+            data: Some(trace_packet::Data::ClockSnapshot(ClockSnapshot {
+                clocks: vec![
+                    clock_snapshot::Clock {
+                        clock_id: Some(CLOCK_ID),
+                        timestamp: Some(0),
+                        ..Default::default()
+                    },
+                    clock_snapshot::Clock {
+                        clock_id: Some(BuiltinClock::Boottime as u32),
+                        timestamp: Some(0),
+                        ..Default::default()
+                    },
+                ],
+                primary_trace_clock: Some(BuiltinClock::Boottime as i32),
+            })),
+            ..Default::default()
+        });
+        s.push(descriptor(TrackDescriptor {
+            uuid: Some(PROCESS_UUID),
+            process: Some(ProcessDescriptor {
+                pid: Some(crate::JSON_PID as i32),
+                process_name: Some(PROCESS_NAME.into()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }));
+        for cpu in 0..s.meta.nr_cpus {
+            let pid = hyptrace_abi::events::vcpu_pid(cpu);
+            let name = s
+                .meta
+                .cmdlines
+                .get(&pid)
+                .cloned()
+                .unwrap_or_else(|| format!("vcpu{cpu}"));
+            s.push(descriptor(TrackDescriptor {
+                uuid: Some(vcpu_track_uuid(cpu)),
+                parent_uuid: Some(PROCESS_UUID),
+                thread: Some(ThreadDescriptor {
+                    pid: Some(crate::JSON_PID as i32),
+                    tid: Some(pid),
+                    thread_name: Some(name),
+                }),
+                ..Default::default()
+            }));
+        }
+        s.flush()?;
+        Ok(s)
+    }
+
+    /// Encodes `p` as one `Trace.packet` (field 1, length-delimited).
+    fn push(&mut self, mut p: TracePacket) {
+        p.optional_trusted_packet_sequence_id = Some(
+            trace_packet::OptionalTrustedPacketSequenceId::TrustedPacketSequenceId(SEQUENCE_ID),
+        );
+        prost::encoding::message::encode(1, &p, &mut self.buf);
+    }
+
+    fn flush(&mut self) -> Result<(), OutputError> {
+        let r = match self.out.as_mut() {
+            Some(o) => o.write_all(&self.buf),
+            None => Ok(()),
+        };
+        self.buf.clear();
+        r
+    }
+
+    /// A track event packet on vCPU `cpu`'s track at `ns` (it may use the interned
+    /// strings).
+    fn event(&mut self, cpu: u32, ns: u64, mut e: TrackEvent) {
+        e.track_uuid = Some(vcpu_track_uuid(cpu));
+        self.push(TracePacket {
+            timestamp: Some(ns),
+            timestamp_clock_id: Some(CLOCK_ID),
+            sequence_flags: Some(trace_packet::SequenceFlags::SeqNeedsIncrementalState as u32),
+            data: Some(trace_packet::Data::TrackEvent(e)),
+            ..Default::default()
+        });
+    }
+
+    /// The interned category `name` (one of those interned at the start).
+    fn category(&self, name: &str) -> Vec<u64> {
+        self.category_iids.get(name).copied().into_iter().collect()
+    }
+
+    /// The `lost N events` instant (`lost events` when the count is unknown).
+    fn lost(&mut self, cpu: u32, ns: u64, count: Option<u64>) {
+        let (name, args) = match count {
+            Some(n) => (
+                format!("lost {n} events"),
+                vec![annotation(
+                    self.arg_iids.get(ARG_COUNT).copied(),
+                    ARG_COUNT,
+                    debug_annotation::Value::UintValue(n),
+                )],
+            ),
+            None => ("lost events".to_string(), Vec::new()),
+        };
+        self.event(
+            cpu,
+            ns,
+            TrackEvent {
+                r#type: Some(track_event::Type::Instant as i32),
+                category_iids: self.category(CAT_LOSS),
+                name_field: Some(track_event::NameField::Name(name)),
+                debug_annotations: args,
+                ..Default::default()
+            },
+        );
+    }
+
+    fn page_inner(&mut self, cpu: u32, page: &[u8]) -> Result<(), OutputError> {
+        let (page_ts, events, _err) = page_events(page);
+        let clock = self.meta.clock.clone();
+        let c = cpu as usize;
+        let missed = page_missed(page);
+        if missed != Missed::None {
+            let ts = events.first().map_or(page_ts, |e| e.0);
+            let count = match missed {
+                Missed::Count(n) => Some(n),
+                _ => None,
+            };
+            self.lost(cpu, clock.to_ns(ts), count);
+            if events.is_empty() {
+                self.last[c] = clock.to_ns(page_ts);
+            }
+        }
+        for (ts, payload) in events {
+            let ns = clock.to_ns(ts);
+            self.last[c] = ns;
+            let id = payload
+                .get(..2)
+                .map_or(0, |b| u16::from_le_bytes([b[0], b[1]]));
+            let (Some(f), Some(&(name_iid, cat_iid))) =
+                (self.meta.format(id), self.event_iids.get(&id))
+            else {
+                self.event(
+                    cpu,
+                    ns,
+                    TrackEvent {
+                        r#type: Some(track_event::Type::Instant as i32),
+                        category_iids: self.category(CAT_UNKNOWN),
+                        name_field: Some(track_event::NameField::Name(format!("event_{id}"))),
+                        ..Default::default()
+                    },
+                );
+                continue;
+            };
+            let is_span =
+                id == hyptrace_abi::events::SPAN_ID && f.system == hyptrace_abi::events::SYSTEM;
+            let e = TrackEvent {
+                category_iids: vec![cat_iid],
+                name_field: Some(track_event::NameField::NameIid(name_iid)),
+                debug_annotations: annotations(f, payload, &self.arg_iids),
+                ..Default::default()
+            };
+            if is_span {
+                let dur = f
+                    .fields
+                    .iter()
+                    .find(|fd| fd.name == "dur")
+                    .and_then(|fd| field_int(fd, payload))
+                    .unwrap_or(0);
+                let begin = ns.saturating_sub(clock.duration_ns(dur));
+                self.event(
+                    cpu,
+                    begin,
+                    TrackEvent {
+                        r#type: Some(track_event::Type::SliceBegin as i32),
+                        ..e
+                    },
+                );
+                self.event(
+                    cpu,
+                    ns,
+                    TrackEvent {
+                        r#type: Some(track_event::Type::SliceEnd as i32),
+                        ..Default::default()
+                    },
+                );
+            } else {
+                self.event(
+                    cpu,
+                    ns,
+                    TrackEvent {
+                        r#type: Some(track_event::Type::Instant as i32),
+                        ..e
+                    },
+                );
+            }
+        }
+        self.flush()
+    }
+}
+
+fn descriptor(d: TrackDescriptor) -> TracePacket {
+    TracePacket {
+        timestamp: Some(0),
+        timestamp_clock_id: Some(CLOCK_ID),
+        data: Some(trace_packet::Data::TrackDescriptor(d)),
+        ..Default::default()
+    }
+}
+
+/// The annotation `name` (by its iid when interned) = `value`.
+fn annotation(iid: Option<u64>, name: &str, value: debug_annotation::Value) -> DebugAnnotation {
+    DebugAnnotation {
+        name_field: Some(annotation_name(iid, name)),
+        value: Some(value),
+        ..Default::default()
+    }
+}
+
+fn annotation_name(iid: Option<u64>, name: &str) -> debug_annotation::NameField {
+    match iid {
+        Some(i) => debug_annotation::NameField::NameIid(i),
+        None => debug_annotation::NameField::Name(name.into()),
+    }
+}
+
+/// The event's fields as debug annotations (names interned in `iids`).
+fn annotations(
+    f: &EventFormat,
+    payload: &[u8],
+    iids: &BTreeMap<String, u64>,
+) -> Vec<DebugAnnotation> {
+    use debug_annotation::Value;
+    f.fields
+        .iter()
+        .filter_map(|fd| {
+            let iid = iids.get(&fd.name).copied();
+            if fd.is_string() {
+                let b = field_bytes(fd, payload)?;
+                Some(annotation(
+                    iid,
+                    &fd.name,
+                    Value::StringValue(String::from_utf8_lossy(b).into_owned()),
+                ))
+            } else if fd.is_array() || fd.is_data_loc() || fd.is_rel_loc() {
+                let b = field_bytes(fd, payload)?;
+                Some(DebugAnnotation {
+                    name_field: Some(annotation_name(iid, &fd.name)),
+                    array_values: b
+                        .iter()
+                        .map(|&x| DebugAnnotation {
+                            value: Some(Value::UintValue(u64::from(x))),
+                            ..Default::default()
+                        })
+                        .collect(),
+                    ..Default::default()
+                })
+            } else {
+                let v = field_int(fd, payload)?;
+                Some(annotation(
+                    iid,
+                    &fd.name,
+                    if fd.signed {
+                        Value::IntValue(v as i64)
+                    } else {
+                        Value::UintValue(v)
+                    },
+                ))
+            }
+        })
+        .collect()
+}
+
+impl PageSink for PerfettoSink {
+    fn page(&mut self, cpu: u32, page: &[u8], missed: Option<u64>) -> Result<(), OutputError> {
+        self.meta.check_page(cpu, page)?;
+        export_page_into(cpu, page, missed, &mut self.scratch)?;
+        let scratch = std::mem::take(&mut self.scratch);
+        let r = self.page_inner(cpu, &scratch);
+        self.scratch = scratch;
+        r
+    }
+
+    /// A `lost N events` instant at the time of the CPU's last event.
+    fn trailing_lost(&mut self, cpu: u32, lost: u64) -> Result<(), OutputError> {
+        let Some(&ns) = self.last.get(cpu as usize) else {
+            return Err(OutputError::BadPage {
+                cpu,
+                reason: format!("cpu {cpu} ≥ nr_cpus {}", self.meta.nr_cpus),
+            });
+        };
+        if lost == 0 {
+            return Ok(());
+        }
+        self.lost(cpu, ns, Some(lost));
+        self.flush()
+    }
+
+    fn finish(mut self: Box<Self>, _summary: &RunSummary) -> Result<(), OutputError> {
+        self.flush()?;
+        match self.out.take() {
+            Some(o) => o.close(),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Decodes a whole Perfetto trace written by [`PerfettoSink`] (tests, `convert`).
+pub fn decode_trace(bytes: &[u8]) -> Result<protos::Trace, OutputError> {
+    protos::Trace::decode(bytes).map_err(|e| OutputError::format(0, format!("perfetto: {e}")))
+}
