@@ -7,8 +7,11 @@ mod error;
 mod export;
 pub mod format;
 pub mod merge;
+mod plugins;
+pub mod printfmt;
 mod sink;
 mod sinks;
+pub mod symbols;
 mod target;
 pub mod text;
 pub mod tracedat;
@@ -23,11 +26,13 @@ pub use format::{
     guest_formats, trailing_lost_format, EventFormat, Field, HYPTRACE_SYSTEM, TRAILING_LOST_NAME,
 };
 pub use merge::{MergeWindow, Merged, Merger, Released};
+pub use printfmt::{Program, Unsupported};
 /// The old name of [`KernelCpuStat`], kept only until the host uses the new one.
 #[doc(hidden)]
 pub use sink::KernelCpuStat as CpuStats;
 pub use sink::{KernelCpuStat, PageSink, RunSummary, TraceMeta};
 pub use sinks::{JsonSink, RawSink, RawTrace, TextSink, JSON_PID, RAW_MAGIC};
+pub use symbols::KernelSymbols;
 pub use target::{OutputFile, OutputTarget, TargetKind};
 pub use text::{
     escape_guest_bytes, escape_guest_str, escaped_guest_bytes, format_drop, format_event,

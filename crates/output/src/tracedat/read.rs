@@ -68,6 +68,8 @@ pub struct TraceFile {
     pub options: Vec<TraceOption>,
     /// Pages per CPU, by CPU number.
     pub cpus: Vec<CpuBuffer>,
+    /// Kernel symbols (kallsyms and printk formats sections) for `%pS` and plugins.
+    pub symbols: std::sync::Arc<crate::symbols::KernelSymbols>,
     printers: BTreeMap<u16, EventPrinter>,
 }
 
@@ -213,10 +215,9 @@ fn parse_event_formats(c: &mut Cur<'_>, out: &mut Vec<EventFormat>) -> Result<()
     Ok(())
 }
 
-fn skip_u32_sized(c: &mut Cur<'_>, what: &str) -> Result<(), OutputError> {
+fn u32_sized<'a>(c: &mut Cur<'a>, what: &str) -> Result<&'a [u8], OutputError> {
     let n = c.u32(what)? as usize;
-    c.bytes(n, what)?;
-    Ok(())
+    c.bytes(n, what)
 }
 
 fn parse_cmdlines(c: &mut Cur<'_>, out: &mut BTreeMap<i32, String>) -> Result<(), OutputError> {
@@ -239,6 +240,10 @@ fn selected_clock(text: &str) -> Option<String> {
 }
 
 impl<'a> Parser<'a> {
+    fn symbols(&mut self) -> &mut crate::symbols::KernelSymbols {
+        std::sync::Arc::make_mut(&mut self.f.symbols)
+    }
+
     fn option(&mut self, id: u16, data: &[u8]) {
         match id {
             option::TRACECLOCK => {
@@ -310,8 +315,9 @@ impl<'a> Parser<'a> {
         self.f.header_page = parse_header_info(c)?;
         parse_ftrace_events(c, &mut self.f.formats)?;
         parse_event_formats(c, &mut self.f.formats)?;
-        skip_u32_sized(c, "kallsyms")?;
-        skip_u32_sized(c, "printk formats")?;
+        let syms = self.symbols();
+        syms.parse_kallsyms(u32_sized(c, "kallsyms")?);
+        syms.parse_printk(u32_sized(c, "printk formats")?);
         parse_cmdlines(c, &mut self.f.cmdlines)?;
         self.f.nr_cpus = c.u32("cpu count")?;
         let mut has_clock = false;
@@ -436,6 +442,18 @@ impl<'a> Parser<'a> {
             let s = self.section(off, option::EVENT_FORMATS)?;
             parse_event_formats(&mut Cur::new(&s, 0, 0), &mut self.f.formats)?;
         }
+        for (id, what) in [(option::KALLSYMS, "kallsyms"), (option::PRINTK, "printk")] {
+            if let Some(&off) = sections.get(&id) {
+                let s = self.section(off, id)?;
+                let text = u32_sized(&mut Cur::new(&s, 0, 0), what)?;
+                let syms = self.symbols();
+                if id == option::KALLSYMS {
+                    syms.parse_kallsyms(text);
+                } else {
+                    syms.parse_printk(text);
+                }
+            }
+        }
         if let Some(&off) = sections.get(&option::CMDLINES) {
             let s = self.section(off, option::CMDLINES)?;
             parse_cmdlines(&mut Cur::new(&s, 0, 0), &mut self.f.cmdlines)?;
@@ -545,6 +563,7 @@ impl TraceFile {
             tsc2nsec: None,
             options: Vec::new(),
             cpus: Vec::new(),
+            symbols: Default::default(),
             printers: BTreeMap::new(),
         };
         let mut p = Parser {
@@ -575,7 +594,10 @@ impl TraceFile {
         f.printers = f
             .formats
             .iter()
-            .map(|e| (e.id, EventPrinter::new(e.clone())))
+            .map(|e| {
+                let p = EventPrinter::with_symbols(e.clone(), f.symbols.clone(), f.long_size);
+                (e.id, p)
+            })
             .collect();
         Ok(f)
     }

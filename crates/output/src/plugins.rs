@@ -1,0 +1,311 @@
+//! What the plugins `trace-cmd report` loads by default print instead of (or before) an
+//! event's print fmt, as observed with trace-cmd 3.1.6 on real kernel traces
+//! (tests/fixtures/kernel):
+//!
+//! - sched_switch: `prev_comm:prev_pid [prev_prio] S ==> next_comm:next_pid [next_prio]`,
+//!   the state one letter per set bit of `SDTtZXxW` (bits 0..7, joined by `|`), `R` when
+//!   none (bit 8, preempted, prints nothing);
+//! - sched_wakeup, sched_wakeup_new: `comm:pid [prio] CPU:NNN` (` success=N` before
+//!   `CPU` when the event has a `success` field);
+//! - hrtimer_expire_entry: `hrtimer=0x... now=N function=SYM/0xOFF`;
+//!   hrtimer_start: `hrtimer=0x... function=SYM/0xOFF expires=N softexpires=N`, where
+//!   OFF is `symbol address - value` (so `0x0` at a function's start) and an unknown
+//!   function prints `0x%08llx`;
+//! - kmalloc, kmalloc_node, kfree, kmem_cache_alloc(_node), kmem_cache_free:
+//!   `(SYM+0xOFF) ` then the print fmt;
+//! - kvm_emulate_insn: `CSBASE:RIP: BYTES` (hex, instruction bytes `%02x` joined by
+//!   spaces, ` FAIL` when failed); kvm_mmu_get_page:
+//!   `new|existing sp gfn GFN ROLE`, kvm_mmu_{prepare_zap,zap,sync,unsync}_page: `ROLE`,
+//!   ROLE being `level qQUADRANT[ direct] ACCESS[ invalid] [!]pae [!]nxe [!]wp[ smep][ smap][ smm] root N sync|unsync`.
+
+use crate::format::EventFormat;
+use crate::printfmt::{push_hex, push_sym, FieldRef};
+use crate::symbols::KernelSymbols;
+
+/// A plugin's handler, with its fields resolved.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Plugin {
+    SchedSwitch([FieldRef; 7]),
+    SchedWakeup([FieldRef; 4], Option<FieldRef>),
+    HrtimerExpireEntry([FieldRef; 3]),
+    HrtimerStart([FieldRef; 4]),
+    /// Prefix, then the print fmt.
+    KmemCallSite(FieldRef),
+    KvmEmulateInsn {
+        rip: FieldRef,
+        csbase: FieldRef,
+        len: FieldRef,
+        insn: FieldRef,
+        failed: Option<FieldRef>,
+    },
+    KvmMmuPage {
+        get_page: Option<(FieldRef, FieldRef)>,
+        role: FieldRef,
+        root_count: FieldRef,
+        unsync: FieldRef,
+    },
+}
+
+impl Plugin {
+    /// The plugin handler of `fmt`, if trace-cmd has one and the fields it reads exist.
+    pub(crate) fn for_format(fmt: &EventFormat) -> Option<Self> {
+        let f = |n: &str| fmt.field(n).map(FieldRef::new);
+        Some(match (fmt.system.as_str(), fmt.name.as_str()) {
+            ("sched", "sched_switch") => Self::SchedSwitch([
+                f("prev_comm")?,
+                f("prev_pid")?,
+                f("prev_prio")?,
+                f("prev_state")?,
+                f("next_comm")?,
+                f("next_pid")?,
+                f("next_prio")?,
+            ]),
+            ("sched", "sched_wakeup" | "sched_wakeup_new") => Self::SchedWakeup(
+                [f("comm")?, f("pid")?, f("prio")?, f("target_cpu")?],
+                f("success"),
+            ),
+            ("timer", "hrtimer_expire_entry") => {
+                Self::HrtimerExpireEntry([f("hrtimer")?, f("now")?, f("function")?])
+            }
+            ("timer", "hrtimer_start") => Self::HrtimerStart([
+                f("hrtimer")?,
+                f("function")?,
+                f("expires")?,
+                f("softexpires")?,
+            ]),
+            (
+                "kmem",
+                "kmalloc"
+                | "kmalloc_node"
+                | "kfree"
+                | "kmem_cache_alloc"
+                | "kmem_cache_alloc_node"
+                | "kmem_cache_free",
+            ) => Self::KmemCallSite(f("call_site")?),
+            ("kvm", "kvm_emulate_insn") => Self::KvmEmulateInsn {
+                rip: f("rip")?,
+                csbase: f("csbase")?,
+                len: f("len")?,
+                insn: f("insn")?,
+                failed: f("failed"),
+            },
+            ("kvmmmu", "kvm_mmu_get_page") => Self::KvmMmuPage {
+                get_page: Some((f("created")?, f("gfn")?)),
+                role: f("role")?,
+                root_count: f("root_count")?,
+                unsync: f("unsync")?,
+            },
+            (
+                "kvmmmu",
+                "kvm_mmu_prepare_zap_page"
+                | "kvm_mmu_zap_page"
+                | "kvm_mmu_sync_page"
+                | "kvm_mmu_unsync_page",
+            ) => Self::KvmMmuPage {
+                get_page: None,
+                role: f("role")?,
+                root_count: f("root_count")?,
+                unsync: f("unsync")?,
+            },
+            _ => return None,
+        })
+    }
+
+    /// Whether the event's print fmt follows what the plugin prints.
+    pub(crate) fn then_print_fmt(&self) -> bool {
+        matches!(self, Self::KmemCallSite(_))
+    }
+
+    /// Appends what the plugin prints; `None` (nothing appended) if a field is missing.
+    pub(crate) fn run(&self, out: &mut String, p: &[u8], syms: &KernelSymbols) -> Option<()> {
+        let start = out.len();
+        let r = self.run_inner(out, p, syms);
+        if r.is_none() {
+            out.truncate(start);
+        }
+        r
+    }
+
+    fn run_inner(&self, out: &mut String, p: &[u8], syms: &KernelSymbols) -> Option<()> {
+        let mut num = itoa::Buffer::new();
+        match self {
+            Self::SchedSwitch([pc, pp, ppr, ps, nc, np, npr]) => {
+                comm_pid_prio(out, p, pc, pp, ppr)?;
+                out.push(' ');
+                let state = ps.int(p)?;
+                if state & 0xff == 0 {
+                    out.push('R');
+                } else {
+                    let mut first = true;
+                    for (i, c) in "SDTtZXxW".chars().enumerate() {
+                        if state & (1 << i) != 0 {
+                            if !first {
+                                out.push('|');
+                            }
+                            first = false;
+                            out.push(c);
+                        }
+                    }
+                }
+                out.push_str(" ==> ");
+                comm_pid_prio(out, p, nc, np, npr)?;
+            }
+            Self::SchedWakeup([c, pid, prio, cpu], success) => {
+                comm_pid_prio(out, p, c, pid, prio)?;
+                if let Some(s) = success {
+                    out.push_str(" success=");
+                    out.push_str(num.format(s.int(p)? as i64));
+                }
+                out.push_str(" CPU:");
+                let c = num.format(cpu.int(p)? as i32);
+                if !c.starts_with('-') {
+                    out.extend(std::iter::repeat_n('0', 3usize.saturating_sub(c.len())));
+                }
+                out.push_str(c);
+            }
+            Self::HrtimerExpireEntry([t, now, func]) => {
+                out.push_str("hrtimer=");
+                push_hex(out, t.int(p)?);
+                out.push_str(" now=");
+                out.push_str(num.format(now.int(p)?));
+                out.push_str(" function=");
+                func_field(out, syms, func.int(p)?);
+            }
+            Self::HrtimerStart([t, func, exp, soft]) => {
+                out.push_str("hrtimer=");
+                push_hex(out, t.int(p)?);
+                out.push_str(" function=");
+                func_field(out, syms, func.int(p)?);
+                out.push_str(" expires=");
+                out.push_str(num.format(exp.int(p)?));
+                out.push_str(" softexpires=");
+                out.push_str(num.format(soft.int(p)?));
+            }
+            Self::KmemCallSite(cs) => {
+                let v = cs.int(p)?;
+                if let Some(s) = syms.lookup(v) {
+                    out.push('(');
+                    push_sym(out, syms, v, true);
+                    out.push_str(") ");
+                    let _ = s;
+                }
+            }
+            Self::KvmEmulateInsn {
+                rip,
+                csbase,
+                len,
+                insn,
+                failed,
+            } => {
+                let mut h = String::new();
+                push_hex(&mut h, csbase.int(p)?);
+                out.push_str(&h[2..]);
+                out.push(':');
+                h.clear();
+                push_hex(&mut h, rip.int(p)?);
+                out.push_str(&h[2..]);
+                out.push_str(": ");
+                let b = insn.bytes(p)?;
+                let n = usize::try_from(len.int(p)?).ok()?.min(b.len());
+                for (i, x) in b[..n].iter().enumerate() {
+                    if i > 0 {
+                        out.push(' ');
+                    }
+                    out.push_str(&format!("{x:02x}"));
+                }
+                if let Some(f) = failed {
+                    if f.int(p)? != 0 {
+                        out.push_str(" FAIL");
+                    }
+                }
+            }
+            Self::KvmMmuPage {
+                get_page,
+                role,
+                root_count,
+                unsync,
+            } => {
+                if let Some((created, gfn)) = get_page {
+                    out.push_str(if created.int(p)? != 0 {
+                        "new"
+                    } else {
+                        "existing"
+                    });
+                    out.push_str(" sp gfn ");
+                    out.push_str(&format!("{:x} ", gfn.int(p)?));
+                }
+                let r = role.int(p)?;
+                const ACCESS: [&str; 8] = ["---", "--x", "w--", "w-x", "-u-", "-ux", "wu-", "wux"];
+                let bit = |n: u32| r >> n & 1 != 0;
+                out.push_str(num.format(r & 0xf));
+                out.push_str(" q");
+                out.push_str(num.format(r >> 5 & 3));
+                if bit(7) {
+                    out.push_str(" direct");
+                }
+                out.push(' ');
+                out.push_str(ACCESS[(r >> 8 & 7) as usize]);
+                if bit(11) {
+                    out.push_str(" invalid");
+                }
+                out.push_str(if bit(4) { " pae" } else { " !pae" });
+                out.push_str(if bit(12) { " nxe" } else { " !nxe" });
+                out.push_str(if bit(13) { " wp" } else { " !wp" });
+                if bit(14) {
+                    out.push_str(" smep");
+                }
+                if bit(15) {
+                    out.push_str(" smap");
+                }
+                if r >> 24 & 0xff != 0 {
+                    out.push_str(" smm");
+                }
+                out.push_str(" root ");
+                out.push_str(num.format(root_count.int(p)? as u32));
+                out.push(' ');
+                out.push_str(if unsync.int(p)? != 0 {
+                    "unsync"
+                } else {
+                    "sync"
+                });
+            }
+        }
+        Some(())
+    }
+}
+
+/// `comm:pid [prio]`.
+fn comm_pid_prio(
+    out: &mut String,
+    p: &[u8],
+    comm: &FieldRef,
+    pid: &FieldRef,
+    prio: &FieldRef,
+) -> Option<()> {
+    let mut num = itoa::Buffer::new();
+    crate::text::escape_guest_bytes(out, comm.bytes(p)?);
+    out.push(':');
+    out.push_str(num.format(pid.int(p)? as i32));
+    out.push_str(" [");
+    out.push_str(num.format(prio.int(p)? as i32));
+    out.push(']');
+    Some(())
+}
+
+/// A function field as the hrtimer plugin prints it: `name/0x(addr - value)`, or
+/// `0x%08llx` when no symbol covers it.
+fn func_field(out: &mut String, syms: &KernelSymbols, v: u64) {
+    match syms.lookup(v) {
+        Some(s) => {
+            out.push_str(s.name);
+            out.push('/');
+            push_hex(out, s.addr.wrapping_sub(v));
+        }
+        None => {
+            let h = format!("{v:x}");
+            out.push_str("0x");
+            out.extend(std::iter::repeat_n('0', 8usize.saturating_sub(h.len())));
+            out.push_str(&h);
+        }
+    }
+}

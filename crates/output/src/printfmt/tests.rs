@@ -1,0 +1,156 @@
+use super::*;
+
+fn fmt_with(fields: &[(&str, &str, usize, usize, bool)]) -> EventFormat {
+    let mut f = crate::format::guest_formats().remove(0);
+    f.fields = fields
+        .iter()
+        .map(|&(t, n, offset, size, signed)| Field {
+            type_name: t.into(),
+            name: n.into(),
+            offset,
+            size,
+            signed,
+        })
+        .collect();
+    f
+}
+
+fn run(fmt: &EventFormat, pf: &str, payload: &[u8]) -> String {
+    let p = Program::compile(fmt, pf, 8).unwrap_or_else(|e| panic!("{pf}: {e}"));
+    let mut s = String::new();
+    p.run(&mut s, payload, &KernelSymbols::new()).unwrap();
+    s
+}
+
+fn payload(vals: &[(usize, &[u8])]) -> Vec<u8> {
+    let mut p = vec![0u8; 64];
+    for (o, b) in vals {
+        p[*o..*o + b.len()].copy_from_slice(b);
+    }
+    p
+}
+
+#[test]
+fn conversions() {
+    let f = fmt_with(&[
+        ("int", "a", 8, 4, true),
+        ("unsigned long", "b", 16, 8, false),
+        ("char[8]", "s", 24, 8, false),
+    ]);
+    let p = payload(&[
+        (8, &(-5i32).to_le_bytes()),
+        (16, &0x7fc0_afc0_0000u64.to_le_bytes()),
+        (24, b"abc\0"),
+    ]);
+    let pf = r#""%d %u %x %5d|%-5d|%05d %+d %.3d %ld %lld %hhd", REC->a, REC->a, REC->a, REC->a, REC->a, REC->a, REC->a, REC->a, REC->a, REC->a, REC->a"#;
+    assert_eq!(
+        run(&f, pf, &p),
+        "-5 4294967291 fffffffb    -5|-5   |-0005 -5 -005 -5 -5 -5"
+    );
+    let pf = r#""%#016lx %lx %#x %p %s|%5s|%-5s|%.2s %c%%", REC->b, REC->b, 0, REC->b, REC->s, REC->s, REC->s, REC->s, 'x'"#;
+    assert_eq!(
+        run(&f, pf, &p),
+        "0x007fc0afc00000 7fc0afc00000 0 0x7fc0afc00000 abc|  abc|abc  |ab x%"
+    );
+    assert_eq!(run(&f, r#""%p", 0"#, &p), "(nil)");
+}
+
+#[test]
+fn expressions() {
+    let f = fmt_with(&[
+        ("int", "e", 8, 4, true),
+        ("unsigned int", "r", 12, 4, false),
+    ]);
+    let p = payload(&[(8, &(-4i32).to_le_bytes()), (12, &2u32.to_le_bytes())]);
+    let pf = r#""reason %s (%d)", REC->e < 0 ? (REC->e == -4 ? "restart" : "error") : __print_symbolic(REC->r, { 2, "KVM_EXIT_" "IO" }), REC->e < 0 ? -REC->e : REC->r"#;
+    assert_eq!(run(&f, pf, &p), "reason restart (4)");
+    let p2 = payload(&[(12, &2u32.to_le_bytes())]);
+    assert_eq!(run(&f, pf, &p2), "reason KVM_EXIT_IO (2)");
+    // Casts, unknown identifiers (0 in arithmetic), shifts, UL suffixes.
+    let pf = r#""%lu %d %x %d", (unsigned long)(((struct page *)vmemmap_base) + (REC->r)), (int)(u8)REC->e, (( gfp_t)((((1UL))) << (10))|((((1UL))) << (11))), sizeof(u64)"#;
+    assert_eq!(run(&f, pf, &p), "2 252 c00 8");
+    // Symbolic: unknown names match nothing; flags: table order, rest in hex.
+    let pf = r#""%s %s %s %s", __print_symbolic(REC->r, { MODE_X, "X" }), __print_flags(REC->r | 5, "|", { 1, "A" }, { 2, "B" }, { 1 << (UNKNOWN), "C" }), __print_flags(0, "|", { 0, "NONE" }), __print_flags(REC->r, "|", { 1, "A" })"#;
+    assert_eq!(run(&f, pf, &p), "0x2 A|B|0x4 NONE 0x2");
+}
+
+#[test]
+fn unsupported_and_hostile() {
+    let f = fmt_with(&[("int", "a", 8, 4, true)]);
+    for pf in [
+        r#""%d""#,
+        r#""%d", REC->a, REC->a"#,
+        r#""%pI4", REC->a"#,
+        r#""%d", REC->nope"#,
+        r#""%s", ({ 1; })"#,
+        r#""%*d", 1, REC->a"#,
+        "\"%d\", REC->a +",
+        "\"unterminated",
+    ] {
+        assert!(Program::compile(&f, pf, 8).is_err(), "{pf}");
+    }
+    let deep = format!("\"%d\", {}1{}", "(".repeat(5000), ")".repeat(5000));
+    assert!(Program::compile(&f, &deep, 8).is_err());
+    let p = Program::compile(&f, r#""x=%d y=%d", REC->a, 1 / REC->a"#, 8).unwrap();
+    let mut s = String::from("keep");
+    assert!(p.run(&mut s, &[0u8; 12], &KernelSymbols::new()).is_none());
+    assert_eq!(s, "keep");
+    assert!(p.run(&mut s, &[0u8; 10], &KernelSymbols::new()).is_none());
+}
+
+#[test]
+fn symbols() {
+    let f = fmt_with(&[("unsigned long", "ip", 8, 8, false)]);
+    let mut k = KernelSymbols::new();
+    k.parse_kallsyms(b"ffffffff81000000 T foo\nffffffff81000100 T bar\n");
+    let p = Program::compile(&f, r#""%pS %ps %pS""#.replace("\"\"", "").as_str(), 8);
+    assert!(p.is_err());
+    let p = Program::compile(&f, r#""%pS %ps %pS", REC->ip, REC->ip, 5"#, 8).unwrap();
+    let mut s = String::new();
+    p.run(
+        &mut s,
+        &payload(&[(8, &0xffffffff81000010u64.to_le_bytes())]),
+        &k,
+    )
+    .unwrap();
+    assert_eq!(s, "foo+0x10 foo 0x5");
+}
+
+#[test]
+fn timer_start_flags() {
+    let f = fmt_with(&[("unsigned int", "flags", 8, 4, false)]);
+    let pf = r#""cpu=%u idx=%u flags=%s", REC->flags & 0x0003FFFF, REC->flags >> 22, __print_flags(REC->flags & (0x00040000 | 0x00080000 | 0x00100000 | 0x00200000), "|", { 0x00040000, "M" }, { 0x00080000, "D" }, { 0x00100000, "P" }, { 0x00200000, "I" })"#;
+    let v: u32 = 0x380000 | (54 << 22) | 1;
+    assert_eq!(
+        run(&f, pf, &payload(&[(8, &v.to_le_bytes())])),
+        "cpu=1 idx=54 flags=D|P|I"
+    );
+}
+
+/// libtraceevent's grouping, which trace-cmd prints: `x & (a | b | c | d)` is
+/// `(x & a) | b | c | d` (timer_start's flags print `D|P|I` for flags with none of
+/// those bits, as trace-cmd 3.1.6 prints them in tests/fixtures/kernel/kernel.txt).
+#[test]
+fn libtraceevent_grouping() {
+    let f = fmt_with(&[("unsigned int", "flags", 8, 4, false)]);
+    let pf = r#""flags=%s", __print_flags(REC->flags & (0x00040000 | 0x00080000 | 0x00100000 | 0x00200000), "|", { 0x00040000, "M" }, { 0x00080000, "D" }, { 0x00100000, "P" }, { 0x00200000, "I" })"#;
+    let v: u32 = 0xD80_0001;
+    assert_eq!(
+        run(&f, pf, &payload(&[(8, &v.to_le_bytes())])),
+        "flags=D|P|I"
+    );
+    // Equal operators group to the right; a looser one takes the whole.
+    assert_eq!(
+        run(
+            &f,
+            r#""%d %d %d", 10 - 4 - 3, 2 * 3 + 4, 1 + 2 * 3"#,
+            &[0u8; 12]
+        ),
+        "9 10 7"
+    );
+    // `x != -1 ? a : b` is `(x != -1) ? a : b`.
+    assert_eq!(
+        run(&f, r#""%d", REC->flags != -1 ? 5 : 6"#, &[0u8; 12]),
+        "5"
+    );
+}
