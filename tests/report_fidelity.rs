@@ -149,3 +149,60 @@ fn report_is_line_identical_to_trace_cmd_now() {
         }
     }
 }
+
+/// Rewrites every address of the kallsyms text in a v6 trace.dat (same length, so every
+/// offset stays valid) with `f`.
+fn rewrite_kallsyms(data: &mut [u8], f: impl Fn(u64) -> u64) {
+    let hex = |b: &u8| b.is_ascii_digit() || (b'a'..=b'f').contains(b);
+    let start = (4..data.len().saturating_sub(20))
+        .find(|&i| {
+            data[i..i + 16].iter().all(hex)
+                && data[i + 16] == b' '
+                && data[i + 18] == b' '
+                && !hex(&data[i - 1])
+        })
+        .expect("kallsyms text");
+    let n = u32::from_le_bytes(data[start - 4..start].try_into().unwrap()) as usize;
+    let text = &mut data[start..start + n];
+    let mut line = 0;
+    while line + 16 <= text.len() {
+        let a = std::str::from_utf8(&text[line..line + 16]).unwrap();
+        let a = u64::from_str_radix(a, 16).unwrap();
+        text[line..line + 16].copy_from_slice(format!("{:016x}", f(a)).as_bytes());
+        match text[line..].iter().position(|&b| b == b'\n') {
+            Some(p) => line += p + 1,
+            None => break,
+        }
+    }
+}
+
+/// Addresses no symbol covers (`%pS` and the hrtimer plugin print hex, the kmem plugin
+/// prints no prefix) and addresses inside a symbol whose start lies after them (the
+/// hrtimer plugin's `/0x` offset is `symbol - address`, wrapped): as trace-cmd prints them.
+#[test]
+fn unresolved_and_shifted_symbols_as_trace_cmd() {
+    if !env::trace_cmd_available() {
+        return;
+    }
+    let tmp = env::TempDir::new("fidelity");
+    type Rewrite = fn(u64) -> u64;
+    let rewrites: [(&str, Rewrite); 2] = [("none", |_| 0), ("shifted", |a| a.wrapping_add(0x20))];
+    for name in FIXTURES {
+        for (tag, f) in rewrites {
+            let mut data = std::fs::read(dir().join(format!("{name}-v6.dat"))).unwrap();
+            rewrite_kallsyms(&mut data, f);
+            let file = PathBuf::from(tmp.file(&format!("{name}-{tag}.dat")));
+            std::fs::write(&file, &data).unwrap();
+            let out = Command::new("trace-cmd")
+                .arg("report")
+                .arg("-t")
+                .arg(&file)
+                .output()
+                .expect("run trace-cmd");
+            let theirs = String::from_utf8_lossy(&out.stdout);
+            let (text, _) = ours(&file);
+            assert!(text.lines().count() > 500);
+            assert_identical(&format!("{name} kallsyms {tag}"), &text, &theirs);
+        }
+    }
+}
