@@ -301,7 +301,8 @@ pub fn format_fields_raw(out: &mut String, fmt: &EventFormat, payload: &[u8]) {
 enum Handler {
     /// The compiled print fmt.
     Program(Program),
-    /// A trace-cmd plugin's output, then the print fmt if the plugin continues with it.
+    /// A trace-cmd plugin's output and the compiled print fmt (printed after a prefix
+    /// plugin's output, or instead of what a plugin does not handle).
     Plugin(Plugin, Option<Program>),
     /// Raw fields (`name=value`), with why.
     Raw(String),
@@ -334,8 +335,8 @@ impl EventPrinter {
         let guest_fast = crate::format::guest_formats().contains(&format);
         let program = Program::compile(&format, &format.print_fmt, long_size);
         let handler = match (Plugin::for_format(&format), program) {
-            (Some(pl), Ok(p)) if pl.then_print_fmt() => Handler::Plugin(pl, Some(p)),
-            (Some(pl), _) if !pl.then_print_fmt() => Handler::Plugin(pl, None),
+            (Some(pl), Ok(p)) => Handler::Plugin(pl, Some(p)),
+            (Some(pl), Err(_)) if !pl.then_print_fmt() => Handler::Plugin(pl, None),
             (_, Ok(p)) => Handler::Program(p),
             (_, Err(e)) => Handler::Raw(e.0),
         };
@@ -368,11 +369,19 @@ impl EventPrinter {
         let start = out.len();
         let ok = match &self.handler {
             Handler::Program(p) => p.run(out, payload, &self.syms).is_some(),
-            Handler::Plugin(pl, then) => {
+            // A prefix plugin (kmem) then the print fmt; a plugin that prints the
+            // fields instead, or the print fmt for what it does not handle.
+            Handler::Plugin(pl, prog) if pl.then_print_fmt() => {
                 pl.run(out, payload, &self.syms).is_some()
-                    && then
+                    && prog
                         .as_ref()
-                        .is_none_or(|p| p.run(out, payload, &self.syms).is_some())
+                        .is_some_and(|p| p.run(out, payload, &self.syms).is_some())
+            }
+            Handler::Plugin(pl, prog) => {
+                pl.run(out, payload, &self.syms).is_some()
+                    || prog
+                        .as_ref()
+                        .is_some_and(|p| p.run(out, payload, &self.syms).is_some())
             }
             Handler::Raw(_) => false,
         };
