@@ -80,6 +80,23 @@ impl FieldRef {
         }
     }
 
+    /// Element `i` of array field `f` (`unsigned long args[6]`), as an integer field.
+    pub(crate) fn element(f: &Field, i: u64) -> Option<Self> {
+        if !f.is_array() {
+            return None;
+        }
+        let t = &f.type_name;
+        let n: usize = t[t.rfind('[')? + 1..t.len() - 1].trim().parse().ok()?;
+        let el = f.size.checked_div(n)?;
+        let i = usize::try_from(i).ok().filter(|&i| i < n)?;
+        Some(Self {
+            offset: f.offset.checked_add(i.checked_mul(el)?)?,
+            size: el,
+            signed: f.signed,
+            kind: Kind::Int,
+        })
+    }
+
     /// The integer value (sign-extended when signed); `None` for arrays, odd sizes or
     /// past the payload.
     pub(crate) fn int(&self, p: &[u8]) -> Option<u64> {
@@ -105,6 +122,8 @@ impl FieldRef {
     pub(crate) fn bytes<'p>(&self, p: &'p [u8]) -> Option<&'p [u8]> {
         let (b, s) = match self.kind {
             Kind::Int => return None,
+            // A flexible array (`char buf[]`, size 0) runs to the end of the payload.
+            Kind::Array(s) if self.size == 0 => (p.get(self.offset..)?, s),
             Kind::Array(s) => (p.get(self.offset..self.offset.checked_add(self.size)?)?, s),
             Kind::DataLoc(s) | Kind::RelLoc(s) => {
                 let w = p.get(self.offset..self.offset.checked_add(4)?)?;
@@ -191,12 +210,17 @@ struct Spec {
     longs: u8,
     half: u8,
     conv: Conv,
+    /// `*` width, `*` precision.
+    star_width: bool,
+    star_prec: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Op {
     Lit(Box<str>),
     Conv(Spec, Expr),
+    /// A conversion with `*` width and/or precision taken from arguments.
+    StarConv(Spec, Option<Expr>, Option<Expr>, Expr),
 }
 
 /// A compiled print fmt.
@@ -426,8 +450,8 @@ impl Ctx<'_> {
     fn render(&self, e: &Expr, out: &mut String) -> Option<()> {
         match e {
             Expr::Str(s) => out.push_str(s),
-            Expr::Field(f) if f.kind != Kind::Int => escape_guest_bytes(out, f.bytes(self.p)?),
-            Expr::StrField(f) => escape_guest_bytes(out, f.bytes(self.p)?),
+            Expr::Field(f) if f.kind != Kind::Int => push_str_bytes(out, f.bytes(self.p)?),
+            Expr::StrField(f) => push_str_bytes(out, f.bytes(self.p)?),
             Expr::Cond(c, a, b) => {
                 if eval(c, self.p)?.v != 0 {
                     self.render(a, out)?
@@ -524,6 +548,36 @@ impl Ctx<'_> {
             }
         }
         Some(())
+    }
+
+    /// `*` width (negative: left-justified) and precision (negative: none), as C.
+    fn star_conv(
+        &self,
+        sp: &Spec,
+        w: Option<&Expr>,
+        pr: Option<&Expr>,
+        e: &Expr,
+        out: &mut String,
+    ) -> Option<()> {
+        let mut sp = *sp;
+        if let Some(w) = w {
+            let w = cut(eval(w, self.p)?.v, 32, true) as i64;
+            sp.left |= w < 0;
+            sp.width = Some(
+                u16::try_from(w.unsigned_abs())
+                    .ok()
+                    .filter(|&w| w <= 1024)?,
+            );
+        }
+        if let Some(pr) = pr {
+            let pr = cut(eval(pr, self.p)?.v, 32, true) as i64;
+            sp.prec = if pr < 0 {
+                None
+            } else {
+                Some(u16::try_from(pr).unwrap_or(u16::MAX))
+            };
+        }
+        self.conv(&sp, e, out)
     }
 
     fn conv(&self, sp: &Spec, e: &Expr, out: &mut String) -> Option<()> {
@@ -643,6 +697,12 @@ impl Ctx<'_> {
     }
 }
 
+/// A string field: one trailing newline is dropped (a `trace_marker` write ends in one;
+/// trace-cmd prints the event on one line), the rest escaped.
+fn push_str_bytes(out: &mut String, b: &[u8]) {
+    escape_guest_bytes(out, b.strip_suffix(b"\n").unwrap_or(b));
+}
+
 fn push_byte_hex(out: &mut String, x: u8) {
     const D: &[u8; 16] = b"0123456789abcdef";
     out.push(D[usize::from(x >> 4)] as char);
@@ -672,6 +732,7 @@ impl Program {
                     Some(())
                 }
                 Op::Conv(sp, e) => ctx.conv(sp, e, out),
+                Op::StarConv(sp, w, pr, e) => ctx.star_conv(sp, w.as_ref(), pr.as_ref(), e, out),
             };
             if r.is_none() {
                 out.truncate(start);

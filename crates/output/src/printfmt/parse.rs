@@ -165,7 +165,8 @@ fn type_cast(words: &[String], stars: usize, long_size: u8) -> Option<Cast> {
             "s8" | "__s8" | "int8_t" => int(8, true),
             "u16" | "__u16" | "uint16_t" => int(16, false),
             "s16" | "__s16" | "int16_t" => int(16, true),
-            "u32" | "__u32" | "uint32_t" | "gfp_t" | "unsigned" => int(32, false),
+            "u32" | "__u32" | "uint32_t" | "gfp_t" | "unsigned" | "uint" => int(32, false),
+            "ulong" => int(long_bits, false),
             "s32" | "__s32" | "int32_t" | "pid_t" | "int" => int(32, true),
             "u64" | "__u64" | "uint64_t" | "size_t" => int(64, false),
             "s64" | "__s64" | "int64_t" | "ssize_t" | "loff_t" => int(64, true),
@@ -434,7 +435,20 @@ impl<'a> Parser<'a> {
             let Some(Tok::Ident(name)) = self.next() else {
                 return Err(unsupported("REC-> without a field"));
             };
-            return Ok(Expr::Field(self.field(name)?));
+            let f = self
+                .fmt
+                .field(name)
+                .ok_or_else(|| unsupported(format!("no field {name}")))?;
+            if self.is_p("[") {
+                // `REC->args[N]`: one element of an array field.
+                self.pos += 1;
+                let i = super::eval_const(&self.expr()?)?;
+                self.expect("]")?;
+                return Ok(Expr::Field(
+                    FieldRef::element(f, i).ok_or_else(|| unsupported(format!("{name}[{i}]")))?,
+                ));
+            }
+            return Ok(Expr::Field(FieldRef::new(f)));
         }
         if !self.is_p("(") {
             return Ok(match id {
@@ -596,15 +610,18 @@ fn parse_format(fmt: &str) -> Result<Vec<(String, Option<Spec>)>, Unsupported> {
             }
         };
         sp.width = num(&mut i)?;
-        if b.get(i) == Some(&b'*') {
-            return Err(unsupported("`*` width"));
+        if sp.width.is_none() && b.get(i) == Some(&b'*') {
+            sp.star_width = true;
+            i += 1;
         }
         if b.get(i) == Some(&b'.') {
             i += 1;
             if b.get(i) == Some(&b'*') {
-                return Err(unsupported("`*` precision"));
+                sp.star_prec = true;
+                i += 1;
+            } else {
+                sp.prec = Some(num(&mut i)?.unwrap_or(0));
             }
-            sp.prec = Some(num(&mut i)?.unwrap_or(0));
         }
         loop {
             match b.get(i) {
@@ -682,10 +699,18 @@ pub(super) fn compile(
             ops.push(Op::Lit(lit.into()));
         }
         if let Some(spec) = spec {
-            let arg = args
-                .next()
-                .ok_or_else(|| unsupported("fewer arguments than conversions"))?;
-            ops.push(Op::Conv(spec, arg));
+            let mut next = || {
+                args.next()
+                    .ok_or_else(|| unsupported("fewer arguments than conversions"))
+            };
+            let w = if spec.star_width { Some(next()?) } else { None };
+            let pr = if spec.star_prec { Some(next()?) } else { None };
+            let arg = next()?;
+            ops.push(if w.is_some() || pr.is_some() {
+                Op::StarConv(spec, w, pr, arg)
+            } else {
+                Op::Conv(spec, arg)
+            });
         }
     }
     if args.next().is_some() {

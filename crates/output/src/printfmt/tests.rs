@@ -83,7 +83,7 @@ fn unsupported_and_hostile() {
         r#""%pI4", REC->a"#,
         r#""%d", REC->nope"#,
         r#""%s", ({ 1; })"#,
-        r#""%*d", 1, REC->a"#,
+        r#""%*d", REC->a"#,
         "\"%d\", REC->a +",
         "\"unterminated",
     ] {
@@ -153,4 +153,31 @@ fn libtraceevent_grouping() {
         run(&f, r#""%d", REC->flags != -1 ? 5 : 6"#, &[0u8; 12]),
         "5"
     );
+}
+
+#[test]
+fn star_width_precision_and_array_elements() {
+    let f = fmt_with(&[
+        ("int", "n", 8, 4, true),
+        ("__data_loc char[]", "name", 12, 4, false),
+        ("unsigned long[3]", "args", 16, 24, false),
+    ]);
+    let mut p = payload(&[(8, &3i32.to_le_bytes()), (40, b"abcdef\0")]);
+    p[12..16].copy_from_slice(&(40u32 | 7 << 16).to_le_bytes());
+    for (i, v) in [7u64, 0xabc, u64::MAX].iter().enumerate() {
+        p[16 + 8 * i..24 + 8 * i].copy_from_slice(&v.to_le_bytes());
+    }
+    let pf = r#""%.*s|%*d|%-*d|%lx %lx %lx", REC->n, __get_str(name), REC->n, 1, -3, 2, REC->args[0], REC->args[1], REC->args[2]"#;
+    assert_eq!(run(&f, pf, &p), "abc|  1|2  |7 abc ffffffffffffffff");
+    assert!(Program::compile(&f, r#""%lx", REC->args[3]"#, 8).is_err());
+    assert!(Program::compile(&f, r#""%lx", REC->n[0]"#, 8).is_err());
+}
+
+#[test]
+fn flexible_string_to_the_end_without_its_newline() {
+    let f = fmt_with(&[("char[]", "buf", 8, 0, false)]);
+    let mut p = b"xxxxxxxxhello\n".to_vec();
+    assert_eq!(run(&f, r#""%s", REC->buf"#, &p), "hello");
+    p.extend_from_slice(b"\0junk");
+    assert_eq!(run(&f, r#""%s", REC->buf"#, &p), "hello");
 }
