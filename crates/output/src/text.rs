@@ -4,9 +4,9 @@
 //! Line layout: `{comm:>16}-{pid:<5} [{cpu:03}] {sec:>5}.{nsec:09}: {name+":":<21} {fields}`,
 //! drop markers `CPU:{cpu} [{n} EVENTS DROPPED]` (or `CPU:{cpu} [EVENTS DROPPED]` when
 //! the count is unknown), and a first line `cpus={n}`. Fields follow the event's
-//! `print fmt` for the common cases (`%d %i %u %x %X %o %c %s %p` with flags, width,
-//! precision and `h`/`hh`/`l`/`ll`/`z` lengths, arguments `REC->field` and
-//! `__get_str(field)`); anything else is printed raw as `name=value ...`.
+//! compiled `print fmt` ([`crate::printfmt`]) or the output of the trace-cmd plugin
+//! for the event ([`crate::plugins`]); what neither supports is printed raw as
+//! `name=value ...` with one warning per event on stderr.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -333,7 +333,14 @@ impl EventPrinter {
     /// for the events it has one for.
     pub fn with_symbols(format: EventFormat, syms: Arc<KernelSymbols>, long_size: u8) -> Self {
         let guest_fast = crate::format::guest_formats().contains(&format);
-        let program = Program::compile(&format, &format.print_fmt, long_size);
+        let program = if format.system == "ftrace" && format.name == "bprint" {
+            // Its arguments are binary (vbin_printf), not the fields the fmt names.
+            Err(crate::printfmt::Unsupported(
+                "binary trace_printk arguments are not decoded".into(),
+            ))
+        } else {
+            Program::compile(&format, &format.print_fmt, long_size)
+        };
         let handler = match (Plugin::for_format(&format), program) {
             (Some(pl), Ok(p)) => Handler::Plugin(pl, Some(p)),
             (Some(pl), Err(_)) if !pl.then_print_fmt() => Handler::Plugin(pl, None),
@@ -512,6 +519,16 @@ mod tests {
         let mut s = String::new();
         assert!(!p.format_fields(&mut s, &payload));
         assert_eq!(s, "comm=bash pid=-5 prio=120 target_cpu=1");
+    }
+
+    #[test]
+    fn bprint_is_raw() {
+        let mut f = guest_formats().remove(0);
+        f.system = "ftrace".into();
+        f.name = "bprint".into();
+        let p = EventPrinter::new(f);
+        assert!(!p.print_fmt_supported());
+        assert!(p.unsupported_reason().unwrap().contains("trace_printk"));
     }
 
     #[test]
