@@ -16,6 +16,8 @@
 //! - sys_enter_futex (FUTEX_WAIT, FUTEX_WAKE, FUTEX_WAIT_BITSET; other commands print the
 //!   print fmt): `op=NAME[|FUTEX_PRIVATE_FLAG][|FUTEX_CLOCK_REALTIME] uaddr=0x...` then
 //!   `val=N` (WAKE) or `val=0x%08x utime=0x%08x` (WAIT) and ` val3=0x%08x` (WAIT_BITSET);
+//! - tlb_flush: `pages=N reason=TEXT (N)`, TEXT for reasons 0..3 (`flush on task
+//!   switch`, `remote shootdown`, `local shootdown`, `local mm shootdown`), empty for others;
 //! - kvm_emulate_insn: `CSBASE:RIP: BYTES` (hex, instruction bytes `%02x` joined by
 //!   spaces, ` FAIL` when failed); kvm_mmu_get_page:
 //!   `new|existing sp gfn GFN ROLE`, kvm_mmu_{prepare_zap,zap,sync,unsync}_page: `ROLE`,
@@ -41,6 +43,8 @@ pub(crate) enum Plugin {
         insn: FieldRef,
         failed: Option<FieldRef>,
     },
+    /// tlb_flush: pages, reason.
+    Tlb([FieldRef; 2]),
     /// sys_enter_futex: uaddr, op, val, utime, val3.
     Futex([FieldRef; 5]),
     KvmMmuPage {
@@ -87,6 +91,7 @@ impl Plugin {
                 | "kmem_cache_alloc_node"
                 | "kmem_cache_free",
             ) => Self::KmemCallSite(f("call_site")?),
+            ("tlb", "tlb_flush") => Self::Tlb([f("pages")?, f("reason")?]),
             ("syscalls", "sys_enter_futex") => {
                 Self::Futex([f("uaddr")?, f("op")?, f("val")?, f("utime")?, f("val3")?])
             }
@@ -197,6 +202,22 @@ impl Plugin {
                     out.push_str(") ");
                     let _ = s;
                 }
+            }
+            Self::Tlb([pages, reason]) => {
+                out.push_str("pages=");
+                out.push_str(num.format(pages.int(p)? as i64));
+                out.push_str(" reason=");
+                let r = reason.int(p)? as i64;
+                out.push_str(match r {
+                    0 => "flush on task switch",
+                    1 => "remote shootdown",
+                    2 => "local shootdown",
+                    3 => "local mm shootdown",
+                    _ => "",
+                });
+                out.push_str(" (");
+                out.push_str(num.format(r));
+                out.push(')');
             }
             Self::Futex([uaddr, op, val, utime, val3]) => {
                 let op = op.int(p)?;
@@ -376,6 +397,24 @@ mod tests {
         let mut s = String::new();
         assert!(p.format_fields(&mut s, &b));
         s
+    }
+
+    #[test]
+    fn tlb_flush_as_trace_cmd() {
+        let text = "name: tlb_flush\nID: 1\nformat:\n\tfield:unsigned short common_type;\toffset:0;\tsize:2;\tsigned:0;\n\tfield:int reason;\toffset:8;\tsize:4;\tsigned:1;\n\tfield:unsigned long pages;\toffset:16;\tsize:8;\tsigned:0;\n\nprint fmt: \"pages:%ld reason:%s (%d)\", REC->pages, __print_symbolic(REC->reason, { 0, \"flush on task switch\" }), REC->reason\n";
+        let p = EventPrinter::new(EventFormat::parse("tlb", text).unwrap());
+        for (reason, want) in [
+            (0i32, "pages=-1 reason=flush on task switch (0)"),
+            (3, "pages=-1 reason=local mm shootdown (3)"),
+            (4, "pages=-1 reason= (4)"),
+        ] {
+            let mut b = vec![0u8; 24];
+            b[8..12].copy_from_slice(&reason.to_le_bytes());
+            b[16..24].copy_from_slice(&u64::MAX.to_le_bytes());
+            let mut s = String::new();
+            assert!(p.format_fields(&mut s, &b));
+            assert_eq!(s, want);
+        }
     }
 
     /// Lines trace-cmd 3.1.6 printed for a real 1.7 M-event trace (the values are the

@@ -513,7 +513,7 @@ mod tests {
         assert_eq!(s, "comm=bash pid=-5 prio=120 target_cpu=001");
         // Unsupported: raw fields, never a partial line.
         let mut g = f;
-        g.print_fmt = "\"%pI4 x\", REC->pid".into();
+        g.print_fmt = "\"%pU x\", REC->pid".into();
         let p = EventPrinter::new(g);
         assert!(!p.print_fmt_supported());
         let mut s = String::new();

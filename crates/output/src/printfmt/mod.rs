@@ -152,9 +152,18 @@ enum Cast {
     NoOp,
 }
 
-/// A `__print_symbolic`/`__print_flags` table: (value, `None` if it names an unknown
-/// constant; name).
-type Table = Vec<(Option<u64>, Box<str>)>;
+/// A `__print_symbolic`/`__print_flags` table: (value, name); an entry naming an unknown
+/// constant has the value -1 (`u64::MAX`).
+type Table = Vec<(u64, Box<str>)>;
+
+/// Network address conversions (`%pI4`, `%pI6`, `%pI6c`, `%pISpc`, `%pM`) of byte arrays.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Net {
+    Ip4,
+    Ip6 { compressed: bool },
+    Sockaddr { port: bool },
+    Mac,
+}
 
 /// An argument expression.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -195,6 +204,7 @@ enum Conv {
     Sym {
         offset: bool,
     },
+    Net(Net),
 }
 
 /// One printf conversion.
@@ -461,23 +471,25 @@ impl Ctx<'_> {
             }
             Expr::Symbolic(v, table) => {
                 let v = eval(v, self.p)?.v;
-                match table.iter().find(|(x, _)| *x == Some(v)) {
+                match table.iter().find(|(x, _)| *x == v) {
                     Some((_, name)) => out.push_str(name),
                     None => push_hex(out, v),
                 }
             }
             Expr::Flags(v, delim, table) => {
+                // libtraceevent's rules, as trace-cmd prints them: a zero value prints
+                // the first entry whose value is negative (an unknown constant is -1);
+                // else the entries with positive values whose bits are all set.
                 let mut v = eval(v, self.p)?.v;
                 let mut first = true;
                 if v == 0 {
-                    if let Some((_, name)) = table.iter().find(|(x, _)| *x == Some(0)) {
+                    if let Some((_, name)) = table.iter().find(|(x, _)| (*x as i64) < 0) {
                         out.push_str(name);
                     }
                     return Some(());
                 }
-                for (x, name) in table {
-                    let Some(x) = *x else { continue };
-                    if x != 0 && v & x == x {
+                for &(x, ref name) in table {
+                    if (x as i64) > 0 && v & x == x {
                         if !first {
                             out.push_str(delim);
                         }
@@ -599,6 +611,7 @@ impl Ctx<'_> {
                     push_hex(out, v);
                 }
             }
+            Conv::Net(n) => push_net(out, n, bytes_of(e, self.p)?)?,
             Conv::Sym { offset } => {
                 let v = eval(e, self.p)?.v;
                 push_sym(out, self.syms, v, offset);
@@ -695,6 +708,105 @@ impl Ctx<'_> {
             out.extend(std::iter::repeat_n(' ', fill));
         }
     }
+}
+
+/// Appends a network address read from `b`: `%pI4` dotted quad, `%pI6` eight groups of
+/// four hex digits, `%pI6c` compressed (the longest run of two or more zero groups as
+/// `::`, an IPv4-mapped address ending in its dotted quad), `%pIS[p][c]` a `sockaddr_in`
+/// (`a.b.c.d[:port]`) or `sockaddr_in6` (`[v6]:port` with `p`), `%pM` a MAC address.
+fn push_net(out: &mut String, n: Net, b: &[u8]) -> Option<()> {
+    use std::fmt::Write as _;
+    let v4 = |out: &mut String, b: &[u8]| {
+        let _ = write!(out, "{}.{}.{}.{}", b[0], b[1], b[2], b[3]);
+    };
+    let v6c = |out: &mut String, b: &[u8]| {
+        let g: Vec<u16> = b[..16]
+            .chunks_exact(2)
+            .map(|c| u16::from_be_bytes([c[0], c[1]]))
+            .collect();
+        let mapped = g[..5].iter().all(|&x| x == 0) && g[5] == 0xffff;
+        let groups = if mapped { 6 } else { 8 };
+        // Longest run of zero groups (two or more), the first one on ties.
+        let (mut best, mut best_len, mut i) = (groups, 0, 0);
+        while i < groups {
+            if g[i] == 0 {
+                let st = i;
+                while i < groups && g[i] == 0 {
+                    i += 1;
+                }
+                if i - st > best_len && i - st > 1 {
+                    (best, best_len) = (st, i - st);
+                }
+            } else {
+                i += 1;
+            }
+        }
+        let mut need_colon = false;
+        let mut i = 0;
+        while i < groups {
+            if i == best {
+                out.push_str("::");
+                i += best_len;
+                need_colon = false;
+                continue;
+            }
+            if need_colon {
+                out.push(':');
+            }
+            let _ = write!(out, "{:x}", g[i]);
+            need_colon = true;
+            i += 1;
+        }
+        if mapped {
+            if need_colon {
+                out.push(':');
+            }
+            v4(out, &b[12..16]);
+        }
+    };
+    match n {
+        Net::Ip4 => v4(out, b.get(..4)?),
+        Net::Ip6 { compressed: true } => v6c(out, b.get(..16)?),
+        Net::Ip6 { compressed: false } => {
+            for (i, c) in b.get(..16)?.chunks_exact(2).enumerate() {
+                if i > 0 {
+                    out.push(':');
+                }
+                let _ = write!(out, "{:02x}{:02x}", c[0], c[1]);
+            }
+        }
+        Net::Sockaddr { port } => {
+            let family = u16::from_le_bytes([*b.first()?, *b.get(1)?]);
+            let p = u16::from_be_bytes([*b.get(2)?, *b.get(3)?]);
+            match family {
+                2 => {
+                    v4(out, b.get(4..8)?);
+                    if port {
+                        let _ = write!(out, ":{p}");
+                    }
+                }
+                10 => {
+                    if port {
+                        out.push('[');
+                    }
+                    v6c(out, b.get(8..24)?);
+                    if port {
+                        let _ = write!(out, "]:{p}");
+                    }
+                }
+                _ => return None,
+            }
+        }
+        Net::Mac => {
+            for (i, x) in b.get(..6)?.iter().enumerate() {
+                if i > 0 {
+                    out.push(':');
+                }
+                push_byte_hex(out, *x);
+            }
+        }
+    }
+    Some(())
 }
 
 /// A string field: one trailing newline is dropped (a `trace_marker` write ends in one;

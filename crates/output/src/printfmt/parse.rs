@@ -1,8 +1,11 @@
 //! Parser of a `print fmt:` line into a [`Program`]: the C string literal, split into
 //! literal text and conversions, and the C expressions of the arguments.
 
-use super::{Cast, Conv, Expr, FieldRef, Op, Program, Spec, Table, Unsupported};
+use super::{Cast, Conv, Expr, FieldRef, Net, Op, Program, Spec, Table, Unsupported};
 use crate::format::EventFormat;
+
+/// The value of a table entry naming an unknown constant (libtraceevent: -1).
+const UNKNOWN: u64 = u64::MAX;
 
 /// Deepest expression nesting accepted (kernel formats nest ~15 deep).
 const MAX_DEPTH: u32 = 200;
@@ -468,6 +471,13 @@ impl<'a> Parser<'a> {
                 Expr::DynArrayLen(self.field_arg()?)
             }
             "__get_bitmask" | "__get_rel_bitmask" => Expr::Bitmask(self.field_arg()?),
+            // A hint to the compiler: its value is its first argument.
+            "__builtin_expect" => {
+                let v = self.expr()?;
+                self.expect(",")?;
+                self.expr()?;
+                v
+            }
             "__print_symbolic" | "__print_symbolic_u64" => {
                 let v = self.expr()?;
                 let table = self.table()?;
@@ -551,8 +561,8 @@ impl<'a> Parser<'a> {
             };
             self.expect("}")?;
             let v = match v {
-                Expr::Unknown => None,
-                v => Some(super::eval_const(&v)?),
+                Expr::Unknown => UNKNOWN,
+                v => super::eval_const(&v)?,
             };
             if let Some(name) = name {
                 out.push((v, name));
@@ -654,6 +664,27 @@ fn parse_format(fmt: &str) -> Result<Vec<(String, Option<Spec>)>, Unsupported> {
                 Some(b'x' | b'K') => {
                     i += 1;
                     Conv::Ptr
+                }
+                Some(b'I') => {
+                    let ext = &b[i + 1..];
+                    let (net, n) = match ext {
+                        [b'4', ..] => (Net::Ip4, 2),
+                        [b'6', b'c', ..] => (Net::Ip6 { compressed: true }, 3),
+                        [b'6', ..] => (Net::Ip6 { compressed: false }, 2),
+                        [b'S', b'p', b'c', ..] | [b'S', b'c', b'p', ..] => {
+                            (Net::Sockaddr { port: true }, 4)
+                        }
+                        [b'S', b'p', ..] => (Net::Sockaddr { port: true }, 3),
+                        [b'S', b'c', ..] => (Net::Sockaddr { port: false }, 3),
+                        [b'S', ..] => (Net::Sockaddr { port: false }, 2),
+                        _ => return Err(unsupported("%pI")),
+                    };
+                    i += n;
+                    Conv::Net(net)
+                }
+                Some(b'M') => {
+                    i += 1;
+                    Conv::Net(Net::Mac)
                 }
                 Some(c) if c.is_ascii_alphanumeric() => {
                     return Err(unsupported(format!("%p{}", *c as char)))
