@@ -460,8 +460,11 @@ impl Ctx<'_> {
     fn render(&self, e: &Expr, out: &mut String) -> Option<()> {
         match e {
             Expr::Str(s) => out.push_str(s),
-            Expr::Field(f) if f.kind != Kind::Int => push_str_bytes(out, f.bytes(self.p)?),
-            Expr::StrField(f) => push_str_bytes(out, f.bytes(self.p)?),
+            Expr::Field(f) if f.kind == Kind::Array(true) && f.size == 0 => {
+                push_flexible_str(out, f.bytes(self.p)?)
+            }
+            Expr::Field(f) if f.kind != Kind::Int => escape_guest_bytes(out, f.bytes(self.p)?),
+            Expr::StrField(f) => escape_guest_bytes(out, f.bytes(self.p)?),
             Expr::Cond(c, a, b) => {
                 if eval(c, self.p)?.v != 0 {
                     self.render(a, out)?
@@ -809,9 +812,10 @@ fn push_net(out: &mut String, n: Net, b: &[u8]) -> Option<()> {
     Some(())
 }
 
-/// A string field: one trailing newline is dropped (a `trace_marker` write ends in one;
-/// trace-cmd prints the event on one line), the rest escaped.
-fn push_str_bytes(out: &mut String, b: &[u8]) {
+/// A flexible `char buf[]` string (ftrace:print): one trailing newline is dropped (a
+/// `trace_marker` write ends in one; trace-cmd prints the event on one line), the rest
+/// escaped. Other strings keep every byte (escaped).
+fn push_flexible_str(out: &mut String, b: &[u8]) {
     escape_guest_bytes(out, b.strip_suffix(b"\n").unwrap_or(b));
 }
 

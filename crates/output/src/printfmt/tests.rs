@@ -180,6 +180,12 @@ fn flexible_string_to_the_end_without_its_newline() {
     assert_eq!(run(&f, r#""%s", REC->buf"#, &p), "hello");
     p.extend_from_slice(b"\0junk");
     assert_eq!(run(&f, r#""%s", REC->buf"#, &p), "hello");
+    // Other strings keep their newline (escaped).
+    let f = fmt_with(&[("char[8]", "s", 8, 8, false)]);
+    assert_eq!(
+        run(&f, r#""%s", REC->s"#, b"xxxxxxxxab\n\0\0\0\0\0"),
+        "ab\\n"
+    );
 }
 
 /// What trace-cmd printed for real inet_sock_set_state / fib / fib6 / tcp_probe events
