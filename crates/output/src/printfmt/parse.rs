@@ -466,7 +466,10 @@ impl<'a> Parser<'a> {
         self.pos += 1;
         let e = match id {
             "__get_str" | "__get_rel_str" => Expr::StrField(self.field_arg()?),
-            "__get_dynamic_array" | "__get_rel_dynamic_array" => Expr::DynArray(self.field_arg()?),
+            "__get_dynamic_array"
+            | "__get_rel_dynamic_array"
+            | "__get_sockaddr"
+            | "__get_rel_sockaddr" => Expr::DynArray(self.field_arg()?),
             "__get_dynamic_array_len" | "__get_rel_dynamic_array_len" => {
                 Expr::DynArrayLen(self.field_arg()?)
             }

@@ -249,3 +249,15 @@ fn flags_of_zero_and_unknown_constants() {
     let pf = r#""%lx", __builtin_expect(!!(REC->state >= 5), 0) ? 1 : 2"#;
     assert_eq!(run(&f, pf, &payload(&[])), "2");
 }
+
+#[test]
+fn get_sockaddr() {
+    let f = fmt_with(&[("__data_loc __u8[]", "addr", 8, 4, false)]);
+    let mut p = vec![0u8; 40];
+    p[8..12].copy_from_slice(&(16u32 | 16 << 16).to_le_bytes());
+    p[16..24].copy_from_slice(&[2, 0, 0, 80, 10, 0, 0, 7]);
+    assert_eq!(
+        run(&f, r#""%pISpc", __get_sockaddr(addr)"#, &p),
+        "10.0.0.7:80"
+    );
+}
