@@ -236,3 +236,28 @@ fn mutated_kernel_print_fmts() {
         assert!(!line.contains('\n'));
     }
 }
+
+/// A v7 file whose kallsyms section is damaged (its inner length runs past the
+/// section) still reads: the symbols are only for the text, addresses print in hex.
+#[test]
+fn damaged_kallsyms_section_is_ignored() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/kernel");
+    let mut data = std::fs::read(dir.join("kmem-v7.dat")).unwrap();
+    let hex = |b: &u8| b.is_ascii_digit() || (b'a'..=b'f').contains(b);
+    let start = (4..data.len() - 20)
+        .find(|&i| {
+            data[i..i + 16].iter().all(hex)
+                && data[i + 16] == b' '
+                && data[i + 18] == b' '
+                && !hex(&data[i - 1])
+        })
+        .unwrap();
+    let good = TraceFile::parse(&data).unwrap();
+    assert!(!good.symbols.is_empty());
+    data[start - 4..start].copy_from_slice(&u32::MAX.to_le_bytes());
+    let f = TraceFile::parse(&data).unwrap();
+    assert!(f.symbols.is_empty());
+    let report = f.report();
+    assert_eq!(report.lines().count(), good.report().lines().count());
+    assert!(report.contains("call_site=0xffffffff"));
+}

@@ -442,10 +442,15 @@ impl<'a> Parser<'a> {
             let s = self.section(off, option::EVENT_FORMATS)?;
             parse_event_formats(&mut Cur::new(&s, 0, 0), &mut self.f.formats)?;
         }
+        // Symbols only improve the text: a damaged section is ignored.
         for (id, what) in [(option::KALLSYMS, "kallsyms"), (option::PRINTK, "printk")] {
             if let Some(&off) = sections.get(&id) {
-                let s = self.section(off, id)?;
-                let text = u32_sized(&mut Cur::new(&s, 0, 0), what)?;
+                let Ok(s) = self.section(off, id) else {
+                    continue;
+                };
+                let Ok(text) = u32_sized(&mut Cur::new(&s, 0, 0), what) else {
+                    continue;
+                };
                 let syms = self.symbols();
                 if id == option::KALLSYMS {
                     syms.parse_kallsyms(text);
