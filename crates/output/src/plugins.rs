@@ -195,12 +195,12 @@ impl Plugin {
                 out.push_str(num.format(soft.int(p)?));
             }
             Self::KmemCallSite(cs) => {
+                // Nothing when no symbol covers the call site.
                 let v = cs.int(p)?;
-                if let Some(s) = syms.lookup(v) {
+                if syms.lookup(v).is_some() {
                     out.push('(');
                     push_sym(out, syms, v, true);
                     out.push_str(") ");
-                    let _ = s;
                 }
             }
             Self::Tlb([pages, reason]) => {
