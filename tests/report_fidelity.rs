@@ -9,7 +9,9 @@
 //! - `kvm`: kvm and kvmmmu events of a `hyptrace run` (plus sched_switch and irq);
 //! - `misc`: raw_syscalls (`REC->args[N]`) and ftrace:print (`trace_marker` writes);
 //! - `net`: sock, tcp, fib, fib6 (`%pI4`, `%pI6c`, `%pISpc`), tlb (plugin), writeback
-//!   (`__print_flags` of 0 with unknown constants), mmap (`__builtin_expect`), signal.
+//!   (`__print_flags` of 0 with unknown constants), mmap (`__builtin_expect`), signal;
+//! - `stack`: `trace-cmd record -T` (ftrace:kernel_stack after each event, printed by
+//!   trace-cmd on several lines) with sched process and workqueue events.
 //!
 //! Each file is compared with the `trace-cmd report -t` output committed next to it
 //! and, when trace-cmd is installed, with what the real trace-cmd prints now (skipped
@@ -24,7 +26,7 @@ use hyptrace_output::TraceFile;
 
 const BIN: &str = env!("CARGO_BIN_EXE_hyptrace");
 
-const FIXTURES: &[&str] = &["kernel", "kmem", "kvm", "misc", "net"];
+const FIXTURES: &[&str] = &["kernel", "kmem", "kvm", "misc", "net", "stack"];
 const VERSIONS: &[(&str, u32, &str)] = &[("v6", 6, ""), ("v7", 7, "none"), ("v7zstd", 7, "zstd")];
 
 fn dir() -> PathBuf {

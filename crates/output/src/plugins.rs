@@ -16,6 +16,9 @@
 //! - sys_enter_futex (FUTEX_WAIT, FUTEX_WAKE, FUTEX_WAIT_BITSET; other commands print the
 //!   print fmt): `op=NAME[|FUTEX_PRIVATE_FLAG][|FUTEX_CLOCK_REALTIME] uaddr=0x...` then
 //!   `val=N` (WAKE) or `val=0x%08x utime=0x%08x` (WAIT) and ` val3=0x%08x` (WAIT_BITSET);
+//! - ftrace:kernel_stack (`trace-cmd record -T`): `<stack trace >` then one line per
+//!   return address (`size` of them, those in the payload): `=> SYM (ADDR)` or `=> ADDR`
+//!   (hex) — the one event printed on several lines, as trace-cmd does;
 //! - tlb_flush: `pages=N reason=TEXT (N)`, TEXT for reasons 0..3 (`flush on task
 //!   switch`, `remote shootdown`, `local shootdown`, `local mm shootdown`), empty for others;
 //! - kvm_emulate_insn: `CSBASE:RIP: BYTES` (hex, instruction bytes `%02x` joined by
@@ -43,6 +46,8 @@ pub(crate) enum Plugin {
         insn: FieldRef,
         failed: Option<FieldRef>,
     },
+    /// ftrace:kernel_stack: size, caller (array of addresses).
+    KernelStack(FieldRef, usize),
     /// tlb_flush: pages, reason.
     Tlb([FieldRef; 2]),
     /// sys_enter_futex: uaddr, op, val, utime, val3.
@@ -91,6 +96,10 @@ impl Plugin {
                 | "kmem_cache_alloc_node"
                 | "kmem_cache_free",
             ) => Self::KmemCallSite(f("call_site")?),
+            ("ftrace", "kernel_stack") => {
+                let caller = fmt.field("caller")?;
+                Self::KernelStack(f("size")?, caller.offset)
+            }
             ("tlb", "tlb_flush") => Self::Tlb([f("pages")?, f("reason")?]),
             ("syscalls", "sys_enter_futex") => {
                 Self::Futex([f("uaddr")?, f("op")?, f("val")?, f("utime")?, f("val3")?])
@@ -201,6 +210,29 @@ impl Plugin {
                     out.push('(');
                     push_sym(out, syms, v, true);
                     out.push_str(") ");
+                }
+            }
+            Self::KernelStack(size, caller) => {
+                // As trace-cmd: several lines, one `=> sym (addr)` per return address.
+                out.push_str("<stack trace >");
+                let n = usize::try_from(size.int(p)? as i64).unwrap_or(0);
+                let entries = p.get(*caller..)?.chunks_exact(8).take(n);
+                for e in entries {
+                    let mut w = [0u8; 8];
+                    w.copy_from_slice(e);
+                    let a = u64::from_le_bytes(w);
+                    if a == u64::MAX {
+                        break;
+                    }
+                    out.push_str("\n=> ");
+                    match syms.lookup(a) {
+                        Some(s) => {
+                            crate::text::escape_guest_bytes(out, s.name.as_bytes());
+                            out.push_str(" (");
+                            out.push_str(&format!("{a:x})"));
+                        }
+                        None => out.push_str(&format!("{a:x}")),
+                    }
                 }
             }
             Self::Tlb([pages, reason]) => {
