@@ -27,7 +27,7 @@
 //!   ROLE being `level qQUADRANT[ direct] ACCESS[ invalid] [!]pae [!]nxe [!]wp[ smep][ smap][ smm] root N sync|unsync`.
 
 use crate::format::EventFormat;
-use crate::printfmt::{push_hex, push_sym, FieldRef};
+use crate::printfmt::{push_hex, push_lit, push_sym, FieldRef};
 use crate::symbols::KernelSymbols;
 
 /// A plugin's handler, with its fields resolved.
@@ -399,7 +399,7 @@ fn comm_pid_prio(
 fn func_field(out: &mut String, syms: &KernelSymbols, v: u64) {
     match syms.lookup(v) {
         Some(s) => {
-            out.push_str(s.name);
+            push_lit(out, s.name);
             out.push('/');
             push_hex(out, s.addr.wrapping_sub(v));
         }

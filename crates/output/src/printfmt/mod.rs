@@ -417,7 +417,7 @@ fn push_hex_digits(out: &mut String, v: u64, upper: bool) {
 pub(crate) fn push_sym(out: &mut String, syms: &KernelSymbols, v: u64, offset: bool) {
     match syms.lookup(v) {
         Some(s) => {
-            out.push_str(s.name);
+            push_lit(out, s.name);
             if offset {
                 out.push('+');
                 push_hex(out, v.wrapping_sub(s.addr));
@@ -459,7 +459,7 @@ impl Ctx<'_> {
     /// Appends a string-valued expression.
     fn render(&self, e: &Expr, out: &mut String) -> Option<()> {
         match e {
-            Expr::Str(s) => out.push_str(s),
+            Expr::Str(s) => push_lit(out, s),
             Expr::Field(f) if f.kind == Kind::Array(true) && f.size == 0 => {
                 push_flexible_str(out, f.bytes(self.p)?)
             }
@@ -475,7 +475,7 @@ impl Ctx<'_> {
             Expr::Symbolic(v, table) => {
                 let v = eval(v, self.p)?.v;
                 match table.iter().find(|(x, _)| *x == v) {
-                    Some((_, name)) => out.push_str(name),
+                    Some((_, name)) => push_lit(out, name),
                     None => push_hex(out, v),
                 }
             }
@@ -487,23 +487,23 @@ impl Ctx<'_> {
                 let mut first = true;
                 if v == 0 {
                     if let Some((_, name)) = table.iter().find(|(x, _)| (*x as i64) < 0) {
-                        out.push_str(name);
+                        push_lit(out, name);
                     }
                     return Some(());
                 }
                 for &(x, ref name) in table {
                     if (x as i64) > 0 && v & x == x {
                         if !first {
-                            out.push_str(delim);
+                            push_lit(out, delim);
                         }
                         first = false;
-                        out.push_str(name);
+                        push_lit(out, name);
                         v &= !x;
                     }
                 }
                 if v != 0 {
                     if !first {
-                        out.push_str(delim);
+                        push_lit(out, delim);
                     }
                     push_hex(out, v);
                 }
@@ -859,10 +859,11 @@ impl Program {
     }
 }
 
-/// Appends format text; control characters (a `\n` in a format) are escaped like
-/// guest bytes so that one event stays one line.
-fn push_lit(out: &mut String, s: &str) {
-    if s.bytes().any(|b| b < 0x20 || b == 0x7f) {
+/// Appends text from the trace file (format text, table names, symbol names): control
+/// characters (a `\n` in a format) are escaped like guest bytes so that one event stays
+/// one line and cannot drive a terminal.
+pub(crate) fn push_lit(out: &mut String, s: &str) {
+    if s.bytes().any(|b| !(0x20..0x7f).contains(&b)) {
         escape_guest_bytes(out, s.as_bytes());
     } else {
         out.push_str(s);

@@ -261,3 +261,20 @@ fn get_sockaddr() {
         "10.0.0.7:80"
     );
 }
+
+/// Text from a (hostile) trace file cannot end the line: string literals, table names,
+/// delimiters and symbol names are escaped.
+#[test]
+fn file_text_is_escaped() {
+    let f = fmt_with(&[("unsigned long", "v", 8, 8, false)]);
+    let pf = "\"%s %s %s %s\", REC->v ? \"a\\nb\" : \"\", __print_symbolic(REC->v, { 3, \"x\\ny\" }), __print_flags(REC->v, \"\\n\", { 1, \"p\" }, { 2, \"q\" }), \"\\x\"";
+    assert!(Program::compile(&f, pf, 8).is_err()); // `\x` is not an escape we take
+    let pf = "\"%s %s %s %ps\", REC->v ? \"a\\nb\" : \"\", __print_symbolic(REC->v, { 3, \"x\\ty\" }), __print_flags(REC->v, \"\\n\", { 1, \"p\" }, { 2, \"q\" }), REC->v";
+    let p = Program::compile(&f, pf, 8).unwrap();
+    let mut k = KernelSymbols::new();
+    k.parse_kallsyms(b"0000000000000001 T evil\x1b[2J\n");
+    let mut s = String::new();
+    p.run(&mut s, &payload(&[(8, &3u64.to_le_bytes())]), &k)
+        .unwrap();
+    assert_eq!(s, "a\\nb x\\ty p\\nq evil\\x1b[2J");
+}
