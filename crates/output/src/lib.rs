@@ -8,8 +8,11 @@ mod export;
 pub mod format;
 pub mod merge;
 pub mod perfetto;
+mod plugins;
+pub mod printfmt;
 mod sink;
 mod sinks;
+pub mod symbols;
 mod target;
 pub mod text;
 pub mod tracedat;
@@ -26,6 +29,7 @@ pub use format::{
 };
 pub use merge::{MergeWindow, Merged, Merger, Released};
 pub use perfetto::PerfettoSink;
+pub use printfmt::{Program, Unsupported};
 /// The old name of [`KernelCpuStat`], kept only until the host uses the new one.
 #[doc(hidden)]
 pub use sink::KernelCpuStat as CpuStats;
@@ -34,6 +38,7 @@ pub use sinks::{
     is_raw_stream, JsonSink, RawReader, RawSink, RawTrace, TextSink, JSON_MAX_SAFE_INTEGER,
     JSON_PID, RAW_MAGIC, RAW_MAGIC_V1,
 };
+pub use symbols::KernelSymbols;
 pub use target::{OutputFile, OutputTarget, TargetKind};
 pub use text::{
     escape_guest_bytes, escape_guest_str, escaped_guest_bytes, format_drop, format_event,

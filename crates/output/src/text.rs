@@ -4,15 +4,20 @@
 //! Line layout: `{comm:>16}-{pid:<5} [{cpu:03}] {sec:>5}.{nsec:09}: {name+":":<21} {fields}`,
 //! drop markers `CPU:{cpu} [{n} EVENTS DROPPED]` (or `CPU:{cpu} [EVENTS DROPPED]` when
 //! the count is unknown), and a first line `cpus={n}`. Fields follow the event's
-//! `print fmt` for the common cases (`%d %i %u %x %X %o %c %s %p` with flags, width,
-//! precision and `h`/`hh`/`l`/`ll`/`z` lengths, arguments `REC->field` and
-//! `__get_str(field)`); anything else is printed raw as `name=value ...`.
+//! compiled `print fmt` ([`crate::printfmt`]) or the output of the trace-cmd plugin
+//! for the event ([`crate::plugins`]); what neither supports is printed raw as
+//! `name=value ...` with one warning per event on stderr.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use crate::export::Missed;
 use crate::format::{EventFormat, Field};
+use crate::plugins::Plugin;
+use crate::printfmt::Program;
+use crate::symbols::KernelSymbols;
 
 /// Appends one event line (no newline) as `trace-cmd report -t` prints it:
 /// `{comm:>16}-{pid:<5} [{cpu:03}] {sec:>5}.{nsec:09}: {event+":":<21} {fields}`.
@@ -285,359 +290,6 @@ pub fn field_bytes<'a>(f: &Field, payload: &'a [u8]) -> Option<&'a [u8]> {
     })
 }
 
-#[derive(Clone, Debug, PartialEq, Eq)]
-enum Arg {
-    Field(String),
-    Str(String),
-}
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-struct Spec {
-    left: bool,
-    zero: bool,
-    plus: bool,
-    space: bool,
-    alt: bool,
-    width: Option<usize>,
-    prec: Option<usize>,
-    longs: u8,
-    half: u8,
-    conv: u8,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-enum Piece {
-    Lit(String),
-    Conv(Spec, Arg),
-}
-
-/// A parsed `print fmt` (the subset we interpret).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PrintFmt {
-    pieces: Vec<Piece>,
-}
-
-fn parse_c_string(s: &str) -> Option<(String, &str)> {
-    let s = s.trim_start().strip_prefix('"')?;
-    let mut out = String::new();
-    let mut it = s.char_indices();
-    while let Some((i, c)) = it.next() {
-        match c {
-            '"' => return Some((out, &s[i + 1..])),
-            '\\' => {
-                let (_, e) = it.next()?;
-                out.push(match e {
-                    'n' => '\n',
-                    't' => '\t',
-                    '\\' => '\\',
-                    '"' => '"',
-                    '\'' => '\'',
-                    _ => return None,
-                });
-            }
-            c => out.push(c),
-        }
-    }
-    None
-}
-
-fn split_args(s: &str) -> Option<Vec<String>> {
-    let mut args = Vec::new();
-    let mut depth = 0i32;
-    let mut cur = String::new();
-    let mut in_str = false;
-    let mut esc = false;
-    for c in s.chars() {
-        if in_str {
-            cur.push(c);
-            if esc {
-                esc = false;
-            } else if c == '\\' {
-                esc = true;
-            } else if c == '"' {
-                in_str = false;
-            }
-            continue;
-        }
-        match c {
-            '"' => {
-                in_str = true;
-                cur.push(c);
-            }
-            '(' | '[' | '{' => {
-                depth += 1;
-                cur.push(c);
-            }
-            ')' | ']' | '}' => {
-                depth -= 1;
-                if depth < 0 {
-                    return None;
-                }
-                cur.push(c);
-            }
-            ',' if depth == 0 => args.push(std::mem::take(&mut cur).trim().to_string()),
-            c => cur.push(c),
-        }
-    }
-    if in_str || depth != 0 {
-        return None;
-    }
-    args.push(cur.trim().to_string());
-    Some(args)
-}
-
-fn ident(s: &str) -> Option<String> {
-    let s = s.trim();
-    (!s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'))
-        .then(|| s.to_string())
-}
-
-fn parse_arg(a: &str) -> Option<Arg> {
-    let a = a.trim();
-    if let Some(n) = a.strip_prefix("REC->") {
-        return ident(n).map(Arg::Field);
-    }
-    let inner = a
-        .strip_prefix("__get_str(")
-        .and_then(|r| r.strip_suffix(')'))?;
-    ident(inner).map(Arg::Str)
-}
-
-impl PrintFmt {
-    /// Parses the text after `print fmt: `; `None` if it uses something we do not
-    /// interpret (helpers like `__print_flags`, expressions, `%pS`...).
-    pub fn parse(print_fmt: &str) -> Option<Self> {
-        let (fmt, rest) = parse_c_string(print_fmt)?;
-        let rest = rest.trim();
-        let args: Vec<Arg> = if rest.is_empty() {
-            Vec::new()
-        } else {
-            let r = rest.strip_prefix(',')?;
-            split_args(r)?
-                .iter()
-                .map(|a| parse_arg(a))
-                .collect::<Option<_>>()?
-        };
-        let mut args = args.into_iter();
-        let mut pieces = Vec::new();
-        let mut lit = String::new();
-        let b = fmt.as_bytes();
-        let mut i = 0;
-        while i < b.len() {
-            if b[i] != b'%' {
-                let ch_end = fmt[i..].chars().next().map_or(1, char::len_utf8);
-                lit.push_str(&fmt[i..i + ch_end]);
-                i += ch_end;
-                continue;
-            }
-            i += 1;
-            if b.get(i) == Some(&b'%') {
-                lit.push('%');
-                i += 1;
-                continue;
-            }
-            let mut sp = Spec {
-                left: false,
-                zero: false,
-                plus: false,
-                space: false,
-                alt: false,
-                width: None,
-                prec: None,
-                longs: 0,
-                half: 0,
-                conv: 0,
-            };
-            while let Some(&c) = b.get(i) {
-                match c {
-                    b'-' => sp.left = true,
-                    b'0' => sp.zero = true,
-                    b'+' => sp.plus = true,
-                    b' ' => sp.space = true,
-                    b'#' => sp.alt = true,
-                    _ => break,
-                }
-                i += 1;
-            }
-            let num = |i: &mut usize| -> Option<usize> {
-                let st = *i;
-                while b.get(*i).is_some_and(u8::is_ascii_digit) {
-                    *i += 1;
-                }
-                if *i == st {
-                    None
-                } else {
-                    fmt[st..*i].parse().ok().filter(|&n: &usize| n <= 4096)
-                }
-            };
-            sp.width = num(&mut i);
-            if b.get(i) == Some(&b'*') {
-                return None;
-            }
-            if b.get(i) == Some(&b'.') {
-                i += 1;
-                sp.prec = Some(num(&mut i).unwrap_or(0));
-            }
-            loop {
-                match b.get(i) {
-                    Some(b'l') | Some(b'L') | Some(b'q') | Some(b'j') | Some(b'z') | Some(b't') => {
-                        sp.longs = sp.longs.saturating_add(1)
-                    }
-                    Some(b'h') => sp.half = sp.half.saturating_add(1),
-                    _ => break,
-                }
-                i += 1;
-            }
-            let conv = *b.get(i)?;
-            i += 1;
-            match conv {
-                b'd' | b'i' | b'u' | b'x' | b'X' | b'o' | b'c' | b's' => {}
-                b'p' => {
-                    if b.get(i).is_some_and(u8::is_ascii_alphanumeric) {
-                        return None; // %pS, %pI4...
-                    }
-                }
-                _ => return None,
-            }
-            sp.conv = conv;
-            if !lit.is_empty() {
-                pieces.push(Piece::Lit(std::mem::take(&mut lit)));
-            }
-            pieces.push(Piece::Conv(sp, args.next()?));
-        }
-        if args.next().is_some() {
-            return None;
-        }
-        if !lit.is_empty() {
-            pieces.push(Piece::Lit(lit));
-        }
-        Some(Self { pieces })
-    }
-
-    /// Formats `payload` (whole event payload) with this print fmt. `None` if a field is
-    /// missing, out of the payload or of a kind the conversion cannot print.
-    pub fn format(&self, fmt: &EventFormat, payload: &[u8]) -> Option<String> {
-        let mut out = String::new();
-        for p in &self.pieces {
-            match p {
-                Piece::Lit(s) => push_safe(&mut out, s),
-                Piece::Conv(sp, arg) => {
-                    let (name, is_str) = match arg {
-                        Arg::Field(n) => (n, false),
-                        Arg::Str(n) => (n, true),
-                    };
-                    let f = fmt.field(name)?;
-                    let body = if sp.conv == b's' {
-                        let bytes = if is_str || f.is_string() || f.is_data_loc() || f.is_rel_loc()
-                        {
-                            field_bytes(f, payload)?
-                        } else {
-                            return None;
-                        };
-                        let mut s = String::new();
-                        match sp.prec {
-                            Some(p) => {
-                                let cut: String =
-                                    String::from_utf8_lossy(bytes).chars().take(p).collect();
-                                escape_guest_bytes(&mut s, cut.as_bytes());
-                            }
-                            None => escape_guest_bytes(&mut s, bytes),
-                        }
-                        s
-                    } else {
-                        if is_str {
-                            return None;
-                        }
-                        format_int(sp, field_int(f, payload)?)
-                    };
-                    pad(&mut out, sp, &body);
-                }
-            }
-        }
-        Some(out)
-    }
-}
-
-fn format_int(sp: &Spec, v: u64) -> String {
-    // Truncate to the C type the length modifier names.
-    let bits = if sp.longs > 0 {
-        64
-    } else if sp.half >= 2 {
-        8
-    } else if sp.half == 1 {
-        16
-    } else {
-        32
-    };
-    let mask = if bits == 64 {
-        u64::MAX
-    } else {
-        (1u64 << bits) - 1
-    };
-    let u = v & mask;
-    let s = ((u << (64 - bits)) as i64) >> (64 - bits);
-    let (neg, digits) = match sp.conv {
-        b'd' | b'i' => (s < 0, s.unsigned_abs().to_string()),
-        b'u' => (false, u.to_string()),
-        b'x' | b'p' => (false, format!("{u:x}")),
-        b'X' => (false, format!("{u:X}")),
-        b'o' => (false, format!("{u:o}")),
-        b'c' => return escaped_guest_bytes(&[u as u8]),
-        _ => (false, u.to_string()),
-    };
-    if sp.conv == b'p' {
-        return if v == 0 {
-            "(nil)".into()
-        } else {
-            format!("0x{:x}", v)
-        };
-    }
-    let mut digits = digits;
-    if let Some(p) = sp.prec {
-        if digits.len() < p {
-            digits = format!("{}{}", "0".repeat(p - digits.len()), digits);
-        }
-    }
-    let sign = if neg {
-        "-"
-    } else if matches!(sp.conv, b'd' | b'i') && sp.plus {
-        "+"
-    } else if matches!(sp.conv, b'd' | b'i') && sp.space {
-        " "
-    } else {
-        ""
-    };
-    let prefix = match sp.conv {
-        b'x' if sp.alt && u != 0 => "0x",
-        b'X' if sp.alt && u != 0 => "0X",
-        b'o' if sp.alt && !digits.starts_with('0') => "0",
-        _ => "",
-    };
-    let body_len = sign.len() + prefix.len() + digits.len();
-    if sp.zero && !sp.left && sp.prec.is_none() {
-        if let Some(w) = sp.width {
-            if w > body_len {
-                return format!("{sign}{prefix}{}{digits}", "0".repeat(w - body_len));
-            }
-        }
-    }
-    format!("{sign}{prefix}{digits}")
-}
-
-fn pad(out: &mut String, sp: &Spec, body: &str) {
-    let n = body.chars().count();
-    let w = sp.width.unwrap_or(0);
-    if n >= w {
-        out.push_str(body);
-    } else if sp.left {
-        out.push_str(body);
-        out.extend(std::iter::repeat_n(' ', w - n));
-    } else {
-        out.extend(std::iter::repeat_n(' ', w - n));
-        out.push_str(body);
-    }
-}
-
 /// Raw field printing (`name=value` for every non-common field), used when the print
 /// fmt is not interpreted.
 pub fn format_fields_raw(out: &mut String, fmt: &EventFormat, payload: &[u8]) {
@@ -679,45 +331,119 @@ pub fn format_fields_raw(out: &mut String, fmt: &EventFormat, payload: &[u8]) {
     }
 }
 
-/// A format with its parsed print fmt, ready to print events.
+/// How an event's fields are printed.
+#[derive(Clone, Debug)]
+enum Handler {
+    /// The compiled print fmt.
+    Program(Program),
+    /// A trace-cmd plugin's output and the compiled print fmt (printed after a prefix
+    /// plugin's output, or instead of what a plugin does not handle).
+    Plugin(Plugin, Option<Program>),
+    /// Raw fields (`name=value`), with why.
+    Raw(String),
+}
+
+/// A format with its compiled print fmt (or plugin), ready to print events.
 #[derive(Clone, Debug)]
 pub struct EventPrinter {
     /// The format.
     pub format: EventFormat,
-    print: Option<PrintFmt>,
+    handler: Handler,
+    /// Kernel symbols for `%pS`, plugins and printk strings.
+    syms: Arc<KernelSymbols>,
     /// The format is one of the built-in guest events: print it without the interpreter.
     guest_fast: bool,
+    /// Whether the one warning about raw printing was given.
+    warned: Arc<AtomicBool>,
 }
 
 impl EventPrinter {
-    /// Parses the print fmt of `format` once.
+    /// Compiles the print fmt of `format` once (no kernel symbols, 8-byte longs).
     pub fn new(format: EventFormat) -> Self {
-        let print = PrintFmt::parse(&format.print_fmt);
+        Self::with_symbols(format, Arc::default(), 8)
+    }
+
+    /// Compiles the print fmt of `format` once, for a trace whose kernel has
+    /// `long_size`-byte longs and the symbols `syms`; selects trace-cmd's plugin output
+    /// for the events it has one for.
+    pub fn with_symbols(format: EventFormat, syms: Arc<KernelSymbols>, long_size: u8) -> Self {
         let guest_fast = crate::format::guest_formats().contains(&format);
+        let program = if format.system == "ftrace" && format.name == "bprint" {
+            // Its arguments are binary (vbin_printf), not the fields the fmt names.
+            Err(crate::printfmt::Unsupported(
+                "binary trace_printk arguments are not decoded".into(),
+            ))
+        } else {
+            Program::compile(&format, &format.print_fmt, long_size)
+        };
+        let handler = match (Plugin::for_format(&format), program) {
+            (Some(pl), Ok(p)) => Handler::Plugin(pl, Some(p)),
+            (Some(pl), Err(_)) if !pl.then_print_fmt() => Handler::Plugin(pl, None),
+            (_, Ok(p)) => Handler::Program(p),
+            (_, Err(e)) => Handler::Raw(e.0),
+        };
         Self {
             format,
-            print,
+            handler,
+            syms,
             guest_fast,
+            warned: Arc::default(),
         }
     }
 
-    /// Whether the print fmt is interpreted (else fields are printed raw).
+    /// Whether the fields are printed as trace-cmd prints them (print fmt or plugin),
+    /// else raw.
     pub fn print_fmt_supported(&self) -> bool {
-        self.print.is_some()
+        !matches!(self.handler, Handler::Raw(_))
     }
 
-    /// Appends the fields of `payload`; returns true if they were printed with the
-    /// print fmt, false if raw.
+    /// Why the fields are printed raw (`None` when they are not).
+    pub fn unsupported_reason(&self) -> Option<&str> {
+        match &self.handler {
+            Handler::Raw(why) => Some(why),
+            _ => None,
+        }
+    }
+
+    /// Appends the fields of `payload`; returns true if they were printed as trace-cmd
+    /// prints them, false if raw (then a warning is printed on stderr, once per event).
     pub fn format_fields(&self, out: &mut String, payload: &[u8]) -> bool {
-        if let Some(s) = self
-            .print
-            .as_ref()
-            .and_then(|p| p.format(&self.format, payload))
-        {
-            out.push_str(&s);
+        let start = out.len();
+        let ok = match &self.handler {
+            Handler::Program(p) => p.run(out, payload, &self.syms).is_some(),
+            // A prefix plugin (kmem) then the print fmt; a plugin that prints the
+            // fields instead, or the print fmt for what it does not handle.
+            Handler::Plugin(pl, prog) if pl.then_print_fmt() => {
+                pl.run(out, payload, &self.syms).is_some()
+                    && prog
+                        .as_ref()
+                        .is_some_and(|p| p.run(out, payload, &self.syms).is_some())
+            }
+            Handler::Plugin(pl, prog) => {
+                pl.run(out, payload, &self.syms).is_some()
+                    || prog
+                        .as_ref()
+                        .is_some_and(|p| p.run(out, payload, &self.syms).is_some())
+            }
+            Handler::Raw(_) => false,
+        };
+        if ok {
             return true;
         }
+        out.truncate(start);
         format_fields_raw(out, &self.format, payload);
+        if !self.warned.swap(true, Ordering::Relaxed) {
+            let why = match &self.handler {
+                Handler::Raw(why) => why.as_str(),
+                _ => "a payload does not match its format",
+            };
+            eprintln!(
+                "hyptrace: {}:{}: fields printed raw ({})",
+                escape_guest_str(&self.format.system),
+                escape_guest_str(&self.format.name),
+                escape_guest_str(why)
+            );
+        }
         false
     }
 }
@@ -809,27 +535,35 @@ mod tests {
 
     #[test]
     fn print_fmt_subset() {
-        let p = PrintFmt::parse("\"comm=%s pid=%d prio=%d target_cpu=%03d\", REC->comm, REC->pid, REC->prio, REC->target_cpu")
-            .unwrap();
-        let text = "name: sched_waking\nID: 375\nformat:\n\tfield:unsigned short common_type;\toffset:0;\tsize:2;\tsigned:0;\n\tfield:int common_pid;\toffset:4;\tsize:4;\tsigned:1;\n\n\tfield:char comm[16];\toffset:8;\tsize:16;\tsigned:0;\n\tfield:pid_t pid;\toffset:24;\tsize:4;\tsigned:1;\n\tfield:int prio;\toffset:28;\tsize:4;\tsigned:1;\n\tfield:int target_cpu;\toffset:32;\tsize:4;\tsigned:1;\n\nprint fmt: \"comm=%s\"\n";
+        let text = "name: sched_waking\nID: 375\nformat:\n\tfield:unsigned short common_type;\toffset:0;\tsize:2;\tsigned:0;\n\tfield:int common_pid;\toffset:4;\tsize:4;\tsigned:1;\n\n\tfield:char comm[16];\toffset:8;\tsize:16;\tsigned:0;\n\tfield:pid_t pid;\toffset:24;\tsize:4;\tsigned:1;\n\tfield:int prio;\toffset:28;\tsize:4;\tsigned:1;\n\tfield:int target_cpu;\toffset:32;\tsize:4;\tsigned:1;\n\nprint fmt: \"comm=%s pid=%d prio=%d target_cpu=%03d\", REC->comm, REC->pid, REC->prio, REC->target_cpu\n";
         let f = EventFormat::parse("sched", text).unwrap();
         let mut payload = vec![0u8; 36];
         payload[8..12].copy_from_slice(b"bash");
         payload[24..28].copy_from_slice(&(-5i32).to_le_bytes());
         payload[28..32].copy_from_slice(&120i32.to_le_bytes());
         payload[32..36].copy_from_slice(&1i32.to_le_bytes());
-        assert_eq!(
-            p.format(&f, &payload).unwrap(),
-            "comm=bash pid=-5 prio=120 target_cpu=001"
-        );
-        assert!(PrintFmt::parse("\"%s\", __print_flags(REC->x, \"|\", {1, \"A\"})").is_none());
-        assert!(PrintFmt::parse("\"%pS\", REC->ip").is_none());
-        assert!(PrintFmt::parse("\"x=%d\", REC->a ? 1 : 0").is_none());
-        assert!(PrintFmt::parse("\"%d %d\", REC->a").is_none());
-        assert!(
-            PrintFmt::parse("\"100%% %-4u|%x|%#lx|%5s|\", REC->a, REC->b, REC->c, REC->d")
-                .is_some()
-        );
+        let p = EventPrinter::new(f.clone());
+        let mut s = String::new();
+        assert!(p.format_fields(&mut s, &payload));
+        assert_eq!(s, "comm=bash pid=-5 prio=120 target_cpu=001");
+        // Unsupported: raw fields, never a partial line.
+        let mut g = f;
+        g.print_fmt = "\"%pU x\", REC->pid".into();
+        let p = EventPrinter::new(g);
+        assert!(!p.print_fmt_supported());
+        let mut s = String::new();
+        assert!(!p.format_fields(&mut s, &payload));
+        assert_eq!(s, "comm=bash pid=-5 prio=120 target_cpu=1");
+    }
+
+    #[test]
+    fn bprint_is_raw() {
+        let mut f = guest_formats().remove(0);
+        f.system = "ftrace".into();
+        f.name = "bprint".into();
+        let p = EventPrinter::new(f);
+        assert!(!p.print_fmt_supported());
+        assert!(p.unsupported_reason().unwrap().contains("trace_printk"));
     }
 
     #[test]

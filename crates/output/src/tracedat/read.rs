@@ -346,6 +346,8 @@ pub struct TraceFile {
     /// Whether the CPU data is zstd-compressed (v7).
     compressed: bool,
     src: Source,
+    /// Kernel symbols (kallsyms and printk formats sections) for `%pS` and plugins.
+    pub symbols: std::sync::Arc<crate::symbols::KernelSymbols>,
     printers: BTreeMap<u16, EventPrinter>,
 }
 
@@ -433,9 +435,15 @@ fn parse_event_formats(c: &mut impl Input, out: &mut Vec<EventFormat>) -> Result
     Ok(())
 }
 
-fn skip_u32_sized(c: &mut impl Input, what: &str) -> Result<(), OutputError> {
+/// A u32-sized blob (kallsyms, printk formats): its bytes when at most
+/// [`MAX_DECOMPRESSED`] (symbols only improve the text: a larger one is skipped).
+fn u32_sized_text(c: &mut impl Input, what: &str) -> Result<Option<Vec<u8>>, OutputError> {
     let n = c.u32(what)?;
-    c.skip(u64::from(n), what)
+    if n as usize > MAX_DECOMPRESSED {
+        c.skip(u64::from(n), what)?;
+        return Ok(None);
+    }
+    Ok(Some(c.bytes(n as usize, what)?.to_vec()))
 }
 
 fn parse_cmdlines(c: &mut impl Input, out: &mut BTreeMap<i32, String>) -> Result<(), OutputError> {
@@ -492,6 +500,10 @@ struct Parser {
 }
 
 impl Parser {
+    fn symbols(&mut self) -> &mut crate::symbols::KernelSymbols {
+        std::sync::Arc::make_mut(&mut self.f.symbols)
+    }
+
     fn src(&self) -> &Source {
         &self.f.src
     }
@@ -572,8 +584,12 @@ impl Parser {
         self.f.header_page = parse_header_info(c)?;
         parse_ftrace_events(c, &mut self.f.formats)?;
         parse_event_formats(c, &mut self.f.formats)?;
-        skip_u32_sized(c, "kallsyms")?;
-        skip_u32_sized(c, "printk formats")?;
+        if let Some(t) = u32_sized_text(c, "kallsyms")? {
+            self.symbols().parse_kallsyms(&t);
+        }
+        if let Some(t) = u32_sized_text(c, "printk formats")? {
+            self.symbols().parse_printk(&t);
+        }
         parse_cmdlines(c, &mut self.f.cmdlines)?;
         self.f.nr_cpus = c.u32("cpu count")?;
         let mut has_clock = false;
@@ -717,6 +733,28 @@ impl Parser {
             let s = self.section(off, option::EVENT_FORMATS)?;
             parse_event_formats(&mut Cur::new(&s, 0, 0), &mut self.f.formats)?;
         }
+        // Symbols only improve the text: a damaged section is ignored.
+        for (id, what) in [(option::KALLSYMS, "kallsyms"), (option::PRINTK, "printk")] {
+            if let Some(&off) = sections.get(&id) {
+                let Ok(s) = self.section(off, id) else {
+                    continue;
+                };
+                let mut c = Cur::new(&s, 0, 0);
+                let Ok(n) = c.u32(what) else {
+                    continue;
+                };
+                let Ok(text) = c.bytes(n as usize, what) else {
+                    continue;
+                };
+                let text = text.to_vec();
+                let syms = self.symbols();
+                if id == option::KALLSYMS {
+                    syms.parse_kallsyms(&text);
+                } else {
+                    syms.parse_printk(&text);
+                }
+            }
+        }
         if let Some(&off) = sections.get(&option::CMDLINES) {
             let s = self.section(off, option::CMDLINES)?;
             parse_cmdlines(&mut Cur::new(&s, 0, 0), &mut self.f.cmdlines)?;
@@ -826,6 +864,7 @@ impl TraceFile {
             cpus: Vec::new(),
             compressed: false,
             src: src.clone(),
+            symbols: Default::default(),
             printers: BTreeMap::new(),
         };
         let mut p = Parser {
@@ -867,7 +906,10 @@ impl TraceFile {
         f.printers = f
             .formats
             .iter()
-            .map(|e| (e.id, EventPrinter::new(e.clone())))
+            .map(|e| {
+                let p = EventPrinter::with_symbols(e.clone(), f.symbols.clone(), f.long_size);
+                (e.id, p)
+            })
             .collect();
         Ok(f)
     }
