@@ -40,7 +40,7 @@ use hyptrace_reader::{Callbacks, ReadError};
 use crate::cli::FormatArg;
 use crate::plan::Plan;
 use crate::report::{CpuReport, Destination, Failures, GuestView, RunReport, Stop, Timing};
-use crate::session::{alloc_reader_wrapped, Output, Session};
+use crate::session::{alloc_reader_wrapped, thread_cpu_time, Output, ReaderPriority, Session};
 use crate::signals::Interrupts;
 use crate::vcpu::VcpuOutcome;
 use crate::vm::{RunningVm, Vm};
@@ -250,13 +250,14 @@ impl<'a> Run<'a> {
             failures: Failures::default(),
             nr,
         };
-        let aborted = live.poll_loop(plan.poll);
+        let (aborted, reader_cpu) = live.poll_loop(plan.poll);
         let timing = Timing {
             created_tsc,
             tsc_khz,
             start_tsc: live.running.start_tsc(),
             tsc_offset,
             wall: live.running.started_at().elapsed(),
+            reader_cpu,
         };
         let Live {
             running,
@@ -438,14 +439,16 @@ struct Live<'a> {
 impl Live<'_> {
     /// Polls every `poll` until every vCPU has stopped and been read; returns whether a
     /// second signal aborted the run.
-    fn poll_loop(&mut self, poll: Duration) -> bool {
+    ///
+    /// Adaptive: the wait between rounds is [`Session::next_wait`] (`poll` while the
+    /// writers are idle, down to continuous draining while one outpaces the reader), and
+    /// the thread runs with a scheduling advantage ([`ReaderPriority`]) for the loop's
+    /// length. Returns also the CPU time the loop's thread used.
+    fn poll_loop(&mut self, poll: Duration) -> (bool, Duration) {
+        let priority = ReaderPriority::raise();
+        let cpu0 = thread_cpu_time();
         let aborted = loop {
-            // A round that stopped at its bound left data behind: come back at once.
-            let wait = if self.session.backlog() {
-                Duration::ZERO
-            } else {
-                poll
-            };
+            let wait = self.session.next_wait(poll);
             let all_done = self.running.wait_timeout(wait);
             if self.interrupts.is_some_and(Interrupts::aborted) {
                 log::info!("aborted by a second signal");
@@ -464,7 +467,16 @@ impl Live<'_> {
         if let Some(h) = &mut self.heartbeat {
             h.end();
         }
-        aborted
+        let used = thread_cpu_time().saturating_sub(cpu0);
+        drop(priority);
+        let wall = self.running.started_at().elapsed();
+        log::debug!(
+            "reader thread: {:.1} ms CPU in {:.1} ms ({:.2} % of a core)",
+            used.as_secs_f64() * 1e3,
+            wall.as_secs_f64() * 1e3,
+            100.0 * used.as_secs_f64() / wall.as_secs_f64().max(1e-9)
+        );
+        (aborted, used)
     }
 
     /// Stops the vCPUs for the first reason that came up, once.

@@ -94,7 +94,7 @@ impl<M: SharedMem> Callbacks for Direct<M> {
 }
 
 /// How long a mailbox request is spun on before the reader moves on and comes back.
-pub const MAILBOX_SPIN: Duration = Duration::from_micros(30);
+pub const MAILBOX_SPIN: Duration = Duration::from_micros(3);
 
 /// An operation the writer runs for the reader through its mailbox (`MBOX_OP_*`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
