@@ -40,7 +40,9 @@ use hyptrace_reader::{Callbacks, ReadError};
 use crate::cli::FormatArg;
 use crate::plan::Plan;
 use crate::report::{CpuReport, Destination, Failures, GuestView, RunReport, Stop, Timing};
-use crate::session::{alloc_reader_wrapped, thread_cpu_time, Output, ReaderPriority, Session};
+use crate::session::{
+    alloc_reader_wrapped, thread_cpu_time, Output, ReaderPriority, Session, MIN_POLL,
+};
 use crate::signals::Interrupts;
 use crate::vcpu::VcpuOutcome;
 use crate::vm::{RunningVm, Vm};
@@ -447,7 +449,9 @@ impl Live<'_> {
     fn poll_loop(&mut self, poll: Duration) -> (bool, Duration) {
         let priority = ReaderPriority::raise();
         let cpu0 = thread_cpu_time();
+        let mut rounds = 0u64;
         let aborted = loop {
+            rounds += 1;
             let wait = self.session.next_wait(poll);
             let all_done = self.running.wait_timeout(wait);
             if self.interrupts.is_some_and(Interrupts::aborted) {
@@ -463,6 +467,12 @@ impl Live<'_> {
             if all_done && (0..self.nr).all(|c| !self.session.is_live(c)) {
                 break false;
             }
+            if all_done {
+                // Every vCPU said it is done but a thread has not exited yet (its CPU is
+                // read once it has): wait_timeout no longer sleeps, so sleep here — a
+                // real-time reader spinning would keep that thread off its core.
+                std::thread::sleep(MIN_POLL);
+            }
         };
         if let Some(h) = &mut self.heartbeat {
             h.end();
@@ -471,7 +481,7 @@ impl Live<'_> {
         drop(priority);
         let wall = self.running.started_at().elapsed();
         log::debug!(
-            "reader thread: {:.1} ms CPU in {:.1} ms ({:.2} % of a core)",
+            "reader thread: {rounds} rounds, {:.1} ms CPU in {:.1} ms ({:.2} % of a core)",
             used.as_secs_f64() * 1e3,
             wall.as_secs_f64() * 1e3,
             100.0 * used.as_secs_f64() / wall.as_secs_f64().max(1e-9)

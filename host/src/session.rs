@@ -267,7 +267,7 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
     /// ring is and how fast its writer filled it lately (no exit: the writer's `bytes`
     /// counter in the control block, against the bytes this reader consumed): `idle`
     /// (`--poll-ms`) when no writer writes; [`MIN_POLL`] ("continuous" draining) while
-    /// a ring is at least half full; in between, a [`POLLS_PER_FILL`]th of the time
+    /// a writer writes and its ring is at least half full; in between, a [`POLLS_PER_FILL`]th of the time
     /// the free part of the fullest ring would take to fill at its writer's recent
     /// rate; `0` when a round stopped at its bound ([`Session::backlog`]); at most
     /// [`REQUEST_POLL`] while a mailbox request is in flight. The guest's counters are
@@ -309,12 +309,17 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
                 }
             }
             st.fill = Some((now, written));
+            // A writer that stopped writing fills nothing, however full its ring (in
+            // overwrite mode the bytes it overwrote are never read: `unread` stays high).
+            if st.rate < 1.0 {
+                continue;
+            }
             if unread.saturating_mul(2) >= cap {
                 wait = MIN_POLL;
-            } else if st.rate >= 1.0 {
+            } else {
                 let to_full = (cap - unread) as f64 / st.rate;
-                let w = Duration::from_secs_f64(to_full / f64::from(POLLS_PER_FILL));
-                wait = wait.min(w);
+                let w = Duration::try_from_secs_f64(to_full / f64::from(POLLS_PER_FILL));
+                wait = wait.min(w.unwrap_or(idle));
             }
         }
         wait.max(MIN_POLL).min(idle.max(MIN_POLL))
