@@ -447,12 +447,22 @@ impl Live<'_> {
     /// the thread runs with a scheduling advantage ([`ReaderPriority`]) for the loop's
     /// length. Returns also the CPU time the loop's thread used.
     fn poll_loop(&mut self, poll: Duration) -> (bool, Duration) {
-        let priority = ReaderPriority::raise();
+        let mut priority = ReaderPriority::raise();
+        // Rounds in a row that found every writer idle: after IDLE_ROUNDS the boost is
+        // given back (cheaper wake-ups) until a writer writes again.
+        const IDLE_ROUNDS: u32 = 16;
+        let mut idle_rounds = 0u32;
         let cpu0 = thread_cpu_time();
         let mut rounds = 0u64;
         let aborted = loop {
             rounds += 1;
             let wait = self.session.next_wait(poll);
+            idle_rounds = if wait >= poll {
+                idle_rounds.saturating_add(1)
+            } else {
+                0
+            };
+            priority.set_active(idle_rounds < IDLE_ROUNDS);
             let all_done = self.running.wait_timeout(wait);
             if self.interrupts.is_some_and(Interrupts::aborted) {
                 log::info!("aborted by a second signal");
