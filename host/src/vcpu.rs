@@ -12,7 +12,7 @@ use std::ptr;
 use std::sync::atomic::Ordering;
 use std::sync::OnceLock;
 
-use hyptrace_abi::guest::{result, PANIC_MSG_MAX, PORT_EXIT, PORT_PANIC};
+use hyptrace_abi::guest::{result, PANIC_MSG_MAX, PORT_EXIT, PORT_PANIC, PORT_SLEEP, SLEEP_MAX_US};
 use kvm_ioctls::{VcpuExit, VcpuFd};
 use libc::{c_int, c_void, siginfo_t};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
@@ -189,6 +189,13 @@ fn run_loop(
                     return VcpuOutcome::Faulted(format!("vCPU {id} reported exit as vCPU {who}"));
                 }
                 return VcpuOutcome::Finished(read_stats(mem, slot));
+            }
+            VcpuExit::IoOut(PORT_SLEEP, data) => {
+                // A pacing guest with nothing to do for a while (bounded: a stop request
+                // is seen at the top of the loop within SLEEP_MAX_US).
+                let us = le_u32(data).min(SLEEP_MAX_US);
+                std::thread::sleep(std::time::Duration::from_micros(u64::from(us)));
+                continue;
             }
             VcpuExit::IoOut(PORT_PANIC, data) => {
                 let len = le_u32(data);

@@ -115,13 +115,9 @@ pub(super) fn table(v: &BenchReport) -> String {
         "\nhighest --rate with zero loss (stop mode, poll 1 ms, 1 MiB/vCPU, record to trace.dat; every run of a step loss-free)"
     );
     for r in &v.max_rate {
-        let who = format!(
-            "{} vCPU{}, swap {}:",
-            r.vcpus,
-            if r.vcpus == 1 { "" } else { "s" },
-            r.swap
-        );
-        let _ = writeln!(s, "  {who:<22} {}", r.text());
+        let who = format!("{} vCPU{}:", r.vcpus, if r.vcpus == 1 { "" } else { "s" });
+        let swap = format!("--swap {}:", r.swap);
+        let _ = writeln!(s, "  {who:<10} {swap:<14} {}", r.text());
     }
     // The writer flat out (1 vCPU, whole-loop mean of the payload closest to a marker's
     // 24 bytes) against the loss-free rates of 1 vCPU.
@@ -135,7 +131,7 @@ pub(super) fn table(v: &BenchReport) -> String {
         for r in v.max_rate.iter().filter(|r| r.vcpus == 1) {
             let _ = writeln!(
                 s,
-                "  1 vCPU, swap {}: {:.1} % of the writer flat out ({:.1} M events/s, {payload}-byte payload, whole-loop mean)",
+                "  1 vCPU, --swap {}: {:.1} % of the writer flat out ({:.1} M events/s, {payload}-byte payload, whole-loop mean)",
                 r.swap,
                 100.0 * r.max_rate_zero_loss as f64 / flat,
                 flat / 1e6
@@ -259,10 +255,13 @@ mod tests {
         let t = table(&sample());
         assert!(!t.replace("null sink", "").contains("null"), "{t}");
         assert!(
-            t.contains("1 vCPU, swap host:     at least 200000 events/s per vCPU (--quick"),
+            t.contains("1 vCPU:    --swap host:   at least 200000 events/s per vCPU (--quick"),
             "{t}"
         );
-        assert!(t.contains("2 vCPUs, swap host:    at least 400000"), "{t}");
+        assert!(
+            t.contains("2 vCPUs:   --swap host:   at least 400000"),
+            "{t}"
+        );
         assert!(
             t.contains(
                 "300000 events/s per vCPU (first lossy rate: 350000, lost [0, 5, 9] in 3 runs)"
