@@ -618,3 +618,63 @@ fn swap_contention_at_full_speed_is_no_error() {
         }
     }
 }
+
+/// The drain loop's pace (`Session::next_wait`, issue 14): the idle period while nothing
+/// is written; shorter as soon as a writer writes; `MIN_POLL` while its ring is at least
+/// half full and it writes on; the idle period again once it stopped writing, even with
+/// its ring still full (the old rule polled a full idle ring continuously); no wait while
+/// a round left data behind. Compares durations the session returns, times nothing.
+#[test]
+fn adaptive_wait_follows_the_fill_level() {
+    use hyptrace_host::session::MIN_POLL;
+    let (m, l) = region(1, 8, Mode::Stop);
+    let mut s = session(&m, l, Output::Pages(Box::new(CountingSink::default())));
+    let idle = Duration::from_millis(1);
+    assert_eq!(s.next_wait(idle), idle, "nothing written yet");
+    assert_eq!(s.next_wait(idle), idle, "nothing written yet");
+    let mut w = Writer::attach(m.clone(), 0).expect("attach");
+    let cap = (l.pages_per_cpu as u64 - 1) * l.data_capacity() as u64;
+    let payload = [7u8; 56];
+    let mut ts = 1000;
+    let mut write_until = |w: &mut Writer<Mem>, bytes: u64| {
+        while m.load(l.ctl(0) + ctl::BYTES, Relaxed) < bytes {
+            ts += 10;
+            if w.write(0, ts, &payload) != WriteOutcome::Written {
+                break;
+            }
+        }
+    };
+    write_until(&mut w, cap / 8);
+    let d = s.next_wait(idle);
+    assert!(d < idle, "a writer writes: {d:?}");
+    // It stops: the rate estimate decays (halved per round) until the loop idles.
+    let rounds = (0..200).take_while(|_| s.next_wait(idle) != idle).count();
+    assert!(rounds < 200, "never went back to the idle period");
+    // It fills the ring past half (then drops: stop mode) while writing on.
+    write_until(&mut w, cap * 3 / 4);
+    assert_eq!(
+        s.next_wait(idle),
+        MIN_POLL,
+        "ring half full, writer writing"
+    );
+    for _ in 0..50 {
+        ts += 10;
+        w.write(0, ts, &payload);
+    }
+    assert_eq!(s.next_wait(idle), MIN_POLL, "ring full, writer writing");
+    // It stops with the ring full: nothing can be lost by waiting.
+    let rounds = (0..200).take_while(|_| s.next_wait(idle) != idle).count();
+    assert!(
+        rounds < 200,
+        "a full ring of an idle writer kept the loop polling"
+    );
+    // Drained in rounds (all but the writer's own page): still idle.
+    for _ in 0..100 {
+        s.poll(0).expect("poll");
+        if !s.backlog() {
+            break;
+        }
+    }
+    assert!(s.stats(0).read > 0);
+    assert_eq!(s.next_wait(idle), idle);
+}

@@ -221,6 +221,8 @@ pub struct Timing {
     pub tsc_offset: Option<i64>,
     /// From start until every vCPU stopped.
     pub wall: Duration,
+    /// CPU time the drain loop's thread used while the vCPUs ran (`RUSAGE_THREAD`).
+    pub reader_cpu: Duration,
 }
 
 impl Timing {

@@ -12,7 +12,9 @@ use std::ptr;
 use std::sync::atomic::Ordering;
 use std::sync::OnceLock;
 
-use hyptrace_abi::guest::{result, PANIC_MSG_MAX, PORT_ALIGN, PORT_EXIT, PORT_PANIC};
+use hyptrace_abi::guest::{
+    result, PANIC_MSG_MAX, PORT_ALIGN, PORT_EXIT, PORT_PANIC, PORT_SLEEP, SLEEP_MAX_US,
+};
 use hyptrace_abi::registry::PORT_REGISTER;
 use kvm_ioctls::{VcpuExit, VcpuFd};
 use libc::{c_int, c_void, siginfo_t};
@@ -229,6 +231,13 @@ fn run_loop(
                 {
                     return VcpuOutcome::Faulted("result slot not writable".into());
                 }
+            }
+            VcpuExit::IoOut(PORT_SLEEP, data) => {
+                // A pacing guest with nothing to do for a while (bounded: a stop request
+                // is seen at the top of the loop within SLEEP_MAX_US).
+                let us = le_u32(data).min(SLEEP_MAX_US);
+                std::thread::sleep(std::time::Duration::from_micros(u64::from(us)));
+                continue;
             }
             VcpuExit::IoOut(PORT_PANIC, data) => {
                 let len = le_u32(data);

@@ -24,6 +24,13 @@ pub const PORT_PANIC: u16 = 0x0511;
 /// the exit with the run's host clock and stores it (u64) at [`result::ALIGN_HOST`] of
 /// the vCPU's result slot before resuming it.
 pub const PORT_ALIGN: u16 = 0x0513;
+/// Port a pacing guest writes a number of microseconds to: the VMM puts the vCPU's
+/// thread to sleep that long (at most [`SLEEP_MAX_US`]) instead of letting it spin
+/// (at CPL3 there is no `hlt`). One exit (~30 µs here), so the guest asks only when its
+/// next deadline is much further away.
+pub const PORT_SLEEP: u16 = 0x0514;
+/// Longest sleep one [`PORT_SLEEP`] write gets (a stop request is seen within it).
+pub const SLEEP_MAX_US: u32 = 1000;
 
 /// Magic of the run parameter block: `"HTRUNPRM"` as little-endian bytes.
 pub const RUN_PARAMS_MAGIC: u64 = u64::from_le_bytes(*b"HTRUNPRM");

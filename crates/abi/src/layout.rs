@@ -121,7 +121,7 @@ pub mod cpu_desc {
 /// `ENTRIES`, `OVERRUN`, `DROPPED`, `PAGES_TOUCHED`, `BYTES`, `WRITE_STAMP`,
 /// `LOST_PENDING`, `MBOX_ACK`, `WRITER_STATE`.
 /// Swap-owned (stored by `swap_reader_page`, wherever it runs): `READER_PAGE`, `SWAPS`.
-/// Host-owned (the guest only loads them): `ENABLE`, `MBOX_REQ`.
+/// Host-owned (the guest only loads them): `ENABLE`, `MBOX_REQ`, `MBOX_ARG`.
 pub mod ctl {
     /// u64 [`super::CTL_MAGIC`].
     pub const MAGIC: usize = 0;
@@ -161,7 +161,10 @@ pub mod ctl {
     pub const ENABLE: usize = 128;
     /// Host → guest: mailbox request, `seq << 8 | op` (`MBOX_OP_*`); seq starts at 1.
     pub const MBOX_REQ: usize = 136;
-    // 144..256 reserved.
+    /// Host → guest: the argument of the request in `MBOX_REQ`, stored before it
+    /// (`MBOX_OP_HANDOFF`: how many swaps). Added in the swap hand-off (docs/abi.md).
+    pub const MBOX_ARG: usize = 144;
+    // 152..256 reserved.
 }
 
 /// Writer state: not attached yet.
@@ -175,6 +178,12 @@ pub const WRITER_FINISHED: u64 = 2;
 pub const MBOX_OP_SWAP: u64 = 1;
 /// Mailbox op: update the reader page footer's stats.
 pub const MBOX_OP_UPDATE_FOOTERS: u64 = 2;
+/// Mailbox op (swap hand-off): swap the reader page `MBOX_ARG` times in a row
+/// (1..=the CPU's pages), stopping at the first swap that does not succeed. The host
+/// asks for it in stop mode after reading the reader page and the complete ring pages
+/// after it in place (docs/abi.md, "swap hand-off"): one round trip frees them all.
+/// A writer older than the hand-off answers `MBOX_STATUS_ERROR`.
+pub const MBOX_OP_HANDOFF: u64 = 3;
 /// Mailbox status: done.
 pub const MBOX_STATUS_OK: u64 = 0;
 /// Mailbox status: nothing to swap (the writer is on the reader page).

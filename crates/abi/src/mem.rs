@@ -41,6 +41,34 @@ pub trait SharedMem {
     fn write_bytes(&self, off: usize, src: &[u8]);
     /// Copies bytes of the region at `off` into `dst` (plain data).
     fn read_bytes(&self, off: usize, dst: &mut [u8]);
+
+    /// [`SharedMem::load`] for a caller that validated `off` once, ahead (the writer: at
+    /// attach, docs/design.md "Writer at the bound"); implementations may skip the check
+    /// ([`RawMem`] does). The default checks anyway.
+    ///
+    /// # Safety
+    /// `off` is 8-aligned and `off + 8 <= self.size()` (`size()` never changes).
+    #[inline(always)]
+    unsafe fn load_unchecked(&self, off: usize, order: Ordering) -> u64 {
+        self.load(off, order)
+    }
+    /// [`SharedMem::store`] without the check; see [`SharedMem::load_unchecked`].
+    ///
+    /// # Safety
+    /// `off` is 8-aligned and `off + 8 <= self.size()`.
+    #[inline(always)]
+    unsafe fn store_unchecked(&self, off: usize, val: u64, order: Ordering) {
+        self.store(off, val, order)
+    }
+    /// [`SharedMem::write_bytes`] without the check; see [`SharedMem::load_unchecked`].
+    ///
+    /// # Safety
+    /// `off + src.len() <= self.size()` (no overflow), and the bytes are plain data
+    /// (never accessed as atomic words).
+    #[inline(always)]
+    unsafe fn write_bytes_unchecked(&self, off: usize, src: &[u8]) {
+        self.write_bytes(off, src)
+    }
 }
 
 /// Implements the atomic-word methods of [`SharedMem`] (`load` … `fetch_add`) by calling
@@ -141,6 +169,26 @@ macro_rules! forward_shared_mem {
         fn read_bytes(&$this, off: usize, dst: &mut [u8]) {
             $via.read_bytes(off, dst)
         }
+        #[inline(always)]
+        unsafe fn load_unchecked(&$this, off: usize, order: core::sync::atomic::Ordering) -> u64 {
+            // SAFETY: the caller's contract, passed on unchanged (same region, same size).
+            unsafe { $via.load_unchecked(off, order) }
+        }
+        #[inline(always)]
+        unsafe fn store_unchecked(
+            &$this,
+            off: usize,
+            val: u64,
+            order: core::sync::atomic::Ordering,
+        ) {
+            // SAFETY: the caller's contract, passed on unchanged (same region, same size).
+            unsafe { $via.store_unchecked(off, val, order) }
+        }
+        #[inline(always)]
+        unsafe fn write_bytes_unchecked(&$this, off: usize, src: &[u8]) {
+            // SAFETY: the caller's contract, passed on unchanged (same region, same size).
+            unsafe { $via.write_bytes_unchecked(off, src) }
+        }
     };
 }
 
@@ -229,6 +277,28 @@ impl SharedMem for RawMem {
         // for writes (`new`'s contract); `src` is a distinct Rust slice, so they do not
         // overlap. The writer only writes bytes not yet published by a commit, so no
         // one reads them concurrently under the protocol.
+        unsafe { core::ptr::copy_nonoverlapping(src.as_ptr(), self.base.add(off), src.len()) }
+    }
+    #[inline(always)]
+    unsafe fn load_unchecked(&self, off: usize, order: Ordering) -> u64 {
+        debug_assert!(off.is_multiple_of(8) && off < self.size && self.size - off >= 8);
+        // SAFETY: `off` is 8-aligned and inside the region (the caller's contract); the
+        // base is 8-aligned and valid for the region's lifetime (`new`'s contract); all
+        // other accesses to this word are atomic (module contract).
+        unsafe { AtomicU64::from_ptr(self.base.add(off).cast::<u64>()) }.load(order)
+    }
+    #[inline(always)]
+    unsafe fn store_unchecked(&self, off: usize, val: u64, order: Ordering) {
+        debug_assert!(off.is_multiple_of(8) && off < self.size && self.size - off >= 8);
+        // SAFETY: as in `load_unchecked`.
+        unsafe { AtomicU64::from_ptr(self.base.add(off).cast::<u64>()) }.store(val, order)
+    }
+    #[inline(always)]
+    unsafe fn write_bytes_unchecked(&self, off: usize, src: &[u8]) {
+        debug_assert!(off.checked_add(src.len()).is_some_and(|e| e <= self.size));
+        // SAFETY: the destination range is inside the region (the caller's contract),
+        // which is valid for writes (`new`'s contract); `src` is a distinct Rust slice;
+        // the bytes are plain data not yet published (as in `write_bytes`).
         unsafe { core::ptr::copy_nonoverlapping(src.as_ptr(), self.base.add(off), src.len()) }
     }
     #[inline]
@@ -372,4 +442,37 @@ impl SharedMem for HeapMem {
 #[cfg(feature = "alloc")]
 impl<T: SharedMem + ?Sized> SharedMem for alloc::sync::Arc<T> {
     crate::forward_shared_mem!(self => (**self));
+}
+
+#[cfg(all(test, feature = "alloc"))]
+mod tests {
+    use super::*;
+    use core::sync::atomic::Ordering::Relaxed;
+
+    /// The unchecked accessors reach the same bytes as the checked ones, for `RawMem`
+    /// (its own fast path, through `HeapMem`'s forwarding) and for `WordMem` (the
+    /// trait's checked defaults): the last word and the last bytes of the region too.
+    #[test]
+    fn unchecked_accessors_match_the_checked_ones() {
+        fn check<M: SharedMem>(m: &M) {
+            let last = m.size() - 8;
+            // SAFETY: 8-aligned offsets with 8 bytes inside the region; byte ranges inside it.
+            unsafe {
+                m.store_unchecked(last, 0x1122_3344_5566_7788, Relaxed);
+                m.store_unchecked(0, 42, Relaxed);
+                assert_eq!(m.load_unchecked(0, Relaxed), 42);
+                assert_eq!(m.load(last, Relaxed), 0x1122_3344_5566_7788);
+                m.write_bytes_unchecked(16, &[1, 2, 3, 4, 5]);
+                m.write_bytes_unchecked(m.size() - 3, &[9, 8, 7]);
+            }
+            let mut b = [0u8; 5];
+            m.read_bytes(16, &mut b);
+            assert_eq!(b, [1, 2, 3, 4, 5]);
+            let mut e = [0u8; 3];
+            m.read_bytes(m.size() - 3, &mut e);
+            assert_eq!(e, [9, 8, 7]);
+        }
+        check(&HeapMem::new(256));
+        check(&WordMem::new(256));
+    }
 }

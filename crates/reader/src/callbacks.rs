@@ -12,8 +12,8 @@
 
 use crate::ReadError;
 use hyptrace_abi::layout::{
-    ctl, RingGeometry, MBOX_OP_SWAP, MBOX_OP_UPDATE_FOOTERS, MBOX_STATUS_BUSY,
-    MBOX_STATUS_CONTENDED, MBOX_STATUS_OK, WRITER_FINISHED,
+    ctl, Mode, RingGeometry, MBOX_OP_HANDOFF, MBOX_OP_SWAP, MBOX_OP_UPDATE_FOOTERS,
+    MBOX_STATUS_BUSY, MBOX_STATUS_CONTENDED, MBOX_STATUS_OK, WRITER_FINISHED,
 };
 use hyptrace_abi::SharedMem;
 use std::sync::atomic::AtomicU64;
@@ -47,6 +47,21 @@ pub trait Callbacks {
     /// Refresh the stats in the CPU's reader page footer. `Ok(false)`: the request is
     /// still in flight (mailbox); the footer is refreshed later.
     fn update_footers(&self, cpu: u32) -> Result<bool, ReadError>;
+    /// Whether the reader should read the complete ring pages after the reader page in
+    /// place and hand them back with one [`Callbacks::handoff`] instead of swapping
+    /// page by page (the swap hand-off: `Mailbox` in stop mode, where every swap is a
+    /// round trip to the writer and the writer never touches those pages).
+    fn handoff_supported(&self, cpu: u32) -> bool {
+        let _ = cpu;
+        false
+    }
+    /// Swap the reader page `pages` times in a row (1..=the CPU's pages), stopping at
+    /// the first swap that does not succeed; `Done(Swapped)` only if all were done.
+    /// Only called when [`Callbacks::handoff_supported`] says so.
+    fn handoff(&self, cpu: u32, pages: u32) -> Result<SwapReply, ReadError> {
+        let _ = pages;
+        self.swap_reader(cpu)
+    }
 }
 
 /// Runs the writer-domain operations directly on the shared memory.
@@ -94,7 +109,7 @@ impl<M: SharedMem> Callbacks for Direct<M> {
 }
 
 /// How long a mailbox request is spun on before the reader moves on and comes back.
-pub const MAILBOX_SPIN: Duration = Duration::from_micros(30);
+pub const MAILBOX_SPIN: Duration = Duration::from_micros(3);
 
 /// An operation the writer runs for the reader through its mailbox (`MBOX_OP_*`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -103,6 +118,17 @@ pub enum MailboxOp {
     Swap,
     /// `update_footers` ([`MBOX_OP_UPDATE_FOOTERS`]).
     UpdateFooters,
+    /// The swap hand-off: that many swaps in a row ([`MBOX_OP_HANDOFF`], the count in
+    /// `MBOX_ARG`).
+    Handoff(u32),
+}
+
+impl MailboxOp {
+    /// Whether the op moves pages (a swap or a hand-off): its answer must reach the
+    /// reader (M1).
+    pub const fn moves_pages(self) -> bool {
+        matches!(self, Self::Swap | Self::Handoff(_))
+    }
 }
 
 impl MailboxOp {
@@ -111,6 +137,7 @@ impl MailboxOp {
         match self {
             Self::Swap => MBOX_OP_SWAP,
             Self::UpdateFooters => MBOX_OP_UPDATE_FOOTERS,
+            Self::Handoff(_) => MBOX_OP_HANDOFF,
         }
     }
 }
@@ -200,6 +227,14 @@ impl<M: SharedMem> MailboxPort<M> {
         // Posts for one CPU are serialised by the caller; the counter is host memory.
         let seq = slot.load(Relaxed).wrapping_add(1) & (u64::MAX >> SEQ_SHIFT);
         slot.store(seq, Relaxed);
+        if let MailboxOp::Handoff(pages) = op {
+            // Relaxed: published by the Release store of mbox_req below (M1).
+            self.mem.store(
+                self.layout.ctl(cpu) + ctl::MBOX_ARG,
+                u64::from(pages),
+                Relaxed,
+            );
+        }
         // Release: paired with the Acquire load of mbox_req in Writer::serve_mailbox (M1).
         self.mem.store(
             self.layout.ctl(cpu) + ctl::MBOX_REQ,
@@ -254,8 +289,9 @@ impl<M: SharedMem> MailboxPort<M> {
 struct Slot {
     /// The request in flight: its sequence number, op, and when it was posted.
     pending: Option<(MailboxSeq, MailboxOp, Instant)>,
-    /// A swap's answer that arrived while another op was asked for: the swap happened,
-    /// so the reader must learn of it at its next swap call (never dropped).
+    /// A swap's (or hand-off's) answer that arrived while another op was asked for:
+    /// pages moved, so the reader must learn of it at its next swap or hand-off call
+    /// (never dropped).
     swap_answer: Option<MailboxStatus>,
 }
 
@@ -290,7 +326,7 @@ impl<M: SharedMem> Mailbox<M> {
     fn request(&self, cpu: u32, op: MailboxOp) -> Result<Reply, ReadError> {
         let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
         let slot = slots.get_mut(cpu as usize).ok_or(ReadError::BadCpu(cpu))?;
-        if op == MailboxOp::Swap {
+        if op.moves_pages() {
             if let Some(status) = slot.swap_answer.take() {
                 return Ok(Reply::Done(status));
             }
@@ -305,7 +341,7 @@ impl<M: SharedMem> Mailbox<M> {
                     // The answer to another op. A swap's is kept for the next swap
                     // call (the reader page changed); an update's needs nothing more.
                     // M1: a swap's answer is never dropped.
-                    if pop == MailboxOp::Swap {
+                    if pop.moves_pages() {
                         slot.swap_answer = Some(status);
                     }
                 }
@@ -349,6 +385,17 @@ impl<M: SharedMem> Callbacks for Mailbox<M> {
             Reply::Done(status) => self.port.swap_status(cpu, status).map(SwapReply::Done),
         }
     }
+    fn handoff_supported(&self, _cpu: u32) -> bool {
+        // In stop mode the writer never moves onto a page between the head and its
+        // tail, so the reader may read them in place; in overwrite mode it may.
+        self.port.layout.mode == Mode::Stop
+    }
+    fn handoff(&self, cpu: u32, pages: u32) -> Result<SwapReply, ReadError> {
+        match self.request(cpu, MailboxOp::Handoff(pages))? {
+            Reply::Pending => Ok(SwapReply::Pending),
+            Reply::Done(status) => self.port.swap_status(cpu, status).map(SwapReply::Done),
+        }
+    }
     fn update_footers(&self, cpu: u32) -> Result<bool, ReadError> {
         match self.request(cpu, MailboxOp::UpdateFooters)? {
             Reply::Pending => Ok(false),
@@ -386,6 +433,12 @@ impl<T: Callbacks + ?Sized> Callbacks for &T {
     fn update_footers(&self, cpu: u32) -> Result<bool, ReadError> {
         (**self).update_footers(cpu)
     }
+    fn handoff_supported(&self, cpu: u32) -> bool {
+        (**self).handoff_supported(cpu)
+    }
+    fn handoff(&self, cpu: u32, pages: u32) -> Result<SwapReply, ReadError> {
+        (**self).handoff(cpu, pages)
+    }
 }
 
 impl<T: Callbacks + ?Sized> Callbacks for Box<T> {
@@ -394,6 +447,12 @@ impl<T: Callbacks + ?Sized> Callbacks for Box<T> {
     }
     fn update_footers(&self, cpu: u32) -> Result<bool, ReadError> {
         (**self).update_footers(cpu)
+    }
+    fn handoff_supported(&self, cpu: u32) -> bool {
+        (**self).handoff_supported(cpu)
+    }
+    fn handoff(&self, cpu: u32, pages: u32) -> Result<SwapReply, ReadError> {
+        (**self).handoff(cpu, pages)
     }
 }
 

@@ -24,7 +24,10 @@ pub use callbacks::{
     Callbacks, Direct, Mailbox, MailboxOp, MailboxPort, MailboxSeq, MailboxStatus, SwapReply,
     SwapStatus,
 };
-use hyptrace_abi::layout::{self, ctl, footer, LayoutError, Mode, RingGeometry, FOOTER_MAGIC};
+use hyptrace_abi::layout::{
+    self, ctl, footer, LayoutError, Mode, RingGeometry, FOOTER_MAGIC, MBOX_STATUS_BUSY,
+    MBOX_STATUS_CONTENDED,
+};
 use hyptrace_abi::page::{self, Record, COMMIT_LEN_MASK, COMMIT_OFFSET, PAGE_HEADER_SIZE};
 use hyptrace_abi::SharedMem;
 use std::collections::VecDeque;
@@ -285,6 +288,17 @@ struct CpuState {
     /// which our page is back in the ring — so the page is not touched again until the
     /// answer is in.
     swap_in_flight: bool,
+    /// Swap hand-off ([`Callbacks::handoff_supported`]): complete ring pages after the
+    /// page being read, found by walking the links, to read in place next.
+    ahead: VecDeque<u32>,
+    /// Ring pages read in place since the last hand-off, in ring order; the swaps of
+    /// the next hand-off give them back to the writer (bounded by the CPU's pages).
+    inplace: Vec<u32>,
+    /// The reader page (the one the swaps own) while ring pages are read in place.
+    handed_from: Option<u32>,
+    /// The page the hand-off in flight makes the reader page: the one after the last
+    /// page read in place.
+    handoff_expect: Option<u32>,
 }
 
 /// Wakes threads waiting for data ([`RingBuffer::waiter`]).
@@ -380,6 +394,10 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
                 final_queue: None,
                 trailing_done: false,
                 swap_in_flight: false,
+                ahead: VecDeque::new(),
+                inplace: Vec::new(),
+                handed_from: None,
+                handoff_expect: None,
             });
         }
         Ok(Self {
@@ -563,7 +581,8 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
         let st = &mut self.cpus[cpu as usize];
         if std::mem::take(&mut st.swap_in_flight) {
             // The writer may have run the requested swap before it stopped: then the
-            // reader page it made is where reading goes on.
+            // reader page it made is where reading goes on. A hand-off it ran only in
+            // part (or not at all) leaves a page already read as the reader page.
             // Acquire: paired with the Release store of reader_page in swap_reader_page_hinted
             // (a swap the writer served after our request: M1).
             let actual = valid_page(
@@ -571,11 +590,18 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
                 cpu,
                 self.mem.load(l.ctl(cpu) + ctl::READER_PAGE, Acquire),
             )?;
-            if actual != st.reader {
+            let read_before = st.handed_from == Some(actual) || st.inplace.contains(&actual);
+            if actual != st.reader && !read_before {
                 st.stats.swaps += 1;
                 Self::enter_page(&self.mem, &l, st, actual)?;
             }
         }
+        // Pages found ahead and not read yet are in the final walk (their page_seq is
+        // above the page being read).
+        st.ahead.clear();
+        st.inplace.clear();
+        st.handed_from = None;
+        st.handoff_expect = None;
         // Acquire (page_seq, id_magic): paired with the Release stores of page_seq in
         // Writer::move_tail and Writer::resume: a page's set-up comes before its page_seq.
         let reader_seq = self
@@ -693,6 +719,9 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
             Self::enter_page(&self.mem, &self.layout, st, next)?;
             return Ok(true);
         }
+        if self.cb.handoff_supported(cpu) {
+            return self.advance_handoff(cpu);
+        }
         let reply = self.cb.swap_reader(cpu)?;
         // M1: while a swap request is in flight the reader page is not touched: next_event
         // and next_page only call advance until the answer came.
@@ -718,6 +747,97 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
                 }
                 st.stats.swaps += 1;
                 Self::enter_page(&self.mem, &self.layout, st, page)?;
+                Ok(true)
+            }
+        }
+    }
+
+    /// [`RingBuffer::advance`] with the swap hand-off (docs/design.md, "Swap
+    /// hand-off"): in stop mode the writer never moves onto a ring page between the
+    /// head and its tail, so the complete pages after the page being read are read in
+    /// place, in ring order (walking the links from it, up to the tail, bounded by the
+    /// ring), and then handed back with one request of `k + 1` swaps: the `k` pages
+    /// read in place go back into the ring, and the page after them (the tail page
+    /// when the walk ended, or a later complete one) becomes the reader page. One
+    /// round trip per batch of pages instead of one per page. While the request is in
+    /// flight nothing is touched (M1); the pages read in place are never read again
+    /// (their events are counted once: `first_index` must not go backwards).
+    fn advance_handoff(&mut self, cpu: u32) -> Result<bool, ReadError> {
+        let l = self.layout;
+        let st = &mut self.cpus[cpu as usize];
+        if !st.swap_in_flight {
+            if st.ahead.is_empty() {
+                // Acquire: paired with the Release store of tail_page in Writer::move_tail:
+                // every page before it in ring order is complete (W1 across pages).
+                let tail =
+                    valid_page(&l, cpu, self.mem.load(l.ctl(cpu) + ctl::TAIL_PAGE, Acquire))?;
+                let mut p = st.reader;
+                // Bounded: at most the ring's pages, and never more in place at once
+                // than a hand-off can give back.
+                for _ in 0..l.pages_per_cpu {
+                    if st.inplace.len() + st.ahead.len() + 2 >= l.pages_per_cpu as usize {
+                        break;
+                    }
+                    // Acquire: paired with the SeqCst link changes of the swaps (they run
+                    // only at our request: nothing changes these links meanwhile, S1).
+                    let lk = self.mem.load(l.footer_off(p) + footer::NEXT, Acquire);
+                    let next = valid_page(&l, cpu, layout::link_id(lk))?;
+                    // A flagged link ends the walk: the pages behind the head are not
+                    // complete ones of ours (only a ring that is not ours has one here).
+                    if lk & layout::LINK_FLAGS != 0 || next == tail || next == st.reader {
+                        break;
+                    }
+                    st.ahead.push_back(next);
+                    p = next;
+                }
+            }
+            if let Some(next) = st.ahead.pop_front() {
+                st.handed_from.get_or_insert(st.reader);
+                Self::enter_page(&self.mem, &l, st, next)?;
+                st.inplace.push(next);
+                return Ok(true);
+            }
+            // The page the hand-off makes the reader page: the one after the page being
+            // read, as the links say now (only our swaps change them).
+            // Acquire: as the walk above.
+            let lk = self
+                .mem
+                .load(l.footer_off(st.reader) + footer::NEXT, Acquire);
+            st.handoff_expect = Some(valid_page(&l, cpu, layout::link_id(lk))?);
+        }
+        let pages = self.cpus[cpu as usize].inplace.len() as u32 + 1;
+        let reply = self.cb.handoff(cpu, pages)?;
+        let st = &mut self.cpus[cpu as usize];
+        // M1: while the request is in flight nothing of the pages is touched.
+        st.swap_in_flight = reply == SwapReply::Pending;
+        let fail = |status: u64| ReadError::MailboxFailed { cpu, status };
+        match reply {
+            SwapReply::Pending => Ok(false),
+            SwapReply::Done(SwapStatus::Busy) if st.inplace.is_empty() => Ok(false),
+            SwapReply::Done(SwapStatus::Contended) if st.inplace.is_empty() => {
+                st.stats.contended = st.stats.contended.saturating_add(1);
+                Ok(false)
+            }
+            // Pages were read in place but the writer did not take them all back: in
+            // stop mode no honest writer answers so (no busy tail there, no head
+            // pushes); where the reader page is now is unknown.
+            SwapReply::Done(SwapStatus::Busy) => Err(fail(MBOX_STATUS_BUSY)),
+            SwapReply::Done(SwapStatus::Contended) => Err(fail(MBOX_STATUS_CONTENDED)),
+            SwapReply::Done(SwapStatus::Swapped { .. }) => {
+                // Acquire: paired with the Release store of reader_page in swap_reader_page_hinted.
+                let page = valid_page(
+                    &l,
+                    cpu,
+                    self.mem.load(l.ctl(cpu) + ctl::READER_PAGE, Acquire),
+                )?;
+                if Some(page) != st.handoff_expect {
+                    return Err(ReadError::SwapNoProgress { cpu, page });
+                }
+                st.stats.swaps = st.stats.swaps.saturating_add(u64::from(pages));
+                st.inplace.clear();
+                st.handed_from = None;
+                st.handoff_expect = None;
+                Self::enter_page(&self.mem, &l, st, page)?;
                 Ok(true)
             }
         }

@@ -246,3 +246,68 @@ fn mailbox_times_out_on_a_dead_writer() {
     assert!(matches!(err, ReadError::MailboxTimeout { .. }), "{err}");
     assert!(start.elapsed() >= Duration::from_millis(100));
 }
+
+/// The swap hand-off (`--swap guest`, stop mode): with full pages waiting in the ring,
+/// the reader reads them in place and asks the writer once for all of them (one
+/// mailbox request for the batch, not one per page); nothing is read twice, nothing is
+/// lost, and the reader page it gets is the page after the ones read in place.
+#[test]
+fn handoff_reads_a_batch_in_place_with_one_request() {
+    let cfg = Config {
+        nr_cpus: 1,
+        buffer_bytes: 8 * 4096,
+        page_size: 4096,
+        mode: Mode::Stop,
+        guest_swap: true,
+    };
+    let l = cfg.layout().unwrap();
+    let mem = Arc::new(HeapMem::new(l.region_size));
+    let cb = Mailbox::new(mem.clone(), l, Duration::from_secs(60));
+    let mut rb = RingBuffer::alloc(mem.clone(), l, cb, 0, 1).unwrap();
+    let mut w = Writer::attach(mem.clone(), 0).unwrap();
+    // About 4.5 pages of 1000-byte events (three per page).
+    let mut seq = 0u64;
+    let mut write = |w: &mut Writer<Arc<HeapMem>>, n: u64| {
+        for _ in 0..n {
+            let mut p = [0u8; 1000];
+            p[..8].copy_from_slice(&seq.to_le_bytes());
+            assert_eq!(w.write(0, 10 + seq, &p), WriteOutcome::Written);
+            seq += 1;
+        }
+    };
+    write(&mut w, 14);
+    let mut items = Vec::new();
+    // The (empty) reader page, then the four complete pages after it, read in place
+    // with no writer serving; then one request for the batch, pending.
+    drain(&mut rb, &mut items);
+    assert_eq!(items.len(), 12, "four full pages of three events");
+    assert!(rb.request_in_flight(0));
+    assert_eq!(rb.stats(0).swaps, 0);
+    drain(&mut rb, &mut items);
+    assert_eq!(
+        items.len(),
+        12,
+        "nothing read twice while the request is in flight"
+    );
+    assert!(w.serve_mailbox(), "one request for the whole batch");
+    assert!(!w.serve_mailbox());
+    assert_eq!(w.mailbox_served(), 1);
+    // The page the writer is on became the reader page: its events come as it fills.
+    write(&mut w, 4);
+    drain(&mut rb, &mut items);
+    let (read, lost) = check_stream(&items);
+    assert_eq!(lost, 0);
+    assert!(read >= 14, "read {read}");
+    // Everything written is read in the end (the rest through the final walk).
+    w.finish();
+    rb.finalize(0).unwrap();
+    drain(&mut rb, &mut items);
+    let (read, lost) = check_stream(&items);
+    assert_eq!((read, lost), (18, 0));
+    assert_eq!(
+        rb.stats(0).swaps,
+        5,
+        "the four pages read in place + the tail page"
+    );
+    assert_eq!(w.mailbox_served(), 1);
+}

@@ -23,8 +23,9 @@ pub mod events;
 use core::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release, SeqCst};
 use hyptrace_abi::layout::{
     ctl, footer, link, LayoutError, Mode, RingGeometry, CTL_MAGIC, FT_COMMIT, FT_HEAD, FT_READER,
-    LINK_FLAGS, LINK_HEAD, LINK_UPDATE, MBOX_OP_SWAP, MBOX_OP_UPDATE_FOOTERS, MBOX_STATUS_BUSY,
-    MBOX_STATUS_CONTENDED, MBOX_STATUS_ERROR, MBOX_STATUS_OK, WRITER_ACTIVE, WRITER_FINISHED,
+    LINK_FLAGS, LINK_HEAD, LINK_UPDATE, MBOX_OP_HANDOFF, MBOX_OP_SWAP, MBOX_OP_UPDATE_FOOTERS,
+    MBOX_STATUS_BUSY, MBOX_STATUS_CONTENDED, MBOX_STATUS_ERROR, MBOX_STATUS_OK, WRITER_ACTIVE,
+    WRITER_FINISHED,
 };
 use hyptrace_abi::page::{self, COMMIT_OFFSET, PAGE_HEADER_SIZE, RB_MISSED_EVENTS};
 /// The shared-memory trait (re-exported: the [`event!`] macro's code names it).
@@ -419,7 +420,30 @@ impl<M: SharedMem> Writer<M> {
     /// the host flips.
     #[inline(always)]
     pub fn enabled(&self, slot: u32) -> bool {
-        (self.mem.load(self.ctl + ctl::ENABLE, Relaxed) >> (slot & 63)) & 1 != 0
+        (self.ctl_load(ctl::ENABLE, Relaxed) >> (slot & 63)) & 1 != 0
+    }
+
+    /// Loads word `field` (a `ctl::*` offset) of this CPU's control block, without the
+    /// region check of every access (the writer at the bound: validated once, at attach).
+    #[inline(always)]
+    fn ctl_load(&self, field: usize, order: core::sync::atomic::Ordering) -> u64 {
+        // A constant at every call site: the check folds away.
+        assert!(field < hyptrace_abi::layout::CTL_SIZE && field.is_multiple_of(8));
+        // SAFETY: attach parsed the geometry against this region (`RingGeometry::parse`:
+        // `region_size <= mem.size()`, and every control block lies below `region_size`)
+        // and checked `cpu < nr_cpus`; `self.ctl` is that CPU's control block (64-aligned)
+        // and `field` an 8-aligned offset inside it (asserted above), so the word is
+        // 8-aligned and inside the region; `size()` never changes (the trait's contract).
+        unsafe { self.mem.load_unchecked(self.ctl + field, order) }
+    }
+
+    /// Stores word `field` of this CPU's control block; see [`Writer::ctl_load`].
+    #[inline(always)]
+    fn ctl_store(&self, field: usize, v: u64, order: core::sync::atomic::Ordering) {
+        assert!(field < hyptrace_abi::layout::CTL_SIZE && field.is_multiple_of(8));
+        // SAFETY: as in `ctl_load`: an 8-aligned word of this CPU's control block, inside
+        // the region validated at attach.
+        unsafe { self.mem.store_unchecked(self.ctl + field, v, order) }
     }
 
     /// Writes one event of `payload` with timestamp `ts` if slot `slot` is enabled.
@@ -471,10 +495,8 @@ impl<M: SharedMem> Writer<M> {
                 Ok(false) => {
                     self.dropped = self.dropped.wrapping_add(1);
                     self.lost_pending = self.lost_pending.wrapping_add(1);
-                    self.mem
-                        .store(self.ctl + ctl::DROPPED, self.dropped, Relaxed);
-                    self.mem
-                        .store(self.ctl + ctl::LOST_PENDING, self.lost_pending, Relaxed);
+                    self.ctl_store(ctl::DROPPED, self.dropped, Relaxed);
+                    self.ctl_store(ctl::LOST_PENDING, self.lost_pending, Relaxed);
                     return WriteOutcome::Dropped;
                 }
                 Err(_) => {
@@ -483,11 +505,26 @@ impl<M: SharedMem> Writer<M> {
                 }
             }
         }
+        // The writer at the bound: from here to the commit every access goes to the
+        // tail page's header and to `[at, data + write + need)`, which lies inside the
+        // page's data area — `write + need <= cap` holds here: either the test above
+        // said so, or the tail just moved (`write = 0`, `need = size <= cap`, since
+        // `payload.len() <= max_payload`) — and the tail page is one of this CPU's pages
+        // (`page_id`-checked where `tail` was set: attach, move_tail), inside the region
+        // that attach validated (`RingGeometry::parse`: `region_size <= mem.size()`).
+        // So the accesses need no check of their own: `*_unchecked`, each with that
+        // argument (the SAFETY comments below refer to it as "the reservation").
+        debug_assert!(self.write + need <= self.cap);
         let data = self.tail_off + PAGE_HEADER_SIZE;
         let mut at = data + self.write;
         if self.write == 0 {
             // First event of the page: the page's time_stamp is its time, delta 0.
-            self.mem.write_bytes(self.tail_off, &ts.to_le_bytes());
+            // SAFETY: the page's first 8 bytes (`time_stamp`, plain data) of the tail
+            // page, inside the region (the reservation).
+            unsafe {
+                self.mem
+                    .write_bytes_unchecked(self.tail_off, &ts.to_le_bytes())
+            };
             delta = 0;
         } else if delta > page::MAX_DELTA {
             // A jump beyond 59 bits (years of TSC) is recorded as the largest extend,
@@ -498,7 +535,12 @@ impl<M: SharedMem> Writer<M> {
             } else {
                 delta
             };
-            self.mem.write_bytes(at, &page::encode_time_extend(d));
+            // SAFETY: the TIME_EXTEND's 8 bytes are the first of the `need` reserved
+            // (the reservation).
+            unsafe {
+                self.mem
+                    .write_bytes_unchecked(at, &page::encode_time_extend(d))
+            };
             at += page::TIME_EXTEND_SIZE;
             delta = 0;
         }
@@ -506,38 +548,49 @@ impl<M: SharedMem> Writer<M> {
         let hlen = page::encode_data_header(&mut hdr, payload.len(), delta as u32);
         // Fixed-size stores (one instruction each), never a variable-length copy: a
         // small copy is a call to memcpy, which in the guest is a `rep movsb`.
-        if hlen == 4 {
-            self.mem.write_bytes(at, &hdr[..4]);
-        } else {
-            self.mem.write_bytes(at, &hdr);
+        // SAFETY: the event's header (4 or 8 bytes, `hlen`) starts its `size` reserved
+        // bytes (the reservation).
+        unsafe {
+            if hlen == 4 {
+                self.mem.write_bytes_unchecked(at, &hdr[..4]);
+            } else {
+                self.mem.write_bytes_unchecked(at, &hdr);
+            }
         }
         at += hlen;
         let padded = page::align4(payload.len());
         if padded != payload.len() {
             // Zero the event's last word (its 1..=3 padding bytes), then copy the payload
             // over its head: one 4-byte store instead of a memset call.
-            self.mem.write_bytes(at + padded - 4, &[0u8; 4]);
+            // SAFETY: `[at + padded - 4, at + padded)` is the end of the event's
+            // reserved bytes (`size = hlen + padded`; padded >= 4 here) (the reservation).
+            unsafe { self.mem.write_bytes_unchecked(at + padded - 4, &[0u8; 4]) };
         }
-        self.mem.write_bytes(at, payload);
+        // SAFETY: the payload's bytes follow the header inside the event's reserved
+        // bytes (`payload.len() <= padded`) (the reservation).
+        unsafe { self.mem.write_bytes_unchecked(at, payload) };
         self.write += need;
         // Publish: the payload above happens-before any Acquire load that sees this (W1).
         // Release (COMMIT_ORDER): paired with the Acquire load of commit in
         // RingBuffer::refresh (and Writer::resume).
-        self.mem.store(
-            self.tail_off + COMMIT_OFFSET,
-            self.write as u64 | self.commit_flags,
-            COMMIT_ORDER,
-        );
+        // SAFETY: the tail page's `commit` word (8-aligned: pages are page-aligned and
+        // COMMIT_OFFSET is 8), inside the region (the reservation).
+        unsafe {
+            self.mem.store_unchecked(
+                self.tail_off + COMMIT_OFFSET,
+                self.write as u64 | self.commit_flags,
+                COMMIT_ORDER,
+            )
+        };
         self.write_stamp = ts;
         // Counters may have been continued from shared memory (attach): wrap, never
         // overflow-panic.
         self.entries = self.entries.wrapping_add(1);
         self.page_entries += 1;
         self.bytes = self.bytes.wrapping_add(need as u64);
-        self.mem
-            .store(self.ctl + ctl::ENTRIES, self.entries, Relaxed);
-        self.mem.store(self.ctl + ctl::BYTES, self.bytes, Relaxed);
-        self.mem.store(self.ctl + ctl::WRITE_STAMP, ts, Relaxed);
+        self.ctl_store(ctl::ENTRIES, self.entries, Relaxed);
+        self.ctl_store(ctl::BYTES, self.bytes, Relaxed);
+        self.ctl_store(ctl::WRITE_STAMP, ts, Relaxed);
         WriteOutcome::Written
     }
 
@@ -705,7 +758,7 @@ impl<M: SharedMem> Writer<M> {
     #[inline]
     pub fn serve_mailbox(&mut self) -> bool {
         // Acquire: paired with the Release store of mbox_req in Mailbox::request (M1).
-        let req = self.mem.load(self.ctl + ctl::MBOX_REQ, Acquire);
+        let req = self.ctl_load(ctl::MBOX_REQ, Acquire);
         if req >> 8 == self.mbox_seen {
             return false;
         }
@@ -725,6 +778,16 @@ impl<M: SharedMem> Writer<M> {
                     Err(_) => MBOX_STATUS_ERROR,
                 }
             }
+            MBOX_OP_HANDOFF => {
+                // Relaxed: stored by the host before its Release store of mbox_req, which
+                // serve_mailbox loaded with Acquire (M1); one request at a time.
+                let n = self.mem.load(self.ctl + ctl::MBOX_ARG, Relaxed);
+                if n == 0 || n > u64::from(self.l.pages_per_cpu) {
+                    MBOX_STATUS_ERROR
+                } else {
+                    self.handoff(n as u32)
+                }
+            }
             MBOX_OP_UPDATE_FOOTERS => match update_footers(&self.mem, &self.l, self.cpu) {
                 Ok(()) => MBOX_STATUS_OK,
                 Err(_) => MBOX_STATUS_ERROR,
@@ -736,6 +799,21 @@ impl<M: SharedMem> Writer<M> {
         // reader_page and footers are visible to a reader that sees the answer (M1).
         self.mem
             .store(self.ctl + ctl::MBOX_ACK, (req & !0xff) | status, Release);
+    }
+
+    /// The swap hand-off (`MBOX_OP_HANDOFF`): `n` swaps in a row, each exactly the
+    /// swap a `MBOX_OP_SWAP` request runs; stops at the first one that does not
+    /// succeed and answers with its status (the host checks `reader_page`).
+    fn handoff(&mut self, n: u32) -> u64 {
+        for _ in 0..n {
+            match swap_reader_page_hinted(&self.mem, &self.l, self.cpu, &mut self.swap_hint) {
+                Ok(SwapStatus::Swapped { .. }) => {}
+                Ok(SwapStatus::Busy) => return MBOX_STATUS_BUSY,
+                Ok(SwapStatus::Contended) => return MBOX_STATUS_CONTENDED,
+                Err(_) => return MBOX_STATUS_ERROR,
+            }
+        }
+        MBOX_STATUS_OK
     }
 
     /// Marks the writer finished: it will write no more (the host may then read

@@ -40,7 +40,8 @@
 
 use hyptrace_abi::layout::{
     ctl, footer, link_id, Mode, RingGeometry, FOOTER_SIZE, FT_COMMIT, FT_HEAD, FT_READER,
-    LINK_FLAGS, LINK_HEAD, MBOX_OP_SWAP, MBOX_STATUS_BUSY, MBOX_STATUS_CONTENDED, MBOX_STATUS_OK,
+    LINK_FLAGS, LINK_HEAD, MBOX_OP_HANDOFF, MBOX_OP_SWAP, MBOX_STATUS_BUSY, MBOX_STATUS_CONTENDED,
+    MBOX_STATUS_OK,
 };
 use hyptrace_abi::page::{Events, COMMIT_LEN_MASK, COMMIT_OFFSET, PAGE_HEADER_SIZE};
 use hyptrace_abi::SharedMem;
@@ -49,6 +50,7 @@ use hyptrace_writer::{
 };
 use loom::cell::UnsafeCell;
 use loom::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::atomic::Ordering::{Acquire, Release};
 use std::sync::Arc;
 
@@ -187,6 +189,10 @@ enum Via {
     /// A swap request in the mailbox, run by the writer thread between its writes
     /// (`Writer::serve_mailbox`, `--swap guest`).
     Mailbox,
+    /// The swap hand-off (stop mode, `--swap guest`): the complete ring pages after the
+    /// reader page are read in place, then one `MBOX_OP_HANDOFF` request of that many
+    /// swaps plus one gives them back and makes the next page the reader page.
+    Handoff,
 }
 
 /// The host reader, reduced to what the model needs: it tracks the reader page, how
@@ -203,6 +209,10 @@ struct MiniReader {
     mbox_seq: u64,
     /// A mailbox request is in flight: the reader page is not touched (M1).
     pending: bool,
+    /// The page the hand-off in flight makes the reader page.
+    expect: Option<u32>,
+    /// Pages read in place (hand-off).
+    inplace: u64,
     /// Swaps that lost to the writer, and requests left unanswered for now: outcomes.
     contended: u64,
     unanswered: u64,
@@ -222,6 +232,8 @@ impl MiniReader {
             hint: SwapHint::default(),
             mbox_seq: 0,
             pending: false,
+            expect: None,
+            inplace: 0,
             contended: 0,
             unanswered: 0,
         }
@@ -298,6 +310,9 @@ impl MiniReader {
                 return match ack & 0xff {
                     MBOX_STATUS_OK => {
                         let page = ld(m, l.ctl(0) + ctl::READER_PAGE) as u32;
+                        if let Some(want) = self.expect.take() {
+                            assert_eq!(page, want, "the hand-off's reader page");
+                        }
                         self.swapped(m, l, page);
                         true
                     }
@@ -336,6 +351,34 @@ impl MiniReader {
         let status = match self.via {
             Via::Plain => swap_reader_page(m, l, 0),
             Via::Hinted => swap_reader_page_hinted(m, l, 0, &mut self.hint),
+            Via::Handoff => {
+                // Read the complete pages after the reader page in place (the writer
+                // never moves onto them in stop mode: loom reports a race if it did).
+                let mut p = self.page;
+                let mut pages = 0u64;
+                for _ in 0..l.pages_per_cpu {
+                    let lk = ld(m, l.footer_off(p) + footer::NEXT);
+                    let next = link_id(lk) as u32;
+                    if lk & LINK_FLAGS != 0 || next == tail {
+                        break;
+                    }
+                    self.enter(m, l, next);
+                    self.read_committed(m, l);
+                    self.inplace += 1;
+                    pages += 1;
+                    p = next;
+                }
+                self.expect = Some(link_id(ld(m, l.footer_off(p) + footer::NEXT)) as u32);
+                self.mbox_seq += 1;
+                m.store(c + ctl::MBOX_ARG, pages + 1, Relaxed);
+                m.store(
+                    c + ctl::MBOX_REQ,
+                    (self.mbox_seq << 8) | MBOX_OP_HANDOFF,
+                    Release,
+                );
+                self.pending = true;
+                return self.poll_answer(m, l, 2);
+            }
             Via::Mailbox => {
                 self.mbox_seq += 1;
                 m.store(
@@ -470,7 +513,7 @@ impl Model {
         let writer = loom::thread::spawn(move || {
             for seq in setup..n {
                 write(&mut w, &events, seq);
-                if via == Via::Mailbox {
+                if matches!(via, Via::Mailbox | Via::Handoff) {
                     w.serve_mailbox();
                 }
                 if burst > 0 && (seq + 1 - setup) % burst == 0 && seq + 1 < n {
@@ -605,6 +648,29 @@ fn mailbox_stop() {
         "stop 4/2 mailbox",
         Model::new(Mode::Stop, 4, BIG, 2, Via::Mailbox),
     );
+}
+
+/// The swap hand-off (`--swap guest`, stop mode): the reader reads the complete ring
+/// pages after its reader page in place while the writer writes on (a write to one of
+/// them would be a race loom reports), then hands them back with one request of several
+/// swaps; the reader page it gets is the page after them; every event is read once.
+#[cfg(not(any(hyptrace_seeded_bug, hyptrace_seeded_bug_relaxed_commit)))]
+#[test]
+fn handoff_stop() {
+    check(
+        "stop 5/2 handoff",
+        Model::new(Mode::Stop, 5, BIG, 2, Via::Handoff),
+    );
+}
+
+/// The hand-off with several events per page and pages already full when the threads
+/// start (so the first step reads two pages in place).
+#[cfg(not(any(hyptrace_seeded_bug, hyptrace_seeded_bug_relaxed_commit)))]
+#[test]
+fn handoff_stop_prefilled() {
+    let mut m = Model::new(Mode::Stop, 6, BIG, 2, Via::Handoff);
+    m.setup = 3;
+    check("stop 6/2 handoff, 3 before", m);
 }
 
 /// The mailbox path in overwrite mode.

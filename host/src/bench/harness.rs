@@ -86,10 +86,15 @@ struct Timed {
     log: Arc<Mutex<SwapLog>>,
 }
 
-impl Callbacks for Timed {
-    fn swap_reader(&self, cpu: u32) -> Result<SwapReply, ReadError> {
+impl Timed {
+    /// Runs `op` (a swap, or a hand-off of several swaps) and logs its time.
+    fn timed(
+        &self,
+        cpu: u32,
+        op: impl FnOnce() -> Result<SwapReply, ReadError>,
+    ) -> Result<SwapReply, ReadError> {
         let t = host_tsc();
-        let r = self.inner.swap_reader(cpu);
+        let r = op();
         let dt = host_tsc().wrapping_sub(t);
         let mut log = self.log.lock().unwrap_or_else(|p| p.into_inner());
         let c = cpu as usize;
@@ -110,8 +115,21 @@ impl Callbacks for Timed {
         }
         r
     }
+}
+
+impl Callbacks for Timed {
+    fn swap_reader(&self, cpu: u32) -> Result<SwapReply, ReadError> {
+        self.timed(cpu, || self.inner.swap_reader(cpu))
+    }
     fn update_footers(&self, cpu: u32) -> Result<bool, ReadError> {
         self.inner.update_footers(cpu)
+    }
+    fn handoff_supported(&self, cpu: u32) -> bool {
+        self.inner.handoff_supported(cpu)
+    }
+    /// A hand-off (several swaps in one request) is timed as one swap call.
+    fn handoff(&self, cpu: u32, pages: u32) -> Result<SwapReply, ReadError> {
+        self.timed(cpu, || self.inner.handoff(cpu, pages))
     }
 }
 

@@ -131,6 +131,8 @@ struct Cfg {
     drain_pages: u32,
     rate_seconds: f64,
     rate_steps: u32,
+    /// Runs per step of the rate search (all must be loss-free).
+    rate_repeats: u32,
 }
 
 impl Cfg {
@@ -178,7 +180,8 @@ impl Cfg {
             swap_rate: 1_000_000,
             drain_pages: if q { 512 } else { 8192 },
             rate_seconds: if q { 0.05 } else { 0.25 },
-            rate_steps: if q { 1 } else { 12 },
+            rate_steps: if q { 1 } else { 8 },
+            rate_repeats: if q { 1 } else { 3 },
         })
     }
 }

@@ -1,6 +1,9 @@
 //! `max_rate`: the highest `--rate` sustained with zero loss in stop mode at the default
-//! poll interval and buffer size (a short doubling + bisection search). Every run writes
-//! at least twice what a ring holds, so a loss-free run means the reader kept up.
+//! poll interval and buffer size, for `--swap host` and `--swap guest` (a doubling +
+//! bisection search; a step passes only if every one of its [`Cfg::rate_repeats`] runs
+//! lost nothing, and the row reports how much each run of the first lossy step lost:
+//! the spread). Every run writes at least twice what a ring holds, so a loss-free run
+//! means the reader kept up.
 //! `--quick` makes one run at the first rate: a lower bound, not a search
 //! (`searched: false`); a search that never lost reports a lower bound too
 //! (`first_lossy_rate: null`, `lower_bound: true`).
@@ -21,6 +24,12 @@ const RATE_FILL_EVENTS: u64 = 2 * DEFAULT_PAGES * PAGE_SIZE / 28;
 #[derive(Clone, Debug, Serialize)]
 pub(super) struct RateRow {
     pub(super) vcpus: u32,
+    /// `host` or `guest` (`--swap`).
+    pub(super) swap: &'static str,
+    /// Runs per step (all must be loss-free).
+    pub(super) repeats: u32,
+    /// Events lost by each run of the first lossy step (the spread of the edge).
+    pub(super) first_lossy_lost: Vec<u64>,
     /// The highest rate run without loss (0: none).
     pub(super) max_rate_zero_loss: u64,
     /// The lowest rate that lost events, if any did.
@@ -64,13 +73,38 @@ impl RateRow {
             (Some(bad), _) if good == 0 => {
                 format!("below {bad} events/s per vCPU (the first rate tried lost events)")
             }
-            (Some(bad), _) => format!("{good} events/s per vCPU (first lossy rate: {bad})"),
+            (Some(bad), _) => format!(
+                "{good} events/s per vCPU (first lossy rate: {bad}, lost {:?} in {} runs)",
+                self.first_lossy_lost, self.repeats
+            ),
             (None, _) => format!("at least {good} events/s per vCPU (no rate tried lost events)"),
         }
     }
 }
 
-fn rate_run(cfg: &Cfg, vcpus: u32, rate: u64) -> Result<RateRun, BenchError> {
+/// `repeats` runs at `rate`: whether all lost nothing, and what each lost.
+fn rate_step(
+    cfg: &Cfg,
+    vcpus: u32,
+    swap: SwapArg,
+    rate: u64,
+    runs: &mut Vec<RateRun>,
+) -> Result<(bool, Vec<u64>), BenchError> {
+    let mut lost = Vec::new();
+    let mut ok = true;
+    for _ in 0..cfg.rate_repeats.max(1) {
+        let r = rate_run(cfg, vcpus, swap, rate)?;
+        ok &= r.ok;
+        lost.push(r.lost);
+        runs.push(r);
+        if cfg.quick {
+            break;
+        }
+    }
+    Ok((ok, lost))
+}
+
+fn rate_run(cfg: &Cfg, vcpus: u32, swap: SwapArg, rate: u64) -> Result<RateRun, BenchError> {
     let events = ((rate as f64 * cfg.rate_seconds) as u64).max(RATE_FILL_EVENTS);
     let o = vm_run(&VmSpec {
         vcpus,
@@ -79,7 +113,7 @@ fn rate_run(cfg: &Cfg, vcpus: u32, rate: u64) -> Result<RateRun, BenchError> {
         rate,
         payload: 0,
         mode: ModeArg::Stop,
-        swap: SwapArg::Host,
+        swap,
         pages: DEFAULT_PAGES,
         sink: SinkKind::Dat,
         time_swaps: false,
@@ -101,22 +135,22 @@ fn rate_run(cfg: &Cfg, vcpus: u32, rate: u64) -> Result<RateRun, BenchError> {
 
 /// The search for one vCPU count: double until a loss (or the guest cannot go
 /// faster), then bisect, `rate_steps` runs at most.
-fn search(cfg: &Cfg, vcpus: u32) -> Result<RateRow, BenchError> {
+fn search(cfg: &Cfg, vcpus: u32, swap: SwapArg) -> Result<RateRow, BenchError> {
     let mut runs = Vec::new();
     let mut good = 0u64;
     let mut bad = None;
+    let mut bad_lost = Vec::new();
     let mut rate = 200_000u64;
     let mut steps = 0;
     while steps < cfg.rate_steps && rate <= 256_000_000 {
         steps += 1;
-        let r = rate_run(cfg, vcpus, rate)?;
-        let ok = r.ok;
-        runs.push(r);
+        let (ok, lost) = rate_step(cfg, vcpus, swap, rate, &mut runs)?;
         if ok {
             good = rate;
             rate *= 2;
         } else {
             bad = Some(rate);
+            bad_lost = lost;
             break;
         }
     }
@@ -126,17 +160,26 @@ fn search(cfg: &Cfg, vcpus: u32) -> Result<RateRow, BenchError> {
         }
         steps += 1;
         let mid = good + (b - good) / 2;
-        let r = rate_run(cfg, vcpus, mid)?;
-        let ok = r.ok;
-        runs.push(r);
+        let (ok, lost) = rate_step(cfg, vcpus, swap, mid, &mut runs)?;
         if ok {
             good = mid;
         } else {
             bad = Some(mid);
+            bad_lost = lost;
         }
     }
     Ok(RateRow {
         vcpus,
+        swap: match swap {
+            SwapArg::Host => "host",
+            SwapArg::Guest => "guest",
+        },
+        repeats: if cfg.quick {
+            1
+        } else {
+            cfg.rate_repeats.max(1)
+        },
+        first_lossy_lost: bad_lost,
         max_rate_zero_loss: good,
         first_lossy_rate: bad,
         lower_bound: bad.is_none(),
@@ -153,9 +196,11 @@ fn search(cfg: &Cfg, vcpus: u32) -> Result<RateRow, BenchError> {
 pub(super) fn max_rate_section(cfg: &Cfg) -> Result<Vec<RateRow>, BenchError> {
     let mut rows = Vec::new();
     for &v in &cfg.vcpus {
-        let row = search(cfg, v)?;
-        eprintln!("  vcpus {v}: {}", row.text());
-        rows.push(row);
+        for swap in [SwapArg::Host, SwapArg::Guest] {
+            let row = search(cfg, v, swap)?;
+            eprintln!("  vcpus {v}, swap {}: {}", row.swap, row.text());
+            rows.push(row);
+        }
     }
     Ok(rows)
 }

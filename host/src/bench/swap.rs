@@ -57,7 +57,7 @@ pub(super) struct SwapLatency {
     pub(super) p99_ns: f64,
     pub(super) max_ns: f64,
     /// Requests not answered: alone, within 50 ms (the run stops there); live, within
-    /// the mailbox's 30 µs spin (picked up at a later call).
+    /// the mailbox's spin (`MAILBOX_SPIN`, 3 µs) (picked up at a later call).
     pub(super) pending: u64,
 }
 
@@ -216,7 +216,7 @@ fn await_answer(
 /// One swap at a time, measured alone: a steady writer in a VM fills pages; every
 /// ~150 µs the host swaps — itself on guest memory (`Direct`, the reader's own
 /// callbacks), or by posting a request in the mailbox ([`MailboxPort`]) and spinning
-/// until the guest's acknowledgement (without `Mailbox`'s 30 µs give-up, so a round
+/// until the guest's acknowledgement (without `Mailbox`'s give-up after its spin, so a round
 /// trip is timed even when the vCPU thread was descheduled). No exits either way.
 fn swap_pingpong(cfg: &Cfg, tsc: Tsc, swap: SwapArg) -> Result<PingPongRow, BenchError> {
     let mut plan = plan(&VmSpec {
