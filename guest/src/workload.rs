@@ -66,8 +66,7 @@ fn spin_until<S: Sink>(deadline: u64, tsc_khz: u64, em: &mut Emitter<S>) {
             break;
         }
         em.idle();
-        if tsc_khz != 0 {
-            let us = (left as u64).saturating_mul(1000) / tsc_khz;
+        if let Some(us) = (left as u64).saturating_mul(1000).checked_div(tsc_khz) {
             if us > SLEEP_MIN_US {
                 let sleep = (us - SLEEP_MARGIN_US).min(u64::from(SLEEP_MAX_US));
                 out32(PORT_SLEEP, sleep as u32);

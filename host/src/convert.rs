@@ -71,7 +71,7 @@ pub fn detect(path: &Path) -> Result<InputKind, CliError> {
     let head = &head[..n];
     if head.starts_with(DAT_MAGIC) {
         Ok(InputKind::TraceDat)
-    } else if hyptrace_output::is_raw_stream(&head) {
+    } else if hyptrace_output::is_raw_stream(head) {
         Ok(InputKind::Raw)
     } else {
         Err(CliError::ReportInput(format!(

@@ -181,7 +181,7 @@ fn mutated_kernel_print_fmts() {
         let mut k = 0usize;
         while let Some(item) = records.next_item() {
             if let TraceItem::Event(r) = item {
-                if k % 7 == 0 {
+                if k.is_multiple_of(7) {
                     payloads.push(r.payload.to_vec());
                 }
                 k += 1;
