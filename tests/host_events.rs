@@ -44,10 +44,18 @@ fn check_interleaving(evs: &[Event], what: &str) {
                 assert_eq!(e.comm, "vmm", "{what}: {e:?}");
                 assert_eq!(e.field("reason"), Some("2"), "{what}: an I/O exit: {e:?}");
                 if e.field("vcpu") == Some(&v.to_string()) {
-                    seq.push(match e.field("port") {
-                        Some("0x512") => "exit".into(),
-                        Some("0x510") => "end".into(),
-                        p => panic!("{what}: unexpected port {p:?}"),
+                    let port = e.field("port").map(str::to_string);
+                    let hex = |p: u16| Some(format!("{p:#x}"));
+                    if port == hex(hyptrace_abi::registry::PORT_REGISTER) {
+                        // vCPU 0's one registration exit, before its first event.
+                        continue;
+                    }
+                    seq.push(if port == hex(hyptrace_abi::guest::PORT_ALIGN) {
+                        "exit".into()
+                    } else if port == hex(hyptrace_abi::guest::PORT_EXIT) {
+                        "end".into()
+                    } else {
+                        panic!("{what}: unexpected port {port:?}")
                     });
                 }
             } else {

@@ -995,6 +995,7 @@ impl TraceFile {
                 cpu: b.cpu,
                 pages: CpuPages::new(self, b, readers),
                 tsc: self.tsc2nsec,
+                ts_offset: self.ts_offset,
                 live: false,
                 area_end: 0,
                 off: 0,
@@ -1577,6 +1578,8 @@ struct CpuCursor {
     cpu: u32,
     pages: CpuPages,
     tsc: Option<TscConversion>,
+    /// The OFFSET options' sum, added after TSC2NSEC (as trace-cmd does).
+    ts_offset: i64,
     /// A page is being decoded: its data area is `page[16..area_end]`, the next record
     /// at `off` within it.
     live: bool,
@@ -1591,10 +1594,11 @@ struct CpuCursor {
 
 impl CpuCursor {
     fn ns(&self, raw: u64) -> u64 {
-        match &self.tsc {
+        let ns = match &self.tsc {
             Some(t) => t.trace_cmd_ns(raw),
             None => raw,
-        }
+        };
+        ns.wrapping_add_signed(self.ts_offset)
     }
 
     /// Pushes the next unit to `q` (drop marker + event, or a bad page; reversed: pop
