@@ -38,8 +38,21 @@ macro_rules! note {
 pub struct DumpArgs {
     /// The trace memory file a VMM ran with (`run`/`record --trace-mem PATH`), killed,
     /// crashed or finished.
-    #[arg(long = "trace-mem", value_name = "PATH")]
-    pub trace_mem: PathBuf,
+    #[arg(
+        long = "trace-mem",
+        value_name = "PATH",
+        required_unless_present = "attach",
+        conflicts_with = "attach"
+    )]
+    pub trace_mem: Option<PathBuf>,
+    /// Live attach: read a running VMM's rings through its control socket (the VMM runs
+    /// `--drain none --trace-mem FILE --control SOCKET`; one consumer at a time).
+    #[arg(long = "attach", value_name = "SOCKET")]
+    pub attach: Option<PathBuf>,
+    /// With --attach: keep reading until the VM exits (or SIGINT), instead of draining
+    /// what is there now.
+    #[arg(long, requires = "attach")]
+    pub follow: bool,
     /// Output file (as `record -o`: written to a temporary name and renamed; `-` is
     /// stdout).
     #[arg(
@@ -351,8 +364,17 @@ pub fn dump(a: &DumpArgs) -> i32 {
         }
     };
     let started = std::time::Instant::now();
-    let r = read_trace_mem(&a.trace_mem)
-        .and_then(|bytes| dump_trace_mem(&bytes, &a.trace_mem, &target, &a.output, format));
+    let Some(trace_mem) = &a.trace_mem else {
+        return match &a.attach {
+            Some(socket) => dump_attach(socket, a.follow, &target, &a.output, format, started),
+            None => {
+                note!("hyptrace: error: dump needs --trace-mem PATH or --attach SOCKET");
+                EXIT_USAGE
+            }
+        };
+    };
+    let r = read_trace_mem(trace_mem)
+        .and_then(|bytes| dump_trace_mem(&bytes, trace_mem, &target, &a.output, format));
     match r {
         Ok((report, warnings)) => {
             for w in &warnings {
@@ -369,6 +391,63 @@ pub fn dump(a: &DumpArgs) -> i32 {
                 } else {
                     ""
                 }
+            );
+            EXIT_OK
+        }
+        Err(e) => {
+            note!("hyptrace: error: {e}");
+            e.exit_code()
+        }
+    }
+}
+
+/// `hyptrace dump --attach SOCKET [--follow]`: live attach (`crate::attach`).
+fn dump_attach(
+    socket: &Path,
+    follow: bool,
+    target: &OutputTarget,
+    out_path: &Path,
+    format: FormatArg,
+    started: std::time::Instant,
+) -> i32 {
+    let interrupts = if follow {
+        match crate::signals::Interrupts::install() {
+            Ok(i) => Some(i),
+            Err(e) => {
+                note!("hyptrace: error: {e}");
+                return EXIT_RUNTIME;
+            }
+        }
+    } else {
+        None
+    };
+    let stop = || interrupts.is_some_and(|i| i.stop_requested());
+    let o = crate::attach::AttachOpts {
+        socket,
+        follow,
+        target,
+        out_path,
+        format,
+        stop: &stop,
+    };
+    match crate::attach::attach(&o) {
+        Ok(r) => {
+            let (ev, lost) = r.cpus.iter().fold((0u64, 0u64), |(e, l), c| {
+                (e.saturating_add(c.0), l.saturating_add(c.1))
+            });
+            for (cpu, c) in r.cpus.iter().enumerate() {
+                note!(
+                    "hyptrace: attach: cpu {cpu}: {} events read, {} lost",
+                    c.0,
+                    c.1
+                );
+            }
+            note!(
+                "hyptrace: attach: {ev} events ({lost} lost) written to {} in {:.1} ms, {} swaps; {}",
+                crate::report::shown_path(out_path),
+                started.elapsed().as_secs_f64() * 1e3,
+                r.swaps,
+                r.ended
             );
             EXIT_OK
         }
