@@ -173,25 +173,28 @@ fn attach_follow_reads_while_the_vm_runs() {
     wait_socket(&sock, &mut vm, &vm_err);
     assert_eq!(mode(&sock), 0o600, "socket mode");
     assert_eq!(mode(&mem), 0o600, "trace memory file mode");
+    // Text on stdout streams: the file the attach's stdout goes to grows as it reads.
     let (a_txt, a_err) = (dir.file("a.txt"), dir.file("a.err"));
     let mut att = Guard(Some(spawn(
         &[
-            "dump", "--attach", &sock, "--follow", "-o", &a_txt, "--format", "text",
+            "dump", "--attach", &sock, "--follow", "-o", "-", "--format", "text",
         ],
-        &dir.file("a.stdout"),
+        &a_txt,
         &a_err,
     )));
-    // The attached reader's output has events while the VMM still runs.
+    // The attached reader's output has events, and after that the VMM says its
+    // vCPUs still run (an order of observations, not a timing).
     let t = Instant::now();
     let mut grew_while_running = false;
-    while t.elapsed() < WALL {
+    while t.elapsed() < WALL && vm.running() {
         let len = std::fs::metadata(&a_txt).map_or(0, |m| m.len());
-        let running = vm.running();
-        if len > 4096 && running {
-            grew_while_running = true;
-            break;
-        }
-        if !running {
+        if len > 4096 {
+            let o = Command::new(BIN)
+                .args(["ctl", &sock, "stats"])
+                .output()
+                .expect("ctl");
+            let stats = String::from_utf8_lossy(&o.stdout);
+            grew_while_running = stats.contains("\"running\":true");
             break;
         }
         std::thread::sleep(Duration::from_millis(5));
@@ -226,6 +229,23 @@ fn attach_follow_reads_while_the_vm_runs() {
         // whatever it lost is reported, and every event is accounted for.
         assert_eq!(tc.events + tc.dropped, n, "cpu {c}: {tc:?}\n{a_stderr}");
         assert_eq!(tc.last_seq, Some(n - 1), "cpu {c}: {tc:?}");
+    }
+    // The meta pages (trace_buffer_meta) the VMM kept: the writer's entries, and the
+    // events handed out in swapped-out pages never more than what was written.
+    for c in 0..2 {
+        let tag = format!("cpu {c} meta page: reader ");
+        let line = a_stderr
+            .lines()
+            .find(|l| l.contains(&tag))
+            .unwrap_or_else(|| panic!("no meta page line for cpu {c}: {a_stderr}"));
+        assert!(line.contains(&format!(" entries {n} ")), "{line}");
+        let read: u64 = line
+            .split(" read ")
+            .nth(1)
+            .and_then(|r| r.split(' ').next())
+            .and_then(|r| r.parse().ok())
+            .unwrap_or_else(|| panic!("{line}"));
+        assert!(read > 0 && read <= n, "{line}");
     }
     assert!(
         std::fs::symlink_metadata(&sock).is_err(),
@@ -414,13 +434,20 @@ fn attach_measure() {
     }
     let _l = vm_lock();
     let dir = TempDir::new("attachmeasure");
-    for rate in ["20000", "0"] {
-        let n = "200000";
+    for (rate, n, dur) in [("20000", "200000", "60"), ("0", "100000000", "2")] {
         // In-process reader.
         let t0 = Instant::now();
-        let lat_live = follow_lines(
-            Command::new(BIN).args(["run", "--events", n, "--rate", rate, "--vcpus", "1"]),
-        );
+        let lat_live = follow_lines(Command::new(BIN).args([
+            "run",
+            "--events",
+            n,
+            "--rate",
+            rate,
+            "--vcpus",
+            "1",
+            "--duration",
+            dur,
+        ]));
         let live_wall = t0.elapsed();
         // Attached reader.
         let (mem, sock) = (dir.file("m.trace"), dir.file("m.sock"));
@@ -428,7 +455,16 @@ fn attach_measure() {
         let args = vm_args(
             &mem,
             &sock,
-            &["--events", n, "--rate", rate, "--vcpus", "1"],
+            &[
+                "--events",
+                n,
+                "--rate",
+                rate,
+                "--vcpus",
+                "1",
+                "--duration",
+                dur,
+            ],
         );
         let mut vm = Guard(Some(spawn(&args, &dir.file("m.out"), &vm_err)));
         wait_socket(&sock, &mut vm, &vm_err);

@@ -614,9 +614,19 @@ pub fn attach(o: &AttachOpts<'_>) -> Result<AttachReport, AttachError> {
         path: o.out_path.to_path_buf(),
         why,
     };
-    let sink =
-        crate::run::make_sink(o.target, o.format, tmeta).map_err(|e| out_err(e.to_string()))?;
-    let mut session = Session::new(reader, Output::Pages(sink), clock).with_formats(&formats);
+    // Text on stdout streams line by line (as `hyptrace run` prints: the session's own
+    // merger, written every round); files and the other formats go through the page
+    // sinks (a file appears whole at the end, as for `record -o`).
+    let output = if o.format == FormatArg::Text
+        && o.target.kind() == hyptrace_output::TargetKind::Stdout
+    {
+        Output::text(Box::new(std::io::stdout()), l.nr_cpus)
+    } else {
+        Output::Pages(
+            crate::run::make_sink(o.target, o.format, tmeta).map_err(|e| out_err(e.to_string()))?,
+        )
+    };
+    let mut session = Session::new(reader, output, clock).with_formats(&formats);
     let progress = |s: &Session<ReadOnlyMap, SocketSwap>| -> u64 {
         (0..nr).fold(0u64, |a, c| {
             let st = s.stats(c);

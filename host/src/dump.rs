@@ -441,6 +441,12 @@ fn dump_attach(
                     c.0,
                     c.1
                 );
+                if let Some(Some(m)) = r.metas.get(cpu) {
+                    note!(
+                        "hyptrace: attach: cpu {cpu} meta page: reader {} lost_events {} entries {} overrun {} read {} lost {} pages_touched {}",
+                        m.reader_id, m.lost_events, m.entries, m.overrun, m.read, m.lost_total, m.pages_touched
+                    );
+                }
             }
             note!(
                 "hyptrace: attach: {ev} events ({lost} lost) written to {} in {:.1} ms, {} swaps; {}",
