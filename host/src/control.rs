@@ -785,6 +785,91 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    /// Sends `line` on `s` and reads one reply line, while the "run loop" (this
+    /// thread) serves with `h` (bounded).
+    fn ask(server: &ControlServer, h: &mut dyn Handler, s: &UnixStream, line: &str) -> String {
+        let mut w = s.try_clone().expect("clone");
+        w.write_all(format!("{line}\n").as_bytes()).expect("send");
+        let r = s.try_clone().expect("clone");
+        r.set_read_timeout(Some(Duration::from_millis(20)))
+            .expect("timeout");
+        let mut r = std::io::BufReader::new(r);
+        let mut out = String::new();
+        let start = Instant::now();
+        loop {
+            server.serve(h);
+            match std::io::BufRead::read_line(&mut r, &mut out) {
+                Ok(_) if out.ends_with('\n') => return out.trim_end().to_string(),
+                Ok(0) => panic!("closed"),
+                _ => {}
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "no reply to {line}"
+            );
+        }
+    }
+
+    struct Consumer;
+    impl Handler for Consumer {
+        fn handle(&mut self, cmd: &Command) -> Reply {
+            match cmd {
+                Command::Attach => Reply::Ok("{}".into()),
+                Command::GetReader(c) => Reply::Ok(format!("swapped {c} 0")),
+                _ => Reply::Err("no".into()),
+            }
+        }
+    }
+
+    /// One consumer at a time: a second `attach` is `busy`, `get_reader` is only for the
+    /// attached client, the claim ends when that client disconnects.
+    #[test]
+    fn attach_claims_the_consumer_role() {
+        assert_eq!(Command::parse("attach"), Ok(Command::Attach));
+        assert_eq!(Command::parse("get_reader 3"), Ok(Command::GetReader(3)));
+        for bad in [
+            "attach x",
+            "get_reader",
+            "get_reader -1",
+            "get_reader x",
+            "get_reader 1 2",
+        ] {
+            assert!(Command::parse(bad).is_err(), "{bad:?} parsed");
+        }
+        let (dir, sock) = temp_sock("attach");
+        let server = ControlServer::bind(&sock).expect("bind");
+        let h = &mut Consumer;
+        let a = UnixStream::connect(&sock).expect("connect");
+        let b = UnixStream::connect(&sock).expect("connect");
+        assert_eq!(
+            ask(&server, h, &b, "get_reader 0").split(' ').next(),
+            Some("err")
+        );
+        assert_eq!(ask(&server, h, &a, "attach"), "ok {}");
+        assert!(server.attached());
+        assert_eq!(ask(&server, h, &a, "attach"), "ok {}", "again: still ours");
+        assert_eq!(ask(&server, h, &a, "get_reader 1"), "ok swapped 1 0");
+        let busy = ask(&server, h, &b, "attach");
+        assert!(busy.starts_with("err busy"), "{busy}");
+        let not = ask(&server, h, &b, "get_reader 1");
+        assert!(not.contains("not attached"), "{not}");
+        drop(a);
+        // The client thread notices the close within a tick or so: retry, bounded.
+        let start = Instant::now();
+        loop {
+            let r = ask(&server, h, &b, "attach");
+            if r == "ok {}" {
+                break;
+            }
+            assert!(r.starts_with("err busy"), "{r}");
+            assert!(start.elapsed() < Duration::from_secs(30), "never released");
+            std::thread::sleep(TICK);
+        }
+        assert_eq!(ask(&server, h, &b, "get_reader 0"), "ok swapped 0 0");
+        drop(server);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     /// A stale socket is replaced, a regular file or a live socket refused.
     #[test]
     fn bind_checks_the_path() {
