@@ -314,6 +314,58 @@ fn attach_follow_counts_losses_exactly() {
     );
 }
 
+/// `--swap guest` (the VMM's swap goes through the guest's mailbox: `get_reader`
+/// answers `pending` until the writer served it) and trace.dat output: every event of a
+/// run that fits in the ring, and trace-cmd reads the file.
+#[test]
+fn attach_follow_swap_guest_trace_dat() {
+    if !kvm_available(KRATE, "attach_follow_swap_guest_trace_dat") {
+        return;
+    }
+    let _l = vm_lock();
+    let dir = TempDir::new("attachdat");
+    let (mem, sock) = (dir.file("vm.trace"), dir.file("vm.sock"));
+    let (vm_out, vm_err) = (dir.file("vm.out"), dir.file("vm.err"));
+    let args = vm_args(
+        &mem,
+        &sock,
+        &[
+            "--vcpus", "1", "--events", "10000", "--rate", "5000", "--swap", "guest",
+        ],
+    );
+    let mut vm = Guard(Some(spawn(&args, &vm_out, &vm_err)));
+    wait_socket(&sock, &mut vm, &vm_err);
+    let (dat, a_err) = (dir.file("a.dat"), dir.file("a.err"));
+    let mut att = Guard(Some(spawn(
+        &["dump", "--attach", &sock, "--follow", "-o", &dat],
+        &dir.file("a.stdout"),
+        &a_err,
+    )));
+    let deadline = Instant::now() + WALL;
+    let vm_code = vm.wait(deadline, &vm_err);
+    let a_code = att.wait(deadline, &a_err);
+    let a_stderr = std::fs::read_to_string(&a_err).unwrap_or_default();
+    no_panic(&a_stderr, "attach");
+    assert_eq!(vm_code, Some(0));
+    assert_eq!(a_code, Some(0), "{a_stderr}");
+    assert!(
+        a_stderr.contains("cpu 0: 10000 events read, 0 lost"),
+        "{a_stderr}"
+    );
+    if hyptrace::env::trace_cmd_available() {
+        let o = Command::new("trace-cmd")
+            .args(["report", "-i", &dat])
+            .output()
+            .expect("trace-cmd");
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let n = String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .filter(|l| l.contains("marker:"))
+            .count();
+        assert_eq!(n, 10_000);
+    }
+}
+
 /// Without --follow the attach drains what is there and exits while the VM runs on;
 /// the consumer role is released at disconnect (a second attach then succeeds); an
 /// attach to a `--drain live` VMM, or to one without --trace-mem, is refused (exit 2).
