@@ -677,6 +677,8 @@ pub fn attach(o: &AttachOpts<'_>) -> Result<AttachReport, AttachError> {
             }
         }
     }
+    // The CPUs still running stop here: what was read is all this attach delivers.
+    session.stop_reading();
     session.flush().map_err(|e| out_err(e.to_string()))?;
     let cpus: Vec<(u64, u64)> = (0..nr)
         .map(|c| {

@@ -247,6 +247,21 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
         }
     }
 
+    /// Stops reading before the CPUs ended (live attach without `--follow`, or
+    /// interrupted): marks every CPU finished in the text merger so that the next
+    /// [`Session::flush`] releases every line it holds. Nothing is read after it.
+    pub fn stop_reading(&mut self) {
+        for st in &mut self.cpus {
+            st.ended = true;
+            st.more = false;
+        }
+        if let Output::Text { merger, .. } = &mut self.output {
+            for c in 0..merger.nr_cpus() {
+                merger.finish(c);
+            }
+        }
+    }
+
     /// Text lines printed so far (events, drop markers and merge-window markers).
     pub fn lines(&self) -> u64 {
         self.lines
