@@ -366,6 +366,96 @@ fn attach_follow_swap_guest_trace_dat() {
     }
 }
 
+/// `--follow` stopped by SIGINT while the VM runs on: exit 0, the output finished (a
+/// complete trace.dat under its name, every event read in it).
+#[test]
+fn attach_follow_sigint_finishes_the_output() {
+    if !kvm_available(KRATE, "attach_follow_sigint_finishes_the_output") {
+        return;
+    }
+    let _l = vm_lock();
+    let dir = TempDir::new("attachint");
+    let (mem, sock) = (dir.file("vm.trace"), dir.file("vm.sock"));
+    let (vm_out, vm_err) = (dir.file("vm.out"), dir.file("vm.err"));
+    let args = vm_args(
+        &mem,
+        &sock,
+        &[
+            "--vcpus",
+            "2",
+            "--events",
+            "1000000",
+            "--rate",
+            "2000",
+            "--duration",
+            "60",
+        ],
+    );
+    let mut vm = Guard(Some(spawn(&args, &vm_out, &vm_err)));
+    wait_socket(&sock, &mut vm, &vm_err);
+    let (dat, a_err) = (dir.file("a.dat"), dir.file("a.err"));
+    let mut att = Guard(Some(spawn(
+        &["dump", "--attach", &sock, "--follow", "-o", &dat],
+        &dir.file("a.stdout"),
+        &a_err,
+    )));
+    // Once the attach has swapped a few pages (its reader pages show in the meta
+    // pages' `read`; here: the VMM's stats), interrupt it.
+    let t = Instant::now();
+    loop {
+        let o = Command::new(BIN)
+            .args(["ctl", &sock, "stats"])
+            .output()
+            .expect("ctl");
+        let v: serde_json::Value =
+            serde_json::from_slice(&o.stdout).unwrap_or(serde_json::Value::Null);
+        let swaps = v["cpus"][0]["swaps"].as_u64().unwrap_or(0);
+        if swaps >= 2 {
+            break;
+        }
+        assert!(att.running(), "the attach ended early");
+        assert!(t.elapsed() < WALL, "no swaps: {v}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let pid = att.0.as_ref().expect("child").id().to_string();
+    let k = Command::new("kill")
+        .args(["-INT", &pid])
+        .status()
+        .expect("kill");
+    assert!(k.success());
+    let code = att.wait(Instant::now() + WALL, &a_err);
+    let a_stderr = std::fs::read_to_string(&a_err).unwrap_or_default();
+    no_panic(&a_stderr, "attach");
+    assert_eq!(code, Some(0), "{a_stderr}");
+    assert!(a_stderr.contains("interrupted"), "{a_stderr}");
+    assert!(vm.running(), "the VM runs on");
+    let read: u64 = (0..2)
+        .map(|c| {
+            a_stderr
+                .lines()
+                .find_map(|l| l.strip_prefix(&format!("hyptrace: attach: cpu {c}: ")))
+                .and_then(|r| r.split(' ').next())
+                .and_then(|n| n.parse::<u64>().ok())
+                .unwrap_or_else(|| panic!("no count: {a_stderr}"))
+        })
+        .sum();
+    assert!(read > 0, "{a_stderr}");
+    if hyptrace::env::trace_cmd_available() {
+        let o = Command::new("trace-cmd")
+            .args(["report", "-i", &dat])
+            .output()
+            .expect("trace-cmd");
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let n = String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .filter(|l| l.contains("marker:"))
+            .count() as u64;
+        assert_eq!(n, read, "{a_stderr}");
+    } else {
+        assert!(std::fs::metadata(&dat).is_ok_and(|m| m.len() > 0));
+    }
+}
+
 /// Without --follow the attach drains what is there and exits while the VM runs on;
 /// the consumer role is released at disconnect (a second attach then succeeds); an
 /// attach to a `--drain live` VMM, or to one without --trace-mem, is refused (exit 2).
