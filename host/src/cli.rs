@@ -95,7 +95,8 @@ pub enum Command {
     Report(ReportArgs),
     /// Write the events left in a trace memory file (`--trace-mem`) — of a VMM killed,
     /// crashed or finished — to a file in any `record` format: every committed event
-    /// no reader consumed, with the exact losses.
+    /// no reader consumed, with the exact losses. With `--attach SOCKET`: read a running
+    /// VMM's rings live (`--drain none --trace-mem --control`), once or `--follow`.
     Dump(crate::dump::DumpArgs),
     /// Measure the writer in the guest and natively, drain throughput, swap latency in
     /// both modes, the highest loss-free rate and start-up time; print a table and
