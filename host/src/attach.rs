@@ -717,3 +717,73 @@ pub fn attach(o: &AttachOpts<'_>) -> Result<AttachReport, AttachError> {
         metas: metas_now,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header(region_size: u64, header_len: u64, meta_off: u64) -> Vec<u8> {
+        let mut b = vec![0u8; 4096];
+        let mut w = |off: usize, v: u64| b[off..off + 8].copy_from_slice(&v.to_le_bytes());
+        w(hdr::MAGIC, trace_file::MAGIC);
+        w(
+            hdr::VERSION_HEADER_SIZE,
+            u64::from(trace_file::VERSION) | (header_len << 32),
+        );
+        w(hdr::REGION_SIZE, region_size);
+        w(hdr::META_OFF, meta_off);
+        b
+    }
+
+    /// The trace memory file is hostile: a bad magic, version, header size, a region
+    /// larger than the file, a short file are errors before anything is mapped past the
+    /// header; a region of garbage is refused by the pack check; nothing panics.
+    #[test]
+    fn hostile_files_are_errors() {
+        let dir = std::env::temp_dir().join(format!("hyptrace-attach-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        let path = dir.join("f");
+        let mut cases: Vec<(&str, Vec<u8>)> =
+            vec![("short", vec![0u8; 100]), ("magic", vec![0u8; 8192])];
+        let mut v = header(4096, 4096, 0);
+        v[8] = 9;
+        cases.push(("version", v));
+        cases.push(("header size", header(4096, 100, 0)));
+        cases.push(("header huge", header(4096, 1 << 40, 0)));
+        cases.push(("region zero", header(0, 4096, 0)));
+        cases.push(("region past the end", header(1 << 20, 4096, 0)));
+        cases.push(("region huge", header(u64::MAX, 4096, 0)));
+        for (what, bytes) in cases {
+            std::fs::write(&path, &bytes).expect("write");
+            let r = map_file(&path, 1);
+            assert!(r.is_err(), "{what}: mapped");
+        }
+        // A header that fits, a region of garbage, meta pages out of range: mapped
+        // (metas ignored), then refused by the pack check.
+        let mut bytes = header(8192, 4096, 1 << 40);
+        bytes.extend((0..8192u32).map(|i| (i * 7) as u8));
+        std::fs::write(&path, &bytes).expect("write");
+        let m = map_file(&path, 4).expect("maps");
+        assert!(m.metas.is_none());
+        let r = hyptrace_reader::RingBuffer::attach(m.region, NoSwap);
+        assert!(r.is_err(), "garbage region accepted");
+        // Out-of-range accesses of the mapping read as zeros, writes are refused.
+        let m = map_file(&path, 1).expect("maps");
+        assert_eq!(m.region.load(1 << 30, Acquire), 0);
+        m.region.store(0, 1, Ordering::Relaxed);
+        let mut b = [1u8; 16];
+        m.region.read_bytes(usize::MAX - 4, &mut b);
+        assert_eq!(b, [0u8; 16]);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    struct NoSwap;
+    impl Callbacks for NoSwap {
+        fn swap_reader(&self, _cpu: u32) -> Result<SwapReply, ReadError> {
+            Ok(SwapReply::Done(SwapStatus::Busy))
+        }
+        fn update_footers(&self, _cpu: u32) -> Result<bool, ReadError> {
+            Ok(false)
+        }
+    }
+}
