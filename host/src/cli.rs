@@ -99,7 +99,8 @@ pub enum Command {
     List(ListArgs),
     /// Write the events left in a trace memory file (`--trace-mem`) — of a VMM killed,
     /// crashed or finished — to a file in any `record` format: every committed event
-    /// no reader consumed, with the exact losses.
+    /// no reader consumed, with the exact losses. With `--attach SOCKET`: read a running
+    /// VMM's rings live (`--drain none --trace-mem --control`), once or `--follow`.
     Dump(crate::dump::DumpArgs),
     /// Convert a trace (trace.dat v6/v7/zstd, ours or the kernel's, or a raw page
     /// stream) into any output format of `record`.

@@ -11,6 +11,8 @@
 //! | `disable EVENT` | `ok SYSTEM:EVENT disabled` |
 //! | `stats` | `ok {JSON}`: the live per-CPU counters |
 //! | `list` | `ok {JSON}`: the events and whether they are enabled |
+//! | `attach` | `ok {JSON}`: claims the consumer role (live attach; one client at a time, others get `err busy ...`); the trace memory file's path and geometry |
+//! | `get_reader CPU` | `ok swapped PAGE LOST`, `ok busy` or `ok pending`: swaps the CPU's reader page (the attached client only) |
 //!
 //! Everything a client sends is hostile input: lines are bounded ([`MAX_LINE`]), so
 //! are the clients served at once ([`MAX_CLIENTS`]; more get `err busy`), an idle client
@@ -28,7 +30,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -58,6 +60,12 @@ pub enum Command {
     Stats,
     /// `list`: the events and their state.
     List,
+    /// `attach`: claim the consumer role (live attach: `hyptrace dump --attach`). The
+    /// socket thread keeps the claim (one client at a time) and releases it when that
+    /// client disconnects; the run loop checks that the VMM can have a consumer.
+    Attach,
+    /// `get_reader CPU`: swap the CPU's reader page for the attached consumer.
+    GetReader(u32),
 }
 
 impl Command {
@@ -87,8 +95,17 @@ impl Command {
             "disable" => one("disable").map(Self::Disable),
             "stats" => none(Self::Stats),
             "list" => none(Self::List),
+            "attach" => none(Self::Attach),
+            "get_reader" => match args.as_slice() {
+                [c] => c
+                    .parse::<u32>()
+                    .map(Self::GetReader)
+                    .map_err(|_| format!("get_reader: bad CPU {:?}", truncate(c, 16))),
+                [] => Err("get_reader: missing CPU".into()),
+                _ => Err("get_reader: takes one CPU".into()),
+            },
             _ => Err(format!(
-                "unknown command {:?} (enable EVENT, disable EVENT, stats, list)",
+                "unknown command {:?} (enable EVENT, disable EVENT, stats, list, attach, get_reader CPU)",
                 truncate(verb, 32)
             )),
         }
@@ -179,6 +196,8 @@ pub enum ControlError {
 /// thread and removes the socket.
 pub struct ControlServer {
     path: PathBuf,
+    /// The client holding the consumer role (`attach`), 0 for none.
+    consumer: Arc<AtomicU64>,
     /// Device and inode of the socket we bound: removed at the end only if it is still
     /// ours.
     id: (u64, u64),
@@ -247,17 +266,20 @@ impl ControlServer {
         let meta = std::fs::symlink_metadata(path).map_err(io_err(path))?;
         listener.set_nonblocking(true).map_err(io_err(path))?;
         let stop = Arc::new(AtomicBool::new(false));
+        let consumer = Arc::new(AtomicU64::new(0));
         let (tx, rx) = mpsc::sync_channel(MAX_CLIENTS);
         let thread = {
             let stop = Arc::clone(&stop);
+            let consumer = Arc::clone(&consumer);
             std::thread::Builder::new()
                 .name("hyptrace-control".into())
-                .spawn(move || accept_loop(&listener, &tx, &stop))
+                .spawn(move || accept_loop(&listener, &tx, &stop, &consumer))
                 .map_err(io_err(path))?
         };
         log::info!("control socket at {}", path.display());
         Ok(Self {
             path: path.to_path_buf(),
+            consumer,
             id: (meta.dev(), meta.ino()),
             stop,
             rx,
@@ -268,6 +290,11 @@ impl ControlServer {
     /// The socket's path.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Whether a client holds the consumer role now.
+    pub fn attached(&self) -> bool {
+        self.consumer.load(Ordering::Acquire) != 0
     }
 
     /// Executes the commands waiting (a bounded batch) with `h`; returns how many.
@@ -316,8 +343,14 @@ fn wait_readable(fd: i32, timeout: Duration) {
 
 /// The socket thread: accepts clients (at most [`MAX_CLIENTS`] at once, each on its own
 /// scoped thread, all joined before it returns) until `stop`.
-fn accept_loop(listener: &UnixListener, tx: &SyncSender<Request>, stop: &AtomicBool) {
+fn accept_loop(
+    listener: &UnixListener,
+    tx: &SyncSender<Request>,
+    stop: &AtomicBool,
+    consumer: &AtomicU64,
+) {
     let active = AtomicUsize::new(0);
+    let mut next_id: u64 = 0;
     std::thread::scope(|s| {
         while !stop.load(Ordering::Relaxed) {
             wait_readable(listener.as_raw_fd(), TICK);
@@ -346,12 +379,18 @@ fn accept_loop(listener: &UnixListener, tx: &SyncSender<Request>, stop: &AtomicB
                 continue;
             }
             active.fetch_add(1, Ordering::Relaxed);
+            next_id = next_id.wrapping_add(1).max(1);
+            let me = Client {
+                id: next_id,
+                consumer,
+            };
             let active = &active;
             let tx = tx.clone();
             let spawned = std::thread::Builder::new()
                 .name("hyptrace-ctl-client".into())
                 .spawn_scoped(s, move || {
-                    client(stream, &tx, stop);
+                    client(stream, &tx, stop, &me);
+                    me.release();
                     active.fetch_sub(1, Ordering::Relaxed);
                 });
             if let Err(e) = spawned {
@@ -364,7 +403,7 @@ fn accept_loop(listener: &UnixListener, tx: &SyncSender<Request>, stop: &AtomicB
 
 /// Serves one client: reads lines (bounded), has the run loop execute each, writes the
 /// reply. Returns when the client closes, misbehaves, idles, or the server stops.
-fn client(mut stream: UnixStream, tx: &SyncSender<Request>, stop: &AtomicBool) {
+fn client(mut stream: UnixStream, tx: &SyncSender<Request>, stop: &AtomicBool, me: &Client<'_>) {
     if stream.set_read_timeout(Some(TICK)).is_err() {
         return;
     }
@@ -375,7 +414,7 @@ fn client(mut stream: UnixStream, tx: &SyncSender<Request>, stop: &AtomicBool) {
         // Complete lines first (several may have come in one read).
         while let Some(nl) = buf.iter().position(|&b| b == b'\n') {
             let line: Vec<u8> = buf.drain(..=nl).collect();
-            let reply = execute_line(&line[..nl], tx, stop);
+            let reply = execute_line(&line[..nl], tx, stop, me);
             if stream.write_all(reply.line().as_bytes()).is_err() {
                 return;
             }
@@ -410,8 +449,30 @@ fn client(mut stream: UnixStream, tx: &SyncSender<Request>, stop: &AtomicBool) {
     let _ = stream.write_all(Reply::Err("the run ended".into()).line().as_bytes());
 }
 
-/// Parses a line and has the run loop execute it (bounded wait).
-fn execute_line(line: &[u8], tx: &SyncSender<Request>, stop: &AtomicBool) -> Reply {
+/// One connected client: its id and the consumer claim it may hold.
+struct Client<'a> {
+    id: u64,
+    consumer: &'a AtomicU64,
+}
+
+impl Client<'_> {
+    /// Releases the consumer role if this client holds it.
+    fn release(&self) {
+        let _ = self
+            .consumer
+            .compare_exchange(self.id, 0, Ordering::AcqRel, Ordering::Relaxed);
+    }
+}
+
+/// Parses a line and has the run loop execute it (bounded wait). `attach` claims the
+/// consumer role for `me` first (released again if the run loop refuses it);
+/// `get_reader` is only for the client holding it.
+fn execute_line(
+    line: &[u8],
+    tx: &SyncSender<Request>,
+    stop: &AtomicBool,
+    me: &Client<'_>,
+) -> Reply {
     let line = line.strip_suffix(b"\r").unwrap_or(line);
     let Ok(text) = std::str::from_utf8(line) else {
         return Reply::Err("not UTF-8".into());
@@ -420,6 +481,34 @@ fn execute_line(line: &[u8], tx: &SyncSender<Request>, stop: &AtomicBool) -> Rep
         Ok(c) => c,
         Err(e) => return Reply::Err(e),
     };
+    match cmd {
+        Command::Attach => {
+            let claimed =
+                me.consumer
+                    .compare_exchange(0, me.id, Ordering::AcqRel, Ordering::Acquire);
+            match claimed {
+                Ok(_) => {
+                    let r = forward(cmd, tx, stop);
+                    if matches!(r, Reply::Err(_)) {
+                        me.release();
+                    }
+                    r
+                }
+                Err(holder) if holder == me.id => forward(cmd, tx, stop),
+                Err(_) => {
+                    Reply::Err("busy: another consumer is attached (one consumer at a time)".into())
+                }
+            }
+        }
+        Command::GetReader(_) if me.consumer.load(Ordering::Acquire) != me.id => Reply::Err(
+            "get_reader: not attached (send attach first; one consumer at a time)".into(),
+        ),
+        cmd => forward(cmd, tx, stop),
+    }
+}
+
+/// Has the run loop execute `cmd` (bounded wait).
+fn forward(cmd: Command, tx: &SyncSender<Request>, stop: &AtomicBool) -> Reply {
     let (rtx, rrx) = mpsc::sync_channel(1);
     match tx.try_send(Request { cmd, reply: rtx }) {
         Ok(()) => {}
@@ -693,6 +782,91 @@ mod tests {
         });
         drop(server);
         assert!(!sock.exists(), "removed on drop");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Sends `line` on `s` and reads one reply line, while the "run loop" (this
+    /// thread) serves with `h` (bounded).
+    fn ask(server: &ControlServer, h: &mut dyn Handler, s: &UnixStream, line: &str) -> String {
+        let mut w = s.try_clone().expect("clone");
+        w.write_all(format!("{line}\n").as_bytes()).expect("send");
+        let r = s.try_clone().expect("clone");
+        r.set_read_timeout(Some(Duration::from_millis(20)))
+            .expect("timeout");
+        let mut r = std::io::BufReader::new(r);
+        let mut out = String::new();
+        let start = Instant::now();
+        loop {
+            server.serve(h);
+            match std::io::BufRead::read_line(&mut r, &mut out) {
+                Ok(_) if out.ends_with('\n') => return out.trim_end().to_string(),
+                Ok(0) => panic!("closed"),
+                _ => {}
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "no reply to {line}"
+            );
+        }
+    }
+
+    struct Consumer;
+    impl Handler for Consumer {
+        fn handle(&mut self, cmd: &Command) -> Reply {
+            match cmd {
+                Command::Attach => Reply::Ok("{}".into()),
+                Command::GetReader(c) => Reply::Ok(format!("swapped {c} 0")),
+                _ => Reply::Err("no".into()),
+            }
+        }
+    }
+
+    /// One consumer at a time: a second `attach` is `busy`, `get_reader` is only for the
+    /// attached client, the claim ends when that client disconnects.
+    #[test]
+    fn attach_claims_the_consumer_role() {
+        assert_eq!(Command::parse("attach"), Ok(Command::Attach));
+        assert_eq!(Command::parse("get_reader 3"), Ok(Command::GetReader(3)));
+        for bad in [
+            "attach x",
+            "get_reader",
+            "get_reader -1",
+            "get_reader x",
+            "get_reader 1 2",
+        ] {
+            assert!(Command::parse(bad).is_err(), "{bad:?} parsed");
+        }
+        let (dir, sock) = temp_sock("attach");
+        let server = ControlServer::bind(&sock).expect("bind");
+        let h = &mut Consumer;
+        let a = UnixStream::connect(&sock).expect("connect");
+        let b = UnixStream::connect(&sock).expect("connect");
+        assert_eq!(
+            ask(&server, h, &b, "get_reader 0").split(' ').next(),
+            Some("err")
+        );
+        assert_eq!(ask(&server, h, &a, "attach"), "ok {}");
+        assert!(server.attached());
+        assert_eq!(ask(&server, h, &a, "attach"), "ok {}", "again: still ours");
+        assert_eq!(ask(&server, h, &a, "get_reader 1"), "ok swapped 1 0");
+        let busy = ask(&server, h, &b, "attach");
+        assert!(busy.starts_with("err busy"), "{busy}");
+        let not = ask(&server, h, &b, "get_reader 1");
+        assert!(not.contains("not attached"), "{not}");
+        drop(a);
+        // The client thread notices the close within a tick or so: retry, bounded.
+        let start = Instant::now();
+        loop {
+            let r = ask(&server, h, &b, "attach");
+            if r == "ok {}" {
+                break;
+            }
+            assert!(r.starts_with("err busy"), "{r}");
+            assert!(start.elapsed() < Duration::from_secs(30), "never released");
+            std::thread::sleep(TICK);
+        }
+        assert_eq!(ask(&server, h, &b, "get_reader 0"), "ok swapped 0 0");
+        drop(server);
         let _ = std::fs::remove_dir_all(&dir);
     }
 

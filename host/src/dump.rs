@@ -38,8 +38,21 @@ macro_rules! note {
 pub struct DumpArgs {
     /// The trace memory file a VMM ran with (`run`/`record --trace-mem PATH`), killed,
     /// crashed or finished.
-    #[arg(long = "trace-mem", value_name = "PATH")]
-    pub trace_mem: PathBuf,
+    #[arg(
+        long = "trace-mem",
+        value_name = "PATH",
+        required_unless_present = "attach",
+        conflicts_with = "attach"
+    )]
+    pub trace_mem: Option<PathBuf>,
+    /// Live attach: read a running VMM's rings through its control socket (the VMM runs
+    /// `--drain none --trace-mem FILE --control SOCKET`; one consumer at a time).
+    #[arg(long = "attach", value_name = "SOCKET")]
+    pub attach: Option<PathBuf>,
+    /// With --attach: keep reading until the VM exits (or SIGINT), instead of draining
+    /// what is there now.
+    #[arg(long, requires = "attach")]
+    pub follow: bool,
     /// Output file (as `record -o`: written to a temporary name and renamed; `-` is
     /// stdout).
     #[arg(
@@ -245,14 +258,80 @@ pub fn dump_region<M: SharedMem + ?Sized>(
     (report, None)
 }
 
-/// Reads a trace memory file whole (a regular file, at most the largest region and
-/// header: a hostile size is refused, not allocated).
-pub fn read_trace_mem(path: &Path) -> Result<Vec<u8>, DumpError> {
+/// The bytes of a trace memory file: mapped read-only when no VMM can be writing it,
+/// else read into memory.
+pub enum TraceMemBytes {
+    /// Read whole (the VMM that wrote it may still run).
+    Owned(Vec<u8>),
+    /// A private read-only mapping of the whole file.
+    Mapped {
+        /// The mapping.
+        ptr: *const u8,
+        /// Its length (the file's, more than 0).
+        len: usize,
+    },
+}
+
+impl std::ops::Deref for TraceMemBytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Self::Owned(v) => v,
+            // SAFETY: a read-only mapping of `len` bytes that lives as long as `self`
+            // (unmapped in Drop only). It is made only for a file whose VMM is gone
+            // (`read_trace_mem`), so nothing writes the bytes while the slice lives.
+            Self::Mapped { ptr, len } => unsafe { std::slice::from_raw_parts(*ptr, *len) },
+        }
+    }
+}
+
+impl Drop for TraceMemBytes {
+    fn drop(&mut self) {
+        if let Self::Mapped { ptr, len } = *self {
+            // SAFETY: the mapping made in `read_trace_mem`, unmapped once; no slice of it
+            // outlives `self` (Deref borrows it).
+            unsafe { libc::munmap(ptr as *mut libc::c_void, len) };
+        }
+    }
+}
+
+/// Whether the VMM that wrote a trace memory file (its header's state and pid, in
+/// `head`) may still be writing it: state created or running and a process with that
+/// pid exists (or the header is unreadable).
+fn writer_may_run(head: &[u8]) -> bool {
+    let word = |off: usize| {
+        head.get(off..off + 8)
+            .and_then(|b| b.try_into().ok())
+            .map(u64::from_le_bytes)
+    };
+    let (Some(state), Some(pid)) = (word(trace_file::hdr::STATE), word(trace_file::hdr::PID))
+    else {
+        return true;
+    };
+    if state != trace_file::STATE_CREATED && state != trace_file::STATE_RUNNING {
+        return false;
+    }
+    let Ok(pid) = libc::pid_t::try_from(pid) else {
+        return false;
+    };
+    if pid <= 0 {
+        return false;
+    }
+    // SAFETY: kill with signal 0 only checks whether the process exists.
+    let r = unsafe { libc::kill(pid, 0) };
+    r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
+/// The bytes of a trace memory file (a regular file, at most the largest region and
+/// header: a hostile size is refused, not allocated): mapped read-only when its VMM is
+/// gone (killed, crashed, finished: the usual case, no copy of up to 4 GiB), read whole
+/// when it may still run (a private copy: the bytes do not change under the parser).
+pub fn read_trace_mem(path: &Path) -> Result<TraceMemBytes, DumpError> {
     let err = |source| DumpError::Read {
         path: path.to_path_buf(),
         source,
     };
-    let f = std::fs::File::open(path).map_err(err)?;
+    let mut f = std::fs::File::open(path).map_err(err)?;
     let meta = f.metadata().map_err(err)?;
     if !meta.file_type().is_file() {
         return Err(err(std::io::Error::other("not a regular file")));
@@ -264,9 +343,41 @@ pub fn read_trace_mem(path: &Path) -> Result<Vec<u8>, DumpError> {
             meta.len()
         ))));
     }
-    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    let mut head = Vec::with_capacity(trace_file::HEADER_FIXED);
+    (&mut f)
+        .take(trace_file::HEADER_FIXED as u64)
+        .read_to_end(&mut head)
+        .map_err(err)?;
+    let len = usize::try_from(meta.len()).map_err(|e| err(std::io::Error::other(e)))?;
+    if len > 0 && !writer_may_run(&head) {
+        // SAFETY: a fresh private read-only mapping of the whole file (its length as
+        // just read); no address hint. The result is checked.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_PRIVATE,
+                std::os::fd::AsRawFd::as_raw_fd(&f),
+                0,
+            )
+        };
+        if ptr != libc::MAP_FAILED {
+            return Ok(TraceMemBytes::Mapped {
+                ptr: ptr.cast_const().cast(),
+                len,
+            });
+        }
+        log::debug!(
+            "{}: mmap failed ({}): reading it",
+            path.display(),
+            std::io::Error::last_os_error()
+        );
+    }
+    let mut bytes = head;
+    bytes.reserve(len.saturating_sub(bytes.len()));
     f.take(max).read_to_end(&mut bytes).map_err(err)?;
-    Ok(bytes)
+    Ok(TraceMemBytes::Owned(bytes))
 }
 
 /// Dumps a trace memory file's unconsumed events into `target` in `format`. Returns
@@ -335,8 +446,17 @@ pub fn dump(a: &DumpArgs) -> i32 {
         }
     };
     let started = std::time::Instant::now();
-    let r = read_trace_mem(&a.trace_mem)
-        .and_then(|bytes| dump_trace_mem(&bytes, &a.trace_mem, &target, &a.output, format));
+    let Some(trace_mem) = &a.trace_mem else {
+        return match &a.attach {
+            Some(socket) => dump_attach(socket, a.follow, &target, &a.output, format, started),
+            None => {
+                note!("hyptrace: error: dump needs --trace-mem PATH or --attach SOCKET");
+                EXIT_USAGE
+            }
+        };
+    };
+    let r = read_trace_mem(trace_mem)
+        .and_then(|bytes| dump_trace_mem(&bytes, trace_mem, &target, &a.output, format));
     match r {
         Ok((report, warnings)) => {
             for w in &warnings {
@@ -353,6 +473,69 @@ pub fn dump(a: &DumpArgs) -> i32 {
                 } else {
                     ""
                 }
+            );
+            EXIT_OK
+        }
+        Err(e) => {
+            note!("hyptrace: error: {e}");
+            e.exit_code()
+        }
+    }
+}
+
+/// `hyptrace dump --attach SOCKET [--follow]`: live attach (`crate::attach`).
+fn dump_attach(
+    socket: &Path,
+    follow: bool,
+    target: &OutputTarget,
+    out_path: &Path,
+    format: FormatArg,
+    started: std::time::Instant,
+) -> i32 {
+    let interrupts = if follow {
+        match crate::signals::Interrupts::install() {
+            Ok(i) => Some(i),
+            Err(e) => {
+                note!("hyptrace: error: {e}");
+                return EXIT_RUNTIME;
+            }
+        }
+    } else {
+        None
+    };
+    let stop = || interrupts.is_some_and(|i| i.stop_requested());
+    let o = crate::attach::AttachOpts {
+        socket,
+        follow,
+        target,
+        out_path,
+        format,
+        stop: &stop,
+    };
+    match crate::attach::attach(&o) {
+        Ok(r) => {
+            let (ev, lost) = r.cpus.iter().fold((0u64, 0u64), |(e, l), c| {
+                (e.saturating_add(c.0), l.saturating_add(c.1))
+            });
+            for (cpu, c) in r.cpus.iter().enumerate() {
+                note!(
+                    "hyptrace: attach: cpu {cpu}: {} events read, {} lost",
+                    c.0,
+                    c.1
+                );
+                if let Some(Some(m)) = r.metas.get(cpu) {
+                    note!(
+                        "hyptrace: attach: cpu {cpu} meta page: reader {} lost_events {} entries {} overrun {} read {} lost {} pages_touched {}",
+                        m.reader_id, m.lost_events, m.entries, m.overrun, m.read, m.lost_total, m.pages_touched
+                    );
+                }
+            }
+            note!(
+                "hyptrace: attach: {ev} events ({lost} lost) written to {} in {:.1} ms, {} swaps; {}",
+                crate::report::shown_path(out_path),
+                started.elapsed().as_secs_f64() * 1e3,
+                r.swaps,
+                r.ended
             );
             EXIT_OK
         }
@@ -423,4 +606,45 @@ pub fn write_crash_dump<M: SharedMem + ?Sized>(
     }
     let e = sink.finish(&report.sink_summary()).err();
     (report, e)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file_with(tag: &str, state: u64, pid: u64) -> (PathBuf, Vec<u8>) {
+        let path =
+            std::env::temp_dir().join(format!("hyptrace-dump-{}-{tag}.trace", std::process::id()));
+        let mut bytes: Vec<u8> = (0..3 * 4096u32).map(|i| (i % 251) as u8).collect();
+        bytes[trace_file::hdr::STATE..trace_file::hdr::STATE + 8]
+            .copy_from_slice(&state.to_le_bytes());
+        bytes[trace_file::hdr::PID..trace_file::hdr::PID + 8].copy_from_slice(&pid.to_le_bytes());
+        std::fs::write(&path, &bytes).expect("write");
+        (path, bytes)
+    }
+
+    /// A file whose VMM is gone is mapped read-only (not copied); one whose VMM may
+    /// still run (running, its pid alive) is read into memory. Same bytes either way.
+    #[test]
+    fn trace_mem_mapped_only_when_its_vmm_is_gone() {
+        let me = u64::from(std::process::id());
+        for (tag, state, pid, mapped) in [
+            ("ended", trace_file::STATE_ENDED, me, true),
+            ("crashed", trace_file::STATE_CRASHED, me, true),
+            ("live", trace_file::STATE_RUNNING, me, false),
+            (
+                "dead",
+                trace_file::STATE_RUNNING,
+                u64::from(u32::MAX >> 1),
+                true,
+            ),
+        ] {
+            let (path, bytes) = file_with(tag, state, pid);
+            let got = read_trace_mem(&path).expect("read");
+            assert_eq!(matches!(got, TraceMemBytes::Mapped { .. }), mapped, "{tag}");
+            assert_eq!(&got[..], &bytes[..], "{tag}");
+            drop(got);
+            let _ = std::fs::remove_file(&path);
+        }
+    }
 }

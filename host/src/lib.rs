@@ -18,6 +18,7 @@
 //! ```
 
 pub mod arch;
+pub mod attach;
 pub mod bench;
 pub mod cli;
 pub mod clock;

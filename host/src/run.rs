@@ -370,6 +370,8 @@ impl<'a> Run<'a> {
             dumped: false,
             clock,
             formats: formats.clone(),
+            drain_live: plan.flight.drain_live,
+            meta: vec![crate::trace_mem::MetaValues::default(); nr as usize],
         };
         let mut live = Live {
             deadline: plan.duration.map(|d| running.started_at() + d),
@@ -733,10 +735,11 @@ impl Live<'_> {
     fn serve_control(&mut self) {
         let Some(control) = self.control else { return };
         let mut h = RunControl {
-            session: &self.session,
+            session: &mut self.session,
             running: &self.running,
             events: self.events.as_ref(),
             stop: self.stop.as_ref(),
+            flight: &mut self.flight,
         };
         control.serve(&mut h);
     }
@@ -864,13 +867,19 @@ impl Live<'_> {
         }
     }
 
-    /// Records every CPU's reader position in the trace memory file.
-    fn record_positions(&self) {
+    /// Records every CPU's reader position in the trace memory file, and with `--drain
+    /// none` its meta page's writer counters (live attach).
+    fn record_positions(&mut self) {
         if let Some(tm) = &self.flight.trace_mem {
             let reader = self.session.reader();
             for c in 0..self.nr {
                 if let Some(p) = reader.position(c) {
                     tm.record(c, p);
+                }
+            }
+            if !self.flight.drain_live {
+                for c in 0..self.nr {
+                    update_meta(&self.session, tm, &mut self.flight.meta, c);
                 }
             }
         }
@@ -919,6 +928,10 @@ struct Flight {
     clock: Clock,
     /// The event formats (the guest's registrations).
     formats: Vec<EventFormat>,
+    /// `--drain live` (an external consumer can attach only with `none`).
+    drain_live: bool,
+    /// Per CPU, what its meta page says (live attach; written with `--trace-mem`).
+    meta: Vec<crate::trace_mem::MetaValues>,
 }
 
 /// `--hang-timeout`: the last progress seen and since when.
@@ -928,12 +941,35 @@ struct HangWatch {
     since: Instant,
 }
 
+/// Refreshes `cpu`'s meta page: the writer's counters from its control block (hostile
+/// values, shown as they are), the rest from `meta`.
+fn update_meta(
+    session: &Session,
+    tm: &TraceMemFile,
+    meta: &mut [crate::trace_mem::MetaValues],
+    cpu: u32,
+) {
+    let Some(m) = meta.get_mut(cpu as usize) else {
+        return;
+    };
+    let reader = session.reader();
+    let c = reader.layout().ctl(cpu);
+    let mem = reader.mem();
+    use hyptrace_abi::layout::ctl;
+    use hyptrace_abi::SharedMem as _;
+    m.entries = mem.load(c + ctl::ENTRIES, Ordering::Relaxed);
+    m.overrun = mem.load(c + ctl::OVERRUN, Ordering::Relaxed);
+    m.pages_touched = mem.load(c + ctl::PAGES_TOUCHED, Ordering::Relaxed);
+    tm.write_meta(cpu, m);
+}
+
 /// The control socket's commands, executed by the run loop.
 struct RunControl<'s> {
-    session: &'s Session,
+    session: &'s mut Session,
     running: &'s RunningVm,
     events: &'s dyn EventSwitch,
     stop: Option<&'s Stop>,
+    flight: &'s mut Flight,
 }
 
 impl Handler for RunControl<'_> {
@@ -946,7 +982,84 @@ impl Handler for RunControl<'_> {
                 .list()
                 .map_or_else(Reply::Err, |v| Reply::Ok(v.to_string())),
             Command::Stats => Reply::Ok(self.stats().to_string()),
+            Command::Attach => self.attach().map_or_else(Reply::Err, Reply::Ok),
+            Command::GetReader(cpu) => self.get_reader(*cpu).map_or_else(Reply::Err, Reply::Ok),
         }
+    }
+}
+
+impl RunControl<'_> {
+    /// `attach`: an external consumer may read only a VMM that does not consume
+    /// itself (`--drain none`) and whose trace memory another process can map
+    /// (`--trace-mem`). The reply names the file and its geometry.
+    fn attach(&self) -> Result<String, String> {
+        if self.flight.drain_live {
+            return Err(
+                "attach needs a VMM run with --drain none (this one runs --drain live: it consumes the rings itself)"
+                    .into(),
+            );
+        }
+        let Some(tm) = &self.flight.trace_mem else {
+            return Err(
+                "attach needs a VMM run with --trace-mem FILE (the trace memory is not in a file)"
+                    .into(),
+            );
+        };
+        let l = self.session.reader().layout();
+        let path = std::fs::canonicalize(tm.path()).unwrap_or_else(|_| tm.path().to_path_buf());
+        Ok(serde_json::json!({
+            "trace_mem": path,
+            "nr_cpus": l.nr_cpus,
+            "page_size": l.page_size,
+            "pages_per_cpu": l.pages_per_cpu,
+            "meta_off": tm.meta_off(),
+            "pid": std::process::id(),
+        })
+        .to_string())
+    }
+
+    /// `get_reader CPU`: swaps the CPU's reader page (host side, through the reader's
+    /// callbacks) and updates its meta page.
+    fn get_reader(&mut self, cpu: u32) -> Result<String, String> {
+        let nr = self.session.reader().nr_cpus();
+        if cpu >= nr {
+            return Err(format!("get_reader: no CPU {cpu} (the VM has {nr})"));
+        }
+        if self.flight.drain_live || self.flight.trace_mem.is_none() {
+            return Err("get_reader: no consumer can attach to this VMM".into());
+        }
+        if !self.session.is_live(cpu) {
+            return Ok("ended".into());
+        }
+        let r = self
+            .session
+            .swap_external(cpu)
+            .map_err(|e| format!("get_reader {cpu}: {e}"))?;
+        let Some((page, lost)) = r else {
+            return Ok(if self.session.reader().request_in_flight(cpu) {
+                "pending".into()
+            } else {
+                "busy".into()
+            });
+        };
+        let l = *self.session.reader().layout();
+        if let (Some(tm), Some(m)) = (
+            &self.flight.trace_mem,
+            self.flight.meta.get_mut(cpu as usize),
+        ) {
+            let s = self.session.reader().stats(cpu);
+            m.reader_id = page.saturating_sub(l.first_page(cpu));
+            m.lost_events = lost;
+            m.lost_total = s.lost;
+            m.read = self
+                .session
+                .reader()
+                .position(cpu)
+                .map_or(0, |p| p.expected)
+                .saturating_sub(s.lost);
+            update_meta(self.session, tm, &mut self.flight.meta, cpu);
+        }
+        Ok(format!("swapped {page} {lost}"))
     }
 }
 

@@ -372,6 +372,31 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
         &self.reader
     }
 
+    /// A swap for an external consumer (`get_reader` on the control socket): see
+    /// [`RingBuffer::swap_external`]. Only with `--drain none` (this session does not
+    /// consume while the vCPU runs), never once the CPU's final walk began.
+    pub fn swap_external(&mut self, cpu: u32) -> Result<Option<(u32, u64)>, ReadError> {
+        match self.cpus.get(cpu as usize) {
+            Some(st) if !st.ended && !self.live_drain => self.reader.swap_external(cpu),
+            _ => Ok(None),
+        }
+    }
+
+    /// Stops reading before the CPUs ended (live attach without `--follow`, or
+    /// interrupted): marks every CPU finished in the text merger so that the next
+    /// [`Session::flush`] releases every line it holds. Nothing is read after it.
+    pub fn stop_reading(&mut self) {
+        for st in &mut self.cpus {
+            st.ended = true;
+            st.more = false;
+        }
+        if let Output::Text { merger, .. } = &mut self.output {
+            for c in 0..merger.nr_cpus() {
+                merger.finish(c);
+            }
+        }
+    }
+
     /// Text lines printed so far (events, drop markers and merge-window markers).
     pub fn lines(&self) -> u64 {
         self.lines

@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering::{Relaxed, Release};
 use std::sync::Arc;
 
-use hyptrace_abi::layout::RingGeometry;
+use hyptrace_abi::layout::{meta, RingGeometry};
 use hyptrace_abi::{RawMem, SharedMem};
 use hyptrace_reader::postmortem::Position;
 use vm_memory::FileOffset;
@@ -54,6 +54,28 @@ pub struct TraceMemFile {
     header: RawMem,
     header_len: usize,
     nr_cpus: u32,
+    /// The per-CPU meta pages (`trace_buffer_meta`, one page per CPU after the region).
+    meta: RawMem,
+    meta_off: u64,
+}
+
+/// What a CPU's meta page says (written by [`TraceMemFile::write_meta`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MetaValues {
+    /// The reader page as an index into the CPU's pages.
+    pub reader_id: u32,
+    /// Events lost before the reader page.
+    pub lost_events: u64,
+    /// Writer counters: committed, overwritten, pages moved onto.
+    pub entries: u64,
+    /// Overwritten events.
+    pub overrun: u64,
+    /// Pages the writer moved onto.
+    pub pages_touched: u64,
+    /// Events handed out in swapped-out reader pages.
+    pub read: u64,
+    /// Events lost in total.
+    pub lost_total: u64,
 }
 
 impl std::fmt::Debug for TraceMemFile {
@@ -90,7 +112,9 @@ impl TraceMemFile {
         file.set_permissions(std::fs::Permissions::from_mode(0o600))
             .map_err(err)?;
         let header_len = header_size(ring.nr_cpus);
-        let total = header_len as u64 + mapped_len(ring.region_size) as u64;
+        let meta_off = header_len as u64 + mapped_len(ring.region_size) as u64;
+        let meta_len = ring.nr_cpus as usize * meta::PAGE_SIZE;
+        let total = meta_off + meta_len as u64;
         file.set_len(total).map_err(err)?;
         // SAFETY: a fresh shared mapping of the file's first `header_len` bytes (the file
         // is at least that long); no address hint, so nothing existing is replaced.
@@ -111,12 +135,41 @@ impl TraceMemFile {
         // owns until Drop; only this process writes it, through this RawMem's atomics
         // (other processes read the file).
         let header = unsafe { RawMem::new(ptr.cast(), header_len) };
+        let meta_ptr = if meta_len == 0 {
+            libc::MAP_FAILED
+        } else {
+            // SAFETY: a fresh shared mapping of the file's last `meta_len` bytes (the
+            // file was sized to hold them; `meta_off` is 4 KiB aligned); no address hint.
+            unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    meta_len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED,
+                    std::os::fd::AsRawFd::as_raw_fd(&file),
+                    meta_off as libc::off_t,
+                )
+            }
+        };
+        if meta_ptr == libc::MAP_FAILED {
+            let e = io::Error::last_os_error();
+            // SAFETY: the header mapping made above, unmapped once; `header` is dropped
+            // unused.
+            unsafe { libc::munmap(header.as_ptr().cast(), header_len) };
+            return Err(err(e));
+        }
+        // SAFETY: a page-aligned mapping of `meta_len` bytes owned by this value until
+        // Drop; this process writes it only through this RawMem (atomics), other
+        // processes map the file read-only.
+        let meta = unsafe { RawMem::new(meta_ptr.cast(), meta_len) };
         Ok(Self {
             path: path.to_path_buf(),
             file: Arc::new(file),
             header,
             header_len,
             nr_cpus: ring.nr_cpus,
+            meta,
+            meta_off,
         })
     }
 
@@ -154,13 +207,51 @@ impl TraceMemFile {
         w(hdr::EVENTS_ABI, EVENTS_BUILTIN_V1);
         w(hdr::POS_OFF, HEADER_FIXED as u64);
         w(hdr::POS_STRIDE, POS_STRIDE as u64);
+        w(hdr::META_OFF, self.meta_off);
         for cpu in 0..self.nr_cpus {
             for off in (0..POS_STRIDE).step_by(8) {
                 w(HEADER_FIXED + cpu as usize * POS_STRIDE + off, 0);
             }
+            let m = cpu as usize * meta::PAGE_SIZE;
+            for off in (0..meta::STRUCT_LEN).step_by(8) {
+                self.meta.store(m + off, 0, Relaxed);
+            }
+            self.meta.store(
+                m + meta::META_PAGE_SIZE,
+                meta::PAGE_SIZE as u64 | ((meta::STRUCT_LEN as u64) << 32),
+                Relaxed,
+            );
+            self.meta.store(
+                m + meta::SUBBUF_SIZE,
+                ring.page_size as u64 | (u64::from(ring.pages_per_cpu) << 32),
+                Relaxed,
+            );
         }
         // Release: the magic last, so a reader that sees it sees the fields.
         h.store(hdr::MAGIC, MAGIC, Release);
+    }
+
+    /// The file offset of the meta pages.
+    pub fn meta_off(&self) -> u64 {
+        self.meta_off
+    }
+
+    /// Updates `cpu`'s meta page (words stored one by one: a reader in another process
+    /// sees each word whole; the reader id is stored last, with Release).
+    pub fn write_meta(&self, cpu: u32, v: &MetaValues) {
+        if cpu >= self.nr_cpus {
+            return;
+        }
+        let m = cpu as usize * meta::PAGE_SIZE;
+        let w = |off: usize, x: u64| self.meta.store(m + off, x, Relaxed);
+        w(meta::READER_LOST_EVENTS, v.lost_events);
+        w(meta::ENTRIES, v.entries);
+        w(meta::OVERRUN, v.overrun);
+        w(meta::READ, v.read);
+        w(meta::PAGES_LOST, v.lost_total);
+        w(meta::PAGES_TOUCHED, v.pages_touched);
+        self.meta
+            .store(m + meta::READER_ID, u64::from(v.reader_id), Release);
     }
 
     /// Sets the state word.
@@ -197,6 +288,10 @@ impl Drop for TraceMemFile {
         // nothing uses `self.header` after this.
         unsafe {
             libc::munmap(self.header.as_ptr().cast(), self.header_len);
+        }
+        // SAFETY: the meta mapping made in `create`, unmapped once; unused after this.
+        unsafe {
+            libc::munmap(self.meta.as_ptr().cast(), self.meta.size());
         }
     }
 }

@@ -97,6 +97,45 @@ pub mod pack {
     // 96..128 reserved, zero.
 }
 
+/// A per-CPU meta page in the Linux `trace_buffer_meta` layout (`include/uapi/linux/
+/// trace_mmap.h`, with the ring-buffer remotes' `pages_lost` / `pages_touched` in the
+/// two words that were reserved): what an external consumer attached to a running VMM
+/// (`hyptrace dump --attach`) reads. Host-written only: the meta pages live in the
+/// trace memory file after the region, out of the guest's reach (docs/abi.md, "Live
+/// attach"). All integers little-endian.
+pub mod meta {
+    /// u32 size of one meta page (4096).
+    pub const META_PAGE_SIZE: usize = 0;
+    /// u32 bytes of the struct ([`STRUCT_LEN`]).
+    pub const META_STRUCT_LEN: usize = 4;
+    /// u32 sub-buffer (page) size.
+    pub const SUBBUF_SIZE: usize = 8;
+    /// u32 sub-buffers of the CPU (ring pages + the reader page).
+    pub const NR_SUBBUFS: usize = 12;
+    /// u64 events lost before the current reader page (since the previous one).
+    pub const READER_LOST_EVENTS: usize = 16;
+    /// u32 the current reader page, as an index into the CPU's pages (`< nr_subbufs`).
+    pub const READER_ID: usize = 24;
+    /// u32 bytes of the reader page's data the VMM knows consumed (0 after a swap).
+    pub const READER_READ: usize = 28;
+    /// u64 flags (0).
+    pub const FLAGS: usize = 32;
+    /// u64 events the writer committed (its control block's `entries`).
+    pub const ENTRIES: usize = 40;
+    /// u64 events overwritten before anyone read them (`overrun`).
+    pub const OVERRUN: usize = 48;
+    /// u64 events handed to the consumer in swapped-out reader pages.
+    pub const READ: usize = 56;
+    /// u64 events lost in total on the consumer's side (the sum of every `lost_events`).
+    pub const PAGES_LOST: usize = 64;
+    /// u64 pages the writer has moved onto (`pages_touched`).
+    pub const PAGES_TOUCHED: usize = 72;
+    /// Bytes of the struct.
+    pub const STRUCT_LEN: usize = 80;
+    /// Size of one meta page.
+    pub const PAGE_SIZE: usize = 4096;
+}
+
 /// Per-CPU descriptor field offsets (from the descriptor start).
 pub mod cpu_desc {
     /// u32 CPU number.

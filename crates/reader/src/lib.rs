@@ -54,6 +54,14 @@ pub enum ReadError {
         /// What went wrong.
         err: hyptrace_writer::RingError,
     },
+    /// An external swap callback failed (live attach: the VMM refused `get_reader`).
+    #[error("cpu {cpu}: {why}")]
+    External {
+        /// The CPU.
+        cpu: u32,
+        /// Why.
+        why: String,
+    },
     /// No such CPU.
     #[error("cpu {0} out of range")]
     BadCpu(u32),
@@ -722,6 +730,12 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
         if self.cb.handoff_supported(cpu) {
             return self.advance_handoff(cpu);
         }
+        self.advance_swap(cpu)
+    }
+
+    /// One `swap_reader` request (no hand-off): the page after the reader page becomes
+    /// the reader page when the answer says swapped.
+    fn advance_swap(&mut self, cpu: u32) -> Result<bool, ReadError> {
         let reply = self.cb.swap_reader(cpu)?;
         // M1: while a swap request is in flight the reader page is not touched: next_event
         // and next_page only call advance until the answer came.
@@ -841,6 +855,55 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
                 Ok(true)
             }
         }
+    }
+
+    /// A swap asked for by an external consumer (`get_reader` on the control socket,
+    /// `hyptrace dump --attach`): the reader page is swapped with the head page through
+    /// the callbacks, and this reader moves onto the new page without reading the old
+    /// one (the consumer reads it in place). Returns the new reader page and the events
+    /// lost before it (counted here once, for the consumer: R1 from its first index), or
+    /// `None` when no swap happened now (busy, contended, a mailbox request in flight: ask
+    /// again). Refused in the final walk.
+    pub fn swap_external(&mut self, cpu: u32) -> Result<Option<(u32, u64)>, ReadError> {
+        self.check_cpu(cpu)?;
+        if self.cpus[cpu as usize].final_queue.is_some() {
+            return Ok(None);
+        }
+        if !self.cpus[cpu as usize].swap_in_flight {
+            // The consumer reads the page before asking for the next: it is swapped
+            // only once the writer left it (its commit is final then, W1), and its
+            // events count as read here, so the next page's loss is exact (R1).
+            if self.writer_on_reader(cpu)? {
+                return Ok(None);
+            }
+            let st = &mut self.cpus[cpu as usize];
+            Self::refresh(&self.mem, &self.layout, st)?;
+            if st.read < st.copied {
+                let data = &st.buf[PAGE_HEADER_SIZE + st.read..PAGE_HEADER_SIZE + st.copied];
+                let mut n = 0u64;
+                for ev in page::Events::new(data, st.clock) {
+                    ev.map_err(|err| ReadError::Decode {
+                        cpu,
+                        page: st.reader,
+                        err,
+                    })?;
+                    n += 1;
+                }
+                st.stats.read = st.stats.read.saturating_add(n);
+                st.stats.bytes = st.stats.bytes.saturating_add((st.copied - st.read) as u64);
+                st.read = st.copied;
+                st.expected = st.expected.saturating_add(n);
+            }
+        }
+        // One swap per request, never the hand-off: the consumer reads every page in
+        // place itself, none may be read here.
+        if !self.advance_swap(cpu)? {
+            return Ok(None);
+        }
+        let st = &mut self.cpus[cpu as usize];
+        let lost = std::mem::take(&mut st.pending_lost);
+        st.stats.lost = st.stats.lost.saturating_add(lost);
+        Ok(Some((st.reader, lost)))
     }
 
     /// Whether the writer is still on `cpu`'s reader page (its page is not complete).

@@ -311,3 +311,51 @@ fn handoff_reads_a_batch_in_place_with_one_request() {
     );
     assert_eq!(w.mailbox_served(), 1);
 }
+
+/// The swap callback of an external consumer: `swap_external` on the owner's reader
+/// (what `get_reader` on the control socket does in the VMM).
+struct External(std::rc::Rc<std::cell::RefCell<TestRb>>);
+
+impl Callbacks for External {
+    fn swap_reader(&self, cpu: u32) -> Result<SwapReply, ReadError> {
+        Ok(match self.0.borrow_mut().swap_external(cpu)? {
+            Some((page, _)) => SwapReply::Done(SwapStatus::Swapped { page }),
+            None => SwapReply::Done(SwapStatus::Busy),
+        })
+    }
+    fn update_footers(&self, _cpu: u32) -> Result<bool, ReadError> {
+        Ok(false)
+    }
+}
+
+/// Live attach: a consumer reading through the owner's `swap_external` gets every event
+/// once with exact losses (overwrite, a small ring), and the owner's own count of the
+/// losses equals the consumer's (the pages it swaps away count as read, not lost).
+#[test]
+fn external_consumer_through_swap_external() {
+    let (mem, owner) = setup(Mode::Overwrite, 4);
+    let owner = std::rc::Rc::new(std::cell::RefCell::new(owner));
+    let mut consumer =
+        RingBuffer::attach(mem.clone(), External(std::rc::Rc::clone(&owner))).unwrap();
+    let mut w = Writer::attach(mem.clone(), 0).unwrap();
+    let mut items = vec![];
+    for i in 0..20_000u64 {
+        let mut p = [0u8; 40];
+        p[..8].copy_from_slice(&i.to_le_bytes());
+        w.write(0, i * 3, &p);
+        if i % 700 == 0 {
+            drain(&mut consumer, &mut items);
+        }
+    }
+    drain(&mut consumer, &mut items);
+    // The writer stopped: the consumer's final walk reads the rest.
+    consumer.finalize(0).unwrap();
+    drain(&mut consumer, &mut items);
+    let (read, lost) = check_stream(&items);
+    assert_eq!(read + lost, 20_000);
+    assert!(lost > 0, "this run must lose events");
+    assert!(read > 1000, "the consumer read {read}");
+    let o = owner.borrow().stats(0);
+    assert_eq!(o.lost, consumer.stats(0).lost, "owner {o:?}");
+    assert!(o.swaps > 0);
+}

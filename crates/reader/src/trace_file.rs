@@ -58,7 +58,10 @@ pub mod hdr {
     pub const POS_OFF: usize = 80;
     /// u64 bytes per position record ([`super::POS_STRIDE`]).
     pub const POS_STRIDE: usize = 88;
-    // 96..256 reserved, zero.
+    /// u64 file offset of the per-CPU meta pages (`hyptrace_abi::layout::meta`, one
+    /// `meta::PAGE_SIZE` page per CPU, after the region); 0: none.
+    pub const META_OFF: usize = 96;
+    // 104..256 reserved, zero.
 }
 
 /// Per-CPU position record offsets (from the record start).
