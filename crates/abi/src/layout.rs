@@ -29,7 +29,7 @@ use core::sync::atomic::Ordering::Relaxed;
 /// Magic of the pack header: `"HTPACK01"`.
 pub const PACK_MAGIC: u64 = u64::from_le_bytes(*b"HTPACK01");
 /// Current pack version.
-pub const PACK_VERSION: u32 = 1;
+pub const PACK_VERSION: u32 = 2;
 /// Size of the pack header.
 pub const PACK_HEADER_SIZE: usize = 128;
 /// Size of one per-CPU descriptor.
