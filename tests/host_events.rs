@@ -19,6 +19,7 @@ fn events(text: &str, what: &str) -> (Option<u32>, Vec<Event>) {
             Line::Cpus(n) => cpus = Some(n),
             Line::Event(e) => evs.push(e),
             Line::Drop { .. } => panic!("{what}: unexpected loss"),
+            Line::WindowExceeded => panic!("{what}: the merger lost the order across CPUs"),
         }
     }
     (cpus, evs)
