@@ -29,8 +29,14 @@ for t in $targets; do
     # A registration table with a few events and their strings is ~1 KB.
     max_len=512
     [ "$t" = registration ] && max_len=4096
+    # Every target has a dictionary (libFuzzer exits at once on a missing one).
+    dict="$fuzz_dir/$t.dict"
+    if [ ! -s "$dict" ]; then
+        echo "fuzz: $dict is missing or empty" >&2
+        exit 1
+    fi
     cargo fuzz run --sanitizer none "$t" "$work" "corpus/$t" -- \
-        -max_total_time="$secs" -dict="$fuzz_dir/$t.dict" -max_len="$max_len" -print_final_stats=1
+        -max_total_time="$secs" -dict="$dict" -max_len="$max_len" -print_final_stats=1
     rm -rf "$work"
     trap - EXIT
 done
