@@ -29,7 +29,7 @@ use core::sync::atomic::Ordering::Relaxed;
 /// Magic of the pack header: `"HTPACK01"`.
 pub const PACK_MAGIC: u64 = u64::from_le_bytes(*b"HTPACK01");
 /// Current pack version.
-pub const PACK_VERSION: u32 = 2;
+pub const PACK_VERSION: u32 = 3;
 /// Size of the pack header.
 pub const PACK_HEADER_SIZE: usize = 128;
 /// Size of one per-CPU descriptor.
@@ -161,38 +161,44 @@ pub mod cpu_desc {
 /// `LOST_PENDING`, `MBOX_ACK`, `WRITER_STATE`.
 /// Swap-owned (stored by `swap_reader_page`, wherever it runs): `READER_PAGE`, `SWAPS`.
 /// Host-owned (the guest only loads them): `ENABLE`, `MBOX_REQ`, `MBOX_ARG`.
+///
+/// The fields are grouped by **who stores them how often**, one group per 64-byte cache
+/// line (PACK_VERSION 3; docs/design.md "Control-block cache lines"), so that a swap,
+/// which runs on the reader's core up to once per page, never takes away the line the
+/// writer stores on every event:
+///
+/// ```text
+///   0..64    magic, version; writer, once per page or rarer: tail_page, overrun,
+///            dropped, pages_touched, lost_pending, writer_state   (the swap loads)
+///  64..128   writer, every event: entries, bytes, write_stamp      (others load rarely)
+/// 128..192   host: enable, mbox_req, mbox_arg                      (the writer loads)
+/// 192..256   the swap: reader_page, swaps; writer: mbox_ack        (host and swap)
+/// ```
 pub mod ctl {
     /// u64 [`super::CTL_MAGIC`].
     pub const MAGIC: usize = 0;
     /// u64: low 32 bits version, high 32 bits size ([`super::CTL_SIZE`]).
     pub const VERSION_SIZE: usize = 8;
-    /// Global id of the current reader page.
-    pub const READER_PAGE: usize = 16;
     /// Global id of the page the writer writes (tail = commit page here: one writer,
     /// no nesting).
-    pub const TAIL_PAGE: usize = 24;
-    /// Events committed in total.
-    pub const ENTRIES: usize = 32;
+    pub const TAIL_PAGE: usize = 16;
     /// Events lost because the writer overwrote unread pages (overwrite mode).
-    pub const OVERRUN: usize = 40;
+    pub const OVERRUN: usize = 24;
     /// Events dropped because the ring was full (stop mode).
-    pub const DROPPED: usize = 48;
+    pub const DROPPED: usize = 32;
     /// Pages the writer moved onto.
-    pub const PAGES_TOUCHED: usize = 56;
-    /// Bytes of event data committed (headers, TIME_EXTENDs and padded payloads).
-    pub const BYTES: usize = 64;
-    /// Timestamp of the last committed event.
-    pub const WRITE_STAMP: usize = 72;
+    pub const PAGES_TOUCHED: usize = 40;
     /// Stop mode: drops not yet marked on a page.
-    pub const LOST_PENDING: usize = 80;
-    /// Successful reader-page swaps.
-    pub const SWAPS: usize = 88;
+    pub const LOST_PENDING: usize = 48;
     /// Writer state ([`super::WRITER_IDLE`], ...).
-    pub const WRITER_STATE: usize = 96;
-    /// Guest → host: acknowledgement of the last mailbox request,
-    /// `seq << 8 | status`.
-    pub const MBOX_ACK: usize = 104;
-    // 112..128 reserved (writer-owned).
+    pub const WRITER_STATE: usize = 56;
+    /// Events committed in total (stored after every event: its own cache line).
+    pub const ENTRIES: usize = 64;
+    /// Bytes of event data committed (headers, TIME_EXTENDs and padded payloads).
+    pub const BYTES: usize = 72;
+    /// Timestamp of the last committed event.
+    pub const WRITE_STAMP: usize = 80;
+    // 88..128 reserved (writer-owned).
     /// Host → guest (separate cache line): enable bits of the registered events
     /// (bit n = slot n, [`crate::registry::EventEntry::slot`]). The host flips them
     /// atomically (fetch_or / fetch_and: other bits stay); the writer loads them once per
@@ -203,7 +209,15 @@ pub mod ctl {
     /// Host → guest: the argument of the request in `MBOX_REQ`, stored before it
     /// (`MBOX_OP_HANDOFF`: how many swaps). Added in the swap hand-off (docs/abi.md).
     pub const MBOX_ARG: usize = 144;
-    // 152..256 reserved.
+    // 152..192 reserved (host-owned).
+    /// Global id of the current reader page.
+    pub const READER_PAGE: usize = 192;
+    /// Successful reader-page swaps.
+    pub const SWAPS: usize = 200;
+    /// Guest → host: acknowledgement of the last mailbox request,
+    /// `seq << 8 | status`.
+    pub const MBOX_ACK: usize = 208;
+    // 216..256 reserved.
 }
 
 /// Writer state: not attached yet.
