@@ -32,7 +32,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TrySendError};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -191,6 +191,32 @@ pub enum ControlError {
     },
 }
 
+/// Wakes the run loop when a command is queued (set by the run: [`ControlServer::set_waker`]).
+pub type Waker = Box<dyn Fn() + Send + Sync>;
+
+/// The queue of commands to the run loop, and how to wake it for one.
+#[derive(Clone)]
+struct Queue {
+    tx: SyncSender<Request>,
+    waker: Arc<Mutex<Option<Waker>>>,
+}
+
+impl Queue {
+    /// Queues `req` (never blocks) and wakes the run loop.
+    fn send(&self, req: Request) -> Result<(), TrySendError<Request>> {
+        self.tx.try_send(req)?;
+        if let Some(w) = self
+            .waker
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+        {
+            w();
+        }
+        Ok(())
+    }
+}
+
 /// The control socket of a run: its thread accepts clients and parses their lines; the
 /// run loop executes the commands ([`ControlServer::serve`]). Dropping it stops the
 /// thread and removes the socket.
@@ -203,6 +229,7 @@ pub struct ControlServer {
     id: (u64, u64),
     stop: Arc<AtomicBool>,
     rx: Receiver<Request>,
+    waker: Arc<Mutex<Option<Waker>>>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -268,6 +295,11 @@ impl ControlServer {
         let stop = Arc::new(AtomicBool::new(false));
         let consumer = Arc::new(AtomicU64::new(0));
         let (tx, rx) = mpsc::sync_channel(MAX_CLIENTS);
+        let waker = Arc::new(Mutex::new(None));
+        let tx = Queue {
+            tx,
+            waker: Arc::clone(&waker),
+        };
         let thread = {
             let stop = Arc::clone(&stop);
             let consumer = Arc::clone(&consumer);
@@ -283,8 +315,16 @@ impl ControlServer {
             id: (meta.dev(), meta.ino()),
             stop,
             rx,
+            waker,
             thread: Some(thread),
         })
+    }
+
+    /// Has every queued command wake the run loop with `w` (the loop then need not poll
+    /// the queue often: an idle run sleeps its whole `--poll-ms`).
+    /// `None` stops the wake-ups (the run ended).
+    pub fn set_waker(&self, w: Option<Waker>) {
+        *self.waker.lock().unwrap_or_else(|e| e.into_inner()) = w;
     }
 
     /// The socket's path.
@@ -343,12 +383,7 @@ fn wait_readable(fd: i32, timeout: Duration) {
 
 /// The socket thread: accepts clients (at most [`MAX_CLIENTS`] at once, each on its own
 /// scoped thread, all joined before it returns) until `stop`.
-fn accept_loop(
-    listener: &UnixListener,
-    tx: &SyncSender<Request>,
-    stop: &AtomicBool,
-    consumer: &AtomicU64,
-) {
+fn accept_loop(listener: &UnixListener, tx: &Queue, stop: &AtomicBool, consumer: &AtomicU64) {
     let active = AtomicUsize::new(0);
     let mut next_id: u64 = 0;
     std::thread::scope(|s| {
@@ -403,7 +438,7 @@ fn accept_loop(
 
 /// Serves one client: reads lines (bounded), has the run loop execute each, writes the
 /// reply. Returns when the client closes, misbehaves, idles, or the server stops.
-fn client(mut stream: UnixStream, tx: &SyncSender<Request>, stop: &AtomicBool, me: &Client<'_>) {
+fn client(mut stream: UnixStream, tx: &Queue, stop: &AtomicBool, me: &Client<'_>) {
     if stream.set_read_timeout(Some(TICK)).is_err() {
         return;
     }
@@ -467,12 +502,7 @@ impl Client<'_> {
 /// Parses a line and has the run loop execute it (bounded wait). `attach` claims the
 /// consumer role for `me` first (released again if the run loop refuses it);
 /// `get_reader` is only for the client holding it.
-fn execute_line(
-    line: &[u8],
-    tx: &SyncSender<Request>,
-    stop: &AtomicBool,
-    me: &Client<'_>,
-) -> Reply {
+fn execute_line(line: &[u8], tx: &Queue, stop: &AtomicBool, me: &Client<'_>) -> Reply {
     let line = line.strip_suffix(b"\r").unwrap_or(line);
     let Ok(text) = std::str::from_utf8(line) else {
         return Reply::Err("not UTF-8".into());
@@ -508,9 +538,9 @@ fn execute_line(
 }
 
 /// Has the run loop execute `cmd` (bounded wait).
-fn forward(cmd: Command, tx: &SyncSender<Request>, stop: &AtomicBool) -> Reply {
+fn forward(cmd: Command, tx: &Queue, stop: &AtomicBool) -> Reply {
     let (rtx, rrx) = mpsc::sync_channel(1);
-    match tx.try_send(Request { cmd, reply: rtx }) {
+    match tx.send(Request { cmd, reply: rtx }) {
         Ok(()) => {}
         Err(TrySendError::Full(_)) => return Reply::Err("busy: try again".into()),
         Err(TrySendError::Disconnected(_)) => return Reply::Err("the run ended".into()),

@@ -677,6 +677,12 @@ impl Live<'_> {
     /// the thread runs with a scheduling advantage ([`ReaderPriority`]) for the loop's
     /// length. Returns also the CPU time the loop's thread used.
     fn poll_loop(&mut self, poll: Duration) -> (bool, Duration) {
+        // A command on the control socket ends the wait: served at once, not at the
+        // next poll (an idle run sleeps its whole `--poll-ms`).
+        if let Some(c) = self.control {
+            let w = self.running.waker();
+            c.set_waker(Some(Box::new(move || w.wake())));
+        }
         let mut priority = ReaderPriority::raise();
         // Rounds in a row that found every writer idle: after IDLE_ROUNDS the boost is
         // given back (cheaper wake-ups) until a writer writes again.
@@ -684,6 +690,9 @@ impl Live<'_> {
         let mut idle_rounds = 0u32;
         let cpu0 = thread_cpu_time();
         let mut rounds = 0u64;
+        // The longest round (service + control + clock) and the longest wait beyond what
+        // was asked for (the thread waiting for a core): where a stall came from.
+        let (mut longest_round, mut longest_late) = (Duration::ZERO, Duration::ZERO);
         let aborted = loop {
             rounds += 1;
             let wait = self.session.next_wait(poll);
@@ -693,7 +702,10 @@ impl Live<'_> {
                 0
             };
             priority.set_active(idle_rounds < IDLE_ROUNDS);
+            let waited = Instant::now();
             let all_done = self.running.wait_timeout(wait);
+            let round = Instant::now();
+            longest_late = longest_late.max(round.saturating_duration_since(waited + wait));
             if self.interrupts.is_some_and(Interrupts::aborted) {
                 log::info!("aborted by a second signal");
                 self.running.stop();
@@ -706,6 +718,7 @@ impl Live<'_> {
             if let Some(h) = &mut self.heartbeat {
                 h.tick(&self.session, self.nr, self.running.started_at());
             }
+            longest_round = longest_round.max(round.elapsed());
             if all_done && (0..self.nr).all(|c| !self.session.is_live(c)) {
                 break false;
             }
@@ -719,14 +732,19 @@ impl Live<'_> {
         if let Some(h) = &mut self.heartbeat {
             h.end();
         }
+        if let Some(c) = self.control {
+            c.set_waker(None);
+        }
         let used = thread_cpu_time().saturating_sub(cpu0);
         drop(priority);
         let wall = self.running.started_at().elapsed();
         log::debug!(
-            "reader thread: {rounds} rounds, {:.1} ms CPU in {:.1} ms ({:.2} % of a core)",
+            "reader thread: {rounds} rounds, {:.1} ms CPU in {:.1} ms ({:.2} % of a core); longest round {:.3} ms, longest late wake-up {:.3} ms",
             used.as_secs_f64() * 1e3,
             wall.as_secs_f64() * 1e3,
-            100.0 * used.as_secs_f64() / wall.as_secs_f64().max(1e-9)
+            100.0 * used.as_secs_f64() / wall.as_secs_f64().max(1e-9),
+            longest_round.as_secs_f64() * 1e3,
+            longest_late.as_secs_f64() * 1e3,
         );
         (aborted, used)
     }

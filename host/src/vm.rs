@@ -444,6 +444,7 @@ impl Vm {
             host_events: self.host_events.clone(),
             done: Mutex::new(0),
             cv: Condvar::new(),
+            wake: AtomicBool::new(false),
             events,
         });
         let started_at = Instant::now();
@@ -541,6 +542,8 @@ pub(crate) struct Shared {
     pub(crate) host_events: Option<Arc<crate::host_events::HostEvents>>,
     done: Mutex<usize>,
     cv: Condvar,
+    /// Set by a [`Waker`]: the run loop's wait ends early once.
+    wake: AtomicBool,
     /// Answers the guest's registration exit.
     pub(crate) events: Arc<dyn RegisterHook>,
 }
@@ -552,6 +555,21 @@ struct NoTable;
 impl RegisterHook for NoTable {
     fn on_register(&self, vcpu: u32) {
         log::warn!("vcpu {vcpu}: registration exit, but the trace region has no valid pack");
+    }
+}
+
+/// Wakes the run loop's wait ([`RunningVm::waker`]); cheap to call from any thread.
+#[derive(Clone)]
+pub struct Waker(Arc<Shared>);
+
+impl Waker {
+    /// Ends the current (or next) wait of the run loop.
+    pub fn wake(&self) {
+        self.0.wake.store(true, Ordering::Release);
+        // Under the lock: the waiter is either before its predicate check (sees the
+        // flag) or waiting (gets the notification), never in between.
+        let _g = self.0.done.lock().unwrap_or_else(|e| e.into_inner());
+        self.0.cv.notify_all();
     }
 }
 
@@ -574,16 +592,27 @@ impl RunningVm {
         *self.shared.done.lock().unwrap_or_else(|e| e.into_inner()) >= self.threads.len()
     }
 
-    /// Waits up to `timeout` for every vCPU to end; returns [`Self::is_finished`].
+    /// Waits up to `timeout` for every vCPU to end, or for a [`Waker`] to wake it;
+    /// returns [`Self::is_finished`].
     pub fn wait_timeout(&self, timeout: Duration) -> bool {
         let n = self.threads.len();
         let done = self.shared.done.lock().unwrap_or_else(|e| e.into_inner());
+        // AcqRel: the waker's store comes before its notify (under the lock); the wait
+        // ends once per wake.
         let (done, _) = self
             .shared
             .cv
-            .wait_timeout_while(done, timeout, |d| *d < n)
+            .wait_timeout_while(done, timeout, |d| {
+                *d < n && !self.shared.wake.swap(false, Ordering::AcqRel)
+            })
             .unwrap_or_else(|e| e.into_inner());
         *done >= n
+    }
+
+    /// Something that ends the run loop's current [`Self::wait_timeout`] early (the
+    /// control socket: a queued command is served at once, not at the next poll).
+    pub fn waker(&self) -> Waker {
+        Waker(Arc::clone(&self.shared))
     }
 
     /// Whether vCPU `id`'s thread has ended (finished, crashed or stopped).

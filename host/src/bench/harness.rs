@@ -212,7 +212,7 @@ pub(super) fn plan(spec: &VmSpec) -> Result<Plan, BenchError> {
         "--page-size".into(),
         PAGE_SIZE.to_string(),
         "--poll-ms".into(),
-        "1".into(),
+        crate::cli::DEFAULT_POLL_MS.to_string(),
     ];
     let Command::Run(a) = Cli::try_parse_from(args)
         .map_err(BenchError::RunArgs)?

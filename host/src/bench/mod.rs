@@ -370,7 +370,7 @@ fn run_all(cfg: &Cfg, a: &BenchArgs) -> Result<BenchReport, BenchError> {
             chunk_events: BENCH_CHUNK,
             ring_pages_per_vcpu: DEFAULT_PAGES,
             page_size: PAGE_SIZE,
-            poll_ms: 1,
+            poll_ms: crate::cli::DEFAULT_POLL_MS as u32,
         },
         startup,
         writer,

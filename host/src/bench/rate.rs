@@ -186,7 +186,7 @@ fn search(cfg: &Cfg, vcpus: u32, swap: SwapArg) -> Result<RateRow, BenchError> {
         searched: !cfg.quick,
         runs,
         mode: "stop",
-        poll_ms: 1,
+        poll_ms: crate::cli::DEFAULT_POLL_MS as u32,
         buffer_kb: DEFAULT_PAGES * PAGE_SIZE / 1024,
         sink: "trace.dat v7 file",
     })

@@ -112,7 +112,8 @@ pub(super) fn table(v: &BenchReport) -> String {
     }
     let _ = writeln!(
         s,
-        "\nhighest --rate with zero loss (stop mode, poll 1 ms, 1 MiB/vCPU, record to trace.dat; every run of a step loss-free)"
+        "\nhighest --rate with zero loss (stop mode, idle poll {} ms, 1 MiB/vCPU, record to trace.dat; every run of a step loss-free)",
+        crate::cli::DEFAULT_POLL_MS
     );
     for r in &v.max_rate {
         let who = format!("{} vCPU{}:", r.vcpus, if r.vcpus == 1 { "" } else { "s" });
@@ -176,7 +177,7 @@ mod tests {
                 ok: true,
             }],
             mode: "stop",
-            poll_ms: 1,
+            poll_ms: crate::cli::DEFAULT_POLL_MS as u32,
             buffer_kb: 1024,
             sink: "trace.dat v7 file",
         }
