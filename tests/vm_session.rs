@@ -630,7 +630,18 @@ fn adaptive_wait_follows_the_fill_level() {
     let (m, l) = region(1, 8, Mode::Stop);
     let mut s = session(&m, l, Output::Pages(Box::new(CountingSink::default())));
     let idle = Duration::from_millis(1);
-    assert_eq!(s.next_wait(idle), idle, "nothing written yet");
+    // At the start the loop assumes a fast writer (START_RATE): short waits, growing
+    // (the estimate halves per round) to the idle period while nothing is written.
+    let first = s.next_wait(idle);
+    assert!(first < idle, "the start polls sooner: {first:?}");
+    let mut waits = vec![first];
+    waits.extend(
+        (0..200)
+            .map(|_| s.next_wait(idle))
+            .take_while(|&d| d != idle),
+    );
+    assert!(waits.len() < 200, "never went back to the idle period");
+    assert!(waits.windows(2).all(|w| w[0] <= w[1]), "{waits:?}");
     assert_eq!(s.next_wait(idle), idle, "nothing written yet");
     let mut w = Writer::attach(m.clone(), 0).expect("attach");
     let cap = (l.pages_per_cpu as u64 - 1) * l.data_capacity() as u64;

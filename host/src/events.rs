@@ -10,7 +10,7 @@
 
 use std::sync::atomic::Ordering::{Relaxed, SeqCst};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use hyptrace_abi::layout::{ctl, RingGeometry, WRITER_IDLE};
 use hyptrace_abi::SharedMem;
@@ -159,6 +159,12 @@ enum State {
     /// The table's header was refused.
     Refused(String),
 }
+
+/// How long [`EventTable::settle`] waits for a registration once a writer attached
+/// without writing: the SDKs attach, then register (vCPU 0) or wait for it (the rest),
+/// which takes microseconds; a guest that attached and does neither is taken for one
+/// that registers nothing after this.
+pub const ATTACH_GRACE: Duration = Duration::from_millis(500);
 
 /// How the wait for the registration ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -378,7 +384,7 @@ impl<M: SharedMem> EventTable<M> {
             .collect())
     }
 
-    /// Whether some CPU's writer attached (a guest that writes without registering).
+    /// Whether some CPU's writer attached.
     fn writer_attached(&self) -> bool {
         (0..self.geometry.nr_cpus).any(|c| {
             self.mem
@@ -387,18 +393,39 @@ impl<M: SharedMem> EventTable<M> {
         })
     }
 
+    /// Whether some CPU's writer took in an event (committed or dropped). By the
+    /// handshake no vCPU does before the registration is answered (docs/abi.md), so one
+    /// that did means the guest registers nothing. (An attached writer alone means
+    /// nothing: the SDKs attach first, then register or wait for the registration.)
+    fn writer_wrote(&self) -> bool {
+        (0..self.geometry.nr_cpus).any(|c| {
+            let ctl = self.geometry.ctl(c);
+            self.mem.load(ctl + ctl::ENTRIES, Relaxed) != 0
+                || self.mem.load(ctl + ctl::DROPPED, Relaxed) != 0
+        })
+    }
+
     /// Waits until the guest's registration is answered, a writer attached without one,
     /// `give_up()` says so (a vCPU ended, a signal, `--duration`), checking every
     /// `step`.
     pub fn settle(&self, step: Duration, mut give_up: impl FnMut() -> bool) -> Settled {
         let mut st = self.lock();
+        let mut attached_at: Option<Instant> = None;
         loop {
             match &*st {
                 State::Registered { .. } => return Settled::Registered,
                 State::Refused(why) => return Settled::Refused(why.clone()),
                 State::Waiting => {}
             }
-            if self.writer_attached() {
+            // A guest without a registration: a writer wrote, or attached writers wrote
+            // nothing and nobody registered for ATTACH_GRACE (the run goes on; reading
+            // and hang detection start).
+            if self.writer_wrote() {
+                return Settled::Unregistered;
+            }
+            if self.writer_attached()
+                && attached_at.get_or_insert_with(Instant::now).elapsed() >= ATTACH_GRACE
+            {
                 return Settled::Unregistered;
             }
             if give_up() {

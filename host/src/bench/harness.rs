@@ -355,7 +355,10 @@ mod tests {
                     0
                 }
             );
-            assert_eq!(p.poll, std::time::Duration::from_millis(1));
+            assert_eq!(
+                p.poll,
+                std::time::Duration::from_millis(crate::cli::DEFAULT_POLL_MS)
+            );
             assert_eq!(p.mailbox_timeout, MAILBOX_TIMEOUT);
         }
     }
