@@ -350,18 +350,6 @@ pub struct RingBuffer<M, C> {
     waiter: Arc<Waiter>,
 }
 
-/// Most pages one swap hand-off returns to the writer (`--swap guest`, stop mode): the
-/// pages read in place plus the new reader page. A quarter of the ring, at least 4
-/// (small rings batch as before), never more than a hand-off can give back (`pages −
-/// 1`): pages read in place stay
-/// out of the writer's reach until the answer, so a whole-ring batch read into a slow
-/// sink (a page-cache write that faults its pages in) left the writer a full ring and
-/// dropping for milliseconds; a quarter keeps three quarters of the ring moving.
-pub fn handoff_batch(pages_per_cpu: u32) -> usize {
-    let pages = pages_per_cpu as usize;
-    (pages / 4).max(4).min(pages.saturating_sub(1)).max(1)
-}
-
 impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
     /// Allocates the buffers: writes the pack and initialises every CPU's ring in `mem`
     /// (the trace region, at least `layout.region_size` bytes).
@@ -798,13 +786,10 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
                 let tail =
                     valid_page(&l, cpu, self.mem.load(l.ctl(cpu) + ctl::TAIL_PAGE, Acquire))?;
                 let mut p = st.reader;
-                // Bounded: at most the ring's pages, never more in place at once than a
-                // hand-off can give back, and at most a quarter of the ring per hand-off
-                // ([`handoff_batch`]): the writer gets pages back while the reader
-                // still has a backlog, instead of after the whole of it went to the sink.
-                let batch = handoff_batch(l.pages_per_cpu);
+                // Bounded: at most the ring's pages, and never more in place at once
+                // than a hand-off can give back.
                 for _ in 0..l.pages_per_cpu {
-                    if st.inplace.len() + st.ahead.len() + 1 >= batch {
+                    if st.inplace.len() + st.ahead.len() + 2 >= l.pages_per_cpu as usize {
                         break;
                     }
                     // Acquire: paired with the SeqCst link changes of the swaps (they run
