@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 use hyptrace_abi::layout::RingGeometry;
 use hyptrace_output::{
     Clock, Compression, EventFormat, JsonSink, OutputError, OutputTarget, PageSink, PerfettoSink,
-    RawSink, TextSink, TraceDatSink, TraceDatVersion, TraceMeta,
+    RawSink, TextSink, ThreadedSink, TraceDatSink, TraceDatVersion, TraceMeta,
 };
 use hyptrace_reader::{Callbacks, ReadError};
 
@@ -506,8 +506,10 @@ fn open_output(
             compression,
         } => {
             let meta = meta();
-            match make_sink(&target, format, compression, meta) {
-                Ok(sink) => Ok((Output::Pages(sink), Shown::File { path, format })),
+            // The file is written on its own thread (ThreadedSink): a stalled write(2)
+            // costs queue space there, not the reader's time at the rings.
+            match make_sink(&target, format, compression, meta).and_then(ThreadedSink::new) {
+                Ok(sink) => Ok((Output::Pages(Box::new(sink)), Shown::File { path, format })),
                 Err(source) => Err(RunError::Sink { path, source }),
             }
         }
@@ -562,7 +564,7 @@ pub(crate) fn make_sink(
     format: FormatArg,
     compression: Compression,
     meta: TraceMeta,
-) -> Result<Box<dyn PageSink>, OutputError> {
+) -> Result<Box<dyn PageSink + Send>, OutputError> {
     Ok(match format {
         FormatArg::Dat => Box::new(TraceDatSink::open_with(
             target,

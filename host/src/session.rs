@@ -843,6 +843,8 @@ fn drain_ring<M: SharedMem, C: Callbacks>(
                     return Ok(true);
                 }
                 let Some(page) = reader.next_page(rcpu)? else {
+                    // Caught up: a sink that holds pages back may hand them over now.
+                    sink.idle()?;
                     return Ok(false);
                 };
                 bytes = bytes.saturating_add(page.bytes.len().max(1));

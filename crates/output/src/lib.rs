@@ -15,6 +15,7 @@ mod sinks;
 pub mod symbols;
 mod target;
 pub mod text;
+mod threaded;
 pub mod tracedat;
 
 pub use clock::{Clock, TscConversion};
@@ -44,6 +45,7 @@ pub use text::{
     escape_guest_bytes, escape_guest_str, escaped_guest_bytes, format_drop, format_event,
     format_guest_line, format_window_exceeded, guest_printers, EventPrinter,
 };
+pub use threaded::ThreadedSink;
 pub use tracedat::{
     write_trace_dat, write_trace_dat_with, Compression, ReportFilter, TraceDatSink,
     TraceDatVersion, TraceFile, TraceItem, TraceRecord,

@@ -148,6 +148,12 @@ pub trait PageSink {
         let _ = (cpu, lost);
         Ok(())
     }
+    /// The producer has nothing more for now (the end of a drain round): a sink that
+    /// holds pages back ([`crate::ThreadedSink`]) hands over what it holds once it is
+    /// old enough, so output keeps flowing at low rates.
+    fn idle(&mut self) -> Result<(), OutputError> {
+        Ok(())
+    }
     /// End of the run: write what is left and close. A sink dropped without `finish`
     /// leaves no output that looks complete.
     fn finish(self: Box<Self>, summary: &RunSummary) -> Result<(), OutputError>;

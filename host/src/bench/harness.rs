@@ -9,7 +9,7 @@ use std::time::Duration;
 use clap::Parser;
 use hyptrace_abi::guest::{result, Workload};
 use hyptrace_output::{OutputError, PageSink, RawSink, RunSummary};
-use hyptrace_output::{TraceDatSink, TraceDatVersion};
+use hyptrace_output::{ThreadedSink, TraceDatSink, TraceDatVersion};
 use hyptrace_reader::{Callbacks, ReadError, SwapReply, SwapStatus};
 use vm_memory::{Bytes, GuestAddress};
 
@@ -135,7 +135,7 @@ impl Callbacks for Timed {
 
 /// Counts what reaches the sink (and the first page's timestamp), then forwards.
 struct CountSink {
-    inner: Option<Box<dyn PageSink>>,
+    inner: Option<Box<dyn PageSink + Send>>,
     stats: Arc<SinkStats>,
 }
 
@@ -239,7 +239,7 @@ pub(super) fn vm_run(spec: &VmSpec) -> Result<VmOut, BenchError> {
     });
     let (kind, path, stats) = (spec.sink, tmp.0.clone(), sink_stats.clone());
     let make: MakeSink = Box::new(move |meta| {
-        let inner: Option<Box<dyn PageSink>> = match kind {
+        let inner: Option<Box<dyn PageSink + Send>> = match kind {
             SinkKind::Null => None,
             SinkKind::Raw => Some(Box::new(RawSink::create(&path, meta)?)),
             SinkKind::Dat => Some(Box::new(TraceDatSink::create(
@@ -248,7 +248,13 @@ pub(super) fn vm_run(spec: &VmSpec) -> Result<VmOut, BenchError> {
                 TraceDatVersion::V7,
             )?)),
         };
-        Ok(Box::new(CountSink { inner, stats }))
+        let counted = Box::new(CountSink { inner, stats });
+        Ok(match kind {
+            // The reader alone (the writer section): no thread.
+            SinkKind::Null => counted,
+            // A file, as `record` writes it: on its own thread (ThreadedSink).
+            SinkKind::Raw | SinkKind::Dat => Box::new(ThreadedSink::new(counted)?),
+        })
     });
     let log = Arc::new(Mutex::new(SwapLog::default()));
     let mut run = Run::new(plan, Target::MakeSink(make));

@@ -1,0 +1,345 @@
+//! A page sink on its own thread: the reader hands pages over with a copy into a chunk
+//! and goes back to the rings, while the sink's `write(2)`s (page cache, compression)
+//! run on the sink thread.
+//!
+//! Why: the reader must free ring pages at the pace the writer fills them (stop mode
+//! drops what does not fit), but a file write can stall for milliseconds (page cache
+//! faulting in fresh memory, writeback throttling: one 1 MiB `write(2)` took 2.3 ms on
+//! these machines, docs/benchmarks.md), and while the reader waits in it no page is
+//! swapped. With the sink on its own thread such a stall costs queue space, not events.
+//!
+//! Bounds: at most [`MAX_CHUNKS`] chunks of about [`CHUNK_BYTES`] exist (allocated on
+//! demand, then reused): the memory in flight is bounded by constants, never by what
+//! the guest writes. When all are in flight the reader waits for one (back-pressure:
+//! the rings fill and stop mode drops, counted, as with a slow synchronous sink).
+//! A partly filled chunk is handed over by [`PageSink::idle`] once it is
+//! [`FLUSH_AFTER`] old, so output keeps flowing at low rates.
+//!
+//! Errors: the first error of the inner sink ends the thread; the reader sees it at its
+//! next call (page, idle, trailing_lost or finish), later calls get
+//! [`OutputError::Closed`]. The inner sink is then dropped unfinished: no output that
+//! looks complete. A panic in the sink thread is resumed on the reader's thread.
+
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::{OutputError, PageSink, RunSummary};
+
+/// Page bytes per chunk (a chunk holds at least one page, whatever its size).
+pub const CHUNK_BYTES: usize = 1 << 20;
+/// Chunks in existence at most (queued, being written, or being filled): 32 MiB of
+/// 4 KiB pages, ~70 ms of pages at 450 MB/s.
+pub const MAX_CHUNKS: usize = 32;
+/// Age after which [`PageSink::idle`] hands over a partly filled chunk.
+pub const FLUSH_AFTER: Duration = Duration::from_millis(20);
+
+/// One page in a chunk.
+struct PageRef {
+    cpu: u32,
+    start: usize,
+    len: usize,
+    missed: Option<u64>,
+}
+
+/// Pages copied back to back, and where each one is.
+#[derive(Default)]
+struct Chunk {
+    data: Vec<u8>,
+    pages: Vec<PageRef>,
+}
+
+/// What the reader sends to the sink thread, in order.
+enum Msg {
+    Chunk(Chunk),
+    TrailingLost(u32, u64),
+}
+
+type Worker = JoinHandle<Result<Box<dyn PageSink + Send>, OutputError>>;
+
+/// [`PageSink`] that runs another one on its own thread (see the module).
+pub struct ThreadedSink {
+    tx: Option<SyncSender<Msg>>,
+    /// Chunks the sink thread is done with.
+    free: Receiver<Chunk>,
+    /// Chunks allocated so far (at most [`MAX_CHUNKS`]).
+    allocated: usize,
+    /// The chunk being filled, and when its first page came.
+    cur: Chunk,
+    since: Option<Instant>,
+    worker: Option<Worker>,
+    /// The thread ended with an error already returned once.
+    closed: bool,
+}
+
+impl ThreadedSink {
+    /// Starts the sink thread around `inner`.
+    pub fn new(inner: Box<dyn PageSink + Send>) -> Result<Self, OutputError> {
+        let (tx, rx) = sync_channel::<Msg>(MAX_CHUNKS + 1);
+        let (free_tx, free) = sync_channel::<Chunk>(MAX_CHUNKS + 1);
+        let worker = std::thread::Builder::new()
+            .name("hyptrace-sink".into())
+            .spawn(move || run(inner, &rx, &free_tx))
+            .map_err(|e| OutputError::Io {
+                path: None,
+                source: e,
+            })?;
+        Ok(Self {
+            tx: Some(tx),
+            free,
+            allocated: 1,
+            cur: Chunk::default(),
+            since: None,
+            worker: Some(worker),
+            closed: false,
+        })
+    }
+
+    /// The sink thread ended early (its error, once), or had already.
+    fn fail(&mut self) -> OutputError {
+        self.tx = None;
+        if self.closed {
+            return OutputError::Closed;
+        }
+        self.closed = true;
+        match self.worker.take().map(JoinHandle::join) {
+            Some(Ok(Err(e))) => e,
+            Some(Ok(Ok(_))) | None => OutputError::Closed,
+            Some(Err(panic)) => std::panic::resume_unwind(panic),
+        }
+    }
+
+    fn send(&mut self, msg: Msg) -> Result<(), OutputError> {
+        let sent = match &self.tx {
+            Some(tx) => tx.send(msg).is_ok(),
+            None => false,
+        };
+        if sent {
+            Ok(())
+        } else {
+            Err(self.fail())
+        }
+    }
+
+    /// An empty chunk: one the thread is done with, a new one while fewer than
+    /// [`MAX_CHUNKS`] exist, else the next one the thread finishes (back-pressure).
+    fn take_free(&mut self) -> Result<Chunk, OutputError> {
+        if let Ok(c) = self.free.try_recv() {
+            return Ok(c);
+        }
+        if self.allocated < MAX_CHUNKS {
+            self.allocated += 1;
+            return Ok(Chunk::default());
+        }
+        match self.free.recv() {
+            Ok(c) => Ok(c),
+            Err(_) => Err(self.fail()),
+        }
+    }
+
+    /// Hands the chunk being filled to the thread (if it holds a page).
+    fn send_cur(&mut self) -> Result<(), OutputError> {
+        if self.cur.pages.is_empty() {
+            return Ok(());
+        }
+        let next = self.take_free()?;
+        let full = std::mem::replace(&mut self.cur, next);
+        self.since = None;
+        self.send(Msg::Chunk(full))
+    }
+
+    fn check(&mut self) -> Result<(), OutputError> {
+        if self.tx.is_none() {
+            return Err(self.fail());
+        }
+        Ok(())
+    }
+}
+
+/// The sink thread: writes every page of every chunk in order, gives the chunks back.
+fn run(
+    mut inner: Box<dyn PageSink + Send>,
+    rx: &Receiver<Msg>,
+    free: &SyncSender<Chunk>,
+) -> Result<Box<dyn PageSink + Send>, OutputError> {
+    for msg in rx {
+        match msg {
+            Msg::Chunk(mut c) => {
+                for p in &c.pages {
+                    let page = c
+                        .data
+                        .get(p.start..p.start + p.len)
+                        .ok_or(OutputError::Closed)?;
+                    inner.page(p.cpu, page, p.missed)?;
+                }
+                c.data.clear();
+                c.pages.clear();
+                // Never full (room for every chunk); gone only if the reader is.
+                let _ = free.try_send(c);
+            }
+            Msg::TrailingLost(cpu, lost) => inner.trailing_lost(cpu, lost)?,
+        }
+    }
+    Ok(inner)
+}
+
+impl PageSink for ThreadedSink {
+    fn page(&mut self, cpu: u32, page: &[u8], missed: Option<u64>) -> Result<(), OutputError> {
+        self.check()?;
+        if !self.cur.pages.is_empty() && self.cur.data.len() + page.len() > CHUNK_BYTES {
+            self.send_cur()?;
+        }
+        if self.cur.data.capacity() == 0 {
+            self.cur.data.reserve(CHUNK_BYTES.max(page.len()));
+        }
+        let start = self.cur.data.len();
+        self.cur.data.extend_from_slice(page);
+        self.cur.pages.push(PageRef {
+            cpu,
+            start,
+            len: page.len(),
+            missed,
+        });
+        self.since.get_or_insert_with(Instant::now);
+        Ok(())
+    }
+
+    fn trailing_lost(&mut self, cpu: u32, lost: u64) -> Result<(), OutputError> {
+        self.check()?;
+        self.send_cur()?;
+        self.send(Msg::TrailingLost(cpu, lost))
+    }
+
+    fn idle(&mut self) -> Result<(), OutputError> {
+        self.check()?;
+        if self.since.is_some_and(|t| t.elapsed() >= FLUSH_AFTER) {
+            self.send_cur()?;
+        }
+        Ok(())
+    }
+
+    fn finish(mut self: Box<Self>, summary: &RunSummary) -> Result<(), OutputError> {
+        self.check()?;
+        self.send_cur()?;
+        self.tx = None;
+        match self.worker.take().map(JoinHandle::join) {
+            Some(Ok(Ok(inner))) => inner.finish(summary),
+            Some(Ok(Err(e))) => Err(e),
+            None => Err(OutputError::Closed),
+            Some(Err(panic)) => std::panic::resume_unwind(panic),
+        }
+    }
+}
+
+impl Drop for ThreadedSink {
+    fn drop(&mut self) {
+        // Unfinished: the thread writes what it has and drops the inner sink unfinished
+        // (no output that looks complete); a panic there was a bug: passed on here
+        // (unless this thread is unwinding already).
+        self.tx = None;
+        if let Some(w) = self.worker.take() {
+            if let Err(panic) = w.join() {
+                if !std::thread::panicking() {
+                    std::panic::resume_unwind(panic);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    /// Records what it gets; fails at page `fail_at` if set.
+    #[derive(Clone, Default)]
+    struct Rec {
+        log: Arc<Mutex<Vec<String>>>,
+        fail_at: Option<usize>,
+    }
+
+    impl PageSink for Rec {
+        fn page(&mut self, cpu: u32, page: &[u8], missed: Option<u64>) -> Result<(), OutputError> {
+            let mut log = self.log.lock().unwrap();
+            if Some(log.len()) == self.fail_at {
+                return Err(OutputError::BadMeta("injected".into()));
+            }
+            log.push(format!("p{cpu}:{}:{}:{missed:?}", page[0], page.len()));
+            Ok(())
+        }
+        fn trailing_lost(&mut self, cpu: u32, lost: u64) -> Result<(), OutputError> {
+            self.log.lock().unwrap().push(format!("t{cpu}:{lost}"));
+            Ok(())
+        }
+        fn finish(self: Box<Self>, _: &RunSummary) -> Result<(), OutputError> {
+            self.log.lock().unwrap().push("finish".into());
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn pages_arrive_in_order_across_chunks() {
+        let rec = Rec::default();
+        let mut s = Box::new(ThreadedSink::new(Box::new(rec.clone())).unwrap());
+        let mut want = Vec::new();
+        // More than MAX_CHUNKS chunks' worth: chunks are reused (back-pressure).
+        let n = (MAX_CHUNKS + 8) * (CHUNK_BYTES / 4096);
+        for i in 0..n {
+            let page = vec![(i % 251) as u8; 4096];
+            let missed = (i % 7 == 3).then_some(i as u64);
+            s.page((i % 3) as u32, &page, missed).unwrap();
+            want.push(format!("p{}:{}:4096:{missed:?}", i % 3, i % 251));
+            if i % 1000 == 0 {
+                s.idle().unwrap();
+            }
+        }
+        s.trailing_lost(1, 9).unwrap();
+        want.push("t1:9".into());
+        s.finish(&RunSummary::default()).unwrap();
+        want.push("finish".into());
+        assert_eq!(*rec.log.lock().unwrap(), want);
+    }
+
+    #[test]
+    fn idle_hands_over_an_old_partial_chunk() {
+        let rec = Rec::default();
+        let mut s = ThreadedSink::new(Box::new(rec.clone())).unwrap();
+        s.page(0, &[1; 4096], None).unwrap();
+        s.idle().unwrap();
+        std::thread::sleep(FLUSH_AFTER + Duration::from_millis(5));
+        s.idle().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while rec.log.lock().unwrap().is_empty() {
+            assert!(Instant::now() < deadline, "the page never reached the sink");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(rec.log.lock().unwrap()[0], "p0:1:4096:None");
+    }
+
+    #[test]
+    fn the_first_error_comes_back_once_then_closed() {
+        let rec = Rec {
+            fail_at: Some(5),
+            ..Rec::default()
+        };
+        let mut s = Box::new(ThreadedSink::new(Box::new(rec.clone())).unwrap());
+        let mut errors = Vec::new();
+        for _ in 0..(3 * CHUNK_BYTES / 4096) {
+            if let Err(e) = s.page(0, &[0; 4096], None) {
+                errors.push(e);
+            }
+        }
+        let end = s.finish(&RunSummary::default());
+        if let Err(e) = end {
+            errors.push(e);
+        }
+        assert!(
+            matches!(errors.first(), Some(OutputError::BadMeta(m)) if m == "injected"),
+            "{errors:?}"
+        );
+        assert!(errors[1..].iter().all(|e| matches!(e, OutputError::Closed)));
+        // Never finished: the inner sink was dropped unfinished.
+        assert!(!rec.log.lock().unwrap().contains(&"finish".to_string()));
+    }
+}
