@@ -192,13 +192,13 @@ pub enum ControlError {
 }
 
 /// Wakes the run loop when a command is queued (set by the run: [`ControlServer::set_waker`]).
-pub type Waker = Box<dyn Fn() + Send + Sync>;
+pub type WakeFn = Box<dyn Fn() + Send + Sync>;
 
 /// The queue of commands to the run loop, and how to wake it for one.
 #[derive(Clone)]
 struct Queue {
     tx: SyncSender<Request>,
-    waker: Arc<Mutex<Option<Waker>>>,
+    waker: Arc<Mutex<Option<WakeFn>>>,
 }
 
 impl Queue {
@@ -229,7 +229,7 @@ pub struct ControlServer {
     id: (u64, u64),
     stop: Arc<AtomicBool>,
     rx: Receiver<Request>,
-    waker: Arc<Mutex<Option<Waker>>>,
+    waker: Arc<Mutex<Option<WakeFn>>>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -323,7 +323,7 @@ impl ControlServer {
     /// Has every queued command wake the run loop with `w` (the loop then need not poll
     /// the queue often: an idle run sleeps its whole `--poll-ms`).
     /// `None` stops the wake-ups (the run ended).
-    pub fn set_waker(&self, w: Option<Waker>) {
+    pub fn set_waker(&self, w: Option<WakeFn>) {
         *self.waker.lock().unwrap_or_else(|e| e.into_inner()) = w;
     }
 

@@ -173,7 +173,8 @@ pub enum Settled {
     Registered,
     /// The guest's table was refused as a whole (the message says why).
     Refused(String),
-    /// A writer attached without a registration: the guest registers nothing.
+    /// The guest registers nothing: a writer took in an event without a registration,
+    /// or writers stayed attached for [`ATTACH_GRACE`] without one.
     Unregistered,
     /// The caller gave up waiting (a vCPU ended, a signal, `--duration`, a timeout).
     None,
@@ -398,16 +399,13 @@ impl<M: SharedMem> EventTable<M> {
     /// that did means the guest registers nothing. (An attached writer alone means
     /// nothing: the SDKs attach first, then register or wait for the registration.)
     fn writer_wrote(&self) -> bool {
-        (0..self.geometry.nr_cpus).any(|c| {
-            let ctl = self.geometry.ctl(c);
-            self.mem.load(ctl + ctl::ENTRIES, Relaxed) != 0
-                || self.mem.load(ctl + ctl::DROPPED, Relaxed) != 0
-        })
+        (0..self.geometry.nr_cpus)
+            .any(|c| hyptrace_reader::ctl_writer_index(&self.mem, &self.geometry, c) != 0)
     }
 
-    /// Waits until the guest's registration is answered, a writer attached without one,
-    /// `give_up()` says so (a vCPU ended, a signal, `--duration`), checking every
-    /// `step`.
+    /// Waits until the guest's registration is answered, the guest shows it registers
+    /// nothing ([`Settled::Unregistered`]), or `give_up()` says so (a vCPU ended, a
+    /// signal, `--duration`), checking every `step`.
     pub fn settle(&self, step: Duration, mut give_up: impl FnMut() -> bool) -> Settled {
         let mut st = self.lock();
         let mut attached_at: Option<Instant> = None;

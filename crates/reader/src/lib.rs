@@ -350,6 +350,17 @@ pub struct RingBuffer<M, C> {
     waiter: Arc<Waiter>,
 }
 
+/// The writer's event index of CPU `cpu` (`cpu < l.nr_cpus`) from its control block:
+/// events it took in, committed or dropped (`entries + dropped`; hostile values
+/// saturate). Exact once the writer stopped; a snapshot while it runs.
+pub fn ctl_writer_index<M: SharedMem + ?Sized>(mem: &M, l: &RingGeometry, cpu: u32) -> u64 {
+    let c = l.ctl(cpu);
+    // Acquire: the writer stores entries/dropped Relaxed: pairs with no store; read after
+    // the vCPU stopped or writer_state said FINISHED (Release in Writer::finish).
+    mem.load(c + ctl::ENTRIES, Acquire)
+        .saturating_add(mem.load(c + ctl::DROPPED, Acquire))
+}
+
 impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
     /// Allocates the buffers: writes the pack and initialises every CPU's ring in `mem`
     /// (the trace region, at least `layout.region_size` bytes).
@@ -1065,12 +1076,7 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
         if cpu >= self.layout.nr_cpus {
             return 0;
         }
-        let c = self.layout.ctl(cpu);
-        // Acquire: the writer stores entries/dropped Relaxed: pairs with no store; read after
-        // the vCPU stopped or writer_state said FINISHED (Release in Writer::finish).
-        self.mem
-            .load(c + ctl::ENTRIES, Acquire)
-            .saturating_add(self.mem.load(c + ctl::DROPPED, Acquire))
+        ctl_writer_index(&self.mem, &self.layout, cpu)
     }
 
     /// Whether the writer of `cpu` marked itself finished (rather than being stopped or

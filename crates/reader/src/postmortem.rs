@@ -190,11 +190,8 @@ pub fn walk_cpu<M: SharedMem + ?Sized, E>(
         return Ok(d);
     }
     let c = l.ctl(cpu);
-    // Acquire: the writer is gone; these pair with its Release stores if it was stopped
-    // in this process (R1), and with nothing for a file.
-    d.writer_index = mem
-        .load(c + ctl::ENTRIES, Acquire)
-        .saturating_add(mem.load(c + ctl::DROPPED, Acquire));
+    // The writer is gone: exact (R1; for a file, what it left).
+    d.writer_index = crate::ctl_writer_index(mem, l, cpu);
     let first = l.first_page(cpu);
     let valid_footer = |id: u32| {
         mem.load(l.footer_off(id) + footer::ID_MAGIC, Acquire)
