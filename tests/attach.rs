@@ -633,8 +633,12 @@ fn attach_measure() {
         ]));
         let live_wall = t0.elapsed();
         // Attached reader.
-        let (mem, sock) = (dir.file("m.trace"), dir.file("m.sock"));
-        let vm_err = dir.file("m.err");
+        // Names per round: a previous round's socket or file must never satisfy a wait.
+        let (mem, sock) = (
+            dir.file(&format!("m{rate}.trace")),
+            dir.file(&format!("m{rate}.sock")),
+        );
+        let vm_err = dir.file(&format!("m{rate}.err"));
         let args = vm_args(
             &mem,
             &sock,
@@ -649,7 +653,11 @@ fn attach_measure() {
                 dur,
             ],
         );
-        let mut vm = Guard(Some(spawn(&args, &dir.file("m.out"), &vm_err)));
+        let mut vm = Guard(Some(spawn(
+            &args,
+            &dir.file(&format!("m{rate}.out")),
+            &vm_err,
+        )));
         wait_socket(&sock, &mut vm, &vm_err);
         let t1 = Instant::now();
         let lat_att = follow_lines(Command::new(BIN).args([

@@ -402,9 +402,13 @@ fn sigkill_drain_none_dump_recovers_the_newest() {
     let _l = vm_lock();
     let g = guest();
     let dir = TempDir::new("kill");
-    let mem = dir.file("vm.trace");
     let mut rng = Rng(0x6b69_6c6c);
-    for round in 0..3 {
+    const ROUNDS: usize = 3;
+    for round in 0..ROUNDS {
+        // A fresh path per round: `run_and_kill` polls the file for progress, and a
+        // previous round's file (which already shows every CPU past `min`) would end
+        // the wait before the new VMM has replaced it.
+        let mem = dir.file(&format!("vm{round}.trace"));
         let err = dir.file(&format!("run{round}.err"));
         let sc = sc::HONEST.to_string();
         let killed = run_and_kill(
@@ -463,6 +467,7 @@ fn sigkill_drain_none_dump_recovers_the_newest() {
         );
     }
     if trace_cmd_available() {
+        let mem = dir.file(&format!("vm{}.trace", ROUNDS - 1));
         let dat = dir.file("dump.dat");
         let r = run_bounded(&["dump", "--trace-mem", &mem, "-o", &dat], &dir, "dumpdat");
         assert_eq!(r.code, Some(0), "{}", r.stderr);
