@@ -109,6 +109,9 @@ fn record_perfetto_matches_stats() {
                     "6000",
                     "--rate",
                     "0",
+                    // Read at the end: losses whatever the scheduling.
+                    "--drain",
+                    "none",
                 ],
             );
             let lost: u64 = s["cpus"]
