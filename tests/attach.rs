@@ -162,7 +162,8 @@ fn attach_follow_reads_while_the_vm_runs() {
     let dir = TempDir::new("attach");
     let (mem, sock) = (dir.file("vm.trace"), dir.file("vm.sock"));
     let (vm_out, vm_err) = (dir.file("vm.out"), dir.file("vm.err"));
-    let n: u64 = 15_000;
+    // 6 s at 5000/s: room to attach, grow and ask `stats` on a loaded machine.
+    let n: u64 = 30_000;
     let ns = n.to_string();
     let args = vm_args(
         &mem,

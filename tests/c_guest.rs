@@ -128,7 +128,8 @@ fn c_guest_event_enabled_through_ctl() {
     let sock = dir.file("ctl.sock");
     let st = dir.file("stats.json");
     let out = std::fs::File::create(dir.path().join("out.txt")).expect("out");
-    let events = 4000u64;
+    // 8 s: room for `list` and `enable` on a loaded machine before the run ends.
+    let events = 8000u64;
     let mut child = std::process::Command::new(BIN)
         .args([
             "run",

