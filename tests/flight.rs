@@ -283,7 +283,7 @@ fn hang_timeout_fires_and_dumps() {
         &dir,
         sc::CRASH_HANG,
         5000,
-        &["--hang-timeout", "0.5", "--stats", &stats],
+        &["--hang-timeout", "2", "--stats", &stats],
     );
     assert!(r.stderr.contains("the guest hung"), "{}", r.stderr);
     let json: serde_json::Value =
