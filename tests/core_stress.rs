@@ -177,6 +177,7 @@ struct WriterResult {
     dropped: u64,
     overrun: u64,
     served: u64,
+    self_swaps: u64,
     stalls: u64,
 }
 
@@ -273,6 +274,7 @@ fn writer_thread(mem: Arc<HeapMem>, cpu: u32, n: u64, ctx: Ctx, t0: Instant) -> 
         dropped: w.dropped(),
         overrun: w.overrun(),
         served: w.mailbox_served(),
+        self_swaps: w.self_swaps(),
         stalls,
     }
 }
@@ -463,11 +465,20 @@ fn run<C: Callbacks>(
             st.pages_read >= c.read.div_ceil(per_page as u64),
             "{what}: pages_read too small"
         );
-        if mailbox {
-            assert!(
+        match (mailbox, mode) {
+            (true, Mode::Overwrite) => assert!(
                 r.served >= st.swaps,
                 "{what}: swaps not served by the writer"
-            );
+            ),
+            // Released pages: the reader asks for no swap; the writer swaps back the
+            // pages released (a reader swap each), never more.
+            (true, Mode::Stop) => assert!(
+                r.self_swaps > 0 && r.self_swaps <= st.swaps,
+                "{what}: {} self swaps for {} pages released",
+                r.self_swaps,
+                st.swaps
+            ),
+            (false, _) => assert_eq!(r.self_swaps, 0, "{what}"),
         }
         eprintln!(
             "{mode:?} mailbox={mailbox} cpu {cpu}: attempts {per_cpu} read {} lost {} \

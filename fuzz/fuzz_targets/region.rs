@@ -7,7 +7,8 @@
 //!
 //! ```text
 //! byte 0     config: bit 0 cpus-1 (1..2), bits 1-2 pages-3 (3..6), bit 3 overwrite,
-//!            bit 4 guest_swap flag, bits 5/6 CPU 0/1 read by pages instead of events
+//!            bit 4 guest_swap flag (in stop mode: released pages, the reader reading
+//!            the ring in place), bits 5/6 CPU 0/1 read by pages instead of events
 //! byte 1..   ops, each an opcode byte and its operands (see `Op` below); a missing
 //!            operand reads as 0
 //! ```
@@ -24,7 +25,7 @@
 use hyptrace_abi::layout::{RingGeometry, Mode, CTL_SIZE, FOOTER_SIZE};
 use hyptrace_abi::page::{self, COMMIT_OFFSET};
 use hyptrace_abi::{SharedMem, WordMem};
-use hyptrace_reader::{Direct, Item, ReadError, RingBuffer};
+use hyptrace_reader::{Callbacks, Direct, Item, ReadError, RingBuffer, SwapReply};
 use hyptrace_writer::{WriteOutcome, Writer};
 use libfuzzer_sys::fuzz_target;
 use std::sync::atomic::Ordering::Relaxed;
@@ -40,7 +41,27 @@ const MAX_OPS: usize = 256;
 /// Most events a single write op writes.
 const MAX_BURST: usize = 128;
 
-type Rb<'m> = RingBuffer<&'m WordMem, Direct<&'m WordMem>>;
+type Rb<'m> = RingBuffer<&'m WordMem, Cb<'m>>;
+
+/// The reader's callbacks: `Direct`, with released pages where the VMM uses them
+/// (the guest-swap flag in stop mode): the reader then reads the ring in place and
+/// releases pages, and the writers swap released pages back by themselves.
+struct Cb<'m> {
+    direct: Direct<&'m WordMem>,
+    releases: bool,
+}
+
+impl Callbacks for Cb<'_> {
+    fn swap_reader(&self, cpu: u32) -> Result<SwapReply, ReadError> {
+        self.direct.swap_reader(cpu)
+    }
+    fn update_footers(&self, cpu: u32) -> Result<bool, ReadError> {
+        self.direct.update_footers(cpu)
+    }
+    fn releases(&self, _cpu: u32) -> bool {
+        self.releases
+    }
+}
 
 /// Reads the input from the front; past its end every byte reads as 0.
 struct Input<'a>(&'a [u8]);
@@ -124,7 +145,13 @@ impl<'m> World<'m> {
     fn reader(&mut self) -> Option<&mut Rb<'m>> {
         if self.rb.is_none() && !self.rb_dead {
             match RingGeometry::parse(self.mem) {
-                Ok(l) => match RingBuffer::attach(self.mem, Direct::new(self.mem, l)) {
+                Ok(l) => match RingBuffer::attach(
+                    self.mem,
+                    Cb {
+                        direct: Direct::new(self.mem, l),
+                        releases: l.guest_swap && l.mode == Mode::Stop,
+                    },
+                ) {
                     Ok(rb) => self.rb = Some(rb),
                     Err(e) => {
                         self.rb_dead = true;

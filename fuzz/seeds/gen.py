@@ -31,6 +31,8 @@ region = {
     "small-payloads": [cfg(), W, 255, 0, 1, W, 255, 1, 1, W, 255, 3, 1, W, 255, 112, 1, W, 255, 113, 1, EV, FIN],
     "enable": [cfg(), EN, 0, 0, EN, 1, 5, W, 10, 30, 1, EN, 0x7f, 0, EV],
     "guest-swap-flag": [cfg(guest_swap=True, overwrite=True), W, 255, 64, 1, SWAP, EV],
+    "released-pages": [cfg(pages=4, guest_swap=True), W, 255, 100, 1, EV, W, 255, 100, 1, EV, W, 255, 100, 1, EV, FIN],
+    "released-pages-by-page": [cfg(pages=5, guest_swap=True, pages0=True), W, 255, 100, 1, PG, W, 200, 100, 1, PG, W, 255, 60, 2, PG, FIN],
     "patch-link": [cfg(pages=4), W, 255, 100, 1, PFOOT, 1, 6, 0x0b, EV, FIN],
     "patch-footer-seq": [cfg(pages=5), W, 255, 150, 1, PFOOT, 2, 8, 0x7f, FIN],
     "patch-footer-magic": [cfg(pages=3), W, 100, 100, 1, PFOOT, 1, 11, 0x00, FIN],

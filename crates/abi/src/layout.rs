@@ -29,7 +29,7 @@ use core::sync::atomic::Ordering::Relaxed;
 /// Magic of the pack header: `"HTPACK01"`.
 pub const PACK_MAGIC: u64 = u64::from_le_bytes(*b"HTPACK01");
 /// Current pack version.
-pub const PACK_VERSION: u32 = 3;
+pub const PACK_VERSION: u32 = 4;
 /// Size of the pack header.
 pub const PACK_HEADER_SIZE: usize = 128;
 /// Size of one per-CPU descriptor.
@@ -160,7 +160,7 @@ pub mod cpu_desc {
 /// `ENTRIES`, `OVERRUN`, `DROPPED`, `PAGES_TOUCHED`, `BYTES`, `WRITE_STAMP`,
 /// `LOST_PENDING`, `MBOX_ACK`, `WRITER_STATE`.
 /// Swap-owned (stored by `swap_reader_page`, wherever it runs): `READER_PAGE`, `SWAPS`.
-/// Host-owned (the guest only loads them): `ENABLE`, `MBOX_REQ`, `MBOX_ARG`.
+/// Host-owned (the guest only loads them): `ENABLE`, `MBOX_REQ`, `RELEASED`.
 ///
 /// The fields are grouped by **who stores them how often**, one group per 64-byte cache
 /// line (PACK_VERSION 3; docs/design.md "Control-block cache lines"), so that a swap,
@@ -171,7 +171,7 @@ pub mod cpu_desc {
 ///   0..64    magic, version; writer, once per page or rarer: tail_page, overrun,
 ///            dropped, pages_touched, lost_pending, writer_state   (the swap loads)
 ///  64..128   writer, every event: entries, bytes, write_stamp      (others load rarely)
-/// 128..192   host: enable, mbox_req, mbox_arg                      (the writer loads)
+/// 128..192   host: enable, mbox_req, released                      (the writer loads)
 /// 192..256   the swap: reader_page, swaps; writer: mbox_ack        (host and swap)
 /// ```
 pub mod ctl {
@@ -206,10 +206,14 @@ pub mod ctl {
     pub const ENABLE: usize = 128;
     /// Host → guest: mailbox request, `seq << 8 | op` (`MBOX_OP_*`); seq starts at 1.
     pub const MBOX_REQ: usize = 136;
-    /// Host → guest: the argument of the request in `MBOX_REQ`, stored before it
-    /// (`MBOX_OP_HANDOFF`: how many swaps). Added in the swap hand-off (docs/abi.md).
-    pub const MBOX_ARG: usize = 144;
-    // 152..192 reserved (host-owned).
+    // 144: reserved (the hand-off's `mbox_arg` up to PACK_VERSION 3).
+    /// Host → guest, stop mode: the `page_seq` of the last page the host has read in
+    /// place, ring order (0: none; only grows). The writer may run a swap by itself
+    /// when its tail meets the head page and that page's `page_seq` is at most this
+    /// value: the page becomes the reader page and the reader page (also read) goes
+    /// back into the ring (docs/design.md, "Released pages"). Added in PACK_VERSION 4.
+    pub const RELEASED: usize = 152;
+    // 160..192 reserved (host-owned).
     /// Global id of the current reader page.
     pub const READER_PAGE: usize = 192;
     /// Successful reader-page swaps.
@@ -231,12 +235,8 @@ pub const WRITER_FINISHED: u64 = 2;
 pub const MBOX_OP_SWAP: u64 = 1;
 /// Mailbox op: update the reader page footer's stats.
 pub const MBOX_OP_UPDATE_FOOTERS: u64 = 2;
-/// Mailbox op (swap hand-off): swap the reader page `MBOX_ARG` times in a row
-/// (1..=the CPU's pages), stopping at the first swap that does not succeed. The host
-/// asks for it in stop mode after reading the reader page and the complete ring pages
-/// after it in place (docs/abi.md, "swap hand-off"): one round trip frees them all.
-/// A writer older than the hand-off answers `MBOX_STATUS_ERROR`.
-pub const MBOX_OP_HANDOFF: u64 = 3;
+// Mailbox op 3 (the swap hand-off of PACK_VERSION 3) is retired: released pages
+// ([`ctl::RELEASED`]) replaced it; a writer answers it `MBOX_STATUS_ERROR`.
 /// Mailbox status: done.
 pub const MBOX_STATUS_OK: u64 = 0;
 /// Mailbox status: nothing to swap (the writer is on the reader page).

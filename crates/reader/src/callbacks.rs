@@ -12,8 +12,8 @@
 
 use crate::ReadError;
 use hyptrace_abi::layout::{
-    ctl, Mode, RingGeometry, MBOX_OP_HANDOFF, MBOX_OP_SWAP, MBOX_OP_UPDATE_FOOTERS,
-    MBOX_STATUS_BUSY, MBOX_STATUS_CONTENDED, MBOX_STATUS_OK, WRITER_FINISHED,
+    ctl, Mode, RingGeometry, MBOX_OP_SWAP, MBOX_OP_UPDATE_FOOTERS, MBOX_STATUS_BUSY,
+    MBOX_STATUS_CONTENDED, MBOX_STATUS_OK, WRITER_FINISHED,
 };
 use hyptrace_abi::SharedMem;
 use std::sync::atomic::AtomicU64;
@@ -47,20 +47,14 @@ pub trait Callbacks {
     /// Refresh the stats in the CPU's reader page footer. `Ok(false)`: the request is
     /// still in flight (mailbox); the footer is refreshed later.
     fn update_footers(&self, cpu: u32) -> Result<bool, ReadError>;
-    /// Whether the reader should read the complete ring pages after the reader page in
-    /// place and hand them back with one [`Callbacks::handoff`] instead of swapping
-    /// page by page (the swap hand-off: `Mailbox` in stop mode, where every swap is a
-    /// round trip to the writer and the writer never touches those pages).
-    fn handoff_supported(&self, cpu: u32) -> bool {
+    /// Whether the reader reads the ring pages in place, following the writer, and
+    /// releases each one it has read with one store (`ctl::RELEASED`) instead of
+    /// asking for swaps: the writer then swaps released pages back by itself when its
+    /// tail meets them (released pages: `Mailbox` in stop mode, where every swap would
+    /// be a round trip to the writer; docs/design.md "Released pages").
+    fn releases(&self, cpu: u32) -> bool {
         let _ = cpu;
         false
-    }
-    /// Swap the reader page `pages` times in a row (1..=the CPU's pages), stopping at
-    /// the first swap that does not succeed; `Done(Swapped)` only if all were done.
-    /// Only called when [`Callbacks::handoff_supported`] says so.
-    fn handoff(&self, cpu: u32, pages: u32) -> Result<SwapReply, ReadError> {
-        let _ = pages;
-        self.swap_reader(cpu)
     }
 }
 
@@ -111,14 +105,6 @@ impl<M: SharedMem> Callbacks for Direct<M> {
 /// How long a mailbox request is spun on before the reader moves on and comes back.
 pub const MAILBOX_SPIN: Duration = Duration::from_micros(3);
 
-/// What a swap hand-off adds to [`MAILBOX_SPIN`] per swap it asks for: the writer runs
-/// the swaps one after the other (a few hundred ns each in the guest), so a 64-page
-/// hand-off is answered after ~15–30 µs. Without it nearly every hand-off went
-/// pending and was picked up a poll later (≥ 50 µs, ~250 µs with the wake-up on
-/// these machines): `--swap guest` then moved about 64 pages per millisecond and lost
-/// events at 8 M events/s where `--swap host` lost none.
-pub const HANDOFF_SPIN_PER_SWAP: Duration = Duration::from_nanos(500);
-
 /// An operation the writer runs for the reader through its mailbox (`MBOX_OP_*`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MailboxOp {
@@ -126,16 +112,12 @@ pub enum MailboxOp {
     Swap,
     /// `update_footers` ([`MBOX_OP_UPDATE_FOOTERS`]).
     UpdateFooters,
-    /// The swap hand-off: that many swaps in a row ([`MBOX_OP_HANDOFF`], the count in
-    /// `MBOX_ARG`).
-    Handoff(u32),
 }
 
 impl MailboxOp {
-    /// Whether the op moves pages (a swap or a hand-off): its answer must reach the
-    /// reader (M1).
+    /// Whether the op moves pages (a swap): its answer must reach the reader (M1).
     pub const fn moves_pages(self) -> bool {
-        matches!(self, Self::Swap | Self::Handoff(_))
+        matches!(self, Self::Swap)
     }
 }
 
@@ -145,7 +127,6 @@ impl MailboxOp {
         match self {
             Self::Swap => MBOX_OP_SWAP,
             Self::UpdateFooters => MBOX_OP_UPDATE_FOOTERS,
-            Self::Handoff(_) => MBOX_OP_HANDOFF,
         }
     }
 }
@@ -235,14 +216,6 @@ impl<M: SharedMem> MailboxPort<M> {
         // Posts for one CPU are serialised by the caller; the counter is host memory.
         let seq = slot.load(Relaxed).wrapping_add(1) & (u64::MAX >> SEQ_SHIFT);
         slot.store(seq, Relaxed);
-        if let MailboxOp::Handoff(pages) = op {
-            // Relaxed: published by the Release store of mbox_req below (M1).
-            self.mem.store(
-                self.layout.ctl(cpu) + ctl::MBOX_ARG,
-                u64::from(pages),
-                Relaxed,
-            );
-        }
         // Release: paired with the Acquire load of mbox_req in Writer::serve_mailbox (M1).
         self.mem.store(
             self.layout.ctl(cpu) + ctl::MBOX_REQ,
@@ -368,10 +341,7 @@ impl<M: SharedMem> Mailbox<M> {
             }
         }
         let seq = self.port.post(cpu, op)?;
-        let spin = match op {
-            MailboxOp::Handoff(n) => MAILBOX_SPIN + HANDOFF_SPIN_PER_SWAP * n,
-            _ => MAILBOX_SPIN,
-        };
+        let spin = MAILBOX_SPIN;
         let start = Instant::now();
         loop {
             if let Some(status) = self.port.poll(cpu, seq)? {
@@ -397,16 +367,10 @@ impl<M: SharedMem> Callbacks for Mailbox<M> {
             Reply::Done(status) => self.port.swap_status(cpu, status).map(SwapReply::Done),
         }
     }
-    fn handoff_supported(&self, _cpu: u32) -> bool {
+    fn releases(&self, _cpu: u32) -> bool {
         // In stop mode the writer never moves onto a page between the head and its
         // tail, so the reader may read them in place; in overwrite mode it may.
         self.port.layout.mode == Mode::Stop
-    }
-    fn handoff(&self, cpu: u32, pages: u32) -> Result<SwapReply, ReadError> {
-        match self.request(cpu, MailboxOp::Handoff(pages))? {
-            Reply::Pending => Ok(SwapReply::Pending),
-            Reply::Done(status) => self.port.swap_status(cpu, status).map(SwapReply::Done),
-        }
     }
     fn update_footers(&self, cpu: u32) -> Result<bool, ReadError> {
         match self.request(cpu, MailboxOp::UpdateFooters)? {
@@ -445,11 +409,8 @@ impl<T: Callbacks + ?Sized> Callbacks for &T {
     fn update_footers(&self, cpu: u32) -> Result<bool, ReadError> {
         (**self).update_footers(cpu)
     }
-    fn handoff_supported(&self, cpu: u32) -> bool {
-        (**self).handoff_supported(cpu)
-    }
-    fn handoff(&self, cpu: u32, pages: u32) -> Result<SwapReply, ReadError> {
-        (**self).handoff(cpu, pages)
+    fn releases(&self, cpu: u32) -> bool {
+        (**self).releases(cpu)
     }
 }
 
@@ -460,11 +421,8 @@ impl<T: Callbacks + ?Sized> Callbacks for Box<T> {
     fn update_footers(&self, cpu: u32) -> Result<bool, ReadError> {
         (**self).update_footers(cpu)
     }
-    fn handoff_supported(&self, cpu: u32) -> bool {
-        (**self).handoff_supported(cpu)
-    }
-    fn handoff(&self, cpu: u32, pages: u32) -> Result<SwapReply, ReadError> {
-        (**self).handoff(cpu, pages)
+    fn releases(&self, cpu: u32) -> bool {
+        (**self).releases(cpu)
     }
 }
 

@@ -24,14 +24,11 @@ pub use callbacks::{
     Callbacks, Direct, Mailbox, MailboxOp, MailboxPort, MailboxSeq, MailboxStatus, SwapReply,
     SwapStatus,
 };
-use hyptrace_abi::layout::{
-    self, ctl, footer, LayoutError, Mode, RingGeometry, FOOTER_MAGIC, MBOX_STATUS_BUSY,
-    MBOX_STATUS_CONTENDED,
-};
+use hyptrace_abi::layout::{self, ctl, footer, LayoutError, Mode, RingGeometry, FOOTER_MAGIC};
 use hyptrace_abi::page::{self, Record, COMMIT_LEN_MASK, COMMIT_OFFSET, PAGE_HEADER_SIZE};
 use hyptrace_abi::SharedMem;
 use std::collections::VecDeque;
-use std::sync::atomic::Ordering::Acquire;
+use std::sync::atomic::Ordering::{Acquire, Release};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -296,17 +293,9 @@ struct CpuState {
     /// which our page is back in the ring — so the page is not touched again until the
     /// answer is in.
     swap_in_flight: bool,
-    /// Swap hand-off ([`Callbacks::handoff_supported`]): complete ring pages after the
-    /// page being read, found by walking the links, to read in place next.
-    ahead: VecDeque<u32>,
-    /// Ring pages read in place since the last hand-off, in ring order; the swaps of
-    /// the next hand-off give them back to the writer (bounded by the CPU's pages).
-    inplace: Vec<u32>,
-    /// The reader page (the one the swaps own) while ring pages are read in place.
-    handed_from: Option<u32>,
-    /// The page the hand-off in flight makes the reader page: the one after the last
-    /// page read in place.
-    handoff_expect: Option<u32>,
+    /// Released pages ([`Callbacks::releases`]): the last `page_seq` stored in the
+    /// control block's `released` (0: none yet; only grows).
+    released: u64,
 }
 
 /// Wakes threads waiting for data ([`RingBuffer::waiter`]).
@@ -413,10 +402,7 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
                 final_queue: None,
                 trailing_done: false,
                 swap_in_flight: false,
-                ahead: VecDeque::new(),
-                inplace: Vec::new(),
-                handed_from: None,
-                handoff_expect: None,
+                released: 0,
             });
         }
         Ok(Self {
@@ -600,8 +586,7 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
         let st = &mut self.cpus[cpu as usize];
         if std::mem::take(&mut st.swap_in_flight) {
             // The writer may have run the requested swap before it stopped: then the
-            // reader page it made is where reading goes on. A hand-off it ran only in
-            // part (or not at all) leaves a page already read as the reader page.
+            // reader page it made is where reading goes on.
             // Acquire: paired with the Release store of reader_page in swap_reader_page_hinted
             // (a swap the writer served after our request: M1).
             let actual = valid_page(
@@ -609,18 +594,14 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
                 cpu,
                 self.mem.load(l.ctl(cpu) + ctl::READER_PAGE, Acquire),
             )?;
-            let read_before = st.handed_from == Some(actual) || st.inplace.contains(&actual);
-            if actual != st.reader && !read_before {
+            if actual != st.reader {
                 st.stats.swaps += 1;
                 Self::enter_page(&self.mem, &l, st, actual)?;
             }
         }
-        // Pages found ahead and not read yet are in the final walk (their page_seq is
-        // above the page being read).
-        st.ahead.clear();
-        st.inplace.clear();
-        st.handed_from = None;
-        st.handoff_expect = None;
+        // With released pages the page being read is a ring page: the pages after it
+        // (page_seq above its own) are the rest, and every page at or below `released`
+        // (the reader page among them) was read.
         // Acquire (page_seq, id_magic): paired with the Release stores of page_seq in
         // Writer::move_tail and Writer::resume: a page's set-up comes before its page_seq.
         let reader_seq = self
@@ -738,8 +719,8 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
             Self::enter_page(&self.mem, &self.layout, st, next)?;
             return Ok(true);
         }
-        if self.cb.handoff_supported(cpu) {
-            return self.advance_handoff(cpu);
+        if self.cb.releases(cpu) {
+            return self.advance_released(cpu);
         }
         self.advance_swap(cpu)
     }
@@ -777,95 +758,41 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
         }
     }
 
-    /// [`RingBuffer::advance`] with the swap hand-off (docs/design.md, "Swap
-    /// hand-off"): in stop mode the writer never moves onto a ring page between the
-    /// head and its tail, so the complete pages after the page being read are read in
-    /// place, in ring order (walking the links from it, up to the tail, bounded by the
-    /// ring), and then handed back with one request of `k + 1` swaps: the `k` pages
-    /// read in place go back into the ring, and the page after them (the tail page
-    /// when the walk ended, or a later complete one) becomes the reader page. One
-    /// round trip per batch of pages instead of one per page. While the request is in
-    /// flight nothing is touched (M1); the pages read in place are never read again
-    /// (their events are counted once: `first_index` must not go backwards).
-    fn advance_handoff(&mut self, cpu: u32) -> Result<bool, ReadError> {
+    /// [`RingBuffer::advance`] with released pages (docs/design.md, "Released pages";
+    /// stop mode, `--swap guest`): no request, no round trip. The page being read is
+    /// read to its end and the writer has left it (the callers checked, tail before
+    /// commit), so the page its link names is the one the writer moved onto next: the
+    /// link of a page the writer left changes only in a swap that takes the page after
+    /// it as head, which the writer runs only on released pages — and this one is not
+    /// released yet. That page is read next, in place (the writer never rewrites a page
+    /// above `released`), and the page left is released: its `page_seq` is stored in
+    /// `released` (Release) after everything of it was read, its link included (R2).
+    /// The writer swaps released pages back by itself when its tail meets them.
+    fn advance_released(&mut self, cpu: u32) -> Result<bool, ReadError> {
         let l = self.layout;
         let st = &mut self.cpus[cpu as usize];
-        if !st.swap_in_flight {
-            if st.ahead.is_empty() {
-                // Acquire: paired with the Release store of tail_page in Writer::move_tail:
-                // every page before it in ring order is complete (W1 across pages).
-                let tail =
-                    valid_page(&l, cpu, self.mem.load(l.ctl(cpu) + ctl::TAIL_PAGE, Acquire))?;
-                let mut p = st.reader;
-                // Bounded: at most the ring's pages, and never more in place at once
-                // than a hand-off can give back.
-                for _ in 0..l.pages_per_cpu {
-                    if st.inplace.len() + st.ahead.len() + 2 >= l.pages_per_cpu as usize {
-                        break;
-                    }
-                    // Acquire: paired with the SeqCst link changes of the swaps (they run
-                    // only at our request: nothing changes these links meanwhile, S1).
-                    let lk = self.mem.load(l.footer_off(p) + footer::NEXT, Acquire);
-                    let next = valid_page(&l, cpu, layout::link_id(lk))?;
-                    // A flagged link ends the walk: the pages behind the head are not
-                    // complete ones of ours (only a ring that is not ours has one here).
-                    if lk & layout::LINK_FLAGS != 0 || next == tail || next == st.reader {
-                        break;
-                    }
-                    st.ahead.push_back(next);
-                    p = next;
-                }
-            }
-            if let Some(next) = st.ahead.pop_front() {
-                st.handed_from.get_or_insert(st.reader);
-                Self::enter_page(&self.mem, &l, st, next)?;
-                st.inplace.push(next);
-                return Ok(true);
-            }
-            // The page the hand-off makes the reader page: the one after the page being
-            // read, as the links say now (only our swaps change them).
-            // Acquire: as the walk above.
-            let lk = self
-                .mem
-                .load(l.footer_off(st.reader) + footer::NEXT, Acquire);
-            st.handoff_expect = Some(valid_page(&l, cpu, layout::link_id(lk))?);
+        let f = l.footer_off(st.reader);
+        // Acquire: paired with the SeqCst link change of the writer's own swap (it ran
+        // before the writer moved along this link and published tail_page with Release,
+        // which writer_on_reader loaded with Acquire) and the init (W2).
+        let lk = self.mem.load(f + footer::NEXT, Acquire);
+        let next = valid_page(&l, cpu, layout::link_id(lk))?;
+        if lk & layout::LINK_FLAGS != 0 || next == st.reader {
+            // Not a link the writer moved along: only a writer that is not ours leaves one.
+            return Err(ReadError::SwapNoProgress { cpu, page: next });
         }
-        let pages = self.cpus[cpu as usize].inplace.len() as u32 + 1;
-        let reply = self.cb.handoff(cpu, pages)?;
-        let st = &mut self.cpus[cpu as usize];
-        // M1: while the request is in flight nothing of the pages is touched.
-        st.swap_in_flight = reply == SwapReply::Pending;
-        let fail = |status: u64| ReadError::MailboxFailed { cpu, status };
-        match reply {
-            SwapReply::Pending => Ok(false),
-            SwapReply::Done(SwapStatus::Busy) if st.inplace.is_empty() => Ok(false),
-            SwapReply::Done(SwapStatus::Contended) if st.inplace.is_empty() => {
-                st.stats.contended = st.stats.contended.saturating_add(1);
-                Ok(false)
-            }
-            // Pages were read in place but the writer did not take them all back: in
-            // stop mode no honest writer answers so (no busy tail there, no head
-            // pushes); where the reader page is now is unknown.
-            SwapReply::Done(SwapStatus::Busy) => Err(fail(MBOX_STATUS_BUSY)),
-            SwapReply::Done(SwapStatus::Contended) => Err(fail(MBOX_STATUS_CONTENDED)),
-            SwapReply::Done(SwapStatus::Swapped { .. }) => {
-                // Acquire: paired with the Release store of reader_page in swap_reader_page_hinted.
-                let page = valid_page(
-                    &l,
-                    cpu,
-                    self.mem.load(l.ctl(cpu) + ctl::READER_PAGE, Acquire),
-                )?;
-                if Some(page) != st.handoff_expect {
-                    return Err(ReadError::SwapNoProgress { cpu, page });
-                }
-                st.stats.swaps = st.stats.swaps.saturating_add(u64::from(pages));
-                st.inplace.clear();
-                st.handed_from = None;
-                st.handoff_expect = None;
-                Self::enter_page(&self.mem, &l, st, page)?;
-                Ok(true)
-            }
+        // Acquire: paired with the Release stores of page_seq in Writer::move_tail.
+        let left = self.mem.load(f + footer::PAGE_SEQ, Acquire);
+        Self::enter_page(&self.mem, &l, st, next)?;
+        if left > st.released {
+            st.released = left;
+            st.stats.swaps = st.stats.swaps.saturating_add(1);
+            // Release: paired with the Acquire load of released in Writer::swap_released:
+            // every read of the page left (and of its link) comes before the writer may
+            // reuse it (R2).
+            self.mem.store(l.ctl(cpu) + ctl::RELEASED, left, Release);
         }
+        Ok(true)
     }
 
     /// A swap asked for by an external consumer (`get_reader` on the control socket,

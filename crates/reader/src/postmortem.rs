@@ -207,7 +207,14 @@ pub fn walk_cpu<M: SharedMem + ?Sized, E>(
         ));
         None
     };
-    let reader_seq = reader.map_or(0, seq_of);
+    // Released pages (`--swap guest`, stop mode; docs/design.md "Released pages"): the
+    // live reader read every page up to `released` in place — the reader page among
+    // them — and stood on the page after. A hostile value only moves where the walk
+    // starts (and may warn); it is never trusted for a bound.
+    // Acquire: paired with the Release store of released in RingBuffer::advance_released.
+    let released = mem.load(c + ctl::RELEASED, Acquire);
+    let reader = reader.filter(|&r| released == 0 || seq_of(r) > released);
+    let reader_seq = reader.map_or(released, seq_of);
     // Ring pages with events the reader has not had, in ring order.
     let mut ring: Vec<(u64, u32)> = Vec::new();
     for id in first..first.saturating_add(l.pages_per_cpu) {
@@ -239,11 +246,17 @@ pub fn walk_cpu<M: SharedMem + ?Sized, E>(
         last_seq = Some(seq);
         order.push((id, false));
     }
+    if reader.is_none() {
+        // Released pages: the consumer's position names the first ring page left.
+        if let (Some(first), Some(p)) = (order.first_mut(), pos) {
+            first.1 = first.0 == p.reader;
+        }
+    }
 
-    let mut expected = match (reader, pos) {
-        (Some(r), Some(p)) if p.reader == r => p.expected,
-        (Some(r), _) => mem.load(l.footer_off(r) + footer::FIRST_INDEX, Acquire),
-        (None, _) => pos.map_or(0, |p| p.expected),
+    let mut expected = match (order.first(), reader, pos) {
+        (Some(&(id, true)), _, Some(p)) if p.reader == id => p.expected,
+        (_, Some(r), _) => mem.load(l.footer_off(r) + footer::FIRST_INDEX, Acquire),
+        (_, None, _) => pos.map_or(0, |p| p.expected),
     };
     let mut pending_lost = 0u64;
     let cap = l.data_capacity();

@@ -247,12 +247,13 @@ fn mailbox_times_out_on_a_dead_writer() {
     assert!(start.elapsed() >= Duration::from_millis(100));
 }
 
-/// The swap hand-off (`--swap guest`, stop mode): with full pages waiting in the ring,
-/// the reader reads them in place and asks the writer once for all of them (one
-/// mailbox request for the batch, not one per page); nothing is read twice, nothing is
-/// lost, and the reader page it gets is the page after the ones read in place.
+/// Released pages (`--swap guest`, stop mode): the reader reads the ring pages in
+/// place, following the writer, and releases each one it has read with one store —
+/// no mailbox request at all; the writer, its ring full, swaps released pages back by
+/// itself and writes on without a drop. Nothing is read twice, nothing lost; a page
+/// not yet released is never reused (the writer drops instead).
 #[test]
-fn handoff_reads_a_batch_in_place_with_one_request() {
+fn released_pages_are_taken_back_by_the_writer() {
     let cfg = Config {
         nr_cpus: 1,
         buffer_bytes: 8 * 4096,
@@ -265,51 +266,116 @@ fn handoff_reads_a_batch_in_place_with_one_request() {
     let cb = Mailbox::new(mem.clone(), l, Duration::from_secs(60));
     let mut rb = RingBuffer::alloc(mem.clone(), l, cb, 0, 1).unwrap();
     let mut w = Writer::attach(mem.clone(), 0).unwrap();
-    // About 4.5 pages of 1000-byte events (three per page).
+    let ring = u64::from(l.pages_per_cpu) - 1;
+    // 1000-byte events, three per page.
     let mut seq = 0u64;
     let mut write = |w: &mut Writer<Arc<HeapMem>>, n: u64| {
+        let mut outcomes = Vec::new();
         for _ in 0..n {
+            let mut p = [0u8; 1000];
+            p[..8].copy_from_slice(&seq.to_le_bytes());
+            outcomes.push(w.write(0, 10 + seq, &p));
+            seq += 1;
+        }
+        outcomes
+    };
+    // Four full pages and two events on the fifth (the tail), read in place, tail too.
+    write(&mut w, 14);
+    let mut items = Vec::new();
+    drain(&mut rb, &mut items);
+    assert_eq!(items.len(), 14);
+    assert!(!rb.request_in_flight(0));
+    assert_eq!(
+        rb.stats(0).swaps,
+        4,
+        "the four pages the writer left, released"
+    );
+    assert_eq!(mem.load(l.ctl(0) + ctl::RELEASED, Relaxed), 4);
+    // Three ring-fulls more, three pages between two reads: the writer needs the
+    // released pages back, and gets them without anyone answering a request; every
+    // event is written.
+    for _ in 0..ring {
+        let out = write(&mut w, 9);
+        assert!(out.iter().all(|o| *o == WriteOutcome::Written), "{out:?}");
+        drain(&mut rb, &mut items);
+    }
+    assert!(w.self_swaps() >= 2 * ring, "self swaps {}", w.self_swaps());
+    assert_eq!(w.mailbox_served(), 0, "no request was needed");
+    assert_eq!(w.dropped(), 0);
+    let (read, lost) = check_stream(&items);
+    assert_eq!((read, lost), (14 + 9 * ring, 0));
+    // Without the reader the writer stops at the last released page: it drops, it
+    // never takes a page the reader has not read.
+    let out = write(&mut w, 3 * ring + 6);
+    assert!(out.contains(&WriteOutcome::Dropped), "{out:?}");
+    w.finish();
+    rb.finalize(0).unwrap();
+    drain(&mut rb, &mut items);
+    let (read, lost) = check_stream(&items);
+    assert_eq!(read + lost, seq);
+    assert_eq!(lost, w.dropped());
+    assert_eq!(w.mailbox_served(), 0);
+}
+
+/// The post-mortem walk after a live reader with released pages (a crash dump, or
+/// `dump --trace-mem` after a SIGKILL): it starts where the reader stood — a ring page,
+/// part consumed — and skips the reader page and every released page: every event is
+/// either consumed or in the dump, once, in order.
+#[test]
+fn postmortem_after_released_pages_starts_where_the_reader_stood() {
+    let cfg = Config {
+        nr_cpus: 1,
+        buffer_bytes: 6 * 4096,
+        page_size: 4096,
+        mode: Mode::Stop,
+        guest_swap: true,
+    };
+    let l = cfg.layout().unwrap();
+    let mem = Arc::new(HeapMem::new(l.region_size));
+    let cb = Mailbox::new(mem.clone(), l, Duration::from_secs(60));
+    let mut rb = RingBuffer::alloc(mem.clone(), l, cb, 0, 1).unwrap();
+    let mut w = Writer::attach(mem.clone(), 0).unwrap();
+    let mut seq = 0u64;
+    let mut consumed = Vec::new();
+    // Rounds of writing past the ring (self swaps) and reading part of it.
+    for _round in 0..8 {
+        for _ in 0..6 {
             let mut p = [0u8; 1000];
             p[..8].copy_from_slice(&seq.to_le_bytes());
             assert_eq!(w.write(0, 10 + seq, &p), WriteOutcome::Written);
             seq += 1;
         }
-    };
-    write(&mut w, 14);
-    let mut items = Vec::new();
-    // The (empty) reader page, then the four complete pages after it, read in place
-    // with no writer serving; then one request for the batch, pending.
-    drain(&mut rb, &mut items);
-    assert_eq!(items.len(), 12, "four full pages of three events");
-    assert!(rb.request_in_flight(0));
-    assert_eq!(rb.stats(0).swaps, 0);
-    drain(&mut rb, &mut items);
+        // Consume all but the last few events (the reader stops mid-page).
+        for _ in 0..5 {
+            match rb.next_event(0).unwrap() {
+                Some(Item::Event { payload, .. }) => {
+                    consumed.push(u64::from_le_bytes(payload[..8].try_into().unwrap()))
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+    assert!(w.self_swaps() > 0);
+    let pos = rb.position(0).expect("live");
+    let mut dumped = Vec::new();
+    let d = postmortem::walk_cpu(&*mem, &l, 0, Some(pos), |p| {
+        let len = u64::from_le_bytes(p.bytes[8..16].try_into().unwrap()) as usize;
+        for e in page::Events::new(&p.bytes[PAGE_HEADER_SIZE..PAGE_HEADER_SIZE + len], 0) {
+            dumped.push(u64::from_le_bytes(
+                e.unwrap().payload[..8].try_into().unwrap(),
+            ));
+        }
+        Ok::<(), ()>(())
+    })
+    .unwrap();
+    assert!(d.warnings.is_empty(), "{:?}", d.warnings);
+    assert_eq!((d.lost, d.trailing_lost), (0, 0));
+    let all: Vec<u64> = consumed.iter().chain(&dumped).copied().collect();
     assert_eq!(
-        items.len(),
-        12,
-        "nothing read twice while the request is in flight"
+        all,
+        (0..seq).collect::<Vec<_>>(),
+        "consumed {consumed:?} dumped {dumped:?}"
     );
-    assert!(w.serve_mailbox(), "one request for the whole batch");
-    assert!(!w.serve_mailbox());
-    assert_eq!(w.mailbox_served(), 1);
-    // The page the writer is on became the reader page: its events come as it fills.
-    write(&mut w, 4);
-    drain(&mut rb, &mut items);
-    let (read, lost) = check_stream(&items);
-    assert_eq!(lost, 0);
-    assert!(read >= 14, "read {read}");
-    // Everything written is read in the end (the rest through the final walk).
-    w.finish();
-    rb.finalize(0).unwrap();
-    drain(&mut rb, &mut items);
-    let (read, lost) = check_stream(&items);
-    assert_eq!((read, lost), (18, 0));
-    assert_eq!(
-        rb.stats(0).swaps,
-        5,
-        "the four pages read in place + the tail page"
-    );
-    assert_eq!(w.mailbox_served(), 1);
 }
 
 /// The swap callback of an external consumer: `swap_external` on the owner's reader

@@ -23,9 +23,8 @@ pub mod events;
 use core::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release, SeqCst};
 use hyptrace_abi::layout::{
     ctl, footer, link, LayoutError, Mode, RingGeometry, CTL_MAGIC, FT_COMMIT, FT_HEAD, FT_READER,
-    LINK_FLAGS, LINK_HEAD, LINK_UPDATE, MBOX_OP_HANDOFF, MBOX_OP_SWAP, MBOX_OP_UPDATE_FOOTERS,
-    MBOX_STATUS_BUSY, MBOX_STATUS_CONTENDED, MBOX_STATUS_ERROR, MBOX_STATUS_OK, WRITER_ACTIVE,
-    WRITER_FINISHED,
+    LINK_FLAGS, LINK_HEAD, LINK_UPDATE, MBOX_OP_SWAP, MBOX_OP_UPDATE_FOOTERS, MBOX_STATUS_BUSY,
+    MBOX_STATUS_CONTENDED, MBOX_STATUS_ERROR, MBOX_STATUS_OK, WRITER_ACTIVE, WRITER_FINISHED,
 };
 use hyptrace_abi::page::{self, COMMIT_OFFSET, PAGE_HEADER_SIZE, RB_MISSED_EVENTS};
 /// The shared-memory trait (re-exported: the [`event!`] macro's code names it).
@@ -176,6 +175,8 @@ pub struct Writer<M: SharedMem> {
     skipped: u64,
     mbox_seen: u64,
     mbox_served: u64,
+    /// Swaps run by the writer itself on released pages.
+    self_swaps: u64,
     /// Where the last mailbox swap left the HEAD link (see [`SwapHint`]).
     swap_hint: SwapHint,
     corrupt: bool,
@@ -217,6 +218,7 @@ impl<M: SharedMem> Writer<M> {
             // Acquire: paired with the Release store of mbox_ack in Writer::serve_request (M1).
             mbox_seen: mem.load(c + ctl::MBOX_ACK, Acquire) >> 8,
             mbox_served: 0,
+            self_swaps: 0,
             swap_hint: SwapHint::default(),
             corrupt: false,
             mem,
@@ -409,6 +411,11 @@ impl<M: SharedMem> Writer<M> {
     /// Mailbox requests served.
     pub fn mailbox_served(&self) -> u64 {
         self.mbox_served
+    }
+
+    /// Swaps the writer ran by itself on pages the host released ([`ctl::RELEASED`]).
+    pub fn self_swaps(&self) -> u64 {
+        self.self_swaps
     }
 
     /// Largest payload [`Writer::write`] accepts.
@@ -619,6 +626,12 @@ impl<M: SharedMem> Writer<M> {
                 0 => break nid,
                 LINK_HEAD => {
                     if self.l.mode == Mode::Stop {
+                        // The host may have read the head page already (released pages):
+                        // then a swap of our own frees it, and the tail's link names the
+                        // old reader page next.
+                        if self.swap_released(nid)? {
+                            continue;
+                        }
                         return Ok(false);
                     }
                     // Overwrite: take the head link; a swap racing us makes this fail
@@ -700,6 +713,44 @@ impl<M: SharedMem> Writer<M> {
         Ok(true)
     }
 
+    /// Released pages (stop mode, `--swap guest`; docs/design.md "Released pages"): the
+    /// tail met the head page `head`. If the host has read it in place (its `page_seq`
+    /// is at most the control block's `released`, which only the host stores), run one
+    /// swap here, in the writer: `head` becomes the reader page and the reader page —
+    /// read too: the initial one, or a page an earlier such swap took — goes back into
+    /// the ring before the new head, where the tail moves next. No round trip: the host
+    /// releases pages with one store whenever it has read them, and the writer takes
+    /// them back when it needs them, even after its vCPU was off its core for a while.
+    /// Returns whether it swapped. Only with `released` set does this run, and the host
+    /// sets it only when it runs no swaps itself (one swapper per CPU, S1).
+    #[cold]
+    fn swap_released(&mut self, head: u32) -> Result<bool, RingError> {
+        // Acquire: paired with the Release store of released in RingBuffer::release: the
+        // host's reads of every page up to it happen before this writer reuses them (R2).
+        let released = self.ctl_load(ctl::RELEASED, Acquire);
+        if released == 0 {
+            return Ok(false);
+        }
+        let hf = self.l.footer_off(head);
+        // Relaxed: this writer's own store (move_tail).
+        let seq = self.mem.load(hf + footer::PAGE_SEQ, Relaxed);
+        if seq == 0 || seq > released {
+            return Ok(false);
+        }
+        // The new reader page carries the current footer stats before the swap publishes
+        // it: a poke that loads reader_page afterwards never sees a counter go back.
+        footer_stats_to(&self.mem, &self.l, self.cpu, head);
+        match swap_reader_page_hinted(&self.mem, &self.l, self.cpu, &mut self.swap_hint)? {
+            SwapStatus::Swapped { .. } => {
+                self.self_swaps = self.self_swaps.wrapping_add(1);
+                Ok(true)
+            }
+            // Neither happens with this writer as the only swapper (it is not on the
+            // reader page, and it is not pushing the head); no space then.
+            SwapStatus::Busy | SwapStatus::Contended => Ok(false),
+        }
+    }
+
     /// Overwrite mode, with the link to `head` (in footer `tf`) turned to UPDATE:
     /// account the overwritten events, move FT_HEAD and the HEAD link to the page after
     /// `head`, then clear UPDATE. While UPDATE is set no swap can take `head`; once the
@@ -778,16 +829,6 @@ impl<M: SharedMem> Writer<M> {
                     Err(_) => MBOX_STATUS_ERROR,
                 }
             }
-            MBOX_OP_HANDOFF => {
-                // Relaxed: stored by the host before its Release store of mbox_req, which
-                // serve_mailbox loaded with Acquire (M1); one request at a time.
-                let n = self.mem.load(self.ctl + ctl::MBOX_ARG, Relaxed);
-                if n == 0 || n > u64::from(self.l.pages_per_cpu) {
-                    MBOX_STATUS_ERROR
-                } else {
-                    self.handoff(n as u32)
-                }
-            }
             MBOX_OP_UPDATE_FOOTERS => match update_footers(&self.mem, &self.l, self.cpu) {
                 Ok(()) => MBOX_STATUS_OK,
                 Err(_) => MBOX_STATUS_ERROR,
@@ -799,21 +840,6 @@ impl<M: SharedMem> Writer<M> {
         // reader_page and footers are visible to a reader that sees the answer (M1).
         self.mem
             .store(self.ctl + ctl::MBOX_ACK, (req & !0xff) | status, Release);
-    }
-
-    /// The swap hand-off (`MBOX_OP_HANDOFF`): `n` swaps in a row, each exactly the
-    /// swap a `MBOX_OP_SWAP` request runs; stops at the first one that does not
-    /// succeed and answers with its status (the host checks `reader_page`).
-    fn handoff(&mut self, n: u32) -> u64 {
-        for _ in 0..n {
-            match swap_reader_page_hinted(&self.mem, &self.l, self.cpu, &mut self.swap_hint) {
-                Ok(SwapStatus::Swapped { .. }) => {}
-                Ok(SwapStatus::Busy) => return MBOX_STATUS_BUSY,
-                Ok(SwapStatus::Contended) => return MBOX_STATUS_CONTENDED,
-                Err(_) => return MBOX_STATUS_ERROR,
-            }
-        }
-        MBOX_STATUS_OK
     }
 
     /// Marks the writer finished: it will write no more (the host may then read
@@ -1124,11 +1150,17 @@ pub fn update_footers<M: SharedMem + ?Sized>(
     if cpu >= l.nr_cpus {
         return Err(RingError::BadCpu(cpu));
     }
-    let c = l.ctl(cpu);
     // Acquire: paired with the Release store of reader_page in swap_reader_page_hinted
     // (update and swap run in the same domain, one at a time: M1).
-    let reader = page_id(l, cpu, mem.load(c + ctl::READER_PAGE, Acquire))?;
-    let f = l.footer_off(reader);
+    let reader = page_id(l, cpu, mem.load(l.ctl(cpu) + ctl::READER_PAGE, Acquire))?;
+    footer_stats_to(mem, l, cpu, reader);
+    Ok(())
+}
+
+/// Copies the control block's `entries`, `pages_touched`, `overrun` and `dropped` of
+/// `cpu` (`< nr_cpus`) into the footer stats of its page `page`.
+fn footer_stats_to<M: SharedMem + ?Sized>(mem: &M, l: &RingGeometry, cpu: u32, page: u32) {
+    let (c, f) = (l.ctl(cpu), l.footer_off(page));
     for (from, to) in [
         (ctl::ENTRIES, footer::ENTRIES),
         (ctl::PAGES_TOUCHED, footer::PAGES_TOUCHED),
@@ -1137,7 +1169,6 @@ pub fn update_footers<M: SharedMem + ?Sized>(
     ] {
         mem.store(f + to, mem.load(c + from, Relaxed), Relaxed);
     }
-    Ok(())
 }
 
 #[cfg(test)]

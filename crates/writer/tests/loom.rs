@@ -22,7 +22,9 @@
 //! while a reader thread reads the reader page and gets the next one like the host
 //! reader — a plain swap, a hinted swap (as `Direct` does), or a swap request in the
 //! mailbox that the writer thread serves between its writes — only once the writer left
-//! the reader page, after reading that page completely. A swap that loses to the writer
+//! the reader page, after reading that page completely; or, with released pages, reads
+//! the ring pages in place after the writer and releases them, and the writer swaps
+//! them back itself. A swap that loses to the writer
 //! (`Contended`) and a request left unanswered are outcomes; while a request is in
 //! flight the reader does not touch its page (M1). Afterwards the main thread answers a
 //! request still in flight, checks the ring (S1: one FT_READER / FT_COMMIT / FT_HEAD,
@@ -40,8 +42,7 @@
 
 use hyptrace_abi::layout::{
     ctl, footer, link_id, Mode, RingGeometry, FOOTER_SIZE, FT_COMMIT, FT_HEAD, FT_READER,
-    LINK_FLAGS, LINK_HEAD, MBOX_OP_HANDOFF, MBOX_OP_SWAP, MBOX_STATUS_BUSY, MBOX_STATUS_CONTENDED,
-    MBOX_STATUS_OK,
+    LINK_FLAGS, LINK_HEAD, MBOX_OP_SWAP, MBOX_STATUS_BUSY, MBOX_STATUS_CONTENDED, MBOX_STATUS_OK,
 };
 use hyptrace_abi::page::{Events, COMMIT_LEN_MASK, COMMIT_OFFSET, PAGE_HEADER_SIZE};
 use hyptrace_abi::SharedMem;
@@ -189,10 +190,11 @@ enum Via {
     /// A swap request in the mailbox, run by the writer thread between its writes
     /// (`Writer::serve_mailbox`, `--swap guest`).
     Mailbox,
-    /// The swap hand-off (stop mode, `--swap guest`): the complete ring pages after the
-    /// reader page are read in place, then one `MBOX_OP_HANDOFF` request of that many
-    /// swaps plus one gives them back and makes the next page the reader page.
-    Handoff,
+    /// Released pages (stop mode, `--swap guest`): the reader reads the ring pages in
+    /// place, following the writer's links, and releases each page it has read with one
+    /// store of its `page_seq` in `released`; the writer swaps released pages back by
+    /// itself when its tail meets them. No request.
+    Release,
 }
 
 /// The host reader, reduced to what the model needs: it tracks the reader page, how
@@ -209,10 +211,8 @@ struct MiniReader {
     mbox_seq: u64,
     /// A mailbox request is in flight: the reader page is not touched (M1).
     pending: bool,
-    /// The page the hand-off in flight makes the reader page.
-    expect: Option<u32>,
-    /// Pages read in place (hand-off).
-    inplace: u64,
+    /// The last `page_seq` stored in `released` (Release).
+    released: u64,
     /// Swaps that lost to the writer, and requests left unanswered for now: outcomes.
     contended: u64,
     unanswered: u64,
@@ -232,8 +232,7 @@ impl MiniReader {
             hint: SwapHint::default(),
             mbox_seq: 0,
             pending: false,
-            expect: None,
-            inplace: 0,
+            released: 0,
             contended: 0,
             unanswered: 0,
         }
@@ -310,9 +309,6 @@ impl MiniReader {
                 return match ack & 0xff {
                     MBOX_STATUS_OK => {
                         let page = ld(m, l.ctl(0) + ctl::READER_PAGE) as u32;
-                        if let Some(want) = self.expect.take() {
-                            assert_eq!(page, want, "the hand-off's reader page");
-                        }
                         self.swapped(m, l, page);
                         true
                     }
@@ -340,7 +336,9 @@ impl MiniReader {
             // M1: nothing of the reader page is touched while the request is in flight.
             return self.poll_answer(m, l, 2);
         }
-        assert_eq!(ld(m, c + ctl::READER_PAGE), u64::from(self.page));
+        if self.via != Via::Release {
+            assert_eq!(ld(m, c + ctl::READER_PAGE), u64::from(self.page));
+        }
         // The tail before the commit: if the writer left the page, what is read next is
         // final.
         let tail = ld(m, c + ctl::TAIL_PAGE) as u32;
@@ -351,33 +349,22 @@ impl MiniReader {
         let status = match self.via {
             Via::Plain => swap_reader_page(m, l, 0),
             Via::Hinted => swap_reader_page_hinted(m, l, 0, &mut self.hint),
-            Via::Handoff => {
-                // Read the complete pages after the reader page in place (the writer
-                // never moves onto them in stop mode: loom reports a race if it did).
-                let mut p = self.page;
-                let mut pages = 0u64;
-                for _ in 0..l.pages_per_cpu {
-                    let lk = ld(m, l.footer_off(p) + footer::NEXT);
-                    let next = link_id(lk) as u32;
-                    if lk & LINK_FLAGS != 0 || next == tail {
-                        break;
-                    }
-                    self.enter(m, l, next);
-                    self.read_committed(m, l);
-                    self.inplace += 1;
-                    pages += 1;
-                    p = next;
+            Via::Release => {
+                // The writer left the page: its link names where the writer went (the
+                // link of an unreleased page the writer left does not change). Read
+                // that page in place (a write of the writer to it would be a race loom
+                // reports), then release the page left: everything of it was read.
+                let f = l.footer_off(self.page);
+                let lk = ld(m, f + footer::NEXT);
+                assert_eq!(lk & LINK_FLAGS, 0, "the link the writer moved along");
+                let left = ld(m, f + footer::PAGE_SEQ);
+                self.enter(m, l, link_id(lk) as u32);
+                self.read_committed(m, l);
+                if left > self.released {
+                    self.released = left;
+                    m.store(c + ctl::RELEASED, left, Release);
                 }
-                self.expect = Some(link_id(ld(m, l.footer_off(p) + footer::NEXT)) as u32);
-                self.mbox_seq += 1;
-                m.store(c + ctl::MBOX_ARG, pages + 1, Relaxed);
-                m.store(
-                    c + ctl::MBOX_REQ,
-                    (self.mbox_seq << 8) | MBOX_OP_HANDOFF,
-                    Release,
-                );
-                self.pending = true;
-                return self.poll_answer(m, l, 2);
+                return true;
             }
             Via::Mailbox => {
                 self.mbox_seq += 1;
@@ -513,7 +500,7 @@ impl Model {
         let writer = loom::thread::spawn(move || {
             for seq in setup..n {
                 write(&mut w, &events, seq);
-                if matches!(via, Via::Mailbox | Via::Handoff) {
+                if via == Via::Mailbox {
                     w.serve_mailbox();
                 }
                 if burst > 0 && (seq + 1 - setup) % burst == 0 && seq + 1 < n {
@@ -533,6 +520,9 @@ impl Model {
         });
         let mut w = writer.join().unwrap();
         let mut rd = reader.join().unwrap();
+        if w.self_swaps() > 0 {
+            SELF_SWAP_RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         if rd.pending {
             // A request still in flight: the writer answers it (M1: the answer is not
             // dropped), as a writer serving its mailbox in its idle loop would.
@@ -554,7 +544,13 @@ impl Model {
         let t = ld(&mem, c + ctl::TAIL_PAGE) as u32;
         rd.read_committed(&mem, &l);
         if t != rd.page {
-            for &p in &ring {
+            // Released pages: the ring from the head starts with pages read and released
+            // but not swapped out yet; what is left comes after the page being read.
+            let from = match self.via {
+                Via::Release => ring.iter().position(|&p| p == rd.page).map_or(0, |i| i + 1),
+                _ => 0,
+            };
+            for &p in &ring[from..] {
                 rd.enter(&mem, &l, p);
                 rd.read_committed(&mem, &l);
                 if p == t {
@@ -568,6 +564,9 @@ impl Model {
         assert_eq!(rd.lost + pending, w.overrun() + w.dropped(), "{rd:?}");
     }
 }
+
+/// Executions (of every model so far) in which the writer swapped released pages back.
+static SELF_SWAP_RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// Checks `model` under loom and reports how many executions it explored.
 fn check(name: &str, model: Model) {
@@ -650,27 +649,36 @@ fn mailbox_stop() {
     );
 }
 
-/// The swap hand-off (`--swap guest`, stop mode): the reader reads the complete ring
-/// pages after its reader page in place while the writer writes on (a write to one of
-/// them would be a race loom reports), then hands them back with one request of several
-/// swaps; the reader page it gets is the page after them; every event is read once.
+/// Released pages (`--swap guest`, stop mode): the reader reads the ring pages in place
+/// while the writer writes on (a write to a page being read would be a race loom
+/// reports) and releases each page it has read with one store; the writer, its ring
+/// full, swaps released pages back by itself (S1 holds at rest) and never takes one
+/// the reader has not released; every event is read once or counted as dropped.
 #[cfg(not(any(hyptrace_seeded_bug, hyptrace_seeded_bug_relaxed_commit)))]
 #[test]
-fn handoff_stop() {
+fn released_pages_stop() {
     check(
-        "stop 5/2 handoff",
-        Model::new(Mode::Stop, 5, BIG, 2, Via::Handoff),
+        "stop 5/3 released",
+        Model::new(Mode::Stop, 5, BIG, 3, Via::Release),
+    );
+    assert!(
+        SELF_SWAP_RUNS.load(std::sync::atomic::Ordering::Relaxed) > 0,
+        "no execution reached a swap of a released page"
     );
 }
 
-/// The hand-off with several events per page and pages already full when the threads
-/// start (so the first step reads two pages in place).
+/// Released pages with pages already full when the threads start (the first step
+/// reads two pages and releases them while the writer, its ring full, needs them).
 #[cfg(not(any(hyptrace_seeded_bug, hyptrace_seeded_bug_relaxed_commit)))]
 #[test]
-fn handoff_stop_prefilled() {
-    let mut m = Model::new(Mode::Stop, 6, BIG, 2, Via::Handoff);
+fn released_pages_stop_prefilled() {
+    let mut m = Model::new(Mode::Stop, 6, BIG, 3, Via::Release);
     m.setup = 3;
-    check("stop 6/2 handoff, 3 before", m);
+    check("stop 6/3 released, 3 before", m);
+    assert!(
+        SELF_SWAP_RUNS.load(std::sync::atomic::Ordering::Relaxed) > 0,
+        "no execution reached a swap of a released page"
+    );
 }
 
 /// The mailbox path in overwrite mode.

@@ -124,12 +124,8 @@ impl Callbacks for Timed {
     fn update_footers(&self, cpu: u32) -> Result<bool, ReadError> {
         self.inner.update_footers(cpu)
     }
-    fn handoff_supported(&self, cpu: u32) -> bool {
-        self.inner.handoff_supported(cpu)
-    }
-    /// A hand-off (several swaps in one request) is timed as one swap call.
-    fn handoff(&self, cpu: u32, pages: u32) -> Result<SwapReply, ReadError> {
-        self.timed(cpu, || self.inner.handoff(cpu, pages))
+    fn releases(&self, cpu: u32) -> bool {
+        self.inner.releases(cpu)
     }
 }
 
