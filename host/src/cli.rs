@@ -341,7 +341,9 @@ pub enum ModeArg {
 pub enum SwapArg {
     /// The host reader swaps (lockless, against the writer).
     Host,
-    /// The guest swaps on the host's mailbox requests.
+    /// The guest swaps: in stop mode the pages the host read in place and released,
+    /// when it needs them (no round trip); in overwrite mode on the host's mailbox
+    /// requests.
     Guest,
 }
 
