@@ -46,6 +46,15 @@ const COMMIT_ORDER: core::sync::atomic::Ordering = Release;
 #[cfg(hyptrace_seeded_bug_relaxed_commit)]
 const COMMIT_ORDER: core::sync::atomic::Ordering = Relaxed;
 
+/// The ordering of the writer's load of `released` (invariant R2: Acquire).
+#[cfg(not(hyptrace_seeded_bug_relaxed_release))]
+const RELEASED_ORDER: core::sync::atomic::Ordering = Acquire;
+/// Seeded bug for the model checker (`--cfg hyptrace_seeded_bug_relaxed_release`): the
+/// writer loads `released` Relaxed, so it may rewrite a released page before the host's
+/// reads of it happened (R2 broken); loom reports the race on the page's bytes.
+#[cfg(hyptrace_seeded_bug_relaxed_release)]
+const RELEASED_ORDER: core::sync::atomic::Ordering = Relaxed;
+
 /// What became of one event.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WriteOutcome {
@@ -727,7 +736,7 @@ impl<M: SharedMem> Writer<M> {
     fn swap_released(&mut self, head: u32) -> Result<bool, RingError> {
         // Acquire: paired with the Release store of released in RingBuffer::release: the
         // host's reads of every page up to it happen before this writer reuses them (R2).
-        let released = self.ctl_load(ctl::RELEASED, Acquire);
+        let released = self.ctl_load(ctl::RELEASED, RELEASED_ORDER);
         if released == 0 {
             return Ok(false);
         }

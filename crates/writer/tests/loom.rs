@@ -9,6 +9,10 @@
 //! # seeded bug 1 (push_head does not flag the new head): caught as an S1 violation
 //! RUSTFLAGS="--cfg loom --cfg hyptrace_seeded_bug" CARGO_TARGET_DIR=target/loom-seeded \
 //!     LOOM_MAX_PREEMPTIONS=2 cargo test -p hyptrace-writer --release --test loom
+//! # seeded bug 3 (`released` loaded Relaxed by the writer, R2): a causality violation
+//! RUSTFLAGS="--cfg loom --cfg hyptrace_seeded_bug_relaxed_release" \
+//!     CARGO_TARGET_DIR=target/loom-seeded3 LOOM_MAX_PREEMPTIONS=2 \
+//!     cargo test -p hyptrace-writer --release --test loom
 //! # seeded bug 2 (the commit published Relaxed, W1): caught as a causality violation
 //! RUSTFLAGS="--cfg loom --cfg hyptrace_seeded_bug_relaxed_commit" \
 //!     CARGO_TARGET_DIR=target/loom-seeded2 LOOM_MAX_PREEMPTIONS=2 \
@@ -595,7 +599,11 @@ fn builder() -> loom::model::Builder {
 }
 
 /// Runs `f` (a loom check expected to fail) and returns its panic message.
-#[cfg(any(hyptrace_seeded_bug, hyptrace_seeded_bug_relaxed_commit))]
+#[cfg(any(
+    hyptrace_seeded_bug,
+    hyptrace_seeded_bug_relaxed_commit,
+    hyptrace_seeded_bug_relaxed_release
+))]
 fn panic_message(f: impl FnOnce() + std::panic::UnwindSafe) -> String {
     let err = std::panic::catch_unwind(f).expect_err("the seeded bug was not caught");
     err.downcast_ref::<String>()
@@ -605,7 +613,11 @@ fn panic_message(f: impl FnOnce() + std::panic::UnwindSafe) -> String {
 }
 
 /// Overwrite mode, two plain reader steps against a ring of 4 events.
-#[cfg(not(any(hyptrace_seeded_bug, hyptrace_seeded_bug_relaxed_commit)))]
+#[cfg(not(any(
+    hyptrace_seeded_bug,
+    hyptrace_seeded_bug_relaxed_commit,
+    hyptrace_seeded_bug_relaxed_release
+)))]
 #[test]
 fn overwrite_writer_vs_two_swaps() {
     check(
@@ -615,7 +627,11 @@ fn overwrite_writer_vs_two_swaps() {
 }
 
 /// Stop mode: the writer fills the ring and drops while the reader swaps.
-#[cfg(not(any(hyptrace_seeded_bug, hyptrace_seeded_bug_relaxed_commit)))]
+#[cfg(not(any(
+    hyptrace_seeded_bug,
+    hyptrace_seeded_bug_relaxed_commit,
+    hyptrace_seeded_bug_relaxed_release
+)))]
 #[test]
 fn stop_writer_vs_two_swaps() {
     check(
@@ -628,7 +644,11 @@ fn stop_writer_vs_two_swaps() {
 /// starts its head search where the first left the HEAD link, while the writer may be
 /// pushing the head (overwrite) — including the window where the new HEAD link is
 /// published but the writer still holds UPDATE on its tail's link.
-#[cfg(not(any(hyptrace_seeded_bug, hyptrace_seeded_bug_relaxed_commit)))]
+#[cfg(not(any(
+    hyptrace_seeded_bug,
+    hyptrace_seeded_bug_relaxed_commit,
+    hyptrace_seeded_bug_relaxed_release
+)))]
 #[test]
 fn hinted_swaps_overwrite() {
     check(
@@ -640,7 +660,11 @@ fn hinted_swaps_overwrite() {
 /// The mailbox path (`--swap guest`), stop mode: the reader posts swap requests, the
 /// writer thread serves them between its writes; busy/contended/unanswered are
 /// outcomes, and a request in flight keeps the reader off its page (M1).
-#[cfg(not(any(hyptrace_seeded_bug, hyptrace_seeded_bug_relaxed_commit)))]
+#[cfg(not(any(
+    hyptrace_seeded_bug,
+    hyptrace_seeded_bug_relaxed_commit,
+    hyptrace_seeded_bug_relaxed_release
+)))]
 #[test]
 fn mailbox_stop() {
     check(
@@ -654,7 +678,11 @@ fn mailbox_stop() {
 /// reports) and releases each page it has read with one store; the writer, its ring
 /// full, swaps released pages back by itself (S1 holds at rest) and never takes one
 /// the reader has not released; every event is read once or counted as dropped.
-#[cfg(not(any(hyptrace_seeded_bug, hyptrace_seeded_bug_relaxed_commit)))]
+#[cfg(not(any(
+    hyptrace_seeded_bug,
+    hyptrace_seeded_bug_relaxed_commit,
+    hyptrace_seeded_bug_relaxed_release
+)))]
 #[test]
 fn released_pages_stop() {
     check(
@@ -669,7 +697,11 @@ fn released_pages_stop() {
 
 /// Released pages with pages already full when the threads start (the first step
 /// reads two pages and releases them while the writer, its ring full, needs them).
-#[cfg(not(any(hyptrace_seeded_bug, hyptrace_seeded_bug_relaxed_commit)))]
+#[cfg(not(any(
+    hyptrace_seeded_bug,
+    hyptrace_seeded_bug_relaxed_commit,
+    hyptrace_seeded_bug_relaxed_release
+)))]
 #[test]
 fn released_pages_stop_prefilled() {
     let mut m = Model::new(Mode::Stop, 6, BIG, 3, Via::Release);
@@ -682,7 +714,11 @@ fn released_pages_stop_prefilled() {
 }
 
 /// The mailbox path in overwrite mode.
-#[cfg(not(any(hyptrace_seeded_bug, hyptrace_seeded_bug_relaxed_commit)))]
+#[cfg(not(any(
+    hyptrace_seeded_bug,
+    hyptrace_seeded_bug_relaxed_commit,
+    hyptrace_seeded_bug_relaxed_release
+)))]
 #[test]
 fn mailbox_overwrite() {
     check(
@@ -704,7 +740,11 @@ fn multi_event_model() -> Model {
     m
 }
 
-#[cfg(not(any(hyptrace_seeded_bug, hyptrace_seeded_bug_relaxed_commit)))]
+#[cfg(not(any(
+    hyptrace_seeded_bug,
+    hyptrace_seeded_bug_relaxed_commit,
+    hyptrace_seeded_bug_relaxed_release
+)))]
 #[test]
 fn multi_event_pages_time_extend() {
     check("stop 5x1300/2 time-extend hinted", multi_event_model());
@@ -725,7 +765,11 @@ fn lap_model() -> Model {
     m
 }
 
-#[cfg(not(any(hyptrace_seeded_bug, hyptrace_seeded_bug_relaxed_commit)))]
+#[cfg(not(any(
+    hyptrace_seeded_bug,
+    hyptrace_seeded_bug_relaxed_commit,
+    hyptrace_seeded_bug_relaxed_release
+)))]
 #[test]
 fn writer_laps_after_swap() {
     check("overwrite 3 pages 2+3/1 lap hinted", lap_model());
@@ -766,5 +810,24 @@ fn seeded_relaxed_commit_is_caught() {
     assert!(
         msg.contains("Causality violation: Concurrent read and write accesses"),
         "caught, but not as a race on the payload: {msg}"
+    );
+}
+
+/// Seeded bug 3 (`--cfg hyptrace_seeded_bug_relaxed_release`: the writer loads
+/// `released` Relaxed instead of Acquire, R2): it may rewrite a page the reader released
+/// before the reader's reads of that page happened; loom reports the race on the page's
+/// cells as a causality violation.
+#[cfg(hyptrace_seeded_bug_relaxed_release)]
+#[test]
+fn seeded_relaxed_release_is_caught() {
+    let msg = panic_message(|| {
+        check(
+            "seeded: relaxed release",
+            Model::new(Mode::Stop, 5, BIG, 3, Via::Release),
+        )
+    });
+    assert!(
+        msg.contains("Causality violation: Concurrent read and write accesses"),
+        "caught, but not as a race on a released page: {msg}"
     );
 }
