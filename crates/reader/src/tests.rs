@@ -247,16 +247,19 @@ fn mailbox_times_out_on_a_dead_writer() {
     assert!(start.elapsed() >= Duration::from_millis(100));
 }
 
-/// Released pages (`--swap guest`, stop mode): the reader reads the ring pages in
-/// place, following the writer, and releases each one it has read with one store —
-/// no mailbox request at all; the writer, its ring full, swaps released pages back by
-/// itself and writes on without a drop. Nothing is read twice, nothing lost; a page
-/// not yet released is never reused (the writer drops instead).
-#[test]
-fn released_pages_are_taken_back_by_the_writer() {
+/// One CPU in stop mode with `--swap guest` (released pages: the `Mailbox` callbacks), a
+/// ring of `pages` 4 KiB pages, a reader and an attached writer.
+fn released_setup(
+    pages: u64,
+) -> (
+    Arc<HeapMem>,
+    RingGeometry,
+    RingBuffer<Arc<HeapMem>, Mailbox<Arc<HeapMem>>>,
+    Writer<Arc<HeapMem>>,
+) {
     let cfg = Config {
         nr_cpus: 1,
-        buffer_bytes: 8 * 4096,
+        buffer_bytes: pages * 4096,
         page_size: 4096,
         mode: Mode::Stop,
         guest_swap: true,
@@ -264,8 +267,19 @@ fn released_pages_are_taken_back_by_the_writer() {
     let l = cfg.layout().unwrap();
     let mem = Arc::new(HeapMem::new(l.region_size));
     let cb = Mailbox::new(mem.clone(), l, Duration::from_secs(60));
-    let mut rb = RingBuffer::alloc(mem.clone(), l, cb, 0, 1).unwrap();
-    let mut w = Writer::attach(mem.clone(), 0).unwrap();
+    let rb = RingBuffer::alloc(mem.clone(), l, cb, 0, 1).unwrap();
+    let w = Writer::attach(mem.clone(), 0).unwrap();
+    (mem, l, rb, w)
+}
+
+/// Released pages (`--swap guest`, stop mode): the reader reads the ring pages in
+/// place, following the writer, and releases each one it has read with one store —
+/// no mailbox request at all; the writer, its ring full, swaps released pages back by
+/// itself and writes on without a drop. Nothing is read twice, nothing lost; a page
+/// not yet released is never reused (the writer drops instead).
+#[test]
+fn released_pages_are_taken_back_by_the_writer() {
+    let (mem, l, mut rb, mut w) = released_setup(8);
     let ring = u64::from(l.pages_per_cpu) - 1;
     // 1000-byte events, three per page.
     let mut seq = 0u64;
@@ -323,18 +337,7 @@ fn released_pages_are_taken_back_by_the_writer() {
 /// either consumed or in the dump, once, in order.
 #[test]
 fn postmortem_after_released_pages_starts_where_the_reader_stood() {
-    let cfg = Config {
-        nr_cpus: 1,
-        buffer_bytes: 6 * 4096,
-        page_size: 4096,
-        mode: Mode::Stop,
-        guest_swap: true,
-    };
-    let l = cfg.layout().unwrap();
-    let mem = Arc::new(HeapMem::new(l.region_size));
-    let cb = Mailbox::new(mem.clone(), l, Duration::from_secs(60));
-    let mut rb = RingBuffer::alloc(mem.clone(), l, cb, 0, 1).unwrap();
-    let mut w = Writer::attach(mem.clone(), 0).unwrap();
+    let (mem, l, mut rb, mut w) = released_setup(6);
     let mut seq = 0u64;
     let mut consumed = Vec::new();
     // Rounds of writing past the ring (self swaps) and reading part of it.

@@ -685,10 +685,21 @@ fn mailbox_stop() {
 )))]
 #[test]
 fn released_pages_stop() {
-    check(
+    check_released(
         "stop 5/3 released",
         Model::new(Mode::Stop, 5, BIG, 3, Via::Release),
     );
+}
+
+/// [`check`] of a released-pages model that must reach the writer's own swap in some
+/// execution (else the model would not test what it is for).
+#[cfg(not(any(
+    hyptrace_seeded_bug,
+    hyptrace_seeded_bug_relaxed_commit,
+    hyptrace_seeded_bug_relaxed_release
+)))]
+fn check_released(name: &str, model: Model) {
+    check(name, model);
     assert!(
         SELF_SWAP_RUNS.load(std::sync::atomic::Ordering::Relaxed) > 0,
         "no execution reached a swap of a released page"
@@ -706,11 +717,7 @@ fn released_pages_stop() {
 fn released_pages_stop_prefilled() {
     let mut m = Model::new(Mode::Stop, 6, BIG, 3, Via::Release);
     m.setup = 3;
-    check("stop 6/3 released, 3 before", m);
-    assert!(
-        SELF_SWAP_RUNS.load(std::sync::atomic::Ordering::Relaxed) > 0,
-        "no execution reached a swap of a released page"
-    );
+    check_released("stop 6/3 released, 3 before", m);
 }
 
 /// The mailbox path in overwrite mode.
