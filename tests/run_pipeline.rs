@@ -53,6 +53,10 @@ impl Callbacks for CountSwaps {
     fn update_footers(&self, cpu: u32) -> Result<bool, ReadError> {
         self.inner.update_footers(cpu)
     }
+
+    fn releases(&self, cpu: u32) -> bool {
+        self.inner.releases(cpu)
+    }
 }
 
 fn plan(args: &[&str]) -> Plan {

@@ -391,6 +391,10 @@ impl Callbacks for SocketSwap {
         // end and from the meta pages.
         Ok(false)
     }
+    fn releases(&self, _cpu: u32) -> bool {
+        // One consumer at a time, through the VMM's `get_reader` swaps.
+        false
+    }
 }
 
 /// The trace memory file of a running VMM, mapped read-only.
@@ -789,6 +793,9 @@ mod tests {
         }
         fn update_footers(&self, _cpu: u32) -> Result<bool, ReadError> {
             Ok(false)
+        }
+        fn releases(&self, _cpu: u32) -> bool {
+            false
         }
     }
 }

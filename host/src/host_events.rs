@@ -231,6 +231,11 @@ impl Callbacks for Recording {
         }
         r
     }
+
+    fn releases(&self, cpu: u32) -> bool {
+        // Recording changes nothing about how pages are freed.
+        self.inner.releases(cpu)
+    }
 }
 
 #[cfg(test)]

@@ -51,11 +51,9 @@ pub trait Callbacks {
     /// releases each one it has read with one store (`ctl::RELEASED`) instead of
     /// asking for swaps: the writer then swaps released pages back by itself when its
     /// tail meets them (released pages: `Mailbox` in stop mode, where every swap would
-    /// be a round trip to the writer; docs/design.md "Released pages").
-    fn releases(&self, cpu: u32) -> bool {
-        let _ = cpu;
-        false
-    }
+    /// be a round trip to the writer; docs/design.md "Released pages"). No default: a
+    /// wrapper that forgot to pass it on would silently fall back to a swap per page.
+    fn releases(&self, cpu: u32) -> bool;
 }
 
 /// Runs the writer-domain operations directly on the shared memory.
@@ -99,6 +97,10 @@ impl<M: SharedMem> Callbacks for Direct<M> {
         hyptrace_writer::update_footers(&self.mem, &self.layout, cpu)
             .map(|()| true)
             .map_err(|e| ReadError::Ring { cpu, err: e })
+    }
+    fn releases(&self, _cpu: u32) -> bool {
+        // The host runs the swaps itself (`--swap host`).
+        false
     }
 }
 
@@ -270,9 +272,8 @@ impl<M: SharedMem> MailboxPort<M> {
 struct Slot {
     /// The request in flight: its sequence number, op, and when it was posted.
     pending: Option<(MailboxSeq, MailboxOp, Instant)>,
-    /// A swap's (or hand-off's) answer that arrived while another op was asked for:
-    /// pages moved, so the reader must learn of it at its next swap or hand-off call
-    /// (never dropped).
+    /// A swap's answer that arrived while another op was asked for: pages moved, so
+    /// the reader must learn of it at its next swap call (never dropped).
     swap_answer: Option<MailboxStatus>,
 }
 

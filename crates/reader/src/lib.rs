@@ -104,6 +104,27 @@ pub enum ReadError {
         /// Index expected.
         expected: u64,
     },
+    /// Released pages: the link of a page the writer left is not one it moved along (a
+    /// flagged link, or one naming the page itself).
+    #[error("cpu {cpu}: page {page} was left by the writer through link {link:#x}, which no writer of ours leaves")]
+    BadLink {
+        /// The CPU.
+        cpu: u32,
+        /// The page the writer left.
+        page: u32,
+        /// Its link word.
+        link: u64,
+    },
+    /// Released pages: a reader attached to a ring another reader has released pages of
+    /// (where that reader stood is not in the ring: it would read pages the writer may
+    /// rewrite).
+    #[error("cpu {cpu}: another reader released pages of this ring up to page_seq {released}; a reader with released pages can only start on a fresh ring")]
+    AlreadyReleased {
+        /// The CPU.
+        cpu: u32,
+        /// The control block's `released`.
+        released: u64,
+    },
     /// A swap reported success but the reader page did not change.
     #[error("cpu {cpu}: swap reported success but reader page stayed {page}")]
     SwapNoProgress {
@@ -228,7 +249,8 @@ pub struct CpuStats {
     pub pages_touched: u64,
     /// Bytes of event data read (encoded sizes).
     pub bytes: u64,
-    /// Reader-page swaps this reader did.
+    /// Pages this reader took from the writer: reader-page swaps it did or asked for,
+    /// or (released pages) pages it read in place and released.
     pub swaps: u64,
     /// Pages read (consumed).
     pub pages_read: u64,
@@ -372,7 +394,9 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
     }
 
     /// Attaches to a region already initialised (by `alloc`, possibly in another
-    /// process, or found in a dump), validating its pack.
+    /// process, or found in a dump), validating its pack. With callbacks that release
+    /// pages ([`Callbacks::releases`]) only to a ring no reader released pages of
+    /// ([`ReadError::AlreadyReleased`]).
     pub fn attach(mem: M, cb: C) -> Result<Self, ReadError> {
         let layout = RingGeometry::parse(&mem)?;
         let mut cpus = Vec::with_capacity(layout.nr_cpus as usize);
@@ -385,6 +409,12 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
                 mem.load(layout.ctl(cpu) + ctl::READER_PAGE, Acquire),
             )?;
             let first = mem.load(layout.footer_off(reader) + footer::FIRST_INDEX, Acquire);
+            // R2: a reader with released pages starts only where none were released.
+            // Acquire: paired with the Release store of released in advance_released.
+            let released = mem.load(layout.ctl(cpu) + ctl::RELEASED, Acquire);
+            if cb.releases(cpu) && released != 0 {
+                return Err(ReadError::AlreadyReleased { cpu, released });
+            }
             cpus.push(CpuState {
                 cpu,
                 reader,
@@ -725,8 +755,8 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
         self.advance_swap(cpu)
     }
 
-    /// One `swap_reader` request (no hand-off): the page after the reader page becomes
-    /// the reader page when the answer says swapped.
+    /// One `swap_reader` request: the page after the reader page becomes the reader
+    /// page when the answer says swapped.
     fn advance_swap(&mut self, cpu: u32) -> Result<bool, ReadError> {
         let reply = self.cb.swap_reader(cpu)?;
         // M1: while a swap request is in flight the reader page is not touched: next_event
@@ -779,7 +809,11 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
         let next = valid_page(&l, cpu, layout::link_id(lk))?;
         if lk & layout::LINK_FLAGS != 0 || next == st.reader {
             // Not a link the writer moved along: only a writer that is not ours leaves one.
-            return Err(ReadError::SwapNoProgress { cpu, page: next });
+            return Err(ReadError::BadLink {
+                cpu,
+                page: st.reader,
+                link: lk,
+            });
         }
         // Acquire: paired with the Release stores of page_seq in Writer::move_tail.
         let left = self.mem.load(f + footer::PAGE_SEQ, Acquire);
@@ -833,7 +867,7 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
                 st.expected = st.expected.saturating_add(n);
             }
         }
-        // One swap per request, never the hand-off: the consumer reads every page in
+        // One swap per request, never released pages: the consumer reads every page in
         // place itself, none may be read here.
         if !self.advance_swap(cpu)? {
             return Ok(None);

@@ -6,7 +6,9 @@
 //! The order of the pages comes from the footers alone: the reader page first (from
 //! where its reader stopped, [`Position`]), then every ring page whose `page_seq` is
 //! above the reader page's, by `page_seq` — ring order from the head to the tail
-//! (docs/design.md, "After the writer stopped"). Losses come from the pages'
+//! (docs/design.md, "After the writer stopped"). With released pages the reader page
+//! and every page up to the control block's `released` were read: the walk is the ring
+//! pages above them, from where the reader stood on the first one. Losses come from the pages'
 //! `first_index` (R1: exact, at the place they happened).
 //!
 //! Unlike [`crate::RingBuffer::finalize`], which fails a CPU at the first inconsistency,
@@ -19,7 +21,7 @@
 
 use core::sync::atomic::Ordering::Acquire;
 
-use hyptrace_abi::layout::{ctl, footer, RingGeometry, FOOTER_MAGIC};
+use hyptrace_abi::layout::{ctl, footer, Mode, RingGeometry, FOOTER_MAGIC};
 use hyptrace_abi::page::{self, COMMIT_LEN_MASK, COMMIT_OFFSET, PAGE_HEADER_SIZE};
 use hyptrace_abi::SharedMem;
 
@@ -208,12 +210,19 @@ pub fn walk_cpu<M: SharedMem + ?Sized, E>(
         None
     };
     // Released pages (`--swap guest`, stop mode; docs/design.md "Released pages"): the
-    // live reader read every page up to `released` in place — the reader page among
-    // them — and stood on the page after. A hostile value only moves where the walk
-    // starts (and may warn); it is never trusted for a bound.
+    // live reader reads the ring in place and releases every page up to `released` —
+    // the reader page among them — and stands on a ring page after them. Even before
+    // its first release it has left the reader page once its position names another
+    // page. A hostile value only moves where the walk starts; it is never trusted for
+    // a bound.
     // Acquire: paired with the Release store of released in RingBuffer::advance_released.
     let released = mem.load(c + ctl::RELEASED, Acquire);
-    let reader = reader.filter(|&r| released == 0 || seq_of(r) > released);
+    let uses_released = l.mode == Mode::Stop && l.guest_swap;
+    let reader = reader.filter(|&r| {
+        let consumed = (released != 0 && seq_of(r) <= released)
+            || (uses_released && pos.is_some_and(|p| p.reader != r));
+        !consumed
+    });
     let reader_seq = reader.map_or(released, seq_of);
     // Ring pages with events the reader has not had, in ring order.
     let mut ring: Vec<(u64, u32)> = Vec::new();
@@ -256,7 +265,12 @@ pub fn walk_cpu<M: SharedMem + ?Sized, E>(
     let mut expected = match (order.first(), reader, pos) {
         (Some(&(id, true)), _, Some(p)) if p.reader == id => p.expected,
         (_, Some(r), _) => mem.load(l.footer_off(r) + footer::FIRST_INDEX, Acquire),
-        (_, None, _) => pos.map_or(0, |p| p.expected),
+        // A position that names no page of the walk (released pages: the reader went on
+        // and released pages after it was recorded, and they may be rewritten): what it
+        // consumed after the record is in no output and not here — counted as lost.
+        (_, None, Some(p)) => p.expected,
+        (Some(&(id, _)), None, None) => mem.load(l.footer_off(id) + footer::FIRST_INDEX, Acquire),
+        (None, None, None) => 0,
     };
     let mut pending_lost = 0u64;
     let cap = l.data_capacity();

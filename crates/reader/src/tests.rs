@@ -247,6 +247,27 @@ fn mailbox_times_out_on_a_dead_writer() {
     assert!(start.elapsed() >= Duration::from_millis(100));
 }
 
+/// The post-mortem walk of CPU 0 from `pos`: the sequence numbers (payload's first 8
+/// bytes) of the events it dumps, and its report.
+fn dump_cpu0(
+    mem: &HeapMem,
+    l: &RingGeometry,
+    pos: postmortem::Position,
+) -> (Vec<u64>, postmortem::CpuDump) {
+    let mut dumped = Vec::new();
+    let d = postmortem::walk_cpu(mem, l, 0, Some(pos), |p| {
+        let len = u64::from_le_bytes(p.bytes[8..16].try_into().unwrap()) as usize;
+        for e in page::Events::new(&p.bytes[PAGE_HEADER_SIZE..PAGE_HEADER_SIZE + len], 0) {
+            dumped.push(u64::from_le_bytes(
+                e.unwrap().payload[..8].try_into().unwrap(),
+            ));
+        }
+        Ok::<(), ()>(())
+    })
+    .unwrap();
+    (dumped, d)
+}
+
 /// One CPU in stop mode with `--swap guest` (released pages: the `Mailbox` callbacks), a
 /// ring of `pages` 4 KiB pages, a reader and an attached writer.
 fn released_setup(
@@ -360,17 +381,7 @@ fn postmortem_after_released_pages_starts_where_the_reader_stood() {
     }
     assert!(w.self_swaps() > 0);
     let pos = rb.position(0).expect("live");
-    let mut dumped = Vec::new();
-    let d = postmortem::walk_cpu(&*mem, &l, 0, Some(pos), |p| {
-        let len = u64::from_le_bytes(p.bytes[8..16].try_into().unwrap()) as usize;
-        for e in page::Events::new(&p.bytes[PAGE_HEADER_SIZE..PAGE_HEADER_SIZE + len], 0) {
-            dumped.push(u64::from_le_bytes(
-                e.unwrap().payload[..8].try_into().unwrap(),
-            ));
-        }
-        Ok::<(), ()>(())
-    })
-    .unwrap();
+    let (dumped, d) = dump_cpu0(&mem, &l, pos);
     assert!(d.warnings.is_empty(), "{:?}", d.warnings);
     assert_eq!((d.lost, d.trailing_lost), (0, 0));
     let all: Vec<u64> = consumed.iter().chain(&dumped).copied().collect();
@@ -379,6 +390,30 @@ fn postmortem_after_released_pages_starts_where_the_reader_stood() {
         (0..seq).collect::<Vec<_>>(),
         "consumed {consumed:?} dumped {dumped:?}"
     );
+}
+
+/// The post-mortem walk after a releasing reader that has not released anything yet:
+/// it left the (empty) reader page for the first ring page and consumed part of it,
+/// `released` is still 0 — the dump starts after what it consumed, not at the reader
+/// page (which would repeat the consumed events).
+#[test]
+fn postmortem_before_the_first_release() {
+    let (mem, l, mut rb, mut w) = released_setup(6);
+    for seq in 0..2u64 {
+        let mut p = [0u8; 1000];
+        p[..8].copy_from_slice(&seq.to_le_bytes());
+        assert_eq!(w.write(0, 10 + seq, &p), WriteOutcome::Written);
+    }
+    match rb.next_event(0).unwrap() {
+        Some(Item::Event { payload, .. }) => assert_eq!(payload[0], 0),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(mem.load(l.ctl(0) + ctl::RELEASED, Relaxed), 0);
+    let pos = rb.position(0).expect("live");
+    let (dumped, d) = dump_cpu0(&mem, &l, pos);
+    assert!(d.warnings.is_empty(), "{:?}", d.warnings);
+    assert_eq!(dumped, vec![1]);
+    assert_eq!((d.lost, d.trailing_lost), (0, 0));
 }
 
 /// The swap callback of an external consumer: `swap_external` on the owner's reader
@@ -394,6 +429,9 @@ impl Callbacks for External {
     }
     fn update_footers(&self, _cpu: u32) -> Result<bool, ReadError> {
         Ok(false)
+    }
+    fn releases(&self, _cpu: u32) -> bool {
+        false
     }
 }
 

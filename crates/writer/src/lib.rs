@@ -734,7 +734,7 @@ impl<M: SharedMem> Writer<M> {
     /// sets it only when it runs no swaps itself (one swapper per CPU, S1).
     #[cold]
     fn swap_released(&mut self, head: u32) -> Result<bool, RingError> {
-        // Acquire: paired with the Release store of released in RingBuffer::release: the
+        // Acquire: paired with the Release store of released in RingBuffer::advance_released: the
         // host's reads of every page up to it happen before this writer reuses them (R2).
         let released = self.ctl_load(ctl::RELEASED, RELEASED_ORDER);
         if released == 0 {

@@ -363,11 +363,13 @@ impl MiniReader {
                 assert_eq!(lk & LINK_FLAGS, 0, "the link the writer moved along");
                 let left = ld(m, f + footer::PAGE_SEQ);
                 self.enter(m, l, link_id(lk) as u32);
-                self.read_committed(m, l);
                 if left > self.released {
                     self.released = left;
                     m.store(c + ctl::RELEASED, left, Release);
                 }
+                // As the real reader: the new page's bytes are read after the release
+                // (its next round), while the writer may already take the page left.
+                self.read_committed(m, l);
                 return true;
             }
             Via::Mailbox => {

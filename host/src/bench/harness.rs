@@ -87,7 +87,7 @@ struct Timed {
 }
 
 impl Timed {
-    /// Runs `op` (a swap, or a hand-off of several swaps) and logs its time.
+    /// Runs `op` (a swap) and logs its time.
     fn timed(
         &self,
         cpu: u32,
