@@ -342,7 +342,6 @@ impl<M: SharedMem> Mailbox<M> {
             }
         }
         let seq = self.port.post(cpu, op)?;
-        let spin = MAILBOX_SPIN;
         let start = Instant::now();
         loop {
             if let Some(status) = self.port.poll(cpu, seq)? {
@@ -352,7 +351,7 @@ impl<M: SharedMem> Mailbox<M> {
             if self.port.writer_finished(cpu) {
                 return Err(ReadError::WriterStopped { cpu });
             }
-            if start.elapsed() > spin {
+            if start.elapsed() > MAILBOX_SPIN {
                 slot.pending = Some((seq, op, start));
                 return Ok(Reply::Pending);
             }

@@ -240,10 +240,8 @@ pub fn walk_cpu<M: SharedMem + ?Sized, E>(
         }
     }
     ring.sort_unstable();
-    let mut order: Vec<(u32, bool)> = Vec::with_capacity(ring.len() + 1);
-    if let Some(r) = reader {
-        order.push((r, true));
-    }
+    let mut order: Vec<u32> = Vec::with_capacity(ring.len() + 1);
+    order.extend(reader);
     let mut last_seq = None;
     for (seq, id) in ring {
         if last_seq == Some(seq) {
@@ -253,36 +251,34 @@ pub fn walk_cpu<M: SharedMem + ?Sized, E>(
             continue;
         }
         last_seq = Some(seq);
-        order.push((id, false));
+        order.push(id);
     }
-    if reader.is_none() {
-        // Released pages: the consumer's position names the first ring page left.
-        if let (Some(first), Some(p)) = (order.first_mut(), pos) {
-            first.1 = first.0 == p.reader;
-        }
-    }
+    // Where the consumer stood: the walk's first page (the reader page, or with released
+    // pages the first ring page left), if its position names it.
+    let at_pos = order.first().and_then(|&id| pos.filter(|p| p.reader == id));
 
-    let mut expected = match (order.first(), reader, pos) {
-        (Some(&(id, true)), _, Some(p)) if p.reader == id => p.expected,
-        (_, Some(r), _) => mem.load(l.footer_off(r) + footer::FIRST_INDEX, Acquire),
+    let mut expected = match (at_pos, reader, pos) {
+        (Some(p), _, _) => p.expected,
+        (None, Some(r), _) => mem.load(l.footer_off(r) + footer::FIRST_INDEX, Acquire),
         // A position that names no page of the walk (released pages: the reader went on
         // and released pages after it was recorded, and they may be rewritten): what it
         // consumed after the record is in no output and not here — counted as lost.
-        (_, None, Some(p)) => p.expected,
-        (Some(&(id, _)), None, None) => mem.load(l.footer_off(id) + footer::FIRST_INDEX, Acquire),
-        (None, None, None) => 0,
+        (None, None, Some(p)) => p.expected,
+        (None, None, None) => order.first().map_or(0, |&id| {
+            mem.load(l.footer_off(id) + footer::FIRST_INDEX, Acquire)
+        }),
     };
     let mut pending_lost = 0u64;
     let cap = l.data_capacity();
     let mut buf = vec![0u8; l.page_size];
     let mut outbuf = vec![0u8; l.page_size];
-    for (id, is_reader) in order {
+    for (i, id) in order.into_iter().enumerate() {
         let off = l.page_off(id);
-        let skip = match pos {
-            Some(p) if is_reader && p.reader == id => p.consumed,
-            _ => 0,
-        };
-        if !(is_reader && pos.is_some_and(|p| p.reader == id)) {
+        // The consumer's page goes on from its position; every other page starts whole,
+        // after the loss its first index says.
+        let from_pos = if i == 0 { at_pos } else { None };
+        let skip = from_pos.map_or(0, |p| p.consumed);
+        if from_pos.is_none() {
             let first_index = mem.load(l.footer_off(id) + footer::FIRST_INDEX, Acquire);
             if first_index < expected {
                 d.warn(format!(
