@@ -527,7 +527,7 @@ impl Model {
         let mut w = writer.join().unwrap();
         let mut rd = reader.join().unwrap();
         if w.self_swaps() > 0 {
-            SELF_SWAP_RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            SELF_SWAP_RUNS.fetch_add(1, Relaxed);
         }
         if rd.pending {
             // A request still in flight: the writer answers it (M1: the answer is not
@@ -576,7 +576,7 @@ static SELF_SWAP_RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::Atomi
 
 /// Checks `model` under loom and reports how many executions it explored.
 fn check(name: &str, model: Model) {
-    use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+    use std::sync::atomic::AtomicUsize;
     let n = Arc::new(AtomicUsize::new(0));
     let n2 = n.clone();
     let t = std::time::Instant::now();
@@ -600,18 +600,22 @@ fn builder() -> loom::model::Builder {
     b
 }
 
-/// Runs `f` (a loom check expected to fail) and returns its panic message.
+/// Checks `model` (with a seeded bug) and asserts that loom caught it with a panic message
+/// containing `needle` (described as `as_what`), not some other failure.
 #[cfg(any(
     hyptrace_seeded_bug,
     hyptrace_seeded_bug_relaxed_commit,
     hyptrace_seeded_bug_relaxed_release
 ))]
-fn panic_message(f: impl FnOnce() + std::panic::UnwindSafe) -> String {
-    let err = std::panic::catch_unwind(f).expect_err("the seeded bug was not caught");
-    err.downcast_ref::<String>()
+fn assert_caught(name: &str, model: Model, needle: &str, as_what: &str) {
+    let err = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| check(name, model)))
+        .expect_err("the seeded bug was not caught");
+    let msg = err
+        .downcast_ref::<String>()
         .cloned()
         .or_else(|| err.downcast_ref::<&str>().map(|s| s.to_string()))
-        .unwrap_or_default()
+        .unwrap_or_default();
+    assert!(msg.contains(needle), "caught, but not as {as_what}: {msg}");
 }
 
 /// Overwrite mode, two plain reader steps against a ring of 4 events.
@@ -703,7 +707,7 @@ fn released_pages_stop() {
 fn check_released(name: &str, model: Model) {
     check(name, model);
     assert!(
-        SELF_SWAP_RUNS.load(std::sync::atomic::Ordering::Relaxed) > 0,
+        SELF_SWAP_RUNS.load(Relaxed) > 0,
         "no execution reached a swap of a released page"
     );
 }
@@ -791,17 +795,20 @@ fn writer_laps_after_swap() {
 #[cfg(hyptrace_seeded_bug)]
 #[test]
 fn seeded_bug_lost_head_flag_is_caught() {
-    let msg = panic_message(|| {
-        check(
-            "seeded: no HEAD flag",
-            Model::new(Mode::Overwrite, 4, BIG, 2, Via::Plain),
-        )
-    });
-    assert!(
-        msg.contains("S1: no ring link carries HEAD"),
-        "caught, but not as the lost head: {msg}"
+    assert_caught(
+        "seeded: no HEAD flag",
+        Model::new(Mode::Overwrite, 4, BIG, 2, Via::Plain),
+        "S1: no ring link carries HEAD",
+        "the lost head",
     );
 }
+
+/// What loom reports for a plain access not ordered after a conflicting one.
+#[cfg(any(
+    hyptrace_seeded_bug_relaxed_commit,
+    hyptrace_seeded_bug_relaxed_release
+))]
+const CAUSALITY: &str = "Causality violation: Concurrent read and write accesses";
 
 /// Seeded bug 2 (`--cfg hyptrace_seeded_bug_relaxed_commit`: the commit that publishes
 /// an event is stored Relaxed instead of Release, W1): a reader that sees the commit
@@ -810,15 +817,11 @@ fn seeded_bug_lost_head_flag_is_caught() {
 #[cfg(hyptrace_seeded_bug_relaxed_commit)]
 #[test]
 fn seeded_relaxed_commit_is_caught() {
-    let msg = panic_message(|| {
-        check(
-            "seeded: relaxed commit",
-            Model::new(Mode::Stop, 2, SMALL, 1, Via::Plain),
-        )
-    });
-    assert!(
-        msg.contains("Causality violation: Concurrent read and write accesses"),
-        "caught, but not as a race on the payload: {msg}"
+    assert_caught(
+        "seeded: relaxed commit",
+        Model::new(Mode::Stop, 2, SMALL, 1, Via::Plain),
+        CAUSALITY,
+        "a race on the payload",
     );
 }
 
@@ -829,14 +832,10 @@ fn seeded_relaxed_commit_is_caught() {
 #[cfg(hyptrace_seeded_bug_relaxed_release)]
 #[test]
 fn seeded_relaxed_release_is_caught() {
-    let msg = panic_message(|| {
-        check(
-            "seeded: relaxed release",
-            Model::new(Mode::Stop, 5, BIG, 3, Via::Release),
-        )
-    });
-    assert!(
-        msg.contains("Causality violation: Concurrent read and write accesses"),
-        "caught, but not as a race on a released page: {msg}"
+    assert_caught(
+        "seeded: relaxed release",
+        Model::new(Mode::Stop, 5, BIG, 3, Via::Release),
+        CAUSALITY,
+        "a race on a released page",
     );
 }
