@@ -1,7 +1,7 @@
 //! The workloads (`hyptrace_abi::guest::Workload`).
 
 use hyptrace_abi::events::{MARKER_SLOT, TEXT_MAX_MSG};
-use hyptrace_abi::guest::{Workload, BENCH_CHUNK, PORT_SLEEP, SLEEP_MAX_US};
+use hyptrace_abi::guest::{Workload, BENCH_CHUNK, PACE_MAX_LAG_US, PORT_SLEEP, SLEEP_MAX_US};
 
 use crate::emit::{Emitter, Sink};
 use crate::rt::{out32, rdtsc};
@@ -16,19 +16,27 @@ const DEFAULT_BURST: u64 = 1024;
 /// with no IDT that is a triple fault.
 const UNMAPPED: u64 = 0x0000_7f00_dead_0000;
 
-/// Paces event `i` at `rate` events/s from `start` (absolute deadlines, no drift).
+/// Paces event `i` at `rate` events/s from `start`: absolute deadlines (no drift), but
+/// never more than [`PACE_MAX_LAG_US`] behind them. A vCPU that was off its core longer
+/// (descheduled by the host, or the whole machine by the one below it) resumes at `rate`
+/// from where it stands instead of writing its late events back to back, and the run
+/// ends that much later (the host reports how much).
 struct Pacer {
     start: u64,
     tsc_hz: u64,
     rate: u64,
+    /// [`PACE_MAX_LAG_US`] in TSC cycles.
+    max_lag: u64,
 }
 
 impl Pacer {
     fn new(start: u64, p: &Params) -> Self {
+        let tsc_hz = p.tsc_khz.saturating_mul(1000);
         Self {
             start,
-            tsc_hz: p.tsc_khz.saturating_mul(1000),
+            tsc_hz,
             rate: p.rate,
+            max_lag: p.tsc_khz.saturating_mul(PACE_MAX_LAG_US) / 1000,
         }
     }
 
@@ -42,11 +50,19 @@ impl Pacer {
         self.start.wrapping_add(off as u64)
     }
 
-    /// Waits (serving the mailbox) until event `i` is due.
-    fn wait<S: Sink>(&self, i: u64, em: &mut Emitter<S>) {
-        if self.enabled() {
-            spin_until(self.deadline(i), self.tsc_hz / 1000, em);
+    /// Waits (serving the mailbox) until event `i` is due; if it is already more than
+    /// the lag overdue, moves the schedule so that it is due the lag ago.
+    fn wait<S: Sink>(&mut self, i: u64, em: &mut Emitter<S>) {
+        if !self.enabled() {
+            return;
         }
+        let due = self.deadline(i);
+        let late = rdtsc().wrapping_sub(due) as i64;
+        if late > self.max_lag as i64 {
+            self.start = self.start.wrapping_add(late as u64 - self.max_lag);
+            return;
+        }
+        spin_until(due, self.tsc_hz / 1000, em);
     }
 }
 
@@ -90,7 +106,7 @@ pub struct BenchResult {
 
 /// Runs the workload; the `bench` workload returns what it measured.
 pub fn run<S: Sink>(p: &Params, cpu: u32, start: u64, em: &mut Emitter<S>) -> Option<BenchResult> {
-    let pacer = Pacer::new(start, p);
+    let mut pacer = Pacer::new(start, p);
     match p.workload {
         Workload::Bench => return Some(bench(p, em)),
         Workload::Steady => {
@@ -99,7 +115,7 @@ pub fn run<S: Sink>(p: &Params, cpu: u32, start: u64, em: &mut Emitter<S>) -> Op
                 em.marker(i);
             }
         }
-        Workload::Mixed => mixed(p, cpu, &pacer, em),
+        Workload::Mixed => mixed(p, cpu, &mut pacer, em),
         Workload::Align => crate::align::run(p, cpu, em),
         Workload::Burst => {
             let burst = if p.burst == 0 {
@@ -177,7 +193,7 @@ fn bench<S: Sink>(p: &Params, em: &mut Emitter<S>) -> BenchResult {
 
 /// Markers, spans and texts (1..=TEXT_MAX_MSG bytes, so many longer than 112) picked
 /// pseudo-randomly.
-fn mixed<S: Sink>(p: &Params, cpu: u32, pacer: &Pacer, em: &mut Emitter<S>) {
+fn mixed<S: Sink>(p: &Params, cpu: u32, pacer: &mut Pacer, em: &mut Emitter<S>) {
     let mut rng = Rng::new(p.seed, cpu);
     let mut msg = [0u8; TEXT_MAX_MSG];
     for i in 0..p.events {

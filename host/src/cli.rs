@@ -367,7 +367,8 @@ pub struct RunArgs {
         allow_negative_numbers = true
     )]
     pub events: u64,
-    /// Events per second per vCPU; 0 = as fast as possible.
+    /// Events per second per vCPU; 0 = as fast as possible. The guest catches up at most
+    /// 200 µs on its schedule: held off its core longer, it goes on at R and ends later.
     #[arg(
         long,
         value_name = "R",

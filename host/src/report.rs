@@ -369,6 +369,25 @@ impl RunReport {
         }
     }
 
+    /// How far a paced vCPU that took `ms` ran behind its `--rate` schedule, as a suffix
+    /// of its line: the guest catches up at most `PACE_MAX_LAG_US`, so a vCPU held off
+    /// its core for longer ends later (empty when within 1 ms and 1 % of the schedule).
+    fn behind(&self, ms: f64) -> String {
+        let e = &self.echo;
+        if e.rate == 0 || !matches!(e.workload.as_str(), "steady" | "mixed") {
+            return String::new();
+        }
+        let schedule = e.events as f64 * 1e3 / e.rate as f64;
+        let behind = ms - schedule;
+        if behind <= 1.0 || behind <= schedule / 100.0 {
+            return String::new();
+        }
+        format!(
+            ", {behind:.1} ms behind its --rate schedule of {schedule:.1} ms (held off its core: a pacing guest catches up at most {} µs, then goes on at --rate)",
+            hyptrace_abi::guest::PACE_MAX_LAG_US
+        )
+    }
+
     fn fmt_outcome(&self, f: &mut fmt::Formatter<'_>, id: usize, o: &VcpuOutcome) -> fmt::Result {
         let t = &self.timing;
         let outcome = match o {
@@ -384,7 +403,7 @@ impl RunReport {
                     ),
                     None => String::new(),
                 };
-                format!("finished in {ms:.3} ms{started}")
+                format!("finished in {ms:.3} ms{started}{}", self.behind(ms))
             }
             VcpuOutcome::Panicked(msg) => {
                 format!("guest panicked: {}", hyptrace_output::escape_guest_str(msg))
@@ -664,6 +683,44 @@ mod tests {
             guest: None,
             clock: None,
             host_events: None,
+        }
+    }
+
+    /// A paced vCPU that ended later than its `--rate` schedule says how much; one on
+    /// schedule, an unpaced one and a burst workload say nothing.
+    #[test]
+    fn a_paced_vcpu_behind_its_schedule_says_so() {
+        let fin = |ms: u64| {
+            VcpuOutcome::Finished(crate::vcpu::VcpuStats {
+                attempted: 10,
+                skipped: 0,
+                tsc_start: 5,
+                tsc_end: 5 + ms * 1_000_000,
+                mailbox_served: 0,
+            })
+        };
+        let line = |workload: &str, rate: u64, ms: u64| {
+            let mut r = report(Vec::new(), vec![fin(ms)]);
+            r.echo.workload = workload.into();
+            r.echo.rate = rate;
+            r.summary().to_string()
+        };
+        // 10 events at 1000/s: a 10 ms schedule.
+        let late = line("steady", 1000, 13);
+        assert!(
+            late.contains("finished in 13.000 ms, 3.0 ms behind its --rate schedule of 10.0 ms"),
+            "{late}"
+        );
+        assert!(late.contains("catches up at most 200 µs"), "{late}");
+        assert!(line("mixed", 1000, 13).contains("3.0 ms behind"));
+        for (workload, rate, ms) in [
+            ("steady", 1000, 10),
+            ("steady", 1000, 11),
+            ("steady", 0, 50),
+            ("burst", 1000, 50),
+        ] {
+            let text = line(workload, rate, ms);
+            assert!(!text.contains("behind"), "{workload} {rate} {ms}: {text}");
         }
     }
 

@@ -31,6 +31,12 @@ pub const PORT_ALIGN: u16 = 0x0513;
 pub const PORT_SLEEP: u16 = 0x0514;
 /// Longest sleep one [`PORT_SLEEP`] write gets (a stop request is seen within it).
 pub const SLEEP_MAX_US: u32 = 1000;
+/// How far behind its `--rate` schedule a pacing guest workload may fall and still catch
+/// up (writing its overdue events back to back). A vCPU held off its core for longer
+/// resumes at the rate from where it stands: the run ends later instead of turning the
+/// absence into a burst at the writer's full speed, which no reader could absorb and
+/// which is not the rate asked for.
+pub const PACE_MAX_LAG_US: u64 = 200;
 
 /// Magic of the run parameter block: `"HTRUNPRM"` as little-endian bytes.
 pub const RUN_PARAMS_MAGIC: u64 = u64::from_le_bytes(*b"HTRUNPRM");

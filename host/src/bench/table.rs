@@ -132,10 +132,12 @@ pub(super) fn table(v: &BenchReport) -> String {
         for r in v.max_rate.iter().filter(|r| r.vcpus == 1) {
             let _ = writeln!(
                 s,
-                "  1 vCPU, --swap {}: {:.1} % of the writer flat out ({:.1} M events/s, {payload}-byte payload, whole-loop mean)",
+                "  1 vCPU, --swap {}: {:.1} % of the writer flat out ({:.1} M events/s, {payload}-byte payload, whole-loop mean); reached {:.2} M events/s, {:.1} %",
                 r.swap,
                 100.0 * r.max_rate_zero_loss as f64 / flat,
-                flat / 1e6
+                flat / 1e6,
+                r.achieved_zero_loss / 1e6,
+                100.0 * r.achieved_zero_loss / flat,
             );
         }
     }
@@ -165,6 +167,7 @@ mod tests {
             repeats: 3,
             first_lossy_lost: bad.map_or_else(Vec::new, |_| vec![0, 5, 9]),
             max_rate_zero_loss: good,
+            achieved_zero_loss: good as f64,
             first_lossy_rate: bad,
             lower_bound: bad.is_none(),
             searched,
