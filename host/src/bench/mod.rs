@@ -179,8 +179,8 @@ impl Cfg {
             swap_events: if q { 20_000 } else { 400_000 },
             swap_rate: 1_000_000,
             drain_pages: if q { 512 } else { 8192 },
-            rate_seconds: if q { 0.05 } else { 0.25 },
-            rate_steps: if q { 1 } else { 8 },
+            rate_seconds: if q { 0.05 } else { 1.0 },
+            rate_steps: if q { 0 } else { 8 },
             rate_repeats: if q { 1 } else { 3 },
         })
     }
