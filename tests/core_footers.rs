@@ -29,7 +29,7 @@ use hyptrace_abi::layout::{
 };
 use hyptrace_abi::page::{Events, COMMIT_LEN_MASK, COMMIT_OFFSET, RB_MISSED_EVENTS};
 use hyptrace_abi::{HeapMem, SharedMem};
-use hyptrace_reader::{Direct, Item, RingBuffer};
+use hyptrace_reader::{Config, Direct, Item, Mailbox, RingBuffer};
 use hyptrace_writer::{
     swap_reader_page, swap_reader_page_hinted, update_footers, SwapHint, SwapStatus, WriteOutcome,
     Writer,
@@ -1216,5 +1216,216 @@ fn reattach_after_write_stopped_anywhere() {
             let what = format!("{mode:?} {before:?} stopped after mutation {k} of {all:?}");
             interrupted_write(mode, before, move |n, _| n == k, &what);
         }
+    }
+}
+
+/// A reader whose swaps run in the guest (`Mailbox` callbacks).
+type GuestSwapReader = RingBuffer<Arc<HeapMem>, Mailbox<Arc<HeapMem>>>;
+
+/// One CPU with `--swap guest` in `mode` (stop mode: released pages, the reader reads in
+/// place and the writer swaps released pages back itself; overwrite: mailbox swaps),
+/// 6 × 4 KiB pages, a reader.
+fn guest_swap_region(mode: Mode) -> (Arc<HeapMem>, RingGeometry, GuestSwapReader) {
+    let cfg = Config {
+        nr_cpus: 1,
+        buffer_bytes: 6 * 4096,
+        page_size: 4096,
+        mode,
+        guest_swap: true,
+    };
+    let l = cfg.layout().unwrap();
+    let m = Arc::new(HeapMem::new(l.region_size));
+    let cb = Mailbox::new(m.clone(), l, std::time::Duration::from_secs(60));
+    let rb = RingBuffer::alloc(m.clone(), l, cb, 0, 1).unwrap();
+    (m, l, rb)
+}
+
+/// Reads what the reader can now, checking each event's index (its payload) against
+/// the count and the loss reported before it; returns the next index expected and
+/// adds the events it lost to `lost`.
+fn read_checked<C: hyptrace_reader::Callbacks>(
+    rb: &mut RingBuffer<Arc<HeapMem>, C>,
+    mut next: u64,
+    lost: &mut u64,
+    what: &str,
+) -> u64 {
+    let mut pending = 0;
+    loop {
+        match rb.next_event(0) {
+            Ok(None) => break,
+            Ok(Some(Item::Lost(n))) => pending += n,
+            Ok(Some(Item::Event { payload, .. })) => {
+                let s = u64::from_le_bytes(payload[..8].try_into().unwrap());
+                assert_eq!(
+                    s,
+                    next + pending,
+                    "{what}: event {s}, expected {next} + {pending} lost"
+                );
+                *lost += pending;
+                (next, pending) = (s + 1, 0);
+            }
+            Err(e) => panic!("{what}: read error at {next}: {e}"),
+        }
+    }
+    assert_eq!(pending, 0, "{what}: a loss with no event after it yet");
+    next
+}
+
+/// W4 for a swap the writer runs itself (released pages): stopped after any of its
+/// mutations — inside the swap, between the compare-exchange that put the old reader
+/// page into the ring and the store of `reader_page`, or in the move after it — the
+/// writer attaching afterwards finishes it and goes on: the reader sees every event
+/// once, in order, and the writer keeps taking released pages back (before the fix,
+/// a writer attaching after the compare-exchange moved onto the old reader page and
+/// answered Busy to every later swap: it dropped every event from then on).
+/// Returns the offsets the interrupted write mutated.
+fn interrupted_self_swap(cut: impl Fn(usize, usize) -> bool, what: &str) -> Vec<usize> {
+    let (m, _, mut rb) = guest_swap_region(Mode::Stop);
+    let cm = CutMem::new(&m, cut);
+    let mut w = Writer::attach(&cm, 0).unwrap();
+    // 1000-byte events, 3 per page, 6 ring pages: 18 fill the ring, and the reader has
+    // read (and released) all but the tail page, which the writer has not left.
+    let fill = 3 * u64::from(w.layout().pages_per_cpu - 1);
+    let (mut seq, mut ts) = (0u64, 100u64);
+    for _ in 0..fill {
+        ts += 10;
+        let out = w.write(0, ts, &indexed_payload(seq, ts, 1000));
+        assert_eq!(out, WriteOutcome::Written, "{what}: write {seq}");
+        seq += 1;
+    }
+    let mut lost = 0;
+    let mut next = read_checked(&mut rb, 0, &mut lost, what);
+    assert_eq!(next, fill, "{what}");
+    // The interrupted write: the tail meets the head, a released page: a self swap.
+    cm.armed.set(true);
+    ts += 10;
+    let before = w.self_swaps();
+    w.write(0, ts, &indexed_payload(seq, ts, 1000));
+    seq += 1;
+    let log = cm.log.take();
+    if !cm.frozen.get() {
+        assert_eq!(w.self_swaps(), before + 1, "{what}: the dry run swaps");
+    }
+    // The guest side restarts: a new writer on the memory as the old one left it.
+    let mut w = Writer::attach(m.clone(), 0).unwrap();
+    let resumed = w.entries() + w.dropped();
+    assert!(
+        resumed == seq - 1 || resumed == seq,
+        "{what}: resumed at index {resumed}, {seq} attempts"
+    );
+    seq = resumed;
+    // Three ring-fulls more, read every page-full: nothing may be dropped now.
+    for k in 0..60u64 {
+        ts += 10;
+        let out = w.write(0, ts, &indexed_payload(seq, ts, 1000));
+        assert_eq!(
+            out,
+            WriteOutcome::Written,
+            "{what}: write {k} after the re-attach"
+        );
+        seq += 1;
+        if k % 3 == 2 {
+            next = read_checked(&mut rb, next, &mut lost, what);
+        }
+    }
+    assert!(
+        w.self_swaps() >= 10,
+        "{what}: self swaps {}",
+        w.self_swaps()
+    );
+    w.finish();
+    rb.finalize(0).unwrap_or_else(|e| panic!("{what}: {e}"));
+    next = read_checked(&mut rb, next, &mut lost, what);
+    assert_eq!(next, seq, "{what}: read + lost != written");
+    assert_eq!((w.dropped(), lost), (0, 0), "{what}: dropped, lost");
+    log
+}
+
+#[test]
+fn reattach_after_a_released_page_swap_stopped_anywhere() {
+    let all = interrupted_self_swap(|_, _| false, "dry run");
+    assert!(all.len() > 10, "{all:?}");
+    for k in 1..=all.len() {
+        let what = format!("stopped after mutation {k} of {all:?}");
+        interrupted_self_swap(move |n, _| n == k, &what);
+    }
+}
+
+/// The same for a mailbox swap (`--swap guest`, overwrite mode): the writer stopped
+/// inside the swap it ran for the host's request. The writer attaching finishes the
+/// swap and answers the request — serving it again would swap the page out of the
+/// reader's hands before it read it (its events lost without a count) — and the
+/// reader reads every event, or counts it lost, once, in order.
+fn interrupted_mailbox_swap(
+    cut: impl Fn(usize, usize) -> bool,
+    may_lose: bool,
+    what: &str,
+) -> Vec<usize> {
+    let (m, _, mut rb) = guest_swap_region(Mode::Overwrite);
+    let cm = CutMem::new(&m, cut);
+    let mut w = Writer::attach(&cm, 0).unwrap();
+    let (mut seq, mut ts) = (0u64, 100u64);
+    let mut write = |w: &mut Writer<&CutMem>, seq: &mut u64| {
+        ts += 10;
+        let out = w.write(0, ts, &indexed_payload(*seq, ts, 1000));
+        assert_eq!(out, WriteOutcome::Written, "{what}: write {seq}");
+        *seq += 1;
+    };
+    // Two pages and a bit; the reader asks for a swap, nobody answers yet.
+    for _ in 0..7 {
+        write(&mut w, &mut seq);
+    }
+    let mut lost = 0;
+    let mut next = read_checked(&mut rb, 0, &mut lost, what);
+    assert!(rb.request_in_flight(0), "{what}: a swap request is pending");
+    // The interrupted serve.
+    cm.armed.set(true);
+    assert!(w.serve_mailbox(), "{what}");
+    let log = cm.log.take();
+    let mut w = Writer::attach(m.clone(), 0).unwrap();
+    seq = w.entries() + w.dropped();
+    // Writing on, serving and reading: a ring-full and more, every page read.
+    for k in 0..40u64 {
+        ts += 10;
+        let out = w.write(0, ts, &indexed_payload(seq, ts, 1000));
+        assert_eq!(
+            out,
+            WriteOutcome::Written,
+            "{what}: write {k} after the re-attach"
+        );
+        seq += 1;
+        for _ in 0..4 {
+            w.serve_mailbox();
+            next = read_checked(&mut rb, next, &mut lost, what);
+        }
+    }
+    w.finish();
+    rb.finalize(0).unwrap_or_else(|e| panic!("{what}: {e}"));
+    next = read_checked(&mut rb, next, &mut lost, what);
+    assert_eq!(next, seq, "{what}: read + lost != written");
+    // The reader kept up: nothing overwritten, and no page taken from it unread —
+    // except after a stop between the swap's store of `reader_page` and the answer:
+    // the swap is complete, nothing in the ring tells it from a request not yet served,
+    // and serving it again swaps out the page the reader was about to read (counted
+    // lost, exactly: at most the page's 3 events).
+    if may_lose {
+        assert!(lost <= 3, "{what}: {lost} events lost");
+    } else {
+        assert_eq!(lost, 0, "{what}: events lost");
+    }
+    log
+}
+
+#[test]
+fn reattach_after_a_mailbox_swap_stopped_anywhere() {
+    let all = interrupted_mailbox_swap(|_, _| false, false, "dry run");
+    let (_, l, _) = guest_swap_region(Mode::Overwrite);
+    let (reader_page, ack) = (l.ctl(0) + ctl::READER_PAGE, l.ctl(0) + ctl::MBOX_ACK);
+    let published = all.iter().position(|&o| o == reader_page).unwrap() + 1;
+    assert_eq!(all.last(), Some(&ack), "{all:?}");
+    for k in 1..=all.len() {
+        let what = format!("stopped after mutation {k} of {all:?}");
+        let may_lose = (published..all.len()).contains(&k);
+        interrupted_mailbox_swap(move |n, _| n == k, may_lose, &what);
     }
 }

@@ -274,6 +274,14 @@ impl<M: SharedMem> Writer<M> {
     /// stopped between `entries` and `bytes`.
     #[cold]
     fn resume(&mut self) {
+        // A swap the previous writer ran itself, stopped halfway: finish it first, so
+        // that the ring and `reader_page` agree again (W4; without this the tail moved
+        // onto the old reader page and every later swap answered Busy).
+        match self.finish_own_swap() {
+            Ok(true) => self.answer_interrupted_request(),
+            Ok(false) => {}
+            Err(_) => self.corrupt = true,
+        }
         let tf = self.l.footer_off(self.tail);
         // A head push stopped while it held UPDATE on the tail's link: finish it (every
         // step of `push_head` can be done again; the pushed page's event count is
@@ -379,6 +387,79 @@ impl<M: SharedMem> Writer<M> {
             } else if mem.load(ws, Relaxed) & FT_COMMIT != 0 {
                 mem.fetch_and(ws, !FT_COMMIT, AcqRel);
             }
+        }
+    }
+
+    /// With swaps run in the guest (`guest_swap`: mailbox swaps, released pages) this
+    /// writer's domain is the only one that swaps, so a swap stopped between its
+    /// compare-exchange — which put the old reader page `R` into the ring, in place of
+    /// the head `H` — and its store of `reader_page` can only be a previous writer's.
+    /// Such a ring has a link naming `R`, which no ring link names otherwise (W2), and
+    /// two links naming `after` (`R`'s, with HEAD, and `H`'s own): finish the swap's
+    /// remaining steps (each can be done again) and publish `H` as the reader page.
+    /// Returns whether there was one. Bounded: two passes over the CPU's pages.
+    fn finish_own_swap(&mut self) -> Result<bool, RingError> {
+        if !self.l.guest_swap {
+            return Ok(false);
+        }
+        let (mem, l, cpu, c) = (&self.mem, &self.l, self.cpu, self.ctl);
+        // Acquire: paired with the Release store of reader_page by the last finished swap.
+        let reader = page_id(l, cpu, mem.load(c + ctl::READER_PAGE, Acquire))?;
+        let first = l.first_page(cpu);
+        let pages = first..first + l.pages_per_cpu;
+        // Acquire: paired with the SeqCst link changes of swap_reader_page_hinted (S1).
+        let names = |p: u32, target: u32| {
+            p != reader
+                && mem.load(l.footer_off(p) + footer::NEXT, Acquire) >> 2 == u64::from(target)
+        };
+        if !pages.clone().any(|p| names(p, reader)) {
+            return Ok(false);
+        }
+        // Acquire: as above; set by the swap before its compare-exchange.
+        let rl = mem.load(l.footer_off(reader) + footer::NEXT, Acquire);
+        if rl & LINK_FLAGS != LINK_HEAD {
+            return Err(RingError::BadLink(rl));
+        }
+        let after = page_id(l, cpu, rl >> 2)?;
+        let mut taken = pages.filter(|&p| names(p, after));
+        let (Some(head), None) = (taken.next(), taken.next()) else {
+            return Err(RingError::BadLink(rl));
+        };
+        // The swap's steps after its compare-exchange, as swap_reader_page_hinted runs
+        // them (SeqCst, S1); the writer is not running, so `after` is still the head.
+        let hf = l.footer_off(head);
+        mem.fetch_and(hf + footer::WRITER_STATUS, !FT_HEAD, SeqCst);
+        mem.swap(hf + footer::READER_STATUS, FT_READER, SeqCst);
+        mem.swap(l.footer_off(reader) + footer::READER_STATUS, 0, SeqCst);
+        mem.store(
+            hf + footer::OVERRUN,
+            mem.load(c + ctl::OVERRUN, Relaxed),
+            Relaxed,
+        );
+        mem.fetch_or(l.footer_off(after) + footer::WRITER_STATUS, FT_HEAD, SeqCst);
+        footer_stats_to(mem, l, cpu, head);
+        // Release: as in swap_reader_page_hinted: the footers above come first (S1).
+        mem.store(c + ctl::READER_PAGE, u64::from(head), Release);
+        mem.fetch_add(c + ctl::SWAPS, 1, Relaxed);
+        self.swap_hint = SwapHint::at(reader);
+        Ok(true)
+    }
+
+    /// After [`Writer::finish_own_swap`]: a swap request still waiting for its answer
+    /// was the one that swap served (the previous writer stopped inside it), so it is
+    /// answered as done — serving it again would swap the page out of the reader's
+    /// hands before it read it.
+    fn answer_interrupted_request(&mut self) {
+        // Acquire: paired with the Release store of mbox_req in Mailbox::request (M1).
+        let req = self.mem.load(self.ctl + ctl::MBOX_REQ, Acquire);
+        if req >> 8 != self.mbox_seen && req & 0xff == MBOX_OP_SWAP {
+            self.mbox_seen = req >> 8;
+            // Release: paired with the Acquire load of mbox_ack in Mailbox::acked (M1).
+            self.mem.store(
+                self.ctl + ctl::MBOX_ACK,
+                (req & !0xff) | MBOX_STATUS_OK,
+                Release,
+            );
         }
     }
 
