@@ -171,6 +171,10 @@ pub struct Writer<M: SharedMem> {
     tail_off: usize,
     /// Bytes used in the tail page's data area.
     write: usize,
+    /// `cap` while the tail page takes events (no drop pending, ring not corrupt), else
+    /// 0: the write path's fast case tests `write + size <= open` alone
+    /// ([`Writer::refresh_open`] keeps it after everything that changes those).
+    open: usize,
     /// RB_MISSED_EVENTS if the tail page starts after drops (stop mode), else 0.
     commit_flags: u64,
     write_stamp: u64,
@@ -212,6 +216,7 @@ impl<M: SharedMem> Writer<M> {
             tail,
             tail_off: l.page_off(tail),
             write: 0,
+            open: 0,
             commit_flags: 0,
             write_stamp: mem.load(c + ctl::WRITE_STAMP, Relaxed),
             entries: mem.load(c + ctl::ENTRIES, Relaxed),
@@ -236,6 +241,7 @@ impl<M: SharedMem> Writer<M> {
             ctl: c,
         };
         w.resume();
+        w.refresh_open();
         // Release: paired with the Acquire loads of writer_state in RingBuffer::writer_finished
         // and Mailbox::request: the counters resume() stored back come before the state (W4).
         w.mem.swap(c + ctl::WRITER_STATE, WRITER_ACTIVE, Release);
@@ -562,17 +568,46 @@ impl<M: SharedMem> Writer<M> {
     /// [`Writer::write`] without the enable check.
     #[inline]
     pub fn write_enabled(&mut self, ts: u64, payload: &[u8]) -> WriteOutcome {
+        let ts = ts.max(self.write_stamp);
+        let delta = ts - self.write_stamp;
+        let size = page::data_event_size(payload.len());
+        // The common case, one test each: the event follows others on the tail page,
+        // needs no TIME_EXTEND, and fits. `open` is 0 while a drop is pending or the
+        // ring is corrupt, and a payload over `max_payload` makes `size > cap`, so
+        // those go the slow way too.
+        if self.write != 0 && delta <= page::MAX_DELTA && self.write + size <= self.open {
+            let at = self.tail_off + PAGE_HEADER_SIZE + self.write;
+            // SAFETY: the reservation (see `write_slow`): `write + size <= open <= cap`.
+            unsafe { self.put_event(at, delta, payload, size) };
+            self.commit(ts, size);
+            return WriteOutcome::Written;
+        }
+        let out = self.write_slow(ts, payload);
+        self.refresh_open();
+        out
+    }
+
+    /// Keeps `open` (see the field) after the slow path and attach.
+    #[inline(always)]
+    fn refresh_open(&mut self) {
+        self.open = if self.corrupt || self.lost_pending != 0 {
+            0
+        } else {
+            self.cap
+        };
+    }
+
+    /// Everything [`Writer::write_enabled`]'s fast case leaves: the first event of a
+    /// page, a TIME_EXTEND, a page move, a drop, a payload too large, a corrupt ring.
+    /// `ts` is clamped already.
+    #[inline(never)]
+    fn write_slow(&mut self, mut ts: u64, payload: &[u8]) -> WriteOutcome {
         if payload.len() > self.max_payload {
             return WriteOutcome::TooLarge;
         }
         if self.corrupt {
             return WriteOutcome::Corrupt;
         }
-        let mut ts = if ts < self.write_stamp {
-            self.write_stamp
-        } else {
-            ts
-        };
         let size = page::data_event_size(payload.len());
         let mut delta = ts - self.write_stamp;
         let mut need = size
@@ -610,10 +645,11 @@ impl<M: SharedMem> Writer<M> {
         // (`page_id`-checked where `tail` was set: attach, move_tail), inside the region
         // that attach validated (`RingGeometry::parse`: `region_size <= mem.size()`).
         // So the accesses need no check of their own: `*_unchecked`, each with that
-        // argument (the SAFETY comments below refer to it as "the reservation").
+        // argument (the SAFETY comments below refer to it as "the reservation"). The
+        // fast case of `write_enabled` is this with `write != 0`, no TIME_EXTEND and
+        // `write + size <= open <= cap` tested directly.
         debug_assert!(self.write + need <= self.cap);
-        let data = self.tail_off + PAGE_HEADER_SIZE;
-        let mut at = data + self.write;
+        let mut at = self.tail_off + PAGE_HEADER_SIZE + self.write;
         if self.write == 0 {
             // First event of the page: the page's time_stamp is its time, delta 0.
             // SAFETY: the page's first 8 bytes (`time_stamp`, plain data) of the tail
@@ -641,12 +677,25 @@ impl<M: SharedMem> Writer<M> {
             at += page::TIME_EXTEND_SIZE;
             delta = 0;
         }
+        // SAFETY: the event's `size` bytes end the `need` reserved (the reservation).
+        unsafe { self.put_event(at, delta, payload, size) };
+        self.commit(ts, need);
+        WriteOutcome::Written
+    }
+
+    /// Writes a data event (header with `delta`, padded payload: `size` bytes) at `at`.
+    ///
+    /// # Safety
+    /// `[at, at + size)` lies in the tail page's data area (the reservation) and
+    /// `size == data_event_size(payload.len())`, `delta <= MAX_DELTA`.
+    #[inline(always)]
+    unsafe fn put_event(&self, at: usize, delta: u64, payload: &[u8], size: usize) {
         let mut hdr = [0u8; 8];
         let hlen = page::encode_data_header(&mut hdr, payload.len(), delta as u32);
         // Fixed-size stores (one instruction each), never a variable-length copy: a
         // small copy is a call to memcpy, which in the guest is a `rep movsb`.
-        // SAFETY: the event's header (4 or 8 bytes, `hlen`) starts its `size` reserved
-        // bytes (the reservation).
+        // SAFETY: the event's header (4 or 8 bytes, `hlen`) starts its `size` bytes
+        // (the caller's reservation).
         unsafe {
             if hlen == 4 {
                 self.mem.write_bytes_unchecked(at, &hdr[..4]);
@@ -654,18 +703,24 @@ impl<M: SharedMem> Writer<M> {
                 self.mem.write_bytes_unchecked(at, &hdr);
             }
         }
-        at += hlen;
-        let padded = page::align4(payload.len());
+        let at = at + hlen;
+        let padded = size - hlen;
         if padded != payload.len() {
             // Zero the event's last word (its 1..=3 padding bytes), then copy the payload
             // over its head: one 4-byte store instead of a memset call.
-            // SAFETY: `[at + padded - 4, at + padded)` is the end of the event's
-            // reserved bytes (`size = hlen + padded`; padded >= 4 here) (the reservation).
+            // SAFETY: `[at + padded - 4, at + padded)` is the end of the event's bytes
+            // (`size = hlen + padded`; padded >= 4 here) (the caller's reservation).
             unsafe { self.mem.write_bytes_unchecked(at + padded - 4, &[0u8; 4]) };
         }
-        // SAFETY: the payload's bytes follow the header inside the event's reserved
-        // bytes (`payload.len() <= padded`) (the reservation).
+        // SAFETY: the payload's bytes follow the header inside the event's bytes
+        // (`payload.len() <= padded`) (the caller's reservation).
         unsafe { self.mem.write_bytes_unchecked(at, payload) };
+    }
+
+    /// Publishes the event just written (`need` bytes with its TIME_EXTEND, at time
+    /// `ts`) and counts it.
+    #[inline(always)]
+    fn commit(&mut self, ts: u64, need: usize) {
         self.write += need;
         // Publish: the payload above happens-before any Acquire load that sees this (W1).
         // Release (COMMIT_ORDER): paired with the Acquire load of commit in
@@ -688,7 +743,6 @@ impl<M: SharedMem> Writer<M> {
         self.ctl_store(ctl::ENTRIES, self.entries, Relaxed);
         self.ctl_store(ctl::BYTES, self.bytes, Relaxed);
         self.ctl_store(ctl::WRITE_STAMP, ts, Relaxed);
-        WriteOutcome::Written
     }
 
     /// Moves the tail to the next page. Returns `Ok(false)` when the ring is full in
