@@ -108,6 +108,14 @@ fn too_large_rejected_max_accepted() {
         WriteOutcome::TooLarge
     );
     assert_eq!(w.write(0, 1, &std::vec![7u8; max]), WriteOutcome::Written);
+    // The same after an event on the page (the write path's fast case): a payload
+    // over the maximum is refused, never written across the page's end.
+    assert_eq!(w.write(0, 2, &[1u8; 8]), WriteOutcome::Written);
+    for len in [max + 1, max + 4, max + 5, 1 << 20] {
+        let out = w.write(0, 3, &std::vec![7u8; len]);
+        assert_eq!(out, WriteOutcome::TooLarge, "{len}");
+    }
+    assert_eq!(w.entries(), 2);
 }
 
 #[test]
@@ -240,6 +248,8 @@ fn corrupt_links_are_errors_not_panics() {
         out = w.write(0, i, &[0u8; 1000]);
     }
     assert_eq!(out, WriteOutcome::Corrupt);
+    // And stays so, small events too (they would fit the tail page).
+    assert_eq!(w.write(0, 11, &[0u8; 8]), WriteOutcome::Corrupt);
     assert_eq!(swap_reader_page(&m, &l, 0), Err(RingError::BadPageId(77)));
     m.store(l.ctl(0) + ctl::READER_PAGE, 99, Relaxed);
     assert_eq!(swap_reader_page(&m, &l, 0), Err(RingError::BadPageId(99)));
