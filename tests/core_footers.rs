@@ -1271,6 +1271,13 @@ fn read_checked<C: hyptrace_reader::Callbacks>(
     next
 }
 
+/// Writes event `seq` (1000 bytes, indexed) at `ts`, which must be written; counts it.
+fn write_indexed<M: SharedMem>(w: &mut Writer<M>, seq: &mut u64, ts: u64, what: &str) {
+    let out = w.write(0, ts, &indexed_payload(*seq, ts, 1000));
+    assert_eq!(out, WriteOutcome::Written, "{what}: write {seq}");
+    *seq += 1;
+}
+
 /// W4 for a swap the writer runs itself (released pages): stopped after any of its
 /// mutations — inside the swap, between the compare-exchange that put the old reader
 /// page into the ring and the store of `reader_page`, or in the move after it — the
@@ -1289,9 +1296,7 @@ fn interrupted_self_swap(cut: impl Fn(usize, usize) -> bool, what: &str) -> Vec<
     let (mut seq, mut ts) = (0u64, 100u64);
     for _ in 0..fill {
         ts += 10;
-        let out = w.write(0, ts, &indexed_payload(seq, ts, 1000));
-        assert_eq!(out, WriteOutcome::Written, "{what}: write {seq}");
-        seq += 1;
+        write_indexed(&mut w, &mut seq, ts, what);
     }
     let mut lost = 0;
     let mut next = read_checked(&mut rb, 0, &mut lost, what);
@@ -1317,13 +1322,7 @@ fn interrupted_self_swap(cut: impl Fn(usize, usize) -> bool, what: &str) -> Vec<
     // Three ring-fulls more, read every page-full: nothing may be dropped now.
     for k in 0..60u64 {
         ts += 10;
-        let out = w.write(0, ts, &indexed_payload(seq, ts, 1000));
-        assert_eq!(
-            out,
-            WriteOutcome::Written,
-            "{what}: write {k} after the re-attach"
-        );
-        seq += 1;
+        write_indexed(&mut w, &mut seq, ts, what);
         if k % 3 == 2 {
             next = read_checked(&mut rb, next, &mut lost, what);
         }
@@ -1365,15 +1364,10 @@ fn interrupted_mailbox_swap(
     let cm = CutMem::new(&m, cut);
     let mut w = Writer::attach(&cm, 0).unwrap();
     let (mut seq, mut ts) = (0u64, 100u64);
-    let mut write = |w: &mut Writer<&CutMem>, seq: &mut u64| {
-        ts += 10;
-        let out = w.write(0, ts, &indexed_payload(*seq, ts, 1000));
-        assert_eq!(out, WriteOutcome::Written, "{what}: write {seq}");
-        *seq += 1;
-    };
     // Two pages and a bit; the reader asks for a swap, nobody answers yet.
     for _ in 0..7 {
-        write(&mut w, &mut seq);
+        ts += 10;
+        write_indexed(&mut w, &mut seq, ts, what);
     }
     let mut lost = 0;
     let mut next = read_checked(&mut rb, 0, &mut lost, what);
@@ -1385,15 +1379,9 @@ fn interrupted_mailbox_swap(
     let mut w = Writer::attach(m.clone(), 0).unwrap();
     seq = w.entries() + w.dropped();
     // Writing on, serving and reading: a ring-full and more, every page read.
-    for k in 0..40u64 {
+    for _ in 0..40 {
         ts += 10;
-        let out = w.write(0, ts, &indexed_payload(seq, ts, 1000));
-        assert_eq!(
-            out,
-            WriteOutcome::Written,
-            "{what}: write {k} after the re-attach"
-        );
-        seq += 1;
+        write_indexed(&mut w, &mut seq, ts, what);
         for _ in 0..4 {
             w.serve_mailbox();
             next = read_checked(&mut rb, next, &mut lost, what);
