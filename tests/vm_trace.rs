@@ -8,7 +8,7 @@
 //! thread and the reader, and the lossless tests pick rates for one VM at a time.
 
 use std::process::Output;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use hyptrace::env::{self, assert_usage_error, kvm_available, vm_lock, TempDir};
 use hyptrace::text::{check_stream, parse_all, CpuTally, Line, StreamRules};
@@ -833,4 +833,85 @@ fn bad_guest_images_exit_2() {
     let out = dir.file("t.dat");
     usage(&["record", "-o", &out, "--guest", &elf32], "64-bit");
     assert!(!std::path::Path::new(&out).exists());
+}
+
+/// A paced guest held off its core goes on at its rate instead of catching up in a
+/// burst (`PACE_MAX_LAG_US`): the whole VMM is stopped (SIGSTOP) for 300 ms in the middle
+/// of a 2 s `--rate 50000` run. Before the bound, the guest then wrote the ~15 000
+/// overdue markers back to back; now no millisecond of its timestamps holds more than
+/// its 50 events plus the 200 µs it may catch up (the check allows 40× that), and its
+/// `finished in` line says how far it ended behind the schedule.
+#[test]
+fn a_paced_guest_held_off_its_core_does_not_burst() {
+    if !kvm_available(KRATE, "a_paced_guest_held_off_its_core_does_not_burst") {
+        return;
+    }
+    let _vm = vm_lock();
+    let dir = TempDir::new("pace");
+    let (out_path, err_path) = (dir.file("out.txt"), dir.file("err.txt"));
+    let mut child = std::process::Command::new(BIN)
+        .args([
+            "run", "--vcpus", "1", "--events", "100000", "--rate", "50000",
+        ])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::fs::File::create(&out_path).expect("stdout file"))
+        .stderr(std::fs::File::create(&err_path).expect("stderr file"))
+        .spawn()
+        .expect("spawn hyptrace");
+    let pid = child.id().to_string();
+    let signal = |sig: &str| {
+        let ok = std::process::Command::new("kill")
+            .args([sig, &pid])
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "kill {sig} failed");
+    };
+    // Once events flow: the guest is writing.
+    let start = Instant::now();
+    while std::fs::metadata(&out_path).map_or(0, |m| m.len()) == 0 {
+        assert!(
+            child.try_wait().expect("wait").is_none(),
+            "the run ended early"
+        );
+        assert!(start.elapsed() < Duration::from_secs(30), "no output");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    signal("-STOP");
+    std::thread::sleep(Duration::from_millis(300));
+    signal("-CONT");
+    let code = loop {
+        if let Some(s) = child.try_wait().expect("wait") {
+            break s.code();
+        }
+        if start.elapsed() > Duration::from_secs(60) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the run did not end");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let err = std::fs::read_to_string(&err_path).expect("stderr");
+    assert_eq!(code, Some(0), "{err}");
+    assert!(err.contains("ms behind its --rate schedule"), "{err}");
+    let text = std::fs::read_to_string(&out_path).expect("stdout");
+    let ts: Vec<u128> = parse_all(&text, "paced run")
+        .iter()
+        .filter_map(|l| match l {
+            Line::Event(e) => Some(e.ts_ns),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(ts.len(), 100_000, "{err}");
+    // The most events within any 1 ms of guest time.
+    let (mut densest, mut lo) = (0, 0);
+    for hi in 0..ts.len() {
+        while ts[hi] - ts[lo] >= 1_000_000 {
+            lo += 1;
+        }
+        densest = densest.max(hi - lo + 1);
+    }
+    assert!(
+        densest <= 2_000,
+        "{densest} events in one millisecond: a burst; {err}"
+    );
 }
