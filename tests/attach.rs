@@ -14,7 +14,7 @@ use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use hyptrace::env::{kvm_available, vm_lock, TempDir};
+use hyptrace::env::{self, kvm_available, vm_lock, TempDir};
 use hyptrace::text::{check_stream, parse_all, CpuTally, StreamRules};
 
 const BIN: &str = env!("CARGO_BIN_EXE_hyptrace");
@@ -90,19 +90,13 @@ fn run_bounded(args: &[&str], dir: &TempDir, tag: &str) -> (Option<i32>, String)
 
 /// Waits (bounded) until `path` is a socket.
 fn wait_socket(path: &str, vm: &mut Guard, vm_err: &str) {
-    let t = Instant::now();
-    loop {
-        if std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket()) {
-            return;
-        }
-        assert!(
-            vm.running(),
-            "the VMM exited before its socket appeared: {}",
-            std::fs::read_to_string(vm_err).unwrap_or_default()
-        );
-        assert!(t.elapsed() < WALL, "no socket at {path}");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    env::wait_until(
+        vm.0.as_mut().expect("child"),
+        &format!("the VMM's socket at {path}"),
+        WALL,
+        || std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket()),
+        || std::fs::read_to_string(vm_err).unwrap_or_default(),
+    );
 }
 
 fn mode(path: &str) -> u32 {

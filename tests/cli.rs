@@ -385,18 +385,13 @@ fn abort_while_fifo_waits_leaves_no_spill_files() {
         .spawn()
         .expect("spawn");
     let (rx, reader) = stderr_lines(&mut child);
-    let t0 = Instant::now();
-    while !Path::new(&sock).exists() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(60),
-            "no control socket at {sock}"
-        );
-        assert!(
-            child.try_wait().expect("try_wait").is_none(),
-            "record ended before its control socket appeared"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    env::wait_until(
+        &mut child,
+        &format!("the control socket at {sock}"),
+        Duration::from_secs(60),
+        || Path::new(&sock).exists(),
+        String::new,
+    );
     kill(&child, "-INT");
     let mut seen = Vec::new();
     wait_line(&rx, "stopping…", &mut seen);

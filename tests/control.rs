@@ -38,12 +38,6 @@ impl RunChild {
             std::thread::sleep(Duration::from_millis(50));
         }
     }
-
-    fn running(&mut self) -> bool {
-        self.0
-            .as_mut()
-            .is_some_and(|c| c.try_wait().expect("try_wait").is_none())
-    }
 }
 
 impl Drop for RunChild {
@@ -75,13 +69,9 @@ fn written(st: &serde_json::Value) -> u64 {
 }
 
 /// Waits (bounded) until `cond` holds, while the run is alive.
-fn wait_for(run: &mut RunChild, what: &str, mut cond: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !cond() {
-        assert!(run.running(), "the run ended while waiting for {what}");
-        assert!(start.elapsed() < WAIT, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+fn wait_for(run: &mut RunChild, what: &str, cond: impl FnMut() -> bool) {
+    let child = run.0.as_mut().expect("child");
+    env::wait_until(child, what, WAIT, cond, String::new);
 }
 
 /// Sends raw bytes on the socket and returns the first reply line.

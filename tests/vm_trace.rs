@@ -868,14 +868,13 @@ fn a_paced_guest_held_off_its_core_does_not_burst() {
     };
     // Once events flow: the guest is writing.
     let start = Instant::now();
-    while std::fs::metadata(&out_path).map_or(0, |m| m.len()) == 0 {
-        assert!(
-            child.try_wait().expect("wait").is_none(),
-            "the run ended early"
-        );
-        assert!(start.elapsed() < Duration::from_secs(30), "no output");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    env::wait_until(
+        &mut child,
+        "the first events",
+        Duration::from_secs(30),
+        || std::fs::metadata(&out_path).is_ok_and(|m| m.len() > 0),
+        || std::fs::read_to_string(&err_path).unwrap_or_default(),
+    );
     signal("-STOP");
     std::thread::sleep(Duration::from_millis(300));
     signal("-CONT");

@@ -1,9 +1,10 @@
 //! Test environment: skips, CI log, serialisation, temporary directories.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Child, Command, Output};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 /// Whether KVM-backed tests can run. Prints `SKIP: /dev/kvm not available` when not;
 /// with `HYPTRACE_REQUIRE_KVM=1` a missing /dev/kvm fails the test instead. When it
@@ -86,6 +87,32 @@ pub fn run(bin: &str, args: &[&str]) -> Output {
         .args(args)
         .output()
         .unwrap_or_else(|e| panic!("cannot run {bin}: {e}"))
+}
+
+/// Waits until `ready()` holds, checking every 10 ms: fails if `child` exits first or
+/// `timeout` passes, naming `what` and adding `detail()` (e.g. the child's stderr so
+/// far). A test waits for a state of the run this way, never for a fixed time.
+pub fn wait_until(
+    child: &mut Child,
+    what: &str,
+    timeout: Duration,
+    mut ready: impl FnMut() -> bool,
+    detail: impl Fn() -> String,
+) {
+    let start = Instant::now();
+    while !ready() {
+        assert!(
+            child.try_wait().expect("try_wait").is_none(),
+            "the run ended while waiting for {what}: {}",
+            detail()
+        );
+        assert!(
+            start.elapsed() < timeout,
+            "timed out waiting for {what}: {}",
+            detail()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }
 
 /// stderr as text.
