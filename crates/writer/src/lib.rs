@@ -418,9 +418,9 @@ impl<M: SharedMem> Writer<M> {
             p != reader
                 && mem.load(l.footer_off(p) + footer::NEXT, Acquire) >> 2 == u64::from(target)
         };
-        if !pages.clone().any(|p| names(p, reader)) {
+        let Some(before) = pages.clone().find(|&p| names(p, reader)) else {
             return Ok(false);
-        }
+        };
         // Acquire: as above; set by the swap before its compare-exchange.
         let rl = mem.load(l.footer_off(reader) + footer::NEXT, Acquire);
         if rl & LINK_FLAGS != LINK_HEAD {
@@ -431,22 +431,18 @@ impl<M: SharedMem> Writer<M> {
         let (Some(head), None) = (taken.next(), taken.next()) else {
             return Err(RingError::BadLink(rl));
         };
-        // The swap's steps after its compare-exchange, as swap_reader_page_hinted runs
-        // them (SeqCst, S1); the writer is not running, so `after` is still the head.
-        let hf = l.footer_off(head);
-        mem.fetch_and(hf + footer::WRITER_STATUS, !FT_HEAD, SeqCst);
-        mem.swap(hf + footer::READER_STATUS, FT_READER, SeqCst);
-        mem.swap(l.footer_off(reader) + footer::READER_STATUS, 0, SeqCst);
-        mem.store(
-            hf + footer::OVERRUN,
-            mem.load(c + ctl::OVERRUN, Relaxed),
-            Relaxed,
-        );
-        mem.fetch_or(l.footer_off(after) + footer::WRITER_STATUS, FT_HEAD, SeqCst);
+        // The new reader page carries the current footer stats (as swap_released gives
+        // it) before the rest of the swap publishes it.
         footer_stats_to(mem, l, cpu, head);
-        // Release: as in swap_reader_page_hinted: the footers above come first (S1).
-        mem.store(c + ctl::READER_PAGE, u64::from(head), Release);
-        mem.fetch_add(c + ctl::SWAPS, 1, Relaxed);
+        // Relaxed: this writer's own counter; no writer runs now.
+        let overrun = mem.load(c + ctl::OVERRUN, Relaxed);
+        let sides = SwapSides {
+            pf: l.footer_off(before),
+            reader,
+            head,
+            after,
+        };
+        complete_swap(mem, l, cpu, sides, overrun);
         self.swap_hint = SwapHint::at(reader);
         Ok(true)
     }
@@ -1219,23 +1215,62 @@ pub fn swap_reader_page_hinted<M: SharedMem + ?Sized>(
             relax();
             continue;
         }
-        let hf = l.footer_off(head);
-        // SeqCst: footer bits after the exchange, before reader_page is published (S1).
-        mem.fetch_and(hf + footer::WRITER_STATUS, !FT_HEAD, SeqCst);
-        mem.swap(hf + footer::READER_STATUS, FT_READER, SeqCst);
-        mem.swap(rf + footer::READER_STATUS, 0, SeqCst);
-        mem.store(hf + footer::OVERRUN, overrun, Relaxed);
-        mark_new_head(mem, l, pf, reader, after);
-        // Release: paired with the Acquire loads of reader_page in RingBuffer (attach, poke,
-        // advance, finalize), Mailbox::swap_reader, update_footers and the next swap: the
-        // footers above come first (S1).
-        mem.store(c + ctl::READER_PAGE, u64::from(head), Release);
-        mem.fetch_add(c + ctl::SWAPS, 1, Relaxed);
+        complete_swap(
+            mem,
+            l,
+            cpu,
+            SwapSides {
+                pf,
+                reader,
+                head,
+                after,
+            },
+            overrun,
+        );
         // The old reader page is in the ring now, its link naming the new head.
         *hint = SwapHint(Some(reader));
         return Ok(SwapStatus::Swapped { page: head });
     }
     Ok(SwapStatus::Contended)
+}
+
+/// The pages of a swap whose compare-exchange put the old reader page into the ring.
+#[derive(Clone, Copy)]
+struct SwapSides {
+    /// Footer offset of the page whose link now names `reader`.
+    pf: usize,
+    /// The old reader page, now in the ring.
+    reader: u32,
+    /// The page taken out: the new reader page.
+    head: u32,
+    /// The page after `head`: the new head.
+    after: u32,
+}
+
+/// The steps of a swap after its compare-exchange: the footer bits, `head`'s overrun
+/// snapshot, FT_HEAD on the new head, then `head` published as the reader page. Run by
+/// every swap ([`swap_reader_page_hinted`]) and again by a writer attaching after one
+/// stopped halfway ([`Writer::finish_own_swap`]): each step can be done again.
+fn complete_swap<M: SharedMem + ?Sized>(
+    mem: &M,
+    l: &RingGeometry,
+    cpu: u32,
+    s: SwapSides,
+    overrun: u64,
+) {
+    let (hf, rf) = (l.footer_off(s.head), l.footer_off(s.reader));
+    // SeqCst: footer bits after the exchange, before reader_page is published (S1).
+    mem.fetch_and(hf + footer::WRITER_STATUS, !FT_HEAD, SeqCst);
+    mem.swap(hf + footer::READER_STATUS, FT_READER, SeqCst);
+    mem.swap(rf + footer::READER_STATUS, 0, SeqCst);
+    mem.store(hf + footer::OVERRUN, overrun, Relaxed);
+    mark_new_head(mem, l, s.pf, s.reader, s.after);
+    // Release: paired with the Acquire loads of reader_page in RingBuffer (attach, poke,
+    // advance, finalize), Mailbox::swap_reader, update_footers and the next swap: the
+    // footers above come first (S1).
+    let c = l.ctl(cpu);
+    mem.store(c + ctl::READER_PAGE, u64::from(s.head), Release);
+    mem.fetch_add(c + ctl::SWAPS, 1, Relaxed);
 }
 
 /// FT_HEAD on `after`, the page a swap just made the head by putting the old reader page
