@@ -471,6 +471,9 @@ struct Model {
     burst: usize,
     steps: usize,
     via: Via,
+    /// Executions in which the writer swapped released pages back (this model's own
+    /// count: [`check_released`] needs its model to reach that swap).
+    self_swap_runs: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Model {
@@ -483,6 +486,7 @@ impl Model {
             burst: 0,
             steps,
             via,
+            self_swap_runs: Arc::default(),
         }
     }
 
@@ -527,7 +531,7 @@ impl Model {
         let mut w = writer.join().unwrap();
         let mut rd = reader.join().unwrap();
         if w.self_swaps() > 0 {
-            SELF_SWAP_RUNS.fetch_add(1, Relaxed);
+            self.self_swap_runs.fetch_add(1, Relaxed);
         }
         if rd.pending {
             // A request still in flight: the writer answers it (M1: the answer is not
@@ -570,9 +574,6 @@ impl Model {
         assert_eq!(rd.lost + pending, w.overrun() + w.dropped(), "{rd:?}");
     }
 }
-
-/// Executions (of every model so far) in which the writer swapped released pages back.
-static SELF_SWAP_RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// Checks `model` under loom and reports how many executions it explored.
 fn check(name: &str, model: Model) {
@@ -618,174 +619,136 @@ fn assert_caught(name: &str, model: Model, needle: &str, as_what: &str) {
     assert!(msg.contains(needle), "caught, but not as {as_what}: {msg}");
 }
 
-/// Overwrite mode, two plain reader steps against a ring of 4 events.
+/// The models proper (left out of the seeded-bug builds, which run only their
+/// seeded test).
 #[cfg(not(any(
     hyptrace_seeded_bug,
     hyptrace_seeded_bug_relaxed_commit,
     hyptrace_seeded_bug_relaxed_release
 )))]
-#[test]
-fn overwrite_writer_vs_two_swaps() {
-    check(
-        "overwrite 4/2 plain",
-        Model::new(Mode::Overwrite, 4, BIG, 2, Via::Plain),
-    );
-}
+mod models {
+    use super::*;
 
-/// Stop mode: the writer fills the ring and drops while the reader swaps.
-#[cfg(not(any(
-    hyptrace_seeded_bug,
-    hyptrace_seeded_bug_relaxed_commit,
-    hyptrace_seeded_bug_relaxed_release
-)))]
-#[test]
-fn stop_writer_vs_two_swaps() {
-    check(
-        "stop 5/2 plain",
-        Model::new(Mode::Stop, 5, BIG, 2, Via::Plain),
-    );
-}
-
-/// The hinted swap (as `Direct` and the guest's mailbox use it): the second swap
-/// starts its head search where the first left the HEAD link, while the writer may be
-/// pushing the head (overwrite) — including the window where the new HEAD link is
-/// published but the writer still holds UPDATE on its tail's link.
-#[cfg(not(any(
-    hyptrace_seeded_bug,
-    hyptrace_seeded_bug_relaxed_commit,
-    hyptrace_seeded_bug_relaxed_release
-)))]
-#[test]
-fn hinted_swaps_overwrite() {
-    check(
-        "overwrite 4/2 hinted",
-        Model::new(Mode::Overwrite, 4, BIG, 2, Via::Hinted),
-    );
-}
-
-/// The mailbox path (`--swap guest`), stop mode: the reader posts swap requests, the
-/// writer thread serves them between its writes; busy/contended/unanswered are
-/// outcomes, and a request in flight keeps the reader off its page (M1).
-#[cfg(not(any(
-    hyptrace_seeded_bug,
-    hyptrace_seeded_bug_relaxed_commit,
-    hyptrace_seeded_bug_relaxed_release
-)))]
-#[test]
-fn mailbox_stop() {
-    check(
-        "stop 4/2 mailbox",
-        Model::new(Mode::Stop, 4, BIG, 2, Via::Mailbox),
-    );
-}
-
-/// Released pages (`--swap guest`, stop mode): the reader reads the ring pages in place
-/// while the writer writes on (a write to a page being read would be a race loom
-/// reports) and releases each page it has read with one store; the writer, its ring
-/// full, swaps released pages back by itself (S1 holds at rest) and never takes one
-/// the reader has not released; every event is read once or counted as dropped.
-#[cfg(not(any(
-    hyptrace_seeded_bug,
-    hyptrace_seeded_bug_relaxed_commit,
-    hyptrace_seeded_bug_relaxed_release
-)))]
-#[test]
-fn released_pages_stop() {
-    check_released(
-        "stop 5/3 released",
-        Model::new(Mode::Stop, 5, BIG, 3, Via::Release),
-    );
-}
-
-/// [`check`] of a released-pages model that must reach the writer's own swap in some
-/// execution (else the model would not test what it is for).
-#[cfg(not(any(
-    hyptrace_seeded_bug,
-    hyptrace_seeded_bug_relaxed_commit,
-    hyptrace_seeded_bug_relaxed_release
-)))]
-fn check_released(name: &str, model: Model) {
-    check(name, model);
-    assert!(
-        SELF_SWAP_RUNS.load(Relaxed) > 0,
-        "no execution reached a swap of a released page"
-    );
-}
-
-/// Released pages with pages already full when the threads start (the first step
-/// reads two pages and releases them while the writer, its ring full, needs them).
-#[cfg(not(any(
-    hyptrace_seeded_bug,
-    hyptrace_seeded_bug_relaxed_commit,
-    hyptrace_seeded_bug_relaxed_release
-)))]
-#[test]
-fn released_pages_stop_prefilled() {
-    let mut m = Model::new(Mode::Stop, 6, BIG, 3, Via::Release);
-    m.setup = 3;
-    check_released("stop 6/3 released, 3 before", m);
-}
-
-/// The mailbox path in overwrite mode.
-#[cfg(not(any(
-    hyptrace_seeded_bug,
-    hyptrace_seeded_bug_relaxed_commit,
-    hyptrace_seeded_bug_relaxed_release
-)))]
-#[test]
-fn mailbox_overwrite() {
-    check(
-        "overwrite 4/2 mailbox",
-        Model::new(Mode::Overwrite, 4, BIG, 2, Via::Mailbox),
-    );
-}
-
-/// Pages holding several events and a TIME_EXTEND: three events per page, the third
-/// 2^28 ticks after the second; the reader reads a page while the writer appends to it
-/// (hinted swaps, stop mode).
-fn multi_event_model() -> Model {
-    let mut m = Model::new(Mode::Stop, 5, SMALL, 2, Via::Hinted);
-    for (i, e) in m.events.iter_mut().enumerate() {
-        if i >= 2 {
-            e.1 += 1 << 28;
-        }
+    /// Overwrite mode, two plain reader steps against a ring of 4 events.
+    #[test]
+    fn overwrite_writer_vs_two_swaps() {
+        check(
+            "overwrite 4/2 plain",
+            Model::new(Mode::Overwrite, 4, BIG, 2, Via::Plain),
+        );
     }
-    m
-}
 
-#[cfg(not(any(
-    hyptrace_seeded_bug,
-    hyptrace_seeded_bug_relaxed_commit,
-    hyptrace_seeded_bug_relaxed_release
-)))]
-#[test]
-fn multi_event_pages_time_extend() {
-    check("stop 5x1300/2 time-extend hinted", multi_event_model());
-}
+    /// Stop mode: the writer fills the ring and drops while the reader swaps.
+    #[test]
+    fn stop_writer_vs_two_swaps() {
+        check(
+            "stop 5/2 plain",
+            Model::new(Mode::Stop, 5, BIG, 2, Via::Plain),
+        );
+    }
 
-/// A writer that laps the ring after a swap (overwrite): the smallest ring (the reader
-/// page and 2 ring pages), both filled before the threads start, then 3 more one-page
-/// events in bursts of 2 against one hinted swap. The writer can push the page the swap
-/// made the head and lap the ring back to it while the swap marks it (its FT_HEAD
-/// fix-up); S1's FT_HEAD is checked at the end. The old fix-up (set, re-load the link,
-/// clear if it changed) fails here: the writer pushes the new head before the re-load
-/// and makes it the head again before the clear (2 preemptions and a burst yield).
-fn lap_model() -> Model {
-    let mut m = Model::new(Mode::Overwrite, 5, BIG, 1, Via::Hinted);
-    m.pages = 3;
-    m.setup = 2;
-    m.burst = 2;
-    m
-}
+    /// The hinted swap (as `Direct` and the guest's mailbox use it): the second swap
+    /// starts its head search where the first left the HEAD link, while the writer may be
+    /// pushing the head (overwrite) — including the window where the new HEAD link is
+    /// published but the writer still holds UPDATE on its tail's link.
+    #[test]
+    fn hinted_swaps_overwrite() {
+        check(
+            "overwrite 4/2 hinted",
+            Model::new(Mode::Overwrite, 4, BIG, 2, Via::Hinted),
+        );
+    }
 
-#[cfg(not(any(
-    hyptrace_seeded_bug,
-    hyptrace_seeded_bug_relaxed_commit,
-    hyptrace_seeded_bug_relaxed_release
-)))]
-#[test]
-fn writer_laps_after_swap() {
-    check("overwrite 3 pages 2+3/1 lap hinted", lap_model());
+    /// The mailbox path (`--swap guest`), stop mode: the reader posts swap requests, the
+    /// writer thread serves them between its writes; busy/contended/unanswered are
+    /// outcomes, and a request in flight keeps the reader off its page (M1).
+    #[test]
+    fn mailbox_stop() {
+        check(
+            "stop 4/2 mailbox",
+            Model::new(Mode::Stop, 4, BIG, 2, Via::Mailbox),
+        );
+    }
+
+    /// Released pages (`--swap guest`, stop mode): the reader reads the ring pages in place
+    /// while the writer writes on (a write to a page being read would be a race loom
+    /// reports) and releases each page it has read with one store; the writer, its ring
+    /// full, swaps released pages back by itself (S1 holds at rest) and never takes one
+    /// the reader has not released; every event is read once or counted as dropped.
+    #[test]
+    fn released_pages_stop() {
+        check_released(
+            "stop 5/3 released",
+            Model::new(Mode::Stop, 5, BIG, 3, Via::Release),
+        );
+    }
+
+    /// [`check`] of a released-pages model that must reach the writer's own swap in some
+    /// execution (else the model would not test what it is for).
+    fn check_released(name: &str, model: Model) {
+        let runs = Arc::clone(&model.self_swap_runs);
+        check(name, model);
+        assert!(
+            runs.load(Relaxed) > 0,
+            "{name}: no execution reached a swap of a released page"
+        );
+    }
+
+    /// Released pages with pages already full when the threads start (the first step
+    /// reads two pages and releases them while the writer, its ring full, needs them).
+    #[test]
+    fn released_pages_stop_prefilled() {
+        let mut m = Model::new(Mode::Stop, 6, BIG, 3, Via::Release);
+        m.setup = 3;
+        check_released("stop 6/3 released, 3 before", m);
+    }
+
+    /// The mailbox path in overwrite mode.
+    #[test]
+    fn mailbox_overwrite() {
+        check(
+            "overwrite 4/2 mailbox",
+            Model::new(Mode::Overwrite, 4, BIG, 2, Via::Mailbox),
+        );
+    }
+
+    /// Pages holding several events and a TIME_EXTEND: three events per page, the third
+    /// 2^28 ticks after the second; the reader reads a page while the writer appends to it
+    /// (hinted swaps, stop mode).
+    fn multi_event_model() -> Model {
+        let mut m = Model::new(Mode::Stop, 5, SMALL, 2, Via::Hinted);
+        for (i, e) in m.events.iter_mut().enumerate() {
+            if i >= 2 {
+                e.1 += 1 << 28;
+            }
+        }
+        m
+    }
+
+    #[test]
+    fn multi_event_pages_time_extend() {
+        check("stop 5x1300/2 time-extend hinted", multi_event_model());
+    }
+
+    /// A writer that laps the ring after a swap (overwrite): the smallest ring (the reader
+    /// page and 2 ring pages), both filled before the threads start, then 3 more one-page
+    /// events in bursts of 2 against one hinted swap. The writer can push the page the swap
+    /// made the head and lap the ring back to it while the swap marks it (its FT_HEAD
+    /// fix-up); S1's FT_HEAD is checked at the end. The old fix-up (set, re-load the link,
+    /// clear if it changed) fails here: the writer pushes the new head before the re-load
+    /// and makes it the head again before the clear (2 preemptions and a burst yield).
+    fn lap_model() -> Model {
+        let mut m = Model::new(Mode::Overwrite, 5, BIG, 1, Via::Hinted);
+        m.pages = 3;
+        m.setup = 2;
+        m.burst = 2;
+        m
+    }
+
+    #[test]
+    fn writer_laps_after_swap() {
+        check("overwrite 3 pages 2+3/1 lap hinted", lap_model());
+    }
 }
 
 /// Seeded bug 1 (`--cfg hyptrace_seeded_bug`: push_head publishes the new head's link
