@@ -371,7 +371,7 @@ impl RunReport {
 
     /// How far a paced vCPU that took `ms` ran behind its `--rate` schedule, as a suffix
     /// of its line: the guest catches up at most `PACE_MAX_LAG_US`, so a vCPU held off
-    /// its core for longer ends later (empty when within 1 ms and 1 % of the schedule).
+    /// its core for longer ends later (empty unless it is more than 1 ms and 1 % late).
     fn behind(&self, ms: f64) -> String {
         let e = &self.echo;
         if e.rate == 0 || !matches!(e.workload.as_str(), "steady" | "mixed") {

@@ -89,9 +89,7 @@ impl RateRow {
             ),
         }
     }
-}
 
-impl RateRow {
     /// What the guest reached at the highest loss-free rate, when the vCPU was held off
     /// its core for more than 1 % of the run (else nothing).
     fn reached(&self) -> String {
