@@ -293,6 +293,13 @@ fn released_setup(
     (mem, l, rb, w)
 }
 
+/// Writes a 1000-byte event (three per 4 KiB page) whose payload starts with `seq`.
+fn write_seq(w: &mut Writer<Arc<HeapMem>>, seq: u64) -> WriteOutcome {
+    let mut p = [0u8; 1000];
+    p[..8].copy_from_slice(&seq.to_le_bytes());
+    w.write(0, 10 + seq, &p)
+}
+
 /// Released pages (`--swap guest`, stop mode): the reader reads the ring pages in
 /// place, following the writer, and releases each one it has read with one store —
 /// no mailbox request at all; the writer, its ring full, swaps released pages back by
@@ -307,9 +314,7 @@ fn released_pages_are_taken_back_by_the_writer() {
     let mut write = |w: &mut Writer<Arc<HeapMem>>, n: u64| {
         let mut outcomes = Vec::new();
         for _ in 0..n {
-            let mut p = [0u8; 1000];
-            p[..8].copy_from_slice(&seq.to_le_bytes());
-            outcomes.push(w.write(0, 10 + seq, &p));
+            outcomes.push(write_seq(w, seq));
             seq += 1;
         }
         outcomes
@@ -364,9 +369,7 @@ fn postmortem_after_released_pages_starts_where_the_reader_stood() {
     // Rounds of writing past the ring (self swaps) and reading part of it.
     for _round in 0..8 {
         for _ in 0..6 {
-            let mut p = [0u8; 1000];
-            p[..8].copy_from_slice(&seq.to_le_bytes());
-            assert_eq!(w.write(0, 10 + seq, &p), WriteOutcome::Written);
+            assert_eq!(write_seq(&mut w, seq), WriteOutcome::Written);
             seq += 1;
         }
         // Consume all but the last few events (the reader stops mid-page).
@@ -400,9 +403,7 @@ fn postmortem_after_released_pages_starts_where_the_reader_stood() {
 fn postmortem_before_the_first_release() {
     let (mem, l, mut rb, mut w) = released_setup(6);
     for seq in 0..2u64 {
-        let mut p = [0u8; 1000];
-        p[..8].copy_from_slice(&seq.to_le_bytes());
-        assert_eq!(w.write(0, 10 + seq, &p), WriteOutcome::Written);
+        assert_eq!(write_seq(&mut w, seq), WriteOutcome::Written);
     }
     match rb.next_event(0).unwrap() {
         Some(Item::Event { payload, .. }) => assert_eq!(payload[0], 0),
