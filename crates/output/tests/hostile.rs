@@ -9,10 +9,8 @@ use common::*;
 use hyptrace_output::*;
 
 fn small_file(version: TraceDatVersion) -> Vec<u8> {
-    // One directory per call: tests run in parallel and scratch_dir empties it.
-    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let dir = scratch_dir(&format!("hostile-{version:?}-{n}"));
+    // A fresh directory per call (tests run in parallel), removed on return.
+    let dir = scratch_dir(&format!("hostile-{version:?}"));
     let path = dir.join("t.dat");
     let mut pages = Vec::new();
     for cpu in 0..2u32 {

@@ -6,7 +6,7 @@ mod common;
 
 use std::io::Read;
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -73,7 +73,9 @@ fn device_node_written_in_place() {
     if !mknod(&dev, 1, 3) {
         return;
     }
-    let t = OutputTarget::check(&dev).unwrap().with_spill_dir(&spill);
+    let t = OutputTarget::check(&dev)
+        .unwrap()
+        .with_spill_dir(spill.path());
     assert_eq!(t.kind(), TargetKind::Stream);
     let mut s = TraceDatSink::open(&t, meta(2), TraceDatVersion::V7).unwrap();
     feed(&mut s, &pages(2, 300)).unwrap();
@@ -107,7 +109,9 @@ fn full_device_reports_enospc_once_and_leaves_nothing() {
     if !mknod(&dev, 1, 7) {
         return;
     }
-    let t = OutputTarget::check(&dev).unwrap().with_spill_dir(&spill);
+    let t = OutputTarget::check(&dev)
+        .unwrap()
+        .with_spill_dir(spill.path());
     // trace.dat: the error comes at finish (pages are spilled first).
     let mut s = TraceDatSink::open(&t, meta(2), TraceDatVersion::V6).unwrap();
     feed(&mut s, &pages(2, 300)).unwrap();
@@ -132,15 +136,16 @@ fn full_device_reports_enospc_once_and_leaves_nothing() {
     assert_eq!(ls(&dir), vec!["full".to_string()]);
 }
 
-/// A 64 KiB tmpfs mounted on a scratch directory, unmounted when dropped.
-struct Tmpfs(PathBuf);
+/// A 64 KiB tmpfs mounted on a scratch directory, unmounted when dropped (then the
+/// directory is removed).
+struct Tmpfs(ScratchDir);
 
 impl Tmpfs {
     fn mount(name: &str) -> Option<Self> {
         let d = scratch_dir(name);
         let ok = Command::new("mount")
             .args(["-t", "tmpfs", "-o", "size=64k", "tmpfs"])
-            .arg(&d)
+            .arg(d.path())
             .stderr(std::process::Stdio::null())
             .status()
             .is_ok_and(|s| s.success());
@@ -154,7 +159,7 @@ impl Tmpfs {
 
 impl Drop for Tmpfs {
     fn drop(&mut self) {
-        let _ = Command::new("umount").arg(&self.0).status();
+        let _ = Command::new("umount").arg(self.0.path()).status();
     }
 }
 
@@ -246,7 +251,9 @@ fn fifo_is_streamed() {
     }
     let spill = scratch_dir("target-fifo-spill");
     // No reader yet: still a valid target (open waits for the reader).
-    let t = OutputTarget::check(&fifo).unwrap().with_spill_dir(&spill);
+    let t = OutputTarget::check(&fifo)
+        .unwrap()
+        .with_spill_dir(spill.path());
     assert_eq!(t.kind(), TargetKind::Stream);
     // The read side opened first (non-blocking), so opening the write side never waits.
     let mut reader = std::fs::OpenOptions::new()
@@ -348,7 +355,9 @@ fn dropped_sinks_remove_temporary_and_spill_files() {
     let dir = scratch_dir("target-drop");
     let spill = scratch_dir("target-drop-spill");
     let path = dir.join("t.dat");
-    let t = OutputTarget::check(&path).unwrap().with_spill_dir(&spill);
+    let t = OutputTarget::check(&path)
+        .unwrap()
+        .with_spill_dir(spill.path());
     let mut s = TraceDatSink::open(&t, meta(3), TraceDatVersion::V7).unwrap();
     feed(&mut s, &pages(3, 100)).unwrap();
     assert_eq!(ls(&spill).len(), 3);

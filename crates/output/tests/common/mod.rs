@@ -114,15 +114,43 @@ pub fn text(cpu: u32, seq: u64, msg: &str) -> Vec<u8> {
     b
 }
 
-/// A fresh scratch directory under the target dir's tmp.
-pub fn scratch_dir(name: &str) -> PathBuf {
-    let base = std::env::var_os("CARGO_TARGET_TMPDIR")
+/// A scratch directory, removed (with everything in it) when dropped: keep it bound
+/// for as long as the test uses the directory.
+#[derive(Debug)]
+pub struct ScratchDir(tempfile::TempDir);
+
+impl ScratchDir {
+    pub fn path(&self) -> &Path {
+        self.0.path()
+    }
+}
+
+impl std::ops::Deref for ScratchDir {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        self.path()
+    }
+}
+
+impl AsRef<Path> for ScratchDir {
+    fn as_ref(&self) -> &Path {
+        self.path()
+    }
+}
+
+/// A fresh, uniquely named scratch directory `hyptrace-output-{name}-XXXXXX` under the
+/// target dir's tmp (`CARGO_TARGET_TMPDIR`, which Cargo sets only while compiling
+/// integration tests), else under the system temp dir.
+pub fn scratch_dir(name: &str) -> ScratchDir {
+    let base = option_env!("CARGO_TARGET_TMPDIR")
         .map(PathBuf::from)
         .unwrap_or_else(std::env::temp_dir);
-    let d = base.join(format!("hyptrace-output-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    std::fs::create_dir_all(&base).unwrap();
+    let d = tempfile::Builder::new()
+        .prefix(&format!("hyptrace-output-{name}-"))
+        .tempdir_in(&base)
+        .unwrap_or_else(|e| panic!("scratch dir in {}: {e}", base.display()));
+    ScratchDir(d)
 }
 
 /// Output of the real trace-cmd, or `None` (after printing SKIP) when it is not
