@@ -53,6 +53,7 @@ pub const MAX_EXTENDED_DELTA: u64 = (1 << (DELTA_BITS + 32)) - 1;
 pub const TIME_EXTEND_SIZE: usize = 8;
 
 /// Rounds up to the 4-byte event alignment.
+#[inline]
 pub const fn align4(n: usize) -> usize {
     (n + 3) & !3
 }
@@ -60,6 +61,7 @@ pub const fn align4(n: usize) -> usize {
 /// Total encoded size (header words + padded payload) of a data event with a payload
 /// of `payload_len` bytes. Payloads of 1..=112 bytes use the small form; 0 and longer
 /// ones use the `type_len == 0` form with a length word.
+#[inline]
 pub const fn data_event_size(payload_len: usize) -> usize {
     let p = align4(payload_len);
     if p == 0 || p > MAX_SMALL_PAYLOAD {
@@ -70,6 +72,7 @@ pub const fn data_event_size(payload_len: usize) -> usize {
 }
 
 /// Header word of an event.
+#[inline]
 pub const fn header_word(type_len: u32, delta: u32) -> u32 {
     (type_len & 0x1f) | (delta << 5)
 }
@@ -77,6 +80,7 @@ pub const fn header_word(type_len: u32, delta: u32) -> u32 {
 /// Writes the header words of a data event of `payload_len` bytes with time delta
 /// `delta` (≤ [`MAX_DELTA`]) into `out`, returning how many bytes they take (4 or 8).
 /// The payload goes right after them.
+#[inline]
 pub fn encode_data_header(out: &mut [u8; 8], payload_len: usize, delta: u32) -> usize {
     let p = align4(payload_len);
     if p == 0 || p > MAX_SMALL_PAYLOAD {
@@ -90,6 +94,7 @@ pub fn encode_data_header(out: &mut [u8; 8], payload_len: usize, delta: u32) -> 
 }
 
 /// Encodes a TIME_EXTEND event carrying `delta` (≤ [`MAX_EXTENDED_DELTA`]).
+#[inline]
 pub const fn encode_time_extend(delta: u64) -> [u8; 8] {
     let lo = header_word(TYPE_TIME_EXTEND, (delta & MAX_DELTA) as u32).to_le_bytes();
     let hi = ((delta >> DELTA_BITS) as u32).to_le_bytes();
