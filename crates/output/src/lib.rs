@@ -34,7 +34,7 @@ pub use printfmt::{Program, Unsupported};
 /// The old name of [`KernelCpuStat`], kept only until the host uses the new one.
 #[doc(hidden)]
 pub use sink::KernelCpuStat as CpuStats;
-pub use sink::{KernelCpuStat, PageSink, RunSummary, TraceMeta};
+pub use sink::{KernelCpuStat, OutputWaits, PageSink, RunSummary, TraceMeta};
 pub use sinks::{
     is_raw_stream, JsonSink, RawReader, RawSink, RawTrace, TextSink, JSON_MAX_SAFE_INTEGER,
     JSON_PID, RAW_MAGIC, RAW_MAGIC_V1,

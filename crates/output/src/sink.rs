@@ -132,6 +132,28 @@ pub struct RunSummary {
     pub cpus: Vec<KernelCpuStat>,
 }
 
+/// How long the producer of a sink's pages waited for the sink to take them: the
+/// back-pressure of an output slower than the rings fill ([`crate::ThreadedSink`]
+/// counts it; a sink that writes in the caller's thread reports nothing).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OutputWaits {
+    /// Waits.
+    pub count: u64,
+    /// Their total.
+    pub total: std::time::Duration,
+    /// The longest one.
+    pub longest: std::time::Duration,
+}
+
+impl OutputWaits {
+    /// Counts one wait of `d`.
+    pub fn add(&mut self, d: std::time::Duration) {
+        self.count = self.count.saturating_add(1);
+        self.total = self.total.saturating_add(d);
+        self.longest = self.longest.max(d);
+    }
+}
+
 /// A consumer of exported ring pages.
 ///
 /// `page` receives the raw page as it is in the ring (header + data + private footer,
@@ -157,4 +179,9 @@ pub trait PageSink {
     /// End of the run: write what is left and close. A sink dropped without `finish`
     /// leaves no output that looks complete.
     fn finish(self: Box<Self>, summary: &RunSummary) -> Result<(), OutputError>;
+    /// How long the caller has waited so far for this sink to take pages
+    /// ([`OutputWaits`]); nothing for a sink that never makes its caller wait for room.
+    fn waits(&self) -> OutputWaits {
+        OutputWaits::default()
+    }
 }

@@ -11,7 +11,8 @@
 //! Bounds: at most [`MAX_CHUNKS`] chunks of about [`CHUNK_BYTES`] exist (allocated on
 //! demand, then reused): the memory in flight is bounded by constants, never by what
 //! the guest writes. When all are in flight the reader waits for one (back-pressure:
-//! the rings fill and stop mode drops, counted, as with a slow synchronous sink).
+//! the rings fill and stop mode drops, counted, as with a slow synchronous sink); each
+//! such wait is timed ([`PageSink::waits`]), so a run can say its output held it back.
 //! A partly filled chunk is handed over by [`PageSink::idle`] once it is
 //! [`FLUSH_AFTER`] old, so output keeps flowing at low rates.
 //!
@@ -24,7 +25,7 @@ use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::{OutputError, PageSink, RunSummary};
+use crate::{OutputError, OutputWaits, PageSink, RunSummary};
 
 /// Page bytes per chunk (a chunk holds at least one page, whatever its size).
 pub const CHUNK_BYTES: usize = 1 << 20;
@@ -70,6 +71,8 @@ pub struct ThreadedSink {
     worker: Option<Worker>,
     /// The thread ended with an error already returned once.
     closed: bool,
+    /// Back-pressure: the waits for a chunk the thread was still writing.
+    waits: OutputWaits,
 }
 
 impl ThreadedSink {
@@ -92,6 +95,7 @@ impl ThreadedSink {
             since: None,
             worker: Some(worker),
             closed: false,
+            waits: OutputWaits::default(),
         })
     }
 
@@ -131,7 +135,10 @@ impl ThreadedSink {
             self.allocated += 1;
             return Ok(Chunk::default());
         }
-        match self.free.recv() {
+        let t = Instant::now();
+        let got = self.free.recv();
+        self.waits.add(t.elapsed());
+        match got {
             Ok(c) => Ok(c),
             Err(_) => Err(self.fail()),
         }
@@ -228,6 +235,10 @@ impl PageSink for ThreadedSink {
             None => Err(OutputError::Closed),
             Some(Err(panic)) => std::panic::resume_unwind(panic),
         }
+    }
+
+    fn waits(&self) -> OutputWaits {
+        self.waits
     }
 }
 
@@ -341,5 +352,51 @@ mod tests {
         assert!(errors[1..].iter().all(|e| matches!(e, OutputError::Closed)));
         // Never finished: the inner sink was dropped unfinished.
         assert!(!rec.log.lock().unwrap().contains(&"finish".to_string()));
+    }
+
+    /// Holds its first page until `gate` opens (or 10 s pass), then takes pages at once.
+    struct Gated {
+        gate: std::sync::mpsc::Receiver<()>,
+        held: bool,
+    }
+
+    impl PageSink for Gated {
+        fn page(&mut self, _: u32, _: &[u8], _: Option<u64>) -> Result<(), OutputError> {
+            if !self.held {
+                self.held = true;
+                let _ = self.gate.recv_timeout(Duration::from_secs(10));
+            }
+            Ok(())
+        }
+        fn finish(self: Box<Self>, _: &RunSummary) -> Result<(), OutputError> {
+            Ok(())
+        }
+    }
+
+    /// The reader's waits for room are counted: none while chunks are free, one when
+    /// every chunk is in flight behind a stalled write.
+    #[test]
+    fn waits_for_room_are_counted() {
+        let (open, gate) = std::sync::mpsc::channel();
+        let mut s = ThreadedSink::new(Box::new(Gated { gate, held: false })).unwrap();
+        // One 1 MiB page per chunk: MAX_CHUNKS pages fill every chunk (the first one
+        // stalls in the inner sink), the next one has to wait for a chunk back.
+        let page = vec![7u8; CHUNK_BYTES];
+        for _ in 0..MAX_CHUNKS {
+            s.page(0, &page, None).unwrap();
+        }
+        assert_eq!(s.waits(), OutputWaits::default());
+        // The stalled write ends 300 ms from now, long after this thread asks for a
+        // chunk; the join below propagates a panic of the opener.
+        let opener = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            open.send(()).unwrap();
+        });
+        s.page(0, &page, None).unwrap();
+        let w = s.waits();
+        assert_eq!(w.count, 1, "{w:?}");
+        assert!(w.longest > Duration::ZERO && w.total == w.longest, "{w:?}");
+        opener.join().unwrap();
+        Box::new(s).finish(&RunSummary::default()).unwrap();
     }
 }
