@@ -9,6 +9,7 @@
 //! bounded; no duration is asserted.
 
 use std::io::{BufRead, BufReader, Read};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
@@ -915,6 +916,106 @@ fn long_record_has_a_heartbeat() {
             .any(|l| l.starts_with("hyptrace: recording: ") && l.contains("events read")),
         "{err}"
     );
+}
+
+/// An output that does not take pages holds the reader back: the run then says so
+/// (its hint names the wait for the output) and `--stats` counts the waits. The output
+/// is a FIFO nobody reads until the guest has written everything — far more than the
+/// reader can hand over meanwhile (its 32 MiB of chunks, the ring, the pipe) — so the
+/// reader had to wait, whatever the timing, and the ring filled (stop mode drops).
+#[test]
+fn a_stalled_output_is_named_as_the_cause_of_the_loss() {
+    if !kvm_available(KRATE, "a_stalled_output_is_named_as_the_cause_of_the_loss") {
+        return;
+    }
+    let _vm = vm_lock();
+    let dir = TempDir::new("stall");
+    let fifo = dir.file("pipe");
+    let stats = dir.file("stats.json");
+    assert!(Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .expect("mkfifo")
+        .success());
+    // The read side first, without blocking: the run's open of the FIFO then does not
+    // wait, and nothing is read from it yet.
+    let mut r = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(0o4000) // O_NONBLOCK
+        .open(&fifo)
+        .expect("open fifo");
+    // 10 M events of 28 bytes: 280 MB, flat out (a few hundred ms of guest time).
+    let mut child = Command::new(BIN)
+        .args([
+            "record", "-o", &fifo, "--format", "raw", "--vcpus", "1", "--events", "10000000",
+            "--rate", "0", "--mode", "stop", "--stats", &stats,
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    // The guest has written everything once its vCPU thread has come and gone.
+    let task = format!("/proc/{}/task", child.id());
+    let vcpu_thread = || {
+        std::fs::read_dir(&task).is_ok_and(|d| {
+            d.flatten().any(|t| {
+                std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim() == "vcpu0")
+            })
+        })
+    };
+    let seen = std::cell::Cell::new(false);
+    env::wait_until(
+        &mut child,
+        "the vCPU thread to finish",
+        Duration::from_secs(60),
+        || {
+            let now = vcpu_thread();
+            seen.set(seen.get() || now);
+            seen.get() && !now
+        },
+        || format!("vcpu0 seen: {}", seen.get()),
+    );
+    // Now read everything (the writer closes at the end: EOF).
+    let mut raw = Vec::new();
+    let t0 = Instant::now();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        match r.read(&mut buf) {
+            Ok(0) if !raw.is_empty() => break,
+            Ok(n) => raw.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                assert!(t0.elapsed() < LIMIT, "the run never closed its output");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(e) => panic!("read fifo: {e}"),
+        }
+    }
+    let st = wait_bounded(&mut child, "record into a stalled FIFO");
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .expect("stderr")
+        .read_to_string(&mut err)
+        .expect("stderr");
+    assert_eq!(st.code(), Some(0), "{err}");
+    assert!(
+        err.lines()
+            .any(|l| l.starts_with("hyptrace: hint: the reader waited ")
+                && l.contains("ms for the output to take pages")),
+        "{err}"
+    );
+    let s: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&stats).expect("stats")).expect("json");
+    assert!(
+        s["cpus"][0]["dropped"].as_u64().expect("dropped") > 0,
+        "{s}"
+    );
+    assert!(
+        s["reader"]["output_waits"].as_u64().expect("waits") >= 1,
+        "{s}"
+    );
+    assert_balanced(&s);
 }
 
 /// Lost events come with a hint fitting the mode.

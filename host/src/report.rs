@@ -221,8 +221,29 @@ pub struct Timing {
     pub tsc_offset: Option<i64>,
     /// From start until every vCPU stopped.
     pub wall: Duration,
-    /// CPU time the drain loop's thread used while the vCPUs ran (`RUSAGE_THREAD`).
-    pub reader_cpu: Duration,
+    /// What the drain loop measured of itself.
+    pub reader: ReaderTimes,
+}
+
+/// What the drain loop (the reader thread) measured of itself while the vCPUs ran —
+/// where the time went when it fell behind — and the rings it drained.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReaderTimes {
+    /// The loop drained the rings while the vCPUs ran (`--drain live`); without it
+    /// nothing below says why events were lost.
+    pub live: bool,
+    /// CPU time the thread used (`RUSAGE_THREAD`).
+    pub cpu: Duration,
+    /// The longest it woke up later than it asked to (held off its core).
+    pub longest_late: Duration,
+    /// Its longest round over the CPUs.
+    pub longest_round: Duration,
+    /// Its waits for the output to take pages (back-pressure of a slow output).
+    pub output_waits: hyptrace_output::OutputWaits,
+    /// `--buffer-kb`: one CPU's pages, the reader page included.
+    pub buffer_kb: u64,
+    /// Event bytes one CPU's ring holds while its reader is away (its ring pages' data).
+    pub ring_bytes: u64,
 }
 
 impl Timing {
@@ -449,6 +470,69 @@ impl RunReport {
         )
     }
 
+    /// Event bytes per second one vCPU offered its ring, the busiest one: its committed
+    /// bytes scaled to every event it wrote (dropped ones too) over the run's wall time.
+    /// Guest numbers: computed in floating point, never overflowing.
+    fn offered_rate(&self) -> f64 {
+        let secs = self.timing.wall.as_secs_f64();
+        if secs <= 0.0 {
+            return 0.0;
+        }
+        self.cpus
+            .iter()
+            .map(|c| {
+                let committed = c.written.saturating_sub(c.stats.dropped);
+                if committed == 0 {
+                    return 0.0;
+                }
+                c.stats.bytes as f64 / committed as f64 * c.written as f64 / secs
+            })
+            .fold(0.0, f64::max)
+    }
+
+    /// Why a live reader lost events, from what it measured of itself: it waited for
+    /// the output to take pages (the output is slower than the guest writes), or it
+    /// was held off its core longer than half of what a ring lasts at this run's rate.
+    /// Facts with the option that helps, one line each; none when the reader kept no
+    /// record (`--drain none`) or neither happened.
+    fn loss_causes(&self) -> Vec<String> {
+        let r = &self.timing.reader;
+        let mut out = Vec::new();
+        if !r.live {
+            return out;
+        }
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        let rate = self.offered_rate();
+        let w = &r.output_waits;
+        if w.count > 0 {
+            out.push(format!(
+                "the reader waited {:.1} ms for the output to take pages ({} time{}, the longest {:.1} ms): the output was slower than the guest wrote ({:.0} MB/s of events on the busiest vCPU); write to a faster file system or lower --rate",
+                ms(w.total),
+                w.count,
+                if w.count == 1 { "" } else { "s" },
+                ms(w.longest),
+                rate / 1e6,
+            ));
+        }
+        if rate > 0.0 && r.ring_bytes > 0 {
+            let lasts = r.ring_bytes as f64 / rate;
+            let late = r.longest_late.as_secs_f64();
+            if late > lasts / 2.0 {
+                // A ring that lasts twice the longest absence, in the option's units
+                // (rounded up to a power of two KiB).
+                let want = (r.buffer_kb as f64 * 2.0 * late / lasts).ceil() as u64;
+                out.push(format!(
+                    "the reader thread was held off its core for up to {:.1} ms, while a {} KiB ring lasts {:.1} ms at this run's rate: --buffer-kb {} holds twice that",
+                    late * 1e3,
+                    r.buffer_kb,
+                    lasts * 1e3,
+                    want.max(1).next_power_of_two(),
+                ));
+            }
+        }
+        out
+    }
+
     /// The summary proper: a line per vCPU's outcome and one per CPU's counters, then
     /// the totals (no newline after them).
     pub fn summary(&self) -> Summary<'_> {
@@ -494,6 +578,9 @@ impl fmt::Display for RunReport {
         writeln!(f, "{}", self.summary())?;
         if self.cpus.iter().any(|r| r.stats.lost > 0) {
             writeln!(f, "hyptrace: hint: {}", loss_hint(self.mode))?;
+            for why in self.loss_causes() {
+                writeln!(f, "hyptrace: hint: {why}")?;
+            }
         }
         let failed = self.failures.any();
         if self
@@ -545,6 +632,38 @@ impl CrashStats {
     }
 }
 
+/// The live reader's [`ReaderTimes`] in `--stats`, in milliseconds (fields in
+/// alphabetical order: the JSON's key order).
+#[derive(Debug, Serialize, PartialEq)]
+pub struct ReaderJson {
+    /// CPU time the reader thread used.
+    cpu_ms: f64,
+    /// The longest it woke up later than it asked to.
+    longest_late_ms: f64,
+    /// Its longest round over the CPUs.
+    longest_round_ms: f64,
+    /// The longest of its waits for the output to take pages.
+    output_wait_longest_ms: f64,
+    /// All of those waits.
+    output_wait_ms: f64,
+    /// How many there were.
+    output_waits: u64,
+}
+
+impl ReaderJson {
+    fn new(r: &ReaderTimes) -> Option<Self> {
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        r.live.then(|| Self {
+            cpu_ms: ms(r.cpu),
+            longest_late_ms: ms(r.longest_late),
+            longest_round_ms: ms(r.longest_round),
+            output_wait_longest_ms: ms(r.output_waits.longest),
+            output_wait_ms: ms(r.output_waits.total),
+            output_waits: r.output_waits.count,
+        })
+    }
+}
+
 /// One CPU in `--stats` (fields in alphabetical order: the JSON's key order).
 #[derive(Debug, Serialize)]
 pub struct CpuStatsJson {
@@ -588,6 +707,8 @@ pub struct Stats {
     host_events: Option<HostEventsStats>,
     mode: String,
     rate: u64,
+    /// What the live reader measured of itself (`null` with `--drain none`).
+    reader: Option<ReaderJson>,
     stop_reason: Option<String>,
     swap: String,
     tsc_khz: u64,
@@ -645,6 +766,7 @@ impl Stats {
             host_events: r.host_events,
             mode: e.mode.clone(),
             rate: e.rate,
+            reader: ReaderJson::new(&r.timing.reader),
             stop_reason: r.stop.as_ref().map(ToString::to_string),
             swap: e.swap.clone(),
             tsc_khz: r.timing.tsc_khz,
@@ -821,6 +943,7 @@ mod tests {
             "guest_exit",
             "mode",
             "rate",
+            "reader",
             "stop_reason",
             "swap",
             "tsc_khz",
@@ -830,5 +953,97 @@ mod tests {
         ];
         assert_eq!(keys, want, "{s}");
         assert!(s.ends_with("}\n"));
+    }
+
+    /// A lossy stop-mode run of one vCPU: 1 000 000 events of 100 bytes offered over
+    /// 1 s (100 MB/s), 1 000 of them dropped; a ring of 1 024 KiB that holds 1 MB of
+    /// events, so it lasts 10 ms at that rate.
+    fn lossy(reader: ReaderTimes) -> RunReport {
+        let cpu = CpuReport {
+            finished: true,
+            attempted: Some(1_000_000),
+            skipped: Some(0),
+            written: 1_000_000,
+            stats: hyptrace_reader::CpuStats {
+                written: 1_000_000,
+                read: 999_000,
+                dropped: 1_000,
+                lost: 1_000,
+                bytes: 999_000 * 100,
+                ..Default::default()
+            },
+            error: None,
+        };
+        let mut r = report(vec![cpu], vec![VcpuOutcome::Finished(Default::default())]);
+        r.mode = ModeArg::Stop;
+        r.timing.reader = ReaderTimes {
+            buffer_kb: 1024,
+            ring_bytes: 1_000_000,
+            ..reader
+        };
+        r
+    }
+
+    fn hints(r: &RunReport) -> Vec<String> {
+        r.to_string()
+            .lines()
+            .filter_map(|l| l.strip_prefix("hyptrace: hint: "))
+            .map(str::to_string)
+            .collect()
+    }
+
+    /// A live reader that lost events says why: its waits for the output, and an
+    /// absence from its core longer than half of what the ring lasts, with the
+    /// --buffer-kb that holds twice that absence (a power of two KiB).
+    #[test]
+    fn loss_causes_name_the_output_and_the_absence() {
+        let mut waits = hyptrace_output::OutputWaits::default();
+        waits.add(Duration::from_millis(30));
+        waits.add(Duration::from_millis(12));
+        let r = lossy(ReaderTimes {
+            live: true,
+            longest_late: Duration::from_millis(12),
+            output_waits: waits,
+            ..Default::default()
+        });
+        let h = hints(&r);
+        assert_eq!(h.len(), 3, "{h:?}");
+        assert!(h[0].contains("raise --buffer-kb"), "{h:?}");
+        assert!(
+            h[1].starts_with("the reader waited 42.0 ms for the output to take pages (2 times, the longest 30.0 ms)")
+                && h[1].contains("(100 MB/s of events"),
+            "{h:?}"
+        );
+        // 12 ms away, the ring lasts 10 ms: 2 × 12 / 10 × 1024 KiB = 2458 → 4096.
+        assert!(
+            h[2].contains("up to 12.0 ms, while a 1024 KiB ring lasts 10.0 ms")
+                && h[2].ends_with("--buffer-kb 4096 holds twice that"),
+            "{h:?}"
+        );
+        let v: serde_json::Value = serde_json::from_str(&r.stats_json(0)).expect("json");
+        assert_eq!(v["reader"]["output_waits"], 2);
+        assert_eq!(v["reader"]["output_wait_longest_ms"], 30.0);
+    }
+
+    /// No cause is named without a live reader (`--drain none`: the ring was read at
+    /// the end), nor when the reader neither waited nor was away for long.
+    #[test]
+    fn loss_causes_only_from_what_a_live_reader_saw() {
+        let away = ReaderTimes {
+            longest_late: Duration::from_millis(50),
+            ..Default::default()
+        };
+        let r = lossy(away);
+        assert_eq!(hints(&r).len(), 1, "{:?}", hints(&r));
+        assert!(
+            serde_json::from_str::<serde_json::Value>(&r.stats_json(0)).expect("json")["reader"]
+                .is_null()
+        );
+        let r = lossy(ReaderTimes {
+            live: true,
+            longest_late: Duration::from_millis(4),
+            ..Default::default()
+        });
+        assert_eq!(hints(&r).len(), 1, "{:?}", hints(&r));
     }
 }

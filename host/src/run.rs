@@ -44,7 +44,8 @@ use crate::events::{EventTable, EventsError, Selection, Settled, VmEventTable};
 use crate::host_events::{HostEvents, Recording};
 use crate::plan::Plan;
 use crate::report::{
-    CpuReport, Destination, Failures, GuestView, HostEventsStats, RunReport, Stop, Timing,
+    CpuReport, Destination, Failures, GuestView, HostEventsStats, ReaderTimes, RunReport, Stop,
+    Timing,
 };
 use crate::session::{
     alloc_reader_wrapped, thread_cpu_time, GuestTraceMem, Output, ReaderPriority, Session, MIN_POLL,
@@ -387,8 +388,13 @@ impl<'a> Run<'a> {
             control,
             events: table.clone(),
             clock: host_clock,
+            ring_bytes: (
+                u64::from(plan.ring.pages_per_cpu) * plan.ring.page_size as u64 / 1024,
+                u64::from(plan.ring.pages_per_cpu.saturating_sub(1))
+                    * plan.ring.data_capacity() as u64,
+            ),
         };
-        let (aborted, reader_cpu) = live.poll_loop(plan.poll);
+        let (aborted, reader) = live.poll_loop(plan.poll);
         live.clock.recheck(true);
         let timing = Timing {
             created_tsc,
@@ -396,7 +402,7 @@ impl<'a> Run<'a> {
             start_tsc: live.running.start_tsc(),
             tsc_offset,
             wall: live.running.started_at().elapsed(),
-            reader_cpu,
+            reader,
         };
         let Live {
             running,
@@ -668,6 +674,8 @@ struct Live<'a> {
     control: Option<&'a ControlServer>,
     events: VmEventTable,
     clock: HostClock,
+    /// `--buffer-kb`, and the event bytes one CPU's ring pages hold (for the report).
+    ring_bytes: (u64, u64),
 }
 
 impl Live<'_> {
@@ -677,8 +685,8 @@ impl Live<'_> {
     /// Adaptive: the wait between rounds is [`Session::next_wait`] (`poll` while the
     /// writers are idle, down to continuous draining while one outpaces the reader), and
     /// the thread runs with a scheduling advantage ([`ReaderPriority`]) for the loop's
-    /// length. Returns also the CPU time the loop's thread used.
-    fn poll_loop(&mut self, poll: Duration) -> (bool, Duration) {
+    /// length. Returns also what the loop measured of itself ([`ReaderTimes`]).
+    fn poll_loop(&mut self, poll: Duration) -> (bool, ReaderTimes) {
         // A command on the control socket ends the wait: served at once, not at the
         // next poll (an idle run sleeps its whole `--poll-ms`).
         if let Some(c) = self.control {
@@ -738,6 +746,7 @@ impl Live<'_> {
             c.set_waker(None);
         }
         let used = thread_cpu_time().saturating_sub(cpu0);
+        let output_waits = self.session.output_waits();
         drop(priority);
         let wall = self.running.started_at().elapsed();
         log::debug!(
@@ -748,7 +757,26 @@ impl Live<'_> {
             longest_round.as_secs_f64() * 1e3,
             longest_late.as_secs_f64() * 1e3,
         );
-        (aborted, used)
+        if output_waits.count > 0 {
+            log::debug!(
+                "reader thread: waited for the output {} times, {:.1} ms in all, longest {:.3} ms",
+                output_waits.count,
+                output_waits.total.as_secs_f64() * 1e3,
+                output_waits.longest.as_secs_f64() * 1e3,
+            );
+        }
+        (
+            aborted,
+            ReaderTimes {
+                live: self.flight.drain_live,
+                cpu: used,
+                longest_late,
+                longest_round,
+                output_waits,
+                buffer_kb: self.ring_bytes.0,
+                ring_bytes: self.ring_bytes.1,
+            },
+        )
     }
 
     /// Executes the control socket's waiting commands.

@@ -502,6 +502,15 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
         }
     }
 
+    /// How long the reader has waited so far for the page sink to take pages (its
+    /// back-pressure, [`hyptrace_output::OutputWaits`]); nothing for text output.
+    pub fn output_waits(&self) -> hyptrace_output::OutputWaits {
+        match &self.output {
+            Output::Pages(sink) => sink.waits(),
+            Output::Text { .. } => hyptrace_output::OutputWaits::default(),
+        }
+    }
+
     /// Times the text merger's cap released events ahead of a CPU that held them back.
     pub fn merge_overflows(&self) -> u64 {
         match &self.output {
