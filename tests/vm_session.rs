@@ -623,26 +623,28 @@ fn swap_contention_at_full_speed_is_no_error() {
 /// is written; shorter as soon as a writer writes; `MIN_POLL` while its ring is at least
 /// half full and it writes on; the idle period again once it stopped writing, even with
 /// its ring still full (the old rule polled a full idle ring continuously); no wait while
-/// a round left data behind. Compares durations the session returns, times nothing.
+/// a round left data behind. Steps a clock of its own (`next_wait_at`): 1 ms per round.
 #[test]
 fn adaptive_wait_follows_the_fill_level() {
     use hyptrace_host::session::MIN_POLL;
     let (m, l) = region(1, 8, Mode::Stop);
     let mut s = session(&m, l, Output::Pages(Box::new(CountingSink::default())));
     let idle = Duration::from_millis(1);
+    let mut now = Instant::now();
+    let mut next = |s: &mut HeapSession| {
+        now += Duration::from_millis(1);
+        s.next_wait_at(idle, now)
+    };
     // At the start the loop assumes a fast writer (START_RATE): short waits, growing
-    // (the estimate halves per round) to the idle period while nothing is written.
-    let first = s.next_wait(idle);
+    // (the estimate halves every RATE_HALF_LIFE) to the idle period while nothing is
+    // written.
+    let first = next(&mut s);
     assert!(first < idle, "the start polls sooner: {first:?}");
     let mut waits = vec![first];
-    waits.extend(
-        (0..200)
-            .map(|_| s.next_wait(idle))
-            .take_while(|&d| d != idle),
-    );
-    assert!(waits.len() < 200, "never went back to the idle period");
+    waits.extend((0..1000).map(|_| next(&mut s)).take_while(|&d| d != idle));
+    assert!(waits.len() < 1000, "never went back to the idle period");
     assert!(waits.windows(2).all(|w| w[0] <= w[1]), "{waits:?}");
-    assert_eq!(s.next_wait(idle), idle, "nothing written yet");
+    assert_eq!(next(&mut s), idle, "nothing written yet");
     let mut w = Writer::attach(m.clone(), 0).expect("attach");
     let cap = (l.pages_per_cpu as u64 - 1) * l.data_capacity() as u64;
     let payload = [7u8; 56];
@@ -656,27 +658,23 @@ fn adaptive_wait_follows_the_fill_level() {
         }
     };
     write_until(&mut w, cap / 8);
-    let d = s.next_wait(idle);
+    let d = next(&mut s);
     assert!(d < idle, "a writer writes: {d:?}");
-    // It stops: the rate estimate decays (halved per round) until the loop idles.
-    let rounds = (0..200).take_while(|_| s.next_wait(idle) != idle).count();
-    assert!(rounds < 200, "never went back to the idle period");
+    // It stops: the rate estimate decays until the loop idles.
+    let rounds = (0..1000).take_while(|_| next(&mut s) != idle).count();
+    assert!(rounds < 1000, "never went back to the idle period");
     // It fills the ring past half (then drops: stop mode) while writing on.
     write_until(&mut w, cap * 3 / 4);
-    assert_eq!(
-        s.next_wait(idle),
-        MIN_POLL,
-        "ring half full, writer writing"
-    );
+    assert_eq!(next(&mut s), MIN_POLL, "ring half full, writer writing");
     for _ in 0..50 {
         ts += 10;
         w.write(0, ts, &payload);
     }
-    assert_eq!(s.next_wait(idle), MIN_POLL, "ring full, writer writing");
+    assert_eq!(next(&mut s), MIN_POLL, "ring full, writer writing");
     // It stops with the ring full: nothing can be lost by waiting.
-    let rounds = (0..200).take_while(|_| s.next_wait(idle) != idle).count();
+    let rounds = (0..1000).take_while(|_| next(&mut s) != idle).count();
     assert!(
-        rounds < 200,
+        rounds < 1000,
         "a full ring of an idle writer kept the loop polling"
     );
     // Drained in rounds (all but the writer's own page): still idle.
@@ -687,5 +685,59 @@ fn adaptive_wait_follows_the_fill_level() {
         }
     }
     assert!(s.stats(0).read > 0);
-    assert_eq!(s.next_wait(idle), idle);
+    assert_eq!(next(&mut s), idle);
+}
+
+/// A fast writer whose vCPU is off its core for a moment is not forgotten: rounds come
+/// every few tens of microseconds while it writes, and an estimate halved per round
+/// fell to nothing within a 1 ms pause, after which the loop slept the idle period
+/// (5 ms by default) while the ring — 2.3 ms at 16 M events/s — filled. The estimate
+/// halves per RATE_HALF_LIFE instead: after the pause the wait is still a fraction
+/// of the ring's fill time, not the idle period.
+#[test]
+fn adaptive_wait_remembers_a_writer_through_a_pause() {
+    let (m, l) = region(1, 64, Mode::Stop);
+    let mut s = session(&m, l, Output::Pages(Box::new(CountingSink::default())));
+    let idle = Duration::from_millis(5);
+    let mut now = Instant::now();
+    // A second of nothing written first: the start's assumed rate is forgotten.
+    for _ in 0..100 {
+        now += Duration::from_millis(10);
+        s.next_wait_at(idle, now);
+    }
+    assert_eq!(s.next_wait_at(idle, now), idle);
+    let mut w = Writer::attach(m.clone(), 0).expect("attach");
+    let cap = (l.pages_per_cpu as u64 - 1) * l.data_capacity() as u64;
+    let payload = [7u8; 24];
+    let mut ts = 1000;
+    // 1/16 of the ring per 100 µs: the ring would fill in 1.6 ms.
+    let step = cap / 16;
+    let mut written = 0;
+    for _ in 0..4 {
+        written += step;
+        while m.load(l.ctl(0) + ctl::BYTES, Relaxed) < written {
+            ts += 10;
+            assert_eq!(w.write(0, ts, &payload), WriteOutcome::Written);
+        }
+        now += Duration::from_micros(100);
+        s.next_wait_at(idle, now);
+        // The reader keeps up: everything written is read (but the writer's page).
+        for _ in 0..100 {
+            s.poll(0).expect("poll");
+            if !s.backlog() {
+                break;
+            }
+        }
+    }
+    // The vCPU is away for 1 ms: rounds every 50 µs see nothing written.
+    let mut waits = Vec::new();
+    for _ in 0..20 {
+        now += Duration::from_micros(50);
+        waits.push(s.next_wait_at(idle, now));
+    }
+    let last = *waits.last().expect("waits");
+    assert!(
+        last < Duration::from_micros(800),
+        "the writer was forgotten within its 1 ms pause: {waits:?}"
+    );
 }

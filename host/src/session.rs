@@ -124,9 +124,14 @@ pub const REQUEST_POLL: Duration = Duration::from_micros(50);
 pub const POLLS_PER_FILL: u32 = 4;
 
 /// The writing rate (bytes/s) [`Session::next_wait`] assumes at the start, before it
-/// measured one: 1 GB/s, a quarter of a 1 MiB ring's fill time is ~260 µs; halved per
-/// idle round, the wait reaches `--poll-ms` within a few milliseconds.
+/// measured one: 1 GB/s, a quarter of a 1 MiB ring's fill time is ~260 µs; halved every
+/// [`RATE_HALF_LIFE`] while nothing is written, the wait reaches the default `--poll-ms`
+/// within about 100 ms.
 pub const START_RATE: f64 = 1e9;
+/// How fast [`Session::next_wait`] forgets a writer's rate while it writes less: the
+/// estimate halves every this long (it rises at once). Long against a vCPU's absence
+/// from its core (milliseconds), short against a human's idea of idle.
+pub const RATE_HALF_LIFE: Duration = Duration::from_millis(20);
 
 /// Shortest time between two pokes (`update_footers`: the footer stats) of one CPU by
 /// [`Session::poll`].
@@ -443,10 +448,14 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
     /// only a hint here: hostile values can make the loop poll at most every
     /// [`MIN_POLL`] (each round is bounded), nothing else.
     pub fn next_wait(&mut self, idle: Duration) -> Duration {
+        self.next_wait_at(idle, Instant::now())
+    }
+
+    /// [`Session::next_wait`] at the time `now` (tests step a clock of their own).
+    pub fn next_wait_at(&mut self, idle: Duration, now: Instant) -> Duration {
         if self.backlog() {
             return Duration::ZERO;
         }
-        let now = Instant::now();
         let l = *self.reader.layout();
         let cap = (l.pages_per_cpu as u64).saturating_mul(l.data_capacity() as u64);
         let mut wait = idle;
@@ -472,9 +481,14 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
                 let dt = now.saturating_duration_since(at).as_secs_f64();
                 if dt > 0.0 {
                     let inst = written.saturating_sub(before) as f64 / dt;
-                    // Up at once, down by half per round: a burst is caught at its
-                    // first sign, a pause is not taken for the end of the writing.
-                    st.rate = inst.max(st.rate * 0.5);
+                    // Up at once, down by half per RATE_HALF_LIFE: a burst is caught at
+                    // its first sign, a pause is not taken for the end of the writing.
+                    // By time, not per round: rounds come every MIN_POLL while the ring
+                    // fills, and halving per round forgot a fast writer within a
+                    // fraction of a millisecond its vCPU was off its core — the loop
+                    // then slept the idle period while the ring filled in less.
+                    let decay = 0.5f64.powf(dt / RATE_HALF_LIFE.as_secs_f64());
+                    st.rate = inst.max(st.rate * decay);
                 }
             }
             st.fill = Some((now, written));
