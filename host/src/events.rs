@@ -166,6 +166,10 @@ enum State {
 /// that registers nothing after this.
 pub const ATTACH_GRACE: Duration = Duration::from_millis(500);
 
+/// Longest a registration's answer is held for the run to get ready to read
+/// ([`EventTable::hold_answers`]); past it the guest goes on regardless.
+pub const ANSWER_HOLD_MAX: Duration = Duration::from_secs(10);
+
 /// How the wait for the registration ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Settled {
@@ -188,6 +192,8 @@ pub struct EventTable<M> {
     state: Mutex<State>,
     cv: Condvar,
     early_exits: std::sync::atomic::AtomicU32,
+    /// Answers wait for [`EventTable::release_answers`] (see [`EventTable::hold_answers`]).
+    held: std::sync::atomic::AtomicBool,
 }
 
 impl<M> std::fmt::Debug for EventTable<M> {
@@ -222,7 +228,28 @@ impl<M: SharedMem> EventTable<M> {
             state: Mutex::new(State::Waiting),
             cv: Condvar::new(),
             early_exits: Default::default(),
+            held: Default::default(),
         }
+    }
+
+    /// From now on a registration is answered only once [`EventTable::release_answers`]
+    /// is called (or [`ANSWER_HOLD_MAX`] passed): the registering vCPU waits in its exit,
+    /// the others for the answer in the table, so no guest writes an event before the
+    /// run reads — its output open, its drain loop about to start. Without it a guest
+    /// writing at 16 M events/s filled its ring in the milliseconds between the answer
+    /// and the loop's first round, and lost events at the start of every such run. The
+    /// run learns the formats from the registration before it answers (the table is
+    /// read and checked first), so it can open the output meanwhile.
+    pub fn hold_answers(&self) {
+        self.held.store(true, SeqCst);
+    }
+
+    /// Answers a registration held by [`EventTable::hold_answers`], and every later one
+    /// at once.
+    pub fn release_answers(&self) {
+        let _st = self.lock();
+        self.held.store(false, SeqCst);
+        self.cv.notify_all();
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -272,9 +299,21 @@ impl<M: SharedMem> EventTable<M> {
                     reg.events.len(),
                     reg.rejected.len()
                 );
-                answer(&self.mem, &self.geometry, &reg);
                 *st = State::Registered { reg, error };
                 self.cv.notify_all();
+                let held = Instant::now();
+                st = self
+                    .cv
+                    .wait_timeout_while(st, ANSWER_HOLD_MAX, |_| self.held.load(SeqCst))
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
+                if let State::Registered { reg, .. } = &*st {
+                    answer(&self.mem, &self.geometry, reg);
+                }
+                log::debug!(
+                    "vcpu {vcpu}: registration answered after {:.3} ms",
+                    held.elapsed().as_secs_f64() * 1e3
+                );
             }
         }
     }
@@ -544,7 +583,9 @@ mod tests {
     use hyptrace_abi::layout::Mode;
     use hyptrace_abi::registry::DEFAULT_TABLE_SIZE;
     use hyptrace_abi::HeapMem;
-    use hyptrace_writer::events::{read_answer, write_table, Event, Field as WField};
+    use hyptrace_writer::events::{
+        read_answer, wait_registered, write_table, Event, Field as WField, RegisterError,
+    };
 
     static F: &[WField<'static>] = &[WField {
         name: "v",
@@ -633,6 +674,44 @@ mod tests {
         // A second exit changes nothing.
         t.register(0);
         assert_eq!(word(&m, &l, 0), 1 << 9);
+    }
+
+    /// A held answer: the registering exit waits, the run meanwhile sees the
+    /// registration (settle, formats) while the guest's table is not answered yet; the
+    /// release answers it and ends the exit. Unheld, the exit answers at once.
+    #[test]
+    fn a_held_answer_waits_for_the_release() {
+        static A: Event<'static> = Event::new("g", "a", F, "\"%llu\", REC->v", 16, 0, 0);
+        let (m, l) = region();
+        write_table(&*m, &[&A]).unwrap();
+        let t = Arc::new(EventTable::new(m.clone(), l, Selection::default()));
+        t.hold_answers();
+        let exit = {
+            let t = Arc::clone(&t);
+            std::thread::spawn(move || t.register(0))
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        assert_eq!(
+            t.settle(Duration::from_millis(1), || Instant::now() > deadline),
+            Settled::Registered
+        );
+        assert_eq!(t.formats().len(), 1);
+        // The guest's view: no answer yet, however long the exit is held.
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(!exit.is_finished(), "the exit returned before the release");
+        assert_eq!(
+            wait_registered(&*m, &[&A], 10),
+            Err(RegisterError::NotAnswered)
+        );
+        t.release_answers();
+        exit.join().expect("exit thread");
+        assert_eq!(read_answer(&*m, &[&A]), Ok(1));
+        // Not held: answered during the exit.
+        let (m, l) = region();
+        write_table(&*m, &[&A]).unwrap();
+        let t = EventTable::new(m.clone(), l, Selection::default());
+        t.register(0);
+        assert_eq!(read_answer(&*m, &[&A]), Ok(1));
     }
 
     #[test]

@@ -325,6 +325,9 @@ impl<'a> Run<'a> {
             tm.write_header(&plan.ring, vm.layout().trace_gpa, tsc_khz, generation);
             log::info!("trace memory in {}", tm.path().display());
         }
+        // No event before the run reads: the registration's answer waits for the drain
+        // loop (released right before it starts, or on any early return).
+        let gate = AnswerGate::hold(&table);
         let running = vm.start_with_events(&plan.params, table.clone())?;
         if let Some(tm) = &trace_mem {
             tm.set_state(crate::trace_mem::STATE_RUNNING);
@@ -394,6 +397,7 @@ impl<'a> Run<'a> {
                     * plan.ring.data_capacity() as u64,
             ),
         };
+        drop(gate);
         let (aborted, reader) = live.poll_loop(plan.poll);
         live.clock.recheck(true);
         let timing = Timing {
@@ -450,6 +454,24 @@ impl<'a> Run<'a> {
             clock: Some(clock.stats()),
             host_events,
         })
+    }
+}
+
+/// Holds the answer to the guest's event registration ([`EventTable::hold_answers`])
+/// while it lives: the run opens its output meanwhile, and releases the answer right
+/// before its drain loop starts — or on any early return, when it is dropped.
+struct AnswerGate(VmEventTable);
+
+impl AnswerGate {
+    fn hold(table: &VmEventTable) -> Self {
+        table.hold_answers();
+        Self(Arc::clone(table))
+    }
+}
+
+impl Drop for AnswerGate {
+    fn drop(&mut self) {
+        self.0.release_answers();
     }
 }
 
