@@ -65,6 +65,9 @@ pub(super) struct VmOut {
     /// Guest-side duration of the workload (longest vCPU), in TSC cycles.
     pub(super) guest_cycles: u64,
     pub(super) swaps: SwapLog,
+    /// What the run's reader measured of itself (its waits for the output, its latest
+    /// wake-up): why a lossy run lost.
+    pub(super) reader: crate::report::ReaderTimes,
 }
 
 /// Timings of `swap_reader` calls (host TSC cycles).
@@ -269,6 +272,7 @@ pub(super) fn vm_run(spec: &VmSpec) -> Result<VmOut, BenchError> {
         t_start: t.start_tsc,
         tsc_offset: t.tsc_offset.unwrap_or(0),
         wall: t.wall,
+        reader: t.reader,
         ..VmOut::default()
     };
     for c in &report.cpus {

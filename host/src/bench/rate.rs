@@ -46,7 +46,8 @@ pub(super) struct RateRow {
     pub(super) mode: &'static str,
     pub(super) poll_ms: u32,
     pub(super) buffer_kb: u64,
-    pub(super) sink: &'static str,
+    /// Where the runs write (the temporary directory: `TMPDIR`).
+    pub(super) sink: String,
 }
 
 /// One run of the search.
@@ -60,6 +61,10 @@ pub(super) struct RateRun {
     pub(super) achieved_rate: f64,
     /// Nothing lost, everything written read.
     pub(super) ok: bool,
+    /// The reader's waits for the output (the file's writes) in all, ms.
+    pub(super) output_wait_ms: f64,
+    /// The reader's latest wake-up (held off its core), ms.
+    pub(super) longest_late_ms: f64,
 }
 
 impl RateRow {
@@ -78,15 +83,31 @@ impl RateRow {
                 format!("below {bad} events/s per vCPU (the first rate tried lost events)")
             }
             (Some(bad), _) => format!(
-                "{good} events/s per vCPU{} (first lossy rate: {bad}, lost {:?} in {} runs)",
+                "{good} events/s per vCPU{} (first lossy rate: {bad}, lost {:?} in {} runs{})",
                 self.reached(),
                 self.first_lossy_lost,
-                self.repeats
+                self.repeats,
+                self.why(bad)
             ),
             (None, _) => format!(
                 "at least {good} events/s per vCPU{} (no rate tried lost events)",
                 self.reached()
             ),
+        }
+    }
+
+    /// What the reader measured in the lossy runs at `bad`: its waits for the output and
+    /// its latest wake-up, the largest of each (what bounded the rate).
+    fn why(&self, bad: u64) -> String {
+        let lossy = self.runs.iter().filter(|r| r.rate == bad && !r.ok);
+        match lossy.fold(None, |acc: Option<(f64, f64)>, r| {
+            let (w, l) = acc.unwrap_or_default();
+            Some((w.max(r.output_wait_ms), l.max(r.longest_late_ms)))
+        }) {
+            Some((wait, late)) => format!(
+                "; there the reader waited for the output up to {wait:.1} ms in a run and woke up to {late:.1} ms late"
+            ),
+            None => String::new(),
         }
     }
 
@@ -150,6 +171,8 @@ fn rate_run(cfg: &Cfg, vcpus: u32, swap: SwapArg, rate: u64) -> Result<RateRun, 
         read: o.read,
         achieved_rate: achieved,
         ok: o.lost == 0 && o.written == o.read,
+        output_wait_ms: o.reader.output_waits.total.as_secs_f64() * 1e3,
+        longest_late_ms: o.reader.longest_late.as_secs_f64() * 1e3,
     })
 }
 
@@ -220,7 +243,7 @@ fn search(cfg: &Cfg, vcpus: u32, swap: SwapArg) -> Result<RateRow, BenchError> {
         mode: "stop",
         poll_ms: crate::cli::DEFAULT_POLL_MS as u32,
         buffer_kb: DEFAULT_PAGES * PAGE_SIZE / 1024,
-        sink: "trace.dat v7 file",
+        sink: format!("trace.dat v7 file in {}", std::env::temp_dir().display()),
     })
 }
 

@@ -112,8 +112,9 @@ pub(super) fn table(v: &BenchReport) -> String {
     }
     let _ = writeln!(
         s,
-        "\nhighest --rate with zero loss (stop mode, idle poll {} ms, 1 MiB/vCPU, record to trace.dat; every run of a step loss-free)",
-        crate::cli::DEFAULT_POLL_MS
+        "\nhighest --rate with zero loss (stop mode, idle poll {} ms, 1 MiB/vCPU, record to {}; every run of a step loss-free)",
+        crate::cli::DEFAULT_POLL_MS,
+        v.max_rate.first().map_or("trace.dat", |r| r.sink.as_str()),
     );
     for r in &v.max_rate {
         let who = format!("{} vCPU{}:", r.vcpus, if r.vcpus == 1 { "" } else { "s" });
@@ -171,18 +172,23 @@ mod tests {
             first_lossy_rate: bad,
             lower_bound: bad.is_none(),
             searched,
-            runs: vec![RateRun {
-                rate: 200_000,
-                events_per_vcpu: 1,
-                lost: 0,
-                read: 1,
-                achieved_rate: 1.0,
-                ok: true,
-            }],
+            runs: std::iter::once((200_000, 0.0, 0.0))
+                .chain(bad.map(|b| (b, 12.5, 3.0)))
+                .map(|(rate, output_wait_ms, longest_late_ms)| RateRun {
+                    rate,
+                    events_per_vcpu: 1,
+                    lost: u64::from(rate != 200_000),
+                    read: 1,
+                    achieved_rate: 1.0,
+                    ok: rate == 200_000,
+                    output_wait_ms,
+                    longest_late_ms,
+                })
+                .collect(),
             mode: "stop",
             poll_ms: crate::cli::DEFAULT_POLL_MS as u32,
             buffer_kb: 1024,
-            sink: "trace.dat v7 file",
+            sink: "trace.dat v7 file in /tmp".into(),
         }
     }
 
@@ -268,7 +274,7 @@ mod tests {
         );
         assert!(
             t.contains(
-                "300000 events/s per vCPU (first lossy rate: 350000, lost [0, 5, 9] in 3 runs)"
+                "300000 events/s per vCPU (first lossy rate: 350000, lost [0, 5, 9] in 3 runs; there the reader waited for the output up to 12.5 ms in a run and woke up to 3.0 ms late)"
             ),
             "{t}"
         );
