@@ -520,13 +520,17 @@ impl RunReport {
             if late > lasts / 2.0 {
                 // A ring that lasts twice the longest absence, in the option's units
                 // (rounded up to a power of two KiB).
-                let want = (r.buffer_kb as f64 * 2.0 * late / lasts).ceil() as u64;
+                // Guest numbers: a hostile `bytes` makes this huge, never a panic.
+                let want = ((r.buffer_kb as f64 * 2.0 * late / lasts).ceil() as u64)
+                    .max(1)
+                    .checked_next_power_of_two()
+                    .unwrap_or(u64::MAX);
                 out.push(format!(
                     "the reader thread was held off its core for up to {:.1} ms, while a {} KiB ring lasts {:.1} ms at this run's rate: --buffer-kb {} holds twice that",
                     late * 1e3,
                     r.buffer_kb,
                     lasts * 1e3,
-                    want.max(1).next_power_of_two(),
+                    want,
                 ));
             }
         }
@@ -1045,5 +1049,16 @@ mod tests {
             ..Default::default()
         });
         assert_eq!(hints(&r).len(), 1, "{:?}", hints(&r));
+        // Hostile counters: a guest claiming u64::MAX bytes gets an absurd suggestion,
+        // not a panic (debug builds check the arithmetic).
+        let mut r = lossy(ReaderTimes {
+            live: true,
+            longest_late: Duration::from_secs(3600),
+            ..Default::default()
+        });
+        r.cpus[0].stats.bytes = u64::MAX;
+        r.cpus[0].written = u64::MAX;
+        let h = hints(&r);
+        assert!(h.iter().any(|l| l.contains("holds twice that")), "{h:?}");
     }
 }
