@@ -53,6 +53,12 @@ fn wait_bounded(child: &mut Child, what: &str) -> ExitStatus {
     }
 }
 
+/// Makes a FIFO at `path`.
+fn mkfifo(path: &str) {
+    let st = Command::new("mkfifo").arg(path).status().expect("mkfifo");
+    assert!(st.success(), "mkfifo {path}");
+}
+
 fn kill(child: &Child, sig: &str) {
     let st = Command::new("kill")
         .args([sig, &child.id().to_string()])
@@ -361,11 +367,7 @@ fn abort_while_fifo_waits_leaves_no_spill_files() {
     let _vm = vm_lock();
     let dir = TempDir::new("fifo");
     let fifo = dir.file("pipe");
-    assert!(Command::new("mkfifo")
-        .arg(&fifo)
-        .status()
-        .expect("mkfifo")
-        .success());
+    mkfifo(&fifo);
     // The control socket is bound right after the signal handlers are installed (and
     // before the output is opened): once it exists, a SIGINT is ours to handle. It
     // lives in another directory, so `dir` holds only the FIFO.
@@ -932,11 +934,7 @@ fn a_stalled_output_is_named_as_the_cause_of_the_loss() {
     let dir = TempDir::new("stall");
     let fifo = dir.file("pipe");
     let stats = dir.file("stats.json");
-    assert!(Command::new("mkfifo")
-        .arg(&fifo)
-        .status()
-        .expect("mkfifo")
-        .success());
+    mkfifo(&fifo);
     // The read side first, without blocking: the run's open of the FIFO then does not
     // wait, and nothing is read from it yet.
     let mut r = std::fs::OpenOptions::new()
@@ -982,13 +980,14 @@ fn a_stalled_output_is_named_as_the_cause_of_the_loss() {
     loop {
         match r.read(&mut buf) {
             Ok(0) if !raw.is_empty() => break,
-            Ok(n) => raw.extend_from_slice(&buf[..n]),
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                assert!(t0.elapsed() < LIMIT, "the run never closed its output");
-                std::thread::sleep(Duration::from_millis(1));
-            }
+            Ok(n) if n > 0 => raw.extend_from_slice(&buf[..n]),
+            // Nothing yet (no writer yet also reads as 0 bytes): wait, bounded.
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
             Err(e) => panic!("read fifo: {e}"),
         }
+        assert!(t0.elapsed() < LIMIT, "the run never closed its output");
+        std::thread::sleep(Duration::from_micros(200));
     }
     let st = wait_bounded(&mut child, "record into a stalled FIFO");
     let mut err = String::new();
