@@ -176,17 +176,11 @@ fn c_guest_event_enabled_through_ctl() {
     let o = env::run(BIN, &["ctl", &sock, "enable", "cguest:sample"]);
     assert!(o.status.success(), "{}", env::stderr(&o));
     assert_eq!(env::stdout(&o).trim(), "cguest:sample enabled");
-    let status = loop {
-        if let Some(s) = child.try_wait().expect("try_wait") {
-            break s;
-        }
-        if start.elapsed() > limit * 3 {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("the run did not end");
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    };
+    let status = env::wait_exit(
+        &mut child,
+        "the C guest's run",
+        (limit * 3).saturating_sub(start.elapsed()),
+    );
     assert_eq!(status.code(), Some(0));
     let stats = std::fs::read_to_string(&st).expect("stats");
     let (attempted, skipped, written, read, lost) = counters(&stats)[0];

@@ -11,7 +11,7 @@
 use std::io::{BufRead, BufReader, Read};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -36,35 +36,10 @@ fn assert_balanced(s: &serde_json::Value) {
     }
 }
 
-/// Waits for `child` at most [`LIMIT`]; kills it and fails past that.
-fn wait_bounded(child: &mut Child, what: &str) -> ExitStatus {
-    let t0 = Instant::now();
-    loop {
-        match child.try_wait() {
-            Ok(Some(st)) => return st,
-            Ok(None) if t0.elapsed() < LIMIT => std::thread::sleep(Duration::from_millis(20)),
-            Ok(None) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                panic!("{what}: still running after {LIMIT:?}");
-            }
-            Err(e) => panic!("{what}: wait: {e}"),
-        }
-    }
-}
-
 /// Makes a FIFO at `path`.
 fn mkfifo(path: &str) {
     let st = Command::new("mkfifo").arg(path).status().expect("mkfifo");
     assert!(st.success(), "mkfifo {path}");
-}
-
-fn kill(child: &Child, sig: &str) {
-    let st = Command::new("kill")
-        .args([sig, &child.id().to_string()])
-        .status()
-        .expect("kill");
-    assert!(st.success(), "kill {sig}");
 }
 
 /// Reads a child's stderr on a thread: lines arrive on the channel as they come.
@@ -260,7 +235,7 @@ fn signal_to_process_and_group_is_one_stop() {
             .expect("stderr")
             .read_to_string(&mut err)
             .expect("stderr");
-        let code = wait_bounded(&mut child, "record").code();
+        let code = env::wait_exit(&mut child, "record", LIMIT).code();
         assert_eq!(code, Some(0), "run {i}: {err}");
         check_clean_stop(&dir, &out, &st, &err, &format!("run {i}"));
     }
@@ -286,14 +261,14 @@ fn second_ctrl_c_aborts_with_130() {
     // The run prints: its handlers are installed, and the unread pipe fills up.
     let mut byte = [0u8; 1];
     stdout.read_exact(&mut byte).expect("first byte");
-    kill(&child, "-INT");
+    env::signal(&child, "-INT");
     let mut seen = Vec::new();
     wait_line(&rx, "stopping…", &mut seen);
     std::thread::sleep(Duration::from_millis(700));
-    kill(&child, "-INT");
+    env::signal(&child, "-INT");
     wait_line(&rx, "aborting", &mut seen);
     drop(stdout);
-    let st = wait_bounded(&mut child, "aborted run");
+    let st = env::wait_exit(&mut child, "aborted run", LIMIT);
     reader.join().expect("stderr reader");
     seen.extend(rx.try_iter());
     assert_eq!(st.code(), Some(130), "{seen:#?}");
@@ -330,14 +305,14 @@ fn ctrl_c_twice_during_record_leaves_complete_or_nothing() {
             std::thread::sleep(Duration::from_millis(10));
         }
         std::thread::sleep(Duration::from_millis(200));
-        kill(&child, "-INT");
+        env::signal(&child, "-INT");
         let mut seen = Vec::new();
         wait_line(&rx, "stopping…", &mut seen);
         std::thread::sleep(Duration::from_millis(600));
         let _ = Command::new("kill")
             .args(["-INT", &child.id().to_string()])
             .status();
-        let st = wait_bounded(&mut child, "record");
+        let st = env::wait_exit(&mut child, "record", LIMIT);
         reader.join().expect("stderr reader");
         seen.extend(rx.try_iter());
         match st.code() {
@@ -395,17 +370,17 @@ fn abort_while_fifo_waits_leaves_no_spill_files() {
         || Path::new(&sock).exists(),
         String::new,
     );
-    kill(&child, "-INT");
+    env::signal(&child, "-INT");
     let mut seen = Vec::new();
     wait_line(&rx, "stopping…", &mut seen);
     std::thread::sleep(Duration::from_millis(700));
-    kill(&child, "-INT");
+    env::signal(&child, "-INT");
     wait_line(&rx, "aborting", &mut seen);
     // Open the read side (without blocking) and drain it, letting the writer go on.
     let mut r = std::fs::File::open(&fifo).expect("open fifo");
     let mut sink = Vec::new();
     let _ = r.read_to_end(&mut sink);
-    let st = wait_bounded(&mut child, "record to fifo");
+    let st = env::wait_exit(&mut child, "record to fifo", LIMIT);
     reader.join().expect("stderr reader");
     assert_eq!(st.code(), Some(130), "{seen:#?}");
     assert_eq!(dir.entries(), ["pipe"], "{seen:#?}");
@@ -610,7 +585,7 @@ fn closed_stdout_ends_the_run_quietly() {
         .expect("stderr")
         .read_to_string(&mut err)
         .expect("stderr");
-    let code = wait_bounded(&mut child, "run | head").code();
+    let code = env::wait_exit(&mut child, "run | head", LIMIT).code();
     assert_eq!(code, Some(0), "{err}");
     assert!(
         !err.contains("error") && !err.contains("Broken pipe"),
@@ -989,7 +964,7 @@ fn a_stalled_output_is_named_as_the_cause_of_the_loss() {
         assert!(t0.elapsed() < LIMIT, "the run never closed its output");
         std::thread::sleep(Duration::from_micros(200));
     }
-    let st = wait_bounded(&mut child, "record into a stalled FIFO");
+    let st = env::wait_exit(&mut child, "record into a stalled FIFO", LIMIT);
     let mut err = String::new();
     child
         .stderr

@@ -858,14 +858,6 @@ fn a_paced_guest_held_off_its_core_does_not_burst() {
         .stderr(std::fs::File::create(&err_path).expect("stderr file"))
         .spawn()
         .expect("spawn hyptrace");
-    let pid = child.id().to_string();
-    let signal = |sig: &str| {
-        let ok = std::process::Command::new("kill")
-            .args([sig, &pid])
-            .status()
-            .is_ok_and(|s| s.success());
-        assert!(ok, "kill {sig} failed");
-    };
     // Once events flow: the guest is writing.
     let start = Instant::now();
     env::wait_until(
@@ -875,20 +867,11 @@ fn a_paced_guest_held_off_its_core_does_not_burst() {
         || std::fs::metadata(&out_path).is_ok_and(|m| m.len() > 0),
         || std::fs::read_to_string(&err_path).unwrap_or_default(),
     );
-    signal("-STOP");
+    env::signal(&child, "-STOP");
     std::thread::sleep(Duration::from_millis(300));
-    signal("-CONT");
-    let code = loop {
-        if let Some(s) = child.try_wait().expect("wait") {
-            break s.code();
-        }
-        if start.elapsed() > Duration::from_secs(60) {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("the run did not end");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    env::signal(&child, "-CONT");
+    let left = Duration::from_secs(60).saturating_sub(start.elapsed());
+    let code = env::wait_exit(&mut child, "the paced run", left).code();
     let err = std::fs::read_to_string(&err_path).expect("stderr");
     assert_eq!(code, Some(0), "{err}");
     assert!(err.contains("ms behind its --rate schedule"), "{err}");

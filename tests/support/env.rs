@@ -1,7 +1,7 @@
 //! Test environment: skips, CI log, serialisation, temporary directories.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output};
+use std::process::{Child, Command, ExitStatus, Output};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -113,6 +113,33 @@ pub fn wait_until(
         );
         std::thread::sleep(Duration::from_millis(10));
     }
+}
+
+/// Waits for `child` to exit, at most `timeout`; past it kills the child and fails,
+/// naming `what`. A test that waits for a run to end waits this way.
+pub fn wait_exit(child: &mut Child, what: &str, timeout: Duration) -> ExitStatus {
+    let start = Instant::now();
+    loop {
+        match child.try_wait() {
+            Ok(Some(st)) => return st,
+            Ok(None) if start.elapsed() < timeout => std::thread::sleep(Duration::from_millis(20)),
+            Ok(None) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("{what}: still running after {timeout:?}");
+            }
+            Err(e) => panic!("{what}: wait: {e}"),
+        }
+    }
+}
+
+/// Sends signal `sig` (as `kill` takes it: `-INT`, `-STOP`, ...) to `child`.
+pub fn signal(child: &Child, sig: &str) {
+    let st = Command::new("kill")
+        .args([sig, &child.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(st.success(), "kill {sig}");
 }
 
 /// stderr as text.
