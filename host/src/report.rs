@@ -225,6 +225,11 @@ pub struct Timing {
     pub reader: ReaderTimes,
 }
 
+/// `d` in milliseconds (the unit of the reader's figures in hints, `--stats` and `bench`).
+pub(crate) fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
 /// What the drain loop (the reader thread) measured of itself while the vCPUs ran —
 /// where the time went when it fell behind — and the rings it drained.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -501,7 +506,6 @@ impl RunReport {
         if !r.live {
             return out;
         }
-        let ms = |d: Duration| d.as_secs_f64() * 1e3;
         let rate = self.offered_rate();
         let w = &r.output_waits;
         if w.count > 0 {
@@ -656,7 +660,6 @@ pub struct ReaderJson {
 
 impl ReaderJson {
     fn new(r: &ReaderTimes) -> Option<Self> {
-        let ms = |d: Duration| d.as_secs_f64() * 1e3;
         r.live.then(|| Self {
             cpu_ms: ms(r.cpu),
             longest_late_ms: ms(r.longest_late),

@@ -391,11 +391,6 @@ impl<'a> Run<'a> {
             control,
             events: table.clone(),
             clock: host_clock,
-            ring_bytes: (
-                u64::from(plan.ring.pages_per_cpu) * plan.ring.page_size as u64 / 1024,
-                u64::from(plan.ring.pages_per_cpu.saturating_sub(1))
-                    * plan.ring.data_capacity() as u64,
-            ),
         };
         drop(gate);
         let (aborted, reader) = live.poll_loop(plan.poll);
@@ -696,8 +691,6 @@ struct Live<'a> {
     control: Option<&'a ControlServer>,
     events: VmEventTable,
     clock: HostClock,
-    /// `--buffer-kb`, and the event bytes one CPU's ring pages hold (for the report).
-    ring_bytes: (u64, u64),
 }
 
 impl Live<'_> {
@@ -787,6 +780,7 @@ impl Live<'_> {
                 output_waits.longest.as_secs_f64() * 1e3,
             );
         }
+        let l = self.session.reader().layout();
         (
             aborted,
             ReaderTimes {
@@ -795,8 +789,8 @@ impl Live<'_> {
                 longest_late,
                 longest_round,
                 output_waits,
-                buffer_kb: self.ring_bytes.0,
-                ring_bytes: self.ring_bytes.1,
+                buffer_kb: u64::from(l.pages_per_cpu) * l.page_size as u64 / 1024,
+                ring_bytes: u64::from(l.pages_per_cpu.saturating_sub(1)) * l.data_capacity() as u64,
             },
         )
     }

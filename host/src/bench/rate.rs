@@ -14,6 +14,7 @@ use serde::Serialize;
 use super::harness::{vm_run, SinkKind, VmSpec};
 use super::{BenchError, Cfg, DEFAULT_PAGES, PAGE_SIZE};
 use crate::cli::{ModeArg, SwapArg};
+use crate::report::ms;
 
 /// Events per vCPU that overflow a ring of the rate search twice over if the reader
 /// does not drain it (`guest:marker`: 4-byte header + 24-byte payload), so a run without
@@ -99,11 +100,13 @@ impl RateRow {
     /// What the reader measured in the lossy runs at `bad`: its waits for the output and
     /// its latest wake-up, the largest of each (what bounded the rate).
     fn why(&self, bad: u64) -> String {
-        let lossy = self.runs.iter().filter(|r| r.rate == bad && !r.ok);
-        match lossy.fold(None, |acc: Option<(f64, f64)>, r| {
-            let (w, l) = acc.unwrap_or_default();
-            Some((w.max(r.output_wait_ms), l.max(r.longest_late_ms)))
-        }) {
+        let most = self
+            .runs
+            .iter()
+            .filter(|r| r.rate == bad && !r.ok)
+            .map(|r| (r.output_wait_ms, r.longest_late_ms))
+            .reduce(|(w, l), (rw, rl)| (w.max(rw), l.max(rl)));
+        match most {
             Some((wait, late)) => format!(
                 "; there the reader waited for the output up to {wait:.1} ms in a run and woke up to {late:.1} ms late"
             ),
@@ -171,8 +174,8 @@ fn rate_run(cfg: &Cfg, vcpus: u32, swap: SwapArg, rate: u64) -> Result<RateRun, 
         read: o.read,
         achieved_rate: achieved,
         ok: o.lost == 0 && o.written == o.read,
-        output_wait_ms: o.reader.output_waits.total.as_secs_f64() * 1e3,
-        longest_late_ms: o.reader.longest_late.as_secs_f64() * 1e3,
+        output_wait_ms: ms(o.reader.output_waits.total),
+        longest_late_ms: ms(o.reader.longest_late),
     })
 }
 
