@@ -649,8 +649,16 @@ fn finish_session(
         lost: s.lost,
         read: s.read,
     });
+    let text = session.writes_text();
     if let Err(e) = session.finish(&sink_summary(&cpus)) {
         failures.session(None, &e);
+    }
+    // Text lines go to stdout, whose last writes can block on a pipe nobody reads: an
+    // abort that came meanwhile still aborts (exit 130), as it would have during the
+    // loop. (A file is complete once its sink finished: it stays, and the run ends as
+    // it would have.)
+    if text && interrupts.is_some_and(Interrupts::aborted) {
+        return Err(RunError::Aborted);
     }
     Ok((cpus, failures, host))
 }

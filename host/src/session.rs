@@ -770,6 +770,11 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
         Ok(())
     }
 
+    /// Whether the output is text lines (`run`'s stdout) rather than a page sink.
+    pub fn writes_text(&self) -> bool {
+        matches!(self.output, Output::Text { .. })
+    }
+
     /// Per-CPU statistics (reader's view, with the writer's counters once it stopped).
     pub fn stats(&self, cpu: u32) -> CpuStats {
         self.reader.stats(cpu)
