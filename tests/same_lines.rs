@@ -170,7 +170,7 @@ fn every_event_kind_prints_the_same_in_run_text_sink_and_report() {
     let sink_out = Captured::keeping();
     let sink = TextSink::to_writer(Box::new(sink_out.clone()), meta()).expect("text sink");
     assert_eq!(
-        run_script(Output::Pages(Box::new(sink) as Box<dyn PageSink>)),
+        run_script(Output::Pages(Box::new(sink) as Box<dyn PageSink + Send>)),
         (written, dropped)
     );
     // (c) `record` + `report`: trace.dat written by the sink, read back.
@@ -178,7 +178,7 @@ fn every_event_kind_prints_the_same_in_run_text_sink_and_report() {
     let dat = dir.file("t.dat");
     let sink = TraceDatSink::create(&dat, meta(), TraceDatVersion::V7).expect("trace.dat sink");
     assert_eq!(
-        run_script(Output::Pages(Box::new(sink) as Box<dyn PageSink>)),
+        run_script(Output::Pages(Box::new(sink) as Box<dyn PageSink + Send>)),
         (written, dropped)
     );
     let report = TraceFile::open(&dat).expect("read back").report();

@@ -741,3 +741,146 @@ fn adaptive_wait_remembers_a_writer_through_a_pause() {
         "the writer was forgotten within its 1 ms pause: {waits:?}"
     );
 }
+
+/// Pages a [`CountingSink`] got for `cpu`.
+fn pages_of(sink: &CountingSink, cpu: usize) -> u64 {
+    let p = sink.pages.lock().unwrap_or_else(|p| p.into_inner());
+    p.get(cpu).copied().unwrap_or(0)
+}
+
+/// Issue 14, the standby drainer: a drain loop that beats once and then falls silent
+/// (its thread held off its core) is relieved. The standby alone hands several rings'
+/// worth of a writer that writes on to the sink, in turns it counts. Bounded: the
+/// writer gives up after 30 s, which fails the test.
+#[test]
+fn a_silent_drain_loop_is_relieved_by_the_standby() {
+    use hyptrace_host::standby::{Standby, TURN_BUDGET};
+    let (m, l) = region(1, 8, Mode::Stop);
+    let sink = CountingSink::default();
+    let s = Arc::new(Mutex::new(session(
+        &m,
+        l,
+        Output::Pages(Box::new(sink.clone())),
+    )));
+    let standby = Standby::start(
+        Arc::clone(&s),
+        Duration::from_millis(100),
+        |s: &mut HeapSession| s.relieve(TURN_BUDGET),
+        || false,
+    )
+    .expect("start the standby");
+    // The loop's only round: it means to wake at once; a ring fills in 4 ms.
+    standby.beat(
+        Instant::now(),
+        Duration::ZERO,
+        Some(Duration::from_millis(4)),
+    );
+    let mut w = Writer::attach(m.clone(), 0).expect("attach");
+    let ring_pages = u64::from(l.pages_per_cpu - 1);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut ts = 1000;
+    while pages_of(&sink, 0) < 4 * ring_pages {
+        assert!(
+            Instant::now() < deadline,
+            "the standby drained {} pages in 30 s",
+            pages_of(&sink, 0)
+        );
+        for i in 0..64 {
+            ts += 10;
+            // Stop mode: a full ring drops (counted); the test only needs pages.
+            let _ = w.write(0, ts, &marker(vcpu_pid(0), ts, i));
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    let t = standby.stop();
+    assert!(t.turns > 0 && t.rounds >= t.turns, "{t:?}");
+    let s = s.lock().unwrap_or_else(|p| p.into_inner());
+    assert!(s.error(0).is_none(), "{:?}", s.error(0));
+    assert!(s.stats(0).read > 0);
+}
+
+/// The standby reads nothing while `hold` says so (a crash waits for its dump, a vCPU
+/// ended), however late the loop; and it stops promptly while it sleeps for want of a
+/// writer to watch. The stop runs on a thread of its own, so a standby that does not
+/// stop fails the test instead of hanging it.
+#[test]
+fn a_held_standby_reads_nothing_and_stops_promptly() {
+    use hyptrace_host::standby::{Standby, TURN_BUDGET};
+    let (m, l) = region(1, 8, Mode::Stop);
+    let sink = CountingSink::default();
+    let s = Arc::new(Mutex::new(session(
+        &m,
+        l,
+        Output::Pages(Box::new(sink.clone())),
+    )));
+    let standby = Standby::start(
+        Arc::clone(&s),
+        Duration::from_millis(100),
+        |s: &mut HeapSession| s.relieve(TURN_BUDGET),
+        || true,
+    )
+    .expect("start the standby");
+    standby.beat(
+        Instant::now(),
+        Duration::ZERO,
+        Some(Duration::from_millis(4)),
+    );
+    let mut w = Writer::attach(m.clone(), 0).expect("attach");
+    let mut ts = 1000;
+    for i in 0..20_000 {
+        ts += 10;
+        let _ = w.write(0, ts, &marker(vcpu_pid(0), ts, i));
+    }
+    // Many of its periods (1 ms) pass with the loop late.
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(pages_of(&sink, 0), 0, "read while held");
+    // No writer to watch: it goes to sleep until woken; stop wakes it.
+    standby.beat(Instant::now(), Duration::from_millis(100), None);
+    std::thread::sleep(Duration::from_millis(20));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stopper = std::thread::spawn(move || {
+        let t = standby.stop();
+        let _ = tx.send(t);
+    });
+    let t = rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("the standby did not stop within 20 s");
+    stopper.join().expect("stopper thread");
+    assert_eq!(t.turns, 0, "{t:?}");
+    assert_eq!(s.lock().unwrap_or_else(|p| p.into_inner()).stats(0).read, 0);
+}
+
+/// A live read that fails during the standby's turn is recorded as the drain loop
+/// records its own (the CPU is not polled again, its error is kept) and returned once
+/// by the loop's next `service`, which reports it.
+#[test]
+fn a_failure_in_the_standbys_turn_reaches_the_drain_loop() {
+    use hyptrace_host::standby::TURN_BUDGET;
+    let (m, l) = region(1, 4, Mode::Overwrite);
+    let mut s = session(&m, l, Output::Pages(Box::new(CountingSink::default())));
+    let mut w = Writer::attach(m.clone(), 0).expect("attach");
+    write_markers(&mut w, 0, 1000, 200);
+    // A commit word past the page's data: the reader's first look at its page fails.
+    let reader = m.load(l.ctl(0) + ctl::READER_PAGE, SeqCst) as u32;
+    m.store(
+        l.page_off(reader) + hyptrace_abi::page::COMMIT_OFFSET,
+        u64::MAX,
+        SeqCst,
+    );
+    let _ = s.relieve(TURN_BUDGET);
+    let err = s
+        .error(0)
+        .map(str::to_string)
+        .expect("the failure is recorded");
+    assert!(err.contains("commit"), "{err}");
+    let failed = s.service(|_| false);
+    assert_eq!(failed.len(), 1, "{failed:?}");
+    assert_eq!(failed[0].0, 0);
+    assert_eq!(failed[0].1.to_string(), err);
+    assert!(s.service(|_| false).is_empty(), "reported once");
+    assert_eq!(
+        s.relieve(TURN_BUDGET),
+        0,
+        "a failed CPU is not polled again"
+    );
+}

@@ -36,6 +36,7 @@ pub mod report;
 pub mod run;
 pub mod session;
 pub mod signals;
+pub mod standby;
 pub mod trace_mem;
 pub mod vcpu;
 pub mod vm;

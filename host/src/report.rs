@@ -249,6 +249,8 @@ pub struct ReaderTimes {
     pub buffer_kb: u64,
     /// Event bytes one CPU's ring holds while its reader is away (its ring pages' data).
     pub ring_bytes: u64,
+    /// What the standby drainer did ([`crate::standby`]; nothing without one).
+    pub standby: crate::standby::StandbyTimes,
 }
 
 impl Timing {
@@ -656,6 +658,10 @@ pub struct ReaderJson {
     output_wait_ms: f64,
     /// How many there were.
     output_waits: u64,
+    /// Times the standby drainer drained while the reader thread was late.
+    standby_turns: u64,
+    /// CPU time the standby drainer's thread used.
+    standby_cpu_ms: f64,
 }
 
 impl ReaderJson {
@@ -667,6 +673,8 @@ impl ReaderJson {
             output_wait_longest_ms: ms(r.output_waits.longest),
             output_wait_ms: ms(r.output_waits.total),
             output_waits: r.output_waits.count,
+            standby_turns: r.standby.turns,
+            standby_cpu_ms: ms(r.standby.cpu),
         })
     }
 }
@@ -1011,6 +1019,11 @@ mod tests {
             live: true,
             longest_late: Duration::from_millis(12),
             output_waits: waits,
+            standby: crate::standby::StandbyTimes {
+                turns: 3,
+                rounds: 5,
+                cpu: Duration::from_micros(1500),
+            },
             ..Default::default()
         });
         let h = hints(&r);
@@ -1030,6 +1043,8 @@ mod tests {
         let v: serde_json::Value = serde_json::from_str(&r.stats_json(0)).expect("json");
         assert_eq!(v["reader"]["output_waits"], 2);
         assert_eq!(v["reader"]["output_wait_longest_ms"], 30.0);
+        assert_eq!(v["reader"]["standby_turns"], 3);
+        assert_eq!(v["reader"]["standby_cpu_ms"], 1.5);
     }
 
     /// No cause is named without a live reader (`--drain none`: the ring was read at

@@ -27,7 +27,7 @@
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use hyptrace_abi::layout::RingGeometry;
@@ -51,6 +51,7 @@ use crate::session::{
     alloc_reader_wrapped, thread_cpu_time, GuestTraceMem, Output, ReaderPriority, Session, MIN_POLL,
 };
 use crate::signals::Interrupts;
+use crate::standby::Standby;
 use crate::trace_mem::TraceMemFile;
 use crate::vcpu::VcpuOutcome;
 use crate::vm::{RunningVm, Vm};
@@ -68,7 +69,7 @@ pub enum Target {
     /// Text lines on stdout (`run`).
     Stdout,
     /// A page sink of the caller's (`bench`: counting or timing sinks).
-    Sink(Box<dyn PageSink>),
+    Sink(Box<dyn PageSink + Send>),
     /// A page sink of the caller's made once the VM's clock is known (`bench`: counting
     /// sinks around a file sink).
     MakeSink(MakeSink),
@@ -144,7 +145,7 @@ impl RunError {
 pub type EventsHook = Box<dyn FnOnce(VmEventTable)>;
 
 /// Makes a page sink for a run's trace metadata (page size, CPUs, the guest clock).
-pub type MakeSink = Box<dyn FnOnce(TraceMeta) -> Result<Box<dyn PageSink>, OutputError>>;
+pub type MakeSink = Box<dyn FnOnce(TraceMeta) -> Result<Box<dyn PageSink + Send>, OutputError>>;
 
 /// Wraps the reader's callbacks (e.g. to time every swap).
 pub type WrapCallbacks = Box<dyn FnOnce(Box<dyn Callbacks + Send>) -> Box<dyn Callbacks + Send>>;
@@ -360,7 +361,7 @@ impl<'a> Run<'a> {
         }
         session.set_live_drain(plan.flight.drain_live);
         let flight = Flight {
-            trace_mem,
+            trace_mem: trace_mem.map(Arc::new),
             hang: plan.flight.hang_timeout.map(|timeout| HangWatch {
                 timeout,
                 last: None,
@@ -380,7 +381,7 @@ impl<'a> Run<'a> {
         let mut live = Live {
             deadline: plan.duration.map(|d| running.started_at() + d),
             running,
-            session,
+            session: Arc::new(Mutex::new(session)),
             flight,
             stdout,
             interrupts,
@@ -413,6 +414,11 @@ impl<'a> Run<'a> {
             clock,
             ..
         } = live;
+        // poll_loop joined the standby drainer, the session's only other owner.
+        let session = Arc::into_inner(session)
+            .expect("the standby drainer was joined")
+            .into_inner()
+            .unwrap_or_else(PoisonError::into_inner);
         let outcomes = running.wait();
         if let Some(tm) = &flight.trace_mem {
             let crashed =
@@ -687,7 +693,9 @@ fn sink_summary(cpus: &[CpuReport]) -> hyptrace_output::RunSummary {
 /// A run while its vCPUs run: the poll loop and the stop policy.
 struct Live<'a> {
     running: RunningVm,
-    session: Session,
+    /// Shared with the standby drainer (invariant D1: one drainer at a time, under
+    /// this lock); the loop's own uses lock it for a moment each.
+    session: Arc<Mutex<Session>>,
     flight: Flight,
     stdout: Arc<StdoutState>,
     interrupts: Option<&'a Interrupts>,
@@ -702,6 +710,11 @@ struct Live<'a> {
 }
 
 impl Live<'_> {
+    /// The session, locked (a panic elsewhere while holding it fails the run anyway).
+    fn session(&self) -> MutexGuard<'_, Session> {
+        self.session.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
     /// Polls every `poll` until every vCPU has stopped and been read; returns whether a
     /// second signal aborted the run.
     ///
@@ -717,6 +730,7 @@ impl Live<'_> {
             c.set_waker(Some(Box::new(move || w.wake())));
         }
         let mut priority = ReaderPriority::raise();
+        let standby = self.start_standby(poll);
         // Rounds in a row that found every writer idle: after IDLE_ROUNDS the boost is
         // given back (cheaper wake-ups) until a writer writes again.
         const IDLE_ROUNDS: u32 = 16;
@@ -728,7 +742,14 @@ impl Live<'_> {
         let (mut longest_round, mut longest_late) = (Duration::ZERO, Duration::ZERO);
         let aborted = loop {
             rounds += 1;
-            let wait = self.session.next_wait(poll);
+            let wait = {
+                let mut s = self.session();
+                let wait = s.next_wait(poll);
+                if let Some(b) = &standby {
+                    b.beat(Instant::now(), wait, s.fill_time());
+                }
+                wait
+            };
             idle_rounds = if wait >= poll {
                 idle_rounds.saturating_add(1)
             } else {
@@ -749,10 +770,14 @@ impl Live<'_> {
             self.serve_control();
             self.clock.recheck(false);
             if let Some(h) = &mut self.heartbeat {
-                h.tick(&self.session, self.nr, self.running.started_at());
+                h.tick(
+                    &self.session.lock().unwrap_or_else(PoisonError::into_inner),
+                    self.nr,
+                    self.running.started_at(),
+                );
             }
             longest_round = longest_round.max(round.elapsed());
-            if all_done && (0..self.nr).all(|c| !self.session.is_live(c)) {
+            if all_done && (0..self.nr).all(|c| !self.session().is_live(c)) {
                 break false;
             }
             if all_done {
@@ -769,7 +794,8 @@ impl Live<'_> {
             c.set_waker(None);
         }
         let used = thread_cpu_time().saturating_sub(cpu0);
-        let output_waits = self.session.output_waits();
+        let standby = standby.map(Standby::stop).unwrap_or_default();
+        let output_waits = self.session().output_waits();
         drop(priority);
         let wall = self.running.started_at().elapsed();
         log::debug!(
@@ -788,7 +814,13 @@ impl Live<'_> {
                 output_waits.longest.as_secs_f64() * 1e3,
             );
         }
-        let l = self.session.reader().layout();
+        log::debug!(
+            "standby drainer: took over {} times while the reader thread was late ({} drain rounds), {:.1} ms CPU",
+            standby.turns,
+            standby.rounds,
+            standby.cpu.as_secs_f64() * 1e3
+        );
+        let l = *self.session().reader().layout();
         (
             aborted,
             ReaderTimes {
@@ -799,15 +831,45 @@ impl Live<'_> {
                 output_waits,
                 buffer_kb: u64::from(l.pages_per_cpu) * l.page_size as u64 / 1024,
                 ring_bytes: u64::from(l.pages_per_cpu.saturating_sub(1)) * l.data_capacity() as u64,
+                standby,
             },
         )
+    }
+
+    /// The standby drainer of this loop (`crate::standby`), with live draining on at
+    /// least two CPUs: it drains while the loop is late, and records the reader
+    /// positions in the trace memory file after each turn, as the loop does after its
+    /// rounds. It holds off while any vCPU crashed or ended or a stop was asked for.
+    fn start_standby(&self, poll: Duration) -> Option<Standby> {
+        if !self.flight.drain_live || !Standby::wanted() {
+            return None;
+        }
+        let watch = self.running.watch();
+        let tm = self.flight.trace_mem.clone();
+        let nr = self.nr;
+        let relieve = move |s: &mut Session| {
+            let rounds = s.relieve(crate::standby::TURN_BUDGET);
+            if let Some(tm) = &tm {
+                record_positions(s, tm, nr);
+            }
+            rounds
+        };
+        let hold = move || !watch.all_running();
+        match Standby::start(Arc::clone(&self.session), poll, relieve, hold) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                log::info!("standby drainer: not started ({e}); the reader thread drains alone");
+                None
+            }
+        }
     }
 
     /// Executes the control socket's waiting commands.
     fn serve_control(&mut self) {
         let Some(control) = self.control else { return };
+        let mut session = self.session.lock().unwrap_or_else(PoisonError::into_inner);
         let mut h = RunControl {
-            session: &mut self.session,
+            session: &mut session,
             running: &self.running,
             events: self.events.as_ref(),
             stop: self.stop.as_ref(),
@@ -863,7 +925,8 @@ impl Live<'_> {
     /// event committed or dropped) or of the number of vCPUs that exited.
     fn hung(&mut self) -> Option<Duration> {
         let h = self.flight.hang.as_mut()?;
-        let reader = self.session.reader();
+        let session = self.session.lock().unwrap_or_else(PoisonError::into_inner);
+        let reader = session.reader();
         let index = (0..self.nr).fold(0u64, |a, c| a.wrapping_add(reader.writer_index(c)));
         let exited = (0..self.nr)
             .filter(|&c| self.running.vcpu_finished(c))
@@ -900,8 +963,9 @@ impl Live<'_> {
         }
         .unwrap_or_else(|| "a vCPU crashed".into());
         note!("hyptrace: guest crashed: {reason}");
-        let reader = self.session.reader();
-        let session = &self.session;
+        let session = self.session.lock().unwrap_or_else(PoisonError::into_inner);
+        let reader = session.reader();
+        let session = &*session;
         let target = self.flight.dump_target.as_ref().map(|(t, f, _)| (t, *f));
         let (report, err) = crate::dump::write_crash_dump(
             &**reader.mem(),
@@ -943,15 +1007,11 @@ impl Live<'_> {
     /// none` its meta page's writer counters (live attach).
     fn record_positions(&mut self) {
         if let Some(tm) = &self.flight.trace_mem {
-            let reader = self.session.reader();
-            for c in 0..self.nr {
-                if let Some(p) = reader.position(c) {
-                    tm.record(c, p);
-                }
-            }
+            let session = self.session.lock().unwrap_or_else(PoisonError::into_inner);
+            record_positions(&session, tm, self.nr);
             if !self.flight.drain_live {
                 for c in 0..self.nr {
-                    update_meta(&self.session, tm, &mut self.flight.meta, c);
+                    update_meta(&session, tm, &mut self.flight.meta, c);
                 }
             }
         }
@@ -968,7 +1028,7 @@ impl Live<'_> {
             return;
         }
         let stopped = |c| running.vcpu_finished(c) && !(hold && running.any_crashed());
-        let failed = self.session.service(stopped);
+        let failed = self.session().service(stopped);
         self.record_positions();
         for (cpu, e) in failed {
             log::debug!("cpu {cpu}: {e}");
@@ -979,9 +1039,21 @@ impl Live<'_> {
                 format!("reading vcpu {cpu} failed")
             }));
         }
-        if let Err(e) = self.session.flush() {
+        let flushed = self.session().flush();
+        if let Err(e) = flushed {
             self.failures.session(None, &e);
             self.stop_for(Stop::Failed("output failed".into()));
+        }
+    }
+}
+
+/// Records every CPU's reader position in the trace memory file (what a dump after a
+/// SIGKILL must not emit again).
+fn record_positions(session: &Session, tm: &TraceMemFile, nr: u32) {
+    let reader = session.reader();
+    for c in 0..nr {
+        if let Some(p) = reader.position(c) {
+            tm.record(c, p);
         }
     }
 }
@@ -989,7 +1061,7 @@ impl Live<'_> {
 /// The flight recorder state of a run.
 struct Flight {
     /// `--trace-mem`.
-    trace_mem: Option<TraceMemFile>,
+    trace_mem: Option<Arc<TraceMemFile>>,
     /// `--hang-timeout`.
     hang: Option<HangWatch>,
     /// `--crash-dump`: where, in which format, the path for messages.

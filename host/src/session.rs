@@ -142,7 +142,7 @@ pub enum Output {
     /// Text lines (`trace-cmd report -t` format), merged across CPUs by time.
     Text {
         /// The destination.
-        out: Box<dyn Write>,
+        out: Box<dyn Write + Send>,
         /// Merges the CPUs' streams (events carry their payload length; the bytes wait
         /// in `payloads`, one FIFO per CPU, so no event costs an allocation).
         merger: Merger<usize>,
@@ -150,12 +150,12 @@ pub enum Output {
         payloads: Vec<std::collections::VecDeque<u8>>,
     },
     /// Whole pages into a sink (trace.dat, JSON, text file, raw).
-    Pages(Box<dyn PageSink>),
+    Pages(Box<dyn PageSink + Send>),
 }
 
 impl Output {
     /// Text output to `out`, merging `nr_cpus` CPUs.
-    pub fn text(out: Box<dyn Write>, nr_cpus: u32) -> Self {
+    pub fn text(out: Box<dyn Write + Send>, nr_cpus: u32) -> Self {
         Output::Text {
             out,
             merger: Merger::with_window(nr_cpus as usize, MERGE_WINDOW),
@@ -208,6 +208,15 @@ pub struct Session<M = Arc<GuestTraceMem>, C = Box<dyn Callbacks + Send>> {
     live_drain: bool,
     /// `--host-events`: the VMM's own ring, read as CPU `nr_cpus` of the output.
     host: Option<HostCpu>,
+    /// Failures of [`Session::relieve`] (the standby drainer), for the next
+    /// [`Session::service`] to return: the drain loop reports them as its own.
+    deferred: Vec<(u32, SessionError)>,
+    /// The time the fastest writer's whole ring takes to fill at its recent rate (as
+    /// of the last [`Session::next_wait`]); `None` while no writer writes.
+    fill_time: Option<Duration>,
+    /// An output error [`Session::relieve`] met, for the next [`Session::flush`] to
+    /// return (the first output error is returned once).
+    deferred_output: Option<SessionError>,
 }
 
 /// The VMM's ring in a session (see [`crate::host_events`]).
@@ -268,6 +277,9 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
             output_error: None,
             live_drain: true,
             host: None,
+            deferred: Vec::new(),
+            fill_time: None,
+            deferred_output: None,
         }
     }
 
@@ -459,6 +471,7 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
         let l = *self.reader.layout();
         let cap = (l.pages_per_cpu as u64).saturating_mul(l.data_capacity() as u64);
         let mut wait = idle;
+        let mut fill: Option<f64> = None;
         for cpu in 0..self.reader.nr_cpus() {
             let st = &self.cpus[cpu as usize];
             if st.ended || st.failed {
@@ -497,6 +510,8 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
             if st.rate < 1.0 {
                 continue;
             }
+            let whole = cap as f64 / st.rate;
+            fill = Some(fill.map_or(whole, |f| f.min(whole)));
             if unread.saturating_mul(2) >= cap {
                 wait = MIN_POLL;
             } else {
@@ -505,7 +520,15 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
                 wait = wait.min(w.unwrap_or(idle));
             }
         }
+        self.fill_time = fill.and_then(|f| Duration::try_from_secs_f64(f).ok());
         wait.max(MIN_POLL).min(idle.max(MIN_POLL))
+    }
+
+    /// The time the fastest writer's whole ring takes to fill at its recent rate, as
+    /// [`Session::next_wait`] last estimated it; `None` while no writer writes. What the
+    /// standby drainer ([`crate::standby`]) measures the drain loop's lateness against.
+    pub fn fill_time(&self) -> Option<Duration> {
+        self.fill_time
     }
 
     /// Events (and loss markers) the text merger holds back now, and their payload bytes.
@@ -676,7 +699,7 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
     /// once (later failures of the same CPU are recorded nowhere else), for the caller
     /// to report.
     pub fn service(&mut self, vcpu_stopped: impl Fn(u32) -> bool) -> Vec<(u32, SessionError)> {
-        let mut failed = Vec::new();
+        let mut failed = std::mem::take(&mut self.deferred);
         for cpu in 0..self.reader.nr_cpus() {
             let st = &self.cpus[cpu as usize];
             if st.ended {
@@ -695,8 +718,7 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
                         self.end_cpu(cpu)
                     }
                     Err(e) => {
-                        self.cpus[cpu as usize].failed = true;
-                        self.fail_cpu(cpu, &e);
+                        self.poll_failed(cpu, &e);
                         Err(e)
                     }
                     Ok(()) => Ok(()),
@@ -713,6 +735,54 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
             failed.push((cpu, e));
         }
         failed
+    }
+
+    /// A live read of `cpu` failed: it is not polled again, and the error is recorded.
+    fn poll_failed(&mut self, cpu: u32, e: &SessionError) {
+        self.cpus[cpu as usize].failed = true;
+        self.fail_cpu(cpu, e);
+    }
+
+    /// The standby drainer's turn ([`crate::standby`]), taken while the drain loop is
+    /// late: polls every CPU that is still read live until it is caught up (no round
+    /// stopped at its bound) or `budget` is spent, then prints what is ready. Never
+    /// ends a CPU (final walks stay with the drain loop, which knows which vCPUs
+    /// stopped) and never reads the VMM's own ring. A failure is recorded as
+    /// [`Session::service`] records it and returned by the next `service`, except a
+    /// mailbox timeout: that one the drain loop meets again at its next poll, where it
+    /// can tell a stopped vCPU from a stuck writer. Returns the rounds it drained.
+    pub fn relieve(&mut self, budget: Duration) -> u64 {
+        if !self.live_drain {
+            return 0;
+        }
+        let started = Instant::now();
+        let mut rounds = 0u64;
+        for cpu in 0..self.reader.nr_cpus() {
+            // Bounded: each poll is a bounded round, and the loop ends at the budget.
+            loop {
+                let st = &self.cpus[cpu as usize];
+                if st.ended || st.failed {
+                    break;
+                }
+                rounds += 1;
+                match self.poll(cpu) {
+                    Ok(()) => {}
+                    Err(SessionError::Read(ReadError::MailboxTimeout { .. })) => break,
+                    Err(e) => {
+                        self.poll_failed(cpu, &e);
+                        self.deferred.push((cpu, e));
+                        break;
+                    }
+                }
+                if !self.cpus[cpu as usize].more || started.elapsed() >= budget {
+                    break;
+                }
+            }
+        }
+        if let Err(e) = self.flush() {
+            self.deferred_output = Some(e);
+        }
+        rounds
     }
 
     /// One bounded round of reading `cpu` into the output: returns whether it stopped
@@ -734,6 +804,9 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
     /// CPUs is no longer exact from there. Returns the first output error once; after
     /// it, lines are discarded.
     pub fn flush(&mut self) -> Result<(), SessionError> {
+        if let Some(e) = self.deferred_output.take() {
+            return Err(e);
+        }
         let Output::Text {
             out,
             merger,

@@ -573,6 +573,20 @@ impl Waker {
     }
 }
 
+/// Whether every vCPU still runs as started ([`RunningVm::watch`]); cheap to ask from
+/// any thread.
+#[derive(Clone)]
+pub struct VcpuWatch(Arc<Shared>);
+
+impl VcpuWatch {
+    /// No vCPU crashed or ended, and no stop was asked for.
+    pub fn all_running(&self) -> bool {
+        !self.0.stop.load(Ordering::SeqCst)
+            && !self.0.crashed.load(Ordering::SeqCst)
+            && *self.0.done.lock().unwrap_or_else(|e| e.into_inner()) == 0
+    }
+}
+
 /// A started VM: its vCPU threads are running.
 pub struct RunningVm {
     _vm_fd: VmFd,
@@ -613,6 +627,11 @@ impl RunningVm {
     /// control socket: a queued command is served at once, not at the next poll).
     pub fn waker(&self) -> Waker {
         Waker(Arc::clone(&self.shared))
+    }
+
+    /// A handle that tells from any thread whether every vCPU still runs.
+    pub fn watch(&self) -> VcpuWatch {
+        VcpuWatch(Arc::clone(&self.shared))
     }
 
     /// Whether vCPU `id`'s thread has ended (finished, crashed or stopped).

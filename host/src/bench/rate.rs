@@ -66,6 +66,8 @@ pub(super) struct RateRun {
     pub(super) output_wait_ms: f64,
     /// The reader's latest wake-up (held off its core), ms.
     pub(super) longest_late_ms: f64,
+    /// Turns the standby drainer took while the reader was late.
+    pub(super) standby_turns: u64,
 }
 
 impl RateRow {
@@ -176,6 +178,7 @@ fn rate_run(cfg: &Cfg, vcpus: u32, swap: SwapArg, rate: u64) -> Result<RateRun, 
         ok: o.lost == 0 && o.written == o.read,
         output_wait_ms: ms(o.reader.output_waits.total),
         longest_late_ms: ms(o.reader.longest_late),
+        standby_turns: o.reader.standby.turns,
     })
 }
 

@@ -183,6 +183,7 @@ mod tests {
                     ok: rate == 200_000,
                     output_wait_ms,
                     longest_late_ms,
+                    standby_turns: 0,
                 })
                 .collect(),
             mode: "stop",
