@@ -831,7 +831,7 @@ fn a_held_standby_reads_nothing_and_stops_promptly() {
         ts += 10;
         let _ = w.write(0, ts, &marker(vcpu_pid(0), ts, i));
     }
-    // Many of its periods (1 ms) pass with the loop late.
+    // Many of its looks (every 4 ms while calm) pass with the loop late.
     std::thread::sleep(Duration::from_millis(50));
     assert_eq!(pages_of(&sink, 0), 0, "read while held");
     // No writer to watch: it goes to sleep until woken; stop wakes it.

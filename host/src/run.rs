@@ -759,7 +759,11 @@ impl Live<'_> {
             let waited = Instant::now();
             let all_done = self.running.wait_timeout(wait);
             let round = Instant::now();
-            longest_late = longest_late.max(round.saturating_duration_since(waited + wait));
+            let late = round.saturating_duration_since(waited + wait);
+            longest_late = longest_late.max(late);
+            if let Some(b) = &standby {
+                b.woke(round, late);
+            }
             if self.interrupts.is_some_and(Interrupts::aborted) {
                 log::info!("aborted by a second signal");
                 self.running.stop();
@@ -794,7 +798,7 @@ impl Live<'_> {
             c.set_waker(None);
         }
         let used = thread_cpu_time().saturating_sub(cpu0);
-        let standby = standby.map(Standby::stop).unwrap_or_default();
+        let standby = standby.map(Standby::stop);
         let output_waits = self.session().output_waits();
         drop(priority);
         let wall = self.running.started_at().elapsed();
@@ -814,12 +818,14 @@ impl Live<'_> {
                 output_waits.longest.as_secs_f64() * 1e3,
             );
         }
-        log::debug!(
-            "standby drainer: took over {} times while the reader thread was late ({} drain rounds), {:.1} ms CPU",
-            standby.turns,
-            standby.rounds,
-            standby.cpu.as_secs_f64() * 1e3
-        );
+        if let Some(s) = standby {
+            log::debug!(
+                "standby drainer: took over {} times while the reader thread was late ({} drain rounds), {:.1} ms CPU",
+                s.turns,
+                s.rounds,
+                s.cpu.as_secs_f64() * 1e3
+            );
+        }
         let l = *self.session().reader().layout();
         (
             aborted,
@@ -831,7 +837,7 @@ impl Live<'_> {
                 output_waits,
                 buffer_kb: u64::from(l.pages_per_cpu) * l.page_size as u64 / 1024,
                 ring_bytes: u64::from(l.pages_per_cpu.saturating_sub(1)) * l.data_capacity() as u64,
-                standby,
+                standby: standby.unwrap_or_default(),
             },
         )
     }

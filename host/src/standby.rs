@@ -12,13 +12,16 @@
 //! next, how long the fastest writer's ring takes to fill at its recent rate
 //! ([`crate::session::Session::fill_time`]), and which CPU it runs on. The standby
 //! thread runs with the same scheduling advantage as the loop
-//! ([`ReaderPriority`]), on every CPU it may use except the loop's, and checks every
-//! quarter of the fill time (at least [`MIN_PERIOD`] apart). When the loop is more than
+//! ([`ReaderPriority`]), on every CPU it may use except the loop's, and looks every
+//! quarter of the fill time: at least [`CALM_PERIOD`] apart, or [`MIN_PERIOD`] for
+//! [`ALERT_FOR`] after the loop was late (each look preempts a vCPU, which costs it
+//! dearly here, so it looks closely only in phases of stalls). When the loop is more than
 //! a quarter of the fill time past its planned wake-up ([`Beat::late_at`]), the
 //! standby takes the session's lock — only if it is free: a loop held off in the middle
 //! of a round holds it — and drains ([`crate::session::Session::relieve`]). So a
-//! stall is caught at most three quarters of a fill time after the loop's last round,
-//! while the ring still has room. While no writer writes, or writes so slowly that the
+//! stall is caught within three quarters of a fill time after the loop's last round
+//! (plus the floor of the look period), while the ring still has room at the rates
+//! where the floor is short against the fill time. While no writer writes, or writes so slowly that the
 //! loop's own idle period is short against the fill time, the standby sleeps until the
 //! loop wakes it: an idle VM costs it nothing.
 //!
@@ -35,9 +38,23 @@ use std::time::{Duration, Instant};
 
 use crate::session::{thread_cpu_time, ReaderPriority};
 
-/// Shortest time between two checks of the standby: bounds what it costs the vCPU
-/// whose core it shares (a wake-up preempts that vCPU) while a fast writer writes.
-pub const MIN_PERIOD: Duration = Duration::from_micros(250);
+/// Shortest time between two looks of the standby while it is alert (the loop was
+/// late lately, [`ALERT_FOR`]): bounds what it costs the vCPU whose core it shares. A
+/// look preempts that vCPU, and on this PVM machine a vCPU preempted once loses about
+/// 100 µs of its writing (measured: the writer's whole-loop mean rose 10 % with a look
+/// every 1 ms, 43 % with one every 250 µs).
+pub const MIN_PERIOD: Duration = Duration::from_millis(1);
+/// Shortest time between two looks while the loop has been on time for [`ALERT_FOR`]:
+/// about 2.5 % of a flat-out vCPU here.
+pub const CALM_PERIOD: Duration = Duration::from_millis(4);
+/// How long the standby stays alert after the loop was late (its wake-up more than half
+/// a fill time past its plan, whether it woke by itself or the standby took a turn).
+/// The stalls seen here come in phases, a few seconds apart.
+pub const ALERT_FOR: Duration = Duration::from_secs(10);
+/// Lateness in the loop's first this long does not make the standby alert: the loop's
+/// rate estimate starts high on purpose (`session::START_RATE`), so its fill time is
+/// short and every wake-up looks late.
+pub const WARM_UP: Duration = Duration::from_millis(100);
 /// Longest one turn of the standby drains before it lets the drain loop (blocked on
 /// the lock meanwhile) have the session back.
 pub const TURN_BUDGET: Duration = Duration::from_millis(5);
@@ -55,6 +72,8 @@ pub struct Beat {
     cpu: AtomicI32,
     /// The loop's idle period (`--poll-ms`) in ns.
     idle_ns: u64,
+    /// Alert until this time (ns since `epoch`; 0: calm): look every [`MIN_PERIOD`].
+    alert_until_ns: AtomicU64,
     stop: AtomicBool,
     /// The standby is asleep until woken (no writer writes fast enough to watch).
     asleep: AtomicBool,
@@ -71,6 +90,7 @@ impl Beat {
             fill_ns: AtomicU64::new(u64::MAX),
             cpu: AtomicI32::new(-1),
             idle_ns: nanos(idle),
+            alert_until_ns: AtomicU64::new(0),
             stop: AtomicBool::new(false),
             asleep: AtomicBool::new(false),
             turns: AtomicU64::new(0),
@@ -91,12 +111,38 @@ impl Beat {
         self.cpu.store(cpu, Relaxed);
     }
 
-    /// How often the standby looks now: `None` while there is nothing to watch (no
-    /// writer writes, or its ring takes so long to fill that the loop's own idle period
-    /// is within a quarter of it).
-    pub fn period(&self) -> Option<Duration> {
+    /// How often the standby looks at `now`: every quarter fill time, at least
+    /// [`MIN_PERIOD`] apart while alert and [`CALM_PERIOD`] otherwise; `None` while
+    /// there is nothing to watch (no writer writes, or its ring takes so long to fill
+    /// that the loop's own idle period is within a quarter of it).
+    pub fn period_at(&self, now: Instant) -> Option<Duration> {
         let quarter = self.fill_ns.load(Relaxed) / 4;
-        (quarter < self.idle_ns).then(|| Duration::from_nanos(quarter).max(MIN_PERIOD))
+        let floor = if self.since_epoch(now) < self.alert_until_ns.load(Relaxed) {
+            MIN_PERIOD
+        } else {
+            CALM_PERIOD
+        };
+        (quarter < self.idle_ns).then(|| Duration::from_nanos(quarter).max(floor))
+    }
+
+    /// The loop is `late` past its plan at `now`: more than half a fill time (past
+    /// [`WARM_UP`]) makes the standby look closely ([`MIN_PERIOD`]) for the next
+    /// [`ALERT_FOR`].
+    fn woke(&self, now: Instant, late: Duration) {
+        let fill = self.fill_ns.load(Relaxed);
+        let t = self.since_epoch(now);
+        if fill != u64::MAX && nanos(late) > fill / 2 && t >= nanos(WARM_UP) {
+            self.alert_until_ns
+                .store(t.saturating_add(nanos(ALERT_FOR)), Relaxed);
+        }
+    }
+
+    /// How far the loop is past its planned wake-up at `now`.
+    fn lateness(&self, now: Instant) -> Duration {
+        Duration::from_nanos(
+            self.since_epoch(now)
+                .saturating_sub(self.due_ns.load(Relaxed)),
+        )
     }
 
     /// Whether the loop is late at `now`: more than a quarter of the fill time past its
@@ -167,14 +213,14 @@ impl Standby {
                 let mut priority = ReaderPriority::raise();
                 let mut place = Placement::new();
                 while !b.stop.load(Relaxed) {
-                    let Some(period) = b.period() else {
+                    let Some(period) = b.period_at(Instant::now()) else {
                         // Nothing to watch: sleep until the loop sees a writer again
                         // (`beat`) or stops. The flag is set before the check, so a
                         // wake-up between them is not lost (park returns at once
                         // after an unpark).
                         priority.set_active(false);
                         b.asleep.store(true, Relaxed);
-                        if b.period().is_none() && !b.stop.load(Relaxed) {
+                        if b.period_at(Instant::now()).is_none() && !b.stop.load(Relaxed) {
                             std::thread::park();
                         }
                         b.asleep.store(false, Relaxed);
@@ -194,6 +240,8 @@ impl Standby {
                         // The loop holds it: it runs (or was held off mid-round).
                         Err(TryLockError::WouldBlock) => continue,
                     };
+                    let now = Instant::now();
+                    b.woke(now, b.lateness(now));
                     let rounds = relieve(&mut s);
                     drop(s);
                     b.turns.fetch_add(1, Relaxed);
@@ -212,11 +260,17 @@ impl Standby {
     /// to watch again.
     pub fn beat(&self, now: Instant, wait: Duration, fill: Option<Duration>) {
         self.beat.publish(now, wait, fill, current_cpu());
-        if self.beat.asleep.load(Relaxed) && self.beat.period().is_some() {
+        if self.beat.asleep.load(Relaxed) && self.beat.period_at(now).is_some() {
             if let Some(t) = &self.thread {
                 t.thread().unpark();
             }
         }
+    }
+
+    /// The drain loop woke `late` past the wait it asked for, at `now`: a late wake-up
+    /// (more than half a fill time) makes the standby look closely for a while.
+    pub fn woke(&self, now: Instant, late: Duration) {
+        self.beat.woke(now, late);
     }
 
     /// What the standby did so far: turns taken, drain rounds run in them.
@@ -321,33 +375,34 @@ mod tests {
     #[test]
     fn late_is_a_quarter_fill_past_the_planned_wake_up() {
         let b = Beat::new(Duration::from_millis(5));
-        let t0 = b.epoch + Duration::from_millis(10);
+        let t0 = b.epoch + WARM_UP;
+        let ms = Duration::from_millis;
         // No writer: never late, nothing to watch.
-        b.publish(t0, Duration::from_millis(1), None, 0);
+        b.publish(t0, ms(1), None, 0);
         assert!(!b.late_at(t0 + Duration::from_secs(60)));
-        assert_eq!(b.period(), None);
-        // A ring that fills in 4 ms: due at +1 ms, late past +2 ms.
-        b.publish(
-            t0,
-            Duration::from_millis(1),
-            Some(Duration::from_millis(4)),
-            0,
-        );
-        assert!(!b.late_at(t0 + Duration::from_micros(1999)));
-        assert!(b.late_at(t0 + Duration::from_micros(2001)));
-        assert_eq!(b.period(), Some(Duration::from_millis(1)));
-        // A very fast writer: checks no closer than MIN_PERIOD.
+        assert_eq!(b.period_at(t0), None);
+        // A ring that fills in 8 ms: due at +1 ms, late past +3 ms.
+        b.publish(t0, ms(1), Some(ms(8)), 0);
+        assert!(!b.late_at(t0 + Duration::from_micros(2999)));
+        assert!(b.late_at(t0 + Duration::from_micros(3001)));
+        // Calm: a look every CALM_PERIOD at most. A wake-up late by less than half a
+        // fill leaves it calm, and so does any in the loop's WARM_UP; a later one makes
+        // it alert for ALERT_FOR: a look every quarter fill (2 ms), but no closer than
+        // MIN_PERIOD.
+        assert_eq!(b.period_at(t0), Some(CALM_PERIOD));
+        b.woke(t0, ms(4));
+        b.woke(t0 - ms(1), ms(5));
+        assert_eq!(b.period_at(t0), Some(CALM_PERIOD));
+        b.woke(t0, ms(5));
+        assert_eq!(b.period_at(t0), Some(ms(2)));
+        assert_eq!(b.lateness(t0 + ms(4)), ms(3));
         b.publish(t0, Duration::ZERO, Some(Duration::from_micros(100)), 0);
-        assert_eq!(b.period(), Some(MIN_PERIOD));
-        // A slow one (a quarter fill beyond the loop's idle period): nothing to watch.
-        b.publish(
-            t0,
-            Duration::from_millis(5),
-            Some(Duration::from_millis(40)),
-            0,
-        );
-        assert_eq!(b.period(), None);
-        assert!(!b.late_at(t0 + Duration::from_millis(14)));
-        assert!(b.late_at(t0 + Duration::from_millis(16)));
+        assert_eq!(b.period_at(t0 + ALERT_FOR - ms(1)), Some(MIN_PERIOD));
+        assert_eq!(b.period_at(t0 + ALERT_FOR), Some(CALM_PERIOD));
+        // A slow writer (a quarter fill beyond the loop's idle period): nothing to watch.
+        b.publish(t0, ms(5), Some(ms(40)), 0);
+        assert_eq!(b.period_at(t0), None);
+        assert!(!b.late_at(t0 + ms(14)));
+        assert!(b.late_at(t0 + ms(16)));
     }
 }
