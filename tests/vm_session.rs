@@ -748,12 +748,19 @@ fn pages_of(sink: &CountingSink, cpu: usize) -> u64 {
     p.get(cpu).copied().unwrap_or(0)
 }
 
-/// Issue 14, the standby drainer: a drain loop that beats once and then falls silent
-/// (its thread held off its core) is relieved. The standby alone hands several rings'
-/// worth of a writer that writes on to the sink, in turns it counts. Bounded: the
-/// writer gives up after 30 s, which fails the test.
-#[test]
-fn a_silent_drain_loop_is_relieved_by_the_standby() {
+/// A session over one CPU's 8-page stop-mode ring into a [`CountingSink`], shared with
+/// a standby drainer (holding off while `held`) whose loop beat once — due at once, a
+/// ring that fills in 4 ms — and then fell silent.
+#[allow(clippy::type_complexity)]
+fn standby_over_a_silent_loop(
+    held: bool,
+) -> (
+    Mem,
+    RingGeometry,
+    CountingSink,
+    Arc<Mutex<HeapSession>>,
+    hyptrace_host::standby::Standby,
+) {
     use hyptrace_host::standby::{Standby, TURN_BUDGET};
     let (m, l) = region(1, 8, Mode::Stop);
     let sink = CountingSink::default();
@@ -766,15 +773,24 @@ fn a_silent_drain_loop_is_relieved_by_the_standby() {
         Arc::clone(&s),
         Duration::from_millis(100),
         |s: &mut HeapSession| s.relieve(TURN_BUDGET),
-        || false,
+        move || held,
     )
     .expect("start the standby");
-    // The loop's only round: it means to wake at once; a ring fills in 4 ms.
     standby.beat(
         Instant::now(),
         Duration::ZERO,
         Some(Duration::from_millis(4)),
     );
+    (m, l, sink, s, standby)
+}
+
+/// Issue 14, the standby drainer: a drain loop that beats once and then falls silent
+/// (its thread held off its core) is relieved. The standby alone hands several rings'
+/// worth of a writer that writes on to the sink, in turns it counts. Bounded: the
+/// writer gives up after 30 s, which fails the test.
+#[test]
+fn a_silent_drain_loop_is_relieved_by_the_standby() {
+    let (m, l, sink, s, standby) = standby_over_a_silent_loop(false);
     let mut w = Writer::attach(m.clone(), 0).expect("attach");
     let ring_pages = u64::from(l.pages_per_cpu - 1);
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -805,26 +821,7 @@ fn a_silent_drain_loop_is_relieved_by_the_standby() {
 /// stop fails the test instead of hanging it.
 #[test]
 fn a_held_standby_reads_nothing_and_stops_promptly() {
-    use hyptrace_host::standby::{Standby, TURN_BUDGET};
-    let (m, l) = region(1, 8, Mode::Stop);
-    let sink = CountingSink::default();
-    let s = Arc::new(Mutex::new(session(
-        &m,
-        l,
-        Output::Pages(Box::new(sink.clone())),
-    )));
-    let standby = Standby::start(
-        Arc::clone(&s),
-        Duration::from_millis(100),
-        |s: &mut HeapSession| s.relieve(TURN_BUDGET),
-        || true,
-    )
-    .expect("start the standby");
-    standby.beat(
-        Instant::now(),
-        Duration::ZERO,
-        Some(Duration::from_millis(4)),
-    );
+    let (m, _l, sink, s, standby) = standby_over_a_silent_loop(true);
     let mut w = Writer::attach(m.clone(), 0).expect("attach");
     let mut ts = 1000;
     for i in 0..20_000 {
