@@ -710,11 +710,6 @@ struct Live<'a> {
 }
 
 impl Live<'_> {
-    /// The session, locked (a panic elsewhere while holding it fails the run anyway).
-    fn session(&self) -> MutexGuard<'_, Session> {
-        self.session.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
     /// Polls every `poll` until every vCPU has stopped and been read; returns whether a
     /// second signal aborted the run.
     ///
@@ -743,7 +738,7 @@ impl Live<'_> {
         let aborted = loop {
             rounds += 1;
             let wait = {
-                let mut s = self.session();
+                let mut s = locked(&self.session);
                 let wait = s.next_wait(poll);
                 if let Some(b) = &standby {
                     b.beat(Instant::now(), wait, s.fill_time());
@@ -774,14 +769,10 @@ impl Live<'_> {
             self.serve_control();
             self.clock.recheck(false);
             if let Some(h) = &mut self.heartbeat {
-                h.tick(
-                    &self.session.lock().unwrap_or_else(PoisonError::into_inner),
-                    self.nr,
-                    self.running.started_at(),
-                );
+                h.tick(&locked(&self.session), self.nr, self.running.started_at());
             }
             longest_round = longest_round.max(round.elapsed());
-            if all_done && (0..self.nr).all(|c| !self.session().is_live(c)) {
+            if all_done && (0..self.nr).all(|c| !locked(&self.session).is_live(c)) {
                 break false;
             }
             if all_done {
@@ -799,7 +790,7 @@ impl Live<'_> {
         }
         let used = thread_cpu_time().saturating_sub(cpu0);
         let standby = standby.map(Standby::stop);
-        let output_waits = self.session().output_waits();
+        let output_waits = locked(&self.session).output_waits();
         drop(priority);
         let wall = self.running.started_at().elapsed();
         log::debug!(
@@ -826,7 +817,7 @@ impl Live<'_> {
                 s.cpu.as_secs_f64() * 1e3
             );
         }
-        let l = *self.session().reader().layout();
+        let l = *locked(&self.session).reader().layout();
         (
             aborted,
             ReaderTimes {
@@ -873,7 +864,7 @@ impl Live<'_> {
     /// Executes the control socket's waiting commands.
     fn serve_control(&mut self) {
         let Some(control) = self.control else { return };
-        let mut session = self.session.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut session = locked(&self.session);
         let mut h = RunControl {
             session: &mut session,
             running: &self.running,
@@ -931,7 +922,7 @@ impl Live<'_> {
     /// event committed or dropped) or of the number of vCPUs that exited.
     fn hung(&mut self) -> Option<Duration> {
         let h = self.flight.hang.as_mut()?;
-        let session = self.session.lock().unwrap_or_else(PoisonError::into_inner);
+        let session = locked(&self.session);
         let reader = session.reader();
         let index = (0..self.nr).fold(0u64, |a, c| a.wrapping_add(reader.writer_index(c)));
         let exited = (0..self.nr)
@@ -969,7 +960,7 @@ impl Live<'_> {
         }
         .unwrap_or_else(|| "a vCPU crashed".into());
         note!("hyptrace: guest crashed: {reason}");
-        let session = self.session.lock().unwrap_or_else(PoisonError::into_inner);
+        let session = locked(&self.session);
         let reader = session.reader();
         let session = &*session;
         let target = self.flight.dump_target.as_ref().map(|(t, f, _)| (t, *f));
@@ -1013,7 +1004,7 @@ impl Live<'_> {
     /// none` its meta page's writer counters (live attach).
     fn record_positions(&mut self) {
         if let Some(tm) = &self.flight.trace_mem {
-            let session = self.session.lock().unwrap_or_else(PoisonError::into_inner);
+            let session = locked(&self.session);
             record_positions(&session, tm, self.nr);
             if !self.flight.drain_live {
                 for c in 0..self.nr {
@@ -1034,7 +1025,7 @@ impl Live<'_> {
             return;
         }
         let stopped = |c| running.vcpu_finished(c) && !(hold && running.any_crashed());
-        let failed = self.session().service(stopped);
+        let failed = locked(&self.session).service(stopped);
         self.record_positions();
         for (cpu, e) in failed {
             log::debug!("cpu {cpu}: {e}");
@@ -1045,12 +1036,18 @@ impl Live<'_> {
                 format!("reading vcpu {cpu} failed")
             }));
         }
-        let flushed = self.session().flush();
+        let flushed = locked(&self.session).flush();
         if let Err(e) = flushed {
             self.failures.session(None, &e);
             self.stop_for(Stop::Failed("output failed".into()));
         }
     }
+}
+
+/// The run's session, locked: the drain loop's and the control socket's uses, each for
+/// a moment (invariant D1). A panic elsewhere while holding it fails the run anyway.
+fn locked(session: &Mutex<Session>) -> MutexGuard<'_, Session> {
+    session.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// Records every CPU's reader position in the trace memory file (what a dump after a

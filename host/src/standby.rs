@@ -21,9 +21,10 @@
 //! of a round holds it — and drains ([`crate::session::Session::relieve`]). So a
 //! stall is caught within three quarters of a fill time after the loop's last round
 //! (plus the floor of the look period), while the ring still has room at the rates
-//! where the floor is short against the fill time. While no writer writes, or writes so slowly that the
-//! loop's own idle period is short against the fill time, the standby sleeps until the
-//! loop wakes it: an idle VM costs it nothing.
+//! where the floor is short against the fill time. While no writer writes, or writes
+//! so slowly that the loop's own idle period is short against the fill time, the
+//! standby sleeps until the loop wakes it: an idle VM costs it only its looks in the
+//! loop's first 100 ms, while the loop assumes a fast writer.
 //!
 //! **Invariant D1** (docs/design.md, "The standby drainer"): one drainer at a time —
 //! every read of the rings and every write of the output happens under the session's
@@ -149,11 +150,7 @@ impl Beat {
     /// planned wake-up while a writer writes.
     pub fn late_at(&self, now: Instant) -> bool {
         let fill = self.fill_ns.load(Relaxed);
-        if fill == u64::MAX {
-            return false;
-        }
-        let due = self.due_ns.load(Relaxed);
-        self.since_epoch(now) > due.saturating_add(fill / 4)
+        fill != u64::MAX && nanos(self.lateness(now)) > fill / 4
     }
 
     /// Turns the standby took, and the drain rounds it ran in them.
@@ -271,11 +268,6 @@ impl Standby {
     /// (more than half a fill time) makes the standby look closely for a while.
     pub fn woke(&self, now: Instant, late: Duration) {
         self.beat.woke(now, late);
-    }
-
-    /// What the standby did so far: turns taken, drain rounds run in them.
-    pub fn taken(&self) -> (u64, u64) {
-        self.beat.taken()
     }
 
     /// Stops the thread and waits for it (at most one turn, [`TURN_BUDGET`], plus a
