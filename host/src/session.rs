@@ -458,7 +458,9 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
     /// rate; `0` when a round stopped at its bound ([`Session::backlog`]); at most
     /// [`REQUEST_POLL`] while a mailbox request is in flight. The guest's counters are
     /// only a hint here: hostile values can make the loop poll at most every
-    /// [`MIN_POLL`] (each round is bounded), nothing else.
+    /// [`MIN_POLL`] (each round is bounded), nothing else. With `--drain none` no ring
+    /// is read while the guest runs, so however fast a writer fills it, the loop waits
+    /// `idle`: polling sooner would read nothing and only take CPU from the vCPUs.
     pub fn next_wait(&mut self, idle: Duration) -> Duration {
         self.next_wait_at(idle, Instant::now())
     }
@@ -467,6 +469,10 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
     pub fn next_wait_at(&mut self, idle: Duration, now: Instant) -> Duration {
         if self.backlog() {
             return Duration::ZERO;
+        }
+        if !self.live_drain {
+            self.fill_time = None;
+            return idle.max(MIN_POLL);
         }
         let l = *self.reader.layout();
         let cap = (l.pages_per_cpu as u64).saturating_mul(l.data_capacity() as u64);
