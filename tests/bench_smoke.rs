@@ -81,6 +81,8 @@ fn bench_quick_writes_json() {
         for k in [
             "guest_ns",
             "guest_mean_ns",
+            "guest_unread_ns",
+            "guest_unread_mean_ns",
             "native_ns",
             "native_mean_ns",
             "bound_ns",

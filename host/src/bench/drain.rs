@@ -18,7 +18,7 @@ use serde::Serialize;
 use super::harness::{vm_run, SinkKind, TempPath, VmSpec};
 use super::stats::{Summary, Tsc};
 use super::{bench_payload, BenchError, Cfg, Measured, DEFAULT_PAGES, PAGE_SIZE};
-use crate::cli::{ModeArg, SwapArg};
+use crate::cli::{DrainArg, ModeArg, SwapArg};
 
 /// The `drain` JSON object; a section not run is `{}` in each.
 #[derive(Clone, Debug, Serialize)]
@@ -160,6 +160,7 @@ fn vm_drain(cfg: &Cfg, tsc: Tsc) -> Result<VmDrainRow, BenchError> {
             pages: DEFAULT_PAGES,
             sink: SinkKind::Raw,
             time_swaps: false,
+            drain: DrainArg::Live,
         })?;
         let guest_s = tsc.ns(o.guest_cycles as f64) / 1e9;
         let secs = o.wall.as_secs_f64().max(guest_s);

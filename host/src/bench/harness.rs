@@ -14,7 +14,7 @@ use hyptrace_reader::{Callbacks, ReadError, SwapReply, SwapStatus};
 use vm_memory::{Bytes, GuestAddress};
 
 use super::{BenchError, PAGE_SIZE};
-use crate::cli::{Cli, Command, ModeArg, SwapArg};
+use crate::cli::{Cli, Command, DrainArg, ModeArg, SwapArg};
 use crate::plan::Plan;
 use crate::run::{MakeSink, Run, Target};
 use crate::session::MAILBOX_TIMEOUT;
@@ -34,6 +34,8 @@ pub(super) struct VmSpec {
     pub(super) sink: SinkKind,
     /// Time every swap_reader call.
     pub(super) time_swaps: bool,
+    /// Whether the reader drains while the guest runs (`--drain`).
+    pub(super) drain: DrainArg,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -212,6 +214,8 @@ pub(super) fn plan(spec: &VmSpec) -> Result<Plan, BenchError> {
         PAGE_SIZE.to_string(),
         "--poll-ms".into(),
         crate::cli::DEFAULT_POLL_MS.to_string(),
+        "--drain".into(),
+        lower(&spec.drain),
     ];
     let Command::Run(a) = Cli::try_parse_from(args)
         .map_err(BenchError::RunArgs)?
@@ -224,6 +228,9 @@ pub(super) fn plan(spec: &VmSpec) -> Result<Plan, BenchError> {
     plan.params.payload = spec.payload;
     plan.cfg.mem_bytes = plan.cfg.mem_bytes.div_ceil(2 << 20) * (2 << 20);
     plan.mailbox_timeout = MAILBOX_TIMEOUT;
+    // A failed bench run is an error of its own; no crash-dump file (which `run
+    // --drain none` would write into the working directory) is wanted.
+    plan.flight.crash_dump = None;
     Ok(plan)
 }
 
@@ -317,6 +324,7 @@ pub(super) fn vm_run(spec: &VmSpec) -> Result<VmOut, BenchError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::bench::writer::writer_spec;
     use crate::cli::ring_layout;
     use crate::elf::GuestImage;
     use crate::memory_map::{GuestMemoryMap, MIN_MEM_BYTES};
@@ -340,6 +348,7 @@ mod tests {
                 pages: super::super::DEFAULT_PAGES,
                 sink: SinkKind::Null,
                 time_swaps: false,
+                drain: DrainArg::Live,
             };
             let p = plan(&spec).expect("plan");
             let ring = ring_layout(vcpus, spec.pages, PAGE_SIZE, mode, swap).expect("ring");
@@ -366,6 +375,15 @@ mod tests {
                 std::time::Duration::from_millis(crate::cli::DEFAULT_POLL_MS)
             );
             assert_eq!(p.mailbox_timeout, MAILBOX_TIMEOUT);
+            assert!(p.flight.drain_live);
+            assert_eq!(p.flight.crash_dump, None);
         }
+        let unread = plan(&VmSpec {
+            drain: DrainArg::None,
+            ..writer_spec(1, 16)
+        })
+        .expect("plan");
+        assert!(!unread.flight.drain_live);
+        assert_eq!(unread.flight.crash_dump, None, "no trace.dat in the cwd");
     }
 }

@@ -13,7 +13,7 @@ use serde::Serialize;
 
 use super::harness::{vm_run, SinkKind, VmSpec};
 use super::{BenchError, Cfg, DEFAULT_PAGES, PAGE_SIZE};
-use crate::cli::{ModeArg, SwapArg};
+use crate::cli::{DrainArg, ModeArg, SwapArg};
 use crate::report::ms;
 
 /// Events per vCPU that overflow a ring of the rate search twice over if the reader
@@ -163,6 +163,7 @@ fn rate_run(cfg: &Cfg, vcpus: u32, swap: SwapArg, rate: u64) -> Result<RateRun, 
         pages: DEFAULT_PAGES,
         sink: SinkKind::Dat,
         time_swaps: false,
+        drain: DrainArg::Live,
     })?;
     let achieved = if o.guest_cycles > 0 {
         events as f64 * o.tsc_khz as f64 * 1000.0 / o.guest_cycles as f64

@@ -7,7 +7,7 @@ use serde::Serialize;
 use super::harness::{vm_run, SinkKind, VmSpec};
 use super::stats::{Summary, Tsc};
 use super::{BenchError, Cfg, DEFAULT_PAGES};
-use crate::cli::{ModeArg, SwapArg};
+use crate::cli::{DrainArg, ModeArg, SwapArg};
 
 /// The `startup` JSON object (ms).
 #[derive(Clone, Debug, Default, Serialize)]
@@ -38,6 +38,7 @@ pub(super) fn startup(cfg: &Cfg) -> Result<(StartupReport, Tsc), BenchError> {
             pages: DEFAULT_PAGES,
             sink: SinkKind::Null,
             time_swaps: false,
+            drain: DrainArg::Live,
         })?;
         khz = o.tsc_khz;
         let tsc = Tsc { khz };

@@ -12,7 +12,7 @@ use serde::Serialize;
 use super::harness::{plan, vm_run, SinkKind, SwapLog, VmSpec};
 use super::stats::{Quantiles, Tsc};
 use super::{BenchError, Cfg, Measured, DEFAULT_PAGES};
-use crate::cli::{ModeArg, SwapArg};
+use crate::cli::{DrainArg, ModeArg, SwapArg};
 use crate::vm::{host_tsc, Vm};
 
 /// The `swap` JSON object; a section not run is `{}` in each.
@@ -150,6 +150,7 @@ fn swap_live(cfg: &Cfg, tsc: Tsc, swap: SwapArg) -> Result<LiveSwapRow, BenchErr
             pages: DEFAULT_PAGES,
             sink: SinkKind::Null,
             time_swaps: true,
+            drain: DrainArg::Live,
         })?;
         wall += o.wall.as_secs_f64();
         let s = o.swaps;
@@ -230,6 +231,7 @@ fn swap_pingpong(cfg: &Cfg, tsc: Tsc, swap: SwapArg) -> Result<PingPongRow, Benc
         pages: DEFAULT_PAGES,
         sink: SinkKind::Null,
         time_swaps: false,
+        drain: DrainArg::Live,
     })?;
     plan.params.events = u64::MAX;
     let layout = plan.ring;

@@ -12,7 +12,7 @@ use serde::Serialize;
 use super::harness::{vm_run, SinkKind, VmSpec};
 use super::stats::{Quantiles, Summary, Tsc};
 use super::{bench_payload, BenchError, Cfg, DEFAULT_PAGES, PAGE_SIZE};
-use crate::cli::{ModeArg, SwapArg};
+use crate::cli::{DrainArg, ModeArg, SwapArg};
 use crate::vm::host_tsc;
 
 /// One `writer` row: a vCPU count and payload size, ns/event.
@@ -26,6 +26,10 @@ pub(super) struct WriterRow {
     pub(super) guest_ns: Summary,
     /// The guest's whole-loop mean per run and vCPU.
     pub(super) guest_mean_ns: Summary,
+    /// The same two with no reader draining while the guest writes (`--drain none`):
+    /// the writer alone, without the live reader's cache traffic on the ring.
+    pub(super) guest_unread_ns: Summary,
+    pub(super) guest_unread_mean_ns: Summary,
     pub(super) native_ns: Summary,
     pub(super) native_mean_ns: Summary,
     pub(super) bound_ns: Summary,
@@ -53,9 +57,30 @@ struct Samples {
     g_best: Vec<f64>,
     n_mean: Vec<f64>,
     n_best: Vec<f64>,
+    u_mean: Vec<f64>,
+    u_best: Vec<f64>,
     b_mean: Vec<f64>,
     b_best: Vec<f64>,
     r_best: Vec<f64>,
+}
+
+/// The guest's bench loop as the writer rows run it: flat out, overwrite mode (the
+/// rings never fill up the writer's path), host swaps, the default rings, a live reader
+/// into no file.
+pub(super) fn writer_spec(vcpus: u32, payload: u32) -> VmSpec {
+    VmSpec {
+        vcpus,
+        workload: Workload::Bench,
+        events: 0,
+        rate: 0,
+        payload,
+        mode: ModeArg::Overwrite,
+        swap: SwapArg::Host,
+        pages: DEFAULT_PAGES,
+        sink: SinkKind::Null,
+        time_swaps: false,
+        drain: DrainArg::Live,
+    }
 }
 
 /// One repetition of a row: the guest in a VM, then natively on as many threads, the
@@ -69,21 +94,24 @@ fn measure(
 ) -> Result<(), BenchError> {
     let per_event = |cycles: u64, events: u64| tsc.ns(cycles as f64) / events.max(1) as f64;
     let chunk = |t: Timing| per_event(t.min_chunk, BENCH_CHUNK);
-    let o = vm_run(&VmSpec {
-        vcpus,
-        workload: Workload::Bench,
+    let spec = VmSpec {
         events: cfg.events,
-        rate: 0,
-        payload,
-        mode: ModeArg::Overwrite,
-        swap: SwapArg::Host,
-        pages: DEFAULT_PAGES,
-        sink: SinkKind::Null,
-        time_swaps: false,
-    })?;
+        ..writer_spec(vcpus, payload)
+    };
+    let o = vm_run(&spec)?;
     for (c, m) in o.bench_cycles.iter().zip(&o.bench_min_chunk) {
         s.g_mean.push(per_event(*c, cfg.events));
         s.g_best.push(per_event(*m, BENCH_CHUNK));
+    }
+    // The same loop with no reader while it runs (the rings are read at the end): what
+    // the live reader's own memory traffic costs the writer is the difference.
+    let o = vm_run(&VmSpec {
+        drain: DrainArg::None,
+        ..spec
+    })?;
+    for (c, m) in o.bench_cycles.iter().zip(&o.bench_min_chunk) {
+        s.u_mean.push(per_event(*c, cfg.events));
+        s.u_best.push(per_event(*m, BENCH_CHUNK));
     }
     for t in on_threads(vcpus, || native_writer(payload, cfg.events)) {
         let t = t?;
@@ -118,6 +146,8 @@ pub(super) fn writer_section(cfg: &Cfg, tsc: Tsc) -> Result<Vec<WriterRow>, Benc
                 event_bytes: hyptrace_abi::page::data_event_size(p as usize),
                 guest_ns: Summary::of(&s.g_best),
                 guest_mean_ns: Summary::of(&s.g_mean),
+                guest_unread_ns: Summary::of(&s.u_best),
+                guest_unread_mean_ns: Summary::of(&s.u_mean),
                 native_ns: Summary::of(&s.n_best),
                 native_mean_ns: Summary::of(&s.n_mean),
                 bound_ns: Summary::of(&s.b_best),
