@@ -17,8 +17,7 @@ use serde::Serialize;
 
 use super::harness::{vm_run, SinkKind, TempPath, VmSpec};
 use super::stats::{Summary, Tsc};
-use super::{bench_payload, BenchError, Cfg, Measured, DEFAULT_PAGES, PAGE_SIZE};
-use crate::cli::{DrainArg, ModeArg, SwapArg};
+use super::{bench_payload, BenchError, Cfg, Measured, PAGE_SIZE};
 
 /// The `drain` JSON object; a section not run is `{}` in each.
 #[derive(Clone, Debug, Serialize)]
@@ -150,17 +149,11 @@ fn vm_drain(cfg: &Cfg, tsc: Tsc) -> Result<VmDrainRow, BenchError> {
     let events = cfg.events * 4;
     for _ in 0..cfg.reps {
         let o = vm_run(&VmSpec {
-            vcpus: 1,
             workload: Workload::Bench,
             events,
-            rate: 0,
             payload: 16,
-            mode: ModeArg::Overwrite,
-            swap: SwapArg::Host,
-            pages: DEFAULT_PAGES,
             sink: SinkKind::Raw,
-            time_swaps: false,
-            drain: DrainArg::Live,
+            ..VmSpec::default()
         })?;
         let guest_s = tsc.ns(o.guest_cycles as f64) / 1e9;
         let secs = o.wall.as_secs_f64().max(guest_s);

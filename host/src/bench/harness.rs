@@ -38,6 +38,26 @@ pub(super) struct VmSpec {
     pub(super) drain: DrainArg,
 }
 
+impl Default for VmSpec {
+    /// One vCPU writing `steady` markers flat out, overwrite mode, host swaps, the
+    /// default rings, a live reader into no file: every section names what it changes.
+    fn default() -> Self {
+        Self {
+            vcpus: 1,
+            workload: Workload::Steady,
+            events: 0,
+            rate: 0,
+            payload: 0,
+            mode: ModeArg::Overwrite,
+            swap: SwapArg::Host,
+            pages: super::DEFAULT_PAGES,
+            sink: SinkKind::Null,
+            time_swaps: false,
+            drain: DrainArg::Live,
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum SinkKind {
     Null,
@@ -341,14 +361,10 @@ mod tests {
                 vcpus,
                 workload: Workload::Bench,
                 events: 123_456,
-                rate: 0,
                 payload: 64,
                 mode,
                 swap,
-                pages: super::super::DEFAULT_PAGES,
-                sink: SinkKind::Null,
-                time_swaps: false,
-                drain: DrainArg::Live,
+                ..VmSpec::default()
             };
             let p = plan(&spec).expect("plan");
             let ring = ring_layout(vcpus, spec.pages, PAGE_SIZE, mode, swap).expect("ring");

@@ -8,12 +8,11 @@
 //! (`searched: false`); a search that never lost reports a lower bound too
 //! (`first_lossy_rate: null`, `lower_bound: true`).
 
-use hyptrace_abi::guest::Workload;
 use serde::Serialize;
 
 use super::harness::{vm_run, SinkKind, VmSpec};
 use super::{BenchError, Cfg, DEFAULT_PAGES, PAGE_SIZE};
-use crate::cli::{DrainArg, ModeArg, SwapArg};
+use crate::cli::{ModeArg, SwapArg};
 use crate::report::ms;
 
 /// Events per vCPU that overflow a ring of the rate search twice over if the reader
@@ -154,16 +153,12 @@ fn rate_run(cfg: &Cfg, vcpus: u32, swap: SwapArg, rate: u64) -> Result<RateRun, 
     let events = ((rate as f64 * cfg.rate_seconds) as u64).max(RATE_FILL_EVENTS);
     let o = vm_run(&VmSpec {
         vcpus,
-        workload: Workload::Steady,
         events,
         rate,
-        payload: 0,
         mode: ModeArg::Stop,
         swap,
-        pages: DEFAULT_PAGES,
         sink: SinkKind::Dat,
-        time_swaps: false,
-        drain: DrainArg::Live,
+        ..VmSpec::default()
     })?;
     let achieved = if o.guest_cycles > 0 {
         events as f64 * o.tsc_khz as f64 * 1000.0 / o.guest_cycles as f64

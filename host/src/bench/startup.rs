@@ -1,13 +1,11 @@
 //! `startup`: VMM start (before the VM is created) → the first event's timestamp, and
 //! its parts. Always runs: it also measures the TSC frequency the other sections use.
 
-use hyptrace_abi::guest::Workload;
 use serde::Serialize;
 
-use super::harness::{vm_run, SinkKind, VmSpec};
+use super::harness::{vm_run, VmSpec};
 use super::stats::{Summary, Tsc};
-use super::{BenchError, Cfg, DEFAULT_PAGES};
-use crate::cli::{DrainArg, ModeArg, SwapArg};
+use super::{BenchError, Cfg};
 
 /// The `startup` JSON object (ms).
 #[derive(Clone, Debug, Default, Serialize)]
@@ -28,17 +26,8 @@ pub(super) fn startup(cfg: &Cfg) -> Result<(StartupReport, Tsc), BenchError> {
     let mut khz = 0;
     for _ in 0..cfg.reps.max(3) {
         let o = vm_run(&VmSpec {
-            vcpus: 1,
-            workload: Workload::Steady,
             events: 1000,
-            rate: 0,
-            payload: 0,
-            mode: ModeArg::Overwrite,
-            swap: SwapArg::Host,
-            pages: DEFAULT_PAGES,
-            sink: SinkKind::Null,
-            time_swaps: false,
-            drain: DrainArg::Live,
+            ..VmSpec::default()
         })?;
         khz = o.tsc_khz;
         let tsc = Tsc { khz };

@@ -5,14 +5,13 @@
 
 use std::time::{Duration, Instant};
 
-use hyptrace_abi::guest::Workload;
 use hyptrace_reader::{Callbacks, MailboxOp, MailboxPort, MailboxStatus, SwapReply, SwapStatus};
 use serde::Serialize;
 
-use super::harness::{plan, vm_run, SinkKind, SwapLog, VmSpec};
+use super::harness::{plan, vm_run, SwapLog, VmSpec};
 use super::stats::{Quantiles, Tsc};
 use super::{BenchError, Cfg, Measured, DEFAULT_PAGES};
-use crate::cli::{DrainArg, ModeArg, SwapArg};
+use crate::cli::SwapArg;
 use crate::vm::{host_tsc, Vm};
 
 /// The `swap` JSON object; a section not run is `{}` in each.
@@ -140,17 +139,11 @@ fn swap_live(cfg: &Cfg, tsc: Tsc, swap: SwapArg) -> Result<LiveSwapRow, BenchErr
         // reader has just been waiting for (the common case; the head search is the
         // longest then).
         let o = vm_run(&VmSpec {
-            vcpus: 1,
-            workload: Workload::Steady,
             events: cfg.swap_events,
             rate: cfg.swap_rate,
-            payload: 0,
-            mode: ModeArg::Overwrite,
             swap,
-            pages: DEFAULT_PAGES,
-            sink: SinkKind::Null,
             time_swaps: true,
-            drain: DrainArg::Live,
+            ..VmSpec::default()
         })?;
         wall += o.wall.as_secs_f64();
         let s = o.swaps;
@@ -221,17 +214,10 @@ fn await_answer(
 /// trip is timed even when the vCPU thread was descheduled). No exits either way.
 fn swap_pingpong(cfg: &Cfg, tsc: Tsc, swap: SwapArg) -> Result<PingPongRow, BenchError> {
     let mut plan = plan(&VmSpec {
-        vcpus: 1,
-        workload: Workload::Steady,
         events: 1,
         rate: cfg.swap_rate,
-        payload: 0,
-        mode: ModeArg::Overwrite,
         swap,
-        pages: DEFAULT_PAGES,
-        sink: SinkKind::Null,
-        time_swaps: false,
-        drain: DrainArg::Live,
+        ..VmSpec::default()
     })?;
     plan.params.events = u64::MAX;
     let layout = plan.ring;

@@ -9,10 +9,10 @@ use hyptrace_abi::{HeapMem, RawMem, SharedMem};
 use hyptrace_writer::{WriteOutcome, Writer};
 use serde::Serialize;
 
-use super::harness::{vm_run, SinkKind, VmSpec};
+use super::harness::{vm_run, VmSpec};
 use super::stats::{Quantiles, Summary, Tsc};
 use super::{bench_payload, BenchError, Cfg, DEFAULT_PAGES, PAGE_SIZE};
-use crate::cli::{DrainArg, ModeArg, SwapArg};
+use crate::cli::DrainArg;
 use crate::vm::host_tsc;
 
 /// One `writer` row: a vCPU count and payload size, ns/event.
@@ -71,15 +71,8 @@ pub(super) fn writer_spec(vcpus: u32, payload: u32) -> VmSpec {
     VmSpec {
         vcpus,
         workload: Workload::Bench,
-        events: 0,
-        rate: 0,
         payload,
-        mode: ModeArg::Overwrite,
-        swap: SwapArg::Host,
-        pages: DEFAULT_PAGES,
-        sink: SinkKind::Null,
-        time_swaps: false,
-        drain: DrainArg::Live,
+        ..VmSpec::default()
     }
 }
 
