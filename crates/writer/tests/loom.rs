@@ -43,6 +43,16 @@
 //! bytes that is not ordered after their write by the commit's Release/Acquire). An
 //! atomic access to a plain word, or the reverse, panics.
 #![cfg(loom)]
+// A seeded-bug build runs only the model that must catch its bug, so some payload sizes
+// and swap paths the other models use go unused there.
+#![cfg_attr(
+    any(
+        hyptrace_seeded_bug,
+        hyptrace_seeded_bug_relaxed_commit,
+        hyptrace_seeded_bug_relaxed_release
+    ),
+    allow(dead_code)
+)]
 
 use hyptrace_abi::layout::{
     ctl, footer, link_id, Mode, RingGeometry, FOOTER_SIZE, FT_COMMIT, FT_HEAD, FT_READER,
