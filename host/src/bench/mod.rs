@@ -101,7 +101,7 @@ pub enum BenchWhat {
 /// Sections of `hyptrace bench`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Section {
-    /// Guest vs native vs bound ns/event.
+    /// Guest (under the live reader and with none) vs native vs bound ns/event.
     Writer,
     /// swap_reader latency, both modes.
     Swap,
