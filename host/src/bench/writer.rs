@@ -64,9 +64,9 @@ struct Samples {
     r_best: Vec<f64>,
 }
 
-/// The guest's bench loop as the writer rows run it: flat out, overwrite mode (the
-/// rings never fill up the writer's path), host swaps, the default rings, a live reader
-/// into no file.
+/// The guest's bench loop as the writer rows run it: flat out, overwrite mode (a full
+/// ring never stops the writer), host swaps, the default rings, a live reader into no
+/// file.
 pub(super) fn writer_spec(vcpus: u32, payload: u32) -> VmSpec {
     VmSpec {
         vcpus,
