@@ -35,6 +35,7 @@ fn main() {
         "build.rs",
         "link.ld",
         ".cargo/config.toml",
+        "mem",
     ] {
         rerun_if_exists(&guest.join(p));
     }
