@@ -35,7 +35,7 @@ fn main() {
         "build.rs",
         "link.ld",
         ".cargo/config.toml",
-        "mem",
+        "rt",
     ] {
         rerun_if_exists(&guest.join(p));
     }

@@ -16,14 +16,12 @@
 
 use core::cell::UnsafeCell;
 use core::ffi::{c_char, c_void};
-use core::fmt::{self, Write};
 use core::mem::MaybeUninit;
 use core::panic::PanicInfo;
 use core::sync::atomic::{AtomicU32, Ordering};
 
 use hyptrace_abi::guest::{
-    result, RunParamBlock, PANIC_MSG_MAX, PORT_EXIT, PORT_PANIC, RUN_FLAG_SERVE_MAILBOX,
-    VCPU_RESULT_SIZE,
+    result, RunParamBlock, PORT_EXIT, RUN_FLAG_SERVE_MAILBOX, VCPU_RESULT_SIZE,
 };
 use hyptrace_abi::layout::pack as pack_hdr;
 use hyptrace_abi::registry::{MAX_EVENTS, MAX_FIELDS, PORT_REGISTER};
@@ -585,13 +583,7 @@ pub unsafe extern "C" fn ht_skipped(w: *const HtWriter) -> u64 {
 /// The time-stamp counter (the timestamps the host converts).
 #[no_mangle]
 pub extern "C" fn ht_rdtsc() -> u64 {
-    let lo: u32;
-    let hi: u32;
-    // SAFETY: `rdtsc` only reads the TSC into edx:eax (allowed at CPL3: CR4.TSD clear).
-    unsafe {
-        core::arch::asm!("rdtsc", out("eax") lo, out("edx") hi, options(nomem, nostack, preserves_flags))
-    };
-    (u64::from(hi) << 32) | u64::from(lo)
+    hyptrace_guest_rt::rdtsc()
 }
 
 /// Copies the run parameters at `params_gpa` (the entry's `rdx`) into `out`; `false`
@@ -663,10 +655,11 @@ pub unsafe extern "C" fn ht_exit(w: *mut HtWriter, attempted: u64) -> ! {
 /// `msg` is NULL or a NUL-terminated string.
 #[no_mangle]
 pub unsafe extern "C" fn ht_panic(msg: *const c_char) -> ! {
+    // The C program's own message, without a place in this library.
     // SAFETY: per the caller.
     match unsafe { c_str(msg) } {
-        Some(m) => panic!("{m}"),
-        None => panic!("ht_panic"),
+        Some(m) => hyptrace_guest_rt::report(format_args!("{m}"), None),
+        None => hyptrace_guest_rt::report(format_args!("ht_panic"), None),
     }
 }
 
@@ -688,53 +681,11 @@ unsafe fn slot_store(params: u64, p: &RunParamBlock, cpu: u32, off: usize, v: u6
     unsafe { ((slot as usize + off) as *mut u64).write_volatile(v) }
 }
 
-fn out32(port: u16, value: u32) {
-    // SAFETY: port I/O is allowed at CPL3 with IOPL=3; the VMM handles the exit.
-    unsafe {
-        core::arch::asm!("out dx, eax", in("dx") port, in("eax") value, options(nomem, nostack, preserves_flags))
-    };
-}
-
-/// Writes the panic message into the result slot through GS (the VMM sets every vCPU's
-/// GS base to its result slot), truncated to PANIC_MSG_MAX.
-struct SlotMsg {
-    len: usize,
-}
-
-fn gs_store_u8(off: usize, v: u8) {
-    // SAFETY: GS base is this vCPU's result slot (VMM contract); `off` stays inside it.
-    unsafe {
-        core::arch::asm!("mov byte ptr gs:[{off}], {v}", off = in(reg) off, v = in(reg_byte) v, options(nostack, preserves_flags))
-    };
-}
-
-impl Write for SlotMsg {
-    fn write_str(&mut self, s: &str) -> fmt::Result {
-        for &b in s.as_bytes() {
-            if self.len == PANIC_MSG_MAX {
-                break;
-            }
-            gs_store_u8(result::MSG + self.len, b);
-            self.len += 1;
-        }
-        Ok(())
-    }
-}
-
 #[panic_handler]
 fn panic(info: &PanicInfo<'_>) -> ! {
-    let mut msg = SlotMsg { len: 0 };
-    let _ = write!(msg, "{}", info.message());
-    // SAFETY: as in `gs_store_u8`: the slot's STATUS word.
-    unsafe {
-        core::arch::asm!("mov qword ptr gs:[{off}], {v}", off = in(reg) result::STATUS, v = in(reg) 2u64, options(nostack, preserves_flags))
-    };
-    out32(PORT_PANIC, msg.len as u32);
-    loop {
-        core::hint::spin_loop();
-    }
+    hyptrace_guest_rt::report_panic(info)
 }
 
-// The C memory functions (there is no libc): the guest images' one copy, which the Rust
-// code and a freestanding C program linked with this library both use.
-use hyptrace_guest_mem as _;
+// The TSC, port I/O, the panic report and the C memory functions (there is no libc):
+// the guest images' shared runtime, which the embedded payload links too.
+use hyptrace_guest_rt::out32;

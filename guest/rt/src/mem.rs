@@ -1,13 +1,9 @@
-//! The C memory functions of the guest images (`memcpy`, `memmove`, `memset`, `memcmp`,
-//! `bcmp`): there is no libc in a guest, and both the payload the VMM embeds and the C
-//! SDK's `libhyptrace.a` need them — the compiler emits calls to them, and the writer
-//! copies every event's payload with `memcpy` when its length is not a constant. One
-//! copy, here, for both.
+//! The C memory functions (`memcpy`, `memmove`, `memset`, `memcmp`, `bcmp`): there is
+//! no libc in a guest, the compiler emits calls to them, and the writer copies every
+//! event's payload with `memcpy` when its length is not a constant.
 //!
 //! Written with fixed-size moves, `rep movsb/stosb` and plain loops that LLVM will not
-//! turn back into calls to themselves. A program links them by naming the crate
-//! (`use hyptrace_guest_mem as _;`).
-#![no_std]
+//! turn back into calls to themselves.
 
 use core::arch::asm;
 

@@ -1,0 +1,100 @@
+//! The runtime both guest images share — the payload the VMM embeds (guest/src) and the
+//! C SDK's `libhyptrace.a` (guest/c-sdk): the C memory functions ([`mem`]), the TSC, port
+//! I/O, and the report of a panic to the VMM. One copy, linked by both.
+//!
+//! A guest runs at CPL3 with IOPL=3 (so `in`/`out` work, `hlt` does not), with no
+//! interrupts and no IDT, and its GS base at its vCPU's result slot (the VMM's contract,
+//! `hyptrace_abi::guest`).
+#![no_std]
+
+use core::arch::asm;
+use core::fmt::{self, Write};
+use core::panic::{Location, PanicInfo};
+
+use hyptrace_abi::guest::{result, PANIC_MSG_MAX, PORT_PANIC};
+
+pub mod mem;
+
+/// Reads the time-stamp counter.
+#[inline(always)]
+pub fn rdtsc() -> u64 {
+    let lo: u32;
+    let hi: u32;
+    // SAFETY: `rdtsc` only reads the TSC into edx:eax (CR4.TSD is clear, so it is
+    // allowed at CPL3); no memory is touched.
+    unsafe {
+        asm!("rdtsc", out("eax") lo, out("edx") hi, options(nomem, nostack, preserves_flags))
+    };
+    (u64::from(hi) << 32) | u64::from(lo)
+}
+
+/// Writes a 32-bit value to an I/O port (an exit to the VMM).
+#[inline(always)]
+pub fn out32(port: u16, value: u32) {
+    // SAFETY: port I/O is allowed at CPL3 with IOPL=3; the VMM handles the exit. No
+    // guest memory is touched.
+    unsafe {
+        asm!("out dx, eax", in("dx") port, in("eax") value, options(nomem, nostack, preserves_flags))
+    };
+}
+
+/// Stores a byte at `gs:[off]`. The VMM sets every vCPU's GS base to the GPA of its
+/// result slot, so a panic can reach the slot without any other context.
+#[inline(always)]
+fn gs_store_u8(off: usize, value: u8) {
+    // SAFETY: GS base is this vCPU's result slot (VMM contract) and callers keep `off`
+    // inside the slot; the slot is guest memory owned by this vCPU.
+    unsafe {
+        asm!("mov byte ptr gs:[{off}], {v}", off = in(reg) off, v = in(reg_byte) value, options(nostack, preserves_flags))
+    };
+}
+
+/// Stores a u64 at `gs:[off]` (see [`gs_store_u8`]).
+#[inline(always)]
+fn gs_store_u64(off: usize, value: u64) {
+    // SAFETY: as in `gs_store_u8`: `off + 8` stays inside this vCPU's result slot.
+    unsafe {
+        asm!("mov qword ptr gs:[{off}], {v}", off = in(reg) off, v = in(reg) value, options(nostack, preserves_flags))
+    };
+}
+
+/// Writes the panic message into the result slot, truncated to [`PANIC_MSG_MAX`].
+struct SlotMsg {
+    len: usize,
+}
+
+impl Write for SlotMsg {
+    fn write_str(&mut self, s: &str) -> fmt::Result {
+        for &b in s.as_bytes() {
+            if self.len == PANIC_MSG_MAX {
+                break;
+            }
+            gs_store_u8(result::MSG + self.len, b);
+            self.len += 1;
+        }
+        Ok(())
+    }
+}
+
+/// Reports a panic to the VMM and stops this vCPU ([`report`] with the panic's message
+/// and where it happened). What a guest image's `#[panic_handler]` calls.
+pub fn report_panic(info: &PanicInfo<'_>) -> ! {
+    report(format_args!("{}", info.message()), info.location())
+}
+
+/// Reports `msg` (and `at`, if given) to the VMM as this vCPU's panic and stops the vCPU:
+/// the message into the result slot (truncated to [`PANIC_MSG_MAX`]), status 2
+/// (panicked), then the panic port's exit with the message's length. The VMM stops the
+/// vCPU there (the run ends with exit code 3); it is never resumed.
+pub fn report(msg: fmt::Arguments<'_>, at: Option<&Location<'_>>) -> ! {
+    let mut slot = SlotMsg { len: 0 };
+    let _ = slot.write_fmt(msg);
+    if let Some(loc) = at {
+        let _ = write!(slot, " ({}:{})", loc.file(), loc.line());
+    }
+    gs_store_u64(result::STATUS, 2);
+    out32(PORT_PANIC, slot.len as u32);
+    loop {
+        core::hint::spin_loop();
+    }
+}
