@@ -284,6 +284,38 @@ fn silent_cpu_does_not_grow_the_merger() {
     assert_eq!(out.lines(), TOTAL + s.merge_overflows());
 }
 
+/// `run`'s text output orders two CPUs' events that show the same nanosecond as
+/// trace-cmd orders them in the trace.dat the same run writes: lower CPU first, whatever
+/// the order of their raw TSC values (the session's merger held raw timestamps, so a
+/// text run and a trace.dat of it could print such a pair the other way round).
+#[test]
+fn text_orders_same_nanosecond_events_by_cpu() {
+    let (m, l) = region(2, 4, Mode::Stop);
+    let clock = Clock::guest_tsc(2_600_000).expect("clock");
+    let r = (2_600_000u64..)
+        .find(|&r| clock.to_ns(r) == clock.to_ns(r + 1))
+        .expect("two ticks in one ns");
+    let rb =
+        RingBuffer::alloc(m.clone(), l, Direct::new(m.clone(), l), 2_600_000, 1).expect("alloc");
+    let out = Captured::keeping();
+    let mut s = Session::new(rb, Output::text(Box::new(out.clone()), 2), clock);
+    // cpu 1 a tick earlier than cpu 0, in the same nanosecond.
+    for (cpu, ts) in [(0u32, r + 1), (1, r)] {
+        let mut w = Writer::attach(m.clone(), cpu).expect("attach");
+        let e = w.write(0, ts, &marker(vcpu_pid(cpu), ts, u64::from(cpu)));
+        assert_eq!(e, WriteOutcome::Written);
+        w.finish();
+    }
+    assert!(s.service(|_| true).is_empty());
+    s.flush().expect("flush");
+    let text = out.text_lossy();
+    let cpus: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(1))
+        .collect();
+    assert_eq!(cpus, ["[000]", "[001]"], "{text}");
+}
+
 /// The merge-window marker is a line of its own, naming the silent CPU.
 #[test]
 fn merge_window_marker_names_the_silent_cpu() {

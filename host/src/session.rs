@@ -329,15 +329,22 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
             return None;
         }
         let mark = h.events.watermark();
-        let r =
-            drain_ring(&mut h.reader, 0, h.cpu, &mut h.run, &mut self.output).and_then(|more| {
-                h.run.more = more;
-                h.reader.poke(0).map(|_| ()).map_err(SessionError::from)
-            });
+        let r = drain_ring(
+            &mut h.reader,
+            0,
+            h.cpu,
+            &mut h.run,
+            &mut self.output,
+            &self.clock,
+        )
+        .and_then(|more| {
+            h.run.more = more;
+            h.reader.poke(0).map(|_| ()).map_err(SessionError::from)
+        });
         match r {
             Ok(()) => {
                 if let (false, Output::Text { merger, .. }) = (h.run.more, &mut self.output) {
-                    merger.advance(h.cpu as usize, mark);
+                    merger.advance(h.cpu as usize, self.clock.to_ns(mark));
                 }
                 None
             }
@@ -367,7 +374,14 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
             .map(|_| ());
         // Bounded: each round consumes what is left of a finished ring or ends.
         while r.is_ok() {
-            match drain_ring(&mut h.reader, 0, h.cpu, &mut h.run, &mut self.output) {
+            match drain_ring(
+                &mut h.reader,
+                0,
+                h.cpu,
+                &mut h.run,
+                &mut self.output,
+                &self.clock,
+            ) {
                 Ok(true) => {}
                 Ok(false) => break,
                 Err(e) => r = Err(e),
@@ -378,7 +392,11 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
         match &mut self.output {
             Output::Text { merger, .. } => {
                 if lost > 0 {
-                    merger.push(h.cpu as usize, h.run.last_ts, Merged::Lost(lost));
+                    merger.push(
+                        h.cpu as usize,
+                        self.clock.to_ns(h.run.last_ts),
+                        Merged::Lost(lost),
+                    );
                 }
                 merger.finish(h.cpu as usize);
             }
@@ -658,7 +676,7 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
         match &mut self.output {
             Output::Text { merger, .. } => {
                 if lost > 0 {
-                    merger.push(cpu as usize, ts, Merged::Lost(lost));
+                    merger.push(cpu as usize, self.clock.to_ns(ts), Merged::Lost(lost));
                 }
                 merger.finish(cpu as usize);
             }
@@ -800,6 +818,7 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
             cpu,
             &mut self.cpus[cpu as usize],
             &mut self.output,
+            &self.clock,
         )
     }
 
@@ -824,7 +843,6 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
         let mut p = LinePrinter {
             out: out.as_mut(),
             payloads,
-            clock: &self.clock,
             printers: &self.printers,
             cmdlines: &self.cmdlines,
             line: &mut self.line,
@@ -910,6 +928,7 @@ fn drain_ring<M: SharedMem, C: Callbacks>(
     cpu: u32,
     st: &mut CpuRun,
     output: &mut Output,
+    clock: &Clock,
 ) -> Result<bool, SessionError> {
     let started = std::time::Instant::now();
     match output {
@@ -926,17 +945,21 @@ fn drain_ring<M: SharedMem, C: Callbacks>(
                 };
                 match item {
                     Item::Event { ts, payload } => {
+                        // Merged by the time a line shows, as trace-cmd orders a
+                        // trace.dat's events: events of two CPUs in the same
+                        // nanosecond go lower CPU first, whatever their raw order.
+                        let ns = clock.to_ns(ts);
                         if st.pending_lost > 0 {
                             merger.push(
                                 cpu as usize,
-                                ts,
+                                ns,
                                 Merged::Lost(std::mem::take(&mut st.pending_lost)),
                             );
                         }
                         st.last_ts = ts;
                         fifo.extend(payload);
                         let n = payload.len();
-                        merger.push_sized(cpu as usize, ts, Merged::Event(n), n);
+                        merger.push_sized(cpu as usize, ns, Merged::Event(n), n);
                     }
                     Item::Lost(n) => st.pending_lost = st.pending_lost.saturating_add(n),
                 }
@@ -967,7 +990,6 @@ fn drain_ring<M: SharedMem, C: Callbacks>(
 struct LinePrinter<'a> {
     out: &'a mut dyn Write,
     payloads: &'a mut [std::collections::VecDeque<u8>],
-    clock: &'a Clock,
     printers: &'a BTreeMap<u16, EventPrinter>,
     cmdlines: &'a BTreeMap<i32, String>,
     line: &'a mut String,
@@ -979,7 +1001,8 @@ struct LinePrinter<'a> {
 }
 
 impl LinePrinter<'_> {
-    fn item(&mut self, cpu: usize, ts: u64, item: Merged<usize>) {
+    /// Prints the merger's `item` of `cpu` at `ns` (the merger holds display times).
+    fn item(&mut self, cpu: usize, ns: u64, item: Merged<usize>) {
         self.line.clear();
         match item {
             Merged::Event(len) => {
@@ -992,7 +1015,7 @@ impl LinePrinter<'_> {
                     self.printers,
                     self.cmdlines,
                     cpu as u32,
-                    self.clock.to_ns(ts),
+                    ns,
                     &self.payload,
                 )
             }

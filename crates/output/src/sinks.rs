@@ -85,11 +85,13 @@ pub struct TextSink {
     buf: String,
 }
 
-/// Queues a formatted line of `cpu` at raw time `ts` (its length counts against the
-/// window).
-fn queue_line(merger: &mut Merger<String>, cpu: usize, ts: u64, line: String) {
+/// Queues a formatted line of `cpu` at `ns`, the time it shows (its length counts
+/// against the window). Lines merge by that time, as trace-cmd orders a trace.dat's
+/// events: two CPUs' events in the same nanosecond go lower CPU first, whatever the
+/// order of their raw timestamps.
+fn queue_line(merger: &mut Merger<String>, cpu: usize, ns: u64, line: String) {
     let n = line.len();
-    merger.push_sized(cpu, ts, Merged::Event(line), n);
+    merger.push_sized(cpu, ns, Merged::Event(line), n);
 }
 
 impl TextSink {
@@ -193,21 +195,24 @@ impl PageSink for TextSink {
             // The marker goes right before the page's first event (same time, same CPU).
             let t = events
                 .first()
-                .map_or(self.merger.last(c).unwrap_or(0), |e| e.0);
+                .map_or(self.merger.last(c).unwrap_or(0), |e| {
+                    self.meta.clock.to_ns(e.0)
+                });
             queue_line(&mut self.merger, c, t, s);
         }
         for (ts, payload) in events {
             let mut s = String::new();
+            let ns = self.meta.clock.to_ns(ts);
             format_guest_line(
                 &mut s,
                 &self.printers,
                 &self.meta.cmdlines,
                 cpu,
-                self.meta.clock.to_ns(ts),
+                ns,
                 payload,
             );
             s.push('\n');
-            queue_line(&mut self.merger, c, ts, s);
+            queue_line(&mut self.merger, c, ns, s);
         }
         if self.merger.last(c).is_none() {
             // A page without events still tells that this CPU delivers.

@@ -516,3 +516,57 @@ fn chrome_json_big_integers_as_strings() {
     let raw = std::fs::read_to_string(&path).unwrap();
     assert!(!raw.contains(":18446744073709551615"), "{raw}");
 }
+
+/// Two CPUs' events in the same nanosecond of the display clock, their raw TSC values
+/// in the opposite order of their CPUs: the text sink (`record --format text`,
+/// `report` of a raw stream) orders them as the trace.dat report and the real
+/// `trace-cmd report` order that file's events — lower CPU first. It ordered by the raw
+/// TSC before, so `tests/convert.rs` saw the two outputs differ in runs where two
+/// vCPUs' events fell into one nanosecond.
+#[test]
+fn text_orders_same_nanosecond_events_as_trace_cmd() {
+    // 2.6 GHz: 2.6 raw ticks a nanosecond; `r` and `r + 1` show the same time.
+    let clock = Clock::guest_tsc(2_600_000).unwrap();
+    let r = (2_600_000u64..)
+        .find(|&r| clock.to_ns(r) == clock.to_ns(r + 1))
+        .unwrap();
+    assert_eq!(clock.trace_cmd_ns(r), clock.trace_cmd_ns(r + 1));
+    let meta = TraceMeta::guest(4096, 2, clock);
+    let mut pages = Vec::new();
+    for (cpu, ts) in [(0u32, r + 1), (1, r)] {
+        let mut b = PageBuilder::new(4096);
+        b.push(ts, &marker(cpu, cpu.into(), 7));
+        for (p, m) in b.finish() {
+            pages.push((cpu, p, m));
+        }
+    }
+    let out = Shared::default();
+    let mut sink: Box<dyn PageSink> =
+        Box::new(TextSink::to_writer(Box::new(out.clone()), meta.clone()).unwrap());
+    for (c, p, m) in &pages {
+        sink.page(*c, p, *m).unwrap();
+    }
+    sink.finish(&RunSummary::default()).unwrap();
+    let text = out.text();
+    let cpus = |s: &str| -> Vec<String> {
+        s.lines()
+            .filter(|l| l.contains("marker:"))
+            .map(|l| norm(l).split(' ').nth(1).unwrap_or("").to_string())
+            .collect()
+    };
+    assert_eq!(cpus(&text), ["[000]", "[001]"], "{text}");
+
+    let dir = scratch_dir("tie");
+    let dat = dir.path().join("tie.dat");
+    let mut sink = TraceDatSink::create(&dat, meta, TraceDatVersion::V7).unwrap();
+    for (c, p, m) in &pages {
+        sink.page(*c, p, *m).unwrap();
+    }
+    Box::new(sink).finish(&RunSummary::default()).unwrap();
+    let report = TraceFile::open(&dat).unwrap().report();
+    assert_eq!(cpus(&report), ["[000]", "[001]"], "{report}");
+    if let Some((out, err, ok)) = trace_cmd(&["report", "-t"], &dat) {
+        assert!(ok, "trace-cmd report: {err}");
+        assert_eq!(cpus(&out), ["[000]", "[001]"], "{out}");
+    }
+}
