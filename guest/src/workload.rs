@@ -104,7 +104,8 @@ pub struct BenchResult {
     pub min_chunk: u64,
 }
 
-/// Runs the workload; the `bench` workload returns what it measured.
+/// Runs the workload, its `--rate` schedule starting at TSC `start`; the `bench` workload
+/// returns what it measured.
 pub fn run<S: Sink>(p: &Params, cpu: u32, start: u64, em: &mut Emitter<S>) -> Option<BenchResult> {
     let mut pacer = Pacer::new(start, p);
     match p.workload {

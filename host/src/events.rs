@@ -194,6 +194,8 @@ pub struct EventTable<M> {
     early_exits: std::sync::atomic::AtomicU32,
     /// Answers wait for [`EventTable::release_answers`] (see [`EventTable::hold_answers`]).
     held: std::sync::atomic::AtomicBool,
+    /// Host TSC when the registration was answered (0: not answered).
+    answered_tsc: std::sync::atomic::AtomicU64,
 }
 
 impl<M> std::fmt::Debug for EventTable<M> {
@@ -229,6 +231,7 @@ impl<M: SharedMem> EventTable<M> {
             cv: Condvar::new(),
             early_exits: Default::default(),
             held: Default::default(),
+            answered_tsc: Default::default(),
         }
     }
 
@@ -242,6 +245,12 @@ impl<M: SharedMem> EventTable<M> {
     /// read and checked first), so it can open the output meanwhile.
     pub fn hold_answers(&self) {
         self.held.store(true, SeqCst);
+    }
+
+    /// Host TSC when the guest's registration was answered, if it was: the guest writes
+    /// no event before (its workload starts there, [`crate::report::Timing::workload_start`]).
+    pub fn answered_tsc(&self) -> Option<u64> {
+        Some(self.answered_tsc.load(SeqCst)).filter(|&t| t != 0)
     }
 
     /// Answers a registration held by [`EventTable::hold_answers`], and every later one
@@ -309,6 +318,7 @@ impl<M: SharedMem> EventTable<M> {
                     .0;
                 if let State::Registered { reg, .. } = &*st {
                     answer(&self.mem, &self.geometry, reg);
+                    self.answered_tsc.store(crate::vm::host_tsc(), SeqCst);
                 }
                 log::debug!(
                     "vcpu {vcpu}: registration answered after {:.3} ms",

@@ -219,6 +219,9 @@ pub struct Timing {
     pub start_tsc: u64,
     /// Guest TSC − host TSC, when known.
     pub tsc_offset: Option<i64>,
+    /// Host TSC when the guest's event registration was answered, if it registered:
+    /// before it the guest wrote nothing, only waited for the run to start reading.
+    pub answered_tsc: Option<u64>,
     /// From start until every vCPU stopped.
     pub wall: Duration,
     /// What the drain loop measured of itself.
@@ -254,6 +257,25 @@ pub struct ReaderTimes {
 }
 
 impl Timing {
+    /// Guest TSC at which a vCPU that entered at `tsc_start` began its workload: when its
+    /// registration was answered, if that was later (every vCPU waits for the answer
+    /// before its first event; the run holds it until it reads). The guest's `--rate`
+    /// schedule starts there too.
+    pub fn workload_start(&self, tsc_start: u64) -> u64 {
+        match (self.answered_tsc, self.tsc_offset) {
+            (Some(at), Some(off)) => {
+                let guest = at.wrapping_add(off as u64);
+                // Guest numbers: a start after the answer stays as it is.
+                if guest.wrapping_sub(tsc_start) as i64 > 0 {
+                    guest
+                } else {
+                    tsc_start
+                }
+            }
+            _ => tsc_start,
+        }
+    }
+
     fn ms(&self, cycles: u64) -> f64 {
         if self.tsc_khz == 0 {
             0.0
@@ -397,9 +419,11 @@ impl RunReport {
         }
     }
 
-    /// How far a paced vCPU that took `ms` ran behind its `--rate` schedule, as a suffix
-    /// of its line: the guest catches up at most `PACE_MAX_LAG_US`, so a vCPU held off
-    /// its core for longer ends later (empty unless it is more than 1 ms and 1 % late).
+    /// How far a paced vCPU whose workload took `ms` (from [`Timing::workload_start`]:
+    /// the wait for its registration's answer is no lateness) ran behind its `--rate`
+    /// schedule, as a suffix of its line: the guest catches up at most
+    /// `PACE_MAX_LAG_US`, so a vCPU held off its core for longer ends later (empty unless
+    /// it is more than 1 ms and 1 % late).
     fn behind(&self, ms: f64) -> String {
         let e = &self.echo;
         if e.rate == 0 || !matches!(e.workload.as_str(), "steady" | "mixed") {
@@ -421,6 +445,7 @@ impl RunReport {
         let outcome = match o {
             VcpuOutcome::Finished(st) => {
                 let ms = t.ms(st.tsc_end.wrapping_sub(st.tsc_start));
+                let work = t.ms(st.tsc_end.wrapping_sub(t.workload_start(st.tsc_start)));
                 let started = match t.tsc_offset {
                     Some(off) => format!(
                         ", first instruction {:.3} ms after start",
@@ -431,7 +456,7 @@ impl RunReport {
                     ),
                     None => String::new(),
                 };
-                format!("finished in {ms:.3} ms{started}{}", self.behind(ms))
+                format!("finished in {ms:.3} ms{started}{}", self.behind(work))
             }
             VcpuOutcome::Panicked(msg) => {
                 format!("guest panicked: {}", hyptrace_output::escape_guest_str(msg))
@@ -859,6 +884,36 @@ mod tests {
             let text = line(workload, rate, ms);
             assert!(!text.contains("behind"), "{workload} {rate} {ms}: {text}");
         }
+    }
+
+    /// The wait for the registration's answer — the run holds it until it reads, which
+    /// took 3–4 ms of every short run — is no lateness: the schedule is counted from the
+    /// answer. (Every `run --vcpus 2 --events 10` said "held off its core" before.)
+    #[test]
+    fn the_wait_for_the_registration_answer_is_not_lateness() {
+        let (tsc_start, answered) = (5u64, 4_000_005u64); // the answer 4 ms after entry
+        let fin = VcpuOutcome::Finished(crate::vcpu::VcpuStats {
+            attempted: 10,
+            skipped: 0,
+            tsc_start,
+            tsc_end: answered + 10_500_000, // 10.5 ms after the answer
+            mailbox_served: 0,
+        });
+        let mut r = report(Vec::new(), vec![fin]);
+        r.echo.rate = 1000; // 10 events: a 10 ms schedule
+        let late = r.summary().to_string();
+        assert!(late.contains("4.5 ms behind"), "without the answer: {late}");
+        r.timing.answered_tsc = Some(answered + 7); // host TSC; guest = host - 7
+        r.timing.tsc_offset = Some(-7);
+        let text = r.summary().to_string();
+        assert!(text.contains("finished in 14.500 ms"), "{text}");
+        assert!(!text.contains("behind"), "{text}");
+        // 2 ms late after the answer is late.
+        r.timing.answered_tsc = Some(answered + 7 - 2_000_000);
+        let text = r.summary().to_string();
+        assert!(text.contains("2.5 ms behind"), "{text}");
+        // An answer before the vCPU entered changes nothing.
+        assert_eq!(r.timing.workload_start(answered), answered);
     }
 
     /// Issue 8 defect 4: guest counters at the top of u64 made the summary's sums

@@ -401,6 +401,7 @@ impl<'a> Run<'a> {
             tsc_khz,
             start_tsc: live.running.start_tsc(),
             tsc_offset,
+            answered_tsc: table.answered_tsc(),
             wall: live.running.started_at().elapsed(),
             reader,
         };

@@ -314,7 +314,10 @@ pub(super) fn vm_run(spec: &VmSpec) -> Result<VmOut, BenchError> {
         match o {
             VcpuOutcome::Finished(st) => {
                 out.tsc_entry.push(st.tsc_start);
-                out.guest_cycles = out.guest_cycles.max(st.tsc_end.wrapping_sub(st.tsc_start));
+                // From the workload's start: the wait for the registration's answer
+                // is no part of what the guest wrote in its time.
+                let start = report.timing.workload_start(st.tsc_start);
+                out.guest_cycles = out.guest_cycles.max(st.tsc_end.wrapping_sub(start));
             }
             other => {
                 return Err(BenchError::Vcpu {
