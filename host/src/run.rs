@@ -773,7 +773,10 @@ impl Live<'_> {
                 h.tick(&locked(&self.session), self.nr, self.running.started_at());
             }
             longest_round = longest_round.max(round.elapsed());
-            if all_done && (0..self.nr).all(|c| !locked(&self.session).is_live(c)) {
+            if all_done && {
+                let s = locked(&self.session);
+                (0..self.nr).all(|c| !s.is_live(c))
+            } {
                 break false;
             }
             if all_done {

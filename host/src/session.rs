@@ -173,7 +173,9 @@ struct CpuRun {
     failed: bool,
     /// The last drain round stopped at its bound: more may be committed.
     more: bool,
-    last_ts: u64,
+    /// The time (ns, as the text merger holds it) of the last event read: where a loss
+    /// found after it is merged.
+    last_ns: u64,
     pending_lost: u64,
     error: Option<String>,
     /// The writer's byte counter (control block) at the last [`Session::next_wait`],
@@ -392,11 +394,7 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
         match &mut self.output {
             Output::Text { merger, .. } => {
                 if lost > 0 {
-                    merger.push(
-                        h.cpu as usize,
-                        self.clock.to_ns(h.run.last_ts),
-                        Merged::Lost(lost),
-                    );
+                    merger.push(h.cpu as usize, h.run.last_ns, Merged::Lost(lost));
                 }
                 merger.finish(h.cpu as usize);
             }
@@ -672,11 +670,11 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
         let trailing = self.reader.take_trailing_loss(cpu);
         let st = &mut self.cpus[cpu as usize];
         let lost = std::mem::take(&mut st.pending_lost).saturating_add(trailing);
-        let ts = st.last_ts;
+        let ns = st.last_ns;
         match &mut self.output {
             Output::Text { merger, .. } => {
                 if lost > 0 {
-                    merger.push(cpu as usize, self.clock.to_ns(ts), Merged::Lost(lost));
+                    merger.push(cpu as usize, ns, Merged::Lost(lost));
                 }
                 merger.finish(cpu as usize);
             }
@@ -956,7 +954,7 @@ fn drain_ring<M: SharedMem, C: Callbacks>(
                                 Merged::Lost(std::mem::take(&mut st.pending_lost)),
                             );
                         }
-                        st.last_ts = ts;
+                        st.last_ns = ns;
                         fifo.extend(payload);
                         let n = payload.len();
                         merger.push_sized(cpu as usize, ns, Merged::Event(n), n);
