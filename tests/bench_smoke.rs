@@ -90,6 +90,23 @@ fn bench_quick_writes_json() {
         ] {
             assert_summary(&r[k], k);
         }
+        // The typed loops run for the payload sizes that have one (16: --quick's).
+        let t = &r["typed"];
+        if r["payload"] == 16 {
+            for k in [
+                "guest_ns",
+                "guest_mean_ns",
+                "native_ns",
+                "native_mean_ns",
+                "bound_ns",
+                "bound_mean_ns",
+            ] {
+                assert_summary(&t[k], k);
+            }
+            for k in ["guest_vs_bound", "native_vs_bound"] {
+                assert!(is_number(&t[k]), "writer.typed.{k}: {r}");
+            }
+        }
     }
     for mode in ["host", "guest"] {
         let s = &v["swap"][mode];

@@ -1,7 +1,9 @@
 //! The workloads (`hyptrace_abi::guest::Workload`).
 
 use hyptrace_abi::events::{MARKER_SLOT, TEXT_MAX_MSG};
-use hyptrace_abi::guest::{Workload, BENCH_CHUNK, PACE_MAX_LAG_US, PORT_SLEEP, SLEEP_MAX_US};
+use hyptrace_abi::guest::{
+    Workload, BENCH_CHUNK, PACE_MAX_LAG_US, PORT_SLEEP, RUN_FLAG_BENCH_TYPED, SLEEP_MAX_US,
+};
 
 use crate::emit::{Emitter, Sink};
 use crate::rt::{out32, rdtsc};
@@ -163,13 +165,43 @@ pub fn run<S: Sink>(p: &Params, cpu: u32, start: u64, em: &mut Emitter<S>) -> Op
 /// `bench`: `events` events of `payload` bytes, back to back, through the same path as
 /// every workload (`Emitter::emit`: rdtsc + `Writer::write`, + the mailbox check in
 /// `--swap guest` mode), timed with the TSC per chunk of [`BENCH_CHUNK`] events. The
-/// host runs the same loop natively (`hyptrace bench`) to compare.
+/// host runs the same loop natively (`hyptrace bench`) to compare. The payload is a
+/// slice whose length the writer learns at run time, or with [`RUN_FLAG_BENCH_TYPED`]
+/// an array whose length it knows at compile time, as a typed event's.
 fn bench<S: Sink>(p: &Params, em: &mut Emitter<S>) -> BenchResult {
+    if p.flags & RUN_FLAG_BENCH_TYPED != 0 {
+        return match p.payload {
+            0 => bench_typed::<S, 0>(p, em),
+            8 => bench_typed::<S, 8>(p, em),
+            16 => bench_typed::<S, 16>(p, em),
+            24 => bench_typed::<S, 24>(p, em),
+            32 => bench_typed::<S, 32>(p, em),
+            64 => bench_typed::<S, 64>(p, em),
+            128 => bench_typed::<S, 128>(p, em),
+            256 => bench_typed::<S, 256>(p, em),
+            n => panic!("bench: no typed loop for a {n}-byte payload"),
+        };
+    }
     let mut buf = [0u8; BENCH_MAX_PAYLOAD];
     for (i, b) in buf.iter_mut().enumerate() {
         *b = i as u8;
     }
     let payload = &buf[..(p.payload as usize).min(BENCH_MAX_PAYLOAD)];
+    timed(p, || em.emit(MARKER_SLOT, core::hint::black_box(payload)))
+}
+
+/// [`bench`] with an `N`-byte payload whose length is a constant (the bytes are not).
+fn bench_typed<S: Sink, const N: usize>(p: &Params, em: &mut Emitter<S>) -> BenchResult {
+    let mut buf = [0u8; N];
+    for (i, b) in buf.iter_mut().enumerate() {
+        *b = i as u8;
+    }
+    timed(p, || em.emit(MARKER_SLOT, &core::hint::black_box(&buf)[..]))
+}
+
+/// Runs `one` `events` times, timed per chunk of [`BENCH_CHUNK`] events.
+#[inline(always)]
+fn timed(p: &Params, mut one: impl FnMut()) -> BenchResult {
     let mut min_chunk = u64::MAX;
     let mut i = 0;
     let t0 = rdtsc();
@@ -178,7 +210,7 @@ fn bench<S: Sink>(p: &Params, em: &mut Emitter<S>) -> BenchResult {
         let full = end - i == BENCH_CHUNK;
         let c0 = rdtsc();
         while i < end {
-            em.emit(MARKER_SLOT, core::hint::black_box(payload));
+            one();
             i += 1;
         }
         let c = rdtsc().wrapping_sub(c0);

@@ -165,6 +165,12 @@ pub const RUN_FLAG_SERVE_MAILBOX: u32 = 1 << 0;
 /// (see [`result::PING_REQ`]) until the host writes [`PING_STOP`] (or
 /// [`PING_IDLE_SECONDS`] pass without a new request).
 pub const RUN_FLAG_ALIGN_PING: u32 = 1 << 1;
+/// Flag (`bench` workload): write the payload with a length known at compile time, as
+/// a typed event (`event!`) does, instead of a slice whose length the writer learns at
+/// run time. Only for the sizes in [`BENCH_TYPED_SIZES`]; the guest panics on another.
+pub const RUN_FLAG_BENCH_TYPED: u32 = 1 << 2;
+/// Payload sizes the `bench` workload has a typed loop for ([`RUN_FLAG_BENCH_TYPED`]).
+pub const BENCH_TYPED_SIZES: [u32; 8] = [0, 8, 16, 24, 32, 64, 128, 256];
 /// [`result::PING_REQ`] value that ends the ping phase.
 pub const PING_STOP: u64 = u64::MAX;
 /// The ping phase ends after this long without a new request.

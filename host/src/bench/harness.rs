@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use clap::Parser;
-use hyptrace_abi::guest::{result, Workload};
+use hyptrace_abi::guest::{result, Workload, RUN_FLAG_BENCH_TYPED};
 use hyptrace_output::{OutputError, PageSink, RawSink, RunSummary};
 use hyptrace_output::{ThreadedSink, TraceDatSink, TraceDatVersion};
 use hyptrace_reader::{Callbacks, ReadError, SwapReply, SwapStatus};
@@ -36,6 +36,8 @@ pub(super) struct VmSpec {
     pub(super) time_swaps: bool,
     /// Whether the reader drains while the guest runs (`--drain`).
     pub(super) drain: DrainArg,
+    /// The `bench` workload's typed loop ([`RUN_FLAG_BENCH_TYPED`]).
+    pub(super) typed: bool,
 }
 
 impl Default for VmSpec {
@@ -54,6 +56,7 @@ impl Default for VmSpec {
             sink: SinkKind::Null,
             time_swaps: false,
             drain: DrainArg::Live,
+            typed: false,
         }
     }
 }
@@ -246,6 +249,9 @@ pub(super) fn plan(spec: &VmSpec) -> Result<Plan, BenchError> {
     let mut plan = Plan::new(&a)?;
     plan.params.workload = spec.workload;
     plan.params.payload = spec.payload;
+    if spec.typed {
+        plan.params.flags |= RUN_FLAG_BENCH_TYPED;
+    }
     plan.cfg.mem_bytes = plan.cfg.mem_bytes.div_ceil(2 << 20) * (2 << 20);
     plan.mailbox_timeout = MAILBOX_TIMEOUT;
     // A failed bench run is an error of its own; no crash-dump file (which `run
@@ -404,5 +410,11 @@ mod tests {
         .expect("plan");
         assert!(!unread.flight.drain_live);
         assert_eq!(unread.flight.crash_dump, None, "no trace.dat in the cwd");
+        let typed = plan(&VmSpec {
+            typed: true,
+            ..writer_spec(1, 16)
+        })
+        .expect("plan");
+        assert_eq!(typed.params.flags, RUN_FLAG_BENCH_TYPED);
     }
 }

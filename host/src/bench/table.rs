@@ -75,6 +75,41 @@ pub(super) fn table(v: &BenchReport) -> String {
         s,
         "(up to guest/bound: the fastest chunk; then the whole loop's mean per event; guest: under a live reader, unread: the same guest loop with no reader while it writes, native: no reader)"
     );
+    if v.writer.iter().any(|r| r.typed.is_some()) {
+        let _ = writeln!(
+            s,
+            "\ntyped writer, ns/event (the payload's length a compile-time constant, as a typed event's; bound: the same constant-length copy)"
+        );
+        let _ = writeln!(
+            s,
+            "{:>5} {:>7} {:>15} {:>15} {:>15} {:>11} {:>12} {:>10} {:>11}",
+            "vcpus",
+            "payload",
+            "guest",
+            "native",
+            "rdtsc+store",
+            "guest/bound",
+            "native/bound",
+            "guest mean",
+            "native mean"
+        );
+        for r in &v.writer {
+            let Some(t) = &r.typed else { continue };
+            let _ = writeln!(
+                s,
+                "{:>5} {:>7} {:>15} {:>15} {:>15} {:>11.2} {:>12.2} {:>10.2} {:>11.2}",
+                r.vcpus,
+                r.payload,
+                cell(&t.guest_ns),
+                cell(&t.native_ns),
+                cell(&t.bound_ns),
+                t.guest_vs_bound,
+                t.native_vs_bound,
+                t.guest_mean_ns.median,
+                t.native_mean_ns.median,
+            );
+        }
+    }
     let _ = writeln!(
         s,
         "\nswap_reader latency, ns (alone: one swap every 150 µs; live: every swap of a drain, pending = mailbox not answered within its 3 µs spin)"
@@ -161,7 +196,7 @@ pub(super) fn table(v: &BenchReport) -> String {
 mod tests {
     use super::super::rate::{RateRow, RateRun};
     use super::super::swap::{PingPongRow, PingPongWorkload, SwapLatency, SwapReport};
-    use super::super::writer::WriterRow;
+    use super::super::writer::{TypedRow, WriterRow};
     use super::super::{BenchConfig, DrainReport, Machine, Measured};
     use super::*;
 
@@ -226,6 +261,16 @@ mod tests {
                 bound_ns: sum(9.0),
                 bound_mean_ns: sum(9.0),
                 rdtsc_ns: sum(8.0),
+                typed: Some(TypedRow {
+                    guest_ns: sum(10.5),
+                    guest_mean_ns: sum(11.25),
+                    native_ns: sum(9.5),
+                    native_mean_ns: sum(9.75),
+                    bound_ns: sum(8.5),
+                    bound_mean_ns: sum(8.75),
+                    guest_vs_bound: 1.24,
+                    native_vs_bound: 1.12,
+                }),
                 guest_rate_vs_native: 0.8,
                 guest_vs_bound: 1.4,
                 native_vs_bound: 1.1,
@@ -311,6 +356,18 @@ mod tests {
         // guest mean, unread mean, native mean: in that order.
         let means: Vec<&str> = row.split_whitespace().rev().take(3).collect();
         assert_eq!(means, ["10.00", "11.75", "12.50"], "{t}");
+        // The typed table: aligned too, its ratios and means in order.
+        let h = at("typed writer");
+        assert!(
+            lines[h + 1].trim_start().starts_with("vcpus payload"),
+            "{t}"
+        );
+        let (head, row) = (lines[h + 1], lines[h + 2]);
+        assert_eq!(ends(head).first(), ends(row).first(), "{t}");
+        assert_eq!(ends(head).last(), ends(row).last(), "{t}");
+        assert_eq!(head.chars().count(), row.chars().count(), "{t}");
+        let last: Vec<&str> = row.split_whitespace().rev().take(4).collect();
+        assert_eq!(last, ["9.75", "11.25", "1.12", "1.24"], "{t}");
         let h = lines
             .iter()
             .position(|l| l.trim_start().starts_with("swap "))
@@ -331,5 +388,6 @@ mod tests {
             v["writer"][0]["guest_ns"]["samples"],
             serde_json::json!([12.5])
         );
+        assert_eq!(v["writer"][0]["typed"]["bound_ns"]["median"], 8.5);
     }
 }

@@ -3,7 +3,8 @@
 //! run natively in host threads on a heap region of the same layout, against the bound
 //! — one `rdtsc` plus a raw store of the same bytes — and against `rdtsc` alone.
 
-use hyptrace_abi::guest::{Workload, BENCH_CHUNK};
+use hyptrace_abi::events::MARKER_SLOT;
+use hyptrace_abi::guest::{Workload, BENCH_CHUNK, BENCH_TYPED_SIZES};
 use hyptrace_abi::layout as ring;
 use hyptrace_abi::{HeapMem, RawMem, SharedMem};
 use hyptrace_writer::{WriteOutcome, Writer};
@@ -14,6 +15,24 @@ use super::stats::{Quantiles, Summary, Tsc};
 use super::{bench_payload, BenchError, Cfg, DEFAULT_PAGES, PAGE_SIZE};
 use crate::cli::DrainArg;
 use crate::vm::host_tsc;
+
+/// `$f::<N>($events)` for the `$payload`-byte typed loop ([`BENCH_TYPED_SIZES`]), or
+/// `None` for a size with none.
+macro_rules! typed {
+    ($f:ident, $payload:expr, $events:expr) => {
+        match $payload {
+            0 => Some($f::<0>($events)),
+            8 => Some($f::<8>($events)),
+            16 => Some($f::<16>($events)),
+            24 => Some($f::<24>($events)),
+            32 => Some($f::<32>($events)),
+            64 => Some($f::<64>($events)),
+            128 => Some($f::<128>($events)),
+            256 => Some($f::<256>($events)),
+            _ => None,
+        }
+    };
+}
 
 /// One `writer` row: a vCPU count and payload size, ns/event.
 #[derive(Clone, Debug, Serialize)]
@@ -35,8 +54,25 @@ pub(super) struct WriterRow {
     pub(super) bound_ns: Summary,
     pub(super) bound_mean_ns: Summary,
     pub(super) rdtsc_ns: Summary,
+    /// The typed loops ([`RUN_FLAG_BENCH_TYPED`](hyptrace_abi::guest::RUN_FLAG_BENCH_TYPED): the payload's length a compile-time
+    /// constant, as a typed event's), for the sizes in [`BENCH_TYPED_SIZES`].
+    pub(super) typed: Option<TypedRow>,
     /// native / guest (fastest chunks' medians): the guest's rate against native.
     pub(super) guest_rate_vs_native: f64,
+    pub(super) guest_vs_bound: f64,
+    pub(super) native_vs_bound: f64,
+}
+
+/// The typed loops of a row: the guest under the live reader, native, and the bound
+/// with a constant-length copy, ns/event.
+#[derive(Clone, Debug, Serialize)]
+pub(super) struct TypedRow {
+    pub(super) guest_ns: Summary,
+    pub(super) guest_mean_ns: Summary,
+    pub(super) native_ns: Summary,
+    pub(super) native_mean_ns: Summary,
+    pub(super) bound_ns: Summary,
+    pub(super) bound_mean_ns: Summary,
     pub(super) guest_vs_bound: f64,
     pub(super) native_vs_bound: f64,
 }
@@ -62,6 +98,13 @@ struct Samples {
     b_mean: Vec<f64>,
     b_best: Vec<f64>,
     r_best: Vec<f64>,
+    /// The typed loops: guest, native, bound.
+    tg_mean: Vec<f64>,
+    tg_best: Vec<f64>,
+    tn_mean: Vec<f64>,
+    tn_best: Vec<f64>,
+    tb_mean: Vec<f64>,
+    tb_best: Vec<f64>,
 }
 
 /// The guest's bench loop as the writer rows run it: flat out, overwrite mode (a full
@@ -115,6 +158,25 @@ fn measure(
     s.b_mean.push(per_event(b.cycles, cfg.events));
     s.b_best.push(chunk(b));
     s.r_best.push(chunk(native_rdtsc(cfg.events.min(1 << 20))));
+    if BENCH_TYPED_SIZES.contains(&payload) {
+        let o = vm_run(&VmSpec {
+            typed: true,
+            ..spec
+        })?;
+        for (c, m) in o.bench_cycles.iter().zip(&o.bench_min_chunk) {
+            s.tg_mean.push(per_event(*c, cfg.events));
+            s.tg_best.push(per_event(*m, BENCH_CHUNK));
+        }
+        for t in on_threads(vcpus, || typed!(native_writer_typed, payload, cfg.events)) {
+            let t = t.ok_or(BenchError::Payload(payload))??;
+            s.tn_mean.push(per_event(t.cycles, cfg.events));
+            s.tn_best.push(chunk(t));
+        }
+        let b =
+            typed!(native_bound_typed, payload, cfg.events).ok_or(BenchError::Payload(payload))?;
+        s.tb_mean.push(per_event(b.cycles, cfg.events));
+        s.tb_best.push(chunk(b));
+    }
     Ok(())
 }
 
@@ -133,6 +195,26 @@ pub(super) fn writer_section(cfg: &Cfg, tsc: Tsc) -> Result<Vec<WriterRow>, Benc
             eprintln!(
                 "  vcpus {v} payload {p:>4}: guest {g:6.2} ns  native {n:6.2} ns  bound {b:6.2} ns"
             );
+            let typed = (!s.tg_best.is_empty()).then(|| {
+                let (g, n, b) = (
+                    Quantiles::new(&s.tg_best).median(),
+                    Quantiles::new(&s.tn_best).median(),
+                    Quantiles::new(&s.tb_best).median(),
+                );
+                eprintln!(
+                    "  vcpus {v} payload {p:>4}: typed: guest {g:6.2} ns  native {n:6.2} ns  bound {b:6.2} ns"
+                );
+                TypedRow {
+                    guest_ns: Summary::of(&s.tg_best),
+                    guest_mean_ns: Summary::of(&s.tg_mean),
+                    native_ns: Summary::of(&s.tn_best),
+                    native_mean_ns: Summary::of(&s.tn_mean),
+                    bound_ns: Summary::of(&s.tb_best),
+                    bound_mean_ns: Summary::of(&s.tb_mean),
+                    guest_vs_bound: ratio(g, b),
+                    native_vs_bound: ratio(n, b),
+                }
+            });
             rows.push(WriterRow {
                 vcpus: v,
                 payload: p,
@@ -146,6 +228,7 @@ pub(super) fn writer_section(cfg: &Cfg, tsc: Tsc) -> Result<Vec<WriterRow>, Benc
                 bound_ns: Summary::of(&s.b_best),
                 bound_mean_ns: Summary::of(&s.b_mean),
                 rdtsc_ns: Summary::of(&s.r_best),
+                typed,
                 guest_rate_vs_native: ratio(n, g),
                 guest_vs_bound: ratio(g, b),
                 native_vs_bound: ratio(n, b),
@@ -192,6 +275,27 @@ fn timed_loop(events: u64, mut one: impl FnMut()) -> Timing {
 /// the guest's layout, overwrite mode), with the guest's emit path (count, rdtsc,
 /// write, count skipped).
 pub(super) fn native_writer(payload: u32, events: u64) -> Result<Timing, BenchError> {
+    let p = bench_payload(payload);
+    native_loop(events, |w, ts| {
+        w.write(MARKER_SLOT, ts, std::hint::black_box(p.as_slice()))
+    })
+}
+
+/// [`native_writer`] with an `N`-byte payload whose length is a constant, as the
+/// guest's typed loop ([`RUN_FLAG_BENCH_TYPED`](hyptrace_abi::guest::RUN_FLAG_BENCH_TYPED)) writes it.
+fn native_writer_typed<const N: usize>(events: u64) -> Result<Timing, BenchError> {
+    let p: [u8; N] = std::array::from_fn(|i| i as u8);
+    native_loop(events, |w, ts| {
+        w.write(MARKER_SLOT, ts, &std::hint::black_box(&p)[..])
+    })
+}
+
+/// The loop of [`native_writer`]: `write(writer, rdtsc)` per event.
+#[inline(always)]
+fn native_loop(
+    events: u64,
+    mut write: impl FnMut(&mut Writer<RawMem>, u64) -> WriteOutcome,
+) -> Result<Timing, BenchError> {
     let l = ring::RingGeometry::new(
         1,
         DEFAULT_PAGES as u32,
@@ -206,17 +310,11 @@ pub(super) fn native_writer(payload: u32, events: u64) -> Result<Timing, BenchEr
     // only accessed through this RawMem and `heap`'s own atomics/byte copies.
     let raw = unsafe { RawMem::new(heap.as_ptr(), heap.size()) };
     let mut w = Writer::attach(raw, 0)?;
-    let p = bench_payload(payload);
     let (mut attempted, mut skipped) = (0u64, 0u64);
     let t = timed_loop(events, || {
         attempted += 1;
         let ts = host_tsc();
-        if w.write(
-            hyptrace_abi::events::MARKER_SLOT,
-            ts,
-            std::hint::black_box(&p),
-        ) == WriteOutcome::Disabled
-        {
+        if write(&mut w, ts) == WriteOutcome::Disabled {
             skipped += 1;
         }
     });
@@ -227,17 +325,35 @@ pub(super) fn native_writer(payload: u32, events: u64) -> Result<Timing, BenchEr
 /// The bound: one rdtsc plus a raw store of the timestamp and the same payload bytes
 /// into a buffer of the ring's size, at a moving offset.
 pub(super) fn native_bound(payload: u32, events: u64) -> Timing {
+    let p = bench_payload(payload);
+    bound_loop(events, p.len(), |dst| {
+        dst.copy_from_slice(std::hint::black_box(p.as_slice()))
+    })
+}
+
+/// [`native_bound`] with an `N`-byte payload whose length is a constant: the bound of
+/// the typed loops.
+fn native_bound_typed<const N: usize>(events: u64) -> Timing {
+    let p: [u8; N] = std::array::from_fn(|i| i as u8);
+    bound_loop(events, N, |dst| {
+        dst.copy_from_slice(std::hint::black_box(&p))
+    })
+}
+
+/// The loop of [`native_bound`]: the timestamp, then `copy` of the payload into the
+/// `payload`-byte slice after it.
+#[inline(always)]
+fn bound_loop(events: u64, payload: usize, mut copy: impl FnMut(&mut [u8])) -> Timing {
     let len = (DEFAULT_PAGES * PAGE_SIZE) as usize;
     let mut buf = vec![0u8; len];
-    let p = bench_payload(payload);
-    let need = 8 + p.len();
+    let need = 8 + payload;
     let mut off = 0usize;
     let t = timed_loop(events, || {
         if off + need > len {
             off = 0;
         }
         buf[off..off + 8].copy_from_slice(&host_tsc().to_le_bytes());
-        buf[off + 8..off + need].copy_from_slice(std::hint::black_box(&p));
+        copy(&mut buf[off + 8..off + need]);
         off += need;
         std::hint::black_box(&buf);
     });
@@ -272,5 +388,22 @@ mod tests {
         let t = native_writer(16, 4 * BENCH_CHUNK).expect("native");
         assert!(t.cycles >= t.min_chunk);
         assert!(native_bound(16, BENCH_CHUNK).cycles > 0);
+    }
+
+    /// Every size the guest has a typed loop for has a native one and a bound, and no
+    /// other size does (the guest panics on one: the host must never ask).
+    #[test]
+    fn typed_loops_cover_the_guest_sizes() {
+        for p in 0..=300u32 {
+            let w = typed!(native_writer_typed, p, BENCH_CHUNK);
+            let b = typed!(native_bound_typed, p, BENCH_CHUNK);
+            assert_eq!(w.is_some(), BENCH_TYPED_SIZES.contains(&p), "{p}");
+            assert_eq!(b.is_some(), BENCH_TYPED_SIZES.contains(&p), "{p}");
+            if let (Some(w), Some(b)) = (w, b) {
+                let w = w.expect("typed writer");
+                assert!(w.cycles >= w.min_chunk && w.min_chunk > 0, "{p}");
+                assert!(b.cycles > 0, "{p}");
+            }
+        }
     }
 }
