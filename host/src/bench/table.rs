@@ -59,16 +59,16 @@ pub(super) fn table(v: &BenchReport) -> String {
             "{:>5} {:>7} {:>15} {:>15} {:>15} {:>15} {:>7.2} {:>12.2} {:>11.2} {:>10.2} {:>11.2} {:>11.2}",
             r.vcpus,
             r.payload,
-            cell(&r.guest_ns),
+            cell(&r.slices.guest_ns),
             cell(&r.guest_unread_ns),
-            cell(&r.native_ns),
-            cell(&r.bound_ns),
+            cell(&r.slices.native_ns),
+            cell(&r.slices.bound_ns),
             r.rdtsc_ns.median,
             r.guest_rate_vs_native,
-            r.guest_vs_bound,
-            r.guest_mean_ns.median,
+            r.slices.guest_vs_bound,
+            r.slices.guest_mean_ns.median,
             r.guest_unread_mean_ns.median,
-            r.native_mean_ns.median,
+            r.slices.native_mean_ns.median,
         );
     }
     let _ = writeln!(
@@ -165,9 +165,9 @@ pub(super) fn table(v: &BenchReport) -> String {
     let flat = v
         .writer
         .iter()
-        .filter(|r| r.vcpus == 1 && r.guest_mean_ns.median > 0.0)
+        .filter(|r| r.vcpus == 1 && r.slices.guest_mean_ns.median > 0.0)
         .min_by_key(|r| r.payload.abs_diff(24))
-        .map(|r| (r.payload, 1e9 / r.guest_mean_ns.median));
+        .map(|r| (r.payload, 1e9 / r.slices.guest_mean_ns.median));
     if let Some((payload, flat)) = flat {
         for r in v.max_rate.iter().filter(|r| r.vcpus == 1) {
             let _ = writeln!(
@@ -196,7 +196,7 @@ pub(super) fn table(v: &BenchReport) -> String {
 mod tests {
     use super::super::rate::{RateRow, RateRun};
     use super::super::swap::{PingPongRow, PingPongWorkload, SwapLatency, SwapReport};
-    use super::super::writer::{TypedRow, WriterRow};
+    use super::super::writer::{Loops, WriterRow};
     use super::super::{BenchConfig, DrainReport, Machine, Measured};
     use super::*;
 
@@ -252,16 +252,20 @@ mod tests {
                 vcpus: 1,
                 payload: 16,
                 event_bytes: 24,
-                guest_ns: sum(12.5),
-                guest_mean_ns: sum(12.5),
+                slices: Loops {
+                    guest_ns: sum(12.5),
+                    guest_mean_ns: sum(12.5),
+                    native_ns: sum(10.0),
+                    native_mean_ns: sum(10.0),
+                    bound_ns: sum(9.0),
+                    bound_mean_ns: sum(9.0),
+                    guest_vs_bound: 1.4,
+                    native_vs_bound: 1.1,
+                },
                 guest_unread_ns: sum(11.5),
                 guest_unread_mean_ns: sum(11.75),
-                native_ns: sum(10.0),
-                native_mean_ns: sum(10.0),
-                bound_ns: sum(9.0),
-                bound_mean_ns: sum(9.0),
                 rdtsc_ns: sum(8.0),
-                typed: Some(TypedRow {
+                typed: Some(Loops {
                     guest_ns: sum(10.5),
                     guest_mean_ns: sum(11.25),
                     native_ns: sum(9.5),
@@ -272,8 +276,6 @@ mod tests {
                     native_vs_bound: 1.12,
                 }),
                 guest_rate_vs_native: 0.8,
-                guest_vs_bound: 1.4,
-                native_vs_bound: 1.1,
             }],
             swap: SwapReport {
                 host: Measured::Ran(PingPongRow {

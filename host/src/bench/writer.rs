@@ -10,7 +10,7 @@ use hyptrace_abi::{HeapMem, RawMem, SharedMem};
 use hyptrace_writer::{WriteOutcome, Writer};
 use serde::Serialize;
 
-use super::harness::{vm_run, VmSpec};
+use super::harness::{vm_run, VmOut, VmSpec};
 use super::stats::{Quantiles, Summary, Tsc};
 use super::{bench_payload, BenchError, Cfg, DEFAULT_PAGES, PAGE_SIZE};
 use crate::cli::DrainArg;
@@ -41,38 +41,34 @@ pub(super) struct WriterRow {
     pub(super) payload: u32,
     /// Bytes one event takes in the ring (header and padding included).
     pub(super) event_bytes: usize,
-    /// The guest's fastest chunk per run and vCPU.
-    pub(super) guest_ns: Summary,
-    /// The guest's whole-loop mean per run and vCPU.
-    pub(super) guest_mean_ns: Summary,
-    /// The same two with no reader draining while the guest writes (`--drain none`):
+    /// The loops with the payload a slice whose length the writer learns at run time
+    /// (the JSON keeps their fields at the row's top level).
+    #[serde(flatten)]
+    pub(super) slices: Loops,
+    /// The guest's slice loop with no reader draining while it writes (`--drain none`):
     /// the writer alone, without the live reader's cache traffic on the ring.
     pub(super) guest_unread_ns: Summary,
     pub(super) guest_unread_mean_ns: Summary,
-    pub(super) native_ns: Summary,
-    pub(super) native_mean_ns: Summary,
-    pub(super) bound_ns: Summary,
-    pub(super) bound_mean_ns: Summary,
     pub(super) rdtsc_ns: Summary,
-    /// The typed loops ([`RUN_FLAG_BENCH_TYPED`](hyptrace_abi::guest::RUN_FLAG_BENCH_TYPED): the payload's length a compile-time
+    /// The typed loops (`RUN_FLAG_BENCH_TYPED`: the payload's length a compile-time
     /// constant, as a typed event's), for the sizes in [`BENCH_TYPED_SIZES`].
-    pub(super) typed: Option<TypedRow>,
-    /// native / guest (fastest chunks' medians): the guest's rate against native.
+    pub(super) typed: Option<Loops>,
+    /// native / guest (the slice loops' fastest chunks' medians): the guest's rate
+    /// against native.
     pub(super) guest_rate_vs_native: f64,
-    pub(super) guest_vs_bound: f64,
-    pub(super) native_vs_bound: f64,
 }
 
-/// The typed loops of a row: the guest under the live reader, native, and the bound
-/// with a constant-length copy, ns/event.
+/// The guest (under the live reader), native and bound loops of one payload kind,
+/// ns/event: the fastest chunk and the whole loop's mean per run and vCPU.
 #[derive(Clone, Debug, Serialize)]
-pub(super) struct TypedRow {
+pub(super) struct Loops {
     pub(super) guest_ns: Summary,
     pub(super) guest_mean_ns: Summary,
     pub(super) native_ns: Summary,
     pub(super) native_mean_ns: Summary,
     pub(super) bound_ns: Summary,
     pub(super) bound_mean_ns: Summary,
+    /// Fastest chunks' medians.
     pub(super) guest_vs_bound: f64,
     pub(super) native_vs_bound: f64,
 }
@@ -86,25 +82,72 @@ fn ratio(a: f64, b: f64) -> f64 {
     }
 }
 
+/// Per-event ns of one timed loop: whole-loop means and fastest chunks.
+#[derive(Default)]
+struct Times {
+    mean: Vec<f64>,
+    best: Vec<f64>,
+}
+
+impl Times {
+    fn push(&mut self, tsc: Tsc, events: u64, t: Timing) {
+        let per_event = |cycles: u64, n: u64| tsc.ns(cycles as f64) / n.max(1) as f64;
+        self.mean.push(per_event(t.cycles, events));
+        self.best.push(per_event(t.min_chunk, BENCH_CHUNK));
+    }
+
+    /// Every vCPU's loop of a guest run.
+    fn push_guest(&mut self, tsc: Tsc, events: u64, o: &VmOut) {
+        for (&cycles, &min_chunk) in o.bench_cycles.iter().zip(&o.bench_min_chunk) {
+            self.push(tsc, events, Timing { cycles, min_chunk });
+        }
+    }
+
+    fn median(&self) -> f64 {
+        Quantiles::new(&self.best).median()
+    }
+}
+
+/// The samples of one payload kind's guest, native and bound loops.
+#[derive(Default)]
+struct LoopSamples {
+    guest: Times,
+    native: Times,
+    bound: Times,
+}
+
+impl LoopSamples {
+    /// The summaries (None when not measured), with a progress line named `what`.
+    fn loops(&self, what: &str) -> Option<Loops> {
+        if self.guest.best.is_empty() {
+            return None;
+        }
+        let (g, n, b) = (
+            self.guest.median(),
+            self.native.median(),
+            self.bound.median(),
+        );
+        eprintln!("  {what}: guest {g:6.2} ns  native {n:6.2} ns  bound {b:6.2} ns");
+        Some(Loops {
+            guest_ns: Summary::of(&self.guest.best),
+            guest_mean_ns: Summary::of(&self.guest.mean),
+            native_ns: Summary::of(&self.native.best),
+            native_mean_ns: Summary::of(&self.native.mean),
+            bound_ns: Summary::of(&self.bound.best),
+            bound_mean_ns: Summary::of(&self.bound.mean),
+            guest_vs_bound: ratio(g, b),
+            native_vs_bound: ratio(n, b),
+        })
+    }
+}
+
 /// Per-event ns of every measurement of one row.
 #[derive(Default)]
 struct Samples {
-    g_mean: Vec<f64>,
-    g_best: Vec<f64>,
-    n_mean: Vec<f64>,
-    n_best: Vec<f64>,
-    u_mean: Vec<f64>,
-    u_best: Vec<f64>,
-    b_mean: Vec<f64>,
-    b_best: Vec<f64>,
-    r_best: Vec<f64>,
-    /// The typed loops: guest, native, bound.
-    tg_mean: Vec<f64>,
-    tg_best: Vec<f64>,
-    tn_mean: Vec<f64>,
-    tn_best: Vec<f64>,
-    tb_mean: Vec<f64>,
-    tb_best: Vec<f64>,
+    slices: LoopSamples,
+    unread: Times,
+    rdtsc: Times,
+    typed: LoopSamples,
 }
 
 /// The guest's bench loop as the writer rows run it: flat out, overwrite mode (a full
@@ -120,7 +163,7 @@ pub(super) fn writer_spec(vcpus: u32, payload: u32) -> VmSpec {
 }
 
 /// One repetition of a row: the guest in a VM, then natively on as many threads, the
-/// bound and rdtsc.
+/// bound and rdtsc; the same for the typed loops where the payload size has one.
 fn measure(
     cfg: &Cfg,
     tsc: Tsc,
@@ -128,54 +171,38 @@ fn measure(
     payload: u32,
     s: &mut Samples,
 ) -> Result<(), BenchError> {
-    let per_event = |cycles: u64, events: u64| tsc.ns(cycles as f64) / events.max(1) as f64;
-    let chunk = |t: Timing| per_event(t.min_chunk, BENCH_CHUNK);
+    let n = cfg.events;
     let spec = VmSpec {
-        events: cfg.events,
+        events: n,
         ..writer_spec(vcpus, payload)
     };
-    let o = vm_run(&spec)?;
-    for (c, m) in o.bench_cycles.iter().zip(&o.bench_min_chunk) {
-        s.g_mean.push(per_event(*c, cfg.events));
-        s.g_best.push(per_event(*m, BENCH_CHUNK));
-    }
+    s.slices.guest.push_guest(tsc, n, &vm_run(&spec)?);
     // The same loop with no reader while it runs (the rings are read at the end): what
     // the live reader's own memory traffic costs the writer is the difference.
-    let o = vm_run(&VmSpec {
+    let unread = VmSpec {
         drain: DrainArg::None,
         ..spec
-    })?;
-    for (c, m) in o.bench_cycles.iter().zip(&o.bench_min_chunk) {
-        s.u_mean.push(per_event(*c, cfg.events));
-        s.u_best.push(per_event(*m, BENCH_CHUNK));
+    };
+    s.unread.push_guest(tsc, n, &vm_run(&unread)?);
+    for t in on_threads(vcpus, || native_writer(payload, n)) {
+        s.slices.native.push(tsc, n, t?);
     }
-    for t in on_threads(vcpus, || native_writer(payload, cfg.events)) {
-        let t = t?;
-        s.n_mean.push(per_event(t.cycles, cfg.events));
-        s.n_best.push(chunk(t));
-    }
-    let b = native_bound(payload, cfg.events);
-    s.b_mean.push(per_event(b.cycles, cfg.events));
-    s.b_best.push(chunk(b));
-    s.r_best.push(chunk(native_rdtsc(cfg.events.min(1 << 20))));
+    s.slices.bound.push(tsc, n, native_bound(payload, n));
+    let rdtsc_events = n.min(1 << 20);
+    s.rdtsc.push(tsc, rdtsc_events, native_rdtsc(rdtsc_events));
     if BENCH_TYPED_SIZES.contains(&payload) {
-        let o = vm_run(&VmSpec {
+        let typed = VmSpec {
             typed: true,
             ..spec
-        })?;
-        for (c, m) in o.bench_cycles.iter().zip(&o.bench_min_chunk) {
-            s.tg_mean.push(per_event(*c, cfg.events));
-            s.tg_best.push(per_event(*m, BENCH_CHUNK));
+        };
+        s.typed.guest.push_guest(tsc, n, &vm_run(&typed)?);
+        for t in on_threads(vcpus, || typed!(native_writer_typed, payload, n)) {
+            s.typed
+                .native
+                .push(tsc, n, t.ok_or(BenchError::Payload(payload))??);
         }
-        for t in on_threads(vcpus, || typed!(native_writer_typed, payload, cfg.events)) {
-            let t = t.ok_or(BenchError::Payload(payload))??;
-            s.tn_mean.push(per_event(t.cycles, cfg.events));
-            s.tn_best.push(chunk(t));
-        }
-        let b =
-            typed!(native_bound_typed, payload, cfg.events).ok_or(BenchError::Payload(payload))?;
-        s.tb_mean.push(per_event(b.cycles, cfg.events));
-        s.tb_best.push(chunk(b));
+        let b = typed!(native_bound_typed, payload, n).ok_or(BenchError::Payload(payload))?;
+        s.typed.bound.push(tsc, n, b);
     }
     Ok(())
 }
@@ -189,49 +216,19 @@ pub(super) fn writer_section(cfg: &Cfg, tsc: Tsc) -> Result<Vec<WriterRow>, Benc
             for _ in 0..cfg.reps {
                 measure(cfg, tsc, v, p, &mut s)?;
             }
-            let g = Quantiles::new(&s.g_best).median();
-            let n = Quantiles::new(&s.n_best).median();
-            let b = Quantiles::new(&s.b_best).median();
-            eprintln!(
-                "  vcpus {v} payload {p:>4}: guest {g:6.2} ns  native {n:6.2} ns  bound {b:6.2} ns"
-            );
-            let typed = (!s.tg_best.is_empty()).then(|| {
-                let (g, n, b) = (
-                    Quantiles::new(&s.tg_best).median(),
-                    Quantiles::new(&s.tn_best).median(),
-                    Quantiles::new(&s.tb_best).median(),
-                );
-                eprintln!(
-                    "  vcpus {v} payload {p:>4}: typed: guest {g:6.2} ns  native {n:6.2} ns  bound {b:6.2} ns"
-                );
-                TypedRow {
-                    guest_ns: Summary::of(&s.tg_best),
-                    guest_mean_ns: Summary::of(&s.tg_mean),
-                    native_ns: Summary::of(&s.tn_best),
-                    native_mean_ns: Summary::of(&s.tn_mean),
-                    bound_ns: Summary::of(&s.tb_best),
-                    bound_mean_ns: Summary::of(&s.tb_mean),
-                    guest_vs_bound: ratio(g, b),
-                    native_vs_bound: ratio(n, b),
-                }
-            });
+            let what = format!("vcpus {v} payload {p:>4}");
+            let slices = s.slices.loops(&what).ok_or(BenchError::Payload(p))?;
+            let typed = s.typed.loops(&format!("{what}: typed"));
             rows.push(WriterRow {
                 vcpus: v,
                 payload: p,
                 event_bytes: hyptrace_abi::page::data_event_size(p as usize),
-                guest_ns: Summary::of(&s.g_best),
-                guest_mean_ns: Summary::of(&s.g_mean),
-                guest_unread_ns: Summary::of(&s.u_best),
-                guest_unread_mean_ns: Summary::of(&s.u_mean),
-                native_ns: Summary::of(&s.n_best),
-                native_mean_ns: Summary::of(&s.n_mean),
-                bound_ns: Summary::of(&s.b_best),
-                bound_mean_ns: Summary::of(&s.b_mean),
-                rdtsc_ns: Summary::of(&s.r_best),
+                guest_rate_vs_native: ratio(s.slices.native.median(), s.slices.guest.median()),
+                slices,
+                guest_unread_ns: Summary::of(&s.unread.best),
+                guest_unread_mean_ns: Summary::of(&s.unread.mean),
+                rdtsc_ns: Summary::of(&s.rdtsc.best),
                 typed,
-                guest_rate_vs_native: ratio(n, g),
-                guest_vs_bound: ratio(g, b),
-                native_vs_bound: ratio(n, b),
             });
         }
     }
@@ -282,7 +279,7 @@ pub(super) fn native_writer(payload: u32, events: u64) -> Result<Timing, BenchEr
 }
 
 /// [`native_writer`] with an `N`-byte payload whose length is a constant, as the
-/// guest's typed loop ([`RUN_FLAG_BENCH_TYPED`](hyptrace_abi::guest::RUN_FLAG_BENCH_TYPED)) writes it.
+/// guest's typed loop (`RUN_FLAG_BENCH_TYPED`) writes it.
 fn native_writer_typed<const N: usize>(events: u64) -> Result<Timing, BenchError> {
     let p: [u8; N] = std::array::from_fn(|i| i as u8);
     native_loop(events, |w, ts| {
