@@ -190,6 +190,13 @@ fn bench<S: Sink>(p: &Params, em: &mut Emitter<S>) -> BenchResult {
     timed(p, || em.emit(MARKER_SLOT, core::hint::black_box(payload)))
 }
 
+// The typed loops above are those of `BENCH_TYPED_SIZES`: a change of the list fails the
+// build here until the match follows it (the host's list is checked by a unit test).
+const _: () = assert!(matches!(
+    hyptrace_abi::guest::BENCH_TYPED_SIZES,
+    [0, 8, 16, 24, 32, 64, 128, 256]
+));
+
 /// [`bench`] with an `N`-byte payload whose length is a constant (the bytes are not).
 fn bench_typed<S: Sink, const N: usize>(p: &Params, em: &mut Emitter<S>) -> BenchResult {
     let mut buf = [0u8; N];
