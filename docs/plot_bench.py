@@ -5,6 +5,8 @@
 
 Series (1 vCPU; medians, with min..max whiskers over the repetitions):
   guest        the writer in the VM, guest TSC   (writer[].guest_ns)
+  guest typed  the same, the payload's length a compile-time constant, as a typed
+               event's (writer[].typed.guest_ns, where every payload has a typed loop)
   native       the same loop in a host thread    (writer[].native_ns)
   rdtsc+store  the bound: rdtsc + raw store      (writer[].bound_ns)
   rtrb         rtrb SPSC push of ts+payload      (criterion baseline/rtrb/N, if imported
@@ -18,6 +20,7 @@ W, H = 760, 440
 L, R, T, B = 70, 190, 40, 60
 COLORS = {
     "guest": "#d62728",
+    "guest typed": "#ff7f0e",
     "native": "#1f77b4",
     "rdtsc+store": "#2ca02c",
     "rtrb": "#9467bd",
@@ -46,6 +49,11 @@ def main():
     ]:
         series[name] = [
             (r[key]["median"], r[key]["min"], r[key]["max"]) for r in rows
+        ]
+    if all(r.get("typed") for r in rows):
+        series["guest typed"] = [
+            (t["median"], t["min"], t["max"])
+            for t in (r["typed"]["guest_ns"] for r in rows)
         ]
     crit = data.get("criterion") or {}
     rtrb = []
