@@ -4,35 +4,37 @@
 //! — one `rdtsc` plus a raw store of the same bytes — and against `rdtsc` alone.
 
 use hyptrace_abi::events::MARKER_SLOT;
-use hyptrace_abi::guest::{Workload, BENCH_CHUNK, BENCH_TYPED_SIZES};
+use hyptrace_abi::guest::{Workload, BENCH_CHUNK};
 use hyptrace_abi::layout as ring;
 use hyptrace_abi::{HeapMem, RawMem, SharedMem};
 use hyptrace_writer::{WriteOutcome, Writer};
 use serde::Serialize;
 
 use super::harness::{vm_run, VmOut, VmSpec};
-use super::stats::{Quantiles, Summary, Tsc};
+use super::stats::{Summary, Tsc};
 use super::{bench_payload, BenchError, Cfg, DEFAULT_PAGES, PAGE_SIZE};
 use crate::cli::DrainArg;
 use crate::vm::host_tsc;
 
-/// `$f::<N>($events)` for the `$payload`-byte typed loop ([`BENCH_TYPED_SIZES`]), or
-/// `None` for a size with none.
-macro_rules! typed {
-    ($f:ident, $payload:expr, $events:expr) => {
-        match $payload {
-            0 => Some($f::<0>($events)),
-            8 => Some($f::<8>($events)),
-            16 => Some($f::<16>($events)),
-            24 => Some($f::<24>($events)),
-            32 => Some($f::<32>($events)),
-            64 => Some($f::<64>($events)),
-            128 => Some($f::<128>($events)),
-            256 => Some($f::<256>($events)),
-            _ => None,
-        }
-    };
+/// The native typed loops ([`native_typed`]) for a `payload`-byte payload, or `None`
+/// for a size the guest has no typed loop for (`BENCH_TYPED_SIZES`: a unit test keeps
+/// the two lists equal).
+fn native_typed_for(payload: u32, vcpus: u32, events: u64) -> Option<NativeTyped> {
+    Some(match payload {
+        0 => native_typed::<0>(vcpus, events),
+        8 => native_typed::<8>(vcpus, events),
+        16 => native_typed::<16>(vcpus, events),
+        24 => native_typed::<24>(vcpus, events),
+        32 => native_typed::<32>(vcpus, events),
+        64 => native_typed::<64>(vcpus, events),
+        128 => native_typed::<128>(vcpus, events),
+        256 => native_typed::<256>(vcpus, events),
+        _ => return None,
+    })
 }
+
+/// What [`native_typed`] measured: the writer on each thread, and the bound.
+type NativeTyped = (Vec<Result<Timing, BenchError>>, Timing);
 
 /// One `writer` row: a vCPU count and payload size, ns/event.
 #[derive(Clone, Debug, Serialize)]
@@ -51,7 +53,7 @@ pub(super) struct WriterRow {
     pub(super) guest_unread_mean_ns: Summary,
     pub(super) rdtsc_ns: Summary,
     /// The typed loops (`RUN_FLAG_BENCH_TYPED`: the payload's length a compile-time
-    /// constant, as a typed event's), for the sizes in [`BENCH_TYPED_SIZES`].
+    /// constant, as a typed event's), for the sizes in `BENCH_TYPED_SIZES`.
     pub(super) typed: Option<Loops>,
     /// native / guest (the slice loops' fastest chunks' medians): the guest's rate
     /// against native.
@@ -102,10 +104,6 @@ impl Times {
             self.push(tsc, events, Timing { cycles, min_chunk });
         }
     }
-
-    fn median(&self) -> f64 {
-        Quantiles::new(&self.best).median()
-    }
 }
 
 /// The samples of one payload kind's guest, native and bound loops.
@@ -117,27 +115,25 @@ struct LoopSamples {
 }
 
 impl LoopSamples {
-    /// The summaries (None when not measured), with a progress line named `what`.
-    fn loops(&self, what: &str) -> Option<Loops> {
-        if self.guest.best.is_empty() {
-            return None;
-        }
-        let (g, n, b) = (
-            self.guest.median(),
-            self.native.median(),
-            self.bound.median(),
+    /// The summaries, with a progress line named `what`.
+    fn loops(&self, what: &str) -> Loops {
+        let (guest_ns, native_ns, bound_ns) = (
+            Summary::of(&self.guest.best),
+            Summary::of(&self.native.best),
+            Summary::of(&self.bound.best),
         );
+        let (g, n, b) = (guest_ns.median, native_ns.median, bound_ns.median);
         eprintln!("  {what}: guest {g:6.2} ns  native {n:6.2} ns  bound {b:6.2} ns");
-        Some(Loops {
-            guest_ns: Summary::of(&self.guest.best),
+        Loops {
+            guest_ns,
             guest_mean_ns: Summary::of(&self.guest.mean),
-            native_ns: Summary::of(&self.native.best),
+            native_ns,
             native_mean_ns: Summary::of(&self.native.mean),
-            bound_ns: Summary::of(&self.bound.best),
+            bound_ns,
             bound_mean_ns: Summary::of(&self.bound.mean),
             guest_vs_bound: ratio(g, b),
             native_vs_bound: ratio(n, b),
-        })
+        }
     }
 }
 
@@ -190,19 +186,16 @@ fn measure(
     s.slices.bound.push(tsc, n, native_bound(payload, n));
     let rdtsc_events = n.min(1 << 20);
     s.rdtsc.push(tsc, rdtsc_events, native_rdtsc(rdtsc_events));
-    if BENCH_TYPED_SIZES.contains(&payload) {
+    if let Some((writers, bound)) = native_typed_for(payload, vcpus, n) {
+        for t in writers {
+            s.typed.native.push(tsc, n, t?);
+        }
+        s.typed.bound.push(tsc, n, bound);
         let typed = VmSpec {
             typed: true,
             ..spec
         };
         s.typed.guest.push_guest(tsc, n, &vm_run(&typed)?);
-        for t in on_threads(vcpus, || typed!(native_writer_typed, payload, n)) {
-            s.typed
-                .native
-                .push(tsc, n, t.ok_or(BenchError::Payload(payload))??);
-        }
-        let b = typed!(native_bound_typed, payload, n).ok_or(BenchError::Payload(payload))?;
-        s.typed.bound.push(tsc, n, b);
     }
     Ok(())
 }
@@ -217,13 +210,14 @@ pub(super) fn writer_section(cfg: &Cfg, tsc: Tsc) -> Result<Vec<WriterRow>, Benc
                 measure(cfg, tsc, v, p, &mut s)?;
             }
             let what = format!("vcpus {v} payload {p:>4}");
-            let slices = s.slices.loops(&what).ok_or(BenchError::Payload(p))?;
-            let typed = s.typed.loops(&format!("{what}: typed"));
+            let slices = s.slices.loops(&what);
+            let typed =
+                (!s.typed.guest.best.is_empty()).then(|| s.typed.loops(&format!("{what}: typed")));
             rows.push(WriterRow {
                 vcpus: v,
                 payload: p,
                 event_bytes: hyptrace_abi::page::data_event_size(p as usize),
-                guest_rate_vs_native: ratio(s.slices.native.median(), s.slices.guest.median()),
+                guest_rate_vs_native: ratio(slices.native_ns.median, slices.guest_ns.median),
                 slices,
                 guest_unread_ns: Summary::of(&s.unread.best),
                 guest_unread_mean_ns: Summary::of(&s.unread.mean),
@@ -278,13 +272,20 @@ pub(super) fn native_writer(payload: u32, events: u64) -> Result<Timing, BenchEr
     })
 }
 
-/// [`native_writer`] with an `N`-byte payload whose length is a constant, as the
-/// guest's typed loop (`RUN_FLAG_BENCH_TYPED`) writes it.
-fn native_writer_typed<const N: usize>(events: u64) -> Result<Timing, BenchError> {
+/// The typed loops natively, with an `N`-byte payload whose length is a constant, as
+/// the guest's typed loop (`RUN_FLAG_BENCH_TYPED`) writes it: [`native_writer`]'s loop
+/// on `vcpus` threads, then [`native_bound`]'s with the same constant-length copy.
+fn native_typed<const N: usize>(vcpus: u32, events: u64) -> NativeTyped {
     let p: [u8; N] = std::array::from_fn(|i| i as u8);
-    native_loop(events, |w, ts| {
-        w.write(MARKER_SLOT, ts, &std::hint::black_box(&p)[..])
-    })
+    let writers = on_threads(vcpus, || {
+        native_loop(events, |w, ts| {
+            w.write(MARKER_SLOT, ts, &std::hint::black_box(&p)[..])
+        })
+    });
+    let bound = bound_loop(events, N, |dst| {
+        dst.copy_from_slice(std::hint::black_box(&p))
+    });
+    (writers, bound)
 }
 
 /// The loop of [`native_writer`]: `write(writer, rdtsc)` per event.
@@ -325,15 +326,6 @@ pub(super) fn native_bound(payload: u32, events: u64) -> Timing {
     let p = bench_payload(payload);
     bound_loop(events, p.len(), |dst| {
         dst.copy_from_slice(std::hint::black_box(p.as_slice()))
-    })
-}
-
-/// [`native_bound`] with an `N`-byte payload whose length is a constant: the bound of
-/// the typed loops.
-fn native_bound_typed<const N: usize>(events: u64) -> Timing {
-    let p: [u8; N] = std::array::from_fn(|i| i as u8);
-    bound_loop(events, N, |dst| {
-        dst.copy_from_slice(std::hint::black_box(&p))
     })
 }
 
@@ -379,6 +371,7 @@ fn on_threads<T: Send>(n: u32, f: impl Fn() -> T + Sync) -> Vec<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use hyptrace_abi::guest::BENCH_TYPED_SIZES;
 
     #[test]
     fn native_loops_run() {
@@ -392,13 +385,14 @@ mod tests {
     #[test]
     fn typed_loops_cover_the_guest_sizes() {
         for p in 0..=300u32 {
-            let w = typed!(native_writer_typed, p, BENCH_CHUNK);
-            let b = typed!(native_bound_typed, p, BENCH_CHUNK);
-            assert_eq!(w.is_some(), BENCH_TYPED_SIZES.contains(&p), "{p}");
-            assert_eq!(b.is_some(), BENCH_TYPED_SIZES.contains(&p), "{p}");
-            if let (Some(w), Some(b)) = (w, b) {
-                let w = w.expect("typed writer");
-                assert!(w.cycles >= w.min_chunk && w.min_chunk > 0, "{p}");
+            let t = native_typed_for(p, 1, BENCH_CHUNK);
+            assert_eq!(t.is_some(), BENCH_TYPED_SIZES.contains(&p), "{p}");
+            if let Some((w, b)) = t {
+                assert_eq!(w.len(), 1, "{p}");
+                for w in w {
+                    let w = w.expect("typed writer");
+                    assert!(w.cycles >= w.min_chunk && w.min_chunk > 0, "{p}");
+                }
                 assert!(b.cycles > 0, "{p}");
             }
         }
