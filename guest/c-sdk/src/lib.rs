@@ -24,8 +24,11 @@ use hyptrace_abi::guest::{
     result, RunParamBlock, PORT_EXIT, RUN_FLAG_SERVE_MAILBOX, VCPU_RESULT_SIZE,
 };
 use hyptrace_abi::layout::pack as pack_hdr;
+// The TSC, port I/O, the panic report and the C memory functions (there is no libc):
+// the guest images' shared runtime, which the embedded payload links too.
 use hyptrace_abi::registry::{MAX_EVENTS, MAX_FIELDS, PORT_REGISTER};
 use hyptrace_abi::RawMem;
+use hyptrace_guest_rt::out32;
 use hyptrace_writer::events::{self, Event, Field, RegisterError};
 use hyptrace_writer::{WriteOutcome, Writer};
 
@@ -685,7 +688,3 @@ unsafe fn slot_store(params: u64, p: &RunParamBlock, cpu: u32, off: usize, v: u6
 fn panic(info: &PanicInfo<'_>) -> ! {
     hyptrace_guest_rt::report_panic(info)
 }
-
-// The TSC, port I/O, the panic report and the C memory functions (there is no libc):
-// the guest images' shared runtime, which the embedded payload links too.
-use hyptrace_guest_rt::out32;
