@@ -119,7 +119,11 @@ fn check(m: &HeapMem, l: &RingGeometry, cpu: u32, md: &mut Model, fresh_footers:
         .map(|&p| (p, ft(m, l, p, footer::NEXT)))
         .filter(|&(_, lk)| lk & LINK_FLAGS != 0)
         .collect();
-    assert_eq!(flagged.len(), 1, "{what}: flagged links {flagged:?}");
+    assert_eq!(
+        flagged.len(),
+        1,
+        "{what}: flagged links {flagged:?} (reader page {r}, tail {t})"
+    );
     let (hp, hl) = flagged[0];
     assert_eq!(hl & LINK_FLAGS, LINK_HEAD, "{what}: link {hl:#x}");
     assert_eq!(
@@ -1313,6 +1317,8 @@ fn interrupted_self_swap(cut: impl Fn(usize, usize) -> bool, what: &str) -> Vec<
     }
     // The guest side restarts: a new writer on the memory as the old one left it.
     let mut w = Writer::attach(m.clone(), 0).unwrap();
+    // S1 at rest again: the attach finished the stopped swap or undid its first store.
+    assert_s1(&m, w.layout(), what);
     let resumed = w.entries() + w.dropped();
     assert!(
         resumed == seq - 1 || resumed == seq,
@@ -1377,6 +1383,7 @@ fn interrupted_mailbox_swap(
     assert!(w.serve_mailbox(), "{what}");
     let log = cm.log.take();
     let mut w = Writer::attach(m.clone(), 0).unwrap();
+    assert_s1(&m, w.layout(), what);
     seq = w.entries() + w.dropped();
     // Writing on, serving and reading: a ring-full and more, every page read.
     for _ in 0..40 {
@@ -1416,4 +1423,34 @@ fn reattach_after_a_mailbox_swap_stopped_anywhere() {
         let may_lose = (published..all.len()).contains(&k);
         interrupted_mailbox_swap(move |n, _| n == k, may_lose, &what);
     }
+}
+
+/// Defect (S1, issue 27): a swap that gave up (`Contended`) left `after|HEAD` in the
+/// reader page's link, stored by its last attempt before a compare-exchange that lost:
+/// at rest two links carried HEAD. Here the writer fills a page (pushing the head)
+/// right before each of the swap's compare-exchanges, so every attempt loses; the swap
+/// must leave the reader page's link without a flag.
+#[test]
+fn contended_swap_leaves_no_flag_on_the_reader_page() {
+    let (m, l) = region(1, 4, Mode::Overwrite);
+    let mut w = Writer::attach(m.clone(), 0).unwrap();
+    let one_page = [0u8; 2000];
+    let mut ts = 0;
+    for _ in 0..3 {
+        ts += 1;
+        assert_eq!(w.write(0, ts, &one_page), WriteOutcome::Written);
+    }
+    let hm = HookMem {
+        m: &m,
+        hook: std::cell::RefCell::new(Box::new(|a, _off| {
+            if a == Access::Cas {
+                ts += 1;
+                assert_eq!(w.write(0, ts, &one_page), WriteOutcome::Written);
+            }
+        })),
+    };
+    let r = swap_reader_page(&hm, &l, 0);
+    drop(hm);
+    assert_eq!(r, Ok(SwapStatus::Contended));
+    assert_s1(&m, &l, "after a contended swap");
 }

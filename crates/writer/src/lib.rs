@@ -31,7 +31,13 @@ use hyptrace_abi::page::{self, COMMIT_OFFSET, PAGE_HEADER_SIZE, RB_MISSED_EVENTS
 pub use hyptrace_abi::SharedMem;
 
 /// Most attempts of a swap (each failed attempt means the writer moved the head).
+#[cfg(not(loom))]
 pub const SWAP_RETRIES: u32 = 16;
+/// Most attempts of a swap, in the loom models: the same code gives up after fewer
+/// attempts, so that the executions in which every attempt fails (the swap that gives up,
+/// docs/design.md "S1 and a swap that gives up") stay few enough to explore them all.
+#[cfg(loom)]
+pub const SWAP_RETRIES: u32 = 3;
 /// Most attempts of the writer to move its tail (each failure means a swap moved the
 /// head under it; a swap changes a link at most once per call, so this never runs out
 /// unless the ring is corrupt).
@@ -139,11 +145,13 @@ impl From<LayoutError> for RingError {
     }
 }
 
+/// Between two attempts of a bounded retry loop. Only a CPU hint: no thread waits for
+/// another here, and the loom models keep it that way — a yield there would let the
+/// writer finish whatever made the attempt fail before the next one, hiding the
+/// interleavings in which a descheduled writer makes every attempt fail (the swap that
+/// gives up: docs/design.md, "S1 and a swap that gives up").
 #[inline]
 fn relax() {
-    #[cfg(loom)]
-    loom::thread::yield_now();
-    #[cfg(not(loom))]
     core::hint::spin_loop();
 }
 
@@ -419,6 +427,11 @@ impl<M: SharedMem> Writer<M> {
                 && mem.load(l.footer_off(p) + footer::NEXT, Acquire) >> 2 == u64::from(target)
         };
         let Some(before) = pages.clone().find(|&p| names(p, reader)) else {
+            // No swap got past its compare-exchange; one may have stopped before it,
+            // with `after|HEAD` stored in the reader page's link: clear the flag, as a
+            // swap that gives up does (S1).
+            // SeqCst: like the link stores of swap_reader_page_hinted (S1).
+            mem.fetch_and(l.footer_off(reader) + footer::NEXT, !LINK_FLAGS, SeqCst);
             return Ok(false);
         };
         // Acquire: as above; set by the swap before its compare-exchange.
@@ -1165,9 +1178,37 @@ pub fn swap_reader_page_hinted<M: SharedMem + ?Sized>(
     if tail == reader {
         return Ok(SwapStatus::Busy);
     }
-    let rf = l.footer_off(reader);
     // A ring page (not the reader page) the last swap left the HEAD link on.
-    let mut start = hint.0.filter(|&h| h != reader && l.owns(cpu, u64::from(h)));
+    let start = hint.0.filter(|&h| h != reader && l.owns(cpu, u64::from(h)));
+    let r = try_swap(mem, l, cpu, (reader, tail), start, hint);
+    if !matches!(r, Ok(SwapStatus::Swapped { .. })) {
+        // S1, kept here: a swap that gives up leaves no flag in the reader page's link.
+        // An attempt whose compare-exchange lost stored `after|HEAD` there; left, the
+        // ring at rest shows two HEAD links, the reader page's naming a page that may no
+        // longer be the head (docs/design.md, "S1 and a swap that gives up"). No ring
+        // link names the reader page (every compare-exchange failed) and the writer is
+        // not on it (checked above), so no one else loads or stores this word now.
+        #[cfg(not(hyptrace_seeded_bug_contended_link))]
+        // SeqCst: like the stores of this link in try_swap (S1).
+        mem.fetch_and(l.footer_off(reader) + footer::NEXT, !LINK_FLAGS, SeqCst);
+    }
+    r
+}
+
+/// The attempts of [`swap_reader_page_hinted`] (at most [`SWAP_RETRIES`]) to swap
+/// `reader` (the writer's tail was `tail` at the check), the first head search starting
+/// at `start`. When it does not swap it may leave `after|HEAD` in the reader page's
+/// link: the caller clears the flag.
+fn try_swap<M: SharedMem + ?Sized>(
+    mem: &M,
+    l: &RingGeometry,
+    cpu: u32,
+    (reader, tail): (u32, u32),
+    mut start: Option<u32>,
+    hint: &mut SwapHint,
+) -> Result<SwapStatus, RingError> {
+    let c = l.ctl(cpu);
+    let rf = l.footer_off(reader);
     for _ in 0..SWAP_RETRIES {
         // Search from the hint, else (and on retries) from where the writer is now: it
         // may have moved since the last try.
