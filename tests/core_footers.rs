@@ -24,8 +24,8 @@
 
 use hyptrace::rng::Rng;
 use hyptrace_abi::layout::{
-    ctl, footer, link_id, Mode, RingGeometry, FT_COMMIT, FT_HEAD, FT_READER, LINK_FLAGS, LINK_HEAD,
-    MBOX_OP_SWAP, MBOX_OP_UPDATE_FOOTERS, MBOX_STATUS_BUSY, MBOX_STATUS_OK,
+    ctl, footer, link, link_id, Mode, RingGeometry, FT_COMMIT, FT_HEAD, FT_READER, LINK_FLAGS,
+    LINK_HEAD, LINK_UPDATE, MBOX_OP_SWAP, MBOX_OP_UPDATE_FOOTERS, MBOX_STATUS_BUSY, MBOX_STATUS_OK,
 };
 use hyptrace_abi::page::{Events, COMMIT_LEN_MASK, COMMIT_OFFSET, RB_MISSED_EVENTS};
 use hyptrace_abi::{HeapMem, SharedMem};
@@ -1453,4 +1453,44 @@ fn contended_swap_leaves_no_flag_on_the_reader_page() {
     drop(hm);
     assert_eq!(r, Ok(SwapStatus::Contended));
     assert_s1(&m, &l, "after a contended swap");
+}
+
+/// Defect (S1, found in review of issue 27): a writer stopped inside a head push after
+/// it published the new HEAD link (`H.next = N|HEAD`) but before it cleared UPDATE on
+/// its tail's link; a hinted swap (`--swap host`, hint H: the page the last swap put in
+/// the ring) took N meanwhile (`H.next = R`, `R.next = N'|HEAD`). The writer attaching
+/// finished the push from the start: it read `H.next = R` as the page after H and
+/// flagged it (`H.next = R|HEAD`, FT_HEAD on R): two HEAD links, two FT_HEAD pages. A
+/// push whose HEAD link was published is finished by clearing UPDATE alone.
+#[test]
+fn reattach_after_a_published_head_push_and_a_swap() {
+    let (m, l) = region(1, 4, Mode::Overwrite);
+    let next = |p: u32| l.footer_off(p) + footer::NEXT;
+    let (reader, head, tail) = (0u32, 1u32, 3u32);
+    let cm = CutMem::new(&m, move |_, off| off == next(head));
+    let mut w = Writer::attach(&cm, 0).unwrap();
+    let one_page = [0u8; 2000];
+    // Fill the 3 ring pages (1, 2, 3): tail 3, its link names the head, 1.
+    for ts in 1..=3 {
+        assert_eq!(w.write(0, ts, &one_page), WriteOutcome::Written);
+    }
+    assert_eq!(ft(&m, &l, tail, footer::NEXT), link(head, LINK_HEAD));
+    // The push of 1 stops right after `1.next = 2|HEAD`.
+    cm.armed.set(true);
+    w.write(0, 4, &one_page);
+    assert!(cm.frozen.get(), "the push did not reach the new HEAD link");
+    drop(w);
+    assert_eq!(ft(&m, &l, tail, footer::NEXT), link(head, LINK_UPDATE));
+    assert_eq!(ft(&m, &l, head, footer::NEXT), link(2, LINK_HEAD));
+    // A hinted swap starting at 1 finds 2|HEAD and takes page 2.
+    let r = swap_reader_page_hinted(&*m, &l, 0, &mut SwapHint::at(head));
+    assert_eq!(r, Ok(SwapStatus::Swapped { page: 2 }));
+    assert_eq!(ft(&m, &l, head, footer::NEXT), link(reader, 0));
+    // The writer attaches again: one HEAD link, naming the FT_HEAD page.
+    let mut w = Writer::attach(m.clone(), 0).unwrap();
+    assert_s1(&m, &l, "after the re-attach");
+    for ts in 5..12 {
+        assert_eq!(w.write(0, ts, &one_page), WriteOutcome::Written);
+        assert_s1(&m, &l, "writing on");
+    }
 }

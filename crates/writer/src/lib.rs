@@ -305,7 +305,7 @@ impl<M: SharedMem> Writer<M> {
         let tl = self.mem.load(tf + footer::NEXT, Acquire);
         if tl & LINK_FLAGS == LINK_UPDATE {
             let pushed = page_id(&self.l, self.cpu, tl >> 2);
-            if pushed.and_then(|h| self.push_head(tf, h, true)).is_err() {
+            if pushed.and_then(|h| self.finish_push(tf, h)).is_err() {
                 self.corrupt = true;
             }
         }
@@ -476,6 +476,34 @@ impl<M: SharedMem> Writer<M> {
                 Release,
             );
         }
+    }
+
+    /// Finishes a head push the previous writer stopped while it held UPDATE on its
+    /// tail's link (footer `tf`), naming the pushed page `head`. Once the push published
+    /// the new HEAD link, the head is no longer the push's to move: a hinted swap may
+    /// have taken the new head since (`--swap host`: `head`'s link then names the old
+    /// reader page, and that page's link carries HEAD), so only UPDATE is cleared.
+    /// Before that, no swap can have got past UPDATE: the push is run again (each of its
+    /// steps can be done again). Published is "a link other than the tail's carries a
+    /// flag", looked for along the ring from `head`, at most `pages_per_cpu` links (S1:
+    /// at rest the push's HEAD link, or a swap's after it, is the only one).
+    fn finish_push(&mut self, tf: usize, head: u32) -> Result<(), RingError> {
+        let mut p = head;
+        for _ in 0..self.l.pages_per_cpu {
+            let f = self.l.footer_off(p);
+            if f == tf {
+                break;
+            }
+            // Acquire: paired with the SeqCst link stores of push_head and the swaps (S1).
+            let lk = self.mem.load(f + footer::NEXT, Acquire);
+            if lk & LINK_FLAGS != 0 {
+                // SeqCst: as push_head's last step (S1).
+                self.mem.swap(tf + footer::NEXT, link(head, 0), SeqCst);
+                return Ok(());
+            }
+            p = page_id(&self.l, self.cpu, lk >> 2)?;
+        }
+        self.push_head(tf, head)
     }
 
     /// The CPU this writer writes for.
@@ -805,7 +833,7 @@ impl<M: SharedMem> Writer<M> {
                     {
                         continue;
                     }
-                    self.push_head(tf, nid, false)?;
+                    self.push_head(tf, nid)?;
                     break nid;
                 }
                 _ => return Err(RingError::BadLink(lk)),
@@ -912,7 +940,7 @@ impl<M: SharedMem> Writer<M> {
     /// `head`'s link, and clearing UPDATE on the tail's link, which still names `head`,
     /// keeps the ring consistent. S1: the footer bits are moved before the new HEAD link
     /// is published (set before a link names the page, cleared after it stopped).
-    fn push_head(&mut self, tf: usize, head: u32, resuming: bool) -> Result<(), RingError> {
+    fn push_head(&mut self, tf: usize, head: u32) -> Result<(), RingError> {
         let hf = self.l.footer_off(head);
         // Taken (and zeroed: the page is reset when the writer moves onto it) with one
         // swap, so a push finished again on attach does not count the page twice.
@@ -929,9 +957,8 @@ impl<M: SharedMem> Writer<M> {
         // Acquire: paired with the SeqCst link changes of swap_reader_page_hinted (S1).
         let nl = self.mem.load(hf + footer::NEXT, Acquire);
         let nn = page_id(&self.l, self.cpu, nl >> 2)?;
-        // Finishing a stopped push, the new HEAD link may already be there.
-        let allowed = if resuming { LINK_HEAD } else { 0 };
-        if nl & LINK_FLAGS & !allowed != 0 {
+        // Finishing a stopped push (finish_push), the new HEAD link is not there yet.
+        if nl & LINK_FLAGS != 0 {
             return Err(RingError::BadLink(nl));
         }
         // SeqCst (FT_HEAD, then the links): one total order with the SeqCst stores and loads
@@ -1181,13 +1208,15 @@ pub fn swap_reader_page_hinted<M: SharedMem + ?Sized>(
     // A ring page (not the reader page) the last swap left the HEAD link on.
     let start = hint.0.filter(|&h| h != reader && l.owns(cpu, u64::from(h)));
     let r = try_swap(mem, l, cpu, (reader, tail), start, hint);
-    if !matches!(r, Ok(SwapStatus::Swapped { .. })) {
+    if r == Ok(SwapStatus::Contended) {
         // S1, kept here: a swap that gives up leaves no flag in the reader page's link.
         // An attempt whose compare-exchange lost stored `after|HEAD` there; left, the
         // ring at rest shows two HEAD links, the reader page's naming a page that may no
         // longer be the head (docs/design.md, "S1 and a swap that gives up"). No ring
         // link names the reader page (every compare-exchange failed) and the writer is
-        // not on it (checked above), so no one else loads or stores this word now.
+        // not on it (checked above), so no one else loads or stores this word now. (An
+        // error leaves the words as they are: the ring is inconsistent already, and a
+        // post-mortem sees it as the swap found it.)
         #[cfg(not(hyptrace_seeded_bug_contended_link))]
         // SeqCst: like the stores of this link in try_swap (S1).
         mem.fetch_and(l.footer_off(reader) + footer::NEXT, !LINK_FLAGS, SeqCst);
@@ -1197,8 +1226,8 @@ pub fn swap_reader_page_hinted<M: SharedMem + ?Sized>(
 
 /// The attempts of [`swap_reader_page_hinted`] (at most [`SWAP_RETRIES`]) to swap
 /// `reader` (the writer's tail was `tail` at the check), the first head search starting
-/// at `start`. When it does not swap it may leave `after|HEAD` in the reader page's
-/// link: the caller clears the flag.
+/// at `start`. When it gives up it may leave `after|HEAD` in the reader page's link: the
+/// caller clears the flag.
 fn try_swap<M: SharedMem + ?Sized>(
     mem: &M,
     l: &RingGeometry,
