@@ -278,13 +278,16 @@ struct Slot {
 }
 
 /// Posts requests to the writer's mailbox; never blocks for long. A request not
-/// answered within [`MAILBOX_SPIN`] stays in flight and the call reports it pending;
-/// the next call for that CPU picks up the answer (one request per CPU at a time).
-/// The reader thus serves all CPUs while a descheduled vCPU gets to its mailbox.
+/// answered within [`MAILBOX_SPIN`] (or the budget set with [`Mailbox::with_spin`])
+/// stays in flight and the call reports it pending; the next call for that CPU picks up
+/// the answer (one request per CPU at a time). The reader thus serves all CPUs while a
+/// descheduled vCPU gets to its mailbox.
 #[derive(Debug)]
 pub struct Mailbox<M> {
     port: MailboxPort<M>,
     timeout: Duration,
+    /// How long a new request is spun on before it is reported pending.
+    spin: Duration,
     slots: Mutex<Vec<Slot>>,
 }
 
@@ -301,8 +304,18 @@ impl<M: SharedMem> Mailbox<M> {
         Self {
             port: MailboxPort::new(mem, layout),
             timeout,
+            spin: MAILBOX_SPIN,
             slots: Mutex::new(vec![Slot::default(); layout.nr_cpus as usize]),
         }
+    }
+
+    /// The same callbacks spinning `spin` (instead of [`MAILBOX_SPIN`]) on the answer
+    /// to a new request before reporting it pending. With [`Duration::ZERO`] a request
+    /// is polled exactly once after it is posted, so whether it is reported pending
+    /// depends on the writer alone, not on wall time (a controlled scheduler's tests).
+    pub fn with_spin(mut self, spin: Duration) -> Self {
+        self.spin = spin;
+        self
     }
 
     fn request(&self, cpu: u32, op: MailboxOp) -> Result<Reply, ReadError> {
@@ -351,7 +364,7 @@ impl<M: SharedMem> Mailbox<M> {
             if self.port.writer_finished(cpu) {
                 return Err(ReadError::WriterStopped { cpu });
             }
-            if start.elapsed() > MAILBOX_SPIN {
+            if start.elapsed() >= self.spin {
                 slot.pending = Some((seq, op, start));
                 return Ok(Reply::Pending);
             }
@@ -509,6 +522,31 @@ mod tests {
         for code in 0..8 {
             assert_eq!(MailboxStatus::from_wire(code).wire(), code);
         }
+    }
+
+    /// With a spin budget of zero a request is polled once after it is posted: it is
+    /// reported pending, whatever the wall time, until the writer served it; the next
+    /// call then picks up the answer.
+    #[test]
+    fn zero_spin_is_pending_until_served() {
+        let (mem, l) = region();
+        let mb = Mailbox::new(mem.clone(), l, Duration::from_secs(60)).with_spin(Duration::ZERO);
+        let mut w = Writer::attach(mem.clone(), 0).unwrap();
+        for ts in 1..100 {
+            w.write(0, ts, &[0u8; 64]);
+        }
+        assert_eq!(mb.swap_reader(0).unwrap(), SwapReply::Pending);
+        assert_eq!(
+            mb.swap_reader(0).unwrap(),
+            SwapReply::Pending,
+            "answered unserved"
+        );
+        assert!(w.serve_mailbox());
+        let page = mem.load(l.ctl(0) + ctl::READER_PAGE, Acquire) as u32;
+        assert_eq!(
+            mb.swap_reader(0).unwrap(),
+            SwapReply::Done(SwapStatus::Swapped { page })
+        );
     }
 
     /// The geometry picks the backend: guest swap → the mailbox (a request stays in

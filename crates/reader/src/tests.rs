@@ -268,6 +268,9 @@ fn dump_cpu0(
     (dumped, d)
 }
 
+/// A reader over the mailbox callbacks, on a heap region.
+type MailboxReader = RingBuffer<Arc<HeapMem>, Mailbox<Arc<HeapMem>>>;
+
 /// One CPU in stop mode with `--swap guest` (released pages: the `Mailbox` callbacks), a
 /// ring of `pages` 4 KiB pages, a reader and an attached writer.
 fn released_setup(
@@ -275,7 +278,7 @@ fn released_setup(
 ) -> (
     Arc<HeapMem>,
     RingGeometry,
-    RingBuffer<Arc<HeapMem>, Mailbox<Arc<HeapMem>>>,
+    MailboxReader,
     Writer<Arc<HeapMem>>,
 ) {
     let cfg = Config {
