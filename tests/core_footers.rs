@@ -1479,7 +1479,6 @@ fn reattach_after_a_published_head_push_and_a_swap() {
     cm.armed.set(true);
     w.write(0, 4, &one_page);
     assert!(cm.frozen.get(), "the push did not reach the new HEAD link");
-    drop(w);
     assert_eq!(ft(&m, &l, tail, footer::NEXT), link(head, LINK_UPDATE));
     assert_eq!(ft(&m, &l, head, footer::NEXT), link(2, LINK_HEAD));
     // A hinted swap starting at 1 finds 2|HEAD and takes page 2.

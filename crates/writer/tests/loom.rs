@@ -13,6 +13,11 @@
 //! RUSTFLAGS="--cfg loom --cfg hyptrace_seeded_bug_relaxed_release" \
 //!     CARGO_TARGET_DIR=target/loom-seeded3 LOOM_MAX_PREEMPTIONS=2 \
 //!     cargo test -p hyptrace-writer --release --test loom
+//! # seeded bug 4 (a swap that gives up leaves `after|HEAD` in the reader page's link,
+//! # S1, issue 27): caught as two flagged links at rest
+//! RUSTFLAGS="--cfg loom --cfg hyptrace_seeded_bug_contended_link" \
+//!     CARGO_TARGET_DIR=target/loom-seeded4 LOOM_MAX_PREEMPTIONS=2 \
+//!     cargo test -p hyptrace-writer --release --test loom
 //! # seeded bug 2 (the commit published Relaxed, W1): caught as a causality violation
 //! RUSTFLAGS="--cfg loom --cfg hyptrace_seeded_bug_relaxed_commit" \
 //!     CARGO_TARGET_DIR=target/loom-seeded2 LOOM_MAX_PREEMPTIONS=2 \
@@ -20,7 +25,7 @@
 //! ```
 //!
 //! Each model ([`Model`]): one CPU, a ring of 4 pages (the reader page and 3 ring pages;
-//! 3 in the lap model) in a loom [`Region`]; a writer thread writes events (one-page
+//! 3 in the lap model, 5 in the five-page one) in a loom [`Region`]; a writer thread writes events (one-page
 //! payloads, so every event after the first moves the tail: `move_tail`, and in
 //! overwrite mode `push_head`; or three 1300-byte events and a TIME_EXTEND per page),
 //! while a reader thread reads the reader page and gets the next one like the host
@@ -32,10 +37,19 @@
 //! (`Contended`) and a request left unanswered are outcomes; while a request is in
 //! flight the reader does not touch its page (M1). Afterwards the main thread answers a
 //! request still in flight, checks the ring (S1: one FT_READER / FT_COMMIT / FT_HEAD,
-//! one HEAD link naming the FT_HEAD page, no UPDATE, the reader page outside the ring),
+//! exactly one flagged link among all pages — the reader page's included — HEAD, naming
+//! the FT_HEAD page, no UPDATE, the reader page outside the ring),
 //! reads everything left in ring order, and checks the events: in order, each seq equal
 //! to its index, timestamps as written, gaps exactly the `first_index` jumps, read +
 //! lost == attempts, lost == overrun + dropped.
+//!
+//! Under loom the writer crate's `relax()` does not yield (a spin hint, as in the real
+//! build) and a swap gives up after 3 attempts instead of 16 (`SWAP_RETRIES`, which also
+//! bounds the rounds of the swap's FT_HEAD fix-up, `mark_new_head`): with a yield between
+//! attempts the writer always finished what made an attempt fail, so no execution could
+//! make a swap give up (issue 27's two-HEAD state was out of reach); with 16 attempts
+//! the models take 10-40 times longer for the same code path. The cost: the writer
+//! running between two attempts is a preemption now, where a yield was free.
 //!
 //! The region: every 8-byte word is either atomic (pack, control blocks, footers, the
 //! page `commit` words: loom `AtomicU64`) or plain data (page `time_stamp` and data
@@ -49,7 +63,8 @@
     any(
         hyptrace_seeded_bug,
         hyptrace_seeded_bug_relaxed_commit,
-        hyptrace_seeded_bug_relaxed_release
+        hyptrace_seeded_bug_relaxed_release,
+        hyptrace_seeded_bug_contended_link
     ),
     allow(dead_code)
 )]
@@ -204,6 +219,10 @@ enum Via {
     /// A swap request in the mailbox, run by the writer thread between its writes
     /// (`Writer::serve_mailbox`, `--swap guest`).
     Mailbox,
+    /// Hinted and plain swaps in turn, one hint kept across them (as the concurrent
+    /// stress in `tests/core_footers.rs` does): a hinted swap after a plain one starts
+    /// its search at a page two swaps old.
+    Mixed,
     /// Released pages (stop mode, `--swap guest`): the reader reads the ring pages in
     /// place, following the writer's links, and releases each page it has read with one
     /// store of its `page_seq` in `released`; the writer swaps released pages back by
@@ -225,6 +244,8 @@ struct MiniReader {
     mbox_seq: u64,
     /// A mailbox request is in flight: the reader page is not touched (M1).
     pending: bool,
+    /// Swaps asked for so far (`Via::Mixed` alternates by it).
+    asked: u64,
     /// The last `page_seq` stored in `released` (Release).
     released: u64,
     /// Swaps that lost to the writer, and requests left unanswered for now: outcomes.
@@ -246,6 +267,7 @@ impl MiniReader {
             hint: SwapHint::default(),
             mbox_seq: 0,
             pending: false,
+            asked: 0,
             released: 0,
             contended: 0,
             unanswered: 0,
@@ -360,9 +382,12 @@ impl MiniReader {
         if tail == self.page {
             return false;
         }
+        self.asked += 1;
         let status = match self.via {
             Via::Plain => swap_reader_page(m, l, 0),
             Via::Hinted => swap_reader_page_hinted(m, l, 0, &mut self.hint),
+            Via::Mixed if self.asked % 2 == 1 => swap_reader_page_hinted(m, l, 0, &mut self.hint),
+            Via::Mixed => swap_reader_page(m, l, 0),
             Via::Release => {
                 // The writer left the page: its link names where the writer went (the
                 // link of an unreleased page the writer left does not change). Read
@@ -484,6 +509,8 @@ struct Model {
     /// Executions in which the writer swapped released pages back (this model's own
     /// count: [`check_released`] needs its model to reach that swap).
     self_swap_runs: Arc<std::sync::atomic::AtomicUsize>,
+    /// This model's own preemption bound (else `LOOM_MAX_PREEMPTIONS`, else 2).
+    preemptions: Option<usize>,
 }
 
 impl Model {
@@ -497,6 +524,7 @@ impl Model {
             steps,
             via,
             self_swap_runs: Arc::default(),
+            preemptions: None,
         }
     }
 
@@ -591,12 +619,16 @@ fn check(name: &str, model: Model) {
     let n = Arc::new(AtomicUsize::new(0));
     let n2 = n.clone();
     let t = std::time::Instant::now();
-    builder().check(move || {
+    let mut b = builder();
+    // A model's own bound raises the default, never lowers LOOM_MAX_PREEMPTIONS.
+    b.preemption_bound = b.preemption_bound.max(model.preemptions);
+    let bound = b.preemption_bound;
+    b.check(move || {
         n2.fetch_add(1, Relaxed);
         model.run()
     });
     eprintln!(
-        "loom model {name}: {} executions in {:.1} s",
+        "loom model {name}: {} executions (preemption bound {bound:?}) in {:.1} s",
         n.load(Relaxed),
         t.elapsed().as_secs_f64()
     );
@@ -616,7 +648,8 @@ fn builder() -> loom::model::Builder {
 #[cfg(any(
     hyptrace_seeded_bug,
     hyptrace_seeded_bug_relaxed_commit,
-    hyptrace_seeded_bug_relaxed_release
+    hyptrace_seeded_bug_relaxed_release,
+    hyptrace_seeded_bug_contended_link
 ))]
 fn assert_caught(name: &str, model: Model, needle: &str, as_what: &str) {
     let err = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| check(name, model)))
@@ -634,7 +667,8 @@ fn assert_caught(name: &str, model: Model, needle: &str, as_what: &str) {
 #[cfg(not(any(
     hyptrace_seeded_bug,
     hyptrace_seeded_bug_relaxed_commit,
-    hyptrace_seeded_bug_relaxed_release
+    hyptrace_seeded_bug_relaxed_release,
+    hyptrace_seeded_bug_contended_link
 )))]
 mod models {
     use super::*;
@@ -759,6 +793,24 @@ mod models {
     fn writer_laps_after_swap() {
         check("overwrite 3 pages 2+3/1 lap hinted", lap_model());
     }
+
+    /// Issue 27's ring: 5 pages (4 in the ring), all full before the threads start, then
+    /// 3 one-page events (3 head pushes, a yield after the first 2) against two swaps,
+    /// hinted then plain with the hint kept. Every head push races a swap's search, its
+    /// hint, its exchange and its FT_HEAD fix-up. Bound 2: at 3 (or 5 events at 2) the
+    /// model ran past 10 minutes without finishing.
+    fn five_page_model() -> Model {
+        let mut m = Model::new(Mode::Overwrite, 7, BIG, 2, Via::Mixed);
+        m.pages = 5;
+        m.setup = 4;
+        m.burst = 2;
+        m
+    }
+
+    #[test]
+    fn five_page_ring_pushed_during_swaps() {
+        check("overwrite 5 pages 4+3/2 mixed", five_page_model());
+    }
 }
 
 /// Seeded bug 1 (`--cfg hyptrace_seeded_bug`: push_head publishes the new head's link
@@ -810,5 +862,20 @@ fn seeded_relaxed_release_is_caught() {
         Model::new(Mode::Stop, 5, BIG, 3, Via::Release),
         CAUSALITY,
         "a race on a released page",
+    );
+}
+
+/// Seeded bug 4 (`--cfg hyptrace_seeded_bug_contended_link`: a swap that gives up leaves
+/// `after|HEAD` in the reader page's link, issue 27): the hinted overwrite model reaches
+/// a swap whose every attempt loses to the writer (one held UPDATE while descheduled)
+/// and reports two flagged links at rest.
+#[cfg(hyptrace_seeded_bug_contended_link)]
+#[test]
+fn seeded_contended_link_is_caught() {
+    assert_caught(
+        "seeded: a swap that gives up leaves HEAD on the reader page",
+        Model::new(Mode::Overwrite, 4, BIG, 2, Via::Hinted),
+        "S1: flagged links",
+        "two flagged links at rest",
     );
 }
