@@ -40,6 +40,7 @@ export HYPTRACE_STRESS_EVENTS=${HYPTRACE_STRESS_EVENTS:-1000000}
 
 hog_pids=()
 run_pids=()
+names=()
 cleanup() {
     # Only the processes this script started, by pid.
     for p in "${hog_pids[@]}" "${run_pids[@]}"; do
@@ -84,30 +85,36 @@ echo "oversubscribed: ${#bins[@]} binaries x $COPIES copies at once, $HOGS CPU h
     "timeout ${LIMIT} s per copy, $(nproc) CPUs"
 for b in "${bins[@]}"; do echo "  $b"; done
 
-total_runs=0 total_failed=0 total_hung=0
-T0=$(date +%s)
-for round in $(seq 1 "$ROUNDS"); do
-    t=$(date +%s)
+# Busy loops next to the copies (start_hogs N, stop_hogs).
+start_hogs() {
     hog_pids=()
-    for _ in $(seq 1 "$HOGS"); do
+    for _ in $(seq 1 "$1"); do
         bash -c 'while :; do :; done' &
         hog_pids+=($!)
     done
-    run_pids=()
-    names=()
-    for b in "${bins[@]}"; do
-        for c in $(seq 1 "$COPIES"); do
-            name="r$round-$(basename "$b")-$c"
-            # -k: a copy that ignores SIGTERM is killed 10 s later.
-            timeout -k 10 "$LIMIT" "$b" >"$LOGS/$name.log" 2>&1 &
-            run_pids+=($!)
-            names+=("$name")
-        done
-    done
-    failed=0 hung=0
+}
+stop_hogs() {
+    for p in "${hog_pids[@]}"; do kill "$p" 2>/dev/null || true; done
+    for p in "${hog_pids[@]}"; do wait "$p" 2>/dev/null || true; done
+    hog_pids=()
+}
+# Starts one copy, named $1, of the command that follows, under timeout; its output
+# goes to $LOGS/$1.log.
+start_copy() {
+    local name=$1
+    shift
+    # -k: a copy that ignores SIGTERM is killed 10 s later.
+    timeout -k 10 "$LIMIT" "$@" >"$LOGS/$name.log" 2>&1 &
+    run_pids+=($!)
+    names+=("$name")
+}
+# Waits for every copy started; adds to runs, failed and hung, names the failing copies
+# with their first panic lines.
+wait_copies() {
     for i in "${!run_pids[@]}"; do
         rc=0
         wait "${run_pids[$i]}" || rc=$?
+        runs=$((runs + 1))
         if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
             hung=$((hung + 1))
             echo "  HANG: ${names[$i]} (still running after ${LIMIT} s; log $LOGS/${names[$i]}.log)"
@@ -118,19 +125,30 @@ for round in $(seq 1 "$ROUNDS"); do
         fi
     done
     run_pids=()
-    for p in "${hog_pids[@]}"; do kill "$p" 2>/dev/null || true; done
-    for p in "${hog_pids[@]}"; do wait "$p" 2>/dev/null || true; done
-    hog_pids=()
-    n=${#names[@]}
-    total_runs=$((total_runs + n))
-    total_failed=$((total_failed + failed))
-    total_hung=$((total_hung + hung))
-    echo "oversubscribed round $round: $n runs, $failed failed, $hung hung in $(($(date +%s) - t)) s"
+    names=()
+}
+
+runs=0 failed=0 hung=0
+T0=$(date +%s)
+for round in $(seq 1 "$ROUNDS"); do
+    t=$(date +%s)
+    before=$runs before_failed=$failed before_hung=$hung
+    start_hogs "$HOGS"
+    for b in "${bins[@]}"; do
+        for c in $(seq 1 "$COPIES"); do
+            start_copy "r$round-$(basename "$b")-$c" "$b"
+        done
+    done
+    wait_copies
+    stop_hogs
+    echo "oversubscribed round $round: $((runs - before)) runs, $((failed - before_failed))" \
+        "failed, $((hung - before_hung)) hung in $(($(date +%s) - t)) s"
 done
-echo "oversubscribed: $total_runs runs, $total_failed failed, $total_hung hung in" \
+echo "oversubscribed: $runs runs, $failed failed, $hung hung in" \
     "$(($(date +%s) - T0)) s ($ROUNDS rounds of ${#bins[@]} binaries x $COPIES copies, $HOGS hogs)"
 
-# The focused phase: core_footers' concurrent tests, FOCUS_COPIES copies at once next to FOCUS_HOGS hogs.
+# The focused phase: core_footers' concurrent tests, FOCUS_COPIES copies at once next to
+# FOCUS_HOGS hogs, FOCUS rounds.
 FOCUS=${HYPTRACE_OVERSUB_FOCUS:-40}
 FOCUS_COPIES=${HYPTRACE_OVERSUB_FOCUS_COPIES:-6}
 FOCUS_HOGS=${HYPTRACE_OVERSUB_FOCUS_HOGS:-4}
@@ -138,44 +156,20 @@ footers=""
 for b in "${bins[@]}"; do
     case "$(basename "$b")" in core_footers-*) footers=$b ;; esac
 done
-focus_runs=0 focus_failed=0 focus_hung=0
 if [ -n "$footers" ] && [ "$FOCUS" -gt 0 ]; then
     t=$(date +%s)
-    hog_pids=()
-    for _ in $(seq 1 "$FOCUS_HOGS"); do
-        bash -c 'while :; do :; done' &
-        hog_pids+=($!)
-    done
+    before=$runs before_failed=$failed before_hung=$hung
+    start_hogs "$FOCUS_HOGS"
     for round in $(seq 1 "$FOCUS"); do
-        run_pids=()
-        names=()
         for c in $(seq 1 "$FOCUS_COPIES"); do
-            name="focus$round-$c"
-            timeout -k 10 "$LIMIT" "$footers" concurrent --test-threads 2 >"$LOGS/$name.log" 2>&1 &
-            run_pids+=($!)
-            names+=("$name")
+            start_copy "focus$round-$c" "$footers" concurrent --test-threads 2
         done
-        for i in "${!run_pids[@]}"; do
-            rc=0
-            wait "${run_pids[$i]}" || rc=$?
-            focus_runs=$((focus_runs + 1))
-            if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
-                focus_hung=$((focus_hung + 1))
-                echo "  HANG: ${names[$i]} (log $LOGS/${names[$i]}.log)"
-            elif [ "$rc" -ne 0 ]; then
-                focus_failed=$((focus_failed + 1))
-                echo "  FAIL: ${names[$i]} (exit $rc; log $LOGS/${names[$i]}.log)"
-                grep -E "panicked|FAILED|failed" "$LOGS/${names[$i]}.log" | head -5 | sed 's/^/    /'
-            else
-                rm -f "$LOGS/${names[$i]}.log"
-            fi
-        done
+        wait_copies
     done
-    run_pids=()
-    for p in "${hog_pids[@]}"; do kill "$p" 2>/dev/null || true; done
-    for p in "${hog_pids[@]}"; do wait "$p" 2>/dev/null || true; done
-    hog_pids=()
-    echo "oversubscribed focus (core_footers concurrent): $focus_runs runs, $focus_failed failed," \
-        "$focus_hung hung in $(($(date +%s) - t)) s ($FOCUS rounds x $FOCUS_COPIES copies, $FOCUS_HOGS hogs)"
+    stop_hogs
+    echo "oversubscribed focus (core_footers concurrent): $((runs - before)) runs," \
+        "$((failed - before_failed)) failed, $((hung - before_hung)) hung in" \
+        "$(($(date +%s) - t)) s ($FOCUS rounds x $FOCUS_COPIES copies, $FOCUS_HOGS hogs)"
 fi
-[ "$total_failed" -eq 0 ] && [ "$total_hung" -eq 0 ] && [ "$focus_failed" -eq 0 ] && [ "$focus_hung" -eq 0 ]
+echo "oversubscribed in all: $runs runs, $failed failed, $hung hung"
+[ "$failed" -eq 0 ] && [ "$hung" -eq 0 ]
