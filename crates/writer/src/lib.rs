@@ -484,26 +484,17 @@ impl<M: SharedMem> Writer<M> {
     /// have taken the new head since (`--swap host`: `head`'s link then names the old
     /// reader page, and that page's link carries HEAD), so only UPDATE is cleared.
     /// Before that, no swap can have got past UPDATE: the push is run again (each of its
-    /// steps can be done again). Published is "a link other than the tail's carries a
-    /// flag", looked for along the ring from `head`, at most `pages_per_cpu` links (S1:
-    /// at rest the push's HEAD link, or a swap's after it, is the only one).
+    /// steps can be done again). Published is "the first flagged link along the ring from
+    /// `head` is not the tail's own UPDATE" ([`find_head`], bounded; S1: at rest the
+    /// push's HEAD link, or a swap's after it, is the only other one).
     fn finish_push(&mut self, tf: usize, head: u32) -> Result<(), RingError> {
-        let mut p = head;
-        for _ in 0..self.l.pages_per_cpu {
-            let f = self.l.footer_off(p);
-            if f == tf {
-                break;
-            }
-            // Acquire: paired with the SeqCst link stores of push_head and the swaps (S1).
-            let lk = self.mem.load(f + footer::NEXT, Acquire);
-            if lk & LINK_FLAGS != 0 {
-                // SeqCst: as push_head's last step (S1).
-                self.mem.swap(tf + footer::NEXT, link(head, 0), SeqCst);
-                return Ok(());
-            }
-            p = page_id(&self.l, self.cpu, lk >> 2)?;
+        let (f, _) = find_head(&self.mem, &self.l, self.cpu, head)?;
+        if f == tf {
+            return self.push_head(tf, head);
         }
-        self.push_head(tf, head)
+        // SeqCst: as push_head's last step (S1).
+        self.mem.swap(tf + footer::NEXT, link(head, 0), SeqCst);
+        Ok(())
     }
 
     /// The CPU this writer writes for.
