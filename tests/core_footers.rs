@@ -777,6 +777,18 @@ impl SharedMem for HookMem<'_> {
     }
 }
 
+/// A payload that fills most of a 4 KiB page: two never share one.
+const ONE_PAGE: usize = 2000;
+
+/// Writes `n` one-page events (each moves the tail and, ring full in overwrite mode,
+/// pushes the head), timestamps `*ts + 1` on; each must be written.
+fn write_pages<M: SharedMem>(w: &mut Writer<M>, ts: &mut u64, n: usize) {
+    for _ in 0..n {
+        *ts += 1;
+        assert_eq!(w.write(0, *ts, &[0u8; ONE_PAGE]), WriteOutcome::Written);
+    }
+}
+
 /// Invariant S1 at a quiescent point: one FT_READER (the reader page), one FT_COMMIT
 /// (the tail page), one FT_HEAD, one flagged link, HEAD, naming the FT_HEAD page.
 fn assert_s1(m: &HeapMem, l: &RingGeometry, what: &str) {
@@ -824,13 +836,9 @@ fn assert_s1(m: &HeapMem, l: &RingGeometry, what: &str) {
 fn swap_fixup_keeps_ft_head_of_a_lapping_writer() {
     let (m, l) = region(1, 4, Mode::Overwrite);
     let mut w = Writer::attach(m.clone(), 0).unwrap();
-    let one_page = [0u8; 2000];
     let mut ts = 0;
     // Fill the 3 ring pages (1, 2, 3): tail 3, its link names the head, 1.
-    for _ in 0..3 {
-        ts += 1;
-        assert_eq!(w.write(0, ts, &one_page), WriteOutcome::Written);
-    }
+    write_pages(&mut w, &mut ts, 3);
     let (reader, head, after, before_head) = (0u32, 1u32, 2u32, 3u32);
     let next = |p: u32| l.footer_off(p) + footer::NEXT;
     let status = |p: u32| l.footer_off(p) + footer::WRITER_STATUS;
@@ -840,12 +848,7 @@ fn swap_fixup_keeps_ft_head_of_a_lapping_writer() {
     let hm = HookMem {
         m: &m,
         hook: std::cell::RefCell::new(Box::new(|a, off| {
-            let mut write = |n| {
-                for _ in 0..n {
-                    ts += 1;
-                    assert_eq!(w.write(0, ts, &one_page), WriteOutcome::Written);
-                }
-            };
+            let mut write = |n| write_pages(&mut w, &mut ts, n);
             match (stage.get(), a) {
                 (0, Access::Cas) if off == next(before_head) => stage.set(1),
                 (1, Access::Load) if off == next(reader) => {
@@ -870,8 +873,7 @@ fn swap_fixup_keeps_ft_head_of_a_lapping_writer() {
     assert_s1(&m, &l, "after the swap");
     // And the ring goes on correctly.
     for _ in 0..7 {
-        ts += 1;
-        assert_eq!(w.write(0, ts, &one_page), WriteOutcome::Written);
+        write_pages(&mut w, &mut ts, 1);
         assert_s1(&m, &l, "writing on");
     }
 }
@@ -885,13 +887,9 @@ fn swap_fixup_keeps_ft_head_of_a_lapping_writer() {
 fn swap_racing_head_pushes_does_not_fail() {
     let (m, l) = region(1, 4, Mode::Overwrite);
     let mut w = Writer::attach(m.clone(), 0).unwrap();
-    let one_page = [0u8; 2000];
     let mut ts = 0;
     // Fill the 3 ring pages: tail = last page, its link flags the head.
-    for _ in 0..3 {
-        ts += 1;
-        assert_eq!(w.write(0, ts, &one_page), WriteOutcome::Written);
-    }
+    write_pages(&mut w, &mut ts, 3);
     // Before each link the swap loads, the writer fills one more page (pushing the head
     // one page on, as a running writer does while the swapping thread is slow).
     let pushes = std::cell::Cell::new(0);
@@ -903,8 +901,7 @@ fn swap_racing_head_pushes_does_not_fail() {
         hook: std::cell::RefCell::new(Box::new(|a, off| {
             if a == Access::Load && is_link(off) && pushes.get() < 4 {
                 pushes.set(pushes.get() + 1);
-                ts += 1;
-                assert_eq!(w.write(0, ts, &one_page), WriteOutcome::Written);
+                write_pages(&mut w, &mut ts, 1);
             }
         })),
     };
@@ -1434,18 +1431,13 @@ fn reattach_after_a_mailbox_swap_stopped_anywhere() {
 fn contended_swap_leaves_no_flag_on_the_reader_page() {
     let (m, l) = region(1, 4, Mode::Overwrite);
     let mut w = Writer::attach(m.clone(), 0).unwrap();
-    let one_page = [0u8; 2000];
     let mut ts = 0;
-    for _ in 0..3 {
-        ts += 1;
-        assert_eq!(w.write(0, ts, &one_page), WriteOutcome::Written);
-    }
+    write_pages(&mut w, &mut ts, 3);
     let hm = HookMem {
         m: &m,
         hook: std::cell::RefCell::new(Box::new(|a, _off| {
             if a == Access::Cas {
-                ts += 1;
-                assert_eq!(w.write(0, ts, &one_page), WriteOutcome::Written);
+                write_pages(&mut w, &mut ts, 1);
             }
         })),
     };
@@ -1469,15 +1461,14 @@ fn reattach_after_a_published_head_push_and_a_swap() {
     let (reader, head, tail) = (0u32, 1u32, 3u32);
     let cm = CutMem::new(&m, move |_, off| off == next(head));
     let mut w = Writer::attach(&cm, 0).unwrap();
-    let one_page = [0u8; 2000];
+    let mut ts = 0;
     // Fill the 3 ring pages (1, 2, 3): tail 3, its link names the head, 1.
-    for ts in 1..=3 {
-        assert_eq!(w.write(0, ts, &one_page), WriteOutcome::Written);
-    }
+    write_pages(&mut w, &mut ts, 3);
     assert_eq!(ft(&m, &l, tail, footer::NEXT), link(head, LINK_HEAD));
-    // The push of 1 stops right after `1.next = 2|HEAD`.
+    // The push of 1 stops right after `1.next = 2|HEAD` (the outcome of a write whose
+    // stores stop halfway says nothing).
     cm.armed.set(true);
-    w.write(0, 4, &one_page);
+    w.write(0, 4, &[0u8; ONE_PAGE]);
     assert!(cm.frozen.get(), "the push did not reach the new HEAD link");
     assert_eq!(ft(&m, &l, tail, footer::NEXT), link(head, LINK_UPDATE));
     assert_eq!(ft(&m, &l, head, footer::NEXT), link(2, LINK_HEAD));
@@ -1488,8 +1479,9 @@ fn reattach_after_a_published_head_push_and_a_swap() {
     // The writer attaches again: one HEAD link, naming the FT_HEAD page.
     let mut w = Writer::attach(m.clone(), 0).unwrap();
     assert_s1(&m, &l, "after the re-attach");
-    for ts in 5..12 {
-        assert_eq!(w.write(0, ts, &one_page), WriteOutcome::Written);
+    ts = 4;
+    for _ in 0..7 {
+        write_pages(&mut w, &mut ts, 1);
         assert_s1(&m, &l, "writing on");
     }
 }
