@@ -149,17 +149,35 @@ fn ctl_switches_events_while_the_guest_runs() {
     };
     assert!(!state("guest:marker") && state("guest:span") && state("guest:text"));
 
-    // Bad input: an `err` reply, the run goes on.
+    // Bad input: a usage error (exit 2) or an error reply (exit 1); the run goes on.
     let (code, _, err) = ctl(&sock, &["frobnicate"]);
-    assert_eq!(code, Some(1), "{err}");
-    assert!(err.contains("err unknown command"), "{err}");
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("unknown command"), "{err}");
     let (code, _, err) = ctl(&sock, &["enable", "guest:nosuch"]);
     assert_eq!(code, Some(1), "{err}");
     assert!(err.contains("unknown event"), "{err}");
-    let reply = raw_request(&sock, &vec![b'x'; 64 << 10]);
-    assert!(reply.starts_with("err line too long"), "{reply:?}");
-    let reply = raw_request(&sock, b"\xff\xfe\n");
-    assert!(reply.starts_with("err "), "{reply:?}");
+    // Lines that are no request get an error reply naming no request.
+    let refused = |reply: &str, what: &str| {
+        let v: serde_json::Value = serde_json::from_str(reply.trim_end())
+            .unwrap_or_else(|e| panic!("{what}: not a JSON reply ({e}): {reply:?}"));
+        assert!(v["id"].is_null(), "{what}: {reply:?}");
+        v["err"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{what}: {reply:?}"))
+            .to_string()
+    };
+    let why = refused(&raw_request(&sock, &vec![b'x'; 64 << 10]), "long line");
+    assert!(why.starts_with("line too long"), "{why}");
+    refused(&raw_request(&sock, b"\xff\xfe\n"), "not UTF-8");
+    refused(&raw_request(&sock, b"stats\n"), "the old word protocol");
+    // Another protocol version: refused, naming the request.
+    let r = raw_request(&sock, b"{\"v\":1,\"id\":5,\"cmd\":\"stats\"}\n");
+    let v: serde_json::Value = serde_json::from_str(r.trim_end()).expect("reply");
+    assert_eq!(v["id"], 5, "{r}");
+    assert!(
+        v["err"].as_str().is_some_and(|e| e.contains("version")),
+        "{r}"
+    );
 
     // The other events go on while markers are skipped: wait for 50 of them.
     let w0 = written(&stats(&sock));

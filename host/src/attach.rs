@@ -17,10 +17,8 @@
 //! every page id, commit and record is checked as for the in-process reader.
 
 use std::cell::{Cell, RefCell};
-use std::io::{BufRead, BufReader, Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::{self, Acquire};
@@ -34,6 +32,8 @@ use hyptrace_reader::trace_file::{self, hdr};
 use hyptrace_reader::{Callbacks, ReadError, RingBuffer};
 
 use crate::cli::FormatArg;
+use crate::control::CtlConn;
+use crate::protocol::{Answer, AttachInfo, Command, ConsumerPosition, Outcome, ReaderStatus};
 use crate::session::{Output, Session};
 
 /// How long the client waits for one reply of the VMM.
@@ -230,62 +230,15 @@ impl SharedMem for ReadOnlyMap {
     }
 }
 
-/// The connection to the VMM's control socket: one request line, one reply line.
-struct Conn {
-    out: UnixStream,
-    inp: BufReader<UnixStream>,
-    line: String,
-}
-
-impl Conn {
-    fn connect(path: &Path) -> Result<Self, AttachError> {
-        let err = |why: String| AttachError::Socket {
-            path: path.to_path_buf(),
-            why,
-        };
-        let s = UnixStream::connect(path).map_err(|e| err(format!("cannot connect: {e}")))?;
-        s.set_read_timeout(Some(REPLY_TIMEOUT))
-            .and_then(|()| s.set_write_timeout(Some(REPLY_TIMEOUT)))
-            .map_err(|e| err(e.to_string()))?;
-        let r = s.try_clone().map_err(|e| err(e.to_string()))?;
-        Ok(Self {
-            out: s,
-            inp: BufReader::with_capacity(4096, r),
-            line: String::new(),
-        })
-    }
-
-    /// Sends `cmd`; returns `Ok(Ok(payload))` for `ok`, `Ok(Err(reason))` for `err`,
-    /// `Err` when the VMM is gone or the reply is not a protocol line.
-    fn request(&mut self, cmd: &str) -> Result<Result<String, String>, String> {
-        self.out
-            .write_all(format!("{cmd}\n").as_bytes())
-            .map_err(|e| format!("send: {e}"))?;
-        self.line.clear();
-        // Bounded: one reply line is at most this long (the VMM's replies are short).
-        let mut limited = (&mut self.inp).take(1 << 20);
-        match limited.read_line(&mut self.line) {
-            Ok(0) => return Err("the VMM closed the socket".into()),
-            Ok(_) => {}
-            Err(e) => return Err(format!("receive: {e}")),
-        }
-        let l = self.line.trim_end_matches(['\n', '\r']);
-        if let Some(p) = l.strip_prefix("ok") {
-            Ok(Ok(p.trim_start().to_string()))
-        } else if let Some(p) = l.strip_prefix("err") {
-            Ok(Err(p.trim_start().to_string()))
-        } else {
-            Err(format!(
-                "not a protocol reply: {:?}",
-                l.chars().take(80).collect::<String>()
-            ))
-        }
-    }
-}
-
-/// The swap callback of the attached reader: `get_reader CPU` on the control socket.
+/// The swap callback of the attached reader: `get_reader` on the control socket, for
+/// the claim `token`, naming the page the consumer has read (C1).
 pub struct SocketSwap {
-    conn: RefCell<Conn>,
+    conn: RefCell<CtlConn>,
+    /// The claim.
+    token: u64,
+    /// Per CPU: the reader page as the VMM last named it (the attach reply, then each
+    /// swap's answer) — never the guest's word.
+    pages: Vec<Cell<u32>>,
     /// Per CPU: the VMM said its vCPU stopped (`ended`): the final walk is next.
     ended: Vec<Cell<bool>>,
     /// The VMM went away (or the connection failed): why.
@@ -298,46 +251,40 @@ impl SocketSwap {
     fn ended(&self, cpu: u32) -> bool {
         self.gone.borrow().is_some() || self.ended.get(cpu as usize).is_some_and(Cell::get)
     }
-}
 
-impl SocketSwap {
+    fn request(&self, cmd: Command) -> Option<Outcome> {
+        if self.gone.borrow().is_some() {
+            return None;
+        }
+        let r = self.conn.borrow_mut().request(cmd);
+        match r {
+            Ok(Outcome::Err(why)) if why.starts_with("the run ended") => {
+                *self.gone.borrow_mut() = Some(why);
+                None
+            }
+            Ok(o) => Some(o),
+            Err(e) => {
+                log::debug!("attach: {e}");
+                *self.gone.borrow_mut() = Some(e.to_string());
+                None
+            }
+        }
+    }
+
     /// Asks the VMM which vCPUs still run (`stats`): a stopped one is marked ended
     /// (its final walk is next); a VMM that went away marks every CPU. For idle
     /// rounds, where no swap is asked for (every reader waits on its writer's page).
     fn probe(&self) {
-        if self.gone.borrow().is_some() {
-            return;
-        }
-        let r = self.conn.borrow_mut().request("stats");
-        let payload = match r {
-            Ok(Ok(p)) => p,
-            Ok(Err(why)) if why.starts_with("the run ended") => {
-                *self.gone.borrow_mut() = Some(why);
-                return;
-            }
-            Ok(Err(why)) => {
-                log::debug!("attach: stats: {why}");
-                return;
-            }
-            Err(why) => {
-                *self.gone.borrow_mut() = Some(why);
-                return;
-            }
-        };
-        let Ok(v) = serde_json::from_str::<serde_json::Value>(&payload) else {
-            return;
-        };
-        let Some(cpus) = v.get("cpus").and_then(|c| c.as_array()) else {
-            return;
-        };
-        for c in cpus.iter().take(self.ended.len()) {
-            let cpu = c.get("cpu").and_then(serde_json::Value::as_u64);
-            let running = c.get("running").and_then(serde_json::Value::as_bool);
-            if let (Some(cpu), Some(false)) = (cpu, running) {
-                if let Some(e) = usize::try_from(cpu).ok().and_then(|i| self.ended.get(i)) {
-                    e.set(true);
+        match self.request(Command::Stats) {
+            Some(Outcome::Ok(Answer::Stats(st))) => {
+                for c in st.cpus.iter().filter(|c| !c.running) {
+                    if let Some(e) = self.ended.get(c.cpu as usize) {
+                        e.set(true);
+                    }
                 }
             }
+            Some(o) => log::debug!("attach: stats: {o:?}"),
+            None => {}
         }
     }
 }
@@ -347,43 +294,45 @@ impl Callbacks for SocketSwap {
         if self.ended(cpu) {
             return Ok(SwapReply::Done(SwapStatus::Busy));
         }
-        let r = self.conn.borrow_mut().request(&format!("get_reader {cpu}"));
-        match r {
-            Err(why) => {
-                log::debug!("attach: {why}");
-                *self.gone.borrow_mut() = Some(why);
-                Ok(SwapReply::Done(SwapStatus::Busy))
+        let Some(slot) = self.pages.get(cpu as usize) else {
+            return Err(ReadError::BadCpu(cpu));
+        };
+        let page = slot.get();
+        let cmd = Command::GetReader {
+            token: self.token,
+            cpu,
+            page,
+        };
+        let external = |why: String| ReadError::External { cpu, why };
+        let status = match self.request(cmd) {
+            None => return Ok(SwapReply::Done(SwapStatus::Busy)),
+            Some(Outcome::Err(why)) => return Err(external(why)),
+            Some(Outcome::Ok(Answer::Reader {
+                cpu: c,
+                page: p,
+                status,
+            })) if c == cpu && p == page => status,
+            Some(o) => {
+                return Err(external(format!(
+                    "get_reader {cpu} {page}: a reply to another request: {o:?}"
+                )))
             }
-            Ok(Err(why)) if why.starts_with("the run ended") => {
-                *self.gone.borrow_mut() = Some(why);
-                Ok(SwapReply::Done(SwapStatus::Busy))
+        };
+        Ok(match status {
+            ReaderStatus::Swapped { page: new, .. } => {
+                slot.set(new);
+                self.swaps.set(self.swaps.get() + 1);
+                SwapReply::Done(SwapStatus::Swapped { page: new })
             }
-            Ok(Err(why)) => Err(ReadError::External { cpu, why }),
-            Ok(Ok(p)) => {
-                let mut w = p.split(' ');
-                match w.next() {
-                    Some("swapped") => {
-                        let page = w.next().and_then(|x| x.parse::<u32>().ok());
-                        let Some(page) = page else {
-                            return Err(ReadError::External {
-                                cpu,
-                                why: format!("bad get_reader reply {p:?}"),
-                            });
-                        };
-                        self.swaps.set(self.swaps.get() + 1);
-                        Ok(SwapReply::Done(SwapStatus::Swapped { page }))
-                    }
-                    Some("pending") => Ok(SwapReply::Pending),
-                    Some("ended") => {
-                        if let Some(c) = self.ended.get(cpu as usize) {
-                            c.set(true);
-                        }
-                        Ok(SwapReply::Done(SwapStatus::Busy))
-                    }
-                    _ => Ok(SwapReply::Done(SwapStatus::Busy)),
+            ReaderStatus::Pending => SwapReply::Pending,
+            ReaderStatus::Busy => SwapReply::Done(SwapStatus::Busy),
+            ReaderStatus::Ended => {
+                if let Some(c) = self.ended.get(cpu as usize) {
+                    c.set(true);
                 }
+                SwapReply::Done(SwapStatus::Busy)
             }
-        }
+        })
     }
 
     fn update_footers(&self, _cpu: u32) -> Result<bool, ReadError> {
@@ -518,6 +467,8 @@ pub struct AttachReport {
     pub ended: String,
     /// The meta pages at the end.
     pub metas: Vec<Option<MetaView>>,
+    /// The CPUs whose reading stopped for an error, and why (the exit is not 0).
+    pub errors: Vec<(u32, String)>,
 }
 
 /// The options of one attach.
@@ -536,63 +487,102 @@ pub struct AttachOpts<'a> {
     pub stop: &'a dyn Fn() -> bool,
 }
 
-/// Attaches to the VMM behind `o.socket`, reads and writes its events, returns what was
-/// read.
-pub fn attach(o: &AttachOpts<'_>) -> Result<AttachReport, AttachError> {
-    let mut conn = Conn::connect(o.socket)?;
-    let reply = conn.request("attach").map_err(|why| AttachError::Socket {
-        path: o.socket.to_path_buf(),
+type AttachSession = Session<ReadOnlyMap, SocketSwap>;
+
+/// The attached reader, the meta pages' mapping, the file's TSC frequency.
+type Opened = (
+    RingBuffer<ReadOnlyMap, SocketSwap>,
+    Option<ReadOnlyMap>,
+    u64,
+);
+
+/// Connects and claims the consumer role: the connection and the VMM's answer.
+fn claim(socket: &Path) -> Result<(CtlConn, AttachInfo), AttachError> {
+    let sock_err = |why: String| AttachError::Socket {
+        path: socket.to_path_buf(),
         why,
-    })?;
-    let info = reply.map_err(|why| AttachError::Refused {
-        path: o.socket.to_path_buf(),
-        why,
-    })?;
-    let v: serde_json::Value = serde_json::from_str(&info).map_err(|e| AttachError::Socket {
-        path: o.socket.to_path_buf(),
-        why: format!("bad attach reply: {e}"),
-    })?;
-    let Some(path) = v
-        .get("trace_mem")
-        .and_then(|p| p.as_str())
-        .map(PathBuf::from)
-    else {
-        return Err(AttachError::Socket {
-            path: o.socket.to_path_buf(),
-            why: "the attach reply names no trace memory file".into(),
-        });
     };
-    let nr_hint = v
-        .get("nr_cpus")
-        .and_then(serde_json::Value::as_u64)
-        .and_then(|n| u32::try_from(n).ok())
-        .filter(|&n| n as usize <= hyptrace_abi::layout::MAX_CPUS)
-        .unwrap_or(1);
-    let mapped = map_file(&path, nr_hint)?;
+    let mut conn = CtlConn::connect(socket, REPLY_TIMEOUT).map_err(|e| sock_err(e.to_string()))?;
+    // C3: the VMM refuses an attach while it settles the last consumer's swap: ask
+    // again, bounded.
+    let started = Instant::now();
+    loop {
+        match conn.request(Command::Attach) {
+            Ok(Outcome::Ok(Answer::Attached(info))) => return Ok((conn, info)),
+            Ok(Outcome::Err(why))
+                if why.starts_with("busy: settling") && started.elapsed() < REPLY_TIMEOUT =>
+            {
+                std::thread::sleep(FOLLOW_POLL);
+            }
+            Ok(Outcome::Err(why)) => {
+                return Err(AttachError::Refused {
+                    path: socket.to_path_buf(),
+                    why,
+                })
+            }
+            Ok(o) => return Err(sock_err(format!("a reply to another request: {o:?}"))),
+            Err(e) => return Err(sock_err(e.to_string())),
+        }
+    }
+}
+
+/// Maps the file the VMM named, attaches the reader to it and starts each CPU where
+/// the VMM says the reading stands (C1).
+fn open_reader(conn: CtlConn, info: &AttachInfo) -> Result<Opened, AttachError> {
+    let path = info.trace_mem.clone();
     let file_err = |why: String| AttachError::File {
         path: path.clone(),
         why,
     };
-    let nr = nr_hint;
-    let swap = SocketSwap {
-        conn: RefCell::new(conn),
-        ended: (0..nr).map(|_| Cell::new(false)).collect(),
-        gone: RefCell::new(None),
-        swaps: Cell::new(0),
-    };
+    let nr = info.nr_cpus;
+    if nr == 0 || nr as usize > hyptrace_abi::layout::MAX_CPUS {
+        return Err(file_err(format!("the VMM says {nr} CPUs")));
+    }
     let Mapped {
         region,
         metas,
         tsc_khz,
-    } = mapped;
-    let reader = RingBuffer::attach(region, swap).map_err(|e| file_err(e.to_string()))?;
-    let l = *reader.layout();
-    if l.nr_cpus != nr {
+    } = map_file(&path, nr)?;
+    let mut pages = vec![None; nr as usize];
+    for p in &info.positions {
+        if let Some(slot) = pages.get_mut(p.cpu as usize) {
+            *slot = Some(*p);
+        }
+    }
+    let swap = SocketSwap {
+        conn: RefCell::new(conn),
+        token: info.token,
+        pages: pages
+            .iter()
+            .map(|p| Cell::new(p.map_or(0, |p| p.page)))
+            .collect(),
+        // A CPU the VMM gave no position for is in its final walk: ended.
+        ended: pages.iter().map(|p| Cell::new(p.is_none())).collect(),
+        gone: RefCell::new(None),
+        swaps: Cell::new(0),
+    };
+    let mut reader = RingBuffer::attach(region, swap).map_err(|e| file_err(e.to_string()))?;
+    if reader.layout().nr_cpus != nr {
         return Err(file_err(format!(
             "the VMM says {nr} CPUs, the pack {}",
-            l.nr_cpus
+            reader.layout().nr_cpus
         )));
     }
+    for p in pages.iter().flatten() {
+        reader
+            .resume(p.cpu, p.page, p.consumed, p.expected)
+            .map_err(|e| file_err(e.to_string()))?;
+    }
+    Ok((reader, metas, tsc_khz))
+}
+
+/// The output session over `reader`: the clock, the formats, the sink.
+fn open_session(
+    reader: RingBuffer<ReadOnlyMap, SocketSwap>,
+    tsc_khz: u64,
+    o: &AttachOpts<'_>,
+) -> Result<AttachSession, AttachError> {
+    let l = *reader.layout();
     let tsc_khz = if tsc_khz == 0 {
         reader
             .mem()
@@ -614,10 +604,6 @@ pub fn attach(o: &AttachOpts<'_>) -> Result<AttachReport, AttachError> {
         }
     };
     tmeta.formats = formats.clone();
-    let out_err = |why: String| AttachError::Output {
-        path: o.out_path.to_path_buf(),
-        why,
-    };
     // Text on stdout streams line by line (as `hyptrace run` prints: the session's own
     // merger, written every round); files and the other formats go through the page
     // sinks (a file appears whole at the end, as for `record -o`).
@@ -632,11 +618,24 @@ pub fn attach(o: &AttachOpts<'_>) -> Result<AttachReport, AttachError> {
                     hyptrace_output::Compression::Zstd,
                     tmeta,
                 )
-                .map_err(|e| out_err(e.to_string()))?,
+                .map_err(|e| out_err(o, e.to_string()))?,
             )
         };
-    let mut session = Session::new(reader, output, clock).with_formats(&formats);
-    let progress = |s: &Session<ReadOnlyMap, SocketSwap>| -> u64 {
+    Ok(Session::new(reader, output, clock).with_formats(&formats))
+}
+
+fn out_err(o: &AttachOpts<'_>, why: String) -> AttachError {
+    AttachError::Output {
+        path: o.out_path.to_path_buf(),
+        why,
+    }
+}
+
+/// Reads rounds until the VMM goes, every vCPU stopped, a stop, or (one-shot) a round
+/// that found nothing new; returns why it ended.
+fn read_rounds(session: &mut AttachSession, o: &AttachOpts<'_>) -> Result<String, AttachError> {
+    let nr = session.reader().nr_cpus();
+    let progress = |s: &AttachSession| -> u64 {
         (0..nr).fold(0u64, |a, c| {
             let st = s.stats(c);
             a.wrapping_add(st.read)
@@ -645,85 +644,145 @@ pub fn attach(o: &AttachOpts<'_>) -> Result<AttachReport, AttachError> {
         })
     };
     let started = Instant::now();
-    let mut last = progress(&session);
+    let mut last = progress(session);
     let mut rounds = 0usize;
-    let ended = loop {
+    loop {
         // No CPU is walked as stopped here: the stopped ones get their final walk
-        // below, once the loop ends.
-        let failed = session.service(|_| false);
-        for (cpu, e) in failed {
+        // once the loop ends.
+        for (cpu, e) in session.service(|_| false) {
             log::warn!("cpu {cpu}: {e}");
         }
-        session.flush().map_err(|e| out_err(e.to_string()))?;
+        session.flush().map_err(|e| out_err(o, e.to_string()))?;
         let cb = session.reader().callbacks();
         if let Some(why) = cb.gone.borrow().clone() {
-            break format!("the VMM went away ({why})");
+            return Ok(format!("the VMM went away ({why})"));
         }
         if (0..nr).all(|c| cb.ended(c) || session.error(c).is_some()) {
-            break "every vCPU stopped".to_string();
+            return Ok("every vCPU stopped".to_string());
         }
         if (o.stop)() {
-            break "interrupted".to_string();
+            return Ok("interrupted".to_string());
         }
         rounds += 1;
-        let now = progress(&session);
-        let idle = now == last;
+        let now = progress(session);
+        // A swap the VMM asked the guest for is progress to come: not idle (C3).
+        let pending = (0..nr).any(|c| session.reader().request_in_flight(c));
+        let idle = now == last && !pending;
         last = now;
         if !o.follow && (idle || rounds >= DRAIN_MAX_ROUNDS) {
-            break format!("drained in {:.1} ms", started.elapsed().as_secs_f64() * 1e3);
+            return Ok(format!(
+                "drained in {:.1} ms",
+                started.elapsed().as_secs_f64() * 1e3
+            ));
         }
         if idle {
             std::thread::sleep(FOLLOW_POLL);
             session.reader().callbacks().probe();
         }
+    }
+}
+
+/// Ends the claim: tells the VMM where each CPU's reading stopped (C1), or that this
+/// consumer read it to its end (C4), so the next consumer and the VMM's own final read
+/// output nothing twice. A CPU with a swap in flight is left to the VMM to settle (C3).
+fn detach(session: &AttachSession, walked: &[bool]) {
+    let reader = session.reader();
+    let cb = reader.callbacks();
+    if cb.gone.borrow().is_some() {
+        return;
+    }
+    let positions: Vec<ConsumerPosition> = (0..reader.nr_cpus())
+        .filter_map(|cpu| {
+            if walked.get(cpu as usize) == Some(&true) {
+                return Some(ConsumerPosition {
+                    cpu,
+                    page: 0,
+                    consumed: 0,
+                    expected: 0,
+                    done: true,
+                });
+            }
+            if reader.request_in_flight(cpu) || session.error(cpu).is_some() {
+                return None;
+            }
+            let p = reader.position(cpu)?;
+            Some(ConsumerPosition {
+                cpu,
+                page: p.reader,
+                consumed: p.consumed,
+                expected: p.expected,
+                done: false,
+            })
+        })
+        .collect();
+    let cmd = Command::Detach {
+        token: cb.token,
+        positions,
     };
+    match cb.request(cmd) {
+        Some(Outcome::Ok(Answer::Detached)) | None => {}
+        Some(Outcome::Err(why)) => {
+            log::warn!("detach: the VMM refused a position (the next consumer may repeat part of a page): {why}")
+        }
+        Some(o) => log::warn!("detach: a reply to another request: {o:?}"),
+    }
+}
+
+/// Attaches to the VMM behind `o.socket`, reads and writes its events, returns what was
+/// read.
+pub fn attach(o: &AttachOpts<'_>) -> Result<AttachReport, AttachError> {
+    let (conn, info) = claim(o.socket)?;
+    let (reader, metas, tsc_khz) = open_reader(conn, &info)?;
+    let nr = reader.nr_cpus();
+    let mut session = open_session(reader, tsc_khz, o)?;
+    let ended = read_rounds(&mut session, o)?;
     // CPUs whose vCPU stopped (or all, if the VMM is gone) get the final walk of what is
     // left; the others stop where they are.
+    let mut walked = vec![false; nr as usize];
     for c in 0..nr {
-        if session.reader().callbacks().ended(c) {
-            if let Err(e) = session.end_cpu(c) {
-                log::warn!("cpu {c}: final walk: {e}");
+        if session.reader().callbacks().ended(c) && session.is_live(c) {
+            match session.end_cpu(c) {
+                Ok(()) => walked[c as usize] = true,
+                Err(e) => log::warn!("cpu {c}: final walk: {e}"),
             }
         }
     }
+    detach(&session, &walked);
     // The CPUs still running stop here: what was read is all this attach delivers.
     session.stop_reading();
-    session.flush().map_err(|e| out_err(e.to_string()))?;
-    let cpus: Vec<(u64, u64)> = (0..nr)
-        .map(|c| {
-            let s = session.stats(c);
-            (s.read, s.lost)
-        })
+    session.flush().map_err(|e| out_err(o, e.to_string()))?;
+    let stats: Vec<_> = (0..nr).map(|c| session.stats(c)).collect();
+    let errors = (0..nr)
+        .filter_map(|c| session.error(c).map(|e| (c, e.to_string())))
         .collect();
-    let metas_now = (0..nr)
+    let metas = (0..nr)
         .map(|c| metas.as_ref().and_then(|m| read_meta(m, c)))
         .collect();
     let swaps = session.reader().callbacks().swaps.get();
     let summary = RunSummary {
-        cpus: (0..nr)
-            .map(|c| {
-                let s = session.stats(c);
-                hyptrace_output::KernelCpuStat {
-                    entries: 0,
-                    overrun: s.overrun,
-                    commit_overrun: 0,
-                    bytes: s.bytes,
-                    oldest_event_ts: 0,
-                    now_ts: 0,
-                    dropped_events: s.dropped,
-                    read_events: s.read,
-                }
+        cpus: stats
+            .iter()
+            .map(|s| hyptrace_output::KernelCpuStat {
+                entries: 0,
+                overrun: s.overrun,
+                commit_overrun: 0,
+                bytes: s.bytes,
+                oldest_event_ts: 0,
+                now_ts: 0,
+                dropped_events: s.dropped,
+                read_events: s.read,
             })
             .collect(),
     };
     session
         .finish(&summary)
-        .map_err(|e| out_err(e.to_string()))?;
+        .map_err(|e| out_err(o, e.to_string()))?;
     Ok(AttachReport {
-        cpus,
+        cpus: stats.iter().map(|s| (s.read, s.lost)).collect(),
         swaps,
         ended,
-        metas: metas_now,
+        metas,
+        errors,
     })
 }
 

@@ -774,16 +774,16 @@ pub fn list(a: &ListArgs) -> Result<i32, CliError> {
 pub fn ctl(a: &CtlArgs) -> Result<i32, CliError> {
     use crate::control::{CtlError, CtlOutcome};
     match crate::control::ctl(&a.path, &a.command) {
-        Ok(CtlOutcome::Ok(text)) => {
+        Ok(CtlOutcome::Ok(answer)) => {
             let mut out = std::io::stdout().lock();
-            let _ = writeln!(out, "{text}").and_then(|()| out.flush());
+            let _ = writeln!(out, "{}", answer.text()).and_then(|()| out.flush());
             Ok(EXIT_OK)
         }
         Ok(CtlOutcome::Err(why)) => {
             note!("hyptrace: ctl: err {why}");
             Ok(EXIT_RUNTIME)
         }
-        Err(CtlError::Usage(u)) => Err(CliError::CtlUsage(u)),
+        Err(CtlError::Usage(u)) => Err(CliError::CtlUsage(u.0)),
         Err(e) => Err(CliError::Ctl(e)),
     }
 }
@@ -826,15 +826,14 @@ fn execute(
     let interrupts = Interrupts::install()?;
     // Last of the checks (a refused path costs nothing); removed when dropped, on every
     // way out of this function.
-    let control = a
-        .control
-        .as_deref()
-        .map(crate::control::ControlServer::bind)
-        .transpose()?;
+    // (The socket itself is bound by the run, once the trace memory file exists.)
+    if let Some(p) = a.control.as_deref() {
+        crate::control::ControlServer::check(p)?;
+    }
     let mut run = Run::new(plan, target)
         .interrupts(interrupts)
         .crash_dump(crash_dump);
-    if let Some(c) = &control {
+    if let Some(c) = a.control.as_deref() {
         run = run.control(c);
     }
     let report = run.execute()?;

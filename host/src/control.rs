@@ -2,156 +2,74 @@
 //! ctl PATH CMD...`).
 //!
 //! A Unix stream socket, owner-only (0600), served by one host thread while the VM runs.
-//! Line protocol (docs/design.md, "The control socket"): one command per line, one reply
-//! line per command, `ok[ PAYLOAD]` or `err REASON`:
-//!
-//! | command | reply |
-//! |---|---|
-//! | `enable EVENT` | `ok SYSTEM:EVENT enabled` (EVENT as `-e` takes it) |
-//! | `disable EVENT` | `ok SYSTEM:EVENT disabled` |
-//! | `stats` | `ok {JSON}`: the live per-CPU counters |
-//! | `list` | `ok {JSON}`: the events and whether they are enabled |
-//! | `attach` | `ok {JSON}`: claims the consumer role (live attach; one client at a time, others get `err busy ...`); the trace memory file's path and geometry |
-//! | `get_reader CPU` | `ok swapped PAGE LOST`, `ok busy` or `ok pending`: swaps the CPU's reader page (the attached client only) |
+//! The messages are [`crate::protocol`]'s: one JSON request per line, one JSON reply line
+//! per request, naming the request it answers (docs/design.md, "The control socket").
 //!
 //! Everything a client sends is hostile input: lines are bounded ([`MAX_LINE`]), so
-//! are the clients served at once ([`MAX_CLIENTS`]; more get `err busy`), an idle client
-//! is dropped after [`CLIENT_IDLE`], a client that does not read its replies cannot
-//! block the server (write timeout). A bad command gets an `err` reply; the VM keeps
-//! running.
+//! are the clients served at once ([`MAX_CLIENTS`]; more get a `busy` error), an idle
+//! client is dropped after [`CLIENT_IDLE`], a client that does not read its replies
+//! cannot block the server (write timeout). A bad request gets an error reply; the VM
+//! keeps running.
 //!
 //! The socket thread only parses; every command is executed by the run loop between its
 //! drain rounds ([`ControlServer::serve`] with a [`Handler`]), which owns the session and
-//! the VM. New commands (the flight recorder's) are a [`Command`] variant, a parse arm in
-//! [`Command::parse`] and an arm in the run loop's [`Handler`].
+//! the VM — and the consumer claim (C2: checked when a request executes, not when it is
+//! parsed). A request whose client gave up waiting is dropped, never executed late, and
+//! a client that disconnects is reported to the handler ([`Handler::gone`]) after its
+//! last request, in queue order.
 
 use std::io::{ErrorKind, Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// Longest command line a client may send, newline excluded.
-pub const MAX_LINE: usize = 512;
-/// Clients served at once; more are answered `err busy` and closed.
+use crate::protocol::{parse_reply, truncate, Request as Wire, VERSION};
+pub use crate::protocol::{Answer, Command, Outcome, Reply};
+
+/// Longest request line a client may send, newline excluded (a `detach` with the
+/// positions of 256 CPUs takes about 25 KiB).
+pub const MAX_LINE: usize = 32 << 10;
+/// Clients served at once; more are answered `busy` and closed.
 pub const MAX_CLIENTS: usize = 8;
 /// A client that sends nothing for this long is disconnected.
 pub const CLIENT_IDLE: Duration = Duration::from_secs(30);
-/// Longest a client waits for the run loop to execute its command.
+/// Longest a client waits for the run loop to take its request; past it the request is
+/// cancelled (never executed) and the client told so.
 pub const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
-/// Commands the run loop executes per call of [`ControlServer::serve`].
-const SERVE_BATCH: usize = MAX_CLIENTS;
+/// Jobs the run loop executes per call of [`ControlServer::serve`].
+const SERVE_BATCH: usize = 2 * MAX_CLIENTS;
 /// How often the socket threads look at the stop flag.
 const TICK: Duration = Duration::from_millis(50);
 
-/// A command of the control protocol.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Command {
-    /// `enable EVENT`: set the event's enable bit on every vCPU.
-    Enable(String),
-    /// `disable EVENT`: clear it.
-    Disable(String),
-    /// `stats`: the live per-CPU counters.
-    Stats,
-    /// `list`: the events and their state.
-    List,
-    /// `attach`: claim the consumer role (live attach: `hyptrace dump --attach`). The
-    /// socket thread keeps the claim (one client at a time) and releases it when that
-    /// client disconnects; the run loop checks that the VMM can have a consumer.
-    Attach,
-    /// `get_reader CPU`: swap the CPU's reader page for the attached consumer.
-    GetReader(u32),
-}
+/// Why the run loop refused a command (one line for the client).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct Refusal(pub String);
 
-impl Command {
-    /// Parses one line (without its newline). Words are separated by spaces or tabs.
-    pub fn parse(line: &str) -> Result<Self, String> {
-        let mut words = line.split([' ', '\t']).filter(|w| !w.is_empty());
-        let Some(verb) = words.next() else {
-            return Err("empty command".into());
-        };
-        let args: Vec<&str> = words.take(3).collect();
-        let one = |name: &str| -> Result<String, String> {
-            match args.as_slice() {
-                [e] => Ok((*e).to_string()),
-                [] => Err(format!("{name}: missing EVENT")),
-                _ => Err(format!("{name}: takes one EVENT")),
-            }
-        };
-        let none = |cmd: Command| -> Result<Command, String> {
-            if args.is_empty() {
-                Ok(cmd)
-            } else {
-                Err(format!("{verb}: takes no argument"))
-            }
-        };
-        match verb {
-            "enable" => one("enable").map(Self::Enable),
-            "disable" => one("disable").map(Self::Disable),
-            "stats" => none(Self::Stats),
-            "list" => none(Self::List),
-            "attach" => none(Self::Attach),
-            "get_reader" => match args.as_slice() {
-                [c] => c
-                    .parse::<u32>()
-                    .map(Self::GetReader)
-                    .map_err(|_| format!("get_reader: bad CPU {:?}", truncate(c, 16))),
-                [] => Err("get_reader: missing CPU".into()),
-                _ => Err("get_reader: takes one CPU".into()),
-            },
-            _ => Err(format!(
-                "unknown command {:?} (enable EVENT, disable EVENT, stats, list, attach, get_reader CPU)",
-                truncate(verb, 32)
-            )),
-        }
+impl From<String> for Refusal {
+    fn from(s: String) -> Self {
+        Self(s)
     }
 }
 
-/// At most `n` characters of `s`, for messages that quote hostile input.
-fn truncate(s: &str, n: usize) -> &str {
-    match s.char_indices().nth(n) {
-        Some((i, _)) => &s[..i],
-        None => s,
-    }
-}
-
-/// A reply: one line on the wire.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Reply {
-    /// `ok` or `ok PAYLOAD`.
-    Ok(String),
-    /// `err REASON`.
-    Err(String),
-}
-
-impl Reply {
-    /// The reply line (newline included); newlines in the text become spaces.
-    pub fn line(&self) -> String {
-        let (tag, text) = match self {
-            Self::Ok(t) => ("ok", t),
-            Self::Err(t) => ("err", t),
-        };
-        let text: String = text
-            .chars()
-            .map(|c| if c == '\n' || c == '\r' { ' ' } else { c })
-            .collect();
-        if text.is_empty() {
-            format!("{tag}\n")
-        } else {
-            format!("{tag} {text}\n")
-        }
+impl From<&str> for Refusal {
+    fn from(s: &str) -> Self {
+        Self(s.to_string())
     }
 }
 
 /// Executes commands: the run loop implements it over its session and VM.
 pub trait Handler {
-    /// Executes `cmd`.
-    fn handle(&mut self, cmd: &Command) -> Reply;
+    /// Executes `cmd` for the client `conn` (an id unique in the run).
+    fn handle(&mut self, conn: u64, cmd: &Command) -> Result<Answer, Refusal>;
+    /// The client `conn` disconnected; no request of it comes after this.
+    fn gone(&mut self, conn: u64);
 }
 
 /// Switching events on and off in the guest's enable words (atomically, one bit; the
@@ -160,15 +78,32 @@ pub trait Handler {
 pub trait EventSwitch {
     /// Enables (`on`) or disables the events `spec` names on every vCPU (the patterns
     /// of `-e`); returns what changed, for the reply.
-    fn set(&self, spec: &str, on: bool) -> Result<String, String>;
-    /// The events, their fields and whether they are enabled, as a JSON value.
-    fn list(&self) -> Result<serde_json::Value, String>;
+    fn set(&self, spec: &str, on: bool) -> Result<Answer, Refusal>;
+    /// The events, their fields and whether they are enabled.
+    fn list(&self) -> Result<Answer, Refusal>;
 }
+
+/// A request's life: queued, then taken by the run loop or cancelled by its client
+/// (whichever comes first; a cancelled request is never executed).
+const QUEUED: u8 = 0;
+const TAKEN: u8 = 1;
+const CANCELLED: u8 = 2;
 
 /// A request from a client, executed by the run loop.
 struct Request {
+    id: u64,
     cmd: Command,
+    conn: u64,
+    state: Arc<AtomicU8>,
     reply: SyncSender<Reply>,
+}
+
+/// What the socket threads hand the run loop, in order.
+enum Job {
+    /// A request.
+    Run(Request),
+    /// The client went away.
+    Gone(u64),
 }
 
 /// Why the socket could not be set up (exit 2: the path is the user's input).
@@ -194,17 +129,21 @@ pub enum ControlError {
 /// Wakes the run loop when a command is queued (set by the run: [`ControlServer::set_waker`]).
 pub type WakeFn = Box<dyn Fn() + Send + Sync>;
 
-/// The queue of commands to the run loop, and how to wake it for one.
+/// The queue of jobs to the run loop, and how to wake it for one. Unbounded, but never
+/// longer than two jobs per client (each client has at most one request in flight and
+/// one `Gone`), and the clients are bounded ([`MAX_CLIENTS`]).
 #[derive(Clone)]
 struct Queue {
-    tx: SyncSender<Request>,
+    tx: Sender<Job>,
     waker: Arc<Mutex<Option<WakeFn>>>,
 }
 
 impl Queue {
-    /// Queues `req` (never blocks) and wakes the run loop.
-    fn send(&self, req: Request) -> Result<(), TrySendError<Request>> {
-        self.tx.try_send(req)?;
+    /// Queues `job` (never blocks) and wakes the run loop; false when the run ended.
+    fn send(&self, job: Job) -> bool {
+        if self.tx.send(job).is_err() {
+            return false;
+        }
         if let Some(w) = self
             .waker
             .lock()
@@ -213,7 +152,7 @@ impl Queue {
         {
             w();
         }
-        Ok(())
+        true
     }
 }
 
@@ -222,13 +161,11 @@ impl Queue {
 /// thread and removes the socket.
 pub struct ControlServer {
     path: PathBuf,
-    /// The client holding the consumer role (`attach`), 0 for none.
-    consumer: Arc<AtomicU64>,
     /// Device and inode of the socket we bound: removed at the end only if it is still
     /// ours.
     id: (u64, u64),
     stop: Arc<AtomicBool>,
-    rx: Receiver<Request>,
+    rx: Receiver<Job>,
     waker: Arc<Mutex<Option<WakeFn>>>,
     thread: Option<JoinHandle<()>>,
 }
@@ -275,6 +212,13 @@ fn clear_stale(path: &Path) -> Result<(), ControlError> {
 }
 
 impl ControlServer {
+    /// Checks that a socket can be bound at `path` (nothing there, or a stale socket,
+    /// which is removed): `run` checks its `--control` before the VM boots and binds
+    /// later.
+    pub fn check(path: &Path) -> Result<(), ControlError> {
+        clear_stale(path)
+    }
+
     /// Creates the socket at `path` (owner-only: 0600; a stale socket there is
     /// replaced, anything else refused) and starts its thread.
     pub fn bind(path: &Path) -> Result<Self, ControlError> {
@@ -293,8 +237,7 @@ impl ControlServer {
         let meta = std::fs::symlink_metadata(path).map_err(io_err(path))?;
         listener.set_nonblocking(true).map_err(io_err(path))?;
         let stop = Arc::new(AtomicBool::new(false));
-        let consumer = Arc::new(AtomicU64::new(0));
-        let (tx, rx) = mpsc::sync_channel(MAX_CLIENTS);
+        let (tx, rx) = mpsc::channel();
         let waker = Arc::new(Mutex::new(None));
         let tx = Queue {
             tx,
@@ -302,16 +245,14 @@ impl ControlServer {
         };
         let thread = {
             let stop = Arc::clone(&stop);
-            let consumer = Arc::clone(&consumer);
             std::thread::Builder::new()
                 .name("hyptrace-control".into())
-                .spawn(move || accept_loop(&listener, &tx, &stop, &consumer))
+                .spawn(move || accept_loop(&listener, &tx, &stop))
                 .map_err(io_err(path))?
         };
         log::info!("control socket at {}", path.display());
         Ok(Self {
             path: path.to_path_buf(),
-            consumer,
             id: (meta.dev(), meta.ino()),
             stop,
             rx,
@@ -332,20 +273,36 @@ impl ControlServer {
         &self.path
     }
 
-    /// Whether a client holds the consumer role now.
-    pub fn attached(&self) -> bool {
-        self.consumer.load(Ordering::Acquire) != 0
-    }
-
-    /// Executes the commands waiting (a bounded batch) with `h`; returns how many.
+    /// Executes the jobs waiting (a bounded batch) with `h`; returns how many. A
+    /// request its client cancelled (it gave up waiting) is dropped unexecuted.
     pub fn serve(&self, h: &mut dyn Handler) -> usize {
         let mut n = 0;
         while n < SERVE_BATCH {
-            let Ok(req) = self.rx.try_recv() else { break };
-            let reply = h.handle(&req.cmd);
-            // The client may have given up (timeout, gone): nothing to do then.
-            let _ = req.reply.try_send(reply);
+            let Ok(job) = self.rx.try_recv() else { break };
             n += 1;
+            let req = match job {
+                Job::Gone(conn) => {
+                    h.gone(conn);
+                    continue;
+                }
+                Job::Run(r) => r,
+            };
+            // C2: taken here, or cancelled by its client first: never both.
+            if req
+                .state
+                .compare_exchange(QUEUED, TAKEN, Ordering::AcqRel, Ordering::Acquire)
+                .is_err()
+            {
+                log::debug!("control: request {} cancelled by its client", req.id);
+                continue;
+            }
+            let outcome = match h.handle(req.conn, &req.cmd) {
+                Ok(a) => Outcome::Ok(a),
+                Err(Refusal(why)) => Outcome::Err(why),
+            };
+            // The client waits for a taken request (it cannot cancel it any more); it
+            // may be gone (disconnected): nothing to do then.
+            let _ = req.reply.try_send(Reply::to(Some(req.id), outcome));
         }
         n
     }
@@ -381,9 +338,14 @@ fn wait_readable(fd: i32, timeout: Duration) {
     unsafe { libc::poll(&mut p, 1, ms) };
 }
 
+/// An error reply to no request (the line was none).
+fn refuse_line(why: impl Into<String>) -> String {
+    Reply::to(None, Outcome::Err(why.into())).line()
+}
+
 /// The socket thread: accepts clients (at most [`MAX_CLIENTS`] at once, each on its own
 /// scoped thread, all joined before it returns) until `stop`.
-fn accept_loop(listener: &UnixListener, tx: &Queue, stop: &AtomicBool, consumer: &AtomicU64) {
+fn accept_loop(listener: &UnixListener, tx: &Queue, stop: &AtomicBool) {
     let active = AtomicUsize::new(0);
     let mut next_id: u64 = 0;
     std::thread::scope(|s| {
@@ -406,26 +368,20 @@ fn accept_loop(listener: &UnixListener, tx: &Queue, stop: &AtomicBool, consumer:
             let _ = stream.set_nonblocking(false);
             let _ = stream.set_write_timeout(Some(Duration::from_secs(1)));
             if active.load(Ordering::Relaxed) >= MAX_CLIENTS {
-                let _ = stream.write_all(
-                    Reply::Err("busy: too many clients".into())
-                        .line()
-                        .as_bytes(),
-                );
+                let _ = stream.write_all(refuse_line("busy: too many clients").as_bytes());
                 continue;
             }
             active.fetch_add(1, Ordering::Relaxed);
             next_id = next_id.wrapping_add(1).max(1);
-            let me = Client {
-                id: next_id,
-                consumer,
-            };
+            let conn = next_id;
             let active = &active;
             let tx = tx.clone();
             let spawned = std::thread::Builder::new()
                 .name("hyptrace-ctl-client".into())
                 .spawn_scoped(s, move || {
-                    client(stream, &tx, stop, &me);
-                    me.release();
+                    client(stream, &tx, stop, conn);
+                    // C2: after the client's last request, in queue order.
+                    tx.send(Job::Gone(conn));
                     active.fetch_sub(1, Ordering::Relaxed);
                 });
             if let Err(e) = spawned {
@@ -438,33 +394,30 @@ fn accept_loop(listener: &UnixListener, tx: &Queue, stop: &AtomicBool, consumer:
 
 /// Serves one client: reads lines (bounded), has the run loop execute each, writes the
 /// reply. Returns when the client closes, misbehaves, idles, or the server stops.
-fn client(mut stream: UnixStream, tx: &Queue, stop: &AtomicBool, me: &Client<'_>) {
+fn client(mut stream: UnixStream, tx: &Queue, stop: &AtomicBool, conn: u64) {
     if stream.set_read_timeout(Some(TICK)).is_err() {
         return;
     }
     let mut buf: Vec<u8> = Vec::with_capacity(MAX_LINE + 1);
-    let mut chunk = [0u8; 256];
+    let mut chunk = [0u8; 1024];
     let mut last = Instant::now();
     while !stop.load(Ordering::Relaxed) {
         // Complete lines first (several may have come in one read).
         while let Some(nl) = buf.iter().position(|&b| b == b'\n') {
             let line: Vec<u8> = buf.drain(..=nl).collect();
-            let reply = execute_line(&line[..nl], tx, stop, me);
-            if stream.write_all(reply.line().as_bytes()).is_err() {
+            let reply = execute_line(&line[..nl], tx, stop, conn);
+            if stream.write_all(reply.as_bytes()).is_err() {
                 return;
             }
             last = Instant::now();
         }
         if buf.len() > MAX_LINE {
-            let _ = stream.write_all(
-                Reply::Err(format!("line too long (at most {MAX_LINE} bytes)"))
-                    .line()
-                    .as_bytes(),
-            );
+            let why = format!("line too long (at most {MAX_LINE} bytes)");
+            let _ = stream.write_all(refuse_line(why).as_bytes());
             return;
         }
         if last.elapsed() >= CLIENT_IDLE {
-            let _ = stream.write_all(Reply::Err("idle: disconnected".into()).line().as_bytes());
+            let _ = stream.write_all(refuse_line("idle: disconnected").as_bytes());
             return;
         }
         match stream.read(&mut chunk) {
@@ -481,82 +434,70 @@ fn client(mut stream: UnixStream, tx: &Queue, stop: &AtomicBool, me: &Client<'_>
             Err(_) => return,
         }
     }
-    let _ = stream.write_all(Reply::Err("the run ended".into()).line().as_bytes());
+    let _ = stream.write_all(refuse_line("the run ended").as_bytes());
 }
 
-/// One connected client: its id and the consumer claim it may hold.
-struct Client<'a> {
-    id: u64,
-    consumer: &'a AtomicU64,
-}
-
-impl Client<'_> {
-    /// Releases the consumer role if this client holds it.
-    fn release(&self) {
-        let _ = self
-            .consumer
-            .compare_exchange(self.id, 0, Ordering::AcqRel, Ordering::Relaxed);
-    }
-}
-
-/// Parses a line and has the run loop execute it (bounded wait). `attach` claims the
-/// consumer role for `me` first (released again if the run loop refuses it);
-/// `get_reader` is only for the client holding it.
-fn execute_line(line: &[u8], tx: &Queue, stop: &AtomicBool, me: &Client<'_>) -> Reply {
+/// Parses a line and has the run loop execute it (bounded wait); returns the reply line.
+fn execute_line(line: &[u8], tx: &Queue, stop: &AtomicBool, conn: u64) -> String {
     let line = line.strip_suffix(b"\r").unwrap_or(line);
     let Ok(text) = std::str::from_utf8(line) else {
-        return Reply::Err("not UTF-8".into());
+        return refuse_line("not UTF-8");
     };
-    let cmd = match Command::parse(text) {
-        Ok(c) => c,
-        Err(e) => return Reply::Err(e),
-    };
-    match cmd {
-        Command::Attach => {
-            let claimed =
-                me.consumer
-                    .compare_exchange(0, me.id, Ordering::AcqRel, Ordering::Acquire);
-            match claimed {
-                Ok(_) => {
-                    let r = forward(cmd, tx, stop);
-                    if matches!(r, Reply::Err(_)) {
-                        me.release();
-                    }
-                    r
-                }
-                Err(holder) if holder == me.id => forward(cmd, tx, stop),
-                Err(_) => {
-                    Reply::Err("busy: another consumer is attached (one consumer at a time)".into())
-                }
-            }
+    let req: Wire = match serde_json::from_str(text) {
+        Ok(r) => r,
+        Err(e) => {
+            return refuse_line(format!(
+                "not a request of protocol version {VERSION} ({e}): {:?}",
+                truncate(text, 40)
+            ))
         }
-        Command::GetReader(_) if me.consumer.load(Ordering::Acquire) != me.id => Reply::Err(
-            "get_reader: not attached (send attach first; one consumer at a time)".into(),
-        ),
-        cmd => forward(cmd, tx, stop),
+    };
+    if req.v != VERSION {
+        let why = format!(
+            "protocol version {} (this VMM speaks {VERSION}): upgrade the client",
+            req.v
+        );
+        return Reply::to(Some(req.id), Outcome::Err(why)).line();
     }
+    forward(req, tx, stop, conn).line()
 }
 
-/// Has the run loop execute `cmd` (bounded wait).
-fn forward(cmd: Command, tx: &Queue, stop: &AtomicBool) -> Reply {
+/// Has the run loop execute `req` (bounded wait: past [`REPLY_TIMEOUT`] a request not
+/// taken yet is cancelled, C2).
+fn forward(req: Wire, tx: &Queue, stop: &AtomicBool, conn: u64) -> Reply {
     let (rtx, rrx) = mpsc::sync_channel(1);
-    match tx.send(Request { cmd, reply: rtx }) {
-        Ok(()) => {}
-        Err(TrySendError::Full(_)) => return Reply::Err("busy: try again".into()),
-        Err(TrySendError::Disconnected(_)) => return Reply::Err("the run ended".into()),
+    let state = Arc::new(AtomicU8::new(QUEUED));
+    let id = req.id;
+    let job = Job::Run(Request {
+        id,
+        cmd: req.cmd,
+        conn,
+        state: Arc::clone(&state),
+        reply: rtx,
+    });
+    let err = |why: &str| Reply::to(Some(id), Outcome::Err(why.into()));
+    if !tx.send(job) {
+        return err("the run ended");
     }
     let start = Instant::now();
     loop {
         match rrx.recv_timeout(TICK) {
             Ok(r) => return r,
-            Err(RecvTimeoutError::Disconnected) => return Reply::Err("the run ended".into()),
+            Err(RecvTimeoutError::Disconnected) => return err("the run ended"),
             Err(RecvTimeoutError::Timeout) => {
-                if stop.load(Ordering::Relaxed) {
-                    return Reply::Err("the run ended".into());
+                let late = stop.load(Ordering::Relaxed) || start.elapsed() >= REPLY_TIMEOUT;
+                if late
+                    && state
+                        .compare_exchange(QUEUED, CANCELLED, Ordering::AcqRel, Ordering::Acquire)
+                        .is_ok()
+                {
+                    return err(if stop.load(Ordering::Relaxed) {
+                        "the run ended"
+                    } else {
+                        "timeout: the run loop did not take the request (cancelled: it will not run)"
+                    });
                 }
-                if start.elapsed() >= REPLY_TIMEOUT {
-                    return Reply::Err("timeout: the run loop did not answer".into());
-                }
+                // Taken: the run loop is executing it; its reply comes.
             }
         }
     }
@@ -565,18 +506,18 @@ fn forward(cmd: Command, tx: &Queue, stop: &AtomicBool) -> Reply {
 /// How `hyptrace ctl` ended.
 #[derive(Debug)]
 pub enum CtlOutcome {
-    /// `ok`: the payload (may be empty).
-    Ok(String),
-    /// `err`: the reason.
+    /// Done: the answer.
+    Ok(Answer),
+    /// Refused: the reason.
     Err(String),
 }
 
 /// Why `hyptrace ctl` could not get a reply.
 #[derive(Debug, thiserror::Error)]
 pub enum CtlError {
-    /// The command cannot be sent (too long, a newline in it).
-    #[error("{0}")]
-    Usage(String),
+    /// The command is not one.
+    #[error(transparent)]
+    Usage(#[from] crate::protocol::UsageError),
     /// Connecting failed.
     #[error("cannot connect to {path}: {source}", path = .path.display())]
     Connect {
@@ -586,173 +527,215 @@ pub enum CtlError {
         #[source]
         source: std::io::Error,
     },
-    /// Sending or receiving failed, or the reply is not a protocol line.
-    #[error("{path}: {why}", path = .path.display())]
-    Protocol {
+    /// Sending or receiving failed.
+    #[error("{path}: {what}: {source}", path = .path.display())]
+    Io {
         /// The socket.
         path: PathBuf,
-        /// What went wrong.
-        why: String,
+        /// What was done.
+        what: &'static str,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The reply is not the answer to our request.
+    #[error("{path}: {source}", path = .path.display())]
+    Reply {
+        /// The socket.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: crate::protocol::ReplyError,
+    },
+    /// The connection closed, or the reply is too long.
+    #[error("{path}: {why}", path = .path.display())]
+    Closed {
+        /// The socket.
+        path: PathBuf,
+        /// What happened.
+        why: &'static str,
     },
 }
 
-/// The client: sends `words` as one command line to the socket at `path` and returns the
-/// reply.
-pub fn ctl(path: &Path, words: &[String]) -> Result<CtlOutcome, CtlError> {
-    let line = words.join(" ");
-    if line.contains(['\n', '\r']) {
-        return Err(CtlError::Usage("a command cannot contain a newline".into()));
-    }
-    if line.len() > MAX_LINE {
-        return Err(CtlError::Usage(format!(
-            "command too long (at most {MAX_LINE} bytes)"
-        )));
-    }
-    let mut s = UnixStream::connect(path).map_err(|source| CtlError::Connect {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    let proto = |why: String| CtlError::Protocol {
-        path: path.to_path_buf(),
-        why,
-    };
-    // Bounded: the server answers within REPLY_TIMEOUT.
-    let limit = REPLY_TIMEOUT + Duration::from_secs(5);
-    s.set_read_timeout(Some(limit))
-        .and_then(|()| s.set_write_timeout(Some(limit)))
-        .map_err(|e| proto(e.to_string()))?;
-    s.write_all(format!("{line}\n").as_bytes())
-        .map_err(|e| proto(format!("sending: {e}")))?;
-    // One reply line, bounded (stats/list JSON of up to 256 CPUs fits easily).
-    let mut reply = Vec::new();
-    let mut chunk = [0u8; 4096];
-    const MAX_REPLY: usize = 4 << 20;
-    loop {
-        match s.read(&mut chunk) {
-            Ok(0) => break,
-            Ok(n) => {
-                reply.extend_from_slice(&chunk[..n]);
-                if reply.contains(&b'\n') {
-                    break;
-                }
-                if reply.len() > MAX_REPLY {
-                    return Err(proto("reply too long".into()));
-                }
+/// A connection to a control socket: one request, one reply, checked to answer it.
+#[derive(Debug)]
+pub struct CtlConn {
+    path: PathBuf,
+    out: UnixStream,
+    inp: std::io::BufReader<UnixStream>,
+    next_id: u64,
+}
+
+/// The longest reply line a client reads (stats/list of 256 CPUs and 64 events fit).
+const MAX_REPLY: u64 = 4 << 20;
+
+impl CtlConn {
+    /// Connects to `path`; every reply is awaited at most `timeout`.
+    pub fn connect(path: &Path, timeout: Duration) -> Result<Self, CtlError> {
+        let s = UnixStream::connect(path).map_err(|source| CtlError::Connect {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let io = |what| {
+            move |source| CtlError::Io {
+                path: path.to_path_buf(),
+                what,
+                source,
             }
-            Err(e) if e.kind() == ErrorKind::Interrupted => {}
-            Err(e) => return Err(proto(format!("reading the reply: {e}"))),
-        }
+        };
+        s.set_read_timeout(Some(timeout))
+            .and_then(|()| s.set_write_timeout(Some(timeout)))
+            .map_err(io("setting timeouts"))?;
+        let r = s.try_clone().map_err(io("cloning the socket"))?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            out: s,
+            inp: std::io::BufReader::with_capacity(4096, r),
+            next_id: 1,
+        })
     }
-    let end = reply
-        .iter()
-        .position(|&b| b == b'\n')
-        .ok_or_else(|| proto("the connection closed without a reply".into()))?;
-    let text = String::from_utf8_lossy(&reply[..end]).into_owned();
-    if let Some(rest) = text.strip_prefix("ok") {
-        if rest.is_empty() || rest.starts_with(' ') {
-            return Ok(CtlOutcome::Ok(rest.trim_start_matches(' ').to_string()));
+
+    /// Sends `cmd`, returns the outcome of the reply that answers it.
+    pub fn request(&mut self, cmd: Command) -> Result<Outcome, CtlError> {
+        let id = self.next_id;
+        self.next_id += 1;
+        let mut line = serde_json::to_string(&Wire {
+            v: VERSION,
+            id,
+            cmd,
+        })
+        .map_err(|e| CtlError::Io {
+            path: self.path.clone(),
+            what: "encoding the request",
+            source: e.into(),
+        })?;
+        line.push('\n');
+        self.out
+            .write_all(line.as_bytes())
+            .map_err(|source| CtlError::Io {
+                path: self.path.clone(),
+                what: "sending",
+                source,
+            })?;
+        let mut reply = String::new();
+        let n = std::io::BufRead::read_line(&mut (&mut self.inp).take(MAX_REPLY), &mut reply)
+            .map_err(|source| CtlError::Io {
+                path: self.path.clone(),
+                what: "reading the reply",
+                source,
+            })?;
+        if n == 0 || !reply.ends_with('\n') {
+            return Err(CtlError::Closed {
+                path: self.path.clone(),
+                why: if n == 0 {
+                    "the connection closed without a reply"
+                } else {
+                    "the reply is too long or cut off"
+                },
+            });
         }
+        parse_reply(reply.trim_end(), id).map_err(|source| CtlError::Reply {
+            path: self.path.clone(),
+            source,
+        })
     }
-    if let Some(rest) = text.strip_prefix("err") {
-        if rest.is_empty() || rest.starts_with(' ') {
-            return Ok(CtlOutcome::Err(rest.trim_start_matches(' ').to_string()));
-        }
-    }
-    Err(proto(format!("not a reply: {:?}", truncate(&text, 80))))
+}
+
+/// The client: sends `words` as one command to the socket at `path` and returns the
+/// answer.
+pub fn ctl(path: &Path, words: &[String]) -> Result<CtlOutcome, CtlError> {
+    let cmd = Command::from_words(words)?;
+    // Bounded: the server answers (or cancels) within REPLY_TIMEOUT.
+    let mut c = CtlConn::connect(path, REPLY_TIMEOUT + Duration::from_secs(5))?;
+    Ok(match c.request(cmd)? {
+        Outcome::Ok(a) => CtlOutcome::Ok(a),
+        Outcome::Err(e) => CtlOutcome::Err(e),
+    })
 }
 
 impl<M: hyptrace_abi::SharedMem> EventSwitch for crate::events::EventTable<M> {
-    fn set(&self, spec: &str, on: bool) -> Result<String, String> {
+    fn set(&self, spec: &str, on: bool) -> Result<Answer, Refusal> {
         let names = if on {
             self.enable(spec)
         } else {
             self.disable(spec)
         }
-        .map_err(|e| e.to_string())?;
-        Ok(format!(
-            "{} {}",
-            names.join(","),
-            if on { "enabled" } else { "disabled" }
-        ))
+        .map_err(|e| Refusal(e.to_string()))?;
+        Ok(Answer::Switched {
+            events: names,
+            enabled: on,
+        })
     }
 
-    fn list(&self) -> Result<serde_json::Value, String> {
-        let events: Vec<serde_json::Value> = crate::events::EventTable::list(self)
-            .map_err(|e| e.to_string())?
+    fn list(&self) -> Result<Answer, Refusal> {
+        use crate::protocol::{EventEntry, FieldEntry};
+        let events = crate::events::EventTable::list(self)
+            .map_err(|e| Refusal(e.to_string()))?
             .into_iter()
-            .map(|e| {
-                let fields: Vec<serde_json::Value> = e
+            .map(|e| EventEntry {
+                name: e.reg.full_name(),
+                id: e.reg.id.into(),
+                slot: e.reg.slot,
+                enabled: e.enabled,
+                fields: e
                     .reg
                     .fields
                     .iter()
-                    .map(|f| {
-                        serde_json::json!({
-                            "name": f.name,
-                            "type": f.ctype,
-                            "offset": f.offset,
-                            "size": f.size,
-                            "signed": f.signed,
-                        })
+                    .map(|f| FieldEntry {
+                        name: f.name.clone(),
+                        ctype: f.ctype.clone(),
+                        offset: f.offset,
+                        size: f.size,
+                        signed: f.signed,
                     })
-                    .collect();
-                serde_json::json!({
-                    "name": e.reg.full_name(),
-                    "id": e.reg.id,
-                    "slot": e.reg.slot,
-                    "enabled": e.enabled,
-                    "fields": fields,
-                })
+                    .collect(),
             })
             .collect();
-        Ok(serde_json::json!({ "events": events }))
+        Ok(Answer::Events { events })
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::protocol::{LiveStats, ReaderStatus};
 
-    #[test]
-    fn parse_commands() {
-        assert_eq!(
-            Command::parse("enable guest:marker"),
-            Ok(Command::Enable("guest:marker".into()))
-        );
-        assert_eq!(
-            Command::parse("  disable\tall "),
-            Ok(Command::Disable("all".into()))
-        );
-        assert_eq!(Command::parse("stats"), Ok(Command::Stats));
-        assert_eq!(Command::parse("list"), Ok(Command::List));
-        for bad in [
-            "",
-            "   ",
-            "enable",
-            "enable a b",
-            "stats x",
-            "frobnicate",
-            "ENABLE x",
-        ] {
-            assert!(Command::parse(bad).is_err(), "{bad:?} parsed");
-        }
-        let long = "x".repeat(10_000);
-        let e = Command::parse(&long).expect_err("unknown");
-        assert!(e.len() < 200, "{e}");
+    /// Answers `stats` with an empty table, `attach` with a fixed claim for the first
+    /// client, `get_reader` for the claim holder; records `gone`.
+    #[derive(Default)]
+    struct Fake {
+        holder: Option<u64>,
+        gone: Vec<u64>,
+        executed: Vec<Command>,
     }
-
-    #[test]
-    fn reply_lines() {
-        assert_eq!(Reply::Ok(String::new()).line(), "ok\n");
-        assert_eq!(Reply::Ok("a".into()).line(), "ok a\n");
-        assert_eq!(Reply::Err("x\ny".into()).line(), "err x y\n");
-    }
-
-    struct Echo;
-    impl Handler for Echo {
-        fn handle(&mut self, cmd: &Command) -> Reply {
+    impl Handler for Fake {
+        fn handle(&mut self, conn: u64, cmd: &Command) -> Result<Answer, Refusal> {
+            self.executed.push(cmd.clone());
             match cmd {
-                Command::Stats => Reply::Ok("{}".into()),
-                c => Reply::Err(format!("{c:?}")),
+                Command::Stats => Ok(Answer::Stats(LiveStats {
+                    elapsed_s: 0.0,
+                    stopping: None,
+                    cpus: Vec::new(),
+                })),
+                Command::Attach if self.holder.is_none() => {
+                    self.holder = Some(conn);
+                    Ok(Answer::Detached)
+                }
+                Command::Attach => Err("busy: another consumer".into()),
+                Command::GetReader { cpu, page, .. } if self.holder == Some(conn) => {
+                    Ok(Answer::Reader {
+                        cpu: *cpu,
+                        page: *page,
+                        status: ReaderStatus::Busy,
+                    })
+                }
+                _ => Err("no".into()),
+            }
+        }
+        fn gone(&mut self, conn: u64) {
+            self.gone.push(conn);
+            if self.holder == Some(conn) {
+                self.holder = None;
             }
         }
     }
@@ -782,31 +765,35 @@ mod tests {
             .expect("timeout");
         let mut busy = String::new();
         let _ = extra.read_to_string(&mut busy);
-        assert!(busy.starts_with("err busy"), "{busy:?}");
+        let r: Reply = serde_json::from_str(busy.trim_end()).expect("a reply");
+        assert!(
+            matches!(&r.outcome, Outcome::Err(e) if e.starts_with("busy")),
+            "{busy:?}"
+        );
         drop(idle);
+        let mut h = Fake::default();
         std::thread::scope(|s| {
             let client = s.spawn(|| {
                 // The idle clients' threads leave within a tick: retry while busy.
                 let start = Instant::now();
                 loop {
-                    let r = ctl(&sock, &["stats".to_string()]).expect("ctl");
-                    match r {
-                        CtlOutcome::Err(e) if e.starts_with("busy") => {
+                    match ctl(&sock, &["stats".to_string()]) {
+                        Err(CtlError::Reply { .. }) | Ok(CtlOutcome::Err(_)) => {
                             assert!(start.elapsed() < Duration::from_secs(30), "busy");
                             std::thread::sleep(TICK);
                         }
-                        r => return r,
+                        r => return r.expect("ctl"),
                     }
                 }
             });
             let start = Instant::now();
             while !client.is_finished() {
                 assert!(start.elapsed() < Duration::from_secs(60), "no reply");
-                server.serve(&mut Echo);
+                server.serve(&mut h);
                 std::thread::sleep(Duration::from_millis(5));
             }
             match client.join().expect("client") {
-                CtlOutcome::Ok(t) => assert_eq!(t, "{}"),
+                CtlOutcome::Ok(Answer::Stats(s)) => assert!(s.cpus.is_empty()),
                 r => panic!("{r:?}"),
             }
         });
@@ -815,89 +802,91 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
-    /// Sends `line` on `s` and reads one reply line, while the "run loop" (this
-    /// thread) serves with `h` (bounded).
-    fn ask(server: &ControlServer, h: &mut dyn Handler, s: &UnixStream, line: &str) -> String {
-        let mut w = s.try_clone().expect("clone");
-        w.write_all(format!("{line}\n").as_bytes()).expect("send");
-        let r = s.try_clone().expect("clone");
-        r.set_read_timeout(Some(Duration::from_millis(20)))
-            .expect("timeout");
-        let mut r = std::io::BufReader::new(r);
-        let mut out = String::new();
-        let start = Instant::now();
-        loop {
-            server.serve(h);
-            match std::io::BufRead::read_line(&mut r, &mut out) {
-                Ok(_) if out.ends_with('\n') => return out.trim_end().to_string(),
-                Ok(0) => panic!("closed"),
-                _ => {}
+    /// Sends `cmd` on `c` while the "run loop" (this thread) serves with `h` (bounded).
+    fn ask(server: &ControlServer, h: &mut dyn Handler, c: &mut CtlConn, cmd: Command) -> Outcome {
+        std::thread::scope(|s| {
+            let t = s.spawn(|| c.request(cmd).expect("reply"));
+            let start = Instant::now();
+            while !t.is_finished() {
+                server.serve(h);
+                std::thread::sleep(Duration::from_millis(2));
+                assert!(start.elapsed() < Duration::from_secs(30), "no reply");
             }
-            assert!(
-                start.elapsed() < Duration::from_secs(30),
-                "no reply to {line}"
-            );
-        }
+            t.join().expect("client")
+        })
     }
 
-    struct Consumer;
-    impl Handler for Consumer {
-        fn handle(&mut self, cmd: &Command) -> Reply {
-            match cmd {
-                Command::Attach => Reply::Ok("{}".into()),
-                Command::GetReader(c) => Reply::Ok(format!("swapped {c} 0")),
-                _ => Reply::Err("no".into()),
-            }
-        }
-    }
-
-    /// One consumer at a time: a second `attach` is `busy`, `get_reader` is only for the
-    /// attached client, the claim ends when that client disconnects.
+    /// C2: the claim is the handler's; a client's disconnect reaches it after its last
+    /// request, so a second client's `attach` queued after it succeeds.
     #[test]
-    fn attach_claims_the_consumer_role() {
-        assert_eq!(Command::parse("attach"), Ok(Command::Attach));
-        assert_eq!(Command::parse("get_reader 3"), Ok(Command::GetReader(3)));
-        for bad in [
-            "attach x",
-            "get_reader",
-            "get_reader -1",
-            "get_reader x",
-            "get_reader 1 2",
-        ] {
-            assert!(Command::parse(bad).is_err(), "{bad:?} parsed");
-        }
-        let (dir, sock) = temp_sock("attach");
+    fn gone_comes_after_the_clients_requests() {
+        let (dir, sock) = temp_sock("gone");
         let server = ControlServer::bind(&sock).expect("bind");
-        let h = &mut Consumer;
-        let a = UnixStream::connect(&sock).expect("connect");
-        let b = UnixStream::connect(&sock).expect("connect");
+        let h = &mut Fake::default();
+        let t = Duration::from_secs(30);
+        let mut a = CtlConn::connect(&sock, t).expect("a");
+        let mut b = CtlConn::connect(&sock, t).expect("b");
+        let get = Command::GetReader {
+            token: 0,
+            cpu: 0,
+            page: 4,
+        };
+        assert!(matches!(
+            ask(&server, h, &mut b, get.clone()),
+            Outcome::Err(_)
+        ));
         assert_eq!(
-            ask(&server, h, &b, "get_reader 0").split(' ').next(),
-            Some("err")
+            ask(&server, h, &mut a, Command::Attach),
+            Outcome::Ok(Answer::Detached)
         );
-        assert_eq!(ask(&server, h, &a, "attach"), "ok {}");
-        assert!(server.attached());
-        assert_eq!(ask(&server, h, &a, "attach"), "ok {}", "again: still ours");
-        assert_eq!(ask(&server, h, &a, "get_reader 1"), "ok swapped 1 0");
-        let busy = ask(&server, h, &b, "attach");
-        assert!(busy.starts_with("err busy"), "{busy}");
-        let not = ask(&server, h, &b, "get_reader 1");
-        assert!(not.contains("not attached"), "{not}");
+        assert!(matches!(
+            ask(&server, h, &mut b, Command::Attach),
+            Outcome::Err(_)
+        ));
+        assert!(matches!(
+            ask(&server, h, &mut a, get.clone()),
+            Outcome::Ok(Answer::Reader { page: 4, .. })
+        ));
         drop(a);
-        // The client thread notices the close within a tick or so: retry, bounded.
         let start = Instant::now();
-        loop {
-            let r = ask(&server, h, &b, "attach");
-            if r == "ok {}" {
-                break;
-            }
-            assert!(r.starts_with("err busy"), "{r}");
-            assert!(start.elapsed() < Duration::from_secs(30), "never released");
+        while h.gone.is_empty() {
+            server.serve(h);
             std::thread::sleep(TICK);
+            assert!(start.elapsed() < Duration::from_secs(30), "gone never came");
         }
-        assert_eq!(ask(&server, h, &b, "get_reader 0"), "ok swapped 0 0");
+        assert_eq!(
+            ask(&server, h, &mut b, Command::Attach),
+            Outcome::Ok(Answer::Detached)
+        );
         drop(server);
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// C2: a request its client gave up on is never executed late.
+    #[test]
+    fn a_cancelled_request_is_not_executed() {
+        let (rtx, _rrx) = mpsc::sync_channel(1);
+        let (tx, rx) = mpsc::channel();
+        let state = Arc::new(AtomicU8::new(CANCELLED));
+        tx.send(Job::Run(Request {
+            id: 1,
+            cmd: Command::Stats,
+            conn: 1,
+            state,
+            reply: rtx,
+        }))
+        .expect("send");
+        let server = ControlServer {
+            path: PathBuf::from("/nonexistent/hyptrace-test"),
+            id: (0, 0),
+            stop: Arc::new(AtomicBool::new(true)),
+            rx,
+            waker: Arc::new(Mutex::new(None)),
+            thread: None,
+        };
+        let mut h = Fake::default();
+        assert_eq!(server.serve(&mut h), 1);
+        assert!(h.executed.is_empty(), "{:?}", h.executed);
     }
 
     /// A stale socket is replaced, a regular file or a live socket refused.

@@ -537,7 +537,15 @@ fn dump_attach(
                 r.swaps,
                 r.ended
             );
-            EXIT_OK
+            // A CPU whose reading stopped for an error: its output is not complete.
+            for (cpu, e) in &r.errors {
+                note!("hyptrace: attach: error: cpu {cpu}: reading stopped: {e}");
+            }
+            if r.errors.is_empty() {
+                EXIT_OK
+            } else {
+                EXIT_RUNTIME
+            }
         }
         Err(e) => {
             note!("hyptrace: error: {e}");

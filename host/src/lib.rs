@@ -32,6 +32,7 @@ pub mod host_events;
 pub mod logging;
 pub mod memory_map;
 pub mod plan;
+pub mod protocol;
 pub mod report;
 pub mod run;
 pub mod session;

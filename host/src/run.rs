@@ -39,10 +39,11 @@ use hyptrace_reader::{Callbacks, ReadError};
 
 use crate::cli::FormatArg;
 use crate::clock::HostClock;
-use crate::control::{Command, ControlServer, EventSwitch, Handler, Reply};
+use crate::control::{Answer, Command, ControlServer, EventSwitch, Handler, Refusal};
 use crate::events::{EventTable, EventsError, Selection, Settled, VmEventTable};
 use crate::host_events::{HostEvents, Recording};
 use crate::plan::Plan;
+use crate::protocol::{CpuLive, LiveStats, ReaderStatus};
 use crate::report::{
     CpuReport, Destination, Failures, GuestView, HostEventsStats, ReaderTimes, RunReport, Stop,
     Timing,
@@ -126,6 +127,9 @@ pub enum RunError {
     /// `-e` / `--disable` named an event the guest did not register.
     #[error(transparent)]
     Events(#[from] EventsError),
+    /// `--control`: the socket could not be set up.
+    #[error(transparent)]
+    Control(#[from] crate::control::ControlError),
 }
 
 impl RunError {
@@ -134,7 +138,7 @@ impl RunError {
     pub fn is_input_error(&self) -> bool {
         match self {
             Self::Vm(e) => e.is_input_error(),
-            Self::Sink { .. } | Self::TraceMem(_) | Self::Events(_) => true,
+            Self::Sink { .. } | Self::TraceMem(_) | Self::Events(_) | Self::Control(_) => true,
             _ => false,
         }
     }
@@ -158,7 +162,7 @@ pub struct Run<'a> {
     wrap: Option<WrapCallbacks>,
     events_hook: Option<EventsHook>,
     crash_dump: Option<OutputTarget>,
-    control: Option<&'a ControlServer>,
+    control: Option<&'a std::path::Path>,
 }
 
 impl std::fmt::Debug for Target {
@@ -214,8 +218,10 @@ impl<'a> Run<'a> {
         self
     }
 
-    /// Commands from the control socket are executed between drain rounds.
-    pub fn control(mut self, control: &'a ControlServer) -> Self {
+    /// A control socket at `control` (`--control`, checked by the caller with
+    /// [`ControlServer::check`]): bound once the trace memory file exists (a client
+    /// that sees the socket finds the file), its commands executed between drain rounds.
+    pub fn control(mut self, control: &'a std::path::Path) -> Self {
         self.control = Some(control);
         self
     }
@@ -258,6 +264,9 @@ impl<'a> Run<'a> {
             Some(path) => Some(TraceMemFile::create(path, &plan.ring).map_err(RunError::TraceMem)?),
             None => None,
         };
+        // After the trace memory file: a consumer that finds the socket finds the file.
+        let server = control.map(ControlServer::bind).transpose()?;
+        let control = server.as_ref();
         let mut vm = Vm::with_trace_backing(
             plan.cfg,
             trace_mem.as_ref().map(TraceMemFile::region_backing),
@@ -377,6 +386,10 @@ impl<'a> Run<'a> {
             formats: formats.clone(),
             drain_live: plan.flight.drain_live,
             meta: vec![crate::trace_mem::MetaValues::default(); nr as usize],
+            claim: None,
+            next_token: 0,
+            delivered: vec![false; nr as usize],
+            claim_held_at_end: None,
         };
         let mut live = Live {
             deadline: plan.duration.map(|d| running.started_at() + d),
@@ -865,7 +878,8 @@ impl Live<'_> {
         }
     }
 
-    /// Executes the control socket's waiting commands.
+    /// Executes the control socket's waiting commands; then, with no consumer
+    /// attached, settles the swaps the last one left in flight (C3).
     fn serve_control(&mut self) {
         let Some(control) = self.control else { return };
         let mut session = locked(&self.session);
@@ -877,6 +891,30 @@ impl Live<'_> {
             flight: &mut self.flight,
         };
         control.serve(&mut h);
+        if h.flight.claim.is_none() {
+            h.settle_swaps();
+        }
+    }
+
+    /// C4's bound: a consumer that holds the claim [`CONSUMER_GRACE`] after every vCPU
+    /// stopped loses it (the run must end); this session then walks the CPUs itself.
+    fn end_claim_if_late(&mut self) {
+        let all_done = (0..self.nr).all(|c| self.running.vcpu_finished(c));
+        if self.flight.claim.is_none() || !all_done {
+            self.flight.claim_held_at_end = None;
+            return;
+        }
+        let since = *self
+            .flight
+            .claim_held_at_end
+            .get_or_insert_with(Instant::now);
+        if since.elapsed() >= CONSUMER_GRACE {
+            note!(
+                "hyptrace: warning: the attached consumer did not detach within {} s of the vCPUs' end: the VMM reads the rest itself (part of the consumer's last page may be repeated)",
+                CONSUMER_GRACE.as_secs()
+            );
+            self.flight.claim = None;
+        }
     }
 
     /// Stops the vCPUs for the first reason that came up, once.
@@ -1020,6 +1058,7 @@ impl Live<'_> {
 
     /// One round over the CPUs and a flush of the output; a failure stops the run.
     fn service(&mut self) {
+        self.end_claim_if_late();
         let running = &self.running;
         // A crash not yet dumped: nothing is consumed before the dump (check_stop
         // takes it at the next round). A vCPU that crashed after check_stop looked is
@@ -1028,8 +1067,23 @@ impl Live<'_> {
         if hold && running.any_crashed() {
             return;
         }
-        let stopped = |c| running.vcpu_finished(c) && !(hold && running.any_crashed());
-        let failed = locked(&self.session).service(stopped);
+        // C4: while a consumer holds the claim, it walks the stopped CPUs itself; this
+        // session walks them after it detached (counting only what it delivered).
+        let claimed = self.flight.claim.is_some();
+        let stopped = |c| running.vcpu_finished(c) && !(hold && running.any_crashed()) && !claimed;
+        let failed = {
+            let mut s = locked(&self.session);
+            let mut failed = Vec::new();
+            for c in 0..self.nr {
+                if stopped(c) && self.flight.delivered.get(c as usize) == Some(&true) {
+                    if let Err(e) = s.end_cpu_delivered(c) {
+                        failed.push((c, e));
+                    }
+                }
+            }
+            failed.extend(s.service(stopped));
+            failed
+        };
         self.record_positions();
         for (cpu, e) in failed {
             log::debug!("cpu {cpu}: {e}");
@@ -1047,6 +1101,10 @@ impl Live<'_> {
         }
     }
 }
+
+/// How long a consumer may keep its claim after every vCPU stopped (C4) before the
+/// VMM reads the rest itself.
+const CONSUMER_GRACE: Duration = Duration::from_secs(10);
 
 /// The run's session, locked: the drain loop's and the control socket's uses, each for
 /// a moment (invariant D1). A panic elsewhere while holding it fails the run anyway.
@@ -1083,6 +1141,14 @@ struct Flight {
     drain_live: bool,
     /// Per CPU, what its meta page says (live attach; written with `--trace-mem`).
     meta: Vec<crate::trace_mem::MetaValues>,
+    /// The consumer holding the claim (live attach), if any (C2).
+    claim: Option<Claim>,
+    /// The last claim token given out.
+    next_token: u64,
+    /// Per CPU: the consumer delivered its rest (C4): the final walk only counts.
+    delivered: Vec<bool>,
+    /// Since when every vCPU stopped while a consumer held the claim (C4's bound).
+    claim_held_at_end: Option<Instant>,
 }
 
 /// `--hang-timeout`: the last progress seen and since when.
@@ -1114,6 +1180,13 @@ fn update_meta(
     tm.write_meta(cpu, m);
 }
 
+/// The consumer holding the claim (live attach): its connection and token (C2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Claim {
+    conn: u64,
+    token: u64,
+}
+
 /// The control socket's commands, executed by the run loop.
 struct RunControl<'s> {
     session: &'s mut Session,
@@ -1124,26 +1197,61 @@ struct RunControl<'s> {
 }
 
 impl Handler for RunControl<'_> {
-    fn handle(&mut self, cmd: &Command) -> Reply {
+    fn handle(&mut self, conn: u64, cmd: &Command) -> Result<Answer, Refusal> {
         match cmd {
-            Command::Enable(e) => self.events.set(e, true).map_or_else(Reply::Err, Reply::Ok),
-            Command::Disable(e) => self.events.set(e, false).map_or_else(Reply::Err, Reply::Ok),
-            Command::List => self
-                .events
-                .list()
-                .map_or_else(Reply::Err, |v| Reply::Ok(v.to_string())),
-            Command::Stats => Reply::Ok(self.stats().to_string()),
-            Command::Attach => self.attach().map_or_else(Reply::Err, Reply::Ok),
-            Command::GetReader(cpu) => self.get_reader(*cpu).map_or_else(Reply::Err, Reply::Ok),
+            Command::Enable { event } => self.events.set(event, true),
+            Command::Disable { event } => self.events.set(event, false),
+            Command::List => self.events.list(),
+            Command::Stats => Ok(Answer::Stats(self.stats())),
+            Command::Attach => self.attach(conn).map(Answer::Attached),
+            Command::GetReader { token, cpu, page } => {
+                self.check_claim(conn, *token, "get_reader")?;
+                let status = self.get_reader(*cpu, *page)?;
+                Ok(Answer::Reader {
+                    cpu: *cpu,
+                    page: *page,
+                    status,
+                })
+            }
+            Command::Detach { token, positions } => {
+                self.check_claim(conn, *token, "detach")?;
+                self.flight.claim = None;
+                self.take_positions(positions)?;
+                Ok(Answer::Detached)
+            }
+        }
+    }
+
+    fn gone(&mut self, conn: u64) {
+        if self.flight.claim.is_some_and(|c| c.conn == conn) {
+            log::info!("the attached consumer disconnected without detaching");
+            self.flight.claim = None;
         }
     }
 }
 
 impl RunControl<'_> {
+    /// C2: `what` is only for the connection and token holding the claim, checked here,
+    /// when it executes.
+    fn check_claim(&self, conn: u64, token: u64, what: &str) -> Result<(), Refusal> {
+        match self.flight.claim {
+            Some(c) if c.conn == conn && c.token == token => Ok(()),
+            Some(c) if c.token == token => {
+                Err(format!("{what}: claim {token} belongs to another connection").into())
+            }
+            _ => Err(format!(
+                "{what}: claim {token} is not the VMM's consumer (ended, or never attached)"
+            )
+            .into()),
+        }
+    }
+
     /// `attach`: an external consumer may read only a VMM that does not consume
     /// itself (`--drain none`) and whose trace memory another process can map
-    /// (`--trace-mem`). The reply names the file and its geometry.
-    fn attach(&self) -> Result<String, String> {
+    /// (`--trace-mem`), one at a time, and only once the previous consumer's swaps are
+    /// settled (C3). The reply names the file, its geometry, the claim's token and where
+    /// each CPU's reading stands (C1).
+    fn attach(&mut self, conn: u64) -> Result<crate::protocol::AttachInfo, Refusal> {
         if self.flight.drain_live {
             return Err(
                 "attach needs a VMM run with --drain none (this one runs --drain live: it consumes the rings itself)"
@@ -1156,43 +1264,84 @@ impl RunControl<'_> {
                     .into(),
             );
         };
-        let l = self.session.reader().layout();
+        if self.flight.claim.is_some() {
+            return Err("busy: another consumer is attached (one consumer at a time)".into());
+        }
+        let reader = self.session.reader();
+        let nr = reader.nr_cpus();
+        if let Some(cpu) = (0..nr).find(|&c| reader.request_in_flight(c)) {
+            return Err(format!(
+                "busy: settling the previous consumer's swap of cpu {cpu} (try again)"
+            )
+            .into());
+        }
+        let positions = (0..nr)
+            .filter_map(|cpu| {
+                let p = reader.position(cpu)?;
+                Some(crate::protocol::ConsumerPosition {
+                    cpu,
+                    page: p.reader,
+                    consumed: p.consumed,
+                    expected: p.expected,
+                    done: false,
+                })
+            })
+            .collect();
+        let l = reader.layout();
         let path = std::fs::canonicalize(tm.path()).unwrap_or_else(|_| tm.path().to_path_buf());
-        Ok(serde_json::json!({
-            "trace_mem": path,
-            "nr_cpus": l.nr_cpus,
-            "page_size": l.page_size,
-            "pages_per_cpu": l.pages_per_cpu,
-            "meta_off": tm.meta_off(),
-            "pid": std::process::id(),
+        self.flight.next_token = self.flight.next_token.wrapping_add(1).max(1);
+        let token = self.flight.next_token;
+        self.flight.claim = Some(Claim { conn, token });
+        Ok(crate::protocol::AttachInfo {
+            token,
+            trace_mem: path,
+            nr_cpus: l.nr_cpus,
+            page_size: u32::try_from(l.page_size).unwrap_or(u32::MAX),
+            pages_per_cpu: l.pages_per_cpu,
+            meta_off: tm.meta_off(),
+            pid: std::process::id(),
+            positions,
         })
-        .to_string())
     }
 
-    /// `get_reader CPU`: swaps the CPU's reader page (host side, through the reader's
-    /// callbacks) and updates its meta page.
-    fn get_reader(&mut self, cpu: u32) -> Result<String, String> {
+    /// `get_reader CPU PAGE`: swaps the CPU's reader page (host side, through the
+    /// reader's callbacks) and updates its meta page — only when PAGE is the VMM's
+    /// current reader page of that CPU (C1).
+    fn get_reader(&mut self, cpu: u32, page: u32) -> Result<ReaderStatus, Refusal> {
         let nr = self.session.reader().nr_cpus();
         if cpu >= nr {
-            return Err(format!("get_reader: no CPU {cpu} (the VM has {nr})"));
+            return Err(format!("get_reader: no CPU {cpu} (the VM has {nr})").into());
         }
         if self.flight.drain_live || self.flight.trace_mem.is_none() {
             return Err("get_reader: no consumer can attach to this VMM".into());
         }
-        if !self.session.is_live(cpu) {
-            return Ok("ended".into());
+        if !self.session.is_live(cpu) || self.running.vcpu_finished(cpu) {
+            return Ok(ReaderStatus::Ended);
+        }
+        let current = self.session.reader().position(cpu).map(|p| p.reader);
+        if current != Some(page) {
+            return Err(format!(
+                "get_reader {cpu}: page {page} is not the reader page ({current:?}): the consumer is out of step"
+            )
+            .into());
         }
         let r = self
             .session
             .swap_external(cpu)
             .map_err(|e| format!("get_reader {cpu}: {e}"))?;
-        let Some((page, lost)) = r else {
+        let Some((new, lost)) = r else {
             return Ok(if self.session.reader().request_in_flight(cpu) {
-                "pending".into()
+                ReaderStatus::Pending
             } else {
-                "busy".into()
+                ReaderStatus::Busy
             });
         };
+        self.swapped_meta(cpu, new, lost);
+        Ok(ReaderStatus::Swapped { page: new, lost })
+    }
+
+    /// The meta page of `cpu` after a swap onto `page` with `lost` events lost before it.
+    fn swapped_meta(&mut self, cpu: u32, page: u32, lost: u64) {
         let l = *self.session.reader().layout();
         if let (Some(tm), Some(m)) = (
             &self.flight.trace_mem,
@@ -1210,37 +1359,101 @@ impl RunControl<'_> {
                 .saturating_sub(s.lost);
             update_meta(self.session, tm, &mut self.flight.meta, cpu);
         }
-        Ok(format!("swapped {page} {lost}"))
+    }
+
+    /// `detach`: where the consumer stopped on each CPU is counted as read here (C1),
+    /// each position checked against this reader's own view; a position that does not
+    /// check is refused (the claim is ended all the same: the next consumer starts
+    /// where this reader stands).
+    fn take_positions(
+        &mut self,
+        positions: &[crate::protocol::ConsumerPosition],
+    ) -> Result<(), Refusal> {
+        let nr = self.session.reader().nr_cpus();
+        if positions.len() > nr as usize {
+            return Err(format!("detach: {} positions for {nr} CPUs", positions.len()).into());
+        }
+        let mut bad = Vec::new();
+        for p in positions {
+            if !self.session.is_live(p.cpu) {
+                continue;
+            }
+            if p.done {
+                // C4: only for a vCPU that stopped (its rest is what the consumer walked).
+                match self.flight.delivered.get_mut(p.cpu as usize) {
+                    Some(d) if self.running.vcpu_finished(p.cpu) => *d = true,
+                    _ => bad.push(format!("cpu {}: done while its vCPU runs", p.cpu)),
+                }
+                continue;
+            }
+            match self
+                .session
+                .consumed_externally(p.cpu, p.page, p.consumed, p.expected)
+            {
+                Ok(_) => {}
+                Err(e) => bad.push(e.to_string()),
+            }
+        }
+        if bad.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("detach: {}", bad.join("; ")).into())
+        }
     }
 }
 
 impl RunControl<'_> {
+    /// C3: a swap a consumer asked for and left in flight (it detached or went away
+    /// while the guest had not answered) is completed here, before another consumer
+    /// may attach: the reader moves onto the new page and counts its losses, so the
+    /// next consumer starts there.
+    fn settle_swaps(&mut self) {
+        for cpu in 0..self.session.reader().nr_cpus() {
+            if !self.session.reader().request_in_flight(cpu) || !self.session.is_live(cpu) {
+                continue;
+            }
+            match self.session.swap_external(cpu) {
+                Ok(Some((page, lost))) => {
+                    log::debug!("cpu {cpu}: the last consumer's swap settled onto page {page}");
+                    self.swapped_meta(cpu, page, lost);
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    log::debug!("cpu {cpu}: settling the last consumer's swap: {e}");
+                    self.session.fail_cpu(cpu, &e.into());
+                }
+            }
+        }
+    }
+
     /// `stats`: the live per-CPU counters (docs/design.md, "The control socket").
-    fn stats(&self) -> serde_json::Value {
+    fn stats(&self) -> LiveStats {
         let nr = self.session.reader().nr_cpus();
-        let cpus: Vec<serde_json::Value> = (0..nr)
+        let cpus = (0..nr)
             .map(|cpu| {
                 let s = self.session.stats(cpu);
-                serde_json::json!({
-                    "cpu": cpu,
-                    "running": !self.running.vcpu_finished(cpu),
-                    "written": s.written,
-                    "read": s.read,
-                    "lost": s.lost,
-                    "overrun": s.overrun,
-                    "dropped": s.dropped,
-                    "bytes": s.bytes,
-                    "pages_touched": s.pages_touched,
-                    "swaps": s.swaps,
-                    "error": self.session.error(cpu),
-                })
+                CpuLive {
+                    cpu,
+                    running: !self.running.vcpu_finished(cpu),
+                    // Live from the control block (with --drain none nothing else
+                    // refreshes it): events taken in, committed or dropped.
+                    written: s.written.max(self.session.writer_index(cpu)),
+                    read: s.read,
+                    lost: s.lost,
+                    overrun: s.overrun,
+                    dropped: s.dropped,
+                    bytes: s.bytes,
+                    pages_touched: s.pages_touched,
+                    swaps: s.swaps,
+                    error: self.session.error(cpu).map(str::to_string),
+                }
             })
             .collect();
-        serde_json::json!({
-            "elapsed_s": self.running.started_at().elapsed().as_secs_f64(),
-            "stopping": self.stop.map(ToString::to_string),
-            "cpus": cpus,
-        })
+        LiveStats {
+            elapsed_s: self.running.started_at().elapsed().as_secs_f64(),
+            stopping: self.stop.map(ToString::to_string),
+            cpus,
+        }
     }
 }
 

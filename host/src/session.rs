@@ -429,6 +429,64 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
         }
     }
 
+    /// A detaching consumer's position on `cpu` (C1): see
+    /// [`RingBuffer::consumed_externally`]. Only with `--drain none`, before the CPU's
+    /// final walk.
+    pub fn consumed_externally(
+        &mut self,
+        cpu: u32,
+        page: u32,
+        consumed: u64,
+        expected: u64,
+    ) -> Result<u64, ReadError> {
+        match self.cpus.get(cpu as usize) {
+            Some(st) if !st.ended && !self.live_drain => self
+                .reader
+                .consumed_externally(cpu, page, consumed, expected),
+            _ => Err(ReadError::BadCpu(cpu)),
+        }
+    }
+
+    /// C4: the writer of `cpu` stopped and an attached consumer delivered everything
+    /// left (its own final walk): this session walks the rest too, read-only, to count
+    /// it exactly (read, lost, trailing drops), and writes none of it — nothing is
+    /// output twice. Runs once per CPU, as [`Session::end_cpu`].
+    pub fn end_cpu_delivered(&mut self, cpu: u32) -> Result<(), SessionError> {
+        let Some(st) = self.cpus.get_mut(cpu as usize) else {
+            return Ok(());
+        };
+        if st.ended {
+            return Ok(());
+        }
+        st.ended = true;
+        st.more = false;
+        log::debug!("cpu {cpu}: the consumer delivered the rest: counted, not written");
+        let l = *self.reader.layout();
+        // Bounded: the walk's items are at most the records of the CPU's pages.
+        let bound = u64::from(l.pages_per_cpu).saturating_mul(l.page_size as u64);
+        let mut r: Result<(), ReadError> = self
+            .reader
+            .sync_writer_counters(cpu)
+            .and_then(|_| self.reader.finalize(cpu));
+        let mut n = 0u64;
+        while r.is_ok() && n <= bound {
+            match self.reader.next_event(cpu) {
+                Ok(Some(_)) => n += 1,
+                Ok(None) => break,
+                Err(e) => r = Err(e),
+            }
+        }
+        self.reader.take_trailing_loss(cpu);
+        if let Output::Text { merger, .. } = &mut self.output {
+            merger.finish(cpu as usize);
+        }
+        let r = r.map_err(SessionError::from);
+        if let Err(e) = &r {
+            self.fail_cpu(cpu, e);
+        }
+        r
+    }
+
     /// Stops reading before the CPUs ended (live attach without `--follow`, or
     /// interrupted): marks every CPU finished in the text merger so that the next
     /// [`Session::flush`] releases every line it holds. Nothing is read after it.

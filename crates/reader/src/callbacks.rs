@@ -259,7 +259,10 @@ impl<M: SharedMem> MailboxPort<M> {
                 let page = self
                     .mem
                     .load(self.layout.ctl(cpu) + ctl::READER_PAGE, Acquire);
-                Ok(SwapStatus::Swapped { page: page as u32 })
+                // A word out of range names no page: valid_page refuses it.
+                Ok(SwapStatus::Swapped {
+                    page: u32::try_from(page).unwrap_or(u32::MAX),
+                })
             }
             MailboxStatus::Busy => Ok(SwapStatus::Busy),
             MailboxStatus::Contended => Ok(SwapStatus::Contended),

@@ -163,6 +163,21 @@ pub enum ReadError {
         /// The other.
         b: u32,
     },
+    /// A consumer's position does not name a record boundary of the page it names,
+    /// or does not match the events before it (C1).
+    #[error("cpu {cpu}: page {page}: position {consumed} bytes / event {expected} is not where this reader stands ({why})")]
+    BadPosition {
+        /// The CPU.
+        cpu: u32,
+        /// The page.
+        page: u32,
+        /// Data bytes consumed.
+        consumed: u64,
+        /// The next event's index.
+        expected: u64,
+        /// What does not match.
+        why: &'static str,
+    },
     /// The writer did not answer a mailbox request in time.
     #[error(
         "cpu {cpu}: the guest writer did not answer the mailbox within {timeout:?} (stuck writer?)"
@@ -769,14 +784,11 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
                 st.stats.contended = st.stats.contended.saturating_add(1);
                 Ok(false)
             }
-            SwapReply::Done(SwapStatus::Swapped { .. }) => {
-                // Acquire: paired with the Release store of reader_page in swap_reader_page_hinted.
-                let page = valid_page(
-                    &self.layout,
-                    cpu,
-                    self.mem
-                        .load(self.layout.ctl(cpu) + ctl::READER_PAGE, Acquire),
-                )?;
+            SwapReply::Done(SwapStatus::Swapped { page }) => {
+                // The page the swap reports (read from reader_page with Acquire by the
+                // in-process callbacks, paired with its Release store in
+                // swap_reader_page_hinted; the VMM's word for an attached consumer, C1).
+                let page = valid_page(&self.layout, cpu, u64::from(page))?;
                 let st = &mut self.cpus[cpu as usize];
                 if page == st.reader {
                     return Err(ReadError::SwapNoProgress { cpu, page });
@@ -876,6 +888,119 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
         let lost = std::mem::take(&mut st.pending_lost);
         st.stats.lost = st.stats.lost.saturating_add(lost);
         Ok(Some((st.reader, lost)))
+    }
+
+    /// C1, the VMM's side: a consumer that stops reading (`detach`) consumed the first
+    /// `consumed` data bytes of `cpu`'s reader page `page`, up to event `expected`.
+    /// Checked against this reader's own view (the page is its reader page, no swap in
+    /// flight, the bytes end on a record boundary at or past what was counted, and the
+    /// events in them lead exactly to `expected`), then counted as read here, so the next
+    /// consumer starts right after them ([`RingBuffer::position`]) and the next swap
+    /// counts only the rest. Returns the events counted.
+    pub fn consumed_externally(
+        &mut self,
+        cpu: u32,
+        page: u32,
+        consumed: u64,
+        expected: u64,
+    ) -> Result<u64, ReadError> {
+        self.check_cpu(cpu)?;
+        let bad = |why| ReadError::BadPosition {
+            cpu,
+            page,
+            consumed,
+            expected,
+            why,
+        };
+        let st = &self.cpus[cpu as usize];
+        if st.final_queue.is_some() || st.swap_in_flight {
+            return Err(bad("a swap or the final walk is under way"));
+        }
+        if page != st.reader {
+            return Err(bad("not the reader page"));
+        }
+        let st = &mut self.cpus[cpu as usize];
+        Self::refresh(&self.mem, &self.layout, st)?;
+        let end = usize::try_from(consumed).map_err(|_| bad("past the committed data"))?;
+        if end > st.copied || end < st.read {
+            return Err(bad("outside the committed data not counted yet"));
+        }
+        let n = Self::count_records(st, end).ok_or_else(|| bad("not a record boundary"))?;
+        if st.expected.checked_add(n) != Some(expected) {
+            return Err(bad("another number of events"));
+        }
+        st.stats.read = st.stats.read.saturating_add(n);
+        st.stats.bytes = st.stats.bytes.saturating_add((end - st.read) as u64);
+        st.read = end;
+        st.expected = expected;
+        Ok(n)
+    }
+
+    /// C1, the consumer's side: start reading `cpu` at `page`, after its first `consumed`
+    /// data bytes, with `expected` the index of the next event — where the VMM says the
+    /// previous consumer stopped (never the guest's words). The bytes skipped must end on
+    /// a record boundary; their timestamps are decoded so the next event's is right.
+    pub fn resume(
+        &mut self,
+        cpu: u32,
+        page: u32,
+        consumed: u64,
+        expected: u64,
+    ) -> Result<(), ReadError> {
+        self.check_cpu(cpu)?;
+        let bad = |why| ReadError::BadPosition {
+            cpu,
+            page,
+            consumed,
+            expected,
+            why,
+        };
+        let page = valid_page(&self.layout, cpu, u64::from(page))?;
+        let st = &mut self.cpus[cpu as usize];
+        if st.final_queue.is_some() || st.swap_in_flight || st.stats.pages_read != 0 {
+            return Err(bad("this reader has read already"));
+        }
+        st.reader = page;
+        st.copied = 0;
+        st.read = 0;
+        st.page_events = 0;
+        st.first_ts = None;
+        st.page_handed = false;
+        st.expected = expected;
+        Self::refresh(&self.mem, &self.layout, st)?;
+        let end = usize::try_from(consumed).map_err(|_| bad("past the committed data"))?;
+        if end > st.copied {
+            return Err(bad("past the committed data"));
+        }
+        Self::count_records(st, end).ok_or_else(|| bad("not a record boundary"))?;
+        st.read = end;
+        Ok(())
+    }
+
+    /// Decodes the records of the copied page from `st.read` to `end` (updating the
+    /// clock, as reading them would): the data events among them, or `None` when `end`
+    /// is not a record boundary or a record is bad.
+    fn count_records(st: &mut CpuState, end: usize) -> Option<u64> {
+        let data = &st.buf[PAGE_HEADER_SIZE..PAGE_HEADER_SIZE + st.copied];
+        let (mut at, mut n, mut clock) = (st.read, 0u64, st.clock);
+        while at < end {
+            let (rec, next) = page::decode_record(data, at).ok()??;
+            match rec {
+                Record::Data { delta, .. } => {
+                    clock = clock.wrapping_add(delta);
+                    n += 1;
+                }
+                Record::TimeExtend { delta } => clock = clock.wrapping_add(delta),
+                Record::TimeStamp { ts } => clock = ts,
+                Record::Padding { .. } => {}
+            }
+            at = next;
+        }
+        if at != end {
+            return None;
+        }
+        st.clock = clock;
+        Some(n)
     }
 
     /// Whether the writer is still on `cpu`'s reader page (its page is not complete).
