@@ -796,6 +796,12 @@ mod tests {
         let mut b = [1u8; 16];
         m.region.read_bytes(usize::MAX - 4, &mut b);
         assert_eq!(b, [0u8; 16]);
+        // A FIFO (no writer) is refused at once, not waited on (F4).
+        let fifo = dir.join("fifo");
+        let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).expect("cstr");
+        // SAFETY: mkfifo with a NUL-terminated path that lives across the call.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo");
+        assert!(map_file(&fifo, 1).is_err(), "a FIFO mapped");
         let _ = std::fs::remove_dir_all(&dir);
     }
 
