@@ -167,6 +167,14 @@ fn attach_follow_reads_while_the_vm_runs() {
     let mut vm = Guard(Some(spawn(&args, &vm_out, &vm_err)));
     wait_socket(&sock, &mut vm, &vm_err);
     assert_eq!(mode(&sock), 0o600, "socket mode");
+    // The socket is bound before the run creates its trace memory file: wait for it.
+    env::wait_until(
+        vm.0.as_mut().expect("child"),
+        "the trace memory file",
+        WALL,
+        || std::fs::symlink_metadata(&mem).is_ok(),
+        || std::fs::read_to_string(&vm_err).unwrap_or_default(),
+    );
     assert_eq!(mode(&mem), 0o600, "trace memory file mode");
     // Text on stdout streams: the file the attach's stdout goes to grows as it reads.
     let (a_txt, a_err) = (dir.file("a.txt"), dir.file("a.err"));

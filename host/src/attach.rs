@@ -182,7 +182,18 @@ impl SharedMem for ReadOnlyMap {
     fn load(&self, off: usize, order: Ordering) -> u64 {
         // Out of range reads as 0: every caller checked its offsets against the layout
         // (which is checked against `size`), so this does not happen.
-        self.word(off).map_or(0, |w| w.load(order))
+        // Only a Relaxed load is allowed on read-only memory (an Acquire or SeqCst
+        // atomic load may be implemented as a read-modify-write, which would fault on a
+        // PROT_READ page; Rust's atomics rules make it UB): a Relaxed load, then a fence
+        // of the order asked, which gives the load Acquire's ordering.
+        let v = self.word(off).map_or(0, |w| w.load(Ordering::Relaxed));
+        if matches!(
+            order,
+            Ordering::Acquire | Ordering::AcqRel | Ordering::SeqCst
+        ) {
+            std::sync::atomic::fence(order);
+        }
+        v
     }
     fn store(&self, off: usize, _val: u64, _order: Ordering) {
         self.refused("store", off);
@@ -359,9 +370,11 @@ fn map_file(path: &Path, nr_cpus_hint: u32) -> Result<Mapped, AttachError> {
         path: path.to_path_buf(),
         why,
     };
+    // F4: O_NONBLOCK so that a FIFO named by the VMM does not block the open; refused
+    // by the type check below (a mapping never blocks on the flag).
     let file = std::fs::OpenOptions::new()
         .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(path)
         .map_err(|e| err(format!("cannot open: {e}")))?;
     let md = file.metadata().map_err(|e| err(e.to_string()))?;
@@ -842,6 +855,12 @@ mod tests {
         let mut b = [1u8; 16];
         m.region.read_bytes(usize::MAX - 4, &mut b);
         assert_eq!(b, [0u8; 16]);
+        // A FIFO (no writer) is refused at once, not waited on (F4).
+        let fifo = dir.join("fifo");
+        let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).expect("cstr");
+        // SAFETY: mkfifo with a NUL-terminated path that lives across the call.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo");
+        assert!(map_file(&fifo, 1).is_err(), "a FIFO mapped");
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -79,6 +79,35 @@ pub enum DumpError {
         #[source]
         source: std::io::Error,
     },
+    /// The path is not a regular file, or cannot be opened (F4).
+    #[error("--trace-mem {path}: {why}", path = .path.display())]
+    Open {
+        /// The path.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        why: crate::trace_mem::FileProblem,
+    },
+    /// The header declares more than the file holds (F5).
+    #[error("{path}: the header declares {declared} bytes, the file holds {held}: truncated or not a trace memory file", path = .path.display())]
+    Short {
+        /// The file.
+        path: PathBuf,
+        /// Bytes the header declares.
+        declared: u64,
+        /// Bytes the file holds.
+        held: u64,
+    },
+    /// The file got shorter while it was read (F5).
+    #[error("{path}: the file shrank while it was read ({read} of {declared} bytes): another process truncated it", path = .path.display())]
+    Shrunk {
+        /// The file.
+        path: PathBuf,
+        /// Bytes read.
+        read: u64,
+        /// Bytes the header declares.
+        declared: u64,
+    },
     /// The trace memory file is not usable.
     #[error("{path}: {source}", path = .path.display())]
     File {
@@ -258,126 +287,76 @@ pub fn dump_region<M: SharedMem + ?Sized>(
     (report, None)
 }
 
-/// The bytes of a trace memory file: mapped read-only when no VMM can be writing it,
-/// else read into memory.
-pub enum TraceMemBytes {
-    /// Read whole (the VMM that wrote it may still run).
-    Owned(Vec<u8>),
-    /// A private read-only mapping of the whole file.
-    Mapped {
-        /// The mapping.
-        ptr: *const u8,
-        /// Its length (the file's, more than 0).
-        len: usize,
-    },
+/// A trace memory file as read for a dump: a private copy of the bytes its header
+/// declares (F5), and whether a VMM held it while it was read (F6).
+#[derive(Debug)]
+pub struct TraceMemRead {
+    /// The header, the region and the meta pages, as long as the header declares.
+    pub bytes: Vec<u8>,
+    /// A VMM held the file's lock (it runs and may be writing): the copy is of one
+    /// moment, events may have been committed since.
+    pub live: bool,
 }
 
-impl std::ops::Deref for TraceMemBytes {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        match self {
-            Self::Owned(v) => v,
-            // SAFETY: a read-only mapping of `len` bytes that lives as long as `self`
-            // (unmapped in Drop only). It is made only for a file whose VMM is gone
-            // (`read_trace_mem`), so nothing writes the bytes while the slice lives.
-            Self::Mapped { ptr, len } => unsafe { std::slice::from_raw_parts(*ptr, *len) },
-        }
-    }
-}
-
-impl Drop for TraceMemBytes {
-    fn drop(&mut self) {
-        if let Self::Mapped { ptr, len } = *self {
-            // SAFETY: the mapping made in `read_trace_mem`, unmapped once; no slice of it
-            // outlives `self` (Deref borrows it).
-            unsafe { libc::munmap(ptr as *mut libc::c_void, len) };
-        }
-    }
-}
-
-/// Whether the VMM that wrote a trace memory file (its header's state and pid, in
-/// `head`) may still be writing it: state created or running and a process with that
-/// pid exists (or the header is unreadable).
-fn writer_may_run(head: &[u8]) -> bool {
-    let word = |off: usize| {
-        head.get(off..off + 8)
-            .and_then(|b| b.try_into().ok())
-            .map(u64::from_le_bytes)
-    };
-    let (Some(state), Some(pid)) = (word(trace_file::hdr::STATE), word(trace_file::hdr::PID))
-    else {
-        return true;
-    };
-    if state != trace_file::STATE_CREATED && state != trace_file::STATE_RUNNING {
-        return false;
-    }
-    let Ok(pid) = libc::pid_t::try_from(pid) else {
-        return false;
-    };
-    if pid <= 0 {
-        return false;
-    }
-    // SAFETY: kill with signal 0 only checks whether the process exists.
-    let r = unsafe { libc::kill(pid, 0) };
-    r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
-}
-
-/// The bytes of a trace memory file (a regular file, at most the largest region and
-/// header: a hostile size is refused, not allocated): mapped read-only when its VMM is
-/// gone (killed, crashed, finished: the usual case, no copy of up to 4 GiB), read whole
-/// when it may still run (a private copy: the bytes do not change under the parser).
-pub fn read_trace_mem(path: &Path) -> Result<TraceMemBytes, DumpError> {
+/// Reads a trace memory file for a dump (docs/design.md, "Trace-memory file ownership"):
+/// the type is checked before any blocking open (F4); the length comes from the fixed
+/// header, is checked against the file's size, and exactly that many bytes are read
+/// (F5: a sparse or padded file is not read past it; nothing is mapped, so a file cut
+/// short under the reader is an error, never SIGBUS). `live` comes from the file's lock
+/// (F6).
+pub fn read_trace_mem(path: &Path) -> Result<TraceMemRead, DumpError> {
     let err = |source| DumpError::Read {
         path: path.to_path_buf(),
         source,
     };
-    let mut f = std::fs::File::open(path).map_err(err)?;
-    let meta = f.metadata().map_err(err)?;
-    if !meta.file_type().is_file() {
-        return Err(err(std::io::Error::other("not a regular file")));
-    }
-    let max = trace_file::MAX_REGION + trace_file::MAX_HEADER as u64;
-    if meta.len() > max {
-        return Err(err(std::io::Error::other(format!(
-            "{} bytes: larger than any trace memory file ({max})",
-            meta.len()
-        ))));
+    // F4: O_NONBLOCK|O_NOFOLLOW open, then fstat: a FIFO or a symlink is refused at once.
+    let (file, md) = crate::trace_mem::open_regular(path).map_err(|why| DumpError::Open {
+        path: path.to_path_buf(),
+        why,
+    })?;
+    // F6: a VMM holds its file exclusively for as long as it runs (the kernel drops the
+    // lock when the process dies, even by SIGKILL). The shared lock is only a test.
+    let live = !crate::trace_mem::try_flock(&file, libc::LOCK_SH).map_err(err)?;
+    if !live {
+        let _ = crate::trace_mem::try_flock(&file, libc::LOCK_UN);
     }
     let mut head = Vec::with_capacity(trace_file::HEADER_FIXED);
-    (&mut f)
+    (&file)
         .take(trace_file::HEADER_FIXED as u64)
         .read_to_end(&mut head)
         .map_err(err)?;
-    let len = usize::try_from(meta.len()).map_err(|e| err(std::io::Error::other(e)))?;
-    if len > 0 && !writer_may_run(&head) {
-        // SAFETY: a fresh private read-only mapping of the whole file (its length as
-        // just read); no address hint. The result is checked.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ,
-                libc::MAP_PRIVATE,
-                std::os::fd::AsRawFd::as_raw_fd(&f),
-                0,
-            )
-        };
-        if ptr != libc::MAP_FAILED {
-            return Ok(TraceMemBytes::Mapped {
-                ptr: ptr.cast_const().cast(),
-                len,
-            });
-        }
-        log::debug!(
-            "{}: mmap failed ({}): reading it",
-            path.display(),
-            std::io::Error::last_os_error()
-        );
+    let file_err = |source| DumpError::File {
+        path: path.to_path_buf(),
+        source,
+    };
+    let declared = trace_file::declared_len(&head).map_err(file_err)?;
+    // F5: the header may not claim more than the file holds.
+    if declared > md.len() {
+        return Err(DumpError::Short {
+            path: path.to_path_buf(),
+            declared,
+            held: md.len(),
+        });
     }
-    let mut bytes = head;
-    bytes.reserve(len.saturating_sub(bytes.len()));
-    f.take(max).read_to_end(&mut bytes).map_err(err)?;
-    Ok(TraceMemBytes::Owned(bytes))
+    let len = usize::try_from(declared).map_err(|e| err(std::io::Error::other(e)))?;
+    let mut bytes = Vec::new();
+    bytes
+        .try_reserve_exact(len)
+        .map_err(|e| err(std::io::Error::other(e)))?;
+    bytes.extend_from_slice(&head);
+    (&file)
+        .take(declared - head.len() as u64)
+        .read_to_end(&mut bytes)
+        .map_err(err)?;
+    // F5: cut short while read (another process truncated it): an error, not a signal.
+    if bytes.len() < len {
+        return Err(DumpError::Shrunk {
+            path: path.to_path_buf(),
+            read: bytes.len() as u64,
+            declared,
+        });
+    }
+    Ok(TraceMemRead { bytes, live })
 }
 
 /// Dumps a trace memory file's unconsumed events into `target` in `format`. Returns
@@ -455,8 +434,17 @@ pub fn dump(a: &DumpArgs) -> i32 {
             }
         };
     };
-    let r = read_trace_mem(trace_mem)
-        .and_then(|bytes| dump_trace_mem(&bytes, trace_mem, &target, &a.output, format));
+    let r = read_trace_mem(trace_mem).and_then(|read| {
+        let (report, mut warnings) =
+            dump_trace_mem(&read.bytes, trace_mem, &target, &a.output, format)?;
+        if read.live {
+            // F6: the VMM runs: the dump is of the moment of the copy.
+            warnings.push(
+                "a running VMM holds the file: this is a copy of one moment, it writes on".into(),
+            );
+        }
+        Ok((report, warnings))
+    });
     match r {
         Ok((report, warnings)) => {
             for w in &warnings {
@@ -620,39 +608,111 @@ pub fn write_crash_dump<M: SharedMem + ?Sized>(
 mod tests {
     use super::*;
 
-    fn file_with(tag: &str, state: u64, pid: u64) -> (PathBuf, Vec<u8>) {
-        let path =
-            std::env::temp_dir().join(format!("hyptrace-dump-{}-{tag}.trace", std::process::id()));
-        let mut bytes: Vec<u8> = (0..3 * 4096u32).map(|i| (i % 251) as u8).collect();
-        bytes[trace_file::hdr::STATE..trace_file::hdr::STATE + 8]
-            .copy_from_slice(&state.to_le_bytes());
-        bytes[trace_file::hdr::PID..trace_file::hdr::PID + 8].copy_from_slice(&pid.to_le_bytes());
-        std::fs::write(&path, &bytes).expect("write");
-        (path, bytes)
+    fn dir(tag: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("hyptrace-dump-{}-{tag}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).expect("mkdir");
+        d
     }
 
-    /// A file whose VMM is gone is mapped read-only (not copied); one whose VMM may
-    /// still run (running, its pid alive) is read into memory. Same bytes either way.
+    /// A file whose header declares a 2-page region and one CPU's meta page after it
+    /// (4096 header + 8192 region + 4096 meta), bytes patterned.
+    fn declared_file() -> Vec<u8> {
+        let mut b: Vec<u8> = (0..4 * 4096u32).map(|i| (i % 251) as u8).collect();
+        let mut w = |off: usize, v: u64| b[off..off + 8].copy_from_slice(&v.to_le_bytes());
+        w(trace_file::hdr::MAGIC, trace_file::MAGIC);
+        w(
+            trace_file::hdr::VERSION_HEADER_SIZE,
+            u64::from(trace_file::VERSION) | (4096 << 32),
+        );
+        w(trace_file::hdr::PAGE_SIZE_NR_CPUS, 4096 | (1 << 32));
+        w(trace_file::hdr::REGION_SIZE, 8000);
+        w(trace_file::hdr::META_OFF, 3 * 4096);
+        b
+    }
+
+    /// F5: the length comes from the header (header + region rounded up + meta pages);
+    /// a meta offset elsewhere is not counted; hostile headers are errors.
     #[test]
-    fn trace_mem_mapped_only_when_its_vmm_is_gone() {
-        let me = u64::from(std::process::id());
-        for (tag, state, pid, mapped) in [
-            ("ended", trace_file::STATE_ENDED, me, true),
-            ("crashed", trace_file::STATE_CRASHED, me, true),
-            ("live", trace_file::STATE_RUNNING, me, false),
-            (
-                "dead",
-                trace_file::STATE_RUNNING,
-                u64::from(u32::MAX >> 1),
-                true,
-            ),
-        ] {
-            let (path, bytes) = file_with(tag, state, pid);
-            let got = read_trace_mem(&path).expect("read");
-            assert_eq!(matches!(got, TraceMemBytes::Mapped { .. }), mapped, "{tag}");
-            assert_eq!(&got[..], &bytes[..], "{tag}");
-            drop(got);
-            let _ = std::fs::remove_file(&path);
+    fn declared_len_from_the_header() {
+        let b = declared_file();
+        assert_eq!(trace_file::declared_len(&b), Ok(4 * 4096));
+        let mut c = b.clone();
+        c[trace_file::hdr::META_OFF..trace_file::hdr::META_OFF + 8]
+            .copy_from_slice(&(1u64 << 40).to_le_bytes());
+        assert_eq!(trace_file::declared_len(&c), Ok(3 * 4096));
+        assert!(trace_file::declared_len(&b[..100]).is_err());
+        let mut m = b.clone();
+        m[0] ^= 1;
+        assert!(trace_file::declared_len(&m).is_err());
+        let mut r = b;
+        r[trace_file::hdr::REGION_SIZE..trace_file::hdr::REGION_SIZE + 8]
+            .copy_from_slice(&u64::MAX.to_le_bytes());
+        assert!(trace_file::declared_len(&r).is_err());
+    }
+
+    /// F5: exactly the declared bytes are read from a file padded (sparsely) far past
+    /// them; a file shorter than its header declares is refused (exit 2).
+    #[test]
+    fn reads_only_what_the_header_declares() {
+        let d = dir("declared");
+        let p = d.join("f");
+        let b = declared_file();
+        std::fs::write(&p, &b).expect("write");
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&p)
+            .expect("open");
+        f.set_len(1 << 32).expect("sparse");
+        let got = read_trace_mem(&p).expect("read");
+        assert_eq!(got.bytes, b);
+        assert!(!got.live);
+        f.set_len(b.len() as u64 - 1).expect("cut");
+        let e = read_trace_mem(&p).expect_err("short");
+        assert!(matches!(e, DumpError::Short { .. }), "{e}");
+        assert_eq!(e.exit_code(), EXIT_USAGE);
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    /// F4: a FIFO (no writer: a blocking open would wait for ever), a symlink and a
+    /// directory are refused at once (exit 2).
+    #[test]
+    fn non_regular_paths_are_refused_without_blocking() {
+        let d = dir("types");
+        let fifo = d.join("fifo");
+        let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).expect("cstr");
+        // SAFETY: mkfifo with a NUL-terminated path that lives across the call.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo");
+        let reg = d.join("reg");
+        std::fs::write(&reg, declared_file()).expect("write");
+        let link = d.join("link");
+        std::os::unix::fs::symlink(&reg, &link).expect("symlink");
+        for p in [&fifo, &link, &d] {
+            let e = read_trace_mem(p).expect_err("refused");
+            assert!(matches!(e, DumpError::Open { .. }), "{e}");
+            assert!(e.to_string().contains("not a regular file"), "{e}");
+            assert_eq!(e.exit_code(), EXIT_USAGE);
         }
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    /// F6: a file whose lock another open file holds exclusively (a running VMM) is read
+    /// as live; once released, as finished. The bytes are the same.
+    #[test]
+    fn live_means_a_vmm_holds_the_lock() {
+        let d = dir("live");
+        let p = d.join("f");
+        let b = declared_file();
+        std::fs::write(&p, &b).expect("write");
+        let holder = std::fs::File::open(&p).expect("open");
+        assert!(crate::trace_mem::try_flock(&holder, libc::LOCK_EX).expect("flock"));
+        let got = read_trace_mem(&p).expect("read");
+        assert!(got.live);
+        assert_eq!(got.bytes, b);
+        drop(holder);
+        let got = read_trace_mem(&p).expect("read");
+        assert!(!got.live);
+        assert_eq!(got.bytes, b);
+        let _ = std::fs::remove_dir_all(&d);
     }
 }

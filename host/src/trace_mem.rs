@@ -16,12 +16,15 @@
 //! two slots alternate and one word (`active`) says which holds the newest, so a
 //! VMM killed in the middle of an update leaves the previous one intact.
 
-use std::fs::{File, OpenOptions};
+use std::ffi::OsString;
+use std::fs::{File, Metadata, OpenOptions};
 use std::io;
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering::{Relaxed, Release};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use hyptrace_abi::layout::{meta, RingGeometry};
 use hyptrace_abi::{RawMem, SharedMem};
@@ -36,18 +39,270 @@ pub use hyptrace_reader::trace_file::{
 
 /// Why the trace memory file could not be set up.
 #[derive(Debug, thiserror::Error)]
-#[error("--trace-mem {path}: {source}", path = .path.display())]
+#[error("--trace-mem {path}: {why}", path = .path.display())]
 pub struct TraceMemError {
     /// The file.
     pub path: PathBuf,
     /// Why.
     #[source]
-    pub source: io::Error,
+    pub why: FileProblem,
+}
+
+/// What is wrong with a trace memory file's path (docs/design.md, "Trace-memory file
+/// ownership", F1-F7).
+#[derive(Debug, thiserror::Error)]
+pub enum FileProblem {
+    /// F1: a running VMM holds the file's lock.
+    #[error(
+        "in use by a running VMM (pid {pid}): one VMM per trace memory file; pick another path"
+    )]
+    Locked {
+        /// The holder's pid as its header says ("unknown" if it does not).
+        pid: String,
+    },
+    /// F3/F4: the path names something other than a regular file.
+    #[error("is {0}, not a regular file: refused")]
+    NotRegular(&'static str),
+    /// F3: a regular file with other names.
+    #[error(
+        "has {0} hard links: refused (replacing it would leave the other names on the old file)"
+    )]
+    HardLinks(u64),
+    /// F1: the path was replaced between this VMM's rename and its check.
+    #[error("another process replaced the file while this VMM set it up")]
+    Replaced,
+    /// A system call failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: &'static str,
+        /// Why it failed.
+        #[source]
+        source: io::Error,
+    },
+}
+
+impl FileProblem {
+    fn io(what: &'static str) -> impl FnOnce(io::Error) -> Self {
+        move |source| Self::Io { what, source }
+    }
+}
+
+/// What a file type is called in messages.
+fn kind_name(t: std::fs::FileType) -> &'static str {
+    if t.is_symlink() {
+        "a symbolic link"
+    } else if t.is_dir() {
+        "a directory"
+    } else if t.is_fifo() {
+        "a FIFO"
+    } else if t.is_socket() {
+        "a socket"
+    } else if t.is_block_device() || t.is_char_device() {
+        "a device"
+    } else if t.is_file() {
+        "a regular file"
+    } else {
+        "of an unknown type"
+    }
+}
+
+/// `flock(file, op | LOCK_NB)`: `Ok(false)` when another open file holds a conflicting
+/// lock (`EWOULDBLOCK`).
+pub fn try_flock(file: &File, op: libc::c_int) -> io::Result<bool> {
+    loop {
+        // SAFETY: flock on an open descriptor this `File` owns; no memory is passed.
+        let r = unsafe { libc::flock(file.as_raw_fd(), op | libc::LOCK_NB) };
+        if r == 0 {
+            return Ok(true);
+        }
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EWOULDBLOCK) => return Ok(false),
+            Some(libc::EINTR) => continue,
+            _ => return Err(e),
+        }
+    }
+}
+
+/// F4: opens `path` read-only without blocking and without following a symbolic link
+/// (`O_RDONLY|O_NONBLOCK|O_NOFOLLOW|O_CLOEXEC`: opening a FIFO this way returns at once),
+/// then refuses anything but a regular file (`fstat`); `O_NONBLOCK` is cleared before
+/// the file is returned.
+pub fn open_regular(path: &Path) -> Result<(File, Metadata), FileProblem> {
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::ELOOP) => FileProblem::NotRegular("a symbolic link"),
+            _ => FileProblem::Io {
+                what: "cannot open",
+                source: e,
+            },
+        })?;
+    let md = file.metadata().map_err(FileProblem::io("fstat"))?;
+    if !md.file_type().is_file() {
+        return Err(FileProblem::NotRegular(kind_name(md.file_type())));
+    }
+    let fd = file.as_raw_fd();
+    // SAFETY: fcntl F_GETFL/F_SETFL on a descriptor this `File` owns; no memory passed.
+    let cleared = unsafe {
+        let fl = libc::fcntl(fd, libc::F_GETFL);
+        fl >= 0 && libc::fcntl(fd, libc::F_SETFL, fl & !libc::O_NONBLOCK) == 0
+    };
+    if !cleared {
+        return Err(FileProblem::Io {
+            what: "fcntl",
+            source: io::Error::last_os_error(),
+        });
+    }
+    Ok((file, md))
+}
+
+/// The pid word of a trace memory file's header, for a message ("unknown": none).
+fn header_pid(file: &File) -> String {
+    let mut w = [0u8; 8];
+    match file.read_exact_at(&mut w, hdr::PID as u64) {
+        Ok(()) if u64::from_le_bytes(w) != 0 => u64::from_le_bytes(w).to_string(),
+        _ => "unknown".into(),
+    }
+}
+
+/// F1, F3: what is at `path` may be replaced: nothing, or a regular file with one name
+/// that no VMM holds (a shared lock is granted: only a VMM holds it exclusively; a
+/// dump's brief shared test does not conflict). The path is examined with `lstat`
+/// first, so a FIFO or a device is never opened.
+fn check_replaceable(path: &Path) -> Result<(), FileProblem> {
+    let md = match std::fs::symlink_metadata(path) {
+        Ok(md) => md,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(FileProblem::io("lstat")(e)),
+    };
+    if !md.file_type().is_file() {
+        return Err(FileProblem::NotRegular(kind_name(md.file_type())));
+    }
+    let (file, md) = open_regular(path)?;
+    if md.nlink() > 1 {
+        return Err(FileProblem::HardLinks(md.nlink()));
+    }
+    if !try_flock(&file, libc::LOCK_SH).map_err(FileProblem::io("flock"))? {
+        return Err(FileProblem::Locked {
+            pid: header_pid(&file),
+        });
+    }
+    // Dropping the file closes it, which releases the shared lock.
+    Ok(())
+}
+
+/// How long a VMM waits for another hyptrace setting up a file in the same directory.
+const DIR_LOCK_WAIT: Duration = Duration::from_secs(5);
+
+/// F1: the exclusive flock of the directory that serialises "check the path, rename
+/// over it" among hyptrace processes (`None`: the directory cannot be opened for
+/// reading; the post-rename check is then the only guard).
+fn lock_dir(dir: &Path) -> Result<Option<File>, FileProblem> {
+    let d = match OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_CLOEXEC)
+        .open(dir)
+    {
+        Ok(d) => d,
+        Err(e) => {
+            log::debug!("{}: no directory lock ({e})", dir.display());
+            return Ok(None);
+        }
+    };
+    let start = Instant::now();
+    loop {
+        match try_flock(&d, libc::LOCK_EX) {
+            Ok(true) => return Ok(Some(d)),
+            Ok(false) if start.elapsed() < DIR_LOCK_WAIT => {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Ok(false) => {
+                return Err(FileProblem::Io {
+                    what: "the directory stays locked by another process",
+                    source: io::ErrorKind::TimedOut.into(),
+                })
+            }
+            Err(e) => {
+                log::debug!("{}: no directory lock ({e})", dir.display());
+                return Ok(None);
+            }
+        }
+    }
+}
+
+/// F2: the name of a new file next to the path (`O_CREAT|O_EXCL`, 0600), removed on
+/// drop unless [`TempName::keep`] was called: every error path of
+/// [`TraceMemFile::create`] removes it.
+struct TempName(PathBuf);
+
+impl TempName {
+    fn create(dir: &Path, name: &std::ffi::OsStr) -> Result<(Self, File), FileProblem> {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        loop {
+            let mut tmp = OsString::from(".");
+            tmp.push(name);
+            tmp.push(format!(
+                ".{}-{}.tmp",
+                std::process::id(),
+                N.fetch_add(1, Relaxed)
+            ));
+            let path = dir.join(tmp);
+            match OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+                .open(&path)
+            {
+                Ok(f) => return Ok((Self(path), f)),
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+                Err(e) => return Err(FileProblem::io("cannot create a file next to it")(e)),
+            }
+        }
+    }
+
+    /// The name is no longer removed on drop (it was renamed).
+    fn keep(mut self) {
+        self.0 = PathBuf::new();
+    }
+}
+
+impl Drop for TempName {
+    fn drop(&mut self) {
+        if !self.0.as_os_str().is_empty() {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+}
+
+/// The directory and the name of `path` (a path without a file name is refused).
+fn split_path(path: &Path) -> Result<(PathBuf, OsString), FileProblem> {
+    let name = path
+        .file_name()
+        .ok_or(FileProblem::NotRegular("a directory"))?;
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    Ok((dir, name.to_os_string()))
+}
+
+/// F1: the path names `file` (same device and inode).
+fn names(path: &Path, file: &File) -> Result<bool, FileProblem> {
+    let at = std::fs::symlink_metadata(path).map_err(FileProblem::io("lstat after rename"))?;
+    let ours = file.metadata().map_err(FileProblem::io("fstat"))?;
+    Ok(at.dev() == ours.dev() && at.ino() == ours.ino())
 }
 
 /// The trace memory file of a running VMM: the file (mapped into guest memory by
 /// [`crate::vm::Vm::new`] through [`TraceMemFile::region_backing`]) and a shared mapping of
-/// its header.
+/// its header. The file is held with an exclusive `flock` (F1) for as long as any of its
+/// descriptors is open: this value's and the guest memory's (they share the open file).
 pub struct TraceMemFile {
     path: PathBuf,
     file: Arc<File>,
@@ -88,34 +343,59 @@ impl std::fmt::Debug for TraceMemFile {
 }
 
 impl TraceMemFile {
-    /// Creates (or truncates) `path`, owner-only (0600, no symlink followed), sized for
-    /// the header and `ring`'s region, and maps its header.
+    /// Creates the trace memory file at `path` for `ring` (docs/design.md, "Trace-memory
+    /// file ownership"): refuses a path a running VMM holds (F1), anything but a regular
+    /// file with one name (F3), and otherwise makes a new owner-only file next to it,
+    /// locked, sized and stamped with this pid, renamed over the path (F2) — an old file
+    /// is replaced, never truncated, so a dump still reading it is undisturbed.
     pub fn create(path: &Path, ring: &RingGeometry) -> Result<Self, TraceMemError> {
-        let err = |source| TraceMemError {
+        let err = |why| TraceMemError {
             path: path.to_path_buf(),
-            source,
+            why,
         };
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(path)
-            .map_err(err)?;
-        let meta = file.metadata().map_err(err)?;
-        if !meta.file_type().is_file() {
-            return Err(err(io::Error::other("not a regular file")));
+        let (dir, name) = split_path(path).map_err(err)?;
+        // F1: hyptrace processes check and replace a path in this directory one at a time.
+        let _dir_lock = lock_dir(&dir).map_err(err)?;
+        check_replaceable(path).map_err(err)?;
+        let (tmp, file) = TempName::create(&dir, &name).map_err(err)?;
+        // F1: locked before it has the name, so no one sees it unowned.
+        if !try_flock(&file, libc::LOCK_EX)
+            .map_err(FileProblem::io("flock"))
+            .map_err(err)?
+        {
+            return Err(err(FileProblem::Io {
+                what: "flock of the new file",
+                source: io::ErrorKind::WouldBlock.into(),
+            }));
         }
-        // An existing file keeps its mode on open: make it owner-only.
+        // Owner-only even under a umask that allows more (O_CREAT's mode is masked).
         file.set_permissions(std::fs::Permissions::from_mode(0o600))
+            .map_err(FileProblem::io("chmod"))
             .map_err(err)?;
+        let tm = Self::map(path, file, ring).map_err(err)?;
+        // The pid first, so a VMM refused by the lock can name this one (F1).
+        tm.header
+            .store(hdr::PID, u64::from(std::process::id()), Relaxed);
+        std::fs::rename(&tmp.0, path)
+            .map_err(FileProblem::io("rename"))
+            .map_err(err)?;
+        tmp.keep();
+        // F1: the path names our inode, which we hold locked; a process that is not
+        // hyptrace can still rename over it later (see the design).
+        if !names(path, &tm.file).map_err(err)? {
+            return Err(err(FileProblem::Replaced));
+        }
+        Ok(tm)
+    }
+
+    /// Sizes `file` for the header, `ring`'s region and the meta pages, and maps the
+    /// header and the meta pages.
+    fn map(path: &Path, file: File, ring: &RingGeometry) -> Result<Self, FileProblem> {
         let header_len = header_size(ring.nr_cpus);
         let meta_off = header_len as u64 + mapped_len(ring.region_size) as u64;
         let meta_len = ring.nr_cpus as usize * meta::PAGE_SIZE;
         let total = meta_off + meta_len as u64;
-        file.set_len(total).map_err(err)?;
+        file.set_len(total).map_err(FileProblem::io("set_len"))?;
         // SAFETY: a fresh shared mapping of the file's first `header_len` bytes (the file
         // is at least that long); no address hint, so nothing existing is replaced.
         let ptr = unsafe {
@@ -124,12 +404,12 @@ impl TraceMemFile {
                 header_len,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_SHARED,
-                std::os::fd::AsRawFd::as_raw_fd(&file),
+                file.as_raw_fd(),
                 0,
             )
         };
         if ptr == libc::MAP_FAILED {
-            return Err(err(io::Error::last_os_error()));
+            return Err(FileProblem::io("mmap")(io::Error::last_os_error()));
         }
         // SAFETY: `ptr` is a page-aligned mapping of `header_len` bytes that this value
         // owns until Drop; only this process writes it, through this RawMem's atomics
@@ -146,7 +426,7 @@ impl TraceMemFile {
                     meta_len,
                     libc::PROT_READ | libc::PROT_WRITE,
                     libc::MAP_SHARED,
-                    std::os::fd::AsRawFd::as_raw_fd(&file),
+                    file.as_raw_fd(),
                     meta_off as libc::off_t,
                 )
             }
@@ -156,7 +436,7 @@ impl TraceMemFile {
             // SAFETY: the header mapping made above, unmapped once; `header` is dropped
             // unused.
             unsafe { libc::munmap(header.as_ptr().cast(), header_len) };
-            return Err(err(e));
+            return Err(FileProblem::io("mmap")(e));
         }
         // SAFETY: a page-aligned mapping of `meta_len` bytes owned by this value until
         // Drop; this process writes it only through this RawMem (atomics), other
@@ -187,7 +467,8 @@ impl TraceMemFile {
     pub fn write_header(&self, ring: &RingGeometry, gpa: u64, tsc_khz: u64, generation: u64) {
         let h = &self.header;
         let w = |off: usize, v: u64| h.store(off, v, Relaxed);
-        for off in (0..HEADER_FIXED).step_by(8) {
+        // The pid word stays: `create` wrote it before the file got its name (F1).
+        for off in (0..HEADER_FIXED).step_by(8).filter(|&o| o != hdr::PID) {
             w(off, 0);
         }
         w(
@@ -293,5 +574,169 @@ impl Drop for TraceMemFile {
         unsafe {
             libc::munmap(self.meta.as_ptr().cast(), self.meta.size());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hyptrace_abi::layout::Mode;
+
+    fn dir(tag: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("hyptrace-tm-{}-{tag}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).expect("mkdir");
+        d
+    }
+
+    fn ring() -> RingGeometry {
+        RingGeometry::new(2, 3, 4096, Mode::Overwrite, false).expect("ring")
+    }
+
+    fn mkfifo(p: &Path) {
+        let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).expect("cstr");
+        // SAFETY: mkfifo with a NUL-terminated path that lives across the call.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo");
+    }
+
+    /// F3/F4: a symlink, a directory, a FIFO at the path are refused by type (the FIFO
+    /// without blocking: `lstat` first); a regular file with two names is refused; a
+    /// missing path or a lone unlocked regular file may be replaced.
+    #[test]
+    fn what_may_be_replaced() {
+        let d = dir("replace");
+        let missing = d.join("missing");
+        assert!(check_replaceable(&missing).is_ok());
+        let f = d.join("f");
+        std::fs::write(&f, b"old").expect("write");
+        assert!(check_replaceable(&f).is_ok());
+        let l = d.join("link");
+        std::os::unix::fs::symlink(&f, &l).expect("symlink");
+        assert!(matches!(
+            check_replaceable(&l),
+            Err(FileProblem::NotRegular("a symbolic link"))
+        ));
+        assert!(matches!(
+            check_replaceable(&d),
+            Err(FileProblem::NotRegular("a directory"))
+        ));
+        let fifo = d.join("fifo");
+        mkfifo(&fifo);
+        assert!(matches!(
+            check_replaceable(&fifo),
+            Err(FileProblem::NotRegular("a FIFO"))
+        ));
+        // open_regular on a FIFO returns at once (O_NONBLOCK), refused by fstat.
+        assert!(matches!(
+            open_regular(&fifo),
+            Err(FileProblem::NotRegular("a FIFO"))
+        ));
+        assert!(matches!(
+            open_regular(&l),
+            Err(FileProblem::NotRegular("a symbolic link"))
+        ));
+        let h = d.join("hard");
+        std::fs::hard_link(&f, &h).expect("link");
+        assert!(matches!(
+            check_replaceable(&f),
+            Err(FileProblem::HardLinks(2))
+        ));
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    /// F1: a file held with an exclusive flock (another open file description, as a
+    /// running VMM's) is refused, naming the pid in its header; a shared lock (a dump's
+    /// test) does not stop a replacement.
+    #[test]
+    fn a_locked_file_is_refused_with_its_pid() {
+        let d = dir("locked");
+        let f = d.join("f");
+        let mut bytes = vec![0u8; 4096];
+        bytes[hdr::PID..hdr::PID + 8].copy_from_slice(&4242u64.to_le_bytes());
+        std::fs::write(&f, &bytes).expect("write");
+        let holder = File::open(&f).expect("open");
+        assert!(try_flock(&holder, libc::LOCK_SH).expect("flock"));
+        assert!(check_replaceable(&f).is_ok(), "a shared lock is no owner");
+        assert!(try_flock(&holder, libc::LOCK_EX).expect("flock"));
+        match check_replaceable(&f) {
+            Err(e @ FileProblem::Locked { .. }) => {
+                assert!(e.to_string().contains("pid 4242"), "{e}")
+            }
+            other => panic!("{other:?}"),
+        }
+        let e = TraceMemFile::create(&f, &ring()).expect_err("refused");
+        assert!(e.to_string().contains("pid 4242"), "{e}");
+        assert_eq!(std::fs::read(&f).expect("read"), bytes, "untouched");
+        drop(holder);
+        assert_eq!(entries(&d), ["f"], "no temporary file left");
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    fn entries(d: &Path) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(d)
+            .expect("readdir")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// F2: an old file is replaced by a new inode (a reader of the old one keeps its
+    /// bytes), owner-only, locked by the new owner, stamped with its pid; a second
+    /// create on the path is refused while the first lives, and allowed after it.
+    #[test]
+    fn create_replaces_by_rename_and_owns_the_file() {
+        let d = dir("create");
+        let f = d.join("vm.trace");
+        std::fs::write(&f, b"old bytes").expect("write");
+        std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+        let old = File::open(&f).expect("open old");
+        let tm = TraceMemFile::create(&f, &ring()).expect("create");
+        let md = std::fs::metadata(&f).expect("meta");
+        assert_eq!(md.permissions().mode() & 0o777, 0o600);
+        assert_ne!(md.ino(), old.metadata().expect("old").ino(), "a new inode");
+        let mut b = Vec::new();
+        std::io::Read::read_to_end(&mut &old, &mut b).expect("read old");
+        assert_eq!(b, b"old bytes", "the old file is intact");
+        let me = File::open(&f).expect("open new");
+        assert!(
+            !try_flock(&me, libc::LOCK_SH).expect("flock"),
+            "held by the VMM"
+        );
+        assert_eq!(header_pid(&me), std::process::id().to_string());
+        let e = TraceMemFile::create(&f, &ring()).expect_err("second owner");
+        assert!(matches!(e.why, FileProblem::Locked { .. }), "{e}");
+        drop(tm);
+        assert!(try_flock(&me, libc::LOCK_SH).expect("flock"), "released");
+        drop(me);
+        let tm = TraceMemFile::create(&f, &ring()).expect("a finished file is replaced");
+        drop(tm);
+        assert_eq!(entries(&d), ["vm.trace"], "no temporary file left");
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    /// A path without a file name, or naming a directory, is refused before anything is
+    /// made; the temporary name's guard removes it on drop (every error path).
+    #[test]
+    fn failed_create_leaves_nothing() {
+        let d = dir("fail");
+        assert!(matches!(
+            split_path(Path::new("/")),
+            Err(FileProblem::NotRegular(_))
+        ));
+        let sub = d.join("sub");
+        std::fs::create_dir(&sub).expect("mkdir");
+        let e = TraceMemFile::create(&sub, &ring()).expect_err("a directory");
+        assert!(
+            matches!(e.why, FileProblem::NotRegular("a directory")),
+            "{e}"
+        );
+        let (t, _f) = TempName::create(&d, std::ffi::OsStr::new("x")).expect("tmp");
+        let p = t.0.clone();
+        assert!(p.exists());
+        drop(t);
+        assert!(!p.exists());
+        assert_eq!(entries(&d), ["sub"]);
+        let _ = std::fs::remove_dir_all(&d);
     }
 }

@@ -187,11 +187,9 @@ fn word(b: &[u8], off: usize) -> u64 {
     u64::from_le_bytes(w)
 }
 
-/// Checks the bytes of a trace memory file (all of them hostile) and returns the
-/// region as a snapshot with its layout and positions. A region shorter than the
-/// header says (a truncated file) reads as zeros past the end, with a warning; the
-/// pack and descriptors must be present and valid.
-pub fn parse(bytes: &[u8]) -> Result<FileImage<'_>, FileError> {
+/// The fixed header's checks (magic, version, header size, region size): the header
+/// length and the region size.
+fn check_fixed(bytes: &[u8]) -> Result<(usize, usize), FileError> {
     if bytes.len() < HEADER_FIXED {
         return Err(FileError::Short(bytes.len()));
     }
@@ -211,7 +209,31 @@ pub fn parse(bytes: &[u8]) -> Result<FileImage<'_>, FileError> {
     if region_size > MAX_REGION {
         return Err(FileError::Header(format!("region size {region_size}")));
     }
-    let region_size = region_size as usize;
+    Ok((header_len, region_size as usize))
+}
+
+/// The length of the file its fixed header (`head`, hostile) declares: the header, the
+/// region rounded up to [`FILE_ALIGN`], and the meta pages when [`hdr::META_OFF`] puts
+/// them right after the region (as the VMM does; another offset is not counted: nothing
+/// a post-mortem reader does needs them). The checks are [`parse`]'s.
+pub fn declared_len(head: &[u8]) -> Result<u64, FileError> {
+    let (header_len, region_size) = check_fixed(head)?;
+    let end = (header_len + mapped_len(region_size)) as u64;
+    let nr_cpus = word(head, hdr::PAGE_SIZE_NR_CPUS) >> 32;
+    let meta_ok = word(head, hdr::META_OFF) == end && (1..=MAX_CPUS as u64).contains(&nr_cpus);
+    Ok(if meta_ok {
+        end + nr_cpus * hyptrace_abi::layout::meta::PAGE_SIZE as u64
+    } else {
+        end
+    })
+}
+
+/// Checks the bytes of a trace memory file (all of them hostile) and returns the
+/// region as a snapshot with its layout and positions. A region shorter than the
+/// header says (a truncated file) reads as zeros past the end, with a warning; the
+/// pack and descriptors must be present and valid.
+pub fn parse(bytes: &[u8]) -> Result<FileImage<'_>, FileError> {
+    let (header_len, region_size) = check_fixed(bytes)?;
     let Some(held) = bytes.get(header_len..) else {
         return Err(FileError::Header(format!(
             "header size {header_len} past the end of the file ({} bytes)",
