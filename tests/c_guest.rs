@@ -199,3 +199,74 @@ fn c_guest_event_enabled_through_ctl() {
     let want: Vec<u64> = (skipped..events).collect();
     assert_eq!(seqs, want, "the skipped events are the first {skipped}");
 }
+
+/// Issue 23: vCPU 0 spins 1 s of start-up work before it registers, while vCPU 1,
+/// attached, waits for the answer (tests/support/c/late_register.c). The run waits for
+/// vCPU 0 (no fixed grace), so the registration is taken in: exit 0, and both
+/// `hyptrace report` and trace-cmd print every event of both vCPUs with its fields,
+/// none as `[UNKNOWN EVENT]`.
+#[test]
+fn c_guest_registering_late_has_its_formats_in_trace_dat() {
+    if !kvm_available(
+        KRATE,
+        "c_guest_registering_late_has_its_formats_in_trace_dat",
+    ) {
+        return;
+    }
+    let elf = hyptrace::cguest::c_test_guest(&target_dir(), "late_register")
+        .unwrap_or_else(|e| panic!("{e}"));
+    let elf = elf.to_str().expect("utf-8 path");
+    let _vm = vm_lock();
+    let dir = TempDir::new("c-guest-late");
+    let dat = dir.file("x.dat");
+    let st = dir.file("stats.json");
+    let events = 200u64;
+    let o = env::run(
+        BIN,
+        &[
+            "record",
+            "--guest",
+            elf,
+            "--vcpus",
+            "2",
+            "--events",
+            &events.to_string(),
+            "-o",
+            &dat,
+            "--stats",
+            &st,
+        ],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", env::stderr(&o));
+    let stats = std::fs::read_to_string(&st).expect("stats");
+    for c in counters(&stats) {
+        assert_eq!(c, (events, 0, events, events, 0), "{stats}");
+    }
+    let every_tick_once = |out: &str, what: &str| {
+        assert!(!out.contains("UNKNOWN EVENT"), "{what}:\n{out}");
+        let lines: Vec<&str> = out.lines().filter(|l| l.contains(" tick:")).collect();
+        assert_eq!(lines.len() as u64, 2 * events, "{what}:\n{out}");
+        for cpu in 0..2u64 {
+            for i in 0..events {
+                let want = format!("seq={i} cpu={cpu}");
+                let n = lines
+                    .iter()
+                    .filter(|l| l.contains(&format!("[{cpu:03}]")) && l.trim_end().ends_with(&want))
+                    .count();
+                assert_eq!(
+                    n, 1,
+                    "{what}: cpu {cpu} event {i}: {want:?} not printed once in\n{out}"
+                );
+            }
+        }
+    };
+    let o = env::run(BIN, &["report", &dat]);
+    assert!(o.status.success(), "hyptrace report: {}", env::stderr(&o));
+    every_tick_once(&env::stdout(&o), "hyptrace report");
+    if !trace_cmd_available() {
+        return;
+    }
+    let o = env::run("trace-cmd", &["report", &dat]);
+    assert!(o.status.success(), "trace-cmd report: {}", env::stderr(&o));
+    every_tick_once(&env::stdout(&o), "trace-cmd report");
+}

@@ -12,7 +12,7 @@ use std::sync::atomic::Ordering::{Relaxed, SeqCst};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use hyptrace_abi::layout::{ctl, RingGeometry, WRITER_IDLE};
+use hyptrace_abi::layout::{ctl, RingGeometry};
 use hyptrace_abi::SharedMem;
 use hyptrace_output::format::common_fields;
 use hyptrace_output::{EventFormat, Field};
@@ -158,13 +158,32 @@ enum State {
     },
     /// The table's header was refused.
     Refused(String),
+    /// The run went on without a registration ([`EventTable::settle`] returned
+    /// `settled`, [`Settled::Unregistered`] or [`Settled::None`], at `since`): its output
+    /// has no formats, so a later registration is refused and kept as `late` (L1).
+    Closed {
+        settled: Settled,
+        since: Instant,
+        late: Option<LateRegistration>,
+    },
 }
 
-/// How long [`EventTable::settle`] waits for a registration once a writer attached
-/// without writing: the SDKs attach, then register (vCPU 0) or wait for it (the rest),
-/// which takes microseconds; a guest that attached and does neither is taken for one
-/// that registers nothing after this.
-pub const ATTACH_GRACE: Duration = Duration::from_millis(500);
+/// A registration exit that came after the run had gone on without one (L1): it was
+/// answered REFUSED, and the run ends with exit 1 naming it.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "vcpu {vcpu} registered its events {} ms after the run started without them ({why}): \
+     the registration was refused, the output has no formats for them",
+    after.as_millis()
+)]
+pub struct LateRegistration {
+    /// The vCPU that made the registration exit.
+    pub vcpu: u32,
+    /// How long after the run went on without a registration.
+    pub after: Duration,
+    /// Why the run had gone on without one.
+    pub why: &'static str,
+}
 
 /// Longest a registration's answer is held for the run to get ready to read
 /// ([`EventTable::hold_answers`]); past it the guest goes on regardless.
@@ -177,11 +196,37 @@ pub enum Settled {
     Registered,
     /// The guest's table was refused as a whole (the message says why).
     Refused(String),
-    /// The guest registers nothing: a writer took in an event without a registration,
-    /// or writers stayed attached for [`ATTACH_GRACE`] without one.
+    /// The guest registers nothing: a writer took in an event without a registration
+    /// (by the handshake no vCPU writes before the answer), or the pack has no table.
     Unregistered,
-    /// The caller gave up waiting (a vCPU ended, a signal, `--duration`, a timeout).
+    /// The caller gave up waiting (vCPU 0 ended, a signal, `--duration`,
+    /// `--hang-timeout`, a timeout).
     None,
+}
+
+impl Settled {
+    /// Why a run went on without a registration, for [`LateRegistration`].
+    fn why(&self) -> &'static str {
+        match self {
+            Self::Unregistered => "a vCPU had written an event before any registration",
+            _ => "the run had stopped waiting for it: vcpu 0 ended, a signal, --duration or --hang-timeout",
+        }
+    }
+}
+
+/// What [`EventTable::settle`] makes of the state (L1), given whether a writer took in
+/// an event (`wrote`) and whether the caller gives up (`gave_up`); `None`: wait on.
+/// Nothing here depends on wall time: the wait ends on what the vCPUs do (vCPU 0
+/// registers or ends, a writer writes) or on the caller.
+fn decide(st: &State, no_table: bool, wrote: bool, gave_up: bool) -> Option<Settled> {
+    match st {
+        State::Registered { .. } => Some(Settled::Registered),
+        State::Refused(why) => Some(Settled::Refused(why.clone())),
+        State::Closed { settled, .. } => Some(settled.clone()),
+        State::Waiting if no_table || wrote => Some(Settled::Unregistered),
+        State::Waiting if gave_up => Some(Settled::None),
+        State::Waiting => None,
+    }
 }
 
 /// The registration table of a run, its answer and the enable bits.
@@ -270,6 +315,24 @@ impl<M: SharedMem> EventTable<M> {
     /// Only the first ready table is answered; later exits change nothing.
     pub fn register(&self, vcpu: u32) {
         let mut st = self.lock();
+        if let State::Closed {
+            settled,
+            since,
+            late,
+        } = &mut *st
+        {
+            // L1: the output was opened without formats; answering now would let the
+            // guest write events whose formats are nowhere.
+            refuse(&self.mem, &self.geometry);
+            let l = LateRegistration {
+                vcpu,
+                after: since.elapsed(),
+                why: settled.why(),
+            };
+            log::warn!("{l}");
+            late.get_or_insert(l);
+            return;
+        }
         if !matches!(*st, State::Waiting) {
             log::debug!("vcpu {vcpu}: registration exit after the answer: ignored");
             return;
@@ -434,15 +497,6 @@ impl<M: SharedMem> EventTable<M> {
             .collect())
     }
 
-    /// Whether some CPU's writer attached.
-    fn writer_attached(&self) -> bool {
-        (0..self.geometry.nr_cpus).any(|c| {
-            self.mem
-                .load(self.geometry.ctl(c) + ctl::WRITER_STATE, Relaxed)
-                != WRITER_IDLE
-        })
-    }
-
     /// Whether some CPU's writer took in an event (committed or dropped). By the
     /// handshake no vCPU does before the registration is answered (docs/abi.md), so one
     /// that did means the guest registers nothing. (An attached writer alone means
@@ -453,36 +507,42 @@ impl<M: SharedMem> EventTable<M> {
     }
 
     /// Waits until the guest's registration is answered, the guest shows it registers
-    /// nothing ([`Settled::Unregistered`]), or `give_up()` says so (a vCPU ended, a
-    /// signal, `--duration`), checking every `step`.
+    /// nothing ([`Settled::Unregistered`]), or `give_up()` says so (vCPU 0 ended, a
+    /// signal, `--duration`, `--hang-timeout`), checking every `step`. No fixed grace:
+    /// by the SDK protocol vCPU 0 registers and the others wait for the answer, however
+    /// late vCPU 0 starts. A run that goes on without a registration closes the table
+    /// (L1): a later registration exit is refused ([`EventTable::late_registration`]).
     pub fn settle(&self, step: Duration, mut give_up: impl FnMut() -> bool) -> Settled {
+        let no_table = self.geometry.events_size == 0;
         let mut st = self.lock();
-        let mut attached_at: Option<Instant> = None;
         loop {
-            match &*st {
-                State::Registered { .. } => return Settled::Registered,
-                State::Refused(why) => return Settled::Refused(why.clone()),
-                State::Waiting => {}
-            }
-            // A guest without a registration: a writer wrote, or attached writers wrote
-            // nothing and nobody registered for ATTACH_GRACE (the run goes on; reading
-            // and hang detection start).
-            if self.writer_wrote() {
-                return Settled::Unregistered;
-            }
-            if self.writer_attached()
-                && attached_at.get_or_insert_with(Instant::now).elapsed() >= ATTACH_GRACE
-            {
-                return Settled::Unregistered;
-            }
-            if give_up() {
-                return Settled::None;
+            let waiting = matches!(*st, State::Waiting);
+            let wrote = waiting && self.writer_wrote();
+            let gave_up = waiting && !no_table && !wrote && give_up();
+            if let Some(settled) = decide(&st, no_table, wrote, gave_up) {
+                if waiting {
+                    *st = State::Closed {
+                        settled: settled.clone(),
+                        since: Instant::now(),
+                        late: None,
+                    };
+                }
+                return settled;
             }
             st = self
                 .cv
                 .wait_timeout(st, step)
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
+        }
+    }
+
+    /// The registration exit that came after the run went on without one (L1), if any:
+    /// the run ends with exit 1 naming it.
+    pub fn late_registration(&self) -> Option<LateRegistration> {
+        match &*self.lock() {
+            State::Closed { late, .. } => late.clone(),
+            _ => None,
         }
     }
 }
@@ -565,7 +625,7 @@ pub fn list_guest(plan: crate::plan::Plan) -> Result<(Vec<EventInfo>, Vec<Reject
     let running = vm.start_with_events(&plan.params, table.clone())?;
     let until = std::time::Instant::now() + LIST_TIMEOUT;
     let settled = table.settle(Duration::from_millis(1), || {
-        running.is_finished() || running.any_crashed() || std::time::Instant::now() >= until
+        running.vcpu_finished(0) || running.any_crashed() || std::time::Instant::now() >= until
     });
     running.stop();
     let crashed = running.any_crashed();
@@ -756,14 +816,8 @@ mod tests {
         for _ in 0..MAX_EARLY_EXITS - 1 {
             t.register(0);
         }
-        let mut calls = 0;
-        assert_eq!(
-            t.settle(Duration::from_millis(1), || {
-                calls += 1;
-                calls > 2
-            }),
-            Settled::None
-        );
+        let state = || m.load(l.events_off + 8, Relaxed);
+        assert_ne!(state(), hyptrace_abi::registry::STATE_REFUSED);
         t.register(0);
         assert!(matches!(
             t.settle(Duration::from_millis(1), || false),
@@ -788,5 +842,80 @@ mod tests {
             m.load(l.events_off + 8, Relaxed),
             hyptrace_abi::registry::STATE_REFUSED
         );
+    }
+
+    /// The settle decision (L1) on injected states, no wall time: a waiting table waits
+    /// on however long writers stayed attached; a write without a registration, a pack
+    /// without a table or the caller giving up end the wait; an answer wins over both.
+    #[test]
+    fn settle_decides_on_what_the_vcpus_do() {
+        let w = State::Waiting;
+        assert_eq!(decide(&w, false, false, false), None);
+        assert_eq!(decide(&w, false, true, false), Some(Settled::Unregistered));
+        assert_eq!(decide(&w, true, false, false), Some(Settled::Unregistered));
+        assert_eq!(decide(&w, false, false, true), Some(Settled::None));
+        let r = State::Registered {
+            reg: Registry::default(),
+            error: None,
+        };
+        assert_eq!(decide(&r, false, true, true), Some(Settled::Registered));
+        let f = State::Refused("bad".into());
+        assert_eq!(
+            decide(&f, false, true, true),
+            Some(Settled::Refused("bad".into()))
+        );
+        let c = State::Closed {
+            settled: Settled::Unregistered,
+            since: Instant::now(),
+            late: None,
+        };
+        assert_eq!(decide(&c, false, false, false), Some(Settled::Unregistered));
+    }
+
+    /// Attached writers that write nothing do not end the wait (no grace period): only
+    /// the caller does. A registration after the run went on without one is refused to
+    /// the guest and kept for the run's exit (L1), the formats stay empty; a write without
+    /// a registration ends the wait at once, the caller not asked.
+    #[test]
+    fn a_registration_after_the_run_went_on_without_one_is_refused() {
+        static A: Event<'static> = Event::new("g", "a", F, "\"%llu\", REC->v", 16, 0, 0);
+        let (m, l) = region();
+        for cpu in 0..2 {
+            m.store(l.ctl(cpu) + ctl::WRITER_STATE, 1, Relaxed);
+        }
+        let t = EventTable::new(m.clone(), l, Selection::default());
+        let mut polls = 0;
+        let settled = t.settle(Duration::ZERO, || {
+            polls += 1;
+            polls == 100
+        });
+        assert_eq!((settled, polls), (Settled::None, 100));
+        write_table(&*m, &[&A]).unwrap();
+        t.register(1);
+        assert_eq!(read_answer(&*m, &[&A]), Err(RegisterError::Refused));
+        assert!(t.formats().is_empty() && t.list().is_err());
+        let late = t.late_registration().expect("late registration kept");
+        assert_eq!((late.vcpu, late.why), (1, Settled::None.why()));
+        assert!(
+            late.to_string()
+                .starts_with("vcpu 1 registered its events ")
+                && late
+                    .to_string()
+                    .contains(" ms after the run started without them ("),
+            "{late}"
+        );
+        // A settled table stays settled.
+        assert_eq!(t.settle(Duration::ZERO, || true), Settled::None);
+
+        let (m, l) = region();
+        m.store(l.ctl(1) + ctl::ENTRIES, 1, Relaxed);
+        let t = EventTable::new(m.clone(), l, Selection::default());
+        let settled = t.settle(Duration::ZERO, || panic!("asked to give up"));
+        assert_eq!(settled, Settled::Unregistered);
+        write_table(&*m, &[&A]).unwrap();
+        t.register(0);
+        assert_eq!(read_answer(&*m, &[&A]), Err(RegisterError::Refused));
+        let late = t.late_registration().expect("late registration kept");
+        assert_eq!((late.vcpu, late.why), (0, Settled::Unregistered.why()));
     }
 }

@@ -346,7 +346,8 @@ impl<'a> Run<'a> {
         if let Some(hook) = events_hook {
             hook(table.clone());
         }
-        let formats = settle_events(&table, &running, plan.duration, &plan.events, interrupts)?;
+        let limits = (plan.duration, plan.flight.hang_timeout);
+        let formats = settle_events(&table, &running, limits, &plan.events, interrupts)?;
         // The output is opened once the formats are known (the guest writes no event
         // before its registration is answered); a failure stops the VM (dropped).
         let (output, target) = open_output(
@@ -447,8 +448,12 @@ impl<'a> Run<'a> {
             // Dropping the session drops the sink: its temporary files go.
             return Err(RunError::Aborted);
         }
-        let (cpus, failures, host_events) =
+        let (cpus, mut failures, host_events) =
             finish_session(session, &outcomes, failures, interrupts)?;
+        // L1: a registration refused because the run went on without one fails the run.
+        if let Some(late) = table.late_registration() {
+            failures.other(late.to_string());
+        }
         let destination = match target {
             Shown::Stdout => Destination::Stdout {
                 lines: stdout.lines.load(Ordering::Relaxed),
@@ -563,19 +568,27 @@ fn open_output(
 /// or the run stops first), says which entries were rejected, and returns the formats
 /// of the accepted events. An `-e`/`--disable` name no registered event has is an
 /// input error (the VM is stopped).
+///
+/// The wait follows the SDK protocol (vCPU 0 registers, the others wait for the
+/// answer), however late vCPU 0 starts: it ends when vCPU 0 registers or ends, or the
+/// run stops (a crash, a signal, `--duration`), or `--hang-timeout` passed since the
+/// start with no registration (the hang watch then starts). A run that goes on without
+/// a registration refuses a later one (L1, [`EventTable::settle`]).
 fn settle_events(
     table: &VmEventTable,
     running: &RunningVm,
-    duration: Option<Duration>,
+    (duration, hang_timeout): (Option<Duration>, Option<Duration>),
     selection: &Selection,
     interrupts: Option<&Interrupts>,
 ) -> Result<Vec<EventFormat>, RunError> {
-    let deadline = duration.map(|d| running.started_at() + d);
+    let since_start = |d: Option<Duration>| d.map(|d| running.started_at() + d);
+    let (deadline, hang) = (since_start(duration), since_start(hang_timeout));
     let settled = table.settle(Duration::from_millis(1), || {
-        running.is_finished()
+        running.vcpu_finished(0)
             || running.any_crashed()
             || interrupts.is_some_and(|i| i.stop_requested() || i.aborted())
             || deadline.is_some_and(|d| Instant::now() >= d)
+            || hang.is_some_and(|d| Instant::now() >= d)
     });
     log::debug!("event registration: {settled:?}");
     if let Settled::Refused(why) = &settled {
@@ -585,10 +598,11 @@ fn settle_events(
         note!("hyptrace: warning: {r}");
     }
     let selecting = !selection.enable.is_empty() || !selection.disable.is_empty();
-    // A guest that writes without registering, or ended cleanly without it, has none of
-    // the events asked for; a crash or a stop while waiting is reported as such instead.
+    // A guest that writes without registering, or whose vCPU 0 ended cleanly without it,
+    // has none of the events asked for; a crash or a stop while waiting is reported as
+    // such instead.
     let unregistered = settled == Settled::Unregistered
-        || (settled == Settled::None && running.is_finished() && !running.any_crashed());
+        || (settled == Settled::None && running.vcpu_finished(0) && !running.any_crashed());
     let error = match table.selection_error() {
         Some(e) => Some(e),
         None if selecting && unregistered => Some(EventsError::NotRegistered),

@@ -1,12 +1,13 @@
-//! The example C guest (guest/examples/c/main.c): builds the C SDK (`libhyptrace.a`,
-//! guest/c-sdk, a nested `cargo build` from guest/ so its .cargo/config.toml applies;
-//! the SDK's build script fails if include/hyptrace.h is not what cbindgen generates)
-//! and links the example against it with gcc as a freestanding static image, once per
-//! test binary.
+//! C guests: builds the C SDK (`libhyptrace.a`, guest/c-sdk, a nested `cargo build`
+//! from guest/ so its .cargo/config.toml applies; the SDK's build script fails if
+//! include/hyptrace.h is not what cbindgen generates) and links a C source against it
+//! with gcc as a freestanding static image, each once per test binary: the example
+//! (guest/examples/c/main.c) and the test guests under tests/support/c/.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 
 // `strip_var`: which variables a nested guest build must not inherit (shared with
 // host/build.rs).
@@ -18,8 +19,36 @@ include!("../../host/guest_build_env.rs");
 /// `target_dir` is the root package's target directory (the parent of the directory
 /// holding the `hyptrace` binary).
 pub fn c_guest(target_dir: &Path) -> Result<PathBuf, String> {
-    static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
-    BUILT.get_or_init(|| build(target_dir)).clone()
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    linked(target_dir, &root.join("guest/examples/c/main.c"), "c-guest")
+}
+
+/// Builds the test C guest `tests/support/c/<name>.c` (as [`c_guest`]) and returns the
+/// ELF's path.
+pub fn c_test_guest(target_dir: &Path, name: &str) -> Result<PathBuf, String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let source = root.join("tests/support/c").join(format!("{name}.c"));
+    linked(target_dir, &source, name)
+}
+
+/// `source` linked against the C SDK as `<target_dir>/c-guest/<elf>.elf`, once per test
+/// binary.
+fn linked(target_dir: &Path, source: &Path, elf: &str) -> Result<PathBuf, String> {
+    static LIB: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    static ELVES: Mutex<Option<HashMap<String, Result<PathBuf, String>>>> = Mutex::new(None);
+    let lib = LIB.get_or_init(|| build_sdk(target_dir)).clone()?;
+    let mut elves = ELVES.lock().unwrap_or_else(|e| e.into_inner());
+    elves
+        .get_or_insert_with(HashMap::new)
+        .entry(elf.to_string())
+        .or_insert_with(|| {
+            link(
+                &lib,
+                source,
+                &target_dir.join("c-guest").join(format!("{elf}.elf")),
+            )
+        })
+        .clone()
 }
 
 fn output(cmd: &mut Command, what: &str) -> Result<(), String> {
@@ -39,9 +68,9 @@ fn output(cmd: &mut Command, what: &str) -> Result<(), String> {
     }
 }
 
-fn build(target_dir: &Path) -> Result<PathBuf, String> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let guest = root.join("guest");
+/// Builds `libhyptrace.a` under `<target_dir>/c-guest`; returns its path.
+fn build_sdk(target_dir: &Path) -> Result<PathBuf, String> {
+    let guest = Path::new(env!("CARGO_MANIFEST_DIR")).join("guest");
     let out = target_dir.join("c-guest");
     let cargo = std::env::var_os("CARGO")
         .or_else(|| option_env!("CARGO").map(Into::into))
@@ -60,7 +89,12 @@ fn build(target_dir: &Path) -> Result<PathBuf, String> {
     if !lib.is_file() {
         return Err(format!("the C SDK build left no {}", lib.display()));
     }
-    let elf = out.join("c-guest.elf");
+    Ok(lib)
+}
+
+/// Compiles `source` and links it against `lib` into `elf`.
+fn link(lib: &Path, source: &Path, elf: &Path) -> Result<PathBuf, String> {
+    let guest = Path::new(env!("CARGO_MANIFEST_DIR")).join("guest");
     let mut gcc = Command::new("gcc");
     gcc.args([
         "-std=c11",
@@ -84,10 +118,13 @@ fn build(target_dir: &Path) -> Result<PathBuf, String> {
     .arg("-I")
     .arg(guest.join("c-sdk/include"))
     .arg(format!("-Wl,-T,{}", guest.join("link.ld").display()))
-    .arg(guest.join("examples/c/main.c"))
-    .arg(&lib)
+    .arg(source)
+    .arg(lib)
     .arg("-o")
-    .arg(&elf);
-    output(&mut gcc, "compiling the example C guest (gcc)")?;
-    Ok(elf)
+    .arg(elf);
+    output(
+        &mut gcc,
+        &format!("compiling the C guest {} (gcc)", source.display()),
+    )?;
+    Ok(elf.to_path_buf())
 }

@@ -2,7 +2,7 @@
 //!
 //! - [`adversary`]: builds the adversarial guest, runs `hyptrace` under a watchdog
 //!   (peak RSS, wall time, SIGTERM, kill on a bound).
-//! - [`cguest`]: builds the C SDK and the example C guest.
+//! - [`cguest`]: builds the C SDK, the example C guest and the test C guests.
 //! - [`capture`]: text output kept (or counted) in memory.
 //! - [`env`]: skip helpers (`/dev/kvm`, `trace-cmd`), the VM test log for CI, a lock that
 //!   serialises VM-booting tests of one test binary, temporary directories.

@@ -145,7 +145,8 @@ pub enum RegisterError {
     },
     /// The table was already written (one registration per run).
     AlreadyRegistered,
-    /// The host refused the table's header.
+    /// The host refused the table: a bad header, or a registration after the run went
+    /// on without one (docs/abi.md); the events get no id.
     Refused,
     /// The host has not answered (the state is still READY).
     NotAnswered,

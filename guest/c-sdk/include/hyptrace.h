@@ -53,7 +53,8 @@
 // Registration: the table was already written (one registration per run).
 #define HT_ERR_ALREADY_REGISTERED -5
 
-// Registration: the host refused the table's header.
+// Registration: the host refused the table: a bad header, or a registration after
+// the run went on without one (docs/abi.md); the events get no id.
 #define HT_ERR_REFUSED -6
 
 // Registration: the host has not answered.

@@ -66,7 +66,8 @@ pub const HT_ERR_TOO_MANY: i32 = -3;
 pub const HT_ERR_TOO_LARGE: i32 = -4;
 /// Registration: the table was already written (one registration per run).
 pub const HT_ERR_ALREADY_REGISTERED: i32 = -5;
-/// Registration: the host refused the table's header.
+/// Registration: the host refused the table: a bad header, or a registration after
+/// the run went on without one (docs/abi.md); the events get no id.
 pub const HT_ERR_REFUSED: i32 = -6;
 /// Registration: the host has not answered.
 pub const HT_ERR_NOT_ANSWERED: i32 = -7;
