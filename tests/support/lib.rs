@@ -10,6 +10,8 @@
 //!   stream rules (per-CPU `seq` gaps equal to the drop count printed before them,
 //!   timestamps non-decreasing).
 //! - [`model`]: what the guest workloads write, event by event, to check every field.
+//! - [`once`]: exactly-once accounting of a killed run's live output plus its dump
+//!   (per-CPU streams, the dump's marked ranges and summary lines).
 //! - [`rng`]: the tests' seeded SplitMix64 generator.
 //! - [`watchdog`]: tests that fail, never hang (progress watchdog, drop guards, scoped
 //!   joins that re-raise panics) and a per-thread allocation counter.
@@ -19,6 +21,7 @@ pub mod capture;
 pub mod cguest;
 pub mod env;
 pub mod model;
+pub mod once;
 pub mod rng;
 pub mod text;
 pub mod watchdog;
