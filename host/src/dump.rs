@@ -450,6 +450,23 @@ pub fn dump(a: &DumpArgs) -> i32 {
             for w in &warnings {
                 note!("hyptrace: dump: {w}");
             }
+            // P2: what may also be in the live output, and what is in it or nowhere.
+            for c in &report.cpus {
+                if let Some((a0, b)) = c.may_repeat {
+                    note!(
+                        "hyptrace: dump: cpu {}: events {a0}..{b} ({}) may repeat the live output (the VMM was killed between printing them and recording it)",
+                        c.cpu,
+                        b - a0 + 1
+                    );
+                }
+                if let Some((a0, b)) = c.unplaced {
+                    note!(
+                        "hyptrace: dump: cpu {}: events {a0}..{b} ({}) are in the live output or lost (the VMM consumed them and was killed before recording them printed; their pages were reused; counted as lost here)",
+                        c.cpu,
+                        b - a0 + 1
+                    );
+                }
+            }
             let _ = std::io::Write::write_all(&mut std::io::stderr(), report.summary().as_bytes());
             note!(
                 "hyptrace: dump: {} events written to {} in {:.1} ms{}",

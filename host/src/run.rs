@@ -366,12 +366,18 @@ impl<'a> Run<'a> {
             Shown::Sink => false,
         };
         let mut session = Session::new(reader, output, clock.clone()).with_formats(&formats);
+        let trace_mem = trace_mem.map(Arc::new);
+        if let Some(tm) = &trace_mem {
+            // P2: positions recorded around every flush (printed vs consumed).
+            let tm = Arc::clone(tm);
+            session = session.with_recorder(Arc::new(move |c, p| tm.record(c, p)));
+        }
         if let Some((events, reader_h)) = host {
             session = session.with_host_events(reader_h, events);
         }
         session.set_live_drain(plan.flight.drain_live);
         let flight = Flight {
-            trace_mem: trace_mem.map(Arc::new),
+            trace_mem,
             hang: plan.flight.hang_timeout.map(|timeout| HangWatch {
                 timeout,
                 last: None,
@@ -1129,9 +1135,8 @@ fn locked(session: &Mutex<Session>) -> MutexGuard<'_, Session> {
 /// Records every CPU's reader position in the trace memory file (what a dump after a
 /// SIGKILL must not emit again).
 fn record_positions(session: &Session, tm: &TraceMemFile, nr: u32) {
-    let reader = session.reader();
     for c in 0..nr {
-        if let Some(p) = reader.position(c) {
+        if let Some(p) = session.position(c) {
             tm.record(c, p);
         }
     }
@@ -1290,6 +1295,7 @@ impl RunControl<'_> {
             .into());
         }
         let positions = (0..nr)
+            .filter(|&cpu| self.session.is_live(cpu))
             .filter_map(|cpu| {
                 let p = reader.position(cpu)?;
                 Some(crate::protocol::ConsumerPosition {

@@ -13,6 +13,7 @@ use hyptrace_output::{
     format_drop, format_guest_line, format_window_exceeded, guest_printers, Clock, EventFormat,
     EventPrinter, MergeWindow, Merged, Merger, Missed, PageSink, Released,
 };
+use hyptrace_reader::postmortem::Position;
 use hyptrace_reader::{Callbacks, CpuStats, Item, ReadError, RingBuffer};
 
 use crate::vm::TraceRegion;
@@ -219,7 +220,15 @@ pub struct Session<M = Arc<GuestTraceMem>, C = Box<dyn Callbacks + Send>> {
     /// An output error [`Session::relieve`] met, for the next [`Session::flush`] to
     /// return (the first output error is returned once).
     deferred_output: Option<SessionError>,
+    /// P2: per CPU, the index below which every event is in the output (text: written;
+    /// a page sink: only once it is finished).
+    printed: Vec<u64>,
+    /// P2: where positions are recorded, before and after every flush.
+    recorder: Option<Recorder>,
 }
+
+/// Records a CPU's position (P2): the trace memory file's `record`.
+pub type Recorder = Arc<dyn Fn(u32, Position) + Send + Sync>;
 
 /// The VMM's ring in a session (see [`crate::host_events`]).
 struct HostCpu {
@@ -258,6 +267,7 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
         let cmdlines = (0..n)
             .map(|c| (hyptrace_abi::events::vcpu_pid(c), format!("vcpu{c}")))
             .collect();
+        let printed = (0..n).map(|c| reader_start(&reader, c)).collect();
         Self {
             reader,
             output,
@@ -282,6 +292,38 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
             deferred: Vec::new(),
             fill_time: None,
             deferred_output: None,
+            printed,
+            recorder: None,
+        }
+    }
+
+    /// Has every flush record each CPU's position with `r` before it prints (the
+    /// events consumed may be printed from now on) and after (they are), P2.
+    pub fn with_recorder(mut self, r: Recorder) -> Self {
+        self.recorder = Some(r);
+        self
+    }
+
+    /// Where the reading of `cpu` stands, with what is in the output (P1, P2).
+    pub fn position(&self, cpu: u32) -> Option<Position> {
+        let mut p = self.reader.position(cpu)?;
+        p.printed = self
+            .printed
+            .get(cpu as usize)
+            .copied()
+            .unwrap_or(0)
+            .min(p.expected);
+        Some(p)
+    }
+
+    /// Records every CPU's position (P2), if a recorder is set.
+    pub fn record_positions(&self) {
+        if let Some(r) = &self.recorder {
+            for c in 0..self.reader.nr_cpus() {
+                if let Some(p) = self.position(c) {
+                    r(c, p);
+                }
+            }
         }
     }
 
@@ -888,6 +930,16 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
         if let Some(e) = self.deferred_output.take() {
             return Err(e);
         }
+        // P2: what was consumed may be printed from here on.
+        self.record_positions();
+        let r = self.print_ready();
+        // P2: and now it is (what the merger released).
+        self.record_positions();
+        r
+    }
+
+    /// Prints what the merger releases; counts it as printed (P2).
+    fn print_ready(&mut self) -> Result<(), SessionError> {
         let Output::Text {
             out,
             merger,
@@ -906,6 +958,7 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
             discard: self.output_error.is_some(),
             err: None,
             payload: Vec::new(),
+            printed: &mut self.printed,
         };
         merger.release(|r| match r {
             Released::Item { cpu, ts, item } => p.item(cpu, ts, item),
@@ -916,6 +969,13 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
                 p.raw(&line);
             }
         });
+        if p.err.is_none() {
+            // The lines counted as printed are out of this process (a buffered writer
+            // would hold them).
+            if let Err(e) = p.out.flush() {
+                p.err = Some(e);
+            }
+        }
         if let Some(e) = p.err.take() {
             self.output_error = Some(e.to_string());
             return Err(SessionError::Write(e));
@@ -958,7 +1018,22 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
     }
 
     /// Finishes the output: flushes text, or closes the sink with the summary.
-    pub fn finish(self, summary: &hyptrace_output::RunSummary) -> Result<u64, SessionError> {
+    pub fn finish(mut self, summary: &hyptrace_output::RunSummary) -> Result<u64, SessionError> {
+        // P2: once the output is finished, everything consumed is in it.
+        let done: Vec<u64> = (0..self.reader.nr_cpus())
+            .map(|c| self.reader.position(c).map_or(0, |p| p.expected))
+            .collect();
+        let recorder = self.recorder.take();
+        let record = |printed: &[u64], reader: &RingBuffer<M, C>| {
+            if let Some(r) = &recorder {
+                for (c, &e) in (0u32..).zip(printed) {
+                    if let Some(mut p) = reader.position(c) {
+                        p.printed = e.min(p.expected);
+                        r(c, p);
+                    }
+                }
+            }
+        };
         match self.output {
             Output::Text { mut out, .. } => {
                 // After a reported output error, the same error again is no news.
@@ -970,8 +1045,16 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
             }
             Output::Pages(sink) => sink.finish(summary)?,
         }
+        if self.output_error.is_none() {
+            record(&done, &self.reader);
+        }
         Ok(self.lines)
     }
+}
+
+/// The index the reading of `cpu` starts at (P2: nothing below it is ours to print).
+fn reader_start<M: SharedMem, C: Callbacks>(reader: &RingBuffer<M, C>, cpu: u32) -> u64 {
+    reader.position(cpu).map_or(0, |p| p.expected)
 }
 
 /// One bounded round of reading CPU `rcpu` of `reader` into `output` as CPU `cpu`:
@@ -1054,6 +1137,8 @@ struct LinePrinter<'a> {
     discard: bool,
     err: Option<std::io::Error>,
     payload: Vec<u8>,
+    /// Per CPU, the index below which every event was written (P2).
+    printed: &'a mut [u64],
 }
 
 impl LinePrinter<'_> {
@@ -1076,6 +1161,12 @@ impl LinePrinter<'_> {
                 )
             }
             Merged::Lost(n) => format_drop(self.line, cpu as u32, Missed::Count(n)),
+        }
+        if let Some(p) = self.printed.get_mut(cpu) {
+            *p = p.saturating_add(match item {
+                Merged::Event(_) => 1,
+                Merged::Lost(n) => n,
+            });
         }
         self.line.push('\n');
         let line = std::mem::take(self.line);

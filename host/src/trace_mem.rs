@@ -554,9 +554,17 @@ impl TraceMemFile {
         }
         let next = n.wrapping_add(1).max(1);
         let slot = base + slot_off(next);
-        h.store(slot, u64::from(p.reader), Relaxed);
-        h.store(slot + 8, p.consumed, Relaxed);
-        h.store(slot + 16, p.expected, Relaxed);
+        let words = [
+            u64::from(p.reader),
+            p.consumed,
+            p.expected,
+            p.page_seq,
+            p.first_index,
+            p.printed,
+        ];
+        for (i, w) in words.into_iter().enumerate() {
+            h.store(slot + 8 * i, w, Relaxed);
+        }
         // Release: the slot's words before the switch (a reader in another process
         // reads the file after this process is gone; order still matters for a live one).
         h.store(base + pos::ACTIVE, next, Release);

@@ -582,17 +582,22 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
     /// Where the consuming read of `cpu` stands: its reader page, the data bytes of it
     /// consumed, and the index of the next event (losses found but not yet reported are
     /// not counted as consumed). A post-mortem walk from here
-    /// ([`postmortem::walk_cpu`]) reads exactly what this reader has not consumed.
-    /// `None` for a CPU out of range or in its final walk.
+    /// ([`postmortem::walk_cpu`]) reads exactly what this reader has not consumed (in the
+    /// final walk: the page being walked). `None` for a CPU out of range.
     pub fn position(&self, cpu: u32) -> Option<postmortem::Position> {
         let st = self.cpus.get(cpu as usize)?;
-        if st.final_queue.is_some() {
-            return None;
-        }
+        let f = self.layout.footer_off(st.reader);
+        let expected = st.expected.saturating_sub(st.pending_lost);
         Some(postmortem::Position {
             reader: st.reader,
             consumed: st.read as u64,
-            expected: st.expected.saturating_sub(st.pending_lost),
+            expected,
+            // P1: the page named exactly. Acquire: paired with the Release store of
+            // page_seq in Writer::move_tail (first_index is stored before it).
+            page_seq: self.mem.load(f + footer::PAGE_SEQ, Acquire),
+            first_index: self.mem.load(f + footer::FIRST_INDEX, Acquire),
+            // Printing is the caller's: by default what was consumed.
+            printed: expected,
         })
     }
 

@@ -28,9 +28,12 @@ use hyptrace_abi::SharedMem;
 /// Most warnings kept per CPU (more are counted, not kept).
 pub const MAX_WARNINGS: usize = 16;
 
-/// Where a reader of a CPU stopped: its reader page, the data bytes of that page it
-/// consumed (a record boundary), and the event index after the last event it consumed
-/// (or reported as lost).
+/// Where a reader of a CPU stopped: its reader page (named exactly: its id, its
+/// `page_seq` and its `first_index`, P1), the data bytes of that page it consumed (a
+/// record boundary), the event index after the last event it consumed (or reported as
+/// lost), and the index below which every event is known to be in its output
+/// (`printed` ≤ `expected`, P2: the events between were consumed and may or may not
+/// have reached the output when the reader died).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Position {
     /// The reader page id.
@@ -39,6 +42,12 @@ pub struct Position {
     pub consumed: u64,
     /// Index of the next event the reader expected.
     pub expected: u64,
+    /// The reader page's `page_seq` when the position was taken.
+    pub page_seq: u64,
+    /// The reader page's `first_index` when the position was taken.
+    pub first_index: u64,
+    /// Every event below this index is in the reader's output.
+    pub printed: u64,
 }
 
 /// One page for the output: a whole `page_size` buffer (`time_stamp`, `commit` = data
@@ -77,6 +86,13 @@ pub struct CpuDump {
     pub warnings: Vec<String>,
     /// Warnings not kept.
     pub more_warnings: u64,
+    /// P2: the first and last index of the dumped events that the reader had consumed
+    /// but not recorded as printed when it died: they may also be in its output.
+    pub may_repeat: Option<(u64, u64)>,
+    /// P2: the first and last index of the events the reader had consumed but not
+    /// recorded as printed that are on no page any more (counted in `lost`): in its
+    /// output, or nowhere.
+    pub unplaced: Option<(u64, u64)>,
 }
 
 impl CpuDump {
@@ -253,42 +269,57 @@ pub fn walk_cpu<M: SharedMem + ?Sized, E>(
         last_seq = Some(seq);
         order.push(id);
     }
-    // Where the consumer stood: the walk's first page (the reader page, or with released
-    // pages the first ring page left), if its position names it.
-    let at_pos = order.first().and_then(|&id| pos.filter(|p| p.reader == id));
-
-    let mut expected = match (at_pos, reader, pos) {
-        (Some(p), _, _) => p.expected,
-        (None, Some(r), _) => mem.load(l.footer_off(r) + footer::FIRST_INDEX, Acquire),
-        // A position that names no page of the walk (released pages: the reader went on
-        // and released pages after it was recorded, and they may be rewritten): what it
-        // consumed after the record is in no output and not here — counted as lost.
-        (None, None, Some(p)) => p.expected,
-        (None, None, None) => order.first().map_or(0, |&id| {
-            mem.load(l.footer_off(id) + footer::FIRST_INDEX, Acquire)
-        }),
+    let first_of = |id: u32| mem.load(l.footer_off(id) + footer::FIRST_INDEX, Acquire);
+    // P1: the position names the walk's first page only when id, page_seq and
+    // first_index all match (a page that came back with new contents is another page).
+    let at_pos = order.first().and_then(|&id| {
+        pos.filter(|p| p.reader == id && p.page_seq == seq_of(id) && p.first_index == first_of(id))
+    });
+    if let (Some(p), None) = (pos, at_pos) {
+        d.warn(format!(
+            "cpu {cpu}: the recorded position (page {} seq {} first event {}) names no page as it is now: read from event {} by index",
+            p.reader, p.page_seq, p.first_index, p.printed.min(p.expected)
+        ));
+    }
+    // P2: every event from `printed` on is dumped (by index: whatever page holds it);
+    // the ones below `expected` may also be in the reader's output.
+    let floor = pos.map(|p| p.printed.min(p.expected));
+    if let (Some(f), Some(p), false) = (floor, pos, uses_released) {
+        let first_seq = order.first().map_or(u64::MAX, |&id| seq_of(id));
+        let older = older_pages(mem, l, cpu, &order, first_seq, f);
+        if !older.is_empty() {
+            order.splice(0..0, older);
+        }
+        let _ = p;
+    }
+    let mut expected = match (floor, reader) {
+        (Some(f), _) => f,
+        (None, Some(r)) => first_of(r),
+        (None, None) => order.first().map_or(0, |&id| first_of(id)),
     };
+    let consumed_to = pos.map_or(0, |p| p.expected);
     let mut pending_lost = 0u64;
     let cap = l.data_capacity();
     let mut buf = vec![0u8; l.page_size];
     let mut outbuf = vec![0u8; l.page_size];
-    for (i, id) in order.into_iter().enumerate() {
+    for id in order {
         let off = l.page_off(id);
-        // The consumer's page goes on from its position; every other page starts whole,
-        // after the loss its first index says.
-        let from_pos = if i == 0 { at_pos } else { None };
-        let skip = from_pos.map_or(0, |p| p.consumed);
-        if from_pos.is_none() {
-            let first_index = mem.load(l.footer_off(id) + footer::FIRST_INDEX, Acquire);
-            if first_index < expected {
-                d.warn(format!(
-                    "cpu {cpu}: page {id} starts at event {first_index}, before {expected}: skipped"
-                ));
-                continue;
+        // Every page starts at its first index: the loss before it is what its first
+        // index says; events below `expected` (already in the output) are skipped by
+        // index (P2).
+        let first_index = first_of(id);
+        if first_index > expected {
+            let gap = first_index - expected;
+            // Consumed, not recorded as printed, and on no page any more.
+            let end = consumed_to.min(first_index);
+            if end > expected {
+                let from = d.unplaced.map_or(expected, |r| r.0);
+                d.unplaced = Some((from, end - 1));
             }
-            pending_lost = pending_lost.saturating_add(first_index - expected);
+            pending_lost = pending_lost.saturating_add(gap);
             expected = first_index;
         }
+        let skip_events = expected - first_index;
         // Acquire: paired with the Release store of commit in Writer::write (W1).
         let commit = mem.load(off + COMMIT_OFFSET, Acquire);
         let mut len = (commit & COMMIT_LEN_MASK) as usize;
@@ -304,25 +335,21 @@ pub fn walk_cpu<M: SharedMem + ?Sized, E>(
         // The clock where the unconsumed part starts (bounded: each record ≥ 4 bytes).
         let mut start = 0usize;
         let mut clock = time_stamp;
-        if skip > 0 {
+        if skip_events > 0 {
             let mut it = page::Events::new(data, time_stamp);
-            let mut bad = false;
-            while (it.offset() as u64) < skip {
+            let mut k = 0u64;
+            while k < skip_events {
                 match it.next() {
-                    Some(Ok(_)) => {}
-                    Some(Err(_)) | None => {
-                        bad = true;
-                        break;
-                    }
+                    Some(Ok(_)) => k += 1,
+                    Some(Err(_)) | None => break,
                 }
+            }
+            if k < skip_events {
+                // The whole page is below `expected`: already output.
+                continue;
             }
             start = it.offset();
             clock = it.clock();
-            if bad || start as u64 != skip {
-                d.warn(format!(
-                    "cpu {cpu}: page {id}: the reader's position {skip} is not a record boundary of the {len} committed bytes: reading on from {start}"
-                ));
-            }
         }
         let rest = &data[start..];
         let mut n = 0u64;
@@ -348,6 +375,11 @@ pub fn walk_cpu<M: SharedMem + ?Sized, E>(
                     break;
                 }
             }
+        }
+        if n > 0 && expected < consumed_to {
+            let last = expected.saturating_add(n - 1).min(consumed_to - 1);
+            let from = d.may_repeat.map_or(expected, |r| r.0);
+            d.may_repeat = Some((from, last));
         }
         expected = expected.saturating_add(n);
         if n == 0 {
@@ -375,6 +407,50 @@ pub fn walk_cpu<M: SharedMem + ?Sized, E>(
     d.trailing_lost = trailing.saturating_add(pending_lost);
     d.end_index = expected.max(d.writer_index);
     Ok(d)
+}
+
+/// P2: the pages of `cpu` older than the walk (`page_seq` below `first_seq`, not in
+/// `order`, footers valid) that still hold events from index `floor` on: a reader that
+/// died consumed them before it printed them. In `page_seq` order; a page whose
+/// successor starts at or below `floor` holds nothing from there and is left out.
+fn older_pages<M: SharedMem + ?Sized>(
+    mem: &M,
+    l: &RingGeometry,
+    cpu: u32,
+    order: &[u32],
+    first_seq: u64,
+    floor: u64,
+) -> Vec<u32> {
+    let first = l.first_page(cpu);
+    let mut older: Vec<(u64, u32)> = (first..first.saturating_add(l.pages_per_cpu))
+        .filter(|id| !order.contains(id))
+        .filter(|&id| {
+            mem.load(l.footer_off(id) + footer::ID_MAGIC, Acquire)
+                == u64::from(id) | (u64::from(FOOTER_MAGIC) << 32)
+        })
+        .map(|id| (mem.load(l.footer_off(id) + footer::PAGE_SEQ, Acquire), id))
+        .filter(|&(seq, _)| seq != 0 && seq < first_seq)
+        .collect();
+    older.sort_unstable();
+    older.dedup_by_key(|p| p.0);
+    let first_index = |id: u32| mem.load(l.footer_off(id) + footer::FIRST_INDEX, Acquire);
+    let next_first: Vec<u64> = older
+        .iter()
+        .skip(1)
+        .map(|&(_, id)| first_index(id))
+        .chain(order.first().map(|&id| first_index(id)))
+        .collect();
+    older
+        .iter()
+        .zip(
+            next_first
+                .iter()
+                .copied()
+                .chain(core::iter::repeat(u64::MAX)),
+        )
+        .filter(|&(_, next)| next > floor)
+        .map(|(&(_, id), _)| id)
+        .collect()
 }
 
 #[cfg(test)]
@@ -449,7 +525,8 @@ mod tests {
         );
     }
 
-    /// From a reader's position: exactly the events after it, none before.
+    /// From a reader's position: exactly the events after it, none before (P1: the
+    /// page named by id, page_seq and first_index).
     #[test]
     fn position_skips_what_was_consumed() {
         let (mem, l) = region(50);
@@ -462,25 +539,63 @@ mod tests {
             tail,
             core::sync::atomic::Ordering::Relaxed,
         );
-        // 20 events of 20 bytes (4-byte header + 16) consumed.
+        let f = l.footer_off(tail as u32);
+        // 20 events of 20 bytes (4-byte header + 16) consumed and printed.
         let pos = Position {
             reader: tail as u32,
             consumed: 20 * 20,
             expected: 20,
+            page_seq: mem.load(f + footer::PAGE_SEQ, Acquire),
+            first_index: mem.load(f + footer::FIRST_INDEX, Acquire),
+            printed: 20,
         };
         let (seen, d) = walk(&mem, &l, Some(pos));
         assert_eq!(seen, (20..50).collect::<Vec<_>>());
-        assert_eq!(d.lost, 0);
+        assert_eq!((d.lost, d.may_repeat, d.unplaced), (0, None, None));
         assert!(d.warnings.is_empty(), "{:?}", d.warnings);
-        // A position inside a record is not trusted to be a boundary.
-        let (_, d) = walk(
+        // P2: consumed through 19, printed through 11: 12..19 are dumped and marked.
+        let (seen, d) = walk(&mem, &l, Some(Position { printed: 12, ..pos }));
+        assert_eq!(seen, (12..50).collect::<Vec<_>>());
+        assert_eq!(d.may_repeat, Some((12, 19)));
+        // P1: a record of another page_seq names another page (it came back with new
+        // contents): not trusted for bytes; read from `printed` by index.
+        let (seen, d) = walk(
             &mem,
             &l,
             Some(Position {
-                consumed: 22,
+                page_seq: pos.page_seq + 7,
                 ..pos
             }),
         );
-        assert!(!d.warnings.is_empty());
+        assert_eq!(seen, (20..50).collect::<Vec<_>>());
+        assert!(
+            d.warnings.iter().any(|w| w.contains("names no page")),
+            "{:?}",
+            d.warnings
+        );
+    }
+
+    /// P2: a reader that consumed pages it never printed, whose pages went back to the
+    /// ring: the walk finds the older pages that still hold them, dumps them marked,
+    /// and counts the ones no page holds any more as unplaced (and lost).
+    #[test]
+    fn consumed_unprinted_events_are_found_or_counted() {
+        // 6 pages of 4 KiB, 20-byte events: about 200 a page; 3 pages' worth.
+        let (mem, l) = region(600);
+        let (all, _) = walk(&mem, &l, None);
+        assert_eq!(all.len(), 600);
+        // A reader that consumed through 449 and printed through 99.
+        let pos = Position {
+            reader: 0,
+            consumed: 0,
+            expected: 450,
+            page_seq: 0,
+            first_index: 0,
+            printed: 100,
+        };
+        let (seen, d) = walk(&mem, &l, Some(pos));
+        assert_eq!(seen, (100..600).collect::<Vec<_>>(), "{:?}", d.warnings);
+        assert_eq!(d.may_repeat, Some((100, 449)));
+        assert_eq!((d.lost, d.unplaced), (0, None));
     }
 }

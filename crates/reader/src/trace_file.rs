@@ -20,12 +20,12 @@ use crate::postmortem::{Position, Snapshot};
 
 /// Magic of the trace memory file: `"HTMEMF01"`.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"HTMEMF01");
-/// Version of the file layout.
-pub const VERSION: u32 = 1;
+/// Version of the file layout (2: page-exact position records, P1).
+pub const VERSION: u32 = 2;
 /// Bytes of fixed header fields (the positions follow at [`hdr::POS_OFF`]'s value).
 pub const HEADER_FIXED: usize = 256;
 /// Bytes of one CPU's reader position record.
-pub const POS_STRIDE: usize = 64;
+pub const POS_STRIDE: usize = 128;
 /// Alignment of the region in the file (the mapping's offset must be page-aligned).
 pub const FILE_ALIGN: usize = 4096;
 /// `events_abi`: the formats are rebuilt from the region — its event registration
@@ -68,10 +68,13 @@ pub mod hdr {
 pub mod pos {
     /// u64: number of position updates so far; 0 = none; slot `active & 1` is newest.
     pub const ACTIVE: usize = 0;
-    /// Slot 0: u64 reader page, u64 consumed data bytes, u64 expected index.
+    /// Slot 0: u64 reader page, u64 consumed data bytes, u64 expected index, u64 the
+    /// reader page's `page_seq`, u64 its `first_index`, u64 printed index (P1).
     pub const SLOT0: usize = 8;
     /// Slot 1, as slot 0.
-    pub const SLOT1: usize = 32;
+    pub const SLOT1: usize = 56;
+    /// Bytes of a slot.
+    pub const SLOT_LEN: usize = 48;
 }
 
 /// State: the VMM set the file up; the guest has not started.
@@ -113,10 +116,14 @@ pub fn read_position<M: SharedMem + ?Sized>(h: &M, pos_off: usize, cpu: u32) -> 
     }
     let slot = base + slot_off(n);
     let reader = u32::try_from(h.load(slot, Acquire)).ok()?;
+    let w = |i: usize| h.load(slot + 8 * i, Acquire);
     Some(Position {
         reader,
-        consumed: h.load(slot + 8, Acquire),
-        expected: h.load(slot + 16, Acquire),
+        consumed: w(1),
+        expected: w(2),
+        page_seq: w(3),
+        first_index: w(4),
+        printed: w(5),
     })
 }
 
