@@ -57,6 +57,28 @@ fn stderr_lines(child: &mut Child) -> (mpsc::Receiver<String>, std::thread::Join
     (rx, h)
 }
 
+/// Waits (bounded) until the pipe `r` reads from holds at least half its capacity: what
+/// the run has left to print then (the rest of its rings) no longer fits, so it blocks.
+fn wait_pipe_full(r: &impl std::os::fd::AsRawFd) {
+    let fd = r.as_raw_fd();
+    let t0 = Instant::now();
+    loop {
+        // SAFETY: fcntl F_GETPIPE_SZ on a pipe fd this process owns; no memory passed.
+        let size = unsafe { libc::fcntl(fd, libc::F_GETPIPE_SZ) };
+        let mut held: libc::c_int = 0;
+        // SAFETY: FIONREAD writes one c_int to the pointer, which is valid for the call.
+        let ok = unsafe { libc::ioctl(fd, libc::FIONREAD, &mut held) } == 0;
+        if ok && size > 0 && held >= size / 2 {
+            return;
+        }
+        assert!(
+            t0.elapsed() < LIMIT,
+            "the pipe never filled ({held} of {size} bytes)"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 /// Waits (bounded) for a stderr line containing `needle`; returns the lines so far.
 fn wait_line(rx: &mpsc::Receiver<String>, needle: &str, seen: &mut Vec<String>) {
     let t0 = Instant::now();
@@ -257,10 +279,23 @@ fn second_ctrl_c_aborts_with_130() {
         .spawn()
         .expect("spawn");
     let mut stdout = child.stdout.take().expect("stdout");
+    // A one-page pipe: a few dozen lines fill it, far less than the rings hold.
+    // SAFETY: F_SETPIPE_SZ on a pipe fd this process owns; no memory passed. (It may
+    // fail if the run already wrote more: then the pipe keeps its size.)
+    unsafe {
+        libc::fcntl(
+            std::os::fd::AsRawFd::as_raw_fd(&stdout),
+            libc::F_SETPIPE_SZ,
+            4096,
+        )
+    };
     let (rx, reader) = stderr_lines(&mut child);
-    // The run prints: its handlers are installed, and the unread pipe fills up.
+    // The run prints: its handlers are installed. Then the unread pipe fills up (a
+    // condition, waited for): the run blocks on its output, so the first Ctrl-C cannot
+    // finish it and the second one aborts.
     let mut byte = [0u8; 1];
     stdout.read_exact(&mut byte).expect("first byte");
+    wait_pipe_full(&stdout);
     env::signal(&child, "-INT");
     let mut seen = Vec::new();
     wait_line(&rx, "stopping…", &mut seen);
