@@ -103,11 +103,34 @@ fn every_event_lies_between_the_host_clock_bounds() {
         assert_eq!(n, 1000, "{clock}: JSON events");
     }
 
-    // An interrupted run (--duration) converts with the same map: its events too lie
-    // between the bounds.
-    let (lo, out, hi) = bracketed(
-        "mono",
-        &[
+    // An interrupted run converts with the same map: its events too lie between the
+    // bounds. Interrupted (SIGTERM) once its first event is out, not at a fixed
+    // `--duration`: on a loaded host a vCPU starts up to seconds late, and a 0.3 s run
+    // once ended before its first event. `--duration 120` only bounds a run that never
+    // writes (the test then fails on "no event", it does not hang).
+    let (lo, text, err, hi) = interrupted_after_first_event(&dir);
+    let evs = events(&text, "run, interrupted");
+    assert!(!evs.is_empty(), "interrupted: no event\n{err}");
+    assert!(err.contains("stopped"), "{err}");
+    for e in &evs {
+        assert!(
+            lo <= e.ts_ns && e.ts_ns <= hi,
+            "interrupted: event at {} outside [{lo}, {hi}]",
+            e.ts_ns
+        );
+    }
+}
+
+/// Runs a long `run` on one vCPU, sends it SIGTERM once its first event line is on
+/// stdout, and returns (mono before spawning, stdout, stderr, mono after it exited);
+/// exit 0 is required.
+fn interrupted_after_first_event(dir: &TempDir) -> (u128, String, String, u128) {
+    use std::io::BufRead;
+    let err_path = dir.file("interrupted.err");
+    let err_file = std::fs::File::create(&err_path).expect("stderr file");
+    let lo = clock_now("mono");
+    let mut child = std::process::Command::new(BIN)
+        .args([
             "run",
             "--vcpus",
             "1",
@@ -116,23 +139,37 @@ fn every_event_lies_between_the_host_clock_bounds() {
             "--rate",
             "5000",
             "--duration",
-            "0.3",
-        ],
-    );
-    let evs = events(&env::stdout(&out), "run --duration");
-    assert!(!evs.is_empty(), "--duration: no event");
-    assert!(
-        env::stderr(&out).contains("stopped"),
-        "{}",
-        env::stderr(&out)
-    );
-    for e in &evs {
-        assert!(
-            lo <= e.ts_ns && e.ts_ns <= hi,
-            "--duration: event at {} outside [{lo}, {hi}]",
-            e.ts_ns
-        );
+            "120",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(err_file)
+        .spawn()
+        .expect("spawn hyptrace");
+    let mut out = std::io::BufReader::new(child.stdout.take().expect("stdout"));
+    let mut text = String::new();
+    let mut signalled = false;
+    let mut line = String::new();
+    while out.read_line(&mut line).expect("read stdout") != 0 {
+        if !signalled && line.contains(" marker:") {
+            let pid = child.id().to_string();
+            let kill = std::process::Command::new("kill")
+                .args(["-TERM", &pid])
+                .status();
+            assert!(kill.is_ok_and(|s| s.success()), "kill -TERM {pid}");
+            signalled = true;
+        }
+        text.push_str(&line);
+        line.clear();
     }
+    let status = env::wait_exit(
+        &mut child,
+        "the interrupted run",
+        std::time::Duration::from_secs(60),
+    );
+    let hi = clock_now("mono");
+    let err = std::fs::read_to_string(&err_path).expect("stderr");
+    assert_eq!(status.code(), Some(0), "{err}");
+    (lo, text, err, hi)
 }
 
 /// Offsets of the `align` workload's exits: (host − before, after − host) per exit.

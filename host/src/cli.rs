@@ -417,8 +417,8 @@ pub struct RunArgs {
     pub poll_ms: u64,
     /// `--swap guest`: milliseconds a mailbox request (a swap in overwrite mode, a
     /// footer update) may stay unanswered before the writer counts as stuck (an error
-    /// naming the CPU). Generous by default: on a loaded host a runnable vCPU can wait
-    /// long for a core.
+    /// naming the CPU), counted while a writer is attached. Generous by default: on a
+    /// loaded host a runnable vCPU can wait long for a core.
     #[arg(
         long = "mailbox-timeout-ms",
         value_name = "MS",

@@ -312,7 +312,8 @@ impl<M: SharedMem> EventTable<M> {
 
     /// The registration exit: reads and validates the table, assigns ids, sets every
     /// CPU's enable bits to the selected accepted events, writes the answer (DONE last).
-    /// Only the first ready table is answered; later exits change nothing.
+    /// Only the first ready table is answered; later exits change nothing. An exit after
+    /// the run went on without a registration is answered REFUSED and kept (L1).
     pub fn register(&self, vcpu: u32) {
         let mut st = self.lock();
         if let State::Closed {

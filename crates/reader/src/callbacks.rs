@@ -13,7 +13,7 @@
 use crate::ReadError;
 use hyptrace_abi::layout::{
     ctl, Mode, RingGeometry, MBOX_OP_SWAP, MBOX_OP_UPDATE_FOOTERS, MBOX_STATUS_BUSY,
-    MBOX_STATUS_CONTENDED, MBOX_STATUS_OK, WRITER_FINISHED,
+    MBOX_STATUS_CONTENDED, MBOX_STATUS_OK, WRITER_FINISHED, WRITER_IDLE,
 };
 use hyptrace_abi::SharedMem;
 use std::sync::atomic::AtomicU64;
@@ -238,6 +238,17 @@ impl<M: SharedMem> MailboxPort<M> {
         Ok((ack >> SEQ_SHIFT == seq.0).then(|| MailboxStatus::from_wire(ack & CODE_MASK)))
     }
 
+    /// Whether a writer attached to `cpu`'s ring (its state is no longer `WRITER_IDLE`;
+    /// finished counts as attached).
+    pub fn writer_attached(&self, cpu: u32) -> bool {
+        // Acquire: paired with the Release swap of writer_state in Writer::attach (M2).
+        cpu < self.layout.nr_cpus
+            && self
+                .mem
+                .load(self.layout.ctl(cpu) + ctl::WRITER_STATE, Acquire)
+                != WRITER_IDLE
+    }
+
     /// Whether `cpu`'s writer said it will write no more (it serves no more requests
     /// either).
     pub fn writer_finished(&self, cpu: u32) -> bool {
@@ -346,6 +357,14 @@ impl<M: SharedMem> Mailbox<M> {
                 None => {
                     if self.port.writer_finished(cpu) {
                         return Err(ReadError::WriterStopped { cpu });
+                    }
+                    // M2: the timeout runs from when a writer is attached. Before, no
+                    // one can answer and nothing is stuck: its vCPU may not have run
+                    // yet (on a loaded host vCPUs start up to seconds late), and a ring
+                    // no writer attached to has nothing to swap.
+                    if !self.port.writer_attached(cpu) {
+                        slot.pending = Some((seq, pop, Instant::now()));
+                        return Ok(Reply::Pending);
                     }
                     if posted.elapsed() > self.timeout {
                         return Err(ReadError::MailboxTimeout {

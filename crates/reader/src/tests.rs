@@ -1,4 +1,5 @@
 use super::*;
+use hyptrace_abi::layout::WRITER_ACTIVE;
 use hyptrace_abi::HeapMem;
 use hyptrace_writer::{WriteOutcome, Writer};
 use std::sync::atomic::Ordering::Relaxed;
@@ -230,6 +231,8 @@ fn mailbox_times_out_on_a_dead_writer() {
         1,
     )
     .unwrap();
+    // A writer attached, then died (M2: the timeout runs only once one is attached).
+    mem.store(l.ctl(0) + ctl::WRITER_STATE, WRITER_ACTIVE, Relaxed);
     // Requests do not block: the first poke leaves one in flight; later pokes report
     // the timeout once it is older than 100 ms.
     let start = std::time::Instant::now();
@@ -245,6 +248,38 @@ fn mailbox_times_out_on_a_dead_writer() {
     };
     assert!(matches!(err, ReadError::MailboxTimeout { .. }), "{err}");
     assert!(start.elapsed() >= Duration::from_millis(100));
+}
+
+/// M2: a request to a ring no writer attached to yet (its vCPU has not run: on a loaded
+/// host vCPUs start seconds late) is pending however long it waits, never a timeout;
+/// once a writer attached and does not answer, the timeout runs (from the last poll that
+/// saw none: the drain loop polls every few ms).
+#[test]
+fn mailbox_timeout_runs_from_the_writers_attach() {
+    let cfg = Config {
+        nr_cpus: 1,
+        buffer_bytes: 3 * 4096,
+        page_size: 4096,
+        mode: Mode::Stop,
+        guest_swap: true,
+    };
+    let l = cfg.layout().unwrap();
+    let mem = Arc::new(HeapMem::new(l.region_size));
+    let timeout = Duration::from_millis(1);
+    let mb = Mailbox::new(mem.clone(), l, timeout).with_spin(Duration::ZERO);
+    let _rb = RingBuffer::alloc(mem.clone(), l, Direct::new(mem.clone(), l), 0, 1).unwrap();
+    // Each wait is over the timeout (a sleep lasts at least as long as asked).
+    for _ in 0..3 {
+        assert!(!mb.update_footers(0).unwrap(), "pending, not attached");
+        std::thread::sleep(timeout * 5);
+    }
+    mem.store(l.ctl(0) + ctl::WRITER_STATE, WRITER_ACTIVE, Relaxed);
+    std::thread::sleep(timeout * 5);
+    let err = mb.update_footers(0).unwrap_err();
+    assert!(
+        matches!(err, ReadError::MailboxTimeout { cpu: 0, .. }),
+        "{err}"
+    );
 }
 
 /// The post-mortem walk of CPU 0 from `pos`: the sequence numbers (payload's first 8
