@@ -581,11 +581,7 @@ fn open_reader(conn: CtlConn, info: &AttachInfo) -> Result<Opened, AttachError> 
             reader.layout().nr_cpus
         )));
     }
-    for p in pages.iter().flatten() {
-        reader
-            .resume(p.cpu, p.page, p.consumed, p.expected)
-            .map_err(|e| file_err(e.to_string()))?;
-    }
+    crate::consumer::start(&mut reader, info).map_err(|e| file_err(e.to_string()))?;
     Ok((reader, metas, tsc_khz))
 }
 

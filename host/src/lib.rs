@@ -22,6 +22,7 @@ pub mod attach;
 pub mod bench;
 pub mod cli;
 pub mod clock;
+pub mod consumer;
 pub mod control;
 pub mod convert;
 pub mod dump;

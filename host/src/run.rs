@@ -39,6 +39,7 @@ use hyptrace_reader::{Callbacks, ReadError};
 
 use crate::cli::FormatArg;
 use crate::clock::HostClock;
+use crate::consumer::{Consumers, FileInfo, CONSUMER_GRACE};
 use crate::control::{Answer, Command, ControlServer, EventSwitch, Handler, Refusal};
 use crate::events::{EventTable, EventsError, Selection, Settled, VmEventTable};
 use crate::host_events::{HostEvents, Recording};
@@ -393,10 +394,7 @@ impl<'a> Run<'a> {
             formats: formats.clone(),
             drain_live: plan.flight.drain_live,
             meta: vec![crate::trace_mem::MetaValues::default(); nr as usize],
-            claim: None,
-            next_token: 0,
-            delivered: vec![false; nr as usize],
-            claim_held_at_end: None,
+            consumers: Consumers::new(nr),
         };
         let mut live = Live {
             deadline: plan.duration.map(|d| running.started_at() + d),
@@ -911,29 +909,18 @@ impl Live<'_> {
             flight: &mut self.flight,
         };
         control.serve(&mut h);
-        if h.flight.claim.is_none() {
-            h.settle_swaps();
-        }
+        h.settle_swaps();
     }
 
     /// C4's bound: a consumer that holds the claim [`CONSUMER_GRACE`] after every vCPU
     /// stopped loses it (the run must end); this session then walks the CPUs itself.
     fn end_claim_if_late(&mut self) {
         let all_done = (0..self.nr).all(|c| self.running.vcpu_finished(c));
-        if self.flight.claim.is_none() || !all_done {
-            self.flight.claim_held_at_end = None;
-            return;
-        }
-        let since = *self
-            .flight
-            .claim_held_at_end
-            .get_or_insert_with(Instant::now);
-        if since.elapsed() >= CONSUMER_GRACE {
+        if self.flight.consumers.end_if_late(all_done, Instant::now()) {
             note!(
                 "hyptrace: warning: the attached consumer did not detach within {} s of the vCPUs' end: the VMM reads the rest itself (part of the consumer's last page may be repeated)",
                 CONSUMER_GRACE.as_secs()
             );
-            self.flight.claim = None;
         }
     }
 
@@ -1089,13 +1076,13 @@ impl Live<'_> {
         }
         // C4: while a consumer holds the claim, it walks the stopped CPUs itself; this
         // session walks them after it detached (counting only what it delivered).
-        let claimed = self.flight.claim.is_some();
+        let claimed = self.flight.consumers.claimed();
         let stopped = |c| running.vcpu_finished(c) && !(hold && running.any_crashed()) && !claimed;
         let failed = {
             let mut s = locked(&self.session);
             let mut failed = Vec::new();
             for c in 0..self.nr {
-                if stopped(c) && self.flight.delivered.get(c as usize) == Some(&true) {
+                if stopped(c) && self.flight.consumers.delivered(c) {
                     if let Err(e) = s.end_cpu_delivered(c) {
                         failed.push((c, e));
                     }
@@ -1121,10 +1108,6 @@ impl Live<'_> {
         }
     }
 }
-
-/// How long a consumer may keep its claim after every vCPU stopped (C4) before the
-/// VMM reads the rest itself.
-const CONSUMER_GRACE: Duration = Duration::from_secs(10);
 
 /// The run's session, locked: the drain loop's and the control socket's uses, each for
 /// a moment (invariant D1). A panic elsewhere while holding it fails the run anyway.
@@ -1160,14 +1143,8 @@ struct Flight {
     drain_live: bool,
     /// Per CPU, what its meta page says (live attach; written with `--trace-mem`).
     meta: Vec<crate::trace_mem::MetaValues>,
-    /// The consumer holding the claim (live attach), if any (C2).
-    claim: Option<Claim>,
-    /// The last claim token given out.
-    next_token: u64,
-    /// Per CPU: the consumer delivered its rest (C4): the final walk only counts.
-    delivered: Vec<bool>,
-    /// Since when every vCPU stopped while a consumer held the claim (C4's bound).
-    claim_held_at_end: Option<Instant>,
+    /// The consumers of live attach (C1–C4).
+    consumers: Consumers,
 }
 
 /// `--hang-timeout`: the last progress seen and since when.
@@ -1199,13 +1176,6 @@ fn update_meta(
     tm.write_meta(cpu, m);
 }
 
-/// The consumer holding the claim (live attach): its connection and token (C2).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Claim {
-    conn: u64,
-    token: u64,
-}
-
 /// The control socket's commands, executed by the run loop.
 struct RunControl<'s> {
     session: &'s mut Session,
@@ -1224,8 +1194,17 @@ impl Handler for RunControl<'_> {
             Command::Stats => Ok(Answer::Stats(self.stats())),
             Command::Attach => self.attach(conn).map(Answer::Attached),
             Command::GetReader { token, cpu, page } => {
-                self.check_claim(conn, *token, "get_reader")?;
-                let status = self.get_reader(*cpu, *page)?;
+                self.attachable("get_reader")?;
+                let finished = self.running.vcpu_finished(*cpu);
+                let status = self.flight.consumers.get_reader(
+                    self.session,
+                    (conn, *token),
+                    (*cpu, *page),
+                    finished,
+                )?;
+                if let ReaderStatus::Swapped { page, lost } = status {
+                    self.swapped_meta(*cpu, page, lost);
+                }
                 Ok(Answer::Reader {
                     cpu: *cpu,
                     page: *page,
@@ -1233,131 +1212,51 @@ impl Handler for RunControl<'_> {
                 })
             }
             Command::Detach { token, positions } => {
-                self.check_claim(conn, *token, "detach")?;
-                self.flight.claim = None;
-                self.take_positions(positions)?;
+                let running = self.running;
+                self.flight
+                    .consumers
+                    .detach(self.session, (conn, *token), positions, &|c| {
+                        running.vcpu_finished(c)
+                    })?;
                 Ok(Answer::Detached)
             }
         }
     }
 
     fn gone(&mut self, conn: u64) {
-        if self.flight.claim.is_some_and(|c| c.conn == conn) {
+        if self.flight.consumers.gone(conn) {
             log::info!("the attached consumer disconnected without detaching");
-            self.flight.claim = None;
         }
     }
 }
 
 impl RunControl<'_> {
-    /// C2: `what` is only for the connection and token holding the claim, checked here,
-    /// when it executes.
-    fn check_claim(&self, conn: u64, token: u64, what: &str) -> Result<(), Refusal> {
-        match self.flight.claim {
-            Some(c) if c.conn == conn && c.token == token => Ok(()),
-            Some(c) if c.token == token => {
-                Err(format!("{what}: claim {token} belongs to another connection").into())
-            }
-            _ => Err(format!(
-                "{what}: claim {token} is not the VMM's consumer (ended, or never attached)"
-            )
-            .into()),
-        }
-    }
-
-    /// `attach`: an external consumer may read only a VMM that does not consume
-    /// itself (`--drain none`) and whose trace memory another process can map
-    /// (`--trace-mem`), one at a time, and only once the previous consumer's swaps are
-    /// settled (C3). The reply names the file, its geometry, the claim's token and where
-    /// each CPU's reading stands (C1).
-    fn attach(&mut self, conn: u64) -> Result<crate::protocol::AttachInfo, Refusal> {
+    /// An external consumer may read only a VMM that does not consume itself (`--drain
+    /// none`) and whose trace memory another process can map (`--trace-mem`).
+    fn attachable(&self, what: &str) -> Result<&TraceMemFile, Refusal> {
         if self.flight.drain_live {
-            return Err(
-                "attach needs a VMM run with --drain none (this one runs --drain live: it consumes the rings itself)"
-                    .into(),
-            );
-        }
-        let Some(tm) = &self.flight.trace_mem else {
-            return Err(
-                "attach needs a VMM run with --trace-mem FILE (the trace memory is not in a file)"
-                    .into(),
-            );
-        };
-        if self.flight.claim.is_some() {
-            return Err("busy: another consumer is attached (one consumer at a time)".into());
-        }
-        let reader = self.session.reader();
-        let nr = reader.nr_cpus();
-        if let Some(cpu) = (0..nr).find(|&c| reader.request_in_flight(c)) {
             return Err(format!(
-                "busy: settling the previous consumer's swap of cpu {cpu} (try again)"
+                "{what} needs a VMM run with --drain none (this one runs --drain live: it consumes the rings itself)"
             )
             .into());
         }
-        let positions = (0..nr)
-            .filter(|&cpu| self.session.is_live(cpu))
-            .filter_map(|cpu| {
-                let p = reader.position(cpu)?;
-                Some(crate::protocol::ConsumerPosition {
-                    cpu,
-                    page: p.reader,
-                    consumed: p.consumed,
-                    expected: p.expected,
-                    done: false,
-                })
-            })
-            .collect();
-        let l = reader.layout();
-        let path = std::fs::canonicalize(tm.path()).unwrap_or_else(|_| tm.path().to_path_buf());
-        self.flight.next_token = self.flight.next_token.wrapping_add(1).max(1);
-        let token = self.flight.next_token;
-        self.flight.claim = Some(Claim { conn, token });
-        Ok(crate::protocol::AttachInfo {
-            token,
-            trace_mem: path,
-            nr_cpus: l.nr_cpus,
-            page_size: u32::try_from(l.page_size).unwrap_or(u32::MAX),
-            pages_per_cpu: l.pages_per_cpu,
-            meta_off: tm.meta_off(),
-            pid: std::process::id(),
-            positions,
+        self.flight.trace_mem.as_deref().ok_or_else(|| {
+            format!(
+                "{what} needs a VMM run with --trace-mem FILE (the trace memory is not in a file)"
+            )
+            .into()
         })
     }
 
-    /// `get_reader CPU PAGE`: swaps the CPU's reader page (host side, through the
-    /// reader's callbacks) and updates its meta page — only when PAGE is the VMM's
-    /// current reader page of that CPU (C1).
-    fn get_reader(&mut self, cpu: u32, page: u32) -> Result<ReaderStatus, Refusal> {
-        let nr = self.session.reader().nr_cpus();
-        if cpu >= nr {
-            return Err(format!("get_reader: no CPU {cpu} (the VM has {nr})").into());
-        }
-        if self.flight.drain_live || self.flight.trace_mem.is_none() {
-            return Err("get_reader: no consumer can attach to this VMM".into());
-        }
-        if !self.session.is_live(cpu) || self.running.vcpu_finished(cpu) {
-            return Ok(ReaderStatus::Ended);
-        }
-        let current = self.session.reader().position(cpu).map(|p| p.reader);
-        if current != Some(page) {
-            return Err(format!(
-                "get_reader {cpu}: page {page} is not the reader page ({current:?}): the consumer is out of step"
-            )
-            .into());
-        }
-        let r = self
-            .session
-            .swap_external(cpu)
-            .map_err(|e| format!("get_reader {cpu}: {e}"))?;
-        let Some((new, lost)) = r else {
-            return Ok(if self.session.reader().request_in_flight(cpu) {
-                ReaderStatus::Pending
-            } else {
-                ReaderStatus::Busy
-            });
+    /// `attach`: the claim for `conn` (C1–C3, `Consumers::attach`); the reply names the
+    /// file, its geometry, the token and each CPU's position.
+    fn attach(&mut self, conn: u64) -> Result<crate::protocol::AttachInfo, Refusal> {
+        let tm = self.attachable("attach")?;
+        let file = FileInfo {
+            trace_mem: std::fs::canonicalize(tm.path()).unwrap_or_else(|_| tm.path().to_path_buf()),
+            meta_off: tm.meta_off(),
         };
-        self.swapped_meta(cpu, new, lost);
-        Ok(ReaderStatus::Swapped { page: new, lost })
+        self.flight.consumers.attach(self.session, conn, &file)
     }
 
     /// The meta page of `cpu` after a swap onto `page` with `lost` events lost before it.
@@ -1381,68 +1280,11 @@ impl RunControl<'_> {
         }
     }
 
-    /// `detach`: where the consumer stopped on each CPU is counted as read here (C1),
-    /// each position checked against this reader's own view; a position that does not
-    /// check is refused (the claim is ended all the same: the next consumer starts
-    /// where this reader stands).
-    fn take_positions(
-        &mut self,
-        positions: &[crate::protocol::ConsumerPosition],
-    ) -> Result<(), Refusal> {
-        let nr = self.session.reader().nr_cpus();
-        if positions.len() > nr as usize {
-            return Err(format!("detach: {} positions for {nr} CPUs", positions.len()).into());
-        }
-        let mut bad = Vec::new();
-        for p in positions {
-            if !self.session.is_live(p.cpu) {
-                continue;
-            }
-            if p.done {
-                // C4: only for a vCPU that stopped (its rest is what the consumer walked).
-                match self.flight.delivered.get_mut(p.cpu as usize) {
-                    Some(d) if self.running.vcpu_finished(p.cpu) => *d = true,
-                    _ => bad.push(format!("cpu {}: done while its vCPU runs", p.cpu)),
-                }
-                continue;
-            }
-            match self
-                .session
-                .consumed_externally(p.cpu, p.page, p.consumed, p.expected)
-            {
-                Ok(_) => {}
-                Err(e) => bad.push(e.to_string()),
-            }
-        }
-        if bad.is_empty() {
-            Ok(())
-        } else {
-            Err(format!("detach: {}", bad.join("; ")).into())
-        }
-    }
-}
-
-impl RunControl<'_> {
-    /// C3: a swap a consumer asked for and left in flight (it detached or went away
-    /// while the guest had not answered) is completed here, before another consumer
-    /// may attach: the reader moves onto the new page and counts its losses, so the
-    /// next consumer starts there.
+    /// C3: the swaps the last consumer left in flight, completed while no claim is held.
     fn settle_swaps(&mut self) {
-        for cpu in 0..self.session.reader().nr_cpus() {
-            if !self.session.reader().request_in_flight(cpu) || !self.session.is_live(cpu) {
-                continue;
-            }
-            match self.session.swap_external(cpu) {
-                Ok(Some((page, lost))) => {
-                    log::debug!("cpu {cpu}: the last consumer's swap settled onto page {page}");
-                    self.swapped_meta(cpu, page, lost);
-                }
-                Ok(None) => {}
-                Err(e) => {
-                    log::debug!("cpu {cpu}: settling the last consumer's swap: {e}");
-                    self.session.fail_cpu(cpu, &e.into());
-                }
-            }
+        for (cpu, page, lost) in self.flight.consumers.settle(self.session) {
+            log::debug!("cpu {cpu}: the last consumer's swap settled onto page {page}");
+            self.swapped_meta(cpu, page, lost);
         }
     }
 
