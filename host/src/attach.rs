@@ -451,9 +451,33 @@ pub struct MetaView {
     pub pages_touched: u64,
 }
 
+/// One CPU's meta page, read whole: under its sequence count (the same even count
+/// before and after the fields, at most [`META_TRIES`] tries), so one view never mixes
+/// two updates; `None` when the sizes are wrong or no consistent read came.
 fn read_meta(m: &ReadOnlyMap, cpu: u32) -> Option<MetaView> {
     let base = (cpu as usize).checked_mul(meta::PAGE_SIZE)?;
-    let w = |o: usize| m.load(base + o, Acquire);
+    for _ in 0..META_TRIES {
+        // Acquire: pairs with the Release store of the even count in write_meta.
+        let before = m.load(base + meta::SEQ, Acquire);
+        if before & 1 != 0 {
+            std::hint::spin_loop();
+            continue;
+        }
+        let view = read_meta_fields(m, base)?;
+        // The fields before the second load of the count (they are Relaxed loads).
+        std::sync::atomic::fence(Acquire);
+        if m.load(base + meta::SEQ, Ordering::Relaxed) == before {
+            return Some(view);
+        }
+    }
+    None
+}
+
+/// Tries of [`read_meta`] (the VMM's updates take microseconds).
+const META_TRIES: usize = 1000;
+
+fn read_meta_fields(m: &ReadOnlyMap, base: usize) -> Option<MetaView> {
+    let w = |o: usize| m.load(base + o, Ordering::Relaxed);
     let sizes = w(meta::META_PAGE_SIZE);
     if sizes as u32 as usize != meta::PAGE_SIZE || (sizes >> 32) as usize != meta::STRUCT_LEN {
         return None;
@@ -810,6 +834,32 @@ mod tests {
         w(hdr::REGION_SIZE, region_size);
         w(hdr::META_OFF, meta_off);
         b
+    }
+
+    /// A meta page is read whole under its sequence count: an update under way (odd
+    /// count) gives no view rather than a mix of two updates; an even count gives the
+    /// fields.
+    #[test]
+    fn meta_page_read_under_its_sequence_count() {
+        let dir = std::env::temp_dir().join(format!("hyptrace-meta-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        let path = dir.join("m");
+        let mut page = vec![0u8; meta::PAGE_SIZE];
+        let mut w = |off: usize, v: u64| page[off..off + 8].copy_from_slice(&v.to_le_bytes());
+        w(
+            meta::META_PAGE_SIZE,
+            meta::PAGE_SIZE as u64 | ((meta::STRUCT_LEN as u64) << 32),
+        );
+        w(meta::ENTRIES, 77);
+        w(meta::SEQ, 3);
+        std::fs::write(&path, &page).expect("write");
+        let f = std::fs::File::open(&path).expect("open");
+        let m = ReadOnlyMap::map(&f, 0, meta::PAGE_SIZE, meta::PAGE_SIZE).expect("map");
+        assert!(read_meta(&m, 0).is_none(), "an update under way is no view");
+        page[meta::SEQ..meta::SEQ + 8].copy_from_slice(&4u64.to_le_bytes());
+        std::fs::write(&path, &page).expect("write");
+        assert_eq!(read_meta(&m, 0).map(|v| v.entries), Some(77));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// The trace memory file is hostile: a bad magic, version, header size, a region

@@ -524,6 +524,14 @@ impl TraceMemFile {
             return;
         }
         let m = cpu as usize * meta::PAGE_SIZE;
+        // The meta page's sequence count: odd while the fields change (one writer, the
+        // run loop). The fence orders the odd count before the field stores; the Release
+        // store of the even count after them pairs with the Acquire fence of the reader
+        // (`attach::read_meta`), which loads the count before and after the fields.
+        let seq = self.meta.load(m + meta::SEQ, Relaxed);
+        self.meta
+            .store(m + meta::SEQ, seq.wrapping_add(1) | 1, Relaxed);
+        std::sync::atomic::fence(Release);
         let w = |off: usize, x: u64| self.meta.store(m + off, x, Relaxed);
         w(meta::READER_LOST_EVENTS, v.lost_events);
         w(meta::ENTRIES, v.entries);
@@ -533,6 +541,8 @@ impl TraceMemFile {
         w(meta::PAGES_TOUCHED, v.pages_touched);
         self.meta
             .store(m + meta::READER_ID, u64::from(v.reader_id), Release);
+        self.meta
+            .store(m + meta::SEQ, (seq | 1).wrapping_add(1), Release);
     }
 
     /// Sets the state word.

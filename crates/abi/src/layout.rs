@@ -132,6 +132,10 @@ pub mod meta {
     pub const PAGES_TOUCHED: usize = 72;
     /// Bytes of the struct.
     pub const STRUCT_LEN: usize = 80;
+    /// u64 sequence count of the updates (hyptrace's, after Linux's struct: odd while
+    /// an update is under way; a reader retries until it reads the same even count
+    /// before and after the fields).
+    pub const SEQ: usize = 80;
     /// Size of one meta page.
     pub const PAGE_SIZE: usize = 4096;
 }
