@@ -405,7 +405,8 @@ fn client(mut stream: UnixStream, tx: &Queue, stop: &AtomicBool, conn: u64) {
         // Complete lines first (several may have come in one read).
         while let Some(nl) = buf.iter().position(|&b| b == b'\n') {
             let line: Vec<u8> = buf.drain(..=nl).collect();
-            let reply = execute_line(&line[..nl], tx, stop, conn);
+            let peer = Peer(stream.as_raw_fd());
+            let reply = execute_line(&line[..nl], tx, stop, (conn, peer));
             if stream.write_all(reply.as_bytes()).is_err() {
                 return;
             }
@@ -438,7 +439,7 @@ fn client(mut stream: UnixStream, tx: &Queue, stop: &AtomicBool, conn: u64) {
 }
 
 /// Parses a line and has the run loop execute it (bounded wait); returns the reply line.
-fn execute_line(line: &[u8], tx: &Queue, stop: &AtomicBool, conn: u64) -> String {
+fn execute_line(line: &[u8], tx: &Queue, stop: &AtomicBool, (conn, peer): (u64, Peer)) -> String {
     let line = line.strip_suffix(b"\r").unwrap_or(line);
     let Ok(text) = std::str::from_utf8(line) else {
         return refuse_line("not UTF-8");
@@ -459,12 +460,31 @@ fn execute_line(line: &[u8], tx: &Queue, stop: &AtomicBool, conn: u64) -> String
         );
         return Reply::to(Some(req.id), Outcome::Err(why)).line();
     }
-    forward(req, tx, stop, conn).line()
+    forward(req, tx, stop, (conn, peer)).line()
 }
 
-/// Has the run loop execute `req` (bounded wait: past [`REPLY_TIMEOUT`] a request not
-/// taken yet is cancelled, C2).
-fn forward(req: Wire, tx: &Queue, stop: &AtomicBool, conn: u64) -> Reply {
+/// A client's socket, to notice that the client went away while its request waits.
+#[derive(Clone, Copy, Debug)]
+struct Peer(i32);
+
+impl Peer {
+    /// Whether the client hung up (or its socket failed): its requests are not wanted.
+    fn gone(self) -> bool {
+        let mut p = libc::pollfd {
+            fd: self.0,
+            events: libc::POLLRDHUP,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd for the duration of the call, zero timeout.
+        let n = unsafe { libc::poll(&mut p, 1, 0) };
+        n > 0 && p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+    }
+}
+
+/// Has the run loop execute `req` (bounded wait: a request not taken yet is cancelled
+/// past [`REPLY_TIMEOUT`], or as soon as its client hung up — C2: a gone client's
+/// `get_reader` never swaps pages nobody will read).
+fn forward(req: Wire, tx: &Queue, stop: &AtomicBool, (conn, peer): (u64, Peer)) -> Reply {
     let (rtx, rrx) = mpsc::sync_channel(1);
     let state = Arc::new(AtomicU8::new(QUEUED));
     let id = req.id;
@@ -485,7 +505,8 @@ fn forward(req: Wire, tx: &Queue, stop: &AtomicBool, conn: u64) -> Reply {
             Ok(r) => return r,
             Err(RecvTimeoutError::Disconnected) => return err("the run ended"),
             Err(RecvTimeoutError::Timeout) => {
-                let late = stop.load(Ordering::Relaxed) || start.elapsed() >= REPLY_TIMEOUT;
+                let late =
+                    stop.load(Ordering::Relaxed) || start.elapsed() >= REPLY_TIMEOUT || peer.gone();
                 if late
                     && state
                         .compare_exchange(QUEUED, CANCELLED, Ordering::AcqRel, Ordering::Acquire)
