@@ -298,9 +298,14 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
     }
 
     /// Has every flush record each CPU's position with `r` before it prints (the
-    /// events consumed may be printed from now on) and after (they are), P2.
+    /// events consumed may be printed from now on) and after (they are), P2. Records
+    /// the starting positions at once: a VMM killed in its first drain round, before
+    /// any other record, has consumed pages (they went back to the ring) and printed
+    /// nothing; without a record the walk would start at the reader page and skip them
+    /// uncounted.
     pub fn with_recorder(mut self, r: Recorder) -> Self {
         self.recorder = Some(r);
+        self.record_positions();
         self
     }
 
