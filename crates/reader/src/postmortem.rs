@@ -404,6 +404,13 @@ pub fn walk_cpu<M: SharedMem + ?Sized, E>(
     }
     // Losses with no page after them, and what the writer counted past the pages.
     let trailing = d.writer_index.saturating_sub(expected);
+    // P2: the reader may have consumed some of these (stop-mode drops it counted as
+    // lost) without recording them as printed: they are unplaced as the gaps above.
+    let end = consumed_to.min(d.writer_index);
+    if end > expected {
+        let from = d.unplaced.map_or(expected, |r| r.0);
+        d.unplaced = Some((from, end - 1));
+    }
     d.trailing_lost = trailing.saturating_add(pending_lost);
     d.end_index = expected.max(d.writer_index);
     Ok(d)
@@ -573,6 +580,36 @@ mod tests {
             "{:?}",
             d.warnings
         );
+    }
+
+    /// P2: stop-mode drops the reader consumed (counted lost) and never recorded as
+    /// printed are on no page: counted in `trailing_lost` and named unplaced, since the
+    /// live output may hold their drop line (found by the flight model).
+    #[test]
+    fn consumed_unprinted_drops_are_unplaced() {
+        let l = RingGeometry::new(1, 6, 4096, Mode::Stop, false).expect("layout");
+        let mem = HeapMem::new(l.region_size);
+        l.init_region(&mem, 1_000_000, 1);
+        let mut w = Writer::attach(&mem, 0).expect("attach");
+        for i in 0..2000u64 {
+            let mut p = [0u8; 16];
+            p[..8].copy_from_slice(&i.to_le_bytes());
+            let _ = w.write(0, 100 + i, &p);
+        }
+        let reader = mem.load(l.ctl(0) + ctl::READER_PAGE, Acquire);
+        let f = l.footer_off(reader as u32);
+        // Consumed through 1999 (the drops counted lost), printed through 999.
+        let pos = Position {
+            reader: reader as u32,
+            consumed: 0,
+            expected: 2000,
+            page_seq: mem.load(f + footer::PAGE_SEQ, Acquire),
+            first_index: mem.load(f + footer::FIRST_INDEX, Acquire),
+            printed: 1000,
+        };
+        let (seen, d) = walk(&mem, &l, Some(pos));
+        assert!(seen.is_empty(), "{seen:?}");
+        assert_eq!((d.trailing_lost, d.unplaced), (1000, Some((1000, 1999))));
     }
 
     /// P2: a reader that consumed pages it never printed, whose pages went back to the
