@@ -29,6 +29,8 @@ pub mod dump;
 pub mod elf;
 pub mod error;
 pub mod events;
+#[cfg(test)]
+mod flight_model;
 pub mod host_events;
 pub mod logging;
 pub mod memory_map;

@@ -273,7 +273,11 @@ pub fn walk_cpu<M: SharedMem + ?Sized, E>(
     // P1: the position names the walk's first page only when id, page_seq and
     // first_index all match (a page that came back with new contents is another page).
     let at_pos = order.first().and_then(|&id| {
-        pos.filter(|p| p.reader == id && p.page_seq == seq_of(id) && p.first_index == first_of(id))
+        pos.filter(|p| {
+            p.reader == id
+                && (cfg!(hyptrace_seeded_bug_page_inexact)
+                    || (p.page_seq == seq_of(id) && p.first_index == first_of(id)))
+        })
     });
     if let (Some(p), None) = (pos, at_pos) {
         d.warn(format!(
@@ -335,7 +339,15 @@ pub fn walk_cpu<M: SharedMem + ?Sized, E>(
         // The clock where the unconsumed part starts (bounded: each record ≥ 4 bytes).
         let mut start = 0usize;
         let mut clock = time_stamp;
-        if skip_events > 0 {
+        let resume = at_pos.filter(|p| {
+            cfg!(hyptrace_seeded_bug_page_inexact) && p.reader == id && p.printed >= p.expected
+        });
+        if let Some(p) = resume {
+            // Seeded bug (P1): resumes at the record's byte offset on the page it names,
+            // the page named by its id alone (docs/fuzzing.md, the flight model).
+            start = (p.consumed as usize).min(len);
+            expected = p.expected;
+        } else if skip_events > 0 {
             let mut it = page::Events::new(data, time_stamp);
             let mut k = 0u64;
             while k < skip_events {
