@@ -738,14 +738,7 @@ fn detach(session: &AttachSession, walked: &[bool]) {
             if reader.request_in_flight(cpu) || session.error(cpu).is_some() {
                 return None;
             }
-            let p = reader.position(cpu)?;
-            Some(ConsumerPosition {
-                cpu,
-                page: p.reader,
-                consumed: p.consumed,
-                expected: p.expected,
-                done: false,
-            })
+            Some(ConsumerPosition::at(cpu, reader.position(cpu)?))
         })
         .collect();
     let cmd = Command::Detach {

@@ -102,16 +102,7 @@ impl Consumers {
         }
         let positions = (0..nr)
             .filter(|&cpu| s.is_live(cpu))
-            .filter_map(|cpu| {
-                let p = reader.position(cpu)?;
-                Some(ConsumerPosition {
-                    cpu,
-                    page: p.reader,
-                    consumed: p.consumed,
-                    expected: p.expected,
-                    done: false,
-                })
-            })
+            .filter_map(|cpu| Some(ConsumerPosition::at(cpu, reader.position(cpu)?)))
             .collect();
         let l = reader.layout();
         self.next_token = self.next_token.wrapping_add(1).max(1);
@@ -275,4 +266,4 @@ pub fn start<M: SharedMem, C: Callbacks>(
 }
 
 #[cfg(test)]
-mod model;
+pub(crate) mod model;

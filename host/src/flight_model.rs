@@ -32,6 +32,7 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use crate::consumer::model::Rng;
 use hyptrace_abi::events::{marker, vcpu_pid, MARKER_SIZE, MARKER_SLOT};
 use hyptrace_abi::layout::{Mode, RingGeometry};
 use hyptrace_abi::page::{self, COMMIT_OFFSET, PAGE_HEADER_SIZE};
@@ -62,21 +63,6 @@ impl Callbacks for NoPoke {
     }
     fn releases(&self, cpu: u32) -> bool {
         self.0.releases(cpu)
-    }
-}
-
-/// The seeded schedule's random numbers (splitmix64).
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
     }
 }
 

@@ -126,6 +126,20 @@ pub struct ConsumerPosition {
     pub done: bool,
 }
 
+impl ConsumerPosition {
+    /// The position `p` of `cpu` (a reader's, [`hyptrace_reader::RingBuffer::position`]),
+    /// not done.
+    pub fn at(cpu: u32, p: hyptrace_reader::postmortem::Position) -> Self {
+        Self {
+            cpu,
+            page: p.reader,
+            consumed: p.consumed,
+            expected: p.expected,
+            done: false,
+        }
+    }
+}
+
 /// A request: version, the client's id for it, the command.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Request {

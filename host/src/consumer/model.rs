@@ -100,17 +100,17 @@ struct Consumer {
     last_page: u32,
 }
 
-/// The seeded schedule's random numbers (splitmix64).
-struct Rng(u64);
+/// The seeded schedule's random numbers (splitmix64; the flight model's too).
+pub(crate) struct Rng(pub(crate) u64);
 impl Rng {
-    fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
         z ^ (z >> 31)
     }
-    fn below(&mut self, n: u64) -> u64 {
+    pub(crate) fn below(&mut self, n: u64) -> u64 {
         self.next() % n
     }
 }
@@ -271,13 +271,7 @@ fn detach(vmm: &Rc<RefCell<Vmm>>, c: &Consumer, done: bool) {
         Vec::new()
     } else {
         c.rb.position(0)
-            .map(|p| ConsumerPosition {
-                cpu: 0,
-                page: p.reader,
-                consumed: p.consumed,
-                expected: p.expected,
-                done: false,
-            })
+            .map(|p| ConsumerPosition::at(0, p))
             .into_iter()
             .collect()
     };
