@@ -1,4 +1,4 @@
-//! The run pipeline as a library (`hyptrace_host::run::Run`, issue 10): what `run` and
+//! The run pipeline as a library (`hyptrace_host::pipeline::run::Run`, issue 10): what `run` and
 //! `record` use, driven the way `bench` will — a caller's page sink, callbacks wrapped
 //! to count swaps, no signal handling — and its `RunReport`: R1 per CPU, the summary,
 //! the `--stats` JSON, the guest memory after the run.
@@ -9,9 +9,9 @@ use std::sync::Arc;
 use clap::Parser;
 use hyptrace::env::{kvm_available, vm_lock};
 use hyptrace_host::cli::{Cli, Command};
-use hyptrace_host::plan::Plan;
-use hyptrace_host::report::Destination;
-use hyptrace_host::run::{Run, Target};
+use hyptrace_host::pipeline::plan::Plan;
+use hyptrace_host::pipeline::report::Destination;
+use hyptrace_host::pipeline::run::{Run, Target};
 use hyptrace_output::{OutputError, PageSink, RunSummary};
 use hyptrace_reader::{Callbacks, ReadError, SwapReply, SwapStatus};
 

@@ -18,7 +18,7 @@ use hyptrace::env::{self, kvm_available, vm_lock, TempDir};
 use hyptrace_abi::events::{marker, span, text, vcpu_pid};
 use hyptrace_abi::layout::{Mode, RingGeometry};
 use hyptrace_abi::HeapMem;
-use hyptrace_host::session::{Output, Session};
+use hyptrace_host::drain::session::{Output, Session};
 use hyptrace_output::{
     Clock, PageSink, RunSummary, TextSink, TraceDatSink, TraceDatVersion, TraceFile, TraceMeta,
 };

@@ -1,4 +1,4 @@
-//! The host's session layer (`hyptrace_host::session::Session`: live drain rounds, final
+//! The host's session layer (`hyptrace_host::drain::session::Session`: live drain rounds, final
 //! walks, the text merger, accounting) — over a heap region without a VM, and through
 //! the real binary on KVM (skipped without /dev/kvm unless HYPTRACE_REQUIRE_KVM=1).
 //!
@@ -21,7 +21,9 @@ use hyptrace::env::{self, kvm_available, vm_lock, TempDir};
 use hyptrace_abi::events::{marker, vcpu_pid};
 use hyptrace_abi::layout::{ctl, footer, Mode, RingGeometry, CTL_SIZE, FOOTER_SIZE};
 use hyptrace_abi::{HeapMem, SharedMem};
-use hyptrace_host::session::{Output, Session, SessionError, MERGE_MAX_BYTES, MERGE_MAX_EVENTS};
+use hyptrace_host::drain::session::{
+    Output, Session, SessionError, MERGE_MAX_BYTES, MERGE_MAX_EVENTS,
+};
 use hyptrace_output::{Clock, OutputError, PageSink, RunSummary};
 use hyptrace_reader::{Direct, ReadError, RingBuffer};
 use hyptrace_writer::{WriteOutcome, Writer};
@@ -658,7 +660,7 @@ fn swap_contention_at_full_speed_is_no_error() {
 /// a round left data behind. Steps a clock of its own (`next_wait_at`): 1 ms per round.
 #[test]
 fn adaptive_wait_follows_the_fill_level() {
-    use hyptrace_host::session::MIN_POLL;
+    use hyptrace_host::drain::session::MIN_POLL;
     let (m, l) = region(1, 8, Mode::Stop);
     let mut s = session(&m, l, Output::Pages(Box::new(CountingSink::default())));
     let idle = Duration::from_millis(1);
@@ -821,9 +823,9 @@ fn standby_over_a_silent_loop(
     RingGeometry,
     CountingSink,
     Arc<Mutex<HeapSession>>,
-    hyptrace_host::standby::Standby,
+    hyptrace_host::drain::standby::Standby,
 ) {
-    use hyptrace_host::standby::{Standby, TURN_BUDGET};
+    use hyptrace_host::drain::standby::{Standby, TURN_BUDGET};
     let (m, l) = region(1, 8, Mode::Stop);
     let sink = CountingSink::default();
     let s = Arc::new(Mutex::new(session(
@@ -914,7 +916,7 @@ fn a_held_standby_reads_nothing_and_stops_promptly() {
 /// by the loop's next `service`, which reports it.
 #[test]
 fn a_failure_in_the_standbys_turn_reaches_the_drain_loop() {
-    use hyptrace_host::standby::TURN_BUDGET;
+    use hyptrace_host::drain::standby::TURN_BUDGET;
     let (m, l) = region(1, 4, Mode::Overwrite);
     let mut s = session(&m, l, Output::Pages(Box::new(CountingSink::default())));
     let mut w = Writer::attach(m.clone(), 0).expect("attach");

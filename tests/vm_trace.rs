@@ -500,7 +500,7 @@ fn footers_consistent_after_run() {
     use hyptrace_abi::page::{Events, COMMIT_LEN_MASK, COMMIT_OFFSET};
     use hyptrace_abi::SharedMem;
     use hyptrace_host::cli::{ring_layout, ModeArg, SwapArg};
-    use hyptrace_host::session::{alloc_reader, Output, Session};
+    use hyptrace_host::drain::session::{alloc_reader, Output, Session};
     use hyptrace_host::{RunParams, VcpuOutcome, Vm, VmConfig, GUEST_ELF};
     use std::sync::atomic::Ordering::Acquire;
 
@@ -533,7 +533,7 @@ fn footers_consistent_after_run() {
             layout,
             tsc_khz,
             7,
-            hyptrace_host::session::MAILBOX_TIMEOUT,
+            hyptrace_host::drain::session::MAILBOX_TIMEOUT,
         )
         .expect("reader");
         let running = vm

@@ -17,38 +17,21 @@
 //! # Ok::<(), hyptrace_host::Error>(())
 //! ```
 
-pub mod arch;
-pub mod attach;
+#[macro_use]
+pub mod exit;
+
 pub mod bench;
 pub mod cli;
-pub mod clock;
-pub mod consumer;
 pub mod control;
-pub mod convert;
-pub mod dump;
-pub mod elf;
-pub mod error;
-pub mod events;
-#[cfg(test)]
-mod flight_model;
-pub mod host_events;
-pub mod logging;
-pub mod memory_map;
-pub mod plan;
-pub mod protocol;
-pub mod report;
-pub mod run;
-pub mod session;
-pub mod signals;
-pub mod standby;
-pub mod trace_mem;
-pub mod vcpu;
-pub mod vm;
+pub mod drain;
+pub mod flight;
+pub mod pipeline;
+pub mod vmm;
 
-pub use error::{Error, Result};
-pub use memory_map::GuestMemoryMap;
-pub use vcpu::{VcpuError, VcpuOutcome, VcpuStats};
-pub use vm::{host_tsc, RunParams, RunningVm, TraceRegion, Vm, VmConfig};
+pub use vmm::error::{Error, Result};
+pub use vmm::memory_map::GuestMemoryMap;
+pub use vmm::vcpu::{VcpuError, VcpuOutcome, VcpuStats};
+pub use vmm::vm::{host_tsc, RunParams, RunningVm, TraceRegion, Vm, VmConfig};
 
 /// The guest payload built from guest/ by build.rs.
 pub static GUEST_ELF: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/hyptrace-guest.elf"));

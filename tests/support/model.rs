@@ -3,8 +3,8 @@
 
 use hyptrace_abi::guest::WorkloadRng as Rng;
 
-/// The seed `hyptrace run` passes (`hyptrace_host::vm::DEFAULT_SEED`).
-pub const DEFAULT_SEED: u64 = hyptrace_host::vm::DEFAULT_SEED;
+/// The seed `hyptrace run` passes (`hyptrace_host::vmm::vm::DEFAULT_SEED`).
+pub const DEFAULT_SEED: u64 = hyptrace_host::vmm::vm::DEFAULT_SEED;
 /// Longest `guest:text` message (`hyptrace_abi::events::TEXT_MAX_MSG`).
 pub const TEXT_MAX_MSG: usize = 240;
 

@@ -6,10 +6,10 @@ use hyptrace_reader::ReadError;
 use hyptrace_writer::RingError;
 
 use super::MAX_BENCH_PAYLOAD;
-use crate::plan::PlanError;
-use crate::report::RunReport;
-use crate::run::RunError;
-use crate::vcpu::VcpuOutcome;
+use crate::pipeline::plan::PlanError;
+use crate::pipeline::report::RunReport;
+use crate::pipeline::run::RunError;
+use crate::vmm::vcpu::VcpuOutcome;
 use hyptrace_abi::guest::BENCH_CHUNK;
 
 /// A failure of `hyptrace bench` (its options, or a measurement).
@@ -41,7 +41,7 @@ pub enum BenchError {
     RunFailed(Box<RunReport>),
     /// Creating or starting a VM failed.
     #[error(transparent)]
-    Vm(#[from] crate::Error),
+    Vm(#[from] crate::vmm::error::Error),
     /// The rings could not be set up in a VM's trace region.
     #[error("trace buffers: {0}")]
     TraceBuffers(#[source] ReadError),

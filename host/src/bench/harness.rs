@@ -15,11 +15,11 @@ use vm_memory::{Bytes, GuestAddress};
 
 use super::{BenchError, PAGE_SIZE};
 use crate::cli::{Cli, Command, DrainArg, ModeArg, SwapArg};
-use crate::plan::Plan;
-use crate::run::{MakeSink, Run, Target};
-use crate::session::MAILBOX_TIMEOUT;
-use crate::vcpu::VcpuOutcome;
-use crate::vm::host_tsc;
+use crate::drain::session::MAILBOX_TIMEOUT;
+use crate::pipeline::plan::Plan;
+use crate::pipeline::run::{MakeSink, Run, Target};
+use crate::vmm::vcpu::VcpuOutcome;
+use crate::vmm::vm::host_tsc;
 
 /// One VM run.
 pub(super) struct VmSpec {
@@ -92,7 +92,7 @@ pub(super) struct VmOut {
     pub(super) swaps: SwapLog,
     /// What the run's reader measured of itself (its waits for the output, its latest
     /// wake-up): why a lossy run lost.
-    pub(super) reader: crate::report::ReaderTimes,
+    pub(super) reader: crate::pipeline::report::ReaderTimes,
 }
 
 /// Timings of `swap_reader` calls (host TSC cycles).
@@ -355,8 +355,8 @@ mod tests {
     use super::*;
     use crate::bench::writer::writer_spec;
     use crate::cli::ring_layout;
-    use crate::elf::GuestImage;
-    use crate::memory_map::{GuestMemoryMap, MIN_MEM_BYTES};
+    use crate::vmm::elf::GuestImage;
+    use crate::vmm::memory_map::{GuestMemoryMap, MIN_MEM_BYTES};
 
     /// The plan of a bench run is the VM bench booted before it used the pipeline: the
     /// same rings, memory (whole 2 MiB pages), workload, payload, flags and poll.

@@ -37,7 +37,7 @@ use clap::Args;
 use hyptrace_abi::guest::BENCH_CHUNK;
 use serde::Serialize;
 
-use crate::cli::{EXIT_OK, EXIT_RUNTIME, EXIT_USAGE};
+use crate::exit::{EXIT_OK, EXIT_RUNTIME, EXIT_USAGE};
 
 mod criterion;
 mod drain;

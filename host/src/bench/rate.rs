@@ -13,7 +13,7 @@ use serde::Serialize;
 use super::harness::{vm_run, SinkKind, VmSpec};
 use super::{BenchError, Cfg, DEFAULT_PAGES, PAGE_SIZE};
 use crate::cli::{ModeArg, SwapArg};
-use crate::report::ms;
+use crate::pipeline::report::ms;
 
 /// Events per vCPU that overflow a ring of the rate search twice over if the reader
 /// does not drain it (`guest:marker`: 4-byte header + 24-byte payload), so a run without

@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use clap::Args;
 
-use crate::cli::{EXIT_OK, EXIT_RUNTIME, EXIT_USAGE};
+use crate::exit::{EXIT_OK, EXIT_RUNTIME, EXIT_USAGE};
 
 /// Options of `hyptrace bench report`.
 #[derive(Clone, Debug, Args)]

@@ -12,7 +12,7 @@ use super::harness::{plan, vm_run, SwapLog, VmSpec};
 use super::stats::{Quantiles, Tsc};
 use super::{BenchError, Cfg, Measured, DEFAULT_PAGES};
 use crate::cli::SwapArg;
-use crate::vm::{host_tsc, Vm};
+use crate::vmm::vm::{host_tsc, Vm};
 
 /// The `swap` JSON object; a section not run is `{}` in each.
 #[derive(Clone, Debug, Serialize)]
@@ -223,7 +223,7 @@ fn swap_pingpong(cfg: &Cfg, tsc: Tsc, swap: SwapArg) -> Result<PingPongRow, Benc
     let layout = plan.ring;
     // Its own VM start, not `Run`: the benchmark drives the swaps itself (no session).
     let vm = Vm::new(plan.cfg)?;
-    let reader = crate::session::alloc_reader(
+    let reader = crate::drain::session::alloc_reader(
         vm.trace_region(),
         layout,
         vm.tsc_khz(),

@@ -16,7 +16,7 @@ use hyptrace_output::{
 use hyptrace_reader::postmortem::Position;
 use hyptrace_reader::{Callbacks, CpuStats, Item, ReadError, RingBuffer};
 
-use crate::vm::TraceRegion;
+use crate::vmm::vm::TraceRegion;
 
 /// How long the host waits, by default (`--mailbox-timeout-ms`), for the guest writer to
 /// answer a mailbox request before it reports a stuck writer. The host cores are shared by every vCPU, the reader and
@@ -230,10 +230,10 @@ pub struct Session<M = Arc<GuestTraceMem>, C = Box<dyn Callbacks + Send>> {
 /// Records a CPU's position (P2): the trace memory file's `record`.
 pub type Recorder = Arc<dyn Fn(u32, Position) + Send + Sync>;
 
-/// The VMM's ring in a session (see [`crate::host_events`]).
+/// The VMM's ring in a session (see [`crate::vmm::host_events`]).
 struct HostCpu {
-    reader: crate::host_events::HostReader,
-    events: Arc<crate::host_events::HostEvents>,
+    reader: crate::vmm::host_events::HostReader,
+    events: Arc<crate::vmm::host_events::HostEvents>,
     run: CpuRun,
     /// Its CPU number in the output (the guest's CPU count).
     cpu: u32,
@@ -349,16 +349,16 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
     }
 
     /// Adds the VMM's ring (`--host-events`) as CPU `nr_cpus` of the output (comm
-    /// `vmm`, formats of [`crate::host_events::formats`]). A text output must have been
+    /// `vmm`, formats of [`crate::vmm::host_events::formats`]). A text output must have been
     /// made for `nr_cpus + 1` CPUs ([`Output::text`]).
     pub fn with_host_events(
         mut self,
-        reader: crate::host_events::HostReader,
-        events: Arc<crate::host_events::HostEvents>,
+        reader: crate::vmm::host_events::HostReader,
+        events: Arc<crate::vmm::host_events::HostEvents>,
     ) -> Self {
         let cpu = self.reader.nr_cpus();
         self.cmdlines.insert(events.pid(), "vmm".into());
-        for f in crate::host_events::formats() {
+        for f in crate::vmm::host_events::formats() {
             self.printers.insert(f.id, EventPrinter::new(f));
         }
         self.host = Some(HostCpu {
@@ -653,7 +653,7 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
 
     /// The time the fastest writer's whole ring takes to fill at its recent rate, as
     /// [`Session::next_wait`] last estimated it; `None` while no writer writes. What the
-    /// standby drainer ([`crate::standby`]) measures the drain loop's lateness against.
+    /// standby drainer ([`crate::drain::standby`]) measures the drain loop's lateness against.
     pub fn fill_time(&self) -> Option<Duration> {
         self.fill_time
     }
@@ -870,7 +870,7 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
         self.fail_cpu(cpu, e);
     }
 
-    /// The standby drainer's turn ([`crate::standby`]), taken while the drain loop is
+    /// The standby drainer's turn ([`crate::drain::standby`]), taken while the drain loop is
     /// late: polls every CPU that is still read live until it is caught up (no round
     /// stopped at its bound) or `budget` is spent, then prints what is ready. Never
     /// ends a CPU (final walks stay with the drain loop, which knows which vCPUs

@@ -6,7 +6,7 @@ use kvm_bindings::{kvm_fpu, kvm_regs, kvm_segment, CpuId};
 use kvm_ioctls::VcpuFd;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryError, GuestMemoryMmap};
 
-use crate::memory_map::{
+use crate::vmm::memory_map::{
     GuestMemoryMap, GDT_ADDR, HUGE_PAGE, PDPT_ADDR, PD_ADDR, PML4_ADDR, TSS_ADDR,
 };
 

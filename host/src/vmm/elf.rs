@@ -209,7 +209,7 @@ mod tests {
     #[test]
     fn embedded_guest_parses() {
         let img = GuestImage::parse(crate::GUEST_ELF).expect("embedded guest parses");
-        assert!(img.start >= crate::memory_map::LOW_END);
+        assert!(img.start >= crate::vmm::memory_map::LOW_END);
         assert!(img.entry >= img.start && img.entry < img.end);
     }
 

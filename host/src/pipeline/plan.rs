@@ -1,7 +1,7 @@
 //! A `run`/`record` configuration checked once: every limit of the options (vCPUs,
 //! page size, ring size, guest memory, poll period, duration, guest image) is checked
 //! here, and each error names the flag and the limit. What passes is a [`Plan`] that
-//! the run pipeline ([`crate::run`]) boots without checking again.
+//! the run pipeline ([`crate::pipeline::run`]) boots without checking again.
 
 use std::borrow::Cow;
 use std::path::PathBuf;
@@ -11,11 +11,11 @@ use hyptrace_abi::guest::RUN_FLAG_SERVE_MAILBOX;
 use hyptrace_abi::layout as ring;
 
 use crate::cli::{ModeArg, RunArgs, SwapArg};
-use crate::elf::{ElfError, GuestImage};
-use crate::memory_map::{
+use crate::vmm::elf::{ElfError, GuestImage};
+use crate::vmm::memory_map::{
     GuestMemoryMap, HUGE_PAGE, LOW_END, MAX_MEM_BYTES, MAX_VCPUS, MIN_MEM_BYTES,
 };
-use crate::vm::{RunParams, VmConfig, DEFAULT_SEED};
+use crate::vmm::vm::{RunParams, VmConfig, DEFAULT_SEED};
 use crate::GUEST_ELF;
 
 /// Longest `--duration`, in seconds (about 31 years).
@@ -236,11 +236,11 @@ pub struct Plan {
     /// What `--stats` echoes of the options.
     pub echo: OptionsEcho,
     /// `--clock`.
-    pub clock: crate::clock::ClockKind,
+    pub clock: crate::drain::clock::ClockKind,
     /// `--host-events`.
     pub host_events: bool,
     /// `-e` / `--disable`: the events to record.
-    pub events: crate::events::Selection,
+    pub events: crate::vmm::registration::Selection,
     /// `--drain`, `--hang-timeout`, `--crash-dump`, `--trace-mem`.
     pub flight: FlightPlan,
 }
@@ -459,7 +459,7 @@ impl Plan {
             poll: Duration::from_millis(a.poll_ms),
             mailbox_timeout: Duration::from_millis(a.mailbox_timeout_ms),
             mode: a.mode,
-            events: crate::events::Selection {
+            events: crate::vmm::registration::Selection {
                 enable: a.event.clone(),
                 disable: a.disable.clone(),
             },

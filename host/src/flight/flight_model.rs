@@ -32,7 +32,7 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use crate::consumer::model::Rng;
+use crate::control::consumer::model::Rng;
 use hyptrace_abi::events::{marker, vcpu_pid, MARKER_SIZE, MARKER_SLOT};
 use hyptrace_abi::layout::{Mode, RingGeometry};
 use hyptrace_abi::page::{self, COMMIT_OFFSET, PAGE_HEADER_SIZE};
@@ -43,7 +43,7 @@ use hyptrace_reader::postmortem::{walk_cpu, CpuDump, Position, Snapshot};
 use hyptrace_reader::{Callbacks, ReadError, RingBuffer};
 use hyptrace_writer::{WriteOutcome, Writer};
 
-use crate::session::{Output, Session};
+use crate::drain::session::{Output, Session};
 
 type Mem = &'static HeapMem;
 type ModelSession = Session<Mem, NoPoke>;

@@ -24,7 +24,7 @@
 use hyptrace_abi::guest::{RUN_PARAMS_SIZE, VCPU_RESULT_SIZE};
 use thiserror::Error;
 
-use crate::elf::GuestImage;
+use crate::vmm::elf::GuestImage;
 
 /// 4 KiB.
 pub const PAGE_SIZE: u64 = 4096;

@@ -2,7 +2,7 @@
 //! v6/v7/v7-zstd (ours or the kernel's, via trace-cmd) or a raw page stream (`record
 //! --format raw`), told apart by their magic — and print it as `trace-cmd report -t`
 //! does, or write it in any output format of `record` (the sinks of the run pipeline,
-//! [`crate::run::make_sink`], so every format `record` writes is a `convert` target).
+//! [`crate::pipeline::run::make_sink`], so every format `record` writes is a `convert` target).
 //!
 //! Both stream: a trace.dat is read a page (or a compression chunk) per CPU at a time, a
 //! raw stream a page per CPU at a time; memory does not grow with the file.
@@ -361,7 +361,7 @@ pub fn convert(a: &ConvertArgs) -> Result<(), CliError> {
     let r = match kind {
         InputKind::Raw => {
             let reader = RawReader::open(&a.input).map_err(|e| input_error(&a.input, &e))?;
-            let sink = crate::run::make_sink(
+            let sink = crate::pipeline::run::make_sink(
                 &target,
                 format,
                 hyptrace_output::Compression::Zstd,
@@ -375,7 +375,7 @@ pub fn convert(a: &ConvertArgs) -> Result<(), CliError> {
             if format == FormatArg::Raw {
                 check_raw_formats(&f, &a.input)?;
             }
-            let sink = crate::run::make_sink(
+            let sink = crate::pipeline::run::make_sink(
                 &target,
                 format,
                 hyptrace_output::Compression::Zstd,

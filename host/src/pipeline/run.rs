@@ -38,33 +38,25 @@ use hyptrace_output::{
 use hyptrace_reader::{Callbacks, ReadError};
 
 use crate::cli::FormatArg;
-use crate::clock::HostClock;
-use crate::consumer::{Consumers, FileInfo, CONSUMER_GRACE};
-use crate::control::{Answer, Command, ControlServer, EventSwitch, Handler, Refusal};
-use crate::events::{EventTable, EventsError, Selection, Settled, VmEventTable};
-use crate::host_events::{HostEvents, Recording};
-use crate::plan::Plan;
-use crate::protocol::{CpuLive, LiveStats, ReaderStatus};
-use crate::report::{
+use crate::control::consumer::{Consumers, FileInfo, CONSUMER_GRACE};
+use crate::control::protocol::{CpuLive, LiveStats, ReaderStatus};
+use crate::control::server::{Answer, Command, ControlServer, EventSwitch, Handler, Refusal};
+use crate::drain::clock::HostClock;
+use crate::drain::session::{
+    alloc_reader_wrapped, thread_cpu_time, GuestTraceMem, Output, ReaderPriority, Session, MIN_POLL,
+};
+use crate::drain::signals::Interrupts;
+use crate::drain::standby::Standby;
+use crate::flight::trace_mem::TraceMemFile;
+use crate::pipeline::plan::Plan;
+use crate::pipeline::report::{
     CpuReport, Destination, Failures, GuestView, HostEventsStats, ReaderTimes, RunReport, Stop,
     Timing,
 };
-use crate::session::{
-    alloc_reader_wrapped, thread_cpu_time, GuestTraceMem, Output, ReaderPriority, Session, MIN_POLL,
-};
-use crate::signals::Interrupts;
-use crate::standby::Standby;
-use crate::trace_mem::TraceMemFile;
-use crate::vcpu::VcpuOutcome;
-use crate::vm::{RunningVm, Vm};
-
-/// `eprintln!` that never panics: stderr may be a closed pipe (`2>&1 | head`).
-macro_rules! note {
-    ($($arg:tt)*) => {{
-        use std::io::Write as _;
-        let _ = writeln!(std::io::stderr(), $($arg)*);
-    }};
-}
+use crate::vmm::host_events::{HostEvents, Recording};
+use crate::vmm::registration::{EventTable, EventsError, Selection, Settled, VmEventTable};
+use crate::vmm::vcpu::VcpuOutcome;
+use crate::vmm::vm::{RunningVm, Vm};
 
 /// Where a run sends its events.
 pub enum Target {
@@ -94,7 +86,7 @@ pub enum Target {
 pub enum RunError {
     /// Creating or starting the VM failed.
     #[error(transparent)]
-    Vm(#[from] crate::Error),
+    Vm(#[from] crate::vmm::error::Error),
     /// The guest TSC frequency gives no clock.
     #[error("guest clock ({tsc_khz} kHz): {source}")]
     Clock {
@@ -124,13 +116,13 @@ pub enum RunError {
     Aborted,
     /// `--trace-mem`: the file could not be set up.
     #[error(transparent)]
-    TraceMem(#[from] crate::trace_mem::TraceMemError),
+    TraceMem(#[from] crate::flight::trace_mem::TraceMemError),
     /// `-e` / `--disable` named an event the guest did not register.
     #[error(transparent)]
     Events(#[from] EventsError),
     /// `--control`: the socket could not be set up.
     #[error(transparent)]
-    Control(#[from] crate::control::ControlError),
+    Control(#[from] crate::control::server::ControlError),
 }
 
 impl RunError {
@@ -260,7 +252,7 @@ impl<'a> Run<'a> {
             plan.ring.mode,
             plan.ring.guest_swap
         );
-        let created_tsc = crate::vm::host_tsc();
+        let created_tsc = crate::vmm::vm::host_tsc();
         let trace_mem = match &plan.flight.trace_mem {
             Some(path) => Some(TraceMemFile::create(path, &plan.ring).map_err(RunError::TraceMem)?),
             None => None,
@@ -278,13 +270,13 @@ impl<'a> Run<'a> {
         };
         let tsc_khz = vm.tsc_khz();
         let tsc_offset = vm.tsc_offset();
-        // One map guest TSC → `--clock` for every output of the run (see crate::clock).
+        // One map guest TSC → `--clock` for every output of the run (see crate::drain::clock).
         let host_clock = HostClock::calibrate(plan.clock, tsc_khz, tsc_offset.unwrap_or(0))
             .map_err(|source| RunError::Clock { tsc_khz, source })?;
         let clock = host_clock.clock.clone();
         log::debug!("clock: {:?}", host_clock.stats());
         let stdout = Arc::new(StdoutState::default());
-        let generation = crate::vm::host_tsc();
+        let generation = crate::vmm::vm::host_tsc();
         // `--host-events`: the VMM's ring in host memory, fed by the vCPU threads' exits
         // and the reader's callbacks.
         let host = if plan.host_events {
@@ -341,7 +333,7 @@ impl<'a> Run<'a> {
         let gate = AnswerGate::hold(&table);
         let running = vm.start_with_events(&plan.params, table.clone())?;
         if let Some(tm) = &trace_mem {
-            tm.set_state(crate::trace_mem::STATE_RUNNING);
+            tm.set_state(crate::flight::trace_mem::STATE_RUNNING);
         }
         log::info!("started {nr} vCPUs ({tsc_khz} kHz TSC)");
         if let Some(hook) = events_hook {
@@ -393,7 +385,7 @@ impl<'a> Run<'a> {
             clock,
             formats: formats.clone(),
             drain_live: plan.flight.drain_live,
-            meta: vec![crate::trace_mem::MetaValues::default(); nr as usize],
+            meta: vec![crate::flight::trace_mem::MetaValues::default(); nr as usize],
             consumers: Consumers::new(nr),
         };
         let mut live = Live {
@@ -443,9 +435,9 @@ impl<'a> Run<'a> {
             let crashed =
                 outcomes.iter().any(VcpuOutcome::is_crash) || matches!(stop, Some(Stop::Hang(_)));
             tm.set_state(if crashed {
-                crate::trace_mem::STATE_CRASHED
+                crate::flight::trace_mem::STATE_CRASHED
             } else {
-                crate::trace_mem::STATE_ENDED
+                crate::flight::trace_mem::STATE_ENDED
             });
         }
         if aborted {
@@ -526,7 +518,7 @@ fn open_output(
             m.nr_cpus = nr + 1;
             m.cmdlines
                 .insert(hyptrace_abi::events::vcpu_pid(nr), "vmm".into());
-            m.formats.extend(crate::host_events::formats());
+            m.formats.extend(crate::vmm::host_events::formats());
         }
         m
     };
@@ -868,7 +860,7 @@ impl Live<'_> {
         )
     }
 
-    /// The standby drainer of this loop (`crate::standby`), with live draining on at
+    /// The standby drainer of this loop (`crate::drain::standby`), with live draining on at
     /// least two CPUs: it drains while the loop is late, and records the reader
     /// positions in the trace memory file after each turn, as the loop does after its
     /// rounds. It holds off while any vCPU crashed or ended or a stop was asked for.
@@ -880,7 +872,7 @@ impl Live<'_> {
         let tm = self.flight.trace_mem.clone();
         let nr = self.nr;
         let relieve = move |s: &mut Session| {
-            let rounds = s.relieve(crate::standby::TURN_BUDGET);
+            let rounds = s.relieve(crate::drain::standby::TURN_BUDGET);
             if let Some(tm) = &tm {
                 record_positions(s, tm, nr);
             }
@@ -1013,7 +1005,7 @@ impl Live<'_> {
         let reader = session.reader();
         let session = &*session;
         let target = self.flight.dump_target.as_ref().map(|(t, f, _)| (t, *f));
-        let (report, err) = crate::dump::write_crash_dump(
+        let (report, err) = crate::flight::dump::write_crash_dump(
             &**reader.mem(),
             reader.layout(),
             &|c| reader.position(c),
@@ -1033,7 +1025,7 @@ impl Live<'_> {
                     "hyptrace: crash dump: {} events ({} lost before them) written to {} in {:.1} ms",
                     report.events(),
                     report.cpus.iter().map(|c| c.lost).fold(0, u64::saturating_add),
-                    crate::report::shown_path(path),
+                    crate::pipeline::report::shown_path(path),
                     t0.elapsed().as_secs_f64() * 1e3
                 ),
                 Some(e) => self.failures.other(format!(
@@ -1142,7 +1134,7 @@ struct Flight {
     /// `--drain live` (an external consumer can attach only with `none`).
     drain_live: bool,
     /// Per CPU, what its meta page says (live attach; written with `--trace-mem`).
-    meta: Vec<crate::trace_mem::MetaValues>,
+    meta: Vec<crate::flight::trace_mem::MetaValues>,
     /// The consumers of live attach (C1–C4).
     consumers: Consumers,
 }
@@ -1159,7 +1151,7 @@ struct HangWatch {
 fn update_meta(
     session: &Session,
     tm: &TraceMemFile,
-    meta: &mut [crate::trace_mem::MetaValues],
+    meta: &mut [crate::flight::trace_mem::MetaValues],
     cpu: u32,
 ) {
     let Some(m) = meta.get_mut(cpu as usize) else {
@@ -1250,7 +1242,7 @@ impl RunControl<'_> {
 
     /// `attach`: the claim for `conn` (C1–C3, `Consumers::attach`); the reply names the
     /// file, its geometry, the token and each CPU's position.
-    fn attach(&mut self, conn: u64) -> Result<crate::protocol::AttachInfo, Refusal> {
+    fn attach(&mut self, conn: u64) -> Result<crate::control::protocol::AttachInfo, Refusal> {
         let tm = self.attachable("attach")?;
         let file = FileInfo {
             trace_mem: std::fs::canonicalize(tm.path()).unwrap_or_else(|_| tm.path().to_path_buf()),

@@ -1,13 +1,13 @@
 //! Ctrl-C (SIGINT) and SIGTERM: the first stops a run cleanly, a second one later
 //! aborts it, a third exits at once. Decided in the signal handler (async-signal-safe),
-//! read by the run loop ([`crate::run`]).
+//! read by the run loop ([`crate::pipeline::run`]).
 
 use std::io::IsTerminal;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::cli::EXIT_ABORT;
+use crate::exit::EXIT_ABORT;
 
 /// The signal handlers could not be installed.
 #[derive(Debug, Clone, thiserror::Error)]

@@ -33,8 +33,8 @@ use hyptrace_reader::{Callbacks, Item, ReadError, RingBuffer};
 use hyptrace_writer::{WriteOutcome, Writer};
 
 use super::{Consumers, FileInfo};
-use crate::protocol::{ConsumerPosition, ReaderStatus};
-use crate::session::{Output, Session};
+use crate::control::protocol::{ConsumerPosition, ReaderStatus};
+use crate::drain::session::{Output, Session};
 
 type Mem = &'static HeapMem;
 type VmmSession = Session<Mem, Box<dyn Callbacks + Send>>;

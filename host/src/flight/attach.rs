@@ -32,9 +32,11 @@ use hyptrace_reader::trace_file::{self, hdr};
 use hyptrace_reader::{Callbacks, ReadError, RingBuffer};
 
 use crate::cli::FormatArg;
-use crate::control::CtlConn;
-use crate::protocol::{Answer, AttachInfo, Command, ConsumerPosition, Outcome, ReaderStatus};
-use crate::session::{Output, Session};
+use crate::control::protocol::{
+    Answer, AttachInfo, Command, ConsumerPosition, Outcome, ReaderStatus,
+};
+use crate::control::server::CtlConn;
+use crate::drain::session::{Output, Session};
 
 /// How long the client waits for one reply of the VMM.
 pub const REPLY_TIMEOUT: Duration = Duration::from_secs(15);
@@ -85,8 +87,8 @@ impl AttachError {
     /// The exit code: 2 for input that cannot be used, 1 otherwise.
     pub fn exit_code(&self) -> i32 {
         match self {
-            Self::Refused { .. } | Self::File { .. } => crate::cli::EXIT_USAGE,
-            Self::Socket { .. } | Self::Output { .. } => crate::cli::EXIT_RUNTIME,
+            Self::Refused { .. } | Self::File { .. } => crate::exit::EXIT_USAGE,
+            Self::Socket { .. } | Self::Output { .. } => crate::exit::EXIT_RUNTIME,
         }
     }
 }
@@ -605,7 +607,7 @@ fn open_reader(conn: CtlConn, info: &AttachInfo) -> Result<Opened, AttachError> 
             reader.layout().nr_cpus
         )));
     }
-    crate::consumer::start(&mut reader, info).map_err(|e| file_err(e.to_string()))?;
+    crate::control::consumer::start(&mut reader, info).map_err(|e| file_err(e.to_string()))?;
     Ok((reader, metas, tsc_khz))
 }
 
@@ -628,7 +630,7 @@ fn open_session(
         Clock::nanoseconds()
     });
     let mut tmeta = TraceMeta::guest(l.page_size, l.nr_cpus, clock.clone());
-    let formats = match crate::dump::region_formats(reader.mem(), &l) {
+    let formats = match crate::flight::dump::region_formats(reader.mem(), &l) {
         Ok(Some(f)) => f,
         Ok(None) => tmeta.formats.clone(),
         Err(e) => {
@@ -645,7 +647,7 @@ fn open_session(
             Output::text(Box::new(std::io::stdout()), l.nr_cpus)
         } else {
             Output::Pages(
-                crate::run::make_sink(
+                crate::pipeline::run::make_sink(
                     o.target,
                     o.format,
                     hyptrace_output::Compression::Zstd,

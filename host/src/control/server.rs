@@ -2,7 +2,7 @@
 //! ctl PATH CMD...`).
 //!
 //! A Unix stream socket, owner-only (0600), served by one host thread while the VM runs.
-//! The messages are [`crate::protocol`]'s: one JSON request per line, one JSON reply line
+//! The messages are [`crate::control::protocol`]'s: one JSON request per line, one JSON reply line
 //! per request, naming the request it answers (docs/design.md, "The control socket").
 //!
 //! Everything a client sends is hostile input: lines are bounded ([`MAX_LINE`]), so
@@ -29,8 +29,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::protocol::{parse_reply, truncate, Request as Wire, VERSION};
-pub use crate::protocol::{Answer, Command, Outcome, Reply};
+use crate::control::protocol::{parse_reply, truncate, Request as Wire, VERSION};
+pub use crate::control::protocol::{Answer, Command, Outcome, Reply};
 
 /// Longest request line a client may send, newline excluded (a `detach` with the
 /// positions of 256 CPUs takes about 25 KiB).
@@ -74,7 +74,7 @@ pub trait Handler {
 
 /// Switching events on and off in the guest's enable words (atomically, one bit; the
 /// other bits stay) and listing them: implemented over the guest's registrations
-/// (`crate::events::EventTable`, below).
+/// (`crate::vmm::registration::EventTable`, below).
 pub trait EventSwitch {
     /// Enables (`on`) or disables the events `spec` names on every vCPU (the patterns
     /// of `-e`); returns what changed, for the reply.
@@ -538,7 +538,7 @@ pub enum CtlOutcome {
 pub enum CtlError {
     /// The command is not one.
     #[error(transparent)]
-    Usage(#[from] crate::protocol::UsageError),
+    Usage(#[from] crate::control::protocol::UsageError),
     /// Connecting failed.
     #[error("cannot connect to {path}: {source}", path = .path.display())]
     Connect {
@@ -566,7 +566,7 @@ pub enum CtlError {
         path: PathBuf,
         /// Why.
         #[source]
-        source: crate::protocol::ReplyError,
+        source: crate::control::protocol::ReplyError,
     },
     /// The connection closed, or the reply is too long.
     #[error("{path}: {why}", path = .path.display())]
@@ -674,7 +674,7 @@ pub fn ctl(path: &Path, words: &[String]) -> Result<CtlOutcome, CtlError> {
     })
 }
 
-impl<M: hyptrace_abi::SharedMem> EventSwitch for crate::events::EventTable<M> {
+impl<M: hyptrace_abi::SharedMem> EventSwitch for crate::vmm::registration::EventTable<M> {
     fn set(&self, spec: &str, on: bool) -> Result<Answer, Refusal> {
         let names = if on {
             self.enable(spec)
@@ -689,8 +689,8 @@ impl<M: hyptrace_abi::SharedMem> EventSwitch for crate::events::EventTable<M> {
     }
 
     fn list(&self) -> Result<Answer, Refusal> {
-        use crate::protocol::{EventEntry, FieldEntry};
-        let events = crate::events::EventTable::list(self)
+        use crate::control::protocol::{EventEntry, FieldEntry};
+        let events = crate::vmm::registration::EventTable::list(self)
             .map_err(|e| Refusal(e.to_string()))?
             .into_iter()
             .map(|e| EventEntry {
@@ -719,7 +719,7 @@ impl<M: hyptrace_abi::SharedMem> EventSwitch for crate::events::EventTable<M> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocol::{LiveStats, ReaderStatus};
+    use crate::control::protocol::{LiveStats, ReaderStatus};
 
     /// Answers `stats` with an empty table, `attach` with a fixed claim for the first
     /// client, `get_reader` for the claim holder; records `gone`.

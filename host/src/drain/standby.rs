@@ -10,7 +10,7 @@
 //!
 //! **How.** Every round the drain loop publishes a [`Beat`]: when it means to wake
 //! next, how long the fastest writer's ring takes to fill at its recent rate
-//! ([`crate::session::Session::fill_time`]), and which CPU it runs on. The standby
+//! ([`crate::drain::session::Session::fill_time`]), and which CPU it runs on. The standby
 //! thread runs with the same scheduling advantage as the loop
 //! ([`ReaderPriority`]), on every CPU it may use except the loop's, and looks every
 //! quarter of the fill time: at least [`CALM_PERIOD`] apart, or [`MIN_PERIOD`] for
@@ -18,7 +18,7 @@
 //! dearly here, so it looks closely only in phases of stalls). When the loop is more than
 //! a quarter of the fill time past its planned wake-up ([`Beat::late_at`]), the
 //! standby takes the session's lock — only if it is free: a loop held off in the middle
-//! of a round holds it — and drains ([`crate::session::Session::relieve`]). So a
+//! of a round holds it — and drains ([`crate::drain::session::Session::relieve`]). So a
 //! stall is caught within three quarters of a fill time after the loop's last round
 //! (plus the floor of the look period), while the ring still has room at the rates
 //! where the floor is short against the fill time. While no writer writes, or writes
@@ -37,7 +37,7 @@ use std::sync::{Arc, Mutex, TryLockError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::session::{thread_cpu_time, ReaderPriority};
+use crate::drain::session::{thread_cpu_time, ReaderPriority};
 
 /// Shortest time between two looks of the standby while it is alert (the loop was
 /// late lately, [`ALERT_FOR`]): bounds what it costs the vCPU whose core it shares. A
@@ -104,7 +104,7 @@ impl Beat {
     }
 
     /// The loop's round at `now`: it means to wake after `wait`; `fill` is its writers'
-    /// fill time ([`crate::session::Session::fill_time`]).
+    /// fill time ([`crate::drain::session::Session::fill_time`]).
     fn publish(&self, now: Instant, wait: Duration, fill: Option<Duration>, cpu: i32) {
         self.due_ns
             .store(self.since_epoch(now).saturating_add(nanos(wait)), Relaxed);
@@ -253,7 +253,7 @@ impl Standby {
     }
 
     /// The drain loop's round at `now`, before it sleeps `wait`; `fill` is
-    /// [`crate::session::Session::fill_time`]. Wakes the standby when there is a writer
+    /// [`crate::drain::session::Session::fill_time`]. Wakes the standby when there is a writer
     /// to watch again.
     pub fn beat(&self, now: Instant, wait: Duration, fill: Option<Duration>) {
         self.beat.publish(now, wait, fill, current_cpu());

@@ -23,15 +23,8 @@ use hyptrace_output::{
 use hyptrace_reader::postmortem::{walk_cpu, CpuDump, Position};
 use hyptrace_reader::trace_file;
 
-use crate::cli::{FormatArg, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE};
-
-/// `eprintln!` that never panics: stderr may be a closed pipe.
-macro_rules! note {
-    ($($arg:tt)*) => {{
-        use std::io::Write as _;
-        let _ = writeln!(std::io::stderr(), $($arg)*);
-    }};
-}
+use crate::cli::FormatArg;
+use crate::exit::{EXIT_OK, EXIT_RUNTIME, EXIT_USAGE};
 
 /// Options of `hyptrace dump`.
 #[derive(Clone, Debug, Args)]
@@ -86,7 +79,7 @@ pub enum DumpError {
         path: PathBuf,
         /// Why.
         #[source]
-        why: crate::trace_mem::FileProblem,
+        why: crate::flight::trace_mem::FileProblem,
     },
     /// The header declares more than the file holds (F5).
     #[error("{path}: the header declares {declared} bytes, the file holds {held}: truncated or not a trace memory file", path = .path.display())]
@@ -310,15 +303,16 @@ pub fn read_trace_mem(path: &Path) -> Result<TraceMemRead, DumpError> {
         source,
     };
     // F4: O_NONBLOCK|O_NOFOLLOW open, then fstat: a FIFO or a symlink is refused at once.
-    let (file, md) = crate::trace_mem::open_regular(path).map_err(|why| DumpError::Open {
-        path: path.to_path_buf(),
-        why,
-    })?;
+    let (file, md) =
+        crate::flight::trace_mem::open_regular(path).map_err(|why| DumpError::Open {
+            path: path.to_path_buf(),
+            why,
+        })?;
     // F6: a VMM holds its file exclusively for as long as it runs (the kernel drops the
     // lock when the process dies, even by SIGKILL). The shared lock is only a test.
-    let live = !crate::trace_mem::try_flock(&file, libc::LOCK_SH).map_err(err)?;
+    let live = !crate::flight::trace_mem::try_flock(&file, libc::LOCK_SH).map_err(err)?;
     if !live {
-        let _ = crate::trace_mem::try_flock(&file, libc::LOCK_UN);
+        let _ = crate::flight::trace_mem::try_flock(&file, libc::LOCK_UN);
     }
     let mut head = Vec::with_capacity(trace_file::HEADER_FIXED);
     (&file)
@@ -402,8 +396,9 @@ pub fn dump_trace_mem(
             "the event registration table: {e}: the built-in guest event formats are used"
         )),
     }
-    let mut sink = crate::run::make_sink(target, format, hyptrace_output::Compression::Zstd, meta)
-        .map_err(out_err)?;
+    let mut sink =
+        crate::pipeline::run::make_sink(target, format, hyptrace_output::Compression::Zstd, meta)
+            .map_err(out_err)?;
     let positions = |c: u32| img.positions.get(c as usize).copied().flatten();
     let (report, err) = dump_region(&img.region, &l, &positions, &|_| true, Some(sink.as_mut()));
     if let Some(e) = err {
@@ -471,7 +466,7 @@ pub fn dump(a: &DumpArgs) -> i32 {
             note!(
                 "hyptrace: dump: {} events written to {} in {:.1} ms{}",
                 report.events(),
-                crate::report::shown_path(&a.output),
+                crate::pipeline::report::shown_path(&a.output),
                 started.elapsed().as_secs_f64() * 1e3,
                 if report.damaged() {
                     " (partial: see the warnings)"
@@ -488,7 +483,7 @@ pub fn dump(a: &DumpArgs) -> i32 {
     }
 }
 
-/// `hyptrace dump --attach SOCKET [--follow]`: live attach (`crate::attach`).
+/// `hyptrace dump --attach SOCKET [--follow]`: live attach (`crate::flight::attach`).
 fn dump_attach(
     socket: &Path,
     follow: bool,
@@ -498,7 +493,7 @@ fn dump_attach(
     started: std::time::Instant,
 ) -> i32 {
     let interrupts = if follow {
-        match crate::signals::Interrupts::install() {
+        match crate::drain::signals::Interrupts::install() {
             Ok(i) => Some(i),
             Err(e) => {
                 note!("hyptrace: error: {e}");
@@ -509,7 +504,7 @@ fn dump_attach(
         None
     };
     let stop = || interrupts.is_some_and(|i| i.stop_requested());
-    let o = crate::attach::AttachOpts {
+    let o = crate::flight::attach::AttachOpts {
         socket,
         follow,
         target,
@@ -517,7 +512,7 @@ fn dump_attach(
         format,
         stop: &stop,
     };
-    match crate::attach::attach(&o) {
+    match crate::flight::attach::attach(&o) {
         Ok(r) => {
             let (ev, lost) = r.cpus.iter().fold((0u64, 0u64), |(e, l), c| {
                 (e.saturating_add(c.0), l.saturating_add(c.1))
@@ -537,7 +532,7 @@ fn dump_attach(
             }
             note!(
                 "hyptrace: attach: {ev} events ({lost} lost) written to {} in {:.1} ms, {} swaps; {}",
-                crate::report::shown_path(out_path),
+                crate::pipeline::report::shown_path(out_path),
                 started.elapsed().as_secs_f64() * 1e3,
                 r.swaps,
                 r.ended
@@ -583,7 +578,10 @@ pub fn region_formats<M: SharedMem + ?Sized>(
     state.copy_from_slice(&STATE_READY.to_le_bytes());
     let reg = hyptrace_reader::registry::parse_table(&bytes).map_err(|e| e.to_string())?;
     Ok(Some(
-        reg.events.iter().map(crate::events::to_format).collect(),
+        reg.events
+            .iter()
+            .map(crate::vmm::registration::to_format)
+            .collect(),
     ))
 }
 
@@ -605,14 +603,18 @@ pub fn write_crash_dump<M: SharedMem + ?Sized>(
         formats: formats.to_vec(),
         ..TraceMeta::guest(l.page_size, l.nr_cpus, clock.clone())
     };
-    let mut sink =
-        match crate::run::make_sink(target, format, hyptrace_output::Compression::Zstd, meta) {
-            Ok(s) => s,
-            Err(e) => {
-                let (r, _) = dump_region(mem, l, positions, include, None);
-                return (r, Some(e));
-            }
-        };
+    let mut sink = match crate::pipeline::run::make_sink(
+        target,
+        format,
+        hyptrace_output::Compression::Zstd,
+        meta,
+    ) {
+        Ok(s) => s,
+        Err(e) => {
+            let (r, _) = dump_region(mem, l, positions, include, None);
+            return (r, Some(e));
+        }
+    };
     let (report, err) = dump_region(mem, l, positions, include, Some(sink.as_mut()));
     if let Some(e) = err {
         return (report, Some(e));
@@ -722,7 +724,7 @@ mod tests {
         let b = declared_file();
         std::fs::write(&p, &b).expect("write");
         let holder = std::fs::File::open(&p).expect("open");
-        assert!(crate::trace_mem::try_flock(&holder, libc::LOCK_EX).expect("flock"));
+        assert!(crate::flight::trace_mem::try_flock(&holder, libc::LOCK_EX).expect("flock"));
         let got = read_trace_mem(&p).expect("read");
         assert!(got.live);
         assert_eq!(got.bytes, b);

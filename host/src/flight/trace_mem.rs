@@ -300,7 +300,7 @@ fn names(path: &Path, file: &File) -> Result<bool, FileProblem> {
 }
 
 /// The trace memory file of a running VMM: the file (mapped into guest memory by
-/// [`crate::vm::Vm::new`] through [`TraceMemFile::region_backing`]) and a shared mapping of
+/// [`crate::vmm::vm::Vm::new`] through [`TraceMemFile::region_backing`]) and a shared mapping of
 /// its header. The file is held with an exclusive `flock` (F1) for as long as any of its
 /// descriptors is open: this value's and the guest memory's (they share the open file).
 pub struct TraceMemFile {

@@ -15,17 +15,17 @@ use vm_memory::{
 };
 use vmm_sys_util::signal::Killable;
 
-use crate::arch;
-use crate::elf::GuestImage;
-use crate::error::{Error, Result};
-use crate::events::{EventTable, RegisterHook, Selection};
-use crate::memory_map::{GuestMemoryMap, KVM_TSS_ADDR};
-use crate::vcpu::{self, VcpuOutcome};
+use crate::vmm::arch;
+use crate::vmm::elf::GuestImage;
+use crate::vmm::error::{Error, Result};
+use crate::vmm::memory_map::{GuestMemoryMap, KVM_TSS_ADDR};
+use crate::vmm::registration::{EventTable, RegisterHook, Selection};
+use crate::vmm::vcpu::{self, VcpuOutcome};
 
 /// What to build.
 #[derive(Clone, Debug)]
 pub struct VmConfig {
-    /// Number of vCPUs (1..=[`crate::memory_map::MAX_VCPUS`] and KVM's limit).
+    /// Number of vCPUs (1..=[`crate::vmm::memory_map::MAX_VCPUS`] and KVM's limit).
     pub vcpus: u32,
     /// Guest memory size: a multiple of 2 MiB, at most 3 GiB.
     pub mem_bytes: u64,
@@ -57,7 +57,7 @@ pub struct RunParams {
     /// Payload bytes of each event of the bench workload.
     pub payload: u32,
     /// The clock the VMM stamps `PORT_ALIGN` exits with (the run's `--clock`).
-    pub clock: crate::clock::ClockKind,
+    pub clock: crate::drain::clock::ClockKind,
 }
 
 /// Default seed of [`RunParams`].
@@ -73,7 +73,7 @@ impl Default for RunParams {
             flags: 0,
             burst: 0,
             payload: 0,
-            clock: crate::clock::ClockKind::Mono,
+            clock: crate::drain::clock::ClockKind::Mono,
         }
     }
 }
@@ -144,7 +144,7 @@ pub struct Vm {
     tsc_khz: u64,
     tsc_offset: Option<i64>,
     entry: u64,
-    host_events: Option<Arc<crate::host_events::HostEvents>>,
+    host_events: Option<Arc<crate::vmm::host_events::HostEvents>>,
 }
 
 /// Environment variable naming the KVM device instead of `/dev/kvm` (for tests).
@@ -190,7 +190,7 @@ impl Vm {
     }
 
     /// [`Vm::new`] with the trace region in a shared mapping of a file (`--trace-mem`,
-    /// [`crate::trace_mem`]) instead of anonymous memory: guest memory is then three
+    /// [`crate::flight::trace_mem`]) instead of anonymous memory: guest memory is then three
     /// regions — below the trace region, the trace region rounded up to 4 KiB (from
     /// `backing`), and the rest — each in its own KVM memory slot.
     pub fn with_trace_backing(
@@ -243,7 +243,7 @@ impl Vm {
             Some(file) => {
                 let (gpa, len) = (
                     layout.trace_gpa,
-                    crate::trace_mem::mapped_len(layout.trace_len as usize) as u64,
+                    crate::flight::trace_mem::mapped_len(layout.trace_len as usize) as u64,
                 );
                 let end = gpa.saturating_add(len).min(cfg.mem_bytes);
                 let mut ranges = vec![
@@ -378,7 +378,7 @@ impl Vm {
     }
 
     /// The vCPU threads record their exits into `events` (`--host-events`).
-    pub fn record_exits(&mut self, events: Arc<crate::host_events::HostEvents>) {
+    pub fn record_exits(&mut self, events: Arc<crate::vmm::host_events::HostEvents>) {
         self.host_events = Some(events);
     }
 
@@ -416,7 +416,7 @@ impl Vm {
     /// geometry is the pack's, read back from the trace region).
     pub fn start(self, p: &RunParams) -> Result<RunningVm> {
         let region = self.trace_region();
-        let mem = Arc::new(crate::session::GuestTraceMem::new(region));
+        let mem = Arc::new(crate::drain::session::GuestTraceMem::new(region));
         let hook: Arc<dyn RegisterHook> = match hyptrace_abi::RingGeometry::parse(&*mem) {
             Ok(l) => Arc::new(EventTable::new(mem, l, Selection::default())),
             Err(_) => Arc::new(NoTable),
@@ -513,7 +513,7 @@ fn crash_reason(id: u32, out: &VcpuOutcome) -> String {
 /// The host clock a vCPU thread stamps exits with.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Stamp {
-    clock: crate::clock::ClockKind,
+    clock: crate::drain::clock::ClockKind,
     tsc_offset: i64,
 }
 
@@ -521,10 +521,10 @@ impl Stamp {
     /// Now, on the run's clock: `clock_gettime` for `mono`/`boot`, the guest-equivalent
     /// TSC (host TSC + offset) for `tsc`.
     pub(crate) fn now(&self) -> u64 {
-        use crate::clock::ClockKind;
+        use crate::drain::clock::ClockKind;
         match self.clock {
-            ClockKind::Mono => crate::clock::clock_ns(libc::CLOCK_MONOTONIC),
-            ClockKind::Boot => crate::clock::clock_ns(libc::CLOCK_BOOTTIME),
+            ClockKind::Mono => crate::drain::clock::clock_ns(libc::CLOCK_MONOTONIC),
+            ClockKind::Boot => crate::drain::clock::clock_ns(libc::CLOCK_BOOTTIME),
             ClockKind::Tsc => host_tsc().wrapping_add_signed(self.tsc_offset),
         }
     }
@@ -539,7 +539,7 @@ pub(crate) struct Shared {
     /// How the vCPUs stamp `PORT_ALIGN` exits.
     pub(crate) stamp: Stamp,
     /// `--host-events`: where the vCPUs record their exits.
-    pub(crate) host_events: Option<Arc<crate::host_events::HostEvents>>,
+    pub(crate) host_events: Option<Arc<crate::vmm::host_events::HostEvents>>,
     done: Mutex<usize>,
     cv: Condvar,
     /// Set by a [`Waker`]: the run loop's wait ends early once.
@@ -673,8 +673,9 @@ impl RunningVm {
         std::mem::take(&mut self.threads)
             .into_iter()
             .map(|h| {
-                h.join()
-                    .unwrap_or(VcpuOutcome::Error(crate::vcpu::VcpuError::ThreadPanicked))
+                h.join().unwrap_or(VcpuOutcome::Error(
+                    crate::vmm::vcpu::VcpuError::ThreadPanicked,
+                ))
             })
             .collect()
     }

@@ -2,7 +2,7 @@
 //!
 //! Pages keep raw guest TSC values. At start the VMM knows the guest TSC frequency
 //! (`KVM_GET_TSC_KHZ`) and the guest − host TSC offset (set to 0 and read back where
-//! KVM allows; see [`crate::vm::Vm::tsc_offset`]). [`HostClock::calibrate`] takes paired
+//! KVM allows; see [`crate::vmm::vm::Vm::tsc_offset`]). [`HostClock::calibrate`] takes paired
 //! samples of the host TSC and the host clock (`rdtsc; clock_gettime; rdtsc`), keeps
 //! the tightest bracket, and fixes one linear map for the whole run:
 //!
@@ -385,7 +385,7 @@ mod tests {
         };
         let mut c = HostClock::calibrate(ClockKind::Mono, khz, 0).unwrap();
         let before = monotonic_ns();
-        let now = c.host_tsc_ns(crate::vm::host_tsc());
+        let now = c.host_tsc_ns(crate::vmm::vm::host_tsc());
         let after = monotonic_ns();
         // Not a timing assertion: the map is anchored on this clock a moment ago, so
         // "now" lies between two readings up to the (generous) rounding drift.

@@ -8,6 +8,8 @@
 //! An error is one line on stderr, `hyptrace: error: ...` (argument errors are followed
 //! by clap's hints: valid values, tips, usage).
 
+pub mod logging;
+
 use std::ffi::OsString;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -16,39 +18,21 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use hyptrace_abi::guest::Workload;
 use hyptrace_output::{OutputError, OutputTarget};
 
-use crate::memory_map::MAX_VCPUS;
-use crate::plan::{Plan, PlanError};
-use crate::run::{Run, RunError, Target};
-use crate::signals::{Interrupts, SignalError};
+use crate::drain::signals::{Interrupts, SignalError};
+use crate::exit::{EXIT_ABORT, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE};
+use crate::pipeline::plan::{Plan, PlanError};
+use crate::pipeline::run::{Run, RunError, Target};
+use crate::vmm::memory_map::MAX_VCPUS;
 
-pub use crate::plan::{ring_layout, MAX_DURATION_S};
-pub use crate::report::exit_code;
-pub use crate::signals::SIGNAL_BURST;
+pub use crate::drain::signals::SIGNAL_BURST;
+pub use crate::pipeline::plan::{ring_layout, MAX_DURATION_S};
+pub use crate::pipeline::report::exit_code;
 
 /// The reader's poll period while the rings are idle (`--poll-ms`): a wake-up costs
 /// ~23 µs of CPU on the nested-virtualisation machines this was measured on, so 1 ms
 /// cost 2.2 % of a core for an idle VM and 5 ms costs 0.4 % (docs/benchmarks.md); a
 /// writer that writes is polled sooner (down to continuously) whatever the period.
 pub const DEFAULT_POLL_MS: u64 = 5;
-
-/// `eprintln!` that never panics: stderr may be a closed pipe (`2>&1 | head`).
-macro_rules! note {
-    ($($arg:tt)*) => {{
-        use std::io::Write as _;
-        let _ = writeln!(std::io::stderr(), $($arg)*);
-    }};
-}
-
-/// Success.
-pub const EXIT_OK: i32 = 0;
-/// A failure at run time (host side).
-pub const EXIT_RUNTIME: i32 = 1;
-/// Bad input or environment.
-pub const EXIT_USAGE: i32 = 2;
-/// The guest crashed.
-pub const EXIT_CRASH: i32 = 3;
-/// Aborted by a second Ctrl-C / SIGTERM (128 + SIGINT, what shells report).
-pub const EXIT_ABORT: i32 = 130;
 
 /// What the counters of the summary and of `--stats` mean (`run --help`, `record --help`).
 const COUNTERS_HELP: &str = "\
@@ -107,7 +91,7 @@ pub enum Command {
     /// crashed or finished — to a file in any `record` format: every committed event
     /// no reader consumed, with the exact losses. With `--attach SOCKET`: read a running
     /// VMM's rings live (`--drain none --trace-mem --control`), once or `--follow`.
-    Dump(crate::dump::DumpArgs),
+    Dump(crate::flight::dump::DumpArgs),
     /// Convert a trace (trace.dat v6/v7/zstd, ours or the kernel's, or a raw page
     /// stream) into any output format of `record`.
     Convert(ConvertArgs),
@@ -432,7 +416,7 @@ pub struct RunArgs {
         long,
         value_name = "S",
         allow_negative_numbers = true,
-        value_parser = crate::plan::parse_duration
+        value_parser = crate::pipeline::plan::parse_duration
     )]
     pub duration: Option<f64>,
     /// Write run statistics (JSON) to FILE: the counters per vCPU, how the run ended
@@ -444,8 +428,8 @@ pub struct RunArgs {
     pub guest: Option<PathBuf>,
     /// Clock of every timestamp (text, JSON, raw, trace.dat, --stats): host
     /// CLOCK_MONOTONIC, CLOCK_BOOTTIME, or the raw guest TSC counter.
-    #[arg(long, value_enum, default_value_t = crate::clock::ClockKind::Mono)]
-    pub clock: crate::clock::ClockKind,
+    #[arg(long, value_enum, default_value_t = crate::drain::clock::ClockKind::Mono)]
+    pub clock: crate::drain::clock::ClockKind,
     /// Record the VMM's own events (vCPU exits, swaps, pokes, mailbox timeouts) on the
     /// same clock, as one more CPU (number = --vcpus, comm `vmm`, system `vmm`).
     #[arg(long)]
@@ -496,7 +480,7 @@ pub struct FlightArgs {
         long = "hang-timeout",
         value_name = "S",
         allow_negative_numbers = true,
-        value_parser = crate::plan::parse_duration
+        value_parser = crate::pipeline::plan::parse_duration
     )]
     pub hang_timeout: Option<f64>,
     /// On a guest crash or hang, write every committed event no reader consumed to
@@ -541,16 +525,16 @@ pub enum CliError {
     ReportWrite(#[source] std::io::Error),
     /// `--control`: the socket cannot be created at the path.
     #[error(transparent)]
-    Control(#[from] crate::control::ControlError),
+    Control(#[from] crate::control::server::ControlError),
     /// `ctl`: the command cannot be sent.
     #[error("ctl: {0}")]
     CtlUsage(String),
     /// `ctl`: the socket cannot be reached, or its reply is not one.
     #[error("ctl: {0}")]
-    Ctl(#[source] crate::control::CtlError),
+    Ctl(#[source] crate::control::server::CtlError),
     /// `list`: the guest's events could not be read.
     #[error(transparent)]
-    List(#[from] crate::events::ListError),
+    List(#[from] crate::vmm::registration::ListError),
     /// `convert`: writing the output failed.
     #[error("{0}")]
     ConvertOutput(#[source] OutputError),
@@ -603,15 +587,15 @@ where
         Ok(cli) => cli,
         Err(e) => return args_error(&e),
     };
-    crate::logging::init(cli.verbose);
+    crate::cli::logging::init(cli.verbose);
     let r = match cli.command {
         Command::Run(args) => run(&args),
         Command::Record(args) => record(&args),
         Command::List(args) => list(&args),
-        Command::Report(args) => crate::convert::report(&args).map(|()| EXIT_OK),
-        Command::Convert(args) => crate::convert::convert(&args).map(|()| EXIT_OK),
+        Command::Report(args) => crate::pipeline::convert::report(&args).map(|()| EXIT_OK),
+        Command::Convert(args) => crate::pipeline::convert::convert(&args).map(|()| EXIT_OK),
         Command::Bench(args) => return crate::bench::bench(&args),
-        Command::Dump(args) => return crate::dump::dump(&args),
+        Command::Dump(args) => return crate::flight::dump::dump(&args),
         Command::Ctl(args) => ctl(&args),
     };
     match r {
@@ -752,14 +736,14 @@ pub fn list(a: &ListArgs) -> Result<i32, CliError> {
         unreachable!("parsed as `run`")
     };
     let plan = Plan::new(&run_args)?;
-    let (events, rejected) = crate::events::list_guest(plan)?;
+    let (events, rejected) = crate::vmm::registration::list_guest(plan)?;
     for r in rejected {
         note!("hyptrace: warning: {r}");
     }
     let mut text = String::new();
     for e in &events {
         text.push_str(&format!("system: {}\n", e.reg.system));
-        text.push_str(&crate::events::to_format(&e.reg).to_format_text());
+        text.push_str(&crate::vmm::registration::to_format(&e.reg).to_format_text());
         text.push('\n');
     }
     let mut out = std::io::stdout().lock();
@@ -772,8 +756,8 @@ pub fn list(a: &ListArgs) -> Result<i32, CliError> {
 /// `hyptrace ctl`: prints an `ok` reply's payload on stdout (exit 0), an `err` reply on
 /// stderr (exit 1).
 pub fn ctl(a: &CtlArgs) -> Result<i32, CliError> {
-    use crate::control::{CtlError, CtlOutcome};
-    match crate::control::ctl(&a.path, &a.command) {
+    use crate::control::server::{CtlError, CtlOutcome};
+    match crate::control::server::ctl(&a.path, &a.command) {
         Ok(CtlOutcome::Ok(answer)) => {
             let mut out = std::io::stdout().lock();
             let _ = writeln!(out, "{}", answer.text()).and_then(|()| out.flush());
@@ -828,7 +812,7 @@ fn execute(
     // way out of this function.
     // (The socket itself is bound by the run, once the trace memory file exists.)
     if let Some(p) = a.control.as_deref() {
-        crate::control::ControlServer::check(p)?;
+        crate::control::server::ControlServer::check(p)?;
     }
     let mut run = Run::new(plan, target)
         .interrupts(interrupts)
@@ -943,7 +927,7 @@ mod tests {
         assert_eq!(CliError::Args("x".into()).exit_code(), EXIT_USAGE);
         assert_eq!(CliError::Plan(PlanError::PollMs).exit_code(), EXIT_USAGE);
         assert_eq!(CliError::Run(RunError::Aborted).exit_code(), EXIT_ABORT);
-        let kvm = crate::Error::KvmUnavailable("/dev/kvm".into());
+        let kvm = crate::vmm::error::Error::KvmUnavailable("/dev/kvm".into());
         assert_eq!(CliError::Run(RunError::Vm(kvm)).exit_code(), EXIT_USAGE);
         let io = std::io::Error::other("x");
         assert_eq!(CliError::ReportWrite(io).exit_code(), EXIT_RUNTIME);

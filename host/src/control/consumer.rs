@@ -10,9 +10,9 @@ use std::time::{Duration, Instant};
 use hyptrace_abi::SharedMem;
 use hyptrace_reader::{Callbacks, ReadError, RingBuffer};
 
-use crate::control::Refusal;
-use crate::protocol::{AttachInfo, ConsumerPosition, ReaderStatus};
-use crate::session::Session;
+use crate::control::protocol::{AttachInfo, ConsumerPosition, ReaderStatus};
+use crate::control::server::Refusal;
+use crate::drain::session::Session;
 
 /// How long a consumer may keep its claim after every vCPU stopped (C4) before the VMM
 /// reads the rest itself.

@@ -293,7 +293,7 @@ impl<M: SharedMem> EventTable<M> {
     }
 
     /// Host TSC when the guest's registration was answered, if it was: the guest writes
-    /// no event before (its workload starts there, [`crate::report::Timing::workload_start`]).
+    /// no event before (its workload starts there, [`crate::pipeline::report::Timing::workload_start`]).
     pub fn answered_tsc(&self) -> Option<u64> {
         Some(self.answered_tsc.load(SeqCst)).filter(|&t| t != 0)
     }
@@ -382,7 +382,7 @@ impl<M: SharedMem> EventTable<M> {
                     .0;
                 if let State::Registered { reg, .. } = &*st {
                     answer(&self.mem, &self.geometry, reg);
-                    self.answered_tsc.store(crate::vm::host_tsc(), SeqCst);
+                    self.answered_tsc.store(crate::vmm::vm::host_tsc(), SeqCst);
                 }
                 log::debug!(
                     "vcpu {vcpu}: registration answered after {:.3} ms",
@@ -580,7 +580,7 @@ pub const LIST_TIMEOUT: Duration = Duration::from_secs(10);
 pub enum ListError {
     /// The VM could not be created or started.
     #[error(transparent)]
-    Vm(#[from] crate::Error),
+    Vm(#[from] crate::vmm::error::Error),
     /// The rings could not be set up.
     #[error("trace buffers: {0}")]
     TraceBuffers(#[source] hyptrace_reader::ReadError),
@@ -599,27 +599,29 @@ impl ListError {
     /// 2 for an unusable KVM device, 3 for a crashed guest, else 1.
     pub fn exit_code(&self) -> i32 {
         match self {
-            Self::Vm(e) if e.is_input_error() => crate::cli::EXIT_USAGE,
-            Self::Crashed(_) => crate::cli::EXIT_CRASH,
-            _ => crate::cli::EXIT_RUNTIME,
+            Self::Vm(e) if e.is_input_error() => crate::exit::EXIT_USAGE,
+            Self::Crashed(_) => crate::exit::EXIT_CRASH,
+            _ => crate::exit::EXIT_RUNTIME,
         }
     }
 }
 
 /// Boots the guest of `plan` until it registers its events (at most [`LIST_TIMEOUT`]),
 /// stops it, and returns its accepted events and rejected entries.
-pub fn list_guest(plan: crate::plan::Plan) -> Result<(Vec<EventInfo>, Vec<Rejection>), ListError> {
-    let vm = crate::vm::Vm::new(plan.cfg)?;
+pub fn list_guest(
+    plan: crate::pipeline::plan::Plan,
+) -> Result<(Vec<EventInfo>, Vec<Rejection>), ListError> {
+    let vm = crate::vmm::vm::Vm::new(plan.cfg)?;
     let table: VmEventTable = Arc::new(EventTable::new(
-        Arc::new(crate::session::GuestTraceMem::new(vm.trace_region())),
+        Arc::new(crate::drain::session::GuestTraceMem::new(vm.trace_region())),
         plan.ring,
         Selection::default(),
     ));
-    let _reader = crate::session::alloc_reader(
+    let _reader = crate::drain::session::alloc_reader(
         vm.trace_region(),
         plan.ring,
         vm.tsc_khz(),
-        crate::vm::host_tsc(),
+        crate::vmm::vm::host_tsc(),
         plan.mailbox_timeout,
     )
     .map_err(ListError::TraceBuffers)?;
@@ -646,7 +648,7 @@ pub fn list_guest(plan: crate::plan::Plan) -> Result<(Vec<EventInfo>, Vec<Reject
 }
 
 /// An [`EventTable`] over a VM's trace region, shared with the vCPU threads.
-pub type VmEventTable = Arc<EventTable<Arc<crate::session::GuestTraceMem>>>;
+pub type VmEventTable = Arc<EventTable<Arc<crate::drain::session::GuestTraceMem>>>;
 
 #[cfg(test)]
 mod tests {

@@ -20,7 +20,7 @@ use kvm_ioctls::{VcpuExit, VcpuFd};
 use libc::{c_int, c_void, siginfo_t};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
-use crate::vm::Shared;
+use crate::vmm::vm::Shared;
 
 /// Counters a finished vCPU reported in its result slot.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -92,11 +92,11 @@ pub fn kick_signal() -> c_int {
 }
 
 /// Installs the kick handler (once per process).
-pub(crate) fn install_kick_handler() -> crate::Result<()> {
+pub(crate) fn install_kick_handler() -> crate::vmm::error::Result<()> {
     static DONE: OnceLock<Result<(), vmm_sys_util::errno::Error>> = OnceLock::new();
     (*DONE
         .get_or_init(|| vmm_sys_util::signal::register_signal_handler(kick_signal(), kick_handler)))
-    .map_err(crate::Error::KickSignal)
+    .map_err(crate::vmm::error::Error::KickSignal)
 }
 
 fn read_u64(mem: &GuestMemoryMmap, gpa: u64) -> u64 {
@@ -152,7 +152,7 @@ fn internal_suberror(fd: &mut VcpuFd) -> u32 {
 
 /// `KVM_EXIT_*` and the I/O port (0 for other exits) of an exit, for `vmm:vcpu_exit`.
 fn exit_reason(exit: &VcpuExit<'_>) -> (u32, u32) {
-    use crate::host_events as h;
+    use crate::vmm::host_events as h;
     match exit {
         VcpuExit::IoOut(port, _) | VcpuExit::IoIn(port, _) => (h::KVM_EXIT_IO, u32::from(*port)),
         VcpuExit::Intr => (h::KVM_EXIT_INTR, 0),
@@ -196,7 +196,7 @@ fn run_loop(
             Ok(exit) => exit,
             Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
                 if let Some(ev) = &shared.host_events {
-                    ev.vcpu_exit(id, crate::host_events::KVM_EXIT_INTR, 0);
+                    ev.vcpu_exit(id, crate::vmm::host_events::KVM_EXIT_INTR, 0);
                 }
                 fd.set_kvm_immediate_exit(0);
                 continue;

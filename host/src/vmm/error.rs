@@ -2,8 +2,8 @@
 
 use thiserror::Error;
 
-use crate::elf::ElfError;
-use crate::memory_map::MemoryMapError;
+use crate::vmm::elf::ElfError;
+use crate::vmm::memory_map::MemoryMapError;
 
 /// Errors creating or starting a VM.
 #[derive(Debug, Error)]

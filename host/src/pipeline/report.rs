@@ -10,10 +10,11 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::cli::{FormatArg, ModeArg, EXIT_CRASH, EXIT_OK, EXIT_RUNTIME};
-use crate::plan::OptionsEcho;
-use crate::session::SessionError;
-use crate::vcpu::VcpuOutcome;
+use crate::cli::{FormatArg, ModeArg};
+use crate::drain::session::SessionError;
+use crate::exit::{EXIT_CRASH, EXIT_OK, EXIT_RUNTIME};
+use crate::pipeline::plan::OptionsEcho;
+use crate::vmm::vcpu::VcpuOutcome;
 
 /// Why a run stopped before its guest finished.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -252,8 +253,8 @@ pub struct ReaderTimes {
     pub buffer_kb: u64,
     /// Event bytes one CPU's ring holds while its reader is away (its ring pages' data).
     pub ring_bytes: u64,
-    /// What the standby drainer did ([`crate::standby`]; nothing without one).
-    pub standby: crate::standby::StandbyTimes,
+    /// What the standby drainer did ([`crate::drain::standby`]; nothing without one).
+    pub standby: crate::drain::standby::StandbyTimes,
 }
 
 impl Timing {
@@ -303,7 +304,7 @@ pub struct RunReport {
     /// The options `--stats` repeats.
     pub echo: OptionsEcho,
     /// The clock of every output (`--clock`) and how its map held, if one was made.
-    pub clock: Option<crate::clock::ClockStats>,
+    pub clock: Option<crate::drain::clock::ClockStats>,
     /// `--host-events`: what the VMM's ring held (absent without the flag).
     pub host_events: Option<HostEventsStats>,
     /// `--mode` (the loss hint depends on it).
@@ -317,8 +318,8 @@ pub struct RunReport {
 pub struct GuestView {
     /// Guest memory.
     pub memory: vm_memory::GuestMemoryMmap,
-    /// The guest-physical map (result slots: [`crate::GuestMemoryMap::result_slot`]).
-    pub map: crate::GuestMemoryMap,
+    /// The guest-physical map (result slots: [`crate::vmm::memory_map::GuestMemoryMap::result_slot`]).
+    pub map: crate::vmm::memory_map::GuestMemoryMap,
 }
 
 /// 1 if a vCPU failed on the host side, else 3 if the guest crashed, else 0.
@@ -736,7 +737,7 @@ pub struct HostEventsStats {
 /// The `--stats` document (fields in alphabetical order: the JSON's key order).
 #[derive(Debug, Serialize)]
 pub struct Stats {
-    clock: Option<crate::clock::ClockStats>,
+    clock: Option<crate::drain::clock::ClockStats>,
     cpus: Vec<CpuStatsJson>,
     crash: Option<CrashStats>,
     end: &'static str,
@@ -853,7 +854,7 @@ mod tests {
     #[test]
     fn a_paced_vcpu_behind_its_schedule_says_so() {
         let fin = |ms: u64| {
-            VcpuOutcome::Finished(crate::vcpu::VcpuStats {
+            VcpuOutcome::Finished(crate::vmm::vcpu::VcpuStats {
                 attempted: 10,
                 skipped: 0,
                 tsc_start: 5,
@@ -892,7 +893,7 @@ mod tests {
     #[test]
     fn the_wait_for_the_registration_answer_is_not_lateness() {
         let (tsc_start, answered) = (5u64, 4_000_005u64); // the answer 4 ms after entry
-        let fin = VcpuOutcome::Finished(crate::vcpu::VcpuStats {
+        let fin = VcpuOutcome::Finished(crate::vmm::vcpu::VcpuStats {
             attempted: 10,
             skipped: 0,
             tsc_start,
@@ -1074,7 +1075,7 @@ mod tests {
             live: true,
             longest_late: Duration::from_millis(12),
             output_waits: waits,
-            standby: crate::standby::StandbyTimes {
+            standby: crate::drain::standby::StandbyTimes {
                 turns: 3,
                 rounds: 5,
                 cpu: Duration::from_micros(1500),
