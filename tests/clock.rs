@@ -18,8 +18,8 @@ const KRATE: &str = env!("CARGO_CRATE_NAME");
 /// The host clock `name` (`mono`, `boot`) now, ns.
 fn clock_now(name: &str) -> u128 {
     u128::from(match name {
-        "mono" => hyptrace_host::drain::clock::monotonic_ns(),
-        "boot" => hyptrace_host::drain::clock::boottime_ns(),
+        "mono" => hyptrace_host::vmm::time::monotonic_ns(),
+        "boot" => hyptrace_host::vmm::time::boottime_ns(),
         _ => panic!("no host clock for {name}"),
     })
 }
@@ -319,9 +319,9 @@ fn trace_cmd_prints_our_times() {
                 "--stats",
                 &stats,
             ];
-            let tsc_lo = hyptrace_host::vmm::vm::host_tsc();
+            let tsc_lo = hyptrace_host::vmm::time::host_tsc();
             let (lo, _, hi) = bracketed("mono", &args);
-            let tsc_hi = hyptrace_host::vmm::vm::host_tsc();
+            let tsc_hi = hyptrace_host::vmm::time::host_tsc();
             let ours = report_times(BIN, &["report", "-i", &path]);
             let theirs = report_times("trace-cmd", &["report", "-t", "-i", &path]);
             assert!(!ours.is_empty(), "{what}");
@@ -361,7 +361,8 @@ fn trace_cmd_prints_our_times() {
 #[test]
 fn memory_ping_measures_the_map_error() {
     use hyptrace_abi::guest::{Workload, RUN_FLAG_ALIGN_PING};
-    use hyptrace_host::drain::clock::{end_pings, ping_guest, ClockKind, HostClock};
+    use hyptrace_host::drain::clock::{end_pings, ping_guest, HostClock};
+    use hyptrace_host::vmm::time::ClockKind;
     use hyptrace_host::{RunParams, Vm, VmConfig, GUEST_ELF};
     use std::time::Duration;
 
@@ -379,7 +380,7 @@ fn memory_ping_measures_the_map_error() {
         trace_region_align: 65536,
     })
     .expect("create VM");
-    let _reader = hyptrace_host::drain::session::alloc_reader(
+    let _reader = hyptrace_host::vmm::guest_mem::alloc_reader(
         vm.trace_region(),
         layout,
         vm.tsc_khz(),

@@ -18,7 +18,7 @@ fn vm(vcpus: u32, pages: u32) -> Vm {
     vm_with_reader(vcpus, pages).0
 }
 
-fn vm_with_reader(vcpus: u32, pages: u32) -> (Vm, hyptrace_host::drain::session::Reader) {
+fn vm_with_reader(vcpus: u32, pages: u32) -> (Vm, hyptrace_host::vmm::guest_mem::Reader) {
     let layout =
         hyptrace_abi::RingGeometry::new(vcpus, pages, 4096, hyptrace_abi::Mode::Overwrite, false)
             .expect("layout");
@@ -30,7 +30,7 @@ fn vm_with_reader(vcpus: u32, pages: u32) -> (Vm, hyptrace_host::drain::session:
         trace_region_align: 65536,
     })
     .expect("create VM");
-    let reader = hyptrace_host::drain::session::alloc_reader(
+    let reader = hyptrace_host::vmm::guest_mem::alloc_reader(
         vm.trace_region(),
         layout,
         vm.tsc_khz(),

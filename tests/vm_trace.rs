@@ -499,8 +499,10 @@ fn footers_consistent_after_run() {
     };
     use hyptrace_abi::page::{Events, COMMIT_LEN_MASK, COMMIT_OFFSET};
     use hyptrace_abi::SharedMem;
-    use hyptrace_host::cli::{ring_layout, ModeArg, SwapArg};
-    use hyptrace_host::drain::session::{alloc_reader, Output, Session};
+    use hyptrace_host::drain::session::{Output, Session};
+    use hyptrace_host::pipeline::options::{ModeArg, SwapArg};
+    use hyptrace_host::pipeline::plan::ring_layout;
+    use hyptrace_host::vmm::guest_mem::alloc_reader;
     use hyptrace_host::{RunParams, VcpuOutcome, Vm, VmConfig, GUEST_ELF};
     use std::sync::atomic::Ordering::Acquire;
 

@@ -29,9 +29,11 @@ pub mod pipeline;
 pub mod vmm;
 
 pub use vmm::error::{Error, Result};
+pub use vmm::guest_mem::TraceRegion;
 pub use vmm::memory_map::GuestMemoryMap;
+pub use vmm::time::host_tsc;
 pub use vmm::vcpu::{VcpuError, VcpuOutcome, VcpuStats};
-pub use vmm::vm::{host_tsc, RunParams, RunningVm, TraceRegion, Vm, VmConfig};
+pub use vmm::vm::{RunParams, RunningVm, Vm, VmConfig};
 
 /// The guest payload built from guest/ by build.rs.
 pub static GUEST_ELF: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/hyptrace-guest.elf"));

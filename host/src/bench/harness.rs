@@ -6,7 +6,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use clap::Parser;
 use hyptrace_abi::guest::{result, Workload, RUN_FLAG_BENCH_TYPED};
 use hyptrace_output::{OutputError, PageSink, RawSink, RunSummary};
 use hyptrace_output::{ThreadedSink, TraceDatSink, TraceDatVersion};
@@ -14,12 +13,12 @@ use hyptrace_reader::{Callbacks, ReadError, SwapReply, SwapStatus};
 use vm_memory::{Bytes, GuestAddress};
 
 use super::{BenchError, PAGE_SIZE};
-use crate::cli::{Cli, Command, DrainArg, ModeArg, SwapArg};
 use crate::drain::session::MAILBOX_TIMEOUT;
+use crate::pipeline::options::{DrainArg, ModeArg, RunArgs, SwapArg};
 use crate::pipeline::plan::Plan;
 use crate::pipeline::run::{MakeSink, Run, Target};
+use crate::vmm::time::host_tsc;
 use crate::vmm::vcpu::VcpuOutcome;
-use crate::vmm::vm::host_tsc;
 
 /// One VM run.
 pub(super) struct VmSpec {
@@ -214,13 +213,19 @@ impl Drop for TempPath {
     }
 }
 
+/// `hyptrace run`'s options alone, parsed as the command line parses them.
+#[derive(clap::Parser)]
+struct RunLine {
+    #[command(flatten)]
+    run: RunArgs,
+}
+
 /// The checked plan of a VM run of `spec`: `hyptrace run`'s options, then what the CLI
 /// cannot say (the bench workload, its payload, guest memory in whole 2 MiB pages).
 pub(super) fn plan(spec: &VmSpec) -> Result<Plan, BenchError> {
     let lower = |v: &dyn std::fmt::Debug| format!("{v:?}").to_lowercase();
     let args = [
-        "hyptrace".to_string(),
-        "run".into(),
+        "hyptrace run".to_string(),
         "--vcpus".into(),
         spec.vcpus.to_string(),
         "--events".into(),
@@ -236,17 +241,12 @@ pub(super) fn plan(spec: &VmSpec) -> Result<Plan, BenchError> {
         "--page-size".into(),
         PAGE_SIZE.to_string(),
         "--poll-ms".into(),
-        crate::cli::DEFAULT_POLL_MS.to_string(),
+        crate::pipeline::options::DEFAULT_POLL_MS.to_string(),
         "--drain".into(),
         lower(&spec.drain),
     ];
-    let Command::Run(a) = Cli::try_parse_from(args)
-        .map_err(BenchError::RunArgs)?
-        .command
-    else {
-        unreachable!("parsed as `run`")
-    };
-    let mut plan = Plan::new(&a)?;
+    let a = <RunLine as clap::Parser>::try_parse_from(args).map_err(BenchError::RunArgs)?;
+    let mut plan = Plan::new(&a.run)?;
     plan.params.workload = spec.workload;
     plan.params.payload = spec.payload;
     if spec.typed {
@@ -354,7 +354,7 @@ pub(super) fn vm_run(spec: &VmSpec) -> Result<VmOut, BenchError> {
 mod tests {
     use super::*;
     use crate::bench::writer::writer_spec;
-    use crate::cli::ring_layout;
+    use crate::pipeline::plan::ring_layout;
     use crate::vmm::elf::GuestImage;
     use crate::vmm::memory_map::{GuestMemoryMap, MIN_MEM_BYTES};
 
@@ -397,7 +397,7 @@ mod tests {
             );
             assert_eq!(
                 p.poll,
-                std::time::Duration::from_millis(crate::cli::DEFAULT_POLL_MS)
+                std::time::Duration::from_millis(crate::pipeline::options::DEFAULT_POLL_MS)
             );
             assert_eq!(p.mailbox_timeout, MAILBOX_TIMEOUT);
             assert!(p.flight.drain_live);

@@ -302,7 +302,7 @@ pub fn bench(a: &BenchArgs) -> i32 {
     let json_target = match a
         .json
         .as_deref()
-        .map(|p| crate::cli::check_destination(p, "--json"))
+        .map(|p| crate::drain::sink::check_destination(p, "--json"))
     {
         Some(Err(e)) => {
             eprintln!("hyptrace: error: {}", error::with_sources(&e));
@@ -315,7 +315,7 @@ pub fn bench(a: &BenchArgs) -> i32 {
         Ok(v) => {
             print!("{}", table::table(&v));
             if let Some(t) = &json_target {
-                if let Err(e) = crate::cli::write_destination(t, &v.json()) {
+                if let Err(e) = crate::drain::sink::write_destination(t, &v.json()) {
                     eprintln!(
                         "hyptrace: error: cannot write --json: {}",
                         error::with_sources(&e)
@@ -370,7 +370,7 @@ fn run_all(cfg: &Cfg, a: &BenchArgs) -> Result<BenchReport, BenchError> {
             chunk_events: BENCH_CHUNK,
             ring_pages_per_vcpu: DEFAULT_PAGES,
             page_size: PAGE_SIZE,
-            poll_ms: crate::cli::DEFAULT_POLL_MS as u32,
+            poll_ms: crate::pipeline::options::DEFAULT_POLL_MS as u32,
         },
         startup,
         writer,

@@ -12,7 +12,7 @@ use serde::Serialize;
 
 use super::harness::{vm_run, SinkKind, VmSpec};
 use super::{BenchError, Cfg, DEFAULT_PAGES, PAGE_SIZE};
-use crate::cli::{ModeArg, SwapArg};
+use crate::pipeline::options::{ModeArg, SwapArg};
 use crate::pipeline::report::ms;
 
 /// Events per vCPU that overflow a ring of the rate search twice over if the reader
@@ -243,7 +243,7 @@ fn search(cfg: &Cfg, vcpus: u32, swap: SwapArg) -> Result<RateRow, BenchError> {
         searched: !cfg.quick,
         runs,
         mode: "stop",
-        poll_ms: crate::cli::DEFAULT_POLL_MS as u32,
+        poll_ms: crate::pipeline::options::DEFAULT_POLL_MS as u32,
         buffer_kb: DEFAULT_PAGES * PAGE_SIZE / 1024,
         sink: format!("trace.dat v7 file in {}", std::env::temp_dir().display()),
     })

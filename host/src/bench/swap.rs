@@ -11,8 +11,9 @@ use serde::Serialize;
 use super::harness::{plan, vm_run, SwapLog, VmSpec};
 use super::stats::{Quantiles, Tsc};
 use super::{BenchError, Cfg, Measured, DEFAULT_PAGES};
-use crate::cli::SwapArg;
-use crate::vmm::vm::{host_tsc, Vm};
+use crate::pipeline::options::SwapArg;
+use crate::vmm::time::host_tsc;
+use crate::vmm::vm::Vm;
 
 /// The `swap` JSON object; a section not run is `{}` in each.
 #[derive(Clone, Debug, Serialize)]
@@ -223,7 +224,7 @@ fn swap_pingpong(cfg: &Cfg, tsc: Tsc, swap: SwapArg) -> Result<PingPongRow, Benc
     let layout = plan.ring;
     // Its own VM start, not `Run`: the benchmark drives the swaps itself (no session).
     let vm = Vm::new(plan.cfg)?;
-    let reader = crate::drain::session::alloc_reader(
+    let reader = crate::vmm::guest_mem::alloc_reader(
         vm.trace_region(),
         layout,
         vm.tsc_khz(),

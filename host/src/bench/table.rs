@@ -152,7 +152,7 @@ pub(super) fn table(v: &BenchReport) -> String {
     let _ = writeln!(
         s,
         "\nhighest --rate with zero loss (stop mode, idle poll {} ms, 1 MiB/vCPU, record to {}; every run of a step loss-free)",
-        crate::cli::DEFAULT_POLL_MS,
+        crate::pipeline::options::DEFAULT_POLL_MS,
         v.max_rate.first().map_or("trace.dat", |r| r.sink.as_str()),
     );
     for r in &v.max_rate {
@@ -226,7 +226,7 @@ mod tests {
                 })
                 .collect(),
             mode: "stop",
-            poll_ms: crate::cli::DEFAULT_POLL_MS as u32,
+            poll_ms: crate::pipeline::options::DEFAULT_POLL_MS as u32,
             buffer_kb: 1024,
             sink: "trace.dat v7 file in /tmp".into(),
         }

@@ -13,8 +13,8 @@ use serde::Serialize;
 use super::harness::{vm_run, VmOut, VmSpec};
 use super::stats::{Summary, Tsc};
 use super::{bench_payload, BenchError, Cfg, DEFAULT_PAGES, PAGE_SIZE};
-use crate::cli::DrainArg;
-use crate::vmm::vm::host_tsc;
+use crate::pipeline::options::DrainArg;
+use crate::vmm::time::host_tsc;
 
 /// The native typed loops ([`native_typed`]) for a `payload`-byte payload, or `None`
 /// for a size the guest has no typed loop for (`BENCH_TYPED_SIZES`: a unit test keeps

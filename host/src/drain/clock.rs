@@ -28,71 +28,14 @@ use std::time::{Duration, Instant};
 
 use hyptrace_output::{Clock, OutputError, TscConversion};
 
+use crate::vmm::time::{clock_ns, ClockKind};
+
 /// How often a run re-checks its map.
 pub const RECHECK_EVERY: Duration = Duration::from_millis(500);
 /// Drift above which a run warns (once).
 pub const DRIFT_WARN_NS: u64 = 1_000;
 /// Brackets tried per sample (the tightest wins).
 const TRIES: usize = 64;
-
-/// The clock every output uses.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
-pub enum ClockKind {
-    /// Host `CLOCK_MONOTONIC` (what `clock_gettime`, `perf` and trace-cmd's `mono` use).
-    #[default]
-    Mono,
-    /// Host `CLOCK_BOOTTIME` (monotonic + time suspended).
-    Boot,
-    /// Raw guest TSC cycles, unconverted (like trace-cmd's `x86-tsc` clock without
-    /// TSC2NSEC).
-    Tsc,
-}
-
-impl ClockKind {
-    /// Lower-case name (`--stats`).
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Mono => "mono",
-            Self::Boot => "boot",
-            Self::Tsc => "tsc",
-        }
-    }
-
-    fn clockid(self) -> Option<libc::clockid_t> {
-        match self {
-            Self::Mono => Some(libc::CLOCK_MONOTONIC),
-            Self::Boot => Some(libc::CLOCK_BOOTTIME),
-            Self::Tsc => None,
-        }
-    }
-}
-
-/// Reads a host clock in ns.
-pub fn clock_ns(id: libc::clockid_t) -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid, writable timespec for the duration of the call; the clock
-    // ids used here exist on every supported kernel (the result is checked).
-    let r = unsafe { libc::clock_gettime(id, &mut ts) };
-    if r != 0 {
-        return 0;
-    }
-    (ts.tv_sec as u64)
-        .saturating_mul(1_000_000_000)
-        .saturating_add(ts.tv_nsec as u64)
-}
-
-/// Host `CLOCK_MONOTONIC` in ns.
-pub fn monotonic_ns() -> u64 {
-    clock_ns(libc::CLOCK_MONOTONIC)
-}
-
-/// Host `CLOCK_BOOTTIME` in ns.
-pub fn boottime_ns() -> u64 {
-    clock_ns(libc::CLOCK_BOOTTIME)
-}
 
 /// `lfence; rdtsc; lfence`: the TSC read in program order (what the vDSO's
 /// `clock_gettime` does too), so a bracket really brackets.
@@ -358,6 +301,7 @@ fn anchor_offset(t: Option<&TscConversion>, s: Sample, tsc_offset: i64) -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::vmm::time::monotonic_ns;
 
     #[test]
     fn anchor_maps_the_sample_exactly() {
@@ -385,7 +329,7 @@ mod tests {
         };
         let mut c = HostClock::calibrate(ClockKind::Mono, khz, 0).unwrap();
         let before = monotonic_ns();
-        let now = c.host_tsc_ns(crate::vmm::vm::host_tsc());
+        let now = c.host_tsc_ns(crate::vmm::time::host_tsc());
         let after = monotonic_ns();
         // Not a timing assertion: the map is anchored on this clock a moment ago, so
         // "now" lies between two readings up to the (generous) rounding drift.

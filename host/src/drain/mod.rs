@@ -3,6 +3,8 @@
 //! the output sinks and the signals that stop a drain. Imports only the VMM layer.
 
 pub mod clock;
+pub mod priority;
 pub mod session;
 pub mod signals;
+pub mod sink;
 pub mod standby;

@@ -7,8 +7,8 @@ use std::io::Write;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use hyptrace_abi::layout::{ctl, RingGeometry};
-use hyptrace_abi::{RawMem, SharedMem};
+use hyptrace_abi::layout::ctl;
+use hyptrace_abi::SharedMem;
 use hyptrace_output::{
     format_drop, format_guest_line, format_window_exceeded, guest_printers, Clock, EventFormat,
     EventPrinter, MergeWindow, Merged, Merger, Missed, PageSink, Released,
@@ -16,7 +16,7 @@ use hyptrace_output::{
 use hyptrace_reader::postmortem::Position;
 use hyptrace_reader::{Callbacks, CpuStats, Item, ReadError, RingBuffer};
 
-use crate::vmm::vm::TraceRegion;
+use crate::vmm::guest_mem::GuestTraceMem;
 
 /// How long the host waits, by default (`--mailbox-timeout-ms`), for the guest writer to
 /// answer a mailbox request before it reports a stuck writer. The host cores are shared by every vCPU, the reader and
@@ -25,73 +25,6 @@ use crate::vmm::vm::TraceRegion;
 /// seen to expire at a load of 10 on 2 cores), so the bound is generous; the reader
 /// serves the other CPUs meanwhile and `--duration`/signals are checked between polls.
 pub const MAILBOX_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// The trace region of a VM as [`SharedMem`]: atomics and volatile copies on the guest
-/// memory, which the guest's vCPUs write concurrently.
-#[derive(Debug)]
-pub struct GuestTraceMem {
-    // Keeps the guest memory mapped for as long as `raw` is used.
-    _region: TraceRegion,
-    raw: RawMem,
-}
-
-impl GuestTraceMem {
-    /// Wraps a VM's trace region.
-    pub fn new(region: TraceRegion) -> Self {
-        let (_, ptr, len) = region.raw_parts();
-        // SAFETY: `ptr` is the host mapping of `len` bytes of guest memory that `region`
-        // keeps mapped (it holds a clone of the GuestMemoryMmap) for as long as `self`
-        // lives; the region starts page-aligned, so 8-byte aligned. The guest accesses
-        // it only through its own atomics and stores (another domain), and the host only
-        // through this RawMem (atomics and volatile byte copies) — never through Rust
-        // references to the bytes.
-        let raw = unsafe { RawMem::new(ptr, len) };
-        Self {
-            _region: region,
-            raw,
-        }
-    }
-}
-
-impl SharedMem for GuestTraceMem {
-    hyptrace_abi::forward_shared_mem!(self => self.raw);
-}
-
-/// The reader over a VM's trace region.
-pub type Reader = RingBuffer<Arc<GuestTraceMem>, Box<dyn Callbacks + Send>>;
-
-/// Allocates the rings in the trace region (pack, control blocks, linked pages) and
-/// returns the reader, with host-executed (`Direct`) or guest-executed (`Mailbox`)
-/// callbacks.
-pub fn alloc_reader(
-    region: TraceRegion,
-    layout: RingGeometry,
-    tsc_khz: u64,
-    generation: u64,
-    mailbox_timeout: Duration,
-) -> Result<Reader, ReadError> {
-    alloc_reader_wrapped(region, layout, tsc_khz, generation, mailbox_timeout, |cb| {
-        cb
-    })
-}
-
-/// [`alloc_reader`] with the callbacks passed through `wrap` (e.g. to time every swap).
-pub fn alloc_reader_wrapped(
-    region: TraceRegion,
-    layout: RingGeometry,
-    tsc_khz: u64,
-    generation: u64,
-    mailbox_timeout: Duration,
-    wrap: impl FnOnce(Box<dyn Callbacks + Send>) -> Box<dyn Callbacks + Send>,
-) -> Result<Reader, ReadError> {
-    let mem = Arc::new(GuestTraceMem::new(region));
-    let cb = wrap(hyptrace_reader::callbacks::for_geometry(
-        mem.clone(),
-        layout,
-        mailbox_timeout,
-    ));
-    RingBuffer::alloc(mem, layout, cb, tsc_khz, generation)
-}
 
 /// Most events one drain round reads from one CPU (text output).
 pub const ROUND_MAX_EVENTS: usize = 1 << 16;
@@ -1190,159 +1123,4 @@ impl LinePrinter<'_> {
             }
         }
     }
-}
-
-/// The scheduling advantage of the drain loop's thread ([`ReaderPriority::raise`]),
-/// taken while the writers write and given back while they idle and on drop.
-///
-/// The reader needs little CPU (well under 1 % of a core at 200 000 events/s) but
-/// needs it *soon*: on a machine whose cores are all taken by spinning vCPU threads
-/// (and other load) a normal thread waits a time slice or more for a core while its
-/// rings fill. The thread gets `SCHED_FIFO` priority 1 — it preempts normal threads
-/// when it wakes, and since it sleeps at least [`MIN_POLL`] between rounds it never
-/// keeps a core for good — or, where real-time policies are not permitted, nice −10;
-/// where neither is permitted it runs as it is, after one log line.
-/// `HYPTRACE_READER_PRIORITY=normal` in the environment turns it off. While idle
-/// ([`ReaderPriority::set_active`]`(false)`) the thread runs as it was: a real-time
-/// wake-up costs about twice a normal one here (measured: 2.5 % against 1.0 % of a
-/// core for an idle VM at `--poll-ms 1`), and an idle ring needs no haste.
-#[derive(Debug)]
-pub struct ReaderPriority {
-    boost: Option<Boost>,
-    /// The boost is applied now.
-    on: bool,
-    /// Set and given back on the thread that raised it (`pid 0` is the calling
-    /// thread): !Send.
-    _thread: std::marker::PhantomData<*const ()>,
-}
-
-#[derive(Debug)]
-enum Boost {
-    Fifo {
-        policy: i32,
-        param: libc::sched_param,
-    },
-    Nice {
-        tid: libc::id_t,
-        nice: i32,
-    },
-}
-
-impl Boost {
-    fn apply(&self, on: bool) -> bool {
-        match self {
-            Boost::Fifo { policy, param } => {
-                let rt = libc::sched_param { sched_priority: 1 };
-                let (p, prm) = if on {
-                    (libc::SCHED_FIFO, &rt)
-                } else {
-                    (*policy, param)
-                };
-                // SAFETY: sets the calling thread's (pid 0) policy from a valid param.
-                unsafe { libc::sched_setscheduler(0, p, prm) == 0 }
-            }
-            Boost::Nice { tid, nice } => {
-                // SAFETY: setpriority on our own thread id (Linux: per-thread nice).
-                unsafe {
-                    libc::setpriority(libc::PRIO_PROCESS, *tid, if on { -10 } else { *nice }) == 0
-                }
-            }
-        }
-    }
-}
-
-impl ReaderPriority {
-    /// Raises the calling thread's scheduling priority (see the type), unless the
-    /// environment says `HYPTRACE_READER_PRIORITY=normal`.
-    pub fn raise() -> Self {
-        let mut me = Self {
-            boost: None,
-            on: false,
-            _thread: std::marker::PhantomData,
-        };
-        if std::env::var_os("HYPTRACE_READER_PRIORITY").is_some_and(|v| v == "normal") {
-            log::debug!("reader thread: normal priority (HYPTRACE_READER_PRIORITY=normal)");
-            return me;
-        }
-        // SAFETY: sched_getscheduler/getparam on the calling thread (pid 0) with a
-        // valid out-pointer to a sched_param we own.
-        let (policy, mut param) = unsafe {
-            let mut p: libc::sched_param = std::mem::zeroed();
-            (libc::sched_getscheduler(0), {
-                libc::sched_getparam(0, &mut p);
-                p
-            })
-        };
-        if policy != libc::SCHED_OTHER {
-            // Already real-time (or batch/idle on purpose): leave it as it is.
-            return me;
-        }
-        param.sched_priority = 0;
-        let fifo = Boost::Fifo { policy, param };
-        if fifo.apply(true) {
-            log::debug!("reader thread: SCHED_FIFO priority 1 while the writers write");
-            me.boost = Some(fifo);
-            me.on = true;
-            return me;
-        }
-        let rt_err = std::io::Error::last_os_error();
-        // SAFETY: gettid has no preconditions.
-        let tid = unsafe { libc::gettid() } as libc::id_t;
-        // getpriority can return -1 legitimately: clear errno first.
-        // SAFETY: errno location of this thread; getpriority on our own thread id.
-        let nice = unsafe {
-            *libc::__errno_location() = 0;
-            libc::getpriority(libc::PRIO_PROCESS, tid)
-        };
-        let boost = Boost::Nice { tid, nice };
-        if boost.apply(true) {
-            log::info!("reader thread: real-time policy refused ({rt_err}); running at nice -10");
-            me.boost = Some(boost);
-            me.on = true;
-            return me;
-        }
-        log::info!(
-            "reader thread: no scheduling advantage (SCHED_FIFO: {rt_err}; nice -10: {}): the reader may lag behind busy vCPUs",
-            std::io::Error::last_os_error()
-        );
-        me
-    }
-
-    /// Whether the thread got an advantage (and gives it back on drop).
-    pub fn raised(&self) -> bool {
-        self.boost.is_some()
-    }
-
-    /// Takes the advantage (`true`: a writer writes) or gives it back for now (`false`:
-    /// every writer idles). A system call only when this changes.
-    pub fn set_active(&mut self, active: bool) {
-        if active != self.on {
-            if let Some(b) = &self.boost {
-                if b.apply(active) {
-                    self.on = active;
-                }
-            }
-        }
-    }
-}
-
-impl Drop for ReaderPriority {
-    fn drop(&mut self) {
-        self.set_active(false);
-    }
-}
-
-/// CPU time the calling thread has used so far (`getrusage(RUSAGE_THREAD)`, user +
-/// system): what the drain loop costs, measured by its own thread.
-pub fn thread_cpu_time() -> Duration {
-    // SAFETY: getrusage fills the rusage we own; RUSAGE_THREAD is the calling thread.
-    let ru = unsafe {
-        let mut ru: libc::rusage = std::mem::zeroed();
-        libc::getrusage(libc::RUSAGE_THREAD, &mut ru);
-        ru
-    };
-    let tv = |t: libc::timeval| {
-        Duration::from_secs(t.tv_sec.max(0) as u64) + Duration::from_micros(t.tv_usec.max(0) as u64)
-    };
-    tv(ru.ru_utime) + tv(ru.ru_stime)
 }

@@ -37,7 +37,7 @@ use std::sync::{Arc, Mutex, TryLockError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::drain::session::{thread_cpu_time, ReaderPriority};
+use crate::drain::priority::{thread_cpu_time, ReaderPriority};
 
 /// Shortest time between two looks of the standby while it is alert (the loop was
 /// late lately, [`ALERT_FOR`]): bounds what it costs the vCPU whose core it shares. A

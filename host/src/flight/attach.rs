@@ -31,12 +31,12 @@ use hyptrace_reader::callbacks::{SwapReply, SwapStatus};
 use hyptrace_reader::trace_file::{self, hdr};
 use hyptrace_reader::{Callbacks, ReadError, RingBuffer};
 
-use crate::cli::FormatArg;
 use crate::control::protocol::{
     Answer, AttachInfo, Command, ConsumerPosition, Outcome, ReaderStatus,
 };
 use crate::control::server::CtlConn;
 use crate::drain::session::{Output, Session};
+use crate::drain::sink::FormatArg;
 
 /// How long the client waits for one reply of the VMM.
 pub const REPLY_TIMEOUT: Duration = Duration::from_secs(15);
@@ -630,7 +630,7 @@ fn open_session(
         Clock::nanoseconds()
     });
     let mut tmeta = TraceMeta::guest(l.page_size, l.nr_cpus, clock.clone());
-    let formats = match crate::flight::dump::region_formats(reader.mem(), &l) {
+    let formats = match crate::vmm::registration::region_formats(reader.mem(), &l) {
         Ok(Some(f)) => f,
         Ok(None) => tmeta.formats.clone(),
         Err(e) => {
@@ -647,7 +647,7 @@ fn open_session(
             Output::text(Box::new(std::io::stdout()), l.nr_cpus)
         } else {
             Output::Pages(
-                crate::pipeline::run::make_sink(
+                crate::drain::sink::make_sink(
                     o.target,
                     o.format,
                     hyptrace_output::Compression::Zstd,

@@ -23,7 +23,7 @@ use hyptrace_output::{
 use hyptrace_reader::postmortem::{walk_cpu, CpuDump, Position};
 use hyptrace_reader::trace_file;
 
-use crate::cli::FormatArg;
+use crate::drain::sink::FormatArg;
 use crate::exit::{EXIT_OK, EXIT_RUNTIME, EXIT_USAGE};
 
 /// Options of `hyptrace dump`.
@@ -389,7 +389,7 @@ pub fn dump_trace_mem(
         source,
     };
     let mut meta = TraceMeta::guest(l.page_size, l.nr_cpus, clock);
-    match region_formats(&img.region, &l) {
+    match crate::vmm::registration::region_formats(&img.region, &l) {
         Ok(Some(f)) => meta.formats = f,
         Ok(None) => {}
         Err(e) => warnings.push(format!(
@@ -397,7 +397,7 @@ pub fn dump_trace_mem(
         )),
     }
     let mut sink =
-        crate::pipeline::run::make_sink(target, format, hyptrace_output::Compression::Zstd, meta)
+        crate::drain::sink::make_sink(target, format, hyptrace_output::Compression::Zstd, meta)
             .map_err(out_err)?;
     let positions = |c: u32| img.positions.get(c as usize).copied().flatten();
     let (report, err) = dump_region(&img.region, &l, &positions, &|_| true, Some(sink.as_mut()));
@@ -411,8 +411,8 @@ pub fn dump_trace_mem(
 /// `hyptrace dump`: returns the exit code (0: dumped, even partly — warnings on
 /// stderr; 2: the file is unusable; 1: the output failed).
 pub fn dump(a: &DumpArgs) -> i32 {
-    let format = crate::cli::format_for(a.format, &a.output);
-    let target = match crate::cli::check_destination(&a.output, "-o") {
+    let format = crate::drain::sink::format_for(a.format, &a.output);
+    let target = match crate::drain::sink::check_destination(&a.output, "-o") {
         Ok(t) => t,
         Err(e) => {
             note!("hyptrace: error: {e}");
@@ -466,7 +466,7 @@ pub fn dump(a: &DumpArgs) -> i32 {
             note!(
                 "hyptrace: dump: {} events written to {} in {:.1} ms{}",
                 report.events(),
-                crate::pipeline::report::shown_path(&a.output),
+                crate::drain::sink::shown_path(&a.output),
                 started.elapsed().as_secs_f64() * 1e3,
                 if report.damaged() {
                     " (partial: see the warnings)"
@@ -532,7 +532,7 @@ fn dump_attach(
             }
             note!(
                 "hyptrace: attach: {ev} events ({lost} lost) written to {} in {:.1} ms, {} swaps; {}",
-                crate::pipeline::report::shown_path(out_path),
+                crate::drain::sink::shown_path(out_path),
                 started.elapsed().as_secs_f64() * 1e3,
                 r.swaps,
                 r.ended
@@ -554,37 +554,6 @@ fn dump_attach(
     }
 }
 
-/// The formats of the events the guest registered, rebuilt from the region's
-/// registration table as the host accepted it (`None`: the pack has no table; the
-/// built-in formats apply). The table is hostile: parsed from a private copy.
-pub fn region_formats<M: SharedMem + ?Sized>(
-    mem: &M,
-    l: &RingGeometry,
-) -> Result<Option<Vec<EventFormat>>, String> {
-    use hyptrace_abi::registry::{MAX_TABLE_SIZE, STATE_DONE, STATE_OFF, STATE_READY};
-    if l.events_size == 0 {
-        return Ok(None);
-    }
-    let mut bytes = vec![0u8; l.events_size.min(MAX_TABLE_SIZE)];
-    mem.read_bytes(l.events_off, &mut bytes);
-    let Some(state) = bytes.get_mut(STATE_OFF..STATE_OFF + 8) else {
-        return Err("too short".into());
-    };
-    let st = u64::from_le_bytes(state.try_into().unwrap_or([0; 8]));
-    if st != STATE_DONE && st != STATE_READY {
-        return Err(format!("state {st}: never answered"));
-    }
-    // The host answered this table (DONE): parse it as it was when READY.
-    state.copy_from_slice(&STATE_READY.to_le_bytes());
-    let reg = hyptrace_reader::registry::parse_table(&bytes).map_err(|e| e.to_string())?;
-    Ok(Some(
-        reg.events
-            .iter()
-            .map(crate::vmm::registration::to_format)
-            .collect(),
-    ))
-}
-
 /// Writes a crash dump of the VM's rings (stopped vCPUs: nothing changes them) into
 /// `target` in `format`: every CPU in `include`, from its reader's position.
 pub fn write_crash_dump<M: SharedMem + ?Sized>(
@@ -603,7 +572,7 @@ pub fn write_crash_dump<M: SharedMem + ?Sized>(
         formats: formats.to_vec(),
         ..TraceMeta::guest(l.page_size, l.nr_cpus, clock.clone())
     };
-    let mut sink = match crate::pipeline::run::make_sink(
+    let mut sink = match crate::drain::sink::make_sink(
         target,
         format,
         hyptrace_output::Compression::Zstd,

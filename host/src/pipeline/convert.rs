@@ -2,7 +2,7 @@
 //! v6/v7/v7-zstd (ours or the kernel's, via trace-cmd) or a raw page stream (`record
 //! --format raw`), told apart by their magic — and print it as `trace-cmd report -t`
 //! does, or write it in any output format of `record` (the sinks of the run pipeline,
-//! [`crate::pipeline::run::make_sink`], so every format `record` writes is a `convert` target).
+//! [`crate::drain::sink::make_sink`], so every format `record` writes is a `convert` target).
 //!
 //! Both stream: a trace.dat is read a page (or a compression chunk) per CPU at a time, a
 //! raw stream a page per CPU at a time; memory does not grow with the file.
@@ -16,7 +16,8 @@ use hyptrace_output::{
     ReportFilter, RunSummary, TextSink, TraceFile, TraceMeta,
 };
 
-use crate::cli::{check_destination, format_for, CliError, ConvertArgs, FormatArg, ReportArgs};
+use crate::drain::sink::{check_destination, format_for, FormatArg};
+use crate::pipeline::options::{ConvertArgs, ReportArgs};
 
 /// What a trace file is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -27,11 +28,38 @@ pub enum InputKind {
     Raw,
 }
 
+/// Why `report` or `convert` failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ConvertError {
+    /// The input is not a readable trace, or asks for what its kind cannot give (exit 2).
+    #[error("{0}")]
+    Input(String),
+    /// The output path is unusable (exit 2).
+    #[error(transparent)]
+    Destination(#[from] crate::drain::sink::DestinationError),
+    /// `report`: writing the report to stdout failed.
+    #[error("writing the report: {0}")]
+    Write(#[source] std::io::Error),
+    /// `convert`: writing the output failed.
+    #[error("{0}")]
+    Output(#[source] OutputError),
+}
+
+impl ConvertError {
+    /// 2 for bad input or an unusable output path, else 1.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            Self::Input(_) | Self::Destination(_) => crate::exit::EXIT_USAGE,
+            Self::Write(_) | Self::Output(_) => crate::exit::EXIT_RUNTIME,
+        }
+    }
+}
+
 /// An input error naming `path` once (I/O errors name it already).
-fn input_error(path: &Path, e: &OutputError) -> CliError {
+fn input_error(path: &Path, e: &OutputError) -> ConvertError {
     let msg = e.to_string();
     let p = path.display().to_string();
-    CliError::ReportInput(if msg.contains(&p) {
+    ConvertError::Input(if msg.contains(&p) {
         msg
     } else {
         format!("{p}: {msg}")
@@ -39,7 +67,7 @@ fn input_error(path: &Path, e: &OutputError) -> CliError {
 }
 
 /// Tells a trace.dat from a raw page stream by the magic at the start of `path`.
-pub fn detect(path: &Path) -> Result<InputKind, CliError> {
+pub fn detect(path: &Path) -> Result<InputKind, ConvertError> {
     let mut f = std::fs::File::open(path).map_err(|e| {
         input_error(
             path,
@@ -74,7 +102,7 @@ pub fn detect(path: &Path) -> Result<InputKind, CliError> {
     } else if hyptrace_output::is_raw_stream(head) {
         Ok(InputKind::Raw)
     } else {
-        Err(CliError::ReportInput(format!(
+        Err(ConvertError::Input(format!(
             "{}: not a trace.dat, nor a hyptrace raw page stream (bad magic)",
             path.display()
         )))
@@ -87,13 +115,13 @@ fn is_write_error(e: &OutputError) -> bool {
 }
 
 /// A failed write to stdout: quiet for a closed pipe (`| head`), else an error.
-fn stdout_result(e: OutputError, path: &Path) -> Result<(), CliError> {
+fn stdout_result(e: OutputError, path: &Path) -> Result<(), ConvertError> {
     match e {
         OutputError::Io { path: None, source } => {
             if source.kind() == std::io::ErrorKind::BrokenPipe {
                 Ok(())
             } else {
-                Err(CliError::ReportWrite(source))
+                Err(ConvertError::Write(source))
             }
         }
         e => Err(input_error(path, &e)),
@@ -121,10 +149,10 @@ fn filter(a: &ReportArgs) -> ReportFilter {
 }
 
 /// `hyptrace report`.
-pub fn report(a: &ReportArgs) -> Result<(), CliError> {
+pub fn report(a: &ReportArgs) -> Result<(), ConvertError> {
     let path = a.path();
     if let Some(bad) = a.events.iter().find(|e| e.contains('/')) {
-        return Err(CliError::ReportInput(format!(
+        return Err(ConvertError::Input(format!(
             "-F {bad}: filter expressions (`/...`) are not supported; give [SYSTEM:]EVENT globs"
         )));
     }
@@ -158,7 +186,7 @@ pub fn report(a: &ReportArgs) -> Result<(), CliError> {
 
 /// `--cpus`, `--first-event`, `--last-event`: trace-cmd's list of the CPUs with data,
 /// with the times of their first/last events (µs, rounded, as trace-cmd prints them).
-fn cpu_list(f: &TraceFile, a: &ReportArgs, path: &Path) -> Result<String, CliError> {
+fn cpu_list(f: &TraceFile, a: &ReportArgs, path: &Path) -> Result<String, ConvertError> {
     use std::fmt::Write as _;
     let mut s = format!("List of CPUs in {} with data:\n", path.display());
     let mut cpus: Vec<u32> = f
@@ -195,7 +223,7 @@ fn cpu_list(f: &TraceFile, a: &ReportArgs, path: &Path) -> Result<String, CliErr
 
 /// `report` of a raw page stream: replayed into the text sink of `record --format
 /// text` (the same lines as the run printed).
-fn report_raw(a: &ReportArgs, f: &ReportFilter, path: &Path) -> Result<(), CliError> {
+fn report_raw(a: &ReportArgs, f: &ReportFilter, path: &Path) -> Result<(), ConvertError> {
     if !f.events.is_empty()
         || f.skip > 0
         || f.limit.is_some()
@@ -203,7 +231,7 @@ fn report_raw(a: &ReportArgs, f: &ReportFilter, path: &Path) -> Result<(), CliEr
         || a.first_event
         || a.last_event
     {
-        return Err(CliError::ReportInput(format!(
+        return Err(ConvertError::Input(format!(
             "{}: -F/--events, --skip, --count, --cpus, --first-event and --last-event need a trace.dat; convert the raw stream first: hyptrace convert -i {} -o trace.dat",
             path.display(),
             path.display()
@@ -336,7 +364,7 @@ fn next_head(
 
 /// A raw page stream carries no event formats (its reader assumes hyptrace's guest
 /// events): only a trace of those converts to raw.
-fn check_raw_formats(f: &TraceFile, path: &Path) -> Result<(), CliError> {
+fn check_raw_formats(f: &TraceFile, path: &Path) -> Result<(), ConvertError> {
     let guest = hyptrace_output::guest_formats();
     match f
         .formats
@@ -344,7 +372,7 @@ fn check_raw_formats(f: &TraceFile, path: &Path) -> Result<(), CliError> {
         .find(|x| !x.is_trailing_lost() && !guest.contains(x))
     {
         None => Ok(()),
-        Some(x) => Err(CliError::ReportInput(format!(
+        Some(x) => Err(ConvertError::Input(format!(
             "{}: event {}:{} has no place in a raw page stream (it carries no event formats; only hyptrace's own guest events convert to raw)",
             path.display(),
             x.system,
@@ -354,20 +382,20 @@ fn check_raw_formats(f: &TraceFile, path: &Path) -> Result<(), CliError> {
 }
 
 /// `hyptrace convert`.
-pub fn convert(a: &ConvertArgs) -> Result<(), CliError> {
+pub fn convert(a: &ConvertArgs) -> Result<(), ConvertError> {
     let format = format_for(a.format, &a.output);
     let kind = detect(&a.input)?;
     let target = check_destination(&a.output, "-o")?;
     let r = match kind {
         InputKind::Raw => {
             let reader = RawReader::open(&a.input).map_err(|e| input_error(&a.input, &e))?;
-            let sink = crate::pipeline::run::make_sink(
+            let sink = crate::drain::sink::make_sink(
                 &target,
                 format,
                 hyptrace_output::Compression::Zstd,
                 reader.meta(),
             )
-            .map_err(CliError::ConvertOutput)?;
+            .map_err(ConvertError::Output)?;
             reader.replay(sink, |_| true)
         }
         InputKind::TraceDat => {
@@ -375,13 +403,13 @@ pub fn convert(a: &ConvertArgs) -> Result<(), CliError> {
             if format == FormatArg::Raw {
                 check_raw_formats(&f, &a.input)?;
             }
-            let sink = crate::pipeline::run::make_sink(
+            let sink = crate::drain::sink::make_sink(
                 &target,
                 format,
                 hyptrace_output::Compression::Zstd,
                 meta_of(&f),
             )
-            .map_err(CliError::ConvertOutput)?;
+            .map_err(ConvertError::Output)?;
             pump_pages(&f, sink)
         }
     };
@@ -392,7 +420,7 @@ pub fn convert(a: &ConvertArgs) -> Result<(), CliError> {
         OutputError::Format { .. } | OutputError::Raw(_) | OutputError::Unsupported(_) => {
             input_error(&a.input, &e)
         }
-        e if is_write_error(&e) => CliError::ConvertOutput(e),
-        e => CliError::ConvertOutput(e),
+        e if is_write_error(&e) => ConvertError::Output(e),
+        e => ConvertError::Output(e),
     })
 }

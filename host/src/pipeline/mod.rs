@@ -3,6 +3,8 @@
 //! guest's events. Imports every layer below; the CLI and `bench` sit on top of it.
 
 pub mod convert;
+pub mod list;
+pub mod options;
 pub mod plan;
 pub mod report;
 pub mod run;

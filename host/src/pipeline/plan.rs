@@ -10,16 +10,14 @@ use std::time::Duration;
 use hyptrace_abi::guest::RUN_FLAG_SERVE_MAILBOX;
 use hyptrace_abi::layout as ring;
 
-use crate::cli::{ModeArg, RunArgs, SwapArg};
+use crate::pipeline::options::MAX_DURATION_S;
+use crate::pipeline::options::{ModeArg, RunArgs, SwapArg};
 use crate::vmm::elf::{ElfError, GuestImage};
 use crate::vmm::memory_map::{
     GuestMemoryMap, HUGE_PAGE, LOW_END, MAX_MEM_BYTES, MAX_VCPUS, MIN_MEM_BYTES,
 };
 use crate::vmm::vm::{RunParams, VmConfig, DEFAULT_SEED};
 use crate::GUEST_ELF;
-
-/// Longest `--duration`, in seconds (about 31 years).
-pub const MAX_DURATION_S: f64 = 1e9;
 
 /// Why the options of a run cannot be used (exit 2). Each message names the flag and
 /// the limit.
@@ -136,39 +134,6 @@ pub enum PlanError {
     },
 }
 
-/// Why a `--duration` value is refused (clap prints it after the flag).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum DurationError {
-    /// Not a number.
-    #[error("not a number of seconds (e.g. 2 or 0.5)")]
-    NotANumber,
-    /// Infinite.
-    #[error("must be a finite number of seconds, at most {MAX_DURATION_S:.0} (leave --duration out to run to completion)")]
-    Infinite,
-    /// 0 or negative.
-    #[error("must be more than 0 seconds")]
-    NotPositive,
-    /// Above [`MAX_DURATION_S`].
-    #[error("more than the limit of {MAX_DURATION_S:.0} seconds")]
-    OverLimit,
-}
-
-/// `--duration`: seconds, finite, more than 0, at most [`MAX_DURATION_S`].
-pub fn parse_duration(s: &str) -> Result<f64, DurationError> {
-    let v: f64 = s.trim().parse().map_err(|_| DurationError::NotANumber)?;
-    if v.is_nan() {
-        Err(DurationError::NotANumber)
-    } else if v.is_infinite() {
-        Err(DurationError::Infinite)
-    } else if v <= 0.0 {
-        Err(DurationError::NotPositive)
-    } else if v > MAX_DURATION_S {
-        Err(DurationError::OverLimit)
-    } else {
-        Ok(v)
-    }
-}
-
 /// The trace region layout for `vcpus` rings of `pages_per_cpu` pages (reader page
 /// included) of `page_size` bytes, with an event registration table.
 pub fn ring_layout(
@@ -236,7 +201,7 @@ pub struct Plan {
     /// What `--stats` echoes of the options.
     pub echo: OptionsEcho,
     /// `--clock`.
-    pub clock: crate::drain::clock::ClockKind,
+    pub clock: crate::vmm::time::ClockKind,
     /// `--host-events`.
     pub host_events: bool,
     /// `-e` / `--disable`: the events to record.
@@ -260,7 +225,7 @@ pub struct FlightPlan {
 }
 
 impl FlightPlan {
-    fn new(a: &crate::cli::FlightArgs) -> Result<Self, PlanError> {
+    fn new(a: &crate::pipeline::options::FlightArgs) -> Result<Self, PlanError> {
         let hang_timeout = match a.hang_timeout {
             None => None,
             Some(s) if s.is_finite() && s > 0.0 && s < MAX_DURATION_S => {
@@ -268,7 +233,7 @@ impl FlightPlan {
             }
             Some(s) => return Err(PlanError::Duration(s)),
         };
-        let drain_live = a.drain == crate::cli::DrainArg::Live;
+        let drain_live = a.drain == crate::pipeline::options::DrainArg::Live;
         Ok(Self {
             drain_live,
             hang_timeout,
@@ -282,7 +247,7 @@ impl FlightPlan {
 
     /// `record`: its own output gets a crash's events, so there is no default crash
     /// dump file (only an explicit `--crash-dump`).
-    pub fn for_record(&mut self, a: &crate::cli::FlightArgs) {
+    pub fn for_record(&mut self, a: &crate::pipeline::options::FlightArgs) {
         self.crash_dump = a.crash_dump.clone();
     }
 }
@@ -482,6 +447,7 @@ impl Plan {
 mod tests {
     use super::*;
     use crate::cli::{Cli, Command};
+    use crate::pipeline::options::parse_duration;
     use clap::Parser;
 
     fn args(extra: &[&str]) -> RunArgs {

@@ -3,16 +3,16 @@
 //! stopped and what failed. It renders the summary on stderr (`Display`), the
 //! `--stats` JSON ([`RunReport::stats_json`], typed serde structs) and the exit code.
 
-use std::borrow::Cow;
 use std::fmt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::cli::{FormatArg, ModeArg};
 use crate::drain::session::SessionError;
+use crate::drain::sink::{shown_path, FormatArg};
 use crate::exit::{EXIT_CRASH, EXIT_OK, EXIT_RUNTIME};
+use crate::pipeline::options::ModeArg;
 use crate::pipeline::plan::OptionsEcho;
 use crate::vmm::vcpu::VcpuOutcome;
 
@@ -347,15 +347,6 @@ fn format_name(format: FormatArg) -> &'static str {
         FormatArg::Perfetto => "Perfetto trace",
         FormatArg::Text => "text",
         FormatArg::Raw => "raw pages",
-    }
-}
-
-/// A path for messages; `-` is stdout.
-pub(crate) fn shown_path(p: &Path) -> Cow<'_, str> {
-    if p.as_os_str() == "-" {
-        Cow::Borrowed("stdout")
-    } else {
-        p.to_string_lossy()
     }
 }
 

@@ -32,20 +32,18 @@ use std::time::{Duration, Instant};
 
 use hyptrace_abi::layout::RingGeometry;
 use hyptrace_output::{
-    Clock, Compression, EventFormat, JsonSink, OutputError, OutputTarget, PageSink, PerfettoSink,
-    RawSink, TextSink, ThreadedSink, TraceDatSink, TraceDatVersion, TraceMeta,
+    Clock, Compression, EventFormat, OutputError, OutputTarget, PageSink, ThreadedSink, TraceMeta,
 };
 use hyptrace_reader::{Callbacks, ReadError};
 
-use crate::cli::FormatArg;
 use crate::control::consumer::{Consumers, FileInfo, CONSUMER_GRACE};
 use crate::control::protocol::{CpuLive, LiveStats, ReaderStatus};
 use crate::control::server::{Answer, Command, ControlServer, EventSwitch, Handler, Refusal};
 use crate::drain::clock::HostClock;
-use crate::drain::session::{
-    alloc_reader_wrapped, thread_cpu_time, GuestTraceMem, Output, ReaderPriority, Session, MIN_POLL,
-};
+use crate::drain::priority::{thread_cpu_time, ReaderPriority};
+use crate::drain::session::{Output, Session, MIN_POLL};
 use crate::drain::signals::Interrupts;
+use crate::drain::sink::{make_sink, FormatArg};
 use crate::drain::standby::Standby;
 use crate::flight::trace_mem::TraceMemFile;
 use crate::pipeline::plan::Plan;
@@ -53,6 +51,7 @@ use crate::pipeline::report::{
     CpuReport, Destination, Failures, GuestView, HostEventsStats, ReaderTimes, RunReport, Stop,
     Timing,
 };
+use crate::vmm::guest_mem::{alloc_reader_wrapped, GuestTraceMem};
 use crate::vmm::host_events::{HostEvents, Recording};
 use crate::vmm::registration::{EventTable, EventsError, Selection, Settled, VmEventTable};
 use crate::vmm::vcpu::VcpuOutcome;
@@ -252,7 +251,7 @@ impl<'a> Run<'a> {
             plan.ring.mode,
             plan.ring.guest_swap
         );
-        let created_tsc = crate::vmm::vm::host_tsc();
+        let created_tsc = crate::vmm::time::host_tsc();
         let trace_mem = match &plan.flight.trace_mem {
             Some(path) => Some(TraceMemFile::create(path, &plan.ring).map_err(RunError::TraceMem)?),
             None => None,
@@ -276,7 +275,7 @@ impl<'a> Run<'a> {
         let clock = host_clock.clock.clone();
         log::debug!("clock: {:?}", host_clock.stats());
         let stdout = Arc::new(StdoutState::default());
-        let generation = crate::vmm::vm::host_tsc();
+        let generation = crate::vmm::time::host_tsc();
         // `--host-events`: the VMM's ring in host memory, fed by the vCPU threads' exits
         // and the reader's callbacks.
         let host = if plan.host_events {
@@ -378,7 +377,7 @@ impl<'a> Run<'a> {
             }),
             dump_target: crash_dump.map(|t| {
                 let path = plan.flight.crash_dump.clone().unwrap_or_default();
-                let format = crate::cli::format_for(None, &path);
+                let format = crate::drain::sink::format_for(None, &path);
                 (t, format, path)
             }),
             dumped: false,
@@ -609,28 +608,6 @@ fn settle_events(
         return Err(RunError::Events(e));
     }
     Ok(table.formats())
-}
-
-/// The page sink of `format` on `target` (`compression`: of a v7 trace.dat).
-pub(crate) fn make_sink(
-    target: &OutputTarget,
-    format: FormatArg,
-    compression: Compression,
-    meta: TraceMeta,
-) -> Result<Box<dyn PageSink + Send>, OutputError> {
-    Ok(match format {
-        FormatArg::Dat => Box::new(TraceDatSink::open_with(
-            target,
-            meta,
-            TraceDatVersion::V7,
-            compression,
-        )?),
-        FormatArg::Dat6 => Box::new(TraceDatSink::open(target, meta, TraceDatVersion::V6)?),
-        FormatArg::Json => Box::new(JsonSink::open(target, meta)?),
-        FormatArg::Perfetto => Box::new(PerfettoSink::open(target, meta)?),
-        FormatArg::Text => Box::new(TextSink::open(target, meta)?),
-        FormatArg::Raw => Box::new(RawSink::open(target, meta)?),
-    })
 }
 
 /// Every vCPU has stopped: the final read-only walks, the per-CPU accounting, the
@@ -1025,7 +1002,7 @@ impl Live<'_> {
                     "hyptrace: crash dump: {} events ({} lost before them) written to {} in {:.1} ms",
                     report.events(),
                     report.cpus.iter().map(|c| c.lost).fold(0, u64::saturating_add),
-                    crate::pipeline::report::shown_path(path),
+                    crate::drain::sink::shown_path(path),
                     t0.elapsed().as_secs_f64() * 1e3
                 ),
                 Some(e) => self.failures.other(format!(

@@ -147,7 +147,7 @@ impl HostEvents {
     }
 
     fn stamp(&self) -> u64 {
-        crate::vmm::vm::host_tsc().wrapping_add_signed(self.tsc_offset)
+        crate::vmm::time::host_tsc().wrapping_add_signed(self.tsc_offset)
     }
 
     fn emit(&self, id: u16, a: u32, b: u32, c: u32) {

@@ -6,8 +6,10 @@
 pub mod arch;
 pub mod elf;
 pub mod error;
+pub mod guest_mem;
 pub mod host_events;
 pub mod memory_map;
 pub mod registration;
+pub mod time;
 pub mod vcpu;
 pub mod vm;

@@ -382,7 +382,8 @@ impl<M: SharedMem> EventTable<M> {
                     .0;
                 if let State::Registered { reg, .. } = &*st {
                     answer(&self.mem, &self.geometry, reg);
-                    self.answered_tsc.store(crate::vmm::vm::host_tsc(), SeqCst);
+                    self.answered_tsc
+                        .store(crate::vmm::time::host_tsc(), SeqCst);
                 }
                 log::debug!(
                     "vcpu {vcpu}: registration answered after {:.3} ms",
@@ -572,83 +573,48 @@ fn mask_of(reg: &Registry, pattern: &str) -> Result<u64, EventsError> {
     Ok(mask)
 }
 
-/// Longest `hyptrace list` waits for the guest to register.
-pub const LIST_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// Why `hyptrace list` has nothing to show.
+/// Why a region's registration table gives no formats ([`region_formats`]).
 #[derive(Debug, thiserror::Error)]
-pub enum ListError {
-    /// The VM could not be created or started.
+pub enum RegionTableError {
+    /// The table is shorter than its header.
+    #[error("too short")]
+    TooShort,
+    /// The host never answered it.
+    #[error("state {0}: never answered")]
+    NeverAnswered(u64),
+    /// Its contents do not parse.
     #[error(transparent)]
-    Vm(#[from] crate::vmm::error::Error),
-    /// The rings could not be set up.
-    #[error("trace buffers: {0}")]
-    TraceBuffers(#[source] hyptrace_reader::ReadError),
-    /// The guest's table was refused as a whole.
-    #[error("the guest's event registration table was refused: {0}")]
-    Refused(String),
-    /// The guest crashed before it registered.
-    #[error("the guest crashed before it registered its events: {0}")]
-    Crashed(String),
-    /// The guest ended, wrote events or timed out without registering.
-    #[error("the guest registered no events (within {} s)", LIST_TIMEOUT.as_secs())]
-    None,
+    Table(#[from] TableError),
 }
 
-impl ListError {
-    /// 2 for an unusable KVM device, 3 for a crashed guest, else 1.
-    pub fn exit_code(&self) -> i32 {
-        match self {
-            Self::Vm(e) if e.is_input_error() => crate::exit::EXIT_USAGE,
-            Self::Crashed(_) => crate::exit::EXIT_CRASH,
-            _ => crate::exit::EXIT_RUNTIME,
-        }
+/// The formats of the events the guest registered, rebuilt from the region's
+/// registration table as the host accepted it (`None`: the pack has no table; the
+/// built-in formats apply). The table is hostile: parsed from a private copy.
+pub fn region_formats<M: SharedMem + ?Sized>(
+    mem: &M,
+    l: &RingGeometry,
+) -> Result<Option<Vec<EventFormat>>, RegionTableError> {
+    use hyptrace_abi::registry::{MAX_TABLE_SIZE, STATE_DONE, STATE_OFF, STATE_READY};
+    if l.events_size == 0 {
+        return Ok(None);
     }
-}
-
-/// Boots the guest of `plan` until it registers its events (at most [`LIST_TIMEOUT`]),
-/// stops it, and returns its accepted events and rejected entries.
-pub fn list_guest(
-    plan: crate::pipeline::plan::Plan,
-) -> Result<(Vec<EventInfo>, Vec<Rejection>), ListError> {
-    let vm = crate::vmm::vm::Vm::new(plan.cfg)?;
-    let table: VmEventTable = Arc::new(EventTable::new(
-        Arc::new(crate::drain::session::GuestTraceMem::new(vm.trace_region())),
-        plan.ring,
-        Selection::default(),
-    ));
-    let _reader = crate::drain::session::alloc_reader(
-        vm.trace_region(),
-        plan.ring,
-        vm.tsc_khz(),
-        crate::vmm::vm::host_tsc(),
-        plan.mailbox_timeout,
-    )
-    .map_err(ListError::TraceBuffers)?;
-    let running = vm.start_with_events(&plan.params, table.clone())?;
-    let until = std::time::Instant::now() + LIST_TIMEOUT;
-    let settled = table.settle(Duration::from_millis(1), || {
-        running.vcpu_finished(0) || running.any_crashed() || std::time::Instant::now() >= until
-    });
-    running.stop();
-    let crashed = running.any_crashed();
-    let outcomes = running.wait();
-    match settled {
-        Settled::Registered => Ok((table.list().unwrap_or_default(), table.rejections())),
-        Settled::Refused(why) => Err(ListError::Refused(why)),
-        Settled::None | Settled::Unregistered if crashed => Err(ListError::Crashed(
-            outcomes
-                .iter()
-                .find(|o| o.is_crash())
-                .map(|o| format!("{o:?}"))
-                .unwrap_or_default(),
-        )),
-        Settled::None | Settled::Unregistered => Err(ListError::None),
+    let mut bytes = vec![0u8; l.events_size.min(MAX_TABLE_SIZE)];
+    mem.read_bytes(l.events_off, &mut bytes);
+    let Some(state) = bytes.get_mut(STATE_OFF..STATE_OFF + 8) else {
+        return Err(RegionTableError::TooShort);
+    };
+    let st = u64::from_le_bytes(state.try_into().unwrap_or([0; 8]));
+    if st != STATE_DONE && st != STATE_READY {
+        return Err(RegionTableError::NeverAnswered(st));
     }
+    // The host answered this table (DONE): parse it as it was when READY.
+    state.copy_from_slice(&STATE_READY.to_le_bytes());
+    let reg = hyptrace_reader::registry::parse_table(&bytes)?;
+    Ok(Some(reg.events.iter().map(to_format).collect()))
 }
 
 /// An [`EventTable`] over a VM's trace region, shared with the vCPU threads.
-pub type VmEventTable = Arc<EventTable<Arc<crate::drain::session::GuestTraceMem>>>;
+pub type VmEventTable = Arc<EventTable<Arc<crate::vmm::guest_mem::GuestTraceMem>>>;
 
 #[cfg(test)]
 mod tests {

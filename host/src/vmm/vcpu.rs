@@ -9,8 +9,9 @@
 
 use std::cell::Cell;
 use std::ptr;
+use std::sync::atomic::AtomicBool;
 use std::sync::atomic::Ordering;
-use std::sync::OnceLock;
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
 use hyptrace_abi::guest::{
     result, PANIC_MSG_MAX, PORT_ALIGN, PORT_EXIT, PORT_PANIC, PORT_SLEEP, SLEEP_MAX_US,
@@ -20,7 +21,8 @@ use kvm_ioctls::{VcpuExit, VcpuFd};
 use libc::{c_int, c_void, siginfo_t};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
-use crate::vmm::vm::Shared;
+use crate::vmm::registration::RegisterHook;
+use crate::vmm::time::host_tsc;
 
 /// Counters a finished vCPU reported in its result slot.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -279,6 +281,44 @@ fn run_loop(
                 let what = format!("{other:?}");
                 return VcpuOutcome::Faulted(format!("unexpected exit {what}{}", where_(fd)));
             }
+        }
+    }
+}
+
+/// State shared by the vCPU threads and the [`crate::vmm::vm::RunningVm`].
+pub(crate) struct Shared {
+    pub(crate) stop: AtomicBool,
+    pub(crate) crashed: AtomicBool,
+    /// What the first vCPU that crashed or failed did (set before `crashed`).
+    pub(crate) reason: Mutex<Option<String>>,
+    /// How the vCPUs stamp `PORT_ALIGN` exits.
+    pub(crate) stamp: Stamp,
+    /// `--host-events`: where the vCPUs record their exits.
+    pub(crate) host_events: Option<Arc<crate::vmm::host_events::HostEvents>>,
+    pub(crate) done: Mutex<usize>,
+    pub(crate) cv: Condvar,
+    /// Set by a [`Waker`]: the run loop's wait ends early once.
+    pub(crate) wake: AtomicBool,
+    /// Answers the guest's registration exit.
+    pub(crate) events: Arc<dyn RegisterHook>,
+}
+
+/// The host clock a vCPU thread stamps exits with.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Stamp {
+    pub(crate) clock: crate::vmm::time::ClockKind,
+    pub(crate) tsc_offset: i64,
+}
+
+impl Stamp {
+    /// Now, on the run's clock: `clock_gettime` for `mono`/`boot`, the guest-equivalent
+    /// TSC (host TSC + offset) for `tsc`.
+    pub(crate) fn now(&self) -> u64 {
+        use crate::vmm::time::ClockKind;
+        match self.clock {
+            ClockKind::Mono => crate::vmm::time::clock_ns(libc::CLOCK_MONOTONIC),
+            ClockKind::Boot => crate::vmm::time::clock_ns(libc::CLOCK_BOOTTIME),
+            ClockKind::Tsc => host_tsc().wrapping_add_signed(self.tsc_offset),
         }
     }
 }

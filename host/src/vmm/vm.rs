@@ -10,17 +10,17 @@ use std::time::{Duration, Instant};
 use hyptrace_abi::guest::{RunParamBlock, Workload, RUN_PARAMS_SIZE, VCPU_RESULT_SIZE};
 use kvm_bindings::{kvm_userspace_memory_region, KVM_MAX_CPUID_ENTRIES};
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
-use vm_memory::{
-    Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion, VolatileSlice,
-};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 use vmm_sys_util::signal::Killable;
 
 use crate::vmm::arch;
 use crate::vmm::elf::GuestImage;
 use crate::vmm::error::{Error, Result};
+use crate::vmm::guest_mem::TraceRegion;
 use crate::vmm::memory_map::{GuestMemoryMap, KVM_TSS_ADDR};
 use crate::vmm::registration::{EventTable, RegisterHook, Selection};
-use crate::vmm::vcpu::{self, VcpuOutcome};
+use crate::vmm::time::host_tsc;
+use crate::vmm::vcpu::{self, Shared, Stamp, VcpuOutcome};
 
 /// What to build.
 #[derive(Clone, Debug)]
@@ -57,7 +57,7 @@ pub struct RunParams {
     /// Payload bytes of each event of the bench workload.
     pub payload: u32,
     /// The clock the VMM stamps `PORT_ALIGN` exits with (the run's `--clock`).
-    pub clock: crate::drain::clock::ClockKind,
+    pub clock: crate::vmm::time::ClockKind,
 }
 
 /// Default seed of [`RunParams`].
@@ -73,64 +73,8 @@ impl Default for RunParams {
             flags: 0,
             burst: 0,
             payload: 0,
-            clock: crate::drain::clock::ClockKind::Mono,
+            clock: crate::vmm::time::ClockKind::Mono,
         }
-    }
-}
-
-/// The trace region: a page-aligned range of guest memory the ring-buffer reader
-/// initialises and reads while the guest writes it.
-///
-/// It holds a handle on guest memory, so the mapping stays valid for as long as this
-/// value (or a clone) lives, even after the VM is gone. The guest's vCPUs write the
-/// same bytes concurrently: access it only through atomics or volatile accesses (or
-/// [`VolatileSlice`]), never through `&`/`&mut` references to the bytes while the VM
-/// runs.
-#[derive(Clone, Debug)]
-pub struct TraceRegion {
-    memory: GuestMemoryMmap,
-    gpa: u64,
-    len: usize,
-}
-
-impl TraceRegion {
-    /// Guest-physical (= guest-virtual) address.
-    pub fn gpa(&self) -> u64 {
-        self.gpa
-    }
-
-    /// Length in bytes.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether it is empty (never, for a VM).
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Host address of the first byte; valid for `len()` bytes while `self` lives.
-    pub fn as_ptr(&self) -> *mut u8 {
-        self.memory
-            .get_host_address(GuestAddress(self.gpa))
-            .expect("trace region is in guest memory")
-    }
-
-    /// `(gpa, host pointer, len)`.
-    pub fn raw_parts(&self) -> (u64, *mut u8, usize) {
-        (self.gpa, self.as_ptr(), self.len)
-    }
-
-    /// The region as a volatile slice.
-    pub fn as_volatile_slice(&self) -> VolatileSlice<'_, vm_memory::bitmap::BS<'_, ()>> {
-        self.memory
-            .get_slice(GuestAddress(self.gpa), self.len)
-            .expect("trace region is in guest memory")
-    }
-
-    /// Guest memory the region lives in.
-    pub fn memory(&self) -> &GuestMemoryMmap {
-        &self.memory
     }
 }
 
@@ -164,12 +108,6 @@ fn open_kvm() -> Result<Kvm> {
         };
         Error::KvmUnavailable(format!("{path}: {why}"))
     })
-}
-
-/// Host TSC now.
-pub fn host_tsc() -> u64 {
-    // SAFETY: `rdtsc` has no preconditions on x86-64 (it only reads the counter).
-    unsafe { core::arch::x86_64::_rdtsc() }
 }
 
 /// TSC frequency measured against the monotonic clock (when KVM cannot say).
@@ -243,7 +181,7 @@ impl Vm {
             Some(file) => {
                 let (gpa, len) = (
                     layout.trace_gpa,
-                    crate::flight::trace_mem::mapped_len(layout.trace_len as usize) as u64,
+                    hyptrace_reader::trace_file::mapped_len(layout.trace_len as usize) as u64,
                 );
                 let end = gpa.saturating_add(len).min(cfg.mem_bytes);
                 let mut ranges = vec![
@@ -354,11 +292,11 @@ impl Vm {
 
     /// The trace region (see [`TraceRegion`] for lifetime and aliasing rules).
     pub fn trace_region(&self) -> TraceRegion {
-        TraceRegion {
-            memory: self.memory.clone(),
-            gpa: self.layout.trace_gpa,
-            len: self.layout.trace_len as usize,
-        }
+        TraceRegion::new(
+            self.memory.clone(),
+            self.layout.trace_gpa,
+            self.layout.trace_len as usize,
+        )
     }
 
     /// GPA of the RunParams block (rdx at entry); result slots follow at +128.
@@ -416,7 +354,7 @@ impl Vm {
     /// geometry is the pack's, read back from the trace region).
     pub fn start(self, p: &RunParams) -> Result<RunningVm> {
         let region = self.trace_region();
-        let mem = Arc::new(crate::drain::session::GuestTraceMem::new(region));
+        let mem = Arc::new(crate::vmm::guest_mem::GuestTraceMem::new(region));
         let hook: Arc<dyn RegisterHook> = match hyptrace_abi::RingGeometry::parse(&*mem) {
             Ok(l) => Arc::new(EventTable::new(mem, l, Selection::default())),
             Err(_) => Arc::new(NoTable),
@@ -508,44 +446,6 @@ fn crash_reason(id: u32, out: &VcpuOutcome) -> String {
         VcpuOutcome::Error(e) => format!("vcpu {id}: {e}"),
         other => format!("vcpu {id}: {other:?}"),
     }
-}
-
-/// The host clock a vCPU thread stamps exits with.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Stamp {
-    clock: crate::drain::clock::ClockKind,
-    tsc_offset: i64,
-}
-
-impl Stamp {
-    /// Now, on the run's clock: `clock_gettime` for `mono`/`boot`, the guest-equivalent
-    /// TSC (host TSC + offset) for `tsc`.
-    pub(crate) fn now(&self) -> u64 {
-        use crate::drain::clock::ClockKind;
-        match self.clock {
-            ClockKind::Mono => crate::drain::clock::clock_ns(libc::CLOCK_MONOTONIC),
-            ClockKind::Boot => crate::drain::clock::clock_ns(libc::CLOCK_BOOTTIME),
-            ClockKind::Tsc => host_tsc().wrapping_add_signed(self.tsc_offset),
-        }
-    }
-}
-
-/// State shared by the vCPU threads and the [`RunningVm`].
-pub(crate) struct Shared {
-    pub(crate) stop: AtomicBool,
-    crashed: AtomicBool,
-    /// What the first vCPU that crashed or failed did (set before `crashed`).
-    reason: Mutex<Option<String>>,
-    /// How the vCPUs stamp `PORT_ALIGN` exits.
-    pub(crate) stamp: Stamp,
-    /// `--host-events`: where the vCPUs record their exits.
-    pub(crate) host_events: Option<Arc<crate::vmm::host_events::HostEvents>>,
-    done: Mutex<usize>,
-    cv: Condvar,
-    /// Set by a [`Waker`]: the run loop's wait ends early once.
-    wake: AtomicBool,
-    /// Answers the guest's registration exit.
-    pub(crate) events: Arc<dyn RegisterHook>,
 }
 
 /// The answer when the trace region has no valid pack: nothing (the guest reads no
@@ -682,11 +582,11 @@ impl RunningVm {
 
     /// The trace region (see [`TraceRegion`]).
     pub fn trace_region(&self) -> TraceRegion {
-        TraceRegion {
-            memory: self.memory.clone(),
-            gpa: self.layout.trace_gpa,
-            len: self.layout.trace_len as usize,
-        }
+        TraceRegion::new(
+            self.memory.clone(),
+            self.layout.trace_gpa,
+            self.layout.trace_len as usize,
+        )
     }
 
     /// Guest memory.

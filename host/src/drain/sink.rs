@@ -1,0 +1,190 @@
+//! The output sinks: which format a path asks for, whether a path can receive an output
+//! (checked before the VM starts), and the page sink of each format.
+
+use std::borrow::Cow;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use clap::ValueEnum;
+use hyptrace_output::{
+    Compression, JsonSink, OutputError, OutputTarget, PageSink, PerfettoSink, RawSink, TextSink,
+    TraceDatSink, TraceDatVersion, TraceMeta,
+};
+
+/// Output formats of `record`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum FormatArg {
+    /// trace.dat version 7 (trace-cmd's current format), zstd-compressed like
+    /// `trace-cmd record` (see --compression).
+    Dat,
+    /// trace.dat version 6.
+    Dat6,
+    /// Chrome trace-event JSON (Perfetto UI, chrome://tracing).
+    Json,
+    /// Native Perfetto trace (protobuf TracePackets; open in ui.perfetto.dev).
+    Perfetto,
+    /// Text, one event per line as `trace-cmd report -t` prints it.
+    Text,
+    /// Raw ring pages (see docs/output.md).
+    Raw,
+}
+
+/// Compressions of a v7 trace.dat (`record --compression`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum CompressionArg {
+    /// zstd, as `trace-cmd record` writes by default.
+    Zstd,
+    /// Uncompressed: pages copied verbatim.
+    None,
+}
+
+impl From<CompressionArg> for hyptrace_output::Compression {
+    fn from(c: CompressionArg) -> Self {
+        match c {
+            CompressionArg::Zstd => Self::Zstd,
+            CompressionArg::None => Self::None,
+        }
+    }
+}
+
+/// An output path that cannot receive an output, and why.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot write {path} ({flag}): {why}", path = .path.display(), why = why(.source))]
+pub struct DestinationError {
+    /// The path given.
+    pub path: PathBuf,
+    /// The flag that named it.
+    pub flag: String,
+    /// Why.
+    #[source]
+    pub source: OutputError,
+}
+
+/// An I/O error says why on its own (the path is in the message already).
+fn why(e: &OutputError) -> String {
+    match e {
+        OutputError::Io { source, .. } => source.to_string(),
+        e => e.to_string(),
+    }
+}
+
+/// Checks, before the VM starts, that `path` can receive the output of `flag`, and says
+/// in one line why not (`hyptrace_output::OutputTarget::check`: a regular file or a new
+/// path is written to a temporary name in its directory and renamed, a symlink is
+/// followed, a device or FIFO is written in place, `-` is stdout, a directory or an
+/// unwritable place is refused).
+pub fn check_destination(path: &Path, flag: &str) -> Result<OutputTarget, DestinationError> {
+    OutputTarget::check(path).map_err(|source| DestinationError {
+        path: path.to_path_buf(),
+        flag: flag.to_string(),
+        source,
+    })
+}
+
+/// Writes `text` to a checked destination (temporary file renamed, or in place).
+pub fn write_destination(target: &OutputTarget, text: &str) -> Result<(), OutputError> {
+    let mut f = target.open()?;
+    f.write_all(text.as_bytes())
+        .map_err(|source| OutputError::Io {
+            path: Some(target.path().to_path_buf()),
+            source,
+        })?;
+    f.finish()
+}
+
+/// `format`, else the format the extension of `output` names (dat otherwise).
+pub fn format_for(format: Option<FormatArg>, output: &Path) -> FormatArg {
+    format.unwrap_or_else(|| {
+        match output
+            .extension()
+            .and_then(|e| e.to_str())
+            .map(str::to_ascii_lowercase)
+            .as_deref()
+        {
+            Some("json") => FormatArg::Json,
+            Some("txt") | Some("text") => FormatArg::Text,
+            Some("raw") => FormatArg::Raw,
+            Some("pftrace") | Some("perfetto-trace") | Some("perfetto") => FormatArg::Perfetto,
+            _ => FormatArg::Dat,
+        }
+    })
+}
+
+/// A path for messages; `-` is stdout.
+pub fn shown_path(p: &Path) -> Cow<'_, str> {
+    if p.as_os_str() == "-" {
+        Cow::Borrowed("stdout")
+    } else {
+        p.to_string_lossy()
+    }
+}
+
+/// The page sink of `format` on `target` (`compression`: of a v7 trace.dat).
+pub fn make_sink(
+    target: &OutputTarget,
+    format: FormatArg,
+    compression: Compression,
+    meta: TraceMeta,
+) -> Result<Box<dyn PageSink + Send>, OutputError> {
+    Ok(match format {
+        FormatArg::Dat => Box::new(TraceDatSink::open_with(
+            target,
+            meta,
+            TraceDatVersion::V7,
+            compression,
+        )?),
+        FormatArg::Dat6 => Box::new(TraceDatSink::open(target, meta, TraceDatVersion::V6)?),
+        FormatArg::Json => Box::new(JsonSink::open(target, meta)?),
+        FormatArg::Perfetto => Box::new(PerfettoSink::open(target, meta)?),
+        FormatArg::Text => Box::new(TextSink::open(target, meta)?),
+        FormatArg::Raw => Box::new(RawSink::open(target, meta)?),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn destinations() {
+        let dir = std::env::temp_dir().join(format!("hyptrace-dest-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        let p = |n: &str| dir.join(n);
+        let err = |path: &Path, flag: &str| {
+            check_destination(path, flag)
+                .expect_err("accepted")
+                .to_string()
+        };
+        std::fs::write(p("file"), b"x").expect("write");
+        // New file, existing file, a symlink to either: fine.
+        check_destination(&p("new.dat"), "-o").expect("new file");
+        check_destination(&p("file"), "-o").expect("existing file");
+        std::os::unix::fs::symlink(p("file"), p("link")).expect("symlink");
+        check_destination(&p("link"), "-o").expect("symlink to a file");
+        std::os::unix::fs::symlink(p("later"), p("dangling")).expect("symlink");
+        check_destination(&p("dangling"), "-o").expect("dangling symlink, target creatable");
+        std::os::unix::fs::symlink("/nonexistent/dir/x", p("nowhere")).expect("symlink");
+        let e = err(&p("nowhere"), "-o");
+        assert!(e.contains("does not exist"), "{e}");
+        // A FIFO is written in place.
+        let fifo = std::ffi::CString::new(p("fifo").as_os_str().as_encoded_bytes()).expect("c");
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+        check_destination(&p("fifo"), "-o").expect("fifo");
+        // Refused: a directory, a missing directory, a file used as a directory.
+        let e = err(&dir, "--stats");
+        assert!(
+            e.contains("(--stats)") && e.contains("is a directory"),
+            "{e}"
+        );
+        let e = err(&p("sub/"), "-o");
+        assert!(e.contains("directory"), "{e}");
+        let e = err(&p("missing/x.json"), "--json");
+        assert!(e.contains("does not exist"), "{e}");
+        let e = err(&p("file/x.json"), "--json");
+        assert!(e.contains("--json"), "{e}");
+        let e = err(Path::new(""), "-o");
+        assert!(e.contains("empty"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
