@@ -32,6 +32,17 @@ pub(super) fn table(v: &BenchReport) -> String {
         m.tsc_khz,
         if v.quick { " (--quick)" } else { "" }
     );
+    writer(&mut s, v);
+    typed(&mut s, v);
+    swap(&mut s, v);
+    drain(&mut s, v);
+    max_rate(&mut s, v);
+    startup(&mut s, v);
+    s
+}
+
+/// The table's section of the writer rows.
+fn writer(s: &mut String, v: &BenchReport) {
     let _ = writeln!(
         s,
         "\nwriter, ns/event (median of the fastest {}-event chunk per run; spread = (max-min)/median)",
@@ -75,6 +86,10 @@ pub(super) fn table(v: &BenchReport) -> String {
         s,
         "(up to guest/bound: the fastest chunk; then the whole loop's mean per event; guest: under a live reader, unread: the same guest loop with no reader while it writes, native: no reader)"
     );
+}
+
+/// The table's section of the typed writer rows (when measured).
+fn typed(s: &mut String, v: &BenchReport) {
     if v.writer.iter().any(|r| r.typed.is_some()) {
         let _ = writeln!(
             s,
@@ -110,6 +125,10 @@ pub(super) fn table(v: &BenchReport) -> String {
             );
         }
     }
+}
+
+/// The table's section of the swap latencies.
+fn swap(s: &mut String, v: &BenchReport) {
     let _ = writeln!(
         s,
         "\nswap_reader latency, ns (alone: one swap every 150 µs; live: every swap of a drain, pending = mailbox not answered within its 3 µs spin)"
@@ -132,6 +151,10 @@ pub(super) fn table(v: &BenchReport) -> String {
             count(r.map(|r| r.pending)),
         );
     }
+}
+
+/// The table's section of the drain throughputs.
+fn drain(s: &mut String, v: &BenchReport) {
     let _ = writeln!(
         s,
         "\ndrain (4 KiB pages; raw file incl. its final fsync: {:.0} MB/s)",
@@ -149,6 +172,10 @@ pub(super) fn table(v: &BenchReport) -> String {
             r.map_or(0.0, |r| r.pages_per_s.median),
         );
     }
+}
+
+/// The table's section of the highest loss-free rates.
+fn max_rate(s: &mut String, v: &BenchReport) {
     let _ = writeln!(
         s,
         "\nhighest --rate with zero loss (stop mode, idle poll {} ms, 1 MiB/vCPU, record to {}; every run of a step loss-free)",
@@ -181,6 +208,10 @@ pub(super) fn table(v: &BenchReport) -> String {
             );
         }
     }
+}
+
+/// The table's section of the start-up times.
+fn startup(s: &mut String, v: &BenchReport) {
     let st = &v.startup;
     let _ = writeln!(
         s,
@@ -189,7 +220,6 @@ pub(super) fn table(v: &BenchReport) -> String {
         st.vm_create_ms.median,
         st.start_to_first_instruction_ms.median,
     );
-    s
 }
 
 #[cfg(test)]

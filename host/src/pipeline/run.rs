@@ -230,7 +230,11 @@ impl<'a> Run<'a> {
         self
     }
 
-    /// Boots the VM, drains the rings while it runs and after, and reports.
+    /// Boots the VM, drains the rings while it runs and after, and reports: the steps
+    /// [`Booted::boot`] (trace memory file, control socket, VM, clock, the VMM's ring),
+    /// [`Booted::rings`] (the event table and the guest's rings), the registration
+    /// settled and the output opened, the drain loop ([`Live::poll_loop`]), and
+    /// [`Live::conclude`] (final walks, accounting, the report).
     pub fn execute(self) -> Result<RunReport, RunError> {
         let Run {
             plan,
@@ -242,8 +246,138 @@ impl<'a> Run<'a> {
             control,
         } = self;
         let nr = plan.cfg.vcpus;
+        let created_tsc = crate::vmm::time::host_tsc();
+        let (mut b, vm) = Booted::boot(&plan)?;
+        // After the trace memory file (created by `boot`): a consumer that finds the
+        // socket finds the file.
+        let server = control.map(ControlServer::bind).transpose()?;
+        let (table, reader) = b.rings(&vm, &plan, wrap)?;
+        // No event before the run reads: the registration's answer waits for the drain
+        // loop (released right before it starts, or on any early return).
+        let gate = AnswerGate::hold(&table);
+        let running = vm.start_with_events(&plan.params, table.clone())?;
+        if let Some(tm) = &b.trace_mem {
+            tm.set_state(crate::flight::trace_mem::STATE_RUNNING);
+        }
+        log::info!("started {nr} vCPUs ({} kHz TSC)", b.tsc_khz);
+        if let Some(hook) = events_hook {
+            hook(table.clone());
+        }
+        let limits = (plan.duration, plan.flight.hang_timeout);
+        let formats = settle_events(&table, &running, limits, &plan.events, interrupts)?;
+        // The output is opened once the formats are known (the guest writes no event
+        // before its registration is answered); a failure stops the VM (dropped).
+        let clock = b.host_clock.clock.clone();
+        let stdout = Arc::new(StdoutState::default());
+        let (output, shown) = open_output(
+            target,
+            &plan.ring,
+            nr,
+            &clock,
+            &stdout,
+            &formats,
+            plan.host_events,
+        )?;
+        let trace_mem = b.trace_mem.take().map(Arc::new);
+        let session = b.session(reader, output, &formats, &plan, trace_mem.as_ref());
+        let flight = Flight::new(&plan, trace_mem, crash_dump, clock, formats);
+        let mut live = Live {
+            deadline: plan.duration.map(|d| running.started_at() + d),
+            running,
+            session: Arc::new(Mutex::new(session)),
+            flight,
+            stdout,
+            interrupts,
+            heartbeat: Heartbeat::new(shows_progress(&shown)),
+            stop: None,
+            failures: Failures::default(),
+            nr,
+            control: server.as_ref(),
+            events: table,
+            clock: b.host_clock,
+        };
+        drop(gate);
+        let (aborted, reader) = live.poll_loop(plan.poll);
+        live.clock.recheck(true);
+        let timing = Timing {
+            created_tsc,
+            tsc_khz: b.tsc_khz,
+            start_tsc: live.running.start_tsc(),
+            tsc_offset: b.tsc_offset,
+            answered_tsc: live.events.answered_tsc(),
+            wall: live.running.started_at().elapsed(),
+            reader,
+        };
+        live.conclude(aborted, timing, shown, &plan, b.guest)
+    }
+}
+
+/// What the drain loop's thread measured of itself, at debug level (`-vv`).
+fn log_reader_thread(
+    rounds: u64,
+    used: Duration,
+    wall: Duration,
+    (longest_round, longest_late): (Duration, Duration),
+    output_waits: &hyptrace_output::OutputWaits,
+    standby: Option<&crate::drain::standby::StandbyTimes>,
+) {
+    log::debug!(
+        "reader thread: {rounds} rounds, {:.1} ms CPU in {:.1} ms ({:.2} % of a core); longest round {:.3} ms, longest late wake-up {:.3} ms",
+        used.as_secs_f64() * 1e3,
+        wall.as_secs_f64() * 1e3,
+        100.0 * used.as_secs_f64() / wall.as_secs_f64().max(1e-9),
+        longest_round.as_secs_f64() * 1e3,
+        longest_late.as_secs_f64() * 1e3,
+    );
+    if output_waits.count > 0 {
         log::debug!(
-            "plan: {nr} vCPUs, {} MiB guest memory, trace region {} bytes ({} pages of {} bytes per vCPU, mode {:?}, guest swap {})",
+            "reader thread: waited for the output {} times, {:.1} ms in all, longest {:.3} ms",
+            output_waits.count,
+            output_waits.total.as_secs_f64() * 1e3,
+            output_waits.longest.as_secs_f64() * 1e3,
+        );
+    }
+    if let Some(s) = standby {
+        log::debug!(
+            "standby drainer: took over {} times while the reader thread was late ({} drain rounds), {:.1} ms CPU",
+            s.turns,
+            s.rounds,
+            s.cpu.as_secs_f64() * 1e3
+        );
+    }
+}
+
+/// Progress lines when the events are not on the terminal (a caller's sink: none).
+fn shows_progress(shown: &Shown) -> bool {
+    match shown {
+        Shown::Stdout => !std::io::stdout().is_terminal(),
+        Shown::File { .. } => true,
+        Shown::Sink => false,
+    }
+}
+
+/// What a run set up besides the VM before its rings exist: the trace memory file, the
+/// clock map and the VMM's own ring.
+struct Booted {
+    trace_mem: Option<TraceMemFile>,
+    guest: GuestView,
+    tsc_khz: u64,
+    tsc_offset: Option<i64>,
+    host_clock: HostClock,
+    generation: u64,
+    /// `--host-events`: the VMM's ring in host memory, fed by the vCPU threads' exits
+    /// and the reader's callbacks.
+    host: Option<(Arc<HostEvents>, crate::vmm::host_events::HostReader)>,
+}
+
+impl Booted {
+    /// Creates the trace memory file (F1–F6) and the VM on it, calibrates the one map
+    /// guest TSC → `--clock` of every output (see [`crate::drain::clock`]) and the
+    /// VMM's ring.
+    fn boot(plan: &Plan) -> Result<(Self, Vm), RunError> {
+        log::debug!(
+            "plan: {} vCPUs, {} MiB guest memory, trace region {} bytes ({} pages of {} bytes per vCPU, mode {:?}, guest swap {})",
+            plan.cfg.vcpus,
             plan.cfg.mem_bytes >> 20,
             plan.ring.region_size,
             plan.ring.pages_per_cpu,
@@ -251,16 +385,12 @@ impl<'a> Run<'a> {
             plan.ring.mode,
             plan.ring.guest_swap
         );
-        let created_tsc = crate::vmm::time::host_tsc();
         let trace_mem = match &plan.flight.trace_mem {
             Some(path) => Some(TraceMemFile::create(path, &plan.ring).map_err(RunError::TraceMem)?),
             None => None,
         };
-        // After the trace memory file: a consumer that finds the socket finds the file.
-        let server = control.map(ControlServer::bind).transpose()?;
-        let control = server.as_ref();
         let mut vm = Vm::with_trace_backing(
-            plan.cfg,
+            plan.cfg.clone(),
             trace_mem.as_ref().map(TraceMemFile::region_backing),
         )?;
         let guest = GuestView {
@@ -269,18 +399,13 @@ impl<'a> Run<'a> {
         };
         let tsc_khz = vm.tsc_khz();
         let tsc_offset = vm.tsc_offset();
-        // One map guest TSC → `--clock` for every output of the run (see crate::drain::clock).
         let host_clock = HostClock::calibrate(plan.clock, tsc_khz, tsc_offset.unwrap_or(0))
             .map_err(|source| RunError::Clock { tsc_khz, source })?;
-        let clock = host_clock.clock.clone();
         log::debug!("clock: {:?}", host_clock.stats());
-        let stdout = Arc::new(StdoutState::default());
         let generation = crate::vmm::time::host_tsc();
-        // `--host-events`: the VMM's ring in host memory, fed by the vCPU threads' exits
-        // and the reader's callbacks.
         let host = if plan.host_events {
             let (events, reader) = HostEvents::new(
-                nr,
+                plan.cfg.vcpus,
                 plan.ring.page_size,
                 tsc_khz,
                 tsc_offset.unwrap_or(0),
@@ -292,8 +417,29 @@ impl<'a> Run<'a> {
         } else {
             None
         };
+        let booted = Self {
+            trace_mem,
+            guest,
+            tsc_khz,
+            tsc_offset,
+            host_clock,
+            generation,
+            host,
+        };
+        Ok((booted, vm))
+    }
+
+    /// The event table over the trace region and the rings allocated in it, their
+    /// callbacks through the caller's `wrap` and the VMM's recording; the trace memory
+    /// file's header written.
+    fn rings(
+        &self,
+        vm: &Vm,
+        plan: &Plan,
+        wrap: Option<WrapCallbacks>,
+    ) -> Result<(VmEventTable, crate::vmm::guest_mem::Reader), RunError> {
         let user_wrap = wrap.unwrap_or_else(|| Box::new(|cb| cb));
-        let recording = host.as_ref().map(|(e, _)| Arc::clone(e));
+        let recording = self.host.as_ref().map(|(e, _)| Arc::clone(e));
         let wrap: WrapCallbacks = Box::new(move |cb| {
             let cb = user_wrap(cb);
             match recording {
@@ -306,69 +452,61 @@ impl<'a> Run<'a> {
             plan.ring,
             plan.events.clone(),
         ));
+        let generation = self.generation;
         let reader = alloc_reader_wrapped(
             vm.trace_region(),
             plan.ring,
-            tsc_khz,
+            self.tsc_khz,
             generation,
             plan.mailbox_timeout,
             wrap,
         )
         .map_err(RunError::TraceBuffers)?;
         log::debug!(
-            "rings allocated in the trace region (generation {generation:#x}); {} swaps",
-            if plan.ring.guest_swap {
-                "the guest runs the"
-            } else {
-                "the host runs the"
-            }
+            "rings allocated in the trace region (generation {generation:#x}); the {} runs the swaps",
+            if plan.ring.guest_swap { "guest" } else { "host" }
         );
-        if let Some(tm) = &trace_mem {
-            tm.write_header(&plan.ring, vm.layout().trace_gpa, tsc_khz, generation);
+        if let Some(tm) = &self.trace_mem {
+            tm.write_header(&plan.ring, vm.layout().trace_gpa, self.tsc_khz, generation);
             log::info!("trace memory in {}", tm.path().display());
         }
-        // No event before the run reads: the registration's answer waits for the drain
-        // loop (released right before it starts, or on any early return).
-        let gate = AnswerGate::hold(&table);
-        let running = vm.start_with_events(&plan.params, table.clone())?;
-        if let Some(tm) = &trace_mem {
-            tm.set_state(crate::flight::trace_mem::STATE_RUNNING);
-        }
-        log::info!("started {nr} vCPUs ({tsc_khz} kHz TSC)");
-        if let Some(hook) = events_hook {
-            hook(table.clone());
-        }
-        let limits = (plan.duration, plan.flight.hang_timeout);
-        let formats = settle_events(&table, &running, limits, &plan.events, interrupts)?;
-        // The output is opened once the formats are known (the guest writes no event
-        // before its registration is answered); a failure stops the VM (dropped).
-        let (output, target) = open_output(
-            target,
-            &plan.ring,
-            nr,
-            &clock,
-            &stdout,
-            &formats,
-            plan.host_events,
-        )?;
-        // Progress when the events are not on the terminal (a caller's sink: none).
-        let heartbeat = match target {
-            Shown::Stdout => !std::io::stdout().is_terminal(),
-            Shown::File { .. } => true,
-            Shown::Sink => false,
-        };
-        let mut session = Session::new(reader, output, clock.clone()).with_formats(&formats);
-        let trace_mem = trace_mem.map(Arc::new);
-        if let Some(tm) = &trace_mem {
-            // P2: positions recorded around every flush (printed vs consumed).
+        Ok((table, reader))
+    }
+
+    /// The session over the rings: the formats, the trace memory file's recorder (P2:
+    /// positions recorded around every flush, printed vs consumed), the VMM's ring.
+    fn session(
+        &mut self,
+        reader: crate::vmm::guest_mem::Reader,
+        output: Output,
+        formats: &[EventFormat],
+        plan: &Plan,
+        trace_mem: Option<&Arc<TraceMemFile>>,
+    ) -> Session {
+        let mut session =
+            Session::new(reader, output, self.host_clock.clock.clone()).with_formats(formats);
+        if let Some(tm) = trace_mem {
             let tm = Arc::clone(tm);
             session = session.with_recorder(Arc::new(move |c, p| tm.record(c, p)));
         }
-        if let Some((events, reader_h)) = host {
+        if let Some((events, reader_h)) = self.host.take() {
             session = session.with_host_events(reader_h, events);
         }
         session.set_live_drain(plan.flight.drain_live);
-        let flight = Flight {
+        session
+    }
+}
+
+impl Flight {
+    /// The flight recorder state of a run of `plan`.
+    fn new(
+        plan: &Plan,
+        trace_mem: Option<Arc<TraceMemFile>>,
+        crash_dump: Option<OutputTarget>,
+        clock: Clock,
+        formats: Vec<EventFormat>,
+    ) -> Self {
+        Flight {
             trace_mem,
             hang: plan.flight.hang_timeout.map(|timeout| HangWatch {
                 timeout,
@@ -382,93 +520,11 @@ impl<'a> Run<'a> {
             }),
             dumped: false,
             clock,
-            formats: formats.clone(),
+            formats,
             drain_live: plan.flight.drain_live,
-            meta: vec![crate::flight::trace_mem::MetaValues::default(); nr as usize],
-            consumers: Consumers::new(nr),
-        };
-        let mut live = Live {
-            deadline: plan.duration.map(|d| running.started_at() + d),
-            running,
-            session: Arc::new(Mutex::new(session)),
-            flight,
-            stdout,
-            interrupts,
-            heartbeat: Heartbeat::new(heartbeat),
-            stop: None,
-            failures: Failures::default(),
-            nr,
-            control,
-            events: table.clone(),
-            clock: host_clock,
-        };
-        drop(gate);
-        let (aborted, reader) = live.poll_loop(plan.poll);
-        live.clock.recheck(true);
-        let timing = Timing {
-            created_tsc,
-            tsc_khz,
-            start_tsc: live.running.start_tsc(),
-            tsc_offset,
-            answered_tsc: table.answered_tsc(),
-            wall: live.running.started_at().elapsed(),
-            reader,
-        };
-        let Live {
-            running,
-            session,
-            stdout,
-            stop,
-            failures,
-            flight,
-            clock,
-            ..
-        } = live;
-        // poll_loop joined the standby drainer, the session's only other owner.
-        let session = Arc::into_inner(session)
-            .expect("the standby drainer was joined")
-            .into_inner()
-            .unwrap_or_else(PoisonError::into_inner);
-        let outcomes = running.wait();
-        if let Some(tm) = &flight.trace_mem {
-            let crashed =
-                outcomes.iter().any(VcpuOutcome::is_crash) || matches!(stop, Some(Stop::Hang(_)));
-            tm.set_state(if crashed {
-                crate::flight::trace_mem::STATE_CRASHED
-            } else {
-                crate::flight::trace_mem::STATE_ENDED
-            });
+            meta: vec![crate::flight::trace_mem::MetaValues::default(); plan.cfg.vcpus as usize],
+            consumers: Consumers::new(plan.cfg.vcpus),
         }
-        if aborted {
-            // Dropping the session drops the sink: its temporary files go.
-            return Err(RunError::Aborted);
-        }
-        let (cpus, mut failures, host_events) =
-            finish_session(session, &outcomes, failures, interrupts)?;
-        // L1: a registration refused because the run went on without one fails the run.
-        if let Some(late) = table.late_registration() {
-            failures.other(late.to_string());
-        }
-        let destination = match target {
-            Shown::Stdout => Destination::Stdout {
-                lines: stdout.lines.load(Ordering::Relaxed),
-            },
-            Shown::File { path, format } => Destination::File { path, format },
-            Shown::Sink => Destination::Sink,
-        };
-        Ok(RunReport {
-            outcomes,
-            cpus,
-            timing,
-            stop,
-            failures,
-            destination,
-            echo: plan.echo,
-            mode: plan.mode,
-            guest: Some(guest),
-            clock: Some(clock.stats()),
-            host_events,
-        })
     }
 }
 
@@ -711,6 +767,75 @@ struct Live<'a> {
 }
 
 impl Live<'_> {
+    /// After the drain loop: the vCPUs joined, the trace memory file's final state, the
+    /// final walks and the accounting of every CPU ([`finish_session`]), the report.
+    fn conclude(
+        self,
+        aborted: bool,
+        timing: Timing,
+        shown: Shown,
+        plan: &Plan,
+        guest: GuestView,
+    ) -> Result<RunReport, RunError> {
+        let Live {
+            running,
+            session,
+            stdout,
+            stop,
+            failures,
+            flight,
+            clock,
+            interrupts,
+            events: table,
+            ..
+        } = self;
+        // poll_loop joined the standby drainer, the session's only other owner.
+        let session = Arc::into_inner(session)
+            .expect("the standby drainer was joined")
+            .into_inner()
+            .unwrap_or_else(PoisonError::into_inner);
+        let outcomes = running.wait();
+        if let Some(tm) = &flight.trace_mem {
+            let crashed =
+                outcomes.iter().any(VcpuOutcome::is_crash) || matches!(stop, Some(Stop::Hang(_)));
+            tm.set_state(if crashed {
+                crate::flight::trace_mem::STATE_CRASHED
+            } else {
+                crate::flight::trace_mem::STATE_ENDED
+            });
+        }
+        if aborted {
+            // Dropping the session drops the sink: its temporary files go.
+            return Err(RunError::Aborted);
+        }
+        let (cpus, mut failures, host_events) =
+            finish_session(session, &outcomes, failures, interrupts)?;
+        // L1: a registration refused because the run went on without one fails the run.
+        if let Some(late) = table.late_registration() {
+            failures.other(late.to_string());
+        }
+        let destination = match shown {
+            Shown::Stdout => Destination::Stdout {
+                lines: stdout.lines.load(Ordering::Relaxed),
+            },
+            Shown::File { path, format } => Destination::File { path, format },
+            Shown::Sink => Destination::Sink,
+        };
+        Ok(RunReport {
+            outcomes,
+            cpus,
+            timing,
+            stop,
+            failures,
+            destination,
+            echo: plan.echo.clone(),
+            mode: plan.mode,
+            guest: Some(guest),
+            clock: Some(clock.stats()),
+            host_events,
+        })
+    }
+
     /// Polls every `poll` until every vCPU has stopped and been read; returns whether a
     /// second signal aborted the run.
     ///
@@ -797,30 +922,14 @@ impl Live<'_> {
         let output_waits = locked(&self.session).output_waits();
         drop(priority);
         let wall = self.running.started_at().elapsed();
-        log::debug!(
-            "reader thread: {rounds} rounds, {:.1} ms CPU in {:.1} ms ({:.2} % of a core); longest round {:.3} ms, longest late wake-up {:.3} ms",
-            used.as_secs_f64() * 1e3,
-            wall.as_secs_f64() * 1e3,
-            100.0 * used.as_secs_f64() / wall.as_secs_f64().max(1e-9),
-            longest_round.as_secs_f64() * 1e3,
-            longest_late.as_secs_f64() * 1e3,
+        log_reader_thread(
+            rounds,
+            used,
+            wall,
+            (longest_round, longest_late),
+            &output_waits,
+            standby.as_ref(),
         );
-        if output_waits.count > 0 {
-            log::debug!(
-                "reader thread: waited for the output {} times, {:.1} ms in all, longest {:.3} ms",
-                output_waits.count,
-                output_waits.total.as_secs_f64() * 1e3,
-                output_waits.longest.as_secs_f64() * 1e3,
-            );
-        }
-        if let Some(s) = standby {
-            log::debug!(
-                "standby drainer: took over {} times while the reader thread was late ({} drain rounds), {:.1} ms CPU",
-                s.turns,
-                s.rounds,
-                s.cpu.as_secs_f64() * 1e3
-            );
-        }
         let l = *locked(&self.session).reader().layout();
         (
             aborted,

@@ -110,6 +110,87 @@ fn open_kvm() -> Result<Kvm> {
     })
 }
 
+/// Guest memory: anonymous, or (`--trace-mem`) three regions — below the trace region,
+/// the trace region rounded up to 4 KiB in `backing`'s file, and the rest.
+fn guest_memory(
+    cfg: &VmConfig,
+    layout: &GuestMemoryMap,
+    backing: Option<vm_memory::FileOffset>,
+) -> Result<GuestMemoryMmap> {
+    let memory = match backing {
+        None => GuestMemoryMmap::from_ranges(&[(GuestAddress(0), cfg.mem_bytes as usize)]),
+        Some(file) => {
+            let (gpa, len) = (
+                layout.trace_gpa,
+                hyptrace_reader::trace_file::mapped_len(layout.trace_len as usize) as u64,
+            );
+            let end = gpa.saturating_add(len).min(cfg.mem_bytes);
+            let mut ranges = vec![
+                (GuestAddress(0), gpa as usize, None),
+                (GuestAddress(gpa), (end - gpa) as usize, Some(file)),
+            ];
+            if end < cfg.mem_bytes {
+                ranges.push((GuestAddress(end), (cfg.mem_bytes - end) as usize, None));
+            }
+            GuestMemoryMmap::from_ranges_with_files(&ranges)
+        }
+    }
+    .map_err(Error::MemoryMmap)?;
+    Ok(memory)
+}
+
+/// Registers every region of `memory` with KVM, each in a slot of its own.
+fn register_memory(vm_fd: &VmFd, memory: &GuestMemoryMmap) -> Result<()> {
+    for (slot, region) in memory.iter().enumerate() {
+        let host = region.get_host_address(vm_memory::MemoryRegionAddress(0))?;
+        let r = kvm_userspace_memory_region {
+            slot: slot as u32,
+            flags: 0,
+            guest_phys_addr: region.start_addr().0,
+            memory_size: region.len(),
+            userspace_addr: host as u64,
+        };
+        // SAFETY: the region is a live mmap owned by `memory`, which the VM keeps
+        // (and the trace region clones) for at least as long as the VM fd exists; it
+        // is registered once, in a slot of its own.
+        unsafe { vm_fd.set_user_memory_region(r) }
+            .map_err(Error::kvm("KVM_SET_USER_MEMORY_REGION"))?;
+    }
+    Ok(())
+}
+
+/// Guest TSC = host TSC where KVM lets us; returns the offset KVM reports (`None`: it
+/// cannot say, guest TSC = host TSC assumed).
+fn sync_tsc(vcpus: &[VcpuFd]) -> Option<i64> {
+    // Guest TSC = host TSC: the reader can then put host and guest times on one
+    // clock. Best effort (older kernels lack the attribute, PVM refuses or ignores
+    // it); read back to check, and say which case this is.
+    let set = vcpus
+        .iter()
+        .map(|fd| arch::set_tsc_offset(fd, 0))
+        .find(|r| r.is_err())
+        .unwrap_or(Ok(()));
+    let tsc_offset = match (set, arch::tsc_offset(&vcpus[0])) {
+        (Ok(()), Ok(v)) => {
+            log::info!("TSC offset set to 0, read back {v}");
+            Some(v)
+        }
+        (Err(e), Ok(v)) => {
+            log::info!("TSC offset cannot be set ({e}); KVM reports {v}: using it");
+            Some(v)
+        }
+        (Ok(()), Err(e)) => {
+            log::info!("TSC offset set to 0 but cannot be read back ({e}): assuming 0");
+            None
+        }
+        (Err(e), Err(_)) => {
+            log::info!("TSC offset not supported by this KVM ({e}): assuming guest TSC = host TSC");
+            None
+        }
+    };
+    tsc_offset
+}
+
 /// TSC frequency measured against the monotonic clock (when KVM cannot say).
 fn calibrate_tsc_khz() -> u64 {
     let t0 = Instant::now();
@@ -176,40 +257,8 @@ impl Vm {
             .set_tss_address(KVM_TSS_ADDR as usize)
             .map_err(Error::kvm("KVM_SET_TSS_ADDR"))?;
 
-        let memory = match backing {
-            None => GuestMemoryMmap::from_ranges(&[(GuestAddress(0), cfg.mem_bytes as usize)]),
-            Some(file) => {
-                let (gpa, len) = (
-                    layout.trace_gpa,
-                    hyptrace_reader::trace_file::mapped_len(layout.trace_len as usize) as u64,
-                );
-                let end = gpa.saturating_add(len).min(cfg.mem_bytes);
-                let mut ranges = vec![
-                    (GuestAddress(0), gpa as usize, None),
-                    (GuestAddress(gpa), (end - gpa) as usize, Some(file)),
-                ];
-                if end < cfg.mem_bytes {
-                    ranges.push((GuestAddress(end), (cfg.mem_bytes - end) as usize, None));
-                }
-                GuestMemoryMmap::from_ranges_with_files(&ranges)
-            }
-        }
-        .map_err(Error::MemoryMmap)?;
-        for (slot, region) in memory.iter().enumerate() {
-            let host = region.get_host_address(vm_memory::MemoryRegionAddress(0))?;
-            let r = kvm_userspace_memory_region {
-                slot: slot as u32,
-                flags: 0,
-                guest_phys_addr: region.start_addr().0,
-                memory_size: region.len(),
-                userspace_addr: host as u64,
-            };
-            // SAFETY: the region is a live mmap owned by `memory`, which the VM keeps
-            // (and the trace region clones) for at least as long as the VM fd exists; it
-            // is registered once, in a slot of its own.
-            unsafe { vm_fd.set_user_memory_region(r) }
-                .map_err(Error::kvm("KVM_SET_USER_MEMORY_REGION"))?;
-        }
+        let memory = guest_memory(&cfg, &layout, backing)?;
+        register_memory(&vm_fd, &memory)?;
 
         arch::setup_memory(&memory, &layout)?;
         for seg in &image.segments {
@@ -230,34 +279,7 @@ impl Vm {
                 .map_err(Error::kvm("vCPU set-up"))?;
             vcpus.push(fd);
         }
-        // Guest TSC = host TSC: the reader can then put host and guest times on one
-        // clock. Best effort (older kernels lack the attribute, PVM refuses or ignores
-        // it); read back to check, and say which case this is.
-        let set = vcpus
-            .iter()
-            .map(|fd| arch::set_tsc_offset(fd, 0))
-            .find(|r| r.is_err())
-            .unwrap_or(Ok(()));
-        let tsc_offset = match (set, arch::tsc_offset(&vcpus[0])) {
-            (Ok(()), Ok(v)) => {
-                log::info!("TSC offset set to 0, read back {v}");
-                Some(v)
-            }
-            (Err(e), Ok(v)) => {
-                log::info!("TSC offset cannot be set ({e}); KVM reports {v}: using it");
-                Some(v)
-            }
-            (Ok(()), Err(e)) => {
-                log::info!("TSC offset set to 0 but cannot be read back ({e}): assuming 0");
-                None
-            }
-            (Err(e), Err(_)) => {
-                log::info!(
-                    "TSC offset not supported by this KVM ({e}): assuming guest TSC = host TSC"
-                );
-                None
-            }
-        };
+        let tsc_offset = sync_tsc(&vcpus);
         let tsc_khz = match vcpus[0].get_tsc_khz() {
             Ok(k) if k > 0 => u64::from(k),
             _ => calibrate_tsc_khz(),
