@@ -357,9 +357,57 @@ impl HeaderPage {
     }
 }
 
+/// Whether `text` matches the glob `pat`: `*` any run of characters, `?` one character,
+/// anything else itself (no classes, no escapes), as the `[SYSTEM:]EVENT` patterns of
+/// `report -F`/`--events` and of `run -e`/`--disable` use it. Bounded for hostile text:
+/// O(len(pat) × len(text)) at worst, no recursion.
+pub fn glob(pat: &str, text: &str) -> bool {
+    let p: Vec<char> = pat.chars().collect();
+    let t: Vec<char> = text.chars().collect();
+    // Iterative matcher with one backtrack point: O(|p| * |t|) at worst.
+    let (mut i, mut j) = (0usize, 0usize);
+    let mut star: Option<(usize, usize)> = None;
+    while j < t.len() {
+        if i < p.len() && (p[i] == '?' || p[i] == t[j]) {
+            i += 1;
+            j += 1;
+        } else if i < p.len() && p[i] == '*' {
+            star = Some((i, j));
+            i += 1;
+        } else if let Some((si, sj)) = star {
+            i = si + 1;
+            j = sj + 1;
+            star = Some((si, sj + 1));
+        } else {
+            return false;
+        }
+    }
+    p[i..].iter().all(|&c| c == '*')
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn globs() {
+        assert!(glob("*", ""));
+        assert!(glob("sched_*", "sched_switch"));
+        assert!(glob("*switch", "sched_switch"));
+        assert!(glob("s?hed*", "sched_switch"));
+        assert!(!glob("sched", "sched_switch"));
+        assert!(!glob("*x*", "sched_switch"));
+        assert!(glob("a*b*c", "aXbYbZc"));
+        // The cases of the host's `-e` matcher (it uses this one).
+        assert!(glob("g?est", "guest"));
+        assert!(glob("m*r", "marker"));
+        assert!(glob("mark*", "marker"));
+        assert!(!glob("mark", "marker"));
+        assert!(!glob("span", "marker"));
+        // `?` is one character, not one byte.
+        assert!(glob("?", "é"));
+        assert!(!glob("??", "é"));
+    }
 
     #[test]
     fn guest_format_text_round_trips() {

@@ -149,60 +149,11 @@ impl Plugin {
     }
 
     fn run_inner(&self, out: &mut String, p: &[u8], syms: &KernelSymbols) -> Option<()> {
-        let mut num = itoa::Buffer::new();
         match self {
-            Self::SchedSwitch([pc, pp, ppr, ps, nc, np, npr]) => {
-                comm_pid_prio(out, p, pc, pp, ppr)?;
-                out.push(' ');
-                let state = ps.int(p)?;
-                if state & 0xff == 0 {
-                    out.push('R');
-                } else {
-                    let mut first = true;
-                    for (i, c) in "SDTtZXxW".chars().enumerate() {
-                        if state & (1 << i) != 0 {
-                            if !first {
-                                out.push('|');
-                            }
-                            first = false;
-                            out.push(c);
-                        }
-                    }
-                }
-                out.push_str(" ==> ");
-                comm_pid_prio(out, p, nc, np, npr)?;
-            }
-            Self::SchedWakeup([c, pid, prio, cpu], success) => {
-                comm_pid_prio(out, p, c, pid, prio)?;
-                if let Some(s) = success {
-                    out.push_str(" success=");
-                    out.push_str(num.format(s.int(p)? as i64));
-                }
-                out.push_str(" CPU:");
-                let c = num.format(cpu.int(p)? as i32);
-                if !c.starts_with('-') {
-                    out.extend(std::iter::repeat_n('0', 3usize.saturating_sub(c.len())));
-                }
-                out.push_str(c);
-            }
-            Self::HrtimerExpireEntry([t, now, func]) => {
-                out.push_str("hrtimer=");
-                push_hex(out, t.int(p)?);
-                out.push_str(" now=");
-                out.push_str(num.format(now.int(p)?));
-                out.push_str(" function=");
-                func_field(out, syms, func.int(p)?);
-            }
-            Self::HrtimerStart([t, func, exp, soft]) => {
-                out.push_str("hrtimer=");
-                push_hex(out, t.int(p)?);
-                out.push_str(" function=");
-                func_field(out, syms, func.int(p)?);
-                out.push_str(" expires=");
-                out.push_str(num.format(exp.int(p)?));
-                out.push_str(" softexpires=");
-                out.push_str(num.format(soft.int(p)?));
-            }
+            Self::SchedSwitch(f) => sched_switch(out, p, f),
+            Self::SchedWakeup(f, success) => sched_wakeup(out, p, f, success.as_ref()),
+            Self::HrtimerExpireEntry(f) => hrtimer_expire_entry(out, p, syms, f),
+            Self::HrtimerStart(f) => hrtimer_start(out, p, syms, f),
             Self::KmemCallSite(cs) => {
                 // Nothing when no symbol covers the call site.
                 let v = cs.int(p)?;
@@ -211,87 +162,11 @@ impl Plugin {
                     push_sym(out, syms, v, true);
                     out.push_str(") ");
                 }
+                Some(())
             }
-            Self::KernelStack(size, caller) => {
-                // As trace-cmd: several lines, one `=> sym (addr)` per return address.
-                out.push_str("<stack trace >");
-                let n = usize::try_from(size.int(p)? as i64).unwrap_or(0);
-                let entries = p.get(*caller..)?.chunks_exact(8).take(n);
-                for e in entries {
-                    let mut w = [0u8; 8];
-                    w.copy_from_slice(e);
-                    let a = u64::from_le_bytes(w);
-                    if a == u64::MAX {
-                        break;
-                    }
-                    out.push_str("\n=> ");
-                    match syms.lookup(a) {
-                        Some(s) => {
-                            crate::text::escape_guest_bytes(out, s.name.as_bytes());
-                            out.push_str(" (");
-                            out.push_str(&format!("{a:x})"));
-                        }
-                        None => out.push_str(&format!("{a:x}")),
-                    }
-                }
-            }
-            Self::Tlb([pages, reason]) => {
-                out.push_str("pages=");
-                out.push_str(num.format(pages.int(p)? as i64));
-                out.push_str(" reason=");
-                let r = reason.int(p)? as i64;
-                out.push_str(match r {
-                    0 => "flush on task switch",
-                    1 => "remote shootdown",
-                    2 => "local shootdown",
-                    3 => "local mm shootdown",
-                    _ => "",
-                });
-                out.push_str(" (");
-                out.push_str(num.format(r));
-                out.push(')');
-            }
-            Self::Futex([uaddr, op, val, utime, val3]) => {
-                let op = op.int(p)?;
-                // FUTEX_WAIT, FUTEX_WAKE, FUTEX_WAIT_BITSET: the commands seen in real
-                // traces; the others print the event's print fmt.
-                let (name, args) = match op & !0x180 {
-                    0 => ("FUTEX_WAIT", 2),
-                    1 => ("FUTEX_WAKE", 0),
-                    9 => ("FUTEX_WAIT_BITSET", 3),
-                    _ => return None,
-                };
-                out.push_str("op=");
-                out.push_str(name);
-                if op & 0x80 != 0 {
-                    out.push_str("|FUTEX_PRIVATE_FLAG");
-                }
-                if op & 0x100 != 0 {
-                    out.push_str("|FUTEX_CLOCK_REALTIME");
-                }
-                out.push_str(" uaddr=");
-                push_hex(out, uaddr.int(p)?);
-                let v = val.int(p)?;
-                if args == 0 {
-                    out.push_str(" val=");
-                    out.push_str(num.format(v as u32));
-                    return Some(());
-                }
-                let hex8 = |out: &mut String, v: u64| {
-                    let h = format!("{v:x}");
-                    out.push_str("0x");
-                    out.extend(std::iter::repeat_n('0', 8usize.saturating_sub(h.len())));
-                    out.push_str(&h);
-                };
-                out.push_str(" val=");
-                hex8(out, v);
-                out.push_str(" utime=");
-                hex8(out, utime.int(p)?);
-                if args == 3 {
-                    out.push_str(" val3=");
-                    hex8(out, val3.int(p)?);
-                }
-            }
+            Self::KernelStack(size, caller) => kernel_stack(out, p, syms, size, *caller),
+            Self::Tlb(f) => tlb_flush(out, p, f),
+            Self::Futex(f) => futex(out, p, f),
             Self::KvmEmulateInsn {
                 rip,
                 csbase,
@@ -320,6 +195,7 @@ impl Plugin {
                         out.push_str(" FAIL");
                     }
                 }
+                Some(())
             }
             Self::KvmMmuPage {
                 get_page,
@@ -336,43 +212,227 @@ impl Plugin {
                     out.push_str(" sp gfn ");
                     out.push_str(&format!("{:x} ", gfn.int(p)?));
                 }
-                let r = role.int(p)?;
-                const ACCESS: [&str; 8] = ["---", "--x", "w--", "w-x", "-u-", "-ux", "wu-", "wux"];
-                let bit = |n: u32| r >> n & 1 != 0;
-                out.push_str(num.format(r & 0xf));
-                out.push_str(" q");
-                out.push_str(num.format(r >> 5 & 3));
-                if bit(7) {
-                    out.push_str(" direct");
-                }
-                out.push(' ');
-                out.push_str(ACCESS[(r >> 8 & 7) as usize]);
-                if bit(11) {
-                    out.push_str(" invalid");
-                }
-                out.push_str(if bit(4) { " pae" } else { " !pae" });
-                out.push_str(if bit(12) { " nxe" } else { " !nxe" });
-                out.push_str(if bit(13) { " wp" } else { " !wp" });
-                if bit(14) {
-                    out.push_str(" smep");
-                }
-                if bit(15) {
-                    out.push_str(" smap");
-                }
-                if r >> 24 & 0xff != 0 {
-                    out.push_str(" smm");
-                }
+                kvm_mmu_role(out, role.int(p)?);
                 out.push_str(" root ");
-                out.push_str(num.format(root_count.int(p)? as u32));
+                out.push_str(itoa::Buffer::new().format(root_count.int(p)? as u32));
                 out.push(' ');
                 out.push_str(if unsync.int(p)? != 0 {
                     "unsync"
                 } else {
                     "sync"
                 });
+                Some(())
             }
         }
-        Some(())
+    }
+}
+
+/// sched_switch: `prev_comm:prev_pid [prev_prio] STATE ==> next_comm:next_pid [next_prio]`.
+fn sched_switch(out: &mut String, p: &[u8], f: &[FieldRef; 7]) -> Option<()> {
+    let [pc, pp, ppr, ps, nc, np, npr] = f;
+    comm_pid_prio(out, p, pc, pp, ppr)?;
+    out.push(' ');
+    let state = ps.int(p)?;
+    if state & 0xff == 0 {
+        out.push('R');
+    } else {
+        let mut first = true;
+        for (i, c) in "SDTtZXxW".chars().enumerate() {
+            if state & (1 << i) != 0 {
+                if !first {
+                    out.push('|');
+                }
+                first = false;
+                out.push(c);
+            }
+        }
+    }
+    out.push_str(" ==> ");
+    comm_pid_prio(out, p, nc, np, npr)
+}
+
+/// sched_wakeup(_new): `comm:pid [prio][ success=N] CPU:NNN`.
+fn sched_wakeup(
+    out: &mut String,
+    p: &[u8],
+    [c, pid, prio, cpu]: &[FieldRef; 4],
+    success: Option<&FieldRef>,
+) -> Option<()> {
+    let mut num = itoa::Buffer::new();
+    comm_pid_prio(out, p, c, pid, prio)?;
+    if let Some(s) = success {
+        out.push_str(" success=");
+        out.push_str(num.format(s.int(p)? as i64));
+    }
+    out.push_str(" CPU:");
+    let c = num.format(cpu.int(p)? as i32);
+    if !c.starts_with('-') {
+        out.extend(std::iter::repeat_n('0', 3usize.saturating_sub(c.len())));
+    }
+    out.push_str(c);
+    Some(())
+}
+
+/// hrtimer_expire_entry: `hrtimer=0x... now=N function=SYM/0xOFF`.
+fn hrtimer_expire_entry(
+    out: &mut String,
+    p: &[u8],
+    syms: &KernelSymbols,
+    [t, now, func]: &[FieldRef; 3],
+) -> Option<()> {
+    out.push_str("hrtimer=");
+    push_hex(out, t.int(p)?);
+    out.push_str(" now=");
+    out.push_str(itoa::Buffer::new().format(now.int(p)?));
+    out.push_str(" function=");
+    func_field(out, syms, func.int(p)?);
+    Some(())
+}
+
+/// hrtimer_start: `hrtimer=0x... function=SYM/0xOFF expires=N softexpires=N`.
+fn hrtimer_start(
+    out: &mut String,
+    p: &[u8],
+    syms: &KernelSymbols,
+    [t, func, exp, soft]: &[FieldRef; 4],
+) -> Option<()> {
+    let mut num = itoa::Buffer::new();
+    out.push_str("hrtimer=");
+    push_hex(out, t.int(p)?);
+    out.push_str(" function=");
+    func_field(out, syms, func.int(p)?);
+    out.push_str(" expires=");
+    out.push_str(num.format(exp.int(p)?));
+    out.push_str(" softexpires=");
+    out.push_str(num.format(soft.int(p)?));
+    Some(())
+}
+
+/// ftrace:kernel_stack: `<stack trace >`, then one line per return address (`size` of
+/// them, those in the payload, up to a `-1` end marker): as trace-cmd, several lines.
+fn kernel_stack(
+    out: &mut String,
+    p: &[u8],
+    syms: &KernelSymbols,
+    size: &FieldRef,
+    caller: usize,
+) -> Option<()> {
+    out.push_str("<stack trace >");
+    let n = usize::try_from(size.int(p)? as i64).unwrap_or(0);
+    let entries = p.get(caller..)?.chunks_exact(8).take(n);
+    for e in entries {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(e);
+        let a = u64::from_le_bytes(w);
+        if a == u64::MAX {
+            break;
+        }
+        out.push_str("\n=> ");
+        match syms.lookup(a) {
+            Some(s) => {
+                crate::text::escape_guest_bytes(out, s.name.as_bytes());
+                out.push_str(" (");
+                out.push_str(&format!("{a:x})"));
+            }
+            None => out.push_str(&format!("{a:x}")),
+        }
+    }
+    Some(())
+}
+
+/// tlb_flush: `pages=N reason=TEXT (N)`.
+fn tlb_flush(out: &mut String, p: &[u8], [pages, reason]: &[FieldRef; 2]) -> Option<()> {
+    let mut num = itoa::Buffer::new();
+    out.push_str("pages=");
+    out.push_str(num.format(pages.int(p)? as i64));
+    out.push_str(" reason=");
+    let r = reason.int(p)? as i64;
+    out.push_str(match r {
+        0 => "flush on task switch",
+        1 => "remote shootdown",
+        2 => "local shootdown",
+        3 => "local mm shootdown",
+        _ => "",
+    });
+    out.push_str(" (");
+    out.push_str(num.format(r));
+    out.push(')');
+    Some(())
+}
+
+/// sys_enter_futex: `op=NAME[|FLAGS] uaddr=0x...` and the command's arguments; `None`
+/// for the commands whose event prints its print fmt.
+fn futex(out: &mut String, p: &[u8], [uaddr, op, val, utime, val3]: &[FieldRef; 5]) -> Option<()> {
+    let op = op.int(p)?;
+    // FUTEX_WAIT, FUTEX_WAKE, FUTEX_WAIT_BITSET: the commands seen in real
+    // traces; the others print the event's print fmt.
+    let (name, args) = match op & !0x180 {
+        0 => ("FUTEX_WAIT", 2),
+        1 => ("FUTEX_WAKE", 0),
+        9 => ("FUTEX_WAIT_BITSET", 3),
+        _ => return None,
+    };
+    out.push_str("op=");
+    out.push_str(name);
+    if op & 0x80 != 0 {
+        out.push_str("|FUTEX_PRIVATE_FLAG");
+    }
+    if op & 0x100 != 0 {
+        out.push_str("|FUTEX_CLOCK_REALTIME");
+    }
+    out.push_str(" uaddr=");
+    push_hex(out, uaddr.int(p)?);
+    let v = val.int(p)?;
+    if args == 0 {
+        out.push_str(" val=");
+        out.push_str(itoa::Buffer::new().format(v as u32));
+        return Some(());
+    }
+    let hex8 = |out: &mut String, v: u64| {
+        let h = format!("{v:x}");
+        out.push_str("0x");
+        out.extend(std::iter::repeat_n('0', 8usize.saturating_sub(h.len())));
+        out.push_str(&h);
+    };
+    out.push_str(" val=");
+    hex8(out, v);
+    out.push_str(" utime=");
+    hex8(out, utime.int(p)?);
+    if args == 3 {
+        out.push_str(" val3=");
+        hex8(out, val3.int(p)?);
+    }
+    Some(())
+}
+
+/// A kvm_mmu page role word: `level qQUADRANT[ direct] ACCESS[ invalid] [!]pae [!]nxe
+/// [!]wp[ smep][ smap][ smm]`.
+fn kvm_mmu_role(out: &mut String, r: u64) {
+    const ACCESS: [&str; 8] = ["---", "--x", "w--", "w-x", "-u-", "-ux", "wu-", "wux"];
+    let mut num = itoa::Buffer::new();
+    let bit = |n: u32| r >> n & 1 != 0;
+    out.push_str(num.format(r & 0xf));
+    out.push_str(" q");
+    out.push_str(num.format(r >> 5 & 3));
+    if bit(7) {
+        out.push_str(" direct");
+    }
+    out.push(' ');
+    out.push_str(ACCESS[(r >> 8 & 7) as usize]);
+    if bit(11) {
+        out.push_str(" invalid");
+    }
+    out.push_str(if bit(4) { " pae" } else { " !pae" });
+    out.push_str(if bit(12) { " nxe" } else { " !nxe" });
+    out.push_str(if bit(13) { " wp" } else { " !wp" });
+    if bit(14) {
+        out.push_str(" smep");
+    }
+    if bit(15) {
+        out.push_str(" smap");
+    }
+    if r >> 24 & 0xff != 0 {
+        out.push_str(" smm");
     }
 }
 

@@ -40,9 +40,10 @@ const MAX_SWAPS_PER_CALL: u32 = 4;
 /// buggy, crashed mid-operation, or hostile.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum ReadError {
-    /// The pack or layout is invalid.
+    /// The pack or layout is invalid. (The layout error is part of the text, not a
+    /// source: a chain printer would show it twice.)
     #[error("trace region: {0}")]
-    RingGeometry(#[from] LayoutError),
+    RingGeometry(LayoutError),
     /// A writer-domain operation failed.
     #[error("cpu {cpu}: {err}")]
     Ring {
@@ -206,6 +207,12 @@ pub enum ReadError {
     /// A configuration value is invalid.
     #[error("{0}")]
     Config(String),
+}
+
+impl From<LayoutError> for ReadError {
+    fn from(e: LayoutError) -> Self {
+        Self::RingGeometry(e)
+    }
 }
 
 /// Configuration of a trace buffer.

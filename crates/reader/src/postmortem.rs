@@ -207,17 +207,85 @@ pub fn walk_cpu<M: SharedMem + ?Sized, E>(
         d.warn(format!("cpu {cpu}: not in the region"));
         return Ok(d);
     }
-    let c = l.ctl(cpu);
     // The writer is gone: exact (R1; for a file, what it left).
     d.writer_index = crate::ctl_writer_index(mem, l, cpu);
-    let first = l.first_page(cpu);
-    let valid_footer = |id: u32| {
-        mem.load(l.footer_off(id) + footer::ID_MAGIC, Acquire)
-            == u64::from(id) | (u64::from(FOOTER_MAGIC) << 32)
+    let f = Footers { mem, l };
+    let uses_released = l.mode == Mode::Stop && l.guest_swap;
+    let (reader, reader_seq) = unconsumed_reader_page(&f, cpu, pos, uses_released, &mut d);
+    let mut order = ring_order(&f, cpu, reader, reader_seq, &mut d);
+    let at_pos = position_on_walk(&f, cpu, &order, pos, &mut d);
+    // P2: every event from `printed` on is dumped (by index: whatever page holds it);
+    // the ones below `expected` may also be in the reader's output.
+    let floor = pos.map(|p| p.printed.min(p.expected));
+    if let (Some(floor), false) = (floor, uses_released) {
+        let first_seq = order.first().map_or(u64::MAX, |&id| f.seq(id));
+        let older = older_pages(mem, l, cpu, &order, first_seq, floor);
+        if !older.is_empty() {
+            order.splice(0..0, older);
+        }
+    }
+    let expected = match (floor, reader) {
+        (Some(floor), _) => floor,
+        (None, Some(r)) => f.first_index(r),
+        (None, None) => order.first().map_or(0, |&id| f.first_index(id)),
     };
-    let seq_of = |id: u32| mem.load(l.footer_off(id) + footer::PAGE_SEQ, Acquire);
-    let raw_reader = mem.load(c + ctl::READER_PAGE, Acquire);
-    let reader = if l.owns(cpu, raw_reader) && valid_footer(raw_reader as u32) {
+    let mut w = PageWalk {
+        f,
+        cpu,
+        d,
+        expected,
+        consumed_to: pos.map_or(0, |p| p.expected),
+        pending_lost: 0,
+        at_pos,
+    };
+    let mut buf = vec![0u8; l.page_size];
+    let mut outbuf = vec![0u8; l.page_size];
+    for id in order {
+        if let Some(page) = w.page(id, &mut buf, &mut outbuf) {
+            out(page)?;
+        }
+    }
+    Ok(w.finish())
+}
+
+/// The footer words of a region's pages.
+struct Footers<'a, M: ?Sized> {
+    mem: &'a M,
+    l: &'a RingGeometry,
+}
+
+impl<M: SharedMem + ?Sized> Footers<'_, M> {
+    /// Whether page `id`'s footer names it (its id and the magic).
+    fn valid(&self, id: u32) -> bool {
+        self.mem
+            .load(self.l.footer_off(id) + footer::ID_MAGIC, Acquire)
+            == u64::from(id) | (u64::from(FOOTER_MAGIC) << 32)
+    }
+
+    fn seq(&self, id: u32) -> u64 {
+        self.mem
+            .load(self.l.footer_off(id) + footer::PAGE_SEQ, Acquire)
+    }
+
+    fn first_index(&self, id: u32) -> u64 {
+        self.mem
+            .load(self.l.footer_off(id) + footer::FIRST_INDEX, Acquire)
+    }
+}
+
+/// The reader page of `cpu` if the walk starts on it (one of the CPU's pages, its footer
+/// valid, not released or left by the reader), and the `page_seq` above which ring pages
+/// are walked.
+fn unconsumed_reader_page<M: SharedMem + ?Sized>(
+    f: &Footers<'_, M>,
+    cpu: u32,
+    pos: Option<Position>,
+    uses_released: bool,
+    d: &mut CpuDump,
+) -> (Option<u32>, u64) {
+    let c = f.l.ctl(cpu);
+    let raw_reader = f.mem.load(c + ctl::READER_PAGE, Acquire);
+    let reader = if f.l.owns(cpu, raw_reader) && f.valid(raw_reader as u32) {
         Some(raw_reader as u32)
     } else {
         d.warn(format!(
@@ -232,25 +300,38 @@ pub fn walk_cpu<M: SharedMem + ?Sized, E>(
     // page. A hostile value only moves where the walk starts; it is never trusted for
     // a bound.
     // Acquire: paired with the Release store of released in RingBuffer::advance_released.
-    let released = mem.load(c + ctl::RELEASED, Acquire);
-    let uses_released = l.mode == Mode::Stop && l.guest_swap;
+    let released = f.mem.load(c + ctl::RELEASED, Acquire);
     let reader = reader.filter(|&r| {
-        let consumed = (released != 0 && seq_of(r) <= released)
+        let consumed = (released != 0 && f.seq(r) <= released)
             || (uses_released && pos.is_some_and(|p| p.reader != r));
         !consumed
     });
-    let reader_seq = reader.map_or(released, seq_of);
-    // Ring pages with events the reader has not had, in ring order.
+    let reader_seq = reader.map_or(released, |r| f.seq(r));
+    (reader, reader_seq)
+}
+
+/// The pages to walk in order: `reader` first, then the ring pages with events the
+/// reader has not had (valid footers, `page_seq` above `reader_seq`), in ring order;
+/// foreign footers and repeated sequence numbers are skipped with a warning. Bounded by
+/// the CPU's page count.
+fn ring_order<M: SharedMem + ?Sized>(
+    f: &Footers<'_, M>,
+    cpu: u32,
+    reader: Option<u32>,
+    reader_seq: u64,
+    d: &mut CpuDump,
+) -> Vec<u32> {
+    let first = f.l.first_page(cpu);
     let mut ring: Vec<(u64, u32)> = Vec::new();
-    for id in first..first.saturating_add(l.pages_per_cpu) {
+    for id in first..first.saturating_add(f.l.pages_per_cpu) {
         if Some(id) == reader {
             continue;
         }
-        if !valid_footer(id) {
+        if !f.valid(id) {
             d.warn(format!("cpu {cpu}: page {id}: foreign footer, skipped"));
             continue;
         }
-        let seq = seq_of(id);
+        let seq = f.seq(id);
         if seq > reader_seq {
             ring.push((seq, id));
         }
@@ -269,14 +350,24 @@ pub fn walk_cpu<M: SharedMem + ?Sized, E>(
         last_seq = Some(seq);
         order.push(id);
     }
-    let first_of = |id: u32| mem.load(l.footer_off(id) + footer::FIRST_INDEX, Acquire);
+    order
+}
+
+/// `pos` if it names the walk's first page (else a warning: the walk goes by index).
+fn position_on_walk<M: SharedMem + ?Sized>(
+    f: &Footers<'_, M>,
+    cpu: u32,
+    order: &[u32],
+    pos: Option<Position>,
+    d: &mut CpuDump,
+) -> Option<Position> {
     // P1: the position names the walk's first page only when id, page_seq and
     // first_index all match (a page that came back with new contents is another page).
     let at_pos = order.first().and_then(|&id| {
         pos.filter(|p| {
             p.reader == id
                 && (cfg!(hyptrace_seeded_bug_page_inexact)
-                    || (p.page_seq == seq_of(id) && p.first_index == first_of(id)))
+                    || (p.page_seq == f.seq(id) && p.first_index == f.first_index(id)))
         })
     });
     if let (Some(p), None) = (pos, at_pos) {
@@ -285,85 +376,155 @@ pub fn walk_cpu<M: SharedMem + ?Sized, E>(
             p.reader, p.page_seq, p.first_index, p.printed.min(p.expected)
         ));
     }
-    // P2: every event from `printed` on is dumped (by index: whatever page holds it);
-    // the ones below `expected` may also be in the reader's output.
-    let floor = pos.map(|p| p.printed.min(p.expected));
-    if let (Some(f), Some(p), false) = (floor, pos, uses_released) {
-        let first_seq = order.first().map_or(u64::MAX, |&id| seq_of(id));
-        let older = older_pages(mem, l, cpu, &order, first_seq, f);
-        if !older.is_empty() {
-            order.splice(0..0, older);
-        }
-        let _ = p;
-    }
-    let mut expected = match (floor, reader) {
-        (Some(f), _) => f,
-        (None, Some(r)) => first_of(r),
-        (None, None) => order.first().map_or(0, |&id| first_of(id)),
-    };
-    let consumed_to = pos.map_or(0, |p| p.expected);
-    let mut pending_lost = 0u64;
-    let cap = l.data_capacity();
-    let mut buf = vec![0u8; l.page_size];
-    let mut outbuf = vec![0u8; l.page_size];
-    for id in order {
-        let off = l.page_off(id);
+    at_pos
+}
+
+/// The walk over the ordered pages of one CPU.
+struct PageWalk<'a, M: ?Sized> {
+    f: Footers<'a, M>,
+    cpu: u32,
+    d: CpuDump,
+    /// Index of the next event to dump.
+    expected: u64,
+    /// The index after the last event the reader consumed (0: no position).
+    consumed_to: u64,
+    /// Events lost since the last page handed out.
+    pending_lost: u64,
+    /// The position, when it names the walk's first page.
+    at_pos: Option<Position>,
+}
+
+/// The last event decoded on a page: its timestamp, and where its payload lies in the
+/// decoded bytes (offset, length).
+type LastEvent = Option<(u64, usize, usize)>;
+
+impl<M: SharedMem + ?Sized> PageWalk<'_, M> {
+    /// Page `id` (read into `buf`): its events from `expected` on, copied into `outbuf`
+    /// as a whole page, or `None` when it has none.
+    fn page<'o>(&mut self, id: u32, buf: &mut [u8], outbuf: &'o mut [u8]) -> Option<DumpPage<'o>> {
         // Every page starts at its first index: the loss before it is what its first
         // index says; events below `expected` (already in the output) are skipped by
         // index (P2).
-        let first_index = first_of(id);
-        if first_index > expected {
-            let gap = first_index - expected;
-            // Consumed, not recorded as printed, and on no page any more.
-            let end = consumed_to.min(first_index);
-            if end > expected {
-                let from = d.unplaced.map_or(expected, |r| r.0);
-                d.unplaced = Some((from, end - 1));
-            }
-            pending_lost = pending_lost.saturating_add(gap);
-            expected = first_index;
+        let first_index = self.f.first_index(id);
+        self.gap_before(first_index);
+        let skip_events = self.expected - first_index;
+        let len = self.read(id, buf);
+        let time_stamp = u64::from_le_bytes(buf[..8].try_into().unwrap_or([0; 8]));
+        let data = &buf[PAGE_HEADER_SIZE..PAGE_HEADER_SIZE + len];
+        let (start, clock) = self.unconsumed_start(id, data, time_stamp, skip_events)?;
+        let rest = &data[start..];
+        let (n, cut, last) = self.decode(id, rest, clock, start);
+        if n > 0 && self.expected < self.consumed_to {
+            let last = self
+                .expected
+                .saturating_add(n - 1)
+                .min(self.consumed_to - 1);
+            let from = self.d.may_repeat.map_or(self.expected, |r| r.0);
+            self.d.may_repeat = Some((from, last));
         }
-        let skip_events = expected - first_index;
+        self.expected = self.expected.saturating_add(n);
+        if n == 0 {
+            return None;
+        }
+        if let Some((ts, at, plen)) = last {
+            self.d.last_event = rest.get(at..at + plen).map(|p| (ts, p.to_vec()));
+        }
+        outbuf.fill(0);
+        outbuf[..8].copy_from_slice(&clock.to_le_bytes());
+        outbuf[COMMIT_OFFSET..COMMIT_OFFSET + 8].copy_from_slice(&(cut as u64).to_le_bytes());
+        outbuf[PAGE_HEADER_SIZE..PAGE_HEADER_SIZE + cut].copy_from_slice(&rest[..cut]);
+        let missed = core::mem::take(&mut self.pending_lost);
+        self.d.lost = self.d.lost.saturating_add(missed);
+        self.d.events = self.d.events.saturating_add(n);
+        self.d.pages += 1;
+        Some(DumpPage {
+            bytes: outbuf,
+            missed,
+            events: n,
+        })
+    }
+
+    /// A page starting above `expected`: the events between are lost (and, those the
+    /// reader consumed, unplaced).
+    fn gap_before(&mut self, first_index: u64) {
+        if first_index > self.expected {
+            let gap = first_index - self.expected;
+            // Consumed, not recorded as printed, and on no page any more.
+            let end = self.consumed_to.min(first_index);
+            if end > self.expected {
+                let from = self.d.unplaced.map_or(self.expected, |r| r.0);
+                self.d.unplaced = Some((from, end - 1));
+            }
+            self.pending_lost = self.pending_lost.saturating_add(gap);
+            self.expected = first_index;
+        }
+    }
+
+    /// Reads page `id` into `buf` (header and committed data); returns the data length,
+    /// clamped to the data area.
+    fn read(&mut self, id: u32, buf: &mut [u8]) -> usize {
+        let off = self.f.l.page_off(id);
+        let cap = self.f.l.data_capacity();
         // Acquire: paired with the Release store of commit in Writer::write (W1).
-        let commit = mem.load(off + COMMIT_OFFSET, Acquire);
+        let commit = self.f.mem.load(off + COMMIT_OFFSET, Acquire);
         let mut len = (commit & COMMIT_LEN_MASK) as usize;
         if len > cap {
-            d.warn(format!(
-                "cpu {cpu}: page {id}: commit {len} past the data area ({cap}): clamped"
+            self.d.warn(format!(
+                "cpu {}: page {id}: commit {len} past the data area ({cap}): clamped",
+                self.cpu
             ));
             len = cap;
         }
-        mem.read_bytes(off, &mut buf[..PAGE_HEADER_SIZE + len]);
-        let time_stamp = u64::from_le_bytes(buf[..8].try_into().unwrap_or([0; 8]));
-        let data = &buf[PAGE_HEADER_SIZE..PAGE_HEADER_SIZE + len];
-        // The clock where the unconsumed part starts (bounded: each record ≥ 4 bytes).
-        let mut start = 0usize;
-        let mut clock = time_stamp;
-        let resume = at_pos.filter(|p| {
+        self.f
+            .mem
+            .read_bytes(off, &mut buf[..PAGE_HEADER_SIZE + len]);
+        len
+    }
+
+    /// Where the unconsumed part of page `id` starts in `data` and the clock there,
+    /// after `skip_events` events already in the output; `None` when the whole page is
+    /// below `expected`. Bounded: each record is at least 4 bytes.
+    fn unconsumed_start(
+        &mut self,
+        id: u32,
+        data: &[u8],
+        time_stamp: u64,
+        skip_events: u64,
+    ) -> Option<(usize, u64)> {
+        let resume = self.at_pos.filter(|p| {
             cfg!(hyptrace_seeded_bug_page_inexact) && p.reader == id && p.printed >= p.expected
         });
         if let Some(p) = resume {
             // Seeded bug (P1): resumes at the record's byte offset on the page it names,
             // the page named by its id alone (docs/fuzzing.md, the flight model).
-            start = (p.consumed as usize).min(len);
-            expected = p.expected;
-        } else if skip_events > 0 {
-            let mut it = page::Events::new(data, time_stamp);
-            let mut k = 0u64;
-            while k < skip_events {
-                match it.next() {
-                    Some(Ok(_)) => k += 1,
-                    Some(Err(_)) | None => break,
-                }
-            }
-            if k < skip_events {
-                // The whole page is below `expected`: already output.
-                continue;
-            }
-            start = it.offset();
-            clock = it.clock();
+            self.expected = p.expected;
+            return Some(((p.consumed as usize).min(data.len()), time_stamp));
         }
-        let rest = &data[start..];
+        if skip_events == 0 {
+            return Some((0, time_stamp));
+        }
+        let mut it = page::Events::new(data, time_stamp);
+        let mut k = 0u64;
+        while k < skip_events {
+            match it.next() {
+                Some(Ok(_)) => k += 1,
+                Some(Err(_)) | None => break,
+            }
+        }
+        // Fewer events than to skip: the whole page is below `expected`, already output.
+        (k == skip_events).then(|| (it.offset(), it.clock()))
+    }
+
+    /// Decodes the events of `rest` (starting at data offset `start` of page `id`):
+    /// their count, where the page is cut (at the first event that does not decode, or
+    /// its end) and the last event.
+    fn decode(
+        &mut self,
+        id: u32,
+        rest: &[u8],
+        clock: u64,
+        start: usize,
+    ) -> (u64, usize, LastEvent) {
         let mut n = 0u64;
         let mut cut = rest.len();
         let mut last = None;
@@ -379,8 +540,9 @@ pub fn walk_cpu<M: SharedMem + ?Sized, E>(
                         page::DecodeError::Truncated { offset }
                         | page::DecodeError::BadLength { offset } => offset,
                     };
-                    d.warn(format!(
-                        "cpu {cpu}: page {id}: {e} (at data offset {}): the page is cut there",
+                    self.d.warn(format!(
+                        "cpu {}: page {id}: {e} (at data offset {}): the page is cut there",
+                        self.cpu,
                         start + at
                     ));
                     cut = at;
@@ -388,44 +550,25 @@ pub fn walk_cpu<M: SharedMem + ?Sized, E>(
                 }
             }
         }
-        if n > 0 && expected < consumed_to {
-            let last = expected.saturating_add(n - 1).min(consumed_to - 1);
-            let from = d.may_repeat.map_or(expected, |r| r.0);
-            d.may_repeat = Some((from, last));
-        }
-        expected = expected.saturating_add(n);
-        if n == 0 {
-            continue;
-        }
-        if let Some((ts, at, plen)) = last {
-            d.last_event = rest.get(at..at + plen).map(|p| (ts, p.to_vec()));
-        }
-        outbuf.fill(0);
-        outbuf[..8].copy_from_slice(&clock.to_le_bytes());
-        outbuf[COMMIT_OFFSET..COMMIT_OFFSET + 8].copy_from_slice(&(cut as u64).to_le_bytes());
-        outbuf[PAGE_HEADER_SIZE..PAGE_HEADER_SIZE + cut].copy_from_slice(&rest[..cut]);
-        let missed = core::mem::take(&mut pending_lost);
-        d.lost = d.lost.saturating_add(missed);
-        d.events = d.events.saturating_add(n);
-        d.pages += 1;
-        out(DumpPage {
-            bytes: &outbuf,
-            missed,
-            events: n,
-        })?;
+        (n, cut, last)
     }
-    // Losses with no page after them, and what the writer counted past the pages.
-    let trailing = d.writer_index.saturating_sub(expected);
-    // P2: the reader may have consumed some of these (stop-mode drops it counted as
-    // lost) without recording them as printed: they are unplaced as the gaps above.
-    let end = consumed_to.min(d.writer_index);
-    if end > expected {
-        let from = d.unplaced.map_or(expected, |r| r.0);
-        d.unplaced = Some((from, end - 1));
+
+    /// The dump, with the losses after the last page.
+    fn finish(mut self) -> CpuDump {
+        let d = &mut self.d;
+        // Losses with no page after them, and what the writer counted past the pages.
+        let trailing = d.writer_index.saturating_sub(self.expected);
+        // P2: the reader may have consumed some of these (stop-mode drops it counted as
+        // lost) without recording them as printed: they are unplaced as the gaps above.
+        let end = self.consumed_to.min(d.writer_index);
+        if end > self.expected {
+            let from = d.unplaced.map_or(self.expected, |r| r.0);
+            d.unplaced = Some((from, end - 1));
+        }
+        d.trailing_lost = trailing.saturating_add(self.pending_lost);
+        d.end_index = self.expected.max(d.writer_index);
+        self.d
     }
-    d.trailing_lost = trailing.saturating_add(pending_lost);
-    d.end_index = expected.max(d.writer_index);
-    Ok(d)
 }
 
 /// P2: the pages of `cpu` older than the walk (`page_seq` below `first_seq`, not in

@@ -157,6 +157,48 @@ fn area(name: &str, off: u32, count: u32, size: usize, len: usize) -> Result<(),
 /// left it, state READY). Bounded: at most [`MAX_EVENTS`] entries and [`MAX_FIELDS`]
 /// fields are looked at, every string is at most [`MAX_PRINT_FMT`] bytes.
 pub fn parse_table(bytes: &[u8]) -> Result<Registry, TableError> {
+    let h = check_header(bytes)?;
+    let nr_entries = h.nr_events.min(MAX_EVENTS as u32);
+    check_areas(&h, nr_entries, bytes.len())?;
+    let strings = &bytes[h.strings_off as usize..][..h.strings_size as usize];
+    let fields: Vec<FieldEntry> = (0..h.nr_fields as usize)
+        .filter_map(|i| {
+            FieldEntry::read_from_prefix(&bytes[h.fields_off as usize + i * FIELD_SIZE..])
+                .ok()
+                .map(|(f, _)| f)
+        })
+        .collect();
+
+    let mut t = Taken::default();
+    let mut reg = Registry {
+        nr_entries,
+        entries_off: h.entries_off,
+        ..Registry::default()
+    };
+    for i in 0..nr_entries {
+        let off = h.entries_off as usize + i as usize * ENTRY_SIZE;
+        let Ok((e, _)) = EventEntry::read_from_prefix(&bytes[off..]) else {
+            continue; // unreachable: the area check covered it
+        };
+        t.entry(&mut reg, i, &e, strings, &fields);
+    }
+    if h.nr_events > nr_entries {
+        reg.rejected.push(Rejection {
+            index: nr_entries,
+            label: "?".into(),
+            reason: format!(
+                "this entry and the {} after it: more than {MAX_EVENTS} events",
+                h.nr_events - nr_entries - 1
+            ),
+        });
+    }
+    t.assign_dynamic_ids(&mut reg);
+    Ok(reg)
+}
+
+/// The header of a table, checked: size limit, magic, state, version and sizes, field
+/// count.
+fn check_header(bytes: &[u8]) -> Result<TableHeader, TableError> {
     if bytes.len() > MAX_TABLE_SIZE {
         return Err(bad(format!(
             "{} bytes is over the {MAX_TABLE_SIZE}-byte limit",
@@ -191,82 +233,65 @@ pub fn parse_table(bytes: &[u8]) -> Result<Registry, TableError> {
             h.nr_fields
         )));
     }
-    let nr_entries = h.nr_events.min(MAX_EVENTS as u32);
+    Ok(h)
+}
+
+/// The entries (the first `nr_entries`), fields and strings of header `h` lie 8-aligned
+/// inside the `len`-byte table, after its header: every later slice of them is in bounds.
+fn check_areas(h: &TableHeader, nr_entries: u32, len: usize) -> Result<(), TableError> {
     if !h.entries_off.is_multiple_of(8) || !h.fields_off.is_multiple_of(8) {
         return Err(bad(format!(
             "entries at {} or fields at {} not 8-aligned",
             h.entries_off, h.fields_off
         )));
     }
-    area(
-        "entries",
-        h.entries_off,
-        nr_entries,
-        ENTRY_SIZE,
-        bytes.len(),
-    )?;
-    area("fields", h.fields_off, h.nr_fields, FIELD_SIZE, bytes.len())?;
-    area("strings", h.strings_off, h.strings_size, 1, bytes.len())?;
-    let strings = &bytes[h.strings_off as usize..][..h.strings_size as usize];
-    let fields: Vec<FieldEntry> = (0..h.nr_fields as usize)
-        .filter_map(|i| {
-            FieldEntry::read_from_prefix(&bytes[h.fields_off as usize + i * FIELD_SIZE..])
-                .ok()
-                .map(|(f, _)| f)
-        })
-        .collect();
+    area("entries", h.entries_off, nr_entries, ENTRY_SIZE, len)?;
+    area("fields", h.fields_off, h.nr_fields, FIELD_SIZE, len)?;
+    area("strings", h.strings_off, h.strings_size, 1, len)
+}
 
-    let mut reg = Registry {
-        nr_entries,
-        entries_off: h.entries_off,
-        ..Registry::default()
-    };
-    let mut names: BTreeMap<(String, String), u32> = BTreeMap::new();
-    let mut slots: BTreeMap<u32, u32> = BTreeMap::new();
-    let mut ids: BTreeSet<u16> = BTreeSet::new();
-    let mut want: Vec<(usize, u32)> = Vec::new();
-    for i in 0..nr_entries {
-        let off = h.entries_off as usize + i as usize * ENTRY_SIZE;
-        let Ok((e, _)) = EventEntry::read_from_prefix(&bytes[off..]) else {
-            continue; // unreachable: the area check covered it
-        };
+/// What the entries accepted so far hold: their names, enable bits and requested ids,
+/// and which accepted events still need an id.
+#[derive(Default)]
+struct Taken {
+    names: BTreeMap<(String, String), u32>,
+    slots: BTreeMap<u32, u32>,
+    ids: BTreeSet<u16>,
+    /// Per accepted event (index in `Registry::events`): the id it asked for and got, or
+    /// 0 when it gets the next free one.
+    want: Vec<(usize, u32)>,
+}
+
+impl Taken {
+    /// Checks entry `i` on its own and against the accepted ones; accepts it into `reg`
+    /// or records its rejection.
+    fn entry(
+        &mut self,
+        reg: &mut Registry,
+        i: u32,
+        e: &EventEntry,
+        strings: &[u8],
+        fields: &[FieldEntry],
+    ) {
         let system = ident(strings, e.system, "system");
         let name = ident(strings, e.name, "name");
         let label = match (&system, &name) {
             (Ok(s), Ok(n)) => format!("{s}:{n}"),
             _ => "?".into(),
         };
-        let checked = system.and_then(|system| {
-            let name = name?;
-            if RESERVED_SYSTEMS.contains(&system.as_str()) {
-                return Err(format!(
-                    "system {system} is reserved for the VMM's own events"
-                ));
-            }
-            let r = check_entry(&e, strings, &fields)?;
-            if let Some(&prev) = names.get(&(system.clone(), name.clone())) {
-                return Err(format!(
-                    "{system}:{name} is already registered by event {prev}"
-                ));
-            }
-            if let Some(&prev) = slots.get(&e.slot) {
-                return Err(format!(
-                    "enable bit {} is already used by event {prev}",
-                    e.slot
-                ));
-            }
-            Ok((system, name, r))
-        });
+        let checked = system
+            .map_err(EntryError::from)
+            .and_then(|system| self.check(e, system, name?, strings, fields));
         match checked {
             Ok((system, name, (fields, print_fmt))) => {
-                names.insert((system.clone(), name.clone()), i);
-                slots.insert(e.slot, i);
+                self.names.insert((system.clone(), name.clone()), i);
+                self.slots.insert(e.slot, i);
                 let requested = e.requested_id as u16;
-                if requested != 0 && requested < FIRST_VMM_ID && !ids.contains(&requested) {
-                    ids.insert(requested);
-                    want.push((reg.events.len(), u32::from(requested)));
+                if requested != 0 && requested < FIRST_VMM_ID && !self.ids.contains(&requested) {
+                    self.ids.insert(requested);
+                    self.want.push((reg.events.len(), u32::from(requested)));
                 } else {
-                    want.push((reg.events.len(), 0));
+                    self.want.push((reg.events.len(), 0));
                 }
                 reg.events.push(Registration {
                     index: i,
@@ -282,66 +307,177 @@ pub fn parse_table(bytes: &[u8]) -> Result<Registry, TableError> {
             Err(reason) => reg.rejected.push(Rejection {
                 index: i,
                 label,
-                reason,
+                reason: reason.to_string(),
             }),
         }
     }
-    if h.nr_events > nr_entries {
-        reg.rejected.push(Rejection {
-            index: nr_entries,
-            label: "?".into(),
-            reason: format!(
-                "this entry and the {} after it: more than {MAX_EVENTS} events",
-                h.nr_events - nr_entries - 1
-            ),
-        });
-    }
-    // Entries that asked for no id, or for one an earlier entry got: the next free id.
-    let mut next = FIRST_DYNAMIC_ID;
-    for (k, requested) in want {
-        if requested != 0 {
-            continue;
+
+    /// An entry whose system and name are identifiers: not reserved, valid on its own
+    /// ([`check_entry`]), its name and enable bit not taken by an accepted entry.
+    fn check(
+        &self,
+        e: &EventEntry,
+        system: String,
+        name: String,
+        strings: &[u8],
+        fields: &[FieldEntry],
+    ) -> Result<(String, String, Checked), EntryError> {
+        if RESERVED_SYSTEMS.contains(&system.as_str()) {
+            return Err(EntryError::ReservedSystem(system));
         }
-        while ids.contains(&next) {
-            next += 1; // at most MAX_EVENTS ids are taken: no overflow from 2000
+        let r = check_entry(e, strings, fields)?;
+        if let Some(&prev) = self.names.get(&(system.clone(), name.clone())) {
+            return Err(EntryError::NameTaken { system, name, prev });
         }
-        ids.insert(next);
-        reg.events[k].id = next;
+        if let Some(&prev) = self.slots.get(&e.slot) {
+            return Err(EntryError::SlotTaken { slot: e.slot, prev });
+        }
+        Ok((system, name, r))
     }
-    Ok(reg)
+
+    /// Entries that asked for no id, or for one an earlier entry got: the next free id.
+    fn assign_dynamic_ids(&mut self, reg: &mut Registry) {
+        let mut next = FIRST_DYNAMIC_ID;
+        for &(k, requested) in &self.want {
+            if requested != 0 {
+                continue;
+            }
+            while self.ids.contains(&next) {
+                next += 1; // at most MAX_EVENTS ids are taken: no overflow from 2000
+            }
+            self.ids.insert(next);
+            reg.events[k].id = next;
+        }
+    }
 }
 
-fn string(strings: &[u8], r: StrRef, what: &str, max: usize) -> Result<String, String> {
+/// Why a string of the table (a name, a C type, a print fmt) is unusable.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+enum StrError {
+    #[error("{what} length {len} is not in 1..={max}")]
+    Length {
+        what: &'static str,
+        len: usize,
+        max: usize,
+    },
+    #[error("{what} ({len} bytes at {off}) lies outside the {area}-byte string area")]
+    Outside {
+        what: &'static str,
+        len: usize,
+        off: u32,
+        area: usize,
+    },
+    #[error("{what} has bytes that are not printable ASCII")]
+    NotPrintable { what: &'static str },
+    #[error("{what} {text:?} is not an identifier ([A-Za-z_][A-Za-z0-9_]*)")]
+    NotIdentifier { what: &'static str, text: String },
+}
+
+/// Why one entry is rejected (its [`Rejection::reason`] is this error's text).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+enum EntryError {
+    #[error(transparent)]
+    Str(#[from] StrError),
+    #[error("system {0} is reserved for the VMM's own events")]
+    ReservedSystem(String),
+    #[error("{system}:{name} is already registered by event {prev}")]
+    NameTaken {
+        system: String,
+        name: String,
+        prev: u32,
+    },
+    #[error("enable bit {slot} is already used by event {prev}")]
+    SlotTaken { slot: u32, prev: u32 },
+    #[error("reserved flags {0:#x} are not zero")]
+    ReservedFlags(u32),
+    #[error("enable bit {0} is out of range (0..{NR_SLOTS})")]
+    SlotRange(u32),
+    #[error("requested id {0} is not a 16-bit id")]
+    RequestedId(u32),
+    #[error("record size {0} is not in {COMMON_HEADER_SIZE}..={MAX_RECORD}")]
+    RecordSize(usize),
+    #[error("print fmt does not start with a quoted format string")]
+    PrintFmtUnquoted,
+    #[error("{0} fields is over the limit of {MAX_FIELDS_PER_EVENT} per event")]
+    TooManyFields(u32),
+    #[error("fields {first}..+{count} lie outside the table's {total} field entries")]
+    FieldsOutside {
+        first: u32,
+        count: u32,
+        total: usize,
+    },
+    /// A field's name is unusable (the problem is printed, not kept as a source: it is
+    /// part of this text).
+    #[error("field {index}: {problem}")]
+    FieldName { index: usize, problem: StrError },
+    #[error("field {index} ({name}): {problem}")]
+    Field {
+        index: usize,
+        name: String,
+        problem: FieldProblem,
+    },
+}
+
+/// What is wrong with a field whose name is an identifier.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+enum FieldProblem {
+    #[error("{0}")]
+    CType(StrError),
+    #[error("names starting with common_ are the common header's")]
+    CommonName,
+    #[error("same name as field {0}")]
+    SameName(usize),
+    #[error("unknown C type {0:?}")]
+    UnknownType(String),
+    #[error("size {size} does not match {ctype} ({want} bytes)")]
+    Size { size: u32, ctype: String, want: u32 },
+    #[error("signed {signed} does not match {ctype} ({want})")]
+    Signed {
+        signed: u32,
+        ctype: String,
+        want: u8,
+    },
+    #[error("reserved word is not zero")]
+    Reserved,
+    #[error("bytes {from}..{end} lie outside the record's fields ({COMMON_HEADER_SIZE}..{size})")]
+    OutsideRecord { from: u32, end: u64, size: usize },
+    #[error("bytes {from}..{end} overlap field {other} ({other_name})")]
+    Overlap {
+        from: u32,
+        end: u64,
+        other: usize,
+        other_name: String,
+    },
+}
+
+fn string(strings: &[u8], r: StrRef, what: &'static str, max: usize) -> Result<String, StrError> {
     let len = r.len as usize;
     if len == 0 || len > max {
-        return Err(format!("{what} length {len} is not in 1..={max}"));
+        return Err(StrError::Length { what, len, max });
     }
     let b = (r.off as usize)
         .checked_add(len)
         .and_then(|end| strings.get(r.off as usize..end))
-        .ok_or_else(|| {
-            format!(
-                "{what} ({len} bytes at {}) lies outside the {}-byte string area",
-                r.off,
-                strings.len()
-            )
+        .ok_or(StrError::Outside {
+            what,
+            len,
+            off: r.off,
+            area: strings.len(),
         })?;
     if !b.iter().all(|c| (0x20..0x7f).contains(c)) {
-        return Err(format!("{what} has bytes that are not printable ASCII"));
+        return Err(StrError::NotPrintable { what });
     }
     Ok(String::from_utf8_lossy(b).into_owned())
 }
 
-fn ident(strings: &[u8], r: StrRef, what: &str) -> Result<String, String> {
+fn ident(strings: &[u8], r: StrRef, what: &'static str) -> Result<String, StrError> {
     let s = string(strings, r, what, MAX_NAME)?;
     let ok = s
         .bytes()
         .enumerate()
         .all(|(i, c)| c == b'_' || c.is_ascii_alphabetic() || (i > 0 && c.is_ascii_digit()));
     if !ok {
-        return Err(format!(
-            "{what} {s:?} is not an identifier ([A-Za-z_][A-Za-z0-9_]*)"
-        ));
+        return Err(StrError::NotIdentifier { what, text: s });
     }
     Ok(s)
 }
@@ -365,106 +501,116 @@ fn type_size(ctype: &str) -> Option<(u32, bool)> {
 
 type Checked = (Vec<RegField>, String);
 
-fn check_entry(e: &EventEntry, strings: &[u8], fields: &[FieldEntry]) -> Result<Checked, String> {
+fn check_entry(
+    e: &EventEntry,
+    strings: &[u8],
+    fields: &[FieldEntry],
+) -> Result<Checked, EntryError> {
     if e.flags != 0 || e.reserved != 0 {
-        return Err(format!("reserved flags {:#x} are not zero", e.flags));
+        return Err(EntryError::ReservedFlags(e.flags));
     }
     if e.slot >= NR_SLOTS {
-        return Err(format!(
-            "enable bit {} is out of range (0..{NR_SLOTS})",
-            e.slot
-        ));
+        return Err(EntryError::SlotRange(e.slot));
     }
     if e.requested_id > u32::from(u16::MAX) {
-        return Err(format!(
-            "requested id {} is not a 16-bit id",
-            e.requested_id
-        ));
+        return Err(EntryError::RequestedId(e.requested_id));
     }
     let size = e.size as usize;
     if !(COMMON_HEADER_SIZE..=MAX_RECORD).contains(&size) {
-        return Err(format!(
-            "record size {size} is not in {COMMON_HEADER_SIZE}..={MAX_RECORD}"
-        ));
+        return Err(EntryError::RecordSize(size));
     }
     let print_fmt = string(strings, e.print_fmt, "print fmt", MAX_PRINT_FMT)?;
     if !print_fmt.starts_with('"') {
-        return Err("print fmt does not start with a quoted format string".into());
+        return Err(EntryError::PrintFmtUnquoted);
     }
     if e.nr_fields as usize > MAX_FIELDS_PER_EVENT {
-        return Err(format!(
-            "{} fields is over the limit of {MAX_FIELDS_PER_EVENT} per event",
-            e.nr_fields
-        ));
+        return Err(EntryError::TooManyFields(e.nr_fields));
     }
     let range = (e.first_field as usize)
         .checked_add(e.nr_fields as usize)
         .and_then(|end| fields.get(e.first_field as usize..end))
-        .ok_or_else(|| {
-            format!(
-                "fields {}..+{} lie outside the table's {} field entries",
-                e.first_field,
-                e.nr_fields,
-                fields.len()
-            )
+        .ok_or(EntryError::FieldsOutside {
+            first: e.first_field,
+            count: e.nr_fields,
+            total: fields.len(),
         })?;
     let mut out: Vec<RegField> = Vec::with_capacity(range.len());
     for (k, f) in range.iter().enumerate() {
-        let name = ident(strings, f.name, "name").map_err(|r| format!("field {k}: {r}"))?;
-        let ctype = string(strings, f.ctype, "C type", MAX_TYPE)
-            .map_err(|r| format!("field {k} ({name}): {r}"))?;
-        if name.starts_with("common_") {
-            return Err(format!(
-                "field {k} ({name}): names starting with common_ are the common header's"
-            ));
-        }
-        if let Some(prev) = out.iter().position(|o| o.name == name) {
-            return Err(format!("field {k} ({name}): same name as field {prev}"));
-        }
-        let Some((tsize, tsigned)) = type_size(&ctype) else {
-            return Err(format!("field {k} ({name}): unknown C type {ctype:?}"));
-        };
-        if f.size != tsize {
-            return Err(format!(
-                "field {k} ({name}): size {} does not match {ctype} ({tsize} bytes)",
-                f.size
-            ));
-        }
-        if f.signed > 1 || (f.signed == 1) != tsigned {
-            return Err(format!(
-                "field {k} ({name}): signed {} does not match {ctype} ({})",
-                f.signed,
-                u8::from(tsigned)
-            ));
-        }
-        if f.reserved != 0 {
-            return Err(format!("field {k} ({name}): reserved word is not zero"));
-        }
-        let end = u64::from(f.offset) + u64::from(f.size);
-        if (f.offset as usize) < COMMON_HEADER_SIZE || end > size as u64 {
-            return Err(format!(
-                "field {k} ({name}): bytes {}..{end} lie outside the record's fields ({COMMON_HEADER_SIZE}..{size})",
-                f.offset
-            ));
-        }
-        if let Some((j, o)) = out.iter().enumerate().find(|(_, o)| {
-            u64::from(o.offset) < end && u64::from(f.offset) < u64::from(o.offset + o.size)
-        }) {
-            return Err(format!(
-                "field {k} ({name}): bytes {}..{end} overlap field {j} ({})",
-                f.offset, o.name
-            ));
-        }
-        out.push(RegField {
-            name,
-            ctype,
-            offset: f.offset,
-            size: f.size,
-            signed: tsigned,
-        });
+        let name = ident(strings, f.name, "name")
+            .map_err(|problem| EntryError::FieldName { index: k, problem })?;
+        let field =
+            check_field(f, &name, strings, &out, size).map_err(|problem| EntryError::Field {
+                index: k,
+                name: name.clone(),
+                problem,
+            })?;
+        out.push(field);
     }
     out.sort_by_key(|f| f.offset);
     Ok((out, print_fmt))
+}
+
+/// Field `f` named `name` (an identifier) of a record of `size` bytes, against the
+/// fields before it (`prev`, in table order).
+fn check_field(
+    f: &FieldEntry,
+    name: &str,
+    strings: &[u8],
+    prev: &[RegField],
+    size: usize,
+) -> Result<RegField, FieldProblem> {
+    let ctype = string(strings, f.ctype, "C type", MAX_TYPE).map_err(FieldProblem::CType)?;
+    if name.starts_with("common_") {
+        return Err(FieldProblem::CommonName);
+    }
+    if let Some(other) = prev.iter().position(|o| o.name == name) {
+        return Err(FieldProblem::SameName(other));
+    }
+    let Some((tsize, tsigned)) = type_size(&ctype) else {
+        return Err(FieldProblem::UnknownType(ctype));
+    };
+    if f.size != tsize {
+        return Err(FieldProblem::Size {
+            size: f.size,
+            ctype,
+            want: tsize,
+        });
+    }
+    if f.signed > 1 || (f.signed == 1) != tsigned {
+        return Err(FieldProblem::Signed {
+            signed: f.signed,
+            ctype,
+            want: u8::from(tsigned),
+        });
+    }
+    if f.reserved != 0 {
+        return Err(FieldProblem::Reserved);
+    }
+    let end = u64::from(f.offset) + u64::from(f.size);
+    if (f.offset as usize) < COMMON_HEADER_SIZE || end > size as u64 {
+        return Err(FieldProblem::OutsideRecord {
+            from: f.offset,
+            end,
+            size,
+        });
+    }
+    if let Some((j, o)) = prev.iter().enumerate().find(|(_, o)| {
+        u64::from(o.offset) < end && u64::from(f.offset) < u64::from(o.offset + o.size)
+    }) {
+        return Err(FieldProblem::Overlap {
+            from: f.offset,
+            end,
+            other: j,
+            other_name: o.name.clone(),
+        });
+    }
+    Ok(RegField {
+        name: name.to_string(),
+        ctype,
+        offset: f.offset,
+        size: f.size,
+        signed: tsigned,
+    })
 }
 
 /// Reads the table of the region described by `l` from `mem` (one snapshot) and parses

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use hyptrace_abi::layout::{ctl, RingGeometry};
 use hyptrace_abi::SharedMem;
-use hyptrace_output::format::common_fields;
+use hyptrace_output::format::{common_fields, glob};
 use hyptrace_output::{EventFormat, Field};
 use hyptrace_reader::registry::{
     answer, read_table, refuse, RegField, Registration, Registry, Rejection, TableError,
@@ -105,30 +105,6 @@ pub fn to_format(r: &Registration) -> EventFormat {
             .collect(),
         print_fmt: r.print_fmt.clone(),
     }
-}
-
-/// Whether `text` matches the glob `pat` (`*` any run, `?` one character). Iterative,
-/// O(len(pat) × len(text)) at worst.
-fn glob(pat: &str, text: &str) -> bool {
-    let (p, t) = (pat.as_bytes(), text.as_bytes());
-    let (mut i, mut j) = (0, 0);
-    let mut star: Option<(usize, usize)> = None;
-    while j < t.len() {
-        if i < p.len() && (p[i] == b'?' || p[i] == t[j]) {
-            i += 1;
-            j += 1;
-        } else if i < p.len() && p[i] == b'*' {
-            star = Some((i, j));
-            i += 1;
-        } else if let Some((si, sj)) = star {
-            i = si + 1;
-            j = sj + 1;
-            star = Some((si, sj + 1));
-        } else {
-            return false;
-        }
-    }
-    p[i..].iter().all(|&c| c == b'*')
 }
 
 /// Whether pattern `pat` names event `system:name`: `all`, `SYSTEM:EVENT` (globs in

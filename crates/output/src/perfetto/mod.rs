@@ -103,44 +103,12 @@ impl PerfettoSink {
 
     fn new(out: Out, meta: TraceMeta) -> Result<Self, OutputError> {
         meta.validate()?;
-        let mut interned = InternedData::default();
-        let mut category_iids = BTreeMap::new();
-        let mut arg_iids = BTreeMap::new();
-        let mut event_iids = BTreeMap::new();
-        let mut category = |name: &str, interned: &mut InternedData| -> u64 {
-            let n = category_iids.len() as u64 + 1;
-            *category_iids.entry(name.to_string()).or_insert_with(|| {
-                interned.event_categories.push(EventCategory {
-                    iid: Some(n),
-                    name: Some(name.to_string()),
-                });
-                n
-            })
-        };
-        category(CAT_LOSS, &mut interned);
-        category(CAT_UNKNOWN, &mut interned);
-        let mut arg = |name: &str, interned: &mut InternedData| {
-            let n = arg_iids.len() as u64 + 1;
-            arg_iids.entry(name.to_string()).or_insert_with(|| {
-                interned.debug_annotation_names.push(DebugAnnotationName {
-                    iid: Some(n),
-                    name: Some(name.to_string()),
-                });
-                n
-            });
-        };
-        arg(ARG_COUNT, &mut interned);
-        for (i, f) in meta.formats.iter().enumerate() {
-            let name = i as u64 + 1;
-            interned.event_names.push(EventName {
-                iid: Some(name),
-                name: Some(f.name.clone()),
-            });
-            event_iids.insert(f.id, (name, category(&f.system, &mut interned)));
-            for fd in &f.fields {
-                arg(&fd.name, &mut interned);
-            }
-        }
+        let Interned {
+            data,
+            event_iids,
+            category_iids,
+            arg_iids,
+        } = Interned::of(&meta);
         let mut s = Self {
             scratch: vec![0; meta.page_size],
             last: vec![0; meta.nr_cpus as usize],
@@ -151,30 +119,7 @@ impl PerfettoSink {
             category_iids,
             arg_iids,
         };
-        s.push(TracePacket {
-            timestamp: Some(0),
-            timestamp_clock_id: Some(BuiltinClock::Boottime as u32),
-            sequence_flags: Some(trace_packet::SequenceFlags::SeqIncrementalStateCleared as u32),
-            incremental_state_cleared: Some(true),
-            first_packet_on_sequence: Some(true),
-            interned_data: Some(interned),
-            data: Some(trace_packet::Data::ClockSnapshot(ClockSnapshot {
-                clocks: vec![
-                    clock_snapshot::Clock {
-                        clock_id: Some(CLOCK_ID),
-                        timestamp: Some(0),
-                        ..Default::default()
-                    },
-                    clock_snapshot::Clock {
-                        clock_id: Some(BuiltinClock::Boottime as u32),
-                        timestamp: Some(0),
-                        ..Default::default()
-                    },
-                ],
-                primary_trace_clock: Some(BuiltinClock::Boottime as i32),
-            })),
-            ..Default::default()
-        });
+        s.push(first_packet(data));
         s.push(descriptor(TrackDescriptor {
             uuid: Some(PROCESS_UUID),
             process: Some(ProcessDescriptor {
@@ -185,23 +130,8 @@ impl PerfettoSink {
             ..Default::default()
         }));
         for cpu in 0..s.meta.nr_cpus {
-            let pid = hyptrace_abi::events::vcpu_pid(cpu);
-            let name = s
-                .meta
-                .cmdlines
-                .get(&pid)
-                .cloned()
-                .unwrap_or_else(|| format!("vcpu{cpu}"));
-            s.push(descriptor(TrackDescriptor {
-                uuid: Some(vcpu_track_uuid(cpu)),
-                parent_uuid: Some(PROCESS_UUID),
-                thread: Some(ThreadDescriptor {
-                    pid: Some(crate::JSON_PID as i32),
-                    tid: Some(pid),
-                    thread_name: Some(name),
-                }),
-                ..Default::default()
-            }));
+            let track = vcpu_track(&s.meta, cpu);
+            s.push(track);
         }
         s.flush()?;
         Ok(s)
@@ -359,6 +289,121 @@ fn descriptor(d: TrackDescriptor) -> TracePacket {
         data: Some(trace_packet::Data::TrackDescriptor(d)),
         ..Default::default()
     }
+}
+
+/// The strings interned once at the start (from the formats): event names, categories
+/// (systems, and hyptrace's own) and annotation names (fields, and the loss count).
+struct Interned {
+    data: InternedData,
+    /// Event id → (name iid, category iid).
+    event_iids: BTreeMap<u16, (u64, u64)>,
+    category_iids: BTreeMap<String, u64>,
+    arg_iids: BTreeMap<String, u64>,
+}
+
+impl Interned {
+    fn of(meta: &TraceMeta) -> Self {
+        let mut s = Self {
+            data: InternedData::default(),
+            event_iids: BTreeMap::new(),
+            category_iids: BTreeMap::new(),
+            arg_iids: BTreeMap::new(),
+        };
+        s.category(CAT_LOSS);
+        s.category(CAT_UNKNOWN);
+        s.arg(ARG_COUNT);
+        for (i, f) in meta.formats.iter().enumerate() {
+            let name = i as u64 + 1;
+            s.data.event_names.push(EventName {
+                iid: Some(name),
+                name: Some(f.name.clone()),
+            });
+            let category = s.category(&f.system);
+            s.event_iids.insert(f.id, (name, category));
+            for fd in &f.fields {
+                s.arg(&fd.name);
+            }
+        }
+        s
+    }
+
+    /// The iid of category `name` (interned on first use).
+    fn category(&mut self, name: &str) -> u64 {
+        let n = self.category_iids.len() as u64 + 1;
+        let data = &mut self.data;
+        *self
+            .category_iids
+            .entry(name.to_string())
+            .or_insert_with(|| {
+                data.event_categories.push(EventCategory {
+                    iid: Some(n),
+                    name: Some(name.to_string()),
+                });
+                n
+            })
+    }
+
+    /// Interns annotation name `name` (once).
+    fn arg(&mut self, name: &str) {
+        let n = self.arg_iids.len() as u64 + 1;
+        let data = &mut self.data;
+        self.arg_iids.entry(name.to_string()).or_insert_with(|| {
+            data.debug_annotation_names.push(DebugAnnotationName {
+                iid: Some(n),
+                name: Some(name.to_string()),
+            });
+            n
+        });
+    }
+}
+
+/// The first packet of the sequence: the interned strings, and the clock snapshot
+/// tying the trace clock to boottime at 0.
+fn first_packet(interned: InternedData) -> TracePacket {
+    TracePacket {
+        timestamp: Some(0),
+        timestamp_clock_id: Some(BuiltinClock::Boottime as u32),
+        sequence_flags: Some(trace_packet::SequenceFlags::SeqIncrementalStateCleared as u32),
+        incremental_state_cleared: Some(true),
+        first_packet_on_sequence: Some(true),
+        interned_data: Some(interned),
+        data: Some(trace_packet::Data::ClockSnapshot(ClockSnapshot {
+            clocks: vec![
+                clock_snapshot::Clock {
+                    clock_id: Some(CLOCK_ID),
+                    timestamp: Some(0),
+                    ..Default::default()
+                },
+                clock_snapshot::Clock {
+                    clock_id: Some(BuiltinClock::Boottime as u32),
+                    timestamp: Some(0),
+                    ..Default::default()
+                },
+            ],
+            primary_trace_clock: Some(BuiltinClock::Boottime as i32),
+        })),
+        ..Default::default()
+    }
+}
+
+/// The thread track of vCPU `cpu`, named by its cmdline (else `vcpuN`).
+fn vcpu_track(meta: &TraceMeta, cpu: u32) -> TracePacket {
+    let pid = hyptrace_abi::events::vcpu_pid(cpu);
+    let name = meta
+        .cmdlines
+        .get(&pid)
+        .cloned()
+        .unwrap_or_else(|| format!("vcpu{cpu}"));
+    descriptor(TrackDescriptor {
+        uuid: Some(vcpu_track_uuid(cpu)),
+        parent_uuid: Some(PROCESS_UUID),
+        thread: Some(ThreadDescriptor {
+            pid: Some(crate::JSON_PID as i32),
+            tid: Some(pid),
+            thread_name: Some(name),
+        }),
+        ..Default::default()
+    })
 }
 
 /// The annotation `name` (by its iid when interned) = `value`.

@@ -278,79 +278,17 @@ fn eval(e: &Expr, p: &[u8]) -> Option<Val> {
             v: f.bytes(p)?.len() as u64,
             signed: false,
         },
-        Expr::Unary(op, a) => {
-            let a = eval(a, p)?;
-            match *op {
-                "-" => Val {
-                    v: a.v.wrapping_neg(),
-                    signed: a.signed,
-                },
-                "!" => Val {
-                    v: u64::from(a.v == 0),
-                    signed: true,
-                },
-                _ => Val {
-                    v: !a.v,
-                    signed: a.signed,
-                },
-            }
-        }
+        Expr::Unary(op, a) => unary(op, eval(a, p)?),
         Expr::Bin(op, a, b) => {
             let a = eval(a, p)?;
+            // `&&` and `||` do not evaluate their right side when the left decides.
             if *op == "&&" && a.v == 0 || *op == "||" && a.v != 0 {
                 return Some(Val {
                     v: u64::from(*op == "||"),
                     signed: true,
                 });
             }
-            let b = eval(b, p)?;
-            let signed = a.signed && b.signed;
-            let (x, y) = (a.v, b.v);
-            let cmp = |r: bool| Val {
-                v: u64::from(r),
-                signed: true,
-            };
-            let v = |v| Val { v, signed };
-            match *op {
-                "+" => v(x.wrapping_add(y)),
-                "-" => v(x.wrapping_sub(y)),
-                "*" => v(x.wrapping_mul(y)),
-                "/" if y == 0 => return None,
-                "%" if y == 0 => return None,
-                "/" if signed => v((x as i64).wrapping_div(y as i64) as u64),
-                "%" if signed => v((x as i64).wrapping_rem(y as i64) as u64),
-                "/" => v(x / y),
-                "%" => v(x % y),
-                "<<" => Val {
-                    v: if y >= 64 { 0 } else { x << y },
-                    signed: a.signed,
-                },
-                ">>" => Val {
-                    v: if a.signed {
-                        ((x as i64) >> y.min(63)) as u64
-                    } else if y >= 64 {
-                        0
-                    } else {
-                        x >> y
-                    },
-                    signed: a.signed,
-                },
-                "&" => v(x & y),
-                "|" => v(x | y),
-                "^" => v(x ^ y),
-                "==" => cmp(x == y),
-                "!=" => cmp(x != y),
-                "<" if signed => cmp((x as i64) < (y as i64)),
-                ">" if signed => cmp((x as i64) > (y as i64)),
-                "<=" if signed => cmp((x as i64) <= (y as i64)),
-                ">=" if signed => cmp((x as i64) >= (y as i64)),
-                "<" => cmp(x < y),
-                ">" => cmp(x > y),
-                "<=" => cmp(x <= y),
-                ">=" => cmp(x >= y),
-                "&&" | "||" => cmp(y != 0),
-                _ => return None,
-            }
+            binary(op, a, eval(b, p)?)?
         }
         Expr::Cond(c, a, b) => {
             if eval(c, p)?.v != 0 {
@@ -373,6 +311,76 @@ fn eval(e: &Expr, p: &[u8]) -> Option<Val> {
                 Cast::NoOp => a,
             }
         }
+        _ => return None,
+    })
+}
+
+/// `op a` for `-`, `!` and `~`.
+fn unary(op: &str, a: Val) -> Val {
+    match op {
+        "-" => Val {
+            v: a.v.wrapping_neg(),
+            signed: a.signed,
+        },
+        "!" => Val {
+            v: u64::from(a.v == 0),
+            signed: true,
+        },
+        _ => Val {
+            v: !a.v,
+            signed: a.signed,
+        },
+    }
+}
+
+/// `a op b` as C computes it on 64-bit values (signed when both sides are); `None` for a
+/// division by zero or an unknown operator.
+fn binary(op: &str, a: Val, b: Val) -> Option<Val> {
+    let signed = a.signed && b.signed;
+    let (x, y) = (a.v, b.v);
+    let cmp = |r: bool| Val {
+        v: u64::from(r),
+        signed: true,
+    };
+    let v = |v| Val { v, signed };
+    Some(match op {
+        "+" => v(x.wrapping_add(y)),
+        "-" => v(x.wrapping_sub(y)),
+        "*" => v(x.wrapping_mul(y)),
+        "/" if y == 0 => return None,
+        "%" if y == 0 => return None,
+        "/" if signed => v((x as i64).wrapping_div(y as i64) as u64),
+        "%" if signed => v((x as i64).wrapping_rem(y as i64) as u64),
+        "/" => v(x / y),
+        "%" => v(x % y),
+        "<<" => Val {
+            v: if y >= 64 { 0 } else { x << y },
+            signed: a.signed,
+        },
+        ">>" => Val {
+            v: if a.signed {
+                ((x as i64) >> y.min(63)) as u64
+            } else if y >= 64 {
+                0
+            } else {
+                x >> y
+            },
+            signed: a.signed,
+        },
+        "&" => v(x & y),
+        "|" => v(x | y),
+        "^" => v(x ^ y),
+        "==" => cmp(x == y),
+        "!=" => cmp(x != y),
+        "<" if signed => cmp((x as i64) < (y as i64)),
+        ">" if signed => cmp((x as i64) > (y as i64)),
+        "<=" if signed => cmp((x as i64) <= (y as i64)),
+        ">=" if signed => cmp((x as i64) >= (y as i64)),
+        "<" => cmp(x < y),
+        ">" => cmp(x > y),
+        "<=" => cmp(x <= y),
+        ">=" => cmp(x >= y),
+        "&&" | "||" => cmp(y != 0),
         _ => return None,
     })
 }

@@ -581,6 +581,7 @@ fn parse_format(fmt: &str) -> Result<Vec<(String, Option<Spec>)>, Unsupported> {
     let mut out = Vec::new();
     let mut lit = String::new();
     let mut i = 0;
+    // Bounded: every iteration consumes at least one byte.
     while i < b.len() {
         if b[i] != b'%' {
             let n = fmt[i..].chars().next().map_or(1, char::len_utf8);
@@ -594,114 +595,131 @@ fn parse_format(fmt: &str) -> Result<Vec<(String, Option<Spec>)>, Unsupported> {
             i += 1;
             continue;
         }
-        let mut sp = Spec::default();
-        while let Some(&c) = b.get(i) {
-            match c {
-                b'-' => sp.left = true,
-                b'0' => sp.zero = true,
-                b'+' => sp.plus = true,
-                b' ' => sp.space = true,
-                b'#' => sp.alt = true,
-                _ => break,
-            }
-            i += 1;
-        }
-        let num = |i: &mut usize| -> Result<Option<u16>, Unsupported> {
-            let st = *i;
-            while b.get(*i).is_some_and(u8::is_ascii_digit) {
-                *i += 1;
-            }
-            if *i == st {
-                Ok(None)
-            } else {
-                fmt[st..*i]
-                    .parse()
-                    .ok()
-                    .filter(|&n: &u16| n <= 1024)
-                    .map(Some)
-                    .ok_or_else(|| unsupported("width"))
-            }
-        };
-        sp.width = num(&mut i)?;
-        if sp.width.is_none() && b.get(i) == Some(&b'*') {
-            sp.star_width = true;
-            i += 1;
-        }
-        if b.get(i) == Some(&b'.') {
-            i += 1;
-            if b.get(i) == Some(&b'*') {
-                sp.star_prec = true;
-                i += 1;
-            } else {
-                sp.prec = Some(num(&mut i)?.unwrap_or(0));
-            }
-        }
-        loop {
-            match b.get(i) {
-                Some(b'l' | b'L' | b'q' | b'j') => sp.longs = sp.longs.saturating_add(1),
-                Some(b'z' | b't' | b'Z') => sp.longs = sp.longs.max(1),
-                Some(b'h') => sp.half = sp.half.saturating_add(1),
-                _ => break,
-            }
-            i += 1;
-        }
-        let conv = *b.get(i).ok_or_else(|| unsupported("format ends in `%`"))?;
-        i += 1;
-        sp.conv = match conv {
-            b'd' | b'i' => Conv::Signed,
-            b'u' => Conv::Unsigned,
-            b'x' => Conv::Hex,
-            b'X' => Conv::HexUpper,
-            b'o' => Conv::Octal,
-            b'c' => Conv::Char,
-            b's' => Conv::Str,
-            b'p' => match b.get(i) {
-                Some(b'S' | b'F' | b'B') => {
-                    i += 1;
-                    Conv::Sym { offset: true }
-                }
-                Some(b's' | b'f') => {
-                    i += 1;
-                    Conv::Sym { offset: false }
-                }
-                Some(b'x' | b'K') => {
-                    i += 1;
-                    Conv::Ptr
-                }
-                Some(b'I') => {
-                    let ext = &b[i + 1..];
-                    let (net, n) = match ext {
-                        [b'4', ..] => (Net::Ip4, 2),
-                        [b'6', b'c', ..] => (Net::Ip6 { compressed: true }, 3),
-                        [b'6', ..] => (Net::Ip6 { compressed: false }, 2),
-                        [b'S', b'p', b'c', ..] | [b'S', b'c', b'p', ..] => {
-                            (Net::Sockaddr { port: true }, 4)
-                        }
-                        [b'S', b'p', ..] => (Net::Sockaddr { port: true }, 3),
-                        [b'S', b'c', ..] => (Net::Sockaddr { port: false }, 3),
-                        [b'S', ..] => (Net::Sockaddr { port: false }, 2),
-                        _ => return Err(unsupported("%pI")),
-                    };
-                    i += n;
-                    Conv::Net(net)
-                }
-                Some(b'M') => {
-                    i += 1;
-                    Conv::Net(Net::Mac)
-                }
-                Some(c) if c.is_ascii_alphanumeric() => {
-                    return Err(unsupported(format!("%p{}", *c as char)))
-                }
-                _ => Conv::Ptr,
-            },
-            c => return Err(unsupported(format!("conversion %{}", c as char))),
-        };
+        let sp = spec(fmt, &mut i)?;
         out.push((std::mem::take(&mut lit), Some(sp)));
     }
     if !lit.is_empty() {
         out.push((lit, None));
     }
     Ok(out)
+}
+
+/// The conversion whose text starts at `*i` (after its `%`): flags, width, precision,
+/// length modifiers and the conversion character; `*i` moves past it.
+fn spec(fmt: &str, i: &mut usize) -> Result<Spec, Unsupported> {
+    let b = fmt.as_bytes();
+    let mut sp = Spec::default();
+    while let Some(&c) = b.get(*i) {
+        match c {
+            b'-' => sp.left = true,
+            b'0' => sp.zero = true,
+            b'+' => sp.plus = true,
+            b' ' => sp.space = true,
+            b'#' => sp.alt = true,
+            _ => break,
+        }
+        *i += 1;
+    }
+    sp.width = number(fmt, i)?;
+    if sp.width.is_none() && b.get(*i) == Some(&b'*') {
+        sp.star_width = true;
+        *i += 1;
+    }
+    if b.get(*i) == Some(&b'.') {
+        *i += 1;
+        if b.get(*i) == Some(&b'*') {
+            sp.star_prec = true;
+            *i += 1;
+        } else {
+            sp.prec = Some(number(fmt, i)?.unwrap_or(0));
+        }
+    }
+    loop {
+        match b.get(*i) {
+            Some(b'l' | b'L' | b'q' | b'j') => sp.longs = sp.longs.saturating_add(1),
+            Some(b'z' | b't' | b'Z') => sp.longs = sp.longs.max(1),
+            Some(b'h') => sp.half = sp.half.saturating_add(1),
+            _ => break,
+        }
+        *i += 1;
+    }
+    let conv = *b.get(*i).ok_or_else(|| unsupported("format ends in `%`"))?;
+    *i += 1;
+    sp.conv = match conv {
+        b'd' | b'i' => Conv::Signed,
+        b'u' => Conv::Unsigned,
+        b'x' => Conv::Hex,
+        b'X' => Conv::HexUpper,
+        b'o' => Conv::Octal,
+        b'c' => Conv::Char,
+        b's' => Conv::Str,
+        b'p' => pointer(b, i)?,
+        c => return Err(unsupported(format!("conversion %{}", c as char))),
+    };
+    Ok(sp)
+}
+
+/// A width or precision at `*i` (digits, at most 1024), `None` when there are no digits.
+fn number(fmt: &str, i: &mut usize) -> Result<Option<u16>, Unsupported> {
+    let b = fmt.as_bytes();
+    let st = *i;
+    while b.get(*i).is_some_and(u8::is_ascii_digit) {
+        *i += 1;
+    }
+    if *i == st {
+        Ok(None)
+    } else {
+        fmt[st..*i]
+            .parse()
+            .ok()
+            .filter(|&n: &u16| n <= 1024)
+            .map(Some)
+            .ok_or_else(|| unsupported("width"))
+    }
+}
+
+/// The `%p` extension at `b[*i..]` (symbols, `%px`/`%pK`, addresses, MACs; plain
+/// `%p` when none follows); `*i` moves past it.
+fn pointer(b: &[u8], i: &mut usize) -> Result<Conv, Unsupported> {
+    Ok(match b.get(*i) {
+        Some(b'S' | b'F' | b'B') => {
+            *i += 1;
+            Conv::Sym { offset: true }
+        }
+        Some(b's' | b'f') => {
+            *i += 1;
+            Conv::Sym { offset: false }
+        }
+        Some(b'x' | b'K') => {
+            *i += 1;
+            Conv::Ptr
+        }
+        Some(b'I') => {
+            let ext = &b[*i + 1..];
+            let (net, n) = match ext {
+                [b'4', ..] => (Net::Ip4, 2),
+                [b'6', b'c', ..] => (Net::Ip6 { compressed: true }, 3),
+                [b'6', ..] => (Net::Ip6 { compressed: false }, 2),
+                [b'S', b'p', b'c', ..] | [b'S', b'c', b'p', ..] => {
+                    (Net::Sockaddr { port: true }, 4)
+                }
+                [b'S', b'p', ..] => (Net::Sockaddr { port: true }, 3),
+                [b'S', b'c', ..] => (Net::Sockaddr { port: false }, 3),
+                [b'S', ..] => (Net::Sockaddr { port: false }, 2),
+                _ => return Err(unsupported("%pI")),
+            };
+            *i += n;
+            Conv::Net(net)
+        }
+        Some(b'M') => {
+            *i += 1;
+            Conv::Net(Net::Mac)
+        }
+        Some(c) if c.is_ascii_alphanumeric() => {
+            return Err(unsupported(format!("%p{}", *c as char)))
+        }
+        _ => Conv::Ptr,
+    })
 }
 
 /// Compiles the text after `print fmt: ` for `fmt`.

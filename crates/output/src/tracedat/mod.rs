@@ -5,7 +5,7 @@ mod write;
 mod zpool;
 
 pub use read::{
-    glob, max_chunk, CpuBuffer, CpuPages, Records, ReportFilter, TraceFile, TraceItem, TraceOption,
+    max_chunk, CpuBuffer, CpuPages, Records, ReportFilter, TraceFile, TraceItem, TraceOption,
     TraceRecord,
 };
 pub use write::{

@@ -24,7 +24,7 @@ use hyptrace_abi::page::{
 use super::{option, MAGIC};
 use crate::clock::TscConversion;
 use crate::export::{check_page_size, Missed};
-use crate::format::{EventFormat, HeaderPage};
+use crate::format::{glob, EventFormat, HeaderPage};
 use crate::merge::{Merged, Merger};
 use crate::text::{format_drop, format_guest_line, EventPrinter};
 use crate::OutputError;
@@ -682,7 +682,17 @@ impl Parser {
             other => return Err(OutputError::Unsupported(format!("compression {other}"))),
         };
         self.f.compression = Some((name, ver));
-        let mut next = c.u64("options offset")?;
+        let first = c.u64("options offset")?;
+        let opts = self.v7_options(first)?;
+        self.v7_sections(&opts.sections)?;
+        self.v7_top_buffer(&opts.buffers)
+    }
+
+    /// Walks the chain of options sections from `first` (each option handed to
+    /// [`Self::option`]); returns the section offsets the options name and the buffer
+    /// options. Bounded: a section is read once, at most [`MAX_OPTION_SECTIONS`] of them.
+    fn v7_options(&mut self, first: u64) -> Result<V7Options, OutputError> {
+        let mut next = first;
         let mut seen = BTreeSet::new();
         let mut sections: BTreeMap<u16, u64> = BTreeMap::new();
         let mut buffers = Vec::new();
@@ -693,30 +703,33 @@ impl Parser {
             let body = self.section(next, 0)?;
             let mut o = Cur::new(&body, 0, next + 16);
             next = 0;
+            // Bounded: each option consumes at least its 6-byte header.
             loop {
                 let id = o.u16("option id")?;
                 let n = o.u32("option size")? as usize;
                 let d = o.bytes(n, "option data")?;
                 if id == option::DONE {
-                    if d.len() >= 8 {
-                        let mut w = [0u8; 8];
-                        w.copy_from_slice(&d[..8]);
-                        next = u64::from_le_bytes(w);
+                    if let Some(n) = le64(d) {
+                        next = n;
                     }
                     break;
                 }
-                match id {
-                    option::HEADER_INFO..=option::CMDLINES if d.len() >= 8 => {
-                        let mut w = [0u8; 8];
-                        w.copy_from_slice(&d[..8]);
-                        sections.insert(id, u64::from_le_bytes(w));
+                match (id, le64(d)) {
+                    (option::HEADER_INFO..=option::CMDLINES, Some(off)) => {
+                        sections.insert(id, off);
                     }
-                    option::BUFFER => buffers.push(d.to_vec()),
+                    (option::BUFFER, _) => buffers.push(d.to_vec()),
                     _ => {}
                 }
                 self.option(id, d);
             }
         }
+        Ok(V7Options { sections, buffers })
+    }
+
+    /// The metadata sections the options named: header info (required), ftrace and
+    /// event formats, symbols, command lines.
+    fn v7_sections(&mut self, sections: &BTreeMap<u16, u64>) -> Result<(), OutputError> {
         let need = |id: u16| {
             sections
                 .get(&id)
@@ -733,35 +746,46 @@ impl Parser {
             let s = self.section(off, option::EVENT_FORMATS)?;
             parse_event_formats(&mut Cur::new(&s, 0, 0), &mut self.f.formats)?;
         }
-        // Symbols only improve the text: a damaged section is ignored.
-        for (id, what) in [(option::KALLSYMS, "kallsyms"), (option::PRINTK, "printk")] {
-            if let Some(&off) = sections.get(&id) {
-                let Ok(s) = self.section(off, id) else {
-                    continue;
-                };
-                let mut c = Cur::new(&s, 0, 0);
-                let Ok(n) = c.u32(what) else {
-                    continue;
-                };
-                let Ok(text) = c.bytes(n as usize, what) else {
-                    continue;
-                };
-                let text = text.to_vec();
-                let syms = self.symbols();
-                if id == option::KALLSYMS {
-                    syms.parse_kallsyms(&text);
-                } else {
-                    syms.parse_printk(&text);
-                }
-            }
-        }
+        self.v7_symbols(sections);
         if let Some(&off) = sections.get(&option::CMDLINES) {
             let s = self.section(off, option::CMDLINES)?;
             parse_cmdlines(&mut Cur::new(&s, 0, 0), &mut self.f.cmdlines)?;
         }
-        // The top-level buffer (empty name).
+        Ok(())
+    }
+
+    /// The kallsyms and printk sections. Symbols only improve the text: a damaged
+    /// section is ignored.
+    fn v7_symbols(&mut self, sections: &BTreeMap<u16, u64>) {
+        for (id, what) in [(option::KALLSYMS, "kallsyms"), (option::PRINTK, "printk")] {
+            let Some(&off) = sections.get(&id) else {
+                continue;
+            };
+            let Ok(s) = self.section(off, id) else {
+                continue;
+            };
+            let mut c = Cur::new(&s, 0, 0);
+            let Ok(n) = c.u32(what) else {
+                continue;
+            };
+            let Ok(text) = c.bytes(n as usize, what) else {
+                continue;
+            };
+            let text = text.to_vec();
+            let syms = self.symbols();
+            if id == option::KALLSYMS {
+                syms.parse_kallsyms(&text);
+            } else {
+                syms.parse_printk(&text);
+            }
+        }
+    }
+
+    /// The CPU data of the top-level buffer (the first buffer option with an empty
+    /// name), checked against the file; its clock when the file named none.
+    fn v7_top_buffer(&mut self, buffers: &[Vec<u8>]) -> Result<(), OutputError> {
         for b in buffers {
-            let mut o = Cur::new(&b, 0, 0);
+            let mut o = Cur::new(b, 0, 0);
             let _section = o.u64("buffer offset")?;
             let name = o.cstr("buffer name")?;
             let clock = o.cstr("buffer clock")?;
@@ -801,6 +825,19 @@ impl Parser {
         }
         Ok(())
     }
+}
+
+/// What the options of a v7 file point at.
+struct V7Options {
+    /// Section id → offset of the section.
+    sections: BTreeMap<u16, u64>,
+    /// The buffer options' data, in file order.
+    buffers: Vec<Vec<u8>>,
+}
+
+/// The little-endian u64 at the start of `d`, if it has 8 bytes.
+fn le64(d: &[u8]) -> Option<u64> {
+    d.get(..8)?.try_into().ok().map(u64::from_le_bytes)
 }
 
 /// The most a zstd frame of `n` bytes of content can take (zstd's ZSTD_COMPRESSBOUND).
@@ -1350,31 +1387,6 @@ impl ReportFilter {
     }
 }
 
-/// Whether `text` matches the glob `pat` (`*` any run, `?` one character).
-pub fn glob(pat: &str, text: &str) -> bool {
-    let p: Vec<char> = pat.chars().collect();
-    let t: Vec<char> = text.chars().collect();
-    // Iterative matcher with one backtrack point: O(|p| * |t|) at worst.
-    let (mut i, mut j) = (0usize, 0usize);
-    let mut star: Option<(usize, usize)> = None;
-    while j < t.len() {
-        if i < p.len() && (p[i] == '?' || p[i] == t[j]) {
-            i += 1;
-            j += 1;
-        } else if i < p.len() && p[i] == '*' {
-            star = Some((i, j));
-            i += 1;
-        } else if let Some((si, sj)) = star {
-            i = si + 1;
-            j = sj + 1;
-            star = Some((si, sj + 1));
-        } else {
-            return false;
-        }
-    }
-    p[i..].iter().all(|&c| c == '*')
-}
-
 /// One event read from a trace.dat.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TraceRecord<'a> {
@@ -1851,25 +1863,6 @@ impl TraceFile {
 mod tests {
     use super::*;
 
-    #[test]
-    fn globs() {
-        assert!(glob("*", ""));
-        assert!(glob("sched_*", "sched_switch"));
-        assert!(glob("*switch", "sched_switch"));
-        assert!(glob("s?hed*", "sched_switch"));
-        assert!(!glob("sched", "sched_switch"));
-        assert!(!glob("*x*", "sched_switch"));
-        assert!(glob("a*b*c", "aXbYbZc"));
-        let f = ReportFilter {
-            events: vec!["sched:*".into(), "*:marker".into(), "irq_*".into()],
-            ..Default::default()
-        };
-        assert!(f.matches_event("sched", "sched_wakeup"));
-        assert!(f.matches_event("guest", "marker"));
-        assert!(f.matches_event("irq", "irq_handler_entry"));
-        assert!(!f.matches_event("guest", "span"));
-    }
-
     fn fixture(name: &str) -> TraceFile {
         let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("tests/fixtures")
@@ -1885,6 +1878,18 @@ mod tests {
 
     /// The formatting threads print exactly what one thread prints (many batches of 61
     /// items, drop markers among them), with and without filters.
+    #[test]
+    fn report_filter_matches_events() {
+        let f = ReportFilter {
+            events: vec!["sched:*".into(), "*:marker".into(), "irq_*".into()],
+            ..Default::default()
+        };
+        assert!(f.matches_event("sched", "sched_wakeup"));
+        assert!(f.matches_event("guest", "marker"));
+        assert!(f.matches_event("irq", "irq_handler_entry"));
+        assert!(!f.matches_event("guest", "span"));
+    }
+
     #[test]
     fn threads_print_what_one_thread_prints() {
         for name in ["kernel-v6.dat", "kernel-v7.dat", "kernel-v7-zstd.dat"] {

@@ -288,96 +288,48 @@ fn v7_metadata(
     sizes: &[u64],
     compression: Compression,
 ) -> Result<(Vec<u8>, u64), OutputError> {
-    let z = compression == Compression::Zstd;
-    let page = meta.page_size as u64;
-    let build = |flyrecord_at: u64, data_start: u64| -> Result<Vec<u8>, OutputError> {
+    let v7 = V7Metadata {
+        meta,
+        stats,
+        sizes,
+        z: compression == Compression::Zstd,
+    };
+    // Built twice: the first build (offsets 0) gives the length, which the offsets do
+    // not change (fixed-size words), hence where the flyrecord header and the data are.
+    let first = v7.build(0, 0)?;
+    let flyrecord_at = first.len() as u64 - 16;
+    let data_start = align_up(first.len() as u64, meta.page_size as u64);
+    let v = v7.build(flyrecord_at, data_start)?;
+    debug_assert_eq!(v.len(), first.len());
+    Ok((v, data_start))
+}
+
+/// What the v7 metadata is built from.
+struct V7Metadata<'a> {
+    meta: &'a TraceMeta,
+    stats: &'a [KernelCpuStat],
+    sizes: &'a [u64],
+    /// zstd-compressed sections.
+    z: bool,
+}
+
+impl V7Metadata<'_> {
+    /// The metadata with the flyrecord section header at `flyrecord_at` and the CPU data
+    /// from `data_start`.
+    fn build(&self, flyrecord_at: u64, data_start: u64) -> Result<Vec<u8>, OutputError> {
+        let (meta, z) = (self.meta, self.z);
         let mut strings = Strings(Vec::new());
         let mut v = file_start(7, meta.page_size);
-        match compression {
-            Compression::None => v.extend_from_slice(b"none\0\0"),
-            Compression::Zstd => {
-                v.extend_from_slice(b"zstd\0");
-                v.extend_from_slice(&cstr(zstd::zstd_safe::version_string()));
-            }
+        if z {
+            v.extend_from_slice(b"zstd\0");
+            v.extend_from_slice(&cstr(zstd::zstd_safe::version_string()));
+        } else {
+            v.extend_from_slice(b"none\0\0");
         }
         let opt_ptr = v.len();
         v.extend_from_slice(&0u64.to_le_bytes());
-        let headers = section(
-            &mut v,
-            &mut strings,
-            option::HEADER_INFO,
-            "headers",
-            &header_info(meta.page_size),
-            z,
-        )?;
-        let ftrace = section(
-            &mut v,
-            &mut strings,
-            option::FTRACE_EVENTS,
-            "ftrace events",
-            &0u32.to_le_bytes(),
-            z,
-        )?;
-        let events = section(
-            &mut v,
-            &mut strings,
-            option::EVENT_FORMATS,
-            "events format",
-            &event_formats(&meta.formats),
-            z,
-        )?;
-        let kallsyms = section(
-            &mut v,
-            &mut strings,
-            option::KALLSYMS,
-            "kallsyms",
-            &0u32.to_le_bytes(),
-            z,
-        )?;
-        let printk = section(
-            &mut v,
-            &mut strings,
-            option::PRINTK,
-            "printk",
-            &0u32.to_le_bytes(),
-            z,
-        )?;
-        let cmd = section(
-            &mut v,
-            &mut strings,
-            option::CMDLINES,
-            "command lines",
-            &cmdlines(meta),
-            z,
-        )?;
-
-        let mut opts = Vec::new();
-        common_options(meta, stats, &mut opts);
-        push_opt(&mut opts, option::CPUCOUNT, &meta.nr_cpus.to_le_bytes());
-        for (id, off) in [
-            (option::HEADER_INFO, headers),
-            (option::FTRACE_EVENTS, ftrace),
-            (option::EVENT_FORMATS, events),
-            (option::KALLSYMS, kallsyms),
-            (option::PRINTK, printk),
-            (option::CMDLINES, cmd),
-        ] {
-            push_opt(&mut opts, id, &off.to_le_bytes());
-        }
-        let mut buf = Vec::new();
-        buf.extend_from_slice(&flyrecord_at.to_le_bytes());
-        buf.extend_from_slice(b"\0"); // top-level buffer: empty name
-        buf.extend_from_slice(&cstr(&meta.clock.name));
-        buf.extend_from_slice(&(meta.page_size as u32).to_le_bytes());
-        buf.extend_from_slice(&meta.nr_cpus.to_le_bytes());
-        let offsets = cpu_offsets(data_start, sizes, page);
-        for (cpu, (&s, &off)) in sizes.iter().zip(&offsets).enumerate() {
-            buf.extend_from_slice(&(cpu as u32).to_le_bytes());
-            buf.extend_from_slice(&off.to_le_bytes());
-            buf.extend_from_slice(&s.to_le_bytes());
-        }
-        push_opt(&mut opts, option::BUFFER, &buf);
-        push_opt(&mut opts, option::DONE, &0u64.to_le_bytes());
+        let sections = self.sections(&mut v, &mut strings)?;
+        let opts = self.options(&sections, flyrecord_at, data_start);
         // Names used below must be in the strings before the strings section is written.
         strings.id("strings");
         strings.id("buffer flyrecord");
@@ -388,20 +340,67 @@ fn v7_metadata(
         section(&mut v, &mut strings, option::STRINGS, "strings", &s, z)?;
         // Flyrecord section header: its content is the padding plus all CPU data.
         let at = v.len() as u64;
-        let end = data_end(data_start, sizes, page);
+        let end = data_end(data_start, self.sizes, meta.page_size as u64);
         v.extend_from_slice(&option::BUFFER.to_le_bytes());
         let flags = if z { SEC_FL_COMPRESS } else { 0 };
         v.extend_from_slice(&flags.to_le_bytes());
         v.extend_from_slice(&strings.id("buffer flyrecord").to_le_bytes());
         v.extend_from_slice(&end.saturating_sub(at + 16).to_le_bytes());
         Ok(v)
-    };
-    let first = build(0, 0)?;
-    let flyrecord_at = first.len() as u64 - 16;
-    let data_start = align_up(first.len() as u64, page);
-    let v = build(flyrecord_at, data_start)?;
-    debug_assert_eq!(v.len(), first.len());
-    Ok((v, data_start))
+    }
+
+    /// Appends the metadata sections to `v`, in trace-cmd's order; returns each one's id
+    /// and offset.
+    fn sections(
+        &self,
+        v: &mut Vec<u8>,
+        strings: &mut Strings,
+    ) -> Result<[(u16, u64); 6], OutputError> {
+        let empty = 0u32.to_le_bytes();
+        let headers = header_info(self.meta.page_size);
+        let formats = event_formats(&self.meta.formats);
+        let cmds = cmdlines(self.meta);
+        let table: [(u16, &str, &[u8]); 6] = [
+            (option::HEADER_INFO, "headers", &headers),
+            (option::FTRACE_EVENTS, "ftrace events", &empty),
+            (option::EVENT_FORMATS, "events format", &formats),
+            (option::KALLSYMS, "kallsyms", &empty),
+            (option::PRINTK, "printk", &empty),
+            (option::CMDLINES, "command lines", &cmds),
+        ];
+        let mut at = [(0u16, 0u64); 6];
+        for (slot, (id, name, content)) in at.iter_mut().zip(table) {
+            *slot = (id, section(v, strings, id, name, content, self.z)?);
+        }
+        Ok(at)
+    }
+
+    /// The options: the common ones, the CPU count, where each section is, the
+    /// top-level buffer (its CPU data from `data_start`), and the end.
+    fn options(&self, sections: &[(u16, u64)], flyrecord_at: u64, data_start: u64) -> Vec<u8> {
+        let meta = self.meta;
+        let mut opts = Vec::new();
+        common_options(meta, self.stats, &mut opts);
+        push_opt(&mut opts, option::CPUCOUNT, &meta.nr_cpus.to_le_bytes());
+        for &(id, off) in sections {
+            push_opt(&mut opts, id, &off.to_le_bytes());
+        }
+        let mut buf = Vec::new();
+        buf.extend_from_slice(&flyrecord_at.to_le_bytes());
+        buf.extend_from_slice(b"\0"); // top-level buffer: empty name
+        buf.extend_from_slice(&cstr(&meta.clock.name));
+        buf.extend_from_slice(&(meta.page_size as u32).to_le_bytes());
+        buf.extend_from_slice(&meta.nr_cpus.to_le_bytes());
+        let offsets = cpu_offsets(data_start, self.sizes, meta.page_size as u64);
+        for (cpu, (&s, &off)) in self.sizes.iter().zip(&offsets).enumerate() {
+            buf.extend_from_slice(&(cpu as u32).to_le_bytes());
+            buf.extend_from_slice(&off.to_le_bytes());
+            buf.extend_from_slice(&s.to_le_bytes());
+        }
+        push_opt(&mut opts, option::BUFFER, &buf);
+        push_opt(&mut opts, option::DONE, &0u64.to_le_bytes());
+        opts
+    }
 }
 
 /// Builds the complete metadata for `version`; returns it and where CPU data starts.
