@@ -15,7 +15,7 @@ use hyptrace_reader::{Direct, RingBuffer};
 use hyptrace_writer::{WriteOutcome, Writer};
 use serde::Serialize;
 
-use super::harness::{vm_run, SinkKind, TempPath, VmSpec};
+use super::harness::{temp_path, vm_run, SinkKind, VmSpec};
 use super::stats::{Summary, Tsc};
 use super::{bench_payload, BenchError, Cfg, Measured, PAGE_SIZE};
 
@@ -127,8 +127,9 @@ fn drain_once(pages: u32, sink: Option<PathBuf>) -> Result<(u64, u64, f64, f64),
 fn reader_drain(cfg: &Cfg, to_file: bool) -> Result<ReaderDrainRow, BenchError> {
     let (mut mbs, mut pps, mut synced) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..cfg.reps {
-        let tmp = TempPath::new("raw");
-        let (n, bytes, secs, total) = drain_once(cfg.drain_pages, to_file.then(|| tmp.0.clone()))?;
+        let tmp = temp_path("raw")?;
+        let (n, bytes, secs, total) =
+            drain_once(cfg.drain_pages, to_file.then(|| tmp.to_path_buf()))?;
         mbs.push(bytes as f64 / secs / 1e6);
         pps.push(n as f64 / secs);
         synced.push(bytes as f64 / total / 1e6);

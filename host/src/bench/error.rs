@@ -68,6 +68,9 @@ pub enum BenchError {
     /// A swap of the `swap` section failed: an inconsistent ring.
     #[error("swap: {0}")]
     Swap(#[source] ReadError),
+    /// A temporary file for a run's output could not be created.
+    #[error("temporary file: {0}")]
+    TempFile(#[source] std::io::Error),
     /// The guest answered a mailbox swap with a failure.
     #[error("guest swap failed (status {0})")]
     GuestSwap(u64),

@@ -1,7 +1,6 @@
 //! Running a VM with a reader, as `hyptrace record` does, and measuring it: the
 //! sections' common harness ([`vm_run`], on the run pipeline).
 
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -193,24 +192,15 @@ impl PageSink for CountSink {
     }
 }
 
-/// A temporary file name, removed when dropped.
-pub(super) struct TempPath(pub(super) PathBuf);
-
-impl TempPath {
-    pub(super) fn new(ext: &str) -> Self {
-        static N: AtomicU64 = AtomicU64::new(0);
-        Self(std::env::temp_dir().join(format!(
-            "hyptrace-bench-{}-{}.{ext}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        )))
-    }
-}
-
-impl Drop for TempPath {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
+/// A new temporary file `hyptrace-bench-*.EXT` (in the temporary directory), removed
+/// when the returned path is dropped.
+pub(super) fn temp_path(ext: &str) -> Result<tempfile::TempPath, BenchError> {
+    tempfile::Builder::new()
+        .prefix("hyptrace-bench-")
+        .suffix(&format!(".{ext}"))
+        .tempfile()
+        .map(tempfile::NamedTempFile::into_temp_path)
+        .map_err(BenchError::TempFile)
 }
 
 /// `hyptrace run`'s options alone, parsed as the command line parses them.
@@ -264,12 +254,12 @@ pub(super) fn plan(spec: &VmSpec) -> Result<Plan, BenchError> {
 /// as `spec` says; any failure of the run is an error.
 pub(super) fn vm_run(spec: &VmSpec) -> Result<VmOut, BenchError> {
     let plan = plan(spec)?;
-    let tmp = TempPath::new("out");
+    let tmp = temp_path("out")?;
     let sink_stats = Arc::new(SinkStats {
         first_ts: AtomicU64::new(u64::MAX),
         ..SinkStats::default()
     });
-    let (kind, path, stats) = (spec.sink, tmp.0.clone(), sink_stats.clone());
+    let (kind, path, stats) = (spec.sink, tmp.to_path_buf(), sink_stats.clone());
     let make: MakeSink = Box::new(move |meta| {
         let inner: Option<Box<dyn PageSink + Send>> = match kind {
             SinkKind::Null => None,

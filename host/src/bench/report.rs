@@ -27,6 +27,36 @@ pub struct ReportBenchArgs {
     pub trace_cmd: PathBuf,
 }
 
+/// Why `hyptrace bench report` failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ReportBenchError {
+    /// The input trace cannot be read (exit 2).
+    #[error("{0}")]
+    Input(#[source] hyptrace_output::OutputError),
+    /// This program's own path is unknown.
+    #[error("cannot find this program: {0}")]
+    CurrentExe(#[source] std::io::Error),
+    /// A child could not be started.
+    #[error("{0}: {1}")]
+    Spawn(String, #[source] std::io::Error),
+    /// Waiting for a child failed.
+    #[error("{0}: wait4: {1}")]
+    Wait(String, #[source] std::io::Error),
+    /// A child did not exit 0.
+    #[error("{0} failed (status {1:#x})")]
+    Failed(String, i32),
+}
+
+impl ReportBenchError {
+    /// 2 for an unreadable input, else 1.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            Self::Input(_) => EXIT_USAGE,
+            _ => EXIT_RUNTIME,
+        }
+    }
+}
+
 /// One timed run of a child.
 #[derive(Clone, Copy, Debug)]
 struct Sample {
@@ -36,14 +66,14 @@ struct Sample {
 }
 
 /// Runs `cmd` with stdout and stderr on /dev/null; its wall time, CPU time and peak RSS.
-fn timed(cmd: &mut Command) -> Result<Sample, String> {
+fn timed(cmd: &mut Command) -> Result<Sample, ReportBenchError> {
     let t0 = Instant::now();
     let child = cmd
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
-        .map_err(|e| format!("{cmd:?}: {e}"))?;
+        .map_err(|e| ReportBenchError::Spawn(format!("{cmd:?}"), e))?;
     let pid = child.id() as libc::pid_t;
     let mut status = 0;
     // SAFETY: an all-zero rusage is a valid value of this plain C struct.
@@ -58,13 +88,13 @@ fn timed(cmd: &mut Command) -> Result<Sample, String> {
         }
         let e = std::io::Error::last_os_error();
         if e.kind() != std::io::ErrorKind::Interrupted {
-            return Err(format!("{cmd:?}: wait4: {e}"));
+            return Err(ReportBenchError::Wait(format!("{cmd:?}"), e));
         }
     }
     let wall = t0.elapsed().as_secs_f64();
     drop(child);
     if !libc::WIFEXITED(status) || libc::WEXITSTATUS(status) != 0 {
-        return Err(format!("{cmd:?} failed (status {status:#x})"));
+        return Err(ReportBenchError::Failed(format!("{cmd:?}"), status));
     }
     let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
     Ok(Sample {
@@ -80,15 +110,15 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// The events `hyptrace report` prints for `path` (drop markers not counted).
-fn count_events(path: &Path) -> Result<u64, String> {
-    let f = hyptrace_output::TraceFile::open(path).map_err(|e| e.to_string())?;
+fn count_events(path: &Path) -> Result<u64, ReportBenchError> {
+    let f = hyptrace_output::TraceFile::open(path).map_err(ReportBenchError::Input)?;
     let mut n = 0u64;
     let mut r = f.records();
     while let Some(i) = r.next_item() {
         n += u64::from(matches!(i, hyptrace_output::TraceItem::Event(_)));
     }
     match r.take_error() {
-        Some(e) => Err(e.to_string()),
+        Some(e) => Err(ReportBenchError::Input(e)),
         None => Ok(n),
     }
 }
@@ -97,16 +127,16 @@ fn count_events(path: &Path) -> Result<u64, String> {
 pub fn bench_report(a: &ReportBenchArgs) -> i32 {
     match run(a) {
         Ok(()) => EXIT_OK,
-        Err((code, msg)) => {
-            eprintln!("hyptrace: error: bench report: {msg}");
-            code
+        Err(e) => {
+            note!("hyptrace: error: bench report: {e}");
+            e.exit_code()
         }
     }
 }
 
-fn run(a: &ReportBenchArgs) -> Result<(), (i32, String)> {
-    let events = count_events(&a.input).map_err(|e| (EXIT_USAGE, e))?;
-    let me = std::env::current_exe().map_err(|e| (EXIT_RUNTIME, e.to_string()))?;
+fn run(a: &ReportBenchArgs) -> Result<(), ReportBenchError> {
+    let events = count_events(&a.input)?;
+    let me = std::env::current_exe().map_err(ReportBenchError::CurrentExe)?;
     let mut ours = Vec::new();
     let mut theirs = Vec::new();
     for rep in 0..a.reps {
@@ -116,11 +146,11 @@ fn run(a: &ReportBenchArgs) -> Result<(), (i32, String)> {
         hy.arg("report").arg(&a.input);
         // Alternate which goes first: a load change hits both alike.
         if rep % 2 == 0 {
-            theirs.push(timed(&mut tc).map_err(|e| (EXIT_RUNTIME, e))?);
-            ours.push(timed(&mut hy).map_err(|e| (EXIT_RUNTIME, e))?);
+            theirs.push(timed(&mut tc)?);
+            ours.push(timed(&mut hy)?);
         } else {
-            ours.push(timed(&mut hy).map_err(|e| (EXIT_RUNTIME, e))?);
-            theirs.push(timed(&mut tc).map_err(|e| (EXIT_RUNTIME, e))?);
+            ours.push(timed(&mut hy)?);
+            theirs.push(timed(&mut tc)?);
         }
     }
     let summary = |s: &[Sample]| {

@@ -141,9 +141,22 @@ impl ReportArgs {
     }
 }
 
+/// Highest CPU number a `--cpu` list may name.
+const MAX_CPU: u32 = 65535;
+
+/// Why a `--cpu` list is refused (clap prints it after the flag).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CpuListError {
+    /// A part that is not a CPU number.
+    #[error("`{0}` is not a CPU number (0 to {MAX_CPU})")]
+    NotACpu(String),
+    /// A range whose end is below its start.
+    #[error("range `{0}` goes backwards")]
+    Backwards(String),
+}
+
 /// Parses a CPU list: numbers and ranges separated by commas (`0,2-3`).
-pub fn parse_cpu_list(s: &str) -> Result<Vec<u32>, String> {
-    const MAX: u32 = 65535;
+pub fn parse_cpu_list(s: &str) -> Result<Vec<u32>, CpuListError> {
     let mut out = Vec::new();
     for part in s.split(',') {
         let part = part.trim();
@@ -151,14 +164,14 @@ pub fn parse_cpu_list(s: &str) -> Result<Vec<u32>, String> {
             t.trim()
                 .parse::<u32>()
                 .ok()
-                .filter(|&n| n <= MAX)
-                .ok_or_else(|| format!("`{t}` is not a CPU number (0 to {MAX})"))
+                .filter(|&n| n <= MAX_CPU)
+                .ok_or_else(|| CpuListError::NotACpu(t.to_string()))
         };
         match part.split_once('-') {
             Some((a, b)) => {
                 let (a, b) = (num(a)?, num(b)?);
                 if a > b {
-                    return Err(format!("range `{part}` goes backwards"));
+                    return Err(CpuListError::Backwards(part.to_string()));
                 }
                 out.extend(a..=b);
             }
