@@ -11,8 +11,8 @@
 //! ```no_run
 //! use clap::Parser;
 //! use hyptrace_host::cli::{Cli, Command};
-//! use hyptrace_host::plan::Plan;
-//! use hyptrace_host::run::{Run, Target};
+//! use hyptrace_host::pipeline::plan::Plan;
+//! use hyptrace_host::pipeline::run::{Run, Target};
 //!
 //! let Command::Run(args) = Cli::parse_from(["hyptrace", "run", "--events", "10"]).command
 //! else {
