@@ -425,7 +425,10 @@ mod tests {
         assert_eq!(CliError::Args("x".into()).exit_code(), EXIT_USAGE);
         assert_eq!(CliError::Plan(PlanError::PollMs).exit_code(), EXIT_USAGE);
         assert_eq!(CliError::Run(RunError::Aborted).exit_code(), EXIT_ABORT);
-        let kvm = crate::vmm::error::Error::KvmUnavailable("/dev/kvm".into());
+        let kvm = crate::vmm::error::Error::KvmUnavailable {
+            path: "/dev/kvm".into(),
+            source: None,
+        };
         assert_eq!(CliError::Run(RunError::Vm(kvm)).exit_code(), EXIT_USAGE);
         let io = std::io::Error::other("x");
         assert_eq!(CliError::ReportWrite(io).exit_code(), EXIT_RUNTIME);

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use hyptrace_abi::layout::meta;
 use hyptrace_abi::SharedMem;
-use hyptrace_output::{Clock, OutputTarget, RunSummary, TraceMeta};
+use hyptrace_output::{Clock, OutputError, OutputTarget, RunSummary, TraceMeta};
 use hyptrace_reader::callbacks::{SwapReply, SwapStatus};
 use hyptrace_reader::trace_file::{self, hdr};
 use hyptrace_reader::{Callbacks, ReadError, RingBuffer};
@@ -34,8 +34,8 @@ use hyptrace_reader::{Callbacks, ReadError, RingBuffer};
 use crate::control::protocol::{
     Answer, AttachInfo, Command, ConsumerPosition, Outcome, ReaderStatus,
 };
-use crate::control::server::CtlConn;
-use crate::drain::session::{Output, Session};
+use crate::control::server::{CtlConn, CtlError};
+use crate::drain::session::{Output, Session, SessionError};
 use crate::drain::sink::FormatArg;
 
 /// How long the client waits for one reply of the VMM.
@@ -55,14 +55,15 @@ pub enum AttachError {
         /// The socket.
         path: PathBuf,
         /// Why.
-        why: String,
+        #[source]
+        why: SocketProblem,
     },
     /// The VMM refused the attach (busy, `--drain live`, no `--trace-mem`).
     #[error("--attach {path}: the VMM refused: {why}", path = .path.display())]
     Refused {
         /// The socket.
         path: PathBuf,
-        /// Its reason.
+        /// Its reason, as the VMM words it.
         why: String,
     },
     /// The trace memory file is not usable.
@@ -71,7 +72,8 @@ pub enum AttachError {
         /// The file.
         path: PathBuf,
         /// Why.
-        why: String,
+        #[source]
+        why: FileError,
     },
     /// The output failed.
     #[error("cannot write {path}: {why}", path = .path.display())]
@@ -79,8 +81,84 @@ pub enum AttachError {
         /// The output.
         path: PathBuf,
         /// Why.
-        why: String,
+        #[source]
+        why: OutputProblem,
     },
+}
+
+/// What went wrong on the control socket.
+#[derive(Debug, thiserror::Error)]
+pub enum SocketProblem {
+    /// Connecting, sending or the reply.
+    #[error(transparent)]
+    Ctl(#[from] CtlError),
+    /// The VMM answered something else than the attach asked for.
+    #[error("a reply to another request: {0}")]
+    OtherReply(String),
+}
+
+/// What is wrong with the trace memory file the VMM named.
+#[derive(Debug, thiserror::Error)]
+pub enum FileError {
+    /// An I/O step failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// The step (`cannot open`, `mmap`, ...).
+        what: &'static str,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Not a regular file (F4).
+    #[error("not a regular file")]
+    NotRegular,
+    /// Shorter than its fixed header.
+    #[error("{0} bytes: too short for the header")]
+    TooShort(u64),
+    /// Bad magic.
+    #[error("not a trace memory file (bad magic)")]
+    BadMagic,
+    /// A file version this reader does not know.
+    #[error("version {0}")]
+    Version(u32),
+    /// The header's size is out of bounds.
+    #[error("header size {0}")]
+    HeaderSize(usize),
+    /// The region's size is out of bounds.
+    #[error("region size {0}")]
+    RegionSize(u64),
+    /// Shorter than the header and region it declares.
+    #[error("{len} bytes: shorter than its header ({header}) and region ({region})")]
+    Truncated {
+        /// The file's length.
+        len: u64,
+        /// The header's length.
+        header: usize,
+        /// The mapped region's length.
+        region: usize,
+    },
+    /// The VMM's CPU count is out of bounds, or not the pack's.
+    #[error("the VMM says {vmm} CPUs{}", .pack.map(|p| format!(", the pack {p}")).unwrap_or_default())]
+    Cpus {
+        /// What the VMM says.
+        vmm: u32,
+        /// What the pack says (when it was read).
+        pack: Option<u32>,
+    },
+    /// The rings in it do not attach, or do not start where the VMM says (C1).
+    #[error(transparent)]
+    Read(#[from] ReadError),
+}
+
+/// What failed in the output.
+#[derive(Debug, thiserror::Error)]
+pub enum OutputProblem {
+    /// Opening or writing the sink.
+    #[error(transparent)]
+    Sink(#[from] OutputError),
+    /// The session's output.
+    #[error(transparent)]
+    Session(#[from] SessionError),
 }
 
 impl AttachError {
@@ -368,54 +446,57 @@ struct Mapped {
 
 /// A header word of the file (read once through a small mapping of the header).
 fn map_file(path: &Path, nr_cpus_hint: u32) -> Result<Mapped, AttachError> {
-    let err = |why: String| AttachError::File {
+    let err = |why: FileError| AttachError::File {
         path: path.to_path_buf(),
         why,
     };
+    let io = |what: &'static str| move |source| err(FileError::Io { what, source });
     // F4: O_NONBLOCK so that a FIFO named by the VMM does not block the open; refused
     // by the type check below (a mapping never blocks on the flag).
     let file = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(path)
-        .map_err(|e| err(format!("cannot open: {e}")))?;
-    let md = file.metadata().map_err(|e| err(e.to_string()))?;
+        .map_err(io("cannot open"))?;
+    let md = file.metadata().map_err(io("stat"))?;
     if !md.file_type().is_file() {
-        return Err(err("not a regular file".into()));
+        return Err(err(FileError::NotRegular));
     }
     let flen = md.len();
     if flen < trace_file::HEADER_FIXED as u64 {
-        return Err(err(format!("{flen} bytes: too short for the header")));
+        return Err(err(FileError::TooShort(flen)));
     }
     let head = ReadOnlyMap::map(&file, 0, trace_file::HEADER_FIXED, trace_file::HEADER_FIXED)
-        .map_err(|e| err(format!("mmap: {e}")))?;
+        .map_err(io("mmap"))?;
     let w = |off: usize| head.load(off, Acquire);
     if w(hdr::MAGIC) != trace_file::MAGIC {
-        return Err(err("not a trace memory file (bad magic)".into()));
+        return Err(err(FileError::BadMagic));
     }
     let vh = w(hdr::VERSION_HEADER_SIZE);
     if vh as u32 != trace_file::VERSION {
-        return Err(err(format!("version {}", vh as u32)));
+        return Err(err(FileError::Version(vh as u32)));
     }
     let header_len = (vh >> 32) as usize;
     if !(trace_file::HEADER_FIXED..=trace_file::MAX_HEADER).contains(&header_len)
         || !header_len.is_multiple_of(trace_file::FILE_ALIGN)
     {
-        return Err(err(format!("header size {header_len}")));
+        return Err(err(FileError::HeaderSize(header_len)));
     }
     let region_size = w(hdr::REGION_SIZE);
     if region_size == 0 || region_size > trace_file::MAX_REGION {
-        return Err(err(format!("region size {region_size}")));
+        return Err(err(FileError::RegionSize(region_size)));
     }
     let region_size = region_size as usize;
     let mapped = trace_file::mapped_len(region_size);
     if (header_len as u64).saturating_add(mapped as u64) > flen {
-        return Err(err(format!(
-            "{flen} bytes: shorter than its header ({header_len}) and region ({mapped})"
-        )));
+        return Err(err(FileError::Truncated {
+            len: flen,
+            header: header_len,
+            region: mapped,
+        }));
     }
-    let region = ReadOnlyMap::map(&file, header_len as u64, mapped, region_size)
-        .map_err(|e| err(format!("mmap: {e}")))?;
+    let region =
+        ReadOnlyMap::map(&file, header_len as u64, mapped, region_size).map_err(io("mmap"))?;
     let nr = u64::from(nr_cpus_hint.max(1));
     let meta_off = w(hdr::META_OFF);
     let meta_len = nr.saturating_mul(meta::PAGE_SIZE as u64);
@@ -537,11 +618,11 @@ type Opened = (
 
 /// Connects and claims the consumer role: the connection and the VMM's answer.
 fn claim(socket: &Path) -> Result<(CtlConn, AttachInfo), AttachError> {
-    let sock_err = |why: String| AttachError::Socket {
+    let sock_err = |why: SocketProblem| AttachError::Socket {
         path: socket.to_path_buf(),
         why,
     };
-    let mut conn = CtlConn::connect(socket, REPLY_TIMEOUT).map_err(|e| sock_err(e.to_string()))?;
+    let mut conn = CtlConn::connect(socket, REPLY_TIMEOUT).map_err(|e| sock_err(e.into()))?;
     // C3: the VMM refuses an attach while it settles the last consumer's swap: ask
     // again, bounded.
     let started = Instant::now();
@@ -559,8 +640,8 @@ fn claim(socket: &Path) -> Result<(CtlConn, AttachInfo), AttachError> {
                     why,
                 })
             }
-            Ok(o) => return Err(sock_err(format!("a reply to another request: {o:?}"))),
-            Err(e) => return Err(sock_err(e.to_string())),
+            Ok(o) => return Err(sock_err(SocketProblem::OtherReply(format!("{o:?}")))),
+            Err(e) => return Err(sock_err(e.into())),
         }
     }
 }
@@ -569,13 +650,16 @@ fn claim(socket: &Path) -> Result<(CtlConn, AttachInfo), AttachError> {
 /// the VMM says the reading stands (C1).
 fn open_reader(conn: CtlConn, info: &AttachInfo) -> Result<Opened, AttachError> {
     let path = info.trace_mem.clone();
-    let file_err = |why: String| AttachError::File {
+    let file_err = |why: FileError| AttachError::File {
         path: path.clone(),
         why,
     };
     let nr = info.nr_cpus;
     if nr == 0 || nr as usize > hyptrace_abi::layout::MAX_CPUS {
-        return Err(file_err(format!("the VMM says {nr} CPUs")));
+        return Err(file_err(FileError::Cpus {
+            vmm: nr,
+            pack: None,
+        }));
     }
     let Mapped {
         region,
@@ -600,14 +684,14 @@ fn open_reader(conn: CtlConn, info: &AttachInfo) -> Result<Opened, AttachError> 
         gone: RefCell::new(None),
         swaps: Cell::new(0),
     };
-    let mut reader = RingBuffer::attach(region, swap).map_err(|e| file_err(e.to_string()))?;
+    let mut reader = RingBuffer::attach(region, swap).map_err(|e| file_err(e.into()))?;
     if reader.layout().nr_cpus != nr {
-        return Err(file_err(format!(
-            "the VMM says {nr} CPUs, the pack {}",
-            reader.layout().nr_cpus
-        )));
+        return Err(file_err(FileError::Cpus {
+            vmm: nr,
+            pack: Some(reader.layout().nr_cpus),
+        }));
     }
-    crate::control::consumer::start(&mut reader, info).map_err(|e| file_err(e.to_string()))?;
+    crate::control::consumer::start(&mut reader, info).map_err(|e| file_err(e.into()))?;
     Ok((reader, metas, tsc_khz))
 }
 
@@ -653,16 +737,16 @@ fn open_session(
                     hyptrace_output::Compression::Zstd,
                     tmeta,
                 )
-                .map_err(|e| out_err(o, e.to_string()))?,
+                .map_err(|e| out_err(o, e))?,
             )
         };
     Ok(Session::new(reader, output, clock).with_formats(&formats))
 }
 
-fn out_err(o: &AttachOpts<'_>, why: String) -> AttachError {
+fn out_err(o: &AttachOpts<'_>, why: impl Into<OutputProblem>) -> AttachError {
     AttachError::Output {
         path: o.out_path.to_path_buf(),
-        why,
+        why: why.into(),
     }
 }
 
@@ -687,7 +771,7 @@ fn read_rounds(session: &mut AttachSession, o: &AttachOpts<'_>) -> Result<String
         for (cpu, e) in session.service(|_| false) {
             log::warn!("cpu {cpu}: {e}");
         }
-        session.flush().map_err(|e| out_err(o, e.to_string()))?;
+        session.flush().map_err(|e| out_err(o, e))?;
         let cb = session.reader().callbacks();
         if let Some(why) = cb.gone.borrow().clone() {
             return Ok(format!("the VMM went away ({why})"));
@@ -778,7 +862,7 @@ pub fn attach(o: &AttachOpts<'_>) -> Result<AttachReport, AttachError> {
     detach(&session, &walked);
     // The CPUs still running stop here: what was read is all this attach delivers.
     session.stop_reading();
-    session.flush().map_err(|e| out_err(o, e.to_string()))?;
+    session.flush().map_err(|e| out_err(o, e))?;
     let stats: Vec<_> = (0..nr).map(|c| session.stats(c)).collect();
     let errors = (0..nr)
         .filter_map(|c| session.error(c).map(|e| (c, e.to_string())))
@@ -802,9 +886,7 @@ pub fn attach(o: &AttachOpts<'_>) -> Result<AttachReport, AttachError> {
             })
             .collect(),
     };
-    session
-        .finish(&summary)
-        .map_err(|e| out_err(o, e.to_string()))?;
+    session.finish(&summary).map_err(|e| out_err(o, e))?;
     Ok(AttachReport {
         cpus: stats.iter().map(|s| (s.read, s.lost)).collect(),
         swaps,

@@ -27,8 +27,14 @@ pub enum Error {
         mem_bytes: u64,
     },
     /// `/dev/kvm` cannot be opened (missing, or no permission).
-    #[error("cannot open the KVM device {0}")]
-    KvmUnavailable(String),
+    #[error("cannot open the KVM device {path}: {}", kvm_why(.source))]
+    KvmUnavailable {
+        /// The device's path.
+        path: String,
+        /// The OS error (`None`: the path has a NUL byte).
+        #[source]
+        source: Option<vmm_sys_util::errno::Error>,
+    },
     /// More vCPUs than KVM allows.
     #[error("too many vCPUs: {want} requested, KVM allows {max}")]
     TooManyVcpus {
@@ -75,7 +81,7 @@ impl Error {
             Self::MemoryMap(_)
                 | Self::Elf(_)
                 | Self::ImageOutsideMemory { .. }
-                | Self::KvmUnavailable(_)
+                | Self::KvmUnavailable { .. }
                 | Self::TooManyVcpus { .. }
         )
     }
@@ -87,3 +93,13 @@ impl Error {
 
 /// Result of the VMM's operations.
 pub type Result<T> = std::result::Result<T, Error>;
+
+/// What a failed open of the KVM device means for the user.
+fn kvm_why(e: &Option<vmm_sys_util::errno::Error>) -> String {
+    match e.as_ref().map(|e| e.errno()) {
+        None => "bad path".into(),
+        Some(libc::ENOENT | libc::ENODEV | libc::ENXIO) => "not available (no such device)".into(),
+        Some(libc::EACCES | libc::EPERM) => "permission denied (need read/write access)".into(),
+        Some(_) => e.as_ref().map(ToString::to_string).unwrap_or_default(),
+    }
+}

@@ -96,17 +96,13 @@ pub const KVM_DEVICE_ENV: &str = "HYPTRACE_KVM_DEVICE";
 
 fn open_kvm() -> Result<Kvm> {
     let path = std::env::var(KVM_DEVICE_ENV).unwrap_or_else(|_| "/dev/kvm".to_string());
-    let cpath = std::ffi::CString::new(path.clone())
-        .map_err(|_| Error::KvmUnavailable(format!("{path}: bad path")))?;
-    Kvm::new_with_path(&cpath).map_err(|e| {
-        let why = match e.errno() {
-            libc::ENOENT | libc::ENODEV | libc::ENXIO => {
-                "not available (no such device)".to_string()
-            }
-            libc::EACCES | libc::EPERM => "permission denied (need read/write access)".to_string(),
-            _ => e.to_string(),
-        };
-        Error::KvmUnavailable(format!("{path}: {why}"))
+    let cpath = std::ffi::CString::new(path.clone()).map_err(|_| Error::KvmUnavailable {
+        path: path.clone(),
+        source: None,
+    })?;
+    Kvm::new_with_path(&cpath).map_err(|e| Error::KvmUnavailable {
+        path,
+        source: Some(e),
     })
 }
 
