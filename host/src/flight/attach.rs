@@ -17,7 +17,6 @@
 //! every page id, commit and record is checked as for the in-process reader.
 
 use std::cell::{Cell, RefCell};
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU64;
@@ -176,8 +175,7 @@ impl AttachError {
 /// [`SharedMem`] interface are refused (ignored with an error log): the consuming reader
 /// never writes on this path (its swap and footer callbacks go to the VMM).
 pub struct ReadOnlyMap {
-    ptr: *mut u8,
-    len: usize,
+    map: memmap2::MmapRaw,
     /// The part of the mapping the accessors expose (`<= len`).
     size: usize,
 }
@@ -185,7 +183,7 @@ pub struct ReadOnlyMap {
 impl std::fmt::Debug for ReadOnlyMap {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ReadOnlyMap")
-            .field("len", &self.len)
+            .field("len", &self.map.len())
             .finish_non_exhaustive()
     }
 }
@@ -202,27 +200,11 @@ impl ReadOnlyMap {
         if len == 0 || size > len || !offset.is_multiple_of(4096) {
             return Err(std::io::Error::other("bad mapping request"));
         }
-        let off = libc::off_t::try_from(offset).map_err(std::io::Error::other)?;
-        // SAFETY: a fresh read-only shared mapping of an open file; no address hint, so
-        // nothing existing is replaced. The result is checked below.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                off,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(Self {
-            ptr: ptr.cast(),
-            len,
-            size,
-        })
+        let map = memmap2::MmapOptions::new()
+            .offset(offset)
+            .len(len)
+            .map_raw_read_only(file)?;
+        Ok(Self { map, size })
     }
 
     fn check(&self, off: usize, n: usize) -> bool {
@@ -237,21 +219,11 @@ impl ReadOnlyMap {
         // SAFETY: `off` is 8-aligned and inside the mapping (checked), whose base is
         // page-aligned and which lives as long as `self`; the other process (the VMM, the
         // guest) writes these words only atomically; this one only loads them.
-        Some(unsafe { AtomicU64::from_ptr(self.ptr.add(off).cast::<u64>()) })
+        Some(unsafe { AtomicU64::from_ptr(self.map.as_mut_ptr().add(off).cast::<u64>()) })
     }
 
     fn refused(&self, what: &str, off: usize) {
         log::error!("read-only trace memory: {what} at {off:#x} refused");
-    }
-}
-
-impl Drop for ReadOnlyMap {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in `map`, of `len` bytes, unmapped once; no reference
-        // into it outlives `self` (the accessors copy out).
-        unsafe {
-            libc::munmap(self.ptr.cast(), self.len);
-        }
     }
 }
 
@@ -316,7 +288,7 @@ impl SharedMem for ReadOnlyMap {
         for (i, b) in dst.iter_mut().enumerate() {
             // SAFETY: `off + i` is inside the mapping (the range is checked above);
             // volatile: the other process may be writing these bytes.
-            *b = unsafe { std::ptr::read_volatile(self.ptr.add(off + i)) };
+            *b = unsafe { std::ptr::read_volatile(self.map.as_ptr().add(off + i)) };
         }
     }
 }

@@ -306,12 +306,18 @@ fn names(path: &Path, file: &File) -> Result<bool, FileProblem> {
 pub struct TraceMemFile {
     path: PathBuf,
     file: Arc<File>,
+    /// The header's words, over `_header_map`.
     header: RawMem,
     header_len: usize,
     nr_cpus: u32,
-    /// The per-CPU meta pages (`trace_buffer_meta`, one page per CPU after the region).
+    /// The per-CPU meta pages (`trace_buffer_meta`, one page per CPU after the region),
+    /// over `_meta_map`.
     meta: RawMem,
     meta_off: u64,
+    // The shared mappings `header` and `meta` point into (unmapped when dropped, after
+    // them: fields drop in declaration order).
+    _header_map: memmap2::MmapRaw,
+    _meta_map: memmap2::MmapRaw,
 }
 
 /// What a CPU's meta page says (written by [`TraceMemFile::write_meta`]).
@@ -396,52 +402,24 @@ impl TraceMemFile {
         let meta_len = ring.nr_cpus as usize * meta::PAGE_SIZE;
         let total = meta_off + meta_len as u64;
         file.set_len(total).map_err(FileProblem::io("set_len"))?;
-        // SAFETY: a fresh shared mapping of the file's first `header_len` bytes (the file
-        // is at least that long); no address hint, so nothing existing is replaced.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                header_len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(FileProblem::io("mmap")(io::Error::last_os_error()));
-        }
-        // SAFETY: `ptr` is a page-aligned mapping of `header_len` bytes that this value
-        // owns until Drop; only this process writes it, through this RawMem's atomics
-        // (other processes read the file).
-        let header = unsafe { RawMem::new(ptr.cast(), header_len) };
-        let meta_ptr = if meta_len == 0 {
-            libc::MAP_FAILED
-        } else {
-            // SAFETY: a fresh shared mapping of the file's last `meta_len` bytes (the
-            // file was sized to hold them; `meta_off` is 4 KiB aligned); no address hint.
-            unsafe {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    meta_len,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_SHARED,
-                    file.as_raw_fd(),
-                    meta_off as libc::off_t,
-                )
-            }
-        };
-        if meta_ptr == libc::MAP_FAILED {
-            let e = io::Error::last_os_error();
-            // SAFETY: the header mapping made above, unmapped once; `header` is dropped
-            // unused.
-            unsafe { libc::munmap(header.as_ptr().cast(), header_len) };
-            return Err(FileProblem::io("mmap")(e));
-        }
-        // SAFETY: a page-aligned mapping of `meta_len` bytes owned by this value until
-        // Drop; this process writes it only through this RawMem (atomics), other
-        // processes map the file read-only.
-        let meta = unsafe { RawMem::new(meta_ptr.cast(), meta_len) };
+        let header_map = memmap2::MmapOptions::new()
+            .len(header_len)
+            .map_raw(&file)
+            .map_err(FileProblem::io("mmap"))?;
+        // The file was sized to hold the meta pages; `meta_off` is 4 KiB aligned.
+        let meta_map = memmap2::MmapOptions::new()
+            .offset(meta_off)
+            .len(meta_len)
+            .map_raw(&file)
+            .map_err(FileProblem::io("mmap"))?;
+        // SAFETY: a page-aligned shared mapping of `header_len` bytes, kept by the value
+        // built below (`_header_map`) for as long as this RawMem; only this process
+        // writes it, through this RawMem's atomics (other processes read the file).
+        let header = unsafe { RawMem::new(header_map.as_mut_ptr(), header_len) };
+        // SAFETY: a page-aligned shared mapping of `meta_len` bytes, kept by the value
+        // built below (`_meta_map`); this process writes it only through this RawMem
+        // (atomics), other processes map the file read-only.
+        let meta = unsafe { RawMem::new(meta_map.as_mut_ptr(), meta_len) };
         Ok(Self {
             path: path.to_path_buf(),
             file: Arc::new(file),
@@ -450,6 +428,8 @@ impl TraceMemFile {
             nr_cpus: ring.nr_cpus,
             meta,
             meta_off,
+            _header_map: header_map,
+            _meta_map: meta_map,
         })
     }
 
@@ -578,20 +558,6 @@ impl TraceMemFile {
         // Release: the slot's words before the switch (a reader in another process
         // reads the file after this process is gone; order still matters for a live one).
         h.store(base + pos::ACTIVE, next, Release);
-    }
-}
-
-impl Drop for TraceMemFile {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in `create`, of `header_len` bytes, unmapped once;
-        // nothing uses `self.header` after this.
-        unsafe {
-            libc::munmap(self.header.as_ptr().cast(), self.header_len);
-        }
-        // SAFETY: the meta mapping made in `create`, unmapped once; unused after this.
-        unsafe {
-            libc::munmap(self.meta.as_ptr().cast(), self.meta.size());
-        }
     }
 }
 
