@@ -50,5 +50,5 @@ pub use memory_map::GuestMemoryMap;
 pub use vcpu::{VcpuError, VcpuOutcome, VcpuStats};
 pub use vm::{host_tsc, RunParams, RunningVm, TraceRegion, Vm, VmConfig};
 
-/// The guest payload built from guest/ by build.rs.
-pub static GUEST_ELF: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/hyptrace-guest.elf"));
+/// The guest payload built from guest/ (by the `hyptrace-payload` crate's build script).
+pub use hyptrace_payload::GUEST_ELF;

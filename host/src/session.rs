@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hyptrace_abi::layout::{ctl, RingGeometry};
-use hyptrace_abi::{RawMem, SharedMem};
+use hyptrace_abi::SharedMem;
 use hyptrace_output::{
     format_drop, format_guest_line, format_window_exceeded, guest_printers, Clock, EventFormat,
     EventPrinter, MergeWindow, Merged, Merger, Missed, PageSink, Released,
@@ -27,29 +27,23 @@ use crate::vm::TraceRegion;
 pub const MAILBOX_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The trace region of a VM as [`SharedMem`]: atomics and volatile copies on the guest
-/// memory, which the guest's vCPUs write concurrently.
+/// memory, which the guest's vCPUs write concurrently ([`hyptrace_embed::GuestRegionMem`],
+/// the one wrapper, shared with any VMM that embeds the reader).
 #[derive(Debug)]
 pub struct GuestTraceMem {
-    // Keeps the guest memory mapped for as long as `raw` is used.
-    _region: TraceRegion,
-    raw: RawMem,
+    raw: hyptrace_embed::GuestRegionMem,
 }
 
 impl GuestTraceMem {
     /// Wraps a VM's trace region.
     pub fn new(region: TraceRegion) -> Self {
-        let (_, ptr, len) = region.raw_parts();
-        // SAFETY: `ptr` is the host mapping of `len` bytes of guest memory that `region`
-        // keeps mapped (it holds a clone of the GuestMemoryMmap) for as long as `self`
-        // lives; the region starts page-aligned, so 8-byte aligned. The guest accesses
-        // it only through its own atomics and stores (another domain), and the host only
-        // through this RawMem (atomics and volatile byte copies) — never through Rust
-        // references to the bytes.
-        let raw = unsafe { RawMem::new(ptr, len) };
-        Self {
-            _region: region,
-            raw,
-        }
+        let raw = hyptrace_embed::GuestRegionMem::new(
+            region.memory(),
+            vm_memory::GuestAddress(region.gpa()),
+            region.len(),
+        )
+        .expect("a VM's trace region is page-aligned inside one region of its memory");
+        Self { raw }
     }
 }
 
@@ -1014,15 +1008,7 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
     /// block one event behind its pages. Once such a CPU has been read to the end, the
     /// one committed event the reader found beyond `entries + dropped` counts as written.
     pub fn writer_index(&self, cpu: u32) -> u64 {
-        let index = self.reader.writer_index(cpu);
-        if !self.reader.writer_finished(cpu) && !self.is_live(cpu) {
-            let st = self.reader.stats(cpu);
-            let seen = st.read.saturating_add(st.lost);
-            if seen == index.saturating_add(1) {
-                return seen;
-            }
-        }
-        index
+        hyptrace_embed::written(&self.reader, cpu, self.is_live(cpu))
     }
 
     /// Finishes the output: flushes text, or closes the sink with the summary.
@@ -1113,23 +1099,18 @@ fn drain_ring<M: SharedMem, C: Callbacks>(
             }
             Ok(true)
         }
-        Output::Pages(sink) => {
-            let mut bytes = 0usize;
-            while bytes < ROUND_MAX_BYTES {
-                if bytes > 0 && started.elapsed() >= ROUND_MAX_TIME {
-                    return Ok(true);
-                }
-                let Some(page) = reader.next_page(rcpu)? else {
-                    // Caught up: a sink that holds pages back may hand them over now.
-                    sink.idle()?;
-                    return Ok(false);
-                };
-                bytes = bytes.saturating_add(page.bytes.len().max(1));
-                let missed = (page.missed > 0).then_some(page.missed);
-                sink.page(cpu, page.bytes, missed)?;
-            }
-            Ok(true)
-        }
+        Output::Pages(sink) => hyptrace_embed::drain_pages(
+            reader,
+            rcpu,
+            cpu,
+            sink.as_mut(),
+            ROUND_MAX_BYTES,
+            ROUND_MAX_TIME,
+        )
+        .map_err(|e| match e {
+            hyptrace_embed::DrainError::Read(e) => SessionError::Read(e),
+            hyptrace_embed::DrainError::Sink(e) => SessionError::Sink(e),
+        }),
     }
 }
 

@@ -12,9 +12,7 @@ use std::ptr;
 use std::sync::atomic::Ordering;
 use std::sync::OnceLock;
 
-use hyptrace_abi::guest::{
-    result, PANIC_MSG_MAX, PORT_ALIGN, PORT_EXIT, PORT_PANIC, PORT_SLEEP, SLEEP_MAX_US,
-};
+use hyptrace_abi::guest::{result, PORT_ALIGN, PORT_EXIT, PORT_PANIC, PORT_SLEEP, SLEEP_MAX_US};
 use hyptrace_abi::registry::PORT_REGISTER;
 use kvm_ioctls::{VcpuExit, VcpuFd};
 use libc::{c_int, c_void, siginfo_t};
@@ -22,20 +20,7 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
 use crate::vm::Shared;
 
-/// Counters a finished vCPU reported in its result slot.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct VcpuStats {
-    /// Events the workload attempted.
-    pub attempted: u64,
-    /// Events skipped because they were disabled.
-    pub skipped: u64,
-    /// Guest TSC when the workload started (right after entry).
-    pub tsc_start: u64,
-    /// Guest TSC when it ended.
-    pub tsc_end: u64,
-    /// Mailbox requests the guest served.
-    pub mailbox_served: u64,
-}
+pub use hyptrace_payload::exits::VcpuStats;
 
 /// How a vCPU ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -99,30 +84,12 @@ pub(crate) fn install_kick_handler() -> crate::Result<()> {
     .map_err(crate::Error::KickSignal)
 }
 
-fn read_u64(mem: &GuestMemoryMmap, gpa: u64) -> u64 {
-    mem.read_obj::<u64>(GuestAddress(gpa)).unwrap_or(0)
-}
-
 fn read_stats(mem: &GuestMemoryMmap, slot: u64) -> VcpuStats {
-    VcpuStats {
-        attempted: read_u64(mem, slot + result::ATTEMPTED as u64),
-        skipped: read_u64(mem, slot + result::SKIPPED as u64),
-        tsc_start: read_u64(mem, slot + result::TSC_START as u64),
-        tsc_end: read_u64(mem, slot + result::TSC_END as u64),
-        mailbox_served: read_u64(mem, slot + result::MAILBOX_SERVED as u64),
-    }
+    hyptrace_payload::exits::read_stats(mem, slot)
 }
 
 fn read_panic(mem: &GuestMemoryMmap, slot: u64, len: u32) -> String {
-    let len = (len as usize).min(PANIC_MSG_MAX);
-    let mut buf = vec![0u8; len];
-    if mem
-        .read_slice(&mut buf, GuestAddress(slot + result::MSG as u64))
-        .is_err()
-    {
-        return String::from("<unreadable panic message>");
-    }
-    String::from_utf8_lossy(&buf).into_owned()
+    hyptrace_payload::exits::read_panic(mem, slot, len)
 }
 
 fn le_u32(data: &[u8]) -> u32 {
