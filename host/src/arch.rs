@@ -1,5 +1,5 @@
 //! x86-64 long-mode set-up: identity page tables, GDT, TSS and the vCPU registers for a
-//! CPL3 entry (see `docs` of [`crate::layout`] and the bring-up notes: under PVM guest
+//! CPL3 entry (see [`crate::memory_map`] and the bring-up notes: under PVM guest
 //! code at CPL0 is emulated, so the payload runs in user mode).
 
 use hyptrace_payload::boot::{self, Segment};

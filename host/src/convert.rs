@@ -2,7 +2,7 @@
 //! v6/v7/v7-zstd (ours or the kernel's, via trace-cmd) or a raw page stream (`record
 //! --format raw`), told apart by their magic — and print it as `trace-cmd report -t`
 //! does, or write it in any output format of `record` (the sinks of the run pipeline,
-//! [`crate::run::make_sink`], so every format `record` writes is a `convert` target).
+//! `crate::run::make_sink`, so every format `record` writes is a `convert` target).
 //!
 //! Both stream: a trace.dat is read a page (or a compression chunk) per CPU at a time, a
 //! raw stream a page per CPU at a time; memory does not grow with the file.
