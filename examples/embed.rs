@@ -239,14 +239,14 @@ fn run_vcpu(
         match decode_out(port, data) {
             Some(Request::Register) => ev.on_register(id),
             Some(Request::Sleep(d)) => std::thread::sleep(d),
-            Some(Request::Exit(_)) => return Outcome::Finished(read_stats(mem, slot)),
+            Some(Request::Exit(who)) if who == id => {
+                return Outcome::Finished(read_stats(mem, slot))
+            }
             Some(Request::Panic(len)) => {
                 let msg = read_panic(mem, slot, len);
                 return Outcome::Crashed(format!("guest panic: {}", escape_guest_str(&msg)));
             }
-            Some(Request::Align) | None => {
-                return Outcome::Crashed(format!("unexpected write to port {port:#x}"))
-            }
+            _ => return Outcome::Crashed(format!("unexpected write to port {port:#x}")),
         }
     }
 }

@@ -12,8 +12,8 @@ use std::ptr;
 use std::sync::atomic::Ordering;
 use std::sync::OnceLock;
 
-use hyptrace_abi::guest::{result, PORT_ALIGN, PORT_EXIT, PORT_PANIC, PORT_SLEEP, SLEEP_MAX_US};
-use hyptrace_abi::registry::PORT_REGISTER;
+use hyptrace_abi::guest::result;
+use hyptrace_payload::exits::{decode_out, Request};
 use kvm_ioctls::{VcpuExit, VcpuFd};
 use libc::{c_int, c_void, siginfo_t};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
@@ -92,13 +92,6 @@ fn read_panic(mem: &GuestMemoryMmap, slot: u64, len: u32) -> String {
     hyptrace_payload::exits::read_panic(mem, slot, len)
 }
 
-fn le_u32(data: &[u8]) -> u32 {
-    let mut b = [0u8; 4];
-    let n = data.len().min(4);
-    b[..n].copy_from_slice(&data[..n]);
-    u32::from_le_bytes(b)
-}
-
 /// Where the guest was when it crashed, for the message.
 fn where_(fd: &VcpuFd) -> String {
     match (fd.get_regs(), fd.get_sregs()) {
@@ -175,44 +168,41 @@ fn run_loop(
             ev.vcpu_exit(id, reason, port);
         }
         match exit {
-            VcpuExit::IoOut(PORT_EXIT, data) => {
-                let who = le_u32(data);
-                if who != id {
+            VcpuExit::IoOut(port, data) => match decode_out(port, data) {
+                Some(Request::Exit(who)) if who != id => {
                     return VcpuOutcome::Faulted(format!("vCPU {id} reported exit as vCPU {who}"));
                 }
-                return VcpuOutcome::Finished(read_stats(mem, slot));
-            }
-            VcpuExit::IoOut(PORT_REGISTER, _) => {
-                // Once per run (later exits are ignored, each bounded): the answer is
-                // written before the vCPU resumes.
-                shared.events.on_register(id);
-                continue;
-            }
-            VcpuExit::IoOut(PORT_ALIGN, _) => {
-                // The `align` workload: the host clock at this exit, for the guest to
-                // record next to its own TSC stamps around it.
-                let now = shared.stamp.now();
-                if mem
-                    .write_obj(now, GuestAddress(slot + result::ALIGN_HOST as u64))
-                    .is_err()
-                {
-                    return VcpuOutcome::Faulted("result slot not writable".into());
+                Some(Request::Exit(_)) => return VcpuOutcome::Finished(read_stats(mem, slot)),
+                Some(Request::Register) => {
+                    // Once per run (later exits are ignored, each bounded): the answer is
+                    // written before the vCPU resumes.
+                    shared.events.on_register(id);
+                    continue;
                 }
-            }
-            VcpuExit::IoOut(PORT_SLEEP, data) => {
-                // A pacing guest with nothing to do for a while (bounded: a stop request
-                // is seen at the top of the loop within SLEEP_MAX_US).
-                let us = le_u32(data).min(SLEEP_MAX_US);
-                std::thread::sleep(std::time::Duration::from_micros(u64::from(us)));
-                continue;
-            }
-            VcpuExit::IoOut(PORT_PANIC, data) => {
-                let len = le_u32(data);
-                return VcpuOutcome::Panicked(read_panic(mem, slot, len));
-            }
-            VcpuExit::IoOut(port, _) => {
-                return VcpuOutcome::Faulted(format!("unexpected write to I/O port {port:#x}"));
-            }
+                Some(Request::Align) => {
+                    // The `align` workload: the host clock at this exit, for the guest to
+                    // record next to its own TSC stamps around it.
+                    let now = shared.stamp.now();
+                    if mem
+                        .write_obj(now, GuestAddress(slot + result::ALIGN_HOST as u64))
+                        .is_err()
+                    {
+                        return VcpuOutcome::Faulted("result slot not writable".into());
+                    }
+                }
+                Some(Request::Sleep(d)) => {
+                    // A pacing guest with nothing to do for a while (bounded by
+                    // SLEEP_MAX_US: a stop request is seen at the top of the loop).
+                    std::thread::sleep(d);
+                    continue;
+                }
+                Some(Request::Panic(len)) => {
+                    return VcpuOutcome::Panicked(read_panic(mem, slot, len));
+                }
+                None => {
+                    return VcpuOutcome::Faulted(format!("unexpected write to I/O port {port:#x}"));
+                }
+            },
             VcpuExit::IoIn(port, _) => {
                 return VcpuOutcome::Faulted(format!("unexpected read of I/O port {port:#x}"));
             }
