@@ -606,6 +606,22 @@ impl<M: SharedMem> Writer<M> {
     /// then `commit` is published with Release, so a reader that loads `commit` with
     /// Acquire sees the whole payload. A `ts` below the previous event's is clamped to
     /// it (delta 0), never turned into a huge unsigned delta.
+    ///
+    /// ```
+    /// use core::sync::atomic::Ordering::SeqCst;
+    /// use hyptrace_abi::layout::ctl;
+    /// use hyptrace_abi::{events, HeapMem, Mode, RingGeometry, SharedMem};
+    /// use hyptrace_writer::{WriteOutcome, Writer};
+    /// let l = RingGeometry::new(1, 4, 4096, Mode::Stop, false)?;
+    /// let mem = HeapMem::new(l.region_size);
+    /// l.init_region(&mem, 1_000_000, 1);
+    /// let mut w = Writer::attach(&mem, 0)?;
+    /// let ev = events::marker(events::vcpu_pid(0), 0, 0);
+    /// assert_eq!(w.write(3, 100, &ev), WriteOutcome::Written); // init enables every slot
+    /// mem.fetch_and(l.ctl(0) + ctl::ENABLE, !(1 << 3), SeqCst); // the host disables slot 3
+    /// assert_eq!(w.write(3, 200, &ev), WriteOutcome::Disabled); // counted as skipped
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     #[inline]
     pub fn write(&mut self, slot: u32, ts: u64, payload: &[u8]) -> WriteOutcome {
         if !self.enabled(slot) {
