@@ -4,6 +4,7 @@
 //!
 //! ```sh
 //! cargo run --release --example embed -- OUT.dat && trace-cmd report OUT.dat
+//! cargo run --release --example embed -- OUT.pftrace   # Perfetto: ui.perfetto.dev
 //! ```
 //!
 //! It uses only library crates: `hyptrace-payload` (the guest and its boot recipe as
@@ -19,7 +20,9 @@ use hyptrace_abi::guest::{RunParamBlock, Workload};
 use hyptrace_abi::layout::{Mode, RingGeometry};
 use hyptrace_abi::registry::DEFAULT_TABLE_SIZE;
 use hyptrace_embed::{Events, GuestRegionMem, Tracer};
-use hyptrace_output::{escape_guest_str, Clock, TraceDatSink, TraceDatVersion};
+use hyptrace_output::{
+    escape_guest_str, Clock, PageSink, PerfettoSink, TraceDatSink, TraceDatVersion,
+};
 use hyptrace_payload::boot::{Segment, VcpuBoot};
 use hyptrace_payload::exits::{decode_out, read_panic, read_stats, Request, VcpuStats};
 use hyptrace_payload::{Boot, GUEST_ELF};
@@ -129,13 +132,17 @@ fn main() -> Result<(), Error> {
         eprintln!("embed: warning: {r}");
     }
     let meta = tracer.trace_meta(Clock::guest_tsc(tsc_khz)?, registered.formats);
-    let mut sink = TraceDatSink::create(&out, meta, TraceDatVersion::V7)?;
+    let mut sink: Box<dyn PageSink> = if out.ends_with(".pftrace") {
+        Box::new(PerfettoSink::create(&out, meta)?)
+    } else {
+        Box::new(TraceDatSink::create(&out, meta, TraceDatVersion::V7)?)
+    };
     let started = Instant::now();
     while running.load(Ordering::Acquire) > 0 {
         if started.elapsed() > DEADLINE {
             return Err(format!("the guest did not finish within {DEADLINE:?}").into());
         }
-        if !tracer.drain(&mut sink)? {
+        if !tracer.drain(sink.as_mut())? {
             std::thread::sleep(POLL);
         }
     }
@@ -148,7 +155,7 @@ fn main() -> Result<(), Error> {
         .collect();
 
     // Every vCPU stopped: the final walks, the accounts, the end of trace.dat.
-    let accounts = tracer.finish(Box::new(sink))?;
+    let accounts = tracer.finish(sink)?;
     let mut ok = true;
     for (cpu, (a, o)) in accounts.iter().zip(&outcomes).enumerate() {
         let s = &a.stats;
