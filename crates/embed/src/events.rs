@@ -129,10 +129,12 @@ impl<M: SharedMem> Events<M> {
                 Err(RegisterError::Refused(e))
             }
             Ok(Some(reg)) => {
+                // Exactly the accepted events' bits, on every CPU (clear, then set).
                 let mask = reg.events.iter().fold(0u64, |m, e| m | bit(e.slot));
                 for cpu in 0..self.geometry.nr_cpus {
-                    self.mem
-                        .fetch_or(self.geometry.ctl(cpu) + ctl::ENABLE, mask, SeqCst);
+                    let word = self.geometry.ctl(cpu) + ctl::ENABLE;
+                    self.mem.fetch_and(word, mask, SeqCst);
+                    self.mem.fetch_or(word, mask, SeqCst);
                 }
                 answer(&self.mem, &self.geometry, &reg);
                 Ok(Registered {
@@ -171,4 +173,101 @@ impl<M: SharedMem> Events<M> {
 /// The enable bit of `slot` (0 for a slot past the word: never enabled).
 fn bit(slot: u32) -> u64 {
     1u64.checked_shl(slot).unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hyptrace_abi::layout::Mode;
+    use hyptrace_abi::registry::{DEFAULT_TABLE_SIZE, STATE_OFF, STATE_READY, STATE_REFUSED};
+    use hyptrace_abi::HeapMem;
+    use hyptrace_writer::events::{read_answer, write_table, Event, Field};
+    use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
+    use std::sync::Arc;
+
+    static F: &[Field<'static>] = &[Field {
+        name: "v",
+        ctype: "u64",
+        offset: 8,
+        size: 8,
+        signed: false,
+    }];
+    static A: Event<'static> = Event::new("g", "a", F, "\"%llu\", REC->v", 16, 2, 0);
+
+    fn region() -> (Arc<HeapMem>, RingGeometry) {
+        let l = RingGeometry::new(2, 3, 4096, Mode::Stop, false)
+            .and_then(|l| l.with_events(DEFAULT_TABLE_SIZE))
+            .expect("geometry");
+        let m = Arc::new(HeapMem::new(l.region_size));
+        l.init_region(&*m, 0, 1);
+        for cpu in 0..2 {
+            m.store(l.ctl(cpu) + ctl::ENABLE, 0, Relaxed);
+        }
+        (m, l)
+    }
+
+    /// A valid table: answered, its event enabled on every CPU, its format kept; a
+    /// second exit changes nothing.
+    #[test]
+    fn answers_enables_and_keeps_the_format() {
+        let (m, l) = region();
+        write_table(&*m, &[&A]).expect("table");
+        m.store(l.ctl(1) + ctl::ENABLE, u64::MAX, Relaxed);
+        let ev = Events::new(m.clone(), l);
+        ev.on_register(0);
+        assert_eq!(read_answer(&*m, &[&A]), Ok(1));
+        for cpu in 0..2 {
+            assert_eq!(m.load(l.ctl(cpu) + ctl::ENABLE, Acquire), 1 << 2);
+        }
+        let r = ev.wait(Duration::ZERO).expect("registered");
+        assert_eq!(r.formats.len(), 1);
+        assert_eq!(
+            (r.formats[0].name.as_str(), r.formats[0].fields.len()),
+            ("a", 1)
+        );
+        ev.on_register(1);
+        assert_eq!(ev.wait(Duration::ZERO), Ok(r));
+    }
+
+    /// Garbage marked READY is refused as a whole (the guest reads REFUSED), bounded.
+    #[test]
+    fn a_hostile_table_is_refused() {
+        let (m, l) = region();
+        m.write_bytes(l.events_off, &[0xa5; 256]);
+        m.store(l.events_off + STATE_OFF, STATE_READY, Release);
+        let ev = Events::new(m.clone(), l);
+        ev.on_register(0);
+        assert!(matches!(
+            ev.wait(Duration::ZERO),
+            Err(RegisterError::Refused(_))
+        ));
+        assert_eq!(m.load(l.events_off + STATE_OFF, Acquire), STATE_REFUSED);
+    }
+
+    /// After the wait gave up (the output was opened without formats), a registration
+    /// is refused, never answered (L1); a table never READY counts as refused after
+    /// MAX_EARLY_EXITS exits.
+    #[test]
+    fn late_and_never_ready_registrations_are_refused() {
+        let (m, l) = region();
+        let ev = Events::new(m.clone(), l);
+        assert_eq!(
+            ev.wait(Duration::from_millis(1)),
+            Err(RegisterError::TimedOut(Duration::from_millis(1)))
+        );
+        write_table(&*m, &[&A]).expect("table");
+        ev.on_register(0);
+        assert_eq!(m.load(l.events_off + STATE_OFF, Acquire), STATE_REFUSED);
+        assert_eq!(m.load(l.ctl(0) + ctl::ENABLE, Acquire), 0);
+
+        let (m, l) = region();
+        let ev = Events::new(m.clone(), l);
+        for _ in 0..MAX_EARLY_EXITS {
+            ev.on_register(0);
+        }
+        assert!(matches!(
+            ev.wait(Duration::ZERO),
+            Err(RegisterError::Refused(TableError::NotReady(_)))
+        ));
+    }
 }
