@@ -279,7 +279,9 @@ mod tests {
         }
     }
 
-    fn tracer(mode: Mode) -> (Arc<HeapMem>, Tracer<Arc<HeapMem>, Direct<Arc<HeapMem>>>) {
+    type HeapTracer = Tracer<Arc<HeapMem>, Direct<Arc<HeapMem>>>;
+
+    fn tracer(mode: Mode) -> (Arc<HeapMem>, HeapTracer) {
         let l = RingGeometry::new(2, 3, 4096, mode, false).expect("geometry");
         let m = Arc::new(HeapMem::new(l.region_size));
         let t = Tracer::alloc(m.clone(), l, Direct::new(m.clone(), l), 1_000_000).expect("alloc");
