@@ -35,7 +35,7 @@ const VCPUS: u32 = 2;
 const EVENTS: u64 = 2000;
 const RATE: u64 = 200_000;
 /// Ring pages per vCPU (reader page included) and their size.
-const PAGES: u32 = 16;
+const PAGES: u32 = 64;
 const PAGE_SIZE: usize = 4096;
 /// The drain loop's poll period, and how long the guest may take in all.
 const POLL: Duration = Duration::from_millis(1);
