@@ -35,5 +35,5 @@ pub use vmm::time::host_tsc;
 pub use vmm::vcpu::{VcpuError, VcpuOutcome, VcpuStats};
 pub use vmm::vm::{RunParams, RunningVm, Vm, VmConfig};
 
-/// The guest payload built from guest/ by build.rs.
-pub static GUEST_ELF: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/hyptrace-guest.elf"));
+/// The guest payload built from guest/ (by the `hyptrace-payload` crate's build script).
+pub use hyptrace_payload::GUEST_ELF;

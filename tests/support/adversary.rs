@@ -15,8 +15,8 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 // `strip_var`: which variables a nested guest build must not inherit (one list, shared
-// with host/build.rs, which builds the embedded guest the same way).
-include!("../../host/guest_build_env.rs");
+// with crates/payload/build.rs, which builds the embedded guest the same way).
+include!("../../crates/payload/guest_build_env.rs");
 
 /// Builds the adversary guest (`cargo build --release --features adversary --bin
 /// adversary`, run from guest/ so its .cargo/config.toml applies) into

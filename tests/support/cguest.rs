@@ -10,8 +10,8 @@ use std::process::{Command, Stdio};
 use std::sync::{Mutex, OnceLock};
 
 // `strip_var`: which variables a nested guest build must not inherit (shared with
-// host/build.rs).
-include!("../../host/guest_build_env.rs");
+// crates/payload/build.rs).
+include!("../../crates/payload/guest_build_env.rs");
 
 /// Builds the C SDK and the example C guest under `<target_dir>/c-guest` and returns
 /// the ELF's path (cached per test binary).

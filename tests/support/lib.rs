@@ -4,7 +4,7 @@
 //!   (peak RSS, wall time, SIGTERM, kill on a bound).
 //! - [`cguest`]: builds the C SDK, the example C guest and the test C guests.
 //! - [`capture`]: text output kept (or counted) in memory.
-//! - [`env`]: skip helpers (`/dev/kvm`, `trace-cmd`), the VM test log for CI, a lock that
+//! - [`env`](mod@env): skip helpers (`/dev/kvm`, `trace-cmd`), the VM test log for CI, a lock that
 //!   serialises VM-booting tests of one test binary, temporary directories.
 //! - [`text`]: parses `trace-cmd report -t` / `hyptrace run` lines and checks the event
 //!   stream rules (per-CPU `seq` gaps equal to the drop count printed before them,

@@ -428,6 +428,15 @@ impl RingGeometry {
     /// Computes the layout for `nr_cpus` CPUs with `pages_per_cpu` pages (reader page
     /// included) of `page_size` bytes, without an event registration table (see
     /// [`RingGeometry::with_events`]).
+    ///
+    /// ```
+    /// use hyptrace_abi::{registry::DEFAULT_TABLE_SIZE, Mode, RingGeometry};
+    /// let l = RingGeometry::new(4, 16, 4096, Mode::Stop, false)?.with_events(DEFAULT_TABLE_SIZE)?;
+    /// assert_eq!((l.nr_cpus, l.pages_per_cpu, l.page_size), (4, 16, 4096));
+    /// assert!(l.region_size >= 4 * 16 * 4096); // what the VMM reserves in guest memory
+    /// assert!(RingGeometry::new(1, 2, 4096, Mode::Stop, false).is_err()); // < 3 pages
+    /// # Ok::<(), hyptrace_abi::LayoutError>(())
+    /// ```
     pub fn new(
         nr_cpus: u32,
         pages_per_cpu: u32,
@@ -627,6 +636,19 @@ impl RingGeometry {
 
     /// Parses and validates the pack at the start of `mem` (hostile input: every field
     /// is checked against the region and against the layout this crate computes).
+    ///
+    /// ```
+    /// use hyptrace_abi::{Mode, RawMem, RingGeometry};
+    /// let l = RingGeometry::new(1, 4, 4096, Mode::Overwrite, false)?;
+    /// let mut words = vec![0u64; l.region_size / 8];
+    /// // SAFETY: 8-aligned, valid for region_size bytes while `words` lives; only this
+    /// // RawMem accesses it.
+    /// let mem = unsafe { RawMem::new(words.as_mut_ptr().cast(), l.region_size) };
+    /// assert!(RingGeometry::parse(&mem).is_err()); // no pack yet
+    /// l.init_region(&mem, 2_600_000, 1); // the reader's alloc does this
+    /// assert_eq!(RingGeometry::parse(&mem)?, l);
+    /// # Ok::<(), hyptrace_abi::LayoutError>(())
+    /// ```
     pub fn parse<M: SharedMem + ?Sized>(mem: &M) -> Result<Self, LayoutError> {
         if mem.size() < PACK_HEADER_SIZE {
             return Err(LayoutError::TooSmall {

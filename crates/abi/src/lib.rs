@@ -9,6 +9,29 @@
 //!   (the run-parameter block as one `#[repr(C)]` zerocopy struct, [`guest::RunParamBlock`]).
 //!
 //! `docs/abi.md` describes every structure; `docs/design.md` the protocol.
+//!
+//! ```
+//! use hyptrace_abi::page::{decode_record, encode_data_header, Events, Record};
+//! use hyptrace_abi::{events, Mode, RingGeometry};
+//!
+//! // The trace region of 2 CPUs, 8 pages of 4 KiB each (reader page included).
+//! let l = RingGeometry::new(2, 8, 4096, Mode::Overwrite, false)?;
+//! assert!(l.page_off(l.first_page(1)) + 4096 <= l.region_size);
+//!
+//! // One Linux ring-buffer event: header word, then the payload (a `marker`).
+//! let payload = events::marker(events::vcpu_pid(0), 7, 42);
+//! let mut data = vec![0u8; 64];
+//! let mut hdr = [0u8; 8];
+//! let n = encode_data_header(&mut hdr, payload.len(), 5);
+//! data[..n].copy_from_slice(&hdr[..n]);
+//! data[n..n + payload.len()].copy_from_slice(&payload);
+//! let end = n + payload.len();
+//! let (rec, next) = decode_record(&data[..end], 0).unwrap().unwrap();
+//! assert!(matches!(rec, Record::Data { delta: 5, .. }) && next == end);
+//! let ev = Events::new(&data[..end], 1000).next().unwrap().unwrap();
+//! assert_eq!((ev.ts, &ev.payload[..payload.len()]), (1005, &payload[..]));
+//! # Ok::<(), hyptrace_abi::LayoutError>(())
+//! ```
 #![no_std]
 #![warn(missing_docs)]
 

@@ -13,6 +13,21 @@
 use core::sync::atomic::{AtomicU64, Ordering};
 
 /// Access to a shared region of memory: atomic 64-bit words and plain byte ranges.
+///
+/// ```
+/// use core::sync::atomic::Ordering::{Acquire, Release};
+/// use hyptrace_abi::{RawMem, SharedMem};
+/// let mut words = [0u64; 8];
+/// // SAFETY: 8-aligned, 64 bytes valid while `words` lives; only this RawMem accesses it.
+/// let mem = unsafe { RawMem::new(words.as_mut_ptr().cast(), 64) };
+/// mem.store(8, 42, Release);
+/// assert_eq!(mem.fetch_add(8, 1, Release), 42);
+/// assert_eq!(mem.load(8, Acquire), 43);
+/// mem.write_bytes(16, b"hello");
+/// let mut b = [0u8; 5];
+/// mem.read_bytes(16, &mut b);
+/// assert_eq!((&b, mem.size()), (b"hello", 64));
+/// ```
 pub trait SharedMem {
     /// Size of the region in bytes.
     fn size(&self) -> usize;

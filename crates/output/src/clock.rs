@@ -107,6 +107,12 @@ pub struct Clock {
 impl Clock {
     /// Raw guest TSC cycles at `tsc_khz`, recorded as trace clock `x86-tsc` with a TSC2NSEC
     /// option.
+    ///
+    /// ```
+    /// let clock = hyptrace_output::Clock::guest_tsc(2_000_000)?; // a 2 GHz TSC
+    /// assert_eq!(clock.to_ns(2_000_000_000), 1_000_000_000);
+    /// # Ok::<(), hyptrace_output::OutputError>(())
+    /// ```
     pub fn guest_tsc(tsc_khz: u64) -> Result<Self, OutputError> {
         Ok(Self {
             name: "x86-tsc".into(),

@@ -1,6 +1,40 @@
 //! hyptrace output: sinks for exported ring pages (trace.dat v6/v7 (zstd), Chrome
 //! trace-event JSON, native Perfetto protobuf, text, raw page streams), a trace.dat reader, and the `trace-cmd report -t`
 //! compatible text formatter shared by `run`, `report` and the text sink.
+//!
+//! A [`PageSink`] takes ring pages as the reader hands them out (`hyptrace-reader`'s
+//! `next_page`; `hyptrace-embed` runs that loop for a VMM); [`TraceFile`] reads a
+//! trace.dat back, merged across CPUs as trace-cmd orders it:
+//!
+//! ```
+//! use hyptrace_abi::{events, page};
+//! use hyptrace_output::{Clock, PageSink, RunSummary, TraceDatSink, TraceDatVersion};
+//! use hyptrace_output::{TraceFile, TraceItem, TraceMeta};
+//!
+//! // One 4 KiB ring page of CPU 0 holding one `guest:marker` event at time 1000.
+//! let ev = events::marker(events::vcpu_pid(0), 1, 2);
+//! let mut p = vec![0u8; 4096];
+//! let mut hdr = [0u8; 8];
+//! let n = page::encode_data_header(&mut hdr, ev.len(), 0);
+//! let data = page::PAGE_HEADER_SIZE;
+//! p[data..data + n].copy_from_slice(&hdr[..n]);
+//! p[data + n..data + n + ev.len()].copy_from_slice(&ev);
+//! p[..8].copy_from_slice(&1000u64.to_le_bytes()); // time_stamp
+//! p[8..16].copy_from_slice(&((n + ev.len()) as u64).to_le_bytes()); // commit
+//!
+//! let dir = tempfile::tempdir()?;
+//! let path = dir.path().join("t.dat");
+//! let meta = TraceMeta::guest(4096, 1, Clock::nanoseconds()); // + registered formats
+//! let mut sink = TraceDatSink::create(&path, meta, TraceDatVersion::V7)?;
+//! sink.page(0, &p, None)?;
+//! Box::new(sink).finish(&RunSummary::default())?;
+//!
+//! let file = TraceFile::open(&path)?;
+//! let mut records = file.records();
+//! let Some(TraceItem::Event(r)) = records.next_item() else { panic!("no event") };
+//! assert_eq!((r.cpu, r.ts_ns, &r.payload[..ev.len()]), (0, 1000, &ev[..]));
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 mod clock;
 mod error;

@@ -83,6 +83,19 @@ struct Cpu<T> {
 }
 
 /// Watermark merger across CPUs (see the module documentation).
+///
+/// ```
+/// use hyptrace_output::{Merged, Merger, Released};
+/// let mut m = Merger::new(2);
+/// m.push(0, 10, Merged::Event("a"));
+/// m.push(0, 30, Merged::Event("c"));
+/// m.push(1, 20, Merged::Event("b"));
+/// m.finish(0);
+/// m.finish(1);
+/// let mut order = Vec::new();
+/// m.release(|r| if let Released::Item { item: Merged::Event(e), .. } = r { order.push(e) });
+/// assert_eq!(order, ["a", "b", "c"]);
+/// ```
 #[derive(Debug)]
 pub struct Merger<T> {
     cpus: Vec<Cpu<T>>,

@@ -120,6 +120,15 @@ impl OutputTarget {
     /// `-` is stdout; a directory, a socket, a path in a missing or read-only directory,
     /// a read-only file or device are refused (the error names the path, the OS error is
     /// its source). Call it before starting work; errors are the user's (bad input).
+    ///
+    /// ```
+    /// use hyptrace_output::{OutputTarget, TargetKind};
+    /// let dir = tempfile::tempdir()?;
+    /// let t = OutputTarget::check(dir.path().join("t.dat"))?;
+    /// assert_eq!(t.kind(), TargetKind::File); // written to a temporary file, then renamed
+    /// assert!(OutputTarget::check(dir.path()).is_err()); // a directory
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn check(path: impl AsRef<Path>) -> Result<Self, OutputError> {
         let path = path.as_ref();
         if path.as_os_str() == "-" {

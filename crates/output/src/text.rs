@@ -5,7 +5,7 @@
 //! drop markers `CPU:{cpu} [{n} EVENTS DROPPED]` (or `CPU:{cpu} [EVENTS DROPPED]` when
 //! the count is unknown), and a first line `cpus={n}`. Fields follow the event's
 //! compiled `print fmt` ([`crate::printfmt`]) or the output of the trace-cmd plugin
-//! for the event ([`crate::plugins`]); what neither supports is printed raw as
+//! for the event (the `plugins` module); what neither supports is printed raw as
 //! `name=value ...` with one warning per event on stderr.
 
 use std::collections::BTreeMap;

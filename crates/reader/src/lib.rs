@@ -14,6 +14,40 @@
 //! malicious. Every id, length, commit and counter read from the region is validated,
 //! every loop is bounded, and inconsistencies are [`ReadError`]s — never panics, never
 //! accesses outside the region.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use hyptrace_abi::{events, HeapMem, Mode, RingGeometry};
+//! use hyptrace_reader::{Direct, Item, RingBuffer};
+//!
+//! let l = RingGeometry::new(1, 4, 4096, Mode::Overwrite, false)?;
+//! let mem = Arc::new(HeapMem::new(l.region_size)); // a VMM: its guest memory
+//! // Host-run swaps (`Direct`); `callbacks::for_geometry` picks the mailbox for
+//! // guest-run ones.
+//! let mut reader = RingBuffer::alloc(mem.clone(), l, Direct::new(mem.clone(), l), 1_000_000, 1)?;
+//!
+//! // The writer (in a guest, normally) writes 1000 events into a 3-page ring.
+//! let mut w = hyptrace_writer::Writer::attach(mem.clone(), 0)?;
+//! for seq in 0..1000 {
+//!     w.write_enabled(seq, &events::marker(events::vcpu_pid(0), seq, 0));
+//! }
+//! w.finish();
+//!
+//! // Consuming read; then (the writer stopped) the final read-only walk.
+//! reader.sync_writer_counters(0)?;
+//! reader.finalize(0)?;
+//! let (mut read, mut lost) = (0u64, 0u64);
+//! while let Some(item) = reader.next_event(0)? {
+//!     match item {
+//!         Item::Event { .. } => read += 1,
+//!         Item::Lost(n) => lost += n,
+//!     }
+//! }
+//! // Overwrite mode kept the newest events; every loss counted where it happened.
+//! assert_eq!(read + lost, 1000);
+//! assert_eq!((reader.stats(0).read, reader.stats(0).lost), (read, lost));
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 pub mod callbacks;
 pub mod postmortem;
@@ -1113,6 +1147,22 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
     /// handed out once the writer has left it (or, in the final walk, as it is).
     /// `Ok(None)` when no complete page is available now. Pages and events of one CPU
     /// must be read through one of `next_page` / `next_event`, not both.
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use hyptrace_abi::{events, HeapMem, Mode, RingGeometry};
+    /// # use hyptrace_reader::{Direct, RingBuffer};
+    /// let l = RingGeometry::new(1, 4, 4096, Mode::Stop, false)?;
+    /// let mem = Arc::new(HeapMem::new(l.region_size));
+    /// let mut reader = RingBuffer::alloc(mem.clone(), l, Direct::new(mem.clone(), l), 1_000_000, 1)?;
+    /// let mut w = hyptrace_writer::Writer::attach(mem.clone(), 0)?;
+    /// for seq in 0..200 { // 24-byte markers: more than one page
+    ///     w.write_enabled(seq, &events::marker(events::vcpu_pid(0), seq, 0));
+    /// }
+    /// let page = reader.next_page(0)?.expect("a full page"); // swapped out of the ring
+    /// assert_eq!((page.bytes.len(), page.missed, page.first_ts), (4096, 0, Some(0)));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn next_page(&mut self, cpu: u32) -> Result<Option<PageOut<'_>>, ReadError> {
         self.check_cpu(cpu)?;
         for _ in 0..=MAX_SWAPS_PER_CALL {

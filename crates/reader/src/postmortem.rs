@@ -192,6 +192,25 @@ impl SharedMem for Snapshot<'_> {
 /// from `pos` (where its reader stopped; `None`: from the start of its reader page, as
 /// if nothing of it was consumed), handing every page with unconsumed events to `out`
 /// in order. `mem` must not change during the walk (a stopped writer, a file).
+///
+/// ```
+/// # use hyptrace_abi::{events, HeapMem, Mode, RingGeometry};
+/// let l = RingGeometry::new(1, 4, 4096, Mode::Overwrite, false)?;
+/// let mem = HeapMem::new(l.region_size);
+/// l.init_region(&mem, 1_000_000, 1);
+/// let mut w = hyptrace_writer::Writer::attach(&mem, 0)?;
+/// for seq in 0..10 {
+///     w.write_enabled(seq, &events::marker(events::vcpu_pid(0), seq, 0));
+/// }
+/// // The writer stopped (or crashed, or this is a file): walk what no reader consumed.
+/// let mut pages = 0;
+/// let d = hyptrace_reader::postmortem::walk_cpu(&mem, &l, 0, None, |_page| {
+///     pages += 1;
+///     Ok::<(), std::convert::Infallible>(())
+/// })?;
+/// assert_eq!((d.events, d.lost, pages), (10, 0, 1));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub fn walk_cpu<M: SharedMem + ?Sized, E>(
     mem: &M,
     l: &RingGeometry,

@@ -12,6 +12,28 @@
 //!
 //! `no_std`, no allocation; the same code runs in the guest, in host threads and under
 //! loom (through [`SharedMem`]).
+//!
+//! ```
+//! use hyptrace_abi::{events, HeapMem, Mode, RingGeometry};
+//! use hyptrace_writer::{swap_reader_page, update_footers, SwapStatus, WriteOutcome, Writer};
+//!
+//! // The host initialises the region (hyptrace-reader's RingBuffer::alloc does this).
+//! let l = RingGeometry::new(1, 4, 4096, Mode::Stop, false)?;
+//! let mem = HeapMem::new(l.region_size);
+//! l.init_region(&mem, 1_000_000, 1);
+//!
+//! // The guest attaches to its CPU's ring and writes; every event enabled here.
+//! let mut w = Writer::attach(&mem, 0)?;
+//! for seq in 0..200 {
+//!     let ev = events::marker(events::vcpu_pid(0), seq, seq * 2);
+//!     assert_eq!(w.write_enabled(1000 + seq, &ev), WriteOutcome::Written);
+//! }
+//!
+//! // The host, concurrently: take the oldest full page out of the ring, refresh stats.
+//! assert!(matches!(swap_reader_page(&mem, &l, 0)?, SwapStatus::Swapped { .. }));
+//! update_footers(&mem, &l, 0)?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 #![no_std]
 #![warn(missing_docs)]
 
@@ -584,6 +606,22 @@ impl<M: SharedMem> Writer<M> {
     /// then `commit` is published with Release, so a reader that loads `commit` with
     /// Acquire sees the whole payload. A `ts` below the previous event's is clamped to
     /// it (delta 0), never turned into a huge unsigned delta.
+    ///
+    /// ```
+    /// use core::sync::atomic::Ordering::SeqCst;
+    /// use hyptrace_abi::layout::ctl;
+    /// use hyptrace_abi::{events, HeapMem, Mode, RingGeometry, SharedMem};
+    /// use hyptrace_writer::{WriteOutcome, Writer};
+    /// let l = RingGeometry::new(1, 4, 4096, Mode::Stop, false)?;
+    /// let mem = HeapMem::new(l.region_size);
+    /// l.init_region(&mem, 1_000_000, 1);
+    /// let mut w = Writer::attach(&mem, 0)?;
+    /// let ev = events::marker(events::vcpu_pid(0), 0, 0);
+    /// assert_eq!(w.write(3, 100, &ev), WriteOutcome::Written); // init enables every slot
+    /// mem.fetch_and(l.ctl(0) + ctl::ENABLE, !(1 << 3), SeqCst); // the host disables slot 3
+    /// assert_eq!(w.write(3, 200, &ev), WriteOutcome::Disabled); // counted as skipped
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     #[inline]
     pub fn write(&mut self, slot: u32, ts: u64, payload: &[u8]) -> WriteOutcome {
         if !self.enabled(slot) {

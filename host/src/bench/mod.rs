@@ -20,10 +20,10 @@
 //!   (`first_lossy_rate: null`, `lower_bound: true`).
 //! - `startup`: VMM start (before the VM is created) → the first event's timestamp.
 //!
-//! Module map: [`harness`] (a VM run with a reader, as `record`), [`stats`]
-//! ([`Quantiles`](stats::Quantiles), JSON summaries, TSC units), one file per section
-//! ([`startup`], [`writer`], [`swap`], [`drain`], [`rate`], [`criterion`]) each with its
-//! typed rows, and [`table`] (the text). [`BenchReport`] is the JSON.
+//! Module map: `harness` (a VM run with a reader, as `record`), `stats`
+//! (`Quantiles`, JSON summaries, TSC units), one file per section
+//! (`startup`, `writer`, `swap`, `drain`, `rate`, `criterion`) each with its
+//! typed rows, and `table` (the text). `BenchReport` is the JSON.
 //!
 //! Times are TSC cycles converted with the vCPUs' TSC frequency (guest TSC = host TSC
 //! on this machine; see `Vm::tsc_offset`). Every figure is a median over repetitions;

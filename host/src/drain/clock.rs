@@ -61,7 +61,7 @@ pub struct Sample {
     pub width: u64,
 }
 
-/// The tightest of [`TRIES`] brackets of `clock`.
+/// The tightest of `TRIES` brackets of `clock`.
 pub fn sample(clock: libc::clockid_t) -> Sample {
     let mut best = Sample {
         tsc: 0,

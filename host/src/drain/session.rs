@@ -947,15 +947,7 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
     /// block one event behind its pages. Once such a CPU has been read to the end, the
     /// one committed event the reader found beyond `entries + dropped` counts as written.
     pub fn writer_index(&self, cpu: u32) -> u64 {
-        let index = self.reader.writer_index(cpu);
-        if !self.reader.writer_finished(cpu) && !self.is_live(cpu) {
-            let st = self.reader.stats(cpu);
-            let seen = st.read.saturating_add(st.lost);
-            if seen == index.saturating_add(1) {
-                return seen;
-            }
-        }
-        index
+        hyptrace_embed::written(&self.reader, cpu, self.is_live(cpu))
     }
 
     /// Finishes the output: flushes text, or closes the sink with the summary.
@@ -1046,23 +1038,18 @@ fn drain_ring<M: SharedMem, C: Callbacks>(
             }
             Ok(true)
         }
-        Output::Pages(sink) => {
-            let mut bytes = 0usize;
-            while bytes < ROUND_MAX_BYTES {
-                if bytes > 0 && started.elapsed() >= ROUND_MAX_TIME {
-                    return Ok(true);
-                }
-                let Some(page) = reader.next_page(rcpu)? else {
-                    // Caught up: a sink that holds pages back may hand them over now.
-                    sink.idle()?;
-                    return Ok(false);
-                };
-                bytes = bytes.saturating_add(page.bytes.len().max(1));
-                let missed = (page.missed > 0).then_some(page.missed);
-                sink.page(cpu, page.bytes, missed)?;
-            }
-            Ok(true)
-        }
+        Output::Pages(sink) => hyptrace_embed::drain_pages(
+            reader,
+            rcpu,
+            cpu,
+            sink.as_mut(),
+            ROUND_MAX_BYTES,
+            ROUND_MAX_TIME,
+        )
+        .map_err(|e| match e {
+            hyptrace_embed::DrainError::Read(e) => SessionError::Read(e),
+            hyptrace_embed::DrainError::Sink(e) => SessionError::Sink(e),
+        }),
     }
 }
 

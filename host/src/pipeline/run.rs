@@ -731,18 +731,7 @@ fn sink_summary(cpus: &[CpuReport]) -> hyptrace_output::RunSummary {
     hyptrace_output::RunSummary {
         cpus: cpus
             .iter()
-            .map(|r| hyptrace_output::KernelCpuStat {
-                entries: r
-                    .written
-                    .saturating_sub(r.stats.read.saturating_add(r.stats.lost)),
-                overrun: r.stats.overrun,
-                commit_overrun: 0,
-                bytes: r.stats.bytes,
-                oldest_event_ts: 0,
-                now_ts: 0,
-                dropped_events: r.stats.dropped,
-                read_events: r.stats.read,
-            })
+            .map(|r| hyptrace_embed::kernel_cpu_stat(r.written, &r.stats))
             .collect(),
     }
 }

@@ -91,6 +91,16 @@ impl Error {
     }
 }
 
+impl From<hyptrace_payload::BootError> for Error {
+    fn from(e: hyptrace_payload::BootError) -> Self {
+        match e {
+            hyptrace_payload::BootError::Elf(e) => Self::Elf(e),
+            hyptrace_payload::BootError::MemoryMap(e) => Self::MemoryMap(e),
+            hyptrace_payload::BootError::Memory(e) => Self::Memory(e),
+        }
+    }
+}
+
 /// Result of the VMM's operations.
 pub type Result<T> = std::result::Result<T, Error>;
 

@@ -5,35 +5,29 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use hyptrace_abi::layout::RingGeometry;
-use hyptrace_abi::{RawMem, SharedMem};
+use hyptrace_abi::SharedMem;
 use hyptrace_reader::{Callbacks, ReadError, RingBuffer};
 
 use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryMmap, VolatileSlice};
 
 /// The trace region of a VM as [`SharedMem`]: atomics and volatile copies on the guest
-/// memory, which the guest's vCPUs write concurrently.
+/// memory, which the guest's vCPUs write concurrently ([`hyptrace_embed::GuestRegionMem`],
+/// the one wrapper, shared with any VMM that embeds the reader).
 #[derive(Debug)]
 pub struct GuestTraceMem {
-    // Keeps the guest memory mapped for as long as `raw` is used.
-    _region: TraceRegion,
-    raw: RawMem,
+    raw: hyptrace_embed::GuestRegionMem,
 }
 
 impl GuestTraceMem {
     /// Wraps a VM's trace region.
     pub fn new(region: TraceRegion) -> Self {
-        let (_, ptr, len) = region.raw_parts();
-        // SAFETY: `ptr` is the host mapping of `len` bytes of guest memory that `region`
-        // keeps mapped (it holds a clone of the GuestMemoryMmap) for as long as `self`
-        // lives; the region starts page-aligned, so 8-byte aligned. The guest accesses
-        // it only through its own atomics and stores (another domain), and the host only
-        // through this RawMem (atomics and volatile byte copies) — never through Rust
-        // references to the bytes.
-        let raw = unsafe { RawMem::new(ptr, len) };
-        Self {
-            _region: region,
-            raw,
-        }
+        let raw = hyptrace_embed::GuestRegionMem::new(
+            region.memory(),
+            vm_memory::GuestAddress(region.gpa()),
+            region.len(),
+        )
+        .expect("a VM's trace region is page-aligned inside one region of its memory");
+        Self { raw }
     }
 }
 

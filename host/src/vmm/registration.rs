@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 
 use hyptrace_abi::layout::{ctl, RingGeometry};
 use hyptrace_abi::SharedMem;
-use hyptrace_output::format::{common_fields, glob};
-use hyptrace_output::{EventFormat, Field};
+use hyptrace_output::format::glob;
+use hyptrace_output::EventFormat;
 use hyptrace_reader::registry::{
     answer, read_table, refuse, RegField, Registration, Registry, Rejection, TableError,
 };
@@ -85,27 +85,8 @@ fn decl(f: &RegField) -> String {
     }
 }
 
-/// The trace-event format of a registered event.
-pub fn to_format(r: &Registration) -> EventFormat {
-    EventFormat {
-        system: r.system.clone(),
-        name: r.name.clone(),
-        id: r.id,
-        common_fields: common_fields(),
-        fields: r
-            .fields
-            .iter()
-            .map(|f| Field {
-                type_name: f.ctype.clone(),
-                name: f.name.clone(),
-                offset: f.offset as usize,
-                size: f.size as usize,
-                signed: f.signed,
-            })
-            .collect(),
-        print_fmt: r.print_fmt.clone(),
-    }
-}
+/// The trace-event format of a registered event ([`hyptrace_embed::to_format`]).
+pub use hyptrace_embed::to_format;
 
 /// Whether pattern `pat` names event `system:name`: `all`, `SYSTEM:EVENT` (globs in
 /// either part), or a bare word that is the system or the event name (as trace-cmd's

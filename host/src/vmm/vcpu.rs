@@ -13,10 +13,8 @@ use std::sync::atomic::AtomicBool;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
-use hyptrace_abi::guest::{
-    result, PANIC_MSG_MAX, PORT_ALIGN, PORT_EXIT, PORT_PANIC, PORT_SLEEP, SLEEP_MAX_US,
-};
-use hyptrace_abi::registry::PORT_REGISTER;
+use hyptrace_abi::guest::result;
+use hyptrace_payload::exits::{decode_out, Request};
 use kvm_ioctls::{VcpuExit, VcpuFd};
 use libc::{c_int, c_void, siginfo_t};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
@@ -24,20 +22,7 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 use crate::vmm::registration::RegisterHook;
 use crate::vmm::time::host_tsc;
 
-/// Counters a finished vCPU reported in its result slot.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct VcpuStats {
-    /// Events the workload attempted.
-    pub attempted: u64,
-    /// Events skipped because they were disabled.
-    pub skipped: u64,
-    /// Guest TSC when the workload started (right after entry).
-    pub tsc_start: u64,
-    /// Guest TSC when it ended.
-    pub tsc_end: u64,
-    /// Mailbox requests the guest served.
-    pub mailbox_served: u64,
-}
+pub use hyptrace_payload::exits::VcpuStats;
 
 /// How a vCPU ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -101,37 +86,12 @@ pub(crate) fn install_kick_handler() -> crate::vmm::error::Result<()> {
     .map_err(crate::vmm::error::Error::KickSignal)
 }
 
-fn read_u64(mem: &GuestMemoryMmap, gpa: u64) -> u64 {
-    mem.read_obj::<u64>(GuestAddress(gpa)).unwrap_or(0)
-}
-
 fn read_stats(mem: &GuestMemoryMmap, slot: u64) -> VcpuStats {
-    VcpuStats {
-        attempted: read_u64(mem, slot + result::ATTEMPTED as u64),
-        skipped: read_u64(mem, slot + result::SKIPPED as u64),
-        tsc_start: read_u64(mem, slot + result::TSC_START as u64),
-        tsc_end: read_u64(mem, slot + result::TSC_END as u64),
-        mailbox_served: read_u64(mem, slot + result::MAILBOX_SERVED as u64),
-    }
+    hyptrace_payload::exits::read_stats(mem, slot)
 }
 
 fn read_panic(mem: &GuestMemoryMmap, slot: u64, len: u32) -> String {
-    let len = (len as usize).min(PANIC_MSG_MAX);
-    let mut buf = vec![0u8; len];
-    if mem
-        .read_slice(&mut buf, GuestAddress(slot + result::MSG as u64))
-        .is_err()
-    {
-        return String::from("<unreadable panic message>");
-    }
-    String::from_utf8_lossy(&buf).into_owned()
-}
-
-fn le_u32(data: &[u8]) -> u32 {
-    let mut b = [0u8; 4];
-    let n = data.len().min(4);
-    b[..n].copy_from_slice(&data[..n]);
-    u32::from_le_bytes(b)
+    hyptrace_payload::exits::read_panic(mem, slot, len)
 }
 
 /// Where the guest was when it crashed, for the message.
@@ -210,44 +170,41 @@ fn run_loop(
             ev.vcpu_exit(id, reason, port);
         }
         match exit {
-            VcpuExit::IoOut(PORT_EXIT, data) => {
-                let who = le_u32(data);
-                if who != id {
+            VcpuExit::IoOut(port, data) => match decode_out(port, data) {
+                Some(Request::Exit(who)) if who != id => {
                     return VcpuOutcome::Faulted(format!("vCPU {id} reported exit as vCPU {who}"));
                 }
-                return VcpuOutcome::Finished(read_stats(mem, slot));
-            }
-            VcpuExit::IoOut(PORT_REGISTER, _) => {
-                // Once per run (later exits are ignored, each bounded): the answer is
-                // written before the vCPU resumes.
-                shared.events.on_register(id);
-                continue;
-            }
-            VcpuExit::IoOut(PORT_ALIGN, _) => {
-                // The `align` workload: the host clock at this exit, for the guest to
-                // record next to its own TSC stamps around it.
-                let now = shared.stamp.now();
-                if mem
-                    .write_obj(now, GuestAddress(slot + result::ALIGN_HOST as u64))
-                    .is_err()
-                {
-                    return VcpuOutcome::Faulted("result slot not writable".into());
+                Some(Request::Exit(_)) => return VcpuOutcome::Finished(read_stats(mem, slot)),
+                Some(Request::Register) => {
+                    // Once per run (later exits are ignored, each bounded): the answer is
+                    // written before the vCPU resumes.
+                    shared.events.on_register(id);
+                    continue;
                 }
-            }
-            VcpuExit::IoOut(PORT_SLEEP, data) => {
-                // A pacing guest with nothing to do for a while (bounded: a stop request
-                // is seen at the top of the loop within SLEEP_MAX_US).
-                let us = le_u32(data).min(SLEEP_MAX_US);
-                std::thread::sleep(std::time::Duration::from_micros(u64::from(us)));
-                continue;
-            }
-            VcpuExit::IoOut(PORT_PANIC, data) => {
-                let len = le_u32(data);
-                return VcpuOutcome::Panicked(read_panic(mem, slot, len));
-            }
-            VcpuExit::IoOut(port, _) => {
-                return VcpuOutcome::Faulted(format!("unexpected write to I/O port {port:#x}"));
-            }
+                Some(Request::Align) => {
+                    // The `align` workload: the host clock at this exit, for the guest to
+                    // record next to its own TSC stamps around it.
+                    let now = shared.stamp.now();
+                    if mem
+                        .write_obj(now, GuestAddress(slot + result::ALIGN_HOST as u64))
+                        .is_err()
+                    {
+                        return VcpuOutcome::Faulted("result slot not writable".into());
+                    }
+                }
+                Some(Request::Sleep(d)) => {
+                    // A pacing guest with nothing to do for a while (bounded by
+                    // SLEEP_MAX_US: a stop request is seen at the top of the loop).
+                    std::thread::sleep(d);
+                    continue;
+                }
+                Some(Request::Panic(len)) => {
+                    return VcpuOutcome::Panicked(read_panic(mem, slot, len));
+                }
+                None => {
+                    return VcpuOutcome::Faulted(format!("unexpected write to I/O port {port:#x}"));
+                }
+            },
             VcpuExit::IoIn(port, _) => {
                 return VcpuOutcome::Faulted(format!("unexpected read of I/O port {port:#x}"));
             }

@@ -7,10 +7,10 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use hyptrace_abi::guest::{RunParamBlock, Workload, RUN_PARAMS_SIZE, VCPU_RESULT_SIZE};
+use hyptrace_abi::guest::{RunParamBlock, Workload};
 use kvm_bindings::{kvm_userspace_memory_region, KVM_MAX_CPUID_ENTRIES};
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
-use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
+use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 use vmm_sys_util::signal::Killable;
 
 use crate::vmm::arch;
@@ -257,11 +257,8 @@ impl Vm {
         register_memory(&vm_fd, &memory)?;
 
         arch::setup_memory(&memory, &layout)?;
-        for seg in &image.segments {
-            let bytes = &cfg.guest_elf[seg.offset as usize..(seg.offset + seg.filesz) as usize];
-            memory.write_slice(bytes, GuestAddress(seg.paddr))?;
-            // Fresh anonymous memory is zero already: .bss needs nothing.
-        }
+        // Fresh anonymous memory is zero already: .bss needs nothing.
+        hyptrace_payload::boot::load_image(&memory, &cfg.guest_elf, &image)?;
 
         let cpuid = kvm
             .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
@@ -360,10 +357,7 @@ impl Vm {
             ..RunParamBlock::new(p.workload, self.layout.vcpus)
         };
         // The block and zeroed result slots, in one write before any vCPU runs.
-        let mut bytes = vec![0u8; RUN_PARAMS_SIZE + self.layout.vcpus as usize * VCPU_RESULT_SIZE];
-        bytes[..RUN_PARAMS_SIZE].copy_from_slice(&block.to_bytes());
-        self.memory
-            .write_slice(&bytes, GuestAddress(self.layout.params_gpa))
+        hyptrace_payload::boot::write_params(&self.memory, &self.layout, &block)
             .map_err(Error::from)
     }
 

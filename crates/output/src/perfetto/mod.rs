@@ -63,6 +63,16 @@ pub fn vcpu_track_uuid(cpu: u32) -> u64 {
 }
 
 /// Perfetto sink: see the module documentation.
+///
+/// ```
+/// use hyptrace_output::{Clock, PageSink, PerfettoSink, RunSummary, TraceMeta};
+/// let dir = tempfile::tempdir()?;
+/// let meta = TraceMeta::guest(4096, 2, Clock::nanoseconds());
+/// let sink = PerfettoSink::create(dir.path().join("t.pftrace"), meta)?;
+/// // ... sink.page(cpu, page, missed) for every ring page ...
+/// Box::new(sink).finish(&RunSummary::default())?; // ui.perfetto.dev opens the file
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub struct PerfettoSink {
     meta: TraceMeta,
     out: Option<Out>,

@@ -72,7 +72,7 @@ fn plain_batch(readers: usize, page_size: usize) -> usize {
 
 /// The largest decompressed v7 chunk accepted from a file with `cpus` CPUs of data and
 /// pages of `page_size` bytes: at least 16 pages (trace-cmd writes 10), at most 16 MiB,
-/// and [`CHUNK_BUDGET`] for all CPUs together when that is more than 16 pages each.
+/// and `CHUNK_BUDGET` (256 MiB) for all CPUs together when that is more than 16 pages each.
 pub fn max_chunk(cpus: usize, page_size: usize) -> usize {
     let share = CHUNK_BUDGET / cpus.max(1);
     share.min(16 << 20).max(page_size.saturating_mul(16))

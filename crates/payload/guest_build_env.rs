@@ -1,4 +1,4 @@
-// Included by host/build.rs and tests/support/adversary.rs: the environment rule for a
+// Included by crates/payload/build.rs and tests/support/adversary.rs: the environment rule for a
 // nested `cargo build` of the guest workspace.
 
 /// Variables kept from the CARGO_* family: they say where and how to reach registries.

@@ -23,7 +23,11 @@ fn rerun_if_exists(p: &Path) {
 
 fn main() {
     let manifest = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));
-    let root = manifest.parent().expect("host/ has a parent").to_path_buf();
+    let root = manifest
+        .parent()
+        .and_then(|p| p.parent())
+        .expect("crates/payload/ is two levels below the workspace root")
+        .to_path_buf();
     let guest = root.join("guest");
     let out = PathBuf::from(env::var_os("OUT_DIR").expect("OUT_DIR"));
     let cargo = env::var_os("CARGO").unwrap_or_else(|| "cargo".into());

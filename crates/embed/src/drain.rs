@@ -1,0 +1,329 @@
+//! The drain loop: ring pages into a [`PageSink`] while the guest runs, the final
+//! read-only walk once it stopped, and the per-CPU accounting (`written = read + lost`).
+
+use std::time::{Duration, Instant};
+
+use hyptrace_abi::layout::RingGeometry;
+use hyptrace_abi::SharedMem;
+use hyptrace_output::{
+    Clock, EventFormat, KernelCpuStat, OutputError, PageSink, RunSummary, TraceMeta,
+};
+use hyptrace_reader::{Callbacks, CpuStats, ReadError, RingBuffer};
+
+/// Most page bytes one drain round hands to the sink from one CPU.
+pub const ROUND_MAX_BYTES: usize = 4 << 20;
+/// Longest one drain round of one CPU goes on.
+pub const ROUND_MAX_TIME: Duration = Duration::from_millis(20);
+
+/// Why a drain failed: the ring (hostile or broken guest data) or the output.
+#[derive(Debug, thiserror::Error)]
+pub enum DrainError {
+    /// Reading a ring failed (the guest wrote something no writer of ours writes).
+    #[error("reading the ring")]
+    Read(#[from] ReadError),
+    /// The sink failed.
+    #[error("writing the output")]
+    Sink(#[from] OutputError),
+}
+
+/// One bounded round of reading CPU `rcpu` of `reader` into `sink` as CPU `cpu`: at most
+/// `max_bytes` of pages, about `max_time`. Returns whether it stopped at a bound (more
+/// may be there) rather than because nothing more is committed (then `sink.idle()` was
+/// called). Pages carry their losses (`missed`), as the reader counted them.
+///
+/// ```
+/// # use hyptrace_abi::{layout::{Mode, RingGeometry}, HeapMem};
+/// # use hyptrace_reader::{Direct, RingBuffer};
+/// # use std::{sync::Arc, time::Duration};
+/// let l = RingGeometry::new(1, 4, 4096, Mode::Stop, false)?;
+/// let mem = Arc::new(HeapMem::new(l.region_size));
+/// let mut reader = RingBuffer::alloc(mem.clone(), l, Direct::new(mem, l), 1_000_000, 1)?;
+/// # struct Count(u32);
+/// # impl hyptrace_output::PageSink for Count {
+/// #     fn page(&mut self, _: u32, _: &[u8], _: Option<u64>) -> Result<(), hyptrace_output::OutputError> { self.0 += 1; Ok(()) }
+/// #     fn finish(self: Box<Self>, _: &hyptrace_output::RunSummary) -> Result<(), hyptrace_output::OutputError> { Ok(()) }
+/// # }
+/// let mut sink = Count(0); // any PageSink: TraceDatSink, PerfettoSink, ...
+/// let more = hyptrace_embed::drain_pages(&mut reader, 0, 0, &mut sink, 1 << 20, Duration::from_millis(5))?;
+/// assert!(!more); // nothing written yet
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn drain_pages<M: SharedMem, C: Callbacks>(
+    reader: &mut RingBuffer<M, C>,
+    rcpu: u32,
+    cpu: u32,
+    sink: &mut (impl PageSink + ?Sized),
+    max_bytes: usize,
+    max_time: Duration,
+) -> Result<bool, DrainError> {
+    let started = Instant::now();
+    let mut bytes = 0usize;
+    while bytes < max_bytes {
+        if bytes > 0 && started.elapsed() >= max_time {
+            return Ok(true);
+        }
+        let Some(page) = reader.next_page(rcpu)? else {
+            // Caught up: a sink that holds pages back may hand them over now.
+            sink.idle()?;
+            return Ok(false);
+        };
+        bytes = bytes.saturating_add(page.bytes.len().max(1));
+        let missed = (page.missed > 0).then_some(page.missed);
+        sink.page(cpu, page.bytes, missed)?;
+    }
+    Ok(true)
+}
+
+/// Events the writer of `cpu` took in (committed or dropped), from its control block.
+/// `still_read`: whether the CPU is still read live.
+///
+/// The writer publishes an event's `commit` before it stores `entries`: a vCPU stopped
+/// or crashed between the two leaves the control block one event behind its pages.
+/// Once such a CPU has been read to the end, the one committed event the reader found
+/// beyond `entries + dropped` counts as written.
+pub fn written<M: SharedMem, C: Callbacks>(
+    reader: &RingBuffer<M, C>,
+    cpu: u32,
+    still_read: bool,
+) -> u64 {
+    let index = reader.writer_index(cpu);
+    if !reader.writer_finished(cpu) && !still_read {
+        let st = reader.stats(cpu);
+        let seen = st.read.saturating_add(st.lost);
+        if seen == index.saturating_add(1) {
+            return seen;
+        }
+    }
+    index
+}
+
+/// The kernel-style per-CPU statistics a sink writes at its end (trace.dat's CPUSTAT
+/// options) for a CPU whose writer took in `written` events and whose reader saw `st`.
+pub fn kernel_cpu_stat(written: u64, st: &CpuStats) -> KernelCpuStat {
+    KernelCpuStat {
+        entries: written.saturating_sub(st.read.saturating_add(st.lost)),
+        overrun: st.overrun,
+        commit_overrun: 0,
+        bytes: st.bytes,
+        oldest_event_ts: 0,
+        now_ts: 0,
+        dropped_events: st.dropped,
+        read_events: st.read,
+    }
+}
+
+/// The final account of one CPU.
+#[derive(Debug)]
+pub struct CpuAccount {
+    /// Events the writer took in (committed or dropped).
+    pub written: u64,
+    /// The reader's counters: `read`, `lost` (= `overrun + dropped` once all is read)...
+    pub stats: CpuStats,
+    /// Whether the writer said it finished.
+    pub finished: bool,
+    /// Why reading this CPU stopped early, if it did.
+    pub error: Option<DrainError>,
+}
+
+impl CpuAccount {
+    /// Whether every event written was read or counted lost (`written = read + lost`).
+    pub fn consistent(&self) -> bool {
+        self.error.is_none() && self.stats.read.checked_add(self.stats.lost) == Some(self.written)
+    }
+}
+
+/// The reader of a VMM's trace rings with its drain loop: see the crate documentation.
+pub struct Tracer<M, C> {
+    reader: RingBuffer<M, C>,
+    failed: Vec<Option<DrainError>>,
+}
+
+impl<M: SharedMem, C: Callbacks> Tracer<M, C> {
+    /// Allocates the rings `geometry` describes in `mem` (writes the pack, the control
+    /// blocks and every page: the guest gets `mem`'s address), with swap callbacks `cb`
+    /// (`hyptrace_reader::callbacks::for_geometry`). `tsc_khz`: the guest TSC frequency.
+    pub fn alloc(mem: M, geometry: RingGeometry, cb: C, tsc_khz: u64) -> Result<Self, ReadError> {
+        let reader = RingBuffer::alloc(mem, geometry, cb, tsc_khz, 1)?;
+        let failed = (0..geometry.nr_cpus).map(|_| None).collect();
+        Ok(Self { reader, failed })
+    }
+
+    /// The reader underneath (stats, positions, enable words).
+    pub fn reader(&self) -> &RingBuffer<M, C> {
+        &self.reader
+    }
+
+    /// What a sink needs before the first page: page size, CPUs (`vcpuN`, pid N+1), the
+    /// clock, the registered `formats`.
+    pub fn trace_meta(&self, clock: Clock, formats: Vec<EventFormat>) -> TraceMeta {
+        let l = self.reader.layout();
+        TraceMeta {
+            formats,
+            ..TraceMeta::guest(l.page_size, l.nr_cpus, clock)
+        }
+    }
+
+    /// One bounded drain round over every CPU while the guest runs: full pages go to
+    /// `sink`. A CPU whose ring fails is not read again (its error is in its
+    /// [`CpuAccount`]); an output failure is returned. Returns whether a CPU stopped at
+    /// a bound (call again soon) rather than being caught up.
+    pub fn drain(&mut self, sink: &mut (impl PageSink + ?Sized)) -> Result<bool, OutputError> {
+        let mut more = false;
+        for cpu in 0..self.reader.nr_cpus() {
+            if self.failed[cpu as usize].is_some() {
+                continue;
+            }
+            match drain_pages(
+                &mut self.reader,
+                cpu,
+                cpu,
+                sink,
+                ROUND_MAX_BYTES,
+                ROUND_MAX_TIME,
+            ) {
+                Ok(m) => more |= m,
+                Err(DrainError::Sink(e)) => return Err(e),
+                // The guest writer finished (mailbox callbacks): the rest is read by
+                // the final walk.
+                Err(DrainError::Read(ReadError::WriterStopped { .. })) => {}
+                Err(e) => self.failed[cpu as usize] = Some(e),
+            }
+        }
+        Ok(more)
+    }
+
+    /// Every vCPU has stopped: the final read-only walk of each CPU (what is left in its
+    /// ring, no swaps), the losses after the last page, the per-CPU accounts, and the
+    /// sink finished with the summary. Returns the accounts (index = CPU).
+    pub fn finish(
+        mut self,
+        mut sink: Box<dyn PageSink + '_>,
+    ) -> Result<Vec<CpuAccount>, OutputError> {
+        for cpu in 0..self.reader.nr_cpus() {
+            if let Err(e) = self.final_walk(cpu, sink.as_mut()) {
+                if let DrainError::Sink(e) = e {
+                    return Err(e);
+                }
+                self.failed[cpu as usize].get_or_insert(e);
+            }
+        }
+        let accounts: Vec<CpuAccount> = (0..self.reader.nr_cpus())
+            .map(|cpu| CpuAccount {
+                written: written(&self.reader, cpu, false),
+                stats: self.reader.stats(cpu),
+                finished: self.reader.writer_finished(cpu),
+                error: self.failed[cpu as usize].take(),
+            })
+            .collect();
+        let summary = RunSummary {
+            cpus: accounts
+                .iter()
+                .map(|a| kernel_cpu_stat(a.written, &a.stats))
+                .collect(),
+        };
+        sink.finish(&summary)?;
+        Ok(accounts)
+    }
+
+    /// The final walk of `cpu` into `sink`, then its trailing loss.
+    fn final_walk(&mut self, cpu: u32, sink: &mut dyn PageSink) -> Result<(), DrainError> {
+        self.reader.sync_writer_counters(cpu)?;
+        self.reader.finalize(cpu)?;
+        // Bounded: each round consumes at least one page of those left, or ends.
+        while drain_pages(
+            &mut self.reader,
+            cpu,
+            cpu,
+            sink,
+            ROUND_MAX_BYTES,
+            ROUND_MAX_TIME,
+        )? {}
+        let lost = self.reader.take_trailing_loss(cpu);
+        if lost > 0 {
+            sink.trailing_lost(cpu, lost)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hyptrace_abi::layout::{ctl, Mode};
+    use hyptrace_abi::{events, HeapMem};
+    use hyptrace_reader::Direct;
+    use std::sync::atomic::Ordering::Release;
+    use std::sync::Arc;
+
+    /// Counts what it is given.
+    #[derive(Default)]
+    struct Count {
+        pages: u64,
+        missed: u64,
+        trailing: u64,
+    }
+
+    impl PageSink for Count {
+        fn page(&mut self, _: u32, _: &[u8], missed: Option<u64>) -> Result<(), OutputError> {
+            self.pages += 1;
+            self.missed += missed.unwrap_or(0);
+            Ok(())
+        }
+        fn trailing_lost(&mut self, _: u32, lost: u64) -> Result<(), OutputError> {
+            self.trailing += lost;
+            Ok(())
+        }
+        fn finish(self: Box<Self>, summary: &RunSummary) -> Result<(), OutputError> {
+            assert_eq!(summary.cpus.len(), 2);
+            Ok(())
+        }
+    }
+
+    type HeapTracer = Tracer<Arc<HeapMem>, Direct<Arc<HeapMem>>>;
+
+    fn tracer(mode: Mode) -> (Arc<HeapMem>, HeapTracer) {
+        let l = RingGeometry::new(2, 3, 4096, mode, false).expect("geometry");
+        let m = Arc::new(HeapMem::new(l.region_size));
+        let t = Tracer::alloc(m.clone(), l, Direct::new(m.clone(), l), 1_000_000).expect("alloc");
+        (m, t)
+    }
+
+    /// A full stop-mode ring drops; the drain and the final walk count every loss, where
+    /// it happened or after the last page: written = read + lost on every CPU.
+    #[test]
+    fn losses_are_counted_exactly() {
+        let (m, mut t) = tracer(Mode::Stop);
+        let mut w = hyptrace_writer::Writer::attach(m.clone(), 0).expect("attach");
+        let mut sink = Count::default();
+        for seq in 0..2000u64 {
+            w.write_enabled(seq, &events::marker(events::vcpu_pid(0), seq, 0));
+            if seq == 1000 {
+                t.drain(&mut sink).expect("drain");
+            }
+        }
+        w.finish();
+        let a = t.finish(Box::new(sink)).expect("finish");
+        assert_eq!(a[0].written, 2000);
+        assert!(a[0].stats.dropped > 0 && a[0].consistent(), "{:?}", a[0]);
+        assert!(a[1].consistent() && a[1].written == 0);
+    }
+
+    /// A ring the guest scribbled on: the CPU's account carries the error, the other
+    /// CPU is read, nothing panics.
+    #[test]
+    fn a_scribbled_ring_is_an_error_of_its_cpu() {
+        let (m, mut t) = tracer(Mode::Overwrite);
+        let l = *t.reader().layout();
+        let mut w = hyptrace_writer::Writer::attach(m.clone(), 1).expect("attach");
+        for seq in 0..10u64 {
+            w.write_enabled(seq, &events::marker(events::vcpu_pid(1), seq, 0));
+        }
+        m.store(l.ctl(0) + ctl::TAIL_PAGE, u64::MAX, Release);
+        m.store(l.ctl(0) + ctl::READER_PAGE, 12345, Release);
+        let mut sink = Count::default();
+        t.drain(&mut sink).expect("the sink is fine");
+        let a = t.finish(Box::new(sink)).expect("finish");
+        assert!(a[0].error.is_some() && !a[0].consistent(), "{:?}", a[0]);
+        assert_eq!((a[1].stats.read, a[1].written), (10, 10));
+    }
+}

@@ -1,0 +1,30 @@
+//! hyptrace's stock guest payload and how to boot it, for any VMM.
+//!
+//! [`GUEST_ELF`] is the no_std guest built from `guest/` by this crate's build script
+//! (the one build of it: the `hyptrace` VMM embeds it from here). [`Boot`] is its boot
+//! recipe as plain data: the ELF's segments, page tables and GDT written into any
+//! vm-memory guest memory, the run parameter block, and each vCPU's initial registers
+//! and segments as plain numbers ([`boot::VcpuBoot`]) for the VMM to hand to its
+//! hypervisor. [`exits`] decodes the port writes the guest makes. Nothing here knows
+//! KVM; `examples/embed.rs` shows a KVM VMM using it.
+//!
+//! Contract details (entry registers, the run parameter block, result slots, ports):
+//! `hyptrace_abi::guest` and docs/abi.md.
+
+pub mod boot;
+pub mod elf;
+pub mod exits;
+pub mod memory_map;
+
+pub use boot::{Boot, BootError, VcpuBoot};
+pub use elf::{ElfError, GuestImage};
+pub use memory_map::{GuestMemoryMap, MemoryMapError};
+
+/// The stock guest payload (a static x86-64 ELF executable) built from `guest/`.
+///
+/// ```
+/// let image = hyptrace_payload::GuestImage::parse(hyptrace_payload::GUEST_ELF)?;
+/// assert!(image.entry >= image.start && image.entry < image.end);
+/// # Ok::<(), hyptrace_payload::ElfError>(())
+/// ```
+pub static GUEST_ELF: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/hyptrace-guest.elf"));

@@ -1,0 +1,259 @@
+//! A minimal KVM VMM embedding hyptrace: it boots the stock guest payload with one trace
+//! ring per vCPU in its own guest memory, drains the rings while the guest runs, and
+//! writes a trace.dat that `trace-cmd report` reads.
+//!
+//! ```sh
+//! cargo run --release --example embed -- OUT.dat && trace-cmd report OUT.dat
+//! cargo run --release --example embed -- OUT.pftrace   # Perfetto: ui.perfetto.dev
+//! ```
+//!
+//! It uses only library crates: `hyptrace-payload` (the guest and its boot recipe as
+//! plain data), `hyptrace-embed` (rings, registration, drain loop), `hyptrace-abi`,
+//! `hyptrace-reader`, `hyptrace-output`; KVM through kvm-ioctls, memory through
+//! vm-memory. Host-run swaps (the VMM takes full pages on guest memory), stop mode.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hyptrace_abi::guest::{RunParamBlock, Workload};
+use hyptrace_abi::layout::{Mode, RingGeometry};
+use hyptrace_abi::registry::DEFAULT_TABLE_SIZE;
+use hyptrace_embed::{Events, GuestRegionMem, Tracer};
+use hyptrace_output::{
+    escape_guest_str, Clock, PageSink, PerfettoSink, TraceDatSink, TraceDatVersion,
+};
+use hyptrace_payload::boot::{Segment, VcpuBoot};
+use hyptrace_payload::exits::{decode_out, read_panic, read_stats, Request, VcpuStats};
+use hyptrace_payload::{Boot, GUEST_ELF};
+use kvm_bindings::{kvm_fpu, kvm_regs, kvm_segment, kvm_userspace_memory_region, CpuId};
+use kvm_ioctls::{Kvm, VcpuExit, VcpuFd};
+use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
+
+const VCPUS: u32 = 2;
+/// Events each vCPU writes, and how fast (events/s; 0 = as fast as it can).
+const EVENTS: u64 = 2000;
+const RATE: u64 = 200_000;
+/// Ring pages per vCPU (reader page included) and their size.
+const PAGES: u32 = 64;
+const PAGE_SIZE: usize = 4096;
+/// The drain loop's poll period, and how long the guest may take in all.
+const POLL: Duration = Duration::from_millis(1);
+const DEADLINE: Duration = Duration::from_secs(60);
+/// Where KVM puts its TSS pages (needed on Intel): above guest memory.
+const KVM_TSS_ADDR: usize = 0xfffb_d000;
+
+type Error = Box<dyn std::error::Error + Send + Sync>;
+type Rings = Arc<GuestRegionMem>;
+
+/// How a vCPU ended.
+#[derive(Debug)]
+enum Outcome {
+    Finished(VcpuStats),
+    Crashed(String),
+}
+
+fn main() -> Result<(), Error> {
+    let out = std::env::args().nth(1).ok_or("usage: embed OUT.dat")?;
+    // The rings' shape (with a registration table) and the guest's memory map.
+    let geometry = RingGeometry::new(VCPUS, PAGES, PAGE_SIZE, Mode::Stop, false)?
+        .with_events(DEFAULT_TABLE_SIZE)?;
+    let trace_len = geometry.region_size.next_multiple_of(PAGE_SIZE);
+    let boot = Boot::new(GUEST_ELF, VCPUS, trace_len as u64, PAGE_SIZE as u64)?;
+    let layout = boot.layout().clone();
+
+    // The VM, its memory (one slot), the guest image and tables in it.
+    let kvm = Kvm::new()?;
+    let vm = kvm.create_vm()?;
+    vm.set_tss_address(KVM_TSS_ADDR)?;
+    let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), boot.mem_bytes() as usize)])?;
+    for (slot, region) in (0u32..).zip(mem.iter()) {
+        let host = region.get_host_address(vm_memory::MemoryRegionAddress(0))?;
+        let r = kvm_userspace_memory_region {
+            slot,
+            flags: 0,
+            guest_phys_addr: region.start_addr().0,
+            memory_size: region.len(),
+            userspace_addr: host as u64,
+        };
+        // SAFETY: the region is a live mmap owned by `mem`, which lives until the end of
+        // main (the process exits then), so as long as the VM; one slot per region.
+        unsafe { vm.set_user_memory_region(r) }?;
+    }
+    boot.load(&mem)?;
+
+    // The vCPUs at their entry state; the guest TSC frequency.
+    let cpuid = kvm.get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES)?;
+    let fds = (0..VCPUS)
+        .map(|id| {
+            let fd = vm.create_vcpu(u64::from(id))?;
+            setup_vcpu(&fd, &cpuid, &boot.vcpu(id))?;
+            Ok(fd)
+        })
+        .collect::<Result<Vec<VcpuFd>, Error>>()?;
+    let tsc_khz = u64::from(fds[0].get_tsc_khz()?);
+
+    // The rings in guest memory (the pack at layout.trace_gpa: rdi at entry), host-run
+    // swaps, and the answer to the guest's event registration.
+    let rings: Rings = Arc::new(GuestRegionMem::new(
+        &mem,
+        GuestAddress(layout.trace_gpa),
+        trace_len,
+    )?);
+    let swaps = hyptrace_reader::Direct::new(rings.clone(), geometry);
+    let mut tracer = Tracer::alloc(rings.clone(), geometry, swaps, tsc_khz)?;
+    let events = Arc::new(Events::new(rings, geometry));
+    let params = RunParamBlock {
+        events: EVENTS,
+        rate: RATE,
+        tsc_khz,
+        ..RunParamBlock::new(Workload::Mixed, VCPUS)
+    };
+    boot.write_params(&mem, &params)?;
+
+    // One thread per vCPU.
+    let running = Arc::new(AtomicU32::new(VCPUS));
+    let threads: Vec<_> = (0u32..)
+        .zip(fds)
+        .map(|(id, fd)| {
+            let (mem, events, running) = (mem.clone(), events.clone(), running.clone());
+            let slot = layout.result_slot(id);
+            std::thread::spawn(move || {
+                let outcome = run_vcpu(id, fd, &mem, slot, &events);
+                running.fetch_sub(1, Ordering::AcqRel);
+                outcome
+            })
+        })
+        .collect();
+
+    // The registered formats, then the output; drain while the vCPUs run.
+    let registered = events.wait(Duration::from_secs(10))?;
+    for r in &registered.rejected {
+        eprintln!("embed: warning: {r}");
+    }
+    let meta = tracer.trace_meta(Clock::guest_tsc(tsc_khz)?, registered.formats);
+    let mut sink: Box<dyn PageSink> = if out.ends_with(".pftrace") {
+        Box::new(PerfettoSink::create(&out, meta)?)
+    } else {
+        Box::new(TraceDatSink::create(&out, meta, TraceDatVersion::V7)?)
+    };
+    let started = Instant::now();
+    while running.load(Ordering::Acquire) > 0 {
+        if started.elapsed() > DEADLINE {
+            return Err(format!("the guest did not finish within {DEADLINE:?}").into());
+        }
+        if !tracer.drain(sink.as_mut())? {
+            std::thread::sleep(POLL);
+        }
+    }
+    let outcomes: Vec<Outcome> = threads
+        .into_iter()
+        .map(|t| {
+            t.join()
+                .unwrap_or(Outcome::Crashed("vCPU thread panicked".into()))
+        })
+        .collect();
+
+    // Every vCPU stopped: the final walks, the accounts, the end of trace.dat.
+    let accounts = tracer.finish(sink)?;
+    let mut ok = true;
+    for (cpu, (a, o)) in accounts.iter().zip(&outcomes).enumerate() {
+        let s = &a.stats;
+        let attempted = match o {
+            Outcome::Finished(st) => st.attempted.to_string(),
+            Outcome::Crashed(why) => format!("? (crashed: {why})"),
+        };
+        println!(
+            "cpu {cpu}: attempted {attempted} written {} read {} lost {} (overrun {} dropped {}){}",
+            a.written,
+            s.read,
+            s.lost,
+            s.overrun,
+            s.dropped,
+            a.error
+                .as_ref()
+                .map(|e| format!(" error: {e}"))
+                .unwrap_or_default()
+        );
+        ok &= a.consistent() && matches!(o, Outcome::Finished(_));
+    }
+    let read: u64 = accounts.iter().map(|a| a.stats.read).sum();
+    let lost: u64 = accounts.iter().map(|a| a.stats.lost).sum();
+    println!("wrote {out}: {read} events, {lost} lost");
+    if ok {
+        Ok(())
+    } else {
+        Err("a vCPU crashed, or written != read + lost".into())
+    }
+}
+
+/// Copies the plain entry state into KVM's registers.
+fn setup_vcpu(fd: &VcpuFd, cpuid: &CpuId, b: &VcpuBoot) -> Result<(), kvm_ioctls::Error> {
+    let seg = |s: Segment| kvm_segment {
+        base: s.base,
+        limit: s.limit,
+        selector: s.selector,
+        type_: s.type_,
+        present: s.present,
+        dpl: s.dpl,
+        db: s.db,
+        s: s.s,
+        l: s.l,
+        g: s.g,
+        ..Default::default()
+    };
+    fd.set_cpuid2(cpuid)?;
+    let mut sregs = fd.get_sregs()?;
+    (sregs.cs, sregs.ds, sregs.es, sregs.fs) = (seg(b.cs), seg(b.ds), seg(b.es), seg(b.fs));
+    (sregs.gs, sregs.ss, sregs.tr) = (seg(b.gs), seg(b.ss), seg(b.tr));
+    (sregs.gdt.base, sregs.gdt.limit) = (b.gdt.base, b.gdt.limit);
+    (sregs.idt.base, sregs.idt.limit) = (b.idt.base, b.idt.limit);
+    (sregs.cr0, sregs.cr3, sregs.cr4, sregs.efer) = (b.cr0, b.cr3, b.cr4, b.efer);
+    fd.set_sregs(&sregs)?;
+    fd.set_fpu(&kvm_fpu {
+        fcw: b.fcw,
+        mxcsr: b.mxcsr,
+        ..Default::default()
+    })?;
+    fd.set_regs(&kvm_regs {
+        rip: b.rip,
+        rsp: b.rsp,
+        rdi: b.rdi,
+        rsi: b.rsi,
+        rdx: b.rdx,
+        rflags: b.rflags,
+        ..Default::default()
+    })
+}
+
+/// Runs vCPU `id` until the guest finishes or crashes, answering its port writes.
+fn run_vcpu(
+    id: u32,
+    mut fd: VcpuFd,
+    mem: &GuestMemoryMmap,
+    slot: u64,
+    ev: &Events<Rings>,
+) -> Outcome {
+    loop {
+        let exit = match fd.run() {
+            Ok(exit) => exit,
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => continue,
+            Err(e) => return Outcome::Crashed(format!("KVM_RUN failed: {e}")),
+        };
+        let VcpuExit::IoOut(port, data) = exit else {
+            return Outcome::Crashed(format!("unexpected exit {exit:?}"));
+        };
+        match decode_out(port, data) {
+            Some(Request::Register) => ev.on_register(id),
+            Some(Request::Sleep(d)) => std::thread::sleep(d),
+            Some(Request::Exit(who)) if who == id => {
+                return Outcome::Finished(read_stats(mem, slot))
+            }
+            Some(Request::Panic(len)) => {
+                let msg = read_panic(mem, slot, len);
+                return Outcome::Crashed(format!("guest panic: {}", escape_guest_str(&msg)));
+            }
+            _ => return Outcome::Crashed(format!("unexpected write to port {port:#x}")),
+        }
+    }
+}
