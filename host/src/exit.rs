@@ -21,3 +21,21 @@ macro_rules! note {
         let _ = writeln!(std::io::stderr(), $($arg)*);
     }};
 }
+
+/// `e`'s text followed by every source whose text it does not already carry: how every
+/// error reaches the user (one line; a cause an error's own text names is not repeated).
+pub fn chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut next = e.source();
+    // Bounded: error chains are finite, but a cycle would not be.
+    for _ in 0..16 {
+        let Some(src) = next else { break };
+        let s = src.to_string();
+        if !text.contains(&s) {
+            text.push_str(": ");
+            text.push_str(&s);
+        }
+        next = src.source();
+    }
+    text
+}

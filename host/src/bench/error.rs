@@ -91,23 +91,6 @@ fn failures(r: &RunReport) -> String {
     }
 }
 
-/// `e`'s text followed by every source whose text it does not already carry.
-pub(super) fn with_sources(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut next = e.source();
-    // Bounded: error chains are finite, but a cycle would not be.
-    for _ in 0..16 {
-        let Some(src) = next else { break };
-        let s = src.to_string();
-        if !text.contains(&s) {
-            text.push_str(": ");
-            text.push_str(&s);
-        }
-        next = src.source();
-    }
-    text
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -125,14 +108,14 @@ mod tests {
             source: io(),
         });
         // The variant's text carries the whole chain already: unchanged.
-        assert_eq!(with_sources(&e), e.to_string());
+        assert_eq!(crate::exit::chain(&e), e.to_string());
         assert!(e.to_string().contains("/tmp/x.raw: "), "{e}");
         // A text without its source gets the chain appended, down to the OS error.
         let b = Bare(OutputError::Io {
             path: None,
             source: io(),
         });
-        let text = with_sources(&b);
+        let text = crate::exit::chain(&b);
         assert!(text.starts_with("cannot write --json: "), "{text}");
         assert!(text.contains(&io().to_string()), "{text}");
         assert_eq!(text.matches(&io().to_string()).count(), 1, "{text}");

@@ -37,7 +37,7 @@ use clap::Args;
 use hyptrace_abi::guest::BENCH_CHUNK;
 use serde::Serialize;
 
-use crate::exit::{EXIT_OK, EXIT_RUNTIME, EXIT_USAGE};
+use crate::exit::{EXIT_RUNTIME, EXIT_USAGE};
 
 mod criterion;
 mod drain;
@@ -287,47 +287,52 @@ impl DrainReport {
 }
 
 /// `hyptrace bench`.
-pub fn bench(a: &BenchArgs) -> i32 {
+pub fn bench(a: &BenchArgs) -> Result<(), BenchCmdError> {
     if let Some(BenchWhat::Report(r)) = &a.what {
-        return report::bench_report(r);
+        return report::bench_report(r).map_err(BenchCmdError::Report);
     }
-    let cfg = match Cfg::new(a) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("hyptrace: error: {}", error::with_sources(&e));
-            return EXIT_USAGE;
-        }
-    };
+    let cfg = Cfg::new(a).map_err(BenchCmdError::Options)?;
     // Before the first VM boots: a bad --json path costs nothing.
-    let json_target = match a
+    let json_target = a
         .json
         .as_deref()
         .map(|p| crate::drain::sink::check_destination(p, "--json"))
-    {
-        Some(Err(e)) => {
-            eprintln!("hyptrace: error: {}", error::with_sources(&e));
-            return EXIT_USAGE;
-        }
-        Some(Ok(t)) => Some(t),
-        None => None,
-    };
-    match run_all(&cfg, a) {
-        Ok(v) => {
-            print!("{}", table::table(&v));
-            if let Some(t) = &json_target {
-                if let Err(e) = crate::drain::sink::write_destination(t, &v.json()) {
-                    eprintln!(
-                        "hyptrace: error: cannot write --json: {}",
-                        error::with_sources(&e)
-                    );
-                    return EXIT_RUNTIME;
-                }
-            }
-            EXIT_OK
-        }
-        Err(e) => {
-            eprintln!("hyptrace: error: bench: {}", error::with_sources(&e));
-            EXIT_RUNTIME
+        .transpose()?;
+    let v = run_all(&cfg, a).map_err(BenchCmdError::Run)?;
+    print!("{}", table::table(&v));
+    if let Some(t) = &json_target {
+        crate::drain::sink::write_destination(t, &v.json()).map_err(BenchCmdError::Json)?;
+    }
+    Ok(())
+}
+
+/// Why `hyptrace bench` failed (the CLI prints it and maps it to its exit code).
+#[derive(Debug, thiserror::Error)]
+pub enum BenchCmdError {
+    /// The options do not fit (exit 2).
+    #[error("{}", crate::exit::chain(.0))]
+    Options(#[source] BenchError),
+    /// The `--json` path is unusable (exit 2).
+    #[error(transparent)]
+    Destination(#[from] crate::drain::sink::DestinationError),
+    /// A measurement failed (exit 1).
+    #[error("bench: {}", crate::exit::chain(.0))]
+    Run(#[source] BenchError),
+    /// `--json` could not be written (exit 1).
+    #[error("cannot write --json: {}", crate::exit::chain(.0))]
+    Json(#[source] hyptrace_output::OutputError),
+    /// `bench report` failed.
+    #[error("bench report: {0}")]
+    Report(#[source] report::ReportBenchError),
+}
+
+impl BenchCmdError {
+    /// The exit code of each failure.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            Self::Options(_) | Self::Destination(_) => EXIT_USAGE,
+            Self::Run(_) | Self::Json(_) => EXIT_RUNTIME,
+            Self::Report(e) => e.exit_code(),
         }
     }
 }

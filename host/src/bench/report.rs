@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use clap::Args;
 
-use crate::exit::{EXIT_OK, EXIT_RUNTIME, EXIT_USAGE};
+use crate::exit::{EXIT_RUNTIME, EXIT_USAGE};
 
 /// Options of `hyptrace bench report`.
 #[derive(Clone, Debug, Args)]
@@ -124,14 +124,8 @@ fn count_events(path: &Path) -> Result<u64, ReportBenchError> {
 }
 
 /// `hyptrace bench report`.
-pub fn bench_report(a: &ReportBenchArgs) -> i32 {
-    match run(a) {
-        Ok(()) => EXIT_OK,
-        Err(e) => {
-            note!("hyptrace: error: bench report: {e}");
-            e.exit_code()
-        }
-    }
+pub fn bench_report(a: &ReportBenchArgs) -> Result<(), ReportBenchError> {
+    run(a)
 }
 
 fn run(a: &ReportBenchArgs) -> Result<(), ReportBenchError> {

@@ -3,7 +3,7 @@
 //! Exit codes: [`EXIT_OK`] 0 (the run completed: the guest finished, or was stopped as
 //! asked by `--duration` or a first Ctrl-C / SIGTERM, and every event is accounted for),
 //! [`EXIT_RUNTIME`] 1 (a host-side failure), [`EXIT_USAGE`] 2 (bad input, an unusable
-//! output path, no usable /dev/kvm), [`EXIT_CRASH`] 3 (the guest panicked or faulted),
+//! output path, no usable /dev/kvm), [`EXIT_CRASH`](crate::exit::EXIT_CRASH) 3 (the guest panicked or faulted),
 //! [`EXIT_ABORT`] 130 (a second Ctrl-C aborted the run; no output file is left).
 //! An error is one line on stderr, `hyptrace: error: ...` (argument errors are followed
 //! by clap's hints: valid values, tips, usage).
@@ -135,6 +135,12 @@ pub enum CliError {
     /// `ctl`: the socket cannot be reached, or its reply is not one.
     #[error("ctl: {0}")]
     Ctl(#[source] crate::control::server::CtlError),
+    /// `bench` failed.
+    #[error(transparent)]
+    Bench(#[from] crate::bench::BenchCmdError),
+    /// `dump` failed.
+    #[error(transparent)]
+    Dump(#[from] crate::flight::dump::DumpCmdError),
     /// `list`: the guest's events could not be read.
     #[error(transparent)]
     List(#[from] crate::pipeline::list::ListError),
@@ -152,6 +158,8 @@ impl CliError {
             Self::Run(RunError::Aborted) => EXIT_ABORT,
             Self::Run(e) if e.is_input_error() => EXIT_USAGE,
             Self::List(e) => e.exit_code(),
+            Self::Dump(e) => e.exit_code(),
+            Self::Bench(e) => e.exit_code(),
             Self::Signals(_)
             | Self::Run(_)
             | Self::Stats(_)
@@ -197,8 +205,10 @@ where
         Command::Convert(args) => crate::pipeline::convert::convert(&args)
             .map(|()| EXIT_OK)
             .map_err(CliError::from),
-        Command::Bench(args) => return crate::bench::bench(&args),
-        Command::Dump(args) => return crate::flight::dump::dump(&args),
+        Command::Bench(args) => crate::bench::bench(&args)
+            .map(|()| EXIT_OK)
+            .map_err(CliError::from),
+        Command::Dump(args) => crate::flight::dump::dump(&args).map_err(CliError::from),
         Command::Ctl(args) => ctl(&args),
     };
     match r {

@@ -10,7 +10,7 @@ use std::time::Duration;
 /// needs it *soon*: on a machine whose cores are all taken by spinning vCPU threads
 /// (and other load) a normal thread waits a time slice or more for a core while its
 /// rings fill. The thread gets `SCHED_FIFO` priority 1 — it preempts normal threads
-/// when it wakes, and since it sleeps at least [`MIN_POLL`] between rounds it never
+/// when it wakes, and since it sleeps at least [`MIN_POLL`](crate::drain::session::MIN_POLL) between rounds it never
 /// keeps a core for good — or, where real-time policies are not permitted, nice −10;
 /// where neither is permitted it runs as it is, after one log line.
 /// `HYPTRACE_READER_PRIORITY=normal` in the environment turns it off. While idle

@@ -410,26 +410,17 @@ pub fn dump_trace_mem(
 
 /// `hyptrace dump`: returns the exit code (0: dumped, even partly — warnings on
 /// stderr; 2: the file is unusable; 1: the output failed).
-pub fn dump(a: &DumpArgs) -> i32 {
+pub fn dump(a: &DumpArgs) -> Result<i32, DumpCmdError> {
     let format = crate::drain::sink::format_for(a.format, &a.output);
-    let target = match crate::drain::sink::check_destination(&a.output, "-o") {
-        Ok(t) => t,
-        Err(e) => {
-            note!("hyptrace: error: {e}");
-            return EXIT_USAGE;
-        }
-    };
+    let target = crate::drain::sink::check_destination(&a.output, "-o")?;
     let started = std::time::Instant::now();
     let Some(trace_mem) = &a.trace_mem else {
         return match &a.attach {
             Some(socket) => dump_attach(socket, a.follow, &target, &a.output, format, started),
-            None => {
-                note!("hyptrace: error: dump needs --trace-mem PATH or --attach SOCKET");
-                EXIT_USAGE
-            }
+            None => Err(DumpCmdError::NoSource),
         };
     };
-    let r = read_trace_mem(trace_mem).and_then(|read| {
+    let (report, warnings) = read_trace_mem(trace_mem).and_then(|read| {
         let (report, mut warnings) =
             dump_trace_mem(&read.bytes, trace_mem, &target, &a.output, format)?;
         if read.live {
@@ -439,46 +430,70 @@ pub fn dump(a: &DumpArgs) -> i32 {
             );
         }
         Ok((report, warnings))
-    });
-    match r {
-        Ok((report, warnings)) => {
-            for w in &warnings {
-                note!("hyptrace: dump: {w}");
-            }
-            // P2: what may also be in the live output, and what is in it or nowhere.
-            for c in &report.cpus {
-                if let Some((a0, b)) = c.may_repeat {
-                    note!(
-                        "hyptrace: dump: cpu {}: events {a0}..{b} ({}) may repeat the live output (the VMM was killed between printing them and recording it)",
-                        c.cpu,
-                        b - a0 + 1
-                    );
-                }
-                if let Some((a0, b)) = c.unplaced {
-                    note!(
-                        "hyptrace: dump: cpu {}: events {a0}..{b} ({}) are in the live output or lost (the VMM consumed them and was killed before recording them printed; their pages were reused; counted as lost here)",
-                        c.cpu,
-                        b - a0 + 1
-                    );
-                }
-            }
-            let _ = std::io::Write::write_all(&mut std::io::stderr(), report.summary().as_bytes());
+    })?;
+    for w in &warnings {
+        note!("hyptrace: dump: {w}");
+    }
+    // P2: what may also be in the live output, and what is in it or nowhere.
+    for c in &report.cpus {
+        if let Some((a0, b)) = c.may_repeat {
             note!(
-                "hyptrace: dump: {} events written to {} in {:.1} ms{}",
-                report.events(),
-                crate::drain::sink::shown_path(&a.output),
-                started.elapsed().as_secs_f64() * 1e3,
-                if report.damaged() {
-                    " (partial: see the warnings)"
-                } else {
-                    ""
-                }
+                "hyptrace: dump: cpu {}: events {a0}..{b} ({}) may repeat the live output (the VMM was killed between printing them and recording it)",
+                c.cpu,
+                b - a0 + 1
             );
-            EXIT_OK
         }
-        Err(e) => {
-            note!("hyptrace: error: {e}");
-            e.exit_code()
+        if let Some((a0, b)) = c.unplaced {
+            note!(
+                "hyptrace: dump: cpu {}: events {a0}..{b} ({}) are in the live output or lost (the VMM consumed them and was killed before recording them printed; their pages were reused; counted as lost here)",
+                c.cpu,
+                b - a0 + 1
+            );
+        }
+    }
+    let _ = std::io::Write::write_all(&mut std::io::stderr(), report.summary().as_bytes());
+    note!(
+        "hyptrace: dump: {} events written to {} in {:.1} ms{}",
+        report.events(),
+        crate::drain::sink::shown_path(&a.output),
+        started.elapsed().as_secs_f64() * 1e3,
+        if report.damaged() {
+            " (partial: see the warnings)"
+        } else {
+            ""
+        }
+    );
+    Ok(EXIT_OK)
+}
+
+/// Why `hyptrace dump` failed (the CLI prints it and maps it to its exit code).
+#[derive(Debug, thiserror::Error)]
+pub enum DumpCmdError {
+    /// The output path is unusable (exit 2).
+    #[error(transparent)]
+    Destination(#[from] crate::drain::sink::DestinationError),
+    /// Neither `--trace-mem` nor `--attach` (exit 2).
+    #[error("dump needs --trace-mem PATH or --attach SOCKET")]
+    NoSource,
+    /// `--follow`: the signal handlers could not be installed (exit 1).
+    #[error(transparent)]
+    Signals(#[from] crate::drain::signals::SignalError),
+    /// The trace memory file could not be dumped.
+    #[error(transparent)]
+    Dump(#[from] DumpError),
+    /// Live attach failed.
+    #[error(transparent)]
+    Attach(#[from] crate::flight::attach::AttachError),
+}
+
+impl DumpCmdError {
+    /// The exit code of each failure.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            Self::Destination(_) | Self::NoSource => EXIT_USAGE,
+            Self::Signals(_) => EXIT_RUNTIME,
+            Self::Dump(e) => e.exit_code(),
+            Self::Attach(e) => e.exit_code(),
         }
     }
 }
@@ -491,15 +506,9 @@ fn dump_attach(
     out_path: &Path,
     format: FormatArg,
     started: std::time::Instant,
-) -> i32 {
+) -> Result<i32, DumpCmdError> {
     let interrupts = if follow {
-        match crate::drain::signals::Interrupts::install() {
-            Ok(i) => Some(i),
-            Err(e) => {
-                note!("hyptrace: error: {e}");
-                return EXIT_RUNTIME;
-            }
-        }
+        Some(crate::drain::signals::Interrupts::install()?)
     } else {
         None
     };
@@ -512,46 +521,39 @@ fn dump_attach(
         format,
         stop: &stop,
     };
-    match crate::flight::attach::attach(&o) {
-        Ok(r) => {
-            let (ev, lost) = r.cpus.iter().fold((0u64, 0u64), |(e, l), c| {
-                (e.saturating_add(c.0), l.saturating_add(c.1))
-            });
-            for (cpu, c) in r.cpus.iter().enumerate() {
-                note!(
-                    "hyptrace: attach: cpu {cpu}: {} events read, {} lost",
-                    c.0,
-                    c.1
-                );
-                if let Some(Some(m)) = r.metas.get(cpu) {
-                    note!(
-                        "hyptrace: attach: cpu {cpu} meta page: reader {} lost_events {} entries {} overrun {} read {} lost {} pages_touched {}",
-                        m.reader_id, m.lost_events, m.entries, m.overrun, m.read, m.lost_total, m.pages_touched
-                    );
-                }
-            }
+    let r = crate::flight::attach::attach(&o)?;
+    let (ev, lost) = r.cpus.iter().fold((0u64, 0u64), |(e, l), c| {
+        (e.saturating_add(c.0), l.saturating_add(c.1))
+    });
+    for (cpu, c) in r.cpus.iter().enumerate() {
+        note!(
+            "hyptrace: attach: cpu {cpu}: {} events read, {} lost",
+            c.0,
+            c.1
+        );
+        if let Some(Some(m)) = r.metas.get(cpu) {
             note!(
-                "hyptrace: attach: {ev} events ({lost} lost) written to {} in {:.1} ms, {} swaps; {}",
-                crate::drain::sink::shown_path(out_path),
-                started.elapsed().as_secs_f64() * 1e3,
-                r.swaps,
-                r.ended
+                "hyptrace: attach: cpu {cpu} meta page: reader {} lost_events {} entries {} overrun {} read {} lost {} pages_touched {}",
+                m.reader_id, m.lost_events, m.entries, m.overrun, m.read, m.lost_total, m.pages_touched
             );
-            // A CPU whose reading stopped for an error: its output is not complete.
-            for (cpu, e) in &r.errors {
-                note!("hyptrace: attach: error: cpu {cpu}: reading stopped: {e}");
-            }
-            if r.errors.is_empty() {
-                EXIT_OK
-            } else {
-                EXIT_RUNTIME
-            }
-        }
-        Err(e) => {
-            note!("hyptrace: error: {e}");
-            e.exit_code()
         }
     }
+    note!(
+        "hyptrace: attach: {ev} events ({lost} lost) written to {} in {:.1} ms, {} swaps; {}",
+        crate::drain::sink::shown_path(out_path),
+        started.elapsed().as_secs_f64() * 1e3,
+        r.swaps,
+        r.ended
+    );
+    // A CPU whose reading stopped for an error: its output is not complete.
+    for (cpu, e) in &r.errors {
+        note!("hyptrace: attach: error: cpu {cpu}: reading stopped: {e}");
+    }
+    Ok(if r.errors.is_empty() {
+        EXIT_OK
+    } else {
+        EXIT_RUNTIME
+    })
 }
 
 /// Writes a crash dump of the VM's rings (stopped vCPUs: nothing changes them) into
