@@ -427,19 +427,28 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
         }
     }
 
+    /// Marks `cpu` ended (no more live rounds) for its one final walk: `false` if there
+    /// is no such CPU or it ended already ([`Session::end_cpu`] and
+    /// [`Session::end_cpu_delivered`] run once per CPU, whichever comes first).
+    fn mark_ended(&mut self, cpu: u32) -> bool {
+        match self.cpus.get_mut(cpu as usize) {
+            Some(st) if !st.ended => {
+                st.ended = true;
+                st.more = false;
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// C4: the writer of `cpu` stopped and an attached consumer delivered everything
     /// left (its own final walk): this session walks the rest too, read-only, to count
     /// it exactly (read, lost, trailing drops), and writes none of it — nothing is
     /// output twice. Runs once per CPU, as [`Session::end_cpu`].
     pub fn end_cpu_delivered(&mut self, cpu: u32) -> Result<(), SessionError> {
-        let Some(st) = self.cpus.get_mut(cpu as usize) else {
-            return Ok(());
-        };
-        if st.ended {
+        if !self.mark_ended(cpu) {
             return Ok(());
         }
-        st.ended = true;
-        st.more = false;
         log::debug!("cpu {cpu}: the consumer delivered the rest: counted, not written");
         let l = *self.reader.layout();
         // Bounded: the walk's items are at most the records of the CPU's pages.
@@ -696,14 +705,9 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
     /// never holds back the other CPUs' output; the error is recorded
     /// ([`Session::error`]) and returned.
     pub fn end_cpu(&mut self, cpu: u32) -> Result<(), SessionError> {
-        let Some(st) = self.cpus.get_mut(cpu as usize) else {
-            return Ok(());
-        };
-        if st.ended {
+        if !self.mark_ended(cpu) {
             return Ok(());
         }
-        st.ended = true;
-        st.more = false;
         let mut r = self.final_walk(cpu);
         let trailing = self.reader.take_trailing_loss(cpu);
         let st = &mut self.cpus[cpu as usize];

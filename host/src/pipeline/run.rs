@@ -231,7 +231,7 @@ impl<'a> Run<'a> {
     }
 
     /// Boots the VM, drains the rings while it runs and after, and reports: the steps
-    /// `Booted::boot` (trace memory file, control socket, VM, clock, the VMM's ring),
+    /// `Booted::boot` (trace memory file, VM, clock, the VMM's ring), the control socket,
     /// `Booted::rings` (the event table and the guest's rings), the registration
     /// settled and the output opened, the drain loop (`Live::poll_loop`), and
     /// `Live::conclude` (final walks, accounting, the report).

@@ -108,18 +108,6 @@ impl TraceRegion {
         self.len == 0
     }
 
-    /// Host address of the first byte; valid for `len()` bytes while `self` lives.
-    pub fn as_ptr(&self) -> *mut u8 {
-        self.memory
-            .get_host_address(GuestAddress(self.gpa))
-            .expect("trace region is in guest memory")
-    }
-
-    /// `(gpa, host pointer, len)`.
-    pub fn raw_parts(&self) -> (u64, *mut u8, usize) {
-        (self.gpa, self.as_ptr(), self.len)
-    }
-
     /// The region as a volatile slice.
     pub fn as_volatile_slice(&self) -> VolatileSlice<'_, vm_memory::bitmap::BS<'_, ()>> {
         self.memory
