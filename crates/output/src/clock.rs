@@ -14,8 +14,131 @@
 //! offset added *after* the scaling: [`Clock::offset_ns`], which trace.dat carries in
 //! trace-cmd's OFFSET option (id 7, a decimal string; `report` adds it to every
 //! converted timestamp: `ts = mul_u64_u32_shr(raw, mult, shift) + offset`).
+//!
+//! A run on a host clock (`--clock mono|boot`) instead converts through a [`ClockMap`]:
+//! a continuous piecewise-linear map whose knots the run adds while it goes (see
+//! docs/design.md "Clock"). Every output converts with [`Clock::to_ns`]; files carry the
+//! converted nanoseconds ([`Clock::retime_page`], [`Clock::file_clock`]).
+
+use std::sync::{Arc, PoisonError, RwLock};
+
+use hyptrace_abi::page::{
+    decode_record, fix_abs_ts, header_word, page_header, Record, COMMIT_LEN_MASK, DELTA_BITS,
+    MAX_DELTA, MAX_EXTENDED_DELTA, PAGE_HEADER_SIZE,
+};
 
 use crate::OutputError;
+
+/// Fixed-point shift of a [`Knot`]'s slope (ns per cycle × 2^32).
+pub const SLOPE_SHIFT: u32 = 32;
+
+/// One knot of a [`ClockMap`]: from guest TSC `tsc` on, `ns = ns + ((t - tsc) * slope) >>
+/// SLOPE_SHIFT`, until the next knot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Knot {
+    /// Guest TSC where this segment starts.
+    pub tsc: u64,
+    /// Host clock (ns) the map gives at `tsc`.
+    pub ns: u64,
+    /// ns per cycle × 2^[`SLOPE_SHIFT`].
+    pub slope: u64,
+}
+
+impl Knot {
+    /// The map's value at `tsc` on this segment's line (wrapping; before `tsc`: the line
+    /// extended backwards).
+    pub fn at(&self, tsc: u64) -> u64 {
+        let scaled = |d: u64| ((u128::from(d) * u128::from(self.slope)) >> SLOPE_SHIFT) as u64;
+        if tsc >= self.tsc {
+            self.ns.wrapping_add(scaled(tsc - self.tsc))
+        } else {
+            self.ns.wrapping_sub(scaled(self.tsc - tsc))
+        }
+    }
+}
+
+/// The one conversion from a TSC-stamped source (guest rings, the VMM's host events, any
+/// later host source stamped in the guest's TSC domain) to a host clock: a continuous,
+/// piecewise-linear map shared by every output of a run (clones share the knots).
+///
+/// Invariant (docs/design.md "Clock", *knots never move what was converted*): a knot is
+/// only appended, at a TSC read under the write lock, and starts on the previous segment's
+/// line; so the value of any TSC already converted (every TSC stamped before that moment)
+/// never changes, and every output, whenever it converts, gives the same nanoseconds.
+#[derive(Clone, Debug)]
+pub struct ClockMap {
+    knots: Arc<RwLock<Vec<Knot>>>,
+}
+
+impl PartialEq for ClockMap {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.knots, &other.knots)
+    }
+}
+impl Eq for ClockMap {}
+
+impl ClockMap {
+    /// A map with its first knot.
+    pub fn new(first: Knot) -> Self {
+        Self {
+            knots: Arc::new(RwLock::new(vec![first])),
+        }
+    }
+
+    /// Converts a guest TSC value: the segment of the last knot at or before it (before
+    /// the first knot: the first segment extended backwards).
+    pub fn to_ns(&self, tsc: u64) -> u64 {
+        convert(&self.knots.read().unwrap_or_else(PoisonError::into_inner), tsc)
+    }
+
+    /// Rewrites the timestamps of an exported page in place from guest TSC to this
+    /// map's ns (see [`Clock::retime_page`]), under one read lock.
+    fn retime_page(&self, page: &mut [u8]) -> u64 {
+        let knots = self.knots.read().unwrap_or_else(PoisonError::into_inner);
+        retime(page, |t| convert(&knots, t))
+    }
+
+    /// Appends a knot at the TSC `now()` returns (read under the write lock), on the
+    /// current line, with slope `slope(knot_tsc, knot_ns)`. Returns the knot, or `None`
+    /// if `now()` is not after the last knot.
+    pub fn extend(
+        &self,
+        now: impl FnOnce() -> u64,
+        slope: impl FnOnce(u64, u64) -> u64,
+    ) -> Option<Knot> {
+        let mut knots = self.knots.write().unwrap_or_else(PoisonError::into_inner);
+        let t = now();
+        let last = *knots.last()?;
+        if t <= last.tsc {
+            return None;
+        }
+        let ns = last.at(t);
+        let k = Knot {
+            tsc: t,
+            ns,
+            slope: slope(t, ns),
+        };
+        knots.push(k);
+        Some(k)
+    }
+
+    /// Knots so far.
+    pub fn knots(&self) -> Vec<Knot> {
+        self.knots
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// The last knot.
+    pub fn last(&self) -> Option<Knot> {
+        self.knots
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .last()
+            .copied()
+    }
+}
 
 /// Cycle → nanosecond conversion (`ns = ((cyc - offset) * mult) >> shift`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -91,6 +214,84 @@ impl TscConversion {
     }
 }
 
+/// [`ClockMap::to_ns`] over `knots`.
+fn convert(knots: &[Knot], tsc: u64) -> u64 {
+    match knots.last() {
+        Some(k) if tsc >= k.tsc => k.at(tsc),
+        Some(_) => {
+            let i = knots.partition_point(|k| k.tsc <= tsc).saturating_sub(1);
+            knots.get(i).map_or(tsc, |k| k.at(tsc))
+        }
+        None => tsc,
+    }
+}
+
+fn put_word(page: &mut [u8], at: usize, w: u32) {
+    if let Some(b) = page.get_mut(at..at + 4) {
+        b.copy_from_slice(&w.to_le_bytes());
+    }
+}
+
+/// The delta from `prev` to `want` that fits `max` (0 if `want` is behind, `max` if
+/// too far) and whether it had to be clamped.
+fn fit(want: u64, prev: u64, max: u64) -> (u64, bool) {
+    match want.checked_sub(prev) {
+        Some(d) if d <= max => (d, false),
+        Some(_) => (max, true),
+        None => (0, true),
+    }
+}
+
+/// Rewrites the page time and every record's time of a buffer_data_page in place so
+/// that a reader adding the deltas gets `conv(raw time)` for each record. Records keep
+/// their sizes (a data delta stays in its 27 bits: nanosecond deltas are smaller than
+/// cycle deltas for any TSC of 1 GHz or more); a delta that cannot be encoded (times
+/// going back, which only hostile stamps do, or one too large) is clamped to its field.
+/// Returns how many were clamped. Stops at the first record that does not decode
+/// (the page is bounded: each record advances by at least 4 bytes).
+fn retime(page: &mut [u8], conv: impl Fn(u64) -> u64) -> u64 {
+    let Some((raw_page_ts, commit)) = page_header(page) else {
+        return 0;
+    };
+    let page_ts = conv(raw_page_ts);
+    page[..8].copy_from_slice(&page_ts.to_le_bytes());
+    let end = PAGE_HEADER_SIZE
+        .saturating_add((commit & COMMIT_LEN_MASK) as usize)
+        .min(page.len());
+    let (mut raw, mut prev, mut off, mut clamped) = (raw_page_ts, page_ts, 0usize, 0u64);
+    while let Ok(Some((rec, next))) = decode_record(&page[PAGE_HEADER_SIZE..end], off) {
+        let at = PAGE_HEADER_SIZE + off;
+        let type_len = u32::from(page[at]) & 0x1f;
+        match rec {
+            Record::Data { delta, .. } => {
+                raw = raw.wrapping_add(delta);
+                let (d, c) = fit(conv(raw), prev, MAX_DELTA);
+                put_word(page, at, header_word(type_len, d as u32));
+                prev += d;
+                clamped += u64::from(c);
+            }
+            Record::TimeExtend { delta } => {
+                raw = raw.wrapping_add(delta);
+                let (d, c) = fit(conv(raw), prev, MAX_EXTENDED_DELTA);
+                put_word(page, at, header_word(type_len, (d & MAX_DELTA) as u32));
+                put_word(page, at + 4, (d >> DELTA_BITS) as u32);
+                prev += d;
+                clamped += u64::from(c);
+            }
+            Record::TimeStamp { ts } => {
+                raw = fix_abs_ts(ts, raw_page_ts);
+                let abs = conv(raw) & MAX_EXTENDED_DELTA;
+                put_word(page, at, header_word(type_len, (abs & MAX_DELTA) as u32));
+                put_word(page, at + 4, (abs >> DELTA_BITS) as u32);
+                prev = fix_abs_ts(abs, page_ts);
+            }
+            Record::Padding { .. } => {}
+        }
+        off = next;
+    }
+    clamped
+}
+
 /// The clock of a trace: the name recorded in the TRACECLOCK option and how raw page
 /// timestamps become nanoseconds.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -102,6 +303,10 @@ pub struct Clock {
     /// Nanoseconds added (wrapping, signed) after the conversion: maps the converted
     /// guest TSC onto a host clock. trace.dat: the OFFSET option.
     pub offset_ns: i64,
+    /// A run's piecewise map onto a host clock: when set, [`Self::to_ns`] converts through
+    /// it (`tsc` and `offset_ns` then only describe the first segment) and files carry
+    /// nanoseconds ([`Self::file_clock`], [`Self::retime_page`]).
+    pub map: Option<ClockMap>,
 }
 
 impl Clock {
@@ -118,6 +323,7 @@ impl Clock {
             name: "x86-tsc".into(),
             tsc: Some(TscConversion::from_tsc_khz(tsc_khz)?),
             offset_ns: 0,
+            map: None,
         })
     }
 
@@ -128,6 +334,7 @@ impl Clock {
             name: "x86-tsc".into(),
             tsc: None,
             offset_ns: 0,
+            map: None,
         }
     }
 
@@ -143,11 +350,46 @@ impl Clock {
             name: "local".into(),
             tsc: None,
             offset_ns: 0,
+            map: None,
         }
     }
 
-    /// Converts a raw page timestamp to ns (then adds [`Self::offset_ns`], wrapping).
+    /// The same clock converting through `map`, named `name` (the host clock: `mono`,
+    /// `boot`).
+    pub fn with_map(mut self, name: &str, map: ClockMap) -> Self {
+        self.name = name.into();
+        self.map = Some(map);
+        self
+    }
+
+    /// The clock a file written with this one declares: with a map, the host clock's name
+    /// and timestamps already in ns (pages go through [`Self::retime_page`]); else itself.
+    pub fn file_clock(&self) -> Self {
+        match self.map {
+            Some(_) => Self {
+                name: self.name.clone(),
+                tsc: None,
+                offset_ns: 0,
+                map: None,
+            },
+            None => self.clone(),
+        }
+    }
+
+    /// Rewrites an exported page's timestamps (page time, data deltas, TIME_EXTEND and
+    /// TIME_STAMP records) in place from guest TSC to ns when this clock has a map, so
+    /// files carry the map's times in the format of [`Self::file_clock`]; nothing
+    /// without a map. Returns how many deltas had to be clamped (hostile stamps only).
+    pub fn retime_page(&self, page: &mut [u8]) -> u64 {
+        self.map.as_ref().map_or(0, |m| m.retime_page(page))
+    }
+
+    /// Converts a raw page timestamp to ns (through the map if there is one; else the
+    /// scaling then [`Self::offset_ns`], wrapping).
     pub fn to_ns(&self, raw: u64) -> u64 {
+        if let Some(m) = &self.map {
+            return m.to_ns(raw);
+        }
         let ns = match &self.tsc {
             Some(t) => t.to_ns(raw),
             None => raw,
@@ -158,6 +400,10 @@ impl Clock {
     /// What trace-cmd 3.1.6 prints for a raw timestamp of a file with this clock:
     /// TSC2NSEC (offset ignored, see [`TscConversion::trace_cmd_ns`]) then OFFSET.
     pub fn trace_cmd_ns(&self, raw: u64) -> u64 {
+        if let Some(m) = &self.map {
+            // The file carries these ns (clock without TSC2NSEC): printed as they are.
+            return m.to_ns(raw);
+        }
         let ns = match &self.tsc {
             Some(t) => t.trace_cmd_ns(raw),
             None => raw,

@@ -52,7 +52,7 @@ pub mod text;
 mod threaded;
 pub mod tracedat;
 
-pub use clock::{Clock, TscConversion};
+pub use clock::{Clock, ClockMap, Knot, TscConversion, SLOPE_SHIFT};
 pub use error::OutputError;
 pub use export::{
     check_page_size, commit_len, export_page, export_page_into, page_missed, Missed, MAX_PAGE_SIZE,

@@ -541,7 +541,9 @@ impl RawSink {
         let mut h = RAW_MAGIC.to_vec();
         h.extend_from_slice(&(meta.page_size as u32).to_le_bytes());
         h.extend_from_slice(&meta.nr_cpus.to_le_bytes());
-        let t = meta.clock.tsc.unwrap_or(TscConversion {
+        // With a map: the host clock's name, pages in ns (see `RawSink::page`).
+        let clock = meta.clock.file_clock();
+        let t = clock.tsc.unwrap_or(TscConversion {
             mult: 0,
             shift: 0,
             offset: 0,
@@ -549,9 +551,9 @@ impl RawSink {
         h.extend_from_slice(&t.mult.to_le_bytes());
         h.extend_from_slice(&t.shift.to_le_bytes());
         h.extend_from_slice(&t.offset.to_le_bytes());
-        h.extend_from_slice(&(meta.clock.name.len() as u32).to_le_bytes());
-        h.extend_from_slice(meta.clock.name.as_bytes());
-        h.extend_from_slice(&meta.clock.offset_ns.to_le_bytes());
+        h.extend_from_slice(&(clock.name.len() as u32).to_le_bytes());
+        h.extend_from_slice(clock.name.as_bytes());
+        h.extend_from_slice(&clock.offset_ns.to_le_bytes());
         out.write_all(&h)?;
         Ok(Self {
             scratch: vec![0; meta.page_size],
@@ -561,10 +563,21 @@ impl RawSink {
     }
 }
 
-impl PageSink for RawSink {
-    fn page(&mut self, cpu: u32, page: &[u8], missed: Option<u64>) -> Result<(), OutputError> {
+impl RawSink {
+    /// Writes one page record; ring pages are retimed to the clock's map (if any), the
+    /// empty `trailing_lost` page is not.
+    fn store_page(
+        &mut self,
+        cpu: u32,
+        page: &[u8],
+        missed: Option<u64>,
+        retime: bool,
+    ) -> Result<(), OutputError> {
         self.meta.check_page(cpu, page)?;
         export_page_into(cpu, page, missed, &mut self.scratch)?;
+        if retime {
+            self.meta.clock.retime_page(&mut self.scratch);
+        }
         let Some(out) = self.out.as_mut() else {
             return Ok(());
         };
@@ -572,6 +585,12 @@ impl PageSink for RawSink {
         out.write_all(&cpu.to_le_bytes())?;
         out.write_all(&self.scratch)?;
         Ok(())
+    }
+}
+
+impl PageSink for RawSink {
+    fn page(&mut self, cpu: u32, page: &[u8], missed: Option<u64>) -> Result<(), OutputError> {
+        self.store_page(cpu, page, missed, true)
     }
 
     /// An event-less page record carrying the count (`commit` 0 with `RB_MISSED_EVENTS |
@@ -584,7 +603,7 @@ impl PageSink for RawSink {
         if lost == 0 {
             return Ok(());
         }
-        self.page(cpu, &empty, Some(lost))
+        self.store_page(cpu, &empty, Some(lost), false)
     }
 
     fn finish(mut self: Box<Self>, summary: &RunSummary) -> Result<(), OutputError> {
@@ -714,6 +733,7 @@ impl<R: std::io::Read> RawStream<R> {
             clock: Clock {
                 name: String::from_utf8_lossy(&name).into_owned(),
                 tsc,
+                map: None,
                 offset_ns,
             },
             page: vec![0u8; page_size],

@@ -2,38 +2,38 @@
 //!
 //! Pages keep raw guest TSC values. At start the VMM knows the guest TSC frequency
 //! (`KVM_GET_TSC_KHZ`) and the guest − host TSC offset (set to 0 and read back where
-//! KVM allows; see [`crate::vmm::vm::Vm::tsc_offset`]). [`HostClock::calibrate`] takes paired
-//! samples of the host TSC and the host clock (`rdtsc; clock_gettime; rdtsc`), keeps
-//! the tightest bracket, and fixes one linear map for the whole run:
+//! KVM allows; see [`crate::vmm::vm::Vm::tsc_offset`]). [`HostClock::calibrate`] takes a
+//! paired sample of the host TSC and the host clock (the tightest of [`TRIES`]
+//! `lfence;rdtsc; clock_gettime; lfence;rdtsc` brackets) and starts the run's
+//! [`ClockMap`] there, with the kHz frequency as slope.
 //!
-//! ```text
-//! ns = ((guest_tsc * mult) >> shift) + offset_ns       (wrapping, offset_ns signed)
-//! ```
-//!
-//! `mult/shift` come from the kHz frequency exactly as trace-cmd's TSC2NSEC uses them;
-//! `offset_ns` anchors the map on the host clock at the calibration sample (guest TSC =
-//! host TSC + tsc_offset, the TSC is not scaled under KVM unless asked). trace.dat
-//! carries it as the TSC2NSEC option + the OFFSET option, so `trace-cmd report` prints
-//! the same times as our text/JSON.
-//!
-//! The map is re-checked every [`RECHECK_EVERY`] while the run lasts (as upstream pKVM
-//! tracing does): a new tight sample is compared with what the map predicts. The kHz
-//! frequency is rounded (here 0.07 ppm: ~70 ns/s), so the drift grows linearly with the
-//! run's length. Above [`DRIFT_WARN_NS`] the run warns once and **keeps the same map**:
-//! one linear map is all a trace.dat can carry, the outputs stay identical and in order,
-//! and interrupted runs convert like finished ones; the largest drift seen is reported
-//! (`--stats` `clock.max_drift_ns`) so a user can correct it.
+//! Every [`RECHECK_EVERY`] (and at the end) [`HostClock::recheck`] takes a new sample,
+//! measures the map's error at it, and appends a knot (*a correction*) on the current
+//! line whose slope is the host clock's rate measured since the previous sample plus
+//! what removes the measured error over the next period: the map follows the host
+//! clock (the kHz rounding, NTP's slewing) without ever moving a time already
+//! converted (invariant *knots never move what was converted*, docs/design.md "Clock").
+//! A sample whose bracket is too wide, or whose error is too large to be drift (a clock
+//! step, a TSC jump), is a warning with its size and is left out.
 
 use std::time::{Duration, Instant};
 
-use hyptrace_output::{Clock, OutputError, TscConversion};
+use hyptrace_output::{Clock, ClockMap, Knot, OutputError, TscConversion, SLOPE_SHIFT};
 
 use crate::vmm::time::{clock_ns, ClockKind};
 
-/// How often a run re-checks its map.
+/// How often a run corrects its map.
 pub const RECHECK_EVERY: Duration = Duration::from_millis(500);
-/// Drift above which a run warns (once).
+/// Map error (ns) above which a run warns (once): the corrections do not keep up.
 pub const DRIFT_WARN_NS: u64 = 1_000;
+/// Largest rate difference (ppm) a correction believes between the host clock and the
+/// TSC: NTP slews by at most 500 ppm; an error beyond this much of the elapsed time (plus
+/// [`STEP_SLACK_NS`]) is a step, not drift.
+const MAX_RATE_PPM: u64 = 1_000;
+/// Error always accepted as drift, ns.
+const STEP_SLACK_NS: u64 = 10_000;
+/// A bracket wider than this many times the calibration's (plus 200 cycles) is refused.
+const WIDTH_FACTOR: u64 = 4;
 /// Brackets tried per sample (the tightest wins).
 const TRIES: usize = 64;
 
@@ -93,28 +93,47 @@ pub struct HostClock {
     pub tsc_khz: u64,
     /// Guest − host TSC offset assumed (what KVM reported, else 0).
     pub tsc_offset: i64,
-    /// The clock every output converts with.
+    /// The clock every output converts with (its map, for `mono`/`boot`, is corrected
+    /// while the run goes).
     pub clock: Clock,
+    /// The kHz line anchored at calibration, never corrected: what `max_drift_ns`
+    /// measures.
+    line: Clock,
     /// The calibration sample (host TSC, host ns, width).
     pub anchor: Option<Sample>,
-    /// Largest |drift| seen by the re-checks, ns.
+    /// The last sample a correction used.
+    last: Option<Sample>,
+    /// Largest |drift| of the uncorrected kHz line seen by the re-checks, ns.
     pub max_drift_ns: u64,
+    /// Largest |error| of the corrected map seen by the re-checks, ns.
+    pub max_error_ns: u64,
     /// Re-checks done.
     pub checks: u64,
+    /// Knots appended.
+    pub corrections: u64,
+    /// Samples refused (bracket too wide, clock step or TSC jump).
+    pub rejected: u64,
     warned: bool,
+    warned_step: bool,
     last_check: Option<Instant>,
 }
 
 impl HostClock {
     /// Calibrates the map for `kind` (a sample now; `tsc`: no map).
     pub fn calibrate(kind: ClockKind, tsc_khz: u64, tsc_offset: i64) -> Result<Self, OutputError> {
-        let (clock, anchor) = match kind.clockid() {
-            None => (Clock::raw_tsc(), None),
+        let (clock, line, anchor) = match kind.clockid() {
+            None => (Clock::raw_tsc(), Clock::raw_tsc(), None),
             Some(id) => {
                 let base = Clock::guest_tsc(tsc_khz)?;
                 let s = sample(id);
                 let offset_ns = anchor_offset(base.tsc.as_ref(), s, tsc_offset);
-                (base.with_offset_ns(offset_ns), Some(s))
+                let line = base.with_offset_ns(offset_ns);
+                let map = ClockMap::new(Knot {
+                    tsc: s.tsc.wrapping_add_signed(tsc_offset),
+                    ns: s.ns,
+                    slope: ((1_000_000u128 << SLOPE_SHIFT) / u128::from(tsc_khz)) as u64,
+                });
+                (line.clone().with_map(kind.name(), map), line, Some(s))
             }
         };
         Ok(Self {
@@ -122,10 +141,16 @@ impl HostClock {
             tsc_khz,
             tsc_offset,
             clock,
+            line,
             anchor,
+            last: anchor,
             max_drift_ns: 0,
+            max_error_ns: 0,
             checks: 0,
+            corrections: 0,
+            rejected: 0,
             warned: false,
+            warned_step: false,
             last_check: Some(Instant::now()),
         })
     }
@@ -136,7 +161,7 @@ impl HostClock {
             .to_ns(host_tsc.wrapping_add_signed(self.tsc_offset))
     }
 
-    /// Signed drift now: what the map says minus what the host clock says, ns.
+    /// Signed error now: what the map says minus what the host clock says, ns.
     pub fn drift_now(&self) -> Option<i64> {
         let id = self.kind.clockid()?;
         let s = sample(id);
@@ -144,29 +169,120 @@ impl HostClock {
         Some(predicted.wrapping_sub(s.ns) as i64)
     }
 
-    /// Re-checks the map if [`RECHECK_EVERY`] has passed (or `force`); warns once when
-    /// the drift exceeds [`DRIFT_WARN_NS`].
+    /// Re-checks and corrects the map if [`RECHECK_EVERY`] has passed (or `force`).
     pub fn recheck(&mut self, force: bool) {
         let due = self.last_check.is_none_or(|t| t.elapsed() >= RECHECK_EVERY);
         if !(force || due) {
             return;
         }
         self.last_check = Some(Instant::now());
-        let Some(d) = self.drift_now() else {
+        let Some(id) = self.kind.clockid() else {
             return;
         };
+        let s = sample(id);
         self.checks += 1;
-        self.max_drift_ns = self.max_drift_ns.max(d.unsigned_abs());
-        log::debug!("clock re-check: map − {} = {d} ns", self.kind.name());
-        if d.unsigned_abs() > DRIFT_WARN_NS && !self.warned {
+        let g = s.tsc.wrapping_add_signed(self.tsc_offset);
+        let drift = self.line.to_ns(g).wrapping_sub(s.ns) as i64;
+        self.max_drift_ns = self.max_drift_ns.max(drift.unsigned_abs());
+        let err = self.clock.to_ns(g).wrapping_sub(s.ns) as i64;
+        if !self.plausible(s, err) {
+            self.rejected += 1;
+            return;
+        }
+        self.max_error_ns = self.max_error_ns.max(err.unsigned_abs());
+        log::debug!(
+            "clock re-check: map − {} = {err} ns (kHz line {drift} ns)",
+            self.kind.name()
+        );
+        if err.unsigned_abs() > DRIFT_WARN_NS && !self.warned {
             self.warned = true;
             log::warn!(
-                "guest clock drifted {d} ns from CLOCK_{} (the {} kHz TSC frequency is rounded); \
-                 keeping the same conversion for the whole run so every output agrees (see --stats clock.max_drift_ns)",
-                self.kind.name().to_uppercase(),
-                self.tsc_khz
+                "guest clock map was {err} ns off CLOCK_{} at a re-check (corrected; see --stats clock.max_error_ns)",
+                self.kind.name().to_uppercase()
             );
         }
+        if let Some(prev) = self.last.replace(s) {
+            self.correct(prev, s);
+        }
+    }
+
+    /// Appends a knot now whose slope brings the map onto the host clock (as the
+    /// samples `prev` → `s` measure its rate) one [`RECHECK_EVERY`] later.
+    fn correct(&mut self, prev: Sample, s: Sample) {
+        let (Some(map), Some(dt)) = (self.clock.map.clone(), s.tsc.checked_sub(prev.tsc)) else {
+            return;
+        };
+        let Some(dns) = s.ns.checked_sub(prev.ns) else {
+            return;
+        };
+        if dt == 0 {
+            return;
+        }
+        let rate = (u128::from(dns) << SLOPE_SHIFT) / u128::from(dt);
+        let period = u128::from(self.tsc_khz) * RECHECK_EVERY.as_millis();
+        let (g, off) = (s.tsc.wrapping_add_signed(self.tsc_offset), self.tsc_offset);
+        let lo = rate - rate * u128::from(MAX_RATE_PPM) / 1_000_000;
+        let hi = rate + rate * u128::from(MAX_RATE_PPM) / 1_000_000;
+        let knot = map.extend(
+            || fenced_tsc().wrapping_add_signed(off),
+            |t, ns| {
+                // The host clock one period after the knot, from the sample and the rate.
+                let ahead = u128::from(t.wrapping_sub(g)) + period;
+                let target = i128::from(s.ns) + ((ahead * rate) >> SLOPE_SHIFT) as i128;
+                let slope = ((target - i128::from(ns)) << SLOPE_SHIFT) / period.max(1) as i128;
+                (slope.max(0) as u128).clamp(lo, hi) as u64
+            },
+        );
+        if knot.is_some() {
+            self.corrections += 1;
+        }
+    }
+
+    /// Whether sample `s`, with map error `err`, may correct the map; warns (with the
+    /// size) when not.
+    fn plausible(&mut self, s: Sample, err: i64) -> bool {
+        let calib = self.anchor.map_or(0, |a| a.width);
+        let max_width = calib.saturating_mul(WIDTH_FACTOR).saturating_add(200);
+        if s.width > max_width {
+            log::warn!(
+                "clock re-check: bracket {} cycles wide (calibration {calib}), sample left out",
+                s.width
+            );
+            return false;
+        }
+        let elapsed = self
+            .last
+            .map_or(0, |p| s.ns.saturating_sub(p.ns))
+            .saturating_add(RECHECK_EVERY.as_nanos() as u64);
+        let bound = elapsed / 1_000_000 * MAX_RATE_PPM + STEP_SLACK_NS;
+        if err.unsigned_abs() > bound {
+            let msg = format!(
+                "CLOCK_{} is {err} ns from the map's TSC prediction (more than {bound} ns: a clock step or a TSC jump); left out of the map",
+                self.kind.name().to_uppercase()
+            );
+            if self.warned_step {
+                log::debug!("{msg}");
+            } else {
+                self.warned_step = true;
+                log::warn!("{msg}");
+            }
+            return false;
+        }
+        true
+    }
+
+    /// One line for the end of a run (`-v`): the corrections and the worst error.
+    pub fn summary(&self) -> Option<String> {
+        self.kind.clockid()?;
+        Some(format!(
+            "clock {}: {} corrections in {} re-checks, max error {} ns (uncorrected kHz line: {} ns), {} samples left out",
+            self.kind.name(),
+            self.corrections,
+            self.checks,
+            self.max_error_ns,
+            self.max_drift_ns,
+            self.rejected
+        ))
     }
 
     /// What `--stats` says of the clock.
@@ -175,10 +291,13 @@ impl HostClock {
         ClockStats {
             calibration_width_cycles: self.anchor.map_or(0, |a| a.width),
             checks: self.checks,
+            corrections: self.corrections,
             max_drift_ns: self.max_drift_ns,
+            max_error_ns: self.max_error_ns,
             mult,
             name: self.kind.name(),
             offset_ns: self.clock.offset_ns,
+            rejected: self.rejected,
             shift,
             tsc_khz: self.tsc_khz,
             tsc_offset: self.tsc_offset,
@@ -193,15 +312,21 @@ pub struct ClockStats {
     pub calibration_width_cycles: u64,
     /// Re-checks done during the run.
     pub checks: u64,
-    /// Largest |drift| a re-check saw, ns.
+    /// Knots appended to the map (corrections).
+    pub corrections: u64,
+    /// Largest |drift| of the uncorrected kHz line at a re-check, ns.
     pub max_drift_ns: u64,
-    /// TSC2NSEC multiplier (0: raw TSC).
+    /// Largest |error| of the corrected map at a re-check, ns.
+    pub max_error_ns: u64,
+    /// First segment's TSC2NSEC multiplier (0: raw TSC).
     pub mult: u32,
     /// `mono`, `boot` or `tsc`.
     pub name: &'static str,
-    /// ns added after scaling (trace.dat OFFSET option).
+    /// First segment's ns offset after scaling.
     pub offset_ns: i64,
-    /// TSC2NSEC shift.
+    /// Samples left out (bracket too wide, clock step, TSC jump), each warned.
+    pub rejected: u64,
+    /// First segment's TSC2NSEC shift.
     pub shift: u32,
     /// Guest TSC frequency.
     pub tsc_khz: u64,

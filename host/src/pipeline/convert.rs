@@ -314,6 +314,7 @@ fn meta_of(f: &TraceFile) -> TraceMeta {
             name: f.clock.clone().unwrap_or_else(|| "local".into()),
             tsc: f.tsc2nsec,
             offset_ns: f.ts_offset,
+            map: None,
         },
         formats: f.formats.clone(),
     }

@@ -299,6 +299,9 @@ impl<'a> Run<'a> {
         drop(gate);
         let (aborted, reader) = live.poll_loop(plan.poll);
         live.clock.recheck(true);
+        if let Some(line) = live.clock.summary() {
+            log::info!("{line}");
+        }
         let timing = Timing {
             created_tsc,
             tsc_khz: b.tsc_khz,

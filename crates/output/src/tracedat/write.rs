@@ -124,26 +124,21 @@ fn cmdlines(meta: &TraceMeta) -> Vec<u8> {
 }
 
 /// Options common to v6 and v7 (clock, TSC2NSEC, CPUSTAT per CPU).
+/// A clock with a map declares its host clock and no TSC2NSEC/OFFSET: the pages carry
+/// its ns ([`crate::Clock::retime_page`] in [`TraceDatSink::page`]).
 fn common_options(meta: &TraceMeta, stats: &[KernelCpuStat], out: &mut Vec<u8>) {
-    push_opt(
-        out,
-        option::TRACECLOCK,
-        &cstr(&clock_text(&meta.clock.name)),
-    );
-    if let Some(t) = &meta.clock.tsc {
+    let clock = meta.clock.file_clock();
+    push_opt(out, option::TRACECLOCK, &cstr(&clock_text(&clock.name)));
+    if let Some(t) = &clock.tsc {
         let mut d = Vec::with_capacity(16);
         d.extend_from_slice(&t.mult.to_le_bytes());
         d.extend_from_slice(&t.shift.to_le_bytes());
         d.extend_from_slice(&t.offset.to_le_bytes());
         push_opt(out, option::TSC2NSEC, &d);
     }
-    if meta.clock.offset_ns != 0 {
+    if clock.offset_ns != 0 {
         // trace-cmd adds it after TSC2NSEC (Clock::trace_cmd_ns).
-        push_opt(
-            out,
-            option::OFFSET,
-            &cstr(&meta.clock.offset_ns.to_string()),
-        );
+        push_opt(out, option::OFFSET, &cstr(&clock.offset_ns.to_string()));
     }
     for cpu in 0..meta.nr_cpus {
         let s = stats.get(cpu as usize).copied().unwrap_or_default();
@@ -524,7 +519,7 @@ impl TraceDatSink {
             }
             _ => None,
         };
-        if let Some(t) = &meta.clock.tsc {
+        if let Some(t) = &meta.clock.file_clock().tsc {
             // trace-cmd 3.1.6 ignores the offset and sign-extends mult ≥ 2^31: refuse what it
             // would print differently from our own conversion.
             if t.offset != 0 || t.mult > i32::MAX as u32 || t.mult == 0 || t.shift > 32 {
@@ -754,13 +749,25 @@ impl TraceDatSink {
     }
 }
 
-impl PageSink for TraceDatSink {
-    fn page(&mut self, cpu: u32, page: &[u8], missed: Option<u64>) -> Result<(), OutputError> {
+impl TraceDatSink {
+    /// Stores one page of `cpu`: exported, and retimed when `retime` (ring pages are;
+    /// the `trailing_lost` page is built from a stored, already converted time).
+    fn store_page(
+        &mut self,
+        cpu: u32,
+        page: &[u8],
+        missed: Option<u64>,
+        retime: bool,
+    ) -> Result<(), OutputError> {
         if self.out.is_none() {
             return Err(OutputError::Closed);
         }
         self.meta.check_page(cpu, page)?;
         export_page_into(cpu, page, missed, &mut self.scratch)?;
+        if retime {
+            // The one page-writing path of every buffer this file gets.
+            self.meta.clock.retime_page(&mut self.scratch);
+        }
         if self.compression == Compression::Zstd {
             let c = cpu as usize;
             // Compress a full chunk only when the next page arrives: the CPU's last page
@@ -781,6 +788,12 @@ impl PageSink for TraceDatSink {
         s.last_page = Some(s.bytes);
         s.bytes += self.scratch.len() as u64;
         Ok(())
+    }
+}
+
+impl PageSink for TraceDatSink {
+    fn page(&mut self, cpu: u32, page: &[u8], missed: Option<u64>) -> Result<(), OutputError> {
+        self.store_page(cpu, page, missed, true)
     }
 
     /// Appends a page to CPU `cpu` holding one `hyptrace:trailing_lost` event (field
@@ -814,7 +827,7 @@ impl PageSink for TraceDatSink {
         raw[8..16].copy_from_slice(&(len as u64).to_le_bytes());
         raw[16..16 + n].copy_from_slice(&hdr[..n]);
         raw[16 + n..16 + len].copy_from_slice(&payload);
-        self.page(cpu, &raw, Some(lost))
+        self.store_page(cpu, &raw, Some(lost), false)
     }
 
     fn finish(mut self: Box<Self>, summary: &RunSummary) -> Result<(), OutputError> {
