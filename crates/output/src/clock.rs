@@ -456,6 +456,97 @@ mod tests {
         let _ = c.to_ns(u64::MAX);
     }
 
+    /// A 2 GHz map starting at TSC 1000 = 5000 ns, a knot appended at 3000.
+    fn two_knot_map() -> ClockMap {
+        let m = ClockMap::new(Knot {
+            tsc: 1_000,
+            ns: 5_000,
+            slope: 1 << (SLOPE_SHIFT - 1),
+        });
+        let k = m.extend(|| 3_000, |_, _| 3 << (SLOPE_SHIFT - 2)).unwrap();
+        assert_eq!((k.tsc, k.ns), (3_000, 6_000), "the knot starts on the current line");
+        m
+    }
+
+    #[test]
+    fn map_is_continuous_and_knots_only_extend() {
+        let m = two_knot_map();
+        assert_eq!(m.to_ns(1_000), 5_000);
+        assert_eq!(m.to_ns(2_000), 5_500);
+        assert_eq!(m.to_ns(998), 4_999); // the first segment, extended backwards
+        assert_eq!(m.to_ns(3_000), 6_000);
+        assert_eq!(m.to_ns(3_004), 6_003);
+        assert!(m.extend(|| 3_000, |_, _| 1).is_none(), "not after the last knot");
+        assert_eq!(m.knots().len(), 2);
+        let c = Clock::guest_tsc(2_000_000).unwrap().with_map("mono", m.clone());
+        assert_eq!(c.to_ns(2_000), 5_500);
+        assert_eq!(c.trace_cmd_ns(2_000), 5_500);
+        let f = c.file_clock();
+        assert_eq!((f.name.as_str(), f.tsc, f.offset_ns, f.map), ("mono", None, 0, None));
+        // Wrapping, never a panic.
+        let _ = (m.to_ns(0), m.to_ns(u64::MAX));
+    }
+
+    /// A page with a data event, a TIME_EXTEND, a long data event and a TIME_STAMP:
+    /// after retiming, a reader adding the deltas gets the map's value of each raw time.
+    #[test]
+    fn retime_rewrites_every_time_of_a_page() {
+        use hyptrace_abi::page::{encode_data_header, encode_time_extend, Events, TYPE_TIME_STAMP};
+        let m = two_knot_map();
+        let clock = Clock::guest_tsc(2_000_000).unwrap().with_map("mono", m.clone());
+        let mut page = vec![0u8; 512];
+        let mut data = Vec::new();
+        let mut hdr = [0u8; 8];
+        let n = encode_data_header(&mut hdr, 8, 100);
+        data.extend_from_slice(&hdr[..n]);
+        data.extend_from_slice(&[1; 8]);
+        data.extend_from_slice(&encode_time_extend(MAX_DELTA + 5));
+        let n = encode_data_header(&mut hdr, 200, 7);
+        data.extend_from_slice(&hdr[..n]);
+        data.extend_from_slice(&[2; 200]);
+        let abs: u64 = (1 << 40) + 1_000;
+        data.extend_from_slice(&header_word(TYPE_TIME_STAMP, (abs & MAX_DELTA) as u32).to_le_bytes());
+        data.extend_from_slice(&((abs >> DELTA_BITS) as u32).to_le_bytes());
+        let n = encode_data_header(&mut hdr, 4, 3);
+        data.extend_from_slice(&hdr[..n]);
+        data.extend_from_slice(&[3; 4]);
+        let data = &data[..];
+        page[..8].copy_from_slice(&2_000u64.to_le_bytes());
+        page[8..16].copy_from_slice(&(data.len() as u64).to_le_bytes());
+        page[16..16 + data.len()].copy_from_slice(data);
+        let raw: Vec<u64> = Events::new(data, 2_000).map(|e| e.unwrap().ts).collect();
+        assert_eq!(raw.len(), 3);
+        assert_eq!(clock.retime_page(&mut page), 0);
+        let (ts, _) = page_header(&page).unwrap();
+        assert_eq!(ts, m.to_ns(2_000));
+        let got: Vec<u64> = Events::new(&page[16..16 + data.len()], ts)
+            .map(|e| e.unwrap().ts)
+            .collect();
+        let want: Vec<u64> = raw.iter().map(|&t| m.to_ns(t)).collect();
+        assert_eq!(got, want);
+        // Payloads untouched; a clock without a map leaves the page alone.
+        assert_eq!(&page[20..28], &[1; 8]);
+        let before = page.clone();
+        assert_eq!(Clock::guest_tsc(2_000_000).unwrap().retime_page(&mut page), 0);
+        assert_eq!(page, before);
+    }
+
+    /// Hostile times going back are clamped (delta 0), never a panic or a wrap.
+    #[test]
+    fn retime_clamps_times_going_back() {
+        let m = two_knot_map();
+        let clock = Clock::raw_tsc().with_map("mono", m);
+        let mut page = vec![0u8; 64];
+        // Page time near u64::MAX, one event whose delta wraps the raw time past 0.
+        page[..8].copy_from_slice(&(u64::MAX - 1).to_le_bytes());
+        page[8..16].copy_from_slice(&8u64.to_le_bytes());
+        page[16..20].copy_from_slice(&header_word(1, 10).to_le_bytes());
+        assert_eq!(clock.retime_page(&mut page), 1);
+        // A truncated page: nothing read past it.
+        let mut short = vec![0u8; 8];
+        assert_eq!(clock.retime_page(&mut short), 0);
+    }
+
     #[test]
     fn matches_split_multiplication() {
         // trace-cmd's mul_u64_u32_shr: low and high 32-bit halves multiplied separately.
