@@ -7,7 +7,10 @@
 //!   guest's TSC stamps just before and just after it, for every exit; the offsets are
 //!   printed (the measurement docs/benchmarks.md reports), never asserted as times;
 //! - `trace-cmd report` prints the same times as `hyptrace report` for the same
-//!   trace.dat, v6 and v7, `mono` (TSC2NSEC + OFFSET) and `tsc` (raw counter).
+//!   trace.dat, v6 and v7, `mono` (pages in ns) and `tsc` (raw counter);
+//! - a run long enough for the map to be corrected while it goes: the corrections are
+//!   counted, trace-cmd still prints our times, and every `align` exit still lies between
+//!   its guest stamps across the knots.
 
 use hyptrace::env::{self, kvm_available, vm_lock, TempDir};
 use hyptrace::text::{parse_all, Event, Line};
@@ -349,6 +352,75 @@ fn trace_cmd_prints_our_times() {
                 }
             }
         }
+    }
+}
+
+/// Acceptance (item 1 and 3 of issue 25): a 2-second `align` run (until `--duration`)
+/// writes trace.dat v7 and v6 while its map is corrected every 500 ms: `--stats` counts
+/// the re-checks and corrections (each either corrects or is a warned rejection),
+/// `trace-cmd report -t` prints exactly `hyptrace report`'s times, and in them every
+/// host stamp lies between its guest stamps, on every segment of the map.
+#[test]
+fn corrected_map_is_the_same_in_trace_cmd() {
+    if !kvm_available(KRATE, "corrected_map_is_the_same_in_trace_cmd")
+        || !env::trace_cmd_available()
+    {
+        return;
+    }
+    let _vm = vm_lock();
+    let dir = TempDir::new("clock-corrected");
+    for format in ["dat", "dat6"] {
+        let path = dir.file(&format!("align.{format}"));
+        let stats = dir.file(&format!("align.{format}.json"));
+        let args = [
+            "record",
+            "-o",
+            &path,
+            "--format",
+            format,
+            "--workload",
+            "align",
+            "--vcpus",
+            "1",
+            "--events",
+            "100000000",
+            "--duration",
+            "2",
+            "--stats",
+            &stats,
+        ];
+        let (lo, _, hi) = bracketed("mono", &args);
+        let s: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&stats).expect("stats"))
+                .expect("stats json");
+        let c = &s["clock"];
+        let n = |k: &str| c[k].as_u64().unwrap_or_else(|| panic!("clock.{k}: {s}"));
+        // Re-checks every 500 ms of a 2 s run, and the final one.
+        assert!(n("checks") >= 2, "{format}: {c}");
+        assert_eq!(
+            n("corrections") + n("rejected"),
+            n("checks"),
+            "{format}: {c}"
+        );
+        assert!(n("corrections") >= 1, "{format}: {c}");
+        let ours = report_times(BIN, &["report", "-i", &path]);
+        let theirs = report_times("trace-cmd", &["report", "-t", "-i", &path]);
+        assert!(ours.len() >= 4, "{format}: {} events", ours.len());
+        assert_eq!(
+            ours, theirs,
+            "{format}: hyptrace report vs trace-cmd report -t"
+        );
+        for t in &ours {
+            assert!(lo <= *t && *t <= hi, "{format}: {t} outside [{lo}, {hi}]");
+        }
+        let out = env::run(BIN, &["report", "-i", &path]);
+        let mut evs = events(&env::stdout(&out), format);
+        // A run stopped by --duration may end between an exit's two markers.
+        if evs.len() % 2 == 1 {
+            evs.pop();
+        }
+        let pairs = align_pairs(&evs, format);
+        assert_eq!(pairs.len() * 2, evs.len());
     }
 }
 

@@ -14,6 +14,9 @@
 //!   has the cores to itself — on a loaded machine the wall-clock numbers measure the
 //!   other tenants.
 //! - `tracedat/raw/pages`: `RawSink` over the same pages, for comparison.
+//! - `tracedat/v7-mapped/pages`, `cpu/v7-mapped/pages`: v7 with a run's clock map
+//!   (`--clock mono`: 120 knots, a minute of corrections): every page retimed to ns
+//!   (`Clock::retime_page`) on its way in — the cost of the corrected clock over `v7`.
 //!
 //! Throughput is reported in bytes of pages. `cargo bench -p hyptrace-output --bench
 //! tracedat` (add `-- --quick` for a fast pass).
@@ -21,7 +24,8 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 use hyptrace_abi::events;
 use hyptrace_abi::page::{self, COMMIT_OFFSET, PAGE_HEADER_SIZE};
 use hyptrace_output::{
-    Clock, Compression, PageSink, RawSink, RunSummary, TraceDatSink, TraceDatVersion, TraceMeta,
+    Clock, ClockMap, Compression, Knot, PageSink, RawSink, RunSummary, TraceDatSink,
+    TraceDatVersion, TraceMeta, SLOPE_SHIFT,
 };
 use std::path::PathBuf;
 use std::time::Duration;
@@ -72,6 +76,24 @@ fn meta() -> TraceMeta {
     TraceMeta::guest(PAGE, CPUS, Clock::guest_tsc(2_600_000).expect("clock"))
 }
 
+/// [`meta`] with a run's map: 120 knots 500 ms of a 2.6 GHz TSC apart, spanning the
+/// pages' times.
+fn mapped_meta() -> TraceMeta {
+    let slope = (1_000_000u128 << SLOPE_SHIFT) / 2_600_000;
+    let map = ClockMap::new(Knot {
+        tsc: 0,
+        ns: 1_000_000_000,
+        slope: slope as u64,
+    });
+    let span = (PAGES as u64 * 20_000).div_ceil(120);
+    for k in 1..=120u64 {
+        map.extend(|| k * span, |_, _| (slope + (k as u128 % 3)) as u64);
+    }
+    let mut m = meta();
+    m.clock = m.clock.with_map("mono", map);
+    m
+}
+
 fn out_path(tag: &str) -> PathBuf {
     std::env::temp_dir().join(format!("hyptrace-bench-{}-{tag}", std::process::id()))
 }
@@ -87,12 +109,14 @@ fn tracedat_benches(c: &mut Criterion) {
     let pages = pages();
     let mut g = c.benchmark_group("tracedat");
     g.throughput(Throughput::Bytes((PAGES * PAGE) as u64));
-    for (name, v, z) in [
-        ("v7", TraceDatVersion::V7, Compression::None),
-        ("v7-zstd", TraceDatVersion::V7, Compression::Zstd),
-        ("v6", TraceDatVersion::V6, Compression::None),
+    for (name, v, z, mapped) in [
+        ("v7", TraceDatVersion::V7, Compression::None, false),
+        ("v7-mapped", TraceDatVersion::V7, Compression::None, true),
+        ("v7-zstd", TraceDatVersion::V7, Compression::Zstd, false),
+        ("v6", TraceDatVersion::V6, Compression::None, false),
     ] {
         let path = out_path(&format!("{name}.dat"));
+        let meta = if mapped { mapped_meta } else { meta };
         g.bench_function(BenchmarkId::new(name, PAGES), |b| {
             b.iter(|| {
                 let sink = TraceDatSink::create_with(&path, meta(), v, z).expect("create");
@@ -168,8 +192,13 @@ fn cpu_benches(c: &mut Criterion) {
     let pages = pages();
     let mut g = c.benchmark_group("cpu");
     g.throughput(Throughput::Bytes((PAGES * PAGE) as u64));
-    for (name, z) in [("v7", Compression::None), ("v7-zstd", Compression::Zstd)] {
+    for (name, z, mapped) in [
+        ("v7", Compression::None, false),
+        ("v7-mapped", Compression::None, true),
+        ("v7-zstd", Compression::Zstd, false),
+    ] {
         let path = out_path(&format!("cpu-{name}.dat"));
+        let meta = if mapped { mapped_meta } else { meta };
         g.bench_function(BenchmarkId::new(name, PAGES), |b| {
             b.iter_custom(|iters| {
                 let t0 = process_cpu();

@@ -88,14 +88,29 @@ impl ClockMap {
     /// Converts a guest TSC value: the segment of the last knot at or before it (before
     /// the first knot: the first segment extended backwards).
     pub fn to_ns(&self, tsc: u64) -> u64 {
-        convert(&self.knots.read().unwrap_or_else(PoisonError::into_inner), tsc)
+        convert(
+            &self.knots.read().unwrap_or_else(PoisonError::into_inner),
+            tsc,
+        )
     }
 
     /// Rewrites the timestamps of an exported page in place from guest TSC to this
     /// map's ns (see [`Clock::retime_page`]), under one read lock.
     fn retime_page(&self, page: &mut [u8]) -> u64 {
         let knots = self.knots.read().unwrap_or_else(PoisonError::into_inner);
-        retime(page, |t| convert(&knots, t))
+        // A page's times rise: keep the segment of the previous record while it holds.
+        let mut seg: Option<usize> = None;
+        retime(page, |t| {
+            if let Some(i) = seg {
+                let next = knots.get(i + 1).map_or(u64::MAX, |k| k.tsc);
+                if knots[i].tsc <= t && (t < next || i + 1 == knots.len()) {
+                    return knots[i].at(t);
+                }
+            }
+            let i = knots.partition_point(|k| k.tsc <= t).saturating_sub(1);
+            seg = Some(i);
+            knots.get(i).map_or(t, |k| k.at(t))
+        })
     }
 
     /// Appends a knot at the TSC `now()` returns (read under the write lock), on the
@@ -249,7 +264,7 @@ fn fit(want: u64, prev: u64, max: u64) -> (u64, bool) {
 /// going back, which only hostile stamps do, or one too large) is clamped to its field.
 /// Returns how many were clamped. Stops at the first record that does not decode
 /// (the page is bounded: each record advances by at least 4 bytes).
-fn retime(page: &mut [u8], conv: impl Fn(u64) -> u64) -> u64 {
+fn retime(page: &mut [u8], mut conv: impl FnMut(u64) -> u64) -> u64 {
     let Some((raw_page_ts, commit)) = page_header(page) else {
         return 0;
     };
@@ -464,7 +479,11 @@ mod tests {
             slope: 1 << (SLOPE_SHIFT - 1),
         });
         let k = m.extend(|| 3_000, |_, _| 3 << (SLOPE_SHIFT - 2)).unwrap();
-        assert_eq!((k.tsc, k.ns), (3_000, 6_000), "the knot starts on the current line");
+        assert_eq!(
+            (k.tsc, k.ns),
+            (3_000, 6_000),
+            "the knot starts on the current line"
+        );
         m
     }
 
@@ -476,13 +495,21 @@ mod tests {
         assert_eq!(m.to_ns(998), 4_999); // the first segment, extended backwards
         assert_eq!(m.to_ns(3_000), 6_000);
         assert_eq!(m.to_ns(3_004), 6_003);
-        assert!(m.extend(|| 3_000, |_, _| 1).is_none(), "not after the last knot");
+        assert!(
+            m.extend(|| 3_000, |_, _| 1).is_none(),
+            "not after the last knot"
+        );
         assert_eq!(m.knots().len(), 2);
-        let c = Clock::guest_tsc(2_000_000).unwrap().with_map("mono", m.clone());
+        let c = Clock::guest_tsc(2_000_000)
+            .unwrap()
+            .with_map("mono", m.clone());
         assert_eq!(c.to_ns(2_000), 5_500);
         assert_eq!(c.trace_cmd_ns(2_000), 5_500);
         let f = c.file_clock();
-        assert_eq!((f.name.as_str(), f.tsc, f.offset_ns, f.map), ("mono", None, 0, None));
+        assert_eq!(
+            (f.name.as_str(), f.tsc, f.offset_ns, f.map),
+            ("mono", None, 0, None)
+        );
         // Wrapping, never a panic.
         let _ = (m.to_ns(0), m.to_ns(u64::MAX));
     }
@@ -493,7 +520,9 @@ mod tests {
     fn retime_rewrites_every_time_of_a_page() {
         use hyptrace_abi::page::{encode_data_header, encode_time_extend, Events, TYPE_TIME_STAMP};
         let m = two_knot_map();
-        let clock = Clock::guest_tsc(2_000_000).unwrap().with_map("mono", m.clone());
+        let clock = Clock::guest_tsc(2_000_000)
+            .unwrap()
+            .with_map("mono", m.clone());
         let mut page = vec![0u8; 512];
         let mut data = Vec::new();
         let mut hdr = [0u8; 8];
@@ -505,7 +534,9 @@ mod tests {
         data.extend_from_slice(&hdr[..n]);
         data.extend_from_slice(&[2; 200]);
         let abs: u64 = (1 << 40) + 1_000;
-        data.extend_from_slice(&header_word(TYPE_TIME_STAMP, (abs & MAX_DELTA) as u32).to_le_bytes());
+        data.extend_from_slice(
+            &header_word(TYPE_TIME_STAMP, (abs & MAX_DELTA) as u32).to_le_bytes(),
+        );
         data.extend_from_slice(&((abs >> DELTA_BITS) as u32).to_le_bytes());
         let n = encode_data_header(&mut hdr, 4, 3);
         data.extend_from_slice(&hdr[..n]);
@@ -527,7 +558,10 @@ mod tests {
         // Payloads untouched; a clock without a map leaves the page alone.
         assert_eq!(&page[20..28], &[1; 8]);
         let before = page.clone();
-        assert_eq!(Clock::guest_tsc(2_000_000).unwrap().retime_page(&mut page), 0);
+        assert_eq!(
+            Clock::guest_tsc(2_000_000).unwrap().retime_page(&mut page),
+            0
+        );
         assert_eq!(page, before);
     }
 

@@ -519,7 +519,11 @@ mod tests {
         assert_eq!(c.corrections + c.rejected, c.checks);
         assert!(c.max_error_ns >= 4_000, "{}", c.max_error_ns);
         assert_eq!(skewed.knots().len(), 2);
-        assert_eq!(skewed.to_ns(probe), before, "a knot never moves a converted time");
+        assert_eq!(
+            skewed.to_ns(probe),
+            before,
+            "a knot never moves a converted time"
+        );
         assert_eq!(c.stats().max_error_ns, c.max_error_ns);
         assert_eq!(c.stats().corrections, 1);
         assert_eq!(c.stats().rejected, c.rejected);
