@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use hyptrace_abi::layout::meta;
 use hyptrace_abi::SharedMem;
-use hyptrace_output::{Clock, OutputError, OutputTarget, RunSummary, TraceMeta};
+use hyptrace_output::{OutputError, OutputTarget, RunSummary, TraceMeta};
 use hyptrace_reader::callbacks::{SwapReply, SwapStatus};
 use hyptrace_reader::trace_file::{self, hdr};
 use hyptrace_reader::{Callbacks, ReadError, RingBuffer};
@@ -34,8 +34,10 @@ use crate::control::protocol::{
     Answer, AttachInfo, Command, ConsumerPosition, Outcome, ReaderStatus,
 };
 use crate::control::server::{CtlConn, CtlError};
+use crate::drain::clock::HostClock;
 use crate::drain::session::{Output, Session, SessionError};
 use crate::drain::sink::FormatArg;
+use crate::vmm::time::ClockKind;
 
 /// How long the client waits for one reply of the VMM.
 pub const REPLY_TIMEOUT: Duration = Duration::from_secs(15);
@@ -667,12 +669,14 @@ fn open_reader(conn: CtlConn, info: &AttachInfo) -> Result<Opened, AttachError> 
     Ok((reader, metas, tsc_khz))
 }
 
-/// The output session over `reader`: the clock, the formats, the sink.
+/// The output session over `reader`: the clock, the formats, the sink. The clock is
+/// this process's own map onto CLOCK_MONOTONIC (calibrated now, guest TSC = host TSC
+/// assumed: the VMM sets the offset to 0), corrected while it reads like a run's.
 fn open_session(
     reader: RingBuffer<ReadOnlyMap, SocketSwap>,
     tsc_khz: u64,
     o: &AttachOpts<'_>,
-) -> Result<AttachSession, AttachError> {
+) -> Result<(AttachSession, HostClock), AttachError> {
     let l = *reader.layout();
     let tsc_khz = if tsc_khz == 0 {
         reader
@@ -681,10 +685,13 @@ fn open_session(
     } else {
         tsc_khz
     };
-    let clock = Clock::guest_tsc(tsc_khz).unwrap_or_else(|e| {
-        log::warn!("guest clock ({tsc_khz} kHz): {e}: timestamps are raw TSC values");
-        Clock::nanoseconds()
-    });
+    let host_clock = HostClock::calibrate(ClockKind::Mono, tsc_khz, 0)
+        .or_else(|e| {
+            log::warn!("guest clock ({tsc_khz} kHz): {e}: timestamps are raw TSC values");
+            HostClock::calibrate(ClockKind::Tsc, tsc_khz, 0)
+        })
+        .map_err(|e| out_err(o, e))?;
+    let clock = host_clock.clock.clone();
     let mut tmeta = TraceMeta::guest(l.page_size, l.nr_cpus, clock.clone());
     let formats = match crate::vmm::registration::region_formats(reader.mem(), &l) {
         Ok(Some(f)) => f,
@@ -712,7 +719,10 @@ fn open_session(
                 .map_err(|e| out_err(o, e))?,
             )
         };
-    Ok(Session::new(reader, output, clock).with_formats(&formats))
+    Ok((
+        Session::new(reader, output, clock).with_formats(&formats),
+        host_clock,
+    ))
 }
 
 fn out_err(o: &AttachOpts<'_>, why: impl Into<OutputProblem>) -> AttachError {
@@ -724,7 +734,11 @@ fn out_err(o: &AttachOpts<'_>, why: impl Into<OutputProblem>) -> AttachError {
 
 /// Reads rounds until the VMM goes, every vCPU stopped, a stop, or (one-shot) a round
 /// that found nothing new; returns why it ended.
-fn read_rounds(session: &mut AttachSession, o: &AttachOpts<'_>) -> Result<String, AttachError> {
+fn read_rounds(
+    session: &mut AttachSession,
+    clock: &mut HostClock,
+    o: &AttachOpts<'_>,
+) -> Result<String, AttachError> {
     let nr = session.reader().nr_cpus();
     let progress = |s: &AttachSession| -> u64 {
         (0..nr).fold(0u64, |a, c| {
@@ -738,6 +752,7 @@ fn read_rounds(session: &mut AttachSession, o: &AttachOpts<'_>) -> Result<String
     let mut last = progress(session);
     let mut rounds = 0usize;
     loop {
+        clock.recheck(false);
         // No CPU is walked as stopped here: the stopped ones get their final walk
         // once the loop ends.
         for (cpu, e) in session.service(|_| false) {
@@ -818,8 +833,12 @@ pub fn attach(o: &AttachOpts<'_>) -> Result<AttachReport, AttachError> {
     let (conn, info) = claim(o.socket)?;
     let (reader, metas, tsc_khz) = open_reader(conn, &info)?;
     let nr = reader.nr_cpus();
-    let mut session = open_session(reader, tsc_khz, o)?;
-    let ended = read_rounds(&mut session, o)?;
+    let (mut session, mut clock) = open_session(reader, tsc_khz, o)?;
+    let ended = read_rounds(&mut session, &mut clock, o)?;
+    clock.recheck(true);
+    if let Some(line) = clock.summary() {
+        log::info!("{line}");
+    }
     // CPUs whose vCPU stopped (or all, if the VMM is gone) get the final walk of what is
     // left; the others stop where they are.
     let mut walked = vec![false; nr as usize];
