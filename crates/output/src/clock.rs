@@ -61,7 +61,7 @@ impl Knot {
 /// later host source stamped in the guest's TSC domain) to a host clock: a continuous,
 /// piecewise-linear map shared by every output of a run (clones share the knots).
 ///
-/// Invariant (docs/design.md "Clock", *knots never move what was converted*): a knot is
+/// Invariant K1 (docs/design.md "Clock", *knots never move what was converted*): a knot is
 /// only appended, at a TSC read under the write lock, and starts on the previous segment's
 /// line; so the value of any TSC already converted (every TSC stamped before that moment)
 /// never changes, and every output, whenever it converts, gives the same nanoseconds.

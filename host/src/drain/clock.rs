@@ -12,7 +12,7 @@
 //! line whose slope is the host clock's rate measured since the previous sample plus
 //! what removes the measured error over the next period: the map follows the host
 //! clock (the kHz rounding, NTP's slewing) without ever moving a time already
-//! converted (invariant *knots never move what was converted*, docs/design.md "Clock").
+//! converted (invariant K1, *knots never move what was converted*, docs/design.md "Clock").
 //! A sample whose bracket is too wide, or whose error is too large to be drift (a clock
 //! step, a TSC jump), is a warning with its size and is left out.
 
@@ -231,7 +231,7 @@ impl HostClock {
         self.last = Some(s);
     }
 
-    /// Appends a knot now whose slope brings the map onto the host clock (sample `s`,
+    /// (K1: the knot goes through `ClockMap::extend`.) Appends a knot now whose slope brings the map onto the host clock (sample `s`,
     /// going on at the measured rate) one [`RECHECK_EVERY`] later.
     fn correct(&mut self, s: Sample) {
         let Some(map) = self.clock.map.clone() else {
