@@ -38,6 +38,9 @@ const WIDTH_FACTOR: u64 = 4;
 /// final re-check right after a periodic one, reuses the last rate: bracket noise over a
 /// short span would give a wild rate).
 const MIN_RATE_SPAN: Duration = Duration::from_millis(250);
+/// A step seen by this many re-checks in a row is real (a suspend moved BOOTTIME, the
+/// TSC jumped): the map then slews onto it (at most [`MAX_RATE_PPM`]), warned.
+const STEP_PERSIST: u32 = 3;
 /// Brackets tried per sample (the tightest wins).
 const TRIES: usize = 64;
 
@@ -122,7 +125,9 @@ pub struct HostClock {
     /// Samples refused (bracket too wide, clock step or TSC jump).
     pub rejected: u64,
     warned: bool,
-    warned_step: bool,
+    warned_width: bool,
+    /// Consecutive re-checks that saw a step (see [`STEP_PERSIST`]).
+    steps: u32,
     last_check: Option<Instant>,
 }
 
@@ -159,7 +164,8 @@ impl HostClock {
             corrections: 0,
             rejected: 0,
             warned: false,
-            warned_step: false,
+            warned_width: false,
+            steps: 0,
             last_check: Some(Instant::now()),
         })
     }
@@ -258,15 +264,21 @@ impl HostClock {
     }
 
     /// Whether sample `s`, with map error `err`, may correct the map; warns (with the
-    /// size) when not.
+    /// size) when not. A step is left out until it persisted [`STEP_PERSIST`] re-checks;
+    /// then the map slews onto it from this sample (the rate is measured afresh from it).
     fn plausible(&mut self, s: Sample, err: i64) -> bool {
         let calib = self.anchor.map_or(0, |a| a.width);
         let max_width = calib.saturating_mul(WIDTH_FACTOR).saturating_add(200);
         if s.width > max_width {
-            log::warn!(
+            let msg = format!(
                 "clock re-check: bracket {} cycles wide (calibration {calib}), sample left out",
                 s.width
             );
+            if std::mem::replace(&mut self.warned_width, true) {
+                log::debug!("{msg}");
+            } else {
+                log::warn!("{msg}");
+            }
             return false;
         }
         let elapsed = self
@@ -274,19 +286,29 @@ impl HostClock {
             .map_or(0, |p| s.ns.saturating_sub(p.ns))
             .saturating_add(RECHECK_EVERY.as_nanos() as u64);
         let bound = elapsed / 1_000_000 * MAX_RATE_PPM + STEP_SLACK_NS;
-        if err.unsigned_abs() > bound {
+        if err.unsigned_abs() <= bound {
+            self.steps = 0;
+            return true;
+        }
+        self.steps = self.steps.saturating_add(1);
+        let clock = self.kind.name().to_uppercase();
+        if self.steps < STEP_PERSIST {
             let msg = format!(
-                "CLOCK_{} is {err} ns from the map's TSC prediction (more than {bound} ns: a clock step or a TSC jump); left out of the map",
-                self.kind.name().to_uppercase()
+                "CLOCK_{clock} is {err} ns from the map's TSC prediction (more than {bound} ns: a clock step or a TSC jump); left out of the map"
             );
-            if self.warned_step {
-                log::debug!("{msg}");
-            } else {
-                self.warned_step = true;
+            if self.steps == 1 {
                 log::warn!("{msg}");
+            } else {
+                log::debug!("{msg}");
             }
             return false;
         }
+        if self.steps == STEP_PERSIST {
+            log::warn!(
+                "CLOCK_{clock} stayed {err} ns from the map for {STEP_PERSIST} re-checks: the map slews onto it (at most {MAX_RATE_PPM} ppm)"
+            );
+        }
+        self.last = Some(s);
         true
     }
 
@@ -527,6 +549,42 @@ mod tests {
         assert_eq!(c.stats().max_error_ns, c.max_error_ns);
         assert_eq!(c.stats().corrections, 1);
         assert_eq!(c.stats().rejected, c.rejected);
+    }
+
+    /// A step (the map 5 ms off) is left out, counted and not folded in, until it
+    /// persisted STEP_PERSIST re-checks; then the map corrects towards it.
+    #[test]
+    fn a_step_is_left_out_until_it_persists() {
+        let Some(khz) = kvm_free_tsc_khz() else {
+            return;
+        };
+        let mut c = HostClock::calibrate(ClockKind::Mono, khz, 0).unwrap();
+        let first = c.clock.map.as_ref().unwrap().last().unwrap();
+        let skewed = ClockMap::new(Knot {
+            ns: first.ns + 5_000_000,
+            ..first
+        });
+        c.clock.map = Some(skewed.clone());
+        // Bounded: a sample may also be left out for its width on a loaded machine.
+        for _ in 0..100 {
+            c.recheck(true);
+            if c.steps >= STEP_PERSIST - 1 {
+                break;
+            }
+        }
+        assert_eq!(c.steps, STEP_PERSIST - 1, "{c:?}");
+        assert_eq!(c.corrections, 0);
+        assert_eq!(c.rejected, c.checks);
+        assert_eq!(skewed.knots().len(), 1, "a step is not folded in");
+        for _ in 0..100 {
+            c.recheck(true);
+            if c.corrections > 0 {
+                break;
+            }
+        }
+        assert_eq!(c.corrections, 1, "{c:?}");
+        assert_eq!(skewed.knots().len(), 2);
+        assert!(c.max_error_ns >= 4_000_000, "{}", c.max_error_ns);
     }
 
     /// The host TSC frequency measured over 20 ms (no KVM needed).
