@@ -96,11 +96,12 @@ impl ClockMap {
 
     /// Rewrites the timestamps of an exported page in place from guest TSC to this
     /// map's ns (see [`Clock::retime_page`]), under one read lock.
-    fn retime_page(&self, page: &mut [u8]) -> u64 {
+    fn retime_page(&self, page: &mut [u8], tsc_offset: i64) -> u64 {
         let knots = self.knots.read().unwrap_or_else(PoisonError::into_inner);
         // A page's times rise: keep the segment of the previous record while it holds.
         let mut seg: Option<usize> = None;
         retime(page, |t| {
+            let t = t.wrapping_add_signed(tsc_offset);
             if let Some(i) = seg {
                 let next = knots.get(i + 1).map_or(u64::MAX, |k| k.tsc);
                 if knots[i].tsc <= t && (t < next || i + 1 == knots.len()) {
@@ -396,7 +397,16 @@ impl Clock {
     /// files carry the map's times in the format of [`Self::file_clock`]; nothing
     /// without a map. Returns how many deltas had to be clamped (hostile stamps only).
     pub fn retime_page(&self, page: &mut [u8]) -> u64 {
-        self.map.as_ref().map_or(0, |m| m.retime_page(page))
+        self.retime_page_from(page, 0)
+    }
+
+    /// [`Self::retime_page`] for a page stamped in another TSC domain: `tsc_offset` is
+    /// added to each of its times before the map (e.g. a host kernel buffer recorded with
+    /// trace_clock `x86-tsc`: host TSC + the run's guest − host offset).
+    pub fn retime_page_from(&self, page: &mut [u8], tsc_offset: i64) -> u64 {
+        self.map
+            .as_ref()
+            .map_or(0, |m| m.retime_page(page, tsc_offset))
     }
 
     /// Converts a raw page timestamp to ns (through the map if there is one; else the
@@ -555,6 +565,20 @@ mod tests {
             .collect();
         let want: Vec<u64> = raw.iter().map(|&t| m.to_ns(t)).collect();
         assert_eq!(got, want);
+        // The same page stamped 1000 cycles behind, retimed with that offset: same times.
+        let mut behind = vec![0u8; 512];
+        behind[..8].copy_from_slice(&1_000u64.to_le_bytes());
+        behind[8..16].copy_from_slice(&(data.len() as u64).to_le_bytes());
+        behind[16..16 + data.len()].copy_from_slice(data);
+        let abs_behind = abs - 1_000;
+        let ts_at = 16 + data.len() - 16;
+        behind[ts_at..ts_at + 4].copy_from_slice(
+            &header_word(TYPE_TIME_STAMP, (abs_behind & MAX_DELTA) as u32).to_le_bytes(),
+        );
+        behind[ts_at + 4..ts_at + 8]
+            .copy_from_slice(&((abs_behind >> DELTA_BITS) as u32).to_le_bytes());
+        assert_eq!(clock.retime_page_from(&mut behind, 1_000), 0);
+        assert_eq!(behind, page);
         // Payloads untouched; a clock without a map leaves the page alone.
         assert_eq!(&page[20..28], &[1; 8]);
         let before = page.clone();
