@@ -23,7 +23,10 @@
 //! Anything else (statement expressions, `%pI4`...) is [`Unsupported`]: the caller prints
 //! the fields raw.
 
+mod guest;
 mod parse;
+
+pub use guest::{check_guest_format, GuestFormatError, MAX_GUEST_WIDTH};
 
 use crate::format::{EventFormat, Field};
 use crate::symbols::KernelSymbols;
