@@ -15,7 +15,7 @@
 //!   element `REC->array[N]`), C operators, `?:`, casts and `sizeof` of the scalar
 //!   types; `/` and `%` only by a literal in `1..=i64::MAX` (no division by zero, no
 //!   `LLONG_MIN / -1`);
-//! - `%s` arguments: string literals, a `char[N]` field, `__get_str(field)` of a
+//! - `%s` arguments: string literals, `c ? s1 : s2` of them, a `char[N]` field, `__get_str(field)` of a
 //!   `__data_loc char[]` field, `__print_symbolic`/`__print_flags` of an integer
 //!   argument, `__print_hex`/`__print_hex_str(REC->array, N)` and
 //!   `__print_array(REC->array, N, SIZE)` of a fixed array field, with `N` (and
@@ -46,7 +46,7 @@ const HELPERS: &[&str] = &[
 const TYPE_WORDS: &[&str] = &[
     "u8", "u16", "u32", "u64", "s8", "s16", "s32", "s64", "__u8", "__u16", "__u32", "__u64",
     "__s8", "__s16", "__s32", "__s64", "char", "short", "int", "long", "unsigned", "signed",
-    "bool",
+    "bool", "void",
 ];
 
 /// Why a guest's print fmt is not in the subset every reader evaluates safely.
@@ -187,7 +187,7 @@ fn conversion(spec: &Spec, e: &Expr) -> Check {
         Conv::Signed | Conv::Unsigned | Conv::Hex | Conv::HexUpper | Conv::Octal | Conv::Ptr => {
             int_expr(e, 0)
         }
-        Conv::Str => str_expr(e),
+        Conv::Str => str_expr(e, 0),
         Conv::Char => Err(GuestFormatError::Conversion("%c")),
         Conv::Sym { .. } => Err(GuestFormatError::Conversion("%pS/%ps")),
         Conv::Net(_) => Err(GuestFormatError::Conversion("%pI/%pM")),
@@ -221,7 +221,10 @@ fn int_expr(e: &Expr, depth: u32) -> Check {
     }
 }
 
-fn str_expr(e: &Expr) -> Check {
+fn str_expr(e: &Expr, depth: u32) -> Check {
+    if depth > MAX_DEPTH {
+        return Err(GuestFormatError::Argument("expression nested too deep"));
+    }
     match e {
         Expr::Str(s) => printable(s),
         Expr::Field(f) if matches!(f.kind, Kind::Array(true)) => Ok(()),
@@ -234,6 +237,11 @@ fn str_expr(e: &Expr) -> Check {
             int_expr(v, 0)?;
             printable(delim)?;
             table.iter().try_for_each(|(_, name)| printable(name))
+        }
+        Expr::Cond(c, a, b) => {
+            int_expr(c, 0)?;
+            str_expr(a, depth + 1)?;
+            str_expr(b, depth + 1)
         }
         Expr::Hex(p, n, _) => within(p, n, 1),
         Expr::Array(p, n, el) => match **el {

@@ -1,6 +1,7 @@
 //! trace.dat v6/v7: writer ([`TraceDatSink`]) and reader ([`TraceFile`]).
 
 mod read;
+mod strings;
 mod write;
 mod zpool;
 

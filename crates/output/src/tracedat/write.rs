@@ -470,6 +470,9 @@ pub struct TraceDatSink {
     zstd: Option<(zstd::bulk::Compressor<'static>, Vec<u8>)>,
     /// zstd: the compression worker threads.
     pool: Option<super::zpool::ZPool>,
+    /// The string fields made safe in every page (R2), and the bytes replaced so far.
+    strings: super::strings::StringFields,
+    replaced: u64,
 }
 
 impl TraceDatSink {
@@ -549,6 +552,8 @@ impl TraceDatSink {
             target: target.clone(),
             out: Some(out),
             scratch: vec![0; meta.page_size],
+            strings: super::strings::StringFields::new(&meta.formats),
+            replaced: 0,
             meta,
             version,
             compression,
@@ -761,6 +766,7 @@ impl PageSink for TraceDatSink {
         }
         self.meta.check_page(cpu, page)?;
         export_page_into(cpu, page, missed, &mut self.scratch)?;
+        self.replaced += self.strings.sanitize_page(&mut self.scratch);
         if self.compression == Compression::Zstd {
             let c = cpu as usize;
             // Compress a full chunk only when the next page arrives: the CPU's last page
@@ -818,6 +824,13 @@ impl PageSink for TraceDatSink {
     }
 
     fn finish(mut self: Box<Self>, summary: &RunSummary) -> Result<(), OutputError> {
+        if self.replaced > 0 {
+            log::warn!(
+                "{}: {} control or non-UTF-8 bytes in guest strings written as '?' (trace-cmd prints strings raw)",
+                self.target.path().display(),
+                self.replaced
+            );
+        }
         let r = self.assemble(summary);
         self.cleanup();
         r
