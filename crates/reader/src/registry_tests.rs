@@ -408,18 +408,27 @@ fn legitimate_print_fmts_are_accepted() {
 #[test]
 fn hostile_print_fmts_are_rejected_with_their_reason() {
     let cases: &[(&'static str, &str)] = &[
-        ("\"%llu\", REC->a / 0", "divides by something other than a literal"),
+        (
+            "\"%llu\", REC->a / 0",
+            "divides by something other than a literal",
+        ),
         ("\"%llu\", REC->a % 0", "divides by"),
         ("\"%llu\", REC->a / REC->b", "divides by"),
         ("\"%lld\", REC->a / -1", "divides by"),
-        ("\"%s\", __print_symbolic(REC->a, { 1/0, \"x\" })", "divides by"),
+        (
+            "\"%s\", __print_symbolic(REC->a, { 1/0, \"x\" })",
+            "divides by",
+        ),
         ("\"%999999999d\", REC->b", "does not parse"),
         ("\"%65d\", REC->b", "width or precision of 65"),
         ("\"%.100s\", REC->s", "width or precision of 100"),
         ("\"%*d\", REC->b, REC->b", "`*` width"),
         ("\"%.*s\", REC->b, REC->s", "`*` width"),
         ("\"%s\", __print_hex(REC->a, 99999999)", "fixed array field"),
-        ("\"%s\", __print_hex(REC->s, 17)", "reads 17 bytes of a 16-byte field"),
+        (
+            "\"%s\", __print_hex(REC->s, 17)",
+            "reads 17 bytes of a 16-byte field",
+        ),
         ("\"%s\", __print_hex(REC->s, REC->b)", "literal length"),
         ("\"%s\", __print_array(REC->s, 5, 4)", "reads 20 bytes"),
         ("\"%s\", __print_array(REC->s, 2, 3)", "element size"),
@@ -439,10 +448,19 @@ fn hostile_print_fmts_are_rejected_with_their_reason() {
         ("\"%llu\", REC->nope", "REC-> names no field"),
         ("\"%s\", __get_str(nope)", "__get_str names no field"),
         ("\"%s\", __get_str(s)", "a %s argument"),
-        ("\"%llu\", some_kernel_symbol", "uses \"some_kernel_symbol\""),
+        (
+            "\"%llu\", some_kernel_symbol",
+            "uses \"some_kernel_symbol\"",
+        ),
         ("\"%s\", __get_bitmask(d)", "uses \"__get_bitmask\""),
-        ("\"%llu\", __builtin_expect(REC->a, 1)", "uses \"__builtin_expect\""),
-        ("\"%s\", __print_symbolic(REC->a, { 1, \"\\n\" })", "escape \\n"),
+        (
+            "\"%llu\", __builtin_expect(REC->a, 1)",
+            "uses \"__builtin_expect\"",
+        ),
+        (
+            "\"%s\", __print_symbolic(REC->a, { 1, \"\\n\" })",
+            "escape \\n",
+        ),
         ("\"%d %d\", REC->b", "does not parse"),
         ("\"%d\", REC->b, REC->b", "does not parse"),
     ];
@@ -464,8 +482,10 @@ fn hostile_print_fmts_are_rejected_with_their_reason() {
     assert_eq!(got.len(), cases.len(), "{got:#?}");
     for ((i, reason), (fmt, want)) in got.iter().zip(cases) {
         assert!(
-            reason.starts_with(&format!("event {i} (sys:{}) rejected: print fmt", names[*i as usize]))
-                && reason.contains(want),
+            reason.starts_with(&format!(
+                "event {i} (sys:{}) rejected: print fmt",
+                names[*i as usize]
+            )) && reason.contains(want),
             "{fmt}: {reason} (want {want:?})"
         );
     }

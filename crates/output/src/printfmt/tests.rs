@@ -311,7 +311,11 @@ fn guest_subset_over_the_kernel_fixtures() {
         }
     }
     eprintln!("passed {}: {passed:?}\nrefused: {refused:#?}", passed.len());
-    for want in ["sched:sched_switch", "sched:sched_wakeup", "irq:irq_handler_entry"] {
+    for want in [
+        "sched:sched_switch",
+        "sched:sched_wakeup",
+        "irq:irq_handler_entry",
+    ] {
         assert!(passed.contains(want), "{want} refused");
     }
 }

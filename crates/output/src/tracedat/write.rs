@@ -825,8 +825,9 @@ impl PageSink for TraceDatSink {
 
     fn finish(mut self: Box<Self>, summary: &RunSummary) -> Result<(), OutputError> {
         if self.replaced > 0 {
-            log::warn!(
-                "{}: {} control or non-UTF-8 bytes in guest strings written as '?' (trace-cmd prints strings raw)",
+            // Shown as the text sink shows its one warning: the host prints no sink notes.
+            eprintln!(
+                "hyptrace: warning: {}: {} control or non-UTF-8 bytes in guest strings written as '?' (trace-cmd prints strings raw)",
                 self.target.path().display(),
                 self.replaced
             );
