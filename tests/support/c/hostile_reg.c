@@ -1,8 +1,8 @@
 /* A freestanding C guest that registers hostile event descriptions (issue 26), one
  * class per run, chosen by `--rate` (the adversary's convention: the guest does not
  * pace itself). Every class registers `hreg:good` (seq, tag char[16], msg __data_loc
- * char[]) first, then the class's hostile entries; every vCPU writes `--events` of
- * hreg:good (the hostile entries, rejected, have no id) and exits. tests/hostile_reg.rs runs each class through `record` and the real
+ * char[]) first, then the class's hostile entries; every vCPU writes `--events` records of every entry the host accepted
+ * (hreg:good alone when it rejected the hostile ones) and exits. tests/hostile_reg.rs runs each class through `record` and the real
  * trace-cmd. Built by tests/support/cguest.rs. */
 #include "hyptrace.h"
 
@@ -213,8 +213,8 @@ void c_main(uint64_t pack, uint64_t cpu, uint64_t params_gpa)
         for (uint32_t k = 0; k < NF(name_escape_fields); k++)
             table[n++] = &name_escape_fields[k];
     int r = cpu == 0 ? ht_register(w, table, n) : ht_wait_registered(w, table, n, 1ull << 34);
-    if (r != 1)
-        ht_panic("hostile_reg: the host did not accept exactly the good event");
+    if (r < 1)
+        ht_panic("hostile_reg: the host did not accept the good event");
     if (p.rate == C_SECOND_REG && cpu == 0) {
         /* The SDK refuses a second table; then the exit itself, again. */
         HtEvent *again[] = {&second[0]};
@@ -227,11 +227,13 @@ void c_main(uint64_t pack, uint64_t cpu, uint64_t params_gpa)
     for (uint64_t i = 0; i < p.events; i++) {
         g.seq = i;
         uint32_t len = fill(&g, i, p.rate == C_STRINGS);
-        attempted++;
-        ht_emit(w, &good, ht_rdtsc(), &g, len);
+        /* Every accepted entry gets a record (the good one's bytes): a hostile entry
+         * a host let through shows in the outputs (the test fails on it). */
+        for (uint32_t k = 0; k < n; k++)
+            if (ht_event_id(table[k]) != -1) {
+                attempted++;
+                ht_emit(w, table[k], ht_rdtsc(), &g, len);
+            }
     }
-    for (uint32_t k = 0; k < nbad; k++)
-        if (ht_event_id(&bad[k]) != -1)
-            ht_panic("hostile_reg: a rejected event has an id");
     ht_exit(w, attempted);
 }
