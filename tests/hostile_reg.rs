@@ -7,7 +7,7 @@
 //! `hyptrace report` and converted to JSON, then printed by the real `trace-cmd report`
 //! under a 10 s bound: no signal, no hang, every line a `cpus=` header or one of the
 //! good events (with its fields, each exactly once: nothing forged), and every hostile
-//! entry named on stderr with its reason (R1, R2 in docs/design.md). VM tests skip
+//! entry named on stderr with its reason (G1, G2 in docs/design.md). VM tests skip
 //! without /dev/kvm unless HYPTRACE_REQUIRE_KVM=1; the trace-cmd part skips without
 //! trace-cmd unless HYPTRACE_REQUIRE_TRACE_CMD=1.
 
@@ -70,8 +70,18 @@ struct Class {
     name: &'static str,
     rate: u32,
     rejected: &'static [(u32, &'static str, &'static str)],
-    /// The good event's strings are hostile (tag, msg as trace.dat holds them).
-    hostile_strings: bool,
+    /// The good event's strings.
+    strings: Strings,
+}
+
+/// What the good event's strings are in a class.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Strings {
+    Clean,
+    /// Control bytes and a forged line inside tag and msg.
+    Hostile,
+    /// msg's `__data_loc` outside the record (even seq) or without its NUL (odd seq).
+    Lying,
 }
 
 const DIV: &str = "divides by something other than a literal";
@@ -89,7 +99,7 @@ const CLASSES: &[Class] = &[
             (6, "hreg:too_few", "fewer arguments than conversions"),
             (7, "hreg:not_a_field", "REC-> names no field"),
         ],
-        hostile_strings: false,
+        strings: Strings::Clean,
     },
     Class {
         name: "zero division",
@@ -101,7 +111,7 @@ const CLASSES: &[Class] = &[
             (4, "hreg:div_minus1", DIV),
             (5, "hreg:table_div0", DIV),
         ],
-        hostile_strings: false,
+        strings: Strings::Clean,
     },
     Class {
         name: "huge width",
@@ -111,7 +121,7 @@ const CLASSES: &[Class] = &[
             (2, "hreg:p9", "does not parse: width"),
             (3, "hreg:w65", "width or precision of 65 (at most 64)"),
         ],
-        hostile_strings: false,
+        strings: Strings::Clean,
     },
     Class {
         name: "* width",
@@ -120,7 +130,7 @@ const CLASSES: &[Class] = &[
             (1, "hreg:star_w", "`*` width"),
             (2, "hreg:star_p", "`*` width"),
         ],
-        hostile_strings: false,
+        strings: Strings::Clean,
     },
     Class {
         name: "huge hex/array length",
@@ -135,7 +145,7 @@ const CLASSES: &[Class] = &[
                 "reads 799992 bytes of a 16-byte field",
             ),
         ],
-        hostile_strings: false,
+        strings: Strings::Clean,
     },
     Class {
         name: "newline/ESC in the format",
@@ -148,7 +158,7 @@ const CLASSES: &[Class] = &[
             (5, "hreg:esc_hex", "escape \\x"),
             (6, "hreg:sym_nl", "escape \\n"),
         ],
-        hostile_strings: false,
+        strings: Strings::Clean,
     },
     Class {
         name: "newline/ESC in names",
@@ -168,13 +178,13 @@ const CLASSES: &[Class] = &[
                 "field 0 (seq): C type has bytes that are not printable ASCII",
             ),
         ],
-        hostile_strings: false,
+        strings: Strings::Clean,
     },
     Class {
         name: "newline/ESC in strings",
         rate: 8,
         rejected: &[],
-        hostile_strings: true,
+        strings: Strings::Hostile,
     },
     Class {
         name: "duplicate/overlapping fields",
@@ -202,7 +212,7 @@ const CLASSES: &[Class] = &[
                 "field 0 (a): unknown C type \"struct task_struct *\"",
             ),
         ],
-        hostile_strings: false,
+        strings: Strings::Clean,
     },
     Class {
         name: "absurd field count",
@@ -212,7 +222,7 @@ const CLASSES: &[Class] = &[
             "hreg:many",
             "40 fields is over the limit of 32 per event",
         )],
-        hostile_strings: false,
+        strings: Strings::Clean,
     },
     Class {
         name: "unknown helpers",
@@ -225,32 +235,41 @@ const CLASSES: &[Class] = &[
             (5, "hreg:symbol", "uses \"jiffies\""),
             (6, "hreg:stmt", "does not parse: statement expression"),
         ],
-        hostile_strings: false,
+        strings: Strings::Clean,
     },
     Class {
         name: "second registration",
         rate: 12,
         rejected: &[],
-        hostile_strings: false,
+        strings: Strings::Clean,
+    },
+    Class {
+        name: "lying __data_loc",
+        rate: 13,
+        rejected: &[],
+        strings: Strings::Lying,
     },
 ];
 
 /// hreg:good's fields for event `i` as every reader prints them.
-fn good_fields(i: u64, hostile: bool) -> String {
-    if hostile {
-        // R2: each control byte of the guest's strings is a '?' in trace.dat.
-        format!(
+fn good_fields(i: u64, strings: Strings) -> String {
+    match strings {
+        // G2: each control byte of the guest's strings is a '?' in trace.dat.
+        Strings::Hostile => format!(
             "seq={i} tag=t??[2J?{} msg=m?          <idle>-0     [007]     9.999999: hreg:good: seq=424242?[31m",
             i % 10
-        )
-    } else {
-        format!("seq={i} tag=tag{} msg=msg", i % 10)
+        ),
+        // G2: a location outside the record is an empty string, a missing NUL replaces
+        // the last byte.
+        Strings::Lying if i % 2 == 0 => format!("seq={i} tag=tag{} msg=", i % 10),
+        Strings::Lying => format!("seq={i} tag=tag{} msg=m?", i % 10),
+        Strings::Clean => format!("seq={i} tag=tag{} msg=msg", i % 10),
     }
 }
 
 /// Every line of a report is `cpus=N` or a hreg:good event; each (cpu, seq) once, with
 /// its exact fields. Returns the number of events.
-fn check_report(what: &str, text: &str, hostile: bool) {
+fn check_report(what: &str, text: &str, strings: Strings) {
     let mut seen = std::collections::BTreeSet::new();
     for (n, l) in text.lines().enumerate() {
         match parse_line(l) {
@@ -260,7 +279,7 @@ fn check_report(what: &str, text: &str, hostile: bool) {
                 let seq = e.seq().unwrap_or_else(|| panic!("{what}: no seq: {l:?}"));
                 assert_eq!(
                     e.fields,
-                    good_fields(seq, hostile),
+                    good_fields(seq, strings),
                     "{what}: line {}",
                     n + 1
                 );
@@ -313,7 +332,7 @@ fn check_class(elf: &str, c: &Class) {
         );
     }
     assert_eq!(rejections.len(), c.rejected.len(), "{}:\n{err}", c.name);
-    if c.hostile_strings {
+    if c.strings != Strings::Clean {
         assert!(
             err.contains("bytes in guest strings written as '?'"),
             "{}:\n{err}",
@@ -325,7 +344,7 @@ fn check_class(elf: &str, c: &Class) {
     check_report(
         &format!("{}: hyptrace report", c.name),
         &out,
-        c.hostile_strings,
+        c.strings,
     );
     let json = dir.file("x.json");
     let (code, _, err) = bounded(
@@ -358,7 +377,7 @@ fn check_class(elf: &str, c: &Class) {
     check_report(
         &format!("{}: trace-cmd report", c.name),
         &out,
-        c.hostile_strings,
+        c.strings,
     );
 }
 
@@ -395,4 +414,5 @@ classes! {
     absurd_field_count = 10;
     unknown_helpers = 11;
     second_registration = 12;
+    lying_data_loc = 13;
 }

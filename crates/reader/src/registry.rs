@@ -400,7 +400,7 @@ enum EntryError {
     RecordSize(usize),
     #[error("print fmt does not start with a quoted format string")]
     PrintFmtUnquoted,
-    /// The print fmt is outside the subset every reader evaluates safely (R1).
+    /// The print fmt is outside the subset every reader evaluates safely (G1).
     #[error(transparent)]
     PrintFmt(#[from] GuestFormatError),
     #[error("{0} fields is over the limit of {MAX_FIELDS_PER_EVENT} per event")]
@@ -557,7 +557,7 @@ fn check_entry(
 }
 
 /// The trace-event format of checked fields and a print fmt, for
-/// [`check_guest_format`] (R1: the guest's print fmt is in the subset trace-cmd
+/// [`check_guest_format`] (G1: the guest's print fmt is in the subset trace-cmd
 /// evaluates safely; the name and id play no part).
 fn format_of(fields: &[RegField], print_fmt: &str) -> EventFormat {
     EventFormat {

@@ -373,7 +373,7 @@ fn rich(name: &'static str, slot: u32, fmt: &'static str) -> Raw {
 }
 
 /// Print fmts the guests in the tree register (guest/src, guest/examples/c,
-/// tests/support/c) and the subset's other forms are accepted (R1).
+/// tests/support/c) and the subset's other forms are accepted (G1).
 #[test]
 fn legitimate_print_fmts_are_accepted() {
     let fmts: &[&'static str] = &[

@@ -32,6 +32,7 @@ enum {
     C_FIELD_COUNT = 10,
     C_HELPERS = 11,
     C_SECOND_REG = 12,
+    C_LYING_LOC = 13,
 };
 
 struct good {
@@ -180,6 +181,20 @@ static uint32_t fill(struct good *g, uint64_t i, int hostile)
     return GOOD_FIXED + len;
 }
 
+/* C_LYING_LOC: even records' msg lies outside the record, odd ones' has no NUL (the
+ * record ends with "m\x1b!"). */
+static uint32_t lying(struct good *g, uint64_t i)
+{
+    fill(g, i, 0);
+    if (i % 2 == 0) {
+        g->msg = 0xfff0u | 40u << 16;
+        return GOOD_FIXED + 4;
+    }
+    put(g->str, "m\x1b!");
+    g->msg = (uint32_t)GOOD_FIXED | 3u << 16;
+    return GOOD_FIXED + 3;
+}
+
 static HtEvent *table[64];
 
 void c_main(uint64_t pack, uint64_t cpu, uint64_t params_gpa)
@@ -226,7 +241,7 @@ void c_main(uint64_t pack, uint64_t cpu, uint64_t params_gpa)
     struct good g = {.common_pid = (int32_t)cpu + 1};
     for (uint64_t i = 0; i < p.events; i++) {
         g.seq = i;
-        uint32_t len = fill(&g, i, p.rate == C_STRINGS);
+        uint32_t len = p.rate == C_LYING_LOC ? lying(&g, i) : fill(&g, i, p.rate == C_STRINGS);
         /* Every accepted entry gets a record (the good one's bytes): a hostile entry
          * a host let through shows in the outputs (the test fails on it). */
         for (uint32_t k = 0; k < n; k++)

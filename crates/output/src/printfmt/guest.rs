@@ -1,5 +1,5 @@
 //! The print-fmt subset a guest may register (docs/abi.md "Print formats a guest may
-//! register"; invariant R1 of docs/design.md): formats that trace-cmd 3.1.6 /
+//! register"; invariant G1 of docs/design.md): formats that trace-cmd 3.1.6 /
 //! libtraceevent and KernelShark evaluate without a crash, a hang or a forged line,
 //! whatever the guest writes into its records. The format is parsed by this module's
 //! own parser ([`super::parse`]: the one hyptrace prints with), then the parse is

@@ -129,6 +129,11 @@ impl FieldRef {
         )
     }
 
+    /// The offset of a `__data_loc` field's word, if it is one.
+    pub(crate) fn data_loc_word(&self) -> Option<usize> {
+        matches!(self.kind, Kind::DataLoc(_)).then_some(self.offset)
+    }
+
     /// Where the bytes of an array or dynamic field lie in payload `p` (whole, not cut
     /// at a NUL); `None` for integers or when they lie outside `p`.
     pub(crate) fn range(&self, p: &[u8]) -> Option<std::ops::Range<usize>> {

@@ -279,7 +279,7 @@ fn file_text_is_escaped() {
     assert_eq!(s, "a\\nb x\\ty p\\nq evil\\x1b[2J");
 }
 
-/// The guest subset (R1) over every kernel format of the fixtures: each format either
+/// The guest subset (G1) over every kernel format of the fixtures: each format either
 /// passes or is refused for one of the subset's deliberate exclusions (a `%pS`, a
 /// helper or identifier outside the whitelist, a division by a field...), never
 /// because the parser trips on it; the plain kernel formats (`sched_switch`,

@@ -1,12 +1,15 @@
-//! Guest strings in trace.dat pages (invariant R2 of docs/design.md): trace-cmd and
+//! Guest strings in trace.dat pages (invariant G2 of docs/design.md): trace-cmd and
 //! KernelShark print `%s` of a char array or a `__data_loc char[]` string as the bytes
 //! are, so a guest writing a newline, ESC or a bidirectional control into one would
 //! print lines it forged. Before a page goes into a trace.dat, every byte of such a
 //! string (up to its first NUL) that hyptrace's text output would escape
 //! ([`crate::text::escape_guest_bytes`]: C0/C1 controls, DEL, line separators,
 //! bidirectional controls, bytes that are not UTF-8) is replaced by `?`, byte for byte:
-//! the record's length, layout and every other byte stay as the guest wrote them. The
-//! replaced bytes are counted ([`super::TraceDatSink`] warns with the count).
+//! the record's length, layout and every other byte stay as the guest wrote them. Two
+//! lies of a `__data_loc` string are undone too, in place: a string without a NUL gets
+//! one as its last byte, and a location outside the record is pointed at an empty
+//! string inside its own word ([`empty_data_loc`]). The changed bytes are counted
+//! ([`super::TraceDatSink`] warns with the count).
 
 use std::collections::HashMap;
 
@@ -44,7 +47,7 @@ impl StringFields {
         Self { by_id }
     }
 
-    /// Makes the strings of every event of the exported page `page` safe (R2); returns
+    /// Makes the strings of every event of the exported page `page` safe (G2); returns
     /// how many bytes were replaced. A page whose data does not decode is left as it is
     /// from the first bad record on (readers stop there too).
     pub(crate) fn sanitize_page(&self, page: &mut [u8]) -> u64 {
@@ -84,12 +87,43 @@ impl StringFields {
         };
         let mut replaced = 0;
         for f in fields {
-            if let Some(r) = f.range(p) {
-                replaced += sanitize(&mut p[r]);
+            match (f.range(p), f.data_loc_word()) {
+                (Some(r), loc) => {
+                    let s = &mut p[r];
+                    replaced += sanitize(s);
+                    // A dynamic string without its NUL: readers that print up to a NUL
+                    // (libtraceevent) would run on into the bytes after it.
+                    if loc.is_some() && !s.contains(&0) {
+                        if let Some(last) = s.last_mut() {
+                            *last = 0;
+                            replaced += 1;
+                        }
+                    }
+                }
+                (None, Some(w)) => replaced += empty_data_loc(p, w),
+                (None, None) => {}
             }
         }
         replaced
     }
+}
+
+/// Points the `__data_loc` word at `p[w..w + 4]`, whose string lies outside the record,
+/// at an empty string: offset `w + 3`, length 1 — the word's own last byte, which is
+/// then the length's high byte, 0. Returns the bytes changed (0 when the word itself is
+/// outside the record).
+fn empty_data_loc(p: &mut [u8], w: usize) -> u64 {
+    let Some(word) = w.checked_add(4).and_then(|end| p.get_mut(w..end)) else {
+        return 0;
+    };
+    let Ok(off) = u16::try_from(w + 3) else {
+        return 0; // past 64 KiB: no record is that long
+    };
+    let new = u32::from(off) | 1 << 16;
+    let old = u32::from_le_bytes([word[0], word[1], word[2], word[3]]);
+    word.copy_from_slice(&new.to_le_bytes());
+    let (old, new) = (old.to_le_bytes(), new.to_le_bytes());
+    old.iter().zip(&new).filter(|(a, b)| a != b).count() as u64
 }
 
 /// Replaces, in the string `b` up to its first NUL, every byte that
@@ -134,5 +168,48 @@ mod tests {
         let mut plain = *b"hello";
         assert_eq!(sanitize(&mut plain), 0);
         assert_eq!(&plain, b"hello");
+    }
+
+    /// A record with `char tag[4]` at 8 and `__data_loc char[] msg` at 12: the string's
+    /// bytes, a missing NUL and a location outside the record are all made safe.
+    #[test]
+    fn records_are_made_safe_in_place() {
+        let fmt = EventFormat {
+            system: "s".into(),
+            name: "e".into(),
+            id: 7,
+            common_fields: crate::format::common_fields(),
+            fields: vec![
+                crate::format::Field {
+                    type_name: "char[4]".into(),
+                    name: "tag".into(),
+                    offset: 8,
+                    size: 4,
+                    signed: true,
+                },
+                crate::format::Field {
+                    type_name: "__data_loc char[]".into(),
+                    name: "msg".into(),
+                    offset: 12,
+                    size: 4,
+                    signed: false,
+                },
+            ],
+            print_fmt: String::new(),
+        };
+        let sf = StringFields::new(&[fmt]);
+        let mut rec = vec![7u8, 0, 0, 0, 1, 0, 0, 0, b'a', b'\n', 0, 0];
+        rec.extend_from_slice(&(16u32 | 3 << 16).to_le_bytes());
+        rec.extend_from_slice(b"x\x1bz!");
+        assert_eq!(sf.sanitize_record(&mut rec), 3);
+        assert_eq!(&rec[8..12], b"a?\0\0");
+        assert_eq!(&rec[16..], b"x?\0!");
+        // Outside the record: pointed at the word's own last byte (0).
+        rec[12..16].copy_from_slice(&(0xfff0u32 | 8 << 16).to_le_bytes());
+        assert!(sf.sanitize_record(&mut rec) > 0);
+        let w = u32::from_le_bytes([rec[12], rec[13], rec[14], rec[15]]);
+        assert_eq!((w & 0xffff, w >> 16, rec[15]), (15, 1, 0));
+        // Now valid and empty: nothing more to change.
+        assert_eq!(sf.sanitize_record(&mut rec), 0);
     }
 }

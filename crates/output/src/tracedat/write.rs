@@ -470,7 +470,7 @@ pub struct TraceDatSink {
     zstd: Option<(zstd::bulk::Compressor<'static>, Vec<u8>)>,
     /// zstd: the compression worker threads.
     pool: Option<super::zpool::ZPool>,
-    /// The string fields made safe in every page (R2), and the bytes replaced so far.
+    /// The string fields made safe in every page (G2), and the bytes replaced so far.
     strings: super::strings::StringFields,
     replaced: u64,
 }
