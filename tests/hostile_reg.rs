@@ -261,7 +261,7 @@ fn good_fields(i: u64, strings: Strings) -> String {
         ),
         // G2: a location outside the record is an empty string, a missing NUL replaces
         // the last byte.
-        Strings::Lying if i % 2 == 0 => format!("seq={i} tag=tag{} msg=", i % 10),
+        Strings::Lying if i.is_multiple_of(2) => format!("seq={i} tag=tag{} msg=", i % 10),
         Strings::Lying => format!("seq={i} tag=tag{} msg=m?", i % 10),
         Strings::Clean => format!("seq={i} tag=tag{} msg=msg", i % 10),
     }
@@ -341,11 +341,7 @@ fn check_class(elf: &str, c: &Class) {
     }
     let (code, out, err) = bounded(&dir, "report", BIN, &["report", &dat], BOUND);
     assert_eq!(code, Some(0), "{}: hyptrace report: {err}", c.name);
-    check_report(
-        &format!("{}: hyptrace report", c.name),
-        &out,
-        c.strings,
-    );
+    check_report(&format!("{}: hyptrace report", c.name), &out, c.strings);
     let json = dir.file("x.json");
     let (code, _, err) = bounded(
         &dir,
@@ -374,11 +370,7 @@ fn check_class(elf: &str, c: &Class) {
         "{}: trace-cmd report died or failed: {err}",
         c.name
     );
-    check_report(
-        &format!("{}: trace-cmd report", c.name),
-        &out,
-        c.strings,
-    );
+    check_report(&format!("{}: trace-cmd report", c.name), &out, c.strings);
 }
 
 fn run_class(test: &str, rate: u32) {
