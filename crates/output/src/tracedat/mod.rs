@@ -2,6 +2,9 @@
 
 mod read;
 mod strings;
+
+/// How a guest string is written into a trace.dat page (G2): [`strings::sanitize`].
+pub use strings::sanitize as sanitize_guest_string;
 mod write;
 mod zpool;
 

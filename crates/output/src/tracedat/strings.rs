@@ -129,7 +129,7 @@ fn empty_data_loc(p: &mut [u8], w: usize) -> u64 {
 /// Replaces, in the string `b` up to its first NUL, every byte that
 /// [`crate::text::escape_guest_bytes`] would escape with [`REPLACEMENT`]; returns how
 /// many.
-pub(crate) fn sanitize(b: &mut [u8]) -> u64 {
+pub fn sanitize(b: &mut [u8]) -> u64 {
     let end = b.iter().position(|&c| c == 0).unwrap_or(b.len());
     let b = &mut b[..end];
     if b.iter().all(|c| (0x20..0x7f).contains(c)) {
