@@ -552,18 +552,23 @@ fn check_entry(
         out.push(field);
     }
     out.sort_by_key(|f| f.offset);
-    check_guest_format(&format_of(&out, &print_fmt))?;
+    check_guest_format(&event_format(("", "", 0), &out, &print_fmt))?;
     Ok((out, print_fmt))
 }
 
-/// The trace-event format of checked fields and a print fmt, for
-/// [`check_guest_format`] (G1: the guest's print fmt is in the subset trace-cmd
-/// evaluates safely; the name and id play no part).
-fn format_of(fields: &[RegField], print_fmt: &str) -> EventFormat {
+/// The trace-event format of a registration: `system:name` with id `id`, the common
+/// fields, `fields` and `print_fmt`. The one conversion: the entry check
+/// ([`check_guest_format`], G1: the guest's print fmt is in the subset trace-cmd
+/// evaluates safely) and every output's formats (`hyptrace_embed::to_format`) use it.
+pub fn event_format(
+    (system, name, id): (&str, &str, u16),
+    fields: &[RegField],
+    print_fmt: &str,
+) -> EventFormat {
     EventFormat {
-        system: String::new(),
-        name: String::new(),
-        id: 0,
+        system: system.to_string(),
+        name: name.to_string(),
+        id,
         common_fields: common_fields(),
         fields: fields
             .iter()
