@@ -2,7 +2,9 @@
 //! (the host's session with text output: its merger and formatter), `record --format
 //! text` (the text sink) and `record` + `report` (trace.dat written by the sink, read
 //! back by `TraceFile`). One merger (`hyptrace_output::Merger`) and one line formatter
-//! (`format_guest_line`, `format_drop`) serve all three.
+//! (`format_guest_line`, `format_drop`) serve all three. One difference by design (G2 in
+//! docs/design.md): the bytes of a guest string the text escapes are `?` in trace.dat,
+//! so `report` prints those messages sanitized.
 //!
 //! Every event kind: markers, spans, texts (short, 240 bytes, with control characters,
 //! bidirectional controls, backslashes and bytes that are not UTF-8), an event id
@@ -186,6 +188,19 @@ fn every_event_kind_prints_the_same_in_run_text_sink_and_report() {
     let run = format!("cpus={CPUS}\n{}", run.text());
     let text = sink_out.text();
     let report = without_trailing_records(&report);
+    // G2: trace.dat holds each string byte the text escapes as '?' (trace-cmd prints
+    // strings raw), so `report` of it prints the sanitized message where `run` prints the
+    // escaped one; every other byte of every line is the same.
+    let mut report_want = run.clone();
+    for m in messages() {
+        let mut safe = m.clone();
+        if hyptrace_output::tracedat::sanitize_guest_string(&mut safe) > 0 {
+            report_want = report_want.replace(
+                &hyptrace_output::escaped_guest_bytes(&m),
+                &hyptrace_output::escaped_guest_bytes(&safe),
+            );
+        }
+    }
     // What the script must have produced, so the comparison covers every kind.
     assert!(dropped > 0, "no drops");
     for needle in [
@@ -227,7 +242,10 @@ fn every_event_kind_prints_the_same_in_run_text_sink_and_report() {
         1 + written + markers.len() as u64
     );
     // Same lines, same order, byte for byte.
-    for (name, other) in [("text sink", &text), ("report", &report)] {
+    for (name, run, other) in [
+        ("text sink", &run, &text),
+        ("report", &report_want, &report),
+    ] {
         if let Some((i, (a, b))) = run
             .lines()
             .zip(other.lines())
@@ -237,7 +255,7 @@ fn every_event_kind_prints_the_same_in_run_text_sink_and_report() {
             panic!("run and {name} differ at line {i}:\n  run:   {a}\n  {name}: {b}");
         }
         assert_eq!(run.lines().count(), other.lines().count(), "{name}");
-        assert_eq!(&run, other, "{name}");
+        assert_eq!(run, other, "{name}");
     }
 }
 

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use hyptrace_abi::layout::{ctl, RingGeometry};
 use hyptrace_abi::SharedMem;
-use hyptrace_output::{common_fields, EventFormat, Field};
+use hyptrace_output::EventFormat;
 use hyptrace_reader::registry::{answer, read_table, refuse, Registration, Rejection, TableError};
 
 /// Registration exits with the table not ready before the table counts as refused.
@@ -26,24 +26,7 @@ const MAX_EARLY_EXITS: u32 = 16;
 /// assert_eq!((f.system.as_str(), f.name.as_str(), f.id), ("demo", "packet", 42));
 /// ```
 pub fn to_format(r: &Registration) -> EventFormat {
-    EventFormat {
-        system: r.system.clone(),
-        name: r.name.clone(),
-        id: r.id,
-        common_fields: common_fields(),
-        fields: r
-            .fields
-            .iter()
-            .map(|f| Field {
-                type_name: f.ctype.clone(),
-                name: f.name.clone(),
-                offset: f.offset as usize,
-                size: f.size as usize,
-                signed: f.signed,
-            })
-            .collect(),
-        print_fmt: r.print_fmt.clone(),
-    }
+    hyptrace_reader::registry::event_format((&r.system, &r.name, r.id), &r.fields, &r.print_fmt)
 }
 
 /// What the guest registered.

@@ -137,7 +137,7 @@ fn guest_fast_fields(out: &mut String, id: u16, payload: &[u8]) -> bool {
 /// Whether `c` is written escaped in text output: C0 controls, DEL, C1 controls, the
 /// line/paragraph separators and the bidirectional-text controls (which reorder what a
 /// terminal shows).
-fn must_escape(c: char) -> bool {
+pub(crate) fn must_escape(c: char) -> bool {
     c.is_control()
         || matches!(
             c,

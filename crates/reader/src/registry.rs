@@ -22,6 +22,8 @@ use hyptrace_abi::registry::{
     TABLE_MAGIC, TABLE_VERSION,
 };
 use hyptrace_abi::SharedMem;
+use hyptrace_output::format::{common_fields, EventFormat, Field};
+use hyptrace_output::printfmt::{check_guest_format, GuestFormatError};
 use zerocopy::FromBytes;
 
 /// The systems of the VMM's own events (`hyptrace:trailing_lost`, `vmm:vcpu_exit`...):
@@ -398,6 +400,9 @@ enum EntryError {
     RecordSize(usize),
     #[error("print fmt does not start with a quoted format string")]
     PrintFmtUnquoted,
+    /// The print fmt is outside the subset every reader evaluates safely (G1).
+    #[error(transparent)]
+    PrintFmt(#[from] GuestFormatError),
     #[error("{0} fields is over the limit of {MAX_FIELDS_PER_EVENT} per event")]
     TooManyFields(u32),
     #[error("fields {first}..+{count} lie outside the table's {total} field entries")]
@@ -547,7 +552,36 @@ fn check_entry(
         out.push(field);
     }
     out.sort_by_key(|f| f.offset);
+    check_guest_format(&event_format(("", "", 0), &out, &print_fmt))?;
     Ok((out, print_fmt))
+}
+
+/// The trace-event format of a registration: `system:name` with id `id`, the common
+/// fields, `fields` and `print_fmt`. The one conversion: the entry check
+/// ([`check_guest_format`], G1: the guest's print fmt is in the subset trace-cmd
+/// evaluates safely) and every output's formats (`hyptrace_embed::to_format`) use it.
+pub fn event_format(
+    (system, name, id): (&str, &str, u16),
+    fields: &[RegField],
+    print_fmt: &str,
+) -> EventFormat {
+    EventFormat {
+        system: system.to_string(),
+        name: name.to_string(),
+        id,
+        common_fields: common_fields(),
+        fields: fields
+            .iter()
+            .map(|f| Field {
+                type_name: f.ctype.clone(),
+                name: f.name.clone(),
+                offset: f.offset as usize,
+                size: f.size as usize,
+                signed: f.signed,
+            })
+            .collect(),
+        print_fmt: print_fmt.to_string(),
+    }
 }
 
 /// Field `f` named `name` (an identifier) of a record of `size` bytes, against the

@@ -176,6 +176,7 @@ fn malformed_entries_are_rejected_one_by_one() {
     let mut arr = ev("arr", 17);
     arr.fields = vec![("s", "char[16]", 8, 16, 1), ("d", DATA_LOC_STR, 24, 4, 0)];
     arr.size = 28;
+    arr.fmt = "\"s=%s d=%s\", REC->s, __get_str(d)";
     let mut badarr = ev("badarr", 18);
     badarr.fields = vec![("s", "char[16]", 8, 15, 1)];
     let good1 = ev("good1", 63);
@@ -351,4 +352,141 @@ fn answer_round_trip_with_the_writer() {
         (A.id(), B.id(), C.id()),
         (Some(1000), None, Some(FIRST_DYNAMIC_ID))
     );
+}
+
+/// An entry with integer, char array and `__data_loc` string fields and print fmt `fmt`.
+fn rich(name: &'static str, slot: u32, fmt: &'static str) -> Raw {
+    Raw {
+        system: "sys",
+        name,
+        fmt,
+        fields: vec![
+            ("a", "u64", 8, 8, 0),
+            ("b", "int", 16, 4, 1),
+            ("s", "char[16]", 20, 16, 1),
+            ("d", DATA_LOC_STR, 36, 4, 0),
+        ],
+        size: 40,
+        slot,
+        req: 0,
+    }
+}
+
+/// Print fmts the guests in the tree register (guest/src, guest/examples/c,
+/// tests/support/c) and the subset's other forms are accepted (G1).
+#[test]
+fn legitimate_print_fmts_are_accepted() {
+    let fmts: &[&'static str] = &[
+        "\"a=%llu b=%d\", REC->a, REC->b",
+        "\"seq=%llu msg=%s\", REC->a, __get_str(d)",
+        "\"seq=%llu cpu=%u delta=%d tag=%s\", REC->a, REC->b, REC->b, REC->s",
+        "\"%-20s|%08llx|%.4s|%64d\", REC->s, REC->a, \"abcdef\", REC->b",
+        "\"q=\\\"%llu\\\" \\\\ 100%%\", REC->a / 1000 % 7",
+        "\"%d %llu\", REC->b ? (int)REC->a : -1, (REC->a >> 3) & 0xff",
+        "\"%s %s\", __print_symbolic(REC->b, { 0, \"zero\" }, { 1, \"one\" }), __print_flags(REC->a, \"|\", { 1, \"A\" }, { 2, \"B\" })",
+        "\"%s %s %s\", __print_hex(REC->s, 16), __print_hex_str(REC->s, 4), __print_array(REC->s, 4, 4)",
+        "\"%p %lu %d\", REC->a, sizeof(u64), REC->common_pid",
+    ];
+    let evs: Vec<Raw> = fmts
+        .iter()
+        .enumerate()
+        .map(|(i, f)| rich("ok", i as u32, f))
+        .enumerate()
+        .map(|(i, mut r)| {
+            r.name = ["a", "b", "c", "d", "e", "f", "g", "h", "i"][i];
+            r
+        })
+        .collect();
+    let r = parse_table(&table(&evs, |_, _| {})).unwrap();
+    assert!(r.rejected.is_empty(), "{:#?}", reasons(&r));
+    assert_eq!(r.events.len(), fmts.len());
+}
+
+/// Each hostile print fmt (measured to crash, hang or fool trace-cmd 3.1.6, or in a
+/// class that could) is rejected alone with its reason; the good entry next to them
+/// is accepted.
+#[test]
+fn hostile_print_fmts_are_rejected_with_their_reason() {
+    let cases: &[(&'static str, &str)] = &[
+        (
+            "\"%llu\", REC->a / 0",
+            "divides by something other than a literal",
+        ),
+        ("\"%llu\", REC->a % 0", "divides by"),
+        ("\"%llu\", REC->a / REC->b", "divides by"),
+        ("\"%lld\", REC->a / -1", "divides by"),
+        (
+            "\"%s\", __print_symbolic(REC->a, { 1/0, \"x\" })",
+            "divides by",
+        ),
+        ("\"%999999999d\", REC->b", "does not parse"),
+        ("\"%65d\", REC->b", "width or precision of 65"),
+        ("\"%.100s\", REC->s", "width or precision of 100"),
+        ("\"%*d\", REC->b, REC->b", "`*` width"),
+        ("\"%.*s\", REC->b, REC->s", "`*` width"),
+        ("\"%s\", __print_hex(REC->a, 99999999)", "fixed array field"),
+        (
+            "\"%s\", __print_hex(REC->s, 17)",
+            "reads 17 bytes of a 16-byte field",
+        ),
+        ("\"%s\", __print_hex(REC->s, REC->b)", "literal length"),
+        ("\"%s\", __print_array(REC->s, 5, 4)", "reads 20 bytes"),
+        ("\"%s\", __print_array(REC->s, 2, 3)", "element size"),
+        ("\"x\\n<idle>-0 [001] 1.0: forged\"", "escape \\n"),
+        ("\"x\\r\"", "escape \\r"),
+        ("\"x\\e[2J\"", "escape \\e"),
+        ("\"x\\033[2J\"", "escape \\0"),
+        ("\"x\\x1b\"", "escape \\x"),
+        ("\"x\\t\"", "escape \\t"),
+        ("\"%c\", REC->b", "conversion %c"),
+        ("\"%c\", '\\n'", "character literal"),
+        ("\"%pS\", REC->a", "conversion %pS"),
+        ("\"%pM\", REC->s", "conversion %pI/%pM"),
+        ("\"%n\", REC->a", "does not parse"),
+        ("\"%s\", REC->a", "a %s argument"),
+        ("\"%d\", REC->s", "integer conversion's argument"),
+        ("\"%llu\", REC->nope", "REC-> names no field"),
+        ("\"%s\", __get_str(nope)", "__get_str names no field"),
+        ("\"%s\", __get_str(s)", "a %s argument"),
+        (
+            "\"%llu\", some_kernel_symbol",
+            "uses \"some_kernel_symbol\"",
+        ),
+        ("\"%s\", __get_bitmask(d)", "uses \"__get_bitmask\""),
+        (
+            "\"%llu\", __builtin_expect(REC->a, 1)",
+            "uses \"__builtin_expect\"",
+        ),
+        (
+            "\"%s\", __print_symbolic(REC->a, { 1, \"\\n\" })",
+            "escape \\n",
+        ),
+        ("\"%d %d\", REC->b", "does not parse"),
+        ("\"%d\", REC->b, REC->b", "does not parse"),
+    ];
+    let names = [
+        "h00", "h01", "h02", "h03", "h04", "h05", "h06", "h07", "h08", "h09", "h10", "h11", "h12",
+        "h13", "h14", "h15", "h16", "h17", "h18", "h19", "h20", "h21", "h22", "h23", "h24", "h25",
+        "h26", "h27", "h28", "h29", "h30", "h31", "h32", "h33", "h34", "h35", "h36", "h37",
+    ];
+    assert!(cases.len() < names.len() && cases.len() < 63);
+    let mut evs: Vec<Raw> = cases
+        .iter()
+        .enumerate()
+        .map(|(i, (f, _))| rich(names[i], i as u32, f))
+        .collect();
+    evs.push(rich("good", 63, "\"a=%llu s=%s\", REC->a, REC->s"));
+    let r = parse_table(&table(&evs, |_, _| {})).unwrap();
+    assert_eq!(accepted(&r), ["sys:good"]);
+    let got = reasons(&r);
+    assert_eq!(got.len(), cases.len(), "{got:#?}");
+    for ((i, reason), (fmt, want)) in got.iter().zip(cases) {
+        assert!(
+            reason.starts_with(&format!(
+                "event {i} (sys:{}) rejected: print fmt",
+                names[*i as usize]
+            )) && reason.contains(want),
+            "{fmt}: {reason} (want {want:?})"
+        );
+    }
 }

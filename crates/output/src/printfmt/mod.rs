@@ -23,7 +23,10 @@
 //! Anything else (statement expressions, `%pI4`...) is [`Unsupported`]: the caller prints
 //! the fields raw.
 
+mod guest;
 mod parse;
+
+pub use guest::{check_guest_format, GuestFormatError, MAX_GUEST_WIDTH};
 
 use crate::format::{EventFormat, Field};
 use crate::symbols::KernelSymbols;
@@ -118,25 +121,44 @@ impl FieldRef {
         })
     }
 
-    /// The bytes of an array or dynamic field (strings cut at the first NUL).
-    pub(crate) fn bytes<'p>(&self, p: &'p [u8]) -> Option<&'p [u8]> {
-        let (b, s) = match self.kind {
+    /// Whether the field holds a char string (char array, `__data_loc char[]`).
+    pub(crate) fn is_string(&self) -> bool {
+        matches!(
+            self.kind,
+            Kind::Array(true) | Kind::DataLoc(true) | Kind::RelLoc(true)
+        )
+    }
+
+    /// The offset of a `__data_loc` field's word, if it is one.
+    pub(crate) fn data_loc_word(&self) -> Option<usize> {
+        matches!(self.kind, Kind::DataLoc(_)).then_some(self.offset)
+    }
+
+    /// Where the bytes of an array or dynamic field lie in payload `p` (whole, not cut
+    /// at a NUL); `None` for integers or when they lie outside `p`.
+    pub(crate) fn range(&self, p: &[u8]) -> Option<std::ops::Range<usize>> {
+        let r = match self.kind {
             Kind::Int => return None,
             // A flexible array (`char buf[]`, size 0) runs to the end of the payload.
-            Kind::Array(s) if self.size == 0 => (p.get(self.offset..)?, s),
-            Kind::Array(s) => (p.get(self.offset..self.offset.checked_add(self.size)?)?, s),
-            Kind::DataLoc(s) | Kind::RelLoc(s) => {
+            Kind::Array(_) if self.size == 0 => self.offset..p.len(),
+            Kind::Array(_) => self.offset..self.offset.checked_add(self.size)?,
+            Kind::DataLoc(_) | Kind::RelLoc(_) => {
                 let w = p.get(self.offset..self.offset.checked_add(4)?)?;
                 let w = u32::from_le_bytes([w[0], w[1], w[2], w[3]]);
                 let mut off = (w & 0xffff) as usize;
                 if matches!(self.kind, Kind::RelLoc(_)) {
                     off = off.checked_add(self.offset)?.checked_add(self.size)?;
                 }
-                let len = (w >> 16) as usize;
-                (p.get(off..off.checked_add(len)?)?, s)
+                off..off.checked_add((w >> 16) as usize)?
             }
         };
-        Some(if s {
+        p.get(r.clone()).map(|_| r)
+    }
+
+    /// The bytes of an array or dynamic field (strings cut at the first NUL).
+    pub(crate) fn bytes<'p>(&self, p: &'p [u8]) -> Option<&'p [u8]> {
+        let b = p.get(self.range(p)?)?;
+        Some(if self.is_string() {
             b.split(|&c| c == 0).next().unwrap_or(b)
         } else {
             b

@@ -11,7 +11,7 @@ const UNKNOWN: u64 = u64::MAX;
 const MAX_DEPTH: u32 = 200;
 
 #[derive(Clone, Debug, PartialEq)]
-enum Tok {
+pub(super) enum Tok {
     /// Number, and whether it is unsigned (`U` suffix or too big for a signed long).
     Num(u64, bool),
     Str(String),
@@ -28,7 +28,7 @@ fn unsupported(what: impl Into<String>) -> Unsupported {
     Unsupported(what.into())
 }
 
-fn lex(s: &str) -> Result<Vec<Tok>, Unsupported> {
+pub(super) fn lex(s: &str) -> Result<Vec<Tok>, Unsupported> {
     let b = s.as_bytes();
     let mut i = 0;
     let mut out = Vec::new();

@@ -1,6 +1,10 @@
 //! trace.dat v6/v7: writer ([`TraceDatSink`]) and reader ([`TraceFile`]).
 
 mod read;
+mod strings;
+
+/// How a guest string is written into a trace.dat page (G2): [`strings::sanitize`].
+pub use strings::sanitize as sanitize_guest_string;
 mod write;
 mod zpool;
 

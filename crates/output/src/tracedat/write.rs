@@ -465,6 +465,9 @@ pub struct TraceDatSink {
     zstd: Option<(zstd::bulk::Compressor<'static>, Vec<u8>)>,
     /// zstd: the compression worker threads.
     pool: Option<super::zpool::ZPool>,
+    /// The string fields made safe in every page (G2), and the bytes replaced so far.
+    strings: super::strings::StringFields,
+    replaced: u64,
 }
 
 impl TraceDatSink {
@@ -544,6 +547,8 @@ impl TraceDatSink {
             target: target.clone(),
             out: Some(out),
             scratch: vec![0; meta.page_size],
+            strings: super::strings::StringFields::new(&meta.formats),
+            replaced: 0,
             meta,
             version,
             compression,
@@ -768,6 +773,7 @@ impl TraceDatSink {
             // The one page-writing path of every buffer this file gets.
             self.meta.clock.retime_page(&mut self.scratch);
         }
+        self.replaced += self.strings.sanitize_page(&mut self.scratch);
         if self.compression == Compression::Zstd {
             let c = cpu as usize;
             // Compress a full chunk only when the next page arrives: the CPU's last page
@@ -831,6 +837,14 @@ impl PageSink for TraceDatSink {
     }
 
     fn finish(mut self: Box<Self>, summary: &RunSummary) -> Result<(), OutputError> {
+        if self.replaced > 0 {
+            // Shown as the text sink shows its one warning: the host prints no sink notes.
+            eprintln!(
+                "hyptrace: warning: {}: {} control or non-UTF-8 bytes in guest strings written as '?' (trace-cmd prints strings raw)",
+                self.target.path().display(),
+                self.replaced
+            );
+        }
         let r = self.assemble(summary);
         self.cleanup();
         r
