@@ -227,6 +227,89 @@ fn ctl_switches_events_while_the_guest_runs() {
     assert_eq!(markers_in_window, skipped);
 }
 
+/// `attempted` / `skipped` of one CPU of `ctl stats` (numbers, never absent).
+fn live_attempts(st: &serde_json::Value, cpu: usize) -> (u64, u64) {
+    let c = &st["cpus"][cpu];
+    let u = |k: &str| c[k].as_u64().unwrap_or_else(|| panic!("{k} in {c}"));
+    assert!(c["attempts_problem"].is_null(), "{c}");
+    (u("attempted"), u("skipped"))
+}
+
+/// Issue 26: `ctl stats` reports the guest's attempted and skipped events while it runs
+/// (its writer publishes them live, invariant R3): attempts grow, the markers disabled
+/// through the socket show up as skipped at once, skipped never exceeds attempted; a
+/// SIGTERM-stopped run's `--stats` has the numbers too (no `?`, no null), at least the
+/// live ones, with `attempted − skipped` equal to `written` or one more (an event
+/// counted, not yet written, when the vCPU stopped) — the host checked it: exit 0.
+#[test]
+fn ctl_stats_and_a_stopped_run_report_published_attempts() {
+    if !kvm_available(
+        KRATE,
+        "ctl_stats_and_a_stopped_run_report_published_attempts",
+    ) {
+        return;
+    }
+    let _vm = vm_lock();
+    let dir = TempDir::new("ctl-attempts");
+    let sock = dir.file("ctl.sock");
+    let st = dir.file("stats.json");
+    let err_file = dir.file("err.txt");
+    let err = std::fs::File::create(&err_file).expect("err");
+    let mut run = RunChild(Some(
+        Command::new(BIN)
+            .args([
+                "run",
+                "--vcpus",
+                "1",
+                "--workload",
+                "mixed",
+                "--rate",
+                "2000",
+                "--events",
+                "100000000",
+                "--control",
+                &sock,
+                "--stats",
+                &st,
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(err))
+            .spawn()
+            .expect("spawn"),
+    ));
+    wait_for(&mut run, "the socket", || Path::new(&sock).exists());
+    wait_for(&mut run, "attempts", || {
+        live_attempts(&stats(&sock), 0).0 > 0
+    });
+    let (a0, s0) = live_attempts(&stats(&sock), 0);
+    assert_eq!(s0, 0, "nothing disabled yet");
+    let (code, _, e) = ctl(&sock, &["disable", "guest:marker"]);
+    assert_eq!(code, Some(0), "{e}");
+    wait_for(&mut run, "skipped markers", || {
+        live_attempts(&stats(&sock), 0).1 > 0
+    });
+    let (a1, s1) = live_attempts(&stats(&sock), 0);
+    assert!(a1 > a0 && s1 <= a1, "{a0} {a1} {s1}");
+    let child = run.0.as_ref().expect("child");
+    env::signal(child, "-TERM");
+    assert_eq!(
+        run.wait(),
+        Some(0),
+        "{}",
+        std::fs::read_to_string(&err_file).unwrap_or_default()
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&st).expect("stats")).expect("JSON");
+    assert_eq!(json["end"], "signal", "{json}");
+    let c = &json["cpus"][0];
+    let u = |k: &str| c[k].as_u64().unwrap_or_else(|| panic!("{k} in {c}"));
+    let (attempted, skipped, written) = (u("attempted"), u("skipped"), u("written"));
+    assert!(attempted >= a1 && skipped >= s1, "{c}");
+    let taken = attempted - skipped;
+    assert!(taken == written || taken == written + 1, "{c}");
+    assert!(c["attempts_problem"].is_null(), "{c}");
+}
+
 /// `--control` refuses a path that is not a socket, or a socket another process
 /// serves (exit 2, before any VM), and leaves both alone.
 #[test]

@@ -62,6 +62,7 @@ mod sc {
     pub const MBOX_BAD_STATUS: u32 = 17;
     pub const MBOX_ACK_NO_SWAP: u32 = 18;
     pub const MBOX_NEVER: u32 = 19;
+    pub const ATTEMPTS_HOSTILE: u32 = 24;
 }
 
 /// What the run must end with.
@@ -451,6 +452,22 @@ fn counters_huge() {
         20_000,
         Expect::Corrupt(&["MISMATCH", "mismatch", "overflow"]),
     ));
+}
+
+/// The published attempts say more events were skipped than attempted (R3), then the
+/// writer finishes: the host names the lie on CPU 0 and exits 1; no wrapped difference
+/// passes for consistent.
+#[test]
+fn attempts_hostile() {
+    skip_without_kvm!("attempts_hostile");
+    let mut c = Case::new(
+        "attempts_hostile",
+        sc::ATTEMPTS_HOSTILE,
+        2_000,
+        Expect::Corrupt(&["skipped", "MISMATCH"]),
+    );
+    c.no_duration = true;
+    run_case(&c);
 }
 
 /// Pages from the third on claim first_index 1.

@@ -4,16 +4,20 @@
 
 use hyptrace_abi::events;
 use hyptrace_abi::RawMem;
-use hyptrace_writer::{WriteOutcome, Writer};
+use hyptrace_writer::Writer;
 
 use crate::builtin::{MARKER, SPAN, TEXT};
 use crate::rt::rdtsc;
 
 /// Where events go.
 pub trait Sink {
-    /// Writes one event of enable-slot `slot` with timestamp `ts` (TSC). Returns `false`
-    /// if it was not written because the event is disabled (counted as skipped).
-    fn write(&mut self, slot: u32, ts: u64, payload: &[u8]) -> bool;
+    /// Writes one event of enable-slot `slot` with timestamp `ts` (TSC): counted as
+    /// attempted, and as skipped if its enable bit is clear (the writer's published
+    /// counters, invariant R3).
+    fn write(&mut self, slot: u32, ts: u64, payload: &[u8]);
+    /// Counts one event as attempted and skipped without writing it (an event the host
+    /// rejected).
+    fn skip(&mut self);
     /// Called from idle (busy-wait) loops: serve the host's mailbox.
     fn idle(&mut self) {}
 }
@@ -39,14 +43,18 @@ impl WriterSink {
 
 impl Sink for WriterSink {
     #[inline(always)]
-    fn write(&mut self, slot: u32, ts: u64, payload: &[u8]) -> bool {
-        let out = self.w.write(slot, ts, payload);
+    fn write(&mut self, slot: u32, ts: u64, payload: &[u8]) {
+        // The writer counts the attempt, and a disabled event as skipped; dropped (ring
+        // full) and the rest are attempted-and-enabled (dropped / corrupt).
+        self.w.write(slot, ts, payload);
         if self.serve {
             self.w.serve_mailbox();
         }
-        // Dropped (ring full) and the rest count as attempted-and-enabled: the writer
-        // accounts for them (dropped / corrupt); only disabled events are skipped.
-        out != WriteOutcome::Disabled
+    }
+
+    #[inline(always)]
+    fn skip(&mut self) {
+        self.w.skip();
     }
 
     #[inline(always)]
@@ -57,8 +65,8 @@ impl Sink for WriterSink {
     }
 }
 
-/// Builds the built-in events of one vCPU (one `seq` counter across all types) and
-/// counts them. Their ids are the ones the host assigned at registration
+/// Builds the built-in events of one vCPU (one `seq` counter across all types); the
+/// writer counts them (attempted, skipped). Their ids are the ones the host assigned at registration
 /// ([`crate::builtin`]); an event the host rejected is never written (skipped).
 pub struct Emitter<S: Sink> {
     sink: S,
@@ -66,10 +74,6 @@ pub struct Emitter<S: Sink> {
     seq: u64,
     /// Assigned ids of marker, span, text (`None`: rejected).
     ids: [Option<u16>; 3],
-    /// Events attempted (written or skipped).
-    pub attempted: u64,
-    /// Events not written because they were disabled.
-    pub skipped: u64,
 }
 
 impl<S: Sink> Emitter<S> {
@@ -81,19 +85,14 @@ impl<S: Sink> Emitter<S> {
             pid: events::vcpu_pid(cpu),
             seq: 0,
             ids: [MARKER.id(), SPAN.id(), TEXT.id()],
-            attempted: 0,
-            skipped: 0,
         }
     }
 
     /// The one place an event is written.
     #[inline(always)]
     pub fn emit(&mut self, slot: u32, payload: &[u8]) {
-        self.attempted += 1;
         let ts = rdtsc();
-        if !self.sink.write(slot, ts, payload) {
-            self.skipped += 1;
-        }
+        self.sink.write(slot, ts, payload);
     }
 
     /// Idle hook (serves the mailbox in `--swap guest` mode).
@@ -122,10 +121,7 @@ impl<S: Sink> Emitter<S> {
                 payload[..2].copy_from_slice(&id.to_le_bytes());
                 self.emit(slot, payload);
             }
-            None => {
-                self.attempted += 1;
-                self.skipped += 1;
-            }
+            None => self.sink.skip(),
         }
     }
 

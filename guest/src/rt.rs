@@ -5,22 +5,11 @@
 //! Runs at CPL3 with IOPL=3 (so `in`/`out` work, `hlt` does not), no interrupts, no IDT:
 //! any CPU exception triple-faults.
 
-use core::arch::global_asm;
 use core::panic::PanicInfo;
 
 // Entry: rdi = pack GPA, rsi = vCPU id, rdx = RunParams GPA, rsp = top of this vCPU's
 // stack (set by the VMM). Align the stack and call `guest_main` (never returns).
-global_asm!(
-    ".section .text.entry,\"ax\",@progbits",
-    ".global _start",
-    "_start:",
-    "    and rsp, -16",
-    "    xor ebp, ebp",
-    "    call {main}",
-    "2:  pause",
-    "    jmp 2b",
-    main = sym crate::guest_main,
-);
+hyptrace_guest_rt::entry!(crate::guest_main);
 
 pub use hyptrace_guest_rt::{out32, rdtsc};
 

@@ -178,11 +178,11 @@ pub const PING_IDLE_SECONDS: u64 = 10;
 
 /// Offsets of the fields of a vCPU result slot. The guest writes them one at a time
 /// (`tsc_start` at entry, `status` last), so they stay offsets rather than a struct.
+///
+/// Bytes 0..16 are reserved: they held `attempted` and `skipped`, written once at the
+/// end, until the writer published both live in its control block
+/// ([`crate::layout::ctl::ATTEMPTED`], PACK_VERSION 5).
 pub mod result {
-    /// u64 events the workload attempted (enabled or not).
-    pub const ATTEMPTED: usize = 0;
-    /// u64 events not written because they were disabled.
-    pub const SKIPPED: usize = 8;
     /// u64 TSC when the workload started.
     pub const TSC_START: usize = 16;
     /// u64 TSC when the workload ended.

@@ -29,7 +29,7 @@ use core::sync::atomic::Ordering::Relaxed;
 /// Magic of the pack header: `"HTPACK01"`.
 pub const PACK_MAGIC: u64 = u64::from_le_bytes(*b"HTPACK01");
 /// Current pack version.
-pub const PACK_VERSION: u32 = 4;
+pub const PACK_VERSION: u32 = 5;
 /// Size of the pack header.
 pub const PACK_HEADER_SIZE: usize = 128;
 /// Size of one per-CPU descriptor.
@@ -162,7 +162,7 @@ pub mod cpu_desc {
 ///
 /// Writer-owned (only the writer stores them; others load): `TAIL_PAGE`,
 /// `ENTRIES`, `OVERRUN`, `DROPPED`, `PAGES_TOUCHED`, `BYTES`, `WRITE_STAMP`,
-/// `LOST_PENDING`, `MBOX_ACK`, `WRITER_STATE`.
+/// `ATTEMPTED`, `SKIPPED`, `LOST_PENDING`, `MBOX_ACK`, `WRITER_STATE`.
 /// Swap-owned (stored by `swap_reader_page`, wherever it runs): `READER_PAGE`, `SWAPS`.
 /// Host-owned (the guest only loads them): `ENABLE`, `MBOX_REQ`, `RELEASED`.
 ///
@@ -174,7 +174,8 @@ pub mod cpu_desc {
 /// ```text
 ///   0..64    magic, version; writer, once per page or rarer: tail_page, overrun,
 ///            dropped, pages_touched, lost_pending, writer_state   (the swap loads)
-///  64..128   writer, every event: entries, bytes, write_stamp      (others load rarely)
+///  64..128   writer, every event: entries, bytes, write_stamp,
+///            attempted, skipped                                   (others load rarely)
 /// 128..192   host: enable, mbox_req, released                      (the writer loads)
 /// 192..256   the swap: reader_page, swaps; writer: mbox_ack        (host and swap)
 /// ```
@@ -202,7 +203,16 @@ pub mod ctl {
     pub const BYTES: usize = 72;
     /// Timestamp of the last committed event.
     pub const WRITE_STAMP: usize = 80;
-    // 88..128 reserved (writer-owned).
+    /// Events attempted: every write call, enabled or not, stored (Relaxed) before the
+    /// event is written or skipped (invariant R3, docs/design.md "Published attempts").
+    /// Added in PACK_VERSION 5.
+    pub const ATTEMPTED: usize = 88;
+    /// Of those, events skipped because their enable bit was clear (or the host rejected
+    /// them): stored with Release after `ATTEMPTED`, so a reader that loads it with
+    /// Acquire and then `ATTEMPTED` never sees `skipped > attempted` from an honest
+    /// writer (R3). Added in PACK_VERSION 5.
+    pub const SKIPPED: usize = 96;
+    // 104..128 reserved (writer-owned).
     /// Host → guest (separate cache line): enable bits of the registered events
     /// (bit n = slot n, [`crate::registry::EventEntry::slot`]). The host flips them
     /// atomically (fetch_or / fetch_and: other bits stay); the writer loads them once per

@@ -8,7 +8,7 @@ use hyptrace_abi::SharedMem;
 use hyptrace_output::{
     Clock, EventFormat, KernelCpuStat, OutputError, PageSink, RunSummary, TraceMeta,
 };
-use hyptrace_reader::{Callbacks, CpuStats, ReadError, RingBuffer};
+use hyptrace_reader::{Attempts, Callbacks, CpuStats, ReadError, RingBuffer};
 
 /// Most page bytes one drain round hands to the sink from one CPU.
 pub const ROUND_MAX_BYTES: usize = 4 << 20;
@@ -97,6 +97,20 @@ pub fn written<M: SharedMem, C: Callbacks>(
     index
 }
 
+/// Invariant R3 (docs/design.md, "Published attempts"): whether a CPU's published
+/// attempts `a` agree with the `written` events its writer took in ([`written`]):
+/// no problem seen ([`Attempts::problem`]), and `attempted − skipped` equal to
+/// `written` for a writer that `finished` — or, for one stopped or crashed mid-run, equal
+/// to it or one more (it counts an attempt before it writes or skips the event). Guest
+/// numbers: no sum or difference may overflow.
+pub fn attempts_consistent(a: &Attempts, written: u64, finished: bool) -> bool {
+    let Some(taken) = a.attempted.checked_sub(a.skipped) else {
+        return false;
+    };
+    a.problem.is_none()
+        && (taken == written || (!finished && written.checked_add(1) == Some(taken)))
+}
+
 /// The kernel-style per-CPU statistics a sink writes at its end (trace.dat's CPUSTAT
 /// options) for a CPU whose writer took in `written` events and whose reader saw `st`.
 pub fn kernel_cpu_stat(written: u64, st: &CpuStats) -> KernelCpuStat {
@@ -121,14 +135,19 @@ pub struct CpuAccount {
     pub stats: CpuStats,
     /// Whether the writer said it finished.
     pub finished: bool,
+    /// What the guest's writer published of its attempts (R3).
+    pub attempts: Attempts,
     /// Why reading this CPU stopped early, if it did.
     pub error: Option<DrainError>,
 }
 
 impl CpuAccount {
-    /// Whether every event written was read or counted lost (`written = read + lost`).
+    /// Whether every event written was read or counted lost (`written = read + lost`)
+    /// and the attempts agree ([`attempts_consistent`]).
     pub fn consistent(&self) -> bool {
-        self.error.is_none() && self.stats.read.checked_add(self.stats.lost) == Some(self.written)
+        self.error.is_none()
+            && self.stats.read.checked_add(self.stats.lost) == Some(self.written)
+            && attempts_consistent(&self.attempts, self.written, self.finished)
     }
 }
 
@@ -207,14 +226,16 @@ impl<M: SharedMem, C: Callbacks> Tracer<M, C> {
                 self.failed[cpu as usize].get_or_insert(e);
             }
         }
-        let accounts: Vec<CpuAccount> = (0..self.reader.nr_cpus())
-            .map(|cpu| CpuAccount {
+        let mut accounts = Vec::with_capacity(self.failed.len());
+        for cpu in 0..self.reader.nr_cpus() {
+            accounts.push(CpuAccount {
                 written: written(&self.reader, cpu, false),
                 stats: self.reader.stats(cpu),
                 finished: self.reader.writer_finished(cpu),
+                attempts: self.reader.attempts(cpu).unwrap_or_default(),
                 error: self.failed[cpu as usize].take(),
-            })
-            .collect();
+            });
+        }
         let summary = RunSummary {
             cpus: accounts
                 .iter()
@@ -325,5 +346,35 @@ mod tests {
         let a = t.finish(Box::new(sink)).expect("finish");
         assert!(a[0].error.is_some() && !a[0].consistent(), "{:?}", a[0]);
         assert_eq!((a[1].stats.read, a[1].written), (10, 10));
+    }
+
+    /// R3's cases: exact for a finished writer; one attempt ahead of what was written
+    /// for a writer stopped mid-event, never more, never behind; a problem seen or a
+    /// published skipped above attempted is never consistent (no wrapped difference).
+    #[test]
+    fn attempts_consistent_cases() {
+        let a = |attempted, skipped| Attempts {
+            attempted,
+            skipped,
+            problem: None,
+        };
+        assert!(attempts_consistent(&a(10, 3), 7, true));
+        assert!(!attempts_consistent(&a(10, 3), 6, true));
+        assert!(!attempts_consistent(&a(10, 3), 8, true));
+        assert!(attempts_consistent(&a(10, 3), 7, false));
+        assert!(attempts_consistent(&a(10, 3), 6, false));
+        assert!(!attempts_consistent(&a(10, 3), 5, false));
+        assert!(!attempts_consistent(&a(10, 3), 8, false));
+        assert!(!attempts_consistent(&a(3, 10), 0, false));
+        assert!(attempts_consistent(&a(u64::MAX, 0), u64::MAX, false));
+        assert!(!attempts_consistent(&a(0, 0), u64::MAX, false));
+        let bad = Attempts {
+            problem: Some(hyptrace_reader::AttemptsProblem::SkippedAboveAttempted {
+                attempted: 1,
+                skipped: 2,
+            }),
+            ..a(10, 3)
+        };
+        assert!(!attempts_consistent(&bad, 7, true));
     }
 }

@@ -67,8 +67,8 @@ mod events;
 mod mem;
 
 pub use drain::{
-    drain_pages, kernel_cpu_stat, written, CpuAccount, DrainError, Tracer, ROUND_MAX_BYTES,
-    ROUND_MAX_TIME,
+    attempts_consistent, drain_pages, kernel_cpu_stat, written, CpuAccount, DrainError, Tracer,
+    ROUND_MAX_BYTES, ROUND_MAX_TIME,
 };
 pub use events::{to_format, Events, RegisterError, Registered};
 pub use mem::{GuestRegionMem, RegionError};

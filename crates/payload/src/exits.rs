@@ -69,10 +69,6 @@ pub fn decode_out(port: u16, data: &[u8]) -> Option<Request> {
 /// statistics, not trusted for anything).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct VcpuStats {
-    /// Events the workload attempted.
-    pub attempted: u64,
-    /// Events skipped because they were disabled.
-    pub skipped: u64,
     /// Guest TSC when the workload started (right after entry).
     pub tsc_start: u64,
     /// Guest TSC when it ended.
@@ -92,8 +88,6 @@ where
             .unwrap_or(0)
     };
     VcpuStats {
-        attempted: at(result::ATTEMPTED),
-        skipped: at(result::SKIPPED),
         tsc_start: at(result::TSC_START),
         tsc_end: at(result::TSC_END),
         mailbox_served: at(result::MAILBOX_SERVED),

@@ -286,6 +286,45 @@ impl Config {
     }
 }
 
+/// What a CPU's writer published of its attempts (invariant R3, docs/design.md
+/// "Published attempts"): read from its control block at any moment
+/// ([`RingBuffer::attempts`]), hostile values included.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Attempts {
+    /// Events the guest attempted (written, dropped, skipped or refused), as published.
+    pub attempted: u64,
+    /// Of those, events skipped (disabled), as published.
+    pub skipped: u64,
+    /// The first reason the published counters cannot be true (kept once seen): an
+    /// honest writer never gives one.
+    pub problem: Option<AttemptsProblem>,
+}
+
+/// Why a CPU's published attempts cannot be true (R3).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum AttemptsProblem {
+    /// More events skipped than attempted.
+    #[error("the guest published skipped {skipped} > attempted {attempted}")]
+    SkippedAboveAttempted {
+        /// Attempted, as read.
+        attempted: u64,
+        /// Skipped, as read.
+        skipped: u64,
+    },
+    /// A counter went down between two reads.
+    #[error("the guest's published attempted/skipped went down from {was_attempted}/{was_skipped} to {attempted}/{skipped}")]
+    Decreased {
+        /// Attempted at the earlier read.
+        was_attempted: u64,
+        /// Skipped at the earlier read.
+        was_skipped: u64,
+        /// Attempted now.
+        attempted: u64,
+        /// Skipped now.
+        skipped: u64,
+    },
+}
+
 /// Per-CPU statistics, as the reader sees them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CpuStats {
@@ -374,6 +413,8 @@ struct CpuState {
     /// Released pages ([`Callbacks::releases`]): the last `page_seq` stored in the
     /// control block's `released` (0: none yet; only grows).
     released: u64,
+    /// The writer's published attempts at the last [`RingBuffer::attempts`] (R3).
+    attempts: Attempts,
 }
 
 /// Wakes threads waiting for data ([`RingBuffer::waiter`]).
@@ -489,6 +530,7 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
                 trailing_done: false,
                 swap_in_flight: false,
                 released: 0,
+                attempts: Attempts::default(),
             });
         }
         Ok(Self {
@@ -648,6 +690,44 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
             .get(cpu as usize)
             .map(|c| c.stats)
             .unwrap_or_default()
+    }
+
+    /// The attempts `cpu`'s writer has published so far (invariant R3), read now from
+    /// its control block: `skipped` (Acquire), then `attempted`. Guest numbers: a
+    /// published `skipped` above `attempted`, or a counter below what an earlier call
+    /// read, is kept as the CPU's [`Attempts::problem`] (the first one, for good); the
+    /// values are returned as read all the same. The counters cannot be checked
+    /// against what was written here: that needs the writer stopped (R3's cases, in the
+    /// caller's accounting).
+    pub fn attempts(&mut self, cpu: u32) -> Result<Attempts, ReadError> {
+        self.check_cpu(cpu)?;
+        let c = self.layout.ctl(cpu);
+        // Acquire: paired with the Release store of skipped in Writer::skip, which comes
+        // after its store of attempted: that attempt is visible to the load below (R3).
+        let skipped = self.mem.load(c + ctl::SKIPPED, Acquire);
+        // Acquire: pairs with no store (attempted is stored Relaxed); loaded after
+        // skipped, which is what keeps skipped <= attempted for an honest writer.
+        let attempted = self.mem.load(c + ctl::ATTEMPTED, Acquire);
+        let st = &mut self.cpus[cpu as usize];
+        let was = st.attempts;
+        let problem = if skipped > attempted {
+            Some(AttemptsProblem::SkippedAboveAttempted { attempted, skipped })
+        } else if attempted < was.attempted || skipped < was.skipped {
+            Some(AttemptsProblem::Decreased {
+                was_attempted: was.attempted,
+                was_skipped: was.skipped,
+                attempted,
+                skipped,
+            })
+        } else {
+            None
+        };
+        st.attempts = Attempts {
+            attempted,
+            skipped,
+            problem: was.problem.or(problem),
+        };
+        Ok(st.attempts)
     }
 
     /// Reads the writer's own counters from `cpu`'s control block into the stats (use

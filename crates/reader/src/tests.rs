@@ -132,6 +132,50 @@ fn hostile_commit_and_ids_are_errors() {
     ));
 }
 
+/// R3: the published attempts read as the writer counted them; hostile ones — skipped
+/// above attempted, a counter going down between two reads — are returned as read with
+/// a problem that stays once seen.
+#[test]
+fn published_attempts_and_hostile_ones() {
+    let (mem, mut rb) = setup(Mode::Stop, 4);
+    let c = rb.layout().ctl(0);
+    let mut w = Writer::attach(mem.clone(), 0).unwrap();
+    w.write(0, 1, &[0; 16]);
+    w.skip();
+    let a = rb.attempts(0).unwrap();
+    assert_eq!((a.attempted, a.skipped, a.problem), (2, 1, None));
+    assert!(matches!(rb.attempts(1), Err(ReadError::BadCpu(1))));
+    // Down from 2 attempts to 1.
+    mem.store(c + ctl::ATTEMPTED, 1, Relaxed);
+    let a = rb.attempts(0).unwrap();
+    assert_eq!((a.attempted, a.skipped), (1, 1));
+    assert!(
+        matches!(
+            a.problem,
+            Some(AttemptsProblem::Decreased {
+                was_attempted: 2,
+                ..
+            })
+        ),
+        "{a:?}"
+    );
+    // Back up: the problem stays.
+    mem.store(c + ctl::ATTEMPTED, 5, Relaxed);
+    assert!(rb.attempts(0).unwrap().problem.is_some());
+    let (mem, mut rb) = setup(Mode::Stop, 4);
+    let c = rb.layout().ctl(0);
+    mem.store(c + ctl::ATTEMPTED, 3, Relaxed);
+    mem.store(c + ctl::SKIPPED, u64::MAX, Relaxed);
+    let a = rb.attempts(0).unwrap();
+    assert_eq!(
+        a.problem,
+        Some(AttemptsProblem::SkippedAboveAttempted {
+            attempted: 3,
+            skipped: u64::MAX
+        })
+    );
+}
+
 /// Sets the flag when dropped (also while unwinding): a thread waiting for it stops.
 struct SetOnDrop<'a>(&'a std::sync::atomic::AtomicBool);
 

@@ -368,16 +368,6 @@ pub fn wait_registered<M: SharedMem + ?Sized>(
     read_answer(mem, events)
 }
 
-impl<M: SharedMem> Writer<M> {
-    /// Counts one event as skipped (disabled) without writing it: what
-    /// [`Writer::write`] does when the slot's bit is clear, for callers that test
-    /// [`Writer::enabled`] themselves before building the payload.
-    #[inline(always)]
-    pub fn skip(&mut self) {
-        self.skipped = self.skipped.wrapping_add(1);
-    }
-}
-
 /// A field type the [`event!`](crate::event) macro lays out: its C type, size and
 /// signedness, and how it is stored (little-endian).
 pub trait EventField: Copy {

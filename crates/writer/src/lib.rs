@@ -215,6 +215,9 @@ pub struct Writer<M: SharedMem> {
     bytes: u64,
     page_entries: u64,
     lost_pending: u64,
+    /// Events attempted (every write call), published in `ctl::ATTEMPTED` (R3).
+    attempted: u64,
+    /// Events skipped (disabled), published in `ctl::SKIPPED` (R3).
     skipped: u64,
     mbox_seen: u64,
     mbox_served: u64,
@@ -256,7 +259,10 @@ impl<M: SharedMem> Writer<M> {
             bytes: mem.load(c + ctl::BYTES, Relaxed),
             page_entries: 0,
             lost_pending: mem.load(c + ctl::LOST_PENDING, Relaxed),
-            skipped: 0,
+            // R3: a writer attaching to a ring another left goes on counting from its
+            // published attempts (the host reads them as one count per CPU).
+            attempted: mem.load(c + ctl::ATTEMPTED, Relaxed),
+            skipped: mem.load(c + ctl::SKIPPED, Relaxed),
             // Requests are served once: a request whose seq was acknowledged is done (a
             // request posted before this attach is still served).
             // Acquire: paired with the Release store of mbox_ack in Writer::serve_request (M1).
@@ -554,6 +560,34 @@ impl<M: SharedMem> Writer<M> {
         self.skipped
     }
 
+    /// Events attempted: every [`Writer::write`], [`Writer::write_enabled`] and
+    /// [`Writer::skip`] (written, dropped, skipped or refused).
+    pub fn attempted(&self) -> u64 {
+        self.attempted
+    }
+
+    /// Counts one attempt and publishes it (invariant R3: before the event is written,
+    /// dropped or skipped, so a writer stopped anywhere has counted every event it took
+    /// in). One Relaxed store into the cache line the write path stores anyway.
+    #[inline(always)]
+    fn count_attempt(&mut self) {
+        self.attempted = self.attempted.wrapping_add(1);
+        self.ctl_store(ctl::ATTEMPTED, self.attempted, Relaxed);
+    }
+
+    /// Counts one event as skipped (disabled) without writing it: what
+    /// [`Writer::write`] does when the slot's bit is clear, for callers that test
+    /// [`Writer::enabled`] themselves before building the payload. Counts the attempt too.
+    #[inline(always)]
+    pub fn skip(&mut self) {
+        self.count_attempt();
+        self.skipped = self.skipped.wrapping_add(1);
+        // Release: pairs with the Acquire load of skipped in
+        // hyptrace_reader::RingBuffer::attempts, which loads attempted after it: the
+        // attempt stored above is visible there, so skipped <= attempted (R3).
+        self.ctl_store(ctl::SKIPPED, self.skipped, Release);
+    }
+
     /// Mailbox requests served.
     pub fn mailbox_served(&self) -> u64 {
         self.mbox_served
@@ -625,15 +659,18 @@ impl<M: SharedMem> Writer<M> {
     #[inline]
     pub fn write(&mut self, slot: u32, ts: u64, payload: &[u8]) -> WriteOutcome {
         if !self.enabled(slot) {
-            self.skipped = self.skipped.wrapping_add(1);
+            self.skip();
             return WriteOutcome::Disabled;
         }
         self.write_enabled(ts, payload)
     }
 
-    /// [`Writer::write`] without the enable check.
+    /// [`Writer::write`] without the enable check (the attempt is counted all the same).
     #[inline]
     pub fn write_enabled(&mut self, ts: u64, payload: &[u8]) -> WriteOutcome {
+        // R3: counted before anything of the event is written (the commit's Release
+        // keeps this store before it).
+        self.count_attempt();
         let ts = ts.max(self.write_stamp);
         let delta = ts - self.write_stamp;
         let size = page::data_event_size(payload.len());

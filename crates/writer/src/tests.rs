@@ -98,6 +98,51 @@ fn disabled_costs_nothing_and_counts_skipped() {
     assert_eq!((w.skipped(), w.entries()), (1, 1));
 }
 
+/// R3: every write call, `write_enabled` and `skip` is one attempt, published in the
+/// control block as it happens (written, disabled, dropped or refused alike); skipped
+/// counts the disabled ones; a writer attaching again goes on from the published counts.
+#[test]
+fn attempts_are_published_as_they_happen() {
+    let (m, l) = region(3, Mode::Stop);
+    let c = l.ctl(0);
+    let published = || {
+        (
+            m.load(c + ctl::ATTEMPTED, Relaxed),
+            m.load(c + ctl::SKIPPED, Relaxed),
+        )
+    };
+    let mut w = Writer::attach(&m, 0).unwrap();
+    assert_eq!(published(), (0, 0));
+    m.store(c + ctl::ENABLE, !1u64, Relaxed);
+    assert_eq!(w.write(0, 1, &[1; 8]), WriteOutcome::Disabled);
+    assert_eq!(published(), (1, 1));
+    assert_eq!(w.write(1, 1, &[1; 8]), WriteOutcome::Written);
+    assert_eq!(published(), (2, 1));
+    w.skip();
+    assert_eq!(w.write_enabled(2, &[1; 8]), WriteOutcome::Written);
+    assert_eq!(published(), (4, 2));
+    let big = std::vec![7u8; w.max_payload() + 1];
+    assert_eq!(w.write(1, 3, &big), WriteOutcome::TooLarge);
+    assert_eq!(published(), (5, 2));
+    // Fill the two ring pages (stop mode, nobody reads): the rest is dropped.
+    let mut dropped = 0;
+    for i in 0..1000 {
+        if w.write(1, 4 + i, &[2; 64]) == WriteOutcome::Dropped {
+            dropped += 1;
+        }
+    }
+    assert!(dropped > 0);
+    assert_eq!(published(), (1005, 2));
+    assert_eq!((w.attempted(), w.skipped()), (1005, 2));
+    // Taken in: written or dropped; the too-large one is attempted and neither.
+    assert_eq!(w.entries() + w.dropped() + w.skipped() + 1, w.attempted());
+    let _ = w;
+    let mut again = Writer::attach(&m, 0).unwrap();
+    assert_eq!((again.attempted(), again.skipped()), (1005, 2));
+    again.skip();
+    assert_eq!(published(), (1006, 3));
+}
+
 #[test]
 fn too_large_rejected_max_accepted() {
     let (m, _l) = region(4, Mode::Stop);

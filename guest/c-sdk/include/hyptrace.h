@@ -211,6 +211,14 @@ void ht_finish(struct HtWriter *w);
 // `w` from `ht_attach` on this vCPU (or NULL: 0).
 uint64_t ht_skipped(const struct HtWriter *w);
 
+// Events this vCPU's writer was given (every `ht_emit`: written, dropped, skipped or
+// refused). The writer publishes it and `ht_skipped`'s count in its control block as
+// it goes; the host reads them at any moment.
+//
+// # Safety
+// `w` from `ht_attach` on this vCPU (or NULL: 0).
+uint64_t ht_attempted(const struct HtWriter *w);
+
 // The time-stamp counter (the timestamps the host converts).
 uint64_t ht_rdtsc(void);
 
@@ -221,13 +229,13 @@ uint64_t ht_rdtsc(void);
 // `params_gpa` as the VMM passed it; `out` valid for writing.
 bool ht_read_params(uint64_t params_gpa, struct HtRunParams *out);
 
-// Ends this vCPU's run: marks the writer finished, fills the result slot (`attempted`:
-// the events the program tried to emit; skipped from the writer) and exits to the VMM.
-// Never returns.
+// Ends this vCPU's run: marks the writer finished, fills the result slot (end TSC,
+// mailbox requests served, status) and exits to the VMM. Never returns. (The
+// attempted and skipped counts are the writer's, published as it goes.)
 //
 // # Safety
 // `w` from `ht_attach` on this vCPU, attached with its `params_gpa`.
-void ht_exit(struct HtWriter *w, uint64_t attempted) __attribute__((noreturn));
+void ht_exit(struct HtWriter *w) __attribute__((noreturn));
 
 // Panics with `msg` (NUL-terminated, or NULL): the VMM reports it and the run exits 3.
 //

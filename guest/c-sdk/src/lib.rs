@@ -584,6 +584,18 @@ pub unsafe extern "C" fn ht_skipped(w: *const HtWriter) -> u64 {
     unsafe { w.as_ref() }.map_or(0, |w| w.w.skipped())
 }
 
+/// Events this vCPU's writer was given (every `ht_emit`: written, dropped, skipped or
+/// refused). The writer publishes it and `ht_skipped`'s count in its control block as
+/// it goes; the host reads them at any moment.
+///
+/// # Safety
+/// `w` from `ht_attach` on this vCPU (or NULL: 0).
+#[no_mangle]
+pub unsafe extern "C" fn ht_attempted(w: *const HtWriter) -> u64 {
+    // SAFETY: per the caller.
+    unsafe { w.as_ref() }.map_or(0, |w| w.w.attempted())
+}
+
 /// The time-stamp counter (the timestamps the host converts).
 #[no_mangle]
 pub extern "C" fn ht_rdtsc() -> u64 {
@@ -620,14 +632,14 @@ pub unsafe extern "C" fn ht_read_params(params_gpa: u64, out: *mut HtRunParams) 
     true
 }
 
-/// Ends this vCPU's run: marks the writer finished, fills the result slot (`attempted`:
-/// the events the program tried to emit; skipped from the writer) and exits to the VMM.
-/// Never returns.
+/// Ends this vCPU's run: marks the writer finished, fills the result slot (end TSC,
+/// mailbox requests served, status) and exits to the VMM. Never returns. (The
+/// attempted and skipped counts are the writer's, published as it goes.)
 ///
 /// # Safety
 /// `w` from `ht_attach` on this vCPU, attached with its `params_gpa`.
 #[no_mangle]
-pub unsafe extern "C" fn ht_exit(w: *mut HtWriter, attempted: u64) -> ! {
+pub unsafe extern "C" fn ht_exit(w: *mut HtWriter) -> ! {
     // SAFETY: per the caller.
     let Some(w) = (unsafe { w.as_mut() }) else {
         panic!("ht_exit: NULL writer");
@@ -638,11 +650,8 @@ pub unsafe extern "C" fn ht_exit(w: *mut HtWriter, attempted: u64) -> ! {
     }
     let p = read_block(w.params);
     let served = w.w.mailbox_served();
-    let skipped = w.w.skipped();
     // SAFETY: this vCPU's result slot (checked at attach: cpu < nr_vcpus).
     unsafe {
-        slot_store(w.params, &p, w.cpu, result::ATTEMPTED, attempted);
-        slot_store(w.params, &p, w.cpu, result::SKIPPED, skipped);
         slot_store(w.params, &p, w.cpu, result::MAILBOX_SERVED, served);
         slot_store(w.params, &p, w.cpu, result::TSC_END, ht_rdtsc());
         slot_store(w.params, &p, w.cpu, result::STATUS, 1);

@@ -1,6 +1,8 @@
-//! The runtime both guest images share — the payload the VMM embeds (guest/src) and the
-//! C SDK's `libhyptrace.a` (guest/c-sdk): the C memory functions ([`mem`]), the TSC, port
-//! I/O, and the report of a panic to the VMM. One copy, linked by both.
+//! The runtime the guest images share — the payload the VMM embeds (guest/src), the C
+//! SDK's `libhyptrace.a` (guest/c-sdk) and Rust guests of users (guest/template, a crate
+//! to copy out): the entry stub ([`entry!`]), the C memory functions ([`mem`]), the TSC,
+//! port I/O, the end of a vCPU's run ([`exit`]) and the report of a panic to the VMM. One
+//! copy, linked by all.
 //!
 //! A guest runs at CPL3 with IOPL=3 (so `in`/`out` work, `hlt` does not), with no
 //! interrupts and no IDT, and its GS base at its vCPU's result slot (the VMM's contract,
@@ -11,9 +13,36 @@ use core::arch::asm;
 use core::fmt::{self, Write};
 use core::panic::{Location, PanicInfo};
 
-use hyptrace_abi::guest::{result, PANIC_MSG_MAX, PORT_PANIC};
+use hyptrace_abi::guest::{result, PANIC_MSG_MAX, PORT_EXIT, PORT_PANIC};
 
 pub mod mem;
+
+/// Defines the image's entry point `_start` (put first by the linker script, section
+/// `.text.entry`): aligns the stack and calls `$main(pack_gpa, vcpu, params_gpa)`, an
+/// `extern "C" fn(u64, u64, u64) -> !` — the VMM's entry registers `rdi`, `rsi`, `rdx`
+/// (docs/abi.md, "Entry").
+///
+/// ```ignore
+/// hyptrace_guest_rt::entry!(guest_main);
+/// #[no_mangle]
+/// pub extern "C" fn guest_main(pack: u64, cpu: u64, params: u64) -> ! { ... }
+/// ```
+#[macro_export]
+macro_rules! entry {
+    ($main:path) => {
+        ::core::arch::global_asm!(
+            ".section .text.entry,\"ax\",@progbits",
+            ".global _start",
+            "_start:",
+            "    and rsp, -16",
+            "    xor ebp, ebp",
+            "    call {main}",
+            "2:  pause",
+            "    jmp 2b",
+            main = sym $main,
+        );
+    };
+}
 
 /// Reads the time-stamp counter.
 #[inline(always)]
@@ -36,6 +65,38 @@ pub fn out32(port: u16, value: u32) {
     unsafe {
         asm!("out dx, eax", in("dx") port, in("eax") value, options(nomem, nostack, preserves_flags))
     };
+}
+
+/// Writes a 32-bit value to an I/O port, as [`out32`], and is a compiler barrier too:
+/// memory accesses stay on their side of it (for a port whose exit the VMM answers in
+/// memory, e.g. the registration port).
+#[inline(always)]
+pub fn notify(port: u16, value: u32) {
+    // SAFETY: port I/O is allowed at CPL3 with IOPL=3; the VMM handles the exit. Without
+    // `nomem` the compiler keeps memory accesses on their side of it.
+    unsafe {
+        asm!("out dx, eax", in("dx") port, in("eax") value, options(nostack, preserves_flags))
+    };
+}
+
+/// Stamps this vCPU's start (the TSC, into its result slot's `tsc_start`): the VMM
+/// reports when each vCPU ran its first instruction and how long it took from there.
+/// Call it first thing at entry.
+#[inline(always)]
+pub fn mark_start() {
+    gs_store_u64(result::TSC_START, rdtsc());
+}
+
+/// Ends this vCPU's run as the VMM expects (docs/abi.md): the end TSC and status 1
+/// (finished) into its result slot, then its vCPU id to the exit port. Call
+/// `Writer::finish` first. Never returns (the VMM does not resume the vCPU).
+pub fn exit(cpu: u32) -> ! {
+    gs_store_u64(result::TSC_END, rdtsc());
+    gs_store_u64(result::STATUS, 1);
+    notify(PORT_EXIT, cpu);
+    loop {
+        core::hint::spin_loop();
+    }
 }
 
 /// Stores a byte at `gs:[off]`. The VMM sets every vCPU's GS base to the GPA of its

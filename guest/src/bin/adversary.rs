@@ -108,6 +108,9 @@ enum Scenario {
     CrashUd = 22,
     /// Hang: after `events` markers, spins for ever: no event, no exit.
     CrashHang = 23,
+    /// After `events` markers: publishes more skipped than attempted events (R3), then
+    /// the writer finishes.
+    AttemptsHostile = 24,
 }
 
 impl Scenario {
@@ -138,6 +141,7 @@ impl Scenario {
             21 => CrashPanic,
             22 => CrashUd,
             23 => CrashHang,
+            24 => AttemptsHostile,
             _ => return None,
         })
     }
@@ -171,13 +175,11 @@ struct Honest {
     w: Writer<RawMem>,
     pid: i32,
     seq: u64,
-    attempted: u64,
     serve: bool,
 }
 
 impl Honest {
     fn write(&mut self, slot: u32, payload: &[u8]) -> WriteOutcome {
-        self.attempted += 1;
         let out = self.w.write(slot, rdtsc(), payload);
         if self.serve {
             self.w.serve_mailbox();
@@ -241,10 +243,8 @@ impl Ctx {
         }
     }
 
-    /// Reports `attempted` events and exits through the exit port (never returns).
-    fn exit(&self, attempted: u64) -> ! {
-        self.slot.write_u64(result::ATTEMPTED, attempted);
-        self.slot.write_u64(result::SKIPPED, 0);
+    /// Exits through the exit port (never returns); the writer published its attempts.
+    fn exit(&self) -> ! {
         self.slot.write_u64(result::TSC_END, rdtsc());
         self.slot.write_u64(result::STATUS, 1);
         out32(PORT_EXIT, self.cpu);
@@ -262,8 +262,7 @@ impl Ctx {
             h.marker();
         }
         h.w.finish();
-        let a = h.attempted;
-        self.exit(a)
+        self.exit()
     }
 
     /// Stays live for ever: never writes again, never exits (serves the mailbox if
@@ -342,7 +341,6 @@ pub extern "C" fn guest_main(pack: u64, cpu: u64, params_gpa: u64) -> ! {
         w,
         pid: events::vcpu_pid(cpu),
         seq: 0,
-        attempted: 0,
         serve: cx.serve,
     };
     if cpu != 0 {
@@ -380,6 +378,15 @@ fn adversary(cx: &Ctx, s: Scenario, mut h: Honest) -> ! {
             cx.set_c(ctl::DROPPED, 0);
             cx.stay(None)
         }
+        AttemptsHostile => {
+            for _ in 0..or_default(cx.events) {
+                h.marker();
+            }
+            let a = cx.c(ctl::ATTEMPTED);
+            cx.set_c(ctl::SKIPPED, a.wrapping_add(5));
+            h.w.finish();
+            cx.exit()
+        }
         CountersHuge => {
             for _ in 0..or_default(cx.events) {
                 h.marker();
@@ -392,8 +399,7 @@ fn adversary(cx: &Ctx, s: Scenario, mut h: Honest) -> ! {
             cx.set_c(ctl::LOST_PENDING, u64::MAX);
             cx.set_c(ctl::WRITE_STAMP, u64::MAX);
             h.w.finish();
-            let a = h.attempted;
-            cx.exit(a)
+            cx.exit()
         }
         FirstIndexBackwards | FirstIndexHuge => {
             let mut tail = cx.c(ctl::TAIL_PAGE);
@@ -416,8 +422,7 @@ fn adversary(cx: &Ctx, s: Scenario, mut h: Honest) -> ! {
                 }
             }
             h.w.finish();
-            let a = h.attempted;
-            cx.exit(a)
+            cx.exit()
         }
         BadIds => {
             for _ in 0..or_default(cx.events) {
@@ -450,8 +455,7 @@ fn adversary(cx: &Ctx, s: Scenario, mut h: Honest) -> ! {
             }
             cx.wait_ms(300, None);
             h.w.finish();
-            let a = h.attempted;
-            cx.exit(a)
+            cx.exit()
         }
         FooterMagic => {
             for _ in 0..or_default(cx.events) {
@@ -475,8 +479,7 @@ fn adversary(cx: &Ctx, s: Scenario, mut h: Honest) -> ! {
                 cx.set_f(id, footer::ID_MAGIC, bad);
             }
             h.w.finish();
-            let a = h.attempted;
-            cx.exit(a)
+            cx.exit()
         }
         PageSeqDup => {
             for _ in 0..or_default(cx.events) {
@@ -501,8 +504,7 @@ fn adversary(cx: &Ctx, s: Scenario, mut h: Honest) -> ! {
                 k += 1;
             }
             h.w.finish();
-            let a = h.attempted;
-            cx.exit(a)
+            cx.exit()
         }
         FlipBytes => {
             let mut rng = WorkloadRng::new(cx.seed, cx.cpu);
@@ -537,7 +539,9 @@ fn adversary(cx: &Ctx, s: Scenario, mut h: Honest) -> ! {
                 h.marker();
             }
             h.w.finish();
-            cx.slot.write_u64(result::ATTEMPTED, u64::MAX);
+            // The result slot's retired `attempted` word (bytes 0..8): the host reads
+            // the writer's published counters instead.
+            cx.slot.write_u64(0, u64::MAX);
             cx.slot.write_u64(result::STATUS, 1);
             out32(PORT_EXIT, u32::MAX);
             cx.stay(None)
@@ -573,8 +577,7 @@ fn adversary(cx: &Ctx, s: Scenario, mut h: Honest) -> ! {
                 }
             }
             h.w.finish();
-            let a = h.attempted;
-            cx.exit(a)
+            cx.exit()
         }
         CrashFault | CrashPanic | CrashUd | CrashHang => {
             // No finish: the writer is left as a crash leaves it.
@@ -589,7 +592,7 @@ fn adversary(cx: &Ctx, s: Scenario, mut h: Honest) -> ! {
                     unsafe { (UNMAPPED as *mut u64).write_volatile(0xdead) };
                     panic!("crash-fault survived a store to {UNMAPPED:#x}")
                 }
-                CrashPanic => panic!("adversary crash-panic after {} events", h.attempted),
+                CrashPanic => panic!("adversary crash-panic after {} events", h.w.attempted()),
                 CrashUd => {
                     // SAFETY: `ud2` raises #UD, which with no IDT is a triple fault; it
                     // touches no memory and never returns.
@@ -721,8 +724,10 @@ fn encodings(cx: &Ctx) -> ! {
     cx.set_c(ctl::BYTES, 2 * cap as u64);
     cx.set_c(ctl::WRITE_STAMP, ts2);
     cx.set_f(p2, footer::PAGE_ENTRIES, 1);
+    // Hand-written events: the attempts a writer would have published (R3).
+    cx.set_c(ctl::ATTEMPTED, entries);
     cx.set_c(ctl::WRITER_STATE, WRITER_FINISHED);
-    cx.exit(entries)
+    cx.exit()
 }
 
 /// An unknown-id payload of `len` bytes (a multiple of 4): common header, then a

@@ -7,24 +7,21 @@
 //! events; 1 also registers malformed ones (overlapping fields, a size that does not
 //! match its type, an enable bit out of range, an unknown C type, a duplicate name), which
 //! the host rejects one by one while the valid ones are traced.
+//!
+//! Only the guest runtime (`hyptrace-guest-rt`) and the writer: the same code as the
+//! template to copy out of the repository, guest/template/.
 #![no_std]
 #![no_main]
 
-#[path = "../block.rs"]
-mod block;
-#[path = "../rt.rs"]
-mod rt;
-
-use core::arch::asm;
-
-use block::Block;
-use hyptrace_abi::guest::{result, PORT_EXIT, VCPU_RESULT_SIZE};
+use hyptrace_abi::guest::RunParamBlock;
 use hyptrace_abi::layout::pack as pack_hdr;
 use hyptrace_abi::registry::PORT_REGISTER;
 use hyptrace_abi::RawMem;
+use hyptrace_guest_rt::notify;
 use hyptrace_writer::events::{register, wait_registered, Event, Field};
 use hyptrace_writer::{event, Writer};
-use rt::{out32, rdtsc};
+
+hyptrace_guest_rt::entry!(guest_main);
 
 event! {
     /// A packet went by.
@@ -130,31 +127,23 @@ static BAD_DUP: Event<'static> = Event::new(
     0,
 );
 
-/// `out` that is also a compiler barrier (no `nomem`): the table's stores stay before it
-/// and the loads of the answer after it.
-fn notify(port: u16, value: u32) {
-    // SAFETY: port I/O is allowed at CPL3 with IOPL=3; the VMM handles the exit and
-    // resumes the vCPU. Without `nomem` the compiler keeps memory accesses on their side.
-    unsafe {
-        asm!("out dx, eax", in("dx") port, in("eax") value, options(nostack, preserves_flags))
-    };
-}
-
-/// Entry from `_start` (rt.rs): rdi = pack GPA, rsi = vCPU id, rdx = RunParams GPA.
+/// Entry from `_start` (`entry!`): rdi = pack GPA, rsi = vCPU id, rdx = RunParams GPA.
 #[no_mangle]
 pub extern "C" fn guest_main(pack: u64, cpu: u64, params_gpa: u64) -> ! {
-    let p = Block(params_gpa).read_params();
+    hyptrace_guest_rt::mark_start();
+    // SAFETY: the VMM placed the run-parameter block at `params_gpa` (identity-mapped,
+    // aligned) before any vCPU ran; plain integers, valid for any bytes.
+    let p = unsafe { (params_gpa as usize as *const RunParamBlock).read_volatile() };
     if !p.header_ok() || cpu >= u64::from(p.nr_vcpus) {
         panic!("bad run parameter block");
     }
-    let slot = Block(params_gpa + p.results_off + cpu * VCPU_RESULT_SIZE as u64);
-    slot.write_u64(result::TSC_START, rdtsc());
     let cpu = cpu as u32;
-    let region = Block(pack).read_u64(pack_hdr::REGION_SIZE) as usize;
+    // SAFETY: the trace region starts with its pack header, which says how long it is.
+    let region = unsafe { ((pack as usize + pack_hdr::REGION_SIZE) as *const u64).read_volatile() };
     // SAFETY: the host placed the trace region at `pack`, identity-mapped, `region`
     // bytes long (its own pack says so), for the life of the VM; all accesses are
     // atomics or volatile copies.
-    let mem = unsafe { RawMem::new(pack as *mut u8, region) };
+    let mem = unsafe { RawMem::new(pack as *mut u8, region as usize) };
 
     let good: [&Event<'static>; 2] = [Packet::event(), Tick::event()];
     let all: [&Event<'static>; 7] = [
@@ -180,7 +169,6 @@ pub extern "C" fn guest_main(pack: u64, cpu: u64, params_gpa: u64) -> ! {
         Ok(w) => w,
         Err(e) => panic!("cannot attach the trace writer: {e}"),
     };
-    let mut attempted = 0u64;
     for i in 0..p.events {
         Packet::emit(
             &mut w,
@@ -190,15 +178,13 @@ pub extern "C" fn guest_main(pack: u64, cpu: u64, params_gpa: u64) -> ! {
             i % 2 == 0,
         );
         Tick::emit(&mut w, i, 5 - i as i64);
-        attempted += 2;
     }
+    // The writer has published its attempts all along (attempted, skipped: R3).
     w.finish();
-    slot.write_u64(result::ATTEMPTED, attempted);
-    slot.write_u64(result::SKIPPED, w.skipped());
-    slot.write_u64(result::TSC_END, rdtsc());
-    slot.write_u64(result::STATUS, 1);
-    out32(PORT_EXIT, cpu);
-    loop {
-        core::hint::spin_loop();
-    }
+    hyptrace_guest_rt::exit(cpu)
+}
+
+#[panic_handler]
+fn panic(info: &core::panic::PanicInfo<'_>) -> ! {
+    hyptrace_guest_rt::report_panic(info)
 }

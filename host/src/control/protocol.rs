@@ -290,6 +290,12 @@ pub struct CpuLive {
     pub cpu: u32,
     /// Its vCPU still runs.
     pub running: bool,
+    /// Events the guest attempted, as its writer published them (invariant R3).
+    pub attempted: u64,
+    /// Of those, events skipped (disabled), as published.
+    pub skipped: u64,
+    /// Why the published attempted/skipped cannot be true, if they cannot (R3).
+    pub attempts_problem: Option<String>,
     /// The counters (README, "What it prints").
     pub written: u64,
     /// Read.

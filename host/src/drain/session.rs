@@ -938,6 +938,12 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
         self.reader.stats(cpu)
     }
 
+    /// What the writer of `cpu` has published of its attempts, read now (R3; a CPU out
+    /// of range reads as none).
+    pub fn attempts(&mut self, cpu: u32) -> hyptrace_reader::Attempts {
+        self.reader.attempts(cpu).unwrap_or_default()
+    }
+
     /// Whether the writer of `cpu` said it finished (rather than being stopped or
     /// crashing in the middle of a write).
     pub fn writer_finished(&self, cpu: u32) -> bool {

@@ -119,10 +119,12 @@ impl Failures {
 pub struct CpuReport {
     /// The writer finished (not stopped or crashed mid-write).
     pub finished: bool,
-    /// Events the guest workload tried to emit (when it finished and said so).
+    /// Events the guest tried to emit, as its writer published them (R3).
     pub attempted: Option<u64>,
     /// Of those, events whose tracepoint was disabled.
     pub skipped: Option<u64>,
+    /// Why the published attempted/skipped cannot be true, if they cannot (R3).
+    pub attempts_problem: Option<hyptrace_reader::AttemptsProblem>,
     /// Events the writer took in.
     pub written: u64,
     /// The reader's counters.
@@ -132,8 +134,9 @@ pub struct CpuReport {
 }
 
 impl CpuReport {
-    /// `written == read + lost`, `lost == overrun + dropped`, and `written ==
-    /// attempted − skipped` when the guest reported its counts (invariant R1).
+    /// `written == read + lost`, `lost == overrun + dropped` (invariant R1), and the
+    /// guest's published attempts agree with `written` (invariant R3:
+    /// `hyptrace_embed::attempts_consistent`).
     pub fn consistent(&self) -> bool {
         let s = &self.stats;
         // The reader's count of lost events (gaps in the event index) is exact. The
@@ -146,7 +149,15 @@ impl CpuReport {
         s.read.checked_add(s.lost) == Some(self.written)
             && (!self.finished || s.overrun.checked_add(s.dropped) == Some(s.lost))
             && match (self.attempted, self.skipped) {
-                (Some(a), Some(k)) => a.checked_sub(k) == Some(self.written),
+                (Some(attempted), Some(skipped)) => hyptrace_embed::attempts_consistent(
+                    &hyptrace_reader::Attempts {
+                        attempted,
+                        skipped,
+                        problem: self.attempts_problem,
+                    },
+                    self.written,
+                    self.finished,
+                ),
                 _ => true,
             }
     }
@@ -617,6 +628,11 @@ impl fmt::Display for RunReport {
         {
             writeln!(f, "hyptrace: error: accounting mismatch on a vCPU marked MISMATCH: written != read + lost, lost != overrun + dropped, or written != attempted - skipped")?;
         }
+        for (cpu, r) in self.cpus.iter().enumerate() {
+            if let Some(p) = &r.attempts_problem {
+                writeln!(f, "hyptrace: error: cpu {cpu}: {p}")?;
+            }
+        }
         self.failures.fmt_lines(f, &self.destination)
     }
 }
@@ -700,6 +716,7 @@ impl ReaderJson {
 #[derive(Debug, Serialize)]
 pub struct CpuStatsJson {
     attempted: Option<u64>,
+    attempts_problem: Option<String>,
     bytes: u64,
     cpu: usize,
     crash: Option<CrashStats>,
@@ -760,6 +777,7 @@ impl Stats {
                 let st = &c.stats;
                 CpuStatsJson {
                     attempted: c.attempted,
+                    attempts_problem: c.attempts_problem.map(|p| p.to_string()),
                     bytes: st.bytes,
                     cpu,
                     crash: outcomes.get(cpu).and_then(|o| CrashStats::new(cpu, o)),
@@ -846,8 +864,6 @@ mod tests {
     fn a_paced_vcpu_behind_its_schedule_says_so() {
         let fin = |ms: u64| {
             VcpuOutcome::Finished(crate::vmm::vcpu::VcpuStats {
-                attempted: 10,
-                skipped: 0,
                 tsc_start: 5,
                 tsc_end: 5 + ms * 1_000_000,
                 mailbox_served: 0,
@@ -885,8 +901,6 @@ mod tests {
     fn the_wait_for_the_registration_answer_is_not_lateness() {
         let (tsc_start, answered) = (5u64, 4_000_005u64); // the answer 4 ms after entry
         let fin = VcpuOutcome::Finished(crate::vmm::vcpu::VcpuStats {
-            attempted: 10,
-            skipped: 0,
             tsc_start,
             tsc_end: answered + 10_500_000, // 10.5 ms after the answer
             mailbox_served: 0,
@@ -926,6 +940,7 @@ mod tests {
             finished: true,
             attempted: Some(u64::MAX),
             skipped: Some(u64::MAX),
+            attempts_problem: None,
             written: u64::MAX,
             stats: hostile,
             error: None,
@@ -984,6 +999,7 @@ mod tests {
             "clock",
             "cpus",
             "attempted",
+            "attempts_problem",
             "bytes",
             "cpu",
             "crash",
@@ -1025,6 +1041,7 @@ mod tests {
             finished: true,
             attempted: Some(1_000_000),
             skipped: Some(0),
+            attempts_problem: None,
             written: 1_000_000,
             stats: hyptrace_reader::CpuStats {
                 written: 1_000_000,

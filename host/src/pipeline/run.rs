@@ -673,7 +673,6 @@ fn settle_events(
 /// output finished. A second signal meanwhile aborts.
 fn finish_session(
     mut session: Session,
-    outcomes: &[VcpuOutcome],
     mut failures: Failures,
     interrupts: Option<&Interrupts>,
 ) -> Result<(Vec<CpuReport>, Failures, Option<HostEventsStats>), RunError> {
@@ -697,14 +696,13 @@ fn finish_session(
     }
     let cpus: Vec<CpuReport> = (0..nr)
         .map(|cpu| {
-            let (attempted, skipped) = match outcomes.get(cpu as usize) {
-                Some(VcpuOutcome::Finished(st)) => (Some(st.attempted), Some(st.skipped)),
-                _ => (None, None),
-            };
+            // R3: published by the guest's writer as it went, whatever the end.
+            let a = session.attempts(cpu);
             CpuReport {
                 finished: session.writer_finished(cpu),
-                attempted,
-                skipped,
+                attempted: Some(a.attempted),
+                skipped: Some(a.skipped),
+                attempts_problem: a.problem,
                 written: session.writer_index(cpu),
                 stats: session.stats(cpu),
                 error: session.error(cpu).map(str::to_string),
@@ -800,8 +798,7 @@ impl Live<'_> {
             // Dropping the session drops the sink: its temporary files go.
             return Err(RunError::Aborted);
         }
-        let (cpus, mut failures, host_events) =
-            finish_session(session, &outcomes, failures, interrupts)?;
+        let (cpus, mut failures, host_events) = finish_session(session, failures, interrupts)?;
         // L1: a registration refused because the run went on without one fails the run.
         if let Some(late) = table.late_registration() {
             failures.other(late.to_string());
@@ -1359,14 +1356,19 @@ impl RunControl<'_> {
     }
 
     /// `stats`: the live per-CPU counters (docs/design.md, "The control socket").
-    fn stats(&self) -> LiveStats {
+    fn stats(&mut self) -> LiveStats {
         let nr = self.session.reader().nr_cpus();
         let cpus = (0..nr)
             .map(|cpu| {
                 let s = self.session.stats(cpu);
+                // R3: the guest's published attempts, read now (a problem seen is kept).
+                let a = self.session.attempts(cpu);
                 CpuLive {
                     cpu,
                     running: !self.running.vcpu_finished(cpu),
+                    attempted: a.attempted,
+                    skipped: a.skipped,
+                    attempts_problem: a.problem.map(|p| p.to_string()),
                     // Live from the control block (with --drain none nothing else
                     // refreshes it): events taken in, committed or dropped.
                     written: s.written.max(self.session.writer_index(cpu)),

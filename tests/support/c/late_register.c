@@ -73,5 +73,5 @@ void c_main(uint64_t pack, uint64_t cpu, uint64_t params_gpa)
         };
         ht_emit(w, &tick, ht_rdtsc(), &t, sizeof t);
     }
-    ht_exit(w, p.events);
+    ht_exit(w);
 }
