@@ -307,6 +307,8 @@ pub struct RunReport {
     pub clock: Option<crate::drain::clock::ClockStats>,
     /// `--host-events`: what the VMM's ring held (absent without the flag).
     pub host_events: Option<HostEventsStats>,
+    /// `--host-trace`: what the host kernel's instance gave and lost.
+    pub host_trace: Option<crate::drain::session::HostTraceStats>,
     /// `--mode` (the loss hint depends on it).
     pub mode: ModeArg,
     /// The guest's memory after the run (result slots, for `bench`).
@@ -737,6 +739,8 @@ pub struct Stats {
     guest_exit: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     host_events: Option<HostEventsStats>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    host_trace: Option<crate::drain::session::HostTraceStats>,
     mode: String,
     rate: u64,
     /// What the live reader measured of itself (`null` with `--drain none`).
@@ -796,6 +800,7 @@ impl Stats {
             exit_code: code,
             guest_exit,
             host_events: r.host_events,
+            host_trace: r.host_trace.clone(),
             mode: e.mode.clone(),
             rate: e.rate,
             reader: ReaderJson::new(&r.timing.reader),
@@ -837,6 +842,7 @@ mod tests {
             guest: None,
             clock: None,
             host_events: None,
+            host_trace: None,
         }
     }
 
