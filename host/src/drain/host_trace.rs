@@ -103,8 +103,25 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> HostTraceError + '_ {
     }
 }
 
+/// Most bytes read from one tracefs text file.
+const MAX_TEXT: usize = 1 << 20;
+
+/// Reads a tracefs text file with large reads: some (`events/header_page`) answer a
+/// read at a nonzero offset with nothing, so `read_to_string`'s small first probe read
+/// would cut them short.
 fn read_text(path: &Path) -> Result<String, HostTraceError> {
-    std::fs::read_to_string(path).map_err(io_err(path))
+    let mut f = File::open(path).map_err(io_err(path))?;
+    let mut out = Vec::new();
+    let mut buf = vec![0u8; 64 << 10];
+    // Bounded: at most MAX_TEXT bytes.
+    while out.len() < MAX_TEXT {
+        let n = f.read(&mut buf).map_err(io_err(path))?;
+        if n == 0 {
+            break;
+        }
+        out.extend_from_slice(&buf[..n]);
+    }
+    Ok(String::from_utf8_lossy(&out).into_owned())
 }
 
 fn write_text(path: &Path, text: &str) -> Result<(), HostTraceError> {
@@ -642,8 +659,9 @@ impl HostTraceFeed {
     pub fn kernel_losses(&self) -> Vec<HostCpuLoss> {
         (0..self.nr_cpus)
             .map(|c| {
-                let text = std::fs::read_to_string(
-                    self.trace
+                let text = read_text(
+                    &self
+                        .trace
                         .instance
                         .path(&format!("per_cpu/cpu{c}/stats")),
                 )
