@@ -433,7 +433,11 @@ pub fn vcpu_tids(n: u32, wait: Duration) -> Vec<(u32, i32)> {
                     continue;
                 };
                 let comm = std::fs::read_to_string(e.path().join("comm")).unwrap_or_default();
-                if let Some(v) = comm.trim().strip_prefix("vcpu").and_then(|v| v.parse().ok()) {
+                if let Some(v) = comm
+                    .trim()
+                    .strip_prefix("vcpu")
+                    .and_then(|v| v.parse().ok())
+                {
                     if v < n {
                         found.push((v, tid));
                     }
@@ -659,13 +663,8 @@ impl HostTraceFeed {
     pub fn kernel_losses(&self) -> Vec<HostCpuLoss> {
         (0..self.nr_cpus)
             .map(|c| {
-                let text = read_text(
-                    &self
-                        .trace
-                        .instance
-                        .path(&format!("per_cpu/cpu{c}/stats")),
-                )
-                .unwrap_or_default();
+                let text = read_text(&self.trace.instance.path(&format!("per_cpu/cpu{c}/stats")))
+                    .unwrap_or_default();
                 let get = |key: &str| {
                     text.lines()
                         .find_map(|l| l.strip_prefix(key))

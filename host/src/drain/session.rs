@@ -241,7 +241,14 @@ impl HostTraceCpus {
                     Output::Text {
                         merger, payloads, ..
                     } => {
-                        text_page(merger, &mut payloads[out as usize], out, &page, missed, clock);
+                        text_page(
+                            merger,
+                            &mut payloads[out as usize],
+                            out,
+                            &page,
+                            missed,
+                            clock,
+                        );
                         Ok(())
                     }
                 }
@@ -501,7 +508,12 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
     /// Adds the host kernel's CPUs (`--host-trace`) as CPUs `first..first + n` of the
     /// output, printed with `formats` (renumbered ids, H2); the vCPU threads' tids get
     /// their `vcpuN` names. A text output must have been made for all of them.
-    pub fn with_host_trace(mut self, feed: HostTraceFeed, first: u32, formats: &[EventFormat]) -> Self {
+    pub fn with_host_trace(
+        mut self,
+        feed: HostTraceFeed,
+        first: u32,
+        formats: &[EventFormat],
+    ) -> Self {
         for f in formats {
             self.printers.insert(f.id, EventPrinter::new(f.clone()));
         }

@@ -40,7 +40,9 @@ use crate::control::consumer::{Consumers, FileInfo, CONSUMER_GRACE};
 use crate::control::protocol::{CpuLive, LiveStats, ReaderStatus};
 use crate::control::server::{Answer, Command, ControlServer, EventSwitch, Handler, Refusal};
 use crate::drain::clock::HostClock;
+use crate::drain::host_trace::{self, HostTrace, HostTraceFeed};
 use crate::drain::priority::{thread_cpu_time, ReaderPriority};
+use crate::drain::session::HostTraceStats;
 use crate::drain::session::{Output, Session, MIN_POLL};
 use crate::drain::signals::Interrupts;
 use crate::drain::sink::{make_sink, FormatArg};
@@ -52,8 +54,6 @@ use crate::pipeline::report::{
     Timing,
 };
 use crate::vmm::guest_mem::{alloc_reader_wrapped, GuestTraceMem};
-use crate::drain::host_trace::{self, HostTrace, HostTraceFeed};
-use crate::drain::session::HostTraceStats;
 use crate::vmm::host_events::{HostEvents, Recording};
 use crate::vmm::registration::{EventTable, EventsError, Selection, Settled, VmEventTable};
 use crate::vmm::vcpu::VcpuOutcome;
@@ -611,8 +611,7 @@ fn open_output(
         }
         m
     };
-    let text_cpus =
-        nr + u32::from(host_events) + host_trace.map_or(0, |(feed, _)| feed.nr_cpus());
+    let text_cpus = nr + u32::from(host_events) + host_trace.map_or(0, |(feed, _)| feed.nr_cpus());
     match target {
         Target::Sink(sink) => Ok((Output::Pages(sink), Shown::Sink)),
         Target::MakeSink(make) => {
