@@ -31,6 +31,14 @@ use hyptrace_output::EventFormat;
 
 /// Where tracefs is mounted.
 pub const TRACEFS: &str = "/sys/kernel/tracing";
+/// Environment variable naming another tracefs mount (tests point it at a directory
+/// that is not one).
+pub const TRACEFS_ENV: &str = "HYPTRACE_TRACEFS";
+
+/// The tracefs mount to use: `$HYPTRACE_TRACEFS`, else [`TRACEFS`].
+pub fn tracefs_root() -> PathBuf {
+    std::env::var_os(TRACEFS_ENV).map_or_else(|| PathBuf::from(TRACEFS), PathBuf::from)
+}
 /// Prefix of our instances' names (`hyptrace-PID`).
 pub const INSTANCE_PREFIX: &str = "hyptrace-";
 /// Per-CPU buffer of the instance, KiB (the kernel allocates it).

@@ -605,6 +605,21 @@ impl fmt::Display for RunReport {
             Some(r) => writeln!(f, "hyptrace: stopped: {r}")?,
         }
         writeln!(f, "{}", self.summary())?;
+        if let Some(h) = &self.host_trace {
+            writeln!(
+                f,
+                "hyptrace: host trace: {} host CPUs (output CPUs {}..{}): read {} events in {} pages, lost {} (+{} pages with an unknown count; kernel overrun {}, dropped {})",
+                h.cpus,
+                h.first_cpu,
+                h.first_cpu + h.cpus,
+                h.events,
+                h.pages,
+                h.lost,
+                h.lost_pages_unknown,
+                h.overrun,
+                h.dropped
+            )?;
+        }
         if self.cpus.iter().any(|r| r.stats.lost > 0) {
             writeln!(f, "hyptrace: hint: {}", loss_hint(self.mode))?;
             for why in self.loss_causes() {

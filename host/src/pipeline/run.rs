@@ -25,7 +25,7 @@
 //! ```
 
 use std::io::{IsTerminal, Write};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
@@ -257,7 +257,7 @@ impl<'a> Run<'a> {
         let host_trace = plan
             .host_trace
             .as_ref()
-            .map(|s| HostTrace::prepare(Path::new(host_trace::TRACEFS), s))
+            .map(|s| HostTrace::prepare(&host_trace::tracefs_root(), s))
             .transpose()?;
         let (mut b, vm) = Booted::boot(&plan)?;
         // After the trace memory file (created by `boot`): a consumer that finds the
