@@ -48,6 +48,10 @@ pub const BUFFER_KB: u32 = 4096;
 pub const FEED_PAGES: usize = 1024;
 /// How long the reader thread sleeps when every CPU's `trace_pipe_raw` was empty.
 pub const IDLE_POLL: Duration = Duration::from_millis(2);
+/// How far before an empty read of a host CPU's ring the text merger is told nothing
+/// older is to come from it (ns of the output clock): the kernel stamps an event before
+/// it commits it, so one stamped just before the read may appear just after.
+pub const QUIET_MARGIN_NS: u64 = 1_000_000;
 /// How long [`HostTrace::start`] waits for the vCPU threads to be named.
 pub const TID_WAIT: Duration = Duration::from_secs(2);
 
@@ -335,7 +339,12 @@ impl HostTrace {
             vcpu_tids(vcpus, TID_WAIT)
         };
         if !self.all {
-            let list: Vec<String> = tids.iter().map(|(_, t)| t.to_string()).collect();
+            // No vCPU thread left (a run that ended at once): our own pid, so that the
+            // filter still excludes every other task.
+            let mut list: Vec<String> = tids.iter().map(|(_, t)| t.to_string()).collect();
+            if list.is_empty() {
+                list.push(std::process::id().to_string());
+            }
             log::debug!("host trace: vCPU threads {tids:?}");
             write_text(&self.instance.path("set_event_pid"), &list.join(" "))?;
         }

@@ -219,7 +219,12 @@ impl HostTraceCpus {
         match item {
             Fed::Quiet { cpu, tsc } => {
                 if let Output::Text { merger, .. } = output {
-                    merger.advance((self.first + cpu) as usize, clock.to_ns(tsc));
+                    // An event stamped just before the empty read may still have been
+                    // committing on its CPU: the note vouches for a margin less.
+                    let ns = clock
+                        .to_ns(tsc)
+                        .saturating_sub(crate::drain::host_trace::QUIET_MARGIN_NS);
+                    merger.advance((self.first + cpu) as usize, ns);
                 }
                 Ok(())
             }
