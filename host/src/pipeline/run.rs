@@ -296,8 +296,7 @@ impl<'a> Run<'a> {
             &clock,
             &stdout,
             &formats,
-            plan.host_events,
-            host_trace.as_ref(),
+            (plan.host_events, host_trace.as_ref()),
         )?;
         let trace_mem = b.trace_mem.take().map(Arc::new);
         let mut session = b.session(reader, output, &formats, &plan, trace_mem.as_ref());
@@ -586,8 +585,7 @@ fn open_output(
     clock: &Clock,
     stdout: &Arc<StdoutState>,
     formats: &[EventFormat],
-    host_events: bool,
-    host_trace: Option<&(HostTraceFeed, Vec<EventFormat>)>,
+    (host_events, host_trace): (bool, Option<&(HostTraceFeed, Vec<EventFormat>)>),
 ) -> Result<(Output, Shown), RunError> {
     // `--host-events`: one more CPU, the VMM's (comm `vmm`, system `vmm`).
     let meta = || {
@@ -700,6 +698,15 @@ fn settle_events(
     Ok(table.formats())
 }
 
+/// What [`finish_session`] accounts: the vCPUs' reports, the failures, the VMM's ring
+/// (`--host-events`) and the host kernel's events (`--host-trace`).
+type Finished = (
+    Vec<CpuReport>,
+    Failures,
+    Option<HostEventsStats>,
+    Option<HostTraceStats>,
+);
+
 /// Every vCPU has stopped: the final read-only walks, the per-CPU accounting, the
 /// output finished. A second signal meanwhile aborts.
 fn finish_session(
@@ -707,15 +714,7 @@ fn finish_session(
     outcomes: &[VcpuOutcome],
     mut failures: Failures,
     interrupts: Option<&Interrupts>,
-) -> Result<
-    (
-        Vec<CpuReport>,
-        Failures,
-        Option<HostEventsStats>,
-        Option<HostTraceStats>,
-    ),
-    RunError,
-> {
+) -> Result<Finished, RunError> {
     let nr = session.reader().nr_cpus();
     for cpu in 0..nr {
         if let Err(e) = session.end_cpu(cpu) {
