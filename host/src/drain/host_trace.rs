@@ -52,6 +52,8 @@ pub const IDLE_POLL: Duration = Duration::from_millis(2);
 /// older is to come from it (ns of the output clock): the kernel stamps an event before
 /// it commits it, so one stamped just before the read may appear just after.
 pub const QUIET_MARGIN_NS: u64 = 1_000_000;
+/// Longest the reader thread goes on reading after it was told to stop.
+pub const FINAL_READ_MAX: Duration = Duration::from_secs(5);
 /// How long [`HostTrace::start`] waits for the vCPU threads to be named.
 pub const TID_WAIT: Duration = Duration::from_secs(2);
 
@@ -514,8 +516,21 @@ impl Pump {
     /// being read, plus the channel's [`FEED_PAGES`].
     fn run(mut self) {
         let mut buf = vec![0u8; self.kernel_page];
+        let mut stopped_at: Option<Instant> = None;
         loop {
             let stopping = self.shared.stop.load(Ordering::Acquire);
+            if stopping {
+                // Recording is off by then; should it not be (the write to tracing_on
+                // failed), a busy host must not keep the final read going for ever.
+                let at = *stopped_at.get_or_insert_with(Instant::now);
+                if at.elapsed() > FINAL_READ_MAX {
+                    let mut g = self.shared.error.lock().unwrap_or_else(|e| e.into_inner());
+                    g.get_or_insert_with(|| {
+                        format!("the final read did not empty the rings within {FINAL_READ_MAX:?}")
+                    });
+                    return;
+                }
+            }
             let mut any = false;
             for cpu in 0..self.files.len() {
                 // Bounded per CPU per round: a ring refilled as fast as it is read does
