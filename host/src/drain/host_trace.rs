@@ -48,10 +48,10 @@ pub const BUFFER_KB: u32 = 4096;
 pub const FEED_PAGES: usize = 1024;
 /// How long the reader thread sleeps when every CPU's `trace_pipe_raw` was empty.
 pub const IDLE_POLL: Duration = Duration::from_millis(2);
-/// How far before an empty read of a host CPU's ring the text merger is told nothing
-/// older is to come from it (ns of the output clock): the kernel stamps an event before
-/// it commits it, so one stamped just before the read may appear just after.
-pub const QUIET_MARGIN_NS: u64 = 1_000_000;
+/// How far before an empty read of a host CPU's ring the merger is told nothing older
+/// is to come from it, in ms: the kernel stamps an event before it commits it, so one
+/// stamped just before the read may appear just after.
+pub const QUIET_MARGIN_MS: u64 = 1;
 /// Longest the reader thread goes on reading after it was told to stop.
 pub const FINAL_READ_MAX: Duration = Duration::from_secs(5);
 /// How long [`HostTrace::start`] waits for the vCPU threads to be named.
@@ -327,7 +327,7 @@ impl HostTrace {
         self,
         vcpus: u32,
         page_size: usize,
-        tsc_offset: i64,
+        (tsc_offset, tsc_khz): (i64, u64),
     ) -> Result<HostTraceFeed, HostTraceError> {
         if self.kernel_page > page_size || self.kernel_page < PAGE_HEADER_SIZE {
             return Err(HostTraceError::PageSize {
@@ -375,6 +375,7 @@ impl HostTrace {
             kernel_page: self.kernel_page,
             page_size,
             tsc_offset,
+            margin: tsc_khz.saturating_mul(QUIET_MARGIN_MS),
             shared: Arc::clone(&shared),
         };
         let thread = std::thread::Builder::new()
@@ -508,6 +509,8 @@ struct Pump {
     kernel_page: usize,
     page_size: usize,
     tsc_offset: i64,
+    /// [`QUIET_MARGIN_MS`] in TSC cycles.
+    margin: u64,
     shared: Arc<FeedShared>,
 }
 
@@ -568,7 +571,10 @@ impl Pump {
         };
         let cpu = cpu as u32;
         let msg = if n < PAGE_HEADER_SIZE {
-            Fed::Quiet { cpu, tsc }
+            Fed::Quiet {
+                cpu,
+                tsc: tsc.saturating_sub(self.margin),
+            }
         } else {
             let mut page = vec![0u8; self.page_size];
             page[..n].copy_from_slice(&buf[..n]);

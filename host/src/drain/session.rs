@@ -217,17 +217,13 @@ impl HostTraceCpus {
     /// One item of the reader thread into the output.
     fn take(&mut self, item: Fed, output: &mut Output, clock: &Clock) -> Result<(), SessionError> {
         match item {
-            Fed::Quiet { cpu, tsc } => {
-                if let Output::Text { merger, .. } = output {
-                    // An event stamped just before the empty read may still have been
-                    // committing on its CPU: the note vouches for a margin less.
-                    let ns = clock
-                        .to_ns(tsc)
-                        .saturating_sub(crate::drain::host_trace::QUIET_MARGIN_NS);
-                    merger.advance((self.first + cpu) as usize, ns);
+            Fed::Quiet { cpu, tsc } => match output {
+                Output::Text { merger, .. } => {
+                    merger.advance((self.first + cpu) as usize, clock.to_ns(tsc));
+                    Ok(())
                 }
-                Ok(())
-            }
+                Output::Pages(sink) => Ok(sink.quiet(self.first + cpu, tsc)?),
+            },
             Fed::Page { cpu, page } => {
                 let out = self.first + cpu;
                 let missed = match page_missed(&page) {

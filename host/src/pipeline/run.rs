@@ -272,7 +272,7 @@ impl<'a> Run<'a> {
             .map(|h| {
                 let formats = h.formats();
                 let tsc_offset = b.tsc_offset.unwrap_or(0);
-                h.start(nr, plan.ring.page_size, tsc_offset)
+                h.start(nr, plan.ring.page_size, (tsc_offset, b.tsc_khz))
                     .map(|feed| (feed, formats))
             })
             .transpose()?;
