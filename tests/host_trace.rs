@@ -396,6 +396,41 @@ fn run_merges_host_events_in_text() {
         lines.iter().filter(|l| l.name == "marker").count(),
         2 * 20000
     );
+
+    // The text sink (`record -o x.txt`): a host CPU with nothing to say does not hold
+    // the others' lines (its empty reads reach the sink's merger).
+    let txt = dir.file("x.txt");
+    let out = env::run(
+        BIN,
+        &[
+            "record",
+            "--host-trace",
+            "sched:sched_switch",
+            "-o",
+            &txt,
+            "--vcpus",
+            "2",
+            "--events",
+            "200000",
+            "--rate",
+            "0",
+        ],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", env::stderr(&out));
+    let text = std::fs::read_to_string(&txt).expect("x.txt");
+    let held = text
+        .lines()
+        .filter(|l| l.contains("merge window exceeded"))
+        .filter(|l| {
+            l.contains(&format!("wait for cpu {VCPUS}"))
+                || l.contains(&format!("wait for cpu {}", VCPUS + 1))
+        })
+        .count();
+    assert_eq!(held, 0, "a host CPU held the text sink's lines back");
+    assert!(text
+        .lines()
+        .filter_map(parse)
+        .any(|l| l.name == "sched_switch"));
 }
 
 /// Without tracefs, or with an event the kernel does not have: exit 2, one line naming
