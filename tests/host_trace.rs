@@ -139,9 +139,13 @@ fn check_gaps(lines: &[Line], v: u32, tid: i64) -> (usize, usize) {
         gaps += 1;
         let out = outs.iter().find(|&&t| a <= t && t <= b);
         let back = out.and_then(|&o| ins.iter().find(|&&t| o <= t && t <= b));
+        let near: Vec<&Line> = lines
+            .iter()
+            .filter(|l| l.name == "sched_switch" && a <= l.ts + GAP_NS && l.ts <= b + GAP_NS)
+            .collect();
         assert!(
             back.is_some(),
-            "vCPU {v} (tid {tid}): guest gap {a}..{b} ({} µs) without its thread switched out and back in (out {out:?})",
+            "vCPU {v} (tid {tid}): guest gap {a}..{b} ({} µs) without its thread switched out and back in (out {out:?}); host switches around it: {near:#?}",
             (b - a) / 1000
         );
     }
@@ -212,6 +216,7 @@ fn trace_dat_shows_vcpu_preemption() {
         assert!(w[0].ts <= w[1].ts, "time goes back: {w:?}");
     }
     for (v, &tid) in (0..VCPUS).zip(&tids) {
+        eprintln!("host trace stats: {h}");
         let (gaps, outs) = check_gaps(&lines, v, tid);
         assert!(
             outs > 0,
