@@ -68,6 +68,9 @@ pub const FIRST_DYNAMIC_ID: u16 = 2000;
 /// Ids from here up belong to the VMM's own events (`--host-events`): a guest that
 /// requests one gets an assigned id instead.
 pub const FIRST_VMM_ID: u16 = 0xff00;
+/// Ids from here up to [`FIRST_VMM_ID`] are the host kernel's events (`--host-trace`,
+/// renumbered by the host): a guest that requests one gets an assigned id instead.
+pub const FIRST_HOST_KERNEL_ID: u16 = 0xfe00;
 
 /// State word: the table is not written yet (what the host reserved: zeros).
 pub const STATE_EMPTY: u64 = 0;

@@ -170,6 +170,15 @@ pub trait PageSink {
         let _ = (cpu, lost);
         Ok(())
     }
+    /// CPU `cpu` will deliver no event with a raw timestamp older than `ts` (a CPU
+    /// that had nothing to deliver when it was looked at: the host kernel's CPUs of
+    /// `--host-trace`). A sink that merges CPUs by time ([`crate::TextSink`]) stops
+    /// holding the others' events back for it. May come late (after more pages of that
+    /// CPU): it only ever says less than it could.
+    fn quiet(&mut self, cpu: u32, ts: u64) -> Result<(), OutputError> {
+        let _ = (cpu, ts);
+        Ok(())
+    }
     /// The producer has nothing more for now (the end of a drain round): a sink that
     /// holds pages back ([`crate::ThreadedSink`]) hands over what it holds once it is
     /// old enough, so output keeps flowing at low rates.

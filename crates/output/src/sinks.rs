@@ -221,6 +221,15 @@ impl PageSink for TextSink {
         self.release(false)
     }
 
+    /// Lines of other CPUs up to `ts` no longer wait for `cpu`.
+    fn quiet(&mut self, cpu: u32, ts: u64) -> Result<(), OutputError> {
+        if self.out.is_none() || cpu >= self.meta.nr_cpus {
+            return Ok(());
+        }
+        self.merger.advance(cpu as usize, self.meta.clock.to_ns(ts));
+        self.release(false)
+    }
+
     /// A `CPU:N [lost EVENTS DROPPED]` line after the CPU's last event.
     fn trailing_lost(&mut self, cpu: u32, lost: u64) -> Result<(), OutputError> {
         if cpu >= self.meta.nr_cpus {

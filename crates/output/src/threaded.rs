@@ -48,6 +48,8 @@ struct PageRef {
 struct Chunk {
     data: Vec<u8>,
     pages: Vec<PageRef>,
+    /// [`PageSink::quiet`] notes (the latest per CPU), passed on after the pages.
+    quiet: std::collections::BTreeMap<u32, u64>,
 }
 
 /// What the reader sends to the sink thread, in order.
@@ -146,7 +148,7 @@ impl ThreadedSink {
 
     /// Hands the chunk being filled to the thread (if it holds a page).
     fn send_cur(&mut self) -> Result<(), OutputError> {
-        if self.cur.pages.is_empty() {
+        if self.cur.pages.is_empty() && self.cur.quiet.is_empty() {
             return Ok(());
         }
         let next = self.take_free()?;
@@ -179,8 +181,12 @@ fn run(
                         .ok_or(OutputError::Closed)?;
                     inner.page(p.cpu, page, p.missed)?;
                 }
+                for (&cpu, &ts) in &c.quiet {
+                    inner.quiet(cpu, ts)?;
+                }
                 c.data.clear();
                 c.pages.clear();
+                c.quiet.clear();
                 // Never full (room for every chunk); gone only if the reader is.
                 let _ = free.try_send(c);
             }
@@ -207,6 +213,16 @@ impl PageSink for ThreadedSink {
             len: page.len(),
             missed,
         });
+        self.since.get_or_insert_with(Instant::now);
+        Ok(())
+    }
+
+    /// Kept with the chunk being filled (the latest per CPU) and passed on after its
+    /// pages: a note may only come late.
+    fn quiet(&mut self, cpu: u32, ts: u64) -> Result<(), OutputError> {
+        self.check()?;
+        let q = self.cur.quiet.entry(cpu).or_insert(ts);
+        *q = (*q).max(ts);
         self.since.get_or_insert_with(Instant::now);
         Ok(())
     }

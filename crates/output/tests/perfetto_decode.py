@@ -5,7 +5,8 @@
   packets, clocks ([clock_id, timestamp] of the snapshot), primary_clock, process
   ({uuid, pid, name}), threads ({uuid: {pid, tid, name, parent}}), tracks ({uuid:
   {instants: {name: n}, begins, ends, lost, lost_unknown, open_at_end}}), events (with
-  --events: [track, ts, type, name, categories, {arg: value}] in file order).
+  --events: [track, ts, type, name, categories, {arg: value}] in file order), ftrace
+  (the host kernel's sched events, `--host-trace`: [cpu, ts, pid, kind, {field: value}]).
 
 Interned names (event names, categories, debug annotation names) are resolved as the
 trace processor does: from the InternedData of packets with incremental state, valid
@@ -56,7 +57,7 @@ def main():
     with open(path, "rb") as f:
         trace.ParseFromString(f.read())
     out = {"packets": len(trace.packet), "clocks": [], "primary_clock": None,
-           "process": None, "threads": {}, "tracks": {}, "events": []}
+           "process": None, "threads": {}, "tracks": {}, "events": [], "ftrace": []}
     interned = None  # {"cat": {iid: name}, "name": {...}, "arg": {...}} once cleared
     for i, p in enumerate(trace.packet):
         if unknown(p):
@@ -101,6 +102,10 @@ def main():
                     "name": d.thread.thread_name, "parent": d.parent_uuid}
                 out["tracks"][str(d.uuid)] = {"instants": {}, "begins": 0, "ends": 0,
                                               "lost": 0, "lost_unknown": 0}
+            elif d.name:
+                # A named track (a host CPU's, `--host-trace`).
+                out["tracks"][str(d.uuid)] = {"name": d.name, "instants": {}, "begins": 0,
+                                              "ends": 0, "lost": 0, "lost_unknown": 0}
         elif kind == "track_event":
             e = p.track_event
             if p.timestamp_clock_id != 64:
@@ -128,6 +133,14 @@ def main():
                 fail(f"packet {i}: type {ty}")
             if want_events:
                 out["events"].append([e.track_uuid, p.timestamp, ty, name, categories, args])
+        elif kind == "ftrace_events":
+            b = p.ftrace_events
+            for e in b.event:
+                which = e.WhichOneof("event")
+                if which is None:
+                    fail(f"packet {i}: ftrace event without data")
+                fields = {f.name: v for f, v in getattr(e, which).ListFields()}
+                out["ftrace"].append([b.cpu, e.timestamp, e.pid, which, fields])
         else:
             fail(f"packet {i}: no data ({kind})")
     for uuid, t in out["tracks"].items():

@@ -16,10 +16,10 @@ use hyptrace_abi::events::COMMON_HEADER_SIZE;
 use hyptrace_abi::layout::RingGeometry;
 use hyptrace_abi::registry::{
     scalar_type, EventEntry, FieldEntry, StrRef, TableHeader, ACCEPTED_OFF, DATA_LOC_STR,
-    ENTRY_SIZE, FIELD_SIZE, FIRST_DYNAMIC_ID, FIRST_VMM_ID, HEADER_SIZE, MAX_EVENTS, MAX_FIELDS,
-    MAX_FIELDS_PER_EVENT, MAX_NAME, MAX_PRINT_FMT, MAX_RECORD, MAX_TABLE_SIZE, MAX_TYPE, NR_SLOTS,
-    STATE_DONE, STATE_OFF, STATE_READY, STATE_REFUSED, STATUS_ACCEPTED, STATUS_REJECTED,
-    TABLE_MAGIC, TABLE_VERSION,
+    ENTRY_SIZE, FIELD_SIZE, FIRST_DYNAMIC_ID, FIRST_HOST_KERNEL_ID, HEADER_SIZE, MAX_EVENTS,
+    MAX_FIELDS, MAX_FIELDS_PER_EVENT, MAX_NAME, MAX_PRINT_FMT, MAX_RECORD, MAX_TABLE_SIZE,
+    MAX_TYPE, NR_SLOTS, STATE_DONE, STATE_OFF, STATE_READY, STATE_REFUSED, STATUS_ACCEPTED,
+    STATUS_REJECTED, TABLE_MAGIC, TABLE_VERSION,
 };
 use hyptrace_abi::SharedMem;
 use hyptrace_output::format::{common_fields, EventFormat, Field};
@@ -289,7 +289,10 @@ impl Taken {
                 self.names.insert((system.clone(), name.clone()), i);
                 self.slots.insert(e.slot, i);
                 let requested = e.requested_id as u16;
-                if requested != 0 && requested < FIRST_VMM_ID && !self.ids.contains(&requested) {
+                if requested != 0
+                    && requested < FIRST_HOST_KERNEL_ID
+                    && !self.ids.contains(&requested)
+                {
                     self.ids.insert(requested);
                     self.want.push((reg.events.len(), u32::from(requested)));
                 } else {

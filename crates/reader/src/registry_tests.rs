@@ -138,6 +138,31 @@ fn valid_table_is_accepted_with_requested_and_dynamic_ids() {
     );
 }
 
+/// Ids of the host's own events (the host kernel's, `--host-trace`, and the VMM's) are
+/// not granted to a guest that requests them: it gets a dynamic id.
+#[test]
+fn host_id_ranges_are_not_granted() {
+    let mut a = ev("a", 0);
+    a.req = u32::from(hyptrace_abi::registry::FIRST_HOST_KERNEL_ID);
+    let mut b = ev("b", 1);
+    b.req = u32::from(hyptrace_abi::registry::FIRST_VMM_ID) - 1;
+    let mut c = ev("c", 2);
+    c.req = u32::from(hyptrace_abi::registry::FIRST_VMM_ID);
+    let mut d = ev("d", 3);
+    d.req = u32::from(hyptrace_abi::registry::FIRST_HOST_KERNEL_ID) - 1;
+    let r = parse_table(&table(&[a, b, c, d], |_, _| {})).unwrap();
+    let ids: Vec<u16> = r.events.iter().map(|e| e.id).collect();
+    assert_eq!(
+        ids,
+        [
+            FIRST_DYNAMIC_ID,
+            FIRST_DYNAMIC_ID + 1,
+            FIRST_DYNAMIC_ID + 2,
+            hyptrace_abi::registry::FIRST_HOST_KERNEL_ID - 1
+        ]
+    );
+}
+
 /// Every kind of bad entry, each next to valid ones: each is rejected alone, naming
 /// the entry and the reason; the valid ones are accepted.
 #[test]

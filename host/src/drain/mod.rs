@@ -3,6 +3,7 @@
 //! the output sinks and the signals that stop a drain. Imports only the VMM layer.
 
 pub mod clock;
+pub mod host_trace;
 pub mod priority;
 pub mod session;
 pub mod signals;

@@ -10,12 +10,13 @@ use std::time::{Duration, Instant};
 use hyptrace_abi::layout::ctl;
 use hyptrace_abi::SharedMem;
 use hyptrace_output::{
-    format_drop, format_guest_line, format_window_exceeded, guest_printers, Clock, EventFormat,
-    EventPrinter, MergeWindow, Merged, Merger, Missed, PageSink, Released,
+    format_drop, format_guest_line, format_window_exceeded, guest_printers, page_missed, Clock,
+    EventFormat, EventPrinter, MergeWindow, Merged, Merger, Missed, PageSink, Released,
 };
 use hyptrace_reader::postmortem::Position;
 use hyptrace_reader::{Callbacks, CpuStats, Item, ReadError, RingBuffer};
 
+use crate::drain::host_trace::{Fed, HostTraceFeed};
 use crate::vmm::guest_mem::GuestTraceMem;
 
 /// How long the host waits, by default (`--mailbox-timeout-ms`), for the guest writer to
@@ -144,6 +145,8 @@ pub struct Session<M = Arc<GuestTraceMem>, C = Box<dyn Callbacks + Send>> {
     live_drain: bool,
     /// `--host-events`: the VMM's own ring, read as CPU `nr_cpus` of the output.
     host: Option<HostCpu>,
+    /// `--host-trace`: the host kernel's CPUs, after the guest's (and the VMM's).
+    host_trace: Option<HostTraceCpus>,
     /// Failures of [`Session::relieve`] (the standby drainer), for the next
     /// [`Session::service`] to return: the drain loop reports them as its own.
     deferred: Vec<(u32, SessionError)>,
@@ -170,6 +173,119 @@ struct HostCpu {
     run: CpuRun,
     /// Its CPU number in the output (the guest's CPU count).
     cpu: u32,
+}
+
+/// The host kernel's CPUs in a session (`--host-trace`, [`crate::drain::host_trace`]).
+struct HostTraceCpus {
+    feed: HostTraceFeed,
+    /// The output CPU of host CPU 0.
+    first: u32,
+    /// Events the kernel's pages say were lost (their counts).
+    lost: u64,
+    /// Pages flagged as after a loss without a count.
+    lost_pages_unknown: u64,
+    ended: bool,
+}
+
+/// What `--host-trace` read and lost (`--stats` `host_trace`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct HostTraceStats {
+    /// Host CPUs recorded.
+    pub cpus: u32,
+    /// The output CPU of host CPU 0.
+    pub first_cpu: u32,
+    /// Pages read from `trace_pipe_raw`.
+    pub pages: u64,
+    /// Events in them.
+    pub events: u64,
+    /// Events lost, as the pages' lost-events counts say.
+    pub lost: u64,
+    /// Pages flagged as after a loss whose count the kernel did not store.
+    pub lost_pages_unknown: u64,
+    /// The kernel's `overrun` (all CPUs, `per_cpu/cpuN/stats`).
+    pub overrun: u64,
+    /// The kernel's `dropped events` (all CPUs).
+    pub dropped: u64,
+    /// The vCPU threads' tids the filter named (empty: `--host-trace-all`).
+    pub vcpu_threads: Vec<i32>,
+    /// The reader thread's failure.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+impl HostTraceCpus {
+    /// One item of the reader thread into the output.
+    fn take(&mut self, item: Fed, output: &mut Output, clock: &Clock) -> Result<(), SessionError> {
+        match item {
+            Fed::Quiet { cpu, tsc } => match output {
+                Output::Text { merger, .. } => {
+                    merger.advance((self.first + cpu) as usize, clock.to_ns(tsc));
+                    Ok(())
+                }
+                Output::Pages(sink) => Ok(sink.quiet(self.first + cpu, tsc)?),
+            },
+            Fed::Page { cpu, page } => {
+                let out = self.first + cpu;
+                let missed = match page_missed(&page) {
+                    Missed::Count(n) => {
+                        self.lost = self.lost.saturating_add(n);
+                        Some(n)
+                    }
+                    Missed::Unknown => {
+                        self.lost_pages_unknown += 1;
+                        None
+                    }
+                    Missed::None => None,
+                };
+                match output {
+                    Output::Pages(sink) => Ok(sink.page(out, &page, missed)?),
+                    Output::Text {
+                        merger, payloads, ..
+                    } => {
+                        text_page(
+                            merger,
+                            &mut payloads[out as usize],
+                            out,
+                            &page,
+                            missed,
+                            clock,
+                        );
+                        Ok(())
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Queues the events of a host kernel page (CPU `cpu` of the output) in the merger.
+fn text_page(
+    merger: &mut Merger<usize>,
+    fifo: &mut std::collections::VecDeque<u8>,
+    cpu: u32,
+    page: &[u8],
+    missed: Option<u64>,
+    clock: &Clock,
+) {
+    let Some((ts, commit)) = hyptrace_abi::page::page_header(page) else {
+        return;
+    };
+    let len = (commit & hyptrace_abi::page::COMMIT_LEN_MASK) as usize;
+    let end = hyptrace_abi::page::PAGE_HEADER_SIZE
+        .saturating_add(len)
+        .min(page.len());
+    let data = &page[hyptrace_abi::page::PAGE_HEADER_SIZE..end];
+    let mut lost = missed;
+    for ev in hyptrace_abi::page::Events::new(data, ts) {
+        let Ok(ev) = ev else { break };
+        let ns = clock.to_ns(ev.ts);
+        if let Some(n) = lost.take() {
+            merger.push(cpu as usize, ns, Merged::Lost(n));
+        }
+        fifo.extend(ev.payload);
+        let n = ev.payload.len();
+        merger.push_sized(cpu as usize, ns, Merged::Event(n), n);
+    }
 }
 
 /// What went wrong while draining a CPU.
@@ -222,6 +338,7 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
             output_error: None,
             live_drain: true,
             host: None,
+            host_trace: None,
             deferred: Vec::new(),
             fill_time: None,
             deferred_output: None,
@@ -387,6 +504,90 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
             }
         }
         r
+    }
+
+    /// Adds the host kernel's CPUs (`--host-trace`) as CPUs `first..first + n` of the
+    /// output, printed with `formats` (renumbered ids, H2); the vCPU threads' tids get
+    /// their `vcpuN` names. A text output must have been made for all of them.
+    pub fn with_host_trace(
+        mut self,
+        feed: HostTraceFeed,
+        first: u32,
+        formats: &[EventFormat],
+    ) -> Self {
+        for f in formats {
+            self.printers.insert(f.id, EventPrinter::new(f.clone()));
+        }
+        for &(v, tid) in feed.tids() {
+            self.cmdlines.insert(tid, format!("vcpu{v}"));
+        }
+        self.host_trace = Some(HostTraceCpus {
+            feed,
+            first,
+            lost: 0,
+            lost_pages_unknown: 0,
+            ended: false,
+        });
+        self
+    }
+
+    /// Takes the pages the host trace's reader thread has read (bounded per round).
+    fn service_host_trace(&mut self) -> Option<SessionError> {
+        let h = self.host_trace.as_mut()?;
+        if h.ended {
+            return None;
+        }
+        for _ in 0..crate::drain::host_trace::FEED_PAGES {
+            let item = h.feed.try_next()?;
+            if let Err(e) = h.take(item, &mut self.output, &self.clock) {
+                return Some(e);
+            }
+        }
+        None
+    }
+
+    /// Stops the host trace and takes everything its thread still reads (after every
+    /// vCPU stopped). Bounded: the kernel's rings are finite and recording is off.
+    pub fn end_host_trace(&mut self) -> Result<(), SessionError> {
+        let Some(h) = self.host_trace.as_mut() else {
+            return Ok(());
+        };
+        if h.ended {
+            return Ok(());
+        }
+        h.ended = true;
+        h.feed.stop();
+        let mut r = Ok(());
+        while let Some(item) = h.feed.next_final() {
+            if let Err(e) = h.take(item, &mut self.output, &self.clock) {
+                r = r.and(Err(e));
+            }
+        }
+        if let Output::Text { merger, .. } = &mut self.output {
+            for c in 0..h.feed.nr_cpus() {
+                merger.finish((h.first + c) as usize);
+            }
+        }
+        r
+    }
+
+    /// What the host trace read and lost (`--host-trace`), if any.
+    pub fn host_trace_stats(&self) -> Option<HostTraceStats> {
+        let h = self.host_trace.as_ref()?;
+        let (pages, events) = h.feed.read();
+        let kernel = h.feed.kernel_losses();
+        Some(HostTraceStats {
+            cpus: h.feed.nr_cpus(),
+            first_cpu: h.first,
+            pages,
+            events,
+            lost: h.lost,
+            lost_pages_unknown: h.lost_pages_unknown,
+            overrun: kernel.iter().map(|k| k.overrun).sum(),
+            dropped: kernel.iter().map(|k| k.dropped).sum(),
+            vcpu_threads: h.feed.tids().iter().map(|&(_, t)| t).collect(),
+            error: h.feed.error(),
+        })
     }
 
     /// Events read from the VMM's ring and lost there (`--host-events`), if any.
@@ -797,6 +998,9 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
         if let Some(e) = self.service_host() {
             let cpu = self.reader.nr_cpus();
             failed.push((cpu, e));
+        }
+        if let Some(e) = self.service_host_trace() {
+            failed.push((self.reader.nr_cpus(), e));
         }
         failed
     }

@@ -359,6 +359,16 @@ pub struct RunArgs {
     /// same clock, as one more CPU (number = --vcpus, comm `vmm`, system `vmm`).
     #[arg(long)]
     pub host_events: bool,
+    /// Record the host kernel's ftrace EVENTS too (comma-separated, repeatable:
+    /// SYSTEM:EVENT with globs, a system or an event name, e.g.
+    /// 'sched:sched_switch,irq:*'), through a private tracefs instance on the x86-tsc
+    /// clock, as more CPUs after the guest's (and the VMM's). Only the vCPU threads'
+    /// events unless --host-trace-all. Needs a writable /sys/kernel/tracing (root).
+    #[arg(long, value_name = "EVENTS")]
+    pub host_trace: Vec<String>,
+    /// With --host-trace: every task's events, not only the vCPU threads'.
+    #[arg(long, requires = "host_trace")]
+    pub host_trace_all: bool,
     /// Record only the events PATTERN names (repeatable): SYSTEM:EVENT (globs `*` `?`
     /// in either part, e.g. 'guest:*'), a system or an event name, or `all`
     /// [default: every event the guest registers]. A name no registered event has is an

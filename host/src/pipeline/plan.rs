@@ -204,6 +204,8 @@ pub struct Plan {
     pub clock: crate::vmm::time::ClockKind,
     /// `--host-events`.
     pub host_events: bool,
+    /// `--host-trace`, `--host-trace-all`.
+    pub host_trace: Option<crate::drain::host_trace::HostTraceSpec>,
     /// `-e` / `--disable`: the events to record.
     pub events: crate::vmm::registration::Selection,
     /// `--drain`, `--hang-timeout`, `--crash-dump`, `--trace-mem`.
@@ -430,6 +432,10 @@ impl Plan {
             },
             clock: a.clock,
             host_events: a.host_events,
+            host_trace: crate::drain::host_trace::HostTraceSpec::parse(
+                &a.host_trace,
+                a.host_trace_all,
+            ),
             echo: OptionsEcho {
                 workload: format!("{:?}", a.workload).to_lowercase(),
                 mode: format!("{:?}", a.mode).to_lowercase(),

@@ -318,6 +318,8 @@ pub struct RunReport {
     pub clock: Option<crate::drain::clock::ClockStats>,
     /// `--host-events`: what the VMM's ring held (absent without the flag).
     pub host_events: Option<HostEventsStats>,
+    /// `--host-trace`: what the host kernel's instance gave and lost.
+    pub host_trace: Option<crate::drain::session::HostTraceStats>,
     /// `--mode` (the loss hint depends on it).
     pub mode: ModeArg,
     /// The guest's memory after the run (result slots, for `bench`).
@@ -614,6 +616,21 @@ impl fmt::Display for RunReport {
             Some(r) => writeln!(f, "hyptrace: stopped: {r}")?,
         }
         writeln!(f, "{}", self.summary())?;
+        if let Some(h) = &self.host_trace {
+            writeln!(
+                f,
+                "hyptrace: host trace: {} host CPUs (output CPUs {}..{}): read {} events in {} pages, lost {} (+{} pages with an unknown count; kernel overrun {}, dropped {})",
+                h.cpus,
+                h.first_cpu,
+                h.first_cpu + h.cpus,
+                h.events,
+                h.pages,
+                h.lost,
+                h.lost_pages_unknown,
+                h.overrun,
+                h.dropped
+            )?;
+        }
         if self.cpus.iter().any(|r| r.stats.lost > 0) {
             writeln!(f, "hyptrace: hint: {}", loss_hint(self.mode))?;
             for why in self.loss_causes() {
@@ -754,6 +771,8 @@ pub struct Stats {
     guest_exit: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     host_events: Option<HostEventsStats>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    host_trace: Option<crate::drain::session::HostTraceStats>,
     mode: String,
     rate: u64,
     /// What the live reader measured of itself (`null` with `--drain none`).
@@ -814,6 +833,7 @@ impl Stats {
             exit_code: code,
             guest_exit,
             host_events: r.host_events,
+            host_trace: r.host_trace.clone(),
             mode: e.mode.clone(),
             rate: e.rate,
             reader: ReaderJson::new(&r.timing.reader),
@@ -855,6 +875,7 @@ mod tests {
             guest: None,
             clock: None,
             host_events: None,
+            host_trace: None,
         }
     }
 

@@ -40,7 +40,9 @@ use crate::control::consumer::{Consumers, FileInfo, CONSUMER_GRACE};
 use crate::control::protocol::{CpuLive, LiveStats, ReaderStatus};
 use crate::control::server::{Answer, Command, ControlServer, EventSwitch, Handler, Refusal};
 use crate::drain::clock::HostClock;
+use crate::drain::host_trace::{self, HostTrace, HostTraceFeed};
 use crate::drain::priority::{thread_cpu_time, ReaderPriority};
+use crate::drain::session::HostTraceStats;
 use crate::drain::session::{Output, Session, MIN_POLL};
 use crate::drain::signals::Interrupts;
 use crate::drain::sink::{make_sink, FormatArg};
@@ -122,6 +124,9 @@ pub enum RunError {
     /// `--control`: the socket could not be set up.
     #[error(transparent)]
     Control(#[from] crate::control::server::ControlError),
+    /// `--host-trace`: tracefs could not be set up.
+    #[error(transparent)]
+    HostTrace(#[from] crate::drain::host_trace::HostTraceError),
 }
 
 impl RunError {
@@ -130,6 +135,7 @@ impl RunError {
     pub fn is_input_error(&self) -> bool {
         match self {
             Self::Vm(e) => e.is_input_error(),
+            Self::HostTrace(e) => e.is_input_error(),
             Self::Sink { .. } | Self::TraceMem(_) | Self::Events(_) | Self::Control(_) => true,
             _ => false,
         }
@@ -247,6 +253,12 @@ impl<'a> Run<'a> {
         } = self;
         let nr = plan.cfg.vcpus;
         let created_tsc = crate::vmm::time::host_tsc();
+        // `--host-trace`: tracefs checked (exit 2) before the VM exists.
+        let host_trace = plan
+            .host_trace
+            .as_ref()
+            .map(|s| HostTrace::prepare(&host_trace::tracefs_root(), s))
+            .transpose()?;
         let (mut b, vm) = Booted::boot(&plan)?;
         // After the trace memory file (created by `boot`): a consumer that finds the
         // socket finds the file.
@@ -256,6 +268,14 @@ impl<'a> Run<'a> {
         // loop (released right before it starts, or on any early return).
         let gate = AnswerGate::hold(&table);
         let running = vm.start_with_events(&plan.params, table.clone())?;
+        let host_trace = host_trace
+            .map(|h| {
+                let formats = h.formats();
+                let tsc_offset = b.tsc_offset.unwrap_or(0);
+                h.start(nr, plan.ring.page_size, (tsc_offset, b.tsc_khz))
+                    .map(|feed| (feed, formats))
+            })
+            .transpose()?;
         if let Some(tm) = &b.trace_mem {
             tm.set_state(crate::flight::trace_mem::STATE_RUNNING);
         }
@@ -276,10 +296,14 @@ impl<'a> Run<'a> {
             &clock,
             &stdout,
             &formats,
-            plan.host_events,
+            (plan.host_events, host_trace.as_ref()),
         )?;
         let trace_mem = b.trace_mem.take().map(Arc::new);
-        let session = b.session(reader, output, &formats, &plan, trace_mem.as_ref());
+        let mut session = b.session(reader, output, &formats, &plan, trace_mem.as_ref());
+        if let Some((feed, hformats)) = host_trace {
+            let first = nr + u32::from(plan.host_events);
+            session = session.with_host_trace(feed, first, &hformats);
+        }
         let flight = Flight::new(&plan, trace_mem, crash_dump, clock, formats);
         let mut live = Live {
             deadline: plan.duration.map(|d| running.started_at() + d),
@@ -564,7 +588,7 @@ fn open_output(
     clock: &Clock,
     stdout: &Arc<StdoutState>,
     formats: &[EventFormat],
-    host_events: bool,
+    (host_events, host_trace): (bool, Option<&(HostTraceFeed, Vec<EventFormat>)>),
 ) -> Result<(Output, Shown), RunError> {
     // `--host-events`: one more CPU, the VMM's (comm `vmm`, system `vmm`).
     let meta = || {
@@ -578,9 +602,17 @@ fn open_output(
                 .insert(hyptrace_abi::events::vcpu_pid(nr), "vmm".into());
             m.formats.extend(crate::vmm::host_events::formats());
         }
+        // `--host-trace`: the host CPUs after those, the vCPU threads named.
+        if let Some((feed, hformats)) = host_trace {
+            m.nr_cpus += feed.nr_cpus();
+            m.formats.extend(hformats.iter().cloned());
+            for &(v, tid) in feed.tids() {
+                m.cmdlines.insert(tid, format!("vcpu{v}"));
+            }
+        }
         m
     };
-    let text_cpus = nr + u32::from(host_events);
+    let text_cpus = nr + u32::from(host_events) + host_trace.map_or(0, |(feed, _)| feed.nr_cpus());
     match target {
         Target::Sink(sink) => Ok((Output::Pages(sink), Shown::Sink)),
         Target::MakeSink(make) => {
@@ -669,13 +701,22 @@ fn settle_events(
     Ok(table.formats())
 }
 
+/// What [`finish_session`] accounts: the vCPUs' reports, the failures, the VMM's ring
+/// (`--host-events`) and the host kernel's events (`--host-trace`).
+type Finished = (
+    Vec<CpuReport>,
+    Failures,
+    Option<HostEventsStats>,
+    Option<HostTraceStats>,
+);
+
 /// Every vCPU has stopped: the final read-only walks, the per-CPU accounting, the
 /// output finished. A second signal meanwhile aborts.
 fn finish_session(
     mut session: Session,
     mut failures: Failures,
     interrupts: Option<&Interrupts>,
-) -> Result<(Vec<CpuReport>, Failures, Option<HostEventsStats>), RunError> {
+) -> Result<Finished, RunError> {
     let nr = session.reader().nr_cpus();
     for cpu in 0..nr {
         if let Err(e) = session.end_cpu(cpu) {
@@ -687,6 +728,14 @@ fn finish_session(
     if let Err(e) = session.end_host() {
         log::debug!("host events: final walk failed: {e}");
         failures.session(None, &e);
+    }
+    if let Err(e) = session.end_host_trace() {
+        log::debug!("host trace: final read failed: {e}");
+        failures.session(None, &e);
+    }
+    let host_trace = session.host_trace_stats();
+    if let Some(e) = host_trace.as_ref().and_then(|h| h.error.clone()) {
+        failures.other(format!("host trace: {e}"));
     }
     if let Err(e) = session.flush() {
         failures.session(None, &e);
@@ -724,7 +773,7 @@ fn finish_session(
     if text && interrupts.is_some_and(Interrupts::aborted) {
         return Err(RunError::Aborted);
     }
-    Ok((cpus, failures, host))
+    Ok((cpus, failures, host, host_trace))
 }
 
 /// The per-CPU statistics a page sink writes at its end (trace.dat's stat options).
@@ -798,7 +847,8 @@ impl Live<'_> {
             // Dropping the session drops the sink: its temporary files go.
             return Err(RunError::Aborted);
         }
-        let (cpus, mut failures, host_events) = finish_session(session, failures, interrupts)?;
+        let (cpus, mut failures, host_events, host_trace) =
+            finish_session(session, failures, interrupts)?;
         // L1: a registration refused because the run went on without one fails the run.
         if let Some(late) = table.late_registration() {
             failures.other(late.to_string());
@@ -822,6 +872,7 @@ impl Live<'_> {
             guest: Some(guest),
             clock: Some(clock.stats()),
             host_events,
+            host_trace,
         })
     }
 

@@ -11,7 +11,11 @@
 //!    (`SEQ_NEEDS_INCREMENTAL_STATE`);
 //! 2. a process track [`PROCESS_UUID`] "guest" (pid [`crate::JSON_PID`]) and one thread
 //!    track per vCPU ([`vcpu_track_uuid`], tid = the vCPU's pid, named from the cmdlines);
-//! 3. per event, on its vCPU's track: `guest:span` as a slice (`SLICE_BEGIN` at
+//! 3. per event, on its vCPU's track (`--host-trace`: the host kernel's
+//!    `sched:sched_switch` / `sched_wakeup` instead go out as an `FtraceEventBundle`
+//!    of their CPU, so the trace processor builds the threads' scheduling states, and
+//!    each vCPU's track takes its host thread's tid: the vCPU's guest events and its
+//!    thread's host scheduling are one thread in the UI): `guest:span` as a slice (`SLICE_BEGIN` at
 //!    `ts − dur`, `SLICE_END` at `ts`: the guest writes a span when it ends), every
 //!    other event as an instant; the event's fields as debug annotations (integers as
 //!    int/uint, strings as strings, arrays as arrays of uint); lost events as an instant
@@ -43,9 +47,10 @@ pub mod protos {
 }
 
 use protos::{
-    clock_snapshot, debug_annotation, trace_packet, track_event, BuiltinClock, ClockSnapshot,
-    DebugAnnotation, DebugAnnotationName, EventCategory, EventName, InternedData,
-    ProcessDescriptor, ThreadDescriptor, TracePacket, TrackDescriptor, TrackEvent,
+    clock_snapshot, debug_annotation, ftrace_event, trace_packet, track_descriptor, track_event,
+    BuiltinClock, ClockSnapshot, DebugAnnotation, DebugAnnotationName, EventCategory, EventName,
+    FtraceEvent, FtraceEventBundle, InternedData, ProcessDescriptor, SchedSwitchFtraceEvent,
+    SchedWakeupFtraceEvent, ThreadDescriptor, TracePacket, TrackDescriptor, TrackEvent,
 };
 
 /// `trusted_packet_sequence_id` of every packet.
@@ -224,12 +229,21 @@ impl PerfettoSink {
                 self.last[c] = clock.to_ns(page_ts);
             }
         }
+        let mut bundle = Vec::new();
         for (ts, payload) in events {
             let ns = clock.to_ns(ts);
             self.last[c] = ns;
             let id = payload
                 .get(..2)
                 .map_or(0, |b| u16::from_le_bytes([b[0], b[1]]));
+            if let Some(e) = self
+                .meta
+                .format(id)
+                .and_then(|f| host_sched(f, ns, payload))
+            {
+                bundle.push(e);
+                continue;
+            }
             let (Some(f), Some(&(name_iid, cat_iid))) =
                 (self.meta.format(id), self.event_iids.get(&id))
             else {
@@ -287,6 +301,15 @@ impl PerfettoSink {
                     },
                 );
             }
+        }
+        if !bundle.is_empty() {
+            self.push(TracePacket {
+                data: Some(trace_packet::Data::FtraceEvents(FtraceEventBundle {
+                    cpu: Some(cpu),
+                    event: bundle,
+                })),
+                ..Default::default()
+            });
         }
         self.flush()
     }
@@ -396,9 +419,99 @@ fn first_packet(interned: InternedData) -> TracePacket {
     }
 }
 
-/// The thread track of vCPU `cpu`, named by its cmdline (else `vcpuN`).
+/// Whether `f` is a host kernel event (`--host-trace`: ids renumbered from
+/// `FIRST_HOST_KERNEL_ID`, below the VMM's).
+fn is_host_kernel(f: &EventFormat) -> bool {
+    (hyptrace_abi::registry::FIRST_HOST_KERNEL_ID..hyptrace_abi::registry::FIRST_VMM_ID)
+        .contains(&f.id)
+}
+
+/// A host kernel `sched_switch` / `sched_wakeup` (`--host-trace`) as the ftrace event
+/// the trace processor builds thread states from; `None` for every other event.
+fn host_sched(f: &EventFormat, ns: u64, payload: &[u8]) -> Option<FtraceEvent> {
+    if !is_host_kernel(f) || f.system != "sched" {
+        return None;
+    }
+    let int = |n: &str| f.field(n).and_then(|fd| field_int(fd, payload));
+    let i32f = |n: &str| int(n).map(|v| v as i32);
+    let comm = |n: &str| {
+        f.field(n).and_then(|fd| field_bytes(fd, payload)).map(|b| {
+            let end = b.iter().position(|&x| x == 0).unwrap_or(b.len());
+            String::from_utf8_lossy(&b[..end]).into_owned()
+        })
+    };
+    let event = match f.name.as_str() {
+        "sched_switch" => ftrace_event::Event::SchedSwitch(SchedSwitchFtraceEvent {
+            prev_comm: comm("prev_comm"),
+            prev_pid: i32f("prev_pid"),
+            prev_prio: i32f("prev_prio"),
+            prev_state: int("prev_state").map(|v| v as i64),
+            next_comm: comm("next_comm"),
+            next_pid: i32f("next_pid"),
+            next_prio: i32f("next_prio"),
+        }),
+        "sched_wakeup" => ftrace_event::Event::SchedWakeup(SchedWakeupFtraceEvent {
+            comm: comm("comm"),
+            pid: i32f("pid"),
+            prio: i32f("prio"),
+            success: i32f("success"),
+            target_cpu: i32f("target_cpu"),
+        }),
+        _ => return None,
+    };
+    Some(FtraceEvent {
+        timestamp: Some(ns),
+        pid: int("common_pid").map(|v| v as u32),
+        event: Some(event),
+    })
+}
+
+/// With host kernel events (`--host-trace`), the host CPU number of output CPU `cpu`:
+/// the host CPUs are the last ones, after every CPU the cmdlines name (the vCPUs, the
+/// VMM's).
+fn host_cpu(meta: &TraceMeta, cpu: u32) -> Option<u32> {
+    if !meta.formats.iter().any(is_host_kernel) {
+        return None;
+    }
+    let first = (0..meta.nr_cpus).find(|&c| {
+        !meta
+            .cmdlines
+            .contains_key(&hyptrace_abi::events::vcpu_pid(c))
+    })?;
+    cpu.checked_sub(first)
+}
+
+/// The host thread id of vCPU `cpu` (`--host-trace`: the cmdlines name it `vcpuN`
+/// besides the guest's pid), so its track is the thread the host's sched_switch
+/// events describe.
+fn host_tid(meta: &TraceMeta, cpu: u32) -> Option<i32> {
+    if !meta.formats.iter().any(is_host_kernel) {
+        return None;
+    }
+    let name = format!("vcpu{cpu}");
+    let guest = hyptrace_abi::events::vcpu_pid(cpu);
+    meta.cmdlines
+        .iter()
+        .find(|&(&pid, n)| *n == name && pid != guest && pid > meta.nr_cpus as i32 + 1)
+        .map(|(&pid, _)| pid)
+}
+
+/// The thread track of vCPU `cpu`, named by its cmdline (else `vcpuN`); its tid is the
+/// vCPU thread's host tid when the host's scheduling is recorded ([`host_tid`]).
 fn vcpu_track(meta: &TraceMeta, cpu: u32) -> TracePacket {
     let pid = hyptrace_abi::events::vcpu_pid(cpu);
+    if let Some(k) = host_cpu(meta, cpu) {
+        // A host CPU (`--host-trace`): a named track, not a thread (its number could be
+        // a real host tid in the host's sched events).
+        return descriptor(TrackDescriptor {
+            uuid: Some(vcpu_track_uuid(cpu)),
+            parent_uuid: Some(PROCESS_UUID),
+            static_or_dynamic_name: Some(track_descriptor::StaticOrDynamicName::Name(format!(
+                "host cpu{k}"
+            ))),
+            ..Default::default()
+        });
+    }
     let name = meta
         .cmdlines
         .get(&pid)
@@ -409,7 +522,7 @@ fn vcpu_track(meta: &TraceMeta, cpu: u32) -> TracePacket {
         parent_uuid: Some(PROCESS_UUID),
         thread: Some(ThreadDescriptor {
             pid: Some(crate::JSON_PID as i32),
-            tid: Some(pid),
+            tid: Some(host_tid(meta, cpu).unwrap_or(pid)),
             thread_name: Some(name),
         }),
         ..Default::default()

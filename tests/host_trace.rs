@@ -1,0 +1,470 @@
+//! `--host-trace`: the host kernel's own events (tracefs, `x86-tsc` clock) on the
+//! guest's timeline (skipped without /dev/kvm unless HYPTRACE_REQUIRE_KVM=1, without a
+//! writable tracefs unless HYPTRACE_REQUIRE_TRACEFS=1; the trace-cmd and Perfetto parts
+//! as the other tests). Order, coverage and cleanup, never durations.
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use hyptrace::env::{self, kvm_available, vm_lock, TempDir};
+
+const BIN: &str = env!("CARGO_BIN_EXE_hyptrace");
+const KRATE: &str = env!("CARGO_CRATE_NAME");
+const TRACEFS: &str = "/sys/kernel/tracing";
+const VCPUS: u32 = 2;
+/// A gap in a vCPU's guest events longer than this must be its thread switched out.
+const GAP_NS: u128 = 1_000_000;
+
+/// Whether tracefs instances can be made here (else the test is skipped, or fails with
+/// HYPTRACE_REQUIRE_TRACEFS=1).
+fn tracefs_available(test: &str) -> bool {
+    static PROBES: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = PROBES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let probe = Path::new(TRACEFS)
+        .join("instances")
+        .join(format!("hyptrace-probe-{}-{n}", std::process::id()));
+    let ok = std::fs::create_dir(&probe).is_ok();
+    if ok {
+        std::fs::remove_dir(&probe).expect("remove the probe instance");
+    } else {
+        assert!(
+            std::env::var("HYPTRACE_REQUIRE_TRACEFS").as_deref() != Ok("1"),
+            "{test}: no writable {TRACEFS}/instances"
+        );
+        eprintln!("{KRATE}::{test}: skipped: no writable {TRACEFS}/instances");
+    }
+    ok
+}
+
+/// The tracefs instance of process `pid`.
+fn instance(pid: u32) -> std::path::PathBuf {
+    Path::new(TRACEFS)
+        .join("instances")
+        .join(format!("hyptrace-{pid}"))
+}
+
+/// A CPU hog pinned to CPU `cpu`, killed when dropped.
+struct Hog(Child);
+
+impl Hog {
+    fn pinned(cpu: u32) -> Self {
+        let c = Command::new("taskset")
+            .args(["-c", &cpu.to_string(), "sh", "-c", "while :; do :; done"])
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("taskset sh");
+        Self(c)
+    }
+}
+
+impl Drop for Hog {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// One line of `trace-cmd report -t`: CPU, ns, event name, what follows the name.
+#[derive(Debug)]
+struct Line {
+    cpu: u32,
+    ts: u128,
+    name: String,
+    rest: String,
+}
+
+/// Parses `COMM-PID [CPU] SEC.NSEC: NAME: REST` (the comm may hold anything but the
+/// `[NNN] ` column).
+fn parse(line: &str) -> Option<Line> {
+    let b = line.as_bytes();
+    let at = (0..b.len().saturating_sub(5)).find(|&i| {
+        b[i] == b'[' && b[i + 1..i + 4].iter().all(u8::is_ascii_digit) && b[i + 4] == b']'
+    })?;
+    let cpu = line[at + 1..at + 4].parse().ok()?;
+    let after = line[at + 5..].trim_start();
+    let (ts, after) = after.split_once(": ")?;
+    let (sec, frac) = ts.split_once('.')?;
+    if frac.len() != 9 {
+        return None;
+    }
+    let ts = sec.parse::<u128>().ok()? * 1_000_000_000 + frac.parse::<u128>().ok()?;
+    let (name, rest) = after.split_once(':')?;
+    Some(Line {
+        cpu,
+        ts,
+        name: name.trim().to_string(),
+        rest: rest.trim().to_string(),
+    })
+}
+
+/// The pids of a sched_switch as trace-cmd's plugin prints it:
+/// `prev_comm:prev_pid [prio] S ==> next_comm:next_pid [prio]`.
+fn switch_pids(rest: &str) -> Option<(i64, i64)> {
+    let (prev, next) = rest.split_once(" ==> ")?;
+    let pid = |side: &str| -> Option<i64> {
+        let (commpid, _) = side.rsplit_once(" [")?;
+        commpid.rsplit_once(':')?.1.parse().ok()
+    };
+    Some((pid(prev)?, pid(next)?))
+}
+
+/// Every gap over [`GAP_NS`] between two guest events of vCPU `v` holds a switch out
+/// of its thread `tid` and a switch back in after it. Returns (gaps, switches out).
+fn check_gaps(lines: &[Line], v: u32, tid: i64) -> (usize, usize) {
+    let guest: Vec<u128> = lines
+        .iter()
+        .filter(|l| l.cpu == v && l.name == "marker")
+        .map(|l| l.ts)
+        .collect();
+    assert!(!guest.is_empty(), "vCPU {v}: no guest events");
+    let mut outs = Vec::new();
+    let mut ins = Vec::new();
+    for l in lines.iter().filter(|l| l.name == "sched_switch") {
+        let (prev, next) =
+            switch_pids(&l.rest).unwrap_or_else(|| panic!("sched_switch fields: {l:?}"));
+        if prev == tid {
+            outs.push(l.ts);
+        }
+        if next == tid {
+            ins.push(l.ts);
+        }
+    }
+    let mut gaps = 0;
+    for w in guest.windows(2) {
+        let (a, b) = (w[0], w[1]);
+        if b - a <= GAP_NS {
+            continue;
+        }
+        gaps += 1;
+        let out = outs.iter().find(|&&t| a <= t && t <= b);
+        let back = out.and_then(|&o| ins.iter().find(|&&t| o <= t && t <= b));
+        let near: Vec<&Line> = lines
+            .iter()
+            .filter(|l| l.name == "sched_switch" && a <= l.ts + GAP_NS && l.ts <= b + GAP_NS)
+            .collect();
+        assert!(
+            back.is_some(),
+            "vCPU {v} (tid {tid}): guest gap {a}..{b} ({} µs) without its thread switched out and back in (out {out:?}); host switches around it: {near:#?}",
+            (b - a) / 1000
+        );
+    }
+    (gaps, outs.len())
+}
+
+/// `record --host-trace sched:sched_switch` next to a CPU hog on the vCPU threads'
+/// CPU: trace-cmd prints guest events and the vCPU threads' switches, with their
+/// fields, in one time order; every gap over 1 ms in a vCPU's events is its thread
+/// switched out; the Perfetto conversion of the same file decodes with the official
+/// schema and puts each vCPU's events and its thread's switches on one thread.
+#[test]
+fn trace_dat_shows_vcpu_preemption() {
+    if !kvm_available(KRATE, "trace_dat_shows_vcpu_preemption")
+        || !tracefs_available("trace_dat_shows_vcpu_preemption")
+        || !env::trace_cmd_available()
+    {
+        return;
+    }
+    let _vm = vm_lock();
+    let dir = TempDir::new("host-trace");
+    let dat = dir.file("x.dat");
+    let stats = dir.file("stats.json");
+    // Everything on CPU 0: the hog, both vCPU threads, the reader. The vCPU threads
+    // are switched out (the hog never sleeps), so sched_switch events are certain.
+    let _hog = Hog::pinned(0);
+    let child = Command::new("taskset")
+        .args([
+            "-c",
+            "0",
+            BIN,
+            "record",
+            "--host-trace",
+            "sched:sched_switch",
+        ])
+        .args(["-o", &dat, "--stats", &stats, "--vcpus", "2"])
+        .args(["--events", "200000", "--rate", "100000"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("taskset hyptrace");
+    // taskset execs hyptrace: same pid.
+    let pid = child.id();
+    let out = child.wait_with_output().expect("wait");
+    assert_eq!(out.status.code(), Some(0), "{}", env::stderr(&out));
+    assert!(!instance(pid).exists(), "instance left after a normal exit");
+    let s: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&stats).expect("stats")).expect("json");
+    let h = &s["host_trace"];
+    let tids: Vec<i64> = h["vcpu_threads"]
+        .as_array()
+        .expect("vcpu_threads")
+        .iter()
+        .map(|t| t.as_i64().expect("tid"))
+        .collect();
+    assert_eq!(tids.len(), VCPUS as usize, "{s}");
+    assert!(h["events"].as_u64() > Some(0), "{s}");
+
+    let tc = env::run("trace-cmd", &["report", "-t", "-i", &dat]);
+    assert!(tc.status.success(), "{}", env::stderr(&tc));
+    let text = env::stdout(&tc);
+    assert!(
+        !text.contains("[UNKNOWN EVENT]"),
+        "trace-cmd: unknown events"
+    );
+    let lines: Vec<Line> = text.lines().filter_map(parse).collect();
+    for w in lines.windows(2) {
+        assert!(w[0].ts <= w[1].ts, "time goes back: {w:?}");
+    }
+    for (v, &tid) in (0..VCPUS).zip(&tids) {
+        eprintln!("host trace stats: {h}");
+        let (gaps, outs) = check_gaps(&lines, v, tid);
+        assert!(
+            outs > 0,
+            "vCPU {v}: its thread {tid} was never switched out"
+        );
+        eprintln!("vCPU {v}: {gaps} gaps over 1 ms, {outs} switches out, all covered");
+    }
+    check_perfetto(&dir, &dat, &tids, &lines);
+}
+
+/// The Perfetto conversion of `dat`: the official schema decodes it; each vCPU's track
+/// is its host thread (tid), and that tid's switches are in the ftrace bundles as many
+/// times as trace-cmd printed them.
+fn check_perfetto(dir: &TempDir, dat: &str, tids: &[i64], lines: &[Line]) {
+    if !env::perfetto_available() {
+        return;
+    }
+    let pf = dir.file("x.pftrace");
+    let out = env::run(BIN, &["convert", "-i", dat, "-o", &pf]);
+    assert_eq!(out.status.code(), Some(0), "{}", env::stderr(&out));
+    let dec = env::run(
+        "python3",
+        &[
+            concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/crates/output/tests/perfetto_decode.py"
+            ),
+            &pf,
+        ],
+    );
+    assert!(dec.status.success(), "{}", env::stderr(&dec));
+    let d: serde_json::Value = serde_json::from_slice(&dec.stdout).expect("decoder json");
+    let switches = |tid: i64, key: &str| {
+        d["ftrace"]
+            .as_array()
+            .expect("ftrace")
+            .iter()
+            .filter(|e| e[3] == "sched_switch" && e[4][key] == tid)
+            .count()
+    };
+    for (v, &tid) in tids.iter().enumerate() {
+        let track = d["threads"]
+            .as_object()
+            .expect("threads")
+            .values()
+            .find(|t| t["name"] == format!("vcpu{v}"))
+            .unwrap_or_else(|| panic!("no vcpu{v} track: {d}"));
+        assert_eq!(track["tid"], tid, "vcpu{v}'s track is its host thread");
+        let tc_outs = lines
+            .iter()
+            .filter(|l| l.name == "sched_switch")
+            .filter(|l| switch_pids(&l.rest).is_some_and(|(p, _)| p == tid))
+            .count();
+        assert_eq!(switches(tid, "prev_pid"), tc_outs, "vcpu{v}: switches out");
+    }
+}
+
+/// No instance stays: after a normal run, after Ctrl-C, and after SIGKILL once another
+/// run has started (it removes instances of dead PIDs).
+#[test]
+fn instances_are_removed() {
+    if !kvm_available(KRATE, "instances_are_removed") || !tracefs_available("instances_are_removed")
+    {
+        return;
+    }
+    let _vm = vm_lock();
+    let long = |dir: &TempDir| {
+        Command::new(BIN)
+            .args(["record", "--host-trace", "sched:sched_switch,irq:*"])
+            .args(["-o", &dir.file("l.dat"), "--vcpus", "2"])
+            .args(["--events", "1000000000", "--rate", "100000"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("hyptrace")
+    };
+    let dir = TempDir::new("host-trace-rm");
+    for sig in ["-INT", "-KILL"] {
+        let mut child = long(&dir);
+        let pid = child.id();
+        env::wait_until(
+            &mut child,
+            "the instance",
+            Duration::from_secs(60),
+            || instance(pid).join("trace_clock").exists(),
+            String::new,
+        );
+        env::signal(&child, sig);
+        let st = env::wait_exit(&mut child, sig, Duration::from_secs(60));
+        if sig == "-INT" {
+            assert_eq!(st.code(), Some(0), "Ctrl-C ends a record normally");
+            assert!(!instance(pid).exists(), "instance left after Ctrl-C");
+        } else {
+            assert!(instance(pid).exists(), "SIGKILL cannot clean up");
+            let out = env::run(
+                BIN,
+                &[
+                    "run",
+                    "--host-trace",
+                    "sched:sched_switch",
+                    "--events",
+                    "10",
+                ],
+            );
+            assert_eq!(out.status.code(), Some(0), "{}", env::stderr(&out));
+            assert!(
+                !instance(pid).exists(),
+                "the next run removes a dead run's instance"
+            );
+        }
+    }
+    let out = env::run(
+        BIN,
+        &[
+            "run",
+            "--host-trace",
+            "sched:*",
+            "--vcpus",
+            "2",
+            "--events",
+            "100",
+        ],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", env::stderr(&out));
+    let names: Vec<String> = std::fs::read_dir(Path::new(TRACEFS).join("instances"))
+        .expect("instances")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        names
+            .iter()
+            .all(|n| !n.starts_with("hyptrace-") || n.starts_with("hyptrace-probe")),
+        "instances left: {names:?}"
+    );
+}
+
+/// `run --host-trace` prints guest and host lines merged in time order on stdout, and
+/// `--stats` counts what it read.
+#[test]
+fn run_merges_host_events_in_text() {
+    if !kvm_available(KRATE, "run_merges_host_events_in_text")
+        || !tracefs_available("run_merges_host_events_in_text")
+    {
+        return;
+    }
+    let _vm = vm_lock();
+    let dir = TempDir::new("host-trace-run");
+    let stats = dir.file("s.json");
+    let out = env::run(
+        BIN,
+        &[
+            "run",
+            "--host-trace",
+            "sched:sched_switch",
+            "--stats",
+            &stats,
+            "--vcpus",
+            "2",
+            "--events",
+            "20000",
+            "--rate",
+            "100000",
+        ],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", env::stderr(&out));
+    let lines: Vec<Line> = env::stdout(&out).lines().filter_map(parse).collect();
+    for w in lines.windows(2) {
+        assert!(w[0].ts <= w[1].ts, "time goes back: {w:?}");
+    }
+    let s: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&stats).expect("stats")).expect("json");
+    let host = lines.iter().filter(|l| l.cpu >= VCPUS).count() as u64;
+    assert!(host > 0, "no host line");
+    assert!(lines
+        .iter()
+        .filter(|l| l.cpu >= VCPUS)
+        .all(|l| l.name == "sched_switch"));
+    assert_eq!(s["host_trace"]["events"], host, "{s}");
+    assert_eq!(s["host_trace"]["first_cpu"], VCPUS, "{s}");
+    assert_eq!(
+        lines.iter().filter(|l| l.name == "marker").count(),
+        2 * 20000
+    );
+
+    // The text sink (`record -o x.txt`): a host CPU with nothing to say does not hold
+    // the others' lines (its empty reads reach the sink's merger).
+    let txt = dir.file("x.txt");
+    let out = env::run(
+        BIN,
+        &[
+            "record",
+            "--host-trace",
+            "sched:sched_switch",
+            "-o",
+            &txt,
+            "--vcpus",
+            "2",
+            "--events",
+            "200000",
+            "--rate",
+            "0",
+        ],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", env::stderr(&out));
+    let text = std::fs::read_to_string(&txt).expect("x.txt");
+    let held = text
+        .lines()
+        .filter(|l| l.contains("merge window exceeded"))
+        .filter(|l| {
+            l.contains(&format!("wait for cpu {VCPUS}"))
+                || l.contains(&format!("wait for cpu {}", VCPUS + 1))
+        })
+        .count();
+    assert_eq!(held, 0, "a host CPU held the text sink's lines back");
+    assert!(text
+        .lines()
+        .filter_map(parse)
+        .any(|l| l.name == "sched_switch"));
+}
+
+/// Without tracefs, or with an event the kernel does not have: exit 2, one line naming
+/// what is missing, no VM started.
+#[test]
+fn missing_tracefs_or_event_is_an_input_error() {
+    let dir = TempDir::new("host-trace-missing");
+    let out = Command::new(BIN)
+        .args([
+            "run",
+            "--host-trace",
+            "sched:sched_switch",
+            "--events",
+            "10",
+        ])
+        .env("HYPTRACE_TRACEFS", dir.path())
+        .output()
+        .expect("hyptrace");
+    env::assert_usage_error(&out, "no tracefs", "tracefs is not mounted at");
+    if !tracefs_available("missing_tracefs_or_event_is_an_input_error") {
+        return;
+    }
+    let out = env::run(
+        BIN,
+        &["run", "--host-trace", "nosuch:event", "--events", "10"],
+    );
+    env::assert_usage_error(
+        &out,
+        "unknown event",
+        "no host kernel event matches 'nosuch:event'",
+    );
+}
