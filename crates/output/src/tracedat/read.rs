@@ -98,6 +98,56 @@ pub struct CpuBuffer {
     pub size: u64,
 }
 
+/// A damaged part of a trace.dat that reading went past (docs/output.md "Damaged
+/// files"): a section that could not be read, a compressed chunk that did not
+/// decompress, CPU data cut short by the end of the file, a page that did not decode.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Damage {
+    /// The CPU whose data it is (`None`: metadata).
+    pub cpu: Option<u32>,
+    /// File offset where it was found (`None`: not known, e.g. a page of a
+    /// decompressed chunk).
+    pub offset: Option<u64>,
+    /// What is damaged and what was skipped.
+    pub what: String,
+}
+
+impl std::fmt::Display for Damage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if let Some(cpu) = self.cpu {
+            write!(f, "cpu {cpu}: ")?;
+        }
+        if let Some(at) = self.offset {
+            write!(f, "offset {at}: ")?;
+        }
+        f.write_str(&self.what)
+    }
+}
+
+impl Damage {
+    /// Metadata damage: `what` (a section, an option) and the error that ended it.
+    fn meta(what: &str, e: &OutputError, fallback: &str) -> Self {
+        let offset = match e {
+            OutputError::Format { offset, .. } => Some(*offset),
+            _ => None,
+        };
+        Self {
+            cpu: None,
+            offset,
+            what: match e {
+                OutputError::Format { reason, .. } => {
+                    format!("{what} damaged ({reason}); {fallback}")
+                }
+                e => format!("{what} damaged ({e}); {fallback}"),
+            },
+        }
+    }
+}
+
+/// Most damage records kept at `open` (each names a section or an option list; more
+/// cannot happen, the bound only caps memory on principle).
+const MAX_META_DAMAGE: usize = 64;
+
 /// The bytes of a trace.dat: a file read with positional reads, or a copy in memory.
 #[derive(Clone)]
 enum Source {
@@ -343,6 +393,9 @@ pub struct TraceFile {
     pub options: Vec<TraceOption>,
     /// Where each CPU's pages are, in file order.
     pub cpus: Vec<CpuBuffer>,
+    /// Damaged metadata `open` read past (a fallback or an omission for each; CPU data
+    /// damage is found while reading, see [`Records::take_damage`]).
+    pub damage: Vec<Damage>,
     /// Whether the CPU data is zstd-compressed (v7).
     compressed: bool,
     src: Source,
@@ -392,18 +445,31 @@ fn decompressor(at: u64) -> Result<zstd::bulk::Decompressor<'static>, OutputErro
     zstd::bulk::Decompressor::new().map_err(|e| OutputError::format(at, format!("zstd: {e}")))
 }
 
-fn parse_header_info(c: &mut impl Input) -> Result<HeaderPage, OutputError> {
+/// The header info: `header_page` (tag, size, text) then `header_event`. The outer
+/// error is a structure that cannot be walked; the inner one a `header_page` text that
+/// does not parse (the caller falls back to the kernel's layout).
+fn parse_header_info(c: &mut impl Input) -> Result<Result<HeaderPage, OutputError>, OutputError> {
     if c.bytes(12, "header_page tag")? != b"header_page\0" {
         return Err(c.err("expected header_page"));
     }
     let n = c.len64("header_page size")?;
-    let hp = HeaderPage::parse(&c.text(n, "header_page text")?)?;
+    let hp = HeaderPage::parse(&c.text(n, "header_page text")?);
     if c.bytes(13, "header_event tag")? != b"header_event\0" {
         return Err(c.err("expected header_event"));
     }
     let n = c.len64("header_event size")?;
     c.skip(n as u64, "header_event text")?;
     Ok(hp)
+}
+
+/// The kernel's `buffer_data_page` layout (`header_page` of every kernel since 2.6.31,
+/// 64-bit commit): what a damaged `header_page` falls back to.
+fn kernel_header_page(page_size: usize) -> HeaderPage {
+    HeaderPage {
+        commit_size: 8,
+        data_offset: PAGE_HEADER_SIZE,
+        data_size: page_size - PAGE_HEADER_SIZE,
+    }
 }
 
 fn parse_ftrace_events(c: &mut impl Input, out: &mut Vec<EventFormat>) -> Result<(), OutputError> {
@@ -580,8 +646,28 @@ impl Parser {
         }
     }
 
+    /// Notes damaged metadata (bounded by [`MAX_META_DAMAGE`]).
+    fn damaged(&mut self, d: Damage) {
+        if self.f.damage.len() < MAX_META_DAMAGE {
+            self.f.damage.push(d);
+        }
+    }
+
+    /// A parsed `header_page`, or the kernel's layout with a damage note.
+    fn header_page(&mut self, hp: Result<HeaderPage, OutputError>) {
+        match hp {
+            Ok(hp) => self.f.header_page = hp,
+            Err(e) => {
+                let d = Damage::meta("header_page", &e, "using the kernel's page layout");
+                self.damaged(d);
+                self.f.header_page = kernel_header_page(self.f.page_size);
+            }
+        }
+    }
+
     fn parse_v6(&mut self, c: &mut FileCur<'_>) -> Result<(), OutputError> {
-        self.f.header_page = parse_header_info(c)?;
+        let hp = parse_header_info(c)?;
+        self.header_page(hp);
         parse_ftrace_events(c, &mut self.f.formats)?;
         parse_event_formats(c, &mut self.f.formats)?;
         if let Some(t) = u32_sized_text(c, "kallsyms")? {
@@ -631,7 +717,7 @@ impl Parser {
             }
         }
         for (cpu, (offset, size)) in table.into_iter().enumerate() {
-            self.check_plain(offset, size)?;
+            let size = self.check_plain(cpu as u32, offset, size);
             self.f.cpus.push(CpuBuffer {
                 cpu: cpu as u32,
                 offset,
@@ -641,36 +727,26 @@ impl Parser {
         Ok(())
     }
 
-    /// Uncompressed CPU data must lie within the file.
-    fn check_plain(&self, off: u64, size: u64) -> Result<(), OutputError> {
-        if off.checked_add(size).is_none_or(|e| e > self.src().len()) {
-            return Err(OutputError::format(
-                off,
-                format!("cpu data of {size} bytes runs past the end of the file"),
-            ));
+    /// The size of uncompressed CPU data that lies within the file: data cut short by
+    /// the end of the file is read up to the cut (its whole pages), with a damage note.
+    fn check_plain(&mut self, cpu: u32, off: u64, size: u64) -> u64 {
+        let len = self.src().len();
+        if off.checked_add(size).is_some_and(|e| e <= len) {
+            return size;
         }
-        Ok(())
-    }
-
-    /// Compressed CPU data: u32 chunk count, then (u32 compressed, u32 uncompressed,
-    /// data) per chunk. Walks the chunk headers (no decompression): every chunk must lie
-    /// within the file and decompress to at most `cap` bytes.
-    fn check_chunks(&self, off: u64, size: u64, cap: usize) -> Result<(), OutputError> {
-        if size == 0 {
-            return Ok(());
+        let have = len.saturating_sub(off);
+        if self.f.damage.len() < MAX_META_DAMAGE {
+            self.f.damage.push(Damage {
+                cpu: Some(cpu),
+                offset: Some(off),
+                what: format!(
+                    "cpu data of {size} bytes cut short by the end of the file: {} bytes missing, the {} whole pages before the cut are read",
+                    size - have,
+                    have / self.f.page_size as u64
+                ),
+            });
         }
-        let mut c = FileCur::new(self.src(), off);
-        let n = c.u32("chunk count")?;
-        // Bounded: each chunk consumes at least its 8-byte header.
-        for _ in 0..n {
-            let cs = c.u32("chunk compressed size")?;
-            let us = c.u32("chunk size")? as usize;
-            if us > cap || cs as usize > zstd_bound(cap) {
-                return Err(c.err("compressed chunk too large"));
-            }
-            c.skip(u64::from(cs), "chunk data")?;
-        }
-        Ok(())
+        have
     }
 
     fn parse_v7(&mut self, c: &mut FileCur<'_>) -> Result<(), OutputError> {
@@ -683,31 +759,55 @@ impl Parser {
         };
         self.f.compression = Some((name, ver));
         let first = c.u64("options offset")?;
-        let opts = self.v7_options(first)?;
-        self.v7_sections(&opts.sections)?;
-        self.v7_top_buffer(&opts.buffers)
+        let opts = self.v7_options(first);
+        self.v7_sections(&opts.sections);
+        match self.v7_top_buffer(&opts.buffers) {
+            Err(e @ OutputError::Format { .. }) => {
+                self.damaged(Damage::meta("buffer option", &e, "no CPU data is read"));
+                Ok(())
+            }
+            r => r,
+        }
     }
 
     /// Walks the chain of options sections from `first` (each option handed to
     /// [`Self::option`]); returns the section offsets the options name and the buffer
     /// options. Bounded: a section is read once, at most [`MAX_OPTION_SECTIONS`] of them.
-    fn v7_options(&mut self, first: u64) -> Result<V7Options, OutputError> {
+    /// A damaged options section keeps the options before the damage (noted in
+    /// [`TraceFile::damage`]); the ones after it are lost.
+    fn v7_options(&mut self, first: u64) -> V7Options {
         let mut next = first;
         let mut seen = BTreeSet::new();
         let mut sections: BTreeMap<u16, u64> = BTreeMap::new();
         let mut buffers = Vec::new();
         while next != 0 {
             if !seen.insert(next) || seen.len() > MAX_OPTION_SECTIONS {
-                return Err(OutputError::format(next, "options sections loop"));
+                let e = OutputError::format(next, "options sections loop");
+                self.damaged(Damage::meta("options", &e, "the loop is not followed"));
+                break;
             }
-            let body = self.section(next, 0)?;
+            let body = match self.section(next, 0) {
+                Ok(b) => b,
+                Err(e) => {
+                    let d = Damage::meta("options section", &e, "the options in it are lost");
+                    self.damaged(d);
+                    break;
+                }
+            };
             let mut o = Cur::new(&body, 0, next + 16);
             next = 0;
             // Bounded: each option consumes at least its 6-byte header.
             loop {
-                let id = o.u16("option id")?;
-                let n = o.u32("option size")? as usize;
-                let d = o.bytes(n, "option data")?;
+                let (id, d) = match next_option(&mut o) {
+                    Ok(x) => x,
+                    Err(e) => {
+                        let d =
+                            Damage::meta("options section", &e, "the options after it are lost");
+                        self.damaged(d);
+                        break;
+                    }
+                };
+                let d = d.as_slice();
                 if id == option::DONE {
                     if let Some(n) = le64(d) {
                         next = n;
@@ -724,34 +824,48 @@ impl Parser {
                 self.option(id, d);
             }
         }
-        Ok(V7Options { sections, buffers })
+        V7Options { sections, buffers }
     }
 
-    /// The metadata sections the options named: header info (required), ftrace and
-    /// event formats, symbols, command lines.
-    fn v7_sections(&mut self, sections: &BTreeMap<u16, u64>) -> Result<(), OutputError> {
+    /// The metadata sections the options named: header info, ftrace and event formats,
+    /// symbols, command lines. A damaged one is noted in [`TraceFile::damage`]: the
+    /// header info falls back to the kernel's page layout, the others keep what they
+    /// held before the damage.
+    fn v7_sections(&mut self, sections: &BTreeMap<u16, u64>) {
         let need = |id: u16| {
             sections
                 .get(&id)
                 .copied()
                 .ok_or_else(|| OutputError::format(0u64, format!("no section {id}")))
         };
-        let hi = self.section(need(option::HEADER_INFO)?, option::HEADER_INFO)?;
-        self.f.header_page = parse_header_info(&mut Cur::new(&hi, 0, 0))?;
-        if let Some(&off) = sections.get(&option::FTRACE_EVENTS) {
-            let s = self.section(off, option::FTRACE_EVENTS)?;
-            parse_ftrace_events(&mut Cur::new(&s, 0, 0), &mut self.f.formats)?;
-        }
-        if let Some(&off) = sections.get(&option::EVENT_FORMATS) {
-            let s = self.section(off, option::EVENT_FORMATS)?;
-            parse_event_formats(&mut Cur::new(&s, 0, 0), &mut self.f.formats)?;
+        let hi = need(option::HEADER_INFO)
+            .and_then(|off| self.section(off, option::HEADER_INFO))
+            .and_then(|hi| parse_header_info(&mut Cur::new(&hi, 0, 0)));
+        let hp = hi.and_then(|hp| hp);
+        self.header_page(hp);
+        // Formats and command lines: what a damaged section held before the damage is
+        // kept (events without a format print as trace-cmd prints unknown events).
+        for (id, what) in [
+            (option::FTRACE_EVENTS, "ftrace event formats"),
+            (option::EVENT_FORMATS, "event formats"),
+            (option::CMDLINES, "cmdlines"),
+        ] {
+            let Some(&off) = sections.get(&id) else {
+                continue;
+            };
+            let r = self.section(off, id).and_then(|s| {
+                let mut c = Cur::new(&s, 0, 0);
+                match id {
+                    option::FTRACE_EVENTS => parse_ftrace_events(&mut c, &mut self.f.formats),
+                    option::EVENT_FORMATS => parse_event_formats(&mut c, &mut self.f.formats),
+                    _ => parse_cmdlines(&mut c, &mut self.f.cmdlines),
+                }
+            });
+            if let Err(e) = r {
+                self.damaged(Damage::meta(what, &e, "the rest of it is skipped"));
+            }
         }
         self.v7_symbols(sections);
-        if let Some(&off) = sections.get(&option::CMDLINES) {
-            let s = self.section(off, option::CMDLINES)?;
-            parse_cmdlines(&mut Cur::new(&s, 0, 0), &mut self.f.cmdlines)?;
-        }
-        Ok(())
     }
 
     /// The kallsyms and printk sections. Symbols only improve the text: a damaged
@@ -805,19 +919,18 @@ impl Parser {
             if n > 65536 {
                 return Err(o.err("too many CPUs"));
             }
-            let mut table = Vec::new();
+            let mut table: Vec<CpuBuffer> = Vec::new();
             for _ in 0..n {
                 let cpu = o.u32("cpu id")?;
                 let offset = o.u64("cpu data offset")?;
                 let size = o.u64("cpu data size")?;
                 table.push(CpuBuffer { cpu, offset, size });
             }
-            let cap = max_chunk(table.len(), self.f.page_size);
-            for b in &table {
-                if self.compressed {
-                    self.check_chunks(b.offset, b.size, cap)?;
-                } else {
-                    self.check_plain(b.offset, b.size)?;
+            // Compressed data is checked chunk by chunk as it is read (a damaged or
+            // missing chunk is skipped then).
+            if !self.compressed {
+                for b in &mut table {
+                    b.size = self.check_plain(b.cpu, b.offset, b.size);
                 }
             }
             self.f.cpus = table;
@@ -833,6 +946,13 @@ struct V7Options {
     sections: BTreeMap<u16, u64>,
     /// The buffer options' data, in file order.
     buffers: Vec<Vec<u8>>,
+}
+
+/// The next option of an options section: id and data.
+fn next_option(o: &mut Cur<'_>) -> Result<(u16, Vec<u8>), OutputError> {
+    let id = o.u16("option id")?;
+    let n = o.u32("option size")? as usize;
+    Ok((id, o.bytes(n, "option data")?.to_vec()))
 }
 
 /// The little-endian u64 at the start of `d`, if it has 8 bytes.
@@ -899,6 +1019,7 @@ impl TraceFile {
             ts_offset: 0,
             options: Vec::new(),
             cpus: Vec::new(),
+            damage: Vec::new(),
             compressed: false,
             src: src.clone(),
             symbols: Default::default(),
@@ -1049,6 +1170,7 @@ impl TraceFile {
             cpus,
             scratch: Vec::with_capacity(2),
             error: None,
+            damage: Vec::new(),
             _file: std::marker::PhantomData,
         }
     }
@@ -1082,10 +1204,25 @@ impl TraceFile {
     /// more than one thread ([`ReportFilter::threads`]), this thread reads and merges
     /// while the others format batches of items, written in order (memory: a few
     /// batches). Returns how many events were printed.
+    ///
+    /// Damage in the CPU data (see [`TraceFile::write_report_with`]) is read past and
+    /// not reported.
     pub fn write_report(
         &self,
         out: &mut dyn Write,
         filter: &ReportFilter,
+    ) -> Result<u64, OutputError> {
+        self.write_report_with(out, filter, &mut |_| {})
+    }
+
+    /// [`TraceFile::write_report`], handing every damaged part of the CPU data that
+    /// reading went past (a compressed chunk skipped, data cut short, a page that did not
+    /// decode) to `on_damage` when it is found; every readable event is printed.
+    pub fn write_report_with(
+        &self,
+        out: &mut dyn Write,
+        filter: &ReportFilter,
+        on_damage: &mut dyn FnMut(Damage),
     ) -> Result<u64, OutputError> {
         let threads = match filter.threads {
             // The reading thread plus one formatting thread per core: reading takes about
@@ -1097,7 +1234,7 @@ impl TraceFile {
         out.write_all(head.as_bytes())?;
         let printed = if threads <= 1 {
             let mut s = String::with_capacity(WRITE_CHUNK + 4096);
-            let n = self.select(filter, |item| {
+            let n = self.select(filter, on_damage, |item| {
                 if self.format_item(&mut s, item) {
                     s.push('\n');
                 }
@@ -1112,7 +1249,7 @@ impl TraceFile {
         } else {
             std::thread::scope(|sc| {
                 let mut p = Pipeline::start(self, sc, threads - 1);
-                let n = self.select(filter, |item| p.push(item, out))?;
+                let n = self.select(filter, on_damage, |item| p.push(item, out))?;
                 p.finish(out)?;
                 Ok::<u64, OutputError>(n)
             })?
@@ -1126,13 +1263,30 @@ impl TraceFile {
     fn select(
         &self,
         filter: &ReportFilter,
+        on_damage: &mut dyn FnMut(Damage),
         mut emit: impl FnMut(&TraceItem<'_>) -> Result<(), OutputError>,
     ) -> Result<u64, OutputError> {
         let ids = filter.event_ids(self);
         let mut recs = self.records_of(|c| filter.wants_cpu(c));
         let mut printed = 0u64;
         let mut skip = filter.skip;
-        while let Some(item) = recs.next_item() {
+        // Bounded: every item consumes the CPUs' data.
+        loop {
+            for d in recs.take_damage() {
+                on_damage(d);
+            }
+            let Some(item) = recs.next_item() else {
+                break;
+            };
+            if let TraceItem::BadPage { cpu, page, error } = &item {
+                on_damage(Damage {
+                    cpu: Some(*cpu),
+                    offset: None,
+                    what: format!(
+                        "page {page} does not decode ({error}): the rest of it is skipped"
+                    ),
+                });
+            }
             if let TraceItem::Event(r) = &item {
                 if let Some(ids) = &ids {
                     let id = r
@@ -1155,6 +1309,9 @@ impl TraceFile {
                 continue;
             }
             emit(&item)?;
+        }
+        for d in recs.take_damage() {
+            on_damage(d);
         }
         match recs.take_error() {
             Some(e) => Err(e),
@@ -1424,8 +1581,14 @@ pub enum TraceItem<'a> {
 }
 
 /// Reads one CPU's pages: uncompressed data a batch of pages at a time, or v7 zstd
-/// chunks one at a time; each page is copied into one page buffer.
+/// chunks one at a time; each page is copied into one page buffer. A chunk that does
+/// not decompress is skipped and data cut short by the end of the file ends the CPU,
+/// each noted as a [`Damage`] ([`CpuPages::take_damage`]).
 pub struct CpuPages {
+    cpu: u32,
+    /// Damage found and not taken yet (at most one per chunk read: taken after each
+    /// page by [`Records`], bounded by [`MAX_META_DAMAGE`] for other callers).
+    damage: Vec<Damage>,
     src: Source,
     page_size: usize,
     /// Read or decompressed bytes not consumed yet: `buf[pos..]`.
@@ -1449,6 +1612,8 @@ enum StreamKind {
         next: Option<u64>,
         counted: bool,
         left: u32,
+        /// Chunks read so far (for the damage notes).
+        index: u32,
         cap: usize,
         cbuf: Vec<u8>,
         /// Made at the first chunk.
@@ -1464,6 +1629,7 @@ impl CpuPages {
                 next: (b.size > 0).then_some(b.offset),
                 counted: false,
                 left: 0,
+                index: 0,
                 cap: max_chunk(readers, ps),
                 cbuf: Vec::new(),
                 dec: None,
@@ -1476,6 +1642,8 @@ impl CpuPages {
             }
         };
         Self {
+            cpu: b.cpu,
+            damage: Vec::new(),
             src: f.src.clone(),
             page_size: ps,
             buf: Vec::new(),
@@ -1501,49 +1669,126 @@ impl CpuPages {
                 *next += n as u64;
                 Ok(true)
             }
-            StreamKind::Zstd {
-                next,
-                counted,
-                left,
-                cap,
-                cbuf,
-                dec,
-            } => {
-                let Some(mut at) = *next else {
-                    self.buf.clear();
-                    return Ok(false);
-                };
-                if !*counted {
-                    let mut w = [0u8; 4];
-                    self.src.read_at(at, &mut w, "chunk count")?;
-                    *left = u32::from_le_bytes(w);
-                    *counted = true;
-                    at += 4;
-                }
-                if *left == 0 {
-                    *next = None;
-                    self.buf.clear();
-                    return Ok(false);
-                }
-                let mut h = [0u8; 8];
-                self.src.read_at(at, &mut h, "chunk header")?;
-                let cs = u32::from_le_bytes([h[0], h[1], h[2], h[3]]) as usize;
-                let us = u32::from_le_bytes([h[4], h[5], h[6], h[7]]) as usize;
-                if us > *cap || cs > zstd_bound(*cap) {
-                    return Err(OutputError::format(at, "compressed chunk too large"));
-                }
-                cbuf.resize(cs, 0);
-                self.src.read_at(at + 8, cbuf, "chunk data")?;
-                let d = match dec {
-                    Some(d) => d,
-                    None => dec.insert(Box::new(decompressor(at)?)),
-                };
-                unzstd_into(d, cbuf, us, &mut self.buf, at + 8)?;
-                *left -= 1;
-                *next = Some(at + 8 + cs as u64);
-                Ok(true)
-            }
+            StreamKind::Zstd { .. } => self.next_chunk(),
         }
+    }
+
+    /// Notes damage (bounded: past [`MAX_META_DAMAGE`] notes not taken, the oldest
+    /// are kept).
+    fn damaged(&mut self, offset: u64, what: String) {
+        if self.damage.len() < MAX_META_DAMAGE {
+            self.damage.push(Damage {
+                cpu: Some(self.cpu),
+                offset: Some(offset),
+                what,
+            });
+        }
+    }
+
+    /// The damage found since the last call.
+    pub fn take_damage(&mut self) -> Vec<Damage> {
+        std::mem::take(&mut self.damage)
+    }
+
+    /// Decompresses the next good chunk into `buf`; false when there is none. A chunk
+    /// that does not decompress is skipped (noted), reading goes on with the next one;
+    /// a chunk count, chunk header or chunk cut short by the end of the file, or a
+    /// header with impossible sizes (the next chunk cannot be found), ends the CPU
+    /// (noted). Bounded: each chunk consumes at least its 8-byte header.
+    fn next_chunk(&mut self) -> Result<bool, OutputError> {
+        let file_len = self.src.len();
+        let StreamKind::Zstd {
+            next,
+            counted,
+            left,
+            index,
+            cap,
+            cbuf,
+            dec,
+        } = &mut self.kind
+        else {
+            return Ok(false);
+        };
+        self.buf.clear();
+        let mut note = None;
+        let mut notes = Vec::new();
+        let mut skipped = 0u64;
+        while let Some(mut at) = *next {
+            if !*counted {
+                let mut w = [0u8; 4];
+                if at.checked_add(4).is_none_or(|e| e > file_len) {
+                    note = Some((
+                        at,
+                        "chunk count cut short by the end of the file".to_string(),
+                    ));
+                    *next = None;
+                    break;
+                }
+                self.src.read_at(at, &mut w, "chunk count")?;
+                *left = u32::from_le_bytes(w);
+                *counted = true;
+                at += 4;
+                *next = Some(at);
+            }
+            if *left == 0 {
+                *next = None;
+                break;
+            }
+            let cut = |n: u64| at.checked_add(n).is_none_or(|e| e > file_len);
+            if cut(8) {
+                note = Some((at, format!("cut short by the end of the file: chunk {index} header and {left} chunks missing")));
+                *next = None;
+                break;
+            }
+            let mut h = [0u8; 8];
+            self.src.read_at(at, &mut h, "chunk header")?;
+            let cs = u32::from_le_bytes([h[0], h[1], h[2], h[3]]) as usize;
+            let us = u32::from_le_bytes([h[4], h[5], h[6], h[7]]) as usize;
+            if us > *cap || cs > zstd_bound(*cap) {
+                note = Some((at, format!("chunk {index} header damaged ({cs} bytes compressed, {us} uncompressed): it and the {} chunks after it are skipped", *left - 1)));
+                *next = None;
+                break;
+            }
+            if cut(8 + cs as u64) {
+                note = Some((at, format!("chunk {index} ({us} bytes, {} pages) cut short by the end of the file: it and the {} chunks after it are missing", us / self.page_size, *left - 1)));
+                *next = None;
+                break;
+            }
+            cbuf.resize(cs, 0);
+            self.src.read_at(at + 8, cbuf, "chunk data")?;
+            let d = match dec {
+                Some(d) => d,
+                None => dec.insert(Box::new(decompressor(at)?)),
+            };
+            let r = unzstd_into(d, cbuf, us, &mut self.buf, at + 8);
+            *left -= 1;
+            *index += 1;
+            *next = Some(at + 8 + cs as u64);
+            if let Err(e) = r {
+                self.buf.clear();
+                let what = format!(
+                    "chunk {} damaged ({e}): skipped its {us} bytes ({} pages), reading goes on with the next chunk",
+                    *index - 1,
+                    us / self.page_size
+                );
+                if notes.len() < MAX_META_DAMAGE {
+                    notes.push((at, what));
+                } else {
+                    skipped += 1;
+                }
+                continue;
+            }
+            break;
+        }
+        let more = !self.buf.is_empty();
+        if skipped > 0 {
+            let at = next.unwrap_or(0);
+            notes.push((at, format!("{skipped} more damaged chunks skipped")));
+        }
+        for (at, what) in notes.into_iter().chain(note) {
+            self.damaged(at, what);
+        }
+        Ok(more)
     }
 
     /// The next whole page, or `None` at the end (a trailing partial page is ignored).
@@ -1711,6 +1956,8 @@ pub struct Records<'a> {
     merger: Merger<Slot>,
     scratch: Vec<Slot>,
     error: Option<OutputError>,
+    /// Damage the CPUs' readers found, not taken yet.
+    damage: Vec<Damage>,
     _file: std::marker::PhantomData<&'a TraceFile>,
 }
 
@@ -1725,7 +1972,9 @@ impl Records<'_> {
             if self.merger.queued(i) > 0 || self.merger.is_finished(i) {
                 continue;
             }
-            match c.fill(&mut self.scratch) {
+            let r = c.fill(&mut self.scratch);
+            self.damage.append(&mut c.pages.damage);
+            match r {
                 Ok(Some(key)) => {
                     while let Some(slot) = self.scratch.pop() {
                         self.merger.push(i, key, Merged::Event(slot));
@@ -1775,6 +2024,13 @@ impl Records<'_> {
     /// Takes the read error that ended the items, if any.
     pub fn take_error(&mut self) -> Option<OutputError> {
         self.error.take()
+    }
+
+    /// Takes the damage the CPUs' readers went past since the last call (a chunk
+    /// skipped, data cut short; docs/output.md "Damaged files"). Each item pulled
+    /// reads at most a chunk per CPU: taken after every item, this stays small.
+    pub fn take_damage(&mut self) -> Vec<Damage> {
+        std::mem::take(&mut self.damage)
     }
 }
 
