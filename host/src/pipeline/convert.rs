@@ -132,7 +132,9 @@ pub fn detect(path: &Path) -> Result<InputKind, ConvertError> {
 fn open_dat(path: &Path) -> Result<(TraceFile, usize), ConvertError> {
     let file = TraceFile::open(path).map_err(|e| match e {
         OutputError::Format { .. } => match input_error(path, &e) {
-            ConvertError::Input(m) => ConvertError::Unreadable(m),
+            ConvertError::Input(m) => {
+                ConvertError::Unreadable(format!("{m} (damaged trace.dat: nothing is readable)"))
+            }
             other => other,
         },
         e => input_error(path, &e),
@@ -393,6 +395,13 @@ pub fn pump_pages(
         .map(|(_, _, i)| i)
     {
         if let Some((_, page)) = heads[i].take() {
+            if let Some(why) = hyptrace_output::tracedat::page_damage(&page) {
+                on_damage(hyptrace_output::tracedat::Damage {
+                    cpu: Some(cpus[i]),
+                    offset: None,
+                    what: format!("a page does not decode ({why}): copied as it is"),
+                });
+            }
             let missed = match hyptrace_output::page_missed(&page) {
                 Missed::Count(n) => Some(n),
                 Missed::Unknown | Missed::None => None,

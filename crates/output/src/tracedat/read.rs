@@ -755,6 +755,14 @@ impl Parser {
         self.compressed = match name.as_str() {
             "none" | "" => false,
             "zstd" => true,
+            // A name no compressor has: damaged (not an unsupported compression).
+            other
+                if !other
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-') =>
+            {
+                return Err(c.err("compression name damaged"))
+            }
             other => return Err(OutputError::Unsupported(format!("compression {other}"))),
         };
         self.f.compression = Some((name, ver));
@@ -1719,7 +1727,11 @@ impl CpuPages {
                 if at.checked_add(4).is_none_or(|e| e > file_len) {
                     note = Some((
                         at,
-                        "chunk count cut short by the end of the file".to_string(),
+                        if at >= file_len {
+                            format!("cpu data at offset {at}, past the end of the file ({file_len} bytes): none of it is read")
+                        } else {
+                            "chunk count cut short by the end of the file".to_string()
+                        },
                     ));
                     *next = None;
                     break;
@@ -1811,6 +1823,28 @@ impl CpuPages {
         }
         self.count += 1;
         Ok(Some(&self.page))
+    }
+}
+
+/// Why a page read from a trace.dat does not decode as [`Records`] reads it (commit
+/// past the page, a record running past the commit...), or `None` for a good page:
+/// `convert` names the pages `report` would find damaged.
+pub fn page_damage(page: &[u8]) -> Option<String> {
+    let Some((_, commit)) = page_header(page) else {
+        return Some("page shorter than its header".into());
+    };
+    let end = PAGE_HEADER_SIZE + (commit & READ_COMMIT_MASK) as usize;
+    let Some(area) = page.get(PAGE_HEADER_SIZE..end) else {
+        return Some(format!("commit {} past the page", end - PAGE_HEADER_SIZE));
+    };
+    let mut off = 0;
+    // Bounded: each record decoded consumes at least 4 bytes of the page.
+    loop {
+        match decode_record(area, off) {
+            Ok(None) => return None,
+            Ok(Some((_, next))) => off = next,
+            Err(e) => return Some(e.to_string()),
+        }
     }
 }
 
