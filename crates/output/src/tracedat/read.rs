@@ -2260,6 +2260,138 @@ mod tests {
         assert!(read_memory(65536, 1 << 26, false) > MAX_READ_MEMORY);
     }
 
+    /// Events per CPU and the damage noted, reading `f` through [`Records`].
+    fn per_cpu(f: &TraceFile) -> (BTreeMap<u32, usize>, Vec<Damage>) {
+        let mut n = BTreeMap::new();
+        let mut r = f.records();
+        let mut damage = Vec::new();
+        while let Some(i) = r.next_item() {
+            if let TraceItem::Event(e) = i {
+                *n.entry(e.cpu).or_insert(0) += 1;
+            }
+            damage.extend(r.take_damage());
+        }
+        damage.extend(r.take_damage());
+        assert!(r.error().is_none());
+        (n, damage)
+    }
+
+    fn le32_at(d: &[u8], at: u64) -> usize {
+        let at = at as usize;
+        u32::from_le_bytes(d[at..at + 4].try_into().unwrap()) as usize
+    }
+
+    /// Pages per CPU of [`zstd_file`].
+    const PAGES: [usize; 3] = [95, 40, 31];
+
+    /// A v7 zstd trace.dat of 3 CPUs, [`PAGES`] pages each of one event.
+    fn zstd_file() -> Vec<u8> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("z.dat");
+        let meta = crate::TraceMeta::guest(4096, 3, crate::Clock::nanoseconds());
+        let mut s = crate::TraceDatSink::create_with(
+            &path,
+            meta,
+            crate::TraceDatVersion::V7,
+            crate::Compression::Zstd,
+        )
+        .unwrap();
+        for (cpu, &n) in PAGES.iter().enumerate() {
+            for i in 0..n {
+                let mut p = vec![0u8; 4096];
+                p[..8].copy_from_slice(&(1_000 + i as u64 * 10_000).to_le_bytes());
+                let pid = hyptrace_abi::events::vcpu_pid(cpu as u32);
+                let payload = hyptrace_abi::events::marker(pid, i as u64, 7);
+                let mut hdr = [0u8; 8];
+                let k = hyptrace_abi::page::encode_data_header(&mut hdr, payload.len(), 0);
+                p[16..16 + k].copy_from_slice(&hdr[..k]);
+                p[16 + k..16 + k + payload.len()].copy_from_slice(&payload);
+                p[8..16].copy_from_slice(&((k + payload.len()) as u64).to_le_bytes());
+                crate::PageSink::page(&mut s, cpu as u32, &p, None).unwrap();
+            }
+        }
+        crate::PageSink::finish(Box::new(s), &crate::RunSummary::default()).unwrap();
+        std::fs::read(&path).unwrap()
+    }
+
+    /// A chunk that does not decompress (its frame magic overwritten) is skipped with a
+    /// note naming the CPU and the chunk; exactly its pages are missing: the CPU's later
+    /// chunks and the other CPUs are read in full.
+    #[test]
+    fn damaged_chunk_is_skipped() {
+        let mut data = zstd_file();
+        let good = TraceFile::parse(&data).unwrap();
+        let b = good.cpus.iter().find(|b| b.cpu == 0).unwrap().clone();
+        assert!(le32_at(&data, b.offset) >= 2);
+        let pages = le32_at(&data, b.offset + 8) / 4096;
+        let frame = b.offset as usize + 4 + 8;
+        data[frame..frame + 4].copy_from_slice(b"XXXX");
+        let f = TraceFile::parse(&data).unwrap();
+        assert!(f.damage.is_empty());
+        let (got, damage) = per_cpu(&f);
+        assert_eq!(damage.len(), 1, "{damage:?}");
+        assert_eq!(damage[0].cpu, Some(0));
+        assert!(
+            damage[0].what.starts_with("chunk 0 damaged"),
+            "{}",
+            damage[0]
+        );
+        assert_eq!(got[&0], PAGES[0] - pages);
+        assert_eq!((got[&1], got[&2]), (PAGES[1], PAGES[2]));
+    }
+
+    /// A file cut inside its last chunk reads every chunk before the cut, noting the
+    /// cut once; a file cut inside a chunk header likewise.
+    #[test]
+    fn truncated_file_reads_up_to_the_cut() {
+        let data = zstd_file();
+        let good = TraceFile::parse(&data).unwrap();
+        let last = good.cpus.iter().max_by_key(|b| b.offset).unwrap().clone();
+        let mut at = last.offset + 4;
+        for _ in 1..le32_at(&data, last.offset) {
+            at += 8 + le32_at(&data, at) as u64;
+        }
+        let in_last = le32_at(&data, at + 4) / 4096;
+        for cut in [at as usize + 20, at as usize + 3] {
+            let f = TraceFile::parse(&data[..cut]).unwrap();
+            let (got, damage) = per_cpu(&f);
+            assert_eq!(damage.len(), 1, "{damage:?}");
+            assert!(damage[0].what.contains("cut short"), "{}", damage[0]);
+            for (cpu, &n) in PAGES.iter().enumerate() {
+                let want = if cpu as u32 == last.cpu {
+                    n - in_last
+                } else {
+                    n
+                };
+                assert_eq!(
+                    got.get(&(cpu as u32)).copied().unwrap_or(0),
+                    want,
+                    "cpu {cpu}"
+                );
+            }
+        }
+    }
+
+    /// A `header_page` whose text does not parse falls back to the kernel's layout
+    /// with a note; every event is still read.
+    #[test]
+    fn damaged_header_page_falls_back() {
+        let p =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/kernel-v6.dat");
+        let mut data = std::fs::read(p).unwrap();
+        let good = TraceFile::parse(&data).unwrap();
+        let at = data
+            .windows(11)
+            .position(|w| w == b"field: char")
+            .expect("data field");
+        data[at..at + 11].copy_from_slice(b"XXXXXXXXXXX");
+        let f = TraceFile::parse(&data).unwrap();
+        assert_eq!(f.damage.len(), 1, "{:?}", f.damage);
+        assert!(f.damage[0].what.starts_with("header_page damaged"));
+        assert_eq!(f.header_page, good.header_page);
+        assert_eq!(f.event_count(), good.event_count());
+    }
+
     #[test]
     fn chunk_caps() {
         assert_eq!(max_chunk(1, 4096), 16 << 20);
