@@ -203,18 +203,23 @@ pub fn report(a: &ReportArgs) -> Result<(), ConvertError> {
         InputKind::TraceDat => {
             let (file, mut damage) = open_dat(&path)?;
             let mut out = std::io::stdout().lock();
-            if a.list_cpus || a.first_event || a.last_event {
-                let text = cpu_list(&file, a, &path)?;
-                return match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
-                    Err(e) => stdout_result(e.into(), &path),
-                    Ok(()) => Ok(()),
+            let damaged = |count: usize| match count {
+                0 => Ok(()),
+                count => Err(ConvertError::Damaged {
+                    path: path.clone(),
+                    count,
+                    done: "printed",
+                }),
+            };
+            if a.list_cpus || a.first_event || a.last_event || a.stat {
+                let text = if a.list_cpus || a.first_event || a.last_event {
+                    cpu_list(&file, a, &path)?
+                } else {
+                    file.stat_text()
                 };
-            }
-            if a.stat {
-                let text = file.stat_text();
                 return match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
                     Err(e) => stdout_result(e.into(), &path),
-                    Ok(()) => Ok(()),
+                    Ok(()) => damaged(damage),
                 };
             }
             let r = file.write_report_with(&mut out, &f, &mut |d| {
@@ -222,12 +227,7 @@ pub fn report(a: &ReportArgs) -> Result<(), ConvertError> {
                 warn_damage(&path, &d);
             });
             match r {
-                Ok(_) if damage > 0 => Err(ConvertError::Damaged {
-                    path: path.clone(),
-                    count: damage,
-                    done: "printed",
-                }),
-                Ok(_) => Ok(()),
+                Ok(_) => damaged(damage),
                 Err(e) => stdout_result(e, &path),
             }
         }

@@ -666,7 +666,8 @@ impl Parser {
     }
 
     fn parse_v6(&mut self, c: &mut FileCur<'_>) -> Result<(), OutputError> {
-        let hp = parse_header_info(c)?;
+        // The header_page text starts after the 18-byte file header, its tag and size.
+        let hp = parse_header_info(c)?.map_err(|e| in_section(e, 18));
         self.header_page(hp);
         parse_ftrace_events(c, &mut self.f.formats)?;
         parse_event_formats(c, &mut self.f.formats)?;
@@ -846,9 +847,10 @@ impl Parser {
                 .copied()
                 .ok_or_else(|| OutputError::format(0u64, format!("no section {id}")))
         };
-        let hi = need(option::HEADER_INFO)
-            .and_then(|off| self.section(off, option::HEADER_INFO))
-            .and_then(|hi| parse_header_info(&mut Cur::new(&hi, 0, 0)));
+        let hi = need(option::HEADER_INFO).and_then(|off| {
+            let hi = self.section(off, option::HEADER_INFO)?;
+            parse_header_info(&mut Cur::new(&hi, 0, 0)).map_err(|e| in_section(e, off))
+        });
         let hp = hi.and_then(|hp| hp);
         self.header_page(hp);
         // Formats and command lines: what a damaged section held before the damage is
@@ -868,6 +870,7 @@ impl Parser {
                     option::EVENT_FORMATS => parse_event_formats(&mut c, &mut self.f.formats),
                     _ => parse_cmdlines(&mut c, &mut self.f.cmdlines),
                 }
+                .map_err(|e| in_section(e, off))
             });
             if let Err(e) = r {
                 self.damaged(Damage::meta(what, &e, "the rest of it is skipped"));
@@ -954,6 +957,18 @@ struct V7Options {
     sections: BTreeMap<u16, u64>,
     /// The buffer options' data, in file order.
     buffers: Vec<Vec<u8>>,
+}
+
+/// An error at an offset within the (possibly decompressed) body of the section at file
+/// offset `section`: placed at the section, the offset within it kept in the reason.
+fn in_section(e: OutputError, section: u64) -> OutputError {
+    match e {
+        OutputError::Format { offset, reason } => OutputError::Format {
+            offset: section,
+            reason: format!("{reason} at byte {offset} of the section"),
+        },
+        e => e,
+    }
 }
 
 /// The next option of an options section: id and data.
@@ -1908,6 +1923,21 @@ impl CpuCursor {
                             page: self.pages.count.saturating_sub(1),
                             error: err.to_string(),
                         });
+                        // trace-cmd (kbuffer) still prints an event that starts before
+                        // the commit and runs past it; so do we while it fits the page.
+                        let whole = &self.pages.page[PAGE_HEADER_SIZE..];
+                        if let Ok(Some((Record::Data { delta, start, len }, _))) =
+                            decode_record(whole, self.off)
+                        {
+                            self.clock = self.clock.wrapping_add(delta);
+                            self.last_ns = self.ns(self.clock);
+                            q.push(Slot::Event {
+                                ts_raw: self.clock,
+                                ts_ns: self.last_ns,
+                                start: PAGE_HEADER_SIZE + start,
+                                len,
+                            });
+                        }
                         return Ok(Some(self.last_ns));
                     }
                     Ok(Some((rec, next))) => {
@@ -2034,7 +2064,8 @@ impl Records<'_> {
                 cpu: c.cpu,
                 ts_raw,
                 ts_ns,
-                // In range: decode_record checked it against the page's data area.
+                // In range: decode_record checked it against the page's data area
+                // (or, for an event running past the commit, the whole page).
                 payload: &c.pages.page[start..start + len],
             }),
             Merged::Event(Slot::Dropped(missed)) => TraceItem::Dropped { cpu: c.cpu, missed },
