@@ -154,6 +154,24 @@ fn landmarks(path: &Path, d: &[u8]) -> Vec<(&'static str, usize, usize)> {
     m
 }
 
+/// The file offsets of every compressed chunk's zstd frame (none for uncompressed data).
+fn frame_starts(path: &Path, d: &[u8]) -> Vec<usize> {
+    let f = TraceFile::open(path).unwrap();
+    let mut v = Vec::new();
+    if !f.is_compressed() {
+        return v;
+    }
+    for c in &f.cpus {
+        let mut at = c.offset as usize + 4;
+        for _ in 0..le32(d, c.offset as usize) {
+            v.push(at + 8);
+            at += 8 + le32(d, at);
+        }
+    }
+    v.sort_unstable();
+    v
+}
+
 /// 10 truncated copies and 10 with a 16-byte run overwritten, at offsets picked from
 /// the landmarks' regions by a seeded generator.
 fn damaged_copies(path: &Path, seed: u64) -> Vec<Damage> {
@@ -189,8 +207,16 @@ fn damaged_copies(path: &Path, seed: u64) -> Vec<Damage> {
     let mut out: Vec<Damage> = out.into_iter().take(10).collect();
     let mut spots: Vec<&str> = marks.iter().map(|m| m.0).collect();
     spots.push("middle of the data");
+    let frames = frame_starts(path, &d);
     for name in spots.into_iter().take(10) {
-        let at = pick(&mut rng, region(name)).min(d.len() - 16);
+        let mut at = pick(&mut rng, region(name)).min(d.len() - 16);
+        // In compressed data, the run starts at the frame of the chunk it falls in:
+        // zstd then always tells (the chunks carry no checksum: a run inside a frame
+        // may decompress into garbage pages, whose records trace-cmd reads across page
+        // boundaries in its chunk buffer, which no reader bound to the page can match).
+        if let Some(&f) = frames.iter().rev().find(|&&f| f <= at && at < f + 4096) {
+            at = f;
+        }
         let mut data = d.clone();
         for b in &mut data[at..at + 16] {
             *b = rng.next() as u8;

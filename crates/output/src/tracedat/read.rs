@@ -1185,6 +1185,7 @@ impl TraceFile {
                 page_missed: Missed::None,
                 first_on_page: false,
                 last_ns: 0,
+                lenient: false,
             })
             .collect();
         cpus.sort_by_key(|c| c.cpu);
@@ -1863,6 +1864,60 @@ pub fn page_damage(page: &[u8]) -> Option<String> {
     }
 }
 
+/// The record at `off` of a damaged page's data area `data` (the whole page after its
+/// header) as trace-cmd's kbuffer reads it: records are read while they start before
+/// `commit`, a data length word is rounded up to 4, a padding's length is taken as is.
+/// `None` at the end, and where kbuffer would read outside the page or not move on
+/// (trace-cmd reads garbage or loops there; we stop).
+fn kbuffer_record(data: &[u8], commit: usize, off: usize) -> Option<(Record, usize)> {
+    use hyptrace_abi::page::{DELTA_BITS, TYPE_PADDING, TYPE_TIME_EXTEND, TYPE_TIME_STAMP};
+    if off >= commit {
+        return None;
+    }
+    let word = |at: usize| {
+        data.get(at..at.checked_add(4)?)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    };
+    let hdr = word(off)?;
+    let delta = u64::from(hdr >> 5);
+    let arr = off + 4;
+    let (rec, next) = match hdr & 0x1f {
+        TYPE_PADDING => (
+            Record::Padding { delta },
+            arr.checked_add(word(arr)? as usize)?,
+        ),
+        t @ (TYPE_TIME_EXTEND | TYPE_TIME_STAMP) => {
+            let v = (u64::from(word(arr)?) << DELTA_BITS).wrapping_add(delta);
+            let rec = if t == TYPE_TIME_EXTEND {
+                Record::TimeExtend { delta: v }
+            } else {
+                Record::TimeStamp { ts: v }
+            };
+            (rec, off + 8)
+        }
+        0 => {
+            let len = (word(arr)? as usize).checked_sub(4)?.checked_add(3)? & !3;
+            let start = arr + 4;
+            (Record::Data { delta, start, len }, start.checked_add(len)?)
+        }
+        n => {
+            let len = n as usize * 4;
+            (
+                Record::Data {
+                    delta,
+                    start: arr,
+                    len,
+                },
+                arr + len,
+            )
+        }
+    };
+    if next <= off || matches!(rec, Record::Data { .. }) && next > data.len() {
+        return None;
+    }
+    Some((rec, next))
+}
+
 /// What the merger holds for a CPU: its next event (as a range of the CPU's current
 /// page), a drop marker or a bad page.
 #[derive(Clone, Debug)]
@@ -1896,6 +1951,9 @@ struct CpuCursor {
     page_missed: Missed,
     first_on_page: bool,
     last_ns: u64,
+    /// The page is damaged: its records are read on as trace-cmd's kbuffer reads them
+    /// ([`kbuffer_record`]).
+    lenient: bool,
 }
 
 impl CpuCursor {
@@ -1915,29 +1973,24 @@ impl CpuCursor {
         loop {
             if self.live {
                 let area = &self.pages.page[PAGE_HEADER_SIZE..self.area_end];
-                match decode_record(area, self.off) {
+                let rec = if self.lenient {
+                    Ok(kbuffer_record(
+                        &self.pages.page[PAGE_HEADER_SIZE..],
+                        self.area_end - PAGE_HEADER_SIZE,
+                        self.off,
+                    ))
+                } else {
+                    decode_record(area, self.off)
+                };
+                match rec {
                     Ok(None) => self.live = false,
                     Err(err) => {
-                        self.live = false;
+                        // Damaged page: named once, then read on as trace-cmd does.
+                        self.lenient = true;
                         q.push(Slot::Bad {
                             page: self.pages.count.saturating_sub(1),
                             error: err.to_string(),
                         });
-                        // trace-cmd (kbuffer) still prints an event that starts before
-                        // the commit and runs past it; so do we while it fits the page.
-                        let whole = &self.pages.page[PAGE_HEADER_SIZE..];
-                        if let Ok(Some((Record::Data { delta, start, len }, _))) =
-                            decode_record(whole, self.off)
-                        {
-                            self.clock = self.clock.wrapping_add(delta);
-                            self.last_ns = self.ns(self.clock);
-                            q.push(Slot::Event {
-                                ts_raw: self.clock,
-                                ts_ns: self.last_ns,
-                                start: PAGE_HEADER_SIZE + start,
-                                len,
-                            });
-                        }
                         return Ok(Some(self.last_ns));
                     }
                     Ok(Some((rec, next))) => {
@@ -1982,18 +2035,20 @@ impl CpuCursor {
             };
             let len = (commit & READ_COMMIT_MASK) as usize;
             let end = PAGE_HEADER_SIZE + len;
-            let fits = end <= page.len();
+            let plen = page.len();
+            let fits = end <= plen;
             let stored = page.get(end..end.saturating_add(8)).map(|b| {
                 let mut w = [0u8; 8];
                 w.copy_from_slice(b);
                 u64::from_le_bytes(w)
             });
+            self.lenient = !fits;
             if !fits {
                 q.push(Slot::Bad {
                     page: self.pages.count.saturating_sub(1),
                     error: format!("commit {len} past the page"),
                 });
-                return Ok(Some(self.last_ns));
+                // The loss word, the page header and the page time are still set below.
             }
             self.page_missed = if commit & RB_MISSED_EVENTS == 0 {
                 Missed::None
@@ -2004,7 +2059,7 @@ impl CpuCursor {
             };
             self.first_on_page = true;
             self.live = true;
-            self.area_end = end;
+            self.area_end = end.min(plen);
             self.off = 0;
             self.clock = ts;
             self.page_ts = ts;
