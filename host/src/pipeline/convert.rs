@@ -43,6 +43,21 @@ pub enum ConvertError {
     /// `convert`: writing the output failed.
     #[error("{0}")]
     Output(#[source] OutputError),
+    /// The trace.dat is damaged: every readable event was printed or converted, each
+    /// damaged part named in a warning (exit 1; docs/output.md "Damaged files").
+    #[error("{}: damaged trace.dat ({count} damaged {}): every readable event was {done}", path.display(), if *count == 1 { "part" } else { "parts" })]
+    Damaged {
+        /// The input.
+        path: std::path::PathBuf,
+        /// How many damaged parts were read past.
+        count: usize,
+        /// "printed" or "converted".
+        done: &'static str,
+    },
+    /// The trace.dat is damaged where nothing after the damage can be found (its file
+    /// header, its options chain, its CPU table): nothing was read (exit 1).
+    #[error("{0}")]
+    Unreadable(String),
 }
 
 impl ConvertError {
@@ -50,7 +65,9 @@ impl ConvertError {
     pub fn exit_code(&self) -> i32 {
         match self {
             Self::Input(_) | Self::Destination(_) => crate::exit::EXIT_USAGE,
-            Self::Write(_) | Self::Output(_) => crate::exit::EXIT_RUNTIME,
+            Self::Write(_) | Self::Output(_) | Self::Damaged { .. } | Self::Unreadable(_) => {
+                crate::exit::EXIT_RUNTIME
+            }
         }
     }
 }
@@ -109,6 +126,31 @@ pub fn detect(path: &Path) -> Result<InputKind, ConvertError> {
     }
 }
 
+/// Opens a trace.dat: a file whose metadata is damaged beyond reading is a damaged
+/// file (exit 1), an unsupported one bad input (exit 2). The damage `open` read past
+/// is warned about, one line each; returns the file and how many there were.
+fn open_dat(path: &Path) -> Result<(TraceFile, usize), ConvertError> {
+    let file = TraceFile::open(path).map_err(|e| match e {
+        OutputError::Format { .. } => match input_error(path, &e) {
+            ConvertError::Input(m) => {
+                ConvertError::Unreadable(format!("{m} (damaged trace.dat: nothing is readable)"))
+            }
+            other => other,
+        },
+        e => input_error(path, &e),
+    })?;
+    for d in &file.damage {
+        warn_damage(path, d);
+    }
+    let n = file.damage.len();
+    Ok((file, n))
+}
+
+/// The one-line warning of a damaged part of `path`.
+fn warn_damage(path: &Path, d: &hyptrace_output::tracedat::Damage) {
+    note!("hyptrace: warning: {}: damaged: {d}", path.display());
+}
+
 /// Whether `e` is an error writing stdout (not reading the input).
 fn is_write_error(e: &OutputError) -> bool {
     matches!(e, OutputError::Io { path: None, .. })
@@ -159,24 +201,33 @@ pub fn report(a: &ReportArgs) -> Result<(), ConvertError> {
     let f = filter(a);
     match detect(&path)? {
         InputKind::TraceDat => {
-            let file = TraceFile::open(&path).map_err(|e| input_error(&path, &e))?;
+            let (file, mut damage) = open_dat(&path)?;
             let mut out = std::io::stdout().lock();
-            if a.list_cpus || a.first_event || a.last_event {
-                let text = cpu_list(&file, a, &path)?;
+            let damaged = |count: usize| match count {
+                0 => Ok(()),
+                count => Err(ConvertError::Damaged {
+                    path: path.clone(),
+                    count,
+                    done: "printed",
+                }),
+            };
+            if a.list_cpus || a.first_event || a.last_event || a.stat {
+                let text = if a.list_cpus || a.first_event || a.last_event {
+                    cpu_list(&file, a, &path)?
+                } else {
+                    file.stat_text()
+                };
                 return match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
                     Err(e) => stdout_result(e.into(), &path),
-                    Ok(()) => Ok(()),
+                    Ok(()) => damaged(damage),
                 };
             }
-            if a.stat {
-                let text = file.stat_text();
-                return match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
-                    Err(e) => stdout_result(e.into(), &path),
-                    Ok(()) => Ok(()),
-                };
-            }
-            match file.write_report(&mut out, &f) {
-                Ok(_) => Ok(()),
+            let r = file.write_report_with(&mut out, &f, &mut |d| {
+                damage += 1;
+                warn_damage(&path, &d);
+            });
+            match r {
+                Ok(_) => damaged(damage),
                 Err(e) => stdout_result(e, &path),
             }
         }
@@ -321,14 +372,20 @@ fn meta_of(f: &TraceFile) -> TraceMeta {
 }
 
 /// Feeds every page of `f` into `sink`, the CPUs' pages merged by page time (each
-/// CPU's in file order; memory: one page per CPU), then finishes it.
-pub fn pump_pages(f: &TraceFile, mut sink: Box<dyn PageSink>) -> Result<(), OutputError> {
+/// CPU's in file order; memory: one page per CPU), then finishes it. Damaged CPU data
+/// read past (a chunk skipped, data cut short) goes to `on_damage` when found.
+pub fn pump_pages(
+    f: &TraceFile,
+    mut sink: Box<dyn PageSink>,
+    on_damage: &mut dyn FnMut(hyptrace_output::tracedat::Damage),
+) -> Result<(), OutputError> {
     let mut cursors: Vec<_> = (0..f.cpus.len()).filter_map(|i| f.pages(i)).collect();
     let cpus: Vec<u32> = f.cpus.iter().map(|b| b.cpu).collect();
     // The head page of each CPU: (time, page).
     let mut heads: Vec<Option<(u64, Vec<u8>)>> = Vec::with_capacity(cursors.len());
     for c in &mut cursors {
         heads.push(next_head(c)?);
+        c.take_damage().into_iter().for_each(&mut *on_damage);
     }
     // Bounded: every step consumes a page of some CPU.
     while let Some(i) = heads
@@ -339,12 +396,23 @@ pub fn pump_pages(f: &TraceFile, mut sink: Box<dyn PageSink>) -> Result<(), Outp
         .map(|(_, _, i)| i)
     {
         if let Some((_, page)) = heads[i].take() {
+            if let Some(why) = hyptrace_output::tracedat::page_damage(&page) {
+                on_damage(hyptrace_output::tracedat::Damage {
+                    cpu: Some(cpus[i]),
+                    offset: None,
+                    what: format!("a page does not decode ({why}): copied as it is"),
+                });
+            }
             let missed = match hyptrace_output::page_missed(&page) {
                 Missed::Count(n) => Some(n),
                 Missed::Unknown | Missed::None => None,
             };
             sink.page(cpus[i], &page, missed)?;
             heads[i] = next_head(&mut cursors[i])?;
+            cursors[i]
+                .take_damage()
+                .into_iter()
+                .for_each(&mut *on_damage);
         }
     }
     sink.finish(&RunSummary::default())
@@ -387,6 +455,7 @@ pub fn convert(a: &ConvertArgs) -> Result<(), ConvertError> {
     let format = format_for(a.format, &a.output);
     let kind = detect(&a.input)?;
     let target = check_destination(&a.output, "-o")?;
+    let mut damage = 0usize;
     let r = match kind {
         InputKind::Raw => {
             let reader = RawReader::open(&a.input).map_err(|e| input_error(&a.input, &e))?;
@@ -400,7 +469,8 @@ pub fn convert(a: &ConvertArgs) -> Result<(), ConvertError> {
             reader.replay(sink, |_| true)
         }
         InputKind::TraceDat => {
-            let f = TraceFile::open(&a.input).map_err(|e| input_error(&a.input, &e))?;
+            let (f, n) = open_dat(&a.input)?;
+            damage = n;
             if format == FormatArg::Raw {
                 check_raw_formats(&f, &a.input)?;
             }
@@ -411,9 +481,19 @@ pub fn convert(a: &ConvertArgs) -> Result<(), ConvertError> {
                 meta_of(&f),
             )
             .map_err(ConvertError::Output)?;
-            pump_pages(&f, sink)
+            pump_pages(&f, sink, &mut |d| {
+                damage += 1;
+                warn_damage(&a.input, &d);
+            })
         }
     };
+    if r.is_ok() && damage > 0 {
+        return Err(ConvertError::Damaged {
+            path: a.input.clone(),
+            count: damage,
+            done: "converted",
+        });
+    }
     r.map_err(|e| match e {
         OutputError::Io {
             path: Some(ref p), ..

@@ -9,8 +9,8 @@ mod write;
 mod zpool;
 
 pub use read::{
-    max_chunk, CpuBuffer, CpuPages, Records, ReportFilter, TraceFile, TraceItem, TraceOption,
-    TraceRecord,
+    max_chunk, page_damage, CpuBuffer, CpuPages, Damage, Records, ReportFilter, TraceFile,
+    TraceItem, TraceOption, TraceRecord,
 };
 pub use write::{
     write_trace_dat, write_trace_dat_with, Compression, TraceDatSink, TraceDatVersion,

@@ -98,6 +98,56 @@ pub struct CpuBuffer {
     pub size: u64,
 }
 
+/// A damaged part of a trace.dat that reading went past (docs/output.md "Damaged
+/// files"): a section that could not be read, a compressed chunk that did not
+/// decompress, CPU data cut short by the end of the file, a page that did not decode.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Damage {
+    /// The CPU whose data it is (`None`: metadata).
+    pub cpu: Option<u32>,
+    /// File offset where it was found (`None`: not known, e.g. a page of a
+    /// decompressed chunk).
+    pub offset: Option<u64>,
+    /// What is damaged and what was skipped.
+    pub what: String,
+}
+
+impl std::fmt::Display for Damage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if let Some(cpu) = self.cpu {
+            write!(f, "cpu {cpu}: ")?;
+        }
+        if let Some(at) = self.offset {
+            write!(f, "offset {at}: ")?;
+        }
+        f.write_str(&self.what)
+    }
+}
+
+impl Damage {
+    /// Metadata damage: `what` (a section, an option) and the error that ended it.
+    fn meta(what: &str, e: &OutputError, fallback: &str) -> Self {
+        let offset = match e {
+            OutputError::Format { offset, .. } => Some(*offset),
+            _ => None,
+        };
+        Self {
+            cpu: None,
+            offset,
+            what: match e {
+                OutputError::Format { reason, .. } => {
+                    format!("{what} damaged ({reason}); {fallback}")
+                }
+                e => format!("{what} damaged ({e}); {fallback}"),
+            },
+        }
+    }
+}
+
+/// Most damage records kept at `open` (each names a section or an option list; more
+/// cannot happen, the bound only caps memory on principle).
+const MAX_META_DAMAGE: usize = 64;
+
 /// The bytes of a trace.dat: a file read with positional reads, or a copy in memory.
 #[derive(Clone)]
 enum Source {
@@ -343,6 +393,9 @@ pub struct TraceFile {
     pub options: Vec<TraceOption>,
     /// Where each CPU's pages are, in file order.
     pub cpus: Vec<CpuBuffer>,
+    /// Damaged metadata `open` read past (a fallback or an omission for each; CPU data
+    /// damage is found while reading, see [`Records::take_damage`]).
+    pub damage: Vec<Damage>,
     /// Whether the CPU data is zstd-compressed (v7).
     compressed: bool,
     src: Source,
@@ -392,18 +445,31 @@ fn decompressor(at: u64) -> Result<zstd::bulk::Decompressor<'static>, OutputErro
     zstd::bulk::Decompressor::new().map_err(|e| OutputError::format(at, format!("zstd: {e}")))
 }
 
-fn parse_header_info(c: &mut impl Input) -> Result<HeaderPage, OutputError> {
+/// The header info: `header_page` (tag, size, text) then `header_event`. The outer
+/// error is a structure that cannot be walked; the inner one a `header_page` text that
+/// does not parse (the caller falls back to the kernel's layout).
+fn parse_header_info(c: &mut impl Input) -> Result<Result<HeaderPage, OutputError>, OutputError> {
     if c.bytes(12, "header_page tag")? != b"header_page\0" {
         return Err(c.err("expected header_page"));
     }
     let n = c.len64("header_page size")?;
-    let hp = HeaderPage::parse(&c.text(n, "header_page text")?)?;
+    let hp = HeaderPage::parse(&c.text(n, "header_page text")?);
     if c.bytes(13, "header_event tag")? != b"header_event\0" {
         return Err(c.err("expected header_event"));
     }
     let n = c.len64("header_event size")?;
     c.skip(n as u64, "header_event text")?;
     Ok(hp)
+}
+
+/// The kernel's `buffer_data_page` layout (`header_page` of every kernel since 2.6.31,
+/// 64-bit commit): what a damaged `header_page` falls back to.
+fn kernel_header_page(page_size: usize) -> HeaderPage {
+    HeaderPage {
+        commit_size: 8,
+        data_offset: PAGE_HEADER_SIZE,
+        data_size: page_size - PAGE_HEADER_SIZE,
+    }
 }
 
 fn parse_ftrace_events(c: &mut impl Input, out: &mut Vec<EventFormat>) -> Result<(), OutputError> {
@@ -580,8 +646,29 @@ impl Parser {
         }
     }
 
+    /// Notes damaged metadata (bounded by [`MAX_META_DAMAGE`]).
+    fn damaged(&mut self, d: Damage) {
+        if self.f.damage.len() < MAX_META_DAMAGE {
+            self.f.damage.push(d);
+        }
+    }
+
+    /// A parsed `header_page`, or the kernel's layout with a damage note.
+    fn header_page(&mut self, hp: Result<HeaderPage, OutputError>) {
+        match hp {
+            Ok(hp) => self.f.header_page = hp,
+            Err(e) => {
+                let d = Damage::meta("header_page", &e, "using the kernel's page layout");
+                self.damaged(d);
+                self.f.header_page = kernel_header_page(self.f.page_size);
+            }
+        }
+    }
+
     fn parse_v6(&mut self, c: &mut FileCur<'_>) -> Result<(), OutputError> {
-        self.f.header_page = parse_header_info(c)?;
+        // The header_page text starts after the 18-byte file header, its tag and size.
+        let hp = parse_header_info(c)?.map_err(|e| in_section(e, 18));
+        self.header_page(hp);
         parse_ftrace_events(c, &mut self.f.formats)?;
         parse_event_formats(c, &mut self.f.formats)?;
         if let Some(t) = u32_sized_text(c, "kallsyms")? {
@@ -631,7 +718,7 @@ impl Parser {
             }
         }
         for (cpu, (offset, size)) in table.into_iter().enumerate() {
-            self.check_plain(offset, size)?;
+            let size = self.check_plain(cpu as u32, offset, size);
             self.f.cpus.push(CpuBuffer {
                 cpu: cpu as u32,
                 offset,
@@ -641,36 +728,26 @@ impl Parser {
         Ok(())
     }
 
-    /// Uncompressed CPU data must lie within the file.
-    fn check_plain(&self, off: u64, size: u64) -> Result<(), OutputError> {
-        if off.checked_add(size).is_none_or(|e| e > self.src().len()) {
-            return Err(OutputError::format(
-                off,
-                format!("cpu data of {size} bytes runs past the end of the file"),
-            ));
+    /// The size of uncompressed CPU data that lies within the file: data cut short by
+    /// the end of the file is read up to the cut (its whole pages), with a damage note.
+    fn check_plain(&mut self, cpu: u32, off: u64, size: u64) -> u64 {
+        let len = self.src().len();
+        if off.checked_add(size).is_some_and(|e| e <= len) {
+            return size;
         }
-        Ok(())
-    }
-
-    /// Compressed CPU data: u32 chunk count, then (u32 compressed, u32 uncompressed,
-    /// data) per chunk. Walks the chunk headers (no decompression): every chunk must lie
-    /// within the file and decompress to at most `cap` bytes.
-    fn check_chunks(&self, off: u64, size: u64, cap: usize) -> Result<(), OutputError> {
-        if size == 0 {
-            return Ok(());
+        let have = len.saturating_sub(off);
+        if self.f.damage.len() < MAX_META_DAMAGE {
+            self.f.damage.push(Damage {
+                cpu: Some(cpu),
+                offset: Some(off),
+                what: format!(
+                    "cpu data of {size} bytes cut short by the end of the file: {} bytes missing, the {} whole pages before the cut are read",
+                    size - have,
+                    have / self.f.page_size as u64
+                ),
+            });
         }
-        let mut c = FileCur::new(self.src(), off);
-        let n = c.u32("chunk count")?;
-        // Bounded: each chunk consumes at least its 8-byte header.
-        for _ in 0..n {
-            let cs = c.u32("chunk compressed size")?;
-            let us = c.u32("chunk size")? as usize;
-            if us > cap || cs as usize > zstd_bound(cap) {
-                return Err(c.err("compressed chunk too large"));
-            }
-            c.skip(u64::from(cs), "chunk data")?;
-        }
-        Ok(())
+        have
     }
 
     fn parse_v7(&mut self, c: &mut FileCur<'_>) -> Result<(), OutputError> {
@@ -679,35 +756,67 @@ impl Parser {
         self.compressed = match name.as_str() {
             "none" | "" => false,
             "zstd" => true,
+            // A name no compressor has: damaged (not an unsupported compression).
+            other
+                if !other
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-') =>
+            {
+                return Err(c.err("compression name damaged"))
+            }
             other => return Err(OutputError::Unsupported(format!("compression {other}"))),
         };
         self.f.compression = Some((name, ver));
         let first = c.u64("options offset")?;
-        let opts = self.v7_options(first)?;
-        self.v7_sections(&opts.sections)?;
-        self.v7_top_buffer(&opts.buffers)
+        let opts = self.v7_options(first);
+        self.v7_sections(&opts.sections);
+        match self.v7_top_buffer(&opts.buffers) {
+            Err(e @ OutputError::Format { .. }) => {
+                self.damaged(Damage::meta("buffer option", &e, "no CPU data is read"));
+                Ok(())
+            }
+            r => r,
+        }
     }
 
     /// Walks the chain of options sections from `first` (each option handed to
     /// [`Self::option`]); returns the section offsets the options name and the buffer
     /// options. Bounded: a section is read once, at most [`MAX_OPTION_SECTIONS`] of them.
-    fn v7_options(&mut self, first: u64) -> Result<V7Options, OutputError> {
+    /// A damaged options section keeps the options before the damage (noted in
+    /// [`TraceFile::damage`]); the ones after it are lost.
+    fn v7_options(&mut self, first: u64) -> V7Options {
         let mut next = first;
         let mut seen = BTreeSet::new();
         let mut sections: BTreeMap<u16, u64> = BTreeMap::new();
         let mut buffers = Vec::new();
         while next != 0 {
             if !seen.insert(next) || seen.len() > MAX_OPTION_SECTIONS {
-                return Err(OutputError::format(next, "options sections loop"));
+                let e = OutputError::format(next, "options sections loop");
+                self.damaged(Damage::meta("options", &e, "the loop is not followed"));
+                break;
             }
-            let body = self.section(next, 0)?;
+            let body = match self.section(next, 0) {
+                Ok(b) => b,
+                Err(e) => {
+                    let d = Damage::meta("options section", &e, "the options in it are lost");
+                    self.damaged(d);
+                    break;
+                }
+            };
             let mut o = Cur::new(&body, 0, next + 16);
             next = 0;
             // Bounded: each option consumes at least its 6-byte header.
             loop {
-                let id = o.u16("option id")?;
-                let n = o.u32("option size")? as usize;
-                let d = o.bytes(n, "option data")?;
+                let (id, d) = match next_option(&mut o) {
+                    Ok(x) => x,
+                    Err(e) => {
+                        let d =
+                            Damage::meta("options section", &e, "the options after it are lost");
+                        self.damaged(d);
+                        break;
+                    }
+                };
+                let d = d.as_slice();
                 if id == option::DONE {
                     if let Some(n) = le64(d) {
                         next = n;
@@ -724,34 +833,50 @@ impl Parser {
                 self.option(id, d);
             }
         }
-        Ok(V7Options { sections, buffers })
+        V7Options { sections, buffers }
     }
 
-    /// The metadata sections the options named: header info (required), ftrace and
-    /// event formats, symbols, command lines.
-    fn v7_sections(&mut self, sections: &BTreeMap<u16, u64>) -> Result<(), OutputError> {
+    /// The metadata sections the options named: header info, ftrace and event formats,
+    /// symbols, command lines. A damaged one is noted in [`TraceFile::damage`]: the
+    /// header info falls back to the kernel's page layout, the others keep what they
+    /// held before the damage.
+    fn v7_sections(&mut self, sections: &BTreeMap<u16, u64>) {
         let need = |id: u16| {
             sections
                 .get(&id)
                 .copied()
                 .ok_or_else(|| OutputError::format(0u64, format!("no section {id}")))
         };
-        let hi = self.section(need(option::HEADER_INFO)?, option::HEADER_INFO)?;
-        self.f.header_page = parse_header_info(&mut Cur::new(&hi, 0, 0))?;
-        if let Some(&off) = sections.get(&option::FTRACE_EVENTS) {
-            let s = self.section(off, option::FTRACE_EVENTS)?;
-            parse_ftrace_events(&mut Cur::new(&s, 0, 0), &mut self.f.formats)?;
-        }
-        if let Some(&off) = sections.get(&option::EVENT_FORMATS) {
-            let s = self.section(off, option::EVENT_FORMATS)?;
-            parse_event_formats(&mut Cur::new(&s, 0, 0), &mut self.f.formats)?;
+        let hi = need(option::HEADER_INFO).and_then(|off| {
+            let hi = self.section(off, option::HEADER_INFO)?;
+            parse_header_info(&mut Cur::new(&hi, 0, 0)).map_err(|e| in_section(e, off))
+        });
+        let hp = hi.and_then(|hp| hp);
+        self.header_page(hp);
+        // Formats and command lines: what a damaged section held before the damage is
+        // kept (events without a format print as trace-cmd prints unknown events).
+        for (id, what) in [
+            (option::FTRACE_EVENTS, "ftrace event formats"),
+            (option::EVENT_FORMATS, "event formats"),
+            (option::CMDLINES, "cmdlines"),
+        ] {
+            let Some(&off) = sections.get(&id) else {
+                continue;
+            };
+            let r = self.section(off, id).and_then(|s| {
+                let mut c = Cur::new(&s, 0, 0);
+                match id {
+                    option::FTRACE_EVENTS => parse_ftrace_events(&mut c, &mut self.f.formats),
+                    option::EVENT_FORMATS => parse_event_formats(&mut c, &mut self.f.formats),
+                    _ => parse_cmdlines(&mut c, &mut self.f.cmdlines),
+                }
+                .map_err(|e| in_section(e, off))
+            });
+            if let Err(e) = r {
+                self.damaged(Damage::meta(what, &e, "the rest of it is skipped"));
+            }
         }
         self.v7_symbols(sections);
-        if let Some(&off) = sections.get(&option::CMDLINES) {
-            let s = self.section(off, option::CMDLINES)?;
-            parse_cmdlines(&mut Cur::new(&s, 0, 0), &mut self.f.cmdlines)?;
-        }
-        Ok(())
     }
 
     /// The kallsyms and printk sections. Symbols only improve the text: a damaged
@@ -805,19 +930,18 @@ impl Parser {
             if n > 65536 {
                 return Err(o.err("too many CPUs"));
             }
-            let mut table = Vec::new();
+            let mut table: Vec<CpuBuffer> = Vec::new();
             for _ in 0..n {
                 let cpu = o.u32("cpu id")?;
                 let offset = o.u64("cpu data offset")?;
                 let size = o.u64("cpu data size")?;
                 table.push(CpuBuffer { cpu, offset, size });
             }
-            let cap = max_chunk(table.len(), self.f.page_size);
-            for b in &table {
-                if self.compressed {
-                    self.check_chunks(b.offset, b.size, cap)?;
-                } else {
-                    self.check_plain(b.offset, b.size)?;
+            // Compressed data is checked chunk by chunk as it is read (a damaged or
+            // missing chunk is skipped then).
+            if !self.compressed {
+                for b in &mut table {
+                    b.size = self.check_plain(b.cpu, b.offset, b.size);
                 }
             }
             self.f.cpus = table;
@@ -833,6 +957,25 @@ struct V7Options {
     sections: BTreeMap<u16, u64>,
     /// The buffer options' data, in file order.
     buffers: Vec<Vec<u8>>,
+}
+
+/// An error at an offset within the (possibly decompressed) body of the section at file
+/// offset `section`: placed at the section, the offset within it kept in the reason.
+fn in_section(e: OutputError, section: u64) -> OutputError {
+    match e {
+        OutputError::Format { offset, reason } => OutputError::Format {
+            offset: section,
+            reason: format!("{reason} at byte {offset} of the section"),
+        },
+        e => e,
+    }
+}
+
+/// The next option of an options section: id and data.
+fn next_option(o: &mut Cur<'_>) -> Result<(u16, Vec<u8>), OutputError> {
+    let id = o.u16("option id")?;
+    let n = o.u32("option size")? as usize;
+    Ok((id, o.bytes(n, "option data")?.to_vec()))
 }
 
 /// The little-endian u64 at the start of `d`, if it has 8 bytes.
@@ -899,6 +1042,7 @@ impl TraceFile {
             ts_offset: 0,
             options: Vec::new(),
             cpus: Vec::new(),
+            damage: Vec::new(),
             compressed: false,
             src: src.clone(),
             symbols: Default::default(),
@@ -1041,6 +1185,7 @@ impl TraceFile {
                 page_missed: Missed::None,
                 first_on_page: false,
                 last_ns: 0,
+                lenient: false,
             })
             .collect();
         cpus.sort_by_key(|c| c.cpu);
@@ -1049,6 +1194,7 @@ impl TraceFile {
             cpus,
             scratch: Vec::with_capacity(2),
             error: None,
+            damage: Vec::new(),
             _file: std::marker::PhantomData,
         }
     }
@@ -1082,10 +1228,25 @@ impl TraceFile {
     /// more than one thread ([`ReportFilter::threads`]), this thread reads and merges
     /// while the others format batches of items, written in order (memory: a few
     /// batches). Returns how many events were printed.
+    ///
+    /// Damage in the CPU data (see [`TraceFile::write_report_with`]) is read past and
+    /// not reported.
     pub fn write_report(
         &self,
         out: &mut dyn Write,
         filter: &ReportFilter,
+    ) -> Result<u64, OutputError> {
+        self.write_report_with(out, filter, &mut |_| {})
+    }
+
+    /// [`TraceFile::write_report`], handing every damaged part of the CPU data that
+    /// reading went past (a compressed chunk skipped, data cut short, a page that did not
+    /// decode) to `on_damage` when it is found; every readable event is printed.
+    pub fn write_report_with(
+        &self,
+        out: &mut dyn Write,
+        filter: &ReportFilter,
+        on_damage: &mut dyn FnMut(Damage),
     ) -> Result<u64, OutputError> {
         let threads = match filter.threads {
             // The reading thread plus one formatting thread per core: reading takes about
@@ -1097,7 +1258,7 @@ impl TraceFile {
         out.write_all(head.as_bytes())?;
         let printed = if threads <= 1 {
             let mut s = String::with_capacity(WRITE_CHUNK + 4096);
-            let n = self.select(filter, |item| {
+            let n = self.select(filter, on_damage, |item| {
                 if self.format_item(&mut s, item) {
                     s.push('\n');
                 }
@@ -1112,7 +1273,7 @@ impl TraceFile {
         } else {
             std::thread::scope(|sc| {
                 let mut p = Pipeline::start(self, sc, threads - 1);
-                let n = self.select(filter, |item| p.push(item, out))?;
+                let n = self.select(filter, on_damage, |item| p.push(item, out))?;
                 p.finish(out)?;
                 Ok::<u64, OutputError>(n)
             })?
@@ -1126,13 +1287,30 @@ impl TraceFile {
     fn select(
         &self,
         filter: &ReportFilter,
+        on_damage: &mut dyn FnMut(Damage),
         mut emit: impl FnMut(&TraceItem<'_>) -> Result<(), OutputError>,
     ) -> Result<u64, OutputError> {
         let ids = filter.event_ids(self);
         let mut recs = self.records_of(|c| filter.wants_cpu(c));
         let mut printed = 0u64;
         let mut skip = filter.skip;
-        while let Some(item) = recs.next_item() {
+        // Bounded: every item consumes the CPUs' data.
+        loop {
+            for d in recs.take_damage() {
+                on_damage(d);
+            }
+            let Some(item) = recs.next_item() else {
+                break;
+            };
+            if let TraceItem::BadPage { cpu, page, error } = &item {
+                on_damage(Damage {
+                    cpu: Some(*cpu),
+                    offset: None,
+                    what: format!(
+                        "page {page} does not decode ({error}): the rest of it is skipped"
+                    ),
+                });
+            }
             if let TraceItem::Event(r) = &item {
                 if let Some(ids) = &ids {
                     let id = r
@@ -1155,6 +1333,9 @@ impl TraceFile {
                 continue;
             }
             emit(&item)?;
+        }
+        for d in recs.take_damage() {
+            on_damage(d);
         }
         match recs.take_error() {
             Some(e) => Err(e),
@@ -1424,8 +1605,14 @@ pub enum TraceItem<'a> {
 }
 
 /// Reads one CPU's pages: uncompressed data a batch of pages at a time, or v7 zstd
-/// chunks one at a time; each page is copied into one page buffer.
+/// chunks one at a time; each page is copied into one page buffer. A chunk that does
+/// not decompress is skipped and data cut short by the end of the file ends the CPU,
+/// each noted as a [`Damage`] ([`CpuPages::take_damage`]).
 pub struct CpuPages {
+    cpu: u32,
+    /// Damage found and not taken yet (at most one per chunk read: taken after each
+    /// page by [`Records`], bounded by [`MAX_META_DAMAGE`] for other callers).
+    damage: Vec<Damage>,
     src: Source,
     page_size: usize,
     /// Read or decompressed bytes not consumed yet: `buf[pos..]`.
@@ -1449,6 +1636,8 @@ enum StreamKind {
         next: Option<u64>,
         counted: bool,
         left: u32,
+        /// Chunks read so far (for the damage notes).
+        index: u32,
         cap: usize,
         cbuf: Vec<u8>,
         /// Made at the first chunk.
@@ -1464,6 +1653,7 @@ impl CpuPages {
                 next: (b.size > 0).then_some(b.offset),
                 counted: false,
                 left: 0,
+                index: 0,
                 cap: max_chunk(readers, ps),
                 cbuf: Vec::new(),
                 dec: None,
@@ -1476,6 +1666,8 @@ impl CpuPages {
             }
         };
         Self {
+            cpu: b.cpu,
+            damage: Vec::new(),
             src: f.src.clone(),
             page_size: ps,
             buf: Vec::new(),
@@ -1501,49 +1693,130 @@ impl CpuPages {
                 *next += n as u64;
                 Ok(true)
             }
-            StreamKind::Zstd {
-                next,
-                counted,
-                left,
-                cap,
-                cbuf,
-                dec,
-            } => {
-                let Some(mut at) = *next else {
-                    self.buf.clear();
-                    return Ok(false);
-                };
-                if !*counted {
-                    let mut w = [0u8; 4];
-                    self.src.read_at(at, &mut w, "chunk count")?;
-                    *left = u32::from_le_bytes(w);
-                    *counted = true;
-                    at += 4;
-                }
-                if *left == 0 {
-                    *next = None;
-                    self.buf.clear();
-                    return Ok(false);
-                }
-                let mut h = [0u8; 8];
-                self.src.read_at(at, &mut h, "chunk header")?;
-                let cs = u32::from_le_bytes([h[0], h[1], h[2], h[3]]) as usize;
-                let us = u32::from_le_bytes([h[4], h[5], h[6], h[7]]) as usize;
-                if us > *cap || cs > zstd_bound(*cap) {
-                    return Err(OutputError::format(at, "compressed chunk too large"));
-                }
-                cbuf.resize(cs, 0);
-                self.src.read_at(at + 8, cbuf, "chunk data")?;
-                let d = match dec {
-                    Some(d) => d,
-                    None => dec.insert(Box::new(decompressor(at)?)),
-                };
-                unzstd_into(d, cbuf, us, &mut self.buf, at + 8)?;
-                *left -= 1;
-                *next = Some(at + 8 + cs as u64);
-                Ok(true)
-            }
+            StreamKind::Zstd { .. } => self.next_chunk(),
         }
+    }
+
+    /// Notes damage (bounded: past [`MAX_META_DAMAGE`] notes not taken, the oldest
+    /// are kept).
+    fn damaged(&mut self, offset: u64, what: String) {
+        if self.damage.len() < MAX_META_DAMAGE {
+            self.damage.push(Damage {
+                cpu: Some(self.cpu),
+                offset: Some(offset),
+                what,
+            });
+        }
+    }
+
+    /// The damage found since the last call.
+    pub fn take_damage(&mut self) -> Vec<Damage> {
+        std::mem::take(&mut self.damage)
+    }
+
+    /// Decompresses the next good chunk into `buf`; false when there is none. A chunk
+    /// that does not decompress is skipped (noted), reading goes on with the next one;
+    /// a chunk count, chunk header or chunk cut short by the end of the file, or a
+    /// header with impossible sizes (the next chunk cannot be found), ends the CPU
+    /// (noted). Bounded: each chunk consumes at least its 8-byte header.
+    fn next_chunk(&mut self) -> Result<bool, OutputError> {
+        let file_len = self.src.len();
+        let StreamKind::Zstd {
+            next,
+            counted,
+            left,
+            index,
+            cap,
+            cbuf,
+            dec,
+        } = &mut self.kind
+        else {
+            return Ok(false);
+        };
+        self.buf.clear();
+        let mut note = None;
+        let mut notes = Vec::new();
+        let mut skipped = 0u64;
+        while let Some(mut at) = *next {
+            if !*counted {
+                let mut w = [0u8; 4];
+                if at.checked_add(4).is_none_or(|e| e > file_len) {
+                    note = Some((
+                        at,
+                        if at >= file_len {
+                            format!("cpu data at offset {at}, past the end of the file ({file_len} bytes): none of it is read")
+                        } else {
+                            "chunk count cut short by the end of the file".to_string()
+                        },
+                    ));
+                    *next = None;
+                    break;
+                }
+                self.src.read_at(at, &mut w, "chunk count")?;
+                *left = u32::from_le_bytes(w);
+                *counted = true;
+                at += 4;
+                *next = Some(at);
+            }
+            if *left == 0 {
+                *next = None;
+                break;
+            }
+            let cut = |n: u64| at.checked_add(n).is_none_or(|e| e > file_len);
+            if cut(8) {
+                note = Some((at, format!("cut short by the end of the file: chunk {index} header and {left} chunks missing")));
+                *next = None;
+                break;
+            }
+            let mut h = [0u8; 8];
+            self.src.read_at(at, &mut h, "chunk header")?;
+            let cs = u32::from_le_bytes([h[0], h[1], h[2], h[3]]) as usize;
+            let us = u32::from_le_bytes([h[4], h[5], h[6], h[7]]) as usize;
+            if us > *cap || cs > zstd_bound(*cap) {
+                note = Some((at, format!("chunk {index} header damaged ({cs} bytes compressed, {us} uncompressed): it and the {} chunks after it are skipped", *left - 1)));
+                *next = None;
+                break;
+            }
+            if cut(8 + cs as u64) {
+                note = Some((at, format!("chunk {index} ({us} bytes, {} pages) cut short by the end of the file: it and the {} chunks after it are missing", us / self.page_size, *left - 1)));
+                *next = None;
+                break;
+            }
+            cbuf.resize(cs, 0);
+            self.src.read_at(at + 8, cbuf, "chunk data")?;
+            let d = match dec {
+                Some(d) => d,
+                None => dec.insert(Box::new(decompressor(at)?)),
+            };
+            let r = unzstd_into(d, cbuf, us, &mut self.buf, at + 8);
+            *left -= 1;
+            *index += 1;
+            *next = Some(at + 8 + cs as u64);
+            if let Err(e) = r {
+                self.buf.clear();
+                let what = format!(
+                    "chunk {} damaged ({e}): skipped its {us} bytes ({} pages), reading goes on with the next chunk",
+                    *index - 1,
+                    us / self.page_size
+                );
+                if notes.len() < MAX_META_DAMAGE {
+                    notes.push((at, what));
+                } else {
+                    skipped += 1;
+                }
+                continue;
+            }
+            break;
+        }
+        let more = !self.buf.is_empty();
+        if skipped > 0 {
+            let at = next.unwrap_or(0);
+            notes.push((at, format!("{skipped} more damaged chunks skipped")));
+        }
+        for (at, what) in notes.into_iter().chain(note) {
+            self.damaged(at, what);
+        }
+        Ok(more)
     }
 
     /// The next whole page, or `None` at the end (a trailing partial page is ignored).
@@ -1567,6 +1840,82 @@ impl CpuPages {
         self.count += 1;
         Ok(Some(&self.page))
     }
+}
+
+/// Why a page read from a trace.dat does not decode as [`Records`] reads it (commit
+/// past the page, a record running past the commit...), or `None` for a good page:
+/// `convert` names the pages `report` would find damaged.
+pub fn page_damage(page: &[u8]) -> Option<String> {
+    let Some((_, commit)) = page_header(page) else {
+        return Some("page shorter than its header".into());
+    };
+    let end = PAGE_HEADER_SIZE + (commit & READ_COMMIT_MASK) as usize;
+    let Some(area) = page.get(PAGE_HEADER_SIZE..end) else {
+        return Some(format!("commit {} past the page", end - PAGE_HEADER_SIZE));
+    };
+    let mut off = 0;
+    // Bounded: each record decoded consumes at least 4 bytes of the page.
+    loop {
+        match decode_record(area, off) {
+            Ok(None) => return None,
+            Ok(Some((_, next))) => off = next,
+            Err(e) => return Some(e.to_string()),
+        }
+    }
+}
+
+/// The record at `off` of a damaged page's data area `data` (the whole page after its
+/// header) as trace-cmd's kbuffer reads it: records are read while they start before
+/// `commit`, a data length word is rounded up to 4, a padding's length is taken as is.
+/// `None` at the end, and where kbuffer would read outside the page or not move on
+/// (trace-cmd reads garbage or loops there; we stop).
+fn kbuffer_record(data: &[u8], commit: usize, off: usize) -> Option<(Record, usize)> {
+    use hyptrace_abi::page::{DELTA_BITS, TYPE_PADDING, TYPE_TIME_EXTEND, TYPE_TIME_STAMP};
+    if off >= commit {
+        return None;
+    }
+    let word = |at: usize| {
+        data.get(at..at.checked_add(4)?)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    };
+    let hdr = word(off)?;
+    let delta = u64::from(hdr >> 5);
+    let arr = off + 4;
+    let (rec, next) = match hdr & 0x1f {
+        TYPE_PADDING => (
+            Record::Padding { delta },
+            arr.checked_add(word(arr)? as usize)?,
+        ),
+        t @ (TYPE_TIME_EXTEND | TYPE_TIME_STAMP) => {
+            let v = (u64::from(word(arr)?) << DELTA_BITS).wrapping_add(delta);
+            let rec = if t == TYPE_TIME_EXTEND {
+                Record::TimeExtend { delta: v }
+            } else {
+                Record::TimeStamp { ts: v }
+            };
+            (rec, off + 8)
+        }
+        0 => {
+            let len = (word(arr)? as usize).checked_sub(4)?.checked_add(3)? & !3;
+            let start = arr + 4;
+            (Record::Data { delta, start, len }, start.checked_add(len)?)
+        }
+        n => {
+            let len = n as usize * 4;
+            (
+                Record::Data {
+                    delta,
+                    start: arr,
+                    len,
+                },
+                arr + len,
+            )
+        }
+    };
+    if next <= off || matches!(rec, Record::Data { .. }) && next > data.len() {
+        return None;
+    }
+    Some((rec, next))
 }
 
 /// What the merger holds for a CPU: its next event (as a range of the CPU's current
@@ -1602,6 +1951,9 @@ struct CpuCursor {
     page_missed: Missed,
     first_on_page: bool,
     last_ns: u64,
+    /// The page is damaged: its records are read on as trace-cmd's kbuffer reads them
+    /// ([`kbuffer_record`]).
+    lenient: bool,
 }
 
 impl CpuCursor {
@@ -1621,10 +1973,20 @@ impl CpuCursor {
         loop {
             if self.live {
                 let area = &self.pages.page[PAGE_HEADER_SIZE..self.area_end];
-                match decode_record(area, self.off) {
+                let rec = if self.lenient {
+                    Ok(kbuffer_record(
+                        &self.pages.page[PAGE_HEADER_SIZE..],
+                        self.area_end - PAGE_HEADER_SIZE,
+                        self.off,
+                    ))
+                } else {
+                    decode_record(area, self.off)
+                };
+                match rec {
                     Ok(None) => self.live = false,
                     Err(err) => {
-                        self.live = false;
+                        // Damaged page: named once, then read on as trace-cmd does.
+                        self.lenient = true;
                         q.push(Slot::Bad {
                             page: self.pages.count.saturating_sub(1),
                             error: err.to_string(),
@@ -1673,18 +2035,20 @@ impl CpuCursor {
             };
             let len = (commit & READ_COMMIT_MASK) as usize;
             let end = PAGE_HEADER_SIZE + len;
-            let fits = end <= page.len();
+            let plen = page.len();
+            let fits = end <= plen;
             let stored = page.get(end..end.saturating_add(8)).map(|b| {
                 let mut w = [0u8; 8];
                 w.copy_from_slice(b);
                 u64::from_le_bytes(w)
             });
+            self.lenient = !fits;
             if !fits {
                 q.push(Slot::Bad {
                     page: self.pages.count.saturating_sub(1),
                     error: format!("commit {len} past the page"),
                 });
-                return Ok(Some(self.last_ns));
+                // The loss word, the page header and the page time are still set below.
             }
             self.page_missed = if commit & RB_MISSED_EVENTS == 0 {
                 Missed::None
@@ -1695,7 +2059,7 @@ impl CpuCursor {
             };
             self.first_on_page = true;
             self.live = true;
-            self.area_end = end;
+            self.area_end = end.min(plen);
             self.off = 0;
             self.clock = ts;
             self.page_ts = ts;
@@ -1711,6 +2075,8 @@ pub struct Records<'a> {
     merger: Merger<Slot>,
     scratch: Vec<Slot>,
     error: Option<OutputError>,
+    /// Damage the CPUs' readers found, not taken yet.
+    damage: Vec<Damage>,
     _file: std::marker::PhantomData<&'a TraceFile>,
 }
 
@@ -1725,7 +2091,9 @@ impl Records<'_> {
             if self.merger.queued(i) > 0 || self.merger.is_finished(i) {
                 continue;
             }
-            match c.fill(&mut self.scratch) {
+            let r = c.fill(&mut self.scratch);
+            self.damage.append(&mut c.pages.damage);
+            match r {
                 Ok(Some(key)) => {
                     while let Some(slot) = self.scratch.pop() {
                         self.merger.push(i, key, Merged::Event(slot));
@@ -1751,7 +2119,8 @@ impl Records<'_> {
                 cpu: c.cpu,
                 ts_raw,
                 ts_ns,
-                // In range: decode_record checked it against the page's data area.
+                // In range: decode_record checked it against the page's data area
+                // (or, for an event running past the commit, the whole page).
                 payload: &c.pages.page[start..start + len],
             }),
             Merged::Event(Slot::Dropped(missed)) => TraceItem::Dropped { cpu: c.cpu, missed },
@@ -1775,6 +2144,13 @@ impl Records<'_> {
     /// Takes the read error that ended the items, if any.
     pub fn take_error(&mut self) -> Option<OutputError> {
         self.error.take()
+    }
+
+    /// Takes the damage the CPUs' readers went past since the last call (a chunk
+    /// skipped, data cut short; docs/output.md "Damaged files"). Each item pulled
+    /// reads at most a chunk per CPU: taken after every item, this stays small.
+    pub fn take_damage(&mut self) -> Vec<Damage> {
+        std::mem::take(&mut self.damage)
     }
 }
 
@@ -1968,6 +2344,138 @@ mod tests {
         assert!(read_memory(65536, 4096, false) < MAX_READ_MEMORY);
         assert!(read_memory(65536, 4096, true) > MAX_READ_MEMORY);
         assert!(read_memory(65536, 1 << 26, false) > MAX_READ_MEMORY);
+    }
+
+    /// Events per CPU and the damage noted, reading `f` through [`Records`].
+    fn per_cpu(f: &TraceFile) -> (BTreeMap<u32, usize>, Vec<Damage>) {
+        let mut n = BTreeMap::new();
+        let mut r = f.records();
+        let mut damage = Vec::new();
+        while let Some(i) = r.next_item() {
+            if let TraceItem::Event(e) = i {
+                *n.entry(e.cpu).or_insert(0) += 1;
+            }
+            damage.extend(r.take_damage());
+        }
+        damage.extend(r.take_damage());
+        assert!(r.error().is_none());
+        (n, damage)
+    }
+
+    fn le32_at(d: &[u8], at: u64) -> usize {
+        let at = at as usize;
+        u32::from_le_bytes(d[at..at + 4].try_into().unwrap()) as usize
+    }
+
+    /// Pages per CPU of [`zstd_file`].
+    const PAGES: [usize; 3] = [95, 40, 31];
+
+    /// A v7 zstd trace.dat of 3 CPUs, [`PAGES`] pages each of one event.
+    fn zstd_file() -> Vec<u8> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("z.dat");
+        let meta = crate::TraceMeta::guest(4096, 3, crate::Clock::nanoseconds());
+        let mut s = crate::TraceDatSink::create_with(
+            &path,
+            meta,
+            crate::TraceDatVersion::V7,
+            crate::Compression::Zstd,
+        )
+        .unwrap();
+        for (cpu, &n) in PAGES.iter().enumerate() {
+            for i in 0..n {
+                let mut p = vec![0u8; 4096];
+                p[..8].copy_from_slice(&(1_000 + i as u64 * 10_000).to_le_bytes());
+                let pid = hyptrace_abi::events::vcpu_pid(cpu as u32);
+                let payload = hyptrace_abi::events::marker(pid, i as u64, 7);
+                let mut hdr = [0u8; 8];
+                let k = hyptrace_abi::page::encode_data_header(&mut hdr, payload.len(), 0);
+                p[16..16 + k].copy_from_slice(&hdr[..k]);
+                p[16 + k..16 + k + payload.len()].copy_from_slice(&payload);
+                p[8..16].copy_from_slice(&((k + payload.len()) as u64).to_le_bytes());
+                crate::PageSink::page(&mut s, cpu as u32, &p, None).unwrap();
+            }
+        }
+        crate::PageSink::finish(Box::new(s), &crate::RunSummary::default()).unwrap();
+        std::fs::read(&path).unwrap()
+    }
+
+    /// A chunk that does not decompress (its frame magic overwritten) is skipped with a
+    /// note naming the CPU and the chunk; exactly its pages are missing: the CPU's later
+    /// chunks and the other CPUs are read in full.
+    #[test]
+    fn damaged_chunk_is_skipped() {
+        let mut data = zstd_file();
+        let good = TraceFile::parse(&data).unwrap();
+        let b = good.cpus.iter().find(|b| b.cpu == 0).unwrap().clone();
+        assert!(le32_at(&data, b.offset) >= 2);
+        let pages = le32_at(&data, b.offset + 8) / 4096;
+        let frame = b.offset as usize + 4 + 8;
+        data[frame..frame + 4].copy_from_slice(b"XXXX");
+        let f = TraceFile::parse(&data).unwrap();
+        assert!(f.damage.is_empty());
+        let (got, damage) = per_cpu(&f);
+        assert_eq!(damage.len(), 1, "{damage:?}");
+        assert_eq!(damage[0].cpu, Some(0));
+        assert!(
+            damage[0].what.starts_with("chunk 0 damaged"),
+            "{}",
+            damage[0]
+        );
+        assert_eq!(got[&0], PAGES[0] - pages);
+        assert_eq!((got[&1], got[&2]), (PAGES[1], PAGES[2]));
+    }
+
+    /// A file cut inside its last chunk reads every chunk before the cut, noting the
+    /// cut once; a file cut inside a chunk header likewise.
+    #[test]
+    fn truncated_file_reads_up_to_the_cut() {
+        let data = zstd_file();
+        let good = TraceFile::parse(&data).unwrap();
+        let last = good.cpus.iter().max_by_key(|b| b.offset).unwrap().clone();
+        let mut at = last.offset + 4;
+        for _ in 1..le32_at(&data, last.offset) {
+            at += 8 + le32_at(&data, at) as u64;
+        }
+        let in_last = le32_at(&data, at + 4) / 4096;
+        for cut in [at as usize + 20, at as usize + 3] {
+            let f = TraceFile::parse(&data[..cut]).unwrap();
+            let (got, damage) = per_cpu(&f);
+            assert_eq!(damage.len(), 1, "{damage:?}");
+            assert!(damage[0].what.contains("cut short"), "{}", damage[0]);
+            for (cpu, &n) in PAGES.iter().enumerate() {
+                let want = if cpu as u32 == last.cpu {
+                    n - in_last
+                } else {
+                    n
+                };
+                assert_eq!(
+                    got.get(&(cpu as u32)).copied().unwrap_or(0),
+                    want,
+                    "cpu {cpu}"
+                );
+            }
+        }
+    }
+
+    /// A `header_page` whose text does not parse falls back to the kernel's layout
+    /// with a note; every event is still read.
+    #[test]
+    fn damaged_header_page_falls_back() {
+        let p =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/kernel-v6.dat");
+        let mut data = std::fs::read(p).unwrap();
+        let good = TraceFile::parse(&data).unwrap();
+        let at = data
+            .windows(11)
+            .position(|w| w == b"field: char")
+            .expect("data field");
+        data[at..at + 11].copy_from_slice(b"XXXXXXXXXXX");
+        let f = TraceFile::parse(&data).unwrap();
+        assert_eq!(f.damage.len(), 1, "{:?}", f.damage);
+        assert!(f.damage[0].what.starts_with("header_page damaged"));
+        assert_eq!(f.header_page, good.header_page);
+        assert_eq!(f.event_count(), good.event_count());
     }
 
     #[test]
