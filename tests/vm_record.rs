@@ -563,8 +563,9 @@ fn record_text_and_raw() {
     }
 }
 
-/// `report -i` a missing file, a directory, truncated and corrupt trace.dat files:
-/// exit 2, one clear error line, no panic, nothing on stdout.
+/// `report -i` a missing file, a directory, a bad magic or version: exit 2, one clear
+/// error line, no panic, nothing on stdout; truncated or garbled trace.dat files: exit 1,
+/// damaged.
 #[test]
 fn report_bad_input_exit_2() {
     let dir = TempDir::new("report-bad");
@@ -581,9 +582,15 @@ fn report_bad_input_exit_2() {
         std::fs::write(&p, b).expect("write");
         p
     };
-    for n in [0, 1, 3, 10, 11, 100, 1000, bytes.len() / 2, bytes.len() - 1] {
+    // Too short to hold the magic: not a trace.dat (bad input).
+    for n in [0, 1, 3] {
         let p = put(&format!("trunc-{n}.dat"), &bytes[..n]);
         usage(&["report", "-i", &p], "");
+    }
+    // A trace.dat cut short is damaged: exit 1, what is readable printed, no panic.
+    for n in [10, 11, 100, 1000, bytes.len() / 2, bytes.len() - 1] {
+        let p = put(&format!("trunc-{n}.dat"), &bytes[..n]);
+        damaged(&["report", "-i", &p]);
     }
     let mut bad_magic = bytes.clone();
     bad_magic[..3].copy_from_slice(b"XYZ");
@@ -596,11 +603,20 @@ fn report_bad_input_exit_2() {
     usage(&["report", "-i", &put("version.dat", &bad_version)], "");
     let mut garbage = bytes[..10].to_vec();
     garbage.extend((0..5000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8));
-    usage(&["report", "-i", &put("garbage.dat", &garbage)], "");
+    damaged(&["report", "-i", &put("garbage.dat", &garbage)]);
     usage(
         &["report", "-i", &put("text.dat", b"cpus=2\nnot a trace\n")],
         "",
     );
+}
+
+/// A damaged trace.dat: exit 1 naming it damaged, no panic (docs/output.md "Damaged files").
+fn damaged(args: &[&str]) {
+    let o = env::run(BIN, args);
+    let err = env::stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+    assert!(err.contains("damaged trace.dat"), "{args:?}: {err}");
+    assert!(!err.contains("panicked"), "{args:?}: {err}");
 }
 
 fn usage(args: &[&str], needle: &str) {
