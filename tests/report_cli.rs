@@ -65,6 +65,19 @@ fn positional_and_dash_i_are_the_same() {
     assert_usage_error(&o, "FILE and -i", "cannot be used with");
 }
 
+/// trace-cmd's `-t` (full timestamps) is accepted; ours are always full: the same
+/// output as without it.
+#[test]
+fn dash_t_prints_what_report_prints() {
+    for name in ["kernel-v6.dat", "kernel-v7-zstd.dat"] {
+        let f = fixture(name);
+        let plain = report(&[&f]);
+        assert!(!events(&plain).is_empty(), "{name}");
+        assert_eq!(report(&["-t", &f]), plain, "{name}");
+        assert_eq!(report(&["-t", "-i", &f]), plain, "{name}");
+    }
+}
+
 #[test]
 fn cpu_list_selects_cpus() {
     let f = fixture("kernel-v6.dat");

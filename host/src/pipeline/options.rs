@@ -104,6 +104,10 @@ pub struct ReportArgs {
     /// Print the per-CPU statistics instead of the events.
     #[arg(long)]
     pub stat: bool,
+    /// Full timestamps, not truncated to 6 places (as trace-cmd's -t): accepted for
+    /// trace-cmd's command lines; hyptrace's report always prints full nanoseconds.
+    #[arg(short = 't')]
+    pub full_time: bool,
     /// Only these CPUs: a list of numbers and ranges, e.g. `0,2-3` (repeatable).
     #[arg(long = "cpu", value_name = "LIST", value_parser = parse_cpu_list)]
     pub cpu: Vec<Vec<u32>>,
