@@ -78,6 +78,71 @@ fn dash_t_prints_what_report_prints() {
     }
 }
 
+/// `hyptrace ARGS` with stdin from `file` (redirected: a regular file) or piped (its
+/// bytes written into a pipe by a thread).
+fn with_stdin(args: &[&str], file: &str, piped: bool) -> std::process::Output {
+    use std::io::Write;
+    use std::process::{Command, Stdio};
+    let stdin = if piped {
+        Stdio::piped()
+    } else {
+        Stdio::from(std::fs::File::open(file).expect("input"))
+    };
+    let mut child = Command::new(BIN)
+        .args(args)
+        .stdin(stdin)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let feeder = child.stdin.take().map(|mut w| {
+        let data = std::fs::read(file).expect("input");
+        // A reader that stops early closes the pipe: the write error is fine.
+        std::thread::spawn(move || drop(w.write_all(&data)))
+    });
+    let o = child.wait_with_output().expect("wait");
+    if let Some(f) = feeder {
+        f.join().expect("feeder");
+    }
+    o
+}
+
+/// `report -` and `report -i -` read stdin: a redirected file or a pipe prints exactly
+/// what `report FILE` prints; junk on stdin is a usage error naming stdin.
+#[test]
+fn stdin_is_read_like_a_file() {
+    for name in ["kernel-v6.dat", "kernel-v7.dat", "kernel-v7-zstd.dat"] {
+        let f = fixture(name);
+        let want = report(&[&f]);
+        for piped in [false, true] {
+            for args in [
+                &["report", "-"][..],
+                &["report", "-i", "-"],
+                &["report", "--stat", "-"],
+            ] {
+                let o = with_stdin(args, &f, piped);
+                assert_eq!(
+                    o.status.code(),
+                    Some(0),
+                    "{name} {args:?}: {}",
+                    env::stderr(&o)
+                );
+                let expect = if args.contains(&"--stat") {
+                    report(&["--stat", &f])
+                } else {
+                    want.clone()
+                };
+                assert_eq!(env::stdout(&o), expect, "{name} {args:?} piped={piped}");
+            }
+        }
+    }
+    let dir = TempDir::new("report-stdin");
+    let junk = dir.file("junk");
+    std::fs::write(&junk, b"not a trace at all").expect("write");
+    let o = with_stdin(&["report", "-"], &junk, true);
+    assert_usage_error(&o, "junk on stdin", "stdin: not a trace.dat");
+}
+
 #[test]
 fn cpu_list_selects_cpus() {
     let f = fixture("kernel-v6.dat");
@@ -218,6 +283,10 @@ fn raw_stream_is_reported() {
     let text = report(&[&raw]);
     assert!(text.starts_with("cpus=2\n"), "{text}");
     assert_eq!(text, report(&["-i", &raw]));
+    // From a pipe: streamed, the same lines.
+    let o = with_stdin(&["report", "-"], &raw, true);
+    assert_eq!(o.status.code(), Some(0), "{}", env::stderr(&o));
+    assert_eq!(env::stdout(&o), text);
     let n = events(&text).len();
     assert!(n > 0);
     // --cpu works on raw input too.

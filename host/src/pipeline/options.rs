@@ -95,7 +95,9 @@ pub struct RecordArgs {
 #[derive(Clone, Debug, Args)]
 pub struct ReportArgs {
     /// The trace to read: trace.dat (v6, v7, v7 compressed with zstd) or a raw page
-    /// stream, told apart by their magic [default: trace.dat].
+    /// stream, told apart by their magic; `-` is stdin (a raw stream is read as it
+    /// comes, a piped trace.dat is first copied to an unlinked temporary file)
+    /// [default: trace.dat].
     #[arg(value_name = "FILE", conflicts_with = "input_flag")]
     pub input: Option<PathBuf>,
     /// The trace to read (as trace-cmd's -i).
@@ -189,7 +191,7 @@ pub fn parse_cpu_list(s: &str) -> Result<Vec<u32>, CpuListError> {
 #[derive(Clone, Debug, Args)]
 pub struct ConvertArgs {
     /// The trace to read: trace.dat (v6, v7, v7 zstd; ours or the kernel's) or a raw
-    /// page stream.
+    /// page stream; `-` is stdin (as `report -`).
     #[arg(short = 'i', long = "input", value_name = "FILE")]
     pub input: PathBuf,
     /// Output file (`-` is stdout; a regular file is written to a temporary name and
