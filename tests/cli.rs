@@ -683,6 +683,15 @@ fn argument_errors_are_whole_and_name_the_limit() {
         assert_arg_error(&a(&["--duration", "inf"]), &["--duration", "finite"]);
         assert_arg_error(&a(&["--duration", "nan"]), &["--duration", "not a number"]);
         assert_arg_error(&a(&["--duration", "-2"]), &["--duration", "more than 0"]);
+        // --events is a count here; an event name points at -e.
+        assert_arg_error(
+            &a(&["--events", "guest:*"]),
+            &["--events", "to select events use -e/--event guest:*"],
+        );
+        assert_arg_error(
+            &a(&["--events", "-5"]),
+            &["--events", "not a count of events"],
+        );
     }
 }
 

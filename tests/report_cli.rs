@@ -1,5 +1,5 @@
 //! `hyptrace report` as trace-cmd users type it (issue 11): the input positional or
-//! with `-i`, `--cpu LIST`, `-F/--events SYSTEM:EVENT` globs, `--skip`/`--count`,
+//! with `-i`, `--cpu LIST`, `-F/--filter SYSTEM:EVENT` globs, `--skip`/`--count`,
 //! `--stat`, trace-cmd's `--cpus`/`--first-event`/`--last-event`, clap's errors for what it does not take, a raw page stream read like a
 //! trace.dat (told apart by magic), a corrupt file an error (never a panic). The
 //! kernel fixtures need no VM; the raw stream comes from a VM run (skipped without
@@ -192,7 +192,7 @@ fn event_globs_select_events() {
         .collect();
     assert_eq!(got, want);
     // `*:NAME`, a bare NAME, a comma list and repeated flags.
-    let sw = report(&[&f, "--events", "*:sched_switch"]);
+    let sw = report(&[&f, "--filter", "*:sched_switch"]);
     assert!(events(&sw).iter().all(|l| name_of(l) == "sched_switch"));
     assert_eq!(sw, report(&[&f, "-F", "sched_switch"]));
     let two = report(&[&f, "-F", "sched_switch,sched_wakeup"]);
@@ -201,6 +201,9 @@ fn event_globs_select_events() {
         report(&[&f, "-F", "sched_switch", "-F", "sched:sched_wakeup"])
     );
     assert!(events(&two).len() > events(&sw).len());
+    // `--events` is run/record's count: report refuses it, pointing at -F.
+    let o = env::run(BIN, &["report", &f, "--events", "sched_switch"]);
+    assert_usage_error(&o, "report --events", "use -F");
     // Nothing matches: no events.
     assert!(events(&report(&[&f, "-F", "nosuch:*"])).is_empty());
     // trace-cmd's filter expressions are refused, not ignored.

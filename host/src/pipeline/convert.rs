@@ -206,7 +206,7 @@ fn stdout_result(e: OutputError, path: &Path) -> Result<(), ConvertError> {
 fn filter(a: &ReportArgs) -> ReportFilter {
     let cpus = (!a.cpu.is_empty()).then(|| a.cpu.iter().flatten().copied().collect());
     let events = a
-        .events
+        .filter
         .iter()
         .flat_map(|s| s.split(','))
         .map(str::trim)
@@ -225,7 +225,12 @@ fn filter(a: &ReportArgs) -> ReportFilter {
 /// `hyptrace report`.
 pub fn report(a: &ReportArgs) -> Result<(), ConvertError> {
     let path = a.path();
-    if let Some(bad) = a.events.iter().find(|e| e.contains('/')) {
+    if a.events_misused.is_some() {
+        return Err(ConvertError::Input(
+            "report has no --events (that is run/record's event count); to select events use -F [SYSTEM:]EVENT".into(),
+        ));
+    }
+    if let Some(bad) = a.filter.iter().find(|e| e.contains('/')) {
         return Err(ConvertError::Input(format!(
             "-F {bad}: filter expressions (`/...`) are not supported; give [SYSTEM:]EVENT globs"
         )));
@@ -310,7 +315,7 @@ fn report_raw(
         || a.last_event
     {
         return Err(ConvertError::Input(format!(
-            "{}: -F/--events, --skip, --count, --cpus, --first-event and --last-event need a trace.dat; convert the raw stream first: hyptrace convert -i {} -o trace.dat",
+            "{}: -F/--filter, --skip, --count, --cpus, --first-event and --last-event need a trace.dat; convert the raw stream first: hyptrace convert -i {} -o trace.dat",
             path.display(),
             path.display()
         )));
