@@ -487,6 +487,13 @@ fn bad_destinations_refused_before_the_vm_starts() {
         "--json",
         "does not exist",
     );
+    // An extension that names no format, without --format: refused, never guessed.
+    for name in ["x.unknownext", "x.dat6"] {
+        let p = dir.file(name);
+        assert_refused(&["record", "-o", &p], &p, "-o", "unknown extension");
+        assert_refused(&["run", "--crash-dump", &p], &p, "--crash-dump", ".pftrace");
+        assert_refused(&["convert", "-i", &file, "-o", &p], &p, "-o", "--format");
+    }
     assert_eq!(dir.entries(), ["file"]);
     // A read-only location.
     if let Some(ro) = Tmpfs::new(&dir, "ro", "ro,size=64k") {

@@ -246,14 +246,9 @@ pub fn run(a: &RunArgs) -> Result<i32, CliError> {
     execute(a, None)
 }
 
-/// The format of `record`: `--format`, else from the file's extension.
-fn record_format(a: &RecordArgs) -> FormatArg {
-    format_for(a.format, &a.output)
-}
-
 /// `hyptrace record`.
 pub fn record(a: &RecordArgs) -> Result<i32, CliError> {
-    let format = record_format(a);
+    let format = format_for(a.format, &a.output, "-o")?;
     let compression = match (format, a.compression) {
         (FormatArg::Dat, c) => c.unwrap_or(CompressionArg::Zstd).into(),
         (_, None | Some(CompressionArg::None)) => hyptrace_output::Compression::None,
@@ -337,7 +332,10 @@ fn execute(
         .flight
         .crash_dump
         .as_deref()
-        .map(|p| check_destination(p, "--crash-dump"))
+        .map(|p| {
+            format_for(None, p, "--crash-dump")?;
+            check_destination(p, "--crash-dump")
+        })
         .transpose()?;
     if !plan.flight.drain_live && a.mode == ModeArg::Stop {
         note!("hyptrace: note: --drain none with --mode stop keeps the first ring-full of events of each vCPU and drops the rest");

@@ -465,7 +465,7 @@ fn check_raw_formats(f: &TraceFile, path: &Path) -> Result<(), ConvertError> {
 
 /// `hyptrace convert`.
 pub fn convert(a: &ConvertArgs) -> Result<(), ConvertError> {
-    let format = format_for(a.format, &a.output);
+    let format = format_for(a.format, &a.output, "-o")?;
     let input = open_input(&a.input)?;
     let target = check_destination(&a.output, "-o")?;
     let r = match input {

@@ -106,8 +106,9 @@ pub struct RecordArgs {
         default_value = "trace.dat"
     )]
     pub output: PathBuf,
-    /// Output format [default: from the extension: .dat → dat, .json → json, .txt →
-    /// text, .raw → raw, .pftrace/.perfetto-trace → perfetto; otherwise dat].
+    /// Output format [default: from the extension: .dat → dat, .json → json, .txt/.text
+    /// → text, .raw → raw, .pftrace/.perfetto-trace/.perfetto → perfetto; no extension
+    /// (`-`, a device) → dat; any other extension is refused (exit 2)].
     #[arg(long, value_enum)]
     pub format: Option<FormatArg>,
     /// Compression of a trace.dat v7 (`--format dat`) [default: zstd, like trace-cmd];
@@ -449,7 +450,8 @@ pub struct FlightArgs {
     )]
     pub hang_timeout: Option<f64>,
     /// On a guest crash or hang, write every committed event no reader consumed to
-    /// FILE (format from the extension: .dat trace.dat, .json, .txt, .raw) [default:
+    /// FILE (format from the extension, as `record -o`: .dat trace.dat, .json, .txt,
+    /// .raw, .pftrace perfetto; an unknown extension is refused) [default:
     /// trace.dat with `run --drain none`, none otherwise: the run's output gets them].
     #[arg(long = "crash-dump", value_name = "FILE")]
     pub crash_dump: Option<PathBuf>,

@@ -515,7 +515,9 @@ impl Flight {
             }),
             dump_target: crash_dump.map(|t| {
                 let path = plan.flight.crash_dump.clone().unwrap_or_default();
-                let format = crate::drain::sink::format_for(None, &path);
+                // Checked before the run (an unknown extension is refused then).
+                let format = crate::drain::sink::format_for(None, &path, "--crash-dump")
+                    .unwrap_or(crate::drain::sink::FormatArg::Dat);
                 (t, format, path)
             }),
             dumped: false,
