@@ -10,7 +10,7 @@
 
 use std::io::{BufRead, BufReader, Read};
 use std::os::unix::fs::OpenOptionsExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -638,6 +638,57 @@ fn closed_stdout_ends_the_run_quietly() {
     assert_eq!(s["end"], "stdout_closed", "{s}");
     assert_eq!(s["exit_code"], 0, "{s}");
     assert_balanced(&s);
+}
+
+/// A child whose stdout is a pipe nobody reads (its read end closed before the start):
+/// its first write meets a broken pipe, whenever it comes.
+fn with_closed_stdout(args: &[&str]) -> std::process::Output {
+    let (r, w) = std::io::pipe().expect("pipe");
+    drop(r);
+    Command::new(BIN)
+        .args(args)
+        .stdout(w)
+        .stderr(Stdio::piped())
+        .output()
+        .expect("spawn")
+}
+
+/// `convert -o - | head` and `record -o - | head`: exit 0, no error; convert says
+/// nothing at all, record's run ends as `stdout_closed` with every event accounted for.
+#[test]
+fn closed_stdout_ends_record_and_convert_quietly() {
+    let kernel = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("crates/output/tests/fixtures/kernel-v7-zstd.dat");
+    let kernel = kernel.to_str().expect("utf-8");
+    for fmt in ["text", "json", "dat", "perfetto"] {
+        let o = with_closed_stdout(&["convert", "-i", kernel, "-o", "-", "--format", fmt]);
+        assert_eq!(o.status.code(), Some(0), "{fmt}: {}", env::stderr(&o));
+        assert_eq!(env::stderr(&o), "", "{fmt}");
+    }
+    if !kvm_available(KRATE, "closed_stdout_ends_record_and_convert_quietly") {
+        return;
+    }
+    let _vm = vm_lock();
+    let dir = TempDir::new("epipe-record");
+    let st = dir.file("s.json");
+    // Streaming formats (a trace.dat is written at the end, from its spill files).
+    for fmt in ["text", "raw"] {
+        let o = with_closed_stdout(&[
+            "record", "-o", "-", "--format", fmt, "--events", "10000000", "--stats", &st,
+        ]);
+        let err = env::stderr(&o);
+        assert_eq!(o.status.code(), Some(0), "{fmt}: {err}");
+        assert!(
+            !err.contains("error") && !err.contains("Broken pipe"),
+            "{fmt}: {err}"
+        );
+        assert!(err.contains("stopped: stdout closed"), "{fmt}: {err}");
+        let s = stats(&st);
+        assert_eq!(s["end"], "stdout_closed", "{fmt}: {s}");
+        assert_eq!(s["exit_code"], 0, "{fmt}: {s}");
+        assert_balanced(&s);
+    }
+    assert_eq!(dir.entries(), ["s.json"]);
 }
 
 // ---- 7: messages --------------------------------------------------------------------

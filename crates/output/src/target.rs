@@ -10,6 +10,10 @@
 //! - a directory, a socket, a missing directory or one we cannot write to: refused by
 //!   [`OutputTarget::check`], so the caller can refuse before starting.
 //!
+//! Stdout whose reader went away (`| head`) is no error: the rest of the output is
+//! discarded and [`stdout_closed`] says so, for the caller to stop its work and end
+//! quietly (exit 0), as a command in a pipeline does.
+//!
 //! On a write error the temporary file is removed at once and the error (path and OS
 //! error as its source) is returned; every later call returns [`OutputError::Closed`].
 //! Dropped without `finish`, an [`OutputFile`] removes its temporary file.
@@ -248,7 +252,9 @@ impl OutputTarget {
                     .map_err(|e| OutputError::io(&self.path, e))?;
                 Inner::Stream(BufWriter::with_capacity(BUF, f))
             }
-            TargetKind::Stdout => Inner::Stdout(BufWriter::with_capacity(BUF, io::stdout())),
+            TargetKind::Stdout => {
+                Inner::Stdout(BufWriter::with_capacity(BUF, QuietStdout(io::stdout())))
+            }
         };
         Ok(OutputFile {
             target: self.clone(),
@@ -286,6 +292,46 @@ impl OutputTarget {
     }
 }
 
+/// Set once a write to stdout met a closed pipe (process-wide, as stdout is).
+static STDOUT_CLOSED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether a write to stdout (an [`OutputFile`] of `-`) found its reader gone: the
+/// output since then was discarded.
+pub fn stdout_closed() -> bool {
+    STDOUT_CLOSED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Stdout, its reader's going away no error: from the first broken pipe on, writes
+/// are discarded and [`stdout_closed`] is true.
+struct QuietStdout(io::Stdout);
+
+impl QuietStdout {
+    fn quiet<T>(r: io::Result<T>, or: T) -> io::Result<T> {
+        match r {
+            Err(e) if e.kind() == io::ErrorKind::BrokenPipe => {
+                STDOUT_CLOSED.store(true, std::sync::atomic::Ordering::Relaxed);
+                Ok(or)
+            }
+            r => r,
+        }
+    }
+}
+
+impl Write for QuietStdout {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        if stdout_closed() {
+            return Ok(buf.len());
+        }
+        Self::quiet(self.0.write(buf), buf.len())
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        if stdout_closed() {
+            return Ok(());
+        }
+        Self::quiet(self.0.flush(), ())
+    }
+}
+
 /// A temporary file written through its `File` (NamedTempFile's own `Write` wraps errors
 /// in a second layer that hides the OS error code); removed when dropped.
 pub(crate) struct Temp(pub(crate) NamedTempFile);
@@ -316,7 +362,7 @@ impl Write for Temp {
 enum Inner {
     Temp(BufWriter<Temp>),
     Stream(BufWriter<File>),
-    Stdout(BufWriter<io::Stdout>),
+    Stdout(BufWriter<QuietStdout>),
     /// Failed or finished: nothing more is written.
     Closed,
 }

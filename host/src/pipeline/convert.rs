@@ -411,7 +411,8 @@ pub fn pump_pages(f: &TraceFile, mut sink: Box<dyn PageSink>) -> Result<(), Outp
     for c in &mut cursors {
         heads.push(next_head(c)?);
     }
-    // Bounded: every step consumes a page of some CPU.
+    // Bounded: every step consumes a page of some CPU. Stdout closed (`| head`): the
+    // rest would be discarded, so stop.
     while let Some(i) = heads
         .iter()
         .enumerate()
@@ -419,6 +420,9 @@ pub fn pump_pages(f: &TraceFile, mut sink: Box<dyn PageSink>) -> Result<(), Outp
         .min()
         .map(|(_, _, i)| i)
     {
+        if hyptrace_output::stdout_closed() {
+            break;
+        }
         if let Some((_, page)) = heads[i].take() {
             let missed = match hyptrace_output::page_missed(&page) {
                 Missed::Count(n) => Some(n),

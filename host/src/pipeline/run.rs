@@ -1021,7 +1021,7 @@ impl Live<'_> {
             Some(Stop::Crash)
         } else if let Some(t) = self.hung() {
             Some(Stop::Hang(t))
-        } else if self.stdout.closed.load(Ordering::Relaxed) {
+        } else if self.stdout.closed.load(Ordering::Relaxed) || hyptrace_output::stdout_closed() {
             Some(Stop::StdoutClosed)
         } else {
             None
