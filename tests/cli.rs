@@ -309,6 +309,54 @@ fn second_ctrl_c_aborts_with_130() {
     assert_eq!(st.code(), Some(130), "{seen:#?}");
     assert!(seen.iter().any(|l| l.contains("aborted")), "{seen:#?}");
     assert!(!seen.iter().any(|l| l.contains("panicked")), "{seen:#?}");
+    abort_during_a_long_final_walk();
+}
+
+/// The bound on an abort's exit in [`abort_during_a_long_final_walk`]: generous (the
+/// goal is under 1 s, printed), far below the ~15 s the walk it cuts short takes.
+const ABORT_BOUND: Duration = Duration::from_secs(8);
+
+/// A second Ctrl-C while the clean stop's final walks write 2 × 128 MiB of full rings
+/// to JSON (~15 s): the walk and the sink thread stop at once, exit 130, no file left.
+fn abort_during_a_long_final_walk() {
+    let dir = TempDir::new("abort-walk");
+    let out = dir.file("t.json");
+    let mut child = Command::new(BIN)
+        .args([
+            "record",
+            "-o",
+            &out,
+            "--rate",
+            "0",
+            "--events",
+            "100000000",
+            "--vcpus",
+            "2",
+            "--buffer-kb",
+            "131072",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let (rx, reader) = stderr_lines(&mut child);
+    let mut seen = Vec::new();
+    // The first heartbeat: 5 s flat out, far more than the rings hold.
+    wait_line(&rx, "recording:", &mut seen);
+    env::signal(&child, "-INT");
+    wait_line(&rx, "stopping…", &mut seen);
+    // Past the burst window: the next signal is a second Ctrl-C.
+    std::thread::sleep(Duration::from_millis(700));
+    env::signal(&child, "-INT");
+    let t0 = Instant::now();
+    let st = env::wait_exit(&mut child, "abort during the final walk", ABORT_BOUND);
+    let took = t0.elapsed();
+    println!("second Ctrl-C to exit: {:.3} s", took.as_secs_f64());
+    reader.join().expect("stderr reader");
+    seen.extend(rx.try_iter());
+    assert_eq!(st.code(), Some(130), "{seen:#?}");
+    assert!(seen.iter().any(|l| l.contains("aborting")), "{seen:#?}");
+    assert!(dir.entries().is_empty(), "{:?}", dir.entries());
 }
 
 /// Two Ctrl-Cs apart during a `record`: whichever wins (the clean stop finishing, or

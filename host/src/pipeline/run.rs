@@ -30,7 +30,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use hyptrace_abi::layout::RingGeometry;
 use hyptrace_output::{
     Clock, Compression, EventFormat, OutputError, OutputTarget, PageSink, ThreadedSink, TraceMeta,
 };
@@ -150,7 +149,7 @@ pub type WrapCallbacks = Box<dyn FnOnce(Box<dyn Callbacks + Send>) -> Box<dyn Ca
 pub struct Run<'a> {
     plan: Plan,
     target: Target,
-    interrupts: Option<&'a Interrupts>,
+    interrupts: Option<&'static Interrupts>,
     wrap: Option<WrapCallbacks>,
     events_hook: Option<EventsHook>,
     crash_dump: Option<OutputTarget>,
@@ -219,7 +218,7 @@ impl<'a> Run<'a> {
     }
 
     /// Signals stop the run (a first one) or abort it (a second one).
-    pub fn interrupts(mut self, interrupts: &'a Interrupts) -> Self {
+    pub fn interrupts(mut self, interrupts: &'static Interrupts) -> Self {
         self.interrupts = Some(interrupts);
         self
     }
@@ -269,15 +268,7 @@ impl<'a> Run<'a> {
         // before its registration is answered); a failure stops the VM (dropped).
         let clock = b.host_clock.clock.clone();
         let stdout = Arc::new(StdoutState::default());
-        let (output, shown) = open_output(
-            target,
-            &plan.ring,
-            nr,
-            &clock,
-            &stdout,
-            &formats,
-            plan.host_events,
-        )?;
+        let (output, shown) = open_output(target, &plan, &clock, &stdout, &formats, interrupts)?;
         let trace_mem = b.trace_mem.take().map(Arc::new);
         let session = b.session(reader, output, &formats, &plan, trace_mem.as_ref());
         let flight = Flight::new(&plan, trace_mem, crash_dump, clock, formats);
@@ -558,13 +549,13 @@ enum Shown {
 /// The output of a run: text lines merged on stdout, or a page sink.
 fn open_output(
     target: Target,
-    ring: &RingGeometry,
-    nr: u32,
+    plan: &Plan,
     clock: &Clock,
     stdout: &Arc<StdoutState>,
     formats: &[EventFormat],
-    host_events: bool,
+    interrupts: Option<&'static Interrupts>,
 ) -> Result<(Output, Shown), RunError> {
+    let (ring, nr, host_events) = (&plan.ring, plan.cfg.vcpus, plan.host_events);
     // `--host-events`: one more CPU, the VMM's (comm `vmm`, system `vmm`).
     let meta = || {
         let mut m = TraceMeta {
@@ -609,7 +600,12 @@ fn open_output(
             let meta = meta();
             // The file is written on its own thread (ThreadedSink): a stalled write(2)
             // costs queue space there, not the reader's time at the rings.
-            match make_sink(&target, format, compression, meta).and_then(ThreadedSink::new) {
+            // A second Ctrl-C stops the sink thread (and a reader waiting for it) at once.
+            let abort = move || interrupts.is_some_and(Interrupts::aborted);
+            match make_sink(&target, format, compression, meta)
+                .and_then(ThreadedSink::new)
+                .map(|t| t.cancel_on(abort))
+            {
                 Ok(sink) => Ok((Output::Pages(Box::new(sink)), Shown::File { path, format })),
                 Err(source) => Err(RunError::Sink { path, source }),
             }
@@ -677,8 +673,13 @@ fn finish_session(
     interrupts: Option<&Interrupts>,
 ) -> Result<(Vec<CpuReport>, Failures, Option<HostEventsStats>), RunError> {
     let nr = session.reader().nr_cpus();
+    let aborted = || interrupts.is_some_and(Interrupts::aborted);
     for cpu in 0..nr {
-        if let Err(e) = session.end_cpu(cpu) {
+        if aborted() {
+            session.abandon_output();
+            return Err(RunError::Aborted);
+        }
+        if let Err(e) = session.end_cpu_unless(cpu, &aborted) {
             log::debug!("cpu {cpu}: final walk failed: {e}");
             session.fail_cpu(cpu, &e);
             failures.session(Some(cpu), &e);
@@ -688,10 +689,15 @@ fn finish_session(
         log::debug!("host events: final walk failed: {e}");
         failures.session(None, &e);
     }
+    if aborted() {
+        session.abandon_output();
+        return Err(RunError::Aborted);
+    }
     if let Err(e) = session.flush() {
         failures.session(None, &e);
     }
-    if interrupts.is_some_and(Interrupts::aborted) {
+    if aborted() {
+        session.abandon_output();
         return Err(RunError::Aborted);
     }
     let cpus: Vec<CpuReport> = (0..nr)
@@ -797,6 +803,8 @@ impl Live<'_> {
         }
         if aborted {
             // Dropping the session drops the sink: its temporary files go.
+            let mut session = session;
+            session.abandon_output();
             return Err(RunError::Aborted);
         }
         let (cpus, mut failures, host_events) =
