@@ -206,7 +206,7 @@ impl OutputTarget {
                 {
                     Ok(_) => {}
                     // A FIFO without a reader yet: writable, `open` waits for the reader.
-                    Err(e) if e.raw_os_error() == Some(6) => {}
+                    Err(e) if e.raw_os_error() == Some(ENXIO) => {}
                     Err(e) => return Err(OutputError::io(path, e)),
                 }
             }
@@ -246,10 +246,7 @@ impl OutputTarget {
                 Inner::Temp(BufWriter::with_capacity(BUF, Temp(t)))
             }
             TargetKind::Stream => {
-                let f = OpenOptions::new()
-                    .write(true)
-                    .open(&self.dest)
-                    .map_err(|e| OutputError::io(&self.path, e))?;
+                let f = open_stream(&self.dest).map_err(|e| OutputError::io(&self.path, e))?;
                 Inner::Stream(BufWriter::with_capacity(BUF, f))
             }
             TargetKind::Stdout => {
@@ -291,6 +288,65 @@ impl OutputTarget {
             .map_err(|e| OutputError::io(&dir, e))
     }
 }
+
+/// The process's count of interrupting signals ([`set_wait_interrupt`]).
+static WAIT_INTERRUPT: std::sync::OnceLock<(fn() -> u64, fn(&Path))> = std::sync::OnceLock::new();
+
+/// How often [`OutputTarget::open`] of a FIFO without a reader checks again.
+const FIFO_POLL: std::time::Duration = std::time::Duration::from_millis(20);
+
+/// Lets a signal end the wait of [`OutputTarget::open`] for a FIFO's reader: `count`
+/// returns how many interrupting signals (e.g. Ctrl-C) the process has seen; when it
+/// changes during the wait, the open fails with [`io::ErrorKind::Interrupted`];
+/// `waiting(path)` is called once when a wait begins (to tell the user). Set once per
+/// process (later calls are ignored); without it the wait lasts until a reader comes.
+pub fn set_wait_interrupt(count: fn() -> u64, waiting: fn(&Path)) {
+    let _ = WAIT_INTERRUPT.set((count, waiting));
+}
+
+/// Opens a device or FIFO for writing. A FIFO is opened without blocking, again
+/// every [`FIFO_POLL`] while it has no reader (ENXIO), so a signal
+/// ([`set_wait_interrupt`]) ends the wait; once a reader is there it is opened for
+/// blocking writes.
+fn open_stream(dest: &Path) -> io::Result<File> {
+    let signals = || WAIT_INTERRUPT.get().map_or(0, |f| f.0());
+    let before = signals();
+    let mut told = false;
+    // Bounded by the reader's coming or a signal (waiting for the reader is the point).
+    loop {
+        match OpenOptions::new()
+            .write(true)
+            .custom_flags(O_NONBLOCK)
+            .open(dest)
+        {
+            // A device, or a FIFO with a reader: the blocking open returns at once
+            // (the probe keeps the FIFO open meanwhile).
+            Ok(probe) => {
+                let f = OpenOptions::new().write(true).open(dest);
+                drop(probe);
+                return f;
+            }
+            Err(e) if e.raw_os_error() == Some(ENXIO) => {
+                if !std::mem::replace(&mut told, true) {
+                    if let Some((_, waiting)) = WAIT_INTERRUPT.get() {
+                        waiting(dest);
+                    }
+                }
+                if signals() != before {
+                    return Err(io::Error::new(
+                        io::ErrorKind::Interrupted,
+                        "interrupted while waiting for a reader of the FIFO",
+                    ));
+                }
+                std::thread::sleep(FIFO_POLL);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// ENXIO: a FIFO opened for writing without blocking has no reader.
+const ENXIO: i32 = 6;
 
 /// Set once a write to stdout met a closed pipe (process-wide, as stdout is).
 static STDOUT_CLOSED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);

@@ -356,6 +356,16 @@ fn execute(
         .transpose()?;
     // Before any temporary file exists: a signal from now on stops or aborts cleanly.
     let interrupts = Interrupts::install()?;
+    // A signal ends a wait for a FIFO's reader (-o, --stats, --crash-dump).
+    hyptrace_output::set_wait_interrupt(
+        || Interrupts::install().map_or(0, |i| i.signals()),
+        |p| {
+            note!(
+                "hyptrace: waiting for a reader of the FIFO {} (Ctrl-C gives up)",
+                p.display()
+            )
+        },
+    );
     // Last of the checks (a refused path costs nothing); removed when dropped, on every
     // way out of this function.
     // (The socket itself is bound by the run, once the trace memory file exists.)
@@ -372,9 +382,20 @@ fn execute(
     let _ = write!(std::io::stderr(), "{report}");
     let code = report.exit_code();
     if let Some(st) = &stats {
-        write_destination(st, &report.stats_json(code)).map_err(CliError::Stats)?;
+        match write_destination(st, &report.stats_json(code)) {
+            Err(e) if interrupted(&e) => {
+                note!("hyptrace: no reader opened the --stats FIFO before the signal: stats not written");
+                return Err(CliError::Run(RunError::Aborted));
+            }
+            r => r.map_err(CliError::Stats)?,
+        }
     }
     Ok(code)
+}
+
+/// Whether `e` is a wait for a FIFO's reader that a signal ended.
+fn interrupted(e: &OutputError) -> bool {
+    matches!(e, OutputError::Io { source, .. } if source.kind() == std::io::ErrorKind::Interrupted)
 }
 
 #[cfg(test)]

@@ -268,7 +268,16 @@ impl<'a> Run<'a> {
         // before its registration is answered); a failure stops the VM (dropped).
         let clock = b.host_clock.clock.clone();
         let stdout = Arc::new(StdoutState::default());
-        let (output, shown) = open_output(target, &plan, &clock, &stdout, &formats, interrupts)?;
+        let (output, shown) =
+            match open_output(target, &plan, &clock, &stdout, &formats, interrupts) {
+                Ok(o) => o,
+                Err(e) => {
+                    // Before the VM (dropped next, joining its vCPUs): vCPU 0 may be
+                    // waiting for the answer the gate holds.
+                    drop(gate);
+                    return Err(e);
+                }
+            };
         let trace_mem = b.trace_mem.take().map(Arc::new);
         let session = b.session(reader, output, &formats, &plan, trace_mem.as_ref());
         let flight = Flight::new(&plan, trace_mem, crash_dump, clock, formats);
@@ -607,6 +616,16 @@ fn open_output(
                 .map(|t| t.cancel_on(abort))
             {
                 Ok(sink) => Ok((Output::Pages(Box::new(sink)), Shown::File { path, format })),
+                // A signal ended the wait for a FIFO's reader: nothing can be written.
+                Err(OutputError::Io { source, .. })
+                    if source.kind() == std::io::ErrorKind::Interrupted =>
+                {
+                    note!(
+                        "hyptrace: no reader opened {} before the signal",
+                        path.display()
+                    );
+                    Err(RunError::Aborted)
+                }
                 Err(source) => Err(RunError::Sink { path, source }),
             }
         }
