@@ -586,6 +586,8 @@ fn full_disk_reports_one_cause_last() {
             errors[0].contains("No space left on device"),
             "{fmt}: {err}"
         );
+        // One path per message.
+        assert_eq!(errors[0].matches(out.as_str()).count(), 1, "{fmt}: {err}");
         assert!(!err.contains("written to"), "{fmt}: {err}");
         assert!(
             !err.contains("MISMATCH") && !err.contains("mismatch"),

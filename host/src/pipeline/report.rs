@@ -99,14 +99,19 @@ impl Failures {
             writeln!(f, "hyptrace: error: {e}")?;
         }
         if let Some(e) = &self.output {
+            // The output error's own text starts with the path (or with `: ` for
+            // stdout): this line names the path once, itself.
             let e = e.strip_prefix("output: ").unwrap_or(e);
+            let e = e.strip_prefix(": ").unwrap_or(e);
             match to {
                 Destination::Stdout { .. } => {
                     writeln!(f, "hyptrace: error: writing to stdout: {e}")?
                 }
                 Destination::Sink => writeln!(f, "hyptrace: error: writing to the sink: {e}")?,
                 Destination::File { path, .. } => {
-                    writeln!(f, "hyptrace: error: writing {}: {e}", path.display())?
+                    let p = path.display().to_string();
+                    let e = e.strip_prefix(&format!("{p}: ")).unwrap_or(e);
+                    writeln!(f, "hyptrace: error: writing {p}: {e}")?
                 }
             }
         }
