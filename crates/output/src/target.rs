@@ -290,7 +290,10 @@ impl OutputTarget {
 }
 
 /// The process's count of interrupting signals ([`set_wait_interrupt`]).
-static WAIT_INTERRUPT: std::sync::OnceLock<(fn() -> u64, fn(&Path))> = std::sync::OnceLock::new();
+static WAIT_INTERRUPT: std::sync::OnceLock<WaitHooks> = std::sync::OnceLock::new();
+
+/// [`set_wait_interrupt`]'s signal count and its "waiting" notice.
+type WaitHooks = (fn() -> u64, fn(&Path));
 
 /// How often [`OutputTarget::open`] of a FIFO without a reader checks again.
 const FIFO_POLL: std::time::Duration = std::time::Duration::from_millis(20);

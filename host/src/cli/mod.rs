@@ -55,7 +55,7 @@ a second Ctrl-C (temporary files removed, no output file).";
     propagate_version = true
 )]
 pub struct Cli {
-    /// Show the VMM's steps on stderr (-v: info, -vv: debug, -vvv: trace; RUST_LOG
+    /// Log what hyptrace does on stderr (-v: info, -vv: debug, -vvv: trace; RUST_LOG
     /// overrides, e.g. RUST_LOG=hyptrace_host=debug).
     #[arg(short, long, action = clap::ArgAction::Count, global = true)]
     pub verbose: u8,
@@ -72,7 +72,8 @@ pub enum Command {
     #[command(after_help = COUNTERS_HELP)]
     Run(RunArgs),
     /// Like `run`, but stream the ring pages into a file: trace.dat (v7 or v6) that
-    /// trace-cmd and KernelShark read, Chrome trace-event JSON, text, or raw pages.
+    /// trace-cmd and KernelShark read, Chrome trace-event JSON, a native Perfetto trace,
+    /// text, or raw pages.
     #[command(after_help = COUNTERS_HELP)]
     Record(RecordArgs),
     /// Print a trace.dat (ours or one trace-cmd wrote, v6, v7, v7 zstd) or a raw page
