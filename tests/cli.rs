@@ -588,6 +588,25 @@ fn full_disk_reports_one_cause_last() {
         );
         // One path per message.
         assert_eq!(errors[0].matches(out.as_str()).count(), 1, "{fmt}: {err}");
+        // The total is true arithmetic: written = read + lost + unread.
+        let total = err
+            .lines()
+            .find(|l| l.contains(" vCPUs: written "))
+            .unwrap_or_else(|| panic!("{fmt}: no total line: {err}"));
+        let nums: Vec<u64> = total
+            .split(|c: char| !c.is_ascii_digit())
+            .filter_map(|t| t.parse().ok())
+            .collect();
+        // "N vCPUs: written W = read R + lost L [+ unread U] (overrun ...".
+        let (w, rd, l) = (nums[1], nums[2], nums[3]);
+        let u = if total.contains("+ unread ") {
+            nums[4]
+        } else {
+            0
+        };
+        assert_eq!(w, rd + l + u, "{fmt}: {total}");
+        // A hint, if any, blames the output, not the ring size or the rate.
+        assert!(!err.contains("--buffer-kb"), "{fmt}: {err}");
         assert!(!err.contains("written to"), "{fmt}: {err}");
         assert!(
             !err.contains("MISMATCH") && !err.contains("mismatch"),
