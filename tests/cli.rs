@@ -329,7 +329,7 @@ fn abort_during_a_long_final_walk() {
             "--rate",
             "0",
             "--events",
-            "100000000",
+            "10000000000", // minutes flat out: still writing at the signals
             "--vcpus",
             "2",
             "--buffer-kb",

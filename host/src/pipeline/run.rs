@@ -741,6 +741,11 @@ fn finish_session(
     });
     let text = session.writes_text();
     if let Err(e) = session.finish(&sink_summary(&cpus)) {
+        // An abort during the sink's last writes stopped them (ThreadedSink::cancel_on):
+        // nothing was written (the unfinished sink removed its files).
+        if aborted() {
+            return Err(RunError::Aborted);
+        }
         failures.session(None, &e);
     }
     // Text lines go to stdout, whose last writes can block on a pipe nobody reads: an
