@@ -10,7 +10,7 @@
 
 use std::io::{BufRead, BufReader, Read};
 use std::os::unix::fs::OpenOptionsExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -309,6 +309,54 @@ fn second_ctrl_c_aborts_with_130() {
     assert_eq!(st.code(), Some(130), "{seen:#?}");
     assert!(seen.iter().any(|l| l.contains("aborted")), "{seen:#?}");
     assert!(!seen.iter().any(|l| l.contains("panicked")), "{seen:#?}");
+    abort_during_a_long_final_walk();
+}
+
+/// The bound on an abort's exit in [`abort_during_a_long_final_walk`]: generous (the
+/// goal is under 1 s, printed), far below the ~15 s the walk it cuts short takes.
+const ABORT_BOUND: Duration = Duration::from_secs(8);
+
+/// A second Ctrl-C while the clean stop's final walks write 2 × 128 MiB of full rings
+/// to JSON (~15 s): the walk and the sink thread stop at once, exit 130, no file left.
+fn abort_during_a_long_final_walk() {
+    let dir = TempDir::new("abort-walk");
+    let out = dir.file("t.json");
+    let mut child = Command::new(BIN)
+        .args([
+            "record",
+            "-o",
+            &out,
+            "--rate",
+            "0",
+            "--events",
+            "10000000000", // minutes flat out: still writing at the signals
+            "--vcpus",
+            "2",
+            "--buffer-kb",
+            "131072",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let (rx, reader) = stderr_lines(&mut child);
+    let mut seen = Vec::new();
+    // The first heartbeat: 5 s flat out, far more than the rings hold.
+    wait_line(&rx, "recording:", &mut seen);
+    env::signal(&child, "-INT");
+    wait_line(&rx, "stopping…", &mut seen);
+    // Past the burst window: the next signal is a second Ctrl-C.
+    std::thread::sleep(Duration::from_millis(700));
+    env::signal(&child, "-INT");
+    let t0 = Instant::now();
+    let st = env::wait_exit(&mut child, "abort during the final walk", ABORT_BOUND);
+    let took = t0.elapsed();
+    println!("second Ctrl-C to exit: {:.3} s", took.as_secs_f64());
+    reader.join().expect("stderr reader");
+    seen.extend(rx.try_iter());
+    assert_eq!(st.code(), Some(130), "{seen:#?}");
+    assert!(seen.iter().any(|l| l.contains("aborting")), "{seen:#?}");
+    assert!(dir.entries().is_empty(), "{:?}", dir.entries());
 }
 
 /// Two Ctrl-Cs apart during a `record`: whichever wins (the clean stop finishing, or
@@ -364,61 +412,57 @@ fn ctrl_c_twice_during_record_leaves_complete_or_nothing() {
     }
 }
 
-/// A record into a FIFO is held in its `open` until a reader comes: both Ctrl-Cs
-/// arrive before any page is written, so the abort is certain: exit 130, no spill file.
-/// Needs the output crate's in-place writing of FIFOs (issue 9, output side): before
-/// that, the FIFO is replaced by a file and the run completes.
+/// A record into a FIFO nobody reads waits for a reader, and says so; Ctrl-C ends
+/// the wait: exit 130, a message naming the FIFO, no spill file. The same for a
+/// `--stats` FIFO, waited for at the end.
 #[test]
-
-fn abort_while_fifo_waits_leaves_no_spill_files() {
-    if !kvm_available(KRATE, "abort_while_fifo_waits_leaves_no_spill_files") {
+fn ctrl_c_ends_a_wait_for_a_fifo_reader() {
+    if !kvm_available(KRATE, "ctrl_c_ends_a_wait_for_a_fifo_reader") {
         return;
     }
     let _vm = vm_lock();
     let dir = TempDir::new("fifo");
     let fifo = dir.file("pipe");
     mkfifo(&fifo);
-    // The control socket is bound right after the signal handlers are installed (and
-    // before the output is opened): once it exists, a SIGINT is ours to handle. It
-    // lives in another directory, so `dir` holds only the FIFO.
-    let sock_dir = TempDir::new("fifosock");
-    let sock = sock_dir.file("c.sock");
-    let mut child = Command::new(BIN)
-        .args([
-            "record",
-            "-o",
-            &fifo,
-            "--events",
-            "100000",
-            "--control",
-            &sock,
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn");
-    let (rx, reader) = stderr_lines(&mut child);
-    env::wait_until(
-        &mut child,
-        &format!("the control socket at {sock}"),
-        Duration::from_secs(60),
-        || Path::new(&sock).exists(),
-        String::new,
-    );
-    env::signal(&child, "-INT");
-    let mut seen = Vec::new();
-    wait_line(&rx, "stopping…", &mut seen);
-    std::thread::sleep(Duration::from_millis(700));
-    env::signal(&child, "-INT");
-    wait_line(&rx, "aborting", &mut seen);
-    // Open the read side (without blocking) and drain it, letting the writer go on.
-    let mut r = std::fs::File::open(&fifo).expect("open fifo");
-    let mut sink = Vec::new();
-    let _ = r.read_to_end(&mut sink);
-    let st = env::wait_exit(&mut child, "record to fifo", LIMIT);
-    reader.join().expect("stderr reader");
-    assert_eq!(st.code(), Some(130), "{seen:#?}");
-    assert_eq!(dir.entries(), ["pipe"], "{seen:#?}");
+    let out = dir.file("t.dat");
+    for (args, needle) in [
+        (
+            vec!["record", "-o", &fifo, "--events", "100000"],
+            fifo.clone(),
+        ),
+        (
+            vec![
+                "record", "-o", &fifo, "--format", "json", "--events", "100000",
+            ],
+            fifo.clone(),
+        ),
+        (
+            vec!["record", "-o", &out, "--events", "1000", "--stats", &fifo],
+            "--stats".to_string(),
+        ),
+    ] {
+        let mut child = Command::new(BIN)
+            .args(&args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn");
+        let (rx, reader) = stderr_lines(&mut child);
+        let mut seen = Vec::new();
+        wait_line(&rx, "waiting for a reader of the FIFO", &mut seen);
+        env::signal(&child, "-INT");
+        let st = env::wait_exit(&mut child, "record to a fifo", LIMIT);
+        reader.join().expect("stderr reader");
+        seen.extend(rx.try_iter());
+        assert_eq!(st.code(), Some(130), "{args:?}: {seen:#?}");
+        assert!(
+            seen.iter()
+                .any(|l| l.contains("no reader opened") && l.contains(&needle)),
+            "{args:?}: {seen:#?}"
+        );
+        let _ = std::fs::remove_file(&out);
+        assert_eq!(dir.entries(), ["pipe"], "{args:?}: {seen:#?}");
+    }
 }
 
 // ---- 3: output paths checked before the VM starts ------------------------------------
@@ -487,6 +531,13 @@ fn bad_destinations_refused_before_the_vm_starts() {
         "--json",
         "does not exist",
     );
+    // An extension that names no format, without --format: refused, never guessed.
+    for name in ["x.unknownext", "x.dat6"] {
+        let p = dir.file(name);
+        assert_refused(&["record", "-o", &p], &p, "-o", "unknown extension");
+        assert_refused(&["run", "--crash-dump", &p], &p, "--crash-dump", ".pftrace");
+        assert_refused(&["convert", "-i", &file, "-o", &p], &p, "-o", "--format");
+    }
     assert_eq!(dir.entries(), ["file"]);
     // A read-only location.
     if let Some(ro) = Tmpfs::new(&dir, "ro", "ro,size=64k") {
@@ -535,6 +586,27 @@ fn full_disk_reports_one_cause_last() {
             errors[0].contains("No space left on device"),
             "{fmt}: {err}"
         );
+        // One path per message.
+        assert_eq!(errors[0].matches(out.as_str()).count(), 1, "{fmt}: {err}");
+        // The total is true arithmetic: written = read + lost + unread.
+        let total = err
+            .lines()
+            .find(|l| l.contains(" vCPUs: written "))
+            .unwrap_or_else(|| panic!("{fmt}: no total line: {err}"));
+        let nums: Vec<u64> = total
+            .split(|c: char| !c.is_ascii_digit())
+            .filter_map(|t| t.parse().ok())
+            .collect();
+        // "N vCPUs: written W = read R + lost L [+ unread U] (overrun ...".
+        let (w, rd, l) = (nums[1], nums[2], nums[3]);
+        let u = if total.contains("+ unread ") {
+            nums[4]
+        } else {
+            0
+        };
+        assert_eq!(w, rd + l + u, "{fmt}: {total}");
+        // A hint, if any, blames the output, not the ring size or the rate.
+        assert!(!err.contains("--buffer-kb"), "{fmt}: {err}");
         assert!(!err.contains("written to"), "{fmt}: {err}");
         assert!(
             !err.contains("MISMATCH") && !err.contains("mismatch"),
@@ -633,6 +705,57 @@ fn closed_stdout_ends_the_run_quietly() {
     assert_balanced(&s);
 }
 
+/// A child whose stdout is a pipe nobody reads (its read end closed before the start):
+/// its first write meets a broken pipe, whenever it comes.
+fn with_closed_stdout(args: &[&str]) -> std::process::Output {
+    let (r, w) = std::io::pipe().expect("pipe");
+    drop(r);
+    Command::new(BIN)
+        .args(args)
+        .stdout(w)
+        .stderr(Stdio::piped())
+        .output()
+        .expect("spawn")
+}
+
+/// `convert -o - | head` and `record -o - | head`: exit 0, no error; convert says
+/// nothing at all, record's run ends as `stdout_closed` with every event accounted for.
+#[test]
+fn closed_stdout_ends_record_and_convert_quietly() {
+    let kernel = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("crates/output/tests/fixtures/kernel-v7-zstd.dat");
+    let kernel = kernel.to_str().expect("utf-8");
+    for fmt in ["text", "json", "dat", "perfetto"] {
+        let o = with_closed_stdout(&["convert", "-i", kernel, "-o", "-", "--format", fmt]);
+        assert_eq!(o.status.code(), Some(0), "{fmt}: {}", env::stderr(&o));
+        assert_eq!(env::stderr(&o), "", "{fmt}");
+    }
+    if !kvm_available(KRATE, "closed_stdout_ends_record_and_convert_quietly") {
+        return;
+    }
+    let _vm = vm_lock();
+    let dir = TempDir::new("epipe-record");
+    let st = dir.file("s.json");
+    // Streaming formats (a trace.dat is written at the end, from its spill files).
+    for fmt in ["text", "raw"] {
+        let o = with_closed_stdout(&[
+            "record", "-o", "-", "--format", fmt, "--events", "10000000", "--stats", &st,
+        ]);
+        let err = env::stderr(&o);
+        assert_eq!(o.status.code(), Some(0), "{fmt}: {err}");
+        assert!(
+            !err.contains("error") && !err.contains("Broken pipe"),
+            "{fmt}: {err}"
+        );
+        assert!(err.contains("stopped: stdout closed"), "{fmt}: {err}");
+        let s = stats(&st);
+        assert_eq!(s["end"], "stdout_closed", "{fmt}: {s}");
+        assert_eq!(s["exit_code"], 0, "{fmt}: {s}");
+        assert_balanced(&s);
+    }
+    assert_eq!(dir.entries(), ["s.json"]);
+}
+
 // ---- 7: messages --------------------------------------------------------------------
 
 /// Exit 2, the first line `hyptrace: error: ...`, every needle somewhere.
@@ -683,6 +806,15 @@ fn argument_errors_are_whole_and_name_the_limit() {
         assert_arg_error(&a(&["--duration", "inf"]), &["--duration", "finite"]);
         assert_arg_error(&a(&["--duration", "nan"]), &["--duration", "not a number"]);
         assert_arg_error(&a(&["--duration", "-2"]), &["--duration", "more than 0"]);
+        // --events is a count here; an event name points at -e.
+        assert_arg_error(
+            &a(&["--events", "guest:*"]),
+            &["--events", "to select events use -e/--event guest:*"],
+        );
+        assert_arg_error(
+            &a(&["--events", "-5"]),
+            &["--events", "not a count of events"],
+        );
     }
 }
 

@@ -331,6 +331,11 @@ fn control_refuses_files_and_live_sockets() {
     let (code, _, err) = ctl(&dir.file("none.sock"), &["stats"]);
     assert_eq!(code, Some(1), "{err}");
     assert!(err.contains("cannot connect"), "{err}");
+    // A regular file: said so, not "Connection refused".
+    let (code, _, err) = ctl(&file, &["stats"]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("not a socket (a regular file"), "{err}");
+    assert!(!err.contains("refused"), "{err}");
     let o = env::run(BIN, &["ctl", &live]);
     assert_eq!(o.status.code(), Some(2));
     let long = "x".repeat(4096);

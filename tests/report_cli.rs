@@ -1,5 +1,5 @@
 //! `hyptrace report` as trace-cmd users type it (issue 11): the input positional or
-//! with `-i`, `--cpu LIST`, `-F/--events SYSTEM:EVENT` globs, `--skip`/`--count`,
+//! with `-i`, `--cpu LIST`, `-F/--filter SYSTEM:EVENT` globs, `--skip`/`--count`,
 //! `--stat`, trace-cmd's `--cpus`/`--first-event`/`--last-event`, clap's errors for what it does not take, a raw page stream read like a
 //! trace.dat (told apart by magic), a corrupt file an error (never a panic). The
 //! kernel fixtures need no VM; the raw stream comes from a VM run (skipped without
@@ -65,6 +65,84 @@ fn positional_and_dash_i_are_the_same() {
     assert_usage_error(&o, "FILE and -i", "cannot be used with");
 }
 
+/// trace-cmd's `-t` (full timestamps) is accepted; ours are always full: the same
+/// output as without it.
+#[test]
+fn dash_t_prints_what_report_prints() {
+    for name in ["kernel-v6.dat", "kernel-v7-zstd.dat"] {
+        let f = fixture(name);
+        let plain = report(&[&f]);
+        assert!(!events(&plain).is_empty(), "{name}");
+        assert_eq!(report(&["-t", &f]), plain, "{name}");
+        assert_eq!(report(&["-t", "-i", &f]), plain, "{name}");
+    }
+}
+
+/// `hyptrace ARGS` with stdin from `file` (redirected: a regular file) or piped (its
+/// bytes written into a pipe by a thread).
+fn with_stdin(args: &[&str], file: &str, piped: bool) -> std::process::Output {
+    use std::io::Write;
+    use std::process::{Command, Stdio};
+    let stdin = if piped {
+        Stdio::piped()
+    } else {
+        Stdio::from(std::fs::File::open(file).expect("input"))
+    };
+    let mut child = Command::new(BIN)
+        .args(args)
+        .stdin(stdin)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let feeder = child.stdin.take().map(|mut w| {
+        let data = std::fs::read(file).expect("input");
+        // A reader that stops early closes the pipe: the write error is fine.
+        std::thread::spawn(move || drop(w.write_all(&data)))
+    });
+    let o = child.wait_with_output().expect("wait");
+    if let Some(f) = feeder {
+        f.join().expect("feeder");
+    }
+    o
+}
+
+/// `report -` and `report -i -` read stdin: a redirected file or a pipe prints exactly
+/// what `report FILE` prints; junk on stdin is a usage error naming stdin.
+#[test]
+fn stdin_is_read_like_a_file() {
+    for name in ["kernel-v6.dat", "kernel-v7.dat", "kernel-v7-zstd.dat"] {
+        let f = fixture(name);
+        let want = report(&[&f]);
+        for piped in [false, true] {
+            for args in [
+                &["report", "-"][..],
+                &["report", "-i", "-"],
+                &["report", "--stat", "-"],
+            ] {
+                let o = with_stdin(args, &f, piped);
+                assert_eq!(
+                    o.status.code(),
+                    Some(0),
+                    "{name} {args:?}: {}",
+                    env::stderr(&o)
+                );
+                let expect = if args.contains(&"--stat") {
+                    report(&["--stat", &f])
+                } else {
+                    want.clone()
+                };
+                assert_eq!(env::stdout(&o), expect, "{name} {args:?} piped={piped}");
+            }
+        }
+    }
+    let dir = TempDir::new("report-stdin");
+    let junk = dir.file("junk");
+    std::fs::write(&junk, b"not a trace at all").expect("write");
+    let o = with_stdin(&["report", "-"], &junk, true);
+    assert_usage_error(&o, "junk on stdin", "stdin: not a trace.dat");
+}
+
 #[test]
 fn cpu_list_selects_cpus() {
     let f = fixture("kernel-v6.dat");
@@ -114,7 +192,7 @@ fn event_globs_select_events() {
         .collect();
     assert_eq!(got, want);
     // `*:NAME`, a bare NAME, a comma list and repeated flags.
-    let sw = report(&[&f, "--events", "*:sched_switch"]);
+    let sw = report(&[&f, "--filter", "*:sched_switch"]);
     assert!(events(&sw).iter().all(|l| name_of(l) == "sched_switch"));
     assert_eq!(sw, report(&[&f, "-F", "sched_switch"]));
     let two = report(&[&f, "-F", "sched_switch,sched_wakeup"]);
@@ -123,6 +201,9 @@ fn event_globs_select_events() {
         report(&[&f, "-F", "sched_switch", "-F", "sched:sched_wakeup"])
     );
     assert!(events(&two).len() > events(&sw).len());
+    // `--events` is run/record's count: report refuses it, pointing at -F.
+    let o = env::run(BIN, &["report", &f, "--events", "sched_switch"]);
+    assert_usage_error(&o, "report --events", "use -F");
     // Nothing matches: no events.
     assert!(events(&report(&[&f, "-F", "nosuch:*"])).is_empty());
     // trace-cmd's filter expressions are refused, not ignored.
@@ -217,6 +298,10 @@ fn raw_stream_is_reported() {
     let text = report(&[&raw]);
     assert!(text.starts_with("cpus=2\n"), "{text}");
     assert_eq!(text, report(&["-i", &raw]));
+    // From a pipe: streamed, the same lines.
+    let o = with_stdin(&["report", "-"], &raw, true);
+    assert_eq!(o.status.code(), Some(0), "{}", env::stderr(&o));
+    assert_eq!(env::stdout(&o), text);
     let n = events(&text).len();
     assert!(n > 0);
     // --cpu works on raw input too.

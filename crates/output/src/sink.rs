@@ -185,6 +185,9 @@ pub trait PageSink {
     fn idle(&mut self) -> Result<(), OutputError> {
         Ok(())
     }
+    /// The run is aborted: stop writing as soon as possible (what is queued is not
+    /// written); the sink is dropped next, unfinished.
+    fn abandon(&mut self) {}
     /// End of the run: write what is left and close. A sink dropped without `finish`
     /// leaves no output that looks complete.
     fn finish(self: Box<Self>, summary: &RunSummary) -> Result<(), OutputError>;

@@ -824,7 +824,7 @@ fn raw_missed(p: &[u8]) -> Option<u64> {
 /// A raw page stream read from a file, streaming: [`RawReader::replay`] holds one page
 /// per CPU, whatever the file size.
 pub struct RawReader {
-    stream: RawStream<std::io::BufReader<std::fs::File>>,
+    stream: RawStream<std::io::BufReader<Box<dyn std::io::Read + Send>>>,
     path: std::path::PathBuf,
 }
 
@@ -836,10 +836,19 @@ impl RawReader {
             path: Some(p.to_path_buf()),
             source: e,
         })?;
-        let stream = RawStream::new(std::io::BufReader::with_capacity(1 << 17, f))?;
+        Self::from_reader(Box::new(f), p)
+    }
+
+    /// Reads a raw page stream from any reader (a pipe, stdin), streaming as
+    /// [`RawReader::open`]; `name` names it in errors.
+    pub fn from_reader(
+        r: Box<dyn std::io::Read + Send>,
+        name: impl Into<std::path::PathBuf>,
+    ) -> Result<Self, OutputError> {
+        let stream = RawStream::new(std::io::BufReader::with_capacity(1 << 17, r))?;
         Ok(Self {
             stream,
-            path: p.to_path_buf(),
+            path: name.into(),
         })
     }
 

@@ -10,6 +10,10 @@
 //! - a directory, a socket, a missing directory or one we cannot write to: refused by
 //!   [`OutputTarget::check`], so the caller can refuse before starting.
 //!
+//! Stdout whose reader went away (`| head`) is no error: the rest of the output is
+//! discarded and [`stdout_closed`] says so, for the caller to stop its work and end
+//! quietly (exit 0), as a command in a pipeline does.
+//!
 //! On a write error the temporary file is removed at once and the error (path and OS
 //! error as its source) is returned; every later call returns [`OutputError::Closed`].
 //! Dropped without `finish`, an [`OutputFile`] removes its temporary file.
@@ -202,7 +206,7 @@ impl OutputTarget {
                 {
                     Ok(_) => {}
                     // A FIFO without a reader yet: writable, `open` waits for the reader.
-                    Err(e) if e.raw_os_error() == Some(6) => {}
+                    Err(e) if e.raw_os_error() == Some(ENXIO) => {}
                     Err(e) => return Err(OutputError::io(path, e)),
                 }
             }
@@ -242,13 +246,12 @@ impl OutputTarget {
                 Inner::Temp(BufWriter::with_capacity(BUF, Temp(t)))
             }
             TargetKind::Stream => {
-                let f = OpenOptions::new()
-                    .write(true)
-                    .open(&self.dest)
-                    .map_err(|e| OutputError::io(&self.path, e))?;
+                let f = open_stream(&self.dest).map_err(|e| OutputError::io(&self.path, e))?;
                 Inner::Stream(BufWriter::with_capacity(BUF, f))
             }
-            TargetKind::Stdout => Inner::Stdout(BufWriter::with_capacity(BUF, io::stdout())),
+            TargetKind::Stdout => {
+                Inner::Stdout(BufWriter::with_capacity(BUF, QuietStdout(io::stdout())))
+            }
         };
         Ok(OutputFile {
             target: self.clone(),
@@ -286,6 +289,108 @@ impl OutputTarget {
     }
 }
 
+/// The process's count of interrupting signals ([`set_wait_interrupt`]).
+static WAIT_INTERRUPT: std::sync::OnceLock<WaitHooks> = std::sync::OnceLock::new();
+
+/// [`set_wait_interrupt`]'s signal count and its "waiting" notice.
+type WaitHooks = (fn() -> u64, fn(&Path));
+
+/// How often [`OutputTarget::open`] of a FIFO without a reader checks again.
+const FIFO_POLL: std::time::Duration = std::time::Duration::from_millis(20);
+
+/// Lets a signal end the wait of [`OutputTarget::open`] for a FIFO's reader: `count`
+/// returns how many interrupting signals (e.g. Ctrl-C) the process has seen; when it
+/// changes during the wait, the open fails with [`io::ErrorKind::Interrupted`];
+/// `waiting(path)` is called once when a wait begins (to tell the user). Set once per
+/// process (later calls are ignored); without it the wait lasts until a reader comes.
+pub fn set_wait_interrupt(count: fn() -> u64, waiting: fn(&Path)) {
+    let _ = WAIT_INTERRUPT.set((count, waiting));
+}
+
+/// Opens a device or FIFO for writing. A FIFO is opened without blocking, again
+/// every [`FIFO_POLL`] while it has no reader (ENXIO), so a signal
+/// ([`set_wait_interrupt`]) ends the wait; once a reader is there it is opened for
+/// blocking writes.
+fn open_stream(dest: &Path) -> io::Result<File> {
+    let signals = || WAIT_INTERRUPT.get().map_or(0, |f| f.0());
+    let before = signals();
+    let mut told = false;
+    // Bounded by the reader's coming or a signal (waiting for the reader is the point).
+    loop {
+        match OpenOptions::new()
+            .write(true)
+            .custom_flags(O_NONBLOCK)
+            .open(dest)
+        {
+            // A device, or a FIFO with a reader: the blocking open returns at once
+            // (the probe keeps the FIFO open meanwhile).
+            Ok(probe) => {
+                let f = OpenOptions::new().write(true).open(dest);
+                drop(probe);
+                return f;
+            }
+            Err(e) if e.raw_os_error() == Some(ENXIO) => {
+                if !std::mem::replace(&mut told, true) {
+                    if let Some((_, waiting)) = WAIT_INTERRUPT.get() {
+                        waiting(dest);
+                    }
+                }
+                if signals() != before {
+                    return Err(io::Error::new(
+                        io::ErrorKind::Interrupted,
+                        "interrupted while waiting for a reader of the FIFO",
+                    ));
+                }
+                std::thread::sleep(FIFO_POLL);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// ENXIO: a FIFO opened for writing without blocking has no reader.
+const ENXIO: i32 = 6;
+
+/// Set once a write to stdout met a closed pipe (process-wide, as stdout is).
+static STDOUT_CLOSED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether a write to stdout (an [`OutputFile`] of `-`) found its reader gone: the
+/// output since then was discarded.
+pub fn stdout_closed() -> bool {
+    STDOUT_CLOSED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Stdout, its reader's going away no error: from the first broken pipe on, writes
+/// are discarded and [`stdout_closed`] is true.
+struct QuietStdout(io::Stdout);
+
+impl QuietStdout {
+    fn quiet<T>(r: io::Result<T>, or: T) -> io::Result<T> {
+        match r {
+            Err(e) if e.kind() == io::ErrorKind::BrokenPipe => {
+                STDOUT_CLOSED.store(true, std::sync::atomic::Ordering::Relaxed);
+                Ok(or)
+            }
+            r => r,
+        }
+    }
+}
+
+impl Write for QuietStdout {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        if stdout_closed() {
+            return Ok(buf.len());
+        }
+        Self::quiet(self.0.write(buf), buf.len())
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        if stdout_closed() {
+            return Ok(());
+        }
+        Self::quiet(self.0.flush(), ())
+    }
+}
+
 /// A temporary file written through its `File` (NamedTempFile's own `Write` wraps errors
 /// in a second layer that hides the OS error code); removed when dropped.
 pub(crate) struct Temp(pub(crate) NamedTempFile);
@@ -316,7 +421,7 @@ impl Write for Temp {
 enum Inner {
     Temp(BufWriter<Temp>),
     Stream(BufWriter<File>),
-    Stdout(BufWriter<io::Stdout>),
+    Stdout(BufWriter<QuietStdout>),
     /// Failed or finished: nothing more is written.
     Closed,
 }

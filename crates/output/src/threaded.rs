@@ -21,7 +21,9 @@
 //! [`OutputError::Closed`]. The inner sink is then dropped unfinished: no output that
 //! looks complete. A panic in the sink thread is resumed on the reader's thread.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -75,16 +77,34 @@ pub struct ThreadedSink {
     closed: bool,
     /// Back-pressure: the waits for a chunk the thread was still writing.
     waits: OutputWaits,
+    /// [`PageSink::abandon`]: the thread stops before its next page.
+    abandoned: Arc<AtomicBool>,
+    /// [`ThreadedSink::cancel_on`]'s condition, shared with the thread.
+    cancel: Arc<std::sync::OnceLock<Cancel>>,
 }
+
+/// A condition under which the sink stops writing at once (see
+/// [`ThreadedSink::cancel_on`]).
+type Cancel = Box<dyn Fn() -> bool + Send + Sync>;
+
+/// How often a reader waiting for a free chunk checks the cancel condition.
+const CANCEL_POLL: Duration = Duration::from_millis(20);
 
 impl ThreadedSink {
     /// Starts the sink thread around `inner`.
     pub fn new(inner: Box<dyn PageSink + Send>) -> Result<Self, OutputError> {
         let (tx, rx) = sync_channel::<Msg>(MAX_CHUNKS + 1);
         let (free_tx, free) = sync_channel::<Chunk>(MAX_CHUNKS + 1);
+        let abandoned = Arc::new(AtomicBool::new(false));
+        let cancel: Arc<std::sync::OnceLock<Cancel>> = Arc::default();
+        let (stop, cancelled) = (Arc::clone(&abandoned), Arc::clone(&cancel));
         let worker = std::thread::Builder::new()
             .name("hyptrace-sink".into())
-            .spawn(move || run(inner, &rx, &free_tx))
+            .spawn(move || {
+                let stopped =
+                    || stop.load(Ordering::Relaxed) || cancelled.get().is_some_and(|c| c());
+                run(inner, &rx, &free_tx, &stopped)
+            })
             .map_err(|e| OutputError::Io {
                 path: None,
                 source: e,
@@ -98,7 +118,22 @@ impl ThreadedSink {
             worker: Some(worker),
             closed: false,
             waits: OutputWaits::default(),
+            abandoned,
+            cancel,
         })
+    }
+
+    /// Once `cancel()` holds (e.g. a second Ctrl-C), the sink behaves as
+    /// [`PageSink::abandon`]ed: the thread stops before its next page, a reader waiting
+    /// for room gets [`OutputError::Closed`] within [`CANCEL_POLL`].
+    #[must_use]
+    pub fn cancel_on(self, cancel: impl Fn() -> bool + Send + Sync + 'static) -> Self {
+        let _ = self.cancel.set(Box::new(cancel));
+        self
+    }
+
+    fn cancelled(&self) -> bool {
+        self.abandoned.load(Ordering::Relaxed) || self.cancel.get().is_some_and(|c| c())
     }
 
     /// The sink thread ended early (its error, once), or had already.
@@ -138,11 +173,22 @@ impl ThreadedSink {
             return Ok(Chunk::default());
         }
         let t = Instant::now();
-        let got = self.free.recv();
+        // Bounded: each turn waits CANCEL_POLL; it ends when a chunk comes back, the
+        // thread ends, or the sink is cancelled.
+        let got = loop {
+            match self.free.recv_timeout(CANCEL_POLL) {
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) if !self.cancelled() => {}
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                    self.abandon();
+                    break None;
+                }
+                r => break r.ok(),
+            }
+        };
         self.waits.add(t.elapsed());
         match got {
-            Ok(c) => Ok(c),
-            Err(_) => Err(self.fail()),
+            Some(c) => Ok(c),
+            None => Err(self.fail()),
         }
     }
 
@@ -170,11 +216,16 @@ fn run(
     mut inner: Box<dyn PageSink + Send>,
     rx: &Receiver<Msg>,
     free: &SyncSender<Chunk>,
+    abandoned: &dyn Fn() -> bool,
 ) -> Result<Box<dyn PageSink + Send>, OutputError> {
     for msg in rx {
         match msg {
             Msg::Chunk(mut c) => {
                 for p in &c.pages {
+                    if abandoned() {
+                        // Dropped unfinished: no output that looks complete.
+                        return Err(OutputError::Closed);
+                    }
                     let page = c
                         .data
                         .get(p.start..p.start + p.len)
@@ -197,6 +248,11 @@ fn run(
 }
 
 impl PageSink for ThreadedSink {
+    fn abandon(&mut self) {
+        self.abandoned.store(true, Ordering::Relaxed);
+        self.tx = None;
+    }
+
     fn page(&mut self, cpu: u32, page: &[u8], missed: Option<u64>) -> Result<(), OutputError> {
         self.check()?;
         if !self.cur.pages.is_empty() && self.cur.data.len() + page.len() > CHUNK_BYTES {

@@ -55,7 +55,7 @@ a second Ctrl-C (temporary files removed, no output file).";
     propagate_version = true
 )]
 pub struct Cli {
-    /// Show the VMM's steps on stderr (-v: info, -vv: debug, -vvv: trace; RUST_LOG
+    /// Log what hyptrace does on stderr (-v: info, -vv: debug, -vvv: trace; RUST_LOG
     /// overrides, e.g. RUST_LOG=hyptrace_host=debug).
     #[arg(short, long, action = clap::ArgAction::Count, global = true)]
     pub verbose: u8,
@@ -72,7 +72,8 @@ pub enum Command {
     #[command(after_help = COUNTERS_HELP)]
     Run(RunArgs),
     /// Like `run`, but stream the ring pages into a file: trace.dat (v7 or v6) that
-    /// trace-cmd and KernelShark read, Chrome trace-event JSON, text, or raw pages.
+    /// trace-cmd and KernelShark read, Chrome trace-event JSON, a native Perfetto trace,
+    /// text, or raw pages.
     #[command(after_help = COUNTERS_HELP)]
     Record(RecordArgs),
     /// Print a trace.dat (ours or one trace-cmd wrote, v6, v7, v7 zstd) or a raw page
@@ -246,14 +247,9 @@ pub fn run(a: &RunArgs) -> Result<i32, CliError> {
     execute(a, None)
 }
 
-/// The format of `record`: `--format`, else from the file's extension.
-fn record_format(a: &RecordArgs) -> FormatArg {
-    format_for(a.format, &a.output)
-}
-
 /// `hyptrace record`.
 pub fn record(a: &RecordArgs) -> Result<i32, CliError> {
-    let format = record_format(a);
+    let format = format_for(a.format, &a.output, "-o")?;
     let compression = match (format, a.compression) {
         (FormatArg::Dat, c) => c.unwrap_or(CompressionArg::Zstd).into(),
         (_, None | Some(CompressionArg::None)) => hyptrace_output::Compression::None,
@@ -337,7 +333,10 @@ fn execute(
         .flight
         .crash_dump
         .as_deref()
-        .map(|p| check_destination(p, "--crash-dump"))
+        .map(|p| {
+            format_for(None, p, "--crash-dump")?;
+            check_destination(p, "--crash-dump")
+        })
         .transpose()?;
     if !plan.flight.drain_live && a.mode == ModeArg::Stop {
         note!("hyptrace: note: --drain none with --mode stop keeps the first ring-full of events of each vCPU and drops the rest");
@@ -358,6 +357,16 @@ fn execute(
         .transpose()?;
     // Before any temporary file exists: a signal from now on stops or aborts cleanly.
     let interrupts = Interrupts::install()?;
+    // A signal ends a wait for a FIFO's reader (-o, --stats, --crash-dump).
+    hyptrace_output::set_wait_interrupt(
+        || Interrupts::install().map_or(0, |i| i.signals()),
+        |p| {
+            note!(
+                "hyptrace: waiting for a reader of the FIFO {} (Ctrl-C gives up)",
+                p.display()
+            )
+        },
+    );
     // Last of the checks (a refused path costs nothing); removed when dropped, on every
     // way out of this function.
     // (The socket itself is bound by the run, once the trace memory file exists.)
@@ -374,9 +383,20 @@ fn execute(
     let _ = write!(std::io::stderr(), "{report}");
     let code = report.exit_code();
     if let Some(st) = &stats {
-        write_destination(st, &report.stats_json(code)).map_err(CliError::Stats)?;
+        match write_destination(st, &report.stats_json(code)) {
+            Err(e) if interrupted(&e) => {
+                note!("hyptrace: no reader opened the --stats FIFO before the signal: stats not written");
+                return Err(CliError::Run(RunError::Aborted));
+            }
+            r => r.map_err(CliError::Stats)?,
+        }
     }
     Ok(code)
+}
+
+/// Whether `e` is a wait for a FIFO's reader that a signal ended.
+fn interrupted(e: &OutputError) -> bool {
+    matches!(e, OutputError::Io { source, .. } if source.kind() == std::io::ErrorKind::Interrupted)
 }
 
 #[cfg(test)]

@@ -666,6 +666,26 @@ impl CtlConn {
 /// answer.
 pub fn ctl(path: &Path, words: &[String]) -> Result<CtlOutcome, CtlError> {
     let cmd = Command::from_words(words)?;
+    // What is there, before connecting: a file is "not a socket", not "refused".
+    if let Ok(m) = std::fs::metadata(path) {
+        use std::os::unix::fs::FileTypeExt;
+        if !m.file_type().is_socket() {
+            let what = if m.is_dir() {
+                "a directory"
+            } else if m.is_file() {
+                "a regular file"
+            } else {
+                "not a socket"
+            };
+            return Err(CtlError::Connect {
+                path: path.to_path_buf(),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    format!("not a socket ({what}; give the --control PATH of a run)"),
+                ),
+            });
+        }
+    }
     // Bounded: the server answers (or cancels) within REPLY_TIMEOUT.
     let mut c = CtlConn::connect(path, REPLY_TIMEOUT + Duration::from_secs(5))?;
     Ok(match c.request(cmd)? {

@@ -906,10 +906,20 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
     /// never holds back the other CPUs' output; the error is recorded
     /// ([`Session::error`]) and returned.
     pub fn end_cpu(&mut self, cpu: u32) -> Result<(), SessionError> {
+        self.end_cpu_unless(cpu, &|| false)
+    }
+
+    /// [`Session::end_cpu`], its walk cut short between rounds once `abort()` holds
+    /// (a second Ctrl-C: the output is dropped anyway, so reading on is wasted time).
+    pub fn end_cpu_unless(
+        &mut self,
+        cpu: u32,
+        abort: &dyn Fn() -> bool,
+    ) -> Result<(), SessionError> {
         if !self.mark_ended(cpu) {
             return Ok(());
         }
-        let mut r = self.final_walk(cpu);
+        let mut r = self.final_walk(cpu, abort);
         let trailing = self.reader.take_trailing_loss(cpu);
         let st = &mut self.cpus[cpu as usize];
         let lost = std::mem::take(&mut st.pending_lost).saturating_add(trailing);
@@ -935,18 +945,26 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
         r
     }
 
-    fn final_walk(&mut self, cpu: u32) -> Result<(), SessionError> {
+    fn final_walk(&mut self, cpu: u32, abort: &dyn Fn() -> bool) -> Result<(), SessionError> {
         log::debug!("cpu {cpu}: final read-only walk");
         self.reader.sync_writer_counters(cpu)?;
         self.reader.finalize(cpu)?;
         // Bounded: the walk covers the pages left in the ring, each round consumes at
         // least one item of them or ends the walk.
-        while self.drain(cpu)? {
+        while !abort() && self.drain(cpu)? {
             // Print between rounds (the merger's cap bounds what waits); an output
             // error is kept and reported by the caller's own flush.
             let _ = self.flush();
         }
         Ok(())
+    }
+
+    /// The run is aborted: the page sink stops writing at once (what it queued is
+    /// not written); dropped next, it leaves no output file.
+    pub fn abandon_output(&mut self) {
+        if let Output::Pages(sink) = &mut self.output {
+            sink.abandon();
+        }
     }
 
     /// Records the first error seen on `cpu` (reported by [`Session::error`]).

@@ -134,6 +134,12 @@ impl Interrupts {
         self.abort_at.load(Ordering::SeqCst) != 0
     }
 
+    /// How many of the stop and the abort were asked for (0 to 2): changes with each
+    /// signal that is not part of a burst.
+    pub fn signals(&self) -> u64 {
+        u64::from(self.stop_requested()) + u64::from(self.aborted())
+    }
+
     /// The name of the signal that asked for the stop (`SIGINT`, `SIGTERM`).
     pub fn signal_name(&self) -> &'static str {
         match self.signal.load(Ordering::SeqCst) {

@@ -49,7 +49,7 @@ impl From<CompressionArg> for hyptrace_output::Compression {
 
 /// An output path that cannot receive an output, and why.
 #[derive(Debug, thiserror::Error)]
-#[error("cannot write {path} ({flag}): {why}", path = .path.display(), why = why(.source))]
+#[error("cannot write {path} ({flag}): {source}", path = .path.display())]
 pub struct DestinationError {
     /// The path given.
     pub path: PathBuf,
@@ -57,8 +57,23 @@ pub struct DestinationError {
     pub flag: String,
     /// Why.
     #[source]
-    pub source: OutputError,
+    pub source: DestinationProblem,
 }
+
+/// Why an output path cannot receive an output.
+#[derive(Debug, thiserror::Error)]
+pub enum DestinationProblem {
+    /// The path cannot be written.
+    #[error("{}", why(.0))]
+    Output(#[source] OutputError),
+    /// No `--format`, and the extension names none.
+    #[error("unknown extension `.{0}` (known: {KNOWN_EXTENSIONS}); name the format with --format")]
+    UnknownExtension(String),
+}
+
+/// The extensions that name a format (what [`format_for`] takes).
+pub const KNOWN_EXTENSIONS: &str =
+    ".dat, .json, .txt, .text, .raw, .pftrace, .perfetto-trace, .perfetto";
 
 /// An I/O error says why on its own (the path is in the message already).
 fn why(e: &OutputError) -> String {
@@ -74,10 +89,10 @@ fn why(e: &OutputError) -> String {
 /// followed, a device or FIFO is written in place, `-` is stdout, a directory or an
 /// unwritable place is refused).
 pub fn check_destination(path: &Path, flag: &str) -> Result<OutputTarget, DestinationError> {
-    OutputTarget::check(path).map_err(|source| DestinationError {
+    OutputTarget::check(path).map_err(|e| DestinationError {
         path: path.to_path_buf(),
         flag: flag.to_string(),
-        source,
+        source: DestinationProblem::Output(e),
     })
 }
 
@@ -92,20 +107,33 @@ pub fn write_destination(target: &OutputTarget, text: &str) -> Result<(), Output
     f.finish()
 }
 
-/// `format`, else the format the extension of `output` names (dat otherwise).
-pub fn format_for(format: Option<FormatArg>, output: &Path) -> FormatArg {
-    format.unwrap_or_else(|| {
-        match output
-            .extension()
-            .and_then(|e| e.to_str())
-            .map(str::to_ascii_lowercase)
-            .as_deref()
-        {
-            Some("json") => FormatArg::Json,
-            Some("txt") | Some("text") => FormatArg::Text,
-            Some("raw") => FormatArg::Raw,
-            Some("pftrace") | Some("perfetto-trace") | Some("perfetto") => FormatArg::Perfetto,
-            _ => FormatArg::Dat,
+/// `format`, else the format the extension of `output` (named by `flag`) names: a
+/// path without an extension (`-`, a device, `trace`) is a trace.dat; an extension
+/// that names no format is refused (exit 2), never guessed.
+pub fn format_for(
+    format: Option<FormatArg>,
+    output: &Path,
+    flag: &str,
+) -> Result<FormatArg, DestinationError> {
+    if let Some(f) = format {
+        return Ok(f);
+    }
+    let Some(ext) = output.extension() else {
+        return Ok(FormatArg::Dat);
+    };
+    let ext = ext.to_string_lossy();
+    Ok(match ext.to_ascii_lowercase().as_str() {
+        "dat" => FormatArg::Dat,
+        "json" => FormatArg::Json,
+        "txt" | "text" => FormatArg::Text,
+        "raw" => FormatArg::Raw,
+        "pftrace" | "perfetto-trace" | "perfetto" => FormatArg::Perfetto,
+        _ => {
+            return Err(DestinationError {
+                path: output.to_path_buf(),
+                flag: flag.to_string(),
+                source: DestinationProblem::UnknownExtension(ext.into_owned()),
+            })
         }
     })
 }
@@ -185,6 +213,21 @@ mod tests {
         assert!(e.contains("--json"), "{e}");
         let e = err(Path::new(""), "-o");
         assert!(e.contains("empty"), "{e}");
+        // Formats from extensions; an unknown one is refused, no extension is dat.
+        let fmt = |p: &str| format_for(None, Path::new(p), "-o");
+        assert_eq!(fmt("a.JSON").expect("json"), FormatArg::Json);
+        assert_eq!(fmt("a.pftrace").expect("perfetto"), FormatArg::Perfetto);
+        assert_eq!(fmt("-").expect("stdout"), FormatArg::Dat);
+        assert_eq!(fmt("/dev/null").expect("device"), FormatArg::Dat);
+        for bad in ["x.dat6", "x.unknownext"] {
+            let e = fmt(bad).expect_err(bad).to_string();
+            assert!(e.contains("(-o)") && e.contains(".dat, .json"), "{e}");
+        }
+        let raw = Some(FormatArg::Raw);
+        assert_eq!(
+            format_for(raw, Path::new("x.zzz"), "-o").expect("raw"),
+            FormatArg::Raw
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

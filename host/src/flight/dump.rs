@@ -411,7 +411,7 @@ pub fn dump_trace_mem(
 /// `hyptrace dump`: returns the exit code (0: dumped, even partly — warnings on
 /// stderr; 2: the file is unusable; 1: the output failed).
 pub fn dump(a: &DumpArgs) -> Result<i32, DumpCmdError> {
-    let format = crate::drain::sink::format_for(a.format, &a.output);
+    let format = crate::drain::sink::format_for(a.format, &a.output, "-o")?;
     let target = crate::drain::sink::check_destination(&a.output, "-o")?;
     let started = std::time::Instant::now();
     let Some(trace_mem) = &a.trace_mem else {

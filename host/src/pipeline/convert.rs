@@ -9,7 +9,7 @@
 
 use std::collections::BTreeSet;
 use std::io::{Read, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use hyptrace_output::{
     tracedat::MAGIC as DAT_MAGIC, Clock, KernelCpuStat, Missed, OutputError, PageSink, RawReader,
@@ -72,10 +72,19 @@ impl ConvertError {
     }
 }
 
+/// An input path for messages; `-` is stdin.
+fn input_name(path: &Path) -> std::borrow::Cow<'_, str> {
+    if path.as_os_str() == "-" {
+        "stdin".into()
+    } else {
+        path.to_string_lossy()
+    }
+}
+
 /// An input error naming `path` once (I/O errors name it already).
 fn input_error(path: &Path, e: &OutputError) -> ConvertError {
     let msg = e.to_string();
-    let p = path.display().to_string();
+    let p = input_name(path).to_string();
     ConvertError::Input(if msg.contains(&p) {
         msg
     } else {
@@ -83,37 +92,44 @@ fn input_error(path: &Path, e: &OutputError) -> ConvertError {
     })
 }
 
-/// Tells a trace.dat from a raw page stream by the magic at the start of `path`.
-pub fn detect(path: &Path) -> Result<InputKind, ConvertError> {
-    let mut f = std::fs::File::open(path).map_err(|e| {
-        input_error(
-            path,
-            &OutputError::Io {
-                path: Some(path.to_path_buf()),
-                source: e,
-            },
-        )
-    })?;
+/// An input trace, opened: a trace.dat (read by offset) or a raw page stream (read
+/// front to back).
+pub enum Input {
+    /// A trace.dat, and how many damaged parts its opening warned about.
+    TraceDat(TraceFile, usize),
+    /// A raw page stream (`record --format raw`).
+    Raw(RawReader),
+}
+
+/// An I/O error reading `path` as an input error.
+fn read_error(path: &Path, source: std::io::Error) -> ConvertError {
+    input_error(
+        path,
+        &OutputError::Io {
+            path: Some(path.to_path_buf()),
+            source,
+        },
+    )
+}
+
+/// Up to 10 bytes from the start of `r`: enough for either magic.
+fn read_head(r: &mut dyn Read, path: &Path) -> Result<Vec<u8>, ConvertError> {
     let mut head = [0u8; 10];
     let mut n = 0;
     // Bounded: each read fills part of 10 bytes or ends.
     while n < head.len() {
-        match f.read(&mut head[n..]) {
+        match r.read(&mut head[n..]) {
             Ok(0) => break,
             Ok(k) => n += k,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => {
-                return Err(input_error(
-                    path,
-                    &OutputError::Io {
-                        path: Some(path.to_path_buf()),
-                        source: e,
-                    },
-                ))
-            }
+            Err(e) => return Err(read_error(path, e)),
         }
     }
-    let head = &head[..n];
+    Ok(head[..n].to_vec())
+}
+
+/// Tells a trace.dat from a raw page stream by its first bytes.
+fn kind_of(head: &[u8], path: &Path) -> Result<InputKind, ConvertError> {
     if head.starts_with(DAT_MAGIC) {
         Ok(InputKind::TraceDat)
     } else if hyptrace_output::is_raw_stream(head) {
@@ -121,16 +137,17 @@ pub fn detect(path: &Path) -> Result<InputKind, ConvertError> {
     } else {
         Err(ConvertError::Input(format!(
             "{}: not a trace.dat, nor a hyptrace raw page stream (bad magic)",
-            path.display()
+            input_name(path)
         )))
     }
 }
 
 /// Opens a trace.dat: a file whose metadata is damaged beyond reading is a damaged
 /// file (exit 1), an unsupported one bad input (exit 2). The damage `open` read past
-/// is warned about, one line each; returns the file and how many there were.
-fn open_dat(path: &Path) -> Result<(TraceFile, usize), ConvertError> {
-    let file = TraceFile::open(path).map_err(|e| match e {
+/// is warned about, one line each; returns the file and how many there were. `at` is
+/// what is opened (stdin's `/proc/self/fd/N`), `path` the name messages show.
+fn open_dat(at: &Path, path: &Path) -> Result<(TraceFile, usize), ConvertError> {
+    let file = TraceFile::open(at).map_err(|e| match e {
         OutputError::Format { .. } => match input_error(path, &e) {
             ConvertError::Input(m) => {
                 ConvertError::Unreadable(format!("{m} (damaged trace.dat: nothing is readable)"))
@@ -149,6 +166,58 @@ fn open_dat(path: &Path) -> Result<(TraceFile, usize), ConvertError> {
 /// The one-line warning of a damaged part of `path`.
 fn warn_damage(path: &Path, d: &hyptrace_output::tracedat::Damage) {
     note!("hyptrace: warning: {}: damaged: {d}", path.display());
+}
+
+/// Opens the input `path` (`-`: stdin), told apart by its magic.
+pub fn open_input(path: &Path) -> Result<Input, ConvertError> {
+    if path.as_os_str() == "-" {
+        return open_stdin(path);
+    }
+    let mut f = std::fs::File::open(path).map_err(|e| read_error(path, e))?;
+    match kind_of(&read_head(&mut f, path)?, path)? {
+        InputKind::TraceDat => open_dat(path, path).map(|(f, n)| Input::TraceDat(f, n)),
+        InputKind::Raw => RawReader::open(path)
+            .map(Input::Raw)
+            .map_err(|e| input_error(path, &e)),
+    }
+}
+
+/// Stdin as the input. A raw page stream is read from it as it comes (a page per CPU
+/// held). A trace.dat is read by offset: stdin redirected from a file is that file
+/// (`/proc/self/fd/0`); a pipe is first copied to an unlinked temporary file in
+/// $TMPDIR (disk, not memory: memory does not grow with the input), removed by the
+/// system when the reader closes it, whatever way the process ends.
+fn open_stdin(path: &Path) -> Result<Input, ConvertError> {
+    use std::os::fd::AsRawFd;
+    let mut stdin = std::io::stdin();
+    let head = read_head(&mut stdin, path)?;
+    match kind_of(&head, path)? {
+        InputKind::Raw => {
+            let r = std::io::Cursor::new(head).chain(stdin);
+            RawReader::from_reader(Box::new(r), "stdin")
+                .map(Input::Raw)
+                .map_err(|e| input_error(path, &e))
+        }
+        InputKind::TraceDat => {
+            let fd0 = Path::new("/proc/self/fd/0");
+            let regular = std::fs::metadata(fd0).is_ok_and(|m| m.is_file());
+            if regular {
+                return open_dat(fd0, path).map(|(f, n)| Input::TraceDat(f, n));
+            }
+            let spool_err = |e: std::io::Error| {
+                ConvertError::Input(format!(
+                    "stdin: cannot copy the trace.dat to a temporary file in {}: {e}",
+                    std::env::temp_dir().display()
+                ))
+            };
+            let mut spool = tempfile::tempfile().map_err(spool_err)?;
+            spool.write_all(&head).map_err(spool_err)?;
+            std::io::copy(&mut stdin.lock(), &mut spool).map_err(spool_err)?;
+            let at = PathBuf::from(format!("/proc/self/fd/{}", spool.as_raw_fd()));
+            // The reader opens its own descriptor of the spool; this one may close.
+            open_dat(&at, path).map(|(f, n)| Input::TraceDat(f, n))
+        }
+    }
 }
 
 /// Whether `e` is an error writing stdout (not reading the input).
@@ -174,7 +243,7 @@ fn stdout_result(e: OutputError, path: &Path) -> Result<(), ConvertError> {
 fn filter(a: &ReportArgs) -> ReportFilter {
     let cpus = (!a.cpu.is_empty()).then(|| a.cpu.iter().flatten().copied().collect());
     let events = a
-        .events
+        .filter
         .iter()
         .flat_map(|s| s.split(','))
         .map(str::trim)
@@ -193,15 +262,19 @@ fn filter(a: &ReportArgs) -> ReportFilter {
 /// `hyptrace report`.
 pub fn report(a: &ReportArgs) -> Result<(), ConvertError> {
     let path = a.path();
-    if let Some(bad) = a.events.iter().find(|e| e.contains('/')) {
+    if a.events_misused.is_some() {
+        return Err(ConvertError::Input(
+            "report has no --events (that is run/record's event count); to select events use -F [SYSTEM:]EVENT".into(),
+        ));
+    }
+    if let Some(bad) = a.filter.iter().find(|e| e.contains('/')) {
         return Err(ConvertError::Input(format!(
             "-F {bad}: filter expressions (`/...`) are not supported; give [SYSTEM:]EVENT globs"
         )));
     }
     let f = filter(a);
-    match detect(&path)? {
-        InputKind::TraceDat => {
-            let (file, mut damage) = open_dat(&path)?;
+    match open_input(&path)? {
+        Input::TraceDat(file, mut damage) => {
             let mut out = std::io::stdout().lock();
             let damaged = |count: usize| match count {
                 0 => Ok(()),
@@ -231,7 +304,7 @@ pub fn report(a: &ReportArgs) -> Result<(), ConvertError> {
                 Err(e) => stdout_result(e, &path),
             }
         }
-        InputKind::Raw => report_raw(a, &f, &path),
+        Input::Raw(reader) => report_raw(a, &f, &path, reader),
     }
 }
 
@@ -274,7 +347,12 @@ fn cpu_list(f: &TraceFile, a: &ReportArgs, path: &Path) -> Result<String, Conver
 
 /// `report` of a raw page stream: replayed into the text sink of `record --format
 /// text` (the same lines as the run printed).
-fn report_raw(a: &ReportArgs, f: &ReportFilter, path: &Path) -> Result<(), ConvertError> {
+fn report_raw(
+    a: &ReportArgs,
+    f: &ReportFilter,
+    path: &Path,
+    reader: RawReader,
+) -> Result<(), ConvertError> {
     if !f.events.is_empty()
         || f.skip > 0
         || f.limit.is_some()
@@ -283,12 +361,11 @@ fn report_raw(a: &ReportArgs, f: &ReportFilter, path: &Path) -> Result<(), Conve
         || a.last_event
     {
         return Err(ConvertError::Input(format!(
-            "{}: -F/--events, --skip, --count, --cpus, --first-event and --last-event need a trace.dat; convert the raw stream first: hyptrace convert -i {} -o trace.dat",
+            "{}: -F/--filter, --skip, --count, --cpus, --first-event and --last-event need a trace.dat; convert the raw stream first: hyptrace convert -i {} -o trace.dat",
             path.display(),
             path.display()
         )));
     }
-    let reader = RawReader::open(path).map_err(|e| input_error(path, &e))?;
     let cpus: Option<BTreeSet<u32>> = f.cpus.clone();
     let want = move |c: u32| cpus.as_ref().is_none_or(|s| s.contains(&c));
     if a.stat {
@@ -387,7 +464,8 @@ pub fn pump_pages(
         heads.push(next_head(c)?);
         c.take_damage().into_iter().for_each(&mut *on_damage);
     }
-    // Bounded: every step consumes a page of some CPU.
+    // Bounded: every step consumes a page of some CPU. Stdout closed (`| head`): the
+    // rest would be discarded, so stop.
     while let Some(i) = heads
         .iter()
         .enumerate()
@@ -395,6 +473,9 @@ pub fn pump_pages(
         .min()
         .map(|(_, _, i)| i)
     {
+        if hyptrace_output::stdout_closed() {
+            break;
+        }
         if let Some((_, page)) = heads[i].take() {
             if let Some(why) = hyptrace_output::tracedat::page_damage(&page) {
                 on_damage(hyptrace_output::tracedat::Damage {
@@ -452,13 +533,12 @@ fn check_raw_formats(f: &TraceFile, path: &Path) -> Result<(), ConvertError> {
 
 /// `hyptrace convert`.
 pub fn convert(a: &ConvertArgs) -> Result<(), ConvertError> {
-    let format = format_for(a.format, &a.output);
-    let kind = detect(&a.input)?;
+    let format = format_for(a.format, &a.output, "-o")?;
+    let input = open_input(&a.input)?;
     let target = check_destination(&a.output, "-o")?;
     let mut damage = 0usize;
-    let r = match kind {
-        InputKind::Raw => {
-            let reader = RawReader::open(&a.input).map_err(|e| input_error(&a.input, &e))?;
+    let r = match input {
+        Input::Raw(reader) => {
             let sink = crate::drain::sink::make_sink(
                 &target,
                 format,
@@ -468,8 +548,7 @@ pub fn convert(a: &ConvertArgs) -> Result<(), ConvertError> {
             .map_err(ConvertError::Output)?;
             reader.replay(sink, |_| true)
         }
-        InputKind::TraceDat => {
-            let (f, n) = open_dat(&a.input)?;
+        Input::TraceDat(f, n) => {
             damage = n;
             if format == FormatArg::Raw {
                 check_raw_formats(&f, &a.input)?;

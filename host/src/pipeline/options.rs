@@ -47,6 +47,34 @@ pub fn parse_duration(s: &str) -> Result<f64, DurationError> {
     }
 }
 
+/// Why an `--events` value is refused (clap prints it after the flag).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EventCountError {
+    /// A number, but not a count.
+    #[error("not a count of events (0 to {})", u64::MAX)]
+    NotACount,
+    /// Not a number: likely an event name meant for -e.
+    #[error(
+        "--events N is the number of events each vCPU writes; to select events use -e/--event {0}"
+    )]
+    EventName(String),
+}
+
+/// `run`/`record --events`: the number of events each vCPU writes.
+pub fn parse_event_count(s: &str) -> Result<u64, EventCountError> {
+    let t = s.trim();
+    t.parse().map_err(|_| {
+        if t.trim_start_matches(['-', '+'])
+            .bytes()
+            .all(|b| b.is_ascii_digit())
+        {
+            EventCountError::NotACount
+        } else {
+            EventCountError::EventName(s.to_string())
+        }
+    })
+}
+
 /// The reader's poll period while the rings are idle (`--poll-ms`): a wake-up costs
 /// ~23 µs of CPU on the nested-virtualisation machines this was measured on, so 1 ms
 /// cost 2.2 % of a core for an idle VM and 5 ms costs 0.4 % (docs/benchmarks.md); a
@@ -78,8 +106,9 @@ pub struct RecordArgs {
         default_value = "trace.dat"
     )]
     pub output: PathBuf,
-    /// Output format [default: from the extension: .dat → dat, .json → json, .txt →
-    /// text, .raw → raw, .pftrace/.perfetto-trace → perfetto; otherwise dat].
+    /// Output format [default: from the extension: .dat → dat, .json → json, .txt/.text
+    /// → text, .raw → raw, .pftrace/.perfetto-trace/.perfetto → perfetto; no extension
+    /// (`-`, a device) → dat; any other extension is refused (exit 2)].
     #[arg(long, value_enum)]
     pub format: Option<FormatArg>,
     /// Compression of a trace.dat v7 (`--format dat`) [default: zstd, like trace-cmd];
@@ -95,7 +124,9 @@ pub struct RecordArgs {
 #[derive(Clone, Debug, Args)]
 pub struct ReportArgs {
     /// The trace to read: trace.dat (v6, v7, v7 compressed with zstd) or a raw page
-    /// stream, told apart by their magic [default: trace.dat].
+    /// stream, told apart by their magic; `-` is stdin (a raw stream is read as it
+    /// comes, a piped trace.dat is first copied to an unlinked temporary file)
+    /// [default: trace.dat].
     #[arg(value_name = "FILE", conflicts_with = "input_flag")]
     pub input: Option<PathBuf>,
     /// The trace to read (as trace-cmd's -i).
@@ -104,14 +135,23 @@ pub struct ReportArgs {
     /// Print the per-CPU statistics instead of the events.
     #[arg(long)]
     pub stat: bool,
+    /// Full timestamps, not truncated to 6 places (as trace-cmd's -t): accepted for
+    /// trace-cmd's command lines; hyptrace's report always prints full nanoseconds.
+    #[arg(short = 't')]
+    pub full_time: bool,
     /// Only these CPUs: a list of numbers and ranges, e.g. `0,2-3` (repeatable).
     #[arg(long = "cpu", value_name = "LIST", value_parser = parse_cpu_list)]
     pub cpu: Vec<Vec<u32>>,
-    /// Only these events: `[SYSTEM:]EVENT` with `*`/`?` globs, comma-separated
-    /// (repeatable), e.g. `sched:*`, `*:sched_switch`, `guest:marker`, `irq_*`.
-    /// trace.dat input only; trace-cmd's `/FILTER` expressions are not supported.
-    #[arg(short = 'F', long = "events", value_name = "SYSTEM:EVENT")]
-    pub events: Vec<String>,
+    /// Only these events (trace-cmd's -F): `[SYSTEM:]EVENT` with `*`/`?` globs,
+    /// comma-separated (repeatable), e.g. `sched:*`, `*:sched_switch`, `guest:marker`,
+    /// `irq_*`. trace.dat input only; trace-cmd's `/FILTER` expressions are not
+    /// supported.
+    #[arg(short = 'F', long = "filter", value_name = "SYSTEM:EVENT")]
+    pub filter: Vec<String>,
+    /// Not a report flag (`--events N` is the event count of `run`/`record`): refused
+    /// with a pointer to -F.
+    #[arg(long = "events", hide = true, value_name = "X", num_args = 0..)]
+    pub events_misused: Option<Vec<String>>,
     /// Skip the first N events (of those selected). trace.dat input only.
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub skip: u64,
@@ -185,7 +225,7 @@ pub fn parse_cpu_list(s: &str) -> Result<Vec<u32>, CpuListError> {
 #[derive(Clone, Debug, Args)]
 pub struct ConvertArgs {
     /// The trace to read: trace.dat (v6, v7, v7 zstd; ours or the kernel's) or a raw
-    /// page stream.
+    /// page stream; `-` is stdin (as `report -`).
     #[arg(short = 'i', long = "input", value_name = "FILE")]
     pub input: PathBuf,
     /// Output file (`-` is stdout; a regular file is written to a temporary name and
@@ -268,12 +308,13 @@ pub struct RunArgs {
         value_parser = clap::value_parser!(u32).range(1..=i64::from(MAX_VCPUS))
     )]
     pub vcpus: u32,
-    /// Events each vCPU writes.
+    /// Events each vCPU writes (a count; to select events use -e/--event).
     #[arg(
         long,
         value_name = "N",
         default_value_t = 100_000,
-        allow_negative_numbers = true
+        allow_negative_numbers = true,
+        value_parser = parse_event_count
     )]
     pub events: u64,
     /// Events per second per vCPU; 0 = as fast as possible. The guest catches up at most
@@ -419,7 +460,8 @@ pub struct FlightArgs {
     )]
     pub hang_timeout: Option<f64>,
     /// On a guest crash or hang, write every committed event no reader consumed to
-    /// FILE (format from the extension: .dat trace.dat, .json, .txt, .raw) [default:
+    /// FILE (format from the extension, as `record -o`: .dat trace.dat, .json, .txt,
+    /// .raw, .pftrace perfetto; an unknown extension is refused) [default:
     /// trace.dat with `run --drain none`, none otherwise: the run's output gets them].
     #[arg(long = "crash-dump", value_name = "FILE")]
     pub crash_dump: Option<PathBuf>,

@@ -99,14 +99,19 @@ impl Failures {
             writeln!(f, "hyptrace: error: {e}")?;
         }
         if let Some(e) = &self.output {
+            // The output error's own text starts with the path (or with `: ` for
+            // stdout): this line names the path once, itself.
             let e = e.strip_prefix("output: ").unwrap_or(e);
+            let e = e.strip_prefix(": ").unwrap_or(e);
             match to {
                 Destination::Stdout { .. } => {
                     writeln!(f, "hyptrace: error: writing to stdout: {e}")?
                 }
                 Destination::Sink => writeln!(f, "hyptrace: error: writing to the sink: {e}")?,
                 Destination::File { path, .. } => {
-                    writeln!(f, "hyptrace: error: writing {}: {e}", path.display())?
+                    let p = path.display().to_string();
+                    let e = e.strip_prefix(&format!("{p}: ")).unwrap_or(e);
+                    writeln!(f, "hyptrace: error: writing {p}: {e}")?
                 }
             }
         }
@@ -487,6 +492,17 @@ impl RunReport {
         let overrun = sat_sum(r.iter().map(|r| r.stats.overrun));
         let dropped = sat_sum(r.iter().map(|r| r.stats.dropped));
         let n = self.outcomes.len();
+        // After a failure the reading stopped with events unread (INCOMPLETE on their
+        // CPUs): counted here, so the line is true arithmetic.
+        let unread = sat_sum(r.iter().map(|r| {
+            r.written
+                .saturating_sub(r.stats.read.saturating_add(r.stats.lost))
+        }));
+        let unread = if self.failures.any() && unread > 0 {
+            format!(" + unread {unread}")
+        } else {
+            String::new()
+        };
         let to = match &self.destination {
             Destination::Stdout { lines } => {
                 format!("{lines} line{} printed", if *lines == 1 { "" } else { "s" })
@@ -501,7 +517,7 @@ impl RunReport {
         };
         write!(
             f,
-            "hyptrace: {n} vCPU{}: written {written} = read {read} + lost {lost} (overrun {overrun}, dropped {dropped}); {secs:.3} s, {mb:.1} MB of events ({:.1} MB/s), {to}",
+            "hyptrace: {n} vCPU{}: written {written} = read {read} + lost {lost}{unread} (overrun {overrun}, dropped {dropped}); {secs:.3} s, {mb:.1} MB of events ({:.1} MB/s), {to}",
             if n == 1 { "" } else { "s" },
             if secs > 0.0 { mb / secs } else { 0.0 },
         )
@@ -631,7 +647,17 @@ impl fmt::Display for RunReport {
                 h.dropped
             )?;
         }
-        if self.cpus.iter().any(|r| r.stats.lost > 0) {
+        if self.failures.output_failed() {
+            // The output's failure is the cause of what was lost or left unread, not
+            // the ring size or the rate.
+            if self
+                .cpus
+                .iter()
+                .any(|r| r.stats.lost > 0 || !r.consistent())
+            {
+                writeln!(f, "hyptrace: hint: events were lost or left unread because the output failed (below): fix the output (space, permissions, reader) and record again")?;
+            }
+        } else if self.cpus.iter().any(|r| r.stats.lost > 0) {
             writeln!(f, "hyptrace: hint: {}", loss_hint(self.mode))?;
             for why in self.loss_causes() {
                 writeln!(f, "hyptrace: hint: {why}")?;

@@ -30,7 +30,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use hyptrace_abi::layout::RingGeometry;
 use hyptrace_output::{
     Clock, Compression, EventFormat, OutputError, OutputTarget, PageSink, ThreadedSink, TraceMeta,
 };
@@ -156,7 +155,7 @@ pub type WrapCallbacks = Box<dyn FnOnce(Box<dyn Callbacks + Send>) -> Box<dyn Ca
 pub struct Run<'a> {
     plan: Plan,
     target: Target,
-    interrupts: Option<&'a Interrupts>,
+    interrupts: Option<&'static Interrupts>,
     wrap: Option<WrapCallbacks>,
     events_hook: Option<EventsHook>,
     crash_dump: Option<OutputTarget>,
@@ -225,7 +224,7 @@ impl<'a> Run<'a> {
     }
 
     /// Signals stop the run (a first one) or abort it (a second one).
-    pub fn interrupts(mut self, interrupts: &'a Interrupts) -> Self {
+    pub fn interrupts(mut self, interrupts: &'static Interrupts) -> Self {
         self.interrupts = Some(interrupts);
         self
     }
@@ -289,15 +288,23 @@ impl<'a> Run<'a> {
         // before its registration is answered); a failure stops the VM (dropped).
         let clock = b.host_clock.clock.clone();
         let stdout = Arc::new(StdoutState::default());
-        let (output, shown) = open_output(
+        let (output, shown) = match open_output(
             target,
-            &plan.ring,
-            nr,
+            &plan,
             &clock,
             &stdout,
             &formats,
-            (plan.host_events, host_trace.as_ref()),
-        )?;
+            host_trace.as_ref(),
+            interrupts,
+        ) {
+            Ok(o) => o,
+            Err(e) => {
+                // Before the VM (dropped next, joining its vCPUs): vCPU 0 may be
+                // waiting for the answer the gate holds.
+                drop(gate);
+                return Err(e);
+            }
+        };
         let trace_mem = b.trace_mem.take().map(Arc::new);
         let mut session = b.session(reader, output, &formats, &plan, trace_mem.as_ref());
         if let Some((feed, hformats)) = host_trace {
@@ -542,7 +549,9 @@ impl Flight {
             }),
             dump_target: crash_dump.map(|t| {
                 let path = plan.flight.crash_dump.clone().unwrap_or_default();
-                let format = crate::drain::sink::format_for(None, &path);
+                // Checked before the run (an unknown extension is refused then).
+                let format = crate::drain::sink::format_for(None, &path, "--crash-dump")
+                    .unwrap_or(crate::drain::sink::FormatArg::Dat);
                 (t, format, path)
             }),
             dumped: false,
@@ -583,13 +592,14 @@ enum Shown {
 /// The output of a run: text lines merged on stdout, or a page sink.
 fn open_output(
     target: Target,
-    ring: &RingGeometry,
-    nr: u32,
+    plan: &Plan,
     clock: &Clock,
     stdout: &Arc<StdoutState>,
     formats: &[EventFormat],
-    (host_events, host_trace): (bool, Option<&(HostTraceFeed, Vec<EventFormat>)>),
+    host_trace: Option<&(HostTraceFeed, Vec<EventFormat>)>,
+    interrupts: Option<&'static Interrupts>,
 ) -> Result<(Output, Shown), RunError> {
+    let (ring, nr, host_events) = (&plan.ring, plan.cfg.vcpus, plan.host_events);
     // `--host-events`: one more CPU, the VMM's (comm `vmm`, system `vmm`).
     let meta = || {
         let mut m = TraceMeta {
@@ -642,8 +652,23 @@ fn open_output(
             let meta = meta();
             // The file is written on its own thread (ThreadedSink): a stalled write(2)
             // costs queue space there, not the reader's time at the rings.
-            match make_sink(&target, format, compression, meta).and_then(ThreadedSink::new) {
+            // A second Ctrl-C stops the sink thread (and a reader waiting for it) at once.
+            let abort = move || interrupts.is_some_and(Interrupts::aborted);
+            match make_sink(&target, format, compression, meta)
+                .and_then(ThreadedSink::new)
+                .map(|t| t.cancel_on(abort))
+            {
                 Ok(sink) => Ok((Output::Pages(Box::new(sink)), Shown::File { path, format })),
+                // A signal ended the wait for a FIFO's reader: nothing can be written.
+                Err(OutputError::Io { source, .. })
+                    if source.kind() == std::io::ErrorKind::Interrupted =>
+                {
+                    note!(
+                        "hyptrace: no reader opened {} before the signal",
+                        path.display()
+                    );
+                    Err(RunError::Aborted)
+                }
                 Err(source) => Err(RunError::Sink { path, source }),
             }
         }
@@ -718,8 +743,13 @@ fn finish_session(
     interrupts: Option<&Interrupts>,
 ) -> Result<Finished, RunError> {
     let nr = session.reader().nr_cpus();
+    let aborted = || interrupts.is_some_and(Interrupts::aborted);
     for cpu in 0..nr {
-        if let Err(e) = session.end_cpu(cpu) {
+        if aborted() {
+            session.abandon_output();
+            return Err(RunError::Aborted);
+        }
+        if let Err(e) = session.end_cpu_unless(cpu, &aborted) {
             log::debug!("cpu {cpu}: final walk failed: {e}");
             session.fail_cpu(cpu, &e);
             failures.session(Some(cpu), &e);
@@ -728,6 +758,10 @@ fn finish_session(
     if let Err(e) = session.end_host() {
         log::debug!("host events: final walk failed: {e}");
         failures.session(None, &e);
+    }
+    if aborted() {
+        session.abandon_output();
+        return Err(RunError::Aborted);
     }
     if let Err(e) = session.end_host_trace() {
         log::debug!("host trace: final read failed: {e}");
@@ -740,7 +774,8 @@ fn finish_session(
     if let Err(e) = session.flush() {
         failures.session(None, &e);
     }
-    if interrupts.is_some_and(Interrupts::aborted) {
+    if aborted() {
+        session.abandon_output();
         return Err(RunError::Aborted);
     }
     let cpus: Vec<CpuReport> = (0..nr)
@@ -764,6 +799,11 @@ fn finish_session(
     });
     let text = session.writes_text();
     if let Err(e) = session.finish(&sink_summary(&cpus)) {
+        // An abort during the sink's last writes stopped them (ThreadedSink::cancel_on):
+        // nothing was written (the unfinished sink removed its files).
+        if aborted() {
+            return Err(RunError::Aborted);
+        }
         failures.session(None, &e);
     }
     // Text lines go to stdout, whose last writes can block on a pipe nobody reads: an
@@ -845,6 +885,8 @@ impl Live<'_> {
         }
         if aborted {
             // Dropping the session drops the sink: its temporary files go.
+            let mut session = session;
+            session.abandon_output();
             return Err(RunError::Aborted);
         }
         let (cpus, mut failures, host_events, host_trace) =
@@ -1070,7 +1112,7 @@ impl Live<'_> {
             Some(Stop::Crash)
         } else if let Some(t) = self.hung() {
             Some(Stop::Hang(t))
-        } else if self.stdout.closed.load(Ordering::Relaxed) {
+        } else if self.stdout.closed.load(Ordering::Relaxed) || hyptrace_output::stdout_closed() {
             Some(Stop::StdoutClosed)
         } else {
             None
