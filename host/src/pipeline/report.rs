@@ -329,6 +329,8 @@ pub struct RunReport {
     pub mode: ModeArg,
     /// The guest's memory after the run (result slots, for `bench`).
     pub guest: Option<GuestView>,
+    /// `-v` (or `RUST_LOG` at info): each paced vCPU's lateness on its line.
+    pub verbose: bool,
 }
 
 /// The guest memory of a run that ended, and where things are in it.
@@ -431,23 +433,49 @@ impl RunReport {
 
     /// How far a paced vCPU whose workload took `ms` (from [`Timing::workload_start`]:
     /// the wait for its registration's answer is no lateness) ran behind its `--rate`
-    /// schedule, as a suffix of its line: the guest catches up at most
-    /// `PACE_MAX_LAG_US`, so a vCPU held off its core for longer ends later (empty unless
-    /// it is more than 1 ms and 1 % late).
-    fn behind(&self, ms: f64) -> String {
+    /// schedule, and that schedule, in ms: the guest catches up at most
+    /// `PACE_MAX_LAG_US`, so a vCPU held off its core for longer ends later. `None`
+    /// unless it is more than 1 ms and 1 % late, or without a schedule (no `--rate`, a
+    /// burst workload, or one too short to show: never a "0.0 ms" schedule).
+    fn behind(&self, ms: f64) -> Option<(f64, f64)> {
         let e = &self.echo;
-        if e.rate == 0 || !matches!(e.workload.as_str(), "steady" | "mixed") {
-            return String::new();
+        if e.rate == 0 || e.events == 0 || !matches!(e.workload.as_str(), "steady" | "mixed") {
+            return None;
         }
         let schedule = e.events as f64 * 1e3 / e.rate as f64;
         let behind = ms - schedule;
-        if behind <= 1.0 || behind <= schedule / 100.0 {
-            return String::new();
+        if schedule < 0.1 || behind <= 1.0 || behind <= schedule / 100.0 {
+            return None;
         }
-        format!(
-            ", {behind:.1} ms behind its --rate schedule of {schedule:.1} ms (held off its core: a pacing guest catches up at most {} µs, then goes on at --rate)",
-            hyptrace_abi::guest::PACE_MAX_LAG_US
-        )
+        Some((behind, schedule))
+    }
+
+    /// [`Self::behind`] of vCPU outcome `o` (finished ones only).
+    fn lateness(&self, o: &VcpuOutcome) -> Option<(f64, f64)> {
+        let VcpuOutcome::Finished(st) = o else {
+            return None;
+        };
+        let t = &self.timing;
+        self.behind(t.ms(st.tsc_end.wrapping_sub(t.workload_start(st.tsc_start))))
+    }
+
+    /// The one line on lateness, shown when it explains a loss: how many paced vCPUs
+    /// ran behind their `--rate` schedule, and the most (each one's with `-v`).
+    fn lateness_hint(&self) -> Option<String> {
+        let late: Vec<f64> = self
+            .outcomes
+            .iter()
+            .filter_map(|o| self.lateness(o).map(|(behind, _)| behind))
+            .collect();
+        let most = late.iter().copied().fold(0.0, f64::max);
+        (!late.is_empty()).then(|| {
+            format!(
+                "{} of {} vCPUs ran behind their --rate schedule (up to {most:.1} ms): held off their cores (a pacing guest catches up at most {} µs), the reader likely was too; -v shows each",
+                late.len(),
+                self.outcomes.len(),
+                hyptrace_abi::guest::PACE_MAX_LAG_US
+            )
+        })
     }
 
     fn fmt_outcome(&self, f: &mut fmt::Formatter<'_>, id: usize, o: &VcpuOutcome) -> fmt::Result {
@@ -466,7 +494,15 @@ impl RunReport {
                     ),
                     None => String::new(),
                 };
-                format!("finished in {ms:.3} ms{started}{}", self.behind(work))
+                // Lateness per vCPU only with `-v` (else one line, when it explains a loss).
+                let behind = match self.behind(work) {
+                    Some((behind, schedule)) if self.verbose => format!(
+                        ", {behind:.1} ms behind its --rate schedule of {schedule:.1} ms (held off its core: a pacing guest catches up at most {} µs, then goes on at --rate)",
+                        hyptrace_abi::guest::PACE_MAX_LAG_US
+                    ),
+                    _ => String::new(),
+                };
+                format!("finished in {ms:.3} ms{started}{behind}")
             }
             VcpuOutcome::Panicked(msg) => {
                 format!("guest panicked: {}", hyptrace_output::escape_guest_str(msg))
@@ -659,7 +695,7 @@ impl fmt::Display for RunReport {
             }
         } else if self.cpus.iter().any(|r| r.stats.lost > 0) {
             writeln!(f, "hyptrace: hint: {}", loss_hint(self.mode))?;
-            for why in self.loss_causes() {
+            for why in self.loss_causes().into_iter().chain(self.lateness_hint()) {
                 writeln!(f, "hyptrace: hint: {why}")?;
             }
         }
@@ -902,6 +938,7 @@ mod tests {
             clock: None,
             host_events: None,
             host_trace: None,
+            verbose: true,
         }
     }
 
@@ -967,6 +1004,65 @@ mod tests {
         assert!(text.contains("2.5 ms behind"), "{text}");
         // An answer before the vCPU entered changes nothing.
         assert_eq!(r.timing.workload_start(answered), answered);
+    }
+
+    /// Issue 26: lateness is one hint line, only when a CPU lost events; each vCPU's
+    /// with `-v`; never a "0.0 ms" schedule (a run too short to have one).
+    #[test]
+    fn lateness_is_one_hint_and_only_with_a_loss() {
+        let late = VcpuOutcome::Finished(crate::vmm::vcpu::VcpuStats {
+            tsc_start: 5,
+            tsc_end: 5 + 13_000_000, // 13 ms: 3 ms behind a 10 ms schedule
+            mailbox_served: 0,
+        });
+        let cpu = |lost: u64| CpuReport {
+            finished: true,
+            attempted: Some(10),
+            skipped: Some(0),
+            attempts_problem: None,
+            written: 10,
+            stats: hyptrace_reader::CpuStats {
+                written: 10,
+                read: 10 - lost,
+                overrun: lost,
+                lost,
+                ..Default::default()
+            },
+            error: None,
+        };
+        let run = |lost: u64, verbose: bool| {
+            let mut r = report(vec![cpu(0), cpu(lost)], vec![late.clone(), late.clone()]);
+            r.echo.rate = 1000; // 10 events: a 10 ms schedule
+            r.verbose = verbose;
+            r.to_string()
+        };
+        let quiet = run(0, false);
+        assert!(!quiet.contains("behind"), "a loss-free run: {quiet}");
+        let lossy = run(2, false);
+        let lines: Vec<&str> = lossy.lines().filter(|l| l.contains("behind")).collect();
+        assert_eq!(
+            lines,
+            ["hyptrace: hint: 2 of 2 vCPUs ran behind their --rate schedule (up to 3.0 ms): held off their cores (a pacing guest catches up at most 200 µs), the reader likely was too; -v shows each"],
+            "{lossy}"
+        );
+        let verbose = run(0, true);
+        assert_eq!(
+            verbose
+                .matches("3.0 ms behind its --rate schedule of 10.0 ms")
+                .count(),
+            2,
+            "{verbose}"
+        );
+        assert!(!verbose.contains("hint"), "{verbose}");
+        // 1 event at 1 000 000/s: a 1 µs schedule is none to show.
+        let mut r = report(vec![cpu(2)], vec![late.clone()]);
+        r.echo.events = 1;
+        r.echo.rate = 1_000_000;
+        let text = r.to_string();
+        assert!(
+            !text.contains("behind") && !text.contains("0.0 ms"),
+            "{text}"
+        );
     }
 
     /// Issue 8 defect 4: guest counters at the top of u64 made the summary's sums

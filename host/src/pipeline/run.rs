@@ -915,6 +915,7 @@ impl Live<'_> {
             clock: Some(clock.stats()),
             host_events,
             host_trace,
+            verbose: log::log_enabled!(log::Level::Info),
         })
     }
 
