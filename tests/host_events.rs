@@ -43,7 +43,7 @@ fn check_interleaving(evs: &[Event], what: &str) {
                 seq.push(if s % 2 == 0 { "before" } else { "after" }.into());
             } else if e.cpu == VCPUS && e.name == "vcpu_exit" {
                 assert_eq!(e.comm, "vmm", "{what}: {e:?}");
-                assert_eq!(e.field("reason"), Some("2"), "{what}: an I/O exit: {e:?}");
+                assert_eq!(e.field("reason"), Some("io"), "{what}: an I/O exit: {e:?}");
                 if e.field("vcpu") == Some(&v.to_string()) {
                     let port = e.field("port").map(str::to_string);
                     let hex = |p: u16| Some(format!("{p:#x}"));

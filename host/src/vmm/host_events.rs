@@ -49,6 +49,20 @@ pub const KVM_EXIT_INTERNAL_ERROR: u32 = 17;
 /// Any other exit.
 pub const KVM_EXIT_UNKNOWN: u32 = 0;
 
+/// The name of each `KVM_EXIT_*` reason `vmm:vcpu_exit` records (its print fmt's
+/// `__print_symbolic` table: text output and trace-cmd print the name, the record keeps
+/// the number; docs/design.md "Host events").
+pub const EXIT_REASONS: [(u32, &str); 8] = [
+    (KVM_EXIT_UNKNOWN, "other"),
+    (KVM_EXIT_IO, "io"),
+    (KVM_EXIT_HLT, "hlt"),
+    (KVM_EXIT_MMIO, "mmio"),
+    (KVM_EXIT_SHUTDOWN, "shutdown"),
+    (KVM_EXIT_FAIL_ENTRY, "fail_entry"),
+    (KVM_EXIT_INTR, "intr"),
+    (KVM_EXIT_INTERNAL_ERROR, "internal_error"),
+];
+
 /// Payload size of every VMM event: common header (8) + three u32 + pad.
 const PAYLOAD: usize = 24;
 /// Pages of the VMM's ring.
@@ -71,12 +85,20 @@ pub fn formats() -> Vec<EventFormat> {
         fields,
         print_fmt: fmt.into(),
     };
+    let reasons: Vec<String> = EXIT_REASONS
+        .iter()
+        .map(|(n, name)| format!("{{ {n}, \"{name}\" }}"))
+        .collect();
+    let exit_fmt = format!(
+        "\"vcpu=%u reason=%s port=0x%x\", REC->vcpu, __print_symbolic(REC->reason, {}), REC->port",
+        reasons.join(", ")
+    );
     vec![
         ev(
             ID_EXIT,
             "vcpu_exit",
             vec![f("vcpu", 8), f("reason", 12), f("port", 16)],
-            "\"vcpu=%u reason=%u port=0x%x\", REC->vcpu, REC->reason, REC->port",
+            &exit_fmt,
         ),
         ev(
             ID_SWAP,
@@ -268,5 +290,30 @@ mod tests {
         assert_eq!(n, 10);
         let f = formats();
         assert!(f.iter().all(|e| e.system == SYSTEM));
+    }
+
+    /// Issue 26: `vmm:vcpu_exit` prints its reason by name (the record keeps the
+    /// number); a reason outside the table prints as hex, as the kernel's would.
+    #[test]
+    fn exit_reasons_print_by_name() {
+        let exit = formats()
+            .into_iter()
+            .find(|f| f.id == ID_EXIT)
+            .expect("vcpu_exit");
+        let p = hyptrace_output::EventPrinter::new(exit);
+        assert!(p.print_fmt_supported(), "{:?}", p.unsupported_reason());
+        let line = |reason: u32| {
+            let mut payload = vec![0u8; PAYLOAD];
+            payload[8..12].copy_from_slice(&1u32.to_le_bytes());
+            payload[12..16].copy_from_slice(&reason.to_le_bytes());
+            payload[16..20].copy_from_slice(&0x510u32.to_le_bytes());
+            let mut out = String::new();
+            assert!(p.format_fields(&mut out, &payload));
+            out
+        };
+        assert_eq!(line(KVM_EXIT_IO), "vcpu=1 reason=io port=0x510");
+        assert_eq!(line(KVM_EXIT_INTR), "vcpu=1 reason=intr port=0x510");
+        assert_eq!(line(KVM_EXIT_UNKNOWN), "vcpu=1 reason=other port=0x510");
+        assert_eq!(line(99), "vcpu=1 reason=0x63 port=0x510");
     }
 }
