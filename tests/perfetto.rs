@@ -3,7 +3,7 @@
 //! (perfetto_trace_pb2 from the `perfetto` PyPI package, through
 //! crates/output/tests/perfetto_decode.py; skipped without it unless
 //! HYPTRACE_REQUIRE_PERFETTO=1): every packet decodes, one thread track per vCPU under
-//! the "guest" process, events per vCPU == the run's `read`, lost counts on the track ==
+//! the "hyptrace guest" process, events per vCPU == the run's `read`, lost counts on the track ==
 //! the run's `lost` (trailing losses included), slices balanced, fields as args.
 
 use hyptrace::env::{self, kvm_available, perfetto_available, vm_lock, TempDir};
@@ -50,7 +50,7 @@ fn record_and_check(
         serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
     let v = decode(&out, false);
     let cpus = s["cpus"].as_array().unwrap();
-    assert_eq!(v["process"]["name"], "guest", "{name}");
+    assert_eq!(v["process"]["name"], "hyptrace guest", "{name}");
     assert_eq!(v["clocks"][0][0], 64, "{name}");
     let threads = v["threads"].as_object().unwrap();
     assert_eq!(threads.len(), cpus.len(), "{name}: {v}");

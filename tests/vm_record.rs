@@ -409,7 +409,10 @@ fn record_chrome_json() {
             let ph = e["ph"].as_str().expect("ph");
             let ev_name = e["name"].as_str().expect("name");
             match (ph, ev_name) {
-                ("M", "process_name") => {}
+                ("M", "process_name") => {
+                    // The name Perfetto's process track has too.
+                    assert_eq!(e["args"]["name"], "hyptrace guest", "{name}");
+                }
                 ("M", "thread_name") => {
                     assert_eq!(e["args"]["name"], format!("vcpu{tid}"), "{name}");
                     threads.push(tid);

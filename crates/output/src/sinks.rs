@@ -355,7 +355,8 @@ impl JsonSink {
         };
         s.raw("{\"traceEvents\":[\n")?;
         s.entry(&format!(
-            "{{\"name\":\"process_name\",\"ph\":\"M\",\"ts\":0,\"pid\":{JSON_PID},\"tid\":0,\"args\":{{\"name\":\"vm\"}}}}"
+            "{{\"name\":\"process_name\",\"ph\":\"M\",\"ts\":0,\"pid\":{JSON_PID},\"tid\":0,\"args\":{{\"name\":{}}}}}",
+            json_str(crate::perfetto::PROCESS_NAME)
         ))?;
         for cpu in 0..s.meta.nr_cpus {
             let name = s

@@ -9,7 +9,7 @@
 //!    clears the incremental state and interns every event name, category and field
 //!    name of the formats (known up front), which the events refer to by iid
 //!    (`SEQ_NEEDS_INCREMENTAL_STATE`);
-//! 2. a process track [`PROCESS_UUID`] "guest" (pid [`crate::JSON_PID`]) and one thread
+//! 2. a process track [`PROCESS_UUID`] [`PROCESS_NAME`] (pid [`crate::JSON_PID`]) and one thread
 //!    track per vCPU ([`vcpu_track_uuid`], tid = the vCPU's pid, named from the cmdlines);
 //! 3. per event, on its vCPU's track (`--host-trace`: the host kernel's
 //!    `sched:sched_switch` / `sched_wakeup` instead go out as an `FtraceEventBundle`
@@ -57,10 +57,10 @@ use protos::{
 pub const SEQUENCE_ID: u32 = 1;
 /// The sequence-scoped clock of the packets' timestamps (ns of hyptrace's trace clock).
 pub const CLOCK_ID: u32 = 64;
-/// uuid of the "guest" process track.
+/// uuid of the process track ([`PROCESS_NAME`]).
 pub const PROCESS_UUID: u64 = 1;
-/// Name of the process track.
-pub const PROCESS_NAME: &str = "guest";
+/// Name of the process track, in Perfetto and Chrome JSON alike.
+pub const PROCESS_NAME: &str = "hyptrace guest";
 
 /// uuid of vCPU `cpu`'s thread track.
 pub fn vcpu_track_uuid(cpu: u32) -> u64 {
