@@ -1201,3 +1201,44 @@ fn lost_events_come_with_a_hint() {
         );
     }
 }
+
+/// Issue 26: every command that takes `--format` names each format in its `--help`
+/// (the commands and the formats both from the code: clap's command tree and
+/// `FormatArg`'s value names), and `dump`'s usage shows both of its sources.
+#[test]
+fn every_format_command_help_names_every_format() {
+    use clap::{CommandFactory, ValueEnum};
+    let formats: Vec<String> = hyptrace_host::drain::sink::FormatArg::value_variants()
+        .iter()
+        .filter_map(|f| f.to_possible_value())
+        .map(|v| v.get_name().to_string())
+        .collect();
+    assert!(formats.len() >= 6, "{formats:?}");
+    let cli = hyptrace_host::cli::Cli::command();
+    let takers: Vec<String> = cli
+        .get_subcommands()
+        .filter(|c| c.get_arguments().any(|a| a.get_id() == "format"))
+        .map(|c| c.get_name().to_string())
+        .collect();
+    for want in ["record", "convert", "dump"] {
+        assert!(takers.iter().any(|t| t == want), "{want}: {takers:?}");
+    }
+    for cmd in &takers {
+        let out = env::run(BIN, &[cmd.as_str(), "--help"]);
+        assert_eq!(out.status.code(), Some(0), "{cmd}");
+        let help = env::stdout(&out);
+        for f in &formats {
+            assert!(
+                help.contains(&format!("- {f}:")),
+                "{cmd} --help lacks {f}:\n{help}"
+            );
+        }
+    }
+    let out = env::run(BIN, &["dump"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = env::stderr(&out);
+    assert!(
+        err.contains("--trace-mem <PATH>|--attach <SOCKET>"),
+        "dump's usage: {err}"
+    );
+}

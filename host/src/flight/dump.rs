@@ -26,17 +26,19 @@ use hyptrace_reader::trace_file;
 use crate::drain::sink::FormatArg;
 use crate::exit::{EXIT_OK, EXIT_RUNTIME, EXIT_USAGE};
 
-/// Options of `hyptrace dump`.
+/// Options of `hyptrace dump`: exactly one of `--trace-mem` and `--attach` (one group,
+/// so the usage shows both forms).
 #[derive(Clone, Debug, Args)]
+#[command(group(
+    clap::ArgGroup::new("source")
+        .required(true)
+        .multiple(false)
+        .args(["trace_mem", "attach"])
+))]
 pub struct DumpArgs {
     /// The trace memory file a VMM ran with (`run`/`record --trace-mem PATH`), killed,
     /// crashed or finished.
-    #[arg(
-        long = "trace-mem",
-        value_name = "PATH",
-        required_unless_present = "attach",
-        conflicts_with = "attach"
-    )]
+    #[arg(long = "trace-mem", value_name = "PATH")]
     pub trace_mem: Option<PathBuf>,
     /// Live attach: read a running VMM's rings through its control socket (the VMM runs
     /// `--drain none --trace-mem FILE --control SOCKET`; one consumer at a time).
