@@ -125,3 +125,49 @@ fn compression_only_for_dat() {
     env::assert_usage_error(&o, "lz4", "lz4");
     assert!(dir.entries().is_empty(), "{:?}", dir.entries());
 }
+
+/// `convert --compression` as `record`'s (issue 26): a v7 trace.dat is zstd unless
+/// `none` is asked, both print the same lines; another format refuses it (exit 2, no
+/// file).
+#[test]
+fn convert_takes_compression() {
+    let dir = TempDir::new("convert-compression");
+    let input = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/kernel/net-v6.dat"
+    );
+    let mut lines = Vec::new();
+    for (c, want) in [
+        (None, "zstd"),
+        (Some("none"), "none"),
+        (Some("zstd"), "zstd"),
+    ] {
+        let out = dir.file(&format!("{want}-{}.dat", c.is_some()));
+        let mut args = vec!["convert", "-i", input, "-o", &out];
+        args.extend(c.map(|c| ["--compression", c]).iter().flatten());
+        let o = env::run(BIN, &args);
+        assert_eq!(o.status.code(), Some(0), "{args:?}: {}", env::stderr(&o));
+        let f = hyptrace_output::TraceFile::open(&out).unwrap();
+        assert_eq!(
+            f.compression.as_ref().map(|c| c.0.as_str()),
+            Some(want),
+            "{args:?}"
+        );
+        lines.push(report(BIN, &["report", "-i", &out]));
+    }
+    assert!(
+        lines.iter().all(|l| *l == lines[0]),
+        "the three files print alike"
+    );
+    let json = dir.file("x.json");
+    let o = env::run(
+        BIN,
+        &["convert", "-i", input, "-o", &json, "--compression", "zstd"],
+    );
+    env::assert_usage_error(
+        &o,
+        "json",
+        "--compression zstd applies to --format dat only",
+    );
+    assert!(!std::path::Path::new(&json).exists());
+}

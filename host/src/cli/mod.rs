@@ -19,7 +19,7 @@ use hyptrace_output::OutputError;
 
 use crate::drain::signals::{Interrupts, SignalError};
 use crate::drain::sink::{
-    check_destination, format_for, write_destination, CompressionArg, DestinationError, FormatArg,
+    check_destination, compression_for, format_for, write_destination, DestinationError, FormatArg,
 };
 use crate::exit::{EXIT_ABORT, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE};
 use crate::pipeline::options::{
@@ -250,17 +250,8 @@ pub fn run(a: &RunArgs) -> Result<i32, CliError> {
 /// `hyptrace record`.
 pub fn record(a: &RecordArgs) -> Result<i32, CliError> {
     let format = format_for(a.format, &a.output, "-o")?;
-    let compression = match (format, a.compression) {
-        (FormatArg::Dat, c) => c.unwrap_or(CompressionArg::Zstd).into(),
-        (_, None | Some(CompressionArg::None)) => hyptrace_output::Compression::None,
-        (f, Some(c)) => {
-            return Err(CliError::Args(format!(
-                "--compression {} applies to --format dat only, not {}",
-                format!("{c:?}").to_lowercase(),
-                format!("{f:?}").to_lowercase()
-            )))
-        }
-    };
+    let compression =
+        compression_for(format, a.compression).map_err(|e| CliError::Args(e.to_string()))?;
     execute(&a.run, Some((&a.output, format, compression)))
 }
 

@@ -47,6 +47,36 @@ impl From<CompressionArg> for hyptrace_output::Compression {
     }
 }
 
+/// `--compression zstd` asked of a format other than a v7 trace.dat (exit 2).
+#[derive(Debug, thiserror::Error)]
+#[error("--compression {compression} applies to --format dat only, not {format}")]
+pub struct CompressionMismatch {
+    /// The compression asked for.
+    pub compression: String,
+    /// The output's format.
+    pub format: String,
+}
+
+/// The compression of an output of `format` (`record`/`convert --compression`): a v7
+/// trace.dat is zstd-compressed unless `none` is asked (like trace-cmd); no other
+/// format is compressed, and asking to is refused.
+pub fn compression_for(
+    format: FormatArg,
+    compression: Option<CompressionArg>,
+) -> Result<hyptrace_output::Compression, CompressionMismatch> {
+    let name = |v: Option<clap::builder::PossibleValue>| {
+        v.map_or_else(String::new, |p| p.get_name().to_string())
+    };
+    match (format, compression) {
+        (FormatArg::Dat, c) => Ok(c.unwrap_or(CompressionArg::Zstd).into()),
+        (_, None | Some(CompressionArg::None)) => Ok(hyptrace_output::Compression::None),
+        (f, Some(c)) => Err(CompressionMismatch {
+            compression: name(c.to_possible_value()),
+            format: name(f.to_possible_value()),
+        }),
+    }
+}
+
 /// An output path that cannot receive an output, and why.
 #[derive(Debug, thiserror::Error)]
 #[error("cannot write {path} ({flag}): {source}", path = .path.display())]

@@ -54,6 +54,9 @@ pub enum ConvertError {
         /// "printed" or "converted".
         done: &'static str,
     },
+    /// `--compression` asked of a format that is not compressed (exit 2).
+    #[error(transparent)]
+    Compression(#[from] crate::drain::sink::CompressionMismatch),
     /// The trace.dat is damaged where nothing after the damage can be found (its file
     /// header, its options chain, its CPU table): nothing was read (exit 1).
     #[error("{0}")]
@@ -64,7 +67,7 @@ impl ConvertError {
     /// 2 for bad input or an unusable output path, else 1.
     pub fn exit_code(&self) -> i32 {
         match self {
-            Self::Input(_) | Self::Destination(_) => crate::exit::EXIT_USAGE,
+            Self::Input(_) | Self::Destination(_) | Self::Compression(_) => crate::exit::EXIT_USAGE,
             Self::Write(_) | Self::Output(_) | Self::Damaged { .. } | Self::Unreadable(_) => {
                 crate::exit::EXIT_RUNTIME
             }
@@ -534,18 +537,14 @@ fn check_raw_formats(f: &TraceFile, path: &Path) -> Result<(), ConvertError> {
 /// `hyptrace convert`.
 pub fn convert(a: &ConvertArgs) -> Result<(), ConvertError> {
     let format = format_for(a.format, &a.output, "-o")?;
+    let compression = crate::drain::sink::compression_for(format, a.compression)?;
     let input = open_input(&a.input)?;
     let target = check_destination(&a.output, "-o")?;
     let mut damage = 0usize;
     let r = match input {
         Input::Raw(reader) => {
-            let sink = crate::drain::sink::make_sink(
-                &target,
-                format,
-                hyptrace_output::Compression::Zstd,
-                reader.meta(),
-            )
-            .map_err(ConvertError::Output)?;
+            let sink = crate::drain::sink::make_sink(&target, format, compression, reader.meta())
+                .map_err(ConvertError::Output)?;
             reader.replay(sink, |_| true)
         }
         Input::TraceDat(f, n) => {
@@ -553,13 +552,8 @@ pub fn convert(a: &ConvertArgs) -> Result<(), ConvertError> {
             if format == FormatArg::Raw {
                 check_raw_formats(&f, &a.input)?;
             }
-            let sink = crate::drain::sink::make_sink(
-                &target,
-                format,
-                hyptrace_output::Compression::Zstd,
-                meta_of(&f),
-            )
-            .map_err(ConvertError::Output)?;
+            let sink = crate::drain::sink::make_sink(&target, format, compression, meta_of(&f))
+                .map_err(ConvertError::Output)?;
             pump_pages(&f, sink, &mut |d| {
                 damage += 1;
                 warn_damage(&a.input, &d);

@@ -235,6 +235,10 @@ pub struct ConvertArgs {
     /// Output format [default: from the extension of -o, as `record`].
     #[arg(long, value_enum)]
     pub format: Option<FormatArg>,
+    /// Compression of a trace.dat v7 (`--format dat`) [default: zstd, like trace-cmd];
+    /// `none` writes the pages uncompressed. Other formats are never compressed.
+    #[arg(long, value_enum, value_name = "C")]
+    pub compression: Option<CompressionArg>,
 }
 
 /// Options of `hyptrace list`.
