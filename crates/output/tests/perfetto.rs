@@ -102,7 +102,7 @@ fn perfetto_decodes_with_the_official_schema() {
     assert_eq!(v["primary_clock"], json!(6));
     assert_eq!(
         v["process"],
-        json!({"uuid": PROCESS_UUID, "pid": 1, "name": "guest"})
+        json!({"uuid": PROCESS_UUID, "pid": 1, "name": "hyptrace guest"})
     );
     for cpu in 0..NR {
         let c = cpu as usize;
