@@ -371,7 +371,9 @@ fn execute(
         run = run.control(c);
     }
     let report = run.execute()?;
-    let _ = write!(std::io::stderr(), "{report}");
+    if !report.quiet_end() {
+        let _ = write!(std::io::stderr(), "{report}");
+    }
     let code = report.exit_code();
     if let Some(st) = &stats {
         match write_destination(st, &report.stats_json(code)) {

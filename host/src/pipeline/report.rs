@@ -395,6 +395,12 @@ fn outcome_name(o: Option<&VcpuOutcome>) -> &'static str {
 }
 
 impl RunReport {
+    /// A closed stdout (`| head`) that ended a complete run ends it quietly: nothing on
+    /// stderr (like `trace-cmd report | head`), unless `-v`; `--stats` still has it all.
+    pub fn quiet_end(&self) -> bool {
+        matches!(self.stop, Some(Stop::StdoutClosed)) && !self.verbose && self.exit_code() == 0
+    }
+
     /// The exit code: 1 if a vCPU failed on the host side, a read or the output failed,
     /// or the accounting does not balance; else 3 if the guest crashed; else 0.
     pub fn exit_code(&self) -> i32 {
