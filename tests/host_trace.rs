@@ -109,47 +109,82 @@ fn switch_pids(rest: &str) -> Option<(i64, i64)> {
     Some((pid(prev)?, pid(next)?))
 }
 
+/// The pids the kernel switched to but never reported switching away from: this
+/// host's kernel emits no sched_switch at all whose `prev` is certain tasks (seen:
+/// a `tokio-rt-worker` at nice -10, switched to 75 times and from 0 times in one run,
+/// without `--host-trace-all`'s pid filter too, no loss counted), so a thread switched
+/// back in after one of them shows no switch-in.
+fn never_left(lines: &[Line]) -> std::collections::BTreeSet<i64> {
+    let mut to = std::collections::BTreeSet::new();
+    let mut from = std::collections::BTreeSet::new();
+    for l in lines.iter().filter(|l| l.name == "sched_switch") {
+        if let Some((prev, next)) = switch_pids(&l.rest) {
+            from.insert(prev);
+            to.insert(next);
+        }
+    }
+    to.difference(&from).copied().collect()
+}
+
 /// Every gap over [`GAP_NS`] between two guest events of vCPU `v` holds a switch out
-/// of its thread `tid` and a switch back in after it. Returns (gaps, switches out).
-fn check_gaps(lines: &[Line], v: u32, tid: i64) -> (usize, usize) {
+/// of its thread `tid` and a switch back in after it — unless the kernel did not report
+/// the switch in: the run counted no loss (`lossy` false), the trace has tasks never
+/// reported leaving ([`never_left`]), and the thread's next switch after its switch out
+/// is another switch out (the host stream itself shows it was back in). Returns
+/// (gaps, switches out, gaps whose switch-in the kernel did not report).
+fn check_gaps(lines: &[Line], v: u32, tid: i64, lossy: bool) -> (usize, usize, usize) {
     let guest: Vec<u128> = lines
         .iter()
         .filter(|l| l.cpu == v && l.name == "marker")
         .map(|l| l.ts)
         .collect();
     assert!(!guest.is_empty(), "vCPU {v}: no guest events");
+    let silent = never_left(lines);
+    // (time, next pid) of the thread's switches out; times of its switches in.
     let mut outs = Vec::new();
     let mut ins = Vec::new();
     for l in lines.iter().filter(|l| l.name == "sched_switch") {
         let (prev, next) =
             switch_pids(&l.rest).unwrap_or_else(|| panic!("sched_switch fields: {l:?}"));
         if prev == tid {
-            outs.push(l.ts);
+            outs.push((l.ts, next));
         }
         if next == tid {
             ins.push(l.ts);
         }
     }
-    let mut gaps = 0;
+    let (mut gaps, mut unseen) = (0, 0);
     for w in guest.windows(2) {
         let (a, b) = (w[0], w[1]);
         if b - a <= GAP_NS {
             continue;
         }
         gaps += 1;
-        let out = outs.iter().find(|&&t| a <= t && t <= b);
-        let back = out.and_then(|&o| ins.iter().find(|&&t| o <= t && t <= b));
+        let out = outs.iter().find(|&&(t, _)| a <= t && t <= b);
+        let back = out.and_then(|&(o, _)| ins.iter().find(|&&t| o <= t && t <= b));
+        // The thread's next switch after its switch out in the gap is another switch
+        // out: it was switched back in unseen — by a task the kernel never reports
+        // leaving (there are such here), with no loss counted.
+        let unreported = back.is_none()
+            && !lossy
+            && !silent.is_empty()
+            && out.is_some_and(|&(o, _)| {
+                let next_out = outs.iter().map(|&(t, _)| t).find(|&t| t > o);
+                let next_in = ins.iter().copied().find(|&t| t > o);
+                next_out.is_some_and(|no| next_in.is_none_or(|i| no < i))
+            });
         let near: Vec<&Line> = lines
             .iter()
             .filter(|l| l.name == "sched_switch" && a <= l.ts + GAP_NS && l.ts <= b + GAP_NS)
             .collect();
         assert!(
-            back.is_some(),
-            "vCPU {v} (tid {tid}): guest gap {a}..{b} ({} µs) without its thread switched out and back in (out {out:?}); host switches around it: {near:#?}",
+            back.is_some() || unreported,
+            "vCPU {v} (tid {tid}): guest gap {a}..{b} ({} µs) without its thread switched out and back in (out {out:?}), nor switched in unseen (lossy {lossy}, tasks never reported leaving {silent:?}); host switches around it: {near:#?}",
             (b - a) / 1000
         );
+        unseen += usize::from(unreported);
     }
-    (gaps, outs.len())
+    (gaps, outs.len(), unseen)
 }
 
 /// `record --host-trace sched:sched_switch` next to a CPU hog on the vCPU threads'
@@ -217,12 +252,17 @@ fn trace_dat_shows_vcpu_preemption() {
     }
     for (v, &tid) in (0..VCPUS).zip(&tids) {
         eprintln!("host trace stats: {h}");
-        let (gaps, outs) = check_gaps(&lines, v, tid);
+        let lossy = ["lost", "lost_pages_unknown", "overrun", "dropped"]
+            .iter()
+            .any(|k| h[k].as_u64() != Some(0));
+        let (gaps, outs, unseen) = check_gaps(&lines, v, tid, lossy);
         assert!(
             outs > 0,
             "vCPU {v}: its thread {tid} was never switched out"
         );
-        eprintln!("vCPU {v}: {gaps} gaps over 1 ms, {outs} switches out, all covered");
+        eprintln!(
+            "vCPU {v}: {gaps} gaps over 1 ms, {outs} switches out, all covered ({unseen} switched back in unseen)"
+        );
     }
     check_perfetto(&dir, &dat, &tids, &lines);
 }
@@ -436,6 +476,63 @@ fn run_merges_host_events_in_text() {
         .lines()
         .filter_map(parse)
         .any(|l| l.name == "sched_switch"));
+}
+
+/// The time a Chrome JSON entry sorts at, in ns: `ts`, or `ts + dur` for a complete
+/// (`X`) event, written when it ends. `ts` and `dur` are µs with 3 decimals.
+fn json_sort_ns(e: &serde_json::Value) -> u64 {
+    let ns = |v: &serde_json::Value| (v.as_f64().expect("a number") * 1000.0).round() as u64;
+    ns(&e["ts"]) + if e["ph"] == "X" { ns(&e["dur"]) } else { 0 }
+}
+
+/// `record --host-trace --format json` to stdout: the entries of guest and host CPUs
+/// come in time order (`ts` non-decreasing in file order), with both kinds present.
+#[test]
+fn json_merges_host_events_in_time_order() {
+    if !kvm_available(KRATE, "json_merges_host_events_in_time_order")
+        || !tracefs_available("json_merges_host_events_in_time_order")
+    {
+        return;
+    }
+    let _vm = vm_lock();
+    let out = env::run(
+        BIN,
+        &[
+            "record",
+            "--host-trace",
+            "sched:sched_switch",
+            "--format",
+            "json",
+            "-o",
+            "-",
+            "--vcpus",
+            "2",
+            "--events",
+            "20000",
+            "--rate",
+            "100000",
+        ],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", env::stderr(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON on stdout");
+    let evs: Vec<&serde_json::Value> = v["traceEvents"]
+        .as_array()
+        .expect("traceEvents")
+        .iter()
+        .filter(|e| e["ph"] != "M")
+        .collect();
+    let host = evs.iter().filter(|e| e["name"] == "sched_switch").count();
+    let guest = evs.iter().filter(|e| e["name"] == "marker").count();
+    assert!(host > 0, "no host event");
+    assert_eq!(guest, 2 * 20000);
+    for w in evs.windows(2) {
+        assert!(
+            json_sort_ns(w[0]) <= json_sort_ns(w[1]),
+            "time goes back: {} then {}",
+            w[0],
+            w[1]
+        );
+    }
 }
 
 /// Without tracefs, or with an event the kernel does not have: exit 2, one line naming

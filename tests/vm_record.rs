@@ -358,7 +358,7 @@ fn json_fields(name: &str, args: &serde_json::Value) -> String {
 
 /// Chrome trace-event JSON (by extension and by --format): valid JSON, every entry has
 /// ph, ts, pid, tid, name (X: dur), the exact event count, every field, `lost events`
-/// with exact counts before the events after a loss.
+/// with exact counts before the events after a loss, entries in time order across CPUs.
 #[test]
 fn record_chrome_json() {
     if !kvm_available(KRATE, "record_chrome_json") {
@@ -398,11 +398,20 @@ fn record_chrome_json() {
         let mut printed_lost = [0u64; 2];
         let mut events = [0u64; 2];
         let mut threads = Vec::new();
+        // Time order across CPUs: an entry sorts at `ts`, a span (`X`) at its end.
+        let mut prev_ns = 0u64;
         for e in evs {
             for k in ["ph", "ts", "pid", "tid", "name"] {
                 assert!(e.get(k).is_some(), "{name}: {k} missing in {e}");
             }
             assert!(e["ts"].is_number(), "{name}: {e}");
+            if e["ph"] != "M" {
+                let ns =
+                    |v: &serde_json::Value| (v.as_f64().expect("number") * 1000.0).round() as u64;
+                let at = ns(&e["ts"]) + if e["ph"] == "X" { ns(&e["dur"]) } else { 0 };
+                assert!(at >= prev_ns, "{name}: time goes back at {e}");
+                prev_ns = at;
+            }
             assert_eq!(e["pid"], 1, "{name}: {e}");
             let tid = e["tid"].as_u64().expect("tid") as usize;
             assert!(tid < 2, "{name}: {e}");

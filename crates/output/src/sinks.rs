@@ -313,6 +313,12 @@ fn json_args(f: &EventFormat, payload: &[u8]) -> serde_json::Map<String, serde_j
 /// `guest:span` (the span event is written when the span ends: `ts = event − dur`,
 /// `dur` converted from TSC cycles), instant `lost events` markers (args `count`),
 /// timestamps in µs with 3 decimals (ns precision).
+///
+/// Entries are written in time order across CPUs (`ts` non-decreasing in file order;
+/// a `guest:span` sorts at its end, `ts + dur`), with the one [`Merger`] of the text
+/// sink and `hyptrace run`, under the same bound ([`MergeWindow::DEFAULT`]): past it,
+/// a `merge window exceeded` instant (args `held`, `lagging_cpu`) and the oldest
+/// entries are written, as [`TextSink`] does.
 pub struct JsonSink {
     meta: TraceMeta,
     out: Option<Out>,
@@ -320,6 +326,12 @@ pub struct JsonSink {
     first: bool,
     /// Per CPU: raw time of its last event (or lossy page).
     last: Vec<u64>,
+    /// Formatted entries waiting for the watermark, keyed by their time in ns.
+    merger: Merger<String>,
+    /// Where released entries are gathered before a write.
+    buf: String,
+    /// Time of the last entry released (where a window marker goes).
+    released_ns: u64,
 }
 
 /// The JSON `pid` of the VM.
@@ -349,6 +361,9 @@ impl JsonSink {
         let mut s = Self {
             scratch: vec![0; meta.page_size],
             last: vec![0; meta.nr_cpus as usize],
+            merger: Merger::with_window(meta.nr_cpus as usize, MergeWindow::DEFAULT),
+            buf: String::new(),
+            released_ns: 0,
             meta,
             out: Some(out),
             first: true,
@@ -386,6 +401,69 @@ impl JsonSink {
         self.raw(sep)?;
         self.raw(e)
     }
+
+    /// Writes, in time order, every queued entry the merger releases (all of them when
+    /// `all`), and the window marker if it is exceeded.
+    fn release(&mut self, all: bool) -> Result<(), OutputError> {
+        let Some(out) = self.out.as_mut() else {
+            return Ok(());
+        };
+        let buf = &mut self.buf;
+        buf.clear();
+        let first = &mut self.first;
+        let released = &mut self.released_ns;
+        let mut err = None;
+        let mut put = |e: &str, buf: &mut String| {
+            if !std::mem::replace(first, false) {
+                buf.push_str(",\n");
+            }
+            buf.push_str(e);
+            if buf.len() >= 1 << 16 && err.is_none() {
+                err = out.write_all(buf.as_bytes()).err();
+                buf.clear();
+            }
+        };
+        if all {
+            self.merger.drain(|_, _, item| {
+                if let Merged::Event(e) = item {
+                    put(&e, buf);
+                }
+            });
+        } else {
+            self.merger.release(|r| match r {
+                Released::Item {
+                    ts,
+                    item: Merged::Event(e),
+                    ..
+                } => {
+                    *released = ts;
+                    put(&e, buf);
+                }
+                Released::Item { .. } => {}
+                Released::WindowExceeded { held, lagging } => {
+                    let lagging = lagging.map_or_else(|| "null".to_string(), |c| c.to_string());
+                    put(
+                        &format!(
+                            "{{\"name\":\"merge window exceeded\",\"cat\":\"hyptrace\",\"ph\":\"i\",\"s\":\"g\",\"ts\":{},\"pid\":{JSON_PID},\"tid\":0,\"args\":{{\"held\":{held},\"lagging_cpu\":{lagging}}}}}",
+                            us(*released)
+                        ),
+                        buf,
+                    );
+                }
+            });
+        }
+        if let Some(e) = err {
+            return Err(e);
+        }
+        out.write_all(buf.as_bytes())
+    }
+
+    /// Queues entry `e` of `cpu` at `ns` (its length counts against the window).
+    fn queue(&mut self, cpu: u32, ns: u64, e: String) {
+        let n = e.len();
+        self.merger
+            .push_sized(cpu as usize, ns, Merged::Event(e), n);
+    }
 }
 
 impl PageSink for JsonSink {
@@ -393,9 +471,22 @@ impl PageSink for JsonSink {
         self.meta.check_page(cpu, page)?;
         export_page_into(cpu, page, missed, &mut self.scratch)?;
         let scratch = std::mem::take(&mut self.scratch);
-        let r = self.page_inner(cpu, &scratch);
+        self.page_inner(cpu, &scratch);
         self.scratch = scratch;
-        r
+        if self.merger.last(cpu as usize).is_none() {
+            // A page without events still tells that this CPU delivers.
+            self.merger.advance(cpu as usize, 0);
+        }
+        self.release(false)
+    }
+
+    /// Entries of other CPUs up to `ts` no longer wait for `cpu`.
+    fn quiet(&mut self, cpu: u32, ts: u64) -> Result<(), OutputError> {
+        if self.out.is_none() || cpu >= self.meta.nr_cpus {
+            return Ok(());
+        }
+        self.merger.advance(cpu as usize, self.meta.clock.to_ns(ts));
+        self.release(false)
     }
 
     /// A `lost events` instant (args `count`) at the time of the CPU's last event.
@@ -409,10 +500,12 @@ impl PageSink for JsonSink {
         if lost == 0 {
             return Ok(());
         }
-        self.lost_entry(cpu, ts, &format!("{{\"count\":{lost}}}"))
+        self.lost_entry(cpu, ts, &format!("{{\"count\":{lost}}}"));
+        self.release(false)
     }
 
     fn finish(mut self: Box<Self>, _summary: &RunSummary) -> Result<(), OutputError> {
+        self.release(true)?;
         self.raw("\n],\"displayTimeUnit\":\"ns\"}\n")?;
         match self.out.take() {
             Some(o) => o.close(),
@@ -422,15 +515,19 @@ impl PageSink for JsonSink {
 }
 
 impl JsonSink {
-    fn lost_entry(&mut self, cpu: u32, ts: u64, args: &str) -> Result<(), OutputError> {
+    fn lost_entry(&mut self, cpu: u32, ts: u64, args: &str) {
         let ns = self.meta.clock.to_ns(ts);
-        self.entry(&format!(
+        // Never before the CPU's last queued entry (a trailing loss at its last event).
+        let ns = ns.max(self.merger.last(cpu as usize).unwrap_or(0));
+        let e = format!(
             "{{\"name\":\"lost events\",\"cat\":\"hyptrace\",\"ph\":\"i\",\"s\":\"t\",\"ts\":{},\"pid\":{JSON_PID},\"tid\":{cpu},\"args\":{args}}}",
             us(ns)
-        ))
+        );
+        self.queue(cpu, ns, e);
     }
 
-    fn page_inner(&mut self, cpu: u32, page: &[u8]) -> Result<(), OutputError> {
+    /// Queues the entries of one exported page.
+    fn page_inner(&mut self, cpu: u32, page: &[u8]) {
         let (page_ts, events, _err) = page_events(page);
         let clock = self.meta.clock.clone();
         match page_missed(page) {
@@ -441,7 +538,7 @@ impl JsonSink {
                     _ => "{\"count\":null}".into(),
                 };
                 let ts = events.first().map_or(page_ts, |e| e.0);
-                self.lost_entry(cpu, ts, &args)?;
+                self.lost_entry(cpu, ts, &args);
             }
         }
         if let Some(&(ts, _)) = events.last() {
@@ -488,9 +585,8 @@ impl JsonSink {
                     us(ts_ns)
                 )
             };
-            self.entry(&e)?;
+            self.queue(cpu, ts_ns, e);
         }
-        Ok(())
     }
 }
 

@@ -19,7 +19,7 @@ use std::io::{ErrorKind, Read};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -54,6 +54,9 @@ pub const IDLE_POLL: Duration = Duration::from_millis(2);
 pub const QUIET_MARGIN_MS: u64 = 1;
 /// Longest the reader thread goes on reading after it was told to stop.
 pub const FINAL_READ_MAX: Duration = Duration::from_secs(5);
+/// Longest the final read waits for the next page before it looks whether the run was
+/// aborted (a second Ctrl-C must end it within 1 s).
+pub const FINAL_READ_POLL: Duration = Duration::from_millis(50);
 /// How long [`HostTrace::start`] waits for the vCPU threads to be named.
 pub const TID_WAIT: Duration = Duration::from_secs(2);
 
@@ -496,6 +499,8 @@ pub enum Fed {
 #[derive(Debug, Default)]
 struct FeedShared {
     stop: AtomicBool,
+    /// Nobody wants what is left (an abort, the feed dropped): the thread ends at once.
+    abandon: AtomicBool,
     pages: AtomicU64,
     events: AtomicU64,
     error: std::sync::Mutex<Option<String>>,
@@ -521,6 +526,9 @@ impl Pump {
         let mut buf = vec![0u8; self.kernel_page];
         let mut stopped_at: Option<Instant> = None;
         loop {
+            if self.shared.abandon.load(Ordering::Acquire) {
+                return;
+            }
             let stopping = self.shared.stop.load(Ordering::Acquire);
             if stopping {
                 // Recording is off by then; should it not be (the write to tracing_on
@@ -539,6 +547,9 @@ impl Pump {
                 // Bounded per CPU per round: a ring refilled as fast as it is read does
                 // not starve the others.
                 for _ in 0..64 {
+                    if self.shared.abandon.load(Ordering::Acquire) {
+                        return;
+                    }
                     match self.read_one(cpu, &mut buf) {
                         Ok(true) => any = true,
                         Ok(false) => break,
@@ -631,6 +642,17 @@ pub struct HostCpuLoss {
     pub dropped: u64,
 }
 
+/// One step of the final read ([`HostTraceFeed::next_final`]).
+#[derive(Debug)]
+pub enum FinalRead {
+    /// An item.
+    Item(Fed),
+    /// Nothing within the wait; the thread is still reading.
+    Waiting,
+    /// The thread has read everything (or ended).
+    Done,
+}
+
 /// A recording instance and its reader thread; the session takes its pages. Dropping
 /// it stops the thread and removes the instance (H1).
 pub struct HostTraceFeed {
@@ -664,10 +686,21 @@ impl HostTraceFeed {
         self.shared.stop.store(true, Ordering::Release);
     }
 
-    /// After [`HostTraceFeed::stop`]: the next item, waiting for the thread; `None`
-    /// once it has read everything.
-    pub fn next_final(&self) -> Option<Fed> {
-        self.rx.recv().ok()
+    /// After [`HostTraceFeed::stop`]: the next item, waiting at most `wait` for the
+    /// thread.
+    pub fn next_final(&self, wait: Duration) -> FinalRead {
+        match self.rx.recv_timeout(wait) {
+            Ok(item) => FinalRead::Item(item),
+            Err(RecvTimeoutError::Timeout) => FinalRead::Waiting,
+            Err(RecvTimeoutError::Disconnected) => FinalRead::Done,
+        }
+    }
+
+    /// Tells the thread to end at once, leaving what the rings still hold unread (the
+    /// run was aborted).
+    pub fn abandon(&self) {
+        self.stop();
+        self.shared.abandon.store(true, Ordering::Release);
     }
 
     /// The vCPU threads' `(vcpu, tid)` the filter names (empty with `--host-trace-all`).
@@ -720,7 +753,8 @@ impl HostTraceFeed {
 
 impl Drop for HostTraceFeed {
     fn drop(&mut self) {
-        self.stop();
+        // Nobody takes what is left: the thread ends at its next read.
+        self.abandon();
         // Unblock a thread waiting for room, then wait for it: the files must be
         // closed before the instance can be removed.
         while self.rx.try_recv().is_ok() {}

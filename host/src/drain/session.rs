@@ -16,7 +16,7 @@ use hyptrace_output::{
 use hyptrace_reader::postmortem::Position;
 use hyptrace_reader::{Callbacks, CpuStats, Item, ReadError, RingBuffer};
 
-use crate::drain::host_trace::{Fed, HostTraceFeed};
+use crate::drain::host_trace::{Fed, FinalRead, HostTraceFeed, FINAL_READ_POLL};
 use crate::vmm::guest_mem::GuestTraceMem;
 
 /// How long the host waits, by default (`--mailbox-timeout-ms`), for the guest writer to
@@ -547,8 +547,11 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
     }
 
     /// Stops the host trace and takes everything its thread still reads (after every
-    /// vCPU stopped). Bounded: the kernel's rings are finite and recording is off.
-    pub fn end_host_trace(&mut self) -> Result<(), SessionError> {
+    /// vCPU stopped). Bounded: the kernel's rings are finite and recording is off, and
+    /// the thread gives up after [`crate::drain::host_trace::FINAL_READ_MAX`]. Gives up
+    /// within [`FINAL_READ_POLL`] once `abort()` says so (a second Ctrl-C: the thread
+    /// is told to leave the rest unread).
+    pub fn end_host_trace_unless(&mut self, abort: &dyn Fn() -> bool) -> Result<(), SessionError> {
         let Some(h) = self.host_trace.as_mut() else {
             return Ok(());
         };
@@ -558,9 +561,19 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
         h.ended = true;
         h.feed.stop();
         let mut r = Ok(());
-        while let Some(item) = h.feed.next_final() {
-            if let Err(e) = h.take(item, &mut self.output, &self.clock) {
-                r = r.and(Err(e));
+        loop {
+            if abort() {
+                h.feed.abandon();
+                return r;
+            }
+            match h.feed.next_final(FINAL_READ_POLL) {
+                FinalRead::Item(item) => {
+                    if let Err(e) = h.take(item, &mut self.output, &self.clock) {
+                        r = r.and(Err(e));
+                    }
+                }
+                FinalRead::Waiting => {}
+                FinalRead::Done => break,
             }
         }
         if let Output::Text { merger, .. } = &mut self.output {

@@ -763,9 +763,13 @@ fn finish_session(
         session.abandon_output();
         return Err(RunError::Aborted);
     }
-    if let Err(e) = session.end_host_trace() {
+    if let Err(e) = session.end_host_trace_unless(&aborted) {
         log::debug!("host trace: final read failed: {e}");
         failures.session(None, &e);
+    }
+    if aborted() {
+        session.abandon_output();
+        return Err(RunError::Aborted);
     }
     let host_trace = session.host_trace_stats();
     if let Some(e) = host_trace.as_ref().and_then(|h| h.error.clone()) {
