@@ -443,7 +443,10 @@ fn run_merges_host_events_in_text() {
     );
 
     // The text sink (`record -o x.txt`): a host CPU with nothing to say does not hold
-    // the others' lines (its empty reads reach the sink's merger).
+    // the others' lines (its empty reads reach the sink's merger). Paced: 2 × 100 000
+    // events/s fill the merger's window (2^18 items) only if the host-trace thread is
+    // held off for over a second — without its empty reads, the 400 000 events of the
+    // run would (at full speed a few ms of a hog's time slice would be enough: luck).
     let txt = dir.file("x.txt");
     let out = env::run(
         BIN,
@@ -458,7 +461,7 @@ fn run_merges_host_events_in_text() {
             "--events",
             "200000",
             "--rate",
-            "0",
+            "100000",
         ],
     );
     assert_eq!(out.status.code(), Some(0), "{}", env::stderr(&out));
