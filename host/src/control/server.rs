@@ -116,7 +116,7 @@ pub enum ControlError {
     #[error("--control {path}: a live socket (another process serves it)", path = .0.display())]
     InUse(PathBuf),
     /// An OS error on the path.
-    #[error("--control {path}: {source}", path = .path.display())]
+    #[error("--control {path}", path = .path.display())]
     Io {
         /// The path.
         path: PathBuf,
@@ -540,7 +540,7 @@ pub enum CtlError {
     #[error(transparent)]
     Usage(#[from] crate::control::protocol::UsageError),
     /// Connecting failed.
-    #[error("cannot connect to {path}: {source}", path = .path.display())]
+    #[error("cannot connect to {path}", path = .path.display())]
     Connect {
         /// The socket.
         path: PathBuf,
@@ -549,7 +549,7 @@ pub enum CtlError {
         source: std::io::Error,
     },
     /// Sending or receiving failed.
-    #[error("{path}: {what}: {source}", path = .path.display())]
+    #[error("{path}: {what}", path = .path.display())]
     Io {
         /// The socket.
         path: PathBuf,
@@ -560,7 +560,7 @@ pub enum CtlError {
         source: std::io::Error,
     },
     /// The reply is not the answer to our request.
-    #[error("{path}: {source}", path = .path.display())]
+    #[error("{path}", path = .path.display())]
     Reply {
         /// The socket.
         path: PathBuf,

@@ -295,10 +295,10 @@ pub enum SessionError {
     #[error(transparent)]
     Read(#[from] ReadError),
     /// A page sink failed (writing, or the page or metadata it was given).
-    #[error("output: {0}")]
+    #[error("output")]
     Sink(#[from] hyptrace_output::OutputError),
     /// Writing the text lines failed.
-    #[error("output: {0}")]
+    #[error("output")]
     Write(#[source] std::io::Error),
 }
 

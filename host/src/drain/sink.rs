@@ -49,7 +49,7 @@ impl From<CompressionArg> for hyptrace_output::Compression {
 
 /// An output path that cannot receive an output, and why.
 #[derive(Debug, thiserror::Error)]
-#[error("cannot write {path} ({flag}): {source}", path = .path.display())]
+#[error("cannot write {path} ({flag})", path = .path.display())]
 pub struct DestinationError {
     /// The path given.
     pub path: PathBuf,
@@ -64,8 +64,8 @@ pub struct DestinationError {
 #[derive(Debug, thiserror::Error)]
 pub enum DestinationProblem {
     /// The path cannot be written.
-    #[error("{}", why(.0))]
-    Output(#[source] OutputError),
+    #[error(transparent)]
+    Output(OutputError),
     /// No `--format`, and the extension names none.
     #[error("unknown extension `.{0}` (known: {KNOWN_EXTENSIONS}); name the format with --format")]
     UnknownExtension(String),
@@ -74,14 +74,6 @@ pub enum DestinationProblem {
 /// The extensions that name a format (what [`format_for`] takes).
 pub const KNOWN_EXTENSIONS: &str =
     ".dat, .json, .txt, .text, .raw, .pftrace, .perfetto-trace, .perfetto";
-
-/// An I/O error says why on its own (the path is in the message already).
-fn why(e: &OutputError) -> String {
-    match e {
-        OutputError::Io { source, .. } => source.to_string(),
-        e => e.to_string(),
-    }
-}
 
 /// Checks, before the VM starts, that `path` can receive the output of `flag`, and says
 /// in one line why not (`hyptrace_output::OutputTarget::check`: a regular file or a new

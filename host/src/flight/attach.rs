@@ -51,7 +51,7 @@ const DRAIN_MAX_ROUNDS: usize = 1 << 16;
 #[derive(Debug, thiserror::Error)]
 pub enum AttachError {
     /// The socket cannot be reached or talked to.
-    #[error("--attach {path}: {why}", path = .path.display())]
+    #[error("--attach {path}", path = .path.display())]
     Socket {
         /// The socket.
         path: PathBuf,
@@ -68,7 +68,7 @@ pub enum AttachError {
         why: String,
     },
     /// The trace memory file is not usable.
-    #[error("{path}: {why}", path = .path.display())]
+    #[error("{path}", path = .path.display())]
     File {
         /// The file.
         path: PathBuf,
@@ -77,7 +77,7 @@ pub enum AttachError {
         why: FileError,
     },
     /// The output failed.
-    #[error("cannot write {path}: {why}", path = .path.display())]
+    #[error("cannot write {path}", path = .path.display())]
     Output {
         /// The output.
         path: PathBuf,
@@ -102,7 +102,7 @@ pub enum SocketProblem {
 #[derive(Debug, thiserror::Error)]
 pub enum FileError {
     /// An I/O step failed.
-    #[error("{what}: {source}")]
+    #[error("{what}")]
     Io {
         /// The step (`cannot open`, `mmap`, ...).
         what: &'static str,

@@ -64,7 +64,7 @@ pub struct DumpArgs {
 #[derive(Debug, thiserror::Error)]
 pub enum DumpError {
     /// The trace memory file cannot be read.
-    #[error("cannot read {path}: {source}", path = .path.display())]
+    #[error("cannot read {path}", path = .path.display())]
     Read {
         /// The file.
         path: PathBuf,
@@ -73,7 +73,7 @@ pub enum DumpError {
         source: std::io::Error,
     },
     /// The path is not a regular file, or cannot be opened (F4).
-    #[error("--trace-mem {path}: {why}", path = .path.display())]
+    #[error("--trace-mem {path}", path = .path.display())]
     Open {
         /// The path.
         path: PathBuf,
@@ -102,7 +102,7 @@ pub enum DumpError {
         declared: u64,
     },
     /// The trace memory file is not usable.
-    #[error("{path}: {source}", path = .path.display())]
+    #[error("{path}", path = .path.display())]
     File {
         /// The file.
         path: PathBuf,
@@ -111,7 +111,7 @@ pub enum DumpError {
         source: trace_file::FileError,
     },
     /// The output failed.
-    #[error("cannot write {path}: {source}", path = .path.display())]
+    #[error("cannot write {path}", path = .path.display())]
     Output {
         /// The output.
         path: PathBuf,
