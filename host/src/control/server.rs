@@ -701,7 +701,7 @@ impl<M: hyptrace_abi::SharedMem> EventSwitch for crate::vmm::registration::Event
         } else {
             self.disable(spec)
         }
-        .map_err(|e| Refusal(e.to_string()))?;
+        .map_err(|e| Refusal(crate::exit::chain(&e)))?;
         Ok(Answer::Switched {
             events: names,
             enabled: on,
@@ -711,7 +711,7 @@ impl<M: hyptrace_abi::SharedMem> EventSwitch for crate::vmm::registration::Event
     fn list(&self) -> Result<Answer, Refusal> {
         use crate::control::protocol::{EventEntry, FieldEntry};
         let events = crate::vmm::registration::EventTable::list(self)
-            .map_err(|e| Refusal(e.to_string()))?
+            .map_err(|e| Refusal(crate::exit::chain(&e)))?
             .into_iter()
             .map(|e| EventEntry {
                 name: e.reg.full_name(),

@@ -377,8 +377,9 @@ pub fn dump_trace_mem(
         Ok(c) => c,
         Err(e) => {
             warnings.push(format!(
-                "guest clock ({} kHz): {e}: timestamps are raw TSC values",
-                img.tsc_khz
+                "guest clock ({} kHz): {}: timestamps are raw TSC values",
+                img.tsc_khz,
+                crate::exit::chain(&e)
             ));
             Clock::nanoseconds()
         }
@@ -393,7 +394,8 @@ pub fn dump_trace_mem(
         Ok(Some(f)) => meta.formats = f,
         Ok(None) => {}
         Err(e) => warnings.push(format!(
-            "the event registration table: {e}: the built-in guest event formats are used"
+            "the event registration table: {}: the built-in guest event formats are used",
+            crate::exit::chain(&e)
         )),
     }
     let mut sink =

@@ -1197,8 +1197,9 @@ impl Live<'_> {
                     t0.elapsed().as_secs_f64() * 1e3
                 ),
                 Some(e) => self.failures.other(format!(
-                    "writing the crash dump {}: {e}",
-                    path.display()
+                    "writing the crash dump {}: {}",
+                    path.display(),
+                    crate::exit::chain(&e)
                 )),
             }
             for c in &report.cpus {
