@@ -171,9 +171,7 @@ mod tests {
         std::fs::create_dir_all(&dir).expect("mkdir");
         let p = |n: &str| dir.join(n);
         let err = |path: &Path, flag: &str| {
-            check_destination(path, flag)
-                .expect_err("accepted")
-                .to_string()
+            crate::exit::chain(&check_destination(path, flag).expect_err("accepted"))
         };
         std::fs::write(p("file"), b"x").expect("write");
         // New file, existing file, a symlink to either: fine.
@@ -212,7 +210,7 @@ mod tests {
         assert_eq!(fmt("-").expect("stdout"), FormatArg::Dat);
         assert_eq!(fmt("/dev/null").expect("device"), FormatArg::Dat);
         for bad in ["x.dat6", "x.unknownext"] {
-            let e = fmt(bad).expect_err(bad).to_string();
+            let e = crate::exit::chain(&fmt(bad).expect_err(bad));
             assert!(e.contains("(-o)") && e.contains(".dat, .json"), "{e}");
         }
         let raw = Some(FormatArg::Raw);

@@ -682,7 +682,8 @@ mod tests {
         for p in [&fifo, &link, &d] {
             let e = read_trace_mem(p).expect_err("refused");
             assert!(matches!(e, DumpError::Open { .. }), "{e}");
-            assert!(e.to_string().contains("not a regular file"), "{e}");
+            let text = crate::exit::chain(&e);
+            assert!(text.contains("not a regular file"), "{text}");
             assert_eq!(e.exit_code(), EXIT_USAGE);
         }
         let _ = std::fs::remove_dir_all(&d);
