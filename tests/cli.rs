@@ -633,6 +633,56 @@ fn full_disk_reports_one_cause_last() {
     }
 }
 
+/// Issue 26: each path and each cause is named exactly once in an error line (one
+/// line, `hyptrace: error: what: cause`).
+#[test]
+fn error_lines_name_each_path_and_cause_once() {
+    let dir = TempDir::new("onepath");
+    let missing = dir.file("missing.dat");
+    let os = |errno: i32| std::io::Error::from_raw_os_error(errno).to_string();
+    let once = |args: &[&str], path: &str, cause: &str, code: i32| {
+        let o = env::run(BIN, args);
+        let err = env::stderr(&o);
+        assert_eq!(o.status.code(), Some(code), "{args:?}: {err}");
+        let line = err
+            .lines()
+            .rfind(|l| l.starts_with("hyptrace: error: "))
+            .unwrap_or_else(|| panic!("{args:?}: no error line: {err}"));
+        assert_eq!(line.matches(path).count(), 1, "{args:?}: {line}");
+        assert_eq!(line.matches(cause).count(), 1, "{args:?}: {line}");
+    };
+    let enoent = os(libc::ENOENT);
+    once(
+        &["convert", "-i", &missing, "-o", &dir.file("x.txt")],
+        &missing,
+        &enoent,
+        2,
+    );
+    once(&["report", "-i", &missing], &missing, &enoent, 2);
+    once(
+        &["record", "-o", "/nonexistent-dir/x.dat", "--events", "10"],
+        "/nonexistent-dir/x.dat",
+        "does not exist",
+        2,
+    );
+    if !kvm_available(KRATE, "error_lines_name_each_path_and_cause_once") {
+        return;
+    }
+    let _vm = vm_lock();
+    for fmt in ["text", "dat"] {
+        let args = [
+            "record",
+            "-o",
+            "/dev/full",
+            "--format",
+            fmt,
+            "--events",
+            "1000",
+        ];
+        once(&args, "/dev/full", &os(libc::ENOSPC), 1);
+    }
+}
+
 /// A `--stats` that cannot be written (a full device): exit 1, the error last.
 #[test]
 fn stats_write_failure_is_the_last_line() {

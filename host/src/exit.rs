@@ -22,8 +22,12 @@ macro_rules! note {
     }};
 }
 
-/// `e`'s text followed by every source whose text it does not already carry: how every
-/// error reaches the user (one line; a cause an error's own text names is not repeated).
+/// `e`'s text followed by the text of each of its sources, `a: b: c`: how every error
+/// reaches the user (one line). The convention of every error type of the workspace
+/// (issue 26, the Rust API guidelines'): an error's own text does not include the source
+/// it exposes through `source()`, so each cause is printed once, here. A source whose
+/// text the line already carries (an I/O error's path its wrapper named, or a foreign
+/// error that prints its own source) is not repeated. Keeps E1 (docs/design.md).
 pub fn chain(e: &dyn std::error::Error) -> String {
     let mut text = e.to_string();
     let mut next = e.source();
@@ -38,4 +42,42 @@ pub fn chain(e: &dyn std::error::Error) -> String {
         next = src.source();
     }
     text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::chain;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("cannot write {0}")]
+    struct Write(String, #[source] Io);
+
+    /// An I/O error naming its path, as `hyptrace_output::OutputError::Io` does.
+    #[derive(Debug, thiserror::Error)]
+    #[error("{0}")]
+    struct Io(String, #[source] std::io::Error);
+
+    /// A foreign error that prints its source itself.
+    #[derive(Debug, thiserror::Error)]
+    #[error("bad: {0}")]
+    struct Loud(#[source] std::io::Error);
+
+    fn enospc() -> std::io::Error {
+        std::io::Error::from_raw_os_error(libc::ENOSPC)
+    }
+
+    #[test]
+    fn each_cause_once_in_order() {
+        let e = Write("/dev/full".into(), Io("/dev/full".into(), enospc()));
+        assert_eq!(chain(&e), format!("cannot write /dev/full: {}", enospc()));
+        let e = Write("/a".into(), Io("/b".into(), enospc()));
+        assert_eq!(chain(&e), format!("cannot write /a: /b: {}", enospc()));
+    }
+
+    #[test]
+    fn a_cause_already_printed_is_not_repeated() {
+        let e = Loud(enospc());
+        assert_eq!(chain(&e), format!("bad: {}", enospc()));
+        assert_eq!(chain(&enospc()), enospc().to_string());
+    }
 }

@@ -5,8 +5,9 @@ use std::path::PathBuf;
 /// Everything that can go wrong while exporting pages or reading a trace.dat.
 #[derive(Debug, thiserror::Error)]
 pub enum OutputError {
-    /// An I/O error, with the path it concerns when known.
-    #[error("{path}: {source}", path = .path.as_ref().map(|p| p.display().to_string()).unwrap_or_default())]
+    /// An I/O error, with the path it concerns when known. Its text is the path (or "I/O
+    /// error"); the OS error is its source, which the printer appends.
+    #[error("{}", .path.as_ref().map_or_else(|| "I/O error".to_string(), |p| p.display().to_string()))]
     Io {
         /// File concerned, if known.
         path: Option<PathBuf>,

@@ -74,10 +74,9 @@ const MAX_SWAPS_PER_CALL: u32 = 4;
 /// buggy, crashed mid-operation, or hostile.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum ReadError {
-    /// The pack or layout is invalid. (The layout error is part of the text, not a
-    /// source: a chain printer would show it twice.)
-    #[error("trace region: {0}")]
-    RingGeometry(LayoutError),
+    /// The pack or layout is invalid (why: the source).
+    #[error("trace region")]
+    RingGeometry(#[source] LayoutError),
     /// A writer-domain operation failed.
     #[error("cpu {cpu}: {err}")]
     Ring {

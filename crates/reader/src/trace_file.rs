@@ -148,8 +148,8 @@ pub enum FileError {
     #[error("bad header: {0}")]
     Header(String),
     /// The pack at the start of the region does not parse.
-    #[error("trace region: {0}")]
-    Pack(hyptrace_abi::layout::LayoutError),
+    #[error("trace region")]
+    Pack(#[source] hyptrace_abi::layout::LayoutError),
 }
 
 /// A parsed trace memory file.

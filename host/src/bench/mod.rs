@@ -310,19 +310,19 @@ pub fn bench(a: &BenchArgs) -> Result<(), BenchCmdError> {
 #[derive(Debug, thiserror::Error)]
 pub enum BenchCmdError {
     /// The options do not fit (exit 2).
-    #[error("{}", crate::exit::chain(.0))]
-    Options(#[source] BenchError),
+    #[error(transparent)]
+    Options(BenchError),
     /// The `--json` path is unusable (exit 2).
     #[error(transparent)]
     Destination(#[from] crate::drain::sink::DestinationError),
     /// A measurement failed (exit 1).
-    #[error("bench: {}", crate::exit::chain(.0))]
+    #[error("bench")]
     Run(#[source] BenchError),
     /// `--json` could not be written (exit 1).
-    #[error("cannot write --json: {}", crate::exit::chain(.0))]
+    #[error("cannot write --json")]
     Json(#[source] hyptrace_output::OutputError),
     /// `bench report` failed.
-    #[error("bench report: {0}")]
+    #[error("bench report")]
     Report(#[source] report::ReportBenchError),
 }
 

@@ -31,16 +31,16 @@ pub struct ReportBenchArgs {
 #[derive(Debug, thiserror::Error)]
 pub enum ReportBenchError {
     /// The input trace cannot be read (exit 2).
-    #[error("{0}")]
-    Input(#[source] hyptrace_output::OutputError),
+    #[error(transparent)]
+    Input(hyptrace_output::OutputError),
     /// This program's own path is unknown.
-    #[error("cannot find this program: {0}")]
+    #[error("cannot find this program")]
     CurrentExe(#[source] std::io::Error),
     /// A child could not be started.
-    #[error("{0}: {1}")]
+    #[error("{0}")]
     Spawn(String, #[source] std::io::Error),
     /// Waiting for a child failed.
-    #[error("{0}: wait4: {1}")]
+    #[error("{0}: wait4")]
     Wait(String, #[source] std::io::Error),
     /// A child did not exit 0.
     #[error("{0} failed (status {1:#x})")]

@@ -21,7 +21,7 @@ use crate::drain::signals::{Interrupts, SignalError};
 use crate::drain::sink::{
     check_destination, compression_for, format_for, write_destination, DestinationError, FormatArg,
 };
-use crate::exit::{EXIT_ABORT, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE};
+use crate::exit::{chain, EXIT_ABORT, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE};
 use crate::pipeline::options::{
     ConvertArgs, CtlArgs, ListArgs, ModeArg, RecordArgs, ReportArgs, RunArgs,
 };
@@ -119,13 +119,13 @@ pub enum CliError {
     #[error(transparent)]
     Run(#[from] RunError),
     /// `--stats` could not be written.
-    #[error("cannot write stats: {0}")]
+    #[error("cannot write stats")]
     Stats(#[source] OutputError),
     /// `report`/`convert` failed.
     #[error(transparent)]
     Convert(#[from] crate::pipeline::convert::ConvertError),
     /// `report`: writing the report to stdout failed.
-    #[error("writing the report: {0}")]
+    #[error("writing the report")]
     ReportWrite(#[source] std::io::Error),
     /// `--control`: the socket cannot be created at the path.
     #[error(transparent)]
@@ -134,7 +134,7 @@ pub enum CliError {
     #[error("ctl: {0}")]
     CtlUsage(String),
     /// `ctl`: the socket cannot be reached, or its reply is not one.
-    #[error("ctl: {0}")]
+    #[error("ctl")]
     Ctl(#[source] crate::control::server::CtlError),
     /// `bench` failed.
     #[error(transparent)]
@@ -170,11 +170,12 @@ impl CliError {
         }
     }
 
-    /// Says so on stderr (one line; an abort is no error) and returns the exit code.
+    /// Says so on stderr through [`chain`] (one line naming each cause once; an abort is
+    /// no error) and returns the exit code.
     fn report(&self) -> i32 {
         match self {
-            Self::Run(RunError::Aborted) => note!("hyptrace: {self}"),
-            _ => note!("hyptrace: error: {self}"),
+            Self::Run(RunError::Aborted) => note!("hyptrace: {}", chain(self)),
+            _ => note!("hyptrace: error: {}", chain(self)),
         }
         self.exit_code()
     }

@@ -187,7 +187,7 @@ impl Consumers {
             }
             #[cfg(not(hyptrace_seeded_bug_detach_ignored))]
             if let Err(e) = s.consumed_externally(p.cpu, p.page, p.consumed, p.expected) {
-                bad.push(e.to_string());
+                bad.push(crate::exit::chain(&e));
             }
         }
         if bad.is_empty() {

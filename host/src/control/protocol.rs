@@ -371,7 +371,7 @@ impl Reply {
 #[derive(Debug, thiserror::Error)]
 pub enum ReplyError {
     /// Not a reply of this protocol.
-    #[error("not a protocol reply: {0}")]
+    #[error("not a protocol reply")]
     Malformed(#[source] serde_json::Error),
     /// Another version.
     #[error("protocol version {got} (this hyptrace speaks {VERSION})")]

@@ -116,7 +116,7 @@ pub enum ControlError {
     #[error("--control {path}: a live socket (another process serves it)", path = .0.display())]
     InUse(PathBuf),
     /// An OS error on the path.
-    #[error("--control {path}: {source}", path = .path.display())]
+    #[error("--control {path}", path = .path.display())]
     Io {
         /// The path.
         path: PathBuf,
@@ -540,7 +540,7 @@ pub enum CtlError {
     #[error(transparent)]
     Usage(#[from] crate::control::protocol::UsageError),
     /// Connecting failed.
-    #[error("cannot connect to {path}: {source}", path = .path.display())]
+    #[error("cannot connect to {path}", path = .path.display())]
     Connect {
         /// The socket.
         path: PathBuf,
@@ -549,7 +549,7 @@ pub enum CtlError {
         source: std::io::Error,
     },
     /// Sending or receiving failed.
-    #[error("{path}: {what}: {source}", path = .path.display())]
+    #[error("{path}: {what}", path = .path.display())]
     Io {
         /// The socket.
         path: PathBuf,
@@ -560,7 +560,7 @@ pub enum CtlError {
         source: std::io::Error,
     },
     /// The reply is not the answer to our request.
-    #[error("{path}: {source}", path = .path.display())]
+    #[error("{path}", path = .path.display())]
     Reply {
         /// The socket.
         path: PathBuf,
@@ -701,7 +701,7 @@ impl<M: hyptrace_abi::SharedMem> EventSwitch for crate::vmm::registration::Event
         } else {
             self.disable(spec)
         }
-        .map_err(|e| Refusal(e.to_string()))?;
+        .map_err(|e| Refusal(crate::exit::chain(&e)))?;
         Ok(Answer::Switched {
             events: names,
             enabled: on,
@@ -711,7 +711,7 @@ impl<M: hyptrace_abi::SharedMem> EventSwitch for crate::vmm::registration::Event
     fn list(&self) -> Result<Answer, Refusal> {
         use crate::control::protocol::{EventEntry, FieldEntry};
         let events = crate::vmm::registration::EventTable::list(self)
-            .map_err(|e| Refusal(e.to_string()))?
+            .map_err(|e| Refusal(crate::exit::chain(&e)))?
             .into_iter()
             .map(|e| EventEntry {
                 name: e.reg.full_name(),

@@ -67,7 +67,7 @@ pub enum HostTraceError {
     #[error("--host-trace: tracefs is not mounted at {0} (mount -t tracefs nodev {0})")]
     NotMounted(PathBuf),
     /// A tracefs file could not be read or written (permissions: run as root).
-    #[error("--host-trace: {path}: {source}", path = .path.display())]
+    #[error("--host-trace: {path}", path = .path.display())]
     Io {
         /// The file.
         path: PathBuf,
@@ -85,7 +85,7 @@ pub enum HostTraceError {
     #[error("--host-trace: the kernel has no x86-tsc trace clock (trace_clock offers: {0})")]
     NoTscClock(String),
     /// A format file could not be parsed.
-    #[error("--host-trace: {path}: {source}", path = .path.display())]
+    #[error("--host-trace: {path}", path = .path.display())]
     Format {
         /// The file.
         path: PathBuf,
@@ -102,7 +102,7 @@ pub enum HostTraceError {
         run: usize,
     },
     /// The reader thread could not be started.
-    #[error("--host-trace: reader thread: {0}")]
+    #[error("--host-trace: reader thread")]
     Thread(#[source] std::io::Error),
 }
 

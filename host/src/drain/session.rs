@@ -295,10 +295,10 @@ pub enum SessionError {
     #[error(transparent)]
     Read(#[from] ReadError),
     /// A page sink failed (writing, or the page or metadata it was given).
-    #[error("output: {0}")]
+    #[error("output")]
     Sink(#[from] hyptrace_output::OutputError),
     /// Writing the text lines failed.
-    #[error("output: {0}")]
+    #[error("output")]
     Write(#[source] std::io::Error),
 }
 
@@ -449,7 +449,7 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
             }
             Err(e) => {
                 h.run.failed = true;
-                h.run.error.get_or_insert_with(|| e.to_string());
+                h.run.error.get_or_insert_with(|| crate::exit::chain(&e));
                 Some(e)
             }
         }
@@ -983,7 +983,7 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
     /// Records the first error seen on `cpu` (reported by [`Session::error`]).
     pub fn fail_cpu(&mut self, cpu: u32, e: &SessionError) {
         if let Some(st) = self.cpus.get_mut(cpu as usize) {
-            st.error.get_or_insert_with(|| e.to_string());
+            st.error.get_or_insert_with(|| crate::exit::chain(e));
         }
     }
 
@@ -1157,7 +1157,7 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
             }
         }
         if let Some(e) = p.err.take() {
-            self.output_error = Some(e.to_string());
+            self.output_error = Some(crate::exit::chain(&e));
             return Err(SessionError::Write(e));
         }
         Ok(())

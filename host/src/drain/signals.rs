@@ -11,7 +11,7 @@ use crate::exit::EXIT_ABORT;
 
 /// The signal handlers could not be installed.
 #[derive(Debug, Clone, thiserror::Error)]
-#[error("cannot install the signal handlers: {0}")]
+#[error("cannot install the signal handlers")]
 pub struct SignalError(#[source] Arc<std::io::Error>);
 
 /// Signals that arrive within this time of the one that started a stop (or an abort)

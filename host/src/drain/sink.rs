@@ -79,7 +79,7 @@ pub fn compression_for(
 
 /// An output path that cannot receive an output, and why.
 #[derive(Debug, thiserror::Error)]
-#[error("cannot write {path} ({flag}): {source}", path = .path.display())]
+#[error("cannot write {path} ({flag})", path = .path.display())]
 pub struct DestinationError {
     /// The path given.
     pub path: PathBuf,
@@ -94,8 +94,8 @@ pub struct DestinationError {
 #[derive(Debug, thiserror::Error)]
 pub enum DestinationProblem {
     /// The path cannot be written.
-    #[error("{}", why(.0))]
-    Output(#[source] OutputError),
+    #[error(transparent)]
+    Output(OutputError),
     /// No `--format`, and the extension names none.
     #[error("unknown extension `.{0}` (known: {KNOWN_EXTENSIONS}); name the format with --format")]
     UnknownExtension(String),
@@ -104,14 +104,6 @@ pub enum DestinationProblem {
 /// The extensions that name a format (what [`format_for`] takes).
 pub const KNOWN_EXTENSIONS: &str =
     ".dat, .json, .txt, .text, .raw, .pftrace, .perfetto-trace, .perfetto";
-
-/// An I/O error says why on its own (the path is in the message already).
-fn why(e: &OutputError) -> String {
-    match e {
-        OutputError::Io { source, .. } => source.to_string(),
-        e => e.to_string(),
-    }
-}
 
 /// Checks, before the VM starts, that `path` can receive the output of `flag`, and says
 /// in one line why not (`hyptrace_output::OutputTarget::check`: a regular file or a new
@@ -209,9 +201,7 @@ mod tests {
         std::fs::create_dir_all(&dir).expect("mkdir");
         let p = |n: &str| dir.join(n);
         let err = |path: &Path, flag: &str| {
-            check_destination(path, flag)
-                .expect_err("accepted")
-                .to_string()
+            crate::exit::chain(&check_destination(path, flag).expect_err("accepted"))
         };
         std::fs::write(p("file"), b"x").expect("write");
         // New file, existing file, a symlink to either: fine.
@@ -250,7 +240,7 @@ mod tests {
         assert_eq!(fmt("-").expect("stdout"), FormatArg::Dat);
         assert_eq!(fmt("/dev/null").expect("device"), FormatArg::Dat);
         for bad in ["x.dat6", "x.unknownext"] {
-            let e = fmt(bad).expect_err(bad).to_string();
+            let e = crate::exit::chain(&fmt(bad).expect_err(bad));
             assert!(e.contains("(-o)") && e.contains(".dat, .json"), "{e}");
         }
         let raw = Some(FormatArg::Raw);

@@ -51,7 +51,7 @@ const DRAIN_MAX_ROUNDS: usize = 1 << 16;
 #[derive(Debug, thiserror::Error)]
 pub enum AttachError {
     /// The socket cannot be reached or talked to.
-    #[error("--attach {path}: {why}", path = .path.display())]
+    #[error("--attach {path}", path = .path.display())]
     Socket {
         /// The socket.
         path: PathBuf,
@@ -68,7 +68,7 @@ pub enum AttachError {
         why: String,
     },
     /// The trace memory file is not usable.
-    #[error("{path}: {why}", path = .path.display())]
+    #[error("{path}", path = .path.display())]
     File {
         /// The file.
         path: PathBuf,
@@ -77,7 +77,7 @@ pub enum AttachError {
         why: FileError,
     },
     /// The output failed.
-    #[error("cannot write {path}: {why}", path = .path.display())]
+    #[error("cannot write {path}", path = .path.display())]
     Output {
         /// The output.
         path: PathBuf,
@@ -102,7 +102,7 @@ pub enum SocketProblem {
 #[derive(Debug, thiserror::Error)]
 pub enum FileError {
     /// An I/O step failed.
-    #[error("{what}: {source}")]
+    #[error("{what}")]
     Io {
         /// The step (`cannot open`, `mmap`, ...).
         what: &'static str,
@@ -330,7 +330,7 @@ impl SocketSwap {
             Ok(o) => Some(o),
             Err(e) => {
                 log::debug!("attach: {e}");
-                *self.gone.borrow_mut() = Some(e.to_string());
+                *self.gone.borrow_mut() = Some(crate::exit::chain(&e));
                 None
             }
         }
@@ -687,7 +687,10 @@ fn open_session(
     };
     let host_clock = HostClock::calibrate(ClockKind::Mono, tsc_khz, 0)
         .or_else(|e| {
-            log::warn!("guest clock ({tsc_khz} kHz): {e}: timestamps are raw TSC values");
+            log::warn!(
+                "guest clock ({tsc_khz} kHz): {}: timestamps are raw TSC values",
+                crate::exit::chain(&e)
+            );
             HostClock::calibrate(ClockKind::Tsc, tsc_khz, 0)
         })
         .map_err(|e| out_err(o, e))?;
@@ -697,7 +700,10 @@ fn open_session(
         Ok(Some(f)) => f,
         Ok(None) => tmeta.formats.clone(),
         Err(e) => {
-            log::warn!("the event registration table: {e}: the built-in formats are used");
+            log::warn!(
+                "the event registration table: {}: the built-in formats are used",
+                crate::exit::chain(&e)
+            );
             tmeta.formats.clone()
         }
     };

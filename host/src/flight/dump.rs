@@ -66,7 +66,7 @@ pub struct DumpArgs {
 #[derive(Debug, thiserror::Error)]
 pub enum DumpError {
     /// The trace memory file cannot be read.
-    #[error("cannot read {path}: {source}", path = .path.display())]
+    #[error("cannot read {path}", path = .path.display())]
     Read {
         /// The file.
         path: PathBuf,
@@ -75,7 +75,7 @@ pub enum DumpError {
         source: std::io::Error,
     },
     /// The path is not a regular file, or cannot be opened (F4).
-    #[error("--trace-mem {path}: {why}", path = .path.display())]
+    #[error("--trace-mem {path}", path = .path.display())]
     Open {
         /// The path.
         path: PathBuf,
@@ -104,7 +104,7 @@ pub enum DumpError {
         declared: u64,
     },
     /// The trace memory file is not usable.
-    #[error("{path}: {source}", path = .path.display())]
+    #[error("{path}", path = .path.display())]
     File {
         /// The file.
         path: PathBuf,
@@ -113,7 +113,7 @@ pub enum DumpError {
         source: trace_file::FileError,
     },
     /// The output failed.
-    #[error("cannot write {path}: {source}", path = .path.display())]
+    #[error("cannot write {path}", path = .path.display())]
     Output {
         /// The output.
         path: PathBuf,
@@ -379,8 +379,9 @@ pub fn dump_trace_mem(
         Ok(c) => c,
         Err(e) => {
             warnings.push(format!(
-                "guest clock ({} kHz): {e}: timestamps are raw TSC values",
-                img.tsc_khz
+                "guest clock ({} kHz): {}: timestamps are raw TSC values",
+                img.tsc_khz,
+                crate::exit::chain(&e)
             ));
             Clock::nanoseconds()
         }
@@ -395,7 +396,8 @@ pub fn dump_trace_mem(
         Ok(Some(f)) => meta.formats = f,
         Ok(None) => {}
         Err(e) => warnings.push(format!(
-            "the event registration table: {e}: the built-in guest event formats are used"
+            "the event registration table: {}: the built-in guest event formats are used",
+            crate::exit::chain(&e)
         )),
     }
     let mut sink =
@@ -682,7 +684,8 @@ mod tests {
         for p in [&fifo, &link, &d] {
             let e = read_trace_mem(p).expect_err("refused");
             assert!(matches!(e, DumpError::Open { .. }), "{e}");
-            assert!(e.to_string().contains("not a regular file"), "{e}");
+            let text = crate::exit::chain(&e);
+            assert!(text.contains("not a regular file"), "{text}");
             assert_eq!(e.exit_code(), EXIT_USAGE);
         }
         let _ = std::fs::remove_dir_all(&d);

@@ -72,7 +72,7 @@ pub enum FileProblem {
     #[error("another process replaced the file while this VMM set it up")]
     Replaced,
     /// A system call failed.
-    #[error("{what}: {source}")]
+    #[error("{what}")]
     Io {
         /// What was being done.
         what: &'static str,

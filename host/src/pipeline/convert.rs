@@ -38,11 +38,11 @@ pub enum ConvertError {
     #[error(transparent)]
     Destination(#[from] crate::drain::sink::DestinationError),
     /// `report`: writing the report to stdout failed.
-    #[error("writing the report: {0}")]
+    #[error("writing the report")]
     Write(#[source] std::io::Error),
     /// `convert`: writing the output failed.
-    #[error("{0}")]
-    Output(#[source] OutputError),
+    #[error(transparent)]
+    Output(OutputError),
     /// The trace.dat is damaged: every readable event was printed or converted, each
     /// damaged part named in a warning (exit 1; docs/output.md "Damaged files").
     #[error("{}: damaged trace.dat ({count} damaged {}): every readable event was {done}", path.display(), if *count == 1 { "part" } else { "parts" })]
@@ -86,7 +86,7 @@ fn input_name(path: &Path) -> std::borrow::Cow<'_, str> {
 
 /// An input error naming `path` once (I/O errors name it already).
 fn input_error(path: &Path, e: &OutputError) -> ConvertError {
-    let msg = e.to_string();
+    let msg = crate::exit::chain(e);
     let p = input_name(path).to_string();
     ConvertError::Input(if msg.contains(&p) {
         msg

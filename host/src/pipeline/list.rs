@@ -22,7 +22,7 @@ pub enum ListError {
     #[error(transparent)]
     Vm(#[from] crate::vmm::error::Error),
     /// The rings could not be set up.
-    #[error("trace buffers: {0}")]
+    #[error("trace buffers")]
     TraceBuffers(#[source] hyptrace_reader::ReadError),
     /// The guest's table was refused as a whole.
     #[error("the guest's event registration table was refused: {0}")]

@@ -54,7 +54,7 @@ pub enum PlanError {
     #[error("{0} pages per vCPU is too many")]
     TooManyPages(u64),
     /// The ring geometry is not possible.
-    #[error("trace region: {0}")]
+    #[error("trace region")]
     Geometry(#[source] ring::LayoutError),
     /// `--poll-ms 0`.
     #[error("--poll-ms must be at least 1")]
@@ -66,7 +66,7 @@ pub enum PlanError {
     #[error("--duration {0} must be a positive number of seconds")]
     Duration(f64),
     /// `--guest` cannot be read.
-    #[error("cannot read guest image {path}: {source}", path = .path.display())]
+    #[error("cannot read guest image {path}", path = .path.display())]
     ReadGuest {
         /// The file.
         path: PathBuf,
@@ -75,7 +75,7 @@ pub enum PlanError {
         source: std::io::Error,
     },
     /// The guest image is not a loadable ELF.
-    #[error("bad guest image {name}: {source}")]
+    #[error("bad guest image {name}")]
     BadImage {
         /// The image.
         name: String,

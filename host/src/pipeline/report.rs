@@ -65,14 +65,14 @@ impl Failures {
     pub fn session(&mut self, cpu: Option<u32>, e: &SessionError) {
         match (e, cpu) {
             (e, _) if e.is_output() => {
-                self.output.get_or_insert_with(|| e.to_string());
+                self.output.get_or_insert_with(|| crate::exit::chain(e));
             }
             (e, Some(cpu)) => {
                 if !self.read.iter().any(|(c, _)| *c == cpu) {
-                    self.read.push((cpu, e.to_string()));
+                    self.read.push((cpu, crate::exit::chain(e)));
                 }
             }
-            (e, None) => self.other.push(e.to_string()),
+            (e, None) => self.other.push(crate::exit::chain(e)),
         }
     }
 

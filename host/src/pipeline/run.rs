@@ -88,7 +88,7 @@ pub enum RunError {
     #[error(transparent)]
     Vm(#[from] crate::vmm::error::Error),
     /// The guest TSC frequency gives no clock.
-    #[error("guest clock ({tsc_khz} kHz): {source}")]
+    #[error("guest clock ({tsc_khz} kHz)")]
     Clock {
         /// The frequency.
         tsc_khz: u64,
@@ -97,7 +97,7 @@ pub enum RunError {
         source: OutputError,
     },
     /// The output file could not be opened.
-    #[error("cannot write {path}: {source}", path = .path.display())]
+    #[error("cannot write {path}", path = .path.display())]
     Sink {
         /// The file.
         path: PathBuf,
@@ -109,7 +109,7 @@ pub enum RunError {
     #[error(transparent)]
     MakeSink(OutputError),
     /// The rings could not be set up in the trace region.
-    #[error("trace buffers: {0}")]
+    #[error("trace buffers")]
     TraceBuffers(#[source] ReadError),
     /// A second Ctrl-C / SIGTERM: nothing was written.
     #[error("aborted: no output written")]
@@ -1202,8 +1202,9 @@ impl Live<'_> {
                     t0.elapsed().as_secs_f64() * 1e3
                 ),
                 Some(e) => self.failures.other(format!(
-                    "writing the crash dump {}: {e}",
-                    path.display()
+                    "writing the crash dump {}: {}",
+                    path.display(),
+                    crate::exit::chain(&e)
                 )),
             }
             for c in &report.cpus {

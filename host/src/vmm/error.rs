@@ -12,7 +12,7 @@ pub enum Error {
     #[error(transparent)]
     MemoryMap(#[from] MemoryMapError),
     /// The guest image is not a loadable ELF.
-    #[error("bad guest image: {0}")]
+    #[error("bad guest image")]
     Elf(#[from] ElfError),
     /// The guest image lies (partly) outside guest memory.
     #[error(
@@ -27,7 +27,7 @@ pub enum Error {
         mem_bytes: u64,
     },
     /// `/dev/kvm` cannot be opened (missing, or no permission).
-    #[error("cannot open the KVM device {path}: {}", kvm_why(.source))]
+    #[error("cannot open the KVM device {path}{}", kvm_hint(.source.as_ref()))]
     KvmUnavailable {
         /// The device's path.
         path: String,
@@ -44,7 +44,7 @@ pub enum Error {
         max: u32,
     },
     /// A KVM ioctl failed.
-    #[error("{what}: {source}")]
+    #[error("{what}")]
     Kvm {
         /// What was being done.
         what: &'static str,
@@ -53,16 +53,16 @@ pub enum Error {
         source: kvm_ioctls::Error,
     },
     /// Guest memory could not be mapped.
-    #[error("guest memory: {0}")]
+    #[error("guest memory")]
     MemoryMmap(#[source] vm_memory::mmap::FromRangesError),
     /// Guest memory could not be read or written (tables, image, run parameters).
-    #[error("guest memory: {0}")]
+    #[error("guest memory")]
     Memory(#[from] vm_memory::GuestMemoryError),
     /// The signal that kicks vCPU threads out of `KVM_RUN` could not be installed.
-    #[error("cannot install the vCPU kick signal handler: {0}")]
+    #[error("cannot install the vCPU kick signal handler")]
     KickSignal(#[source] vmm_sys_util::errno::Error),
     /// A vCPU thread could not be started.
-    #[error("cannot start the thread of vCPU {id}: {source}")]
+    #[error("cannot start the thread of vCPU {id}")]
     VcpuThread {
         /// The vCPU.
         id: u32,
@@ -105,11 +105,11 @@ impl From<hyptrace_payload::BootError> for Error {
 pub type Result<T> = std::result::Result<T, Error>;
 
 /// What a failed open of the KVM device means for the user.
-fn kvm_why(e: &Option<vmm_sys_util::errno::Error>) -> String {
-    match e.as_ref().map(|e| e.errno()) {
-        None => "bad path".into(),
-        Some(libc::ENOENT | libc::ENODEV | libc::ENXIO) => "not available (no such device)".into(),
-        Some(libc::EACCES | libc::EPERM) => "permission denied (need read/write access)".into(),
-        Some(_) => e.as_ref().map(ToString::to_string).unwrap_or_default(),
+fn kvm_hint(e: Option<&vmm_sys_util::errno::Error>) -> &'static str {
+    match e.map(|e| e.errno()) {
+        None => ": the path has a NUL byte",
+        Some(libc::ENOENT | libc::ENODEV | libc::ENXIO) => " (not available)",
+        Some(libc::EACCES | libc::EPERM) => " (need read/write access)",
+        Some(_) => "",
     }
 }

@@ -312,7 +312,7 @@ impl<M: SharedMem> EventTable<M> {
             Err(e) => {
                 log::warn!("vcpu {vcpu}: {e}");
                 refuse(&self.mem, &self.geometry);
-                *st = State::Refused(e.to_string());
+                *st = State::Refused(crate::exit::chain(&e));
                 self.cv.notify_all();
             }
             Ok(Some(reg)) => {

@@ -44,7 +44,7 @@ pub enum VcpuOutcome {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum VcpuError {
     /// `KVM_RUN` failed (other than EINTR/EAGAIN).
-    #[error("KVM_RUN failed: {0}")]
+    #[error("KVM_RUN failed")]
     Run(#[source] kvm_ioctls::Error),
     /// The vCPU thread panicked.
     #[error("vCPU thread panicked")]

@@ -455,7 +455,7 @@ fn crash_reason(id: u32, out: &VcpuOutcome) -> String {
             hyptrace_output::escape_guest_str(m)
         ),
         VcpuOutcome::Faulted(m) => format!("vcpu {id}: {m}"),
-        VcpuOutcome::Error(e) => format!("vcpu {id}: {e}"),
+        VcpuOutcome::Error(e) => format!("vcpu {id}: {}", crate::exit::chain(e)),
         other => format!("vcpu {id}: {other:?}"),
     }
 }
