@@ -125,7 +125,7 @@ impl ThreadedSink {
 
     /// Once `cancel()` holds (e.g. a second Ctrl-C), the sink behaves as
     /// [`PageSink::abandon`]ed: the thread stops before its next page, a reader waiting
-    /// for room gets [`OutputError::Closed`] within [`CANCEL_POLL`].
+    /// for room gets [`OutputError::Closed`] within `CANCEL_POLL` (20 ms).
     #[must_use]
     pub fn cancel_on(self, cancel: impl Fn() -> bool + Send + Sync + 'static) -> Self {
         let _ = self.cancel.set(Box::new(cancel));

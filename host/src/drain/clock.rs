@@ -3,7 +3,7 @@
 //! Pages keep raw guest TSC values. At start the VMM knows the guest TSC frequency
 //! (`KVM_GET_TSC_KHZ`) and the guest − host TSC offset (set to 0 and read back where
 //! KVM allows; see [`crate::vmm::vm::Vm::tsc_offset`]). [`HostClock::calibrate`] takes a
-//! paired sample of the host TSC and the host clock (the tightest of [`TRIES`]
+//! paired sample of the host TSC and the host clock (the tightest of `TRIES`
 //! `lfence;rdtsc; clock_gettime; lfence;rdtsc` brackets) and starts the run's
 //! [`ClockMap`] there, with the kHz frequency as slope.
 //!

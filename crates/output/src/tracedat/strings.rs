@@ -127,7 +127,7 @@ fn empty_data_loc(p: &mut [u8], w: usize) -> u64 {
 }
 
 /// Replaces, in the string `b` up to its first NUL, every byte that
-/// [`crate::text::escape_guest_bytes`] would escape with [`REPLACEMENT`]; returns how
+/// [`crate::text::escape_guest_bytes`] would escape with `REPLACEMENT` (`?`); returns how
 /// many.
 pub fn sanitize(b: &mut [u8]) -> u64 {
     let end = b.iter().position(|&c| c == 0).unwrap_or(b.len());
