@@ -27,7 +27,7 @@ macro_rules! note {
 /// (issue 26, the Rust API guidelines'): an error's own text does not include the source
 /// it exposes through `source()`, so each cause is printed once, here. A source whose
 /// text the line already carries (an I/O error's path its wrapper named, or a foreign
-/// error that prints its own source) is not repeated. Keeps E1 (docs/design.md).
+/// error that prints its own source) is not repeated. Keeps X1 (docs/design.md).
 pub fn chain(e: &dyn std::error::Error) -> String {
     let mut text = e.to_string();
     let mut next = e.source();
