@@ -57,6 +57,27 @@ impl TraceMeta {
         self.formats.iter().find(|f| f.id == id)
     }
 
+    /// The page step of the file sinks (raw, trace.dat): checks ring page `page` of
+    /// `cpu`, exports it into `out` (see [`crate::export_page_into`]) and, when `retime`,
+    /// converts its times to the clock's ns in place (K1: every format a file carries
+    /// gets the one conversion). Ring pages are retimed; a page built from a time already
+    /// converted (`trailing_lost`) is not.
+    pub(crate) fn file_page(
+        &self,
+        cpu: u32,
+        page: &[u8],
+        missed: Option<u64>,
+        retime: bool,
+        out: &mut [u8],
+    ) -> Result<(), OutputError> {
+        self.check_page(cpu, page)?;
+        crate::export::export_page_into(cpu, page, missed, out)?;
+        if retime {
+            self.clock.retime_page(out);
+        }
+        Ok(())
+    }
+
     pub(crate) fn check_page(&self, cpu: u32, page: &[u8]) -> Result<(), OutputError> {
         if cpu >= self.nr_cpus {
             return Err(OutputError::BadPage {

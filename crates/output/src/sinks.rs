@@ -94,6 +94,57 @@ fn queue_line(merger: &mut Merger<String>, cpu: usize, ns: u64, line: String) {
     merger.push_sized(cpu, ns, Merged::Event(line), n);
 }
 
+/// What the merger releases, for a sink to render: a queued string at its time, or the
+/// window-exceeded marker.
+enum Piece<'a> {
+    Item { ts: u64, text: &'a str },
+    WindowExceeded { held: usize, lagging: Option<usize> },
+}
+
+/// Writes to `out`, in time order, every string queued in `merger` that it releases (all
+/// of them when `all`), each rendered by `render` into a 64 KiB batch — the one release
+/// path of the merged sinks (text and JSON).
+fn release_merged(
+    merger: &mut Merger<String>,
+    out: &mut Out,
+    buf: &mut String,
+    all: bool,
+    mut render: impl FnMut(&mut String, Piece<'_>),
+) -> Result<(), OutputError> {
+    buf.clear();
+    let mut err = None;
+    let mut put = |piece: Piece<'_>, buf: &mut String| {
+        render(buf, piece);
+        if buf.len() >= 1 << 16 && err.is_none() {
+            err = out.write_all(buf.as_bytes()).err();
+            buf.clear();
+        }
+    };
+    if all {
+        merger.drain(|_, ts, item| {
+            if let Merged::Event(text) = item {
+                put(Piece::Item { ts, text: &text }, buf);
+            }
+        });
+    } else {
+        merger.release(|r| match r {
+            Released::Item {
+                ts,
+                item: Merged::Event(text),
+                ..
+            } => put(Piece::Item { ts, text: &text }, buf),
+            Released::Item { .. } => {}
+            Released::WindowExceeded { held, lagging } => {
+                put(Piece::WindowExceeded { held, lagging }, buf);
+            }
+        });
+    }
+    if let Some(e) = err {
+        return Err(e);
+    }
+    out.write_all(buf.as_bytes())
+}
+
 impl TextSink {
     /// Writes, in time order, every queued line the merger releases (all of them when
     /// `all`), and the window marker if it is exceeded.
@@ -101,41 +152,19 @@ impl TextSink {
         let Some(out) = self.out.as_mut() else {
             return Ok(());
         };
-        let buf = &mut self.buf;
-        buf.clear();
-        let mut err = None;
-        let mut put = |line: &str, buf: &mut String| {
-            buf.push_str(line);
-            if buf.len() >= 1 << 16 && err.is_none() {
-                err = out.write_all(buf.as_bytes()).err();
-                buf.clear();
-            }
-        };
-        if all {
-            self.merger.drain(|_, _, item| {
-                if let Merged::Event(line) = item {
-                    put(&line, buf);
+        release_merged(
+            &mut self.merger,
+            out,
+            &mut self.buf,
+            all,
+            |buf, piece| match piece {
+                Piece::Item { text, .. } => buf.push_str(text),
+                Piece::WindowExceeded { held, lagging } => {
+                    format_window_exceeded(buf, held, lagging);
+                    buf.push('\n');
                 }
-            });
-        } else {
-            self.merger.release(|r| match r {
-                Released::Item {
-                    item: Merged::Event(line),
-                    ..
-                } => put(&line, buf),
-                Released::Item { .. } => {}
-                Released::WindowExceeded { held, lagging } => {
-                    let mut line = String::new();
-                    format_window_exceeded(&mut line, held, lagging);
-                    line.push('\n');
-                    put(&line, buf);
-                }
-            });
-        }
-        if let Some(e) = err {
-            return Err(e);
-        }
-        out.write_all(buf.as_bytes())
+            },
+        )
     }
 }
 
@@ -408,54 +437,26 @@ impl JsonSink {
         let Some(out) = self.out.as_mut() else {
             return Ok(());
         };
-        let buf = &mut self.buf;
-        buf.clear();
         let first = &mut self.first;
         let released = &mut self.released_ns;
-        let mut err = None;
-        let mut put = |e: &str, buf: &mut String| {
+        release_merged(&mut self.merger, out, &mut self.buf, all, |buf, piece| {
             if !std::mem::replace(first, false) {
                 buf.push_str(",\n");
             }
-            buf.push_str(e);
-            if buf.len() >= 1 << 16 && err.is_none() {
-                err = out.write_all(buf.as_bytes()).err();
-                buf.clear();
-            }
-        };
-        if all {
-            self.merger.drain(|_, _, item| {
-                if let Merged::Event(e) = item {
-                    put(&e, buf);
-                }
-            });
-        } else {
-            self.merger.release(|r| match r {
-                Released::Item {
-                    ts,
-                    item: Merged::Event(e),
-                    ..
-                } => {
+            match piece {
+                Piece::Item { ts, text } => {
                     *released = ts;
-                    put(&e, buf);
+                    buf.push_str(text);
                 }
-                Released::Item { .. } => {}
-                Released::WindowExceeded { held, lagging } => {
+                Piece::WindowExceeded { held, lagging } => {
                     let lagging = lagging.map_or_else(|| "null".to_string(), |c| c.to_string());
-                    put(
-                        &format!(
-                            "{{\"name\":\"merge window exceeded\",\"cat\":\"hyptrace\",\"ph\":\"i\",\"s\":\"g\",\"ts\":{},\"pid\":{JSON_PID},\"tid\":0,\"args\":{{\"held\":{held},\"lagging_cpu\":{lagging}}}}}",
-                            us(*released)
-                        ),
-                        buf,
-                    );
+                    buf.push_str(&format!(
+                        "{{\"name\":\"merge window exceeded\",\"cat\":\"hyptrace\",\"ph\":\"i\",\"s\":\"g\",\"ts\":{},\"pid\":{JSON_PID},\"tid\":0,\"args\":{{\"held\":{held},\"lagging_cpu\":{lagging}}}}}",
+                        us(*released)
+                    ));
                 }
-            });
-        }
-        if let Some(e) = err {
-            return Err(e);
-        }
-        out.write_all(buf.as_bytes())
+            }
+        })
     }
 
     /// Queues entry `e` of `cpu` at `ns` (its length counts against the window).
@@ -679,11 +680,8 @@ impl RawSink {
         missed: Option<u64>,
         retime: bool,
     ) -> Result<(), OutputError> {
-        self.meta.check_page(cpu, page)?;
-        export_page_into(cpu, page, missed, &mut self.scratch)?;
-        if retime {
-            self.meta.clock.retime_page(&mut self.scratch);
-        }
+        self.meta
+            .file_page(cpu, page, missed, retime, &mut self.scratch)?;
         let Some(out) = self.out.as_mut() else {
             return Ok(());
         };

@@ -4,7 +4,6 @@ use std::io::{self, BufWriter, Seek, SeekFrom, Write};
 use std::path::Path;
 
 use super::{option, MAGIC};
-use crate::export::export_page_into;
 use crate::format::{header_page_text, EventFormat, HEADER_EVENT_TEXT};
 use crate::sink::{KernelCpuStat, PageSink, RunSummary, TraceMeta};
 use crate::target::{OutputFile, OutputTarget, Temp};
@@ -767,12 +766,9 @@ impl TraceDatSink {
         if self.out.is_none() {
             return Err(OutputError::Closed);
         }
-        self.meta.check_page(cpu, page)?;
-        export_page_into(cpu, page, missed, &mut self.scratch)?;
-        if retime {
-            // The one page-writing path of every buffer this file gets.
-            self.meta.clock.retime_page(&mut self.scratch);
-        }
+        // The one page-writing path of every buffer this file gets.
+        self.meta
+            .file_page(cpu, page, missed, retime, &mut self.scratch)?;
         self.replaced += self.strings.sanitize_page(&mut self.scratch);
         if self.compression == Compression::Zstd {
             let c = cpu as usize;
