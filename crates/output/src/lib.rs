@@ -74,7 +74,9 @@ pub use sinks::{
     JSON_PID, RAW_MAGIC, RAW_MAGIC_V1,
 };
 pub use symbols::KernelSymbols;
-pub use target::{set_wait_interrupt, stdout_closed, OutputFile, OutputTarget, TargetKind};
+pub use target::{
+    set_wait_interrupt, stdout_closed, OutputFile, OutputTarget, QuietStdout, TargetKind,
+};
 pub use text::{
     escape_guest_bytes, escape_guest_str, escaped_guest_bytes, format_drop, format_event,
     format_guest_line, format_window_exceeded, guest_printers, EventPrinter,

@@ -250,7 +250,7 @@ impl OutputTarget {
                 Inner::Stream(BufWriter::with_capacity(BUF, f))
             }
             TargetKind::Stdout => {
-                Inner::Stdout(BufWriter::with_capacity(BUF, QuietStdout(io::stdout())))
+                Inner::Stdout(BufWriter::with_capacity(BUF, QuietStdout::default()))
             }
         };
         Ok(OutputFile {
@@ -361,8 +361,16 @@ pub fn stdout_closed() -> bool {
 }
 
 /// Stdout, its reader's going away no error: from the first broken pipe on, writes
-/// are discarded and [`stdout_closed`] is true.
-struct QuietStdout(io::Stdout);
+/// are discarded and [`stdout_closed`] is true — the one stdout-closed mechanism of
+/// every command (an [`OutputFile`] of `-` writes through it; `hyptrace run` writes its
+/// lines through it).
+pub struct QuietStdout(io::Stdout);
+
+impl Default for QuietStdout {
+    fn default() -> Self {
+        Self(io::stdout())
+    }
+}
 
 impl QuietStdout {
     fn quiet<T>(r: io::Result<T>, or: T) -> io::Result<T> {

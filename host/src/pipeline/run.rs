@@ -26,12 +26,13 @@
 
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use hyptrace_output::{
-    Clock, Compression, EventFormat, OutputError, OutputTarget, PageSink, ThreadedSink, TraceMeta,
+    Clock, Compression, EventFormat, OutputError, OutputTarget, PageSink, QuietStdout,
+    ThreadedSink, TraceMeta,
 };
 use hyptrace_reader::{Callbacks, ReadError};
 
@@ -634,8 +635,8 @@ fn open_output(
             Output::text(
                 Box::new(std::io::BufWriter::with_capacity(
                     1 << 16,
-                    QuietStdout {
-                        out: std::io::stdout(),
+                    CountedStdout {
+                        out: QuietStdout::default(),
                         state: Arc::clone(stdout),
                     },
                 )),
@@ -1117,7 +1118,7 @@ impl Live<'_> {
             Some(Stop::Crash)
         } else if let Some(t) = self.hung() {
             Some(Stop::Hang(t))
-        } else if self.stdout.closed.load(Ordering::Relaxed) || hyptrace_output::stdout_closed() {
+        } else if hyptrace_output::stdout_closed() {
             Some(Stop::StdoutClosed)
         } else {
             None
@@ -1490,52 +1491,39 @@ impl RunControl<'_> {
     }
 }
 
-/// Stdout for `run`: a reader that went away (`| head`) ends the run quietly. After
-/// the first EPIPE every write is accepted and discarded, so the run keeps reading
-/// (the accounting stays exact) while it stops; `closed` tells the run loop. Counts the
-/// lines that did reach stdout.
+/// Stdout for `run`, through the output crate's [`QuietStdout`]: a reader that went
+/// away (`| head`) ends the run quietly. After the first EPIPE every write is accepted
+/// and discarded, so the run keeps reading (the accounting stays exact) while it stops;
+/// [`hyptrace_output::stdout_closed`] tells the run loop. Counts the lines that did
+/// reach stdout.
 #[derive(Debug, Default)]
 struct StdoutState {
-    closed: AtomicBool,
     lines: AtomicU64,
 }
 
-struct QuietStdout {
-    out: std::io::Stdout,
+struct CountedStdout {
+    out: QuietStdout,
     state: Arc<StdoutState>,
 }
 
-impl Write for QuietStdout {
+impl Write for CountedStdout {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        if self.state.closed.load(Ordering::Relaxed) {
-            return Ok(buf.len());
+        let was_closed = hyptrace_output::stdout_closed();
+        let n = self.out.write(buf)?;
+        if was_closed {
+            return Ok(n);
         }
-        match self.out.write(buf) {
-            Ok(n) => {
-                let nl = buf[..n].iter().filter(|&&b| b == b'\n').count() as u64;
-                self.state.lines.fetch_add(nl, Ordering::Relaxed);
-                Ok(n)
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
-                log::debug!("stdout closed by its reader");
-                self.state.closed.store(true, Ordering::Relaxed);
-                Ok(buf.len())
-            }
-            Err(e) => Err(e),
+        if hyptrace_output::stdout_closed() {
+            log::debug!("stdout closed by its reader");
+        } else {
+            let nl = buf[..n].iter().filter(|&&b| b == b'\n').count() as u64;
+            self.state.lines.fetch_add(nl, Ordering::Relaxed);
         }
+        Ok(n)
     }
 
     fn flush(&mut self) -> std::io::Result<()> {
-        if self.state.closed.load(Ordering::Relaxed) {
-            return Ok(());
-        }
-        match self.out.flush() {
-            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
-                self.state.closed.store(true, Ordering::Relaxed);
-                Ok(())
-            }
-            r => r,
-        }
+        self.out.flush()
     }
 }
 
