@@ -77,10 +77,22 @@ pub struct ThreadedSink {
     closed: bool,
     /// Back-pressure: the waits for a chunk the thread was still writing.
     waits: OutputWaits,
-    /// [`PageSink::abandon`]: the thread stops before its next page.
-    abandoned: Arc<AtomicBool>,
-    /// [`ThreadedSink::cancel_on`]'s condition, shared with the thread.
-    cancel: Arc<std::sync::OnceLock<Cancel>>,
+    /// When to stop writing, shared with the thread.
+    stop: Arc<Stop>,
+}
+
+/// When the sink stops writing at once: [`PageSink::abandon`]ed, or
+/// [`ThreadedSink::cancel_on`]'s condition holds.
+#[derive(Default)]
+struct Stop {
+    abandoned: AtomicBool,
+    cancel: std::sync::OnceLock<Cancel>,
+}
+
+impl Stop {
+    fn stopped(&self) -> bool {
+        self.abandoned.load(Ordering::Relaxed) || self.cancel.get().is_some_and(|c| c())
+    }
 }
 
 /// A condition under which the sink stops writing at once (see
@@ -95,16 +107,11 @@ impl ThreadedSink {
     pub fn new(inner: Box<dyn PageSink + Send>) -> Result<Self, OutputError> {
         let (tx, rx) = sync_channel::<Msg>(MAX_CHUNKS + 1);
         let (free_tx, free) = sync_channel::<Chunk>(MAX_CHUNKS + 1);
-        let abandoned = Arc::new(AtomicBool::new(false));
-        let cancel: Arc<std::sync::OnceLock<Cancel>> = Arc::default();
-        let (stop, cancelled) = (Arc::clone(&abandoned), Arc::clone(&cancel));
+        let stop = Arc::new(Stop::default());
+        let stopped = Arc::clone(&stop);
         let worker = std::thread::Builder::new()
             .name("hyptrace-sink".into())
-            .spawn(move || {
-                let stopped =
-                    || stop.load(Ordering::Relaxed) || cancelled.get().is_some_and(|c| c());
-                run(inner, &rx, &free_tx, &stopped)
-            })
+            .spawn(move || run(inner, &rx, &free_tx, &|| stopped.stopped()))
             .map_err(|e| OutputError::Io {
                 path: None,
                 source: e,
@@ -118,8 +125,7 @@ impl ThreadedSink {
             worker: Some(worker),
             closed: false,
             waits: OutputWaits::default(),
-            abandoned,
-            cancel,
+            stop,
         })
     }
 
@@ -128,12 +134,8 @@ impl ThreadedSink {
     /// for room gets [`OutputError::Closed`] within `CANCEL_POLL` (20 ms).
     #[must_use]
     pub fn cancel_on(self, cancel: impl Fn() -> bool + Send + Sync + 'static) -> Self {
-        let _ = self.cancel.set(Box::new(cancel));
+        let _ = self.stop.cancel.set(Box::new(cancel));
         self
-    }
-
-    fn cancelled(&self) -> bool {
-        self.abandoned.load(Ordering::Relaxed) || self.cancel.get().is_some_and(|c| c())
     }
 
     /// The sink thread ended early (its error, once), or had already.
@@ -177,7 +179,7 @@ impl ThreadedSink {
         // thread ends, or the sink is cancelled.
         let got = loop {
             match self.free.recv_timeout(CANCEL_POLL) {
-                Err(std::sync::mpsc::RecvTimeoutError::Timeout) if !self.cancelled() => {}
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) if !self.stop.stopped() => {}
                 Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
                     self.abandon();
                     break None;
@@ -249,7 +251,7 @@ fn run(
 
 impl PageSink for ThreadedSink {
     fn abandon(&mut self) {
-        self.abandoned.store(true, Ordering::Relaxed);
+        self.stop.abandoned.store(true, Ordering::Relaxed);
         self.tx = None;
     }
 
