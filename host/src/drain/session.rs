@@ -980,6 +980,16 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
         }
     }
 
+    /// Whether `aborted()` holds; if so the output is abandoned
+    /// ([`Session::abandon_output`]), for the caller to return at once.
+    pub fn abandon_if(&mut self, aborted: &dyn Fn() -> bool) -> bool {
+        let a = aborted();
+        if a {
+            self.abandon_output();
+        }
+        a
+    }
+
     /// Records the first error seen on `cpu` (reported by [`Session::error`]).
     pub fn fail_cpu(&mut self, cpu: u32, e: &SessionError) {
         if let Some(st) = self.cpus.get_mut(cpu as usize) {

@@ -746,8 +746,7 @@ fn finish_session(
     let nr = session.reader().nr_cpus();
     let aborted = || interrupts.is_some_and(Interrupts::aborted);
     for cpu in 0..nr {
-        if aborted() {
-            session.abandon_output();
+        if session.abandon_if(&aborted) {
             return Err(RunError::Aborted);
         }
         if let Err(e) = session.end_cpu_unless(cpu, &aborted) {
@@ -760,16 +759,14 @@ fn finish_session(
         log::debug!("host events: final walk failed: {e}");
         failures.session(None, &e);
     }
-    if aborted() {
-        session.abandon_output();
+    if session.abandon_if(&aborted) {
         return Err(RunError::Aborted);
     }
     if let Err(e) = session.end_host_trace_unless(&aborted) {
         log::debug!("host trace: final read failed: {e}");
         failures.session(None, &e);
     }
-    if aborted() {
-        session.abandon_output();
+    if session.abandon_if(&aborted) {
         return Err(RunError::Aborted);
     }
     let host_trace = session.host_trace_stats();
@@ -779,8 +776,7 @@ fn finish_session(
     if let Err(e) = session.flush() {
         failures.session(None, &e);
     }
-    if aborted() {
-        session.abandon_output();
+    if session.abandon_if(&aborted) {
         return Err(RunError::Aborted);
     }
     let cpus: Vec<CpuReport> = (0..nr)
