@@ -99,10 +99,9 @@ impl Failures {
             writeln!(f, "hyptrace: error: {e}")?;
         }
         if let Some(e) = &self.output {
-            // The output error's own text starts with the path (or with `: ` for
-            // stdout): this line names the path once, itself.
+            // The output error's chain is `output: ` and then the path (a file's): this
+            // line names the path once, itself.
             let e = e.strip_prefix("output: ").unwrap_or(e);
-            let e = e.strip_prefix(": ").unwrap_or(e);
             match to {
                 Destination::Stdout { .. } => {
                     writeln!(f, "hyptrace: error: writing to stdout: {e}")?
