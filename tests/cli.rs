@@ -42,8 +42,12 @@ fn mkfifo(path: &str) {
     assert!(st.success(), "mkfifo {path}");
 }
 
-/// Reads a child's stderr on a thread: lines arrive on the channel as they come.
-fn stderr_lines(child: &mut Child) -> (mpsc::Receiver<String>, std::thread::JoinHandle<()>) {
+/// Spawns `cmd` with its stderr read on a thread: lines arrive on the channel as they
+/// come.
+fn spawn_watched(
+    cmd: &mut Command,
+) -> (Child, mpsc::Receiver<String>, std::thread::JoinHandle<()>) {
+    let mut child = cmd.stderr(Stdio::piped()).spawn().expect("spawn");
     let err = child.stderr.take().expect("piped stderr");
     let (tx, rx) = mpsc::channel();
     let h = std::thread::spawn(move || {
@@ -54,7 +58,7 @@ fn stderr_lines(child: &mut Child) -> (mpsc::Receiver<String>, std::thread::Join
             }
         }
     });
-    (rx, h)
+    (child, rx, h)
 }
 
 /// Waits (bounded) until the pipe `r` reads from holds at least half its capacity: what
@@ -272,12 +276,11 @@ fn second_ctrl_c_aborts_with_130() {
         return;
     }
     let _vm = vm_lock();
-    let mut child = Command::new(BIN)
-        .args(["run", "--events", "100000000"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn");
+    let (mut child, rx, reader) = spawn_watched(
+        Command::new(BIN)
+            .args(["run", "--events", "100000000"])
+            .stdout(Stdio::piped()),
+    );
     let mut stdout = child.stdout.take().expect("stdout");
     // A one-page pipe: a few dozen lines fill it, far less than the rings hold.
     // SAFETY: F_SETPIPE_SZ on a pipe fd this process owns; no memory passed. (It may
@@ -289,7 +292,6 @@ fn second_ctrl_c_aborts_with_130() {
             4096,
         )
     };
-    let (rx, reader) = stderr_lines(&mut child);
     // The run prints: its handlers are installed. Then the unread pipe fills up (a
     // condition, waited for): the run blocks on its output, so the first Ctrl-C cannot
     // finish it and the second one aborts.
@@ -321,25 +323,23 @@ const ABORT_BOUND: Duration = Duration::from_secs(8);
 fn abort_during_a_long_final_walk() {
     let dir = TempDir::new("abort-walk");
     let out = dir.file("t.json");
-    let mut child = Command::new(BIN)
-        .args([
-            "record",
-            "-o",
-            &out,
-            "--rate",
-            "0",
-            "--events",
-            "10000000000", // minutes flat out: still writing at the signals
-            "--vcpus",
-            "2",
-            "--buffer-kb",
-            "131072",
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn");
-    let (rx, reader) = stderr_lines(&mut child);
+    let (mut child, rx, reader) = spawn_watched(
+        Command::new(BIN)
+            .args([
+                "record",
+                "-o",
+                &out,
+                "--rate",
+                "0",
+                "--events",
+                "10000000000", // minutes flat out: still writing at the signals
+                "--vcpus",
+                "2",
+                "--buffer-kb",
+                "131072",
+            ])
+            .stdout(Stdio::null()),
+    );
     let mut seen = Vec::new();
     // The first heartbeat: 5 s flat out, far more than the rings hold.
     wait_line(&rx, "recording:", &mut seen);
@@ -374,14 +374,12 @@ fn ctrl_c_twice_during_record_leaves_complete_or_nothing() {
     let dir = TempDir::new("int2");
     let out = dir.file("t.dat");
     for format in ["dat", "json", "text"] {
-        let mut child = Command::new(BIN)
-            .args(["record", "-o", &out, "--format", format])
-            .args(["--events", "100000000", "--vcpus", "2", "--rate", "0"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn");
-        let (rx, reader) = stderr_lines(&mut child);
+        let (mut child, rx, reader) = spawn_watched(
+            Command::new(BIN)
+                .args(["record", "-o", &out, "--format", format])
+                .args(["--events", "100000000", "--vcpus", "2", "--rate", "0"])
+                .stdout(Stdio::null()),
+        );
         // Wait for the sink's temporary files: the run is under way.
         let t0 = Instant::now();
         while dir.entries().is_empty() && t0.elapsed() < LIMIT {
@@ -441,13 +439,8 @@ fn ctrl_c_ends_a_wait_for_a_fifo_reader() {
             "--stats".to_string(),
         ),
     ] {
-        let mut child = Command::new(BIN)
-            .args(&args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn");
-        let (rx, reader) = stderr_lines(&mut child);
+        let (mut child, rx, reader) =
+            spawn_watched(Command::new(BIN).args(&args).stdout(Stdio::null()));
         let mut seen = Vec::new();
         wait_line(&rx, "waiting for a reader of the FIFO", &mut seen);
         env::signal(&child, "-INT");
