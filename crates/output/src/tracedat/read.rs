@@ -1867,8 +1867,10 @@ pub fn page_damage(page: &[u8]) -> Option<String> {
 /// The record at `off` of a damaged page's data area `data` (the whole page after its
 /// header) as trace-cmd's kbuffer reads it: records are read while they start before
 /// `commit`, a data length word is rounded up to 4, a padding's length is taken as is.
-/// `None` at the end, and where kbuffer would read outside the page or not move on
-/// (trace-cmd reads garbage or loops there; we stop).
+/// `None` at the end, and where kbuffer would not move on (trace-cmd loops or reads
+/// garbage there; we stop). A data record that runs past the page is one more event
+/// for trace-cmd (which reads on past the page); we give what the page holds of it,
+/// never a byte outside, and the page ends there.
 fn kbuffer_record(data: &[u8], commit: usize, off: usize) -> Option<(Record, usize)> {
     use hyptrace_abi::page::{DELTA_BITS, TYPE_PADDING, TYPE_TIME_EXTEND, TYPE_TIME_STAMP};
     if off >= commit {
@@ -1912,8 +1914,21 @@ fn kbuffer_record(data: &[u8], commit: usize, off: usize) -> Option<(Record, usi
             )
         }
     };
-    if next <= off || matches!(rec, Record::Data { .. }) && next > data.len() {
+    if next <= off {
         return None;
+    }
+    if let Record::Data { delta, start, .. } = rec {
+        if next > data.len() {
+            let held = data.len().checked_sub(start).filter(|&n| n > 0)?;
+            return Some((
+                Record::Data {
+                    delta,
+                    start,
+                    len: held,
+                },
+                data.len(),
+            ));
+        }
     }
     Some((rec, next))
 }
@@ -2238,6 +2253,44 @@ impl TraceFile {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A damaged page's data record that runs past the page: trace-cmd prints it (it
+    /// reads on past the page), so it is one event here too, cut at the page's end,
+    /// and the page ends there; a record with nothing of it in the page is none.
+    #[test]
+    fn kbuffer_record_past_the_page_is_cut_at_its_end() {
+        let mut data = vec![0u8; 4080];
+        // Long form at 3300: length word 2000 (payload 1996 bytes from 3308).
+        data[3300..3304].copy_from_slice(&(5u32 << 5).to_le_bytes());
+        data[3304..3308].copy_from_slice(&2000u32.to_le_bytes());
+        let (rec, next) = kbuffer_record(&data, 3400, 3300).expect("an event");
+        assert_eq!(
+            rec,
+            Record::Data {
+                delta: 5,
+                start: 3308,
+                len: 4080 - 3308
+            }
+        );
+        assert_eq!(next, 4080);
+        assert!(kbuffer_record(&data, 3400, next).is_none());
+        // Short form at 4072: 3 words from 4076, 4 bytes of them in the page.
+        data[4072..4076].copy_from_slice(&3u32.to_le_bytes());
+        let (rec, next) = kbuffer_record(&data, 4078, 4072).expect("an event");
+        assert_eq!(
+            rec,
+            Record::Data {
+                delta: 0,
+                start: 4076,
+                len: 4
+            }
+        );
+        assert_eq!(next, 4080);
+        // Long form at 4072: its length word is the page's last 4 bytes, no payload.
+        data[4072..4076].copy_from_slice(&0u32.to_le_bytes());
+        data[4076..4080].copy_from_slice(&100u32.to_le_bytes());
+        assert!(kbuffer_record(&data, 4078, 4072).is_none());
+    }
 
     fn fixture(name: &str) -> TraceFile {
         let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
