@@ -17,8 +17,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use hyptrace_abi::page::{
-    decode_record, fix_abs_ts, page_header, Record, PAGE_HEADER_SIZE, RB_MISSED_EVENTS,
-    RB_MISSED_STORED,
+    decode_record, fix_abs_ts, page_header, DecodeError, Record, PAGE_HEADER_SIZE,
+    RB_MISSED_EVENTS, RB_MISSED_STORED,
 };
 
 use super::{option, MAGIC};
@@ -1858,19 +1858,29 @@ pub fn page_damage(page: &[u8]) -> Option<String> {
     loop {
         match decode_record(area, off) {
             Ok(None) => return None,
-            Ok(Some((_, next))) => off = next,
+            Ok(Some((rec, next))) => {
+                if parts_from_kbuffer(&rec, next, &page[PAGE_HEADER_SIZE..], area.len(), off) {
+                    return Some(DecodeError::BadLength { offset: off }.to_string());
+                }
+                off = next
+            }
             Err(e) => return Some(e.to_string()),
         }
     }
 }
 
 /// The record at `off` of a damaged page's data area `data` (the whole page after its
-/// header) as trace-cmd's kbuffer reads it: records are read while they start before
-/// `commit`, a data length word is rounded up to 4, a padding's length is taken as is.
-/// `None` at the end, and where kbuffer would not move on (trace-cmd loops or reads
-/// garbage there; we stop). A data record that runs past the page is one more event
-/// for trace-cmd (which reads on past the page); we give what the page holds of it,
-/// never a byte outside, and the page ends there.
+/// header) as trace-cmd's kbuffer (libtraceevent) reads it, with its arithmetic: a data
+/// length word `w` is the signed 32-bit `(w - 4 + 3) & !3`, a padding's word is taken as
+/// is, and the next record starts at the payload's offset plus that length in unsigned
+/// 32-bit arithmetic. So a length word below 4 is an event without payload followed by a
+/// record 4 or 8 bytes on, and a huge one steps back. Records are read while they start
+/// before `commit`. `None` at the end, where a record's words lie past the page, and
+/// where kbuffer would go back or stand still on a record that is not an event (trace-cmd
+/// loops there; we stop). An event is always given: when its next record goes back,
+/// trace-cmd prints it and then loops or reads records again; when it runs past the page,
+/// trace-cmd reads on past the page. We give what the page holds of it, never a byte
+/// outside, and the page ends after it.
 fn kbuffer_record(data: &[u8], commit: usize, off: usize) -> Option<(Record, usize)> {
     use hyptrace_abi::page::{DELTA_BITS, TYPE_PADDING, TYPE_TIME_EXTEND, TYPE_TIME_STAMP};
     if off >= commit {
@@ -1883,11 +1893,9 @@ fn kbuffer_record(data: &[u8], commit: usize, off: usize) -> Option<(Record, usi
     let hdr = word(off)?;
     let delta = u64::from(hdr >> 5);
     let arr = off + 4;
-    let (rec, next) = match hdr & 0x1f {
-        TYPE_PADDING => (
-            Record::Padding { delta },
-            arr.checked_add(word(arr)? as usize)?,
-        ),
+    // (the record, where its payload starts, kbuffer's signed length)
+    let (rec, index, length) = match hdr & 0x1f {
+        TYPE_PADDING => (Record::Padding { delta }, arr, word(arr)? as i32),
         t @ (TYPE_TIME_EXTEND | TYPE_TIME_STAMP) => {
             let v = (u64::from(word(arr)?) << DELTA_BITS).wrapping_add(delta);
             let rec = if t == TYPE_TIME_EXTEND {
@@ -1895,42 +1903,57 @@ fn kbuffer_record(data: &[u8], commit: usize, off: usize) -> Option<(Record, usi
             } else {
                 Record::TimeStamp { ts: v }
             };
-            (rec, off + 8)
+            (rec, off + 8, 0)
         }
         0 => {
-            let len = (word(arr)? as usize).checked_sub(4)?.checked_add(3)? & !3;
-            let start = arr + 4;
-            (Record::Data { delta, start, len }, start.checked_add(len)?)
-        }
-        n => {
-            let len = n as usize * 4;
+            let len = (word(arr)?.wrapping_sub(4) as i32).wrapping_add(3) & !3;
             (
                 Record::Data {
                     delta,
-                    start: arr,
-                    len,
+                    start: 0,
+                    len: 0,
                 },
-                arr + len,
+                arr + 4,
+                len,
             )
         }
+        n => (
+            Record::Data {
+                delta,
+                start: 0,
+                len: 0,
+            },
+            arr,
+            n as i32 * 4,
+        ),
     };
-    if next <= off {
-        return None;
+    let next = u32::try_from(index).ok()?.wrapping_add(length as u32) as usize;
+    let Record::Data { delta, .. } = rec else {
+        return (next > off).then_some((rec, next));
+    };
+    let held = data.len().saturating_sub(index);
+    let len = usize::try_from(length).map_or(0, |l| l.min(held));
+    let next = if next <= off || next > data.len() {
+        data.len()
+    } else {
+        next
+    };
+    let start = index.min(data.len());
+    Some((Record::Data { delta, start, len }, next))
+}
+
+/// Whether trace-cmd's kbuffer reads the record after `rec` (decoded strictly at the
+/// aligned offset `off`, next at `next`) somewhere else: a length word that is not a
+/// multiple of 4 (the kernel's extent goes unaligned, kbuffer rounds a data length up
+/// and takes a padding's as is). Such a page is damaged from that record on and read as
+/// kbuffer reads it. Only padding needs a second decode; data parts iff `next` is
+/// unaligned.
+fn parts_from_kbuffer(rec: &Record, next: usize, data: &[u8], commit: usize, off: usize) -> bool {
+    match rec {
+        Record::Data { .. } => next % 4 != 0,
+        Record::Padding { .. } => kbuffer_record(data, commit, off).map(|(_, n)| n) != Some(next),
+        Record::TimeExtend { .. } | Record::TimeStamp { .. } => false,
     }
-    if let Record::Data { delta, start, .. } = rec {
-        if next > data.len() {
-            let held = data.len().checked_sub(start).filter(|&n| n > 0)?;
-            return Some((
-                Record::Data {
-                    delta,
-                    start,
-                    len: held,
-                },
-                data.len(),
-            ));
-        }
-    }
-    Some((rec, next))
 }
 
 /// What the merger holds for a CPU: its next event (as a range of the CPU's current
@@ -1988,14 +2011,19 @@ impl CpuCursor {
         loop {
             if self.live {
                 let area = &self.pages.page[PAGE_HEADER_SIZE..self.area_end];
+                let data = &self.pages.page[PAGE_HEADER_SIZE..];
+                let commit = self.area_end - PAGE_HEADER_SIZE;
                 let rec = if self.lenient {
-                    Ok(kbuffer_record(
-                        &self.pages.page[PAGE_HEADER_SIZE..],
-                        self.area_end - PAGE_HEADER_SIZE,
-                        self.off,
-                    ))
+                    Ok(kbuffer_record(data, commit, self.off))
                 } else {
-                    decode_record(area, self.off)
+                    decode_record(area, self.off).and_then(|r| match r {
+                        Some((rec, next))
+                            if parts_from_kbuffer(&rec, next, data, commit, self.off) =>
+                        {
+                            Err(DecodeError::BadLength { offset: self.off })
+                        }
+                        r => Ok(r),
+                    })
                 };
                 match rec {
                     Ok(None) => self.live = false,
@@ -2289,7 +2317,98 @@ mod tests {
         // Long form at 4072: its length word is the page's last 4 bytes, no payload.
         data[4072..4076].copy_from_slice(&0u32.to_le_bytes());
         data[4076..4080].copy_from_slice(&100u32.to_le_bytes());
-        assert!(kbuffer_record(&data, 4078, 4072).is_none());
+        let (rec, next) = kbuffer_record(&data, 4078, 4072).expect("an event");
+        let empty = |start| Record::Data {
+            delta: 0,
+            start,
+            len: 0,
+        };
+        assert_eq!((rec, next), (empty(4080), 4080));
+        // Long form at 4076: its length word is past the page.
+        data[4076..4080].copy_from_slice(&0u32.to_le_bytes());
+        assert!(kbuffer_record(&data, 4078, 4076).is_none());
+    }
+
+    /// A length word that is not a multiple of 4 is where the strict decoder (the
+    /// kernel's extent) and kbuffer (rounded up, a padding's as is) part: the page is
+    /// damaged there, for `report` and for `convert` alike.
+    #[test]
+    fn unaligned_length_words_are_damage() {
+        let page = |records: &[u32]| {
+            let mut p = vec![0u8; 4096];
+            let commit = records.len() as u64 * 4;
+            p[8..16].copy_from_slice(&commit.to_le_bytes());
+            for (i, w) in records.iter().enumerate() {
+                p[16 + i * 4..20 + i * 4].copy_from_slice(&w.to_le_bytes());
+            }
+            p
+        };
+        // Long form, length word 16 (12 bytes of payload), then a 1-word event.
+        assert_eq!(page_damage(&page(&[0, 16, 7, 7, 7, 1, 7])), None);
+        // Length word 13: the kernel reads on at 17, kbuffer at 20.
+        let bad = page(&[0, 13, 7, 7, 7, 1, 7]);
+        assert_eq!(
+            page_damage(&bad).as_deref(),
+            Some("event at data offset 0 has a bad length word")
+        );
+        assert_eq!(kbuffer_record(&bad[16..], 28, 0).map(|(_, n)| n), Some(20));
+        // Padding (delta 1) with length 8, then a 1-word event; with length 9 the next
+        // record is at 16 strictly (aligned), at 13 for kbuffer.
+        let pad = hyptrace_abi::page::TYPE_PADDING | 1 << 5;
+        assert_eq!(page_damage(&page(&[pad, 8, 7, 1, 7])), None);
+        assert_eq!(
+            page_damage(&page(&[pad, 9, 7, 1, 7])).as_deref(),
+            Some("event at data offset 0 has a bad length word")
+        );
+    }
+
+    /// kbuffer's signed 32-bit arithmetic on a damaged page: a length word below 4 is an
+    /// event without payload and the walk goes on 4 or 8 bytes later (trace-cmd prints the
+    /// records after it); a length that steps back gives its event and ends the page; a
+    /// padding that steps back or stands still ends the page before it.
+    #[test]
+    fn kbuffer_record_follows_kbuffer_arithmetic() {
+        let mut data = vec![0u8; 4080];
+        let put = |data: &mut Vec<u8>, at: usize, w: u32| {
+            data[at..at + 4].copy_from_slice(&w.to_le_bytes());
+        };
+        let empty = |start| Record::Data {
+            delta: 0,
+            start,
+            len: 0,
+        };
+        // Length word 0: the next record starts at the length word itself.
+        put(&mut data, 100, 0);
+        put(&mut data, 104, 0);
+        assert_eq!(kbuffer_record(&data, 4000, 100), Some((empty(108), 104)));
+        // Length words 1..=3: no payload, the next record right after the word.
+        for w in 1..=3 {
+            put(&mut data, 104, w);
+            assert_eq!(kbuffer_record(&data, 4000, 100), Some((empty(108), 108)));
+        }
+        // 0xffff_fffd..=0xffff_ffff round like 0: 4 bytes on.
+        for w in 0xffff_fffd..=u32::MAX {
+            put(&mut data, 104, w);
+            assert_eq!(kbuffer_record(&data, 4000, 100), Some((empty(108), 104)));
+        }
+        // 0xffff_fffc: kbuffer stands on this record forever; 0x8000_0004: it steps back
+        // 2 GiB (past 0, out of the page). Either way the event, then the page's end.
+        for w in [0xffff_fffc, 0x8000_0004, 0xffff_0000] {
+            put(&mut data, 104, w);
+            assert_eq!(kbuffer_record(&data, 4000, 100), Some((empty(108), 4080)));
+        }
+        // A padding whose length steps back or stands still: the page ends before it.
+        put(&mut data, 200, hyptrace_abi::page::TYPE_PADDING);
+        for w in [u32::MAX - 3, u32::MAX - 100] {
+            put(&mut data, 204, w);
+            assert_eq!(kbuffer_record(&data, 4000, 200), None);
+        }
+        // One that wraps to 1..3 bytes on is followed there, like kbuffer.
+        put(&mut data, 204, u32::MAX);
+        assert_eq!(
+            kbuffer_record(&data, 4000, 200),
+            Some((Record::Padding { delta: 0 }, 203))
+        );
     }
 
     fn fixture(name: &str) -> TraceFile {
