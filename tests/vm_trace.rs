@@ -290,9 +290,13 @@ fn stop_mode_lossless_guest_swap() {
 }
 
 /// `burst` in overwrite mode with a 16 KiB buffer (reader page + 3 ring pages, ~426
-/// markers) and bursts of 1024 back-to-back events: every CPU loses events; each loss
-/// is printed right before the first event after it with the exact count (the seq
-/// rule), and the printed counts add up to `lost` (== overrun) per CPU.
+/// markers) and bursts of 1024 back-to-back events: each loss is printed right before
+/// the first event after it with the exact count (the seq rule), and the printed counts
+/// add up to `lost` (== overrun) per CPU. With `--swap guest` every CPU loses events:
+/// the guest serves the mailbox only between bursts, so no page is swapped out during
+/// one. With `--swap host` losses are likely, not certain: the reader (SCHED_FIFO,
+/// awake every 20 µs while a ring fills) preempts a vCPU that shares its core, and a
+/// vCPU slowed by other load may never outrun it (seen next to two CPU hogs).
 #[test]
 fn burst_overwrite_reports_exact_losses() {
     if !kvm_available(KRATE, "burst_overwrite_reports_exact_losses") {
@@ -321,10 +325,12 @@ fn burst_overwrite_reports_exact_losses() {
         assert_accounting(&s, &what);
         let tally = check_output(&out, &s, "burst", &what);
         for (i, (c, t)) in s.cpus.iter().zip(&tally).enumerate() {
-            assert!(c.lost > 0, "{what}: cpu {i} lost nothing: {}", s.json);
+            if swap == "guest" {
+                assert!(c.lost > 0, "{what}: cpu {i} lost nothing: {}", s.json);
+            }
             assert_eq!(c.lost, c.overrun, "{what}: cpu {i}");
             assert_eq!(c.dropped, 0, "{what}: cpu {i}");
-            assert!(t.drop_lines > 0, "{what}: cpu {i}");
+            assert_eq!(t.drop_lines > 0, c.lost > 0, "{what}: cpu {i}");
             assert_eq!(t.dropped, c.lost, "{what}: cpu {i}");
             // Overwrite mode keeps the newest events: the last one is always read.
             assert_eq!(t.last_seq, Some(16383), "{what}: cpu {i}");

@@ -20,19 +20,27 @@ pub trait Sink {
     fn skip(&mut self);
     /// Called from idle (busy-wait) loops: serve the host's mailbox.
     fn idle(&mut self) {}
+    /// While `hold`, [`Sink::write`] does not serve the mailbox (a guest writing in a
+    /// section it will not interrupt); idle loops still do.
+    fn hold_mailbox(&mut self, _hold: bool) {}
 }
 
 /// The ring-buffer writer of this vCPU. In `--swap guest` mode it serves the host's
-/// mailbox between events (one relaxed load each) and in idle loops.
+/// mailbox between events (one relaxed load each; not while held) and in idle loops.
 pub struct WriterSink {
     w: Writer<RawMem>,
     serve: bool,
+    held: bool,
 }
 
 impl WriterSink {
     /// Wraps the attached writer.
     pub fn new(w: Writer<RawMem>, serve: bool) -> Self {
-        Self { w, serve }
+        Self {
+            w,
+            serve,
+            held: false,
+        }
     }
 
     /// The writer.
@@ -47,7 +55,7 @@ impl Sink for WriterSink {
         // The writer counts the attempt, and a disabled event as skipped; dropped (ring
         // full) and the rest are attempted-and-enabled (dropped / corrupt).
         self.w.write(slot, ts, payload);
-        if self.serve {
+        if self.serve && !self.held {
             self.w.serve_mailbox();
         }
     }
@@ -62,6 +70,10 @@ impl Sink for WriterSink {
         if self.serve {
             self.w.serve_mailbox();
         }
+    }
+
+    fn hold_mailbox(&mut self, hold: bool) {
+        self.held = hold;
     }
 }
 
@@ -99,6 +111,11 @@ impl<S: Sink> Emitter<S> {
     #[inline(always)]
     pub fn idle(&mut self) {
         self.sink.idle();
+    }
+
+    /// See [`Sink::hold_mailbox`].
+    pub fn hold_mailbox(&mut self, hold: bool) {
+        self.sink.hold_mailbox(hold);
     }
 
     /// The sink.

@@ -256,7 +256,8 @@ pub enum WorkloadArg {
     Steady,
     /// Markers, spans and texts (some longer than 112 bytes), pseudo-random.
     Mixed,
-    /// Bursts of back-to-back events with pauses, far above the drain rate.
+    /// Bursts of 1024 back-to-back events with pauses, far above the drain rate (with
+    /// `--swap guest` the mailbox is served between bursts only).
     Burst,
     /// A few events, then a guest panic (exit code 3).
     Panic,
