@@ -1950,7 +1950,7 @@ fn kbuffer_record(data: &[u8], commit: usize, off: usize) -> Option<(Record, usi
 /// unaligned.
 fn parts_from_kbuffer(rec: &Record, next: usize, data: &[u8], commit: usize, off: usize) -> bool {
     match rec {
-        Record::Data { .. } => next % 4 != 0,
+        Record::Data { .. } => !next.is_multiple_of(4),
         Record::Padding { .. } => kbuffer_record(data, commit, off).map(|(_, n)| n) != Some(next),
         Record::TimeExtend { .. } | Record::TimeStamp { .. } => false,
     }
