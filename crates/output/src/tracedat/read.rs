@@ -1850,20 +1850,15 @@ pub fn page_damage(page: &[u8]) -> Option<String> {
         return Some("page shorter than its header".into());
     };
     let end = PAGE_HEADER_SIZE + (commit & READ_COMMIT_MASK) as usize;
-    let Some(area) = page.get(PAGE_HEADER_SIZE..end) else {
+    if page.len() < end {
         return Some(format!("commit {} past the page", end - PAGE_HEADER_SIZE));
-    };
+    }
     let mut off = 0;
     // Bounded: each record decoded consumes at least 4 bytes of the page.
     loop {
-        match decode_record(area, off) {
+        match decode_like_kbuffer(&page[PAGE_HEADER_SIZE..], end - PAGE_HEADER_SIZE, off) {
             Ok(None) => return None,
-            Ok(Some((rec, next))) => {
-                if parts_from_kbuffer(&rec, next, &page[PAGE_HEADER_SIZE..], area.len(), off) {
-                    return Some(DecodeError::BadLength { offset: off }.to_string());
-                }
-                off = next
-            }
+            Ok(Some((_, next))) => off = next,
             Err(e) => return Some(e.to_string()),
         }
     }
@@ -1942,17 +1937,32 @@ fn kbuffer_record(data: &[u8], commit: usize, off: usize) -> Option<(Record, usi
     Some((Record::Data { delta, start, len }, next))
 }
 
-/// Whether trace-cmd's kbuffer reads the record after `rec` (decoded strictly at the
-/// aligned offset `off`, next at `next`) somewhere else: a length word that is not a
-/// multiple of 4 (the kernel's extent goes unaligned, kbuffer rounds a data length up
-/// and takes a padding's as is). Such a page is damaged from that record on and read as
-/// kbuffer reads it. Only padding needs a second decode; data parts iff `next` is
-/// unaligned.
-fn parts_from_kbuffer(rec: &Record, next: usize, data: &[u8], commit: usize, off: usize) -> bool {
-    match rec {
-        Record::Data { .. } => !next.is_multiple_of(4),
-        Record::Padding { .. } => kbuffer_record(data, commit, off).map(|(_, n)| n) != Some(next),
-        Record::TimeExtend { .. } | Record::TimeStamp { .. } => false,
+/// The record at `off` of a page's data area `data` (the whole page after its header)
+/// as the kernel reads it ([`decode_record`] over `data[..commit]`), or `BadLength`
+/// where trace-cmd's kbuffer reads on elsewhere: a length word that is not a multiple
+/// of 4 (the kernel's extent goes unaligned, kbuffer rounds a data length up and takes a
+/// padding's as is), or a null padding (delta 0) that ends the page for the kernel while
+/// kbuffer skips it to more records. Neither the kernel nor our writer writes these: the
+/// page is damaged there, and read on as kbuffer reads it ([`kbuffer_record`]), so
+/// `report` prints what trace-cmd prints. Only a padding needs a second decode (`off` is
+/// aligned: data parts iff the next offset is not).
+fn decode_like_kbuffer(
+    data: &[u8],
+    commit: usize,
+    off: usize,
+) -> Result<Option<(Record, usize)>, DecodeError> {
+    let r = decode_record(&data[..commit], off)?;
+    let kbuffer_next = || kbuffer_record(data, commit, off).map(|(_, n)| n);
+    let parts = match &r {
+        None => off < commit && kbuffer_next().is_some_and(|n| n < commit),
+        Some((Record::Data { .. }, next)) => !next.is_multiple_of(4),
+        Some((Record::Padding { .. }, next)) => kbuffer_next() != Some(*next),
+        Some(_) => false,
+    };
+    if parts {
+        Err(DecodeError::BadLength { offset: off })
+    } else {
+        Ok(r)
     }
 }
 
@@ -2010,20 +2020,12 @@ impl CpuCursor {
         // read consumes the CPU's data.
         loop {
             if self.live {
-                let area = &self.pages.page[PAGE_HEADER_SIZE..self.area_end];
                 let data = &self.pages.page[PAGE_HEADER_SIZE..];
                 let commit = self.area_end - PAGE_HEADER_SIZE;
                 let rec = if self.lenient {
                     Ok(kbuffer_record(data, commit, self.off))
                 } else {
-                    decode_record(area, self.off).and_then(|r| match r {
-                        Some((rec, next))
-                            if parts_from_kbuffer(&rec, next, data, commit, self.off) =>
-                        {
-                            Err(DecodeError::BadLength { offset: self.off })
-                        }
-                        r => Ok(r),
-                    })
+                    decode_like_kbuffer(data, commit, self.off)
                 };
                 match rec {
                     Ok(None) => self.live = false,
