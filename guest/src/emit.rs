@@ -21,7 +21,7 @@ pub trait Sink {
     /// Called from idle (busy-wait) loops: serve the host's mailbox.
     fn idle(&mut self) {}
     /// While `hold`, [`Sink::write`] does not serve the mailbox (a guest writing in a
-    /// section it will not interrupt); idle loops still do.
+    /// section it will not interrupt); idle loops still do, and the release serves once.
     fn hold_mailbox(&mut self, _hold: bool) {}
 }
 
@@ -74,6 +74,10 @@ impl Sink for WriterSink {
 
     fn hold_mailbox(&mut self, hold: bool) {
         self.held = hold;
+        // Released: serve what waited (a late pacer may go on with no idle loop).
+        if !hold && self.serve {
+            self.w.serve_mailbox();
+        }
     }
 }
 
