@@ -36,8 +36,9 @@ fn padding(delta: u32) -> Vec<u8> {
     v
 }
 
-/// Our report and trace-cmd's (None when trace-cmd is not installed), event lines only.
-fn reports(name: &str, data: &[u8]) -> (Vec<String>, Option<Vec<String>>) {
+/// Our report of a one-page trace.dat holding `data` (event lines only), and the file
+/// (in the directory returned, removed on drop).
+fn ours(name: &str, data: &[u8]) -> (ScratchDir, std::path::PathBuf, Vec<String>) {
     let dir = scratch_dir(&format!("enc-{name}"));
     let path = dir.join("e.dat");
     let p = page(1_000_000, data);
@@ -49,11 +50,20 @@ fn reports(name: &str, data: &[u8]) -> (Vec<String>, Option<Vec<String>>) {
         &RunSummary::default(),
     )
     .unwrap();
-    let lines = |s: &str| s.lines().skip(1).map(norm).collect::<Vec<_>>();
-    let ours = lines(&TraceFile::open(&path).unwrap().report());
+    let report = TraceFile::open(&path).unwrap().report();
+    (dir, path, report_lines(&report))
+}
+
+fn report_lines(s: &str) -> Vec<String> {
+    s.lines().skip(1).map(norm).collect()
+}
+
+/// Our report and trace-cmd's (None when trace-cmd is not installed), event lines only.
+fn reports(name: &str, data: &[u8]) -> (Vec<String>, Option<Vec<String>>) {
+    let (_dir, path, ours) = ours(name, data);
     let theirs = trace_cmd(&["report", "-t"], &path).map(|(o, e, ok)| {
         assert!(ok && e.is_empty(), "{e}");
-        lines(&o)
+        report_lines(&o)
     });
     (ours, theirs)
 }
@@ -128,6 +138,60 @@ fn long_form_length_not_rounded_is_damage() {
         assert_eq!(t.len(), 2, "{t:?}");
         assert_eq!(t[0], ours[0]);
         assert!(t[1].starts_with("[UNKNOWN EVENT]"), "{t:?}");
+    }
+}
+
+/// A damaged page whose long-form length steps back to an offset kbuffer has not read
+/// (inside the first event's payload): trace-cmd reads on from there, and so do we.
+#[test]
+fn damaged_page_steps_back_to_an_unread_offset() {
+    let mut d = hdr(1, 0).to_vec(); // at 0: one payload word, which at 4 reads as ...
+    d.extend_from_slice(&hdr(2, 1)); // ... a 2-word event (payload at 8..16)
+    d.extend_from_slice(&hdr(0, 0)); // at 8: long form, length -12: next at 16 - 12 = 4
+    d.extend_from_slice(&0xffff_fff8u32.to_le_bytes());
+    d.extend(small(5, &m(2))); // at 16
+    assert_damaged(&d, "event at data offset 8 runs past commit");
+    let (ours, theirs) = reports("back-unread", &d);
+    // Records at 0, 8, 4 (the first three: unknown ids), then the marker at 16.
+    assert_eq!(ours.len(), 4, "{ours:?}");
+    assert_eq!(ours[3], line(1_000_006, 2));
+    if let Some(t) = theirs {
+        assert_eq!(t.len(), 4, "{t:?}");
+        assert_eq!(t[3], ours[3]);
+    }
+}
+
+/// A damaged page whose length steps back to an offset kbuffer has read: trace-cmd
+/// loops there for ever (not run here); we end the page.
+#[test]
+fn damaged_page_steps_back_to_a_read_offset() {
+    let mut d = small(0, &m(1)); // at 0..28
+    d.extend_from_slice(&hdr(0, 0)); // at 28: long form, length -36: next at 36 - 36 = 0
+    d.extend_from_slice(&0xffff_ffe0u32.to_le_bytes());
+    d.extend(small(5, &m(2)));
+    assert_damaged(&d, "event at data offset 28 runs past commit");
+    let (_, _, ours) = ours("back-read", &d);
+    assert_eq!(ours.len(), 2, "{ours:?}");
+    assert_eq!(ours[0], line(1_000_000, 1));
+    assert!(ours[1].ends_with("[UNKNOWN EVENT]: id=0"), "{ours:?}");
+}
+
+/// On a damaged page, time follows kbuffer: a padding's delta counts (the kernel's
+/// reading ignores it on a good page, `padding_delta_is_not_time`).
+#[test]
+fn damaged_page_padding_delta_is_time() {
+    // Long form, length word 29 (unaligned: damage): kbuffer rounds to 28 bytes.
+    let mut d = hdr(0, 0).to_vec();
+    d.extend_from_slice(&29u32.to_le_bytes());
+    d.extend(m(1));
+    d.extend_from_slice(&[0; 4]);
+    d.extend(padding(7));
+    d.extend(small(5, &m(2)));
+    assert_damaged(&d, "event at data offset 0 has a bad length word");
+    let (ours, theirs) = reports("damaged-pad7", &d);
+    assert_eq!(ours, vec![line(1_000_000, 1), line(1_000_012, 2)]);
+    if let Some(t) = theirs {
+        assert_eq!(t, ours);
     }
 }
 

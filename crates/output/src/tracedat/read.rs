@@ -1186,6 +1186,7 @@ impl TraceFile {
                 first_on_page: false,
                 last_ns: 0,
                 lenient: false,
+                visited: Vec::new(),
             })
             .collect();
         cpus.sort_by_key(|c| c.cpu);
@@ -1868,14 +1869,13 @@ pub fn page_damage(page: &[u8]) -> Option<String> {
 /// header) as trace-cmd's kbuffer (libtraceevent) reads it, with its arithmetic: a data
 /// length word `w` is the signed 32-bit `(w - 4 + 3) & !3`, a padding's word is taken as
 /// is, and the next record starts at the payload's offset plus that length in unsigned
-/// 32-bit arithmetic. So a length word below 4 is an event without payload followed by a
-/// record 4 or 8 bytes on, and a huge one steps back. Records are read while they start
-/// before `commit`. `None` at the end, where a record's words lie past the page, and
-/// where kbuffer would go back or stand still on a record that is not an event (trace-cmd
-/// loops there; we stop). An event is always given: when its next record goes back,
-/// trace-cmd prints it and then loops or reads records again; when it runs past the page,
-/// trace-cmd reads on past the page. We give what the page holds of it, never a byte
-/// outside, and the page ends after it.
+/// 32-bit arithmetic: returned as is, so it may lie before `off` (kbuffer steps back) or
+/// past the page (kbuffer ends the page). A length word below 4 is an event without
+/// payload followed by a record 4 or 8 bytes on. Records are read while they start
+/// before `commit`: `None` at the end and where a record's words lie past the page. An
+/// event gets what the page holds of its payload, never a byte outside (trace-cmd reads
+/// on past the page there). [`CpuCursor::next_record`] ends the page where kbuffer
+/// comes back to an offset it read (it loops there for ever).
 fn kbuffer_record(data: &[u8], commit: usize, off: usize) -> Option<(Record, usize)> {
     use hyptrace_abi::page::{DELTA_BITS, TYPE_PADDING, TYPE_TIME_EXTEND, TYPE_TIME_STAMP};
     if off >= commit {
@@ -1888,6 +1888,11 @@ fn kbuffer_record(data: &[u8], commit: usize, off: usize) -> Option<(Record, usi
     let hdr = word(off)?;
     let delta = u64::from(hdr >> 5);
     let arr = off + 4;
+    let data_rec = Record::Data {
+        delta,
+        start: 0,
+        len: 0,
+    };
     // (the record, where its payload starts, kbuffer's signed length)
     let (rec, index, length) = match hdr & 0x1f {
         TYPE_PADDING => (Record::Padding { delta }, arr, word(arr)? as i32),
@@ -1902,39 +1907,21 @@ fn kbuffer_record(data: &[u8], commit: usize, off: usize) -> Option<(Record, usi
         }
         0 => {
             let len = (word(arr)?.wrapping_sub(4) as i32).wrapping_add(3) & !3;
-            (
-                Record::Data {
-                    delta,
-                    start: 0,
-                    len: 0,
-                },
-                arr + 4,
-                len,
-            )
+            (data_rec, arr + 4, len)
         }
-        n => (
-            Record::Data {
-                delta,
-                start: 0,
-                len: 0,
-            },
-            arr,
-            n as i32 * 4,
-        ),
+        n => (data_rec, arr, n as i32 * 4),
     };
     let next = u32::try_from(index).ok()?.wrapping_add(length as u32) as usize;
-    let Record::Data { delta, .. } = rec else {
-        return (next > off).then_some((rec, next));
+    let rec = match rec {
+        // In the page: the header (and a length word) were read from it.
+        Record::Data { delta, .. } => Record::Data {
+            delta,
+            start: index,
+            len: usize::try_from(length).map_or(0, |l| l.min(data.len() - index)),
+        },
+        other => other,
     };
-    let held = data.len().saturating_sub(index);
-    let len = usize::try_from(length).map_or(0, |l| l.min(held));
-    let next = if next <= off || next > data.len() {
-        data.len()
-    } else {
-        next
-    };
-    let start = index.min(data.len());
-    Some((Record::Data { delta, start, len }, next))
+    Some((rec, next))
 }
 
 /// The record at `off` of a page's data area `data` (the whole page after its header)
@@ -2002,6 +1989,9 @@ struct CpuCursor {
     /// The page is damaged: its records are read on as trace-cmd's kbuffer reads them
     /// ([`kbuffer_record`]).
     lenient: bool,
+    /// On a damaged page, one bit per byte offset of its data area: kbuffer read a
+    /// record there (it loops for ever if it comes back to one).
+    visited: Vec<u64>,
 }
 
 impl CpuCursor {
@@ -2016,22 +2006,16 @@ impl CpuCursor {
     /// Pushes the next unit to `q` (drop marker + event, or a bad page; reversed: pop
     /// from the end). Returns its sort key, or None when the CPU is done.
     fn fill(&mut self, q: &mut Vec<Slot>) -> Result<Option<u64>, OutputError> {
-        // Bounded: each record decoded consumes at least 4 bytes of the page, each page
-        // read consumes the CPU's data.
+        // Bounded: a record decoded strictly consumes at least 8 bytes of the page, one
+        // read as kbuffer reads it a new offset of it (`visited`), each page read
+        // consumes the CPU's data.
         loop {
             if self.live {
-                let data = &self.pages.page[PAGE_HEADER_SIZE..];
-                let commit = self.area_end - PAGE_HEADER_SIZE;
-                let rec = if self.lenient {
-                    Ok(kbuffer_record(data, commit, self.off))
-                } else {
-                    decode_like_kbuffer(data, commit, self.off)
-                };
-                match rec {
+                match self.next_record() {
                     Ok(None) => self.live = false,
                     Err(err) => {
                         // Damaged page: named once, then read on as trace-cmd does.
-                        self.lenient = true;
+                        self.go_lenient();
                         q.push(Slot::Bad {
                             page: self.pages.count.saturating_sub(1),
                             error: err.to_string(),
@@ -2061,12 +2045,7 @@ impl CpuCursor {
                                 self.first_on_page = false;
                                 return Ok(Some(ts_ns));
                             }
-                            Record::TimeExtend { delta } => {
-                                self.clock = self.clock.wrapping_add(delta)
-                            }
-                            Record::TimeStamp { ts } => self.clock = fix_abs_ts(ts, self.page_ts),
-                            // Padding deltas are ignored (the kernel's reading).
-                            Record::Padding { .. } => {}
+                            other => self.advance_clock(&other),
                         }
                     }
                 }
@@ -2087,7 +2066,7 @@ impl CpuCursor {
                 w.copy_from_slice(b);
                 u64::from_le_bytes(w)
             });
-            self.lenient = !fits;
+            self.lenient = false;
             if !fits {
                 q.push(Slot::Bad {
                     page: self.pages.count.saturating_sub(1),
@@ -2108,8 +2087,72 @@ impl CpuCursor {
             self.off = 0;
             self.clock = ts;
             self.page_ts = ts;
+            if !fits {
+                self.go_lenient();
+            }
         }
     }
+
+    /// The next record of the live page: as the kernel reads it ([`decode_like_kbuffer`])
+    /// until the page is damaged, then as kbuffer reads it ([`kbuffer_record`]), back
+    /// steps included; `None` where kbuffer comes back to an offset it read (it loops
+    /// there for ever; we end the page).
+    fn next_record(&mut self) -> Result<Option<(Record, usize)>, DecodeError> {
+        let data = &self.pages.page[PAGE_HEADER_SIZE..];
+        let commit = self.area_end - PAGE_HEADER_SIZE;
+        if !self.lenient {
+            return decode_like_kbuffer(data, commit, self.off);
+        }
+        if self.off >= commit || !first_visit(&mut self.visited, self.off) {
+            return Ok(None);
+        }
+        Ok(kbuffer_record(data, commit, self.off))
+    }
+
+    /// The live page is damaged from `off` on: its later records are read as kbuffer
+    /// reads them. The offsets read before `off` are kbuffer's too (where the kernel's
+    /// reading and kbuffer's part is damage, [`decode_like_kbuffer`]): marked visited.
+    fn go_lenient(&mut self) {
+        self.lenient = true;
+        let data = &self.pages.page[PAGE_HEADER_SIZE..];
+        let commit = self.area_end - PAGE_HEADER_SIZE;
+        self.visited.clear();
+        self.visited.resize(data.len().div_ceil(64), 0);
+        let mut off = 0;
+        // Bounded: each record decoded consumes at least 8 bytes of the page.
+        while off < self.off {
+            first_visit(&mut self.visited, off);
+            match decode_like_kbuffer(data, commit, off) {
+                Ok(Some((_, next))) => off = next,
+                _ => break,
+            }
+        }
+    }
+
+    /// The clock after a record that is not an event: on a damaged page as kbuffer keeps
+    /// it (a padding's delta counts, a TIME_STAMP takes the clock's top 5 bits), else as
+    /// the kernel does (a padding's delta is ignored, `rb_fix_abs_ts`).
+    fn advance_clock(&mut self, rec: &Record) {
+        /// kbuffer's TS_MSB: the bits an absolute time stamp lacks.
+        const TS_MSB: u64 = 0xf8 << 56;
+        match *rec {
+            Record::TimeExtend { delta } => self.clock = self.clock.wrapping_add(delta),
+            Record::TimeStamp { ts } if self.lenient => self.clock = ts | (self.clock & TS_MSB),
+            Record::TimeStamp { ts } => self.clock = fix_abs_ts(ts, self.page_ts),
+            Record::Padding { delta } if self.lenient => {
+                self.clock = self.clock.wrapping_add(delta)
+            }
+            Record::Padding { .. } | Record::Data { .. } => {}
+        }
+    }
+}
+
+/// Sets bit `off` of `bits`; whether it was clear (`off` is within the bits).
+fn first_visit(bits: &mut [u64], off: usize) -> bool {
+    let (w, b) = (off / 64, 1u64 << (off % 64));
+    let first = bits[w] & b == 0;
+    bits[w] |= b;
+    first
 }
 
 /// The merged events of a [`TraceFile`], pulled one at a time with
@@ -2302,7 +2345,8 @@ mod tests {
                 len: 4080 - 3308
             }
         );
-        assert_eq!(next, 4080);
+        // kbuffer's next is past the page: the page ends.
+        assert_eq!(next, 3308 + 1996);
         assert!(kbuffer_record(&data, 3400, next).is_none());
         // Short form at 4072: 3 words from 4076, 4 bytes of them in the page.
         data[4072..4076].copy_from_slice(&3u32.to_le_bytes());
@@ -2315,7 +2359,7 @@ mod tests {
                 len: 4
             }
         );
-        assert_eq!(next, 4080);
+        assert_eq!(next, 4088);
         // Long form at 4072: its length word is the page's last 4 bytes, no payload.
         data[4072..4076].copy_from_slice(&0u32.to_le_bytes());
         data[4076..4080].copy_from_slice(&100u32.to_le_bytes());
@@ -2325,7 +2369,7 @@ mod tests {
             start,
             len: 0,
         };
-        assert_eq!((rec, next), (empty(4080), 4080));
+        assert_eq!((rec, next), (empty(4080), 4080 + 96));
         // Long form at 4076: its length word is past the page.
         data[4076..4080].copy_from_slice(&0u32.to_le_bytes());
         assert!(kbuffer_record(&data, 4078, 4076).is_none());
@@ -2366,8 +2410,8 @@ mod tests {
 
     /// kbuffer's signed 32-bit arithmetic on a damaged page: a length word below 4 is an
     /// event without payload and the walk goes on 4 or 8 bytes later (trace-cmd prints the
-    /// records after it); a length that steps back gives its event and ends the page; a
-    /// padding that steps back or stands still ends the page before it.
+    /// records after it); a negative length steps back (or stands still), or wraps past
+    /// the page; a padding's length is taken as is, and may wrap 1..3 bytes on.
     #[test]
     fn kbuffer_record_follows_kbuffer_arithmetic() {
         let mut data = vec![0u8; 4080];
@@ -2393,24 +2437,26 @@ mod tests {
             put(&mut data, 104, w);
             assert_eq!(kbuffer_record(&data, 4000, 100), Some((empty(108), 104)));
         }
-        // 0xffff_fffc: kbuffer stands on this record forever; 0x8000_0004: it steps back
-        // 2 GiB (past 0, out of the page). Either way the event, then the page's end.
-        for w in [0xffff_fffc, 0x8000_0004, 0xffff_0000] {
+        // 0xffff_fffc: kbuffer stands on this record (for ever: the caller stops);
+        // 0xffff_ffec: 16 bytes back; 0x8000_0004 and 0xffff_0000 wrap past the page.
+        for (w, next) in [
+            (0xffff_fffc, 100),
+            (0xffff_ffec, 84),
+            (0x8000_0004, 108 + (1 << 31)),
+            (0xffff_0000, (108u32.wrapping_sub(65540)) as usize),
+        ] {
             put(&mut data, 104, w);
-            assert_eq!(kbuffer_record(&data, 4000, 100), Some((empty(108), 4080)));
+            assert_eq!(kbuffer_record(&data, 4000, 100), Some((empty(108), next)));
         }
-        // A padding whose length steps back or stands still: the page ends before it.
+        // A padding's length as is: it stands still, steps back, or wraps 3 bytes on.
         put(&mut data, 200, hyptrace_abi::page::TYPE_PADDING);
-        for w in [u32::MAX - 3, u32::MAX - 100] {
+        for (w, next) in [(u32::MAX - 3, 200), (u32::MAX - 100, 103), (u32::MAX, 203)] {
             put(&mut data, 204, w);
-            assert_eq!(kbuffer_record(&data, 4000, 200), None);
+            assert_eq!(
+                kbuffer_record(&data, 4000, 200),
+                Some((Record::Padding { delta: 0 }, next))
+            );
         }
-        // One that wraps to 1..3 bytes on is followed there, like kbuffer.
-        put(&mut data, 204, u32::MAX);
-        assert_eq!(
-            kbuffer_record(&data, 4000, 200),
-            Some((Record::Padding { delta: 0 }, 203))
-        );
     }
 
     fn fixture(name: &str) -> TraceFile {
