@@ -84,9 +84,19 @@ fn null_padding_mid_page_is_damage() {
     let mut d = small(0, &m(1));
     d.extend(padding(0));
     d.extend(small(5, &m(2)));
-    assert_damaged(&d, "event at data offset 28 has a bad length word");
-    let (ours, theirs) = reports("pad0", &d);
-    assert_eq!(ours, vec![line(1_000_000, 1), line(1_000_005, 2)]);
+    damaged_like_trace_cmd(
+        "pad0",
+        &d,
+        "event at data offset 28 has a bad length word",
+        &[line(1_000_000, 1), line(1_000_005, 2)],
+    );
+}
+
+/// A page holding `data` is damaged (`why`), and we print `expected`, as trace-cmd does.
+fn damaged_like_trace_cmd(name: &str, data: &[u8], why: &str, expected: &[String]) {
+    assert_damaged(data, why);
+    let (ours, theirs) = reports(name, data);
+    assert_eq!(ours, expected);
     if let Some(t) = theirs {
         assert_eq!(t, ours);
     }
@@ -187,12 +197,12 @@ fn damaged_page_padding_delta_is_time() {
     d.extend_from_slice(&[0; 4]);
     d.extend(padding(7));
     d.extend(small(5, &m(2)));
-    assert_damaged(&d, "event at data offset 0 has a bad length word");
-    let (ours, theirs) = reports("damaged-pad7", &d);
-    assert_eq!(ours, vec![line(1_000_000, 1), line(1_000_012, 2)]);
-    if let Some(t) = theirs {
-        assert_eq!(t, ours);
-    }
+    damaged_like_trace_cmd(
+        "damaged-pad7",
+        &d,
+        "event at data offset 0 has a bad length word",
+        &[line(1_000_000, 1), line(1_000_012, 2)],
+    );
 }
 
 #[test]
