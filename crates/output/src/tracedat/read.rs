@@ -2067,13 +2067,6 @@ impl CpuCursor {
                 u64::from_le_bytes(w)
             });
             self.lenient = false;
-            if !fits {
-                q.push(Slot::Bad {
-                    page: self.pages.count.saturating_sub(1),
-                    error: format!("commit {len} past the page"),
-                });
-                // The loss word, the page header and the page time are still set below.
-            }
             self.page_missed = if commit & RB_MISSED_EVENTS == 0 {
                 Missed::None
             } else if commit & RB_MISSED_STORED != 0 {
@@ -2088,6 +2081,11 @@ impl CpuCursor {
             self.clock = ts;
             self.page_ts = ts;
             if !fits {
+                // Read as kbuffer reads it, with its loss word, header and time as above.
+                q.push(Slot::Bad {
+                    page: self.pages.count.saturating_sub(1),
+                    error: format!("commit {len} past the page"),
+                });
                 self.go_lenient();
             }
         }
@@ -2328,8 +2326,9 @@ mod tests {
     use super::*;
 
     /// A damaged page's data record that runs past the page: trace-cmd prints it (it
-    /// reads on past the page), so it is one event here too, cut at the page's end,
-    /// and the page ends there; a record with nothing of it in the page is none.
+    /// reads on past the page), so it is one event here too, cut at the page's end
+    /// (with no payload when none of it is in the page), and kbuffer's next offset is
+    /// past the page, which ends it; a record whose length word is past the page is none.
     #[test]
     fn kbuffer_record_past_the_page_is_cut_at_its_end() {
         let mut data = vec![0u8; 4080];
