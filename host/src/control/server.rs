@@ -29,16 +29,22 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::control::protocol::{parse_reply, truncate, Request as Wire, VERSION};
+use crate::control::protocol::{
+    parse_reply, truncate, Request as Wire, RequestError, MAX_FETCH_BYTES, VERSION,
+};
 pub use crate::control::protocol::{Answer, Command, Outcome, Reply};
 
-/// Longest request line a client may send, newline excluded (a `detach` with the
-/// positions of 256 CPUs takes about 25 KiB).
+/// Longest request line a client may send, its newline included (a `fetch` or `detach`
+/// acknowledging 256 CPUs takes about 8 KiB).
 pub const MAX_LINE: usize = 32 << 10;
 /// Clients served at once; more are answered `busy` and closed.
 pub const MAX_CLIENTS: usize = 8;
-/// A client that sends nothing for this long is disconnected.
+/// A client that completes no request for this long is disconnected.
 pub const CLIENT_IDLE: Duration = Duration::from_secs(30);
+/// A request line must be complete this long after its first byte, or the client is
+/// disconnected: a client trickling bytes cannot hold a client slot (8 of them cannot
+/// keep a ninth client out for longer than this).
+pub const LINE_DEADLINE: Duration = Duration::from_secs(5);
 /// Longest a client waits for the run loop to take its request; past it the request is
 /// cancelled (never executed) and the client told so.
 pub const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -398,34 +404,52 @@ fn client(mut stream: UnixStream, tx: &Queue, stop: &AtomicBool, conn: u64) {
     if stream.set_read_timeout(Some(TICK)).is_err() {
         return;
     }
-    let mut buf: Vec<u8> = Vec::with_capacity(MAX_LINE + 1);
+    let mut buf: Vec<u8> = Vec::with_capacity(MAX_LINE);
     let mut chunk = [0u8; 1024];
+    // The last complete request (idle), and the first byte of the line under way.
     let mut last = Instant::now();
+    let mut line_started: Option<Instant> = None;
     while !stop.load(Ordering::Relaxed) {
         // Complete lines first (several may have come in one read).
         while let Some(nl) = buf.iter().position(|&b| b == b'\n') {
+            if nl + 1 > MAX_LINE {
+                break;
+            }
             let line: Vec<u8> = buf.drain(..=nl).collect();
             let peer = Peer(stream.as_raw_fd());
-            let reply = execute_line(&line[..nl], tx, stop, (conn, peer));
-            if stream.write_all(reply.as_bytes()).is_err() {
+            let (reply, data) = execute_line(&line[..nl], tx, stop, (conn, peer));
+            if stream.write_all(reply.as_bytes()).is_err() || stream.write_all(&data).is_err() {
                 return;
             }
             last = Instant::now();
+            line_started = (!buf.is_empty()).then_some(last);
         }
-        if buf.len() > MAX_LINE {
-            let why = format!("line too long (at most {MAX_LINE} bytes)");
+        // A line with its newline is at most MAX_LINE bytes.
+        let complete = buf.iter().take(MAX_LINE).position(|&b| b == b'\n');
+        if complete.is_none() && buf.len() >= MAX_LINE {
+            let why = format!("line too long (at most {MAX_LINE} bytes, its newline included)");
             let _ = stream.write_all(refuse_line(why).as_bytes());
             return;
         }
-        if last.elapsed() >= CLIENT_IDLE {
+        if line_started.is_some_and(|t| t.elapsed() >= LINE_DEADLINE) {
+            let why = format!(
+                "timeout: the request line was not complete {} s after its first byte",
+                LINE_DEADLINE.as_secs()
+            );
+            let _ = stream.write_all(refuse_line(why).as_bytes());
+            return;
+        }
+        if buf.is_empty() && last.elapsed() >= CLIENT_IDLE {
             let _ = stream.write_all(refuse_line("idle: disconnected").as_bytes());
             return;
         }
         match stream.read(&mut chunk) {
             Ok(0) => return,
             Ok(n) => {
+                if buf.is_empty() {
+                    line_started = Some(Instant::now());
+                }
                 buf.extend_from_slice(&chunk[..n]);
-                last = Instant::now();
             }
             Err(e)
                 if matches!(
@@ -438,29 +462,37 @@ fn client(mut stream: UnixStream, tx: &Queue, stop: &AtomicBool, conn: u64) {
     let _ = stream.write_all(refuse_line("the run ended").as_bytes());
 }
 
-/// Parses a line and has the run loop execute it (bounded wait); returns the reply line.
-fn execute_line(line: &[u8], tx: &Queue, stop: &AtomicBool, (conn, peer): (u64, Peer)) -> String {
+/// Parses a line and has the run loop execute it (bounded wait); returns the reply line
+/// and the bytes that follow it (a `fetch` answer's pieces; none for the others).
+fn execute_line(
+    line: &[u8],
+    tx: &Queue,
+    stop: &AtomicBool,
+    (conn, peer): (u64, Peer),
+) -> (String, Vec<u8>) {
     let line = line.strip_suffix(b"\r").unwrap_or(line);
     let Ok(text) = std::str::from_utf8(line) else {
-        return refuse_line("not UTF-8");
+        return (refuse_line("not UTF-8"), Vec::new());
     };
-    let req: Wire = match serde_json::from_str(text) {
+    let req = match Wire::parse(text) {
         Ok(r) => r,
+        Err(e @ RequestError::Malformed(_)) => {
+            let why = format!("{}: {:?}", crate::exit::chain(&e), truncate(text, 40));
+            return (refuse_line(why), Vec::new());
+        }
         Err(e) => {
-            return refuse_line(format!(
-                "not a request of protocol version {VERSION} ({e}): {:?}",
-                truncate(text, 40)
-            ))
+            return (
+                Reply::to(e.id(), Outcome::Err(e.to_string())).line(),
+                Vec::new(),
+            )
         }
     };
-    if req.v != VERSION {
-        let why = format!(
-            "protocol version {} (this VMM speaks {VERSION}): upgrade the client",
-            req.v
-        );
-        return Reply::to(Some(req.id), Outcome::Err(why)).line();
-    }
-    forward(req, tx, stop, (conn, peer)).line()
+    let mut reply = forward(req, tx, stop, (conn, peer));
+    let data = match &mut reply.outcome {
+        Outcome::Ok(Answer::Pieces(b)) => std::mem::take(&mut b.data),
+        _ => Vec::new(),
+    };
+    (reply.line(), data)
 }
 
 /// A client's socket, to notice that the client went away while its request waits.
@@ -655,10 +687,34 @@ impl CtlConn {
                 },
             });
         }
-        parse_reply(reply.trim_end(), id).map_err(|source| CtlError::Reply {
+        let mut outcome = parse_reply(reply.trim_end(), id).map_err(|source| CtlError::Reply {
             path: self.path.clone(),
             source,
-        })
+        })?;
+        if let Outcome::Ok(Answer::Pieces(b)) = &mut outcome {
+            b.data = self.read_payload(b.bytes)?;
+        }
+        Ok(outcome)
+    }
+
+    /// The `n` bytes after a `fetch` answer's line (at most [`MAX_FETCH_BYTES`]: a VMM
+    /// that says more is not believed).
+    fn read_payload(&mut self, n: u64) -> Result<Vec<u8>, CtlError> {
+        if n > MAX_FETCH_BYTES {
+            return Err(CtlError::Closed {
+                path: self.path.clone(),
+                why: "a fetch answer announces more bytes than a fetch may carry",
+            });
+        }
+        let mut data = vec![0u8; n as usize];
+        self.inp
+            .read_exact(&mut data)
+            .map_err(|source| CtlError::Io {
+                path: self.path.clone(),
+                what: "reading a fetch answer's bytes",
+                source,
+            })?;
+        Ok(data)
     }
 }
 

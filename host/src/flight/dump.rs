@@ -531,27 +531,21 @@ fn dump_attach(
     });
     for (cpu, c) in r.cpus.iter().enumerate() {
         note!(
-            "hyptrace: attach: cpu {cpu}: {} events read, {} lost",
+            "hyptrace: attach: cpu {cpu}: {} events received, {} lost",
             c.0,
             c.1
         );
-        if let Some(Some(m)) = r.metas.get(cpu) {
-            note!(
-                "hyptrace: attach: cpu {cpu} meta page: reader {} lost_events {} entries {} overrun {} read {} lost {} pages_touched {}",
-                m.reader_id, m.lost_events, m.entries, m.overrun, m.read, m.lost_total, m.pages_touched
-            );
-        }
     }
     note!(
-        "hyptrace: attach: {ev} events ({lost} lost) written to {} in {:.1} ms, {} swaps; {}",
+        "hyptrace: attach: {ev} events ({lost} lost) written to {} in {:.1} ms, {} fetches; {}",
         crate::drain::sink::shown_path(out_path),
         started.elapsed().as_secs_f64() * 1e3,
-        r.swaps,
+        r.fetches,
         r.ended
     );
     // A CPU whose reading stopped for an error: its output is not complete.
     for (cpu, e) in &r.errors {
-        note!("hyptrace: attach: error: cpu {cpu}: reading stopped: {e}");
+        note!("hyptrace: attach: error: cpu {cpu}: {e}");
     }
     Ok(if r.errors.is_empty() {
         EXIT_OK
