@@ -52,6 +52,8 @@
 pub mod callbacks;
 pub mod postmortem;
 pub mod registry;
+#[doc(hidden)]
+pub mod seeded;
 pub mod trace_file;
 
 pub use callbacks::{
@@ -1110,7 +1112,13 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
     /// validates and counts the events first (a page that does not decode is an error,
     /// nothing of it is counted), then moves the position to the end.
     fn hand_out(st: &mut CpuState) -> Result<PageOut<'_>, ReadError> {
-        let (from, to) = (st.read, st.copied);
+        // (Seeded bug `piece_from_start`, docs/fuzzing.md: the reading position ignored.)
+        let from = if seeded::on("piece_from_start") {
+            0
+        } else {
+            st.read
+        };
+        let to = st.copied;
         let data = &st.buf[PAGE_HEADER_SIZE + from..PAGE_HEADER_SIZE + to];
         let start_clock = st.clock;
         let mut events = page::Events::new(data, start_clock);

@@ -550,13 +550,13 @@ fn events_pieces_and_pages_in_any_mix() {
                             }
                             Item::Lost(n) => Err(n),
                         });
-                        if (rng >> 20) % 3 == 0 {
+                        if (rng >> 20).is_multiple_of(3) {
                             break; // leave the page mid-way
                         }
                     }
                 }
                 1..=3 => {
-                    let partial = (rng >> 40) % 2 == 0;
+                    let partial = (rng >> 40).is_multiple_of(2);
                     let before = rb.position(0).unwrap();
                     if let Some(p) = rb.next_piece(0, partial).unwrap() {
                         take_piece(&p, &mut items);

@@ -30,7 +30,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::control::protocol::{
-    parse_reply, truncate, Request as Wire, RequestError, MAX_FETCH_BYTES, VERSION,
+    parse_reply, truncate, ReplyError, Request as Wire, RequestError, MAX_FETCH_BYTES, VERSION,
 };
 pub use crate::control::protocol::{Answer, Command, Outcome, Reply};
 
@@ -663,14 +663,29 @@ impl CtlConn {
             source: e.into(),
         })?;
         line.push('\n');
-        self.out
-            .write_all(line.as_bytes())
-            .map_err(|source| CtlError::Io {
+        let sent = self.out.write_all(line.as_bytes());
+        let mut reply = String::new();
+        if let Err(source) = sent {
+            // A server that refused the connection (`busy`) wrote why before it closed:
+            // that is the answer, not the broken pipe.
+            let said =
+                std::io::BufRead::read_line(&mut (&mut self.inp).take(MAX_REPLY), &mut reply);
+            if let (Ok(n), Err(ReplyError::Refused(why))) =
+                (said, parse_reply(reply.trim_end(), id))
+            {
+                if n > 0 {
+                    return Err(CtlError::Reply {
+                        path: self.path.clone(),
+                        source: ReplyError::Refused(why),
+                    });
+                }
+            }
+            return Err(CtlError::Io {
                 path: self.path.clone(),
                 what: "sending",
                 source,
-            })?;
-        let mut reply = String::new();
+            });
+        }
         let n = std::io::BufRead::read_line(&mut (&mut self.inp).take(MAX_REPLY), &mut reply)
             .map_err(|source| CtlError::Io {
                 path: self.path.clone(),
@@ -795,10 +810,10 @@ impl<M: hyptrace_abi::SharedMem> EventSwitch for crate::vmm::registration::Event
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::control::protocol::{LiveStats, ReaderStatus};
+    use crate::control::protocol::{LiveStats, PieceBatch};
 
-    /// Answers `stats` with an empty table, `attach` with a fixed claim for the first
-    /// client, `get_reader` for the claim holder; records `gone`.
+    /// Answers `stats` with an empty table, `subscribe` for the first client, `fetch`
+    /// for the subscriber with 3 bytes after the line; records `gone`.
     #[derive(Default)]
     struct Fake {
         holder: Option<u64>,
@@ -814,17 +829,18 @@ mod tests {
                     stopping: None,
                     cpus: Vec::new(),
                 })),
-                Command::Attach if self.holder.is_none() => {
+                Command::Subscribe { .. } if self.holder.is_none() => {
                     self.holder = Some(conn);
                     Ok(Answer::Detached)
                 }
-                Command::Attach => Err("busy: another consumer".into()),
-                Command::GetReader { cpu, page, .. } if self.holder == Some(conn) => {
-                    Ok(Answer::Reader {
-                        cpu: *cpu,
-                        page: *page,
-                        status: ReaderStatus::Busy,
-                    })
+                Command::Subscribe { .. } => Err("busy: another subscriber".into()),
+                Command::Fetch { .. } if self.holder == Some(conn) => {
+                    Ok(Answer::Pieces(PieceBatch {
+                        items: Vec::new(),
+                        knots: Vec::new(),
+                        bytes: 3,
+                        data: vec![7, 8, 9],
+                    }))
                 }
                 _ => Err("no".into()),
             }
@@ -914,7 +930,8 @@ mod tests {
     }
 
     /// C2: the claim is the handler's; a client's disconnect reaches it after its last
-    /// request, so a second client's `attach` queued after it succeeds.
+    /// request, so a second client's `subscribe` queued after it succeeds. A `fetch`
+    /// answer's bytes follow its line and reach the client whole.
     #[test]
     fn gone_comes_after_the_clients_requests() {
         let (dir, sock) = temp_sock("gone");
@@ -923,27 +940,31 @@ mod tests {
         let t = Duration::from_secs(30);
         let mut a = CtlConn::connect(&sock, t).expect("a");
         let mut b = CtlConn::connect(&sock, t).expect("b");
-        let get = Command::GetReader {
+        let fetch = Command::Fetch {
             token: 0,
-            cpu: 0,
-            page: 4,
+            acks: Vec::new(),
+            max_bytes: 1,
+            knots: 0,
         };
+        let sub = Command::Subscribe { partial: false };
         assert!(matches!(
-            ask(&server, h, &mut b, get.clone()),
+            ask(&server, h, &mut b, fetch.clone()),
             Outcome::Err(_)
         ));
         assert_eq!(
-            ask(&server, h, &mut a, Command::Attach),
+            ask(&server, h, &mut a, sub.clone()),
             Outcome::Ok(Answer::Detached)
         );
         assert!(matches!(
-            ask(&server, h, &mut b, Command::Attach),
+            ask(&server, h, &mut b, sub.clone()),
             Outcome::Err(_)
         ));
-        assert!(matches!(
-            ask(&server, h, &mut a, get.clone()),
-            Outcome::Ok(Answer::Reader { page: 4, .. })
-        ));
+        for _ in 0..2 {
+            match ask(&server, h, &mut a, fetch.clone()) {
+                Outcome::Ok(Answer::Pieces(p)) => assert_eq!(p.data, vec![7, 8, 9]),
+                o => panic!("{o:?}"),
+            }
+        }
         drop(a);
         let start = Instant::now();
         while h.gone.is_empty() {
@@ -951,10 +972,115 @@ mod tests {
             std::thread::sleep(TICK);
             assert!(start.elapsed() < Duration::from_secs(30), "gone never came");
         }
-        assert_eq!(
-            ask(&server, h, &mut b, Command::Attach),
-            Outcome::Ok(Answer::Detached)
-        );
+        assert_eq!(ask(&server, h, &mut b, sub), Outcome::Ok(Answer::Detached));
+        drop(server);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Sends `bytes` on a new connection and returns the reply line (the server thread
+    /// answers malformed and oversized lines itself; `stats` needs `serve`).
+    fn raw_reply(server: &ControlServer, sock: &Path, bytes: &[u8]) -> String {
+        let mut c = UnixStream::connect(sock).expect("connect");
+        c.set_read_timeout(Some(Duration::from_millis(20)))
+            .expect("timeout");
+        c.write_all(bytes).expect("send");
+        let mut h = Fake::default();
+        let mut got = Vec::new();
+        let start = Instant::now();
+        while !got.contains(&b'\n') {
+            assert!(start.elapsed() < Duration::from_secs(30), "no reply");
+            server.serve(&mut h);
+            let mut b = [0u8; 4096];
+            match c.read(&mut b) {
+                Ok(0) => break,
+                Ok(n) => got.extend_from_slice(&b[..n]),
+                Err(_) => {}
+            }
+        }
+        String::from_utf8_lossy(&got).into_owned()
+    }
+
+    /// A request line is at most MAX_LINE bytes with its newline: one byte more is
+    /// refused (and the connection closed), exactly at the bound it is served.
+    #[test]
+    fn the_line_bound_is_exact() {
+        let (dir, sock) = temp_sock("line");
+        let server = ControlServer::bind(&sock).expect("bind");
+        let line = |len: usize| {
+            let head = format!(r#"{{"v":{VERSION},"id":1,"cmd":"stats""#);
+            let mut l = head.into_bytes();
+            l.extend(std::iter::repeat_n(b' ', len - l.len() - 2));
+            l.extend_from_slice(b"}\n");
+            assert_eq!(l.len(), len);
+            l
+        };
+        let ok = raw_reply(&server, &sock, &line(MAX_LINE));
+        assert!(ok.contains(r#""kind":"stats""#), "{ok}");
+        for len in [MAX_LINE + 1, MAX_LINE + 1000] {
+            let r = raw_reply(&server, &sock, &line(len));
+            assert!(r.contains("line too long"), "{len}: {r}");
+        }
+        drop(server);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Eight clients trickling a byte at a time hold no slot past LINE_DEADLINE: a
+    /// ninth client is served once their lines run out of time (bounded wait), and each
+    /// of them was told why it was disconnected.
+    #[test]
+    fn trickling_clients_do_not_keep_others_out() {
+        let (dir, sock) = temp_sock("trickle");
+        let server = ControlServer::bind(&sock).expect("bind");
+        let stop = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            let tricklers: Vec<_> = (0..MAX_CLIENTS)
+                .map(|_| {
+                    let mut c = UnixStream::connect(&sock).expect("connect");
+                    let stop = &stop;
+                    s.spawn(move || {
+                        c.set_read_timeout(Some(TICK)).expect("timeout");
+                        let mut got = String::new();
+                        // Bounded: the server disconnects it, or the test stops it.
+                        for _ in 0..2000 {
+                            if stop.load(Ordering::Relaxed) || c.write_all(b" ").is_err() {
+                                break;
+                            }
+                            let mut b = [0u8; 512];
+                            match c.read(&mut b) {
+                                Ok(0) => break,
+                                Ok(n) => got.push_str(&String::from_utf8_lossy(&b[..n])),
+                                Err(_) => {}
+                            }
+                        }
+                        got
+                    })
+                })
+                .collect();
+            let start = Instant::now();
+            let mut h = Fake::default();
+            let served = loop {
+                server.serve(&mut h);
+                let mut c = CtlConn::connect(&sock, Duration::from_secs(30)).expect("connect");
+                match c.request(Command::Stats) {
+                    Ok(_) => break true,
+                    Err(CtlError::Reply {
+                        source: crate::control::protocol::ReplyError::Refused(why),
+                        ..
+                    }) => assert!(why.starts_with("busy"), "{why}"),
+                    Err(e) => panic!("{e}"),
+                }
+                if start.elapsed() > 6 * LINE_DEADLINE {
+                    break false;
+                }
+                std::thread::sleep(TICK);
+            };
+            stop.store(true, Ordering::Relaxed);
+            assert!(served, "the trickling clients kept the ninth out");
+            for t in tricklers {
+                let got = t.join().expect("trickler");
+                assert!(got.contains("timeout: the request line"), "{got:?}");
+            }
+        });
         drop(server);
         let _ = std::fs::remove_dir_all(&dir);
     }

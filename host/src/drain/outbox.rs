@@ -21,7 +21,7 @@
 use std::collections::VecDeque;
 
 use hyptrace_abi::page::PAGE_HEADER_SIZE;
-use hyptrace_reader::PageOut;
+use hyptrace_reader::{seeded, PageOut};
 
 /// Bytes of pieces a CPU's queue holds at most before its reading waits.
 pub const OUTBOX_BYTES: usize = 4 << 20;
@@ -164,24 +164,33 @@ pub struct Unsent {
 #[derive(Debug)]
 pub struct Outbox {
     cpus: Vec<CpuBox>,
+    /// Bytes of pieces a CPU's queue holds before its reading waits.
+    cap: usize,
     /// The CPU [`Outbox::send`] starts at (rotates: no CPU starves the others).
     next_cpu: usize,
 }
 
 impl Outbox {
-    /// Empty queues for `nr` CPUs.
+    /// Empty queues for `nr` CPUs, each holding up to [`OUTBOX_BYTES`].
     pub fn new(nr: u32) -> Self {
+        Self::with_capacity(nr, OUTBOX_BYTES)
+    }
+
+    /// Empty queues for `nr` CPUs, each holding up to `cap` bytes of pieces (the models
+    /// take a few pages, so that a subscriber holds the reading back).
+    pub fn with_capacity(nr: u32, cap: usize) -> Self {
         Self {
             cpus: (0..nr).map(|_| CpuBox::default()).collect(),
+            cap,
             next_cpu: 0,
         }
     }
 
-    /// Whether `cpu`'s queue holds [`OUTBOX_BYTES`] or more: read no more of it now.
+    /// Whether `cpu`'s queue is at its capacity or past it: read no more of it now.
     pub fn full(&self, cpu: u32) -> bool {
         self.cpus
             .get(cpu as usize)
-            .is_none_or(|b| b.bytes >= OUTBOX_BYTES)
+            .is_none_or(|b| b.bytes >= self.cap)
     }
 
     /// Whether `cpu`'s queue is empty (nothing unsent, nothing unacknowledged).
@@ -275,14 +284,15 @@ impl Outbox {
         } else {
             b.items[b.sent - 1].seq
         };
-        if seq < from || seq > to {
+        // (Seeded bug `ack_unchecked`, docs/fuzzing.md: any number taken.)
+        if (seq < from || seq > to) && !seeded::on("ack_unchecked") {
             return Err(AckError::NotSent { cpu, seq, from, to });
         }
         b.acked = seq;
         let mut acked = Acked::default();
         while b.items.front().is_some_and(|q| q.seq <= seq) {
             let Some(q) = b.items.pop_front() else { break };
-            b.sent -= 1;
+            b.sent = b.sent.saturating_sub(1);
             match q.item {
                 Item::Piece(p) => {
                     b.bytes -= p.bytes.len();
@@ -314,6 +324,14 @@ impl Outbox {
                 s.events = first.saturating_add(events).saturating_sub(s.first);
             }
             out.extend(span);
+            // (Seeded bug `unsend_dropped`, docs/fuzzing.md: the unacknowledged dropped.)
+            if seeded::on("unsend_dropped") {
+                for q in b.items.drain(..b.sent) {
+                    if let Item::Piece(p) = q.item {
+                        b.bytes -= p.bytes.len();
+                    }
+                }
+            }
             b.sent = 0;
         }
         out

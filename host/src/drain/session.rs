@@ -926,7 +926,10 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
             // error is kept and reported by the caller's own flush.
             let _ = self.flush();
         }
-        Ok(self.subscriber.is_none() || !self.outbox.full(cpu))
+        // (Seeded bug `end_too_early`, docs/fuzzing.md: the walk ends while it waits.)
+        Ok(self.subscriber.is_none()
+            || !self.outbox.full(cpu)
+            || hyptrace_reader::seeded::on("end_too_early"))
     }
 
     /// The run is aborted: the page sink stops writing at once (what it queued is

@@ -191,7 +191,9 @@ impl Subscriber {
             let Some(c) = self.cpus.get(cpu).copied() else {
                 return Err(self.untrusted(format!("an item of CPU {}", it.cpu)));
             };
-            if c.ended || it.seq != c.seq + 1 {
+            // The first item may have any number (the items before it went to earlier
+            // readers); after it they follow each other.
+            if c.ended || it.seq == 0 || (c.seq != 0 && it.seq != c.seq + 1) {
                 return Err(self.untrusted(format!(
                     "item {} of cpu {} after item {}{}",
                     it.seq,

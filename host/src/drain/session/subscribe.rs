@@ -7,7 +7,7 @@
 use hyptrace_abi::page::{page_header, Events, PAGE_HEADER_SIZE};
 
 use super::{merge_event, Output, Session, SessionError, ROUND_MAX_BYTES, ROUND_MAX_TIME};
-use crate::drain::outbox::{AckError, Batch, Item, Piece, Unsent};
+use crate::drain::outbox::{AckError, Batch, Item, Outbox, Piece, Unsent};
 use hyptrace_abi::SharedMem;
 use hyptrace_reader::{Callbacks, ReadError};
 
@@ -23,6 +23,19 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
     /// stream) or whole pages only.
     pub fn subscribe(&mut self, partial: bool) {
         self.subscriber = Some(partial);
+    }
+
+    /// Subscribers' pieces wait in queues of `bytes` per CPU instead of
+    /// [`crate::drain::outbox::OUTBOX_BYTES`] (the models: a few pages, so that a
+    /// subscriber holds the reading back).
+    pub fn with_outbox_bytes(mut self, bytes: usize) -> Self {
+        self.outbox = Outbox::with_capacity(self.reader.nr_cpus(), bytes);
+        self
+    }
+
+    /// Whether the reading of `cpu` waits for the subscriber (its queue is full).
+    pub fn held(&self, cpu: u32) -> bool {
+        self.subscriber.is_some() && self.outbox.full(cpu)
     }
 
     /// Whether a subscriber holds the claim.
