@@ -64,7 +64,7 @@ use hyptrace_abi::layout::{self, ctl, footer, LayoutError, Mode, RingGeometry, F
 use hyptrace_abi::page::{self, Record, COMMIT_LEN_MASK, COMMIT_OFFSET, PAGE_HEADER_SIZE};
 use hyptrace_abi::SharedMem;
 use std::collections::VecDeque;
-use std::sync::atomic::Ordering::{Acquire, Release};
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -961,6 +961,30 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
                 .load(self.layout.ctl(cpu) + ctl::TAIL_PAGE, Acquire),
         )?;
         Ok(tail == st.reader)
+    }
+
+    /// How many pages the writer of `cpu` moved onto since the page this reader is on
+    /// (the writer's page's `page_seq` less the reader page's, at most the CPU's page
+    /// count): 0 while the writer is on the reader page, the ring's length once it lapped
+    /// the reader. A hint for the drain loop's pace, from guest-written words: hostile
+    /// values give a wrong pace, nothing else. 0 for a CPU out of range.
+    pub fn pages_behind(&self, cpu: u32) -> u64 {
+        let Some(st) = self.cpus.get(cpu as usize) else {
+            return 0;
+        };
+        let l = &self.layout;
+        // Relaxed: a hint only; nothing is read on the strength of it.
+        let tail = self.mem.load(l.ctl(cpu) + ctl::TAIL_PAGE, Relaxed);
+        let Ok(tail) = valid_page(l, cpu, tail) else {
+            return 0;
+        };
+        let seq = |page: u32| {
+            self.mem
+                .load(l.footer_off(page) + footer::PAGE_SEQ, Relaxed)
+        };
+        seq(tail)
+            .saturating_sub(seq(st.reader))
+            .min(u64::from(l.pages_per_cpu))
     }
 
     /// The next item of `cpu`'s consuming read: an event, or the count of events lost

@@ -24,9 +24,6 @@ pub const SUBSCRIBER_GRACE: Duration = Duration::from_secs(10);
 /// Most clock knots one `fetch` answer carries (a subscriber missing more gets the rest
 /// with its next fetches; a run adds a few per minute).
 const MAX_KNOTS: usize = 1024;
-/// How long a `fetch` reads the rings before it answers: the answer holds what was
-/// committed when it came (a one-shot subscriber stops at the first empty answer).
-pub const FETCH_READ: Duration = Duration::from_millis(5);
 
 /// The subscriber holding the claim: its connection and token (C2), and when it last
 /// asked for anything (C4's bound).
@@ -131,20 +128,24 @@ impl Subscribers {
         Ok(())
     }
 
-    /// `fetch` of the claim `token`: takes the acknowledgements, reads the rings a
-    /// moment ([`FETCH_READ`]), sends what is queued (at most `max_bytes`), with the
-    /// clock's knots after the first `knots`.
+    /// `fetch` of the claim `token`: takes the acknowledgements, reads the rings one
+    /// round as the run loop does (`read`: which vCPUs stopped; `None` while the loop may
+    /// not read, a crash not dumped yet), sends what is queued (at most `max_bytes`),
+    /// with the clock's knots after the first `knots`. The answer so holds what was
+    /// committed when it came: a one-shot subscriber stops at the first empty one.
     pub fn fetch<M: SharedMem, C: Callbacks>(
         &mut self,
         s: &mut Session<M, C>,
         (conn, token): (u64, u64),
         (acks, max_bytes, knots): (&[Ack], u64, u64),
-        clock: &Clock,
+        (clock, read): (&Clock, Option<&dyn Fn(u32) -> bool>),
         now: Instant,
     ) -> Result<PieceBatch, Refusal> {
         self.check(conn, token, "fetch", now)?;
         Self::take_acks(s, "fetch", acks)?;
-        s.relieve(FETCH_READ);
+        if let Some(stopped) = read {
+            s.read_for_fetch(stopped);
+        }
         let max = max_bytes.clamp(1, MAX_FETCH_BYTES) as usize;
         let batch = s.send(max, MAX_FETCH_ITEMS);
         let from = usize::try_from(knots).unwrap_or(usize::MAX);

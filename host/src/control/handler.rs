@@ -28,6 +28,8 @@ pub struct RunControl<'s> {
     pub meta: &'s RunMeta,
     /// `--drain live`: the VMM's own output reads every ring (no subscriber can).
     pub drain_live: bool,
+    /// A vCPU crashed and the crash dump is not taken yet: nothing may be read.
+    pub hold: bool,
 }
 
 impl Handler for RunControl<'_> {
@@ -49,16 +51,21 @@ impl Handler for RunControl<'_> {
                 acks,
                 max_bytes,
                 knots,
-            } => self
-                .subscribers
-                .fetch(
-                    self.session,
-                    (conn, *token),
-                    (acks, *max_bytes, *knots),
-                    &self.meta.clock,
-                    now,
-                )
-                .map(Answer::Pieces),
+            } => {
+                let running = self.running;
+                let stopped = |c: u32| running.vcpu_finished(c);
+                // While a crash is not dumped yet nothing is read (the dump comes first).
+                let read = (!self.hold).then_some(&stopped as &dyn Fn(u32) -> bool);
+                self.subscribers
+                    .fetch(
+                        self.session,
+                        (conn, *token),
+                        (acks, *max_bytes, *knots),
+                        (&self.meta.clock, read),
+                        now,
+                    )
+                    .map(Answer::Pieces)
+            }
             Command::Detach { token, acks } => {
                 self.subscribers
                     .detach(self.session, (conn, *token), acks, now)?;
@@ -134,6 +141,7 @@ impl RunControl<'_> {
         LiveStats {
             elapsed_s: self.running.started_at().elapsed().as_secs_f64(),
             stopping: self.stop.clone(),
+            subscribed: self.subscribers.claimed(),
             cpus,
         }
     }

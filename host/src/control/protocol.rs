@@ -363,6 +363,9 @@ pub struct LiveStats {
     pub elapsed_s: f64,
     /// Why the run is stopping, if it is.
     pub stopping: Option<String>,
+    /// A subscriber holds the claim (live attach).
+    #[serde(default)]
+    pub subscribed: bool,
     /// Per CPU.
     pub cpus: Vec<CpuLive>,
 }

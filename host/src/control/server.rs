@@ -18,13 +18,14 @@
 //! a client that disconnects is reported to the handler ([`Handler::gone`]) after its
 //! last request, in queue order.
 
+use std::collections::VecDeque;
 use std::io::{ErrorKind, Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, SyncSender};
+use std::sync::mpsc::{self, RecvTimeoutError, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -135,21 +136,34 @@ pub enum ControlError {
 /// Wakes the run loop when a command is queued (set by the run: [`ControlServer::set_waker`]).
 pub type WakeFn = Box<dyn Fn() + Send + Sync>;
 
-/// The queue of jobs to the run loop, and how to wake it for one. Unbounded, but never
-/// longer than two jobs per client (each client has at most one request in flight and
-/// one `Gone`), and the clients are bounded ([`MAX_CLIENTS`]).
+/// The queue of jobs to the run loop, and how to wake it for one. Never longer than two
+/// jobs per client (each client has at most one request in flight and one `Gone`), and
+/// the clients are bounded ([`MAX_CLIENTS`]).
+///
+/// A mutex, not a lock-free channel: the run loop's thread may run real-time on the core
+/// of a client thread, and a channel's receiver spins (yielding, which a real-time thread
+/// does not give a normal one) while a sender it preempted is half-way through a send —
+/// a round of the loop then lasted until the kernel's real-time throttling (about 1 s).
+/// The loop only ever `try_lock`s it ([`ControlServer::serve`]): it never waits for a
+/// client thread.
 #[derive(Clone)]
 struct Queue {
-    tx: Sender<Job>,
+    jobs: Arc<Mutex<VecDeque<Job>>>,
+    /// The server stopped: nothing is taken any more.
+    closed: Arc<AtomicBool>,
     waker: Arc<Mutex<Option<WakeFn>>>,
 }
 
 impl Queue {
-    /// Queues `job` (never blocks) and wakes the run loop; false when the run ended.
+    /// Queues `job` (a moment's lock) and wakes the run loop; false when the run ended.
     fn send(&self, job: Job) -> bool {
-        if self.tx.send(job).is_err() {
+        if self.closed.load(Ordering::Acquire) {
             return false;
         }
+        self.jobs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push_back(job);
         if let Some(w) = self
             .waker
             .lock()
@@ -171,7 +185,7 @@ pub struct ControlServer {
     /// ours.
     id: (u64, u64),
     stop: Arc<AtomicBool>,
-    rx: Receiver<Job>,
+    jobs: Arc<Mutex<VecDeque<Job>>>,
     waker: Arc<Mutex<Option<WakeFn>>>,
     thread: Option<JoinHandle<()>>,
 }
@@ -243,10 +257,11 @@ impl ControlServer {
         let meta = std::fs::symlink_metadata(path).map_err(io_err(path))?;
         listener.set_nonblocking(true).map_err(io_err(path))?;
         let stop = Arc::new(AtomicBool::new(false));
-        let (tx, rx) = mpsc::channel();
+        let jobs = Arc::new(Mutex::new(VecDeque::new()));
         let waker = Arc::new(Mutex::new(None));
         let tx = Queue {
-            tx,
+            jobs: Arc::clone(&jobs),
+            closed: Arc::clone(&stop),
             waker: Arc::clone(&waker),
         };
         let thread = {
@@ -261,7 +276,7 @@ impl ControlServer {
             path: path.to_path_buf(),
             id: (meta.dev(), meta.ino()),
             stop,
-            rx,
+            jobs,
             waker,
             thread: Some(thread),
         })
@@ -284,7 +299,13 @@ impl ControlServer {
     pub fn serve(&self, h: &mut dyn Handler) -> usize {
         let mut n = 0;
         while n < SERVE_BATCH {
-            let Ok(job) = self.rx.try_recv() else { break };
+            // Never waits for a client thread (see `Queue`): a queue it holds is
+            // looked at again at the next round (its send wakes the loop).
+            let Ok(mut jobs) = self.jobs.try_lock() else {
+                break;
+            };
+            let Some(job) = jobs.pop_front() else { break };
+            drop(jobs);
             n += 1;
             let req = match job {
                 Job::Gone(conn) => {
@@ -827,6 +848,7 @@ mod tests {
                 Command::Stats => Ok(Answer::Stats(LiveStats {
                     elapsed_s: 0.0,
                     stopping: None,
+                    subscribed: false,
                     cpus: Vec::new(),
                 })),
                 Command::Subscribe { .. } if self.holder.is_none() => {
@@ -1089,21 +1111,20 @@ mod tests {
     #[test]
     fn a_cancelled_request_is_not_executed() {
         let (rtx, _rrx) = mpsc::sync_channel(1);
-        let (tx, rx) = mpsc::channel();
+        let jobs = Arc::new(Mutex::new(VecDeque::new()));
         let state = Arc::new(AtomicU8::new(CANCELLED));
-        tx.send(Job::Run(Request {
+        jobs.lock().expect("queue").push_back(Job::Run(Request {
             id: 1,
             cmd: Command::Stats,
             conn: 1,
             state,
             reply: rtx,
-        }))
-        .expect("send");
+        }));
         let server = ControlServer {
             path: PathBuf::from("/nonexistent/hyptrace-test"),
             id: (0, 0),
             stop: Arc::new(AtomicBool::new(true)),
-            rx,
+            jobs,
             waker: Arc::new(Mutex::new(None)),
             thread: None,
         };

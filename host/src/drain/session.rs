@@ -125,6 +125,9 @@ struct CpuRun {
     rate: f64,
     /// When the last poke (update_footers) was asked for.
     poked: Option<Instant>,
+    /// Since when a mailbox request of this CPU is in flight, as [`Session::next_wait`]
+    /// saw it.
+    requested: Option<Instant>,
 }
 
 /// Drains a VM's rings while it runs and after it stopped.
@@ -671,7 +674,8 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
     /// a writer writes and its ring is at least half full; in between, a [`POLLS_PER_FILL`]th of the time
     /// the free part of the fullest ring would take to fill at its writer's recent
     /// rate; `0` when a round stopped at its bound ([`Session::backlog`]); at most
-    /// [`REQUEST_POLL`] while a mailbox request is in flight. The guest's counters are
+    /// [`REQUEST_POLL`] while a mailbox request is in flight, or a quarter of the time it
+    /// has been (a vCPU off its core answers late: polling it often only takes the core). The guest's counters are
     /// only a hint here: hostile values can make the loop poll at most every
     /// [`MIN_POLL`] (each round is bounded), nothing else. With `--drain none` no ring
     /// is read while the guest runs, so however fast a writer fills it, the loop waits
@@ -698,17 +702,34 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
             if st.ended || st.failed {
                 continue;
             }
-            if self.reader.request_in_flight(cpu) {
-                wait = wait.min(REQUEST_POLL);
-            }
+            let st = &mut self.cpus[cpu as usize];
+            let in_flight = if self.reader.request_in_flight(cpu) {
+                // Due within microseconds while the writer runs; one unanswered for
+                // longer means its vCPU is off its core (or holds its mailbox while it
+                // catches up): asking every 50 µs would keep a vCPU that shares the
+                // reader's core from answering. A quarter of the time it has waited.
+                let since = *st.requested.get_or_insert(now);
+                let backoff = now.saturating_duration_since(since) / 4;
+                wait = wait.min(REQUEST_POLL.max(backoff));
+                true
+            } else {
+                st.requested = None;
+                false
+            };
             // Relaxed: a hint for the poll period only (the writer stores it Relaxed
             // after each commit); nothing is read on the strength of it.
             let written = self.reader.mem().load(
                 l.ctl(cpu) + ctl::BYTES,
                 std::sync::atomic::Ordering::Relaxed,
             );
-            let unread = written
-                .saturating_sub(self.reader.stats(cpu).bytes)
+            // What the ring holds unread: the pages the writer moved onto since the
+            // reader's page (by their `page_seq`; not the byte counters, whose difference
+            // also holds what the writer overwrote before the reader got to it: after one
+            // lap it would say "full" for ever).
+            let unread = self
+                .reader
+                .pages_behind(cpu)
+                .saturating_mul(l.data_capacity() as u64)
                 .min(cap);
             let st = &mut self.cpus[cpu as usize];
             if let Some((at, before)) = st.fill {
@@ -726,9 +747,10 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
                 }
             }
             st.fill = Some((now, written));
-            // A writer that stopped writing fills nothing, however full its ring (in
-            // overwrite mode the bytes it overwrote are never read: `unread` stays high).
-            if st.rate < 1.0 {
+            // A writer that stopped writing fills nothing, however full its ring; nor is
+            // anything read of a ring whose swap waits for its writer's answer (polled
+            // as above), however full it is.
+            if st.rate < 1.0 || in_flight {
                 continue;
             }
             let whole = cap as f64 / st.rate;
@@ -781,7 +803,8 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
     /// writer), then a poke (update_footers) if the last one is [`POKE_EVERY`] old.
     pub fn poll(&mut self, cpu: u32) -> Result<(), SessionError> {
         match self.cpus.get(cpu as usize) {
-            Some(st) if !st.ended && !st.failed => {}
+            // A CPU in its final walk is read by the walk only (its writer stopped).
+            Some(st) if !st.ended && !st.failed && !st.walking => {}
             _ => return Ok(()),
         }
         let before = log::log_enabled!(log::Level::Debug).then(|| self.reader.stats(cpu));

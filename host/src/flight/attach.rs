@@ -28,6 +28,8 @@ use crate::drain::sink::FormatArg;
 pub const REPLY_TIMEOUT: Duration = Duration::from_secs(15);
 /// The poll interval of `--follow` when the VMM had nothing new.
 pub const FOLLOW_POLL: Duration = Duration::from_millis(10);
+/// The pause of `--follow` after an answer that held less than half a fetch (caught up).
+pub const CAUGHT_UP_POLL: Duration = Duration::from_millis(1);
 /// Bytes of pieces asked for per `fetch`.
 const FETCH_BYTES: u64 = 1 << 20;
 
@@ -423,6 +425,11 @@ fn fetch_rounds(
                 return Ok((format!("drained in {ms:.1} ms"), fetches));
             }
             std::thread::sleep(FOLLOW_POLL);
+        } else if o.follow && batch.bytes < FETCH_BYTES / 2 {
+            // Caught up: the next fetch a poll later, as the VMM's own reader paces
+            // itself. Each request wakes the VMM's run loop (a real-time thread): asked
+            // back to back, it would keep a vCPU sharing its core from writing.
+            std::thread::sleep(CAUGHT_UP_POLL);
         }
     }
 }

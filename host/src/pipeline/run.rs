@@ -790,6 +790,7 @@ fn finish_session(
                 written: session.writer_index(cpu),
                 stats: session.stats(cpu),
                 error: session.error(cpu).map(str::to_string),
+                page_events: page_events(session.reader().layout()),
             }
         })
         .collect();
@@ -814,6 +815,12 @@ fn finish_session(
         return Err(RunError::Aborted);
     }
     Ok((cpus, failures, host, host_trace))
+}
+
+/// Most events one page of `l` holds: its data area over the smallest record (8 bytes:
+/// a header word and the shortest payload).
+fn page_events(l: &hyptrace_abi::RingGeometry) -> u64 {
+    (l.data_capacity() / 8) as u64
 }
 
 /// The per-CPU statistics a page sink writes at its end (trace.dat's stat options).
@@ -1069,6 +1076,7 @@ impl Live<'_> {
             subscribers: &mut self.flight.subscribers,
             meta: &self.flight.run_meta,
             drain_live: self.flight.drain_live,
+            hold: !self.flight.dumped && self.running.any_crashed(),
         };
         control.serve(&mut h);
     }

@@ -377,13 +377,14 @@ fn fetch(
     seen: &mut Seen,
 ) -> Result<bool, String> {
     let acks = s.acks();
+    let stopped = vmm.stopped;
     let b = vmm
         .subs
         .fetch(
             &mut vmm.session,
             (s.conn, s.token),
             (&acks, max, 0),
-            &vmm.meta.clock,
+            (&vmm.meta.clock, Some(&|_| stopped)),
             Instant::now(),
         )
         .map_err(|e| format!("fetch: {}", e.0))?;
@@ -400,11 +401,12 @@ fn hostile_ack(vmm: &mut Vmm, s: &mut Sub, k: u64, seen: &mut Seen) -> Result<()
         cpu: 0,
         seq: s.seq + 1 + k * 1000,
     }];
+    let stopped = vmm.stopped;
     let r = vmm.subs.fetch(
         &mut vmm.session,
         (s.conn, s.token),
         (&acks, 1 << 20, 0),
-        &vmm.meta.clock,
+        (&vmm.meta.clock, Some(&|_| stopped)),
         Instant::now(),
     );
     match r {

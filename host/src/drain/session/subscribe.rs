@@ -52,6 +52,15 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
         self.outbox.unsend()
     }
 
+    /// A read round for a `fetch` (C1): what the run loop's round ([`Session::service`])
+    /// does — a bounded poll of each live CPU, the final walk of those whose vCPU stopped
+    /// (`vcpu_stopped`) — so that the answer holds what was committed when it came; the
+    /// failures go to the loop's next round, which reports them.
+    pub fn read_for_fetch(&mut self, vcpu_stopped: &dyn Fn(u32) -> bool) {
+        let failed = self.service(vcpu_stopped);
+        self.deferred.extend(failed);
+    }
+
     /// The next batch for the subscriber: at most `max_bytes` of pieces and `max_items`
     /// items, every CPU in turn ([`crate::drain::outbox::Outbox::send`]).
     pub fn send(&mut self, max_bytes: usize, max_items: usize) -> Batch {
