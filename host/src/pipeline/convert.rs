@@ -16,7 +16,7 @@ use hyptrace_output::{
     ReportFilter, RunSummary, TextSink, TraceFile, TraceMeta,
 };
 
-use crate::drain::sink::{check_destination, format_for, FormatArg};
+use crate::drain::sink::{format_for, FormatArg};
 use crate::pipeline::options::{ConvertArgs, ReportArgs};
 
 /// What a trace file is.
@@ -539,7 +539,7 @@ pub fn convert(a: &ConvertArgs) -> Result<(), ConvertError> {
     let format = format_for(a.format, &a.output, "-o")?;
     let compression = crate::drain::sink::compression_for(format, a.compression)?;
     let input = open_input(&a.input)?;
-    let target = check_destination(&a.output, "-o")?;
+    let target = a.files.check(&a.output, "-o")?;
     let mut damage = 0usize;
     let r = match input {
         Input::Raw(reader) => {
