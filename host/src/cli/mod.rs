@@ -175,6 +175,12 @@ impl CliError {
     fn report(&self) -> i32 {
         match self {
             Self::Run(RunError::Aborted) => note!("hyptrace: {}", chain(self)),
+            // clap's lines (the error, then its hints), each escaped: they echo the
+            // user's arguments.
+            Self::Args(text) => {
+                let lines: Vec<_> = text.lines().map(crate::exit::printable).collect();
+                note!("hyptrace: error: {}", lines.join("\n"));
+            }
             _ => note!("hyptrace: error: {}", chain(self)),
         }
         self.exit_code()

@@ -203,12 +203,15 @@ pub fn format_for(
     })
 }
 
-/// A path for messages; `-` is stdout.
+/// A path for messages ([`crate::exit::printable`]); `-` is stdout.
 pub fn shown_path(p: &Path) -> Cow<'_, str> {
     if p.as_os_str() == "-" {
         Cow::Borrowed("stdout")
     } else {
-        p.to_string_lossy()
+        match p.to_string_lossy() {
+            Cow::Borrowed(s) => crate::exit::printable(s),
+            Cow::Owned(s) => Cow::Owned(crate::exit::printable(&s).into_owned()),
+        }
     }
 }
 

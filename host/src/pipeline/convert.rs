@@ -168,7 +168,8 @@ fn open_dat(at: &Path, path: &Path) -> Result<(TraceFile, usize), ConvertError> 
 
 /// The one-line warning of a damaged part of `path`.
 fn warn_damage(path: &Path, d: &hyptrace_output::tracedat::Damage) {
-    note!("hyptrace: warning: {}: damaged: {d}", path.display());
+    let line = format!("{}: damaged: {d}", path.display());
+    note!("hyptrace: warning: {}", crate::exit::printable(&line));
 }
 
 /// Opens the input `path` (`-`: stdin), told apart by its magic.
