@@ -326,47 +326,44 @@ mod tests {
         }
     }
 
-    /// A opened the finished file; B replaces it meanwhile and runs. A's lock is then
-    /// granted (B let go of the old file), but the path names B's file: A looks again
-    /// and is refused naming B. B's file keeps its name and its bytes.
-    #[test]
-    fn a_lock_granted_late_is_checked_against_the_path() {
-        let d = dir("claim-late");
+    /// A starts on a path holding `old` (or nothing); at A's `step`, B starts and owns
+    /// the path. A is refused as locked, the path names B's file, nothing is left
+    /// behind. Returns A's error.
+    fn b_starts_at(step: Step, old: Option<&[u8]>, tag: &str) -> String {
+        let d = dir(tag);
         let f = d.join("vm.trace");
-        std::fs::write(&f, b"finished").expect("write");
+        if let Some(bytes) = old {
+            std::fs::write(&f, bytes).expect("write");
+        }
         let mut b = None;
-        let r = TraceMemFile::create_with(&f, &ring(), &mut |step| {
-            if step == Step::Opened && b.is_none() {
+        let r = TraceMemFile::create_with(&f, &ring(), &mut |s| {
+            if s == step && b.is_none() {
                 b = Some(TraceMemFile::create(&f, &ring()).expect("B owns the path"));
             }
         });
         let e = refused_locked(r);
-        assert!(e.contains(&format!("pid {}", std::process::id())), "{e}");
         let b = b.expect("B ran");
         assert_eq!(ino(&f), b.file.metadata().expect("fstat").ino(), "B's file");
         drop(b);
         assert_eq!(entries(&d), ["vm.trace"], "no temporary file left");
         let _ = std::fs::remove_dir_all(&d);
+        e
+    }
+
+    /// A opened the finished file; B replaces it meanwhile and runs. A's lock is then
+    /// granted (B let go of the old file), but the path names B's file: A looks again
+    /// and is refused naming B.
+    #[test]
+    fn a_lock_granted_late_is_checked_against_the_path() {
+        let e = b_starts_at(Step::Opened, Some(b"finished"), "claim-late");
+        assert!(e.contains(&format!("pid {}", std::process::id())), "{e}");
     }
 
     /// A found nothing at the path; B creates its file there meanwhile. A's rename
     /// does not replace it (RENAME_NOREPLACE): A looks again and is refused.
     #[test]
     fn a_vacant_path_taken_meanwhile_is_not_replaced() {
-        let d = dir("claim-vacant");
-        let f = d.join("vm.trace");
-        let mut b = None;
-        let r = TraceMemFile::create_with(&f, &ring(), &mut |step| {
-            if step == Step::Vacant && b.is_none() {
-                b = Some(TraceMemFile::create(&f, &ring()).expect("B owns the path"));
-            }
-        });
-        refused_locked(r);
-        let b = b.expect("B ran");
-        assert_eq!(ino(&f), b.file.metadata().expect("fstat").ino(), "B's file");
-        drop(b);
-        assert_eq!(entries(&d), ["vm.trace"], "no temporary file left");
-        let _ = std::fs::remove_dir_all(&d);
+        b_starts_at(Step::Vacant, None, "claim-vacant");
     }
 
     /// A holds the finished file (the path names it); B starting then waits, finds it
