@@ -561,6 +561,44 @@ fn instances_of_others_are_left_alone() {
     );
 }
 
+/// H1: an instance of the very name a run would make (made by the shell that then
+/// execs hyptrace: same pid, same start time, same namespace) is not the run's: the
+/// run is refused (exit 2, naming it) and the instance is left as it was — it was
+/// removed, recreated and removed when the name was the pid alone.
+#[test]
+fn an_instance_of_the_runs_name_is_left_alone() {
+    if !tracefs_available("an_instance_of_the_runs_name_is_left_alone") {
+        return;
+    }
+    // Field 22 of stat (the start time) is the 20th after the command's ')'.
+    let script = format!(
+        "set -e; d={TRACEFS}/instances/hyptrace-$(stat -L -c %i /proc/$$/ns/pid)-$$-$(cut -d')' -f2- /proc/$$/stat | awk '{{print $20}}'); \
+         mkdir \"$d\"; echo 1028 > \"$d/buffer_size_kb\"; cat \"$d/buffer_size_kb\"; echo \"$d\"; \
+         exec \"$0\" run --host-trace sched:sched_switch --events 10"
+    );
+    let out = Command::new("sh")
+        .args(["-c", &script, BIN])
+        .output()
+        .expect("sh");
+    let text = env::stdout(&out);
+    let mut lines = text.lines();
+    let (set, made) = (lines.next().expect("kb"), lines.next().expect("dir"));
+    let made = Path::new(made);
+    let kb = std::fs::read_to_string(made.join("buffer_size_kb"));
+    let _ = std::fs::remove_dir(made);
+    let err = env::stderr(&out);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("exists and this run did not make it: left alone"),
+        "{err}"
+    );
+    assert_eq!(
+        kb.ok().as_deref().map(str::trim),
+        Some(set),
+        "the instance as it was"
+    );
+}
+
 /// `run --host-trace` prints guest and host lines merged in time order on stdout, and
 /// `--stats` counts what it read.
 #[test]
