@@ -37,11 +37,19 @@ fn tracefs_available(test: &str) -> bool {
     ok
 }
 
-/// The tracefs instance of process `pid`.
-fn instance(pid: u32) -> std::path::PathBuf {
-    Path::new(TRACEFS)
-        .join("instances")
-        .join(format!("hyptrace-{pid}"))
+/// The tracefs instance process `pid` made (`hyptrace-NS-PID-START`), if there is one.
+fn instance(pid: u32) -> Option<std::path::PathBuf> {
+    let pid = pid.to_string();
+    std::fs::read_dir(Path::new(TRACEFS).join("instances"))
+        .ok()?
+        .flatten()
+        .find(|e| {
+            e.file_name()
+                .to_str()
+                .and_then(|n| n.strip_prefix("hyptrace-"))
+                .is_some_and(|r| r.split('-').nth(1) == Some(pid.as_str()))
+        })
+        .map(|e| e.path())
 }
 
 /// A CPU hog pinned to CPU `cpu`, killed when dropped.
@@ -201,32 +209,77 @@ fn trace_dat_shows_vcpu_preemption() {
         return;
     }
     let _vm = vm_lock();
-    let dir = TempDir::new("host-trace");
+    vcpu_preemption_recorded(&[], "host-trace");
+}
+
+/// H1 in a pid namespace: with a /proc of its own (`unshare --pid --mount-proc`) the
+/// vCPU threads' kernel ids are unknown, and `--host-trace` is refused (exit 2, one line
+/// naming why, no output, no instance) — a filter of namespace ids named nobody, and
+/// the run exited 0 with no host event; with the host's /proc (`unshare --pid`) the
+/// filter takes /proc's ids, the kernel's, and the run records the vCPU threads'
+/// scheduling as outside (the checks of `trace_dat_shows_vcpu_preemption`).
+#[test]
+fn a_run_in_a_pid_namespace_filters_by_kernel_ids() {
+    if !kvm_available(KRATE, "a_run_in_a_pid_namespace_filters_by_kernel_ids")
+        || !tracefs_available("a_run_in_a_pid_namespace_filters_by_kernel_ids")
+        || !env::trace_cmd_available()
+        || !unshare_available("a_run_in_a_pid_namespace_filters_by_kernel_ids")
+    {
+        return;
+    }
+    let _vm = vm_lock();
+    let dir = TempDir::new("host-trace-ns-own-proc");
+    let dat = dir.file("x.dat");
+    let out = Command::new("unshare")
+        .args(["--pid", "--fork", "--mount-proc", BIN, "record"])
+        .args(["--host-trace", "sched:sched_switch", "-o", &dat])
+        .args(["--events", "1000"])
+        .output()
+        .expect("unshare");
+    env::assert_usage_error(&out, "own /proc", "pid namespace");
+    assert!(!Path::new(&dat).exists(), "no output");
+    assert_eq!(instance(1), None, "no instance left");
+    vcpu_preemption_recorded(&["unshare", "--pid", "--fork"], "host-trace-ns");
+}
+
+/// Whether `unshare --pid --fork` works here (else the test is skipped).
+fn unshare_available(test: &str) -> bool {
+    let ok = Command::new("unshare")
+        .args(["--pid", "--fork", "true"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        eprintln!("{KRATE}::{test}: skipped: unshare --pid does not work here");
+    }
+    ok
+}
+
+/// Records `--host-trace sched:sched_switch` with two vCPUs pinned next to a CPU hog
+/// (through `wrap`, a command that runs hyptrace, e.g. `unshare`) and checks what
+/// `trace_dat_shows_vcpu_preemption` says.
+fn vcpu_preemption_recorded(wrap: &[&str], tag: &str) {
+    let dir = TempDir::new(tag);
     let dat = dir.file("x.dat");
     let stats = dir.file("stats.json");
     // Everything on CPU 0: the hog, both vCPU threads, the reader. The vCPU threads
     // are switched out (the hog never sleeps), so sched_switch events are certain.
     let _hog = Hog::pinned(0);
     let child = Command::new("taskset")
-        .args([
-            "-c",
-            "0",
-            BIN,
-            "record",
-            "--host-trace",
-            "sched:sched_switch",
-        ])
+        .args(["-c", "0"])
+        .args(wrap)
+        .args([BIN, "record", "--host-trace", "sched:sched_switch"])
         .args(["-o", &dat, "--stats", &stats, "--vcpus", "2"])
         .args(["--events", "200000", "--rate", "100000"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .expect("taskset hyptrace");
-    // taskset execs hyptrace: same pid.
-    let pid = child.id();
+    // taskset execs hyptrace: same pid; `unshare --fork` makes it pid 1 of its
+    // namespace (its instance is named so).
+    let pid = if wrap.is_empty() { child.id() } else { 1 };
     let out = child.wait_with_output().expect("wait");
     assert_eq!(out.status.code(), Some(0), "{}", env::stderr(&out));
-    assert!(!instance(pid).exists(), "instance left after a normal exit");
+    assert_eq!(instance(pid), None, "instance left after a normal exit");
     let s: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&stats).expect("stats")).expect("json");
     let h = &s["host_trace"];
@@ -315,7 +368,7 @@ fn check_perfetto(dir: &TempDir, dat: &str, tids: &[i64], lines: &[Line]) {
 }
 
 /// No instance stays: after a normal run, after Ctrl-C, and after SIGKILL once another
-/// run has started (it removes instances of dead PIDs).
+/// run has started (it removes an instance whose name proves its maker dead).
 #[test]
 fn instances_are_removed() {
     if !kvm_available(KRATE, "instances_are_removed") || !tracefs_available("instances_are_removed")
@@ -341,16 +394,17 @@ fn instances_are_removed() {
             &mut child,
             "the instance",
             Duration::from_secs(60),
-            || instance(pid).join("trace_clock").exists(),
+            || instance(pid).is_some_and(|d| d.join("trace_clock").exists()),
             String::new,
         );
+        let made = instance(pid).expect("the instance");
         env::signal(&child, sig);
         let st = env::wait_exit(&mut child, sig, Duration::from_secs(60));
         if sig == "-INT" {
             assert_eq!(st.code(), Some(0), "Ctrl-C ends a record normally");
-            assert!(!instance(pid).exists(), "instance left after Ctrl-C");
+            assert!(!made.exists(), "instance left after Ctrl-C");
         } else {
-            assert!(instance(pid).exists(), "SIGKILL cannot clean up");
+            assert!(made.exists(), "SIGKILL cannot clean up");
             let out = env::run(
                 BIN,
                 &[
@@ -362,10 +416,7 @@ fn instances_are_removed() {
                 ],
             );
             assert_eq!(out.status.code(), Some(0), "{}", env::stderr(&out));
-            assert!(
-                !instance(pid).exists(),
-                "the next run removes a dead run's instance"
-            );
+            assert!(!made.exists(), "the next run removes a dead run's instance");
         }
     }
     let out = env::run(
@@ -391,6 +442,160 @@ fn instances_are_removed() {
             .iter()
             .all(|n| !n.starts_with("hyptrace-") || n.starts_with("hyptrace-probe")),
         "instances left: {names:?}"
+    );
+}
+
+/// tracefs instances made here (as others' would be), with the `buffer_size_kb` each
+/// read back; removed when dropped.
+struct Planted(Vec<(std::path::PathBuf, String)>);
+
+impl Planted {
+    /// Makes instance `name` with its own setting (`buffer_size_kb` 1028).
+    fn add(&mut self, name: &str) {
+        let d = Path::new(TRACEFS).join("instances").join(name);
+        std::fs::create_dir(&d).unwrap_or_else(|e| panic!("mkdir {}: {e}", d.display()));
+        let kb = d.join("buffer_size_kb");
+        std::fs::write(&kb, "1028").expect("buffer_size_kb");
+        let set = std::fs::read_to_string(&kb).expect("buffer_size_kb");
+        self.0.push((d, set));
+    }
+
+    /// Instance `name` is there with its setting.
+    fn untouched(&self, name: &str) -> bool {
+        self.0.iter().any(|(d, set)| {
+            d.ends_with(name)
+                && std::fs::read_to_string(d.join("buffer_size_kb")).is_ok_and(|v| v == *set)
+        })
+    }
+}
+
+impl Drop for Planted {
+    fn drop(&mut self) {
+        for (d, _) in &self.0 {
+            let _ = std::fs::remove_dir(d);
+        }
+    }
+}
+
+/// H1: instances a run did not make are left alone, settings and all: older names
+/// (`hyptrace-1`, `hyptrace-2`: of a VMM in a pid namespace, where a run is pid 1 —
+/// a name of only the pid, which a run in another namespace took for its own:
+/// removed, recreated and removed), another namespace's, a live process's. A name that
+/// proves its maker dead (this namespace, that pid gone) is removed by the next run
+/// here, not by a run in another namespace (which cannot prove it).
+#[test]
+fn instances_of_others_are_left_alone() {
+    use hyptrace_host::drain::host_trace::instance::Maker;
+    use hyptrace_host::drain::host_trace::procfs::start_time;
+    if !kvm_available(KRATE, "instances_of_others_are_left_alone")
+        || !tracefs_available("instances_of_others_are_left_alone")
+        || !unshare_available("instances_of_others_are_left_alone")
+    {
+        return;
+    }
+    let _vm = vm_lock();
+    let me = Maker::me().expect("this process");
+    let mut sleeper = Command::new("sleep").arg("1000").spawn().expect("sleep");
+    let gone = Maker {
+        pid: sleeper.id(),
+        start: start_time(&sleeper.id().to_string()).expect("start"),
+        ..me
+    };
+    let _ = sleeper.kill();
+    let _ = sleeper.wait();
+    let others = [
+        "hyptrace-1".to_string(),
+        "hyptrace-2".to_string(),
+        Maker {
+            ns: me.ns + 1,
+            ..gone
+        }
+        .name(),
+        me.name(),
+    ];
+    let mut planted = Planted(Vec::new());
+    for n in others.iter().chain([&gone.name()]) {
+        planted.add(n);
+    }
+    let run = |wrap: &[&str], all: &[&str]| {
+        let mut argv = wrap.to_vec();
+        argv.push(BIN);
+        let out = Command::new(argv[0])
+            .args(&argv[1..])
+            .args([
+                "run",
+                "--host-trace",
+                "sched:sched_switch",
+                "--events",
+                "100",
+            ])
+            .args(all)
+            .output()
+            .expect("hyptrace");
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{wrap:?}: {}",
+            env::stderr(&out)
+        );
+    };
+    // A run in a new pid namespace (pid 1 there), its own /proc: no filter (-all).
+    run(
+        &["unshare", "--pid", "--fork", "--mount-proc"],
+        &["--host-trace-all"],
+    );
+    for n in others.iter().chain([&gone.name()]) {
+        assert!(planted.untouched(n), "{n} touched by a run in a namespace");
+    }
+    // A run here: the dead maker's instance goes, the others stay as they were.
+    run(&[], &[]);
+    for n in &others {
+        assert!(planted.untouched(n), "{n} touched");
+    }
+    assert!(
+        !Path::new(TRACEFS)
+            .join("instances")
+            .join(gone.name())
+            .exists(),
+        "the dead maker's instance is removed"
+    );
+}
+
+/// H1: an instance of the very name a run would make (made by the shell that then
+/// execs hyptrace: same pid, same start time, same namespace) is not the run's: the
+/// run is refused (exit 2, naming it) and the instance is left as it was — it was
+/// removed, recreated and removed when the name was the pid alone.
+#[test]
+fn an_instance_of_the_runs_name_is_left_alone() {
+    if !tracefs_available("an_instance_of_the_runs_name_is_left_alone") {
+        return;
+    }
+    // Field 22 of stat (the start time) is the 20th after the command's ')'.
+    let script = format!(
+        "set -e; d={TRACEFS}/instances/hyptrace-$(stat -L -c %i /proc/$$/ns/pid)-$$-$(cut -d')' -f2- /proc/$$/stat | awk '{{print $20}}'); \
+         mkdir \"$d\"; echo 1028 > \"$d/buffer_size_kb\"; cat \"$d/buffer_size_kb\"; echo \"$d\"; \
+         exec \"$0\" run --host-trace sched:sched_switch --events 10"
+    );
+    let out = Command::new("sh")
+        .args(["-c", &script, BIN])
+        .output()
+        .expect("sh");
+    let text = env::stdout(&out);
+    let mut lines = text.lines();
+    let (set, made) = (lines.next().expect("kb"), lines.next().expect("dir"));
+    let made = Path::new(made);
+    let kb = std::fs::read_to_string(made.join("buffer_size_kb"));
+    let _ = std::fs::remove_dir(made);
+    let err = env::stderr(&out);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("exists and this run did not make it: left alone"),
+        "{err}"
+    );
+    assert_eq!(
+        kb.ok().as_deref().map(str::trim),
+        Some(set),
+        "the instance as it was"
     );
 }
 
@@ -539,7 +744,7 @@ fn json_merges_host_events_in_time_order() {
 }
 
 /// Without tracefs, or with an event the kernel does not have: exit 2, one line naming
-/// what is missing, no VM started.
+/// what is missing (a pattern escaped), no VM started.
 #[test]
 fn missing_tracefs_or_event_is_an_input_error() {
     let dir = TempDir::new("host-trace-missing");
@@ -566,5 +771,26 @@ fn missing_tracefs_or_event_is_an_input_error() {
         &out,
         "unknown event",
         "no host kernel event matches 'nosuch:event'",
+    );
+    // A pattern with control bytes is echoed escaped: it cannot drive the terminal.
+    let out = env::run(
+        BIN,
+        &[
+            "run",
+            "--host-trace",
+            "\x1b]0;title\x07\x1b[2Jx",
+            "--events",
+            "10",
+        ],
+    );
+    env::assert_usage_error(
+        &out,
+        "a pattern with an ESC",
+        "no host kernel event matches '\\x1b]0;title\\x07\\x1b[2Jx'",
+    );
+    assert!(
+        !out.stderr.iter().any(|&b| b == 0x1b || b == 0x07),
+        "a raw control byte: {:?}",
+        env::stderr(&out)
     );
 }

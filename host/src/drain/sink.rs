@@ -118,6 +118,49 @@ pub fn check_destination(path: &Path, flag: &str) -> Result<OutputTarget, Destin
     })
 }
 
+/// `--output-mode MODE` of the commands that write files from trace data (`run`,
+/// `record`, `dump`, `convert`): the permission bits those files are created with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::Args)]
+pub struct OutputModeArg {
+    /// Permission bits (octal, 000-777) of the files written from trace data — the
+    /// output, --stats, a crash dump — less the umask. Owner-only by default (the trace
+    /// may be private); e.g. 0644 lets others read them. A device, a FIFO or stdout
+    /// keeps its own mode.
+    #[arg(
+        long = "output-mode",
+        value_name = "MODE",
+        default_value = "0600",
+        value_parser = parse_mode
+    )]
+    pub output_mode: u32,
+}
+
+impl Default for OutputModeArg {
+    fn default() -> Self {
+        Self {
+            output_mode: OutputTarget::PRIVATE,
+        }
+    }
+}
+
+impl OutputModeArg {
+    /// [`check_destination`], the file to be created with this mode.
+    pub fn check(&self, path: &Path, flag: &str) -> Result<OutputTarget, DestinationError> {
+        check_destination(path, flag).map(|t| t.with_mode(self.output_mode))
+    }
+}
+
+/// Parses `--output-mode`: 3 or 4 octal digits (`644`, `0644`), permission bits only
+/// (no set-id or sticky bit).
+pub fn parse_mode(s: &str) -> Result<u32, String> {
+    let digits = s.strip_prefix("0o").unwrap_or(s);
+    let ok = (3..=4).contains(&digits.len()) && digits.bytes().all(|b| (b'0'..=b'7').contains(&b));
+    match u32::from_str_radix(digits, 8) {
+        Ok(m) if ok && m <= 0o777 => Ok(m),
+        _ => Err("expected octal permission bits 000-777, e.g. 0600 or 0644".into()),
+    }
+}
+
 /// Writes `text` to a checked destination (temporary file renamed, or in place).
 pub fn write_destination(target: &OutputTarget, text: &str) -> Result<(), OutputError> {
     let mut f = target.open()?;
@@ -160,12 +203,15 @@ pub fn format_for(
     })
 }
 
-/// A path for messages; `-` is stdout.
+/// A path for messages ([`crate::exit::printable`]); `-` is stdout.
 pub fn shown_path(p: &Path) -> Cow<'_, str> {
     if p.as_os_str() == "-" {
         Cow::Borrowed("stdout")
     } else {
-        p.to_string_lossy()
+        match p.to_string_lossy() {
+            Cow::Borrowed(s) => crate::exit::printable(s),
+            Cow::Owned(s) => Cow::Owned(crate::exit::printable(&s).into_owned()),
+        }
     }
 }
 
@@ -249,5 +295,24 @@ mod tests {
             FormatArg::Raw
         );
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn output_modes() {
+        assert_eq!(parse_mode("0600"), Ok(0o600));
+        assert_eq!(parse_mode("644"), Ok(0o644));
+        assert_eq!(parse_mode("0o640"), Ok(0o640));
+        for bad in [
+            "", "6", "64", "4755", "1777", "0x644", "0888", "u+r", "00644",
+        ] {
+            assert!(parse_mode(bad).is_err(), "{bad}");
+        }
+        let dir = std::env::temp_dir();
+        let t = OutputModeArg { output_mode: 0o644 }
+            .check(&dir.join("x.dat"), "-o")
+            .expect("check");
+        assert_eq!(t.mode(), 0o644);
+        let t = check_destination(&dir.join("x.dat"), "-o").expect("check");
+        assert_eq!(t.mode(), OutputTarget::PRIVATE);
     }
 }

@@ -60,6 +60,9 @@ pub struct DumpArgs {
     /// Output format [default: from the extension, as `record`].
     #[arg(long, value_enum)]
     pub format: Option<FormatArg>,
+    /// `--output-mode` of the output file.
+    #[command(flatten)]
+    pub files: crate::drain::sink::OutputModeArg,
 }
 
 /// Why a dump failed.
@@ -416,7 +419,7 @@ pub fn dump_trace_mem(
 /// stderr; 2: the file is unusable; 1: the output failed).
 pub fn dump(a: &DumpArgs) -> Result<i32, DumpCmdError> {
     let format = crate::drain::sink::format_for(a.format, &a.output, "-o")?;
-    let target = crate::drain::sink::check_destination(&a.output, "-o")?;
+    let target = a.files.check(&a.output, "-o")?;
     let started = std::time::Instant::now();
     let Some(trace_mem) = &a.trace_mem else {
         return match &a.attach {

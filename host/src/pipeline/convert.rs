@@ -16,7 +16,7 @@ use hyptrace_output::{
     ReportFilter, RunSummary, TextSink, TraceFile, TraceMeta,
 };
 
-use crate::drain::sink::{check_destination, format_for, FormatArg};
+use crate::drain::sink::{format_for, FormatArg};
 use crate::pipeline::options::{ConvertArgs, ReportArgs};
 
 /// What a trace file is.
@@ -168,7 +168,8 @@ fn open_dat(at: &Path, path: &Path) -> Result<(TraceFile, usize), ConvertError> 
 
 /// The one-line warning of a damaged part of `path`.
 fn warn_damage(path: &Path, d: &hyptrace_output::tracedat::Damage) {
-    note!("hyptrace: warning: {}: damaged: {d}", path.display());
+    let line = format!("{}: damaged: {d}", path.display());
+    note!("hyptrace: warning: {}", crate::exit::printable(&line));
 }
 
 /// Opens the input `path` (`-`: stdin), told apart by its magic.
@@ -539,7 +540,7 @@ pub fn convert(a: &ConvertArgs) -> Result<(), ConvertError> {
     let format = format_for(a.format, &a.output, "-o")?;
     let compression = crate::drain::sink::compression_for(format, a.compression)?;
     let input = open_input(&a.input)?;
-    let target = check_destination(&a.output, "-o")?;
+    let target = a.files.check(&a.output, "-o")?;
     let mut damage = 0usize;
     let r = match input {
         Input::Raw(reader) => {
