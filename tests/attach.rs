@@ -770,10 +770,7 @@ fn consumers_in_a_row_repeat_nothing() {
     let _l = vm_lock();
     // 8 consumers per combination in the test command; HYPTRACE_INAROW_ROUNDS for more
     // (the acceptance: 15).
-    let rounds: usize = std::env::var("HYPTRACE_INAROW_ROUNDS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(8);
+    let rounds = rounds_from_env("HYPTRACE_INAROW_ROUNDS", 8);
     for swap in ["guest", "host"] {
         for (mode, rate) in [("stop", "100000"), ("overwrite", "2000")] {
             let tag = format!("{swap}-{mode}");
@@ -801,15 +798,7 @@ fn consumers_in_a_row_repeat_nothing() {
             wait_socket(&sock, &mut vm, &vm_err);
             let mut seen = std::collections::HashSet::new();
             let mut events = 0usize;
-            let written = || -> u64 {
-                let o = Command::new(BIN)
-                    .args(["ctl", &sock, "stats"])
-                    .output()
-                    .expect("ctl");
-                let v: serde_json::Value =
-                    serde_json::from_slice(&o.stdout).unwrap_or(serde_json::Value::Null);
-                v["cpus"][0]["written"].as_u64().unwrap_or(0)
-            };
+            let written = || cpu0_written(&sock);
             let mut last = 0;
             for round in 0..rounds {
                 // Something new for every consumer (a condition, not a sleep): the
@@ -847,6 +836,25 @@ fn consumers_in_a_row_repeat_nothing() {
             no_panic(&vmerr, &tag);
         }
     }
+}
+
+/// Rounds of a test: `var` in the environment, else `default`.
+fn rounds_from_env(var: &str, default: usize) -> usize {
+    std::env::var(var)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// The events CPU 0's writer took in so far, as the VMM behind `sock` says (`ctl stats`;
+/// 0 when it does not answer).
+fn cpu0_written(sock: &str) -> u64 {
+    let o = Command::new(BIN)
+        .args(["ctl", sock, "stats"])
+        .output()
+        .expect("ctl");
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or(serde_json::Value::Null);
+    v["cpus"][0]["written"].as_u64().unwrap_or(0)
 }
 
 /// Per CPU, (events, lost) as `dump --attach` reports them on stderr (`hyptrace: attach:
@@ -907,10 +915,7 @@ fn guest_swap_vm_ends_under_a_follow_subscriber() {
         return;
     }
     let _l = vm_lock();
-    let rounds: usize = std::env::var("HYPTRACE_ATTACH_ROUNDS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(3);
+    let rounds = rounds_from_env("HYPTRACE_ATTACH_ROUNDS", 3);
     let dir = TempDir::new("attachend");
     let mut n = 0;
     for mode in ["overwrite", "stop"] {
@@ -1003,10 +1008,7 @@ fn text_then_page_subscriber_then_the_vmm() {
         return;
     }
     let _l = vm_lock();
-    let rounds: usize = std::env::var("HYPTRACE_ATTACH_ROUNDS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(1);
+    let rounds = rounds_from_env("HYPTRACE_ATTACH_ROUNDS", 1);
     let dir = TempDir::new("attach3");
     for (mode, rate) in [("stop", "2000"), ("overwrite", "20000")] {
         for swap in ["guest", "host"] {
@@ -1041,15 +1043,7 @@ fn three_readers(dir: &TempDir, tag: &str, extra: &[&str]) {
     args.extend_from_slice(extra);
     let mut vm = Guard(Some(spawn(&args, &vm_out, &vm_err)));
     wait_socket(&sock, &mut vm, &vm_err);
-    let written = || -> u64 {
-        let o = Command::new(BIN)
-            .args(["ctl", &sock, "stats"])
-            .output()
-            .expect("ctl");
-        let v: serde_json::Value =
-            serde_json::from_slice(&o.stdout).unwrap_or(serde_json::Value::Null);
-        v["cpus"][0]["written"].as_u64().unwrap_or(0)
-    };
+    let written = || cpu0_written(&sock);
     let mut outs = Vec::new();
     let mut last = 0;
     for (i, o) in ["-", "file"].iter().enumerate() {

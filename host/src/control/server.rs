@@ -742,14 +742,19 @@ impl CtlConn {
                 why: "a fetch answer announces more bytes than a fetch may carry",
             });
         }
-        let mut data = vec![0u8; n as usize];
-        self.inp
-            .read_exact(&mut data)
-            .map_err(|source| CtlError::Io {
-                path: self.path.clone(),
-                what: "reading a fetch answer's bytes",
-                source,
-            })?;
+        let mut data = Vec::with_capacity(n as usize);
+        let io = |source| CtlError::Io {
+            path: self.path.clone(),
+            what: "reading a fetch answer's bytes",
+            source,
+        };
+        (&mut self.inp)
+            .take(n)
+            .read_to_end(&mut data)
+            .map_err(io)?;
+        if data.len() as u64 != n {
+            return Err(io(std::io::ErrorKind::UnexpectedEof.into()));
+        }
         Ok(data)
     }
 }

@@ -238,7 +238,12 @@ impl Outbox {
     /// `max_items` items (at least one item when there is one): they are the
     /// subscriber's to acknowledge from now on.
     pub fn send(&mut self, max_bytes: usize, max_items: usize) -> Batch {
-        let mut batch = Batch::default();
+        let queued: usize = self.cpus.iter().map(|b| b.bytes).sum();
+        let mut batch = Batch {
+            items: Vec::new(),
+            // One allocation: what is queued, at most the bound (plus one piece).
+            data: Vec::with_capacity(queued.min(max_bytes.saturating_add(1 << 16))),
+        };
         let nr = self.cpus.len();
         let start = self.next_cpu;
         self.next_cpu = if nr == 0 { 0 } else { (start + 1) % nr };
