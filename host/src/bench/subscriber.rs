@@ -79,20 +79,30 @@ fn subscriber(sock: &std::path::Path) -> Result<(u64, u64, f64), String> {
         r => return Err(format!("subscribe: {r:?}")),
     };
     let (mut pieces, mut bytes, mut acks) = (0u64, 0u64, Vec::new());
+    let fetch = |acks: Vec<Ack>| Command::Fetch {
+        token,
+        acks,
+        max_bytes: FETCH,
+        knots: 0,
+    };
     let t = Instant::now();
+    // As `dump --attach --follow`: while answers come at least half full, the next fetch
+    // goes out before the batch is checked (acknowledging what came before it).
+    let mut in_flight: Option<u64> = None;
     loop {
-        let cmd = Command::Fetch {
-            token,
-            acks: std::mem::take(&mut acks),
-            max_bytes: FETCH,
-            knots: 0,
+        let id = match in_flight.take() {
+            Some(id) => id,
+            None => c.send(fetch(acks.clone())).map_err(|e| e.to_string())?,
         };
-        let b = match c.request(cmd) {
+        let b = match c.receive(id) {
             Ok(Outcome::Ok(Answer::Pieces(b))) => b,
             r => return Err(format!("fetch: {r:?}")),
         };
         if b.items.is_empty() {
             return Ok((pieces, bytes, t.elapsed().as_secs_f64()));
+        }
+        if b.bytes >= FETCH / 2 {
+            in_flight = Some(c.send(fetch(acks.clone())).map_err(|e| e.to_string())?);
         }
         let mut at = 0usize;
         for it in &b.items {

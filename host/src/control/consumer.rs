@@ -161,6 +161,7 @@ impl Subscribers {
                 .map(|(cpu, seq, item)| WireItem { cpu, seq, item })
                 .collect(),
             knots,
+            knots_from: from as u64,
             bytes: batch.data.len() as u64,
             data: batch.data,
         })

@@ -336,8 +336,12 @@ pub struct WireClock {
 pub struct PieceBatch {
     /// The items.
     pub items: Vec<WireItem>,
-    /// The clock map's knots the subscriber did not have.
+    /// The clock map's knots from the `knots_from`-th on (those the request said it
+    /// lacked; a subscriber with a fetch in flight may get some twice).
     pub knots: Vec<hyptrace_output::Knot>,
+    /// The index in the map of the first of `knots`.
+    #[serde(default)]
+    pub knots_from: u64,
     /// Bytes after the line.
     pub bytes: u64,
     /// Those bytes (not in the line).
@@ -561,6 +565,7 @@ mod tests {
                     },
                 }],
                 knots: Vec::new(),
+                knots_from: 0,
                 bytes: 4096,
                 data: vec![1; 4096],
             })),

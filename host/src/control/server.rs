@@ -671,6 +671,14 @@ impl CtlConn {
 
     /// Sends `cmd`, returns the outcome of the reply that answers it.
     pub fn request(&mut self, cmd: Command) -> Result<Outcome, CtlError> {
+        let id = self.send(cmd)?;
+        self.receive(id)
+    }
+
+    /// Sends `cmd` without waiting for its reply (a subscriber keeps one `fetch` in
+    /// flight while it writes the last batch); returns the request's id, for
+    /// [`CtlConn::receive`]. The server answers a connection's requests in order.
+    pub fn send(&mut self, cmd: Command) -> Result<u64, CtlError> {
         let id = self.next_id;
         self.next_id += 1;
         let mut line = serde_json::to_string(&Wire {
@@ -684,29 +692,32 @@ impl CtlConn {
             source: e.into(),
         })?;
         line.push('\n');
-        let sent = self.out.write_all(line.as_bytes());
+        let Err(source) = self.out.write_all(line.as_bytes()) else {
+            return Ok(id);
+        };
+        // A server that refused the connection (`busy`) wrote why before it closed:
+        // that is the answer, not the broken pipe.
         let mut reply = String::new();
-        if let Err(source) = sent {
-            // A server that refused the connection (`busy`) wrote why before it closed:
-            // that is the answer, not the broken pipe.
-            let said =
-                std::io::BufRead::read_line(&mut (&mut self.inp).take(MAX_REPLY), &mut reply);
-            if let (Ok(n), Err(ReplyError::Refused(why))) =
-                (said, parse_reply(reply.trim_end(), id))
-            {
-                if n > 0 {
-                    return Err(CtlError::Reply {
-                        path: self.path.clone(),
-                        source: ReplyError::Refused(why),
-                    });
-                }
+        let said = std::io::BufRead::read_line(&mut (&mut self.inp).take(MAX_REPLY), &mut reply);
+        if let (Ok(n), Err(ReplyError::Refused(why))) = (said, parse_reply(reply.trim_end(), id)) {
+            if n > 0 {
+                return Err(CtlError::Reply {
+                    path: self.path.clone(),
+                    source: ReplyError::Refused(why),
+                });
             }
-            return Err(CtlError::Io {
-                path: self.path.clone(),
-                what: "sending",
-                source,
-            });
         }
+        Err(CtlError::Io {
+            path: self.path.clone(),
+            what: "sending",
+            source,
+        })
+    }
+
+    /// The outcome of the reply to request `id` (sent last, or after the requests whose
+    /// replies were received): a reply to anything else is an error.
+    pub fn receive(&mut self, id: u64) -> Result<Outcome, CtlError> {
+        let mut reply = String::new();
         let n = std::io::BufRead::read_line(&mut (&mut self.inp).take(MAX_REPLY), &mut reply)
             .map_err(|source| CtlError::Io {
                 path: self.path.clone(),
@@ -748,10 +759,7 @@ impl CtlConn {
             what: "reading a fetch answer's bytes",
             source,
         };
-        (&mut self.inp)
-            .take(n)
-            .read_to_end(&mut data)
-            .map_err(io)?;
+        (&mut self.inp).take(n).read_to_end(&mut data).map_err(io)?;
         if data.len() as u64 != n {
             return Err(io(std::io::ErrorKind::UnexpectedEof.into()));
         }
@@ -865,6 +873,7 @@ mod tests {
                     Ok(Answer::Pieces(PieceBatch {
                         items: Vec::new(),
                         knots: Vec::new(),
+                        knots_from: 0,
                         bytes: 3,
                         data: vec![7, 8, 9],
                     }))

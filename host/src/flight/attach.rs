@@ -180,7 +180,17 @@ impl Subscriber {
         if b.data.len() as u64 != b.bytes {
             return Err(self.untrusted(format!("{} bytes for {}", b.data.len(), b.bytes)));
         }
-        for k in &b.knots {
+        // The knots from `knots_from` on: those this side has are skipped (a fetch sent
+        // before the last answer was taken asks for them again), a gap is a lie.
+        if b.knots_from > self.knots {
+            let why = format!(
+                "clock knots from {} (this side has {})",
+                b.knots_from, self.knots
+            );
+            return Err(self.untrusted(why));
+        }
+        let have = usize::try_from(self.knots - b.knots_from).unwrap_or(usize::MAX);
+        for k in b.knots.iter().skip(have) {
             let map = self.map.as_ref();
             if !map.is_some_and(|m| m.append(*k)) {
                 return Err(self.untrusted(format!("a clock knot out of order: {k:?}")));
@@ -292,11 +302,23 @@ fn request(
     o: &AttachOpts<'_>,
     cmd: Command,
 ) -> Result<Option<Answer>, AttachError> {
+    match conn.send(cmd) {
+        Ok(id) => receive(conn, o, id),
+        Err(e) => answer(o, Err(e)),
+    }
+}
+
+/// The answer to request `id` (sent before), as [`request`] takes it.
+fn receive(conn: &mut CtlConn, o: &AttachOpts<'_>, id: u64) -> Result<Option<Answer>, AttachError> {
+    answer(o, conn.receive(id))
+}
+
+fn answer(o: &AttachOpts<'_>, r: Result<Outcome, CtlError>) -> Result<Option<Answer>, AttachError> {
     let sock_err = |why: SocketProblem| AttachError::Socket {
         path: o.socket.to_path_buf(),
         why,
     };
-    match conn.request(cmd) {
+    match r {
         Ok(Outcome::Ok(a)) => Ok(Some(a)),
         Ok(Outcome::Err(why)) if why.starts_with("the run ended") => Ok(None),
         Ok(Outcome::Err(why)) => Err(sock_err(SocketProblem::Refused(why))),
@@ -382,7 +404,11 @@ fn open(
 }
 
 /// Fetches until every CPU ended, the VMM went away, a stop, or (one-shot) an answer
-/// with nothing new; returns why it ended.
+/// with nothing new; returns why it ended. With `--follow`, while the VMM has a backlog
+/// (an answer at least half full), the next fetch is sent before the last batch is
+/// written — it acknowledges what was taken before that batch — so that the VMM reads and
+/// sends while this side writes; what a fetch still in flight at the end brings is not
+/// taken (not acknowledged: it goes to the next reader).
 fn fetch_rounds(
     conn: &mut CtlConn,
     token: u64,
@@ -392,14 +418,19 @@ fn fetch_rounds(
 ) -> Result<(String, u64), AttachError> {
     let started = Instant::now();
     let mut fetches = 0u64;
-    loop {
-        let cmd = Command::Fetch {
-            token,
-            acks: sub.acks(),
-            max_bytes: FETCH_BYTES.min(MAX_FETCH_BYTES),
-            knots: sub.knots,
+    let fetch = |sub: &Subscriber| Command::Fetch {
+        token,
+        acks: sub.acks(),
+        max_bytes: FETCH_BYTES.min(MAX_FETCH_BYTES),
+        knots: sub.knots,
+    };
+    let mut in_flight: Option<u64> = None;
+    let ended = loop {
+        let got = match in_flight.take() {
+            Some(id) => receive(conn, o, id)?,
+            None => request(conn, o, fetch(sub))?,
         };
-        let batch = match request(conn, o, cmd)? {
+        let batch = match got {
             Some(Answer::Pieces(b)) => b,
             Some(a) => {
                 let why = SocketProblem::OtherReply(format!("{a:?}"));
@@ -411,27 +442,41 @@ fn fetch_rounds(
             None => return Ok(("the VMM went away".into(), fetches)),
         };
         fetches += 1;
+        let backlog = batch.bytes >= FETCH_BYTES / 2;
+        if o.follow && backlog {
+            in_flight = match conn.send(fetch(sub)) {
+                Ok(id) => Some(id),
+                Err(e) => answer(o, Err(e)).map(|_| None)?,
+            };
+        }
         let any = sub.take(&batch, sink)?;
         sink.idle().map_err(|why| sub.out_err(why))?;
         if sub.all_ended() {
-            return Ok(("every vCPU's events ended".into(), fetches));
+            break "every vCPU's events ended".to_string();
         }
         if (o.stop)() {
-            return Ok(("interrupted".into(), fetches));
+            break "interrupted".to_string();
         }
         if !any {
             if !o.follow {
                 let ms = started.elapsed().as_secs_f64() * 1e3;
-                return Ok((format!("drained in {ms:.1} ms"), fetches));
+                break format!("drained in {ms:.1} ms");
             }
             std::thread::sleep(FOLLOW_POLL);
-        } else if o.follow && batch.bytes < FETCH_BYTES / 2 {
+        } else if o.follow && !backlog {
             // Caught up: the next fetch a poll later, as the VMM's own reader paces
             // itself. Each request wakes the VMM's run loop (a real-time thread): asked
             // back to back, it would keep a vCPU sharing its core from writing.
             std::thread::sleep(CAUGHT_UP_POLL);
         }
+    };
+    // A fetch still in flight: its answer is read, not taken (`detach` hands it back).
+    if let Some(id) = in_flight {
+        if receive(conn, o, id)?.is_none() {
+            return Ok(("the VMM went away".into(), fetches));
+        }
     }
+    Ok((ended, fetches))
 }
 
 /// Subscribes to the VMM behind `o.socket`, writes what it sends, returns what was read.
