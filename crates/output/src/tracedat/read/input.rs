@@ -141,6 +141,18 @@ impl<'a> Cur<'a> {
     pub(super) fn new(buf: &'a [u8], pos: usize, base: u64) -> Self {
         Self { buf, pos, base }
     }
+
+    /// The next `n` bytes, borrowed from the buffer (not from the cursor).
+    pub(super) fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8], OutputError> {
+        let end = self
+            .pos
+            .checked_add(n)
+            .filter(|&e| e <= self.buf.len())
+            .ok_or_else(|| self.err(what))?;
+        let b = &self.buf[self.pos..end];
+        self.pos = end;
+        Ok(b)
+    }
 }
 
 impl Input for Cur<'_> {
@@ -153,14 +165,7 @@ impl Input for Cur<'_> {
     }
 
     fn bytes(&mut self, n: usize, what: &str) -> Result<&[u8], OutputError> {
-        let end = self
-            .pos
-            .checked_add(n)
-            .filter(|&e| e <= self.buf.len())
-            .ok_or_else(|| self.err(what))?;
-        let b = &self.buf[self.pos..end];
-        self.pos = end;
-        Ok(b)
+        self.take(n, what)
     }
 
     fn skip(&mut self, n: u64, what: &str) -> Result<(), OutputError> {

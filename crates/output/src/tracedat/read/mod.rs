@@ -24,7 +24,10 @@ use super::{option, MAGIC};
 use input::{FileCur, Input, Source};
 use parse::Parser;
 
+mod budget;
 mod input;
+mod merge;
+mod meta;
 mod pages;
 mod parse;
 mod records;
@@ -32,8 +35,10 @@ mod report;
 #[cfg(test)]
 mod tests;
 
-pub use pages::{max_chunk, read_memory, CpuPages, MAX_READ_MEMORY};
-pub use records::{page_damage, Records, TraceItem, TraceRecord};
+pub use budget::{max_chunk, MAX_CHUNK, MAX_RATIO, METADATA_BUDGET, READ_BUDGET};
+pub use merge::Records;
+pub use pages::CpuPages;
+pub use records::{page_damage, TraceItem, TraceRecord};
 pub use report::ReportFilter;
 
 /// One option as stored in the file.
@@ -54,6 +59,19 @@ pub struct CpuBuffer {
     pub offset: u64,
     /// Size of the data in the file (compressed size for v7 zstd).
     pub size: u64,
+}
+
+impl CpuBuffer {
+    /// Where the data ends in the file (not past `file_len`): `offset + size`, plus the
+    /// u32 chunk count of compressed data, which trace-cmd leaves out of the size it
+    /// writes (our writer counts it: 4 bytes of slack).
+    fn end(&self, compressed: bool, file_len: u64) -> u64 {
+        let count = if compressed { 4 } else { 0 };
+        self.offset
+            .saturating_add(self.size)
+            .saturating_add(count)
+            .min(file_len)
+    }
 }
 
 /// A damaged part of a trace.dat that reading went past (docs/output.md "Damaged
@@ -132,8 +150,13 @@ pub struct TraceFile {
     pub tsc2nsec: Option<TscConversion>,
     /// Sum of the OFFSET options (ns added after TSC2NSEC, as trace-cmd does).
     pub ts_offset: i64,
-    /// All options, in file order.
+    /// The options the reader uses (clock, TSC2NSEC, OFFSET, CPU count, CPUSTAT, the v7
+    /// section offsets), in file order; the others are counted in
+    /// [`TraceFile::options_skipped`] (the top buffer's CPU table is [`TraceFile::cpus`]).
     pub options: Vec<TraceOption>,
+    /// How many options were not kept in [`TraceFile::options`] (ids the reader does not
+    /// use, buffers other than the top one).
+    pub options_skipped: u64,
     /// Where each CPU's pages are, in file order.
     pub cpus: Vec<CpuBuffer>,
     /// Damaged metadata `open` read past (a fallback or an omission for each; CPU data
@@ -142,6 +165,8 @@ pub struct TraceFile {
     /// Whether the CPU data is zstd-compressed (v7).
     compressed: bool,
     src: Source,
+    /// What the CPUs' readers share to decompress chunks.
+    unzstd: Arc<std::sync::Mutex<pages::Unzstd>>,
     /// Kernel symbols (kallsyms and printk formats sections) for `%pS` and plugins.
     pub symbols: std::sync::Arc<crate::symbols::KernelSymbols>,
     printers: BTreeMap<u16, EventPrinter>,
@@ -200,23 +225,23 @@ impl TraceFile {
             tsc2nsec: None,
             ts_offset: 0,
             options: Vec::new(),
+            options_skipped: 0,
             cpus: Vec::new(),
             damage: Vec::new(),
             compressed: false,
             src: src.clone(),
+            unzstd: Default::default(),
             symbols: Default::default(),
             printers: BTreeMap::new(),
         };
-        let mut p = Parser {
-            compressed: false,
-            f,
-        };
+        let mut p = Parser::new(f);
         let mut c = FileCur::new(&src, pos);
         match version {
             6 => p.parse_v6(&mut c)?,
             7 => p.parse_v7(&mut c)?,
             v => return Err(OutputError::Unsupported(format!("trace.dat version {v}"))),
         }
+        p.finish();
         let mut f = p.f;
         f.compressed = p.compressed;
         if f.header_page.commit_size != 8 || f.header_page.data_offset != 16 {
@@ -226,13 +251,8 @@ impl TraceFile {
             )));
         }
         let readers = f.cpus.iter().filter(|b| b.size > 0).count();
-        let need = read_memory(readers, f.page_size, f.compressed);
-        if need > MAX_READ_MEMORY {
-            return Err(OutputError::Unsupported(format!(
-                "{readers} CPUs of {}-byte pages would need {} MiB of read buffers",
-                f.page_size,
-                need >> 20
-            )));
+        if let Some(why) = budget::check_read_memory(readers, f.page_size) {
+            return Err(OutputError::Unsupported(why));
         }
         if f.nr_cpus == 0 {
             f.nr_cpus = f

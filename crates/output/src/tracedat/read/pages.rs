@@ -1,78 +1,55 @@
-//! One CPU's pages, read a batch at a time or decompressed a chunk at a time.
+//! One CPU's pages, read a batch at a time or decompressed a chunk at a time, each
+//! page handed out in place (no copy).
+
+use std::sync::{Arc, Mutex};
 
 use crate::OutputError;
 
+use super::budget::{check_block, decompressor, max_chunk, plain_batch, unzstd_into};
 use super::input::Source;
-use super::parse::{decompressor, unzstd_into};
 use super::{CpuBuffer, Damage, TraceFile, MAX_META_DAMAGE};
 
-/// Bytes of uncompressed CPU data read at a time, for all CPUs together (each CPU reads
-/// at least one page at a time).
-pub(super) const READ_BUDGET: usize = 1 << 20;
-/// Most bytes a CPU reads at a time.
-pub(super) const MAX_BATCH: usize = 128 << 10;
-/// Decompressed chunk budget for all CPUs together (see [`max_chunk`]).
-pub(super) const CHUNK_BUDGET: usize = 256 << 20;
-
-/// Most buffer memory the readers of all CPUs may need together (see
-/// [`read_memory`]); a file that would need more is refused at `open`.
-pub const MAX_READ_MEMORY: u64 = 4 << 30;
-
-/// The most buffer memory reading `readers` CPUs of data takes: per CPU a page buffer
-/// and a read batch (uncompressed) or a decompressed chunk and its compressed input.
-pub fn read_memory(readers: usize, page_size: usize, compressed: bool) -> u64 {
-    let per = if compressed {
-        let cap = max_chunk(readers, page_size);
-        page_size + cap + zstd_bound(cap)
-    } else {
-        page_size + plain_batch(readers, page_size)
-    };
-    (readers as u64).saturating_mul(per as u64)
+/// What the CPUs of a file share to decompress their chunks, one at a time: one zstd
+/// context and the compressed input of the chunk being decompressed.
+#[derive(Default)]
+pub(super) struct Unzstd {
+    dec: Option<zstd::bulk::Decompressor<'static>>,
+    input: Vec<u8>,
 }
 
-/// Bytes of uncompressed CPU data read at a time when `readers` CPUs are read: whole
-/// pages, at least one, at most [`MAX_BATCH`], [`READ_BUDGET`] for all CPUs together.
-pub(super) fn plain_batch(readers: usize, page_size: usize) -> usize {
-    let pages = (READ_BUDGET / readers.max(1)).min(MAX_BATCH) / page_size.max(1);
-    pages.max(1) * page_size
+impl std::fmt::Debug for Unzstd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Unzstd({} bytes of input)", self.input.capacity())
+    }
 }
 
-/// The largest decompressed v7 chunk accepted from a file with `cpus` CPUs of data and
-/// pages of `page_size` bytes: at least 16 pages (trace-cmd writes 10), at most 16 MiB,
-/// and `CHUNK_BUDGET` (256 MiB) for all CPUs together when that is more than 16 pages each.
-pub fn max_chunk(cpus: usize, page_size: usize) -> usize {
-    let share = CHUNK_BUDGET / cpus.max(1);
-    share.min(16 << 20).max(page_size.saturating_mul(16))
-}
-
-/// The most a zstd frame of `n` bytes of content can take (zstd's ZSTD_COMPRESSBOUND).
-pub(super) fn zstd_bound(n: usize) -> usize {
-    n.saturating_add(n >> 8).saturating_add(64 << 10)
-}
-
-/// Reads one CPU's pages: uncompressed data a batch of pages at a time, or v7 zstd
-/// chunks one at a time; each page is copied into one page buffer. A chunk that does
-/// not decompress is skipped and data cut short by the end of the file ends the CPU,
-/// each noted as a [`Damage`] ([`CpuPages::take_damage`]).
+/// Reads one CPU's pages: uncompressed data a batch of whole pages at a time, or v7
+/// zstd chunks one at a time (the file's [`Unzstd`] shared by its CPUs), each page
+/// handed out where it lies in the batch or chunk. A chunk that is refused or does
+/// not decompress is skipped, and data cut short ends the CPU, each noted as a
+/// [`Damage`] ([`CpuPages::take_damage`]). Memory: one batch or one chunk (at most
+/// [`max_chunk`]).
 pub struct CpuPages {
     cpu: u32,
     /// Damage found and not taken yet (at most one per chunk read: taken after each
-    /// page by [`Records`], bounded by [`MAX_META_DAMAGE`] for other callers).
+    /// page by [`super::Records`], bounded by [`MAX_META_DAMAGE`] for other callers).
     pub(super) damage: Vec<Damage>,
     src: Source,
     page_size: usize,
-    /// Read or decompressed bytes not consumed yet: `buf[pos..]`.
+    /// Read or decompressed whole pages: the current one at `buf[cur..cur + page_size]`,
+    /// the next at `pos`.
     pub(super) buf: Vec<u8>,
     pos: usize,
+    cur: Option<usize>,
     kind: StreamKind,
-    pub(super) page: Vec<u8>,
     /// Pages handed out so far.
     pub(super) count: usize,
 }
 
-pub(super) enum StreamKind {
+enum StreamKind {
     Plain {
         next: u64,
+        /// End of the CPU's whole pages.
         end: u64,
         batch: usize,
     },
@@ -80,56 +57,57 @@ pub(super) enum StreamKind {
         /// File offset of the next chunk header, or of the chunk count before it is
         /// read (`None`: no more chunks).
         next: Option<u64>,
+        /// Where the CPU's data ends: its declared size, or the end of the file.
+        end: u64,
         counted: bool,
         left: u32,
         /// Chunks read so far (for the damage notes).
         index: u32,
         cap: usize,
-        cbuf: Vec<u8>,
-        /// Made at the first chunk.
-        dec: Option<Box<zstd::bulk::Decompressor<'static>>>,
+        unzstd: Arc<Mutex<Unzstd>>,
     },
 }
 
 impl CpuPages {
     pub(super) fn new(f: &TraceFile, b: &CpuBuffer, readers: usize) -> Self {
-        let ps = f.page_size;
+        let ps = f.page_size as u64;
         let kind = if f.compressed {
             StreamKind::Zstd {
                 next: (b.size > 0).then_some(b.offset),
+                end: b.end(true, f.src.len()),
                 counted: false,
                 left: 0,
                 index: 0,
-                cap: max_chunk(readers, ps),
-                cbuf: Vec::new(),
-                dec: None,
+                cap: max_chunk(readers),
+                unzstd: f.unzstd.clone(),
             }
         } else {
             StreamKind::Plain {
                 next: b.offset,
-                end: b.offset.saturating_add(b.size),
-                batch: plain_batch(readers, ps),
+                end: b.offset.saturating_add(b.size - b.size % ps),
+                batch: plain_batch(readers, f.page_size),
             }
         };
         Self {
             cpu: b.cpu,
             damage: Vec::new(),
             src: f.src.clone(),
-            page_size: ps,
+            page_size: f.page_size,
             buf: Vec::new(),
             pos: 0,
+            cur: None,
             kind,
-            page: Vec::new(),
             count: 0,
         }
     }
 
-    /// Reads more bytes into `buf`; false at the end of the CPU's data.
+    /// Reads more whole pages into `buf`; false at the end of the CPU's data.
     fn refill(&mut self) -> Result<bool, OutputError> {
         self.pos = 0;
+        self.cur = None;
         match &mut self.kind {
             StreamKind::Plain { next, end, batch } => {
-                let n = (*end - *next).min(*batch as u64) as usize;
+                let n = end.saturating_sub(*next).min(*batch as u64) as usize;
                 if n == 0 {
                     self.buf.clear();
                     return Ok(false);
@@ -160,47 +138,62 @@ impl CpuPages {
         std::mem::take(&mut self.damage)
     }
 
-    /// Decompresses the next good chunk into `buf`; false when there is none. A chunk
-    /// that does not decompress is skipped (noted), reading goes on with the next one;
-    /// a chunk count, chunk header or chunk cut short by the end of the file, or a
-    /// header with impossible sizes (the next chunk cannot be found), ends the CPU
-    /// (noted). Bounded: each chunk consumes at least its 8-byte header.
+    /// Decompresses the next good chunk's whole pages into `buf`; false when there is
+    /// none. A chunk refused by [`check_block`] (more than [`max_chunk`], or a ratio no
+    /// real trace reaches) or that does not decompress is skipped (noted), reading goes
+    /// on with the next one; a chunk count, chunk header or chunk cut short by the end
+    /// of the CPU's data or of the file ends the CPU (noted). A chunk that is not whole
+    /// pages loses its partial last page (noted). Bounded: each chunk consumes at least
+    /// its 8-byte header of the CPU's data.
     fn next_chunk(&mut self) -> Result<bool, OutputError> {
-        let file_len = self.src.len();
+        let (ps, file_len) = (self.page_size, self.src.len());
         let StreamKind::Zstd {
             next,
+            end,
             counted,
             left,
             index,
             cap,
-            cbuf,
-            dec,
+            unzstd,
         } = &mut self.kind
         else {
             return Ok(false);
         };
         self.buf.clear();
-        let mut note = None;
-        let mut notes = Vec::new();
-        let mut skipped = 0u64;
+        let mut z = unzstd.lock().unwrap_or_else(|e| e.into_inner());
+        let Unzstd { dec, input } = &mut *z;
+        let by = if *end == file_len {
+            "the end of the file"
+        } else {
+            "the end of the cpu data the buffer option gives"
+        };
+        let (mut notes, mut skipped, mut more) = (Vec::new(), 0u64, false);
+        let mut note = |at: u64, what: String| {
+            if notes.len() < MAX_META_DAMAGE {
+                notes.push((at, what));
+            } else {
+                skipped += 1;
+            }
+        };
         while let Some(mut at) = *next {
+            let end = *end;
+            let cut = |at: u64, n: u64| at.checked_add(n).is_none_or(|e| e > end);
             if !*counted {
-                let mut w = [0u8; 4];
-                if at.checked_add(4).is_none_or(|e| e > file_len) {
-                    note = Some((
+                if cut(at, 4) {
+                    note(
                         at,
                         if at >= file_len {
                             format!("cpu data at offset {at}, past the end of the file ({file_len} bytes): none of it is read")
                         } else {
-                            "chunk count cut short by the end of the file".to_string()
+                            format!("chunk count cut short by {by}")
                         },
-                    ));
+                    );
                     *next = None;
                     break;
                 }
+                let mut w = [0u8; 4];
                 self.src.read_at(at, &mut w, "chunk count")?;
-                *left = u32::from_le_bytes(w);
-                *counted = true;
+                (*left, *counted) = (u32::from_le_bytes(w), true);
                 at += 4;
                 *next = Some(at);
             }
@@ -208,9 +201,11 @@ impl CpuPages {
                 *next = None;
                 break;
             }
-            let cut = |n: u64| at.checked_add(n).is_none_or(|e| e > file_len);
-            if cut(8) {
-                note = Some((at, format!("cut short by the end of the file: chunk {index} header and {left} chunks missing")));
+            if cut(at, 8) {
+                note(
+                    at,
+                    format!("cut short by {by}: chunk {index} header and {left} chunks missing"),
+                );
                 *next = None;
                 break;
             }
@@ -218,72 +213,73 @@ impl CpuPages {
             self.src.read_at(at, &mut h, "chunk header")?;
             let cs = u32::from_le_bytes([h[0], h[1], h[2], h[3]]) as usize;
             let us = u32::from_le_bytes([h[4], h[5], h[6], h[7]]) as usize;
-            if us > *cap || cs > zstd_bound(*cap) {
-                note = Some((at, format!("chunk {index} header damaged ({cs} bytes compressed, {us} uncompressed): it and the {} chunks after it are skipped", *left - 1)));
+            if cut(at, 8 + cs as u64) {
+                note(at, format!("chunk {index} ({us} bytes, {} pages) cut short by {by}: it and the {} chunks after it are missing", us / ps, *left - 1));
                 *next = None;
                 break;
             }
-            if cut(8 + cs as u64) {
-                note = Some((at, format!("chunk {index} ({us} bytes, {} pages) cut short by the end of the file: it and the {} chunks after it are missing", us / self.page_size, *left - 1)));
-                *next = None;
-                break;
-            }
-            cbuf.resize(cs, 0);
-            self.src.read_at(at + 8, cbuf, "chunk data")?;
-            let d = match dec {
-                Some(d) => d,
-                None => dec.insert(Box::new(decompressor(at)?)),
-            };
-            let r = unzstd_into(d, cbuf, us, &mut self.buf, at + 8);
-            *left -= 1;
-            *index += 1;
-            *next = Some(at + 8 + cs as u64);
-            if let Err(e) = r {
-                self.buf.clear();
-                let what = format!(
-                    "chunk {} damaged ({e}): skipped its {us} bytes ({} pages), reading goes on with the next chunk",
-                    *index - 1,
-                    us / self.page_size
+            let i = *index;
+            (*left, *index, *next) = (*left - 1, i + 1, Some(at + 8 + cs as u64));
+            if let Some(why) = check_block(cs, us, *cap) {
+                note(
+                    at,
+                    format!("chunk {i} {why}: skipped, reading goes on with the next chunk"),
                 );
-                if notes.len() < MAX_META_DAMAGE {
-                    notes.push((at, what));
-                } else {
-                    skipped += 1;
-                }
                 continue;
             }
-            break;
+            input.resize(cs, 0);
+            self.src.read_at(at + 8, input, "chunk data")?;
+            let d = match dec {
+                Some(d) => d,
+                None => dec.insert(decompressor(at)?),
+            };
+            if let Err(e) = unzstd_into(d, input, us, &mut self.buf, at + 8) {
+                self.buf.clear();
+                note(at, format!("chunk {i} damaged ({e}): skipped its {us} bytes ({} pages), reading goes on with the next chunk", us / ps));
+                continue;
+            }
+            if !us.is_multiple_of(ps) {
+                note(at, format!("chunk {i} of {us} bytes is not whole {ps}-byte pages: its last {} bytes are skipped", us % ps));
+                self.buf.truncate(us - us % ps);
+            }
+            if !self.buf.is_empty() {
+                more = true;
+                break;
+            }
         }
-        let more = !self.buf.is_empty();
         if skipped > 0 {
-            let at = next.unwrap_or(0);
-            notes.push((at, format!("{skipped} more damaged chunks skipped")));
+            notes.push((
+                next.unwrap_or(0),
+                format!("{skipped} more damaged chunks skipped"),
+            ));
         }
-        for (at, what) in notes.into_iter().chain(note) {
+        drop(z);
+        for (at, what) in notes {
             self.damaged(at, what);
         }
         Ok(more)
     }
 
-    /// The next whole page, or `None` at the end (a trailing partial page is ignored).
+    /// The next whole page, or `None` at the end.
     pub fn next_page(&mut self) -> Result<Option<&[u8]>, OutputError> {
-        let ps = self.page_size;
-        self.page.resize(ps, 0);
-        let mut have = 0;
         // Bounded: every refill consumes file bytes (a batch, or a chunk header).
-        while have < ps {
-            if self.pos >= self.buf.len() {
-                if !self.refill()? {
-                    return Ok(None);
-                }
-                continue;
+        while self.pos + self.page_size > self.buf.len() {
+            if !self.refill()? {
+                return Ok(None);
             }
-            let n = (ps - have).min(self.buf.len() - self.pos);
-            self.page[have..have + n].copy_from_slice(&self.buf[self.pos..self.pos + n]);
-            have += n;
-            self.pos += n;
         }
+        self.cur = Some(self.pos);
+        self.pos += self.page_size;
         self.count += 1;
-        Ok(Some(&self.page))
+        Ok(Some(self.page()))
+    }
+
+    /// The page [`CpuPages::next_page`] handed out last (empty before the first and
+    /// after the end).
+    pub fn page(&self) -> &[u8] {
+        match self.cur {
+            Some(at) => &self.buf[at..at + self.page_size],
+            None => &[],
+        }
     }
 }

@@ -1,205 +1,86 @@
-//! The metadata of a trace.dat: headers, formats, cmdlines, options, the CPU table.
+//! The metadata of a trace.dat: the v6 sequence, the v7 options chain and the sections
+//! it names, the CPU table; everything within the metadata [`Budget`].
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::clock::TscConversion;
-use crate::format::{EventFormat, HeaderPage};
+use crate::format::HeaderPage;
 use crate::OutputError;
-use hyptrace_abi::page::PAGE_HEADER_SIZE;
 
+use super::budget::{
+    check_block, decompressor, option_cost, unzstd_into, Budget, MAX_SECTION, METADATA_BUDGET,
+};
 use super::input::{Cur, FileCur, Input, Source};
+use super::meta::{
+    kernel_header_page, parse_c_integer, parse_cmdlines, parse_event_formats, parse_ftrace_events,
+    parse_header_info, parse_symbols, selected_clock, u32_sized_text,
+};
 use super::option;
 use super::{CpuBuffer, Damage, TraceFile, TraceOption, MAX_META_DAMAGE};
 
 /// Most options sections followed through DONE links.
-pub(super) const MAX_OPTION_SECTIONS: usize = 1024;
-/// Largest decompressed metadata section accepted.
-pub(super) const MAX_DECOMPRESSED: usize = 64 << 20;
+const MAX_OPTION_SECTIONS: usize = 1024;
+/// Most CPUs a CPU table may list.
+const MAX_CPUS: u32 = 65536;
 
-/// zstd-decompresses `input` into `out` (resized to exactly `size` bytes): libzstd's
-/// one-shot decompression into a fixed buffer (no window allocated; a frame that would
-/// need more than `size` bytes is an error).
-pub(super) fn unzstd_into(
-    dec: &mut zstd::bulk::Decompressor<'static>,
-    input: &[u8],
-    size: usize,
-    out: &mut Vec<u8>,
-    at: u64,
-) -> Result<(), OutputError> {
-    out.resize(size, 0);
-    let n = dec
-        .decompress_to_buffer(input, out.as_mut_slice())
-        .map_err(|e| OutputError::format(at, format!("zstd: {e}")))?;
-    if n != size {
-        return Err(OutputError::format(
-            at,
-            format!("zstd: {n} bytes, expected {size}"),
-        ));
-    }
-    Ok(())
+/// Whether [`TraceFile::options`] keeps options of `id`: the ones the reader uses (the
+/// others are counted in [`TraceFile::options_skipped`]; the top buffer's is read into
+/// [`TraceFile::cpus`]).
+fn kept_option(id: u16) -> bool {
+    matches!(
+        id,
+        option::CPUSTAT
+            | option::TRACECLOCK
+            | option::OFFSET
+            | option::CPUCOUNT
+            | option::TSC2NSEC
+            | option::HEADER_INFO..=option::CMDLINES
+    )
 }
 
-/// zstd-decompresses a metadata section of `size` bytes.
-pub(super) fn unzstd(input: &[u8], size: usize, at: u64) -> Result<Vec<u8>, OutputError> {
-    if size > MAX_DECOMPRESSED {
-        return Err(OutputError::format(
-            at,
-            format!("compressed block claims {size} bytes"),
-        ));
-    }
-    let mut out = Vec::new();
-    let mut dec = decompressor(at)?;
-    unzstd_into(&mut dec, input, size, &mut out, at)?;
-    Ok(out)
+/// Items not read because they were past the metadata budget, by kind (one damage
+/// note each at the end).
+#[derive(Default)]
+struct Over {
+    options: u64,
+    formats: u64,
+    cmdlines: u64,
+    symbols: u64,
 }
 
-pub(super) fn decompressor(at: u64) -> Result<zstd::bulk::Decompressor<'static>, OutputError> {
-    zstd::bulk::Decompressor::new().map_err(|e| OutputError::format(at, format!("zstd: {e}")))
+/// A v7 section read: its (decompressed) body, or the bytes it would take past the
+/// metadata budget.
+enum Section {
+    Body(Vec<u8>),
+    OverBudget(u64),
 }
 
-/// The header info: `header_page` (tag, size, text) then `header_event`. The outer
-/// error is a structure that cannot be walked; the inner one a `header_page` text that
-/// does not parse (the caller falls back to the kernel's layout).
-pub(super) fn parse_header_info(
-    c: &mut impl Input,
-) -> Result<Result<HeaderPage, OutputError>, OutputError> {
-    if c.bytes(12, "header_page tag")? != b"header_page\0" {
-        return Err(c.err("expected header_page"));
-    }
-    let n = c.len64("header_page size")?;
-    let hp = HeaderPage::parse(&c.text(n, "header_page text")?);
-    if c.bytes(13, "header_event tag")? != b"header_event\0" {
-        return Err(c.err("expected header_event"));
-    }
-    let n = c.len64("header_event size")?;
-    c.skip(n as u64, "header_event text")?;
-    Ok(hp)
-}
-
-/// The kernel's `buffer_data_page` layout (`header_page` of every kernel since 2.6.31,
-/// 64-bit commit): what a damaged `header_page` falls back to.
-pub(super) fn kernel_header_page(page_size: usize) -> HeaderPage {
-    HeaderPage {
-        commit_size: 8,
-        data_offset: PAGE_HEADER_SIZE,
-        data_size: page_size - PAGE_HEADER_SIZE,
-    }
-}
-
-pub(super) fn parse_ftrace_events(
-    c: &mut impl Input,
-    out: &mut Vec<EventFormat>,
-) -> Result<(), OutputError> {
-    let n = c.u32("ftrace event count")?;
-    // Bounded: each format consumes at least its 8-byte length.
-    for _ in 0..n {
-        let len = c.len64("ftrace event size")?;
-        let t = c.text(len, "ftrace event format")?;
-        if let Ok(f) = EventFormat::parse("ftrace", &t) {
-            out.push(f);
-        }
-    }
-    Ok(())
-}
-
-pub(super) fn parse_event_formats(
-    c: &mut impl Input,
-    out: &mut Vec<EventFormat>,
-) -> Result<(), OutputError> {
-    let systems = c.u32("system count")?;
-    for _ in 0..systems {
-        let sys = c.cstr("system name")?;
-        let n = c.u32("event count")?;
-        for _ in 0..n {
-            let len = c.len64("event format size")?;
-            let t = c.text(len, "event format")?;
-            if let Ok(f) = EventFormat::parse(&sys, &t) {
-                out.push(f);
-            }
-        }
-    }
-    Ok(())
-}
-
-/// A u32-sized blob (kallsyms, printk formats): its bytes when at most
-/// [`MAX_DECOMPRESSED`] (symbols only improve the text: a larger one is skipped).
-pub(super) fn u32_sized_text(
-    c: &mut impl Input,
-    what: &str,
-) -> Result<Option<Vec<u8>>, OutputError> {
-    let n = c.u32(what)?;
-    if n as usize > MAX_DECOMPRESSED {
-        c.skip(u64::from(n), what)?;
-        return Ok(None);
-    }
-    Ok(Some(c.bytes(n as usize, what)?.to_vec()))
-}
-
-pub(super) fn parse_cmdlines(
-    c: &mut impl Input,
-    out: &mut BTreeMap<i32, String>,
-) -> Result<(), OutputError> {
-    let n = c.len64("cmdlines size")?;
-    let t = c.text(n, "cmdlines")?;
-    for line in t.lines() {
-        if let Some((pid, comm)) = line.split_once(' ') {
-            if let Ok(pid) = pid.trim().parse::<i32>() {
-                out.insert(pid, comm.to_string());
-            }
-        }
-    }
-    Ok(())
-}
-
-pub(super) fn selected_clock(text: &str) -> Option<String> {
-    let s = text.find('[')?;
-    let e = text[s..].find(']')? + s;
-    Some(text[s + 1..e].to_string())
-}
-
-/// The integer `strtoll(text, NULL, 0)` reads (sign, `0x` hex, `0` octal or decimal;
-/// stops at the first other byte); `None` without digits or when it overflows.
-pub(super) fn parse_c_integer(data: &[u8]) -> Option<i64> {
-    let text = data.split(|&b| b == 0).next().unwrap_or(&[]);
-    let text = std::str::from_utf8(text).ok()?.trim_start();
-    let (neg, rest) = match text.as_bytes().first() {
-        Some(b'-') => (true, &text[1..]),
-        Some(b'+') => (false, &text[1..]),
-        _ => (false, text),
-    };
-    let (radix, digits) =
-        if let Some(h) = rest.strip_prefix("0x").or_else(|| rest.strip_prefix("0X")) {
-            (16, h)
-        } else if rest.len() > 1 && rest.starts_with('0') {
-            (8, &rest[1..])
-        } else {
-            (10, rest)
-        };
-    let end = digits
-        .find(|c: char| !c.is_digit(radix))
-        .unwrap_or(digits.len());
-    let digits = &digits[..end];
-    if digits.is_empty() {
-        return (radix == 8).then_some(0);
-    }
-    let v = i128::from_str_radix(digits, radix).ok()?;
-    i64::try_from(if neg { -v } else { v }).ok()
-}
+/// The top buffer of a v7 file: its clock and CPU table.
+type TopBuffer = (String, Vec<CpuBuffer>);
 
 pub(super) struct Parser {
     pub(super) compressed: bool,
     pub(super) f: TraceFile,
+    budget: Budget,
+    over: Over,
 }
 
 impl Parser {
-    fn symbols(&mut self) -> &mut crate::symbols::KernelSymbols {
-        std::sync::Arc::make_mut(&mut self.f.symbols)
+    pub(super) fn new(f: TraceFile) -> Self {
+        Self {
+            compressed: false,
+            f,
+            budget: Budget::default(),
+            over: Over::default(),
+        }
     }
 
     fn src(&self) -> &Source {
         &self.f.src
     }
 
+    /// Applies option `id` (clock, TSC2NSEC, OFFSET, CPU count) and keeps it if the
+    /// reader uses it and it fits in the budget.
     fn option(&mut self, id: u16, data: &[u8]) {
         match id {
             option::TRACECLOCK => {
@@ -229,14 +110,21 @@ impl Parser {
             }
             _ => {}
         }
-        self.f.options.push(TraceOption {
-            id,
-            data: data.to_vec(),
-        });
+        if !kept_option(id) {
+            self.f.options_skipped += 1;
+        } else if self.budget.take(option_cost(data.len())) {
+            self.f.options.push(TraceOption {
+                id,
+                data: data.to_vec(),
+            });
+        } else {
+            self.over.options += 1;
+        }
     }
 
-    /// Reads a v7 section at `off`: checks its id, decompresses it if flagged.
-    fn section(&self, off: u64, want: u16) -> Result<Vec<u8>, OutputError> {
+    /// Reads the v7 section at `off`: checks its id, decompresses it if flagged (the
+    /// block checked by [`check_block`]), within the budget.
+    fn section(&mut self, off: u64, want: u16) -> Result<Section, OutputError> {
         if off >= self.src().len() {
             return Err(OutputError::format(
                 off,
@@ -254,22 +142,37 @@ impl Parser {
                 format!("section id {id}, expected {want}"),
             ));
         }
-        let body = self.src().read_vec(off + 16, size, "section body")?;
-        if flags & 1 != 0 {
-            if !self.compressed {
-                return Err(OutputError::format(
-                    off,
-                    "compressed section in an uncompressed file",
-                ));
+        if flags & 1 == 0 {
+            if !self.budget.take(size as u64) {
+                return Ok(Section::OverBudget(size as u64));
             }
-            let mut b = Cur::new(&body, 0, off + 16);
-            let csize = b.u32("compressed size")? as usize;
-            let usize_ = b.u32("uncompressed size")? as usize;
-            let data = b.bytes(csize, "compressed data")?;
-            unzstd(data, usize_, off + 16)
-        } else {
-            Ok(body)
+            let body = self.src().read_vec(off + 16, size, "section body")?;
+            return Ok(Section::Body(body));
         }
+        if !self.compressed {
+            return Err(OutputError::format(
+                off,
+                "compressed section in an uncompressed file",
+            ));
+        }
+        let csize = c.u32("compressed size")? as usize;
+        let usize_ = c.u32("uncompressed size")? as usize;
+        if csize > size.saturating_sub(8) {
+            return Err(c.err("compressed size runs past the section"));
+        }
+        if let Some(why) = check_block(csize, usize_, MAX_SECTION) {
+            return Err(OutputError::format(
+                off + 16,
+                format!("compressed block {why}"),
+            ));
+        }
+        if !self.budget.take((csize + usize_) as u64) {
+            return Ok(Section::OverBudget((csize + usize_) as u64));
+        }
+        let data = self.src().read_vec(off + 24, csize, "compressed data")?;
+        let mut out = Vec::new();
+        unzstd_into(&mut decompressor(off)?, &data, usize_, &mut out, off + 16)?;
+        Ok(Section::Body(out))
     }
 
     /// Notes damaged metadata (bounded by [`MAX_META_DAMAGE`]).
@@ -277,6 +180,22 @@ impl Parser {
         if self.f.damage.len() < MAX_META_DAMAGE {
             self.f.damage.push(d);
         }
+    }
+
+    /// The body of the section at `off`, or `None` with a note that `what` (its id
+    /// `want`) is damaged or past the metadata budget (`then`: what is lost with it).
+    fn section_body(&mut self, off: u64, want: u16, what: &str, then: &str) -> Option<Vec<u8>> {
+        let d = match self.section(off, want) {
+            Ok(Section::Body(b)) => return Some(b),
+            Ok(Section::OverBudget(n)) => Damage {
+                cpu: None,
+                offset: Some(off),
+                what: format!("{what} of {}: {then}", self.budget.over(n)),
+            },
+            Err(e) => Damage::meta(what, &e, then),
+        };
+        self.damaged(d);
+        None
     }
 
     /// A parsed `header_page`, or the kernel's layout with a damage note.
@@ -291,35 +210,32 @@ impl Parser {
         }
     }
 
+    /// Parses kallsyms or printk text into the file's symbols, within the budget.
+    fn symbols(&mut self, text: &[u8], kallsyms: bool) {
+        let syms = std::sync::Arc::make_mut(&mut self.f.symbols);
+        self.over.symbols += parse_symbols(syms, text, kallsyms, &mut self.budget);
+    }
+
     pub(super) fn parse_v6(&mut self, c: &mut FileCur<'_>) -> Result<(), OutputError> {
         // The header_page text starts after the 18-byte file header, its tag and size.
-        let hp = parse_header_info(c)?.map_err(|e| in_section(e, 18));
+        let hp = parse_header_info(c, &mut self.budget)?.map_err(|e| in_section(e, 18));
         self.header_page(hp);
-        parse_ftrace_events(c, &mut self.f.formats)?;
-        parse_event_formats(c, &mut self.f.formats)?;
-        if let Some(t) = u32_sized_text(c, "kallsyms")? {
-            self.symbols().parse_kallsyms(&t);
+        self.over.formats += parse_ftrace_events(c, &mut self.f.formats, &mut self.budget)?;
+        self.over.formats += parse_event_formats(c, &mut self.f.formats, &mut self.budget)?;
+        for (kallsyms, what) in [(true, "kallsyms"), (false, "printk formats")] {
+            match u32_sized_text(c, what, &mut self.budget)? {
+                Some(t) => self.symbols(&t, kallsyms),
+                None => self.over.symbols += 1,
+            }
         }
-        if let Some(t) = u32_sized_text(c, "printk formats")? {
-            self.symbols().parse_printk(&t);
-        }
-        parse_cmdlines(c, &mut self.f.cmdlines)?;
+        self.over.cmdlines += parse_cmdlines(c, &mut self.f.cmdlines, &mut self.budget)?;
         self.f.nr_cpus = c.u32("cpu count")?;
         let mut has_clock = false;
         // Blocks: "options  ", "latency  ", "flyrecord"; each iteration consumes bytes.
         loop {
             let tag = c.bytes(10, "data kind")?;
             match tag {
-                b"options  \0" => loop {
-                    let id = c.u16("option id")?;
-                    if id == option::DONE {
-                        break;
-                    }
-                    let n = c.u32("option size")? as usize;
-                    let d = c.bytes(n, "option data")?.to_vec();
-                    has_clock |= id == option::TRACECLOCK;
-                    self.option(id, &d);
-                },
+                b"options  \0" => has_clock |= self.v6_options(c)?,
                 b"latency  \0" => {
                     return Err(OutputError::Unsupported("latency (text) trace.dat".into()))
                 }
@@ -327,7 +243,7 @@ impl Parser {
                 _ => return Err(c.err("expected options or flyrecord")),
             }
         }
-        if self.f.nr_cpus > 65536 {
+        if self.f.nr_cpus > MAX_CPUS {
             return Err(c.err("too many CPUs"));
         }
         let mut table = Vec::new();
@@ -338,9 +254,12 @@ impl Parser {
         }
         if has_clock {
             let n = c.len64("trace clock size")?;
-            let t = c.text(n, "trace clock")?;
-            if let Some(s) = selected_clock(&t) {
-                self.f.clock = Some(s);
+            if self.budget.take(n as u64) {
+                if let Some(s) = selected_clock(&c.text(n, "trace clock")?) {
+                    self.f.clock = Some(s);
+                }
+            } else {
+                self.over.options += 1;
             }
         }
         for (cpu, (offset, size)) in table.into_iter().enumerate() {
@@ -354,10 +273,36 @@ impl Parser {
         Ok(())
     }
 
+    /// A v6 options block, up to its DONE; whether it held a TRACECLOCK. Options the
+    /// reader does not keep, or past the budget, are walked over, not read.
+    fn v6_options(&mut self, c: &mut FileCur<'_>) -> Result<bool, OutputError> {
+        let mut has_clock = false;
+        // Bounded: each option consumes at least its 6-byte header.
+        loop {
+            let id = c.u16("option id")?;
+            if id == option::DONE {
+                return Ok(has_clock);
+            }
+            let n = c.u32("option size")? as usize;
+            has_clock |= id == option::TRACECLOCK;
+            if !kept_option(id) {
+                self.f.options_skipped += 1;
+                c.skip(n as u64, "option data")?;
+            } else if !self.budget.take(n as u64) {
+                self.over.options += 1;
+                c.skip(n as u64, "option data")?;
+            } else {
+                let d = c.bytes(n, "option data")?.to_vec();
+                self.option(id, &d);
+            }
+        }
+    }
+
     /// The size of uncompressed CPU data that lies within the file: data cut short by
     /// the end of the file is read up to the cut (its whole pages), with a damage note.
     fn check_plain(&mut self, cpu: u32, off: u64, size: u64) -> u64 {
         let len = self.src().len();
+        let ps = self.f.page_size as u64;
         if off.checked_add(size).is_some_and(|e| e <= len) {
             return size;
         }
@@ -369,7 +314,7 @@ impl Parser {
                 what: format!(
                     "cpu data of {size} bytes cut short by the end of the file: {} bytes missing, the {} whole pages before the cut are read",
                     size - have,
-                    have / self.f.page_size as u64
+                    have / ps
                 ),
             });
         }
@@ -394,42 +339,57 @@ impl Parser {
         };
         self.f.compression = Some((name, ver));
         let first = c.u64("options offset")?;
-        let opts = self.v7_options(first);
-        self.v7_sections(&opts.sections);
-        match self.v7_top_buffer(&opts.buffers) {
-            Err(e @ OutputError::Format { .. }) => {
-                self.damaged(Damage::meta("buffer option", &e, "no CPU data is read"));
-                Ok(())
+        let (sections, top) = self.v7_options(first);
+        self.v7_sections(&sections);
+        match top {
+            None => {}
+            Some(Ok((clock, mut table))) => {
+                if self.f.clock.is_none() && !clock.is_empty() {
+                    self.f.clock = Some(clock);
+                }
+                // Compressed data is checked chunk by chunk as it is read (a damaged or
+                // missing chunk is skipped then).
+                if !self.compressed {
+                    for b in &mut table {
+                        b.size = self.check_plain(b.cpu, b.offset, b.size);
+                    }
+                }
+                self.f.cpus = table;
             }
-            r => r,
+            Some(Err(e @ OutputError::Format { .. })) => {
+                self.damaged(Damage::meta("buffer option", &e, "no CPU data is read"));
+            }
+            Some(Err(e)) => return Err(e),
         }
+        Ok(())
     }
 
     /// Walks the chain of options sections from `first` (each option handed to
-    /// [`Self::option`]); returns the section offsets the options name and the buffer
-    /// options. Bounded: a section is read once, at most [`MAX_OPTION_SECTIONS`] of them.
-    /// A damaged options section keeps the options before the damage (noted in
-    /// [`TraceFile::damage`]); the ones after it are lost.
-    fn v7_options(&mut self, first: u64) -> V7Options {
+    /// [`Self::option`]); returns the section offsets the options name and the top
+    /// buffer (the first buffer option with an empty name; the others are counted).
+    /// Bounded: a section is read once, at most [`MAX_OPTION_SECTIONS`] of them, within
+    /// the budget. A damaged options section (or one past the budget) keeps the options
+    /// before the damage (noted in [`TraceFile::damage`]); the ones after it are lost.
+    fn v7_options(
+        &mut self,
+        first: u64,
+    ) -> (BTreeMap<u16, u64>, Option<Result<TopBuffer, OutputError>>) {
         let mut next = first;
         let mut seen = BTreeSet::new();
         let mut sections: BTreeMap<u16, u64> = BTreeMap::new();
-        let mut buffers = Vec::new();
+        let mut top = None;
         while next != 0 {
             if !seen.insert(next) || seen.len() > MAX_OPTION_SECTIONS {
                 let e = OutputError::format(next, "options sections loop");
                 self.damaged(Damage::meta("options", &e, "the loop is not followed"));
                 break;
             }
-            let body = match self.section(next, 0) {
-                Ok(b) => b,
-                Err(e) => {
-                    let d = Damage::meta("options section", &e, "the options in it are lost");
-                    self.damaged(d);
-                    break;
-                }
+            let at = next;
+            let lost = "the options in it and after it are lost";
+            let Some(body) = self.section_body(at, 0, "options section", lost) else {
+                break;
             };
-            let mut o = Cur::new(&body, 0, next + 16);
+            let mut o = Cur::new(&body, 0, at + 16);
             next = 0;
             // Bounded: each option consumes at least its 6-byte header.
             loop {
@@ -442,24 +402,27 @@ impl Parser {
                         break;
                     }
                 };
-                let d = d.as_slice();
-                if id == option::DONE {
-                    if let Some(n) = le64(d) {
-                        next = n;
-                    }
-                    break;
-                }
                 match (id, le64(d)) {
+                    (option::DONE, n) => {
+                        next = n.unwrap_or(0);
+                        break;
+                    }
                     (option::HEADER_INFO..=option::CMDLINES, Some(off)) => {
                         sections.insert(id, off);
                     }
-                    (option::BUFFER, _) => buffers.push(d.to_vec()),
+                    (option::BUFFER, _) => {
+                        match top {
+                            None => top = top_buffer(d, self.f.page_size),
+                            Some(_) => self.f.options_skipped += 1,
+                        }
+                        continue;
+                    }
                     _ => {}
                 }
                 self.option(id, d);
             }
         }
-        V7Options { sections, buffers }
+        (sections, top)
     }
 
     /// The metadata sections the options named: header info, ftrace and event formats,
@@ -467,18 +430,22 @@ impl Parser {
     /// header info falls back to the kernel's page layout, the others keep what they
     /// held before the damage.
     fn v7_sections(&mut self, sections: &BTreeMap<u16, u64>) {
-        let need = |id: u16| {
-            sections
-                .get(&id)
-                .copied()
-                .ok_or_else(|| OutputError::format(0u64, format!("no section {id}")))
+        let fallback = "using the kernel's page layout";
+        let hp = match sections.get(&option::HEADER_INFO) {
+            None => Some(Err(OutputError::format(0u64, "no header_page section"))),
+            Some(&off) => self
+                .section_body(off, option::HEADER_INFO, "header_page", fallback)
+                .map(|s| {
+                    parse_header_info(&mut Cur::new(&s, 0, 0), &mut self.budget)
+                        .and_then(|hp| hp)
+                        .map_err(|e| in_section(e, off))
+                }),
         };
-        let hi = need(option::HEADER_INFO).and_then(|off| {
-            let hi = self.section(off, option::HEADER_INFO)?;
-            parse_header_info(&mut Cur::new(&hi, 0, 0)).map_err(|e| in_section(e, off))
-        });
-        let hp = hi.and_then(|hp| hp);
-        self.header_page(hp);
+        match hp {
+            Some(hp) => self.header_page(hp),
+            // Noted already.
+            None => self.f.header_page = kernel_header_page(self.f.page_size),
+        }
         // Formats and command lines: what a damaged section held before the damage is
         // kept (events without a format print as trace-cmd prints unknown events).
         for (id, what) in [
@@ -489,100 +456,156 @@ impl Parser {
             let Some(&off) = sections.get(&id) else {
                 continue;
             };
-            let r = self.section(off, id).and_then(|s| {
-                let mut c = Cur::new(&s, 0, 0);
-                match id {
-                    option::FTRACE_EVENTS => parse_ftrace_events(&mut c, &mut self.f.formats),
-                    option::EVENT_FORMATS => parse_event_formats(&mut c, &mut self.f.formats),
-                    _ => parse_cmdlines(&mut c, &mut self.f.cmdlines),
-                }
-                .map_err(|e| in_section(e, off))
-            });
-            if let Err(e) = r {
-                self.damaged(Damage::meta(what, &e, "the rest of it is skipped"));
+            let Some(s) = self.section_body(off, id, what, "none of it is read") else {
+                continue;
+            };
+            let mut c = Cur::new(&s, 0, 0);
+            let (f, b) = (&mut self.f, &mut self.budget);
+            let r = match id {
+                option::FTRACE_EVENTS => parse_ftrace_events(&mut c, &mut f.formats, b),
+                option::EVENT_FORMATS => parse_event_formats(&mut c, &mut f.formats, b),
+                _ => parse_cmdlines(&mut c, &mut f.cmdlines, b),
+            };
+            match r.map_err(|e| in_section(e, off)) {
+                Ok(n) if id == option::CMDLINES => self.over.cmdlines += n,
+                Ok(n) => self.over.formats += n,
+                Err(e) => self.damaged(Damage::meta(what, &e, "the rest of it is skipped")),
             }
         }
         self.v7_symbols(sections);
     }
 
     /// The kallsyms and printk sections. Symbols only improve the text: a damaged
-    /// section is ignored.
+    /// section is ignored (one past the budget is noted).
     fn v7_symbols(&mut self, sections: &BTreeMap<u16, u64>) {
         for (id, what) in [(option::KALLSYMS, "kallsyms"), (option::PRINTK, "printk")] {
             let Some(&off) = sections.get(&id) else {
                 continue;
             };
-            let Ok(s) = self.section(off, id) else {
-                continue;
+            let s = match self.section(off, id) {
+                Ok(Section::Body(s)) => s,
+                Ok(Section::OverBudget(_)) => {
+                    self.over.symbols += 1;
+                    continue;
+                }
+                Err(_) => continue,
             };
             let mut c = Cur::new(&s, 0, 0);
             let Ok(n) = c.u32(what) else {
                 continue;
             };
-            let Ok(text) = c.bytes(n as usize, what) else {
+            let Ok(text) = c.take(n as usize, what) else {
                 continue;
             };
-            let text = text.to_vec();
-            let syms = self.symbols();
-            if id == option::KALLSYMS {
-                syms.parse_kallsyms(&text);
-            } else {
-                syms.parse_printk(&text);
-            }
+            self.symbols(text, id == option::KALLSYMS);
         }
     }
 
-    /// The CPU data of the top-level buffer (the first buffer option with an empty
-    /// name), checked against the file; its clock when the file named none.
-    fn v7_top_buffer(&mut self, buffers: &[Vec<u8>]) -> Result<(), OutputError> {
-        for b in buffers {
-            let mut o = Cur::new(b, 0, 0);
-            let _section = o.u64("buffer offset")?;
-            let name = o.cstr("buffer name")?;
-            let clock = o.cstr("buffer clock")?;
-            if !name.is_empty() {
-                continue;
+    /// Ends the parse: one damage note per kind of item past the budget, and CPU data
+    /// that overlaps another CPU's dropped ([`drop_overlaps`]).
+    pub(super) fn finish(&mut self) {
+        for (n, what) in [
+            (self.over.options, "options"),
+            (self.over.formats, "event formats"),
+            (self.over.cmdlines, "cmdlines"),
+            (self.over.symbols, "kallsyms/printk lines"),
+        ] {
+            if n > 0 {
+                let d = Damage {
+                    cpu: None,
+                    offset: None,
+                    what: format!(
+                        "{n} {what} past the metadata budget ({} MiB for all metadata) are not read",
+                        METADATA_BUDGET >> 20
+                    ),
+                };
+                self.damaged(d);
             }
-            if self.f.clock.is_none() && !clock.is_empty() {
-                self.f.clock = Some(clock);
-            }
-            let ps = o.u32("buffer page size")? as usize;
-            if ps != self.f.page_size {
-                return Err(OutputError::Unsupported(format!(
-                    "buffer page size {ps} != file page size"
-                )));
-            }
-            let n = o.u32("buffer cpu count")?;
-            if n > 65536 {
-                return Err(o.err("too many CPUs"));
-            }
-            let mut table: Vec<CpuBuffer> = Vec::new();
-            for _ in 0..n {
-                let cpu = o.u32("cpu id")?;
-                let offset = o.u64("cpu data offset")?;
-                let size = o.u64("cpu data size")?;
-                table.push(CpuBuffer { cpu, offset, size });
-            }
-            // Compressed data is checked chunk by chunk as it is read (a damaged or
-            // missing chunk is skipped then).
-            if !self.compressed {
-                for b in &mut table {
-                    b.size = self.check_plain(b.cpu, b.offset, b.size);
-                }
-            }
-            self.f.cpus = table;
-            break;
         }
-        Ok(())
+        let len = self.src().len();
+        if let Some(d) = drop_overlaps(&mut self.f.cpus, self.compressed, len) {
+            self.damaged(d);
+        }
     }
 }
 
-/// What the options of a v7 file point at.
-pub(super) struct V7Options {
-    /// Section id → offset of the section.
-    sections: BTreeMap<u16, u64>,
-    /// The buffer options' data, in file order.
-    buffers: Vec<Vec<u8>>,
+/// A buffer option: `None` for a named buffer (an instance: not read), else the top
+/// buffer's clock and CPU table, or why it cannot be read.
+fn top_buffer(d: &[u8], page_size: usize) -> Option<Result<TopBuffer, OutputError>> {
+    let mut o = Cur::new(d, 0, 0);
+    let name = o
+        .u64("buffer offset")
+        .and_then(|_section| o.cstr("buffer name"));
+    match name {
+        Ok(name) if !name.is_empty() => None,
+        Ok(_) => Some(buffer_table(&mut o, page_size)),
+        Err(e) => Some(Err(e)),
+    }
+}
+
+/// The rest of the top buffer's option after its name: clock and CPU table.
+fn buffer_table(o: &mut Cur<'_>, page_size: usize) -> Result<TopBuffer, OutputError> {
+    let clock = o.cstr("buffer clock")?;
+    let ps = o.u32("buffer page size")? as usize;
+    if ps != page_size {
+        return Err(OutputError::Unsupported(format!(
+            "buffer page size {ps} != file page size"
+        )));
+    }
+    let n = o.u32("buffer cpu count")?;
+    if n > MAX_CPUS {
+        return Err(o.err("too many CPUs"));
+    }
+    let mut table = Vec::new();
+    for _ in 0..n {
+        let cpu = o.u32("cpu id")?;
+        let offset = o.u64("cpu data offset")?;
+        let size = o.u64("cpu data size")?;
+        table.push(CpuBuffer { cpu, offset, size });
+    }
+    Ok((clock, table))
+}
+
+/// Drops (size 0) the data of every CPU whose data starts inside another CPU's (by
+/// offset, the first one is kept): a file's CPUs never share data, and a table naming
+/// the same data for many CPUs would make the reader read it once per CPU. Returns the
+/// note naming them, if any.
+fn drop_overlaps(cpus: &mut [CpuBuffer], compressed: bool, file_len: u64) -> Option<Damage> {
+    let mut order: Vec<usize> = (0..cpus.len())
+        .filter(|&i| cpus[i].size > 0 && cpus[i].offset < file_len)
+        .collect();
+    order.sort_by_key(|&i| (cpus[i].offset, cpus[i].cpu));
+    let (mut end, mut dropped) = (0u64, Vec::new());
+    for i in order {
+        let b = &cpus[i];
+        if b.offset < end {
+            dropped.push(i);
+        } else {
+            end = b.end(compressed, file_len);
+        }
+    }
+    let first = *dropped.first()?;
+    let mut names: Vec<String> = dropped
+        .iter()
+        .take(8)
+        .map(|&i| cpus[i].cpu.to_string())
+        .collect();
+    if dropped.len() > 8 {
+        names.push("...".into());
+    }
+    let d = Damage {
+        cpu: None,
+        offset: Some(cpus[first].offset),
+        what: format!(
+            "the data of {} CPUs (cpu {}) lies inside other CPUs' data: not read",
+            dropped.len(),
+            names.join(", ")
+        ),
+    };
+    for i in dropped {
+        cpus[i].size = 0;
+    }
+    Some(d)
 }
 
 /// An error at an offset within the (possibly decompressed) body of the section at file
@@ -598,13 +621,13 @@ pub(super) fn in_section(e: OutputError, section: u64) -> OutputError {
 }
 
 /// The next option of an options section: id and data.
-pub(super) fn next_option(o: &mut Cur<'_>) -> Result<(u16, Vec<u8>), OutputError> {
+fn next_option<'a>(o: &mut Cur<'a>) -> Result<(u16, &'a [u8]), OutputError> {
     let id = o.u16("option id")?;
     let n = o.u32("option size")? as usize;
-    Ok((id, o.bytes(n, "option data")?.to_vec()))
+    o.take(n, "option data").map(|d| (id, d))
 }
 
 /// The little-endian u64 at the start of `d`, if it has 8 bytes.
-pub(super) fn le64(d: &[u8]) -> Option<u64> {
+fn le64(d: &[u8]) -> Option<u64> {
     d.get(..8)?.try_into().ok().map(u64::from_le_bytes)
 }

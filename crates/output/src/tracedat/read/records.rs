@@ -1,4 +1,4 @@
-//! Records of all CPUs merged by time, and a page's records as the kernel and trace-cmd read them.
+//! A CPU's records, page by page, as the kernel and trace-cmd read them.
 
 use hyptrace_abi::page::{
     decode_record, fix_abs_ts, page_header, DecodeError, Record, PAGE_HEADER_SIZE,
@@ -7,61 +7,13 @@ use hyptrace_abi::page::{
 
 use crate::clock::TscConversion;
 use crate::export::Missed;
-use crate::merge::{Merged, Merger};
 use crate::OutputError;
 
 use super::pages::CpuPages;
-use super::{Damage, TraceFile};
+use super::{CpuBuffer, TraceFile};
 
 /// trace-cmd masks `commit` with 27 bits when reading.
 pub(super) const READ_COMMIT_MASK: u64 = (1 << 27) - 1;
-
-impl TraceFile {
-    /// Events (and drop markers) of all CPUs merged by timestamp, ties to the lower CPU,
-    /// as trace-cmd orders them (the one [`Merger`] of `run` and the text sink, pulled one
-    /// item at a time: it holds the next record or two of each CPU). Pull items with
-    /// [`Records::next_item`]; a read error (I/O, a corrupt compressed chunk) ends the
-    /// items and is then in [`Records::error`].
-    pub fn records(&self) -> Records<'_> {
-        self.records_of(|_| true)
-    }
-
-    /// [`TraceFile::records`] of the CPUs `want` accepts (by CPU number); the others'
-    /// pages are not read.
-    pub fn records_of(&self, want: impl Fn(u32) -> bool) -> Records<'_> {
-        let readers = self.cpus.iter().filter(|b| b.size > 0).count();
-        let mut cpus: Vec<CpuCursor> = self
-            .cpus
-            .iter()
-            .filter(|b| want(b.cpu))
-            .map(|b| CpuCursor {
-                cpu: b.cpu,
-                pages: CpuPages::new(self, b, readers),
-                tsc: self.tsc2nsec,
-                ts_offset: self.ts_offset,
-                live: false,
-                area_end: 0,
-                off: 0,
-                clock: 0,
-                page_ts: 0,
-                page_missed: Missed::None,
-                first_on_page: false,
-                last_ns: 0,
-                lenient: false,
-                visited: Vec::new(),
-            })
-            .collect();
-        cpus.sort_by_key(|c| c.cpu);
-        Records {
-            merger: Merger::new(cpus.len()),
-            cpus,
-            scratch: Vec::with_capacity(2),
-            error: None,
-            damage: Vec::new(),
-            _file: std::marker::PhantomData,
-        }
-    }
-}
 
 /// One event read from a trace.dat.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -227,8 +179,8 @@ pub(super) enum Slot {
 }
 
 pub(super) struct CpuCursor {
-    cpu: u32,
-    pages: CpuPages,
+    pub(super) cpu: u32,
+    pub(super) pages: CpuPages,
     tsc: Option<TscConversion>,
     /// The OFFSET options' sum, added after TSC2NSEC (as trace-cmd does).
     ts_offset: i64,
@@ -251,6 +203,26 @@ pub(super) struct CpuCursor {
 }
 
 impl CpuCursor {
+    /// A cursor over the pages of `b` (one of `readers` CPUs with data) of `f`.
+    pub(super) fn new(f: &TraceFile, b: &CpuBuffer, readers: usize) -> Self {
+        Self {
+            cpu: b.cpu,
+            pages: CpuPages::new(f, b, readers),
+            tsc: f.tsc2nsec,
+            ts_offset: f.ts_offset,
+            live: false,
+            area_end: 0,
+            off: 0,
+            clock: 0,
+            page_ts: 0,
+            page_missed: Missed::None,
+            first_on_page: false,
+            last_ns: 0,
+            lenient: false,
+            visited: Vec::new(),
+        }
+    }
+
     fn ns(&self, raw: u64) -> u64 {
         let ns = match &self.tsc {
             Some(t) => t.trace_cmd_ns(raw),
@@ -261,7 +233,7 @@ impl CpuCursor {
 
     /// Pushes the next unit to `q` (drop marker + event, or a bad page; reversed: pop
     /// from the end). Returns its sort key, or None when the CPU is done.
-    fn fill(&mut self, q: &mut Vec<Slot>) -> Result<Option<u64>, OutputError> {
+    pub(super) fn fill(&mut self, q: &mut Vec<Slot>) -> Result<Option<u64>, OutputError> {
         // Bounded: a record decoded strictly consumes at least 8 bytes of the page, one
         // read as kbuffer reads it a new offset of it (`visited`), each page read
         // consumes the CPU's data.
@@ -352,7 +324,7 @@ impl CpuCursor {
     /// steps included; `None` where kbuffer comes back to an offset it read (it loops
     /// there for ever; we end the page).
     fn next_record(&mut self) -> Result<Option<(Record, usize)>, DecodeError> {
-        let data = &self.pages.page[PAGE_HEADER_SIZE..];
+        let data = &self.pages.page()[PAGE_HEADER_SIZE..];
         let commit = self.area_end - PAGE_HEADER_SIZE;
         if !self.lenient {
             return decode_like_kbuffer(data, commit, self.off);
@@ -368,7 +340,7 @@ impl CpuCursor {
     /// reading and kbuffer's part is damage, [`decode_like_kbuffer`]): marked visited.
     fn go_lenient(&mut self) {
         self.lenient = true;
-        let data = &self.pages.page[PAGE_HEADER_SIZE..];
+        let data = &self.pages.page()[PAGE_HEADER_SIZE..];
         let commit = self.area_end - PAGE_HEADER_SIZE;
         self.visited.clear();
         self.visited.resize(data.len().div_ceil(64), 0);
@@ -407,91 +379,4 @@ pub(super) fn first_visit(bits: &mut [u64], off: usize) -> bool {
     let first = bits[w] & b == 0;
     bits[w] |= b;
     first
-}
-
-/// The merged events of a [`TraceFile`], pulled one at a time with
-/// [`Records::next_item`] (each item borrows the CPU's current page).
-pub struct Records<'a> {
-    cpus: Vec<CpuCursor>,
-    /// Holds the next unit (drop marker + event, or a bad page) of every CPU not done.
-    merger: Merger<Slot>,
-    scratch: Vec<Slot>,
-    error: Option<OutputError>,
-    /// Damage the CPUs' readers found, not taken yet.
-    damage: Vec<Damage>,
-    _file: std::marker::PhantomData<&'a TraceFile>,
-}
-
-impl Records<'_> {
-    /// The next item in merged order; `None` at the end or after a read error
-    /// ([`Records::error`]).
-    pub fn next_item(&mut self) -> Option<TraceItem<'_>> {
-        if self.error.is_some() {
-            return None;
-        }
-        for (i, c) in self.cpus.iter_mut().enumerate() {
-            if self.merger.queued(i) > 0 || self.merger.is_finished(i) {
-                continue;
-            }
-            let r = c.fill(&mut self.scratch);
-            self.damage.append(&mut c.pages.damage);
-            match r {
-                Ok(Some(key)) => {
-                    while let Some(slot) = self.scratch.pop() {
-                        self.merger.push(i, key, Merged::Event(slot));
-                    }
-                }
-                Ok(None) => self.merger.finish(i),
-                Err(e) => {
-                    self.error = Some(e);
-                    return None;
-                }
-            }
-        }
-        // Every CPU not done has its next unit queued: the oldest is always released.
-        let (i, _, m) = self.merger.next_ready()?;
-        let c = &self.cpus[i];
-        Some(match m {
-            Merged::Event(Slot::Event {
-                ts_raw,
-                ts_ns,
-                start,
-                len,
-            }) => TraceItem::Event(TraceRecord {
-                cpu: c.cpu,
-                ts_raw,
-                ts_ns,
-                // In range: decode_record checked it against the page's data area
-                // (or, for an event running past the commit, the whole page).
-                payload: &c.pages.page[start..start + len],
-            }),
-            Merged::Event(Slot::Dropped(missed)) => TraceItem::Dropped { cpu: c.cpu, missed },
-            Merged::Event(Slot::Bad { page, error }) => TraceItem::BadPage {
-                cpu: c.cpu,
-                page,
-                error,
-            },
-            Merged::Lost(n) => TraceItem::Dropped {
-                cpu: c.cpu,
-                missed: Missed::Count(n),
-            },
-        })
-    }
-
-    /// The read error that ended the items, if any.
-    pub fn error(&self) -> Option<&OutputError> {
-        self.error.as_ref()
-    }
-
-    /// Takes the read error that ended the items, if any.
-    pub fn take_error(&mut self) -> Option<OutputError> {
-        self.error.take()
-    }
-
-    /// Takes the damage the CPUs' readers went past since the last call (a chunk
-    /// skipped, data cut short; docs/output.md "Damaged files"). Each item pulled
-    /// reads at most a chunk per CPU: taken after every item, this stays small.
-    pub fn take_damage(&mut self) -> Vec<Damage> {
-        std::mem::take(&mut self.damage)
-    }
 }
