@@ -168,8 +168,9 @@ impl CpuPages {
             "the end of the cpu data the buffer option gives"
         };
         let (mut notes, mut skipped, mut more) = (Vec::new(), 0u64, false);
+        // One note kept for the count of the rest.
         let mut note = |at: u64, what: String| {
-            if notes.len() < MAX_META_DAMAGE {
+            if notes.len() + 1 < MAX_META_DAMAGE {
                 notes.push((at, what));
             } else {
                 skipped += 1;

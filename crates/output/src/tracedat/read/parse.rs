@@ -523,7 +523,7 @@ impl Parser {
             }
         }
         let len = self.src().len();
-        if let Some(d) = drop_overlaps(&mut self.f.cpus, self.compressed, len) {
+        if let Some(d) = drop_overlaps(&mut self.f.cpus, len) {
             self.damaged(d);
         }
     }
@@ -570,7 +570,7 @@ fn buffer_table(o: &mut Cur<'_>, page_size: usize) -> Result<TopBuffer, OutputEr
 /// offset, the first one is kept): a file's CPUs never share data, and a table naming
 /// the same data for many CPUs would make the reader read it once per CPU. Returns the
 /// note naming them, if any.
-fn drop_overlaps(cpus: &mut [CpuBuffer], compressed: bool, file_len: u64) -> Option<Damage> {
+fn drop_overlaps(cpus: &mut [CpuBuffer], file_len: u64) -> Option<Damage> {
     let mut order: Vec<usize> = (0..cpus.len())
         .filter(|&i| cpus[i].size > 0 && cpus[i].offset < file_len)
         .collect();
@@ -581,7 +581,9 @@ fn drop_overlaps(cpus: &mut [CpuBuffer], compressed: bool, file_len: u64) -> Opt
         if b.offset < end {
             dropped.push(i);
         } else {
-            end = b.end(compressed, file_len);
+            // The declared size (a compressed CPU's chunk count may lie 4 bytes past it,
+            // [`CpuBuffer::end`]: never more than that is shared).
+            end = b.end(false, file_len);
         }
     }
     let first = *dropped.first()?;
