@@ -462,7 +462,7 @@ pub fn pump_pages(
     mut sink: Box<dyn PageSink>,
     on_damage: &mut dyn FnMut(hyptrace_output::tracedat::Damage),
 ) -> Result<(), OutputError> {
-    let mut cursors: Vec<_> = (0..f.cpus.len()).filter_map(|i| f.pages(i)).collect();
+    let mut cursors = f.all_pages();
     let cpus: Vec<u32> = f.cpus.iter().map(|b| b.cpu).collect();
     // (page time, cpu, index) of each CPU's current page, oldest first.
     let mut heads = BinaryHeap::new();

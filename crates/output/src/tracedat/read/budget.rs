@@ -118,10 +118,21 @@ pub(super) fn check_read_memory(readers: usize, page_size: usize) -> Option<Stri
     })
 }
 
+/// The most a zstd frame of `n` bytes of content takes (zstd's ZSTD_COMPRESSBOUND,
+/// rounded up).
+fn zstd_bound(n: usize) -> usize {
+    n.saturating_add(n >> 8).saturating_add(64 << 10)
+}
+
 /// Why a zstd block declaring `us` bytes from `cs` compressed bytes is refused (more
-/// than `cap`, or a ratio above [`MAX_RATIO`]), or `None`.
+/// than `cap`, a ratio above [`MAX_RATIO`], or more compressed bytes than any frame of
+/// `us` bytes takes), or `None`.
 pub(super) fn check_block(cs: usize, us: usize, cap: usize) -> Option<String> {
-    if us > cap {
+    if cs > zstd_bound(us) {
+        Some(format!(
+            "claims {cs} bytes compressed for {us}: more than any zstd frame of them takes"
+        ))
+    } else if us > cap {
         Some(format!(
             "claims {us} bytes uncompressed, more than the {cap} accepted"
         ))
@@ -199,5 +210,7 @@ mod tests {
         assert!(check_block(1 << 20, (1 << 20) + 1, 1 << 20).is_some());
         assert!(check_block(0, 1, 1 << 20).is_some());
         assert!(check_block(0, 0, 0).is_none());
+        assert!(check_block(zstd_bound(4096), 4096, 1 << 20).is_none());
+        assert!(check_block(zstd_bound(4096) + 1, 4096, 1 << 20).is_some());
     }
 }

@@ -23,7 +23,7 @@ impl TraceFile {
     /// [`TraceFile::records`] of the CPUs `want` accepts (by CPU number); the others'
     /// pages are not read.
     pub fn records_of(&self, want: impl Fn(u32) -> bool) -> Records<'_> {
-        let readers = self.cpus.iter().filter(|b| b.size > 0).count();
+        let readers = self.readers();
         let mut cpus: Vec<CpuCursor> = self
             .cpus
             .iter()

@@ -250,8 +250,7 @@ impl TraceFile {
                 f.header_page
             )));
         }
-        let readers = f.cpus.iter().filter(|b| b.size > 0).count();
-        if let Some(why) = budget::check_read_memory(readers, f.page_size) {
+        if let Some(why) = budget::check_read_memory(f.readers(), f.page_size) {
             return Err(OutputError::Unsupported(why));
         }
         if f.nr_cpus == 0 {
@@ -330,8 +329,21 @@ impl TraceFile {
     /// The pages of `self.cpus[index]`, one at a time (decompressed).
     pub fn pages(&self, index: usize) -> Option<CpuPages> {
         let b = self.cpus.get(index)?;
-        let readers = self.cpus.iter().filter(|b| b.size > 0).count();
-        Some(CpuPages::new(self, b, readers))
+        Some(CpuPages::new(self, b, self.readers()))
+    }
+
+    /// The pages of every CPU of `self.cpus`, in order ([`TraceFile::pages`] of each).
+    pub fn all_pages(&self) -> Vec<CpuPages> {
+        let readers = self.readers();
+        self.cpus
+            .iter()
+            .map(|b| CpuPages::new(self, b, readers))
+            .collect()
+    }
+
+    /// How many CPUs have data (each reads within its share of the read budget).
+    fn readers(&self) -> usize {
+        self.cpus.iter().filter(|b| b.size > 0).count()
     }
 }
 
