@@ -20,7 +20,8 @@ use crate::OutputError;
 
 /// Metadata read, decompressed and kept, all sections and items of a file together.
 pub const METADATA_BUDGET: u64 = 128 << 20;
-/// Read buffers of all CPUs together (see [`max_chunk`] and [`plain_batch`]).
+/// Read buffers of all CPUs together (see [`max_chunk`]; uncompressed data is read a
+/// batch of whole pages at a time, 1 MiB for all CPUs together).
 pub const READ_BUDGET: u64 = 256 << 20;
 /// The largest decompressed chunk of CPU data accepted, whatever the page size: ten
 /// pages of 16 MiB (the largest ring page hyptrace records), trace-cmd's chunk of such

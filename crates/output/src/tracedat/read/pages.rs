@@ -17,6 +17,40 @@ pub(super) struct Unzstd {
     input: Vec<u8>,
 }
 
+impl Unzstd {
+    /// Decompresses chunk `i` at `at` of `cs` bytes (its header says `us` bytes,
+    /// [`check_block`] accepted them) into `out`, whole `ps`-byte pages; returns the note
+    /// when it is damaged (skipped: `out` is empty) or loses a partial last page.
+    fn chunk(
+        &mut self,
+        src: &Source,
+        at: u64,
+        i: u32,
+        (cs, us): (usize, usize),
+        ps: usize,
+        out: &mut Vec<u8>,
+    ) -> Result<Option<String>, OutputError> {
+        self.input.resize(cs, 0);
+        src.read_at(at + 8, &mut self.input, "chunk data")?;
+        let d = match &mut self.dec {
+            Some(d) => d,
+            None => self.dec.insert(decompressor(at)?),
+        };
+        if let Err(e) = unzstd_into(d, &self.input, us, out, at + 8) {
+            out.clear();
+            return Ok(Some(format!("chunk {i} damaged ({e}): skipped its {us} bytes ({} pages), reading goes on with the next chunk", us / ps)));
+        }
+        if us.is_multiple_of(ps) {
+            return Ok(None);
+        }
+        out.truncate(us - us % ps);
+        Ok(Some(format!(
+            "chunk {i} of {us} bytes is not whole {ps}-byte pages: its last {} bytes are skipped",
+            us % ps
+        )))
+    }
+}
+
 impl std::fmt::Debug for Unzstd {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "Unzstd({} bytes of input)", self.input.capacity())
@@ -24,9 +58,9 @@ impl std::fmt::Debug for Unzstd {
 }
 
 /// Reads one CPU's pages: uncompressed data a batch of whole pages at a time, or v7
-/// zstd chunks one at a time (the file's [`Unzstd`] shared by its CPUs), each page
-/// handed out where it lies in the batch or chunk. A chunk that is refused or does
-/// not decompress is skipped, and data cut short ends the CPU, each noted as a
+/// zstd chunks one at a time (one decompression context shared by the file's CPUs),
+/// each page handed out where it lies in the batch or chunk. A chunk that is refused or
+/// does not decompress is skipped, and data cut short ends the CPU, each noted as a
 /// [`Damage`] ([`CpuPages::take_damage`]). Memory: one batch or one chunk (at most
 /// [`max_chunk`]).
 pub struct CpuPages {
@@ -161,7 +195,6 @@ impl CpuPages {
         };
         self.buf.clear();
         let mut z = unzstd.lock().unwrap_or_else(|e| e.into_inner());
-        let Unzstd { dec, input } = &mut *z;
         let by = if *end == file_len {
             "the end of the file"
         } else {
@@ -228,20 +261,8 @@ impl CpuPages {
                 );
                 continue;
             }
-            input.resize(cs, 0);
-            self.src.read_at(at + 8, input, "chunk data")?;
-            let d = match dec {
-                Some(d) => d,
-                None => dec.insert(decompressor(at)?),
-            };
-            if let Err(e) = unzstd_into(d, input, us, &mut self.buf, at + 8) {
-                self.buf.clear();
-                note(at, format!("chunk {i} damaged ({e}): skipped its {us} bytes ({} pages), reading goes on with the next chunk", us / ps));
-                continue;
-            }
-            if !us.is_multiple_of(ps) {
-                note(at, format!("chunk {i} of {us} bytes is not whole {ps}-byte pages: its last {} bytes are skipped", us % ps));
-                self.buf.truncate(us - us % ps);
+            if let Some(what) = z.chunk(&self.src, at, i, (cs, us), ps, &mut self.buf)? {
+                note(at, what);
             }
             if !self.buf.is_empty() {
                 more = true;

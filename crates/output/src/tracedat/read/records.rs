@@ -28,7 +28,7 @@ pub struct TraceRecord<'a> {
     pub payload: &'a [u8],
 }
 
-/// What [`Records::next_item`] yields.
+/// What [`super::Records::next_item`] yields.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum TraceItem<'a> {
     /// An event.
@@ -51,7 +51,7 @@ pub enum TraceItem<'a> {
     },
 }
 
-/// Why a page read from a trace.dat does not decode as [`Records`] reads it (commit
+/// Why a page read from a trace.dat does not decode as [`super::Records`] reads it (commit
 /// past the page, a record running past the commit...), or `None` for a good page:
 /// `convert` names the pages `report` would find damaged.
 pub fn page_damage(page: &[u8]) -> Option<String> {
