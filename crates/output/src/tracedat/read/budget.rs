@@ -20,6 +20,10 @@ use crate::OutputError;
 
 /// Metadata read, decompressed and kept, all sections and items of a file together.
 pub const METADATA_BUDGET: u64 = 128 << 20;
+/// The part of [`METADATA_BUDGET`] the options sections may take (their bytes read or
+/// decompressed): real ones hold a few KiB (a buffer option of 65536 CPUs 1.3 MB), and
+/// read first, they must not leave the formats nothing.
+pub const OPTIONS_SHARE: u64 = 32 << 20;
 /// Read buffers of all CPUs together (see [`max_chunk`]; uncompressed data is read a
 /// batch of whole pages at a time, 1 MiB for all CPUs together).
 pub const READ_BUDGET: u64 = 256 << 20;
@@ -45,6 +49,8 @@ pub(super) const MAX_BATCH: usize = 128 << 10;
 #[derive(Clone, Copy, Debug, Default)]
 pub(super) struct Budget {
     used: u64,
+    /// Taken by options sections (at most [`OPTIONS_SHARE`]).
+    options: u64,
 }
 
 impl Budget {
@@ -59,12 +65,26 @@ impl Budget {
         }
     }
 
+    /// Takes `n` bytes of an options section, within [`OPTIONS_SHARE`] too.
+    pub(super) fn take_options(&mut self, n: u64) -> bool {
+        let fits = self
+            .options
+            .checked_add(n)
+            .is_some_and(|o| o <= OPTIONS_SHARE);
+        fits && self.take(n) && {
+            self.options += n;
+            true
+        }
+    }
+
     /// The end of a damage note about `n` bytes that did not fit.
     pub(super) fn over(&self, n: u64) -> String {
         format!(
-            "{n} bytes past the metadata budget ({} MiB for all metadata, {} MiB taken)",
+            "{n} bytes past the metadata budget ({} MiB for all metadata, {} MiB of it for options sections; {} MiB taken, {} MiB by options sections)",
             METADATA_BUDGET >> 20,
-            self.used >> 20
+            OPTIONS_SHARE >> 20,
+            self.used >> 20,
+            self.options >> 20
         )
     }
 }
@@ -188,6 +208,12 @@ mod tests {
         assert!(b.take(10));
         assert!(!b.take(1));
         assert!(b.take(0));
+        // Options sections: within their share and the whole budget.
+        let mut b = Budget::default();
+        assert!(b.take_options(OPTIONS_SHARE - 1));
+        assert!(!b.take_options(2));
+        assert!(b.take(METADATA_BUDGET - OPTIONS_SHARE + 1));
+        assert!(!b.take_options(1));
     }
 
     /// Chunk caps do not grow with the page size.

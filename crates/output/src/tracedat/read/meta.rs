@@ -107,18 +107,18 @@ pub(super) fn parse_event_formats(
 }
 
 /// A u32-sized blob (kallsyms, printk formats): its bytes when they fit in
-/// [`MAX_SECTION`] and in the budget (else walked over: `None`).
+/// [`MAX_SECTION`] and in the budget, else walked over: `Err(its size)`.
 pub(super) fn u32_sized_text(
     c: &mut impl Input,
     what: &str,
     budget: &mut Budget,
-) -> Result<Option<Vec<u8>>, OutputError> {
+) -> Result<Result<Vec<u8>, u64>, OutputError> {
     let n = c.u32(what)?;
     if n as usize > MAX_SECTION || !budget.take(u64::from(n)) {
         c.skip(u64::from(n), what)?;
-        return Ok(None);
+        return Ok(Err(u64::from(n)));
     }
-    Ok(Some(c.bytes(n as usize, what)?.to_vec()))
+    Ok(Ok(c.bytes(n as usize, what)?.to_vec()))
 }
 
 /// The saved cmdlines (`PID COMM` lines, one text), pid → comm; returns how many lines

@@ -35,7 +35,7 @@ mod report;
 #[cfg(test)]
 mod tests;
 
-pub use budget::{max_chunk, MAX_CHUNK, MAX_RATIO, METADATA_BUDGET, READ_BUDGET};
+pub use budget::{max_chunk, MAX_CHUNK, MAX_RATIO, METADATA_BUDGET, OPTIONS_SHARE, READ_BUDGET};
 pub use merge::Records;
 pub use pages::CpuPages;
 pub use records::{page_damage, TraceItem, TraceRecord};

@@ -143,7 +143,7 @@ impl Parser {
             ));
         }
         if flags & 1 == 0 {
-            if !self.budget.take(size as u64) {
+            if !self.take(want, size as u64) {
                 return Ok(Section::OverBudget(size as u64));
             }
             let body = self.src().read_vec(off + 16, size, "section body")?;
@@ -166,13 +166,33 @@ impl Parser {
                 format!("compressed block {why}"),
             ));
         }
-        if !self.budget.take((csize + usize_) as u64) {
+        if !self.take(want, (csize + usize_) as u64) {
             return Ok(Section::OverBudget((csize + usize_) as u64));
         }
         let data = self.src().read_vec(off + 24, csize, "compressed data")?;
         let mut out = Vec::new();
         unzstd_into(&mut decompressor(off)?, &data, usize_, &mut out, off + 16)?;
         Ok(Section::Body(out))
+    }
+
+    /// Takes `n` bytes of section `id` from the budget (options sections: within their
+    /// share).
+    fn take(&mut self, id: u16, n: u64) -> bool {
+        if id == 0 {
+            self.budget.take_options(n)
+        } else {
+            self.budget.take(n)
+        }
+    }
+
+    /// Notes that `what` (at `at`), `n` bytes, is past the budget: not read.
+    fn not_read(&mut self, what: &str, at: Option<u64>, n: u64) {
+        let d = Damage {
+            cpu: None,
+            offset: at,
+            what: format!("{what} of {}: not read", self.budget.over(n)),
+        };
+        self.damaged(d);
     }
 
     /// Notes damaged metadata (bounded by [`MAX_META_DAMAGE`]).
@@ -224,8 +244,8 @@ impl Parser {
         self.over.formats += parse_event_formats(c, &mut self.f.formats, &mut self.budget)?;
         for (kallsyms, what) in [(true, "kallsyms"), (false, "printk formats")] {
             match u32_sized_text(c, what, &mut self.budget)? {
-                Some(t) => self.symbols(&t, kallsyms),
-                None => self.over.symbols += 1,
+                Ok(t) => self.symbols(&t, kallsyms),
+                Err(n) => self.not_read(what, None, n),
             }
         }
         self.over.cmdlines += parse_cmdlines(c, &mut self.f.cmdlines, &mut self.budget)?;
@@ -484,8 +504,8 @@ impl Parser {
             };
             let s = match self.section(off, id) {
                 Ok(Section::Body(s)) => s,
-                Ok(Section::OverBudget(_)) => {
-                    self.over.symbols += 1;
+                Ok(Section::OverBudget(n)) => {
+                    self.not_read(what, Some(off), n);
                     continue;
                 }
                 Err(_) => continue,

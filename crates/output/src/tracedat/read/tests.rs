@@ -5,6 +5,7 @@ use hyptrace_abi::page::Record;
 use super::budget::MAX_BATCH;
 use super::records::kbuffer_record;
 use super::*;
+use crate::tracedat::option;
 
 /// A damaged page's data record that runs past the page: trace-cmd prints it (it
 /// reads on past the page), so it is one event here too, cut at the page's end
@@ -287,6 +288,74 @@ fn zstd_file() -> Vec<u8> {
     }
     crate::PageSink::finish(Box::new(s), &crate::RunSummary::default()).unwrap();
     std::fs::read(&path).unwrap()
+}
+
+/// The offset of the data of the DONE option of a v7 file's first options section.
+fn options_done(d: &[u8]) -> usize {
+    let mut at = 18;
+    for _ in 0..2 {
+        at += d[at..].iter().position(|&b| b == 0).unwrap() + 1;
+    }
+    let sec = u64::from_le_bytes(d[at..at + 8].try_into().unwrap()) as usize;
+    let mut o = sec + 16;
+    loop {
+        let id = u16::from_le_bytes([d[o], d[o + 1]]);
+        let n = le32_at(d, o as u64 + 2);
+        if id == option::DONE {
+            return o + 6;
+        }
+        o += 6 + n;
+    }
+}
+
+/// Options the reader does not use and buffer options after the first top-level one
+/// (an instance, a second top-level buffer naming another CPU) are counted, not kept;
+/// the CPU table is the first top-level buffer's.
+#[test]
+fn options_the_reader_does_not_use_are_counted() {
+    let mut d = zstd_file();
+    let good = TraceFile::parse(&d).unwrap();
+    let opt = |id: u16, data: &[u8]| {
+        let mut v = id.to_le_bytes().to_vec();
+        v.extend_from_slice(&(data.len() as u32).to_le_bytes());
+        v.extend_from_slice(data);
+        v
+    };
+    let buffer = |name: &[u8]| {
+        let mut b = 0u64.to_le_bytes().to_vec();
+        b.extend_from_slice(name);
+        b.extend_from_slice(b"\0local\0");
+        b.extend_from_slice(&4096u32.to_le_bytes());
+        b.extend_from_slice(&1u32.to_le_bytes());
+        b.extend_from_slice(&9u32.to_le_bytes());
+        b.extend_from_slice(&1u64.to_le_bytes());
+        b.extend_from_slice(&4096u64.to_le_bytes());
+        opt(option::BUFFER, &b)
+    };
+    let mut body = Vec::new();
+    for _ in 0..3 {
+        body.extend_from_slice(&opt(option::UNAME, b"Linux x 6.18\0"));
+    }
+    body.extend_from_slice(&buffer(b"instance"));
+    body.extend_from_slice(&buffer(b""));
+    body.extend_from_slice(&opt(option::CPUSTAT, b"CPU: 9\n\0"));
+    body.extend_from_slice(&opt(option::DONE, &0u64.to_le_bytes()));
+    let at = d.len() as u64;
+    d.extend_from_slice(&0u16.to_le_bytes());
+    d.extend_from_slice(&0u16.to_le_bytes());
+    d.extend_from_slice(&0u32.to_le_bytes());
+    d.extend_from_slice(&(body.len() as u64).to_le_bytes());
+    d.extend_from_slice(&body);
+    let done = options_done(&d);
+    d[done..done + 8].copy_from_slice(&at.to_le_bytes());
+    let f = TraceFile::parse(&d).unwrap();
+    assert!(f.damage.is_empty(), "{:?}", f.damage);
+    assert_eq!(f.options_skipped, good.options_skipped + 5);
+    assert_eq!(f.options.len(), good.options.len() + 1);
+    assert!(f.options.iter().all(|o| o.id != option::BUFFER));
+    assert_eq!(f.cpus, good.cpus);
+    assert_eq!(f.cpu_stats().last().map(String::as_str), Some("CPU: 9\n"));
+    assert_eq!(f.event_count(), good.event_count());
 }
 
 /// A chunk that does not decompress (its frame magic overwritten) is skipped with a
