@@ -7,7 +7,8 @@
 //! Both stream: a trace.dat is read a page (or a compression chunk) per CPU at a time, a
 //! raw stream a page per CPU at a time; memory does not grow with the file.
 
-use std::collections::BTreeSet;
+use std::cmp::Reverse;
+use std::collections::{BTreeSet, BinaryHeap};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
@@ -452,67 +453,64 @@ fn meta_of(f: &TraceFile) -> TraceMeta {
     }
 }
 
-/// Feeds every page of `f` into `sink`, the CPUs' pages merged by page time (each
-/// CPU's in file order; memory: one page per CPU), then finishes it. Damaged CPU data
-/// read past (a chunk skipped, data cut short) goes to `on_damage` when found.
+/// Feeds every page of `f` into `sink`, the CPUs' pages merged by page time, ties to
+/// the lower CPU (each CPU's in file order; a heap of the CPUs' current pages: O(log
+/// CPUs) per page; memory: each CPU's read buffer, pages handed over where they lie),
+/// then finishes it. Damaged CPU data read past (a chunk skipped, data cut short) goes
+/// to `on_damage` when found.
 pub fn pump_pages(
     f: &TraceFile,
     mut sink: Box<dyn PageSink>,
     on_damage: &mut dyn FnMut(hyptrace_output::tracedat::Damage),
 ) -> Result<(), OutputError> {
-    let mut cursors: Vec<_> = (0..f.cpus.len()).filter_map(|i| f.pages(i)).collect();
+    let mut cursors = f.all_pages();
     let cpus: Vec<u32> = f.cpus.iter().map(|b| b.cpu).collect();
-    // The head page of each CPU: (time, page).
-    let mut heads: Vec<Option<(u64, Vec<u8>)>> = Vec::with_capacity(cursors.len());
-    for c in &mut cursors {
-        heads.push(next_head(c)?);
+    // (page time, cpu, index) of each CPU's current page, oldest first.
+    let mut heads = BinaryHeap::new();
+    for (i, c) in cursors.iter_mut().enumerate() {
+        if let Some(ts) = next_head(c)? {
+            heads.push(Reverse((ts, cpus[i], i)));
+        }
         c.take_damage().into_iter().for_each(&mut *on_damage);
     }
     // Bounded: every step consumes a page of some CPU. Stdout closed (`| head`): the
     // rest would be discarded, so stop.
-    while let Some(i) = heads
-        .iter()
-        .enumerate()
-        .filter_map(|(i, h)| h.as_ref().map(|(t, _)| (*t, cpus[i], i)))
-        .min()
-        .map(|(_, _, i)| i)
-    {
+    while let Some(Reverse((_, cpu, i))) = heads.pop() {
         if hyptrace_output::stdout_closed() {
             break;
         }
-        if let Some((_, page)) = heads[i].take() {
-            if let Some(why) = hyptrace_output::tracedat::page_damage(&page) {
-                on_damage(hyptrace_output::tracedat::Damage {
-                    cpu: Some(cpus[i]),
-                    offset: None,
-                    what: format!("a page does not decode ({why}): copied as it is"),
-                });
-            }
-            let missed = match hyptrace_output::page_missed(&page) {
-                Missed::Count(n) => Some(n),
-                Missed::Unknown | Missed::None => None,
-            };
-            sink.page(cpus[i], &page, missed)?;
-            heads[i] = next_head(&mut cursors[i])?;
-            cursors[i]
-                .take_damage()
-                .into_iter()
-                .for_each(&mut *on_damage);
+        let page = cursors[i].page();
+        if let Some(why) = hyptrace_output::tracedat::page_damage(page) {
+            on_damage(hyptrace_output::tracedat::Damage {
+                cpu: Some(cpu),
+                offset: None,
+                what: format!("a page does not decode ({why}): copied as it is"),
+            });
         }
+        let missed = match hyptrace_output::page_missed(page) {
+            Missed::Count(n) => Some(n),
+            Missed::Unknown | Missed::None => None,
+        };
+        sink.page(cpu, page, missed)?;
+        if let Some(ts) = next_head(&mut cursors[i])? {
+            heads.push(Reverse((ts, cpu, i)));
+        }
+        cursors[i]
+            .take_damage()
+            .into_iter()
+            .for_each(&mut *on_damage);
     }
     sink.finish(&RunSummary::default())
 }
 
-fn next_head(
-    c: &mut hyptrace_output::tracedat::CpuPages,
-) -> Result<Option<(u64, Vec<u8>)>, OutputError> {
+/// The time of `c`'s next page (`None` at its end).
+fn next_head(c: &mut hyptrace_output::tracedat::CpuPages) -> Result<Option<u64>, OutputError> {
     Ok(c.next_page()?.map(|p| {
-        let ts = p.get(..8).map_or(0, |b| {
+        p.get(..8).map_or(0, |b| {
             let mut w = [0u8; 8];
             w.copy_from_slice(b);
             u64::from_le_bytes(w)
-        });
-        (ts, p.to_vec())
+        })
     }))
 }
 
