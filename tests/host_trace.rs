@@ -819,6 +819,43 @@ fn json_merges_host_events_in_time_order() {
     }
 }
 
+/// A user tracefs refuses (not root: the mount is root's, mode 0700) is told so — exit
+/// 2, `permission denied on /sys/kernel/tracing... (run as root)` — not that tracefs is
+/// not mounted; no VM is needed (tracefs is checked before the VM exists). Runs the
+/// binary as `nobody` (setpriv; skipped unless this test runs as root with tracefs
+/// mounted).
+#[test]
+fn tracefs_refused_to_a_user_is_permission_denied() {
+    // SAFETY: geteuid reads this process's credentials; it cannot fail.
+    let root = unsafe { libc::geteuid() } == 0;
+    if !root || !Path::new(TRACEFS).join("instances").is_dir() {
+        eprintln!("{KRATE}::tracefs_refused_to_a_user_is_permission_denied: skipped: needs root and {TRACEFS} mounted");
+        return;
+    }
+    let out = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", BIN])
+        .args([
+            "run",
+            "--host-trace",
+            "sched:sched_switch",
+            "--events",
+            "10",
+        ])
+        .env_remove("HYPTRACE_TRACEFS")
+        .output()
+        .expect("setpriv");
+    env::assert_usage_error(
+        &out,
+        "--host-trace as nobody",
+        "--host-trace: permission denied on /sys/kernel/tracing",
+    );
+    let err = env::stderr(&out);
+    assert!(
+        err.contains("(run as root)") && !err.contains("not mounted"),
+        "{err}"
+    );
+}
+
 /// Without tracefs, or with an event the kernel does not have: exit 2, one line naming
 /// what is missing (a pattern escaped), no VM started.
 #[test]

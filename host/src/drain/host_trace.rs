@@ -73,6 +73,16 @@ pub enum HostTraceError {
     /// tracefs is not there.
     #[error("--host-trace: tracefs is not mounted at {0} (mount -t tracefs nodev {0})")]
     NotMounted(PathBuf),
+    /// tracefs is there, but this user may not search or write it (EACCES/EPERM: a
+    /// tracefs directory is root's, mode 0700).
+    #[error("--host-trace: permission denied on {path} (run as root)", path = .path.display())]
+    PermissionDenied {
+        /// The directory refused.
+        path: PathBuf,
+        /// The refusal.
+        #[source]
+        source: std::io::Error,
+    },
     /// A tracefs file could not be read or written (permissions: run as root).
     #[error("--host-trace: {path}", path = .path.display())]
     Io {
