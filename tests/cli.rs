@@ -803,6 +803,58 @@ fn closed_stdout_ends_record_and_convert_quietly() {
 
 // ---- 7: messages --------------------------------------------------------------------
 
+/// `--format json -o t.dat`: JSON is written, as asked, with a one-line warning that
+/// the extension names another format; an extension that agrees (or names none) gets
+/// none.
+#[test]
+fn an_extension_that_disagrees_with_format_is_warned() {
+    let kernel = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("crates/output/tests/fixtures/kernel-v7-zstd.dat");
+    let kernel = kernel.to_str().expect("utf-8");
+    let dir = TempDir::new("ext-warning");
+    for (fmt, name, warned) in [
+        ("json", "t.dat", true),
+        ("text", "t.json", true),
+        ("json", "t.json", false),
+        ("dat6", "t.dat", false),
+        ("perfetto", "t.trace", false),
+    ] {
+        let out = dir.file(name);
+        let o = env::run(BIN, &["convert", "-i", kernel, "-o", &out, "--format", fmt]);
+        let err = env::stderr(&o);
+        assert_eq!(o.status.code(), Some(0), "{fmt} {name}: {err}");
+        let warning =
+            format!("hyptrace: warning: {out} (-o) is written as --format {fmt}, though `.");
+        assert_eq!(err.contains(&warning), warned, "{fmt} {name}: {err}");
+        assert_eq!(
+            err.lines().filter(|l| l.contains("warning")).count(),
+            usize::from(warned),
+            "{err}"
+        );
+        if fmt == "json" {
+            let text = std::fs::read_to_string(&out).expect("output");
+            serde_json::from_str::<serde_json::Value>(&text).expect("JSON, as asked");
+        }
+    }
+    if !kvm_available(KRATE, "an_extension_that_disagrees_with_format_is_warned") {
+        return;
+    }
+    let _vm = vm_lock();
+    let out = dir.file("r.dat");
+    let o = env::run(
+        BIN,
+        &["record", "--format", "json", "-o", &out, "--events", "10"],
+    );
+    let err = env::stderr(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert!(
+        err.starts_with(&format!("hyptrace: warning: {out} (-o) is written as --format json, though `.dat` names --format dat\n")),
+        "{err}"
+    );
+    let text = std::fs::read_to_string(&out).expect("output");
+    serde_json::from_str::<serde_json::Value>(&text).expect("JSON, as asked");
+}
+
 /// Exit 2, the first line `hyptrace: error: ...`, every needle somewhere.
 fn assert_arg_error(args: &[&str], needles: &[&str]) {
     let o = env::run(BIN, args);
