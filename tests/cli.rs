@@ -803,6 +803,64 @@ fn closed_stdout_ends_record_and_convert_quietly() {
 
 // ---- 7: messages --------------------------------------------------------------------
 
+/// `-e` naming a host kernel event system or event (`-e sched`, a common slip) says to
+/// record it with `--host-trace` — from tracefs's `available_events`, or, where that
+/// cannot be read, from the well-known systems; exit 2 as any unknown event. A name
+/// that is nowhere gets no such pointer.
+#[test]
+fn an_event_of_the_host_kernel_points_to_host_trace() {
+    if !kvm_available(KRATE, "an_event_of_the_host_kernel_points_to_host_trace") {
+        return;
+    }
+    let _vm = vm_lock();
+    let dir = TempDir::new("host-event-hint");
+    let record = |e: &str, tracefs: Option<&Path>| {
+        let mut c = Command::new(BIN);
+        c.args([
+            "record",
+            "-o",
+            &dir.file("t.dat"),
+            "--events",
+            "10",
+            "-e",
+            e,
+        ]);
+        if let Some(t) = tracefs {
+            c.env("HYPTRACE_TRACEFS", t);
+        }
+        c.output().expect("run")
+    };
+    // No available_events there: the well-known systems.
+    let out = record("sched", Some(dir.path()));
+    env::assert_usage_error(
+        &out,
+        "-e sched",
+        "unknown event \"sched\" (the guest registered: ",
+    );
+    let err = env::stderr(&out);
+    assert!(
+        err.contains("\"sched\" is a host kernel event system: record it with --host-trace sched"),
+        "{err}"
+    );
+    let out = record("nope", Some(dir.path()));
+    env::assert_usage_error(&out, "-e nope", "unknown event \"nope\"");
+    assert!(
+        !env::stderr(&out).contains("--host-trace"),
+        "{}",
+        env::stderr(&out)
+    );
+    // The real tracefs's list, where it can be read: an event by its name.
+    if std::fs::read("/sys/kernel/tracing/available_events").is_ok() {
+        let out = record("sched_switch", None);
+        env::assert_usage_error(
+            &out,
+            "-e sched_switch",
+            "\"sched_switch\" is the host kernel event sched:sched_switch: record it with --host-trace sched_switch",
+        );
+    }
+    assert!(dir.entries().is_empty(), "{:?}", dir.entries());
+}
+
 /// `--format json -o t.dat`: JSON is written, as asked, with a one-line warning that
 /// the extension names another format; an extension that agrees (or names none) gets
 /// none.

@@ -8,6 +8,7 @@
 //! An error is one line on stderr, `hyptrace: error: ...` (argument errors are followed
 //! by clap's hints: valid values, tips, usage).
 
+pub mod host_events;
 pub mod logging;
 
 use std::ffi::OsString;
@@ -377,7 +378,10 @@ fn execute(
     if let Some(c) = a.control.as_deref() {
         run = run.control(c);
     }
-    let report = run.execute()?;
+    let report = run.execute().map_err(|e| match e {
+        RunError::Events(e) => RunError::Events(host_events::with_hint(e)),
+        e => e,
+    })?;
     if !report.quiet_end() {
         let _ = write!(std::io::stderr(), "{report}");
     }
