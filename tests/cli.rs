@@ -801,6 +801,64 @@ fn closed_stdout_ends_record_and_convert_quietly() {
     assert_eq!(dir.entries(), ["s.json"]);
 }
 
+/// `record -o - | head -c 100` for the formats written at the end (trace.dat, JSON,
+/// Perfetto): exit 0 and quiet as every closed stdout (README), `end` is
+/// `stdout_closed`, and the summary (`-v`) says the output is incomplete, never
+/// "written to stdout".
+#[test]
+fn closed_stdout_is_never_called_written() {
+    if !kvm_available(KRATE, "closed_stdout_is_never_called_written") {
+        return;
+    }
+    let _vm = vm_lock();
+    let dir = TempDir::new("epipe-late");
+    let st = dir.file("s.json");
+    for (fmt, verbose) in [
+        ("dat", true),
+        ("json", true),
+        ("perfetto", true),
+        ("dat", false),
+    ] {
+        let mut args = vec!["record", "-o", "-", "--format", fmt];
+        args.extend(["--events", "100000", "--stats", &st]);
+        if verbose {
+            args.push("-v");
+        }
+        let mut child = Command::new(BIN)
+            .args(&args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn");
+        // `head -c 100`: 100 bytes read, then the pipe closed.
+        let mut out = child.stdout.take().expect("stdout");
+        let mut first = [0u8; 100];
+        out.read_exact(&mut first).expect("100 bytes");
+        drop(out);
+        let mut err = String::new();
+        child
+            .stderr
+            .take()
+            .expect("stderr")
+            .read_to_string(&mut err)
+            .expect("stderr");
+        let code = env::wait_exit(&mut child, "record -o - | head -c 100", LIMIT).code();
+        assert_eq!(code, Some(0), "{fmt}: {err}");
+        assert!(!err.contains("written to stdout"), "{fmt}: {err}");
+        if verbose {
+            assert!(
+                err.contains("stdout closed early: ") && err.contains("output incomplete"),
+                "{fmt}: {err}"
+            );
+        } else {
+            assert_eq!(err, "", "{fmt}");
+        }
+        let s = stats(&st);
+        assert_eq!(s["end"], "stdout_closed", "{fmt}: {s}");
+        assert_eq!(s["exit_code"], 0, "{fmt}: {s}");
+    }
+}
+
 // ---- 7: messages --------------------------------------------------------------------
 
 /// `-e` naming a host kernel event system or event (`-e sched`, a common slip) says to

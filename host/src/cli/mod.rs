@@ -378,10 +378,16 @@ fn execute(
     if let Some(c) = a.control.as_deref() {
         run = run.control(c);
     }
-    let report = run.execute().map_err(|e| match e {
+    let mut report = run.execute().map_err(|e| match e {
         RunError::Events(e) => RunError::Events(host_events::with_hint(e)),
         e => e,
     })?;
+    // A format written at the end (trace.dat, JSON, Perfetto) meets a closed stdout
+    // after the run: ended as a closed stdout, never called written.
+    let to_stdout = file.is_some_and(|(p, ..)| p.as_os_str() == "-");
+    if to_stdout && report.stop.is_none() && hyptrace_output::stdout_closed() {
+        report.stop = Some(crate::pipeline::report::Stop::StdoutClosed);
+    }
     if !report.quiet_end() {
         let _ = write!(std::io::stderr(), "{report}");
     }
