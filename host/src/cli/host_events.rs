@@ -50,7 +50,7 @@ pub fn with_hint(e: EventsError) -> EventsError {
 
 /// The end of the unknown-event message for `pattern`, if it names host kernel events
 /// (`available`: tracefs's `available_events`, `system:event` a line, if readable; else
-/// the pattern's system part is looked up in [`WELL_KNOWN_SYSTEMS`]). Matching is
+/// the pattern's system part is looked up in the well-known systems). Matching is
 /// `--host-trace`'s, so the command it suggests selects them.
 pub fn hint(pattern: &str, available: Option<&str>) -> Option<String> {
     if pattern == "all" || pattern.is_empty() {
