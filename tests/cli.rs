@@ -254,14 +254,7 @@ fn signal_to_process_and_group_is_one_stop() {
             .status()
             .expect("kill");
         assert!(st_kill.success());
-        let mut err = String::new();
-        child
-            .stderr
-            .take()
-            .expect("stderr")
-            .read_to_string(&mut err)
-            .expect("stderr");
-        let code = env::wait_exit(&mut child, "record", LIMIT).code();
+        let (code, err) = stderr_and_exit(&mut child, "record");
         assert_eq!(code, Some(0), "run {i}: {err}");
         check_clean_stop(&dir, &out, &st, &err, &format!("run {i}"));
     }
@@ -721,21 +714,14 @@ fn closed_stdout_ends_the_run_quietly() {
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn");
-    let mut out = BufReader::new(child.stdout.take().expect("stdout"));
-    for _ in 0..2 {
-        let mut line = String::new();
-        out.read_line(&mut line).expect("line");
-        assert!(line.contains("marker"), "{line}");
-    }
-    drop(out);
-    let mut err = String::new();
-    child
-        .stderr
-        .take()
-        .expect("stderr")
-        .read_to_string(&mut err)
-        .expect("stderr");
-    let code = env::wait_exit(&mut child, "run | head", LIMIT).code();
+    let (code, err) = close_stdout_after(&mut child, "run | head", |out| {
+        let mut out = BufReader::new(out);
+        for _ in 0..2 {
+            let mut line = String::new();
+            out.read_line(&mut line).expect("line");
+            assert!(line.contains("marker"), "{line}");
+        }
+    });
     assert_eq!(code, Some(0), "{err}");
     assert!(
         !err.contains("error") && !err.contains("Broken pipe"),
@@ -747,6 +733,28 @@ fn closed_stdout_ends_the_run_quietly() {
     assert_eq!(s["end"], "stdout_closed", "{s}");
     assert_eq!(s["exit_code"], 0, "{s}");
     assert_balanced(&s);
+}
+
+/// `child`'s stdout given to `read`, then closed (`| head`); its exit code and stderr.
+fn close_stdout_after(
+    child: &mut Child,
+    what: &str,
+    read: impl FnOnce(std::process::ChildStdout),
+) -> (Option<i32>, String) {
+    read(child.stdout.take().expect("stdout"));
+    stderr_and_exit(child, what)
+}
+
+/// All of `child`'s stderr, then its exit code (within [`LIMIT`]).
+fn stderr_and_exit(child: &mut Child, what: &str) -> (Option<i32>, String) {
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .expect("stderr")
+        .read_to_string(&mut err)
+        .expect("stderr");
+    (env::wait_exit(child, what, LIMIT).code(), err)
 }
 
 /// A child whose stdout is a pipe nobody reads (its read end closed before the start):
@@ -831,18 +839,9 @@ fn closed_stdout_is_never_called_written() {
             .spawn()
             .expect("spawn");
         // `head -c 100`: 100 bytes read, then the pipe closed.
-        let mut out = child.stdout.take().expect("stdout");
-        let mut first = [0u8; 100];
-        out.read_exact(&mut first).expect("100 bytes");
-        drop(out);
-        let mut err = String::new();
-        child
-            .stderr
-            .take()
-            .expect("stderr")
-            .read_to_string(&mut err)
-            .expect("stderr");
-        let code = env::wait_exit(&mut child, "record -o - | head -c 100", LIMIT).code();
+        let (code, err) = close_stdout_after(&mut child, "record -o - | head -c 100", |mut out| {
+            out.read_exact(&mut [0u8; 100]).expect("100 bytes");
+        });
         assert_eq!(code, Some(0), "{fmt}: {err}");
         assert!(!err.contains("written to stdout"), "{fmt}: {err}");
         if verbose {
@@ -1344,15 +1343,8 @@ fn a_stalled_output_is_named_as_the_cause_of_the_loss() {
         assert!(t0.elapsed() < LIMIT, "the run never closed its output");
         std::thread::sleep(Duration::from_micros(200));
     }
-    let st = env::wait_exit(&mut child, "record into a stalled FIFO", LIMIT);
-    let mut err = String::new();
-    child
-        .stderr
-        .take()
-        .expect("stderr")
-        .read_to_string(&mut err)
-        .expect("stderr");
-    assert_eq!(st.code(), Some(0), "{err}");
+    let (code, err) = stderr_and_exit(&mut child, "record into a stalled FIFO");
+    assert_eq!(code, Some(0), "{err}");
     assert!(
         err.lines()
             .any(|l| l.starts_with("hyptrace: hint: the reader waited ")

@@ -13,6 +13,14 @@ const BIN: &str = env!("CARGO_BIN_EXE_hyptrace");
 const KRATE: &str = env!("CARGO_CRATE_NAME");
 const TRACEFS: &str = "/sys/kernel/tracing";
 const VCPUS: u32 = 2;
+/// A short run with `--host-trace` (what the input-error tests refuse).
+const RUN_HOST_TRACE: [&str; 5] = [
+    "run",
+    "--host-trace",
+    "sched:sched_switch",
+    "--events",
+    "10",
+];
 /// A gap in a vCPU's guest events longer than this must be its thread switched out.
 const GAP_NS: u128 = 1_000_000;
 
@@ -834,13 +842,7 @@ fn tracefs_refused_to_a_user_is_permission_denied() {
     }
     let out = Command::new("setpriv")
         .args(["--reuid=65534", "--regid=65534", "--clear-groups", BIN])
-        .args([
-            "run",
-            "--host-trace",
-            "sched:sched_switch",
-            "--events",
-            "10",
-        ])
+        .args(RUN_HOST_TRACE)
         .env_remove("HYPTRACE_TRACEFS")
         .output()
         .expect("setpriv");
@@ -862,13 +864,7 @@ fn tracefs_refused_to_a_user_is_permission_denied() {
 fn missing_tracefs_or_event_is_an_input_error() {
     let dir = TempDir::new("host-trace-missing");
     let out = Command::new(BIN)
-        .args([
-            "run",
-            "--host-trace",
-            "sched:sched_switch",
-            "--events",
-            "10",
-        ])
+        .args(RUN_HOST_TRACE)
         .env("HYPTRACE_TRACEFS", dir.path())
         .output()
         .expect("hyptrace");
