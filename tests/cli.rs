@@ -809,10 +809,10 @@ fn closed_stdout_ends_record_and_convert_quietly() {
     assert_eq!(dir.entries(), ["s.json"]);
 }
 
-/// `record -o - | head -c 100` for the formats written at the end (trace.dat, JSON,
-/// Perfetto): exit 0 and quiet as every closed stdout (README), `end` is
-/// `stdout_closed`, and the summary (`-v`) says the output is incomplete, never
-/// "written to stdout".
+/// `record -o - | head -c 100` for the formats written at the end (trace.dat, Perfetto)
+/// and JSON, after the guest finished or `--duration`: exit 0 and quiet as every closed
+/// stdout (README), `end` is `stdout_closed`, and the summary (`-v`) says the output is
+/// incomplete, never "written to stdout".
 #[test]
 fn closed_stdout_is_never_called_written() {
     if !kvm_available(KRATE, "closed_stdout_is_never_called_written") {
@@ -821,14 +821,24 @@ fn closed_stdout_is_never_called_written() {
     let _vm = vm_lock();
     let dir = TempDir::new("epipe-late");
     let st = dir.file("s.json");
-    for (fmt, verbose) in [
-        ("dat", true),
-        ("json", true),
-        ("perfetto", true),
-        ("dat", false),
+    let finished = &["--events", "100000"][..];
+    let duration = &[
+        "--events",
+        "100000000",
+        "--rate",
+        "100000",
+        "--duration",
+        "0.5",
+    ][..];
+    for (fmt, verbose, until) in [
+        ("dat", true, finished),
+        ("json", true, finished),
+        ("perfetto", true, finished),
+        ("dat", false, finished),
+        ("dat", true, duration),
     ] {
-        let mut args = vec!["record", "-o", "-", "--format", fmt];
-        args.extend(["--events", "100000", "--stats", &st]);
+        let mut args = vec!["record", "-o", "-", "--format", fmt, "--stats", &st];
+        args.extend_from_slice(until);
         if verbose {
             args.push("-v");
         }

@@ -382,11 +382,15 @@ fn execute(
         RunError::Events(e) => RunError::Events(host_events::with_hint(e)),
         e => e,
     })?;
-    // A format written at the end (trace.dat, JSON, Perfetto) meets a closed stdout
-    // after the run: ended as a closed stdout, never called written.
+    // A format written at the end (trace.dat, Perfetto) meets a closed stdout after
+    // the run: a run that ended as asked (the guest finished, --duration, a first
+    // Ctrl-C) ends as a closed stdout; a crash, a hang or a failure stays what it was.
+    // Either way the summary never calls the output written.
+    use crate::pipeline::report::Stop;
     let to_stdout = file.is_some_and(|(p, ..)| p.as_os_str() == "-");
-    if to_stdout && report.stop.is_none() && hyptrace_output::stdout_closed() {
-        report.stop = Some(crate::pipeline::report::Stop::StdoutClosed);
+    let as_asked = matches!(report.stop, None | Some(Stop::Duration | Stop::Signal(_)));
+    if to_stdout && as_asked && hyptrace_output::stdout_closed() {
+        report.stop = Some(Stop::StdoutClosed);
     }
     if !report.quiet_end() {
         let _ = write!(std::io::stderr(), "{report}");

@@ -567,7 +567,7 @@ impl RunReport {
                 format!("{} not written", shown_path(path))
             }
             Destination::File { path, format }
-                if path.as_os_str() == "-" && self.stop == Some(Stop::StdoutClosed) =>
+                if path.as_os_str() == "-" && hyptrace_output::stdout_closed() =>
             {
                 format!(
                     "stdout closed early: {} output incomplete",
