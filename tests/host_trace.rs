@@ -13,6 +13,14 @@ const BIN: &str = env!("CARGO_BIN_EXE_hyptrace");
 const KRATE: &str = env!("CARGO_CRATE_NAME");
 const TRACEFS: &str = "/sys/kernel/tracing";
 const VCPUS: u32 = 2;
+/// A short run with `--host-trace` (what the input-error tests refuse).
+const RUN_HOST_TRACE: [&str; 5] = [
+    "run",
+    "--host-trace",
+    "sched:sched_switch",
+    "--events",
+    "10",
+];
 /// A gap in a vCPU's guest events longer than this must be its thread switched out.
 const GAP_NS: u128 = 1_000_000;
 
@@ -134,13 +142,55 @@ fn never_left(lines: &[Line]) -> std::collections::BTreeSet<i64> {
     to.difference(&from).copied().collect()
 }
 
+/// Steal time of host CPU `cpu` so far, in USER_HZ ticks: what the hypervisor below
+/// this machine (itself a VM) took from it — the 8th value of /proc/stat's `cpuN` line.
+/// A vCPU thread held off so shows no sched_switch. `None` if unreadable.
+fn steal_ticks(cpu: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let label = format!("cpu{cpu}");
+    let line = stat
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(label.as_str()))?;
+    line.split_whitespace().nth(8)?.parse().ok()
+}
+
+/// The most time the hypervisor below can have taken from host CPU `cpu` between two
+/// [`steal_ticks`] readings, in ns: their difference, plus one tick as each reading is
+/// rounded down — or 0 if the machine accounts no steal time at all (none since boot).
+fn steal_bound_ns(before: Option<u64>, after: Option<u64>) -> u128 {
+    // SAFETY: sysconf reads a constant of the C library; no pointer is involved.
+    let hz = u128::try_from(unsafe { libc::sysconf(libc::_SC_CLK_TCK) }).unwrap_or(100);
+    match (before, after) {
+        (Some(b), Some(a)) if a > 0 => u128::from(a.saturating_sub(b) + 1) * 1_000_000_000 / hz,
+        _ => 0,
+    }
+}
+
+/// What [`check_gaps`] found for one vCPU.
+#[derive(Debug, Default)]
+struct Gaps {
+    /// Gaps over [`GAP_NS`].
+    gaps: usize,
+    /// The thread's switches out.
+    outs: usize,
+    /// Gaps whose switch back in the kernel did not report.
+    unseen: usize,
+    /// Gaps with no switch at all and nothing else on the CPU: held off by the
+    /// hypervisor below (their number, their total ns).
+    stolen: usize,
+    stolen_ns: u128,
+}
+
 /// Every gap over [`GAP_NS`] between two guest events of vCPU `v` holds a switch out
 /// of its thread `tid` and a switch back in after it — unless the kernel did not report
 /// the switch in: the run counted no loss (`lossy` false), the trace has tasks never
 /// reported leaving ([`never_left`]), and the thread's next switch after its switch out
-/// is another switch out (the host stream itself shows it was back in). Returns
-/// (gaps, switches out, gaps whose switch-in the kernel did not report).
-fn check_gaps(lines: &[Line], v: u32, tid: i64, lossy: bool) -> (usize, usize, usize) {
+/// is another switch out (the host stream itself shows it was back in) — or unless the
+/// hypervisor below held the host CPU: no switch of the thread in the gap and no event
+/// of another vCPU either (every vCPU thread shares the one host CPU, so another vCPU
+/// ran only if this thread was switched out: a missed switch fails), and all such gaps
+/// together no longer than `stolen_ns`, the steal time the CPU gained during the run.
+fn check_gaps(lines: &[Line], v: u32, tid: i64, lossy: bool, stolen_ns: u128) -> Gaps {
     let guest: Vec<u128> = lines
         .iter()
         .filter(|l| l.cpu == v && l.name == "marker")
@@ -161,13 +211,16 @@ fn check_gaps(lines: &[Line], v: u32, tid: i64, lossy: bool) -> (usize, usize, u
             ins.push(l.ts);
         }
     }
-    let (mut gaps, mut unseen) = (0, 0);
+    let mut r = Gaps {
+        outs: outs.len(),
+        ..Gaps::default()
+    };
     for w in guest.windows(2) {
         let (a, b) = (w[0], w[1]);
         if b - a <= GAP_NS {
             continue;
         }
-        gaps += 1;
+        r.gaps += 1;
         let out = outs.iter().find(|&&(t, _)| a <= t && t <= b);
         let back = out.and_then(|&(o, _)| ins.iter().find(|&&t| o <= t && t <= b));
         // The thread's next switch after its switch out in the gap is another switch
@@ -181,25 +234,48 @@ fn check_gaps(lines: &[Line], v: u32, tid: i64, lossy: bool) -> (usize, usize, u
                 let next_in = ins.iter().copied().find(|&t| t > o);
                 next_out.is_some_and(|no| next_in.is_none_or(|i| no < i))
             });
+        // Nothing ran on the CPU in the gap as far as the trace shows: the hypervisor
+        // below held it (checked against the steal time after the loop).
+        let stolen = out.is_none()
+            && !lines
+                .iter()
+                .any(|l| l.cpu != v && l.name == "marker" && a < l.ts && l.ts < b);
         let near: Vec<&Line> = lines
             .iter()
             .filter(|l| l.name == "sched_switch" && a <= l.ts + GAP_NS && l.ts <= b + GAP_NS)
             .collect();
         assert!(
-            back.is_some() || unreported,
-            "vCPU {v} (tid {tid}): guest gap {a}..{b} ({} µs) without its thread switched out and back in (out {out:?}), nor switched in unseen (lossy {lossy}, tasks never reported leaving {silent:?}); host switches around it: {near:#?}",
+            back.is_some() || unreported || stolen,
+            "vCPU {v} (tid {tid}): guest gap {a}..{b} ({} µs) without its thread switched out and back in (out {out:?}), nor switched in unseen (lossy {lossy}, tasks never reported leaving {silent:?}), nor held by the hypervisor (another vCPU ran in it); host switches around it: {near:#?}",
             (b - a) / 1000
         );
-        unseen += usize::from(unreported);
+        r.unseen += usize::from(unreported);
+        if stolen {
+            r.stolen += 1;
+            r.stolen_ns += b - a;
+        }
     }
-    (gaps, outs.len(), unseen)
+    assert!(
+        r.stolen_ns <= stolen_ns,
+        "vCPU {v} (tid {tid}): {} guest gaps ({} µs in all) without a switch of its thread, more than the steal time its host CPU gained during the run ({} µs): {r:?}",
+        r.stolen,
+        r.stolen_ns / 1000,
+        stolen_ns / 1000
+    );
+    r
 }
 
 /// `record --host-trace sched:sched_switch` next to a CPU hog on the vCPU threads'
 /// CPU: trace-cmd prints guest events and the vCPU threads' switches, with their
 /// fields, in one time order; every gap over 1 ms in a vCPU's events is its thread
-/// switched out; the Perfetto conversion of the same file decodes with the official
-/// schema and puts each vCPU's events and its thread's switches on one thread.
+/// switched out and back in ([`check_gaps`]), or, where this machine is itself a VM,
+/// time the hypervisor below held the host CPU: such a gap shows no switch (steal
+/// time), so a gap with no switch passes only if no other vCPU ran in it and all such
+/// gaps together fit in the steal time /proc/stat counted for that CPU during the run
+/// (a machine that counts no steal time passes none) — a switch the host trace missed, or guest and host
+/// clocks apart, still fails; the Perfetto conversion of the same file decodes with
+/// the official schema and puts each vCPU's events and its thread's switches on one
+/// thread.
 #[test]
 fn trace_dat_shows_vcpu_preemption() {
     if !kvm_available(KRATE, "trace_dat_shows_vcpu_preemption")
@@ -264,6 +340,7 @@ fn vcpu_preemption_recorded(wrap: &[&str], tag: &str) {
     // Everything on CPU 0: the hog, both vCPU threads, the reader. The vCPU threads
     // are switched out (the hog never sleeps), so sched_switch events are certain.
     let _hog = Hog::pinned(0);
+    let steal_before = steal_ticks(0);
     let child = Command::new("taskset")
         .args(["-c", "0"])
         .args(wrap)
@@ -278,6 +355,7 @@ fn vcpu_preemption_recorded(wrap: &[&str], tag: &str) {
     // namespace (its instance is named so).
     let pid = if wrap.is_empty() { child.id() } else { 1 };
     let out = child.wait_with_output().expect("wait");
+    let stolen_ns = steal_bound_ns(steal_before, steal_ticks(0));
     assert_eq!(out.status.code(), Some(0), "{}", env::stderr(&out));
     assert_eq!(instance(pid), None, "instance left after a normal exit");
     let s: serde_json::Value =
@@ -308,13 +386,19 @@ fn vcpu_preemption_recorded(wrap: &[&str], tag: &str) {
         let lossy = ["lost", "lost_pages_unknown", "overrun", "dropped"]
             .iter()
             .any(|k| h[k].as_u64() != Some(0));
-        let (gaps, outs, unseen) = check_gaps(&lines, v, tid, lossy);
+        let g = check_gaps(&lines, v, tid, lossy, stolen_ns);
         assert!(
-            outs > 0,
+            g.outs > 0,
             "vCPU {v}: its thread {tid} was never switched out"
         );
         eprintln!(
-            "vCPU {v}: {gaps} gaps over 1 ms, {outs} switches out, all covered ({unseen} switched back in unseen)"
+            "vCPU {v}: {} gaps over 1 ms, {} switches out, all covered ({} switched back in unseen, {} held by the hypervisor: {} µs of at most {} µs of steal)",
+            g.gaps,
+            g.outs,
+            g.unseen,
+            g.stolen,
+            g.stolen_ns / 1000,
+            stolen_ns / 1000
         );
     }
     check_perfetto(&dir, &dat, &tids, &lines);
@@ -743,19 +827,44 @@ fn json_merges_host_events_in_time_order() {
     }
 }
 
+/// A user tracefs refuses (not root: the mount is root's, mode 0700) is told so — exit
+/// 2, `permission denied on /sys/kernel/tracing... (run as root)` — not that tracefs is
+/// not mounted; no VM is needed (tracefs is checked before the VM exists). Runs the
+/// binary as `nobody` (setpriv; skipped unless this test runs as root with tracefs
+/// mounted).
+#[test]
+fn tracefs_refused_to_a_user_is_permission_denied() {
+    // SAFETY: geteuid reads this process's credentials; it cannot fail.
+    let root = unsafe { libc::geteuid() } == 0;
+    if !root || !Path::new(TRACEFS).join("instances").is_dir() {
+        eprintln!("{KRATE}::tracefs_refused_to_a_user_is_permission_denied: skipped: needs root and {TRACEFS} mounted");
+        return;
+    }
+    let out = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", BIN])
+        .args(RUN_HOST_TRACE)
+        .env_remove("HYPTRACE_TRACEFS")
+        .output()
+        .expect("setpriv");
+    env::assert_usage_error(
+        &out,
+        "--host-trace as nobody",
+        "--host-trace: permission denied on /sys/kernel/tracing",
+    );
+    let err = env::stderr(&out);
+    assert!(
+        err.contains("(run as root)") && !err.contains("not mounted"),
+        "{err}"
+    );
+}
+
 /// Without tracefs, or with an event the kernel does not have: exit 2, one line naming
 /// what is missing (a pattern escaped), no VM started.
 #[test]
 fn missing_tracefs_or_event_is_an_input_error() {
     let dir = TempDir::new("host-trace-missing");
     let out = Command::new(BIN)
-        .args([
-            "run",
-            "--host-trace",
-            "sched:sched_switch",
-            "--events",
-            "10",
-        ])
+        .args(RUN_HOST_TRACE)
         .env("HYPTRACE_TRACEFS", dir.path())
         .output()
         .expect("hyptrace");

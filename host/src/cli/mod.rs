@@ -8,6 +8,7 @@
 //! An error is one line on stderr, `hyptrace: error: ...` (argument errors are followed
 //! by clap's hints: valid values, tips, usage).
 
+pub mod host_events;
 pub mod logging;
 
 use std::ffi::OsString;
@@ -377,7 +378,20 @@ fn execute(
     if let Some(c) = a.control.as_deref() {
         run = run.control(c);
     }
-    let report = run.execute()?;
+    let mut report = run.execute().map_err(|e| match e {
+        RunError::Events(e) => RunError::Events(host_events::with_hint(e)),
+        e => e,
+    })?;
+    // A format written at the end (trace.dat, Perfetto) meets a closed stdout after
+    // the run: a run that ended as asked (the guest finished, --duration, a first
+    // Ctrl-C) ends as a closed stdout; a crash, a hang or a failure stays what it was.
+    // Either way the summary never calls the output written.
+    use crate::pipeline::report::Stop;
+    let to_stdout = file.is_some_and(|(p, ..)| p.as_os_str() == "-");
+    let as_asked = matches!(report.stop, None | Some(Stop::Duration | Stop::Signal(_)));
+    if to_stdout && as_asked && hyptrace_output::stdout_closed() {
+        report.stop = Some(Stop::StdoutClosed);
+    }
     if !report.quiet_end() {
         let _ = write!(std::io::stderr(), "{report}");
     }

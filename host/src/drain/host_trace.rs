@@ -73,6 +73,16 @@ pub enum HostTraceError {
     /// tracefs is not there.
     #[error("--host-trace: tracefs is not mounted at {0} (mount -t tracefs nodev {0})")]
     NotMounted(PathBuf),
+    /// tracefs is there, but this user may not search or write it (EACCES/EPERM: a
+    /// tracefs directory is root's, mode 0700).
+    #[error("--host-trace: permission denied on {path} (run as root)", path = .path.display())]
+    PermissionDenied {
+        /// The directory refused.
+        path: PathBuf,
+        /// The refusal.
+        #[source]
+        source: std::io::Error,
+    },
     /// A tracefs file could not be read or written (permissions: run as root).
     #[error("--host-trace: {path}", path = .path.display())]
     Io {
@@ -140,7 +150,7 @@ const MAX_TEXT: usize = 1 << 20;
 /// Reads a tracefs text file with large reads: some (`events/header_page`) answer a
 /// read at a nonzero offset with nothing, so `read_to_string`'s small first probe read
 /// would cut them short.
-fn read_text(path: &Path) -> Result<String, HostTraceError> {
+pub(crate) fn read_text(path: &Path) -> Result<String, HostTraceError> {
     let mut f = File::open(path).map_err(io_err(path))?;
     let mut out = Vec::new();
     let mut buf = vec![0u8; 64 << 10];
@@ -186,7 +196,7 @@ impl HostTraceSpec {
 }
 
 /// Whether `pat` selects event `sys:name`.
-fn selects(pat: &str, sys: &str, name: &str) -> bool {
+pub(crate) fn selects(pat: &str, sys: &str, name: &str) -> bool {
     match pat.split_once(':') {
         Some((s, e)) => glob(s, sys) && glob(if e.is_empty() { "*" } else { e }, name),
         None => glob(pat, sys) || glob(pat, name),

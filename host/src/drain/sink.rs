@@ -174,32 +174,59 @@ pub fn write_destination(target: &OutputTarget, text: &str) -> Result<(), Output
 
 /// `format`, else the format the extension of `output` (named by `flag`) names: a
 /// path without an extension (`-`, a device, `trace`) is a trace.dat; an extension
-/// that names no format is refused (exit 2), never guessed.
+/// that names no format is refused (exit 2), never guessed. An explicit `format` the
+/// extension disagrees with (`--format json -o t.dat`) is obeyed, with a warning on
+/// stderr ([`extension_disagrees`]).
 pub fn format_for(
     format: Option<FormatArg>,
     output: &Path,
     flag: &str,
 ) -> Result<FormatArg, DestinationError> {
     if let Some(f) = format {
+        if let Some(w) = extension_disagrees(f, output, flag) {
+            note!("hyptrace: warning: {w}");
+        }
         return Ok(f);
     }
     let Some(ext) = output.extension() else {
         return Ok(FormatArg::Dat);
     };
     let ext = ext.to_string_lossy();
-    Ok(match ext.to_ascii_lowercase().as_str() {
+    format_of_extension(&ext).ok_or_else(|| DestinationError {
+        path: output.to_path_buf(),
+        flag: flag.to_string(),
+        source: DestinationProblem::UnknownExtension(ext.into_owned()),
+    })
+}
+
+/// The format an extension names (case-insensitive), if it names one.
+fn format_of_extension(ext: &str) -> Option<FormatArg> {
+    Some(match ext.to_ascii_lowercase().as_str() {
         "dat" => FormatArg::Dat,
         "json" => FormatArg::Json,
         "txt" | "text" => FormatArg::Text,
         "raw" => FormatArg::Raw,
         "pftrace" | "perfetto-trace" | "perfetto" => FormatArg::Perfetto,
-        _ => {
-            return Err(DestinationError {
-                path: output.to_path_buf(),
-                flag: flag.to_string(),
-                source: DestinationProblem::UnknownExtension(ext.into_owned()),
-            })
-        }
+        _ => return None,
+    })
+}
+
+/// Why `output`'s extension disagrees with the explicit `format`, if it names another
+/// format (`.dat` agrees with `dat` and `dat6`; no extension, or one naming no format,
+/// agrees with any).
+pub fn extension_disagrees(format: FormatArg, output: &Path, flag: &str) -> Option<String> {
+    let ext = output.extension()?.to_string_lossy();
+    let named = format_of_extension(&ext)?;
+    let agree = named == format || (named == FormatArg::Dat && format == FormatArg::Dat6);
+    let name = |f: FormatArg| f.to_possible_value().map(|v| v.get_name().to_string());
+    (!agree).then(|| {
+        format!(
+            "{} ({flag}) is written as --format {}, though `.{}` names --format {}",
+            shown_path(output),
+            name(format).unwrap_or_default(),
+            crate::exit::printable(&ext),
+            name(named).unwrap_or_default(),
+        )
     })
 }
 
@@ -294,6 +321,22 @@ mod tests {
             format_for(raw, Path::new("x.zzz"), "-o").expect("raw"),
             FormatArg::Raw
         );
+        // An explicit format the extension disagrees with: obeyed, warned.
+        let warn = |f, p: &str| extension_disagrees(f, Path::new(p), "-o");
+        assert_eq!(
+            warn(FormatArg::Json, "t.dat").as_deref(),
+            Some("t.dat (-o) is written as --format json, though `.dat` names --format dat")
+        );
+        assert!(warn(FormatArg::Dat, "t.JSON").is_some());
+        for (f, p) in [
+            (FormatArg::Dat6, "t.dat"),
+            (FormatArg::Json, "t.json"),
+            (FormatArg::Text, "t.txt"),
+            (FormatArg::Raw, "t.zzz"),
+            (FormatArg::Perfetto, "-"),
+        ] {
+            assert_eq!(warn(f, p), None, "{p}");
+        }
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -566,6 +566,14 @@ impl RunReport {
             Destination::File { path, .. } if self.failures.output_failed() => {
                 format!("{} not written", shown_path(path))
             }
+            Destination::File { path, format }
+                if path.as_os_str() == "-" && hyptrace_output::stdout_closed() =>
+            {
+                format!(
+                    "stdout closed early: {} output incomplete",
+                    format_name(*format)
+                )
+            }
             Destination::File { path, format } => {
                 format!("{} written to {}", format_name(*format), shown_path(path))
             }

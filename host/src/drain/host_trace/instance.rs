@@ -101,10 +101,24 @@ pub(super) struct Instance {
     dir: PathBuf,
 }
 
+/// Whether `e` is the kernel refusing this user (EACCES or EPERM: Rust maps both to
+/// `PermissionDenied`), not a missing file.
+fn denied(e: &io::Error) -> bool {
+    e.kind() == io::ErrorKind::PermissionDenied
+}
+
 impl Instance {
     pub(super) fn create(root: &Path) -> Result<Self, HostTraceError> {
-        if !root.join("instances").is_dir() {
-            return Err(HostTraceError::NotMounted(root.to_path_buf()));
+        let instances = root.join("instances");
+        match std::fs::metadata(&instances) {
+            Ok(m) if m.is_dir() => {}
+            Err(e) if denied(&e) => {
+                return Err(HostTraceError::PermissionDenied {
+                    path: root.to_path_buf(),
+                    source: e,
+                })
+            }
+            _ => return Err(HostTraceError::NotMounted(root.to_path_buf())),
         }
         let me = Maker::me().map_err(io_err(Path::new("/proc/self")))?;
         remove_stale(root, &me);
@@ -113,6 +127,10 @@ impl Instance {
             Ok(()) => Ok(Self { dir }),
             // Not made by this process: not ours to use or remove.
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Err(HostTraceError::Exists(dir)),
+            Err(e) if denied(&e) => Err(HostTraceError::PermissionDenied {
+                path: instances,
+                source: e,
+            }),
             Err(e) => Err(io_err(&dir)(e)),
         }
     }
