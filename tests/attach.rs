@@ -798,20 +798,12 @@ fn consumers_in_a_row_repeat_nothing() {
             wait_socket(&sock, &mut vm, &vm_err);
             let mut seen = std::collections::HashSet::new();
             let mut events = 0usize;
-            let written = || cpu0_written(&sock);
             let mut last = 0;
             for round in 0..rounds {
                 // Something new for every consumer (a condition, not a sleep): the
                 // writer took in at least 50 events (a page holds about 145) since the
                 // last one, so consumers end mid-page as often as on a page's end.
-                env::wait_until(
-                    vm.0.as_mut().expect("child"),
-                    &format!("{tag}: 50 more events"),
-                    WALL,
-                    || written() >= last + 50,
-                    || std::fs::read_to_string(&vm_err).unwrap_or_default(),
-                );
-                last = written();
+                last = wait_written(&sock, &mut vm, &vm_err, last + 50);
                 let out = dir.file(&format!("c{round}.txt"));
                 let (code, err) = run_bounded(
                     &["dump", "--attach", &sock, "-o", &out, "--format", "text"],
@@ -855,6 +847,19 @@ fn cpu0_written(sock: &str) -> u64 {
         .expect("ctl");
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or(serde_json::Value::Null);
     v["cpus"][0]["written"].as_u64().unwrap_or(0)
+}
+
+/// Waits (bounded) until CPU 0's writer behind `sock` took in `at_least` events; returns
+/// how many it had then.
+fn wait_written(sock: &str, vm: &mut Guard, vm_err: &str, at_least: u64) -> u64 {
+    env::wait_until(
+        vm.0.as_mut().expect("child"),
+        &format!("{at_least} events written"),
+        WALL,
+        || cpu0_written(sock) >= at_least,
+        || std::fs::read_to_string(vm_err).unwrap_or_default(),
+    );
+    cpu0_written(sock)
 }
 
 /// Per CPU, (events, lost) as `dump --attach` reports them on stderr (`hyptrace: attach:
@@ -1043,19 +1048,11 @@ fn three_readers(dir: &TempDir, tag: &str, extra: &[&str]) {
     args.extend_from_slice(extra);
     let mut vm = Guard(Some(spawn(&args, &vm_out, &vm_err)));
     wait_socket(&sock, &mut vm, &vm_err);
-    let written = || cpu0_written(&sock);
     let mut outs = Vec::new();
     let mut last = 0;
     for (i, o) in ["-", "file"].iter().enumerate() {
         // Something new for each subscriber (a condition, not a sleep).
-        env::wait_until(
-            vm.0.as_mut().expect("child"),
-            &format!("{tag}: 300 more events"),
-            WALL,
-            || written() >= last + 300,
-            || std::fs::read_to_string(&vm_err).unwrap_or_default(),
-        );
-        last = written();
+        last = wait_written(&sock, &mut vm, &vm_err, last + 300);
         let file = dir.file(&format!("{tag}.c{i}.txt"));
         let target = if *o == "-" { "-" } else { file.as_str() };
         let (code, err) = run_bounded(
