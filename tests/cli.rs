@@ -1140,7 +1140,7 @@ fn readme_tells_a_new_user_what_they_need() {
         "/dev/kvm",
         "kvm group",
         "target/release/hyptrace",
-        "cargo install --path .",
+        "cargo install --locked --path .",
         "trace-cmd",
         "SKIP",
         "Exit status:",

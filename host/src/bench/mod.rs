@@ -358,6 +358,9 @@ fn run_all(cfg: &Cfg, a: &BenchArgs) -> Result<BenchReport, BenchError> {
     if on(Section::Drain) {
         eprintln!("hyptrace bench: drain");
         drain = drain::drain_section(cfg, tsc)?;
+        let sub = subscriber::subscriber_drain(cfg)?;
+        eprintln!("  subscriber: {:.0} MB/s", sub.throughput.mb_per_s.median);
+        drain.subscriber = Measured::Ran(sub);
     }
     let mut max_rate = Vec::new();
     if on(Section::Rate) {

@@ -13,7 +13,7 @@
 //!
 //! The socket thread only parses; every command is executed by the run loop between its
 //! drain rounds ([`ControlServer::serve`] with a [`Handler`]), which owns the session and
-//! the VM — and the consumer claim (C2: checked when a request executes, not when it is
+//! the VM — and the subscriber claim (C2: checked when a request executes, not when it is
 //! parsed). A request whose client gave up waiting is dropped, never executed late, and
 //! a client that disconnects is reported to the handler ([`Handler::gone`]) after its
 //! last request, in queue order.
@@ -536,7 +536,7 @@ impl Peer {
 
 /// Has the run loop execute `req` (bounded wait: a request not taken yet is cancelled
 /// past [`REPLY_TIMEOUT`], or as soon as its client hung up — C2: a gone client's
-/// `get_reader` never swaps pages nobody will read).
+/// `fetch` never sends pieces nobody will take).
 fn forward(req: Wire, tx: &Queue, stop: &AtomicBool, (conn, peer): (u64, Peer)) -> Reply {
     let (rtx, rrx) = mpsc::sync_channel(1);
     let state = Arc::new(AtomicU8::new(QUEUED));

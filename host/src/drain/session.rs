@@ -722,14 +722,16 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
                 l.ctl(cpu) + ctl::BYTES,
                 std::sync::atomic::Ordering::Relaxed,
             );
-            // What the ring holds unread: the pages the writer moved onto since the
-            // reader's page (by their `page_seq`; not the byte counters, whose difference
-            // also holds what the writer overwrote before the reader got to it: after one
-            // lap it would say "full" for ever).
-            let unread = self
-                .reader
-                .pages_behind(cpu)
-                .saturating_mul(l.data_capacity() as u64)
+            // What the ring holds unread: the bytes written and not read, but at most
+            // the pages the writer moved onto since the reader's page (by their
+            // `page_seq`) and the one it is on — the byte counters' difference alone also
+            // holds what the writer overwrote before the reader got to it: after one lap
+            // it said "full" for ever.
+            let dc = l.data_capacity() as u64;
+            let pages = self.reader.pages_behind(cpu).saturating_add(1);
+            let unread = written
+                .saturating_sub(self.reader.stats(cpu).bytes)
+                .min(pages.saturating_mul(dc))
                 .min(cap);
             let st = &mut self.cpus[cpu as usize];
             if let Some((at, before)) = st.fill {
