@@ -10,23 +10,26 @@
 //! one as its last byte, and a location outside the record is pointed at an empty
 //! string inside its own word ([`empty_data_loc`]). The changed bytes are counted
 //! ([`super::TraceDatSink`] warns with the count).
-
-use std::collections::HashMap;
+//!
+//! What is a string field is decided once per event type ([`StringFields::new`]); a
+//! page's records are walked only when some format has one, and a record of an event
+//! without one costs its decode and one indexed load ([`IdTable`]), nothing more.
 
 use hyptrace_abi::page::{decode_record, Record, PAGE_HEADER_SIZE};
 
 use crate::export::commit_len;
 use crate::format::EventFormat;
+use crate::idtable::IdTable;
 use crate::printfmt::FieldRef;
 use crate::text::must_escape;
 
 /// What replaces an unsafe byte.
 pub const REPLACEMENT: u8 = b'?';
 
-/// The string fields of each event id of a trace.
+/// The string fields of each event id of a trace (events without one have no entry).
 #[derive(Clone, Debug, Default)]
 pub(crate) struct StringFields {
-    by_id: HashMap<u16, Vec<FieldRef>>,
+    by_id: IdTable<Vec<FieldRef>>,
 }
 
 impl StringFields {
@@ -82,7 +85,7 @@ impl StringFields {
         let Some(id) = p.get(..2).map(|b| u16::from_le_bytes([b[0], b[1]])) else {
             return 0;
         };
-        let Some(fields) = self.by_id.get(&id) else {
+        let Some(fields) = self.by_id.get(id) else {
             return 0;
         };
         let mut replaced = 0;
