@@ -461,10 +461,11 @@ pub fn pump_pages(
 ) -> Result<(), OutputError> {
     let mut cursors: Vec<_> = (0..f.cpus.len()).filter_map(|i| f.pages(i)).collect();
     let cpus: Vec<u32> = f.cpus.iter().map(|b| b.cpu).collect();
-    // The head page of each CPU: (time, page).
-    let mut heads: Vec<Option<(u64, Vec<u8>)>> = Vec::with_capacity(cursors.len());
-    for c in &mut cursors {
-        heads.push(next_head(c)?);
+    // The head page of each CPU (its buffer reused page after page) and its time.
+    let mut pages: Vec<Vec<u8>> = vec![Vec::new(); cursors.len()];
+    let mut heads: Vec<Option<u64>> = Vec::with_capacity(cursors.len());
+    for (c, page) in cursors.iter_mut().zip(&mut pages) {
+        heads.push(next_head(c, page)?);
         c.take_damage().into_iter().for_each(&mut *on_damage);
     }
     // Bounded: every step consumes a page of some CPU. Stdout closed (`| head`): the
@@ -472,47 +473,94 @@ pub fn pump_pages(
     while let Some(i) = heads
         .iter()
         .enumerate()
-        .filter_map(|(i, h)| h.as_ref().map(|(t, _)| (*t, cpus[i], i)))
+        .filter_map(|(i, h)| h.map(|t| (t, cpus[i], i)))
         .min()
         .map(|(_, _, i)| i)
     {
         if hyptrace_output::stdout_closed() {
             break;
         }
-        if let Some((_, page)) = heads[i].take() {
-            if let Some(why) = hyptrace_output::tracedat::page_damage(&page) {
-                on_damage(hyptrace_output::tracedat::Damage {
-                    cpu: Some(cpus[i]),
-                    offset: None,
-                    what: format!("a page does not decode ({why}): copied as it is"),
-                });
-            }
-            let missed = match hyptrace_output::page_missed(&page) {
-                Missed::Count(n) => Some(n),
-                Missed::Unknown | Missed::None => None,
-            };
-            sink.page(cpus[i], &page, missed)?;
-            heads[i] = next_head(&mut cursors[i])?;
-            cursors[i]
-                .take_damage()
-                .into_iter()
-                .for_each(&mut *on_damage);
-        }
+        feed_page(sink.as_mut(), cpus[i], &pages[i], on_damage)?;
+        heads[i] = next_head(&mut cursors[i], &mut pages[i])?;
+        cursors[i]
+            .take_damage()
+            .into_iter()
+            .for_each(&mut *on_damage);
     }
     sink.finish(&RunSummary::default())
 }
 
+/// Hands `page` of `cpu` to `sink`, its losses kept; a page that does not decode is
+/// named to `on_damage` (and copied as it is).
+fn feed_page(
+    sink: &mut dyn PageSink,
+    cpu: u32,
+    page: &[u8],
+    on_damage: &mut dyn FnMut(hyptrace_output::tracedat::Damage),
+) -> Result<(), OutputError> {
+    if let Some(why) = hyptrace_output::tracedat::page_damage(page) {
+        on_damage(hyptrace_output::tracedat::Damage {
+            cpu: Some(cpu),
+            offset: None,
+            what: format!("a page does not decode ({why}): copied as it is"),
+        });
+    }
+    let missed = match hyptrace_output::page_missed(page) {
+        Missed::Count(n) => Some(n),
+        Missed::Unknown | Missed::None => None,
+    };
+    sink.page(cpu, page, missed)
+}
+
+/// [`pump_pages`] for a sink that takes each CPU's pages in one piece (trace.dat): CPU
+/// after CPU, each one ended ([`PageSink::end_cpu`]) after its last page, so the sink
+/// writes every CPU's data straight to its place.
+pub fn pump_by_cpu(
+    f: &TraceFile,
+    mut sink: Box<dyn PageSink>,
+    on_damage: &mut dyn FnMut(hyptrace_output::tracedat::Damage),
+) -> Result<(), OutputError> {
+    for (i, b) in f.cpus.iter().enumerate() {
+        let Some(mut c) = f.pages(i) else {
+            continue;
+        };
+        // Bounded: every step consumes a page of the CPU.
+        loop {
+            if hyptrace_output::stdout_closed() {
+                break;
+            }
+            let more = match c.next_page()? {
+                Some(page) => {
+                    feed_page(sink.as_mut(), b.cpu, page, on_damage)?;
+                    true
+                }
+                None => false,
+            };
+            c.take_damage().into_iter().for_each(&mut *on_damage);
+            if !more {
+                break;
+            }
+        }
+        sink.end_cpu(b.cpu)?;
+    }
+    sink.finish(&RunSummary::default())
+}
+
+/// Reads CPU cursor `c`'s next page into `page`; its time, `None` at the end.
 fn next_head(
     c: &mut hyptrace_output::tracedat::CpuPages,
-) -> Result<Option<(u64, Vec<u8>)>, OutputError> {
-    Ok(c.next_page()?.map(|p| {
-        let ts = p.get(..8).map_or(0, |b| {
-            let mut w = [0u8; 8];
-            w.copy_from_slice(b);
-            u64::from_le_bytes(w)
-        });
-        (ts, p.to_vec())
-    }))
+    page: &mut Vec<u8>,
+) -> Result<Option<u64>, OutputError> {
+    let Some(p) = c.next_page()? else {
+        return Ok(None);
+    };
+    page.clear();
+    page.extend_from_slice(p);
+    Ok(Some(p.get(..8).map_or(0, |b| {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(b);
+        u64::from_le_bytes(w)
+    })))
 }
 
 /// A raw page stream carries no event formats (its reader assumes hyptrace's guest
@@ -554,10 +602,16 @@ pub fn convert(a: &ConvertArgs) -> Result<(), ConvertError> {
             }
             let sink = crate::drain::sink::make_sink(&target, format, compression, meta_of(&f))
                 .map_err(ConvertError::Output)?;
-            pump_pages(&f, sink, &mut |d| {
+            let mut on_damage = |d| {
                 damage += 1;
                 warn_damage(&a.input, &d);
-            })
+            };
+            match format {
+                // A trace.dat keeps each CPU's data in one piece: fed CPU by CPU, it is
+                // written once, straight to its place.
+                FormatArg::Dat | FormatArg::Dat6 => pump_by_cpu(&f, sink, &mut on_damage),
+                _ => pump_pages(&f, sink, &mut on_damage),
+            }
         }
     };
     if r.is_ok() && damage > 0 {
