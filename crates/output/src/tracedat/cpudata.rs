@@ -31,7 +31,7 @@ use super::zpool::{DirectTo, ZPool};
 use crate::target::OutputTarget;
 use crate::OutputError;
 
-/// Most compression worker threads of one sink (also at most one per CPU and per core).
+/// Most compression worker threads of one sink (also at most one per core).
 const ZSTD_MAX_WORKERS: usize = 8;
 /// Bytes of pages an uncompressed CPU gathers before one `write(2)`.
 const BATCH_BYTES: usize = 1 << 20;
@@ -123,9 +123,9 @@ pub(super) struct Finished {
 
 impl CpuData {
     /// The CPU data of `nr_cpus` CPUs for `target`: spill files, the output's `tail`
-    /// when it can be written at any offset, and for zstd the workers (one per CPU and
-    /// per core, at most [`ZSTD_MAX_WORKERS`]); `strings` are the string fields of the
-    /// trace's events.
+    /// when it can be written at any offset, and for zstd the workers (one per core, at
+    /// most [`ZSTD_MAX_WORKERS`]); `strings` are the string fields of the trace's
+    /// events.
     pub(super) fn new(
         target: &OutputTarget,
         nr_cpus: u32,
@@ -135,7 +135,7 @@ impl CpuData {
         tail: Option<Tail>,
     ) -> Result<Self, OutputError> {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let workers = cores.min(nr_cpus as usize).min(ZSTD_MAX_WORKERS);
+        let workers = cores.min(ZSTD_MAX_WORKERS);
         let strings = Arc::new(strings);
         let outs = (0..nr_cpus)
             .map(|cpu| CpuOut::new(target, cpu))

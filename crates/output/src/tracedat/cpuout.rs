@@ -204,32 +204,36 @@ impl Zstd {
         Self::new(self.chunk)
     }
 
-    /// Compresses `data` (at most one chunk) at `level` and appends its chunk record
-    /// (u32 compressed size, u32 uncompressed size, the zstd frame) to `s`.
+    /// Compresses `data` (at most one chunk) at `level` into its chunk record (u32
+    /// compressed size, u32 uncompressed size, the zstd frame).
+    pub(super) fn compress(&mut self, data: &[u8], level: i32) -> io::Result<&[u8]> {
+        let zerr = |e: io::Error| io::Error::other(format!("zstd: {e}"));
+        if data.len() > self.chunk {
+            return Err(zerr(io::Error::other("chunk too large")));
+        }
+        if level != self.level {
+            self.c.set_compression_level(level).map_err(zerr)?;
+            self.level = level;
+        }
+        let n = self
+            .c
+            .compress_to_buffer(data, &mut self.out[8..])
+            .map_err(zerr)?;
+        // Both fit: a chunk is at most ZSTD_CHUNK_PAGES pages of at most MAX_PAGE_SIZE.
+        self.out[..4].copy_from_slice(&(n as u32).to_le_bytes());
+        self.out[4..8].copy_from_slice(&(data.len() as u32).to_le_bytes());
+        Ok(&self.out[..8 + n])
+    }
+
+    /// [`Zstd::compress`], the record appended to `s`.
     pub(super) fn chunk(
         &mut self,
         data: &[u8],
         level: i32,
         s: &mut CpuOut,
     ) -> Result<(), OutputError> {
-        let zerr = |s: &CpuOut, e: io::Error| s.err(io::Error::other(format!("zstd: {e}")));
-        if data.len() > self.chunk {
-            return Err(zerr(s, io::Error::other("chunk too large")));
-        }
-        if level != self.level {
-            self.c
-                .set_compression_level(level)
-                .map_err(|e| zerr(s, e))?;
-            self.level = level;
-        }
-        let n = self
-            .c
-            .compress_to_buffer(data, &mut self.out[8..])
-            .map_err(|e| zerr(s, e))?;
-        // Both fit: a chunk is at most ZSTD_CHUNK_PAGES pages of at most MAX_PAGE_SIZE.
-        self.out[..4].copy_from_slice(&(n as u32).to_le_bytes());
-        self.out[4..8].copy_from_slice(&(data.len() as u32).to_le_bytes());
-        s.append(&self.out[..8 + n])?;
+        let record = self.compress(data, level).map_err(|e| s.err(e))?;
+        s.append(record)?;
         s.chunks += 1;
         Ok(())
     }

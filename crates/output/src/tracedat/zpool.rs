@@ -1,21 +1,27 @@
 //! Compression workers of the zstd trace.dat writer: the sink's thread hands each full
-//! chunk of pages to a worker thread, which makes its guest strings safe (G2),
-//! compresses it and appends the chunk record to the CPU's spill file itself (CPU `c`'s chunks always go to worker `c % workers`,
-//! which owns that CPU's spill file: each CPU's chunks are written in order, and no
-//! compression and no `write(2)` of CPU data runs on the sink's thread). At most
-//! [`ZPool::limit`] chunks are in flight (memory: that many chunks, buffers recycled).
+//! chunk of pages to the next worker thread in turn (whatever its CPU: one CPU fed alone,
+//! as `convert` feeds a trace.dat, keeps every worker busy), which makes its guest
+//! strings safe (G2), compresses it, and appends the chunk record to its CPU's data
+//! itself — in the CPU's order: a chunk numbered `n` of its CPU is written once chunk
+//! `n - 1` is ([`Shared`]). No compression and no `write(2)` of CPU data runs on the
+//! sink's thread. At most [`ZPool::limit`] chunks are in flight (memory: that many
+//! chunks, buffers recycled).
 //!
 //! The level of each chunk is chosen when it is handed over ([`ZPool::submit`]): the
 //! sink's level, or — for a sink fed by live rings ([`crate::PageSink::set_live`]) whose
 //! workers are behind by half the limit — the catch-up level, which stores at about
 //! memory speed: the workers catch up instead of making the rings wait (a larger file,
 //! no lost events).
+//!
+//! No wait is for ever: a worker waiting for its turn gives up when the chunk before
+//! failed or the pool is dropped ([`Shared::abandon`]); a worker that panicked is seen
+//! by the sink's thread (its chunks never come back) within 100 ms.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Duration;
-
-use std::sync::Arc;
 
 use super::cpudata::sanitize_pages;
 use super::cpuout::{CpuOut, Zstd};
@@ -31,9 +37,11 @@ pub(super) struct DirectTo {
     pub(super) prefix: usize,
 }
 
-/// A chunk (`data[..len]`) to compress at `level`; its buffer comes back in [`Done`].
+/// Chunk `seq` of CPU `cpu` (`data[..len]`) to compress at `level`; its buffer comes
+/// back in [`Done`].
 struct Job {
     cpu: usize,
+    seq: u64,
     data: Vec<u8>,
     len: usize,
     level: i32,
@@ -50,13 +58,63 @@ struct Done {
     replaced: u64,
 }
 
-/// What a worker gives back when it ends: its CPUs' data.
-type Spills = Vec<(usize, CpuOut)>;
+/// One CPU's data, and the number of the next chunk to write into it (`None` once a
+/// chunk failed: the chunks after it are not written).
+struct Slot {
+    next: Option<u64>,
+    out: CpuOut,
+}
+
+/// What the workers share: every CPU's data, each behind its own lock.
+struct Shared {
+    slots: Vec<Mutex<Slot>>,
+    /// Signalled when a chunk was written (or failed), and when the pool is dropped.
+    turn: Condvar,
+    /// The pool is dropped: waiting workers give up.
+    abandoned: AtomicBool,
+}
+
+/// How often a worker waiting for its turn looks whether the pool was dropped.
+const TURN_POLL: Duration = Duration::from_millis(100);
+
+impl Shared {
+    fn lock(&self, cpu: usize) -> Option<MutexGuard<'_, Slot>> {
+        // A worker that panicked while writing leaves a slot poisoned: its CPU's data
+        // is not trusted after that (later chunks fail, "worker died").
+        self.slots.get(cpu)?.lock().ok()
+    }
+
+    /// Waits until chunk `seq` of CPU `cpu` is next; the slot, or `None` if a chunk
+    /// before failed, a worker died or the pool was dropped.
+    fn turn(&self, cpu: usize, seq: u64) -> Option<MutexGuard<'_, Slot>> {
+        let mut s = self.lock(cpu)?;
+        loop {
+            match s.next {
+                Some(n) if n == seq => return Some(s),
+                None => return None,
+                Some(_) if self.abandoned.load(Ordering::Relaxed) => return None,
+                Some(_) => {}
+            }
+            s = self.turn.wait_timeout(s, TURN_POLL).ok()?.0;
+        }
+    }
+
+    /// Wakes every waiting worker to give up.
+    fn abandon(&self) {
+        self.abandoned.store(true, Ordering::Relaxed);
+        self.turn.notify_all();
+    }
+}
 
 pub(super) struct ZPool {
     jobs: Vec<SyncSender<Job>>,
     done: Receiver<Done>,
-    handles: Vec<JoinHandle<Spills>>,
+    handles: Vec<JoinHandle<()>>,
+    shared: Arc<Shared>,
+    /// Worker the next chunk goes to.
+    next_worker: usize,
+    /// Per CPU, the number of its next chunk.
+    seqs: Vec<u64>,
     in_flight: usize,
     limit: usize,
     /// Recycled chunk buffers (at most `limit`).
@@ -71,85 +129,97 @@ pub(super) struct ZPool {
 
 impl ZPool {
     /// `workers` threads (at least one) compressing the chunks (pages of `page_size`,
-    /// their string fields `strings`) of the CPUs whose spill files `spills` holds
-    /// (index = CPU) with copies of `zstd`; if a thread or a compressor cannot be made,
-    /// the spill files come back untouched (the caller compresses on its own thread).
+    /// their string fields `strings`) of the CPUs whose data `outs` holds (index = CPU)
+    /// with copies of `zstd`; if a thread or a compressor cannot be made, `outs` comes
+    /// back untouched (the caller compresses on its own thread).
     pub(super) fn new(
-        spills: Vec<CpuOut>,
+        outs: Vec<CpuOut>,
         workers: usize,
         zstd: &Zstd,
         strings: Arc<StringFields>,
         page_size: usize,
     ) -> Result<Self, Vec<CpuOut>> {
-        let workers = workers.clamp(1, spills.len().max(1));
+        let workers = workers.max(1);
         let limit = 4 * workers;
+        let n = outs.len();
+        let shared = Arc::new(Shared {
+            slots: outs
+                .into_iter()
+                .map(|out| Mutex::new(Slot { next: Some(0), out }))
+                .collect(),
+            turn: Condvar::new(),
+            abandoned: AtomicBool::new(false),
+        });
         let (done_tx, done) = mpsc::channel::<Done>();
         let mut pool = Self {
             jobs: Vec::new(),
             done,
             handles: Vec::new(),
+            shared,
+            next_worker: 0,
+            seqs: vec![0; n],
             in_flight: 0,
             limit,
             free: Vec::new(),
             caught_up: 0,
             replaced: 0,
-            bytes: vec![0; spills.len()],
+            bytes: vec![0; n],
         };
-        // Every thread first, each waiting for its spill files: a failure before they
-        // are handed over gives them all back.
-        let mut inits = Vec::new();
         for i in 0..workers {
             let Ok(z) = zstd.fresh() else {
-                drop(inits);
-                pool.join();
-                return Err(spills);
+                return Err(pool.into_outs());
             };
             // A worker never has more than `limit` jobs queued (the pool's bound).
             let (tx, rx) = mpsc::sync_channel::<Job>(limit);
-            let (init_tx, init_rx) = mpsc::sync_channel::<Spills>(1);
-            let done_tx = done_tx.clone();
             let w = Worker {
-                workers,
                 z,
                 strings: Arc::clone(&strings),
                 page_size,
+                shared: Arc::clone(&pool.shared),
+                done: done_tx.clone(),
             };
             let spawned = std::thread::Builder::new()
                 .name(format!("hyptrace-zstd{i}"))
-                .spawn(move || match init_rx.recv() {
-                    Ok(mine) => w.work(&rx, &done_tx, mine),
-                    Err(_) => Vec::new(),
-                });
+                .spawn(move || w.work(&rx));
             let Ok(h) = spawned else {
-                drop(inits);
-                pool.join();
-                return Err(spills);
+                return Err(pool.into_outs());
             };
             pool.jobs.push(tx);
             pool.handles.push(h);
-            inits.push(init_tx);
-        }
-        let mut per: Vec<Spills> = (0..workers).map(|_| Vec::new()).collect();
-        for (cpu, s) in spills.into_iter().enumerate() {
-            per[cpu % workers].push((cpu, s));
-        }
-        for (init, mine) in inits.iter().zip(per) {
-            // Only a thread that panicked before its first line is not waiting: its CPUs'
-            // chunks then fail ("worker died").
-            let _ = init.send(mine);
         }
         Ok(pool)
     }
 
-    /// Closes the queues and joins the workers; their spill files (a panicked worker's
-    /// are lost: dropped, removed).
-    fn join(&mut self) -> Spills {
+    /// Closes the queues and joins the workers.
+    fn join(&mut self) {
         self.jobs.clear();
-        self.handles
-            .drain(..)
-            .filter_map(|h| h.join().ok())
-            .flatten()
-            .collect()
+        self.shared.abandon();
+        for h in self.handles.drain(..) {
+            let _ = h.join();
+        }
+    }
+
+    /// Ends the workers; every CPU's data (index = CPU; a slot a panicking worker
+    /// poisoned is taken as it is: the caller only uses it after an error, to drop it).
+    fn into_outs(mut self) -> Vec<CpuOut> {
+        self.join();
+        let shared = std::mem::replace(
+            &mut self.shared,
+            Arc::new(Shared {
+                slots: Vec::new(),
+                turn: Condvar::new(),
+                abandoned: AtomicBool::new(true),
+            }),
+        );
+        match Arc::try_unwrap(shared) {
+            Ok(s) => s
+                .slots
+                .into_iter()
+                .map(|m| m.into_inner().unwrap_or_else(PoisonError::into_inner).out)
+                .collect(),
+            // Every worker is joined: no other reference is left.
+            Err(_) => Vec::new(),
+        }
     }
 
     /// A buffer for the next chunk: a recycled one (its old bytes kept: the caller
@@ -158,8 +228,8 @@ impl ZPool {
         self.free.pop().unwrap_or_default()
     }
 
-    /// Queues CPU `cpu`'s chunk `data[..len]` at `level` — at `catch_up` instead, if
-    /// given, when half the limit is in flight —, waiting for a chunk to finish while
+    /// Queues CPU `cpu`'s next chunk `data[..len]` at `level` — at `catch_up` instead,
+    /// if given, when half the limit is in flight —, waiting for a chunk to finish while
     /// `limit` are in flight; `direct` with the CPU's first chunk, if its data goes
     /// straight into the output.
     pub(super) fn submit(
@@ -182,17 +252,22 @@ impl ZPool {
         while self.in_flight >= self.limit {
             self.wait_one()?;
         }
-        let w = cpu % self.jobs.len().max(1);
+        let seq = self.seqs.get_mut(cpu).ok_or_else(dead)?;
+        let job = Job {
+            cpu,
+            seq: *seq,
+            data,
+            len,
+            level,
+            direct,
+        };
+        *seq += 1;
+        let w = self.next_worker % self.jobs.len().max(1);
+        self.next_worker = w + 1;
         self.jobs
             .get(w)
             .ok_or_else(dead)?
-            .send(Job {
-                cpu,
-                data,
-                len,
-                level,
-                direct,
-            })
+            .send(job)
             .map_err(|_| dead())?;
         self.in_flight += 1;
         Ok(())
@@ -220,12 +295,12 @@ impl ZPool {
         while self.in_flight > 0 {
             self.wait_one()?;
         }
-        let mut all = self.join();
-        all.sort_by_key(|(cpu, _)| *cpu);
-        if all.iter().enumerate().any(|(i, (cpu, _))| i != *cpu) {
+        let n = self.seqs.len();
+        let outs = self.into_outs();
+        if outs.len() != n {
             return Err(dead());
         }
-        Ok(all.into_iter().map(|(_, s)| s).collect())
+        Ok(outs)
     }
 
     fn wait_one(&mut self) -> Result<(), OutputError> {
@@ -247,7 +322,7 @@ impl ZPool {
         self.in_flight -= 1;
         self.replaced += d.replaced;
         if let Some(b) = self.bytes.get_mut(d.cpu) {
-            *b = d.bytes;
+            *b = (*b).max(d.bytes);
         }
         if self.free.len() < self.limit {
             self.free.push(d.data);
@@ -261,32 +336,26 @@ impl ZPool {
 
 /// What a worker thread works with.
 struct Worker {
-    /// Number of workers (CPU `cpu` is in the spill files of worker `cpu % workers`).
-    workers: usize,
     z: Zstd,
     strings: Arc<StringFields>,
     page_size: usize,
+    shared: Arc<Shared>,
+    done: mpsc::Sender<Done>,
 }
 
 impl Worker {
-    /// Makes each job's chunk safe (G2), compresses it and appends it to its CPU's spill
-    /// file (CPU `cpu` is at `mine[cpu / workers]`), until the queue closes; returns the
-    /// spill files.
-    fn work(mut self, rx: &Receiver<Job>, done: &mpsc::Sender<Done>, mut mine: Spills) -> Spills {
+    /// Makes each job's chunk safe (G2), compresses it and, in its CPU's turn, appends
+    /// it to the CPU's data; until the queue closes.
+    fn work(mut self, rx: &Receiver<Job>) {
         while let Ok(mut j) = rx.recv() {
             let (mut replaced, mut bytes) = (0, 0);
-            let err = match (mine.get_mut(j.cpu / self.workers), j.data.get_mut(..j.len)) {
-                (Some((cpu, o)), Some(chunk)) if *cpu == j.cpu => {
+            let err = match j.data.get_mut(..j.len) {
+                Some(chunk) => {
                     replaced = sanitize_pages(&self.strings, chunk, self.page_size);
-                    let r = match j.direct.take() {
-                        Some(d) => o.go_direct(d.file, &d.path, d.start, d.prefix),
-                        None => Ok(()),
-                    };
-                    let r = r.and_then(|()| self.z.chunk(chunk, j.level, o));
-                    bytes = o.bytes;
+                    let r = self.write(&mut j, &mut bytes);
                     r.err()
                 }
-                _ => Some(dead()),
+                None => Some(dead()),
             };
             let d = Done {
                 cpu: j.cpu,
@@ -295,11 +364,36 @@ impl Worker {
                 err,
                 replaced,
             };
-            if done.send(d).is_err() {
+            if self.done.send(d).is_err() {
                 break;
             }
         }
-        mine
+    }
+
+    /// Compresses job `j`'s chunk and writes it into its CPU's data in its turn; sets
+    /// `bytes` to the CPU's bytes written then.
+    fn write(&mut self, j: &mut Job, bytes: &mut u64) -> Result<(), OutputError> {
+        let chunk = j.data.get(..j.len).ok_or_else(dead)?;
+        let record = self.z.compress(chunk, j.level);
+        let shared = Arc::clone(&self.shared);
+        let mut slot = shared.turn(j.cpu, j.seq).ok_or_else(dead)?;
+        let r = (|| {
+            let record = record.map_err(|e| slot.out.err(e))?;
+            if let Some(d) = j.direct.take() {
+                slot.out.go_direct(d.file, &d.path, d.start, d.prefix)?;
+            }
+            slot.out.append(record)?;
+            slot.out.chunks += 1;
+            Ok(())
+        })();
+        slot.next = match r {
+            Ok(()) => Some(j.seq + 1),
+            Err(_) => None,
+        };
+        *bytes = slot.out.bytes;
+        drop(slot);
+        shared.turn.notify_all();
+        r
     }
 }
 
@@ -308,9 +402,9 @@ fn dead() -> OutputError {
 }
 
 impl Drop for ZPool {
-    /// Closes the queues and joins the workers (each finishes at most its queued chunks);
-    /// their spill files are dropped (removed).
+    /// Closes the queues and joins the workers (each finishes at most its queued chunks,
+    /// or gives up waiting for its turn); the CPU data is dropped (spill files removed).
     fn drop(&mut self) {
-        drop(self.join());
+        self.join();
     }
 }
