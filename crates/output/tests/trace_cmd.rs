@@ -216,7 +216,13 @@ fn check_in(
     clock: Clock,
     name: &str,
 ) {
-    let g = generate(page_size, 3, if page_size > 4096 { 900 } else { 400 });
+    // Reversed: enough pages that the last CPU hands chunks on before the end.
+    let per_cpu = match (order, page_size > 4096) {
+        (Order::Reversed, _) => 6000,
+        (_, true) => 900,
+        (_, false) => 400,
+    };
+    let g = generate(page_size, 3, per_cpu);
     // Our pages never start with a TIME_EXTEND (trace-cmd would hide a drop marker).
     for cpu_pages in &g.pages {
         for (p, _) in cpu_pages {

@@ -2,9 +2,9 @@
 //!
 //! Each CPU's pages are exported straight into the CPU's pending buffer (the one copy of
 //! a page on the sink's thread, [`CpuData::slot`]), and a full buffer is handed on —
-//! uncompressed in one `write(2)` of [`BATCH_BYTES`], or as one zstd chunk record of
-//! [`ZSTD_CHUNK_PAGES`] pages compressed by a worker thread ([`super::zpool`]) that
-//! writes it too. A buffer's guest strings are made safe (G2, [`sanitize_pages`]) as it
+//! uncompressed in one `write(2)` of [`BATCH_BYTES`], or as [`BATCH_CHUNKS`] zstd chunk
+//! records of [`ZSTD_CHUNK_PAGES`] pages compressed by a worker thread
+//! ([`super::zpool`]) that writes them too. A buffer's guest strings are made safe (G2, [`sanitize_pages`]) as it
 //! is handed on — by the worker that compresses it, for zstd. A buffer is handed on
 //! only when the CPU's next page arrives, so the CPU's last page is always in memory
 //! ([`CpuData::last_page`], for `trailing_lost`; its timestamps are all it is read for).
@@ -35,6 +35,9 @@ use crate::OutputError;
 const ZSTD_MAX_WORKERS: usize = 8;
 /// Bytes of pages an uncompressed CPU gathers before one `write(2)`.
 const BATCH_BYTES: usize = 1 << 20;
+/// zstd chunks a CPU gathers before they go to a worker together (one hand-over, one
+/// wake-up, one turn at the CPU's data for all of them).
+const BATCH_CHUNKS: usize = 4;
 
 /// Makes the guest strings of the exported pages `buf` (whole pages of `page_size`)
 /// safe (G2); returns how many bytes were replaced.
@@ -147,7 +150,7 @@ impl CpuData {
             ),
             Compression::Zstd => {
                 let chunk = page_size * ZSTD_CHUNK_PAGES;
-                let z = Zstd::new(chunk)?;
+                let z = Zstd::new(chunk, BATCH_CHUNKS)?;
                 let pool = match workers {
                     0 => Err(outs),
                     n => ZPool::new(outs, n, &z, Arc::clone(&strings), page_size),
@@ -159,7 +162,7 @@ impl CpuData {
                         zstd: Some(z),
                     },
                 };
-                (chunk, sink)
+                (chunk * BATCH_CHUNKS, sink)
             }
         };
         Ok(Self {
@@ -193,7 +196,8 @@ impl CpuData {
                 return Ok(());
             };
             let outs = pool.finish()?;
-            let zstd = Some(Zstd::new(self.cap)?);
+            let chunk = self.page_size * ZSTD_CHUNK_PAGES;
+            let zstd = Some(Zstd::new(chunk, BATCH_CHUNKS)?);
             self.sink = Sink::Here { outs, zstd };
         }
         Ok(())
@@ -291,7 +295,7 @@ impl CpuData {
                 let page_size = self.page_size;
                 self.replaced += sanitize_pages(&self.strings, &mut p.buf[..len], page_size);
                 match zstd {
-                    Some(z) => z.chunk(&p.buf[..len], ZSTD_LEVEL, o),
+                    Some(z) => z.chunks(&p.buf[..len], ZSTD_LEVEL, o),
                     None => o.append(&p.buf[..len]),
                 }
             }

@@ -168,12 +168,14 @@ impl CpuOut {
 /// the chunk record carries it), with its output buffer.
 pub(super) struct Zstd {
     c: zstd::bulk::Compressor<'static>,
-    /// A chunk record's room: 8 bytes of sizes, then the bound of a chunk's frame
-    /// (allocated once).
+    /// The chunk records of one batch: per chunk 8 bytes of sizes, then room for the
+    /// bound of its frame (allocated once).
     out: Vec<u8>,
     level: i32,
     /// Largest chunk (bytes).
     chunk: usize,
+    /// Most chunks of one batch.
+    per_batch: usize,
 }
 
 /// A zstd error as the writer reports it.
@@ -189,52 +191,59 @@ pub(super) fn compressor() -> Result<zstd::bulk::Compressor<'static>, OutputErro
 }
 
 impl Zstd {
-    /// A compressor for chunks of at most `chunk` bytes.
-    pub(super) fn new(chunk: usize) -> Result<Self, OutputError> {
+    /// A compressor for batches of at most `per_batch` chunks of at most `chunk` bytes.
+    pub(super) fn new(chunk: usize, per_batch: usize) -> Result<Self, OutputError> {
+        let per_batch = per_batch.max(1);
         Ok(Self {
             c: compressor()?,
-            out: vec![0; 8 + zstd::zstd_safe::compress_bound(chunk)],
+            out: vec![0; per_batch * (8 + zstd::zstd_safe::compress_bound(chunk))],
             level: ZSTD_LEVEL,
             chunk,
+            per_batch,
         })
     }
 
     /// Another compressor like this one (a worker's).
     pub(super) fn fresh(&self) -> Result<Self, OutputError> {
-        Self::new(self.chunk)
+        Self::new(self.chunk, self.per_batch)
     }
 
-    /// Compresses `data` (at most one chunk) at `level` into its chunk record (u32
-    /// compressed size, u32 uncompressed size, the zstd frame).
-    pub(super) fn compress(&mut self, data: &[u8], level: i32) -> io::Result<&[u8]> {
+    /// Compresses `data` (at most one batch), chunk after chunk, at `level` into chunk
+    /// records (each: u32 compressed size, u32 uncompressed size, the zstd frame);
+    /// returns them and how many.
+    pub(super) fn compress(&mut self, data: &[u8], level: i32) -> io::Result<(&[u8], u32)> {
         let zerr = |e: io::Error| io::Error::other(format!("zstd: {e}"));
-        if data.len() > self.chunk {
-            return Err(zerr(io::Error::other("chunk too large")));
+        if data.len() > self.chunk * self.per_batch {
+            return Err(zerr(io::Error::other("batch too large")));
         }
         if level != self.level {
             self.c.set_compression_level(level).map_err(zerr)?;
             self.level = level;
         }
-        let n = self
-            .c
-            .compress_to_buffer(data, &mut self.out[8..])
-            .map_err(zerr)?;
-        // Both fit: a chunk is at most ZSTD_CHUNK_PAGES pages of at most MAX_PAGE_SIZE.
-        self.out[..4].copy_from_slice(&(n as u32).to_le_bytes());
-        self.out[4..8].copy_from_slice(&(data.len() as u32).to_le_bytes());
-        Ok(&self.out[..8 + n])
+        let bound = zstd::zstd_safe::compress_bound(self.chunk);
+        let (mut used, mut n) = (0, 0u32);
+        for c in data.chunks(self.chunk) {
+            let frame = &mut self.out[used + 8..used + 8 + bound];
+            let z = self.c.compress_to_buffer(c, frame).map_err(zerr)?;
+            // Both fit: a chunk is at most ZSTD_CHUNK_PAGES pages of at most MAX_PAGE_SIZE.
+            self.out[used..used + 4].copy_from_slice(&(z as u32).to_le_bytes());
+            self.out[used + 4..used + 8].copy_from_slice(&(c.len() as u32).to_le_bytes());
+            used += 8 + z;
+            n += 1;
+        }
+        Ok((&self.out[..used], n))
     }
 
-    /// [`Zstd::compress`], the record appended to `s`.
-    pub(super) fn chunk(
+    /// [`Zstd::compress`], the records appended to `s`.
+    pub(super) fn chunks(
         &mut self,
         data: &[u8],
         level: i32,
         s: &mut CpuOut,
     ) -> Result<(), OutputError> {
-        let record = self.compress(data, level).map_err(|e| s.err(e))?;
-        s.append(record)?;
-        s.chunks += 1;
+        let (records, n) = self.compress(data, level).map_err(|e| s.err(e))?;
+        s.append(records)?;
+        s.chunks += n;
         Ok(())
     }
 }

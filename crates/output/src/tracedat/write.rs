@@ -678,14 +678,14 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let target = crate::OutputTarget::check(dir.path().join("x.dat")).unwrap();
         let pages: Vec<u8> = test_pages(0, 10).concat();
-        let mut z = super::super::cpuout::Zstd::new(pages.len()).unwrap();
+        let mut z = super::super::cpuout::Zstd::new(pages.len(), 1).unwrap();
         let mut sizes = Vec::new();
         for level in [
             super::super::cpuout::ZSTD_LEVEL,
             super::super::cpuout::ZSTD_CATCH_UP_LEVEL,
         ] {
             let mut o = CpuOut::new(&target, 0).unwrap();
-            z.chunk(&pages, level, &mut o).unwrap();
+            z.chunks(&pages, level, &mut o).unwrap();
             o.flush().unwrap();
             let mut rec = Vec::new();
             io::Read::read_to_end(o.spill().unwrap().unwrap(), &mut rec).unwrap();

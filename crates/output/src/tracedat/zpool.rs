@@ -1,9 +1,9 @@
 //! Compression workers of the zstd trace.dat writer: the sink's thread hands each full
-//! chunk of pages to the next worker thread in turn (whatever its CPU: one CPU fed alone,
-//! as `convert` feeds a trace.dat, keeps every worker busy), which makes its guest
-//! strings safe (G2), compresses it, and appends the chunk record to its CPU's data
-//! itself — in the CPU's order: a chunk numbered `n` of its CPU is written once chunk
-//! `n - 1` is ([`Shared`]). No compression and no `write(2)` of CPU data runs on the
+//! batch of chunks of a CPU to the next worker thread in turn (whatever its CPU: one CPU
+//! fed alone, as `convert` feeds a trace.dat, keeps every worker busy), which makes its
+//! guest strings safe (G2), compresses it chunk by chunk, and appends the chunk records
+//! to its CPU's data itself — in the CPU's order: a batch numbered `n` of its CPU is
+//! written once batch `n - 1` is ([`Shared`]). No compression and no `write(2)` of CPU data runs on the
 //! sink's thread. At most [`ZPool::limit`] chunks are in flight (memory: that many
 //! chunks, buffers recycled).
 //!
@@ -374,16 +374,16 @@ impl Worker {
     /// `bytes` to the CPU's bytes written then.
     fn write(&mut self, j: &mut Job, bytes: &mut u64) -> Result<(), OutputError> {
         let chunk = j.data.get(..j.len).ok_or_else(dead)?;
-        let record = self.z.compress(chunk, j.level);
+        let records = self.z.compress(chunk, j.level);
         let shared = Arc::clone(&self.shared);
         let mut slot = shared.turn(j.cpu, j.seq).ok_or_else(dead)?;
         let r = (|| {
-            let record = record.map_err(|e| slot.out.err(e))?;
+            let (records, n) = records.map_err(|e| slot.out.err(e))?;
             if let Some(d) = j.direct.take() {
                 slot.out.go_direct(d.file, &d.path, d.start, d.prefix)?;
             }
-            slot.out.append(record)?;
-            slot.out.chunks += 1;
+            slot.out.append(records)?;
+            slot.out.chunks += n;
             Ok(())
         })();
         slot.next = match r {
