@@ -583,25 +583,10 @@ fn host_trace_ids_below_0x8000() {
     let _vm = vm_lock();
     let dir = TempDir::new("host-trace-ids");
     let dat = dir.file("x.dat");
-    let out = env::run(
-        BIN,
-        &[
-            "record",
-            "--host-trace",
-            "sched:sched_switch,sched:sched_wakeup",
-            "--host-events",
-            "--workload",
-            "mixed",
-            "-o",
-            &dat,
-            "--vcpus",
-            "2",
-            "--events",
-            "20000",
-            "--rate",
-            "100000",
-        ],
-    );
+    let run = "record --host-trace sched:sched_switch,sched:sched_wakeup --host-events \
+               --workload mixed --vcpus 2 --events 20000 --rate 100000";
+    let args: Vec<&str> = run.split_whitespace().chain(["-o", dat.as_str()]).collect();
+    let out = env::run(BIN, &args);
     assert_eq!(out.status.code(), Some(0), "{}", env::stderr(&out));
     let f = hyptrace_output::TraceFile::open(&dat).expect("our reader");
     let ids: Vec<(u16, String)> = f

@@ -42,15 +42,15 @@ const PAGE: usize = 4096;
 const PAGES: usize = 2048;
 const CPUS: u32 = 2;
 
-/// A full page of marker events (delta 100 each), as the reader hands it out.
-fn page_of_markers(cpu: u32, first_seq: u64, ts: u64) -> Vec<u8> {
+/// A full page of events (delta 100 each), as the reader hands it out: the payload of
+/// event `seq` is `payload(seq)`.
+fn page_of(ts: u64, first_seq: u64, payload: impl Fn(u64) -> Vec<u8>) -> Vec<u8> {
     let mut p = vec![0u8; PAGE];
     p[..8].copy_from_slice(&ts.to_le_bytes());
     let cap = PAGE - PAGE_HEADER_SIZE - 96;
-    let mut at = 0;
-    let mut seq = first_seq;
+    let (mut at, mut seq) = (0, first_seq);
     loop {
-        let payload = events::marker(events::vcpu_pid(cpu), seq, seq);
+        let payload = payload(seq);
         let size = page::data_event_size(payload.len());
         if at + size > cap {
             break;
@@ -68,41 +68,25 @@ fn page_of_markers(cpu: u32, first_seq: u64, ts: u64) -> Vec<u8> {
     p
 }
 
+/// A full page of marker events.
+fn page_of_markers(cpu: u32, first_seq: u64, ts: u64) -> Vec<u8> {
+    page_of(ts, first_seq, |seq| {
+        events::marker(events::vcpu_pid(cpu), seq, seq).to_vec()
+    })
+}
+
 /// A full page of events, every fourth a `guest:text` of 40 bytes, the rest markers.
 fn page_with_text(cpu: u32, first_seq: u64, ts: u64) -> Vec<u8> {
-    let mut p = vec![0u8; PAGE];
-    p[..8].copy_from_slice(&ts.to_le_bytes());
-    let cap = PAGE - PAGE_HEADER_SIZE - 96;
-    let (mut at, mut seq) = (0, first_seq);
-    let mut buf = [0u8; 128];
-    loop {
-        let payload: Vec<u8> = if seq % 4 == 0 {
-            let n = events::text(
-                &mut buf,
-                events::vcpu_pid(cpu),
-                seq,
-                b"a guest text of forty bytes, plain ASCII",
-            )
-            .expect("text");
+    let msg = b"a guest text of forty bytes, plain ASCII";
+    page_of(ts, first_seq, |seq| {
+        if seq % 4 == 0 {
+            let mut buf = [0u8; 128];
+            let n = events::text(&mut buf, events::vcpu_pid(cpu), seq, msg).expect("text");
             buf[..n].to_vec()
         } else {
             events::marker(events::vcpu_pid(cpu), seq, seq).to_vec()
-        };
-        let size = page::data_event_size(payload.len());
-        if at + size > cap {
-            break;
         }
-        let mut hdr = [0u8; 8];
-        let delta = if at == 0 { 0 } else { 100 };
-        let hlen = page::encode_data_header(&mut hdr, payload.len(), delta);
-        let o = PAGE_HEADER_SIZE + at;
-        p[o..o + hlen].copy_from_slice(&hdr[..hlen]);
-        p[o + hlen..o + hlen + payload.len()].copy_from_slice(&payload);
-        at += size;
-        seq += 1;
-    }
-    p[COMMIT_OFFSET..COMMIT_OFFSET + 8].copy_from_slice(&(at as u64).to_le_bytes());
-    p
+    })
 }
 
 fn pages() -> Vec<(u32, Vec<u8>)> {
@@ -207,49 +191,48 @@ fn tracedat_benches(c: &mut Criterion) {
             (*cpu, page_with_text(*cpu, i as u64 * 200, ts))
         })
         .collect();
-    let path = out_path("text.dat");
-    g.bench_function(BenchmarkId::new("v7-zstd-text", PAGES), |b| {
-        b.iter(|| {
-            let sink =
-                TraceDatSink::create_with(&path, meta(), TraceDatVersion::V7, Compression::Zstd)
-                    .expect("create");
-            write_all(Box::new(sink), &text);
-        })
-    });
-    let _ = std::fs::remove_file(&path);
-    let path = out_path("bycpu.dat");
-    g.bench_function(BenchmarkId::new("v7-zstd-bycpu", PAGES), |b| {
-        b.iter(|| {
-            let sink =
-                TraceDatSink::create_with(&path, meta(), TraceDatVersion::V7, Compression::Zstd)
-                    .expect("create");
-            write_by_cpu(Box::new(sink), &pages);
-        })
-    });
-    let _ = std::fs::remove_file(&path);
+    type Pages = [(u32, Vec<u8>)];
+    type Feed = fn(Box<dyn PageSink>, &Pages);
+    let runs: [(&str, &Pages, Feed); 2] = [
+        ("v7-zstd-text", &text, write_all),
+        ("v7-zstd-bycpu", &pages, write_by_cpu),
+    ];
+    for (name, input, feed) in runs {
+        let path = out_path(&format!("{name}.dat"));
+        g.bench_function(BenchmarkId::new(name, PAGES), |b| {
+            b.iter(|| {
+                let (v, z) = (TraceDatVersion::V7, Compression::Zstd);
+                let sink = TraceDatSink::create_with(&path, meta(), v, z).expect("create");
+                feed(Box::new(sink), input);
+            })
+        });
+        let _ = std::fs::remove_file(&path);
+    }
     g.finish();
 }
+
+/// A sink of another format into `path`.
+type MakeSink = fn(&PathBuf) -> Box<dyn PageSink>;
 
 fn sink_benches(c: &mut Criterion) {
     let pages = pages();
     let mut g = c.benchmark_group("sinks");
     g.throughput(Throughput::Bytes((PAGES * PAGE) as u64));
-    let path = out_path("pages.txt");
-    g.bench_function(BenchmarkId::new("text", PAGES), |b| {
-        b.iter(|| {
-            let sink = TextSink::create(&path, meta()).expect("create");
-            write_all(Box::new(sink), &pages);
-        })
-    });
-    let _ = std::fs::remove_file(&path);
-    let path = out_path("pages.json");
-    g.bench_function(BenchmarkId::new("json", PAGES), |b| {
-        b.iter(|| {
-            let sink = JsonSink::create(&path, meta()).expect("create");
-            write_all(Box::new(sink), &pages);
-        })
-    });
-    let _ = std::fs::remove_file(&path);
+    let sinks: [(&str, MakeSink); 2] = [
+        ("text", |p| {
+            Box::new(TextSink::create(p, meta()).expect("create"))
+        }),
+        ("json", |p| {
+            Box::new(JsonSink::create(p, meta()).expect("create"))
+        }),
+    ];
+    for (name, make) in sinks {
+        let path = out_path(&format!("pages.{name}"));
+        g.bench_function(BenchmarkId::new(name, PAGES), |b| {
+            b.iter(|| write_all(make(&path), &pages))
+        });
+        let _ = std::fs::remove_file(&path);
+    }
     g.finish();
 }
 

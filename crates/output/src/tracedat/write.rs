@@ -624,14 +624,20 @@ mod tests {
         assert_eq!(left.len(), 2);
     }
 
-    /// A zstd sink dropped mid-run (chunks in flight) joins its workers and leaves no file.
-    #[test]
-    fn zstd_dropped_leaves_nothing() {
+    /// A zstd v7 sink of 2 CPUs into `t.dat` of a new temporary directory.
+    fn zstd_sink() -> (tempfile::TempDir, std::path::PathBuf, TraceDatSink) {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("t.dat");
         let meta = TraceMeta::guest(4096, 2, crate::Clock::nanoseconds());
-        let mut s =
+        let s =
             TraceDatSink::create_with(&path, meta, TraceDatVersion::V7, Compression::Zstd).unwrap();
+        (dir, path, s)
+    }
+
+    /// A zstd sink dropped mid-run (chunks in flight) joins its workers and leaves no file.
+    #[test]
+    fn zstd_dropped_leaves_nothing() {
+        let (dir, _, mut s) = zstd_sink();
         for p in test_pages(0, 200) {
             s.page(0, &p, None).unwrap();
         }
@@ -643,11 +649,7 @@ mod tests {
     /// A CPU ended takes no more pages (the sink goes on); the file holds what came.
     #[test]
     fn ended_cpu_takes_no_more_pages() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("t.dat");
-        let meta = TraceMeta::guest(4096, 2, crate::Clock::nanoseconds());
-        let mut s =
-            TraceDatSink::create_with(&path, meta, TraceDatVersion::V7, Compression::Zstd).unwrap();
+        let (dir, path, mut s) = zstd_sink();
         let (a, b) = (test_pages(0, 25), test_pages(1, 5));
         for p in &a {
             s.page(0, p, None).unwrap();
