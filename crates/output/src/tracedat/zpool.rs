@@ -7,10 +7,11 @@
 //! sink's thread. At most [`ZPool::limit`] chunks are in flight (memory: that many
 //! chunks, buffers recycled).
 //!
-//! The level of each chunk is chosen when it is handed over ([`ZPool::submit`]): the
+//! The level of each batch is chosen when it is handed over ([`ZPool::submit`]): the
 //! sink's level, or — for a sink fed by live rings ([`crate::PageSink::set_live`]) whose
-//! workers are behind by half the limit — the catch-up level, which stores at about
-//! memory speed: the workers catch up instead of making the rings wait (a larger file,
+//! workers have a full queue (`limit` batches in flight: more than a burst of the
+//! drain's) — the catch-up level, which stores at about memory speed, for up to as many
+//! batches again: the workers catch up instead of making the rings wait (a larger file,
 //! no lost events).
 //!
 //! No wait is for ever: a worker waiting for its turn gives up when the chunk before
@@ -116,6 +117,7 @@ pub(super) struct ZPool {
     /// Per CPU, the number of its next chunk.
     seqs: Vec<u64>,
     in_flight: usize,
+    /// Batches in flight before the sink waits (or, live, goes on at the catch-up level).
     limit: usize,
     /// Recycled chunk buffers (at most `limit`).
     free: Vec<Vec<u8>>,
@@ -169,8 +171,8 @@ impl ZPool {
             let Ok(z) = zstd.fresh() else {
                 return Err(pool.into_outs());
             };
-            // A worker never has more than `limit` jobs queued (the pool's bound).
-            let (tx, rx) = mpsc::sync_channel::<Job>(limit);
+            // A worker never has more than `2 × limit` jobs queued (the pool's bound).
+            let (tx, rx) = mpsc::sync_channel::<Job>(2 * limit);
             let w = Worker {
                 z,
                 strings: Arc::clone(&strings),
@@ -228,9 +230,9 @@ impl ZPool {
         self.free.pop().unwrap_or_default()
     }
 
-    /// Queues CPU `cpu`'s next chunk `data[..len]` at `level` — at `catch_up` instead,
-    /// if given, when half the limit is in flight —, waiting for a chunk to finish while
-    /// `limit` are in flight; `direct` with the CPU's first chunk, if its data goes
+    /// Queues CPU `cpu`'s next batch `data[..len]` at `level`, waiting for a batch to
+    /// finish while `limit` are in flight — or, with `catch_up`, at that level while
+    /// `limit` to `2 × limit` are; `direct` with the CPU's first batch, if its data goes
     /// straight into the output.
     pub(super) fn submit(
         &mut self,
@@ -242,14 +244,16 @@ impl ZPool {
         direct: Option<DirectTo>,
     ) -> Result<(), OutputError> {
         self.collect()?;
-        let level = match catch_up {
-            Some(fast) if 2 * self.in_flight >= self.limit => {
+        // A full queue: a live sink goes on at the catch-up level (its batches cost the
+        // workers little) up to twice the limit; otherwise it waits.
+        let (level, most) = match catch_up {
+            Some(fast) if self.in_flight >= self.limit => {
                 self.caught_up += 1;
-                fast
+                (fast, 2 * self.limit)
             }
-            _ => level,
+            _ => (level, self.limit),
         };
-        while self.in_flight >= self.limit {
+        while self.in_flight >= most {
             self.wait_one()?;
         }
         let seq = self.seqs.get_mut(cpu).ok_or_else(dead)?;
