@@ -195,7 +195,7 @@ impl CpuData {
             ) else {
                 return Ok(());
             };
-            let outs = pool.finish()?;
+            let (outs, _) = pool.finish()?;
             let chunk = self.page_size * ZSTD_CHUNK_PAGES;
             let zstd = Some(Zstd::new(chunk, BATCH_CHUNKS)?);
             self.sink = Sink::Here { outs, zstd };
@@ -308,8 +308,12 @@ impl CpuData {
     }
 
     /// CPU `cpu` gets no more pages: its pending pages are handed on, and if it wrote
-    /// straight into the output, the next CPU to start may write there after it.
+    /// straight into the output, the next CPU to start may write there after it (again:
+    /// nothing more).
     pub(super) fn end_cpu(&mut self, cpu: usize) -> Result<(), OutputError> {
+        if self.ended(cpu) {
+            return Ok(());
+        }
         self.open_cpu(cpu)?;
         self.hand_on(cpu)?;
         self.pending[cpu].ended = true;
@@ -340,8 +344,9 @@ impl CpuData {
         let (mut outs, caught_up, replaced) = match self.sink {
             Sink::Here { outs, .. } => (outs, 0, self.replaced),
             Sink::Pool(pool) => {
-                let (caught_up, replaced) = (pool.caught_up, pool.replaced);
-                (pool.finish()?, caught_up, replaced)
+                let caught_up = pool.caught_up;
+                let (outs, replaced) = pool.finish()?;
+                (outs, caught_up, replaced)
             }
         };
         for o in &mut outs {

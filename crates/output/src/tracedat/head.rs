@@ -236,7 +236,7 @@ impl Layout {
     }
 
     /// End of the CPU data: the furthest end of a CPU's data (`data_start` without CPUs).
-    fn end(&self, data_start: u64) -> u64 {
+    pub(super) fn end(&self, data_start: u64) -> u64 {
         self.offsets
             .iter()
             .zip(&self.sizes)

@@ -279,6 +279,12 @@ impl TraceDatSink {
             place,
         )?;
         put(0, &head)?;
+        // The file reaches the data's end (the padding of a trace without pages too).
+        let len = layout.end(self.reserve);
+        let have = file.metadata().map_err(|e| out.error(e))?.len();
+        if have < len {
+            file.set_len(len).map_err(|e| out.error(e))?;
+        }
         out.finish()
     }
 
@@ -465,6 +471,12 @@ impl PageSink for TraceDatSink {
         let Some(data) = self.data.as_mut() else {
             return Err(OutputError::Closed);
         };
+        if cpu >= self.meta.nr_cpus {
+            return Err(OutputError::BadPage {
+                cpu,
+                reason: format!("cpu {cpu} ≥ nr_cpus {}", self.meta.nr_cpus),
+            });
+        }
         if let Err(e) = data.end_cpu(cpu as usize) {
             return self.fail(e);
         }
@@ -672,6 +684,49 @@ mod tests {
         assert!(f.cpus[0].offset < f.cpus[1].offset);
         let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
         assert_eq!(left.len(), 1);
+    }
+
+    /// A trace without pages: metadata and padding to where the data would start, read
+    /// back as empty by our reader (and by trace-cmd: `tests/trace_cmd.rs`).
+    #[test]
+    fn empty_trace_in_place() {
+        let (dir, path, mut s) = zstd_sink();
+        s.end_cpu(1).unwrap();
+        s.end_cpu(1).unwrap();
+        assert!(s.end_cpu(2).is_err());
+        Box::new(s).finish(&RunSummary::default()).unwrap();
+        let f = crate::TraceFile::open(&path).unwrap();
+        assert_eq!((f.cpus.len(), f.event_count()), (2, 0));
+        let len = std::fs::metadata(&path).unwrap().len();
+        assert_eq!(len % 4096, 0, "{len}");
+        drop(dir);
+    }
+
+    /// The bytes of guest strings replaced are all counted, the last batches' (still
+    /// with the workers when the sink finishes) too, with workers or without.
+    #[test]
+    fn replaced_strings_are_all_counted() {
+        for inline in [true, false] {
+            let (_dir, _path, mut s) = zstd_sink();
+            if inline {
+                s.data.as_mut().unwrap().without_workers().unwrap();
+            }
+            let mut page = vec![0u8; 4096];
+            page[..8].copy_from_slice(&1000u64.to_le_bytes());
+            let mut ev = [0u8; 64];
+            let n = hyptrace_abi::events::text(&mut ev, 1, 1, b"bad\x1bbyte").unwrap();
+            let mut hdr = [0u8; 8];
+            let h = hyptrace_abi::page::encode_data_header(&mut hdr, n, 0);
+            page[16..16 + h].copy_from_slice(&hdr[..h]);
+            page[16 + h..16 + h + n].copy_from_slice(&ev[..n]);
+            let size = hyptrace_abi::page::data_event_size(n);
+            page[8..16].copy_from_slice(&(size as u64).to_le_bytes());
+            for _ in 0..3 {
+                s.page(0, &page, None).unwrap();
+            }
+            s.assemble(&RunSummary::default()).unwrap();
+            assert_eq!(s.replaced, 3, "inline {inline}");
+        }
     }
 
     /// A chunk at the catch-up level reads back as the pages it holds.

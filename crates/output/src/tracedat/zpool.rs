@@ -123,8 +123,8 @@ pub(super) struct ZPool {
     free: Vec<Vec<u8>>,
     /// Chunks handed over at the catch-up level.
     pub(super) caught_up: u64,
-    /// Bytes of guest strings the workers replaced, in the chunks finished so far.
-    pub(super) replaced: u64,
+    /// Bytes of guest strings the workers replaced, in the batches finished so far.
+    replaced: u64,
     /// Each CPU's bytes written, as of the chunks finished so far.
     bytes: Vec<u64>,
 }
@@ -293,18 +293,18 @@ impl ZPool {
         Ok(self.bytes.get(cpu).copied().unwrap_or(0))
     }
 
-    /// Waits for every chunk in flight, ends the workers and returns every CPU's data
-    /// (index = CPU).
-    pub(super) fn finish(mut self) -> Result<Vec<CpuOut>, OutputError> {
+    /// Waits for every batch in flight, ends the workers and returns every CPU's data
+    /// (index = CPU) and the bytes of guest strings they replaced in all.
+    pub(super) fn finish(mut self) -> Result<(Vec<CpuOut>, u64), OutputError> {
         while self.in_flight > 0 {
             self.wait_one()?;
         }
-        let n = self.seqs.len();
+        let (n, replaced) = (self.seqs.len(), self.replaced);
         let outs = self.into_outs();
         if outs.len() != n {
             return Err(dead());
         }
-        Ok(outs)
+        Ok((outs, replaced))
     }
 
     fn wait_one(&mut self) -> Result<(), OutputError> {
