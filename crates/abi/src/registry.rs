@@ -65,10 +65,10 @@ pub const MAX_RECORD: usize = 4096;
 pub const NR_SLOTS: u32 = 64;
 /// First id the host assigns to an event that requested none (or a taken one).
 pub const FIRST_DYNAMIC_ID: u16 = 2000;
-/// Largest event id in a trace hyptrace writes: every id stays below 0x8000, because
-/// KernelShark (2.2) keeps event ids in a signed 16-bit field — an event of id ≥ 0x8000
-/// shows as a row without name and fields (issue 40). Guest ids are below
-/// [`FIRST_HOST_KERNEL_ID`], then come the host kernel's and the VMM's.
+/// Largest event id in a trace hyptrace writes (invariant H3, docs/design.md): every id
+/// stays below 0x8000, because KernelShark (2.2) keeps event ids in a signed 16-bit field
+/// — an event of id ≥ 0x8000 shows as a row without name and fields (issue 40). Guest ids
+/// are below [`FIRST_HOST_KERNEL_ID`], then come the host kernel's and the VMM's.
 pub const MAX_EVENT_ID: u16 = 0x7fff;
 /// Ids from here up to [`MAX_EVENT_ID`] belong to the VMM's own events
 /// (`--host-events`): a guest that requests one gets an assigned id instead.
