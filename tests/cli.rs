@@ -254,14 +254,7 @@ fn signal_to_process_and_group_is_one_stop() {
             .status()
             .expect("kill");
         assert!(st_kill.success());
-        let mut err = String::new();
-        child
-            .stderr
-            .take()
-            .expect("stderr")
-            .read_to_string(&mut err)
-            .expect("stderr");
-        let code = env::wait_exit(&mut child, "record", LIMIT).code();
+        let (code, err) = stderr_and_exit(&mut child, "record");
         assert_eq!(code, Some(0), "run {i}: {err}");
         check_clean_stop(&dir, &out, &st, &err, &format!("run {i}"));
     }
@@ -721,21 +714,14 @@ fn closed_stdout_ends_the_run_quietly() {
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn");
-    let mut out = BufReader::new(child.stdout.take().expect("stdout"));
-    for _ in 0..2 {
-        let mut line = String::new();
-        out.read_line(&mut line).expect("line");
-        assert!(line.contains("marker"), "{line}");
-    }
-    drop(out);
-    let mut err = String::new();
-    child
-        .stderr
-        .take()
-        .expect("stderr")
-        .read_to_string(&mut err)
-        .expect("stderr");
-    let code = env::wait_exit(&mut child, "run | head", LIMIT).code();
+    let (code, err) = close_stdout_after(&mut child, "run | head", |out| {
+        let mut out = BufReader::new(out);
+        for _ in 0..2 {
+            let mut line = String::new();
+            out.read_line(&mut line).expect("line");
+            assert!(line.contains("marker"), "{line}");
+        }
+    });
     assert_eq!(code, Some(0), "{err}");
     assert!(
         !err.contains("error") && !err.contains("Broken pipe"),
@@ -747,6 +733,28 @@ fn closed_stdout_ends_the_run_quietly() {
     assert_eq!(s["end"], "stdout_closed", "{s}");
     assert_eq!(s["exit_code"], 0, "{s}");
     assert_balanced(&s);
+}
+
+/// `child`'s stdout given to `read`, then closed (`| head`); its exit code and stderr.
+fn close_stdout_after(
+    child: &mut Child,
+    what: &str,
+    read: impl FnOnce(std::process::ChildStdout),
+) -> (Option<i32>, String) {
+    read(child.stdout.take().expect("stdout"));
+    stderr_and_exit(child, what)
+}
+
+/// All of `child`'s stderr, then its exit code (within [`LIMIT`]).
+fn stderr_and_exit(child: &mut Child, what: &str) -> (Option<i32>, String) {
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .expect("stderr")
+        .read_to_string(&mut err)
+        .expect("stderr");
+    (env::wait_exit(child, what, LIMIT).code(), err)
 }
 
 /// A child whose stdout is a pipe nobody reads (its read end closed before the start):
@@ -801,7 +809,176 @@ fn closed_stdout_ends_record_and_convert_quietly() {
     assert_eq!(dir.entries(), ["s.json"]);
 }
 
+/// `record -o - | head -c 100` for the formats written at the end (trace.dat, Perfetto)
+/// and JSON, after the guest finished or `--duration`: exit 0 and quiet as every closed
+/// stdout (README), `end` is `stdout_closed`, and the summary (`-v`) says the output is
+/// incomplete, never "written to stdout".
+#[test]
+fn closed_stdout_is_never_called_written() {
+    if !kvm_available(KRATE, "closed_stdout_is_never_called_written") {
+        return;
+    }
+    let _vm = vm_lock();
+    let dir = TempDir::new("epipe-late");
+    let st = dir.file("s.json");
+    let finished = &["--events", "100000"][..];
+    let duration = &[
+        "--events",
+        "100000000",
+        "--rate",
+        "100000",
+        "--duration",
+        "0.5",
+    ][..];
+    for (fmt, verbose, until) in [
+        ("dat", true, finished),
+        ("json", true, finished),
+        ("perfetto", true, finished),
+        ("dat", false, finished),
+        ("dat", true, duration),
+    ] {
+        let mut args = vec!["record", "-o", "-", "--format", fmt, "--stats", &st];
+        args.extend_from_slice(until);
+        if verbose {
+            args.push("-v");
+        }
+        let mut child = Command::new(BIN)
+            .args(&args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn");
+        // `head -c 100`: 100 bytes read, then the pipe closed.
+        let (code, err) = close_stdout_after(&mut child, "record -o - | head -c 100", |mut out| {
+            out.read_exact(&mut [0u8; 100]).expect("100 bytes");
+        });
+        assert_eq!(code, Some(0), "{fmt}: {err}");
+        assert!(!err.contains("written to stdout"), "{fmt}: {err}");
+        if verbose {
+            assert!(
+                err.contains("stdout closed early: ") && err.contains("output incomplete"),
+                "{fmt}: {err}"
+            );
+        } else {
+            assert_eq!(err, "", "{fmt}");
+        }
+        let s = stats(&st);
+        assert_eq!(s["end"], "stdout_closed", "{fmt}: {s}");
+        assert_eq!(s["exit_code"], 0, "{fmt}: {s}");
+    }
+}
+
 // ---- 7: messages --------------------------------------------------------------------
+
+/// `-e` naming a host kernel event system or event (`-e sched`, a common slip) says to
+/// record it with `--host-trace` — from tracefs's `available_events`, or, where that
+/// cannot be read, from the well-known systems; exit 2 as any unknown event. A name
+/// that is nowhere gets no such pointer.
+#[test]
+fn an_event_of_the_host_kernel_points_to_host_trace() {
+    if !kvm_available(KRATE, "an_event_of_the_host_kernel_points_to_host_trace") {
+        return;
+    }
+    let _vm = vm_lock();
+    let dir = TempDir::new("host-event-hint");
+    let record = |e: &str, tracefs: Option<&Path>| {
+        let mut c = Command::new(BIN);
+        c.args([
+            "record",
+            "-o",
+            &dir.file("t.dat"),
+            "--events",
+            "10",
+            "-e",
+            e,
+        ]);
+        if let Some(t) = tracefs {
+            c.env("HYPTRACE_TRACEFS", t);
+        }
+        c.output().expect("run")
+    };
+    // No available_events there: the well-known systems.
+    let out = record("sched", Some(dir.path()));
+    env::assert_usage_error(
+        &out,
+        "-e sched",
+        "unknown event \"sched\" (the guest registered: ",
+    );
+    let err = env::stderr(&out);
+    assert!(
+        err.contains("\"sched\" is a host kernel event system: record it with --host-trace sched"),
+        "{err}"
+    );
+    let out = record("nope", Some(dir.path()));
+    env::assert_usage_error(&out, "-e nope", "unknown event \"nope\"");
+    assert!(
+        !env::stderr(&out).contains("--host-trace"),
+        "{}",
+        env::stderr(&out)
+    );
+    // The real tracefs's list, where it can be read: an event by its name.
+    if std::fs::read("/sys/kernel/tracing/available_events").is_ok() {
+        let out = record("sched_switch", None);
+        env::assert_usage_error(
+            &out,
+            "-e sched_switch",
+            "\"sched_switch\" is the host kernel event sched:sched_switch: record it with --host-trace sched_switch",
+        );
+    }
+    assert!(dir.entries().is_empty(), "{:?}", dir.entries());
+}
+
+/// `--format json -o t.dat`: JSON is written, as asked, with a one-line warning that
+/// the extension names another format; an extension that agrees (or names none) gets
+/// none.
+#[test]
+fn an_extension_that_disagrees_with_format_is_warned() {
+    let kernel = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("crates/output/tests/fixtures/kernel-v7-zstd.dat");
+    let kernel = kernel.to_str().expect("utf-8");
+    let dir = TempDir::new("ext-warning");
+    for (fmt, name, warned) in [
+        ("json", "t.dat", true),
+        ("text", "t.json", true),
+        ("json", "t.json", false),
+        ("dat6", "t.dat", false),
+        ("perfetto", "t.trace", false),
+    ] {
+        let out = dir.file(name);
+        let o = env::run(BIN, &["convert", "-i", kernel, "-o", &out, "--format", fmt]);
+        let err = env::stderr(&o);
+        assert_eq!(o.status.code(), Some(0), "{fmt} {name}: {err}");
+        let warning =
+            format!("hyptrace: warning: {out} (-o) is written as --format {fmt}, though `.");
+        assert_eq!(err.contains(&warning), warned, "{fmt} {name}: {err}");
+        assert_eq!(
+            err.lines().filter(|l| l.contains("warning")).count(),
+            usize::from(warned),
+            "{err}"
+        );
+        if fmt == "json" {
+            let text = std::fs::read_to_string(&out).expect("output");
+            serde_json::from_str::<serde_json::Value>(&text).expect("JSON, as asked");
+        }
+    }
+    if !kvm_available(KRATE, "an_extension_that_disagrees_with_format_is_warned") {
+        return;
+    }
+    let _vm = vm_lock();
+    let out = dir.file("r.dat");
+    let o = env::run(
+        BIN,
+        &["record", "--format", "json", "-o", &out, "--events", "10"],
+    );
+    let err = env::stderr(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert!(
+        err.starts_with(&format!("hyptrace: warning: {out} (-o) is written as --format json, though `.dat` names --format dat\n")),
+        "{err}"
+    );
+    let text = std::fs::read_to_string(&out).expect("output");
+    serde_json::from_str::<serde_json::Value>(&text).expect("JSON, as asked");
+}
 
 /// Exit 2, the first line `hyptrace: error: ...`, every needle somewhere.
 fn assert_arg_error(args: &[&str], needles: &[&str]) {
@@ -1176,15 +1353,8 @@ fn a_stalled_output_is_named_as_the_cause_of_the_loss() {
         assert!(t0.elapsed() < LIMIT, "the run never closed its output");
         std::thread::sleep(Duration::from_micros(200));
     }
-    let st = env::wait_exit(&mut child, "record into a stalled FIFO", LIMIT);
-    let mut err = String::new();
-    child
-        .stderr
-        .take()
-        .expect("stderr")
-        .read_to_string(&mut err)
-        .expect("stderr");
-    assert_eq!(st.code(), Some(0), "{err}");
+    let (code, err) = stderr_and_exit(&mut child, "record into a stalled FIFO");
+    assert_eq!(code, Some(0), "{err}");
     assert!(
         err.lines()
             .any(|l| l.starts_with("hyptrace: hint: the reader waited ")

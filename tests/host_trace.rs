@@ -13,6 +13,14 @@ const BIN: &str = env!("CARGO_BIN_EXE_hyptrace");
 const KRATE: &str = env!("CARGO_CRATE_NAME");
 const TRACEFS: &str = "/sys/kernel/tracing";
 const VCPUS: u32 = 2;
+/// A short run with `--host-trace` (what the input-error tests refuse).
+const RUN_HOST_TRACE: [&str; 5] = [
+    "run",
+    "--host-trace",
+    "sched:sched_switch",
+    "--events",
+    "10",
+];
 /// A gap in a vCPU's guest events longer than this must be its thread switched out.
 const GAP_NS: u128 = 1_000_000;
 
@@ -37,11 +45,19 @@ fn tracefs_available(test: &str) -> bool {
     ok
 }
 
-/// The tracefs instance of process `pid`.
-fn instance(pid: u32) -> std::path::PathBuf {
-    Path::new(TRACEFS)
-        .join("instances")
-        .join(format!("hyptrace-{pid}"))
+/// The tracefs instance process `pid` made (`hyptrace-NS-PID-START`), if there is one.
+fn instance(pid: u32) -> Option<std::path::PathBuf> {
+    let pid = pid.to_string();
+    std::fs::read_dir(Path::new(TRACEFS).join("instances"))
+        .ok()?
+        .flatten()
+        .find(|e| {
+            e.file_name()
+                .to_str()
+                .and_then(|n| n.strip_prefix("hyptrace-"))
+                .is_some_and(|r| r.split('-').nth(1) == Some(pid.as_str()))
+        })
+        .map(|e| e.path())
 }
 
 /// A CPU hog pinned to CPU `cpu`, killed when dropped.
@@ -126,13 +142,55 @@ fn never_left(lines: &[Line]) -> std::collections::BTreeSet<i64> {
     to.difference(&from).copied().collect()
 }
 
+/// Steal time of host CPU `cpu` so far, in USER_HZ ticks: what the hypervisor below
+/// this machine (itself a VM) took from it — the 8th value of /proc/stat's `cpuN` line.
+/// A vCPU thread held off so shows no sched_switch. `None` if unreadable.
+fn steal_ticks(cpu: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let label = format!("cpu{cpu}");
+    let line = stat
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(label.as_str()))?;
+    line.split_whitespace().nth(8)?.parse().ok()
+}
+
+/// The most time the hypervisor below can have taken from host CPU `cpu` between two
+/// [`steal_ticks`] readings, in ns: their difference, plus one tick as each reading is
+/// rounded down — or 0 if the machine accounts no steal time at all (none since boot).
+fn steal_bound_ns(before: Option<u64>, after: Option<u64>) -> u128 {
+    // SAFETY: sysconf reads a constant of the C library; no pointer is involved.
+    let hz = u128::try_from(unsafe { libc::sysconf(libc::_SC_CLK_TCK) }).unwrap_or(100);
+    match (before, after) {
+        (Some(b), Some(a)) if a > 0 => u128::from(a.saturating_sub(b) + 1) * 1_000_000_000 / hz,
+        _ => 0,
+    }
+}
+
+/// What [`check_gaps`] found for one vCPU.
+#[derive(Debug, Default)]
+struct Gaps {
+    /// Gaps over [`GAP_NS`].
+    gaps: usize,
+    /// The thread's switches out.
+    outs: usize,
+    /// Gaps whose switch back in the kernel did not report.
+    unseen: usize,
+    /// Gaps with no switch at all and nothing else on the CPU: held off by the
+    /// hypervisor below (their number, their total ns).
+    stolen: usize,
+    stolen_ns: u128,
+}
+
 /// Every gap over [`GAP_NS`] between two guest events of vCPU `v` holds a switch out
 /// of its thread `tid` and a switch back in after it — unless the kernel did not report
 /// the switch in: the run counted no loss (`lossy` false), the trace has tasks never
 /// reported leaving ([`never_left`]), and the thread's next switch after its switch out
-/// is another switch out (the host stream itself shows it was back in). Returns
-/// (gaps, switches out, gaps whose switch-in the kernel did not report).
-fn check_gaps(lines: &[Line], v: u32, tid: i64, lossy: bool) -> (usize, usize, usize) {
+/// is another switch out (the host stream itself shows it was back in) — or unless the
+/// hypervisor below held the host CPU: no switch of the thread in the gap and no event
+/// of another vCPU either (every vCPU thread shares the one host CPU, so another vCPU
+/// ran only if this thread was switched out: a missed switch fails), and all such gaps
+/// together no longer than `stolen_ns`, the steal time the CPU gained during the run.
+fn check_gaps(lines: &[Line], v: u32, tid: i64, lossy: bool, stolen_ns: u128) -> Gaps {
     let guest: Vec<u128> = lines
         .iter()
         .filter(|l| l.cpu == v && l.name == "marker")
@@ -153,13 +211,16 @@ fn check_gaps(lines: &[Line], v: u32, tid: i64, lossy: bool) -> (usize, usize, u
             ins.push(l.ts);
         }
     }
-    let (mut gaps, mut unseen) = (0, 0);
+    let mut r = Gaps {
+        outs: outs.len(),
+        ..Gaps::default()
+    };
     for w in guest.windows(2) {
         let (a, b) = (w[0], w[1]);
         if b - a <= GAP_NS {
             continue;
         }
-        gaps += 1;
+        r.gaps += 1;
         let out = outs.iter().find(|&&(t, _)| a <= t && t <= b);
         let back = out.and_then(|&(o, _)| ins.iter().find(|&&t| o <= t && t <= b));
         // The thread's next switch after its switch out in the gap is another switch
@@ -173,25 +234,48 @@ fn check_gaps(lines: &[Line], v: u32, tid: i64, lossy: bool) -> (usize, usize, u
                 let next_in = ins.iter().copied().find(|&t| t > o);
                 next_out.is_some_and(|no| next_in.is_none_or(|i| no < i))
             });
+        // Nothing ran on the CPU in the gap as far as the trace shows: the hypervisor
+        // below held it (checked against the steal time after the loop).
+        let stolen = out.is_none()
+            && !lines
+                .iter()
+                .any(|l| l.cpu != v && l.name == "marker" && a < l.ts && l.ts < b);
         let near: Vec<&Line> = lines
             .iter()
             .filter(|l| l.name == "sched_switch" && a <= l.ts + GAP_NS && l.ts <= b + GAP_NS)
             .collect();
         assert!(
-            back.is_some() || unreported,
-            "vCPU {v} (tid {tid}): guest gap {a}..{b} ({} µs) without its thread switched out and back in (out {out:?}), nor switched in unseen (lossy {lossy}, tasks never reported leaving {silent:?}); host switches around it: {near:#?}",
+            back.is_some() || unreported || stolen,
+            "vCPU {v} (tid {tid}): guest gap {a}..{b} ({} µs) without its thread switched out and back in (out {out:?}), nor switched in unseen (lossy {lossy}, tasks never reported leaving {silent:?}), nor held by the hypervisor (another vCPU ran in it); host switches around it: {near:#?}",
             (b - a) / 1000
         );
-        unseen += usize::from(unreported);
+        r.unseen += usize::from(unreported);
+        if stolen {
+            r.stolen += 1;
+            r.stolen_ns += b - a;
+        }
     }
-    (gaps, outs.len(), unseen)
+    assert!(
+        r.stolen_ns <= stolen_ns,
+        "vCPU {v} (tid {tid}): {} guest gaps ({} µs in all) without a switch of its thread, more than the steal time its host CPU gained during the run ({} µs): {r:?}",
+        r.stolen,
+        r.stolen_ns / 1000,
+        stolen_ns / 1000
+    );
+    r
 }
 
 /// `record --host-trace sched:sched_switch` next to a CPU hog on the vCPU threads'
 /// CPU: trace-cmd prints guest events and the vCPU threads' switches, with their
 /// fields, in one time order; every gap over 1 ms in a vCPU's events is its thread
-/// switched out; the Perfetto conversion of the same file decodes with the official
-/// schema and puts each vCPU's events and its thread's switches on one thread.
+/// switched out and back in ([`check_gaps`]), or, where this machine is itself a VM,
+/// time the hypervisor below held the host CPU: such a gap shows no switch (steal
+/// time), so a gap with no switch passes only if no other vCPU ran in it and all such
+/// gaps together fit in the steal time /proc/stat counted for that CPU during the run
+/// (a machine that counts no steal time passes none) — a switch the host trace missed, or guest and host
+/// clocks apart, still fails; the Perfetto conversion of the same file decodes with
+/// the official schema and puts each vCPU's events and its thread's switches on one
+/// thread.
 #[test]
 fn trace_dat_shows_vcpu_preemption() {
     if !kvm_available(KRATE, "trace_dat_shows_vcpu_preemption")
@@ -201,32 +285,79 @@ fn trace_dat_shows_vcpu_preemption() {
         return;
     }
     let _vm = vm_lock();
-    let dir = TempDir::new("host-trace");
+    vcpu_preemption_recorded(&[], "host-trace");
+}
+
+/// H1 in a pid namespace: with a /proc of its own (`unshare --pid --mount-proc`) the
+/// vCPU threads' kernel ids are unknown, and `--host-trace` is refused (exit 2, one line
+/// naming why, no output, no instance) — a filter of namespace ids named nobody, and
+/// the run exited 0 with no host event; with the host's /proc (`unshare --pid`) the
+/// filter takes /proc's ids, the kernel's, and the run records the vCPU threads'
+/// scheduling as outside (the checks of `trace_dat_shows_vcpu_preemption`).
+#[test]
+fn a_run_in_a_pid_namespace_filters_by_kernel_ids() {
+    if !kvm_available(KRATE, "a_run_in_a_pid_namespace_filters_by_kernel_ids")
+        || !tracefs_available("a_run_in_a_pid_namespace_filters_by_kernel_ids")
+        || !env::trace_cmd_available()
+        || !unshare_available("a_run_in_a_pid_namespace_filters_by_kernel_ids")
+    {
+        return;
+    }
+    let _vm = vm_lock();
+    let dir = TempDir::new("host-trace-ns-own-proc");
+    let dat = dir.file("x.dat");
+    let out = Command::new("unshare")
+        .args(["--pid", "--fork", "--mount-proc", BIN, "record"])
+        .args(["--host-trace", "sched:sched_switch", "-o", &dat])
+        .args(["--events", "1000"])
+        .output()
+        .expect("unshare");
+    env::assert_usage_error(&out, "own /proc", "pid namespace");
+    assert!(!Path::new(&dat).exists(), "no output");
+    assert_eq!(instance(1), None, "no instance left");
+    vcpu_preemption_recorded(&["unshare", "--pid", "--fork"], "host-trace-ns");
+}
+
+/// Whether `unshare --pid --fork` works here (else the test is skipped).
+fn unshare_available(test: &str) -> bool {
+    let ok = Command::new("unshare")
+        .args(["--pid", "--fork", "true"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        eprintln!("{KRATE}::{test}: skipped: unshare --pid does not work here");
+    }
+    ok
+}
+
+/// Records `--host-trace sched:sched_switch` with two vCPUs pinned next to a CPU hog
+/// (through `wrap`, a command that runs hyptrace, e.g. `unshare`) and checks what
+/// `trace_dat_shows_vcpu_preemption` says.
+fn vcpu_preemption_recorded(wrap: &[&str], tag: &str) {
+    let dir = TempDir::new(tag);
     let dat = dir.file("x.dat");
     let stats = dir.file("stats.json");
     // Everything on CPU 0: the hog, both vCPU threads, the reader. The vCPU threads
     // are switched out (the hog never sleeps), so sched_switch events are certain.
     let _hog = Hog::pinned(0);
+    let steal_before = steal_ticks(0);
     let child = Command::new("taskset")
-        .args([
-            "-c",
-            "0",
-            BIN,
-            "record",
-            "--host-trace",
-            "sched:sched_switch",
-        ])
+        .args(["-c", "0"])
+        .args(wrap)
+        .args([BIN, "record", "--host-trace", "sched:sched_switch"])
         .args(["-o", &dat, "--stats", &stats, "--vcpus", "2"])
         .args(["--events", "200000", "--rate", "100000"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .expect("taskset hyptrace");
-    // taskset execs hyptrace: same pid.
-    let pid = child.id();
+    // taskset execs hyptrace: same pid; `unshare --fork` makes it pid 1 of its
+    // namespace (its instance is named so).
+    let pid = if wrap.is_empty() { child.id() } else { 1 };
     let out = child.wait_with_output().expect("wait");
+    let stolen_ns = steal_bound_ns(steal_before, steal_ticks(0));
     assert_eq!(out.status.code(), Some(0), "{}", env::stderr(&out));
-    assert!(!instance(pid).exists(), "instance left after a normal exit");
+    assert_eq!(instance(pid), None, "instance left after a normal exit");
     let s: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&stats).expect("stats")).expect("json");
     let h = &s["host_trace"];
@@ -255,13 +386,19 @@ fn trace_dat_shows_vcpu_preemption() {
         let lossy = ["lost", "lost_pages_unknown", "overrun", "dropped"]
             .iter()
             .any(|k| h[k].as_u64() != Some(0));
-        let (gaps, outs, unseen) = check_gaps(&lines, v, tid, lossy);
+        let g = check_gaps(&lines, v, tid, lossy, stolen_ns);
         assert!(
-            outs > 0,
+            g.outs > 0,
             "vCPU {v}: its thread {tid} was never switched out"
         );
         eprintln!(
-            "vCPU {v}: {gaps} gaps over 1 ms, {outs} switches out, all covered ({unseen} switched back in unseen)"
+            "vCPU {v}: {} gaps over 1 ms, {} switches out, all covered ({} switched back in unseen, {} held by the hypervisor: {} µs of at most {} µs of steal)",
+            g.gaps,
+            g.outs,
+            g.unseen,
+            g.stolen,
+            g.stolen_ns / 1000,
+            stolen_ns / 1000
         );
     }
     check_perfetto(&dir, &dat, &tids, &lines);
@@ -315,7 +452,7 @@ fn check_perfetto(dir: &TempDir, dat: &str, tids: &[i64], lines: &[Line]) {
 }
 
 /// No instance stays: after a normal run, after Ctrl-C, and after SIGKILL once another
-/// run has started (it removes instances of dead PIDs).
+/// run has started (it removes an instance whose name proves its maker dead).
 #[test]
 fn instances_are_removed() {
     if !kvm_available(KRATE, "instances_are_removed") || !tracefs_available("instances_are_removed")
@@ -341,16 +478,17 @@ fn instances_are_removed() {
             &mut child,
             "the instance",
             Duration::from_secs(60),
-            || instance(pid).join("trace_clock").exists(),
+            || instance(pid).is_some_and(|d| d.join("trace_clock").exists()),
             String::new,
         );
+        let made = instance(pid).expect("the instance");
         env::signal(&child, sig);
         let st = env::wait_exit(&mut child, sig, Duration::from_secs(60));
         if sig == "-INT" {
             assert_eq!(st.code(), Some(0), "Ctrl-C ends a record normally");
-            assert!(!instance(pid).exists(), "instance left after Ctrl-C");
+            assert!(!made.exists(), "instance left after Ctrl-C");
         } else {
-            assert!(instance(pid).exists(), "SIGKILL cannot clean up");
+            assert!(made.exists(), "SIGKILL cannot clean up");
             let out = env::run(
                 BIN,
                 &[
@@ -362,10 +500,7 @@ fn instances_are_removed() {
                 ],
             );
             assert_eq!(out.status.code(), Some(0), "{}", env::stderr(&out));
-            assert!(
-                !instance(pid).exists(),
-                "the next run removes a dead run's instance"
-            );
+            assert!(!made.exists(), "the next run removes a dead run's instance");
         }
     }
     let out = env::run(
@@ -391,6 +526,160 @@ fn instances_are_removed() {
             .iter()
             .all(|n| !n.starts_with("hyptrace-") || n.starts_with("hyptrace-probe")),
         "instances left: {names:?}"
+    );
+}
+
+/// tracefs instances made here (as others' would be), with the `buffer_size_kb` each
+/// read back; removed when dropped.
+struct Planted(Vec<(std::path::PathBuf, String)>);
+
+impl Planted {
+    /// Makes instance `name` with its own setting (`buffer_size_kb` 1028).
+    fn add(&mut self, name: &str) {
+        let d = Path::new(TRACEFS).join("instances").join(name);
+        std::fs::create_dir(&d).unwrap_or_else(|e| panic!("mkdir {}: {e}", d.display()));
+        let kb = d.join("buffer_size_kb");
+        std::fs::write(&kb, "1028").expect("buffer_size_kb");
+        let set = std::fs::read_to_string(&kb).expect("buffer_size_kb");
+        self.0.push((d, set));
+    }
+
+    /// Instance `name` is there with its setting.
+    fn untouched(&self, name: &str) -> bool {
+        self.0.iter().any(|(d, set)| {
+            d.ends_with(name)
+                && std::fs::read_to_string(d.join("buffer_size_kb")).is_ok_and(|v| v == *set)
+        })
+    }
+}
+
+impl Drop for Planted {
+    fn drop(&mut self) {
+        for (d, _) in &self.0 {
+            let _ = std::fs::remove_dir(d);
+        }
+    }
+}
+
+/// H1: instances a run did not make are left alone, settings and all: older names
+/// (`hyptrace-1`, `hyptrace-2`: of a VMM in a pid namespace, where a run is pid 1 —
+/// a name of only the pid, which a run in another namespace took for its own:
+/// removed, recreated and removed), another namespace's, a live process's. A name that
+/// proves its maker dead (this namespace, that pid gone) is removed by the next run
+/// here, not by a run in another namespace (which cannot prove it).
+#[test]
+fn instances_of_others_are_left_alone() {
+    use hyptrace_host::drain::host_trace::instance::Maker;
+    use hyptrace_host::drain::host_trace::procfs::start_time;
+    if !kvm_available(KRATE, "instances_of_others_are_left_alone")
+        || !tracefs_available("instances_of_others_are_left_alone")
+        || !unshare_available("instances_of_others_are_left_alone")
+    {
+        return;
+    }
+    let _vm = vm_lock();
+    let me = Maker::me().expect("this process");
+    let mut sleeper = Command::new("sleep").arg("1000").spawn().expect("sleep");
+    let gone = Maker {
+        pid: sleeper.id(),
+        start: start_time(&sleeper.id().to_string()).expect("start"),
+        ..me
+    };
+    let _ = sleeper.kill();
+    let _ = sleeper.wait();
+    let others = [
+        "hyptrace-1".to_string(),
+        "hyptrace-2".to_string(),
+        Maker {
+            ns: me.ns + 1,
+            ..gone
+        }
+        .name(),
+        me.name(),
+    ];
+    let mut planted = Planted(Vec::new());
+    for n in others.iter().chain([&gone.name()]) {
+        planted.add(n);
+    }
+    let run = |wrap: &[&str], all: &[&str]| {
+        let mut argv = wrap.to_vec();
+        argv.push(BIN);
+        let out = Command::new(argv[0])
+            .args(&argv[1..])
+            .args([
+                "run",
+                "--host-trace",
+                "sched:sched_switch",
+                "--events",
+                "100",
+            ])
+            .args(all)
+            .output()
+            .expect("hyptrace");
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{wrap:?}: {}",
+            env::stderr(&out)
+        );
+    };
+    // A run in a new pid namespace (pid 1 there), its own /proc: no filter (-all).
+    run(
+        &["unshare", "--pid", "--fork", "--mount-proc"],
+        &["--host-trace-all"],
+    );
+    for n in others.iter().chain([&gone.name()]) {
+        assert!(planted.untouched(n), "{n} touched by a run in a namespace");
+    }
+    // A run here: the dead maker's instance goes, the others stay as they were.
+    run(&[], &[]);
+    for n in &others {
+        assert!(planted.untouched(n), "{n} touched");
+    }
+    assert!(
+        !Path::new(TRACEFS)
+            .join("instances")
+            .join(gone.name())
+            .exists(),
+        "the dead maker's instance is removed"
+    );
+}
+
+/// H1: an instance of the very name a run would make (made by the shell that then
+/// execs hyptrace: same pid, same start time, same namespace) is not the run's: the
+/// run is refused (exit 2, naming it) and the instance is left as it was — it was
+/// removed, recreated and removed when the name was the pid alone.
+#[test]
+fn an_instance_of_the_runs_name_is_left_alone() {
+    if !tracefs_available("an_instance_of_the_runs_name_is_left_alone") {
+        return;
+    }
+    // Field 22 of stat (the start time) is the 20th after the command's ')'.
+    let script = format!(
+        "set -e; d={TRACEFS}/instances/hyptrace-$(stat -L -c %i /proc/$$/ns/pid)-$$-$(cut -d')' -f2- /proc/$$/stat | awk '{{print $20}}'); \
+         mkdir \"$d\"; echo 1028 > \"$d/buffer_size_kb\"; cat \"$d/buffer_size_kb\"; echo \"$d\"; \
+         exec \"$0\" run --host-trace sched:sched_switch --events 10"
+    );
+    let out = Command::new("sh")
+        .args(["-c", &script, BIN])
+        .output()
+        .expect("sh");
+    let text = env::stdout(&out);
+    let mut lines = text.lines();
+    let (set, made) = (lines.next().expect("kb"), lines.next().expect("dir"));
+    let made = Path::new(made);
+    let kb = std::fs::read_to_string(made.join("buffer_size_kb"));
+    let _ = std::fs::remove_dir(made);
+    let err = env::stderr(&out);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("exists and this run did not make it: left alone"),
+        "{err}"
+    );
+    assert_eq!(
+        kb.ok().as_deref().map(str::trim),
+        Some(set),
+        "the instance as it was"
     );
 }
 
@@ -538,19 +827,44 @@ fn json_merges_host_events_in_time_order() {
     }
 }
 
+/// A user tracefs refuses (not root: the mount is root's, mode 0700) is told so — exit
+/// 2, `permission denied on /sys/kernel/tracing... (run as root)` — not that tracefs is
+/// not mounted; no VM is needed (tracefs is checked before the VM exists). Runs the
+/// binary as `nobody` (setpriv; skipped unless this test runs as root with tracefs
+/// mounted).
+#[test]
+fn tracefs_refused_to_a_user_is_permission_denied() {
+    // SAFETY: geteuid reads this process's credentials; it cannot fail.
+    let root = unsafe { libc::geteuid() } == 0;
+    if !root || !Path::new(TRACEFS).join("instances").is_dir() {
+        eprintln!("{KRATE}::tracefs_refused_to_a_user_is_permission_denied: skipped: needs root and {TRACEFS} mounted");
+        return;
+    }
+    let out = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", BIN])
+        .args(RUN_HOST_TRACE)
+        .env_remove("HYPTRACE_TRACEFS")
+        .output()
+        .expect("setpriv");
+    env::assert_usage_error(
+        &out,
+        "--host-trace as nobody",
+        "--host-trace: permission denied on /sys/kernel/tracing",
+    );
+    let err = env::stderr(&out);
+    assert!(
+        err.contains("(run as root)") && !err.contains("not mounted"),
+        "{err}"
+    );
+}
+
 /// Without tracefs, or with an event the kernel does not have: exit 2, one line naming
-/// what is missing, no VM started.
+/// what is missing (a pattern escaped), no VM started.
 #[test]
 fn missing_tracefs_or_event_is_an_input_error() {
     let dir = TempDir::new("host-trace-missing");
     let out = Command::new(BIN)
-        .args([
-            "run",
-            "--host-trace",
-            "sched:sched_switch",
-            "--events",
-            "10",
-        ])
+        .args(RUN_HOST_TRACE)
         .env("HYPTRACE_TRACEFS", dir.path())
         .output()
         .expect("hyptrace");
@@ -566,6 +880,27 @@ fn missing_tracefs_or_event_is_an_input_error() {
         &out,
         "unknown event",
         "no host kernel event matches 'nosuch:event'",
+    );
+    // A pattern with control bytes is echoed escaped: it cannot drive the terminal.
+    let out = env::run(
+        BIN,
+        &[
+            "run",
+            "--host-trace",
+            "\x1b]0;title\x07\x1b[2Jx",
+            "--events",
+            "10",
+        ],
+    );
+    env::assert_usage_error(
+        &out,
+        "a pattern with an ESC",
+        "no host kernel event matches '\\x1b]0;title\\x07\\x1b[2Jx'",
+    );
+    assert!(
+        !out.stderr.iter().any(|&b| b == 0x1b || b == 0x07),
+        "a raw control byte: {:?}",
+        env::stderr(&out)
     );
 }
 

@@ -28,7 +28,22 @@ macro_rules! note {
 /// it exposes through `source()`, so each cause is printed once, here. A source whose
 /// text the line already carries (an I/O error's path its wrapper named, or a foreign
 /// error that prints its own source) is not repeated. Keeps X1 (docs/design.md).
+///
+/// The line is [`printable`]: user and guest text an error echoes (a pattern, a path,
+/// a guest's string) cannot end the line or drive the terminal.
 pub fn chain(e: &dyn std::error::Error) -> String {
+    printable(&chain_raw(e)).into_owned()
+}
+
+/// User or guest text made safe for one line of a message: control characters (ESC,
+/// newlines, C1, bidirectional controls) as C escapes (`\x1b`, `\n`, `\u{202e}`),
+/// everything else as is (`hyptrace_output::escape_guest_str`, the one escaping of
+/// text output and messages).
+pub fn printable(s: &str) -> std::borrow::Cow<'_, str> {
+    hyptrace_output::escape_guest_str(s)
+}
+
+fn chain_raw(e: &dyn std::error::Error) -> String {
     let mut text = e.to_string();
     let mut next = e.source();
     // Bounded: error chains are finite, but a cycle would not be.
@@ -64,6 +79,17 @@ mod tests {
 
     fn enospc() -> std::io::Error {
         std::io::Error::from_raw_os_error(libc::ENOSPC)
+    }
+
+    /// Text an error echoes (a user's pattern with an ESC, a path with a newline) is
+    /// escaped: the line stays one line and cannot drive the terminal.
+    #[test]
+    fn echoed_text_is_escaped() {
+        let e = Write("\x1b[2J/a\nb".into(), Io("/b".into(), enospc()));
+        assert_eq!(
+            chain(&e),
+            format!("cannot write \\x1b[2J/a\\nb: /b: {}", enospc())
+        );
     }
 
     #[test]

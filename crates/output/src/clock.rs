@@ -35,6 +35,7 @@ pub const SLOPE_SHIFT: u32 = 32;
 /// One knot of a [`ClockMap`]: from guest TSC `tsc` on, `ns = ns + ((t - tsc) * slope) >>
 /// SLOPE_SHIFT`, until the next knot.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct Knot {
     /// Guest TSC where this segment starts.
     pub tsc: u64,
@@ -138,6 +139,26 @@ impl ClockMap {
         Some(k)
     }
 
+    /// Appends a knot another map made ([`ClockMap::extend`]): a replica of that map
+    /// (a subscriber's, docs/design.md "One reader, subscribers") gets its knots in
+    /// order and converts as it does (K1 holds for the replica as for the original: each
+    /// knot comes after every TSC converted before it arrived). Refused (false) unless
+    /// it is after the last knot.
+    pub fn append(&self, k: Knot) -> bool {
+        let mut knots = self.knots.write().unwrap_or_else(PoisonError::into_inner);
+        if knots.last().is_some_and(|last| k.tsc <= last.tsc) {
+            return false;
+        }
+        knots.push(k);
+        true
+    }
+
+    /// Knots from the `from`-th on (a replica asks for those it lacks).
+    pub fn knots_from(&self, from: usize) -> Vec<Knot> {
+        let knots = self.knots.read().unwrap_or_else(PoisonError::into_inner);
+        knots.get(from..).map_or_else(Vec::new, <[Knot]>::to_vec)
+    }
+
     /// Knots so far.
     pub fn knots(&self) -> Vec<Knot> {
         self.knots
@@ -158,6 +179,7 @@ impl ClockMap {
 
 /// Cycle → nanosecond conversion (`ns = ((cyc - offset) * mult) >> shift`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct TscConversion {
     /// Multiplier.
     pub mult: u32,

@@ -8,6 +8,7 @@ use crate::OutputError;
 
 /// One field of an event format.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct Field {
     /// C type as written in the format (`u64`, `unsigned short`, `__data_loc char[]`, `char[16]`...).
     pub type_name: String,
@@ -53,6 +54,7 @@ impl Field {
 
 /// An event format (what one `format` file says).
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct EventFormat {
     /// System (`guest`, `sched`...).
     pub system: String,

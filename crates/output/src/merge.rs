@@ -20,6 +20,10 @@
 //! [`crate::format_window_exceeded`]) and releases the oldest events ahead of the
 //! watermark down to half the window. Events the held-back CPU delivers later may then
 //! be older than some already released (the marker line says so).
+//!
+//! **Cost**: O(log CPUs) per item pushed or released, whatever the CPU count: the CPUs'
+//! front items are kept in a binary heap by (time, CPU) and the watermark in a min-tree
+//! over the CPUs' last times (a file naming 4096 CPUs merges in the time of its events).
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
@@ -99,6 +103,12 @@ struct Cpu<T> {
 #[derive(Debug)]
 pub struct Merger<T> {
     cpus: Vec<Cpu<T>>,
+    /// `(front time, cpu)` of every CPU whose queue is not empty, one entry each.
+    fronts: BinaryHeap<Reverse<(u64, usize)>>,
+    /// The last time of every CPU not finished (`u64::MAX` for a finished one).
+    lasts: MinTree,
+    /// CPUs neither finished nor seen (while there are any, there is no watermark).
+    unseen: usize,
     held: usize,
     bytes: usize,
     window: Option<MergeWindow>,
@@ -117,6 +127,9 @@ impl<T> Merger<T> {
                     done: false,
                 })
                 .collect(),
+            fronts: BinaryHeap::new(),
+            lasts: MinTree::new(n),
+            unseen: n,
             held: 0,
             bytes: 0,
             window: None,
@@ -146,11 +159,13 @@ impl<T> Merger<T> {
     /// Queues an item of `cpu` at `ts` that counts `bytes` against the window. A CPU out
     /// of range is ignored.
     pub fn push_sized(&mut self, cpu: usize, ts: u64, item: Merged<T>, bytes: usize) {
+        self.advance(cpu, ts);
         let Some(c) = self.cpus.get_mut(cpu) else {
             return;
         };
-        c.last = if c.seen { c.last.max(ts) } else { ts };
-        c.seen = true;
+        if c.queue.is_empty() {
+            self.fronts.push(Reverse((ts, cpu)));
+        }
         c.queue.push_back((ts, item, bytes));
         self.held += 1;
         self.bytes = self.bytes.saturating_add(bytes);
@@ -158,9 +173,16 @@ impl<T> Merger<T> {
 
     /// Tells that `cpu` will deliver nothing older than `ts` (without an item).
     pub fn advance(&mut self, cpu: usize, ts: u64) {
-        if let Some(c) = self.cpus.get_mut(cpu) {
-            c.last = if c.seen { c.last.max(ts) } else { ts };
-            c.seen = true;
+        let Some(c) = self.cpus.get_mut(cpu) else {
+            return;
+        };
+        c.last = if c.seen { c.last.max(ts) } else { ts };
+        if !c.seen && !c.done {
+            self.unseen -= 1;
+        }
+        c.seen = true;
+        if !c.done {
+            self.lasts.set(cpu, c.last);
         }
     }
 
@@ -172,8 +194,15 @@ impl<T> Merger<T> {
 
     /// Marks `cpu` finished: it delivers nothing more.
     pub fn finish(&mut self, cpu: usize) {
-        if let Some(c) = self.cpus.get_mut(cpu) {
+        let Some(c) = self.cpus.get_mut(cpu) else {
+            return;
+        };
+        if !c.done {
             c.done = true;
+            if !c.seen {
+                self.unseen -= 1;
+            }
+            self.lasts.set(cpu, u64::MAX);
         }
     }
 
@@ -208,37 +237,28 @@ impl<T> Merger<T> {
         self.overflows
     }
 
+    /// The smallest last time of the CPUs not finished (`u64::MAX` when all are);
+    /// `None` while one of them has delivered nothing.
     fn watermark(&self) -> Option<u64> {
-        let mut w: Option<u64> = None;
-        for c in &self.cpus {
-            if c.done {
-                continue;
-            }
-            if !c.seen {
-                return None;
-            }
-            w = Some(w.map_or(c.last, |w| w.min(c.last)));
-        }
-        Some(w.unwrap_or(u64::MAX))
+        (self.unseen == 0).then(|| self.lasts.min())
     }
 
-    /// Takes the front item of `cpu` (accounting).
-    fn take(&mut self, cpu: usize) -> Option<(u64, Merged<T>)> {
-        let (ts, item, bytes) = self.cpus.get_mut(cpu)?.queue.pop_front()?;
+    /// Takes the oldest front item, ties to the lower CPU, if its time is at or below
+    /// `limit` (accounting).
+    fn take_oldest(&mut self, limit: u64) -> Option<(usize, u64, Merged<T>)> {
+        let &Reverse((ts, cpu)) = self.fronts.peek()?;
+        if ts > limit {
+            return None;
+        }
+        self.fronts.pop();
+        let c = &mut self.cpus[cpu];
+        let (ts, item, bytes) = c.queue.pop_front()?;
+        if let Some(&(next, _, _)) = c.queue.front() {
+            self.fronts.push(Reverse((next, cpu)));
+        }
         self.held -= 1;
         self.bytes = self.bytes.saturating_sub(bytes);
-        Some((ts, item))
-    }
-
-    /// Fronts at or below `limit`, as a min-heap by (time, cpu).
-    fn fronts(&self, limit: u64) -> BinaryHeap<Reverse<(u64, usize)>> {
-        self.cpus
-            .iter()
-            .enumerate()
-            .filter_map(|(i, c)| c.queue.front().map(|f| (f.0, i)))
-            .filter(|&(ts, _)| ts <= limit)
-            .map(Reverse)
-            .collect()
+        Some((cpu, ts, item))
     }
 
     /// Releases, in order, every queued item whose time is at or below the watermark
@@ -256,17 +276,9 @@ impl<T> Merger<T> {
         mut out: impl FnMut(usize, u64, Merged<T>),
         mut more: impl FnMut(usize, usize) -> bool,
     ) {
-        let mut heap = self.fronts(limit);
-        while let Some(Reverse((_, i))) = heap.pop() {
-            let Some((ts, item)) = self.take(i) else {
-                continue;
-            };
-            if let Some(&(next, _, _)) = self.cpus[i].queue.front() {
-                if next <= limit {
-                    heap.push(Reverse((next, i)));
-                }
-            }
-            out(i, ts, item);
+        // Bounded: each step takes an item.
+        while let Some((cpu, ts, item)) = self.take_oldest(limit) {
+            out(cpu, ts, item);
             if !more(self.held, self.bytes) {
                 return;
             }
@@ -277,15 +289,7 @@ impl<T> Merger<T> {
     /// for a caller that pulls one item at a time (`report`).
     pub fn next_ready(&mut self) -> Option<(usize, u64, Merged<T>)> {
         let wm = self.watermark()?;
-        // A scan, no heap: one item per call.
-        let (_, i) = self
-            .cpus
-            .iter()
-            .enumerate()
-            .filter_map(|(i, c)| c.queue.front().map(|f| (f.0, i)))
-            .filter(|&(ts, _)| ts <= wm)
-            .min()?;
-        self.take(i).map(|(ts, item)| (i, ts, item))
+        self.take_oldest(wm)
     }
 
     /// The CPU holding the watermark back: the first CPU not finished that has
@@ -343,10 +347,44 @@ impl<T> Merger<T> {
 
     /// Releases everything queued, in order (at the end of a run: every CPU finished).
     pub fn drain(&mut self, out: impl FnMut(usize, u64, Merged<T>)) {
-        for c in &mut self.cpus {
-            c.done = true;
+        for cpu in 0..self.cpus.len() {
+            self.finish(cpu);
         }
         self.pop_ready(out);
+    }
+}
+
+/// The minimum of `n` values, each set in O(log n).
+#[derive(Debug)]
+struct MinTree {
+    /// Leaves at `size..size + n` (`u64::MAX` past `n`), each inner node the minimum of
+    /// its two children; the root at 1.
+    nodes: Vec<u64>,
+    size: usize,
+}
+
+impl MinTree {
+    /// `n` values, all `u64::MAX`.
+    fn new(n: usize) -> Self {
+        let size = n.max(1).next_power_of_two();
+        Self {
+            nodes: vec![u64::MAX; 2 * size],
+            size,
+        }
+    }
+
+    fn set(&mut self, i: usize, v: u64) {
+        let mut at = self.size + i;
+        self.nodes[at] = v;
+        // Bounded: log2(size) steps to the root.
+        while at > 1 {
+            at /= 2;
+            self.nodes[at] = self.nodes[2 * at].min(self.nodes[2 * at + 1]);
+        }
+    }
+
+    fn min(&self) -> u64 {
+        self.nodes[1]
     }
 }
 
@@ -499,6 +537,82 @@ mod tests {
         }
         m.release(|_| panic!("released ahead of the watermark"));
         assert_eq!(m.pending(), 1000);
+    }
+
+    /// The heap and the min-tree release what a scan of every CPU releases: random
+    /// pushes (many ties, times going backwards), advances and finishes on 37 CPUs,
+    /// pulled with `next_ready` and `pop_ready`, against the definition (the oldest
+    /// front at or below the smallest last time of the CPUs not finished, ties to the
+    /// lower CPU).
+    #[test]
+    fn heap_releases_what_a_scan_releases() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut rnd = |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        const N: usize = 37;
+        let mut m = Merger::new(N);
+        // The reference: queues, last times, seen and done flags.
+        let mut q: Vec<VecDeque<(u64, u32)>> = vec![VecDeque::new(); N];
+        let (mut last, mut seen, mut done) = ([0u64; N], [false; N], [false; N]);
+        let (mut id, mut released) = (0u32, 0);
+        for step in 0..20_000 {
+            let cpu = rnd(N as u64) as usize;
+            match rnd(10) {
+                0..=5 => {
+                    let ts = rnd(50) + step / 10;
+                    m.push(cpu, ts, Merged::Event(id));
+                    q[cpu].push_back((ts, id));
+                    last[cpu] = if seen[cpu] { last[cpu].max(ts) } else { ts };
+                    seen[cpu] = true;
+                    id += 1;
+                }
+                6 => {
+                    let ts = rnd(50) + step / 10;
+                    m.advance(cpu, ts);
+                    last[cpu] = if seen[cpu] { last[cpu].max(ts) } else { ts };
+                    seen[cpu] = true;
+                }
+                7 if rnd(20) == 0 => {
+                    m.finish(cpu);
+                    done[cpu] = true;
+                }
+                _ => {
+                    let want = (0..N)
+                        .filter(|&c| !done[c])
+                        .try_fold(u64::MAX, |w, c| seen[c].then(|| w.min(last[c])))
+                        .and_then(|wm| {
+                            (0..N)
+                                .filter_map(|c| q[c].front().map(|f| (f.0, c)))
+                                .filter(|&(ts, _)| ts <= wm)
+                                .min()
+                        })
+                        .map(|(_, c)| {
+                            let (ts, e) = q[c].pop_front().unwrap();
+                            (c, ts, Merged::Event(e))
+                        });
+                    released += usize::from(want.is_some());
+                    assert_eq!(m.next_ready(), want, "step {step}");
+                }
+            }
+        }
+        let mut got = vec![];
+        m.drain(|c, ts, e| got.push((c, ts, e)));
+        let mut want = vec![];
+        while let Some((_, c)) = (0..N).filter_map(|c| q[c].front().map(|f| (f.0, c))).min() {
+            let (ts, e) = q[c].pop_front().unwrap();
+            want.push((c, ts, Merged::Event(e)));
+        }
+        assert_eq!(got, want);
+        assert_eq!(m.pending(), 0);
+        assert!(
+            released > 1000 && got.len() > 100,
+            "{released} {}",
+            got.len()
+        );
     }
 
     #[test]

@@ -3,7 +3,10 @@
 //!
 //! - a regular file or a new path: written to a temporary file in the same directory
 //!   and renamed over the path at `finish` (nothing that looks complete appears before;
-//!   a previous file stays untouched if the run fails);
+//!   a previous file stays untouched if the run fails). The file is created owner-only
+//!   ([`OutputTarget::PRIVATE`], 0600: it holds trace data, which may be private)
+//!   unless [`OutputTarget::with_mode`] asks for another mode; spill files always are;
+//!   this module is where every output file is created;
 //! - a symlink: followed (chains too); its target is written that way;
 //! - a character or block device, a FIFO, or `-` (stdout): written in place, streaming
 //!   (never replaced by a regular file);
@@ -57,6 +60,8 @@ pub struct OutputTarget {
     kind: TargetKind,
     /// Where spill files go (None: see [`OutputTarget::spill_dir`]).
     spill_dir: Option<PathBuf>,
+    /// The permission bits a new file is created with (less the umask).
+    mode: u32,
 }
 
 fn refuse(path: &Path, kind: io::ErrorKind, msg: &str) -> OutputError {
@@ -95,7 +100,9 @@ fn parent_dir(p: &Path) -> PathBuf {
     }
 }
 
-fn temp_in(dir: &Path, dest: &Path, suffix: &str) -> io::Result<NamedTempFile> {
+/// A temporary file `.NAME.XXXXXX<suffix>` in `dir`, created with `mode` (less the
+/// umask, as `open(2)` applies it): the one place output files are created.
+fn temp_in(dir: &Path, dest: &Path, suffix: &str, mode: u32) -> io::Result<NamedTempFile> {
     let name = dest
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -103,13 +110,16 @@ fn temp_in(dir: &Path, dest: &Path, suffix: &str) -> io::Result<NamedTempFile> {
     tempfile::Builder::new()
         .prefix(&format!(".{name}."))
         .suffix(suffix)
-        // Created 0666 minus the umask, like any file a shell redirection creates
-        // (tempfile's default is 0600).
-        .permissions(fs::Permissions::from_mode(0o666))
+        .permissions(fs::Permissions::from_mode(mode))
         .tempfile_in(dir)
 }
 
 impl OutputTarget {
+    /// The mode output files are created with unless [`OutputTarget::with_mode`] says
+    /// otherwise: owner-only, as the trace data they hold may be (a 0600 trace memory
+    /// file, a guest's secrets).
+    pub const PRIVATE: u32 = 0o600;
+
     /// Standard output.
     pub fn stdout() -> Self {
         Self {
@@ -117,7 +127,21 @@ impl OutputTarget {
             dest: PathBuf::from("-"),
             kind: TargetKind::Stdout,
             spill_dir: None,
+            mode: Self::PRIVATE,
         }
+    }
+
+    /// Creates the file with the permission bits `mode` (`& 0o777`; less the umask, as
+    /// `open(2)` applies it) instead of [`OutputTarget::PRIVATE`]. A device, a FIFO or
+    /// stdout is written in place, its mode untouched.
+    pub fn with_mode(mut self, mode: u32) -> Self {
+        self.mode = mode & 0o777;
+        self
+    }
+
+    /// The permission bits a new file gets (before the umask).
+    pub fn mode(&self) -> u32 {
+        self.mode
     }
 
     /// Classifies `path` and checks that it can be written, creating nothing that stays:
@@ -193,7 +217,7 @@ impl OutputTarget {
                 // The definitive check: a temporary file can be made next to it. The
                 // OS error alone (tempfile adds the temporary name, which means nothing
                 // to the user).
-                drop(temp_in(&dir, &dest, ".check").map_err(|e| {
+                drop(temp_in(&dir, &dest, ".check", Self::PRIVATE).map_err(|e| {
                     let e = e.raw_os_error().map_or(e, io::Error::from_raw_os_error);
                     OutputError::io(path, e)
                 })?);
@@ -217,6 +241,7 @@ impl OutputTarget {
             dest,
             kind,
             spill_dir: None,
+            mode: Self::PRIVATE,
         })
     }
 
@@ -241,7 +266,7 @@ impl OutputTarget {
     pub fn open(&self) -> Result<OutputFile, OutputError> {
         let inner = match self.kind {
             TargetKind::File => {
-                let t = temp_in(&parent_dir(&self.dest), &self.dest, ".tmp")
+                let t = temp_in(&parent_dir(&self.dest), &self.dest, ".tmp", self.mode)
                     .map_err(|e| OutputError::io(&self.path, e))?;
                 Inner::Temp(BufWriter::with_capacity(BUF, Temp(t)))
             }
@@ -283,7 +308,7 @@ impl OutputTarget {
             TargetKind::File if self.spill_dir.is_none() => self.dest.clone(),
             _ => PathBuf::from("hyptrace-spill"),
         };
-        temp_in(&dir, &name, suffix)
+        temp_in(&dir, &name, suffix, Self::PRIVATE)
             .map(Temp)
             .map_err(|e| OutputError::io(&dir, e))
     }

@@ -379,12 +379,33 @@ fn dropped_sinks_remove_temporary_and_spill_files() {
         drop(s);
         assert!(ls(&dir).is_empty(), "{fmt}: {:?}", ls(&dir));
     }
-    // The file a finished sink writes gets the usual mode (0666 minus the umask), not
-    // tempfile's 0600.
-    let mut s = TextSink::open(&t, meta(1)).unwrap();
+    // The file a finished sink writes is owner-only (it holds trace data), in every
+    // format, spill files too; `with_mode` asks for another mode (less the umask).
+    use std::os::unix::fs::PermissionsExt;
+    let mode_of = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    for fmt in ["dat", "text", "json", "raw"] {
+        let mut s: Box<dyn PageSink> = match fmt {
+            "dat" => Box::new(TraceDatSink::open(&t, meta(1), TraceDatVersion::V7).unwrap()),
+            "text" => Box::new(TextSink::open(&t, meta(1)).unwrap()),
+            "json" => Box::new(JsonSink::open(&t, meta(1)).unwrap()),
+            _ => Box::new(RawSink::open(&t, meta(1)).unwrap()),
+        };
+        feed(s.as_mut(), &pages(1, 1)).unwrap();
+        assert_eq!(ls(&spill).is_empty(), fmt != "dat", "{fmt}: spill files");
+        for f in ls(&spill) {
+            assert_eq!(mode_of(&spill.path().join(&f)), 0o600, "{fmt}: spill {f}");
+        }
+        s.finish(&RunSummary::default()).unwrap();
+        assert_eq!(mode_of(&path), OutputTarget::PRIVATE, "{fmt}");
+    }
+    let umask = std::fs::read_to_string("/proc/self/status")
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("Umask:"))
+        .and_then(|v| u32::from_str_radix(v.trim(), 8).ok())
+        .unwrap();
+    let mut s = TextSink::open(&t.clone().with_mode(0o644), meta(1)).unwrap();
     feed(&mut s, &pages(1, 1)).unwrap();
     Box::new(s).finish(&RunSummary::default()).unwrap();
-    use std::os::unix::fs::PermissionsExt;
-    let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
-    assert_ne!(mode & 0o044, 0, "mode {mode:o}");
+    assert_eq!(mode_of(&path), 0o644 & !umask);
 }

@@ -52,6 +52,8 @@
 pub mod callbacks;
 pub mod postmortem;
 pub mod registry;
+#[doc(hidden)]
+pub mod seeded;
 pub mod trace_file;
 
 pub use callbacks::{
@@ -62,7 +64,7 @@ use hyptrace_abi::layout::{self, ctl, footer, LayoutError, Mode, RingGeometry, F
 use hyptrace_abi::page::{self, Record, COMMIT_LEN_MASK, COMMIT_OFFSET, PAGE_HEADER_SIZE};
 use hyptrace_abi::SharedMem;
 use std::collections::VecDeque;
-use std::sync::atomic::Ordering::{Acquire, Release};
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -84,14 +86,6 @@ pub enum ReadError {
         cpu: u32,
         /// What went wrong.
         err: hyptrace_writer::RingError,
-    },
-    /// An external swap callback failed (live attach: the VMM refused `get_reader`).
-    #[error("cpu {cpu}: {why}")]
-    External {
-        /// The CPU.
-        cpu: u32,
-        /// Why.
-        why: String,
     },
     /// No such CPU.
     #[error("cpu {0} out of range")]
@@ -196,21 +190,6 @@ pub enum ReadError {
         a: u32,
         /// The other.
         b: u32,
-    },
-    /// A consumer's position does not name a record boundary of the page it names,
-    /// or does not match the events before it (C1).
-    #[error("cpu {cpu}: page {page}: position {consumed} bytes / event {expected} is not where this reader stands ({why})")]
-    BadPosition {
-        /// The CPU.
-        cpu: u32,
-        /// The page.
-        page: u32,
-        /// Data bytes consumed.
-        consumed: u64,
-        /// The next event's index.
-        expected: u64,
-        /// What does not match.
-        why: &'static str,
     },
     /// The writer did not answer a mailbox request in time.
     #[error(
@@ -365,6 +344,9 @@ pub struct PageOut<'a> {
     pub missed: u64,
     /// Events on the page.
     pub events: u64,
+    /// The index of its first event (the writer's count: the events before it were
+    /// handed out before, or lost — `missed` of them right before this page).
+    pub first_index: u64,
     /// Timestamp of the first event, if any.
     pub first_ts: Option<u64>,
     /// Timestamp of the last event, if any.
@@ -396,10 +378,11 @@ struct CpuState {
     read: usize,
     clock: u64,
     page_events: u64,
-    first_ts: Option<u64>,
     expected: u64,
     pending_lost: u64,
-    page_handed: bool,
+    /// A piece handed out from the middle of a page, rebuilt as a page of its own
+    /// ([`RingBuffer::next_piece`]).
+    piece: Vec<u8>,
     stats: CpuStats,
     last_entries: u64,
     /// Final walk: remaining pages in ring order (set by `finalize`).
@@ -519,10 +502,9 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
                 read: 0,
                 clock: 0,
                 page_events: 0,
-                first_ts: None,
                 expected: first,
                 pending_lost: 0,
-                page_handed: false,
+                piece: Vec::new(),
                 stats: CpuStats::default(),
                 last_entries: 0,
                 final_queue: None,
@@ -872,8 +854,6 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
         st.copied = 0;
         st.read = 0;
         st.page_events = 0;
-        st.first_ts = None;
-        st.page_handed = false;
         st.stats.pages_read += 1;
         Ok(())
     }
@@ -966,168 +946,6 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
         Ok(true)
     }
 
-    /// A swap asked for by an external consumer (`get_reader` on the control socket,
-    /// `hyptrace dump --attach`): the reader page is swapped with the head page through
-    /// the callbacks, and this reader moves onto the new page without reading the old
-    /// one (the consumer reads it in place). Returns the new reader page and the events
-    /// lost before it (counted here once, for the consumer: R1 from its first index), or
-    /// `None` when no swap happened now (busy, contended, a mailbox request in flight: ask
-    /// again). Refused in the final walk.
-    pub fn swap_external(&mut self, cpu: u32) -> Result<Option<(u32, u64)>, ReadError> {
-        self.check_cpu(cpu)?;
-        if self.cpus[cpu as usize].final_queue.is_some() {
-            return Ok(None);
-        }
-        if !self.cpus[cpu as usize].swap_in_flight {
-            // The consumer reads the page before asking for the next: it is swapped
-            // only once the writer left it (its commit is final then, W1), and its
-            // events count as read here, so the next page's loss is exact (R1).
-            if self.writer_on_reader(cpu)? {
-                return Ok(None);
-            }
-            let st = &mut self.cpus[cpu as usize];
-            Self::refresh(&self.mem, &self.layout, st)?;
-            if st.read < st.copied {
-                let data = &st.buf[PAGE_HEADER_SIZE + st.read..PAGE_HEADER_SIZE + st.copied];
-                let mut n = 0u64;
-                for ev in page::Events::new(data, st.clock) {
-                    ev.map_err(|err| ReadError::Decode {
-                        cpu,
-                        page: st.reader,
-                        err,
-                    })?;
-                    n += 1;
-                }
-                st.stats.read = st.stats.read.saturating_add(n);
-                st.stats.bytes = st.stats.bytes.saturating_add((st.copied - st.read) as u64);
-                st.read = st.copied;
-                st.expected = st.expected.saturating_add(n);
-            }
-        }
-        // One swap per request, never released pages: the consumer reads every page in
-        // place itself, none may be read here.
-        if !self.advance_swap(cpu)? {
-            return Ok(None);
-        }
-        let st = &mut self.cpus[cpu as usize];
-        let lost = std::mem::take(&mut st.pending_lost);
-        st.stats.lost = st.stats.lost.saturating_add(lost);
-        Ok(Some((st.reader, lost)))
-    }
-
-    /// C1, the VMM's side: a consumer that stops reading (`detach`) consumed the first
-    /// `consumed` data bytes of `cpu`'s reader page `page`, up to event `expected`.
-    /// Checked against this reader's own view (the page is its reader page, no swap in
-    /// flight, the bytes end on a record boundary at or past what was counted, and the
-    /// events in them lead exactly to `expected`), then counted as read here, so the next
-    /// consumer starts right after them ([`RingBuffer::position`]) and the next swap
-    /// counts only the rest. Returns the events counted.
-    pub fn consumed_externally(
-        &mut self,
-        cpu: u32,
-        page: u32,
-        consumed: u64,
-        expected: u64,
-    ) -> Result<u64, ReadError> {
-        self.check_cpu(cpu)?;
-        let bad = |why| ReadError::BadPosition {
-            cpu,
-            page,
-            consumed,
-            expected,
-            why,
-        };
-        let st = &self.cpus[cpu as usize];
-        if st.final_queue.is_some() || st.swap_in_flight {
-            return Err(bad("a swap or the final walk is under way"));
-        }
-        if page != st.reader {
-            return Err(bad("not the reader page"));
-        }
-        let st = &mut self.cpus[cpu as usize];
-        Self::refresh(&self.mem, &self.layout, st)?;
-        let end = usize::try_from(consumed).map_err(|_| bad("past the committed data"))?;
-        if end > st.copied || end < st.read {
-            return Err(bad("outside the committed data not counted yet"));
-        }
-        let n = Self::count_records(st, end).ok_or_else(|| bad("not a record boundary"))?;
-        if st.expected.checked_add(n) != Some(expected) {
-            return Err(bad("another number of events"));
-        }
-        st.stats.read = st.stats.read.saturating_add(n);
-        st.stats.bytes = st.stats.bytes.saturating_add((end - st.read) as u64);
-        st.read = end;
-        st.expected = expected;
-        Ok(n)
-    }
-
-    /// C1, the consumer's side: start reading `cpu` at `page`, after its first `consumed`
-    /// data bytes, with `expected` the index of the next event — where the VMM says the
-    /// previous consumer stopped (never the guest's words). The bytes skipped must end on
-    /// a record boundary; their timestamps are decoded so the next event's is right.
-    pub fn resume(
-        &mut self,
-        cpu: u32,
-        page: u32,
-        consumed: u64,
-        expected: u64,
-    ) -> Result<(), ReadError> {
-        self.check_cpu(cpu)?;
-        let bad = |why| ReadError::BadPosition {
-            cpu,
-            page,
-            consumed,
-            expected,
-            why,
-        };
-        let page = valid_page(&self.layout, cpu, u64::from(page))?;
-        let st = &mut self.cpus[cpu as usize];
-        if st.final_queue.is_some() || st.swap_in_flight || st.stats.pages_read != 0 {
-            return Err(bad("this reader has read already"));
-        }
-        st.reader = page;
-        st.copied = 0;
-        st.read = 0;
-        st.page_events = 0;
-        st.first_ts = None;
-        st.page_handed = false;
-        st.expected = expected;
-        Self::refresh(&self.mem, &self.layout, st)?;
-        let end = usize::try_from(consumed).map_err(|_| bad("past the committed data"))?;
-        if end > st.copied {
-            return Err(bad("past the committed data"));
-        }
-        Self::count_records(st, end).ok_or_else(|| bad("not a record boundary"))?;
-        st.read = end;
-        Ok(())
-    }
-
-    /// Decodes the records of the copied page from `st.read` to `end` (updating the
-    /// clock, as reading them would): the data events among them, or `None` when `end`
-    /// is not a record boundary or a record is bad.
-    fn count_records(st: &mut CpuState, end: usize) -> Option<u64> {
-        let data = &st.buf[PAGE_HEADER_SIZE..PAGE_HEADER_SIZE + st.copied];
-        let (mut at, mut n, mut clock) = (st.read, 0u64, st.clock);
-        while at < end {
-            let (rec, next) = page::decode_record(data, at).ok()??;
-            match rec {
-                Record::Data { delta, .. } => {
-                    clock = clock.wrapping_add(delta);
-                    n += 1;
-                }
-                Record::TimeExtend { delta } => clock = clock.wrapping_add(delta),
-                Record::TimeStamp { ts } => clock = ts,
-                Record::Padding { .. } => {}
-            }
-            at = next;
-        }
-        if at != end {
-            return None;
-        }
-        st.clock = clock;
-        Some(n)
-    }
-
     /// Whether the writer is still on `cpu`'s reader page (its page is not complete).
     fn writer_on_reader(&self, cpu: u32) -> Result<bool, ReadError> {
         let st = &self.cpus[cpu as usize];
@@ -1143,6 +961,30 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
                 .load(self.layout.ctl(cpu) + ctl::TAIL_PAGE, Acquire),
         )?;
         Ok(tail == st.reader)
+    }
+
+    /// How many pages the writer of `cpu` moved onto since the page this reader is on
+    /// (the writer's page's `page_seq` less the reader page's, at most the CPU's page
+    /// count): 0 while the writer is on the reader page, the ring's length once it lapped
+    /// the reader. A hint for the drain loop's pace, from guest-written words: hostile
+    /// values give a wrong pace, nothing else. 0 for a CPU out of range.
+    pub fn pages_behind(&self, cpu: u32) -> u64 {
+        let Some(st) = self.cpus.get(cpu as usize) else {
+            return 0;
+        };
+        let l = &self.layout;
+        // Relaxed: a hint only; nothing is read on the strength of it.
+        let tail = self.mem.load(l.ctl(cpu) + ctl::TAIL_PAGE, Relaxed);
+        let Ok(tail) = valid_page(l, cpu, tail) else {
+            return 0;
+        };
+        let seq = |page: u32| {
+            self.mem
+                .load(l.footer_off(page) + footer::PAGE_SEQ, Relaxed)
+        };
+        seq(tail)
+            .saturating_sub(seq(st.reader))
+            .min(u64::from(l.pages_per_cpu))
     }
 
     /// The next item of `cpu`'s consuming read: an event, or the count of events lost
@@ -1222,10 +1064,10 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
         }
     }
 
-    /// The next complete page of `cpu` (consuming), for page-at-a-time output. A page is
-    /// handed out once the writer has left it (or, in the final walk, as it is).
-    /// `Ok(None)` when no complete page is available now. Pages and events of one CPU
-    /// must be read through one of `next_page` / `next_event`, not both.
+    /// The next complete page of `cpu` (consuming), for page-at-a-time output: what
+    /// [`RingBuffer::next_piece`] hands out with `partial` false. A page is handed out
+    /// once the writer has left it (or, in the final walk, as it is). `Ok(None)` when no
+    /// complete page is available now.
     ///
     /// ```
     /// # use std::sync::Arc;
@@ -1243,57 +1085,111 @@ impl<M: SharedMem, C: Callbacks> RingBuffer<M, C> {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn next_page(&mut self, cpu: u32) -> Result<Option<PageOut<'_>>, ReadError> {
+        self.next_piece(cpu, false)
+    }
+
+    /// The next piece of `cpu`'s consuming read (invariant C1, docs/design.md "One
+    /// reader"): the committed part of the reader page not handed out yet, from the
+    /// reading position (a record boundary) to the commit, as a page of its own — time
+    /// stamp the clock at that position, commit its length — so every sink takes it. From
+    /// the start of a page it is the page itself. With `partial` false only once the
+    /// writer has left the page (its commit is final, W1; in the final walk at once);
+    /// with `partial` true also the part of the writer's page committed so far.
+    /// Events, pieces and pages of one CPU may be read in any mix: each starts where the
+    /// last one stopped. `Ok(None)` when nothing is available now.
+    pub fn next_piece(
+        &mut self,
+        cpu: u32,
+        partial: bool,
+    ) -> Result<Option<PageOut<'_>>, ReadError> {
         self.check_cpu(cpu)?;
+        if !self.piece_ready(cpu, partial)? {
+            return Ok(None);
+        }
+        Self::hand_out(&mut self.cpus[cpu as usize]).map(Some)
+    }
+
+    /// Moves `cpu`'s reader (swaps, bounded) until it stands before a piece
+    /// [`RingBuffer::next_piece`] may hand out; false when there is none now.
+    fn piece_ready(&mut self, cpu: u32, partial: bool) -> Result<bool, ReadError> {
         for _ in 0..=MAX_SWAPS_PER_CALL {
             if self.cpus[cpu as usize].swap_in_flight {
                 if !self.advance(cpu)? {
-                    return Ok(None);
+                    return Ok(false);
                 }
                 continue;
             }
             let writer_here = self.writer_on_reader(cpu)?;
             let st = &mut self.cpus[cpu as usize];
             Self::refresh(&self.mem, &self.layout, st)?;
-            if !st.page_handed && st.copied > 0 && !writer_here {
-                // Validate the whole page and count its events before handing it out.
-                let data = &st.buf[PAGE_HEADER_SIZE..PAGE_HEADER_SIZE + st.copied];
-                let (mut first_ts, mut last_ts, mut n) = (None, None, 0u64);
-                for ev in page::Events::new(data, st.clock) {
-                    let ev = ev.map_err(|err| ReadError::Decode {
-                        cpu,
-                        page: st.reader,
-                        err,
-                    })?;
-                    first_ts.get_or_insert(ev.ts);
-                    last_ts = Some(ev.ts);
-                    n += 1;
-                }
-                st.page_handed = true;
-                st.read = st.copied;
-                st.page_events = n;
-                st.expected = st.expected.saturating_add(n);
-                st.stats.read += n;
-                st.stats.bytes += st.copied as u64;
-                let missed = std::mem::take(&mut st.pending_lost);
-                st.stats.lost = st.stats.lost.saturating_add(missed);
-                // The local copy carries the length without flags; sinks add their own.
-                st.buf[COMMIT_OFFSET..COMMIT_OFFSET + 8]
-                    .copy_from_slice(&(st.copied as u64).to_le_bytes());
-                let st = &self.cpus[cpu as usize];
-                return Ok(Some(PageOut {
-                    bytes: &st.buf,
-                    commit_len: st.copied,
-                    missed,
-                    events: n,
-                    first_ts,
-                    last_ts,
-                }));
+            if st.read < st.copied && (partial || !writer_here) {
+                return Ok(true);
             }
             if writer_here || !self.advance(cpu)? {
-                return Ok(None);
+                return Ok(false);
             }
         }
-        Ok(None)
+        Ok(false)
+    }
+
+    /// Hands out `st`'s reader page from its reading position to what is copied (C1):
+    /// validates and counts the events first (a page that does not decode is an error,
+    /// nothing of it is counted), then moves the position to the end.
+    fn hand_out(st: &mut CpuState) -> Result<PageOut<'_>, ReadError> {
+        // (Seeded bug `piece_from_start`, docs/fuzzing.md: the reading position ignored.)
+        let from = if seeded::on("piece_from_start") {
+            0
+        } else {
+            st.read
+        };
+        let to = st.copied;
+        let data = &st.buf[PAGE_HEADER_SIZE + from..PAGE_HEADER_SIZE + to];
+        let start_clock = st.clock;
+        let mut events = page::Events::new(data, start_clock);
+        let (mut first_ts, mut last_ts, mut n) = (None, None, 0u64);
+        for ev in events.by_ref() {
+            let ev = ev.map_err(|err| ReadError::Decode {
+                cpu: st.cpu,
+                page: st.reader,
+                err,
+            })?;
+            first_ts.get_or_insert(ev.ts);
+            last_ts = Some(ev.ts);
+            n += 1;
+        }
+        st.clock = events.clock();
+        st.read = to;
+        st.page_events += n;
+        let first_index = st.expected;
+        st.expected = st.expected.saturating_add(n);
+        st.stats.read += n;
+        st.stats.bytes += (to - from) as u64;
+        let missed = std::mem::take(&mut st.pending_lost);
+        st.stats.lost = st.stats.lost.saturating_add(missed);
+        let len = to - from;
+        let bytes = if from == 0 {
+            // The local copy carries the length without flags; sinks add their own.
+            st.buf[COMMIT_OFFSET..COMMIT_OFFSET + 8].copy_from_slice(&(len as u64).to_le_bytes());
+            &st.buf[..]
+        } else {
+            // Mid-page: the rest rebuilt as a page that starts at the reading position.
+            let piece = &mut st.piece;
+            piece.resize(st.buf.len(), 0);
+            piece[..8].copy_from_slice(&start_clock.to_le_bytes());
+            piece[COMMIT_OFFSET..COMMIT_OFFSET + 8].copy_from_slice(&(len as u64).to_le_bytes());
+            piece[PAGE_HEADER_SIZE..PAGE_HEADER_SIZE + len]
+                .copy_from_slice(&st.buf[PAGE_HEADER_SIZE + from..PAGE_HEADER_SIZE + to]);
+            &piece[..]
+        };
+        Ok(PageOut {
+            bytes,
+            commit_len: len,
+            missed,
+            events: n,
+            first_index,
+            first_ts,
+            last_ts,
+        })
     }
 
     /// The writer's event index of `cpu`: events it took in, committed or dropped

@@ -499,53 +499,93 @@ fn postmortem_before_the_first_release() {
     assert_eq!((d.lost, d.trailing_lost), (0, 0));
 }
 
-/// The swap callback of an external consumer: `swap_external` on the owner's reader
-/// (what `get_reader` on the control socket does in the VMM).
-struct External(std::rc::Rc<std::cell::RefCell<TestRb>>);
-
-impl Callbacks for External {
-    fn swap_reader(&self, cpu: u32) -> Result<SwapReply, ReadError> {
-        Ok(match self.0.borrow_mut().swap_external(cpu)? {
-            Some((page, _)) => SwapReply::Done(SwapStatus::Swapped { page }),
-            None => SwapReply::Done(SwapStatus::Busy),
-        })
+/// Pushes the events of a handed-out page or piece onto `out` (its loss first), checking
+/// its index and event count against the events it holds.
+fn take_piece(p: &crate::PageOut<'_>, out: &mut Vec<Result<(u64, u64), u64>>) {
+    if p.missed > 0 {
+        out.push(Err(p.missed));
     }
-    fn update_footers(&self, _cpu: u32) -> Result<bool, ReadError> {
-        Ok(false)
+    let (ts, _) = hyptrace_abi::page::page_header(p.bytes).unwrap();
+    let data = &p.bytes[PAGE_HEADER_SIZE..PAGE_HEADER_SIZE + p.commit_len];
+    let mut n = 0;
+    for ev in hyptrace_abi::page::Events::new(data, ts) {
+        let ev = ev.unwrap();
+        let seq = u64::from_le_bytes(ev.payload[..8].try_into().unwrap());
+        assert_eq!(
+            seq,
+            p.first_index + n,
+            "the piece's index names its first event"
+        );
+        out.push(Ok((ev.ts, seq)));
+        n += 1;
     }
-    fn releases(&self, _cpu: u32) -> bool {
-        false
-    }
+    assert_eq!(n, p.events);
 }
 
-/// Live attach: a consumer reading through the owner's `swap_external` gets every event
-/// once with exact losses (overwrite, a small ring), and the owner's own count of the
-/// losses equals the consumer's (the pages it swaps away count as read, not lost).
+/// C1 (one reader, any mix of reads): events, partial pieces and whole pages of one CPU
+/// read in a seeded mix, each starting where the last stopped — every event once, in
+/// order, with its own timestamp (a piece from mid-page carries the clock where it
+/// starts), every gap exactly the losses reported (overwrite, a small ring; stop mode).
 #[test]
-fn external_consumer_through_swap_external() {
-    let (mem, owner) = setup(Mode::Overwrite, 4);
-    let owner = std::rc::Rc::new(std::cell::RefCell::new(owner));
-    let mut consumer =
-        RingBuffer::attach(mem.clone(), External(std::rc::Rc::clone(&owner))).unwrap();
-    let mut w = Writer::attach(mem.clone(), 0).unwrap();
-    let mut items = vec![];
-    for i in 0..20_000u64 {
-        let mut p = [0u8; 40];
-        p[..8].copy_from_slice(&i.to_le_bytes());
-        w.write(0, i * 3, &p);
-        if i % 700 == 0 {
-            drain(&mut consumer, &mut items);
+fn events_pieces_and_pages_in_any_mix() {
+    for mode in [Mode::Stop, Mode::Overwrite] {
+        let (mem, mut rb) = setup(mode, 4);
+        let mut w = Writer::attach(mem.clone(), 0).unwrap();
+        let mut items = vec![];
+        let mut rng = 0x1234_5678u64;
+        let mut mid_page_pieces = 0;
+        for i in 0..30_000u64 {
+            let mut p = [0u8; 40];
+            p[..8].copy_from_slice(&i.to_le_bytes());
+            w.write(0, i * 3, &p);
+            rng = rng
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            match (rng >> 33) % 97 {
+                0 => {
+                    while let Some(it) = rb.next_event(0).unwrap() {
+                        items.push(match it {
+                            Item::Event { ts, payload } => {
+                                Ok((ts, u64::from_le_bytes(payload[..8].try_into().unwrap())))
+                            }
+                            Item::Lost(n) => Err(n),
+                        });
+                        if (rng >> 20).is_multiple_of(3) {
+                            break; // leave the page mid-way
+                        }
+                    }
+                }
+                1..=3 => {
+                    let partial = (rng >> 40).is_multiple_of(2);
+                    let before = rb.position(0).unwrap();
+                    if let Some(p) = rb.next_piece(0, partial).unwrap() {
+                        take_piece(&p, &mut items);
+                        let after = rb.position(0).unwrap();
+                        mid_page_pieces +=
+                            u32::from(before.consumed > 0 && before.reader == after.reader);
+                    }
+                }
+                4 => {
+                    while let Some(p) = rb.next_page(0).unwrap() {
+                        take_piece(&p, &mut items);
+                    }
+                }
+                _ => {}
+            }
         }
+        rb.finalize(0).unwrap();
+        while let Some(p) = rb.next_piece(0, false).unwrap() {
+            take_piece(&p, &mut items);
+        }
+        let trailing = rb.take_trailing_loss(0);
+        let (read, lost) = check_stream(&items);
+        assert_eq!(read + lost + trailing, 30_000, "{mode:?}");
+        assert_eq!(rb.stats(0).read, read, "{mode:?}");
+        assert!(mid_page_pieces > 0, "{mode:?}: no piece started mid-page");
+        let ts: Vec<u64> = items
+            .iter()
+            .filter_map(|i| i.ok().map(|(t, s)| t - s * 3))
+            .collect();
+        assert!(ts.iter().all(|&d| d == 0), "{mode:?}: a timestamp moved");
     }
-    drain(&mut consumer, &mut items);
-    // The writer stopped: the consumer's final walk reads the rest.
-    consumer.finalize(0).unwrap();
-    drain(&mut consumer, &mut items);
-    let (read, lost) = check_stream(&items);
-    assert_eq!(read + lost, 20_000);
-    assert!(lost > 0, "this run must lose events");
-    assert!(read > 1000, "the consumer read {read}");
-    let o = owner.borrow().stats(0);
-    assert_eq!(o.lost, consumer.stats(0).lost, "owner {o:?}");
-    assert!(o.swaps > 0);
 }

@@ -1,7 +1,8 @@
 //! `drain`: page-at-a-time reading (`next_page`, validation and copy-out included) into
 //! a raw page file and into a null sink, on a host region filled beforehand (the reader
-//! alone); and `hyptrace record`'s pipeline in a VM with the guest writing as fast as it
-//! can (lossy by design: overwrite mode).
+//! alone); what a subscriber receives over the control socket (`subscriber.rs`); and
+//! `hyptrace record`'s pipeline in a VM with the guest writing as fast as it can (lossy by
+//! design: overwrite mode).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -25,11 +26,13 @@ pub(super) struct DrainReport {
     pub(super) reader_to_file: Measured<ReaderDrainRow>,
     pub(super) reader_only: Measured<ReaderDrainRow>,
     pub(super) vm_record_raw: Measured<VmDrainRow>,
+    /// What a subscriber receives over the control socket (the VMM's session reading).
+    pub(super) subscriber: Measured<ReaderDrainRow>,
 }
 
 impl DrainReport {
     /// The rows of the table, in order, with what they measure.
-    pub(super) fn throughputs(&self) -> [(&'static str, Option<&Throughput>); 3] {
+    pub(super) fn throughputs(&self) -> [(&'static str, Option<&Throughput>); 4] {
         [
             (
                 "reader → raw file (page cache)",
@@ -43,6 +46,10 @@ impl DrainReport {
                 "VM record --format raw",
                 self.vm_record_raw.get().map(|r| &r.throughput),
             ),
+            (
+                "subscriber ← VMM (control socket)",
+                self.subscriber.get().map(|r| &r.throughput),
+            ),
         ]
     }
 }
@@ -55,7 +62,7 @@ pub(super) struct Throughput {
     pub(super) pages_per_s: Summary,
 }
 
-/// The reader alone, on a region filled beforehand.
+/// The reader alone, on a region filled beforehand (and the subscriber's row).
 #[derive(Clone, Debug, Serialize)]
 pub(super) struct ReaderDrainRow {
     #[serde(flatten)]
@@ -78,7 +85,9 @@ pub(super) struct VmDrainRow {
 
 /// A host region (1 CPU, stop mode, `pages` pages) filled by the writer with 16-byte
 /// payloads; returns the reader over it.
-fn filled_region(pages: u32) -> Result<RingBuffer<Arc<HeapMem>, Direct<Arc<HeapMem>>>, BenchError> {
+pub(super) fn filled_region(
+    pages: u32,
+) -> Result<RingBuffer<Arc<HeapMem>, Direct<Arc<HeapMem>>>, BenchError> {
     let l = ring::RingGeometry::new(1, pages, PAGE_SIZE as usize, ring::Mode::Stop, false)?;
     let mem = Arc::new(HeapMem::new(l.region_size));
     let rb = RingBuffer::alloc(mem.clone(), l, Direct::new(mem.clone(), l), 1_000_000, 1)?;
@@ -185,11 +194,14 @@ pub(super) fn drain_section(cfg: &Cfg, tsc: Tsc) -> Result<DrainReport, BenchErr
         "  reader_only: {:.0} MB/s",
         reader_only.throughput.mb_per_s.median
     );
+    let sub = super::subscriber::subscriber_drain(cfg)?;
+    eprintln!("  subscriber: {:.0} MB/s", sub.throughput.mb_per_s.median);
     let vm = vm_drain(cfg, tsc)?;
     eprintln!("  vm_record_raw: {:.0} MB/s", vm.throughput.mb_per_s.median);
     Ok(DrainReport {
         reader_to_file: Measured::Ran(reader_to_file),
         reader_only: Measured::Ran(reader_only),
         vm_record_raw: Measured::Ran(vm),
+        subscriber: Measured::Ran(sub),
     })
 }

@@ -74,6 +74,12 @@ pub enum BenchError {
     /// The guest answered a mailbox swap with a failure.
     #[error("guest swap failed (status {0})")]
     GuestSwap(u64),
+    /// The subscriber row's control socket could not be set up.
+    #[error(transparent)]
+    Control(#[from] crate::control::server::ControlError),
+    /// The subscriber row's client failed (what it got instead of an answer).
+    #[error("the bench's subscriber: {0}")]
+    Subscriber(String),
 }
 
 /// The failure lines of a run's report (`reading vcpu N: …`, `writing to the sink:

@@ -47,6 +47,7 @@ mod rate;
 pub mod report;
 mod startup;
 mod stats;
+mod subscriber;
 mod swap;
 mod table;
 mod writer;
@@ -282,6 +283,7 @@ impl DrainReport {
             reader_to_file: Measured::NotRun {},
             reader_only: Measured::NotRun {},
             vm_record_raw: Measured::NotRun {},
+            subscriber: Measured::NotRun {},
         }
     }
 }

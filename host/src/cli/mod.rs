@@ -8,6 +8,7 @@
 //! An error is one line on stderr, `hyptrace: error: ...` (argument errors are followed
 //! by clap's hints: valid values, tips, usage).
 
+pub mod host_events;
 pub mod logging;
 
 use std::ffi::OsString;
@@ -19,7 +20,7 @@ use hyptrace_output::OutputError;
 
 use crate::drain::signals::{Interrupts, SignalError};
 use crate::drain::sink::{
-    check_destination, compression_for, format_for, write_destination, DestinationError, FormatArg,
+    compression_for, format_for, write_destination, DestinationError, FormatArg,
 };
 use crate::exit::{chain, EXIT_ABORT, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE};
 use crate::pipeline::options::{
@@ -175,6 +176,12 @@ impl CliError {
     fn report(&self) -> i32 {
         match self {
             Self::Run(RunError::Aborted) => note!("hyptrace: {}", chain(self)),
+            // clap's lines (the error, then its hints), each escaped: they echo the
+            // user's arguments.
+            Self::Args(text) => {
+                let lines: Vec<_> = text.lines().map(crate::exit::printable).collect();
+                note!("hyptrace: error: {}", lines.join("\n"));
+            }
             _ => note!("hyptrace: error: {}", chain(self)),
         }
         self.exit_code()
@@ -327,7 +334,7 @@ fn execute(
         .as_deref()
         .map(|p| {
             format_for(None, p, "--crash-dump")?;
-            check_destination(p, "--crash-dump")
+            a.files.check(p, "--crash-dump")
         })
         .transpose()?;
     if !plan.flight.drain_live && a.mode == ModeArg::Stop {
@@ -336,7 +343,7 @@ fn execute(
     let target = match file {
         None => Target::Stdout,
         Some((path, format, compression)) => Target::File {
-            target: check_destination(path, "-o")?,
+            target: a.files.check(path, "-o")?,
             path: path.clone(),
             format,
             compression,
@@ -345,7 +352,7 @@ fn execute(
     let stats = a
         .stats
         .as_deref()
-        .map(|p| check_destination(p, "--stats"))
+        .map(|p| a.files.check(p, "--stats"))
         .transpose()?;
     // Before any temporary file exists: a signal from now on stops or aborts cleanly.
     let interrupts = Interrupts::install()?;
@@ -371,7 +378,20 @@ fn execute(
     if let Some(c) = a.control.as_deref() {
         run = run.control(c);
     }
-    let report = run.execute()?;
+    let mut report = run.execute().map_err(|e| match e {
+        RunError::Events(e) => RunError::Events(host_events::with_hint(e)),
+        e => e,
+    })?;
+    // A format written at the end (trace.dat, Perfetto) meets a closed stdout after
+    // the run: a run that ended as asked (the guest finished, --duration, a first
+    // Ctrl-C) ends as a closed stdout; a crash, a hang or a failure stays what it was.
+    // Either way the summary never calls the output written.
+    use crate::pipeline::report::Stop;
+    let to_stdout = file.is_some_and(|(p, ..)| p.as_os_str() == "-");
+    let as_asked = matches!(report.stop, None | Some(Stop::Duration | Stop::Signal(_)));
+    if to_stdout && as_asked && hyptrace_output::stdout_closed() {
+        report.stop = Some(Stop::StdoutClosed);
+    }
     if !report.quiet_end() {
         let _ = write!(std::io::stderr(), "{report}");
     }
@@ -438,7 +458,8 @@ mod tests {
         assert_eq!(os_error(&e), Some(std::io::ErrorKind::NotFound), "{e:?}");
         assert_eq!(e.exit_code(), EXIT_USAGE);
         let e = CliError::from(
-            check_destination(Path::new("/nonexistent/dir/x.dat"), "-o").expect_err("no dir"),
+            crate::drain::sink::check_destination(Path::new("/nonexistent/dir/x.dat"), "-o")
+                .expect_err("no dir"),
         );
         assert!(os_error(&e).is_some(), "{e:?}");
     }

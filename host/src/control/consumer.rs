@@ -1,268 +1,219 @@
-//! The VMM's side of the consumer hand-off (live attach; docs/design.md, "The consumer
-//! hand-off", C1–C4): who holds the claim, where the next consumer starts, which swaps a
-//! consumer left pending, which CPUs a consumer read to their end. Generic over the
-//! session's memory and callbacks, so the run loop (`run.rs`, `RunControl`) and the
-//! deterministic model below run the same code.
+//! The VMM's side of subscribers (live attach; docs/design.md, "One reader, subscribers",
+//! C1–C4): who holds the claim, what a `fetch` sends and takes back, what a `detach`
+//! or a subscriber that went away leaves. The session is the one reader of every ring
+//! (C1); this module only decides who gets what it read. Generic over the session's
+//! memory and callbacks, so the run loop (`run.rs`, `RunControl`) and the deterministic
+//! model below run the same code.
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use hyptrace_abi::SharedMem;
-use hyptrace_reader::{Callbacks, ReadError, RingBuffer};
+use hyptrace_output::{Clock, EventFormat};
+use hyptrace_reader::Callbacks;
 
-use crate::control::protocol::{AttachInfo, ConsumerPosition, ReaderStatus};
+use crate::control::protocol::{
+    Ack, PieceBatch, SubscribeInfo, WireClock, WireItem, MAX_FETCH_BYTES, MAX_FETCH_ITEMS,
+};
 use crate::control::server::Refusal;
+use crate::drain::outbox::Unsent;
 use crate::drain::session::Session;
 
-/// How long a consumer may keep its claim after every vCPU stopped (C4) before the VMM
-/// reads the rest itself.
-pub const CONSUMER_GRACE: Duration = Duration::from_secs(10);
+/// How long a subscriber may go without a request once every vCPU stopped (C4) before
+/// the VMM takes the claim back and writes the rest itself.
+pub const SUBSCRIBER_GRACE: Duration = Duration::from_secs(10);
+/// Most clock knots one `fetch` answer carries (a subscriber missing more gets the rest
+/// with its next fetches; a run adds a few per minute).
+const MAX_KNOTS: usize = 1024;
 
-/// The consumer holding the claim: its connection and token (C2).
+/// The subscriber holding the claim: its connection and token (C2), and when it last
+/// asked for anything (C4's bound).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Claim {
     conn: u64,
     token: u64,
+    last: Instant,
 }
 
-/// What the attach reply says about the file (the run's).
-#[derive(Clone, Debug)]
-pub struct FileInfo {
-    /// The trace memory file.
-    pub trace_mem: PathBuf,
-    /// Where its meta pages are.
-    pub meta_off: u64,
+/// What a subscriber needs to write the events: the run's clock and formats.
+#[derive(Debug, Clone)]
+pub struct RunMeta {
+    /// The clock of the pages' timestamps (with the run's map, if any).
+    pub clock: Clock,
+    /// The event formats.
+    pub formats: Vec<EventFormat>,
 }
 
-/// The claim and what consumers handed back.
-#[derive(Debug)]
-pub struct Consumers {
+/// The claim.
+#[derive(Debug, Default)]
+pub struct Subscribers {
     claim: Option<Claim>,
     next_token: u64,
-    /// Per CPU: the consumer read it to its end (C4): the VMM's final walk only counts.
-    delivered: Vec<bool>,
-    /// Since when every vCPU stopped while a consumer held the claim (C4's bound).
-    held_at_end: Option<Instant>,
 }
 
-impl Consumers {
-    /// No consumer yet, `nr` CPUs.
-    pub fn new(nr: u32) -> Self {
-        Self {
-            claim: None,
-            next_token: 0,
-            delivered: vec![false; nr as usize],
-            held_at_end: None,
-        }
+impl Subscribers {
+    /// No subscriber yet.
+    pub fn new() -> Self {
+        Self::default()
     }
 
-    /// Whether a consumer holds the claim.
+    /// Whether a subscriber holds the claim.
     pub fn claimed(&self) -> bool {
         self.claim.is_some()
     }
 
-    /// Whether a consumer read `cpu` to its end (C4).
-    pub fn delivered(&self, cpu: u32) -> bool {
-        self.delivered.get(cpu as usize) == Some(&true)
-    }
-
     /// C2: `what` is only for the connection and token holding the claim, checked when
-    /// the request executes.
-    fn check(&self, conn: u64, token: u64, what: &str) -> Result<(), Refusal> {
-        match self.claim {
-            Some(c) if c.conn == conn && c.token == token => Ok(()),
+    /// the request executes; the claim's clock restarts (C4).
+    fn check(&mut self, conn: u64, token: u64, what: &str, now: Instant) -> Result<(), Refusal> {
+        match &mut self.claim {
+            Some(c) if c.conn == conn && c.token == token => {
+                c.last = now;
+                Ok(())
+            }
             Some(c) if c.token == token => {
                 Err(format!("{what}: claim {token} belongs to another connection").into())
             }
             _ => Err(format!(
-                "{what}: claim {token} is not the VMM's consumer (ended, or never attached)"
+                "{what}: claim {token} is not the VMM's subscriber (ended, or never subscribed)"
             )
             .into()),
         }
     }
 
-    /// `attach` for `conn`: one consumer at a time, and only once the last one's swaps
-    /// are settled (C3); the reply carries where each live CPU's reading stands (C1).
-    pub fn attach<M: SharedMem, C: Callbacks>(
+    /// `subscribe` for `conn`: one subscriber at a time; from now on the session reads
+    /// every ring for it (C1).
+    pub fn subscribe<M: SharedMem, C: Callbacks>(
         &mut self,
-        s: &Session<M, C>,
-        conn: u64,
-        file: &FileInfo,
-    ) -> Result<AttachInfo, Refusal> {
+        s: &mut Session<M, C>,
+        (conn, partial): (u64, bool),
+        meta: &RunMeta,
+        now: Instant,
+    ) -> Result<SubscribeInfo, Refusal> {
         if self.claim.is_some() {
-            return Err("busy: another consumer is attached (one consumer at a time)".into());
+            return Err("busy: another subscriber is attached (one at a time)".into());
         }
-        let reader = s.reader();
-        let nr = reader.nr_cpus();
-        if let Some(cpu) = (0..nr).find(|&c| reader.request_in_flight(c)) {
-            return Err(format!(
-                "busy: settling the previous consumer's swap of cpu {cpu} (try again)"
-            )
-            .into());
-        }
-        let positions = (0..nr)
-            .filter(|&cpu| s.is_live(cpu))
-            .filter_map(|cpu| Some(ConsumerPosition::at(cpu, reader.position(cpu)?)))
-            .collect();
-        let l = reader.layout();
         self.next_token = self.next_token.wrapping_add(1).max(1);
         let token = self.next_token;
-        self.claim = Some(Claim { conn, token });
-        Ok(AttachInfo {
+        self.claim = Some(Claim {
+            conn,
             token,
-            trace_mem: file.trace_mem.clone(),
+            last: now,
+        });
+        s.subscribe(partial);
+        let l = s.reader().layout();
+        let c = &meta.clock;
+        Ok(SubscribeInfo {
+            token,
             nr_cpus: l.nr_cpus,
             page_size: u32::try_from(l.page_size).unwrap_or(u32::MAX),
-            pages_per_cpu: l.pages_per_cpu,
-            meta_off: file.meta_off,
+            clock: WireClock {
+                name: c.name.clone(),
+                tsc: c.tsc,
+                offset_ns: c.offset_ns,
+                knots: c.map.as_ref().map_or_else(Vec::new, |m| m.knots_from(0)),
+            },
+            formats: meta.formats.clone(),
             pid: std::process::id(),
-            positions,
         })
     }
 
-    /// `get_reader` of the claim `token` for `cpu`, whose consumer has read `page`:
-    /// swapped only when `page` is the VMM's reader page of that CPU (C1). Returns the
-    /// status and, after a swap, the new page and the events lost before it.
-    pub fn get_reader<M: SharedMem, C: Callbacks>(
+    /// Takes the subscriber's acknowledgements (C2: each names an item it was sent).
+    fn take_acks<M: SharedMem, C: Callbacks>(
+        s: &mut Session<M, C>,
+        what: &str,
+        acks: &[Ack],
+    ) -> Result<(), Refusal> {
+        for a in acks {
+            s.ack(a.cpu, a.seq).map_err(|e| format!("{what}: {e}"))?;
+        }
+        Ok(())
+    }
+
+    /// `fetch` of the claim `token`: takes the acknowledgements, reads the rings one
+    /// round as the run loop does (`read`: which vCPUs stopped; `None` while the loop may
+    /// not read, a crash not dumped yet), sends what is queued (at most `max_bytes`),
+    /// with the clock's knots after the first `knots`. The answer so holds what was
+    /// committed when it came: a one-shot subscriber stops at the first empty one.
+    pub fn fetch<M: SharedMem, C: Callbacks>(
         &mut self,
         s: &mut Session<M, C>,
         (conn, token): (u64, u64),
-        (cpu, page): (u32, u32),
-        vcpu_finished: bool,
-    ) -> Result<ReaderStatus, Refusal> {
-        self.check(conn, token, "get_reader")?;
-        let nr = s.reader().nr_cpus();
-        if cpu >= nr {
-            return Err(format!("get_reader: no CPU {cpu} (the VM has {nr})").into());
+        (acks, max_bytes, knots): (&[Ack], u64, u64),
+        (clock, read): (&Clock, Option<&dyn Fn(u32) -> bool>),
+        now: Instant,
+    ) -> Result<PieceBatch, Refusal> {
+        self.check(conn, token, "fetch", now)?;
+        Self::take_acks(s, "fetch", acks)?;
+        if let Some(stopped) = read {
+            s.read_for_fetch(stopped);
         }
-        if !s.is_live(cpu) || vcpu_finished {
-            return Ok(ReaderStatus::Ended);
-        }
-        let current = s.reader().position(cpu).map(|p| p.reader);
-        if current != Some(page) {
-            return Err(format!(
-                "get_reader {cpu}: page {page} is not the reader page ({current:?}): the consumer is out of step"
-            )
-            .into());
-        }
-        let swapped = s
-            .swap_external(cpu)
-            .map_err(|e| format!("get_reader {cpu}: {e}"))?;
-        Ok(match swapped {
-            Some((page, lost)) => ReaderStatus::Swapped { page, lost },
-            None if s.reader().request_in_flight(cpu) => ReaderStatus::Pending,
-            None => ReaderStatus::Busy,
+        let max = max_bytes.clamp(1, MAX_FETCH_BYTES) as usize;
+        let batch = s.send(max, MAX_FETCH_ITEMS);
+        let from = usize::try_from(knots).unwrap_or(usize::MAX);
+        let mut knots = clock
+            .map
+            .as_ref()
+            .map_or_else(Vec::new, |m| m.knots_from(from));
+        knots.truncate(MAX_KNOTS);
+        Ok(PieceBatch {
+            items: batch
+                .items
+                .into_iter()
+                .map(|(cpu, seq, item)| WireItem { cpu, seq, item })
+                .collect(),
+            knots,
+            knots_from: from as u64,
+            bytes: batch.data.len() as u64,
+            data: batch.data,
         })
     }
 
-    /// `detach` of the claim `token`: the claim ends; where the consumer stopped on each
-    /// CPU is counted as read here (C1), each position checked against this reader's own
-    /// view; `done` (the consumer read the CPU to its end) only for a stopped vCPU (C4).
-    /// A position that does not check is refused (the claim ends all the same: the next
-    /// consumer starts where this reader stands).
+    /// `detach` of the claim `token`: takes the acknowledgements (refused, and the claim
+    /// kept, unless each names an item sent: C2), then the claim ends; what was sent and
+    /// not acknowledged goes out again (the subscriber said it did not take it).
     pub fn detach<M: SharedMem, C: Callbacks>(
         &mut self,
         s: &mut Session<M, C>,
         (conn, token): (u64, u64),
-        positions: &[ConsumerPosition],
-        vcpu_finished: &dyn Fn(u32) -> bool,
+        acks: &[Ack],
+        now: Instant,
     ) -> Result<(), Refusal> {
-        self.check(conn, token, "detach")?;
+        self.check(conn, token, "detach", now)?;
+        Self::take_acks(s, "detach", acks)?;
         self.claim = None;
-        let nr = s.reader().nr_cpus();
-        if positions.len() > nr as usize {
-            return Err(format!("detach: {} positions for {nr} CPUs", positions.len()).into());
-        }
-        let mut bad = Vec::new();
-        for p in positions {
-            if !s.is_live(p.cpu) {
-                continue;
-            }
-            if p.done {
-                match self.delivered.get_mut(p.cpu as usize) {
-                    Some(d) if vcpu_finished(p.cpu) => *d = true,
-                    _ => bad.push(format!("cpu {}: done while its vCPU runs", p.cpu)),
-                }
-                continue;
-            }
-            #[cfg(not(hyptrace_seeded_bug_detach_ignored))]
-            if let Err(e) = s.consumed_externally(p.cpu, p.page, p.consumed, p.expected) {
-                bad.push(crate::exit::chain(&e));
-            }
-        }
-        if bad.is_empty() {
-            Ok(())
-        } else {
-            Err(format!("detach: {}", bad.join("; ")).into())
-        }
+        s.unsubscribe();
+        Ok(())
     }
 
-    /// The client `conn` went away: its claim, if it held it, ends (C2).
-    pub fn gone(&mut self, conn: u64) -> bool {
-        if self.claim.is_some_and(|c| c.conn == conn) {
-            self.claim = None;
-            return true;
-        }
-        false
-    }
-
-    /// C3: with no claim, completes the swaps the last consumer left in flight (the
-    /// reader moves onto the new page and counts its losses, so the next consumer starts
-    /// there). Returns each settled swap: CPU, new page, events lost before it.
-    pub fn settle<M: SharedMem, C: Callbacks>(
+    /// The client `conn` went away: if it held the claim, the claim ends and what it
+    /// was sent and did not acknowledge goes out again — returned, for the caller to
+    /// name (C4: it may be in that subscriber's output too).
+    pub fn gone<M: SharedMem, C: Callbacks>(
         &mut self,
         s: &mut Session<M, C>,
-    ) -> Vec<(u32, u32, u64)> {
-        let mut settled = Vec::new();
-        if self.claim.is_some() {
-            return settled;
-        }
-        for cpu in 0..s.reader().nr_cpus() {
-            if !s.reader().request_in_flight(cpu) || !s.is_live(cpu) {
-                continue;
-            }
-            match s.swap_external(cpu) {
-                Ok(Some((page, lost))) => settled.push((cpu, page, lost)),
-                Ok(None) => {}
-                Err(e) => {
-                    log::debug!("cpu {cpu}: settling the last consumer's swap: {e}");
-                    s.fail_cpu(cpu, &e.into());
-                }
-            }
-        }
-        settled
-    }
-
-    /// C4's bound: with every vCPU stopped (`all_done`), a claim held
-    /// [`CONSUMER_GRACE`] ends. Returns true when it took the claim away now.
-    pub fn end_if_late(&mut self, all_done: bool, now: Instant) -> bool {
-        if self.claim.is_none() || !all_done {
-            self.held_at_end = None;
-            return false;
-        }
-        let since = *self.held_at_end.get_or_insert(now);
-        if now.saturating_duration_since(since) >= CONSUMER_GRACE {
+        conn: u64,
+    ) -> Option<Vec<Unsent>> {
+        if self.claim.is_some_and(|c| c.conn == conn) {
             self.claim = None;
-            return true;
+            return Some(s.unsubscribe());
         }
-        false
+        None
     }
-}
 
-/// C1, the consumer's side: starts each CPU of `reader` where the attach reply `info`
-/// says the reading stands ([`RingBuffer::resume`]) — the VMM's word, never the
-/// guest-written `reader_page` [`RingBuffer::attach`] starts at.
-pub fn start<M: SharedMem, C: Callbacks>(
-    reader: &mut RingBuffer<M, C>,
-    info: &AttachInfo,
-) -> Result<(), ReadError> {
-    if cfg!(hyptrace_seeded_bug_guest_position) {
-        return Ok(());
+    /// C4's bound: with every vCPU stopped (`all_done`), a subscriber that asked for
+    /// nothing for [`SUBSCRIBER_GRACE`] loses the claim; as [`Subscribers::gone`].
+    pub fn end_if_late<M: SharedMem, C: Callbacks>(
+        &mut self,
+        s: &mut Session<M, C>,
+        all_done: bool,
+        now: Instant,
+    ) -> Option<Vec<Unsent>> {
+        let c = self.claim?;
+        if all_done && now.saturating_duration_since(c.last) >= SUBSCRIBER_GRACE {
+            self.claim = None;
+            return Some(s.unsubscribe());
+        }
+        None
     }
-    for p in &info.positions {
-        reader.resume(p.cpu, p.page, p.consumed, p.expected)?;
-    }
-    Ok(())
 }
 
 #[cfg(test)]

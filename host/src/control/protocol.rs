@@ -4,19 +4,23 @@
 //! On the wire every message is one JSON object on one line, both ways (docs/design.md,
 //! "The control socket"). A request names the protocol version it speaks and an id of
 //! the client's choosing; the reply repeats both, and a client trusts a reply only when
-//! it names the request it answers (version, id, and for `get_reader` the CPU and page).
+//! it names the request it answers (version and id; a `fetch` answer's items name their
+//! CPU and sequence number, and its bytes follow the line, as many as it says).
 //!
 //! ```text
-//! {"v":2,"id":7,"cmd":"get_reader","token":3,"cpu":0,"page":12}
-//! {"v":2,"id":7,"ok":{"kind":"reader","cpu":0,"page":12,"status":{"swapped":{"page":9,"lost":0}}}}
-//! {"v":2,"id":8,"err":"get_reader: not the consumer (claim 3 ended)"}
+//! {"v":3,"id":7,"cmd":"fetch","token":3,"acks":[{"cpu":0,"seq":12}],"max_bytes":1048576,"knots":1}
+//! {"v":3,"id":7,"ok":{"kind":"pieces","items":[{"cpu":0,"seq":13,"item":{"piece":{"first":500,"events":170,"missed":0,"len":4096}}}],"knots":[],"bytes":4096}}
+//! <4096 bytes>
+//! {"v":3,"id":8,"err":"fetch: claim 3 is not the VMM's subscriber (ended, or never subscribed)"}
 //! ```
 
 use serde::{Deserialize, Serialize};
 
 /// The protocol version this build speaks (a request of another version is refused).
-/// 1 was the word-per-line protocol before typed messages.
-pub const VERSION: u32 = 2;
+/// 1 was the word-per-line protocol before typed messages; 2 had consumers read the
+/// rings in place (`attach`, `get_reader`, positions in `detach`); 3 has the VMM read and
+/// send what it read to one subscriber (`subscribe`, `fetch`, `detach`).
+pub const VERSION: u32 = 3;
 
 /// The longest word `hyptrace ctl` sends (an event pattern; names are at most 64
 /// bytes, system and event).
@@ -40,27 +44,64 @@ pub enum Command {
     Stats,
     /// The events and whether they are enabled.
     List,
-    /// Claim the consumer role (live attach; one consumer at a time): the reply carries
-    /// the claim's token and each CPU's position.
-    Attach,
-    /// Swap `cpu`'s reader page for the consumer holding `token`; `page` is the reader
-    /// page the consumer has read (refused unless it is the VMM's current one).
-    GetReader {
+    /// Claim the subscriber role (live attach; one subscriber at a time): the reply
+    /// carries the claim's token and what the subscriber needs to write the events (the
+    /// geometry, the clock, the formats).
+    Subscribe {
+        /// Pieces of the page the writer is on, as far as it is committed (a text
+        /// stream), rather than whole pages only.
+        #[serde(default)]
+        partial: bool,
+    },
+    /// Acknowledge what was taken and fetch what the VMM read since (C2).
+    Fetch {
         /// The claim.
         token: u64,
-        /// The CPU.
-        cpu: u32,
-        /// The consumer's reader page.
-        page: u32,
+        /// Per CPU, the last item taken (by sequence number; only numbers sent).
+        #[serde(default)]
+        acks: Vec<Ack>,
+        /// Most bytes of pieces in the answer (the VMM caps it: [`MAX_FETCH_BYTES`]).
+        max_bytes: u64,
+        /// Knots of the clock map the subscriber has: the answer carries the rest.
+        #[serde(default)]
+        knots: u64,
     },
-    /// End the claim `token`, saying where the consumer stopped reading on each CPU
-    /// (the next consumer starts there: nothing is read twice).
+    /// Acknowledge what was taken and end the claim: the rest goes to the next
+    /// subscriber or the VMM's own output (nothing is read twice).
     Detach {
         /// The claim.
         token: u64,
-        /// Per CPU, the consumer's position.
-        positions: Vec<ConsumerPosition>,
+        /// Per CPU, the last item taken.
+        #[serde(default)]
+        acks: Vec<Ack>,
     },
+}
+
+/// Most bytes of pieces one `fetch` answer carries.
+pub const MAX_FETCH_BYTES: u64 = 4 << 20;
+/// Most items one `fetch` answer carries (its line stays far below the client's bound).
+pub const MAX_FETCH_ITEMS: usize = 4096;
+
+/// The fields each command may carry besides `v`, `id` and `cmd`: a request with any
+/// other field is refused (a field this VMM does not know would be ignored silently).
+fn command_fields(cmd: &str) -> Option<&'static [&'static str]> {
+    Some(match cmd {
+        "enable" | "disable" => &["event"],
+        "stats" | "list" => &[],
+        "subscribe" => &["partial"],
+        "fetch" => &["token", "acks", "max_bytes", "knots"],
+        "detach" => &["token", "acks"],
+        _ => return None,
+    })
+}
+
+/// The subscriber took `cpu`'s items through sequence number `seq`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Ack {
+    /// The CPU.
+    pub cpu: u32,
+    /// The last item taken.
+    pub seq: u64,
 }
 
 impl Command {
@@ -108,35 +149,70 @@ pub fn truncate(s: &str, n: usize) -> &str {
     }
 }
 
-/// Where a consumer stands on one CPU: its reader page, the data bytes of it consumed
-/// and the index of the next event (C1 in docs/design.md).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ConsumerPosition {
-    /// The CPU.
-    pub cpu: u32,
-    /// The reader page (a global page id).
-    pub page: u32,
-    /// Data bytes of it consumed (a record boundary).
-    pub consumed: u64,
-    /// The index of the next event.
-    pub expected: u64,
-    /// The consumer read the CPU to its end (the vCPU stopped and the consumer's final
-    /// walk finished): the VMM counts the rest and writes none of it (C4).
-    #[serde(default)]
-    pub done: bool,
+/// Why a request line is no request of this protocol.
+#[derive(Debug, thiserror::Error)]
+pub enum RequestError {
+    /// Not JSON, or not a request.
+    #[error("not a request of protocol version {VERSION}")]
+    Malformed(#[source] serde_json::Error),
+    /// Another version (the id, if the line has one, for the reply).
+    #[error("protocol version {got} (this VMM speaks {VERSION}): upgrade the client")]
+    Version {
+        /// The line's version.
+        got: u64,
+        /// The line's id.
+        id: Option<u64>,
+    },
+    /// A field the command does not have (the id, for the reply).
+    #[error("{cmd}: unknown field {field:?} (protocol version {VERSION})")]
+    UnknownField {
+        /// The command.
+        cmd: String,
+        /// The field, cut to 32 characters.
+        field: String,
+        /// The line's id.
+        id: Option<u64>,
+    },
 }
 
-impl ConsumerPosition {
-    /// The position `p` of `cpu` (a reader's, [`hyptrace_reader::RingBuffer::position`]),
-    /// not done.
-    pub fn at(cpu: u32, p: hyptrace_reader::postmortem::Position) -> Self {
-        Self {
-            cpu,
-            page: p.reader,
-            consumed: p.consumed,
-            expected: p.expected,
-            done: false,
+impl RequestError {
+    /// The id of the request the line was, if it names one.
+    pub fn id(&self) -> Option<u64> {
+        match self {
+            Self::Malformed(_) => None,
+            Self::Version { id, .. } | Self::UnknownField { id, .. } => *id,
         }
+    }
+}
+
+impl Request {
+    /// Parses a request line: a JSON object of this version whose fields are all the
+    /// command's (any other is refused rather than ignored).
+    pub fn parse(text: &str) -> Result<Self, RequestError> {
+        let map: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_str(text).map_err(RequestError::Malformed)?;
+        let id = map.get("id").and_then(serde_json::Value::as_u64);
+        let v = map.get("v").and_then(serde_json::Value::as_u64);
+        if let Some(got) = v.filter(|&v| v != u64::from(VERSION)) {
+            return Err(RequestError::Version { got, id });
+        }
+        let cmd = map
+            .get("cmd")
+            .and_then(serde_json::Value::as_str)
+            .unwrap_or("");
+        if let Some(fields) = command_fields(cmd) {
+            let unknown = map.keys().find(|k| {
+                !["v", "id", "cmd"].contains(&k.as_str()) && !fields.contains(&k.as_str())
+            });
+            if let Some(field) = unknown {
+                return Err(RequestError::UnknownField {
+                    cmd: cmd.to_string(),
+                    field: truncate(field, 32).to_string(),
+                    id,
+                });
+            }
+        }
+        serde_json::from_value(serde_json::Value::Object(map)).map_err(RequestError::Malformed)
     }
 }
 
@@ -193,17 +269,10 @@ pub enum Answer {
         /// The registered events.
         events: Vec<EventEntry>,
     },
-    /// `attach`: the claim.
-    Attached(AttachInfo),
-    /// `get_reader`: for `cpu` and the consumer's `page`, what happened.
-    Reader {
-        /// The CPU asked for.
-        cpu: u32,
-        /// The page the consumer named.
-        page: u32,
-        /// What happened.
-        status: ReaderStatus,
-    },
+    /// `subscribe`: the claim.
+    Subscribed(SubscribeInfo),
+    /// `fetch`: what the VMM read since (pieces' bytes after the line).
+    Pieces(PieceBatch),
     /// `detach`: the claim ended.
     Detached,
 }
@@ -230,46 +299,65 @@ impl Answer {
     }
 }
 
-/// The outcome of a `get_reader`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ReaderStatus {
-    /// The reader page was swapped: `page` is the new one, `lost` events were lost
-    /// before it (counted once, here).
-    Swapped {
-        /// The new reader page.
-        page: u32,
-        /// Events lost before it.
-        lost: u64,
-    },
-    /// The writer is still on the reader page, or the swap lost a race: ask again.
-    Busy,
-    /// A guest swap was requested and not answered yet: ask again (same page).
-    Pending,
-    /// The vCPU stopped: the consumer's final walk is next.
-    Ended,
-}
-
-/// The reply to `attach`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct AttachInfo {
-    /// The claim: every `get_reader`/`detach` names it.
+/// The reply to `subscribe`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SubscribeInfo {
+    /// The claim: every `fetch`/`detach` names it.
     pub token: u64,
-    /// The trace memory file.
-    pub trace_mem: std::path::PathBuf,
     /// CPUs.
     pub nr_cpus: u32,
-    /// Page size.
+    /// Page size: every piece is at most this long.
     pub page_size: u32,
-    /// Pages per CPU.
-    pub pages_per_cpu: u32,
-    /// Where the meta pages are in the file.
-    pub meta_off: u64,
+    /// The clock of the pieces' timestamps (the run's, with its map's knots so far).
+    pub clock: WireClock,
+    /// The event formats.
+    pub formats: Vec<hyptrace_output::EventFormat>,
     /// The VMM's pid.
     pub pid: u32,
-    /// Where each CPU's reading stands: the consumer starts there (the VMM's word,
-    /// never the guest's).
-    pub positions: Vec<ConsumerPosition>,
+}
+
+/// A run's clock as a subscriber rebuilds it: the conversion of the pages' raw
+/// timestamps and the knots of the run's map onto the host clock (none: no map).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WireClock {
+    /// The trace clock's name.
+    pub name: String,
+    /// Cycles to ns, if the timestamps are cycles.
+    pub tsc: Option<hyptrace_output::TscConversion>,
+    /// ns added after the conversion.
+    pub offset_ns: i64,
+    /// The map's knots (in order).
+    pub knots: Vec<hyptrace_output::Knot>,
+}
+
+/// The answer to `fetch`: items in order per CPU; the pieces' bytes (`bytes` in all,
+/// each piece `len` of them, in the items' order) follow the reply line on the socket.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PieceBatch {
+    /// The items.
+    pub items: Vec<WireItem>,
+    /// The clock map's knots from the `knots_from`-th on (those the request said it
+    /// lacked; a subscriber with a fetch in flight may get some twice).
+    pub knots: Vec<hyptrace_output::Knot>,
+    /// The index in the map of the first of `knots`.
+    #[serde(default)]
+    pub knots_from: u64,
+    /// Bytes after the line.
+    pub bytes: u64,
+    /// Those bytes (not in the line).
+    #[serde(skip)]
+    pub data: Vec<u8>,
+}
+
+/// One item of a [`PieceBatch`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireItem {
+    /// The CPU.
+    pub cpu: u32,
+    /// Its sequence number (per CPU, from 1 up).
+    pub seq: u64,
+    /// A piece or the CPU's end.
+    pub item: crate::drain::outbox::BatchItem,
 }
 
 /// The `stats` answer.
@@ -279,6 +367,9 @@ pub struct LiveStats {
     pub elapsed_s: f64,
     /// Why the run is stopping, if it is.
     pub stopping: Option<String>,
+    /// A subscriber holds the claim (live attach).
+    #[serde(default)]
+    pub subscribed: bool,
     /// Per CPU.
     pub cpus: Vec<CpuLive>,
 }
@@ -379,6 +470,10 @@ pub enum ReplyError {
         /// The reply's.
         got: u32,
     },
+    /// The server refused the connection or the line itself, naming no request
+    /// (`busy: too many clients`, `line too long`, `idle: disconnected`, `timeout`).
+    #[error("the VMM refused: {0}")]
+    Refused(String),
     /// It answers another request.
     #[error("a reply to request {got:?} while waiting for {want}")]
     NotOurs {
@@ -394,6 +489,9 @@ pub fn parse_reply(line: &str, id: u64) -> Result<Outcome, ReplyError> {
     let r: Reply = serde_json::from_str(line).map_err(ReplyError::Malformed)?;
     if r.v != VERSION {
         return Err(ReplyError::Version { got: r.v });
+    }
+    if let (None, Outcome::Err(why)) = (r.id, &r.outcome) {
+        return Err(ReplyError::Refused(why.clone()));
     }
     if r.id != Some(id) {
         return Err(ReplyError::NotOurs {
@@ -440,29 +538,45 @@ mod tests {
         let req = Request {
             v: VERSION,
             id: 7,
-            cmd: Command::GetReader {
+            cmd: Command::Fetch {
                 token: 3,
-                cpu: 0,
-                page: 12,
+                acks: vec![Ack { cpu: 0, seq: 12 }],
+                max_bytes: 1 << 20,
+                knots: 1,
             },
         };
         let line = serde_json::to_string(&req).expect("ser");
         assert_eq!(
             line,
-            r#"{"v":2,"id":7,"cmd":"get_reader","token":3,"cpu":0,"page":12}"#
+            r#"{"v":3,"id":7,"cmd":"fetch","token":3,"acks":[{"cpu":0,"seq":12}],"max_bytes":1048576,"knots":1}"#
         );
-        assert_eq!(serde_json::from_str::<Request>(&line).expect("de"), req);
+        assert_eq!(Request::parse(&line).expect("de"), req);
         let reply = Reply::to(
             Some(7),
-            Outcome::Ok(Answer::Reader {
-                cpu: 0,
-                page: 12,
-                status: ReaderStatus::Swapped { page: 9, lost: 0 },
-            }),
+            Outcome::Ok(Answer::Pieces(PieceBatch {
+                items: vec![WireItem {
+                    cpu: 0,
+                    seq: 13,
+                    item: crate::drain::outbox::BatchItem::Piece {
+                        first: 500,
+                        events: 170,
+                        missed: 0,
+                        len: 4096,
+                    },
+                }],
+                knots: Vec::new(),
+                knots_from: 0,
+                bytes: 4096,
+                data: vec![1; 4096],
+            })),
         );
         let l = reply.line();
         assert!(l.ends_with('\n') && !l[..l.len() - 1].contains('\n'));
-        assert_eq!(parse_reply(&l, 7).expect("ours"), reply.outcome);
+        assert!(l.len() < 300, "the bytes are not in the line: {l}");
+        let Outcome::Ok(Answer::Pieces(b)) = parse_reply(&l, 7).expect("ours") else {
+            panic!("not pieces");
+        };
+        assert_eq!((b.items.len(), b.bytes, b.data.len()), (1, 4096, 0));
         assert!(matches!(
             parse_reply(&l, 8),
             Err(ReplyError::NotOurs {
@@ -472,10 +586,28 @@ mod tests {
         ));
         let err = Reply::to(None, Outcome::Err("a\nb".into())).line();
         assert_eq!(err.matches('\n').count(), 1, "{err}");
-        assert!(matches!(
-            parse_reply(&err, 1),
-            Err(ReplyError::NotOurs { got: None, .. })
-        ));
+        assert!(matches!(parse_reply(&err, 1), Err(ReplyError::Refused(_))));
         assert!(parse_reply("ok swapped 1 0", 1).is_err());
+    }
+
+    /// A field the command does not have is refused, not ignored: a version-2 `detach`
+    /// saying `done` (it counted the rest as read) is no detach of this protocol.
+    #[test]
+    fn unknown_fields_and_versions_are_refused() {
+        let done = r#"{"v":3,"id":4,"cmd":"detach","token":1,"acks":[],"done":true}"#;
+        let e = Request::parse(done).expect_err("accepted");
+        assert!(matches!(e, RequestError::UnknownField { .. }), "{e}");
+        assert_eq!(e.id(), Some(4));
+        let v2 = r#"{"v":2,"id":5,"cmd":"attach"}"#;
+        assert!(matches!(
+            Request::parse(v2),
+            Err(RequestError::Version {
+                got: 2,
+                id: Some(5)
+            })
+        ));
+        assert!(Request::parse(r#"{"v":3,"id":6,"cmd":"frob"}"#).is_err());
+        assert!(Request::parse(r#"{"v":3,"id":6,"cmd":"stats"}"#).is_ok());
+        assert!(Request::parse(r#"{"v":3,"id":6,"cmd":"subscribe","partial":true}"#).is_ok());
     }
 }

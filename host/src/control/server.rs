@@ -18,27 +18,34 @@
 //! a client that disconnects is reported to the handler ([`Handler::gone`]) after its
 //! last request, in queue order.
 
+use std::collections::VecDeque;
 use std::io::{ErrorKind, Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, SyncSender};
+use std::sync::mpsc::{self, RecvTimeoutError, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::control::protocol::{parse_reply, truncate, Request as Wire, VERSION};
+use crate::control::protocol::{
+    parse_reply, truncate, ReplyError, Request as Wire, RequestError, MAX_FETCH_BYTES, VERSION,
+};
 pub use crate::control::protocol::{Answer, Command, Outcome, Reply};
 
-/// Longest request line a client may send, newline excluded (a `detach` with the
-/// positions of 256 CPUs takes about 25 KiB).
+/// Longest request line a client may send, its newline included (a `fetch` or `detach`
+/// acknowledging 256 CPUs takes about 8 KiB).
 pub const MAX_LINE: usize = 32 << 10;
 /// Clients served at once; more are answered `busy` and closed.
 pub const MAX_CLIENTS: usize = 8;
-/// A client that sends nothing for this long is disconnected.
+/// A client that completes no request for this long is disconnected.
 pub const CLIENT_IDLE: Duration = Duration::from_secs(30);
+/// A request line must be complete this long after its first byte, or the client is
+/// disconnected: a client trickling bytes cannot hold a client slot (8 of them cannot
+/// keep a ninth client out for longer than this).
+pub const LINE_DEADLINE: Duration = Duration::from_secs(5);
 /// Longest a client waits for the run loop to take its request; past it the request is
 /// cancelled (never executed) and the client told so.
 pub const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -129,21 +136,34 @@ pub enum ControlError {
 /// Wakes the run loop when a command is queued (set by the run: [`ControlServer::set_waker`]).
 pub type WakeFn = Box<dyn Fn() + Send + Sync>;
 
-/// The queue of jobs to the run loop, and how to wake it for one. Unbounded, but never
-/// longer than two jobs per client (each client has at most one request in flight and
-/// one `Gone`), and the clients are bounded ([`MAX_CLIENTS`]).
+/// The queue of jobs to the run loop, and how to wake it for one. Never longer than two
+/// jobs per client (each client has at most one request in flight and one `Gone`), and
+/// the clients are bounded ([`MAX_CLIENTS`]).
+///
+/// A mutex, not a lock-free channel: the run loop's thread may run real-time on the core
+/// of a client thread, and a channel's receiver spins (yielding, which a real-time thread
+/// does not give a normal one) while a sender it preempted is half-way through a send —
+/// a round of the loop then lasted until the kernel's real-time throttling (about 1 s).
+/// The loop only ever `try_lock`s it ([`ControlServer::serve`]): it never waits for a
+/// client thread.
 #[derive(Clone)]
 struct Queue {
-    tx: Sender<Job>,
+    jobs: Arc<Mutex<VecDeque<Job>>>,
+    /// The server stopped: nothing is taken any more.
+    closed: Arc<AtomicBool>,
     waker: Arc<Mutex<Option<WakeFn>>>,
 }
 
 impl Queue {
-    /// Queues `job` (never blocks) and wakes the run loop; false when the run ended.
+    /// Queues `job` (a moment's lock) and wakes the run loop; false when the run ended.
     fn send(&self, job: Job) -> bool {
-        if self.tx.send(job).is_err() {
+        if self.closed.load(Ordering::Acquire) {
             return false;
         }
+        self.jobs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push_back(job);
         if let Some(w) = self
             .waker
             .lock()
@@ -165,7 +185,7 @@ pub struct ControlServer {
     /// ours.
     id: (u64, u64),
     stop: Arc<AtomicBool>,
-    rx: Receiver<Job>,
+    jobs: Arc<Mutex<VecDeque<Job>>>,
     waker: Arc<Mutex<Option<WakeFn>>>,
     thread: Option<JoinHandle<()>>,
 }
@@ -237,10 +257,11 @@ impl ControlServer {
         let meta = std::fs::symlink_metadata(path).map_err(io_err(path))?;
         listener.set_nonblocking(true).map_err(io_err(path))?;
         let stop = Arc::new(AtomicBool::new(false));
-        let (tx, rx) = mpsc::channel();
+        let jobs = Arc::new(Mutex::new(VecDeque::new()));
         let waker = Arc::new(Mutex::new(None));
         let tx = Queue {
-            tx,
+            jobs: Arc::clone(&jobs),
+            closed: Arc::clone(&stop),
             waker: Arc::clone(&waker),
         };
         let thread = {
@@ -255,7 +276,7 @@ impl ControlServer {
             path: path.to_path_buf(),
             id: (meta.dev(), meta.ino()),
             stop,
-            rx,
+            jobs,
             waker,
             thread: Some(thread),
         })
@@ -278,7 +299,13 @@ impl ControlServer {
     pub fn serve(&self, h: &mut dyn Handler) -> usize {
         let mut n = 0;
         while n < SERVE_BATCH {
-            let Ok(job) = self.rx.try_recv() else { break };
+            // Never waits for a client thread (see `Queue`): a queue it holds is
+            // looked at again at the next round (its send wakes the loop).
+            let Ok(mut jobs) = self.jobs.try_lock() else {
+                break;
+            };
+            let Some(job) = jobs.pop_front() else { break };
+            drop(jobs);
             n += 1;
             let req = match job {
                 Job::Gone(conn) => {
@@ -398,34 +425,52 @@ fn client(mut stream: UnixStream, tx: &Queue, stop: &AtomicBool, conn: u64) {
     if stream.set_read_timeout(Some(TICK)).is_err() {
         return;
     }
-    let mut buf: Vec<u8> = Vec::with_capacity(MAX_LINE + 1);
+    let mut buf: Vec<u8> = Vec::with_capacity(MAX_LINE);
     let mut chunk = [0u8; 1024];
+    // The last complete request (idle), and the first byte of the line under way.
     let mut last = Instant::now();
+    let mut line_started: Option<Instant> = None;
     while !stop.load(Ordering::Relaxed) {
         // Complete lines first (several may have come in one read).
         while let Some(nl) = buf.iter().position(|&b| b == b'\n') {
+            if nl + 1 > MAX_LINE {
+                break;
+            }
             let line: Vec<u8> = buf.drain(..=nl).collect();
             let peer = Peer(stream.as_raw_fd());
-            let reply = execute_line(&line[..nl], tx, stop, (conn, peer));
-            if stream.write_all(reply.as_bytes()).is_err() {
+            let (reply, data) = execute_line(&line[..nl], tx, stop, (conn, peer));
+            if stream.write_all(reply.as_bytes()).is_err() || stream.write_all(&data).is_err() {
                 return;
             }
             last = Instant::now();
+            line_started = (!buf.is_empty()).then_some(last);
         }
-        if buf.len() > MAX_LINE {
-            let why = format!("line too long (at most {MAX_LINE} bytes)");
+        // A line with its newline is at most MAX_LINE bytes.
+        let complete = buf.iter().take(MAX_LINE).position(|&b| b == b'\n');
+        if complete.is_none() && buf.len() >= MAX_LINE {
+            let why = format!("line too long (at most {MAX_LINE} bytes, its newline included)");
             let _ = stream.write_all(refuse_line(why).as_bytes());
             return;
         }
-        if last.elapsed() >= CLIENT_IDLE {
+        if line_started.is_some_and(|t| t.elapsed() >= LINE_DEADLINE) {
+            let why = format!(
+                "timeout: the request line was not complete {} s after its first byte",
+                LINE_DEADLINE.as_secs()
+            );
+            let _ = stream.write_all(refuse_line(why).as_bytes());
+            return;
+        }
+        if buf.is_empty() && last.elapsed() >= CLIENT_IDLE {
             let _ = stream.write_all(refuse_line("idle: disconnected").as_bytes());
             return;
         }
         match stream.read(&mut chunk) {
             Ok(0) => return,
             Ok(n) => {
+                if buf.is_empty() {
+                    line_started = Some(Instant::now());
+                }
                 buf.extend_from_slice(&chunk[..n]);
-                last = Instant::now();
             }
             Err(e)
                 if matches!(
@@ -438,29 +483,37 @@ fn client(mut stream: UnixStream, tx: &Queue, stop: &AtomicBool, conn: u64) {
     let _ = stream.write_all(refuse_line("the run ended").as_bytes());
 }
 
-/// Parses a line and has the run loop execute it (bounded wait); returns the reply line.
-fn execute_line(line: &[u8], tx: &Queue, stop: &AtomicBool, (conn, peer): (u64, Peer)) -> String {
+/// Parses a line and has the run loop execute it (bounded wait); returns the reply line
+/// and the bytes that follow it (a `fetch` answer's pieces; none for the others).
+fn execute_line(
+    line: &[u8],
+    tx: &Queue,
+    stop: &AtomicBool,
+    (conn, peer): (u64, Peer),
+) -> (String, Vec<u8>) {
     let line = line.strip_suffix(b"\r").unwrap_or(line);
     let Ok(text) = std::str::from_utf8(line) else {
-        return refuse_line("not UTF-8");
+        return (refuse_line("not UTF-8"), Vec::new());
     };
-    let req: Wire = match serde_json::from_str(text) {
+    let req = match Wire::parse(text) {
         Ok(r) => r,
+        Err(e @ RequestError::Malformed(_)) => {
+            let why = format!("{}: {:?}", crate::exit::chain(&e), truncate(text, 40));
+            return (refuse_line(why), Vec::new());
+        }
         Err(e) => {
-            return refuse_line(format!(
-                "not a request of protocol version {VERSION} ({e}): {:?}",
-                truncate(text, 40)
-            ))
+            return (
+                Reply::to(e.id(), Outcome::Err(e.to_string())).line(),
+                Vec::new(),
+            )
         }
     };
-    if req.v != VERSION {
-        let why = format!(
-            "protocol version {} (this VMM speaks {VERSION}): upgrade the client",
-            req.v
-        );
-        return Reply::to(Some(req.id), Outcome::Err(why)).line();
-    }
-    forward(req, tx, stop, (conn, peer)).line()
+    let mut reply = forward(req, tx, stop, (conn, peer));
+    let data = match &mut reply.outcome {
+        Outcome::Ok(Answer::Pieces(b)) => std::mem::take(&mut b.data),
+        _ => Vec::new(),
+    };
+    (reply.line(), data)
 }
 
 /// A client's socket, to notice that the client went away while its request waits.
@@ -618,6 +671,14 @@ impl CtlConn {
 
     /// Sends `cmd`, returns the outcome of the reply that answers it.
     pub fn request(&mut self, cmd: Command) -> Result<Outcome, CtlError> {
+        let id = self.send(cmd)?;
+        self.receive(id)
+    }
+
+    /// Sends `cmd` without waiting for its reply (a subscriber keeps one `fetch` in
+    /// flight while it writes the last batch); returns the request's id, for
+    /// [`CtlConn::receive`]. The server answers a connection's requests in order.
+    pub fn send(&mut self, cmd: Command) -> Result<u64, CtlError> {
         let id = self.next_id;
         self.next_id += 1;
         let mut line = serde_json::to_string(&Wire {
@@ -631,13 +692,31 @@ impl CtlConn {
             source: e.into(),
         })?;
         line.push('\n');
-        self.out
-            .write_all(line.as_bytes())
-            .map_err(|source| CtlError::Io {
-                path: self.path.clone(),
-                what: "sending",
-                source,
-            })?;
+        let Err(source) = self.out.write_all(line.as_bytes()) else {
+            return Ok(id);
+        };
+        // A server that refused the connection (`busy`) wrote why before it closed:
+        // that is the answer, not the broken pipe.
+        let mut reply = String::new();
+        let said = std::io::BufRead::read_line(&mut (&mut self.inp).take(MAX_REPLY), &mut reply);
+        if let (Ok(n), Err(ReplyError::Refused(why))) = (said, parse_reply(reply.trim_end(), id)) {
+            if n > 0 {
+                return Err(CtlError::Reply {
+                    path: self.path.clone(),
+                    source: ReplyError::Refused(why),
+                });
+            }
+        }
+        Err(CtlError::Io {
+            path: self.path.clone(),
+            what: "sending",
+            source,
+        })
+    }
+
+    /// The outcome of the reply to request `id` (sent last, or after the requests whose
+    /// replies were received): a reply to anything else is an error.
+    pub fn receive(&mut self, id: u64) -> Result<Outcome, CtlError> {
         let mut reply = String::new();
         let n = std::io::BufRead::read_line(&mut (&mut self.inp).take(MAX_REPLY), &mut reply)
             .map_err(|source| CtlError::Io {
@@ -655,10 +734,36 @@ impl CtlConn {
                 },
             });
         }
-        parse_reply(reply.trim_end(), id).map_err(|source| CtlError::Reply {
+        let mut outcome = parse_reply(reply.trim_end(), id).map_err(|source| CtlError::Reply {
             path: self.path.clone(),
             source,
-        })
+        })?;
+        if let Outcome::Ok(Answer::Pieces(b)) = &mut outcome {
+            b.data = self.read_payload(b.bytes)?;
+        }
+        Ok(outcome)
+    }
+
+    /// The `n` bytes after a `fetch` answer's line (at most [`MAX_FETCH_BYTES`]: a VMM
+    /// that says more is not believed).
+    fn read_payload(&mut self, n: u64) -> Result<Vec<u8>, CtlError> {
+        if n > MAX_FETCH_BYTES {
+            return Err(CtlError::Closed {
+                path: self.path.clone(),
+                why: "a fetch answer announces more bytes than a fetch may carry",
+            });
+        }
+        let mut data = Vec::with_capacity(n as usize);
+        let io = |source| CtlError::Io {
+            path: self.path.clone(),
+            what: "reading a fetch answer's bytes",
+            source,
+        };
+        (&mut self.inp).take(n).read_to_end(&mut data).map_err(io)?;
+        if data.len() as u64 != n {
+            return Err(io(std::io::ErrorKind::UnexpectedEof.into()));
+        }
+        Ok(data)
     }
 }
 
@@ -739,10 +844,10 @@ impl<M: hyptrace_abi::SharedMem> EventSwitch for crate::vmm::registration::Event
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::control::protocol::{LiveStats, ReaderStatus};
+    use crate::control::protocol::{LiveStats, PieceBatch};
 
-    /// Answers `stats` with an empty table, `attach` with a fixed claim for the first
-    /// client, `get_reader` for the claim holder; records `gone`.
+    /// Answers `stats` with an empty table, `subscribe` for the first client, `fetch`
+    /// for the subscriber with 3 bytes after the line; records `gone`.
     #[derive(Default)]
     struct Fake {
         holder: Option<u64>,
@@ -756,19 +861,22 @@ mod tests {
                 Command::Stats => Ok(Answer::Stats(LiveStats {
                     elapsed_s: 0.0,
                     stopping: None,
+                    subscribed: false,
                     cpus: Vec::new(),
                 })),
-                Command::Attach if self.holder.is_none() => {
+                Command::Subscribe { .. } if self.holder.is_none() => {
                     self.holder = Some(conn);
                     Ok(Answer::Detached)
                 }
-                Command::Attach => Err("busy: another consumer".into()),
-                Command::GetReader { cpu, page, .. } if self.holder == Some(conn) => {
-                    Ok(Answer::Reader {
-                        cpu: *cpu,
-                        page: *page,
-                        status: ReaderStatus::Busy,
-                    })
+                Command::Subscribe { .. } => Err("busy: another subscriber".into()),
+                Command::Fetch { .. } if self.holder == Some(conn) => {
+                    Ok(Answer::Pieces(PieceBatch {
+                        items: Vec::new(),
+                        knots: Vec::new(),
+                        knots_from: 0,
+                        bytes: 3,
+                        data: vec![7, 8, 9],
+                    }))
                 }
                 _ => Err("no".into()),
             }
@@ -858,7 +966,8 @@ mod tests {
     }
 
     /// C2: the claim is the handler's; a client's disconnect reaches it after its last
-    /// request, so a second client's `attach` queued after it succeeds.
+    /// request, so a second client's `subscribe` queued after it succeeds. A `fetch`
+    /// answer's bytes follow its line and reach the client whole.
     #[test]
     fn gone_comes_after_the_clients_requests() {
         let (dir, sock) = temp_sock("gone");
@@ -867,27 +976,31 @@ mod tests {
         let t = Duration::from_secs(30);
         let mut a = CtlConn::connect(&sock, t).expect("a");
         let mut b = CtlConn::connect(&sock, t).expect("b");
-        let get = Command::GetReader {
+        let fetch = Command::Fetch {
             token: 0,
-            cpu: 0,
-            page: 4,
+            acks: Vec::new(),
+            max_bytes: 1,
+            knots: 0,
         };
+        let sub = Command::Subscribe { partial: false };
         assert!(matches!(
-            ask(&server, h, &mut b, get.clone()),
+            ask(&server, h, &mut b, fetch.clone()),
             Outcome::Err(_)
         ));
         assert_eq!(
-            ask(&server, h, &mut a, Command::Attach),
+            ask(&server, h, &mut a, sub.clone()),
             Outcome::Ok(Answer::Detached)
         );
         assert!(matches!(
-            ask(&server, h, &mut b, Command::Attach),
+            ask(&server, h, &mut b, sub.clone()),
             Outcome::Err(_)
         ));
-        assert!(matches!(
-            ask(&server, h, &mut a, get.clone()),
-            Outcome::Ok(Answer::Reader { page: 4, .. })
-        ));
+        for _ in 0..2 {
+            match ask(&server, h, &mut a, fetch.clone()) {
+                Outcome::Ok(Answer::Pieces(p)) => assert_eq!(p.data, vec![7, 8, 9]),
+                o => panic!("{o:?}"),
+            }
+        }
         drop(a);
         let start = Instant::now();
         while h.gone.is_empty() {
@@ -895,10 +1008,115 @@ mod tests {
             std::thread::sleep(TICK);
             assert!(start.elapsed() < Duration::from_secs(30), "gone never came");
         }
-        assert_eq!(
-            ask(&server, h, &mut b, Command::Attach),
-            Outcome::Ok(Answer::Detached)
-        );
+        assert_eq!(ask(&server, h, &mut b, sub), Outcome::Ok(Answer::Detached));
+        drop(server);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Sends `bytes` on a new connection and returns the reply line (the server thread
+    /// answers malformed and oversized lines itself; `stats` needs `serve`).
+    fn raw_reply(server: &ControlServer, sock: &Path, bytes: &[u8]) -> String {
+        let mut c = UnixStream::connect(sock).expect("connect");
+        c.set_read_timeout(Some(Duration::from_millis(20)))
+            .expect("timeout");
+        c.write_all(bytes).expect("send");
+        let mut h = Fake::default();
+        let mut got = Vec::new();
+        let start = Instant::now();
+        while !got.contains(&b'\n') {
+            assert!(start.elapsed() < Duration::from_secs(30), "no reply");
+            server.serve(&mut h);
+            let mut b = [0u8; 4096];
+            match c.read(&mut b) {
+                Ok(0) => break,
+                Ok(n) => got.extend_from_slice(&b[..n]),
+                Err(_) => {}
+            }
+        }
+        String::from_utf8_lossy(&got).into_owned()
+    }
+
+    /// A request line is at most MAX_LINE bytes with its newline: one byte more is
+    /// refused (and the connection closed), exactly at the bound it is served.
+    #[test]
+    fn the_line_bound_is_exact() {
+        let (dir, sock) = temp_sock("line");
+        let server = ControlServer::bind(&sock).expect("bind");
+        let line = |len: usize| {
+            let head = format!(r#"{{"v":{VERSION},"id":1,"cmd":"stats""#);
+            let mut l = head.into_bytes();
+            l.extend(std::iter::repeat_n(b' ', len - l.len() - 2));
+            l.extend_from_slice(b"}\n");
+            assert_eq!(l.len(), len);
+            l
+        };
+        let ok = raw_reply(&server, &sock, &line(MAX_LINE));
+        assert!(ok.contains(r#""kind":"stats""#), "{ok}");
+        for len in [MAX_LINE + 1, MAX_LINE + 1000] {
+            let r = raw_reply(&server, &sock, &line(len));
+            assert!(r.contains("line too long"), "{len}: {r}");
+        }
+        drop(server);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Eight clients trickling a byte at a time hold no slot past LINE_DEADLINE: a
+    /// ninth client is served once their lines run out of time (bounded wait), and each
+    /// of them was told why it was disconnected.
+    #[test]
+    fn trickling_clients_do_not_keep_others_out() {
+        let (dir, sock) = temp_sock("trickle");
+        let server = ControlServer::bind(&sock).expect("bind");
+        let stop = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            let tricklers: Vec<_> = (0..MAX_CLIENTS)
+                .map(|_| {
+                    let mut c = UnixStream::connect(&sock).expect("connect");
+                    let stop = &stop;
+                    s.spawn(move || {
+                        c.set_read_timeout(Some(TICK)).expect("timeout");
+                        let mut got = String::new();
+                        // Bounded: the server disconnects it, or the test stops it.
+                        for _ in 0..2000 {
+                            if stop.load(Ordering::Relaxed) || c.write_all(b" ").is_err() {
+                                break;
+                            }
+                            let mut b = [0u8; 512];
+                            match c.read(&mut b) {
+                                Ok(0) => break,
+                                Ok(n) => got.push_str(&String::from_utf8_lossy(&b[..n])),
+                                Err(_) => {}
+                            }
+                        }
+                        got
+                    })
+                })
+                .collect();
+            let start = Instant::now();
+            let mut h = Fake::default();
+            let served = loop {
+                server.serve(&mut h);
+                let mut c = CtlConn::connect(&sock, Duration::from_secs(30)).expect("connect");
+                match c.request(Command::Stats) {
+                    Ok(_) => break true,
+                    Err(CtlError::Reply {
+                        source: crate::control::protocol::ReplyError::Refused(why),
+                        ..
+                    }) => assert!(why.starts_with("busy"), "{why}"),
+                    Err(e) => panic!("{e}"),
+                }
+                if start.elapsed() > 6 * LINE_DEADLINE {
+                    break false;
+                }
+                std::thread::sleep(TICK);
+            };
+            stop.store(true, Ordering::Relaxed);
+            assert!(served, "the trickling clients kept the ninth out");
+            for t in tricklers {
+                let got = t.join().expect("trickler");
+                assert!(got.contains("timeout: the request line"), "{got:?}");
+            }
+        });
         drop(server);
         let _ = std::fs::remove_dir_all(&dir);
     }
@@ -907,21 +1125,20 @@ mod tests {
     #[test]
     fn a_cancelled_request_is_not_executed() {
         let (rtx, _rrx) = mpsc::sync_channel(1);
-        let (tx, rx) = mpsc::channel();
+        let jobs = Arc::new(Mutex::new(VecDeque::new()));
         let state = Arc::new(AtomicU8::new(CANCELLED));
-        tx.send(Job::Run(Request {
+        jobs.lock().expect("queue").push_back(Job::Run(Request {
             id: 1,
             cmd: Command::Stats,
             conn: 1,
             state,
             reply: rtx,
-        }))
-        .expect("send");
+        }));
         let server = ControlServer {
             path: PathBuf::from("/nonexistent/hyptrace-test"),
             id: (0, 0),
             stop: Arc::new(AtomicBool::new(true)),
-            rx,
+            jobs,
             waker: Arc::new(Mutex::new(None)),
             thread: None,
         };

@@ -1,12 +1,14 @@
 //! `--host-trace EVENTS`: the host kernel's own ftrace events (sched_switch, irq...)
-//! recorded through tracefs in a private instance `instances/hyptrace-PID`, on the
+//! recorded through tracefs in a private instance `instances/hyptrace-NS-PID-START`, on the
 //! instance's `x86-tsc` trace clock (the guest's TSC domain: docs/design.md "Host
 //! kernel events"), read from `per_cpu/cpuN/trace_pipe_raw` by one host thread and
 //! handed to the session as extra CPUs of the output.
 //!
-//! Invariant H1 (docs/design.md): no `hyptrace-PID` instance outlives its run. Ours is
-//! removed when [`HostTrace`] is dropped (normal end, Ctrl-C, an error); one left by a
-//! killed VMM is removed by the next [`HostTrace::prepare`] once its PID is dead.
+//! Invariant H1 (docs/design.md): a run uses and removes only the instance it made
+//! (named after its maker, [`instance`]); it is removed when [`HostTrace`] is dropped
+//! (normal end, Ctrl-C, an error); one left by a killed VMM is removed by a later
+//! [`HostTrace::prepare`] once its name proves its maker dead. The pid filter names the
+//! vCPU threads by the kernel's ids, or the run is refused ([`procfs::kernel_ids`]).
 //!
 //! Invariant H2: host kernel event ids are renumbered into
 //! [`hyptrace_abi::registry::FIRST_HOST_KERNEL_ID`].. (a range no guest event gets),
@@ -29,6 +31,11 @@ use hyptrace_abi::registry::{FIRST_HOST_KERNEL_ID, FIRST_VMM_ID};
 use hyptrace_output::format::{glob, HeaderPage};
 use hyptrace_output::EventFormat;
 
+pub mod instance;
+pub mod procfs;
+
+use instance::Instance;
+
 /// Where tracefs is mounted.
 pub const TRACEFS: &str = "/sys/kernel/tracing";
 /// Environment variable naming another tracefs mount (tests point it at a directory
@@ -39,7 +46,7 @@ pub const TRACEFS_ENV: &str = "HYPTRACE_TRACEFS";
 pub fn tracefs_root() -> PathBuf {
     std::env::var_os(TRACEFS_ENV).map_or_else(|| PathBuf::from(TRACEFS), PathBuf::from)
 }
-/// Prefix of our instances' names (`hyptrace-PID`).
+/// Prefix of our instances' names (`hyptrace-NS-PID-START`, [`instance::Maker`]).
 pub const INSTANCE_PREFIX: &str = "hyptrace-";
 /// Per-CPU buffer of the instance, KiB (the kernel allocates it).
 pub const BUFFER_KB: u32 = 4096;
@@ -66,6 +73,16 @@ pub enum HostTraceError {
     /// tracefs is not there.
     #[error("--host-trace: tracefs is not mounted at {0} (mount -t tracefs nodev {0})")]
     NotMounted(PathBuf),
+    /// tracefs is there, but this user may not search or write it (EACCES/EPERM: a
+    /// tracefs directory is root's, mode 0700).
+    #[error("--host-trace: permission denied on {path} (run as root)", path = .path.display())]
+    PermissionDenied {
+        /// The directory refused.
+        path: PathBuf,
+        /// The refusal.
+        #[source]
+        source: std::io::Error,
+    },
     /// A tracefs file could not be read or written (permissions: run as root).
     #[error("--host-trace: {path}", path = .path.display())]
     Io {
@@ -104,6 +121,13 @@ pub enum HostTraceError {
     /// The reader thread could not be started.
     #[error("--host-trace: reader thread")]
     Thread(#[source] std::io::Error),
+    /// An instance of this run's name exists, not made by this run (H1: left alone).
+    #[error("--host-trace: {path} exists and this run did not make it: left alone", path = .0.display())]
+    Exists(PathBuf),
+    /// The vCPU threads' kernel ids are not known (a pid namespace): the filter would
+    /// name no thread.
+    #[error("--host-trace: {0}; the instance's pid filter takes the kernel's ids (run outside the pid namespace or with the host's /proc, or use --host-trace-all)")]
+    PidNamespace(String),
 }
 
 impl HostTraceError {
@@ -126,7 +150,7 @@ const MAX_TEXT: usize = 1 << 20;
 /// Reads a tracefs text file with large reads: some (`events/header_page`) answer a
 /// read at a nonzero offset with nothing, so `read_to_string`'s small first probe read
 /// would cut them short.
-fn read_text(path: &Path) -> Result<String, HostTraceError> {
+pub(crate) fn read_text(path: &Path) -> Result<String, HostTraceError> {
     let mut f = File::open(path).map_err(io_err(path))?;
     let mut out = Vec::new();
     let mut buf = vec![0u8; 64 << 10];
@@ -172,85 +196,10 @@ impl HostTraceSpec {
 }
 
 /// Whether `pat` selects event `sys:name`.
-fn selects(pat: &str, sys: &str, name: &str) -> bool {
+pub(crate) fn selects(pat: &str, sys: &str, name: &str) -> bool {
     match pat.split_once(':') {
         Some((s, e)) => glob(s, sys) && glob(if e.is_empty() { "*" } else { e }, name),
         None => glob(pat, sys) || glob(pat, name),
-    }
-}
-
-/// Whether process `pid` exists (signal 0: ESRCH means it does not).
-fn alive(pid: i32) -> bool {
-    // SAFETY: kill with signal 0 sends nothing; it only checks the process exists.
-    let r = unsafe { libc::kill(pid, 0) };
-    r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
-}
-
-/// Removes the `hyptrace-PID` instances whose PID is dead (H1: a VMM killed by
-/// SIGKILL). Instances of live processes are left alone. Returns how many went.
-pub fn remove_stale(root: &Path) -> usize {
-    let Ok(dir) = std::fs::read_dir(root.join("instances")) else {
-        return 0;
-    };
-    let mut n = 0;
-    for e in dir.flatten() {
-        let name = e.file_name();
-        let Some(pid) = name
-            .to_str()
-            .and_then(|s| s.strip_prefix(INSTANCE_PREFIX))
-            .and_then(|p| p.parse::<i32>().ok())
-        else {
-            continue;
-        };
-        if pid <= 0 || pid == std::process::id() as i32 || alive(pid) {
-            continue;
-        }
-        match std::fs::remove_dir(e.path()) {
-            Ok(()) => {
-                log::info!("host trace: removed the instance of dead process {pid}");
-                n += 1;
-            }
-            Err(err) => log::warn!("host trace: cannot remove {}: {err}", e.path().display()),
-        }
-    }
-    n
-}
-
-/// Our tracefs instance; removed on drop (H1).
-#[derive(Debug)]
-struct Instance {
-    dir: PathBuf,
-}
-
-impl Instance {
-    fn create(root: &Path) -> Result<Self, HostTraceError> {
-        if !root.join("instances").is_dir() {
-            return Err(HostTraceError::NotMounted(root.to_path_buf()));
-        }
-        remove_stale(root);
-        let dir = root
-            .join("instances")
-            .join(format!("{INSTANCE_PREFIX}{}", std::process::id()));
-        if dir.exists() {
-            // Ours from before (same PID): not in use by anyone alive but us.
-            let _ = std::fs::remove_dir(&dir);
-        }
-        std::fs::create_dir(&dir).map_err(io_err(&dir))?;
-        Ok(Self { dir })
-    }
-
-    fn path(&self, rel: &str) -> PathBuf {
-        self.dir.join(rel)
-    }
-}
-
-impl Drop for Instance {
-    fn drop(&mut self) {
-        let _ = std::fs::write(self.path("tracing_on"), "0");
-        match std::fs::remove_dir(&self.dir) {
-            Ok(()) => log::debug!("host trace: removed {}", self.dir.display()),
-            Err(e) => log::warn!("host trace: cannot remove {}: {e}", self.dir.display()),
-        }
     }
 }
 
@@ -272,6 +221,11 @@ impl HostTrace {
     /// the `x86-tsc` clock and reads the formats of the events `spec` selects. Nothing
     /// is recorded yet.
     pub fn prepare(root: &Path, spec: &HostTraceSpec) -> Result<Self, HostTraceError> {
+        // H1: the filter must name the vCPU threads as the kernel does, or it names
+        // nobody and the run records no host event.
+        if !spec.all {
+            procfs::kernel_ids().map_err(HostTraceError::PidNamespace)?;
+        }
         let instance = Instance::create(root)?;
         let clocks = read_text(&instance.path("trace_clock"))?;
         if !clocks
@@ -344,11 +298,12 @@ impl HostTrace {
             vcpu_tids(vcpus, TID_WAIT)
         };
         if !self.all {
-            // No vCPU thread left (a run that ended at once): our own pid, so that the
-            // filter still excludes every other task.
+            // No vCPU thread left (a run that ended at once): our own pid (the kernel's
+            // id: /proc's, H1), so that the filter still excludes every other task.
             let mut list: Vec<String> = tids.iter().map(|(_, t)| t.to_string()).collect();
             if list.is_empty() {
-                list.push(std::process::id().to_string());
+                let me = procfs::self_pid().map_err(io_err(Path::new("/proc/self")))?;
+                list.push(me.to_string());
             }
             log::debug!("host trace: vCPU threads {tids:?}");
             write_text(&self.instance.path("set_event_pid"), &list.join(" "))?;
@@ -446,6 +401,8 @@ fn select_events(
 
 /// The tids of this process's threads named `vcpu0`..`vcpu{n-1}` (std names a thread
 /// from inside it, so this waits up to `wait` for all of them), with their vCPU number.
+/// The ids are /proc's (the first of each thread's `NSpid`): the kernel's own when
+/// [`procfs::kernel_ids`] says so.
 pub fn vcpu_tids(n: u32, wait: Duration) -> Vec<(u32, i32)> {
     let until = Instant::now() + wait;
     loop {

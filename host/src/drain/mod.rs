@@ -4,6 +4,7 @@
 
 pub mod clock;
 pub mod host_trace;
+pub mod outbox;
 pub mod priority;
 pub mod session;
 pub mod signals;

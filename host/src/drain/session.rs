@@ -17,7 +17,10 @@ use hyptrace_reader::postmortem::Position;
 use hyptrace_reader::{Callbacks, CpuStats, Item, ReadError, RingBuffer};
 
 use crate::drain::host_trace::{Fed, FinalRead, HostTraceFeed, FINAL_READ_POLL};
+use crate::drain::outbox::Outbox;
 use crate::vmm::guest_mem::GuestTraceMem;
+
+mod subscribe;
 
 /// How long the host waits, by default (`--mailbox-timeout-ms`), for the guest writer to
 /// answer a mailbox request before it reports a stuck writer. The host cores are shared by every vCPU, the reader and
@@ -104,6 +107,9 @@ impl Output {
 struct CpuRun {
     /// The final walk has run (or was attempted): nothing more is read.
     ended: bool,
+    /// The final walk has started (the reader is in its read-only walk); with a
+    /// subscriber it goes on over several rounds, as the subscriber takes the pieces.
+    walking: bool,
     /// A live read failed: no more polls; the final walk runs once its vCPU stopped.
     failed: bool,
     /// The last drain round stopped at its bound: more may be committed.
@@ -119,6 +125,9 @@ struct CpuRun {
     rate: f64,
     /// When the last poke (update_footers) was asked for.
     poked: Option<Instant>,
+    /// Since when a mailbox request of this CPU is in flight, as [`Session::next_wait`]
+    /// saw it.
+    requested: Option<Instant>,
 }
 
 /// Drains a VM's rings while it runs and after it stopped.
@@ -161,6 +170,14 @@ pub struct Session<M = Arc<GuestTraceMem>, C = Box<dyn Callbacks + Send>> {
     printed: Vec<u64>,
     /// P2: where positions are recorded, before and after every flush.
     recorder: Option<Recorder>,
+    /// C1: what the reader read for a subscriber and nobody took yet; the own output
+    /// takes its front first once nobody subscribes.
+    outbox: Outbox,
+    /// A subscriber holds the claim (C1): reading goes into `outbox`, in partial pieces
+    /// (`Some(true)`: the writer's page as far as it is committed) or whole pages.
+    subscriber: Option<bool>,
+    /// A page-sized buffer for the pieces the own output takes from `outbox`.
+    scratch: Vec<u8>,
 }
 
 /// Records a CPU's position (P2): the trace memory file's `record`.
@@ -344,6 +361,9 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
             deferred_output: None,
             printed,
             recorder: None,
+            outbox: Outbox::new(n),
+            subscriber: None,
+            scratch: Vec::new(),
         }
     }
 
@@ -613,37 +633,8 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
         &self.reader
     }
 
-    /// A swap for an external consumer (`get_reader` on the control socket): see
-    /// [`RingBuffer::swap_external`]. Only with `--drain none` (this session does not
-    /// consume while the vCPU runs), never once the CPU's final walk began.
-    pub fn swap_external(&mut self, cpu: u32) -> Result<Option<(u32, u64)>, ReadError> {
-        match self.cpus.get(cpu as usize) {
-            Some(st) if !st.ended && !self.live_drain => self.reader.swap_external(cpu),
-            _ => Ok(None),
-        }
-    }
-
-    /// A detaching consumer's position on `cpu` (C1): see
-    /// [`RingBuffer::consumed_externally`]. Only with `--drain none`, before the CPU's
-    /// final walk.
-    pub fn consumed_externally(
-        &mut self,
-        cpu: u32,
-        page: u32,
-        consumed: u64,
-        expected: u64,
-    ) -> Result<u64, ReadError> {
-        match self.cpus.get(cpu as usize) {
-            Some(st) if !st.ended && !self.live_drain => self
-                .reader
-                .consumed_externally(cpu, page, consumed, expected),
-            _ => Err(ReadError::BadCpu(cpu)),
-        }
-    }
-
-    /// Marks `cpu` ended (no more live rounds) for its one final walk: `false` if there
-    /// is no such CPU or it ended already ([`Session::end_cpu`] and
-    /// [`Session::end_cpu_delivered`] run once per CPU, whichever comes first).
+    /// Marks `cpu` ended: nothing more is read or output of it; `false` if there is no
+    /// such CPU or it ended already.
     fn mark_ended(&mut self, cpu: u32) -> bool {
         match self.cpus.get_mut(cpu as usize) {
             Some(st) if !st.ended => {
@@ -652,56 +643,6 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
                 true
             }
             _ => false,
-        }
-    }
-
-    /// C4: the writer of `cpu` stopped and an attached consumer delivered everything
-    /// left (its own final walk): this session walks the rest too, read-only, to count
-    /// it exactly (read, lost, trailing drops), and writes none of it — nothing is
-    /// output twice. Runs once per CPU, as [`Session::end_cpu`].
-    pub fn end_cpu_delivered(&mut self, cpu: u32) -> Result<(), SessionError> {
-        if !self.mark_ended(cpu) {
-            return Ok(());
-        }
-        log::debug!("cpu {cpu}: the consumer delivered the rest: counted, not written");
-        let l = *self.reader.layout();
-        // Bounded: the walk's items are at most the records of the CPU's pages.
-        let bound = u64::from(l.pages_per_cpu).saturating_mul(l.page_size as u64);
-        let mut r: Result<(), ReadError> = self
-            .reader
-            .sync_writer_counters(cpu)
-            .and_then(|_| self.reader.finalize(cpu));
-        let mut n = 0u64;
-        while r.is_ok() && n <= bound {
-            match self.reader.next_event(cpu) {
-                Ok(Some(_)) => n += 1,
-                Ok(None) => break,
-                Err(e) => r = Err(e),
-            }
-        }
-        self.reader.take_trailing_loss(cpu);
-        if let Output::Text { merger, .. } = &mut self.output {
-            merger.finish(cpu as usize);
-        }
-        let r = r.map_err(SessionError::from);
-        if let Err(e) = &r {
-            self.fail_cpu(cpu, e);
-        }
-        r
-    }
-
-    /// Stops reading before the CPUs ended (live attach without `--follow`, or
-    /// interrupted): marks every CPU finished in the text merger so that the next
-    /// [`Session::flush`] releases every line it holds. Nothing is read after it.
-    pub fn stop_reading(&mut self) {
-        for st in &mut self.cpus {
-            st.ended = true;
-            st.more = false;
-        }
-        if let Output::Text { merger, .. } = &mut self.output {
-            for c in 0..merger.nr_cpus() {
-                merger.finish(c);
-            }
         }
     }
 
@@ -733,7 +674,8 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
     /// a writer writes and its ring is at least half full; in between, a [`POLLS_PER_FILL`]th of the time
     /// the free part of the fullest ring would take to fill at its writer's recent
     /// rate; `0` when a round stopped at its bound ([`Session::backlog`]); at most
-    /// [`REQUEST_POLL`] while a mailbox request is in flight. The guest's counters are
+    /// [`REQUEST_POLL`] while a mailbox request is in flight, or a quarter of the time it
+    /// has been (a vCPU off its core answers late: polling it often only takes the core). The guest's counters are
     /// only a hint here: hostile values can make the loop poll at most every
     /// [`MIN_POLL`] (each round is bounded), nothing else. With `--drain none` no ring
     /// is read while the guest runs, so however fast a writer fills it, the loop waits
@@ -747,7 +689,7 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
         if self.backlog() {
             return Duration::ZERO;
         }
-        if !self.live_drain {
+        if !self.reads_live() {
             self.fill_time = None;
             return idle.max(MIN_POLL);
         }
@@ -760,17 +702,34 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
             if st.ended || st.failed {
                 continue;
             }
-            if self.reader.request_in_flight(cpu) {
-                wait = wait.min(REQUEST_POLL);
-            }
+            let st = &mut self.cpus[cpu as usize];
+            let in_flight = if self.reader.request_in_flight(cpu) {
+                // Due within microseconds while the writer runs; one unanswered for
+                // longer means its vCPU is off its core (or holds its mailbox while it
+                // catches up): asking every 50 µs would keep a vCPU that shares the
+                // reader's core from answering. A quarter of the time it has waited.
+                let since = *st.requested.get_or_insert(now);
+                let backoff = now.saturating_duration_since(since) / 4;
+                wait = wait.min(REQUEST_POLL.max(backoff));
+                true
+            } else {
+                st.requested = None;
+                false
+            };
             // Relaxed: a hint for the poll period only (the writer stores it Relaxed
             // after each commit); nothing is read on the strength of it.
             let written = self.reader.mem().load(
                 l.ctl(cpu) + ctl::BYTES,
                 std::sync::atomic::Ordering::Relaxed,
             );
-            let unread = written
-                .saturating_sub(self.reader.stats(cpu).bytes)
+            // What the ring holds unread: the pages the writer moved onto since the
+            // reader's page (by their `page_seq`; not the byte counters, whose difference
+            // also holds what the writer overwrote before the reader got to it: after one
+            // lap it would say "full" for ever).
+            let unread = self
+                .reader
+                .pages_behind(cpu)
+                .saturating_mul(l.data_capacity() as u64)
                 .min(cap);
             let st = &mut self.cpus[cpu as usize];
             if let Some((at, before)) = st.fill {
@@ -788,9 +747,10 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
                 }
             }
             st.fill = Some((now, written));
-            // A writer that stopped writing fills nothing, however full its ring (in
-            // overwrite mode the bytes it overwrote are never read: `unread` stays high).
-            if st.rate < 1.0 {
+            // A writer that stopped writing fills nothing, however full its ring; nor is
+            // anything read of a ring whose swap waits for its writer's answer (polled
+            // as above), however full it is.
+            if st.rate < 1.0 || in_flight {
                 continue;
             }
             let whole = cap as f64 / st.rate;
@@ -843,7 +803,8 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
     /// writer), then a poke (update_footers) if the last one is [`POKE_EVERY`] old.
     pub fn poll(&mut self, cpu: u32) -> Result<(), SessionError> {
         match self.cpus.get(cpu as usize) {
-            Some(st) if !st.ended && !st.failed => {}
+            // A CPU in its final walk is read by the walk only (its writer stopped).
+            Some(st) if !st.ended && !st.failed && !st.walking => {}
             _ => return Ok(()),
         }
         let before = log::log_enabled!(log::Level::Debug).then(|| self.reader.stats(cpu));
@@ -924,19 +885,33 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
 
     /// [`Session::end_cpu`], its walk cut short between rounds once `abort()` holds
     /// (a second Ctrl-C: the output is dropped anyway, so reading on is wasted time).
+    /// With a subscriber (C1) the walk goes into the outbox as far as it takes pieces,
+    /// then the CPU's end: the CPU ends when the subscriber acknowledges that
+    /// ([`Session::ack`]), or — should it leave first — when this session's own output
+    /// took the rest ([`Session::end_cpu`] again, after it left).
     pub fn end_cpu_unless(
         &mut self,
         cpu: u32,
         abort: &dyn Fn() -> bool,
     ) -> Result<(), SessionError> {
-        if !self.mark_ended(cpu) {
+        if !self.is_live(cpu) || (self.subscriber.is_some() && self.outbox.ended(cpu)) {
             return Ok(());
         }
-        let mut r = self.final_walk(cpu, abort);
+        let mut r = match self.final_walk(cpu, abort) {
+            // The subscriber has pieces to take first.
+            Ok(false) => return Ok(()),
+            Ok(true) => Ok(()),
+            Err(e) => Err(e),
+        };
         let trailing = self.reader.take_trailing_loss(cpu);
         let st = &mut self.cpus[cpu as usize];
         let lost = std::mem::take(&mut st.pending_lost).saturating_add(trailing);
-        let ns = st.last_ns;
+        if self.subscriber.is_some() && r.is_ok() {
+            self.outbox.end(cpu, lost);
+            return Ok(());
+        }
+        self.mark_ended(cpu);
+        let ns = self.cpus[cpu as usize].last_ns;
         match &mut self.output {
             Output::Text { merger, .. } => {
                 if lost > 0 {
@@ -958,10 +933,15 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
         r
     }
 
-    fn final_walk(&mut self, cpu: u32, abort: &dyn Fn() -> bool) -> Result<(), SessionError> {
-        log::debug!("cpu {cpu}: final read-only walk");
-        self.reader.sync_writer_counters(cpu)?;
-        self.reader.finalize(cpu)?;
+    /// The read-only walk of what is left of `cpu` (started once: the writer stopped),
+    /// in bounded rounds with the output flushed between them. Returns whether it is
+    /// complete: not while a subscriber has the outbox full (it takes pieces first).
+    fn final_walk(&mut self, cpu: u32, abort: &dyn Fn() -> bool) -> Result<bool, SessionError> {
+        if !std::mem::replace(&mut self.cpus[cpu as usize].walking, true) {
+            log::debug!("cpu {cpu}: final read-only walk");
+            self.reader.sync_writer_counters(cpu)?;
+            self.reader.finalize(cpu)?;
+        }
         // Bounded: the walk covers the pages left in the ring, each round consumes at
         // least one item of them or ends the walk.
         while !abort() && self.drain(cpu)? {
@@ -969,7 +949,10 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
             // error is kept and reported by the caller's own flush.
             let _ = self.flush();
         }
-        Ok(())
+        // (Seeded bug `end_too_early`, docs/fuzzing.md: the walk ends while it waits.)
+        Ok(self.subscriber.is_none()
+            || !self.outbox.full(cpu)
+            || hyptrace_reader::seeded::on("end_too_early"))
     }
 
     /// The run is aborted: the page sink stops writing at once (what it queued is
@@ -1014,7 +997,7 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
             let had_error = st.error.is_some();
             let r = if vcpu_stopped(cpu) {
                 self.end_cpu(cpu)
-            } else if st.failed || !self.live_drain {
+            } else if st.failed || !self.reads_live() {
                 continue;
             } else {
                 match self.poll(cpu) {
@@ -1061,7 +1044,7 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
     /// mailbox timeout: that one the drain loop meets again at its next poll, where it
     /// can tell a stopped vCPU from a stuck writer. Returns the rounds it drained.
     pub fn relieve(&mut self, budget: Duration) -> u64 {
-        if !self.live_drain {
+        if !self.reads_live() {
             return 0;
         }
         let started = Instant::now();
@@ -1097,6 +1080,11 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
     /// One bounded round of reading `cpu` into the output: returns whether it stopped
     /// at a bound (more may be there) rather than because nothing more is committed.
     fn drain(&mut self, cpu: u32) -> Result<bool, SessionError> {
+        if let Some(partial) = self.subscriber {
+            return self.drain_pieces(cpu, partial);
+        }
+        // C1: what a subscriber left goes out first, in order.
+        self.output_outbox(cpu)?;
         drain_ring(
             &mut self.reader,
             cpu,
@@ -1272,21 +1260,7 @@ fn drain_ring<M: SharedMem, C: Callbacks>(
                 };
                 match item {
                     Item::Event { ts, payload } => {
-                        // Merged by the time a line shows, as trace-cmd orders a
-                        // trace.dat's events: events of two CPUs in the same
-                        // nanosecond go lower CPU first, whatever their raw order.
-                        let ns = clock.to_ns(ts);
-                        if st.pending_lost > 0 {
-                            merger.push(
-                                cpu as usize,
-                                ns,
-                                Merged::Lost(std::mem::take(&mut st.pending_lost)),
-                            );
-                        }
-                        st.last_ns = ns;
-                        fifo.extend(payload);
-                        let n = payload.len();
-                        merger.push_sized(cpu as usize, ns, Merged::Event(n), n);
+                        merge_event(merger, fifo, st, cpu, clock.to_ns(ts), payload);
                     }
                     Item::Lost(n) => st.pending_lost = st.pending_lost.saturating_add(n),
                 }
@@ -1306,6 +1280,28 @@ fn drain_ring<M: SharedMem, C: Callbacks>(
             hyptrace_embed::DrainError::Sink(e) => SessionError::Sink(e),
         }),
     }
+}
+
+/// Queues an event of `cpu` at `ns` in the text merger (its payload in `fifo`), after
+/// the losses found before it. Merged by the time a line shows, as trace-cmd orders a
+/// trace.dat's events: events of two CPUs in the same nanosecond go lower CPU first,
+/// whatever their raw order.
+fn merge_event(
+    merger: &mut Merger<usize>,
+    fifo: &mut std::collections::VecDeque<u8>,
+    st: &mut CpuRun,
+    cpu: u32,
+    ns: u64,
+    payload: &[u8],
+) {
+    if st.pending_lost > 0 {
+        let lost = std::mem::take(&mut st.pending_lost);
+        merger.push(cpu as usize, ns, Merged::Lost(lost));
+    }
+    st.last_ns = ns;
+    fifo.extend(payload);
+    let n = payload.len();
+    merger.push_sized(cpu as usize, ns, Merged::Event(n), n);
 }
 
 /// Formats and writes the text lines of one [`Session::flush`].

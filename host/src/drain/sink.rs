@@ -118,6 +118,49 @@ pub fn check_destination(path: &Path, flag: &str) -> Result<OutputTarget, Destin
     })
 }
 
+/// `--output-mode MODE` of the commands that write files from trace data (`run`,
+/// `record`, `dump`, `convert`): the permission bits those files are created with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::Args)]
+pub struct OutputModeArg {
+    /// Permission bits (octal, 000-777) of the files written from trace data — the
+    /// output, --stats, a crash dump — less the umask. Owner-only by default (the trace
+    /// may be private); e.g. 0644 lets others read them. A device, a FIFO or stdout
+    /// keeps its own mode.
+    #[arg(
+        long = "output-mode",
+        value_name = "MODE",
+        default_value = "0600",
+        value_parser = parse_mode
+    )]
+    pub output_mode: u32,
+}
+
+impl Default for OutputModeArg {
+    fn default() -> Self {
+        Self {
+            output_mode: OutputTarget::PRIVATE,
+        }
+    }
+}
+
+impl OutputModeArg {
+    /// [`check_destination`], the file to be created with this mode.
+    pub fn check(&self, path: &Path, flag: &str) -> Result<OutputTarget, DestinationError> {
+        check_destination(path, flag).map(|t| t.with_mode(self.output_mode))
+    }
+}
+
+/// Parses `--output-mode`: 3 or 4 octal digits (`644`, `0644`), permission bits only
+/// (no set-id or sticky bit).
+pub fn parse_mode(s: &str) -> Result<u32, String> {
+    let digits = s.strip_prefix("0o").unwrap_or(s);
+    let ok = (3..=4).contains(&digits.len()) && digits.bytes().all(|b| (b'0'..=b'7').contains(&b));
+    match u32::from_str_radix(digits, 8) {
+        Ok(m) if ok && m <= 0o777 => Ok(m),
+        _ => Err("expected octal permission bits 000-777, e.g. 0600 or 0644".into()),
+    }
+}
+
 /// Writes `text` to a checked destination (temporary file renamed, or in place).
 pub fn write_destination(target: &OutputTarget, text: &str) -> Result<(), OutputError> {
     let mut f = target.open()?;
@@ -131,41 +174,71 @@ pub fn write_destination(target: &OutputTarget, text: &str) -> Result<(), Output
 
 /// `format`, else the format the extension of `output` (named by `flag`) names: a
 /// path without an extension (`-`, a device, `trace`) is a trace.dat; an extension
-/// that names no format is refused (exit 2), never guessed.
+/// that names no format is refused (exit 2), never guessed. An explicit `format` the
+/// extension disagrees with (`--format json -o t.dat`) is obeyed, with a warning on
+/// stderr ([`extension_disagrees`]).
 pub fn format_for(
     format: Option<FormatArg>,
     output: &Path,
     flag: &str,
 ) -> Result<FormatArg, DestinationError> {
     if let Some(f) = format {
+        if let Some(w) = extension_disagrees(f, output, flag) {
+            note!("hyptrace: warning: {w}");
+        }
         return Ok(f);
     }
     let Some(ext) = output.extension() else {
         return Ok(FormatArg::Dat);
     };
     let ext = ext.to_string_lossy();
-    Ok(match ext.to_ascii_lowercase().as_str() {
+    format_of_extension(&ext).ok_or_else(|| DestinationError {
+        path: output.to_path_buf(),
+        flag: flag.to_string(),
+        source: DestinationProblem::UnknownExtension(ext.into_owned()),
+    })
+}
+
+/// The format an extension names (case-insensitive), if it names one.
+fn format_of_extension(ext: &str) -> Option<FormatArg> {
+    Some(match ext.to_ascii_lowercase().as_str() {
         "dat" => FormatArg::Dat,
         "json" => FormatArg::Json,
         "txt" | "text" => FormatArg::Text,
         "raw" => FormatArg::Raw,
         "pftrace" | "perfetto-trace" | "perfetto" => FormatArg::Perfetto,
-        _ => {
-            return Err(DestinationError {
-                path: output.to_path_buf(),
-                flag: flag.to_string(),
-                source: DestinationProblem::UnknownExtension(ext.into_owned()),
-            })
-        }
+        _ => return None,
     })
 }
 
-/// A path for messages; `-` is stdout.
+/// Why `output`'s extension disagrees with the explicit `format`, if it names another
+/// format (`.dat` agrees with `dat` and `dat6`; no extension, or one naming no format,
+/// agrees with any).
+pub fn extension_disagrees(format: FormatArg, output: &Path, flag: &str) -> Option<String> {
+    let ext = output.extension()?.to_string_lossy();
+    let named = format_of_extension(&ext)?;
+    let agree = named == format || (named == FormatArg::Dat && format == FormatArg::Dat6);
+    let name = |f: FormatArg| f.to_possible_value().map(|v| v.get_name().to_string());
+    (!agree).then(|| {
+        format!(
+            "{} ({flag}) is written as --format {}, though `.{}` names --format {}",
+            shown_path(output),
+            name(format).unwrap_or_default(),
+            crate::exit::printable(&ext),
+            name(named).unwrap_or_default(),
+        )
+    })
+}
+
+/// A path for messages ([`crate::exit::printable`]); `-` is stdout.
 pub fn shown_path(p: &Path) -> Cow<'_, str> {
     if p.as_os_str() == "-" {
         Cow::Borrowed("stdout")
     } else {
-        p.to_string_lossy()
+        match p.to_string_lossy() {
+            Cow::Borrowed(s) => crate::exit::printable(s),
+            Cow::Owned(s) => Cow::Owned(crate::exit::printable(&s).into_owned()),
+        }
     }
 }
 
@@ -248,6 +321,41 @@ mod tests {
             format_for(raw, Path::new("x.zzz"), "-o").expect("raw"),
             FormatArg::Raw
         );
+        // An explicit format the extension disagrees with: obeyed, warned.
+        let warn = |f, p: &str| extension_disagrees(f, Path::new(p), "-o");
+        assert_eq!(
+            warn(FormatArg::Json, "t.dat").as_deref(),
+            Some("t.dat (-o) is written as --format json, though `.dat` names --format dat")
+        );
+        assert!(warn(FormatArg::Dat, "t.JSON").is_some());
+        for (f, p) in [
+            (FormatArg::Dat6, "t.dat"),
+            (FormatArg::Json, "t.json"),
+            (FormatArg::Text, "t.txt"),
+            (FormatArg::Raw, "t.zzz"),
+            (FormatArg::Perfetto, "-"),
+        ] {
+            assert_eq!(warn(f, p), None, "{p}");
+        }
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn output_modes() {
+        assert_eq!(parse_mode("0600"), Ok(0o600));
+        assert_eq!(parse_mode("644"), Ok(0o644));
+        assert_eq!(parse_mode("0o640"), Ok(0o640));
+        for bad in [
+            "", "6", "64", "4755", "1777", "0x644", "0888", "u+r", "00644",
+        ] {
+            assert!(parse_mode(bad).is_err(), "{bad}");
+        }
+        let dir = std::env::temp_dir();
+        let t = OutputModeArg { output_mode: 0o644 }
+            .check(&dir.join("x.dat"), "-o")
+            .expect("check");
+        assert_eq!(t.mode(), 0o644);
+        let t = check_destination(&dir.join("x.dat"), "-o").expect("check");
+        assert_eq!(t.mode(), OutputTarget::PRIVATE);
     }
 }

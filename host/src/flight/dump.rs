@@ -60,6 +60,9 @@ pub struct DumpArgs {
     /// Output format [default: from the extension, as `record`].
     #[arg(long, value_enum)]
     pub format: Option<FormatArg>,
+    /// `--output-mode` of the output file.
+    #[command(flatten)]
+    pub files: crate::drain::sink::OutputModeArg,
 }
 
 /// Why a dump failed.
@@ -416,7 +419,7 @@ pub fn dump_trace_mem(
 /// stderr; 2: the file is unusable; 1: the output failed).
 pub fn dump(a: &DumpArgs) -> Result<i32, DumpCmdError> {
     let format = crate::drain::sink::format_for(a.format, &a.output, "-o")?;
-    let target = crate::drain::sink::check_destination(&a.output, "-o")?;
+    let target = a.files.check(&a.output, "-o")?;
     let started = std::time::Instant::now();
     let Some(trace_mem) = &a.trace_mem else {
         return match &a.attach {
@@ -531,27 +534,21 @@ fn dump_attach(
     });
     for (cpu, c) in r.cpus.iter().enumerate() {
         note!(
-            "hyptrace: attach: cpu {cpu}: {} events read, {} lost",
+            "hyptrace: attach: cpu {cpu}: {} events received, {} lost",
             c.0,
             c.1
         );
-        if let Some(Some(m)) = r.metas.get(cpu) {
-            note!(
-                "hyptrace: attach: cpu {cpu} meta page: reader {} lost_events {} entries {} overrun {} read {} lost {} pages_touched {}",
-                m.reader_id, m.lost_events, m.entries, m.overrun, m.read, m.lost_total, m.pages_touched
-            );
-        }
     }
     note!(
-        "hyptrace: attach: {ev} events ({lost} lost) written to {} in {:.1} ms, {} swaps; {}",
+        "hyptrace: attach: {ev} events ({lost} lost) written to {} in {:.1} ms, {} fetches; {}",
         crate::drain::sink::shown_path(out_path),
         started.elapsed().as_secs_f64() * 1e3,
-        r.swaps,
+        r.fetches,
         r.ended
     );
     // A CPU whose reading stopped for an error: its output is not complete.
     for (cpu, e) in &r.errors {
-        note!("hyptrace: attach: error: cpu {cpu}: reading stopped: {e}");
+        note!("hyptrace: attach: error: cpu {cpu}: {e}");
     }
     Ok(if r.errors.is_empty() {
         EXIT_OK

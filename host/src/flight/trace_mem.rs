@@ -16,15 +16,15 @@
 //! two slots alternate and one word (`active`) says which holds the newest, so a
 //! VMM killed in the middle of an update leaves the previous one intact.
 
-use std::ffi::OsString;
+mod claim;
+
 use std::fs::{File, Metadata, OpenOptions};
 use std::io;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering::{Relaxed, Release};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use hyptrace_abi::layout::{meta, RingGeometry};
 use hyptrace_abi::{RawMem, SharedMem};
@@ -68,9 +68,15 @@ pub enum FileProblem {
         "has {0} hard links: refused (replacing it would leave the other names on the old file)"
     )]
     HardLinks(u64),
+    /// F1: only shared locks hold the file, for longer than a dump's test takes.
+    #[error("another process holds a shared lock on it: refused")]
+    SharedLock,
     /// F1: the path was replaced between this VMM's rename and its check.
     #[error("another process replaced the file while this VMM set it up")]
     Replaced,
+    /// F1: other processes kept renaming or removing the path while this VMM looked.
+    #[error("the path changed each of the {0} times this VMM looked at it: refused")]
+    Unsettled(usize),
     /// A system call failed.
     #[error("{what}")]
     Io {
@@ -169,136 +175,6 @@ fn header_pid(file: &File) -> String {
     }
 }
 
-/// F1, F3: what is at `path` may be replaced: nothing, or a regular file with one name
-/// that no VMM holds (a shared lock is granted: only a VMM holds it exclusively; a
-/// dump's brief shared test does not conflict). The path is examined with `lstat`
-/// first, so a FIFO or a device is never opened.
-fn check_replaceable(path: &Path) -> Result<(), FileProblem> {
-    let md = match std::fs::symlink_metadata(path) {
-        Ok(md) => md,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(FileProblem::io("lstat")(e)),
-    };
-    if !md.file_type().is_file() {
-        return Err(FileProblem::NotRegular(kind_name(md.file_type())));
-    }
-    let (file, md) = open_regular(path)?;
-    if md.nlink() > 1 {
-        return Err(FileProblem::HardLinks(md.nlink()));
-    }
-    if !try_flock(&file, libc::LOCK_SH).map_err(FileProblem::io("flock"))? {
-        return Err(FileProblem::Locked {
-            pid: header_pid(&file),
-        });
-    }
-    // Dropping the file closes it, which releases the shared lock.
-    Ok(())
-}
-
-/// How long a VMM waits for another hyptrace setting up a file in the same directory.
-const DIR_LOCK_WAIT: Duration = Duration::from_secs(5);
-
-/// F1: the exclusive flock of the directory that serialises "check the path, rename
-/// over it" among hyptrace processes (`None`: the directory cannot be opened for
-/// reading; the post-rename check is then the only guard).
-fn lock_dir(dir: &Path) -> Result<Option<File>, FileProblem> {
-    let d = match OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECTORY | libc::O_CLOEXEC)
-        .open(dir)
-    {
-        Ok(d) => d,
-        Err(e) => {
-            log::debug!("{}: no directory lock ({e})", dir.display());
-            return Ok(None);
-        }
-    };
-    let start = Instant::now();
-    loop {
-        match try_flock(&d, libc::LOCK_EX) {
-            Ok(true) => return Ok(Some(d)),
-            Ok(false) if start.elapsed() < DIR_LOCK_WAIT => {
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            Ok(false) => {
-                return Err(FileProblem::Io {
-                    what: "the directory stays locked by another process",
-                    source: io::ErrorKind::TimedOut.into(),
-                })
-            }
-            Err(e) => {
-                log::debug!("{}: no directory lock ({e})", dir.display());
-                return Ok(None);
-            }
-        }
-    }
-}
-
-/// F2: the name of a new file next to the path (`O_CREAT|O_EXCL`, 0600), removed on
-/// drop unless [`TempName::keep`] was called: every error path of
-/// [`TraceMemFile::create`] removes it.
-struct TempName(PathBuf);
-
-impl TempName {
-    fn create(dir: &Path, name: &std::ffi::OsStr) -> Result<(Self, File), FileProblem> {
-        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        loop {
-            let mut tmp = OsString::from(".");
-            tmp.push(name);
-            tmp.push(format!(
-                ".{}-{}.tmp",
-                std::process::id(),
-                N.fetch_add(1, Relaxed)
-            ));
-            let path = dir.join(tmp);
-            match OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-                .open(&path)
-            {
-                Ok(f) => return Ok((Self(path), f)),
-                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
-                Err(e) => return Err(FileProblem::io("cannot create a file next to it")(e)),
-            }
-        }
-    }
-
-    /// The name is no longer removed on drop (it was renamed).
-    fn keep(mut self) {
-        self.0 = PathBuf::new();
-    }
-}
-
-impl Drop for TempName {
-    fn drop(&mut self) {
-        if !self.0.as_os_str().is_empty() {
-            let _ = std::fs::remove_file(&self.0);
-        }
-    }
-}
-
-/// The directory and the name of `path` (a path without a file name is refused).
-fn split_path(path: &Path) -> Result<(PathBuf, OsString), FileProblem> {
-    let name = path
-        .file_name()
-        .ok_or(FileProblem::NotRegular("a directory"))?;
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    Ok((dir, name.to_os_string()))
-}
-
-/// F1: the path names `file` (same device and inode).
-fn names(path: &Path, file: &File) -> Result<bool, FileProblem> {
-    let at = std::fs::symlink_metadata(path).map_err(FileProblem::io("lstat after rename"))?;
-    let ours = file.metadata().map_err(FileProblem::io("fstat"))?;
-    Ok(at.dev() == ours.dev() && at.ino() == ours.ino())
-}
-
 /// The trace memory file of a running VMM: the file (mapped into guest memory by
 /// [`crate::vmm::vm::Vm::new`] through [`TraceMemFile::region_backing`]) and a shared mapping of
 /// its header. The file is held with an exclusive `flock` (F1) for as long as any of its
@@ -355,15 +231,25 @@ impl TraceMemFile {
     /// locked, sized and stamped with this pid, renamed over the path (F2) — an old file
     /// is replaced, never truncated, so a dump still reading it is undisturbed.
     pub fn create(path: &Path, ring: &RingGeometry) -> Result<Self, TraceMemError> {
+        Self::create_with(path, ring, &mut |_| {})
+    }
+
+    /// [`TraceMemFile::create`], `hook` called at the claim's steps (the tests replay
+    /// interleavings of two starters with it).
+    fn create_with(
+        path: &Path,
+        ring: &RingGeometry,
+        hook: &mut dyn FnMut(claim::Step),
+    ) -> Result<Self, TraceMemError> {
         let err = |why| TraceMemError {
             path: path.to_path_buf(),
             why,
         };
-        let (dir, name) = split_path(path).map_err(err)?;
-        // F1: hyptrace processes check and replace a path in this directory one at a time.
-        let _dir_lock = lock_dir(&dir).map_err(err)?;
-        check_replaceable(path).map_err(err)?;
-        let (tmp, file) = TempName::create(&dir, &name).map_err(err)?;
+        let (dir, name) = claim::split_path(path).map_err(err)?;
+        // A path a running VMM holds (the usual refusal) is refused before anything is
+        // made; `install` checks again, as it gives the name.
+        claim::precheck(path).map_err(err)?;
+        let (tmp, file) = claim::TempName::create(&dir, &name).map_err(err)?;
         // F1: locked before it has the name, so no one sees it unowned.
         if !try_flock(&file, libc::LOCK_EX)
             .map_err(FileProblem::io("flock"))
@@ -382,13 +268,11 @@ impl TraceMemFile {
         // The pid first, so a VMM refused by the lock can name this one (F1).
         tm.header
             .store(hdr::PID, u64::from(std::process::id()), Relaxed);
-        std::fs::rename(&tmp.0, path)
-            .map_err(FileProblem::io("rename"))
-            .map_err(err)?;
-        tmp.keep();
+        // F1-F3: the name, where nothing is or over a finished file this VMM holds.
+        claim::install(path, tmp, hook).map_err(err)?;
         // F1: the path names our inode, which we hold locked; a process that is not
         // hyptrace can still rename over it later (see the design).
-        if !names(path, &tm.file).map_err(err)? {
+        if !claim::names(path, &tm.file).map_err(err)? {
             return Err(err(FileProblem::Replaced));
         }
         Ok(tm)
@@ -562,18 +446,19 @@ impl TraceMemFile {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use hyptrace_abi::layout::Mode;
+    use std::os::unix::fs::MetadataExt;
 
-    fn dir(tag: &str) -> PathBuf {
+    pub(super) fn dir(tag: &str) -> PathBuf {
         let d = std::env::temp_dir().join(format!("hyptrace-tm-{}-{tag}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
         std::fs::create_dir_all(&d).expect("mkdir");
         d
     }
 
-    fn ring() -> RingGeometry {
+    pub(super) fn ring() -> RingGeometry {
         RingGeometry::new(2, 3, 4096, Mode::Overwrite, false).expect("ring")
     }
 
@@ -590,24 +475,24 @@ mod tests {
     fn what_may_be_replaced() {
         let d = dir("replace");
         let missing = d.join("missing");
-        assert!(check_replaceable(&missing).is_ok());
+        assert!(claim::precheck(&missing).is_ok());
         let f = d.join("f");
         std::fs::write(&f, b"old").expect("write");
-        assert!(check_replaceable(&f).is_ok());
+        assert!(claim::precheck(&f).is_ok());
         let l = d.join("link");
         std::os::unix::fs::symlink(&f, &l).expect("symlink");
         assert!(matches!(
-            check_replaceable(&l),
+            claim::precheck(&l),
             Err(FileProblem::NotRegular("a symbolic link"))
         ));
         assert!(matches!(
-            check_replaceable(&d),
+            claim::precheck(&d),
             Err(FileProblem::NotRegular("a directory"))
         ));
         let fifo = d.join("fifo");
         mkfifo(&fifo);
         assert!(matches!(
-            check_replaceable(&fifo),
+            claim::precheck(&fifo),
             Err(FileProblem::NotRegular("a FIFO"))
         ));
         // open_regular on a FIFO returns at once (O_NONBLOCK), refused by fstat.
@@ -622,7 +507,7 @@ mod tests {
         let h = d.join("hard");
         std::fs::hard_link(&f, &h).expect("link");
         assert!(matches!(
-            check_replaceable(&f),
+            claim::precheck(&f),
             Err(FileProblem::HardLinks(2))
         ));
         let _ = std::fs::remove_dir_all(&d);
@@ -640,9 +525,27 @@ mod tests {
         std::fs::write(&f, &bytes).expect("write");
         let holder = File::open(&f).expect("open");
         assert!(try_flock(&holder, libc::LOCK_SH).expect("flock"));
-        assert!(check_replaceable(&f).is_ok(), "a shared lock is no owner");
+        // A shared lock held on is refused once the wait is over (the early check
+        // leaves it to the claim); one let go while the starter waits (a dump's brief
+        // test, F6) is no owner.
+        assert!(claim::precheck(&f).is_ok());
+        let e = TraceMemFile::create(&f, &ring()).expect_err("a shared lock held on");
+        assert!(matches!(e.why, FileProblem::SharedLock), "{e}");
+        assert_eq!(std::fs::read(&f).expect("read"), bytes, "untouched");
+        let mut waited = 0;
+        let tm = TraceMemFile::create_with(&f, &ring(), &mut |step| {
+            if step == claim::Step::Waiting {
+                waited += 1;
+                assert!(try_flock(&holder, libc::LOCK_UN).expect("unlock"));
+            }
+        })
+        .expect("a shared lock let go is no owner");
+        assert!(waited > 0, "the starter waited for the shared lock");
+        drop(tm);
+        std::fs::write(&f, &bytes).expect("write");
+        let holder = File::open(&f).expect("open");
         assert!(try_flock(&holder, libc::LOCK_EX).expect("flock"));
-        match check_replaceable(&f) {
+        match claim::precheck(&f) {
             Err(e @ FileProblem::Locked { .. }) => {
                 assert!(e.to_string().contains("pid 4242"), "{e}")
             }
@@ -656,7 +559,7 @@ mod tests {
         let _ = std::fs::remove_dir_all(&d);
     }
 
-    fn entries(d: &Path) -> Vec<String> {
+    pub(super) fn entries(d: &Path) -> Vec<String> {
         let mut v: Vec<String> = std::fs::read_dir(d)
             .expect("readdir")
             .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
@@ -705,7 +608,7 @@ mod tests {
     fn failed_create_leaves_nothing() {
         let d = dir("fail");
         assert!(matches!(
-            split_path(Path::new("/")),
+            claim::split_path(Path::new("/")),
             Err(FileProblem::NotRegular(_))
         ));
         let sub = d.join("sub");
@@ -715,7 +618,7 @@ mod tests {
             matches!(e.why, FileProblem::NotRegular("a directory")),
             "{e}"
         );
-        let (t, _f) = TempName::create(&d, std::ffi::OsStr::new("x")).expect("tmp");
+        let (t, _f) = claim::TempName::create(&d, std::ffi::OsStr::new("x")).expect("tmp");
         let p = t.0.clone();
         assert!(p.exists());
         drop(t);

@@ -7,7 +7,8 @@
 //! Both stream: a trace.dat is read a page (or a compression chunk) per CPU at a time, a
 //! raw stream a page per CPU at a time; memory does not grow with the file.
 
-use std::collections::BTreeSet;
+use std::cmp::Reverse;
+use std::collections::{BTreeSet, BinaryHeap};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
@@ -16,7 +17,7 @@ use hyptrace_output::{
     ReportFilter, RunSummary, TextSink, TraceFile, TraceMeta,
 };
 
-use crate::drain::sink::{check_destination, format_for, FormatArg};
+use crate::drain::sink::{format_for, FormatArg};
 use crate::pipeline::options::{ConvertArgs, ReportArgs};
 
 /// What a trace file is.
@@ -168,7 +169,8 @@ fn open_dat(at: &Path, path: &Path) -> Result<(TraceFile, usize), ConvertError> 
 
 /// The one-line warning of a damaged part of `path`.
 fn warn_damage(path: &Path, d: &hyptrace_output::tracedat::Damage) {
-    note!("hyptrace: warning: {}: damaged: {d}", path.display());
+    let line = format!("{}: damaged: {d}", path.display());
+    note!("hyptrace: warning: {}", crate::exit::printable(&line));
 }
 
 /// Opens the input `path` (`-`: stdin), told apart by its magic.
@@ -451,37 +453,36 @@ fn meta_of(f: &TraceFile) -> TraceMeta {
     }
 }
 
-/// Feeds every page of `f` into `sink`, the CPUs' pages merged by page time (each
-/// CPU's in file order; memory: one page per CPU), then finishes it. Damaged CPU data
-/// read past (a chunk skipped, data cut short) goes to `on_damage` when found.
+/// Feeds every page of `f` into `sink`, the CPUs' pages merged by page time, ties to
+/// the lower CPU (each CPU's in file order; a heap of the CPUs' current pages: O(log
+/// CPUs) per page; memory: each CPU's read buffer, pages handed over where they lie),
+/// then finishes it. Damaged CPU data read past (a chunk skipped, data cut short) goes
+/// to `on_damage` when found.
 pub fn pump_pages(
     f: &TraceFile,
     mut sink: Box<dyn PageSink>,
     on_damage: &mut dyn FnMut(hyptrace_output::tracedat::Damage),
 ) -> Result<(), OutputError> {
-    let mut cursors: Vec<_> = (0..f.cpus.len()).filter_map(|i| f.pages(i)).collect();
+    let mut cursors = f.all_pages();
     let cpus: Vec<u32> = f.cpus.iter().map(|b| b.cpu).collect();
-    // The head page of each CPU (its buffer reused page after page) and its time.
-    let mut pages: Vec<Vec<u8>> = vec![Vec::new(); cursors.len()];
-    let mut heads: Vec<Option<u64>> = Vec::with_capacity(cursors.len());
-    for (c, page) in cursors.iter_mut().zip(&mut pages) {
-        heads.push(next_head(c, page)?);
+    // (page time, cpu, index) of each CPU's current page, oldest first.
+    let mut heads = BinaryHeap::new();
+    for (i, c) in cursors.iter_mut().enumerate() {
+        if let Some(ts) = next_head(c)? {
+            heads.push(Reverse((ts, cpus[i], i)));
+        }
         c.take_damage().into_iter().for_each(&mut *on_damage);
     }
     // Bounded: every step consumes a page of some CPU. Stdout closed (`| head`): the
     // rest would be discarded, so stop.
-    while let Some(i) = heads
-        .iter()
-        .enumerate()
-        .filter_map(|(i, h)| h.map(|t| (t, cpus[i], i)))
-        .min()
-        .map(|(_, _, i)| i)
-    {
+    while let Some(Reverse((_, cpu, i))) = heads.pop() {
         if hyptrace_output::stdout_closed() {
             break;
         }
-        feed_page(sink.as_mut(), cpus[i], &pages[i], on_damage)?;
-        heads[i] = next_head(&mut cursors[i], &mut pages[i])?;
+        feed_page(sink.as_mut(), cpu, cursors[i].page(), on_damage)?;
+        if let Some(ts) = next_head(&mut cursors[i])? {
+            heads.push(Reverse((ts, cpu, i)));
+        }
         cursors[i]
             .take_damage()
             .into_iter()
@@ -546,21 +547,15 @@ pub fn pump_by_cpu(
     sink.finish(&RunSummary::default())
 }
 
-/// Reads CPU cursor `c`'s next page into `page`; its time, `None` at the end.
-fn next_head(
-    c: &mut hyptrace_output::tracedat::CpuPages,
-    page: &mut Vec<u8>,
-) -> Result<Option<u64>, OutputError> {
-    let Some(p) = c.next_page()? else {
-        return Ok(None);
-    };
-    page.clear();
-    page.extend_from_slice(p);
-    Ok(Some(p.get(..8).map_or(0, |b| {
-        let mut w = [0u8; 8];
-        w.copy_from_slice(b);
-        u64::from_le_bytes(w)
-    })))
+/// The time of `c`'s next page (`None` at its end).
+fn next_head(c: &mut hyptrace_output::tracedat::CpuPages) -> Result<Option<u64>, OutputError> {
+    Ok(c.next_page()?.map(|p| {
+        p.get(..8).map_or(0, |b| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(b);
+            u64::from_le_bytes(w)
+        })
+    }))
 }
 
 /// A raw page stream carries no event formats (its reader assumes hyptrace's guest
@@ -587,7 +582,7 @@ pub fn convert(a: &ConvertArgs) -> Result<(), ConvertError> {
     let format = format_for(a.format, &a.output, "-o")?;
     let compression = crate::drain::sink::compression_for(format, a.compression)?;
     let input = open_input(&a.input)?;
-    let target = check_destination(&a.output, "-o")?;
+    let target = a.files.check(&a.output, "-o")?;
     let mut damage = 0usize;
     let r = match input {
         Input::Raw(reader) => {

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use clap::{Args, ValueEnum};
 use hyptrace_abi::guest::Workload;
 
-use crate::drain::sink::{CompressionArg, FormatArg};
+use crate::drain::sink::{CompressionArg, FormatArg, OutputModeArg};
 use crate::vmm::memory_map::MAX_VCPUS;
 
 /// Longest `--duration`, in seconds (about 31 years).
@@ -239,6 +239,9 @@ pub struct ConvertArgs {
     /// `none` writes the pages uncompressed. Other formats are never compressed.
     #[arg(long, value_enum, value_name = "C")]
     pub compression: Option<CompressionArg>,
+    /// `--output-mode` of the output file.
+    #[command(flatten)]
+    pub files: OutputModeArg,
 }
 
 /// Options of `hyptrace list`.
@@ -433,6 +436,9 @@ pub struct RunArgs {
     /// Flight recorder options (`--drain`, `--hang-timeout`, `--crash-dump`, `--trace-mem`).
     #[command(flatten)]
     pub flight: FlightArgs,
+    /// `--output-mode` of the output, --stats and crash dump files.
+    #[command(flatten)]
+    pub files: OutputModeArg,
 }
 
 /// Who consumes the rings while the guest runs.

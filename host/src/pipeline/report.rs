@@ -135,23 +135,36 @@ pub struct CpuReport {
     pub stats: hyptrace_reader::CpuStats,
     /// The first error on this CPU.
     pub error: Option<String>,
+    /// Most events one page of the ring holds (its data area / the smallest record, 8
+    /// bytes): the bound of the one exemption from `lost == overrun + dropped`.
+    pub page_events: u64,
 }
 
 impl CpuReport {
+    /// The one exemption from `lost == overrun + dropped` (R1): a writer that did not
+    /// finish — its vCPU stopped or crashed while it overwrote a page — counted that
+    /// page's events as overrun before it wrote over them, and the reader read them.
+    /// Returns by how many events the writer's counters are ahead, when it is that case:
+    /// a writer that did not finish, ahead by at most one page's events.
+    pub fn overrun_ahead(&self) -> Option<u64> {
+        let s = &self.stats;
+        let counted = s.overrun.checked_add(s.dropped)?;
+        let ahead = counted.checked_sub(s.lost)?;
+        (!self.finished && ahead > 0 && ahead <= self.page_events).then_some(ahead)
+    }
+
     /// `written == read + lost`, `lost == overrun + dropped` (invariant R1), and the
     /// guest's published attempts agree with `written` (invariant R3:
     /// `hyptrace_embed::attempts_consistent`).
     pub fn consistent(&self) -> bool {
         let s = &self.stats;
         // The reader's count of lost events (gaps in the event index) is exact. The
-        // writer's own overrun counter can be one page ahead of it when the vCPU was
-        // stopped in the middle of overwriting a page: the page was counted but not yet
-        // overwritten, and was read. Compared only for writers that finished.
-        // A failure on the CPU (read or output) is reported on its own; it is no
-        // accounting mismatch when the counts balance. Guest numbers: sums that
-        // overflow match nothing.
+        // writer's own overrun counter can be one page ahead of it, and only so
+        // (`overrun_ahead`). A failure on the CPU (read or output) is reported on its
+        // own; it is no accounting mismatch when the counts balance. Guest numbers: sums
+        // that overflow match nothing.
         s.read.checked_add(s.lost) == Some(self.written)
-            && (!self.finished || s.overrun.checked_add(s.dropped) == Some(s.lost))
+            && (s.overrun.checked_add(s.dropped) == Some(s.lost) || self.overrun_ahead().is_some())
             && match (self.attempted, self.skipped) {
                 (Some(attempted), Some(skipped)) => hyptrace_embed::attempts_consistent(
                     &hyptrace_reader::Attempts {
@@ -172,7 +185,9 @@ impl CpuReport {
     /// `MISMATCH` otherwise.
     fn flag(&self, failed: bool) -> String {
         let seen = self.stats.read.saturating_add(self.stats.lost);
-        if self.consistent() {
+        if let (true, Some(ahead)) = (self.consistent(), self.overrun_ahead()) {
+            format!("  (overrun counts {ahead} events read: the vCPU stopped while its writer overwrote a page)")
+        } else if self.consistent() {
             String::new()
         } else if failed && self.written > seen {
             format!(
@@ -550,6 +565,14 @@ impl RunReport {
             }
             Destination::File { path, .. } if self.failures.output_failed() => {
                 format!("{} not written", shown_path(path))
+            }
+            Destination::File { path, format }
+                if path.as_os_str() == "-" && hyptrace_output::stdout_closed() =>
+            {
+                format!(
+                    "stdout closed early: {} output incomplete",
+                    format_name(*format)
+                )
             }
             Destination::File { path, format } => {
                 format!("{} written to {}", format_name(*format), shown_path(path))
@@ -1034,6 +1057,7 @@ mod tests {
                 ..Default::default()
             },
             error: None,
+            page_events: 510,
         };
         let run = |lost: u64, verbose: bool| {
             let mut r = report(vec![cpu(0), cpu(lost)], vec![late.clone(), late.clone()]);
@@ -1092,6 +1116,7 @@ mod tests {
             written: u64::MAX,
             stats: hostile,
             error: None,
+            page_events: 510,
         };
         // read + lost == written per CPU, but overrun + dropped overflows.
         assert!(!cpu.consistent());
@@ -1109,6 +1134,46 @@ mod tests {
         let all = r.to_string();
         assert!(all.contains("hint:") && all.contains("MISMATCH"), "{all}");
         assert_eq!(r.exit_code(), EXIT_RUNTIME);
+    }
+
+    /// R1's one exemption: a writer that did not finish may have counted one page's
+    /// events as overrun that the reader read — at most one page's, and named; past a
+    /// page, the other way round, or for a writer that finished, it is a mismatch.
+    #[test]
+    fn overrun_ahead_is_bounded_and_named() {
+        let cpu = |finished: bool, overrun: u64, lost: u64| CpuReport {
+            finished,
+            attempted: Some(1000),
+            skipped: Some(0),
+            attempts_problem: None,
+            written: 1000,
+            stats: hyptrace_reader::CpuStats {
+                written: 1000,
+                read: 1000 - lost,
+                overrun,
+                lost,
+                ..Default::default()
+            },
+            error: None,
+            page_events: 510,
+        };
+        let ahead = cpu(false, 300 + 510, 300);
+        assert!(ahead.consistent());
+        assert_eq!(ahead.overrun_ahead(), Some(510));
+        assert!(
+            ahead.flag(false).contains("overrun counts 510 events read"),
+            "{}",
+            ahead.flag(false)
+        );
+        for bad in [
+            cpu(false, 300 + 511, 300),
+            cpu(false, 299, 300),
+            cpu(true, 301, 300),
+        ] {
+            assert!(!bad.consistent(), "{:?}", bad.stats);
+            assert!(bad.flag(false).contains("MISMATCH"));
+        }
+        assert!(cpu(true, 300, 300).flag(false).is_empty());
     }
 
     #[test]
@@ -1200,6 +1265,7 @@ mod tests {
                 ..Default::default()
             },
             error: None,
+            page_events: 510,
         };
         let mut r = report(vec![cpu], vec![VcpuOutcome::Finished(Default::default())]);
         r.mode = ModeArg::Stop;

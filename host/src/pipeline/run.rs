@@ -36,9 +36,9 @@ use hyptrace_output::{
 };
 use hyptrace_reader::{Callbacks, ReadError};
 
-use crate::control::consumer::{Consumers, FileInfo, CONSUMER_GRACE};
-use crate::control::protocol::{CpuLive, LiveStats, ReaderStatus};
-use crate::control::server::{Answer, Command, ControlServer, EventSwitch, Handler, Refusal};
+use crate::control::consumer::{RunMeta, Subscribers, SUBSCRIBER_GRACE};
+use crate::control::handler::{note_unsent, RunControl};
+use crate::control::server::ControlServer;
 use crate::drain::clock::HostClock;
 use crate::drain::host_trace::{self, HostTrace, HostTraceFeed};
 use crate::drain::priority::{thread_cpu_time, ReaderPriority};
@@ -556,11 +556,10 @@ impl Flight {
                 (t, format, path)
             }),
             dumped: false,
-            clock,
-            formats,
+            run_meta: RunMeta { clock, formats },
             drain_live: plan.flight.drain_live,
             meta: vec![crate::flight::trace_mem::MetaValues::default(); plan.cfg.vcpus as usize],
-            consumers: Consumers::new(plan.cfg.vcpus),
+            subscribers: Subscribers::new(),
         }
     }
 }
@@ -791,6 +790,7 @@ fn finish_session(
                 written: session.writer_index(cpu),
                 stats: session.stats(cpu),
                 error: session.error(cpu).map(str::to_string),
+                page_events: page_events(session.reader().layout()),
             }
         })
         .collect();
@@ -815,6 +815,12 @@ fn finish_session(
         return Err(RunError::Aborted);
     }
     Ok((cpus, failures, host, host_trace))
+}
+
+/// Most events one page of `l` holds: its data area over the smallest record (8 bytes:
+/// a header word and the shortest payload).
+fn page_events(l: &hyptrace_abi::RingGeometry) -> u64 {
+    (l.data_capacity() / 8) as u64
 }
 
 /// The per-CPU statistics a page sink writes at its end (trace.dat's stat options).
@@ -1058,8 +1064,7 @@ impl Live<'_> {
         }
     }
 
-    /// Executes the control socket's waiting commands; then, with no consumer
-    /// attached, settles the swaps the last one left in flight (C3).
+    /// Executes the control socket's waiting commands.
     fn serve_control(&mut self) {
         let Some(control) = self.control else { return };
         let mut session = locked(&self.session);
@@ -1067,22 +1072,31 @@ impl Live<'_> {
             session: &mut session,
             running: &self.running,
             events: self.events.as_ref(),
-            stop: self.stop.as_ref(),
-            flight: &mut self.flight,
+            stop: self.stop.as_ref().map(ToString::to_string),
+            subscribers: &mut self.flight.subscribers,
+            meta: &self.flight.run_meta,
+            drain_live: self.flight.drain_live,
+            hold: !self.flight.dumped && self.running.any_crashed(),
         };
         control.serve(&mut h);
-        h.settle_swaps();
     }
 
-    /// C4's bound: a consumer that holds the claim [`CONSUMER_GRACE`] after every vCPU
-    /// stopped loses it (the run must end); this session then walks the CPUs itself.
+    /// C4's bound: a subscriber that asked for nothing [`SUBSCRIBER_GRACE`] after every
+    /// vCPU stopped loses the claim (the run must end); this session's own output then
+    /// takes the rest.
     fn end_claim_if_late(&mut self) {
         let all_done = (0..self.nr).all(|c| self.running.vcpu_finished(c));
-        if self.flight.consumers.end_if_late(all_done, Instant::now()) {
+        let mut session = locked(&self.session);
+        let late = self
+            .flight
+            .subscribers
+            .end_if_late(&mut session, all_done, Instant::now());
+        if let Some(unsent) = late {
             note!(
-                "hyptrace: warning: the attached consumer did not detach within {} s of the vCPUs' end: the VMM reads the rest itself (part of the consumer's last page may be repeated)",
-                CONSUMER_GRACE.as_secs()
+                "hyptrace: warning: the subscriber asked for nothing within {} s of the vCPUs' end: the VMM writes the rest itself",
+                SUBSCRIBER_GRACE.as_secs()
             );
+            note_unsent(&unsent, "stopped asking");
         }
     }
 
@@ -1180,13 +1194,13 @@ impl Live<'_> {
             reader.layout(),
             &|c| reader.position(c),
             &|c| session.is_live(c),
-            &self.flight.clock,
-            &self.flight.formats,
+            &self.flight.run_meta.clock,
+            &self.flight.run_meta.formats,
             target,
         );
         let _ = std::io::stderr().write_all(
             report
-                .last_events(&self.flight.clock, &self.flight.formats)
+                .last_events(&self.flight.run_meta.clock, &self.flight.run_meta.formats)
                 .as_bytes(),
         );
         if let Some((_, _, path)) = &self.flight.dump_target {
@@ -1237,23 +1251,8 @@ impl Live<'_> {
         if hold && running.any_crashed() {
             return;
         }
-        // C4: while a consumer holds the claim, it walks the stopped CPUs itself; this
-        // session walks them after it detached (counting only what it delivered).
-        let claimed = self.flight.consumers.claimed();
-        let stopped = |c| running.vcpu_finished(c) && !(hold && running.any_crashed()) && !claimed;
-        let failed = {
-            let mut s = locked(&self.session);
-            let mut failed = Vec::new();
-            for c in 0..self.nr {
-                if stopped(c) && self.flight.consumers.delivered(c) {
-                    if let Err(e) = s.end_cpu_delivered(c) {
-                        failed.push((c, e));
-                    }
-                }
-            }
-            failed.extend(s.service(stopped));
-            failed
-        };
+        let stopped = |c| running.vcpu_finished(c) && !(hold && running.any_crashed());
+        let failed = locked(&self.session).service(stopped);
         self.record_positions();
         for (cpu, e) in failed {
             log::debug!("cpu {cpu}: {e}");
@@ -1298,16 +1297,14 @@ struct Flight {
     dump_target: Option<(OutputTarget, FormatArg, PathBuf)>,
     /// The crash dump was taken (or there was none to take).
     dumped: bool,
-    /// The guest clock.
-    clock: Clock,
-    /// The event formats (the guest's registrations).
-    formats: Vec<EventFormat>,
-    /// `--drain live` (an external consumer can attach only with `none`).
+    /// The guest clock and the event formats (the guest's registrations).
+    run_meta: RunMeta,
+    /// `--drain live` (a subscriber can attach only with `none`).
     drain_live: bool,
-    /// Per CPU, what its meta page says (live attach; written with `--trace-mem`).
+    /// Per CPU, what its meta page says (written with `--trace-mem`).
     meta: Vec<crate::flight::trace_mem::MetaValues>,
-    /// The consumers of live attach (C1–C4).
-    consumers: Consumers,
+    /// The subscriber of live attach (C1–C4).
+    subscribers: Subscribers,
 }
 
 /// `--hang-timeout`: the last progress seen and since when.
@@ -1318,7 +1315,7 @@ struct HangWatch {
 }
 
 /// Refreshes `cpu`'s meta page: the writer's counters from its control block (hostile
-/// values, shown as they are), the rest from `meta`.
+/// values, shown as they are), the reader's from the one reader (docs/abi.md).
 fn update_meta(
     session: &Session,
     tm: &TraceMemFile,
@@ -1329,162 +1326,25 @@ fn update_meta(
         return;
     };
     let reader = session.reader();
-    let c = reader.layout().ctl(cpu);
+    let l = reader.layout();
+    let c = l.ctl(cpu);
     let mem = reader.mem();
     use hyptrace_abi::layout::ctl;
     use hyptrace_abi::SharedMem as _;
     m.entries = mem.load(c + ctl::ENTRIES, Ordering::Relaxed);
     m.overrun = mem.load(c + ctl::OVERRUN, Ordering::Relaxed);
     m.pages_touched = mem.load(c + ctl::PAGES_TOUCHED, Ordering::Relaxed);
+    let s = reader.stats(cpu);
+    if let Some(p) = reader.position(cpu) {
+        let id = p.reader.saturating_sub(l.first_page(cpu));
+        if id != m.reader_id {
+            m.lost_events = s.lost.saturating_sub(m.lost_total);
+        }
+        m.reader_id = id;
+        m.read = p.expected.saturating_sub(s.lost);
+    }
+    m.lost_total = s.lost;
     tm.write_meta(cpu, m);
-}
-
-/// The control socket's commands, executed by the run loop.
-struct RunControl<'s> {
-    session: &'s mut Session,
-    running: &'s RunningVm,
-    events: &'s dyn EventSwitch,
-    stop: Option<&'s Stop>,
-    flight: &'s mut Flight,
-}
-
-impl Handler for RunControl<'_> {
-    fn handle(&mut self, conn: u64, cmd: &Command) -> Result<Answer, Refusal> {
-        match cmd {
-            Command::Enable { event } => self.events.set(event, true),
-            Command::Disable { event } => self.events.set(event, false),
-            Command::List => self.events.list(),
-            Command::Stats => Ok(Answer::Stats(self.stats())),
-            Command::Attach => self.attach(conn).map(Answer::Attached),
-            Command::GetReader { token, cpu, page } => {
-                self.attachable("get_reader")?;
-                let finished = self.running.vcpu_finished(*cpu);
-                let status = self.flight.consumers.get_reader(
-                    self.session,
-                    (conn, *token),
-                    (*cpu, *page),
-                    finished,
-                )?;
-                if let ReaderStatus::Swapped { page, lost } = status {
-                    self.swapped_meta(*cpu, page, lost);
-                }
-                Ok(Answer::Reader {
-                    cpu: *cpu,
-                    page: *page,
-                    status,
-                })
-            }
-            Command::Detach { token, positions } => {
-                let running = self.running;
-                self.flight
-                    .consumers
-                    .detach(self.session, (conn, *token), positions, &|c| {
-                        running.vcpu_finished(c)
-                    })?;
-                Ok(Answer::Detached)
-            }
-        }
-    }
-
-    fn gone(&mut self, conn: u64) {
-        if self.flight.consumers.gone(conn) {
-            log::info!("the attached consumer disconnected without detaching");
-        }
-    }
-}
-
-impl RunControl<'_> {
-    /// An external consumer may read only a VMM that does not consume itself (`--drain
-    /// none`) and whose trace memory another process can map (`--trace-mem`).
-    fn attachable(&self, what: &str) -> Result<&TraceMemFile, Refusal> {
-        if self.flight.drain_live {
-            return Err(format!(
-                "{what} needs a VMM run with --drain none (this one runs --drain live: it consumes the rings itself)"
-            )
-            .into());
-        }
-        self.flight.trace_mem.as_deref().ok_or_else(|| {
-            format!(
-                "{what} needs a VMM run with --trace-mem FILE (the trace memory is not in a file)"
-            )
-            .into()
-        })
-    }
-
-    /// `attach`: the claim for `conn` (C1–C3, `Consumers::attach`); the reply names the
-    /// file, its geometry, the token and each CPU's position.
-    fn attach(&mut self, conn: u64) -> Result<crate::control::protocol::AttachInfo, Refusal> {
-        let tm = self.attachable("attach")?;
-        let file = FileInfo {
-            trace_mem: std::fs::canonicalize(tm.path()).unwrap_or_else(|_| tm.path().to_path_buf()),
-            meta_off: tm.meta_off(),
-        };
-        self.flight.consumers.attach(self.session, conn, &file)
-    }
-
-    /// The meta page of `cpu` after a swap onto `page` with `lost` events lost before it.
-    fn swapped_meta(&mut self, cpu: u32, page: u32, lost: u64) {
-        let l = *self.session.reader().layout();
-        if let (Some(tm), Some(m)) = (
-            &self.flight.trace_mem,
-            self.flight.meta.get_mut(cpu as usize),
-        ) {
-            let s = self.session.reader().stats(cpu);
-            m.reader_id = page.saturating_sub(l.first_page(cpu));
-            m.lost_events = lost;
-            m.lost_total = s.lost;
-            m.read = self
-                .session
-                .reader()
-                .position(cpu)
-                .map_or(0, |p| p.expected)
-                .saturating_sub(s.lost);
-            update_meta(self.session, tm, &mut self.flight.meta, cpu);
-        }
-    }
-
-    /// C3: the swaps the last consumer left in flight, completed while no claim is held.
-    fn settle_swaps(&mut self) {
-        for (cpu, page, lost) in self.flight.consumers.settle(self.session) {
-            log::debug!("cpu {cpu}: the last consumer's swap settled onto page {page}");
-            self.swapped_meta(cpu, page, lost);
-        }
-    }
-
-    /// `stats`: the live per-CPU counters (docs/design.md, "The control socket").
-    fn stats(&mut self) -> LiveStats {
-        let nr = self.session.reader().nr_cpus();
-        let cpus = (0..nr)
-            .map(|cpu| {
-                let s = self.session.stats(cpu);
-                // R3: the guest's published attempts, read now (a problem seen is kept).
-                let a = self.session.attempts(cpu);
-                CpuLive {
-                    cpu,
-                    running: !self.running.vcpu_finished(cpu),
-                    attempted: a.attempted,
-                    skipped: a.skipped,
-                    attempts_problem: a.problem.map(|p| p.to_string()),
-                    // Live from the control block (with --drain none nothing else
-                    // refreshes it): events taken in, committed or dropped.
-                    written: s.written.max(self.session.writer_index(cpu)),
-                    read: s.read,
-                    lost: s.lost,
-                    overrun: s.overrun,
-                    dropped: s.dropped,
-                    bytes: s.bytes,
-                    pages_touched: s.pages_touched,
-                    swaps: s.swaps,
-                    error: self.session.error(cpu).map(str::to_string),
-                }
-            })
-            .collect();
-        LiveStats {
-            elapsed_s: self.running.started_at().elapsed().as_secs_f64(),
-            stopping: self.stop.map(ToString::to_string),
-            cpus,
-        }
-    }
 }
 
 /// Stdout for `run`, through the output crate's [`QuietStdout`]: a reader that went

@@ -38,12 +38,16 @@ pub struct Selection {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum EventsError {
     /// A pattern matches no registered event.
-    #[error("unknown event {pattern:?} (the guest registered: {known})")]
+    #[error("unknown event {pattern:?} (the guest registered: {known}){elsewhere}")]
     Unknown {
         /// The pattern.
         pattern: String,
         /// The registered events, comma-separated (or "none").
         known: String,
+        /// Where the pattern names events instead, as the end of the message (`; ...`),
+        /// or empty: `record`/`run` add the host kernel's
+        /// ([`crate::cli::host_events::hint`]).
+        elsewhere: String,
     },
     /// The guest has not registered its events (yet, or it never does).
     #[error("the guest has not registered any events")]
@@ -525,6 +529,7 @@ fn mask_of(reg: &Registry, pattern: &str) -> Result<u64, EventsError> {
             } else {
                 known.join(", ")
             },
+            elsewhere: String::new(),
         });
     }
     Ok(mask)

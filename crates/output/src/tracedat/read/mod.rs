@@ -1,0 +1,429 @@
+//! trace.dat reader (v6, v7 uncompressed, v7 zstd), streaming and hostile-input safe.
+//!
+//! [`TraceFile::open`] reads only the metadata (headers, formats, cmdlines, options, the
+//! CPU table) with positional reads; the event pages stay in the file. [`Records`] reads
+//! each CPU's pages (or decompresses its v7 zstd chunks) one at a time: memory is bounded
+//! by the CPU count times the page size (plus one compression chunk per CPU, at most
+//! [`max_chunk`]), not by the file size. Every length and offset is checked against the
+//! file, every loop is bounded by the bytes it consumes or by a fixed limit, and errors
+//! are returned, never panics.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::fs::File;
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::clock::TscConversion;
+use crate::export::{check_page_size, Missed};
+use crate::format::{EventFormat, HeaderPage};
+use crate::text::EventPrinter;
+use crate::OutputError;
+
+use super::{option, MAGIC};
+use input::{FileCur, Input, Source};
+use parse::Parser;
+
+mod budget;
+mod input;
+mod merge;
+mod meta;
+mod pages;
+mod parse;
+mod records;
+mod report;
+#[cfg(test)]
+mod tests;
+
+pub use budget::{max_chunk, MAX_CHUNK, MAX_RATIO, METADATA_BUDGET, OPTIONS_SHARE, READ_BUDGET};
+pub use merge::Records;
+pub use pages::CpuPages;
+pub use records::{page_damage, TraceItem, TraceRecord};
+pub use report::ReportFilter;
+
+/// One option as stored in the file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TraceOption {
+    /// Option id (see [`super::option`]).
+    pub id: u16,
+    /// Raw option data.
+    pub data: Vec<u8>,
+}
+
+/// Where the pages of one CPU lie in the file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CpuBuffer {
+    /// CPU number.
+    pub cpu: u32,
+    /// File offset of the data (v7 zstd: of the chunk count).
+    pub offset: u64,
+    /// Size of the data in the file (compressed size for v7 zstd).
+    pub size: u64,
+}
+
+impl CpuBuffer {
+    /// Where the data ends in the file (not past `file_len`): `offset + size`, plus the
+    /// u32 chunk count of compressed data, which trace-cmd leaves out of the size it
+    /// writes (our writer counts it: 4 bytes of slack).
+    fn end(&self, compressed: bool, file_len: u64) -> u64 {
+        let count = if compressed { 4 } else { 0 };
+        self.offset
+            .saturating_add(self.size)
+            .saturating_add(count)
+            .min(file_len)
+    }
+}
+
+/// A damaged part of a trace.dat that reading went past (docs/output.md "Damaged
+/// files"): a section that could not be read, a compressed chunk that did not
+/// decompress, CPU data cut short by the end of the file, a page that did not decode.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Damage {
+    /// The CPU whose data it is (`None`: metadata).
+    pub cpu: Option<u32>,
+    /// File offset where it was found (`None`: not known, e.g. a page of a
+    /// decompressed chunk).
+    pub offset: Option<u64>,
+    /// What is damaged and what was skipped.
+    pub what: String,
+}
+
+impl std::fmt::Display for Damage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if let Some(cpu) = self.cpu {
+            write!(f, "cpu {cpu}: ")?;
+        }
+        if let Some(at) = self.offset {
+            write!(f, "offset {at}: ")?;
+        }
+        f.write_str(&self.what)
+    }
+}
+
+impl Damage {
+    /// Metadata damage: `what` (a section, an option) and the error that ended it.
+    fn meta(what: &str, e: &OutputError, fallback: &str) -> Self {
+        let offset = match e {
+            OutputError::Format { offset, .. } => Some(*offset),
+            _ => None,
+        };
+        Self {
+            cpu: None,
+            offset,
+            what: match e {
+                OutputError::Format { reason, .. } => {
+                    format!("{what} damaged ({reason}); {fallback}")
+                }
+                e => format!("{what} damaged ({e}); {fallback}"),
+            },
+        }
+    }
+}
+
+/// Most damage records kept at `open` (each names a section or an option list; more
+/// cannot happen, the bound only caps memory on principle).
+const MAX_META_DAMAGE: usize = 64;
+
+/// A parsed trace.dat: its metadata in memory, its pages read from the file on demand
+/// ([`TraceFile::records`]).
+#[derive(Clone, Debug)]
+pub struct TraceFile {
+    /// File version (6 or 7).
+    pub version: u32,
+    /// Page size.
+    pub page_size: usize,
+    /// `sizeof(long)` of the traced kernel.
+    pub long_size: u8,
+    /// v7 compression `(name, version)` (`("none", "")` when uncompressed).
+    pub compression: Option<(String, String)>,
+    /// What header_page says.
+    pub header_page: HeaderPage,
+    /// Event formats (ftrace and others).
+    pub formats: Vec<EventFormat>,
+    /// Saved cmdlines, pid → comm.
+    pub cmdlines: BTreeMap<i32, String>,
+    /// CPU count from the file.
+    pub nr_cpus: u32,
+    /// Selected trace clock (the bracketed name of TRACECLOCK), if any.
+    pub clock: Option<String>,
+    /// TSC2NSEC option, if any.
+    pub tsc2nsec: Option<TscConversion>,
+    /// Sum of the OFFSET options (ns added after TSC2NSEC, as trace-cmd does).
+    pub ts_offset: i64,
+    /// The options the reader uses (clock, TSC2NSEC, OFFSET, CPU count, CPUSTAT, the v7
+    /// section offsets), in file order; the others are counted in
+    /// [`TraceFile::options_skipped`] (the top buffer's CPU table is [`TraceFile::cpus`]).
+    pub options: Vec<TraceOption>,
+    /// How many options were not kept in [`TraceFile::options`] (ids the reader does not
+    /// use, buffers other than the top one).
+    pub options_skipped: u64,
+    /// Where each CPU's pages are, in file order.
+    pub cpus: Vec<CpuBuffer>,
+    /// Damaged metadata `open` read past (a fallback or an omission for each; CPU data
+    /// damage is found while reading, see [`Records::take_damage`]).
+    pub damage: Vec<Damage>,
+    /// Whether the CPU data is zstd-compressed (v7).
+    compressed: bool,
+    src: Source,
+    /// What the CPUs' readers share to decompress chunks.
+    unzstd: Arc<std::sync::Mutex<pages::Unzstd>>,
+    /// Kernel symbols (kallsyms and printk formats sections) for `%pS` and plugins.
+    pub symbols: std::sync::Arc<crate::symbols::KernelSymbols>,
+    printers: BTreeMap<u16, EventPrinter>,
+}
+
+impl TraceFile {
+    /// Opens a trace.dat file and parses its metadata (the pages are read later, a few
+    /// at a time, by [`TraceFile::records`]).
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, OutputError> {
+        let p = path.as_ref();
+        let file = File::open(p).map_err(|e| OutputError::io(p, e))?;
+        let len = file.metadata().map_err(|e| OutputError::io(p, e))?.len();
+        Self::from_source(Source::File {
+            file: Arc::new(file),
+            path: p.to_path_buf(),
+            len,
+        })
+    }
+
+    /// Parses a trace.dat held in memory (copied).
+    pub fn parse(data: &[u8]) -> Result<Self, OutputError> {
+        Self::from_source(Source::Mem(Arc::from(data)))
+    }
+
+    fn from_source(src: Source) -> Result<Self, OutputError> {
+        let mut c = FileCur::new(&src, 0);
+        if c.bytes(10, "magic")? != MAGIC {
+            return Err(OutputError::format(0u64, "not a trace.dat (bad magic)"));
+        }
+        let ver = c.cstr("version")?;
+        let version: u32 = ver
+            .parse()
+            .map_err(|_| OutputError::format(10u64, "bad version"))?;
+        if c.u8("endianness")? != 0 {
+            return Err(OutputError::Unsupported("big-endian trace".into()));
+        }
+        let long_size = c.u8("long size")?;
+        let page_size = c.u32("page size")? as usize;
+        check_page_size(page_size)
+            .map_err(|_| OutputError::format(c.pos.saturating_sub(4), "bad page size"))?;
+        let pos = c.pos;
+        let f = TraceFile {
+            version,
+            page_size,
+            long_size,
+            compression: None,
+            header_page: HeaderPage {
+                commit_size: 8,
+                data_offset: 16,
+                data_size: page_size - 16,
+            },
+            formats: Vec::new(),
+            cmdlines: BTreeMap::new(),
+            nr_cpus: 0,
+            clock: None,
+            tsc2nsec: None,
+            ts_offset: 0,
+            options: Vec::new(),
+            options_skipped: 0,
+            cpus: Vec::new(),
+            damage: Vec::new(),
+            compressed: false,
+            src: src.clone(),
+            unzstd: Default::default(),
+            symbols: Default::default(),
+            printers: BTreeMap::new(),
+        };
+        let mut p = Parser::new(f);
+        let mut c = FileCur::new(&src, pos);
+        match version {
+            6 => p.parse_v6(&mut c)?,
+            7 => p.parse_v7(&mut c)?,
+            v => return Err(OutputError::Unsupported(format!("trace.dat version {v}"))),
+        }
+        p.finish();
+        let mut f = p.f;
+        f.compressed = p.compressed;
+        if f.header_page.commit_size != 8 || f.header_page.data_offset != 16 {
+            return Err(OutputError::Unsupported(format!(
+                "header_page {:?}",
+                f.header_page
+            )));
+        }
+        if let Some(why) = budget::check_read_memory(f.readers(), f.page_size) {
+            return Err(OutputError::Unsupported(why));
+        }
+        if f.nr_cpus == 0 {
+            f.nr_cpus = f
+                .cpus
+                .iter()
+                .map(|c| c.cpu.saturating_add(1))
+                .max()
+                .unwrap_or(0);
+        }
+        // The printers of every event format, by id (the formatter of `report`).
+        f.printers = f
+            .formats
+            .iter()
+            .map(|e| {
+                let p = EventPrinter::with_symbols(e.clone(), f.symbols.clone(), f.long_size);
+                (e.id, p)
+            })
+            .collect();
+        Ok(f)
+    }
+
+    /// Whether the CPU data is zstd-compressed (v7).
+    pub fn is_compressed(&self) -> bool {
+        self.compressed
+    }
+
+    /// Converts a raw page timestamp to ns the way trace-cmd does (TSC2NSEC, if
+    /// present, then the OFFSET options).
+    pub fn ts_ns(&self, raw: u64) -> u64 {
+        let ns = match &self.tsc2nsec {
+            Some(t) => t.trace_cmd_ns(raw),
+            None => raw,
+        };
+        ns.wrapping_add_signed(self.ts_offset)
+    }
+
+    /// The format of event `id`.
+    pub fn format(&self, id: u16) -> Option<&EventFormat> {
+        self.printers.get(&id).map(|p| &p.format)
+    }
+
+    /// The printer (format + parsed print fmt) of event `id`.
+    pub fn printer(&self, id: u16) -> Option<&EventPrinter> {
+        self.printers.get(&id)
+    }
+
+    /// CPUSTAT texts, in file order.
+    pub fn cpu_stats(&self) -> Vec<String> {
+        self.options
+            .iter()
+            .filter(|o| o.id == option::CPUSTAT)
+            .map(|o| {
+                String::from_utf8_lossy(&o.data)
+                    .trim_end_matches('\0')
+                    .to_string()
+            })
+            .collect()
+    }
+
+    /// The per-CPU stats block `trace-cmd report --stat` prints (after the `cpus=` line).
+    pub fn stat_text(&self) -> String {
+        let mut s = String::from(
+            "\nKernel buffer statistics:\n  Note: \"entries\" are the entries left in the kernel ring buffer and are not\n        recorded in the trace data. They should all be zero.\n\n",
+        );
+        for t in self.cpu_stats() {
+            s.push_str(&t);
+            if !t.ends_with('\n') {
+                s.push('\n');
+            }
+            s.push('\n');
+        }
+        s
+    }
+
+    /// The pages of `self.cpus[index]`, one at a time (decompressed).
+    pub fn pages(&self, index: usize) -> Option<CpuPages> {
+        let b = self.cpus.get(index)?;
+        Some(CpuPages::new(self, b, self.readers()))
+    }
+
+    /// The pages of every CPU of `self.cpus`, in order ([`TraceFile::pages`] of each).
+    pub fn all_pages(&self) -> Vec<CpuPages> {
+        let readers = self.readers();
+        self.cpus
+            .iter()
+            .map(|b| CpuPages::new(self, b, readers))
+            .collect()
+    }
+
+    /// How many CPUs have data (each reads within its share of the read budget).
+    fn readers(&self) -> usize {
+        self.cpus.iter().filter(|b| b.size > 0).count()
+    }
+}
+
+impl TraceFile {
+    /// Number of events (drop markers, bad pages and hyptrace's own `trailing_lost`
+    /// events not counted; a read error ends the count).
+    pub fn event_count(&self) -> usize {
+        let mut n = 0;
+        let mut r = self.records();
+        while let Some(i) = r.next_item() {
+            if matches!(&i, TraceItem::Event(r) if !self.is_trailing_lost(r)) {
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// Whether `r` is hyptrace's `trailing_lost` event (the record that carries the drop
+    /// marker of events lost after a CPU's last page; see `TraceDatSink`).
+    pub fn is_trailing_lost(&self, r: &TraceRecord<'_>) -> bool {
+        r.payload
+            .get(..2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+            .and_then(|id| self.format(id))
+            .is_some_and(EventFormat::is_trailing_lost)
+    }
+
+    /// The times (ns) of the first and the last event of CPU `cpu` (`None` without
+    /// events), for `report --first-event/--last-event`; a read error is returned.
+    pub fn cpu_span(&self, cpu: u32) -> Result<Option<(u64, u64)>, OutputError> {
+        let mut span: Option<(u64, u64)> = None;
+        let mut r = self.records_of(|c| c == cpu);
+        while let Some(i) = r.next_item() {
+            if let TraceItem::Event(e) = i {
+                span = Some(span.map_or((e.ts_ns, e.ts_ns), |(f, _)| (f, e.ts_ns)));
+            }
+        }
+        match r.take_error() {
+            Some(e) => Err(e),
+            None => Ok(span),
+        }
+    }
+
+    /// Sum of the drop markers' counts and the number of markers without a count.
+    pub fn dropped(&self) -> (u64, usize) {
+        let (mut n, mut unknown) = (0u64, 0usize);
+        let mut r = self.records();
+        while let Some(i) = r.next_item() {
+            match i {
+                TraceItem::Dropped {
+                    missed: Missed::Count(c),
+                    ..
+                } => n = n.saturating_add(c),
+                TraceItem::Dropped { .. } => unknown += 1,
+                _ => {}
+            }
+        }
+        (n, unknown)
+    }
+
+    /// Debug summary (version, page size, CPUs, formats), one `key: value` per line.
+    pub fn summary(&self) -> String {
+        let mut s = String::new();
+        let _ = writeln!(s, "version: {}", self.version);
+        let _ = writeln!(s, "page size: {}", self.page_size);
+        let _ = writeln!(s, "cpus: {}", self.nr_cpus);
+        let _ = writeln!(s, "clock: {}", self.clock.as_deref().unwrap_or("-"));
+        if let Some(t) = &self.tsc2nsec {
+            let _ = writeln!(
+                s,
+                "tsc2nsec: mult={} shift={} offset={}",
+                t.mult, t.shift, t.offset
+            );
+        }
+        if self.ts_offset != 0 {
+            let _ = writeln!(s, "offset: {}", self.ts_offset);
+        }
+        for f in &self.formats {
+            let _ = writeln!(s, "event: {}:{} id={}", f.system, f.name, f.id);
+        }
+        s
+    }
+}

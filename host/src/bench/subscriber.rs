@@ -1,0 +1,180 @@
+//! `drain`'s subscriber row: what a subscriber receives (docs/design.md, "One reader,
+//! subscribers") — the VMM's session reading a host region filled beforehand into its
+//! outbox, a real control socket, and a client that subscribes, fetches 1 MiB at a time
+//! (acknowledging the last batch) and checks every piece as `dump --attach` does (its
+//! events decoded and counted), until an answer brings nothing new.
+
+use std::time::{Duration, Instant};
+
+use hyptrace_abi::page::{page_header, Events, PAGE_HEADER_SIZE};
+use hyptrace_output::{Clock, OutputError, PageSink, RunSummary};
+
+use super::drain::{filled_region, ReaderDrainRow, Throughput};
+use super::stats::Summary;
+use super::{BenchError, Cfg};
+use crate::control::consumer::{RunMeta, Subscribers};
+use crate::control::protocol::{Ack, Answer, Command, Outcome};
+use crate::control::server::{ControlServer, CtlConn, Handler, Refusal};
+use crate::drain::outbox::BatchItem;
+use crate::drain::session::{Output, Session};
+
+/// Bytes asked for per fetch (what `dump --attach` asks for).
+const FETCH: u64 = 1 << 20;
+
+/// The own output of the session: nothing reaches it while a subscriber takes all.
+struct Discard;
+impl PageSink for Discard {
+    fn page(&mut self, _: u32, _: &[u8], _: Option<u64>) -> Result<(), OutputError> {
+        Ok(())
+    }
+    fn finish(self: Box<Self>, _: &RunSummary) -> Result<(), OutputError> {
+        Ok(())
+    }
+}
+
+/// The run loop's side: subscribe and fetch over the session.
+struct Vmm<S> {
+    session: S,
+    subs: Subscribers,
+    meta: RunMeta,
+}
+
+impl<M: hyptrace_abi::SharedMem, C: hyptrace_reader::Callbacks> Handler for Vmm<Session<M, C>> {
+    fn handle(&mut self, conn: u64, cmd: &Command) -> Result<Answer, Refusal> {
+        let now = Instant::now();
+        match cmd {
+            Command::Subscribe { partial } => self
+                .subs
+                .subscribe(&mut self.session, (conn, *partial), &self.meta, now)
+                .map(Answer::Subscribed),
+            Command::Fetch {
+                token,
+                acks,
+                max_bytes,
+                knots,
+            } => self
+                .subs
+                .fetch(
+                    &mut self.session,
+                    (conn, *token),
+                    (acks, *max_bytes, *knots),
+                    (&self.meta.clock, Some(&|_| false)),
+                    now,
+                )
+                .map(Answer::Pieces),
+            _ => Err("not in this bench".into()),
+        }
+    }
+    fn gone(&mut self, conn: u64) {
+        self.subs.gone(&mut self.session, conn);
+    }
+}
+
+/// The client: subscribes, fetches until nothing new comes; returns (pieces, bytes of
+/// them, seconds from the first fetch).
+fn subscriber(sock: &std::path::Path) -> Result<(u64, u64, f64), String> {
+    let mut c = CtlConn::connect(sock, Duration::from_secs(30)).map_err(|e| e.to_string())?;
+    let token = match c.request(Command::Subscribe { partial: false }) {
+        Ok(Outcome::Ok(Answer::Subscribed(i))) => i.token,
+        r => return Err(format!("subscribe: {r:?}")),
+    };
+    let (mut pieces, mut bytes, mut acks) = (0u64, 0u64, Vec::new());
+    let fetch = |acks: Vec<Ack>| Command::Fetch {
+        token,
+        acks,
+        max_bytes: FETCH,
+        knots: 0,
+    };
+    let t = Instant::now();
+    // As `dump --attach --follow`: while answers come at least half full, the next fetch
+    // goes out before the batch is checked (acknowledging what came before it).
+    let mut in_flight: Option<u64> = None;
+    loop {
+        let id = match in_flight.take() {
+            Some(id) => id,
+            None => c.send(fetch(acks.clone())).map_err(|e| e.to_string())?,
+        };
+        let b = match c.receive(id) {
+            Ok(Outcome::Ok(Answer::Pieces(b))) => b,
+            r => return Err(format!("fetch: {r:?}")),
+        };
+        if b.items.is_empty() {
+            return Ok((pieces, bytes, t.elapsed().as_secs_f64()));
+        }
+        if b.bytes >= FETCH / 2 {
+            in_flight = Some(c.send(fetch(acks.clone())).map_err(|e| e.to_string())?);
+        }
+        let mut at = 0usize;
+        for it in &b.items {
+            if let BatchItem::Piece { events, len, .. } = it.item {
+                let p = b.data.get(at..at + len).ok_or("a piece past its batch")?;
+                let (ts, _) = page_header(p).unwrap_or((0, 0));
+                let n = Events::new(&p[PAGE_HEADER_SIZE..], ts).count() as u64;
+                if n != events {
+                    return Err(format!("a piece of {n} events says {events}"));
+                }
+                at += len;
+                pieces += 1;
+                bytes += len as u64;
+            }
+            acks = vec![Ack {
+                cpu: it.cpu,
+                seq: it.seq,
+            }];
+        }
+    }
+}
+
+/// One run: the session and socket in this thread, the subscriber in another.
+fn subscriber_once(pages: u32) -> Result<(u64, u64, f64), BenchError> {
+    let rb = filled_region(pages)?;
+    let mut session = Session::new(rb, Output::Pages(Box::new(Discard)), Clock::nanoseconds());
+    session.set_live_drain(false);
+    let mut vmm = Vmm {
+        session,
+        subs: Subscribers::new(),
+        meta: RunMeta {
+            clock: Clock::nanoseconds(),
+            formats: hyptrace_output::guest_formats(),
+        },
+    };
+    let dir = tempfile::Builder::new()
+        .prefix("hyptrace-bench-")
+        .tempdir()
+        .map_err(BenchError::TempFile)?;
+    let sock = dir.path().join("s");
+    let server = ControlServer::bind(&sock)?;
+    let r = std::thread::scope(|s| {
+        let client = s.spawn(|| subscriber(&sock));
+        // The run loop: serves as soon as a request comes (bounded: the client ends at
+        // the first empty answer, or fails).
+        while !client.is_finished() {
+            if server.serve(&mut vmm) == 0 {
+                std::thread::yield_now();
+            }
+        }
+        client
+            .join()
+            .unwrap_or_else(|_| Err("the subscriber panicked".into()))
+    });
+    drop(server);
+    r.map_err(BenchError::Subscriber)
+}
+
+/// The subscriber row: `reps` runs over a region of `drain_pages` pages.
+pub(super) fn subscriber_drain(cfg: &Cfg) -> Result<ReaderDrainRow, BenchError> {
+    let (mut mbs, mut pps) = (Vec::new(), Vec::new());
+    for _ in 0..cfg.reps {
+        let (pieces, bytes, secs) = subscriber_once(cfg.drain_pages)?;
+        mbs.push(bytes as f64 / secs / 1e6);
+        pps.push(pieces as f64 / secs);
+    }
+    Ok(ReaderDrainRow {
+        throughput: Throughput {
+            mb_per_s: Summary::of(&mbs),
+            pages_per_s: Summary::of(&pps),
+        },
+        mb_per_s_incl_fsync: Summary::of(&mbs),
+        pages: cfg.drain_pages,
+    })
+}
