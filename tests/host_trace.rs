@@ -903,3 +903,64 @@ fn missing_tracefs_or_event_is_an_input_error() {
         env::stderr(&out)
     );
 }
+
+/// Every event id of a `record --host-trace --host-events` trace.dat is below 0x8000
+/// (issue 40: KernelShark keeps event ids in a signed 16-bit field), in the formats as
+/// our reader and `trace-cmd dump --events` list them and in the records; the host
+/// kernel's events still print by name with their fields.
+#[test]
+fn host_trace_ids_below_0x8000() {
+    if !kvm_available(KRATE, "host_trace_ids_below_0x8000")
+        || !tracefs_available("host_trace_ids_below_0x8000")
+    {
+        return;
+    }
+    let _vm = vm_lock();
+    let dir = TempDir::new("host-trace-ids");
+    let dat = dir.file("x.dat");
+    let run = "record --host-trace sched:sched_switch,sched:sched_wakeup --host-events \
+               --workload mixed --vcpus 2 --events 20000 --rate 100000";
+    let args: Vec<&str> = run.split_whitespace().chain(["-o", dat.as_str()]).collect();
+    let out = env::run(BIN, &args);
+    assert_eq!(out.status.code(), Some(0), "{}", env::stderr(&out));
+    let f = hyptrace_output::TraceFile::open(&dat).expect("our reader");
+    let ids: Vec<(u16, String)> = f
+        .formats
+        .iter()
+        .map(|x| (x.id, format!("{}:{}", x.system, x.name)))
+        .collect();
+    assert!(
+        ids.iter().any(|(_, n)| n == "sched:sched_switch"),
+        "{ids:?}"
+    );
+    assert!(ids.iter().any(|(_, n)| n.starts_with("vmm:")), "{ids:?}");
+    assert!(ids.iter().all(|(id, _)| *id < 0x8000), "{ids:?}");
+    // Every record's id is a listed one.
+    let mut records = f.records();
+    let mut n = 0u64;
+    while let Some(item) = records.next_item() {
+        if let hyptrace_output::TraceItem::Event(r) = item {
+            let id = u16::from_le_bytes([r.payload[0], r.payload[1]]);
+            assert!(id < 0x8000 && ids.iter().any(|(i, _)| *i == id), "{id}");
+            n += 1;
+        }
+    }
+    assert!(n > 0);
+    if !env::trace_cmd_available() {
+        return;
+    }
+    let dump = env::run("trace-cmd", &["dump", "--events", "-i", &dat]);
+    assert!(dump.status.success(), "{}", env::stderr(&dump));
+    let listed: Vec<u32> = env::stdout(&dump)
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("ID: "))
+        .map(|v| v.trim().parse().expect("ID"))
+        .collect();
+    assert_eq!(listed.len(), ids.len(), "{}", env::stdout(&dump));
+    assert!(listed.iter().all(|&id| id < 0x8000), "{listed:?}");
+    let tc = env::run("trace-cmd", &["report", "-i", &dat]);
+    assert!(tc.status.success(), "{}", env::stderr(&tc));
+    let text = env::stdout(&tc);
+    assert!(!text.contains("[UNKNOWN EVENT]"), "unknown events");
+    assert!(text.contains("sched_switch:"), "no host sched_switch");
+}

@@ -168,6 +168,7 @@ fn word(data: &[u8], off: usize) -> Option<u32> {
 /// Decodes the record at `offset` of a committed data area `data` (exactly `commit`
 /// bytes long). Returns the record and the offset of the next one, or `Ok(None)` at the
 /// end (the end of `data`, or padding with delta 0, which ends the page).
+#[inline]
 pub fn decode_record(data: &[u8], offset: usize) -> Result<Option<(Record, usize)>, DecodeError> {
     if offset >= data.len() {
         return Ok(None);

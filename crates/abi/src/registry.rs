@@ -65,12 +65,29 @@ pub const MAX_RECORD: usize = 4096;
 pub const NR_SLOTS: u32 = 64;
 /// First id the host assigns to an event that requested none (or a taken one).
 pub const FIRST_DYNAMIC_ID: u16 = 2000;
-/// Ids from here up belong to the VMM's own events (`--host-events`): a guest that
-/// requests one gets an assigned id instead.
-pub const FIRST_VMM_ID: u16 = 0xff00;
+/// Largest event id in a trace hyptrace writes (invariant H3, docs/design.md): every id
+/// stays below 0x8000, because KernelShark (2.2) keeps event ids in a signed 16-bit field
+/// — an event of id ≥ 0x8000 shows as a row without name and fields (issue 40). Guest ids
+/// are below [`FIRST_HOST_KERNEL_ID`], then come the host kernel's and the VMM's.
+pub const MAX_EVENT_ID: u16 = 0x7fff;
+/// Ids from here up to [`MAX_EVENT_ID`] belong to the VMM's own events
+/// (`--host-events`): a guest that requests one gets an assigned id instead.
+pub const FIRST_VMM_ID: u16 = 0x7f00;
 /// Ids from here up to [`FIRST_VMM_ID`] are the host kernel's events (`--host-trace`,
-/// renumbered by the host): a guest that requests one gets an assigned id instead.
-pub const FIRST_HOST_KERNEL_ID: u16 = 0xfe00;
+/// renumbered by the host): a guest that requests one — or any id from here up — gets
+/// an assigned id instead.
+pub const FIRST_HOST_KERNEL_ID: u16 = 0x7e00;
+/// Where hyptrace put the host kernel's events before issue 40 (0xfe00..0xff00, the VMM's
+/// from 0xff00): traces written then are still read as such ([`is_host_kernel_id`]).
+pub const LEGACY_HOST_KERNEL_IDS: core::ops::Range<u16> = 0xfe00..0xff00;
+
+/// Whether `id` is a host kernel event's (`--host-trace`): in
+/// [`FIRST_HOST_KERNEL_ID`]..[`FIRST_VMM_ID`], or in [`LEGACY_HOST_KERNEL_IDS`] (a trace
+/// written before issue 40; no guest event ever had such an id).
+pub const fn is_host_kernel_id(id: u16) -> bool {
+    (id >= FIRST_HOST_KERNEL_ID && id < FIRST_VMM_ID)
+        || (id >= LEGACY_HOST_KERNEL_IDS.start && id < LEGACY_HOST_KERNEL_IDS.end)
+}
 
 /// State word: the table is not written yet (what the host reserved: zeros).
 pub const STATE_EMPTY: u64 = 0;
@@ -235,6 +252,10 @@ const _: () = {
     assert!(offset_of!(FieldEntry, offset) == 16);
     assert!(offset_of!(FieldEntry, signed) == 24);
     assert!(MAX_EVENTS as u32 == NR_SLOTS);
+    // Id ranges: guests, then the host kernel's, then the VMM's, all below 0x8000.
+    assert!(FIRST_DYNAMIC_ID as usize + MAX_EVENTS <= FIRST_HOST_KERNEL_ID as usize);
+    assert!(FIRST_HOST_KERNEL_ID < FIRST_VMM_ID && FIRST_VMM_ID <= MAX_EVENT_ID);
+    assert!(MAX_EVENT_ID < 0x8000);
 };
 
 /// Known C types of a field: `(type, size, signed)`. Arrays of these (`T[N]`, size

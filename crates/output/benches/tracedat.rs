@@ -6,14 +6,22 @@
 //! - `tracedat/v7-zstd/pages`: the same, zstd-compressed (`record`'s default); the
 //!   compressed size is printed once.
 //! - `zstd/level/L`: the compression alone (10-page chunks, one context reused, no file)
-//!   at zstd levels -5, -1, 1 and 3, with the ratio printed once: the cost of
+//!   at zstd levels -1000 (the catch-up level of a live sink that fell behind), -5, -1,
+//!   1 and 3 (the sink's, trace-cmd's), with the ratio printed once: the cost of
 //!   `v7-zstd` over `v7`.
-//! - `cpu/v7/pages`, `cpu/v7-zstd/pages`, `cpu/zstd-level/-1`: the same work timed in
+//! - `cpu/v7/pages`, `cpu/v7-zstd/pages`, `cpu/zstd-level/3`: the same work timed in
 //!   **CPU time** of the process (all threads, `/proc/self/stat`, 10 ms ticks: use the
 //!   throughput, not single samples) instead of wall time: what the drain costs when it
 //!   has the cores to itself — on a loaded machine the wall-clock numbers measure the
 //!   other tenants.
 //! - `tracedat/raw/pages`: `RawSink` over the same pages, for comparison.
+//! - `tracedat/v7-zstd-text/pages`: v7 zstd of pages where every fourth event is a
+//!   `guest:text` (a string field: its bytes are made safe, G2) — the cost of the
+//!   string walk; `tracedat/v7-zstd-bycpu/pages`: the marker pages fed CPU by CPU, each
+//!   CPU ended (`PageSink::end_cpu`), as `convert` feeds a trace.dat: every CPU written
+//!   straight into the output, nothing spilled.
+//! - `sinks/text/pages`, `sinks/json/pages`: the text and JSON sinks over the marker
+//!   pages (their per-event lookups and formatting).
 //! - `tracedat/v7-mapped/pages`, `cpu/v7-mapped/pages`: v7 with a run's clock map
 //!   (`--clock mono`: 120 knots, a minute of corrections): every page retimed to ns
 //!   (`Clock::retime_page`) on its way in — the cost of the corrected clock over `v7`.
@@ -24,8 +32,8 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 use hyptrace_abi::events;
 use hyptrace_abi::page::{self, COMMIT_OFFSET, PAGE_HEADER_SIZE};
 use hyptrace_output::{
-    Clock, ClockMap, Compression, Knot, PageSink, RawSink, RunSummary, TraceDatSink,
-    TraceDatVersion, TraceMeta, SLOPE_SHIFT,
+    Clock, ClockMap, Compression, JsonSink, Knot, PageSink, RawSink, RunSummary, TextSink,
+    TraceDatSink, TraceDatVersion, TraceMeta, SLOPE_SHIFT,
 };
 use std::path::PathBuf;
 use std::time::Duration;
@@ -34,15 +42,15 @@ const PAGE: usize = 4096;
 const PAGES: usize = 2048;
 const CPUS: u32 = 2;
 
-/// A full page of marker events (delta 100 each), as the reader hands it out.
-fn page_of_markers(cpu: u32, first_seq: u64, ts: u64) -> Vec<u8> {
+/// A full page of events (delta 100 each), as the reader hands it out: the payload of
+/// event `seq` is `payload(seq)`.
+fn page_of(ts: u64, first_seq: u64, payload: impl Fn(u64) -> Vec<u8>) -> Vec<u8> {
     let mut p = vec![0u8; PAGE];
     p[..8].copy_from_slice(&ts.to_le_bytes());
     let cap = PAGE - PAGE_HEADER_SIZE - 96;
-    let mut at = 0;
-    let mut seq = first_seq;
+    let (mut at, mut seq) = (0, first_seq);
     loop {
-        let payload = events::marker(events::vcpu_pid(cpu), seq, seq);
+        let payload = payload(seq);
         let size = page::data_event_size(payload.len());
         if at + size > cap {
             break;
@@ -58,6 +66,27 @@ fn page_of_markers(cpu: u32, first_seq: u64, ts: u64) -> Vec<u8> {
     }
     p[COMMIT_OFFSET..COMMIT_OFFSET + 8].copy_from_slice(&(at as u64).to_le_bytes());
     p
+}
+
+/// A full page of marker events.
+fn page_of_markers(cpu: u32, first_seq: u64, ts: u64) -> Vec<u8> {
+    page_of(ts, first_seq, |seq| {
+        events::marker(events::vcpu_pid(cpu), seq, seq).to_vec()
+    })
+}
+
+/// A full page of events, every fourth a `guest:text` of 40 bytes, the rest markers.
+fn page_with_text(cpu: u32, first_seq: u64, ts: u64) -> Vec<u8> {
+    let msg = b"a guest text of forty bytes, plain ASCII";
+    page_of(ts, first_seq, |seq| {
+        if seq % 4 == 0 {
+            let mut buf = [0u8; 128];
+            let n = events::text(&mut buf, events::vcpu_pid(cpu), seq, msg).expect("text");
+            buf[..n].to_vec()
+        } else {
+            events::marker(events::vcpu_pid(cpu), seq, seq).to_vec()
+        }
+    })
 }
 
 fn pages() -> Vec<(u32, Vec<u8>)> {
@@ -105,6 +134,19 @@ fn write_all(mut sink: Box<dyn PageSink>, pages: &[(u32, Vec<u8>)]) {
     sink.finish(&RunSummary::default()).expect("finish");
 }
 
+/// The pages CPU by CPU, each CPU ended after its last (as `convert` feeds a trace.dat).
+fn write_by_cpu(mut sink: Box<dyn PageSink>, pages: &[(u32, Vec<u8>)]) {
+    for cpu in 0..CPUS {
+        for (c, p) in pages {
+            if *c == cpu {
+                sink.page(cpu, p, None).expect("page");
+            }
+        }
+        sink.end_cpu(cpu).expect("end");
+    }
+    sink.finish(&RunSummary::default()).expect("finish");
+}
+
 fn tracedat_benches(c: &mut Criterion) {
     let pages = pages();
     let mut g = c.benchmark_group("tracedat");
@@ -141,6 +183,56 @@ fn tracedat_benches(c: &mut Criterion) {
         })
     });
     let _ = std::fs::remove_file(&path);
+    let text: Vec<(u32, Vec<u8>)> = pages
+        .iter()
+        .enumerate()
+        .map(|(i, (cpu, _))| {
+            let ts = 1_000_000 + i as u64 * 20_000;
+            (*cpu, page_with_text(*cpu, i as u64 * 200, ts))
+        })
+        .collect();
+    type Pages = [(u32, Vec<u8>)];
+    type Feed = fn(Box<dyn PageSink>, &Pages);
+    let runs: [(&str, &Pages, Feed); 2] = [
+        ("v7-zstd-text", &text, write_all),
+        ("v7-zstd-bycpu", &pages, write_by_cpu),
+    ];
+    for (name, input, feed) in runs {
+        let path = out_path(&format!("{name}.dat"));
+        g.bench_function(BenchmarkId::new(name, PAGES), |b| {
+            b.iter(|| {
+                let (v, z) = (TraceDatVersion::V7, Compression::Zstd);
+                let sink = TraceDatSink::create_with(&path, meta(), v, z).expect("create");
+                feed(Box::new(sink), input);
+            })
+        });
+        let _ = std::fs::remove_file(&path);
+    }
+    g.finish();
+}
+
+/// A sink of another format into `path`.
+type MakeSink = fn(&PathBuf) -> Box<dyn PageSink>;
+
+fn sink_benches(c: &mut Criterion) {
+    let pages = pages();
+    let mut g = c.benchmark_group("sinks");
+    g.throughput(Throughput::Bytes((PAGES * PAGE) as u64));
+    let sinks: [(&str, MakeSink); 2] = [
+        ("text", |p| {
+            Box::new(TextSink::create(p, meta()).expect("create"))
+        }),
+        ("json", |p| {
+            Box::new(JsonSink::create(p, meta()).expect("create"))
+        }),
+    ];
+    for (name, make) in sinks {
+        let path = out_path(&format!("pages.{name}"));
+        g.bench_function(BenchmarkId::new(name, PAGES), |b| {
+            b.iter(|| write_all(make(&path), &pages))
+        });
+        let _ = std::fs::remove_file(&path);
+    }
     g.finish();
 }
 
@@ -150,7 +242,7 @@ fn zstd_benches(c: &mut Criterion) {
     let mut g = c.benchmark_group("zstd");
     g.throughput(Throughput::Bytes(data.len() as u64));
     let chunk = 10 * PAGE;
-    for level in [-5, -1, 1, 3] {
+    for level in [-1000, -5, -1, 1, 3] {
         let mut z = zstd::bulk::Compressor::new(level).expect("zstd");
         let mut out = Vec::with_capacity(zstd::zstd_safe::compress_bound(chunk));
         let mut total = 0usize;
@@ -215,9 +307,9 @@ fn cpu_benches(c: &mut Criterion) {
     }
     let data: Vec<u8> = pages.iter().flat_map(|(_, p)| p.iter().copied()).collect();
     let chunk = 10 * PAGE;
-    let mut z = zstd::bulk::Compressor::new(-1).expect("zstd");
+    let mut z = zstd::bulk::Compressor::new(3).expect("zstd");
     let mut out = Vec::with_capacity(zstd::zstd_safe::compress_bound(chunk));
-    g.bench_function(BenchmarkId::new("zstd-level", -1), |b| {
+    g.bench_function(BenchmarkId::new("zstd-level", 3), |b| {
         b.iter_custom(|iters| {
             let t0 = process_cpu();
             for _ in 0..iters {
@@ -242,6 +334,6 @@ fn config() -> Criterion {
 criterion_group! {
     name = benches;
     config = config();
-    targets = tracedat_benches, zstd_benches, cpu_benches
+    targets = tracedat_benches, sink_benches, zstd_benches, cpu_benches
 }
 criterion_main!(benches);

@@ -40,6 +40,7 @@ mod clock;
 mod error;
 mod export;
 pub mod format;
+mod idtable;
 pub mod merge;
 pub mod perfetto;
 mod plugins;

@@ -191,6 +191,14 @@ pub trait PageSink {
         let _ = (cpu, lost);
         Ok(())
     }
+    /// CPU `cpu` delivers nothing more: no page, no `trailing_lost` (a later one is an
+    /// error). Optional: a sink that writes each CPU's data in one piece (trace.dat)
+    /// can then write the next CPU's straight to its place (`convert` feeds a trace.dat
+    /// CPU by CPU and says so).
+    fn end_cpu(&mut self, cpu: u32) -> Result<(), OutputError> {
+        let _ = cpu;
+        Ok(())
+    }
     /// CPU `cpu` will deliver no event with a raw timestamp older than `ts` (a CPU
     /// that had nothing to deliver when it was looked at: the host kernel's CPUs of
     /// `--host-trace`). A sink that merges CPUs by time ([`crate::TextSink`]) stops
@@ -206,6 +214,11 @@ pub trait PageSink {
     fn idle(&mut self) -> Result<(), OutputError> {
         Ok(())
     }
+    /// The pages come from live rings, which lose events while the sink falls behind
+    /// ([`crate::ThreadedSink`] says so of the sink it runs; `convert` does not): a sink
+    /// may then trade output size for pace — the trace.dat sink stores a zstd chunk
+    /// nearly uncompressed when its compression workers are behind.
+    fn set_live(&mut self) {}
     /// The run is aborted: stop writing as soon as possible (what is queued is not
     /// written); the sink is dropped next, unfinished.
     fn abandon(&mut self) {}

@@ -488,6 +488,17 @@ impl OutputFile {
         }
     }
 
+    /// A second handle on the file for positioned writes (`write_at`), when the output
+    /// is a temporary file (a regular file's): `None` for a device, FIFO or stdout,
+    /// which are written in order. Bytes written through this `OutputFile` (buffered)
+    /// and through the handle must not overlap.
+    pub(crate) fn positioned(&self) -> Option<io::Result<File>> {
+        match &self.inner {
+            Inner::Temp(w) => Some(w.get_ref().file().try_clone()),
+            _ => None,
+        }
+    }
+
     /// Stops writing: the temporary file is removed, buffered bytes are discarded.
     fn abort(&mut self) {
         match std::mem::replace(&mut self.inner, Inner::Closed) {

@@ -103,8 +103,10 @@ type Cancel = Box<dyn Fn() -> bool + Send + Sync>;
 const CANCEL_POLL: Duration = Duration::from_millis(20);
 
 impl ThreadedSink {
-    /// Starts the sink thread around `inner`.
-    pub fn new(inner: Box<dyn PageSink + Send>) -> Result<Self, OutputError> {
+    /// Starts the sink thread around `inner` (told its pages come from live rings,
+    /// [`PageSink::set_live`]).
+    pub fn new(mut inner: Box<dyn PageSink + Send>) -> Result<Self, OutputError> {
+        inner.set_live();
         let (tx, rx) = sync_channel::<Msg>(MAX_CHUNKS + 1);
         let (free_tx, free) = sync_channel::<Chunk>(MAX_CHUNKS + 1);
         let stop = Arc::new(Stop::default());

@@ -75,8 +75,32 @@ fn generate(page_size: usize, nr_cpus: u32, per_cpu: usize) -> Gen {
     }
 }
 
+/// The order pages are fed to the sink in.
+#[derive(Clone, Copy)]
+enum Order {
+    /// CPUs interleaved as a live run would, CPU 0 first.
+    Interleaved,
+    /// Interleaved, the last CPU first: its data goes first into the file.
+    Reversed,
+    /// CPU after CPU, each ended (`PageSink::end_cpu`) after its pages, as `convert`
+    /// feeds a trace.dat: every CPU's data written straight into the output.
+    ByCpu,
+}
+
 /// Writes the pages through the streaming sink, CPUs interleaved as a live run would.
 fn write(
+    g: &Gen,
+    path: &std::path::Path,
+    meta: TraceMeta,
+    version: TraceDatVersion,
+    compression: Compression,
+) {
+    write_in(Order::Interleaved, g, path, meta, version, compression);
+}
+
+/// [`write`] with the pages fed in `order`.
+fn write_in(
+    order: Order,
     g: &Gen,
     path: &std::path::Path,
     meta: TraceMeta,
@@ -86,10 +110,23 @@ fn write(
     let mut sink: Box<dyn PageSink> =
         Box::new(TraceDatSink::create_with(path, meta, version, compression).unwrap());
     let max = g.pages.iter().map(Vec::len).max().unwrap_or(0);
-    for i in 0..max {
-        for (cpu, p) in g.pages.iter().enumerate() {
-            if let Some((page, missed)) = p.get(i) {
+    let mut cpus: Vec<usize> = (0..g.pages.len()).collect();
+    if let Order::Reversed = order {
+        cpus.reverse();
+    }
+    if let Order::ByCpu = order {
+        for &cpu in &cpus {
+            for (page, missed) in &g.pages[cpu] {
                 sink.page(cpu as u32, page, *missed).unwrap();
+            }
+            sink.end_cpu(cpu as u32).unwrap();
+        }
+    } else {
+        for i in 0..max {
+            for &cpu in &cpus {
+                if let Some((page, missed)) = g.pages[cpu].get(i) {
+                    sink.page(cpu as u32, page, *missed).unwrap();
+                }
             }
         }
     }
@@ -160,7 +197,32 @@ fn check(
     clock: Clock,
     name: &str,
 ) {
-    let g = generate(page_size, 3, if page_size > 4096 { 900 } else { 400 });
+    check_in(
+        Order::Interleaved,
+        page_size,
+        version,
+        compression,
+        clock,
+        name,
+    );
+}
+
+/// [`check`] of a file whose pages were fed in `order`.
+fn check_in(
+    order: Order,
+    page_size: usize,
+    version: TraceDatVersion,
+    compression: Compression,
+    clock: Clock,
+    name: &str,
+) {
+    // Reversed: enough pages that the last CPU hands chunks on before the end.
+    let per_cpu = match (order, page_size > 4096) {
+        (Order::Reversed, _) => 6000,
+        (_, true) => 900,
+        (_, false) => 400,
+    };
+    let g = generate(page_size, 3, per_cpu);
     // Our pages never start with a TIME_EXTEND (trace-cmd would hide a drop marker).
     for cpu_pages in &g.pages {
         for (p, _) in cpu_pages {
@@ -175,7 +237,8 @@ fn check(
     assert!(!g.drops.is_empty(), "workload has losses");
     let dir = scratch_dir(name);
     let path = dir.join("trace.dat");
-    write(
+    write_in(
+        order,
         &g,
         &path,
         TraceMeta::guest(page_size, 3, clock.clone()),
@@ -198,6 +261,13 @@ fn check(
     );
     assert_eq!(f.page_size, page_size);
     assert_eq!(f.tsc2nsec, clock.tsc);
+    // Where each CPU's data went: the first CPU to hand a chunk on writes first.
+    let offs: Vec<u64> = f.cpus.iter().map(|b| b.offset).collect();
+    match order {
+        Order::Reversed if zstd => assert!(offs[2] < offs[0], "{offs:?}"),
+        Order::ByCpu => assert!(offs.windows(2).all(|w| w[0] < w[1]), "{offs:?}"),
+        _ => {}
+    }
     assert_eq!(f.event_count(), g.events.len());
     let ours: Vec<String> = f.report().lines().map(norm).collect();
     assert_eq!(ours, expected);
@@ -316,6 +386,57 @@ fn v7_16k_tsc() {
         Compression::None,
         Clock::guest_tsc(1_000_000).unwrap(),
         "v7-16k",
+    );
+}
+
+/// The last CPU's pages first: its data is written straight into the file, first,
+/// the other CPUs' after it — trace-cmd reads each CPU at its offset.
+#[test]
+fn v7_zstd_cpus_out_of_order() {
+    check_in(
+        Order::Reversed,
+        4096,
+        TraceDatVersion::V7,
+        Compression::Zstd,
+        Clock::guest_tsc(2_918_400).unwrap(),
+        "v7z-reversed",
+    );
+}
+
+#[test]
+fn v6_cpus_out_of_order() {
+    check_in(
+        Order::Reversed,
+        4096,
+        TraceDatVersion::V6,
+        Compression::None,
+        Clock::nanoseconds(),
+        "v6-reversed",
+    );
+}
+
+/// CPU after CPU, each ended: every CPU's data written straight to its place.
+#[test]
+fn v7_zstd_cpu_by_cpu() {
+    check_in(
+        Order::ByCpu,
+        4096,
+        TraceDatVersion::V7,
+        Compression::Zstd,
+        Clock::guest_tsc(2_918_400).unwrap(),
+        "v7z-bycpu",
+    );
+}
+
+#[test]
+fn v6_cpu_by_cpu() {
+    check_in(
+        Order::ByCpu,
+        16384,
+        TraceDatVersion::V6,
+        Compression::None,
+        Clock::nanoseconds(),
+        "v6-bycpu",
     );
 }
 

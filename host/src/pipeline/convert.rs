@@ -479,19 +479,7 @@ pub fn pump_pages(
         if hyptrace_output::stdout_closed() {
             break;
         }
-        let page = cursors[i].page();
-        if let Some(why) = hyptrace_output::tracedat::page_damage(page) {
-            on_damage(hyptrace_output::tracedat::Damage {
-                cpu: Some(cpu),
-                offset: None,
-                what: format!("a page does not decode ({why}): copied as it is"),
-            });
-        }
-        let missed = match hyptrace_output::page_missed(page) {
-            Missed::Count(n) => Some(n),
-            Missed::Unknown | Missed::None => None,
-        };
-        sink.page(cpu, page, missed)?;
+        feed_page(sink.as_mut(), cpu, cursors[i].page(), on_damage)?;
         if let Some(ts) = next_head(&mut cursors[i])? {
             heads.push(Reverse((ts, cpu, i)));
         }
@@ -499,6 +487,62 @@ pub fn pump_pages(
             .take_damage()
             .into_iter()
             .for_each(&mut *on_damage);
+    }
+    sink.finish(&RunSummary::default())
+}
+
+/// Hands `page` of `cpu` to `sink`, its losses kept; a page that does not decode is
+/// named to `on_damage` (and copied as it is).
+fn feed_page(
+    sink: &mut dyn PageSink,
+    cpu: u32,
+    page: &[u8],
+    on_damage: &mut dyn FnMut(hyptrace_output::tracedat::Damage),
+) -> Result<(), OutputError> {
+    if let Some(why) = hyptrace_output::tracedat::page_damage(page) {
+        on_damage(hyptrace_output::tracedat::Damage {
+            cpu: Some(cpu),
+            offset: None,
+            what: format!("a page does not decode ({why}): copied as it is"),
+        });
+    }
+    let missed = match hyptrace_output::page_missed(page) {
+        Missed::Count(n) => Some(n),
+        Missed::Unknown | Missed::None => None,
+    };
+    sink.page(cpu, page, missed)
+}
+
+/// [`pump_pages`] for a sink that takes each CPU's pages in one piece (trace.dat): CPU
+/// after CPU, each one ended ([`PageSink::end_cpu`]) after its last page, so the sink
+/// writes every CPU's data straight to its place.
+pub fn pump_by_cpu(
+    f: &TraceFile,
+    mut sink: Box<dyn PageSink>,
+    on_damage: &mut dyn FnMut(hyptrace_output::tracedat::Damage),
+) -> Result<(), OutputError> {
+    for (i, b) in f.cpus.iter().enumerate() {
+        let Some(mut c) = f.pages(i) else {
+            continue;
+        };
+        // Bounded: every step consumes a page of the CPU.
+        loop {
+            if hyptrace_output::stdout_closed() {
+                break;
+            }
+            let more = match c.next_page()? {
+                Some(page) => {
+                    feed_page(sink.as_mut(), b.cpu, page, on_damage)?;
+                    true
+                }
+                None => false,
+            };
+            c.take_damage().into_iter().for_each(&mut *on_damage);
+            if !more {
+                break;
+            }
+        }
+        sink.end_cpu(b.cpu)?;
     }
     sink.finish(&RunSummary::default())
 }
@@ -553,10 +597,16 @@ pub fn convert(a: &ConvertArgs) -> Result<(), ConvertError> {
             }
             let sink = crate::drain::sink::make_sink(&target, format, compression, meta_of(&f))
                 .map_err(ConvertError::Output)?;
-            pump_pages(&f, sink, &mut |d| {
+            let mut on_damage = |d| {
                 damage += 1;
                 warn_damage(&a.input, &d);
-            })
+            };
+            match format {
+                // A trace.dat keeps each CPU's data in one piece: fed CPU by CPU, it is
+                // written once, straight to its place.
+                FormatArg::Dat | FormatArg::Dat6 => pump_by_cpu(&f, sink, &mut on_damage),
+                _ => pump_pages(&f, sink, &mut on_damage),
+            }
         }
     };
     if r.is_ok() && damage > 0 {

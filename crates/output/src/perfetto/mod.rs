@@ -420,10 +420,9 @@ fn first_packet(interned: InternedData) -> TracePacket {
 }
 
 /// Whether `f` is a host kernel event (`--host-trace`: ids renumbered from
-/// `FIRST_HOST_KERNEL_ID`, below the VMM's).
+/// `FIRST_HOST_KERNEL_ID`, below the VMM's; or a trace of before issue 40).
 fn is_host_kernel(f: &EventFormat) -> bool {
-    (hyptrace_abi::registry::FIRST_HOST_KERNEL_ID..hyptrace_abi::registry::FIRST_VMM_ID)
-        .contains(&f.id)
+    hyptrace_abi::registry::is_host_kernel_id(f.id)
 }
 
 /// A host kernel `sched_switch` / `sched_wakeup` (`--host-trace`) as the ftrace event

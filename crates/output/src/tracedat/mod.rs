@@ -5,6 +5,9 @@ mod strings;
 
 /// How a guest string is written into a trace.dat page (G2): [`strings::sanitize`].
 pub use strings::sanitize as sanitize_guest_string;
+mod cpudata;
+mod cpuout;
+mod head;
 mod write;
 mod zpool;
 

@@ -1,16 +1,21 @@
-//! trace.dat writer: streaming per-CPU spill files, assembled into v6 or v7 at the end.
+//! trace.dat writer: the CPU data written as the run goes on (`cpudata`), the
+//! metadata (`head`) and the file assembled at the end, v6 or v7.
 
-use std::io::{self, BufWriter, Seek, SeekFrom, Write};
+use std::fs::File;
+use std::io::{self, Write};
+use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use super::{option, MAGIC};
-use crate::format::{header_page_text, EventFormat, HEADER_EVENT_TEXT};
-use crate::sink::{KernelCpuStat, PageSink, RunSummary, TraceMeta};
-use crate::target::{OutputFile, OutputTarget, Temp};
+use super::cpudata::{CpuData, Finished, Tail};
+use super::cpuout::{At, CpuOut};
+use super::head::{align_up, bound, metadata, Layout, Place};
+use crate::format::EventFormat;
+use crate::sink::{PageSink, RunSummary, TraceMeta};
+use crate::target::{OutputFile, OutputTarget};
 use crate::OutputError;
 
-/// Preferred event id of `hyptrace:trailing_lost` (the next free one below 65536 if a
-/// format already uses it).
+/// Preferred event id of `hyptrace:trailing_lost` (the highest free one below
+/// [`hyptrace_abi::registry::MAX_EVENT_ID`] if a format already uses it).
 pub const TRAILING_LOST_ID: u16 = 999;
 
 /// Which trace.dat version to write.
@@ -35,417 +40,22 @@ pub enum Compression {
     Zstd,
 }
 
-/// Pages per compressed chunk (trace-cmd's own chunk: 10 pages).
+/// Pages per compressed chunk (trace-cmd's own chunk: `PAGES_IN_CHUNK`, 10 pages).
 pub const ZSTD_CHUNK_PAGES: usize = 10;
-/// zstd level: -1, zstd's first fast level: about twice the speed of level 1 at 6.4× on
-/// marker pages instead of 7.5× (`cargo bench -p hyptrace-output --bench tracedat --
-/// zstd`).
-const ZSTD_LEVEL: i32 = -1;
-/// Most compression worker threads of one sink (also at most one per CPU and per core).
-const ZSTD_MAX_WORKERS: usize = 8;
 
-/// Trace clocks the kernel lists in `trace_clock`; the TRACECLOCK text brackets ours.
-const CLOCKS: &[&str] = &[
-    "local", "global", "counter", "uptime", "perf", "mono", "mono_raw", "boot", "tai", "x86-tsc",
-];
-
-fn clock_text(name: &str) -> String {
-    let mut list: Vec<String> = CLOCKS.iter().map(|c| c.to_string()).collect();
-    if !CLOCKS.contains(&name) {
-        list.push(name.to_string());
-    }
-    let items: Vec<String> = list
-        .into_iter()
-        .map(|c| if c == name { format!("[{c}]") } else { c })
-        .collect();
-    format!("{}\n", items.join(" "))
-}
-
-fn cstr(s: &str) -> Vec<u8> {
-    let mut v = s.as_bytes().to_vec();
-    v.push(0);
-    v
-}
-
-fn align_up(v: u64, a: u64) -> u64 {
-    v.div_ceil(a) * a
-}
-
-fn push_opt(out: &mut Vec<u8>, id: u16, data: &[u8]) {
-    out.extend_from_slice(&id.to_le_bytes());
-    out.extend_from_slice(&(data.len() as u32).to_le_bytes());
-    out.extend_from_slice(data);
-}
-
-fn header_info(page_size: usize) -> Vec<u8> {
-    let mut v = Vec::new();
-    let hp = header_page_text(page_size);
-    v.extend_from_slice(b"header_page\0");
-    v.extend_from_slice(&(hp.len() as u64).to_le_bytes());
-    v.extend_from_slice(hp.as_bytes());
-    v.extend_from_slice(b"header_event\0");
-    v.extend_from_slice(&(HEADER_EVENT_TEXT.len() as u64).to_le_bytes());
-    v.extend_from_slice(HEADER_EVENT_TEXT.as_bytes());
-    v
-}
-
-fn event_formats(formats: &[EventFormat]) -> Vec<u8> {
-    let mut systems: Vec<&str> = Vec::new();
-    for f in formats {
-        if !systems.contains(&f.system.as_str()) {
-            systems.push(&f.system);
-        }
-    }
-    let mut v = Vec::new();
-    v.extend_from_slice(&(systems.len() as u32).to_le_bytes());
-    for s in systems {
-        v.extend_from_slice(&cstr(s));
-        let evs: Vec<&EventFormat> = formats.iter().filter(|f| f.system == s).collect();
-        v.extend_from_slice(&(evs.len() as u32).to_le_bytes());
-        for e in evs {
-            let t = e.to_format_text();
-            v.extend_from_slice(&(t.len() as u64).to_le_bytes());
-            v.extend_from_slice(t.as_bytes());
-        }
-    }
-    v
-}
-
-fn cmdlines(meta: &TraceMeta) -> Vec<u8> {
-    let text: String = meta
-        .cmdlines
-        .iter()
-        .map(|(pid, comm)| format!("{pid} {comm}\n"))
-        .collect();
-    let mut v = (text.len() as u64).to_le_bytes().to_vec();
-    v.extend_from_slice(text.as_bytes());
-    v
-}
-
-/// Options common to v6 and v7 (clock, TSC2NSEC, CPUSTAT per CPU).
-/// A clock with a map declares its host clock and no TSC2NSEC/OFFSET: the pages carry
-/// its ns ([`crate::Clock::retime_page`] in [`TraceDatSink::page`]).
-fn common_options(meta: &TraceMeta, stats: &[KernelCpuStat], out: &mut Vec<u8>) {
-    let clock = meta.clock.file_clock();
-    push_opt(out, option::TRACECLOCK, &cstr(&clock_text(&clock.name)));
-    if let Some(t) = &clock.tsc {
-        let mut d = Vec::with_capacity(16);
-        d.extend_from_slice(&t.mult.to_le_bytes());
-        d.extend_from_slice(&t.shift.to_le_bytes());
-        d.extend_from_slice(&t.offset.to_le_bytes());
-        push_opt(out, option::TSC2NSEC, &d);
-    }
-    if clock.offset_ns != 0 {
-        // trace-cmd adds it after TSC2NSEC (Clock::trace_cmd_ns).
-        push_opt(out, option::OFFSET, &cstr(&clock.offset_ns.to_string()));
-    }
-    for cpu in 0..meta.nr_cpus {
-        let s = stats.get(cpu as usize).copied().unwrap_or_default();
-        push_opt(out, option::CPUSTAT, &cstr(&s.to_cpustat_text(cpu)));
-    }
-}
-
-fn file_start(version: u8, page_size: usize) -> Vec<u8> {
-    let mut v = MAGIC.to_vec();
-    v.push(b'0' + version);
-    v.push(0);
-    v.push(0); // little endian
-    v.push(8); // sizeof(long)
-    v.extend_from_slice(&(page_size as u32).to_le_bytes());
-    v
-}
-
-/// Builds the v6 metadata (everything before the first page) for CPU data starting at
-/// `data_start` with the given per-CPU sizes.
-fn v6_metadata(
-    meta: &TraceMeta,
-    stats: &[KernelCpuStat],
-    sizes: &[u64],
-    data_start: u64,
-) -> Vec<u8> {
-    let mut v = file_start(6, meta.page_size);
-    v.extend_from_slice(&header_info(meta.page_size));
-    v.extend_from_slice(&0u32.to_le_bytes()); // ftrace event formats
-    v.extend_from_slice(&event_formats(&meta.formats));
-    v.extend_from_slice(&0u32.to_le_bytes()); // kallsyms
-    v.extend_from_slice(&0u32.to_le_bytes()); // printk formats
-    v.extend_from_slice(&cmdlines(meta));
-    v.extend_from_slice(&meta.nr_cpus.to_le_bytes());
-    v.extend_from_slice(b"options  \0");
-    common_options(meta, stats, &mut v);
-    v.extend_from_slice(&option::DONE.to_le_bytes());
-    v.extend_from_slice(b"flyrecord\0");
-    let mut off = data_start;
-    for &s in sizes {
-        v.extend_from_slice(&off.to_le_bytes());
-        v.extend_from_slice(&s.to_le_bytes());
-        off += s;
-    }
-    let clock = clock_text(&meta.clock.name);
-    v.extend_from_slice(&(clock.len() as u64).to_le_bytes());
-    v.extend_from_slice(clock.as_bytes());
-    v
-}
-
-struct Strings(Vec<u8>);
-
-impl Strings {
-    fn id(&mut self, s: &str) -> u32 {
-        let needle = cstr(s);
-        // Look for an existing copy at a string start.
-        let mut at = 0;
-        while at < self.0.len() {
-            let end = self.0[at..]
-                .iter()
-                .position(|&b| b == 0)
-                .map_or(self.0.len(), |p| at + p + 1);
-            if self.0[at..end] == needle[..] {
-                return at as u32;
-            }
-            at = end;
-        }
-        let id = self.0.len() as u32;
-        self.0.extend_from_slice(&needle);
-        id
-    }
-}
-
-/// Section flag: the content is compressed (`TRACECMD_SEC_FL_COMPRESS`).
-const SEC_FL_COMPRESS: u16 = 1;
-
-/// zstd-compresses `content` as trace-cmd stores a compressed block: u32 compressed
-/// size, u32 uncompressed size, the zstd frame.
-fn zstd_block(content: &[u8]) -> Result<Vec<u8>, OutputError> {
-    let z = zstd::bulk::compress(content, ZSTD_LEVEL)
-        .map_err(|e| OutputError::BadMeta(format!("zstd: {e}")))?;
-    let too_big = |_| OutputError::BadMeta("section too large to compress".into());
-    let mut v = Vec::with_capacity(8 + z.len());
-    v.extend_from_slice(&u32::try_from(z.len()).map_err(too_big)?.to_le_bytes());
-    v.extend_from_slice(&u32::try_from(content.len()).map_err(too_big)?.to_le_bytes());
-    v.extend_from_slice(&z);
-    Ok(v)
-}
-
-/// Appends a v7 section (compressed when `compress`); returns its offset.
-fn section(
-    out: &mut Vec<u8>,
-    strings: &mut Strings,
-    id: u16,
-    name: &str,
-    content: &[u8],
-    compress: bool,
-) -> Result<u64, OutputError> {
-    let at = out.len() as u64;
-    let packed;
-    let (flags, content) = if compress {
-        packed = zstd_block(content)?;
-        (SEC_FL_COMPRESS, &packed[..])
-    } else {
-        (0, content)
-    };
-    out.extend_from_slice(&id.to_le_bytes());
-    out.extend_from_slice(&flags.to_le_bytes());
-    out.extend_from_slice(&strings.id(name).to_le_bytes());
-    out.extend_from_slice(&(content.len() as u64).to_le_bytes());
-    out.extend_from_slice(content);
-    Ok(at)
-}
-
-/// Where each CPU's data starts: the first at `data_start`, each next one on the
-/// first page boundary after the previous one's end (as trace-cmd lays them out;
-/// uncompressed data is whole pages, so the starts are contiguous).
-fn cpu_offsets(data_start: u64, sizes: &[u64], page: u64) -> Vec<u64> {
-    let mut off = data_start;
-    sizes
-        .iter()
-        .map(|&s| {
-            let at = off;
-            off = align_up(off + s, page);
-            at
-        })
-        .collect()
-}
-
-/// End of the CPU data (the last CPU's end).
-fn data_end(data_start: u64, sizes: &[u64], page: u64) -> u64 {
-    match (cpu_offsets(data_start, sizes, page).last(), sizes.last()) {
-        (Some(o), Some(s)) => o + s,
-        _ => data_start,
-    }
-}
-
-/// Builds the v7 metadata: header, sections, options, strings, and the flyrecord section
-/// header; returns it with the offset where CPU data starts (page aligned).
-fn v7_metadata(
-    meta: &TraceMeta,
-    stats: &[KernelCpuStat],
-    sizes: &[u64],
-    compression: Compression,
-) -> Result<(Vec<u8>, u64), OutputError> {
-    let v7 = V7Metadata {
-        meta,
-        stats,
-        sizes,
-        z: compression == Compression::Zstd,
-    };
-    // Built twice: the first build (offsets 0) gives the length, which the offsets do
-    // not change (fixed-size words), hence where the flyrecord header and the data are.
-    let first = v7.build(0, 0)?;
-    let flyrecord_at = first.len() as u64 - 16;
-    let data_start = align_up(first.len() as u64, meta.page_size as u64);
-    let v = v7.build(flyrecord_at, data_start)?;
-    debug_assert_eq!(v.len(), first.len());
-    Ok((v, data_start))
-}
-
-/// What the v7 metadata is built from.
-struct V7Metadata<'a> {
-    meta: &'a TraceMeta,
-    stats: &'a [KernelCpuStat],
-    sizes: &'a [u64],
-    /// zstd-compressed sections.
-    z: bool,
-}
-
-impl V7Metadata<'_> {
-    /// The metadata with the flyrecord section header at `flyrecord_at` and the CPU data
-    /// from `data_start`.
-    fn build(&self, flyrecord_at: u64, data_start: u64) -> Result<Vec<u8>, OutputError> {
-        let (meta, z) = (self.meta, self.z);
-        let mut strings = Strings(Vec::new());
-        let mut v = file_start(7, meta.page_size);
-        if z {
-            v.extend_from_slice(b"zstd\0");
-            v.extend_from_slice(&cstr(zstd::zstd_safe::version_string()));
-        } else {
-            v.extend_from_slice(b"none\0\0");
-        }
-        let opt_ptr = v.len();
-        v.extend_from_slice(&0u64.to_le_bytes());
-        let sections = self.sections(&mut v, &mut strings)?;
-        let opts = self.options(&sections, flyrecord_at, data_start);
-        // Names used below must be in the strings before the strings section is written.
-        strings.id("strings");
-        strings.id("buffer flyrecord");
-        // Options stay uncompressed (as trace-cmd writes them).
-        let options_at = section(&mut v, &mut strings, 0, "options", &opts, false)?;
-        v[opt_ptr..opt_ptr + 8].copy_from_slice(&options_at.to_le_bytes());
-        let s = strings.0.clone();
-        section(&mut v, &mut strings, option::STRINGS, "strings", &s, z)?;
-        // Flyrecord section header: its content is the padding plus all CPU data.
-        let at = v.len() as u64;
-        let end = data_end(data_start, self.sizes, meta.page_size as u64);
-        v.extend_from_slice(&option::BUFFER.to_le_bytes());
-        let flags = if z { SEC_FL_COMPRESS } else { 0 };
-        v.extend_from_slice(&flags.to_le_bytes());
-        v.extend_from_slice(&strings.id("buffer flyrecord").to_le_bytes());
-        v.extend_from_slice(&end.saturating_sub(at + 16).to_le_bytes());
-        Ok(v)
-    }
-
-    /// Appends the metadata sections to `v`, in trace-cmd's order; returns each one's id
-    /// and offset.
-    fn sections(
-        &self,
-        v: &mut Vec<u8>,
-        strings: &mut Strings,
-    ) -> Result<[(u16, u64); 6], OutputError> {
-        let empty = 0u32.to_le_bytes();
-        let headers = header_info(self.meta.page_size);
-        let formats = event_formats(&self.meta.formats);
-        let cmds = cmdlines(self.meta);
-        let table: [(u16, &str, &[u8]); 6] = [
-            (option::HEADER_INFO, "headers", &headers),
-            (option::FTRACE_EVENTS, "ftrace events", &empty),
-            (option::EVENT_FORMATS, "events format", &formats),
-            (option::KALLSYMS, "kallsyms", &empty),
-            (option::PRINTK, "printk", &empty),
-            (option::CMDLINES, "command lines", &cmds),
-        ];
-        let mut at = [(0u16, 0u64); 6];
-        for (slot, (id, name, content)) in at.iter_mut().zip(table) {
-            *slot = (id, section(v, strings, id, name, content, self.z)?);
-        }
-        Ok(at)
-    }
-
-    /// The options: the common ones, the CPU count, where each section is, the
-    /// top-level buffer (its CPU data from `data_start`), and the end.
-    fn options(&self, sections: &[(u16, u64)], flyrecord_at: u64, data_start: u64) -> Vec<u8> {
-        let meta = self.meta;
-        let mut opts = Vec::new();
-        common_options(meta, self.stats, &mut opts);
-        push_opt(&mut opts, option::CPUCOUNT, &meta.nr_cpus.to_le_bytes());
-        for &(id, off) in sections {
-            push_opt(&mut opts, id, &off.to_le_bytes());
-        }
-        let mut buf = Vec::new();
-        buf.extend_from_slice(&flyrecord_at.to_le_bytes());
-        buf.extend_from_slice(b"\0"); // top-level buffer: empty name
-        buf.extend_from_slice(&cstr(&meta.clock.name));
-        buf.extend_from_slice(&(meta.page_size as u32).to_le_bytes());
-        buf.extend_from_slice(&meta.nr_cpus.to_le_bytes());
-        let offsets = cpu_offsets(data_start, self.sizes, meta.page_size as u64);
-        for (cpu, (&s, &off)) in self.sizes.iter().zip(&offsets).enumerate() {
-            buf.extend_from_slice(&(cpu as u32).to_le_bytes());
-            buf.extend_from_slice(&off.to_le_bytes());
-            buf.extend_from_slice(&s.to_le_bytes());
-        }
-        push_opt(&mut opts, option::BUFFER, &buf);
-        push_opt(&mut opts, option::DONE, &0u64.to_le_bytes());
-        opts
-    }
-}
-
-/// Builds the complete metadata for `version`; returns it and where CPU data starts.
-fn metadata(
-    meta: &TraceMeta,
-    stats: &[KernelCpuStat],
-    sizes: &[u64],
-    version: TraceDatVersion,
-    compression: Compression,
-) -> Result<(Vec<u8>, u64), OutputError> {
-    match version {
-        TraceDatVersion::V6 => {
-            let len = v6_metadata(meta, stats, sizes, 0).len() as u64;
-            let start = align_up(len, meta.page_size as u64);
-            Ok((v6_metadata(meta, stats, sizes, start), start))
-        }
-        TraceDatVersion::V7 => v7_metadata(meta, stats, sizes, compression),
-    }
-}
-
-struct Spill {
-    file: BufWriter<Temp>,
-    bytes: u64,
-    /// Offset of the last page written (None: no page yet; uncompressed only).
-    last_page: Option<u64>,
-    /// zstd: exported pages not compressed yet (at most [`ZSTD_CHUNK_PAGES`]; the last
-    /// page of the CPU is always here once it has one).
-    chunk: Vec<u8>,
-    /// zstd: chunks written to the spill file.
-    chunks: u32,
-}
-
-impl Spill {
-    fn path(&self) -> &Path {
-        self.file.get_ref().path()
-    }
-
-    fn err(&self, e: io::Error) -> OutputError {
-        OutputError::io(self.path(), e)
-    }
-}
-
-/// A [`PageSink`] writing a trace.dat: pages go to per-CPU spill files while the run goes
-/// on (next to a regular output file, in the temporary directory for a device, FIFO or
-/// stdout); `finish` writes the metadata and each CPU's pages (contiguous, page aligned,
-/// copied verbatim) to the output ([`OutputTarget`]: a temporary file renamed over a
-/// regular file, or streamed to a device/FIFO/stdout).
+/// A [`PageSink`] writing a trace.dat (v6, or v7 uncompressed or zstd-compressed as
+/// trace-cmd writes it) to an [`OutputTarget`]: a temporary file renamed over a regular
+/// file, or streamed to a device/FIFO/stdout.
 ///
-/// With [`Compression::Zstd`] (v7 only) each CPU's pages are gathered in chunks of
-/// [`ZSTD_CHUNK_PAGES`] pages, each compressed into the spill file as it fills (memory:
-/// one chunk per CPU), and the spill files hold trace-cmd's chunk records.
+/// A page costs, on the caller's thread, its export straight into the CPU's pending
+/// buffer (one copy); the guest strings of its events with string fields are made safe
+/// (G2) and, with [`Compression::Zstd`] (v7 only), each chunk of [`ZSTD_CHUNK_PAGES`]
+/// pages compressed, by worker threads as buffers fill (`cpudata`, `zpool`). Into a
+/// regular file, one CPU at a time writes its data straight to its final place; the
+/// others — every CPU for a device, FIFO or stdout — go to spill files (next to a
+/// regular output file, else in the temporary directory). `finish` writes the spilled
+/// CPUs' data after the rest, each CPU's data contiguous from a page boundary, and the
+/// metadata before it all.
 ///
 /// On an error every temporary and spill file is removed at once, the error is returned
 /// (path and OS error), and later calls return [`OutputError::Closed`]. Dropped without
@@ -457,16 +67,15 @@ pub struct TraceDatSink {
     meta: TraceMeta,
     version: TraceDatVersion,
     compression: Compression,
-    spills: Vec<Spill>,
-    scratch: Vec<u8>,
-    /// zstd: the compressor (context reused) and its output buffer, when compressing on
-    /// the caller's thread (no worker threads could be made).
-    zstd: Option<(zstd::bulk::Compressor<'static>, Vec<u8>)>,
-    /// zstd: the compression worker threads.
-    pool: Option<super::zpool::ZPool>,
-    /// The string fields made safe in every page (G2), and the bytes replaced so far.
-    strings: super::strings::StringFields,
+    /// The CPU data (None once failed or finished).
+    data: Option<CpuData>,
+    /// Where the CPU data starts when written straight into the output (room for the
+    /// largest metadata the trace can have before it).
+    reserve: u64,
+    /// Bytes of guest strings replaced, and zstd chunks stored at the catch-up level
+    /// (known once the CPU data is complete).
     replaced: u64,
+    caught_up: u64,
 }
 
 impl TraceDatSink {
@@ -501,26 +110,6 @@ impl TraceDatSink {
             TraceDatVersion::V6 => Compression::None,
             TraceDatVersion::V7 => compression,
         };
-        let chunk = meta.page_size * ZSTD_CHUNK_PAGES;
-        let pool = match compression {
-            Compression::None => None,
-            Compression::Zstd => {
-                let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-                let workers = cores.min(meta.nr_cpus as usize).min(ZSTD_MAX_WORKERS);
-                super::zpool::ZPool::new(workers, ZSTD_LEVEL, chunk)
-            }
-        };
-        let zstd = match compression {
-            Compression::Zstd if pool.is_none() => {
-                let c = zstd::bulk::Compressor::new(ZSTD_LEVEL)
-                    .map_err(|e| OutputError::BadMeta(format!("zstd: {e}")))?;
-                Some((
-                    c,
-                    Vec::with_capacity(zstd::zstd_safe::compress_bound(chunk)),
-                ))
-            }
-            _ => None,
-        };
         if let Some(t) = &meta.clock.file_clock().tsc {
             // trace-cmd 3.1.6 ignores the offset and sign-extends mult ≥ 2^31: refuse what it
             // would print differently from our own conversion.
@@ -530,30 +119,35 @@ impl TraceDatSink {
                 )));
             }
         }
-        let mut spills = Vec::new();
-        for cpu in 0..meta.nr_cpus {
-            let f = target.spill(&format!(".cpu{cpu}"))?;
-            spills.push(Spill {
-                file: BufWriter::with_capacity(1 << 20, f),
-                bytes: 0,
-                last_page: None,
-                chunk: Vec::new(),
-                chunks: 0,
-            });
-        }
+        let trailing = crate::format::trailing_lost_format(trailing_lost_id(&meta.formats));
+        let reserve = bound(&meta, &trailing, version, compression)?;
         let out = target.open()?;
+        let tail = match out.positioned() {
+            Some(f) => {
+                let f = f.map_err(|e| out.error(e))?;
+                Some(Tail::new(f, target.path().to_path_buf(), reserve))
+            }
+            None => None,
+        };
+        let strings = super::strings::StringFields::new(&meta.formats);
+        let data = CpuData::new(
+            target,
+            meta.nr_cpus,
+            meta.page_size,
+            compression,
+            strings,
+            tail,
+        )?;
         Ok(Self {
             target: target.clone(),
             out: Some(out),
-            scratch: vec![0; meta.page_size],
-            strings: super::strings::StringFields::new(&meta.formats),
-            replaced: 0,
             meta,
             version,
             compression,
-            spills,
-            zstd,
-            pool,
+            data: Some(data),
+            reserve,
+            replaced: 0,
+            caught_up: 0,
         })
     }
 
@@ -567,50 +161,12 @@ impl TraceDatSink {
         Self::open_with(&OutputTarget::check(path)?, meta, version, compression)
     }
 
-    /// Compresses CPU `cpu`'s pending pages into one chunk record of its spill file
-    /// (u32 compressed size, u32 uncompressed size, the zstd frame): handed to the
-    /// workers, or compressed here without them.
-    fn flush_chunk(&mut self, cpu: usize) -> Result<(), OutputError> {
-        let Self {
-            pool, spills, zstd, ..
-        } = self;
-        let Some(s) = spills.get_mut(cpu) else {
-            return Ok(());
-        };
-        if s.chunk.is_empty() {
-            return Ok(());
-        }
-        if let Some(pool) = pool.as_mut() {
-            let data = std::mem::replace(&mut s.chunk, pool.buffer());
-            return pool.submit(cpu, data, &mut |c, z, n| write_chunk(spills, c, z, n));
-        }
-        let Some((c, zbuf)) = zstd.as_mut() else {
-            return Ok(());
-        };
-        zbuf.clear();
-        zbuf.reserve(zstd::zstd_safe::compress_bound(s.chunk.len()));
-        c.compress_to_buffer(&s.chunk, zbuf)
-            .map_err(|e| s.err(io::Error::other(format!("zstd: {e}"))))?;
-        let n = s.chunk.len();
-        s.chunk.clear();
-        write_chunk(spills, cpu, zbuf, n)
-    }
-
-    /// Waits for the chunks the workers still compress (all written to the spill files).
-    fn wait_chunks(&mut self) -> Result<(), OutputError> {
-        let Self { pool, spills, .. } = self;
-        match pool.as_mut() {
-            Some(pool) => pool.wait_all(&mut |c, z, n| write_chunk(spills, c, z, n)),
-            None => Ok(()),
-        }
-    }
-
-    /// Size of CPU `cpu`'s data in the file: zstd adds the u32 chunk count (a CPU
-    /// without pages has no data at all).
-    fn data_size(&self, s: &Spill) -> u64 {
+    /// Size of a CPU's data in the file: zstd adds the u32 chunk count (a CPU without
+    /// pages has no data at all).
+    fn data_size(&self, o: &CpuOut) -> u64 {
         match self.compression {
-            Compression::Zstd if s.chunks > 0 => 4 + s.bytes,
-            _ => s.bytes,
+            Compression::Zstd if o.chunks > 0 => 4 + o.bytes,
+            _ => o.bytes,
         }
     }
 
@@ -620,72 +176,121 @@ impl TraceDatSink {
     }
 
     fn assemble(&mut self, summary: &RunSummary) -> Result<(), OutputError> {
-        let Some(mut out) = self.out.take() else {
+        let (Some(out), Some(data)) = (self.out.take(), self.data.take()) else {
             return Err(OutputError::Closed);
         };
-        for cpu in 0..self.spills.len() {
-            self.flush_chunk(cpu)?;
+        let done = data.finish()?;
+        (self.replaced, self.caught_up) = (done.replaced, done.caught_up);
+        match done.tail {
+            Some((file, end)) => self.assemble_in_place(out, done.outs, file, end, summary),
+            None => self.assemble_in_order(out, done, summary),
         }
-        self.wait_chunks()?;
-        self.pool = None;
-        let sizes: Vec<u64> = self.spills.iter().map(|s| self.data_size(s)).collect();
-        let (head, data_start) = metadata(
+    }
+
+    /// Writes an output written in order: the metadata, then each CPU's spilled data.
+    fn assemble_in_order(
+        &self,
+        mut out: OutputFile,
+        mut done: Finished,
+        summary: &RunSummary,
+    ) -> Result<(), OutputError> {
+        let sizes: Vec<u64> = done.outs.iter().map(|o| self.data_size(o)).collect();
+        let (head, layout) = metadata(
             &self.meta,
             &summary.cpus,
-            &sizes,
             self.version,
             self.compression,
+            Place::After(&sizes),
         )?;
         out.write_all(&head).map_err(|e| out.error(e))?;
-        let offsets = cpu_offsets(data_start, &sizes, self.meta.page_size as u64);
         let mut at = head.len() as u64;
-        for ((s, &size), &off) in self.spills.iter_mut().zip(&sizes).zip(&offsets) {
-            let pad = off - at;
-            io::copy(&mut io::Read::take(io::repeat(0), pad), &mut out)
+        let mut buf = vec![0u8; COPY_BUF];
+        let spans = layout.offsets.iter().zip(&sizes);
+        for (o, (&off, &size)) in done.outs.iter_mut().zip(spans) {
+            io::copy(&mut io::Read::take(io::repeat(0), off - at), &mut out)
                 .map_err(|e| out.error(e))?;
             at = off + size;
             if size == 0 {
                 continue;
             }
             if self.compression == Compression::Zstd {
-                out.write_all(&s.chunks.to_le_bytes())
+                out.write_all(&o.chunks.to_le_bytes())
                     .map_err(|e| out.error(e))?;
             }
-            s.file
-                .flush()
-                .map_err(|e| OutputError::io(s.file.get_ref().path(), e))?;
-            let f = s.file.get_mut().file_mut();
-            f.seek(SeekFrom::Start(0))
-                .map_err(|e| OutputError::io(s.file.get_ref().path(), e))?;
-            let f = s.file.get_mut().file_mut();
-            let mut src = io::Read::take(&mut *f, s.bytes);
-            // Copy by hand: a read error names the spill file, a write error the output.
-            let mut buf = vec![0u8; 1 << 16];
-            let mut n = 0u64;
-            loop {
-                let k = match io::Read::read(&mut src, &mut buf) {
-                    Ok(0) => break,
-                    Ok(k) => k,
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                    Err(e) => return Err(OutputError::io(s.file.get_ref().path(), e)),
-                };
-                out.write_all(&buf[..k]).map_err(|e| out.error(e))?;
-                n += k as u64;
+            copy_spill(o, &mut out, &mut buf).map_err(|e| named(e, &out))?;
+        }
+        out.finish()
+    }
+
+    /// Completes an output written at any offset (`file`, whose CPU data written
+    /// straight into it ends at `end`): the spilled CPUs' data after `end`, the zstd
+    /// chunk counts, and the metadata at the start.
+    fn assemble_in_place(
+        &self,
+        out: OutputFile,
+        mut outs: Vec<CpuOut>,
+        file: File,
+        mut end: u64,
+        summary: &RunSummary,
+    ) -> Result<(), OutputError> {
+        let page = self.meta.page_size as u64;
+        let zstd = self.compression == Compression::Zstd;
+        let sizes: Vec<u64> = outs.iter().map(|o| self.data_size(o)).collect();
+        let mut offsets = vec![0u64; outs.len()];
+        let mut buf = vec![0u8; COPY_BUF];
+        let put = |at: u64, b: &[u8]| file.write_all_at(b, at).map_err(|e| out.error(e));
+        for (c, o) in outs.iter_mut().enumerate() {
+            let size = sizes[c];
+            if let Some(start) = o.direct_start() {
+                offsets[c] = start;
+                if zstd {
+                    put(start, &o.chunks.to_le_bytes())?;
+                }
+                continue;
             }
-            if n != s.bytes {
-                return Err(s.err(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    "spill file shrank",
-                )));
+            if size == 0 {
+                continue;
             }
+            offsets[c] = end;
+            let f = file.try_clone().map_err(|e| out.error(e))?;
+            let mut w = At::new(f, end);
+            if zstd {
+                w.write_all(&o.chunks.to_le_bytes())
+                    .map_err(|e| out.error(e))?;
+            }
+            copy_spill(o, &mut w, &mut buf).map_err(|e| named(e, &out))?;
+            end = align_up(end + size, page);
+        }
+        for (c, o) in outs.iter().enumerate() {
+            if o.direct_start().is_none() && sizes[c] == 0 {
+                offsets[c] = end;
+            }
+        }
+        let layout = Layout { offsets, sizes };
+        let place = Place::At {
+            data_start: self.reserve,
+            layout: &layout,
+        };
+        let (head, _) = metadata(
+            &self.meta,
+            &summary.cpus,
+            self.version,
+            self.compression,
+            place,
+        )?;
+        put(0, &head)?;
+        // The file reaches the data's end (the padding of a trace without pages too).
+        let len = layout.end(self.reserve);
+        let have = file.metadata().map_err(|e| out.error(e))?.len();
+        if have < len {
+            file.set_len(len).map_err(|e| out.error(e))?;
         }
         out.finish()
     }
 
     /// Removes every spill and temporary file.
     fn cleanup(&mut self) {
-        self.pool = None;
-        self.spills.clear();
+        self.data = None;
         self.out = None;
     }
 
@@ -695,11 +300,7 @@ impl TraceDatSink {
         if let Some(f) = self.meta.formats.iter().find(|f| f.is_trailing_lost()) {
             return f.id;
         }
-        let used = |id: u16| self.meta.formats.iter().any(|f| f.id == id);
-        let id = std::iter::once(TRAILING_LOST_ID)
-            .chain((1..=u16::MAX).rev())
-            .find(|&id| !used(id))
-            .unwrap_or(TRAILING_LOST_ID);
+        let id = trailing_lost_id(&self.meta.formats);
         self.meta
             .formats
             .push(crate::format::trailing_lost_format(id));
@@ -707,43 +308,21 @@ impl TraceDatSink {
     }
 
     /// Raw timestamp of the last event of `cpu` (its last page's time if it has no
-    /// event, 0 without pages), read back from the spill file: the page path stays a
-    /// plain copy.
-    fn last_time(&mut self, cpu: u32) -> Result<u64, OutputError> {
-        use std::os::unix::fs::FileExt;
-        let ps = self.meta.page_size;
-        let s = &mut self.spills[cpu as usize];
-        let page = if self.compression == Compression::Zstd {
-            // The last page is still in the pending chunk (see `page`).
-            match s.chunk.len().checked_sub(ps) {
-                Some(at) => s.chunk[at..].to_vec(),
-                None => return Ok(0),
-            }
-        } else {
-            let Some(at) = s.last_page else {
-                return Ok(0);
-            };
-            s.file
-                .flush()
-                .map_err(|e| OutputError::io(s.file.get_ref().path(), e))?;
-            let mut page = vec![0u8; ps];
-            s.file
-                .get_ref()
-                .file()
-                .read_exact_at(&mut page, at)
-                .map_err(|e| s.err(e))?;
-            page
-        };
-        let Some((ts, commit)) = hyptrace_abi::page::page_header(&page) else {
-            return Ok(0);
+    /// event, 0 without pages), read from the CPU's last page (always in memory).
+    fn last_time(&self, cpu: u32) -> u64 {
+        let page = self.data.as_ref().and_then(|d| d.last_page(cpu as usize));
+        let Some((ts, commit)) = page.and_then(hyptrace_abi::page::page_header) else {
+            return 0;
         };
         let len = (commit & hyptrace_abi::page::COMMIT_LEN_MASK) as usize;
-        let area = page.get(16..16usize.saturating_add(len)).unwrap_or(&[]);
+        let area = page
+            .and_then(|p| p.get(16..16usize.saturating_add(len)))
+            .unwrap_or(&[]);
         let mut last = ts;
         for e in hyptrace_abi::page::Events::new(area, ts).flatten() {
             last = e.ts;
         }
-        Ok(last)
+        last
     }
 
     /// Closes the sink after an error: every temporary file removed.
@@ -751,9 +330,7 @@ impl TraceDatSink {
         self.cleanup();
         Err(e)
     }
-}
 
-impl TraceDatSink {
     /// Stores one page of `cpu`: exported, and retimed when `retime` (ring pages are;
     /// the `trailing_lost` page is built from a stored, already converted time).
     fn store_page(
@@ -763,33 +340,92 @@ impl TraceDatSink {
         missed: Option<u64>,
         retime: bool,
     ) -> Result<(), OutputError> {
-        if self.out.is_none() {
+        let (Some(data), Some(_)) = (self.data.as_mut(), self.out.as_ref()) else {
             return Err(OutputError::Closed);
+        };
+        // A bad page is refused (the sink goes on); a failing write ends it.
+        self.meta.check_page(cpu, page)?;
+        let c = cpu as usize;
+        if data.ended(c) {
+            return Err(OutputError::BadPage {
+                cpu,
+                reason: "page after the CPU was ended".into(),
+            });
         }
-        // The one page-writing path of every buffer this file gets.
-        self.meta
-            .file_page(cpu, page, missed, retime, &mut self.scratch)?;
-        self.replaced += self.strings.sanitize_page(&mut self.scratch);
-        if self.compression == Compression::Zstd {
-            let c = cpu as usize;
-            // Compress a full chunk only when the next page arrives: the CPU's last page
-            // stays in memory for `trailing_lost`.
-            if self.spills[c].chunk.len() >= ZSTD_CHUNK_PAGES * self.meta.page_size {
-                if let Err(e) = self.flush_chunk(c) {
-                    return self.fail(e);
-                }
-            }
-            self.spills[c].chunk.extend_from_slice(&self.scratch);
-            return Ok(());
-        }
-        let s = &mut self.spills[cpu as usize];
-        if let Err(e) = s.file.write_all(&self.scratch) {
-            let e = s.err(e);
-            return self.fail(e);
-        }
-        s.last_page = Some(s.bytes);
-        s.bytes += self.scratch.len() as u64;
+        let slot = match data.slot(c) {
+            Ok(s) => s,
+            Err(e) => return self.fail(e),
+        };
+        // The one page-writing path of every buffer this file gets: exported straight
+        // into the CPU's pending pages.
+        self.meta.file_page(cpu, page, missed, retime, slot)?;
+        data.commit(c);
         Ok(())
+    }
+}
+
+/// The id `hyptrace:trailing_lost` gets among `formats`: [`TRAILING_LOST_ID`], else the
+/// highest free id up to [`hyptrace_abi::registry::MAX_EVENT_ID`].
+fn trailing_lost_id(formats: &[EventFormat]) -> u16 {
+    let used = |id: u16| formats.iter().any(|f| f.id == id);
+    std::iter::once(TRAILING_LOST_ID)
+        .chain((1..=hyptrace_abi::registry::MAX_EVENT_ID).rev())
+        .find(|&id| !used(id))
+        .unwrap_or(TRAILING_LOST_ID)
+}
+
+/// An error of a write to the output, named as the output's.
+fn named(e: OutputError, out: &OutputFile) -> OutputError {
+    match e {
+        OutputError::Io { path: None, source } => out.error(source),
+        e => e,
+    }
+}
+
+/// Bytes of each read of a spill file while the output is assembled (as large as the
+/// output's own buffer: a write of it goes straight to the file).
+const COPY_BUF: usize = 1 << 20;
+
+/// Copies CPU data `o`'s spill file (its `o.bytes`) to `out` through `buf`: a read
+/// error names the spill file, a write error the output (`OutputFile`) or nothing (a
+/// positioned writer: the caller names it).
+fn copy_spill(o: &mut CpuOut, out: &mut dyn Write, buf: &mut [u8]) -> Result<(), OutputError> {
+    let want = o.bytes;
+    let Some(f) = o.spill() else {
+        return Ok(());
+    };
+    let f = f?;
+    let mut src = io::Read::take(f, want);
+    let mut n = 0u64;
+    loop {
+        let k = match io::Read::read(&mut src, buf) {
+            Ok(0) => break,
+            Ok(k) => k,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(o.err(e)),
+        };
+        out.write_all(&buf[..k]).map_err(write_error)?;
+        n += k as u64;
+    }
+    if n != want {
+        return Err(o.err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            "spill file shrank",
+        )));
+    }
+    Ok(())
+}
+
+/// A write error of [`copy_spill`]: an [`OutputFile`]'s names the output already
+/// (its `Closed` marker kept).
+fn write_error(e: io::Error) -> OutputError {
+    if crate::target::is_closed_error(&e) {
+        OutputError::Closed
+    } else {
+        OutputError::Io {
+            path: None,
+            source: e,
+        }
     }
 }
 
@@ -810,14 +446,11 @@ impl PageSink for TraceDatSink {
         if lost == 0 {
             return Ok(());
         }
-        self.meta.check_page(cpu, &self.scratch)?;
-        let ts = match self.last_time(cpu) {
-            Ok(t) => t,
-            Err(e) => return self.fail(e),
-        };
-        let id = self.trailing_lost_id();
         let ps = self.meta.page_size;
         let mut raw = vec![0u8; ps];
+        self.meta.check_page(cpu, &raw)?;
+        let ts = self.last_time(cpu);
+        let id = self.trailing_lost_id();
         let mut payload = [0u8; crate::format::TRAILING_LOST_SIZE];
         payload[..2].copy_from_slice(&id.to_le_bytes());
         payload[4..8].copy_from_slice(&hyptrace_abi::events::vcpu_pid(cpu).to_le_bytes());
@@ -832,7 +465,34 @@ impl PageSink for TraceDatSink {
         self.store_page(cpu, &raw, Some(lost), false)
     }
 
+    /// CPU `cpu` is complete: the next CPU to start may write straight into the output
+    /// after it (a file is written once instead of spilled and copied).
+    fn end_cpu(&mut self, cpu: u32) -> Result<(), OutputError> {
+        let Some(data) = self.data.as_mut() else {
+            return Err(OutputError::Closed);
+        };
+        if cpu >= self.meta.nr_cpus {
+            return Err(OutputError::BadPage {
+                cpu,
+                reason: format!("cpu {cpu} ≥ nr_cpus {}", self.meta.nr_cpus),
+            });
+        }
+        if let Err(e) = data.end_cpu(cpu as usize) {
+            return self.fail(e);
+        }
+        Ok(())
+    }
+
+    /// Live rings feed this sink: when the zstd workers fall behind, chunks are stored
+    /// at the catch-up level rather than making the rings wait (docs/output.md).
+    fn set_live(&mut self) {
+        if let Some(d) = self.data.as_mut() {
+            d.set_live();
+        }
+    }
+
     fn finish(mut self: Box<Self>, summary: &RunSummary) -> Result<(), OutputError> {
+        let r = self.assemble(summary);
         if self.replaced > 0 {
             // Shown as the text sink shows its one warning: the host prints no sink notes.
             eprintln!(
@@ -841,7 +501,13 @@ impl PageSink for TraceDatSink {
                 self.replaced
             );
         }
-        let r = self.assemble(summary);
+        if r.is_ok() && self.caught_up > 0 {
+            eprintln!(
+                "hyptrace: note: {}: {} chunks of {ZSTD_CHUNK_PAGES} pages stored nearly uncompressed: zstd fell behind the rings",
+                self.target.path().display(),
+                self.caught_up
+            );
+        }
         self.cleanup();
         r
     }
@@ -851,23 +517,6 @@ impl Drop for TraceDatSink {
     fn drop(&mut self) {
         self.cleanup();
     }
-}
-
-/// Appends one chunk record (u32 compressed size, u32 uncompressed size, the zstd frame
-/// `z` of `n` bytes of pages) to CPU `cpu`'s spill file.
-fn write_chunk(spills: &mut [Spill], cpu: usize, z: &[u8], n: usize) -> Result<(), OutputError> {
-    let Some(s) = spills.get_mut(cpu) else {
-        return Ok(());
-    };
-    // Both fit: a chunk is at most ZSTD_CHUNK_PAGES pages of at most MAX_PAGE_SIZE.
-    let mut rec = [0u8; 8];
-    rec[..4].copy_from_slice(&(z.len() as u32).to_le_bytes());
-    rec[4..].copy_from_slice(&(n as u32).to_le_bytes());
-    s.file.write_all(&rec).map_err(|e| s.err(e))?;
-    s.file.write_all(z).map_err(|e| s.err(e))?;
-    s.bytes += 8 + z.len() as u64;
-    s.chunks += 1;
-    Ok(())
 }
 
 /// Writes a whole trace.dat at once: `pages` are `(cpu, raw ring page, missed)` in order
@@ -900,6 +549,7 @@ pub fn write_trace_dat_with<'a>(
 
 #[cfg(test)]
 mod tests {
+    use super::super::head::{clock_text, Strings};
     use super::*;
 
     #[test]
@@ -940,11 +590,9 @@ mod tests {
         let meta = TraceMeta::guest(4096, 3, crate::Clock::nanoseconds());
         let mut s =
             TraceDatSink::create_with(&path, meta, TraceDatVersion::V7, Compression::Zstd).unwrap();
+        // The workers, or none: chunks compressed on this thread.
         if inline {
-            s.pool = None;
-            s.zstd = Some((zstd::bulk::Compressor::new(ZSTD_LEVEL).unwrap(), Vec::new()));
-        } else {
-            assert!(s.pool.is_some());
+            s.data.as_mut().unwrap().without_workers().unwrap();
         }
         // CPU 2 gets no page; CPU 1 ends mid-chunk; losses and a trailing loss.
         let (a, b) = (test_pages(0, 95), test_pages(1, 23));
@@ -988,20 +636,125 @@ mod tests {
         assert_eq!(left.len(), 2);
     }
 
-    /// A zstd sink dropped mid-run (chunks in flight) joins its workers and leaves no file.
-    #[test]
-    fn zstd_dropped_leaves_nothing() {
+    /// A zstd v7 sink of 2 CPUs into `t.dat` of a new temporary directory.
+    fn zstd_sink() -> (tempfile::TempDir, std::path::PathBuf, TraceDatSink) {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("t.dat");
         let meta = TraceMeta::guest(4096, 2, crate::Clock::nanoseconds());
-        let mut s =
+        let s =
             TraceDatSink::create_with(&path, meta, TraceDatVersion::V7, Compression::Zstd).unwrap();
+        (dir, path, s)
+    }
+
+    /// A zstd sink dropped mid-run (chunks in flight) joins its workers and leaves no file.
+    #[test]
+    fn zstd_dropped_leaves_nothing() {
+        let (dir, _, mut s) = zstd_sink();
         for p in test_pages(0, 200) {
             s.page(0, &p, None).unwrap();
         }
         drop(s);
         let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
         assert!(left.is_empty(), "{left:?}");
+    }
+
+    /// A CPU ended takes no more pages (the sink goes on); the file holds what came.
+    #[test]
+    fn ended_cpu_takes_no_more_pages() {
+        let (dir, path, mut s) = zstd_sink();
+        let (a, b) = (test_pages(0, 25), test_pages(1, 5));
+        for p in &a {
+            s.page(0, p, None).unwrap();
+        }
+        s.end_cpu(0).unwrap();
+        assert!(matches!(
+            s.page(0, &a[0], None),
+            Err(OutputError::BadPage { cpu: 0, .. })
+        ));
+        assert!(s.trailing_lost(0, 3).is_err());
+        for p in &b {
+            s.page(1, p, None).unwrap();
+        }
+        s.end_cpu(1).unwrap();
+        Box::new(s).finish(&RunSummary::default()).unwrap();
+        let f = crate::TraceFile::open(&path).unwrap();
+        assert_eq!(f.event_count(), 30);
+        assert_eq!(f.dropped().0, 0);
+        // Both CPUs went straight into the file, one after the other.
+        assert!(f.cpus[0].offset < f.cpus[1].offset);
+        let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+        assert_eq!(left.len(), 1);
+    }
+
+    /// A trace without pages: metadata and padding to where the data would start, read
+    /// back as empty by our reader (and by trace-cmd: `tests/trace_cmd.rs`).
+    #[test]
+    fn empty_trace_in_place() {
+        let (dir, path, mut s) = zstd_sink();
+        s.end_cpu(1).unwrap();
+        s.end_cpu(1).unwrap();
+        assert!(s.end_cpu(2).is_err());
+        Box::new(s).finish(&RunSummary::default()).unwrap();
+        let f = crate::TraceFile::open(&path).unwrap();
+        assert_eq!((f.cpus.len(), f.event_count()), (2, 0));
+        let len = std::fs::metadata(&path).unwrap().len();
+        assert_eq!(len % 4096, 0, "{len}");
+        drop(dir);
+    }
+
+    /// The bytes of guest strings replaced are all counted, the last batches' (still
+    /// with the workers when the sink finishes) too, with workers or without.
+    #[test]
+    fn replaced_strings_are_all_counted() {
+        for inline in [true, false] {
+            let (_dir, _path, mut s) = zstd_sink();
+            if inline {
+                s.data.as_mut().unwrap().without_workers().unwrap();
+            }
+            let mut page = vec![0u8; 4096];
+            page[..8].copy_from_slice(&1000u64.to_le_bytes());
+            let mut ev = [0u8; 64];
+            let n = hyptrace_abi::events::text(&mut ev, 1, 1, b"bad\x1bbyte").unwrap();
+            let mut hdr = [0u8; 8];
+            let h = hyptrace_abi::page::encode_data_header(&mut hdr, n, 0);
+            page[16..16 + h].copy_from_slice(&hdr[..h]);
+            page[16 + h..16 + h + n].copy_from_slice(&ev[..n]);
+            let size = hyptrace_abi::page::data_event_size(n);
+            page[8..16].copy_from_slice(&(size as u64).to_le_bytes());
+            for _ in 0..3 {
+                s.page(0, &page, None).unwrap();
+            }
+            s.assemble(&RunSummary::default()).unwrap();
+            assert_eq!(s.replaced, 3, "inline {inline}");
+        }
+    }
+
+    /// A chunk at the catch-up level reads back as the pages it holds.
+    #[test]
+    fn catch_up_chunks_read_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = crate::OutputTarget::check(dir.path().join("x.dat")).unwrap();
+        let pages: Vec<u8> = test_pages(0, 10).concat();
+        let mut z = super::super::cpuout::Zstd::new(pages.len(), 1).unwrap();
+        let mut sizes = Vec::new();
+        for level in [
+            super::super::cpuout::ZSTD_LEVEL,
+            super::super::cpuout::ZSTD_CATCH_UP_LEVEL,
+        ] {
+            let mut o = CpuOut::new(&target, 0).unwrap();
+            z.chunks(&pages, level, &mut o).unwrap();
+            o.flush().unwrap();
+            let mut rec = Vec::new();
+            io::Read::read_to_end(o.spill().unwrap().unwrap(), &mut rec).unwrap();
+            let n = u32::from_le_bytes(rec[..4].try_into().unwrap()) as usize;
+            let m = u32::from_le_bytes(rec[4..8].try_into().unwrap()) as usize;
+            assert_eq!((n + 8, m), (rec.len(), pages.len()));
+            let back = zstd::bulk::decompress(&rec[8..], m).unwrap();
+            assert!(back == pages);
+            sizes.push(n);
+        }
+        // Stored, near enough: the catch-up level does not compress these pages much.
+        assert!(sizes[1] > 4 * sizes[0], "{sizes:?}");
     }
 
     #[test]
