@@ -25,9 +25,14 @@ const KRATE: &str = env!("CARGO_CRATE_NAME");
 const WALL: Duration = Duration::from_secs(90);
 
 fn spawn(args: &[&str], stdout: &str, stderr: &str) -> Child {
-    Command::new(BIN)
-        .args(args)
-        .stdin(Stdio::null())
+    let mut cmd = Command::new(BIN);
+    cmd.args(args);
+    spawn_cmd(&mut cmd, stdout, stderr)
+}
+
+/// Starts `cmd` with no stdin, its stdout and stderr into the files named.
+fn spawn_cmd(cmd: &mut Command, stdout: &str, stderr: &str) -> Child {
+    cmd.stdin(Stdio::null())
         .stdout(Stdio::from(
             std::fs::File::create(stdout).expect("stdout file"),
         ))
@@ -35,7 +40,7 @@ fn spawn(args: &[&str], stdout: &str, stderr: &str) -> Child {
             std::fs::File::create(stderr).expect("stderr file"),
         ))
         .spawn()
-        .unwrap_or_else(|e| panic!("cannot run {BIN}: {e}"))
+        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"))
 }
 
 /// Kills the child when dropped (a failing test leaves no VM behind).
@@ -958,25 +963,12 @@ fn guest_swap_vm_ends_under_a_follow_subscriber() {
                 if prio == "normal" {
                     vm_cmd.env("HYPTRACE_READER_PRIORITY", "normal");
                 }
-                let mut vm = Guard(Some(
-                    vm_cmd
-                        .stdin(Stdio::null())
-                        .stdout(Stdio::null())
-                        .stderr(Stdio::from(std::fs::File::create(&vm_err).expect("err")))
-                        .spawn()
-                        .expect("taskset"),
-                ));
+                let mut vm = Guard(Some(spawn_cmd(&mut vm_cmd, "/dev/null", &vm_err)));
                 wait_socket(&sock, &mut vm, &vm_err);
-                let mut att = Guard(Some(
-                    Command::new("taskset")
-                        .args(["-c", "0", BIN, "dump", "--attach", &sock, "--follow"])
-                        .args(["-o", &a_txt, "--format", "text"])
-                        .stdin(Stdio::null())
-                        .stdout(Stdio::null())
-                        .stderr(Stdio::from(std::fs::File::create(&a_err).expect("err")))
-                        .spawn()
-                        .expect("taskset"),
-                ));
+                let mut att_cmd = Command::new("taskset");
+                att_cmd.args(["-c", "0", BIN, "dump", "--attach", &sock, "--follow"]);
+                att_cmd.args(["-o", &a_txt, "--format", "text"]);
+                let mut att = Guard(Some(spawn_cmd(&mut att_cmd, "/dev/null", &a_err)));
                 // The claim is taken while the VM runs (its run is long for that).
                 wait_subscribed(&sock, &mut vm, &vm_err);
                 let deadline = Instant::now() + WALL;
