@@ -38,6 +38,20 @@ const BATCH_BYTES: usize = 1 << 20;
 /// zstd chunks a CPU gathers before they go to a worker together (one hand-over, one
 /// wake-up, one turn at the CPU's data for all of them).
 const BATCH_CHUNKS: usize = 4;
+/// Bytes of one zstd chunk: trace-cmd's 10 pages of 4 KiB. Larger pages make chunks of
+/// fewer pages (at least one), and batches of fewer chunks, so that the memory a sink
+/// holds in flight does not follow the page size (64 MiB pages: issue 36's bound).
+pub(super) const ZSTD_CHUNK_BYTES: usize = ZSTD_CHUNK_PAGES * 4096;
+
+/// Pages of one zstd chunk for pages of `page_size` bytes.
+fn chunk_pages(page_size: usize) -> usize {
+    (ZSTD_CHUNK_BYTES / page_size.max(1)).clamp(1, ZSTD_CHUNK_PAGES)
+}
+
+/// Chunks of one batch for chunks of `chunk` bytes.
+pub(super) fn batch_chunks(chunk: usize) -> usize {
+    (BATCH_CHUNKS * ZSTD_CHUNK_BYTES / chunk.max(1)).clamp(1, BATCH_CHUNKS)
+}
 
 /// Makes the guest strings of the exported pages `buf` (whole pages of `page_size`)
 /// safe (G2); returns how many bytes were replaced.
@@ -149,8 +163,8 @@ impl CpuData {
                 Sink::Here { outs, zstd: None },
             ),
             Compression::Zstd => {
-                let chunk = page_size * ZSTD_CHUNK_PAGES;
-                let z = Zstd::new(chunk, BATCH_CHUNKS)?;
+                let chunk = page_size * chunk_pages(page_size);
+                let z = Zstd::new(chunk, batch_chunks(chunk))?;
                 let pool = match workers {
                     0 => Err(outs),
                     n => ZPool::new(outs, n, &z, Arc::clone(&strings), page_size),
@@ -162,7 +176,7 @@ impl CpuData {
                         zstd: Some(z),
                     },
                 };
-                (chunk * BATCH_CHUNKS, sink)
+                (chunk * batch_chunks(chunk), sink)
             }
         };
         Ok(Self {
@@ -196,8 +210,8 @@ impl CpuData {
                 return Ok(());
             };
             let (outs, _) = pool.finish()?;
-            let chunk = self.page_size * ZSTD_CHUNK_PAGES;
-            let zstd = Some(Zstd::new(chunk, BATCH_CHUNKS)?);
+            let chunk = self.page_size * chunk_pages(self.page_size);
+            let zstd = Some(Zstd::new(chunk, batch_chunks(chunk))?);
             self.sink = Sink::Here { outs, zstd };
         }
         Ok(())

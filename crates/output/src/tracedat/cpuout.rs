@@ -164,6 +164,13 @@ impl CpuOut {
     }
 }
 
+impl Zstd {
+    /// Most bytes of pages one batch holds.
+    pub(super) fn batch_bytes(&self) -> usize {
+        self.chunk.saturating_mul(self.per_batch)
+    }
+}
+
 /// A zstd compressor as trace-cmd configures its own (frames without the content size:
 /// the chunk record carries it), with its output buffer.
 pub(super) struct Zstd {
@@ -225,7 +232,8 @@ impl Zstd {
         for c in data.chunks(self.chunk) {
             let frame = &mut self.out[used + 8..used + 8 + bound];
             let z = self.c.compress_to_buffer(c, frame).map_err(zerr)?;
-            // Both fit: a chunk is at most ZSTD_CHUNK_PAGES pages of at most MAX_PAGE_SIZE.
+            // Both fit: a chunk is at most ZSTD_CHUNK_PAGES pages (fewer of large pages) of
+            // at most MAX_PAGE_SIZE.
             self.out[used..used + 4].copy_from_slice(&(z as u32).to_le_bytes());
             self.out[used + 4..used + 8].copy_from_slice(&(c.len() as u32).to_le_bytes());
             used += 8 + z;

@@ -142,7 +142,11 @@ impl ZPool {
         page_size: usize,
     ) -> Result<Self, Vec<CpuOut>> {
         let workers = workers.max(1);
-        let limit = 4 * workers;
+        // Batches in flight: 4 per worker of small pages' batches, fewer of large ones
+        // (the bytes in flight stay those of small pages', at least one batch).
+        let batch = zstd.batch_bytes().max(1);
+        let small = super::cpudata::batch_chunks(1) * super::cpudata::ZSTD_CHUNK_BYTES;
+        let limit = (4 * workers * small / batch).clamp(1, 4 * workers);
         let n = outs.len();
         let shared = Arc::new(Shared {
             slots: outs
