@@ -38,11 +38,6 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
         self.subscriber.is_some() && self.outbox.full(cpu)
     }
 
-    /// Whether a subscriber holds the claim.
-    pub fn subscribed(&self) -> bool {
-        self.subscriber.is_some()
-    }
-
     /// The subscriber left (detached, disconnected, or timed out): reading goes to the
     /// own output again (with `--drain none`: only once a vCPU stopped). What it was
     /// sent and did not acknowledge goes out again first (C1); returned, for the caller
