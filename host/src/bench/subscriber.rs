@@ -2,7 +2,9 @@
 //! subscribers") — the VMM's session reading a host region filled beforehand into its
 //! outbox, a real control socket, and a client that subscribes, fetches 1 MiB at a time
 //! (acknowledging the last batch) and checks every piece as `dump --attach` does (its
-//! events decoded and counted), until an answer brings nothing new.
+//! events decoded and counted), until an answer brings nothing new. The run loop runs as
+//! the VMM's: serves the requests queued, reads a round, waits until the next request
+//! (or its poll period).
 
 use std::time::{Duration, Instant};
 
@@ -20,6 +22,9 @@ use crate::drain::session::{Output, Session};
 
 /// Bytes asked for per fetch (what `dump --attach` asks for).
 const FETCH: u64 = 1 << 20;
+
+/// The run loop's idle period (`--poll-ms`'s default).
+const POLL: Duration = Duration::from_millis(5);
 
 /// The own output of the session: nothing reaches it while a subscriber takes all.
 struct Discard;
@@ -104,10 +109,10 @@ fn subscriber(sock: &std::path::Path) -> Result<(u64, u64, f64), String> {
         if b.bytes >= FETCH / 2 {
             in_flight = Some(c.send(fetch(acks.clone())).map_err(|e| e.to_string())?);
         }
-        let mut at = 0usize;
+        let (data, mut at) = (b.payload(), 0usize);
         for it in &b.items {
             if let BatchItem::Piece { events, len, .. } = it.item {
-                let p = b.data.get(at..at + len).ok_or("a piece past its batch")?;
+                let p = data.get(at..at + len).ok_or("a piece past its batch")?;
                 let (ts, _) = page_header(p).unwrap_or((0, 0));
                 let n = Events::new(&p[PAGE_HEADER_SIZE..], ts).count() as u64;
                 if n != events {
@@ -145,20 +150,38 @@ fn subscriber_once(pages: u32) -> Result<(u64, u64, f64), BenchError> {
     let sock = dir.path().join("s");
     let server = ControlServer::bind(&sock)?;
     let r = std::thread::scope(|s| {
-        let client = s.spawn(|| subscriber(&sock));
-        // The run loop: serves as soon as a request comes (bounded: the client ends at
-        // the first empty answer, or fails).
+        // The run loop as the VMM's: woken by each request queued (the waker), else
+        // sleeping a poll period (bounded: the client ends at the first empty answer, or
+        // fails, and a thread that ends wakes nobody: the period ends the wait).
+        let me = std::thread::current();
+        server.set_waker(Some(Box::new(move || me.unpark())));
+        let client = std::thread::Builder::new()
+            .name("hyptrace-sub".into())
+            .spawn_scoped(s, || subscriber(&sock))
+            .map_err(|e| BenchError::Subscriber(format!("cannot start its thread: {e}")));
+        let client = match client {
+            Ok(c) => c,
+            Err(e) => return Err(e),
+        };
         while !client.is_finished() {
-            if server.serve(&mut vmm) == 0 {
-                std::thread::yield_now();
+            server.serve(&mut vmm);
+            // As the run loop: a round of reading into the outbox between requests.
+            if let Some((cpu, e)) = vmm.session.service(|_| false).into_iter().next() {
+                return Err(BenchError::Subscriber(format!("cpu {cpu}: {e}")));
+            }
+            let wait = vmm.session.next_wait(POLL);
+            if !wait.is_zero() {
+                std::thread::park_timeout(wait);
             }
         }
+        server.set_waker(None);
         client
             .join()
             .unwrap_or_else(|_| Err("the subscriber panicked".into()))
+            .map_err(BenchError::Subscriber)
     });
     drop(server);
-    r.map_err(BenchError::Subscriber)
+    r
 }
 
 /// The subscriber row: `reps` runs over a region of `drain_pages` pages.

@@ -143,10 +143,10 @@ impl Subscribers {
     ) -> Result<PieceBatch, Refusal> {
         self.check(conn, token, "fetch", now)?;
         Self::take_acks(s, "fetch", acks)?;
-        if let Some(stopped) = read {
-            s.read_for_fetch(stopped);
-        }
         let max = max_bytes.clamp(1, MAX_FETCH_BYTES) as usize;
+        if let Some(stopped) = read {
+            s.read_for_fetch(stopped, max);
+        }
         let batch = s.send(max, MAX_FETCH_ITEMS);
         let from = usize::try_from(knots).unwrap_or(usize::MAX);
         let mut knots = clock
@@ -162,7 +162,7 @@ impl Subscribers {
                 .collect(),
             knots,
             knots_from: from as u64,
-            bytes: batch.data.len() as u64,
+            bytes: batch.len as u64,
             data: batch.data,
         })
     }

@@ -47,8 +47,9 @@ pub struct Piece {
     pub events: u64,
     /// Events lost right before it.
     pub missed: u64,
-    /// The page header (time stamp, commit = the data's length) and the data.
-    pub bytes: Vec<u8>,
+    /// The page header (time stamp, commit = the data's length) and the data (shared
+    /// with the batches that send it: [`Outbox::send`] copies nothing).
+    pub bytes: bytes::Bytes,
 }
 
 impl Piece {
@@ -59,7 +60,7 @@ impl Piece {
             first: p.first_index,
             events: p.events,
             missed: p.missed,
-            bytes: p.bytes[..len].to_vec(),
+            bytes: bytes::Bytes::copy_from_slice(&p.bytes[..len]),
         }
     }
 }
@@ -69,6 +70,16 @@ impl Piece {
 struct Queued {
     seq: u64,
     item: Item,
+}
+
+impl Queued {
+    /// Bytes of its piece (an end has none).
+    fn len(&self) -> usize {
+        match &self.item {
+            Item::Piece(p) => p.bytes.len(),
+            Item::End { .. } => 0,
+        }
+    }
 }
 
 /// One CPU's queue.
@@ -123,8 +134,10 @@ pub enum AckError {
 pub struct Batch {
     /// Per item: its CPU, sequence number and the item (pieces' bytes in `data`).
     pub items: Vec<(u32, u64, BatchItem)>,
-    /// The pieces' bytes, one after the other.
-    pub data: Vec<u8>,
+    /// The pieces' bytes, in the items' order (the queued pieces themselves, shared).
+    pub data: Vec<bytes::Bytes>,
+    /// Their length in all.
+    pub len: usize,
 }
 
 /// An item of a [`Batch`] (on the wire: `{"piece":{...}}` or `{"end":{"lost":N}}`).
@@ -193,6 +206,17 @@ impl Outbox {
             .is_none_or(|b| b.bytes >= self.cap)
     }
 
+    /// Bytes of pieces queued and not sent, over every CPU (what a `send` could take).
+    pub fn unsent_bytes(&self) -> usize {
+        self.cpus
+            .iter()
+            .map(|b| {
+                let sent: usize = b.items.iter().take(b.sent).map(Queued::len).sum();
+                b.bytes.saturating_sub(sent)
+            })
+            .sum()
+    }
+
     /// Whether `cpu`'s end was queued (its reading is over).
     pub fn ended(&self, cpu: u32) -> bool {
         self.cpus.get(cpu as usize).is_some_and(|b| b.ended)
@@ -231,12 +255,7 @@ impl Outbox {
     /// `max_items` items (at least one item when there is one): they are the
     /// subscriber's to acknowledge from now on.
     pub fn send(&mut self, max_bytes: usize, max_items: usize) -> Batch {
-        let queued: usize = self.cpus.iter().map(|b| b.bytes).sum();
-        let mut batch = Batch {
-            items: Vec::new(),
-            // One allocation: what is queued, at most the bound (plus one piece).
-            data: Vec::with_capacity(queued.min(max_bytes.saturating_add(1 << 16))),
-        };
+        let mut batch = Batch::default();
         let nr = self.cpus.len();
         let start = self.next_cpu;
         self.next_cpu = if nr == 0 { 0 } else { (start + 1) % nr };
@@ -248,13 +267,14 @@ impl Outbox {
                     Item::Piece(p) => p.bytes.len(),
                     Item::End { .. } => 0,
                 };
-                let room = batch.data.len() + len <= max_bytes && batch.items.len() < max_items;
+                let room = batch.len + len <= max_bytes && batch.items.len() < max_items;
                 if !room && !batch.items.is_empty() {
                     return batch;
                 }
                 let item = match &q.item {
                     Item::Piece(p) => {
-                        batch.data.extend_from_slice(&p.bytes);
+                        batch.data.push(p.bytes.clone());
+                        batch.len += len;
                         BatchItem::Piece {
                             first: p.first,
                             events: p.events,
@@ -358,7 +378,7 @@ mod tests {
             first,
             events,
             missed: 0,
-            bytes: vec![0; len],
+            bytes: vec![0; len].into(),
         }
     }
 
@@ -376,7 +396,8 @@ mod tests {
         let b = o.send(250, 100);
         let seqs: Vec<(u32, u64)> = b.items.iter().map(|i| (i.0, i.1)).collect();
         assert_eq!(seqs, vec![(0, 1), (0, 2)]);
-        assert_eq!(b.data.len(), 200);
+        assert_eq!((b.data.len(), b.len), (2, 200));
+        assert_eq!(o.unsent_bytes(), 3 * 100);
         // Never sent, or already acknowledged: refused.
         assert!(o.ack(0, 3).is_err());
         assert!(o.ack(1, 1).is_err());

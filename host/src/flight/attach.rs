@@ -177,8 +177,9 @@ impl Subscriber {
     /// indexes following each other, every piece what it says), writes each piece as a
     /// page, each end as the CPU's trailing loss. Returns whether it held anything.
     fn take(&mut self, b: &PieceBatch, sink: &mut dyn PageSink) -> Result<bool, AttachError> {
-        if b.data.len() as u64 != b.bytes {
-            return Err(self.untrusted(format!("{} bytes for {}", b.data.len(), b.bytes)));
+        let data = b.payload();
+        if data.len() as u64 != b.bytes {
+            return Err(self.untrusted(format!("{} bytes for {}", data.len(), b.bytes)));
         }
         // The knots from `knots_from` on: those this side has are skipped (a fetch sent
         // before the last answer was taken asks for them again), a gap is a lie.
@@ -221,11 +222,11 @@ impl Subscriber {
                     missed,
                     len,
                 } => {
-                    let end = at.checked_add(len).filter(|&e| e <= b.data.len());
+                    let end = at.checked_add(len).filter(|&e| e <= data.len());
                     let Some(end) = end else {
                         return Err(self.untrusted(format!("a piece past its batch ({len} bytes)")));
                     };
-                    self.piece(it.cpu, (first, events, missed), &b.data[at..end], sink)?;
+                    self.piece(it.cpu, (first, events, missed), &data[at..end], sink)?;
                     at = end;
                 }
                 BatchItem::End { lost } => {
@@ -239,8 +240,8 @@ impl Subscriber {
             }
             self.cpus[cpu].seq = it.seq;
         }
-        if at != b.data.len() {
-            return Err(self.untrusted(format!("{} bytes no piece names", b.data.len() - at)));
+        if at != data.len() {
+            return Err(self.untrusted(format!("{} bytes no piece names", data.len() - at)));
         }
         Ok(!b.items.is_empty())
     }

@@ -253,7 +253,7 @@ impl Sub {
 
     /// Takes the first `n` items of `b` (all: `usize::MAX`), as the client does.
     fn take(&mut self, b: &PieceBatch, n: usize, seen: &mut Seen) -> Result<(), String> {
-        let mut at = 0usize;
+        let (data, mut at) = (b.payload(), 0usize);
         for it in &b.items {
             // The first item may have any number (earlier ones went to others).
             if self.ended || (self.seq != 0 && it.seq != self.seq + 1) {
@@ -277,7 +277,7 @@ impl Sub {
                     ..
                 } => {
                     self.stream.lost(missed);
-                    let bytes = &b.data[at..at + len];
+                    let bytes = &data[at..at + len];
                     let (ts, _) = page_header(bytes).unwrap_or((0, 0));
                     let mut k = 0;
                     for ev in Events::new(&bytes[PAGE_HEADER_SIZE..], ts) {

@@ -6,7 +6,13 @@
 
 use hyptrace_abi::page::{page_header, Events, PAGE_HEADER_SIZE};
 
-use super::{merge_event, Output, Session, SessionError, ROUND_MAX_BYTES, ROUND_MAX_TIME};
+use super::{merge_event, Output, Session, SessionError, ROUND_MAX_TIME};
+
+/// Most bytes one round reads of one CPU into the outbox: a `fetch` that comes meanwhile
+/// waits for the round (the run loop serves between rounds), so a round is a fraction of
+/// a fetch ([`crate::control::protocol::MAX_FETCH_BYTES`]); the loop comes back at once
+/// while there is more ([`Session::backlog`]).
+const PIECES_ROUND_BYTES: usize = 256 << 10;
 use crate::drain::outbox::{AckError, Batch, Item, Outbox, Piece, Unsent};
 use hyptrace_abi::SharedMem;
 use hyptrace_reader::{Callbacks, ReadError};
@@ -51,7 +57,13 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
     /// does — a bounded poll of each live CPU, the final walk of those whose vCPU stopped
     /// (`vcpu_stopped`) — so that the answer holds what was committed when it came; the
     /// failures go to the loop's next round, which reports them.
-    pub fn read_for_fetch(&mut self, vcpu_stopped: &dyn Fn(u32) -> bool) {
+    pub fn read_for_fetch(&mut self, vcpu_stopped: &dyn Fn(u32) -> bool, max_bytes: usize) {
+        // What is read already fills the answer: it goes out at once, and the loop's
+        // next round reads on meanwhile (reading first kept the subscriber waiting for
+        // it, one side working at a time).
+        if self.outbox.unsent_bytes() >= max_bytes {
+            return;
+        }
         let failed = self.service(vcpu_stopped);
         self.deferred.extend(failed);
     }
@@ -88,7 +100,7 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
             if self.outbox.full(cpu) {
                 return Ok(false);
             }
-            if bytes >= ROUND_MAX_BYTES || (bytes > 0 && started.elapsed() >= ROUND_MAX_TIME) {
+            if bytes >= PIECES_ROUND_BYTES || (bytes > 0 && started.elapsed() >= ROUND_MAX_TIME) {
                 return Ok(true);
             }
             let Some(p) = self.reader.next_piece(cpu, partial)? else {
