@@ -57,6 +57,8 @@ fn bench_quick_writes_json() {
         "swap",
         "drain",
         "max_rate",
+        "sinks",
+        "sustained",
         "criterion",
     ] {
         assert!(v.get(k).is_some(), "missing key {k}: {v}");
@@ -133,5 +135,40 @@ fn bench_quick_writes_json() {
             "{r}"
         );
         assert!(r["runs"].as_array().is_some_and(|a| !a.is_empty()), "{r}");
+    }
+    // One row per sink (the reader alone first), each with its throughput.
+    let sinks = v["sinks"]["rows"].as_array().expect("sinks rows");
+    let names: Vec<&str> = sinks.iter().filter_map(|r| r["sink"].as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "null",
+            "raw",
+            "trace.dat none",
+            "trace.dat zstd",
+            "dat6",
+            "perfetto",
+            "json",
+            "text"
+        ]
+    );
+    for r in sinks {
+        assert_summary(&r["mb_per_s"], "sinks");
+        assert!(
+            is_number(&r["vs_null"]) && is_number(&r["file_bytes"]),
+            "{r}"
+        );
+    }
+    // The flat-out runs, then three sinks at two fractions, a loss per run each.
+    let st = &v["sustained"];
+    assert!(
+        is_number(&st["flat_out"]) && is_number(&st["events"]),
+        "{st}"
+    );
+    let rows = st["rows"].as_array().expect("sustained rows");
+    assert_eq!(rows.len(), 6, "{st}");
+    for r in rows {
+        assert!(r["lost"].as_array().is_some_and(|a| !a.is_empty()), "{r}");
+        assert!(r["lossless"].is_boolean() && is_number(&r["rate"]), "{r}");
     }
 }

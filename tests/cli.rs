@@ -539,6 +539,30 @@ fn bad_destinations_refused_before_the_vm_starts() {
     }
 }
 
+/// `bench --criterion DIR` without criterion results: exit 2 before anything runs, and
+/// the `--json` file (here one that had figures) is left as it was (an empty import once
+/// wrote `"criterion": {}` over the tracked docs/bench.json).
+#[test]
+fn bench_criterion_without_results_is_refused() {
+    let dir = TempDir::new("crit");
+    let empty = dir.file("criterion");
+    std::fs::create_dir(&empty).expect("mkdir");
+    let json = dir.file("b.json");
+    std::fs::write(&json, b"{\"criterion\": {\"x\": 1}}").expect("write");
+    let o = env::run(
+        BIN,
+        &["bench", "--quick", "--json", &json, "--criterion", &empty],
+    );
+    let err = env::stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("no criterion results"), "{err}");
+    assert_eq!(
+        std::fs::read(&json).expect("read"),
+        b"{\"criterion\": {\"x\": 1}}"
+    );
+}
+
 // ---- 5: write failures --------------------------------------------------------------
 
 /// ENOSPC while recording: exit 1, the cause said once, as the last line; no success

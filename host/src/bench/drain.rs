@@ -83,20 +83,30 @@ pub(super) struct VmDrainRow {
     pub(super) payload: u32,
 }
 
+/// The reader over a host region (1 CPU, stop mode).
+pub(super) type Region = RingBuffer<Arc<HeapMem>, Direct<Arc<HeapMem>>>;
+
 /// A host region (1 CPU, stop mode, `pages` pages) filled by the writer with 16-byte
 /// payloads; returns the reader over it.
-pub(super) fn filled_region(
+pub(super) fn filled_region(pages: u32) -> Result<Region, BenchError> {
+    let p = bench_payload(16);
+    filled_with(pages, |_| p.clone())
+}
+
+/// A host region of `pages` pages filled by the writer with `payload(n)` as the `n`-th
+/// event's, until the ring is full; returns the reader over it.
+pub(super) fn filled_with(
     pages: u32,
-) -> Result<RingBuffer<Arc<HeapMem>, Direct<Arc<HeapMem>>>, BenchError> {
+    mut payload: impl FnMut(u64) -> Vec<u8>,
+) -> Result<Region, BenchError> {
     let l = ring::RingGeometry::new(1, pages, PAGE_SIZE as usize, ring::Mode::Stop, false)?;
     let mem = Arc::new(HeapMem::new(l.region_size));
     let rb = RingBuffer::alloc(mem.clone(), l, Direct::new(mem.clone(), l), 1_000_000, 1)?;
     let mut w = Writer::attach(mem, 0)?;
-    let p = bench_payload(16);
     let mut ts = 1000u64;
-    loop {
+    for n in 0.. {
         ts += 37;
-        if w.write(0, ts, &p) != WriteOutcome::Written {
+        if w.write(0, ts, &payload(n)) != WriteOutcome::Written {
             break;
         }
     }
@@ -162,7 +172,7 @@ fn vm_drain(cfg: &Cfg, tsc: Tsc) -> Result<VmDrainRow, BenchError> {
             workload: Workload::Bench,
             events,
             payload: 16,
-            sink: SinkKind::Raw,
+            sink: SinkKind::RAW,
             ..VmSpec::default()
         })?;
         let guest_s = tsc.ns(o.guest_cycles as f64) / 1e9;

@@ -24,6 +24,9 @@ pub enum BenchError {
     /// `--events` below one chunk of the bench workload.
     #[error("--events {0}: at least {BENCH_CHUNK}")]
     Events(u64),
+    /// `--criterion DIR` holds no results.
+    #[error("--criterion {}: no criterion results under it (no */new/estimates.json; run `cargo bench` with the same CARGO_TARGET_DIR first)", .0.display())]
+    NoCriterion(std::path::PathBuf),
     /// `--reps 0`.
     #[error("--reps must be at least 1")]
     Reps,
@@ -71,6 +74,9 @@ pub enum BenchError {
     /// A temporary file for a run's output could not be created.
     #[error("temporary file")]
     TempFile(#[source] std::io::Error),
+    /// A temporary output path refused.
+    #[error(transparent)]
+    Destination(#[from] crate::drain::sink::DestinationError),
     /// The guest answered a mailbox swap with a failure.
     #[error("guest swap failed (status {0})")]
     GuestSwap(u64),

@@ -6,13 +6,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use hyptrace_abi::guest::{result, Workload, RUN_FLAG_BENCH_TYPED};
-use hyptrace_output::{OutputError, PageSink, RawSink, RunSummary};
-use hyptrace_output::{ThreadedSink, TraceDatSink, TraceDatVersion};
+use hyptrace_output::{OutputError, PageSink, RunSummary, ThreadedSink};
 use hyptrace_reader::{Callbacks, ReadError, SwapReply, SwapStatus};
 use vm_memory::{Bytes, GuestAddress};
 
 use super::{BenchError, PAGE_SIZE};
 use crate::drain::session::MAILBOX_TIMEOUT;
+use crate::drain::sink::{check_destination, make_sink, CompressionArg, FormatArg};
 use crate::pipeline::options::{DrainArg, ModeArg, RunArgs, SwapArg};
 use crate::pipeline::plan::Plan;
 use crate::pipeline::run::{MakeSink, Run, Target};
@@ -59,11 +59,33 @@ impl Default for VmSpec {
     }
 }
 
+/// Where a bench run's pages go.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum SinkKind {
+    /// Counted only (the reader alone).
     Null,
-    Raw,
-    Dat,
+    /// A temporary file of this format, as `record -o` writes it (its own thread).
+    File(FormatArg, CompressionArg),
+}
+
+impl SinkKind {
+    /// `--format raw`.
+    pub(super) const RAW: Self = Self::File(FormatArg::Raw, CompressionArg::Zstd);
+    /// The default trace.dat (v7, zstd).
+    pub(super) const DAT: Self = Self::File(FormatArg::Dat, CompressionArg::Zstd);
+
+    /// What the rows call it: `null`, `raw`, `trace.dat zstd`, `trace.dat none`, ….
+    pub(super) fn name(self) -> String {
+        match self {
+            Self::Null => "null".into(),
+            Self::File(FormatArg::Dat, CompressionArg::Zstd) => "trace.dat zstd".into(),
+            Self::File(FormatArg::Dat, CompressionArg::None) => "trace.dat none".into(),
+            Self::File(f, _) => {
+                let v = clap::ValueEnum::to_possible_value(&f);
+                v.map_or_else(|| format!("{f:?}"), |v| v.get_name().to_string())
+            }
+        }
+    }
 }
 
 /// What a VM run measured.
@@ -259,23 +281,19 @@ pub(super) fn vm_run(spec: &VmSpec) -> Result<VmOut, BenchError> {
         first_ts: AtomicU64::new(u64::MAX),
         ..SinkStats::default()
     });
-    let (kind, path, stats) = (spec.sink, tmp.to_path_buf(), sink_stats.clone());
+    let target = check_destination(&tmp, "bench")?;
+    let (kind, stats) = (spec.sink, sink_stats.clone());
     let make: MakeSink = Box::new(move |meta| {
-        let inner: Option<Box<dyn PageSink + Send>> = match kind {
+        let inner = match kind {
             SinkKind::Null => None,
-            SinkKind::Raw => Some(Box::new(RawSink::create(&path, meta)?)),
-            SinkKind::Dat => Some(Box::new(TraceDatSink::create(
-                &path,
-                meta,
-                TraceDatVersion::V7,
-            )?)),
+            SinkKind::File(format, c) => Some(make_sink(&target, format, c.into(), meta)?),
         };
         let counted = Box::new(CountSink { inner, stats });
         Ok(match kind {
             // The reader alone (the writer section): no thread.
             SinkKind::Null => counted,
-            // A file, as `record` writes it: on its own thread (ThreadedSink).
-            SinkKind::Raw | SinkKind::Dat => Box::new(ThreadedSink::new(counted)?),
+            // A file, as `record -o` writes it: on its own thread (ThreadedSink).
+            SinkKind::File(..) => Box::new(ThreadedSink::new(counted)?),
         })
     });
     let log = Arc::new(Mutex::new(SwapLog::default()));

@@ -45,9 +45,11 @@ mod error;
 mod harness;
 mod rate;
 pub mod report;
+mod sinks;
 mod startup;
 mod stats;
 mod subscriber;
+mod sustained;
 mod swap;
 mod table;
 mod writer;
@@ -110,6 +112,10 @@ pub enum Section {
     Drain,
     /// Highest loss-free rate.
     Rate,
+    /// Each output format's throughput behind the reader.
+    Sinks,
+    /// 60 M-event records at fractions of the writer's flat-out rate, per sink.
+    Sustained,
 }
 
 /// Ring pages per vCPU (reader page included): `--buffer-kb 1024` of 4 KiB pages, the
@@ -134,6 +140,8 @@ struct Cfg {
     rate_steps: u32,
     /// Runs per step of the rate search (all must be loss-free).
     rate_repeats: u32,
+    /// Events of each `sustained` record (and of the rate search's confirmation).
+    sustained_events: u64,
 }
 
 impl Cfg {
@@ -180,9 +188,10 @@ impl Cfg {
             swap_events: if q { 20_000 } else { 400_000 },
             swap_rate: 1_000_000,
             drain_pages: if q { 512 } else { 8192 },
-            rate_seconds: if q { 0.05 } else { 1.0 },
+            rate_seconds: if q { 0.05 } else { 5.0 },
             rate_steps: if q { 0 } else { 8 },
             rate_repeats: if q { 1 } else { 3 },
+            sustained_events: if q { 2_000_000 } else { 60_000_000 },
         })
     }
 }
@@ -224,6 +233,8 @@ struct BenchReport {
     swap: SwapReport,
     drain: DrainReport,
     max_rate: Vec<rate::RateRow>,
+    sinks: Measured<sinks::SinksReport>,
+    sustained: Measured<sustained::SustainedReport>,
     /// `--criterion DIR`'s medians, keyed by benchmark id; `null` without it.
     criterion: Option<BTreeMap<String, criterion::CriterionRow>>,
     wall_seconds: f64,
@@ -294,6 +305,12 @@ pub fn bench(a: &BenchArgs) -> Result<(), BenchCmdError> {
         return report::bench_report(r).map_err(BenchCmdError::Report);
     }
     let cfg = Cfg::new(a).map_err(BenchCmdError::Options)?;
+    // An empty criterion import would write `"criterion": {}` over a JSON that had them.
+    if let Some(d) = a.criterion.as_deref() {
+        if criterion::import_criterion(d).is_empty() {
+            return Err(BenchCmdError::Options(BenchError::NoCriterion(d.into())));
+        }
+    }
     // Before the first VM boots: a bad --json path costs nothing.
     let json_target = a
         .json
@@ -367,6 +384,16 @@ fn run_all(cfg: &Cfg, a: &BenchArgs) -> Result<BenchReport, BenchError> {
         eprintln!("hyptrace bench: highest loss-free rate");
         max_rate = rate::max_rate_section(cfg)?;
     }
+    let mut sinks = Measured::NotRun {};
+    if on(Section::Sinks) {
+        eprintln!("hyptrace bench: sinks");
+        sinks = Measured::Ran(sinks::sinks_section(cfg)?);
+    }
+    let mut sustained = Measured::NotRun {};
+    if on(Section::Sustained) {
+        eprintln!("hyptrace bench: sustained records");
+        sustained = Measured::Ran(sustained::sustained_section(cfg)?);
+    }
     let criterion = a.criterion.as_deref().map(criterion::import_criterion);
     Ok(BenchReport {
         version: 1,
@@ -387,6 +414,8 @@ fn run_all(cfg: &Cfg, a: &BenchArgs) -> Result<BenchReport, BenchError> {
         swap,
         drain,
         max_rate,
+        sinks,
+        sustained,
         criterion,
         wall_seconds: t0.elapsed().as_secs_f64(),
     })

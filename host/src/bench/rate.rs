@@ -2,8 +2,10 @@
 //! poll interval and buffer size, for `--swap host` and `--swap guest` (a doubling +
 //! bisection search; a step passes only if every one of its [`Cfg::rate_repeats`] runs
 //! lost nothing, and the row reports how much each run of the first lossy step lost:
-//! the spread). Every run writes at least twice what a ring holds, so a loss-free run
-//! means the reader kept up.
+//! the spread). Every run lasts at least `rate_seconds` (5 s) and writes at least twice
+//! what a ring holds, so a loss-free run means the reader kept up as a user's record
+//! does, its output's backlog included; the rate found is then confirmed by
+//! [`Cfg::rate_repeats`] records of `sustained_events` (60 M) events each.
 //! `--quick` makes one run at the first rate: a lower bound, not a search
 //! (`searched: false`); a search that never lost reports a lower bound too
 //! (`first_lossy_rate: null`, `lower_bound: true`).
@@ -42,6 +44,10 @@ pub(super) struct RateRow {
     pub(super) lower_bound: bool,
     /// False for `--quick`'s single run.
     pub(super) searched: bool,
+    /// Events lost by each confirming record at `max_rate_zero_loss` (empty: none run).
+    pub(super) confirm_lost: Vec<u64>,
+    /// Events of each confirming record.
+    pub(super) confirm_events: u64,
     pub(super) runs: Vec<RateRun>,
     pub(super) mode: &'static str,
     pub(super) poll_ms: u32,
@@ -85,16 +91,30 @@ impl RateRow {
                 format!("below {bad} events/s per vCPU (the first rate tried lost events)")
             }
             (Some(bad), _) => format!(
-                "{good} events/s per vCPU{} (first lossy rate: {bad}, lost {:?} in {} runs{})",
+                "{good} events/s per vCPU{}{} (first lossy rate: {bad}, lost {:?} in {} runs{})",
                 self.reached(),
+                self.confirmed(),
                 self.first_lossy_lost,
                 self.repeats,
                 self.why(bad)
             ),
             (None, _) => format!(
-                "at least {good} events/s per vCPU{} (no rate tried lost events)",
-                self.reached()
+                "at least {good} events/s per vCPU{}{} (no rate tried lost events)",
+                self.reached(),
+                self.confirmed()
             ),
+        }
+    }
+
+    /// The confirming records, in words (nothing when none ran).
+    fn confirmed(&self) -> String {
+        let m = self.confirm_events / 1_000_000;
+        match self.confirm_lost.as_slice() {
+            [] => String::new(),
+            l if l.iter().all(|&x| x == 0) => {
+                format!("; {m} M-event records: lossless {} of {}", l.len(), l.len())
+            }
+            l => format!("; {m} M-event records at it: LOST {l:?}"),
         }
     }
 
@@ -151,13 +171,18 @@ fn rate_step(
 
 fn rate_run(cfg: &Cfg, vcpus: u32, swap: SwapArg, rate: u64) -> Result<RateRun, BenchError> {
     let events = ((rate as f64 * cfg.rate_seconds) as u64).max(RATE_FILL_EVENTS);
+    rate_record(vcpus, swap, rate, events)
+}
+
+/// One stop-mode record of `events` per vCPU at `rate` into the default trace.dat.
+fn rate_record(vcpus: u32, swap: SwapArg, rate: u64, events: u64) -> Result<RateRun, BenchError> {
     let o = vm_run(&VmSpec {
         vcpus,
         events,
         rate,
         mode: ModeArg::Stop,
         swap,
-        sink: SinkKind::Dat,
+        sink: SinkKind::DAT,
         ..VmSpec::default()
     })?;
     let achieved = if o.guest_cycles > 0 {
@@ -185,10 +210,13 @@ fn search(cfg: &Cfg, vcpus: u32, swap: SwapArg) -> Result<RateRow, BenchError> {
     let mut good = 0u64;
     let mut bad = None;
     let mut bad_lost = Vec::new();
-    let mut rate = 200_000u64;
+    let mut rate = 1_000_000u64;
     // Doubling until the first loss (or the cap): not counted against the bisection's
-    // steps, so a high edge is still narrowed down (from 200 000, 8 doublings reach
-    // 25.6 M events/s). `--quick` makes one run.
+    // steps, so a high edge is still narrowed down (from 1 M, 5 doublings reach 32 M
+    // events/s). `--quick` makes one run.
+    if cfg.quick {
+        rate = 200_000;
+    }
     while rate <= 256_000_000 {
         let (ok, lost) = rate_step(cfg, vcpus, swap, rate, &mut runs)?;
         if ok {
@@ -218,6 +246,14 @@ fn search(cfg: &Cfg, vcpus: u32, swap: SwapArg) -> Result<RateRow, BenchError> {
             bad_lost = lost;
         }
     }
+    // The confirmation: records as long as a user's at the rate found.
+    let mut confirm_lost = Vec::new();
+    if !cfg.quick && good > 0 {
+        for _ in 0..cfg.rate_repeats.max(1) {
+            let r = rate_record(vcpus, swap, good, cfg.sustained_events)?;
+            confirm_lost.push(if r.ok { 0 } else { r.lost.max(1) });
+        }
+    }
     let achieved_zero_loss = runs
         .iter()
         .filter(|r| r.rate == good && r.ok)
@@ -241,6 +277,8 @@ fn search(cfg: &Cfg, vcpus: u32, swap: SwapArg) -> Result<RateRow, BenchError> {
         first_lossy_rate: bad,
         lower_bound: bad.is_none(),
         searched: !cfg.quick,
+        confirm_lost,
+        confirm_events: cfg.sustained_events,
         runs,
         mode: "stop",
         poll_ms: crate::pipeline::options::DEFAULT_POLL_MS as u32,
