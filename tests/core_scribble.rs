@@ -342,9 +342,8 @@ fn check_stats(before: &CpuStats, after: &CpuStats, what: &str) {
 }
 
 fn reader(
-    m: &Arc<Counted>,
-    l: RingGeometry,
-    mailbox: bool,
+    mut rb: Rb,
+    (m, l, mailbox): (&Arc<Counted>, RingGeometry, bool),
     seed: u64,
     progress: &AtomicU64,
     healed: &AtomicU64,
@@ -352,7 +351,6 @@ fn reader(
 ) {
     let mut seen_heal = 0;
     let mut rng = Rng(seed ^ 0x5eed);
-    let mut rb: Rb = RingBuffer::attach(m.clone(), make_cb(m, l, mailbox)).expect("attach");
     // What the reader may hold from here on is bounded, whatever the guest writes.
     let base = thread_net_bytes();
     take_thread_peak();
@@ -485,6 +483,10 @@ fn run(mode: Mode, mailbox: bool, seed: u64) {
         let written = AtomicU64::new(0);
         let scribbles = AtomicU64::new(0);
         let mut c = Coverage::default();
+        // Attached before any writer or the scribbler runs: on a loaded machine the
+        // scribbler may otherwise lie before the reader thread's first attach (a refusal
+        // the test cannot go on from; later attaches meet lies and are counted).
+        let rb: Rb = RingBuffer::attach(m.clone(), make_cb(&m, l, mailbox)).expect("attach");
         std::thread::scope(|s| {
             let writers: Vec<_> = (0..CPUS)
                 .map(|cpu| {
@@ -557,7 +559,7 @@ fn run(mode: Mode, mailbox: bool, seed: u64) {
                 })
             };
             let _g = SetOnDrop(&stop);
-            reader(&m, l, mailbox, seed, progress, &healed, &mut c);
+            reader(rb, (&m, l, mailbox), seed, progress, &healed, &mut c);
             stop.store(true, SeqCst);
             for w in writers {
                 join(w);
