@@ -8,6 +8,7 @@
 //! An error is one line on stderr, `hyptrace: error: ...` (argument errors are followed
 //! by clap's hints: valid values, tips, usage).
 
+pub mod docs;
 pub mod host_events;
 pub mod logging;
 
@@ -99,6 +100,17 @@ pub enum Command {
     /// `enable EVENT`, `disable EVENT`, `stats` (JSON), `list` (JSON). Exit 0 on `ok`,
     /// 1 on an `err` reply or when the socket cannot be reached, 2 on bad usage.
     Ctl(CtlArgs),
+    /// Print the shell completion script for SHELL on stdout, e.g. `hyptrace completions
+    /// bash > ~/.local/share/bash-completion/completions/hyptrace`.
+    Completions(CompletionsArgs),
+}
+
+/// Options of `hyptrace completions`.
+#[derive(Debug, clap::Args)]
+pub struct CompletionsArgs {
+    /// The shell.
+    #[arg(value_enum)]
+    pub shell: clap_complete::Shell,
 }
 
 /// Why a command failed, mapped to the exit code in one place ([`CliError::exit_code`]).
@@ -146,6 +158,9 @@ pub enum CliError {
     /// `list`: the guest's events could not be read.
     #[error(transparent)]
     List(#[from] crate::pipeline::list::ListError),
+    /// `completions`: writing the script to stdout failed.
+    #[error("writing the completion script")]
+    Completions(#[source] std::io::Error),
 }
 
 impl CliError {
@@ -166,6 +181,7 @@ impl CliError {
             | Self::Run(_)
             | Self::Stats(_)
             | Self::ReportWrite(_)
+            | Self::Completions(_)
             | Self::Ctl(_) => EXIT_RUNTIME,
             Self::Convert(e) => e.exit_code(),
         }
@@ -219,6 +235,15 @@ where
             .map_err(CliError::from),
         Command::Dump(args) => crate::flight::dump::dump(&args).map_err(CliError::from),
         Command::Ctl(args) => ctl(&args),
+        Command::Completions(args) => {
+            use std::io::Write as _;
+            let script = docs::completions(args.shell);
+            let mut out = std::io::stdout().lock();
+            out.write_all(&script)
+                .and_then(|()| out.flush())
+                .map(|()| EXIT_OK)
+                .map_err(CliError::Completions)
+        }
     };
     match r {
         Ok(code) => code,
