@@ -12,7 +12,8 @@ mod write;
 mod zpool;
 
 pub use read::{
-    max_chunk, page_damage, CpuBuffer, CpuPages, Damage, Records, ReportFilter, TraceFile,
+    max_chunk, page_damage, CpuBuffer, CpuPages, Damage, FilterError, FilterErrorKind, FilterSet,
+    Records, ReportFilter, ReportOutcome, TraceFile,
     TraceItem, TraceOption, TraceRecord, MAX_CHUNK, MAX_RATIO, METADATA_BUDGET, OPTIONS_SHARE,
     READ_BUDGET,
 };

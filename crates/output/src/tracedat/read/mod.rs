@@ -25,6 +25,7 @@ use input::{FileCur, Input, Source};
 use parse::Parser;
 
 mod budget;
+mod filter;
 mod input;
 mod merge;
 mod meta;
@@ -35,6 +36,7 @@ mod report;
 #[cfg(test)]
 mod tests;
 
+pub use filter::{FilterError, FilterErrorKind, FilterSet, ReportOutcome};
 pub use budget::{max_chunk, MAX_CHUNK, MAX_RATIO, METADATA_BUDGET, OPTIONS_SHARE, READ_BUDGET};
 pub use merge::Records;
 pub use pages::CpuPages;
