@@ -12,11 +12,11 @@ use std::collections::{BTreeSet, BinaryHeap};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
+use hyptrace_output::tracedat::{FilterSet, ReportOutcome};
 use hyptrace_output::{
     tracedat::MAGIC as DAT_MAGIC, Clock, KernelCpuStat, Missed, OutputError, PageSink, RawReader,
     ReportFilter, RunSummary, TextSink, TraceFile, TraceMeta,
 };
-use hyptrace_output::tracedat::{FilterSet, ReportOutcome};
 
 use crate::drain::sink::{format_for, FormatArg};
 use crate::pipeline::options::{ConvertArgs, ReportArgs};
@@ -315,7 +315,10 @@ fn note_unmatched(a: &ReportArgs, o: &ReportOutcome) {
     }
     let cpus: Vec<String> = a.cpu.iter().flatten().map(u32::to_string).collect();
     if !cpus.is_empty() && o.read == 0 {
-        note!("hyptrace: --cpu {} matched no event of the file", cpus.join(","));
+        note!(
+            "hyptrace: --cpu {} matched no event of the file",
+            cpus.join(",")
+        );
         return;
     }
     let on = if cpus.is_empty() {

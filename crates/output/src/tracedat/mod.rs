@@ -13,9 +13,8 @@ mod zpool;
 
 pub use read::{
     max_chunk, page_damage, CpuBuffer, CpuPages, Damage, FilterError, FilterErrorKind, FilterSet,
-    Records, ReportFilter, ReportOutcome, TraceFile,
-    TraceItem, TraceOption, TraceRecord, MAX_CHUNK, MAX_RATIO, METADATA_BUDGET, OPTIONS_SHARE,
-    READ_BUDGET,
+    Records, ReportFilter, ReportOutcome, TraceFile, TraceItem, TraceOption, TraceRecord,
+    MAX_CHUNK, MAX_RATIO, METADATA_BUDGET, OPTIONS_SHARE, READ_BUDGET,
 };
 pub use write::{
     write_trace_dat, write_trace_dat_with, Compression, TraceDatSink, TraceDatVersion,

@@ -36,8 +36,8 @@ mod report;
 #[cfg(test)]
 mod tests;
 
-pub use filter::{FilterError, FilterErrorKind, FilterSet, ReportOutcome};
 pub use budget::{max_chunk, MAX_CHUNK, MAX_RATIO, METADATA_BUDGET, OPTIONS_SHARE, READ_BUDGET};
+pub use filter::{FilterError, FilterErrorKind, FilterSet, ReportOutcome};
 pub use merge::Records;
 pub use pages::CpuPages;
 pub use records::{page_damage, TraceItem, TraceRecord};

@@ -96,7 +96,10 @@ fn translate(p: &str) -> Result<String, String> {
                 out.push('^');
                 start = true;
             }
-            '$' if i == c.len() || c[i..].starts_with(&['\\', ')']) || c[i..].starts_with(&['\\', '|']) => {
+            '$' if i == c.len()
+                || c[i..].starts_with(&['\\', ')'])
+                || c[i..].starts_with(&['\\', '|']) =>
+            {
                 out.push('$')
             }
             '*' | '.' => out.push(ch),

@@ -201,8 +201,14 @@ impl Val {
                     ExpOp::Mul => a.wrapping_mul(b),
                     ExpOp::Div => a.checked_div(b).unwrap_or(0),
                     ExpOp::Mod => a.checked_rem(b).unwrap_or(0),
-                    ExpOp::Shl => u32::try_from(b).ok().and_then(|s| a.checked_shl(s)).unwrap_or(0),
-                    ExpOp::Shr => u32::try_from(b).ok().and_then(|s| a.checked_shr(s)).unwrap_or(0),
+                    ExpOp::Shl => u32::try_from(b)
+                        .ok()
+                        .and_then(|s| a.checked_shl(s))
+                        .unwrap_or(0),
+                    ExpOp::Shr => u32::try_from(b)
+                        .ok()
+                        .and_then(|s| a.checked_shr(s))
+                        .unwrap_or(0),
                     ExpOp::And => a & b,
                     ExpOp::Or => a | b,
                     ExpOp::Xor => a ^ b,

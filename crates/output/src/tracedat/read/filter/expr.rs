@@ -130,8 +130,8 @@ enum Tok {
 
 /// Operators, longest first.
 const OPS: &[&str] = &[
-    "&&", "||", "==", "!=", "<=", ">=", "=~", "!~", "<<", ">>", "!", "<", ">", "&", "|", "+",
-    "-", "*", "/", "%", "^", "~", "=",
+    "&&", "||", "==", "!=", "<=", ">=", "=~", "!~", "<<", ">>", "!", "<", ">", "&", "|", "+", "-",
+    "*", "/", "%", "^", "~", "=",
 ];
 
 /// Splits `s` into tokens with their byte offsets.
@@ -229,7 +229,7 @@ pub fn parse(s: &str) -> Result<Ast, E> {
         end: s.len(),
     };
     if p.toks.is_empty() {
-        return Err(E::Syntax(0, "empty expression".into()));
+        return Err(E::Syntax(s.len(), "empty expression".into()));
     }
     let ast = p.expr(0)?;
     match p.peek() {
@@ -272,7 +272,10 @@ impl Parser {
                 self.at += 1;
                 Ok(t.clone())
             }
-            None => Err(E::Syntax(self.end, format!("expected {what}, found the end"))),
+            None => Err(E::Syntax(
+                self.end,
+                format!("expected {what}, found the end"),
+            )),
         }
     }
 
@@ -331,7 +334,10 @@ impl Parser {
             t => {
                 return Err(E::Syntax(
                     op_pos,
-                    format!("expected an operator after `{left}`, found {}", describe(&t)),
+                    format!(
+                        "expected an operator after `{left}`, found {}",
+                        describe(&t)
+                    ),
                 ))
             }
         };

@@ -131,8 +131,7 @@ impl Pattern<'_> {
 /// Whether a glob list part is made only of name and glob characters.
 fn glob_word(s: &str) -> bool {
     !s.is_empty()
-        && s
-            .bytes()
+        && s.bytes()
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'*' | b'?' | b'-' | b'.'))
 }
 
@@ -159,7 +158,10 @@ fn glob_list(spec: &str) -> Option<Vec<(Option<&str>, &str)>> {
 fn split(spec: &str) -> Result<(Vec<Pattern<'_>>, Option<&str>), FilterErrorKind> {
     if let Some(globs) = glob_list(spec) {
         return Ok((
-            globs.into_iter().map(|(s, e)| Pattern::Glob(s, e)).collect(),
+            globs
+                .into_iter()
+                .map(|(s, e)| Pattern::Glob(s, e))
+                .collect(),
             None,
         ));
     }
@@ -193,7 +195,12 @@ fn compile_one(
     budget: &mut usize,
 ) -> Result<Filter, FilterErrorKind> {
     let (pats, expr) = split(spec)?;
-    let ast = expr.map(expr::parse).transpose()?;
+    // Syntax errors point into the whole filter, after its `EVENTS:`.
+    let shift = spec.len() - expr.map_or(0, str::len);
+    let ast = expr.map(expr::parse).transpose().map_err(|e| match e {
+        FilterErrorKind::Syntax(at, m) => FilterErrorKind::Syntax(at + shift, m),
+        e => e,
+    })?;
     let mut selected: Vec<&EventFormat> = Vec::new();
     for (i, p) in pats.iter().enumerate() {
         let mut any = false;
@@ -242,7 +249,12 @@ fn pattern_text(spec: &str, i: usize) -> String {
         Some(_) => spec,
         None => spec.split_once(':').map_or(spec, |(e, _)| e),
     };
-    events.split(',').nth(i).unwrap_or(events).trim().to_string()
+    events
+        .split(',')
+        .nth(i)
+        .unwrap_or(events)
+        .trim()
+        .to_string()
 }
 
 /// `sys:a`, or `sys:a, sys:b, ... (N events)`.
@@ -255,7 +267,10 @@ fn event_list(sel: &[&EventFormat]) -> String {
     match sel.len() {
         0..=1 => names.join(""),
         n if n <= 3 => format!("none of {}", names.join(", ")),
-        n => format!("none of the {n} events it selects ({}, ...)", names.join(", ")),
+        n => format!(
+            "none of the {n} events it selects ({}, ...)",
+            names.join(", ")
+        ),
     }
 }
 
@@ -270,7 +285,10 @@ impl FilterSet {
             kind,
         };
         if specs.len() > MAX_FILTERS {
-            return Err(err(&specs[MAX_FILTERS], FilterErrorKind::TooMany(MAX_FILTERS)));
+            return Err(err(
+                &specs[MAX_FILTERS],
+                FilterErrorKind::TooMany(MAX_FILTERS),
+            ));
         }
         let mut budget = MAX_RESOLVED;
         let filters = specs
@@ -279,7 +297,9 @@ impl FilterSet {
             .collect::<Result<Vec<_>, _>>()?;
         let stack_ids = formats
             .iter()
-            .filter(|f| f.system == "ftrace" && matches!(f.name.as_str(), "kernel_stack" | "user_stack"))
+            .filter(|f| {
+                f.system == "ftrace" && matches!(f.name.as_str(), "kernel_stack" | "user_stack")
+            })
             .map(|f| f.id)
             .collect();
         Ok(Some(Self {
