@@ -46,7 +46,7 @@ pub enum OutputError {
     Raw(String),
     /// A `report -F` filter is refused.
     #[error(transparent)]
-    Filter(#[from] crate::tracedat::FilterError),
+    Filter(#[from] Box<crate::tracedat::FilterError>),
 }
 
 impl OutputError {

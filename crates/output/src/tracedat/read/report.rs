@@ -119,7 +119,7 @@ impl TraceFile {
         on_damage: &mut dyn FnMut(Damage),
         mut emit: impl FnMut(&TraceItem<'_>) -> Result<(), OutputError>,
     ) -> Result<ReportOutcome, OutputError> {
-        let mut filters = FilterSet::compile(&filter.events, &self.formats)?;
+        let mut filters = FilterSet::compile(&filter.events, &self.formats).map_err(Box::new)?;
         let mut recs = self.records_of(|c| filter.wants_cpu(c));
         let (mut printed, mut read, mut complete) = (0u64, 0u64, true);
         let mut skip = filter.skip;
