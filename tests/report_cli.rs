@@ -1,5 +1,5 @@
 //! `hyptrace report` as trace-cmd users type it (issue 11): the input positional or
-//! with `-i`, `--cpu LIST`, `-F/--filter SYSTEM:EVENT` globs, `--skip`/`--count`,
+//! with `-i`, `--cpu LIST`, `-F/--filter` (trace-cmd's filters, hyptrace's globs), `--skip`/`--count`,
 //! `--stat`, trace-cmd's `--cpus`/`--first-event`/`--last-event`, clap's errors for what it does not take, a raw page stream read like a
 //! trace.dat (told apart by magic), a corrupt file an error (never a panic). The
 //! kernel fixtures need no VM; the raw stream comes from a VM run (skipped without
@@ -168,9 +168,17 @@ fn cpu_list_selects_cpus() {
     let list: Vec<String> = cpus.iter().map(u32::to_string).collect();
     let list = report(&[&f, "--cpu", &list.join(",")]);
     assert_eq!(list, all);
-    // A CPU without data: only the cpus= line.
-    let none = report(&[&f, "--cpu", "999"]);
-    assert!(events(&none).is_empty(), "{none}");
+    // A CPU without data: only the cpus= line, and a word on stderr (exit 0).
+    let o = env::run(BIN, &["report", &f, "--cpu", "999"]);
+    assert_eq!(o.status.code(), Some(0), "{}", env::stderr(&o));
+    assert!(events(&env::stdout(&o)).is_empty(), "{}", env::stdout(&o));
+    assert_eq!(
+        env::stderr(&o),
+        "hyptrace: --cpu 999 matched no event of the file\n"
+    );
+    // A CPU with data says nothing.
+    let o = env::run(BIN, &["report", &f, "--cpu", &first.to_string()]);
+    assert_eq!(env::stderr(&o), "");
 }
 
 #[test]
@@ -204,11 +212,94 @@ fn event_globs_select_events() {
     // `--events` is run/record's count: report refuses it, pointing at -F.
     let o = env::run(BIN, &["report", &f, "--events", "sched_switch"]);
     assert_usage_error(&o, "report --events", "use -F");
-    // Nothing matches: no events.
-    assert!(events(&report(&[&f, "-F", "nosuch:*"])).is_empty());
-    // trace-cmd's filter expressions are refused, not ignored.
-    let o = env::run(BIN, &["report", &f, "-F", "sched_switch/prev_pid==1"]);
-    assert_usage_error(&o, "-F filter", "not supported");
+    // An event pattern that matches no event of the file is a usage error naming it.
+    let o = env::run(BIN, &["report", &f, "-F", "nosuch:*"]);
+    assert_usage_error(&o, "-F nosuch:*", "no event of the file matches `nosuch:*`");
+}
+
+/// trace-cmd's filter expressions (libtraceevent's): refused with one line naming the
+/// event, field or place when wrong, a word on stderr when they match nothing.
+#[test]
+fn filter_expressions_are_checked() {
+    let f = fixture("kernel-v7.dat");
+    for (filter, needle) in [
+        (
+            "guest:markr",
+            "-F 'guest:markr': no event of the file matches `guest:markr`",
+        ),
+        (
+            "sched_switchh: prev_pid > 0",
+            "no event of the file matches `sched_switchh`",
+        ),
+        (
+            "sched_switch: prev_pidd != 0",
+            "-F 'sched_switch: prev_pidd != 0': sched:sched_switch has no field `prev_pidd`",
+        ),
+        (
+            "sched_switch: prev_pid != ",
+            "syntax error at column 27: expected a value",
+        ),
+        ("sched_switch: (prev_pid != 0", "syntax error at column 29"),
+        (
+            "sched_switch: next_comm > 1",
+            "`next_comm` of sched:sched_switch is not a number",
+        ),
+        (r#"sched_switch: next_comm =~ "\(a""#, "regular expression"),
+    ] {
+        let o = env::run(BIN, &["report", &f, "-F", filter]);
+        assert_usage_error(&o, filter, needle);
+    }
+    // Bounded: a filter longer than 4096 bytes is refused.
+    let long = format!(
+        "sched_switch: {}prev_pid == 1",
+        "prev_pid == 1 && ".repeat(300)
+    );
+    let o = env::run(BIN, &["report", &f, "-F", &long]);
+    assert_usage_error(&o, "long filter", "more than 4096");
+    // A filter that passes nothing: the cpus= line, a word on stderr, exit 0; the one
+    // that passes something is not named.
+    let o = env::run(
+        BIN,
+        &[
+            "report",
+            &f,
+            "-F",
+            "sched_switch: prev_pid > 5000000",
+            "-F",
+            "sched_wakeup",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", env::stderr(&o));
+    assert!(!events(&env::stdout(&o)).is_empty());
+    assert_eq!(
+        env::stderr(&o),
+        "hyptrace: -F 'sched_switch: prev_pid > 5000000' matched no event of the file\n"
+    );
+    // With --cpu: said of those CPUs.
+    let o = env::run(
+        BIN,
+        &["report", &f, "--cpu", "1", "-F", "sched_switch: CPU == 0"],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", env::stderr(&o));
+    assert_eq!(
+        env::stderr(&o),
+        "hyptrace: -F 'sched_switch: CPU == 0' matched no event of the file on --cpu 1\n"
+    );
+    // --count stops before the end: nothing is known of the rest, nothing said.
+    let o = env::run(
+        BIN,
+        &[
+            "report",
+            &f,
+            "--count",
+            "1",
+            "-F",
+            "sched_wakeup",
+            "-F",
+            "sched_switch: prev_pid > 5000000",
+        ],
+    );
+    assert_eq!(env::stderr(&o), "");
 }
 
 #[test]

@@ -211,3 +211,86 @@ fn unresolved_and_shifted_symbols_as_trace_cmd() {
         }
     }
 }
+
+/// trace-cmd's filters (issue 39): `hyptrace report -F ...` prints exactly the lines
+/// `trace-cmd report -t -F ... -i FILE` prints (3.1.6 applies -F only before -i), for
+/// expressions of every kind: numbers (decimal, hex, octal), strings, regular
+/// expressions (basic syntax: `+` is itself), `&&`, `||` (one precedence, from the
+/// left), `!`, parentheses, bit tests, `COMM`/`CPU`, a field only some events have,
+/// several -F, the stack traces trace-cmd keeps after a printed event.
+#[test]
+fn filters_print_what_trace_cmd_prints() {
+    if !env::trace_cmd_available() {
+        return;
+    }
+    let cases: &[(&str, &[&str])] = &[
+        (
+            "kernel",
+            &["sched_switch: prev_pid != 0 && next_comm =~ \"kworker\""],
+        ),
+        (
+            "kernel",
+            &["sched/sched_wakeup: comm == \"bash\" || pid < 20"],
+        ),
+        (
+            "kernel",
+            &["sched_switch: !(prev_pid == 0 || next_pid == 0)"],
+        ),
+        (
+            "kernel",
+            &["sched_switch: prev_pid == 0 || next_pid == 0 && prev_prio < 120"],
+        ),
+        (
+            "kernel",
+            &["sched_switch,sched_wakeup: prev_pid > 100 || pid > 100"],
+        ),
+        ("kernel", &["sched: prev_pid > 4000 || pid > 4000"]),
+        (
+            "kernel",
+            &["sched_switch: next_comm != \"swapper/0\" && next_comm !~ \"kw.*\""],
+        ),
+        ("kernel", &["sched_switch: prev_state & 2"]),
+        (
+            "kernel",
+            &["sched_switch: CPU == 1 && COMM =~ \"^w_kernel\""],
+        ),
+        ("kernel", &["sched_switch: prev_pid == 0", "sched_wakeup"]),
+        ("kernel", &["timer/hrtimer_start: mode == 0"]),
+        ("kernel", &["SCHED_SW.*"]),
+        ("kmem", &["kmalloc: bytes_alloc >= 1024"]),
+        ("misc", &["raw_syscalls/sys_enter: id == 0x0 || id == 01"]),
+        (
+            "net",
+            &["signal_generate: sig == 17 && comm =~ \"^[a-z][a-z_.-]*$\""],
+        ),
+        ("stack", &["sched_process_exec,sched_process_exit"]),
+        ("stack", &["sched_process_fork: !(child_pid < 4000)"]),
+    ];
+    for (name, filters) in cases {
+        for (v, ..) in VERSIONS {
+            let file = dir().join(format!("{name}-{v}.dat"));
+            let mut theirs = Command::new("trace-cmd");
+            theirs.arg("report").arg("-t");
+            let mut ours = Command::new(BIN);
+            ours.arg("report");
+            for f in *filters {
+                theirs.arg("-F").arg(f);
+                ours.arg("-F").arg(f);
+            }
+            let theirs = theirs.arg("-i").arg(&file).output().expect("run trace-cmd");
+            let ours = ours.arg(&file).output().expect("run hyptrace");
+            let what = format!("{name}-{v} -F {filters:?}");
+            assert!(theirs.status.success(), "trace-cmd {what}");
+            assert_eq!(ours.status.code(), Some(0), "{what}: {ours:?}");
+            let (a, b) = (
+                String::from_utf8_lossy(&ours.stdout),
+                String::from_utf8_lossy(&theirs.stdout),
+            );
+            assert_identical(&what, &a, &b);
+            // The filter selected some events and left some out.
+            let all = std::fs::read_to_string(dir().join(format!("{name}.txt"))).unwrap();
+            let n = a.lines().count();
+            assert!(n > 1 && n < all.lines().count(), "{what}: {n} lines");
+        }
+    }
+}

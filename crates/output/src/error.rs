@@ -44,6 +44,9 @@ pub enum OutputError {
     /// A raw page stream (`--format raw`) is malformed.
     #[error("malformed raw page stream: {0}")]
     Raw(String),
+    /// A `report -F` filter is refused.
+    #[error(transparent)]
+    Filter(#[from] Box<crate::tracedat::FilterError>),
 }
 
 impl OutputError {

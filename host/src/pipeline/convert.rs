@@ -12,6 +12,7 @@ use std::collections::{BTreeSet, BinaryHeap};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
+use hyptrace_output::tracedat::{FilterSet, ReportOutcome};
 use hyptrace_output::{
     tracedat::MAGIC as DAT_MAGIC, Clock, KernelCpuStat, Missed, OutputError, PageSink, RawReader,
     ReportFilter, RunSummary, TextSink, TraceFile, TraceMeta,
@@ -247,17 +248,9 @@ fn stdout_result(e: OutputError, path: &Path) -> Result<(), ConvertError> {
 /// The report filter of the command line.
 fn filter(a: &ReportArgs) -> ReportFilter {
     let cpus = (!a.cpu.is_empty()).then(|| a.cpu.iter().flatten().copied().collect());
-    let events = a
-        .filter
-        .iter()
-        .flat_map(|s| s.split(','))
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .map(str::to_string)
-        .collect();
     ReportFilter {
         cpus,
-        events,
+        events: a.filter.clone(),
         skip: a.skip,
         limit: a.count,
         threads: 0,
@@ -271,11 +264,6 @@ pub fn report(a: &ReportArgs) -> Result<(), ConvertError> {
         return Err(ConvertError::Input(
             "report has no --events (that is run/record's event count); to select events use -F [SYSTEM:]EVENT".into(),
         ));
-    }
-    if let Some(bad) = a.filter.iter().find(|e| e.contains('/')) {
-        return Err(ConvertError::Input(format!(
-            "-F {bad}: filter expressions (`/...`) are not supported; give [SYSTEM:]EVENT globs"
-        )));
     }
     let f = filter(a);
     match open_input(&path)? {
@@ -300,16 +288,47 @@ pub fn report(a: &ReportArgs) -> Result<(), ConvertError> {
                     Ok(()) => damaged(damage),
                 };
             }
-            let r = file.write_report_with(&mut out, &f, &mut |d| {
+            // Checked before the first line: a bad filter is exit 2 with nothing printed.
+            FilterSet::compile(&f.events, &file.formats)
+                .map_err(|e| ConvertError::Input(e.to_string()))?;
+            let r = file.write_report_outcome(&mut out, &f, &mut |d| {
                 damage += 1;
                 warn_damage(&path, &d);
             });
             match r {
-                Ok(_) => damaged(damage),
+                Ok(o) => {
+                    note_unmatched(a, &o);
+                    damaged(damage)
+                }
                 Err(e) => stdout_result(e, &path),
             }
         }
         Input::Raw(reader) => report_raw(a, &f, &path, reader),
+    }
+}
+
+/// Says on stderr which `-F` filters and which `--cpu` list matched no event of the
+/// file (once the whole file was read: `--count` may stop it first).
+fn note_unmatched(a: &ReportArgs, o: &ReportOutcome) {
+    if !o.complete {
+        return;
+    }
+    let cpus: Vec<String> = a.cpu.iter().flatten().map(u32::to_string).collect();
+    if !cpus.is_empty() && o.read == 0 {
+        note!(
+            "hyptrace: --cpu {} matched no event of the file",
+            cpus.join(",")
+        );
+        return;
+    }
+    let on = if cpus.is_empty() {
+        String::new()
+    } else {
+        format!(" on --cpu {}", cpus.join(","))
+    };
+    for spec in &o.unmatched {
+        let line = format!("-F '{spec}' matched no event of the file{on}");
+        note!("hyptrace: {}", crate::exit::printable(&line));
     }
 }
 

@@ -142,11 +142,18 @@ pub struct ReportArgs {
     /// Only these CPUs: a list of numbers and ranges, e.g. `0,2-3` (repeatable).
     #[arg(long = "cpu", value_name = "LIST", value_parser = parse_cpu_list)]
     pub cpu: Vec<Vec<u32>>,
-    /// Only these events (trace-cmd's -F): `[SYSTEM:]EVENT` with `*`/`?` globs,
-    /// comma-separated (repeatable), e.g. `sched:*`, `*:sched_switch`, `guest:marker`,
-    /// `irq_*`. trace.dat input only; trace-cmd's `/FILTER` expressions are not
-    /// supported.
-    #[arg(short = 'F', long = "filter", value_name = "SYSTEM:EVENT")]
+    /// Only the events FILTER passes, as `trace-cmd report -F` (libtraceevent's
+    /// filters): `EVENTS` or `'EVENTS: EXPR'`. EVENTS: comma-separated
+    /// `[SYSTEM/]EVENT`, each a regular expression matched whole, ignoring case (an
+    /// EVENT alone also names a whole system: `sched`); EXPR: comparisons of the
+    /// event's fields (`== != < <= > >=` on numbers, decimal or 0x hex; `== != =~ !~`
+    /// on strings, `=~` a regex; `COMM`, `CPU`), bit tests (`flags & 4`), `&&`, `||`
+    /// (one precedence, left to right, as libtraceevent), `!`, parentheses, e.g.
+    /// 'sched_switch: prev_pid != 0 && next_comm =~ "vcpu"', 'marker: seq > 5'.
+    /// hyptrace's `SYSTEM:EVENT` globs (`guest:marker`, `sched:*`) are kept. Repeatable:
+    /// an event is printed when any -F passes it. An unknown event or field is exit 2;
+    /// a filter that passes nothing says so on stderr. trace.dat input only.
+    #[arg(short = 'F', long = "filter", value_name = "FILTER")]
     pub filter: Vec<String>,
     /// Not a report flag (`--events N` is the event count of `run`/`record`): refused
     /// with a pointer to -F.

@@ -12,9 +12,9 @@ mod write;
 mod zpool;
 
 pub use read::{
-    max_chunk, page_damage, CpuBuffer, CpuPages, Damage, Records, ReportFilter, TraceFile,
-    TraceItem, TraceOption, TraceRecord, MAX_CHUNK, MAX_RATIO, METADATA_BUDGET, OPTIONS_SHARE,
-    READ_BUDGET,
+    max_chunk, page_damage, CpuBuffer, CpuPages, Damage, FilterError, FilterErrorKind, FilterSet,
+    Records, ReportFilter, ReportOutcome, TraceFile, TraceItem, TraceOption, TraceRecord,
+    MAX_CHUNK, MAX_RATIO, METADATA_BUDGET, OPTIONS_SHARE, READ_BUDGET,
 };
 pub use write::{
     write_trace_dat, write_trace_dat_with, Compression, TraceDatSink, TraceDatVersion,

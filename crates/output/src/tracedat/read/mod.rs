@@ -25,6 +25,7 @@ use input::{FileCur, Input, Source};
 use parse::Parser;
 
 mod budget;
+mod filter;
 mod input;
 mod merge;
 mod meta;
@@ -36,6 +37,7 @@ mod report;
 mod tests;
 
 pub use budget::{max_chunk, MAX_CHUNK, MAX_RATIO, METADATA_BUDGET, OPTIONS_SHARE, READ_BUDGET};
+pub use filter::{FilterError, FilterErrorKind, FilterSet, ReportOutcome};
 pub use merge::Records;
 pub use pages::CpuPages;
 pub use records::{page_damage, TraceItem, TraceRecord};

@@ -4,10 +4,10 @@ use std::collections::BTreeSet;
 use std::io::Write;
 
 use crate::export::Missed;
-use crate::format::glob;
 use crate::text::{format_drop, format_guest_line};
 use crate::OutputError;
 
+use super::filter::{FilterSet, ReportOutcome};
 use super::records::{TraceItem, TraceRecord};
 use super::{Damage, TraceFile};
 
@@ -64,6 +64,18 @@ impl TraceFile {
         filter: &ReportFilter,
         on_damage: &mut dyn FnMut(Damage),
     ) -> Result<u64, OutputError> {
+        self.write_report_outcome(out, filter, on_damage)
+            .map(|o| o.printed)
+    }
+
+    /// [`TraceFile::write_report_with`], returning what the selection matched too (the
+    /// `-F` filters that passed nothing, how many events the selected CPUs hold).
+    pub fn write_report_outcome(
+        &self,
+        out: &mut dyn Write,
+        filter: &ReportFilter,
+        on_damage: &mut dyn FnMut(Damage),
+    ) -> Result<ReportOutcome, OutputError> {
         let threads = match filter.threads {
             // The reading thread plus one formatting thread per core: reading takes about
             // a third of the work, so one formatter per core keeps every core busy.
@@ -72,7 +84,7 @@ impl TraceFile {
         };
         let head = format!("cpus={}\n", self.nr_cpus);
         out.write_all(head.as_bytes())?;
-        let printed = if threads <= 1 {
+        let outcome = if threads <= 1 {
             let mut s = String::with_capacity(WRITE_CHUNK + 4096);
             let n = self.select(filter, on_damage, |item| {
                 if self.format_item(&mut s, item) {
@@ -91,24 +103,25 @@ impl TraceFile {
                 let mut p = Pipeline::start(self, sc, threads - 1);
                 let n = self.select(filter, on_damage, |item| p.push(item, out))?;
                 p.finish(out)?;
-                Ok::<u64, OutputError>(n)
+                Ok::<ReportOutcome, OutputError>(n)
             })?
         };
         out.flush()?;
-        Ok(printed)
+        Ok(outcome)
     }
 
     /// Pulls the items `filter` selects, in order, into `emit`; returns how many events
-    /// were selected (a read error is returned after the items before it).
+    /// were selected and what matched (a read error is returned after the items before
+    /// it).
     fn select(
         &self,
         filter: &ReportFilter,
         on_damage: &mut dyn FnMut(Damage),
         mut emit: impl FnMut(&TraceItem<'_>) -> Result<(), OutputError>,
-    ) -> Result<u64, OutputError> {
-        let ids = filter.event_ids(self);
+    ) -> Result<ReportOutcome, OutputError> {
+        let mut filters = FilterSet::compile(&filter.events, &self.formats).map_err(Box::new)?;
         let mut recs = self.records_of(|c| filter.wants_cpu(c));
-        let mut printed = 0u64;
+        let (mut printed, mut read, mut complete) = (0u64, 0u64, true);
         let mut skip = filter.skip;
         // Bounded: every item consumes the CPUs' data.
         loop {
@@ -128,12 +141,9 @@ impl TraceFile {
                 });
             }
             if let TraceItem::Event(r) = &item {
-                if let Some(ids) = &ids {
-                    let id = r
-                        .payload
-                        .get(..2)
-                        .map_or(0, |b| u16::from_le_bytes([b[0], b[1]]));
-                    if !ids.contains(id) {
+                read += 1;
+                if let Some(f) = &mut filters {
+                    if !f.wants(r.payload, r.cpu, &self.cmdlines) {
                         continue;
                     }
                 }
@@ -142,6 +152,7 @@ impl TraceFile {
                     continue;
                 }
                 if filter.limit.is_some_and(|l| printed >= l) {
+                    complete = false;
                     break;
                 }
                 printed += 1;
@@ -155,7 +166,12 @@ impl TraceFile {
         }
         match recs.take_error() {
             Some(e) => Err(e),
-            None => Ok(printed),
+            None => Ok(ReportOutcome {
+                printed,
+                read,
+                complete,
+                unmatched: filters.map(|f| f.unmatched()).unwrap_or_default(),
+            }),
         }
     }
 
@@ -168,13 +184,14 @@ impl TraceFile {
     }
 }
 
-/// What `report` prints: CPUs, events (by `SYSTEM:EVENT` globs), how many.
+/// What `report` prints: CPUs, events (by `-F` filters), how many.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ReportFilter {
     /// CPUs to print (`None`: all).
     pub cpus: Option<BTreeSet<u32>>,
-    /// Event patterns `[SYSTEM:]EVENT`, `*` and `?` globs (empty: all). An event
-    /// matches if any pattern does.
+    /// Event filters, one per `-F` (empty: all events): trace-cmd's `EVENTS[: EXPR]`
+    /// or hyptrace's `SYSTEM:EVENT` globs ([`FilterSet`] has the syntax); an event is
+    /// printed when any filter passes it.
     pub events: Vec<String>,
     /// Events (of those selected) to skip first.
     pub skip: u64,
@@ -345,41 +362,8 @@ impl Pipeline {
     }
 }
 
-/// A set of event ids.
-pub(super) struct IdSet(Vec<u64>);
-
-impl IdSet {
-    fn contains(&self, id: u16) -> bool {
-        self.0
-            .get(usize::from(id) / 64)
-            .is_some_and(|w| w & (1 << (id % 64)) != 0)
-    }
-}
-
 impl ReportFilter {
     fn wants_cpu(&self, cpu: u32) -> bool {
         self.cpus.as_ref().is_none_or(|s| s.contains(&cpu))
-    }
-
-    /// Whether `system:name` matches a pattern (`[SYSTEM:]EVENT`, globs).
-    pub fn matches_event(&self, system: &str, name: &str) -> bool {
-        self.events.iter().any(|p| match p.split_once(':') {
-            Some((s, e)) => glob(s, system) && glob(e, name),
-            None => glob(p, name),
-        })
-    }
-
-    /// The ids of the formats the patterns select; `None` when there are no patterns.
-    fn event_ids(&self, f: &TraceFile) -> Option<IdSet> {
-        if self.events.is_empty() {
-            return None;
-        }
-        let mut set = IdSet(vec![0; 1024]);
-        for fmt in &f.formats {
-            if self.matches_event(&fmt.system, &fmt.name) {
-                set.0[usize::from(fmt.id) / 64] |= 1 << (fmt.id % 64);
-            }
-        }
-        Some(set)
     }
 }
