@@ -100,8 +100,11 @@ pub enum Command {
     /// `enable EVENT`, `disable EVENT`, `stats` (JSON), `list` (JSON). Exit 0 on `ok`,
     /// 1 on an `err` reply or when the socket cannot be reached, 2 on bad usage.
     Ctl(CtlArgs),
-    /// Print the shell completion script for SHELL on stdout, e.g. `hyptrace completions
-    /// bash > ~/.local/share/bash-completion/completions/hyptrace`.
+    /// Print the shell completion script for SHELL on stdout.
+    ///
+    /// For bash: `hyptrace completions bash >
+    /// ~/.local/share/bash-completion/completions/hyptrace`; for zsh, a file `_hyptrace`
+    /// in a directory of `$fpath`; for fish, `~/.config/fish/completions/hyptrace.fish`.
     Completions(CompletionsArgs),
 }
 
