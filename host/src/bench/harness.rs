@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use hyptrace_abi::guest::{result, Workload, RUN_FLAG_BENCH_TYPED};
-use hyptrace_output::{OutputError, PageSink, RawSink, RunSummary};
+use hyptrace_output::{OutputError, PageSink, RawSink, RunSummary, StreamSink};
 use hyptrace_output::{ThreadedSink, TraceDatSink, TraceDatVersion};
 use hyptrace_reader::{Callbacks, ReadError, SwapReply, SwapStatus};
 use vm_memory::{Bytes, GuestAddress};

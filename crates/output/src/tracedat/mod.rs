@@ -8,18 +8,17 @@ pub use strings::sanitize as sanitize_guest_string;
 mod cpudata;
 mod cpuout;
 mod head;
+mod params;
 mod write;
 mod zpool;
 
+pub use params::{Compression, TraceDatVersion, ZSTD_CHUNK_PAGES};
 pub use read::{
     max_chunk, page_damage, CpuBuffer, CpuPages, Damage, Records, ReportFilter, TraceFile,
     TraceItem, TraceOption, TraceRecord, MAX_CHUNK, MAX_RATIO, METADATA_BUDGET, OPTIONS_SHARE,
     READ_BUDGET,
 };
-pub use write::{
-    write_trace_dat, write_trace_dat_with, Compression, TraceDatSink, TraceDatVersion,
-    TRAILING_LOST_ID, ZSTD_CHUNK_PAGES,
-};
+pub use write::{write_trace_dat, write_trace_dat_with, TraceDatSink, TRAILING_LOST_ID};
 
 /// The magic at the start of every trace.dat: `17 08 44 "tracing"`.
 pub const MAGIC: &[u8; 10] = b"\x17\x08\x44tracing";

@@ -28,9 +28,9 @@ mod parse;
 
 pub use guest::{check_guest_format, GuestFormatError, MAX_GUEST_WIDTH};
 
+use crate::escape::escape_guest_bytes;
 use crate::format::{EventFormat, Field};
 use crate::symbols::KernelSymbols;
-use crate::text::escape_guest_bytes;
 
 /// Why a print fmt cannot be compiled.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -41,6 +41,8 @@ impl std::fmt::Display for Unsupported {
         f.write_str(&self.0)
     }
 }
+
+impl std::error::Error for Unsupported {}
 
 /// How a field is stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -54,9 +56,10 @@ enum Kind {
     RelLoc(bool),
 }
 
-/// A field resolved at compile time.
+/// A field resolved at compile time: where its bytes lie in a payload and how to read
+/// them (the trace-cmd plugins of `hyptrace-output` read fields with it too).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct FieldRef {
+pub struct FieldRef {
     offset: usize,
     size: usize,
     signed: bool,
@@ -64,7 +67,8 @@ pub(crate) struct FieldRef {
 }
 
 impl FieldRef {
-    pub(crate) fn new(f: &Field) -> Self {
+    /// The field `f` of a format, resolved.
+    pub fn new(f: &Field) -> Self {
         let s = f.is_string();
         let kind = if f.is_data_loc() {
             Kind::DataLoc(s)
@@ -84,7 +88,7 @@ impl FieldRef {
     }
 
     /// Element `i` of array field `f` (`unsigned long args[6]`), as an integer field.
-    pub(crate) fn element(f: &Field, i: u64) -> Option<Self> {
+    pub fn element(f: &Field, i: u64) -> Option<Self> {
         if !f.is_array() {
             return None;
         }
@@ -102,7 +106,7 @@ impl FieldRef {
 
     /// The integer value (sign-extended when signed); `None` for arrays, odd sizes or
     /// past the payload.
-    pub(crate) fn int(&self, p: &[u8]) -> Option<u64> {
+    pub fn int(&self, p: &[u8]) -> Option<u64> {
         if self.kind != Kind::Int {
             return None;
         }
@@ -122,7 +126,7 @@ impl FieldRef {
     }
 
     /// Whether the field holds a char string (char array, `__data_loc char[]`).
-    pub(crate) fn is_string(&self) -> bool {
+    pub fn is_string(&self) -> bool {
         matches!(
             self.kind,
             Kind::Array(true) | Kind::DataLoc(true) | Kind::RelLoc(true)
@@ -130,13 +134,13 @@ impl FieldRef {
     }
 
     /// The offset of a `__data_loc` field's word, if it is one.
-    pub(crate) fn data_loc_word(&self) -> Option<usize> {
+    pub fn data_loc_word(&self) -> Option<usize> {
         matches!(self.kind, Kind::DataLoc(_)).then_some(self.offset)
     }
 
     /// Where the bytes of an array or dynamic field lie in payload `p` (whole, not cut
     /// at a NUL); `None` for integers or when they lie outside `p`.
-    pub(crate) fn range(&self, p: &[u8]) -> Option<std::ops::Range<usize>> {
+    pub fn range(&self, p: &[u8]) -> Option<std::ops::Range<usize>> {
         let r = match self.kind {
             Kind::Int => return None,
             // A flexible array (`char buf[]`, size 0) runs to the end of the payload.
@@ -156,7 +160,7 @@ impl FieldRef {
     }
 
     /// The bytes of an array or dynamic field (strings cut at the first NUL).
-    pub(crate) fn bytes<'p>(&self, p: &'p [u8]) -> Option<&'p [u8]> {
+    pub fn bytes<'p>(&self, p: &'p [u8]) -> Option<&'p [u8]> {
         let b = p.get(self.range(p)?)?;
         Some(if self.is_string() {
             b.split(|&c| c == 0).next().unwrap_or(b)
@@ -417,7 +421,7 @@ fn bytes_of<'p>(e: &Expr, p: &'p [u8]) -> Option<&'p [u8]> {
 }
 
 /// Appends `v` as `0x...` lower-case hex.
-pub(crate) fn push_hex(out: &mut String, v: u64) {
+pub fn push_hex(out: &mut String, v: u64) {
     out.push_str("0x");
     push_hex_digits(out, v, false);
 }
@@ -444,7 +448,7 @@ fn push_hex_digits(out: &mut String, v: u64, upper: bool) {
 }
 
 /// Appends a symbol: `name+0xoff` (`offset`) or `name`; `0x...` when unknown.
-pub(crate) fn push_sym(out: &mut String, syms: &KernelSymbols, v: u64, offset: bool) {
+pub fn push_sym(out: &mut String, syms: &KernelSymbols, v: u64, offset: bool) {
     match syms.lookup(v) {
         Some(s) => {
             push_lit(out, s.name);
@@ -892,7 +896,7 @@ impl Program {
 /// Appends text from the trace file (format text, table names, symbol names): control
 /// characters (a `\n` in a format) are escaped like guest bytes so that one event stays
 /// one line and cannot drive a terminal.
-pub(crate) fn push_lit(out: &mut String, s: &str) {
+pub fn push_lit(out: &mut String, s: &str) {
     if s.bytes().any(|b| !(0x20..0x7f).contains(&b)) {
         escape_guest_bytes(out, s.as_bytes());
     } else {
