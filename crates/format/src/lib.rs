@@ -1,7 +1,7 @@
 //! hyptrace's event formats, with no I/O and no compression: what the reader needs to
 //! check a guest's registration and what every output prints with.
 //!
-//! - [`format`]: one event's `format` file ([`EventFormat`], [`Field`]): the built-in
+//! - [`format`](mod@format): one event's `format` file ([`EventFormat`], [`Field`]): the built-in
 //!   guest events, the text the kernel prints in `events/<system>/<event>/format`, its
 //!   parsing, `header_page`, the `[SYSTEM:]EVENT` glob;
 //! - [`printfmt`]: the `print fmt:` language, compiled once per event into a

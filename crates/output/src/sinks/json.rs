@@ -69,7 +69,7 @@ fn json_args(f: &EventFormat, payload: &[u8]) -> serde_json::Map<String, serde_j
 /// a `guest:span` sorts at its end, `ts + dur`), with the one [`Merger`] of the text
 /// sink and `hyptrace run`, under the same bound ([`MergeWindow::DEFAULT`]): past it,
 /// a `merge window exceeded` instant (args `held`, `lagging_cpu`) and the oldest
-/// entries are written, as [`TextSink`] does.
+/// entries are written, as [`TextSink`](crate::TextSink) does.
 pub struct JsonSink {
     meta: TraceMeta,
     out: Option<StreamOut>,
