@@ -1,4 +1,5 @@
 use super::*;
+use crate::format::Field;
 
 fn fmt_with(fields: &[(&str, &str, usize, usize, bool)]) -> EventFormat {
     let mut f = crate::format::guest_formats().remove(0);

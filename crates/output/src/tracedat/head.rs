@@ -3,8 +3,8 @@
 //! most bytes it can take for a trace, known before the first page.
 
 use super::cpuout::{compressor, zstd_error};
+use super::ids::{option, MAGIC};
 use super::params::{Compression, TraceDatVersion};
-use super::{option, MAGIC};
 use crate::sink::{KernelCpuStat, TraceMeta};
 use crate::OutputError;
 use hyptrace_format::format::{header_page_text, EventFormat, HEADER_EVENT_TEXT};
