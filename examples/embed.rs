@@ -21,7 +21,7 @@ use hyptrace_abi::layout::{Mode, RingGeometry};
 use hyptrace_abi::registry::DEFAULT_TABLE_SIZE;
 use hyptrace_embed::{Events, GuestRegionMem, Tracer};
 use hyptrace_output::{
-    escape_guest_str, Clock, PageSink, PerfettoSink, TraceDatSink, TraceDatVersion,
+    escape_guest_str, Clock, PageSink, PerfettoSink, StreamSink, TraceDatSink, TraceDatVersion,
 };
 use hyptrace_payload::boot::{Segment, VcpuBoot};
 use hyptrace_payload::exits::{decode_out, read_panic, Request};

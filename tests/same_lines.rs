@@ -22,7 +22,8 @@ use hyptrace_abi::layout::{Mode, RingGeometry};
 use hyptrace_abi::HeapMem;
 use hyptrace_host::drain::session::{Output, Session};
 use hyptrace_output::{
-    Clock, PageSink, RunSummary, TextSink, TraceDatSink, TraceDatVersion, TraceFile, TraceMeta,
+    Clock, PageSink, RunSummary, StreamSink, TextSink, TraceDatSink, TraceDatVersion, TraceFile,
+    TraceMeta,
 };
 use hyptrace_reader::{Direct, RingBuffer};
 use hyptrace_writer::{WriteOutcome, Writer};

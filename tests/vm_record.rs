@@ -471,7 +471,7 @@ fn record_chrome_json() {
 /// run's counts, and it replays into a text file with the same events.
 #[test]
 fn record_text_and_raw() {
-    use hyptrace_output::{PageSink, RawTrace, TextSink, TraceMeta};
+    use hyptrace_output::{PageSink, RawTrace, StreamSink, TextSink, TraceMeta};
 
     if !kvm_available(KRATE, "record_text_and_raw") {
         return;

@@ -32,8 +32,8 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 use hyptrace_abi::events;
 use hyptrace_abi::page::{self, COMMIT_OFFSET, PAGE_HEADER_SIZE};
 use hyptrace_output::{
-    Clock, ClockMap, Compression, JsonSink, Knot, PageSink, RawSink, RunSummary, TextSink,
-    TraceDatSink, TraceDatVersion, TraceMeta, SLOPE_SHIFT,
+    Clock, ClockMap, Compression, JsonSink, Knot, PageSink, RawSink, RunSummary, StreamSink,
+    TextSink, TraceDatSink, TraceDatVersion, TraceMeta, SLOPE_SHIFT,
 };
 use std::path::PathBuf;
 use std::time::Duration;

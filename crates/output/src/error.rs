@@ -70,3 +70,11 @@ impl From<std::io::Error> for OutputError {
         Self::Io { path: None, source }
     }
 }
+
+/// A `format` or `header_page` text of a trace.dat that cannot be parsed is malformed
+/// trace.dat (the format error is the whole reason: it has no source of its own).
+impl From<hyptrace_format::FormatError> for OutputError {
+    fn from(e: hyptrace_format::FormatError) -> Self {
+        Self::format(0u64, e.to_string())
+    }
+}

@@ -39,15 +39,11 @@
 mod clock;
 mod error;
 mod export;
-pub mod format;
 mod idtable;
 pub mod merge;
-pub mod perfetto;
 mod plugins;
-pub mod printfmt;
 mod sink;
 mod sinks;
-pub mod symbols;
 mod target;
 pub mod text;
 mod threaded;
@@ -59,22 +55,25 @@ pub use export::{
     check_page_size, commit_len, export_page, export_page_into, page_missed, Missed, MAX_PAGE_SIZE,
     MIN_PAGE_SIZE,
 };
-pub use format::{
-    common_fields, guest_formats, trailing_lost_format, EventFormat, Field, HYPTRACE_SYSTEM,
-    TRAILING_LOST_NAME,
+pub use hyptrace_format::{
+    common_fields, guest_formats, trailing_lost_format, EventFormat, Field, FormatError,
+    HYPTRACE_SYSTEM, TRAILING_LOST_NAME,
 };
+/// Event formats, the print-format language and kernel symbols live in `hyptrace-format`
+/// (the reader checks registrations with them without this crate's zstd and prost); the
+/// paths `hyptrace_output::format`, `printfmt` and `symbols` name its modules.
+pub use hyptrace_format::{format, printfmt, symbols};
+pub use hyptrace_format::{KernelSymbols, Program, Unsupported};
 pub use merge::{MergeWindow, Merged, Merger, Released};
-pub use perfetto::PerfettoSink;
-pub use printfmt::{Program, Unsupported};
 /// The old name of [`KernelCpuStat`], kept only until the host uses the new one.
 #[doc(hidden)]
 pub use sink::KernelCpuStat as CpuStats;
 pub use sink::{KernelCpuStat, OutputWaits, PageSink, RunSummary, TraceMeta};
+pub use sinks::perfetto::{self, PerfettoSink};
 pub use sinks::{
-    is_raw_stream, JsonSink, RawReader, RawSink, RawTrace, TextSink, JSON_MAX_SAFE_INTEGER,
-    JSON_PID, RAW_MAGIC, RAW_MAGIC_V1,
+    is_raw_stream, JsonSink, RawReader, RawSink, RawTrace, StreamOut, StreamSink, TextSink,
+    JSON_MAX_SAFE_INTEGER, JSON_PID, RAW_MAGIC, RAW_MAGIC_V1,
 };
-pub use symbols::KernelSymbols;
 pub use target::{
     set_wait_interrupt, stdout_closed, OutputFile, OutputTarget, QuietStdout, TargetKind,
 };

@@ -26,9 +26,8 @@
 //!   `new|existing sp gfn GFN ROLE`, kvm_mmu_{prepare_zap,zap,sync,unsync}_page: `ROLE`,
 //!   ROLE being `level qQUADRANT[ direct] ACCESS[ invalid] [!]pae [!]nxe [!]wp[ smep][ smap][ smm] root N sync|unsync`.
 
-use crate::format::EventFormat;
-use crate::printfmt::{push_hex, push_lit, push_sym, FieldRef};
-use crate::symbols::KernelSymbols;
+use hyptrace_format::printfmt::{push_hex, push_lit, push_sym, FieldRef};
+use hyptrace_format::{escape_guest_bytes, EventFormat, KernelSymbols};
 
 /// A plugin's handler, with its fields resolved.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -330,7 +329,7 @@ fn kernel_stack(
         out.push_str("\n=> ");
         match syms.lookup(a) {
             Some(s) => {
-                crate::text::escape_guest_bytes(out, s.name.as_bytes());
+                escape_guest_bytes(out, s.name.as_bytes());
                 out.push_str(" (");
                 out.push_str(&format!("{a:x})"));
             }
@@ -445,7 +444,7 @@ fn comm_pid_prio(
     prio: &FieldRef,
 ) -> Option<()> {
     let mut num = itoa::Buffer::new();
-    crate::text::escape_guest_bytes(out, comm.bytes(p)?);
+    escape_guest_bytes(out, comm.bytes(p)?);
     out.push(':');
     out.push_str(num.format(pid.int(p)? as i32));
     out.push_str(" [");

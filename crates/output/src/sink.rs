@@ -4,8 +4,8 @@
 use std::collections::BTreeMap;
 
 use crate::clock::Clock;
-use crate::format::{guest_formats, EventFormat};
 use crate::OutputError;
+use hyptrace_format::{guest_formats, EventFormat};
 
 /// What a sink needs to know before the first page.
 #[derive(Clone, Debug, PartialEq, Eq)]

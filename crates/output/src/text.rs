@@ -4,7 +4,7 @@
 //! Line layout: `{comm:>16}-{pid:<5} [{cpu:03}] {sec:>5}.{nsec:09}: {name+":":<21} {fields}`,
 //! drop markers `CPU:{cpu} [{n} EVENTS DROPPED]` (or `CPU:{cpu} [EVENTS DROPPED]` when
 //! the count is unknown), and a first line `cpus={n}`. Fields follow the event's
-//! compiled `print fmt` ([`crate::printfmt`]) or the output of the trace-cmd plugin
+//! compiled `print fmt` ([`hyptrace_format::printfmt`]) or the output of the trace-cmd plugin
 //! for the event (the `plugins` module); what neither supports is printed raw as
 //! `name=value ...` with one warning per event on stderr.
 
@@ -13,11 +13,11 @@ use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+pub use hyptrace_format::{escape_guest_bytes, escape_guest_str, escaped_guest_bytes};
+use hyptrace_format::{must_escape, EventFormat, Field, KernelSymbols, Program};
+
 use crate::export::Missed;
-use crate::format::{EventFormat, Field};
 use crate::plugins::Plugin;
-use crate::printfmt::Program;
-use crate::symbols::KernelSymbols;
 
 /// Appends one event line (no newline) as `trace-cmd report -t` prints it:
 /// `{comm:>16}-{pid:<5} [{cpu:03}] {sec:>5}.{nsec:09}: {event+":":<21} {fields}`.
@@ -132,79 +132,6 @@ fn guest_fast_fields(out: &mut String, id: u16, payload: &[u8]) -> bool {
         out.push_str(num.format(word(8 + 8 * i)));
     }
     true
-}
-
-/// Whether `c` is written escaped in text output: C0 controls, DEL, C1 controls, the
-/// line/paragraph separators and the bidirectional-text controls (which reorder what a
-/// terminal shows).
-pub(crate) fn must_escape(c: char) -> bool {
-    c.is_control()
-        || matches!(
-            c,
-            '\u{2028}' | '\u{2029}' | '\u{200e}' | '\u{200f}' | '\u{061c}'
-        )
-        || ('\u{202a}'..='\u{202e}').contains(&c)
-        || ('\u{2066}'..='\u{2069}').contains(&c)
-}
-
-fn push_escaped_char(out: &mut String, c: char) {
-    match c {
-        '\n' => out.push_str("\\n"),
-        '\t' => out.push_str("\\t"),
-        '\r' => out.push_str("\\r"),
-        c if (c as u32) < 0x100 => {
-            let _ = write!(out, "\\x{:02x}", c as u32);
-        }
-        c => {
-            let _ = write!(out, "\\u{{{:x}}}", c as u32);
-        }
-    }
-}
-
-/// Appends guest-controlled bytes `b` (a `%s` field, a panic message) to a text line so
-/// that they can neither end the line nor drive the terminal: control characters are
-/// written as C escapes (`\n`, `\t`, `\r`, `\xNN` for the other C0/C1 controls and DEL,
-/// `\u{NNNN}` for line separators and bidirectional controls), bytes that are not UTF-8
-/// as `\xNN`; everything else, backslashes included, is copied as is (so printable
-/// strings stay byte-identical to what `trace-cmd report` prints; trace-cmd prints `%s`
-/// raw).
-pub fn escape_guest_bytes(out: &mut String, b: &[u8]) {
-    for chunk in b.utf8_chunks() {
-        let valid = chunk.valid();
-        if !valid.chars().any(must_escape) {
-            out.push_str(valid);
-        } else {
-            for c in valid.chars() {
-                if must_escape(c) {
-                    push_escaped_char(out, c);
-                } else {
-                    out.push(c);
-                }
-            }
-        }
-        for &x in chunk.invalid() {
-            let _ = write!(out, "\\x{x:02x}");
-        }
-    }
-}
-
-/// A guest string made safe for one line of text output (see [`escape_guest_bytes`]);
-/// borrowed when nothing needs escaping. The host uses it for the guest's panic message.
-pub fn escape_guest_str(s: &str) -> std::borrow::Cow<'_, str> {
-    if s.chars().any(must_escape) {
-        let mut out = String::with_capacity(s.len() + 8);
-        escape_guest_bytes(&mut out, s.as_bytes());
-        std::borrow::Cow::Owned(out)
-    } else {
-        std::borrow::Cow::Borrowed(s)
-    }
-}
-
-/// [`escape_guest_bytes`] into a new string.
-pub fn escaped_guest_bytes(b: &[u8]) -> String {
-    let mut out = String::with_capacity(b.len());
-    escape_guest_bytes(&mut out, b);
-    out
 }
 
 /// Appends `s` escaped if it needs it (names and comms read from a trace.dat).
@@ -367,10 +294,10 @@ impl EventPrinter {
     /// `long_size`-byte longs and the symbols `syms`; selects trace-cmd's plugin output
     /// for the events it has one for.
     pub fn with_symbols(format: EventFormat, syms: Arc<KernelSymbols>, long_size: u8) -> Self {
-        let guest_fast = crate::format::guest_formats().contains(&format);
+        let guest_fast = hyptrace_format::guest_formats().contains(&format);
         let program = if format.system == "ftrace" && format.name == "bprint" {
             // Its arguments are binary (vbin_printf), not the fields the fmt names.
-            Err(crate::printfmt::Unsupported(
+            Err(hyptrace_format::Unsupported(
                 "binary trace_printk arguments are not decoded".into(),
             ))
         } else {
@@ -450,7 +377,7 @@ impl EventPrinter {
 
 /// Printers for the built-in guest events, by id.
 pub fn guest_printers() -> BTreeMap<u16, EventPrinter> {
-    crate::format::guest_formats()
+    hyptrace_format::guest_formats()
         .into_iter()
         .map(|f| (f.id, EventPrinter::new(f)))
         .collect()
@@ -496,7 +423,7 @@ pub fn format_guest_line(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::format::guest_formats;
+    use hyptrace_format::format::guest_formats;
 
     #[test]
     fn line_layout() {

@@ -22,8 +22,7 @@ use hyptrace_abi::registry::{
     STATUS_REJECTED, TABLE_MAGIC, TABLE_VERSION,
 };
 use hyptrace_abi::SharedMem;
-use hyptrace_output::format::{common_fields, EventFormat, Field};
-use hyptrace_output::printfmt::{check_guest_format, GuestFormatError};
+use hyptrace_format::{check_guest_format, common_fields, EventFormat, Field, GuestFormatError};
 use zerocopy::FromBytes;
 
 /// The systems of the VMM's own events (`hyptrace:trailing_lost`, `vmm:vcpu_exit`...):

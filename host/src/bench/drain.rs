@@ -11,7 +11,7 @@ use std::time::Instant;
 use hyptrace_abi::guest::Workload;
 use hyptrace_abi::layout as ring;
 use hyptrace_abi::HeapMem;
-use hyptrace_output::{Clock, PageSink, RawSink, RunSummary, TraceMeta};
+use hyptrace_output::{Clock, PageSink, RawSink, RunSummary, StreamSink, TraceMeta};
 use hyptrace_reader::{Direct, RingBuffer};
 use hyptrace_writer::{WriteOutcome, Writer};
 use serde::Serialize;

@@ -108,7 +108,7 @@ pub enum HostTraceError {
         path: PathBuf,
         /// Why.
         #[source]
-        source: hyptrace_output::OutputError,
+        source: hyptrace_output::FormatError,
     },
     /// The kernel's pages are larger than the run's.
     #[error("--host-trace: kernel pages of {kernel} bytes do not fit the run's {run}-byte pages")]

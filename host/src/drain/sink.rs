@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 
 use clap::ValueEnum;
 use hyptrace_output::{
-    Compression, JsonSink, OutputError, OutputTarget, PageSink, PerfettoSink, RawSink, TextSink,
-    TraceDatSink, TraceDatVersion, TraceMeta,
+    Compression, JsonSink, OutputError, OutputTarget, PageSink, PerfettoSink, RawSink, StreamSink,
+    TextSink, TraceDatSink, TraceDatVersion, TraceMeta,
 };
 
 /// Output formats of `record`.

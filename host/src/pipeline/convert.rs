@@ -410,6 +410,7 @@ fn report_raw(
             Ok(()) => Ok(()),
         };
     }
+    use hyptrace_output::StreamSink as _;
     let meta = reader.meta();
     let sink = TextSink::to_writer(Box::new(std::io::stdout()), meta)
         .map_err(|e| input_error(path, &e))?;

@@ -2,11 +2,13 @@
 //!
 //! Each CPU's pages are exported straight into the CPU's pending buffer (the one copy of
 //! a page on the sink's thread, [`CpuData::slot`]), and a full buffer is handed on —
-//! uncompressed in one `write(2)` of [`BATCH_BYTES`], or as [`BATCH_CHUNKS`] zstd chunk
-//! records of [`ZSTD_CHUNK_PAGES`] pages compressed by a worker thread
-//! ([`super::zpool`]) that writes them too. A buffer's guest strings are made safe (G2, [`sanitize_pages`]) as it
-//! is handed on — by the worker that compresses it, for zstd. A buffer is handed on
-//! only when the CPU's next page arrives, so the CPU's last page is always in memory
+//! uncompressed in one `write(2)` of [`BATCH_BYTES`], or as
+//! [`BATCH_CHUNKS`](super::params::BATCH_CHUNKS) zstd chunk records of
+//! [`ZSTD_CHUNK_PAGES`](super::params::ZSTD_CHUNK_PAGES) pages compressed by a worker
+//! thread ([`super::zpool`]) that writes them too. A buffer's guest strings are made safe
+//! (G2, [`StringFields::sanitize_pages`]) as it is handed on — by the worker that
+//! compresses it, for zstd. A buffer is handed on only when the CPU's next page arrives,
+//! so the CPU's last page is always in memory
 //! ([`CpuData::last_page`], for `trailing_lost`; its timestamps are all it is read for).
 //!
 //! Where a buffer goes ([`CpuOut`]): when the output is a regular file (written under a
@@ -25,8 +27,8 @@ use std::sync::Arc;
 
 use super::cpuout::{CpuOut, Zstd, ZSTD_CATCH_UP_LEVEL, ZSTD_LEVEL};
 use super::head::align_up;
+use super::params::{batch_chunks, chunk_pages, Compression};
 use super::strings::StringFields;
-use super::write::{Compression, ZSTD_CHUNK_PAGES};
 use super::zpool::{DirectTo, ZPool};
 use crate::target::OutputTarget;
 use crate::OutputError;
@@ -35,32 +37,6 @@ use crate::OutputError;
 const ZSTD_MAX_WORKERS: usize = 8;
 /// Bytes of pages an uncompressed CPU gathers before one `write(2)`.
 const BATCH_BYTES: usize = 1 << 20;
-/// zstd chunks a CPU gathers before they go to a worker together (one hand-over, one
-/// wake-up, one turn at the CPU's data for all of them).
-const BATCH_CHUNKS: usize = 4;
-/// Bytes of one zstd chunk: trace-cmd's 10 pages of 4 KiB. Larger pages make chunks of
-/// fewer pages (at least one), and batches of fewer chunks, so that the memory a sink
-/// holds in flight does not follow the page size (64 MiB pages: issue 36's bound).
-pub(super) const ZSTD_CHUNK_BYTES: usize = ZSTD_CHUNK_PAGES * 4096;
-
-/// Pages of one zstd chunk for pages of `page_size` bytes.
-fn chunk_pages(page_size: usize) -> usize {
-    (ZSTD_CHUNK_BYTES / page_size.max(1)).clamp(1, ZSTD_CHUNK_PAGES)
-}
-
-/// Chunks of one batch for chunks of `chunk` bytes.
-pub(super) fn batch_chunks(chunk: usize) -> usize {
-    (BATCH_CHUNKS * ZSTD_CHUNK_BYTES / chunk.max(1)).clamp(1, BATCH_CHUNKS)
-}
-
-/// Makes the guest strings of the exported pages `buf` (whole pages of `page_size`)
-/// safe (G2); returns how many bytes were replaced.
-pub(super) fn sanitize_pages(strings: &StringFields, buf: &mut [u8], page_size: usize) -> u64 {
-    buf.chunks_exact_mut(page_size)
-        .map(|p| strings.sanitize_page(p))
-        .sum()
-}
-
 /// Where full buffers go.
 enum Sink {
     /// Written on the sink's thread: uncompressed pages, or zstd chunks compressed here
@@ -307,7 +283,7 @@ impl CpuData {
                     o.go_direct(d.file, &d.path, d.start, d.prefix)?;
                 }
                 let page_size = self.page_size;
-                self.replaced += sanitize_pages(&self.strings, &mut p.buf[..len], page_size);
+                self.replaced += self.strings.sanitize_pages(&mut p.buf[..len], page_size);
                 match zstd {
                     Some(z) => z.chunks(&p.buf[..len], ZSTD_LEVEL, o),
                     None => o.append(&p.buf[..len]),

@@ -3,11 +3,11 @@
 //! most bytes it can take for a trace, known before the first page.
 
 use super::cpuout::{compressor, zstd_error};
-use super::write::{Compression, TraceDatVersion};
-use super::{option, MAGIC};
-use crate::format::{header_page_text, EventFormat, HEADER_EVENT_TEXT};
+use super::ids::{option, MAGIC};
+use super::params::{Compression, TraceDatVersion};
 use crate::sink::{KernelCpuStat, TraceMeta};
 use crate::OutputError;
+use hyptrace_format::format::{header_page_text, EventFormat, HEADER_EVENT_TEXT};
 
 /// Trace clocks the kernel lists in `trace_clock`; the TRACECLOCK text brackets ours.
 const CLOCKS: &[&str] = &[

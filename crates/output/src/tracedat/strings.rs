@@ -18,10 +18,10 @@
 use hyptrace_abi::page::{decode_record, Record, PAGE_HEADER_SIZE};
 
 use crate::export::commit_len;
-use crate::format::EventFormat;
 use crate::idtable::IdTable;
-use crate::printfmt::FieldRef;
-use crate::text::must_escape;
+use hyptrace_format::must_escape;
+use hyptrace_format::printfmt::FieldRef;
+use hyptrace_format::EventFormat;
 
 /// What replaces an unsafe byte.
 pub const REPLACEMENT: u8 = b'?';
@@ -48,6 +48,14 @@ impl StringFields {
             })
             .collect();
         Self { by_id }
+    }
+
+    /// Makes the guest strings of the exported pages `buf` (whole pages of `page_size`)
+    /// safe (G2); returns how many bytes were replaced.
+    pub(crate) fn sanitize_pages(&self, buf: &mut [u8], page_size: usize) -> u64 {
+        buf.chunks_exact_mut(page_size)
+            .map(|p| self.sanitize_page(p))
+            .sum()
     }
 
     /// Makes the strings of every event of the exported page `page` safe (G2); returns
@@ -204,7 +212,7 @@ mod tests {
     /// random words sanitized equals the same page sanitized record by record.
     #[test]
     fn walk_matches_decode_record() {
-        let sf = StringFields::new(&crate::format::guest_formats());
+        let sf = StringFields::new(&hyptrace_format::format::guest_formats());
         let mut x = 0x9e37_79b9_7f4a_7c15u64;
         let mut total = 0;
         for round in 0..2000 {
@@ -251,16 +259,16 @@ mod tests {
             system: "s".into(),
             name: "e".into(),
             id: 7,
-            common_fields: crate::format::common_fields(),
+            common_fields: hyptrace_format::format::common_fields(),
             fields: vec![
-                crate::format::Field {
+                hyptrace_format::format::Field {
                     type_name: "char[4]".into(),
                     name: "tag".into(),
                     offset: 8,
                     size: 4,
                     signed: true,
                 },
-                crate::format::Field {
+                hyptrace_format::format::Field {
                     type_name: "__data_loc char[]".into(),
                     name: "msg".into(),
                     offset: 12,

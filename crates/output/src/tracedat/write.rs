@@ -9,39 +9,15 @@ use std::path::Path;
 use super::cpudata::{CpuData, Finished, Tail};
 use super::cpuout::{At, CpuOut};
 use super::head::{align_up, bound, metadata, Layout, Place};
-use crate::format::EventFormat;
+use super::params::{Compression, TraceDatVersion, ZSTD_CHUNK_PAGES};
 use crate::sink::{PageSink, RunSummary, TraceMeta};
 use crate::target::{OutputFile, OutputTarget};
 use crate::OutputError;
+use hyptrace_format::EventFormat;
 
 /// Preferred event id of `hyptrace:trailing_lost` (the highest free one below
 /// [`hyptrace_abi::registry::MAX_EVENT_ID`] if a format already uses it).
 pub const TRAILING_LOST_ID: u16 = 999;
-
-/// Which trace.dat version to write.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TraceDatVersion {
-    /// Version 6 (flat metadata, flyrecord table).
-    V6,
-    /// Version 7 (sections and options; written uncompressed).
-    V7,
-}
-
-/// How the CPU data and the metadata sections of a v7 trace.dat are stored.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Compression {
-    /// Uncompressed (pages copied verbatim, page aligned).
-    None,
-    /// zstd, as `trace-cmd record` writes by default: each CPU's pages in chunks of
-    /// [`ZSTD_CHUNK_PAGES`] pages (one zstd frame each), the metadata sections (headers,
-    /// formats, kallsyms, printk, cmdlines, strings) compressed; options uncompressed.
-    /// Version 6 has no compression: a v6 file is always written uncompressed.
-    #[default]
-    Zstd,
-}
-
-/// Pages per compressed chunk (trace-cmd's own chunk: `PAGES_IN_CHUNK`, 10 pages).
-pub const ZSTD_CHUNK_PAGES: usize = 10;
 
 /// A [`PageSink`] writing a trace.dat (v6, or v7 uncompressed or zstd-compressed as
 /// trace-cmd writes it) to an [`OutputTarget`]: a temporary file renamed over a regular
@@ -119,7 +95,8 @@ impl TraceDatSink {
                 )));
             }
         }
-        let trailing = crate::format::trailing_lost_format(trailing_lost_id(&meta.formats));
+        let trailing =
+            hyptrace_format::format::trailing_lost_format(trailing_lost_id(&meta.formats));
         let reserve = bound(&meta, &trailing, version, compression)?;
         let out = target.open()?;
         let tail = match out.positioned() {
@@ -303,7 +280,7 @@ impl TraceDatSink {
         let id = trailing_lost_id(&self.meta.formats);
         self.meta
             .formats
-            .push(crate::format::trailing_lost_format(id));
+            .push(hyptrace_format::format::trailing_lost_format(id));
         id
     }
 
@@ -451,7 +428,7 @@ impl PageSink for TraceDatSink {
         self.meta.check_page(cpu, &raw)?;
         let ts = self.last_time(cpu);
         let id = self.trailing_lost_id();
-        let mut payload = [0u8; crate::format::TRAILING_LOST_SIZE];
+        let mut payload = [0u8; hyptrace_format::format::TRAILING_LOST_SIZE];
         payload[..2].copy_from_slice(&id.to_le_bytes());
         payload[4..8].copy_from_slice(&hyptrace_abi::events::vcpu_pid(cpu).to_le_bytes());
         payload[8..16].copy_from_slice(&lost.to_le_bytes());

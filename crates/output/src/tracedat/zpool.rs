@@ -24,8 +24,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use super::cpudata::sanitize_pages;
 use super::cpuout::{CpuOut, Zstd};
+use super::params::{batch_chunks, ZSTD_CHUNK_BYTES};
 use super::strings::StringFields;
 use crate::OutputError;
 
@@ -145,7 +145,7 @@ impl ZPool {
         // Batches in flight: 4 per worker of small pages' batches, fewer of large ones
         // (the bytes in flight stay those of small pages', at least one batch).
         let batch = zstd.batch_bytes().max(1);
-        let small = super::cpudata::batch_chunks(1) * super::cpudata::ZSTD_CHUNK_BYTES;
+        let small = batch_chunks(1) * ZSTD_CHUNK_BYTES;
         let limit = (4 * workers * small / batch).clamp(1, 4 * workers);
         let n = outs.len();
         let shared = Arc::new(Shared {
@@ -359,7 +359,7 @@ impl Worker {
             let (mut replaced, mut bytes) = (0, 0);
             let err = match j.data.get_mut(..j.len) {
                 Some(chunk) => {
-                    replaced = sanitize_pages(&self.strings, chunk, self.page_size);
+                    replaced = self.strings.sanitize_pages(chunk, self.page_size);
                     let r = self.write(&mut j, &mut bytes);
                     r.err()
                 }

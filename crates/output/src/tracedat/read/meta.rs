@@ -26,7 +26,7 @@ pub(super) fn parse_header_info(
     }
     let n = c.len64("header_page size")?;
     let hp = if budget.take(n as u64) {
-        HeaderPage::parse(&c.text(n, "header_page text")?)
+        HeaderPage::parse(&c.text(n, "header_page text")?).map_err(OutputError::from)
     } else {
         let e = c.err(&format!("header_page text of {}", budget.over(n as u64)));
         c.skip(n as u64, "header_page text")?;

@@ -24,8 +24,8 @@
 //!   of casts; nothing else (no `__get_dynamic_array`, `__get_bitmask`,
 //!   `__builtin_expect`, enum constants, `NULL`).
 
+use super::expr::{Conv, Expr, FieldRef, Kind, Op, Spec};
 use super::parse::{compile, lex, Tok};
-use super::{Conv, Expr, FieldRef, Kind, Op, Spec};
 use crate::format::EventFormat;
 
 /// Largest width or precision of a conversion in a guest's print fmt.

@@ -4,7 +4,7 @@
 
 use hyptrace_abi::events;
 
-use crate::OutputError;
+use crate::FormatError;
 
 /// One field of an event format.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -221,8 +221,14 @@ impl EventFormat {
     }
 
     /// Parses a `format` file. `system` is the system the file was stored under.
-    pub fn parse(system: &str, text: &str) -> Result<Self, OutputError> {
-        let bad = |r: &str| OutputError::format(0u64, format!("event format ({system}): {r}"));
+    ///
+    /// # Errors
+    /// [`FormatError::Event`] when a line is malformed or the name or ID is missing.
+    pub fn parse(system: &str, text: &str) -> Result<Self, FormatError> {
+        let bad = |reason: &'static str| FormatError::Event {
+            system: system.into(),
+            reason,
+        };
         let mut name = None;
         let mut id = None;
         let mut common = Vec::new();
@@ -330,7 +336,10 @@ pub struct HeaderPage {
 
 impl HeaderPage {
     /// Parses a `header_page` text.
-    pub fn parse(text: &str) -> Result<Self, OutputError> {
+    ///
+    /// # Errors
+    /// [`FormatError::HeaderPage`] when the `commit` or `data` field is missing.
+    pub fn parse(text: &str) -> Result<Self, FormatError> {
         let mut commit = None;
         let mut data = None;
         for line in text.lines() {
@@ -347,10 +356,8 @@ impl HeaderPage {
                 _ => {}
             }
         }
-        let commit_size =
-            commit.ok_or_else(|| OutputError::format(0u64, "header_page has no commit field"))?;
-        let (data_offset, data_size) =
-            data.ok_or_else(|| OutputError::format(0u64, "header_page has no data field"))?;
+        let commit_size = commit.ok_or(FormatError::HeaderPage("commit"))?;
+        let (data_offset, data_size) = data.ok_or(FormatError::HeaderPage("data"))?;
         Ok(Self {
             commit_size,
             data_offset,

@@ -9,7 +9,7 @@
 //!    clears the incremental state and interns every event name, category and field
 //!    name of the formats (known up front), which the events refer to by iid
 //!    (`SEQ_NEEDS_INCREMENTAL_STATE`);
-//! 2. a process track [`PROCESS_UUID`] [`PROCESS_NAME`] (pid [`crate::JSON_PID`]) and one thread
+//! 2. a process track [`PROCESS_UUID`] [`PROCESS_NAME`] (pid [`JSON_PID`]) and one thread
 //!    track per vCPU ([`vcpu_track_uuid`], tid = the vCPU's pid, named from the cmdlines);
 //! 3. per event, on its vCPU's track (`--host-trace`: the host kernel's
 //!    `sched:sched_switch` / `sched_wakeup` instead go out as an `FtraceEventBundle`
@@ -27,16 +27,14 @@
 //! processor sorts them by time.
 
 use std::collections::BTreeMap;
-use std::io::Write;
-use std::path::Path;
 
+use hyptrace_format::EventFormat;
 use prost::Message;
 
+pub use super::stream::PROCESS_NAME;
+use super::stream::{page_events, StreamOut, StreamSink, JSON_PID};
 use crate::export::{export_page_into, page_missed, Missed};
-use crate::format::EventFormat;
 use crate::sink::{PageSink, RunSummary, TraceMeta};
-use crate::sinks::{page_events, Out};
-use crate::target::OutputTarget;
 use crate::text::{field_bytes, field_int};
 use crate::OutputError;
 
@@ -59,8 +57,6 @@ pub const SEQUENCE_ID: u32 = 1;
 pub const CLOCK_ID: u32 = 64;
 /// uuid of the process track ([`PROCESS_NAME`]).
 pub const PROCESS_UUID: u64 = 1;
-/// Name of the process track, in Perfetto and Chrome JSON alike.
-pub const PROCESS_NAME: &str = "hyptrace guest";
 
 /// uuid of vCPU `cpu`'s thread track.
 pub fn vcpu_track_uuid(cpu: u32) -> u64 {
@@ -70,7 +66,7 @@ pub fn vcpu_track_uuid(cpu: u32) -> u64 {
 /// Perfetto sink: see the module documentation.
 ///
 /// ```
-/// use hyptrace_output::{Clock, PageSink, PerfettoSink, RunSummary, TraceMeta};
+/// use hyptrace_output::{Clock, PageSink, PerfettoSink, RunSummary, StreamSink, TraceMeta};
 /// let dir = tempfile::tempdir()?;
 /// let meta = TraceMeta::guest(4096, 2, Clock::nanoseconds());
 /// let sink = PerfettoSink::create(dir.path().join("t.pftrace"), meta)?;
@@ -80,7 +76,7 @@ pub fn vcpu_track_uuid(cpu: u32) -> u64 {
 /// ```
 pub struct PerfettoSink {
     meta: TraceMeta,
-    out: Option<Out>,
+    out: Option<StreamOut>,
     scratch: Vec<u8>,
     /// Encoded packets waiting for a write.
     buf: Vec<u8>,
@@ -99,24 +95,9 @@ const CAT_UNKNOWN: &str = "unknown";
 /// The annotation of a loss count.
 const ARG_COUNT: &str = "count";
 
-impl PerfettoSink {
-    /// Perfetto trace into `path` (checked and opened as [`OutputTarget`] does).
-    pub fn create(path: impl AsRef<Path>, meta: TraceMeta) -> Result<Self, OutputError> {
-        Self::open(&OutputTarget::check(path)?, meta)
-    }
-
-    /// Perfetto trace into a checked target.
-    pub fn open(target: &OutputTarget, meta: TraceMeta) -> Result<Self, OutputError> {
-        meta.validate()?;
-        Self::new(Out::File(target.open()?), meta)
-    }
-
-    /// Perfetto trace into any writer.
-    pub fn to_writer(w: Box<dyn Write + Send>, meta: TraceMeta) -> Result<Self, OutputError> {
-        Self::new(Out::Writer(w), meta)
-    }
-
-    fn new(out: Out, meta: TraceMeta) -> Result<Self, OutputError> {
+/// A Perfetto trace: the first packet (clock, interned names) and the tracks.
+impl StreamSink for PerfettoSink {
+    fn from_output(out: StreamOut, meta: TraceMeta) -> Result<Self, OutputError> {
         meta.validate()?;
         let Interned {
             data,
@@ -138,7 +119,7 @@ impl PerfettoSink {
         s.push(descriptor(TrackDescriptor {
             uuid: Some(PROCESS_UUID),
             process: Some(ProcessDescriptor {
-                pid: Some(crate::JSON_PID as i32),
+                pid: Some(JSON_PID as i32),
                 process_name: Some(PROCESS_NAME.into()),
                 ..Default::default()
             }),
@@ -151,7 +132,9 @@ impl PerfettoSink {
         s.flush()?;
         Ok(s)
     }
+}
 
+impl PerfettoSink {
     /// Encodes `p` as one `Trace.packet` (field 1, length-delimited).
     fn push(&mut self, mut p: TracePacket) {
         p.optional_trusted_packet_sequence_id = Some(
@@ -520,7 +503,7 @@ fn vcpu_track(meta: &TraceMeta, cpu: u32) -> TracePacket {
         uuid: Some(vcpu_track_uuid(cpu)),
         parent_uuid: Some(PROCESS_UUID),
         thread: Some(ThreadDescriptor {
-            pid: Some(crate::JSON_PID as i32),
+            pid: Some(JSON_PID as i32),
             tid: Some(host_tid(meta, cpu).unwrap_or(pid)),
             thread_name: Some(name),
         }),

@@ -1,7 +1,9 @@
 //! Parser of a `print fmt:` line into a [`Program`]: the C string literal, split into
 //! literal text and conversions, and the C expressions of the arguments.
 
-use super::{Cast, Conv, Expr, FieldRef, Net, Op, Program, Spec, Table, Unsupported};
+use super::expr::{
+    eval_const, Cast, Conv, Expr, FieldRef, Net, Op, Program, Spec, Table, Unsupported,
+};
 use crate::format::EventFormat;
 
 /// The value of a table entry naming an unknown constant (libtraceevent: -1).
@@ -445,7 +447,7 @@ impl<'a> Parser<'a> {
             if self.is_p("[") {
                 // `REC->args[N]`: one element of an array field.
                 self.pos += 1;
-                let i = super::eval_const(&self.expr()?)?;
+                let i = eval_const(&self.expr()?)?;
                 self.expect("]")?;
                 return Ok(Expr::Field(
                     FieldRef::element(f, i).ok_or_else(|| unsupported(format!("{name}[{i}]")))?,
@@ -565,7 +567,7 @@ impl<'a> Parser<'a> {
             self.expect("}")?;
             let v = match v {
                 Expr::Unknown => UNKNOWN,
-                v => super::eval_const(&v)?,
+                v => eval_const(&v)?,
             };
             if let Some(name) = name {
                 out.push((v, name));
