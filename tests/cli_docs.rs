@@ -59,8 +59,19 @@ fn reference_and_man_pages_match_the_code() {
         stale.is_empty(),
         "out of step with the code (run HYPTRACE_BLESS=1 cargo test --release --test cli_docs): {stale:?}"
     );
-    for cmd in ["record", "report", "dump", "convert", "bench", "ctl", "completions"] {
-        assert!(names.contains(&format!("hyptrace-{cmd}.1").as_str()), "{names:?}");
+    for cmd in [
+        "record",
+        "report",
+        "dump",
+        "convert",
+        "bench",
+        "ctl",
+        "completions",
+    ] {
+        assert!(
+            names.contains(&format!("hyptrace-{cmd}.1").as_str()),
+            "{names:?}"
+        );
         assert!(
             docs::reference_markdown().contains(&format!("\n### hyptrace {cmd}\n")),
             "{cmd}"
@@ -119,7 +130,10 @@ fn completions_come_out_of_the_binary() {
     std::fs::write(&path, &o.stdout).expect("write");
     let parsed = Command::new("bash").arg("-n").arg(&path).status();
     let _ = std::fs::remove_file(&path);
-    assert!(parsed.expect("bash").success(), "bash -n rejects the script");
+    assert!(
+        parsed.expect("bash").success(),
+        "bash -n rejects the script"
+    );
     let bad = Command::new(bin)
         .args(["completions", "tcsh"])
         .output()

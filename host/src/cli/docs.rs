@@ -61,7 +61,11 @@ pub fn reference_markdown() -> String {
     for sub in visible(&top) {
         let about = sub.get_about().map(|a| a.to_string()).unwrap_or_default();
         let first = first_sentence(&about);
-        let _ = writeln!(s, "- [`hyptrace {0}`](#hyptrace-{0}): {first}", sub.get_name());
+        let _ = writeln!(
+            s,
+            "- [`hyptrace {0}`](#hyptrace-{0}): {first}",
+            sub.get_name()
+        );
     }
     command_md(&mut s, &top, "hyptrace", 2);
     s
@@ -117,7 +121,12 @@ fn arg_md(a: &Arg) -> String {
     let takes = matches!(a.get_action(), ArgAction::Set | ArgAction::Append);
     let value = a
         .get_value_names()
-        .map(|v| v.iter().map(|n| format!("<{n}>")).collect::<Vec<_>>().join(" "))
+        .map(|v| {
+            v.iter()
+                .map(|n| format!("<{n}>"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
         .filter(|_| takes)
         .unwrap_or_default();
     let mut names = Vec::new();
