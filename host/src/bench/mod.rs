@@ -261,7 +261,34 @@ struct Machine {
     /// `pvm` or `kvm`.
     kvm: &'static str,
     tsc_khz: u64,
+    /// `/proc/loadavg`'s three averages when the bench started and when it ended.
+    loadavg_at_start: String,
     loadavg_at_end: String,
+}
+
+impl Machine {
+    /// The note the table prints when other work ran beside the bench: a 1-minute load
+    /// average at the start or the end above half the CPUs (the bench itself keeps
+    /// about one CPU busy). Its medians may then be slow and its spreads wide.
+    fn busy_note(&self) -> Option<String> {
+        let one = |s: &str| s.split_whitespace().next()?.parse::<f64>().ok();
+        let (a, b) = (one(&self.loadavg_at_start), one(&self.loadavg_at_end));
+        let worst = a.into_iter().chain(b).fold(0.0, f64::max);
+        (self.cpus > 0 && worst > 1.0 + self.cpus as f64 / 2.0).then(|| {
+            format!(
+                "note: the machine was busy (load average {} at the start, {} at the end, {} CPUs): \
+                 other work ran beside, so medians may be slow and spreads wide; compare rows of this run as ratios",
+                self.loadavg_at_start, self.loadavg_at_end, self.cpus
+            )
+        })
+    }
+}
+
+/// `/proc/loadavg`'s three averages.
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
 }
 
 /// The effective configuration, as run.
@@ -358,6 +385,7 @@ impl BenchCmdError {
 
 fn run_all(cfg: &Cfg, a: &BenchArgs) -> Result<BenchReport, BenchError> {
     let t0 = Instant::now();
+    let load_at_start = loadavg();
     eprintln!("hyptrace bench: startup");
     let (startup, tsc) = startup::startup(cfg)?;
     let on = |s: Section| a.only.is_empty() || a.only.contains(&s);
@@ -398,7 +426,7 @@ fn run_all(cfg: &Cfg, a: &BenchArgs) -> Result<BenchReport, BenchError> {
     Ok(BenchReport {
         version: 1,
         quick: cfg.quick,
-        machine: machine(tsc),
+        machine: machine(tsc, &load_at_start),
         config: BenchConfig {
             vcpus: cfg.vcpus.clone(),
             payloads: cfg.payloads.clone(),
@@ -421,7 +449,7 @@ fn run_all(cfg: &Cfg, a: &BenchArgs) -> Result<BenchReport, BenchError> {
     })
 }
 
-fn machine(tsc: Tsc) -> Machine {
+fn machine(tsc: Tsc, load_at_start: &str) -> Machine {
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let cpu = cpuinfo
         .lines()
@@ -433,15 +461,13 @@ fn machine(tsc: Tsc) -> Machine {
         .map(|s| s.trim().to_string())
         .unwrap_or_default();
     let pvm = Path::new("/sys/module/kvm_pvm").exists();
-    let loadavg_at_end = std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_default();
     Machine {
         cpu,
         cpus: std::thread::available_parallelism().map_or(0, |n| n.get()),
         kernel,
         kvm: if pvm { "pvm" } else { "kvm" },
         tsc_khz: tsc.khz,
-        loadavg_at_end,
+        loadavg_at_start: load_at_start.to_string(),
+        loadavg_at_end: loadavg(),
     }
 }

@@ -32,6 +32,9 @@ pub(super) fn table(v: &BenchReport) -> String {
         m.tsc_khz,
         if v.quick { " (--quick)" } else { "" }
     );
+    if let Some(note) = m.busy_note() {
+        let _ = writeln!(s, "{note}");
+    }
     writer(&mut s, v);
     typed(&mut s, v);
     swap(&mut s, v);
@@ -332,6 +335,7 @@ mod tests {
                 kernel: "k".into(),
                 kvm: "kvm",
                 tsc_khz: 1000,
+                loadavg_at_start: "9.50 4.00 2.00".into(),
                 loadavg_at_end: String::new(),
             },
             config: BenchConfig::default(),
@@ -408,6 +412,17 @@ mod tests {
     fn table_aligned_without_nulls() {
         let t = table(&sample());
         assert!(!t.replace("null sink", "").contains("null"), "{t}");
+        // Busy at the start (9.5 on 2 CPUs): said under the header; quiet: nothing.
+        assert!(
+            t.lines().nth(1).is_some_and(|l| l.starts_with(
+                "note: the machine was busy (load average 9.50 4.00 2.00 at the start"
+            )),
+            "{t}"
+        );
+        let mut quiet = sample();
+        quiet.machine.loadavg_at_start = "0.40 0.30 0.20".into();
+        quiet.machine.loadavg_at_end = "1.10 0.50 0.20".into();
+        assert!(!table(&quiet).contains("busy"));
         assert!(
             t.contains("1 vCPU:    --swap host:   at least 200000 events/s per vCPU (--quick"),
             "{t}"
