@@ -74,10 +74,10 @@ impl SinkKind {
     /// The default trace.dat (v7, zstd).
     pub(super) const DAT: Self = Self::File(FormatArg::Dat, CompressionArg::Zstd);
 
-    /// What the rows call it: `null`, `raw`, `trace.dat zstd`, `trace.dat none`, ….
+    /// What the rows call it: `none (reader alone)`, `raw`, `trace.dat zstd`, `trace.dat none`, ….
     pub(super) fn name(self) -> String {
         match self {
-            Self::Null => "null".into(),
+            Self::Null => "none (reader alone)".into(),
             Self::File(FormatArg::Dat, CompressionArg::Zstd) => "trace.dat zstd".into(),
             Self::File(FormatArg::Dat, CompressionArg::None) => "trace.dat none".into(),
             Self::File(f, _) => {
