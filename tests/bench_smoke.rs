@@ -142,7 +142,7 @@ fn bench_quick_writes_json() {
     assert_eq!(
         names,
         [
-            "null",
+            "none (reader alone)",
             "raw",
             "trace.dat none",
             "trace.dat zstd",

@@ -31,7 +31,7 @@ const SINKS: [SinkKind; 7] = [
 /// One sink's row.
 #[derive(Clone, Debug, Serialize)]
 pub(super) struct SinkRow {
-    /// `null` (the reader alone), `raw`, `trace.dat zstd`, ….
+    /// `none (reader alone)`, `raw`, `trace.dat zstd`, ….
     pub(super) sink: String,
     /// MB (10⁶ bytes) of 4 KiB ring pages per second, until `finish` returned.
     pub(super) mb_per_s: Summary,
