@@ -35,8 +35,10 @@ pub enum RegionError {
 /// vCPUs write the same bytes concurrently). It keeps the guest memory mapped while it
 /// lives (it holds a clone of `M`, whose regions are shared).
 ///
-/// Generic over vm-memory's [`GuestMemoryBackend`] — [`GuestMemoryMmap`] with any bitmap:
-/// `()` (none), `AtomicBitmap` (cloud-hypervisor), `Option<AtomicBitmap>` (Firecracker).
+/// Generic over the bitmap of vm-memory's [`GuestMemoryMmap`]: `()` (none), `AtomicBitmap`
+/// (cloud-hypervisor), `Option<AtomicBitmap>` (Firecracker). Only `GuestMemoryMmap`: its
+/// clones share their regions (`Arc`), which keeps the mapping `self` points into alive; a
+/// backend whose clone copied its memory would leave `self` pointing into the caller's.
 /// **Every host write** (a store, swap, compare-exchange or fetch-op, a byte copy: the
 /// reader's swaps, pokes and footer updates) **marks the pages it wrote dirty** in the
 /// region's bitmap, so live migration copies them again; loads mark nothing, and what the
@@ -59,14 +61,14 @@ pub enum RegionError {
 /// assert!(bitmap.dirty_at((2 << 20) + 0x3000) && !bitmap.dirty_at(2 << 20));
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
-pub struct GuestRegionMem<M: GuestMemoryBackend = GuestMemoryMmap> {
+pub struct GuestRegionMem<B: Bitmap + 'static = ()> {
     /// Keeps the mapping alive for as long as `raw` is used, and holds the bitmaps.
-    memory: M,
+    memory: GuestMemoryMmap<B>,
     gpa: u64,
     raw: RawMem,
 }
 
-impl<M: GuestMemoryBackend> core::fmt::Debug for GuestRegionMem<M> {
+impl<B: Bitmap + 'static> core::fmt::Debug for GuestRegionMem<B> {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         f.debug_struct("GuestRegionMem")
             .field("gpa", &self.gpa)
@@ -75,13 +77,17 @@ impl<M: GuestMemoryBackend> core::fmt::Debug for GuestRegionMem<M> {
     }
 }
 
-impl<M: GuestMemoryBackend + Clone> GuestRegionMem<M> {
+impl<B: Bitmap + 'static> GuestRegionMem<B> {
     /// The `len` bytes at `gpa` of `memory`: one mapped region must hold them all.
     ///
     /// # Errors
     /// [`RegionError::NotMapped`] when no one region holds the range,
     /// [`RegionError::Unaligned`] when its host address is not 8-byte aligned.
-    pub fn new(memory: &M, gpa: GuestAddress, len: usize) -> Result<Self, RegionError> {
+    pub fn new(
+        memory: &GuestMemoryMmap<B>,
+        gpa: GuestAddress,
+        len: usize,
+    ) -> Result<Self, RegionError> {
         let slice = memory
             .get_slice(gpa, len)
             .map_err(|source| RegionError::NotMapped {
@@ -106,9 +112,7 @@ impl<M: GuestMemoryBackend + Clone> GuestRegionMem<M> {
             raw,
         })
     }
-}
 
-impl<M: GuestMemoryBackend> GuestRegionMem<M> {
     /// Guest-physical address of the first byte (the pack: what the guest is given).
     pub fn gpa(&self) -> u64 {
         self.gpa
@@ -124,7 +128,7 @@ impl<M: GuestMemoryBackend> GuestRegionMem<M> {
     }
 }
 
-impl<M: GuestMemoryBackend> SharedMem for GuestRegionMem<M> {
+impl<B: Bitmap + 'static> SharedMem for GuestRegionMem<B> {
     fn size(&self) -> usize {
         self.raw.size()
     }

@@ -16,20 +16,26 @@ use vm_memory::bitmap::Bitmap;
 use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 
 const PAGE: usize = 4096;
-/// Where the rings start in guest memory.
-const GPA: u64 = 1 << 20;
+/// The second of the guest memory's two regions (offsets in a region's bitmap are from
+/// the region's start, not guest addresses: the rings are not in the first region).
+const REGION: u64 = 4 << 20;
+/// Where the rings start in guest memory, and in their region.
+const GPA: u64 = REGION + (1 << 20);
+const REL: usize = (GPA - REGION) as usize;
 
 type Mem = GuestMemoryMmap<AtomicBitmap>;
 
 /// Clears the dirty bitmap of `mem`'s one region.
 fn reset(mem: &Mem) {
-    let r = mem.find_region(GuestAddress(0)).expect("region");
-    let mmap: &vm_memory::MmapRegion<AtomicBitmap> = r;
-    mmap.bitmap().reset();
+    for at in [0, REGION] {
+        let r = mem.find_region(GuestAddress(at)).expect("region");
+        let mmap: &vm_memory::MmapRegion<AtomicBitmap> = r;
+        mmap.bitmap().reset();
+    }
 }
 
 /// The region's bytes, page by page.
-fn pages(m: &GuestRegionMem<Mem>) -> Vec<Vec<u8>> {
+fn pages(m: &GuestRegionMem<AtomicBitmap>) -> Vec<Vec<u8>> {
     (0..m.size() / PAGE)
         .map(|p| {
             let mut b = vec![0u8; PAGE];
@@ -40,7 +46,8 @@ fn pages(m: &GuestRegionMem<Mem>) -> Vec<Vec<u8>> {
 }
 
 fn run(mode: Mode) {
-    let mem = Mem::from_ranges(&[(GuestAddress(0), 4 << 20)]).expect("guest memory");
+    let mem = Mem::from_ranges(&[(GuestAddress(0), 1 << 20), (GuestAddress(REGION), 4 << 20)])
+        .expect("guest memory");
     let l = RingGeometry::new(2, 16, PAGE, mode, false).expect("geometry");
     let rings =
         Arc::new(GuestRegionMem::new(&mem, GuestAddress(GPA), l.region_size).expect("region"));
@@ -52,13 +59,15 @@ fn run(mode: Mode) {
         1,
     )
     .expect("alloc");
-    let bitmap = || mem.find_region(GuestAddress(0)).expect("region").bitmap();
+    let bitmap = || {
+        mem.find_region(GuestAddress(REGION))
+            .expect("region")
+            .bitmap()
+    };
+    let first = || mem.find_region(GuestAddress(0)).expect("region").bitmap();
     // Allocating wrote the whole region: all of it dirty.
     for p in 0..l.region_size / PAGE {
-        assert!(
-            bitmap().dirty_at(GPA as usize + p * PAGE),
-            "page {p} after alloc"
-        );
+        assert!(bitmap().dirty_at(REL + p * PAGE), "page {p} after alloc");
     }
     // The guest writes (here through the same memory; what it writes is KVM's dirty
     // log's business, not this bitmap's, so the bitmap is cleared after it).
@@ -86,7 +95,7 @@ fn run(mode: Mode) {
     let after = pages(&rings);
     let (mut changed, mut dirty) = (0, 0);
     for (p, (b, a)) in before.iter().zip(&after).enumerate() {
-        let d = bitmap().dirty_at(GPA as usize + p * PAGE);
+        let d = bitmap().dirty_at(REL + p * PAGE);
         if b != a {
             changed += 1;
             assert!(
@@ -106,19 +115,20 @@ fn run(mode: Mode) {
     }
     for p in 0..before.len() {
         assert!(
-            !bitmap().dirty_at(GPA as usize + p * PAGE),
+            !bitmap().dirty_at(REL + p * PAGE),
             "{mode:?}: page {p} marked by reads"
         );
     }
     // Outside the rings: nothing.
     assert!(!bitmap().dirty_at(0) && !bitmap().dirty_at((3 << 20) + 8));
+    assert!((0..1 << 20).step_by(PAGE).all(|o| !first().dirty_at(o)));
     // A compare-exchange that fails writes nothing: no mark.
     reset(&mem);
     let v = rings.load(0, Ordering::Acquire);
     assert!(rings
         .compare_exchange(0, v.wrapping_add(1), 0, Ordering::AcqRel, Ordering::Acquire)
         .is_err());
-    assert!(!bitmap().dirty_at(GPA as usize));
+    assert!(!bitmap().dirty_at(REL));
 }
 
 #[test]

@@ -83,6 +83,9 @@ pub enum BenchError {
     /// The subscriber row's control socket could not be set up.
     #[error(transparent)]
     Control(#[from] crate::control::server::ControlError),
+    /// The sustained section's flat-out runs measured no guest rate (no guest cycles).
+    #[error("sustained records: the flat-out runs measured no guest rate")]
+    NoFlatOut,
     /// The subscriber row's client failed (what it got instead of an answer).
     #[error("the bench's subscriber: {0}")]
     Subscriber(String),

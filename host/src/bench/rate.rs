@@ -46,6 +46,8 @@ pub(super) struct RateRow {
     pub(super) searched: bool,
     /// Events lost by each confirming record at `max_rate_zero_loss` (empty: none run).
     pub(super) confirm_lost: Vec<u64>,
+    /// Every confirming record lost nothing and read everything written.
+    pub(super) confirm_lossless: bool,
     /// Events of each confirming record.
     pub(super) confirm_events: u64,
     pub(super) runs: Vec<RateRun>,
@@ -111,10 +113,10 @@ impl RateRow {
         let m = self.confirm_events / 1_000_000;
         match self.confirm_lost.as_slice() {
             [] => String::new(),
-            l if l.iter().all(|&x| x == 0) => {
+            l if self.confirm_lossless => {
                 format!("; {m} M-event records: lossless {} of {}", l.len(), l.len())
             }
-            l => format!("; {m} M-event records at it: LOST {l:?}"),
+            l => format!("; {m} M-event records at it: NOT lossless, lost {l:?}"),
         }
     }
 
@@ -247,11 +249,12 @@ fn search(cfg: &Cfg, vcpus: u32, swap: SwapArg) -> Result<RateRow, BenchError> {
         }
     }
     // The confirmation: records as long as a user's at the rate found.
-    let mut confirm_lost = Vec::new();
+    let (mut confirm_lost, mut confirm_lossless) = (Vec::new(), true);
     if !cfg.quick && good > 0 {
         for _ in 0..cfg.rate_repeats.max(1) {
             let r = rate_record(vcpus, swap, good, cfg.sustained_events)?;
-            confirm_lost.push(if r.ok { 0 } else { r.lost.max(1) });
+            confirm_lossless &= r.ok;
+            confirm_lost.push(r.lost);
         }
     }
     let achieved_zero_loss = runs
@@ -278,6 +281,7 @@ fn search(cfg: &Cfg, vcpus: u32, swap: SwapArg) -> Result<RateRow, BenchError> {
         lower_bound: bad.is_none(),
         searched: !cfg.quick,
         confirm_lost,
+        confirm_lossless,
         confirm_events: cfg.sustained_events,
         runs,
         mode: "stop",

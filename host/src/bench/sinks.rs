@@ -1,14 +1,16 @@
 //! `sinks`: each output format's throughput behind the reader — the pages of a host
 //! region filled beforehand with `guest:marker` events (28 bytes each, as the rate
 //! search's guest writes them), read page by page (`next_page`) into the sink that
-//! `record -o FILE --format F` makes (`make_sink`, in the temporary directory), timed
-//! until its `finish` returned (compression workers drained, the file synced and
-//! renamed): what the sink sustains, against the reader into nothing on the same pages.
+//! `record -o FILE --format F` makes (`make_sink`, in the temporary directory) on its
+//! own thread as `record` runs it (`ThreadedSink`: the reader and the sink overlap),
+//! timed until its `finish` returned (compression workers drained, the file synced and
+//! renamed): what the sink sustains behind the reader, against the reader into nothing
+//! on the same pages.
 
 use std::time::Instant;
 
-use hyptrace_abi::events::marker;
-use hyptrace_output::{Clock, PageSink, RunSummary, TraceMeta};
+use hyptrace_abi::events::{marker, vcpu_pid};
+use hyptrace_output::{Clock, PageSink, RunSummary, ThreadedSink, TraceMeta};
 use serde::Serialize;
 
 use super::drain::{filled_with, Region};
@@ -55,7 +57,9 @@ pub(super) struct SinksReport {
 
 /// A region of `pages` pages of markers.
 fn markers(pages: u32) -> Result<Region, BenchError> {
-    filled_with(pages, |n| marker(1, n, n.wrapping_mul(7)).to_vec())
+    filled_with(pages, |n| {
+        marker(vcpu_pid(0), n, n.wrapping_mul(7)).to_vec()
+    })
 }
 
 /// One run: every page of a fresh region into `kind`'s sink (or nowhere); returns
@@ -68,7 +72,8 @@ fn sink_once(pages: u32, kind: SinkKind) -> Result<(u64, u64, f64, u64), BenchEr
         SinkKind::File(format, c) => {
             let target = check_destination(&tmp, "bench")?;
             let meta = TraceMeta::guest(PAGE_SIZE as usize, 1, Clock::nanoseconds());
-            Some(make_sink(&target, format, c.into(), meta)?)
+            let sink = make_sink(&target, format, c.into(), meta)?;
+            Some(Box::new(ThreadedSink::new(sink)?))
         }
     };
     let (mut bytes, mut events) = (0u64, 0u64);

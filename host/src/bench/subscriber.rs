@@ -149,7 +149,8 @@ fn subscriber_once(pages: u32) -> Result<(u64, u64, f64), BenchError> {
         .map_err(BenchError::TempFile)?;
     let sock = dir.path().join("s");
     let server = ControlServer::bind(&sock)?;
-    let r = std::thread::scope(|s| {
+    std::thread::scope(|s| {
+        let server = server;
         // The run loop as the VMM's: woken by each request queued (the waker), else
         // sleeping a poll period (bounded: the client ends at the first empty answer, or
         // fails, and a thread that ends wakes nobody: the period ends the wait).
@@ -167,6 +168,10 @@ fn subscriber_once(pages: u32) -> Result<(u64, u64, f64), BenchError> {
             server.serve(&mut vmm);
             // As the run loop: a round of reading into the outbox between requests.
             if let Some((cpu, e)) = vmm.session.service(|_| false).into_iter().next() {
+                // The socket closed: the client's wait for a reply ends now, not at
+                // its timeout.
+                drop(server);
+                let _ = client.join();
                 return Err(BenchError::Subscriber(format!("cpu {cpu}: {e}")));
             }
             let wait = vmm.session.next_wait(POLL);
@@ -179,9 +184,7 @@ fn subscriber_once(pages: u32) -> Result<(u64, u64, f64), BenchError> {
             .join()
             .unwrap_or_else(|_| Err("the subscriber panicked".into()))
             .map_err(BenchError::Subscriber)
-    });
-    drop(server);
-    r
+    })
 }
 
 /// The subscriber row: `reps` runs over a region of `drain_pages` pages.

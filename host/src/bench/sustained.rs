@@ -113,6 +113,10 @@ pub(super) fn sustained_section(cfg: &Cfg) -> Result<SustainedReport, BenchError
     let events = cfg.sustained_events;
     let flat_out_runs = flat_out(events, runs)?;
     let flat = flat_out_runs.iter().copied().fold(0.0, f64::max);
+    if flat < 1.0 {
+        // `--rate 0` would mean "flat out": no fraction of nothing.
+        return Err(BenchError::NoFlatOut);
+    }
     eprintln!(
         "  flat out: {:.1} M events/s (fastest of {runs})",
         flat / 1e6

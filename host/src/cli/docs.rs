@@ -149,13 +149,18 @@ fn arg_md(a: &Arg) -> String {
         .map(|h| h.to_string().replace('\n', " "))
         .unwrap_or_default();
     let mut line = format!("`{spelled}`: {help}");
+    // A flag's or a counter's default (false, 0) says nothing.
+    let flag = matches!(
+        a.get_action(),
+        ArgAction::SetTrue | ArgAction::SetFalse | ArgAction::Count
+    );
     let defaults: Vec<String> = a
         .get_default_values()
         .iter()
         .map(|d| d.to_string_lossy().into_owned())
         .collect();
-    if !defaults.is_empty() {
-        let _ = write!(line, " (default: `{}`)", defaults.join(","));
+    if !defaults.is_empty() && !flag && !a.is_hide_default_value_set() {
+        let _ = write!(line, " (default: `{}`).", defaults.join(","));
     }
     let values: Vec<String> = a
         .get_possible_values()
@@ -166,7 +171,7 @@ fn arg_md(a: &Arg) -> String {
             None => format!("`{}`", v.get_name()),
         })
         .collect();
-    if !values.is_empty() && !matches!(a.get_action(), ArgAction::SetTrue | ArgAction::SetFalse) {
+    if !values.is_empty() && !flag {
         let _ = write!(line, " Values: {}.", values.join(", "));
     }
     line

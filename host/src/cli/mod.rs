@@ -93,8 +93,9 @@ pub enum Command {
     /// stream) into any output format of `record`.
     Convert(ConvertArgs),
     /// Measure the writer in the guest and natively, drain throughput, swap latency in
-    /// both modes, the highest loss-free rate and start-up time; print a table and
-    /// optionally write JSON (see docs/benchmarks.md).
+    /// both modes, the highest loss-free rate, each output format's throughput, sustained
+    /// 60 M-event records and start-up time; print a table and optionally write JSON (see
+    /// docs/benchmarks.md).
     Bench(crate::bench::BenchArgs),
     /// Send one command to a running `run`/`record --control PATH` and print the reply:
     /// `enable EVENT`, `disable EVENT`, `stats` (JSON), `list` (JSON). Exit 0 on `ok`,

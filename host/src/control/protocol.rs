@@ -514,8 +514,9 @@ struct PiecesReply {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct PiecesOk {
-    #[allow(dead_code)] // Checked by its type: "pieces" only.
-    kind: PiecesTag,
+    /// `"pieces"` (a string, as the general parse reads the tag; anything else goes
+    /// the general way).
+    kind: String,
     items: Vec<WireItem>,
     knots: Vec<hyptrace_output::Knot>,
     #[serde(default)]
@@ -523,17 +524,10 @@ struct PiecesOk {
     bytes: u64,
 }
 
-/// The one tag a [`PiecesOk`] takes.
-#[derive(Deserialize)]
-#[serde(rename_all = "snake_case")]
-enum PiecesTag {
-    Pieces,
-}
-
 /// Parses `line` as the reply to request `id`.
 pub fn parse_reply(line: &str, id: u64) -> Result<Outcome, ReplyError> {
     let r: Reply = match serde_json::from_str::<PiecesReply>(line) {
-        Ok(p) => Reply {
+        Ok(p) if p.ok.kind == "pieces" => Reply {
             v: p.v,
             id: p.id,
             outcome: Outcome::Ok(Answer::Pieces(PieceBatch {
@@ -544,7 +538,7 @@ pub fn parse_reply(line: &str, id: u64) -> Result<Outcome, ReplyError> {
                 data: Vec::new(),
             })),
         },
-        Err(_) => serde_json::from_str(line).map_err(ReplyError::Malformed)?,
+        _ => serde_json::from_str(line).map_err(ReplyError::Malformed)?,
     };
     if r.v != VERSION {
         return Err(ReplyError::Version { got: r.v });
@@ -647,6 +641,10 @@ mod tests {
             parse_reply(&extra, 7),
             Ok(Outcome::Ok(Answer::Pieces(_)))
         ));
+        // The tag as a map (`{"pieces":null}`), which an enum would take: refused by both.
+        let map_tag = l.replacen("\"kind\":\"pieces\"", "\"kind\":{\"pieces\":null}", 1);
+        assert_ne!(map_tag, l);
+        assert!(parse_reply(&map_tag, 7).is_err());
         let other = Reply::to(Some(7), Outcome::Ok(Answer::Detached)).line();
         assert!(serde_json::from_str::<PiecesReply>(&other).is_err());
         assert_eq!(
