@@ -193,6 +193,23 @@ fn interrupted_records_leave_no_debris() {
     println!("{clean} of 20 runs stopped cleanly, the others were signalled before start-up");
 }
 
+/// Waits (bounded by `LIMIT`) until process `pid` catches SIGINT: its handler is
+/// installed (`SigCgt` in /proc/PID/status has SIGINT's bit).
+fn wait_sigint_caught(pid: u32) {
+    let caught = || {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("SigCgt:"))
+            .and_then(|m| u64::from_str_radix(m.trim(), 16).ok())
+            .is_some_and(|m| m & (1 << (libc::SIGINT - 1)) != 0)
+    };
+    let t0 = Instant::now();
+    while !caught() && t0.elapsed() < LIMIT {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 /// A clean stop by SIGINT: one "stopping" line, no abort, complete output, `--stats`
 /// says `signal`; removes the files for the next run.
 fn check_clean_stop(dir: &TempDir, out: &str, st: &str, err: &str, what: &str) {
@@ -247,6 +264,9 @@ fn signal_to_process_and_group_is_one_stop() {
         while dir.entries().is_empty() && t0.elapsed() < LIMIT {
             std::thread::sleep(Duration::from_millis(10));
         }
+        // The output's temporary file can come before the signal handlers (under load
+        // the SIGINT then killed the process: exit by signal, nothing on stderr).
+        wait_sigint_caught(child.id());
         let pid = child.id().to_string();
         let group = format!("-{pid}");
         let st_kill = Command::new("sh")
@@ -378,6 +398,7 @@ fn ctrl_c_twice_during_record_leaves_complete_or_nothing() {
         while dir.entries().is_empty() && t0.elapsed() < LIMIT {
             std::thread::sleep(Duration::from_millis(10));
         }
+        wait_sigint_caught(child.id());
         std::thread::sleep(Duration::from_millis(200));
         env::signal(&child, "-INT");
         let mut seen = Vec::new();
