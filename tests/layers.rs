@@ -600,3 +600,39 @@ fn the_manifest_scan_sees_dependencies() {
     );
     assert!(dependency_closure("x", &manifests).contains("zstd"));
 }
+
+/// The most lines a product file may have (docs/design.md, "Where things are").
+const MAX_FILE_LINES: usize = 1000;
+
+/// The product files of `src` longer than [`MAX_FILE_LINES`], with their line counts. A
+/// file that is only a test module (declared `#[cfg(test)] mod x;`, e.g. a tests.rs) is
+/// not product code.
+fn long_files(src: &Path) -> Vec<(PathBuf, usize)> {
+    let mut all = Vec::new();
+    files(src, &mut all);
+    let tests = test_only(src, &all);
+    all.into_iter()
+        .filter(|f| !tests.iter().any(|t| module_of(src, f).starts_with(t)))
+        .filter_map(|f| {
+            let n = std::fs::read_to_string(&f).expect("read").lines().count();
+            (n > MAX_FILE_LINES).then_some((f, n))
+        })
+        .collect()
+}
+
+/// No product file of any crate is over 1 000 lines: each concern in the file its name says.
+#[test]
+fn no_product_file_over_1000_lines() {
+    let mut bad = Vec::new();
+    for src in crate_sources() {
+        for (f, n) in long_files(&src) {
+            let rel = f.strip_prefix(workspace()).unwrap_or(&f).display().to_string();
+            bad.push(format!("{rel}: {n} lines"));
+        }
+    }
+    assert!(
+        bad.is_empty(),
+        "product files over {MAX_FILE_LINES} lines:\n{}",
+        bad.join("\n")
+    );
+}
