@@ -549,8 +549,8 @@ fn the_scan_sees_imports() {
     let g = graph();
     let m = |s: &[&str]| s.iter().map(|x| x.to_string()).collect::<Module>();
     let run = g
-        .get(&m(&["pipeline", "run"]))
-        .expect("pipeline::run scanned");
+        .get(&m(&["pipeline", "run", "live"]))
+        .expect("pipeline::run::live scanned");
     assert!(run.contains(&m(&["drain", "session"])), "{run:?}");
     assert!(
         product_code("use crate::cli::X;\n#[cfg(test)]\nmod tests { use crate::x; }")
@@ -626,7 +626,11 @@ fn no_product_file_over_1000_lines() {
     let mut bad = Vec::new();
     for src in crate_sources() {
         for (f, n) in long_files(&src) {
-            let rel = f.strip_prefix(workspace()).unwrap_or(&f).display().to_string();
+            let rel = f
+                .strip_prefix(workspace())
+                .unwrap_or(&f)
+                .display()
+                .to_string();
             bad.push(format!("{rel}: {n} lines"));
         }
     }
