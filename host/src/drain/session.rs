@@ -24,10 +24,9 @@ mod drain;
 mod host;
 mod pacing;
 mod print;
+mod subscribe;
 
 pub use host::HostTraceStats;
-
-mod subscribe;
 
 /// How long the host waits, by default (`--mailbox-timeout-ms`), for the guest writer to
 /// answer a mailbox request before it reports a stuck writer. The host cores are shared by every vCPU, the reader and

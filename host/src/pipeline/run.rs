@@ -1,5 +1,5 @@
-//! The run pipeline: a checked [`Plan`] → a booted VM → a [`Session`] draining its
-//! rings while the vCPUs run (poll loop, stop policy) and after (final walks) → a
+//! The run pipeline: a checked [`Plan`] → a booted VM → a
+//! [`Session`](crate::drain::session::Session) draining its rings while the vCPUs run (poll loop, stop policy) and after (final walks) → a
 //! [`RunReport`]. `run`, `record` and `bench` use it; the CLI only parses, checks and
 //! reports.
 //!
@@ -138,7 +138,9 @@ impl RunError {
 }
 
 /// Called with the run's event table once the VM has started (e.g. to serve a control
-/// socket: [`EventTable::enable`], [`EventTable::disable`], [`EventTable::list`]).
+/// socket: [`EventTable::enable`](crate::vmm::registration::EventTable::enable),
+/// [`EventTable::disable`](crate::vmm::registration::EventTable::disable),
+/// [`EventTable::list`](crate::vmm::registration::EventTable::list)).
 pub type EventsHook = Box<dyn FnOnce(VmEventTable)>;
 
 /// Makes a page sink for a run's trace metadata (page size, CPUs, the guest clock).

@@ -15,7 +15,8 @@ use super::{CpuRun, Output, Session, SessionError};
 
 impl<M: SharedMem, C: Callbacks> Session<M, C> {
     /// Prints the merged events that are ready (all of them once every CPU ended). If
-    /// the merger holds more than its cap ([`MERGE_MAX_EVENTS`], [`MERGE_MAX_BYTES`]) —
+    /// the merger holds more than its cap ([`MERGE_MAX_EVENTS`](super::MERGE_MAX_EVENTS),
+    /// [`MERGE_MAX_BYTES`](super::MERGE_MAX_BYTES)) —
     /// a CPU that neither writes nor ends holds the others back — it prints a marker
     /// line naming that CPU and the oldest events down to half the cap: order across
     /// CPUs is no longer exact from there. Returns the first output error once; after
