@@ -1,7 +1,7 @@
 //! The run pipeline: a checked [`Plan`] → a booted VM → a
-//! [`Session`](crate::drain::session::Session) draining its rings while the vCPUs run (poll loop, stop policy) and after (final walks) → a
-//! [`RunReport`]. `run`, `record` and `bench` use it; the CLI only parses, checks and
-//! reports.
+//! [`Session`](crate::drain::session::Session) draining its rings while the vCPUs run
+//! (poll loop, stop policy) and after (final walks) → a [`RunReport`]. `run`, `record`
+//! and `bench` use it; the CLI only parses, checks and reports.
 //!
 //! Stop policy: the first signal (`Interrupts`), `--duration`, a crashed vCPU, a closed
 //! stdout or a failure stops the vCPUs; everything committed is still read (R1 holds
