@@ -3,6 +3,8 @@
 //! - in every crate (crates/*, host), the import graph between files has no cycle;
 //! - the reader crate does not depend on the output crate, nor on zstd or prost (an
 //!   embedder that only reads rings builds neither).
+//! - no product file of any crate is over 1 000 lines (a `tests.rs`, only a test module,
+//!   is not product code).
 //!
 //! The scan reads every `crate::…` and `super::…` path in a crate's product code
 //! (comments and `#[cfg(test)]` code left out: a test may use what it likes), use trees
