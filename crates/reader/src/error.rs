@@ -135,7 +135,7 @@ pub enum ReadError {
         timeout: Duration,
     },
     /// The writer has finished (it serves no more mailbox requests): read the rest with
-    /// [`RingBuffer::finalize`].
+    /// [`RingBuffer::finalize`](crate::RingBuffer::finalize).
     #[error("cpu {cpu}: the writer has finished")]
     WriterStopped {
         /// The CPU.
