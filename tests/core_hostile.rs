@@ -562,7 +562,7 @@ fn huge_counters_writer_side_never_panics() {
 /// The same with the reader. Known bug (also fuzz/regressions/region/
 /// reader-expected-overflow*): a footer `first_index` (or control-block
 /// `entries`/`dropped`, through `take_trailing_loss`) near u64::MAX makes the reader's
-/// `expected += 1` (crates/reader/src/lib.rs, `next_event`; `+= n` in `next_page`)
+/// `expected += 1` (crates/reader/src/consume.rs, `next_event`; `+= n` in `next_page`)
 /// overflow: a panic with overflow checks (debug, tests), a wrap in release.
 #[test]
 fn huge_counters_never_panic() {
@@ -570,7 +570,7 @@ fn huge_counters_never_panic() {
 }
 
 /// Known writer bug, minimal: `ENTRIES` near u64::MAX in the control block; the writer
-/// attaches and its first write overflows `entries += 1` (crates/writer/src/lib.rs,
+/// attaches and its first write overflows `entries += 1` (crates/writer/src/write.rs,
 /// `write_enabled`) instead of writing (wrapping) or reporting `Corrupt`.
 #[test]
 fn writer_huge_ctl_entries() {

@@ -3,6 +3,8 @@
 //! - in every crate (crates/*, host), the import graph between files has no cycle;
 //! - the reader crate does not depend on the output crate, nor on zstd or prost (an
 //!   embedder that only reads rings builds neither).
+//! - no product file of any crate is over 1 000 lines (a `tests.rs`, only a test module,
+//!   is not product code).
 //!
 //! The scan reads every `crate::…` and `super::…` path in a crate's product code
 //! (comments and `#[cfg(test)]` code left out: a test may use what it likes), use trees
@@ -549,8 +551,8 @@ fn the_scan_sees_imports() {
     let g = graph();
     let m = |s: &[&str]| s.iter().map(|x| x.to_string()).collect::<Module>();
     let run = g
-        .get(&m(&["pipeline", "run"]))
-        .expect("pipeline::run scanned");
+        .get(&m(&["pipeline", "run", "live"]))
+        .expect("pipeline::run::live scanned");
     assert!(run.contains(&m(&["drain", "session"])), "{run:?}");
     assert!(
         product_code("use crate::cli::X;\n#[cfg(test)]\nmod tests { use crate::x; }")
@@ -599,4 +601,44 @@ fn the_manifest_scan_sees_dependencies() {
         "[dependencies]\nzstd = \"0.13\"\n".to_string(),
     );
     assert!(dependency_closure("x", &manifests).contains("zstd"));
+}
+
+/// The most lines a product file may have (docs/design.md, "Where things are").
+const MAX_FILE_LINES: usize = 1000;
+
+/// The product files of `src` longer than [`MAX_FILE_LINES`], with their line counts. A
+/// file that is only a test module (declared `#[cfg(test)] mod x;`, e.g. a tests.rs) is
+/// not product code.
+fn long_files(src: &Path) -> Vec<(PathBuf, usize)> {
+    let mut all = Vec::new();
+    files(src, &mut all);
+    let tests = test_only(src, &all);
+    all.into_iter()
+        .filter(|f| !tests.iter().any(|t| module_of(src, f).starts_with(t)))
+        .filter_map(|f| {
+            let n = std::fs::read_to_string(&f).expect("read").lines().count();
+            (n > MAX_FILE_LINES).then_some((f, n))
+        })
+        .collect()
+}
+
+/// No product file of any crate is over 1 000 lines: each concern in the file its name says.
+#[test]
+fn no_product_file_over_1000_lines() {
+    let mut bad = Vec::new();
+    for src in crate_sources() {
+        for (f, n) in long_files(&src) {
+            let rel = f
+                .strip_prefix(workspace())
+                .unwrap_or(&f)
+                .display()
+                .to_string();
+            bad.push(format!("{rel}: {n} lines"));
+        }
+    }
+    assert!(
+        bad.is_empty(),
+        "product files over {MAX_FILE_LINES} lines:\n{}",
+        bad.join("\n")
+    );
 }

@@ -1,5 +1,6 @@
 use super::*;
 use hyptrace_abi::layout::WRITER_ACTIVE;
+use hyptrace_abi::page::{self, COMMIT_OFFSET, PAGE_HEADER_SIZE};
 use hyptrace_abi::HeapMem;
 use hyptrace_writer::{WriteOutcome, Writer};
 use std::sync::atomic::Ordering::Relaxed;

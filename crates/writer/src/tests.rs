@@ -1,7 +1,12 @@
 //! Unit tests of the writer on a heap region (single-threaded; the concurrent and
 //! model-checked suites live in the workspace tests and `tests/loom.rs`).
 use super::*;
+use core::sync::atomic::Ordering::{Acquire, Relaxed, Release};
+use hyptrace_abi::layout::{
+    ctl, footer, link, Mode, MBOX_OP_SWAP, MBOX_OP_UPDATE_FOOTERS, MBOX_STATUS_BUSY, MBOX_STATUS_OK,
+};
 use hyptrace_abi::layout::{FT_COMMIT, FT_HEAD, FT_READER};
+use hyptrace_abi::page::COMMIT_OFFSET;
 use hyptrace_abi::page::{Events, COMMIT_LEN_MASK, RB_MISSED_EVENTS};
 use hyptrace_abi::HeapMem;
 use std::vec::Vec;

@@ -2,7 +2,7 @@
 //! C1–C4): who holds the claim, what a `fetch` sends and takes back, what a `detach`
 //! or a subscriber that went away leaves. The session is the one reader of every ring
 //! (C1); this module only decides who gets what it read. Generic over the session's
-//! memory and callbacks, so the run loop (`run.rs`, `RunControl`) and the deterministic
+//! memory and callbacks, so the run loop (`run/live.rs`, `RunControl`) and the deterministic
 //! model below run the same code.
 
 use std::time::{Duration, Instant};

@@ -6,7 +6,8 @@
 
 use hyptrace_abi::page::{page_header, Events, PAGE_HEADER_SIZE};
 
-use super::{merge_event, Output, Session, SessionError, ROUND_MAX_TIME};
+use super::print::merge_event;
+use super::{Output, Session, SessionError, ROUND_MAX_TIME};
 
 /// Most bytes one round reads of one CPU into the outbox: a `fetch` that comes meanwhile
 /// waits for the round (the run loop serves between rounds), so a round is a fraction of

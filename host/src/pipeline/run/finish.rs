@@ -1,0 +1,199 @@
+//! The end of a run: the vCPUs joined, the final walks, the per-CPU accounting, the
+//! output finished, the report.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, PoisonError};
+
+use crate::drain::session::{HostTraceStats, Session};
+use crate::drain::signals::Interrupts;
+use crate::pipeline::plan::Plan;
+use crate::pipeline::report::{
+    CpuReport, Destination, Failures, GuestView, HostEventsStats, RunReport, Stop, Timing,
+};
+use crate::vmm::vcpu::VcpuOutcome;
+
+use super::live::Live;
+use super::output::Shown;
+use super::RunError;
+
+/// What [`finish_session`] accounts: the vCPUs' reports, the failures, the VMM's ring
+/// (`--host-events`) and the host kernel's events (`--host-trace`).
+pub(super) type Finished = (
+    Vec<CpuReport>,
+    Failures,
+    Option<HostEventsStats>,
+    Option<HostTraceStats>,
+);
+
+/// Every vCPU has stopped: the final read-only walks, the per-CPU accounting, the
+/// output finished. A second signal meanwhile aborts.
+pub(super) fn finish_session(
+    mut session: Session,
+    mut failures: Failures,
+    interrupts: Option<&Interrupts>,
+) -> Result<Finished, RunError> {
+    let nr = session.reader().nr_cpus();
+    let aborted = || interrupts.is_some_and(Interrupts::aborted);
+    for cpu in 0..nr {
+        if session.abandon_if(&aborted) {
+            return Err(RunError::Aborted);
+        }
+        if let Err(e) = session.end_cpu_unless(cpu, &aborted) {
+            log::debug!("cpu {cpu}: final walk failed: {e}");
+            session.fail_cpu(cpu, &e);
+            failures.session(Some(cpu), &e);
+        }
+    }
+    if let Err(e) = session.end_host() {
+        log::debug!("host events: final walk failed: {e}");
+        failures.session(None, &e);
+    }
+    if session.abandon_if(&aborted) {
+        return Err(RunError::Aborted);
+    }
+    if let Err(e) = session.end_host_trace_unless(&aborted) {
+        log::debug!("host trace: final read failed: {e}");
+        failures.session(None, &e);
+    }
+    if session.abandon_if(&aborted) {
+        return Err(RunError::Aborted);
+    }
+    let host_trace = session.host_trace_stats();
+    if let Some(e) = host_trace.as_ref().and_then(|h| h.error.clone()) {
+        failures.other(format!("host trace: {e}"));
+    }
+    if let Err(e) = session.flush() {
+        failures.session(None, &e);
+    }
+    if session.abandon_if(&aborted) {
+        return Err(RunError::Aborted);
+    }
+    let cpus: Vec<CpuReport> = (0..nr)
+        .map(|cpu| {
+            // R3: published by the guest's writer as it went, whatever the end.
+            let a = session.attempts(cpu);
+            CpuReport {
+                finished: session.writer_finished(cpu),
+                attempted: Some(a.attempted),
+                skipped: Some(a.skipped),
+                attempts_problem: a.problem,
+                written: session.writer_index(cpu),
+                stats: session.stats(cpu),
+                error: session.error(cpu).map(str::to_string),
+                page_events: page_events(session.reader().layout()),
+            }
+        })
+        .collect();
+    let host = session.host_stats().map(|s| HostEventsStats {
+        lost: s.lost,
+        read: s.read,
+    });
+    let text = session.writes_text();
+    if let Err(e) = session.finish(&sink_summary(&cpus)) {
+        // An abort during the sink's last writes stopped them (ThreadedSink::cancel_on):
+        // nothing was written (the unfinished sink removed its files).
+        if aborted() {
+            return Err(RunError::Aborted);
+        }
+        failures.session(None, &e);
+    }
+    // Text lines go to stdout, whose last writes can block on a pipe nobody reads: an
+    // abort that came meanwhile still aborts (exit 130), as it would have during the
+    // loop. (A file is complete once its sink finished: it stays, and the run ends as
+    // it would have.)
+    if text && interrupts.is_some_and(Interrupts::aborted) {
+        return Err(RunError::Aborted);
+    }
+    Ok((cpus, failures, host, host_trace))
+}
+
+/// Most events one page of `l` holds: its data area over the smallest record (8 bytes:
+/// a header word and the shortest payload).
+pub(super) fn page_events(l: &hyptrace_abi::RingGeometry) -> u64 {
+    (l.data_capacity() / 8) as u64
+}
+
+/// The per-CPU statistics a page sink writes at its end (trace.dat's stat options).
+pub(super) fn sink_summary(cpus: &[CpuReport]) -> hyptrace_output::RunSummary {
+    hyptrace_output::RunSummary {
+        cpus: cpus
+            .iter()
+            .map(|r| hyptrace_embed::kernel_cpu_stat(r.written, &r.stats))
+            .collect(),
+    }
+}
+
+impl Live<'_> {
+    /// After the drain loop: the vCPUs joined, the trace memory file's final state, the
+    /// final walks and the accounting of every CPU ([`finish_session`]), the report.
+    pub(super) fn conclude(
+        self,
+        aborted: bool,
+        timing: Timing,
+        shown: Shown,
+        plan: &Plan,
+        guest: GuestView,
+    ) -> Result<RunReport, RunError> {
+        let Live {
+            running,
+            session,
+            stdout,
+            stop,
+            failures,
+            flight,
+            clock,
+            interrupts,
+            events: table,
+            ..
+        } = self;
+        // poll_loop joined the standby drainer, the session's only other owner.
+        let session = Arc::into_inner(session)
+            .expect("the standby drainer was joined")
+            .into_inner()
+            .unwrap_or_else(PoisonError::into_inner);
+        let outcomes = running.wait();
+        if let Some(tm) = &flight.trace_mem {
+            let crashed =
+                outcomes.iter().any(VcpuOutcome::is_crash) || matches!(stop, Some(Stop::Hang(_)));
+            tm.set_state(if crashed {
+                crate::flight::trace_mem::STATE_CRASHED
+            } else {
+                crate::flight::trace_mem::STATE_ENDED
+            });
+        }
+        if aborted {
+            // Dropping the session drops the sink: its temporary files go.
+            let mut session = session;
+            session.abandon_output();
+            return Err(RunError::Aborted);
+        }
+        let (cpus, mut failures, host_events, host_trace) =
+            finish_session(session, failures, interrupts)?;
+        // L1: a registration refused because the run went on without one fails the run.
+        if let Some(late) = table.late_registration() {
+            failures.other(late.to_string());
+        }
+        let destination = match shown {
+            Shown::Stdout => Destination::Stdout {
+                lines: stdout.lines.load(Ordering::Relaxed),
+            },
+            Shown::File { path, format } => Destination::File { path, format },
+            Shown::Sink => Destination::Sink,
+        };
+        Ok(RunReport {
+            outcomes,
+            cpus,
+            timing,
+            stop,
+            failures,
+            destination,
+            echo: plan.echo.clone(),
+            mode: plan.mode,
+            guest: Some(guest),
+            clock: Some(clock.stats()),
+            host_events,
+            host_trace,
+            verbose: log::log_enabled!(log::Level::Info),
+        })
+    }
+}
