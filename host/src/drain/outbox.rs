@@ -263,10 +263,7 @@ impl Outbox {
             let cpu = (start + k) % nr;
             let b = &mut self.cpus[cpu];
             while let Some(q) = b.items.get(b.sent) {
-                let len = match &q.item {
-                    Item::Piece(p) => p.bytes.len(),
-                    Item::End { .. } => 0,
-                };
+                let len = q.len();
                 let room = batch.len + len <= max_bytes && batch.items.len() < max_items;
                 if !room && !batch.items.is_empty() {
                     return batch;
