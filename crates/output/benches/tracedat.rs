@@ -20,8 +20,11 @@
 //!   string walk; `tracedat/v7-zstd-bycpu/pages`: the marker pages fed CPU by CPU, each
 //!   CPU ended (`PageSink::end_cpu`), as `convert` feeds a trace.dat: every CPU written
 //!   straight into the output, nothing spilled.
-//! - `sinks/text/pages`, `sinks/json/pages`: the text and JSON sinks over the marker
-//!   pages (their per-event lookups and formatting).
+//! - `sinks/text/pages`, `sinks/json/pages`, `sinks/perfetto/pages`: the text, JSON and
+//!   Perfetto sinks over the marker pages (their per-event lookups, formatting and
+//!   encoding). With `tracedat/{raw,v7,v7-zstd,v6}` every sink `record` offers has a
+//!   criterion bench; `.ci/bench-report` compares them, as ratios to `tracedat/raw` of
+//!   the same run, with docs/bench-sinks.json (a report in CI, never a failure).
 //! - `tracedat/v7-mapped/pages`, `cpu/v7-mapped/pages`: v7 with a run's clock map
 //!   (`--clock mono`: 120 knots, a minute of corrections): every page retimed to ns
 //!   (`Clock::retime_page`) on its way in — the cost of the corrected clock over `v7`.
@@ -32,8 +35,8 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 use hyptrace_abi::events;
 use hyptrace_abi::page::{self, COMMIT_OFFSET, PAGE_HEADER_SIZE};
 use hyptrace_output::{
-    Clock, ClockMap, Compression, JsonSink, Knot, PageSink, RawSink, RunSummary, StreamSink,
-    TextSink, TraceDatSink, TraceDatVersion, TraceMeta, SLOPE_SHIFT,
+    Clock, ClockMap, Compression, JsonSink, Knot, PageSink, PerfettoSink, RawSink, RunSummary,
+    StreamSink, TextSink, TraceDatSink, TraceDatVersion, TraceMeta, SLOPE_SHIFT,
 };
 use std::path::PathBuf;
 use std::time::Duration;
@@ -218,12 +221,15 @@ fn sink_benches(c: &mut Criterion) {
     let pages = pages();
     let mut g = c.benchmark_group("sinks");
     g.throughput(Throughput::Bytes((PAGES * PAGE) as u64));
-    let sinks: [(&str, MakeSink); 2] = [
+    let sinks: [(&str, MakeSink); 3] = [
         ("text", |p| {
             Box::new(TextSink::create(p, meta()).expect("create"))
         }),
         ("json", |p| {
             Box::new(JsonSink::create(p, meta()).expect("create"))
+        }),
+        ("perfetto", |p| {
+            Box::new(PerfettoSink::create(p, meta()).expect("create"))
         }),
     ];
     for (name, make) in sinks {
