@@ -237,7 +237,16 @@ struct BenchReport {
     sustained: Measured<sustained::SustainedReport>,
     /// `--criterion DIR`'s medians, keyed by benchmark id; `null` without it.
     criterion: Option<BTreeMap<String, criterion::CriterionRow>>,
+    /// The sections that failed (their fields stay `{}`/empty): the run exits 1.
+    failed: Vec<FailedSection>,
     wall_seconds: f64,
+}
+
+/// A section that failed, and why.
+#[derive(Clone, Debug, Serialize)]
+struct FailedSection {
+    section: String,
+    error: String,
 }
 
 impl BenchReport {
@@ -349,7 +358,15 @@ pub fn bench(a: &BenchArgs) -> Result<(), BenchCmdError> {
     if let Some(t) = &json_target {
         crate::drain::sink::write_destination(t, &v.json()).map_err(BenchCmdError::Json)?;
     }
-    Ok(())
+    match v
+        .failed
+        .iter()
+        .map(|f| f.section.as_str())
+        .collect::<Vec<_>>()
+    {
+        names if names.is_empty() => Ok(()),
+        names => Err(BenchCmdError::Sections(names.join(", "))),
+    }
 }
 
 /// Why `hyptrace bench` failed (the CLI prints it and maps it to its exit code).
@@ -364,6 +381,10 @@ pub enum BenchCmdError {
     /// A measurement failed (exit 1).
     #[error("bench")]
     Run(#[source] BenchError),
+    /// Sections failed (each error printed as it happened); the others' results were
+    /// printed and written (exit 1).
+    #[error("bench: these sections failed (see above; the JSON lists them under \"failed\"): {0}")]
+    Sections(String),
     /// `--json` could not be written (exit 1).
     #[error("cannot write --json")]
     Json(#[source] hyptrace_output::OutputError),
@@ -377,8 +398,25 @@ impl BenchCmdError {
     pub fn exit_code(&self) -> i32 {
         match self {
             Self::Options(_) | Self::Destination(_) => EXIT_USAGE,
-            Self::Run(_) | Self::Json(_) => EXIT_RUNTIME,
+            Self::Run(_) | Self::Json(_) | Self::Sections(_) => EXIT_RUNTIME,
             Self::Report(e) => e.exit_code(),
+        }
+    }
+}
+
+/// A section's result, or — its error printed and noted in `failed` — nothing: a
+/// failing section does not discard what the sections before and after it measured.
+fn keep<T>(failed: &mut Vec<FailedSection>, section: &str, r: Result<T, BenchError>) -> Option<T> {
+    match r {
+        Ok(t) => Some(t),
+        Err(e) => {
+            let error = crate::exit::chain(&e);
+            eprintln!("hyptrace bench: {section} failed: {error}");
+            failed.push(FailedSection {
+                section: section.into(),
+                error,
+            });
+            None
         }
     }
 }
@@ -387,40 +425,51 @@ fn run_all(cfg: &Cfg, a: &BenchArgs) -> Result<BenchReport, BenchError> {
     let t0 = Instant::now();
     let load_at_start = loadavg();
     eprintln!("hyptrace bench: startup");
+    // Every other section needs the TSC frequency it measures: its failure ends the run.
     let (startup, tsc) = startup::startup(cfg)?;
     let on = |s: Section| a.only.is_empty() || a.only.contains(&s);
+    let mut failed = Vec::new();
     let mut writer = Vec::new();
     if on(Section::Writer) {
         eprintln!("hyptrace bench: writer (guest, native, bound)");
-        writer = writer::writer_section(cfg, tsc)?;
+        writer = keep(&mut failed, "writer", writer::writer_section(cfg, tsc)).unwrap_or_default();
     }
     let mut swap = SwapReport::not_run();
     if on(Section::Swap) {
         eprintln!("hyptrace bench: swap latency");
-        swap = swap::swap_section(cfg, tsc)?;
+        swap = keep(&mut failed, "swap", swap::swap_section(cfg, tsc)).unwrap_or(swap);
     }
     let mut drain = DrainReport::not_run();
     if on(Section::Drain) {
         eprintln!("hyptrace bench: drain");
-        drain = drain::drain_section(cfg, tsc)?;
-        let sub = subscriber::subscriber_drain(cfg)?;
-        eprintln!("  subscriber: {:.0} MB/s", sub.throughput.mb_per_s.median);
-        drain.subscriber = Measured::Ran(sub);
+        drain = keep(&mut failed, "drain", drain::drain_section(cfg, tsc)).unwrap_or(drain);
+        if let Some(sub) = keep(
+            &mut failed,
+            "drain (subscriber)",
+            subscriber::subscriber_drain(cfg),
+        ) {
+            eprintln!("  subscriber: {:.0} MB/s", sub.throughput.mb_per_s.median);
+            drain.subscriber = Measured::Ran(sub);
+        }
     }
     let mut max_rate = Vec::new();
     if on(Section::Rate) {
         eprintln!("hyptrace bench: highest loss-free rate");
-        max_rate = rate::max_rate_section(cfg)?;
+        max_rate = keep(&mut failed, "rate", rate::max_rate_section(cfg)).unwrap_or_default();
     }
     let mut sinks = Measured::NotRun {};
     if on(Section::Sinks) {
         eprintln!("hyptrace bench: sinks");
-        sinks = Measured::Ran(sinks::sinks_section(cfg)?);
+        if let Some(r) = keep(&mut failed, "sinks", sinks::sinks_section(cfg)) {
+            sinks = Measured::Ran(r);
+        }
     }
     let mut sustained = Measured::NotRun {};
     if on(Section::Sustained) {
         eprintln!("hyptrace bench: sustained records");
-        sustained = Measured::Ran(sustained::sustained_section(cfg)?);
+        if let Some(r) = keep(&mut failed, "sustained", sustained::sustained_section(cfg)) {
+            sustained = Measured::Ran(r);
+        }
     }
     let criterion = a.criterion.as_deref().map(criterion::import_criterion);
     Ok(BenchReport {
@@ -445,6 +494,7 @@ fn run_all(cfg: &Cfg, a: &BenchArgs) -> Result<BenchReport, BenchError> {
         sinks,
         sustained,
         criterion,
+        failed,
         wall_seconds: t0.elapsed().as_secs_f64(),
     })
 }

@@ -43,6 +43,9 @@ pub(super) fn table(v: &BenchReport) -> String {
     sinks(&mut s, v);
     sustained(&mut s, v);
     startup(&mut s, v);
+    for f in &v.failed {
+        let _ = writeln!(s, "\n{} FAILED: {}", f.section, f.error);
+    }
     s
 }
 
@@ -404,12 +407,30 @@ mod tests {
                 rate_row(4, 300_000, Some(350_000), true),
             ],
             criterion: None,
+            failed: Vec::new(),
             wall_seconds: 0.0,
         }
     }
 
     /// The table: numbers right-aligned under their headers, no JSON `null` in the
     /// text, sections not run shown as `-`, a --quick rate reported as a lower bound.
+    /// A failed section is named with its error at the end of the table and in the
+    /// JSON; the sections that ran keep their results.
+    #[test]
+    fn failed_sections_are_named() {
+        let mut v = sample();
+        assert!(!table(&v).contains("FAILED"));
+        v.failed.push(super::super::FailedSection {
+            section: "sustained".into(),
+            error: "no flat-out rate".into(),
+        });
+        let t = table(&v);
+        assert!(t.ends_with("\nsustained FAILED: no flat-out rate\n"), "{t}");
+        assert!(t.contains("2 vCPUs:   --swap host:"), "{t}");
+        let j: serde_json::Value = serde_json::from_str(&v.json()).expect("json");
+        assert_eq!(j["failed"][0]["section"], "sustained");
+    }
+
     #[test]
     fn table_aligned_without_nulls() {
         let t = table(&sample());
