@@ -90,6 +90,8 @@ struct CpuBox {
     sent: usize,
     /// Bytes of the pieces in `items`.
     bytes: usize,
+    /// Bytes of the pieces among the first `sent` items.
+    sent_bytes: usize,
     /// The sequence number of the last item queued (0: none yet).
     last_seq: u64,
     /// The sequence number of the last item acknowledged (0: none yet).
@@ -210,10 +212,7 @@ impl Outbox {
     pub fn unsent_bytes(&self) -> usize {
         self.cpus
             .iter()
-            .map(|b| {
-                let sent: usize = b.items.iter().take(b.sent).map(Queued::len).sum();
-                b.bytes.saturating_sub(sent)
-            })
+            .map(|b| b.bytes.saturating_sub(b.sent_bytes))
             .sum()
     }
 
@@ -283,6 +282,7 @@ impl Outbox {
                 };
                 batch.items.push((cpu as u32, q.seq, item));
                 b.sent += 1;
+                b.sent_bytes += len;
             }
         }
         batch
@@ -308,6 +308,8 @@ impl Outbox {
         while b.items.front().is_some_and(|q| q.seq <= seq) {
             let Some(q) = b.items.pop_front() else { break };
             b.sent = b.sent.saturating_sub(1);
+            // Every item through `seq` was sent (checked above).
+            b.sent_bytes = b.sent_bytes.saturating_sub(q.len());
             match q.item {
                 Item::Piece(p) => {
                     b.bytes -= p.bytes.len();
@@ -348,6 +350,7 @@ impl Outbox {
                 }
             }
             b.sent = 0;
+            b.sent_bytes = 0;
         }
         out
     }
@@ -408,7 +411,9 @@ mod tests {
         );
         assert!(o.ack(0, 1).is_ok(), "the same again is no news");
         assert!(o.ack(0, 0).is_err(), "going back");
+        assert_eq!(o.unsent_bytes(), 3 * 100, "an ack changes nothing unsent");
         let b = o.send(1 << 20, 100);
+        assert_eq!(o.unsent_bytes(), 0);
         let seqs: Vec<(u32, u64)> = b.items.iter().map(|i| (i.0, i.1)).collect();
         assert_eq!(seqs, vec![(1, 1), (1, 2), (0, 3), (0, 4)]);
         assert_eq!(b.items[1].2, BatchItem::End { lost: 3 });
@@ -423,9 +428,11 @@ mod tests {
                 events: 30
             }]
         );
+        assert_eq!(o.unsent_bytes(), 3 * 100, "unsent again");
         assert!(matches!(o.pop(0), Some(Item::Piece(p)) if p.first == 10));
         let b = o.send(1 << 20, 100);
         assert_eq!(b.items.len(), 2);
+        assert_eq!(o.unsent_bytes(), 0);
         assert!(o.pop(0).is_none(), "sent items are the subscriber's");
         assert!(o.ack(0, 4).is_ok());
         assert!(o.cpus.iter().all(|b| b.items.is_empty() && b.bytes == 0));
