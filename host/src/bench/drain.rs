@@ -119,15 +119,41 @@ pub(super) fn filled_with(
 fn drain_once(pages: u32, sink: Option<PathBuf>) -> Result<(u64, u64, f64, f64), BenchError> {
     let mut rb = filled_region(pages)?;
     let meta = TraceMeta::guest(PAGE_SIZE as usize, 1, Clock::nanoseconds());
-    let mut sink: Option<RawSink> = match &sink {
-        Some(p) => Some(RawSink::create(p, meta)?),
+    let mut sink: Option<Box<dyn PageSink + Send>> = match &sink {
+        Some(p) => Some(Box::new(RawSink::create(p, meta)?)),
         None => None,
     };
-    let (mut n, mut bytes) = (0u64, 0u64);
     let t = Instant::now();
+    let read = pump(&mut rb, sink.as_deref_mut())?;
+    let streamed = t.elapsed().as_secs_f64();
+    if let Some(s) = sink {
+        s.finish(&RunSummary { cpus: Vec::new() })?;
+    }
+    Ok((read.pages, read.bytes, streamed, t.elapsed().as_secs_f64()))
+}
+
+/// What [`pump`] read.
+pub(super) struct Pumped {
+    pub(super) pages: u64,
+    pub(super) bytes: u64,
+    pub(super) events: u64,
+}
+
+/// Reads every page of CPU 0 of `rb` into `sink`, or into nothing (each page only
+/// looked at): the reader's side of the drain and sinks sections.
+pub(super) fn pump<S: PageSink + ?Sized>(
+    rb: &mut Region,
+    mut sink: Option<&mut S>,
+) -> Result<Pumped, BenchError> {
+    let mut read = Pumped {
+        pages: 0,
+        bytes: 0,
+        events: 0,
+    };
     while let Some(pg) = rb.next_page(0)? {
-        n += 1;
-        bytes += pg.bytes.len() as u64;
+        read.pages += 1;
+        read.bytes += pg.bytes.len() as u64;
+        read.events += pg.events;
         match sink.as_mut() {
             Some(s) => s.page(0, pg.bytes, (pg.missed > 0).then_some(pg.missed))?,
             None => {
@@ -135,11 +161,7 @@ fn drain_once(pages: u32, sink: Option<PathBuf>) -> Result<(u64, u64, f64, f64),
             }
         }
     }
-    let streamed = t.elapsed().as_secs_f64();
-    if let Some(s) = sink {
-        Box::new(s).finish(&RunSummary { cpus: Vec::new() })?;
-    }
-    Ok((n, bytes, streamed, t.elapsed().as_secs_f64()))
+    Ok(read)
 }
 
 /// The reader into a file, then into nothing, `reps` times each.

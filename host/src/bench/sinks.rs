@@ -13,6 +13,7 @@ use hyptrace_abi::events::{marker, vcpu_pid};
 use hyptrace_output::{Clock, PageSink, RunSummary, ThreadedSink, TraceMeta};
 use serde::Serialize;
 
+use super::drain::pump;
 use super::drain::{filled_with, Region};
 use super::harness::{temp_path, SinkKind};
 use super::stats::Summary;
@@ -76,24 +77,14 @@ fn sink_once(pages: u32, kind: SinkKind) -> Result<(u64, u64, f64, u64), BenchEr
             Some(Box::new(ThreadedSink::new(sink)?))
         }
     };
-    let (mut bytes, mut events) = (0u64, 0u64);
     let t = Instant::now();
-    while let Some(pg) = rb.next_page(0)? {
-        bytes += pg.bytes.len() as u64;
-        events += pg.events;
-        match sink.as_mut() {
-            Some(s) => s.page(0, pg.bytes, (pg.missed > 0).then_some(pg.missed))?,
-            None => {
-                std::hint::black_box(pg.bytes);
-            }
-        }
-    }
+    let read = pump(&mut rb, sink.as_deref_mut())?;
     if let Some(s) = sink {
         s.finish(&RunSummary { cpus: Vec::new() })?;
     }
     let secs = t.elapsed().as_secs_f64();
     let file = std::fs::metadata(&tmp).map_or(0, |m| m.len());
-    Ok((bytes, events, secs, file))
+    Ok((read.bytes, read.events, secs, file))
 }
 
 /// `reps` runs into `kind`.
