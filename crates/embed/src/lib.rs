@@ -47,7 +47,9 @@
 //!
 //! // The guest (vCPU 0): attach, register (its exit: on_register), write.
 //! let mut w = hyptrace_writer::Writer::attach(mem.clone(), 0)?;
-//! hyptrace_writer::events::register(&*mem, &[Tick::event()], || events.on_register(0))?;
+//! hyptrace_writer::events::register(&*mem, &[Tick::event()], || {
+//!     events.on_register(0);
+//! })?;
 //! for n in 0..100 { Tick::emit_at(&mut w, 1000 + u64::from(n), n); }
 //! w.finish();
 //!
@@ -65,10 +67,15 @@
 mod drain;
 mod events;
 mod mem;
+mod select;
 
 pub use drain::{
     attempts_consistent, drain_pages, kernel_cpu_stat, written, CpuAccount, DrainError, Tracer,
     ROUND_MAX_BYTES, ROUND_MAX_TIME,
 };
-pub use events::{to_format, Events, RegisterError, Registered};
+pub use events::{
+    to_format, Events, Exit, LateRegistration, RegisterError, Registered, Settled, ANSWER_HOLD_MAX,
+    MAX_EARLY_EXITS,
+};
 pub use mem::{GuestRegionMem, RegionError};
+pub use select::{matches, EventInfo, EventsError, Selection};
