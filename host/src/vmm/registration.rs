@@ -125,6 +125,11 @@ pub fn region_formats<M: SharedMem + ?Sized>(
 /// An [`EventTable`] over a VM's trace region, shared with the vCPU threads.
 pub type VmEventTable = Arc<EventTable<Arc<crate::vmm::guest_mem::GuestTraceMem>>>;
 
+/// The registration cases the embed library's path runs too (one table for both).
+#[cfg(test)]
+#[path = "../../../crates/embed/tests/support/registration_cases.rs"]
+mod registration_cases;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -358,5 +363,46 @@ mod tests {
         assert_eq!(read_answer(&*m, &[&A]), Err(RegisterError::Refused));
         let late = t.late_registration().expect("late registration kept");
         assert_eq!((late.vcpu, late.why), (0, Settled::Unregistered.why()));
+    }
+
+    /// The CLI's path as its vCPU threads (`RegisterHook::on_register`) and its run
+    /// pipeline (`EventTable::settle`, giving up when told) drive it.
+    struct Cli(Arc<EventTable<Arc<HeapMem>>>);
+
+    impl super::registration_cases::RegistrationPath for Cli {
+        fn new(mem: Arc<HeapMem>, geometry: RingGeometry) -> Self {
+            Self(Arc::new(EventTable::new(
+                mem,
+                geometry,
+                Selection::default(),
+            )))
+        }
+        fn exit(&self, vcpu: u32) {
+            let hook: Arc<dyn RegisterHook> = self.0.clone();
+            hook.on_register(vcpu);
+        }
+        fn settle(&self) -> super::registration_cases::Outcome {
+            use super::registration_cases::Outcome;
+            match self.0.settle(Duration::ZERO, || true) {
+                Settled::Registered => Outcome::Registered(self.0.formats().len()),
+                Settled::Refused(_) => Outcome::Refused,
+                Settled::NoTable => Outcome::NoTable,
+                Settled::Unregistered => Outcome::Unregistered,
+                Settled::None => Outcome::GaveUp,
+            }
+        }
+        fn late(&self) -> Option<u32> {
+            self.0.late_registration().map(|l| l.vcpu)
+        }
+        fn formats(&self) -> usize {
+            self.0.formats().len()
+        }
+    }
+
+    /// The CLI answers every shared registration case as the embed library does
+    /// (crates/embed/tests/registration.rs runs the same table).
+    #[test]
+    fn cli_registration_runs_the_shared_cases() {
+        super::registration_cases::run_cases::<Cli>();
     }
 }
