@@ -17,9 +17,13 @@
 //!    region's guest-physical address (the stock guest: `rdi` at entry; see
 //!    `hyptrace_payload`).
 //! 4. [`Events::new`] on the same memory: its [`Events::on_register`] answers the guest's
-//!    registration exit on the vCPU thread (before resuming the vCPU).
+//!    registration exit on the vCPU thread (before resuming the vCPU). It is the one
+//!    registration state machine: the `hyptrace` binary runs it too.
 //! 5. Start the vCPUs. [`Events::wait`] returns the registered formats; open a sink with
-//!    [`Tracer::trace_meta`] (e.g. `hyptrace_output::TraceDatSink`, `PerfettoSink`).
+//!    [`Tracer::trace_meta`] (e.g. `hyptrace_output::TraceDatSink`, `PerfettoSink`). A
+//!    registration exit after the wait ended without one is refused and kept
+//!    ([`Events::late_registration`]): fail the run naming it (invariant L1: the output
+//!    has the formats of every event let into the rings).
 //! 6. While vCPUs run: [`Tracer::drain`], then sleep a poll period (1–5 ms; sooner when
 //!    it returns `true`).
 //! 7. Once every vCPU stopped: [`Tracer::finish`] — the final walks, losses, the sink's
