@@ -68,11 +68,13 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+mod doorbell;
 mod drain;
 mod events;
 mod mem;
 mod select;
 
+pub use doorbell::{Access, Doorbell, MmioDoorbell, PortDoorbell, Ring};
 pub use drain::{
     attempts_consistent, drain_pages, kernel_cpu_stat, written, CpuAccount, DrainError, Tracer,
     ROUND_MAX_BYTES, ROUND_MAX_TIME,

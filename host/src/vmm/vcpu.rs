@@ -8,12 +8,14 @@
 //! entry returns at once); the loop then sees the flag and returns `Stopped`.
 
 use std::cell::Cell;
+use std::ops::ControlFlow;
 use std::ptr;
 use std::sync::atomic::AtomicBool;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
 use hyptrace_abi::guest::result;
+use hyptrace_embed::{Access, Doorbell, Ring};
 use hyptrace_payload::exits::{decode_out, Request};
 use kvm_ioctls::{VcpuExit, VcpuFd};
 use libc::{c_int, c_void, siginfo_t};
@@ -127,6 +129,33 @@ fn exit_reason(exit: &VcpuExit<'_>) -> (u32, u32) {
     }
 }
 
+/// What the guest's doorbell write in `exit` asks for (`None`: it rang nothing): the
+/// registration's answer, written before the vCPU resumes (once per run; later exits are
+/// ignored, each bounded), or the vCPU's end.
+fn doorbell(
+    id: u32,
+    exit: &VcpuExit<'_>,
+    mem: &GuestMemoryMmap,
+    slot: u64,
+    shared: &Shared,
+) -> Option<ControlFlow<VcpuOutcome>> {
+    let access = match exit {
+        VcpuExit::IoOut(port, data) => Access::Pio { port: *port, data },
+        VcpuExit::MmioWrite(addr, data) => Access::Mmio { addr: *addr, data },
+        _ => return None,
+    };
+    Some(match shared.doorbell.ring(access)? {
+        Ring::Register => {
+            shared.events.on_register(id);
+            ControlFlow::Continue(())
+        }
+        Ring::Exit { vcpu } if vcpu != id => ControlFlow::Break(VcpuOutcome::Faulted(format!(
+            "vCPU {id} reported exit as vCPU {vcpu}"
+        ))),
+        Ring::Exit { .. } => ControlFlow::Break(VcpuOutcome::Finished(read_stats(mem, slot))),
+    })
+}
+
 /// Runs vCPU `id` until it finishes, crashes or is stopped.
 pub(crate) fn run(
     id: u32,
@@ -169,18 +198,13 @@ fn run_loop(
             let (reason, port) = exit_reason(&exit);
             ev.vcpu_exit(id, reason, port);
         }
+        match doorbell(id, &exit, mem, slot, shared) {
+            Some(ControlFlow::Continue(())) => continue,
+            Some(ControlFlow::Break(outcome)) => return outcome,
+            None => {}
+        }
         match exit {
             VcpuExit::IoOut(port, data) => match decode_out(port, data) {
-                Some(Request::Exit(who)) if who != id => {
-                    return VcpuOutcome::Faulted(format!("vCPU {id} reported exit as vCPU {who}"));
-                }
-                Some(Request::Exit(_)) => return VcpuOutcome::Finished(read_stats(mem, slot)),
-                Some(Request::Register) => {
-                    // Once per run (later exits are ignored, each bounded): the answer is
-                    // written before the vCPU resumes.
-                    shared.events.on_register(id);
-                    continue;
-                }
                 Some(Request::Align) => {
                     // The `align` workload: the host clock at this exit, for the guest to
                     // record next to its own TSC stamps around it.
@@ -201,7 +225,8 @@ fn run_loop(
                 Some(Request::Panic(len)) => {
                     return VcpuOutcome::Panicked(read_panic(mem, slot, len));
                 }
-                None => {
+                // Exit and Register ring the doorbell (above) when it is the stock one.
+                Some(Request::Exit(_) | Request::Register) | None => {
                     return VcpuOutcome::Faulted(format!("unexpected write to I/O port {port:#x}"));
                 }
             },
@@ -258,6 +283,8 @@ pub(crate) struct Shared {
     pub(crate) wake: AtomicBool,
     /// Answers the guest's registration exit.
     pub(crate) events: Arc<dyn RegisterHook>,
+    /// Where the guest rings for its registration and its end (the stock guest: ports).
+    pub(crate) doorbell: Box<dyn Doorbell>,
 }
 
 /// The host clock a vCPU thread stamps exits with.
