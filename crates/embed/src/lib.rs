@@ -14,10 +14,12 @@
 //! 2. Reserve `geometry.region_size` bytes of guest memory for it; wrap them in
 //!    [`GuestRegionMem::new`] (any vm-memory `GuestMemoryMmap`) and share it in an `Arc`.
 //! 3. [`Tracer::alloc`] writes the pack, control blocks and pages. Give the guest the
-//!    region's guest-physical address (the stock guest: `rdi` at entry; see
-//!    `hyptrace_payload`).
+//!    region's guest-physical address as docs/abi.md's entry ABI (version 1) says: `rdi`
+//!    at entry on every vCPU (another kind of guest: its own boot protocol).
+//!    Trap the guest's doorbell writes (a port `out`, or an unbacked MMIO page) and
+//!    map them with a [`Doorbell`] ([`PortDoorbell`], [`MmioDoorbell`]) to a [`Ring`].
 //! 4. [`Events::new`] on the same memory: its [`Events::on_register`] answers the guest's
-//!    registration exit on the vCPU thread (before resuming the vCPU). It is the one
+//!    registration ([`Ring::Register`]) on the vCPU thread (before resuming the vCPU). It is the one
 //!    registration state machine: the `hyptrace` binary runs it too.
 //! 5. Start the vCPUs. [`Events::wait`] returns the registered formats; open a sink with
 //!    [`Tracer::trace_meta`] (e.g. `hyptrace_output::TraceDatSink`, `PerfettoSink`). A
