@@ -6,7 +6,7 @@ use hyptrace_reader::registry::{RegField, Registration, Registry};
 
 /// Which events a run records: `enable` patterns (none = every registered event), then
 /// `disable` patterns. A pattern is `all`, `SYSTEM:EVENT` (globs in either part) or a
-/// bare word naming a system or an event ([`matches`]).
+/// bare word naming a system or an event ([`matches()`]).
 ///
 /// # Examples
 ///
