@@ -306,3 +306,83 @@ impl Stamp {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hyptrace_abi::guest::{DOORBELL_EXIT_OFF, DOORBELL_REGISTER_OFF, PORT_EXIT};
+    use hyptrace_abi::registry::PORT_REGISTER;
+    use hyptrace_embed::{MmioDoorbell, PortDoorbell};
+    use std::sync::atomic::AtomicU32;
+
+    /// Counts registration exits (the vCPU that made the last one + 1).
+    #[derive(Default)]
+    struct Count(AtomicU32);
+
+    impl RegisterHook for Count {
+        fn on_register(&self, vcpu: u32) {
+            self.0.store(vcpu + 1, Ordering::SeqCst);
+        }
+    }
+
+    fn shared(doorbell: Box<dyn Doorbell>, hook: Arc<Count>) -> Shared {
+        Shared {
+            stop: AtomicBool::new(false),
+            crashed: AtomicBool::new(false),
+            reason: Mutex::new(None),
+            stamp: Stamp {
+                clock: crate::vmm::time::ClockKind::Mono,
+                tsc_offset: 0,
+            },
+            host_events: None,
+            done: Mutex::new(0),
+            cv: Condvar::new(),
+            wake: AtomicBool::new(false),
+            events: hook,
+            doorbell,
+        }
+    }
+
+    /// The vCPU exits the CLI maps to its doorbell: a port write or an MMIO write rings
+    /// the registration (answered, the vCPU goes on) or the exit (its own id: finished;
+    /// another: a fault); a write the doorbell does not know rings nothing.
+    #[test]
+    fn kvm_exits_ring_the_doorbell() {
+        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 4096)]).unwrap();
+        let hook = Arc::new(Count::default());
+        let pio = shared(Box::new(PortDoorbell::default()), hook.clone());
+        let one = 1u32.to_le_bytes();
+        let ring = |s: &Shared, exit: VcpuExit<'_>| doorbell(1, &exit, &mem, 0, s);
+        let r = ring(&pio, VcpuExit::IoOut(PORT_REGISTER, &one));
+        assert!(matches!(r, Some(ControlFlow::Continue(()))));
+        assert_eq!(hook.0.load(Ordering::SeqCst), 2);
+        let r = ring(&pio, VcpuExit::IoOut(PORT_EXIT, &one));
+        assert!(matches!(
+            r,
+            Some(ControlFlow::Break(VcpuOutcome::Finished(_)))
+        ));
+        let r = ring(&pio, VcpuExit::IoOut(PORT_EXIT, &[7, 0, 0, 0]));
+        assert!(matches!(
+            r,
+            Some(ControlFlow::Break(VcpuOutcome::Faulted(_)))
+        ));
+        assert!(ring(&pio, VcpuExit::MmioWrite(DOORBELL_REGISTER_OFF, &one)).is_none());
+        assert!(ring(&pio, VcpuExit::IoOut(0x80, &one)).is_none());
+
+        let base = 0xfe00_0000;
+        let hook = Arc::new(Count::default());
+        let mmio = shared(Box::new(MmioDoorbell::new(base)), hook.clone());
+        let r = ring(
+            &mmio,
+            VcpuExit::MmioWrite(base + DOORBELL_REGISTER_OFF, &one),
+        );
+        assert!(matches!(r, Some(ControlFlow::Continue(()))));
+        assert_eq!(hook.0.load(Ordering::SeqCst), 2);
+        let r = ring(&mmio, VcpuExit::MmioWrite(base + DOORBELL_EXIT_OFF, &one));
+        assert!(matches!(
+            r,
+            Some(ControlFlow::Break(VcpuOutcome::Finished(_)))
+        ));
+        assert!(ring(&mmio, VcpuExit::IoOut(PORT_REGISTER, &one)).is_none());
+    }
+}
