@@ -103,6 +103,8 @@ fn main() -> Result<(), Error> {
     let swaps = hyptrace_reader::Direct::new(rings.clone(), geometry);
     let mut tracer = Tracer::alloc(rings.clone(), geometry, swaps, tsc_khz)?;
     let events = Arc::new(Events::new(rings, geometry));
+    // No guest event before the drain loop runs: the answer waits for the release below.
+    events.hold_answers();
     let params = RunParamBlock {
         events: EVENTS,
         rate: RATE,
@@ -137,6 +139,7 @@ fn main() -> Result<(), Error> {
     } else {
         Box::new(TraceDatSink::create(&out, meta, TraceDatVersion::V7)?)
     };
+    events.release_answers();
     let started = Instant::now();
     while running.load(Ordering::Acquire) > 0 {
         if started.elapsed() > DEADLINE {
