@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use hyptrace_abi::guest::{RunParamBlock, Workload};
 use hyptrace_abi::layout::{Mode, RingGeometry};
 use hyptrace_abi::registry::DEFAULT_TABLE_SIZE;
-use hyptrace_embed::{Events, GuestRegionMem, Tracer};
+use hyptrace_embed::{Access, Doorbell, Events, GuestRegionMem, PortDoorbell, Ring, Tracer};
 use hyptrace_output::{
     escape_guest_str, Clock, PageSink, PerfettoSink, StreamSink, TraceDatSink, TraceDatVersion,
 };
@@ -103,6 +103,8 @@ fn main() -> Result<(), Error> {
     let swaps = hyptrace_reader::Direct::new(rings.clone(), geometry);
     let mut tracer = Tracer::alloc(rings.clone(), geometry, swaps, tsc_khz)?;
     let events = Arc::new(Events::new(rings, geometry));
+    // No guest event before the drain loop runs: the answer waits for the release below.
+    events.hold_answers();
     let params = RunParamBlock {
         events: EVENTS,
         rate: RATE,
@@ -119,7 +121,7 @@ fn main() -> Result<(), Error> {
             let (mem, events, running) = (mem.clone(), events.clone(), running.clone());
             let slot = layout.result_slot(id);
             std::thread::spawn(move || {
-                let outcome = run_vcpu(id, fd, &mem, slot, &events);
+                let outcome = run_vcpu(id, fd, &mem, slot, &events, &PortDoorbell::default());
                 running.fetch_sub(1, Ordering::AcqRel);
                 outcome
             })
@@ -137,6 +139,7 @@ fn main() -> Result<(), Error> {
     } else {
         Box::new(TraceDatSink::create(&out, meta, TraceDatVersion::V7)?)
     };
+    events.release_answers();
     let started = Instant::now();
     while running.load(Ordering::Acquire) > 0 {
         if started.elapsed() > DEADLINE {
@@ -181,6 +184,10 @@ fn main() -> Result<(), Error> {
     let read: u64 = accounts.iter().map(|a| a.stats.read).sum();
     let lost: u64 = accounts.iter().map(|a| a.stats.lost).sum();
     println!("wrote {out}: {read} events, {lost} lost");
+    // L1: a registration after the wait gave up was refused; its events have no formats.
+    if let Some(late) = events.late_registration() {
+        return Err(late.into());
+    }
     if ok {
         Ok(())
     } else {
@@ -234,6 +241,7 @@ fn run_vcpu(
     mem: &GuestMemoryMmap,
     slot: u64,
     ev: &Events<Rings>,
+    bell: &dyn Doorbell,
 ) -> Outcome {
     loop {
         let exit = match fd.run() {
@@ -241,13 +249,26 @@ fn run_vcpu(
             Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => continue,
             Err(e) => return Outcome::Crashed(format!("KVM_RUN failed: {e}")),
         };
-        let VcpuExit::IoOut(port, data) = exit else {
-            return Outcome::Crashed(format!("unexpected exit {exit:?}"));
+        // The doorbell: what KVM says the guest wrote, mapped to what it rang (the stock
+        // guest rings by port; an MmioDoorbell would map VcpuExit::MmioWrite the same way).
+        let (access, port, data) = match exit {
+            VcpuExit::IoOut(port, data) => (Access::Pio { port, data }, port, data),
+            other => return Outcome::Crashed(format!("unexpected exit {other:?}")),
         };
+        match bell.ring(access) {
+            Some(Ring::Register) => {
+                ev.on_register(id);
+                continue;
+            }
+            Some(Ring::Exit { vcpu }) if vcpu == id => return Outcome::Finished,
+            Some(Ring::Exit { vcpu }) => {
+                return Outcome::Crashed(format!("vCPU {id} reported exit as vCPU {vcpu}"))
+            }
+            None => {}
+        }
+        // The stock guest's other requests (hyptrace_payload::exits).
         match decode_out(port, data) {
-            Some(Request::Register) => ev.on_register(id),
             Some(Request::Sleep(d)) => std::thread::sleep(d),
-            Some(Request::Exit(who)) if who == id => return Outcome::Finished,
             Some(Request::Panic(len)) => {
                 let msg = read_panic(mem, slot, len);
                 return Outcome::Crashed(format!("guest panic: {}", escape_guest_str(&msg)));

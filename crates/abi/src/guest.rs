@@ -29,6 +29,15 @@ pub const PORT_ALIGN: u16 = 0x0513;
 /// (at CPL3 there is no `hlt`). One exit (~30 µs here), so the guest asks only when its
 /// next deadline is much further away.
 pub const PORT_SLEEP: u16 = 0x0514;
+/// MMIO doorbell (docs/abi.md, "Doorbell"): a guest whose VMM gives it a doorbell page
+/// instead of ports writes anything at this offset of the page to ask for its event
+/// registration's answer (the MMIO form of `registry::PORT_REGISTER`).
+pub const DOORBELL_REGISTER_OFF: u64 = 0;
+/// MMIO doorbell: the guest writes its vCPU id (32 or 64 bits) at this offset of the
+/// page when it has finished (the MMIO form of [`PORT_EXIT`]).
+pub const DOORBELL_EXIT_OFF: u64 = 8;
+/// MMIO doorbell: bytes of the doorbell page the VMM leaves unbacked (so writes exit).
+pub const DOORBELL_SIZE: u64 = 4096;
 /// Longest sleep one [`PORT_SLEEP`] write gets (a stop request is seen within it).
 pub const SLEEP_MAX_US: u32 = 1000;
 /// How far behind its `--rate` schedule a pacing guest workload may fall and still catch

@@ -1,17 +1,35 @@
-//! The guest's event registration, answered by the VMM: every valid event accepted and
-//! enabled, its trace-event format kept for the output (so trace-cmd prints its fields).
+//! The guest's event registration on the host — the one state machine every VMM runs
+//! (the `hyptrace` CLI's `EventTable` is this with its policy on top): the answer to the
+//! registration exit (validation in [`hyptrace_reader::registry`], ids, the enable bits
+//! of a [`Selection`]), the wait for it before the output opens ([`Events::settle`],
+//! [`Events::wait`]), a late registration refused (L1), their trace-event formats, and
+//! enabling / disabling events while the guest runs.
+//!
+//! Enable bits live in every CPU's control block (`ctl::ENABLE`, host-owned): the host
+//! changes them only with atomic `fetch_or` / `fetch_and`, so the other bits stay; the
+//! writer loads the word once per event and counts a disabled event as skipped (E1).
 
-use std::sync::atomic::Ordering::SeqCst;
+use std::sync::atomic::AtomicBool;
+use std::sync::atomic::Ordering::{Relaxed, SeqCst};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use hyptrace_abi::layout::{ctl, RingGeometry};
 use hyptrace_abi::SharedMem;
 use hyptrace_output::EventFormat;
-use hyptrace_reader::registry::{answer, read_table, refuse, Registration, Rejection, TableError};
+use hyptrace_reader::registry::{
+    answer, read_table, refuse, Registration, Registry, Rejection, TableError,
+};
 
-/// Registration exits with the table not ready before the table counts as refused.
-const MAX_EARLY_EXITS: u32 = 16;
+use crate::select::{bit, mask_of, EventInfo, EventsError, Selection};
+
+/// Registration exits with the table not ready a guest may make before the table counts
+/// as refused (each costs a bounded look at one word).
+pub const MAX_EARLY_EXITS: u32 = 16;
+
+/// Longest a registration's answer is held for the VMM to get ready to read
+/// ([`Events::hold_answers`]); past it the guest goes on regardless.
+pub const ANSWER_HOLD_MAX: Duration = Duration::from_secs(10);
 
 /// The trace-event format of a registered event (what trace.dat and the text formatter
 /// need to print its fields).
@@ -29,56 +47,191 @@ pub fn to_format(r: &Registration) -> EventFormat {
     hyptrace_reader::registry::event_format((&r.system, &r.name, r.id), &r.fields, &r.print_fmt)
 }
 
-/// What the guest registered.
+/// What the guest registered, as [`Events::wait`] returns it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Registered {
-    /// The formats of the accepted events (all enabled).
+    /// The formats of the accepted events.
     pub formats: Vec<EventFormat>,
     /// The entries rejected (each with its reason); the others work.
     pub rejected: Vec<Rejection>,
 }
 
-/// Why no events were registered.
+/// Why [`Events::wait`] has no registered events.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum RegisterError {
-    /// The guest's table was refused as a whole.
+    /// The guest's table was refused as a whole (a bad header, or never ready within
+    /// [`MAX_EARLY_EXITS`] registration exits).
     #[error("the guest's event registration table was refused")]
     Refused(#[source] TableError),
     /// The pack has no registration table (`RingGeometry::with_events` was not used).
     #[error("the trace region has no event registration table")]
     NoTable,
+    /// A vCPU wrote an event before any registration: the guest registers nothing (by
+    /// the handshake no vCPU writes before the answer); a later one is refused.
+    #[error("a vCPU wrote an event before the guest registered any")]
+    Unregistered,
     /// No registration came within the wait; a later one is refused (the output was
     /// opened without its formats).
     #[error("the guest registered no events within {0:?}")]
     TimedOut(Duration),
 }
 
-#[derive(Debug)]
-enum State {
-    Waiting { early: u32 },
-    Done(Result<Registered, RegisterError>),
+/// How the wait for the registration ended ([`Events::settle`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Settled {
+    /// The guest registered (some entries may have been rejected).
+    Registered,
+    /// The guest's table was refused as a whole.
+    Refused(TableError),
+    /// The pack has no registration table: nothing to wait for (the guest uses its
+    /// requested ids, the output has no formats for them).
+    NoTable,
+    /// The guest registers nothing: a writer took in an event without a registration
+    /// (by the handshake no vCPU writes before the answer).
+    Unregistered,
+    /// The caller gave up waiting (in the CLI: vCPU 0 ended, a signal, `--duration`,
+    /// `--hang-timeout`; in [`Events::wait`]: its timeout).
+    None,
 }
 
-/// Answers the guest's registration exit (`PORT_REGISTER`) on a vCPU thread, and hands
-/// the formats to the thread that opens the output ([`Events::wait`]). Share it in an
-/// `Arc`. Only the first table is answered; an exit after [`Events::wait`] gave up is
-/// refused, so the guest never writes events whose formats are nowhere.
+impl Settled {
+    /// Why a run went on without a registration, for [`LateRegistration`].
+    pub fn why(&self) -> &'static str {
+        match self {
+            Self::Unregistered => "a vCPU had written an event before any registration",
+            _ => "the run had stopped waiting for it: vcpu 0 ended, a signal, --duration or --hang-timeout",
+        }
+    }
+}
+
+/// A registration exit that came after the run had gone on without one (L1): it was
+/// answered REFUSED, and the run should fail naming it (the CLI: exit 1).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "vcpu {vcpu} registered its events {} ms after the run started without them ({why}): \
+     the registration was refused, the output has no formats for them",
+    after.as_millis()
+)]
+pub struct LateRegistration {
+    /// The vCPU that made the registration exit.
+    pub vcpu: u32,
+    /// How long after the run went on without a registration.
+    pub after: Duration,
+    /// Why the run had gone on without one.
+    pub why: &'static str,
+}
+
+/// What one registration exit did ([`Events::on_register`]); the vCPU resumes after it
+/// either way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Exit {
+    /// The table was taken in and answered (DONE): the guest writes from now on.
+    Answered,
+    /// The table is not ready yet (fewer than [`MAX_EARLY_EXITS`] such exits): nothing
+    /// written, a later exit may be answered.
+    NotReady,
+    /// The table was refused as a whole (REFUSED).
+    Refused,
+    /// The run had gone on without a registration: refused (REFUSED) and kept as a
+    /// [`LateRegistration`] (L1).
+    Late,
+    /// The pack has no table: nothing to answer, nothing let in.
+    NoTable,
+    /// The registration was already answered or refused: nothing changed.
+    Ignored,
+}
+
+/// What the registration exit handler knows.
+#[derive(Debug)]
+enum State {
+    /// No answered registration yet; `early` exits found the table not ready.
+    Waiting { early: u32 },
+    /// The table was answered.
+    Registered {
+        reg: Registry,
+        /// The selection named an unknown event: nothing is enabled, the run must stop.
+        error: Option<EventsError>,
+    },
+    /// The table was refused as a whole.
+    Refused(TableError),
+    /// The run went on without a registration ([`Events::settle`] returned `settled`,
+    /// at `since`): its output has no formats, so a later registration is refused and
+    /// kept as `late` (L1).
+    Closed {
+        settled: Settled,
+        since: Instant,
+        late: Option<LateRegistration>,
+    },
+}
+
+/// What [`Events::settle`] makes of the state (L1), given whether the pack has no table,
+/// whether a writer took in an event (`wrote`) and whether the caller gives up
+/// (`gave_up`); `None`: wait on. Nothing here depends on wall time: the wait ends on
+/// what the vCPUs do (vCPU 0 registers or ends, a writer writes) or on the caller.
+fn decide(st: &State, no_table: bool, wrote: bool, gave_up: bool) -> Option<Settled> {
+    match st {
+        State::Registered { .. } => Some(Settled::Registered),
+        State::Refused(e) => Some(Settled::Refused(e.clone())),
+        State::Closed { settled, .. } => Some(settled.clone()),
+        State::Waiting { .. } if no_table => Some(Settled::NoTable),
+        State::Waiting { .. } if wrote => Some(Settled::Unregistered),
+        State::Waiting { .. } if gave_up => Some(Settled::None),
+        State::Waiting { .. } => None,
+    }
+}
+
+/// The guest's event registration: answers its registration exit on a vCPU thread
+/// ([`Events::on_register`]) and hands the formats to the thread that opens the output
+/// ([`Events::wait`], or [`Events::settle`] with the caller's own end of the wait).
+/// Share it in an `Arc`. Only the first ready table is answered; an exit after the wait
+/// ended without a registration is refused and kept ([`Events::late_registration`]),
+/// so the guest never writes events whose formats are nowhere (L1).
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use hyptrace_abi::{layout::{Mode, RingGeometry}, registry::DEFAULT_TABLE_SIZE, HeapMem};
+/// use hyptrace_embed::{Events, Exit, RegisterError};
+///
+/// let geometry = RingGeometry::new(1, 4, 4096, Mode::Stop, false)?.with_events(DEFAULT_TABLE_SIZE)?;
+/// let mem = HeapMem::new(geometry.region_size);
+/// geometry.init_region(&mem, 0, 1);
+/// let events = Events::new(&mem, geometry);
+/// assert_eq!(events.on_register(0), Exit::NotReady); // the guest has written no table
+/// assert_eq!(events.wait(Duration::ZERO), Err(RegisterError::TimedOut(Duration::ZERO)));
+/// assert_eq!(events.on_register(0), Exit::Late); // refused: the output has no formats
+/// assert_eq!(events.late_registration().map(|l| l.vcpu), Some(0));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug)]
 pub struct Events<M> {
     mem: M,
     geometry: RingGeometry,
+    selection: Selection,
     state: Mutex<State>,
     cv: Condvar,
+    /// Answers wait for [`Events::release_answers`] (see [`Events::hold_answers`]).
+    held: AtomicBool,
 }
 
 impl<M: SharedMem> Events<M> {
-    /// The registration of the rings `geometry` describes in `mem`.
+    /// The registration of the rings `geometry` describes in `mem`, every valid event
+    /// enabled.
     pub fn new(mem: M, geometry: RingGeometry) -> Self {
+        Self::with_selection(mem, geometry, Selection::default())
+    }
+
+    /// [`Events::new`] enabling the events `selection` names (an unknown name enables
+    /// nothing and is kept: [`Events::selection_error`]).
+    pub fn with_selection(mem: M, geometry: RingGeometry, selection: Selection) -> Self {
         Self {
             mem,
             geometry,
+            selection,
             state: Mutex::new(State::Waiting { early: 0 }),
             cv: Condvar::new(),
+            held: AtomicBool::new(false),
         }
     }
 
@@ -86,76 +239,289 @@ impl<M: SharedMem> Events<M> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The registration exit of `vcpu`: reads and validates the table (bounded), enables
-    /// every accepted event on every CPU, writes the answer. Call it before resuming the
-    /// vCPU. Bounded work whatever the guest wrote.
-    pub fn on_register(&self, vcpu: u32) {
-        let mut st = self.lock();
-        let early = match &*st {
-            State::Waiting { early } => *early,
-            State::Done(Err(RegisterError::TimedOut(_))) => {
-                log::warn!("vcpu {vcpu}: registration after the output was opened: refused");
-                refuse(&self.mem, &self.geometry);
-                return;
-            }
-            State::Done(_) => return,
-        };
-        let done = match read_table(&self.mem, &self.geometry) {
-            Ok(None) => Err(RegisterError::NoTable),
-            Err(TableError::NotReady(s)) if early + 1 < MAX_EARLY_EXITS => {
-                log::warn!("vcpu {vcpu}: registration exit with the table in state {s}");
-                *st = State::Waiting { early: early + 1 };
-                return;
-            }
-            Err(e) => {
-                refuse(&self.mem, &self.geometry);
-                Err(RegisterError::Refused(e))
-            }
-            Ok(Some(reg)) => {
-                // Exactly the accepted events' bits, on every CPU (clear, then set).
-                let mask = reg.events.iter().fold(0u64, |m, e| m | bit(e.slot));
-                for cpu in 0..self.geometry.nr_cpus {
-                    let word = self.geometry.ctl(cpu) + ctl::ENABLE;
-                    self.mem.fetch_and(word, mask, SeqCst);
-                    self.mem.fetch_or(word, mask, SeqCst);
-                }
-                answer(&self.mem, &self.geometry, &reg);
-                Ok(Registered {
-                    formats: reg.events.iter().map(to_format).collect(),
-                    rejected: reg.rejected,
-                })
-            }
-        };
-        *st = State::Done(done);
+    /// From now on a registration is answered only once [`Events::release_answers`] is
+    /// called (or [`ANSWER_HOLD_MAX`] passed): the registering vCPU waits in its exit,
+    /// the others for the answer in the table, so no guest writes an event before the
+    /// VMM reads — its output open, its drain loop about to start. The formats are known
+    /// before the answer (the table is read and checked first), so the output can open
+    /// meanwhile.
+    pub fn hold_answers(&self) {
+        self.held.store(true, SeqCst);
+    }
+
+    /// Answers a registration held by [`Events::hold_answers`], and every later one at
+    /// once.
+    pub fn release_answers(&self) {
+        let _st = self.lock();
+        self.held.store(false, SeqCst);
         self.cv.notify_all();
     }
 
-    /// Waits up to `timeout` for the registration; on timeout, later registrations are
-    /// refused.
-    pub fn wait(&self, timeout: Duration) -> Result<Registered, RegisterError> {
-        let until = Instant::now() + timeout;
+    /// The registration exit of `vcpu`: reads and validates the table (bounded),
+    /// assigns ids, sets every CPU's enable bits to the selected accepted events, writes
+    /// the answer (DONE last). Call it on the vCPU's thread before resuming the vCPU.
+    /// Only the first ready table is answered; later exits change nothing; an exit after
+    /// the wait ended without a registration is answered REFUSED and kept (L1). Bounded
+    /// work whatever the guest wrote (the hold aside: [`ANSWER_HOLD_MAX`]).
+    pub fn on_register(&self, vcpu: u32) -> Exit {
+        if self.geometry.events_size == 0 {
+            log::warn!("vcpu {vcpu}: registration exit, but the region has no table");
+            return Exit::NoTable;
+        }
+        let mut st = self.lock();
+        let early = match &mut *st {
+            State::Waiting { early } => *early,
+            State::Closed {
+                settled,
+                since,
+                late,
+            } => {
+                // L1: the output was opened without formats; answering now would let
+                // the guest write events whose formats are nowhere.
+                refuse(&self.mem, &self.geometry);
+                let l = LateRegistration {
+                    vcpu,
+                    after: since.elapsed(),
+                    why: settled.why(),
+                };
+                log::warn!("{l}");
+                late.get_or_insert(l);
+                return Exit::Late;
+            }
+            State::Registered { .. } | State::Refused(_) => {
+                log::debug!("vcpu {vcpu}: registration exit after the answer: ignored");
+                return Exit::Ignored;
+            }
+        };
+        let refused = match read_table(&self.mem, &self.geometry) {
+            Ok(None) => return Exit::NoTable,
+            Ok(Some(reg)) => return self.take_in(st, vcpu, reg),
+            Err(TableError::NotReady(s)) if early + 1 < MAX_EARLY_EXITS => {
+                log::warn!("vcpu {vcpu}: registration exit with the table in state {s}");
+                *st = State::Waiting { early: early + 1 };
+                return Exit::NotReady;
+            }
+            Err(e) => e,
+        };
+        log::warn!("vcpu {vcpu}: the registration table was refused: {refused}");
+        refuse(&self.mem, &self.geometry);
+        *st = State::Refused(refused);
+        self.cv.notify_all();
+        Exit::Refused
+    }
+
+    /// Takes in a valid table: enable bits, the state, then (after the hold) the answer.
+    fn take_in(&self, mut st: MutexGuard<'_, State>, vcpu: u32, reg: Registry) -> Exit {
+        for r in &reg.rejected {
+            log::warn!("{r}");
+        }
+        let (mask, error) = match self.selection.mask(&reg) {
+            Ok(mask) => (mask, None),
+            Err(e) => (0, Some(e)),
+        };
+        self.set_word(mask);
+        log::info!(
+            "registered {} events ({} rejected), enable mask {mask:#x}",
+            reg.events.len(),
+            reg.rejected.len()
+        );
+        *st = State::Registered { reg, error };
+        self.cv.notify_all();
+        let held = Instant::now();
+        st = self
+            .cv
+            .wait_timeout_while(st, ANSWER_HOLD_MAX, |_| self.held.load(SeqCst))
+            .unwrap_or_else(|e| e.into_inner())
+            .0;
+        if let State::Registered { reg, .. } = &*st {
+            answer(&self.mem, &self.geometry, reg);
+        }
+        log::debug!(
+            "vcpu {vcpu}: registration answered after {:.3} ms",
+            held.elapsed().as_secs_f64() * 1e3
+        );
+        Exit::Answered
+    }
+
+    /// Sets every CPU's enable word to `mask` with atomic RMWs (clears, then sets) (E1).
+    /// SeqCst like every host-side flip: the word pairs with no other access (the writer
+    /// loads it Relaxed; an event racing a flip may go either way).
+    fn set_word(&self, mask: u64) {
+        for cpu in 0..self.geometry.nr_cpus {
+            let w = self.geometry.ctl(cpu) + ctl::ENABLE;
+            self.mem.fetch_and(w, mask, SeqCst);
+            self.mem.fetch_or(w, mask, SeqCst);
+        }
+    }
+
+    /// Whether some CPU's writer took in an event (committed or dropped). By the
+    /// handshake no vCPU does before the registration is answered (docs/abi.md), so one
+    /// that did means the guest registers nothing. (An attached writer alone means
+    /// nothing: the SDKs attach first, then register or wait for the registration.)
+    fn writer_wrote(&self) -> bool {
+        (0..self.geometry.nr_cpus)
+            .any(|c| hyptrace_reader::ctl_writer_index(&self.mem, &self.geometry, c) != 0)
+    }
+
+    /// Waits until the guest's registration is answered or refused, the pack shows
+    /// there is nothing to wait for ([`Settled::NoTable`]), the guest shows it registers
+    /// nothing ([`Settled::Unregistered`]), or `give_up()` says so, checking every
+    /// `step`. No fixed grace: by the SDK protocol vCPU 0 registers and the others wait
+    /// for the answer, however late vCPU 0 starts. A wait that ends without a
+    /// registration closes the table (L1): a later registration exit is refused
+    /// ([`Events::late_registration`]). A settled table stays settled.
+    pub fn settle(&self, step: Duration, mut give_up: impl FnMut() -> bool) -> Settled {
+        let no_table = self.geometry.events_size == 0;
         let mut st = self.lock();
         loop {
-            if let State::Done(r) = &*st {
-                return r.clone();
-            }
-            let left = until.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                *st = State::Done(Err(RegisterError::TimedOut(timeout)));
-                return Err(RegisterError::TimedOut(timeout));
+            let waiting = matches!(*st, State::Waiting { .. });
+            let wrote = waiting && !no_table && self.writer_wrote();
+            let gave_up = waiting && !no_table && !wrote && give_up();
+            if let Some(settled) = decide(&st, no_table, wrote, gave_up) {
+                if waiting {
+                    *st = State::Closed {
+                        settled: settled.clone(),
+                        since: Instant::now(),
+                        late: None,
+                    };
+                }
+                return settled;
             }
             st = self
                 .cv
-                .wait_timeout(st, left)
+                .wait_timeout(st, step)
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
     }
-}
 
-/// The enable bit of `slot` (0 for a slot past the word: never enabled).
-fn bit(slot: u32) -> u64 {
-    1u64.checked_shl(slot).unwrap_or(0)
+    /// [`Events::settle`] giving up after `timeout`: the registered formats, or why
+    /// there are none.
+    ///
+    /// # Errors
+    ///
+    /// [`RegisterError`]: the table was refused, the pack has none, the guest wrote
+    /// without registering, or nothing came within `timeout` (a later registration is
+    /// then refused: L1).
+    pub fn wait(&self, timeout: Duration) -> Result<Registered, RegisterError> {
+        let until = Instant::now() + timeout;
+        let step = Duration::from_millis(1);
+        match self.settle(step, || Instant::now() >= until) {
+            Settled::Registered => Ok(Registered {
+                formats: self.formats(),
+                rejected: self.rejections(),
+            }),
+            Settled::Refused(e) => Err(RegisterError::Refused(e)),
+            Settled::NoTable => Err(RegisterError::NoTable),
+            Settled::Unregistered => Err(RegisterError::Unregistered),
+            Settled::None => Err(RegisterError::TimedOut(timeout)),
+        }
+    }
+
+    /// The registration exit that came after the wait ended without one (L1), if any:
+    /// the run should fail naming it.
+    pub fn late_registration(&self) -> Option<LateRegistration> {
+        match &*self.lock() {
+            State::Closed { late, .. } => late.clone(),
+            _ => None,
+        }
+    }
+
+    /// What the guest registered (accepted and rejected entries).
+    ///
+    /// # Errors
+    ///
+    /// [`EventsError::NotRegistered`] before the registration, or without one.
+    pub fn registry(&self) -> Result<Registry, EventsError> {
+        match &*self.lock() {
+            State::Registered { reg, .. } => Ok(reg.clone()),
+            _ => Err(EventsError::NotRegistered),
+        }
+    }
+
+    /// The accepted events (after the registration).
+    pub fn registrations(&self) -> Vec<Registration> {
+        self.registry().map(|r| r.events).unwrap_or_default()
+    }
+
+    /// The rejected entries (after the registration).
+    pub fn rejections(&self) -> Vec<Rejection> {
+        self.registry().map(|r| r.rejected).unwrap_or_default()
+    }
+
+    /// The selection error of the registration (a name no registered event has).
+    pub fn selection_error(&self) -> Option<EventsError> {
+        match &*self.lock() {
+            State::Registered { error, .. } => error.clone(),
+            _ => None,
+        }
+    }
+
+    /// The formats of the accepted events (none before the registration).
+    pub fn formats(&self) -> Vec<EventFormat> {
+        self.registrations().iter().map(to_format).collect()
+    }
+
+    /// Sets the enable bit of every event `pattern` matches, on every CPU (other bits
+    /// stay); returns their names.
+    ///
+    /// # Errors
+    ///
+    /// [`EventsError::NotRegistered`] without a registration; [`EventsError::Unknown`]
+    /// when `pattern` names no registered event.
+    pub fn enable(&self, pattern: &str) -> Result<Vec<String>, EventsError> {
+        self.flip(pattern, true)
+    }
+
+    /// Clears the enable bit of every event `pattern` matches, on every CPU (other bits
+    /// stay); returns their names. The writer skips them from its next event on.
+    ///
+    /// # Errors
+    ///
+    /// As [`Events::enable`].
+    pub fn disable(&self, pattern: &str) -> Result<Vec<String>, EventsError> {
+        self.flip(pattern, false)
+    }
+
+    /// (E1) atomic RMW on every CPU's word, the other bits kept.
+    fn flip(&self, pattern: &str, on: bool) -> Result<Vec<String>, EventsError> {
+        let reg = self.registry()?;
+        let mask = mask_of(&reg, pattern)?;
+        for cpu in 0..self.geometry.nr_cpus {
+            let w = self.geometry.ctl(cpu) + ctl::ENABLE;
+            if on {
+                self.mem.fetch_or(w, mask, SeqCst);
+            } else {
+                self.mem.fetch_and(w, !mask, SeqCst);
+            }
+        }
+        Ok(reg
+            .events
+            .iter()
+            .filter(|e| mask & bit(e.slot) != 0)
+            .map(Registration::full_name)
+            .collect())
+    }
+
+    /// The registered events with their state (enabled: the bit is set on every CPU).
+    ///
+    /// # Errors
+    ///
+    /// [`EventsError::NotRegistered`] without a registration.
+    pub fn list(&self) -> Result<Vec<EventInfo>, EventsError> {
+        let reg = self.registry()?;
+        let words: Vec<u64> = (0..self.geometry.nr_cpus)
+            .map(|c| self.mem.load(self.geometry.ctl(c) + ctl::ENABLE, Relaxed))
+            .collect();
+        Ok(reg
+            .events
+            .into_iter()
+            .map(|r| EventInfo {
+                enabled: words.iter().all(|w| w & bit(r.slot) != 0),
+                reg: r,
+            })
+            .collect())
+    }
 }
 
 #[cfg(test)]
@@ -197,7 +563,7 @@ mod tests {
         write_table(&*m, &[&A]).expect("table");
         m.store(l.ctl(1) + ctl::ENABLE, u64::MAX, Relaxed);
         let ev = Events::new(m.clone(), l);
-        ev.on_register(0);
+        assert_eq!(ev.on_register(0), Exit::Answered);
         assert_eq!(read_answer(&*m, &[&A]), Ok(1));
         for cpu in 0..2 {
             assert_eq!(m.load(l.ctl(cpu) + ctl::ENABLE, Acquire), 1 << 2);
@@ -208,7 +574,7 @@ mod tests {
             (r.formats[0].name.as_str(), r.formats[0].fields.len()),
             ("a", 1)
         );
-        ev.on_register(1);
+        assert_eq!(ev.on_register(1), Exit::Ignored);
         assert_eq!(ev.wait(Duration::ZERO), Ok(r));
     }
 
@@ -239,18 +605,47 @@ mod tests {
             Err(RegisterError::TimedOut(Duration::from_millis(1)))
         );
         write_table(&*m, &[&A]).expect("table");
-        ev.on_register(0);
+        assert_eq!(ev.on_register(0), Exit::Late);
         assert_eq!(m.load(l.events_off + STATE_OFF, Acquire), STATE_REFUSED);
         assert_eq!(m.load(l.ctl(0) + ctl::ENABLE, Acquire), 0);
 
         let (m, l) = region();
         let ev = Events::new(m.clone(), l);
-        for _ in 0..MAX_EARLY_EXITS {
-            ev.on_register(0);
+        for _ in 0..MAX_EARLY_EXITS - 1 {
+            assert_eq!(ev.on_register(0), Exit::NotReady);
         }
+        assert_eq!(ev.on_register(0), Exit::Refused);
         assert!(matches!(
             ev.wait(Duration::ZERO),
             Err(RegisterError::Refused(TableError::NotReady(_)))
         ));
+    }
+
+    /// The settle decision (L1) on injected states, no wall time: a waiting table waits
+    /// on however long writers stayed attached; a pack without a table, a write without
+    /// a registration or the caller giving up end the wait; an answer wins over all.
+    #[test]
+    fn settle_decides_on_what_the_vcpus_do() {
+        let w = State::Waiting { early: 3 };
+        assert_eq!(decide(&w, false, false, false), None);
+        assert_eq!(decide(&w, false, true, false), Some(Settled::Unregistered));
+        assert_eq!(decide(&w, true, true, true), Some(Settled::NoTable));
+        assert_eq!(decide(&w, false, false, true), Some(Settled::None));
+        let r = State::Registered {
+            reg: Registry::default(),
+            error: None,
+        };
+        assert_eq!(decide(&r, false, true, true), Some(Settled::Registered));
+        let f = State::Refused(TableError::NotReady(0));
+        assert_eq!(
+            decide(&f, false, true, true),
+            Some(Settled::Refused(TableError::NotReady(0)))
+        );
+        let c = State::Closed {
+            settled: Settled::Unregistered,
+            since: Instant::now(),
+            late: None,
+        };
+        assert_eq!(decide(&c, false, false, false), Some(Settled::Unregistered));
     }
 }

@@ -14,12 +14,18 @@
 //! 2. Reserve `geometry.region_size` bytes of guest memory for it; wrap them in
 //!    [`GuestRegionMem::new`] (any vm-memory `GuestMemoryMmap`) and share it in an `Arc`.
 //! 3. [`Tracer::alloc`] writes the pack, control blocks and pages. Give the guest the
-//!    region's guest-physical address (the stock guest: `rdi` at entry; see
-//!    `hyptrace_payload`).
+//!    region's guest-physical address as docs/abi.md's entry ABI (version 1) says: `rdi`
+//!    at entry on every vCPU (another kind of guest: its own boot protocol).
+//!    Trap the guest's doorbell writes (a port `out`, or an unbacked MMIO page) and
+//!    map them with a [`Doorbell`] ([`PortDoorbell`], [`MmioDoorbell`]) to a [`Ring`].
 //! 4. [`Events::new`] on the same memory: its [`Events::on_register`] answers the guest's
-//!    registration exit on the vCPU thread (before resuming the vCPU).
+//!    registration ([`Ring::Register`]) on the vCPU thread (before resuming the vCPU). It is the one
+//!    registration state machine: the `hyptrace` binary runs it too.
 //! 5. Start the vCPUs. [`Events::wait`] returns the registered formats; open a sink with
-//!    [`Tracer::trace_meta`] (e.g. `hyptrace_output::TraceDatSink`, `PerfettoSink`).
+//!    [`Tracer::trace_meta`] (e.g. `hyptrace_output::TraceDatSink`, `PerfettoSink`). A
+//!    registration exit after the wait ended without one is refused and kept
+//!    ([`Events::late_registration`]): fail the run naming it (invariant L1: the output
+//!    has the formats of every event let into the rings).
 //! 6. While vCPUs run: [`Tracer::drain`], then sleep a poll period (1–5 ms; sooner when
 //!    it returns `true`).
 //! 7. Once every vCPU stopped: [`Tracer::finish`] — the final walks, losses, the sink's
@@ -47,7 +53,9 @@
 //!
 //! // The guest (vCPU 0): attach, register (its exit: on_register), write.
 //! let mut w = hyptrace_writer::Writer::attach(mem.clone(), 0)?;
-//! hyptrace_writer::events::register(&*mem, &[Tick::event()], || events.on_register(0))?;
+//! hyptrace_writer::events::register(&*mem, &[Tick::event()], || {
+//!     events.on_register(0);
+//! })?;
 //! for n in 0..100 { Tick::emit_at(&mut w, 1000 + u64::from(n), n); }
 //! w.finish();
 //!
@@ -62,13 +70,20 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+mod doorbell;
 mod drain;
 mod events;
 mod mem;
+mod select;
 
+pub use doorbell::{Access, Doorbell, MmioDoorbell, PortDoorbell, Ring};
 pub use drain::{
     attempts_consistent, drain_pages, kernel_cpu_stat, written, CpuAccount, DrainError, Tracer,
     ROUND_MAX_BYTES, ROUND_MAX_TIME,
 };
-pub use events::{to_format, Events, RegisterError, Registered};
+pub use events::{
+    to_format, Events, Exit, LateRegistration, RegisterError, Registered, Settled, ANSWER_HOLD_MAX,
+    MAX_EARLY_EXITS,
+};
 pub use mem::{GuestRegionMem, RegionError};
+pub use select::{matches, EventInfo, EventsError, Selection};

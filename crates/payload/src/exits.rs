@@ -3,7 +3,7 @@
 //!
 //! | port | data (32-bit `out`) | the VMM |
 //! |---|---|---|
-//! | `PORT_REGISTER` | — | answers the event registration before resuming the vCPU (`hyptrace_embed::register`) |
+//! | `PORT_REGISTER` | — | answers the event registration before resuming the vCPU (`hyptrace_embed::Events::on_register`; the port doorbell: `hyptrace_embed::PortDoorbell`) |
 //! | `PORT_SLEEP` | µs | sleeps that long (at most `SLEEP_MAX_US`), then resumes |
 //! | `PORT_ALIGN` | vCPU id | (`align` workload only) stores its clock at `result::ALIGN_HOST`, resumes |
 //! | `PORT_EXIT` | vCPU id | the vCPU finished: [`read_stats`] |

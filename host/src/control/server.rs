@@ -620,7 +620,7 @@ impl<M: hyptrace_abi::SharedMem> EventSwitch for crate::vmm::registration::Event
 
     fn list(&self) -> Result<Answer, Refusal> {
         use crate::control::protocol::{EventEntry, FieldEntry};
-        let events = crate::vmm::registration::EventTable::list(self)
+        let events = hyptrace_embed::Events::list(self)
             .map_err(|e| Refusal(crate::exit::chain(&e)))?
             .into_iter()
             .map(|e| EventEntry {

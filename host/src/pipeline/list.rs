@@ -73,14 +73,16 @@ pub fn list_guest(plan: Plan) -> Result<(Vec<EventInfo>, Vec<Rejection>), ListEr
     let outcomes = running.wait();
     match settled {
         Settled::Registered => Ok((table.list().unwrap_or_default(), table.rejections())),
-        Settled::Refused(why) => Err(ListError::Refused(why)),
-        Settled::None | Settled::Unregistered if crashed => Err(ListError::Crashed(
-            outcomes
-                .iter()
-                .find(|o| o.is_crash())
-                .map(|o| format!("{o:?}"))
-                .unwrap_or_default(),
-        )),
-        Settled::None | Settled::Unregistered => Err(ListError::None),
+        Settled::Refused(why) => Err(ListError::Refused(crate::exit::chain(&why))),
+        Settled::None | Settled::Unregistered | Settled::NoTable if crashed => {
+            Err(ListError::Crashed(
+                outcomes
+                    .iter()
+                    .find(|o| o.is_crash())
+                    .map(|o| format!("{o:?}"))
+                    .unwrap_or_default(),
+            ))
+        }
+        Settled::None | Settled::Unregistered | Settled::NoTable => Err(ListError::None),
     }
 }

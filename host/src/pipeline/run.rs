@@ -138,9 +138,9 @@ impl RunError {
 }
 
 /// Called with the run's event table once the VM has started (e.g. to serve a control
-/// socket: [`EventTable::enable`](crate::vmm::registration::EventTable::enable),
-/// [`EventTable::disable`](crate::vmm::registration::EventTable::disable),
-/// [`EventTable::list`](crate::vmm::registration::EventTable::list)).
+/// socket: [`Events::enable`](hyptrace_embed::Events::enable),
+/// [`Events::disable`](hyptrace_embed::Events::disable),
+/// [`Events::list`](hyptrace_embed::Events::list)).
 pub type EventsHook = Box<dyn FnOnce(VmEventTable)>;
 
 /// Makes a page sink for a run's trace metadata (page size, CPUs, the guest clock).

@@ -8,12 +8,14 @@
 //! entry returns at once); the loop then sees the flag and returns `Stopped`.
 
 use std::cell::Cell;
+use std::ops::ControlFlow;
 use std::ptr;
 use std::sync::atomic::AtomicBool;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
 use hyptrace_abi::guest::result;
+use hyptrace_embed::{Access, Doorbell, Ring};
 use hyptrace_payload::exits::{decode_out, Request};
 use kvm_ioctls::{VcpuExit, VcpuFd};
 use libc::{c_int, c_void, siginfo_t};
@@ -127,6 +129,33 @@ fn exit_reason(exit: &VcpuExit<'_>) -> (u32, u32) {
     }
 }
 
+/// What the guest's doorbell write in `exit` asks for (`None`: it rang nothing): the
+/// registration's answer, written before the vCPU resumes (once per run; later exits are
+/// ignored, each bounded), or the vCPU's end.
+fn doorbell(
+    id: u32,
+    exit: &VcpuExit<'_>,
+    mem: &GuestMemoryMmap,
+    slot: u64,
+    shared: &Shared,
+) -> Option<ControlFlow<VcpuOutcome>> {
+    let access = match exit {
+        VcpuExit::IoOut(port, data) => Access::Pio { port: *port, data },
+        VcpuExit::MmioWrite(addr, data) => Access::Mmio { addr: *addr, data },
+        _ => return None,
+    };
+    Some(match shared.doorbell.ring(access)? {
+        Ring::Register => {
+            shared.events.on_register(id);
+            ControlFlow::Continue(())
+        }
+        Ring::Exit { vcpu } if vcpu != id => ControlFlow::Break(VcpuOutcome::Faulted(format!(
+            "vCPU {id} reported exit as vCPU {vcpu}"
+        ))),
+        Ring::Exit { .. } => ControlFlow::Break(VcpuOutcome::Finished(read_stats(mem, slot))),
+    })
+}
+
 /// Runs vCPU `id` until it finishes, crashes or is stopped.
 pub(crate) fn run(
     id: u32,
@@ -169,18 +198,13 @@ fn run_loop(
             let (reason, port) = exit_reason(&exit);
             ev.vcpu_exit(id, reason, port);
         }
+        match doorbell(id, &exit, mem, slot, shared) {
+            Some(ControlFlow::Continue(())) => continue,
+            Some(ControlFlow::Break(outcome)) => return outcome,
+            None => {}
+        }
         match exit {
             VcpuExit::IoOut(port, data) => match decode_out(port, data) {
-                Some(Request::Exit(who)) if who != id => {
-                    return VcpuOutcome::Faulted(format!("vCPU {id} reported exit as vCPU {who}"));
-                }
-                Some(Request::Exit(_)) => return VcpuOutcome::Finished(read_stats(mem, slot)),
-                Some(Request::Register) => {
-                    // Once per run (later exits are ignored, each bounded): the answer is
-                    // written before the vCPU resumes.
-                    shared.events.on_register(id);
-                    continue;
-                }
                 Some(Request::Align) => {
                     // The `align` workload: the host clock at this exit, for the guest to
                     // record next to its own TSC stamps around it.
@@ -201,7 +225,8 @@ fn run_loop(
                 Some(Request::Panic(len)) => {
                     return VcpuOutcome::Panicked(read_panic(mem, slot, len));
                 }
-                None => {
+                // Exit and Register ring the doorbell (above) when it is the stock one.
+                Some(Request::Exit(_) | Request::Register) | None => {
                     return VcpuOutcome::Faulted(format!("unexpected write to I/O port {port:#x}"));
                 }
             },
@@ -258,6 +283,8 @@ pub(crate) struct Shared {
     pub(crate) wake: AtomicBool,
     /// Answers the guest's registration exit.
     pub(crate) events: Arc<dyn RegisterHook>,
+    /// Where the guest rings for its registration and its end (the stock guest: ports).
+    pub(crate) doorbell: Box<dyn Doorbell>,
 }
 
 /// The host clock a vCPU thread stamps exits with.
@@ -277,5 +304,85 @@ impl Stamp {
             ClockKind::Boot => crate::vmm::time::clock_ns(libc::CLOCK_BOOTTIME),
             ClockKind::Tsc => host_tsc().wrapping_add_signed(self.tsc_offset),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hyptrace_abi::guest::{DOORBELL_EXIT_OFF, DOORBELL_REGISTER_OFF, PORT_EXIT};
+    use hyptrace_abi::registry::PORT_REGISTER;
+    use hyptrace_embed::{MmioDoorbell, PortDoorbell};
+    use std::sync::atomic::AtomicU32;
+
+    /// Counts registration exits (the vCPU that made the last one + 1).
+    #[derive(Default)]
+    struct Count(AtomicU32);
+
+    impl RegisterHook for Count {
+        fn on_register(&self, vcpu: u32) {
+            self.0.store(vcpu + 1, Ordering::SeqCst);
+        }
+    }
+
+    fn shared(doorbell: Box<dyn Doorbell>, hook: Arc<Count>) -> Shared {
+        Shared {
+            stop: AtomicBool::new(false),
+            crashed: AtomicBool::new(false),
+            reason: Mutex::new(None),
+            stamp: Stamp {
+                clock: crate::vmm::time::ClockKind::Mono,
+                tsc_offset: 0,
+            },
+            host_events: None,
+            done: Mutex::new(0),
+            cv: Condvar::new(),
+            wake: AtomicBool::new(false),
+            events: hook,
+            doorbell,
+        }
+    }
+
+    /// The vCPU exits the CLI maps to its doorbell: a port write or an MMIO write rings
+    /// the registration (answered, the vCPU goes on) or the exit (its own id: finished;
+    /// another: a fault); a write the doorbell does not know rings nothing.
+    #[test]
+    fn kvm_exits_ring_the_doorbell() {
+        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 4096)]).unwrap();
+        let hook = Arc::new(Count::default());
+        let pio = shared(Box::new(PortDoorbell::default()), hook.clone());
+        let one = 1u32.to_le_bytes();
+        let ring = |s: &Shared, exit: VcpuExit<'_>| doorbell(1, &exit, &mem, 0, s);
+        let r = ring(&pio, VcpuExit::IoOut(PORT_REGISTER, &one));
+        assert!(matches!(r, Some(ControlFlow::Continue(()))));
+        assert_eq!(hook.0.load(Ordering::SeqCst), 2);
+        let r = ring(&pio, VcpuExit::IoOut(PORT_EXIT, &one));
+        assert!(matches!(
+            r,
+            Some(ControlFlow::Break(VcpuOutcome::Finished(_)))
+        ));
+        let r = ring(&pio, VcpuExit::IoOut(PORT_EXIT, &[7, 0, 0, 0]));
+        assert!(matches!(
+            r,
+            Some(ControlFlow::Break(VcpuOutcome::Faulted(_)))
+        ));
+        assert!(ring(&pio, VcpuExit::MmioWrite(DOORBELL_REGISTER_OFF, &one)).is_none());
+        assert!(ring(&pio, VcpuExit::IoOut(0x80, &one)).is_none());
+
+        let base = 0xfe00_0000;
+        let hook = Arc::new(Count::default());
+        let mmio = shared(Box::new(MmioDoorbell::new(base)), hook.clone());
+        let r = ring(
+            &mmio,
+            VcpuExit::MmioWrite(base + DOORBELL_REGISTER_OFF, &one),
+        );
+        assert!(matches!(r, Some(ControlFlow::Continue(()))));
+        assert_eq!(hook.0.load(Ordering::SeqCst), 2);
+        let r = ring(&mmio, VcpuExit::MmioWrite(base + DOORBELL_EXIT_OFF, &one));
+        assert!(matches!(
+            r,
+            Some(ControlFlow::Break(VcpuOutcome::Finished(_)))
+        ));
+        assert!(ring(&mmio, VcpuExit::IoOut(PORT_REGISTER, &one)).is_none());
     }
 }

@@ -396,6 +396,7 @@ impl Vm {
             cv: Condvar::new(),
             wake: AtomicBool::new(false),
             events,
+            doorbell: Box::new(hyptrace_embed::PortDoorbell::default()),
         });
         let started_at = Instant::now();
         let start_tsc = host_tsc();

@@ -12,7 +12,7 @@ use crate::vmm::vm::RunningVm;
 
 use super::RunError;
 
-/// Holds the answer to the guest's event registration ([`EventTable::hold_answers`])
+/// Holds the answer to the guest's event registration ([`Events::hold_answers`](hyptrace_embed::Events::hold_answers))
 /// while it lives: the run opens its output meanwhile, and releases the answer right
 /// before its drain loop starts — or on any early return, when it is dropped.
 pub(super) struct AnswerGate(VmEventTable);
@@ -39,7 +39,7 @@ impl Drop for AnswerGate {
 /// answer), however late vCPU 0 starts: it ends when vCPU 0 registers or ends, or the
 /// run stops (a crash, a signal, `--duration`), or `--hang-timeout` passed since the
 /// start with no registration (the hang watch then starts). A run that goes on without
-/// a registration refuses a later one (L1, [`EventTable::settle`]).
+/// a registration refuses a later one (L1, [`Events::settle`](hyptrace_embed::Events::settle)).
 pub(super) fn settle_events(
     table: &VmEventTable,
     running: &RunningVm,
@@ -58,6 +58,7 @@ pub(super) fn settle_events(
     });
     log::debug!("event registration: {settled:?}");
     if let Settled::Refused(why) = &settled {
+        let why = crate::exit::chain(why);
         note!("hyptrace: warning: the guest's event registration table was refused: {why}");
     }
     for r in table.rejections() {
@@ -67,7 +68,7 @@ pub(super) fn settle_events(
     // A guest that writes without registering, or whose vCPU 0 ended cleanly without it,
     // has none of the events asked for; a crash or a stop while waiting is reported as
     // such instead.
-    let unregistered = settled == Settled::Unregistered
+    let unregistered = matches!(settled, Settled::Unregistered | Settled::NoTable)
         || (settled == Settled::None && running.vcpu_finished(0) && !running.any_crashed());
     let error = match table.selection_error() {
         Some(e) => Some(e),
