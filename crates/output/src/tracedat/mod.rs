@@ -16,7 +16,8 @@ mod zpool;
 pub use ids::{option, MAGIC};
 pub use params::{Compression, TraceDatVersion, ZSTD_CHUNK_PAGES};
 pub use read::{
-    max_chunk, page_damage, CpuBuffer, CpuPages, Damage, FilterError, FilterErrorKind, FilterSet,
+    max_chunk, page_damage, CpuBuffer, CpuPages, Damage, FilterCounts, FilterError, FilterErrorKind,
+    FilterSet, FilteredSink, PageFilterError, PageFiltered,
     Records, ReportFilter, ReportOutcome, TraceFile, TraceItem, TraceOption, TraceRecord,
     MAX_CHUNK, MAX_RATIO, METADATA_BUDGET, OPTIONS_SHARE, READ_BUDGET,
 };
