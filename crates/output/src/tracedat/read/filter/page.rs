@@ -50,13 +50,13 @@ pub enum PageFilterError {
 
 /// Writes `bytes` at `*at` of `out`, advancing `*at`; `Overflow` past `limit`.
 fn put(out: &mut [u8], at: &mut usize, limit: usize, bytes: &[u8]) -> Result<(), PageFilterError> {
-    let end = at
-        .checked_add(bytes.len())
-        .filter(|&e| e <= limit)
-        .ok_or(PageFilterError::Overflow(
-            at.saturating_add(bytes.len()),
-            limit,
-        ))?;
+    let end =
+        at.checked_add(bytes.len())
+            .filter(|&e| e <= limit)
+            .ok_or(PageFilterError::Overflow(
+                at.saturating_add(bytes.len()),
+                limit,
+            ))?;
     out[*at..end].copy_from_slice(bytes);
     *at = end;
     Ok(())
@@ -219,7 +219,9 @@ impl PageSink for FilteredSink {
                 reason: format!("-F: {e}"),
             })?;
         self.counts.kept.fetch_add(done.kept, Ordering::Relaxed);
-        self.counts.dropped.fetch_add(done.dropped, Ordering::Relaxed);
+        self.counts
+            .dropped
+            .fetch_add(done.dropped, Ordering::Relaxed);
         let lossy = missed.is_some_and(|n| n > 0)
             || page_header(page).is_some_and(|(_, c)| c & RB_MISSED_EVENTS != 0);
         if done.kept == 0 && !lossy {
@@ -440,7 +442,9 @@ mod tests {
         let mut bad = page(0, &[(1, 7, 1)], None);
         bad[8..16].copy_from_slice(&(PAGE as u64).to_le_bytes());
         assert!(f.filter_page(0, &bad, &BTreeMap::new(), &mut out).is_err());
-        assert!(f.filter_page(0, &bad[..8], &BTreeMap::new(), &mut out).is_err());
+        assert!(f
+            .filter_page(0, &bad[..8], &BTreeMap::new(), &mut out)
+            .is_err());
         let mut cut = page(0, &[(1, 7, 1), (1, 7, 1)], None);
         // The second record's length word says 2 bytes (below 4): it does not decode.
         cut[PAGE_HEADER_SIZE + 16..PAGE_HEADER_SIZE + 20].copy_from_slice(&0u32.to_le_bytes());
