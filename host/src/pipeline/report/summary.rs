@@ -296,10 +296,10 @@ impl fmt::Display for RunReport {
         if let Some(h) = &self.host_trace {
             writeln!(
                 f,
-                "hyptrace: host trace: {} host CPUs (output CPUs {}..{}): read {} events in {} pages, lost {} (+{} pages with an unknown count; kernel overrun {}, dropped {})",
+                "hyptrace: host trace: {} host CPUs (output CPUs {}-{}): read {} events in {} pages, lost {} (+{} pages with an unknown count; kernel overrun {}, dropped {})",
                 h.cpus,
                 h.first_cpu,
-                h.first_cpu + h.cpus,
+                (h.first_cpu + h.cpus).saturating_sub(1),
                 h.events,
                 h.pages,
                 h.lost,
