@@ -37,9 +37,9 @@ pub struct PageFiltered {
 /// Why a page could not be re-encoded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PageFilterError {
-    /// Shorter than its header, or its commit runs past it.
-    #[error("the page's commit ({0} bytes) runs past its {1} bytes")]
-    Commit(u64, usize),
+    /// Shorter than its header.
+    #[error("a page of {0} bytes is shorter than its header")]
+    Short(usize),
     /// The kept events do not fit the page (an input with unusual long-form lengths).
     #[error("the kept events need {0} bytes, more than the page's {1}")]
     Overflow(usize, usize),
@@ -95,7 +95,8 @@ impl FilterSet {
     /// Re-encodes data page `page` of `cpu` into `out` (cleared, then `page.len()`
     /// bytes) with only the events the filters pass ([`FilterSet::wants`], so the
     /// stack traces after a kept event stay too). A record that does not decode ends
-    /// the page (`cut`): what came before it is kept or dropped as the filters say.
+    /// the page (`cut`): what came before it is kept or dropped as the filters say; a
+    /// commit past the page is read up to the page's end (`cut` too).
     pub fn filter_page(
         &mut self,
         cpu: u32,
@@ -103,13 +104,16 @@ impl FilterSet {
         cmdlines: &BTreeMap<i32, String>,
         out: &mut Vec<u8>,
     ) -> Result<PageFiltered, PageFilterError> {
-        let (page_ts, commit) = page_header(page).ok_or(PageFilterError::Commit(0, page.len()))?;
+        let (page_ts, commit) = page_header(page).ok_or(PageFilterError::Short(page.len()))?;
         let len = commit & COMMIT_LEN_MASK;
-        let end = usize::try_from(len)
+        let (end, past) = match usize::try_from(len)
             .ok()
             .and_then(|l| l.checked_add(PAGE_HEADER_SIZE))
             .filter(|&e| e <= page.len())
-            .ok_or(PageFilterError::Commit(len, page.len()))?;
+        {
+            Some(end) => (end, false),
+            None => (page.len(), true),
+        };
         let stored = (commit & RB_MISSED_EVENTS != 0 && commit & RB_MISSED_STORED != 0)
             .then(|| page.get(end..end + 8))
             .flatten();
@@ -118,7 +122,10 @@ impl FilterSet {
         out[..8].copy_from_slice(&page_ts.to_le_bytes());
         let limit = page.len() - stored.map_or(0, <[u8]>::len);
         let mut at = PAGE_HEADER_SIZE;
-        let mut done = PageFiltered::default();
+        let mut done = PageFiltered {
+            cut: past,
+            ..PageFiltered::default()
+        };
         let mut prev = page_ts;
         // Bounded: the iterator consumes at least 4 bytes of the page per record.
         for ev in Events::new(&page[PAGE_HEADER_SIZE..end], page_ts) {
@@ -143,7 +150,12 @@ impl FilterSet {
         if let Some(count) = stored {
             out[at..at + count.len()].copy_from_slice(count);
         }
-        let word = (commit & !COMMIT_LEN_MASK) | (at - PAGE_HEADER_SIZE) as u64;
+        // A stored flag whose count the page did not hold says no more than "some".
+        let flags = match stored {
+            Some(_) => commit & !COMMIT_LEN_MASK,
+            None => commit & !COMMIT_LEN_MASK & !RB_MISSED_STORED,
+        };
+        let word = flags | (at - PAGE_HEADER_SIZE) as u64;
         out[COMMIT_OFFSET..COMMIT_OFFSET + 8].copy_from_slice(&word.to_le_bytes());
         Ok(done)
     }
@@ -433,15 +445,16 @@ mod tests {
         }
     }
 
-    /// A commit past the page is an error, not a panic; a record that does not decode
-    /// ends the page.
+    /// A page shorter than its header is an error, not a panic; a commit past the page
+    /// is read to the page's end; a record that does not decode ends the page.
     #[test]
     fn damaged_pages() {
         let mut f = filters("ev");
         let mut out = Vec::new();
         let mut bad = page(0, &[(1, 7, 1)], None);
         bad[8..16].copy_from_slice(&(PAGE as u64).to_le_bytes());
-        assert!(f.filter_page(0, &bad, &BTreeMap::new(), &mut out).is_err());
+        let done = f.filter_page(0, &bad, &BTreeMap::new(), &mut out).unwrap();
+        assert_eq!((done.kept, done.cut), (1, true));
         assert!(f
             .filter_page(0, &bad[..8], &BTreeMap::new(), &mut out)
             .is_err());
