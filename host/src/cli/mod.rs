@@ -289,7 +289,10 @@ pub fn record(a: &RecordArgs) -> Result<i32, CliError> {
     let format = format_for(a.format, &a.output, "-o")?;
     let compression =
         compression_for(format, a.compression).map_err(|e| CliError::Args(e.to_string()))?;
-    execute(&a.run, Some((&a.output, format, compression)))
+    execute(
+        &a.run,
+        Some((&a.output, format, compression, &a.filters.filter[..])),
+    )
 }
 
 /// `hyptrace list`: the guest's registered events on stdout, its rejected entries as
@@ -351,7 +354,7 @@ pub fn ctl(a: &CtlArgs) -> Result<i32, CliError> {
 /// Returns the run's exit code (its causes are on stderr already).
 fn execute(
     a: &RunArgs,
-    file: Option<(&PathBuf, FormatArg, hyptrace_output::Compression)>,
+    file: Option<(&PathBuf, FormatArg, hyptrace_output::Compression, &[String])>,
 ) -> Result<i32, CliError> {
     let mut plan = Plan::new(a)?;
     if file.is_some() {
@@ -371,11 +374,12 @@ fn execute(
     }
     let target = match file {
         None => Target::Stdout,
-        Some((path, format, compression)) => Target::File {
+        Some((path, format, compression, filters)) => Target::File {
             target: a.files.check(path, "-o")?,
             path: path.clone(),
             format,
             compression,
+            filters: filters.to_vec(),
         },
     };
     let stats = a

@@ -16,8 +16,9 @@ mod zpool;
 pub use ids::{option, MAGIC};
 pub use params::{Compression, TraceDatVersion, ZSTD_CHUNK_PAGES};
 pub use read::{
-    max_chunk, page_damage, CpuBuffer, CpuPages, Damage, FilterError, FilterErrorKind, FilterSet,
-    Records, ReportFilter, ReportOutcome, TraceFile, TraceItem, TraceOption, TraceRecord,
-    MAX_CHUNK, MAX_RATIO, METADATA_BUDGET, OPTIONS_SHARE, READ_BUDGET,
+    max_chunk, page_damage, CpuBuffer, CpuPages, Damage, FilterCounts, FilterError,
+    FilterErrorKind, FilterSet, FilteredSink, PageFilterError, PageFiltered, Records, ReportFilter,
+    ReportOutcome, TraceFile, TraceItem, TraceOption, TraceRecord, MAX_CHUNK, MAX_RATIO,
+    METADATA_BUDGET, OPTIONS_SHARE, READ_BUDGET,
 };
 pub use write::{write_trace_dat, write_trace_dat_with, TraceDatSink, TRAILING_LOST_ID};

@@ -37,7 +37,10 @@ mod report;
 mod tests;
 
 pub use budget::{max_chunk, MAX_CHUNK, MAX_RATIO, METADATA_BUDGET, OPTIONS_SHARE, READ_BUDGET};
-pub use filter::{FilterError, FilterErrorKind, FilterSet, ReportOutcome};
+pub use filter::{
+    FilterCounts, FilterError, FilterErrorKind, FilterSet, FilteredSink, PageFilterError,
+    PageFiltered, ReportOutcome,
+};
 pub use merge::Records;
 pub use pages::CpuPages;
 pub use records::{page_damage, TraceItem, TraceRecord};
