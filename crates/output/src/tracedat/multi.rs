@@ -1,0 +1,399 @@
+//! Multi-buffer trace.dat v7 (`hyptrace collect`): one named buffer instance per
+//! source, as trace-cmd writes `record -B NAME` instances, assembled from single-buffer
+//! v7 files that [`super::TraceDatSink`] wrote (one per source).
+//!
+//! Layout: the metadata (every source's event formats, once; a BUFFER option per
+//! instance), the top-level buffer's flyrecord section (its CPUs without data), then
+//! per instance its flyrecord section header and its CPUs' data, each from a page
+//! boundary, copied byte for byte (zstd chunks included) from the source's file.
+//! `trace-cmd report` reads every instance and merges them by time, each line prefixed
+//! with its instance's name; KernelShark opens each instance as a stream.
+
+use std::fs::File;
+use std::io::{self, Read, Seek, SeekFrom, Write};
+use std::path::PathBuf;
+
+use super::head::{align_up, flyrecord_header, v7_instances_metadata, Instance, Layout};
+use super::ids::option;
+use super::params::Compression;
+use super::read::TraceFile;
+use crate::sink::TraceMeta;
+use crate::target::{OutputFile, OutputTarget};
+use crate::OutputError;
+use hyptrace_format::EventFormat;
+
+/// Longest instance name (trace-cmd takes a tracefs instance name: a file name).
+pub const MAX_INSTANCE_NAME: usize = 64;
+
+/// One buffer instance of a multi-buffer file: its name and the single-buffer v7
+/// trace.dat (ours) holding its data.
+#[derive(Clone, Debug)]
+pub struct BufferPart {
+    /// Instance name: 1 to [`MAX_INSTANCE_NAME`] bytes of `[A-Za-z0-9_.-]`, unique.
+    pub name: String,
+    /// The part's trace.dat.
+    pub path: PathBuf,
+}
+
+/// Whether `name` can name an instance ([`BufferPart::name`]).
+pub fn valid_instance_name(name: &str) -> bool {
+    (1..=MAX_INSTANCE_NAME).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
+}
+
+/// A part opened: its metadata, and where its CPUs' data are in it.
+struct Opened {
+    name: String,
+    path: PathBuf,
+    file: TraceFile,
+}
+
+fn bad(part: &BufferPart, why: impl std::fmt::Display) -> OutputError {
+    OutputError::BadMeta(format!(
+        "buffer {} ({}): {why}",
+        part.name,
+        part.path.display()
+    ))
+}
+
+/// Opens a part and checks that it can be an instance of a file with `meta`'s page
+/// size and clock: v7, undamaged, the clock's name, no TSC2NSEC or OFFSET (its pages
+/// carry that clock's nanoseconds).
+fn open_part(part: &BufferPart, meta: &TraceMeta) -> Result<Opened, OutputError> {
+    if !valid_instance_name(&part.name) {
+        return Err(bad(part, "not a name of [A-Za-z0-9_.-], 1 to 64 bytes"));
+    }
+    let file = TraceFile::open(&part.path)?;
+    let clock = meta.clock.file_clock();
+    let offsets = file
+        .options
+        .iter()
+        .any(|o| o.id == option::TSC2NSEC || o.id == option::OFFSET);
+    if file.version != 7 || file.page_size != meta.page_size {
+        return Err(bad(
+            part,
+            format!("v{} with {} B pages", file.version, file.page_size),
+        ));
+    }
+    if !file.damage.is_empty() {
+        return Err(bad(part, format!("damaged: {}", file.damage[0].what)));
+    }
+    if file.clock.as_deref() != Some(clock.name.as_str()) || offsets || clock.tsc.is_some() {
+        return Err(bad(
+            part,
+            format!("clock {:?}, not {}", file.clock, clock.name),
+        ));
+    }
+    Ok(Opened {
+        name: part.name.clone(),
+        path: part.path.clone(),
+        file,
+    })
+}
+
+/// Every part's formats, once: an id two parts give different formats is refused
+/// (their pages would print as one of them).
+fn union_formats(parts: &[Opened]) -> Result<Vec<EventFormat>, OutputError> {
+    let mut all: Vec<(EventFormat, &str)> = Vec::new();
+    for p in parts {
+        for f in &p.file.formats {
+            match all.iter().find(|(g, _)| g.id == f.id) {
+                Some((g, _)) if g == f => {}
+                Some((g, first)) => {
+                    return Err(OutputError::BadMeta(format!(
+                        "event id {}: {}:{} in buffer {first}, {}:{} in buffer {}",
+                        f.id, g.system, g.name, f.system, f.name, p.name
+                    )))
+                }
+                None => all.push((f.clone(), &p.name)),
+            }
+        }
+    }
+    Ok(all.into_iter().map(|(f, _)| f).collect())
+}
+
+/// Writes a multi-buffer v7 trace.dat to `target`: the top level with `meta` (page
+/// size, clock, command lines; its `nr_cpus` CPUs have no data) and one instance per
+/// part, in order, its data copied from the part's file. Every part must be a v7 file
+/// of `meta`'s page size and clock with the same compression; their formats are
+/// merged (an id with two formats is refused). Returns the events per instance.
+pub fn write_buffers(
+    target: &OutputTarget,
+    mut meta: TraceMeta,
+    parts: &[BufferPart],
+) -> Result<Vec<usize>, OutputError> {
+    meta.validate()?;
+    let mut opened = Vec::with_capacity(parts.len());
+    for (i, p) in parts.iter().enumerate() {
+        if parts[..i].iter().any(|q| q.name == p.name) {
+            return Err(bad(p, "a second buffer of that name"));
+        }
+        opened.push(open_part(p, &meta)?);
+    }
+    let compression = match opened.first() {
+        Some(o) if o.file.is_compressed() => Compression::Zstd,
+        _ => Compression::None,
+    };
+    if let Some(o) = opened
+        .iter()
+        .find(|o| o.file.is_compressed() != (compression == Compression::Zstd))
+    {
+        return Err(OutputError::BadMeta(format!(
+            "buffer {}: compressed unlike the first",
+            o.name
+        )));
+    }
+    meta.formats = union_formats(&opened)?;
+    let page = meta.page_size as u64;
+    let instances = |at: &[(u64, Layout)]| -> Vec<Instance<'_>> {
+        opened
+            .iter()
+            .zip(at)
+            .map(|(o, (f, l))| Instance {
+                name: &o.name,
+                flyrecord_at: *f,
+                layout: l.clone(),
+            })
+            .collect()
+    };
+    let top_n = meta.nr_cpus as usize;
+    let empty = |start: u64| Layout {
+        offsets: vec![start; top_n],
+        sizes: vec![0; top_n],
+    };
+    // The offsets do not change the metadata's length: a first build gives it.
+    let zero: Vec<(u64, Layout)> = opened
+        .iter()
+        .map(|o| (0, part_layout(&o.file, 0, page)))
+        .collect();
+    let (first, _) = v7_instances_metadata(&meta, &empty(0), 0, compression, &instances(&zero))?;
+    let data_start = align_up(first.len() as u64, page);
+    let mut at = data_start;
+    let mut places = Vec::with_capacity(opened.len());
+    for o in &opened {
+        let l = part_layout(&o.file, align_up(at + 16, page), page);
+        places.push((at, l.clone()));
+        at = align_up(l.end(at + 16), page);
+    }
+    let (head, name_id) = v7_instances_metadata(
+        &meta,
+        &empty(data_start),
+        data_start,
+        compression,
+        &instances(&places),
+    )?;
+    let mut out = target.open()?;
+    out.write_all(&head).map_err(|e| out.error(e))?;
+    let mut pos = head.len() as u64;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut events = Vec::with_capacity(opened.len());
+    for (o, (fly, l)) in opened.iter().zip(&places) {
+        pad(&mut out, &mut pos, *fly)?;
+        let size = l.end(fly + 16) - (fly + 16);
+        let h = flyrecord_header(name_id, compression, size);
+        out.write_all(&h).map_err(|e| out.error(e))?;
+        pos += 16;
+        let mut src = File::open(&o.path).map_err(|e| OutputError::io(&o.path, e))?;
+        for (c, (&off, &n)) in o.file.cpus.iter().zip(l.offsets.iter().zip(&l.sizes)) {
+            pad(&mut out, &mut pos, off)?;
+            copy_range(&mut src, &o.path, c.offset, n, &mut out, &mut buf)?;
+            pos += n;
+        }
+        events.push(o.file.event_count());
+    }
+    pad(&mut out, &mut pos, at)?;
+    out.finish()?;
+    Ok(events)
+}
+
+/// Where a part's CPUs' data go from `start`: each from a page boundary, contiguous.
+fn part_layout(f: &TraceFile, start: u64, page: u64) -> Layout {
+    let sizes: Vec<u64> = f.cpus.iter().map(|c| c.size).collect();
+    Layout::contiguous(start, &sizes, page)
+}
+
+/// Writes zeros from `*pos` to `to`.
+fn pad(out: &mut OutputFile, pos: &mut u64, to: u64) -> Result<(), OutputError> {
+    let n = to.saturating_sub(*pos);
+    io::copy(&mut io::repeat(0).take(n), out).map_err(|e| out.error(e))?;
+    *pos += n;
+    Ok(())
+}
+
+/// Copies `n` bytes at `offset` of `src` (a part's file) to `out`.
+fn copy_range(
+    src: &mut File,
+    path: &std::path::Path,
+    offset: u64,
+    n: u64,
+    out: &mut OutputFile,
+    buf: &mut [u8],
+) -> Result<(), OutputError> {
+    let rd = |e| OutputError::io(path, e);
+    src.seek(SeekFrom::Start(offset)).map_err(rd)?;
+    let mut left = n;
+    while left > 0 {
+        let want = usize::try_from(left).map_or(buf.len(), |l| l.min(buf.len()));
+        let k = match src.read(&mut buf[..want]) {
+            Ok(0) => {
+                let e = io::Error::new(io::ErrorKind::UnexpectedEof, "CPU data cut short");
+                return Err(rd(e));
+            }
+            Ok(k) => k,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(rd(e)),
+        };
+        out.write_all(&buf[..k]).map_err(|e| out.error(e))?;
+        left -= k as u64;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sink::{PageSink, RunSummary};
+    use crate::TraceDatVersion;
+
+    /// A page of `cpu` with one marker at `ts`.
+    fn page(cpu: u32, ts: u64, seq: u64) -> Vec<u8> {
+        let mut p = vec![0u8; 4096];
+        p[..8].copy_from_slice(&ts.to_le_bytes());
+        let payload =
+            hyptrace_abi::events::marker(hyptrace_abi::events::vcpu_pid(cpu), seq, seq * 3);
+        let mut hdr = [0u8; 8];
+        let n = hyptrace_abi::page::encode_data_header(&mut hdr, payload.len(), 0);
+        p[16..16 + n].copy_from_slice(&hdr[..n]);
+        p[16 + n..16 + n + payload.len()].copy_from_slice(&payload);
+        p[8..16].copy_from_slice(&((n + payload.len()) as u64).to_le_bytes());
+        p
+    }
+
+    pub(super) fn part(
+        dir: &std::path::Path,
+        name: &str,
+        cpus: u32,
+        pages: u64,
+        z: Compression,
+    ) -> BufferPart {
+        let path = dir.join(format!("{name}.dat"));
+        let meta = TraceMeta::guest(4096, cpus, crate::Clock::nanoseconds());
+        let mut s = crate::TraceDatSink::create_with(&path, meta, TraceDatVersion::V7, z).unwrap();
+        for i in 0..pages {
+            for c in 0..cpus {
+                s.page(c, &page(c, 1000 + i * 100 + u64::from(c), i), None)
+                    .unwrap();
+            }
+        }
+        Box::new(s).finish(&RunSummary::default()).unwrap();
+        BufferPart {
+            name: name.into(),
+            path,
+        }
+    }
+
+    /// Two instances (1 and 2 CPUs), compressed or not: the file parses, its top level
+    /// is empty, and each instance's BUFFER option names CPU data that reads back as
+    /// the part's pages.
+    #[test]
+    fn instances_read_back() {
+        for z in [Compression::None, Compression::Zstd] {
+            let dir = tempfile::tempdir().unwrap();
+            let parts = vec![
+                part(dir.path(), "vm-a", 1, 30, z),
+                part(dir.path(), "vm.b", 2, 7, z),
+            ];
+            let out = dir.path().join("all.dat");
+            let target = OutputTarget::check(&out).unwrap();
+            let meta = TraceMeta::guest(4096, 2, crate::Clock::nanoseconds());
+            let n = write_buffers(&target, meta, &parts).unwrap();
+            assert_eq!(n, vec![30, 14]);
+            let f = TraceFile::open(&out).unwrap();
+            assert!(f.damage.is_empty(), "{:?}", f.damage);
+            assert_eq!(f.event_count(), 0);
+            assert_eq!(f.options_skipped, 2);
+            let bytes = std::fs::read(&out).unwrap();
+            for p in &parts {
+                let src = TraceFile::open(&p.path).unwrap();
+                let want = std::fs::read(&p.path).unwrap();
+                // The part's CPU data is somewhere in the file, byte for byte.
+                for c in &src.cpus {
+                    let d = &want[c.offset as usize..(c.offset + c.size) as usize];
+                    assert!(
+                        bytes.windows(d.len()).any(|w| w == d),
+                        "{} cpu {}",
+                        p.name,
+                        c.cpu
+                    );
+                }
+            }
+        }
+    }
+
+    /// Names outside `[A-Za-z0-9_.-]`, twice the same name and mixed compression are
+    /// refused; no output is left.
+    #[test]
+    fn bad_parts_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = part(dir.path(), "a", 1, 2, Compression::None);
+        let b = part(dir.path(), "b", 1, 2, Compression::Zstd);
+        let out = dir.path().join("all.dat");
+        let meta = TraceMeta::guest(4096, 1, crate::Clock::nanoseconds());
+        let try_write = |parts: &[BufferPart]| {
+            write_buffers(&OutputTarget::check(&out).unwrap(), meta.clone(), parts)
+        };
+        let mut evil = a.clone();
+        evil.name = "a b\n".into();
+        assert!(try_write(&[evil]).is_err());
+        assert!(try_write(&[a.clone(), a.clone()]).is_err());
+        assert!(try_write(&[a, b]).is_err());
+        assert!(!out.exists());
+        assert!(!valid_instance_name(""));
+        assert!(!valid_instance_name(&"x".repeat(65)));
+        assert!(valid_instance_name("vm-1.a_b"));
+    }
+}
+
+#[cfg(test)]
+mod trace_cmd_tests {
+    use super::*;
+
+    /// trace-cmd (when installed) reads every instance: each event once, its line
+    /// prefixed with its instance's name, all merged in one time order.
+    #[test]
+    fn trace_cmd_reports_every_instance() {
+        let Ok(o) = std::process::Command::new("trace-cmd")
+            .arg("--help")
+            .output()
+        else {
+            println!("SKIP: trace-cmd not installed");
+            return;
+        };
+        drop(o);
+        let dir = tempfile::tempdir().unwrap();
+        let parts = vec![
+            super::tests::part(dir.path(), "vm-a", 1, 30, Compression::Zstd),
+            super::tests::part(dir.path(), "vmb", 2, 7, Compression::Zstd),
+        ];
+        let out = dir.path().join("all.dat");
+        let meta = TraceMeta::guest(4096, 2, crate::Clock::nanoseconds());
+        write_buffers(&OutputTarget::check(&out).unwrap(), meta, &parts).unwrap();
+        let o = std::process::Command::new("trace-cmd")
+            .args(["report", "-i"])
+            .arg(&out)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&o.stdout);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let lines: Vec<&str> = text.lines().filter(|l| l.contains("marker")).collect();
+        let count = |p: &str| {
+            lines
+                .iter()
+                .filter(|l| l.trim_start().starts_with(p))
+                .count()
+        };
+        assert_eq!((count("vm-a:"), count("vmb:")), (30, 14), "{text}");
+    }
+}
