@@ -161,6 +161,14 @@ fn open_dat(at: &Path, path: &Path) -> Result<(TraceFile, usize), ConvertError> 
         },
         e => input_error(path, &e),
     })?;
+    if !file.instances.is_empty() {
+        let line = format!(
+            "{}: buffer instances not read: {} (hyptrace reads the top-level buffer only; trace-cmd report and KernelShark read them all)",
+            path.display(),
+            file.instances.join(", ")
+        );
+        note!("hyptrace: warning: {}", crate::exit::printable(&line));
+    }
     for d in &file.damage {
         warn_damage(path, d);
     }

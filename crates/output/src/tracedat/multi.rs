@@ -314,6 +314,7 @@ mod tests {
             assert!(f.damage.is_empty(), "{:?}", f.damage);
             assert_eq!(f.event_count(), 0);
             assert_eq!(f.options_skipped, 2);
+            assert_eq!(f.instances, ["vm-a", "vm.b"]);
             let bytes = std::fs::read(&out).unwrap();
             for p in &parts {
                 let src = TraceFile::open(&p.path).unwrap();
