@@ -562,7 +562,10 @@ impl Parser {
 /// one that does not parse: that one is the top buffer's to refuse).
 fn instance_name(d: &[u8]) -> Option<String> {
     let mut o = Cur::new(d, 0, 0);
-    let name = o.u64("buffer offset").and_then(|_| o.cstr("buffer name")).ok()?;
+    let name = o
+        .u64("buffer offset")
+        .and_then(|_| o.cstr("buffer name"))
+        .ok()?;
     (!name.is_empty()).then_some(name)
 }
 
