@@ -98,6 +98,29 @@ fn sock(dir: &TempDir, name: &str) -> String {
     dir.file(&format!("{name}.sock"))
 }
 
+/// Waits (bounded) until the VMM behind `sock` swapped pages for `col` (its stats).
+fn wait_read(dir: &TempDir, sock: &str, col: &mut Kid) {
+    let t = Instant::now();
+    loop {
+        let o = Command::new(BIN)
+            .args(["ctl", sock, "stats"])
+            .output()
+            .expect("ctl");
+        let v: serde_json::Value =
+            serde_json::from_slice(&o.stdout).unwrap_or(serde_json::Value::Null);
+        if v["cpus"][0]["swaps"].as_u64().unwrap_or(0) >= 2 {
+            return;
+        }
+        assert!(
+            col.0.try_wait().expect("try_wait").is_none(),
+            "collect ended early: {}",
+            read(dir, "collect.err")
+        );
+        assert!(t.elapsed() < WALL, "{sock} never read: {v}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// `trace-cmd report` of `dat`: per line (VM name, seq, time in ns) of every marker.
 fn report(dat: &str) -> Vec<(String, u64, u64)> {
     let o = Command::new("trace-cmd")
@@ -214,25 +237,7 @@ fn collect_names_a_killed_vm() {
         &["collect", "--follow", "-o", &dat, &sa, &sb, &sc],
     );
     // Once b's VMM read pages for collect (its stats), kill it.
-    let t = Instant::now();
-    loop {
-        let o = Command::new(BIN)
-            .args(["ctl", &sb, "stats"])
-            .output()
-            .expect("ctl");
-        let v: serde_json::Value =
-            serde_json::from_slice(&o.stdout).unwrap_or(serde_json::Value::Null);
-        if v["cpus"][0]["swaps"].as_u64().unwrap_or(0) >= 2 {
-            break;
-        }
-        assert!(
-            col.0.try_wait().expect("try_wait").is_none(),
-            "collect ended early: {}",
-            read(&dir, "collect.err")
-        );
-        assert!(t.elapsed() < WALL, "b never read: {v}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_read(&dir, &sb, &mut col);
     b.0.kill().expect("kill b");
     let _ = b.0.wait();
     let code = col.wait("collect");
@@ -265,6 +270,43 @@ fn collect_names_a_killed_vm() {
     check_vm(&lines, "a", 20_000);
     check_vm(&lines, "c", 20_000);
     check_vm(&lines, "b", b_read);
+}
+
+/// A VMM stopped (SIGSTOP) during `collect --follow`: after the reply timeout it is
+/// named as no longer answering, the other VM completes, exit 1; the file holds what was
+/// read of the stopped one.
+#[test]
+fn collect_names_a_vm_that_stops_answering() {
+    if !kvm_available(KRATE, "collect_names_a_vm_that_stops_answering") {
+        return;
+    }
+    let _l = vm_lock();
+    let dir = TempDir::new("collectstop");
+    let mut a = start_vm(&dir, "a", 20_000);
+    let b = start_vm(&dir, "b", 10_000_000);
+    let dat = dir.file("all.dat");
+    let (sa, sb) = (sock(&dir, "a"), sock(&dir, "b"));
+    let mut col = Kid::spawn(
+        &dir,
+        "collect",
+        &["collect", "--follow", "-o", &dat, &sa, &sb],
+    );
+    wait_read(&dir, &sb, &mut col);
+    env::signal(&b.0, "-STOP");
+    let code = col.wait("collect");
+    let err = read(&dir, "collect.err");
+    assert_eq!(a.wait("a"), Some(0), "{}", read(&dir, "a.err"));
+    drop(b);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("a: cpu 0: 20000 events read, 0 lost"), "{err}");
+    assert!(
+        err.contains("b: error: ") && err.contains("stopped answering"),
+        "{err}"
+    );
+    assert!(err.contains("1 of 2 VMs complete"), "{err}");
+    if env::trace_cmd_available() {
+        check_vm(&report(&dat), "a", 20_000);
+    }
 }
 
 /// Bad command lines: exit 2 with one line naming the problem, nothing written.
