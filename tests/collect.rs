@@ -309,6 +309,64 @@ fn collect_names_a_vm_that_stops_answering() {
     }
 }
 
+/// A VM on another clock (`--clock tsc`) cannot share the time line: it is named and
+/// left out, the other VM is collected (one shot), exit 1.
+#[test]
+fn collect_leaves_out_a_vm_on_another_clock() {
+    if !kvm_available(KRATE, "collect_leaves_out_a_vm_on_another_clock") {
+        return;
+    }
+    let _l = vm_lock();
+    let dir = TempDir::new("collectclock");
+    let (mem, sa) = (dir.file("a.trace"), sock(&dir, "a"));
+    let mut a = Kid::spawn(
+        &dir,
+        "a",
+        &[
+            "run",
+            "--vcpus",
+            "1",
+            "--drain",
+            "none",
+            "--trace-mem",
+            &mem,
+            "--control",
+            &sa,
+            "--events",
+            "20000",
+            "--rate",
+            "5000",
+            "--clock",
+            "tsc",
+        ],
+    );
+    env::wait_until(
+        &mut a.0,
+        "the socket of a",
+        WALL,
+        || std::fs::symlink_metadata(&sa).is_ok_and(|m| m.file_type().is_socket()),
+        || read(&dir, "a.err"),
+    );
+    let mut b = start_vm(&dir, "b", 20_000);
+    let dat = dir.file("all.dat");
+    let sb = sock(&dir, "b");
+    let mut col = Kid::spawn(&dir, "collect", &["collect", "-o", &dat, &sa, &sb]);
+    let code = col.wait("collect");
+    let err = read(&dir, "collect.err");
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("a: error: ") && err.contains("on clock x86-tsc"),
+        "{err}"
+    );
+    assert!(
+        err.contains("b: ") && err.contains("1 of 2 VMs complete"),
+        "{err}"
+    );
+    assert_eq!(a.wait("a"), Some(0), "{}", read(&dir, "a.err"));
+    assert_eq!(b.wait("b"), Some(0), "{}", read(&dir, "b.err"));
+    assert!(std::path::Path::new(&dat).exists());
+}
+
 /// Bad command lines: exit 2 with one line naming the problem, nothing written.
 #[test]
 fn collect_refuses_bad_arguments() {

@@ -54,7 +54,7 @@ pub enum AttachError {
         why: String,
     },
     /// The VMM's run is on another clock than the one asked for (`collect`).
-    #[error("--attach {path}: the VMM runs --clock {clock}; every VM must run --clock {want} (the default)", path = .path.display())]
+    #[error("--attach {path}: the run is on clock {clock}; every VM must run --clock {want} (the default)", path = .path.display())]
     Clock {
         /// The socket.
         path: PathBuf,

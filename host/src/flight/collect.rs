@@ -15,7 +15,7 @@
 
 use std::path::{Path, PathBuf};
 
-use hyptrace_output::{BufferPart, Clock, OutputError, OutputTarget, TraceMeta};
+use hyptrace_output::{BufferPart, BufferSet, Clock, OutputError, OutputTarget, TraceMeta};
 
 use crate::drain::sink::FormatArg;
 use crate::exit::chain;
@@ -80,6 +80,9 @@ pub struct VmOutcome {
     /// Whether its part is complete: with `--follow`, every vCPU's end came; without,
     /// what was there was read; and no error.
     pub complete: bool,
+    /// Why its part was left out of the trace (it does not fit the others: another
+    /// page size, an event id with another format).
+    pub left_out: Option<OutputError>,
 }
 
 /// What `collect` did.
@@ -127,6 +130,13 @@ impl CollectReport {
             }
             if let Some(e) = &r.failed {
                 v.push(format!("{}: error: {}", vm.name, chain(e)));
+            }
+            if let Some(e) = &vm.left_out {
+                v.push(format!(
+                    "{}: error: left out of the trace: {}",
+                    vm.name,
+                    chain(e)
+                ));
             }
         }
         v
@@ -200,7 +210,7 @@ pub fn collect(o: &CollectOpts<'_>) -> Result<CollectReport, CollectError> {
             .collect()
     });
     let interrupted = (o.stop)();
-    let vms: Vec<VmOutcome> = o
+    let mut vms: Vec<VmOutcome> = o
         .vms
         .iter()
         .zip(results)
@@ -208,27 +218,36 @@ pub fn collect(o: &CollectOpts<'_>) -> Result<CollectReport, CollectError> {
             name: name.clone(),
             complete: complete(&report, o.follow) && !interrupted,
             report,
+            left_out: None,
         })
         .collect();
-    let parts: Vec<BufferPart> = vms
-        .iter()
-        .zip(parts)
-        .filter(|(v, p)| v.report.is_ok() && p.exists())
-        .map(|(v, path)| BufferPart {
-            name: v.name.clone(),
-            path,
-        })
-        .collect();
-    let out_err = |source| CollectError::Output {
+    let set = assemble(&mut vms, &parts).map_err(|source| CollectError::Output {
         path: o.out_path.to_path_buf(),
         source,
-    };
-    let first = parts.first().ok_or_else(|| CollectError::Nothing {
-        path: o.out_path.to_path_buf(),
     })?;
-    let page_size = hyptrace_output::TraceFile::open(&first.path)
-        .map_err(out_err)?
-        .page_size;
+    if set.is_empty() {
+        return Err(CollectError::Nothing {
+            path: o.out_path.to_path_buf(),
+        });
+    }
+    set.write(o.target).map_err(|source| CollectError::Output {
+        path: o.out_path.to_path_buf(),
+        source,
+    })?;
+    Ok(CollectReport { vms, interrupted })
+}
+
+/// The parts of the VMs that have one, as one set: a part that does not fit those
+/// before it is left out (its VM incomplete, the cause kept), the others go on. The
+/// file's page size is the first part's; its top level has as many CPUs as the
+/// largest VM.
+fn assemble(vms: &mut [VmOutcome], parts: &[PathBuf]) -> Result<BufferSet, OutputError> {
+    let has_part = |v: &VmOutcome, p: &PathBuf| v.report.is_ok() && p.exists();
+    let Some(first) = vms.iter().zip(parts).find(|(v, p)| has_part(v, p)) else {
+        let meta = TraceMeta::guest(4096, 1, Clock::nanoseconds());
+        return BufferSet::new(meta);
+    };
+    let page_size = hyptrace_output::TraceFile::open(first.1)?.page_size;
     let nr_cpus = vms
         .iter()
         .filter_map(|v| v.report.as_ref().ok().map(|r| r.cpus.len()))
@@ -239,9 +258,21 @@ pub fn collect(o: &CollectOpts<'_>) -> Result<CollectReport, CollectError> {
         name: COLLECT_CLOCK.into(),
         ..Clock::nanoseconds()
     };
-    let meta = TraceMeta::guest(page_size, nr_cpus as u32, clock);
-    hyptrace_output::write_buffers(o.target, meta, &parts).map_err(out_err)?;
-    Ok(CollectReport { vms, interrupted })
+    let mut set = BufferSet::new(TraceMeta::guest(page_size, nr_cpus as u32, clock))?;
+    for (v, path) in vms.iter_mut().zip(parts) {
+        if !has_part(v, path) {
+            continue;
+        }
+        let part = BufferPart {
+            name: v.name.clone(),
+            path: path.clone(),
+        };
+        if let Err(e) = set.add(&part) {
+            v.complete = false;
+            v.left_out = Some(e);
+        }
+    }
+    Ok(set)
 }
 
 /// `NAME=SOCKET` or `SOCKET` (named by its file stem): the instance name and the

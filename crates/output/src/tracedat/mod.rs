@@ -15,7 +15,7 @@ mod write;
 mod zpool;
 
 pub use ids::{option, MAGIC};
-pub use multi::{valid_instance_name, write_buffers, BufferPart, MAX_INSTANCE_NAME};
+pub use multi::{valid_instance_name, write_buffers, BufferPart, BufferSet, MAX_INSTANCE_NAME};
 pub use params::{Compression, TraceDatVersion, ZSTD_CHUNK_PAGES};
 pub use read::{
     max_chunk, page_damage, CpuBuffer, CpuPages, Damage, FilterError, FilterErrorKind, FilterSet,

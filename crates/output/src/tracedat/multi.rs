@@ -93,25 +93,87 @@ fn open_part(part: &BufferPart, meta: &TraceMeta) -> Result<Opened, OutputError>
     })
 }
 
-/// Every part's formats, once: an id two parts give different formats is refused
-/// (their pages would print as one of them).
-fn union_formats(parts: &[Opened]) -> Result<Vec<EventFormat>, OutputError> {
-    let mut all: Vec<(EventFormat, &str)> = Vec::new();
-    for p in parts {
-        for f in &p.file.formats {
-            match all.iter().find(|(g, _)| g.id == f.id) {
-                Some((g, _)) if g == f => {}
-                Some((g, first)) => {
-                    return Err(OutputError::BadMeta(format!(
-                        "event id {}: {}:{} in buffer {first}, {}:{} in buffer {}",
-                        f.id, g.system, g.name, f.system, f.name, p.name
-                    )))
-                }
-                None => all.push((f.clone(), &p.name)),
+/// The parts of a multi-buffer file, each checked as it is added: a part that does not
+/// fit (a name twice, another page size, clock or compression, an event id whose format
+/// differs from an earlier part's) is refused and the set stays as it was, so a caller
+/// can leave one source out and write the others.
+pub struct BufferSet {
+    meta: TraceMeta,
+    opened: Vec<Opened>,
+    /// Every added part's formats, once, with the first part that gave each.
+    formats: Vec<(EventFormat, String)>,
+}
+
+impl BufferSet {
+    /// An empty set for a file with `meta`'s page size, clock and command lines (its
+    /// formats are the parts').
+    pub fn new(meta: TraceMeta) -> Result<Self, OutputError> {
+        meta.validate()?;
+        Ok(Self {
+            meta,
+            opened: Vec::new(),
+            formats: Vec::new(),
+        })
+    }
+
+    /// How many parts the set holds.
+    pub fn len(&self) -> usize {
+        self.opened.len()
+    }
+
+    /// Whether the set holds no part.
+    pub fn is_empty(&self) -> bool {
+        self.opened.is_empty()
+    }
+
+    /// Adds a part after checking that it fits the set (see [`BufferSet`]).
+    pub fn add(&mut self, part: &BufferPart) -> Result<(), OutputError> {
+        if self.opened.iter().any(|o| o.name == part.name) {
+            return Err(bad(part, "a second buffer of that name"));
+        }
+        let o = open_part(part, &self.meta)?;
+        if let Some(first) = self.opened.first() {
+            if first.file.is_compressed() != o.file.is_compressed() {
+                return Err(bad(
+                    part,
+                    format!("compressed unlike buffer {}", first.name),
+                ));
             }
         }
+        let mut new = Vec::new();
+        for f in &o.file.formats {
+            match self.formats.iter().find(|(g, _)| g.id == f.id) {
+                Some((g, _)) if g == f => {}
+                Some((g, first)) => {
+                    let why = format!(
+                        "event id {} is {}:{} here, {}:{} in buffer {first}",
+                        f.id, f.system, f.name, g.system, g.name
+                    );
+                    return Err(bad(part, why));
+                }
+                None if new.iter().any(|g: &EventFormat| g.id == f.id) => {
+                    return Err(bad(part, format!("event id {} twice", f.id)));
+                }
+                None => new.push(f.clone()),
+            }
+        }
+        self.formats
+            .extend(new.into_iter().map(|f| (f, part.name.clone())));
+        self.opened.push(o);
+        Ok(())
     }
-    Ok(all.into_iter().map(|(f, _)| f).collect())
+
+    /// Writes the file to `target` (see [`write_buffers`]); returns the events per
+    /// instance.
+    pub fn write(self, target: &OutputTarget) -> Result<Vec<usize>, OutputError> {
+        let Self {
+            mut meta,
+            opened,
+            formats,
+        } = self;
+        meta.formats = formats.into_iter().map(|(f, _)| f).collect();
+        write_opened(target, &meta, &opened)
+    }
 }
 
 /// Writes a multi-buffer v7 trace.dat to `target`: the top level with `meta` (page
@@ -121,31 +183,26 @@ fn union_formats(parts: &[Opened]) -> Result<Vec<EventFormat>, OutputError> {
 /// merged (an id with two formats is refused). Returns the events per instance.
 pub fn write_buffers(
     target: &OutputTarget,
-    mut meta: TraceMeta,
+    meta: TraceMeta,
     parts: &[BufferPart],
 ) -> Result<Vec<usize>, OutputError> {
-    meta.validate()?;
-    let mut opened = Vec::with_capacity(parts.len());
-    for (i, p) in parts.iter().enumerate() {
-        if parts[..i].iter().any(|q| q.name == p.name) {
-            return Err(bad(p, "a second buffer of that name"));
-        }
-        opened.push(open_part(p, &meta)?);
+    let mut set = BufferSet::new(meta)?;
+    for p in parts {
+        set.add(p)?;
     }
+    set.write(target)
+}
+
+/// [`BufferSet::write`] of parts checked already, with `meta.formats` their union.
+fn write_opened(
+    target: &OutputTarget,
+    meta: &TraceMeta,
+    opened: &[Opened],
+) -> Result<Vec<usize>, OutputError> {
     let compression = match opened.first() {
         Some(o) if o.file.is_compressed() => Compression::Zstd,
         _ => Compression::None,
     };
-    if let Some(o) = opened
-        .iter()
-        .find(|o| o.file.is_compressed() != (compression == Compression::Zstd))
-    {
-        return Err(OutputError::BadMeta(format!(
-            "buffer {}: compressed unlike the first",
-            o.name
-        )));
-    }
-    meta.formats = union_formats(&opened)?;
     let page = meta.page_size as u64;
     let instances = |at: &[(u64, Layout)]| -> Vec<Instance<'_>> {
         opened
@@ -168,17 +225,17 @@ pub fn write_buffers(
         .iter()
         .map(|o| (0, part_layout(&o.file, 0, page)))
         .collect();
-    let (first, _) = v7_instances_metadata(&meta, &empty(0), 0, compression, &instances(&zero))?;
+    let (first, _) = v7_instances_metadata(meta, &empty(0), 0, compression, &instances(&zero))?;
     let data_start = align_up(first.len() as u64, page);
     let mut at = data_start;
     let mut places = Vec::with_capacity(opened.len());
-    for o in &opened {
+    for o in opened {
         let l = part_layout(&o.file, align_up(at + 16, page), page);
         places.push((at, l.clone()));
         at = align_up(l.end(at + 16), page);
     }
     let (head, name_id) = v7_instances_metadata(
-        &meta,
+        meta,
         &empty(data_start),
         data_start,
         compression,
@@ -278,8 +335,19 @@ mod tests {
         pages: u64,
         z: Compression,
     ) -> BufferPart {
-        let path = dir.join(format!("{name}.dat"));
         let meta = TraceMeta::guest(4096, cpus, crate::Clock::nanoseconds());
+        part_of(dir, name, meta, pages, z)
+    }
+
+    fn part_of(
+        dir: &std::path::Path,
+        name: &str,
+        meta: TraceMeta,
+        pages: u64,
+        z: Compression,
+    ) -> BufferPart {
+        let path = dir.join(format!("{name}.dat"));
+        let cpus = meta.nr_cpus;
         let mut s = crate::TraceDatSink::create_with(&path, meta, TraceDatVersion::V7, z).unwrap();
         for i in 0..pages {
             for c in 0..cpus {
@@ -349,8 +417,19 @@ mod tests {
         evil.name = "a b\n".into();
         assert!(try_write(&[evil]).is_err());
         assert!(try_write(&[a.clone(), a.clone()]).is_err());
-        assert!(try_write(&[a, b]).is_err());
+        assert!(try_write(&[a.clone(), b]).is_err());
         assert!(!out.exists());
+        // A part whose event id has another format is left out; the set writes the rest.
+        let mut other = TraceMeta::guest(4096, 1, crate::Clock::nanoseconds());
+        other.formats[0].name = "renamed".into();
+        let c = part_of(dir.path(), "c", other, 2, Compression::None);
+        let mut set = BufferSet::new(meta.clone()).unwrap();
+        set.add(&a).unwrap();
+        let e = set.add(&c).unwrap_err().to_string();
+        assert!(e.contains("buffer c") && e.contains("renamed"), "{e}");
+        assert_eq!(set.len(), 1);
+        let n = set.write(&OutputTarget::check(&out).unwrap()).unwrap();
+        assert_eq!(n, vec![2]);
         assert!(!valid_instance_name(""));
         assert!(!valid_instance_name(&"x".repeat(65)));
         assert!(valid_instance_name("vm-1.a_b"));
