@@ -128,7 +128,11 @@ fn report(dat: &str) -> Vec<(String, u64, u64)> {
         .output()
         .expect("trace-cmd");
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let text = String::from_utf8_lossy(&o.stdout);
+    markers(&String::from_utf8_lossy(&o.stdout))
+}
+
+/// Per marker line of a report (trace-cmd's, or collect's text): (VM name, seq, ns).
+fn markers(text: &str) -> Vec<(String, u64, u64)> {
     let mut v = Vec::new();
     for l in text.lines().filter(|l| l.contains(" marker: ")) {
         // ` vm1:            vcpu0-1     [000] 26843.796473: marker:   seq=0 value=0`
@@ -272,6 +276,44 @@ fn collect_names_a_killed_vm() {
     check_vm(&lines, "b", b_read);
 }
 
+/// Text (`-o all.txt`): every event of two VMs, each line prefixed with its VM, in
+/// one time order.
+#[test]
+fn collect_text_names_every_line() {
+    if !kvm_available(KRATE, "collect_text_names_every_line") {
+        return;
+    }
+    let _l = vm_lock();
+    let dir = TempDir::new("collecttxt");
+    let mut a = start_vm(&dir, "a", 10_000);
+    let mut b = start_vm(&dir, "bb", 15_000);
+    let txt = dir.file("all.txt");
+    let (sa, sb) = (sock(&dir, "a"), sock(&dir, "bb"));
+    let mut col = Kid::spawn(
+        &dir,
+        "collect",
+        &["collect", "--follow", "-o", &txt, &sa, &sb],
+    );
+    let code = col.wait("collect");
+    let err = read(&dir, "collect.err");
+    assert_eq!(a.wait("a"), Some(0), "{}", read(&dir, "a.err"));
+    assert_eq!(b.wait("bb"), Some(0), "{}", read(&dir, "bb.err"));
+    assert_eq!(code, Some(0), "{err}");
+    let text = read(&dir, "all.txt");
+    // Names right-aligned to the longest, as trace-cmd prints instances.
+    assert!(text
+        .lines()
+        .all(|l| l.starts_with(" a: ") || l.starts_with("bb: ")));
+    let lines = markers(&text);
+    assert_eq!(lines.len(), 25_000);
+    check_vm(&lines, "a", 10_000);
+    check_vm(&lines, "bb", 15_000);
+    assert!(
+        lines.windows(2).all(|w| w[0].2 <= w[1].2),
+        "not in time order"
+    );
+}
+
 /// A VMM stopped (SIGSTOP) during `collect --follow`: after the reply timeout it is
 /// named as no longer answering, the other VM completes, exit 1; the file holds what was
 /// read of the stopped one.
@@ -380,7 +422,7 @@ fn collect_refuses_bad_arguments() {
         (vec!["collect", "-o", &dat, "a b=/x"], "a VM's name"),
         (
             vec!["collect", "-o", "x.json", "a=/x"],
-            "collect writes trace.dat",
+            "collect writes trace.dat v7 or text",
         ),
     ] {
         let o = env::run(BIN, &args);

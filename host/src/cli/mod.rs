@@ -344,10 +344,10 @@ pub fn list(a: &ListArgs) -> Result<i32, CliError> {
 pub fn collect(a: &CollectArgs) -> Result<i32, CliError> {
     use crate::flight::collect::{parse_vms, CollectOpts};
     let vms = parse_vms(&a.vms).map_err(CliError::Args)?;
-    let is_stdout = a.output.as_os_str() == "-";
-    if !is_stdout && format_for(None, &a.output, "-o")? != FormatArg::Dat {
+    let format = format_for(a.format, &a.output, "-o")?;
+    if !matches!(format, FormatArg::Dat | FormatArg::Text) {
         return Err(CliError::Args(format!(
-            "-o {}: collect writes trace.dat v7 (a .dat file or -)",
+            "-o {}: collect writes trace.dat v7 or text (.dat, .txt, --format dat|text)",
             crate::drain::sink::shown_path(&a.output)
         )));
     }
@@ -358,6 +358,7 @@ pub fn collect(a: &CollectArgs) -> Result<i32, CliError> {
     let o = CollectOpts {
         vms: &vms,
         follow: a.follow,
+        text: format == FormatArg::Text,
         target: &target,
         out_path: &a.output,
         stop: &stop,

@@ -11,7 +11,9 @@
 //! that clock's nanoseconds through the VM's own clock map, so the instances share one
 //! time line and a reader merging them (trace-cmd report) prints one time order. A VM
 //! whose reading fails (it ends early, crashes, stops answering, lies) is named; the
-//! others go on, and the file holds what was read of it.
+//! others go on, and the file holds what was read of it. With `text`, the parts are
+//! written as text instead (`BufferSet::write_text`: merged by time, each line prefixed
+//! with its VM).
 
 use std::path::{Path, PathBuf};
 
@@ -33,6 +35,8 @@ pub struct CollectOpts<'a> {
     pub vms: &'a [(String, PathBuf)],
     /// Until every VM's vCPUs ended (or `stop`), instead of what is there now.
     pub follow: bool,
+    /// Text (`trace-cmd report -t` lines, each prefixed with its VM) instead of trace.dat.
+    pub text: bool,
     /// The output.
     pub target: &'a OutputTarget,
     /// The output as given (messages).
@@ -230,7 +234,12 @@ pub fn collect(o: &CollectOpts<'_>) -> Result<CollectReport, CollectError> {
             path: o.out_path.to_path_buf(),
         });
     }
-    set.write(o.target).map_err(|source| CollectError::Output {
+    let written = if o.text {
+        set.write_text(o.target).map(drop)
+    } else {
+        set.write(o.target).map(drop)
+    };
+    written.map_err(|source| CollectError::Output {
         path: o.out_path.to_path_buf(),
         source,
     })?;

@@ -16,7 +16,7 @@ use std::path::PathBuf;
 use super::head::{align_up, flyrecord_header, v7_instances_metadata, Instance, Layout};
 use super::ids::option;
 use super::params::Compression;
-use super::read::TraceFile;
+use super::read::{TraceFile, TraceItem};
 use crate::sink::TraceMeta;
 use crate::target::{OutputFile, OutputTarget};
 use crate::OutputError;
@@ -173,6 +173,69 @@ impl BufferSet {
         } = self;
         meta.formats = formats.into_iter().map(|(f, _)| f).collect();
         write_opened(target, &meta, &opened)
+    }
+}
+
+impl BufferSet {
+    /// Writes every part's events as `trace-cmd report -t` text to `target`, merged by
+    /// time across the parts (ties: the earlier part; in a part, as [`TraceFile::records`]
+    /// merges its CPUs), each line prefixed with its instance's name right-aligned to the
+    /// longest, as `trace-cmd report` prints a multi-buffer file's lines. Memory: one
+    /// reader and one pending line per part. Returns how many events were written.
+    pub fn write_text(&self, target: &OutputTarget) -> Result<u64, OutputError> {
+        use std::cmp::Reverse;
+        let width = self.opened.iter().map(|o| o.name.len()).max().unwrap_or(0);
+        let mut recs: Vec<_> = self.opened.iter().map(|o| o.file.records()).collect();
+        let mut last = vec![0u64; recs.len()];
+        // The next line of part `i`, keyed by its time (a loss line: the time of the
+        // part's last event, so it stays right before the event it precedes).
+        let mut next = |i: usize, recs: &mut Vec<super::read::Records<'_>>| {
+            let o = &self.opened[i];
+            // Bounded: each turn takes an item of the part's finite CPU data.
+            loop {
+                let item = recs[i].next_item()?;
+                if let TraceItem::Event(r) = &item {
+                    last[i] = r.ts_ns;
+                }
+                let mut line = format!("{:>width$}: ", o.name);
+                if o.file.format_item(&mut line, &item) {
+                    line.push('\n');
+                    return Some((last[i], line, matches!(item, TraceItem::Event(_))));
+                }
+            }
+        };
+        let mut heap = std::collections::BinaryHeap::new();
+        let mut pending: Vec<Option<(String, bool)>> = vec![None; recs.len()];
+        let mut out = std::io::BufWriter::with_capacity(1 << 16, target.open()?);
+        let mut events = 0u64;
+        // The parts whose next line is to be read: all at first, then the one written.
+        let mut advance: Vec<usize> = (0..recs.len()).collect();
+        loop {
+            for i in advance.drain(..) {
+                if let Some((ts, line, ev)) = next(i, &mut recs) {
+                    heap.push(Reverse((ts, i)));
+                    pending[i] = Some((line, ev));
+                }
+            }
+            let Some(Reverse((_, i))) = heap.pop() else {
+                break;
+            };
+            if let Some((line, ev)) = pending[i].take() {
+                out.write_all(line.as_bytes())
+                    .map_err(|e| out.get_ref().error(e))?;
+                events += u64::from(ev);
+            }
+            advance.push(i);
+        }
+        if let Some(e) = recs.iter().find_map(|r| r.error()) {
+            return Err(OutputError::BadMeta(format!("reading a part: {e}")));
+        }
+        let out = out.into_inner().map_err(|e| {
+            let (err, f) = e.into_parts();
+            f.get_ref().error(err)
+        })?;
+        out.finish()?;
+        Ok(events)
     }
 }
 
@@ -467,6 +530,27 @@ mod trace_cmd_tests {
             .unwrap();
         let text = String::from_utf8_lossy(&o.stdout);
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        // Our text of the same parts is trace-cmd's `report -t`, line for line (its
+        // `cpus=N` line of the empty top level aside).
+        let mut set =
+            BufferSet::new(TraceMeta::guest(4096, 2, crate::Clock::nanoseconds())).unwrap();
+        for p in &parts {
+            set.add(p).unwrap();
+        }
+        let txt = dir.path().join("all.txt");
+        assert_eq!(
+            set.write_text(&OutputTarget::check(&txt).unwrap()).unwrap(),
+            44
+        );
+        let t = std::process::Command::new("trace-cmd")
+            .args(["report", "-t", "-i"])
+            .arg(&out)
+            .output()
+            .unwrap();
+        let theirs = String::from_utf8_lossy(&t.stdout);
+        let theirs: Vec<&str> = theirs.lines().filter(|l| !l.starts_with("cpus=")).collect();
+        let ours = std::fs::read_to_string(&txt).unwrap();
+        assert_eq!(ours.lines().collect::<Vec<_>>(), theirs);
         let lines: Vec<&str> = text.lines().filter(|l| l.contains("marker")).collect();
         let count = |p: &str| {
             lines
