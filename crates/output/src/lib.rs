@@ -83,6 +83,6 @@ pub use text::{
 };
 pub use threaded::ThreadedSink;
 pub use tracedat::{
-    write_trace_dat, write_trace_dat_with, Compression, ReportFilter, TraceDatSink,
-    TraceDatVersion, TraceFile, TraceItem, TraceRecord,
+    write_buffers, write_trace_dat, write_trace_dat_with, BufferPart, BufferSet, Compression,
+    ReportFilter, TraceDatSink, TraceDatVersion, TraceFile, TraceItem, TraceRecord,
 };

@@ -101,7 +101,7 @@ fn input_error(path: &Path, e: &OutputError) -> ConvertError {
 /// front to back).
 pub enum Input {
     /// A trace.dat, and how many damaged parts its opening warned about.
-    TraceDat(TraceFile, usize),
+    TraceDat(Box<TraceFile>, usize),
     /// A raw page stream (`record --format raw`).
     Raw(RawReader),
 }
@@ -161,6 +161,14 @@ fn open_dat(at: &Path, path: &Path) -> Result<(TraceFile, usize), ConvertError> 
         },
         e => input_error(path, &e),
     })?;
+    if !file.instances.is_empty() {
+        let line = format!(
+            "{}: buffer instances not read: {} (hyptrace reads the top-level buffer only; trace-cmd report and KernelShark read them all)",
+            path.display(),
+            file.instances.join(", ")
+        );
+        note!("hyptrace: warning: {}", crate::exit::printable(&line));
+    }
     for d in &file.damage {
         warn_damage(path, d);
     }
@@ -181,7 +189,7 @@ pub fn open_input(path: &Path) -> Result<Input, ConvertError> {
     }
     let mut f = std::fs::File::open(path).map_err(|e| read_error(path, e))?;
     match kind_of(&read_head(&mut f, path)?, path)? {
-        InputKind::TraceDat => open_dat(path, path).map(|(f, n)| Input::TraceDat(f, n)),
+        InputKind::TraceDat => open_dat(path, path).map(|(f, n)| Input::TraceDat(Box::new(f), n)),
         InputKind::Raw => RawReader::open(path)
             .map(Input::Raw)
             .map_err(|e| input_error(path, &e)),
@@ -208,7 +216,7 @@ fn open_stdin(path: &Path) -> Result<Input, ConvertError> {
             let fd0 = Path::new("/proc/self/fd/0");
             let regular = std::fs::metadata(fd0).is_ok_and(|m| m.is_file());
             if regular {
-                return open_dat(fd0, path).map(|(f, n)| Input::TraceDat(f, n));
+                return open_dat(fd0, path).map(|(f, n)| Input::TraceDat(Box::new(f), n));
             }
             let spool_err = |e: std::io::Error| {
                 ConvertError::Input(format!(
@@ -221,7 +229,7 @@ fn open_stdin(path: &Path) -> Result<Input, ConvertError> {
             std::io::copy(&mut stdin.lock(), &mut spool).map_err(spool_err)?;
             let at = PathBuf::from(format!("/proc/self/fd/{}", spool.as_raw_fd()));
             // The reader opens its own descriptor of the spool; this one may close.
-            open_dat(&at, path).map(|(f, n)| Input::TraceDat(f, n))
+            open_dat(&at, path).map(|(f, n)| Input::TraceDat(Box::new(f), n))
         }
     }
 }

@@ -92,6 +92,33 @@ pub struct CtlArgs {
     pub command: Vec<String>,
 }
 
+/// Options of `hyptrace collect`.
+#[derive(Clone, Debug, Args)]
+pub struct CollectArgs {
+    /// Keep reading until every VM's vCPUs ended (or Ctrl-C), instead of collecting
+    /// what is there now.
+    #[arg(long)]
+    pub follow: bool,
+    /// Output: a trace.dat (v7, zstd; one buffer instance per VM) or text (`.txt`,
+    /// `.text`: `trace-cmd report -t` lines merged by time, each prefixed with its VM's
+    /// name), written to a temporary name and renamed when complete; `-` is stdout.
+    #[arg(short = 'o', long = "output", value_name = "FILE", required = true)]
+    pub output: PathBuf,
+    /// Output format: dat or text [default: from the extension; no extension or `-`:
+    /// dat].
+    #[arg(long, value_enum)]
+    pub format: Option<FormatArg>,
+    /// The VMs: each the control socket of a running `run --drain none --control
+    /// SOCKET` (on --clock mono, the default), named `NAME=SOCKET` or, without a name,
+    /// by the socket's file stem. A name is 1 to 64 of [A-Za-z0-9_.-], once each; at
+    /// most 64 VMs.
+    #[arg(value_name = "NAME=SOCKET", required = true, num_args = 1..)]
+    pub vms: Vec<String>,
+    /// `--output-mode` of the output file.
+    #[command(flatten)]
+    pub files: OutputModeArg,
+}
+
 /// Options of `hyptrace record`.
 #[derive(Clone, Debug, Args)]
 pub struct RecordArgs {

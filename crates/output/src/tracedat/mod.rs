@@ -9,11 +9,13 @@ mod cpudata;
 mod cpuout;
 mod head;
 mod ids;
+mod multi;
 mod params;
 mod write;
 mod zpool;
 
 pub use ids::{option, MAGIC};
+pub use multi::{valid_instance_name, write_buffers, BufferPart, BufferSet, MAX_INSTANCE_NAME};
 pub use params::{Compression, TraceDatVersion, ZSTD_CHUNK_PAGES};
 pub use read::{
     max_chunk, page_damage, CpuBuffer, CpuPages, Damage, FilterCounts, FilterError,

@@ -162,6 +162,9 @@ pub struct TraceFile {
     /// How many options were not kept in [`TraceFile::options`] (ids the reader does not
     /// use, buffers other than the top one).
     pub options_skipped: u64,
+    /// The names of the file's named buffer instances (trace-cmd's `-B NAME`, `hyptrace
+    /// collect`'s VMs), at most 256: this reader reads the top-level buffer only.
+    pub instances: Vec<String>,
     /// Where each CPU's pages are, in file order.
     pub cpus: Vec<CpuBuffer>,
     /// Damaged metadata `open` read past (a fallback or an omission for each; CPU data
@@ -231,6 +234,7 @@ impl TraceFile {
             ts_offset: 0,
             options: Vec::new(),
             options_skipped: 0,
+            instances: Vec::new(),
             cpus: Vec::new(),
             damage: Vec::new(),
             compressed: false,
