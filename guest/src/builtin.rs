@@ -72,8 +72,10 @@ pub static TEXT: Event<'static> = Event::new(
 /// The built-in events, in registration order.
 pub static BUILTINS: [&Event<'static>; 3] = [&MARKER, &SPAN, &TEXT];
 
-/// Polls of the table a vCPU other than 0 makes while vCPU 0 registers (vCPU 0's exit
-/// is answered at once; this only bounds a host that never answers).
+/// Polls of the table a vCPU other than 0 makes while vCPU 0 registers. The host may
+/// hold vCPU 0's answer until its drain loop starts (at most 10 s, `ANSWER_HOLD_MAX`,
+/// docs/abi.md); 2^32 polls, each with a spin-loop hint, outlast that by far and only
+/// bound a host that never answers.
 const WAIT_SPINS: u64 = 1 << 32;
 
 /// `out` to `port` that is also a compiler barrier (no `nomem`): the table's stores stay

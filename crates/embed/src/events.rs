@@ -213,6 +213,9 @@ pub struct Events<M> {
     cv: Condvar,
     /// Answers wait for [`Events::release_answers`] (see [`Events::hold_answers`]).
     held: AtomicBool,
+    /// A registration exit without a table was logged (once: a guest that loops on
+    /// the exit must not flood the log).
+    told_no_table: AtomicBool,
 }
 
 impl<M: SharedMem> Events<M> {
@@ -232,6 +235,7 @@ impl<M: SharedMem> Events<M> {
             state: Mutex::new(State::Waiting { early: 0 }),
             cv: Condvar::new(),
             held: AtomicBool::new(false),
+            told_no_table: AtomicBool::new(false),
         }
     }
 
@@ -265,7 +269,9 @@ impl<M: SharedMem> Events<M> {
     /// work whatever the guest wrote (the hold aside: [`ANSWER_HOLD_MAX`]).
     pub fn on_register(&self, vcpu: u32) -> Exit {
         if self.geometry.events_size == 0 {
-            log::warn!("vcpu {vcpu}: registration exit, but the region has no table");
+            if !self.told_no_table.swap(true, SeqCst) {
+                log::warn!("vcpu {vcpu}: registration exit, but the region has no table");
+            }
             return Exit::NoTable;
         }
         let mut st = self.lock();
@@ -284,7 +290,12 @@ impl<M: SharedMem> Events<M> {
                     after: since.elapsed(),
                     why: settled.why(),
                 };
-                log::warn!("{l}");
+                // Logged once (the first is kept); a guest that loops on the exit gets
+                // the same answer without flooding the log.
+                match late {
+                    None => log::warn!("{l}"),
+                    Some(_) => log::debug!("{l}"),
+                }
                 late.get_or_insert(l);
                 return Exit::Late;
             }

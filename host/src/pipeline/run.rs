@@ -271,7 +271,8 @@ impl<'a> Run<'a> {
         let server = control.map(ControlServer::bind).transpose()?;
         let (table, reader) = b.rings(&vm, &plan, wrap)?;
         // No event before the run reads: the registration's answer waits for the drain
-        // loop (released right before it starts, or on any early return).
+        // loop (released right before it starts; on an early return, when the VM is
+        // stopped: `RegisterHook::on_stop`, whatever the drop order).
         let gate = AnswerGate::hold(&table);
         let running = vm.start_with_events(&plan.params, table.clone())?;
         let host_trace = host_trace
@@ -295,7 +296,7 @@ impl<'a> Run<'a> {
         // before its registration is answered); a failure stops the VM (dropped).
         let clock = b.host_clock.clock.clone();
         let stdout = Arc::new(StdoutState::default());
-        let (output, shown) = match open_output(
+        let (output, shown) = open_output(
             target,
             &plan,
             &clock,
@@ -303,15 +304,7 @@ impl<'a> Run<'a> {
             &formats,
             host_trace.as_ref(),
             interrupts,
-        ) {
-            Ok(o) => o,
-            Err(e) => {
-                // Before the VM (dropped next, joining its vCPUs): vCPU 0 may be
-                // waiting for the answer the gate holds.
-                drop(gate);
-                return Err(e);
-            }
-        };
+        )?;
         let trace_mem = b.trace_mem.take().map(Arc::new);
         let mut session = b.session(reader, output, &formats, &plan, trace_mem.as_ref());
         if let Some((feed, hformats)) = host_trace {

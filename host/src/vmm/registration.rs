@@ -46,11 +46,20 @@ impl<M> std::ops::Deref for EventTable<M> {
 pub trait RegisterHook: Send + Sync {
     /// Answers the registration (synchronously: the vCPU resumes after this returns).
     fn on_register(&self, vcpu: u32);
+
+    /// The VM is stopping ([`crate::vmm::vm::RunningVm::stop`]): a vCPU waiting in
+    /// [`RegisterHook::on_register`] must not keep it from ending (a held answer is
+    /// released), whatever the order in which the caller drops what it holds.
+    fn on_stop(&self) {}
 }
 
 impl<M: SharedMem + Send + Sync> RegisterHook for EventTable<M> {
     fn on_register(&self, vcpu: u32) {
         self.register(vcpu);
+    }
+
+    fn on_stop(&self) {
+        self.release_answers();
     }
 }
 
@@ -256,6 +265,35 @@ mod tests {
         let t = EventTable::new(m.clone(), l, Selection::default());
         t.register(0);
         assert_eq!(read_answer(&*m, &[&A]), Ok(1));
+    }
+
+    /// A VM stopped while vCPU 0's answer is held (an early return of the run: a bad
+    /// `-e`, a failed output) ends the held exit at once: `RunningVm::stop` calls
+    /// `on_stop`, so joining the vCPU never waits out the hold (review, issue 38).
+    #[test]
+    fn stopping_releases_a_held_answer() {
+        static A: Event<'static> = Event::new("g", "a", F, "\"%llu\", REC->v", 16, 0, 0);
+        let (m, l) = region();
+        write_table(&*m, &[&A]).unwrap();
+        let t = Arc::new(EventTable::new(m.clone(), l, Selection::default()));
+        t.hold_answers();
+        let exit = {
+            let t = Arc::clone(&t);
+            std::thread::spawn(move || t.register(0))
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        assert_eq!(
+            t.settle(Duration::from_millis(1), || Instant::now() > deadline),
+            Settled::Registered
+        );
+        RegisterHook::on_stop(&*t);
+        // Well within the hold: without `on_stop` the exit would return only after it.
+        let bound = Instant::now() + hyptrace_embed::ANSWER_HOLD_MAX / 2;
+        while !exit.is_finished() {
+            assert!(Instant::now() < bound, "the held exit outlived the stop");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        exit.join().expect("exit thread");
     }
 
     #[test]

@@ -573,6 +573,9 @@ impl RunningVm {
     /// Idempotent; vCPUs that already ended keep their outcome.
     pub fn stop(&self) {
         self.shared.stop.store(true, Ordering::SeqCst);
+        // A vCPU whose registration answer is held waits in the hook, where no kick
+        // reaches it: release it, or joining it would wait out the hold.
+        self.shared.events.on_stop();
         for h in &self.threads {
             if !h.is_finished() {
                 // An error only means the thread has just exited.
