@@ -21,11 +21,11 @@ use hyptrace_output::OutputError;
 
 use crate::drain::signals::{Interrupts, SignalError};
 use crate::drain::sink::{
-    compression_for, format_for, write_destination, DestinationError, FormatArg,
+    compression_for, format_for, write_destination, DestinationError, Format,
 };
 use crate::exit::{chain, EXIT_ABORT, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE};
 use crate::pipeline::options::{
-    ConvertArgs, CtlArgs, ListArgs, ModeArg, RecordArgs, ReportArgs, RunArgs,
+    self, ConvertArgs, CtlArgs, ListArgs, ModeArg, RecordArgs, ReportArgs, RunArgs,
 };
 use crate::pipeline::plan::{Plan, PlanError};
 use crate::pipeline::run::{Run, RunError, Target};
@@ -88,7 +88,7 @@ pub enum Command {
     /// crashed or finished — to a file in any `record` format: every committed event
     /// no reader consumed, with the exact losses. With `--attach SOCKET`: read a running
     /// VMM's rings live (`--drain none --trace-mem --control`), once or `--follow`.
-    Dump(crate::flight::dump::DumpArgs),
+    Dump(crate::pipeline::options::DumpArgs),
     /// Convert a trace (trace.dat v6/v7/zstd, ours or the kernel's, or a raw page
     /// stream) into any output format of `record`.
     Convert(ConvertArgs),
@@ -237,7 +237,7 @@ where
         Command::Bench(args) => crate::bench::bench(&args)
             .map(|()| EXIT_OK)
             .map_err(CliError::from),
-        Command::Dump(args) => crate::flight::dump::dump(&args).map_err(CliError::from),
+        Command::Dump(args) => crate::flight::dump::dump(&args.plan()).map_err(CliError::from),
         Command::Ctl(args) => ctl(&args),
         Command::Completions(args) => {
             use std::io::Write as _;
@@ -286,30 +286,21 @@ pub fn run(a: &RunArgs) -> Result<i32, CliError> {
 
 /// `hyptrace record`.
 pub fn record(a: &RecordArgs) -> Result<i32, CliError> {
-    let format = format_for(a.format, &a.output, "-o")?;
-    let compression =
-        compression_for(format, a.compression).map_err(|e| CliError::Args(e.to_string()))?;
+    let format = format_for(options::format(a.format), &a.output, "-o")?;
+    let compression = compression_for(format, a.compression.map(Into::into))
+        .map_err(|e| CliError::Args(e.to_string()))?;
     execute(&a.run, Some((&a.output, format, compression)))
 }
 
 /// `hyptrace list`: the guest's registered events on stdout, its rejected entries as
 /// warnings on stderr.
 pub fn list(a: &ListArgs) -> Result<i32, CliError> {
-    let mut argv: Vec<OsString> = ["hyptrace", "run", "--vcpus", "1", "--events", "0"]
-        .iter()
-        .map(OsString::from)
-        .collect();
-    if let Some(g) = &a.guest {
-        argv.push("--guest".into());
-        argv.push(g.clone().into_os_string());
-    }
-    let Command::Run(run_args) = Cli::try_parse_from(argv)
-        .map_err(|e| CliError::Args(e.to_string()))?
-        .command
-    else {
-        unreachable!("parsed as `run`")
-    };
-    let plan = Plan::new(&run_args)?;
+    let plan = Plan::new(&RunArgs {
+        vcpus: 1,
+        events: 0,
+        guest: a.guest.clone(),
+        ..RunArgs::default()
+    })?;
     let (events, rejected) = crate::pipeline::list::list_guest(plan)?;
     for r in rejected {
         note!("hyptrace: warning: {r}");
@@ -351,7 +342,7 @@ pub fn ctl(a: &CtlArgs) -> Result<i32, CliError> {
 /// Returns the run's exit code (its causes are on stderr already).
 fn execute(
     a: &RunArgs,
-    file: Option<(&PathBuf, FormatArg, hyptrace_output::Compression)>,
+    file: Option<(&PathBuf, Format, hyptrace_output::Compression)>,
 ) -> Result<i32, CliError> {
     let mut plan = Plan::new(a)?;
     if file.is_some() {

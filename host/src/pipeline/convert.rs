@@ -18,8 +18,8 @@ use hyptrace_output::{
     ReportFilter, RunSummary, TextSink, TraceFile, TraceMeta,
 };
 
-use crate::drain::sink::{format_for, FormatArg};
-use crate::pipeline::options::{ConvertArgs, ReportArgs};
+use crate::drain::sink::{format_for, Format};
+use crate::pipeline::options::{self, ConvertArgs, ReportArgs};
 
 /// What a trace file is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -599,8 +599,8 @@ fn check_raw_formats(f: &TraceFile, path: &Path) -> Result<(), ConvertError> {
 
 /// `hyptrace convert`.
 pub fn convert(a: &ConvertArgs) -> Result<(), ConvertError> {
-    let format = format_for(a.format, &a.output, "-o")?;
-    let compression = crate::drain::sink::compression_for(format, a.compression)?;
+    let format = format_for(options::format(a.format), &a.output, "-o")?;
+    let compression = crate::drain::sink::compression_for(format, a.compression.map(Into::into))?;
     let input = open_input(&a.input)?;
     let target = a.files.check(&a.output, "-o")?;
     let mut damage = 0usize;
@@ -612,7 +612,7 @@ pub fn convert(a: &ConvertArgs) -> Result<(), ConvertError> {
         }
         Input::TraceDat(f, n) => {
             damage = n;
-            if format == FormatArg::Raw {
+            if format == Format::Raw {
                 check_raw_formats(&f, &a.input)?;
             }
             let sink = crate::drain::sink::make_sink(&target, format, compression, meta_of(&f))
@@ -624,7 +624,7 @@ pub fn convert(a: &ConvertArgs) -> Result<(), ConvertError> {
             match format {
                 // A trace.dat keeps each CPU's data in one piece: fed CPU by CPU, it is
                 // written once, straight to its place.
-                FormatArg::Dat | FormatArg::Dat6 => pump_by_cpu(&f, sink, &mut on_damage),
+                Format::Dat | Format::Dat6 => pump_by_cpu(&f, sink, &mut on_damage),
                 _ => pump_pages(&f, sink, &mut on_damage),
             }
         }

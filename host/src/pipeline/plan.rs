@@ -420,7 +420,7 @@ impl Plan {
                 flags,
                 burst: 0,
                 payload: 0,
-                clock: a.clock,
+                clock: a.clock.into(),
             },
             duration,
             poll: Duration::from_millis(a.poll_ms),
@@ -430,7 +430,7 @@ impl Plan {
                 enable: a.event.clone(),
                 disable: a.disable.clone(),
             },
-            clock: a.clock,
+            clock: a.clock.into(),
             host_events: a.host_events,
             host_trace: crate::drain::host_trace::HostTraceSpec::parse(
                 &a.host_trace,
@@ -452,17 +452,10 @@ impl Plan {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cli::{Cli, Command};
-    use crate::pipeline::options::parse_duration;
-    use clap::Parser;
+    use crate::pipeline::options::{parse_duration, parse_run};
 
     fn args(extra: &[&str]) -> RunArgs {
-        let mut v = vec!["hyptrace", "run"];
-        v.extend_from_slice(extra);
-        match Cli::try_parse_from(v).expect("parses").command {
-            Command::Run(a) => a,
-            c => panic!("not run: {c:?}"),
-        }
+        parse_run(extra).expect("parses")
     }
 
     fn plan(a: &RunArgs) -> Result<Plan, PlanError> {
@@ -478,9 +471,7 @@ mod tests {
     }
 
     fn parse_err(extra: &[&str]) -> String {
-        let mut v = vec!["hyptrace", "run"];
-        v.extend_from_slice(extra);
-        match Cli::try_parse_from(v) {
+        match parse_run(extra) {
             Ok(c) => panic!("{extra:?} parsed: {c:?}"),
             Err(e) => e.render().to_string(),
         }

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::drain::session::SessionError;
-use crate::drain::sink::FormatArg;
+use crate::drain::sink::Format;
 use crate::exit::{EXIT_CRASH, EXIT_OK, EXIT_RUNTIME};
 use crate::pipeline::options::ModeArg;
 use crate::pipeline::plan::OptionsEcho;
@@ -239,7 +239,7 @@ pub enum Destination {
         /// The path given.
         path: PathBuf,
         /// Its format.
-        format: FormatArg,
+        format: Format,
     },
 }
 

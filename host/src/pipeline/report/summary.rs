@@ -3,7 +3,7 @@
 
 use std::fmt;
 
-use crate::drain::sink::{shown_path, FormatArg};
+use crate::drain::sink::{shown_path, Format};
 use crate::pipeline::options::ModeArg;
 use crate::vmm::vcpu::VcpuOutcome;
 
@@ -227,14 +227,14 @@ pub(super) fn sat_sum(v: impl IntoIterator<Item = u64>) -> u64 {
 }
 
 /// What a file of `format` is called in messages.
-pub(super) fn format_name(format: FormatArg) -> &'static str {
+pub(super) fn format_name(format: Format) -> &'static str {
     match format {
-        FormatArg::Dat => "trace.dat (v7)",
-        FormatArg::Dat6 => "trace.dat (v6)",
-        FormatArg::Json => "JSON",
-        FormatArg::Perfetto => "Perfetto trace",
-        FormatArg::Text => "text",
-        FormatArg::Raw => "raw pages",
+        Format::Dat => "trace.dat (v7)",
+        Format::Dat6 => "trace.dat (v6)",
+        Format::Json => "JSON",
+        Format::Perfetto => "Perfetto trace",
+        Format::Text => "text",
+        Format::Raw => "raw pages",
     }
 }
 

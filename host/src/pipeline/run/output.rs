@@ -11,7 +11,7 @@ use hyptrace_output::{Clock, EventFormat, OutputError, QuietStdout, ThreadedSink
 use crate::drain::host_trace::HostTraceFeed;
 use crate::drain::session::Output;
 use crate::drain::signals::Interrupts;
-use crate::drain::sink::{make_sink, FormatArg};
+use crate::drain::sink::{make_sink, Format};
 use crate::pipeline::plan::Plan;
 
 use super::{RunError, Target};
@@ -19,7 +19,7 @@ use super::{RunError, Target};
 /// What the report says of where the events went.
 pub(super) enum Shown {
     Stdout,
-    File { path: PathBuf, format: FormatArg },
+    File { path: PathBuf, format: Format },
     Sink,
 }
 
