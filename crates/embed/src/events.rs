@@ -96,6 +96,12 @@ pub enum Settled {
 
 impl Settled {
     /// Why a run went on without a registration, for [`LateRegistration`].
+    /// # Examples
+    ///
+    /// ```
+    /// use hyptrace_embed::Settled;
+    /// assert!(Settled::Unregistered.why().contains("before any registration"));
+    /// ```
     pub fn why(&self) -> &'static str {
         match self {
             Self::Unregistered => "a vCPU had written an event before any registration",
@@ -218,12 +224,62 @@ pub struct Events<M> {
 impl<M: SharedMem> Events<M> {
     /// The registration of the rings `geometry` describes in `mem`, every valid event
     /// enabled.
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::{sync::Arc, time::Duration};
+    /// # use hyptrace_abi::{layout::{Mode, RingGeometry}, registry::DEFAULT_TABLE_SIZE, HeapMem};
+    /// # use hyptrace_embed::{Events, Exit, Selection, Tracer};
+    /// # hyptrace_writer::event! {
+    /// #     pub struct Tick { system: "demo", name: "tick", slot: 0, id: 0,
+    /// #         print: "\"n=%u\", REC->n", fields: { n: u32 } }
+    /// # }
+    /// # let geometry = RingGeometry::new(1, 4, 4096, Mode::Stop, false)?.with_events(DEFAULT_TABLE_SIZE)?;
+    /// # let mem = Arc::new(HeapMem::new(geometry.region_size));
+    /// # let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), geometry, Duration::from_secs(5));
+    /// # let tracer = Tracer::alloc(mem.clone(), geometry, cb, 1_000_000)?;
+    /// # let register = |events: &Events<Arc<HeapMem>>| -> Result<(), Box<dyn std::error::Error>> {
+    /// #     hyptrace_writer::events::register(&*mem, &[Tick::event()], || { events.on_register(0); })?;
+    /// #     Ok(())
+    /// # };
+    /// let events = Arc::new(Events::new(mem.clone(), geometry)); // shared with the vCPU threads
+    /// register(&events)?;
+    /// assert_eq!(events.formats()[0].name, "tick");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn new(mem: M, geometry: RingGeometry) -> Self {
         Self::with_selection(mem, geometry, Selection::default())
     }
 
     /// [`Events::new`] enabling the events `selection` names (an unknown name enables
     /// nothing and is kept: [`Events::selection_error`]).
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::{sync::Arc, time::Duration};
+    /// # use hyptrace_abi::{layout::{Mode, RingGeometry}, registry::DEFAULT_TABLE_SIZE, HeapMem};
+    /// # use hyptrace_embed::{Events, Exit, Selection, Tracer};
+    /// # hyptrace_writer::event! {
+    /// #     pub struct Tick { system: "demo", name: "tick", slot: 0, id: 0,
+    /// #         print: "\"n=%u\", REC->n", fields: { n: u32 } }
+    /// # }
+    /// # let geometry = RingGeometry::new(1, 4, 4096, Mode::Stop, false)?.with_events(DEFAULT_TABLE_SIZE)?;
+    /// # let mem = Arc::new(HeapMem::new(geometry.region_size));
+    /// # let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), geometry, Duration::from_secs(5));
+    /// # let tracer = Tracer::alloc(mem.clone(), geometry, cb, 1_000_000)?;
+    /// # let register = |events: &Events<Arc<HeapMem>>| -> Result<(), Box<dyn std::error::Error>> {
+    /// #     hyptrace_writer::events::register(&*mem, &[Tick::event()], || { events.on_register(0); })?;
+    /// #     Ok(())
+    /// # };
+    /// let events = Events::with_selection(mem.clone(), geometry, Selection {
+    ///     enable: vec!["demo:*".into()],
+    ///     disable: vec![],
+    /// });
+    /// register(&events)?; // the guest's registration exit
+    /// assert!(events.list()?[0].enabled);
+    /// assert!(events.selection_error().is_none());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn with_selection(mem: M, geometry: RingGeometry, selection: Selection) -> Self {
         Self {
             mem,
@@ -245,12 +301,47 @@ impl<M: SharedMem> Events<M> {
     /// VMM reads — its output open, its drain loop about to start. The formats are known
     /// before the answer (the table is read and checked first), so the output can open
     /// meanwhile.
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::{sync::Arc, time::Duration};
+    /// # use hyptrace_abi::{layout::{Mode, RingGeometry}, registry::DEFAULT_TABLE_SIZE, HeapMem};
+    /// # use hyptrace_embed::{Events, Exit, Selection, Tracer};
+    /// # hyptrace_writer::event! {
+    /// #     pub struct Tick { system: "demo", name: "tick", slot: 0, id: 0,
+    /// #         print: "\"n=%u\", REC->n", fields: { n: u32 } }
+    /// # }
+    /// # let geometry = RingGeometry::new(1, 4, 4096, Mode::Stop, false)?.with_events(DEFAULT_TABLE_SIZE)?;
+    /// # let mem = Arc::new(HeapMem::new(geometry.region_size));
+    /// # let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), geometry, Duration::from_secs(5));
+    /// # let tracer = Tracer::alloc(mem.clone(), geometry, cb, 1_000_000)?;
+    /// # let _register = |events: &Events<Arc<HeapMem>>| -> Result<(), Box<dyn std::error::Error>> {
+    /// #     hyptrace_writer::events::register(&*mem, &[Tick::event()], || { events.on_register(0); })?;
+    /// #     Ok(())
+    /// # };
+    /// let events = Arc::new(Events::new(mem.clone(), geometry));
+    /// events.hold_answers(); // before the vCPUs start
+    /// let (e, m) = (events.clone(), mem.clone());
+    /// let vcpu = std::thread::spawn(move || {
+    ///     // The guest writes its table and rings; the exit waits for the release.
+    ///     let mut exit = Exit::NotReady;
+    ///     hyptrace_writer::events::register(&*m, &[Tick::event()], || exit = e.on_register(0))
+    ///         .map(|_| exit)
+    /// });
+    /// // ... open the output with the formats, start the drain loop ...
+    /// events.release_answers();
+    /// assert_eq!(vcpu.join().expect("vcpu")?, Exit::Answered);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn hold_answers(&self) {
         self.held.store(true, SeqCst);
     }
 
     /// Answers a registration held by [`Events::hold_answers`], and every later one at
     /// once.
+    /// # Examples
+    ///
+    /// See [`Events::hold_answers`].
     pub fn release_answers(&self) {
         let _st = self.lock();
         self.held.store(false, SeqCst);
@@ -263,6 +354,32 @@ impl<M: SharedMem> Events<M> {
     /// Only the first ready table is answered; later exits change nothing; an exit after
     /// the wait ended without a registration is answered REFUSED and kept (L1). Bounded
     /// work whatever the guest wrote (the hold aside: [`ANSWER_HOLD_MAX`]).
+    /// # Examples
+    ///
+    /// In a KVM VMM, on the vCPU thread: `match doorbell.ring(access) { Some(Ring::Register) => { events.on_register(vcpu_id); } ... }`, then resume the vCPU.
+    ///
+    /// ```
+    /// # use std::{sync::Arc, time::Duration};
+    /// # use hyptrace_abi::{layout::{Mode, RingGeometry}, registry::DEFAULT_TABLE_SIZE, HeapMem};
+    /// # use hyptrace_embed::{Events, Exit, Selection, Tracer};
+    /// # hyptrace_writer::event! {
+    /// #     pub struct Tick { system: "demo", name: "tick", slot: 0, id: 0,
+    /// #         print: "\"n=%u\", REC->n", fields: { n: u32 } }
+    /// # }
+    /// # let geometry = RingGeometry::new(1, 4, 4096, Mode::Stop, false)?.with_events(DEFAULT_TABLE_SIZE)?;
+    /// # let mem = Arc::new(HeapMem::new(geometry.region_size));
+    /// # let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), geometry, Duration::from_secs(5));
+    /// # let tracer = Tracer::alloc(mem.clone(), geometry, cb, 1_000_000)?;
+    /// # let register = |events: &Events<Arc<HeapMem>>| -> Result<(), Box<dyn std::error::Error>> {
+    /// #     hyptrace_writer::events::register(&*mem, &[Tick::event()], || { events.on_register(0); })?;
+    /// #     Ok(())
+    /// # };
+    /// let events = Events::new(mem.clone(), geometry);
+    /// assert_eq!(events.on_register(0), Exit::NotReady); // no table written yet
+    /// register(&events)?; // the guest writes its table, then rings: on_register(0)
+    /// assert_eq!(events.on_register(0), Exit::Ignored); // answered: later exits change nothing
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn on_register(&self, vcpu: u32) -> Exit {
         if self.geometry.events_size == 0 {
             log::warn!("vcpu {vcpu}: registration exit, but the region has no table");
@@ -370,6 +487,30 @@ impl<M: SharedMem> Events<M> {
     /// for the answer, however late vCPU 0 starts. A wait that ends without a
     /// registration closes the table (L1): a later registration exit is refused
     /// ([`Events::late_registration`]). A settled table stays settled.
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::{sync::Arc, time::Duration};
+    /// # use hyptrace_abi::{layout::{Mode, RingGeometry}, registry::DEFAULT_TABLE_SIZE, HeapMem};
+    /// # use hyptrace_embed::{Events, Exit, Selection, Tracer};
+    /// # hyptrace_writer::event! {
+    /// #     pub struct Tick { system: "demo", name: "tick", slot: 0, id: 0,
+    /// #         print: "\"n=%u\", REC->n", fields: { n: u32 } }
+    /// # }
+    /// # let geometry = RingGeometry::new(1, 4, 4096, Mode::Stop, false)?.with_events(DEFAULT_TABLE_SIZE)?;
+    /// # let mem = Arc::new(HeapMem::new(geometry.region_size));
+    /// # let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), geometry, Duration::from_secs(5));
+    /// # let tracer = Tracer::alloc(mem.clone(), geometry, cb, 1_000_000)?;
+    /// # let register = |events: &Events<Arc<HeapMem>>| -> Result<(), Box<dyn std::error::Error>> {
+    /// #     hyptrace_writer::events::register(&*mem, &[Tick::event()], || { events.on_register(0); })?;
+    /// #     Ok(())
+    /// # };
+    /// let events = Events::new(mem.clone(), geometry);
+    /// register(&events)?;
+    /// let settled = events.settle(Duration::from_millis(1), || false /* vCPU 0 ended, a signal... */);
+    /// assert_eq!(settled, hyptrace_embed::Settled::Registered);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn settle(&self, step: Duration, mut give_up: impl FnMut() -> bool) -> Settled {
         let no_table = self.geometry.events_size == 0;
         let mut st = self.lock();
@@ -403,6 +544,30 @@ impl<M: SharedMem> Events<M> {
     /// [`RegisterError`]: the table was refused, the pack has none, the guest wrote
     /// without registering, or nothing came within `timeout` (a later registration is
     /// then refused: L1).
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::{sync::Arc, time::Duration};
+    /// # use hyptrace_abi::{layout::{Mode, RingGeometry}, registry::DEFAULT_TABLE_SIZE, HeapMem};
+    /// # use hyptrace_embed::{Events, Exit, Selection, Tracer};
+    /// # hyptrace_writer::event! {
+    /// #     pub struct Tick { system: "demo", name: "tick", slot: 0, id: 0,
+    /// #         print: "\"n=%u\", REC->n", fields: { n: u32 } }
+    /// # }
+    /// # let geometry = RingGeometry::new(1, 4, 4096, Mode::Stop, false)?.with_events(DEFAULT_TABLE_SIZE)?;
+    /// # let mem = Arc::new(HeapMem::new(geometry.region_size));
+    /// # let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), geometry, Duration::from_secs(5));
+    /// # let tracer = Tracer::alloc(mem.clone(), geometry, cb, 1_000_000)?;
+    /// # let register = |events: &Events<Arc<HeapMem>>| -> Result<(), Box<dyn std::error::Error>> {
+    /// #     hyptrace_writer::events::register(&*mem, &[Tick::event()], || { events.on_register(0); })?;
+    /// #     Ok(())
+    /// # };
+    /// let events = Events::new(mem.clone(), geometry);
+    /// register(&events)?;
+    /// let registered = events.wait(Duration::from_secs(10))?;
+    /// assert_eq!((registered.formats.len(), registered.rejected.len()), (1, 0));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn wait(&self, timeout: Duration) -> Result<Registered, RegisterError> {
         let until = Instant::now() + timeout;
         let step = Duration::from_millis(1);
@@ -420,6 +585,31 @@ impl<M: SharedMem> Events<M> {
 
     /// The registration exit that came after the wait ended without one (L1), if any:
     /// the run should fail naming it.
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::{sync::Arc, time::Duration};
+    /// # use hyptrace_abi::{layout::{Mode, RingGeometry}, registry::DEFAULT_TABLE_SIZE, HeapMem};
+    /// # use hyptrace_embed::{Events, Exit, Selection, Tracer};
+    /// # hyptrace_writer::event! {
+    /// #     pub struct Tick { system: "demo", name: "tick", slot: 0, id: 0,
+    /// #         print: "\"n=%u\", REC->n", fields: { n: u32 } }
+    /// # }
+    /// # let geometry = RingGeometry::new(1, 4, 4096, Mode::Stop, false)?.with_events(DEFAULT_TABLE_SIZE)?;
+    /// # let mem = Arc::new(HeapMem::new(geometry.region_size));
+    /// # let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), geometry, Duration::from_secs(5));
+    /// # let tracer = Tracer::alloc(mem.clone(), geometry, cb, 1_000_000)?;
+    /// # let register = |events: &Events<Arc<HeapMem>>| -> Result<(), Box<dyn std::error::Error>> {
+    /// #     hyptrace_writer::events::register(&*mem, &[Tick::event()], || { events.on_register(0); })?;
+    /// #     Ok(())
+    /// # };
+    /// let events = Events::new(mem.clone(), geometry);
+    /// assert!(events.wait(Duration::ZERO).is_err()); // the run goes on without formats
+    /// assert!(register(&events).is_err()); // too late: the guest is answered REFUSED
+    /// let late = events.late_registration().expect("kept");
+    /// assert_eq!(late.vcpu, 0); // fail the run naming it
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn late_registration(&self) -> Option<LateRegistration> {
         match &*self.lock() {
             State::Closed { late, .. } => late.clone(),
@@ -432,6 +622,30 @@ impl<M: SharedMem> Events<M> {
     /// # Errors
     ///
     /// [`EventsError::NotRegistered`] before the registration, or without one.
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::{sync::Arc, time::Duration};
+    /// # use hyptrace_abi::{layout::{Mode, RingGeometry}, registry::DEFAULT_TABLE_SIZE, HeapMem};
+    /// # use hyptrace_embed::{Events, Exit, Selection, Tracer};
+    /// # hyptrace_writer::event! {
+    /// #     pub struct Tick { system: "demo", name: "tick", slot: 0, id: 0,
+    /// #         print: "\"n=%u\", REC->n", fields: { n: u32 } }
+    /// # }
+    /// # let geometry = RingGeometry::new(1, 4, 4096, Mode::Stop, false)?.with_events(DEFAULT_TABLE_SIZE)?;
+    /// # let mem = Arc::new(HeapMem::new(geometry.region_size));
+    /// # let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), geometry, Duration::from_secs(5));
+    /// # let tracer = Tracer::alloc(mem.clone(), geometry, cb, 1_000_000)?;
+    /// # let register = |events: &Events<Arc<HeapMem>>| -> Result<(), Box<dyn std::error::Error>> {
+    /// #     hyptrace_writer::events::register(&*mem, &[Tick::event()], || { events.on_register(0); })?;
+    /// #     Ok(())
+    /// # };
+    /// let events = Events::new(mem.clone(), geometry);
+    /// assert!(events.registry().is_err()); // not yet
+    /// register(&events)?;
+    /// assert_eq!(events.registry()?.events.len(), 1);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn registry(&self) -> Result<Registry, EventsError> {
         match &*self.lock() {
             State::Registered { reg, .. } => Ok(reg.clone()),
@@ -440,16 +654,89 @@ impl<M: SharedMem> Events<M> {
     }
 
     /// The accepted events (after the registration).
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::{sync::Arc, time::Duration};
+    /// # use hyptrace_abi::{layout::{Mode, RingGeometry}, registry::DEFAULT_TABLE_SIZE, HeapMem};
+    /// # use hyptrace_embed::{Events, Exit, Selection, Tracer};
+    /// # hyptrace_writer::event! {
+    /// #     pub struct Tick { system: "demo", name: "tick", slot: 0, id: 0,
+    /// #         print: "\"n=%u\", REC->n", fields: { n: u32 } }
+    /// # }
+    /// # let geometry = RingGeometry::new(1, 4, 4096, Mode::Stop, false)?.with_events(DEFAULT_TABLE_SIZE)?;
+    /// # let mem = Arc::new(HeapMem::new(geometry.region_size));
+    /// # let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), geometry, Duration::from_secs(5));
+    /// # let tracer = Tracer::alloc(mem.clone(), geometry, cb, 1_000_000)?;
+    /// # let register = |events: &Events<Arc<HeapMem>>| -> Result<(), Box<dyn std::error::Error>> {
+    /// #     hyptrace_writer::events::register(&*mem, &[Tick::event()], || { events.on_register(0); })?;
+    /// #     Ok(())
+    /// # };
+    /// let events = Events::new(mem.clone(), geometry);
+    /// register(&events)?;
+    /// let r = &events.registrations()[0];
+    /// assert_eq!((r.system.as_str(), r.name.as_str()), ("demo", "tick"));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn registrations(&self) -> Vec<Registration> {
         self.registry().map(|r| r.events).unwrap_or_default()
     }
 
     /// The rejected entries (after the registration).
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::{sync::Arc, time::Duration};
+    /// # use hyptrace_abi::{layout::{Mode, RingGeometry}, registry::DEFAULT_TABLE_SIZE, HeapMem};
+    /// # use hyptrace_embed::{Events, Exit, Selection, Tracer};
+    /// # hyptrace_writer::event! {
+    /// #     pub struct Tick { system: "demo", name: "tick", slot: 0, id: 0,
+    /// #         print: "\"n=%u\", REC->n", fields: { n: u32 } }
+    /// # }
+    /// # let geometry = RingGeometry::new(1, 4, 4096, Mode::Stop, false)?.with_events(DEFAULT_TABLE_SIZE)?;
+    /// # let mem = Arc::new(HeapMem::new(geometry.region_size));
+    /// # let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), geometry, Duration::from_secs(5));
+    /// # let tracer = Tracer::alloc(mem.clone(), geometry, cb, 1_000_000)?;
+    /// # let register = |events: &Events<Arc<HeapMem>>| -> Result<(), Box<dyn std::error::Error>> {
+    /// #     hyptrace_writer::events::register(&*mem, &[Tick::event()], || { events.on_register(0); })?;
+    /// #     Ok(())
+    /// # };
+    /// let events = Events::new(mem.clone(), geometry);
+    /// register(&events)?;
+    /// assert!(events.rejections().is_empty()); // every entry was valid
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn rejections(&self) -> Vec<Rejection> {
         self.registry().map(|r| r.rejected).unwrap_or_default()
     }
 
     /// The selection error of the registration (a name no registered event has).
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::{sync::Arc, time::Duration};
+    /// # use hyptrace_abi::{layout::{Mode, RingGeometry}, registry::DEFAULT_TABLE_SIZE, HeapMem};
+    /// # use hyptrace_embed::{Events, Exit, Selection, Tracer};
+    /// # hyptrace_writer::event! {
+    /// #     pub struct Tick { system: "demo", name: "tick", slot: 0, id: 0,
+    /// #         print: "\"n=%u\", REC->n", fields: { n: u32 } }
+    /// # }
+    /// # let geometry = RingGeometry::new(1, 4, 4096, Mode::Stop, false)?.with_events(DEFAULT_TABLE_SIZE)?;
+    /// # let mem = Arc::new(HeapMem::new(geometry.region_size));
+    /// # let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), geometry, Duration::from_secs(5));
+    /// # let tracer = Tracer::alloc(mem.clone(), geometry, cb, 1_000_000)?;
+    /// # let register = |events: &Events<Arc<HeapMem>>| -> Result<(), Box<dyn std::error::Error>> {
+    /// #     hyptrace_writer::events::register(&*mem, &[Tick::event()], || { events.on_register(0); })?;
+    /// #     Ok(())
+    /// # };
+    /// let events = Events::with_selection(mem.clone(), geometry, Selection {
+    ///     enable: vec!["nosuch".into()],
+    ///     disable: vec![],
+    /// });
+    /// register(&events)?;
+    /// assert!(events.selection_error().is_some()); // fail the run, naming the pattern
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn selection_error(&self) -> Option<EventsError> {
         match &*self.lock() {
             State::Registered { error, .. } => error.clone(),
@@ -458,6 +745,30 @@ impl<M: SharedMem> Events<M> {
     }
 
     /// The formats of the accepted events (none before the registration).
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::{sync::Arc, time::Duration};
+    /// # use hyptrace_abi::{layout::{Mode, RingGeometry}, registry::DEFAULT_TABLE_SIZE, HeapMem};
+    /// # use hyptrace_embed::{Events, Exit, Selection, Tracer};
+    /// # hyptrace_writer::event! {
+    /// #     pub struct Tick { system: "demo", name: "tick", slot: 0, id: 0,
+    /// #         print: "\"n=%u\", REC->n", fields: { n: u32 } }
+    /// # }
+    /// # let geometry = RingGeometry::new(1, 4, 4096, Mode::Stop, false)?.with_events(DEFAULT_TABLE_SIZE)?;
+    /// # let mem = Arc::new(HeapMem::new(geometry.region_size));
+    /// # let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), geometry, Duration::from_secs(5));
+    /// # let tracer = Tracer::alloc(mem.clone(), geometry, cb, 1_000_000)?;
+    /// # let register = |events: &Events<Arc<HeapMem>>| -> Result<(), Box<dyn std::error::Error>> {
+    /// #     hyptrace_writer::events::register(&*mem, &[Tick::event()], || { events.on_register(0); })?;
+    /// #     Ok(())
+    /// # };
+    /// let events = Events::new(mem.clone(), geometry);
+    /// assert!(events.formats().is_empty());
+    /// register(&events)?;
+    /// assert_eq!(events.formats()[0].system, "demo"); // for Tracer::trace_meta
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn formats(&self) -> Vec<EventFormat> {
         self.registrations().iter().map(to_format).collect()
     }
@@ -469,6 +780,31 @@ impl<M: SharedMem> Events<M> {
     ///
     /// [`EventsError::NotRegistered`] without a registration; [`EventsError::Unknown`]
     /// when `pattern` names no registered event.
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::{sync::Arc, time::Duration};
+    /// # use hyptrace_abi::{layout::{Mode, RingGeometry}, registry::DEFAULT_TABLE_SIZE, HeapMem};
+    /// # use hyptrace_embed::{Events, Exit, Selection, Tracer};
+    /// # hyptrace_writer::event! {
+    /// #     pub struct Tick { system: "demo", name: "tick", slot: 0, id: 0,
+    /// #         print: "\"n=%u\", REC->n", fields: { n: u32 } }
+    /// # }
+    /// # let geometry = RingGeometry::new(1, 4, 4096, Mode::Stop, false)?.with_events(DEFAULT_TABLE_SIZE)?;
+    /// # let mem = Arc::new(HeapMem::new(geometry.region_size));
+    /// # let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), geometry, Duration::from_secs(5));
+    /// # let tracer = Tracer::alloc(mem.clone(), geometry, cb, 1_000_000)?;
+    /// # let register = |events: &Events<Arc<HeapMem>>| -> Result<(), Box<dyn std::error::Error>> {
+    /// #     hyptrace_writer::events::register(&*mem, &[Tick::event()], || { events.on_register(0); })?;
+    /// #     Ok(())
+    /// # };
+    /// let events = Events::new(mem.clone(), geometry);
+    /// register(&events)?;
+    /// events.disable("tick")?;
+    /// assert_eq!(events.enable("demo:*")?, ["demo:tick"]);
+    /// assert!(events.enable("nosuch").is_err());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn enable(&self, pattern: &str) -> Result<Vec<String>, EventsError> {
         self.flip(pattern, true)
     }
@@ -479,6 +815,30 @@ impl<M: SharedMem> Events<M> {
     /// # Errors
     ///
     /// As [`Events::enable`].
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::{sync::Arc, time::Duration};
+    /// # use hyptrace_abi::{layout::{Mode, RingGeometry}, registry::DEFAULT_TABLE_SIZE, HeapMem};
+    /// # use hyptrace_embed::{Events, Exit, Selection, Tracer};
+    /// # hyptrace_writer::event! {
+    /// #     pub struct Tick { system: "demo", name: "tick", slot: 0, id: 0,
+    /// #         print: "\"n=%u\", REC->n", fields: { n: u32 } }
+    /// # }
+    /// # let geometry = RingGeometry::new(1, 4, 4096, Mode::Stop, false)?.with_events(DEFAULT_TABLE_SIZE)?;
+    /// # let mem = Arc::new(HeapMem::new(geometry.region_size));
+    /// # let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), geometry, Duration::from_secs(5));
+    /// # let tracer = Tracer::alloc(mem.clone(), geometry, cb, 1_000_000)?;
+    /// # let register = |events: &Events<Arc<HeapMem>>| -> Result<(), Box<dyn std::error::Error>> {
+    /// #     hyptrace_writer::events::register(&*mem, &[Tick::event()], || { events.on_register(0); })?;
+    /// #     Ok(())
+    /// # };
+    /// let events = Events::new(mem.clone(), geometry);
+    /// register(&events)?;
+    /// assert_eq!(events.disable("tick")?, ["demo:tick"]);
+    /// assert!(!events.list()?[0].enabled);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn disable(&self, pattern: &str) -> Result<Vec<String>, EventsError> {
         self.flip(pattern, false)
     }
@@ -508,6 +868,31 @@ impl<M: SharedMem> Events<M> {
     /// # Errors
     ///
     /// [`EventsError::NotRegistered`] without a registration.
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::{sync::Arc, time::Duration};
+    /// # use hyptrace_abi::{layout::{Mode, RingGeometry}, registry::DEFAULT_TABLE_SIZE, HeapMem};
+    /// # use hyptrace_embed::{Events, Exit, Selection, Tracer};
+    /// # hyptrace_writer::event! {
+    /// #     pub struct Tick { system: "demo", name: "tick", slot: 0, id: 0,
+    /// #         print: "\"n=%u\", REC->n", fields: { n: u32 } }
+    /// # }
+    /// # let geometry = RingGeometry::new(1, 4, 4096, Mode::Stop, false)?.with_events(DEFAULT_TABLE_SIZE)?;
+    /// # let mem = Arc::new(HeapMem::new(geometry.region_size));
+    /// # let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), geometry, Duration::from_secs(5));
+    /// # let tracer = Tracer::alloc(mem.clone(), geometry, cb, 1_000_000)?;
+    /// # let register = |events: &Events<Arc<HeapMem>>| -> Result<(), Box<dyn std::error::Error>> {
+    /// #     hyptrace_writer::events::register(&*mem, &[Tick::event()], || { events.on_register(0); })?;
+    /// #     Ok(())
+    /// # };
+    /// let events = Events::new(mem.clone(), geometry);
+    /// register(&events)?;
+    /// for e in events.list()? {
+    ///     println!("{} {}", e.describe(), if e.enabled { "on" } else { "off" });
+    /// }
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn list(&self) -> Result<Vec<EventInfo>, EventsError> {
         let reg = self.registry()?;
         let words: Vec<u64> = (0..self.geometry.nr_cpus)
