@@ -1,5 +1,5 @@
 //! The options of `hyptrace bench` and `hyptrace bench report` as the user gives them
-//! (clap derives them); [`super::Cfg`] turns them into the bench's own configuration.
+//! (clap derives them); `Cfg` (private) turns them into the bench's own configuration.
 
 use std::path::PathBuf;
 

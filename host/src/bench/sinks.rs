@@ -74,7 +74,7 @@ fn sink_once(pages: u32, kind: SinkKind) -> Result<(u64, u64, f64, u64), BenchEr
         SinkKind::File(format, c) => {
             let target = check_destination(&tmp, "bench")?;
             let meta = TraceMeta::guest(PAGE_SIZE as usize, 1, Clock::nanoseconds());
-            let sink = make_sink(&target, format, c.into(), meta)?;
+            let sink = make_sink(&target, format, c, meta)?;
             Some(Box::new(ThreadedSink::new(sink)?))
         }
     };

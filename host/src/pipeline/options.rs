@@ -339,7 +339,7 @@ impl Default for OutputModeArg {
 }
 
 impl OutputModeArg {
-    /// [`check_destination`], the file to be created with this mode.
+    /// [`check_destination`](crate::drain::sink::check_destination), the file to be created with this mode.
     pub fn check(&self, path: &Path, flag: &str) -> Result<OutputTarget, DestinationError> {
         check_with_mode(path, flag, self.output_mode)
     }
