@@ -367,7 +367,14 @@ mod tests {
                 ..VmSpec::default()
             };
             let p = plan(&spec).expect("plan");
-            let ring = ring_layout(vcpus, spec.pages, PAGE_SIZE, mode, swap).expect("ring");
+            let ring = ring_layout(
+                vcpus,
+                spec.pages,
+                PAGE_SIZE,
+                mode.into(),
+                swap == SwapArg::Guest,
+            )
+            .expect("ring");
             assert_eq!(p.ring, ring);
             let image = GuestImage::parse(crate::GUEST_ELF).expect("image");
             let need =

@@ -487,6 +487,15 @@ pub enum ModeArg {
     Stop,
 }
 
+impl From<ModeArg> for hyptrace_abi::layout::Mode {
+    fn from(m: ModeArg) -> Self {
+        match m {
+            ModeArg::Overwrite => Self::Overwrite,
+            ModeArg::Stop => Self::Stop,
+        }
+    }
+}
+
 /// Who swaps the reader page.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum SwapArg {

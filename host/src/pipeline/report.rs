@@ -10,9 +10,9 @@ use std::time::Duration;
 use crate::drain::session::SessionError;
 use crate::drain::sink::Format;
 use crate::exit::{EXIT_CRASH, EXIT_OK, EXIT_RUNTIME};
-use crate::pipeline::options::ModeArg;
 use crate::pipeline::plan::OptionsEcho;
 use crate::vmm::vcpu::VcpuOutcome;
+use hyptrace_abi::layout::Mode;
 
 mod stats;
 mod summary;
@@ -344,7 +344,7 @@ pub struct RunReport {
     /// `--host-trace`: what the host kernel's instance gave and lost.
     pub host_trace: Option<crate::drain::session::HostTraceStats>,
     /// `--mode` (the loss hint depends on it).
-    pub mode: ModeArg,
+    pub mode: Mode,
     /// The guest's memory after the run (result slots, for `bench`).
     pub guest: Option<GuestView>,
     /// `-v` (or `RUST_LOG` at info): each paced vCPU's lateness on its line.

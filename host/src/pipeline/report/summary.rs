@@ -4,8 +4,8 @@
 use std::fmt;
 
 use crate::drain::sink::{shown_path, Format};
-use crate::pipeline::options::ModeArg;
 use crate::vmm::vcpu::VcpuOutcome;
+use hyptrace_abi::layout::Mode;
 
 use super::{ms, Destination, RunReport, Stop};
 
@@ -239,12 +239,12 @@ pub(super) fn format_name(format: Format) -> &'static str {
 }
 
 /// What to do about lost events, for the mode that lost them.
-pub(super) fn loss_hint(mode: ModeArg) -> &'static str {
+pub(super) fn loss_hint(mode: Mode) -> &'static str {
     match mode {
-        ModeArg::Stop => {
+        Mode::Stop => {
             "events were lost (dropped while a ring was full): raise --buffer-kb or lower --rate, or use --mode overwrite to keep the newest events"
         }
-        ModeArg::Overwrite => {
+        Mode::Overwrite => {
             "events were lost (overwritten before they were read): raise --buffer-kb or lower --rate"
         }
     }

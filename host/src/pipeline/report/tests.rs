@@ -20,7 +20,7 @@ fn report(cpus: Vec<CpuReport>, outcomes: Vec<VcpuOutcome>) -> RunReport {
             events: 10,
             rate: 0,
         },
-        mode: ModeArg::Overwrite,
+        mode: Mode::Overwrite,
         guest: None,
         clock: None,
         host_events: None,
@@ -327,7 +327,7 @@ fn lossy(reader: ReaderTimes) -> RunReport {
         page_events: 510,
     };
     let mut r = report(vec![cpu], vec![VcpuOutcome::Finished(Default::default())]);
-    r.mode = ModeArg::Stop;
+    r.mode = Mode::Stop;
     r.timing.reader = ReaderTimes {
         buffer_kb: 1024,
         ring_bytes: 1_000_000,
