@@ -141,3 +141,56 @@ fn completions_come_out_of_the_binary() {
         .expect("run");
     assert_eq!(bad.status.code(), Some(2));
 }
+
+/// The Markdown files a user follows: README, docs/, the guest template's README.
+fn user_docs() -> Vec<PathBuf> {
+    let mut v = vec![
+        root().join("README.md"),
+        root().join("guest/template/README.md"),
+    ];
+    let mut docs: Vec<PathBuf> = std::fs::read_dir(root().join("docs"))
+        .expect("docs/")
+        .map(|e| e.expect("entry").path())
+        .filter(|p| p.extension().is_some_and(|e| e == "md"))
+        .collect();
+    docs.sort();
+    v.extend(docs);
+    v
+}
+
+/// Issue 39, frictions 1, 2, 3 and 8: the README's set-up commands are the ones that
+/// work (`cargo install --locked`, the tests with `--no-fail-fast`); no doc names a
+/// path of one machine (a home or work directory), and every exported
+/// `CARGO_TARGET_DIR` is absolute from the checkout (`$PWD/...`: criterion writes below
+/// it, where `bench --criterion` then reads).
+#[test]
+fn docs_work_from_any_checkout() {
+    let readme = std::fs::read_to_string(root().join("README.md")).expect("README");
+    assert!(
+        readme.contains("cargo install --locked --path ."),
+        "README install"
+    );
+    assert!(
+        readme.contains("cargo test --workspace --release --no-fail-fast"),
+        "README test command"
+    );
+    let mut bad = Vec::new();
+    for path in user_docs() {
+        let text = std::fs::read_to_string(&path).expect("a doc");
+        for (n, line) in text.lines().enumerate() {
+            let at = format!("{}:{}: {line}", path.display(), n + 1);
+            if ["/work/", "/home/", "/root/", "~/src/"]
+                .iter()
+                .any(|p| line.contains(p))
+            {
+                bad.push(at.clone());
+            }
+            if let Some(v) = line.split("export CARGO_TARGET_DIR=").nth(1) {
+                if !v.trim_start_matches('"').starts_with("$PWD/") {
+                    bad.push(at);
+                }
+            }
+        }
+    }
+    assert!(bad.is_empty(), "paths of one machine:\n{}", bad.join("\n"));
+}

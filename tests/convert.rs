@@ -229,3 +229,43 @@ fn bad_inputs_and_outputs_are_usage_errors() {
     assert!(!env::stderr(&o).contains("panicked"));
     assert_eq!(o.status.code(), Some(2), "{}", env::stderr(&o));
 }
+
+/// `convert -F` (issue 39): an unknown event or field is exit 2 naming it, with no
+/// output left; a filter that passes nothing says so, and the count line says what was
+/// kept and dropped.
+#[test]
+fn filters_are_checked_and_accounted() {
+    let dir = TempDir::new("convert-f");
+    let f = fixture("kernel-v6.dat");
+    let out = dir.file("o.dat");
+    let o = env::run(
+        BIN,
+        &[
+            "convert",
+            "-F",
+            "sched_switch: nope > 1",
+            "-i",
+            &f,
+            "-o",
+            &out,
+        ],
+    );
+    assert_usage_error(&o, "unknown field", "has no field `nope`");
+    let o = env::run(
+        BIN,
+        &["convert", "-F", "no_such_event", "-i", &f, "-o", &out],
+    );
+    assert_usage_error(&o, "unknown event", "matches `no_such_event`");
+    assert!(!std::path::Path::new(&out).exists());
+    let json = dir.file("o.json");
+    let none = "sched_switch: prev_pid > 100000000";
+    let o = env::run(BIN, &["convert", "-F", none, "-i", &f, "-o", &json]);
+    assert_eq!(o.status.code(), Some(0), "{}", env::stderr(&o));
+    let err = env::stderr(&o);
+    assert!(
+        err.contains(&format!("-F '{none}' matched no event of the file")),
+        "{err}"
+    );
+    assert!(err.contains("hyptrace: -F kept 0 of "), "{err}");
+    assert!(!read(&json).contains("sched_switch"), "{}", read(&json));
+}

@@ -399,9 +399,26 @@ fn raw_stream_is_reported() {
     let one = report(&[&raw, "--cpu", "1"]);
     assert!(events(&one).iter().all(|l| cpu_of(l) == 1), "{one}");
     assert!(!events(&one).is_empty() && events(&one).len() < n);
-    // Event filters need a trace.dat: a usage error naming convert.
-    let o = env::run(BIN, &["report", &raw, "-F", "guest:marker"]);
-    assert_usage_error(&o, "raw -F", "convert");
+    // -F on a raw stream (issue 39): the same lines, only those it passes.
+    let markers = report(&[&raw, "-F", "marker: seq < 1000"]);
+    let seq = |l: &str| -> u64 {
+        let f = l.split("seq=").nth(1).expect("a seq field");
+        f.split(' ')
+            .next()
+            .and_then(|n| n.parse().ok())
+            .expect("seq")
+    };
+    let want: Vec<&str> = events(&text)
+        .into_iter()
+        .filter(|l| seq(l) < 1000)
+        .collect();
+    assert!(!want.is_empty() && want.len() < n, "{text}");
+    assert_eq!(events(&markers), want);
+    let o = env::run(BIN, &["report", &raw, "-F", "marker: nope > 1"]);
+    assert_usage_error(&o, "raw -F unknown field", "has no field `nope`");
+    // A slice needs a trace.dat: a usage error naming convert.
+    let o = env::run(BIN, &["report", &raw, "--skip", "1"]);
+    assert_usage_error(&o, "raw --skip", "convert");
     // --stat: the end record.
     let st = report(&[&raw, "--stat"]);
     assert!(st.contains("CPU: 0\n") && st.contains("CPU: 1\n"), "{st}");

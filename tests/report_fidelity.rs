@@ -212,6 +212,51 @@ fn unresolved_and_shifted_symbols_as_trace_cmd() {
     }
 }
 
+/// Filters of every kind on the fixtures (fixture, the -F options).
+const FILTER_CASES: &[(&str, &[&str])] = &[
+    (
+        "kernel",
+        &["sched_switch: prev_pid != 0 && next_comm =~ \"kworker\""],
+    ),
+    (
+        "kernel",
+        &["sched/sched_wakeup: comm == \"bash\" || pid < 20"],
+    ),
+    (
+        "kernel",
+        &["sched_switch: !(prev_pid == 0 || next_pid == 0)"],
+    ),
+    (
+        "kernel",
+        &["sched_switch: prev_pid == 0 || next_pid == 0 && prev_prio < 120"],
+    ),
+    (
+        "kernel",
+        &["sched_switch,sched_wakeup: prev_pid > 100 || pid > 100"],
+    ),
+    ("kernel", &["sched: prev_pid > 4000 || pid > 4000"]),
+    (
+        "kernel",
+        &["sched_switch: next_comm != \"swapper/0\" && next_comm !~ \"kw.*\""],
+    ),
+    ("kernel", &["sched_switch: prev_state & 2"]),
+    (
+        "kernel",
+        &["sched_switch: CPU == 1 && COMM =~ \"^w_kernel\""],
+    ),
+    ("kernel", &["sched_switch: prev_pid == 0", "sched_wakeup"]),
+    ("kernel", &["timer/hrtimer_start: mode == 0"]),
+    ("kernel", &["SCHED_SW.*"]),
+    ("kmem", &["kmalloc: bytes_alloc >= 1024"]),
+    ("misc", &["raw_syscalls/sys_enter: id == 0x0 || id == 01"]),
+    (
+        "net",
+        &["signal_generate: sig == 17 && comm =~ \"^[a-z][a-z_.-]*$\""],
+    ),
+    ("stack", &["sched_process_exec,sched_process_exit"]),
+    ("stack", &["sched_process_fork: !(child_pid < 4000)"]),
+];
+
 /// trace-cmd's filters (issue 39): `hyptrace report -F ...` prints exactly the lines
 /// `trace-cmd report -t -F ... -i FILE` prints (3.1.6 applies -F only before -i), for
 /// expressions of every kind: numbers (decimal, hex, octal), strings, regular
@@ -223,49 +268,7 @@ fn filters_print_what_trace_cmd_prints() {
     if !env::trace_cmd_available() {
         return;
     }
-    let cases: &[(&str, &[&str])] = &[
-        (
-            "kernel",
-            &["sched_switch: prev_pid != 0 && next_comm =~ \"kworker\""],
-        ),
-        (
-            "kernel",
-            &["sched/sched_wakeup: comm == \"bash\" || pid < 20"],
-        ),
-        (
-            "kernel",
-            &["sched_switch: !(prev_pid == 0 || next_pid == 0)"],
-        ),
-        (
-            "kernel",
-            &["sched_switch: prev_pid == 0 || next_pid == 0 && prev_prio < 120"],
-        ),
-        (
-            "kernel",
-            &["sched_switch,sched_wakeup: prev_pid > 100 || pid > 100"],
-        ),
-        ("kernel", &["sched: prev_pid > 4000 || pid > 4000"]),
-        (
-            "kernel",
-            &["sched_switch: next_comm != \"swapper/0\" && next_comm !~ \"kw.*\""],
-        ),
-        ("kernel", &["sched_switch: prev_state & 2"]),
-        (
-            "kernel",
-            &["sched_switch: CPU == 1 && COMM =~ \"^w_kernel\""],
-        ),
-        ("kernel", &["sched_switch: prev_pid == 0", "sched_wakeup"]),
-        ("kernel", &["timer/hrtimer_start: mode == 0"]),
-        ("kernel", &["SCHED_SW.*"]),
-        ("kmem", &["kmalloc: bytes_alloc >= 1024"]),
-        ("misc", &["raw_syscalls/sys_enter: id == 0x0 || id == 01"]),
-        (
-            "net",
-            &["signal_generate: sig == 17 && comm =~ \"^[a-z][a-z_.-]*$\""],
-        ),
-        ("stack", &["sched_process_exec,sched_process_exit"]),
-        ("stack", &["sched_process_fork: !(child_pid < 4000)"]),
-    ];
+    let cases = FILTER_CASES;
     for (name, filters) in cases {
         for (v, ..) in VERSIONS {
             let file = dir().join(format!("{name}-{v}.dat"));
@@ -292,5 +295,111 @@ fn filters_print_what_trace_cmd_prints() {
             let n = a.lines().count();
             assert!(n > 1 && n < all.lines().count(), "{what}: {n} lines");
         }
+    }
+}
+
+/// How many events `file` holds.
+fn event_count(file: &std::path::Path) -> u64 {
+    let t = TraceFile::open(file).unwrap();
+    let mut r = t.records();
+    let mut n = 0;
+    while let Some(item) = r.next_item() {
+        n += u64::from(matches!(item, hyptrace_output::TraceItem::Event(_)));
+    }
+    n
+}
+
+/// `hyptrace convert` of `file` to `out` with `args` (the -F options, the format).
+fn convert(file: &std::path::Path, out: &std::path::Path, args: &[&str]) -> std::process::Output {
+    Command::new(BIN)
+        .arg("convert")
+        .args(args)
+        .arg("-i")
+        .arg(file)
+        .arg("-o")
+        .arg(out)
+        .output()
+        .expect("run hyptrace convert")
+}
+
+/// `trace-cmd report -t` with `filters` of `file`.
+fn trace_cmd_report(file: &std::path::Path, filters: &[&str]) -> String {
+    let mut c = Command::new("trace-cmd");
+    c.arg("report").arg("-t");
+    for f in filters {
+        c.arg("-F").arg(f);
+    }
+    let o = c.arg("-i").arg(file).output().expect("run trace-cmd");
+    assert!(
+        o.status.success(),
+        "trace-cmd report {filters:?} {}: {o:?}",
+        file.display()
+    );
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// `convert -F` (issue 39): the trace.dat it writes (v7 zstd and v6, pages re-encoded
+/// without the rejected events) reads in trace-cmd as exactly what `trace-cmd report
+/// -F` prints of the same conversion without -F (a conversion carries no kallsyms:
+/// compared conversion to conversion), for every filter of [`FILTER_CASES`]; its
+/// stderr line accounts for every event (kept + dropped = the input's events, kept =
+/// the output's). `--format text` writes what `report -F` prints.
+#[test]
+fn convert_filters_write_what_trace_cmd_report_f_prints() {
+    if !env::trace_cmd_available() {
+        return;
+    }
+    let tmp = env::TempDir::new("convert-f");
+    for (name, filters) in FILTER_CASES {
+        let file = dir().join(format!("{name}-v7zstd.dat"));
+        let total = event_count(&file);
+        for format in ["dat", "dat6"] {
+            let what = format!("{name} --format {format} -F {filters:?}");
+            let whole = tmp.path().join(format!("{name}-{format}-all.dat"));
+            let o = convert(&file, &whole, &["--format", format]);
+            assert_eq!(o.status.code(), Some(0), "{what}: {o:?}");
+            let out = tmp.path().join(format!("{name}-{format}.dat"));
+            let mut args = vec!["--format", format];
+            for f in *filters {
+                args.extend(["-F", f]);
+            }
+            let ours = convert(&file, &out, &args);
+            assert_eq!(ours.status.code(), Some(0), "{what}: {ours:?}");
+            assert_identical(
+                &what,
+                &trace_cmd_report(&out, &[]),
+                &trace_cmd_report(&whole, filters),
+            );
+            let kept = event_count(&out);
+            let line = format!(
+                "hyptrace: -F kept {kept} of {total} events ({} dropped by the filter, not lost)",
+                total - kept
+            );
+            assert!(
+                env::stderr(&ours).contains(&line),
+                "{what}: {}",
+                env::stderr(&ours)
+            );
+            assert!(kept > 0 && kept < total, "{what}: kept {kept} of {total}");
+        }
+        // The per-event formats get the same events: text as `report -F` prints them
+        // (of the conversion without -F: no kallsyms there either).
+        let text = tmp.path().join(format!("{name}.txt"));
+        let mut args = vec!["--format", "text"];
+        let mut report = Command::new(BIN);
+        report.arg("report");
+        for f in *filters {
+            args.extend(["-F", f]);
+            report.arg("-F").arg(f);
+        }
+        let o = convert(&file, &text, &args);
+        assert_eq!(o.status.code(), Some(0), "{name} text {filters:?}: {o:?}");
+        let whole = tmp.path().join(format!("{name}-dat-all.dat"));
+        let report = report.arg(&whole).output().expect("run hyptrace report");
+        assert_identical(
+            &format!("{name} --format text -F {filters:?}"),
+            &std::fs::read_to_string(&text).unwrap(),
+            &String::from_utf8_lossy(&report.stdout),
+        );
     }
 }

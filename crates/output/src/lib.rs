@@ -83,8 +83,8 @@ pub use text::{
 };
 pub use threaded::ThreadedSink;
 pub use tracedat::{
-    write_trace_dat, write_trace_dat_with, Compression, ReportFilter, TraceDatSink,
-    TraceDatVersion, TraceFile, TraceItem, TraceRecord,
+    write_buffers, write_trace_dat, write_trace_dat_with, BufferPart, BufferSet, Compression,
+    ReportFilter, TraceDatSink, TraceDatVersion, TraceFile, TraceItem, TraceRecord,
 };
 
 /// The README's code blocks, run as doc tests (README and crate docs cannot drift).

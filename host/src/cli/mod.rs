@@ -25,7 +25,7 @@ use crate::drain::sink::{
 };
 use crate::exit::{chain, EXIT_ABORT, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE};
 use crate::pipeline::options::{
-    self, ConvertArgs, CtlArgs, ListArgs, ModeArg, RecordArgs, ReportArgs, RunArgs,
+    self, CollectArgs, ConvertArgs, CtlArgs, ListArgs, ModeArg, RecordArgs, ReportArgs, RunArgs,
 };
 use crate::pipeline::plan::{Plan, PlanError};
 use crate::pipeline::run::{Run, RunError, Target};
@@ -89,6 +89,13 @@ pub enum Command {
     /// no reader consumed, with the exact losses. With `--attach SOCKET`: read a running
     /// VMM's rings live (`--drain none --trace-mem --control`), once or `--follow`.
     Dump(crate::pipeline::options::DumpArgs),
+    /// Subscribe to several running VMMs (each `run --drain none --control SOCKET`)
+    /// and write one trace.dat v7 with one buffer instance per VM, every VM on host
+    /// CLOCK_MONOTONIC: `trace-cmd report` names each event's VM and prints one time
+    /// order. Once, or `--follow` until every VM ended. Exit 0 only when every VM's
+    /// part is complete; 1 when one failed (named; the others are written); 130 after
+    /// Ctrl-C (the file holds what was read).
+    Collect(CollectArgs),
     /// Convert a trace (trace.dat v6/v7/zstd, ours or the kernel's, or a raw page
     /// stream) into any output format of `record`.
     Convert(ConvertArgs),
@@ -159,6 +166,9 @@ pub enum CliError {
     /// `dump` failed.
     #[error(transparent)]
     Dump(#[from] crate::flight::dump::DumpCmdError),
+    /// `collect` wrote no trace.
+    #[error("collect")]
+    Collect(#[source] crate::flight::collect::CollectError),
     /// `list`: the guest's events could not be read.
     #[error(transparent)]
     List(#[from] crate::pipeline::list::ListError),
@@ -182,6 +192,7 @@ impl CliError {
             Self::Dump(e) => e.exit_code(),
             Self::Bench(e) => e.exit_code(),
             Self::Signals(_)
+            | Self::Collect(_)
             | Self::Run(_)
             | Self::Stats(_)
             | Self::ReportWrite(_)
@@ -239,6 +250,7 @@ where
             .map_err(CliError::from),
         Command::Dump(args) => crate::flight::dump::dump(&args.plan()).map_err(CliError::from),
         Command::Ctl(args) => ctl(&args),
+        Command::Collect(args) => collect(&args),
         Command::Completions(args) => {
             use std::io::Write as _;
             let script = docs::completions(args.shell);
@@ -289,7 +301,10 @@ pub fn record(a: &RecordArgs) -> Result<i32, CliError> {
     let format = format_for(options::format(a.format), &a.output, "-o")?;
     let compression = compression_for(format, a.compression.map(Into::into))
         .map_err(|e| CliError::Args(e.to_string()))?;
-    execute(&a.run, Some((&a.output, format, compression)))
+    execute(
+        &a.run,
+        Some((&a.output, format, compression, &a.filters.filter[..])),
+    )
 }
 
 /// `hyptrace list`: the guest's registered events on stdout, its rejected entries as
@@ -318,6 +333,50 @@ pub fn list(a: &ListArgs) -> Result<i32, CliError> {
     }
 }
 
+/// `hyptrace collect`: follows every VM, writes one trace, prints the accounting per
+/// VM per CPU on stderr; the exit code says whether every VM's part is complete.
+pub fn collect(a: &CollectArgs) -> Result<i32, CliError> {
+    use crate::flight::collect::{parse_vms, CollectOpts};
+    let vms = parse_vms(&a.vms).map_err(CliError::Args)?;
+    let format = format_for(options::format(a.format), &a.output, "-o")?;
+    if !matches!(format, Format::Dat | Format::Text) {
+        return Err(CliError::Args(format!(
+            "-o {}: collect writes trace.dat v7 or text (.dat, .txt, --format dat|text)",
+            crate::drain::sink::shown_path(&a.output)
+        )));
+    }
+    let target = a.files.check(&a.output, "-o")?;
+    let interrupts = Interrupts::install()?;
+    let stop = || interrupts.stop_requested();
+    let started = std::time::Instant::now();
+    let o = CollectOpts {
+        vms: &vms,
+        follow: a.follow,
+        text: format == Format::Text,
+        target: &target,
+        out_path: &a.output,
+        stop: &stop,
+    };
+    let report = crate::flight::collect::collect(&o).map_err(CliError::Collect)?;
+    for l in report.lines() {
+        note!("hyptrace: collect: {l}");
+    }
+    let done = report.vms.iter().filter(|v| v.complete).count();
+    note!(
+        "hyptrace: collect: {} of {} VMs complete, written to {} in {:.1} ms{}",
+        done,
+        report.vms.len(),
+        crate::drain::sink::shown_path(&a.output),
+        started.elapsed().as_secs_f64() * 1e3,
+        if report.interrupted {
+            " (interrupted)"
+        } else {
+            ""
+        }
+    );
+    Ok(report.exit_code())
+}
+
 /// `hyptrace ctl`: prints an `ok` reply's payload on stdout (exit 0), an `err` reply on
 /// stderr (exit 1).
 pub fn ctl(a: &CtlArgs) -> Result<i32, CliError> {
@@ -342,7 +401,7 @@ pub fn ctl(a: &CtlArgs) -> Result<i32, CliError> {
 /// Returns the run's exit code (its causes are on stderr already).
 fn execute(
     a: &RunArgs,
-    file: Option<(&PathBuf, Format, hyptrace_output::Compression)>,
+    file: Option<(&PathBuf, Format, hyptrace_output::Compression, &[String])>,
 ) -> Result<i32, CliError> {
     let mut plan = Plan::new(a)?;
     if file.is_some() {
@@ -362,11 +421,12 @@ fn execute(
     }
     let target = match file {
         None => Target::Stdout,
-        Some((path, format, compression)) => Target::File {
+        Some((path, format, compression, filters)) => Target::File {
             target: a.files.check(path, "-o")?,
             path: path.clone(),
             format,
             compression,
+            filters: filters.to_vec(),
         },
     };
     let stats = a

@@ -5,6 +5,9 @@ use std::borrow::Cow;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use std::sync::Arc;
+
+use hyptrace_output::tracedat::{FilterCounts, FilterError, FilterSet, FilteredSink};
 use hyptrace_output::{
     Compression, JsonSink, OutputError, OutputTarget, PageSink, PerfettoSink, RawSink, StreamSink,
     TextSink, TraceDatSink, TraceDatVersion, TraceMeta,
@@ -227,6 +230,39 @@ pub fn make_sink(
         Format::Text => Box::new(TextSink::open(target, meta)?),
         Format::Raw => Box::new(RawSink::open(target, meta)?),
     })
+}
+
+/// The `-F` filters of `convert`/`record`, compiled against the formats of the output
+/// (`None` without -F), with the comms `COMM` reads. Compiled before the output is made:
+/// a bad filter (exit 2) leaves nothing behind.
+pub struct Filters {
+    set: FilterSet,
+    cmdlines: std::collections::BTreeMap<i32, String>,
+}
+
+impl Filters {
+    /// `specs` (one per -F) compiled against `meta`'s formats.
+    pub fn compile(specs: &[String], meta: &TraceMeta) -> Result<Option<Self>, FilterError> {
+        Ok(FilterSet::compile(specs, &meta.formats)?.map(|set| Self {
+            set,
+            cmdlines: meta.cmdlines.clone(),
+        }))
+    }
+}
+
+/// `sink` behind `filters` ([`FilteredSink`]: every format gets only the kept events),
+/// with the handle of its counts; `sink` itself without filters.
+pub fn behind_filters(
+    sink: Box<dyn PageSink + Send>,
+    filters: Option<Filters>,
+) -> (Box<dyn PageSink + Send>, Option<Arc<FilterCounts>>) {
+    match filters {
+        None => (sink, None),
+        Some(f) => {
+            let (s, counts) = FilteredSink::new(sink, f.set, f.cmdlines);
+            (Box::new(s), Some(counts))
+        }
+    }
 }
 
 #[cfg(test)]

@@ -53,6 +53,16 @@ pub enum AttachError {
         /// Its reason, as the VMM words it.
         why: String,
     },
+    /// The VMM's run is on another clock than the one asked for (`collect`).
+    #[error("--attach {path}: the run is on clock {clock}; every VM must run --clock {want} (the default)", path = .path.display())]
+    Clock {
+        /// The socket.
+        path: PathBuf,
+        /// The run's clock.
+        clock: String,
+        /// The clock asked for.
+        want: String,
+    },
     /// What the VMM sent cannot be true.
     #[error("--attach {path}: the VMM sent {why}", path = .path.display())]
     Untrusted {
@@ -90,7 +100,7 @@ impl AttachError {
     /// The exit code: 2 for a refused subscription, 1 otherwise.
     pub fn exit_code(&self) -> i32 {
         match self {
-            Self::Refused { .. } => crate::exit::EXIT_USAGE,
+            Self::Refused { .. } | Self::Clock { .. } => crate::exit::EXIT_USAGE,
             Self::Socket { .. } | Self::Untrusted { .. } | Self::Output { .. } => {
                 crate::exit::EXIT_RUNTIME
             }
@@ -110,6 +120,9 @@ pub struct AttachReport {
     /// The CPUs whose reading is not complete though it should be, and why (the exit is
     /// not 0).
     pub errors: Vec<(u32, String)>,
+    /// With [`AttachOpts::keep_on_error`]: the error that ended the reading after the
+    /// output was open (the output holds what was taken before it).
+    pub failed: Option<AttachError>,
 }
 
 /// The options of one attach.
@@ -126,6 +139,11 @@ pub struct AttachOpts<'a> {
     pub format: Format,
     /// Polled between fetches: stop (SIGINT).
     pub stop: &'a dyn Fn() -> bool,
+    /// The host clock the run must be on (with its map), or any.
+    pub clock: Option<&'a str>,
+    /// An error once the output is open ends the reading, not the output: it is
+    /// finished with what was taken and the error is [`AttachReport::failed`].
+    pub keep_on_error: bool,
 }
 
 /// One CPU as the subscriber follows it.
@@ -150,6 +168,8 @@ struct Subscriber {
     map: Option<ClockMap>,
     knots: u64,
     page: Vec<u8>,
+    /// Batches fetched so far.
+    fetches: u64,
 }
 
 impl Subscriber {
@@ -380,6 +400,15 @@ fn open(
     let Some((clock, map)) = rebuild_clock(&info.clock) else {
         return Err(untrusted("a clock whose knots go back".into()));
     };
+    if let Some(want) = o.clock {
+        if clock.name != want || map.is_none() {
+            return Err(AttachError::Clock {
+                path: o.socket.to_path_buf(),
+                clock: crate::exit::printable(&clock.name).into_owned(),
+                want: want.into(),
+            });
+        }
+    }
     let meta = TraceMeta {
         formats: info.formats.clone(),
         ..TraceMeta::guest(info.page_size as usize, nr, clock)
@@ -400,6 +429,7 @@ fn open(
         map,
         knots,
         page: Vec::new(),
+        fetches: 0,
     };
     Ok((sub, sink))
 }
@@ -416,9 +446,8 @@ fn fetch_rounds(
     sub: &mut Subscriber,
     sink: &mut dyn PageSink,
     o: &AttachOpts<'_>,
-) -> Result<(String, u64), AttachError> {
+) -> Result<String, AttachError> {
     let started = Instant::now();
-    let mut fetches = 0u64;
     let fetch = |sub: &Subscriber| Command::Fetch {
         token,
         acks: sub.acks(),
@@ -440,9 +469,9 @@ fn fetch_rounds(
                     why,
                 });
             }
-            None => return Ok(("the VMM went away".into(), fetches)),
+            None => return Ok("the VMM went away".into()),
         };
-        fetches += 1;
+        sub.fetches += 1;
         let backlog = batch.bytes >= FETCH_BYTES / 2;
         if o.follow && backlog {
             in_flight = match conn.send(fetch(sub)) {
@@ -474,10 +503,10 @@ fn fetch_rounds(
     // A fetch still in flight: its answer is read, not taken (`detach` hands it back).
     if let Some(id) = in_flight {
         if receive(conn, o, id)?.is_none() {
-            return Ok(("the VMM went away".into(), fetches));
+            return Ok("the VMM went away".into());
         }
     }
-    Ok((ended, fetches))
+    Ok(ended)
 }
 
 /// Subscribes to the VMM behind `o.socket`, writes what it sends, returns what was read.
@@ -488,17 +517,25 @@ pub fn attach(o: &AttachOpts<'_>) -> Result<AttachReport, AttachError> {
         o.format == Format::Text && o.target.kind() == hyptrace_output::TargetKind::Stdout;
     let (mut conn, info) = subscribe(o, partial)?;
     let (mut sub, mut sink) = open(o, &info)?;
-    let (ended, fetches) = fetch_rounds(&mut conn, info.token, &mut sub, sink.as_mut(), o)?;
+    let (ended, failed) = match fetch_rounds(&mut conn, info.token, &mut sub, sink.as_mut(), o) {
+        Ok(ended) => (ended, None),
+        Err(e) if o.keep_on_error => ("stopped by an error".to_string(), Some(e)),
+        Err(e) => return Err(e),
+    };
     // Everything taken is acknowledged; the rest is the next reader's (C1). A VMM that
-    // went away needs no detach.
-    if !ended.starts_with("the VMM went away") {
+    // went away needs no detach; one whose socket failed gets none (its connection
+    // closing hands back what was not acknowledged, C4).
+    let socket_failed = matches!(failed, Some(AttachError::Socket { .. }));
+    if !ended.starts_with("the VMM went away") && !socket_failed {
         let cmd = Command::Detach {
             token: info.token,
             acks: sub.acks(),
         };
-        match request(&mut conn, o, cmd)? {
-            Some(Answer::Detached) | None => {}
-            Some(a) => log::warn!("detach: a reply to another request: {a:?}"),
+        match request(&mut conn, o, cmd) {
+            Ok(Some(Answer::Detached) | None) => {}
+            Ok(Some(a)) => log::warn!("detach: a reply to another request: {a:?}"),
+            Err(e) if failed.is_some() => log::warn!("detach: {}", crate::exit::chain(&e)),
+            Err(e) => return Err(e),
         }
     }
     let errors = if o.follow && !sub.all_ended() && ended.starts_with("the VMM went away") {
@@ -529,8 +566,9 @@ pub fn attach(o: &AttachOpts<'_>) -> Result<AttachReport, AttachError> {
     sink.finish(&summary).map_err(|why| sub.out_err(why))?;
     Ok(AttachReport {
         cpus: sub.cpus.iter().map(|c| (c.read, c.lost)).collect(),
-        fetches,
+        fetches: sub.fetches,
         ended,
         errors,
+        failed,
     })
 }

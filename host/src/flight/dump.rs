@@ -516,6 +516,8 @@ fn dump_attach(
         out_path,
         format,
         stop: &stop,
+        clock: None,
+        keep_on_error: false,
     };
     let r = crate::flight::attach::attach(&o)?;
     let (ev, lost) = r.cpus.iter().fold((0u64, 0u64), |(e, l), c| {

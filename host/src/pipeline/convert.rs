@@ -12,13 +12,13 @@ use std::collections::{BTreeSet, BinaryHeap};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
-use hyptrace_output::tracedat::{FilterSet, ReportOutcome};
+use hyptrace_output::tracedat::{FilterCounts, FilterSet, ReportOutcome};
 use hyptrace_output::{
     tracedat::MAGIC as DAT_MAGIC, Clock, KernelCpuStat, Missed, OutputError, PageSink, RawReader,
     ReportFilter, RunSummary, TextSink, TraceFile, TraceMeta,
 };
 
-use crate::drain::sink::{format_for, Format};
+use crate::drain::sink::{behind_filters, format_for, Filters, Format};
 use crate::pipeline::options::{self, ConvertArgs, ReportArgs};
 
 /// What a trace file is.
@@ -101,7 +101,7 @@ fn input_error(path: &Path, e: &OutputError) -> ConvertError {
 /// front to back).
 pub enum Input {
     /// A trace.dat, and how many damaged parts its opening warned about.
-    TraceDat(TraceFile, usize),
+    TraceDat(Box<TraceFile>, usize),
     /// A raw page stream (`record --format raw`).
     Raw(RawReader),
 }
@@ -161,6 +161,14 @@ fn open_dat(at: &Path, path: &Path) -> Result<(TraceFile, usize), ConvertError> 
         },
         e => input_error(path, &e),
     })?;
+    if !file.instances.is_empty() {
+        let line = format!(
+            "{}: buffer instances not read: {} (hyptrace reads the top-level buffer only; trace-cmd report and KernelShark read them all)",
+            path.display(),
+            file.instances.join(", ")
+        );
+        note!("hyptrace: warning: {}", crate::exit::printable(&line));
+    }
     for d in &file.damage {
         warn_damage(path, d);
     }
@@ -181,7 +189,7 @@ pub fn open_input(path: &Path) -> Result<Input, ConvertError> {
     }
     let mut f = std::fs::File::open(path).map_err(|e| read_error(path, e))?;
     match kind_of(&read_head(&mut f, path)?, path)? {
-        InputKind::TraceDat => open_dat(path, path).map(|(f, n)| Input::TraceDat(f, n)),
+        InputKind::TraceDat => open_dat(path, path).map(|(f, n)| Input::TraceDat(Box::new(f), n)),
         InputKind::Raw => RawReader::open(path)
             .map(Input::Raw)
             .map_err(|e| input_error(path, &e)),
@@ -208,7 +216,7 @@ fn open_stdin(path: &Path) -> Result<Input, ConvertError> {
             let fd0 = Path::new("/proc/self/fd/0");
             let regular = std::fs::metadata(fd0).is_ok_and(|m| m.is_file());
             if regular {
-                return open_dat(fd0, path).map(|(f, n)| Input::TraceDat(f, n));
+                return open_dat(fd0, path).map(|(f, n)| Input::TraceDat(Box::new(f), n));
             }
             let spool_err = |e: std::io::Error| {
                 ConvertError::Input(format!(
@@ -221,7 +229,7 @@ fn open_stdin(path: &Path) -> Result<Input, ConvertError> {
             std::io::copy(&mut stdin.lock(), &mut spool).map_err(spool_err)?;
             let at = PathBuf::from(format!("/proc/self/fd/{}", spool.as_raw_fd()));
             // The reader opens its own descriptor of the spool; this one may close.
-            open_dat(&at, path).map(|(f, n)| Input::TraceDat(f, n))
+            open_dat(&at, path).map(|(f, n)| Input::TraceDat(Box::new(f), n))
         }
     }
 }
@@ -250,7 +258,7 @@ fn filter(a: &ReportArgs) -> ReportFilter {
     let cpus = (!a.cpu.is_empty()).then(|| a.cpu.iter().flatten().copied().collect());
     ReportFilter {
         cpus,
-        events: a.filter.clone(),
+        events: a.filters.filter.clone(),
         skip: a.skip,
         limit: a.count,
         threads: 0,
@@ -377,15 +385,9 @@ fn report_raw(
     path: &Path,
     reader: RawReader,
 ) -> Result<(), ConvertError> {
-    if !f.events.is_empty()
-        || f.skip > 0
-        || f.limit.is_some()
-        || a.list_cpus
-        || a.first_event
-        || a.last_event
-    {
+    if f.skip > 0 || f.limit.is_some() || a.list_cpus || a.first_event || a.last_event {
         return Err(ConvertError::Input(format!(
-            "{}: -F/--filter, --skip, --count, --cpus, --first-event and --last-event need a trace.dat; convert the raw stream first: hyptrace convert -i {} -o trace.dat",
+            "{}: --skip, --count, --cpus, --first-event and --last-event need a trace.dat; convert the raw stream first: hyptrace convert -i {} -o trace.dat",
             path.display(),
             path.display()
         )));
@@ -412,11 +414,48 @@ fn report_raw(
     }
     use hyptrace_output::StreamSink as _;
     let meta = reader.meta();
+    let filters = compile_filters(&f.events, &meta)?;
     let sink = TextSink::to_writer(Box::new(std::io::stdout()), meta)
         .map_err(|e| input_error(path, &e))?;
-    match reader.replay(Box::new(sink), want) {
-        Ok(()) => Ok(()),
+    let (sink, counts) = behind_filters(Box::new(sink), filters);
+    match reader.replay(sink, want) {
+        Ok(()) => {
+            if let Some(c) = counts {
+                note_unmatched(a, &outcome_of(&c));
+            }
+            Ok(())
+        }
         Err(e) => stdout_result(e, path),
+    }
+}
+
+/// The `-F` filters of a command compiled against `meta` (a bad one: exit 2).
+fn compile_filters(specs: &[String], meta: &TraceMeta) -> Result<Option<Filters>, ConvertError> {
+    Filters::compile(specs, meta).map_err(|e| ConvertError::Input(e.to_string()))
+}
+
+/// What a whole input's -F kept, as a report's outcome.
+fn outcome_of(c: &FilterCounts) -> ReportOutcome {
+    ReportOutcome {
+        printed: c.kept(),
+        read: c.kept().saturating_add(c.dropped()),
+        complete: true,
+        unmatched: c.unmatched(),
+    }
+}
+
+/// `convert -F`: how many events the filters kept and dropped, and each filter that
+/// passed none, on stderr.
+fn note_filtered(c: &FilterCounts) {
+    let read = c.kept().saturating_add(c.dropped());
+    note!(
+        "hyptrace: -F kept {} of {read} events ({} dropped by the filter, not lost)",
+        c.kept(),
+        c.dropped()
+    );
+    for spec in c.unmatched() {
+        let line = format!("-F '{spec}' matched no event of the file");
+        note!("hyptrace: {}", crate::exit::printable(&line));
     }
 }
 
@@ -482,6 +521,7 @@ pub fn pump_pages(
     f: &TraceFile,
     mut sink: Box<dyn PageSink>,
     on_damage: &mut dyn FnMut(hyptrace_output::tracedat::Damage),
+    filtered: bool,
 ) -> Result<(), OutputError> {
     let mut cursors = f.all_pages();
     let cpus: Vec<u32> = f.cpus.iter().map(|b| b.cpu).collect();
@@ -499,7 +539,7 @@ pub fn pump_pages(
         if hyptrace_output::stdout_closed() {
             break;
         }
-        feed_page(sink.as_mut(), cpu, cursors[i].page(), on_damage)?;
+        feed_page(sink.as_mut(), cpu, cursors[i].page(), on_damage, filtered)?;
         if let Some(ts) = next_head(&mut cursors[i])? {
             heads.push(Reverse((ts, cpu, i)));
         }
@@ -512,18 +552,25 @@ pub fn pump_pages(
 }
 
 /// Hands `page` of `cpu` to `sink`, its losses kept; a page that does not decode is
-/// named to `on_damage` (and copied as it is).
+/// named to `on_damage` (and copied as it is, or with `filtered` (-F) cut at the
+/// damage).
 fn feed_page(
     sink: &mut dyn PageSink,
     cpu: u32,
     page: &[u8],
     on_damage: &mut dyn FnMut(hyptrace_output::tracedat::Damage),
+    filtered: bool,
 ) -> Result<(), OutputError> {
     if let Some(why) = hyptrace_output::tracedat::page_damage(page) {
+        let rest = if filtered {
+            "its events before the damage filtered, the rest left out"
+        } else {
+            "copied as it is"
+        };
         on_damage(hyptrace_output::tracedat::Damage {
             cpu: Some(cpu),
             offset: None,
-            what: format!("a page does not decode ({why}): copied as it is"),
+            what: format!("a page does not decode ({why}): {rest}"),
         });
     }
     let missed = match hyptrace_output::page_missed(page) {
@@ -540,6 +587,7 @@ pub fn pump_by_cpu(
     f: &TraceFile,
     mut sink: Box<dyn PageSink>,
     on_damage: &mut dyn FnMut(hyptrace_output::tracedat::Damage),
+    filtered: bool,
 ) -> Result<(), OutputError> {
     for (i, b) in f.cpus.iter().enumerate() {
         let Some(mut c) = f.pages(i) else {
@@ -552,7 +600,7 @@ pub fn pump_by_cpu(
             }
             let more = match c.next_page()? {
                 Some(page) => {
-                    feed_page(sink.as_mut(), b.cpu, page, on_damage)?;
+                    feed_page(sink.as_mut(), b.cpu, page, on_damage, filtered)?;
                     true
                 }
                 None => false,
@@ -604,31 +652,43 @@ pub fn convert(a: &ConvertArgs) -> Result<(), ConvertError> {
     let input = open_input(&a.input)?;
     let target = a.files.check(&a.output, "-o")?;
     let mut damage = 0usize;
-    let r = match input {
+    let specs = &a.filters.filter;
+    let (r, counts) = match input {
         Input::Raw(reader) => {
-            let sink = crate::drain::sink::make_sink(&target, format, compression, reader.meta())
+            let meta = reader.meta();
+            let filters = compile_filters(specs, &meta)?;
+            let sink = crate::drain::sink::make_sink(&target, format, compression, meta)
                 .map_err(ConvertError::Output)?;
-            reader.replay(sink, |_| true)
+            let (sink, counts) = behind_filters(sink, filters);
+            (reader.replay(sink, |_| true), counts)
         }
         Input::TraceDat(f, n) => {
             damage = n;
             if format == Format::Raw {
                 check_raw_formats(&f, &a.input)?;
             }
-            let sink = crate::drain::sink::make_sink(&target, format, compression, meta_of(&f))
+            let meta = meta_of(&f);
+            let filters = compile_filters(specs, &meta)?;
+            let sink = crate::drain::sink::make_sink(&target, format, compression, meta)
                 .map_err(ConvertError::Output)?;
+            let (sink, counts) = behind_filters(sink, filters);
+            let filtered = counts.is_some();
             let mut on_damage = |d| {
                 damage += 1;
                 warn_damage(&a.input, &d);
             };
-            match format {
+            let r = match format {
                 // A trace.dat keeps each CPU's data in one piece: fed CPU by CPU, it is
                 // written once, straight to its place.
-                Format::Dat | Format::Dat6 => pump_by_cpu(&f, sink, &mut on_damage),
-                _ => pump_pages(&f, sink, &mut on_damage),
-            }
+                Format::Dat | Format::Dat6 => pump_by_cpu(&f, sink, &mut on_damage, filtered),
+                _ => pump_pages(&f, sink, &mut on_damage, filtered),
+            };
+            (r, counts)
         }
     };
+    if let (Ok(()), Some(c)) = (&r, &counts) {
+        note_filtered(c);
+    }
     if r.is_ok() && damage > 0 {
         return Err(ConvertError::Damaged {
             path: a.input.clone(),

@@ -100,6 +100,33 @@ pub struct CtlArgs {
     pub command: Vec<String>,
 }
 
+/// Options of `hyptrace collect`.
+#[derive(Clone, Debug, Args)]
+pub struct CollectArgs {
+    /// Keep reading until every VM's vCPUs ended (or Ctrl-C), instead of collecting
+    /// what is there now.
+    #[arg(long)]
+    pub follow: bool,
+    /// Output: a trace.dat (v7, zstd; one buffer instance per VM) or text (`.txt`,
+    /// `.text`: `trace-cmd report -t` lines merged by time, each prefixed with its VM's
+    /// name), written to a temporary name and renamed when complete; `-` is stdout.
+    #[arg(short = 'o', long = "output", value_name = "FILE", required = true)]
+    pub output: PathBuf,
+    /// Output format: dat or text [default: from the extension; no extension or `-`:
+    /// dat].
+    #[arg(long, value_enum)]
+    pub format: Option<FormatArg>,
+    /// The VMs: each the control socket of a running `run --drain none --control
+    /// SOCKET` (on --clock mono, the default), named `NAME=SOCKET` or, without a name,
+    /// by the socket's file stem. A name is 1 to 64 of [A-Za-z0-9_.-], once each; at
+    /// most 64 VMs.
+    #[arg(value_name = "NAME=SOCKET", required = true, num_args = 1..)]
+    pub vms: Vec<String>,
+    /// `--output-mode` of the output file.
+    #[command(flatten)]
+    pub files: OutputModeArg,
+}
+
 /// Options of `hyptrace record`.
 #[derive(Clone, Debug, Args)]
 pub struct RecordArgs {
@@ -123,9 +150,32 @@ pub struct RecordArgs {
     /// `none` writes the pages uncompressed. Other formats are never compressed.
     #[arg(long, value_enum, value_name = "C")]
     pub compression: Option<CompressionArg>,
+    /// `-F`: the events to write.
+    #[command(flatten)]
+    pub filters: FilterArgs,
     /// Options of the run.
     #[command(flatten)]
     pub run: RunArgs,
+}
+
+/// `-F` of `report`, `convert` and `record`: trace-cmd's event filters.
+#[derive(Clone, Debug, Default, Args)]
+pub struct FilterArgs {
+    /// Only the events FILTER passes, as `trace-cmd report -F` (libtraceevent's
+    /// filters): `EVENTS` or `'EVENTS: EXPR'`. EVENTS: comma-separated
+    /// `[SYSTEM/]EVENT`, each a regular expression matched whole, ignoring case (an
+    /// EVENT alone also names a whole system: `sched`); EXPR: comparisons of the
+    /// event's fields (`== != < <= > >=` on numbers, decimal or 0x hex; `== != =~ !~`
+    /// on strings, `=~` a regex; `COMM`, `CPU`), bit tests (`flags & 4`), `&&`, `||`
+    /// (one precedence, left to right, as libtraceevent), `!`, parentheses, e.g.
+    /// 'sched_switch: prev_pid != 0 && next_comm =~ "vcpu"', 'marker: seq > 5'.
+    /// hyptrace's `SYSTEM:EVENT` globs (`guest:marker`, `sched:*`) are kept. Repeatable:
+    /// an event is kept when any -F passes it. An unknown event or field is exit 2; a
+    /// filter that passes nothing says so on stderr. `convert` and `record` write only
+    /// the kept events, in every format (a trace.dat's or raw stream's pages re-encoded
+    /// with the kept events' exact times), and say on stderr how many -F dropped.
+    #[arg(short = 'F', long = "filter", value_name = "FILTER")]
+    pub filter: Vec<String>,
 }
 
 /// Options of `hyptrace report`.
@@ -150,19 +200,9 @@ pub struct ReportArgs {
     /// Only these CPUs: a list of numbers and ranges, e.g. `0,2-3` (repeatable).
     #[arg(long = "cpu", value_name = "LIST", value_parser = parse_cpu_list)]
     pub cpu: Vec<Vec<u32>>,
-    /// Only the events FILTER passes, as `trace-cmd report -F` (libtraceevent's
-    /// filters): `EVENTS` or `'EVENTS: EXPR'`. EVENTS: comma-separated
-    /// `[SYSTEM/]EVENT`, each a regular expression matched whole, ignoring case (an
-    /// EVENT alone also names a whole system: `sched`); EXPR: comparisons of the
-    /// event's fields (`== != < <= > >=` on numbers, decimal or 0x hex; `== != =~ !~`
-    /// on strings, `=~` a regex; `COMM`, `CPU`), bit tests (`flags & 4`), `&&`, `||`
-    /// (one precedence, left to right, as libtraceevent), `!`, parentheses, e.g.
-    /// 'sched_switch: prev_pid != 0 && next_comm =~ "vcpu"', 'marker: seq > 5'.
-    /// hyptrace's `SYSTEM:EVENT` globs (`guest:marker`, `sched:*`) are kept. Repeatable:
-    /// an event is printed when any -F passes it. An unknown event or field is exit 2;
-    /// a filter that passes nothing says so on stderr. trace.dat input only.
-    #[arg(short = 'F', long = "filter", value_name = "FILTER")]
-    pub filter: Vec<String>,
+    /// `-F`: the events to print.
+    #[command(flatten)]
+    pub filters: FilterArgs,
     /// Not a report flag (`--events N` is the event count of `run`/`record`): refused
     /// with a pointer to -F.
     #[arg(long = "events", hide = true, value_name = "X", num_args = 0..)]
@@ -374,6 +414,9 @@ pub struct ConvertArgs {
     /// `none` writes the pages uncompressed. Other formats are never compressed.
     #[arg(long, value_enum, value_name = "C")]
     pub compression: Option<CompressionArg>,
+    /// `-F`: the events to write.
+    #[command(flatten)]
+    pub filters: FilterArgs,
     /// `--output-mode` of the output file.
     #[command(flatten)]
     pub files: OutputModeArg,

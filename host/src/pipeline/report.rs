@@ -240,7 +240,21 @@ pub enum Destination {
         path: PathBuf,
         /// Its format.
         format: Format,
+        /// `-F`: what the filters kept and dropped.
+        filter: Option<FilterReport>,
     },
+}
+
+/// What `record -F` kept and dropped of the events read (dropped events are read, not
+/// lost: they are left out of the output on purpose).
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct FilterReport {
+    /// Events written.
+    pub kept: u64,
+    /// Events the filters rejected.
+    pub dropped: u64,
+    /// The filters that passed no event.
+    pub unmatched: Vec<String>,
 }
 
 /// Clocks and times of a run.

@@ -70,6 +70,8 @@ pub enum Target {
         format: Format,
         /// The compression of a v7 trace.dat (other formats: ignored).
         compression: Compression,
+        /// `-F`: only the events these filters pass are written.
+        filters: Vec<String>,
     },
 }
 
@@ -119,6 +121,9 @@ pub enum RunError {
     /// `--host-trace`: tracefs could not be set up.
     #[error(transparent)]
     HostTrace(#[from] crate::drain::host_trace::HostTraceError),
+    /// `-F` names an event or field the run's events do not have, or does not parse.
+    #[error("{0} (the run's events: `hyptrace list`)")]
+    Filter(#[from] hyptrace_output::tracedat::FilterError),
 }
 
 impl RunError {
@@ -128,7 +133,11 @@ impl RunError {
         match self {
             Self::Vm(e) => e.is_input_error(),
             Self::HostTrace(e) => e.is_input_error(),
-            Self::Sink { .. } | Self::TraceMem(_) | Self::Events(_) | Self::Control(_) => true,
+            Self::Sink { .. }
+            | Self::TraceMem(_)
+            | Self::Events(_)
+            | Self::Control(_)
+            | Self::Filter(_) => true,
             _ => false,
         }
     }

@@ -261,13 +261,79 @@ fn v7_metadata(
         layout,
         data_start,
         z: compression == Compression::Zstd,
+        instances: &[],
     };
     // Built twice: the first build gives the length, which the offsets do not change
     // (fixed-size words), hence where the flyrecord header is.
-    let first = v7.build(0)?;
-    let v = v7.build(first.len() as u64 - 16)?;
+    let (first, _) = v7.build(0)?;
+    let (v, _) = v7.build(first.len() as u64 - 16)?;
     debug_assert_eq!(v.len(), first.len());
     Ok(v)
+}
+
+/// A named buffer instance of a multi-buffer v7 file (trace-cmd's `-B NAME`): its
+/// flyrecord section at `flyrecord_at`, its CPU data at `layout`.
+pub(super) struct Instance<'a> {
+    pub(super) name: &'a str,
+    pub(super) flyrecord_at: u64,
+    pub(super) layout: Layout,
+}
+
+/// The v7 metadata of a file whose top-level buffer is `top` (from `data_start`) and
+/// which has the named `instances` after it; returns it and the string id of "buffer
+/// flyrecord" (each instance's flyrecord section header names it). Its length does not
+/// depend on the offsets (fixed-size words): a first build with any gives it.
+pub(super) fn v7_instances_metadata(
+    meta: &TraceMeta,
+    top: &Layout,
+    data_start: u64,
+    compression: Compression,
+    instances: &[Instance<'_>],
+) -> Result<(Vec<u8>, u32), OutputError> {
+    let v7 = V7Metadata {
+        meta,
+        stats: &[],
+        layout: top,
+        data_start,
+        z: compression == Compression::Zstd,
+        instances,
+    };
+    let (first, _) = v7.build(0)?;
+    v7.build(first.len() as u64 - 16)
+}
+
+/// A flyrecord section header (`TRACECMD_OPTION_BUFFER`, "buffer flyrecord"): its
+/// content (`size` bytes: padding and CPU data) follows it.
+pub(super) fn flyrecord_header(name_id: u32, compression: Compression, size: u64) -> [u8; 16] {
+    let mut v = [0u8; 16];
+    v[..2].copy_from_slice(&option::BUFFER.to_le_bytes());
+    let flags = if compression == Compression::Zstd {
+        SEC_FL_COMPRESS
+    } else {
+        0
+    };
+    v[2..4].copy_from_slice(&flags.to_le_bytes());
+    v[4..8].copy_from_slice(&name_id.to_le_bytes());
+    v[8..].copy_from_slice(&size.to_le_bytes());
+    v
+}
+
+/// The data of a BUFFER option: the flyrecord section's offset, the buffer's name (""
+/// for the top level), clock, page size and CPU table (offset and size of each CPU's
+/// data).
+fn buffer_option(at: u64, name: &str, clock: &str, page_size: usize, layout: &Layout) -> Vec<u8> {
+    let mut buf = Vec::new();
+    buf.extend_from_slice(&at.to_le_bytes());
+    buf.extend_from_slice(&cstr(name));
+    buf.extend_from_slice(&cstr(clock));
+    buf.extend_from_slice(&(page_size as u32).to_le_bytes());
+    buf.extend_from_slice(&(layout.sizes.len() as u32).to_le_bytes());
+    for (cpu, (&s, &off)) in layout.sizes.iter().zip(&layout.offsets).enumerate() {
+        buf.extend_from_slice(&(cpu as u32).to_le_bytes());
+        buf.extend_from_slice(&off.to_le_bytes());
+        buf.extend_from_slice(&s.to_le_bytes());
+    }
+    buf
 }
 
 /// What the v7 metadata is built from.
@@ -279,11 +345,14 @@ struct V7Metadata<'a> {
     data_start: u64,
     /// zstd-compressed sections.
     z: bool,
+    /// Named buffers after the top-level one's data (none but in `collect`'s files).
+    instances: &'a [Instance<'a>],
 }
 
 impl V7Metadata<'_> {
-    /// The metadata with the flyrecord section header at `flyrecord_at`.
-    fn build(&self, flyrecord_at: u64) -> Result<Vec<u8>, OutputError> {
+    /// The metadata with the flyrecord section header at `flyrecord_at`, and the string
+    /// id of "buffer flyrecord".
+    fn build(&self, flyrecord_at: u64) -> Result<(Vec<u8>, u32), OutputError> {
         let (meta, z) = (self.meta, self.z);
         let mut strings = Strings(Vec::new());
         let mut v = file_start(7, meta.page_size);
@@ -311,9 +380,10 @@ impl V7Metadata<'_> {
         v.extend_from_slice(&option::BUFFER.to_le_bytes());
         let flags = if z { SEC_FL_COMPRESS } else { 0 };
         v.extend_from_slice(&flags.to_le_bytes());
-        v.extend_from_slice(&strings.id("buffer flyrecord").to_le_bytes());
+        let name_id = strings.id("buffer flyrecord");
+        v.extend_from_slice(&name_id.to_le_bytes());
         v.extend_from_slice(&end.saturating_sub(at + 16).to_le_bytes());
-        Ok(v)
+        Ok((v, name_id))
     }
 
     /// Appends the metadata sections to `v`, in trace-cmd's order; returns each one's id
@@ -352,19 +422,14 @@ impl V7Metadata<'_> {
         for &(id, off) in sections {
             push_opt(&mut opts, id, &off.to_le_bytes());
         }
-        let mut buf = Vec::new();
-        buf.extend_from_slice(&flyrecord_at.to_le_bytes());
-        buf.extend_from_slice(b"\0"); // top-level buffer: empty name
-        buf.extend_from_slice(&cstr(&meta.clock.name));
-        buf.extend_from_slice(&(meta.page_size as u32).to_le_bytes());
-        buf.extend_from_slice(&meta.nr_cpus.to_le_bytes());
-        let l = self.layout;
-        for (cpu, (&s, &off)) in l.sizes.iter().zip(&l.offsets).enumerate() {
-            buf.extend_from_slice(&(cpu as u32).to_le_bytes());
-            buf.extend_from_slice(&off.to_le_bytes());
-            buf.extend_from_slice(&s.to_le_bytes());
+        // The top-level buffer: an empty name.
+        let (clock, ps) = (&meta.clock.name, meta.page_size);
+        let top = buffer_option(flyrecord_at, "", clock, ps, self.layout);
+        push_opt(&mut opts, option::BUFFER, &top);
+        for i in self.instances {
+            let b = buffer_option(i.flyrecord_at, i.name, clock, ps, &i.layout);
+            push_opt(&mut opts, option::BUFFER, &b);
         }
-        push_opt(&mut opts, option::BUFFER, &buf);
         push_opt(&mut opts, option::DONE, &0u64.to_le_bytes());
         opts
     }

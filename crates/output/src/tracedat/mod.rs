@@ -9,15 +9,18 @@ mod cpudata;
 mod cpuout;
 mod head;
 mod ids;
+mod multi;
 mod params;
 mod write;
 mod zpool;
 
 pub use ids::{option, MAGIC};
+pub use multi::{valid_instance_name, write_buffers, BufferPart, BufferSet, MAX_INSTANCE_NAME};
 pub use params::{Compression, TraceDatVersion, ZSTD_CHUNK_PAGES};
 pub use read::{
-    max_chunk, page_damage, CpuBuffer, CpuPages, Damage, FilterError, FilterErrorKind, FilterSet,
-    Records, ReportFilter, ReportOutcome, TraceFile, TraceItem, TraceOption, TraceRecord,
-    MAX_CHUNK, MAX_RATIO, METADATA_BUDGET, OPTIONS_SHARE, READ_BUDGET,
+    max_chunk, page_damage, CpuBuffer, CpuPages, Damage, FilterCounts, FilterError,
+    FilterErrorKind, FilterSet, FilteredSink, PageFilterError, PageFiltered, Records, ReportFilter,
+    ReportOutcome, TraceFile, TraceItem, TraceOption, TraceRecord, MAX_CHUNK, MAX_RATIO,
+    METADATA_BUDGET, OPTIONS_SHARE, READ_BUDGET,
 };
 pub use write::{write_trace_dat, write_trace_dat_with, TraceDatSink, TRAILING_LOST_ID};

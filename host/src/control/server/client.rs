@@ -156,7 +156,7 @@ impl CtlConn {
         let n = std::io::BufRead::read_line(&mut (&mut self.inp).take(MAX_REPLY), &mut reply)
             .map_err(|source| CtlError::Io {
                 path: self.path.clone(),
-                what: "reading the reply",
+                what: reading("reading the reply", &source),
                 source,
             })?;
         if n == 0 || !reply.ends_with('\n') {
@@ -189,9 +189,9 @@ impl CtlConn {
             });
         }
         let mut data = Vec::with_capacity(n as usize);
-        let io = |source| CtlError::Io {
+        let io = |source: std::io::Error| CtlError::Io {
             path: self.path.clone(),
-            what: "reading a fetch answer's bytes",
+            what: reading("reading a fetch answer's bytes", &source),
             source,
         };
         (&mut self.inp).take(n).read_to_end(&mut data).map_err(io)?;
@@ -232,4 +232,15 @@ pub fn ctl(path: &Path, words: &[String]) -> Result<CtlOutcome, CtlError> {
         Outcome::Ok(a) => CtlOutcome::Ok(a),
         Outcome::Err(e) => CtlOutcome::Err(e),
     })
+}
+
+/// What a failed read was: `what`, or, when the read timed out, that the peer stopped
+/// answering (the socket's read timeout says `EAGAIN`, which names nothing).
+fn reading(what: &'static str, e: &std::io::Error) -> &'static str {
+    match e.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+            "no reply within the timeout (the VMM stopped answering)"
+        }
+        _ => what,
+    }
 }

@@ -131,6 +131,9 @@ pub struct Stats {
     end: &'static str,
     events_per_vcpu: u64,
     exit_code: i32,
+    /// `record -F`: what the filters kept and dropped (absent without -F).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    filter: Option<super::FilterReport>,
     guest_exit: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     host_events: Option<HostEventsStats>,
@@ -194,6 +197,10 @@ impl Stats {
             end: r.end(),
             events_per_vcpu: e.events,
             exit_code: code,
+            filter: match &r.destination {
+                super::Destination::File { filter, .. } => filter.clone(),
+                _ => None,
+            },
             guest_exit,
             host_events: r.host_events,
             host_trace: r.host_trace.clone(),

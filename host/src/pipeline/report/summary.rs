@@ -125,7 +125,7 @@ impl RunReport {
             Destination::File { path, .. } if self.failures.output_failed() => {
                 format!("{} not written", shown_path(path))
             }
-            Destination::File { path, format }
+            Destination::File { path, format, .. }
                 if path.as_os_str() == "-" && hyptrace_output::stdout_closed() =>
             {
                 format!(
@@ -133,7 +133,7 @@ impl RunReport {
                     format_name(*format)
                 )
             }
-            Destination::File { path, format } => {
+            Destination::File { path, format, .. } => {
                 format!("{} written to {}", format_name(*format), shown_path(path))
             }
             Destination::Sink => "pages handed to the sink".to_string(),
@@ -277,13 +277,29 @@ impl fmt::Display for RunReport {
             Some(r) => writeln!(f, "hyptrace: stopped: {r}")?,
         }
         writeln!(f, "{}", self.summary())?;
+        if let Destination::File {
+            filter: Some(fr), ..
+        } = &self.destination
+        {
+            writeln!(
+                f,
+                "hyptrace: -F kept {} of the {} events read ({} dropped by the filter, not lost)",
+                fr.kept,
+                fr.kept.saturating_add(fr.dropped),
+                fr.dropped
+            )?;
+            for spec in &fr.unmatched {
+                let line = format!("-F '{spec}' matched no event of the run");
+                writeln!(f, "hyptrace: {}", crate::exit::printable(&line))?;
+            }
+        }
         if let Some(h) = &self.host_trace {
             writeln!(
                 f,
-                "hyptrace: host trace: {} host CPUs (output CPUs {}..{}): read {} events in {} pages, lost {} (+{} pages with an unknown count; kernel overrun {}, dropped {})",
+                "hyptrace: host trace: {} host CPUs (output CPUs {}-{}): read {} events in {} pages, lost {} (+{} pages with an unknown count; kernel overrun {}, dropped {})",
                 h.cpus,
                 h.first_cpu,
-                h.first_cpu + h.cpus,
+                (h.first_cpu + h.cpus).saturating_sub(1),
                 h.events,
                 h.pages,
                 h.lost,

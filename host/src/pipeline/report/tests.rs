@@ -417,3 +417,36 @@ fn loss_causes_only_from_what_a_live_reader_saw() {
     let h = hints(&r);
     assert!(h.iter().any(|l| l.contains("holds twice that")), "{h:?}");
 }
+
+/// Issue 39: the host trace's output CPUs are named inclusively (2 host CPUs after 2
+/// vCPUs are CPUs 2-3, not "2..4"); `record -F` says what it kept and dropped, after
+/// the unchanged `written = read + lost` line, and names a filter that matched nothing.
+#[test]
+fn host_trace_cpus_and_filter_counts_read_as_meant() {
+    let mut r = report(Vec::new(), Vec::new());
+    r.host_trace = Some(crate::drain::session::HostTraceStats {
+        cpus: 2,
+        first_cpu: 2,
+        ..Default::default()
+    });
+    r.destination = Destination::File {
+        path: "t.dat".into(),
+        format: crate::drain::sink::Format::Dat,
+        filter: Some(FilterReport {
+            kept: 7,
+            dropped: 5,
+            unmatched: vec!["marker: seq > 9".into()],
+        }),
+    };
+    let text = r.to_string();
+    assert!(text.contains("(output CPUs 2-3)"), "{text}");
+    assert!(
+        text.contains("hyptrace: -F kept 7 of the 12 events read (5 dropped by the filter, not lost)\nhyptrace: -F 'marker: seq > 9' matched no event of the run\n"),
+        "{text}"
+    );
+    let json = r.stats_json(0);
+    assert!(
+        json.contains("\"filter\": {\n    \"kept\": 7,\n    \"dropped\": 5,"),
+        "{json}"
+    );
+}

@@ -8,7 +8,8 @@ use crate::drain::session::{HostTraceStats, Session};
 use crate::drain::signals::Interrupts;
 use crate::pipeline::plan::Plan;
 use crate::pipeline::report::{
-    CpuReport, Destination, Failures, GuestView, HostEventsStats, RunReport, Stop, Timing,
+    CpuReport, Destination, Failures, FilterReport, GuestView, HostEventsStats, RunReport, Stop,
+    Timing,
 };
 use crate::vmm::vcpu::VcpuOutcome;
 
@@ -177,7 +178,19 @@ impl Live<'_> {
             Shown::Stdout => Destination::Stdout {
                 lines: stdout.lines.load(Ordering::Relaxed),
             },
-            Shown::File { path, format } => Destination::File { path, format },
+            Shown::File {
+                path,
+                format,
+                filter,
+            } => Destination::File {
+                path,
+                format,
+                filter: filter.map(|c| FilterReport {
+                    kept: c.kept(),
+                    dropped: c.dropped(),
+                    unmatched: c.unmatched(),
+                }),
+            },
             Shown::Sink => Destination::Sink,
         };
         Ok(RunReport {

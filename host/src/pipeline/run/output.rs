@@ -11,15 +11,21 @@ use hyptrace_output::{Clock, EventFormat, OutputError, QuietStdout, ThreadedSink
 use crate::drain::host_trace::HostTraceFeed;
 use crate::drain::session::Output;
 use crate::drain::signals::Interrupts;
-use crate::drain::sink::{make_sink, Format};
+use crate::drain::sink::{behind_filters, make_sink, Filters, Format};
 use crate::pipeline::plan::Plan;
+use hyptrace_output::tracedat::FilterCounts;
 
 use super::{RunError, Target};
 
 /// What the report says of where the events went.
 pub(super) enum Shown {
     Stdout,
-    File { path: PathBuf, format: Format },
+    File {
+        path: PathBuf,
+        format: Format,
+        /// `-F`: what the filters kept and dropped.
+        filter: Option<Arc<FilterCounts>>,
+    },
     Sink,
 }
 
@@ -82,17 +88,32 @@ pub(super) fn open_output(
             path,
             format,
             compression,
+            filters,
         } => {
             let meta = meta();
+            // Checked against the events the guest registered, before the file exists.
+            let filters = Filters::compile(&filters, &meta)?;
             // The file is written on its own thread (ThreadedSink): a stalled write(2)
             // costs queue space there, not the reader's time at the rings.
             // A second Ctrl-C stops the sink thread (and a reader waiting for it) at once.
             let abort = move || interrupts.is_some_and(Interrupts::aborted);
+            let mut filter = None;
             match make_sink(&target, format, compression, meta)
-                .and_then(ThreadedSink::new)
+                .and_then(|s| {
+                    let (s, counts) = behind_filters(s, filters);
+                    filter = counts;
+                    ThreadedSink::new(s)
+                })
                 .map(|t| t.cancel_on(abort))
             {
-                Ok(sink) => Ok((Output::Pages(Box::new(sink)), Shown::File { path, format })),
+                Ok(sink) => Ok((
+                    Output::Pages(Box::new(sink)),
+                    Shown::File {
+                        path,
+                        format,
+                        filter,
+                    },
+                )),
                 // A signal ended the wait for a FIFO's reader: nothing can be written.
                 Err(OutputError::Io { source, .. })
                     if source.kind() == std::io::ErrorKind::Interrupted =>

@@ -37,7 +37,10 @@ mod report;
 mod tests;
 
 pub use budget::{max_chunk, MAX_CHUNK, MAX_RATIO, METADATA_BUDGET, OPTIONS_SHARE, READ_BUDGET};
-pub use filter::{FilterError, FilterErrorKind, FilterSet, ReportOutcome};
+pub use filter::{
+    FilterCounts, FilterError, FilterErrorKind, FilterSet, FilteredSink, PageFilterError,
+    PageFiltered, ReportOutcome,
+};
 pub use merge::Records;
 pub use pages::CpuPages;
 pub use records::{page_damage, TraceItem, TraceRecord};
@@ -159,6 +162,9 @@ pub struct TraceFile {
     /// How many options were not kept in [`TraceFile::options`] (ids the reader does not
     /// use, buffers other than the top one).
     pub options_skipped: u64,
+    /// The names of the file's named buffer instances (trace-cmd's `-B NAME`, `hyptrace
+    /// collect`'s VMs), at most 256: this reader reads the top-level buffer only.
+    pub instances: Vec<String>,
     /// Where each CPU's pages are, in file order.
     pub cpus: Vec<CpuBuffer>,
     /// Damaged metadata `open` read past (a fallback or an omission for each; CPU data
@@ -228,6 +234,7 @@ impl TraceFile {
             ts_offset: 0,
             options: Vec::new(),
             options_skipped: 0,
+            instances: Vec::new(),
             cpus: Vec::new(),
             damage: Vec::new(),
             compressed: false,

@@ -431,6 +431,13 @@ impl Parser {
                         sections.insert(id, off);
                     }
                     (option::BUFFER, _) => {
+                        if let Some(name) = instance_name(d) {
+                            self.f.options_skipped += 1;
+                            if self.f.instances.len() < MAX_INSTANCES_KEPT {
+                                self.f.instances.push(name);
+                            }
+                            continue;
+                        }
                         match top {
                             None => top = top_buffer(d, self.f.page_size),
                             Some(_) => self.f.options_skipped += 1,
@@ -551,6 +558,20 @@ impl Parser {
 
 /// A buffer option: `None` for a named buffer (an instance: not read), else the top
 /// buffer's clock and CPU table, or why it cannot be read.
+/// The name of a named buffer instance's BUFFER option (none for the top level's, or
+/// one that does not parse: that one is the top buffer's to refuse).
+fn instance_name(d: &[u8]) -> Option<String> {
+    let mut o = Cur::new(d, 0, 0);
+    let name = o
+        .u64("buffer offset")
+        .and_then(|_| o.cstr("buffer name"))
+        .ok()?;
+    (!name.is_empty()).then_some(name)
+}
+
+/// Most instance names [`TraceFile::instances`] keeps (the rest are only counted).
+const MAX_INSTANCES_KEPT: usize = 256;
+
 fn top_buffer(d: &[u8], page_size: usize) -> Option<Result<TopBuffer, OutputError>> {
     let mut o = Cur::new(d, 0, 0);
     let name = o

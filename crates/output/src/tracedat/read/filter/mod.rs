@@ -31,10 +31,12 @@ use crate::format::{glob, EventFormat};
 mod bre;
 mod eval;
 mod expr;
+mod page;
 #[cfg(test)]
 mod tests;
 
 use eval::{Node, Rec};
+pub use page::{FilterCounts, FilteredSink, PageFilterError, PageFiltered};
 
 /// Most filters (`-F` options) of one report.
 pub const MAX_FILTERS: usize = 256;

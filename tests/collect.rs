@@ -1,0 +1,432 @@
+//! `hyptrace collect` (issue 40): one process subscribes to several running VMMs
+//! (`run --vcpus 1 --drain none --trace-mem F --control S`) and writes one trace.dat v7
+//! with one buffer instance per VM, every VM on host CLOCK_MONOTONIC. VM tests are
+//! skipped without /dev/kvm unless HYPTRACE_REQUIRE_KVM=1; the trace-cmd checks without
+//! trace-cmd unless HYPTRACE_REQUIRE_TRACE_CMD=1.
+//!
+//! Every child runs under a bound ([`WALL`]) and is killed past it or when the test
+//! fails: a test fails, never hangs. It waits for states (a socket exists, the VMM read
+//! pages), never for a time.
+
+use std::os::unix::fs::FileTypeExt;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use hyptrace::env::{self, kvm_available, vm_lock, TempDir};
+
+const BIN: &str = env!("CARGO_BIN_EXE_hyptrace");
+const KRATE: &str = env!("CARGO_CRATE_NAME");
+
+/// Longest any child may run (boot, run, collect on a loaded machine).
+const WALL: Duration = Duration::from_secs(120);
+
+/// A child killed when dropped (a failing test leaves no VM behind).
+struct Kid(Child);
+
+impl Drop for Kid {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Kid {
+    /// `hyptrace args`, stdout and stderr into `DIR/TAG.out`, `DIR/TAG.err`.
+    fn spawn(dir: &TempDir, tag: &str, args: &[&str]) -> Self {
+        let file = |ext: &str| {
+            Stdio::from(std::fs::File::create(dir.file(&format!("{tag}.{ext}"))).expect("file"))
+        };
+        let c = Command::new(BIN)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(file("out"))
+            .stderr(file("err"))
+            .spawn()
+            .expect("spawn hyptrace");
+        Self(c)
+    }
+
+    /// Waits (bounded) for the exit; its code.
+    fn wait(&mut self, what: &str) -> Option<i32> {
+        env::wait_exit(&mut self.0, what, WALL).code()
+    }
+}
+
+fn read(dir: &TempDir, name: &str) -> String {
+    std::fs::read_to_string(dir.file(name)).unwrap_or_default()
+}
+
+/// Starts a VMM writing `events` markers at 5000/s into a 8 MiB ring (stop mode: none
+/// lost), socket `DIR/NAME.sock`; waits (bounded) until the socket exists.
+fn start_vm(dir: &TempDir, name: &str, events: u64) -> Kid {
+    let (mem, sock) = (dir.file(&format!("{name}.trace")), sock(dir, name));
+    let n = events.to_string();
+    let mut vm = Kid::spawn(
+        dir,
+        name,
+        &[
+            "run",
+            "--vcpus",
+            "1",
+            "--drain",
+            "none",
+            "--trace-mem",
+            &mem,
+            "--control",
+            &sock,
+            "--events",
+            &n,
+            "--rate",
+            "5000",
+            "--buffer-kb",
+            "8192",
+            "--mode",
+            "stop",
+        ],
+    );
+    env::wait_until(
+        &mut vm.0,
+        &format!("the socket of {name}"),
+        WALL,
+        || std::fs::symlink_metadata(&sock).is_ok_and(|m| m.file_type().is_socket()),
+        || read(dir, &format!("{name}.err")),
+    );
+    vm
+}
+
+fn sock(dir: &TempDir, name: &str) -> String {
+    dir.file(&format!("{name}.sock"))
+}
+
+/// Waits (bounded) until the VMM behind `sock` swapped pages for `col` (its stats).
+fn wait_read(dir: &TempDir, sock: &str, col: &mut Kid) {
+    let t = Instant::now();
+    loop {
+        let o = Command::new(BIN)
+            .args(["ctl", sock, "stats"])
+            .output()
+            .expect("ctl");
+        let v: serde_json::Value =
+            serde_json::from_slice(&o.stdout).unwrap_or(serde_json::Value::Null);
+        if v["cpus"][0]["swaps"].as_u64().unwrap_or(0) >= 2 {
+            return;
+        }
+        assert!(
+            col.0.try_wait().expect("try_wait").is_none(),
+            "collect ended early: {}",
+            read(dir, "collect.err")
+        );
+        assert!(t.elapsed() < WALL, "{sock} never read: {v}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `trace-cmd report` of `dat`: per line (VM name, seq, time in ns) of every marker.
+fn report(dat: &str) -> Vec<(String, u64, u64)> {
+    let o = Command::new("trace-cmd")
+        .args(["report", "-i", dat])
+        .output()
+        .expect("trace-cmd");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    markers(&String::from_utf8_lossy(&o.stdout))
+}
+
+/// Per marker line of a report (trace-cmd's, or collect's text): (VM name, seq, ns).
+fn markers(text: &str) -> Vec<(String, u64, u64)> {
+    let mut v = Vec::new();
+    for l in text.lines().filter(|l| l.contains(" marker: ")) {
+        // ` vm1:            vcpu0-1     [000] 26843.796473: marker:   seq=0 value=0`
+        let (vm, rest) = l.trim_start().split_once(':').expect("a VM name");
+        let time = rest
+            .split_whitespace()
+            .find_map(|w| w.strip_suffix(':').filter(|t| t.contains('.')))
+            .expect("a time");
+        let (s, us) = time.split_once('.').expect("s.us");
+        let ns = s.parse::<u64>().expect("s") * 1_000_000_000
+            + us.parse::<u64>().expect("us") * 10u64.pow(9 - us.len() as u32);
+        let seq = l
+            .split("seq=")
+            .nth(1)
+            .and_then(|r| r.split_whitespace().next())
+            .and_then(|s| s.parse().ok())
+            .expect("seq");
+        v.push((vm.to_string(), seq, ns));
+    }
+    v
+}
+
+/// Per VM of `lines`: its seqs are 0.. in order, `n` of them.
+fn check_vm(lines: &[(String, u64, u64)], vm: &str, n: u64) {
+    let seqs: Vec<u64> = lines
+        .iter()
+        .filter(|(v, ..)| v == vm)
+        .map(|(_, s, _)| *s)
+        .collect();
+    assert_eq!(seqs.len() as u64, n, "{vm}");
+    assert!(
+        seqs.iter().copied().eq(0..n),
+        "{vm}: seqs not 0..{n} in order"
+    );
+}
+
+/// The acceptance run: three VMMs of 30 000, 40 000 and 50 000 events collected with
+/// `--follow` into one trace.dat: exit 0, the accounting per VM exact, and trace-cmd
+/// prints 120 000 events, each line naming its VM, in one time order (the VMs ran at
+/// once: their lines interleave).
+#[test]
+fn collect_three_vms_into_one_trace() {
+    if !kvm_available(KRATE, "collect_three_vms_into_one_trace") {
+        return;
+    }
+    let _l = vm_lock();
+    let dir = TempDir::new("collect3");
+    let vms = [("vma", 30_000u64), ("vmb", 40_000), ("vmc", 50_000)];
+    let mut kids: Vec<Kid> = vms.iter().map(|(n, e)| start_vm(&dir, n, *e)).collect();
+    let dat = dir.file("all.dat");
+    let names: Vec<String> = vms
+        .iter()
+        .map(|(n, _)| format!("{n}={}", sock(&dir, n)))
+        .collect();
+    let mut args = vec!["collect", "--follow", "-o", &dat];
+    args.extend(names.iter().map(String::as_str));
+    let mut c = Kid::spawn(&dir, "collect", &args);
+    let code = c.wait("collect");
+    let err = read(&dir, "collect.err");
+    for (k, (n, e)) in kids.iter_mut().zip(&vms) {
+        assert_eq!(k.wait(n), Some(0), "{}", read(&dir, &format!("{n}.err")));
+        let want = format!("{n}: cpu 0: {e} events read, 0 lost");
+        assert!(err.contains(&want), "{want}:\n{err}");
+        // One reader: what collect received is what the VMM read.
+        let vmm = read(&dir, &format!("{n}.err"));
+        assert!(vmm.contains(&format!(" read {e} lost 0")), "{vmm}");
+    }
+    assert_eq!(code, Some(0), "{err}");
+    assert!(err.contains("3 of 3 VMs complete"), "{err}");
+    if !env::trace_cmd_available() {
+        return;
+    }
+    let lines = report(&dat);
+    assert_eq!(lines.len(), 120_000);
+    for (n, e) in &vms {
+        check_vm(&lines, n, *e);
+    }
+    assert!(
+        lines.windows(2).all(|w| w[0].2 <= w[1].2),
+        "the lines are not in one time order"
+    );
+    let switches = lines.windows(2).filter(|w| w[0].0 != w[1].0).count();
+    assert!(
+        switches > 100,
+        "the VMs' lines do not interleave: {switches}"
+    );
+}
+
+/// One VM of three killed during `collect --follow`: named on stderr, the others
+/// complete, exit 1; the file holds every event of the two and what was read of it.
+#[test]
+fn collect_names_a_killed_vm() {
+    if !kvm_available(KRATE, "collect_names_a_killed_vm") {
+        return;
+    }
+    let _l = vm_lock();
+    let dir = TempDir::new("collectkill");
+    let mut a = start_vm(&dir, "a", 20_000);
+    let mut b = start_vm(&dir, "b", 10_000_000);
+    let mut c = start_vm(&dir, "c", 20_000);
+    let dat = dir.file("all.dat");
+    let (sa, sb, sc) = (sock(&dir, "a"), sock(&dir, "b"), sock(&dir, "c"));
+    let mut col = Kid::spawn(
+        &dir,
+        "collect",
+        &["collect", "--follow", "-o", &dat, &sa, &sb, &sc],
+    );
+    // Once b's VMM read pages for collect (its stats), kill it.
+    wait_read(&dir, &sb, &mut col);
+    b.0.kill().expect("kill b");
+    let _ = b.0.wait();
+    let code = col.wait("collect");
+    let err = read(&dir, "collect.err");
+    assert_eq!(a.wait("a"), Some(0), "{}", read(&dir, "a.err"));
+    assert_eq!(c.wait("c"), Some(0), "{}", read(&dir, "c.err"));
+    assert_eq!(code, Some(1), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    for n in ["a", "c"] {
+        let want = format!("{n}: cpu 0: 20000 events read, 0 lost");
+        assert!(err.contains(&want), "{want}:\n{err}");
+    }
+    assert!(err.contains("b: error: "), "{err}");
+    assert!(
+        err.lines()
+            .any(|l| l.contains(" b: ") && l.contains("INCOMPLETE")),
+        "{err}"
+    );
+    assert!(err.contains("2 of 3 VMs complete"), "{err}");
+    let b_read: u64 = err
+        .lines()
+        .find_map(|l| l.split("collect: b: cpu 0: ").nth(1))
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .expect("b's count");
+    if !env::trace_cmd_available() {
+        return;
+    }
+    let lines = report(&dat);
+    check_vm(&lines, "a", 20_000);
+    check_vm(&lines, "c", 20_000);
+    check_vm(&lines, "b", b_read);
+}
+
+/// Text (`-o all.txt`): every event of two VMs, each line prefixed with its VM, in
+/// one time order.
+#[test]
+fn collect_text_names_every_line() {
+    if !kvm_available(KRATE, "collect_text_names_every_line") {
+        return;
+    }
+    let _l = vm_lock();
+    let dir = TempDir::new("collecttxt");
+    let mut a = start_vm(&dir, "a", 10_000);
+    let mut b = start_vm(&dir, "bb", 15_000);
+    let txt = dir.file("all.txt");
+    let (sa, sb) = (sock(&dir, "a"), sock(&dir, "bb"));
+    let mut col = Kid::spawn(
+        &dir,
+        "collect",
+        &["collect", "--follow", "-o", &txt, &sa, &sb],
+    );
+    let code = col.wait("collect");
+    let err = read(&dir, "collect.err");
+    assert_eq!(a.wait("a"), Some(0), "{}", read(&dir, "a.err"));
+    assert_eq!(b.wait("bb"), Some(0), "{}", read(&dir, "bb.err"));
+    assert_eq!(code, Some(0), "{err}");
+    let text = read(&dir, "all.txt");
+    // Names right-aligned to the longest, as trace-cmd prints instances.
+    assert!(text
+        .lines()
+        .all(|l| l.starts_with(" a: ") || l.starts_with("bb: ")));
+    let lines = markers(&text);
+    assert_eq!(lines.len(), 25_000);
+    check_vm(&lines, "a", 10_000);
+    check_vm(&lines, "bb", 15_000);
+    assert!(
+        lines.windows(2).all(|w| w[0].2 <= w[1].2),
+        "not in time order"
+    );
+}
+
+/// A VMM stopped (SIGSTOP) during `collect --follow`: after the reply timeout it is
+/// named as no longer answering, the other VM completes, exit 1; the file holds what was
+/// read of the stopped one.
+#[test]
+fn collect_names_a_vm_that_stops_answering() {
+    if !kvm_available(KRATE, "collect_names_a_vm_that_stops_answering") {
+        return;
+    }
+    let _l = vm_lock();
+    let dir = TempDir::new("collectstop");
+    let mut a = start_vm(&dir, "a", 20_000);
+    let b = start_vm(&dir, "b", 10_000_000);
+    let dat = dir.file("all.dat");
+    let (sa, sb) = (sock(&dir, "a"), sock(&dir, "b"));
+    let mut col = Kid::spawn(
+        &dir,
+        "collect",
+        &["collect", "--follow", "-o", &dat, &sa, &sb],
+    );
+    wait_read(&dir, &sb, &mut col);
+    env::signal(&b.0, "-STOP");
+    let code = col.wait("collect");
+    let err = read(&dir, "collect.err");
+    assert_eq!(a.wait("a"), Some(0), "{}", read(&dir, "a.err"));
+    drop(b);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("a: cpu 0: 20000 events read, 0 lost"), "{err}");
+    assert!(
+        err.contains("b: error: ") && err.contains("stopped answering"),
+        "{err}"
+    );
+    assert!(err.contains("1 of 2 VMs complete"), "{err}");
+    if env::trace_cmd_available() {
+        check_vm(&report(&dat), "a", 20_000);
+    }
+}
+
+/// A VM on another clock (`--clock tsc`) cannot share the time line: it is named and
+/// left out, the other VM is collected (one shot), exit 1.
+#[test]
+fn collect_leaves_out_a_vm_on_another_clock() {
+    if !kvm_available(KRATE, "collect_leaves_out_a_vm_on_another_clock") {
+        return;
+    }
+    let _l = vm_lock();
+    let dir = TempDir::new("collectclock");
+    let (mem, sa) = (dir.file("a.trace"), sock(&dir, "a"));
+    let mut a = Kid::spawn(
+        &dir,
+        "a",
+        &[
+            "run",
+            "--vcpus",
+            "1",
+            "--drain",
+            "none",
+            "--trace-mem",
+            &mem,
+            "--control",
+            &sa,
+            "--events",
+            "20000",
+            "--rate",
+            "5000",
+            "--clock",
+            "tsc",
+        ],
+    );
+    env::wait_until(
+        &mut a.0,
+        "the socket of a",
+        WALL,
+        || std::fs::symlink_metadata(&sa).is_ok_and(|m| m.file_type().is_socket()),
+        || read(&dir, "a.err"),
+    );
+    let mut b = start_vm(&dir, "b", 20_000);
+    let dat = dir.file("all.dat");
+    let sb = sock(&dir, "b");
+    let mut col = Kid::spawn(&dir, "collect", &["collect", "-o", &dat, &sa, &sb]);
+    let code = col.wait("collect");
+    let err = read(&dir, "collect.err");
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("a: error: ") && err.contains("on clock x86-tsc"),
+        "{err}"
+    );
+    assert!(
+        err.contains("b: ") && err.contains("1 of 2 VMs complete"),
+        "{err}"
+    );
+    assert_eq!(a.wait("a"), Some(0), "{}", read(&dir, "a.err"));
+    assert_eq!(b.wait("b"), Some(0), "{}", read(&dir, "b.err"));
+    assert!(std::path::Path::new(&dat).exists());
+}
+
+/// Bad command lines: exit 2 with one line naming the problem, nothing written.
+#[test]
+fn collect_refuses_bad_arguments() {
+    let dir = TempDir::new("collectargs");
+    let dat = dir.file("x.dat");
+    for (args, needle) in [
+        (
+            vec!["collect", "-o", &dat, "a=/x", "a=/y"],
+            "a second VM named a",
+        ),
+        (vec!["collect", "-o", &dat, "a b=/x"], "a VM's name"),
+        (
+            vec!["collect", "-o", "x.json", "a=/x"],
+            "collect writes trace.dat v7 or text",
+        ),
+    ] {
+        let o = env::run(BIN, &args);
+        env::assert_usage_error(&o, &format!("{args:?}"), needle);
+    }
+    assert!(!std::path::Path::new(&dat).exists());
+}
