@@ -156,7 +156,7 @@ fn not_run(c: &Cmd) -> Option<&'static str> {
         Some("another program")
     } else if c.background {
         Some("a background job")
-    } else if has("--attach") || has("ctl") || has("--control") {
+    } else if has("--attach") || has("ctl") || has("collect") || has("--control") {
         Some("needs a running VM")
     } else if has("bench") {
         Some("a benchmark (tests/bench_smoke.rs)")
