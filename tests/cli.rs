@@ -1468,7 +1468,7 @@ fn lost_events_come_with_a_hint() {
 #[test]
 fn every_format_command_help_names_every_format() {
     use clap::{CommandFactory, ValueEnum};
-    let formats: Vec<String> = hyptrace_host::drain::sink::FormatArg::value_variants()
+    let formats: Vec<String> = hyptrace_host::pipeline::options::FormatArg::value_variants()
         .iter()
         .filter_map(|f| f.to_possible_value())
         .map(|v| v.get_name().to_string())

@@ -4,7 +4,9 @@
 //! - the reader crate does not depend on the output crate, nor on zstd or prost (an
 //!   embedder that only reads rings builds neither).
 //! - no product file of any crate is over 1 000 lines (a `tests.rs`, only a test module,
-//!   is not product code).
+//!   is not product code);
+//! - clap appears only at the top: under host/src/cli and in the options files
+//!   ([`CLAP_FILES`]); every other file of every crate takes typed plans.
 //!
 //! The scan reads every `crate::…` and `super::…` path in a crate's product code
 //! (comments and `#[cfg(test)]` code left out: a test may use what it likes), use trees
@@ -641,4 +643,52 @@ fn no_product_file_over_1000_lines() {
         "product files over {MAX_FILE_LINES} lines:\n{}",
         bad.join("\n")
     );
+}
+
+/// The files outside host/src/cli that may mention clap: the options layer, where the
+/// parsed options are declared and converted into the lower layers' typed plans.
+const CLAP_FILES: &[&str] = &["host/src/pipeline/options.rs", "host/src/bench/options.rs"];
+
+/// The files under `dirs` (relative to the workspace) outside host/src/cli and
+/// [`CLAP_FILES`] whose text (code, comments and tests alike) names clap.
+fn clap_outside_the_top(dirs: &[PathBuf]) -> Vec<String> {
+    let mut all = Vec::new();
+    for d in dirs {
+        files(d, &mut all);
+    }
+    let mut bad: Vec<String> = all
+        .iter()
+        .filter_map(|f| {
+            let rel = f.strip_prefix(workspace()).unwrap_or(f).to_string_lossy();
+            let rel = rel.replace('\\', "/");
+            let allowed = rel.starts_with("host/src/cli/") || CLAP_FILES.contains(&rel.as_str());
+            let text = std::fs::read_to_string(f).expect("read");
+            (!allowed && text.to_ascii_lowercase().contains("clap")).then_some(rel)
+        })
+        .collect();
+    bad.sort();
+    bad
+}
+
+/// clap only at the top (issue 38): no file of any crate outside host/src/cli and the
+/// options layer names clap.
+#[test]
+fn clap_only_at_the_top() {
+    let bad = clap_outside_the_top(&crate_sources());
+    assert!(
+        bad.is_empty(),
+        "clap outside host/src/cli and {CLAP_FILES:?}:\n{}",
+        bad.join("\n")
+    );
+}
+
+/// The clap scan sees the allowed files (so it is not vacuous): each names clap.
+#[test]
+fn the_clap_scan_sees_the_options_layer() {
+    for f in CLAP_FILES {
+        let text = std::fs::read_to_string(workspace().join(f)).expect("read");
+        assert!(text.contains("clap"), "{f}");
+    }
+    let cli = std::fs::read_to_string(workspace().join("host/src/cli/mod.rs")).expect("read");
+    assert!(cli.contains("clap"));
 }

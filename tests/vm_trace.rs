@@ -525,7 +525,8 @@ fn footers_consistent_after_run() {
         (ModeArg::Stop, SwapArg::Guest, Workload::Mixed),
     ] {
         let what = format!("{mode:?} {swap:?} {workload:?}");
-        let layout = ring_layout(VCPUS, 6, 4096, mode, swap).expect("layout");
+        let layout =
+            ring_layout(VCPUS, 6, 4096, mode.into(), swap == SwapArg::Guest).expect("layout");
         let vm = Vm::new(VmConfig {
             vcpus: VCPUS,
             mem_bytes: 32 << 20,

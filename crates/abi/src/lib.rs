@@ -49,3 +49,8 @@ pub use layout::{LayoutError, Mode, RingGeometry};
 #[cfg(feature = "alloc")]
 pub use mem::{HeapMem, WordMem};
 pub use mem::{RawMem, SharedMem};
+
+/// The README's code blocks, run as doc tests (README and crate docs cannot drift).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -12,6 +12,15 @@ use hyptrace_abi::registry::PORT_REGISTER;
 /// A guest write the VMM trapped, as its hypervisor reports it (for KVM:
 /// `VcpuExit::IoOut(port, data)` and `VcpuExit::MmioWrite(addr, data)`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// # Examples
+///
+/// ```
+/// use hyptrace_embed::Access;
+/// // From KVM: VcpuExit::IoOut(port, data) / VcpuExit::MmioWrite(addr, data).
+/// let (port, data) = (0x512u16, [0u8; 4]);
+/// let access = Access::Pio { port, data: &data };
+/// assert!(matches!(access, Access::Pio { port: 0x512, .. }));
+/// ```
 pub enum Access<'a> {
     /// A port write (`out`) of `data` to `port`.
     Pio {
@@ -31,6 +40,16 @@ pub enum Access<'a> {
 
 /// What a doorbell write asks for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// # Examples
+///
+/// ```
+/// use hyptrace_embed::{Access, Doorbell, PortDoorbell, Ring};
+/// match PortDoorbell::default().ring(Access::Pio { port: 0x512, data: &[0; 4] }) {
+///     Some(Ring::Register) => { /* events.on_register(vcpu_id), then resume */ }
+///     Some(Ring::Exit { vcpu }) => { /* end the vCPU (check `vcpu` is the one that exited) */ let _ = vcpu; }
+///     None => { /* not a doorbell write: the VMM's own device, or a guest fault */ }
+/// }
+/// ```
 pub enum Ring {
     /// Answer the event registration ([`crate::Events::on_register`]) before resuming.
     Register,
@@ -73,6 +92,14 @@ fn vcpu_id(data: &[u8]) -> u32 {
 /// The port-I/O doorbell (x86 `out`): the stock guest's, at `PORT_REGISTER` and
 /// `PORT_EXIT` by default.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// # Examples
+///
+/// ```
+/// use hyptrace_embed::{Access, Doorbell, PortDoorbell, Ring};
+/// let own = PortDoorbell { register: 0x600, exit: 0x601 }; // a guest told other ports
+/// let exit = Access::Pio { port: 0x601, data: &2u32.to_le_bytes() };
+/// assert_eq!(own.ring(exit), Some(Ring::Exit { vcpu: 2 }));
+/// ```
 pub struct PortDoorbell {
     /// The port of the registration bell.
     pub register: u16,
@@ -111,11 +138,26 @@ pub struct MmioDoorbell {
 
 impl MmioDoorbell {
     /// The doorbell page at guest-physical `base`.
+    /// # Examples
+    ///
+    /// ```
+    /// use hyptrace_embed::{Access, Doorbell, MmioDoorbell, Ring};
+    /// use hyptrace_abi::guest::DOORBELL_REGISTER_OFF;
+    /// let bell = MmioDoorbell::new(0xfe00_0000); // leave this page unbacked
+    /// let access = Access::Mmio { addr: 0xfe00_0000 + DOORBELL_REGISTER_OFF, data: &[1] };
+    /// assert_eq!(bell.ring(access), Some(Ring::Register));
+    /// ```
     pub fn new(base: u64) -> Self {
         Self { base }
     }
 
     /// Its guest-physical address (what the guest is told: docs/abi.md, "Doorbell").
+    /// # Examples
+    ///
+    /// ```
+    /// let bell = hyptrace_embed::MmioDoorbell::new(0xfe00_0000);
+    /// assert_eq!(bell.base(), 0xfe00_0000); // tell the guest (docs/abi.md, "Doorbell")
+    /// ```
     pub fn base(&self) -> u64 {
         self.base
     }

@@ -31,6 +31,13 @@ pub enum DrainError {
 /// may be there) rather than because nothing more is committed (then `sink.idle()` was
 /// called). Pages carry their losses (`missed`), as the reader counted them.
 ///
+/// # Errors
+///
+/// [`DrainError::Read`] when the ring holds what no writer of ours writes (the CPU
+/// should not be read again), [`DrainError::Sink`] when the output fails.
+///
+/// # Examples
+///
 /// ```
 /// # use hyptrace_abi::{layout::{Mode, RingGeometry}, HeapMem};
 /// # use hyptrace_reader::{Direct, RingBuffer};
@@ -81,6 +88,21 @@ pub fn drain_pages<M: SharedMem, C: Callbacks>(
 /// or crashed between the two leaves the control block one event behind its pages.
 /// Once such a CPU has been read to the end, the one committed event the reader found
 /// beyond `entries + dropped` counts as written.
+/// # Examples
+///
+/// ```
+/// # use std::{sync::Arc, time::Duration};
+/// # use hyptrace_abi::{layout::{Mode, RingGeometry}, HeapMem};
+/// # use hyptrace_embed::Tracer;
+/// # use hyptrace_output::{Clock, TraceDatSink, TraceDatVersion};
+/// let geometry = RingGeometry::new(2, 4, 4096, Mode::Stop, false)?;
+/// let mem = Arc::new(HeapMem::new(geometry.region_size)); // a VMM: GuestRegionMem
+/// let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), geometry, Duration::from_secs(5));
+/// # #[allow(unused_mut)]
+/// let mut tracer = Tracer::alloc(mem.clone(), geometry, cb, 1_000_000)?;
+/// assert_eq!(hyptrace_embed::written(tracer.reader(), 0, true), 0); // nothing written yet
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub fn written<M: SharedMem, C: Callbacks>(
     reader: &RingBuffer<M, C>,
     cpu: u32,
@@ -103,6 +125,15 @@ pub fn written<M: SharedMem, C: Callbacks>(
 /// `written` for a writer that `finished` — or, for one stopped or crashed mid-run, equal
 /// to it or one more (it counts an attempt before it writes or skips the event). Guest
 /// numbers: no sum or difference may overflow.
+/// # Examples
+///
+/// ```
+/// use hyptrace_reader::Attempts;
+/// let a = Attempts { attempted: 10, skipped: 2, ..Attempts::default() };
+/// assert!(hyptrace_embed::attempts_consistent(&a, 8, true));
+/// assert!(hyptrace_embed::attempts_consistent(&a, 7, false)); // stopped mid-event
+/// assert!(!hyptrace_embed::attempts_consistent(&a, 7, true));
+/// ```
 pub fn attempts_consistent(a: &Attempts, written: u64, finished: bool) -> bool {
     let Some(taken) = a.attempted.checked_sub(a.skipped) else {
         return false;
@@ -113,6 +144,13 @@ pub fn attempts_consistent(a: &Attempts, written: u64, finished: bool) -> bool {
 
 /// The kernel-style per-CPU statistics a sink writes at its end (trace.dat's CPUSTAT
 /// options) for a CPU whose writer took in `written` events and whose reader saw `st`.
+/// # Examples
+///
+/// ```
+/// let st = hyptrace_reader::CpuStats { read: 90, lost: 10, ..Default::default() };
+/// let k = hyptrace_embed::kernel_cpu_stat(100, &st);
+/// assert_eq!((k.entries, k.read_events), (0, 90)); // nothing left unread
+/// ```
 pub fn kernel_cpu_stat(written: u64, st: &CpuStats) -> KernelCpuStat {
     KernelCpuStat {
         entries: written.saturating_sub(st.read.saturating_add(st.lost)),
@@ -144,6 +182,25 @@ pub struct CpuAccount {
 impl CpuAccount {
     /// Whether every event written was read or counted lost (`written = read + lost`)
     /// and the attempts agree ([`attempts_consistent`]).
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::{sync::Arc, time::Duration};
+    /// # use hyptrace_abi::{layout::{Mode, RingGeometry}, HeapMem};
+    /// # use hyptrace_embed::Tracer;
+    /// # use hyptrace_output::{Clock, TraceDatSink, TraceDatVersion};
+    /// let geometry = RingGeometry::new(2, 4, 4096, Mode::Stop, false)?;
+    /// let mem = Arc::new(HeapMem::new(geometry.region_size)); // a VMM: GuestRegionMem
+    /// let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), geometry, Duration::from_secs(5));
+    /// # #[allow(unused_mut)]
+    /// let mut tracer = Tracer::alloc(mem.clone(), geometry, cb, 1_000_000)?;
+    /// # let dir = tempfile::tempdir()?;
+    /// let meta = tracer.trace_meta(Clock::guest_tsc(1_000_000)?, Vec::new());
+    /// let mut sink = TraceDatSink::create(dir.path().join("t.dat"), meta, TraceDatVersion::V7)?;
+    /// let accounts = tracer.finish(Box::new(sink))?;
+    /// assert!(accounts.iter().all(|a| a.consistent())); // written = read + lost, R3
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn consistent(&self) -> bool {
         self.error.is_none()
             && self.stats.read.checked_add(self.stats.lost) == Some(self.written)
@@ -161,6 +218,27 @@ impl<M: SharedMem, C: Callbacks> Tracer<M, C> {
     /// Allocates the rings `geometry` describes in `mem` (writes the pack, the control
     /// blocks and every page: the guest gets `mem`'s address), with swap callbacks `cb`
     /// (`hyptrace_reader::callbacks::for_geometry`). `tsc_khz`: the guest TSC frequency.
+    /// # Errors
+    ///
+    /// [`ReadError`] when `mem` is smaller than `geometry.region_size` or the geometry is not
+    /// one the reader takes.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::{sync::Arc, time::Duration};
+    /// # use hyptrace_abi::{layout::{Mode, RingGeometry}, HeapMem};
+    /// # use hyptrace_embed::Tracer;
+    /// # use hyptrace_output::{Clock, TraceDatSink, TraceDatVersion};
+    /// let geometry = RingGeometry::new(2, 4, 4096, Mode::Stop, false)?;
+    /// let mem = Arc::new(HeapMem::new(geometry.region_size)); // a VMM: GuestRegionMem
+    /// let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), geometry, Duration::from_secs(5));
+    /// # #[allow(unused_mut)]
+    /// let mut tracer = Tracer::alloc(mem.clone(), geometry, cb, 1_000_000)?;
+    /// // Give the guest the region's guest-physical address (docs/abi.md, "Entry").
+    /// assert_eq!(tracer.reader().nr_cpus(), 2);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn alloc(mem: M, geometry: RingGeometry, cb: C, tsc_khz: u64) -> Result<Self, ReadError> {
         let reader = RingBuffer::alloc(mem, geometry, cb, tsc_khz, 1)?;
         let failed = (0..geometry.nr_cpus).map(|_| None).collect();
@@ -168,12 +246,44 @@ impl<M: SharedMem, C: Callbacks> Tracer<M, C> {
     }
 
     /// The reader underneath (stats, positions, enable words).
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::{sync::Arc, time::Duration};
+    /// # use hyptrace_abi::{layout::{Mode, RingGeometry}, HeapMem};
+    /// # use hyptrace_embed::Tracer;
+    /// # use hyptrace_output::{Clock, TraceDatSink, TraceDatVersion};
+    /// let geometry = RingGeometry::new(2, 4, 4096, Mode::Stop, false)?;
+    /// let mem = Arc::new(HeapMem::new(geometry.region_size)); // a VMM: GuestRegionMem
+    /// let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), geometry, Duration::from_secs(5));
+    /// # #[allow(unused_mut)]
+    /// let mut tracer = Tracer::alloc(mem.clone(), geometry, cb, 1_000_000)?;
+    /// let stats = tracer.reader().stats(0);
+    /// assert_eq!((stats.read, stats.lost), (0, 0));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn reader(&self) -> &RingBuffer<M, C> {
         &self.reader
     }
 
     /// What a sink needs before the first page: page size, CPUs (`vcpuN`, pid N+1), the
     /// clock, the registered `formats`.
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::{sync::Arc, time::Duration};
+    /// # use hyptrace_abi::{layout::{Mode, RingGeometry}, HeapMem};
+    /// # use hyptrace_embed::Tracer;
+    /// # use hyptrace_output::{Clock, TraceDatSink, TraceDatVersion};
+    /// let geometry = RingGeometry::new(2, 4, 4096, Mode::Stop, false)?;
+    /// let mem = Arc::new(HeapMem::new(geometry.region_size)); // a VMM: GuestRegionMem
+    /// let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), geometry, Duration::from_secs(5));
+    /// # #[allow(unused_mut)]
+    /// let mut tracer = Tracer::alloc(mem.clone(), geometry, cb, 1_000_000)?;
+    /// let meta = tracer.trace_meta(Clock::guest_tsc(1_000_000)?, Vec::new() /* Events::wait's formats */);
+    /// assert_eq!(meta.page_size, 4096);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn trace_meta(&self, clock: Clock, formats: Vec<EventFormat>) -> TraceMeta {
         let l = self.reader.layout();
         TraceMeta {
@@ -186,6 +296,35 @@ impl<M: SharedMem, C: Callbacks> Tracer<M, C> {
     /// `sink`. A CPU whose ring fails is not read again (its error is in its
     /// [`CpuAccount`]); an output failure is returned. Returns whether a CPU stopped at
     /// a bound (call again soon) rather than being caught up.
+    /// # Errors
+    ///
+    /// The sink's [`OutputError`] (the run should stop). A ring that fails is no error here:
+    /// that CPU is not read again and its [`CpuAccount::error`] says why.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::{sync::Arc, time::Duration};
+    /// # use hyptrace_abi::{layout::{Mode, RingGeometry}, HeapMem};
+    /// # use hyptrace_embed::Tracer;
+    /// # use hyptrace_output::{Clock, TraceDatSink, TraceDatVersion};
+    /// let geometry = RingGeometry::new(2, 4, 4096, Mode::Stop, false)?;
+    /// let mem = Arc::new(HeapMem::new(geometry.region_size)); // a VMM: GuestRegionMem
+    /// let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), geometry, Duration::from_secs(5));
+    /// # #[allow(unused_mut)]
+    /// let mut tracer = Tracer::alloc(mem.clone(), geometry, cb, 1_000_000)?;
+    /// # let dir = tempfile::tempdir()?;
+    /// let meta = tracer.trace_meta(Clock::guest_tsc(1_000_000)?, Vec::new());
+    /// let mut sink = TraceDatSink::create(dir.path().join("t.dat"), meta, TraceDatVersion::V7)?;
+    /// let vcpus_running = || false; // the VMM's own state
+    /// while vcpus_running() {
+    ///     if !tracer.drain(&mut sink)? {
+    ///         std::thread::sleep(Duration::from_millis(1)); // caught up: a poll period
+    ///     }
+    /// }
+    /// assert!(!tracer.drain(&mut sink)?); // nothing written: caught up
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn drain(&mut self, sink: &mut (impl PageSink + ?Sized)) -> Result<bool, OutputError> {
         let mut more = false;
         for cpu in 0..self.reader.nr_cpus() {
@@ -214,6 +353,31 @@ impl<M: SharedMem, C: Callbacks> Tracer<M, C> {
     /// Every vCPU has stopped: the final read-only walk of each CPU (what is left in its
     /// ring, no swaps), the losses after the last page, the per-CPU accounts, and the
     /// sink finished with the summary. Returns the accounts (index = CPU).
+    /// # Errors
+    ///
+    /// The sink's [`OutputError`] (writing the last pages, the losses or its end).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::{sync::Arc, time::Duration};
+    /// # use hyptrace_abi::{layout::{Mode, RingGeometry}, HeapMem};
+    /// # use hyptrace_embed::Tracer;
+    /// # use hyptrace_output::{Clock, TraceDatSink, TraceDatVersion};
+    /// let geometry = RingGeometry::new(2, 4, 4096, Mode::Stop, false)?;
+    /// let mem = Arc::new(HeapMem::new(geometry.region_size)); // a VMM: GuestRegionMem
+    /// let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), geometry, Duration::from_secs(5));
+    /// # #[allow(unused_mut)]
+    /// let mut tracer = Tracer::alloc(mem.clone(), geometry, cb, 1_000_000)?;
+    /// # let dir = tempfile::tempdir()?;
+    /// let meta = tracer.trace_meta(Clock::guest_tsc(1_000_000)?, Vec::new());
+    /// let mut sink = TraceDatSink::create(dir.path().join("t.dat"), meta, TraceDatVersion::V7)?;
+    /// // Once every vCPU stopped:
+    /// let accounts = tracer.finish(Box::new(sink))?;
+    /// assert_eq!(accounts.len(), 2);
+    /// assert!(accounts.iter().all(|a| a.consistent()));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn finish(
         mut self,
         mut sink: Box<dyn PageSink + '_>,

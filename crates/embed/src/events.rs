@@ -96,6 +96,12 @@ pub enum Settled {
 
 impl Settled {
     /// Why a run went on without a registration, for [`LateRegistration`].
+    /// # Examples
+    ///
+    /// ```
+    /// use hyptrace_embed::Settled;
+    /// assert!(Settled::Unregistered.why().contains("before any registration"));
+    /// ```
     pub fn why(&self) -> &'static str {
         match self {
             Self::Unregistered => "a vCPU had written an event before any registration",
@@ -221,12 +227,62 @@ pub struct Events<M> {
 impl<M: SharedMem> Events<M> {
     /// The registration of the rings `geometry` describes in `mem`, every valid event
     /// enabled.
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::{sync::Arc, time::Duration};
+    /// # use hyptrace_abi::{layout::{Mode, RingGeometry}, registry::DEFAULT_TABLE_SIZE, HeapMem};
+    /// # use hyptrace_embed::{Events, Exit, Selection, Tracer};
+    /// # hyptrace_writer::event! {
+    /// #     pub struct Tick { system: "demo", name: "tick", slot: 0, id: 0,
+    /// #         print: "\"n=%u\", REC->n", fields: { n: u32 } }
+    /// # }
+    /// # let geometry = RingGeometry::new(1, 4, 4096, Mode::Stop, false)?.with_events(DEFAULT_TABLE_SIZE)?;
+    /// # let mem = Arc::new(HeapMem::new(geometry.region_size));
+    /// # let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), geometry, Duration::from_secs(5));
+    /// # let tracer = Tracer::alloc(mem.clone(), geometry, cb, 1_000_000)?;
+    /// # let register = |events: &Events<Arc<HeapMem>>| -> Result<(), Box<dyn std::error::Error>> {
+    /// #     hyptrace_writer::events::register(&*mem, &[Tick::event()], || { events.on_register(0); })?;
+    /// #     Ok(())
+    /// # };
+    /// let events = Arc::new(Events::new(mem.clone(), geometry)); // shared with the vCPU threads
+    /// register(&events)?;
+    /// assert_eq!(events.formats()[0].name, "tick");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn new(mem: M, geometry: RingGeometry) -> Self {
         Self::with_selection(mem, geometry, Selection::default())
     }
 
     /// [`Events::new`] enabling the events `selection` names (an unknown name enables
     /// nothing and is kept: [`Events::selection_error`]).
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::{sync::Arc, time::Duration};
+    /// # use hyptrace_abi::{layout::{Mode, RingGeometry}, registry::DEFAULT_TABLE_SIZE, HeapMem};
+    /// # use hyptrace_embed::{Events, Exit, Selection, Tracer};
+    /// # hyptrace_writer::event! {
+    /// #     pub struct Tick { system: "demo", name: "tick", slot: 0, id: 0,
+    /// #         print: "\"n=%u\", REC->n", fields: { n: u32 } }
+    /// # }
+    /// # let geometry = RingGeometry::new(1, 4, 4096, Mode::Stop, false)?.with_events(DEFAULT_TABLE_SIZE)?;
+    /// # let mem = Arc::new(HeapMem::new(geometry.region_size));
+    /// # let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), geometry, Duration::from_secs(5));
+    /// # let tracer = Tracer::alloc(mem.clone(), geometry, cb, 1_000_000)?;
+    /// # let register = |events: &Events<Arc<HeapMem>>| -> Result<(), Box<dyn std::error::Error>> {
+    /// #     hyptrace_writer::events::register(&*mem, &[Tick::event()], || { events.on_register(0); })?;
+    /// #     Ok(())
+    /// # };
+    /// let events = Events::with_selection(mem.clone(), geometry, Selection {
+    ///     enable: vec!["demo:*".into()],
+    ///     disable: vec![],
+    /// });
+    /// register(&events)?; // the guest's registration exit
+    /// assert!(events.list()?[0].enabled);
+    /// assert!(events.selection_error().is_none());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn with_selection(mem: M, geometry: RingGeometry, selection: Selection) -> Self {
         Self {
             mem,
@@ -249,12 +305,47 @@ impl<M: SharedMem> Events<M> {
     /// VMM reads — its output open, its drain loop about to start. The formats are known
     /// before the answer (the table is read and checked first), so the output can open
     /// meanwhile.
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::{sync::Arc, time::Duration};
+    /// # use hyptrace_abi::{layout::{Mode, RingGeometry}, registry::DEFAULT_TABLE_SIZE, HeapMem};
+    /// # use hyptrace_embed::{Events, Exit, Selection, Tracer};
+    /// # hyptrace_writer::event! {
+    /// #     pub struct Tick { system: "demo", name: "tick", slot: 0, id: 0,
+    /// #         print: "\"n=%u\", REC->n", fields: { n: u32 } }
+    /// # }
+    /// # let geometry = RingGeometry::new(1, 4, 4096, Mode::Stop, false)?.with_events(DEFAULT_TABLE_SIZE)?;
+    /// # let mem = Arc::new(HeapMem::new(geometry.region_size));
+    /// # let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), geometry, Duration::from_secs(5));
+    /// # let tracer = Tracer::alloc(mem.clone(), geometry, cb, 1_000_000)?;
+    /// # let _register = |events: &Events<Arc<HeapMem>>| -> Result<(), Box<dyn std::error::Error>> {
+    /// #     hyptrace_writer::events::register(&*mem, &[Tick::event()], || { events.on_register(0); })?;
+    /// #     Ok(())
+    /// # };
+    /// let events = Arc::new(Events::new(mem.clone(), geometry));
+    /// events.hold_answers(); // before the vCPUs start
+    /// let (e, m) = (events.clone(), mem.clone());
+    /// let vcpu = std::thread::spawn(move || {
+    ///     // The guest writes its table and rings; the exit waits for the release.
+    ///     let mut exit = Exit::NotReady;
+    ///     hyptrace_writer::events::register(&*m, &[Tick::event()], || exit = e.on_register(0))
+    ///         .map(|_| exit)
+    /// });
+    /// // ... open the output with the formats, start the drain loop ...
+    /// events.release_answers();
+    /// assert_eq!(vcpu.join().expect("vcpu")?, Exit::Answered);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn hold_answers(&self) {
         self.held.store(true, SeqCst);
     }
 
     /// Answers a registration held by [`Events::hold_answers`], and every later one at
     /// once.
+    /// # Examples
+    ///
+    /// See [`Events::hold_answers`].
     pub fn release_answers(&self) {
         let _st = self.lock();
         self.held.store(false, SeqCst);
@@ -267,6 +358,32 @@ impl<M: SharedMem> Events<M> {
     /// Only the first ready table is answered; later exits change nothing; an exit after
     /// the wait ended without a registration is answered REFUSED and kept (L1). Bounded
     /// work whatever the guest wrote (the hold aside: [`ANSWER_HOLD_MAX`]).
+    /// # Examples
+    ///
+    /// In a KVM VMM, on the vCPU thread: `match doorbell.ring(access) { Some(Ring::Register) => { events.on_register(vcpu_id); } ... }`, then resume the vCPU.
+    ///
+    /// ```
+    /// # use std::{sync::Arc, time::Duration};
+    /// # use hyptrace_abi::{layout::{Mode, RingGeometry}, registry::DEFAULT_TABLE_SIZE, HeapMem};
+    /// # use hyptrace_embed::{Events, Exit, Selection, Tracer};
+    /// # hyptrace_writer::event! {
+    /// #     pub struct Tick { system: "demo", name: "tick", slot: 0, id: 0,
+    /// #         print: "\"n=%u\", REC->n", fields: { n: u32 } }
+    /// # }
+    /// # let geometry = RingGeometry::new(1, 4, 4096, Mode::Stop, false)?.with_events(DEFAULT_TABLE_SIZE)?;
+    /// # let mem = Arc::new(HeapMem::new(geometry.region_size));
+    /// # let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), geometry, Duration::from_secs(5));
+    /// # let tracer = Tracer::alloc(mem.clone(), geometry, cb, 1_000_000)?;
+    /// # let register = |events: &Events<Arc<HeapMem>>| -> Result<(), Box<dyn std::error::Error>> {
+    /// #     hyptrace_writer::events::register(&*mem, &[Tick::event()], || { events.on_register(0); })?;
+    /// #     Ok(())
+    /// # };
+    /// let events = Events::new(mem.clone(), geometry);
+    /// assert_eq!(events.on_register(0), Exit::NotReady); // no table written yet
+    /// register(&events)?; // the guest writes its table, then rings: on_register(0)
+    /// assert_eq!(events.on_register(0), Exit::Ignored); // answered: later exits change nothing
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn on_register(&self, vcpu: u32) -> Exit {
         if self.geometry.events_size == 0 {
             if !self.told_no_table.swap(true, SeqCst) {
@@ -381,6 +498,30 @@ impl<M: SharedMem> Events<M> {
     /// for the answer, however late vCPU 0 starts. A wait that ends without a
     /// registration closes the table (L1): a later registration exit is refused
     /// ([`Events::late_registration`]). A settled table stays settled.
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::{sync::Arc, time::Duration};
+    /// # use hyptrace_abi::{layout::{Mode, RingGeometry}, registry::DEFAULT_TABLE_SIZE, HeapMem};
+    /// # use hyptrace_embed::{Events, Exit, Selection, Tracer};
+    /// # hyptrace_writer::event! {
+    /// #     pub struct Tick { system: "demo", name: "tick", slot: 0, id: 0,
+    /// #         print: "\"n=%u\", REC->n", fields: { n: u32 } }
+    /// # }
+    /// # let geometry = RingGeometry::new(1, 4, 4096, Mode::Stop, false)?.with_events(DEFAULT_TABLE_SIZE)?;
+    /// # let mem = Arc::new(HeapMem::new(geometry.region_size));
+    /// # let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), geometry, Duration::from_secs(5));
+    /// # let tracer = Tracer::alloc(mem.clone(), geometry, cb, 1_000_000)?;
+    /// # let register = |events: &Events<Arc<HeapMem>>| -> Result<(), Box<dyn std::error::Error>> {
+    /// #     hyptrace_writer::events::register(&*mem, &[Tick::event()], || { events.on_register(0); })?;
+    /// #     Ok(())
+    /// # };
+    /// let events = Events::new(mem.clone(), geometry);
+    /// register(&events)?;
+    /// let settled = events.settle(Duration::from_millis(1), || false /* vCPU 0 ended, a signal... */);
+    /// assert_eq!(settled, hyptrace_embed::Settled::Registered);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn settle(&self, step: Duration, mut give_up: impl FnMut() -> bool) -> Settled {
         let no_table = self.geometry.events_size == 0;
         let mut st = self.lock();
@@ -414,6 +555,30 @@ impl<M: SharedMem> Events<M> {
     /// [`RegisterError`]: the table was refused, the pack has none, the guest wrote
     /// without registering, or nothing came within `timeout` (a later registration is
     /// then refused: L1).
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::{sync::Arc, time::Duration};
+    /// # use hyptrace_abi::{layout::{Mode, RingGeometry}, registry::DEFAULT_TABLE_SIZE, HeapMem};
+    /// # use hyptrace_embed::{Events, Exit, Selection, Tracer};
+    /// # hyptrace_writer::event! {
+    /// #     pub struct Tick { system: "demo", name: "tick", slot: 0, id: 0,
+    /// #         print: "\"n=%u\", REC->n", fields: { n: u32 } }
+    /// # }
+    /// # let geometry = RingGeometry::new(1, 4, 4096, Mode::Stop, false)?.with_events(DEFAULT_TABLE_SIZE)?;
+    /// # let mem = Arc::new(HeapMem::new(geometry.region_size));
+    /// # let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), geometry, Duration::from_secs(5));
+    /// # let tracer = Tracer::alloc(mem.clone(), geometry, cb, 1_000_000)?;
+    /// # let register = |events: &Events<Arc<HeapMem>>| -> Result<(), Box<dyn std::error::Error>> {
+    /// #     hyptrace_writer::events::register(&*mem, &[Tick::event()], || { events.on_register(0); })?;
+    /// #     Ok(())
+    /// # };
+    /// let events = Events::new(mem.clone(), geometry);
+    /// register(&events)?;
+    /// let registered = events.wait(Duration::from_secs(10))?;
+    /// assert_eq!((registered.formats.len(), registered.rejected.len()), (1, 0));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn wait(&self, timeout: Duration) -> Result<Registered, RegisterError> {
         let until = Instant::now() + timeout;
         let step = Duration::from_millis(1);
@@ -431,6 +596,31 @@ impl<M: SharedMem> Events<M> {
 
     /// The registration exit that came after the wait ended without one (L1), if any:
     /// the run should fail naming it.
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::{sync::Arc, time::Duration};
+    /// # use hyptrace_abi::{layout::{Mode, RingGeometry}, registry::DEFAULT_TABLE_SIZE, HeapMem};
+    /// # use hyptrace_embed::{Events, Exit, Selection, Tracer};
+    /// # hyptrace_writer::event! {
+    /// #     pub struct Tick { system: "demo", name: "tick", slot: 0, id: 0,
+    /// #         print: "\"n=%u\", REC->n", fields: { n: u32 } }
+    /// # }
+    /// # let geometry = RingGeometry::new(1, 4, 4096, Mode::Stop, false)?.with_events(DEFAULT_TABLE_SIZE)?;
+    /// # let mem = Arc::new(HeapMem::new(geometry.region_size));
+    /// # let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), geometry, Duration::from_secs(5));
+    /// # let tracer = Tracer::alloc(mem.clone(), geometry, cb, 1_000_000)?;
+    /// # let register = |events: &Events<Arc<HeapMem>>| -> Result<(), Box<dyn std::error::Error>> {
+    /// #     hyptrace_writer::events::register(&*mem, &[Tick::event()], || { events.on_register(0); })?;
+    /// #     Ok(())
+    /// # };
+    /// let events = Events::new(mem.clone(), geometry);
+    /// assert!(events.wait(Duration::ZERO).is_err()); // the run goes on without formats
+    /// assert!(register(&events).is_err()); // too late: the guest is answered REFUSED
+    /// let late = events.late_registration().expect("kept");
+    /// assert_eq!(late.vcpu, 0); // fail the run naming it
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn late_registration(&self) -> Option<LateRegistration> {
         match &*self.lock() {
             State::Closed { late, .. } => late.clone(),
@@ -443,6 +633,30 @@ impl<M: SharedMem> Events<M> {
     /// # Errors
     ///
     /// [`EventsError::NotRegistered`] before the registration, or without one.
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::{sync::Arc, time::Duration};
+    /// # use hyptrace_abi::{layout::{Mode, RingGeometry}, registry::DEFAULT_TABLE_SIZE, HeapMem};
+    /// # use hyptrace_embed::{Events, Exit, Selection, Tracer};
+    /// # hyptrace_writer::event! {
+    /// #     pub struct Tick { system: "demo", name: "tick", slot: 0, id: 0,
+    /// #         print: "\"n=%u\", REC->n", fields: { n: u32 } }
+    /// # }
+    /// # let geometry = RingGeometry::new(1, 4, 4096, Mode::Stop, false)?.with_events(DEFAULT_TABLE_SIZE)?;
+    /// # let mem = Arc::new(HeapMem::new(geometry.region_size));
+    /// # let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), geometry, Duration::from_secs(5));
+    /// # let tracer = Tracer::alloc(mem.clone(), geometry, cb, 1_000_000)?;
+    /// # let register = |events: &Events<Arc<HeapMem>>| -> Result<(), Box<dyn std::error::Error>> {
+    /// #     hyptrace_writer::events::register(&*mem, &[Tick::event()], || { events.on_register(0); })?;
+    /// #     Ok(())
+    /// # };
+    /// let events = Events::new(mem.clone(), geometry);
+    /// assert!(events.registry().is_err()); // not yet
+    /// register(&events)?;
+    /// assert_eq!(events.registry()?.events.len(), 1);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn registry(&self) -> Result<Registry, EventsError> {
         match &*self.lock() {
             State::Registered { reg, .. } => Ok(reg.clone()),
@@ -451,16 +665,89 @@ impl<M: SharedMem> Events<M> {
     }
 
     /// The accepted events (after the registration).
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::{sync::Arc, time::Duration};
+    /// # use hyptrace_abi::{layout::{Mode, RingGeometry}, registry::DEFAULT_TABLE_SIZE, HeapMem};
+    /// # use hyptrace_embed::{Events, Exit, Selection, Tracer};
+    /// # hyptrace_writer::event! {
+    /// #     pub struct Tick { system: "demo", name: "tick", slot: 0, id: 0,
+    /// #         print: "\"n=%u\", REC->n", fields: { n: u32 } }
+    /// # }
+    /// # let geometry = RingGeometry::new(1, 4, 4096, Mode::Stop, false)?.with_events(DEFAULT_TABLE_SIZE)?;
+    /// # let mem = Arc::new(HeapMem::new(geometry.region_size));
+    /// # let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), geometry, Duration::from_secs(5));
+    /// # let tracer = Tracer::alloc(mem.clone(), geometry, cb, 1_000_000)?;
+    /// # let register = |events: &Events<Arc<HeapMem>>| -> Result<(), Box<dyn std::error::Error>> {
+    /// #     hyptrace_writer::events::register(&*mem, &[Tick::event()], || { events.on_register(0); })?;
+    /// #     Ok(())
+    /// # };
+    /// let events = Events::new(mem.clone(), geometry);
+    /// register(&events)?;
+    /// let r = &events.registrations()[0];
+    /// assert_eq!((r.system.as_str(), r.name.as_str()), ("demo", "tick"));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn registrations(&self) -> Vec<Registration> {
         self.registry().map(|r| r.events).unwrap_or_default()
     }
 
     /// The rejected entries (after the registration).
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::{sync::Arc, time::Duration};
+    /// # use hyptrace_abi::{layout::{Mode, RingGeometry}, registry::DEFAULT_TABLE_SIZE, HeapMem};
+    /// # use hyptrace_embed::{Events, Exit, Selection, Tracer};
+    /// # hyptrace_writer::event! {
+    /// #     pub struct Tick { system: "demo", name: "tick", slot: 0, id: 0,
+    /// #         print: "\"n=%u\", REC->n", fields: { n: u32 } }
+    /// # }
+    /// # let geometry = RingGeometry::new(1, 4, 4096, Mode::Stop, false)?.with_events(DEFAULT_TABLE_SIZE)?;
+    /// # let mem = Arc::new(HeapMem::new(geometry.region_size));
+    /// # let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), geometry, Duration::from_secs(5));
+    /// # let tracer = Tracer::alloc(mem.clone(), geometry, cb, 1_000_000)?;
+    /// # let register = |events: &Events<Arc<HeapMem>>| -> Result<(), Box<dyn std::error::Error>> {
+    /// #     hyptrace_writer::events::register(&*mem, &[Tick::event()], || { events.on_register(0); })?;
+    /// #     Ok(())
+    /// # };
+    /// let events = Events::new(mem.clone(), geometry);
+    /// register(&events)?;
+    /// assert!(events.rejections().is_empty()); // every entry was valid
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn rejections(&self) -> Vec<Rejection> {
         self.registry().map(|r| r.rejected).unwrap_or_default()
     }
 
     /// The selection error of the registration (a name no registered event has).
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::{sync::Arc, time::Duration};
+    /// # use hyptrace_abi::{layout::{Mode, RingGeometry}, registry::DEFAULT_TABLE_SIZE, HeapMem};
+    /// # use hyptrace_embed::{Events, Exit, Selection, Tracer};
+    /// # hyptrace_writer::event! {
+    /// #     pub struct Tick { system: "demo", name: "tick", slot: 0, id: 0,
+    /// #         print: "\"n=%u\", REC->n", fields: { n: u32 } }
+    /// # }
+    /// # let geometry = RingGeometry::new(1, 4, 4096, Mode::Stop, false)?.with_events(DEFAULT_TABLE_SIZE)?;
+    /// # let mem = Arc::new(HeapMem::new(geometry.region_size));
+    /// # let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), geometry, Duration::from_secs(5));
+    /// # let tracer = Tracer::alloc(mem.clone(), geometry, cb, 1_000_000)?;
+    /// # let register = |events: &Events<Arc<HeapMem>>| -> Result<(), Box<dyn std::error::Error>> {
+    /// #     hyptrace_writer::events::register(&*mem, &[Tick::event()], || { events.on_register(0); })?;
+    /// #     Ok(())
+    /// # };
+    /// let events = Events::with_selection(mem.clone(), geometry, Selection {
+    ///     enable: vec!["nosuch".into()],
+    ///     disable: vec![],
+    /// });
+    /// register(&events)?;
+    /// assert!(events.selection_error().is_some()); // fail the run, naming the pattern
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn selection_error(&self) -> Option<EventsError> {
         match &*self.lock() {
             State::Registered { error, .. } => error.clone(),
@@ -469,6 +756,30 @@ impl<M: SharedMem> Events<M> {
     }
 
     /// The formats of the accepted events (none before the registration).
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::{sync::Arc, time::Duration};
+    /// # use hyptrace_abi::{layout::{Mode, RingGeometry}, registry::DEFAULT_TABLE_SIZE, HeapMem};
+    /// # use hyptrace_embed::{Events, Exit, Selection, Tracer};
+    /// # hyptrace_writer::event! {
+    /// #     pub struct Tick { system: "demo", name: "tick", slot: 0, id: 0,
+    /// #         print: "\"n=%u\", REC->n", fields: { n: u32 } }
+    /// # }
+    /// # let geometry = RingGeometry::new(1, 4, 4096, Mode::Stop, false)?.with_events(DEFAULT_TABLE_SIZE)?;
+    /// # let mem = Arc::new(HeapMem::new(geometry.region_size));
+    /// # let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), geometry, Duration::from_secs(5));
+    /// # let tracer = Tracer::alloc(mem.clone(), geometry, cb, 1_000_000)?;
+    /// # let register = |events: &Events<Arc<HeapMem>>| -> Result<(), Box<dyn std::error::Error>> {
+    /// #     hyptrace_writer::events::register(&*mem, &[Tick::event()], || { events.on_register(0); })?;
+    /// #     Ok(())
+    /// # };
+    /// let events = Events::new(mem.clone(), geometry);
+    /// assert!(events.formats().is_empty());
+    /// register(&events)?;
+    /// assert_eq!(events.formats()[0].system, "demo"); // for Tracer::trace_meta
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn formats(&self) -> Vec<EventFormat> {
         self.registrations().iter().map(to_format).collect()
     }
@@ -480,6 +791,31 @@ impl<M: SharedMem> Events<M> {
     ///
     /// [`EventsError::NotRegistered`] without a registration; [`EventsError::Unknown`]
     /// when `pattern` names no registered event.
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::{sync::Arc, time::Duration};
+    /// # use hyptrace_abi::{layout::{Mode, RingGeometry}, registry::DEFAULT_TABLE_SIZE, HeapMem};
+    /// # use hyptrace_embed::{Events, Exit, Selection, Tracer};
+    /// # hyptrace_writer::event! {
+    /// #     pub struct Tick { system: "demo", name: "tick", slot: 0, id: 0,
+    /// #         print: "\"n=%u\", REC->n", fields: { n: u32 } }
+    /// # }
+    /// # let geometry = RingGeometry::new(1, 4, 4096, Mode::Stop, false)?.with_events(DEFAULT_TABLE_SIZE)?;
+    /// # let mem = Arc::new(HeapMem::new(geometry.region_size));
+    /// # let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), geometry, Duration::from_secs(5));
+    /// # let tracer = Tracer::alloc(mem.clone(), geometry, cb, 1_000_000)?;
+    /// # let register = |events: &Events<Arc<HeapMem>>| -> Result<(), Box<dyn std::error::Error>> {
+    /// #     hyptrace_writer::events::register(&*mem, &[Tick::event()], || { events.on_register(0); })?;
+    /// #     Ok(())
+    /// # };
+    /// let events = Events::new(mem.clone(), geometry);
+    /// register(&events)?;
+    /// events.disable("tick")?;
+    /// assert_eq!(events.enable("demo:*")?, ["demo:tick"]);
+    /// assert!(events.enable("nosuch").is_err());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn enable(&self, pattern: &str) -> Result<Vec<String>, EventsError> {
         self.flip(pattern, true)
     }
@@ -490,6 +826,30 @@ impl<M: SharedMem> Events<M> {
     /// # Errors
     ///
     /// As [`Events::enable`].
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::{sync::Arc, time::Duration};
+    /// # use hyptrace_abi::{layout::{Mode, RingGeometry}, registry::DEFAULT_TABLE_SIZE, HeapMem};
+    /// # use hyptrace_embed::{Events, Exit, Selection, Tracer};
+    /// # hyptrace_writer::event! {
+    /// #     pub struct Tick { system: "demo", name: "tick", slot: 0, id: 0,
+    /// #         print: "\"n=%u\", REC->n", fields: { n: u32 } }
+    /// # }
+    /// # let geometry = RingGeometry::new(1, 4, 4096, Mode::Stop, false)?.with_events(DEFAULT_TABLE_SIZE)?;
+    /// # let mem = Arc::new(HeapMem::new(geometry.region_size));
+    /// # let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), geometry, Duration::from_secs(5));
+    /// # let tracer = Tracer::alloc(mem.clone(), geometry, cb, 1_000_000)?;
+    /// # let register = |events: &Events<Arc<HeapMem>>| -> Result<(), Box<dyn std::error::Error>> {
+    /// #     hyptrace_writer::events::register(&*mem, &[Tick::event()], || { events.on_register(0); })?;
+    /// #     Ok(())
+    /// # };
+    /// let events = Events::new(mem.clone(), geometry);
+    /// register(&events)?;
+    /// assert_eq!(events.disable("tick")?, ["demo:tick"]);
+    /// assert!(!events.list()?[0].enabled);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn disable(&self, pattern: &str) -> Result<Vec<String>, EventsError> {
         self.flip(pattern, false)
     }
@@ -519,6 +879,31 @@ impl<M: SharedMem> Events<M> {
     /// # Errors
     ///
     /// [`EventsError::NotRegistered`] without a registration.
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::{sync::Arc, time::Duration};
+    /// # use hyptrace_abi::{layout::{Mode, RingGeometry}, registry::DEFAULT_TABLE_SIZE, HeapMem};
+    /// # use hyptrace_embed::{Events, Exit, Selection, Tracer};
+    /// # hyptrace_writer::event! {
+    /// #     pub struct Tick { system: "demo", name: "tick", slot: 0, id: 0,
+    /// #         print: "\"n=%u\", REC->n", fields: { n: u32 } }
+    /// # }
+    /// # let geometry = RingGeometry::new(1, 4, 4096, Mode::Stop, false)?.with_events(DEFAULT_TABLE_SIZE)?;
+    /// # let mem = Arc::new(HeapMem::new(geometry.region_size));
+    /// # let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), geometry, Duration::from_secs(5));
+    /// # let tracer = Tracer::alloc(mem.clone(), geometry, cb, 1_000_000)?;
+    /// # let register = |events: &Events<Arc<HeapMem>>| -> Result<(), Box<dyn std::error::Error>> {
+    /// #     hyptrace_writer::events::register(&*mem, &[Tick::event()], || { events.on_register(0); })?;
+    /// #     Ok(())
+    /// # };
+    /// let events = Events::new(mem.clone(), geometry);
+    /// register(&events)?;
+    /// for e in events.list()? {
+    ///     println!("{} {}", e.describe(), if e.enabled { "on" } else { "off" });
+    /// }
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn list(&self) -> Result<Vec<EventInfo>, EventsError> {
         let reg = self.registry()?;
         let words: Vec<u64> = (0..self.geometry.nr_cpus)
@@ -536,127 +921,4 @@ impl<M: SharedMem> Events<M> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use hyptrace_abi::layout::Mode;
-    use hyptrace_abi::registry::{DEFAULT_TABLE_SIZE, STATE_OFF, STATE_READY, STATE_REFUSED};
-    use hyptrace_abi::HeapMem;
-    use hyptrace_writer::events::{read_answer, write_table, Event, Field};
-    use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
-    use std::sync::Arc;
-
-    static F: &[Field<'static>] = &[Field {
-        name: "v",
-        ctype: "u64",
-        offset: 8,
-        size: 8,
-        signed: false,
-    }];
-    static A: Event<'static> = Event::new("g", "a", F, "\"%llu\", REC->v", 16, 2, 0);
-
-    fn region() -> (Arc<HeapMem>, RingGeometry) {
-        let l = RingGeometry::new(2, 3, 4096, Mode::Stop, false)
-            .and_then(|l| l.with_events(DEFAULT_TABLE_SIZE))
-            .expect("geometry");
-        let m = Arc::new(HeapMem::new(l.region_size));
-        l.init_region(&*m, 0, 1);
-        for cpu in 0..2 {
-            m.store(l.ctl(cpu) + ctl::ENABLE, 0, Relaxed);
-        }
-        (m, l)
-    }
-
-    /// A valid table: answered, its event enabled on every CPU, its format kept; a
-    /// second exit changes nothing.
-    #[test]
-    fn answers_enables_and_keeps_the_format() {
-        let (m, l) = region();
-        write_table(&*m, &[&A]).expect("table");
-        m.store(l.ctl(1) + ctl::ENABLE, u64::MAX, Relaxed);
-        let ev = Events::new(m.clone(), l);
-        assert_eq!(ev.on_register(0), Exit::Answered);
-        assert_eq!(read_answer(&*m, &[&A]), Ok(1));
-        for cpu in 0..2 {
-            assert_eq!(m.load(l.ctl(cpu) + ctl::ENABLE, Acquire), 1 << 2);
-        }
-        let r = ev.wait(Duration::ZERO).expect("registered");
-        assert_eq!(r.formats.len(), 1);
-        assert_eq!(
-            (r.formats[0].name.as_str(), r.formats[0].fields.len()),
-            ("a", 1)
-        );
-        assert_eq!(ev.on_register(1), Exit::Ignored);
-        assert_eq!(ev.wait(Duration::ZERO), Ok(r));
-    }
-
-    /// Garbage marked READY is refused as a whole (the guest reads REFUSED), bounded.
-    #[test]
-    fn a_hostile_table_is_refused() {
-        let (m, l) = region();
-        m.write_bytes(l.events_off, &[0xa5; 256]);
-        m.store(l.events_off + STATE_OFF, STATE_READY, Release);
-        let ev = Events::new(m.clone(), l);
-        ev.on_register(0);
-        assert!(matches!(
-            ev.wait(Duration::ZERO),
-            Err(RegisterError::Refused(_))
-        ));
-        assert_eq!(m.load(l.events_off + STATE_OFF, Acquire), STATE_REFUSED);
-    }
-
-    /// After the wait gave up (the output was opened without formats), a registration
-    /// is refused, never answered (L1); a table never READY counts as refused after
-    /// MAX_EARLY_EXITS exits.
-    #[test]
-    fn late_and_never_ready_registrations_are_refused() {
-        let (m, l) = region();
-        let ev = Events::new(m.clone(), l);
-        assert_eq!(
-            ev.wait(Duration::from_millis(1)),
-            Err(RegisterError::TimedOut(Duration::from_millis(1)))
-        );
-        write_table(&*m, &[&A]).expect("table");
-        assert_eq!(ev.on_register(0), Exit::Late);
-        assert_eq!(m.load(l.events_off + STATE_OFF, Acquire), STATE_REFUSED);
-        assert_eq!(m.load(l.ctl(0) + ctl::ENABLE, Acquire), 0);
-
-        let (m, l) = region();
-        let ev = Events::new(m.clone(), l);
-        for _ in 0..MAX_EARLY_EXITS - 1 {
-            assert_eq!(ev.on_register(0), Exit::NotReady);
-        }
-        assert_eq!(ev.on_register(0), Exit::Refused);
-        assert!(matches!(
-            ev.wait(Duration::ZERO),
-            Err(RegisterError::Refused(TableError::NotReady(_)))
-        ));
-    }
-
-    /// The settle decision (L1) on injected states, no wall time: a waiting table waits
-    /// on however long writers stayed attached; a pack without a table, a write without
-    /// a registration or the caller giving up end the wait; an answer wins over all.
-    #[test]
-    fn settle_decides_on_what_the_vcpus_do() {
-        let w = State::Waiting { early: 3 };
-        assert_eq!(decide(&w, false, false, false), None);
-        assert_eq!(decide(&w, false, true, false), Some(Settled::Unregistered));
-        assert_eq!(decide(&w, true, true, true), Some(Settled::NoTable));
-        assert_eq!(decide(&w, false, false, true), Some(Settled::None));
-        let r = State::Registered {
-            reg: Registry::default(),
-            error: None,
-        };
-        assert_eq!(decide(&r, false, true, true), Some(Settled::Registered));
-        let f = State::Refused(TableError::NotReady(0));
-        assert_eq!(
-            decide(&f, false, true, true),
-            Some(Settled::Refused(TableError::NotReady(0)))
-        );
-        let c = State::Closed {
-            settled: Settled::Unregistered,
-            since: Instant::now(),
-            late: None,
-        };
-        assert_eq!(decide(&c, false, false, false), Some(Settled::Unregistered));
-    }
-}
+mod tests;

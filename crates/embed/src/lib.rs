@@ -1,12 +1,8 @@
-//! Embedding hyptrace in a VMM that owns its guest memory.
+#![doc = include_str!("../README.md")]
 //!
-//! The guest writes one Linux-`buffer_data_page`-compatible ring per vCPU inside guest
-//! memory; the VMM allocates the rings there, gives the guest their address, answers the
-//! guest's event registration, drains full pages into an output sink while the guest
-//! runs, and walks what is left once it stopped. Everything the guest wrote is treated
-//! as hostile: errors, never panics, every loop bounded.
+//! ## The loop
 //!
-//! The loop, with host-run swaps (the VMM swaps reader pages on guest memory; nothing
+//! With host-run swaps (the VMM swaps reader pages on guest memory; nothing
 //! per event exits):
 //!
 //! 1. `RingGeometry::new(vcpus, pages_per_cpu, page_size, Mode::Stop, false)?
@@ -31,44 +27,15 @@
 //! 7. Once every vCPU stopped: [`Tracer::finish`] — the final walks, losses, the sink's
 //!    end — returns one [`CpuAccount`] per CPU, with `written = read + lost`.
 //!
-//! Here with a writer on heap memory standing in for the guest (`examples/embed.rs` in
-//! the repository is the same loop in a KVM VMM booting the stock guest):
+//! ## The documentation of each item
 //!
-//! ```
-//! use std::sync::Arc;
-//! use std::time::Duration;
-//! use hyptrace_abi::{layout::{Mode, RingGeometry}, registry::DEFAULT_TABLE_SIZE, HeapMem};
-//! use hyptrace_embed::{Events, Tracer};
-//! use hyptrace_output::{Clock, TraceDatSink, TraceDatVersion};
-//!
-//! hyptrace_writer::event! {
-//!     pub struct Tick { system: "demo", name: "tick", slot: 0, id: 0,
-//!         print: "\"n=%u\", REC->n", fields: { n: u32 } }
-//! }
-//! let geometry = RingGeometry::new(1, 4, 4096, Mode::Stop, false)?.with_events(DEFAULT_TABLE_SIZE)?;
-//! let mem = Arc::new(HeapMem::new(geometry.region_size)); // a VMM: GuestRegionMem
-//! let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), geometry, Duration::from_secs(5));
-//! let mut tracer = Tracer::alloc(mem.clone(), geometry, cb, 1_000_000)?;
-//! let events = Arc::new(Events::new(mem.clone(), geometry));
-//!
-//! // The guest (vCPU 0): attach, register (its exit: on_register), write.
-//! let mut w = hyptrace_writer::Writer::attach(mem.clone(), 0)?;
-//! hyptrace_writer::events::register(&*mem, &[Tick::event()], || {
-//!     events.on_register(0);
-//! })?;
-//! for n in 0..100 { Tick::emit_at(&mut w, 1000 + u64::from(n), n); }
-//! w.finish();
-//!
-//! let formats = events.wait(Duration::from_secs(10))?.formats;
-//! let dir = tempfile::tempdir()?;
-//! let meta = tracer.trace_meta(Clock::guest_tsc(1_000_000)?, formats);
-//! let mut sink = TraceDatSink::create(dir.path().join("t.dat"), meta, TraceDatVersion::V7)?;
-//! tracer.drain(&mut sink)?; // every poll period while the vCPUs run
-//! let accounts = tracer.finish(Box::new(sink))?;
-//! assert_eq!((accounts[0].written, accounts[0].stats.read, accounts[0].stats.lost), (100, 100, 0));
-//! assert!(accounts[0].consistent());
-//! # Ok::<(), Box<dyn std::error::Error>>(())
-//! ```
+//! In the manner of kvm-ioctls: every public function and method has an `# Examples`
+//! section (each one runs as a doc test; the KVM side is in `examples/embed.rs`), and
+//! each one that returns a `Result` an `# Errors` section (clippy's
+//! `missing_errors_doc` is denied here). No public function is `unsafe`, so none needs
+//! a `# Safety` section; [`GuestRegionMem::new`] says why wrapping guest memory is safe.
+
+#![deny(clippy::missing_errors_doc)]
 
 mod doorbell;
 mod drain;

@@ -81,8 +81,26 @@ impl<B: Bitmap + 'static> GuestRegionMem<B> {
     /// The `len` bytes at `gpa` of `memory`: one mapped region must hold them all.
     ///
     /// # Errors
+    ///
     /// [`RegionError::NotMapped`] when no one region holds the range,
     /// [`RegionError::Unaligned`] when its host address is not 8-byte aligned.
+    /// # Examples
+    ///
+    /// ```
+    /// use vm_memory::{GuestAddress, GuestMemoryMmap};
+    /// use hyptrace_abi::SharedMem;
+    /// let memory = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 4 << 20)])?;
+    /// let rings = hyptrace_embed::GuestRegionMem::new(&memory, GuestAddress(2 << 20), 64 << 10)?;
+    /// assert_eq!((rings.gpa(), rings.size()), (2 << 20, 64 << 10));
+    /// assert!(hyptrace_embed::GuestRegionMem::new(&memory, GuestAddress(4 << 20), 4096).is_err());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Safety
+    ///
+    /// A safe function: the region keeps a clone of `memory` (its mapping shared, not copied)
+    /// for as long as it lives, and reaches the bytes only through atomics and volatile copies,
+    /// as the guest does from its side.
     pub fn new(
         memory: &GuestMemoryMmap<B>,
         gpa: GuestAddress,
@@ -114,6 +132,15 @@ impl<B: Bitmap + 'static> GuestRegionMem<B> {
     }
 
     /// Guest-physical address of the first byte (the pack: what the guest is given).
+    /// # Examples
+    ///
+    /// ```
+    /// use vm_memory::{GuestAddress, GuestMemoryMmap};
+    /// let memory = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 4 << 20)])?;
+    /// let rings = hyptrace_embed::GuestRegionMem::new(&memory, GuestAddress(2 << 20), 4096)?;
+    /// assert_eq!(rings.gpa(), 2 << 20); // the address the guest is given
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn gpa(&self) -> u64 {
         self.gpa
     }

@@ -54,6 +54,30 @@ pub struct EventInfo {
 impl EventInfo {
     /// `system:name` and its fields, as `trace-cmd list -e -F` prints an event (the
     /// common fields left out).
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::{sync::Arc, time::Duration};
+    /// # use hyptrace_abi::{layout::{Mode, RingGeometry}, registry::DEFAULT_TABLE_SIZE, HeapMem};
+    /// # use hyptrace_embed::{Events, Exit, Selection, Tracer};
+    /// # hyptrace_writer::event! {
+    /// #     pub struct Tick { system: "demo", name: "tick", slot: 0, id: 0,
+    /// #         print: "\"n=%u\", REC->n", fields: { n: u32 } }
+    /// # }
+    /// # let geometry = RingGeometry::new(1, 4, 4096, Mode::Stop, false)?.with_events(DEFAULT_TABLE_SIZE)?;
+    /// # let mem = Arc::new(HeapMem::new(geometry.region_size));
+    /// # let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), geometry, Duration::from_secs(5));
+    /// # let tracer = Tracer::alloc(mem.clone(), geometry, cb, 1_000_000)?;
+    /// # let register = |events: &Events<Arc<HeapMem>>| -> Result<(), Box<dyn std::error::Error>> {
+    /// #     hyptrace_writer::events::register(&*mem, &[Tick::event()], || { events.on_register(0); })?;
+    /// #     Ok(())
+    /// # };
+    /// let events = Events::new(mem.clone(), geometry);
+    /// register(&events)?;
+    /// let text = events.list()?[0].describe();
+    /// assert!(text.starts_with("demo:tick"), "{text}");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn describe(&self) -> String {
         let mut s = format!("{}\n", self.reg.full_name());
         for f in &self.reg.fields {

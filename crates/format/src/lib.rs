@@ -45,3 +45,8 @@ pub use format::{
 };
 pub use printfmt::{check_guest_format, GuestFormatError, Program, Unsupported};
 pub use symbols::KernelSymbols;
+
+/// The README's code blocks, run as doc tests (README and crate docs cannot drift).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -86,3 +86,8 @@ pub use tracedat::{
     write_buffers, write_trace_dat, write_trace_dat_with, BufferPart, BufferSet, Compression,
     ReportFilter, TraceDatSink, TraceDatVersion, TraceFile, TraceItem, TraceRecord,
 };
+
+/// The README's code blocks, run as doc tests (README and crate docs cannot drift).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

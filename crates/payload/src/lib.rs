@@ -10,6 +10,13 @@
 //!
 //! Contract details (entry registers, the run parameter block, result slots, ports):
 //! `hyptrace_abi::guest` and docs/abi.md.
+//!
+//! This crate is `publish = false`: its build script needs the repository's `guest/`
+//! workspace (`../../guest`), so it builds only inside the hyptrace repository. An
+//! embedder tracing its own guest does not need it — the guest links `hyptrace-writer`
+//! (or the C SDK) and the VMM uses `hyptrace-embed` and `hyptrace-output`; to boot the
+//! stock guest, depend on this crate by path or git (README.md, "Why it is not
+//! published").
 
 pub mod boot;
 pub mod elf;
@@ -28,3 +35,8 @@ pub use memory_map::{GuestMemoryMap, MemoryMapError};
 /// # Ok::<(), hyptrace_payload::ElfError>(())
 /// ```
 pub static GUEST_ELF: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/hyptrace-guest.elf"));
+
+/// The README's code blocks, run as doc tests (README and crate docs cannot drift).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

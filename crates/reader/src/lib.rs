@@ -431,3 +431,8 @@ fn valid_page(l: &RingGeometry, cpu: u32, id: u64) -> Result<u32, ReadError> {
 
 #[cfg(test)]
 mod tests;
+
+/// The README's code blocks, run as doc tests (README and crate docs cannot drift).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -408,3 +408,8 @@ impl<M: SharedMem> Writer<M> {
 
 #[cfg(test)]
 mod tests;
+
+/// The README's code blocks, run as doc tests (README and crate docs cannot drift).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

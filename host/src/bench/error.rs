@@ -33,9 +33,6 @@ pub enum BenchError {
     /// A run's options (ring geometry, guest memory) are refused.
     #[error(transparent)]
     Plan(#[from] PlanError),
-    /// The options of a VM run do not parse (`hyptrace run`'s, built by bench).
-    #[error("run options")]
-    RunArgs(#[source] clap::Error),
     /// A VM run could not start.
     #[error(transparent)]
     Run(#[from] RunError),

@@ -12,12 +12,13 @@ use vm_memory::{Bytes, GuestAddress};
 
 use super::{BenchError, PAGE_SIZE};
 use crate::drain::session::MAILBOX_TIMEOUT;
-use crate::drain::sink::{check_destination, make_sink, CompressionArg, FormatArg};
-use crate::pipeline::options::{DrainArg, ModeArg, RunArgs, SwapArg};
+use crate::drain::sink::{check_destination, make_sink, Format};
+use crate::pipeline::options::{DrainArg, FlightArgs, ModeArg, RunArgs, SwapArg};
 use crate::pipeline::plan::Plan;
 use crate::pipeline::run::{MakeSink, Run, Target};
 use crate::vmm::time::host_tsc;
 use crate::vmm::vcpu::VcpuOutcome;
+use hyptrace_output::Compression;
 
 /// One VM run.
 pub(super) struct VmSpec {
@@ -65,25 +66,22 @@ pub(super) enum SinkKind {
     /// Counted only (the reader alone).
     Null,
     /// A temporary file of this format, as `record -o` writes it (its own thread).
-    File(FormatArg, CompressionArg),
+    File(Format, Compression),
 }
 
 impl SinkKind {
     /// `--format raw`.
-    pub(super) const RAW: Self = Self::File(FormatArg::Raw, CompressionArg::Zstd);
+    pub(super) const RAW: Self = Self::File(Format::Raw, Compression::Zstd);
     /// The default trace.dat (v7, zstd).
-    pub(super) const DAT: Self = Self::File(FormatArg::Dat, CompressionArg::Zstd);
+    pub(super) const DAT: Self = Self::File(Format::Dat, Compression::Zstd);
 
     /// What the rows call it: `none (reader alone)`, `raw`, `trace.dat zstd`, `trace.dat none`, ….
     pub(super) fn name(self) -> String {
         match self {
             Self::Null => "none (reader alone)".into(),
-            Self::File(FormatArg::Dat, CompressionArg::Zstd) => "trace.dat zstd".into(),
-            Self::File(FormatArg::Dat, CompressionArg::None) => "trace.dat none".into(),
-            Self::File(f, _) => {
-                let v = clap::ValueEnum::to_possible_value(&f);
-                v.map_or_else(|| format!("{f:?}"), |v| v.get_name().to_string())
-            }
+            Self::File(Format::Dat, Compression::Zstd) => "trace.dat zstd".into(),
+            Self::File(Format::Dat, Compression::None) => "trace.dat none".into(),
+            Self::File(f, _) => f.name().into(),
         }
     }
 }
@@ -225,40 +223,25 @@ pub(super) fn temp_path(ext: &str) -> Result<tempfile::TempPath, BenchError> {
         .map_err(BenchError::TempFile)
 }
 
-/// `hyptrace run`'s options alone, parsed as the command line parses them.
-#[derive(clap::Parser)]
-struct RunLine {
-    #[command(flatten)]
-    run: RunArgs,
-}
-
-/// The checked plan of a VM run of `spec`: `hyptrace run`'s options, then what the CLI
-/// cannot say (the bench workload, its payload, guest memory in whole 2 MiB pages).
+/// The checked plan of a VM run of `spec`: `hyptrace run`'s options (typed, checked
+/// by [`Plan::new`] as the CLI's are), then what the CLI cannot say (the bench
+/// workload, its payload, guest memory in whole 2 MiB pages).
 pub(super) fn plan(spec: &VmSpec) -> Result<Plan, BenchError> {
-    let lower = |v: &dyn std::fmt::Debug| format!("{v:?}").to_lowercase();
-    let args = [
-        "hyptrace run".to_string(),
-        "--vcpus".into(),
-        spec.vcpus.to_string(),
-        "--events".into(),
-        spec.events.to_string(),
-        "--rate".into(),
-        spec.rate.to_string(),
-        "--mode".into(),
-        lower(&spec.mode),
-        "--swap".into(),
-        lower(&spec.swap),
-        "--buffer-kb".into(),
-        (spec.pages * PAGE_SIZE / 1024).to_string(),
-        "--page-size".into(),
-        PAGE_SIZE.to_string(),
-        "--poll-ms".into(),
-        crate::pipeline::options::DEFAULT_POLL_MS.to_string(),
-        "--drain".into(),
-        lower(&spec.drain),
-    ];
-    let a = <RunLine as clap::Parser>::try_parse_from(args).map_err(BenchError::RunArgs)?;
-    let mut plan = Plan::new(&a.run)?;
+    let args = RunArgs {
+        vcpus: spec.vcpus,
+        events: spec.events,
+        rate: spec.rate,
+        mode: spec.mode,
+        swap: spec.swap,
+        buffer_kb: spec.pages * PAGE_SIZE / 1024,
+        page_size: PAGE_SIZE,
+        flight: FlightArgs {
+            drain: spec.drain,
+            ..FlightArgs::default()
+        },
+        ..RunArgs::default()
+    };
+    let mut plan = Plan::new(&args)?;
     plan.params.workload = spec.workload;
     plan.params.payload = spec.payload;
     if spec.typed {
@@ -286,7 +269,7 @@ pub(super) fn vm_run(spec: &VmSpec) -> Result<VmOut, BenchError> {
     let make: MakeSink = Box::new(move |meta| {
         let inner = match kind {
             SinkKind::Null => None,
-            SinkKind::File(format, c) => Some(make_sink(&target, format, c.into(), meta)?),
+            SinkKind::File(format, c) => Some(make_sink(&target, format, c, meta)?),
         };
         let counted = Box::new(CountSink { inner, stats });
         Ok(match kind {
@@ -384,7 +367,14 @@ mod tests {
                 ..VmSpec::default()
             };
             let p = plan(&spec).expect("plan");
-            let ring = ring_layout(vcpus, spec.pages, PAGE_SIZE, mode, swap).expect("ring");
+            let ring = ring_layout(
+                vcpus,
+                spec.pages,
+                PAGE_SIZE,
+                mode.into(),
+                swap == SwapArg::Guest,
+            )
+            .expect("ring");
             assert_eq!(p.ring, ring);
             let image = GuestImage::parse(crate::GUEST_ELF).expect("image");
             let need =

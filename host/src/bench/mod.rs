@@ -30,10 +30,9 @@
 //! spreads are reported next to them. No figure is asserted.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Instant;
 
-use clap::Args;
 use hyptrace_abi::guest::BENCH_CHUNK;
 use serde::Serialize;
 
@@ -43,6 +42,7 @@ mod criterion;
 mod drain;
 mod error;
 mod harness;
+pub mod options;
 mod rate;
 pub mod report;
 mod sinks;
@@ -56,65 +56,24 @@ mod writer;
 
 use drain::DrainReport;
 pub use error::BenchError;
+pub use options::{BenchArgs, BenchWhat};
 use stats::Tsc;
 use swap::SwapReport;
 
-/// Options of `hyptrace bench`.
-#[derive(Clone, Debug, Args)]
-pub struct BenchArgs {
-    /// A tiny smoke run (one vCPU count, one payload, one repetition, short searches).
-    #[arg(long)]
-    pub quick: bool,
-    /// Write the results as JSON to FILE.
-    #[arg(long, value_name = "FILE")]
-    pub json: Option<PathBuf>,
-    /// vCPU counts of the writer runs [default: 1,2; --quick: 1].
-    #[arg(long, value_name = "N,..", value_delimiter = ',')]
-    pub vcpus: Vec<u32>,
-    /// Payload sizes in bytes of the writer runs [default: 0,8,16,64,256; --quick: 16].
-    #[arg(long, value_name = "B,..", value_delimiter = ',')]
-    pub payloads: Vec<u32>,
-    /// Events per vCPU per writer run [default: 1000000; --quick: 100000].
-    #[arg(long, value_name = "N")]
-    pub events: Option<u64>,
-    /// Repetitions of every measurement [default: 5; --quick: 1].
-    #[arg(long, value_name = "N")]
-    pub reps: Option<u32>,
-    /// Also import criterion's results from DIR (e.g. target/criterion after `cargo
-    /// bench`): medians of the rtrb, raw-store and rdtsc baselines etc. go into the JSON.
-    #[arg(long, value_name = "DIR")]
-    pub criterion: Option<PathBuf>,
-    /// Only these sections (startup always runs: it measures the TSC frequency)
-    /// [default: all].
-    #[arg(long, value_enum, value_name = "S,..", value_delimiter = ',')]
-    pub only: Vec<Section>,
-    /// A benchmark of its own instead of the sections above.
-    #[command(subcommand)]
-    pub what: Option<BenchWhat>,
-}
-
-/// Benchmarks run on their own.
-#[derive(Clone, Debug, clap::Subcommand)]
-pub enum BenchWhat {
-    /// `hyptrace report FILE` against `trace-cmd report -t FILE`, side by side: events/s,
-    /// CPU time, peak RSS, the ratio.
-    Report(report::ReportBenchArgs),
-}
-
-/// Sections of `hyptrace bench`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+/// Sections of `hyptrace bench` (`--only`, from [`options::SectionArg`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Section {
-    /// Guest (under the live reader and with none) vs native vs bound ns/event.
+    /// Guest vs native vs bound ns/event.
     Writer,
-    /// swap_reader latency, both modes.
+    /// swap_reader latency.
     Swap,
     /// Drain throughput.
     Drain,
     /// Highest loss-free rate.
     Rate,
-    /// Each output format's throughput behind the reader.
+    /// Each output format's throughput.
     Sinks,
-    /// 60 M-event records at fractions of the writer's flat-out rate, per sink.
+    /// Sustained records.
     Sustained,
 }
 
@@ -142,6 +101,8 @@ struct Cfg {
     rate_repeats: u32,
     /// Events of each `sustained` record (and of the rate search's confirmation).
     sustained_events: u64,
+    /// `--only` (empty: every section).
+    only: Vec<Section>,
 }
 
 impl Cfg {
@@ -192,6 +153,7 @@ impl Cfg {
             rate_steps: if q { 0 } else { 8 },
             rate_repeats: if q { 1 } else { 3 },
             sustained_events: if q { 2_000_000 } else { 60_000_000 },
+            only: a.only.iter().map(|&s| s.into()).collect(),
         })
     }
 }
@@ -427,7 +389,7 @@ fn run_all(cfg: &Cfg, a: &BenchArgs) -> Result<BenchReport, BenchError> {
     eprintln!("hyptrace bench: startup");
     // Every other section needs the TSC frequency it measures: its failure ends the run.
     let (startup, tsc) = startup::startup(cfg)?;
-    let on = |s: Section| a.only.is_empty() || a.only.contains(&s);
+    let on = |s: Section| cfg.only.is_empty() || cfg.only.contains(&s);
     let mut failed = Vec::new();
     let mut writer = Vec::new();
     if on(Section::Writer) {

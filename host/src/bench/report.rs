@@ -4,28 +4,12 @@
 //! CPU time (user + sys), events/s and the ratio, and each one's peak RSS (from
 //! `wait4`'s rusage).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
-use clap::Args;
-
+use super::options::ReportBenchArgs;
 use crate::exit::{EXIT_RUNTIME, EXIT_USAGE};
-
-/// Options of `hyptrace bench report`.
-#[derive(Clone, Debug, Args)]
-pub struct ReportBenchArgs {
-    /// The trace.dat to read (a big kernel trace: `trace-cmd extract`, v7 zstd).
-    #[arg(short = 'i', long = "input", value_name = "FILE")]
-    pub input: PathBuf,
-    /// Repetitions of each command.
-    #[arg(long, value_name = "N", default_value_t = 3,
-          value_parser = clap::value_parser!(u32).range(1..=100))]
-    pub reps: u32,
-    /// The trace-cmd to compare with.
-    #[arg(long = "trace-cmd", value_name = "PATH", default_value = "trace-cmd")]
-    pub trace_cmd: PathBuf,
-}
 
 /// Why `hyptrace bench report` failed.
 #[derive(Debug, thiserror::Error)]

@@ -18,17 +18,18 @@ use super::drain::{filled_with, Region};
 use super::harness::{temp_path, SinkKind};
 use super::stats::Summary;
 use super::{BenchError, Cfg, PAGE_SIZE};
-use crate::drain::sink::{check_destination, make_sink, CompressionArg, FormatArg};
+use crate::drain::sink::{check_destination, make_sink, Format};
+use hyptrace_output::Compression;
 
 /// The sinks measured, in the table's order.
 const SINKS: [SinkKind; 7] = [
     SinkKind::RAW,
-    SinkKind::File(FormatArg::Dat, CompressionArg::None),
+    SinkKind::File(Format::Dat, Compression::None),
     SinkKind::DAT,
-    SinkKind::File(FormatArg::Dat6, CompressionArg::None),
-    SinkKind::File(FormatArg::Perfetto, CompressionArg::None),
-    SinkKind::File(FormatArg::Json, CompressionArg::None),
-    SinkKind::File(FormatArg::Text, CompressionArg::None),
+    SinkKind::File(Format::Dat6, Compression::None),
+    SinkKind::File(Format::Perfetto, Compression::None),
+    SinkKind::File(Format::Json, Compression::None),
+    SinkKind::File(Format::Text, Compression::None),
 ];
 
 /// One sink's row.
@@ -73,7 +74,7 @@ fn sink_once(pages: u32, kind: SinkKind) -> Result<(u64, u64, f64, u64), BenchEr
         SinkKind::File(format, c) => {
             let target = check_destination(&tmp, "bench")?;
             let meta = TraceMeta::guest(PAGE_SIZE as usize, 1, Clock::nanoseconds());
-            let sink = make_sink(&target, format, c.into(), meta)?;
+            let sink = make_sink(&target, format, c, meta)?;
             Some(Box::new(ThreadedSink::new(sink)?))
         }
     };

@@ -9,9 +9,10 @@ use serde::Serialize;
 
 use super::harness::{vm_run, SinkKind, VmSpec};
 use super::{BenchError, Cfg};
-use crate::drain::sink::{CompressionArg, FormatArg};
+use crate::drain::sink::Format;
 use crate::pipeline::options::ModeArg;
 use crate::pipeline::report::ms;
+use hyptrace_output::Compression;
 
 /// Runs per measurement.
 const RUNS: usize = 3;
@@ -20,7 +21,7 @@ const FRACTIONS: [f64; 2] = [0.25, 0.5];
 /// The sinks of the stop-mode records.
 const SINKS: [SinkKind; 3] = [
     SinkKind::DAT,
-    SinkKind::File(FormatArg::Dat, CompressionArg::None),
+    SinkKind::File(Format::Dat, Compression::None),
     SinkKind::RAW,
 ];
 

@@ -21,11 +21,11 @@ use hyptrace_output::OutputError;
 
 use crate::drain::signals::{Interrupts, SignalError};
 use crate::drain::sink::{
-    compression_for, format_for, write_destination, DestinationError, FormatArg,
+    compression_for, format_for, write_destination, DestinationError, Format,
 };
 use crate::exit::{chain, EXIT_ABORT, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE};
 use crate::pipeline::options::{
-    CollectArgs, ConvertArgs, CtlArgs, ListArgs, ModeArg, RecordArgs, ReportArgs, RunArgs,
+    self, CollectArgs, ConvertArgs, CtlArgs, ListArgs, ModeArg, RecordArgs, ReportArgs, RunArgs,
 };
 use crate::pipeline::plan::{Plan, PlanError};
 use crate::pipeline::run::{Run, RunError, Target};
@@ -88,7 +88,7 @@ pub enum Command {
     /// crashed or finished — to a file in any `record` format: every committed event
     /// no reader consumed, with the exact losses. With `--attach SOCKET`: read a running
     /// VMM's rings live (`--drain none --trace-mem --control`), once or `--follow`.
-    Dump(crate::flight::dump::DumpArgs),
+    Dump(crate::pipeline::options::DumpArgs),
     /// Subscribe to several running VMMs (each `run --drain none --control SOCKET`)
     /// and write one trace.dat v7 with one buffer instance per VM, every VM on host
     /// CLOCK_MONOTONIC: `trace-cmd report` names each event's VM and prints one time
@@ -248,7 +248,7 @@ where
         Command::Bench(args) => crate::bench::bench(&args)
             .map(|()| EXIT_OK)
             .map_err(CliError::from),
-        Command::Dump(args) => crate::flight::dump::dump(&args).map_err(CliError::from),
+        Command::Dump(args) => crate::flight::dump::dump(&args.plan()).map_err(CliError::from),
         Command::Ctl(args) => ctl(&args),
         Command::Collect(args) => collect(&args),
         Command::Completions(args) => {
@@ -298,9 +298,9 @@ pub fn run(a: &RunArgs) -> Result<i32, CliError> {
 
 /// `hyptrace record`.
 pub fn record(a: &RecordArgs) -> Result<i32, CliError> {
-    let format = format_for(a.format, &a.output, "-o")?;
-    let compression =
-        compression_for(format, a.compression).map_err(|e| CliError::Args(e.to_string()))?;
+    let format = format_for(options::format(a.format), &a.output, "-o")?;
+    let compression = compression_for(format, a.compression.map(Into::into))
+        .map_err(|e| CliError::Args(e.to_string()))?;
     execute(
         &a.run,
         Some((&a.output, format, compression, &a.filters.filter[..])),
@@ -310,21 +310,12 @@ pub fn record(a: &RecordArgs) -> Result<i32, CliError> {
 /// `hyptrace list`: the guest's registered events on stdout, its rejected entries as
 /// warnings on stderr.
 pub fn list(a: &ListArgs) -> Result<i32, CliError> {
-    let mut argv: Vec<OsString> = ["hyptrace", "run", "--vcpus", "1", "--events", "0"]
-        .iter()
-        .map(OsString::from)
-        .collect();
-    if let Some(g) = &a.guest {
-        argv.push("--guest".into());
-        argv.push(g.clone().into_os_string());
-    }
-    let Command::Run(run_args) = Cli::try_parse_from(argv)
-        .map_err(|e| CliError::Args(e.to_string()))?
-        .command
-    else {
-        unreachable!("parsed as `run`")
-    };
-    let plan = Plan::new(&run_args)?;
+    let plan = Plan::new(&RunArgs {
+        vcpus: 1,
+        events: 0,
+        guest: a.guest.clone(),
+        ..RunArgs::default()
+    })?;
     let (events, rejected) = crate::pipeline::list::list_guest(plan)?;
     for r in rejected {
         note!("hyptrace: warning: {r}");
@@ -347,8 +338,8 @@ pub fn list(a: &ListArgs) -> Result<i32, CliError> {
 pub fn collect(a: &CollectArgs) -> Result<i32, CliError> {
     use crate::flight::collect::{parse_vms, CollectOpts};
     let vms = parse_vms(&a.vms).map_err(CliError::Args)?;
-    let format = format_for(a.format, &a.output, "-o")?;
-    if !matches!(format, FormatArg::Dat | FormatArg::Text) {
+    let format = format_for(options::format(a.format), &a.output, "-o")?;
+    if !matches!(format, Format::Dat | Format::Text) {
         return Err(CliError::Args(format!(
             "-o {}: collect writes trace.dat v7 or text (.dat, .txt, --format dat|text)",
             crate::drain::sink::shown_path(&a.output)
@@ -361,7 +352,7 @@ pub fn collect(a: &CollectArgs) -> Result<i32, CliError> {
     let o = CollectOpts {
         vms: &vms,
         follow: a.follow,
-        text: format == FormatArg::Text,
+        text: format == Format::Text,
         target: &target,
         out_path: &a.output,
         stop: &stop,
@@ -410,7 +401,7 @@ pub fn ctl(a: &CtlArgs) -> Result<i32, CliError> {
 /// Returns the run's exit code (its causes are on stderr already).
 fn execute(
     a: &RunArgs,
-    file: Option<(&PathBuf, FormatArg, hyptrace_output::Compression, &[String])>,
+    file: Option<(&PathBuf, Format, hyptrace_output::Compression, &[String])>,
 ) -> Result<i32, CliError> {
     let mut plan = Plan::new(a)?;
     if file.is_some() {

@@ -7,46 +7,48 @@ use std::path::{Path, PathBuf};
 
 use std::sync::Arc;
 
-use clap::ValueEnum;
 use hyptrace_output::tracedat::{FilterCounts, FilterError, FilterSet, FilteredSink};
 use hyptrace_output::{
     Compression, JsonSink, OutputError, OutputTarget, PageSink, PerfettoSink, RawSink, StreamSink,
     TextSink, TraceDatSink, TraceDatVersion, TraceMeta,
 };
 
-/// Output formats of `record`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum FormatArg {
-    /// trace.dat version 7 (trace-cmd's current format), zstd-compressed like
-    /// `trace-cmd record` (see --compression).
+/// The output formats (what `record --format` and the extensions name).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    /// trace.dat version 7.
     Dat,
     /// trace.dat version 6.
     Dat6,
-    /// Chrome trace-event JSON (Perfetto UI, chrome://tracing).
+    /// Chrome trace-event JSON.
     Json,
-    /// Native Perfetto trace (protobuf TracePackets; open in ui.perfetto.dev).
+    /// Native Perfetto trace.
     Perfetto,
-    /// Text, one event per line as `trace-cmd report -t` prints it.
+    /// Text, as `trace-cmd report -t`.
     Text,
-    /// Raw ring pages (see docs/output.md).
+    /// Raw ring pages.
     Raw,
 }
 
-/// Compressions of a v7 trace.dat (`record --compression`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum CompressionArg {
-    /// zstd, as `trace-cmd record` writes by default.
-    Zstd,
-    /// Uncompressed: pages copied verbatim.
-    None,
+impl Format {
+    /// The name `--format` takes for it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Dat => "dat",
+            Self::Dat6 => "dat6",
+            Self::Json => "json",
+            Self::Perfetto => "perfetto",
+            Self::Text => "text",
+            Self::Raw => "raw",
+        }
+    }
 }
 
-impl From<CompressionArg> for hyptrace_output::Compression {
-    fn from(c: CompressionArg) -> Self {
-        match c {
-            CompressionArg::Zstd => Self::Zstd,
-            CompressionArg::None => Self::None,
-        }
+/// The name `--compression` takes for `c`.
+pub fn compression_name(c: Compression) -> &'static str {
+    match c {
+        Compression::Zstd => "zstd",
+        Compression::None => "none",
     }
 }
 
@@ -64,18 +66,15 @@ pub struct CompressionMismatch {
 /// trace.dat is zstd-compressed unless `none` is asked (like trace-cmd); no other
 /// format is compressed, and asking to is refused.
 pub fn compression_for(
-    format: FormatArg,
-    compression: Option<CompressionArg>,
-) -> Result<hyptrace_output::Compression, CompressionMismatch> {
-    let name = |v: Option<clap::builder::PossibleValue>| {
-        v.map_or_else(String::new, |p| p.get_name().to_string())
-    };
+    format: Format,
+    compression: Option<Compression>,
+) -> Result<Compression, CompressionMismatch> {
     match (format, compression) {
-        (FormatArg::Dat, c) => Ok(c.unwrap_or(CompressionArg::Zstd).into()),
-        (_, None | Some(CompressionArg::None)) => Ok(hyptrace_output::Compression::None),
+        (Format::Dat, c) => Ok(c.unwrap_or(Compression::Zstd)),
+        (_, None | Some(Compression::None)) => Ok(Compression::None),
         (f, Some(c)) => Err(CompressionMismatch {
-            compression: name(c.to_possible_value()),
-            format: name(f.to_possible_value()),
+            compression: compression_name(c).into(),
+            format: f.name().into(),
         }),
     }
 }
@@ -121,47 +120,14 @@ pub fn check_destination(path: &Path, flag: &str) -> Result<OutputTarget, Destin
     })
 }
 
-/// `--output-mode MODE` of the commands that write files from trace data (`run`,
-/// `record`, `dump`, `convert`): the permission bits those files are created with.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::Args)]
-pub struct OutputModeArg {
-    /// Permission bits (octal, 000-777) of the files written from trace data — the
-    /// output, --stats, a crash dump — less the umask. Owner-only by default (the trace
-    /// may be private); e.g. 0644 lets others read them. A device, a FIFO or stdout
-    /// keeps its own mode.
-    #[arg(
-        long = "output-mode",
-        value_name = "MODE",
-        default_value = "0600",
-        value_parser = parse_mode
-    )]
-    pub output_mode: u32,
-}
-
-impl Default for OutputModeArg {
-    fn default() -> Self {
-        Self {
-            output_mode: OutputTarget::PRIVATE,
-        }
-    }
-}
-
-impl OutputModeArg {
-    /// [`check_destination`], the file to be created with this mode.
-    pub fn check(&self, path: &Path, flag: &str) -> Result<OutputTarget, DestinationError> {
-        check_destination(path, flag).map(|t| t.with_mode(self.output_mode))
-    }
-}
-
-/// Parses `--output-mode`: 3 or 4 octal digits (`644`, `0644`), permission bits only
-/// (no set-id or sticky bit).
-pub fn parse_mode(s: &str) -> Result<u32, String> {
-    let digits = s.strip_prefix("0o").unwrap_or(s);
-    let ok = (3..=4).contains(&digits.len()) && digits.bytes().all(|b| (b'0'..=b'7').contains(&b));
-    match u32::from_str_radix(digits, 8) {
-        Ok(m) if ok && m <= 0o777 => Ok(m),
-        _ => Err("expected octal permission bits 000-777, e.g. 0600 or 0644".into()),
-    }
+/// [`check_destination`], the file to be created with the permission bits `mode`
+/// (`--output-mode`).
+pub fn check_with_mode(
+    path: &Path,
+    flag: &str,
+    mode: u32,
+) -> Result<OutputTarget, DestinationError> {
+    check_destination(path, flag).map(|t| t.with_mode(mode))
 }
 
 /// Writes `text` to a checked destination (temporary file renamed, or in place).
@@ -181,10 +147,10 @@ pub fn write_destination(target: &OutputTarget, text: &str) -> Result<(), Output
 /// extension disagrees with (`--format json -o t.dat`) is obeyed, with a warning on
 /// stderr ([`extension_disagrees`]).
 pub fn format_for(
-    format: Option<FormatArg>,
+    format: Option<Format>,
     output: &Path,
     flag: &str,
-) -> Result<FormatArg, DestinationError> {
+) -> Result<Format, DestinationError> {
     if let Some(f) = format {
         if let Some(w) = extension_disagrees(f, output, flag) {
             note!("hyptrace: warning: {w}");
@@ -192,7 +158,7 @@ pub fn format_for(
         return Ok(f);
     }
     let Some(ext) = output.extension() else {
-        return Ok(FormatArg::Dat);
+        return Ok(Format::Dat);
     };
     let ext = ext.to_string_lossy();
     format_of_extension(&ext).ok_or_else(|| DestinationError {
@@ -203,13 +169,13 @@ pub fn format_for(
 }
 
 /// The format an extension names (case-insensitive), if it names one.
-fn format_of_extension(ext: &str) -> Option<FormatArg> {
+fn format_of_extension(ext: &str) -> Option<Format> {
     Some(match ext.to_ascii_lowercase().as_str() {
-        "dat" => FormatArg::Dat,
-        "json" => FormatArg::Json,
-        "txt" | "text" => FormatArg::Text,
-        "raw" => FormatArg::Raw,
-        "pftrace" | "perfetto-trace" | "perfetto" => FormatArg::Perfetto,
+        "dat" => Format::Dat,
+        "json" => Format::Json,
+        "txt" | "text" => Format::Text,
+        "raw" => Format::Raw,
+        "pftrace" | "perfetto-trace" | "perfetto" => Format::Perfetto,
         _ => return None,
     })
 }
@@ -217,18 +183,17 @@ fn format_of_extension(ext: &str) -> Option<FormatArg> {
 /// Why `output`'s extension disagrees with the explicit `format`, if it names another
 /// format (`.dat` agrees with `dat` and `dat6`; no extension, or one naming no format,
 /// agrees with any).
-pub fn extension_disagrees(format: FormatArg, output: &Path, flag: &str) -> Option<String> {
+pub fn extension_disagrees(format: Format, output: &Path, flag: &str) -> Option<String> {
     let ext = output.extension()?.to_string_lossy();
     let named = format_of_extension(&ext)?;
-    let agree = named == format || (named == FormatArg::Dat && format == FormatArg::Dat6);
-    let name = |f: FormatArg| f.to_possible_value().map(|v| v.get_name().to_string());
+    let agree = named == format || (named == Format::Dat && format == Format::Dat6);
     (!agree).then(|| {
         format!(
             "{} ({flag}) is written as --format {}, though `.{}` names --format {}",
             shown_path(output),
-            name(format).unwrap_or_default(),
+            format.name(),
             crate::exit::printable(&ext),
-            name(named).unwrap_or_default(),
+            named.name(),
         )
     })
 }
@@ -248,22 +213,22 @@ pub fn shown_path(p: &Path) -> Cow<'_, str> {
 /// The page sink of `format` on `target` (`compression`: of a v7 trace.dat).
 pub fn make_sink(
     target: &OutputTarget,
-    format: FormatArg,
+    format: Format,
     compression: Compression,
     meta: TraceMeta,
 ) -> Result<Box<dyn PageSink + Send>, OutputError> {
     Ok(match format {
-        FormatArg::Dat => Box::new(TraceDatSink::open_with(
+        Format::Dat => Box::new(TraceDatSink::open_with(
             target,
             meta,
             TraceDatVersion::V7,
             compression,
         )?),
-        FormatArg::Dat6 => Box::new(TraceDatSink::open(target, meta, TraceDatVersion::V6)?),
-        FormatArg::Json => Box::new(JsonSink::open(target, meta)?),
-        FormatArg::Perfetto => Box::new(PerfettoSink::open(target, meta)?),
-        FormatArg::Text => Box::new(TextSink::open(target, meta)?),
-        FormatArg::Raw => Box::new(RawSink::open(target, meta)?),
+        Format::Dat6 => Box::new(TraceDatSink::open(target, meta, TraceDatVersion::V6)?),
+        Format::Json => Box::new(JsonSink::open(target, meta)?),
+        Format::Perfetto => Box::new(PerfettoSink::open(target, meta)?),
+        Format::Text => Box::new(TextSink::open(target, meta)?),
+        Format::Raw => Box::new(RawSink::open(target, meta)?),
     })
 }
 
@@ -344,54 +309,35 @@ mod tests {
         assert!(e.contains("empty"), "{e}");
         // Formats from extensions; an unknown one is refused, no extension is dat.
         let fmt = |p: &str| format_for(None, Path::new(p), "-o");
-        assert_eq!(fmt("a.JSON").expect("json"), FormatArg::Json);
-        assert_eq!(fmt("a.pftrace").expect("perfetto"), FormatArg::Perfetto);
-        assert_eq!(fmt("-").expect("stdout"), FormatArg::Dat);
-        assert_eq!(fmt("/dev/null").expect("device"), FormatArg::Dat);
+        assert_eq!(fmt("a.JSON").expect("json"), Format::Json);
+        assert_eq!(fmt("a.pftrace").expect("perfetto"), Format::Perfetto);
+        assert_eq!(fmt("-").expect("stdout"), Format::Dat);
+        assert_eq!(fmt("/dev/null").expect("device"), Format::Dat);
         for bad in ["x.dat6", "x.unknownext"] {
             let e = crate::exit::chain(&fmt(bad).expect_err(bad));
             assert!(e.contains("(-o)") && e.contains(".dat, .json"), "{e}");
         }
-        let raw = Some(FormatArg::Raw);
+        let raw = Some(Format::Raw);
         assert_eq!(
             format_for(raw, Path::new("x.zzz"), "-o").expect("raw"),
-            FormatArg::Raw
+            Format::Raw
         );
         // An explicit format the extension disagrees with: obeyed, warned.
         let warn = |f, p: &str| extension_disagrees(f, Path::new(p), "-o");
         assert_eq!(
-            warn(FormatArg::Json, "t.dat").as_deref(),
+            warn(Format::Json, "t.dat").as_deref(),
             Some("t.dat (-o) is written as --format json, though `.dat` names --format dat")
         );
-        assert!(warn(FormatArg::Dat, "t.JSON").is_some());
+        assert!(warn(Format::Dat, "t.JSON").is_some());
         for (f, p) in [
-            (FormatArg::Dat6, "t.dat"),
-            (FormatArg::Json, "t.json"),
-            (FormatArg::Text, "t.txt"),
-            (FormatArg::Raw, "t.zzz"),
-            (FormatArg::Perfetto, "-"),
+            (Format::Dat6, "t.dat"),
+            (Format::Json, "t.json"),
+            (Format::Text, "t.txt"),
+            (Format::Raw, "t.zzz"),
+            (Format::Perfetto, "-"),
         ] {
             assert_eq!(warn(f, p), None, "{p}");
         }
         let _ = std::fs::remove_dir_all(&dir);
-    }
-
-    #[test]
-    fn output_modes() {
-        assert_eq!(parse_mode("0600"), Ok(0o600));
-        assert_eq!(parse_mode("644"), Ok(0o644));
-        assert_eq!(parse_mode("0o640"), Ok(0o640));
-        for bad in [
-            "", "6", "64", "4755", "1777", "0x644", "0888", "u+r", "00644",
-        ] {
-            assert!(parse_mode(bad).is_err(), "{bad}");
-        }
-        let dir = std::env::temp_dir();
-        let t = OutputModeArg { output_mode: 0o644 }
-            .check(&dir.join("x.dat"), "-o")
-            .expect("check");
-        assert_eq!(t.mode(), 0o644);
-        let t = check_destination(&dir.join("x.dat"), "-o").expect("check");
-        assert_eq!(t.mode(), OutputTarget::PRIVATE);
     }
 }

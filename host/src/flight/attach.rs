@@ -22,7 +22,7 @@ use crate::control::protocol::{
 };
 use crate::control::server::{CtlConn, CtlError};
 use crate::drain::outbox::BatchItem;
-use crate::drain::sink::FormatArg;
+use crate::drain::sink::Format;
 
 /// How long the client waits for one reply of the VMM.
 pub const REPLY_TIMEOUT: Duration = Duration::from_secs(15);
@@ -136,7 +136,7 @@ pub struct AttachOpts<'a> {
     /// The output's path (for messages).
     pub out_path: &'a Path,
     /// The format.
-    pub format: FormatArg,
+    pub format: Format,
     /// Polled between fetches: stop (SIGINT).
     pub stop: &'a dyn Fn() -> bool,
     /// The host clock the run must be on (with its map), or any.
@@ -514,7 +514,7 @@ pub fn attach(o: &AttachOpts<'_>) -> Result<AttachReport, AttachError> {
     // Text on stdout streams the writer's page as far as it is committed; the page
     // formats take whole pages (the writer's page comes once it is left, or at the end).
     let partial =
-        o.format == FormatArg::Text && o.target.kind() == hyptrace_output::TargetKind::Stdout;
+        o.format == Format::Text && o.target.kind() == hyptrace_output::TargetKind::Stdout;
     let (mut conn, info) = subscribe(o, partial)?;
     let (mut sub, mut sink) = open(o, &info)?;
     let (ended, failed) = match fetch_rounds(&mut conn, info.token, &mut sub, sink.as_mut(), o) {

@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 
 use hyptrace_output::{BufferPart, BufferSet, Clock, OutputError, OutputTarget, TraceMeta};
 
-use crate::drain::sink::FormatArg;
+use crate::drain::sink::Format;
 use crate::exit::chain;
 use crate::flight::attach::{attach, AttachError, AttachOpts, AttachReport};
 
@@ -170,7 +170,7 @@ fn follow_vm(o: &CollectOpts<'_>, socket: &Path, part: &Path) -> Result<AttachRe
         follow: o.follow,
         target: &target,
         out_path: part,
-        format: FormatArg::Dat,
+        format: Format::Dat,
         stop: &stop,
         clock: Some(COLLECT_CLOCK),
         keep_on_error: true,

@@ -13,7 +13,6 @@ use std::fmt::Write as _;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
-use clap::Args;
 use hyptrace_abi::layout::RingGeometry;
 use hyptrace_abi::SharedMem;
 use hyptrace_output::{
@@ -23,46 +22,35 @@ use hyptrace_output::{
 use hyptrace_reader::postmortem::{walk_cpu, CpuDump, Position};
 use hyptrace_reader::trace_file;
 
-use crate::drain::sink::FormatArg;
+use crate::drain::sink::Format;
 use crate::exit::{EXIT_OK, EXIT_RUNTIME, EXIT_USAGE};
 
-/// Options of `hyptrace dump`: exactly one of `--trace-mem` and `--attach` (one group,
-/// so the usage shows both forms).
-#[derive(Clone, Debug, Args)]
-#[command(group(
-    clap::ArgGroup::new("source")
-        .required(true)
-        .multiple(false)
-        .args(["trace_mem", "attach"])
-))]
-pub struct DumpArgs {
-    /// The trace memory file a VMM ran with (`run`/`record --trace-mem PATH`), killed,
-    /// crashed or finished.
-    #[arg(long = "trace-mem", value_name = "PATH")]
-    pub trace_mem: Option<PathBuf>,
-    /// Live attach: read a running VMM's rings through its control socket (the VMM runs
-    /// `--drain none --trace-mem FILE --control SOCKET`; one consumer at a time).
-    #[arg(long = "attach", value_name = "SOCKET")]
-    pub attach: Option<PathBuf>,
-    /// With --attach: keep reading until the VM exits (or SIGINT), instead of draining
-    /// what is there now.
-    #[arg(long, requires = "attach")]
-    pub follow: bool,
-    /// Output file (as `record -o`: written to a temporary name and renamed; `-` is
-    /// stdout).
-    #[arg(
-        short = 'o',
-        long = "output",
-        value_name = "FILE",
-        default_value = "trace.dat"
-    )]
+/// Where `hyptrace dump` reads the rings.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DumpSource {
+    /// A trace memory file (`--trace-mem PATH`).
+    TraceMem(PathBuf),
+    /// A running VMM's control socket (`--attach SOCKET`), once or until it exits
+    /// (`follow`).
+    Attach {
+        /// The socket.
+        socket: PathBuf,
+        /// `--follow`.
+        follow: bool,
+    },
+}
+
+/// What `hyptrace dump` does, typed (converted from the options `dump` parses).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DumpPlan {
+    /// The source (`None`: neither was given, refused).
+    pub source: Option<DumpSource>,
+    /// The output file (`-` is stdout).
     pub output: PathBuf,
-    /// Output format [default: from the extension, as `record`].
-    #[arg(long, value_enum)]
-    pub format: Option<FormatArg>,
-    /// `--output-mode` of the output file.
-    #[command(flatten)]
-    pub files: crate::drain::sink::OutputModeArg,
+    /// The output format (`None`: from the extension).
+    pub format: Option<Format>,
+    /// The permission bits of the output file.
+    pub output_mode: u32,
 }
 
 /// Why a dump failed.
@@ -365,7 +353,7 @@ pub fn dump_trace_mem(
     path: &Path,
     target: &OutputTarget,
     out_path: &Path,
-    format: FormatArg,
+    format: Format,
 ) -> Result<(DumpReport, Vec<String>), DumpError> {
     let img = trace_file::parse(bytes).map_err(|source| DumpError::File {
         path: path.to_path_buf(),
@@ -417,15 +405,16 @@ pub fn dump_trace_mem(
 
 /// `hyptrace dump`: returns the exit code (0: dumped, even partly — warnings on
 /// stderr; 2: the file is unusable; 1: the output failed).
-pub fn dump(a: &DumpArgs) -> Result<i32, DumpCmdError> {
+pub fn dump(a: &DumpPlan) -> Result<i32, DumpCmdError> {
     let format = crate::drain::sink::format_for(a.format, &a.output, "-o")?;
-    let target = a.files.check(&a.output, "-o")?;
+    let target = crate::drain::sink::check_with_mode(&a.output, "-o", a.output_mode)?;
     let started = std::time::Instant::now();
-    let Some(trace_mem) = &a.trace_mem else {
-        return match &a.attach {
-            Some(socket) => dump_attach(socket, a.follow, &target, &a.output, format, started),
-            None => Err(DumpCmdError::NoSource),
-        };
+    let trace_mem = match &a.source {
+        None => return Err(DumpCmdError::NoSource),
+        Some(DumpSource::Attach { socket, follow }) => {
+            return dump_attach(socket, *follow, &target, &a.output, format, started)
+        }
+        Some(DumpSource::TraceMem(p)) => p,
     };
     let (report, warnings) = read_trace_mem(trace_mem).and_then(|read| {
         let (report, mut warnings) =
@@ -511,7 +500,7 @@ fn dump_attach(
     follow: bool,
     target: &OutputTarget,
     out_path: &Path,
-    format: FormatArg,
+    format: Format,
     started: std::time::Instant,
 ) -> Result<i32, DumpCmdError> {
     let interrupts = if follow {
@@ -568,7 +557,7 @@ pub fn write_crash_dump<M: SharedMem + ?Sized>(
     include: &dyn Fn(u32) -> bool,
     clock: &Clock,
     formats: &[EventFormat],
-    target: Option<(&OutputTarget, FormatArg)>,
+    target: Option<(&OutputTarget, Format)>,
 ) -> (DumpReport, Option<OutputError>) {
     let Some((target, format)) = target else {
         return dump_region(mem, l, positions, include, None);

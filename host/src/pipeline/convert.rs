@@ -18,8 +18,8 @@ use hyptrace_output::{
     ReportFilter, RunSummary, TextSink, TraceFile, TraceMeta,
 };
 
-use crate::drain::sink::{behind_filters, format_for, Filters, FormatArg};
-use crate::pipeline::options::{ConvertArgs, ReportArgs};
+use crate::drain::sink::{behind_filters, format_for, Filters, Format};
+use crate::pipeline::options::{self, ConvertArgs, ReportArgs};
 
 /// What a trace file is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -647,8 +647,8 @@ fn check_raw_formats(f: &TraceFile, path: &Path) -> Result<(), ConvertError> {
 
 /// `hyptrace convert`.
 pub fn convert(a: &ConvertArgs) -> Result<(), ConvertError> {
-    let format = format_for(a.format, &a.output, "-o")?;
-    let compression = crate::drain::sink::compression_for(format, a.compression)?;
+    let format = format_for(options::format(a.format), &a.output, "-o")?;
+    let compression = crate::drain::sink::compression_for(format, a.compression.map(Into::into))?;
     let input = open_input(&a.input)?;
     let target = a.files.check(&a.output, "-o")?;
     let mut damage = 0usize;
@@ -664,7 +664,7 @@ pub fn convert(a: &ConvertArgs) -> Result<(), ConvertError> {
         }
         Input::TraceDat(f, n) => {
             damage = n;
-            if format == FormatArg::Raw {
+            if format == Format::Raw {
                 check_raw_formats(&f, &a.input)?;
             }
             let meta = meta_of(&f);
@@ -680,7 +680,7 @@ pub fn convert(a: &ConvertArgs) -> Result<(), ConvertError> {
             let r = match format {
                 // A trace.dat keeps each CPU's data in one piece: fed CPU by CPU, it is
                 // written once, straight to its place.
-                FormatArg::Dat | FormatArg::Dat6 => pump_by_cpu(&f, sink, &mut on_damage, filtered),
+                Format::Dat | Format::Dat6 => pump_by_cpu(&f, sink, &mut on_damage, filtered),
                 _ => pump_pages(&f, sink, &mut on_damage, filtered),
             };
             (r, counts)

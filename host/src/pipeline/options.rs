@@ -2,14 +2,22 @@
 //! types; the CLI composes them into its commands): what a run, a record, a report, a
 //! conversion, a listing and a control command take. One definition of each option; the
 //! pipeline checks them once ([`crate::pipeline::plan::Plan::new`]).
+//!
+//! This file, `bench/options.rs` and `cli/` are the only places
+//! clap appears (tests/layers.rs checks it): the value enums here convert into the
+//! lower layers' own types ([`Format`], [`Compression`], [`ClockKind`]) with `From`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
-use clap::{Args, ValueEnum};
+use clap::{ArgGroup, Args, ValueEnum};
 use hyptrace_abi::guest::Workload;
 
-use crate::drain::sink::{CompressionArg, FormatArg, OutputModeArg};
+use hyptrace_output::{Compression, OutputTarget};
+
+use crate::drain::sink::{check_with_mode, DestinationError, Format};
+use crate::flight::dump::{DumpPlan, DumpSource};
 use crate::vmm::memory_map::MAX_VCPUS;
+use crate::vmm::time::ClockKind;
 
 /// Longest `--duration`, in seconds (about 31 years).
 pub const MAX_DURATION_S: f64 = 1e9;
@@ -268,6 +276,126 @@ pub fn parse_cpu_list(s: &str) -> Result<Vec<u32>, CpuListError> {
     Ok(out)
 }
 
+/// Output formats of `record`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum FormatArg {
+    /// trace.dat version 7 (trace-cmd's current format), zstd-compressed like
+    /// `trace-cmd record` (see --compression).
+    Dat,
+    /// trace.dat version 6.
+    Dat6,
+    /// Chrome trace-event JSON (Perfetto UI, chrome://tracing).
+    Json,
+    /// Native Perfetto trace (protobuf TracePackets; open in ui.perfetto.dev).
+    Perfetto,
+    /// Text, one event per line as `trace-cmd report -t` prints it.
+    Text,
+    /// Raw ring pages (see docs/output.md).
+    Raw,
+}
+
+impl From<FormatArg> for Format {
+    fn from(f: FormatArg) -> Self {
+        match f {
+            FormatArg::Dat => Self::Dat,
+            FormatArg::Dat6 => Self::Dat6,
+            FormatArg::Json => Self::Json,
+            FormatArg::Perfetto => Self::Perfetto,
+            FormatArg::Text => Self::Text,
+            FormatArg::Raw => Self::Raw,
+        }
+    }
+}
+
+/// `--format`, converted (`None`: from the output's extension).
+pub fn format(f: Option<FormatArg>) -> Option<Format> {
+    f.map(Format::from)
+}
+
+/// Compressions of a v7 trace.dat (`record --compression`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum CompressionArg {
+    /// zstd, as `trace-cmd record` writes by default.
+    Zstd,
+    /// Uncompressed: pages copied verbatim.
+    None,
+}
+
+impl From<CompressionArg> for Compression {
+    fn from(c: CompressionArg) -> Self {
+        match c {
+            CompressionArg::Zstd => Self::Zstd,
+            CompressionArg::None => Self::None,
+        }
+    }
+}
+
+/// The clock every output uses.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum ClockArg {
+    /// Host `CLOCK_MONOTONIC` (what `clock_gettime`, `perf` and trace-cmd's `mono` use).
+    #[default]
+    Mono,
+    /// Host `CLOCK_BOOTTIME` (monotonic + time suspended).
+    Boot,
+    /// Raw guest TSC cycles, unconverted (like trace-cmd's `x86-tsc` clock without
+    /// TSC2NSEC).
+    Tsc,
+}
+
+impl From<ClockArg> for ClockKind {
+    fn from(c: ClockArg) -> Self {
+        match c {
+            ClockArg::Mono => Self::Mono,
+            ClockArg::Boot => Self::Boot,
+            ClockArg::Tsc => Self::Tsc,
+        }
+    }
+}
+
+/// `--output-mode MODE` of the commands that write files from trace data (`run`,
+/// `record`, `dump`, `convert`): the permission bits those files are created with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Args)]
+pub struct OutputModeArg {
+    /// Permission bits (octal, 000-777) of the files written from trace data — the
+    /// output, --stats, a crash dump — less the umask. Owner-only by default (the trace
+    /// may be private); e.g. 0644 lets others read them. A device, a FIFO or stdout
+    /// keeps its own mode.
+    #[arg(
+        long = "output-mode",
+        value_name = "MODE",
+        default_value = "0600",
+        value_parser = parse_mode
+    )]
+    pub output_mode: u32,
+}
+
+impl Default for OutputModeArg {
+    fn default() -> Self {
+        Self {
+            output_mode: OutputTarget::PRIVATE,
+        }
+    }
+}
+
+impl OutputModeArg {
+    /// [`check_destination`](crate::drain::sink::check_destination), the file to be created with this mode.
+    pub fn check(&self, path: &Path, flag: &str) -> Result<OutputTarget, DestinationError> {
+        check_with_mode(path, flag, self.output_mode)
+    }
+}
+
+/// Parses `--output-mode`: 3 or 4 octal digits (`644`, `0644`), permission bits only
+/// (no set-id or sticky bit).
+pub fn parse_mode(s: &str) -> Result<u32, String> {
+    let digits = s.strip_prefix("0o").unwrap_or(s);
+    let ok = (3..=4).contains(&digits.len()) && digits.bytes().all(|b| (b'0'..=b'7').contains(&b));
+    match u32::from_str_radix(digits, 8) {
+        Ok(m) if ok && m <= 0o777 => Ok(m),
+        _ => Err("expected octal permission bits 000-777, e.g. 0600 or 0644".into()),
+    }
+}
+
 /// Options of `hyptrace convert`.
 #[derive(Clone, Debug, Args)]
 pub struct ConvertArgs {
@@ -292,6 +420,65 @@ pub struct ConvertArgs {
     /// `--output-mode` of the output file.
     #[command(flatten)]
     pub files: OutputModeArg,
+}
+
+/// Options of `hyptrace dump`: exactly one of `--trace-mem` and `--attach` (one group,
+/// so the usage shows both forms).
+#[derive(Clone, Debug, Args)]
+#[command(group(
+    ArgGroup::new("source")
+        .required(true)
+        .multiple(false)
+        .args(["trace_mem", "attach"])
+))]
+pub struct DumpArgs {
+    /// The trace memory file a VMM ran with (`run`/`record --trace-mem PATH`), killed,
+    /// crashed or finished.
+    #[arg(long = "trace-mem", value_name = "PATH")]
+    pub trace_mem: Option<PathBuf>,
+    /// Live attach: read a running VMM's rings through its control socket (the VMM runs
+    /// `--drain none --trace-mem FILE --control SOCKET`; one consumer at a time).
+    #[arg(long = "attach", value_name = "SOCKET")]
+    pub attach: Option<PathBuf>,
+    /// With --attach: keep reading until the VM exits (or SIGINT), instead of draining
+    /// what is there now.
+    #[arg(long, requires = "attach")]
+    pub follow: bool,
+    /// Output file (as `record -o`: written to a temporary name and renamed; `-` is
+    /// stdout).
+    #[arg(
+        short = 'o',
+        long = "output",
+        value_name = "FILE",
+        default_value = "trace.dat"
+    )]
+    pub output: PathBuf,
+    /// Output format [default: from the extension, as `record`].
+    #[arg(long, value_enum)]
+    pub format: Option<FormatArg>,
+    /// `--output-mode` of the output file.
+    #[command(flatten)]
+    pub files: OutputModeArg,
+}
+
+impl DumpArgs {
+    /// The typed plan of these options.
+    pub fn plan(&self) -> DumpPlan {
+        let source = match (&self.trace_mem, &self.attach) {
+            (Some(p), _) => Some(DumpSource::TraceMem(p.clone())),
+            (None, Some(socket)) => Some(DumpSource::Attach {
+                socket: socket.clone(),
+                follow: self.follow,
+            }),
+            (None, None) => None,
+        };
+        DumpPlan {
+            source,
+            output: self.output.clone(),
+            format: format(self.format),
+            output_mode: self.files.output_mode,
+        }
+    }
 }
 
 /// Options of `hyptrace list`.
@@ -341,6 +528,15 @@ pub enum ModeArg {
     Overwrite,
     /// Drop new events while the ring is full.
     Stop,
+}
+
+impl From<ModeArg> for hyptrace_abi::layout::Mode {
+    fn from(m: ModeArg) -> Self {
+        match m {
+            ModeArg::Overwrite => Self::Overwrite,
+            ModeArg::Stop => Self::Stop,
+        }
+    }
 }
 
 /// Who swaps the reader page.
@@ -452,8 +648,8 @@ pub struct RunArgs {
     pub guest: Option<PathBuf>,
     /// Clock of every timestamp (text, JSON, raw, trace.dat, --stats): host
     /// CLOCK_MONOTONIC, CLOCK_BOOTTIME, or the raw guest TSC counter.
-    #[arg(long, value_enum, default_value_t = crate::vmm::time::ClockKind::Mono)]
-    pub clock: crate::vmm::time::ClockKind,
+    #[arg(long, value_enum, default_value_t = ClockArg::Mono)]
+    pub clock: ClockArg,
     /// Record the VMM's own events (vCPU exits, swaps, pokes, mailbox timeouts) on the
     /// same clock, as one more CPU (number = --vcpus, comm `vmm`, system `vmm`).
     #[arg(long)]
@@ -531,4 +727,111 @@ pub struct FlightArgs {
     /// reads it after a SIGKILL or a crash.
     #[arg(long = "trace-mem", value_name = "FILE")]
     pub trace_mem: Option<PathBuf>,
+}
+
+impl Default for FlightArgs {
+    /// The defaults the command line gives (`--drain live`, nothing else).
+    fn default() -> Self {
+        Self {
+            drain: DrainArg::Live,
+            hang_timeout: None,
+            crash_dump: None,
+            trace_mem: None,
+        }
+    }
+}
+
+impl Default for RunArgs {
+    /// The options of a bare `hyptrace run` (the tests check they are what clap gives):
+    /// what the bench harness and `list` start from, as typed values.
+    fn default() -> Self {
+        Self {
+            vcpus: 2,
+            events: 100_000,
+            rate: 200_000,
+            workload: WorkloadArg::Steady,
+            buffer_kb: 1024,
+            page_size: 4096,
+            mem_mb: None,
+            mode: ModeArg::Overwrite,
+            swap: SwapArg::Host,
+            poll_ms: DEFAULT_POLL_MS,
+            mailbox_timeout_ms: 5000,
+            duration: None,
+            stats: None,
+            guest: None,
+            clock: ClockArg::Mono,
+            host_events: false,
+            host_trace: Vec::new(),
+            host_trace_all: false,
+            event: Vec::new(),
+            disable: Vec::new(),
+            control: None,
+            flight: FlightArgs::default(),
+            files: OutputModeArg::default(),
+        }
+    }
+}
+
+/// `hyptrace run EXTRA..` parsed as the command line parses it (the tests of the plan).
+#[cfg(test)]
+pub(crate) fn parse_run(extra: &[&str]) -> Result<RunArgs, clap::Error> {
+    use clap::Parser;
+    #[derive(Parser)]
+    struct Line {
+        #[command(flatten)]
+        run: RunArgs,
+    }
+    Line::try_parse_from(std::iter::once("run").chain(extra.iter().copied())).map(|l| l.run)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::drain::sink::check_destination;
+
+    /// `RunArgs::default()` is what a bare `hyptrace run` parses into.
+    #[test]
+    fn run_defaults_are_the_command_lines() {
+        let parsed = parse_run(&[]).expect("parses");
+        assert_eq!(format!("{parsed:?}"), format!("{:?}", RunArgs::default()));
+    }
+
+    /// Every `--format`/`--compression`/`--clock` value converts to the lower layers'
+    /// own value of the same name.
+    #[test]
+    fn value_enums_convert_by_name() {
+        for f in FormatArg::value_variants() {
+            let name = f.to_possible_value().map(|v| v.get_name().to_string());
+            assert_eq!(name.as_deref(), Some(Format::from(*f).name()));
+        }
+        for c in CompressionArg::value_variants() {
+            let name = c.to_possible_value().map(|v| v.get_name().to_string());
+            let lower = crate::drain::sink::compression_name(Compression::from(*c));
+            assert_eq!(name.as_deref(), Some(lower));
+        }
+        for c in ClockArg::value_variants() {
+            let name = c.to_possible_value().map(|v| v.get_name().to_string());
+            assert_eq!(name.as_deref(), Some(ClockKind::from(*c).name()));
+        }
+    }
+
+    #[test]
+    fn output_modes() {
+        assert_eq!(parse_mode("0600"), Ok(0o600));
+        assert_eq!(parse_mode("644"), Ok(0o644));
+        assert_eq!(parse_mode("0o640"), Ok(0o640));
+        for bad in [
+            "", "6", "64", "4755", "1777", "0x644", "0888", "u+r", "00644",
+        ] {
+            assert!(parse_mode(bad).is_err(), "{bad}");
+        }
+        let dir = std::env::temp_dir();
+        let t = OutputModeArg { output_mode: 0o644 }
+            .check(&dir.join("x.dat"), "-o")
+            .expect("check");
+        assert_eq!(t.mode(), 0o644);
+        let t = check_destination(&dir.join("x.dat"), "-o").expect("check");
+        assert_eq!(t.mode(), OutputTarget::PRIVATE);
+    }
 }

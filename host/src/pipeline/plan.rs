@@ -11,7 +11,7 @@ use hyptrace_abi::guest::RUN_FLAG_SERVE_MAILBOX;
 use hyptrace_abi::layout as ring;
 
 use crate::pipeline::options::MAX_DURATION_S;
-use crate::pipeline::options::{ModeArg, RunArgs, SwapArg};
+use crate::pipeline::options::{RunArgs, SwapArg};
 use crate::vmm::elf::{ElfError, GuestImage};
 use crate::vmm::memory_map::{
     GuestMemoryMap, HUGE_PAGE, LOW_END, MAX_MEM_BYTES, MAX_VCPUS, MIN_MEM_BYTES,
@@ -140,23 +140,13 @@ pub fn ring_layout(
     vcpus: u32,
     pages_per_cpu: u64,
     page_size: u64,
-    mode: ModeArg,
-    swap: SwapArg,
+    mode: ring::Mode,
+    guest_swap: bool,
 ) -> Result<ring::RingGeometry, PlanError> {
     let pages = u32::try_from(pages_per_cpu).map_err(|_| PlanError::TooManyPages(pages_per_cpu))?;
-    let mode = match mode {
-        ModeArg::Overwrite => ring::Mode::Overwrite,
-        ModeArg::Stop => ring::Mode::Stop,
-    };
-    ring::RingGeometry::new(
-        vcpus,
-        pages,
-        page_size as usize,
-        mode,
-        swap == SwapArg::Guest,
-    )
-    .and_then(|l| l.with_events(hyptrace_abi::registry::DEFAULT_TABLE_SIZE))
-    .map_err(PlanError::Geometry)
+    ring::RingGeometry::new(vcpus, pages, page_size as usize, mode, guest_swap)
+        .and_then(|l| l.with_events(hyptrace_abi::registry::DEFAULT_TABLE_SIZE))
+        .map_err(PlanError::Geometry)
 }
 
 /// The largest `n` in `lo..=hi` with `ok(n)`, for `ok` true up to some point and false
@@ -197,7 +187,7 @@ pub struct Plan {
     /// `--mailbox-timeout-ms`.
     pub mailbox_timeout: Duration,
     /// `--mode` (for the loss hint and `--stats`).
-    pub mode: ModeArg,
+    pub mode: ring::Mode,
     /// What `--stats` echoes of the options.
     pub echo: OptionsEcho,
     /// `--clock`.
@@ -341,7 +331,14 @@ fn guest_memory(a: &RunArgs, image: &GuestImage, pages: u64, trace: u64) -> Resu
     let need_mb = need.div_ceil(1 << 20);
     if need > MAX_MEM_BYTES {
         let fits = |pages: u64| {
-            ring_layout(a.vcpus, pages, a.page_size, a.mode, a.swap).is_ok_and(|l| {
+            ring_layout(
+                a.vcpus,
+                pages,
+                a.page_size,
+                a.mode.into(),
+                a.swap == SwapArg::Guest,
+            )
+            .is_ok_and(|l| {
                 GuestMemoryMap::required_mem(image, a.vcpus, l.region_size as u64, align)
                     .max(MIN_MEM_BYTES)
                     <= MAX_MEM_BYTES
@@ -381,7 +378,13 @@ impl Plan {
     /// Checks the options of a run, once.
     pub fn new(a: &RunArgs) -> Result<Self, PlanError> {
         let pages = ring_pages(a)?;
-        let ring = ring_layout(a.vcpus, pages, a.page_size, a.mode, a.swap)?;
+        let ring = ring_layout(
+            a.vcpus,
+            pages,
+            a.page_size,
+            a.mode.into(),
+            a.swap == SwapArg::Guest,
+        )?;
         let trace = ring.region_size as u64;
         if a.poll_ms == 0 {
             return Err(PlanError::PollMs);
@@ -420,17 +423,17 @@ impl Plan {
                 flags,
                 burst: 0,
                 payload: 0,
-                clock: a.clock,
+                clock: a.clock.into(),
             },
             duration,
             poll: Duration::from_millis(a.poll_ms),
             mailbox_timeout: Duration::from_millis(a.mailbox_timeout_ms),
-            mode: a.mode,
+            mode: a.mode.into(),
             events: crate::vmm::registration::Selection {
                 enable: a.event.clone(),
                 disable: a.disable.clone(),
             },
-            clock: a.clock,
+            clock: a.clock.into(),
             host_events: a.host_events,
             host_trace: crate::drain::host_trace::HostTraceSpec::parse(
                 &a.host_trace,
@@ -452,17 +455,10 @@ impl Plan {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cli::{Cli, Command};
-    use crate::pipeline::options::parse_duration;
-    use clap::Parser;
+    use crate::pipeline::options::{parse_duration, parse_run};
 
     fn args(extra: &[&str]) -> RunArgs {
-        let mut v = vec!["hyptrace", "run"];
-        v.extend_from_slice(extra);
-        match Cli::try_parse_from(v).expect("parses").command {
-            Command::Run(a) => a,
-            c => panic!("not run: {c:?}"),
-        }
+        parse_run(extra).expect("parses")
     }
 
     fn plan(a: &RunArgs) -> Result<Plan, PlanError> {
@@ -478,9 +474,7 @@ mod tests {
     }
 
     fn parse_err(extra: &[&str]) -> String {
-        let mut v = vec!["hyptrace", "run"];
-        v.extend_from_slice(extra);
-        match Cli::try_parse_from(v) {
+        match parse_run(extra) {
             Ok(c) => panic!("{extra:?} parsed: {c:?}"),
             Err(e) => e.render().to_string(),
         }

@@ -8,11 +8,11 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::drain::session::SessionError;
-use crate::drain::sink::FormatArg;
+use crate::drain::sink::Format;
 use crate::exit::{EXIT_CRASH, EXIT_OK, EXIT_RUNTIME};
-use crate::pipeline::options::ModeArg;
 use crate::pipeline::plan::OptionsEcho;
 use crate::vmm::vcpu::VcpuOutcome;
+use hyptrace_abi::layout::Mode;
 
 mod stats;
 mod summary;
@@ -239,7 +239,7 @@ pub enum Destination {
         /// The path given.
         path: PathBuf,
         /// Its format.
-        format: FormatArg,
+        format: Format,
         /// `-F`: what the filters kept and dropped.
         filter: Option<FilterReport>,
     },
@@ -358,7 +358,7 @@ pub struct RunReport {
     /// `--host-trace`: what the host kernel's instance gave and lost.
     pub host_trace: Option<crate::drain::session::HostTraceStats>,
     /// `--mode` (the loss hint depends on it).
-    pub mode: ModeArg,
+    pub mode: Mode,
     /// The guest's memory after the run (result slots, for `bench`).
     pub guest: Option<GuestView>,
     /// `-v` (or `RUST_LOG` at info): each paced vCPU's lateness on its line.

@@ -9,15 +9,12 @@
 //! unfinished (its temporary files are removed).
 //!
 //! ```no_run
-//! use clap::Parser;
-//! use hyptrace_host::cli::{Cli, Command};
+//! use hyptrace_host::pipeline::options::RunArgs;
 //! use hyptrace_host::pipeline::plan::Plan;
 //! use hyptrace_host::pipeline::run::{Run, Target};
 //!
-//! let Command::Run(args) = Cli::parse_from(["hyptrace", "run", "--events", "10"]).command
-//! else {
-//!     unreachable!()
-//! };
+//! // `hyptrace run --events 10`, typed.
+//! let args = RunArgs { events: 10, ..RunArgs::default() };
 //! let report = Run::new(Plan::new(&args)?, Target::Stdout).execute()?;
 //! eprint!("{report}"); // the summary, as `hyptrace run` prints it
 //! let json = report.stats_json(report.exit_code()); // what `--stats` writes
@@ -33,7 +30,7 @@ use hyptrace_reader::{Callbacks, ReadError};
 use crate::control::server::ControlServer;
 use crate::drain::host_trace::{self, HostTrace};
 use crate::drain::signals::Interrupts;
-use crate::drain::sink::FormatArg;
+use crate::drain::sink::Format;
 use crate::pipeline::plan::Plan;
 use crate::pipeline::report::{Failures, RunReport, Timing};
 use crate::vmm::registration::{EventsError, VmEventTable};
@@ -70,7 +67,7 @@ pub enum Target {
         /// The path as given (for messages).
         path: PathBuf,
         /// The format.
-        format: FormatArg,
+        format: Format,
         /// The compression of a v7 trace.dat (other formats: ignored).
         compression: Compression,
         /// `-F`: only the events these filters pass are written.

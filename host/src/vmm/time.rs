@@ -1,7 +1,7 @@
 //! The host clocks a run can put its events on ([`ClockKind`]) and reading them.
 
 /// The clock every output uses.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum ClockKind {
     /// Host `CLOCK_MONOTONIC` (what `clock_gettime`, `perf` and trace-cmd's `mono` use).
     #[default]

@@ -3,9 +3,9 @@
 
 use std::fmt;
 
-use crate::drain::sink::{shown_path, FormatArg};
-use crate::pipeline::options::ModeArg;
+use crate::drain::sink::{shown_path, Format};
 use crate::vmm::vcpu::VcpuOutcome;
+use hyptrace_abi::layout::Mode;
 
 use super::{ms, Destination, RunReport, Stop};
 
@@ -227,24 +227,24 @@ pub(super) fn sat_sum(v: impl IntoIterator<Item = u64>) -> u64 {
 }
 
 /// What a file of `format` is called in messages.
-pub(super) fn format_name(format: FormatArg) -> &'static str {
+pub(super) fn format_name(format: Format) -> &'static str {
     match format {
-        FormatArg::Dat => "trace.dat (v7)",
-        FormatArg::Dat6 => "trace.dat (v6)",
-        FormatArg::Json => "JSON",
-        FormatArg::Perfetto => "Perfetto trace",
-        FormatArg::Text => "text",
-        FormatArg::Raw => "raw pages",
+        Format::Dat => "trace.dat (v7)",
+        Format::Dat6 => "trace.dat (v6)",
+        Format::Json => "JSON",
+        Format::Perfetto => "Perfetto trace",
+        Format::Text => "text",
+        Format::Raw => "raw pages",
     }
 }
 
 /// What to do about lost events, for the mode that lost them.
-pub(super) fn loss_hint(mode: ModeArg) -> &'static str {
+pub(super) fn loss_hint(mode: Mode) -> &'static str {
     match mode {
-        ModeArg::Stop => {
+        Mode::Stop => {
             "events were lost (dropped while a ring was full): raise --buffer-kb or lower --rate, or use --mode overwrite to keep the newest events"
         }
-        ModeArg::Overwrite => {
+        Mode::Overwrite => {
             "events were lost (overwritten before they were read): raise --buffer-kb or lower --rate"
         }
     }

@@ -20,7 +20,7 @@ fn report(cpus: Vec<CpuReport>, outcomes: Vec<VcpuOutcome>) -> RunReport {
             events: 10,
             rate: 0,
         },
-        mode: ModeArg::Overwrite,
+        mode: Mode::Overwrite,
         guest: None,
         clock: None,
         host_events: None,
@@ -327,7 +327,7 @@ fn lossy(reader: ReaderTimes) -> RunReport {
         page_events: 510,
     };
     let mut r = report(vec![cpu], vec![VcpuOutcome::Finished(Default::default())]);
-    r.mode = ModeArg::Stop;
+    r.mode = Mode::Stop;
     r.timing.reader = ReaderTimes {
         buffer_kb: 1024,
         ring_bytes: 1_000_000,
@@ -431,7 +431,7 @@ fn host_trace_cpus_and_filter_counts_read_as_meant() {
     });
     r.destination = Destination::File {
         path: "t.dat".into(),
-        format: crate::drain::sink::FormatArg::Dat,
+        format: crate::drain::sink::Format::Dat,
         filter: Some(FilterReport {
             kept: 7,
             dropped: 5,

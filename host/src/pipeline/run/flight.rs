@@ -10,7 +10,7 @@ use hyptrace_output::{Clock, EventFormat, OutputTarget};
 
 use crate::control::consumer::{RunMeta, Subscribers};
 use crate::drain::session::Session;
-use crate::drain::sink::FormatArg;
+use crate::drain::sink::Format;
 use crate::flight::trace_mem::TraceMemFile;
 use crate::pipeline::plan::Plan;
 
@@ -21,7 +21,7 @@ pub(super) struct Flight {
     /// `--hang-timeout`.
     pub(super) hang: Option<HangWatch>,
     /// `--crash-dump`: where, in which format, the path for messages.
-    pub(super) dump_target: Option<(OutputTarget, FormatArg, PathBuf)>,
+    pub(super) dump_target: Option<(OutputTarget, Format, PathBuf)>,
     /// The crash dump was taken (or there was none to take).
     pub(super) dumped: bool,
     /// The guest clock and the event formats (the guest's registrations).
@@ -54,7 +54,7 @@ impl Flight {
                 let path = plan.flight.crash_dump.clone().unwrap_or_default();
                 // Checked before the run (an unknown extension is refused then).
                 let format = crate::drain::sink::format_for(None, &path, "--crash-dump")
-                    .unwrap_or(crate::drain::sink::FormatArg::Dat);
+                    .unwrap_or(crate::drain::sink::Format::Dat);
                 (t, format, path)
             }),
             dumped: false,

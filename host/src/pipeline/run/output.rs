@@ -11,7 +11,7 @@ use hyptrace_output::{Clock, EventFormat, OutputError, QuietStdout, ThreadedSink
 use crate::drain::host_trace::HostTraceFeed;
 use crate::drain::session::Output;
 use crate::drain::signals::Interrupts;
-use crate::drain::sink::{behind_filters, make_sink, Filters, FormatArg};
+use crate::drain::sink::{behind_filters, make_sink, Filters, Format};
 use crate::pipeline::plan::Plan;
 use hyptrace_output::tracedat::FilterCounts;
 
@@ -22,7 +22,7 @@ pub(super) enum Shown {
     Stdout,
     File {
         path: PathBuf,
-        format: FormatArg,
+        format: Format,
         /// `-F`: what the filters kept and dropped.
         filter: Option<Arc<FilterCounts>>,
     },
