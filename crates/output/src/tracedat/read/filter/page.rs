@@ -691,10 +691,10 @@ mod tests {
         // Re-encoded, a payload keeps its bytes and gains the padding to 4.
         let got = events(&out);
         assert_eq!(got.len(), 32);
-        let same = |(g, w): (&(u64, Vec<u8>), &(u64, Vec<u8>))| {
-            g.0 == w.0 && g.1.len() == 116 && g.1[..113] == w.1[..]
-        };
-        assert!(got.iter().zip(&want).all(same));
+        assert!(got
+            .iter()
+            .zip(&want)
+            .all(|(g, w)| g.0 == w.0 && g.1.len() == 116 && g.1[..113] == w.1[..]));
         assert_eq!(page_missed(&out), Missed::Count(9));
     }
 
