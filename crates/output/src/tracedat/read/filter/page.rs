@@ -817,4 +817,55 @@ mod tests {
         );
         assert_eq!((counts.kept(), counts.dropped(), counts.cut()), (1, 3, 0));
     }
+
+    /// A writer into a shared buffer.
+    struct Shared(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Shared {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// A CPU whose events the filter all drops does not hold the other CPU's events
+    /// back in the text sink's merger: past its window (2^18 events) that would print
+    /// a "merge window exceeded" line.
+    #[test]
+    fn a_cpu_the_filter_empties_does_not_hold_the_text_merge() {
+        use crate::StreamSink as _;
+        let meta = crate::TraceMeta {
+            page_size: PAGE,
+            nr_cpus: 2,
+            cmdlines: BTreeMap::new(),
+            clock: crate::Clock::raw_tsc(),
+            formats: formats(),
+        };
+        let buf = Arc::new(Mutex::new(Vec::new()));
+        let text = crate::TextSink::to_writer(Box::new(Shared(Arc::clone(&buf))), meta).unwrap();
+        let (mut sink, counts) = FilteredSink::new(
+            Box::new(text),
+            filters("ev"),
+            PageSource::Ring,
+            BTreeMap::new(),
+        );
+        let per_page = 250u64;
+        let pages = (1 << 18) / per_page + 100;
+        for n in 0..pages {
+            let ts = n * per_page * 10;
+            let other: Vec<_> = (0..per_page).map(|_| (10, 8, 0)).collect();
+            let ev: Vec<_> = (0..per_page).map(|_| (10, 7, 1)).collect();
+            sink.page(0, &page(ts, &other, None), None).unwrap();
+            sink.page(1, &page(ts + 5, &ev, None), None).unwrap();
+        }
+        Box::new(sink).finish(&RunSummary::default()).unwrap();
+        assert_eq!(counts.kept(), pages * per_page);
+        let out = String::from_utf8(std::mem::take(&mut *buf.lock().unwrap())).unwrap();
+        // The `cpus=2` header, then every kept event.
+        assert_eq!(out.lines().count() as u64, 1 + pages * per_page);
+        assert!(!out.contains("merge window exceeded"));
+    }
 }
