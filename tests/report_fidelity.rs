@@ -403,3 +403,85 @@ fn convert_filters_write_what_trace_cmd_report_f_prints() {
         );
     }
 }
+
+/// `-F` (issue: losses lost in trace-cmd): a page whose loss trace-cmd must show keeps
+/// it when the filter empties it (carried to the CPU's next page written) and when the
+/// first kept event is more than 2^27 ticks after the page's time stamp (written at
+/// offset 0, where kbuffer reports losses): `trace-cmd report` of the filtered file
+/// prints both pages' losses, 3 + 5.
+#[test]
+fn filtered_losses_show_in_trace_cmd() {
+    use hyptrace_abi::page::{encode_data_header, encode_time_extend, PAGE_HEADER_SIZE};
+    use hyptrace_output::tracedat::{FilterSet, FilteredSink, PageSource};
+    use hyptrace_output::{
+        common_fields, Clock, EventFormat, Field, PageSink, RunSummary, TraceDatSink,
+        TraceDatVersion, TraceMeta,
+    };
+    if !env::trace_cmd_available() {
+        return;
+    }
+    let ev = |name: &str, id| EventFormat {
+        system: "t".into(),
+        name: name.into(),
+        id,
+        common_fields: common_fields(),
+        fields: vec![Field {
+            type_name: "int".into(),
+            name: "val".into(),
+            offset: 8,
+            size: 4,
+            signed: true,
+        }],
+        print_fmt: "\"val=%d\", REC->val".into(),
+    };
+    let formats = vec![ev("ev", 7), ev("other", 8)];
+    let meta = TraceMeta {
+        page_size: 4096,
+        nr_cpus: 1,
+        cmdlines: Default::default(),
+        clock: Clock::raw_tsc(),
+        formats: formats.clone(),
+    };
+    // A page at `ts` of (delta, id): an event 12 bytes, a TIME_EXTEND before a delta
+    // above 27 bits.
+    let page = |ts: u64, evs: &[(u64, u16)]| {
+        let mut p = vec![0u8; 4096];
+        p[..8].copy_from_slice(&ts.to_le_bytes());
+        let mut at = PAGE_HEADER_SIZE;
+        for &(delta, id) in evs {
+            let mut d = delta as u32;
+            if delta >= 1 << 27 {
+                p[at..at + 8].copy_from_slice(&encode_time_extend(delta));
+                at += 8;
+                d = 0;
+            }
+            let mut hdr = [0u8; 8];
+            let n = encode_data_header(&mut hdr, 12, d);
+            p[at..at + n].copy_from_slice(&hdr[..n]);
+            p[at + n..at + n + 2].copy_from_slice(&id.to_le_bytes());
+            p[at + n + 8..at + n + 12].copy_from_slice(&1i32.to_le_bytes());
+            at += n + 12;
+        }
+        p[8..16].copy_from_slice(&((at - PAGE_HEADER_SIZE) as u64).to_le_bytes());
+        p
+    };
+    let out = std::env::temp_dir().join(format!("hyptrace-F-lost-{}.dat", std::process::id()));
+    let inner = TraceDatSink::create(&out, meta, TraceDatVersion::V6).unwrap();
+    let set = FilterSet::compile(&["ev".to_string()], &formats)
+        .unwrap()
+        .unwrap();
+    let (mut sink, _) = FilteredSink::new(
+        Box::new(inner),
+        set,
+        PageSource::TraceDat,
+        Default::default(),
+    );
+    sink.page(0, &page(1000, &[(5, 8)]), Some(3)).unwrap();
+    sink.page(0, &page(2000, &[(1 << 30, 8), (5, 7)]), Some(5))
+        .unwrap();
+    Box::new(sink).finish(&RunSummary::default()).unwrap();
+    let text = trace_cmd_report(&out, &[]);
+    let _ = std::fs::remove_file(&out);
+    assert!(text.contains("[8 EVENTS DROPPED]"), "{text}");
+    assert_eq!(text.matches("val=1").count(), 1, "{text}");
+}

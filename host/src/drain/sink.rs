@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use std::sync::Arc;
 
-use hyptrace_output::tracedat::{FilterCounts, FilterError, FilterSet, FilteredSink};
+use hyptrace_output::tracedat::{FilterCounts, FilterError, FilterSet, FilteredSink, PageSource};
 use hyptrace_output::{
     Compression, JsonSink, OutputError, OutputTarget, PageSink, PerfettoSink, RawSink, StreamSink,
     TextSink, TraceDatSink, TraceDatVersion, TraceMeta,
@@ -251,15 +251,17 @@ impl Filters {
 }
 
 /// `sink` behind `filters` ([`FilteredSink`]: every format gets only the kept events),
-/// with the handle of its counts; `sink` itself without filters.
+/// with the handle of its counts; `sink` itself without filters. `src`: where the
+/// pages come from (which bits of `commit` are the length).
 pub fn behind_filters(
     sink: Box<dyn PageSink + Send>,
     filters: Option<Filters>,
+    src: PageSource,
 ) -> (Box<dyn PageSink + Send>, Option<Arc<FilterCounts>>) {
     match filters {
         None => (sink, None),
         Some(f) => {
-            let (s, counts) = FilteredSink::new(sink, f.set, f.cmdlines);
+            let (s, counts) = FilteredSink::new(sink, f.set, src, f.cmdlines);
             (Box::new(s), Some(counts))
         }
     }

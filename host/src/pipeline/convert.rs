@@ -20,6 +20,7 @@ use hyptrace_output::{
 
 use crate::drain::sink::{behind_filters, format_for, Filters, Format};
 use crate::pipeline::options::{self, ConvertArgs, ReportArgs};
+use hyptrace_output::tracedat::PageSource;
 
 /// What a trace file is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -417,7 +418,7 @@ fn report_raw(
     let filters = compile_filters(&f.events, &meta)?;
     let sink = TextSink::to_writer(Box::new(std::io::stdout()), meta)
         .map_err(|e| input_error(path, &e))?;
-    let (sink, counts) = behind_filters(Box::new(sink), filters);
+    let (sink, counts) = behind_filters(Box::new(sink), filters, PageSource::Ring);
     match reader.replay(sink, want) {
         Ok(()) => {
             if let Some(c) = counts {
@@ -453,6 +454,12 @@ fn note_filtered(c: &FilterCounts) {
         c.kept(),
         c.dropped()
     );
+    if c.cut() > 0 {
+        note!(
+            "hyptrace: -F: {} page(s) stopped early (damaged, or a kept event did not fit)",
+            c.cut()
+        );
+    }
     for spec in c.unmatched() {
         let line = format!("-F '{spec}' matched no event of the file");
         note!("hyptrace: {}", crate::exit::printable(&line));
@@ -659,7 +666,7 @@ pub fn convert(a: &ConvertArgs) -> Result<(), ConvertError> {
             let filters = compile_filters(specs, &meta)?;
             let sink = crate::drain::sink::make_sink(&target, format, compression, meta)
                 .map_err(ConvertError::Output)?;
-            let (sink, counts) = behind_filters(sink, filters);
+            let (sink, counts) = behind_filters(sink, filters, PageSource::Ring);
             (reader.replay(sink, |_| true), counts)
         }
         Input::TraceDat(f, n) => {
@@ -671,7 +678,7 @@ pub fn convert(a: &ConvertArgs) -> Result<(), ConvertError> {
             let filters = compile_filters(specs, &meta)?;
             let sink = crate::drain::sink::make_sink(&target, format, compression, meta)
                 .map_err(ConvertError::Output)?;
-            let (sink, counts) = behind_filters(sink, filters);
+            let (sink, counts) = behind_filters(sink, filters, PageSource::TraceDat);
             let filtered = counts.is_some();
             let mut on_damage = |d| {
                 damage += 1;

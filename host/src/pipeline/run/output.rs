@@ -14,6 +14,7 @@ use crate::drain::signals::Interrupts;
 use crate::drain::sink::{behind_filters, make_sink, Filters, Format};
 use crate::pipeline::plan::Plan;
 use hyptrace_output::tracedat::FilterCounts;
+use hyptrace_output::tracedat::PageSource;
 
 use super::{RunError, Target};
 
@@ -100,7 +101,7 @@ pub(super) fn open_output(
             let mut filter = None;
             match make_sink(&target, format, compression, meta)
                 .and_then(|s| {
-                    let (s, counts) = behind_filters(s, filters);
+                    let (s, counts) = behind_filters(s, filters, PageSource::Ring);
                     filter = counts;
                     ThreadedSink::new(s)
                 })

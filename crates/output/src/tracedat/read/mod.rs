@@ -39,7 +39,7 @@ mod tests;
 pub use budget::{max_chunk, MAX_CHUNK, MAX_RATIO, METADATA_BUDGET, OPTIONS_SHARE, READ_BUDGET};
 pub use filter::{
     FilterCounts, FilterError, FilterErrorKind, FilterSet, FilteredSink, PageFilterError,
-    PageFiltered, ReportOutcome,
+    PageFiltered, PageSource, ReportOutcome,
 };
 pub use merge::Records;
 pub use pages::CpuPages;

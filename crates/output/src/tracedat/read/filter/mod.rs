@@ -36,7 +36,7 @@ mod page;
 mod tests;
 
 use eval::{Node, Rec};
-pub use page::{FilterCounts, FilteredSink, PageFilterError, PageFiltered};
+pub use page::{FilterCounts, FilteredSink, PageFilterError, PageFiltered, PageSource};
 
 /// Most filters (`-F` options) of one report.
 pub const MAX_FILTERS: usize = 256;
