@@ -16,7 +16,7 @@ use super::meta::{
     parse_header_info, parse_symbols, selected_clock, u32_sized_text,
 };
 use super::option;
-use super::{CpuBuffer, Damage, TraceFile, TraceOption, MAX_META_DAMAGE};
+use super::{CpuBuffer, Damage, Instance, TraceFile, TraceOption, MAX_META_DAMAGE};
 
 /// Most options sections followed through DONE links.
 const MAX_OPTION_SECTIONS: usize = 1024;
@@ -432,10 +432,7 @@ impl Parser {
                     }
                     (option::BUFFER, _) => {
                         if let Some(name) = instance_name(d) {
-                            self.f.options_skipped += 1;
-                            if self.f.instances.len() < MAX_INSTANCES_KEPT {
-                                self.f.instances.push(name);
-                            }
+                            self.instance(name, d);
                             continue;
                         }
                         match top {
@@ -549,10 +546,66 @@ impl Parser {
                 self.damaged(d);
             }
         }
+        // Over every buffer's CPUs: instances naming the same data would read it once
+        // per instance.
         let len = self.src().len();
-        if let Some(d) = drop_overlaps(&mut self.f.cpus, len) {
+        let mut all = std::mem::take(&mut self.f.cpus);
+        let lens: Vec<usize> = self.f.instances.iter().map(|i| i.cpus.len()).collect();
+        for i in &mut self.f.instances {
+            all.append(&mut i.cpus);
+        }
+        let d = drop_overlaps(&mut all, len);
+        for (i, n) in self.f.instances.iter_mut().zip(lens).rev() {
+            i.cpus = all.split_off(all.len().saturating_sub(n));
+        }
+        self.f.cpus = all;
+        if let Some(d) = d {
             self.damaged(d);
         }
+    }
+
+    /// A named buffer instance's BUFFER option (`d`, named `name`): kept in
+    /// [`TraceFile::instances`] with its CPU table (each CPU's data checked against the
+    /// file as the top buffer's is). At most [`MAX_INSTANCES`] are read, a name once; a
+    /// table that does not parse leaves that instance out. Each of these is noted in
+    /// [`TraceFile::damage`].
+    fn instance(&mut self, name: String, d: &[u8]) {
+        self.f.options_skipped += 1;
+        let shown: String = name.chars().take(64).collect();
+        let why = if self.f.instances.len() >= MAX_INSTANCES {
+            Some(format!("more than {MAX_INSTANCES} buffer instances"))
+        } else if self.f.instances.iter().any(|i| i.name == name) {
+            Some("a second buffer instance of that name".to_string())
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            self.damaged(Damage {
+                cpu: None,
+                offset: None,
+                what: format!("buffer instance {shown:?}: {why}: not read"),
+            });
+            return;
+        }
+        let mut o = Cur::new(d, 0, 0);
+        let table = o
+            .u64("buffer offset")
+            .and_then(|_| o.cstr("buffer name"))
+            .and_then(|_| buffer_table(&mut o, self.f.page_size));
+        let mut cpus = match table {
+            Ok((_clock, cpus)) => cpus,
+            Err(e) => {
+                let what = format!("buffer instance {shown:?}");
+                self.damaged(Damage::meta(&what, &e, "its data is not read"));
+                return;
+            }
+        };
+        if !self.compressed {
+            for b in &mut cpus {
+                b.size = self.check_plain(b.cpu, b.offset, b.size);
+            }
+        }
+        self.f.instances.push(Instance { name, cpus });
     }
 }
 
@@ -569,8 +622,8 @@ fn instance_name(d: &[u8]) -> Option<String> {
     (!name.is_empty()).then_some(name)
 }
 
-/// Most instance names [`TraceFile::instances`] keeps (the rest are only counted).
-const MAX_INSTANCES_KEPT: usize = 256;
+/// Most buffer instances [`TraceFile::instances`] reads (the others are noted as damage).
+pub const MAX_INSTANCES: usize = 256;
 
 fn top_buffer(d: &[u8], page_size: usize) -> Option<Result<TopBuffer, OutputError>> {
     let mut o = Cur::new(d, 0, 0);
