@@ -172,6 +172,23 @@ fn instance_data_outside_the_file_is_damage() {
     assert!(f.event_count() >= 14);
 }
 
+/// An instance whose CPU table names another instance's data does not read it again
+/// (noted); the first instance is read whole.
+#[test]
+fn shared_data_is_read_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut d = std::fs::read(two(dir.path(), Compression::None)).unwrap();
+    let (a, b) = (table_of(&d, "vm-a"), table_of(&d, "vm-bb"));
+    let a_off: [u8; 8] = d[a + 4..a + 12].try_into().unwrap();
+    for cpu in 0..2 {
+        let at = b + cpu * 20 + 4;
+        d[at..at + 8].copy_from_slice(&a_off);
+    }
+    let f = TraceFile::parse(&d).unwrap();
+    assert!(f.damage.iter().any(|x| x.what.contains("read before")), "{:?}", f.damage);
+    assert_eq!(f.event_count(), 30);
+}
+
 /// A second instance of the same name is not read (noted); a cut BUFFER option leaves
 /// its instance out.
 #[test]

@@ -546,20 +546,11 @@ impl Parser {
                 self.damaged(d);
             }
         }
-        // Over every buffer's CPUs: instances naming the same data would read it once
-        // per instance.
         let len = self.src().len();
-        let mut all = std::mem::take(&mut self.f.cpus);
-        let lens: Vec<usize> = self.f.instances.iter().map(|i| i.cpus.len()).collect();
-        for i in &mut self.f.instances {
-            all.append(&mut i.cpus);
+        if let Some(d) = drop_overlaps(&mut self.f.cpus, len) {
+            self.damaged(d);
         }
-        let d = drop_overlaps(&mut all, len);
-        for (i, n) in self.f.instances.iter_mut().zip(lens).rev() {
-            i.cpus = all.split_off(all.len().saturating_sub(n));
-        }
-        self.f.cpus = all;
-        if let Some(d) = d {
+        if let Some(d) = drop_shared(&self.f.cpus, &mut self.f.instances, len) {
             self.damaged(d);
         }
     }
@@ -702,6 +693,46 @@ fn drop_overlaps(cpus: &mut [CpuBuffer], file_len: u64) -> Option<Damage> {
         cpus[i].size = 0;
     }
     Some(d)
+}
+
+/// Drops (size 0) the data of every instance's CPU whose data overlaps data read
+/// before it: the top level's (`top`), an earlier instance's or an earlier CPU's of the
+/// same instance. Instances naming the same data would read it once per instance, and
+/// one could hide the top level's data. Returns the note naming how many, if any.
+fn drop_shared(top: &[CpuBuffer], instances: &mut [Instance], file_len: u64) -> Option<Damage> {
+    // Kept ranges, start -> end, disjoint.
+    let mut kept: BTreeMap<u64, u64> = BTreeMap::new();
+    let mut keep = |b: &CpuBuffer| {
+        let (start, end) = (b.offset, b.end(false, file_len));
+        if b.size == 0 || start >= end {
+            return true;
+        }
+        let clash = kept.range(..end).next_back().is_some_and(|(_, &e)| e > start);
+        if !clash {
+            kept.insert(start, end);
+        }
+        !clash
+    };
+    for b in top {
+        keep(b);
+    }
+    let (mut n, mut first) = (0usize, None);
+    for i in instances.iter_mut() {
+        for b in &mut i.cpus {
+            if !keep(b) {
+                n += 1;
+                first.get_or_insert(b.offset);
+                b.size = 0;
+            }
+        }
+    }
+    (n > 0).then(|| Damage {
+        cpu: None,
+        offset: first,
+        what: format!(
+            "the data of {n} CPUs of buffer instances lies inside data read before it: not read"
+        ),
+    })
 }
 
 /// An error at an offset within the (possibly decompressed) body of the section at file
