@@ -46,6 +46,9 @@ struct Over {
     formats: u64,
     cmdlines: u64,
     symbols: u64,
+    /// Buffer instances past [`MAX_INSTANCES`], and ones of a name read before.
+    instances: u64,
+    renamed: u64,
 }
 
 /// A v7 section read: its (decompressed) body, or the bytes it would take past the
@@ -546,6 +549,25 @@ impl Parser {
                 self.damaged(d);
             }
         }
+        for (n, what) in [
+            (
+                self.over.instances,
+                format!("buffer instances past the first {MAX_INSTANCES}"),
+            ),
+            (
+                self.over.renamed,
+                "buffer instances of a name an earlier instance has".into(),
+            ),
+        ] {
+            if n > 0 {
+                let what = format!("{n} {what} are not read");
+                self.damaged(Damage {
+                    cpu: None,
+                    offset: None,
+                    what,
+                });
+            }
+        }
         let len = self.src().len();
         if let Some(d) = drop_overlaps(&mut self.f.cpus, len) {
             self.damaged(d);
@@ -562,22 +584,15 @@ impl Parser {
     /// [`TraceFile::damage`].
     fn instance(&mut self, name: String, d: &[u8]) {
         self.f.options_skipped += 1;
-        let shown: String = name.chars().take(64).collect();
-        let why = if self.f.instances.len() >= MAX_INSTANCES {
-            Some(format!("more than {MAX_INSTANCES} buffer instances"))
-        } else if self.f.instances.iter().any(|i| i.name == name) {
-            Some("a second buffer instance of that name".to_string())
-        } else {
-            None
-        };
-        if let Some(why) = why {
-            self.damaged(Damage {
-                cpu: None,
-                offset: None,
-                what: format!("buffer instance {shown:?}: {why}: not read"),
-            });
+        if self.f.instances.len() >= MAX_INSTANCES {
+            self.over.instances += 1;
             return;
         }
+        if self.f.instances.iter().any(|i| i.name == name) {
+            self.over.renamed += 1;
+            return;
+        }
+        let shown: String = name.chars().take(64).collect();
         let mut o = Cur::new(d, 0, 0);
         let table = o
             .u64("buffer offset")
