@@ -74,8 +74,17 @@ fn kernel_metadata() {
     let mut drops = Vec::new();
     let mut recs = f.records();
     while let Some(i) = recs.next_item() {
-        if let TraceItem::Dropped { .. } = i {
-            drops.push(i.clone());
+        if let TraceItem::Dropped {
+            cpu,
+            instance,
+            missed,
+        } = i
+        {
+            drops.push(TraceItem::Dropped {
+                cpu,
+                instance,
+                missed,
+            });
         }
     }
     assert!(recs.error().is_none());

@@ -722,7 +722,10 @@ fn drop_shared(top: &[CpuBuffer], instances: &mut [Instance], file_len: u64) -> 
         if b.size == 0 || start >= end {
             return true;
         }
-        let clash = kept.range(..end).next_back().is_some_and(|(_, &e)| e > start);
+        let clash = kept
+            .range(..end)
+            .next_back()
+            .is_some_and(|(_, &e)| e > start);
         if !clash {
             kept.insert(start, end);
         }
