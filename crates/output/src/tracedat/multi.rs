@@ -409,28 +409,26 @@ pub(super) mod tests {
         pages: u64,
         z: Compression,
     ) -> BufferPart {
-        part_with(dir, name, meta, pages, z, &|_, _, _| None)
+        part_with(dir, name, meta, pages, z, &|_, _| None)
     }
 
-    /// [`part`] of `meta`'s CPUs, each page (of CPU `cpu`, index `i`) passed to `edit`
-    /// before it is written: it may change it and say how many events were lost
-    /// before it.
+    /// [`part`] of `meta`'s CPUs, with `missed(cpu, i)` events lost before page `i` of
+    /// CPU `cpu`.
     pub(in crate::tracedat) fn part_with(
         dir: &std::path::Path,
         name: &str,
         meta: TraceMeta,
         pages: u64,
         z: Compression,
-        edit: &dyn Fn(u32, u64, &mut [u8]) -> Option<u64>,
+        missed: &dyn Fn(u32, u64) -> Option<u64>,
     ) -> BufferPart {
         let path = dir.join(format!("{name}.dat"));
         let cpus = meta.nr_cpus;
         let mut s = crate::TraceDatSink::create_with(&path, meta, TraceDatVersion::V7, z).unwrap();
         for i in 0..pages {
             for c in 0..cpus {
-                let mut p = page(c, 1000 + i * 100 + u64::from(c), i);
-                let missed = edit(c, i, &mut p);
-                s.page(c, &p, missed).unwrap();
+                let p = page(c, 1000 + i * 100 + u64::from(c), i);
+                s.page(c, &p, missed(c, i)).unwrap();
             }
         }
         Box::new(s).finish(&RunSummary::default()).unwrap();
