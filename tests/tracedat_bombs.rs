@@ -451,10 +451,12 @@ fn buffer_option(name: &[u8], rng: &mut Rng) -> Vec<u8> {
     opt(option::BUFFER, &b)
 }
 
-/// Options sections of BUFFER options (instances of 52000 CPUs, and top-level buffers
-/// after the first): two of 12 MiB, read (the reader reads only the first top-level
-/// buffer, the file's own, and counts the others), then six of 40 MiB, past the options
-/// sections' share of the budget.
+/// Options sections of BUFFER options (instances of 52000 CPUs, all of one name, and
+/// top-level buffers after the first): two of 12 MiB, read (the reader reads the first
+/// top-level buffer, the file's own, and the first instance, and counts the others),
+/// then six of 40 MiB, past the options sections' share of the budget. The instance's
+/// CPUs name no readable data: `report` prints the file's events, each line after the
+/// instance column; `convert` refuses a file with instances (exit 2).
 #[test]
 fn buffer_options_are_counted_not_kept() {
     let dir = TempDir::new("bombs-buffers");
@@ -472,8 +474,21 @@ fn buffer_options_are_counted_not_kept() {
         }
     });
     let r = bomb(&dir, "buffers", &d, "dat");
-    assert_refused(&r, "options section of");
+    let err = &r.report.err.text;
+    assert_eq!(r.report.code, Some(1), "{}", r.report.measurements());
+    assert!(err.contains("options section of"), "{err}");
+    assert!(err.contains("buffer instances of a name"), "{err}");
+    assert_eq!(r.convert.code, Some(2), "{}", r.convert.measurements());
+    assert!(r.convert.err.text.contains("buffer instances (instance)"));
     let got = report_text(&dir.file("buffers.dat"));
+    // Top-level lines after the blank column of the name `instance` (8 + 2 spaces).
+    let want: String = want
+        .lines()
+        .map(|l| match l.starts_with("cpus=") {
+            true => format!("{l}\n"),
+            false => format!("          {l}\n"),
+        })
+        .collect();
     assert_eq!(got, want, "the first top-level buffer is read");
 }
 

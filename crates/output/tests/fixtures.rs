@@ -74,8 +74,17 @@ fn kernel_metadata() {
     let mut drops = Vec::new();
     let mut recs = f.records();
     while let Some(i) = recs.next_item() {
-        if let TraceItem::Dropped { cpu, missed } = i {
-            drops.push(TraceItem::Dropped { cpu, missed });
+        if let TraceItem::Dropped {
+            cpu,
+            instance,
+            missed,
+        } = i
+        {
+            drops.push(TraceItem::Dropped {
+                cpu,
+                instance,
+                missed,
+            });
         }
     }
     assert!(recs.error().is_none());
@@ -84,10 +93,12 @@ fn kernel_metadata() {
         vec![
             TraceItem::Dropped {
                 cpu: 0,
+                instance: 0,
                 missed: Missed::Count(81)
             },
             TraceItem::Dropped {
                 cpu: 1,
+                instance: 0,
                 missed: Missed::Count(79)
             }
         ]

@@ -295,7 +295,7 @@ fn guest_line_formatter_is_report_formatter() {
                 meta.clock.to_ns(r.ts_raw),
                 r.payload,
             ),
-            TraceItem::Dropped { cpu, missed } => format_drop(&mut s, cpu, missed),
+            TraceItem::Dropped { cpu, missed, .. } => format_drop(&mut s, cpu, missed),
             TraceItem::BadPage { .. } => unreachable!(),
         }
         lines.push(s);

@@ -162,19 +162,36 @@ fn open_dat(at: &Path, path: &Path) -> Result<(TraceFile, usize), ConvertError> 
         },
         e => input_error(path, &e),
     })?;
-    if !file.instances.is_empty() {
-        let line = format!(
-            "{}: buffer instances not read: {} (hyptrace reads the top-level buffer only; trace-cmd report and KernelShark read them all)",
-            path.display(),
-            file.instances.join(", ")
-        );
-        note!("hyptrace: warning: {}", crate::exit::printable(&line));
-    }
     for d in &file.damage {
         warn_damage(path, d);
     }
     let n = file.damage.len();
     Ok((file, n))
+}
+
+/// `convert` feeds one buffer's pages to a sink: a trace.dat with buffer instances
+/// (`hyptrace collect`'s, trace-cmd's `record -B`) is refused (exit 2) rather than
+/// converted without them; `report` reads every instance.
+fn refuse_instances(f: &TraceFile, path: &Path) -> Result<(), ConvertError> {
+    if f.instances.is_empty() {
+        return Ok(());
+    }
+    let names: Vec<&str> = f
+        .instances
+        .iter()
+        .take(8)
+        .map(|i| i.name.as_str())
+        .collect();
+    let more = if f.instances.len() > 8 { ", ..." } else { "" };
+    let line = format!(
+        "{}: {} buffer instances ({}{more}): convert reads a file of one buffer; `hyptrace report` prints every instance's events (trace-cmd and KernelShark read the file as it is)",
+        path.display(),
+        f.instances.len(),
+        names.join(", ")
+    );
+    Err(ConvertError::Input(
+        crate::exit::printable(&line).into_owned(),
+    ))
 }
 
 /// The one-line warning of a damaged part of `path`.
@@ -671,6 +688,7 @@ pub fn convert(a: &ConvertArgs) -> Result<(), ConvertError> {
         }
         Input::TraceDat(f, n) => {
             damage = n;
+            refuse_instances(&f, &a.input)?;
             if format == Format::Raw {
                 check_raw_formats(&f, &a.input)?;
             }

@@ -19,8 +19,8 @@ pub use multi::{valid_instance_name, write_buffers, BufferPart, BufferSet, MAX_I
 pub use params::{Compression, TraceDatVersion, ZSTD_CHUNK_PAGES};
 pub use read::{
     max_chunk, page_damage, CpuBuffer, CpuPages, Damage, FilterCounts, FilterError,
-    FilterErrorKind, FilterSet, FilteredSink, PageFilterError, PageFiltered, PageSource, Records,
-    ReportFilter, ReportOutcome, TraceFile, TraceItem, TraceOption, TraceRecord, MAX_CHUNK,
-    MAX_RATIO, METADATA_BUDGET, OPTIONS_SHARE, READ_BUDGET,
+    FilterErrorKind, FilterSet, FilteredSink, Instance, PageFilterError, PageFiltered, PageSource,
+    Records, ReportFilter, ReportOutcome, TraceFile, TraceItem, TraceOption, TraceRecord,
+    MAX_CHUNK, MAX_INSTANCES, MAX_RATIO, METADATA_BUDGET, OPTIONS_SHARE, READ_BUDGET,
 };
 pub use write::{write_trace_dat, write_trace_dat_with, TraceDatSink, TRAILING_LOST_ID};

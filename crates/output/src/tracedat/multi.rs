@@ -372,7 +372,7 @@ fn copy_range(
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::sink::{PageSink, RunSummary};
     use crate::TraceDatVersion;
@@ -391,7 +391,7 @@ mod tests {
         p
     }
 
-    pub(super) fn part(
+    pub(in crate::tracedat) fn part(
         dir: &std::path::Path,
         name: &str,
         cpus: u32,
@@ -409,13 +409,26 @@ mod tests {
         pages: u64,
         z: Compression,
     ) -> BufferPart {
+        part_with(dir, name, meta, pages, z, &|_, _| None)
+    }
+
+    /// [`part`] of `meta`'s CPUs, with `missed(cpu, i)` events lost before page `i` of
+    /// CPU `cpu`.
+    pub(in crate::tracedat) fn part_with(
+        dir: &std::path::Path,
+        name: &str,
+        meta: TraceMeta,
+        pages: u64,
+        z: Compression,
+        missed: &dyn Fn(u32, u64) -> Option<u64>,
+    ) -> BufferPart {
         let path = dir.join(format!("{name}.dat"));
         let cpus = meta.nr_cpus;
         let mut s = crate::TraceDatSink::create_with(&path, meta, TraceDatVersion::V7, z).unwrap();
         for i in 0..pages {
             for c in 0..cpus {
-                s.page(c, &page(c, 1000 + i * 100 + u64::from(c), i), None)
-                    .unwrap();
+                let p = page(c, 1000 + i * 100 + u64::from(c), i);
+                s.page(c, &p, missed(c, i)).unwrap();
             }
         }
         Box::new(s).finish(&RunSummary::default()).unwrap();
@@ -443,9 +456,10 @@ mod tests {
             assert_eq!(n, vec![30, 14]);
             let f = TraceFile::open(&out).unwrap();
             assert!(f.damage.is_empty(), "{:?}", f.damage);
-            assert_eq!(f.event_count(), 0);
+            assert_eq!(f.event_count(), 44);
             assert_eq!(f.options_skipped, 2);
-            assert_eq!(f.instances, ["vm-a", "vm.b"]);
+            let names: Vec<&str> = f.instances.iter().map(|i| i.name.as_str()).collect();
+            assert_eq!(names, ["vm-a", "vm.b"]);
             let bytes = std::fs::read(&out).unwrap();
             for p in &parts {
                 let src = TraceFile::open(&p.path).unwrap();

@@ -11,8 +11,9 @@ use super::records::{CpuCursor, Slot, TraceItem, TraceRecord};
 use super::{Damage, TraceFile};
 
 impl TraceFile {
-    /// Events (and drop markers) of all CPUs merged by timestamp, ties to the lower CPU,
-    /// as trace-cmd orders them (the one [`Merger`] of `run` and the text sink, pulled one
+    /// Events (and drop markers) of all CPUs of every buffer (the top level and the
+    /// [`TraceFile::instances`]) merged by timestamp, ties to the lower CPU (across
+    /// buffers: the earlier buffer), as trace-cmd orders them (the one [`Merger`] of `run` and the text sink, pulled one
     /// item at a time: it holds the next record or two of each CPU). Pull items with
     /// [`Records::next_item`]; a read error (I/O, a corrupt compressed chunk) ends the
     /// items and is then in [`Records::error`].
@@ -20,17 +21,25 @@ impl TraceFile {
         self.records_of(|_| true)
     }
 
-    /// [`TraceFile::records`] of the CPUs `want` accepts (by CPU number); the others'
-    /// pages are not read.
+    /// [`TraceFile::records`] of the CPUs `want` accepts (by CPU number, in every
+    /// buffer); the others' pages are not read.
     pub fn records_of(&self, want: impl Fn(u32) -> bool) -> Records<'_> {
+        self.records_where(|_, cpu| want(cpu))
+    }
+
+    /// [`TraceFile::records`] of the CPUs `want` accepts by buffer
+    /// ([`TraceRecord::instance`]) and CPU number; the others' pages are not read.
+    pub fn records_where(&self, want: impl Fn(u16, u32) -> bool) -> Records<'_> {
         let readers = self.readers();
         let mut cpus: Vec<CpuCursor> = self
-            .cpus
-            .iter()
-            .filter(|b| want(b.cpu))
-            .map(|b| CpuCursor::new(self, b, readers))
+            .buffers()
+            .flat_map(|(i, cpus)| cpus.iter().map(move |b| (i, b)))
+            .filter(|(i, b)| want(*i, b.cpu))
+            .map(|(i, b)| CpuCursor::new(self, b, i, readers))
             .collect();
-        cpus.sort_by_key(|c| c.cpu);
+        // Ties: the top level first, then the instances in file order (trace-cmd's
+        // order of its handles), in a buffer the lower CPU.
+        cpus.sort_by_key(|c| (c.instance, c.cpu));
         Records {
             merger: Merger::new(cpus.len()),
             // Filled in CPU order (popped from the end).
@@ -100,20 +109,27 @@ impl Records<'_> {
                 len,
             }) => TraceItem::Event(TraceRecord {
                 cpu: c.cpu,
+                instance: c.instance,
                 ts_raw,
                 ts_ns,
                 // In range: decode_record checked it against the page's data area
                 // (or, for an event running past the commit, the whole page).
                 payload: &c.pages.page()[start..start + len],
             }),
-            Merged::Event(Slot::Dropped(missed)) => TraceItem::Dropped { cpu: c.cpu, missed },
+            Merged::Event(Slot::Dropped(missed)) => TraceItem::Dropped {
+                cpu: c.cpu,
+                instance: c.instance,
+                missed,
+            },
             Merged::Event(Slot::Bad { page, error }) => TraceItem::BadPage {
                 cpu: c.cpu,
+                instance: c.instance,
                 page,
                 error,
             },
             Merged::Lost(n) => TraceItem::Dropped {
                 cpu: c.cpu,
+                instance: c.instance,
                 missed: Missed::Count(n),
             },
         })

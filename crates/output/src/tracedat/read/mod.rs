@@ -27,6 +27,8 @@ use parse::Parser;
 mod budget;
 mod filter;
 mod input;
+#[cfg(test)]
+mod instance_tests;
 mod merge;
 mod meta;
 mod pages;
@@ -43,6 +45,7 @@ pub use filter::{
 };
 pub use merge::Records;
 pub use pages::CpuPages;
+pub use parse::MAX_INSTANCES;
 pub use records::{page_damage, TraceItem, TraceRecord};
 pub use report::ReportFilter;
 
@@ -77,6 +80,15 @@ impl CpuBuffer {
             .saturating_add(count)
             .min(file_len)
     }
+}
+
+/// A named buffer instance of a trace.dat (v7 BUFFER option with a name).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Instance {
+    /// Its name, as `trace-cmd report` prints it before each of its lines.
+    pub name: String,
+    /// Where each of its CPUs' pages are, in file order.
+    pub cpus: Vec<CpuBuffer>,
 }
 
 /// A damaged part of a trace.dat that reading went past (docs/output.md "Damaged
@@ -162,9 +174,10 @@ pub struct TraceFile {
     /// How many options were not kept in [`TraceFile::options`] (ids the reader does not
     /// use, buffers other than the top one).
     pub options_skipped: u64,
-    /// The names of the file's named buffer instances (trace-cmd's `-B NAME`, `hyptrace
-    /// collect`'s VMs), at most 256: this reader reads the top-level buffer only.
-    pub instances: Vec<String>,
+    /// The file's named buffer instances (trace-cmd's `-B NAME`, `hyptrace collect`'s
+    /// VMs), in file order, at most [`MAX_INSTANCES`]: [`TraceFile::records`] merges
+    /// their events with the top-level buffer's ([`TraceRecord::instance`]).
+    pub instances: Vec<Instance>,
     /// Where each CPU's pages are, in file order.
     pub cpus: Vec<CpuBuffer>,
     /// Damaged metadata `open` read past (a fallback or an omission for each; CPU data
@@ -178,6 +191,8 @@ pub struct TraceFile {
     /// Kernel symbols (kallsyms and printk formats sections) for `%pS` and plugins.
     pub symbols: std::sync::Arc<crate::symbols::KernelSymbols>,
     printers: BTreeMap<u16, EventPrinter>,
+    /// The longest instance name, in bytes (the width `report` aligns names to).
+    name_width: usize,
 }
 
 impl TraceFile {
@@ -242,6 +257,7 @@ impl TraceFile {
             unzstd: Default::default(),
             symbols: Default::default(),
             printers: BTreeMap::new(),
+            name_width: 0,
         };
         let mut p = Parser::new(f);
         let mut c = FileCur::new(&src, pos);
@@ -270,6 +286,7 @@ impl TraceFile {
                 .max()
                 .unwrap_or(0);
         }
+        f.name_width = f.instances.iter().map(|i| i.name.len()).max().unwrap_or(0);
         // The printers of every event format, by id (the formatter of `report`).
         f.printers = f
             .formats
@@ -350,9 +367,26 @@ impl TraceFile {
             .collect()
     }
 
-    /// How many CPUs have data (each reads within its share of the read budget).
+    /// How many CPUs have data, of every buffer (each reads within its share of the
+    /// read budget).
     fn readers(&self) -> usize {
-        self.cpus.iter().filter(|b| b.size > 0).count()
+        self.buffers()
+            .map(|(_, cpus)| cpus.iter().filter(|b| b.size > 0).count())
+            .sum()
+    }
+
+    /// Every buffer's CPU table with its instance number: 0 the top level, `i + 1`
+    /// [`TraceFile::instances`]`[i]`.
+    fn buffers(&self) -> impl Iterator<Item = (u16, &[CpuBuffer])> {
+        let named = self.instances.iter().map(|i| i.cpus.as_slice());
+        (0u16..).zip(std::iter::once(self.cpus.as_slice()).chain(named))
+    }
+
+    /// The name of instance number `instance` ([`TraceRecord::instance`]; `None`: the
+    /// top level).
+    pub fn instance_name(&self, instance: u16) -> Option<&str> {
+        let i = usize::from(instance).checked_sub(1)?;
+        self.instances.get(i).map(|i| i.name.as_str())
     }
 }
 
@@ -380,11 +414,12 @@ impl TraceFile {
             .is_some_and(EventFormat::is_trailing_lost)
     }
 
-    /// The times (ns) of the first and the last event of CPU `cpu` (`None` without
-    /// events), for `report --first-event/--last-event`; a read error is returned.
+    /// The times (ns) of the first and the last event of the top-level buffer's CPU
+    /// `cpu` (`None` without events), for `report --first-event/--last-event` (as
+    /// trace-cmd, of the top level only); a read error is returned.
     pub fn cpu_span(&self, cpu: u32) -> Result<Option<(u64, u64)>, OutputError> {
         let mut span: Option<(u64, u64)> = None;
-        let mut r = self.records_of(|c| c == cpu);
+        let mut r = self.records_where(|i, c| i == 0 && c == cpu);
         while let Some(i) = r.next_item() {
             if let TraceItem::Event(e) = i {
                 span = Some(span.map_or((e.ts_ns, e.ts_ns), |(f, _)| (f, e.ts_ns)));

@@ -16,7 +16,7 @@ use super::meta::{
     parse_header_info, parse_symbols, selected_clock, u32_sized_text,
 };
 use super::option;
-use super::{CpuBuffer, Damage, TraceFile, TraceOption, MAX_META_DAMAGE};
+use super::{CpuBuffer, Damage, Instance, TraceFile, TraceOption, MAX_META_DAMAGE};
 
 /// Most options sections followed through DONE links.
 const MAX_OPTION_SECTIONS: usize = 1024;
@@ -46,6 +46,9 @@ struct Over {
     formats: u64,
     cmdlines: u64,
     symbols: u64,
+    /// Buffer instances past [`MAX_INSTANCES`], and ones of a name read before.
+    instances: u64,
+    renamed: u64,
 }
 
 /// A v7 section read: its (decompressed) body, or the bytes it would take past the
@@ -432,10 +435,7 @@ impl Parser {
                     }
                     (option::BUFFER, _) => {
                         if let Some(name) = instance_name(d) {
-                            self.f.options_skipped += 1;
-                            if self.f.instances.len() < MAX_INSTANCES_KEPT {
-                                self.f.instances.push(name);
-                            }
+                            self.instance(name, d);
                             continue;
                         }
                         match top {
@@ -549,10 +549,69 @@ impl Parser {
                 self.damaged(d);
             }
         }
+        for (n, what) in [
+            (
+                self.over.instances,
+                format!("buffer instances past the first {MAX_INSTANCES}"),
+            ),
+            (
+                self.over.renamed,
+                "buffer instances of a name an earlier instance has".into(),
+            ),
+        ] {
+            if n > 0 {
+                let what = format!("{n} {what} are not read");
+                self.damaged(Damage {
+                    cpu: None,
+                    offset: None,
+                    what,
+                });
+            }
+        }
         let len = self.src().len();
         if let Some(d) = drop_overlaps(&mut self.f.cpus, len) {
             self.damaged(d);
         }
+        if let Some(d) = drop_shared(&self.f.cpus, &mut self.f.instances, len) {
+            self.damaged(d);
+        }
+    }
+
+    /// A named buffer instance's BUFFER option (`d`, named `name`): kept in
+    /// [`TraceFile::instances`] with its CPU table (each CPU's data checked against the
+    /// file as the top buffer's is). At most [`MAX_INSTANCES`] are read, a name once; a
+    /// table that does not parse leaves that instance out. Each of these is noted in
+    /// [`TraceFile::damage`].
+    fn instance(&mut self, name: String, d: &[u8]) {
+        self.f.options_skipped += 1;
+        if self.f.instances.len() >= MAX_INSTANCES {
+            self.over.instances += 1;
+            return;
+        }
+        if self.f.instances.iter().any(|i| i.name == name) {
+            self.over.renamed += 1;
+            return;
+        }
+        let shown: String = name.chars().take(64).collect();
+        let mut o = Cur::new(d, 0, 0);
+        let table = o
+            .u64("buffer offset")
+            .and_then(|_| o.cstr("buffer name"))
+            .and_then(|_| buffer_table(&mut o, self.f.page_size));
+        let mut cpus = match table {
+            Ok((_clock, cpus)) => cpus,
+            Err(e) => {
+                let what = format!("buffer instance {shown:?}");
+                self.damaged(Damage::meta(&what, &e, "its data is not read"));
+                return;
+            }
+        };
+        if !self.compressed {
+            for b in &mut cpus {
+                b.size = self.check_plain(b.cpu, b.offset, b.size);
+            }
+        }
+        self.f.instances.push(Instance { name, cpus });
     }
 }
 
@@ -569,8 +628,8 @@ fn instance_name(d: &[u8]) -> Option<String> {
     (!name.is_empty()).then_some(name)
 }
 
-/// Most instance names [`TraceFile::instances`] keeps (the rest are only counted).
-const MAX_INSTANCES_KEPT: usize = 256;
+/// Most buffer instances [`TraceFile::instances`] reads (the others are noted as damage).
+pub const MAX_INSTANCES: usize = 256;
 
 fn top_buffer(d: &[u8], page_size: usize) -> Option<Result<TopBuffer, OutputError>> {
     let mut o = Cur::new(d, 0, 0);
@@ -649,6 +708,49 @@ fn drop_overlaps(cpus: &mut [CpuBuffer], file_len: u64) -> Option<Damage> {
         cpus[i].size = 0;
     }
     Some(d)
+}
+
+/// Drops (size 0) the data of every instance's CPU whose data overlaps data read
+/// before it: the top level's (`top`), an earlier instance's or an earlier CPU's of the
+/// same instance. Instances naming the same data would read it once per instance, and
+/// one could hide the top level's data. Returns the note naming how many, if any.
+fn drop_shared(top: &[CpuBuffer], instances: &mut [Instance], file_len: u64) -> Option<Damage> {
+    // Kept ranges, start -> end, disjoint.
+    let mut kept: BTreeMap<u64, u64> = BTreeMap::new();
+    let mut keep = |b: &CpuBuffer| {
+        let (start, end) = (b.offset, b.end(false, file_len));
+        if b.size == 0 || start >= end {
+            return true;
+        }
+        let clash = kept
+            .range(..end)
+            .next_back()
+            .is_some_and(|(_, &e)| e > start);
+        if !clash {
+            kept.insert(start, end);
+        }
+        !clash
+    };
+    for b in top {
+        keep(b);
+    }
+    let (mut n, mut first) = (0usize, None);
+    for i in instances.iter_mut() {
+        for b in &mut i.cpus {
+            if !keep(b) {
+                n += 1;
+                first.get_or_insert(b.offset);
+                b.size = 0;
+            }
+        }
+    }
+    (n > 0).then(|| Damage {
+        cpu: None,
+        offset: first,
+        what: format!(
+            "the data of {n} CPUs of buffer instances lies inside data read before it: not read"
+        ),
+    })
 }
 
 /// An error at an offset within the (possibly decompressed) body of the section at file

@@ -20,6 +20,9 @@ pub(super) const READ_COMMIT_MASK: u64 = (1 << 27) - 1;
 pub struct TraceRecord<'a> {
     /// CPU.
     pub cpu: u32,
+    /// Buffer: 0 the top level, `i + 1` the file's instance `i`
+    /// ([`super::TraceFile::instance_name`]).
+    pub instance: u16,
     /// Raw timestamp from the page.
     pub ts_raw: u64,
     /// Timestamp in ns (as trace-cmd prints it).
@@ -37,6 +40,8 @@ pub enum TraceItem<'a> {
     Dropped {
         /// CPU.
         cpu: u32,
+        /// Buffer, as [`TraceRecord::instance`].
+        instance: u16,
         /// How many.
         missed: Missed,
     },
@@ -44,6 +49,8 @@ pub enum TraceItem<'a> {
     BadPage {
         /// CPU.
         cpu: u32,
+        /// Buffer, as [`TraceRecord::instance`].
+        instance: u16,
         /// Page index within the CPU's data.
         page: usize,
         /// Why.
@@ -180,6 +187,8 @@ pub(super) enum Slot {
 
 pub(super) struct CpuCursor {
     pub(super) cpu: u32,
+    /// Its buffer ([`TraceRecord::instance`]).
+    pub(super) instance: u16,
     pub(super) pages: CpuPages,
     tsc: Option<TscConversion>,
     /// The OFFSET options' sum, added after TSC2NSEC (as trace-cmd does).
@@ -203,10 +212,12 @@ pub(super) struct CpuCursor {
 }
 
 impl CpuCursor {
-    /// A cursor over the pages of `b` (one of `readers` CPUs with data) of `f`.
-    pub(super) fn new(f: &TraceFile, b: &CpuBuffer, readers: usize) -> Self {
+    /// A cursor over the pages of `b` (one of `readers` CPUs with data) of `f`'s buffer
+    /// `instance`.
+    pub(super) fn new(f: &TraceFile, b: &CpuBuffer, instance: u16, readers: usize) -> Self {
         Self {
             cpu: b.cpu,
+            instance,
             pages: CpuPages::new(f, b, readers),
             tsc: f.tsc2nsec,
             ts_offset: f.ts_offset,

@@ -19,7 +19,7 @@ impl TraceFile {
     /// for items trace-cmd would not print (bad pages).
     pub fn format_item(&self, out: &mut String, item: &TraceItem<'_>) -> bool {
         match item {
-            TraceItem::Dropped { cpu, missed } => {
+            TraceItem::Dropped { cpu, missed, .. } => {
                 format_drop(out, *cpu, *missed);
                 true
             }
@@ -36,6 +36,38 @@ impl TraceFile {
                 true
             }
         }
+    }
+
+    /// [`TraceFile::format_item`] and a newline, the line (if printed) after its
+    /// buffer's name as `trace-cmd report` prints a file with buffer instances: the name
+    /// right-aligned to the longest and `": "` (the top level: blanks and two spaces);
+    /// an event right after its CPU's drop marker has none (trace-cmd prints the two as
+    /// one record, the name before the marker). `drop` is the state between calls.
+    pub fn format_report_line(
+        &self,
+        out: &mut String,
+        item: &TraceItem<'_>,
+        drop: &mut Option<(u16, u32)>,
+    ) -> bool {
+        let at = match item {
+            TraceItem::Event(r) => (r.instance, r.cpu),
+            TraceItem::Dropped { instance, cpu, .. } => (*instance, *cpu),
+            TraceItem::BadPage { .. } => return false,
+        };
+        let joined = matches!(item, TraceItem::Event(_)) && *drop == Some(at);
+        *drop = matches!(item, TraceItem::Dropped { .. }).then_some(at);
+        if !self.instances.is_empty() && !joined {
+            let name = self.instance_name(at.0);
+            let pad = self.name_width.saturating_sub(name.map_or(0, str::len));
+            out.extend(std::iter::repeat_n(' ', pad));
+            out.push_str(name.unwrap_or(""));
+            out.push_str(if name.is_some() { ": " } else { "  " });
+        }
+        let printed = self.format_item(out, item);
+        if printed {
+            out.push('\n');
+        }
+        printed
     }
 
     /// Writes the `trace-cmd report -t` text (`cpus=N` then one line per item, as
@@ -86,10 +118,9 @@ impl TraceFile {
         out.write_all(head.as_bytes())?;
         let outcome = if threads <= 1 {
             let mut s = String::with_capacity(WRITE_CHUNK + 4096);
+            let mut drop = None;
             let n = self.select(filter, on_damage, |item| {
-                if self.format_item(&mut s, item) {
-                    s.push('\n');
-                }
+                self.format_report_line(&mut s, item, &mut drop);
                 if s.len() >= WRITE_CHUNK {
                     out.write_all(s.as_bytes())?;
                     s.clear();
@@ -131,7 +162,10 @@ impl TraceFile {
             let Some(item) = recs.next_item() else {
                 break;
             };
-            if let TraceItem::BadPage { cpu, page, error } = &item {
+            if let TraceItem::BadPage {
+                cpu, page, error, ..
+            } = &item
+            {
                 on_damage(Damage {
                     cpu: Some(*cpu),
                     offset: None,
@@ -213,12 +247,14 @@ pub(super) const BATCH_BYTES: usize = 1 << 20;
 pub(super) enum BatchItem {
     Event {
         cpu: u32,
+        instance: u16,
         ts_ns: u64,
         start: usize,
         len: usize,
     },
     Dropped {
         cpu: u32,
+        instance: u16,
         missed: Missed,
     },
 }
@@ -234,24 +270,35 @@ pub(super) struct Batch {
 impl Batch {
     fn format(&mut self, f: &TraceFile) {
         self.text.clear();
+        // A batch never ends with a drop marker (see `Pipeline::push`): its event is in
+        // the same batch.
+        let mut drop = None;
         for it in &self.items {
             let item = match *it {
                 BatchItem::Event {
                     cpu,
+                    instance,
                     ts_ns,
                     start,
                     len,
                 } => TraceItem::Event(TraceRecord {
                     cpu,
+                    instance,
                     ts_raw: 0,
                     ts_ns,
                     payload: self.bytes.get(start..start + len).unwrap_or_default(),
                 }),
-                BatchItem::Dropped { cpu, missed } => TraceItem::Dropped { cpu, missed },
+                BatchItem::Dropped {
+                    cpu,
+                    instance,
+                    missed,
+                } => TraceItem::Dropped {
+                    cpu,
+                    instance,
+                    missed,
+                },
             };
-            if f.format_item(&mut self.text, &item) {
-                self.text.push('\n');
-            }
+            f.format_report_line(&mut self.text, &item, &mut drop);
         }
     }
 }
@@ -308,18 +355,26 @@ impl Pipeline {
                 self.cur.bytes.extend_from_slice(r.payload);
                 self.cur.items.push(BatchItem::Event {
                     cpu: r.cpu,
+                    instance: r.instance,
                     ts_ns: r.ts_ns,
                     start,
                     len: r.payload.len(),
                 });
             }
-            TraceItem::Dropped { cpu, missed } => self.cur.items.push(BatchItem::Dropped {
+            TraceItem::Dropped {
+                cpu,
+                instance,
+                missed,
+            } => self.cur.items.push(BatchItem::Dropped {
                 cpu: *cpu,
+                instance: *instance,
                 missed: *missed,
             }),
             TraceItem::BadPage { .. } => {}
         }
-        if self.cur.items.len() >= BATCH_ITEMS || self.cur.bytes.len() >= BATCH_BYTES {
+        let full = self.cur.items.len() >= BATCH_ITEMS || self.cur.bytes.len() >= BATCH_BYTES;
+        // A drop marker stays with the event after it (one line prefix for both).
+        if full && !matches!(item, TraceItem::Dropped { .. }) {
             self.send(out)?;
         }
         Ok(())

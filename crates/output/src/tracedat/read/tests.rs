@@ -298,7 +298,8 @@ fn options_done(d: &[u8]) -> usize {
 
 /// Options the reader does not use and buffer options after the first top-level one
 /// (an instance, a second top-level buffer naming another CPU) are counted, not kept;
-/// the CPU table is the first top-level buffer's.
+/// the CPU table is the first top-level buffer's. The instance (its CPU's data inside
+/// the top level's) reads nothing, noted.
 #[test]
 fn options_the_reader_does_not_use_are_counted() {
     let mut d = zstd_file();
@@ -337,7 +338,9 @@ fn options_the_reader_does_not_use_are_counted() {
     let done = options_done(&d);
     d[done..done + 8].copy_from_slice(&at.to_le_bytes());
     let f = TraceFile::parse(&d).unwrap();
-    assert!(f.damage.is_empty(), "{:?}", f.damage);
+    assert_eq!(f.damage.len(), 1, "{:?}", f.damage);
+    assert!(f.damage[0].what.contains("buffer instances"));
+    assert_eq!(f.instances.len(), 1);
     assert_eq!(f.options_skipped, good.options_skipped + 5);
     assert_eq!(f.options.len(), good.options.len() + 1);
     assert!(f.options.iter().all(|o| o.id != option::BUFFER));

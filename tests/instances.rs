@@ -1,0 +1,136 @@
+//! `hyptrace report` and `convert` of a trace.dat v7 with buffer instances (the files
+//! `hyptrace collect` writes, one instance per VM): `report` prints every instance's
+//! events in one time order, line for line what `trace-cmd report -t` prints (checked
+//! when trace-cmd is installed; HYPTRACE_REQUIRE_TRACE_CMD=1 makes its absence fail);
+//! `--cpu` selects a CPU in every instance; `convert` refuses the file (exit 2), naming
+//! its instances, and writes nothing.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use hyptrace::env::{self, TempDir};
+use hyptrace_output::tracedat::{write_buffers, BufferPart};
+use hyptrace_output::{
+    Clock, Compression, OutputTarget, PageSink, RunSummary, TraceDatSink, TraceDatVersion,
+    TraceMeta,
+};
+
+const BIN: &str = env!("CARGO_BIN_EXE_hyptrace");
+
+/// A page of `cpu` holding `n` markers from `seq`, 10 ns apart from `ts`.
+fn page(cpu: u32, ts: u64, seq: u64, n: u64) -> Vec<u8> {
+    let mut p = vec![0u8; 4096];
+    p[..8].copy_from_slice(&ts.to_le_bytes());
+    let mut at = 16;
+    for k in 0..n {
+        let payload = hyptrace_abi::events::marker(
+            hyptrace_abi::events::vcpu_pid(cpu),
+            seq + k,
+            (seq + k) * 3,
+        );
+        let mut hdr = [0u8; 8];
+        let delta = if k == 0 { 0 } else { 10 };
+        let h = hyptrace_abi::page::encode_data_header(&mut hdr, payload.len(), delta);
+        p[at..at + h].copy_from_slice(&hdr[..h]);
+        p[at + h..at + h + payload.len()].copy_from_slice(&payload);
+        at += h + payload.len();
+    }
+    p[8..16].copy_from_slice(&((at - 16) as u64).to_le_bytes());
+    p
+}
+
+/// A part of `cpus` CPUs, `pages` pages each, its times from `start`.
+fn part(dir: &Path, name: &str, cpus: u32, pages: u64, start: u64) -> BufferPart {
+    let path = dir.join(format!("{name}.part.dat"));
+    let meta = TraceMeta::guest(4096, cpus, Clock::nanoseconds());
+    let mut s = TraceDatSink::create_with(&path, meta, TraceDatVersion::V7, Compression::Zstd)
+        .expect("part");
+    for i in 0..pages {
+        for c in 0..cpus {
+            let ts = start + i * 1000 + u64::from(c) * 3;
+            s.page(c, &page(c, ts, i * 20, 20), None).expect("page");
+        }
+    }
+    Box::new(s).finish(&RunSummary::default()).expect("finish");
+    BufferPart {
+        name: name.into(),
+        path,
+    }
+}
+
+/// `web` (1 CPU) and `db` (2 CPUs, starting 5 ns later: interleaved) in `all.dat`.
+fn multi(dir: &TempDir) -> PathBuf {
+    let d = PathBuf::from(dir.file(""));
+    let parts = [
+        part(&d, "web", 1, 6, 1_000_000),
+        part(&d, "db", 2, 4, 1_000_005),
+    ];
+    let out = PathBuf::from(dir.file("all.dat"));
+    let meta = TraceMeta::guest(4096, 2, Clock::nanoseconds());
+    let target = OutputTarget::check(&out).expect("target");
+    assert_eq!(
+        write_buffers(&target, meta, &parts).expect("write"),
+        [120, 160]
+    );
+    out
+}
+
+fn hyptrace(args: &[&str]) -> std::process::Output {
+    Command::new(BIN).args(args).output().expect("run hyptrace")
+}
+
+/// `report` prints all 280 events, each after its VM's name, in one time order; it is
+/// `trace-cmd report -t`, line for line.
+#[test]
+fn report_prints_every_instance() {
+    let dir = TempDir::new("instances-report");
+    let all = multi(&dir);
+    let path = all.to_str().unwrap();
+    let o = hyptrace(&["report", path]);
+    assert_eq!(o.status.code(), Some(0), "{}", env::stderr(&o));
+    let ours = env::stdout(&o);
+    let count = |p: &str| ours.lines().filter(|l| l.starts_with(p)).count();
+    assert_eq!((count("web: "), count(" db: ")), (120, 160), "{ours}");
+    let ts: Vec<f64> = ours
+        .lines()
+        .skip(1)
+        .filter_map(|l| l.split(": marker").next()?.rsplit(' ').next()?.parse().ok())
+        .collect();
+    assert_eq!(ts.len(), 280);
+    assert!(ts.windows(2).all(|w| w[0] <= w[1]), "not in time order");
+    // --cpu 1: db's second CPU only.
+    let o = hyptrace(&["report", "--cpu", "1", path]);
+    let cpu1 = env::stdout(&o);
+    assert_eq!(cpu1.matches("[001]").count(), 80, "{cpu1}");
+    assert_eq!(cpu1.lines().count(), 81);
+    if !env::trace_cmd_available() {
+        return;
+    }
+    let t = Command::new("trace-cmd")
+        .args(["report", "-t", "-i", path])
+        .output()
+        .expect("trace-cmd");
+    assert!(t.status.success(), "{}", String::from_utf8_lossy(&t.stderr));
+    assert_eq!(
+        ours,
+        String::from_utf8_lossy(&t.stdout),
+        "ours != trace-cmd's"
+    );
+}
+
+/// `convert` of a multi-buffer file, to every format: exit 2 naming the instances,
+/// no output left.
+#[test]
+fn convert_refuses_instances() {
+    let dir = TempDir::new("instances-convert");
+    let all = multi(&dir);
+    for ext in ["dat", "json", "txt", "pftrace"] {
+        let out = dir.file(&format!("out.{ext}"));
+        let o = hyptrace(&["convert", "-i", all.to_str().unwrap(), "-o", &out]);
+        let err = env::stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{ext}: {err}");
+        assert!(err.contains("2 buffer instances (web, db)"), "{err}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+        assert!(!Path::new(&out).exists(), "{ext}: output left");
+    }
+}
