@@ -229,14 +229,17 @@ mod tests {
         assert_eq!(word(&m, &l, 0), 1 << 9);
     }
 
-    /// A held answer: the registering exit waits, the run meanwhile sees the
-    /// registration (settle, formats) while the guest's table is not answered yet; the
-    /// release answers it and ends the exit. Unheld, the exit answers at once.
-    #[test]
-    fn a_held_answer_waits_for_the_release() {
-        static A: Event<'static> = Event::new("g", "a", F, "\"%llu\", REC->v", 16, 0, 0);
+    static HELD: Event<'static> = Event::new("g", "a", F, "\"%llu\", REC->v", 16, 0, 0);
+
+    /// A table of one event, its answer held, vCPU 0's exit waiting in a thread, and the
+    /// run's settle seen to end with the registration.
+    fn held_exit() -> (
+        Arc<HeapMem>,
+        Arc<EventTable<Arc<HeapMem>>>,
+        std::thread::JoinHandle<Exit>,
+    ) {
         let (m, l) = region();
-        write_table(&*m, &[&A]).unwrap();
+        write_table(&*m, &[&HELD]).unwrap();
         let t = Arc::new(EventTable::new(m.clone(), l, Selection::default()));
         t.hold_answers();
         let exit = {
@@ -248,23 +251,32 @@ mod tests {
             t.settle(Duration::from_millis(1), || Instant::now() > deadline),
             Settled::Registered
         );
+        (m, t, exit)
+    }
+
+    /// A held answer: the registering exit waits, the run meanwhile sees the
+    /// registration (settle, formats) while the guest's table is not answered yet; the
+    /// release answers it and ends the exit. Unheld, the exit answers at once.
+    #[test]
+    fn a_held_answer_waits_for_the_release() {
+        let (m, t, exit) = held_exit();
         assert_eq!(t.formats().len(), 1);
         // The guest's view: no answer yet, however long the exit is held.
         std::thread::sleep(Duration::from_millis(50));
         assert!(!exit.is_finished(), "the exit returned before the release");
         assert_eq!(
-            wait_registered(&*m, &[&A], 10),
+            wait_registered(&*m, &[&HELD], 10),
             Err(RegisterError::NotAnswered)
         );
         t.release_answers();
         exit.join().expect("exit thread");
-        assert_eq!(read_answer(&*m, &[&A]), Ok(1));
+        assert_eq!(read_answer(&*m, &[&HELD]), Ok(1));
         // Not held: answered during the exit.
         let (m, l) = region();
-        write_table(&*m, &[&A]).unwrap();
+        write_table(&*m, &[&HELD]).unwrap();
         let t = EventTable::new(m.clone(), l, Selection::default());
         t.register(0);
-        assert_eq!(read_answer(&*m, &[&A]), Ok(1));
+        assert_eq!(read_answer(&*m, &[&HELD]), Ok(1));
     }
 
     /// A VM stopped while vCPU 0's answer is held (an early return of the run: a bad
@@ -272,20 +284,7 @@ mod tests {
     /// `on_stop`, so joining the vCPU never waits out the hold (review, issue 38).
     #[test]
     fn stopping_releases_a_held_answer() {
-        static A: Event<'static> = Event::new("g", "a", F, "\"%llu\", REC->v", 16, 0, 0);
-        let (m, l) = region();
-        write_table(&*m, &[&A]).unwrap();
-        let t = Arc::new(EventTable::new(m.clone(), l, Selection::default()));
-        t.hold_answers();
-        let exit = {
-            let t = Arc::clone(&t);
-            std::thread::spawn(move || t.register(0))
-        };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        assert_eq!(
-            t.settle(Duration::from_millis(1), || Instant::now() > deadline),
-            Settled::Registered
-        );
+        let (_m, t, exit) = held_exit();
         RegisterHook::on_stop(&*t);
         // Well within the hold: without `on_stop` the exit would return only after it.
         let bound = Instant::now() + hyptrace_embed::ANSWER_HOLD_MAX / 2;
