@@ -9,10 +9,9 @@
 //!
 //! The level of each batch is chosen when it is handed over ([`ZPool::submit`]): the
 //! sink's level, or — for a sink fed by live rings ([`crate::PageSink::set_live`]) whose
-//! workers have a full queue (`limit` batches in flight: more than a burst of the
-//! drain's) — the catch-up level, which stores at about memory speed, for up to as many
-//! batches again: the workers catch up instead of making the rings wait (a larger file,
-//! no lost events).
+//! workers are behind (half of `limit` batches in flight) — the catch-up level, which
+//! stores at about memory speed, up to twice `limit` batches in flight: the workers
+//! catch up instead of making the rings wait (a larger file, no lost events).
 //!
 //! No wait is for ever: a worker waiting for its turn gives up when the chunk before
 //! failed or the pool is dropped ([`Shared::abandon`]); a worker that panicked is seen
@@ -248,10 +247,10 @@ impl ZPool {
         direct: Option<DirectTo>,
     ) -> Result<(), OutputError> {
         self.collect()?;
-        // A full queue: a live sink goes on at the catch-up level (its batches cost the
-        // workers little) up to twice the limit; otherwise it waits.
+        // Workers behind: a live sink goes on at the catch-up level (its batches cost
+        // the workers little) up to twice the limit; otherwise it waits at the limit.
         let (level, most) = match catch_up {
-            Some(fast) if self.in_flight >= self.limit => {
+            Some(fast) if 2 * self.in_flight >= self.limit => {
                 self.caught_up += 1;
                 (fast, 2 * self.limit)
             }
