@@ -89,6 +89,15 @@ pub fn parse_event_count(s: &str) -> Result<u64, EventCountError> {
 /// writer that writes is polled sooner (down to continuously) whatever the period.
 pub const DEFAULT_POLL_MS: u64 = 5;
 
+// The other defaults of `run`/`record`, shared by their clap attributes and
+// `RunArgs::default()` (one value each).
+const DEFAULT_VCPUS: u32 = 2;
+const DEFAULT_EVENTS: u64 = 100_000;
+const DEFAULT_RATE: u64 = 200_000;
+const DEFAULT_BUFFER_KB: u64 = 1024;
+const DEFAULT_PAGE_SIZE: u64 = 4096;
+const DEFAULT_MAILBOX_TIMEOUT_MS: u64 = 5000;
+
 /// Options of `hyptrace ctl`.
 #[derive(Clone, Debug, Args)]
 pub struct CtlArgs {
@@ -557,7 +566,7 @@ pub struct RunArgs {
     #[arg(
         long,
         value_name = "N",
-        default_value_t = 2,
+        default_value_t = DEFAULT_VCPUS,
         allow_negative_numbers = true,
         value_parser = clap::value_parser!(u32).range(1..=i64::from(MAX_VCPUS))
     )]
@@ -566,7 +575,7 @@ pub struct RunArgs {
     #[arg(
         long,
         value_name = "N",
-        default_value_t = 100_000,
+        default_value_t = DEFAULT_EVENTS,
         allow_negative_numbers = true,
         value_parser = parse_event_count
     )]
@@ -576,7 +585,7 @@ pub struct RunArgs {
     #[arg(
         long,
         value_name = "R",
-        default_value_t = 200_000,
+        default_value_t = DEFAULT_RATE,
         allow_negative_numbers = true
     )]
     pub rate: u64,
@@ -588,7 +597,7 @@ pub struct RunArgs {
     #[arg(
         long = "buffer-kb",
         value_name = "K",
-        default_value_t = 1024,
+        default_value_t = DEFAULT_BUFFER_KB,
         allow_negative_numbers = true
     )]
     pub buffer_kb: u64,
@@ -596,7 +605,7 @@ pub struct RunArgs {
     #[arg(
         long = "page-size",
         value_name = "B",
-        default_value_t = 4096,
+        default_value_t = DEFAULT_PAGE_SIZE,
         allow_negative_numbers = true
     )]
     pub page_size: u64,
@@ -626,7 +635,7 @@ pub struct RunArgs {
     #[arg(
         long = "mailbox-timeout-ms",
         value_name = "MS",
-        default_value_t = 5000,
+        default_value_t = DEFAULT_MAILBOX_TIMEOUT_MS,
         allow_negative_numbers = true
     )]
     pub mailbox_timeout_ms: u64,
@@ -746,17 +755,17 @@ impl Default for RunArgs {
     /// what the bench harness and `list` start from, as typed values.
     fn default() -> Self {
         Self {
-            vcpus: 2,
-            events: 100_000,
-            rate: 200_000,
+            vcpus: DEFAULT_VCPUS,
+            events: DEFAULT_EVENTS,
+            rate: DEFAULT_RATE,
             workload: WorkloadArg::Steady,
-            buffer_kb: 1024,
-            page_size: 4096,
+            buffer_kb: DEFAULT_BUFFER_KB,
+            page_size: DEFAULT_PAGE_SIZE,
             mem_mb: None,
             mode: ModeArg::Overwrite,
             swap: SwapArg::Host,
             poll_ms: DEFAULT_POLL_MS,
-            mailbox_timeout_ms: 5000,
+            mailbox_timeout_ms: DEFAULT_MAILBOX_TIMEOUT_MS,
             duration: None,
             stats: None,
             guest: None,
