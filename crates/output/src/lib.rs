@@ -44,6 +44,7 @@ pub mod merge;
 mod plugins;
 mod sink;
 mod sinks;
+mod tap;
 mod target;
 pub mod text;
 mod threaded;
@@ -74,6 +75,7 @@ pub use sinks::{
     is_raw_stream, JsonSink, RawReader, RawSink, RawTrace, StreamOut, StreamSink, TextSink,
     JSON_MAX_SAFE_INTEGER, JSON_PID, RAW_MAGIC, RAW_MAGIC_V1,
 };
+pub use tap::{Discard, Tap};
 pub use target::{
     set_wait_interrupt, stdout_closed, OutputFile, OutputTarget, QuietStdout, TargetKind,
 };

@@ -58,6 +58,7 @@ struct Chunk {
 enum Msg {
     Chunk(Chunk),
     TrailingLost(u32, u64),
+    EndCpu(u32),
 }
 
 type Worker = JoinHandle<Result<Box<dyn PageSink + Send>, OutputError>>;
@@ -246,11 +247,15 @@ fn run(
                 let _ = free.try_send(c);
             }
             Msg::TrailingLost(cpu, lost) => inner.trailing_lost(cpu, lost)?,
+            Msg::EndCpu(cpu) => inner.end_cpu(cpu)?,
         }
     }
     Ok(inner)
 }
 
+// Every method written out: a default body would hide the call from the inner sink
+// (crate::tap).
+#[deny(clippy::missing_trait_methods)]
 impl PageSink for ThreadedSink {
     fn abandon(&mut self) {
         self.stop.abandoned.store(true, Ordering::Relaxed);
@@ -292,6 +297,15 @@ impl PageSink for ThreadedSink {
         self.send_cur()?;
         self.send(Msg::TrailingLost(cpu, lost))
     }
+
+    fn end_cpu(&mut self, cpu: u32) -> Result<(), OutputError> {
+        self.check()?;
+        self.send_cur()?;
+        self.send(Msg::EndCpu(cpu))
+    }
+
+    /// The inner sink was told at [`ThreadedSink::new`]: pages on a thread are live.
+    fn set_live(&mut self) {}
 
     fn idle(&mut self) -> Result<(), OutputError> {
         self.check()?;

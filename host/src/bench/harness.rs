@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use hyptrace_abi::guest::{result, Workload, RUN_FLAG_BENCH_TYPED};
-use hyptrace_output::{OutputError, PageSink, RunSummary, ThreadedSink};
+use hyptrace_output::{Discard, PageSink, Tap, ThreadedSink};
 use hyptrace_reader::{Callbacks, ReadError, SwapReply, SwapStatus};
 use vm_memory::{Bytes, GuestAddress};
 
@@ -175,12 +175,7 @@ impl Callbacks for Timed {
     }
 }
 
-/// Counts what reaches the sink (and the first page's timestamp), then forwards.
-struct CountSink {
-    inner: Option<Box<dyn PageSink + Send>>,
-    stats: Arc<SinkStats>,
-}
-
+/// What reaches the sink (counted by a [`Tap`] in front of it).
 #[derive(Debug, Default)]
 struct SinkStats {
     pages: AtomicU64,
@@ -189,25 +184,13 @@ struct SinkStats {
     first_ts: AtomicU64,
 }
 
-impl PageSink for CountSink {
-    fn page(&mut self, cpu: u32, page: &[u8], missed: Option<u64>) -> Result<(), OutputError> {
-        self.stats.pages.fetch_add(1, Ordering::Relaxed);
-        self.stats
-            .bytes
-            .fetch_add(page.len() as u64, Ordering::Relaxed);
+impl SinkStats {
+    fn count(&self, page: &[u8]) {
+        self.pages.fetch_add(1, Ordering::Relaxed);
+        self.bytes.fetch_add(page.len() as u64, Ordering::Relaxed);
         if let Some(ts) = page.get(..8) {
             let ts = u64::from_le_bytes(ts.try_into().unwrap_or([0xff; 8]));
-            self.stats.first_ts.fetch_min(ts, Ordering::Relaxed);
-        }
-        match self.inner.as_mut() {
-            Some(s) => s.page(cpu, page, missed),
-            None => Ok(()),
-        }
-    }
-    fn finish(self: Box<Self>, summary: &RunSummary) -> Result<(), OutputError> {
-        match self.inner {
-            Some(s) => s.finish(summary),
-            None => Ok(()),
+            self.first_ts.fetch_min(ts, Ordering::Relaxed);
         }
     }
 }
@@ -267,11 +250,13 @@ pub(super) fn vm_run(spec: &VmSpec) -> Result<VmOut, BenchError> {
     let target = check_destination(&tmp, "bench")?;
     let (kind, stats) = (spec.sink, sink_stats.clone());
     let make: MakeSink = Box::new(move |meta| {
-        let inner = match kind {
-            SinkKind::Null => None,
-            SinkKind::File(format, c) => Some(make_sink(&target, format, c, meta)?),
+        let inner: Box<dyn PageSink + Send> = match kind {
+            SinkKind::Null => Box::new(Discard),
+            SinkKind::File(format, c) => make_sink(&target, format, c, meta)?,
         };
-        let counted = Box::new(CountSink { inner, stats });
+        let counted = Box::new(Tap::new(inner, move |_cpu: u32, page: &[u8]| {
+            stats.count(page)
+        }));
         Ok(match kind {
             // The reader alone (the writer section): no thread.
             SinkKind::Null => counted,

@@ -9,7 +9,7 @@
 use std::time::{Duration, Instant};
 
 use hyptrace_abi::page::{page_header, Events, PAGE_HEADER_SIZE};
-use hyptrace_output::{Clock, OutputError, PageSink, RunSummary};
+use hyptrace_output::{Clock, Discard};
 
 use super::drain::{filled_region, ReaderDrainRow, Throughput};
 use super::stats::Summary;
@@ -25,17 +25,6 @@ const FETCH: u64 = 1 << 20;
 
 /// The run loop's idle period (`--poll-ms`'s default).
 const POLL: Duration = Duration::from_millis(5);
-
-/// The own output of the session: nothing reaches it while a subscriber takes all.
-struct Discard;
-impl PageSink for Discard {
-    fn page(&mut self, _: u32, _: &[u8], _: Option<u64>) -> Result<(), OutputError> {
-        Ok(())
-    }
-    fn finish(self: Box<Self>, _: &RunSummary) -> Result<(), OutputError> {
-        Ok(())
-    }
-}
 
 /// The run loop's side: subscribe and fetch over the session.
 struct Vmm<S> {

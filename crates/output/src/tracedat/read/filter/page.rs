@@ -352,6 +352,9 @@ impl FilteredSink {
     }
 }
 
+// Every method written out: a default body would hide the call from the inner sink
+// (crate::tap).
+#[deny(clippy::missing_trait_methods)]
 impl PageSink for FilteredSink {
     fn page(&mut self, cpu: u32, page: &[u8], missed: Option<u64>) -> Result<(), OutputError> {
         let done = self
