@@ -77,9 +77,9 @@ pub enum Section {
     Sustained,
 }
 
-/// Ring pages per vCPU (reader page included): `--buffer-kb 1024` of 4 KiB pages, the
-/// CLI's default.
-const DEFAULT_PAGES: u64 = 256;
+/// Ring pages per vCPU (reader page included): the CLI's default `--buffer-kb` of 4 KiB
+/// pages.
+const DEFAULT_PAGES: u64 = crate::pipeline::options::DEFAULT_BUFFER_KB * 1024 / PAGE_SIZE;
 const PAGE_SIZE: u64 = 4096;
 /// Largest payload of the guest's bench workload.
 const MAX_BENCH_PAYLOAD: u32 = 2048;

@@ -237,8 +237,9 @@ fn drain(s: &mut String, v: &BenchReport) {
 fn max_rate(s: &mut String, v: &BenchReport) {
     let _ = writeln!(
         s,
-        "\nhighest --rate with zero loss (stop mode, idle poll {} ms, 1 MiB/vCPU, record to {}; every run of a step loss-free)",
+        "\nhighest --rate with zero loss (stop mode, idle poll {} ms, {} KiB/vCPU, record to {}; every run of a step loss-free)",
         crate::pipeline::options::DEFAULT_POLL_MS,
+        v.max_rate.first().map_or(0, |r| r.buffer_kb),
         v.max_rate.first().map_or("trace.dat", |r| r.sink.as_str()),
     );
     for r in &v.max_rate {

@@ -132,7 +132,26 @@ fn guest_memory(
         }
     }
     .map_err(Error::MemoryMmap)?;
+    for region in memory.iter().filter(|r| r.file_offset().is_none()) {
+        advise_huge(region.as_ptr(), region.len() as usize);
+    }
     Ok(memory)
+}
+
+/// Asks for transparent huge pages on anonymous guest memory (`madvise`, the mode
+/// Debian's kernels default to): the rings and the guest's own 2 MiB mappings are
+/// then faulted in 2 MiB at a time, not 4 KiB — fewer faults at start-up (each costs
+/// more under a hypervisor) and fewer TLB misses. Only a hint: refused, nothing changes.
+fn advise_huge(addr: *mut u8, len: usize) {
+    // SAFETY: `addr..addr + len` is one live anonymous mapping owned by the guest
+    // memory; MADV_HUGEPAGE changes how it is backed, not its contents or lifetime.
+    let r = unsafe { libc::madvise(addr.cast(), len, libc::MADV_HUGEPAGE) };
+    if r != 0 {
+        log::debug!(
+            "madvise(MADV_HUGEPAGE) on guest memory: {}",
+            std::io::Error::last_os_error()
+        );
+    }
 }
 
 /// Registers every region of `memory` with KVM, each in a slot of its own.
