@@ -1,6 +1,7 @@
 //! trace.dat writer: the CPU data written as the run goes on (`cpudata`), the
 //! metadata (`head`) and the file assembled at the end, v6 or v7.
 
+use crate::error::{MetaError, PageProblem};
 use std::fs::File;
 use std::io::{self, Write};
 use std::os::unix::fs::FileExt;
@@ -90,9 +91,11 @@ impl TraceDatSink {
             // trace-cmd 3.1.6 ignores the offset and sign-extends mult ≥ 2^31: refuse what it
             // would print differently from our own conversion.
             if t.offset != 0 || t.mult > i32::MAX as u32 || t.mult == 0 || t.shift > 32 {
-                return Err(OutputError::BadMeta(format!(
-                    "TSC2NSEC {t:?}: trace-cmd needs offset 0, 0 < mult < 2^31, shift <= 32"
-                )));
+                return Err(OutputError::Meta(MetaError::Tsc2Nsec {
+                    mult: t.mult,
+                    shift: t.shift,
+                    offset: t.offset,
+                }));
             }
         }
         let trailing =
@@ -326,7 +329,7 @@ impl TraceDatSink {
         if data.ended(c) {
             return Err(OutputError::BadPage {
                 cpu,
-                reason: "page after the CPU was ended".into(),
+                problem: PageProblem::Ended,
             });
         }
         let slot = match data.slot(c) {
@@ -451,7 +454,10 @@ impl PageSink for TraceDatSink {
         if cpu >= self.meta.nr_cpus {
             return Err(OutputError::BadPage {
                 cpu,
-                reason: format!("cpu {cpu} ≥ nr_cpus {}", self.meta.nr_cpus),
+                problem: PageProblem::NoSuchCpu {
+                    cpu,
+                    nr_cpus: self.meta.nr_cpus,
+                },
             });
         }
         if let Err(e) = data.end_cpu(cpu as usize) {
