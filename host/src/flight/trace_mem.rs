@@ -39,7 +39,7 @@ pub use hyptrace_reader::trace_file::{
 
 /// Why the trace memory file could not be set up.
 #[derive(Debug, thiserror::Error)]
-#[error("--trace-mem {path}: {why}", path = .path.display())]
+#[error("--trace-mem {path}", path = .path.display())]
 pub struct TraceMemError {
     /// The file.
     pub path: PathBuf,
