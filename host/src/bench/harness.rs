@@ -35,7 +35,7 @@ pub(super) struct VmSpec {
     pub(super) time_swaps: bool,
     /// Whether the reader drains while the guest runs (`--drain live`; else `none`).
     pub(super) drain_live: bool,
-    /// The `bench` workload's typed loop ([`RUN_FLAG_BENCH_TYPED`]).
+    /// The `bench` workload's typed loop ([`hyptrace_abi::guest::RUN_FLAG_BENCH_TYPED`]).
     pub(super) typed: bool,
 }
 
@@ -364,6 +364,9 @@ mod tests {
             ..writer_spec(1, 16)
         })
         .expect("plan");
-        assert_eq!(typed.params.flags, RUN_FLAG_BENCH_TYPED);
+        assert_eq!(
+            typed.params.flags,
+            hyptrace_abi::guest::RUN_FLAG_BENCH_TYPED
+        );
     }
 }

@@ -323,7 +323,7 @@ mod tests {
                 })
                 .collect(),
             mode: "stop",
-            poll_ms: super::POLL_MS as u32,
+            poll_ms: crate::bench::POLL_MS as u32,
             buffer_kb: 1024,
             sink: "trace.dat v7 file in /tmp".into(),
         }

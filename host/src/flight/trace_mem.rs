@@ -551,8 +551,8 @@ pub(super) mod tests {
             }
             other => panic!("{other:?}"),
         }
-        let e = TraceMemFile::create(&f, &ring()).expect_err("refused");
-        assert!(e.to_string().contains("pid 4242"), "{e}");
+        let e = crate::exit::chain(&TraceMemFile::create(&f, &ring()).expect_err("refused"));
+        assert!(e.contains("pid 4242"), "{e}");
         assert_eq!(std::fs::read(&f).expect("read"), bytes, "untouched");
         drop(holder);
         assert_eq!(entries(&d), ["f"], "no temporary file left");
