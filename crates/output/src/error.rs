@@ -64,16 +64,9 @@ pub enum OutputError {
         /// What is wrong.
         problem: RawProblem,
     },
-    /// A part of a multi-buffer trace.dat is refused.
-    #[error("buffer {name} ({path}): {problem}", path = .path.display())]
-    Part {
-        /// The part's instance name.
-        name: String,
-        /// Its file.
-        path: PathBuf,
-        /// Why it does not fit.
-        problem: PartProblem,
-    },
+    /// A part of a multi-buffer trace.dat is refused (boxed: the error stays small).
+    #[error(transparent)]
+    Part(Box<PartError>),
     /// Reading a part of a multi-buffer trace.dat failed.
     #[error("reading a buffer part")]
     ReadPart(#[source] Box<OutputError>),
@@ -273,7 +266,19 @@ pub enum RawProblem {
     Tag,
 }
 
-/// Why a part of a multi-buffer trace.dat is refused ([`OutputError::Part`]).
+/// A part of a multi-buffer trace.dat refused ([`OutputError::Part`]).
+#[derive(Debug, thiserror::Error)]
+#[error("buffer {name} ({path}): {problem}", path = .path.display())]
+pub struct PartError {
+    /// The part's instance name.
+    pub name: String,
+    /// Its file.
+    pub path: PathBuf,
+    /// Why it does not fit.
+    pub problem: PartProblem,
+}
+
+/// Why a part of a multi-buffer trace.dat is refused ([`PartError`]).
 #[derive(Debug, thiserror::Error)]
 pub enum PartProblem {
     /// The instance name is not one a part may have.

@@ -9,7 +9,7 @@
 //! `trace-cmd report` reads every instance and merges them by time, each line prefixed
 //! with its instance's name; KernelShark opens each instance as a stream.
 
-use crate::error::PartProblem;
+use crate::error::{PartError, PartProblem};
 use std::fs::File;
 use std::io::{self, Read, Seek, SeekFrom, Write};
 use std::path::PathBuf;
@@ -52,11 +52,11 @@ struct Opened {
 }
 
 fn bad(part: &BufferPart, problem: PartProblem) -> OutputError {
-    OutputError::Part {
+    OutputError::Part(Box::new(PartError {
         name: part.name.clone(),
         path: part.path.clone(),
         problem,
-    }
+    }))
 }
 
 /// Opens a part and checks that it can be an instance of a file with `meta`'s page
