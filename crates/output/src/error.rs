@@ -325,3 +325,39 @@ pub enum PartProblem {
     #[error("event id {0} twice")]
     EventIdTwice(u16),
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The typed details print as the messages users saw when they were text.
+    #[test]
+    fn typed_details_print_as_before() {
+        let e = crate::export::check_page_size(1000).expect_err("not a power of two");
+        assert_eq!(
+            e.to_string(),
+            "bad trace metadata: page size 1000 is not a power of two in 4096..=64MiB"
+        );
+        let e = OutputError::Raw {
+            path: Some("/tmp/a.raw".into()),
+            problem: RawProblem::Truncated,
+        };
+        assert_eq!(
+            e.to_string(),
+            "malformed raw page stream: /tmp/a.raw: truncated"
+        );
+        let e = OutputError::Part(Box::new(PartError {
+            name: "b".into(),
+            path: "/tmp/b.dat".into(),
+            problem: PartProblem::EventIdTwice(7),
+        }));
+        assert_eq!(e.to_string(), "buffer b (/tmp/b.dat): event id 7 twice");
+        let e = OutputError::BadPage {
+            cpu: 2,
+            problem: PageProblem::NoSuchCpu { cpu: 2, nr_cpus: 1 },
+        };
+        assert_eq!(e.to_string(), "bad page (cpu 2): cpu 2 ≥ nr_cpus 1");
+        let e = OutputError::Unsupported(UnsupportedDat::Version(9));
+        assert_eq!(e.to_string(), "unsupported trace.dat: trace.dat version 9");
+    }
+}

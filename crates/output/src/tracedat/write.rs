@@ -712,6 +712,31 @@ mod tests {
         }
     }
 
+    /// A zstd failure is a compression error naming the CPU, zstd's error its source
+    /// (not metadata, not an I/O error of the spill file).
+    #[test]
+    fn zstd_failure_is_compress_with_its_source() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = crate::OutputTarget::check(dir.path().join("x.dat")).unwrap();
+        let pages: Vec<u8> = test_pages(5, 2).concat();
+        // Room for one page per batch: two pages are more than the compressor holds.
+        let mut z = super::super::cpuout::Zstd::new(pages.len() / 2, 1).unwrap();
+        let mut o = CpuOut::new(&target, 5).unwrap();
+        let e = z
+            .chunks(&pages, super::super::cpuout::ZSTD_LEVEL, &mut o)
+            .expect_err("over the batch");
+        assert!(
+            matches!(&e, OutputError::Compress { cpu: Some(5), .. }),
+            "{e:?}"
+        );
+        assert_eq!(e.to_string(), "zstd compression of cpu 5's data");
+        let source = std::error::Error::source(&e).expect("zstd's error kept");
+        assert!(
+            !e.to_string().contains(&source.to_string()),
+            "{e}: {source}"
+        );
+    }
+
     /// A chunk at the catch-up level reads back as the pages it holds.
     #[test]
     fn catch_up_chunks_read_back() {
