@@ -1,6 +1,7 @@
 //! The page-sink interface: ring pages are copied out through a callback into a sink
 //! (the perf-AUX idea), which writes them in its format.
 
+use crate::error::{MetaError, PageProblem};
 use std::collections::BTreeMap;
 
 use crate::clock::Clock;
@@ -42,12 +43,12 @@ impl TraceMeta {
     pub fn validate(&self) -> Result<(), OutputError> {
         crate::export::check_page_size(self.page_size)?;
         if self.nr_cpus == 0 || self.nr_cpus > 4096 {
-            return Err(OutputError::BadMeta(format!("{} CPUs", self.nr_cpus)));
+            return Err(OutputError::Meta(MetaError::Cpus(self.nr_cpus)));
         }
         let mut ids: Vec<u16> = self.formats.iter().map(|f| f.id).collect();
         ids.sort_unstable();
-        if ids.windows(2).any(|w| w[0] == w[1]) {
-            return Err(OutputError::BadMeta("duplicate event id".into()));
+        if let Some(w) = ids.windows(2).find(|w| w[0] == w[1]) {
+            return Err(OutputError::Meta(MetaError::DuplicateEventId(w[0])));
         }
         Ok(())
     }
@@ -82,17 +83,19 @@ impl TraceMeta {
         if cpu >= self.nr_cpus {
             return Err(OutputError::BadPage {
                 cpu,
-                reason: format!("cpu {cpu} ≥ nr_cpus {}", self.nr_cpus),
+                problem: PageProblem::NoSuchCpu {
+                    cpu,
+                    nr_cpus: self.nr_cpus,
+                },
             });
         }
         if page.len() != self.page_size {
             return Err(OutputError::BadPage {
                 cpu,
-                reason: format!(
-                    "page of {} bytes, page size is {}",
-                    page.len(),
-                    self.page_size
-                ),
+                problem: PageProblem::Size {
+                    len: page.len(),
+                    page_size: self.page_size,
+                },
             });
         }
         Ok(())

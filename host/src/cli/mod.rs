@@ -494,6 +494,9 @@ fn interrupted(e: &OutputError) -> bool {
 }
 
 #[cfg(test)]
+mod error_chains;
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use std::path::Path;
