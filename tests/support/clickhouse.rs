@@ -17,9 +17,8 @@ const START_TIMEOUT: Duration = Duration::from_secs(60);
 /// installed` when not; with `HYPTRACE_REQUIRE_CLICKHOUSE=1` a missing server fails the
 /// test instead.
 pub fn clickhouse_available() -> bool {
-    let ok = std::env::var_os("PATH").is_some_and(|p| {
-        std::env::split_paths(&p).any(|d| d.join("clickhouse-server").is_file())
-    });
+    let ok = std::env::var_os("PATH")
+        .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join("clickhouse-server").is_file()));
     if !ok {
         if std::env::var("HYPTRACE_REQUIRE_CLICKHOUSE").is_ok_and(|v| v == "1") {
             panic!("clickhouse-server not installed and HYPTRACE_REQUIRE_CLICKHOUSE=1");
@@ -106,9 +105,20 @@ impl ClickHouse {
         self.child = Some(child);
         let t = Instant::now();
         while self.get("/ping").as_deref() != Some("Ok.\n") {
-            let exited = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten());
-            assert!(exited.is_none(), "clickhouse-server exited: {exited:?}: {}", self.log());
-            assert!(t.elapsed() < START_TIMEOUT, "clickhouse-server did not answer /ping: {}", self.log());
+            let exited = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten());
+            assert!(
+                exited.is_none(),
+                "clickhouse-server exited: {exited:?}: {}",
+                self.log()
+            );
+            assert!(
+                t.elapsed() < START_TIMEOUT,
+                "clickhouse-server did not answer /ping: {}",
+                self.log()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -152,10 +162,15 @@ impl ClickHouse {
         }
     }
 
+    /// Runs `sql`: `(status, answer)` (TabSeparated), `None` without an answer.
+    pub fn try_query(&self, sql: &str) -> Option<(u16, String)> {
+        let head = format!("POST / HTTP/1.0\r\nContent-Length: {}\r\n\r\n", sql.len());
+        self.request(&head, sql.as_bytes())
+    }
+
     /// Runs `sql`, returns its answer (TabSeparated); fails on an error.
     pub fn query(&self, sql: &str) -> String {
-        let head = format!("POST / HTTP/1.0\r\nContent-Length: {}\r\n\r\n", sql.len());
-        match self.request(&head, sql.as_bytes()) {
+        match self.try_query(sql) {
             Some((200, b)) => b,
             r => panic!("query {sql}: {r:?}"),
         }

@@ -79,10 +79,7 @@ impl Client {
         })
     }
 
-    fn answer(
-        &self,
-        r: Result<ureq::Response, ureq::Error>,
-    ) -> Result<String, ClickHouseError> {
+    fn answer(&self, r: Result<ureq::Response, ureq::Error>) -> Result<String, ClickHouseError> {
         let read = |resp: ureq::Response| {
             let mut b = Vec::new();
             resp.into_reader()
@@ -104,7 +101,8 @@ impl Client {
             }),
             Err(ureq::Error::Transport(t)) => Err(ClickHouseError::Unreachable {
                 addr: self.addr.clone(),
-                source: Box::new(t),
+                kind: t.kind().to_string(),
+                source: std::error::Error::source(&t).map(|e| e.to_string().into()),
             }),
         }
     }

@@ -9,13 +9,16 @@ pub enum ClickHouseError {
     #[error(transparent)]
     Url(#[from] UrlError),
     /// No HTTP answer: refused, reset, timed out, name not resolved.
-    #[error("ClickHouse at {addr} is unreachable")]
+    #[error("ClickHouse at {addr} is unreachable ({kind})")]
     Unreachable {
         /// `HOST:PORT`.
         addr: String,
-        /// The transport error.
+        /// What failed (`Connection Failed`, `Network Error`, `Dns Failed`...).
+        kind: String,
+        /// The OS error under it, if any (the transport error without the request's
+        /// URL, which repeats the query).
         #[source]
-        source: Box<ureq::Transport>,
+        source: Option<Box<dyn std::error::Error + Send + Sync>>,
     },
     /// The server answered an HTTP error; `text` is the start of its answer (bounded,
     /// made printable).

@@ -40,7 +40,7 @@ const MAX_BACKOFF: Duration = Duration::from_secs(1);
 const FIRST_BACKOFF: Duration = Duration::from_millis(50);
 
 /// How the sink batches and retries.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug)]
 pub struct Options {
     /// Rows per batch at most (also bounded by [`MAX_BATCH_BYTES`]).
     pub batch_rows: u64,
@@ -48,6 +48,16 @@ pub struct Options {
     pub batch_age: Duration,
     /// How long a batch is retried before the sink fails (exit 1).
     pub retry_for: Duration,
+    /// Told (one line) when a batch failed and is being checked and retried, and when
+    /// it is stored after all: the server's trouble holds the run, the user should
+    /// know. Default: the line on stderr after `hyptrace: `.
+    pub notify: fn(&str),
+}
+
+/// [`Options::notify`]'s default: `hyptrace: LINE` on stderr.
+fn notify_stderr(line: &str) {
+    use std::io::Write as _;
+    let _ = writeln!(std::io::stderr(), "hyptrace: {line}");
 }
 
 impl Default for Options {
@@ -56,6 +66,7 @@ impl Default for Options {
             batch_rows: 65_536,
             batch_age: Duration::from_secs(1),
             retry_for: Duration::from_secs(60),
+            notify: notify_stderr,
         }
     }
 }
@@ -182,7 +193,9 @@ impl ClickHouseSink {
     /// An `events` row.
     fn event_row(&mut self, cpu: u32, raw_ts: u64, payload: &[u8]) {
         let ns = self.meta.clock.trace_cmd_ns(raw_ts);
-        let id = payload.get(..2).map_or(0, |b| u16::from_le_bytes([b[0], b[1]]));
+        let id = payload
+            .get(..2)
+            .map_or(0, |b| u16::from_le_bytes([b[0], b[1]]));
         let pid = payload
             .get(4..8)
             .map_or(0, |b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]));
@@ -219,7 +232,9 @@ impl ClickHouseSink {
         self.events.n >= self.opts.batch_rows
             || self.losses.n >= self.opts.batch_rows
             || self.events.data.len() >= MAX_BATCH_BYTES
-            || self.since.is_some_and(|t| t.elapsed() >= self.opts.batch_age)
+            || self
+                .since
+                .is_some_and(|t| t.elapsed() >= self.opts.batch_age)
     }
 
     /// Sends the batch being filled (both tables), each exactly once.
@@ -253,15 +268,22 @@ impl ClickHouseSink {
             Ok(()) => return Ok(()),
             Err(e) => e,
         };
-        log::warn!("{last}: checking and retrying {table} batch {batch}");
-        let count = format!("SELECT count() FROM {db}.{table} WHERE run = '{run}' AND batch = {batch}");
+        (self.opts.notify)(&format!(
+            "{}: checking and retrying {table} batch {batch}",
+            chain(&last)
+        ));
+        let count =
+            format!("SELECT count() FROM {db}.{table} WHERE run = '{run}' AND batch = {batch}");
         let deadline = Instant::now() + self.opts.retry_for;
         let mut pause = FIRST_BACKOFF;
         // Bounded by the deadline.
         while Instant::now() < deadline {
             std::thread::sleep(pause);
             pause = (pause * 2).min(MAX_BACKOFF);
-            self.counts.lock().unwrap_or_else(|e| e.into_inner()).retries += 1;
+            self.counts
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .retries += 1;
             let r = match self.client.count(&count) {
                 Ok(n) if n == rows.n => Ok(()),
                 Ok(0) => self.client.insert(&insert, &qid, &rows.data),
@@ -279,7 +301,10 @@ impl ClickHouseSink {
             };
             match r {
                 Ok(()) => {
-                    log::warn!("ClickHouse at {}: {table} batch {batch} stored", self.client.addr());
+                    let addr = self.client.addr();
+                    (self.opts.notify)(&format!(
+                        "ClickHouse at {addr}: {table} batch {batch} stored"
+                    ));
                     return Ok(());
                 }
                 Err(e) => last = e,
@@ -295,6 +320,19 @@ impl ClickHouseSink {
     }
 }
 
+/// `e` and its sources, `a: b: c` (one line).
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    // Bounded: an error chain is finite (a handful of links).
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
 /// The fields of event `f` in `payload`: integers as Int64 (an unsigned 64-bit value
 /// above 2^63 − 1 wraps: `reinterpretAsUInt64` gives it back), strings, arrays and
 /// dynamic fields as their bytes.
@@ -303,7 +341,8 @@ fn fields<'a>(f: &'a EventFormat, payload: &'a [u8]) -> Fields<'a> {
     for fd in &f.fields {
         if fd.is_string() || fd.is_array() || fd.is_data_loc() || fd.is_rel_loc() {
             out.str_keys.push(fd.name.as_bytes());
-            out.str_values.push(text::field_bytes(fd, payload).unwrap_or_default());
+            out.str_values
+                .push(text::field_bytes(fd, payload).unwrap_or_default());
         } else if let Some(v) = text::field_int(fd, payload) {
             out.int_keys.push(fd.name.as_bytes());
             out.int_values.push(v as i64);

@@ -51,15 +51,15 @@ impl ClickHouseUrl {
             url: hyptrace_output::escape_guest_str(url).into_owned(),
             why: why.into(),
         };
-        let rest = url.strip_prefix(SCHEME).ok_or_else(|| bad("not clickhouse://"))?;
+        let rest = url
+            .strip_prefix(SCHEME)
+            .ok_or_else(|| bad("not clickhouse://"))?;
         let (authority, path) = rest.split_once('/').ok_or_else(|| bad("no /DATABASE"))?;
         let (db, query) = match path.split_once('?') {
             Some((d, q)) => (d, Some(q)),
             None => (path, None),
         };
-        let (host, port) = authority
-            .rsplit_once(':')
-            .ok_or_else(|| bad("no :PORT"))?;
+        let (host, port) = authority.rsplit_once(':').ok_or_else(|| bad("no :PORT"))?;
         let host_ok = host.len() <= MAX_HOST
             && !host.is_empty()
             && host
@@ -103,11 +103,17 @@ mod tests {
     #[test]
     fn good_urls() {
         let u = ClickHouseUrl::parse("clickhouse://127.0.0.1:8123/db_1").unwrap();
-        assert_eq!((u.host.as_str(), u.port, u.database.as_str()), ("127.0.0.1", 8123, "db_1"));
+        assert_eq!(
+            (u.host.as_str(), u.port, u.database.as_str()),
+            ("127.0.0.1", 8123, "db_1")
+        );
         assert_eq!(u.vm, None);
         let u = ClickHouseUrl::parse("clickhouse://ch.example:1/x?vm=web-1.a").unwrap();
         assert_eq!(u.vm.as_deref(), Some("web-1.a"));
-        assert_eq!(ClickHouseUrl::parse("clickhouse://[::1]:9/x").unwrap().host, "[::1]");
+        assert_eq!(
+            ClickHouseUrl::parse("clickhouse://[::1]:9/x").unwrap().host,
+            "[::1]"
+        );
     }
 
     #[test]
@@ -131,7 +137,9 @@ mod tests {
         ] {
             assert!(ClickHouseUrl::parse(u).is_err(), "{u} accepted");
         }
-        let e = ClickHouseUrl::parse("clickhouse://h:1/a\nb").unwrap_err().to_string();
+        let e = ClickHouseUrl::parse("clickhouse://h:1/a\nb")
+            .unwrap_err()
+            .to_string();
         assert!(!e.contains('\n'), "{e}");
     }
 }

@@ -303,7 +303,11 @@ pub fn run(a: &RunArgs) -> Result<i32, CliError> {
 
 /// `hyptrace record`.
 pub fn record(a: &RecordArgs) -> Result<i32, CliError> {
-    if let Some(url) = a.output.to_str().filter(|s| hyptrace_clickhouse::is_clickhouse_url(s)) {
+    if let Some(url) = a
+        .output
+        .to_str()
+        .filter(|s| hyptrace_clickhouse::is_clickhouse_url(s))
+    {
         let (url, client) = clickhouse_output(url, a.format.is_some() || a.compression.is_some())?;
         return execute(
             &a.run,
@@ -327,7 +331,12 @@ pub fn record(a: &RecordArgs) -> Result<i32, CliError> {
 /// Where `record` writes.
 enum RecordOut<'a> {
     /// A file: its path, format, compression and `-F` filters.
-    File(&'a PathBuf, Format, hyptrace_output::Compression, &'a [String]),
+    File(
+        &'a PathBuf,
+        Format,
+        hyptrace_output::Compression,
+        &'a [String],
+    ),
     /// A ClickHouse server, reached, and the `-F` filters.
     ClickHouse(
         hyptrace_clickhouse::ClickHouseUrl,
@@ -342,13 +351,18 @@ enum RecordOut<'a> {
 pub fn clickhouse_output(
     url: &str,
     formatted: bool,
-) -> Result<(hyptrace_clickhouse::ClickHouseUrl, hyptrace_clickhouse::Client), CliError> {
+) -> Result<
+    (
+        hyptrace_clickhouse::ClickHouseUrl,
+        hyptrace_clickhouse::Client,
+    ),
+    CliError,
+> {
     let url = hyptrace_clickhouse::ClickHouseUrl::parse(url)
         .map_err(|e| CliError::ClickHouse(e.into()))?;
     if formatted {
         return Err(CliError::Args(
-            "--format and --compression name file formats; -o clickhouse://... writes rows"
-                .into(),
+            "--format and --compression name file formats; -o clickhouse://... writes rows".into(),
         ));
     }
     let client = hyptrace_clickhouse::prepare(&url).map_err(CliError::ClickHouse)?;
@@ -447,10 +461,7 @@ pub fn ctl(a: &CtlArgs) -> Result<i32, CliError> {
 /// `run` and `record`: checks the options and every output path before the VM boots
 /// (a bad one costs nothing), runs the pipeline, prints the report, writes `--stats`.
 /// Returns the run's exit code (its causes are on stderr already).
-fn execute(
-    a: &RunArgs,
-    file: Option<RecordOut<'_>>,
-) -> Result<i32, CliError> {
+fn execute(a: &RunArgs, file: Option<RecordOut<'_>>) -> Result<i32, CliError> {
     let mut plan = Plan::new(a)?;
     if file.is_some() {
         plan.flight.for_record(&a.flight);

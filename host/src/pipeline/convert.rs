@@ -99,7 +99,11 @@ enum Destination {
 /// `-o` of `convert`, checked before the input is read: a path (its format, the file
 /// writable) or `clickhouse://...` (the URL, the server reached, its tables created).
 fn destination(a: &ConvertArgs) -> Result<Destination, ConvertError> {
-    if let Some(url) = a.output.to_str().filter(|s| hyptrace_clickhouse::is_clickhouse_url(s)) {
+    if let Some(url) = a
+        .output
+        .to_str()
+        .filter(|s| hyptrace_clickhouse::is_clickhouse_url(s))
+    {
         let formatted = a.format.is_some() || a.compression.is_some();
         let (url, client) = crate::cli::clickhouse_output(url, formatted).map_err(|e| match e {
             crate::cli::CliError::ClickHouse(e) => ConvertError::ClickHouse(e),
@@ -128,7 +132,11 @@ impl Destination {
 
     /// The sink of a trace `meta` describes, read from `input` (the VM's name on the
     /// rows: the URL's `?vm=`, else the input's file stem).
-    fn sink(&self, meta: TraceMeta, input: &Path) -> Result<Box<dyn PageSink + Send>, ConvertError> {
+    fn sink(
+        &self,
+        meta: TraceMeta,
+        input: &Path,
+    ) -> Result<Box<dyn PageSink + Send>, ConvertError> {
         match self {
             Self::File {
                 target,
@@ -141,8 +149,14 @@ impl Destination {
                 let stem = input.file_stem().map(|s| s.to_string_lossy().into_owned());
                 let vm = url.vm.clone().or(stem).unwrap_or_else(|| "stdin".into());
                 let who = RunIdentity::new(Some(&vm));
-                let s = ClickHouseSink::new(client.clone(), &url.database, who, meta, Options::default())
-                    .map_err(ConvertError::Output)?;
+                let s = ClickHouseSink::new(
+                    client.clone(),
+                    &url.database,
+                    who,
+                    meta,
+                    Options::default(),
+                )
+                .map_err(ConvertError::Output)?;
                 Ok(Box::new(s))
             }
         }
@@ -772,9 +786,7 @@ pub fn convert(a: &ConvertArgs) -> Result<(), ConvertError> {
             let r = match dest.format() {
                 // A trace.dat keeps each CPU's data in one piece: fed CPU by CPU, it is
                 // written once, straight to its place.
-                Some(Format::Dat | Format::Dat6) => {
-                    pump_by_cpu(&f, sink, &mut on_damage, filtered)
-                }
+                Some(Format::Dat | Format::Dat6) => pump_by_cpu(&f, sink, &mut on_damage, filtered),
                 _ => pump_pages(&f, sink, &mut on_damage, filtered),
             };
             (r, counts)

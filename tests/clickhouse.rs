@@ -1,0 +1,302 @@
+//! `-o clickhouse://...` against a real server (tests/support/clickhouse: Debian's
+//! clickhouse-server 18.16, data in a temporary directory): exact accounting, no
+//! duplicate row, a server killed and restarted in the middle of a run, the queries of
+//! docs/fleet.md, bad URLs and an absent server.
+
+use std::collections::BTreeMap;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use hyptrace::clickhouse::{clickhouse_available, ClickHouse};
+use hyptrace::env::{self, assert_usage_error, kvm_available, vm_lock, TempDir};
+
+const BIN: &str = env!("CARGO_BIN_EXE_hyptrace");
+const KRATE: &str = env!("CARGO_CRATE_NAME");
+
+/// Per CPU: (written, read, lost) from a `--stats` file.
+fn stats_per_cpu(path: &str) -> BTreeMap<u64, (u64, u64, u64)> {
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).expect("stats")).expect("JSON");
+    v["cpus"]
+        .as_array()
+        .expect("cpus")
+        .iter()
+        .map(|c| {
+            let n = |k: &str| c[k].as_u64().unwrap_or_else(|| panic!("{k} in {c}"));
+            (n("cpu"), (n("written"), n("read"), n("lost")))
+        })
+        .collect()
+}
+
+/// `cpu\tcount` lines of a query as a map.
+fn per_cpu(answer: &str) -> BTreeMap<u64, u64> {
+    answer
+        .lines()
+        .map(|l| {
+            let (c, n) = l.split_once('\t').unwrap_or_else(|| panic!("line {l:?}"));
+            (c.parse().expect("cpu"), n.parse().expect("count"))
+        })
+        .collect()
+}
+
+/// No (run, cpu, ts) twice in `db.events` (every event of a CPU has its own time).
+fn assert_no_duplicates(ch: &ClickHouse, db: &str) {
+    let d = ch.query(&format!(
+        "SELECT count() - uniqExact(run, cpu, ts) FROM {db}.events"
+    ));
+    assert_eq!(d.trim(), "0", "duplicate rows in {db}.events");
+}
+
+#[test]
+fn record_rows_equal_read_per_cpu() {
+    if !kvm_available(KRATE, "record_rows_equal_read_per_cpu") || !clickhouse_available() {
+        return;
+    }
+    let _g = vm_lock();
+    let ch = ClickHouse::start();
+    let dir = TempDir::new("ch-record");
+    let stats = dir.file("s.json");
+    let url = ch.url("db");
+    let o = env::run(
+        BIN,
+        &[
+            "record", "-o", &url, "--vcpus", "2", "--events", "100000", "--stats", &stats,
+        ],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", env::stderr(&o));
+    let st = stats_per_cpu(&stats);
+    let rows = per_cpu(&ch.query("SELECT cpu, count() FROM db.events GROUP BY cpu ORDER BY cpu"));
+    let read: BTreeMap<u64, u64> = st.iter().map(|(&c, &(_, r, _))| (c, r)).collect();
+    assert_eq!(rows, read, "rows per CPU against the run's read");
+    assert_eq!(
+        read.values().sum::<u64>() + st.values().map(|s| s.2).sum::<u64>(),
+        200_000
+    );
+    assert_no_duplicates(&ch, "db");
+    // Every row names the run's host, a VM, a run; wall time near now.
+    let who = ch.query("SELECT uniqExact(run), min(length(host)), min(length(vm)), min(time_unix_ns) FROM db.events");
+    let f: Vec<&str> = who.trim().split('\t').collect();
+    assert_eq!(f[0], "1", "{who}");
+    assert!(f[1] != "0" && f[2] != "0", "{who}");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64;
+    let t: u64 = f[3].parse().unwrap();
+    assert!(now - t < 600_000_000_000, "time_unix_ns {t}, now {now}");
+}
+
+/// The record's stderr so far.
+fn read(path: &str) -> String {
+    std::fs::read_to_string(path).unwrap_or_default()
+}
+
+/// Stop mode, the server killed (SIGKILL) once rows are in and started again ≥ 2 s
+/// later on the same data and port: every event is a row or a counted loss, no row
+/// twice.
+#[test]
+fn server_killed_and_restarted_mid_run() {
+    if !kvm_available(KRATE, "server_killed_and_restarted_mid_run") || !clickhouse_available() {
+        return;
+    }
+    let _g = vm_lock();
+    let mut ch = ClickHouse::start();
+    let dir = TempDir::new("ch-kill");
+    let (stats, err) = (dir.file("s.json"), dir.file("stderr"));
+    let url = ch.url("db");
+    let mut child = Command::new(BIN)
+        .args(["record", "-o", &url, "--vcpus", "2", "--events", "100000"])
+        .args(["--rate", "15000", "--mode", "stop", "--stats", &stats])
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&err).expect("stderr file"))
+        .spawn()
+        .expect("record");
+    // (The table exists once the record has created it.)
+    let rows_in = |ch: &ClickHouse| match ch.try_query("SELECT count() FROM db.events") {
+        Some((200, n)) => n.trim() != "0",
+        _ => false,
+    };
+    env::wait_until(
+        &mut child,
+        "the first rows",
+        Duration::from_secs(60),
+        || rows_in(&ch),
+        || read(&err),
+    );
+    ch.kill();
+    let killed = Instant::now();
+    // Down until the sink has met the dead server and 2 s have passed.
+    env::wait_until(
+        &mut child,
+        "a failed insert, 2 s after the kill",
+        Duration::from_secs(60),
+        || {
+            read(&err).contains("checking and retrying")
+                && killed.elapsed() >= Duration::from_secs(2)
+        },
+        || read(&err),
+    );
+    let down = killed.elapsed();
+    ch.restart();
+    let st = env::wait_exit(&mut child, "record", Duration::from_secs(180));
+    let text = read(&err);
+    println!("server down {down:?}; the run said:\n{text}");
+    assert_eq!(st.code(), Some(0), "{text}");
+    assert!(
+        text.contains("stored"),
+        "no batch stored after the restart: {text}"
+    );
+    let s = stats_per_cpu(&stats);
+    let rows = per_cpu(&ch.query("SELECT cpu, count() FROM db.events GROUP BY cpu ORDER BY cpu"));
+    for (&cpu, &(written, read_n, lost)) in &s {
+        let r = rows.get(&cpu).copied().unwrap_or(0);
+        assert_eq!(r, read_n, "cpu {cpu}: rows against read");
+        assert_eq!(r + lost, written, "cpu {cpu}: rows + lost against written");
+    }
+    let lost: u64 = s.values().map(|v| v.2).sum();
+    let in_table: u64 = ch
+        .query("SELECT sum(lost) FROM db.losses")
+        .trim()
+        .parse()
+        .unwrap();
+    assert_eq!(in_table, lost, "losses table against the run's losses");
+    assert_no_duplicates(&ch, "db");
+}
+
+/// The SQL blocks of docs/fleet.md, database `fleet`.
+fn doc_queries() -> Vec<String> {
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/fleet.md"))
+        .expect("docs/fleet.md");
+    let mut out = Vec::new();
+    let mut cur: Option<String> = None;
+    for l in doc.lines() {
+        match (&mut cur, l.trim()) {
+            (None, "```sql") => cur = Some(String::new()),
+            (Some(q), "```") => {
+                out.push(std::mem::take(q));
+                cur = None;
+            }
+            (Some(q), _) => {
+                q.push_str(l);
+                q.push('\n');
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// Two VMs (mixed workloads: spans, texts) into one database; every query of
+/// docs/fleet.md answers rows.
+#[test]
+fn fleet_doc_queries_answer() {
+    if !kvm_available(KRATE, "fleet_doc_queries_answer") || !clickhouse_available() {
+        return;
+    }
+    let _g = vm_lock();
+    let ch = ClickHouse::start();
+    // db1 keeps only its first ring-full (stop mode, never drained live): losses.
+    let lossy = ["--buffer-kb", "64", "--drain", "none", "--mode", "stop"];
+    for (vm, extra) in [("web1", &[][..]), ("db1", &lossy[..])] {
+        let url = format!("{}?vm={vm}", ch.url("fleet"));
+        let o = Command::new(BIN)
+            .args(["record", "-o", &url, "--vcpus", "2", "--events", "20000"])
+            .args(["--workload", "mixed"])
+            .args(extra)
+            .output()
+            .expect("record");
+        assert_eq!(o.status.code(), Some(0), "{}", env::stderr(&o));
+    }
+    let queries = doc_queries();
+    assert!(
+        queries.len() >= 5,
+        "{} SQL blocks in docs/fleet.md",
+        queries.len()
+    );
+    for q in &queries {
+        let a = ch.query(q);
+        assert!(!a.trim().is_empty(), "no rows from\n{q}");
+    }
+    let vms = ch.query("SELECT vm, count() FROM fleet.events GROUP BY vm ORDER BY vm");
+    assert!(
+        vms.starts_with("db1\t") && vms.contains("\nweb1\t"),
+        "{vms}"
+    );
+}
+
+/// `convert` of a trace.dat: one row per event of the file.
+#[test]
+fn convert_trace_dat_into_rows() {
+    if !kvm_available(KRATE, "convert_trace_dat_into_rows") || !clickhouse_available() {
+        return;
+    }
+    let _g = vm_lock();
+    let ch = ClickHouse::start();
+    let dir = TempDir::new("ch-convert");
+    let (dat, stats) = (dir.file("t.dat"), dir.file("s.json"));
+    let o = env::run(
+        BIN,
+        &[
+            "record",
+            "-o",
+            &dat,
+            "--vcpus",
+            "2",
+            "--events",
+            "20000",
+            "--workload",
+            "mixed",
+            "--stats",
+            &stats,
+        ],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", env::stderr(&o));
+    let o = env::run(BIN, &["convert", "-i", &dat, "-o", &ch.url("conv")]);
+    assert_eq!(o.status.code(), Some(0), "{}", env::stderr(&o));
+    let rows = per_cpu(&ch.query("SELECT cpu, count() FROM conv.events GROUP BY cpu ORDER BY cpu"));
+    let read: BTreeMap<u64, u64> = stats_per_cpu(&stats)
+        .iter()
+        .map(|(&c, &(_, r, _))| (c, r))
+        .collect();
+    assert_eq!(rows, read);
+    assert_eq!(ch.query("SELECT DISTINCT vm FROM conv.events").trim(), "t");
+    // Texts keep their bytes; spans carry dur_ns.
+    let spans =
+        ch.query("SELECT count() FROM conv.events WHERE name = 'span' AND has(int_keys, 'dur_ns')");
+    assert_ne!(spans.trim(), "0");
+    assert_no_duplicates(&ch, "conv");
+}
+
+#[test]
+fn bad_urls_exit_2_and_an_absent_server_exits_1() {
+    for (url, needle) in [
+        ("clickhouse://", "no /DATABASE"),
+        ("clickhouse://:8123/db", "no host"),
+        ("clickhouse://127.0.0.1:99999/db", "port"),
+        ("clickhouse://127.0.0.1:8123/no-dashes", "database name"),
+        ("clickhouse://127.0.0.1:8123/db?vm=a'b", "vm=NAME"),
+    ] {
+        for cmd in [
+            &["record", "-o", url][..],
+            &["convert", "-i", "x.dat", "-o", url],
+        ] {
+            let o = env::run(BIN, cmd);
+            assert_usage_error(&o, url, needle);
+        }
+    }
+    // A port nothing listens on: bound, then released.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("clickhouse://127.0.0.1:{port}/db");
+    let o = env::run(BIN, &["record", "-o", &url]);
+    let err = env::stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains(&format!("127.0.0.1:{port} is unreachable")),
+        "{err}"
+    );
+}
