@@ -5,7 +5,7 @@
 use crate::client::Client;
 use crate::error::ClickHouseError;
 
-/// The columns of `events`, in the order a row is encoded ([`crate::sink`]).
+/// The columns of `events`, in the order [`crate::ClickHouseSink`] encodes a row.
 pub const EVENT_COLUMNS: &str = "host, vm, run, batch, cpu, ts, time_unix_ns, system, name, id, pid, int_keys, int_values, str_keys, str_values";
 
 /// The columns of `losses`, in the order a row is encoded.
