@@ -1,5 +1,7 @@
 //! The HTTP client: one query per request (ClickHouse's HTTP interface, port 8123 by
-//! default), a connection kept alive between requests.
+//! default), a connection kept alive between requests. Every request is a POST, which
+//! ureq never re-sends by itself (only idempotent requests without a body): each
+//! re-send is the sink's decision, after its check.
 
 use std::io::Read;
 use std::time::Duration;

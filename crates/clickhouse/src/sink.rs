@@ -404,3 +404,130 @@ impl PageSink for ClickHouseSink {
         self.flush()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{BufRead, BufReader, Read, Write};
+    use std::net::TcpListener;
+
+    /// What the fake server does with a request.
+    enum Reply {
+        /// Closes the connection without an answer (the outcome is unknown).
+        Hang,
+        /// Answers 200 with this body.
+        Ok(&'static str),
+    }
+
+    /// A fake ClickHouse answering requests in turn from `script`; returns its port and
+    /// the requests it got (`query=` of the URL, or the body).
+    fn fake(script: Vec<Reply>) -> (u16, std::thread::JoinHandle<Vec<String>>) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        let h = std::thread::spawn(move || {
+            let mut seen = Vec::new();
+            for reply in script {
+                let (s, _) = l.accept().unwrap();
+                let mut r = BufReader::new(s);
+                let mut line = String::new();
+                r.read_line(&mut line).unwrap();
+                let mut len = 0usize;
+                loop {
+                    let mut h = String::new();
+                    r.read_line(&mut h).unwrap();
+                    if h == "\r\n" {
+                        break;
+                    }
+                    if let Some(v) = h.to_ascii_lowercase().strip_prefix("content-length:") {
+                        len = v.trim().parse().unwrap();
+                    }
+                }
+                let mut body = vec![0; len];
+                r.read_exact(&mut body).unwrap();
+                let insert = line.contains("INSERT");
+                seen.push(if insert {
+                    "INSERT".into()
+                } else {
+                    String::from_utf8_lossy(&body).into_owned()
+                });
+                let mut s = r.into_inner();
+                if let Reply::Ok(b) = reply {
+                    let _ = write!(
+                        s,
+                        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{b}",
+                        b.len()
+                    );
+                }
+            }
+            seen
+        });
+        (port, h)
+    }
+
+    fn sink(port: u16) -> ClickHouseSink {
+        let url =
+            crate::ClickHouseUrl::parse(&format!("clickhouse://127.0.0.1:{port}/db")).unwrap();
+        let meta = TraceMeta::guest(4096, 1, hyptrace_output::Clock::nanoseconds());
+        let opts = Options {
+            retry_for: Duration::from_secs(20),
+            notify: |_| {},
+            ..Options::default()
+        };
+        ClickHouseSink::new(Client::new(&url), "db", RunIdentity::new(None), meta, opts).unwrap()
+    }
+
+    fn rows(n: u64) -> Rows {
+        Rows {
+            data: vec![1, 2, 3],
+            n,
+        }
+    }
+
+    /// An insert without an answer that did go in: found by the count, not re-sent.
+    #[test]
+    fn an_unanswered_insert_that_went_in_is_not_resent() {
+        let (port, h) = fake(vec![Reply::Hang, Reply::Ok("3\n")]);
+        let s = sink(port);
+        s.store("events", EVENT_COLUMNS, &rows(3)).unwrap();
+        let seen = h.join().unwrap();
+        assert_eq!(seen.len(), 2, "{seen:?}");
+        assert_eq!(seen[0], "INSERT");
+        assert!(
+            seen[1].starts_with("SELECT count() FROM db.events WHERE run = '"),
+            "{seen:?}"
+        );
+        assert!(seen[1].ends_with("AND batch = 0"), "{seen:?}");
+        assert_eq!(s.counts.lock().unwrap().retries, 1);
+    }
+
+    /// An insert without an answer that did not go in: re-sent once.
+    #[test]
+    fn an_unanswered_insert_that_is_missing_is_resent() {
+        let (port, h) = fake(vec![Reply::Hang, Reply::Ok("0\n"), Reply::Ok("")]);
+        sink(port).store("losses", LOSS_COLUMNS, &rows(3)).unwrap();
+        let seen = h.join().unwrap();
+        assert_eq!(seen.len(), 3, "{seen:?}");
+        assert_eq!((seen[0].as_str(), seen[2].as_str()), ("INSERT", "INSERT"));
+    }
+
+    /// A batch found with another row count: an error, nothing re-sent.
+    #[test]
+    fn a_partial_batch_is_an_error() {
+        let (port, h) = fake(vec![Reply::Hang, Reply::Ok("2\n")]);
+        let e = sink(port)
+            .store("events", EVENT_COLUMNS, &rows(3))
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                ClickHouseError::Partial {
+                    found: 2,
+                    sent: 3,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert_eq!(h.join().unwrap().len(), 2);
+    }
+}
