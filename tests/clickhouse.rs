@@ -13,6 +13,11 @@ use hyptrace::env::{self, assert_usage_error, kvm_available, vm_lock, TempDir};
 const BIN: &str = env!("CARGO_BIN_EXE_hyptrace");
 const KRATE: &str = env!("CARGO_CRATE_NAME");
 
+/// `/dev/kvm` and clickhouse-server are there (else SKIP): the VM lock of this binary.
+fn ready(test: &str) -> Option<std::sync::MutexGuard<'static, ()>> {
+    (kvm_available(KRATE, test) && clickhouse_available()).then(vm_lock)
+}
+
 /// Per CPU: (written, read, lost) from a `--stats` file.
 fn stats_per_cpu(path: &str) -> BTreeMap<u64, (u64, u64, u64)> {
     let v: serde_json::Value =
@@ -49,10 +54,9 @@ fn assert_no_duplicates(ch: &ClickHouse, db: &str) {
 
 #[test]
 fn record_rows_equal_read_per_cpu() {
-    if !kvm_available(KRATE, "record_rows_equal_read_per_cpu") || !clickhouse_available() {
+    let Some(_g) = ready("record_rows_equal_read_per_cpu") else {
         return;
-    }
-    let _g = vm_lock();
+    };
     let ch = ClickHouse::start();
     let dir = TempDir::new("ch-record");
     let stats = dir.file("s.json");
@@ -160,10 +164,9 @@ fn kill_and_restart(test: &str, events: &str, rate: &str, down: Duration) -> u64
 /// meanwhile; every event is a row or a counted loss.
 #[test]
 fn server_killed_and_restarted_mid_run() {
-    if !kvm_available(KRATE, "server_killed_and_restarted_mid_run") || !clickhouse_available() {
+    let Some(_g) = ready("server_killed_and_restarted_mid_run") else {
         return;
-    }
-    let _g = vm_lock();
+    };
     kill_and_restart("ch-kill", "100000", "15000", Duration::from_secs(2));
 }
 
@@ -172,12 +175,9 @@ fn server_killed_and_restarted_mid_run() {
 /// in the losses table — and the rest is stored exactly once.
 #[test]
 fn a_long_outage_back_pressures_into_counted_drops() {
-    if !kvm_available(KRATE, "a_long_outage_back_pressures_into_counted_drops")
-        || !clickhouse_available()
-    {
+    let Some(_g) = ready("a_long_outage_back_pressures_into_counted_drops") else {
         return;
-    }
-    let _g = vm_lock();
+    };
     let lost = kill_and_restart("ch-long", "1000000", "200000", Duration::from_secs(8));
     assert!(lost > 0, "an 8 s outage lost nothing: no back-pressure");
 }
@@ -209,10 +209,9 @@ fn doc_queries() -> Vec<String> {
 /// docs/fleet.md answers rows.
 #[test]
 fn fleet_doc_queries_answer() {
-    if !kvm_available(KRATE, "fleet_doc_queries_answer") || !clickhouse_available() {
+    let Some(_g) = ready("fleet_doc_queries_answer") else {
         return;
-    }
-    let _g = vm_lock();
+    };
     let ch = ClickHouse::start();
     // db1 keeps only its first ring-full (stop mode, never drained live): losses.
     let lossy = ["--buffer-kb", "64", "--drain", "none", "--mode", "stop"];
@@ -246,10 +245,9 @@ fn fleet_doc_queries_answer() {
 /// `convert` of a trace.dat: one row per event of the file.
 #[test]
 fn convert_trace_dat_into_rows() {
-    if !kvm_available(KRATE, "convert_trace_dat_into_rows") || !clickhouse_available() {
+    let Some(_g) = ready("convert_trace_dat_into_rows") else {
         return;
-    }
-    let _g = vm_lock();
+    };
     let ch = ClickHouse::start();
     let dir = TempDir::new("ch-convert");
     let (dat, stats) = (dir.file("t.dat"), dir.file("s.json"));
