@@ -317,3 +317,65 @@ fn bad_urls_exit_2_and_an_absent_server_exits_1() {
         "{err}"
     );
 }
+
+/// `collect --follow -o clickhouse://...` of two VMMs: each VM's events are rows named
+/// by its VM, all of them.
+#[test]
+fn collect_two_vms_into_rows() {
+    use std::os::unix::fs::FileTypeExt;
+    let Some(_g) = ready("collect_two_vms_into_rows") else {
+        return;
+    };
+    let ch = ClickHouse::start();
+    let dir = TempDir::new("ch-collect");
+    let mut vms = Vec::new();
+    for (name, events) in [("web", "3000"), ("db", "4000")] {
+        let (mem, sock) = (
+            dir.file(&format!("{name}.trace")),
+            dir.file(&format!("{name}.sock")),
+        );
+        let mut vm = Command::new(BIN)
+            .args([
+                "run",
+                "--vcpus",
+                "1",
+                "--drain",
+                "none",
+                "--trace-mem",
+                &mem,
+            ])
+            .args(["--control", &sock, "--events", events, "--rate", "5000"])
+            .args(["--buffer-kb", "8192", "--mode", "stop"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("run");
+        let is_socket =
+            || std::fs::symlink_metadata(&sock).is_ok_and(|m| m.file_type().is_socket());
+        env::wait_until(
+            &mut vm,
+            "the socket",
+            Duration::from_secs(60),
+            is_socket,
+            String::new,
+        );
+        vms.push((vm, format!("{name}={sock}")));
+    }
+    let mut args = vec![
+        "collect".to_string(),
+        "--follow".into(),
+        "-o".into(),
+        ch.url("coll"),
+    ];
+    args.extend(vms.iter().map(|(_, a)| a.clone()));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let o = env::run(BIN, &args);
+    for (mut vm, _) in vms {
+        env::wait_exit(&mut vm, "run", Duration::from_secs(60));
+    }
+    assert_eq!(o.status.code(), Some(0), "{}", env::stderr(&o));
+    let per_vm =
+        ch.query("SELECT vm, count(), uniqExact(run) FROM coll.events GROUP BY vm ORDER BY vm");
+    assert_eq!(per_vm, "db\t4000\t1\nweb\t3000\t1\n");
+    assert_no_duplicates(&ch, "coll");
+}

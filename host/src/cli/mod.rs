@@ -400,14 +400,26 @@ pub fn list(a: &ListArgs) -> Result<i32, CliError> {
 pub fn collect(a: &CollectArgs) -> Result<i32, CliError> {
     use crate::flight::collect::{parse_vms, CollectOpts};
     let vms = parse_vms(&a.vms).map_err(CliError::Args)?;
-    let format = format_for(options::format(a.format), &a.output, "-o")?;
-    if !matches!(format, Format::Dat | Format::Text) {
-        return Err(CliError::Args(format!(
-            "-o {}: collect writes trace.dat v7 or text (.dat, .txt, --format dat|text)",
-            crate::drain::sink::shown_path(&a.output)
-        )));
-    }
-    let target = a.files.check(&a.output, "-o")?;
+    let ch = match a.output.to_str() {
+        Some(u) if hyptrace_clickhouse::is_clickhouse_url(u) => {
+            Some(clickhouse_output(u, a.format.is_some())?)
+        }
+        _ => None,
+    };
+    let (format, target) = match &ch {
+        // The parts are kept in the system's temporary directory, then stored.
+        Some(_) => (Format::Dat, hyptrace_output::OutputTarget::stdout()),
+        None => {
+            let format = format_for(options::format(a.format), &a.output, "-o")?;
+            if !matches!(format, Format::Dat | Format::Text) {
+                return Err(CliError::Args(format!(
+                    "-o {}: collect writes trace.dat v7 or text (.dat, .txt, --format dat|text), or rows of a ClickHouse server (clickhouse://...)",
+                    crate::drain::sink::shown_path(&a.output)
+                )));
+            }
+            (format, a.files.check(&a.output, "-o")?)
+        }
+    };
     let interrupts = Interrupts::install()?;
     let stop = || interrupts.stop_requested();
     let started = std::time::Instant::now();
@@ -418,6 +430,7 @@ pub fn collect(a: &CollectArgs) -> Result<i32, CliError> {
         target: &target,
         out_path: &a.output,
         stop: &stop,
+        clickhouse: ch.as_ref().map(|(u, c)| (u, c)),
     };
     let report = crate::flight::collect::collect(&o).map_err(CliError::Collect)?;
     for l in report.lines() {

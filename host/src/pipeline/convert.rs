@@ -606,7 +606,7 @@ impl PageSink for StatSink {
 }
 
 /// The metadata a sink needs to write what `f` holds: its formats, cmdlines, clock.
-fn meta_of(f: &TraceFile) -> TraceMeta {
+pub(crate) fn meta_of(f: &TraceFile) -> TraceMeta {
     TraceMeta {
         page_size: f.page_size,
         nr_cpus: f.nr_cpus,

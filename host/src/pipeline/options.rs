@@ -122,6 +122,8 @@ pub struct CollectArgs {
     /// Output: a trace.dat (v7, zstd; one buffer instance per VM) or text (`.txt`,
     /// `.text`: `trace-cmd report -t` lines merged by time, each prefixed with its VM's
     /// name), written to a temporary name and renamed when complete; `-` is stdout.
+    /// `clickhouse://HOST:PORT/DATABASE`: each VM's events rows of a ClickHouse server
+    /// (`vm` = its name), stored once every VM was read (docs/fleet.md).
     #[arg(short = 'o', long = "output", value_name = "FILE", required = true)]
     pub output: PathBuf,
     /// Output format: dat or text [default: from the extension; no extension or `-`:
