@@ -329,23 +329,10 @@ fn collect_two_vms_into_rows() {
     let ch = ClickHouse::start();
     let dir = TempDir::new("ch-collect");
     let mut vms = Vec::new();
-    for (name, events) in [("web", "3000"), ("db", "4000")] {
-        let (mem, sock) = (
-            dir.file(&format!("{name}.trace")),
-            dir.file(&format!("{name}.sock")),
-        );
+    for (name, events) in [("web", 3000), ("db", 4000)] {
+        let (args, sock) = env::subscribed_vm_args(&dir, name, events);
         let mut vm = Command::new(BIN)
-            .args([
-                "run",
-                "--vcpus",
-                "1",
-                "--drain",
-                "none",
-                "--trace-mem",
-                &mem,
-            ])
-            .args(["--control", &sock, "--events", events, "--rate", "5000"])
-            .args(["--buffer-kb", "8192", "--mode", "stop"])
+            .args(&args)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
