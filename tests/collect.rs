@@ -59,31 +59,9 @@ fn read(dir: &TempDir, name: &str) -> String {
 /// Starts a VMM writing `events` markers at 5000/s into a 8 MiB ring (stop mode: none
 /// lost), socket `DIR/NAME.sock`; waits (bounded) until the socket exists.
 fn start_vm(dir: &TempDir, name: &str, events: u64) -> Kid {
-    let (mem, sock) = (dir.file(&format!("{name}.trace")), sock(dir, name));
-    let n = events.to_string();
-    let mut vm = Kid::spawn(
-        dir,
-        name,
-        &[
-            "run",
-            "--vcpus",
-            "1",
-            "--drain",
-            "none",
-            "--trace-mem",
-            &mem,
-            "--control",
-            &sock,
-            "--events",
-            &n,
-            "--rate",
-            "5000",
-            "--buffer-kb",
-            "8192",
-            "--mode",
-            "stop",
-        ],
-    );
+    let (args, sock) = env::subscribed_vm_args(dir, name, events);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut vm = Kid::spawn(dir, name, &args);
     env::wait_until(
         &mut vm.0,
         &format!("the socket of {name}"),
@@ -360,28 +338,10 @@ fn collect_leaves_out_a_vm_on_another_clock() {
     }
     let _l = vm_lock();
     let dir = TempDir::new("collectclock");
-    let (mem, sa) = (dir.file("a.trace"), sock(&dir, "a"));
-    let mut a = Kid::spawn(
-        &dir,
-        "a",
-        &[
-            "run",
-            "--vcpus",
-            "1",
-            "--drain",
-            "none",
-            "--trace-mem",
-            &mem,
-            "--control",
-            &sa,
-            "--events",
-            "20000",
-            "--rate",
-            "5000",
-            "--clock",
-            "tsc",
-        ],
-    );
+    let (mut args, sa) = env::subscribed_vm_args(&dir, "a", 20_000);
+    args.extend(["--clock".to_string(), "tsc".to_string()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut a = Kid::spawn(&dir, "a", &args);
     env::wait_until(
         &mut a.0,
         "the socket of a",

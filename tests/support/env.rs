@@ -81,6 +81,37 @@ pub fn vm_lock() -> MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// The arguments of a VMM that `collect` (or `dump --attach`) reads: `run` of one vCPU
+/// writing `events` at 5000/s into big stop-mode rings (nothing lost) that only the
+/// subscriber drains (`--drain none`), trace memory `DIR/NAME.trace`, control socket
+/// `DIR/NAME.sock` (the second item returned).
+pub fn subscribed_vm_args(dir: &TempDir, name: &str, events: u64) -> (Vec<String>, String) {
+    let (mem, sock) = (
+        dir.file(&format!("{name}.trace")),
+        dir.file(&format!("{name}.sock")),
+    );
+    let args = [
+        "run",
+        "--vcpus",
+        "1",
+        "--drain",
+        "none",
+        "--trace-mem",
+        &mem,
+        "--control",
+        &sock,
+        "--events",
+        &events.to_string(),
+        "--rate",
+        "5000",
+        "--buffer-kb",
+        "8192",
+        "--mode",
+        "stop",
+    ];
+    (args.iter().map(|a| a.to_string()).collect(), sock)
+}
+
 /// Runs `bin` with `args`, capturing stdout and stderr.
 pub fn run(bin: &str, args: &[&str]) -> Output {
     Command::new(bin)

@@ -4,6 +4,8 @@
 //!   (peak RSS, wall time, SIGTERM, kill on a bound).
 //! - [`cguest`]: builds the C SDK, the example C guest and the test C guests.
 //! - [`capture`]: text output kept (or counted) in memory.
+//! - [`clickhouse`]: a real ClickHouse server in a temporary directory (skip helper,
+//!   start, kill, restart, queries).
 //! - [`env`](mod@env): skip helpers (`/dev/kvm`, `trace-cmd`), the VM test log for CI, a lock that
 //!   serialises VM-booting tests of one test binary, temporary directories.
 //! - [`text`]: parses `trace-cmd report -t` / `hyptrace run` lines and checks the event
@@ -19,6 +21,7 @@
 pub mod adversary;
 pub mod capture;
 pub mod cguest;
+pub mod clickhouse;
 pub mod env;
 pub mod model;
 pub mod once;

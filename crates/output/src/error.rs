@@ -77,6 +77,10 @@ pub enum OutputError {
     /// A `report -F` filter is refused.
     #[error(transparent)]
     Filter(#[from] Box<crate::tracedat::FilterError>),
+    /// A sink outside this crate failed (e.g. `hyptrace-clickhouse`'s server errors):
+    /// its own typed error, shown as it is.
+    #[error(transparent)]
+    Sink(Box<dyn std::error::Error + Send + Sync>),
 }
 
 impl OutputError {

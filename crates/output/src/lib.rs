@@ -74,8 +74,8 @@ pub use sink::KernelCpuStat as CpuStats;
 pub use sink::{KernelCpuStat, OutputWaits, PageSink, RunSummary, TraceMeta};
 pub use sinks::perfetto::{self, PerfettoSink};
 pub use sinks::{
-    is_raw_stream, JsonSink, RawReader, RawSink, RawTrace, StreamOut, StreamSink, TextSink,
-    JSON_MAX_SAFE_INTEGER, JSON_PID, RAW_MAGIC, RAW_MAGIC_V1,
+    is_raw_stream, page_events, JsonSink, PageEvents, RawReader, RawSink, RawTrace, StreamOut,
+    StreamSink, TextSink, JSON_MAX_SAFE_INTEGER, JSON_PID, RAW_MAGIC, RAW_MAGIC_V1,
 };
 pub use tap::{Discard, Tap};
 pub use target::{

@@ -79,7 +79,9 @@ impl TraceMeta {
         Ok(())
     }
 
-    pub(crate) fn check_page(&self, cpu: u32, page: &[u8]) -> Result<(), OutputError> {
+    /// Checks that `page` can be a page of CPU `cpu` of this trace (its CPU is below
+    /// `nr_cpus`, its length the page size): every sink's first step.
+    pub fn check_page(&self, cpu: u32, page: &[u8]) -> Result<(), OutputError> {
         if cpu >= self.nr_cpus {
             return Err(OutputError::BadPage {
                 cpu,

@@ -175,6 +175,9 @@ pub enum CliError {
     /// `completions`: writing the script to stdout failed.
     #[error("writing the completion script")]
     Completions(#[source] std::io::Error),
+    /// `-o clickhouse://...`: a bad URL (exit 2) or a server that cannot be used.
+    #[error(transparent)]
+    ClickHouse(hyptrace_clickhouse::ClickHouseError),
 }
 
 impl CliError {
@@ -199,6 +202,8 @@ impl CliError {
             | Self::Completions(_)
             | Self::Ctl(_) => EXIT_RUNTIME,
             Self::Convert(e) => e.exit_code(),
+            Self::ClickHouse(e) if e.is_usage() => EXIT_USAGE,
+            Self::ClickHouse(_) => EXIT_RUNTIME,
         }
     }
 
@@ -298,13 +303,70 @@ pub fn run(a: &RunArgs) -> Result<i32, CliError> {
 
 /// `hyptrace record`.
 pub fn record(a: &RecordArgs) -> Result<i32, CliError> {
+    if let Some(url) = a
+        .output
+        .to_str()
+        .filter(|s| hyptrace_clickhouse::is_clickhouse_url(s))
+    {
+        let (url, client) = clickhouse_output(url, a.format.is_some() || a.compression.is_some())?;
+        return execute(
+            &a.run,
+            Some(RecordOut::ClickHouse(url, client, &a.filters.filter[..])),
+        );
+    }
     let format = format_for(options::format(a.format), &a.output, "-o")?;
     let compression = compression_for(format, a.compression.map(Into::into))
         .map_err(|e| CliError::Args(e.to_string()))?;
     execute(
         &a.run,
-        Some((&a.output, format, compression, &a.filters.filter[..])),
+        Some(RecordOut::File(
+            &a.output,
+            format,
+            compression,
+            &a.filters.filter[..],
+        )),
     )
+}
+
+/// Where `record` writes.
+enum RecordOut<'a> {
+    /// A file: its path, format, compression and `-F` filters.
+    File(
+        &'a PathBuf,
+        Format,
+        hyptrace_output::Compression,
+        &'a [String],
+    ),
+    /// A ClickHouse server, reached, and the `-F` filters.
+    ClickHouse(
+        hyptrace_clickhouse::ClickHouseUrl,
+        hyptrace_clickhouse::Client,
+        &'a [String],
+    ),
+}
+
+/// `-o clickhouse://...` of `record` and `convert`: the URL checked (exit 2), the
+/// server reached and its tables created (exit 1 naming it), before any work.
+/// `formatted`: `--format` or `--compression` was given, which a server does not take.
+pub fn clickhouse_output(
+    url: &str,
+    formatted: bool,
+) -> Result<
+    (
+        hyptrace_clickhouse::ClickHouseUrl,
+        hyptrace_clickhouse::Client,
+    ),
+    CliError,
+> {
+    let url = hyptrace_clickhouse::ClickHouseUrl::parse(url)
+        .map_err(|e| CliError::ClickHouse(e.into()))?;
+    if formatted {
+        return Err(CliError::Args(
+            "--format and --compression name file formats; -o clickhouse://... writes rows".into(),
+        ));
+    }
+    let client = hyptrace_clickhouse::prepare(&url).map_err(CliError::ClickHouse)?;
+    Ok((url, client))
 }
 
 /// `hyptrace list`: the guest's registered events on stdout, its rejected entries as
@@ -338,14 +400,26 @@ pub fn list(a: &ListArgs) -> Result<i32, CliError> {
 pub fn collect(a: &CollectArgs) -> Result<i32, CliError> {
     use crate::flight::collect::{parse_vms, CollectOpts};
     let vms = parse_vms(&a.vms).map_err(CliError::Args)?;
-    let format = format_for(options::format(a.format), &a.output, "-o")?;
-    if !matches!(format, Format::Dat | Format::Text) {
-        return Err(CliError::Args(format!(
-            "-o {}: collect writes trace.dat v7 or text (.dat, .txt, --format dat|text)",
-            crate::drain::sink::shown_path(&a.output)
-        )));
-    }
-    let target = a.files.check(&a.output, "-o")?;
+    let ch = match a.output.to_str() {
+        Some(u) if hyptrace_clickhouse::is_clickhouse_url(u) => {
+            Some(clickhouse_output(u, a.format.is_some())?)
+        }
+        _ => None,
+    };
+    let (format, target) = match &ch {
+        // The parts are kept in the system's temporary directory, then stored.
+        Some(_) => (Format::Dat, hyptrace_output::OutputTarget::stdout()),
+        None => {
+            let format = format_for(options::format(a.format), &a.output, "-o")?;
+            if !matches!(format, Format::Dat | Format::Text) {
+                return Err(CliError::Args(format!(
+                    "-o {}: collect writes trace.dat v7 or text (.dat, .txt, --format dat|text), or rows of a ClickHouse server (clickhouse://...)",
+                    crate::drain::sink::shown_path(&a.output)
+                )));
+            }
+            (format, a.files.check(&a.output, "-o")?)
+        }
+    };
     let interrupts = Interrupts::install()?;
     let stop = || interrupts.stop_requested();
     let started = std::time::Instant::now();
@@ -356,6 +430,7 @@ pub fn collect(a: &CollectArgs) -> Result<i32, CliError> {
         target: &target,
         out_path: &a.output,
         stop: &stop,
+        clickhouse: ch.as_ref().map(|(u, c)| (u, c)),
     };
     let report = crate::flight::collect::collect(&o).map_err(CliError::Collect)?;
     for l in report.lines() {
@@ -399,10 +474,7 @@ pub fn ctl(a: &CtlArgs) -> Result<i32, CliError> {
 /// `run` and `record`: checks the options and every output path before the VM boots
 /// (a bad one costs nothing), runs the pipeline, prints the report, writes `--stats`.
 /// Returns the run's exit code (its causes are on stderr already).
-fn execute(
-    a: &RunArgs,
-    file: Option<(&PathBuf, Format, hyptrace_output::Compression, &[String])>,
-) -> Result<i32, CliError> {
+fn execute(a: &RunArgs, file: Option<RecordOut<'_>>) -> Result<i32, CliError> {
     let mut plan = Plan::new(a)?;
     if file.is_some() {
         plan.flight.for_record(&a.flight);
@@ -419,13 +491,19 @@ fn execute(
     if !plan.flight.drain_live && a.mode == ModeArg::Stop {
         note!("hyptrace: note: --drain none with --mode stop keeps the first ring-full of events of each vCPU and drops the rest");
     }
+    let to_stdout = matches!(&file, Some(RecordOut::File(p, ..)) if p.as_os_str() == "-");
     let target = match file {
         None => Target::Stdout,
-        Some((path, format, compression, filters)) => Target::File {
+        Some(RecordOut::File(path, format, compression, filters)) => Target::File {
             target: a.files.check(path, "-o")?,
             path: path.clone(),
             format,
             compression,
+            filters: filters.to_vec(),
+        },
+        Some(RecordOut::ClickHouse(url, client, filters)) => Target::ClickHouse {
+            url,
+            client,
             filters: filters.to_vec(),
         },
     };
@@ -467,7 +545,6 @@ fn execute(
     // Ctrl-C) ends as a closed stdout; a crash, a hang or a failure stays what it was.
     // Either way the summary never calls the output written.
     use crate::pipeline::report::Stop;
-    let to_stdout = file.is_some_and(|(p, ..)| p.as_os_str() == "-");
     let as_asked = matches!(report.stop, None | Some(Stop::Duration | Stop::Signal(_)));
     if to_stdout && as_asked && hyptrace_output::stdout_closed() {
         report.stop = Some(Stop::StdoutClosed);

@@ -43,6 +43,12 @@ pub struct CollectOpts<'a> {
     pub out_path: &'a Path,
     /// Polled between fetches: stop (SIGINT).
     pub stop: &'a (dyn Fn() -> bool + Sync),
+    /// `-o clickhouse://...`: each VM's part becomes rows of this server (its `vm` the
+    /// VM's name) instead of an instance of one file.
+    pub clickhouse: Option<(
+        &'a hyptrace_clickhouse::ClickHouseUrl,
+        &'a hyptrace_clickhouse::Client,
+    )>,
 }
 
 /// Why `collect` wrote no trace.
@@ -225,6 +231,14 @@ pub fn collect(o: &CollectOpts<'_>) -> Result<CollectReport, CollectError> {
             left_out: None,
         })
         .collect();
+    if let Some((url, client)) = o.clickhouse {
+        if !store_parts(&mut vms, &parts, url, client) {
+            return Err(CollectError::Nothing {
+                path: o.out_path.to_path_buf(),
+            });
+        }
+        return Ok(CollectReport { vms, interrupted });
+    }
     let set = assemble(&mut vms, &parts).map_err(|source| CollectError::Output {
         path: o.out_path.to_path_buf(),
         source,
@@ -282,6 +296,37 @@ fn assemble(vms: &mut [VmOutcome], parts: &[PathBuf]) -> Result<BufferSet, Outpu
         }
     }
     Ok(set)
+}
+
+/// `collect -o clickhouse://...`: each VM's part as rows (`vm` = its name, a run id of
+/// its own), once every VM was read; a part that cannot be stored leaves its VM
+/// incomplete (the cause kept), the others go on. Whether any VM had a part.
+fn store_parts(
+    vms: &mut [VmOutcome],
+    parts: &[PathBuf],
+    url: &hyptrace_clickhouse::ClickHouseUrl,
+    client: &hyptrace_clickhouse::Client,
+) -> bool {
+    use hyptrace_clickhouse::{ClickHouseSink, Options, RunIdentity};
+    let mut any = false;
+    for (v, path) in vms.iter_mut().zip(parts) {
+        if v.report.is_err() || !path.exists() {
+            continue;
+        }
+        any = true;
+        let stored = hyptrace_output::TraceFile::open(path).and_then(|f| {
+            let meta = crate::pipeline::convert::meta_of(&f);
+            let who = RunIdentity::new(Some(&v.name));
+            let sink =
+                ClickHouseSink::new(client.clone(), &url.database, who, meta, Options::default())?;
+            crate::pipeline::convert::pump_pages(&f, Box::new(sink), &mut |_| {}, false)
+        });
+        if let Err(e) = stored {
+            v.complete = false;
+            v.left_out = Some(e);
+        }
+    }
+    any
 }
 
 /// `NAME=SOCKET` or `SOCKET` (named by its file stem): the instance name and the

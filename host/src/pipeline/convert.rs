@@ -60,6 +60,9 @@ pub enum ConvertError {
     /// `--compression` asked of a format that is not compressed (exit 2).
     #[error(transparent)]
     Compression(#[from] crate::drain::sink::CompressionMismatch),
+    /// `-o clickhouse://...`: a bad URL (exit 2) or a server that cannot be used.
+    #[error(transparent)]
+    ClickHouse(hyptrace_clickhouse::ClickHouseError),
     /// The trace.dat is damaged where nothing after the damage can be found (its file
     /// header, its options chain, its CPU table): nothing was read (exit 1).
     #[error("{0}")]
@@ -71,8 +74,90 @@ impl ConvertError {
     pub fn exit_code(&self) -> i32 {
         match self {
             Self::Input(_) | Self::Destination(_) | Self::Compression(_) => crate::exit::EXIT_USAGE,
+            Self::ClickHouse(e) if e.is_usage() => crate::exit::EXIT_USAGE,
+            Self::ClickHouse(_) => crate::exit::EXIT_RUNTIME,
             Self::Write(_) | Self::Output(_) | Self::Damaged { .. } | Self::Unreadable(_) => {
                 crate::exit::EXIT_RUNTIME
+            }
+        }
+    }
+}
+
+/// Where `convert` writes: a file in a format, or a ClickHouse server.
+enum Destination {
+    File {
+        target: hyptrace_output::OutputTarget,
+        format: Format,
+        compression: hyptrace_output::Compression,
+    },
+    ClickHouse {
+        url: hyptrace_clickhouse::ClickHouseUrl,
+        client: hyptrace_clickhouse::Client,
+    },
+}
+
+/// `-o` of `convert`, checked before the input is read: a path (its format, the file
+/// writable) or `clickhouse://...` (the URL, the server reached, its tables created).
+fn destination(a: &ConvertArgs) -> Result<Destination, ConvertError> {
+    if let Some(url) = a
+        .output
+        .to_str()
+        .filter(|s| hyptrace_clickhouse::is_clickhouse_url(s))
+    {
+        let formatted = a.format.is_some() || a.compression.is_some();
+        let (url, client) = crate::cli::clickhouse_output(url, formatted).map_err(|e| match e {
+            crate::cli::CliError::ClickHouse(e) => ConvertError::ClickHouse(e),
+            e => ConvertError::Input(e.to_string()),
+        })?;
+        return Ok(Destination::ClickHouse { url, client });
+    }
+    let format = format_for(options::format(a.format), &a.output, "-o")?;
+    let compression = crate::drain::sink::compression_for(format, a.compression.map(Into::into))?;
+    let target = a.files.check(&a.output, "-o")?;
+    Ok(Destination::File {
+        target,
+        format,
+        compression,
+    })
+}
+
+impl Destination {
+    /// The file format (none for a server).
+    fn format(&self) -> Option<Format> {
+        match self {
+            Self::File { format, .. } => Some(*format),
+            Self::ClickHouse { .. } => None,
+        }
+    }
+
+    /// The sink of a trace `meta` describes, read from `input` (the VM's name on the
+    /// rows: the URL's `?vm=`, else the input's file stem).
+    fn sink(
+        &self,
+        meta: TraceMeta,
+        input: &Path,
+    ) -> Result<Box<dyn PageSink + Send>, ConvertError> {
+        match self {
+            Self::File {
+                target,
+                format,
+                compression,
+            } => crate::drain::sink::make_sink(target, *format, *compression, meta)
+                .map_err(ConvertError::Output),
+            Self::ClickHouse { url, client } => {
+                use hyptrace_clickhouse::{ClickHouseSink, Options, RunIdentity};
+                let stem = input.file_stem().map(|s| s.to_string_lossy().into_owned());
+                let vm = url.vm.clone().or(stem).unwrap_or_else(|| "stdin".into());
+                let who = RunIdentity::new(Some(&vm));
+                let s = ClickHouseSink::new(
+                    client.clone(),
+                    &url.database,
+                    who,
+                    meta,
+                    Options::default(),
+                )
+                .map_err(ConvertError::Output)?;
+                Ok(Box::new(s))
             }
         }
     }
@@ -521,7 +606,7 @@ impl PageSink for StatSink {
 }
 
 /// The metadata a sink needs to write what `f` holds: its formats, cmdlines, clock.
-fn meta_of(f: &TraceFile) -> TraceMeta {
+pub(crate) fn meta_of(f: &TraceFile) -> TraceMeta {
     TraceMeta {
         page_size: f.page_size,
         nr_cpus: f.nr_cpus,
@@ -671,41 +756,37 @@ fn check_raw_formats(f: &TraceFile, path: &Path) -> Result<(), ConvertError> {
 
 /// `hyptrace convert`.
 pub fn convert(a: &ConvertArgs) -> Result<(), ConvertError> {
-    let format = format_for(options::format(a.format), &a.output, "-o")?;
-    let compression = crate::drain::sink::compression_for(format, a.compression.map(Into::into))?;
+    let dest = destination(a)?;
     let input = open_input(&a.input)?;
-    let target = a.files.check(&a.output, "-o")?;
     let mut damage = 0usize;
     let specs = &a.filters.filter;
     let (r, counts) = match input {
         Input::Raw(reader) => {
             let meta = reader.meta();
             let filters = compile_filters(specs, &meta)?;
-            let sink = crate::drain::sink::make_sink(&target, format, compression, meta)
-                .map_err(ConvertError::Output)?;
+            let sink = dest.sink(meta, &a.input)?;
             let (sink, counts) = behind_filters(sink, filters, PageSource::Ring);
             (reader.replay(sink, |_| true), counts)
         }
         Input::TraceDat(f, n) => {
             damage = n;
             refuse_instances(&f, &a.input)?;
-            if format == Format::Raw {
+            if dest.format() == Some(Format::Raw) {
                 check_raw_formats(&f, &a.input)?;
             }
             let meta = meta_of(&f);
             let filters = compile_filters(specs, &meta)?;
-            let sink = crate::drain::sink::make_sink(&target, format, compression, meta)
-                .map_err(ConvertError::Output)?;
+            let sink = dest.sink(meta, &a.input)?;
             let (sink, counts) = behind_filters(sink, filters, PageSource::TraceDat);
             let filtered = counts.is_some();
             let mut on_damage = |d| {
                 damage += 1;
                 warn_damage(&a.input, &d);
             };
-            let r = match format {
+            let r = match dest.format() {
                 // A trace.dat keeps each CPU's data in one piece: fed CPU by CPU, it is
                 // written once, straight to its place.
-                Format::Dat | Format::Dat6 => pump_by_cpu(&f, sink, &mut on_damage, filtered),
+                Some(Format::Dat | Format::Dat6) => pump_by_cpu(&f, sink, &mut on_damage, filtered),
                 _ => pump_pages(&f, sink, &mut on_damage, filtered),
             };
             (r, counts)

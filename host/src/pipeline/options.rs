@@ -122,6 +122,8 @@ pub struct CollectArgs {
     /// Output: a trace.dat (v7, zstd; one buffer instance per VM) or text (`.txt`,
     /// `.text`: `trace-cmd report -t` lines merged by time, each prefixed with its VM's
     /// name), written to a temporary name and renamed when complete; `-` is stdout.
+    /// `clickhouse://HOST:PORT/DATABASE`: each VM's events rows of a ClickHouse server
+    /// (`vm` = its name), stored once every VM was read (docs/fleet.md).
     #[arg(short = 'o', long = "output", value_name = "FILE", required = true)]
     pub output: PathBuf,
     /// Output format: dat or text [default: from the extension; no extension or `-`:
@@ -145,7 +147,8 @@ pub struct RecordArgs {
     /// Output file: a regular file is written to a temporary name and renamed when
     /// complete (a symlink's target is written that way); a device, a FIFO or `-`
     /// (stdout) is written in place. A directory or an unwritable location is refused
-    /// before the VM starts.
+    /// before the VM starts. `clickhouse://HOST:PORT/DATABASE[?vm=NAME]`: every event a
+    /// row of a ClickHouse server (docs/fleet.md).
     #[arg(
         short = 'o',
         long = "output",
@@ -416,7 +419,8 @@ pub struct ConvertArgs {
     #[arg(short = 'i', long = "input", value_name = "FILE")]
     pub input: PathBuf,
     /// Output file (`-` is stdout; a regular file is written to a temporary name and
-    /// renamed when complete).
+    /// renamed when complete), or `clickhouse://HOST:PORT/DATABASE[?vm=NAME]`: every
+    /// event a row of a ClickHouse server (docs/fleet.md).
     #[arg(short = 'o', long = "output", value_name = "FILE")]
     pub output: PathBuf,
     /// Output format [default: from the extension of -o, as `record`].

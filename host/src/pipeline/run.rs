@@ -73,6 +73,16 @@ pub enum Target {
         /// `-F`: only the events these filters pass are written.
         filters: Vec<String>,
     },
+    /// Rows in a ClickHouse server (`record -o clickhouse://...`): reached, its tables
+    /// created, before the VM starts (docs/fleet.md).
+    ClickHouse {
+        /// The URL.
+        url: hyptrace_clickhouse::ClickHouseUrl,
+        /// A client of the server, checked.
+        client: hyptrace_clickhouse::Client,
+        /// `-F`: only the events these filters pass are written.
+        filters: Vec<String>,
+    },
 }
 
 /// Why a run could not start, or was aborted. Failures once the vCPUs run are part of
@@ -180,6 +190,7 @@ impl std::fmt::Debug for Target {
             Self::Stdout => f.write_str("Stdout"),
             Self::Sink(_) => f.write_str("Sink"),
             Self::MakeSink(_) => f.write_str("MakeSink"),
+            Self::ClickHouse { url, .. } => f.debug_tuple("ClickHouse").field(url).finish(),
             Self::File { path, format, .. } => f
                 .debug_struct("File")
                 .field("path", path)

@@ -13,5 +13,5 @@ mod text;
 
 pub use json::{JsonSink, JSON_MAX_SAFE_INTEGER};
 pub use raw::{is_raw_stream, RawReader, RawSink, RawTrace, RAW_MAGIC, RAW_MAGIC_V1};
-pub use stream::{StreamOut, StreamSink, JSON_PID};
+pub use stream::{page_events, PageEvents, StreamOut, StreamSink, JSON_PID};
 pub use text::TextSink;

@@ -98,12 +98,14 @@ impl StreamOut {
     }
 }
 
-/// Decodes the events of an exported page: `(raw ts, payload)`; stops at the first
-/// decode error (returned as `Err` with the events before it).
-/// `(page time_stamp, [(raw ts, payload)], decode error)`.
-type PageEvents<'a> = (u64, Vec<(u64, &'a [u8])>, Option<String>);
+/// What [`page_events`] decodes: `(page time_stamp, [(raw ts, payload)], decode error)`.
+pub type PageEvents<'a> = (u64, Vec<(u64, &'a [u8])>, Option<String>);
 
-pub(super) fn page_events(page: &[u8]) -> PageEvents<'_> {
+/// Decodes the events of an exported page ([`crate::export_page_into`]): `(raw ts,
+/// payload)` each; stops at the first decode error (returned with the events before
+/// it). Every sink that shows events decodes them here (an out-of-tree sink too:
+/// `hyptrace-clickhouse`).
+pub fn page_events(page: &[u8]) -> PageEvents<'_> {
     let Some((ts, _)) = page_header(page) else {
         return (0, Vec::new(), Some("short page".into()));
     };

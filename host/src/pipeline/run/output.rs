@@ -71,6 +71,11 @@ pub(super) fn open_output(
             let sink = make(meta).map_err(RunError::MakeSink)?;
             Ok((Output::Pages(sink), Shown::Sink))
         }
+        Target::ClickHouse {
+            url,
+            client,
+            filters,
+        } => clickhouse(&url, client, &filters, meta(), interrupts),
         Target::Stdout => Ok((
             Output::text(
                 Box::new(std::io::BufWriter::with_capacity(
@@ -129,6 +134,30 @@ pub(super) fn open_output(
             }
         }
     }
+}
+
+/// The ClickHouse sink ([`hyptrace_clickhouse::ClickHouseSink`]) behind the filters,
+/// on its own thread (a slow or absent server back-pressures through the bounded
+/// [`ThreadedSink`] queue: the rings fill, stop mode counts its drops).
+fn clickhouse(
+    url: &hyptrace_clickhouse::ClickHouseUrl,
+    client: hyptrace_clickhouse::Client,
+    filters: &[String],
+    meta: TraceMeta,
+    interrupts: Option<&'static Interrupts>,
+) -> Result<(Output, Shown), RunError> {
+    use hyptrace_clickhouse::{ClickHouseSink, Options, RunIdentity};
+    let filters = Filters::compile(filters, &meta)?;
+    let who = RunIdentity::new(url.vm.as_deref());
+    log::info!("ClickHouse run {} (vm {})", who.run, who.vm);
+    let abort = move || interrupts.is_some_and(Interrupts::aborted);
+    let sink = ClickHouseSink::new(client, &url.database, who, meta, Options::default())
+        .and_then(|s| {
+            let (s, _) = behind_filters(Box::new(s), filters, PageSource::Ring);
+            ThreadedSink::new(s)
+        })
+        .map_err(RunError::MakeSink)?;
+    Ok((Output::Pages(Box::new(sink.cancel_on(abort))), Shown::Sink))
 }
 
 /// Stdout for `run`, through the output crate's [`QuietStdout`]: a reader that went
