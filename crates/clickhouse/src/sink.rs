@@ -390,7 +390,10 @@ impl PageSink for ClickHouseSink {
         let Some(&ns) = self.last_ns.get(cpu as usize) else {
             return Err(OutputError::BadPage {
                 cpu,
-                reason: format!("cpu {cpu} ≥ nr_cpus {}", self.meta.nr_cpus),
+                problem: hyptrace_output::PageProblem::NoSuchCpu {
+                    cpu,
+                    nr_cpus: self.meta.nr_cpus,
+                },
             });
         };
         if lost > 0 {
