@@ -7,6 +7,9 @@ use crate::clock::Clock;
 use crate::OutputError;
 use hyptrace_format::{guest_formats, EventFormat};
 
+/// Most groups ([`TraceMeta::groups`]) a trace holds.
+pub const MAX_GROUPS: usize = crate::tracedat::MAX_INSTANCES;
+
 /// What a sink needs to know before the first page.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TraceMeta {
@@ -20,6 +23,23 @@ pub struct TraceMeta {
     pub clock: Clock,
     /// Event formats (the guest events by default).
     pub formats: Vec<EventFormat>,
+    /// The VMs of a trace of several (`hyptrace collect`, a multi-buffer trace.dat
+    /// converted): each a named range of the CPUs, in order, disjoint. Empty: one VM
+    /// owns every CPU. The Perfetto and JSON sinks make a process of each; the others
+    /// take no groups ([`TraceMeta::check_one_vm`]).
+    pub groups: Vec<CpuGroup>,
+}
+
+/// One VM of a trace of several ([`TraceMeta::groups`]): its name and its CPUs
+/// `first..first + count` of the output.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CpuGroup {
+    /// The VM's name (a buffer instance's: 1 to 64 of `[A-Za-z0-9_.-]`).
+    pub name: String,
+    /// Its first CPU in the output.
+    pub first: u32,
+    /// How many CPUs it has.
+    pub count: u32,
 }
 
 impl TraceMeta {
@@ -35,7 +55,29 @@ impl TraceMeta {
             cmdlines,
             clock,
             formats: guest_formats(),
+            groups: Vec::new(),
         }
+    }
+
+    /// The group of CPU `cpu` and its index ([`TraceMeta::groups`]; `None`: none, or a
+    /// CPU of no group).
+    pub fn group_of(&self, cpu: u32) -> Option<(usize, &CpuGroup)> {
+        self.groups
+            .iter()
+            .enumerate()
+            .find(|(_, g)| cpu >= g.first && cpu - g.first < g.count)
+    }
+
+    /// Refuses groups ([`TraceMeta::groups`]) for a sink of `what` that cannot name
+    /// them.
+    pub fn check_one_vm(&self, what: &str) -> Result<(), OutputError> {
+        if self.groups.is_empty() {
+            return Ok(());
+        }
+        Err(OutputError::BadMeta(format!(
+            "{what} holds one VM, not {}",
+            self.groups.len()
+        )))
     }
 
     /// Checks page size, CPU count and format ids (unique).
@@ -48,6 +90,33 @@ impl TraceMeta {
         ids.sort_unstable();
         if ids.windows(2).any(|w| w[0] == w[1]) {
             return Err(OutputError::BadMeta("duplicate event id".into()));
+        }
+        self.validate_groups()
+    }
+
+    /// Groups: at most [`MAX_GROUPS`], valid names, each non-empty and within the CPUs,
+    /// in order without overlap.
+    fn validate_groups(&self) -> Result<(), OutputError> {
+        if self.groups.len() > MAX_GROUPS {
+            return Err(OutputError::BadMeta(format!(
+                "{} VMs: at most {MAX_GROUPS}",
+                self.groups.len()
+            )));
+        }
+        let mut next = 0u32;
+        for g in &self.groups {
+            let end = g.first.checked_add(g.count);
+            if !crate::tracedat::valid_instance_name(&g.name)
+                || g.count == 0
+                || g.first < next
+                || end.is_none_or(|e| e > self.nr_cpus)
+            {
+                return Err(OutputError::BadMeta(format!(
+                    "VM {:?}: CPUs {}+{} of {}",
+                    g.name, g.first, g.count, self.nr_cpus
+                )));
+            }
+            next = g.first + g.count;
         }
         Ok(())
     }

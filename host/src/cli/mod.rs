@@ -339,9 +339,12 @@ pub fn collect(a: &CollectArgs) -> Result<i32, CliError> {
     use crate::flight::collect::{parse_vms, CollectOpts};
     let vms = parse_vms(&a.vms).map_err(CliError::Args)?;
     let format = format_for(options::format(a.format), &a.output, "-o")?;
-    if !matches!(format, Format::Dat | Format::Text) {
+    if !matches!(
+        format,
+        Format::Dat | Format::Text | Format::Json | Format::Perfetto
+    ) {
         return Err(CliError::Args(format!(
-            "-o {}: collect writes trace.dat v7 or text (.dat, .txt, --format dat|text)",
+            "-o {}: collect writes trace.dat v7, text, JSON or Perfetto (.dat, .txt, .json, .pftrace, --format dat|text|json|perfetto)",
             crate::drain::sink::shown_path(&a.output)
         )));
     }
@@ -352,7 +355,7 @@ pub fn collect(a: &CollectArgs) -> Result<i32, CliError> {
     let o = CollectOpts {
         vms: &vms,
         follow: a.follow,
-        text: format == Format::Text,
+        format,
         target: &target,
         out_path: &a.output,
         stop: &stop,

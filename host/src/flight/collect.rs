@@ -1,6 +1,6 @@
 //! `hyptrace collect [--follow] -o FILE NAME=SOCKET...`: one process subscribes to
 //! several running VMMs (each `run --drain none --control SOCKET`) and writes one
-//! trace.dat v7 with one buffer instance per VM (docs/design.md "Collecting several
+//! trace: a trace.dat v7 with one buffer instance per VM, text, JSON or Perfetto (docs/design.md "Collecting several
 //! VMs").
 //!
 //! Each VM is followed by its own thread exactly as `dump --attach` follows one
@@ -11,9 +11,10 @@
 //! that clock's nanoseconds through the VM's own clock map, so the instances share one
 //! time line and a reader merging them (trace-cmd report) prints one time order. A VM
 //! whose reading fails (it ends early, crashes, stops answering, lies) is named; the
-//! others go on, and the file holds what was read of it. With `text`, the parts are
+//! others go on, and the file holds what was read of it. With text, the parts are
 //! written as text instead (`BufferSet::write_text`: merged by time, each line prefixed
-//! with its VM).
+//! with its VM); with JSON or Perfetto, into one sink of that format with a process per
+//! VM (`BufferSet::sink_meta`, the pages merged by time as `convert` merges a file's).
 
 use std::path::{Path, PathBuf};
 
@@ -35,8 +36,9 @@ pub struct CollectOpts<'a> {
     pub vms: &'a [(String, PathBuf)],
     /// Until every VM's vCPUs ended (or `stop`), instead of what is there now.
     pub follow: bool,
-    /// Text (`trace-cmd report -t` lines, each prefixed with its VM) instead of trace.dat.
-    pub text: bool,
+    /// The output's format: trace.dat (an instance per VM), text (`trace-cmd report
+    /// -t` lines, each prefixed with its VM), JSON or Perfetto (a process per VM).
+    pub format: Format,
     /// The output.
     pub target: &'a OutputTarget,
     /// The output as given (messages).
@@ -234,16 +236,48 @@ pub fn collect(o: &CollectOpts<'_>) -> Result<CollectReport, CollectError> {
             path: o.out_path.to_path_buf(),
         });
     }
-    let written = if o.text {
-        set.write_text(o.target).map(drop)
-    } else {
-        set.write(o.target).map(drop)
+    let written = match o.format {
+        Format::Text => set.write_text(o.target).map(drop),
+        Format::Json | Format::Perfetto => write_sink(&set, o),
+        _ => set.write(o.target).map(drop),
     };
     written.map_err(|source| CollectError::Output {
         path: o.out_path.to_path_buf(),
         source,
     })?;
     Ok(CollectReport { vms, interrupted })
+}
+
+/// Writes every part into one sink of `o.format` (JSON, Perfetto), each VM a process
+/// of its name ([`BufferSet::sink_meta`]), the pages merged by time across the VMs as
+/// `convert` merges a file's CPUs.
+fn write_sink(set: &BufferSet, o: &CollectOpts<'_>) -> Result<(), OutputError> {
+    let meta = set.sink_meta()?;
+    let groups = meta.groups.clone();
+    let sink = crate::drain::sink::make_sink(
+        o.target,
+        o.format,
+        hyptrace_output::Compression::None,
+        meta,
+    )?;
+    let mut cursors = Vec::new();
+    for ((_, file), g) in set.parts().zip(&groups) {
+        cursors.extend(file.all_pages().into_iter().map(|c| (g.first + c.cpu(), c)));
+    }
+    let mut damage = None;
+    crate::pipeline::convert::pump_cursors(
+        cursors,
+        sink,
+        &mut |d| {
+            damage.get_or_insert(d);
+        },
+        false,
+    )?;
+    match damage {
+        // The parts are this run's own files: damage in one is a fault here.
+        Some(d) => Err(OutputError::BadMeta(format!("a VM's part is damaged: {d}"))),
+        None => Ok(()),
+    }
 }
 
 /// The parts of the VMs that have one, as one set: a part that does not fit those

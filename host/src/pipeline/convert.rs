@@ -533,6 +533,7 @@ fn meta_of(f: &TraceFile) -> TraceMeta {
             map: None,
         },
         formats: f.formats.clone(),
+        groups: Vec::new(),
     }
 }
 
@@ -543,12 +544,23 @@ fn meta_of(f: &TraceFile) -> TraceMeta {
 /// to `on_damage` when found.
 pub fn pump_pages(
     f: &TraceFile,
+    sink: Box<dyn PageSink>,
+    on_damage: &mut dyn FnMut(hyptrace_output::tracedat::Damage),
+    filtered: bool,
+) -> Result<(), OutputError> {
+    let cursors = f.all_pages().into_iter().map(|c| (c.cpu(), c)).collect();
+    pump_cursors(cursors, sink, on_damage, filtered)
+}
+
+/// [`pump_pages`] of any CPUs' pages, each given with its CPU in the sink (several
+/// buffers' CPUs one after the other: [`hyptrace_output::TraceMeta::groups`]).
+pub fn pump_cursors(
+    cursors: Vec<(u32, hyptrace_output::tracedat::CpuPages)>,
     mut sink: Box<dyn PageSink>,
     on_damage: &mut dyn FnMut(hyptrace_output::tracedat::Damage),
     filtered: bool,
 ) -> Result<(), OutputError> {
-    let mut cursors = f.all_pages();
-    let cpus: Vec<u32> = f.cpus.iter().map(|b| b.cpu).collect();
+    let (cpus, mut cursors): (Vec<u32>, Vec<_>) = cursors.into_iter().unzip();
     // (page time, cpu, index) of each CPU's current page, oldest first.
     let mut heads = BinaryHeap::new();
     for (i, c) in cursors.iter_mut().enumerate() {

@@ -177,6 +177,45 @@ impl BufferSet {
 }
 
 impl BufferSet {
+    /// The parts, in order: each its instance name and its file (its pages for a sink
+    /// of [`BufferSet::sink_meta`], its CPUs after the earlier parts').
+    pub fn parts(&self) -> impl Iterator<Item = (&str, &TraceFile)> {
+        self.opened.iter().map(|o| (o.name.as_str(), &o.file))
+    }
+
+    /// The metadata of one sink taking every part ([`TraceMeta::groups`]): the parts'
+    /// CPUs one after the other, each part a group of its name, the parts' formats, the
+    /// set's clock and page size; vCPU `c` of a part is named as in its part.
+    pub fn sink_meta(&self) -> Result<TraceMeta, OutputError> {
+        let mut meta = self.meta.clone();
+        meta.formats = self.formats.iter().map(|(f, _)| f.clone()).collect();
+        meta.cmdlines.clear();
+        meta.groups.clear();
+        let mut first = 0u32;
+        for o in &self.opened {
+            let count = o.file.nr_cpus;
+            for c in 0..count {
+                let pid = hyptrace_abi::events::vcpu_pid(c);
+                let name =
+                    (o.file.cmdlines.get(&pid).cloned()).unwrap_or_else(|| format!("vcpu{c}"));
+                let global = first.saturating_add(c);
+                meta.cmdlines
+                    .insert(hyptrace_abi::events::vcpu_pid(global), name);
+            }
+            meta.groups.push(crate::sink::CpuGroup {
+                name: o.name.clone(),
+                first,
+                count,
+            });
+            first = first
+                .checked_add(count)
+                .ok_or_else(|| OutputError::BadMeta("the parts' CPUs do not fit a u32".into()))?;
+        }
+        meta.nr_cpus = first;
+        meta.validate()?;
+        Ok(meta)
+    }
+
     /// Writes every part's events as `trace-cmd report -t` text to `target`, merged by
     /// time across the parts (ties: the earlier part; in a part, as [`TraceFile::records`]
     /// merges its CPUs), each line prefixed with its instance's name right-aligned to the
