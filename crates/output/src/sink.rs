@@ -7,6 +7,9 @@ use crate::clock::Clock;
 use crate::OutputError;
 use hyptrace_format::{guest_formats, EventFormat};
 
+/// Most CPUs a trace holds ([`TraceMeta::nr_cpus`]).
+pub const MAX_CPUS: u32 = 4096;
+
 /// Most groups ([`TraceMeta::groups`]) a trace holds.
 pub const MAX_GROUPS: usize = crate::tracedat::MAX_INSTANCES;
 
@@ -68,6 +71,40 @@ impl TraceMeta {
             .find(|(_, g)| cpu >= g.first && cpu - g.first < g.count)
     }
 
+    /// Appends a group ([`TraceMeta::groups`]) of `count` CPUs named `name` after the
+    /// CPUs there are: vCPU `c` of it is named as `cmdlines` name pid `c + 1` (its
+    /// buffer's own), else `vcpuC`. Checked by [`TraceMeta::validate`].
+    pub fn push_group(
+        &mut self,
+        name: &str,
+        count: u32,
+        cmdlines: &BTreeMap<i32, String>,
+    ) -> Result<(), OutputError> {
+        let first = self.nr_cpus;
+        let end = first
+            .checked_add(count)
+            .filter(|&e| e <= MAX_CPUS)
+            .ok_or_else(|| {
+                OutputError::BadMeta(format!("VM {name:?}: more than {MAX_CPUS} CPUs in all"))
+            })?;
+        for c in 0..count {
+            let pid = hyptrace_abi::events::vcpu_pid(c);
+            let comm = cmdlines
+                .get(&pid)
+                .cloned()
+                .unwrap_or_else(|| format!("vcpu{c}"));
+            self.cmdlines
+                .insert(hyptrace_abi::events::vcpu_pid(first + c), comm);
+        }
+        self.groups.push(CpuGroup {
+            name: name.to_string(),
+            first,
+            count,
+        });
+        self.nr_cpus = end;
+        Ok(())
+    }
+
     /// Refuses groups ([`TraceMeta::groups`]) for a sink of `what` that cannot name
     /// them.
     pub fn check_one_vm(&self, what: &str) -> Result<(), OutputError> {
@@ -83,7 +120,7 @@ impl TraceMeta {
     /// Checks page size, CPU count and format ids (unique).
     pub fn validate(&self) -> Result<(), OutputError> {
         crate::export::check_page_size(self.page_size)?;
-        if self.nr_cpus == 0 || self.nr_cpus > 4096 {
+        if self.nr_cpus == 0 || self.nr_cpus > MAX_CPUS {
             return Err(OutputError::BadMeta(format!("{} CPUs", self.nr_cpus)));
         }
         let mut ids: Vec<u16> = self.formats.iter().map(|f| f.id).collect();

@@ -169,9 +169,10 @@ fn open_dat(at: &Path, path: &Path) -> Result<(TraceFile, usize), ConvertError> 
     Ok((file, n))
 }
 
-/// `convert` feeds one buffer's pages to a sink: a trace.dat with buffer instances
-/// (`hyptrace collect`'s, trace-cmd's `record -B`) is refused (exit 2) rather than
-/// converted without them; `report` reads every instance.
+/// A trace.dat with buffer instances (`hyptrace collect`'s, trace-cmd's `record -B`)
+/// converts to JSON and Perfetto (a process per instance, [`grouped`]); to the other
+/// formats, which cannot name an instance on an event, it is refused (exit 2) rather
+/// than converted without them; `report` prints every instance.
 fn refuse_instances(f: &TraceFile, path: &Path) -> Result<(), ConvertError> {
     if f.instances.is_empty() {
         return Ok(());
@@ -184,7 +185,7 @@ fn refuse_instances(f: &TraceFile, path: &Path) -> Result<(), ConvertError> {
         .collect();
     let more = if f.instances.len() > 8 { ", ..." } else { "" };
     let line = format!(
-        "{}: {} buffer instances ({}{more}): convert reads a file of one buffer; `hyptrace report` prints every instance's events (trace-cmd and KernelShark read the file as it is)",
+        "{}: {} buffer instances ({}{more}): convert writes such a file only as JSON or Perfetto (a process per instance); `hyptrace report` prints every instance's events (trace-cmd and KernelShark read the file as it is)",
         path.display(),
         f.instances.len(),
         names.join(", ")
@@ -537,6 +538,34 @@ fn meta_of(f: &TraceFile) -> TraceMeta {
     }
 }
 
+/// The CPUs of a trace.dat with buffer instances as one sink's
+/// ([`TraceMeta::groups`]): the top level's CPUs first when it has data (a process of
+/// their own), then each instance a group of its name, its CPUs after the earlier
+/// ones' (named from the file's cmdlines as vCPUs of the instance); with the pages of
+/// each, numbered so.
+fn grouped(f: &TraceFile) -> Result<(TraceMeta, PageCursors), OutputError> {
+    let mut meta = meta_of(f);
+    let mut cursors: PageCursors = Vec::new();
+    if f.cpus.iter().any(|b| b.size > 0) {
+        cursors.extend(f.all_pages().into_iter().map(|c| (c.cpu(), c)));
+    } else {
+        meta.nr_cpus = 0;
+        meta.cmdlines.clear();
+    }
+    for (i, inst) in f.instances.iter().enumerate() {
+        let count = inst.cpus.iter().map(|b| b.cpu.saturating_add(1)).max();
+        let first = meta.nr_cpus;
+        meta.push_group(&inst.name, count.unwrap_or(1), &f.cmdlines)?;
+        let pages = f.instance_pages(i).unwrap_or_default();
+        cursors.extend(pages.into_iter().map(|c| (first + c.cpu(), c)));
+    }
+    meta.validate()?;
+    Ok((meta, cursors))
+}
+
+/// Pages of CPUs, each with its CPU in the sink ([`pump_cursors`]).
+type PageCursors = Vec<(u32, hyptrace_output::tracedat::CpuPages)>;
+
 /// Feeds every page of `f` into `sink`, the CPUs' pages merged by page time, ties to
 /// the lower CPU (each CPU's in file order; a heap of the CPUs' current pages: O(log
 /// CPUs) per page; memory: each CPU's read buffer, pages handed over where they lie),
@@ -555,7 +584,7 @@ pub fn pump_pages(
 /// [`pump_pages`] of any CPUs' pages, each given with its CPU in the sink (several
 /// buffers' CPUs one after the other: [`hyptrace_output::TraceMeta::groups`]).
 pub fn pump_cursors(
-    cursors: Vec<(u32, hyptrace_output::tracedat::CpuPages)>,
+    cursors: PageCursors,
     mut sink: Box<dyn PageSink>,
     on_damage: &mut dyn FnMut(hyptrace_output::tracedat::Damage),
     filtered: bool,
@@ -700,11 +729,19 @@ pub fn convert(a: &ConvertArgs) -> Result<(), ConvertError> {
         }
         Input::TraceDat(f, n) => {
             damage = n;
-            refuse_instances(&f, &a.input)?;
             if format == Format::Raw {
                 check_raw_formats(&f, &a.input)?;
             }
-            let meta = meta_of(&f);
+            // Buffer instances: JSON and Perfetto only, a process per instance.
+            let (meta, cursors) = if f.instances.is_empty() {
+                (meta_of(&f), None)
+            } else {
+                if !matches!(format, Format::Json | Format::Perfetto) {
+                    refuse_instances(&f, &a.input)?;
+                }
+                let (m, c) = grouped(&f).map_err(|e| input_error(&a.input, &e))?;
+                (m, Some(c))
+            };
             let filters = compile_filters(specs, &meta)?;
             let sink = crate::drain::sink::make_sink(&target, format, compression, meta)
                 .map_err(ConvertError::Output)?;
@@ -714,11 +751,14 @@ pub fn convert(a: &ConvertArgs) -> Result<(), ConvertError> {
                 damage += 1;
                 warn_damage(&a.input, &d);
             };
-            let r = match format {
+            let r = match (cursors, format) {
+                (Some(c), _) => pump_cursors(c, sink, &mut on_damage, filtered),
                 // A trace.dat keeps each CPU's data in one piece: fed CPU by CPU, it is
                 // written once, straight to its place.
-                Format::Dat | Format::Dat6 => pump_by_cpu(&f, sink, &mut on_damage, filtered),
-                _ => pump_pages(&f, sink, &mut on_damage, filtered),
+                (None, Format::Dat | Format::Dat6) => {
+                    pump_by_cpu(&f, sink, &mut on_damage, filtered)
+                }
+                (None, _) => pump_pages(&f, sink, &mut on_damage, filtered),
             };
             (r, counts)
         }

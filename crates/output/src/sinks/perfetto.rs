@@ -11,6 +11,9 @@
 //!    (`SEQ_NEEDS_INCREMENTAL_STATE`);
 //! 2. a process track [`PROCESS_UUID`] [`PROCESS_NAME`] (pid [`JSON_PID`]) and one thread
 //!    track per vCPU ([`vcpu_track_uuid`], tid = the vCPU's pid, named from the cmdlines);
+//!    with several VMs ([`TraceMeta::groups`], `hyptrace collect`) a process track per
+//!    VM instead ([`group_uuid`], named after the VM, pid = its first vCPU's tid), each
+//!    of its vCPUs' thread tracks its child;
 //! 3. per event, on its vCPU's track (`--host-trace`: the host kernel's
 //!    `sched:sched_switch` / `sched_wakeup` instead go out as an `FtraceEventBundle`
 //!    of their CPU, so the trace processor builds the threads' scheduling states, and

@@ -191,27 +191,10 @@ impl BufferSet {
         meta.formats = self.formats.iter().map(|(f, _)| f.clone()).collect();
         meta.cmdlines.clear();
         meta.groups.clear();
-        let mut first = 0u32;
+        meta.nr_cpus = 0;
         for o in &self.opened {
-            let count = o.file.nr_cpus;
-            for c in 0..count {
-                let pid = hyptrace_abi::events::vcpu_pid(c);
-                let name =
-                    (o.file.cmdlines.get(&pid).cloned()).unwrap_or_else(|| format!("vcpu{c}"));
-                let global = first.saturating_add(c);
-                meta.cmdlines
-                    .insert(hyptrace_abi::events::vcpu_pid(global), name);
-            }
-            meta.groups.push(crate::sink::CpuGroup {
-                name: o.name.clone(),
-                first,
-                count,
-            });
-            first = first
-                .checked_add(count)
-                .ok_or_else(|| OutputError::BadMeta("the parts' CPUs do not fit a u32".into()))?;
+            meta.push_group(&o.name, o.file.nr_cpus, &o.file.cmdlines)?;
         }
-        meta.nr_cpus = first;
         meta.validate()?;
         Ok(meta)
     }
