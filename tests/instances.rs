@@ -120,21 +120,52 @@ fn report_prints_every_instance() {
 }
 
 /// `convert` of a multi-buffer file to a format that cannot name an instance on an
-/// event (trace.dat, text, raw): exit 2 naming the instances, no output left.
+/// event (trace.dat, raw): exit 2 naming the instances, no output left.
 #[test]
 fn convert_refuses_instances() {
     let dir = TempDir::new("instances-convert");
     let all = multi(&dir);
-    for ext in ["dat", "txt", "raw"] {
+    for ext in ["dat", "raw"] {
         let out = dir.file(&format!("out.{ext}"));
         let o = hyptrace(&["convert", "-i", all.to_str().unwrap(), "-o", &out]);
         let err = env::stderr(&o);
         assert_eq!(o.status.code(), Some(2), "{ext}: {err}");
         assert!(err.contains("2 buffer instances (web, db)"), "{err}");
-        assert!(err.contains("only as JSON or Perfetto"), "{err}");
+        assert!(
+            err.contains("only as JSON or Perfetto (a process per instance) or text"),
+            "{err}"
+        );
         assert_eq!(err.lines().count(), 1, "{err}");
         assert!(!Path::new(&out).exists(), "{ext}: output left");
     }
+}
+
+/// `convert` of a multi-buffer file to text: `report`'s lines (each after its
+/// instance's name), in the file; with `-F`, only the events it passes.
+#[test]
+fn convert_names_instances_in_text() {
+    let dir = TempDir::new("instances-text");
+    let all = multi(&dir);
+    let path = all.to_str().unwrap();
+    let out = dir.file("all.txt");
+    let o = hyptrace(&["convert", "-i", path, "-o", &out]);
+    assert_eq!(o.status.code(), Some(0), "{}", env::stderr(&o));
+    let text = std::fs::read_to_string(&out).expect("text");
+    let r = hyptrace(&["report", path]);
+    assert_eq!(text, env::stdout(&r));
+    let count = |t: &str, p: &str| t.lines().filter(|l| l.starts_with(p)).count();
+    assert_eq!((count(&text, "web: "), count(&text, " db: ")), (120, 160));
+    let o = hyptrace(&["convert", "-i", path, "-o", &out, "-F", "marker: seq < 10"]);
+    assert_eq!(o.status.code(), Some(0), "{}", env::stderr(&o));
+    let text = std::fs::read_to_string(&out).expect("text");
+    // web: seqs 0..9 of its one CPU; db: of each of its two.
+    assert_eq!(
+        (count(&text, "web: "), count(&text, " db: ")),
+        (10, 20),
+        "{text}"
+    );
+    let o = hyptrace(&["convert", "-i", path, "-o", &out, "-F", "nope"]);
+    assert_eq!(o.status.code(), Some(2), "{}", env::stderr(&o));
 }
 
 /// `convert` of a multi-buffer file to JSON: a process per instance named after it,

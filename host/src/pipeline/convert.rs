@@ -170,7 +170,8 @@ fn open_dat(at: &Path, path: &Path) -> Result<(TraceFile, usize), ConvertError> 
 }
 
 /// A trace.dat with buffer instances (`hyptrace collect`'s, trace-cmd's `record -B`)
-/// converts to JSON and Perfetto (a process per instance, [`grouped`]); to the other
+/// converts to JSON and Perfetto (a process per instance, [`grouped`]) and text
+/// (`report`'s, [`report_into`]); to the other
 /// formats, which cannot name an instance on an event, it is refused (exit 2) rather
 /// than converted without them; `report` prints every instance.
 fn refuse_instances(f: &TraceFile, path: &Path) -> Result<(), ConvertError> {
@@ -185,7 +186,7 @@ fn refuse_instances(f: &TraceFile, path: &Path) -> Result<(), ConvertError> {
         .collect();
     let more = if f.instances.len() > 8 { ", ..." } else { "" };
     let line = format!(
-        "{}: {} buffer instances ({}{more}): convert writes such a file only as JSON or Perfetto (a process per instance); `hyptrace report` prints every instance's events (trace-cmd and KernelShark read the file as it is)",
+        "{}: {} buffer instances ({}{more}): convert writes such a file only as JSON or Perfetto (a process per instance) or text; `hyptrace report` prints every instance's events (trace-cmd and KernelShark read the file as it is)",
         path.display(),
         f.instances.len(),
         names.join(", ")
@@ -563,6 +564,27 @@ fn grouped(f: &TraceFile) -> Result<(TraceMeta, PageCursors), OutputError> {
     Ok((meta, cursors))
 }
 
+/// `report`'s text of `f` (every buffer instance's lines after its name, as
+/// `trace-cmd report -t` prints them), the events `specs` (-F) pass, into `target`.
+fn report_into(
+    f: &TraceFile,
+    specs: &[String],
+    target: &hyptrace_output::OutputTarget,
+    on_damage: &mut dyn FnMut(hyptrace_output::tracedat::Damage),
+) -> Result<(), OutputError> {
+    let filter = ReportFilter {
+        events: specs.to_vec(),
+        ..ReportFilter::default()
+    };
+    let mut out = std::io::BufWriter::with_capacity(1 << 16, target.open()?);
+    f.write_report_outcome(&mut out, &filter, on_damage)?;
+    let out = out.into_inner().map_err(|e| {
+        let (err, file) = e.into_parts();
+        file.get_ref().error(err)
+    })?;
+    out.finish()
+}
+
 /// Pages of CPUs, each with its CPU in the sink ([`pump_cursors`]).
 type PageCursors = Vec<(u32, hyptrace_output::tracedat::CpuPages)>;
 
@@ -726,6 +748,17 @@ pub fn convert(a: &ConvertArgs) -> Result<(), ConvertError> {
                 .map_err(ConvertError::Output)?;
             let (sink, counts) = behind_filters(sink, filters, PageSource::Ring);
             (reader.replay(sink, |_| true), counts)
+        }
+        Input::TraceDat(f, n) if format == Format::Text && !f.instances.is_empty() => {
+            damage = n;
+            // `report`'s text: every instance's lines after its name.
+            FilterSet::compile(specs, &f.formats)
+                .map_err(|e| ConvertError::Input(e.to_string()))?;
+            let mut on_damage = |d| {
+                damage += 1;
+                warn_damage(&a.input, &d);
+            };
+            (report_into(&f, specs, &target, &mut on_damage), None)
         }
         Input::TraceDat(f, n) => {
             damage = n;
