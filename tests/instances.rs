@@ -120,24 +120,72 @@ fn report_prints_every_instance() {
 }
 
 /// `convert` of a multi-buffer file to a format that cannot name an instance on an
-/// event (trace.dat, raw): exit 2 naming the instances, no output left.
+/// event (trace.dat v6, raw): exit 2 naming the instances, no output left.
 #[test]
 fn convert_refuses_instances() {
     let dir = TempDir::new("instances-convert");
     let all = multi(&dir);
-    for ext in ["dat", "raw"] {
-        let out = dir.file(&format!("out.{ext}"));
-        let o = hyptrace(&["convert", "-i", all.to_str().unwrap(), "-o", &out]);
+    for fmt in ["dat6", "raw"] {
+        let out = dir.file(&format!("out.{fmt}"));
+        let args = [
+            "convert",
+            "-i",
+            all.to_str().unwrap(),
+            "-o",
+            &out,
+            "--format",
+            fmt,
+        ];
+        let o = hyptrace(&args);
+        let ext = fmt;
         let err = env::stderr(&o);
         assert_eq!(o.status.code(), Some(2), "{ext}: {err}");
         assert!(err.contains("2 buffer instances (web, db)"), "{err}");
         assert!(
-            err.contains("only as JSON or Perfetto (a process per instance) or text"),
+            err.contains("only as trace.dat v7 (the instances kept), JSON"),
             "{err}"
         );
         assert_eq!(err.lines().count(), 1, "{err}");
         assert!(!Path::new(&out).exists(), "{ext}: output left");
     }
+}
+
+/// `convert` of a multi-buffer file to trace.dat (v7, zstd or not): the instances
+/// kept, named, in order, their events those of the input (`report` prints the same
+/// lines, trace-cmd too when installed); `-F` is refused (exit 2), nothing written.
+#[test]
+fn convert_keeps_instances_in_trace_dat() {
+    let dir = TempDir::new("instances-dat");
+    let all = multi(&dir);
+    let path = all.to_str().unwrap();
+    let want = env::stdout(&hyptrace(&["report", path]));
+    for c in ["zstd", "none"] {
+        let out = dir.file(&format!("copy-{c}.dat"));
+        let o = hyptrace(&["convert", "-i", path, "-o", &out, "--compression", c]);
+        assert_eq!(o.status.code(), Some(0), "{}", env::stderr(&o));
+        let f = hyptrace_output::TraceFile::open(&out).expect("open");
+        let names: Vec<&str> = f.instances.iter().map(|i| i.name.as_str()).collect();
+        assert_eq!(names, ["web", "db"]);
+        assert!(f.damage.is_empty(), "{:?}", f.damage);
+        let got = env::stdout(&hyptrace(&["report", &out]));
+        assert_eq!(got, want, "{c}");
+        if env::trace_cmd_available() {
+            let t = Command::new("trace-cmd")
+                .args(["report", "-t", "-i", &out])
+                .output()
+                .expect("trace-cmd");
+            assert_eq!(String::from_utf8_lossy(&t.stdout), want, "{c}: trace-cmd");
+        }
+    }
+    let out = dir.file("filtered.dat");
+    let o = hyptrace(&["convert", "-i", path, "-o", &out, "-F", "marker"]);
+    assert_eq!(o.status.code(), Some(2), "{}", env::stderr(&o));
+    assert!(
+        env::stderr(&o).contains("-F is not taken"),
+        "{}",
+        env::stderr(&o)
+    );
+    assert!(!Path::new(&out).exists());
 }
 
 /// `convert` of a multi-buffer file to text: `report`'s lines (each after its

@@ -170,8 +170,8 @@ fn open_dat(at: &Path, path: &Path) -> Result<(TraceFile, usize), ConvertError> 
 }
 
 /// A trace.dat with buffer instances (`hyptrace collect`'s, trace-cmd's `record -B`)
-/// converts to JSON and Perfetto (a process per instance, [`grouped`]) and text
-/// (`report`'s, [`report_into`]); to the other
+/// converts to JSON and Perfetto (a process per instance, [`grouped`]), text
+/// (`report`'s, [`report_into`]) and trace.dat v7 ([`instances_to_dat`]); to the other
 /// formats, which cannot name an instance on an event, it is refused (exit 2) rather
 /// than converted without them; `report` prints every instance.
 fn refuse_instances(f: &TraceFile, path: &Path) -> Result<(), ConvertError> {
@@ -186,7 +186,7 @@ fn refuse_instances(f: &TraceFile, path: &Path) -> Result<(), ConvertError> {
         .collect();
     let more = if f.instances.len() > 8 { ", ..." } else { "" };
     let line = format!(
-        "{}: {} buffer instances ({}{more}): convert writes such a file only as JSON or Perfetto (a process per instance) or text; `hyptrace report` prints every instance's events (trace-cmd and KernelShark read the file as it is)",
+        "{}: {} buffer instances ({}{more}): convert writes such a file only as trace.dat v7 (the instances kept), JSON or Perfetto (a process per instance) or text; `hyptrace report` prints every instance's events (trace-cmd and KernelShark read the file as it is)",
         path.display(),
         f.instances.len(),
         names.join(", ")
@@ -548,7 +548,7 @@ fn grouped(f: &TraceFile) -> Result<(TraceMeta, PageCursors), OutputError> {
     let mut meta = meta_of(f);
     let mut cursors: PageCursors = Vec::new();
     if f.cpus.iter().any(|b| b.size > 0) {
-        cursors.extend(f.all_pages().into_iter().map(|c| (c.cpu(), c)));
+        cursors.extend(cursors_of(f));
     } else {
         meta.nr_cpus = 0;
         meta.cmdlines.clear();
@@ -562,6 +562,67 @@ fn grouped(f: &TraceFile) -> Result<(TraceMeta, PageCursors), OutputError> {
     }
     meta.validate()?;
     Ok((meta, cursors))
+}
+
+/// What a trace.dat with buffer instances needs to convert to one (exit 2 if not): no
+/// `-F` (each instance would need its own filter counts), no data in the top level
+/// (the file written has the instances only, as `collect` writes).
+fn check_instances_to_dat(
+    f: &TraceFile,
+    specs: &[String],
+    path: &Path,
+) -> Result<(), ConvertError> {
+    let why = if !specs.is_empty() {
+        "-F is not taken when the output keeps buffer instances (filter into JSON, Perfetto or text)"
+    } else if f.cpus.iter().any(|b| b.size > 0) {
+        "its top-level buffer holds data besides the instances: a trace.dat of instances only is written (convert it to JSON, Perfetto or text)"
+    } else {
+        return Ok(());
+    };
+    Err(ConvertError::Input(format!("{}: {why}", input_name(path))))
+}
+
+/// A trace.dat with buffer instances into a trace.dat v7 keeping them: each instance
+/// first written, CPU by CPU, as a part (a single-buffer trace.dat of its own in a
+/// temporary directory next to the output), then the parts become the instances of
+/// one file ([`hyptrace_output::write_buffers`], as `collect` assembles its VMs').
+/// Every instance must be on a clock of nanoseconds (no TSC2NSEC/OFFSET: `collect`'s
+/// files are); another is refused by the assembly, named.
+fn instances_to_dat(
+    f: &TraceFile,
+    target: &hyptrace_output::OutputTarget,
+    compression: hyptrace_output::Compression,
+    on_damage: &mut dyn FnMut(hyptrace_output::tracedat::Damage),
+) -> Result<(), OutputError> {
+    use hyptrace_output::{BufferPart, OutputTarget, TraceDatSink, TraceDatVersion};
+    let dir = target.spill_dir();
+    let tmp = tempfile::Builder::new()
+        .prefix(".hyptrace-convert.")
+        .tempdir_in(&dir)
+        .map_err(|source| OutputError::Io {
+            path: Some(dir.clone()),
+            source,
+        })?;
+    let base = meta_of(f);
+    let mut parts = Vec::with_capacity(f.instances.len());
+    for (i, inst) in f.instances.iter().enumerate() {
+        let count = inst.cpus.iter().map(|b| b.cpu.saturating_add(1)).max();
+        let meta = TraceMeta {
+            nr_cpus: count.unwrap_or(1),
+            ..base.clone()
+        };
+        let path = tmp.path().join(format!("{i}.dat"));
+        let part = OutputTarget::check(&path)?;
+        let sink = TraceDatSink::open_with(&part, meta, TraceDatVersion::V7, compression)?;
+        let cursors = f.instance_pages(i).unwrap_or_default();
+        let cursors = cursors.into_iter().map(|c| (c.cpu(), c)).collect();
+        pump_by_cpu(cursors, Box::new(sink), on_damage, false)?;
+        parts.push(BufferPart {
+            name: inst.name.clone(),
+            path,
+        });
+    }
+    hyptrace_output::write_buffers(target, base, &parts).map(drop)
 }
 
 /// `report`'s text of `f` (every buffer instance's lines after its name, as
@@ -599,8 +660,12 @@ pub fn pump_pages(
     on_damage: &mut dyn FnMut(hyptrace_output::tracedat::Damage),
     filtered: bool,
 ) -> Result<(), OutputError> {
-    let cursors = f.all_pages().into_iter().map(|c| (c.cpu(), c)).collect();
-    pump_cursors(cursors, sink, on_damage, filtered)
+    pump_cursors(cursors_of(f), sink, on_damage, filtered)
+}
+
+/// The pages of every CPU of `f`'s top level, each with its CPU.
+fn cursors_of(f: &TraceFile) -> PageCursors {
+    f.all_pages().into_iter().map(|c| (c.cpu(), c)).collect()
 }
 
 /// [`pump_pages`] of any CPUs' pages, each given with its CPU in the sink (several
@@ -671,15 +736,13 @@ fn feed_page(
 /// after CPU, each one ended ([`PageSink::end_cpu`]) after its last page, so the sink
 /// writes every CPU's data straight to its place.
 pub fn pump_by_cpu(
-    f: &TraceFile,
+    cursors: PageCursors,
     mut sink: Box<dyn PageSink>,
     on_damage: &mut dyn FnMut(hyptrace_output::tracedat::Damage),
     filtered: bool,
 ) -> Result<(), OutputError> {
-    for (i, b) in f.cpus.iter().enumerate() {
-        let Some(mut c) = f.pages(i) else {
-            continue;
-        };
+    // Each CPU's reader dropped after its CPU (memory: one CPU's read buffer).
+    for (cpu, mut c) in cursors {
         // Bounded: every step consumes a page of the CPU.
         loop {
             if hyptrace_output::stdout_closed() {
@@ -687,7 +750,7 @@ pub fn pump_by_cpu(
             }
             let more = match c.next_page()? {
                 Some(page) => {
-                    feed_page(sink.as_mut(), b.cpu, page, on_damage, filtered)?;
+                    feed_page(sink.as_mut(), cpu, page, on_damage, filtered)?;
                     true
                 }
                 None => false,
@@ -697,7 +760,7 @@ pub fn pump_by_cpu(
                 break;
             }
         }
-        sink.end_cpu(b.cpu)?;
+        sink.end_cpu(cpu)?;
     }
     sink.finish(&RunSummary::default())
 }
@@ -749,6 +812,18 @@ pub fn convert(a: &ConvertArgs) -> Result<(), ConvertError> {
             let (sink, counts) = behind_filters(sink, filters, PageSource::Ring);
             (reader.replay(sink, |_| true), counts)
         }
+        Input::TraceDat(f, n) if format == Format::Dat && !f.instances.is_empty() => {
+            damage = n;
+            check_instances_to_dat(&f, specs, &a.input)?;
+            let mut on_damage = |d| {
+                damage += 1;
+                warn_damage(&a.input, &d);
+            };
+            (
+                instances_to_dat(&f, &target, compression, &mut on_damage),
+                None,
+            )
+        }
         Input::TraceDat(f, n) if format == Format::Text && !f.instances.is_empty() => {
             damage = n;
             // `report`'s text: every instance's lines after its name.
@@ -789,7 +864,7 @@ pub fn convert(a: &ConvertArgs) -> Result<(), ConvertError> {
                 // A trace.dat keeps each CPU's data in one piece: fed CPU by CPU, it is
                 // written once, straight to its place.
                 (None, Format::Dat | Format::Dat6) => {
-                    pump_by_cpu(&f, sink, &mut on_damage, filtered)
+                    pump_by_cpu(cursors_of(&f), sink, &mut on_damage, filtered)
                 }
                 (None, _) => pump_pages(&f, sink, &mut on_damage, filtered),
             };
