@@ -90,14 +90,16 @@ pub enum Command {
     /// VMM's rings live (`--drain none --trace-mem --control`), once or `--follow`.
     Dump(crate::pipeline::options::DumpArgs),
     /// Subscribe to several running VMMs (each `run --drain none --control SOCKET`)
-    /// and write one trace.dat v7 with one buffer instance per VM, every VM on host
-    /// CLOCK_MONOTONIC: `trace-cmd report` names each event's VM and prints one time
-    /// order. Once, or `--follow` until every VM ended. Exit 0 only when every VM's
+    /// and write one trace.dat v7 with one buffer instance per VM (or text, or Perfetto
+    /// or JSON with a process per VM), every VM on host CLOCK_MONOTONIC: `trace-cmd
+    /// report` names each event's VM and prints one time order. Once, or `--follow` until every VM ended. Exit 0 only when every VM's
     /// part is complete; 1 when one failed (named; the others are written); 130 after
     /// Ctrl-C (the file holds what was read).
     Collect(CollectArgs),
     /// Convert a trace (trace.dat v6/v7/zstd, ours or the kernel's, or a raw page
-    /// stream) into any output format of `record`.
+    /// stream) into any output format of `record`; a trace.dat with buffer instances
+    /// (`collect`'s) into trace.dat v7 (the instances kept), text, JSON or Perfetto
+    /// (each event's instance named).
     Convert(ConvertArgs),
     /// Measure the writer in the guest and natively, drain throughput, swap latency in
     /// both modes, the highest loss-free rate, each output format's throughput, sustained
