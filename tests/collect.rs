@@ -261,7 +261,7 @@ fn collect_three_vms_into_perfetto() {
             .as_object()
             .expect("threads")
             .iter()
-            .filter(|(_, t)| t["parent"].to_string() == *uuid)
+            .filter(|(_, t)| t["parent"].as_u64().map(|p| p.to_string()).as_ref() == Some(uuid))
             .map(|(u, t)| {
                 assert_eq!(t["pid"], p["pid"], "{n}");
                 assert_eq!(t["name"], "vcpu0", "{n}");
