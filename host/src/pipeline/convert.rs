@@ -178,6 +178,16 @@ fn refuse_instances(f: &TraceFile, path: &Path) -> Result<(), ConvertError> {
     if f.instances.is_empty() {
         return Ok(());
     }
+    Err(instances_error(
+        f,
+        path,
+        "convert writes such a file only as trace.dat v7 (the instances kept), JSON or Perfetto (a process per instance) or text; `hyptrace report` prints every instance's events (trace-cmd and KernelShark read the file as it is)",
+    ))
+}
+
+/// The one line (exit 2) of why `path`, a file with buffer instances, does not
+/// convert: `PATH: N buffer instances (NAMES): WHY`.
+fn instances_error(f: &TraceFile, path: &Path, why: &str) -> ConvertError {
     let names: Vec<&str> = f
         .instances
         .iter()
@@ -186,14 +196,12 @@ fn refuse_instances(f: &TraceFile, path: &Path) -> Result<(), ConvertError> {
         .collect();
     let more = if f.instances.len() > 8 { ", ..." } else { "" };
     let line = format!(
-        "{}: {} buffer instances ({}{more}): convert writes such a file only as trace.dat v7 (the instances kept), JSON or Perfetto (a process per instance) or text; `hyptrace report` prints every instance's events (trace-cmd and KernelShark read the file as it is)",
+        "{}: {} buffer instances ({}{more}): {why}",
         path.display(),
         f.instances.len(),
         names.join(", ")
     );
-    Err(ConvertError::Input(
-        crate::exit::printable(&line).into_owned(),
-    ))
+    ConvertError::Input(crate::exit::printable(&line).into_owned())
 }
 
 /// The one-line warning of a damaged part of `path`.
@@ -579,7 +587,7 @@ fn check_instances_to_dat(
     } else {
         return Ok(());
     };
-    Err(ConvertError::Input(format!("{}: {why}", input_name(path))))
+    Err(instances_error(f, path, why))
 }
 
 /// A trace.dat with buffer instances into a trace.dat v7 keeping them: each instance
