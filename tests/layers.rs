@@ -692,3 +692,64 @@ fn the_clap_scan_sees_the_options_layer() {
     let cli = std::fs::read_to_string(workspace().join("host/src/cli/mod.rs")).expect("read");
     assert!(cli.contains("clap"));
 }
+
+/// The imports of an options module (the run's `pipeline::options`, the bench's own
+/// `bench::options`) by a bench module other than the bench's options layer
+/// (bench/options.rs, and bench/mod.rs, which turns the parsed options into the
+/// sections' typed values), as `from -> to` lines.
+fn bench_imports_of_options(g: &Graph) -> Vec<String> {
+    let mut bad = Vec::new();
+    for (from, deps) in g {
+        let below_options = from.first().map(String::as_str) == Some("bench")
+            && from.get(1).is_some_and(|m| m != "options");
+        if !below_options {
+            continue;
+        }
+        for to in deps {
+            if to.last().map(String::as_str) == Some("options") {
+                bad.push(format!("{} -> {}", from.join("::"), to.join("::")));
+            }
+        }
+    }
+    bad
+}
+
+/// The bench's modules below its options layer take the lower layers' types (a ring
+/// `Mode`, whether the guest swaps, whether the reader drains live), as the pipeline's
+/// plan does, not the options' clap enums (issue 38).
+#[test]
+fn bench_takes_typed_values_below_its_options() {
+    let bad = bench_imports_of_options(&graph());
+    assert!(
+        bad.is_empty(),
+        "bench modules importing an options module:\n{}",
+        bad.join("\n")
+    );
+}
+
+/// The bench rule's scan is not vacuous: the graph has the bench's modules and their
+/// imports of the pipeline, and in a graph made up of the allowed imports (bench/mod.rs
+/// and bench/options.rs importing options) and one refused, the refused one is found.
+#[test]
+fn the_bench_scan_sees_options_imports() {
+    let m = |s: &[&str]| s.iter().map(|x| x.to_string()).collect::<Module>();
+    let real = graph();
+    let harness = real
+        .get(&m(&["bench", "harness"]))
+        .expect("bench::harness scanned");
+    assert!(harness.contains(&m(&["pipeline", "run"])), "{harness:?}");
+    let mut g = Graph::new();
+    g.entry(m(&["bench"]))
+        .or_default()
+        .insert(m(&["pipeline", "options"]));
+    g.entry(m(&["bench", "options"]))
+        .or_default()
+        .insert(m(&["pipeline", "options"]));
+    g.entry(m(&["bench", "harness"]))
+        .or_default()
+        .extend([m(&["pipeline", "plan"]), m(&["pipeline", "options"])]);
+    assert_eq!(
+        bench_imports_of_options(&g),
+        ["bench::harness -> pipeline::options"]
+    );
+}

@@ -20,6 +20,7 @@
 //! docs/design.md "Clock"). Every output converts with [`Clock::to_ns`]; files carry the
 //! converted nanoseconds ([`Clock::retime_page`], [`Clock::file_clock`]).
 
+use crate::error::MetaError;
 use std::sync::{Arc, PoisonError, RwLock};
 
 use hyptrace_abi::page::{
@@ -195,14 +196,14 @@ impl TscConversion {
     /// 31), offset 0.
     pub fn from_tsc_khz(tsc_khz: u64) -> Result<Self, OutputError> {
         if tsc_khz == 0 {
-            return Err(OutputError::BadMeta("tsc_khz is 0".into()));
+            return Err(OutputError::Meta(MetaError::TscKhzZero));
         }
         let mut shift = 32u32;
         loop {
             let mult = (1_000_000u128 << shift) / u128::from(tsc_khz);
             if mult <= i32::MAX as u128 {
                 if mult == 0 {
-                    return Err(OutputError::BadMeta(format!("tsc_khz {tsc_khz} too large")));
+                    return Err(OutputError::Meta(MetaError::TscKhzTooLarge(tsc_khz)));
                 }
                 return Ok(Self {
                     mult: mult as u32,
@@ -211,7 +212,7 @@ impl TscConversion {
                 });
             }
             if shift == 0 {
-                return Err(OutputError::BadMeta(format!("tsc_khz {tsc_khz} too small")));
+                return Err(OutputError::Meta(MetaError::TscKhzTooSmall(tsc_khz)));
             }
             shift -= 1;
         }

@@ -15,17 +15,28 @@ pub enum OutputError {
         #[source]
         source: std::io::Error,
     },
-    /// A page handed to a sink is malformed (too short, commit past the page...).
-    #[error("bad page (cpu {cpu}): {reason}")]
+    /// A page handed to a sink is malformed (too short, commit past the page...), or
+    /// comes for a CPU that cannot take it.
+    #[error("bad page (cpu {cpu}): {problem}")]
     BadPage {
         /// CPU the page came from.
         cpu: u32,
-        /// What is wrong.
-        reason: String,
+        /// What is wrong (the data of the message, not a cause: no source).
+        problem: PageProblem,
     },
     /// Bad metadata given to a sink (page size, CPU number...).
     #[error("bad trace metadata: {0}")]
-    BadMeta(String),
+    Meta(MetaError),
+    /// zstd failed (to set up a compressor, or to compress a CPU's data or a metadata
+    /// section): the zstd error is the source.
+    #[error("zstd compression{}", .cpu.map_or_else(String::new, |c| format!(" of cpu {c}'s data")))]
+    Compress {
+        /// The CPU whose data was compressed (`None`: not one CPU's data).
+        cpu: Option<u32>,
+        /// What zstd said.
+        #[source]
+        source: std::io::Error,
+    },
     /// A trace.dat file is malformed.
     #[error("malformed trace.dat at offset {offset}: {reason}")]
     Format {
@@ -34,16 +45,35 @@ pub enum OutputError {
         /// What is wrong.
         reason: String,
     },
+    /// A Perfetto trace (read back by tests and tools) does not decode.
+    #[error("malformed perfetto trace")]
+    Perfetto(#[source] prost::DecodeError),
     /// A trace.dat feature this reader does not implement.
     #[error("unsupported trace.dat: {0}")]
-    Unsupported(String),
+    Unsupported(UnsupportedDat),
     /// The output failed earlier (or was finished): nothing more is written. The first
     /// error said why; this one need not be reported again.
     #[error("output closed after an earlier error")]
     Closed,
-    /// A raw page stream (`--format raw`) is malformed.
-    #[error("malformed raw page stream: {0}")]
-    Raw(String),
+    /// A raw page stream (`--format raw`) is malformed: the file, when known, and what
+    /// is wrong at it.
+    #[error("malformed raw page stream: {}{problem}", .path.as_ref().map_or_else(String::new, |p| format!("{}: ", p.display())))]
+    Raw {
+        /// The stream's file, when known.
+        path: Option<PathBuf>,
+        /// What is wrong.
+        problem: RawProblem,
+    },
+    /// A part of a multi-buffer trace.dat is refused (boxed: the error stays small).
+    #[error(transparent)]
+    Part(Box<PartError>),
+    /// Reading a part of a multi-buffer trace.dat failed.
+    #[error("reading a buffer part")]
+    ReadPart(#[source] Box<OutputError>),
+    /// The CPU data of a trace.dat was placed after its first byte was written (a bug
+    /// of the writer, not of its input).
+    #[error("cpu {0}'s data moved after its start")]
+    Moved(u32),
     /// A `report -F` filter is refused.
     #[error(transparent)]
     Filter(#[from] Box<crate::tracedat::FilterError>),
@@ -76,5 +106,282 @@ impl From<std::io::Error> for OutputError {
 impl From<hyptrace_format::FormatError> for OutputError {
     fn from(e: hyptrace_format::FormatError) -> Self {
         Self::format(0u64, e.to_string())
+    }
+}
+
+/// What is wrong with a page handed to a sink ([`OutputError::BadPage`]).
+#[derive(Debug, thiserror::Error)]
+pub enum PageProblem {
+    /// The CPU is not one of the trace's.
+    #[error("cpu {cpu} ≥ nr_cpus {nr_cpus}")]
+    NoSuchCpu {
+        /// The page's CPU.
+        cpu: u32,
+        /// CPUs of the trace.
+        nr_cpus: u32,
+    },
+    /// The page is not of the trace's page size.
+    #[error("page of {len} bytes, page size is {page_size}")]
+    Size {
+        /// The page's length.
+        len: usize,
+        /// The trace's page size.
+        page_size: usize,
+    },
+    /// The output buffer of an exported copy has another length than the page.
+    #[error("output of {out} bytes for a page of {len}")]
+    OutputSize {
+        /// The output's length.
+        out: usize,
+        /// The page's.
+        len: usize,
+    },
+    /// Shorter than a page header.
+    #[error("page of {0} bytes")]
+    Short(usize),
+    /// The committed data (with the loss count after it) runs past the page.
+    #[error("commit {commit} (+ missed count) runs past the page of {len} bytes")]
+    CommitPast {
+        /// Committed bytes.
+        commit: usize,
+        /// The page's length.
+        len: usize,
+    },
+    /// A page (or a loss) for a CPU that was ended.
+    #[error("page after the CPU was ended")]
+    Ended,
+    /// The CPU has no data in this file.
+    #[error("cpu has no data")]
+    NoData,
+    /// `-F` could not walk the page.
+    #[error("-F: {0}")]
+    Filter(crate::tracedat::PageFilterError),
+}
+
+/// Metadata a sink refuses ([`OutputError::Meta`]).
+#[derive(Debug, thiserror::Error)]
+pub enum MetaError {
+    /// The page size is not a power of two in `MIN_PAGE_SIZE..=MAX_PAGE_SIZE`.
+    #[error("page size {0} is not a power of two in 4096..=64MiB")]
+    PageSize(usize),
+    /// No CPU, or more than 4096.
+    #[error("{0} CPUs")]
+    Cpus(u32),
+    /// Two formats with one id.
+    #[error("duplicate event id {0}")]
+    DuplicateEventId(u16),
+    /// More VMs ([`crate::TraceMeta::groups`]) than [`crate::MAX_GROUPS`].
+    #[error("{0} VMs: at most {max}", max = crate::MAX_GROUPS)]
+    Groups(usize),
+    /// A VM ([`crate::TraceMeta::groups`]) with a bad name, no CPU, CPUs past the trace's
+    /// or inside an earlier VM's.
+    #[error("VM {name:?}: CPUs {first}+{count} of {nr_cpus} (a name is 1 to 64 of [A-Za-z0-9_.-]; VMs in order, disjoint)")]
+    Group {
+        /// Its name.
+        name: String,
+        /// Its first CPU.
+        first: u32,
+        /// Its CPUs.
+        count: u32,
+        /// The trace's CPUs.
+        nr_cpus: u32,
+    },
+    /// VMs ([`crate::TraceMeta::groups`]) for a sink that holds one.
+    #[error("{sink} holds one VM, not {vms}")]
+    OneVm {
+        /// The sink.
+        sink: &'static str,
+        /// The VMs asked for.
+        vms: usize,
+    },
+    /// A TSC frequency of 0.
+    #[error("tsc_khz is 0")]
+    TscKhzZero,
+    /// A TSC too fast for a 31-bit multiplier.
+    #[error("tsc_khz {0} too large")]
+    TscKhzTooLarge(u64),
+    /// A TSC too slow for any shift.
+    #[error("tsc_khz {0} too small")]
+    TscKhzTooSmall(u64),
+    /// A TSC2NSEC conversion trace-cmd would print differently.
+    #[error("TSC2NSEC mult {mult} shift {shift} offset {offset}: trace-cmd needs offset 0, 0 < mult < 2^31, shift <= 32")]
+    Tsc2Nsec {
+        /// Multiplier.
+        mult: u32,
+        /// Right shift.
+        shift: u32,
+        /// Cycles subtracted first.
+        offset: u64,
+    },
+    /// A metadata section whose size does not fit the 32 bits of a compressed block.
+    #[error("section of {0} bytes too large to compress")]
+    SectionTooLarge(usize),
+    /// The metadata grew past where the CPU data were placed.
+    #[error("metadata of {bytes} bytes past the CPU data at {data_start}")]
+    PastData {
+        /// The metadata's length.
+        bytes: usize,
+        /// Where the CPU data start.
+        data_start: u64,
+    },
+}
+
+/// A trace.dat feature this reader does not implement ([`OutputError::Unsupported`]).
+#[derive(Debug, thiserror::Error)]
+pub enum UnsupportedDat {
+    /// A big-endian file.
+    #[error("big-endian trace")]
+    BigEndian,
+    /// A version other than 6 and 7.
+    #[error("trace.dat version {0}")]
+    Version(u32),
+    /// A latency (text) trace.
+    #[error("latency (text) trace.dat")]
+    Latency,
+    /// A compression other than none and zstd (its name, as the file has it).
+    #[error("compression {0}")]
+    Compression(String),
+    /// A `header_page` other than the kernel's (8-byte commit, data at 16).
+    #[error("header_page {0:?}")]
+    HeaderPage(hyptrace_format::format::HeaderPage),
+    /// The top buffer's page size is not the file's.
+    #[error("buffer page size {0} != file page size")]
+    BufferPageSize(usize),
+    /// More CPUs of larger pages than the reader's memory budget holds.
+    #[error("{readers} CPUs of {page_size}-byte pages would need {need_mib} MiB of read buffers, more than {budget_mib} MiB")]
+    ReadMemory {
+        /// CPUs to read.
+        readers: usize,
+        /// The file's page size.
+        page_size: usize,
+        /// What they would need.
+        need_mib: u64,
+        /// The budget.
+        budget_mib: u64,
+    },
+}
+
+/// What is wrong with a raw page stream ([`OutputError::Raw`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum RawProblem {
+    /// It ends inside a record.
+    #[error("truncated")]
+    Truncated,
+    /// Not a raw stream's magic.
+    #[error("bad magic")]
+    Magic,
+    /// A page size not accepted.
+    #[error("bad page size")]
+    PageSize,
+    /// A CPU count not accepted.
+    #[error("bad cpu count")]
+    CpuCount,
+    /// The clock name is longer than a stream may hold.
+    #[error("clock name too long")]
+    ClockName,
+    /// A page record for a CPU the stream does not have.
+    #[error("cpu out of range")]
+    Cpu,
+    /// The end record's CPU count is not the header's.
+    #[error("bad cpu count in the end record")]
+    EndCpuCount,
+    /// An unknown record tag.
+    #[error("bad record tag")]
+    Tag,
+}
+
+/// A part of a multi-buffer trace.dat refused ([`OutputError::Part`]).
+#[derive(Debug, thiserror::Error)]
+#[error("buffer {name} ({path}): {problem}", path = .path.display())]
+pub struct PartError {
+    /// The part's instance name.
+    pub name: String,
+    /// Its file.
+    pub path: PathBuf,
+    /// Why it does not fit.
+    pub problem: PartProblem,
+}
+
+/// Why a part of a multi-buffer trace.dat is refused ([`PartError`]).
+#[derive(Debug, thiserror::Error)]
+pub enum PartProblem {
+    /// The instance name is not one a part may have.
+    #[error("not a name of [A-Za-z0-9_.-], 1 to 64 bytes")]
+    Name,
+    /// Not v7, or another page size.
+    #[error("v{version} with {page_size} B pages")]
+    Version {
+        /// The part's version.
+        version: u32,
+        /// Its page size.
+        page_size: usize,
+    },
+    /// The part is damaged (the first damage it has).
+    #[error("damaged: {0}")]
+    Damaged(String),
+    /// Another clock, or one with offsets.
+    #[error("clock {found:?}, not {want}")]
+    Clock {
+        /// The part's clock.
+        found: Option<String>,
+        /// The set's.
+        want: String,
+    },
+    /// A second part of that name.
+    #[error("a second buffer of that name")]
+    SecondName,
+    /// Compressed unlike the first part.
+    #[error("compressed unlike buffer {0}")]
+    Compression(String),
+    /// An event id with another format than an earlier part's.
+    #[error("event id {id} is {here} here, {there} in buffer {first}")]
+    EventId {
+        /// The id.
+        id: u16,
+        /// `system:name` in this part.
+        here: String,
+        /// `system:name` in the earlier part.
+        there: String,
+        /// The earlier part.
+        first: String,
+    },
+    /// An event id twice in the part.
+    #[error("event id {0} twice")]
+    EventIdTwice(u16),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The typed details print as the messages users saw when they were text.
+    #[test]
+    fn typed_details_print_as_before() {
+        let e = crate::export::check_page_size(1000).expect_err("not a power of two");
+        assert_eq!(
+            e.to_string(),
+            "bad trace metadata: page size 1000 is not a power of two in 4096..=64MiB"
+        );
+        let e = OutputError::Raw {
+            path: Some("/tmp/a.raw".into()),
+            problem: RawProblem::Truncated,
+        };
+        assert_eq!(
+            e.to_string(),
+            "malformed raw page stream: /tmp/a.raw: truncated"
+        );
+        let e = OutputError::Part(Box::new(PartError {
+            name: "b".into(),
+            path: "/tmp/b.dat".into(),
+            problem: PartProblem::EventIdTwice(7),
+        }));
+        assert_eq!(e.to_string(), "buffer b (/tmp/b.dat): event id 7 twice");
+        let e = OutputError::BadPage {
+            cpu: 2,
+            problem: PageProblem::NoSuchCpu { cpu: 2, nr_cpus: 1 },
+        };
+        assert_eq!(e.to_string(), "bad page (cpu 2): cpu 2 ≥ nr_cpus 1");
+        let e = OutputError::Unsupported(UnsupportedDat::Version(9));
+        assert_eq!(e.to_string(), "unsupported trace.dat: trace.dat version 9");
     }
 }

@@ -6,6 +6,7 @@
 //! in `commit` and stores the u64 count at `data + commit_len`, which is where trace-cmd
 //! looks for it (`CPU:N [K EVENTS DROPPED]`).
 
+use crate::error::{MetaError, PageProblem};
 use hyptrace_abi::page::{
     page_header, COMMIT_LEN_MASK, COMMIT_OFFSET, PAGE_HEADER_SIZE, RB_MISSED_EVENTS,
     RB_MISSED_STORED,
@@ -23,9 +24,7 @@ pub fn check_page_size(page_size: usize) -> Result<(), OutputError> {
     if page_size.is_power_of_two() && (MIN_PAGE_SIZE..=MAX_PAGE_SIZE).contains(&page_size) {
         Ok(())
     } else {
-        Err(OutputError::BadMeta(format!(
-            "page size {page_size} is not a power of two in 4096..=64MiB"
-        )))
+        Err(OutputError::Meta(MetaError::PageSize(page_size)))
     }
 }
 
@@ -46,25 +45,23 @@ pub fn export_page_into(
     missed: Option<u64>,
     out: &mut [u8],
 ) -> Result<(), OutputError> {
-    let bad = |reason: String| OutputError::BadPage { cpu, reason };
+    let bad = |problem: PageProblem| OutputError::BadPage { cpu, problem };
     if out.len() != raw.len() {
-        return Err(bad(format!(
-            "output of {} bytes for a page of {}",
-            out.len(),
-            raw.len()
-        )));
+        return Err(bad(PageProblem::OutputSize {
+            out: out.len(),
+            len: raw.len(),
+        }));
     }
-    let (_, commit) =
-        page_header(raw).ok_or_else(|| bad(format!("page of {} bytes", raw.len())))?;
+    let (_, commit) = page_header(raw).ok_or_else(|| bad(PageProblem::Short(raw.len())))?;
     let len = (commit & COMMIT_LEN_MASK) as usize;
     let missed = missed.filter(|&n| n > 0);
     let end = PAGE_HEADER_SIZE + len;
     let need = end + if missed.is_some() { 8 } else { 0 };
     if need > raw.len() {
-        return Err(bad(format!(
-            "commit {len} (+ missed count) runs past the page of {} bytes",
-            raw.len()
-        )));
+        return Err(bad(PageProblem::CommitPast {
+            commit: len,
+            len: raw.len(),
+        }));
     }
     out[..end].copy_from_slice(&raw[..end]);
     out[end..].fill(0);

@@ -1,6 +1,7 @@
 //! The page-sink interface: ring pages are copied out through a callback into a sink
 //! (the perf-AUX idea), which writes them in its format.
 
+use crate::error::{MetaError, PageProblem};
 use std::collections::BTreeMap;
 
 use crate::clock::Clock;
@@ -84,9 +85,9 @@ impl TraceMeta {
         let end = first
             .checked_add(count)
             .filter(|&e| e <= MAX_CPUS)
-            .ok_or_else(|| {
-                OutputError::BadMeta(format!("VM {name:?}: more than {MAX_CPUS} CPUs in all"))
-            })?;
+            .ok_or(OutputError::Meta(MetaError::Cpus(
+                first.saturating_add(count),
+            )))?;
         for c in 0..count {
             let pid = hyptrace_abi::events::vcpu_pid(c);
             let comm = cmdlines
@@ -107,26 +108,26 @@ impl TraceMeta {
 
     /// Refuses groups ([`TraceMeta::groups`]) for a sink of `what` that cannot name
     /// them.
-    pub fn check_one_vm(&self, what: &str) -> Result<(), OutputError> {
+    pub fn check_one_vm(&self, what: &'static str) -> Result<(), OutputError> {
         if self.groups.is_empty() {
             return Ok(());
         }
-        Err(OutputError::BadMeta(format!(
-            "{what} holds one VM, not {}",
-            self.groups.len()
-        )))
+        Err(OutputError::Meta(MetaError::OneVm {
+            sink: what,
+            vms: self.groups.len(),
+        }))
     }
 
     /// Checks page size, CPU count and format ids (unique).
     pub fn validate(&self) -> Result<(), OutputError> {
         crate::export::check_page_size(self.page_size)?;
         if self.nr_cpus == 0 || self.nr_cpus > MAX_CPUS {
-            return Err(OutputError::BadMeta(format!("{} CPUs", self.nr_cpus)));
+            return Err(OutputError::Meta(MetaError::Cpus(self.nr_cpus)));
         }
         let mut ids: Vec<u16> = self.formats.iter().map(|f| f.id).collect();
         ids.sort_unstable();
-        if ids.windows(2).any(|w| w[0] == w[1]) {
-            return Err(OutputError::BadMeta("duplicate event id".into()));
+        if let Some(w) = ids.windows(2).find(|w| w[0] == w[1]) {
+            return Err(OutputError::Meta(MetaError::DuplicateEventId(w[0])));
         }
         self.validate_groups()
     }
@@ -135,10 +136,7 @@ impl TraceMeta {
     /// in order without overlap.
     fn validate_groups(&self) -> Result<(), OutputError> {
         if self.groups.len() > MAX_GROUPS {
-            return Err(OutputError::BadMeta(format!(
-                "{} VMs: at most {MAX_GROUPS}",
-                self.groups.len()
-            )));
+            return Err(OutputError::Meta(MetaError::Groups(self.groups.len())));
         }
         let mut next = 0u32;
         for g in &self.groups {
@@ -148,10 +146,12 @@ impl TraceMeta {
                 || g.first < next
                 || end.is_none_or(|e| e > self.nr_cpus)
             {
-                return Err(OutputError::BadMeta(format!(
-                    "VM {:?}: CPUs {}+{} of {}",
-                    g.name, g.first, g.count, self.nr_cpus
-                )));
+                return Err(OutputError::Meta(MetaError::Group {
+                    name: g.name.clone(),
+                    first: g.first,
+                    count: g.count,
+                    nr_cpus: self.nr_cpus,
+                }));
             }
             next = g.first + g.count;
         }
@@ -188,17 +188,19 @@ impl TraceMeta {
         if cpu >= self.nr_cpus {
             return Err(OutputError::BadPage {
                 cpu,
-                reason: format!("cpu {cpu} ≥ nr_cpus {}", self.nr_cpus),
+                problem: PageProblem::NoSuchCpu {
+                    cpu,
+                    nr_cpus: self.nr_cpus,
+                },
             });
         }
         if page.len() != self.page_size {
             return Err(OutputError::BadPage {
                 cpu,
-                reason: format!(
-                    "page of {} bytes, page size is {}",
-                    page.len(),
-                    self.page_size
-                ),
+                problem: PageProblem::Size {
+                    len: page.len(),
+                    page_size: self.page_size,
+                },
             });
         }
         Ok(())

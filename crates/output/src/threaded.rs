@@ -364,7 +364,7 @@ mod tests {
         fn page(&mut self, cpu: u32, page: &[u8], missed: Option<u64>) -> Result<(), OutputError> {
             let mut log = self.log.lock().unwrap();
             if Some(log.len()) == self.fail_at {
-                return Err(OutputError::BadMeta("injected".into()));
+                return Err(OutputError::Meta(crate::MetaError::Cpus(7)));
             }
             log.push(format!("p{cpu}:{}:{}:{missed:?}", page[0], page.len()));
             Ok(())
@@ -436,7 +436,10 @@ mod tests {
             errors.push(e);
         }
         assert!(
-            matches!(errors.first(), Some(OutputError::BadMeta(m)) if m == "injected"),
+            matches!(
+                errors.first(),
+                Some(OutputError::Meta(crate::MetaError::Cpus(7)))
+            ),
             "{errors:?}"
         );
         assert!(errors[1..].iter().all(|e| matches!(e, OutputError::Closed)));

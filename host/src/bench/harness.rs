@@ -5,16 +5,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use hyptrace_abi::guest::{result, Workload, RUN_FLAG_BENCH_TYPED};
+use hyptrace_abi::guest::{result, Workload};
+use hyptrace_abi::layout::Mode;
 use hyptrace_output::{Discard, PageSink, Tap, ThreadedSink};
 use hyptrace_reader::{Callbacks, ReadError, SwapReply, SwapStatus};
 use vm_memory::{Bytes, GuestAddress};
 
-use super::{BenchError, PAGE_SIZE};
-use crate::drain::session::MAILBOX_TIMEOUT;
+use super::{plan, BenchError};
 use crate::drain::sink::{check_destination, make_sink, Format};
-use crate::pipeline::options::{DrainArg, FlightArgs, ModeArg, RunArgs, SwapArg};
-use crate::pipeline::plan::Plan;
 use crate::pipeline::run::{MakeSink, Run, Target};
 use crate::vmm::time::host_tsc;
 use crate::vmm::vcpu::VcpuOutcome;
@@ -27,15 +25,17 @@ pub(super) struct VmSpec {
     pub(super) events: u64,
     pub(super) rate: u64,
     pub(super) payload: u32,
-    pub(super) mode: ModeArg,
-    pub(super) swap: SwapArg,
+    /// The rings' mode (`--mode`).
+    pub(super) mode: Mode,
+    /// Whether the guest swaps (`--swap guest`; else the host's reader).
+    pub(super) guest_swap: bool,
     pub(super) pages: u64,
     pub(super) sink: SinkKind,
     /// Time every swap_reader call.
     pub(super) time_swaps: bool,
-    /// Whether the reader drains while the guest runs (`--drain`).
-    pub(super) drain: DrainArg,
-    /// The `bench` workload's typed loop ([`RUN_FLAG_BENCH_TYPED`]).
+    /// Whether the reader drains while the guest runs (`--drain live`; else `none`).
+    pub(super) drain_live: bool,
+    /// The `bench` workload's typed loop ([`hyptrace_abi::guest::RUN_FLAG_BENCH_TYPED`]).
     pub(super) typed: bool,
 }
 
@@ -49,12 +49,12 @@ impl Default for VmSpec {
             events: 0,
             rate: 0,
             payload: 0,
-            mode: ModeArg::Overwrite,
-            swap: SwapArg::Host,
+            mode: Mode::Overwrite,
+            guest_swap: false,
             pages: super::DEFAULT_PAGES,
             sink: SinkKind::Null,
             time_swaps: false,
-            drain: DrainArg::Live,
+            drain_live: true,
             typed: false,
         }
     }
@@ -206,36 +206,13 @@ pub(super) fn temp_path(ext: &str) -> Result<tempfile::TempPath, BenchError> {
         .map_err(BenchError::TempFile)
 }
 
-/// The checked plan of a VM run of `spec`: `hyptrace run`'s options (typed, checked
-/// by [`Plan::new`] as the CLI's are), then what the CLI cannot say (the bench
-/// workload, its payload, guest memory in whole 2 MiB pages).
-pub(super) fn plan(spec: &VmSpec) -> Result<Plan, BenchError> {
-    let args = RunArgs {
-        vcpus: spec.vcpus,
-        events: spec.events,
-        rate: spec.rate,
-        mode: spec.mode,
-        swap: spec.swap,
-        buffer_kb: spec.pages * PAGE_SIZE / 1024,
-        page_size: PAGE_SIZE,
-        flight: FlightArgs {
-            drain: spec.drain,
-            ..FlightArgs::default()
-        },
-        ..RunArgs::default()
-    };
-    let mut plan = Plan::new(&args)?;
-    plan.params.workload = spec.workload;
-    plan.params.payload = spec.payload;
-    if spec.typed {
-        plan.params.flags |= RUN_FLAG_BENCH_TYPED;
+/// What the rows call who swaps: `guest` or `host`.
+pub(super) fn swapper(guest_swap: bool) -> &'static str {
+    if guest_swap {
+        "guest"
+    } else {
+        "host"
     }
-    plan.cfg.mem_bytes = plan.cfg.mem_bytes.div_ceil(2 << 20) * (2 << 20);
-    plan.mailbox_timeout = MAILBOX_TIMEOUT;
-    // A failed bench run is an error of its own; no crash-dump file (which `run
-    // --drain none` would write into the working directory) is wanted.
-    plan.flight.crash_dump = None;
-    Ok(plan)
 }
 
 /// One VM run through the run pipeline ([`Run`]), its sink counted and its swaps timed
@@ -330,6 +307,8 @@ pub(super) fn vm_run(spec: &VmSpec) -> Result<VmOut, BenchError> {
 mod tests {
     use super::*;
     use crate::bench::writer::writer_spec;
+    use crate::bench::{PAGE_SIZE, POLL_MS};
+    use crate::drain::session::MAILBOX_TIMEOUT;
     use crate::pipeline::plan::ring_layout;
     use crate::vmm::elf::GuestImage;
     use crate::vmm::memory_map::{GuestMemoryMap, MIN_MEM_BYTES};
@@ -338,28 +317,18 @@ mod tests {
     /// same rings, memory (whole 2 MiB pages), workload, payload, flags and poll.
     #[test]
     fn plan_matches_the_bench_vm() {
-        for (vcpus, mode, swap) in [
-            (1, ModeArg::Overwrite, SwapArg::Host),
-            (2, ModeArg::Stop, SwapArg::Guest),
-        ] {
+        for (vcpus, mode, guest_swap) in [(1, Mode::Overwrite, false), (2, Mode::Stop, true)] {
             let spec = VmSpec {
                 vcpus,
                 workload: Workload::Bench,
                 events: 123_456,
                 payload: 64,
                 mode,
-                swap,
+                guest_swap,
                 ..VmSpec::default()
             };
             let p = plan(&spec).expect("plan");
-            let ring = ring_layout(
-                vcpus,
-                spec.pages,
-                PAGE_SIZE,
-                mode.into(),
-                swap == SwapArg::Guest,
-            )
-            .expect("ring");
+            let ring = ring_layout(vcpus, spec.pages, PAGE_SIZE, mode, guest_swap).expect("ring");
             assert_eq!(p.ring, ring);
             let image = GuestImage::parse(crate::GUEST_ELF).expect("image");
             let need =
@@ -372,22 +341,19 @@ mod tests {
             assert_eq!(p.params.payload, 64);
             assert_eq!(
                 p.params.flags,
-                if swap == SwapArg::Guest {
+                if guest_swap {
                     hyptrace_abi::guest::RUN_FLAG_SERVE_MAILBOX
                 } else {
                     0
                 }
             );
-            assert_eq!(
-                p.poll,
-                std::time::Duration::from_millis(crate::pipeline::options::DEFAULT_POLL_MS)
-            );
+            assert_eq!(p.poll, std::time::Duration::from_millis(POLL_MS));
             assert_eq!(p.mailbox_timeout, MAILBOX_TIMEOUT);
             assert!(p.flight.drain_live);
             assert_eq!(p.flight.crash_dump, None);
         }
         let unread = plan(&VmSpec {
-            drain: DrainArg::None,
+            drain_live: false,
             ..writer_spec(1, 16)
         })
         .expect("plan");
@@ -398,6 +364,9 @@ mod tests {
             ..writer_spec(1, 16)
         })
         .expect("plan");
-        assert_eq!(typed.params.flags, RUN_FLAG_BENCH_TYPED);
+        assert_eq!(
+            typed.params.flags,
+            hyptrace_abi::guest::RUN_FLAG_BENCH_TYPED
+        );
     }
 }

@@ -33,10 +33,13 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Instant;
 
-use hyptrace_abi::guest::BENCH_CHUNK;
+use hyptrace_abi::guest::{BENCH_CHUNK, RUN_FLAG_BENCH_TYPED};
+use hyptrace_abi::layout::Mode;
 use serde::Serialize;
 
+use crate::drain::session::MAILBOX_TIMEOUT;
 use crate::exit::{EXIT_RUNTIME, EXIT_USAGE};
+use crate::pipeline::plan::Plan;
 
 mod criterion;
 mod drain;
@@ -83,6 +86,54 @@ const DEFAULT_PAGES: u64 = crate::pipeline::options::DEFAULT_BUFFER_KB * 1024 / 
 const PAGE_SIZE: u64 = 4096;
 /// Largest payload of the guest's bench workload.
 const MAX_BENCH_PAYLOAD: u32 = 2048;
+/// The idle poll of every bench run: the CLI's default `--poll-ms`.
+const POLL_MS: u64 = crate::pipeline::options::DEFAULT_POLL_MS;
+
+/// The checked plan of a VM run of `spec`: `hyptrace run`'s options (typed, checked
+/// by [`Plan::new`] as the CLI's are), then what the CLI cannot say (the bench
+/// workload, its payload, guest memory in whole 2 MiB pages). Here, in the bench's
+/// options layer: the sections below it say what they run with the lower layers'
+/// types ([`harness::VmSpec`]), as the pipeline's plan does.
+fn plan(spec: &harness::VmSpec) -> Result<Plan, BenchError> {
+    use crate::pipeline::options::{DrainArg, FlightArgs, ModeArg, RunArgs, SwapArg};
+    let args = RunArgs {
+        vcpus: spec.vcpus,
+        events: spec.events,
+        rate: spec.rate,
+        mode: match spec.mode {
+            Mode::Overwrite => ModeArg::Overwrite,
+            Mode::Stop => ModeArg::Stop,
+        },
+        swap: if spec.guest_swap {
+            SwapArg::Guest
+        } else {
+            SwapArg::Host
+        },
+        buffer_kb: spec.pages * PAGE_SIZE / 1024,
+        page_size: PAGE_SIZE,
+        flight: FlightArgs {
+            drain: if spec.drain_live {
+                DrainArg::Live
+            } else {
+                DrainArg::None
+            },
+            ..FlightArgs::default()
+        },
+        ..RunArgs::default()
+    };
+    let mut plan = Plan::new(&args)?;
+    plan.params.workload = spec.workload;
+    plan.params.payload = spec.payload;
+    if spec.typed {
+        plan.params.flags |= RUN_FLAG_BENCH_TYPED;
+    }
+    plan.cfg.mem_bytes = plan.cfg.mem_bytes.div_ceil(2 << 20) * (2 << 20);
+    plan.mailbox_timeout = MAILBOX_TIMEOUT;
+    // A failed bench run is an error of its own; no crash-dump file (which `run
+    // --drain none` would write into the working directory) is wanted.
+    plan.flight.crash_dump = None;
+    Ok(plan)
+}
 
 /// The effective configuration.
 #[derive(Clone, Debug)]
@@ -300,7 +351,12 @@ impl DrainReport {
 /// `hyptrace bench`.
 pub fn bench(a: &BenchArgs) -> Result<(), BenchCmdError> {
     if let Some(BenchWhat::Report(r)) = &a.what {
-        return report::bench_report(r).map_err(BenchCmdError::Report);
+        let plan = report::ReportBench {
+            input: &r.input,
+            reps: r.reps,
+            trace_cmd: &r.trace_cmd,
+        };
+        return report::bench_report(&plan).map_err(BenchCmdError::Report);
     }
     let cfg = Cfg::new(a).map_err(BenchCmdError::Options)?;
     // An empty criterion import would write `"criterion": {}` over a JSON that had them.
@@ -446,7 +502,7 @@ fn run_all(cfg: &Cfg, a: &BenchArgs) -> Result<BenchReport, BenchError> {
             chunk_events: BENCH_CHUNK,
             ring_pages_per_vcpu: DEFAULT_PAGES,
             page_size: PAGE_SIZE,
-            poll_ms: crate::pipeline::options::DEFAULT_POLL_MS as u32,
+            poll_ms: POLL_MS as u32,
         },
         startup,
         writer,

@@ -12,10 +12,10 @@
 
 use serde::Serialize;
 
-use super::harness::{vm_run, SinkKind, VmSpec};
+use super::harness::{swapper, vm_run, SinkKind, VmSpec};
 use super::{BenchError, Cfg, DEFAULT_PAGES, PAGE_SIZE};
-use crate::pipeline::options::{ModeArg, SwapArg};
 use crate::pipeline::report::ms;
+use hyptrace_abi::layout::Mode;
 
 /// Events per vCPU that overflow a ring of the rate search twice over if the reader
 /// does not drain it (`guest:marker`: 4-byte header + 24-byte payload), so a run without
@@ -153,14 +153,14 @@ impl RateRow {
 fn rate_step(
     cfg: &Cfg,
     vcpus: u32,
-    swap: SwapArg,
+    guest_swap: bool,
     rate: u64,
     runs: &mut Vec<RateRun>,
 ) -> Result<(bool, Vec<u64>), BenchError> {
     let mut lost = Vec::new();
     let mut ok = true;
     for _ in 0..cfg.rate_repeats.max(1) {
-        let r = rate_run(cfg, vcpus, swap, rate)?;
+        let r = rate_run(cfg, vcpus, guest_swap, rate)?;
         ok &= r.ok;
         lost.push(r.lost);
         runs.push(r);
@@ -171,19 +171,24 @@ fn rate_step(
     Ok((ok, lost))
 }
 
-fn rate_run(cfg: &Cfg, vcpus: u32, swap: SwapArg, rate: u64) -> Result<RateRun, BenchError> {
+fn rate_run(cfg: &Cfg, vcpus: u32, guest_swap: bool, rate: u64) -> Result<RateRun, BenchError> {
     let events = ((rate as f64 * cfg.rate_seconds) as u64).max(RATE_FILL_EVENTS);
-    rate_record(vcpus, swap, rate, events)
+    rate_record(vcpus, guest_swap, rate, events)
 }
 
 /// One stop-mode record of `events` per vCPU at `rate` into the default trace.dat.
-fn rate_record(vcpus: u32, swap: SwapArg, rate: u64, events: u64) -> Result<RateRun, BenchError> {
+fn rate_record(
+    vcpus: u32,
+    guest_swap: bool,
+    rate: u64,
+    events: u64,
+) -> Result<RateRun, BenchError> {
     let o = vm_run(&VmSpec {
         vcpus,
         events,
         rate,
-        mode: ModeArg::Stop,
-        swap,
+        mode: Mode::Stop,
+        guest_swap,
         sink: SinkKind::DAT,
         ..VmSpec::default()
     })?;
@@ -207,7 +212,7 @@ fn rate_record(vcpus: u32, swap: SwapArg, rate: u64, events: u64) -> Result<Rate
 
 /// The search for one vCPU count: double until a loss (or the cap), then bisect,
 /// `rate_steps` steps at most, until the bracket is within 1/16 of its lower end.
-fn search(cfg: &Cfg, vcpus: u32, swap: SwapArg) -> Result<RateRow, BenchError> {
+fn search(cfg: &Cfg, vcpus: u32, guest_swap: bool) -> Result<RateRow, BenchError> {
     let mut runs = Vec::new();
     let mut good = 0u64;
     let mut bad = None;
@@ -220,7 +225,7 @@ fn search(cfg: &Cfg, vcpus: u32, swap: SwapArg) -> Result<RateRow, BenchError> {
         rate = 200_000;
     }
     while rate <= 256_000_000 {
-        let (ok, lost) = rate_step(cfg, vcpus, swap, rate, &mut runs)?;
+        let (ok, lost) = rate_step(cfg, vcpus, guest_swap, rate, &mut runs)?;
         if ok {
             good = rate;
             rate *= 2;
@@ -240,7 +245,7 @@ fn search(cfg: &Cfg, vcpus: u32, swap: SwapArg) -> Result<RateRow, BenchError> {
         }
         steps += 1;
         let mid = good + (b - good) / 2;
-        let (ok, lost) = rate_step(cfg, vcpus, swap, mid, &mut runs)?;
+        let (ok, lost) = rate_step(cfg, vcpus, guest_swap, mid, &mut runs)?;
         if ok {
             good = mid;
         } else {
@@ -252,7 +257,7 @@ fn search(cfg: &Cfg, vcpus: u32, swap: SwapArg) -> Result<RateRow, BenchError> {
     let (mut confirm_lost, mut confirm_lossless) = (Vec::new(), true);
     if !cfg.quick && good > 0 {
         for _ in 0..cfg.rate_repeats.max(1) {
-            let r = rate_record(vcpus, swap, good, cfg.sustained_events)?;
+            let r = rate_record(vcpus, guest_swap, good, cfg.sustained_events)?;
             confirm_lossless &= r.ok;
             confirm_lost.push(r.lost);
         }
@@ -265,10 +270,7 @@ fn search(cfg: &Cfg, vcpus: u32, swap: SwapArg) -> Result<RateRow, BenchError> {
         .unwrap_or(0.0);
     Ok(RateRow {
         vcpus,
-        swap: match swap {
-            SwapArg::Host => "host",
-            SwapArg::Guest => "guest",
-        },
+        swap: swapper(guest_swap),
         repeats: if cfg.quick {
             1
         } else {
@@ -285,7 +287,7 @@ fn search(cfg: &Cfg, vcpus: u32, swap: SwapArg) -> Result<RateRow, BenchError> {
         confirm_events: cfg.sustained_events,
         runs,
         mode: "stop",
-        poll_ms: crate::pipeline::options::DEFAULT_POLL_MS as u32,
+        poll_ms: super::POLL_MS as u32,
         buffer_kb: DEFAULT_PAGES * PAGE_SIZE / 1024,
         sink: format!("trace.dat v7 file in {}", std::env::temp_dir().display()),
     })
@@ -295,8 +297,8 @@ fn search(cfg: &Cfg, vcpus: u32, swap: SwapArg) -> Result<RateRow, BenchError> {
 pub(super) fn max_rate_section(cfg: &Cfg) -> Result<Vec<RateRow>, BenchError> {
     let mut rows = Vec::new();
     for &v in &cfg.vcpus {
-        for swap in [SwapArg::Host, SwapArg::Guest] {
-            let row = search(cfg, v, swap)?;
+        for guest_swap in [false, true] {
+            let row = search(cfg, v, guest_swap)?;
             eprintln!("  vcpus {v}, swap {}: {}", row.swap, row.text());
             rows.push(row);
         }

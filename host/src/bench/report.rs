@@ -8,7 +8,6 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
-use super::options::ReportBenchArgs;
 use crate::exit::{EXIT_RUNTIME, EXIT_USAGE};
 
 /// Why `hyptrace bench report` failed.
@@ -107,21 +106,33 @@ fn count_events(path: &Path) -> Result<u64, ReportBenchError> {
     }
 }
 
+/// What `hyptrace bench report` compares: `input` read by both, `reps` times each, with
+/// the `trace_cmd` program.
+#[derive(Clone, Debug)]
+pub struct ReportBench<'a> {
+    /// The trace.dat both read.
+    pub input: &'a Path,
+    /// Repetitions of each command.
+    pub reps: u32,
+    /// The trace-cmd to compare with.
+    pub trace_cmd: &'a Path,
+}
+
 /// `hyptrace bench report`.
-pub fn bench_report(a: &ReportBenchArgs) -> Result<(), ReportBenchError> {
+pub fn bench_report(a: &ReportBench<'_>) -> Result<(), ReportBenchError> {
     run(a)
 }
 
-fn run(a: &ReportBenchArgs) -> Result<(), ReportBenchError> {
-    let events = count_events(&a.input)?;
+fn run(a: &ReportBench<'_>) -> Result<(), ReportBenchError> {
+    let events = count_events(a.input)?;
     let me = std::env::current_exe().map_err(ReportBenchError::CurrentExe)?;
     let mut ours = Vec::new();
     let mut theirs = Vec::new();
     for rep in 0..a.reps {
-        let mut tc = Command::new(&a.trace_cmd);
-        tc.arg("report").arg("-t").arg(&a.input);
+        let mut tc = Command::new(a.trace_cmd);
+        tc.arg("report").arg("-t").arg(a.input);
         let mut hy = Command::new(&me);
-        hy.arg("report").arg(&a.input);
+        hy.arg("report").arg(a.input);
         // Alternate which goes first: a load change hits both alike.
         if rep % 2 == 0 {
             theirs.push(timed(&mut tc)?);

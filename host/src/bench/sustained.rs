@@ -10,8 +10,8 @@ use serde::Serialize;
 use super::harness::{vm_run, SinkKind, VmSpec};
 use super::{BenchError, Cfg};
 use crate::drain::sink::Format;
-use crate::pipeline::options::ModeArg;
 use crate::pipeline::report::ms;
+use hyptrace_abi::layout::Mode;
 use hyptrace_output::Compression;
 
 /// Runs per measurement.
@@ -96,7 +96,7 @@ fn row(
         let o = vm_run(&VmSpec {
             events,
             rate,
-            mode: ModeArg::Stop,
+            mode: Mode::Stop,
             sink,
             ..VmSpec::default()
         })?;

@@ -8,10 +8,9 @@ use std::time::{Duration, Instant};
 use hyptrace_reader::{Callbacks, MailboxOp, MailboxPort, MailboxStatus, SwapReply, SwapStatus};
 use serde::Serialize;
 
-use super::harness::{plan, vm_run, SwapLog, VmSpec};
+use super::harness::{swapper, vm_run, SwapLog, VmSpec};
 use super::stats::{Quantiles, Tsc};
-use super::{BenchError, Cfg, Measured, DEFAULT_PAGES};
-use crate::pipeline::options::SwapArg;
+use super::{plan, BenchError, Cfg, Measured, DEFAULT_PAGES};
 use crate::vmm::time::host_tsc;
 use crate::vmm::vm::Vm;
 
@@ -62,9 +61,9 @@ pub(super) struct SwapLatency {
 }
 
 impl SwapLatency {
-    fn new(swap: SwapArg, ns: &Quantiles, pending: u64) -> Self {
+    fn new(guest_swap: bool, ns: &Quantiles, pending: u64) -> Self {
         Self {
-            mode: format!("{swap:?}").to_lowercase(),
+            mode: swapper(guest_swap).into(),
             swapped: ns.len(),
             median_ns: ns.median(),
             p10_ns: ns.quantile(0.10),
@@ -124,15 +123,15 @@ pub(super) struct LiveWorkload {
 /// Both modes, alone and live.
 pub(super) fn swap_section(cfg: &Cfg, tsc: Tsc) -> Result<SwapReport, BenchError> {
     Ok(SwapReport {
-        host: Measured::Ran(swap_pingpong(cfg, tsc, SwapArg::Host)?),
-        guest: Measured::Ran(swap_pingpong(cfg, tsc, SwapArg::Guest)?),
-        host_live_drain: Measured::Ran(swap_live(cfg, tsc, SwapArg::Host)?),
-        guest_live_drain: Measured::Ran(swap_live(cfg, tsc, SwapArg::Guest)?),
+        host: Measured::Ran(swap_pingpong(cfg, tsc, false)?),
+        guest: Measured::Ran(swap_pingpong(cfg, tsc, true)?),
+        host_live_drain: Measured::Ran(swap_live(cfg, tsc, false)?),
+        guest_live_drain: Measured::Ran(swap_live(cfg, tsc, true)?),
     })
 }
 
 /// Every `swap_reader` call of a `record`-style drain of a steady writer, timed.
-fn swap_live(cfg: &Cfg, tsc: Tsc, swap: SwapArg) -> Result<LiveSwapRow, BenchError> {
+fn swap_live(cfg: &Cfg, tsc: Tsc, guest_swap: bool) -> Result<LiveSwapRow, BenchError> {
     let mut log = SwapLog::default();
     let mut wall = 0.0;
     for _ in 0..cfg.reps.min(3) {
@@ -142,7 +141,7 @@ fn swap_live(cfg: &Cfg, tsc: Tsc, swap: SwapArg) -> Result<LiveSwapRow, BenchErr
         let o = vm_run(&VmSpec {
             events: cfg.swap_events,
             rate: cfg.swap_rate,
-            swap,
+            guest_swap,
             time_swaps: true,
             ..VmSpec::default()
         })?;
@@ -159,14 +158,14 @@ fn swap_live(cfg: &Cfg, tsc: Tsc, swap: SwapArg) -> Result<LiveSwapRow, BenchErr
     let q = Quantiles::new(&ns);
     eprintln!(
         "  {:?}: {} swaps, median {:.0} ns, p99 {:.0} ns, {} pending",
-        swap,
+        guest_swap,
         q.len(),
         q.median(),
         q.quantile(0.99),
         log.pending
     );
     Ok(LiveSwapRow {
-        latency: SwapLatency::new(swap, &q, log.pending),
+        latency: SwapLatency::new(guest_swap, &q, log.pending),
         min_ns: q.min().unwrap_or(f64::MAX),
         busy: busy.len(),
         busy_median_ns: Quantiles::new(&busy).median(),
@@ -213,11 +212,11 @@ fn await_answer(
 /// callbacks), or by posting a request in the mailbox ([`MailboxPort`]) and spinning
 /// until the guest's acknowledgement (without `Mailbox`'s give-up after its spin, so a round
 /// trip is timed even when the vCPU thread was descheduled). No exits either way.
-fn swap_pingpong(cfg: &Cfg, tsc: Tsc, swap: SwapArg) -> Result<PingPongRow, BenchError> {
+fn swap_pingpong(cfg: &Cfg, tsc: Tsc, guest_swap: bool) -> Result<PingPongRow, BenchError> {
     let mut plan = plan(&VmSpec {
         events: 1,
         rate: cfg.swap_rate,
-        swap,
+        guest_swap,
         ..VmSpec::default()
     })?;
     plan.params.events = u64::MAX;
@@ -246,8 +245,8 @@ fn swap_pingpong(cfg: &Cfg, tsc: Tsc, swap: SwapArg) -> Result<PingPongRow, Benc
             std::hint::spin_loop();
         }
         let t = host_tsc();
-        let outcome = match swap {
-            SwapArg::Host => match reader.callbacks().swap_reader(0) {
+        let outcome = match guest_swap {
+            false => match reader.callbacks().swap_reader(0) {
                 Ok(SwapReply::Done(SwapStatus::Swapped { .. })) => Alone::Swapped,
                 // The overwriting writer kept pushing the head under every attempt.
                 Ok(SwapReply::Done(SwapStatus::Contended)) => {
@@ -257,7 +256,7 @@ fn swap_pingpong(cfg: &Cfg, tsc: Tsc, swap: SwapArg) -> Result<PingPongRow, Benc
                 Ok(SwapReply::Done(SwapStatus::Busy) | SwapReply::Pending) => Alone::Busy,
                 Err(e) => return Err(BenchError::Swap(e)),
             },
-            SwapArg::Guest => {
+            true => {
                 let seq = port.post(0, MailboxOp::Swap).map_err(BenchError::Swap)?;
                 match await_answer(&port, seq)? {
                     Some(MailboxStatus::Ok) => Alone::Swapped,
@@ -283,13 +282,14 @@ fn swap_pingpong(cfg: &Cfg, tsc: Tsc, swap: SwapArg) -> Result<PingPongRow, Benc
     let _ = running.wait();
     let q = Quantiles::new(&swapped);
     eprintln!(
-        "  {swap:?} alone: {} swaps, median {:.0} ns, p99 {:.0} ns",
+        "  {} alone: {} swaps, median {:.0} ns, p99 {:.0} ns",
+        swapper(guest_swap),
         q.len(),
         q.median(),
         q.quantile(0.99)
     );
     Ok(PingPongRow {
-        latency: SwapLatency::new(swap, &q, timeouts),
+        latency: SwapLatency::new(guest_swap, &q, timeouts),
         busy,
         transient_failures: transient,
         workload: PingPongWorkload {

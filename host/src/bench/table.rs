@@ -238,7 +238,7 @@ fn max_rate(s: &mut String, v: &BenchReport) {
     let _ = writeln!(
         s,
         "\nhighest --rate with zero loss (stop mode, idle poll {} ms, {} KiB/vCPU, record to {}; every run of a step loss-free)",
-        crate::pipeline::options::DEFAULT_POLL_MS,
+        super::POLL_MS,
         v.max_rate.first().map_or(0, |r| r.buffer_kb),
         v.max_rate.first().map_or("trace.dat", |r| r.sink.as_str()),
     );
@@ -323,7 +323,7 @@ mod tests {
                 })
                 .collect(),
             mode: "stop",
-            poll_ms: crate::pipeline::options::DEFAULT_POLL_MS as u32,
+            poll_ms: crate::bench::POLL_MS as u32,
             buffer_kb: 1024,
             sink: "trace.dat v7 file in /tmp".into(),
         }

@@ -13,7 +13,6 @@ use serde::Serialize;
 use super::harness::{vm_run, VmOut, VmSpec};
 use super::stats::{Summary, Tsc};
 use super::{bench_payload, BenchError, Cfg, DEFAULT_PAGES, PAGE_SIZE};
-use crate::pipeline::options::DrainArg;
 use crate::vmm::time::host_tsc;
 
 /// The native typed loops ([`native_typed`]) for a `payload`-byte payload, or `None`
@@ -176,7 +175,7 @@ fn measure(
     // The same loop with no reader while it runs (the rings are read at the end): what
     // the live reader's own memory traffic costs the writer is the difference.
     let unread = VmSpec {
-        drain: DrainArg::None,
+        drain_live: false,
         ..spec
     };
     s.unread.push_guest(tsc, n, &vm_run(&unread)?);

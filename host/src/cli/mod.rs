@@ -499,6 +499,9 @@ fn interrupted(e: &OutputError) -> bool {
 }
 
 #[cfg(test)]
+mod error_chains;
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use std::path::Path;

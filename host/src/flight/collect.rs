@@ -65,6 +65,14 @@ pub enum CollectError {
         /// The output.
         path: PathBuf,
     },
+    /// A VM's part (this run's own file) read back damaged.
+    #[error("{path}: a VM's part is damaged: {damage}", path = .path.display())]
+    DamagedPart {
+        /// The output.
+        path: PathBuf,
+        /// What was damaged.
+        damage: hyptrace_output::tracedat::Damage,
+    },
     /// The parts could not be written as one trace.
     #[error("cannot write {path}", path = .path.display())]
     Output {
@@ -236,30 +244,31 @@ pub fn collect(o: &CollectOpts<'_>) -> Result<CollectReport, CollectError> {
             path: o.out_path.to_path_buf(),
         });
     }
-    let written = match o.format {
-        Format::Text => set.write_text(o.target).map(drop),
-        Format::Json | Format::Perfetto => write_sink(&set, o),
-        _ => set.write(o.target).map(drop),
-    };
-    written.map_err(|source| CollectError::Output {
+    let output = |source| CollectError::Output {
         path: o.out_path.to_path_buf(),
         source,
-    })?;
+    };
+    match o.format {
+        Format::Text => set.write_text(o.target).map(drop).map_err(output)?,
+        Format::Json | Format::Perfetto => write_sink(&set, o)?,
+        _ => set.write(o.target).map(drop).map_err(output)?,
+    }
     Ok(CollectReport { vms, interrupted })
 }
 
 /// Writes every part into one sink of `o.format` (JSON, Perfetto), each VM a process
 /// of its name ([`BufferSet::sink_meta`]), the pages merged by time across the VMs as
 /// `convert` merges a file's CPUs.
-fn write_sink(set: &BufferSet, o: &CollectOpts<'_>) -> Result<(), OutputError> {
-    let meta = set.sink_meta()?;
+fn write_sink(set: &BufferSet, o: &CollectOpts<'_>) -> Result<(), CollectError> {
+    let output = |source| CollectError::Output {
+        path: o.out_path.to_path_buf(),
+        source,
+    };
+    let meta = set.sink_meta().map_err(output)?;
     let groups = meta.groups.clone();
-    let sink = crate::drain::sink::make_sink(
-        o.target,
-        o.format,
-        hyptrace_output::Compression::None,
-        meta,
-    )?;
+    let sink =
+        crate::drain::sink::make_sink(o.target, o.format, hyptrace_output::Compression::None, meta)
+            .map_err(output)?;
     let mut cursors = Vec::new();
     for ((_, file), g) in set.parts().zip(&groups) {
         cursors.extend(file.all_pages().into_iter().map(|c| (g.first + c.cpu(), c)));
@@ -272,10 +281,14 @@ fn write_sink(set: &BufferSet, o: &CollectOpts<'_>) -> Result<(), OutputError> {
             damage.get_or_insert(d);
         },
         false,
-    )?;
+    )
+    .map_err(output)?;
     match damage {
         // The parts are this run's own files: damage in one is a fault here.
-        Some(d) => Err(OutputError::BadMeta(format!("a VM's part is damaged: {d}"))),
+        Some(damage) => Err(CollectError::DamagedPart {
+            path: o.out_path.to_path_buf(),
+            damage,
+        }),
         None => Ok(()),
     }
 }

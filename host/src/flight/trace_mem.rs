@@ -39,7 +39,7 @@ pub use hyptrace_reader::trace_file::{
 
 /// Why the trace memory file could not be set up.
 #[derive(Debug, thiserror::Error)]
-#[error("--trace-mem {path}: {why}", path = .path.display())]
+#[error("--trace-mem {path}", path = .path.display())]
 pub struct TraceMemError {
     /// The file.
     pub path: PathBuf,
@@ -551,8 +551,8 @@ pub(super) mod tests {
             }
             other => panic!("{other:?}"),
         }
-        let e = TraceMemFile::create(&f, &ring()).expect_err("refused");
-        assert!(e.to_string().contains("pid 4242"), "{e}");
+        let e = crate::exit::chain(&TraceMemFile::create(&f, &ring()).expect_err("refused"));
+        assert!(e.contains("pid 4242"), "{e}");
         assert_eq!(std::fs::read(&f).expect("read"), bytes, "untouched");
         drop(holder);
         assert_eq!(entries(&d), ["f"], "no temporary file left");

@@ -893,7 +893,7 @@ pub fn convert(a: &ConvertArgs) -> Result<(), ConvertError> {
         OutputError::Io {
             path: Some(ref p), ..
         } if p.as_path() == a.input.as_path() => input_error(&a.input, &e),
-        OutputError::Format { .. } | OutputError::Raw(_) | OutputError::Unsupported(_) => {
+        OutputError::Format { .. } | OutputError::Raw { .. } | OutputError::Unsupported(_) => {
             input_error(&a.input, &e)
         }
         e if is_write_error(&e) => ConvertError::Output(e),

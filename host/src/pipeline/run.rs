@@ -123,7 +123,15 @@ pub enum RunError {
     HostTrace(#[from] crate::drain::host_trace::HostTraceError),
     /// `-F` names an event or field the run's events do not have, or does not parse.
     #[error("{0} (the run's events: `hyptrace list`)")]
-    Filter(#[from] hyptrace_output::tracedat::FilterError),
+    Filter(hyptrace_output::tracedat::FilterError),
+}
+
+/// The filter's text is the whole message (what is wrong, as data): not a source, so
+/// the chain prints it once.
+impl From<hyptrace_output::tracedat::FilterError> for RunError {
+    fn from(e: hyptrace_output::tracedat::FilterError) -> Self {
+        Self::Filter(e)
+    }
 }
 
 impl RunError {

@@ -1,5 +1,6 @@
 //! The Chrome trace-event JSON sink (chrome://tracing, Perfetto's legacy importer).
 
+use crate::error::PageProblem;
 use hyptrace_format::EventFormat;
 
 use super::merged::{release_merged, Piece};
@@ -255,7 +256,10 @@ impl PageSink for JsonSink {
         let Some(&ts) = self.last.get(cpu as usize) else {
             return Err(OutputError::BadPage {
                 cpu,
-                reason: format!("cpu {cpu} ≥ nr_cpus {}", self.meta.nr_cpus),
+                problem: PageProblem::NoSuchCpu {
+                    cpu,
+                    nr_cpus: self.meta.nr_cpus,
+                },
             });
         };
         if lost == 0 {

@@ -29,6 +29,7 @@
 //! Packets go out as pages arrive (memory: one packet and a write buffer); the trace
 //! processor sorts them by time.
 
+use crate::error::PageProblem;
 use std::collections::BTreeMap;
 
 use hyptrace_format::EventFormat;
@@ -619,7 +620,10 @@ impl PageSink for PerfettoSink {
         let Some(&ns) = self.last.get(cpu as usize) else {
             return Err(OutputError::BadPage {
                 cpu,
-                reason: format!("cpu {cpu} ≥ nr_cpus {}", self.meta.nr_cpus),
+                problem: PageProblem::NoSuchCpu {
+                    cpu,
+                    nr_cpus: self.meta.nr_cpus,
+                },
             });
         };
         if lost == 0 {
@@ -640,5 +644,5 @@ impl PageSink for PerfettoSink {
 
 /// Decodes a whole Perfetto trace written by [`PerfettoSink`] (tests, `convert`).
 pub fn decode_trace(bytes: &[u8]) -> Result<protos::Trace, OutputError> {
-    protos::Trace::decode(bytes).map_err(|e| OutputError::format(0, format!("perfetto: {e}")))
+    protos::Trace::decode(bytes).map_err(OutputError::Perfetto)
 }

@@ -1,6 +1,7 @@
 //! Raw page streams (`--format raw`): the sink, and the reader that replays a stream
 //! into another sink.
 
+use crate::error::RawProblem;
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -174,15 +175,18 @@ struct RawStream<R> {
     done: bool,
 }
 
-fn raw_bad(m: &str) -> OutputError {
-    OutputError::Raw(m.to_string())
+fn raw_bad(problem: RawProblem) -> OutputError {
+    OutputError::Raw {
+        path: None,
+        problem,
+    }
 }
 
 /// `read_exact`, with a short read as "truncated" (other I/O errors kept).
 fn raw_read(r: &mut impl std::io::Read, buf: &mut [u8]) -> Result<(), OutputError> {
     r.read_exact(buf).map_err(|e| {
         if e.kind() == std::io::ErrorKind::UnexpectedEof {
-            raw_bad("truncated")
+            raw_bad(RawProblem::Truncated)
         } else {
             OutputError::from(e)
         }
@@ -202,13 +206,13 @@ impl<R: std::io::Read> RawStream<R> {
         raw_read(&mut r, &mut magic)?;
         let v1 = &magic == RAW_MAGIC_V1;
         if &magic != RAW_MAGIC && !v1 {
-            return Err(raw_bad("bad magic"));
+            return Err(raw_bad(RawProblem::Magic));
         }
         let page_size = raw_u32(&mut r)? as usize;
-        crate::export::check_page_size(page_size).map_err(|_| raw_bad("bad page size"))?;
+        crate::export::check_page_size(page_size).map_err(|_| raw_bad(RawProblem::PageSize))?;
         let nr_cpus = raw_u32(&mut r)?;
         if nr_cpus == 0 || nr_cpus > RAW_MAX_CPUS {
-            return Err(raw_bad("bad cpu count"));
+            return Err(raw_bad(RawProblem::CpuCount));
         }
         let mult = raw_u32(&mut r)?;
         let shift = raw_u32(&mut r)?;
@@ -217,7 +221,7 @@ impl<R: std::io::Read> RawStream<R> {
         let offset = u64::from_le_bytes(o);
         let n = raw_u32(&mut r)? as usize;
         if n > 4096 {
-            return Err(raw_bad("clock name too long"));
+            return Err(raw_bad(RawProblem::ClockName));
         }
         let mut name = vec![0u8; n];
         raw_read(&mut r, &mut name)?;
@@ -262,7 +266,7 @@ impl<R: std::io::Read> RawStream<R> {
                     self.done = true;
                     return Ok(None);
                 }
-                Ok(0) => return Err(raw_bad("truncated")),
+                Ok(0) => return Err(raw_bad(RawProblem::Truncated)),
                 Ok(n) => got += n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e.into()),
@@ -272,7 +276,7 @@ impl<R: std::io::Read> RawStream<R> {
             RAW_TAG_PAGE => {
                 let cpu = raw_u32(&mut self.r)?;
                 if cpu >= self.nr_cpus {
-                    return Err(raw_bad("cpu out of range"));
+                    return Err(raw_bad(RawProblem::Cpu));
                 }
                 raw_read(&mut self.r, &mut self.page)?;
                 Ok(Some(RawRecord::Page(cpu, &self.page)))
@@ -281,7 +285,7 @@ impl<R: std::io::Read> RawStream<R> {
                 self.done = true;
                 let n = raw_u32(&mut self.r)?;
                 if n > RAW_MAX_CPUS {
-                    return Err(raw_bad("bad cpu count in the end record"));
+                    return Err(raw_bad(RawProblem::EndCpuCount));
                 }
                 let mut cpus = Vec::new();
                 for _ in 0..n {
@@ -305,7 +309,7 @@ impl<R: std::io::Read> RawStream<R> {
                 }
                 Ok(Some(RawRecord::End(RunSummary { cpus })))
             }
-            _ => Err(raw_bad("bad record tag")),
+            _ => Err(raw_bad(RawProblem::Tag)),
         }
     }
 }
@@ -385,7 +389,13 @@ impl RawReader {
         let mut summary = RunSummary::default();
         let path = self.path.clone();
         let named = |e: OutputError| match e {
-            OutputError::Raw(m) => OutputError::Raw(format!("{}: {m}", path.display())),
+            OutputError::Raw {
+                path: None,
+                problem,
+            } => OutputError::Raw {
+                path: Some(path.clone()),
+                problem,
+            },
             e => e,
         };
         // Bounded: every record consumes bytes of the file.

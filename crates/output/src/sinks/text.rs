@@ -1,5 +1,6 @@
 //! The text sink: `trace-cmd report -t` lines, merged across CPUs.
 
+use crate::error::PageProblem;
 use std::collections::BTreeMap;
 
 use super::merged::{queue_line, release_merged, Piece};
@@ -133,7 +134,10 @@ impl PageSink for TextSink {
         if cpu >= self.meta.nr_cpus {
             return Err(OutputError::BadPage {
                 cpu,
-                reason: format!("cpu {cpu} ≥ nr_cpus {}", self.meta.nr_cpus),
+                problem: PageProblem::NoSuchCpu {
+                    cpu,
+                    nr_cpus: self.meta.nr_cpus,
+                },
             });
         }
         if lost == 0 || self.out.is_none() {

@@ -21,6 +21,7 @@
 //! output written in order (a device, a FIFO, stdout). Which CPU goes where is decided
 //! on the sink's thread, in page order: the file is the same whatever the threads do.
 
+use crate::error::PageProblem;
 use std::fs::File;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -208,8 +209,8 @@ impl CpuData {
     fn open_cpu(&mut self, cpu: usize) -> Result<&mut Pending, OutputError> {
         match self.pending.get_mut(cpu) {
             Some(p) if !p.ended => Ok(p),
-            Some(_) => Err(OutputError::BadMeta(format!("cpu {cpu} has ended"))),
-            None => Err(OutputError::BadMeta(format!("cpu {cpu} has no data"))),
+            Some(_) => Err(bad_cpu(cpu, PageProblem::Ended)),
+            None => Err(bad_cpu(cpu, PageProblem::NoData)),
         }
     }
 
@@ -360,5 +361,13 @@ impl CpuData {
             caught_up,
             replaced,
         })
+    }
+}
+
+/// A page CPU `cpu` cannot take.
+fn bad_cpu(cpu: usize, problem: PageProblem) -> OutputError {
+    OutputError::BadPage {
+        cpu: u32::try_from(cpu).unwrap_or(u32::MAX),
+        problem,
     }
 }

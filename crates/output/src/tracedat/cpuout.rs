@@ -68,6 +68,8 @@ pub(super) struct CpuOut {
     pub(super) bytes: u64,
     /// zstd: chunk records written.
     pub(super) chunks: u32,
+    /// The CPU (for errors).
+    cpu: u32,
 }
 
 impl CpuOut {
@@ -79,6 +81,7 @@ impl CpuOut {
             dest: Dest::Spill(BufWriter::with_capacity(OUT_BUF, f)),
             bytes: 0,
             chunks: 0,
+            cpu,
         })
     }
 
@@ -93,9 +96,7 @@ impl CpuOut {
         prefix: usize,
     ) -> Result<(), OutputError> {
         if self.bytes != 0 {
-            return Err(OutputError::BadMeta(
-                "CPU data moved after its start".into(),
-            ));
+            return Err(OutputError::Moved(self.cpu));
         }
         let mut w = BufWriter::with_capacity(OUT_BUF, At::new(file, start));
         w.write_all(&[0u8; 8][..prefix.min(8)])
@@ -126,6 +127,11 @@ impl CpuOut {
 
     pub(super) fn err(&self, e: io::Error) -> OutputError {
         OutputError::io(self.path(), e)
+    }
+
+    /// A zstd error compressing this CPU's data.
+    pub(super) fn zstd_err(&self, e: io::Error) -> OutputError {
+        zstd_error(Some(self.cpu), e)
     }
 
     /// Appends `b` (whole pages, or one chunk record).
@@ -185,15 +191,18 @@ pub(super) struct Zstd {
     per_batch: usize,
 }
 
-/// A zstd error as the writer reports it.
-pub(super) fn zstd_error(e: io::Error) -> OutputError {
-    OutputError::BadMeta(format!("zstd: {e}"))
+/// A zstd error as the writer reports it: compressing CPU `cpu`'s data (`None`: not
+/// one CPU's), zstd's error its source.
+pub(super) fn zstd_error(cpu: Option<u32>, source: io::Error) -> OutputError {
+    OutputError::Compress { cpu, source }
 }
 
-/// A compressor as trace-cmd's: [`ZSTD_LEVEL`], frames without the content size.
-pub(super) fn compressor() -> Result<zstd::bulk::Compressor<'static>, OutputError> {
-    let mut c = zstd::bulk::Compressor::new(ZSTD_LEVEL).map_err(zstd_error)?;
-    c.include_contentsize(false).map_err(zstd_error)?;
+/// A compressor as trace-cmd's: [`ZSTD_LEVEL`], frames without the content size (for
+/// CPU `cpu`'s data or not one CPU's: what its errors name).
+pub(super) fn compressor(cpu: Option<u32>) -> Result<zstd::bulk::Compressor<'static>, OutputError> {
+    let mut c = zstd::bulk::Compressor::new(ZSTD_LEVEL).map_err(|e| zstd_error(cpu, e))?;
+    c.include_contentsize(false)
+        .map_err(|e| zstd_error(cpu, e))?;
     Ok(c)
 }
 
@@ -202,7 +211,7 @@ impl Zstd {
     pub(super) fn new(chunk: usize, per_batch: usize) -> Result<Self, OutputError> {
         let per_batch = per_batch.max(1);
         Ok(Self {
-            c: compressor()?,
+            c: compressor(None)?,
             out: vec![0; per_batch * (8 + zstd::zstd_safe::compress_bound(chunk))],
             level: ZSTD_LEVEL,
             chunk,
@@ -219,19 +228,22 @@ impl Zstd {
     /// records (each: u32 compressed size, u32 uncompressed size, the zstd frame);
     /// returns them and how many.
     pub(super) fn compress(&mut self, data: &[u8], level: i32) -> io::Result<(&[u8], u32)> {
-        let zerr = |e: io::Error| io::Error::other(format!("zstd: {e}"));
         if data.len() > self.chunk * self.per_batch {
-            return Err(zerr(io::Error::other("batch too large")));
+            return Err(io::Error::other(format!(
+                "batch of {} bytes, more than the {} a batch holds",
+                data.len(),
+                self.chunk * self.per_batch
+            )));
         }
         if level != self.level {
-            self.c.set_compression_level(level).map_err(zerr)?;
+            self.c.set_compression_level(level)?;
             self.level = level;
         }
         let bound = zstd::zstd_safe::compress_bound(self.chunk);
         let (mut used, mut n) = (0, 0u32);
         for c in data.chunks(self.chunk) {
             let frame = &mut self.out[used + 8..used + 8 + bound];
-            let z = self.c.compress_to_buffer(c, frame).map_err(zerr)?;
+            let z = self.c.compress_to_buffer(c, frame)?;
             // Both fit: a chunk is at most ZSTD_CHUNK_PAGES pages (fewer of large pages) of
             // at most MAX_PAGE_SIZE.
             self.out[used..used + 4].copy_from_slice(&(z as u32).to_le_bytes());
@@ -249,7 +261,7 @@ impl Zstd {
         level: i32,
         s: &mut CpuOut,
     ) -> Result<(), OutputError> {
-        let (records, n) = self.compress(data, level).map_err(|e| s.err(e))?;
+        let (records, n) = self.compress(data, level).map_err(|e| s.zstd_err(e))?;
         s.append(records)?;
         s.chunks += n;
         Ok(())

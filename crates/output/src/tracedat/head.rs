@@ -5,6 +5,7 @@
 use super::cpuout::{compressor, zstd_error};
 use super::ids::{option, MAGIC};
 use super::params::{Compression, TraceDatVersion};
+use crate::error::MetaError;
 use crate::sink::{KernelCpuStat, TraceMeta};
 use crate::OutputError;
 use hyptrace_format::format::{header_page_text, EventFormat, HEADER_EVENT_TEXT};
@@ -174,8 +175,10 @@ const SEC_FL_COMPRESS: u16 = 1;
 /// size, u32 uncompressed size, the zstd frame.
 fn zstd_block(content: &[u8]) -> Result<Vec<u8>, OutputError> {
     // As trace-cmd compresses: its level, no content size in the frame.
-    let z = compressor()?.compress(content).map_err(zstd_error)?;
-    let too_big = |_| OutputError::BadMeta("section too large to compress".into());
+    let z = compressor(None)?
+        .compress(content)
+        .map_err(|e| zstd_error(None, e))?;
+    let too_big = |_| OutputError::Meta(MetaError::SectionTooLarge(content.len()));
     let mut v = Vec::with_capacity(8 + z.len());
     v.extend_from_slice(&u32::try_from(z.len()).map_err(too_big)?.to_le_bytes());
     v.extend_from_slice(&u32::try_from(content.len()).map_err(too_big)?.to_le_bytes());
@@ -469,10 +472,10 @@ pub(super) fn metadata(
         Place::At { data_start, layout } => {
             let v = build(layout, data_start)?;
             if v.len() as u64 > data_start {
-                return Err(OutputError::BadMeta(format!(
-                    "metadata of {} bytes past the CPU data at {data_start}",
-                    v.len()
-                )));
+                return Err(OutputError::Meta(MetaError::PastData {
+                    bytes: v.len(),
+                    data_start,
+                }));
             }
             Ok((v, layout.clone()))
         }

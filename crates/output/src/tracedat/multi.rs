@@ -9,6 +9,7 @@
 //! `trace-cmd report` reads every instance and merges them by time, each line prefixed
 //! with its instance's name; KernelShark opens each instance as a stream.
 
+use crate::error::{PartError, PartProblem};
 use std::fs::File;
 use std::io::{self, Read, Seek, SeekFrom, Write};
 use std::path::PathBuf;
@@ -50,12 +51,12 @@ struct Opened {
     file: TraceFile,
 }
 
-fn bad(part: &BufferPart, why: impl std::fmt::Display) -> OutputError {
-    OutputError::BadMeta(format!(
-        "buffer {} ({}): {why}",
-        part.name,
-        part.path.display()
-    ))
+fn bad(part: &BufferPart, problem: PartProblem) -> OutputError {
+    OutputError::Part(Box::new(PartError {
+        name: part.name.clone(),
+        path: part.path.clone(),
+        problem,
+    }))
 }
 
 /// Opens a part and checks that it can be an instance of a file with `meta`'s page
@@ -63,7 +64,7 @@ fn bad(part: &BufferPart, why: impl std::fmt::Display) -> OutputError {
 /// carry that clock's nanoseconds).
 fn open_part(part: &BufferPart, meta: &TraceMeta) -> Result<Opened, OutputError> {
     if !valid_instance_name(&part.name) {
-        return Err(bad(part, "not a name of [A-Za-z0-9_.-], 1 to 64 bytes"));
+        return Err(bad(part, PartProblem::Name));
     }
     let file = TraceFile::open(&part.path)?;
     let clock = meta.clock.file_clock();
@@ -74,16 +75,22 @@ fn open_part(part: &BufferPart, meta: &TraceMeta) -> Result<Opened, OutputError>
     if file.version != 7 || file.page_size != meta.page_size {
         return Err(bad(
             part,
-            format!("v{} with {} B pages", file.version, file.page_size),
+            PartProblem::Version {
+                version: file.version,
+                page_size: file.page_size,
+            },
         ));
     }
     if !file.damage.is_empty() {
-        return Err(bad(part, format!("damaged: {}", file.damage[0].what)));
+        return Err(bad(part, PartProblem::Damaged(file.damage[0].what.clone())));
     }
     if file.clock.as_deref() != Some(clock.name.as_str()) || offsets || clock.tsc.is_some() {
         return Err(bad(
             part,
-            format!("clock {:?}, not {}", file.clock, clock.name),
+            PartProblem::Clock {
+                found: file.clock.clone(),
+                want: clock.name.clone(),
+            },
         ));
     }
     Ok(Opened {
@@ -129,15 +136,12 @@ impl BufferSet {
     /// Adds a part after checking that it fits the set (see [`BufferSet`]).
     pub fn add(&mut self, part: &BufferPart) -> Result<(), OutputError> {
         if self.opened.iter().any(|o| o.name == part.name) {
-            return Err(bad(part, "a second buffer of that name"));
+            return Err(bad(part, PartProblem::SecondName));
         }
         let o = open_part(part, &self.meta)?;
         if let Some(first) = self.opened.first() {
             if first.file.is_compressed() != o.file.is_compressed() {
-                return Err(bad(
-                    part,
-                    format!("compressed unlike buffer {}", first.name),
-                ));
+                return Err(bad(part, PartProblem::Compression(first.name.clone())));
             }
         }
         let mut new = Vec::new();
@@ -145,14 +149,16 @@ impl BufferSet {
             match self.formats.iter().find(|(g, _)| g.id == f.id) {
                 Some((g, _)) if g == f => {}
                 Some((g, first)) => {
-                    let why = format!(
-                        "event id {} is {}:{} here, {}:{} in buffer {first}",
-                        f.id, f.system, f.name, g.system, g.name
-                    );
+                    let why = PartProblem::EventId {
+                        id: f.id,
+                        here: format!("{}:{}", f.system, f.name),
+                        there: format!("{}:{}", g.system, g.name),
+                        first: first.clone(),
+                    };
                     return Err(bad(part, why));
                 }
                 None if new.iter().any(|g: &EventFormat| g.id == f.id) => {
-                    return Err(bad(part, format!("event id {} twice", f.id)));
+                    return Err(bad(part, PartProblem::EventIdTwice(f.id)));
                 }
                 None => new.push(f.clone()),
             }
@@ -249,8 +255,8 @@ impl BufferSet {
             }
             advance.push(i);
         }
-        if let Some(e) = recs.iter().find_map(|r| r.error()) {
-            return Err(OutputError::BadMeta(format!("reading a part: {e}")));
+        if let Some(e) = recs.iter_mut().find_map(|r| r.take_error()) {
+            return Err(OutputError::ReadPart(Box::new(e)));
         }
         let out = out.into_inner().map_err(|e| {
             let (err, f) = e.into_parts();

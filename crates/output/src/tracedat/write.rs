@@ -1,6 +1,7 @@
 //! trace.dat writer: the CPU data written as the run goes on (`cpudata`), the
 //! metadata (`head`) and the file assembled at the end, v6 or v7.
 
+use crate::error::{MetaError, PageProblem};
 use std::fs::File;
 use std::io::{self, Write};
 use std::os::unix::fs::FileExt;
@@ -91,9 +92,11 @@ impl TraceDatSink {
             // trace-cmd 3.1.6 ignores the offset and sign-extends mult ≥ 2^31: refuse what it
             // would print differently from our own conversion.
             if t.offset != 0 || t.mult > i32::MAX as u32 || t.mult == 0 || t.shift > 32 {
-                return Err(OutputError::BadMeta(format!(
-                    "TSC2NSEC {t:?}: trace-cmd needs offset 0, 0 < mult < 2^31, shift <= 32"
-                )));
+                return Err(OutputError::Meta(MetaError::Tsc2Nsec {
+                    mult: t.mult,
+                    shift: t.shift,
+                    offset: t.offset,
+                }));
             }
         }
         let trailing =
@@ -327,7 +330,7 @@ impl TraceDatSink {
         if data.ended(c) {
             return Err(OutputError::BadPage {
                 cpu,
-                reason: "page after the CPU was ended".into(),
+                problem: PageProblem::Ended,
             });
         }
         let slot = match data.slot(c) {
@@ -452,7 +455,10 @@ impl PageSink for TraceDatSink {
         if cpu >= self.meta.nr_cpus {
             return Err(OutputError::BadPage {
                 cpu,
-                reason: format!("cpu {cpu} ≥ nr_cpus {}", self.meta.nr_cpus),
+                problem: PageProblem::NoSuchCpu {
+                    cpu,
+                    nr_cpus: self.meta.nr_cpus,
+                },
             });
         }
         if let Err(e) = data.end_cpu(cpu as usize) {
@@ -705,6 +711,31 @@ mod tests {
             s.assemble(&RunSummary::default()).unwrap();
             assert_eq!(s.replaced, 3, "inline {inline}");
         }
+    }
+
+    /// A zstd failure is a compression error naming the CPU, zstd's error its source
+    /// (not metadata, not an I/O error of the spill file).
+    #[test]
+    fn zstd_failure_is_compress_with_its_source() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = crate::OutputTarget::check(dir.path().join("x.dat")).unwrap();
+        let pages: Vec<u8> = test_pages(5, 2).concat();
+        // Room for one page per batch: two pages are more than the compressor holds.
+        let mut z = super::super::cpuout::Zstd::new(pages.len() / 2, 1).unwrap();
+        let mut o = CpuOut::new(&target, 5).unwrap();
+        let e = z
+            .chunks(&pages, super::super::cpuout::ZSTD_LEVEL, &mut o)
+            .expect_err("over the batch");
+        assert!(
+            matches!(&e, OutputError::Compress { cpu: Some(5), .. }),
+            "{e:?}"
+        );
+        assert_eq!(e.to_string(), "zstd compression of cpu 5's data");
+        let source = std::error::Error::source(&e).expect("zstd's error kept");
+        assert!(
+            !e.to_string().contains(&source.to_string()),
+            "{e}: {source}"
+        );
     }
 
     /// A chunk at the catch-up level reads back as the pages it holds.

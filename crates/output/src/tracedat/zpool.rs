@@ -385,7 +385,7 @@ impl Worker {
         let shared = Arc::clone(&self.shared);
         let mut slot = shared.turn(j.cpu, j.seq).ok_or_else(dead)?;
         let r = (|| {
-            let (records, n) = records.map_err(|e| slot.out.err(e))?;
+            let (records, n) = records.map_err(|e| slot.out.zstd_err(e))?;
             if let Some(d) = j.direct.take() {
                 slot.out.go_direct(d.file, &d.path, d.start, d.prefix)?;
             }

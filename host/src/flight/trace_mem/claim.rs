@@ -321,7 +321,7 @@ mod tests {
 
     fn refused_locked(r: Result<TraceMemFile, TraceMemError>) -> String {
         match r {
-            Err(e) if matches!(e.why, FileProblem::Locked { .. }) => e.to_string(),
+            Err(e) if matches!(e.why, FileProblem::Locked { .. }) => crate::exit::chain(&e),
             other => panic!("not refused as locked: {other:?}"),
         }
     }

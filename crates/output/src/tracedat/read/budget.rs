@@ -16,6 +16,7 @@
 //!   exactly the size it declares, which is at most its cap and at most [`MAX_RATIO`]
 //!   times its compressed size.
 
+use crate::error::UnsupportedDat;
 use crate::OutputError;
 
 /// Metadata read, decompressed and kept, all sections and items of a file together.
@@ -128,14 +129,13 @@ pub(super) fn plain_batch(readers: usize, page_size: usize) -> usize {
 
 /// Why `readers` CPUs of `page_size`-byte pages cannot be read within [`READ_BUDGET`]
 /// (each needs at least one page), or `None`.
-pub(super) fn check_read_memory(readers: usize, page_size: usize) -> Option<String> {
+pub(super) fn check_read_memory(readers: usize, page_size: usize) -> Option<UnsupportedDat> {
     let need = (readers as u64).saturating_mul(page_size as u64);
-    (need > READ_BUDGET).then(|| {
-        format!(
-            "{readers} CPUs of {page_size}-byte pages would need {} MiB of read buffers, more than {} MiB",
-            need >> 20,
-            READ_BUDGET >> 20
-        )
+    (need > READ_BUDGET).then_some(UnsupportedDat::ReadMemory {
+        readers,
+        page_size,
+        need_mib: need >> 20,
+        budget_mib: READ_BUDGET >> 20,
     })
 }
 

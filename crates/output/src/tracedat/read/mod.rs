@@ -8,6 +8,7 @@
 //! file, every loop is bounded by the bytes it consumes or by a fixed limit, and errors
 //! are returned, never panics.
 
+use crate::error::UnsupportedDat;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::fs::File;
@@ -224,7 +225,7 @@ impl TraceFile {
             .parse()
             .map_err(|_| OutputError::format(10u64, "bad version"))?;
         if c.u8("endianness")? != 0 {
-            return Err(OutputError::Unsupported("big-endian trace".into()));
+            return Err(OutputError::Unsupported(UnsupportedDat::BigEndian));
         }
         let long_size = c.u8("long size")?;
         let page_size = c.u32("page size")? as usize;
@@ -264,15 +265,14 @@ impl TraceFile {
         match version {
             6 => p.parse_v6(&mut c)?,
             7 => p.parse_v7(&mut c)?,
-            v => return Err(OutputError::Unsupported(format!("trace.dat version {v}"))),
+            v => return Err(OutputError::Unsupported(UnsupportedDat::Version(v))),
         }
         p.finish();
         let mut f = p.f;
         f.compressed = p.compressed;
         if f.header_page.commit_size != 8 || f.header_page.data_offset != 16 {
-            return Err(OutputError::Unsupported(format!(
-                "header_page {:?}",
-                f.header_page
+            return Err(OutputError::Unsupported(UnsupportedDat::HeaderPage(
+                f.header_page,
             )));
         }
         if let Some(why) = budget::check_read_memory(f.readers(), f.page_size) {

@@ -1,6 +1,7 @@
 //! The metadata of a trace.dat: the v6 sequence, the v7 options chain and the sections
 //! it names, the CPU table; everything within the metadata [`Budget`].
 
+use crate::error::UnsupportedDat;
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::clock::TscConversion;
@@ -259,9 +260,7 @@ impl Parser {
             let tag = c.bytes(10, "data kind")?;
             match tag {
                 b"options  \0" => has_clock |= self.v6_options(c)?,
-                b"latency  \0" => {
-                    return Err(OutputError::Unsupported("latency (text) trace.dat".into()))
-                }
+                b"latency  \0" => return Err(OutputError::Unsupported(UnsupportedDat::Latency)),
                 b"flyrecord\0" => break,
                 _ => return Err(c.err("expected options or flyrecord")),
             }
@@ -358,7 +357,11 @@ impl Parser {
             {
                 return Err(c.err("compression name damaged"))
             }
-            other => return Err(OutputError::Unsupported(format!("compression {other}"))),
+            other => {
+                return Err(OutputError::Unsupported(UnsupportedDat::Compression(
+                    other.to_string(),
+                )))
+            }
         };
         self.f.compression = Some((name, ver));
         let first = c.u64("options offset")?;
@@ -648,9 +651,7 @@ fn buffer_table(o: &mut Cur<'_>, page_size: usize) -> Result<TopBuffer, OutputEr
     let clock = o.cstr("buffer clock")?;
     let ps = o.u32("buffer page size")? as usize;
     if ps != page_size {
-        return Err(OutputError::Unsupported(format!(
-            "buffer page size {ps} != file page size"
-        )));
+        return Err(OutputError::Unsupported(UnsupportedDat::BufferPageSize(ps)));
     }
     let n = o.u32("buffer cpu count")?;
     if n > MAX_CPUS {

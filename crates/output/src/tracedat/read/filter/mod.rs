@@ -36,7 +36,7 @@ mod page;
 mod tests;
 
 use eval::{Node, Rec};
-pub use page::{FilterCounts, FilteredSink, PageFilterError, PageFiltered, PageSource};
+pub use page::{FilterCounts, FilteredSink, PageFiltered, PageSource};
 
 /// Most filters (`-F` options) of one report.
 pub const MAX_FILTERS: usize = 256;
@@ -89,6 +89,14 @@ pub struct FilterError {
     pub spec: String,
     /// What is wrong.
     pub kind: FilterErrorKind,
+}
+
+/// Why a page could not be re-encoded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PageFilterError {
+    /// Shorter than its header.
+    #[error("a page of {0} bytes is shorter than its header")]
+    Short(usize),
 }
 
 /// One filter: its text and its expression per selected event id.

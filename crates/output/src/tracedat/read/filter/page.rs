@@ -9,6 +9,7 @@
 //! the data), its commit says the new data length, the rest is zeroed. Paddings and
 //! time records of the input are not copied (the kept events' times carry them).
 
+use crate::error::PageProblem;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -19,7 +20,7 @@ use hyptrace_abi::page::{
     RB_MISSED_EVENTS, RB_MISSED_FLAGS, RB_MISSED_STORED, TYPE_TIME_STAMP,
 };
 
-use super::FilterSet;
+use super::{FilterSet, PageFilterError};
 use crate::sink::{OutputWaits, PageSink, RunSummary};
 use crate::OutputError;
 
@@ -35,14 +36,6 @@ pub struct PageFiltered {
     pub cut: bool,
     /// The clock after the page's last decoded event (the page's time stamp if none).
     pub end_ts: u64,
-}
-
-/// Why a page could not be re-encoded.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum PageFilterError {
-    /// Shorter than its header.
-    #[error("a page of {0} bytes is shorter than its header")]
-    Short(usize),
 }
 
 /// Where the pages a filter reads come from: which bits of `commit` are the length.
@@ -362,7 +355,7 @@ impl PageSink for FilteredSink {
             .filter_page(cpu, page, self.src, &self.cmdlines, &mut self.buf)
             .map_err(|e| OutputError::BadPage {
                 cpu,
-                reason: format!("-F: {e}"),
+                problem: PageProblem::Filter(e),
             })?;
         self.counts.kept.fetch_add(done.kept, Ordering::Relaxed);
         self.counts
