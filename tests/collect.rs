@@ -147,6 +147,37 @@ fn check_vm(lines: &[(String, u64, u64)], vm: &str, n: u64) {
     );
 }
 
+/// The acceptance run's VMs: name, events.
+const THREE: [(&str, u64); 3] = [("vma", 30_000), ("vmb", 40_000), ("vmc", 50_000)];
+
+/// Three VMMs of 30 000, 40 000 and 50 000 events collected with `--follow` into
+/// `DIR/out`: exit 0, "3 of 3 VMs complete", and the accounting per VM exact (each
+/// VMM read what collect received). Returns the output's path.
+fn collect_three(dir: &TempDir, out: &str) -> String {
+    let mut kids: Vec<Kid> = THREE.iter().map(|(n, e)| start_vm(dir, n, *e)).collect();
+    let path = dir.file(out);
+    let names: Vec<String> = THREE
+        .iter()
+        .map(|(n, _)| format!("{n}={}", sock(dir, n)))
+        .collect();
+    let mut args = vec!["collect", "--follow", "-o", &path];
+    args.extend(names.iter().map(String::as_str));
+    let mut c = Kid::spawn(dir, "collect", &args);
+    let code = c.wait("collect");
+    let err = read(dir, "collect.err");
+    for (k, (n, e)) in kids.iter_mut().zip(&THREE) {
+        assert_eq!(k.wait(n), Some(0), "{}", read(dir, &format!("{n}.err")));
+        let want = format!("{n}: cpu 0: {e} events read, 0 lost");
+        assert!(err.contains(&want), "{want}:\n{err}");
+        // One reader: what collect received is what the VMM read.
+        let vmm = read(dir, &format!("{n}.err"));
+        assert!(vmm.contains(&format!(" read {e} lost 0")), "{vmm}");
+    }
+    assert_eq!(code, Some(0), "{err}");
+    assert!(err.contains("3 of 3 VMs complete"), "{err}");
+    path
+}
+
 /// The acceptance run: three VMMs of 30 000, 40 000 and 50 000 events collected with
 /// `--follow` into one trace.dat: exit 0, the accounting per VM exact, and trace-cmd
 /// prints 120 000 events, each line naming its VM, in one time order (the VMs ran at
@@ -158,34 +189,13 @@ fn collect_three_vms_into_one_trace() {
     }
     let _l = vm_lock();
     let dir = TempDir::new("collect3");
-    let vms = [("vma", 30_000u64), ("vmb", 40_000), ("vmc", 50_000)];
-    let mut kids: Vec<Kid> = vms.iter().map(|(n, e)| start_vm(&dir, n, *e)).collect();
-    let dat = dir.file("all.dat");
-    let names: Vec<String> = vms
-        .iter()
-        .map(|(n, _)| format!("{n}={}", sock(&dir, n)))
-        .collect();
-    let mut args = vec!["collect", "--follow", "-o", &dat];
-    args.extend(names.iter().map(String::as_str));
-    let mut c = Kid::spawn(&dir, "collect", &args);
-    let code = c.wait("collect");
-    let err = read(&dir, "collect.err");
-    for (k, (n, e)) in kids.iter_mut().zip(&vms) {
-        assert_eq!(k.wait(n), Some(0), "{}", read(&dir, &format!("{n}.err")));
-        let want = format!("{n}: cpu 0: {e} events read, 0 lost");
-        assert!(err.contains(&want), "{want}:\n{err}");
-        // One reader: what collect received is what the VMM read.
-        let vmm = read(&dir, &format!("{n}.err"));
-        assert!(vmm.contains(&format!(" read {e} lost 0")), "{vmm}");
-    }
-    assert_eq!(code, Some(0), "{err}");
-    assert!(err.contains("3 of 3 VMs complete"), "{err}");
+    let dat = collect_three(&dir, "all.dat");
     if !env::trace_cmd_available() {
         return;
     }
     let lines = report(&dat);
     assert_eq!(lines.len(), 120_000);
-    for (n, e) in &vms {
+    for (n, e) in &THREE {
         check_vm(&lines, n, *e);
     }
     assert!(
@@ -196,6 +206,117 @@ fn collect_three_vms_into_one_trace() {
     assert!(
         switches > 100,
         "the VMs' lines do not interleave: {switches}"
+    );
+}
+
+/// The acceptance run into Perfetto (`-o all.pftrace`): decoded with Perfetto's
+/// official protos (every packet valid, every thread under its declared process, no
+/// tid twice), one process per VM named after it, its vCPU a thread of it, and 30 000,
+/// 40 000, 50 000 markers on the VMs' threads: 120 000 in all, each VM's seqs 0.. in
+/// time order, the VMs' events interleaved on one time line.
+#[test]
+fn collect_three_vms_into_perfetto() {
+    if !kvm_available(KRATE, "collect_three_vms_into_perfetto") {
+        return;
+    }
+    let _l = vm_lock();
+    let dir = TempDir::new("collect3pf");
+    let out = collect_three(&dir, "all.pftrace");
+    if !env::perfetto_available() {
+        return;
+    }
+    let v: serde_json::Value =
+        serde_json::from_slice(&env::perfetto_decode(&out, true)).expect("decoder JSON");
+    let processes = v["processes"].as_object().expect("processes");
+    assert_eq!(processes.len(), 3, "{}", v["processes"]);
+    let mut all: Vec<(String, u64, u64)> = Vec::new();
+    for (n, e) in &THREE {
+        let (uuid, p) = processes
+            .iter()
+            .find(|(_, p)| p["name"] == *n)
+            .unwrap_or_else(|| panic!("no process {n}: {}", v["processes"]));
+        let threads: Vec<u64> = v["threads"]
+            .as_object()
+            .expect("threads")
+            .iter()
+            .filter(|(_, t)| t["parent"].as_u64().map(|p| p.to_string()).as_ref() == Some(uuid))
+            .map(|(u, t)| {
+                assert_eq!(t["pid"], p["pid"], "{n}");
+                assert_eq!(t["name"], "vcpu0", "{n}");
+                u.parse().expect("uuid")
+            })
+            .collect();
+        assert_eq!(threads.len(), 1, "{n}: {}", v["threads"]);
+        let mine: Vec<(String, u64, u64)> = v["events"]
+            .as_array()
+            .expect("events")
+            .iter()
+            .filter(|ev| ev[0].as_u64() == Some(threads[0]))
+            .map(|ev| {
+                assert_eq!(ev[3], "marker", "{n}: {ev}");
+                let seq = ev[5]["seq"].as_u64().expect("seq");
+                (n.to_string(), seq, ev[1].as_u64().expect("ts"))
+            })
+            .collect();
+        check_vm(&mine, n, *e);
+        assert!(mine.windows(2).all(|w| w[0].2 <= w[1].2), "{n}: time order");
+        all.extend(mine);
+    }
+    assert_eq!(all.len(), 120_000);
+    assert_eq!(v["events"].as_array().map(Vec::len), Some(120_000));
+    all.sort_by_key(|x| x.2);
+    let switches = all.windows(2).filter(|w| w[0].0 != w[1].0).count();
+    assert!(
+        switches > 100,
+        "the VMs' events do not interleave: {switches}"
+    );
+}
+
+/// The acceptance run into JSON (`-o all.json`): every entry names its VM (`vm`,
+/// and its pid is the VM's process, named after it), 30 000, 40 000, 50 000 markers per
+/// VM, each VM's seqs 0.. in order, the whole file in one time order.
+#[test]
+fn collect_three_vms_into_json() {
+    if !kvm_available(KRATE, "collect_three_vms_into_json") {
+        return;
+    }
+    let _l = vm_lock();
+    let dir = TempDir::new("collect3json");
+    let out = collect_three(&dir, "all.json");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&out).expect("json")).expect("JSON");
+    let entries = v["traceEvents"].as_array().expect("traceEvents");
+    let pids: std::collections::BTreeMap<u64, String> = entries
+        .iter()
+        .filter(|e| e["name"] == "process_name")
+        .map(|e| {
+            (
+                e["pid"].as_u64().expect("pid"),
+                e["args"]["name"].as_str().expect("name").to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(pids.len(), 3, "{pids:?}");
+    let mut lines = Vec::new();
+    for e in entries.iter().filter(|e| e["ph"] != "M") {
+        assert_eq!(e["name"], "marker", "{e}");
+        let vm = e["vm"].as_str().expect("vm").to_string();
+        assert_eq!(pids.get(&e["pid"].as_u64().expect("pid")), Some(&vm), "{e}");
+        assert_eq!(e["tid"], 0, "{e}");
+        let ts = e["ts"].as_f64().expect("ts");
+        lines.push((
+            vm,
+            e["args"]["seq"].as_u64().expect("seq"),
+            (ts * 1000.0).round() as u64,
+        ));
+    }
+    assert_eq!(lines.len(), 120_000);
+    for (n, e) in &THREE {
+        check_vm(&lines, n, *e);
+    }
+    assert!(
+        lines.windows(2).all(|w| w[0].2 <= w[1].2),
+        "not in one time order"
     );
 }
 
@@ -381,8 +502,8 @@ fn collect_refuses_bad_arguments() {
         ),
         (vec!["collect", "-o", &dat, "a b=/x"], "a VM's name"),
         (
-            vec!["collect", "-o", "x.json", "a=/x"],
-            "collect writes trace.dat v7 or text",
+            vec!["collect", "-o", "x.raw", "a=/x"],
+            "collect writes trace.dat v7, text, JSON or Perfetto",
         ),
     ] {
         let o = env::run(BIN, &args);

@@ -12,21 +12,7 @@ const BIN: &str = env!("CARGO_BIN_EXE_hyptrace");
 const KRATE: &str = env!("CARGO_CRATE_NAME");
 
 fn decode(path: &str, events: bool) -> serde_json::Value {
-    let script = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/crates/output/tests/perfetto_decode.py"
-    );
-    let mut args = vec![script, path];
-    if events {
-        args.push("--events");
-    }
-    let o = env::run("python3", &args);
-    assert!(
-        o.status.success(),
-        "perfetto_decode.py rejected {path}: {}",
-        env::stderr(&o)
-    );
-    serde_json::from_slice(&o.stdout).expect("decoder JSON")
+    serde_json::from_slice(&env::perfetto_decode(path, events)).expect("decoder JSON")
 }
 
 fn u(v: &serde_json::Value) -> u64 {

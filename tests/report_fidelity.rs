@@ -441,6 +441,7 @@ fn filtered_losses_show_in_trace_cmd() {
         cmdlines: Default::default(),
         clock: Clock::raw_tsc(),
         formats: formats.clone(),
+        groups: Vec::new(),
     };
     // A page at `ts` of (delta, id): an event 12 bytes, a TIME_EXTEND before a delta
     // above 27 bits.

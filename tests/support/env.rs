@@ -73,6 +73,28 @@ pub fn perfetto_available() -> bool {
     ok
 }
 
+/// Perfetto's official protos' reading of the trace `path` (the JSON summary of
+/// crates/output/tests/perfetto_decode.py; with `events`, every track event too).
+/// Fails the test when the decoder rejects the file (a packet that breaks the schema
+/// or what hyptrace promises).
+pub fn perfetto_decode(path: &str, events: bool) -> Vec<u8> {
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/crates/output/tests/perfetto_decode.py"
+    );
+    let mut args = vec![script, path];
+    if events {
+        args.push("--events");
+    }
+    let o = run("python3", &args);
+    assert!(
+        o.status.success(),
+        "perfetto_decode.py rejected {path}: {}",
+        stderr(&o)
+    );
+    o.stdout
+}
+
 /// Serialises the VM-booting tests of one test binary: the host has few cores, and
 /// the vCPU threads and the reader compete for them, so two VMs at once would change
 /// what a run loses (the tests that need a lossless run pick rates for one VM).

@@ -174,6 +174,35 @@ pub enum MetaError {
     /// Two formats with one id.
     #[error("duplicate event id {0}")]
     DuplicateEventId(u16),
+    /// More VMs ([`crate::TraceMeta::groups`]) than a trace holds.
+    #[error("{count} VMs: at most {max}")]
+    Groups {
+        /// VMs given.
+        count: usize,
+        /// The most a trace holds (`MAX_GROUPS`).
+        max: usize,
+    },
+    /// A VM ([`crate::TraceMeta::groups`]) with a bad name, no CPU, CPUs past the trace's
+    /// or inside an earlier VM's.
+    #[error("VM {name:?}: CPUs {first}+{count} of {nr_cpus} (a name is 1 to 64 of [A-Za-z0-9_.-]; VMs in order, disjoint)")]
+    Group {
+        /// Its name.
+        name: String,
+        /// Its first CPU.
+        first: u32,
+        /// Its CPUs.
+        count: u32,
+        /// The trace's CPUs.
+        nr_cpus: u32,
+    },
+    /// VMs ([`crate::TraceMeta::groups`]) for a sink that holds one.
+    #[error("{sink} holds one VM, not {vms}")]
+    OneVm {
+        /// The sink.
+        sink: &'static str,
+        /// The VMs asked for.
+        vms: usize,
+    },
     /// A TSC frequency of 0.
     #[error("tsc_khz is 0")]
     TscKhzZero,

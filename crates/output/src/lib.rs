@@ -71,7 +71,9 @@ pub use merge::{MergeWindow, Merged, Merger, Released};
 /// The old name of [`KernelCpuStat`], kept only until the host uses the new one.
 #[doc(hidden)]
 pub use sink::KernelCpuStat as CpuStats;
-pub use sink::{KernelCpuStat, OutputWaits, PageSink, RunSummary, TraceMeta};
+pub use sink::{
+    CpuGroup, KernelCpuStat, OutputWaits, PageSink, RunSummary, TraceMeta, MAX_CPUS, MAX_GROUPS,
+};
 pub use sinks::perfetto::{self, PerfettoSink};
 pub use sinks::{
     is_raw_stream, page_events, JsonSink, PageEvents, RawReader, RawSink, RawTrace, StreamOut,

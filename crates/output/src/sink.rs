@@ -8,6 +8,24 @@ use crate::clock::Clock;
 use crate::OutputError;
 use hyptrace_format::{guest_formats, EventFormat};
 
+/// Most CPUs a trace holds ([`TraceMeta::nr_cpus`]).
+pub const MAX_CPUS: u32 = 4096;
+
+/// Longest instance name (trace-cmd takes a tracefs instance name: a file name).
+pub const MAX_INSTANCE_NAME: usize = 64;
+
+/// Whether `name` can name an instance (a buffer instance of a trace.dat, a group of a sink).
+pub fn valid_instance_name(name: &str) -> bool {
+    (1..=MAX_INSTANCE_NAME).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
+}
+
+/// Most groups ([`TraceMeta::groups`]) a trace holds: as many as a trace.dat's buffer
+/// instances (`tracedat::MAX_INSTANCES` is this).
+pub const MAX_GROUPS: usize = 256;
+
 /// What a sink needs to know before the first page.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TraceMeta {
@@ -21,6 +39,23 @@ pub struct TraceMeta {
     pub clock: Clock,
     /// Event formats (the guest events by default).
     pub formats: Vec<EventFormat>,
+    /// The VMs of a trace of several (`hyptrace collect`, a multi-buffer trace.dat
+    /// converted): each a named range of the CPUs, in order, disjoint. Empty: one VM
+    /// owns every CPU. The Perfetto and JSON sinks make a process of each; the others
+    /// take no groups ([`TraceMeta::check_one_vm`]).
+    pub groups: Vec<CpuGroup>,
+}
+
+/// One VM of a trace of several ([`TraceMeta::groups`]): its name and its CPUs
+/// `first..first + count` of the output.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CpuGroup {
+    /// The VM's name (a buffer instance's: 1 to 64 of `[A-Za-z0-9_.-]`).
+    pub name: String,
+    /// Its first CPU in the output.
+    pub first: u32,
+    /// How many CPUs it has.
+    pub count: u32,
 }
 
 impl TraceMeta {
@@ -36,19 +71,104 @@ impl TraceMeta {
             cmdlines,
             clock,
             formats: guest_formats(),
+            groups: Vec::new(),
         }
+    }
+
+    /// The group of CPU `cpu` and its index ([`TraceMeta::groups`]; `None`: none, or a
+    /// CPU of no group).
+    pub fn group_of(&self, cpu: u32) -> Option<(usize, &CpuGroup)> {
+        self.groups
+            .iter()
+            .enumerate()
+            .find(|(_, g)| cpu >= g.first && cpu - g.first < g.count)
+    }
+
+    /// Appends a group ([`TraceMeta::groups`]) of `count` CPUs named `name` after the
+    /// CPUs there are: vCPU `c` of it is named as `cmdlines` name pid `c + 1` (its
+    /// buffer's own), else `vcpuC`. Checked by [`TraceMeta::validate`].
+    pub fn push_group(
+        &mut self,
+        name: &str,
+        count: u32,
+        cmdlines: &BTreeMap<i32, String>,
+    ) -> Result<(), OutputError> {
+        let first = self.nr_cpus;
+        let end = first
+            .checked_add(count)
+            .filter(|&e| e <= MAX_CPUS)
+            .ok_or(OutputError::Meta(MetaError::Cpus(
+                first.saturating_add(count),
+            )))?;
+        for c in 0..count {
+            let pid = hyptrace_abi::events::vcpu_pid(c);
+            let comm = cmdlines
+                .get(&pid)
+                .cloned()
+                .unwrap_or_else(|| format!("vcpu{c}"));
+            self.cmdlines
+                .insert(hyptrace_abi::events::vcpu_pid(first + c), comm);
+        }
+        self.groups.push(CpuGroup {
+            name: name.to_string(),
+            first,
+            count,
+        });
+        self.nr_cpus = end;
+        Ok(())
+    }
+
+    /// Refuses groups ([`TraceMeta::groups`]) for a sink of `what` that cannot name
+    /// them.
+    pub fn check_one_vm(&self, what: &'static str) -> Result<(), OutputError> {
+        if self.groups.is_empty() {
+            return Ok(());
+        }
+        Err(OutputError::Meta(MetaError::OneVm {
+            sink: what,
+            vms: self.groups.len(),
+        }))
     }
 
     /// Checks page size, CPU count and format ids (unique).
     pub fn validate(&self) -> Result<(), OutputError> {
         crate::export::check_page_size(self.page_size)?;
-        if self.nr_cpus == 0 || self.nr_cpus > 4096 {
+        if self.nr_cpus == 0 || self.nr_cpus > MAX_CPUS {
             return Err(OutputError::Meta(MetaError::Cpus(self.nr_cpus)));
         }
         let mut ids: Vec<u16> = self.formats.iter().map(|f| f.id).collect();
         ids.sort_unstable();
         if let Some(w) = ids.windows(2).find(|w| w[0] == w[1]) {
             return Err(OutputError::Meta(MetaError::DuplicateEventId(w[0])));
+        }
+        self.validate_groups()
+    }
+
+    /// Groups: at most [`MAX_GROUPS`], valid names, each non-empty and within the CPUs,
+    /// in order without overlap.
+    fn validate_groups(&self) -> Result<(), OutputError> {
+        if self.groups.len() > MAX_GROUPS {
+            return Err(OutputError::Meta(MetaError::Groups {
+                count: self.groups.len(),
+                max: MAX_GROUPS,
+            }));
+        }
+        let mut next = 0u32;
+        for g in &self.groups {
+            let end = g.first.checked_add(g.count);
+            if !valid_instance_name(&g.name)
+                || g.count == 0
+                || g.first < next
+                || end.is_none_or(|e| e > self.nr_cpus)
+            {
+                return Err(OutputError::Meta(MetaError::Group {
+                    name: g.name.clone(),
+                    first: g.first,
+                    count: g.count,
+                    nr_cpus: self.nr_cpus,
+                }));
+            }
+            next = g.first + g.count;
         }
         Ok(())
     }

@@ -3,7 +3,8 @@
 `perfetto` PyPI package) and prints a JSON summary for the Rust tests:
 
   packets, clocks ([clock_id, timestamp] of the snapshot), primary_clock, process
-  ({uuid, pid, name}), threads ({uuid: {pid, tid, name, parent}}), tracks ({uuid:
+  ({uuid, pid, name} of the last process track), processes ({uuid: {pid, name}}: every
+  process track, one per VM of `collect`), threads ({uuid: {pid, tid, name, parent}}), tracks ({uuid:
   {instants: {name: n}, begins, ends, lost, lost_unknown, open_at_end}}), events (with
   --events: [track, ts, type, name, categories, {arg: value}] in file order), ftrace
   (the host kernel's sched events, `--host-trace`: [cpu, ts, pid, kind, {field: value}]).
@@ -57,7 +58,7 @@ def main():
     with open(path, "rb") as f:
         trace.ParseFromString(f.read())
     out = {"packets": len(trace.packet), "clocks": [], "primary_clock": None,
-           "process": None, "threads": {}, "tracks": {}, "events": [], "ftrace": []}
+           "process": None, "processes": {}, "threads": {}, "tracks": {}, "events": [], "ftrace": []}
     interned = None  # {"cat": {iid: name}, "name": {...}, "arg": {...}} once cleared
     for i, p in enumerate(trace.packet):
         if unknown(p):
@@ -96,6 +97,10 @@ def main():
             if d.HasField("process"):
                 out["process"] = {"uuid": d.uuid, "pid": d.process.pid,
                                   "name": d.process.process_name}
+                if str(d.uuid) in out["processes"]:
+                    fail(f"packet {i}: process track {d.uuid} twice")
+                out["processes"][str(d.uuid)] = {"pid": d.process.pid,
+                                                 "name": d.process.process_name}
             elif d.HasField("thread"):
                 out["threads"][str(d.uuid)] = {
                     "pid": d.thread.pid, "tid": d.thread.tid,
@@ -143,6 +148,13 @@ def main():
                 out["ftrace"].append([b.cpu, e.timestamp, e.pid, which, fields])
         else:
             fail(f"packet {i}: no data ({kind})")
+    tids = {}
+    for uuid, th in out["threads"].items():
+        parent = out["processes"].get(str(th["parent"]))
+        if parent is None or parent["pid"] != th["pid"]:
+            fail(f"thread track {uuid}: parent {th['parent']} is not its process {th['pid']}")
+        if tids.setdefault(th["tid"], uuid) != uuid:
+            fail(f"thread tracks {tids[th['tid']]} and {uuid}: one tid {th['tid']}")
     for uuid, t in out["tracks"].items():
         if t["begins"] != t["ends"]:
             fail(f"track {uuid}: {t['begins']} begins, {t['ends']} ends")

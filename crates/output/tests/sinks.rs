@@ -185,6 +185,61 @@ fn chrome_json() {
     assert!(raw.contains("\"ts\":0.500,"), "{raw}");
 }
 
+/// Groups (several VMs): JSON names each VM's process and every entry's `vm` (pid the
+/// VM's, tid the vCPU's number in it, the loss markers too); metadata whose groups
+/// overlap, leave the CPUs or have a bad name is refused; the sinks that cannot name
+/// a VM (text, raw, trace.dat) refuse groups.
+#[test]
+fn groups_name_vms_or_are_refused() {
+    let dir = scratch_dir("groups");
+    let mut meta = TraceMeta::guest(4096, 0, Clock::guest_tsc(2_000_000).unwrap());
+    meta.nr_cpus = 0;
+    meta.cmdlines.clear();
+    meta.push_group("web", 1, &Default::default()).unwrap();
+    meta.push_group("db", 1, &Default::default()).unwrap();
+    assert_eq!(meta.nr_cpus, 2);
+    meta.validate().unwrap();
+    let path = dir.join("t.json");
+    let mut sink: Box<dyn PageSink> = Box::new(JsonSink::create(&path, meta.clone()).unwrap());
+    for (c, p, m) in &pages_2cpu() {
+        sink.page(*c, p, *m).unwrap();
+    }
+    sink.finish(&RunSummary::default()).unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let evs = v["traceEvents"].as_array().unwrap();
+    let procs: Vec<(u64, &str)> = evs
+        .iter()
+        .filter(|e| e["name"] == "process_name")
+        .map(|e| {
+            (
+                e["pid"].as_u64().unwrap(),
+                e["args"]["name"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(procs, [(1, "web"), (2, "db")]);
+    let events: Vec<_> = evs.iter().filter(|e| e["ph"] != "M").collect();
+    assert_eq!(events.len(), 2 * 3 + 2);
+    for e in events {
+        let want = if e["pid"] == 1 { "web" } else { "db" };
+        assert_eq!(e["vm"], want, "{e}");
+        assert_eq!(e["tid"], 0, "{e}");
+    }
+    let bad = |f: &dyn Fn(&mut TraceMeta)| {
+        let mut m = meta.clone();
+        f(&mut m);
+        m.validate().is_err()
+    };
+    assert!(bad(&|m| m.groups[1].first = 0)); // overlap
+    assert!(bad(&|m| m.groups[1].count = 2)); // past the CPUs
+    assert!(bad(&|m| m.groups[0].name = "a b".into()));
+    assert!(bad(&|m| m.groups[0].count = 0));
+    let t = |name: &str| OutputTarget::check(dir.join(name)).unwrap();
+    assert!(TextSink::open(&t("t.txt"), meta.clone()).is_err());
+    assert!(RawSink::open(&t("t.raw"), meta.clone()).is_err());
+    assert!(TraceDatSink::open(&t("t.dat"), meta, TraceDatVersion::V7).is_err());
+}
+
 #[test]
 fn text_sink_matches_report() {
     let dir = scratch_dir("text");

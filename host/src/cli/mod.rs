@@ -90,14 +90,16 @@ pub enum Command {
     /// VMM's rings live (`--drain none --trace-mem --control`), once or `--follow`.
     Dump(crate::pipeline::options::DumpArgs),
     /// Subscribe to several running VMMs (each `run --drain none --control SOCKET`)
-    /// and write one trace.dat v7 with one buffer instance per VM, every VM on host
-    /// CLOCK_MONOTONIC: `trace-cmd report` names each event's VM and prints one time
-    /// order. Once, or `--follow` until every VM ended. Exit 0 only when every VM's
+    /// and write one trace.dat v7 with one buffer instance per VM (or text, or Perfetto
+    /// or JSON with a process per VM), every VM on host CLOCK_MONOTONIC: `trace-cmd
+    /// report` names each event's VM and prints one time order. Once, or `--follow` until every VM ended. Exit 0 only when every VM's
     /// part is complete; 1 when one failed (named; the others are written); 130 after
     /// Ctrl-C (the file holds what was read).
     Collect(CollectArgs),
     /// Convert a trace (trace.dat v6/v7/zstd, ours or the kernel's, or a raw page
-    /// stream) into any output format of `record`.
+    /// stream) into any output format of `record`; a trace.dat with buffer instances
+    /// (`collect`'s) into trace.dat v7 (the instances kept), text, JSON or Perfetto
+    /// (each event's instance named).
     Convert(ConvertArgs),
     /// Measure the writer in the guest and natively, drain throughput, swap latency in
     /// both modes, the highest loss-free rate, each output format's throughput, sustained
@@ -177,7 +179,7 @@ pub enum CliError {
     Completions(#[source] std::io::Error),
     /// `-o clickhouse://...`: a bad URL (exit 2) or a server that cannot be used.
     #[error(transparent)]
-    ClickHouse(hyptrace_clickhouse::ClickHouseError),
+    ClickHouse(#[from] crate::drain::sink::ServerOutputError),
 }
 
 impl CliError {
@@ -308,7 +310,10 @@ pub fn record(a: &RecordArgs) -> Result<i32, CliError> {
         .to_str()
         .filter(|s| hyptrace_clickhouse::is_clickhouse_url(s))
     {
-        let (url, client) = clickhouse_output(url, a.format.is_some() || a.compression.is_some())?;
+        let (url, client) = crate::drain::sink::clickhouse_output(
+            url,
+            a.format.is_some() || a.compression.is_some(),
+        )?;
         return execute(
             &a.run,
             Some(RecordOut::ClickHouse(url, client, &a.filters.filter[..])),
@@ -345,30 +350,6 @@ enum RecordOut<'a> {
     ),
 }
 
-/// `-o clickhouse://...` of `record` and `convert`: the URL checked (exit 2), the
-/// server reached and its tables created (exit 1 naming it), before any work.
-/// `formatted`: `--format` or `--compression` was given, which a server does not take.
-pub fn clickhouse_output(
-    url: &str,
-    formatted: bool,
-) -> Result<
-    (
-        hyptrace_clickhouse::ClickHouseUrl,
-        hyptrace_clickhouse::Client,
-    ),
-    CliError,
-> {
-    let url = hyptrace_clickhouse::ClickHouseUrl::parse(url)
-        .map_err(|e| CliError::ClickHouse(e.into()))?;
-    if formatted {
-        return Err(CliError::Args(
-            "--format and --compression name file formats; -o clickhouse://... writes rows".into(),
-        ));
-    }
-    let client = hyptrace_clickhouse::prepare(&url).map_err(CliError::ClickHouse)?;
-    Ok((url, client))
-}
-
 /// `hyptrace list`: the guest's registered events on stdout, its rejected entries as
 /// warnings on stderr.
 pub fn list(a: &ListArgs) -> Result<i32, CliError> {
@@ -401,9 +382,9 @@ pub fn collect(a: &CollectArgs) -> Result<i32, CliError> {
     use crate::flight::collect::{parse_vms, CollectOpts};
     let vms = parse_vms(&a.vms).map_err(CliError::Args)?;
     let ch = match a.output.to_str() {
-        Some(u) if hyptrace_clickhouse::is_clickhouse_url(u) => {
-            Some(clickhouse_output(u, a.format.is_some())?)
-        }
+        Some(u) if hyptrace_clickhouse::is_clickhouse_url(u) => Some(
+            crate::drain::sink::clickhouse_output(u, a.format.is_some())?,
+        ),
         _ => None,
     };
     let (format, target) = match &ch {
@@ -411,9 +392,12 @@ pub fn collect(a: &CollectArgs) -> Result<i32, CliError> {
         Some(_) => (Format::Dat, hyptrace_output::OutputTarget::stdout()),
         None => {
             let format = format_for(options::format(a.format), &a.output, "-o")?;
-            if !matches!(format, Format::Dat | Format::Text) {
+            if !matches!(
+                format,
+                Format::Dat | Format::Text | Format::Json | Format::Perfetto
+            ) {
                 return Err(CliError::Args(format!(
-                    "-o {}: collect writes trace.dat v7 or text (.dat, .txt, --format dat|text), or rows of a ClickHouse server (clickhouse://...)",
+                    "-o {}: collect writes trace.dat v7, text, JSON or Perfetto (.dat, .txt, .json, .pftrace, --format dat|text|json|perfetto), or rows of a ClickHouse server (clickhouse://...)",
                     crate::drain::sink::shown_path(&a.output)
                 )));
             }
@@ -426,7 +410,7 @@ pub fn collect(a: &CollectArgs) -> Result<i32, CliError> {
     let o = CollectOpts {
         vms: &vms,
         follow: a.follow,
-        text: format == Format::Text,
+        format,
         target: &target,
         out_path: &a.output,
         stop: &stop,

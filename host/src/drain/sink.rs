@@ -343,3 +343,46 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
+
+/// `-o clickhouse://...` that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerOutputError {
+    /// `--format` or `--compression` beside a server, which takes rows (exit 2).
+    #[error("--format and --compression name file formats; -o clickhouse://... writes rows")]
+    Formatted,
+    /// A bad URL (exit 2), or a server that cannot be used (exit 1).
+    #[error(transparent)]
+    ClickHouse(#[from] hyptrace_clickhouse::ClickHouseError),
+}
+
+impl ServerOutputError {
+    /// The user's mistake (exit 2), not the server's.
+    pub fn is_usage(&self) -> bool {
+        match self {
+            Self::Formatted => true,
+            Self::ClickHouse(e) => e.is_usage(),
+        }
+    }
+}
+
+/// `-o clickhouse://...` of `record`, `convert` and `collect`: the URL checked, the
+/// server reached and its tables created, before any work. `formatted`: `--format` or
+/// `--compression` was given, which a server does not take.
+pub fn clickhouse_output(
+    url: &str,
+    formatted: bool,
+) -> Result<
+    (
+        hyptrace_clickhouse::ClickHouseUrl,
+        hyptrace_clickhouse::Client,
+    ),
+    ServerOutputError,
+> {
+    let url = hyptrace_clickhouse::ClickHouseUrl::parse(url)
+        .map_err(|e| ServerOutputError::ClickHouse(e.into()))?;
+    if formatted {
+        return Err(ServerOutputError::Formatted);
+    }
+    let client = hyptrace_clickhouse::prepare(&url)?;
+    Ok((url, client))
+}

@@ -1,6 +1,6 @@
 //! `hyptrace collect [--follow] -o FILE NAME=SOCKET...`: one process subscribes to
 //! several running VMMs (each `run --drain none --control SOCKET`) and writes one
-//! trace.dat v7 with one buffer instance per VM (docs/design.md "Collecting several
+//! trace: a trace.dat v7 with one buffer instance per VM, text, JSON or Perfetto (docs/design.md "Collecting several
 //! VMs").
 //!
 //! Each VM is followed by its own thread exactly as `dump --attach` follows one
@@ -11,9 +11,10 @@
 //! that clock's nanoseconds through the VM's own clock map, so the instances share one
 //! time line and a reader merging them (trace-cmd report) prints one time order. A VM
 //! whose reading fails (it ends early, crashes, stops answering, lies) is named; the
-//! others go on, and the file holds what was read of it. With `text`, the parts are
+//! others go on, and the file holds what was read of it. With text, the parts are
 //! written as text instead (`BufferSet::write_text`: merged by time, each line prefixed
-//! with its VM).
+//! with its VM); with JSON or Perfetto, into one sink of that format with a process per
+//! VM (`BufferSet::sink_meta`, the pages merged by time as `convert` merges a file's).
 
 use std::path::{Path, PathBuf};
 
@@ -35,8 +36,9 @@ pub struct CollectOpts<'a> {
     pub vms: &'a [(String, PathBuf)],
     /// Until every VM's vCPUs ended (or `stop`), instead of what is there now.
     pub follow: bool,
-    /// Text (`trace-cmd report -t` lines, each prefixed with its VM) instead of trace.dat.
-    pub text: bool,
+    /// The output's format: trace.dat (an instance per VM), text (`trace-cmd report
+    /// -t` lines, each prefixed with its VM), JSON or Perfetto (a process per VM).
+    pub format: Format,
     /// The output.
     pub target: &'a OutputTarget,
     /// The output as given (messages).
@@ -68,6 +70,14 @@ pub enum CollectError {
     Nothing {
         /// The output.
         path: PathBuf,
+    },
+    /// A VM's part (this run's own file) read back damaged.
+    #[error("{path}: a VM's part is damaged: {damage}", path = .path.display())]
+    DamagedPart {
+        /// The output.
+        path: PathBuf,
+        /// What was damaged.
+        damage: hyptrace_output::tracedat::Damage,
     },
     /// The parts could not be written as one trace.
     #[error("cannot write {path}", path = .path.display())]
@@ -248,16 +258,53 @@ pub fn collect(o: &CollectOpts<'_>) -> Result<CollectReport, CollectError> {
             path: o.out_path.to_path_buf(),
         });
     }
-    let written = if o.text {
-        set.write_text(o.target).map(drop)
-    } else {
-        set.write(o.target).map(drop)
-    };
-    written.map_err(|source| CollectError::Output {
+    let output = |source| CollectError::Output {
         path: o.out_path.to_path_buf(),
         source,
-    })?;
+    };
+    match o.format {
+        Format::Text => set.write_text(o.target).map(drop).map_err(output)?,
+        Format::Json | Format::Perfetto => write_sink(&set, o)?,
+        _ => set.write(o.target).map(drop).map_err(output)?,
+    }
     Ok(CollectReport { vms, interrupted })
+}
+
+/// Writes every part into one sink of `o.format` (JSON, Perfetto), each VM a process
+/// of its name ([`BufferSet::sink_meta`]), the pages merged by time across the VMs as
+/// `convert` merges a file's CPUs.
+fn write_sink(set: &BufferSet, o: &CollectOpts<'_>) -> Result<(), CollectError> {
+    let output = |source| CollectError::Output {
+        path: o.out_path.to_path_buf(),
+        source,
+    };
+    let meta = set.sink_meta().map_err(output)?;
+    let groups = meta.groups.clone();
+    let sink =
+        crate::drain::sink::make_sink(o.target, o.format, hyptrace_output::Compression::None, meta)
+            .map_err(output)?;
+    let mut cursors = Vec::new();
+    for ((_, file), g) in set.parts().zip(&groups) {
+        cursors.extend(file.all_pages().into_iter().map(|c| (g.first + c.cpu(), c)));
+    }
+    let mut damage = None;
+    hyptrace_output::tracedat::pump_cursors(
+        cursors,
+        sink,
+        &mut |d| {
+            damage.get_or_insert(d);
+        },
+        false,
+    )
+    .map_err(output)?;
+    match damage {
+        // The parts are this run's own files: damage in one is a fault here.
+        Some(damage) => Err(CollectError::DamagedPart {
+            path: o.out_path.to_path_buf(),
+            damage,
+        }),
+        None => Ok(()),
+    }
 }
 
 /// The parts of the VMs that have one, as one set: a part that does not fit those
@@ -315,11 +362,11 @@ fn store_parts(
         }
         any = true;
         let stored = hyptrace_output::TraceFile::open(path).and_then(|f| {
-            let meta = crate::pipeline::convert::meta_of(&f);
+            let meta = hyptrace_output::tracedat::meta_of(&f);
             let who = RunIdentity::new(Some(&v.name));
             let sink =
                 ClickHouseSink::new(client.clone(), &url.database, who, meta, Options::default())?;
-            crate::pipeline::convert::pump_pages(&f, Box::new(sink), &mut |_| {}, false)
+            hyptrace_output::tracedat::pump_pages(&f, Box::new(sink), &mut |_| {}, false)
         });
         if let Err(e) = stored {
             v.complete = false;

@@ -7,20 +7,21 @@
 //! Both stream: a trace.dat is read a page (or a compression chunk) per CPU at a time, a
 //! raw stream a page per CPU at a time; memory does not grow with the file.
 
-use std::cmp::Reverse;
-use std::collections::{BTreeSet, BinaryHeap};
+use std::collections::BTreeSet;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
 use hyptrace_output::tracedat::{FilterCounts, FilterSet, ReportOutcome};
 use hyptrace_output::{
-    tracedat::MAGIC as DAT_MAGIC, Clock, KernelCpuStat, Missed, OutputError, PageSink, RawReader,
-    ReportFilter, RunSummary, TextSink, TraceFile, TraceMeta,
+    tracedat::MAGIC as DAT_MAGIC, KernelCpuStat, OutputError, PageSink, RawReader, ReportFilter,
+    RunSummary, TextSink, TraceFile, TraceMeta,
 };
 
 use crate::drain::sink::{behind_filters, format_for, Filters, Format};
 use crate::pipeline::options::{self, ConvertArgs, ReportArgs};
-use hyptrace_output::tracedat::PageSource;
+use hyptrace_output::tracedat::{
+    cursors_of, meta_of, pump_by_cpu, pump_cursors, pump_pages, PageCursors, PageSource,
+};
 
 /// What a trace file is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -62,7 +63,7 @@ pub enum ConvertError {
     Compression(#[from] crate::drain::sink::CompressionMismatch),
     /// `-o clickhouse://...`: a bad URL (exit 2) or a server that cannot be used.
     #[error(transparent)]
-    ClickHouse(hyptrace_clickhouse::ClickHouseError),
+    ClickHouse(#[from] crate::drain::sink::ServerOutputError),
     /// The trace.dat is damaged where nothing after the damage can be found (its file
     /// header, its options chain, its CPU table): nothing was read (exit 1).
     #[error("{0}")]
@@ -105,10 +106,7 @@ fn destination(a: &ConvertArgs) -> Result<Destination, ConvertError> {
         .filter(|s| hyptrace_clickhouse::is_clickhouse_url(s))
     {
         let formatted = a.format.is_some() || a.compression.is_some();
-        let (url, client) = crate::cli::clickhouse_output(url, formatted).map_err(|e| match e {
-            crate::cli::CliError::ClickHouse(e) => ConvertError::ClickHouse(e),
-            e => ConvertError::Input(e.to_string()),
-        })?;
+        let (url, client) = crate::drain::sink::clickhouse_output(url, formatted)?;
         return Ok(Destination::ClickHouse { url, client });
     }
     let format = format_for(options::format(a.format), &a.output, "-o")?;
@@ -122,12 +120,27 @@ fn destination(a: &ConvertArgs) -> Result<Destination, ConvertError> {
 }
 
 impl Destination {
-    /// The file format (none for a server).
-    fn format(&self) -> Option<Format> {
+    /// The file's target, format and compression (none for a server).
+    fn file(
+        &self,
+    ) -> Option<(
+        &hyptrace_output::OutputTarget,
+        Format,
+        hyptrace_output::Compression,
+    )> {
         match self {
-            Self::File { format, .. } => Some(*format),
+            Self::File {
+                target,
+                format,
+                compression,
+            } => Some((target, *format, *compression)),
             Self::ClickHouse { .. } => None,
         }
+    }
+
+    /// The file format (none for a server).
+    fn format(&self) -> Option<Format> {
+        self.file().map(|(_, format, _)| format)
     }
 
     /// The sink of a trace `meta` describes, read from `input` (the VM's name on the
@@ -254,13 +267,25 @@ fn open_dat(at: &Path, path: &Path) -> Result<(TraceFile, usize), ConvertError> 
     Ok((file, n))
 }
 
-/// `convert` feeds one buffer's pages to a sink: a trace.dat with buffer instances
-/// (`hyptrace collect`'s, trace-cmd's `record -B`) is refused (exit 2) rather than
-/// converted without them; `report` reads every instance.
+/// A trace.dat with buffer instances (`hyptrace collect`'s, trace-cmd's `record -B`)
+/// converts to JSON and Perfetto (a process per instance, [`grouped`]), text
+/// (`report`'s, [`report_into`]) and trace.dat v7 ([`instances_to_dat`]); to the other
+/// formats, which cannot name an instance on an event, it is refused (exit 2) rather
+/// than converted without them; `report` prints every instance.
 fn refuse_instances(f: &TraceFile, path: &Path) -> Result<(), ConvertError> {
     if f.instances.is_empty() {
         return Ok(());
     }
+    Err(instances_error(
+        f,
+        path,
+        "convert writes such a file only as trace.dat v7 (the instances kept), JSON or Perfetto (a process per instance) or text; `hyptrace report` prints every instance's events (trace-cmd and KernelShark read the file as it is)",
+    ))
+}
+
+/// The one line (exit 2) of why `path`, a file with buffer instances, does not
+/// convert: `PATH: N buffer instances (NAMES): WHY`.
+fn instances_error(f: &TraceFile, path: &Path, why: &str) -> ConvertError {
     let names: Vec<&str> = f
         .instances
         .iter()
@@ -269,14 +294,12 @@ fn refuse_instances(f: &TraceFile, path: &Path) -> Result<(), ConvertError> {
         .collect();
     let more = if f.instances.len() > 8 { ", ..." } else { "" };
     let line = format!(
-        "{}: {} buffer instances ({}{more}): convert reads a file of one buffer; `hyptrace report` prints every instance's events (trace-cmd and KernelShark read the file as it is)",
+        "{}: {} buffer instances ({}{more}): {why}",
         path.display(),
         f.instances.len(),
         names.join(", ")
     );
-    Err(ConvertError::Input(
-        crate::exit::printable(&line).into_owned(),
-    ))
+    ConvertError::Input(crate::exit::printable(&line).into_owned())
 }
 
 /// The one-line warning of a damaged part of `path`.
@@ -605,136 +628,114 @@ impl PageSink for StatSink {
     }
 }
 
-/// The metadata a sink needs to write what `f` holds: its formats, cmdlines, clock.
-pub(crate) fn meta_of(f: &TraceFile) -> TraceMeta {
-    TraceMeta {
-        page_size: f.page_size,
-        nr_cpus: f.nr_cpus,
-        cmdlines: f.cmdlines.clone(),
-        clock: Clock {
-            name: f.clock.clone().unwrap_or_else(|| "local".into()),
-            tsc: f.tsc2nsec,
-            offset_ns: f.ts_offset,
-            map: None,
-        },
-        formats: f.formats.clone(),
+/// The CPUs of a trace.dat with buffer instances as one sink's
+/// ([`TraceMeta::groups`]): the top level's CPUs first when it has data (a process of
+/// their own), then each instance a group of its name, its CPUs after the earlier
+/// ones' (named from the file's cmdlines as vCPUs of the instance); with the pages of
+/// each, numbered so.
+fn grouped(f: &TraceFile) -> Result<(TraceMeta, PageCursors), OutputError> {
+    let mut meta = meta_of(f);
+    let mut cursors: PageCursors = Vec::new();
+    if f.cpus.iter().any(|b| b.size > 0) {
+        cursors.extend(cursors_of(f));
+    } else {
+        meta.nr_cpus = 0;
+        meta.cmdlines.clear();
     }
+    for (i, inst) in f.instances.iter().enumerate() {
+        let count = inst.cpus.iter().map(|b| b.cpu.saturating_add(1)).max();
+        let first = meta.nr_cpus;
+        meta.push_group(&inst.name, count.unwrap_or(1), &f.cmdlines)?;
+        let pages = f.instance_pages(i).unwrap_or_default();
+        cursors.extend(pages.into_iter().map(|c| (first + c.cpu(), c)));
+    }
+    meta.validate()?;
+    Ok((meta, cursors))
 }
 
-/// Feeds every page of `f` into `sink`, the CPUs' pages merged by page time, ties to
-/// the lower CPU (each CPU's in file order; a heap of the CPUs' current pages: O(log
-/// CPUs) per page; memory: each CPU's read buffer, pages handed over where they lie),
-/// then finishes it. Damaged CPU data read past (a chunk skipped, data cut short) goes
-/// to `on_damage` when found.
-pub fn pump_pages(
+/// What a trace.dat with buffer instances needs to convert to one (exit 2 if not): no
+/// `-F` (each instance would need its own filter counts), no data in the top level
+/// (the file written has the instances only, as `collect` writes).
+fn check_instances_to_dat(
     f: &TraceFile,
-    mut sink: Box<dyn PageSink>,
-    on_damage: &mut dyn FnMut(hyptrace_output::tracedat::Damage),
-    filtered: bool,
-) -> Result<(), OutputError> {
-    let mut cursors = f.all_pages();
-    let cpus: Vec<u32> = f.cpus.iter().map(|b| b.cpu).collect();
-    // (page time, cpu, index) of each CPU's current page, oldest first.
-    let mut heads = BinaryHeap::new();
-    for (i, c) in cursors.iter_mut().enumerate() {
-        if let Some(ts) = next_head(c)? {
-            heads.push(Reverse((ts, cpus[i], i)));
-        }
-        c.take_damage().into_iter().for_each(&mut *on_damage);
-    }
-    // Bounded: every step consumes a page of some CPU. Stdout closed (`| head`): the
-    // rest would be discarded, so stop.
-    while let Some(Reverse((_, cpu, i))) = heads.pop() {
-        if hyptrace_output::stdout_closed() {
-            break;
-        }
-        feed_page(sink.as_mut(), cpu, cursors[i].page(), on_damage, filtered)?;
-        if let Some(ts) = next_head(&mut cursors[i])? {
-            heads.push(Reverse((ts, cpu, i)));
-        }
-        cursors[i]
-            .take_damage()
-            .into_iter()
-            .for_each(&mut *on_damage);
-    }
-    sink.finish(&RunSummary::default())
+    specs: &[String],
+    path: &Path,
+) -> Result<(), ConvertError> {
+    let why = if !specs.is_empty() {
+        "-F is not taken when the output keeps buffer instances (filter into JSON, Perfetto or text)"
+    } else if f.cpus.iter().any(|b| b.size > 0) {
+        "its top-level buffer holds data besides the instances: a trace.dat of instances only is written (convert it to JSON, Perfetto or text)"
+    } else {
+        return Ok(());
+    };
+    Err(instances_error(f, path, why))
 }
 
-/// Hands `page` of `cpu` to `sink`, its losses kept; a page that does not decode is
-/// named to `on_damage` (and copied as it is, or with `filtered` (-F) cut at the
-/// damage).
-fn feed_page(
-    sink: &mut dyn PageSink,
-    cpu: u32,
-    page: &[u8],
+/// A trace.dat with buffer instances into a trace.dat v7 keeping them: each instance
+/// first written, CPU by CPU, as a part (a single-buffer trace.dat of its own in a
+/// temporary directory next to the output), then the parts become the instances of
+/// one file ([`hyptrace_output::write_buffers`], as `collect` assembles its VMs').
+/// Every instance must be on a clock of nanoseconds (no TSC2NSEC/OFFSET: `collect`'s
+/// files are); another is refused by the assembly, named.
+fn instances_to_dat(
+    f: &TraceFile,
+    target: &hyptrace_output::OutputTarget,
+    compression: hyptrace_output::Compression,
     on_damage: &mut dyn FnMut(hyptrace_output::tracedat::Damage),
-    filtered: bool,
 ) -> Result<(), OutputError> {
-    if let Some(why) = hyptrace_output::tracedat::page_damage(page) {
-        let rest = if filtered {
-            "its events before the damage filtered, the rest left out"
-        } else {
-            "copied as it is"
+    use hyptrace_output::{BufferPart, OutputTarget, TraceDatSink, TraceDatVersion};
+    let dir = target.spill_dir();
+    let tmp = tempfile::Builder::new()
+        .prefix(".hyptrace-convert.")
+        .tempdir_in(&dir)
+        .map_err(|source| OutputError::Io {
+            path: Some(dir.clone()),
+            source,
+        })?;
+    let base = meta_of(f);
+    let mut parts = Vec::with_capacity(f.instances.len());
+    for (i, inst) in f.instances.iter().enumerate() {
+        let count = inst.cpus.iter().map(|b| b.cpu.saturating_add(1)).max();
+        let meta = TraceMeta {
+            nr_cpus: count.unwrap_or(1),
+            ..base.clone()
         };
-        on_damage(hyptrace_output::tracedat::Damage {
-            cpu: Some(cpu),
-            offset: None,
-            what: format!("a page does not decode ({why}): {rest}"),
+        let path = tmp.path().join(format!("{i}.dat"));
+        let part = OutputTarget::check(&path)?;
+        let sink = TraceDatSink::open_with(&part, meta, TraceDatVersion::V7, compression)?;
+        let cursors = f.instance_pages(i).unwrap_or_default();
+        let cursors = cursors.into_iter().map(|c| (c.cpu(), c)).collect();
+        pump_by_cpu(cursors, Box::new(sink), on_damage, false)?;
+        parts.push(BufferPart {
+            name: inst.name.clone(),
+            path,
         });
     }
-    let missed = match hyptrace_output::page_missed(page) {
-        Missed::Count(n) => Some(n),
-        Missed::Unknown | Missed::None => None,
-    };
-    sink.page(cpu, page, missed)
+    hyptrace_output::write_buffers(target, base, &parts).map(drop)
 }
 
-/// [`pump_pages`] for a sink that takes each CPU's pages in one piece (trace.dat): CPU
-/// after CPU, each one ended ([`PageSink::end_cpu`]) after its last page, so the sink
-/// writes every CPU's data straight to its place.
-pub fn pump_by_cpu(
+/// `report`'s text of `f` (every buffer instance's lines after its name, as
+/// `trace-cmd report -t` prints them), the events `specs` (-F) pass, into `target`.
+fn report_into(
     f: &TraceFile,
-    mut sink: Box<dyn PageSink>,
+    specs: &[String],
+    target: &hyptrace_output::OutputTarget,
     on_damage: &mut dyn FnMut(hyptrace_output::tracedat::Damage),
-    filtered: bool,
 ) -> Result<(), OutputError> {
-    for (i, b) in f.cpus.iter().enumerate() {
-        let Some(mut c) = f.pages(i) else {
-            continue;
-        };
-        // Bounded: every step consumes a page of the CPU.
-        loop {
-            if hyptrace_output::stdout_closed() {
-                break;
-            }
-            let more = match c.next_page()? {
-                Some(page) => {
-                    feed_page(sink.as_mut(), b.cpu, page, on_damage, filtered)?;
-                    true
-                }
-                None => false,
-            };
-            c.take_damage().into_iter().for_each(&mut *on_damage);
-            if !more {
-                break;
-            }
-        }
-        sink.end_cpu(b.cpu)?;
-    }
-    sink.finish(&RunSummary::default())
+    let filter = ReportFilter {
+        events: specs.to_vec(),
+        ..ReportFilter::default()
+    };
+    let mut out = std::io::BufWriter::with_capacity(1 << 16, target.open()?);
+    f.write_report_outcome(&mut out, &filter, on_damage)?;
+    let out = out.into_inner().map_err(|e| {
+        let (err, file) = e.into_parts();
+        file.get_ref().error(err)
+    })?;
+    out.finish()
 }
 
-/// The time of `c`'s next page (`None` at its end).
-fn next_head(c: &mut hyptrace_output::tracedat::CpuPages) -> Result<Option<u64>, OutputError> {
-    Ok(c.next_page()?.map(|p| {
-        p.get(..8).map_or(0, |b| {
-            let mut w = [0u8; 8];
-            w.copy_from_slice(b);
-            u64::from_le_bytes(w)
-        })
-    }))
-}
-
+/// Pages of CPUs, each with its CPU in the sink ([`pump_cursors`]).
 /// A raw page stream carries no event formats (its reader assumes hyptrace's guest
 /// events): only a trace of those converts to raw.
 fn check_raw_formats(f: &TraceFile, path: &Path) -> Result<(), ConvertError> {
@@ -760,21 +761,54 @@ pub fn convert(a: &ConvertArgs) -> Result<(), ConvertError> {
     let input = open_input(&a.input)?;
     let mut damage = 0usize;
     let specs = &a.filters.filter;
-    let (r, counts) = match input {
-        Input::Raw(reader) => {
+    let (r, counts) = match (input, dest.file()) {
+        (Input::Raw(reader), _) => {
             let meta = reader.meta();
             let filters = compile_filters(specs, &meta)?;
             let sink = dest.sink(meta, &a.input)?;
             let (sink, counts) = behind_filters(sink, filters, PageSource::Ring);
             (reader.replay(sink, |_| true), counts)
         }
-        Input::TraceDat(f, n) => {
+        (Input::TraceDat(f, n), Some((target, Format::Dat, compression)))
+            if !f.instances.is_empty() =>
+        {
             damage = n;
-            refuse_instances(&f, &a.input)?;
+            check_instances_to_dat(&f, specs, &a.input)?;
+            let mut on_damage = |d| {
+                damage += 1;
+                warn_damage(&a.input, &d);
+            };
+            (
+                instances_to_dat(&f, target, compression, &mut on_damage),
+                None,
+            )
+        }
+        (Input::TraceDat(f, n), Some((target, Format::Text, _))) if !f.instances.is_empty() => {
+            damage = n;
+            // `report`'s text: every instance's lines after its name.
+            FilterSet::compile(specs, &f.formats)
+                .map_err(|e| ConvertError::Input(e.to_string()))?;
+            let mut on_damage = |d| {
+                damage += 1;
+                warn_damage(&a.input, &d);
+            };
+            (report_into(&f, specs, target, &mut on_damage), None)
+        }
+        (Input::TraceDat(f, n), _) => {
+            damage = n;
             if dest.format() == Some(Format::Raw) {
                 check_raw_formats(&f, &a.input)?;
             }
-            let meta = meta_of(&f);
+            // Buffer instances: JSON and Perfetto only, a process per instance.
+            let (meta, cursors) = if f.instances.is_empty() {
+                (meta_of(&f), None)
+            } else {
+                if !matches!(dest.format(), Some(Format::Json | Format::Perfetto)) {
+                    refuse_instances(&f, &a.input)?;
+                }
+                let (m, c) = grouped(&f).map_err(|e| input_error(&a.input, &e))?;
+                (m, Some(c))
+            };
             let filters = compile_filters(specs, &meta)?;
             let sink = dest.sink(meta, &a.input)?;
             let (sink, counts) = behind_filters(sink, filters, PageSource::TraceDat);
@@ -783,11 +817,14 @@ pub fn convert(a: &ConvertArgs) -> Result<(), ConvertError> {
                 damage += 1;
                 warn_damage(&a.input, &d);
             };
-            let r = match dest.format() {
+            let r = match (cursors, dest.format()) {
+                (Some(c), _) => pump_cursors(c, sink, &mut on_damage, filtered),
                 // A trace.dat keeps each CPU's data in one piece: fed CPU by CPU, it is
                 // written once, straight to its place.
-                Some(Format::Dat | Format::Dat6) => pump_by_cpu(&f, sink, &mut on_damage, filtered),
-                _ => pump_pages(&f, sink, &mut on_damage, filtered),
+                (None, Some(Format::Dat | Format::Dat6)) => {
+                    pump_by_cpu(cursors_of(&f), sink, &mut on_damage, filtered)
+                }
+                (None, _) => pump_pages(&f, sink, &mut on_damage, filtered),
             };
             (r, counts)
         }

@@ -119,15 +119,16 @@ pub struct CollectArgs {
     /// what is there now.
     #[arg(long)]
     pub follow: bool,
-    /// Output: a trace.dat (v7, zstd; one buffer instance per VM) or text (`.txt`,
+    /// Output: a trace.dat (v7, zstd; one buffer instance per VM), text (`.txt`,
     /// `.text`: `trace-cmd report -t` lines merged by time, each prefixed with its VM's
-    /// name), written to a temporary name and renamed when complete; `-` is stdout.
+    /// name), Perfetto (`.pftrace`) or Chrome JSON (`.json`) (a process per VM, named
+    /// after it), written to a temporary name and renamed when complete; `-` is stdout.
     /// `clickhouse://HOST:PORT/DATABASE`: each VM's events rows of a ClickHouse server
     /// (`vm` = its name), stored once every VM was read (docs/fleet.md).
     #[arg(short = 'o', long = "output", value_name = "FILE", required = true)]
     pub output: PathBuf,
-    /// Output format: dat or text [default: from the extension; no extension or `-`:
-    /// dat].
+    /// Output format: dat, text, json or perfetto [default: from the extension; no
+    /// extension or `-`: dat].
     #[arg(long, value_enum)]
     pub format: Option<FormatArg>,
     /// The VMs: each the control socket of a running `run --drain none --control

@@ -84,13 +84,53 @@ pub struct JsonSink {
     buf: String,
     /// Time of the last entry released (where a window marker goes).
     released_ns: u64,
+    /// Per CPU: where its entries go.
+    places: Vec<Place>,
+}
+
+/// Where a CPU's entries go: its process and thread, and its VM's name when the trace
+/// holds several ([`TraceMeta::groups`]).
+struct Place {
+    /// `"pid":P,"tid":T`, and `,"vm":NAME` with a VM's name.
+    ids: String,
+    /// Whether the CPU is a VM's of several.
+    grouped: bool,
+}
+
+/// The pid of a VM of several: its first vCPU's (as in Perfetto).
+fn group_pid(g: &crate::sink::CpuGroup) -> u32 {
+    hyptrace_abi::events::vcpu_pid(g.first) as u32
+}
+
+impl Place {
+    /// CPU `cpu`'s: of its VM (pid: the VM's, tid: the vCPU's number in the VM, the VM
+    /// named), else of the one VM ([`JSON_PID`], tid: the CPU).
+    fn of(meta: &TraceMeta, cpu: u32) -> Self {
+        match meta.group_of(cpu) {
+            Some((_, g)) => Self {
+                ids: format!(
+                    "\"pid\":{},\"tid\":{},\"vm\":{}",
+                    group_pid(g),
+                    cpu - g.first,
+                    json_str(&g.name)
+                ),
+                grouped: true,
+            },
+            None => Self {
+                ids: format!("\"pid\":{JSON_PID},\"tid\":{cpu}"),
+                grouped: false,
+            },
+        }
+    }
 }
 
 /// Chrome JSON: the `traceEvents` array opened, the process and thread names.
 impl StreamSink for JsonSink {
     fn from_output(out: StreamOut, meta: TraceMeta) -> Result<Self, OutputError> {
         meta.validate()?;
+        let places = (0..meta.nr_cpus).map(|c| Place::of(&meta, c)).collect();
         let mut s = Self {
+            places,
             scratch: vec![0; meta.page_size],
             last: vec![0; meta.nr_cpus as usize],
             merger: Merger::with_window(meta.nr_cpus as usize, MergeWindow::DEFAULT),
@@ -101,10 +141,22 @@ impl StreamSink for JsonSink {
             first: true,
         };
         s.raw("{\"traceEvents\":[\n")?;
-        s.entry(&format!(
-            "{{\"name\":\"process_name\",\"ph\":\"M\",\"ts\":0,\"pid\":{JSON_PID},\"tid\":0,\"args\":{{\"name\":{}}}}}",
-            json_str(PROCESS_NAME)
-        ))?;
+        // The VM's process; with groups (several VMs), one per VM, and the VM's only
+        // for the CPUs of no group.
+        let mut processes: Vec<(u32, &str)> = Vec::new();
+        if s.places.iter().any(|p| !p.grouped) {
+            processes.push((JSON_PID, PROCESS_NAME));
+        }
+        for g in &s.meta.groups {
+            processes.push((group_pid(g), &g.name));
+        }
+        let mut head = Vec::new();
+        for (pid, name) in processes {
+            head.push(format!(
+                "{{\"name\":\"process_name\",\"ph\":\"M\",\"ts\":0,\"pid\":{pid},\"tid\":0,\"args\":{{\"name\":{}}}}}",
+                json_str(name)
+            ));
+        }
         for cpu in 0..s.meta.nr_cpus {
             let name = s
                 .meta
@@ -112,10 +164,14 @@ impl StreamSink for JsonSink {
                 .get(&hyptrace_abi::events::vcpu_pid(cpu))
                 .cloned()
                 .unwrap_or_else(|| format!("vcpu{cpu}"));
-            s.entry(&format!(
-                "{{\"name\":\"thread_name\",\"ph\":\"M\",\"ts\":0,\"pid\":{JSON_PID},\"tid\":{cpu},\"args\":{{\"name\":{}}}}}",
+            head.push(format!(
+                "{{\"name\":\"thread_name\",\"ph\":\"M\",\"ts\":0,{},\"args\":{{\"name\":{}}}}}",
+                s.places[cpu as usize].ids,
                 json_str(&name)
-            ))?;
+            ));
+        }
+        for e in head {
+            s.entry(&e)?;
         }
         Ok(s)
     }
@@ -229,8 +285,9 @@ impl JsonSink {
         // Never before the CPU's last queued entry (a trailing loss at its last event).
         let ns = ns.max(self.merger.last(cpu as usize).unwrap_or(0));
         let e = format!(
-            "{{\"name\":\"lost events\",\"cat\":\"hyptrace\",\"ph\":\"i\",\"s\":\"t\",\"ts\":{},\"pid\":{JSON_PID},\"tid\":{cpu},\"args\":{args}}}",
-            us(ns)
+            "{{\"name\":\"lost events\",\"cat\":\"hyptrace\",\"ph\":\"i\",\"s\":\"t\",\"ts\":{},{},\"args\":{args}}}",
+            us(ns),
+            self.places[cpu as usize].ids
         );
         self.queue(cpu, ns, e);
     }
@@ -280,18 +337,20 @@ impl JsonSink {
             let e = if is_span {
                 let dur_ns = clock.duration_ns(dur_cyc);
                 format!(
-                    "{{\"name\":{},\"cat\":{},\"ph\":\"X\",\"ts\":{},\"dur\":{},\"pid\":{JSON_PID},\"tid\":{cpu},\"args\":{args_s}}}",
+                    "{{\"name\":{},\"cat\":{},\"ph\":\"X\",\"ts\":{},\"dur\":{},{},\"args\":{args_s}}}",
                     json_str(&name),
                     json_str(&cat),
                     us(ts_ns.saturating_sub(dur_ns)),
-                    us(dur_ns)
+                    us(dur_ns),
+                    self.places[cpu as usize].ids
                 )
             } else {
                 format!(
-                    "{{\"name\":{},\"cat\":{},\"ph\":\"i\",\"s\":\"t\",\"ts\":{},\"pid\":{JSON_PID},\"tid\":{cpu},\"args\":{args_s}}}",
+                    "{{\"name\":{},\"cat\":{},\"ph\":\"i\",\"s\":\"t\",\"ts\":{},{},\"args\":{args_s}}}",
                     json_str(&name),
                     json_str(&cat),
-                    us(ts_ns)
+                    us(ts_ns),
+                    self.places[cpu as usize].ids
                 )
             };
             self.queue(cpu, ts_ns, e);

@@ -11,6 +11,9 @@
 //!    (`SEQ_NEEDS_INCREMENTAL_STATE`);
 //! 2. a process track [`PROCESS_UUID`] [`PROCESS_NAME`] (pid [`JSON_PID`]) and one thread
 //!    track per vCPU ([`vcpu_track_uuid`], tid = the vCPU's pid, named from the cmdlines);
+//!    with several VMs ([`TraceMeta::groups`], `hyptrace collect`) a process track per
+//!    VM instead ([`group_uuid`], named after the VM, pid = its first vCPU's tid), each
+//!    of its vCPUs' thread tracks its child;
 //! 3. per event, on its vCPU's track (`--host-trace`: the host kernel's
 //!    `sched:sched_switch` / `sched_wakeup` instead go out as an `FtraceEventBundle`
 //!    of their CPU, so the trace processor builds the threads' scheduling states, and
@@ -58,6 +61,12 @@ pub const SEQUENCE_ID: u32 = 1;
 pub const CLOCK_ID: u32 = 64;
 /// uuid of the process track ([`PROCESS_NAME`]).
 pub const PROCESS_UUID: u64 = 1;
+
+/// uuid of the process track of VM `i` of [`TraceMeta::groups`] (its pid: its first
+/// vCPU's tid).
+pub fn group_uuid(i: usize) -> u64 {
+    0x100 + i as u64
+}
 
 /// uuid of vCPU `cpu`'s thread track.
 pub fn vcpu_track_uuid(cpu: u32) -> u64 {
@@ -117,15 +126,18 @@ impl StreamSink for PerfettoSink {
             arg_iids,
         };
         s.push(first_packet(data));
-        s.push(descriptor(TrackDescriptor {
-            uuid: Some(PROCESS_UUID),
-            process: Some(ProcessDescriptor {
-                pid: Some(JSON_PID as i32),
-                process_name: Some(PROCESS_NAME.into()),
-                ..Default::default()
-            }),
-            ..Default::default()
-        }));
+        // The VM's process; with groups (several VMs), one per VM, and the VM's only
+        // for the CPUs of no group.
+        if (0..s.meta.nr_cpus).any(|c| s.meta.group_of(c).is_none()) {
+            s.push(process_track(PROCESS_UUID, JSON_PID, PROCESS_NAME));
+        }
+        let vms: Vec<TracePacket> = (s.meta.groups.iter().enumerate())
+            .map(|(i, g)| {
+                let pid = hyptrace_abi::events::vcpu_pid(g.first) as u32;
+                process_track(group_uuid(i), pid, &g.name)
+            })
+            .collect();
+        vms.into_iter().for_each(|p| s.push(p));
         for cpu in 0..s.meta.nr_cpus {
             let track = vcpu_track(&s.meta, cpu);
             s.push(track);
@@ -297,6 +309,19 @@ impl PerfettoSink {
         }
         self.flush()
     }
+}
+
+/// The process track `uuid`: process `pid` named `name`.
+fn process_track(uuid: u64, pid: u32, name: &str) -> TracePacket {
+    descriptor(TrackDescriptor {
+        uuid: Some(uuid),
+        process: Some(ProcessDescriptor {
+            pid: Some(pid as i32),
+            process_name: Some(name.into()),
+            ..Default::default()
+        }),
+        ..Default::default()
+    })
 }
 
 fn descriptor(d: TrackDescriptor) -> TracePacket {
@@ -500,11 +525,16 @@ fn vcpu_track(meta: &TraceMeta, cpu: u32) -> TracePacket {
         .get(&pid)
         .cloned()
         .unwrap_or_else(|| format!("vcpu{cpu}"));
+    // Its VM's process: of its group (several VMs), else the one.
+    let (parent, process) = match meta.group_of(cpu) {
+        Some((i, g)) => (group_uuid(i), hyptrace_abi::events::vcpu_pid(g.first)),
+        None => (PROCESS_UUID, JSON_PID as i32),
+    };
     descriptor(TrackDescriptor {
         uuid: Some(vcpu_track_uuid(cpu)),
-        parent_uuid: Some(PROCESS_UUID),
+        parent_uuid: Some(parent),
         thread: Some(ThreadDescriptor {
-            pid: Some(JSON_PID as i32),
+            pid: Some(process),
             tid: Some(host_tid(meta, cpu).unwrap_or(pid)),
             thread_name: Some(name),
         }),

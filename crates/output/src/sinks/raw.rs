@@ -48,6 +48,7 @@ pub struct RawSink {
 impl StreamSink for RawSink {
     fn from_output(mut out: StreamOut, meta: TraceMeta) -> Result<Self, OutputError> {
         meta.validate()?;
+        meta.check_one_vm("a raw page stream")?;
         let mut h = RAW_MAGIC.to_vec();
         h.extend_from_slice(&(meta.page_size as u32).to_le_bytes());
         h.extend_from_slice(&meta.nr_cpus.to_le_bytes());

@@ -58,6 +58,7 @@ impl TextSink {
 impl StreamSink for TextSink {
     fn from_output(mut out: StreamOut, meta: TraceMeta) -> Result<Self, OutputError> {
         meta.validate()?;
+        meta.check_one_vm("the text sink")?;
         out.write_all(format!("cpus={}\n", meta.nr_cpus).as_bytes())?;
         let printers = meta
             .formats

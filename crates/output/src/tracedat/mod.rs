@@ -11,12 +11,14 @@ mod head;
 mod ids;
 mod multi;
 mod params;
+mod pump;
 mod write;
 mod zpool;
 
 pub use ids::{option, MAGIC};
 pub use multi::{valid_instance_name, write_buffers, BufferPart, BufferSet, MAX_INSTANCE_NAME};
 pub use params::{Compression, TraceDatVersion, ZSTD_CHUNK_PAGES};
+pub use pump::{cursors_of, meta_of, pump_by_cpu, pump_cursors, pump_pages, PageCursors};
 pub use read::{
     max_chunk, page_damage, CpuBuffer, CpuPages, Damage, FilterCounts, FilterError,
     FilterErrorKind, FilterSet, FilteredSink, Instance, PageFilterError, PageFiltered, PageSource,

@@ -23,8 +23,7 @@ use crate::target::{OutputFile, OutputTarget};
 use crate::OutputError;
 use hyptrace_format::EventFormat;
 
-/// Longest instance name (trace-cmd takes a tracefs instance name: a file name).
-pub const MAX_INSTANCE_NAME: usize = 64;
+pub use crate::sink::{valid_instance_name, MAX_INSTANCE_NAME};
 
 /// One buffer instance of a multi-buffer file: its name and the single-buffer v7
 /// trace.dat (ours) holding its data.
@@ -34,14 +33,6 @@ pub struct BufferPart {
     pub name: String,
     /// The part's trace.dat.
     pub path: PathBuf,
-}
-
-/// Whether `name` can name an instance ([`BufferPart::name`]).
-pub fn valid_instance_name(name: &str) -> bool {
-    (1..=MAX_INSTANCE_NAME).contains(&name.len())
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
 }
 
 /// A part opened: its metadata, and where its CPUs' data are in it.
@@ -183,6 +174,28 @@ impl BufferSet {
 }
 
 impl BufferSet {
+    /// The parts, in order: each its instance name and its file (its pages for a sink
+    /// of [`BufferSet::sink_meta`], its CPUs after the earlier parts').
+    pub fn parts(&self) -> impl Iterator<Item = (&str, &TraceFile)> {
+        self.opened.iter().map(|o| (o.name.as_str(), &o.file))
+    }
+
+    /// The metadata of one sink taking every part ([`TraceMeta::groups`]): the parts'
+    /// CPUs one after the other, each part a group of its name, the parts' formats, the
+    /// set's clock and page size; vCPU `c` of a part is named as in its part.
+    pub fn sink_meta(&self) -> Result<TraceMeta, OutputError> {
+        let mut meta = self.meta.clone();
+        meta.formats = self.formats.iter().map(|(f, _)| f.clone()).collect();
+        meta.cmdlines.clear();
+        meta.groups.clear();
+        meta.nr_cpus = 0;
+        for o in &self.opened {
+            meta.push_group(&o.name, o.file.nr_cpus, &o.file.cmdlines)?;
+        }
+        meta.validate()?;
+        Ok(meta)
+    }
+
     /// Writes every part's events as `trace-cmd report -t` text to `target`, merged by
     /// time across the parts (ties: the earlier part; in a part, as [`TraceFile::records`]
     /// merges its CPUs), each line prefixed with its instance's name right-aligned to the

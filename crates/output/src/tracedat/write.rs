@@ -83,6 +83,7 @@ impl TraceDatSink {
         compression: Compression,
     ) -> Result<Self, OutputError> {
         meta.validate()?;
+        meta.check_one_vm("a trace.dat sink")?;
         let compression = match version {
             TraceDatVersion::V6 => Compression::None,
             TraceDatVersion::V7 => compression,

@@ -367,6 +367,18 @@ impl TraceFile {
             .collect()
     }
 
+    /// The pages of every CPU of instance `i` ([`TraceFile::instances`]), in order.
+    pub fn instance_pages(&self, i: usize) -> Option<Vec<CpuPages>> {
+        let readers = self.readers();
+        let inst = self.instances.get(i)?;
+        Some(
+            inst.cpus
+                .iter()
+                .map(|b| CpuPages::new(self, b, readers))
+                .collect(),
+        )
+    }
+
     /// How many CPUs have data, of every buffer (each reads within its share of the
     /// read budget).
     fn readers(&self) -> usize {

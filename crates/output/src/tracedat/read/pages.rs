@@ -282,6 +282,11 @@ impl CpuPages {
         Ok(more)
     }
 
+    /// The CPU whose pages these are (its number in its buffer).
+    pub fn cpu(&self) -> u32 {
+        self.cpu
+    }
+
     /// The next whole page, or `None` at the end.
     pub fn next_page(&mut self) -> Result<Option<&[u8]>, OutputError> {
         // Bounded: every refill consumes file bytes (a batch, or a chunk header).

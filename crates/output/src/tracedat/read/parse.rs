@@ -632,7 +632,7 @@ fn instance_name(d: &[u8]) -> Option<String> {
 }
 
 /// Most buffer instances [`TraceFile::instances`] reads (the others are noted as damage).
-pub const MAX_INSTANCES: usize = 256;
+pub const MAX_INSTANCES: usize = crate::MAX_GROUPS;
 
 fn top_buffer(d: &[u8], page_size: usize) -> Option<Result<TopBuffer, OutputError>> {
     let mut o = Cur::new(d, 0, 0);

@@ -839,6 +839,7 @@ mod tests {
             cmdlines: BTreeMap::new(),
             clock: crate::Clock::raw_tsc(),
             formats: formats(),
+            groups: Vec::new(),
         };
         let buf = Arc::new(Mutex::new(Vec::new()));
         let text = crate::TextSink::to_writer(Box::new(Shared(Arc::clone(&buf))), meta).unwrap();
