@@ -1,10 +1,10 @@
 //! Sinks that stand between a producer and another sink: [`Tap`] watches the pages go
 //! by, [`Discard`] takes them and writes nothing.
 //!
-//! **Why one wrapper** (invariant S-wrap, docs/design.md). Most of [`PageSink`]'s methods have a default body (a leaf
-//! sink that has no use for `set_live` or `quiet` need not write them), so a wrapper
-//! that forgets to forward one compiles and silently changes what the sink behind it
-//! does: the bench's page counter once hid `set_live` from the trace.dat sink, whose
+//! **Why one wrapper** (invariant S-wrap, docs/design.md). Most of [`PageSink`]'s
+//! methods have a default body (a leaf sink that has no use for `set_live` or `quiet`
+//! need not write them), so a wrapper that forgets to forward one compiles and silently
+//! changes what the sink behind it does: the bench's page counter once hid `set_live` from the trace.dat sink, whose
 //! zstd workers then never went to the catch-up level, and the bench measured losses
 //! no `record` has. A sink that only needs to see the pages is a [`Tap`]; the
 //! wrappers that change pages ([`crate::ThreadedSink`], the filter's re-encoder) and
