@@ -551,8 +551,8 @@ fn adversary(cx: &Ctx, s: Scenario, mut h: Honest) -> ! {
                 h.marker();
             }
             let msg: &[u8] =
-                b"adversary\x1b[2J\x1b[H\r\nCPU:0 [999 EVENTS DROPPED]\n\x07\x00\x08\x7f\
-                hyptrace: vcpu 1: finished in 0.001 ms\n\tCPU:0 [999 EVENTS DROPPED]\r\n";
+                b"adversary\x1b[2J\x1b[H\r\nCPU:999 [999 EVENTS DROPPED]\n\x07\x00\x08\x7f\
+                hyptrace: vcpu 1: finished in 0.001 ms\n\tCPU:999 [999 EVENTS DROPPED]\r\n";
             let mut n = 0;
             while n < PANIC_MSG_MAX {
                 let b = if n < msg.len() { msg[n] } else { b'A' };
@@ -565,9 +565,9 @@ fn adversary(cx: &Ctx, s: Scenario, mut h: Honest) -> ! {
         }
         TextForgery => {
             let msgs: [&[u8]; 3] = [
-                b"hello\nCPU:0 [999 EVENTS DROPPED]\nbye",
+                b"hello\nCPU:999 [999 EVENTS DROPPED]\nbye",
                 b"\r\x1b[2K\x1b[31mred\x07\x08\x7f\x01 tab\there",
-                b"\nCPU:0 [999 EVENTS DROPPED]",
+                b"\nCPU:999 [999 EVENTS DROPPED]",
             ];
             for i in 0..12 {
                 if i % 2 == 0 {
