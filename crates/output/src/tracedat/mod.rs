@@ -20,7 +20,7 @@ pub use multi::{valid_instance_name, write_buffers, BufferPart, BufferSet, MAX_I
 pub use params::{Compression, TraceDatVersion, ZSTD_CHUNK_PAGES};
 pub use pump::{cursors_of, meta_of, pump_by_cpu, pump_cursors, pump_pages, PageCursors};
 pub use read::{
-    max_chunk, page_damage, CpuBuffer, CpuPages, Damage, FilterCounts, FilterError,
+    max_chunk, page_as_read, page_damage, CpuBuffer, CpuPages, Damage, FilterCounts, FilterError,
     FilterErrorKind, FilterSet, FilteredSink, Instance, PageFilterError, PageFiltered, PageSource,
     Records, ReportFilter, ReportOutcome, TraceFile, TraceItem, TraceOption, TraceRecord,
     MAX_CHUNK, MAX_INSTANCES, MAX_RATIO, METADATA_BUDGET, OPTIONS_SHARE, READ_BUDGET,

@@ -81,8 +81,11 @@ pub fn pump_cursors(
 }
 
 /// Hands `page` of `cpu` to `sink`, its losses kept; a page that does not decode is
-/// named to `on_damage` (and copied as it is, or with `filtered` (-F) cut at the
-/// damage).
+/// named to `on_damage` and copied as the reader read it ([`page_as_read`]: its
+/// records as they are, the commit as trace-cmd takes it), or with `filtered` (-F) cut
+/// at the damage.
+///
+/// [`page_as_read`]: crate::tracedat::page_as_read
 fn feed_page(
     sink: &mut dyn PageSink,
     cpu: u32,
@@ -90,7 +93,9 @@ fn feed_page(
     on_damage: &mut dyn FnMut(crate::tracedat::Damage),
     filtered: bool,
 ) -> Result<(), OutputError> {
-    if let Some(why) = crate::tracedat::page_damage(page) {
+    let mut page = std::borrow::Cow::Borrowed(page);
+    if let Some(why) = crate::tracedat::page_damage(&page) {
+        page = crate::tracedat::page_as_read(&page).into_owned().into();
         let rest = if filtered {
             "its events before the damage filtered, the rest left out"
         } else {
@@ -102,11 +107,11 @@ fn feed_page(
             what: format!("a page does not decode ({why}): {rest}"),
         });
     }
-    let missed = match crate::page_missed(page) {
+    let missed = match crate::page_missed(&page) {
         Missed::Count(n) => Some(n),
         Missed::Unknown | Missed::None => None,
     };
-    sink.page(cpu, page, missed)
+    sink.page(cpu, &page, missed)
 }
 
 /// [`pump_pages`] for a sink that takes each CPU's pages in one piece (trace.dat): CPU

@@ -47,7 +47,7 @@ pub use filter::{
 pub use merge::Records;
 pub use pages::CpuPages;
 pub use parse::MAX_INSTANCES;
-pub use records::{page_damage, TraceItem, TraceRecord};
+pub use records::{page_as_read, page_damage, TraceItem, TraceRecord};
 pub use report::ReportFilter;
 
 /// One option as stored in the file.

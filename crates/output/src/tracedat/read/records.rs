@@ -80,6 +80,27 @@ pub fn page_damage(page: &[u8]) -> Option<String> {
     }
 }
 
+/// `page` with its `commit` word as a trace.dat reader takes it: the length in trace-cmd's
+/// 27 bits, cut to the page, the two loss flags kept (bits 27-29 cleared). A copy only
+/// where that differs from the page: the page `convert` writes for a damaged one, so
+/// that the output's own checks take it and its reader reads what `report` read in the
+/// input (where the length ran past the page, both read to the page's end; a stored
+/// loss count that no longer fits reads as an unknown count, as it did).
+pub fn page_as_read(page: &[u8]) -> std::borrow::Cow<'_, [u8]> {
+    use hyptrace_abi::page::{COMMIT_OFFSET, RB_MISSED_FLAGS};
+    let Some((_, commit)) = page_header(page) else {
+        return page.into();
+    };
+    let room = (page.len() - PAGE_HEADER_SIZE) as u64;
+    let word = (commit & READ_COMMIT_MASK).min(room) | (commit & RB_MISSED_FLAGS);
+    if word == commit {
+        return page.into();
+    }
+    let mut out = page.to_vec();
+    out[COMMIT_OFFSET..COMMIT_OFFSET + 8].copy_from_slice(&word.to_le_bytes());
+    out.into()
+}
+
 /// The record at `off` of a damaged page's data area `data` (the whole page after its
 /// header) as trace-cmd's kbuffer (libtraceevent) reads it, with its arithmetic: a data
 /// length word `w` is the signed 32-bit `(w - 4 + 3) & !3`, a padding's word is taken as
