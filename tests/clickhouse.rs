@@ -366,3 +366,58 @@ fn collect_two_vms_into_rows() {
     assert_eq!(per_vm, "db\t4000\t1\nweb\t3000\t1\n");
     assert_no_duplicates(&ch, "coll");
 }
+
+/// `collect --follow -o clickhouse://...` streams: a VM's rows are on the server while
+/// that VM still runs (60 000 events at 5 000/s: at least 12 s), and at the end all of
+/// them are, once.
+#[test]
+fn collect_streams_rows_while_the_vm_runs() {
+    use std::os::unix::fs::FileTypeExt;
+    let Some(_g) = ready("collect_streams_rows_while_the_vm_runs") else {
+        return;
+    };
+    let ch = ClickHouse::start();
+    let dir = TempDir::new("ch-collect-stream");
+    let (args, sock) = env::subscribed_vm_args(&dir, "long", 60_000);
+    let mut vm = Command::new(BIN)
+        .args(&args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("run");
+    let is_socket = || std::fs::symlink_metadata(&sock).is_ok_and(|m| m.file_type().is_socket());
+    env::wait_until(
+        &mut vm,
+        "the socket",
+        Duration::from_secs(60),
+        is_socket,
+        String::new,
+    );
+    let url = ch.url("stream");
+    let target = format!("long={sock}");
+    let mut coll = Command::new(BIN)
+        .args(["collect", "--follow", "-o", &url, &target])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("collect");
+    let rows = || {
+        ch.try_query("SELECT count() FROM stream.events WHERE vm = 'long'")
+            .is_some_and(|(code, n)| code == 200 && n.trim().parse::<u64>().is_ok_and(|n| n > 0))
+    };
+    env::wait_until(
+        &mut vm,
+        "rows while the VM runs",
+        Duration::from_secs(60),
+        rows,
+        String::new,
+    );
+    env::wait_exit(&mut vm, "run", Duration::from_secs(120));
+    let st = env::wait_exit(&mut coll, "collect", Duration::from_secs(120));
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut coll.stderr.take().unwrap(), &mut err).unwrap();
+    assert_eq!(st.code(), Some(0), "{err}");
+    let n = ch.query("SELECT count(), uniqExact(run) FROM stream.events WHERE vm = 'long'");
+    assert_eq!(n, "60000\t1\n", "{err}");
+    assert_no_duplicates(&ch, "stream");
+}
