@@ -292,6 +292,10 @@ fn bad_urls_exit_2_and_an_absent_server_exits_1() {
         ("clickhouse://127.0.0.1:99999/db", "port"),
         ("clickhouse://127.0.0.1:8123/no-dashes", "database name"),
         ("clickhouse://127.0.0.1:8123/db?vm=a'b", "vm=NAME"),
+        ("clickhouse://a]b:8123/db", "no host"),
+        ("clickhouse://::1:8123/db", "no host"),
+        ("clickhouse://127.0.0.1:+8123/db", "port"),
+        ("clickhouse://127.0.0.1:8123/1db", "database name"),
     ] {
         for cmd in [
             &["record", "-o", url][..],
@@ -365,4 +369,80 @@ fn collect_two_vms_into_rows() {
         ch.query("SELECT vm, count(), uniqExact(run) FROM coll.events GROUP BY vm ORDER BY vm");
     assert_eq!(per_vm, "db\t4000\t1\nweb\t3000\t1\n");
     assert_no_duplicates(&ch, "coll");
+}
+
+/// A database whose `events` or `losses` is not ours (another program's table, or
+/// ClickHouse's own `system.events`): refused before the VM starts, one line, exit 2,
+/// the table untouched.
+#[test]
+fn tables_of_another_schema_are_refused() {
+    if !clickhouse_available() {
+        return;
+    }
+    let ch = ClickHouse::start();
+    ch.query("CREATE DATABASE other");
+    ch.query("CREATE TABLE other.events (x UInt8) ENGINE = Memory");
+    for (db, needle) in [
+        ("other", "other.events exists without the columns hyptrace writes (host String"),
+        ("system", "system.events exists without the columns"),
+    ] {
+        let url = ch.url(db);
+        let o = env::run(BIN, &["record", "-o", &url, "--events", "10"]);
+        assert_usage_error(&o, &url, needle);
+    }
+    assert_eq!(ch.query("SELECT count() FROM other.events").trim(), "0");
+    assert_eq!(
+        ch.query("SELECT count() FROM system.tables WHERE database = 'other'")
+            .trim(),
+        "1",
+        "a table was created beside another program's"
+    );
+}
+
+/// A fake server on a free port answering every request with `reply` (a whole HTTP
+/// answer), for the rest of the test process.
+fn fake_server(reply: &'static str) -> u16 {
+    use std::io::{Read, Write};
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = l.local_addr().expect("addr").port();
+    std::thread::spawn(move || {
+        for s in l.incoming() {
+            let Ok(mut s) = s else { return };
+            let mut buf = [0u8; 4096];
+            // The request's head (the answer does not depend on it).
+            let _ = s.read(&mut buf);
+            let _ = s.write_all(reply.as_bytes());
+        }
+    });
+    port
+}
+
+/// A server that answers 200 with garbage, or redirects elsewhere: named in one line,
+/// exit 1, at once, before the VM starts (the redirect never followed).
+#[test]
+fn a_server_answering_wrongly_exits_1_at_once() {
+    for (reply, needle) in [
+        (
+            "HTTP/1.1 200 OK\r\nContent-Length: 11\r\nConnection: close\r\n\r\n<html>\x1b[2J!",
+            "unexpected answer `<html>\\x1b[2J!` to a statement",
+        ),
+        (
+            "HTTP/1.1 307 Temporary Redirect\r\nLocation: http://127.0.0.1:9/\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+            "answered HTTP 307",
+        ),
+        (
+            "HTTP/1.1 200 OK\r\nContent-Length: 1000\r\nConnection: close\r\n\r\ncut short",
+            "reading the answer",
+        ),
+    ] {
+        let port = fake_server(reply);
+        let url = format!("clickhouse://127.0.0.1:{port}/db");
+        let t = Instant::now();
+        let o = env::run(BIN, &["record", "-o", &url, "--events", "10"]);
+        let err = env::stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "{err}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+        assert!(err.contains(needle), "{err:?} lacks {needle:?}");
+        assert!(t.elapsed() < Duration::from_secs(20), "{:?}", t.elapsed());
+    }
 }

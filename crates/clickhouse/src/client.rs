@@ -83,6 +83,13 @@ impl Client {
         self.answer(r)
     }
 
+    /// Runs `sql`, a statement that answers nothing (`CREATE ...`): an answer with a
+    /// body is not ClickHouse's, an error.
+    pub fn execute(&self, sql: &str) -> Result<(), ClickHouseError> {
+        let r = self.agent.post(&self.base).send_string(sql);
+        self.nothing(r, "a statement")
+    }
+
     /// `INSERT ... FORMAT RowBinary` (`sql`) with `data` as the body, under the query
     /// id `query_id` (the server refuses a second query with an id that is still
     /// running: a retry can never overlap the attempt before it). Stored only when the
@@ -95,11 +102,20 @@ impl Client {
             .query("query", sql)
             .query("query_id", query_id)
             .send_bytes(data);
+        self.nothing(r, "an INSERT")
+    }
+
+    /// The answer `r` to `what`, which must be empty.
+    fn nothing(
+        &self,
+        r: Result<ureq::Response, ureq::Error>,
+        what: &'static str,
+    ) -> Result<(), ClickHouseError> {
         let a = self.answer(r)?;
-        if a.trim().is_empty() {
+        if a.is_empty() {
             Ok(())
         } else {
-            Err(self.unexpected("an INSERT", &a))
+            Err(self.unexpected(what, &a))
         }
     }
 

@@ -96,15 +96,21 @@ impl Table {
         )
     }
 
-    /// Checks that `db.NAME` has every column with its type (the server's answer
-    /// must name them: anything else is refused).
+    /// Checks that `db.NAME` has every column with its type. The answer must name
+    /// what it answers (the database and table on every line, at least one line):
+    /// else it is no list of columns, an error of the server, not of the URL.
     fn check(&self, client: &Client, db: &str) -> Result<(), ClickHouseError> {
         let a = client.query(&format!(
-            "SELECT name, type FROM system.columns WHERE database = '{db}' AND table = '{}' \
-             FORMAT TabSeparated",
+            "SELECT database, table, name, type FROM system.columns \
+             WHERE database = '{db}' AND table = '{}' FORMAT TabSeparated",
             self.name
         ))?;
-        let have: std::collections::BTreeSet<&str> = a.lines().collect();
+        let prefix = format!("{db}\t{}\t", self.name);
+        let have: Option<std::collections::BTreeSet<&str>> =
+            a.lines().map(|l| l.strip_prefix(&prefix)).collect();
+        let have = have
+            .filter(|h| !h.is_empty())
+            .ok_or_else(|| client.unexpected("the columns of a table", &a))?;
         let missing: Vec<String> = self
             .columns
             .iter()
@@ -125,9 +131,9 @@ impl Table {
 /// Creates the database and both tables if missing, and checks that both have the
 /// columns rows carry (`db` is checked: [`crate::ClickHouseUrl::parse`]).
 pub fn create(client: &Client, db: &str) -> Result<(), ClickHouseError> {
-    client.query(&format!("CREATE DATABASE IF NOT EXISTS {db}"))?;
+    client.execute(&format!("CREATE DATABASE IF NOT EXISTS {db}"))?;
     for t in [EVENTS, LOSSES] {
-        client.query(&t.create_sql(db))?;
+        client.execute(&t.create_sql(db))?;
         t.check(client, db)?;
     }
     Ok(())
