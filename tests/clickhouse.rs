@@ -95,18 +95,25 @@ fn read(path: &str) -> String {
     std::fs::read_to_string(path).unwrap_or_default()
 }
 
-/// Stop mode, `events` per vCPU at `rate`, the server killed (SIGKILL: a crash, not a
-/// pause) once rows are in and started again on the same data and port once the sink
-/// has met the dead server and `down` has passed: every event is a row or a counted
-/// loss, no row twice. Returns the run's losses.
-fn kill_and_restart(test: &str, events: &str, rate: &str, down: Duration) -> u64 {
+/// `mode` (stop, overwrite), `events` per vCPU at `rate`, the server killed (SIGKILL: a
+/// crash, not a pause) once rows are in and started again on the same data and port once
+/// the sink has met the dead server and `down` has passed: every event is a row or a
+/// counted loss, no row twice. Returns the run's losses and the server (for more
+/// queries).
+fn kill_and_restart(
+    test: &str,
+    events: &str,
+    rate: &str,
+    down: Duration,
+    mode: &str,
+) -> (u64, ClickHouse) {
     let mut ch = ClickHouse::start();
     let dir = TempDir::new(test);
     let (stats, err) = (dir.file("s.json"), dir.file("stderr"));
     let url = ch.url("db");
     let mut child = Command::new(BIN)
         .args(["record", "-o", &url, "--vcpus", "2", "--events", events])
-        .args(["--rate", rate, "--mode", "stop", "--stats", &stats])
+        .args(["--rate", rate, "--mode", mode, "--stats", &stats])
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&err).expect("stderr file"))
         .spawn()
@@ -157,7 +164,7 @@ fn kill_and_restart(test: &str, events: &str, rate: &str, down: Duration) -> u64
         .unwrap();
     assert_eq!(in_table, lost, "losses table against the run's losses");
     assert_no_duplicates(&ch, "db");
-    lost
+    (lost, ch)
 }
 
 /// A 2 s outage in a run of a few seconds: the threaded sink's queue holds what comes
@@ -167,7 +174,13 @@ fn server_killed_and_restarted_mid_run() {
     let Some(_g) = ready("server_killed_and_restarted_mid_run") else {
         return;
     };
-    kill_and_restart("ch-kill", "100000", "15000", Duration::from_secs(2));
+    kill_and_restart(
+        "ch-kill",
+        "100000",
+        "15000",
+        Duration::from_secs(2),
+        "stop",
+    );
 }
 
 /// An outage longer than the queue and the rings hold (8 s at 2 × 5.6 MB/s of events,
@@ -178,8 +191,38 @@ fn a_long_outage_back_pressures_into_counted_drops() {
     let Some(_g) = ready("a_long_outage_back_pressures_into_counted_drops") else {
         return;
     };
-    let lost = kill_and_restart("ch-long", "1000000", "200000", Duration::from_secs(8));
+    let (lost, _) = kill_and_restart(
+        "ch-long",
+        "1000000",
+        "200000",
+        Duration::from_secs(8),
+        "stop",
+    );
     assert!(lost > 0, "an 8 s outage lost nothing: no back-pressure");
+}
+
+/// The same long outage in overwrite mode: the rings keep the newest events, so each
+/// CPU's last event (`seq` = events − 1) is a row, what was lost is counted, and the
+/// stored rows are each CPU's events once (as many distinct `seq` as rows).
+#[test]
+fn a_long_outage_in_overwrite_mode_keeps_the_newest() {
+    let Some(_g) = ready("a_long_outage_in_overwrite_mode_keeps_the_newest") else {
+        return;
+    };
+    let (lost, ch) = kill_and_restart(
+        "ch-over",
+        "1000000",
+        "200000",
+        Duration::from_secs(8),
+        "overwrite",
+    );
+    assert!(lost > 0, "an 8 s outage lost nothing: no back-pressure");
+    let seqs = ch.query(
+        "SELECT cpu, max(s), uniqExact(s) = count() FROM (\
+         SELECT cpu, int_values[indexOf(int_keys, 'seq')] AS s FROM db.events) \
+         GROUP BY cpu ORDER BY cpu",
+    );
+    assert_eq!(seqs, "0\t999999\t1\n1\t999999\t1\n", "newest kept, once");
 }
 
 /// The SQL blocks of docs/fleet.md, database `fleet`.
