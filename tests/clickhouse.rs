@@ -489,3 +489,52 @@ fn a_server_answering_wrongly_exits_1_at_once() {
         assert!(t.elapsed() < Duration::from_secs(20), "{:?}", t.elapsed());
     }
 }
+
+/// The server gone, the run stopped by Ctrl-C while a batch is being retried (the stop
+/// waits for the batch), then a second Ctrl-C: the run is abandoned at once (exit 130),
+/// not when the batch's 60 s of retries are over.
+#[test]
+fn a_second_ctrl_c_ends_the_retries_at_once() {
+    let Some(_g) = ready("a_second_ctrl_c_ends_the_retries_at_once") else {
+        return;
+    };
+    let mut ch = ClickHouse::start();
+    let dir = TempDir::new("ch-int");
+    let err = dir.file("stderr");
+    let url = ch.url("db");
+    let mut child = Command::new(BIN)
+        .args(["record", "-o", &url, "--vcpus", "1", "--events", "100000000"])
+        .args(["--rate", "20000"])
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&err).expect("stderr file"))
+        .spawn()
+        .expect("record");
+    let rows_in = |ch: &ClickHouse| match ch.try_query("SELECT count() FROM db.events") {
+        Some((200, n)) => n.trim() != "0",
+        _ => false,
+    };
+    let limit = Duration::from_secs(60);
+    env::wait_until(&mut child, "the first rows", limit, || rows_in(&ch), || read(&err));
+    ch.kill();
+    let retrying = || read(&err).contains("checking and retrying");
+    env::wait_until(&mut child, "a failed insert", limit, retrying, || read(&err));
+    let pid = i32::try_from(child.id()).expect("pid");
+    // SAFETY: signals a child of this test, which is alive (wait_until checked).
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGINT) }, 0);
+    let first = Instant::now();
+    // The second Ctrl-C counts as one only past the first's burst window (500 ms).
+    let stopping = || {
+        read(&err).contains("Ctrl-C again to abort") && first.elapsed() > Duration::from_secs(1)
+    };
+    env::wait_until(&mut child, "the first stop", limit, stopping, || read(&err));
+    let t = Instant::now();
+    // SAFETY: as above; the run waits for the batch being retried, so it is alive.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGINT) }, 0);
+    let st = env::wait_exit(&mut child, "record", Duration::from_secs(120));
+    let took = t.elapsed();
+    let text = read(&err);
+    println!("exit {st:?} {took:?} after the second Ctrl-C; the run said:\n{text}");
+    assert_eq!(st.code(), Some(130), "{text}");
+    assert!(text.contains("aborting"), "{text}");
+    assert!(took < Duration::from_secs(5), "{took:?}: {text}");
+}
