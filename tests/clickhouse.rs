@@ -423,23 +423,27 @@ fn tables_of_another_schema_are_refused() {
         return;
     }
     let ch = ClickHouse::start();
-    ch.query("CREATE DATABASE other");
-    ch.query("CREATE TABLE other.events (x UInt8) ENGINE = Memory");
+    for (db, table) in [("other", "events"), ("other2", "losses")] {
+        ch.query(&format!("CREATE DATABASE {db}"));
+        ch.query(&format!(
+            "CREATE TABLE {db}.{table} (x UInt8) ENGINE = Memory"
+        ));
+    }
     for (db, needle) in [
         ("other", "other.events exists without the columns hyptrace writes (host String"),
+        ("other2", "other2.losses exists without the columns"),
         ("system", "system.events exists without the columns"),
     ] {
         let url = ch.url(db);
         let o = env::run(BIN, &["record", "-o", &url, "--events", "10"]);
         assert_usage_error(&o, &url, needle);
     }
-    assert_eq!(ch.query("SELECT count() FROM other.events").trim(), "0");
-    assert_eq!(
-        ch.query("SELECT count() FROM system.tables WHERE database = 'other'")
-            .trim(),
-        "1",
-        "a table was created beside another program's"
+    // Nothing half-written: no table created beside another program's.
+    let tables = ch.query(
+        "SELECT database, name FROM system.tables \
+         WHERE database IN ('other', 'other2') ORDER BY database",
     );
+    assert_eq!(tables, "other\tevents\nother2\tlosses\n");
 }
 
 /// A fake server on a free port answering every request with `reply` (a whole HTTP

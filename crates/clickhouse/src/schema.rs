@@ -97,9 +97,10 @@ impl Table {
     }
 
     /// Checks that `db.NAME` has every column with its type. The answer must name
-    /// what it answers (the database and table on every line, at least one line):
-    /// else it is no list of columns, an error of the server, not of the URL.
-    fn check(&self, client: &Client, db: &str) -> Result<(), ClickHouseError> {
+    /// what it answers (the database and table on every line): else it is no list of
+    /// columns, an error of the server, not of the URL. `exists`: the table must be
+    /// there (at least one line); else no line is a table yet to be created.
+    fn check(&self, client: &Client, db: &str, exists: bool) -> Result<(), ClickHouseError> {
         let a = client.query(&format!(
             "SELECT database, table, name, type FROM system.columns \
              WHERE database = '{db}' AND table = '{}' FORMAT TabSeparated",
@@ -109,8 +110,11 @@ impl Table {
         let have: Option<std::collections::BTreeSet<&str>> =
             a.lines().map(|l| l.strip_prefix(&prefix)).collect();
         let have = have
-            .filter(|h| !h.is_empty())
+            .filter(|h| !(exists && h.is_empty()))
             .ok_or_else(|| client.unexpected("the columns of a table", &a))?;
+        if have.is_empty() {
+            return Ok(());
+        }
         let missing: Vec<String> = self
             .columns
             .iter()
@@ -129,12 +133,16 @@ impl Table {
 }
 
 /// Creates the database and both tables if missing, and checks that both have the
-/// columns rows carry (`db` is checked: [`crate::ClickHouseUrl::parse`]).
+/// columns rows carry (`db` is checked: [`crate::ClickHouseUrl::parse`]). Both tables
+/// are checked before either is created: a refused database gets no table of ours.
 pub fn create(client: &Client, db: &str) -> Result<(), ClickHouseError> {
     client.execute(&format!("CREATE DATABASE IF NOT EXISTS {db}"))?;
     for t in [EVENTS, LOSSES] {
+        t.check(client, db, false)?;
+    }
+    for t in [EVENTS, LOSSES] {
         client.execute(&t.create_sql(db))?;
-        t.check(client, db)?;
+        t.check(client, db, true)?;
     }
     Ok(())
 }
