@@ -174,13 +174,7 @@ fn server_killed_and_restarted_mid_run() {
     let Some(_g) = ready("server_killed_and_restarted_mid_run") else {
         return;
     };
-    kill_and_restart(
-        "ch-kill",
-        "100000",
-        "15000",
-        Duration::from_secs(2),
-        "stop",
-    );
+    kill_and_restart("ch-kill", "100000", "15000", Duration::from_secs(2), "stop");
 }
 
 /// An outage longer than the queue and the rings hold (8 s at 2 × 5.6 MB/s of events,
@@ -430,7 +424,10 @@ fn tables_of_another_schema_are_refused() {
         ));
     }
     for (db, needle) in [
-        ("other", "other.events exists without the columns hyptrace writes (host String"),
+        (
+            "other",
+            "other.events exists without the columns hyptrace writes (host String",
+        ),
         ("other2", "other2.losses exists without the columns"),
         ("system", "system.events exists without the columns"),
     ] {
@@ -507,7 +504,15 @@ fn a_second_ctrl_c_ends_the_retries_at_once() {
     let err = dir.file("stderr");
     let url = ch.url("db");
     let mut child = Command::new(BIN)
-        .args(["record", "-o", &url, "--vcpus", "1", "--events", "100000000"])
+        .args([
+            "record",
+            "-o",
+            &url,
+            "--vcpus",
+            "1",
+            "--events",
+            "100000000",
+        ])
         .args(["--rate", "20000"])
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&err).expect("stderr file"))
@@ -518,18 +523,25 @@ fn a_second_ctrl_c_ends_the_retries_at_once() {
         _ => false,
     };
     let limit = Duration::from_secs(60);
-    env::wait_until(&mut child, "the first rows", limit, || rows_in(&ch), || read(&err));
+    env::wait_until(
+        &mut child,
+        "the first rows",
+        limit,
+        || rows_in(&ch),
+        || read(&err),
+    );
     ch.kill();
     let retrying = || read(&err).contains("checking and retrying");
-    env::wait_until(&mut child, "a failed insert", limit, retrying, || read(&err));
+    env::wait_until(&mut child, "a failed insert", limit, retrying, || {
+        read(&err)
+    });
     let pid = i32::try_from(child.id()).expect("pid");
     // SAFETY: signals a child of this test, which is alive (wait_until checked).
     assert_eq!(unsafe { libc::kill(pid, libc::SIGINT) }, 0);
     let first = Instant::now();
     // The second Ctrl-C counts as one only past the first's burst window (500 ms).
-    let stopping = || {
-        read(&err).contains("Ctrl-C again to abort") && first.elapsed() > Duration::from_secs(1)
-    };
+    let stopping =
+        || read(&err).contains("Ctrl-C again to abort") && first.elapsed() > Duration::from_secs(1);
     env::wait_until(&mut child, "the first stop", limit, stopping, || read(&err));
     let t = Instant::now();
     // SAFETY: as above; the run waits for the batch being retried, so it is alive.

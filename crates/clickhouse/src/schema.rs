@@ -88,7 +88,11 @@ impl Table {
     }
 
     fn create_sql(&self, db: &str) -> String {
-        let cols: Vec<String> = self.columns.iter().map(|(n, t)| format!("{n} {t}")).collect();
+        let cols: Vec<String> = self
+            .columns
+            .iter()
+            .map(|(n, t)| format!("{n} {t}"))
+            .collect();
         format!(
             "CREATE TABLE IF NOT EXISTS {db}.{} ({}) ENGINE = MergeTree() ORDER BY (vm, run, cpu, ts)",
             self.name,

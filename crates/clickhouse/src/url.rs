@@ -52,7 +52,10 @@ fn is_host(h: &str) -> bool {
         return false;
     }
     if let Some(v6) = h.strip_prefix('[').and_then(|r| r.strip_suffix(']')) {
-        return v6.contains(':') && v6.bytes().all(|b| b.is_ascii_hexdigit() || b":.".contains(&b));
+        return v6.contains(':')
+            && v6
+                .bytes()
+                .all(|b| b.is_ascii_hexdigit() || b":.".contains(&b));
     }
     h.split('.').all(|label| {
         !label.is_empty()

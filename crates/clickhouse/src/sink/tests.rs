@@ -122,9 +122,11 @@ fn fake(script: Vec<Reply>) -> (u16, Seen) {
                 continue;
             };
             let insert = line.contains("INSERT");
-            out.lock()
-                .unwrap()
-                .push(if insert { "INSERT".into() } else { body.clone() });
+            out.lock().unwrap().push(if insert {
+                "INSERT".into()
+            } else {
+                body.clone()
+            });
             let reply = *script.get(i).or(script.last()).unwrap();
             // Each answer on its own thread: a silent one does not hold the next.
             std::thread::spawn(move || answer(s, reply, &body));
