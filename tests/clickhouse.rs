@@ -95,18 +95,25 @@ fn read(path: &str) -> String {
     std::fs::read_to_string(path).unwrap_or_default()
 }
 
-/// Stop mode, `events` per vCPU at `rate`, the server killed (SIGKILL: a crash, not a
-/// pause) once rows are in and started again on the same data and port once the sink
-/// has met the dead server and `down` has passed: every event is a row or a counted
-/// loss, no row twice. Returns the run's losses.
-fn kill_and_restart(test: &str, events: &str, rate: &str, down: Duration) -> u64 {
+/// `mode` (stop, overwrite), `events` per vCPU at `rate`, the server killed (SIGKILL: a
+/// crash, not a pause) once rows are in and started again on the same data and port once
+/// the sink has met the dead server and `down` has passed: every event is a row or a
+/// counted loss, no row twice. Returns the run's losses and the server (for more
+/// queries).
+fn kill_and_restart(
+    test: &str,
+    events: &str,
+    rate: &str,
+    down: Duration,
+    mode: &str,
+) -> (u64, ClickHouse) {
     let mut ch = ClickHouse::start();
     let dir = TempDir::new(test);
     let (stats, err) = (dir.file("s.json"), dir.file("stderr"));
     let url = ch.url("db");
     let mut child = Command::new(BIN)
         .args(["record", "-o", &url, "--vcpus", "2", "--events", events])
-        .args(["--rate", rate, "--mode", "stop", "--stats", &stats])
+        .args(["--rate", rate, "--mode", mode, "--stats", &stats])
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&err).expect("stderr file"))
         .spawn()
@@ -157,7 +164,7 @@ fn kill_and_restart(test: &str, events: &str, rate: &str, down: Duration) -> u64
         .unwrap();
     assert_eq!(in_table, lost, "losses table against the run's losses");
     assert_no_duplicates(&ch, "db");
-    lost
+    (lost, ch)
 }
 
 /// A 2 s outage in a run of a few seconds: the threaded sink's queue holds what comes
@@ -167,7 +174,7 @@ fn server_killed_and_restarted_mid_run() {
     let Some(_g) = ready("server_killed_and_restarted_mid_run") else {
         return;
     };
-    kill_and_restart("ch-kill", "100000", "15000", Duration::from_secs(2));
+    kill_and_restart("ch-kill", "100000", "15000", Duration::from_secs(2), "stop");
 }
 
 /// An outage longer than the queue and the rings hold (8 s at 2 × 5.6 MB/s of events,
@@ -178,8 +185,38 @@ fn a_long_outage_back_pressures_into_counted_drops() {
     let Some(_g) = ready("a_long_outage_back_pressures_into_counted_drops") else {
         return;
     };
-    let lost = kill_and_restart("ch-long", "1000000", "200000", Duration::from_secs(8));
+    let (lost, _) = kill_and_restart(
+        "ch-long",
+        "1000000",
+        "200000",
+        Duration::from_secs(8),
+        "stop",
+    );
     assert!(lost > 0, "an 8 s outage lost nothing: no back-pressure");
+}
+
+/// The same long outage in overwrite mode: the rings keep the newest events, so each
+/// CPU's last event (`seq` = events − 1) is a row, what was lost is counted, and the
+/// stored rows are each CPU's events once (as many distinct `seq` as rows).
+#[test]
+fn a_long_outage_in_overwrite_mode_keeps_the_newest() {
+    let Some(_g) = ready("a_long_outage_in_overwrite_mode_keeps_the_newest") else {
+        return;
+    };
+    let (lost, ch) = kill_and_restart(
+        "ch-over",
+        "1000000",
+        "200000",
+        Duration::from_secs(8),
+        "overwrite",
+    );
+    assert!(lost > 0, "an 8 s outage lost nothing: no back-pressure");
+    let seqs = ch.query(
+        "SELECT cpu, max(s), uniqExact(s) = count() FROM (\
+         SELECT cpu, int_values[indexOf(int_keys, 'seq')] AS s FROM db.events) \
+         GROUP BY cpu ORDER BY cpu",
+    );
+    assert_eq!(seqs, "0\t999999\t1\n1\t999999\t1\n", "newest kept, once");
 }
 
 /// The SQL blocks of docs/fleet.md, database `fleet`.
@@ -292,6 +329,10 @@ fn bad_urls_exit_2_and_an_absent_server_exits_1() {
         ("clickhouse://127.0.0.1:99999/db", "port"),
         ("clickhouse://127.0.0.1:8123/no-dashes", "database name"),
         ("clickhouse://127.0.0.1:8123/db?vm=a'b", "vm=NAME"),
+        ("clickhouse://a]b:8123/db", "no host"),
+        ("clickhouse://::1:8123/db", "no host"),
+        ("clickhouse://127.0.0.1:+8123/db", "port"),
+        ("clickhouse://127.0.0.1:8123/1db", "database name"),
     ] {
         for cmd in [
             &["record", "-o", url][..],
@@ -411,4 +452,151 @@ fn collect_streams_rows_while_the_vm_runs() {
     let n = ch.query("SELECT count(), uniqExact(run) FROM stream.events WHERE vm = 'long'");
     assert_eq!(n, "60000\t1\n", "{err}");
     assert_no_duplicates(&ch, "stream");
+}
+
+/// A database whose `events` or `losses` is not ours (another program's table, or
+/// ClickHouse's own `system.events`): refused before the VM starts, one line, exit 2,
+/// the table untouched.
+#[test]
+fn tables_of_another_schema_are_refused() {
+    if !clickhouse_available() {
+        return;
+    }
+    let ch = ClickHouse::start();
+    for (db, table) in [("other", "events"), ("other2", "losses")] {
+        ch.query(&format!("CREATE DATABASE {db}"));
+        ch.query(&format!(
+            "CREATE TABLE {db}.{table} (x UInt8) ENGINE = Memory"
+        ));
+    }
+    for (db, needle) in [
+        (
+            "other",
+            "other.events exists without the columns hyptrace writes (host String",
+        ),
+        ("other2", "other2.losses exists without the columns"),
+        ("system", "system.events exists without the columns"),
+    ] {
+        let url = ch.url(db);
+        let o = env::run(BIN, &["record", "-o", &url, "--events", "10"]);
+        assert_usage_error(&o, &url, needle);
+    }
+    // Nothing half-written: no table created beside another program's.
+    let tables = ch.query(
+        "SELECT database, name FROM system.tables \
+         WHERE database IN ('other', 'other2') ORDER BY database",
+    );
+    assert_eq!(tables, "other\tevents\nother2\tlosses\n");
+}
+
+/// A fake server on a free port answering every request with `reply` (a whole HTTP
+/// answer), for the rest of the test process.
+fn fake_server(reply: &'static str) -> u16 {
+    use std::io::{Read, Write};
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = l.local_addr().expect("addr").port();
+    std::thread::spawn(move || {
+        for s in l.incoming() {
+            let Ok(mut s) = s else { return };
+            let mut buf = [0u8; 4096];
+            // The request's head (the answer does not depend on it).
+            let _ = s.read(&mut buf);
+            let _ = s.write_all(reply.as_bytes());
+        }
+    });
+    port
+}
+
+/// A server that answers 200 with garbage, or redirects elsewhere: named in one line,
+/// exit 1, at once, before the VM starts (the redirect never followed).
+#[test]
+fn a_server_answering_wrongly_exits_1_at_once() {
+    for (reply, needle) in [
+        (
+            "HTTP/1.1 200 OK\r\nContent-Length: 11\r\nConnection: close\r\n\r\n<html>\x1b[2J!",
+            "unexpected answer `<html>\\x1b[2J!` to a statement",
+        ),
+        (
+            "HTTP/1.1 307 Temporary Redirect\r\nLocation: http://127.0.0.1:9/\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+            "answered HTTP 307",
+        ),
+        (
+            "HTTP/1.1 200 OK\r\nContent-Length: 1000\r\nConnection: close\r\n\r\ncut short",
+            "reading the answer",
+        ),
+    ] {
+        let port = fake_server(reply);
+        let url = format!("clickhouse://127.0.0.1:{port}/db");
+        let t = Instant::now();
+        let o = env::run(BIN, &["record", "-o", &url, "--events", "10"]);
+        let err = env::stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "{err}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+        assert!(err.contains(needle), "{err:?} lacks {needle:?}");
+        assert!(t.elapsed() < Duration::from_secs(20), "{:?}", t.elapsed());
+    }
+}
+
+/// The server gone, the run stopped by Ctrl-C while a batch is being retried (the stop
+/// waits for the batch), then a second Ctrl-C: the run is abandoned at once (exit 130),
+/// not when the batch's 60 s of retries are over.
+#[test]
+fn a_second_ctrl_c_ends_the_retries_at_once() {
+    let Some(_g) = ready("a_second_ctrl_c_ends_the_retries_at_once") else {
+        return;
+    };
+    let mut ch = ClickHouse::start();
+    let dir = TempDir::new("ch-int");
+    let err = dir.file("stderr");
+    let url = ch.url("db");
+    let mut child = Command::new(BIN)
+        .args([
+            "record",
+            "-o",
+            &url,
+            "--vcpus",
+            "1",
+            "--events",
+            "100000000",
+        ])
+        .args(["--rate", "20000"])
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&err).expect("stderr file"))
+        .spawn()
+        .expect("record");
+    let rows_in = |ch: &ClickHouse| match ch.try_query("SELECT count() FROM db.events") {
+        Some((200, n)) => n.trim() != "0",
+        _ => false,
+    };
+    let limit = Duration::from_secs(60);
+    env::wait_until(
+        &mut child,
+        "the first rows",
+        limit,
+        || rows_in(&ch),
+        || read(&err),
+    );
+    ch.kill();
+    let retrying = || read(&err).contains("checking and retrying");
+    env::wait_until(&mut child, "a failed insert", limit, retrying, || {
+        read(&err)
+    });
+    let pid = i32::try_from(child.id()).expect("pid");
+    // SAFETY: signals a child of this test, which is alive (wait_until checked).
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGINT) }, 0);
+    let first = Instant::now();
+    // The second Ctrl-C counts as one only past the first's burst window (500 ms).
+    let stopping =
+        || read(&err).contains("Ctrl-C again to abort") && first.elapsed() > Duration::from_secs(1);
+    env::wait_until(&mut child, "the first stop", limit, stopping, || read(&err));
+    let t = Instant::now();
+    // SAFETY: as above; the run waits for the batch being retried, so it is alive.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGINT) }, 0);
+    let st = env::wait_exit(&mut child, "record", Duration::from_secs(120));
+    let took = t.elapsed();
+    let text = read(&err);
+    println!("exit {st:?} {took:?} after the second Ctrl-C; the run said:\n{text}");
+    assert_eq!(st.code(), Some(130), "{text}");
+    assert!(text.contains("aborting"), "{text}");
+    assert!(took < Duration::from_secs(5), "{took:?}: {text}");
 }

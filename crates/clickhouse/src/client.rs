@@ -2,6 +2,11 @@
 //! default), a connection kept alive between requests. Every request is a POST, which
 //! ureq never re-sends by itself (only idempotent requests without a body): each
 //! re-send is the sink's decision, after its check.
+//!
+//! The server is a peer, not an authority: only `200 OK` is success (no redirect is
+//! followed: a 3xx is an error), at most 64 KiB of an answer is read, every request
+//! ends within its deadline whatever the server sends (or trickles), and an INSERT is
+//! only taken as stored when its answer is empty, as ClickHouse's is.
 
 use std::io::Read;
 use std::time::Duration;
@@ -11,11 +16,27 @@ use crate::url::ClickHouseUrl;
 
 /// Longest answer read (counts, `Ok.`, error messages): more is never needed.
 const MAX_ANSWER: u64 = 64 * 1024;
-/// Time to connect.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
-/// Time for one read or write on the connection (a batch insert of 64 k rows takes
-/// well under a second on a healthy server).
-const IO_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long a request may take.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Timeouts {
+    /// Time to connect.
+    pub connect: Duration,
+    /// Time for the whole request, answer read included (a server that trickles its
+    /// answer ends here too).
+    pub total: Duration,
+}
+
+impl Default for Timeouts {
+    /// 3 s to connect, 30 s for a request (a batch insert of 64 k rows, 32 MiB at
+    /// most, takes well under a second on a healthy server).
+    fn default() -> Self {
+        Self {
+            connect: Duration::from_secs(3),
+            total: Duration::from_secs(30),
+        }
+    }
+}
 
 /// A client of one server.
 #[derive(Clone)]
@@ -34,10 +55,14 @@ impl std::fmt::Debug for Client {
 impl Client {
     /// A client of the server `url` names (nothing is sent yet).
     pub fn new(url: &ClickHouseUrl) -> Self {
+        Self::with_timeouts(url, Timeouts::default())
+    }
+
+    pub(crate) fn with_timeouts(url: &ClickHouseUrl, t: Timeouts) -> Self {
         let agent = ureq::AgentBuilder::new()
-            .timeout_connect(CONNECT_TIMEOUT)
-            .timeout_read(IO_TIMEOUT)
-            .timeout_write(IO_TIMEOUT)
+            .timeout_connect(t.connect)
+            .timeout(t.total)
+            .redirects(0)
             .build();
         Self {
             agent,
@@ -58,9 +83,18 @@ impl Client {
         self.answer(r)
     }
 
+    /// Runs `sql`, a statement that answers nothing (`CREATE ...`): an answer with a
+    /// body is not ClickHouse's, an error.
+    pub fn execute(&self, sql: &str) -> Result<(), ClickHouseError> {
+        let r = self.agent.post(&self.base).send_string(sql);
+        self.nothing(r, "a statement")
+    }
+
     /// `INSERT ... FORMAT RowBinary` (`sql`) with `data` as the body, under the query
     /// id `query_id` (the server refuses a second query with an id that is still
-    /// running: a retry can never overlap the attempt before it).
+    /// running: a retry can never overlap the attempt before it). Stored only when the
+    /// answer is `200` and empty (ClickHouse's answer to an INSERT); any other answer
+    /// leaves the outcome unknown (an error: the sink checks).
     pub fn insert(&self, sql: &str, query_id: &str, data: &[u8]) -> Result<(), ClickHouseError> {
         let r = self
             .agent
@@ -68,17 +102,30 @@ impl Client {
             .query("query", sql)
             .query("query_id", query_id)
             .send_bytes(data);
-        self.answer(r).map(drop)
+        self.nothing(r, "an INSERT")
     }
 
-    /// Runs `sql`, a query answering one unsigned number.
-    pub fn count(&self, sql: &str) -> Result<u64, ClickHouseError> {
-        let a = self.query(sql)?;
-        a.trim().parse().map_err(|_| ClickHouseError::Answer {
+    /// The answer `r` to `what`, which must be empty.
+    fn nothing(
+        &self,
+        r: Result<ureq::Response, ureq::Error>,
+        what: &'static str,
+    ) -> Result<(), ClickHouseError> {
+        let a = self.answer(r)?;
+        if a.is_empty() {
+            Ok(())
+        } else {
+            Err(self.unexpected(what, &a))
+        }
+    }
+
+    /// An answer that is not what `what` gives.
+    pub(crate) fn unexpected(&self, what: &'static str, answer: &str) -> ClickHouseError {
+        ClickHouseError::Answer {
             addr: self.addr.clone(),
-            what: "a count",
-            text: sanitise(a.as_bytes()),
-        })
+            what,
+            text: sanitise(answer.as_bytes()),
+        }
     }
 
     fn answer(&self, r: Result<ureq::Response, ureq::Error>) -> Result<String, ClickHouseError> {
@@ -90,15 +137,15 @@ impl Client {
                 .map(|_| b)
         };
         match r {
-            Ok(resp) => read(resp)
+            Ok(resp) if resp.status() == 200 => read(resp)
                 .map(|b| String::from_utf8_lossy(&b).into_owned())
                 .map_err(|source| ClickHouseError::Read {
                     addr: self.addr.clone(),
                     source,
                 }),
-            Err(ureq::Error::Status(status, resp)) => Err(ClickHouseError::Status {
+            Ok(resp) | Err(ureq::Error::Status(_, resp)) => Err(ClickHouseError::Status {
                 addr: self.addr.clone(),
-                status,
+                status: resp.status(),
                 text: sanitise(&read(resp).unwrap_or_default()),
             }),
             Err(ureq::Error::Transport(t)) => Err(ClickHouseError::Unreachable {

@@ -82,12 +82,29 @@ pub enum ClickHouseError {
         #[source]
         last: Box<ClickHouseError>,
     },
+    /// A table of the database exists without the columns rows carry (another
+    /// program's table, or an old schema): the URL names the wrong database (exit 2).
+    #[error("ClickHouse at {addr}: {table} exists without the columns hyptrace writes ({missing}); name another database")]
+    Schema {
+        /// `HOST:PORT`.
+        addr: String,
+        /// `DATABASE.TABLE`.
+        table: String,
+        /// The columns missing or of another type (`name type`, bounded).
+        missing: String,
+    },
+    /// The run was abandoned (a second Ctrl-C) while a batch was being retried.
+    #[error("ClickHouse at {addr}: retrying abandoned")]
+    Cancelled {
+        /// `HOST:PORT`.
+        addr: String,
+    },
 }
 
 impl ClickHouseError {
     /// Whether the user's input is at fault (exit 2) rather than the server (exit 1).
     pub fn is_usage(&self) -> bool {
-        matches!(self, Self::Url(_))
+        matches!(self, Self::Url(_) | Self::Schema { .. })
     }
 }
 

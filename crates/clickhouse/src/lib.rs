@@ -16,7 +16,7 @@ mod url;
 pub use client::Client;
 pub use error::ClickHouseError;
 pub use identity::{hostname, unix_offset, RunIdentity};
-pub use schema::{EVENT_COLUMNS, LOSS_COLUMNS};
+pub use schema::{Table, EVENTS, LOSSES};
 pub use sink::{ClickHouseSink, Options, SinkCounts, MAX_BATCH_BYTES};
 pub use url::{is_clickhouse_url, ClickHouseUrl, UrlError, SCHEME};
 

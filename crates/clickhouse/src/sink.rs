@@ -30,7 +30,7 @@ use crate::identity::{unix_offset, RunIdentity};
 use crate::rowbinary::{
     put_bytes, put_bytes_array, put_i32, put_i64_array, put_u16, put_u32, put_u64, put_u8,
 };
-use crate::schema::{EVENT_COLUMNS, LOSS_COLUMNS};
+use crate::schema::{Table, EVENTS, LOSSES};
 
 /// Bytes of encoded rows after which a batch is sent, whatever its row count.
 pub const MAX_BATCH_BYTES: usize = 32 << 20;
@@ -38,6 +38,8 @@ pub const MAX_BATCH_BYTES: usize = 32 << 20;
 const MAX_BACKOFF: Duration = Duration::from_secs(1);
 /// First pause after a failed attempt.
 const FIRST_BACKOFF: Duration = Duration::from_millis(50);
+/// How often a pause between retries checks [`ClickHouseSink::cancel_on`]'s condition.
+const CANCEL_POLL: Duration = Duration::from_millis(20);
 
 /// How the sink batches and retries.
 #[derive(Clone, Copy, Debug)]
@@ -116,7 +118,12 @@ pub struct ClickHouseSink {
     /// Per CPU: ns of its last event (where a trailing loss goes).
     last_ns: Vec<u64>,
     counts: std::sync::Arc<std::sync::Mutex<SinkCounts>>,
+    /// When to stop retrying ([`ClickHouseSink::cancel_on`]).
+    cancel: Option<Cancel>,
 }
+
+/// A condition under which the sink stops retrying (see [`ClickHouseSink::cancel_on`]).
+type Cancel = Box<dyn Fn() -> bool + Send + Sync>;
 
 /// One event's fields, split by type.
 #[derive(Default)]
@@ -155,7 +162,18 @@ impl ClickHouseSink {
             batch: 0,
             since: None,
             counts: Default::default(),
+            cancel: None,
         })
+    }
+
+    /// Once `cancel()` holds (e.g. a second Ctrl-C), a batch being retried is given up
+    /// at once: the pause between attempts ends within 20 ms, no further attempt is
+    /// made, the request in flight ends by its deadline (30 s at most), and the sink
+    /// fails with [`ClickHouseError::Cancelled`].
+    #[must_use]
+    pub fn cancel_on(mut self, cancel: impl Fn() -> bool + Send + Sync + 'static) -> Self {
+        self.cancel = Some(Box::new(cancel));
+        self
     }
 
     /// A handle on the sink's counts, readable after the sink is gone.
@@ -240,10 +258,10 @@ impl ClickHouseSink {
     /// Sends the batch being filled (both tables), each exactly once.
     fn flush(&mut self) -> Result<(), OutputError> {
         if self.events.n > 0 {
-            self.store("events", EVENT_COLUMNS, &self.events)?;
+            self.store(EVENTS, &self.events)?;
         }
         if self.losses.n > 0 {
-            self.store("losses", LOSS_COLUMNS, &self.losses)?;
+            self.store(LOSSES, &self.losses)?;
         }
         let mut c = self.counts.lock().unwrap_or_else(|e| e.into_inner());
         c.events += self.events.n;
@@ -260,31 +278,32 @@ impl ClickHouseSink {
     }
 
     /// Stores `rows` as batch `self.batch` of `table`, exactly once (see the module).
-    fn store(&self, table: &'static str, cols: &str, rows: &Rows) -> Result<(), ClickHouseError> {
-        let (db, run, batch) = (&self.db, &self.who.run, self.batch);
+    fn store(&self, t: Table, rows: &Rows) -> Result<(), ClickHouseError> {
+        let (db, run, batch, table) = (&self.db, &self.who.run, self.batch, t.name);
+        let cols = t.column_list();
         let insert = format!("INSERT INTO {db}.{table} ({cols}) FORMAT RowBinary");
         let qid = format!("hyptrace-{run}-{table}-{batch}");
         let mut last = match self.client.insert(&insert, &qid, &rows.data) {
             Ok(()) => return Ok(()),
             Err(e) => e,
         };
-        (self.opts.notify)(&format!(
-            "{}: checking and retrying {table} batch {batch}",
-            chain(&last)
-        ));
-        let count =
-            format!("SELECT count() FROM {db}.{table} WHERE run = '{run}' AND batch = {batch}");
+        if !self.cancelled() {
+            (self.opts.notify)(&format!(
+                "{}: checking and retrying {table} batch {batch}",
+                chain(&last)
+            ));
+        }
         let deadline = Instant::now() + self.opts.retry_for;
         let mut pause = FIRST_BACKOFF;
         // Bounded by the deadline.
         while Instant::now() < deadline {
-            std::thread::sleep(pause);
+            self.pause(pause)?;
             pause = (pause * 2).min(MAX_BACKOFF);
             self.counts
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .retries += 1;
-            let r = match self.client.count(&count) {
+            let r = match self.stored_rows(table, batch) {
                 Ok(n) if n == rows.n => Ok(()),
                 Ok(0) => self.client.insert(&insert, &qid, &rows.data),
                 Ok(found) => {
@@ -317,6 +336,46 @@ impl ClickHouseSink {
             secs: self.opts.retry_for.as_secs(),
             last: Box::new(last),
         })
+    }
+
+    /// Whether the sink was cancelled ([`ClickHouseSink::cancel_on`]).
+    fn cancelled(&self) -> bool {
+        self.cancel.as_ref().is_some_and(|c| c())
+    }
+
+    /// Waits `d`, or less when cancelled: then [`ClickHouseError::Cancelled`].
+    fn pause(&self, d: Duration) -> Result<(), ClickHouseError> {
+        let end = Instant::now() + d;
+        // Bounded: each turn waits at most CANCEL_POLL, until `end`.
+        loop {
+            if self.cancelled() {
+                return Err(ClickHouseError::Cancelled {
+                    addr: self.client.addr().into(),
+                });
+            }
+            let left = end.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Ok(());
+            }
+            std::thread::sleep(left.min(CANCEL_POLL));
+        }
+    }
+
+    /// How many rows of batch `batch` of this run `table` holds. The answer is only
+    /// taken when it names what it answers (the table, the run, the batch): a reply
+    /// to another query, or a number out of nowhere, is an error, never a count.
+    fn stored_rows(&self, table: &'static str, batch: u64) -> Result<u64, ClickHouseError> {
+        let (db, run) = (&self.db, &self.who.run);
+        let a = self.client.query(&format!(
+            "SELECT '{table}', '{run}', {batch}, count() FROM {db}.{table} \
+             WHERE run = '{run}' AND batch = {batch} FORMAT TabSeparated"
+        ))?;
+        let want = format!("{table}\t{run}\t{batch}\t");
+        a.strip_suffix('\n')
+            .and_then(|l| l.strip_prefix(&want))
+            .filter(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|n| n.parse().ok())
+            .ok_or_else(|| self.client.unexpected("a batch's row count", &a))
     }
 }
 
@@ -409,128 +468,4 @@ impl PageSink for ClickHouseSink {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use std::io::{BufRead, BufReader, Read, Write};
-    use std::net::TcpListener;
-
-    /// What the fake server does with a request.
-    enum Reply {
-        /// Closes the connection without an answer (the outcome is unknown).
-        Hang,
-        /// Answers 200 with this body.
-        Ok(&'static str),
-    }
-
-    /// A fake ClickHouse answering requests in turn from `script`; returns its port and
-    /// the requests it got (`query=` of the URL, or the body).
-    fn fake(script: Vec<Reply>) -> (u16, std::thread::JoinHandle<Vec<String>>) {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = l.local_addr().unwrap().port();
-        let h = std::thread::spawn(move || {
-            let mut seen = Vec::new();
-            for reply in script {
-                let (s, _) = l.accept().unwrap();
-                let mut r = BufReader::new(s);
-                let mut line = String::new();
-                r.read_line(&mut line).unwrap();
-                let mut len = 0usize;
-                loop {
-                    let mut h = String::new();
-                    r.read_line(&mut h).unwrap();
-                    if h == "\r\n" {
-                        break;
-                    }
-                    if let Some(v) = h.to_ascii_lowercase().strip_prefix("content-length:") {
-                        len = v.trim().parse().unwrap();
-                    }
-                }
-                let mut body = vec![0; len];
-                r.read_exact(&mut body).unwrap();
-                let insert = line.contains("INSERT");
-                seen.push(if insert {
-                    "INSERT".into()
-                } else {
-                    String::from_utf8_lossy(&body).into_owned()
-                });
-                let mut s = r.into_inner();
-                if let Reply::Ok(b) = reply {
-                    let _ = write!(
-                        s,
-                        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{b}",
-                        b.len()
-                    );
-                }
-            }
-            seen
-        });
-        (port, h)
-    }
-
-    fn sink(port: u16) -> ClickHouseSink {
-        let url =
-            crate::ClickHouseUrl::parse(&format!("clickhouse://127.0.0.1:{port}/db")).unwrap();
-        let meta = TraceMeta::guest(4096, 1, hyptrace_output::Clock::nanoseconds());
-        let opts = Options {
-            retry_for: Duration::from_secs(20),
-            notify: |_| {},
-            ..Options::default()
-        };
-        ClickHouseSink::new(Client::new(&url), "db", RunIdentity::new(None), meta, opts).unwrap()
-    }
-
-    fn rows(n: u64) -> Rows {
-        Rows {
-            data: vec![1, 2, 3],
-            n,
-        }
-    }
-
-    /// An insert without an answer that did go in: found by the count, not re-sent.
-    #[test]
-    fn an_unanswered_insert_that_went_in_is_not_resent() {
-        let (port, h) = fake(vec![Reply::Hang, Reply::Ok("3\n")]);
-        let s = sink(port);
-        s.store("events", EVENT_COLUMNS, &rows(3)).unwrap();
-        let seen = h.join().unwrap();
-        assert_eq!(seen.len(), 2, "{seen:?}");
-        assert_eq!(seen[0], "INSERT");
-        assert!(
-            seen[1].starts_with("SELECT count() FROM db.events WHERE run = '"),
-            "{seen:?}"
-        );
-        assert!(seen[1].ends_with("AND batch = 0"), "{seen:?}");
-        assert_eq!(s.counts.lock().unwrap().retries, 1);
-    }
-
-    /// An insert without an answer that did not go in: re-sent once.
-    #[test]
-    fn an_unanswered_insert_that_is_missing_is_resent() {
-        let (port, h) = fake(vec![Reply::Hang, Reply::Ok("0\n"), Reply::Ok("")]);
-        sink(port).store("losses", LOSS_COLUMNS, &rows(3)).unwrap();
-        let seen = h.join().unwrap();
-        assert_eq!(seen.len(), 3, "{seen:?}");
-        assert_eq!((seen[0].as_str(), seen[2].as_str()), ("INSERT", "INSERT"));
-    }
-
-    /// A batch found with another row count: an error, nothing re-sent.
-    #[test]
-    fn a_partial_batch_is_an_error() {
-        let (port, h) = fake(vec![Reply::Hang, Reply::Ok("2\n")]);
-        let e = sink(port)
-            .store("events", EVENT_COLUMNS, &rows(3))
-            .unwrap_err();
-        assert!(
-            matches!(
-                e,
-                ClickHouseError::Partial {
-                    found: 2,
-                    sent: 3,
-                    ..
-                }
-            ),
-            "{e}"
-        );
-        assert_eq!(h.join().unwrap().len(), 2);
-    }
-}
+mod tests;

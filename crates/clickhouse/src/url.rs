@@ -25,7 +25,8 @@ pub struct ClickHouseUrl {
     pub host: String,
     /// HTTP port.
     pub port: u16,
-    /// Database: `[A-Za-z0-9_]+` (put into SQL as it is: nothing else is taken).
+    /// Database: `[A-Za-z_][A-Za-z0-9_]*` (put into SQL as it is: nothing else is
+    /// taken; a leading digit would not be an identifier).
     pub database: String,
     /// `?vm=NAME`: the name of the VM on every row (`[A-Za-z0-9_.:-]+`), if given.
     pub vm: Option<String>,
@@ -43,9 +44,32 @@ fn is_name(s: &str, extra: &[u8]) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b == b'_' || extra.contains(&b))
 }
 
+/// A host name or IPv4 address (`[A-Za-z0-9._-]`, no empty label, no leading or
+/// trailing `-` or `.`), or an IPv6 address in brackets (`[` hex digits, `:` and `.`
+/// `]`): what an HTTP URL takes as it is, so the request goes where the URL says.
+fn is_host(h: &str) -> bool {
+    if h.is_empty() || h.len() > MAX_HOST {
+        return false;
+    }
+    if let Some(v6) = h.strip_prefix('[').and_then(|r| r.strip_suffix(']')) {
+        return v6.contains(':')
+            && v6
+                .bytes()
+                .all(|b| b.is_ascii_hexdigit() || b":.".contains(&b));
+    }
+    h.split('.').all(|label| {
+        !label.is_empty()
+            && !label.starts_with('-')
+            && !label.ends_with('-')
+            && label
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+    })
+}
+
 impl ClickHouseUrl {
     /// Parses `clickhouse://HOST:PORT/DATABASE[?vm=NAME]`: a host, a port 1..=65535, a
-    /// database `[A-Za-z0-9_]+` are required.
+    /// database `[A-Za-z_][A-Za-z0-9_]*` are required.
     pub fn parse(url: &str) -> Result<Self, UrlError> {
         let bad = |why: &str| UrlError {
             url: hyptrace_output::escape_guest_str(url).into_owned(),
@@ -60,20 +84,17 @@ impl ClickHouseUrl {
             None => (path, None),
         };
         let (host, port) = authority.rsplit_once(':').ok_or_else(|| bad("no :PORT"))?;
-        let host_ok = host.len() <= MAX_HOST
-            && !host.is_empty()
-            && host
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b"-.:[]_".contains(&b));
-        if !host_ok {
+        if !is_host(host) {
             return Err(bad("no host, or a host that is not a name or an address"));
         }
         let port: u16 = match port.parse() {
-            Ok(p) if p > 0 => p,
+            Ok(p) if p > 0 && port.bytes().all(|b| b.is_ascii_digit()) => p,
             _ => return Err(bad("the port is not a number 1 to 65535")),
         };
-        if !is_name(db, b"") {
-            return Err(bad("the database name is not [A-Za-z0-9_]+ (at most 64)"));
+        if !is_name(db, b"") || db.starts_with(|c: char| c.is_ascii_digit()) {
+            return Err(bad(
+                "the database name is not [A-Za-z_][A-Za-z0-9_]* (at most 64)",
+            ));
         }
         let vm = match query {
             None => None,
@@ -134,6 +155,16 @@ mod tests {
             "clickhouse://h:1/db?vm=a'b",
             "clickhouse://h:1/db?x=1",
             "clickhouse://h h:1/db",
+            "clickhouse://a]b:1/db",
+            "clickhouse://::1:1/db",
+            "clickhouse://[zz]:1/db",
+            "clickhouse://[::1:1/db",
+            "clickhouse://h.:1/db",
+            "clickhouse://.h:1/db",
+            "clickhouse://a..b:1/db",
+            "clickhouse://-h:1/db",
+            "clickhouse://h:+1/db",
+            "clickhouse://h:1/1db",
         ] {
             assert!(ClickHouseUrl::parse(u).is_err(), "{u} accepted");
         }

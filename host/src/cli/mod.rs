@@ -414,6 +414,7 @@ pub fn collect(a: &CollectArgs) -> Result<i32, CliError> {
         target: &target,
         out_path: &a.output,
         stop: &stop,
+        interrupts: Some(interrupts),
         clickhouse: ch.as_ref().map(|(u, c)| (u, c)),
     };
     let report = crate::flight::collect::collect(&o).map_err(CliError::Collect)?;

@@ -49,6 +49,9 @@ pub struct CollectOpts<'a> {
     pub out_path: &'a Path,
     /// Polled between fetches: stop (SIGINT).
     pub stop: &'a (dyn Fn() -> bool + Sync),
+    /// The process's signals, if installed: a second Ctrl-C (an abort) also ends a
+    /// ClickHouse batch's retries (`ClickHouseSink::cancel_on`).
+    pub interrupts: Option<&'static crate::drain::signals::Interrupts>,
     /// `-o clickhouse://...`: each VM's events become rows of this server as they are
     /// read (its `vm` the VM's name) instead of an instance of one file.
     pub clickhouse: Option<(
@@ -197,8 +200,10 @@ fn follow_vm(
         move |meta: TraceMeta| -> Result<Box<dyn PageSink + Send>, OutputError> {
             use hyptrace_clickhouse::{ClickHouseSink, Options, RunIdentity};
             let who = RunIdentity::new(Some(name));
+            let interrupts = o.interrupts;
             let sink =
-                ClickHouseSink::new(client.clone(), &url.database, who, meta, Options::default())?;
+                ClickHouseSink::new(client.clone(), &url.database, who, meta, Options::default())?
+                    .cancel_on(move || interrupts.is_some_and(|i| i.aborted()));
             Ok(Box::new(sink))
         }
     });

@@ -153,6 +153,8 @@ fn clickhouse(
     let abort = move || interrupts.is_some_and(Interrupts::aborted);
     let sink = ClickHouseSink::new(client, &url.database, who, meta, Options::default())
         .and_then(|s| {
+            // A second Ctrl-C also ends a batch's retries (else up to 60 s).
+            let s = s.cancel_on(abort);
             let (s, _) = behind_filters(Box::new(s), filters, PageSource::Ring);
             ThreadedSink::new(s)
         })
