@@ -1,6 +1,6 @@
 //! Start-up work that runs beside the VM's creation ([`Overlap`]): the trace region
-//! faulted in ([`prefault`]) and `KVM_GET_SUPPORTED_CPUID`, each on a thread of its own
-//! while the creating thread makes the VM, its memory slots and tables.
+//! faulted in ([`prefault`]) on a thread of its own while the creating thread makes the
+//! VM, its memory slot, tables and vCPUs.
 
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
