@@ -9,6 +9,7 @@ pub mod error;
 pub mod guest_mem;
 pub mod host_events;
 pub mod memory_map;
+mod overlap;
 pub mod registration;
 pub mod time;
 pub mod vcpu;

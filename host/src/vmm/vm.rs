@@ -18,6 +18,7 @@ use crate::vmm::elf::GuestImage;
 use crate::vmm::error::{Error, Result};
 use crate::vmm::guest_mem::TraceRegion;
 use crate::vmm::memory_map::{GuestMemoryMap, KVM_TSS_ADDR};
+use crate::vmm::overlap;
 use crate::vmm::registration::{EventTable, RegisterHook, Selection};
 use crate::vmm::time::host_tsc;
 use crate::vmm::vcpu::{self, Shared, Stamp, VcpuOutcome};
@@ -132,26 +133,7 @@ fn guest_memory(
         }
     }
     .map_err(Error::MemoryMmap)?;
-    for region in memory.iter().filter(|r| r.file_offset().is_none()) {
-        advise_huge(region.as_ptr(), region.len() as usize);
-    }
     Ok(memory)
-}
-
-/// Asks for transparent huge pages on anonymous guest memory (`madvise`, the mode
-/// Debian's kernels default to): the rings and the guest's own 2 MiB mappings are
-/// then faulted in 2 MiB at a time, not 4 KiB — fewer faults at start-up (each costs
-/// more under a hypervisor) and fewer TLB misses. Only a hint: refused, nothing changes.
-fn advise_huge(addr: *mut u8, len: usize) {
-    // SAFETY: `addr..addr + len` is one live anonymous mapping owned by the guest
-    // memory; MADV_HUGEPAGE changes how it is backed, not its contents or lifetime.
-    let r = unsafe { libc::madvise(addr.cast(), len, libc::MADV_HUGEPAGE) };
-    if r != 0 {
-        log::debug!(
-            "madvise(MADV_HUGEPAGE) on guest memory: {}",
-            std::io::Error::last_os_error()
-        );
-    }
 }
 
 /// Registers every region of `memory` with KVM, each in a slot of its own.
@@ -259,6 +241,9 @@ impl Vm {
             layout.trace_gpa,
             layout.trace_len
         );
+        // First: the trace region is faulted in while the VM is made (crate::vmm::overlap).
+        let memory = guest_memory(&cfg, &layout, backing)?;
+        let prefault = overlap::prefault(&memory, &layout);
         let kvm = open_kvm()?;
         let max = kvm.get_max_vcpus() as u32;
         if cfg.vcpus > max {
@@ -272,7 +257,6 @@ impl Vm {
             .set_tss_address(KVM_TSS_ADDR as usize)
             .map_err(Error::kvm("KVM_SET_TSS_ADDR"))?;
 
-        let memory = guest_memory(&cfg, &layout, backing)?;
         register_memory(&vm_fd, &memory)?;
 
         arch::setup_memory(&memory, &layout)?;
@@ -292,6 +276,9 @@ impl Vm {
             vcpus.push(fd);
         }
         let tsc_offset = sync_tsc(&vcpus);
+        // The rings are written next (Booted::rings): the region faulted in by now, or
+        // here if its thread never got to it.
+        prefault.finish();
         let tsc_khz = match vcpus[0].get_tsc_khz() {
             Ok(k) if k > 0 => u64::from(k),
             _ => calibrate_tsc_khz(),
