@@ -387,6 +387,10 @@ pub fn collect(a: &CollectArgs) -> Result<i32, CliError> {
         ),
         _ => None,
     };
+    let host_spec = crate::drain::host_trace::HostTraceSpec::parse(&a.host_trace, true);
+    if let Some(spec) = &host_spec {
+        collect_host_args(spec, &vms, ch.is_some())?;
+    }
     let (format, target) = match &ch {
         // The parts are kept in the system's temporary directory, then stored.
         Some(_) => (Format::Dat, hyptrace_output::OutputTarget::stdout()),
@@ -404,6 +408,15 @@ pub fn collect(a: &CollectArgs) -> Result<i32, CliError> {
             (format, a.files.check(&a.output, "-o")?)
         }
     };
+    // tracefs checked, the instance made (exit 2 when it cannot work), before any VM is
+    // subscribed to.
+    let host = host_spec
+        .map(|spec| {
+            use crate::drain::host_trace::{tracefs_root, HostTrace, TraceClock};
+            HostTrace::prepare(&tracefs_root(), &spec, TraceClock::Mono)
+                .map_err(|e| CliError::Run(RunError::HostTrace(e)))
+        })
+        .transpose()?;
     let interrupts = Interrupts::install()?;
     let stop = || interrupts.stop_requested();
     let started = std::time::Instant::now();
@@ -416,7 +429,7 @@ pub fn collect(a: &CollectArgs) -> Result<i32, CliError> {
         stop: &stop,
         clickhouse: ch.as_ref().map(|(u, c)| (u, c)),
     };
-    let report = crate::flight::collect::collect(&o).map_err(CliError::Collect)?;
+    let report = crate::flight::collect::collect(&o, host).map_err(CliError::Collect)?;
     for l in report.lines() {
         note!("hyptrace: collect: {l}");
     }
@@ -434,6 +447,30 @@ pub fn collect(a: &CollectArgs) -> Result<i32, CliError> {
         }
     );
     Ok(report.exit_code())
+}
+
+/// `collect --host-trace`'s refusals (exit 2): an empty EVENTS, a ClickHouse output, a
+/// VM named as the host's instance.
+fn collect_host_args(
+    spec: &crate::drain::host_trace::HostTraceSpec,
+    vms: &[(String, std::path::PathBuf)],
+    clickhouse: bool,
+) -> Result<(), CliError> {
+    use crate::flight::collect::HOST_PART;
+    if spec.patterns.is_empty() {
+        return Err(CliError::Args("--host-trace: no event named".into()));
+    }
+    if clickhouse {
+        return Err(CliError::Args(
+            "--host-trace: collect stores no host events in ClickHouse (write a file)".into(),
+        ));
+    }
+    if vms.iter().any(|(n, _)| n == HOST_PART) {
+        return Err(CliError::Args(format!(
+            "a VM named {HOST_PART}: with --host-trace that is the host's instance (give it another NAME=)"
+        )));
+    }
+    Ok(())
 }
 
 /// `hyptrace ctl`: prints an `ok` reply's payload on stdout (exit 0), an `err` reply on
