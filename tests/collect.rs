@@ -109,26 +109,32 @@ fn report(dat: &str) -> Vec<(String, u64, u64)> {
     markers(&String::from_utf8_lossy(&o.stdout))
 }
 
+/// An event line of a report (trace-cmd's, or collect's text): its instance and its
+/// time in ns. ` vm1:            vcpu0-1     [000] 26843.796473: marker:   seq=0 value=0`
+fn timed(l: &str) -> (String, u64) {
+    let (vm, rest) = l.trim_start().split_once(':').expect("a VM name");
+    let time = rest
+        .split_whitespace()
+        .find_map(|w| w.strip_suffix(':').filter(|t| t.contains('.')))
+        .expect("a time");
+    let (s, us) = time.split_once('.').expect("s.us");
+    let ns = s.parse::<u64>().expect("s") * 1_000_000_000
+        + us.parse::<u64>().expect("us") * 10u64.pow(9 - us.len() as u32);
+    (vm.to_string(), ns)
+}
+
 /// Per marker line of a report (trace-cmd's, or collect's text): (VM name, seq, ns).
 fn markers(text: &str) -> Vec<(String, u64, u64)> {
     let mut v = Vec::new();
     for l in text.lines().filter(|l| l.contains(" marker: ")) {
-        // ` vm1:            vcpu0-1     [000] 26843.796473: marker:   seq=0 value=0`
-        let (vm, rest) = l.trim_start().split_once(':').expect("a VM name");
-        let time = rest
-            .split_whitespace()
-            .find_map(|w| w.strip_suffix(':').filter(|t| t.contains('.')))
-            .expect("a time");
-        let (s, us) = time.split_once('.').expect("s.us");
-        let ns = s.parse::<u64>().expect("s") * 1_000_000_000
-            + us.parse::<u64>().expect("us") * 10u64.pow(9 - us.len() as u32);
+        let (vm, ns) = timed(l);
         let seq = l
             .split("seq=")
             .nth(1)
             .and_then(|r| r.split_whitespace().next())
             .and_then(|s| s.parse().ok())
             .expect("seq");
-        v.push((vm.to_string(), seq, ns));
+        v.push((vm, seq, ns));
     }
     v
 }
@@ -505,9 +511,176 @@ fn collect_refuses_bad_arguments() {
             vec!["collect", "-o", "x.raw", "a=/x"],
             "collect writes trace.dat v7, text, JSON or Perfetto",
         ),
+        (
+            vec!["collect", "--host-trace", "sched:*", "-o", &dat, "host=/x"],
+            "a VM named host",
+        ),
+        (
+            vec![
+                "collect",
+                "--host-trace",
+                "sched:*",
+                "-o",
+                "clickhouse://127.0.0.1:1/db",
+                "a=/x",
+            ],
+            "collect stores no host events in ClickHouse",
+        ),
     ] {
         let o = env::run(BIN, &args);
         env::assert_usage_error(&o, &format!("{args:?}"), needle);
     }
+    assert!(!std::path::Path::new(&dat).exists());
+}
+
+/// `HOST: cpu N: R events read, ...` lines of collect's stderr: R summed.
+fn host_read(err: &str) -> u64 {
+    err.lines()
+        .filter_map(|l| l.split("collect: host: cpu ").nth(1))
+        .map(|r| {
+            let n = r
+                .split(": ")
+                .nth(1)
+                .and_then(|r| r.split_whitespace().next());
+            n.and_then(|n| n.parse::<u64>().ok()).expect("a count")
+        })
+        .sum()
+}
+
+/// `collect --follow --host-trace sched:sched_switch` of two VMMs: exit 0, each VM's
+/// accounting exact, the host's per host CPU; its tracefs instance exists while it runs
+/// and is gone after. `trace-cmd report` prints every marker of each VM (seqs 0.. in
+/// order) and exactly the host events collect counted, as sched_switch lines of the
+/// instance `host`, all in one time order, the host's time range overlapping the VMs'
+/// (one clock); `trace-cmd dump --events` lists no id >= 0x8000.
+#[test]
+fn collect_host_trace_on_the_vms_time_line() {
+    let test = "collect_host_trace_on_the_vms_time_line";
+    if !kvm_available(KRATE, test) || !env::tracefs_available(KRATE, test) {
+        return;
+    }
+    let _l = vm_lock();
+    let dir = TempDir::new("collecthost");
+    let mut a = start_vm(&dir, "a", 10_000);
+    let mut b = start_vm(&dir, "b", 15_000);
+    let dat = dir.file("all.dat");
+    let (sa, sb) = (sock(&dir, "a"), sock(&dir, "b"));
+    let args = [
+        "collect",
+        "--follow",
+        "--host-trace",
+        "sched:sched_switch",
+        "-o",
+        &dat,
+        &sa,
+        &sb,
+    ];
+    let mut col = Kid::spawn(&dir, "collect", &args);
+    let pid = col.0.id();
+    // The VMs write for seconds, and collect follows them to their end.
+    env::wait_until(
+        &mut col.0,
+        "collect's tracefs instance",
+        WALL,
+        || env::tracefs_instance(pid).is_some(),
+        || read(&dir, "collect.err"),
+    );
+    let code = col.wait("collect");
+    let err = read(&dir, "collect.err");
+    assert_eq!(env::tracefs_instance(pid), None, "instance left: {err}");
+    assert_eq!(a.wait("a"), Some(0), "{}", read(&dir, "a.err"));
+    assert_eq!(b.wait("b"), Some(0), "{}", read(&dir, "b.err"));
+    assert_eq!(code, Some(0), "{err}");
+    assert!(err.contains("a: cpu 0: 10000 events read, 0 lost"), "{err}");
+    assert!(err.contains("b: cpu 0: 15000 events read, 0 lost"), "{err}");
+    assert!(err.contains("collect: host: cpu 0: "), "{err}");
+    assert!(
+        err.lines()
+            .any(|l| l.contains("collect: host: ") && l.ends_with(": complete")),
+        "{err}"
+    );
+    let host_events = host_read(&err);
+    assert!(host_events > 0, "{err}");
+    if !env::trace_cmd_available() {
+        return;
+    }
+    let o = Command::new("trace-cmd")
+        .args(["report", "-i", &dat])
+        .output()
+        .expect("trace-cmd");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let text = String::from_utf8_lossy(&o.stdout);
+    let lines = markers(&text);
+    check_vm(&lines, "a", 10_000);
+    check_vm(&lines, "b", 15_000);
+    let all: Vec<(String, u64)> = text
+        .lines()
+        .filter(|l| !l.starts_with("cpus="))
+        .map(timed)
+        .collect();
+    let host: Vec<u64> = text
+        .lines()
+        .filter(|l| l.trim_start().starts_with("host:"))
+        .map(|l| {
+            assert!(l.contains(" sched_switch: "), "{l}");
+            timed(l).1
+        })
+        .collect();
+    assert_eq!(host.len() as u64, host_events, "{err}");
+    assert_eq!(all.len(), 25_000 + host.len());
+    assert!(
+        all.windows(2).all(|w| w[0].1 <= w[1].1),
+        "not in one time order"
+    );
+    let vm = lines.iter().map(|l| l.2);
+    let (vm_min, vm_max) = (vm.clone().min().expect("VM"), vm.max().expect("VM"));
+    let (h_min, h_max) = (host[0], host[host.len() - 1]);
+    assert!(
+        h_min < vm_max && vm_min < h_max,
+        "host {h_min}..{h_max} does not overlap the VMs' {vm_min}..{vm_max}"
+    );
+    let o = Command::new("trace-cmd")
+        .args(["dump", "--events", &dat])
+        .output()
+        .expect("trace-cmd dump");
+    let dump = String::from_utf8_lossy(&o.stdout);
+    let ids: Vec<u32> = dump
+        .lines()
+        .filter_map(|l| l.strip_prefix("ID: "))
+        .map(|n| n.trim().parse().expect("an id"))
+        .collect();
+    assert!(ids.len() > 1, "{dump}");
+    assert!(ids.iter().all(|&id| id < 0x8000), "{ids:?}");
+}
+
+/// `collect --host-trace` with an event no kernel has: exit 2, one line naming it,
+/// no instance left, nothing written.
+#[test]
+fn collect_host_trace_refuses_an_unknown_event() {
+    let test = "collect_host_trace_refuses_an_unknown_event";
+    if !env::tracefs_available(KRATE, test) {
+        return;
+    }
+    let dir = TempDir::new("collecthostev");
+    let dat = dir.file("x.dat");
+    let args = [
+        "collect",
+        "--host-trace",
+        "nosuch:event",
+        "-o",
+        &dat,
+        "a=/nonexistent.sock",
+    ];
+    let mut col = Kid::spawn(&dir, "collect", &args);
+    let pid = col.0.id();
+    let code = col.wait("collect");
+    let err = read(&dir, "collect.err");
+    assert_eq!(code, Some(2), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains("no host kernel event matches 'nosuch:event'"),
+        "{err}"
+    );
+    assert_eq!(env::tracefs_instance(pid), None);
     assert!(!std::path::Path::new(&dat).exists());
 }

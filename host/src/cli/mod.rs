@@ -381,16 +381,17 @@ pub fn list(a: &ListArgs) -> Result<i32, CliError> {
 pub fn collect(a: &CollectArgs) -> Result<i32, CliError> {
     use crate::flight::collect::{parse_vms, CollectOpts};
     let vms = parse_vms(&a.vms).map_err(CliError::Args)?;
-    let ch = match a.output.to_str() {
-        Some(u) if hyptrace_clickhouse::is_clickhouse_url(u) => Some(
-            crate::drain::sink::clickhouse_output(u, a.format.is_some())?,
-        ),
-        _ => None,
-    };
+    let url = a
+        .output
+        .to_str()
+        .filter(|u| hyptrace_clickhouse::is_clickhouse_url(u));
     let host_spec = crate::drain::host_trace::HostTraceSpec::parse(&a.host_trace, true);
     if let Some(spec) = &host_spec {
-        collect_host_args(spec, &vms, ch.is_some())?;
+        collect_host_args(spec, &vms, url.is_some())?;
     }
+    let ch = url
+        .map(|u| crate::drain::sink::clickhouse_output(u, a.format.is_some()))
+        .transpose()?;
     let (format, target) = match &ch {
         // The parts are kept in the system's temporary directory, then stored.
         Some(_) => (Format::Dat, hyptrace_output::OutputTarget::stdout()),
