@@ -94,7 +94,8 @@ pub enum Command {
     /// or JSON with a process per VM), every VM on host CLOCK_MONOTONIC: `trace-cmd
     /// report` names each event's VM and prints one time order. Once, or `--follow` until every VM ended. Exit 0 only when every VM's
     /// part is complete; 1 when one failed (named; the others are written); 130 after
-    /// Ctrl-C (the file holds what was read).
+    /// Ctrl-C (the file holds what was read). `--host-trace EVENTS`: the host kernel's
+    /// events too, once, on the same clock, as the instance `host`.
     Collect(CollectArgs),
     /// Convert a trace (trace.dat v6/v7/zstd, ours or the kernel's, or a raw page
     /// stream) into any output format of `record`; a trace.dat with buffer instances

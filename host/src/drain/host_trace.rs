@@ -2,7 +2,9 @@
 //! recorded through tracefs in a private instance `instances/hyptrace-NS-PID-START`, on the
 //! instance's `x86-tsc` trace clock (the guest's TSC domain: docs/design.md "Host
 //! kernel events"), read from `per_cpu/cpuN/trace_pipe_raw` by one host thread and
-//! handed to the session as extra CPUs of the output.
+//! handed to the session as extra CPUs of the output. `collect --host-trace` uses the
+//! same instance and thread on the `mono` clock ([`TraceClock`]) and writes the pages
+//! as one more part (`crate::flight::collect::host`).
 //!
 //! Invariant H1 (docs/design.md): a run uses and removes only the instance it made
 //! (named after its maker, [`instance`]); it is removed when [`HostTrace`] is dropped
