@@ -599,6 +599,10 @@ fn collect_host_trace_on_the_vms_time_line() {
             .any(|l| l.contains("collect: host: ") && l.ends_with(": complete")),
         "{err}"
     );
+    assert!(
+        err.contains("2 of 2 VMs complete, the host's events complete"),
+        "{err}"
+    );
     let host_events = host_read(&err);
     assert!(host_events > 0, "{err}");
     if !env::trace_cmd_available() {
@@ -683,4 +687,62 @@ fn collect_host_trace_refuses_an_unknown_event() {
     );
     assert_eq!(env::tracefs_instance(pid), None);
     assert!(!std::path::Path::new(&dat).exists());
+}
+
+/// A host part that does not fit the VMs' (they run with 8 KiB pages, the kernel's are
+/// 4 KiB): the host is named, left out, the VMs' parts are written complete, exit 1;
+/// the instance is gone.
+#[test]
+fn collect_names_a_host_part_that_does_not_fit() {
+    let test = "collect_names_a_host_part_that_does_not_fit";
+    if !kvm_available(KRATE, test) || !env::tracefs_available(KRATE, test) {
+        return;
+    }
+    let _l = vm_lock();
+    let dir = TempDir::new("collecthostpage");
+    let (mut args, sa) = env::subscribed_vm_args(&dir, "a", 2_000);
+    args.extend(["--page-size".to_string(), "8192".to_string()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut a = Kid::spawn(&dir, "a", &args);
+    env::wait_until(
+        &mut a.0,
+        "the socket of a",
+        WALL,
+        || std::fs::symlink_metadata(&sa).is_ok_and(|m| m.file_type().is_socket()),
+        || read(&dir, "a.err"),
+    );
+    let dat = dir.file("all.dat");
+    let args = [
+        "collect",
+        "--follow",
+        "--host-trace",
+        "sched",
+        "-o",
+        &dat,
+        &sa,
+    ];
+    let mut col = Kid::spawn(&dir, "collect", &args);
+    let pid = col.0.id();
+    let code = col.wait("collect");
+    let err = read(&dir, "collect.err");
+    assert_eq!(a.wait("a"), Some(0), "{}", read(&dir, "a.err"));
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("a: cpu 0: 2000 events read, 0 lost"), "{err}");
+    assert!(
+        err.contains("1 of 1 VMs complete, the host's events INCOMPLETE"),
+        "{err}"
+    );
+    assert!(
+        err.contains("host: error: left out of the trace: "),
+        "{err}"
+    );
+    assert!(
+        err.lines()
+            .any(|l| l.contains("collect: host: ") && l.ends_with(": INCOMPLETE")),
+        "{err}"
+    );
+    assert_eq!(env::tracefs_instance(pid), None);
+    if env::trace_cmd_available() {
+        check_vm(&report(&dat), "a", 2_000);
+    }
 }

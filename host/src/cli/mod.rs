@@ -436,8 +436,13 @@ pub fn collect(a: &CollectArgs) -> Result<i32, CliError> {
         note!("hyptrace: collect: {l}");
     }
     let done = report.vms.iter().filter(|v| v.complete).count();
+    let host = match &report.host {
+        Some(h) if h.complete() && !report.interrupted => ", the host's events complete",
+        Some(_) => ", the host's events INCOMPLETE",
+        None => "",
+    };
     note!(
-        "hyptrace: collect: {} of {} VMs complete, written to {} in {:.1} ms{}",
+        "hyptrace: collect: {} of {} VMs complete{host}, written to {} in {:.1} ms{}",
         done,
         report.vms.len(),
         crate::drain::sink::shown_path(&a.output),
