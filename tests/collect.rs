@@ -547,35 +547,26 @@ fn host_read(err: &str) -> u64 {
         .sum()
 }
 
-/// `collect --follow --host-trace sched:sched_switch` of two VMMs: exit 0, each VM's
-/// accounting exact, the host's per host CPU; its tracefs instance exists while it runs
-/// and is gone after. `trace-cmd report` prints every marker of each VM (seqs 0.. in
-/// order) and exactly the host events collect counted, as sched_switch lines of the
-/// instance `host`, all in one time order, the host's time range overlapping the VMs'
-/// (one clock); `trace-cmd dump --events` lists no id >= 0x8000.
-#[test]
-fn collect_host_trace_on_the_vms_time_line() {
-    let test = "collect_host_trace_on_the_vms_time_line";
-    if !kvm_available(KRATE, test) || !env::tracefs_available(KRATE, test) {
-        return;
-    }
-    let _l = vm_lock();
-    let dir = TempDir::new("collecthost");
-    let mut a = start_vm(&dir, "a", 10_000);
-    let mut b = start_vm(&dir, "b", 15_000);
-    let dat = dir.file("all.dat");
-    let (sa, sb) = (sock(&dir, "a"), sock(&dir, "b"));
+/// Two VMMs (`a`: 10 000 markers, `b`: 15 000) collected with `--follow --host-trace
+/// sched:sched_switch` into `DIR/out`: exit 0, each VM's accounting exact, the host's per
+/// host CPU and complete; collect's tracefs instance exists while it runs and is gone
+/// after. Returns the output's path and how many host events collect counted.
+fn collect_with_host(dir: &TempDir, out: &str) -> (String, u64) {
+    let mut a = start_vm(dir, "a", 10_000);
+    let mut b = start_vm(dir, "b", 15_000);
+    let path = dir.file(out);
+    let (sa, sb) = (sock(dir, "a"), sock(dir, "b"));
     let args = [
         "collect",
         "--follow",
         "--host-trace",
         "sched:sched_switch",
         "-o",
-        &dat,
+        &path,
         &sa,
         &sb,
     ];
-    let mut col = Kid::spawn(&dir, "collect", &args);
+    let mut col = Kid::spawn(dir, "collect", &args);
     let pid = col.0.id();
     // The VMs write for seconds, and collect follows them to their end.
     env::wait_until(
@@ -583,13 +574,13 @@ fn collect_host_trace_on_the_vms_time_line() {
         "collect's tracefs instance",
         WALL,
         || env::tracefs_instance(pid).is_some(),
-        || read(&dir, "collect.err"),
+        || read(dir, "collect.err"),
     );
     let code = col.wait("collect");
-    let err = read(&dir, "collect.err");
+    let err = read(dir, "collect.err");
     assert_eq!(env::tracefs_instance(pid), None, "instance left: {err}");
-    assert_eq!(a.wait("a"), Some(0), "{}", read(&dir, "a.err"));
-    assert_eq!(b.wait("b"), Some(0), "{}", read(&dir, "b.err"));
+    assert_eq!(a.wait("a"), Some(0), "{}", read(dir, "a.err"));
+    assert_eq!(b.wait("b"), Some(0), "{}", read(dir, "b.err"));
     assert_eq!(code, Some(0), "{err}");
     assert!(err.contains("a: cpu 0: 10000 events read, 0 lost"), "{err}");
     assert!(err.contains("b: cpu 0: 15000 events read, 0 lost"), "{err}");
@@ -605,6 +596,22 @@ fn collect_host_trace_on_the_vms_time_line() {
     );
     let host_events = host_read(&err);
     assert!(host_events > 0, "{err}");
+    (path, host_events)
+}
+
+/// [`collect_with_host`] into trace.dat: `trace-cmd report` prints every marker of each
+/// VM (seqs 0.. in order) and exactly the host events collect counted, as sched_switch
+/// lines of the instance `host`, all in one time order, the host's time range
+/// overlapping the VMs' (one clock); `trace-cmd dump --events` lists no id >= 0x8000.
+#[test]
+fn collect_host_trace_on_the_vms_time_line() {
+    let test = "collect_host_trace_on_the_vms_time_line";
+    if !kvm_available(KRATE, test) || !env::tracefs_available(KRATE, test) {
+        return;
+    }
+    let _l = vm_lock();
+    let dir = TempDir::new("collecthost");
+    let (dat, host_events) = collect_with_host(&dir, "all.dat");
     if !env::trace_cmd_available() {
         return;
     }
@@ -630,7 +637,7 @@ fn collect_host_trace_on_the_vms_time_line() {
             timed(l).1
         })
         .collect();
-    assert_eq!(host.len() as u64, host_events, "{err}");
+    assert_eq!(host.len() as u64, host_events);
     assert_eq!(all.len(), 25_000 + host.len());
     assert!(
         all.windows(2).all(|w| w[0].1 <= w[1].1),
@@ -745,4 +752,52 @@ fn collect_names_a_host_part_that_does_not_fit() {
     if env::trace_cmd_available() {
         check_vm(&report(&dat), "a", 2_000);
     }
+}
+
+/// [`collect_with_host`] into Perfetto: valid against Perfetto's protos, a process per
+/// VM and one named `host`; the host's sched_switch events are ftrace events of the CPUs
+/// after the VMs' (2, 3...), exactly as many as collect counted, in the VMs' time range.
+#[test]
+fn collect_host_trace_into_perfetto() {
+    let test = "collect_host_trace_into_perfetto";
+    if !kvm_available(KRATE, test) || !env::tracefs_available(KRATE, test) {
+        return;
+    }
+    let _l = vm_lock();
+    let dir = TempDir::new("collecthostpf");
+    let (out, host_events) = collect_with_host(&dir, "all.pftrace");
+    if !env::perfetto_available() {
+        return;
+    }
+    let v: serde_json::Value =
+        serde_json::from_slice(&env::perfetto_decode(&out, true)).expect("decoder JSON");
+    let mut names: Vec<&str> = v["processes"]
+        .as_object()
+        .expect("processes")
+        .values()
+        .filter_map(|p| p["name"].as_str())
+        .collect();
+    names.sort_unstable();
+    assert_eq!(names, ["a", "b", "host"], "{}", v["processes"]);
+    let ftrace = v["ftrace"].as_array().expect("ftrace");
+    assert_eq!(ftrace.len() as u64, host_events);
+    assert!(ftrace
+        .iter()
+        .all(|e| e[0].as_u64().is_some_and(|c| c >= 2) && e[3] == "sched_switch"));
+    let ts = |e: &serde_json::Value| e[1].as_u64().expect("ts");
+    let vm: Vec<u64> = v["events"]
+        .as_array()
+        .expect("events")
+        .iter()
+        .filter(|e| e[3] == "marker")
+        .map(ts)
+        .collect();
+    assert_eq!(vm.len(), 25_000);
+    let (vm_min, vm_max) = (vm.iter().min().expect("VM"), vm.iter().max().expect("VM"));
+    let h_min = ftrace.iter().map(ts).min().expect("host");
+    let h_max = ftrace.iter().map(ts).max().expect("host");
+    assert!(
+        h_min < *vm_max && *vm_min < h_max,
+        "host {h_min}..{h_max} does not overlap the VMs' {vm_min}..{vm_max}"
+    );
 }
