@@ -602,7 +602,8 @@ fn collect_with_host(dir: &TempDir, out: &str) -> (String, u64) {
 /// [`collect_with_host`] into trace.dat: `trace-cmd report` prints every marker of each
 /// VM (seqs 0.. in order) and exactly the host events collect counted, as sched_switch
 /// lines of the instance `host`, all in one time order, the host's time range
-/// overlapping the VMs' (one clock); `trace-cmd dump --events` lists no id >= 0x8000.
+/// overlapping the VMs' (one clock), its tasks named; `trace-cmd dump --events` lists
+/// no id >= 0x8000.
 #[test]
 fn collect_host_trace_on_the_vms_time_line() {
     let test = "collect_host_trace_on_the_vms_time_line";
@@ -638,6 +639,17 @@ fn collect_host_trace_on_the_vms_time_line() {
         })
         .collect();
     assert_eq!(host.len() as u64, host_events);
+    // The host's comms are in the file's command lines (the kernel's saved_cmdlines):
+    // trace-cmd names the tasks (a task whose entry the kernel reused is `<...>`).
+    let unnamed = text
+        .lines()
+        .filter(|l| l.trim_start().starts_with("host:") && l.contains("<...>-"))
+        .count();
+    assert!(
+        unnamed * 10 < host.len(),
+        "{unnamed} of {} unnamed",
+        host.len()
+    );
     assert_eq!(all.len(), 25_000 + host.len());
     assert!(
         all.windows(2).all(|w| w[0].1 <= w[1].1),

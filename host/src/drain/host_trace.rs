@@ -806,6 +806,22 @@ impl HostTraceFeed {
             .clone()
     }
 
+    /// The kernel's comm of each task it saw switch (tracefs' global `saved_cmdlines`,
+    /// which recording `sched_switch` fills): `(pid, comm)`, at most [`MAX_TEXT`] bytes
+    /// read; a line that is not `PID COMM`, or a comm with a control character (any
+    /// user names its tasks), is skipped. Empty if unreadable.
+    pub fn saved_cmdlines(&self) -> Vec<(i32, String)> {
+        let text = read_text(&self.trace.instance.root_path("saved_cmdlines")).unwrap_or_default();
+        text.lines()
+            .filter_map(|l| {
+                let (pid, comm) = l.split_once(' ')?;
+                let pid = pid.parse::<i32>().ok().filter(|&p| p > 0)?;
+                let ok = !comm.is_empty() && !comm.chars().any(char::is_control);
+                ok.then(|| (pid, comm.to_string()))
+            })
+            .collect()
+    }
+
     /// The kernel's per-CPU loss counters (`per_cpu/cpuN/stats`).
     pub fn kernel_losses(&self) -> Vec<HostCpuLoss> {
         (0..self.nr_cpus)

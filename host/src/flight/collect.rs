@@ -290,10 +290,12 @@ pub fn collect(
             interrupted,
         });
     }
-    let mut set = assemble(&mut vms, &parts).map_err(|source| CollectError::Output {
-        path: o.out_path.to_path_buf(),
-        source,
-    })?;
+    let host_cmdlines = host.as_ref().map_or(&[][..], |h| &h.cmdlines[..]);
+    let mut set =
+        assemble(&mut vms, &parts, host_cmdlines).map_err(|source| CollectError::Output {
+            path: o.out_path.to_path_buf(),
+            source,
+        })?;
     if let Some(h) = host.as_mut().filter(|h| h.has_part) {
         let part = BufferPart {
             name: HOST_PART.into(),
@@ -364,8 +366,13 @@ fn write_sink(set: &BufferSet, o: &CollectOpts<'_>) -> Result<(), CollectError> 
 /// The parts of the VMs that have one, as one set: a part that does not fit those
 /// before it is left out (its VM incomplete, the cause kept), the others go on. The
 /// file's page size is the first part's; its top level has as many CPUs as the
-/// largest VM.
-fn assemble(vms: &mut [VmOutcome], parts: &[PathBuf]) -> Result<BufferSet, OutputError> {
+/// largest VM. Its command lines (one table for every instance) name the vCPUs, then
+/// the host's tasks of `host_cmdlines` whose pid no vCPU has.
+fn assemble(
+    vms: &mut [VmOutcome],
+    parts: &[PathBuf],
+    host_cmdlines: &[(i32, String)],
+) -> Result<BufferSet, OutputError> {
     let has_part = |v: &VmOutcome, p: &PathBuf| v.report.is_ok() && p.exists();
     let clock = Clock {
         name: COLLECT_CLOCK.into(),
@@ -373,7 +380,9 @@ fn assemble(vms: &mut [VmOutcome], parts: &[PathBuf]) -> Result<BufferSet, Outpu
     };
     let Some(first) = vms.iter().zip(parts).find(|(v, p)| has_part(v, p)) else {
         // No VM's part: the host's alone, if there is one (its pages are the kernel's).
-        return BufferSet::new(TraceMeta::guest(4096, 1, clock));
+        let mut meta = TraceMeta::guest(4096, 1, clock);
+        meta.cmdlines = host_cmdlines.iter().cloned().collect();
+        return BufferSet::new(meta);
     };
     let page_size = hyptrace_output::TraceFile::open(first.1)?.page_size;
     let nr_cpus = vms
@@ -382,7 +391,11 @@ fn assemble(vms: &mut [VmOutcome], parts: &[PathBuf]) -> Result<BufferSet, Outpu
         .max()
         .unwrap_or(1)
         .max(1);
-    let mut set = BufferSet::new(TraceMeta::guest(page_size, nr_cpus as u32, clock))?;
+    let mut meta = TraceMeta::guest(page_size, nr_cpus as u32, clock);
+    for (pid, comm) in host_cmdlines {
+        meta.cmdlines.entry(*pid).or_insert_with(|| comm.clone());
+    }
+    let mut set = BufferSet::new(meta)?;
     for (v, path) in vms.iter_mut().zip(parts) {
         if !has_part(v, path) {
             continue;

@@ -37,6 +37,8 @@ pub struct HostOutcome {
     pub has_part: bool,
     /// Why its part was left out of the trace.
     pub left_out: Option<OutputError>,
+    /// The comms of the host's tasks (`saved_cmdlines`), for the file's command lines.
+    pub cmdlines: Vec<(i32, String)>,
 }
 
 impl HostOutcome {
@@ -109,7 +111,7 @@ pub fn start(trace: HostTrace) -> Result<HostRecording, String> {
 
 /// The host part's sink: a single-buffer trace.dat v7 (zstd, as the VMs' parts), clock
 /// `mono` in ns with no conversion, the host events' formats, no command lines (the
-/// tasks are the whole host's; sched_switch names them in its fields).
+/// file's are its top level's: the host's comms go there, [`HostOutcome::cmdlines`]).
 fn open_part(
     part: &Path,
     page_size: usize,
@@ -171,6 +173,7 @@ pub fn follow_host(
     };
     let r = pump(&feed, &mut out.tally, sink.as_mut(), done, stop);
     out.kernel = feed.kernel_losses();
+    out.cmdlines = feed.saved_cmdlines();
     let summary = RunSummary {
         cpus: out
             .tally
