@@ -879,4 +879,31 @@ mod tests {
         let s = HostTraceSpec::parse(&["sched:sched_switch, irq:*".into()], false).unwrap();
         assert_eq!(s.patterns, ["sched:sched_switch", "irq:*"]);
     }
+
+    /// A page of the kernel's with `commit` (flags included) and, after its `len`
+    /// data bytes, `stored` as the lost-events count.
+    fn kernel_page(commit: u64, len: usize, stored: u64) -> Vec<u8> {
+        let mut p = vec![0u8; 4096];
+        p[8..16].copy_from_slice(&commit.to_le_bytes());
+        p[16 + len..24 + len].copy_from_slice(&stored.to_le_bytes());
+        p
+    }
+
+    #[test]
+    fn tally_counts_per_cpu_and_returns_the_loss() {
+        use hyptrace_abi::page::{RB_MISSED_EVENTS, RB_MISSED_STORED};
+        let (events, stored) = (RB_MISSED_EVENTS, RB_MISSED_STORED);
+        let mut t = HostTally::new(2);
+        assert_eq!(t.page(0, &kernel_page(8, 8, 0), 3), None);
+        assert_eq!(
+            t.page(1, &kernel_page(events | stored | 8, 8, 5), 2),
+            Some(5)
+        );
+        assert_eq!(t.page(1, &kernel_page(events | 8, 8, 7), 1), None);
+        // A CPU the tally does not have (never sent): counted nowhere, no panic.
+        assert_eq!(t.page(9, &kernel_page(events | stored, 0, 4), 1), Some(4));
+        assert_eq!(t.cpus, [(3, 0), (3, 5)]);
+        assert_eq!(t.lost(), 5);
+        assert_eq!(t.lost_pages_unknown, 1);
+    }
 }
