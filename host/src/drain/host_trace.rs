@@ -807,9 +807,9 @@ impl HostTraceFeed {
     }
 
     /// The kernel's comm of each task it saw switch (tracefs' global `saved_cmdlines`,
-    /// which recording `sched_switch` fills): `(pid, comm)`, at most 1 MiB
-    /// read; a line that is not `PID COMM`, or a comm with a control character (any
-    /// user names its tasks), is skipped. Empty if unreadable.
+    /// which recording `sched_switch` fills): `(pid, comm)`, at most 1 MiB read; a line
+    /// that is not `PID COMM`, or a comm with a control character (any user names its
+    /// tasks), is skipped. Empty if unreadable.
     pub fn saved_cmdlines(&self) -> Vec<(i32, String)> {
         let text = read_text(&self.trace.instance.root_path("saved_cmdlines")).unwrap_or_default();
         text.lines()
