@@ -318,11 +318,32 @@ fn bad_urls_exit_2_and_an_absent_server_exits_1() {
     );
 }
 
+/// A VMM of `events` markers waiting for a subscriber (`env::subscribed_vm_args`), once
+/// its control socket is there; the socket.
+fn subscribed_vm(dir: &TempDir, name: &str, events: u64) -> (std::process::Child, String) {
+    use std::os::unix::fs::FileTypeExt;
+    let (args, sock) = env::subscribed_vm_args(dir, name, events);
+    let mut vm = Command::new(BIN)
+        .args(&args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("run");
+    let is_socket = || std::fs::symlink_metadata(&sock).is_ok_and(|m| m.file_type().is_socket());
+    env::wait_until(
+        &mut vm,
+        "the socket",
+        Duration::from_secs(60),
+        is_socket,
+        String::new,
+    );
+    (vm, sock)
+}
+
 /// `collect --follow -o clickhouse://...` of two VMMs: each VM's events are rows named
 /// by its VM, all of them.
 #[test]
 fn collect_two_vms_into_rows() {
-    use std::os::unix::fs::FileTypeExt;
     let Some(_g) = ready("collect_two_vms_into_rows") else {
         return;
     };
@@ -330,22 +351,7 @@ fn collect_two_vms_into_rows() {
     let dir = TempDir::new("ch-collect");
     let mut vms = Vec::new();
     for (name, events) in [("web", 3000), ("db", 4000)] {
-        let (args, sock) = env::subscribed_vm_args(&dir, name, events);
-        let mut vm = Command::new(BIN)
-            .args(&args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("run");
-        let is_socket =
-            || std::fs::symlink_metadata(&sock).is_ok_and(|m| m.file_type().is_socket());
-        env::wait_until(
-            &mut vm,
-            "the socket",
-            Duration::from_secs(60),
-            is_socket,
-            String::new,
-        );
+        let (vm, sock) = subscribed_vm(&dir, name, events);
         vms.push((vm, format!("{name}={sock}")));
     }
     let mut args = vec![
@@ -365,4 +371,44 @@ fn collect_two_vms_into_rows() {
         ch.query("SELECT vm, count(), uniqExact(run) FROM coll.events GROUP BY vm ORDER BY vm");
     assert_eq!(per_vm, "db\t4000\t1\nweb\t3000\t1\n");
     assert_no_duplicates(&ch, "coll");
+}
+
+/// `collect --follow -o clickhouse://...` streams: a VM's rows are on the server while
+/// that VM still runs (60 000 events at 5 000/s: at least 12 s), and at the end all of
+/// them are, once.
+#[test]
+fn collect_streams_rows_while_the_vm_runs() {
+    let Some(_g) = ready("collect_streams_rows_while_the_vm_runs") else {
+        return;
+    };
+    let ch = ClickHouse::start();
+    let dir = TempDir::new("ch-collect-stream");
+    let (mut vm, sock) = subscribed_vm(&dir, "long", 60_000);
+    let url = ch.url("stream");
+    let target = format!("long={sock}");
+    let mut coll = Command::new(BIN)
+        .args(["collect", "--follow", "-o", &url, &target])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("collect");
+    let rows = || {
+        ch.try_query("SELECT count() FROM stream.events WHERE vm = 'long'")
+            .is_some_and(|(code, n)| code == 200 && n.trim().parse::<u64>().is_ok_and(|n| n > 0))
+    };
+    env::wait_until(
+        &mut vm,
+        "rows while the VM runs",
+        Duration::from_secs(60),
+        rows,
+        String::new,
+    );
+    env::wait_exit(&mut vm, "run", Duration::from_secs(120));
+    let st = env::wait_exit(&mut coll, "collect", Duration::from_secs(120));
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut coll.stderr.take().unwrap(), &mut err).unwrap();
+    assert_eq!(st.code(), Some(0), "{err}");
+    let n = ch.query("SELECT count(), uniqExact(run) FROM stream.events WHERE vm = 'long'");
+    assert_eq!(n, "60000\t1\n", "{err}");
+    assert_no_duplicates(&ch, "stream");
 }

@@ -1,7 +1,8 @@
 //! `record --format dat` compression of real guest runs (skipped without /dev/kvm unless
 //! HYPTRACE_REQUIRE_KVM=1; trace-cmd checks skipped without it unless
 //! HYPTRACE_REQUIRE_TRACE_CMD=1): zstd by default, at least 3× smaller than
-//! `--compression none` on the default workloads, read by trace-cmd event for event with
+//! `--compression none` on the default workloads (the record's own file where zstd kept
+//! pace with the rings, and always the same pages converted), read by trace-cmd event for event with
 //! the same lines as `hyptrace report`. Sizes are printed (docs/output.md).
 
 use hyptrace::env::{self, kvm_available, vm_lock, TempDir};
@@ -9,12 +10,16 @@ use hyptrace::env::{self, kvm_available, vm_lock, TempDir};
 const BIN: &str = env!("CARGO_BIN_EXE_hyptrace");
 const KRATE: &str = env!("CARGO_CRATE_NAME");
 
-fn record(path: &str, stats: &str, args: &[&str]) -> serde_json::Value {
+/// A record's stats, and whether zstd fell behind the rings (the sink's note: chunks
+/// stored at the catch-up level, which a loaded machine may need).
+fn record(path: &str, stats: &str, args: &[&str]) -> (serde_json::Value, bool) {
     let mut all = vec!["record", "-o", path, "--stats", stats];
     all.extend_from_slice(args);
     let o = env::run(BIN, &all);
     assert_eq!(o.status.code(), Some(0), "{all:?}: {}", env::stderr(&o));
-    serde_json::from_str(&std::fs::read_to_string(stats).unwrap()).unwrap()
+    let behind = env::stderr(&o).contains("stored nearly uncompressed: zstd fell behind");
+    let stats = serde_json::from_str(&std::fs::read_to_string(stats).unwrap()).unwrap();
+    (stats, behind)
 }
 
 fn report(prog: &str, args: &[&str]) -> String {
@@ -40,8 +45,8 @@ fn zstd_by_default_3x_smaller_read_by_trace_cmd() {
     for workload in ["steady", "mixed"] {
         let z = dir.file(&format!("{workload}-zstd.dat"));
         let n = dir.file(&format!("{workload}-none.dat"));
-        let zs = record(&z, &dir.file("z.json"), &["--workload", workload]);
-        let ns = record(
+        let (zs, behind) = record(&z, &dir.file("z.json"), &["--workload", workload]);
+        let (ns, _) = record(
             &n,
             &dir.file("n.json"),
             &["--workload", workload, "--compression", "none"],
@@ -76,9 +81,23 @@ fn zstd_by_default_3x_smaller_read_by_trace_cmd() {
              --compression none run: {nl} bytes",
             pages as f64 / zl as f64
         );
+        // Live, zstd keeps its level while it keeps pace; behind the rings (two CPU
+        // hogs may do that) its chunks go at the catch-up level and the sink says so:
+        // then the record's ratio is not the format's. The format's is checked on the
+        // same pages converted (no pace to keep: every chunk at the default level).
         assert!(
-            zl * 3 <= pages,
+            behind || zl * 3 <= pages,
             "{workload}: zstd {zl} bytes for {pages} of pages"
+        );
+        let c = dir.file(&format!("{workload}-converted.dat"));
+        report(BIN, &["convert", "-i", &n, "-o", &c]);
+        let cl = std::fs::metadata(&c).unwrap().len();
+        println!(
+            "{workload}: converted to zstd: {cl} bytes (zstd behind the rings live: {behind})"
+        );
+        assert!(
+            cl * 3 <= npages,
+            "{workload}: converted to zstd: {cl} bytes for {npages} of pages"
         );
         let read = |s: &serde_json::Value| -> u64 {
             s["cpus"]

@@ -6,6 +6,8 @@ use hyptrace_reader::ReadError;
 use hyptrace_writer::RingError;
 
 use super::MAX_BENCH_PAYLOAD;
+use crate::control::server::CtlError;
+use crate::drain::session::SessionError;
 use crate::pipeline::plan::PlanError;
 use crate::pipeline::report::RunReport;
 use crate::pipeline::run::RunError;
@@ -83,9 +85,57 @@ pub enum BenchError {
     /// The sustained section's flat-out runs measured no guest rate (no guest cycles).
     #[error("sustained records: the flat-out runs measured no guest rate")]
     NoFlatOut,
-    /// The subscriber row's client failed (what it got instead of an answer).
-    #[error("the bench's subscriber: {0}")]
-    Subscriber(String),
+    /// The subscriber row failed.
+    #[error("the bench's subscriber")]
+    Subscriber(#[source] SubscriberError),
+}
+
+/// Why the subscriber row's run failed: its client, or the session serving it.
+#[derive(Debug, thiserror::Error)]
+pub enum SubscriberError {
+    /// The client thread could not start.
+    #[error("cannot start its thread")]
+    Thread(#[source] std::io::Error),
+    /// The client thread panicked.
+    #[error("its thread panicked")]
+    Panicked,
+    /// A request to the bench's control socket failed.
+    #[error("{request}")]
+    Control {
+        /// Which request.
+        request: &'static str,
+        /// Why.
+        #[source]
+        source: CtlError,
+    },
+    /// An answer of another kind than its request asks for.
+    #[error("{request}: answered {got}")]
+    Answer {
+        /// Which request.
+        request: &'static str,
+        /// What came instead (its debug form).
+        got: String,
+    },
+    /// A piece that runs past its batch's bytes.
+    #[error("a piece past its batch")]
+    PiecePastBatch,
+    /// A piece whose events are not as many as it says.
+    #[error("a piece of {counted} events says {said}")]
+    PieceCount {
+        /// Events counted in it.
+        counted: u64,
+        /// Events it says.
+        said: u64,
+    },
+    /// The session serving the subscriber failed on a CPU.
+    #[error("cpu {cpu}")]
+    Session {
+        /// The CPU.
+        cpu: u32,
+        /// Why.
+        #[source]
+        source: SessionError,
+    },
 }
 
 /// The failure lines of a run's report (`reading vcpu N: …`, `writing to the sink:

@@ -58,7 +58,7 @@ mod table;
 mod writer;
 
 use drain::DrainReport;
-pub use error::BenchError;
+pub use error::{BenchError, SubscriberError};
 pub use options::{BenchArgs, BenchWhat};
 use stats::Tsc;
 use swap::SwapReport;

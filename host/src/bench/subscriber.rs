@@ -12,6 +12,7 @@ use hyptrace_abi::page::{page_header, Events, PAGE_HEADER_SIZE};
 use hyptrace_output::{Clock, Discard};
 
 use super::drain::{filled_region, ReaderDrainRow, Throughput};
+use super::error::SubscriberError;
 use super::stats::Summary;
 use super::{BenchError, Cfg};
 use crate::control::consumer::{RunMeta, Subscribers};
@@ -66,11 +67,19 @@ impl<M: hyptrace_abi::SharedMem, C: hyptrace_reader::Callbacks> Handler for Vmm<
 
 /// The client: subscribes, fetches until nothing new comes; returns (pieces, bytes of
 /// them, seconds from the first fetch).
-fn subscriber(sock: &std::path::Path) -> Result<(u64, u64, f64), String> {
-    let mut c = CtlConn::connect(sock, Duration::from_secs(30)).map_err(|e| e.to_string())?;
-    let token = match c.request(Command::Subscribe { partial: false }) {
-        Ok(Outcome::Ok(Answer::Subscribed(i))) => i.token,
-        r => return Err(format!("subscribe: {r:?}")),
+fn subscriber(sock: &std::path::Path) -> Result<(u64, u64, f64), SubscriberError> {
+    let ctl = |request| move |source| SubscriberError::Control { request, source };
+    let answer = |request, got: &dyn std::fmt::Debug| SubscriberError::Answer {
+        request,
+        got: format!("{got:?}"),
+    };
+    let mut c = CtlConn::connect(sock, Duration::from_secs(30)).map_err(ctl("connect"))?;
+    let token = match c
+        .request(Command::Subscribe { partial: false })
+        .map_err(ctl("subscribe"))?
+    {
+        Outcome::Ok(Answer::Subscribed(i)) => i.token,
+        r => return Err(answer("subscribe", &r)),
     };
     let (mut pieces, mut bytes, mut acks) = (0u64, 0u64, Vec::new());
     let fetch = |acks: Vec<Ack>| Command::Fetch {
@@ -86,26 +95,31 @@ fn subscriber(sock: &std::path::Path) -> Result<(u64, u64, f64), String> {
     loop {
         let id = match in_flight.take() {
             Some(id) => id,
-            None => c.send(fetch(acks.clone())).map_err(|e| e.to_string())?,
+            None => c.send(fetch(acks.clone())).map_err(ctl("fetch"))?,
         };
-        let b = match c.receive(id) {
-            Ok(Outcome::Ok(Answer::Pieces(b))) => b,
-            r => return Err(format!("fetch: {r:?}")),
+        let b = match c.receive(id).map_err(ctl("fetch"))? {
+            Outcome::Ok(Answer::Pieces(b)) => b,
+            r => return Err(answer("fetch", &r)),
         };
         if b.items.is_empty() {
             return Ok((pieces, bytes, t.elapsed().as_secs_f64()));
         }
         if b.bytes >= FETCH / 2 {
-            in_flight = Some(c.send(fetch(acks.clone())).map_err(|e| e.to_string())?);
+            in_flight = Some(c.send(fetch(acks.clone())).map_err(ctl("fetch"))?);
         }
         let (data, mut at) = (b.payload(), 0usize);
         for it in &b.items {
             if let BatchItem::Piece { events, len, .. } = it.item {
-                let p = data.get(at..at + len).ok_or("a piece past its batch")?;
+                let p = data
+                    .get(at..at.saturating_add(len))
+                    .ok_or(SubscriberError::PiecePastBatch)?;
                 let (ts, _) = page_header(p).unwrap_or((0, 0));
                 let n = Events::new(&p[PAGE_HEADER_SIZE..], ts).count() as u64;
                 if n != events {
-                    return Err(format!("a piece of {n} events says {events}"));
+                    return Err(SubscriberError::PieceCount {
+                        counted: n,
+                        said: events,
+                    });
                 }
                 at += len;
                 pieces += 1;
@@ -148,7 +162,7 @@ fn subscriber_once(pages: u32) -> Result<(u64, u64, f64), BenchError> {
         let client = std::thread::Builder::new()
             .name("hyptrace-sub".into())
             .spawn_scoped(s, || subscriber(&sock))
-            .map_err(|e| BenchError::Subscriber(format!("cannot start its thread: {e}")));
+            .map_err(|e| BenchError::Subscriber(SubscriberError::Thread(e)));
         let client = match client {
             Ok(c) => c,
             Err(e) => return Err(e),
@@ -161,7 +175,10 @@ fn subscriber_once(pages: u32) -> Result<(u64, u64, f64), BenchError> {
                 // its timeout.
                 drop(server);
                 let _ = client.join();
-                return Err(BenchError::Subscriber(format!("cpu {cpu}: {e}")));
+                return Err(BenchError::Subscriber(SubscriberError::Session {
+                    cpu,
+                    source: e,
+                }));
             }
             let wait = vmm.session.next_wait(POLL);
             if !wait.is_zero() {
@@ -171,7 +188,7 @@ fn subscriber_once(pages: u32) -> Result<(u64, u64, f64), BenchError> {
         server.set_waker(None);
         client
             .join()
-            .unwrap_or_else(|_| Err("the subscriber panicked".into()))
+            .unwrap_or(Err(SubscriberError::Panicked))
             .map_err(BenchError::Subscriber)
     })
 }

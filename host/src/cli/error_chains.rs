@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use hyptrace_output::OutputError;
 
-use crate::bench::BenchError;
+use crate::bench::{BenchError, SubscriberError};
 use crate::exit::chain;
 use crate::flight::trace_mem::{FileProblem, TraceMemError};
 use crate::pipeline::plan::PlanError;
@@ -62,6 +62,7 @@ fn errors() -> Vec<Box<dyn Error>> {
         }),
         Box::new(BenchError::Sink(dat_io())),
         Box::new(BenchError::TempFile(enospc())),
+        Box::new(BenchError::Subscriber(SubscriberError::Thread(enospc()))),
     ]
 }
 

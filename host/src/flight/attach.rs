@@ -144,7 +144,14 @@ pub struct AttachOpts<'a> {
     /// An error once the output is open ends the reading, not the output: it is
     /// finished with what was taken and the error is [`AttachReport::failed`].
     pub keep_on_error: bool,
+    /// Makes the output from the run's metadata instead of `target` in `format`
+    /// (`collect -o clickhouse://`: each VM's rows streamed as they are read).
+    pub sink: Option<SinkMaker<'a>>,
 }
+
+/// Makes an output sink from the subscribed run's metadata ([`AttachOpts::sink`]).
+pub type SinkMaker<'a> =
+    &'a (dyn Fn(TraceMeta) -> Result<Box<dyn PageSink + Send>, OutputError> + Sync);
 
 /// One CPU as the subscriber follows it.
 #[derive(Debug, Default, Clone, Copy)]
@@ -415,12 +422,19 @@ fn open(
     };
     meta.validate()
         .map_err(|e| untrusted(crate::exit::chain(&e)))?;
-    let sink =
-        crate::drain::sink::make_sink(o.target, o.format, hyptrace_output::Compression::Zstd, meta)
-            .map_err(|why| AttachError::Output {
-                path: o.out_path.to_path_buf(),
-                why,
-            })?;
+    let sink = match o.sink {
+        Some(make) => make(meta),
+        None => crate::drain::sink::make_sink(
+            o.target,
+            o.format,
+            hyptrace_output::Compression::Zstd,
+            meta,
+        ),
+    }
+    .map_err(|why| AttachError::Output {
+        path: o.out_path.to_path_buf(),
+        why,
+    })?;
     let knots = info.clock.knots.len() as u64;
     let sub = Subscriber {
         path: o.socket.to_path_buf(),

@@ -15,18 +15,21 @@
 //! written as text instead (`BufferSet::write_text`: merged by time, each line prefixed
 //! with its VM); with JSON or Perfetto, into one sink of that format with a process per
 //! VM (`BufferSet::sink_meta`, the pages merged by time as `convert` merges a file's).
-//! With `--host-trace`, the host kernel's events are one more part, the instance `host`
-//! ([`host`]).
+//! With `-o clickhouse://`, no part: each VM's thread streams its rows into a sink of
+//! its own (`AttachOpts::sink`), so rows arrive while the VMs run. With `--host-trace`,
+//! the host kernel's events are one more part, the instance `host` ([`host`]).
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use hyptrace_output::{BufferPart, BufferSet, Clock, OutputError, OutputTarget, TraceMeta};
+use hyptrace_output::{
+    BufferPart, BufferSet, Clock, OutputError, OutputTarget, PageSink, TraceMeta,
+};
 
 use crate::drain::host_trace::HostTrace;
 use crate::drain::sink::Format;
 use crate::exit::chain;
-use crate::flight::attach::{attach, AttachError, AttachOpts, AttachReport};
+use crate::flight::attach::{attach, AttachError, AttachOpts, AttachReport, SinkMaker};
 
 pub mod host;
 
@@ -53,8 +56,8 @@ pub struct CollectOpts<'a> {
     pub out_path: &'a Path,
     /// Polled between fetches: stop (SIGINT).
     pub stop: &'a (dyn Fn() -> bool + Sync),
-    /// `-o clickhouse://...`: each VM's part becomes rows of this server (its `vm` the
-    /// VM's name) instead of an instance of one file.
+    /// `-o clickhouse://...`: each VM's events become rows of this server as they are
+    /// read (its `vm` the VM's name) instead of an instance of one file.
     pub clickhouse: Option<(
         &'a hyptrace_clickhouse::ClickHouseUrl,
         &'a hyptrace_clickhouse::Client,
@@ -189,13 +192,30 @@ impl CollectReport {
     }
 }
 
-/// Follows one VM into its part (a thread of [`collect`]).
-fn follow_vm(o: &CollectOpts<'_>, socket: &Path, part: &Path) -> Result<AttachReport, AttachError> {
+/// Follows one VM into its part (a thread of [`collect`]), or with `-o clickhouse://`
+/// into rows of its own run (`vm` = its name), streamed as they are read: a slow or
+/// absent server back-pressures this VM's reading only (its VMM counts what its rings
+/// then drop).
+fn follow_vm(
+    o: &CollectOpts<'_>,
+    name: &str,
+    socket: &Path,
+    part: &Path,
+) -> Result<AttachReport, AttachError> {
     let target = OutputTarget::check(part).map_err(|why| AttachError::Output {
         path: part.to_path_buf(),
         why,
     })?;
     let stop = || (o.stop)();
+    let rows = o.clickhouse.map(|(url, client)| {
+        move |meta: TraceMeta| -> Result<Box<dyn PageSink + Send>, OutputError> {
+            use hyptrace_clickhouse::{ClickHouseSink, Options, RunIdentity};
+            let who = RunIdentity::new(Some(name));
+            let sink =
+                ClickHouseSink::new(client.clone(), &url.database, who, meta, Options::default())?;
+            Ok(Box::new(sink))
+        }
+    });
     attach(&AttachOpts {
         socket,
         follow: o.follow,
@@ -205,6 +225,7 @@ fn follow_vm(o: &CollectOpts<'_>, socket: &Path, part: &Path) -> Result<AttachRe
         stop: &stop,
         clock: Some(COLLECT_CLOCK),
         keep_on_error: true,
+        sink: rows.as_ref().map(|r| r as SinkMaker<'_>),
     })
 }
 
@@ -256,7 +277,7 @@ pub fn collect(
                 .vms
                 .iter()
                 .zip(&parts)
-                .map(|((_, socket), part)| s.spawn(move || follow_vm(o, socket, part)))
+                .map(|((name, socket), part)| s.spawn(move || follow_vm(o, name, socket, part)))
                 .collect();
             let results = handles
                 .into_iter()
@@ -278,8 +299,9 @@ pub fn collect(
             left_out: None,
         })
         .collect();
-    if let Some((url, client)) = o.clickhouse {
-        if !store_parts(&mut vms, &parts, url, client) {
+    if o.clickhouse.is_some() {
+        // Each VM's rows went to the server as they were read (`follow_vm`).
+        if vms.iter().all(|v| v.report.is_err()) {
             return Err(CollectError::Nothing {
                 path: o.out_path.to_path_buf(),
             });
@@ -410,37 +432,6 @@ fn assemble(
         }
     }
     Ok(set)
-}
-
-/// `collect -o clickhouse://...`: each VM's part as rows (`vm` = its name, a run id of
-/// its own), once every VM was read; a part that cannot be stored leaves its VM
-/// incomplete (the cause kept), the others go on. Whether any VM had a part.
-fn store_parts(
-    vms: &mut [VmOutcome],
-    parts: &[PathBuf],
-    url: &hyptrace_clickhouse::ClickHouseUrl,
-    client: &hyptrace_clickhouse::Client,
-) -> bool {
-    use hyptrace_clickhouse::{ClickHouseSink, Options, RunIdentity};
-    let mut any = false;
-    for (v, path) in vms.iter_mut().zip(parts) {
-        if v.report.is_err() || !path.exists() {
-            continue;
-        }
-        any = true;
-        let stored = hyptrace_output::TraceFile::open(path).and_then(|f| {
-            let meta = hyptrace_output::tracedat::meta_of(&f);
-            let who = RunIdentity::new(Some(&v.name));
-            let sink =
-                ClickHouseSink::new(client.clone(), &url.database, who, meta, Options::default())?;
-            hyptrace_output::tracedat::pump_pages(&f, Box::new(sink), &mut |_| {}, false)
-        });
-        if let Err(e) = stored {
-            v.complete = false;
-            v.left_out = Some(e);
-        }
-    }
-    any
 }
 
 /// `NAME=SOCKET` or `SOCKET` (named by its file stem): the instance name and the

@@ -518,6 +518,7 @@ fn dump_attach(
         stop: &stop,
         clock: None,
         keep_on_error: false,
+        sink: None,
     };
     let r = crate::flight::attach::attach(&o)?;
     let (ev, lost) = r.cpus.iter().fold((0u64, 0u64), |(e, l), c| {
