@@ -109,26 +109,32 @@ fn report(dat: &str) -> Vec<(String, u64, u64)> {
     markers(&String::from_utf8_lossy(&o.stdout))
 }
 
+/// An event line of a report (trace-cmd's, or collect's text): its instance and its
+/// time in ns. ` vm1:            vcpu0-1     [000] 26843.796473: marker:   seq=0 value=0`
+fn timed(l: &str) -> (String, u64) {
+    let (vm, rest) = l.trim_start().split_once(':').expect("a VM name");
+    let time = rest
+        .split_whitespace()
+        .find_map(|w| w.strip_suffix(':').filter(|t| t.contains('.')))
+        .expect("a time");
+    let (s, us) = time.split_once('.').expect("s.us");
+    let ns = s.parse::<u64>().expect("s") * 1_000_000_000
+        + us.parse::<u64>().expect("us") * 10u64.pow(9 - us.len() as u32);
+    (vm.to_string(), ns)
+}
+
 /// Per marker line of a report (trace-cmd's, or collect's text): (VM name, seq, ns).
 fn markers(text: &str) -> Vec<(String, u64, u64)> {
     let mut v = Vec::new();
     for l in text.lines().filter(|l| l.contains(" marker: ")) {
-        // ` vm1:            vcpu0-1     [000] 26843.796473: marker:   seq=0 value=0`
-        let (vm, rest) = l.trim_start().split_once(':').expect("a VM name");
-        let time = rest
-            .split_whitespace()
-            .find_map(|w| w.strip_suffix(':').filter(|t| t.contains('.')))
-            .expect("a time");
-        let (s, us) = time.split_once('.').expect("s.us");
-        let ns = s.parse::<u64>().expect("s") * 1_000_000_000
-            + us.parse::<u64>().expect("us") * 10u64.pow(9 - us.len() as u32);
+        let (vm, ns) = timed(l);
         let seq = l
             .split("seq=")
             .nth(1)
             .and_then(|r| r.split_whitespace().next())
             .and_then(|s| s.parse().ok())
             .expect("seq");
-        v.push((vm.to_string(), seq, ns));
+        v.push((vm, seq, ns));
     }
     v
 }
@@ -505,9 +511,305 @@ fn collect_refuses_bad_arguments() {
             vec!["collect", "-o", "x.raw", "a=/x"],
             "collect writes trace.dat v7, text, JSON or Perfetto",
         ),
+        (
+            vec!["collect", "--host-trace", "sched:*", "-o", &dat, "host=/x"],
+            "a VM named host",
+        ),
+        (
+            vec![
+                "collect",
+                "--host-trace",
+                "sched:*",
+                "-o",
+                "clickhouse://127.0.0.1:1/db",
+                "a=/x",
+            ],
+            "collect stores no host events in ClickHouse",
+        ),
     ] {
         let o = env::run(BIN, &args);
         env::assert_usage_error(&o, &format!("{args:?}"), needle);
     }
     assert!(!std::path::Path::new(&dat).exists());
+}
+
+/// `HOST: cpu N: R events read, ...` lines of collect's stderr: R summed.
+fn host_read(err: &str) -> u64 {
+    err.lines()
+        .filter_map(|l| l.split("collect: host: cpu ").nth(1))
+        .map(|r| {
+            let n = r
+                .split(": ")
+                .nth(1)
+                .and_then(|r| r.split_whitespace().next());
+            n.and_then(|n| n.parse::<u64>().ok()).expect("a count")
+        })
+        .sum()
+}
+
+/// Two VMMs (`a`: 10 000 markers, `b`: 15 000) collected with `--follow --host-trace
+/// sched:sched_switch` into `DIR/out`: exit 0, each VM's accounting exact, the host's per
+/// host CPU and complete; collect's tracefs instance exists while it runs and is gone
+/// after. Returns the output's path and how many host events collect counted.
+fn collect_with_host(dir: &TempDir, out: &str) -> (String, u64) {
+    let mut a = start_vm(dir, "a", 10_000);
+    let mut b = start_vm(dir, "b", 15_000);
+    let path = dir.file(out);
+    let (sa, sb) = (sock(dir, "a"), sock(dir, "b"));
+    let args = [
+        "collect",
+        "--follow",
+        "--host-trace",
+        "sched:sched_switch",
+        "-o",
+        &path,
+        &sa,
+        &sb,
+    ];
+    let mut col = Kid::spawn(dir, "collect", &args);
+    let pid = col.0.id();
+    // The VMs write for seconds, and collect follows them to their end.
+    env::wait_until(
+        &mut col.0,
+        "collect's tracefs instance",
+        WALL,
+        || env::tracefs_instance(pid).is_some(),
+        || read(dir, "collect.err"),
+    );
+    let code = col.wait("collect");
+    let err = read(dir, "collect.err");
+    assert_eq!(env::tracefs_instance(pid), None, "instance left: {err}");
+    assert_eq!(a.wait("a"), Some(0), "{}", read(dir, "a.err"));
+    assert_eq!(b.wait("b"), Some(0), "{}", read(dir, "b.err"));
+    assert_eq!(code, Some(0), "{err}");
+    assert!(err.contains("a: cpu 0: 10000 events read, 0 lost"), "{err}");
+    assert!(err.contains("b: cpu 0: 15000 events read, 0 lost"), "{err}");
+    assert!(err.contains("collect: host: cpu 0: "), "{err}");
+    assert!(
+        err.lines()
+            .any(|l| l.contains("collect: host: ") && l.ends_with(": complete")),
+        "{err}"
+    );
+    assert!(
+        err.contains("2 of 2 VMs complete, the host's events complete"),
+        "{err}"
+    );
+    let host_events = host_read(&err);
+    assert!(host_events > 0, "{err}");
+    (path, host_events)
+}
+
+/// [`collect_with_host`] into trace.dat: `trace-cmd report` prints every marker of each
+/// VM (seqs 0.. in order) and exactly the host events collect counted, as sched_switch
+/// lines of the instance `host`, all in one time order, the host's time range
+/// overlapping the VMs' (one clock), its tasks named; `trace-cmd dump --events` lists
+/// no id >= 0x8000.
+#[test]
+fn collect_host_trace_on_the_vms_time_line() {
+    let test = "collect_host_trace_on_the_vms_time_line";
+    if !kvm_available(KRATE, test) || !env::tracefs_available(KRATE, test) {
+        return;
+    }
+    let _l = vm_lock();
+    let dir = TempDir::new("collecthost");
+    let (dat, host_events) = collect_with_host(&dir, "all.dat");
+    if !env::trace_cmd_available() {
+        return;
+    }
+    let o = Command::new("trace-cmd")
+        .args(["report", "-i", &dat])
+        .output()
+        .expect("trace-cmd");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let text = String::from_utf8_lossy(&o.stdout);
+    let lines = markers(&text);
+    check_vm(&lines, "a", 10_000);
+    check_vm(&lines, "b", 15_000);
+    let all: Vec<(String, u64)> = text
+        .lines()
+        .filter(|l| !l.starts_with("cpus="))
+        .map(timed)
+        .collect();
+    let host: Vec<u64> = text
+        .lines()
+        .filter(|l| l.trim_start().starts_with("host:"))
+        .map(|l| {
+            assert!(l.contains(" sched_switch: "), "{l}");
+            timed(l).1
+        })
+        .collect();
+    assert_eq!(host.len() as u64, host_events);
+    // The host's comms are in the file's command lines (the kernel's saved_cmdlines):
+    // trace-cmd names the tasks (a task whose entry the kernel reused is `<...>`).
+    let unnamed = text
+        .lines()
+        .filter(|l| l.trim_start().starts_with("host:") && l.contains("<...>-"))
+        .count();
+    assert!(
+        unnamed * 10 < host.len(),
+        "{unnamed} of {} unnamed",
+        host.len()
+    );
+    assert_eq!(all.len(), 25_000 + host.len());
+    assert!(
+        all.windows(2).all(|w| w[0].1 <= w[1].1),
+        "not in one time order"
+    );
+    let vm = lines.iter().map(|l| l.2);
+    let (vm_min, vm_max) = (vm.clone().min().expect("VM"), vm.max().expect("VM"));
+    let (h_min, h_max) = (host[0], host[host.len() - 1]);
+    assert!(
+        h_min < vm_max && vm_min < h_max,
+        "host {h_min}..{h_max} does not overlap the VMs' {vm_min}..{vm_max}"
+    );
+    let o = Command::new("trace-cmd")
+        .args(["dump", "--events", &dat])
+        .output()
+        .expect("trace-cmd dump");
+    let dump = String::from_utf8_lossy(&o.stdout);
+    let ids: Vec<u32> = dump
+        .lines()
+        .filter_map(|l| l.strip_prefix("ID: "))
+        .map(|n| n.trim().parse().expect("an id"))
+        .collect();
+    assert!(ids.len() > 1, "{dump}");
+    assert!(ids.iter().all(|&id| id < 0x8000), "{ids:?}");
+}
+
+/// `collect --host-trace` with an event no kernel has: exit 2, one line naming it,
+/// no instance left, nothing written.
+#[test]
+fn collect_host_trace_refuses_an_unknown_event() {
+    let test = "collect_host_trace_refuses_an_unknown_event";
+    if !env::tracefs_available(KRATE, test) {
+        return;
+    }
+    let dir = TempDir::new("collecthostev");
+    let dat = dir.file("x.dat");
+    let args = [
+        "collect",
+        "--host-trace",
+        "nosuch:event",
+        "-o",
+        &dat,
+        "a=/nonexistent.sock",
+    ];
+    let mut col = Kid::spawn(&dir, "collect", &args);
+    let pid = col.0.id();
+    let code = col.wait("collect");
+    let err = read(&dir, "collect.err");
+    assert_eq!(code, Some(2), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains("no host kernel event matches 'nosuch:event'"),
+        "{err}"
+    );
+    assert_eq!(env::tracefs_instance(pid), None);
+    assert!(!std::path::Path::new(&dat).exists());
+}
+
+/// A host part that does not fit the VMs' (they run with 8 KiB pages, the kernel's are
+/// 4 KiB): the host is named, left out, the VMs' parts are written complete, exit 1;
+/// the instance is gone.
+#[test]
+fn collect_names_a_host_part_that_does_not_fit() {
+    let test = "collect_names_a_host_part_that_does_not_fit";
+    if !kvm_available(KRATE, test) || !env::tracefs_available(KRATE, test) {
+        return;
+    }
+    let _l = vm_lock();
+    let dir = TempDir::new("collecthostpage");
+    let (mut args, sa) = env::subscribed_vm_args(&dir, "a", 2_000);
+    args.extend(["--page-size".to_string(), "8192".to_string()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut a = Kid::spawn(&dir, "a", &args);
+    env::wait_until(
+        &mut a.0,
+        "the socket of a",
+        WALL,
+        || std::fs::symlink_metadata(&sa).is_ok_and(|m| m.file_type().is_socket()),
+        || read(&dir, "a.err"),
+    );
+    let dat = dir.file("all.dat");
+    let args = [
+        "collect",
+        "--follow",
+        "--host-trace",
+        "sched",
+        "-o",
+        &dat,
+        &sa,
+    ];
+    let mut col = Kid::spawn(&dir, "collect", &args);
+    let pid = col.0.id();
+    let code = col.wait("collect");
+    let err = read(&dir, "collect.err");
+    assert_eq!(a.wait("a"), Some(0), "{}", read(&dir, "a.err"));
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("a: cpu 0: 2000 events read, 0 lost"), "{err}");
+    assert!(
+        err.contains("1 of 1 VMs complete, the host's events INCOMPLETE"),
+        "{err}"
+    );
+    assert!(
+        err.contains("host: error: left out of the trace: "),
+        "{err}"
+    );
+    assert!(
+        err.lines()
+            .any(|l| l.contains("collect: host: ") && l.ends_with(": INCOMPLETE")),
+        "{err}"
+    );
+    assert_eq!(env::tracefs_instance(pid), None);
+    if env::trace_cmd_available() {
+        check_vm(&report(&dat), "a", 2_000);
+    }
+}
+
+/// [`collect_with_host`] into Perfetto: valid against Perfetto's protos, a process per
+/// VM and one named `host`; the host's sched_switch events are ftrace events of the CPUs
+/// after the VMs' (2, 3...), exactly as many as collect counted, in the VMs' time range.
+#[test]
+fn collect_host_trace_into_perfetto() {
+    let test = "collect_host_trace_into_perfetto";
+    if !kvm_available(KRATE, test) || !env::tracefs_available(KRATE, test) {
+        return;
+    }
+    let _l = vm_lock();
+    let dir = TempDir::new("collecthostpf");
+    let (out, host_events) = collect_with_host(&dir, "all.pftrace");
+    if !env::perfetto_available() {
+        return;
+    }
+    let v: serde_json::Value =
+        serde_json::from_slice(&env::perfetto_decode(&out, true)).expect("decoder JSON");
+    let mut names: Vec<&str> = v["processes"]
+        .as_object()
+        .expect("processes")
+        .values()
+        .filter_map(|p| p["name"].as_str())
+        .collect();
+    names.sort_unstable();
+    assert_eq!(names, ["a", "b", "host"], "{}", v["processes"]);
+    let ftrace = v["ftrace"].as_array().expect("ftrace");
+    assert_eq!(ftrace.len() as u64, host_events);
+    assert!(ftrace
+        .iter()
+        .all(|e| e[0].as_u64().is_some_and(|c| c >= 2) && e[3] == "sched_switch"));
+    let ts = |e: &serde_json::Value| e[1].as_u64().expect("ts");
+    let vm: Vec<u64> = v["events"]
+        .as_array()
+        .expect("events")
+        .iter()
+        .filter(|e| e[3] == "marker")
+        .map(ts)
+        .collect();
+    assert_eq!(vm.len(), 25_000);
+    let (vm_min, vm_max) = (vm.iter().min().expect("VM"), vm.iter().max().expect("VM"));
+    let h_min = ftrace.iter().map(ts).min().expect("host");
+    let h_max = ftrace.iter().map(ts).max().expect("host");
+    assert!(
+        h_min < *vm_max && *vm_min < h_max,
+        "host {h_min}..{h_max} does not overlap the VMs' {vm_min}..{vm_max}"
+    );
 }

@@ -11,7 +11,7 @@ use hyptrace::env::{self, kvm_available, vm_lock, TempDir};
 
 const BIN: &str = env!("CARGO_BIN_EXE_hyptrace");
 const KRATE: &str = env!("CARGO_CRATE_NAME");
-const TRACEFS: &str = "/sys/kernel/tracing";
+const TRACEFS: &str = env::TRACEFS;
 const VCPUS: u32 = 2;
 /// A short run with `--host-trace` (what the input-error tests refuse).
 const RUN_HOST_TRACE: [&str; 5] = [
@@ -24,40 +24,14 @@ const RUN_HOST_TRACE: [&str; 5] = [
 /// A gap in a vCPU's guest events longer than this must be its thread switched out.
 const GAP_NS: u128 = 1_000_000;
 
-/// Whether tracefs instances can be made here (else the test is skipped, or fails with
-/// HYPTRACE_REQUIRE_TRACEFS=1).
+/// Whether tracefs instances can be made here ([`env::tracefs_available`]).
 fn tracefs_available(test: &str) -> bool {
-    static PROBES: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-    let n = PROBES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let probe = Path::new(TRACEFS)
-        .join("instances")
-        .join(format!("hyptrace-probe-{}-{n}", std::process::id()));
-    let ok = std::fs::create_dir(&probe).is_ok();
-    if ok {
-        std::fs::remove_dir(&probe).expect("remove the probe instance");
-    } else {
-        assert!(
-            std::env::var("HYPTRACE_REQUIRE_TRACEFS").as_deref() != Ok("1"),
-            "{test}: no writable {TRACEFS}/instances"
-        );
-        eprintln!("{KRATE}::{test}: skipped: no writable {TRACEFS}/instances");
-    }
-    ok
+    env::tracefs_available(KRATE, test)
 }
 
-/// The tracefs instance process `pid` made (`hyptrace-NS-PID-START`), if there is one.
+/// The tracefs instance process `pid` made ([`env::tracefs_instance`]).
 fn instance(pid: u32) -> Option<std::path::PathBuf> {
-    let pid = pid.to_string();
-    std::fs::read_dir(Path::new(TRACEFS).join("instances"))
-        .ok()?
-        .flatten()
-        .find(|e| {
-            e.file_name()
-                .to_str()
-                .and_then(|n| n.strip_prefix("hyptrace-"))
-                .is_some_and(|r| r.split('-').nth(1) == Some(pid.as_str()))
-        })
-        .map(|e| e.path())
+    env::tracefs_instance(pid)
 }
 
 /// A CPU hog pinned to CPU `cpu`, killed when dropped.

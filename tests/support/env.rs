@@ -269,3 +269,42 @@ impl Drop for TempDir {
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }
+
+/// Where the host-trace tests expect tracefs.
+pub const TRACEFS: &str = "/sys/kernel/tracing";
+
+/// Whether tracefs instances can be made here (else the test is skipped, or fails with
+/// HYPTRACE_REQUIRE_TRACEFS=1).
+pub fn tracefs_available(krate: &str, test: &str) -> bool {
+    static PROBES: AtomicU32 = AtomicU32::new(0);
+    let n = PROBES.fetch_add(1, Ordering::Relaxed);
+    let probe = Path::new(TRACEFS)
+        .join("instances")
+        .join(format!("hyptrace-probe-{}-{n}", std::process::id()));
+    let ok = std::fs::create_dir(&probe).is_ok();
+    if ok {
+        std::fs::remove_dir(&probe).expect("remove the probe instance");
+    } else {
+        assert!(
+            std::env::var("HYPTRACE_REQUIRE_TRACEFS").as_deref() != Ok("1"),
+            "{test}: no writable {TRACEFS}/instances"
+        );
+        eprintln!("{krate}::{test}: skipped: no writable {TRACEFS}/instances");
+    }
+    ok
+}
+
+/// The tracefs instance process `pid` made (`hyptrace-NS-PID-START`), if there is one.
+pub fn tracefs_instance(pid: u32) -> Option<PathBuf> {
+    let pid = pid.to_string();
+    std::fs::read_dir(Path::new(TRACEFS).join("instances"))
+        .ok()?
+        .flatten()
+        .find(|e| {
+            e.file_name()
+                .to_str()
+                .and_then(|n| n.strip_prefix("hyptrace-"))
+                .is_some_and(|r| r.split('-').nth(1) == Some(pid.as_str()))
+        })
+        .map(|e| e.path())
+}

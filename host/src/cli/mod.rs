@@ -94,7 +94,8 @@ pub enum Command {
     /// or JSON with a process per VM), every VM on host CLOCK_MONOTONIC: `trace-cmd
     /// report` names each event's VM and prints one time order. Once, or `--follow` until every VM ended. Exit 0 only when every VM's
     /// part is complete; 1 when one failed (named; the others are written); 130 after
-    /// Ctrl-C (the file holds what was read).
+    /// Ctrl-C (the file holds what was read). `--host-trace EVENTS`: the host kernel's
+    /// events too, once, on the same clock, as the instance `host`.
     Collect(CollectArgs),
     /// Convert a trace (trace.dat v6/v7/zstd, ours or the kernel's, or a raw page
     /// stream) into any output format of `record`; a trace.dat with buffer instances
@@ -381,12 +382,17 @@ pub fn list(a: &ListArgs) -> Result<i32, CliError> {
 pub fn collect(a: &CollectArgs) -> Result<i32, CliError> {
     use crate::flight::collect::{parse_vms, CollectOpts};
     let vms = parse_vms(&a.vms).map_err(CliError::Args)?;
-    let ch = match a.output.to_str() {
-        Some(u) if hyptrace_clickhouse::is_clickhouse_url(u) => Some(
-            crate::drain::sink::clickhouse_output(u, a.format.is_some())?,
-        ),
-        _ => None,
-    };
+    let url = a
+        .output
+        .to_str()
+        .filter(|u| hyptrace_clickhouse::is_clickhouse_url(u));
+    let host_spec = crate::drain::host_trace::HostTraceSpec::parse(&a.host_trace, true);
+    if let Some(spec) = &host_spec {
+        collect_host_args(spec, &vms, url.is_some())?;
+    }
+    let ch = url
+        .map(|u| crate::drain::sink::clickhouse_output(u, a.format.is_some()))
+        .transpose()?;
     let (format, target) = match &ch {
         // The parts are kept in the system's temporary directory, then stored.
         Some(_) => (Format::Dat, hyptrace_output::OutputTarget::stdout()),
@@ -404,6 +410,15 @@ pub fn collect(a: &CollectArgs) -> Result<i32, CliError> {
             (format, a.files.check(&a.output, "-o")?)
         }
     };
+    // tracefs checked, the instance made (exit 2 when it cannot work), before any VM is
+    // subscribed to.
+    let host = host_spec
+        .map(|spec| {
+            use crate::drain::host_trace::{tracefs_root, HostTrace, TraceClock};
+            HostTrace::prepare(&tracefs_root(), &spec, TraceClock::Mono)
+                .map_err(|e| CliError::Run(RunError::HostTrace(e)))
+        })
+        .transpose()?;
     let interrupts = Interrupts::install()?;
     let stop = || interrupts.stop_requested();
     let started = std::time::Instant::now();
@@ -417,13 +432,18 @@ pub fn collect(a: &CollectArgs) -> Result<i32, CliError> {
         interrupts: Some(interrupts),
         clickhouse: ch.as_ref().map(|(u, c)| (u, c)),
     };
-    let report = crate::flight::collect::collect(&o).map_err(CliError::Collect)?;
+    let report = crate::flight::collect::collect(&o, host).map_err(CliError::Collect)?;
     for l in report.lines() {
         note!("hyptrace: collect: {l}");
     }
     let done = report.vms.iter().filter(|v| v.complete).count();
+    let host = match &report.host {
+        Some(h) if h.complete() && !report.interrupted => ", the host's events complete",
+        Some(_) => ", the host's events INCOMPLETE",
+        None => "",
+    };
     note!(
-        "hyptrace: collect: {} of {} VMs complete, written to {} in {:.1} ms{}",
+        "hyptrace: collect: {} of {} VMs complete{host}, written to {} in {:.1} ms{}",
         done,
         report.vms.len(),
         crate::drain::sink::shown_path(&a.output),
@@ -435,6 +455,30 @@ pub fn collect(a: &CollectArgs) -> Result<i32, CliError> {
         }
     );
     Ok(report.exit_code())
+}
+
+/// `collect --host-trace`'s refusals (exit 2): an empty EVENTS, a ClickHouse output, a
+/// VM named as the host's instance.
+fn collect_host_args(
+    spec: &crate::drain::host_trace::HostTraceSpec,
+    vms: &[(String, std::path::PathBuf)],
+    clickhouse: bool,
+) -> Result<(), CliError> {
+    use crate::flight::collect::HOST_PART;
+    if spec.patterns.is_empty() {
+        return Err(CliError::Args("--host-trace: no event named".into()));
+    }
+    if clickhouse {
+        return Err(CliError::Args(
+            "--host-trace: collect stores no host events in ClickHouse (write a file)".into(),
+        ));
+    }
+    if vms.iter().any(|(n, _)| n == HOST_PART) {
+        return Err(CliError::Args(format!(
+            "a VM named {HOST_PART}: with --host-trace that is the host's instance (give it another NAME=)"
+        )));
+    }
+    Ok(())
 }
 
 /// `hyptrace ctl`: prints an `ok` reply's payload on stdout (exit 0), an `err` reply on

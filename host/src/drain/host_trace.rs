@@ -2,7 +2,9 @@
 //! recorded through tracefs in a private instance `instances/hyptrace-NS-PID-START`, on the
 //! instance's `x86-tsc` trace clock (the guest's TSC domain: docs/design.md "Host
 //! kernel events"), read from `per_cpu/cpuN/trace_pipe_raw` by one host thread and
-//! handed to the session as extra CPUs of the output.
+//! handed to the session as extra CPUs of the output. `collect --host-trace` uses the
+//! same instance and thread on the `mono` clock ([`TraceClock`]) and writes the pages
+//! as one more part (`crate::flight::collect::host`).
 //!
 //! Invariant H1 (docs/design.md): a run uses and removes only the instance it made
 //! (named after its maker, [`instance`]); it is removed when [`HostTrace`] is dropped
@@ -29,7 +31,7 @@ use std::time::{Duration, Instant};
 use hyptrace_abi::page::{decode_record, Record, PAGE_HEADER_SIZE};
 use hyptrace_abi::registry::{FIRST_HOST_KERNEL_ID, FIRST_VMM_ID};
 use hyptrace_output::format::{glob, HeaderPage};
-use hyptrace_output::EventFormat;
+use hyptrace_output::{page_missed, EventFormat, Missed};
 
 pub mod instance;
 pub mod procfs;
@@ -98,9 +100,14 @@ pub enum HostTraceError {
     /// Too many events for the id range.
     #[error("--host-trace: {0} events selected, at most {max}", max = FIRST_VMM_ID - FIRST_HOST_KERNEL_ID)]
     TooMany(usize),
-    /// The instance has no x86-tsc trace clock.
-    #[error("--host-trace: the kernel has no x86-tsc trace clock (trace_clock offers: {0})")]
-    NoTscClock(String),
+    /// The instance has not the trace clock asked for.
+    #[error("--host-trace: the kernel has no {want} trace clock (trace_clock offers: {offers})")]
+    NoClock {
+        /// The clock asked for.
+        want: &'static str,
+        /// What `trace_clock` offers.
+        offers: String,
+    },
     /// A format file could not be parsed.
     #[error("--host-trace: {path}", path = .path.display())]
     Format {
@@ -203,6 +210,25 @@ pub(crate) fn selects(pat: &str, sys: &str, name: &str) -> bool {
     }
 }
 
+/// The trace clock of the instance.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TraceClock {
+    /// `x86-tsc`, the host's TSC (`run`/`record`: the run's clock map converts it).
+    Tsc,
+    /// `mono`, CLOCK_MONOTONIC nanoseconds (`collect`: the time line of every VM).
+    Mono,
+}
+
+impl TraceClock {
+    /// Its name in tracefs' `trace_clock`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Tsc => "x86-tsc",
+            Self::Mono => "mono",
+        }
+    }
+}
+
 /// An instance set up (clock, events chosen, formats read), not yet recording.
 #[derive(Debug)]
 pub struct HostTrace {
@@ -214,13 +240,18 @@ pub struct HostTrace {
     kernel_page: usize,
     nr_cpus: u32,
     all: bool,
+    clock: TraceClock,
 }
 
 impl HostTrace {
     /// Creates the instance under `root` (tracefs), removes dead runs' instances, sets
-    /// the `x86-tsc` clock and reads the formats of the events `spec` selects. Nothing
-    /// is recorded yet.
-    pub fn prepare(root: &Path, spec: &HostTraceSpec) -> Result<Self, HostTraceError> {
+    /// the trace clock `clock` and reads the formats of the events `spec` selects.
+    /// Nothing is recorded yet.
+    pub fn prepare(
+        root: &Path,
+        spec: &HostTraceSpec,
+        clock: TraceClock,
+    ) -> Result<Self, HostTraceError> {
         // H1: the filter must name the vCPU threads as the kernel does, or it names
         // nobody and the run records no host event.
         if !spec.all {
@@ -230,11 +261,14 @@ impl HostTrace {
         let clocks = read_text(&instance.path("trace_clock"))?;
         if !clocks
             .split_whitespace()
-            .any(|c| c.trim_matches(['[', ']']) == "x86-tsc")
+            .any(|c| c.trim_matches(['[', ']']) == clock.name())
         {
-            return Err(HostTraceError::NoTscClock(clocks.trim().to_string()));
+            return Err(HostTraceError::NoClock {
+                want: clock.name(),
+                offers: clocks.trim().to_string(),
+            });
         }
-        write_text(&instance.path("trace_clock"), "x86-tsc")?;
+        write_text(&instance.path("trace_clock"), clock.name())?;
         write_text(&instance.path("tracing_on"), "0")?;
         write_text(&instance.path("buffer_size_kb"), &BUFFER_KB.to_string())?;
         let hp = instance.path("events/header_page");
@@ -264,7 +298,14 @@ impl HostTrace {
             kernel_page,
             nr_cpus,
             all: spec.all,
+            clock,
         })
+    }
+
+    /// The kernel's page size (`events/header_page`): the smallest page size a
+    /// [`HostTrace::start`] takes.
+    pub fn kernel_page(&self) -> usize {
+        self.kernel_page
     }
 
     /// The formats of the selected events, with our ids (H2).
@@ -279,7 +320,9 @@ impl HostTrace {
 
     /// Starts recording: the event filter on the vCPU threads (unless `--host-trace-all`),
     /// the events enabled, and the reader thread, which hands pages of `page_size`
-    /// bytes (the run's) stamped in the guest's TSC domain (`+ tsc_offset`).
+    /// bytes (the run's). On [`TraceClock::Tsc`] they are stamped in the guest's TSC
+    /// domain (`+ tsc_offset`; `tsc_khz` sets the quiet notes' margin); on
+    /// [`TraceClock::Mono`] they carry CLOCK_MONOTONIC ns and the pair is not used.
     pub fn start(
         self,
         vcpus: u32,
@@ -332,8 +375,13 @@ impl HostTrace {
             ids: self.ids.clone(),
             kernel_page: self.kernel_page,
             page_size,
-            tsc_offset,
-            margin: tsc_khz.saturating_mul(QUIET_MARGIN_MS),
+            stamps: match self.clock {
+                TraceClock::Tsc => Stamps::Tsc {
+                    offset: tsc_offset,
+                    margin: tsc_khz.saturating_mul(QUIET_MARGIN_MS),
+                },
+                TraceClock::Mono => Stamps::Mono,
+            },
             shared: Arc::clone(&shared),
         };
         let thread = std::thread::Builder::new()
@@ -436,19 +484,21 @@ pub fn vcpu_tids(n: u32, wait: Duration) -> Vec<(u32, i32)> {
 #[derive(Debug)]
 pub enum Fed {
     /// One page of host CPU `cpu`, `page_size` bytes, ids renumbered, timestamps in the
-    /// guest's TSC domain.
+    /// guest's TSC domain (on [`TraceClock::Mono`]: CLOCK_MONOTONIC ns).
     Page {
         /// Host CPU.
         cpu: u32,
         /// The page.
         page: Vec<u8>,
+        /// The data events it holds (as far as they decode).
+        events: u64,
     },
-    /// Host CPU `cpu`'s ring was empty after TSC `tsc` (guest domain): nothing older
-    /// is still to come from it.
+    /// Host CPU `cpu`'s ring was empty after TSC `tsc` (guest domain; on
+    /// [`TraceClock::Mono`]: ns): nothing older is still to come from it.
     Quiet {
         /// Host CPU.
         cpu: u32,
-        /// The TSC taken before the read that found it empty.
+        /// The time taken before the read that found it empty.
         tsc: u64,
     },
 }
@@ -463,6 +513,36 @@ struct FeedShared {
     error: std::sync::Mutex<Option<String>>,
 }
 
+/// How the reader thread stamps what it hands on.
+#[derive(Clone, Copy, Debug)]
+enum Stamps {
+    /// Host TSC + `offset` (the guest's domain); `margin`: [`QUIET_MARGIN_MS`] in cycles.
+    Tsc { offset: i64, margin: u64 },
+    /// CLOCK_MONOTONIC ns as the kernel's pages have them.
+    Mono,
+}
+
+impl Stamps {
+    /// What a page's times are shifted by.
+    fn offset(self) -> i64 {
+        match self {
+            Self::Tsc { offset, .. } => offset,
+            Self::Mono => 0,
+        }
+    }
+
+    /// The time of a quiet note for a read that starts now.
+    fn quiet_from_now(self) -> u64 {
+        match self {
+            Self::Tsc { offset, margin } => crate::vmm::time::host_tsc()
+                .wrapping_add_signed(offset)
+                .saturating_sub(margin),
+            Self::Mono => crate::vmm::time::monotonic_ns()
+                .saturating_sub(QUIET_MARGIN_MS.saturating_mul(1_000_000)),
+        }
+    }
+}
+
 /// The reader thread's state.
 struct Pump {
     files: Vec<File>,
@@ -470,9 +550,7 @@ struct Pump {
     ids: BTreeMap<u16, u16>,
     kernel_page: usize,
     page_size: usize,
-    tsc_offset: i64,
-    /// [`QUIET_MARGIN_MS`] in TSC cycles.
-    margin: u64,
+    stamps: Stamps,
     shared: Arc<FeedShared>,
 }
 
@@ -526,7 +604,7 @@ impl Pump {
     /// One read of `cpu`'s `trace_pipe_raw`: `Ok(true)` a page went out, `Ok(false)`
     /// empty, `Err` the session is gone or the file failed (recorded).
     fn read_one(&mut self, cpu: usize, buf: &mut [u8]) -> Result<bool, ()> {
-        let tsc = crate::vmm::time::host_tsc().wrapping_add_signed(self.tsc_offset);
+        let quiet = self.stamps.quiet_from_now();
         let n = match self.files[cpu].read(buf) {
             Ok(0) => 0,
             Ok(n) => n,
@@ -539,17 +617,14 @@ impl Pump {
         };
         let cpu = cpu as u32;
         let msg = if n < PAGE_HEADER_SIZE {
-            Fed::Quiet {
-                cpu,
-                tsc: tsc.saturating_sub(self.margin),
-            }
+            Fed::Quiet { cpu, tsc: quiet }
         } else {
             let mut page = vec![0u8; self.page_size];
             page[..n].copy_from_slice(&buf[..n]);
             let events = self.rewrite(&mut page);
             self.shared.pages.fetch_add(1, Ordering::Relaxed);
             self.shared.events.fetch_add(events, Ordering::Relaxed);
-            Fed::Page { cpu, page }
+            Fed::Page { cpu, page, events }
         };
         let page = matches!(msg, Fed::Page { .. });
         match self.tx.try_send(msg) {
@@ -566,7 +641,7 @@ impl Pump {
     /// decode (the sinks see and report the same).
     fn rewrite(&self, page: &mut [u8]) -> u64 {
         let ts = u64::from_le_bytes(page[..8].try_into().unwrap_or_default());
-        page[..8].copy_from_slice(&ts.wrapping_add_signed(self.tsc_offset).to_le_bytes());
+        page[..8].copy_from_slice(&ts.wrapping_add_signed(self.stamps.offset()).to_le_bytes());
         let commit = u64::from_le_bytes(page[8..16].try_into().unwrap_or_default());
         let len = (commit & hyptrace_abi::page::COMMIT_LEN_MASK) as usize;
         let end = PAGE_HEADER_SIZE.saturating_add(len).min(page.len());
@@ -587,6 +662,50 @@ impl Pump {
             off = next;
         }
         events
+    }
+}
+
+/// What a consumer of the feed counted per host CPU: the events read and those the
+/// kernel's pages say were lost (their counts), and the pages flagged as after a loss
+/// without a count.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HostTally {
+    /// Per host CPU: (events read, events lost).
+    pub cpus: Vec<(u64, u64)>,
+    /// Pages flagged as after a loss whose count the kernel did not store.
+    pub lost_pages_unknown: u64,
+}
+
+impl HostTally {
+    /// Nothing counted yet, for `nr_cpus` host CPUs.
+    pub fn new(nr_cpus: u32) -> Self {
+        Self {
+            cpus: vec![(0, 0); nr_cpus as usize],
+            lost_pages_unknown: 0,
+        }
+    }
+
+    /// Counts a page of host CPU `cpu` holding `events` ([`Fed::Page`]); returns the
+    /// loss before it, for the sink that takes the page.
+    pub fn page(&mut self, cpu: u32, page: &[u8], events: u64) -> Option<u64> {
+        let missed = match page_missed(page) {
+            Missed::Count(n) => Some(n),
+            Missed::Unknown => {
+                self.lost_pages_unknown = self.lost_pages_unknown.saturating_add(1);
+                None
+            }
+            Missed::None => None,
+        };
+        if let Some((read, lost)) = self.cpus.get_mut(cpu as usize) {
+            *read = read.saturating_add(events);
+            *lost = lost.saturating_add(missed.unwrap_or(0));
+        }
+        missed
+    }
+
+    /// Events lost, all CPUs.
+    pub fn lost(&self) -> u64 {
+        self.cpus.iter().fold(0, |a, c| a.saturating_add(c.1))
     }
 }
 
@@ -687,6 +806,22 @@ impl HostTraceFeed {
             .clone()
     }
 
+    /// The kernel's comm of each task it saw switch (tracefs' global `saved_cmdlines`,
+    /// which recording `sched_switch` fills): `(pid, comm)`, at most 1 MiB read; a line
+    /// that is not `PID COMM`, or a comm with a control character (any user names its
+    /// tasks), is skipped. Empty if unreadable.
+    pub fn saved_cmdlines(&self) -> Vec<(i32, String)> {
+        let text = read_text(&self.trace.instance.root_path("saved_cmdlines")).unwrap_or_default();
+        text.lines()
+            .filter_map(|l| {
+                let (pid, comm) = l.split_once(' ')?;
+                let pid = pid.parse::<i32>().ok().filter(|&p| p > 0)?;
+                let ok = !comm.is_empty() && !comm.chars().any(char::is_control);
+                ok.then(|| (pid, comm.to_string()))
+            })
+            .collect()
+    }
+
     /// The kernel's per-CPU loss counters (`per_cpu/cpuN/stats`).
     pub fn kernel_losses(&self) -> Vec<HostCpuLoss> {
         (0..self.nr_cpus)
@@ -743,5 +878,32 @@ mod tests {
         assert!(!selects("sched:sched_wakeup", "sched", "sched_switch"));
         let s = HostTraceSpec::parse(&["sched:sched_switch, irq:*".into()], false).unwrap();
         assert_eq!(s.patterns, ["sched:sched_switch", "irq:*"]);
+    }
+
+    /// A page of the kernel's with `commit` (flags included) and, after its `len`
+    /// data bytes, `stored` as the lost-events count.
+    fn kernel_page(commit: u64, len: usize, stored: u64) -> Vec<u8> {
+        let mut p = vec![0u8; 4096];
+        p[8..16].copy_from_slice(&commit.to_le_bytes());
+        p[16 + len..24 + len].copy_from_slice(&stored.to_le_bytes());
+        p
+    }
+
+    #[test]
+    fn tally_counts_per_cpu_and_returns_the_loss() {
+        use hyptrace_abi::page::{RB_MISSED_EVENTS, RB_MISSED_STORED};
+        let (events, stored) = (RB_MISSED_EVENTS, RB_MISSED_STORED);
+        let mut t = HostTally::new(2);
+        assert_eq!(t.page(0, &kernel_page(8, 8, 0), 3), None);
+        assert_eq!(
+            t.page(1, &kernel_page(events | stored | 8, 8, 5), 2),
+            Some(5)
+        );
+        assert_eq!(t.page(1, &kernel_page(events | 8, 8, 7), 1), None);
+        // A CPU the tally does not have (never sent): counted nowhere, no panic.
+        assert_eq!(t.page(9, &kernel_page(events | stored, 0, 4), 1), Some(4));
+        assert_eq!(t.cpus, [(3, 0), (3, 5)]);
+        assert_eq!(t.lost(), 5);
+        assert_eq!(t.lost_pages_unknown, 1);
     }
 }

@@ -16,17 +16,24 @@
 //! with its VM); with JSON or Perfetto, into one sink of that format with a process per
 //! VM (`BufferSet::sink_meta`, the pages merged by time as `convert` merges a file's).
 //! With `-o clickhouse://`, no part: each VM's thread streams its rows into a sink of
-//! its own (`AttachOpts::sink`), so rows arrive while the VMs run.
+//! its own (`AttachOpts::sink`), so rows arrive while the VMs run. With `--host-trace`,
+//! the host kernel's events are one more part, the instance `host` ([`host`]).
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use hyptrace_output::{
     BufferPart, BufferSet, Clock, OutputError, OutputTarget, PageSink, TraceMeta,
 };
 
+use crate::drain::host_trace::HostTrace;
 use crate::drain::sink::Format;
 use crate::exit::chain;
 use crate::flight::attach::{attach, AttachError, AttachOpts, AttachReport, SinkMaker};
+
+pub mod host;
+
+pub use host::{HostOutcome, HOST_PART};
 
 /// Most VMs one `collect` follows (a thread each).
 pub const MAX_VMS: usize = 64;
@@ -117,6 +124,8 @@ pub struct VmOutcome {
 pub struct CollectReport {
     /// Per VM, in the order given.
     pub vms: Vec<VmOutcome>,
+    /// The host kernel's events (`--host-trace`).
+    pub host: Option<HostOutcome>,
     /// Whether a stop (SIGINT) ended it.
     pub interrupted: bool,
 }
@@ -166,6 +175,9 @@ impl CollectReport {
                 ));
             }
         }
+        if let Some(h) = &self.host {
+            v.extend(h.lines(self.interrupted));
+        }
         v
     }
 
@@ -173,7 +185,9 @@ impl CollectReport {
     pub fn exit_code(&self) -> i32 {
         if self.interrupted {
             crate::exit::EXIT_ABORT
-        } else if self.vms.iter().all(|v| v.complete) {
+        } else if self.vms.iter().all(|v| v.complete)
+            && self.host.as_ref().is_none_or(HostOutcome::complete)
+        {
             crate::exit::EXIT_OK
         } else {
             crate::exit::EXIT_RUNTIME
@@ -234,8 +248,13 @@ fn complete(r: &Result<AttachReport, AttachError>, follow: bool) -> bool {
 
 /// Subscribes to every VM (a thread each), then writes their parts as one trace.dat
 /// with an instance per VM. A VM that fails is in the report; the trace holds the
-/// others (and what was read of it).
-pub fn collect(o: &CollectOpts<'_>) -> Result<CollectReport, CollectError> {
+/// others (and what was read of it). With `host` (prepared on the `mono` trace clock,
+/// not recording yet), the host kernel's events are recorded from before the first
+/// subscription until every VM's thread ended, into the instance [`HOST_PART`].
+pub fn collect(
+    o: &CollectOpts<'_>,
+    host: Option<HostTrace>,
+) -> Result<CollectReport, CollectError> {
     let dir = o.target.spill_dir();
     let tmp = tempfile::Builder::new()
         .prefix(".hyptrace-collect.")
@@ -244,18 +263,35 @@ pub fn collect(o: &CollectOpts<'_>) -> Result<CollectReport, CollectError> {
     let parts: Vec<PathBuf> = (0..o.vms.len())
         .map(|i| tmp.path().join(format!("vm{i}.dat")))
         .collect();
-    let results: Vec<Result<AttachReport, AttachError>> = std::thread::scope(|s| {
-        let handles: Vec<_> = o
-            .vms
-            .iter()
-            .zip(&parts)
-            .map(|((name, socket), part)| s.spawn(move || follow_vm(o, name, socket, part)))
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-            .collect()
-    });
+    let host_part = tmp.path().join("host.dat");
+    let host = host.map(host::start);
+    let vms_done = AtomicBool::new(false);
+    let (results, mut host): (Vec<Result<AttachReport, AttachError>>, _) =
+        std::thread::scope(|s| {
+            let host = host.map(|h| {
+                let (part, done) = (&host_part, &vms_done);
+                s.spawn(move || match h {
+                    Ok(rec) => host::follow_host(rec, part, done, o.stop),
+                    Err(failed) => HostOutcome {
+                        failed: Some(failed),
+                        ..HostOutcome::default()
+                    },
+                })
+            });
+            let handles: Vec<_> = o
+                .vms
+                .iter()
+                .zip(&parts)
+                .map(|((name, socket), part)| s.spawn(move || follow_vm(o, name, socket, part)))
+                .collect();
+            let results = handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+                .collect();
+            vms_done.store(true, Ordering::Release);
+            let host = host.map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)));
+            (results, host)
+        });
     let interrupted = (o.stop)();
     let mut vms: Vec<VmOutcome> = o
         .vms
@@ -275,12 +311,27 @@ pub fn collect(o: &CollectOpts<'_>) -> Result<CollectReport, CollectError> {
                 path: o.out_path.to_path_buf(),
             });
         }
-        return Ok(CollectReport { vms, interrupted });
+        return Ok(CollectReport {
+            vms,
+            host,
+            interrupted,
+        });
     }
-    let set = assemble(&mut vms, &parts).map_err(|source| CollectError::Output {
-        path: o.out_path.to_path_buf(),
-        source,
-    })?;
+    let host_cmdlines = host.as_ref().map_or(&[][..], |h| &h.cmdlines[..]);
+    let mut set =
+        assemble(&mut vms, &parts, host_cmdlines).map_err(|source| CollectError::Output {
+            path: o.out_path.to_path_buf(),
+            source,
+        })?;
+    if let Some(h) = host.as_mut().filter(|h| h.has_part) {
+        let part = BufferPart {
+            name: HOST_PART.into(),
+            path: host_part.clone(),
+        };
+        if let Err(e) = set.add(&part) {
+            h.left_out = Some(e);
+        }
+    }
     if set.is_empty() {
         return Err(CollectError::Nothing {
             path: o.out_path.to_path_buf(),
@@ -295,7 +346,11 @@ pub fn collect(o: &CollectOpts<'_>) -> Result<CollectReport, CollectError> {
         Format::Json | Format::Perfetto => write_sink(&set, o)?,
         _ => set.write(o.target).map(drop).map_err(output)?,
     }
-    Ok(CollectReport { vms, interrupted })
+    Ok(CollectReport {
+        vms,
+        host,
+        interrupted,
+    })
 }
 
 /// Writes every part into one sink of `o.format` (JSON, Perfetto), each VM a process
@@ -338,11 +393,22 @@ fn write_sink(set: &BufferSet, o: &CollectOpts<'_>) -> Result<(), CollectError> 
 /// The parts of the VMs that have one, as one set: a part that does not fit those
 /// before it is left out (its VM incomplete, the cause kept), the others go on. The
 /// file's page size is the first part's; its top level has as many CPUs as the
-/// largest VM.
-fn assemble(vms: &mut [VmOutcome], parts: &[PathBuf]) -> Result<BufferSet, OutputError> {
+/// largest VM. Its command lines (one table for every instance) name the vCPUs, then
+/// the host's tasks of `host_cmdlines` whose pid no vCPU has.
+fn assemble(
+    vms: &mut [VmOutcome],
+    parts: &[PathBuf],
+    host_cmdlines: &[(i32, String)],
+) -> Result<BufferSet, OutputError> {
     let has_part = |v: &VmOutcome, p: &PathBuf| v.report.is_ok() && p.exists();
+    let clock = Clock {
+        name: COLLECT_CLOCK.into(),
+        ..Clock::nanoseconds()
+    };
     let Some(first) = vms.iter().zip(parts).find(|(v, p)| has_part(v, p)) else {
-        let meta = TraceMeta::guest(4096, 1, Clock::nanoseconds());
+        // No VM's part: the host's alone, if there is one (its pages are the kernel's).
+        let mut meta = TraceMeta::guest(4096, 1, clock);
+        meta.cmdlines = host_cmdlines.iter().cloned().collect();
         return BufferSet::new(meta);
     };
     let page_size = hyptrace_output::TraceFile::open(first.1)?.page_size;
@@ -352,11 +418,11 @@ fn assemble(vms: &mut [VmOutcome], parts: &[PathBuf]) -> Result<BufferSet, Outpu
         .max()
         .unwrap_or(1)
         .max(1);
-    let clock = Clock {
-        name: COLLECT_CLOCK.into(),
-        ..Clock::nanoseconds()
-    };
-    let mut set = BufferSet::new(TraceMeta::guest(page_size, nr_cpus as u32, clock))?;
+    let mut meta = TraceMeta::guest(page_size, nr_cpus as u32, clock);
+    for (pid, comm) in host_cmdlines {
+        meta.cmdlines.entry(*pid).or_insert_with(|| comm.clone());
+    }
+    let mut set = BufferSet::new(meta)?;
     for (v, path) in vms.iter_mut().zip(parts) {
         if !has_part(v, path) {
             continue;

@@ -137,6 +137,14 @@ pub struct CollectArgs {
     /// most 64 VMs.
     #[arg(value_name = "NAME=SOCKET", required = true, num_args = 1..)]
     pub vms: Vec<String>,
+    /// Record the host kernel's ftrace EVENTS too, once (comma-separated, repeatable:
+    /// SYSTEM:EVENT with globs, a system or an event name, e.g.
+    /// 'sched:sched_switch,irq:*'), through a private tracefs instance on the `mono`
+    /// clock (the VMs' time line), every task's, as the buffer instance `host` (a
+    /// process `host` in JSON/Perfetto). Needs a writable /sys/kernel/tracing (root);
+    /// not with clickhouse://.
+    #[arg(long, value_name = "EVENTS")]
+    pub host_trace: Vec<String>,
     /// `--output-mode` of the output file.
     #[command(flatten)]
     pub files: OutputModeArg,

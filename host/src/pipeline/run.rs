@@ -28,7 +28,7 @@ use hyptrace_output::{Compression, OutputError, OutputTarget, PageSink, TraceMet
 use hyptrace_reader::{Callbacks, ReadError};
 
 use crate::control::server::ControlServer;
-use crate::drain::host_trace::{self, HostTrace};
+use crate::drain::host_trace::{self, HostTrace, TraceClock};
 use crate::drain::signals::Interrupts;
 use crate::drain::sink::Format;
 use crate::pipeline::plan::Plan;
@@ -279,7 +279,7 @@ impl<'a> Run<'a> {
         let host_trace = plan
             .host_trace
             .as_ref()
-            .map(|s| HostTrace::prepare(&host_trace::tracefs_root(), s))
+            .map(|s| HostTrace::prepare(&host_trace::tracefs_root(), s, TraceClock::Tsc))
             .transpose()?;
         let (mut b, vm) = Booted::boot(&plan)?;
         // After the trace memory file (created by `boot`): a consumer that finds the

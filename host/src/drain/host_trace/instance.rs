@@ -138,6 +138,11 @@ impl Instance {
     pub(super) fn path(&self, rel: &str) -> PathBuf {
         self.dir.join(rel)
     }
+
+    /// A file of the tracefs mount the instance is in (`instances/NAME` under it).
+    pub(super) fn root_path(&self, rel: &str) -> PathBuf {
+        self.dir.join("../..").join(rel)
+    }
 }
 
 impl Drop for Instance {

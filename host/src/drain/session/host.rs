@@ -4,10 +4,10 @@
 use std::sync::Arc;
 
 use hyptrace_abi::SharedMem;
-use hyptrace_output::{page_missed, Clock, EventFormat, EventPrinter, Merged, Missed};
+use hyptrace_output::{Clock, EventFormat, EventPrinter, Merged};
 use hyptrace_reader::{Callbacks, CpuStats};
 
-use crate::drain::host_trace::{Fed, FinalRead, HostTraceFeed, FINAL_READ_POLL};
+use crate::drain::host_trace::{Fed, FinalRead, HostTally, HostTraceFeed, FINAL_READ_POLL};
 
 use super::drain::drain_ring;
 use super::print::text_page;
@@ -27,10 +27,8 @@ pub(super) struct HostTraceCpus {
     pub(super) feed: HostTraceFeed,
     /// The output CPU of host CPU 0.
     pub(super) first: u32,
-    /// Events the kernel's pages say were lost (their counts).
-    pub(super) lost: u64,
-    /// Pages flagged as after a loss without a count.
-    pub(super) lost_pages_unknown: u64,
+    /// What its pages carried and say was lost.
+    pub(super) tally: HostTally,
     pub(super) ended: bool,
 }
 
@@ -71,19 +69,9 @@ impl HostTraceCpus {
                 }
                 Output::Pages(sink) => Ok(sink.quiet(self.first + cpu, tsc)?),
             },
-            Fed::Page { cpu, page } => {
+            Fed::Page { cpu, page, events } => {
                 let out = self.first + cpu;
-                let missed = match page_missed(&page) {
-                    Missed::Count(n) => {
-                        self.lost = self.lost.saturating_add(n);
-                        Some(n)
-                    }
-                    Missed::Unknown => {
-                        self.lost_pages_unknown += 1;
-                        None
-                    }
-                    Missed::None => None,
-                };
+                let missed = self.tally.page(cpu, &page, events);
                 match output {
                     Output::Pages(sink) => Ok(sink.page(out, &page, missed)?),
                     Output::Text {
@@ -230,10 +218,9 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
             self.cmdlines.insert(tid, format!("vcpu{v}"));
         }
         self.host_trace = Some(HostTraceCpus {
+            tally: HostTally::new(feed.nr_cpus()),
             feed,
             first,
-            lost: 0,
-            lost_pages_unknown: 0,
             ended: false,
         });
         self
@@ -302,8 +289,8 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
             first_cpu: h.first,
             pages,
             events,
-            lost: h.lost,
-            lost_pages_unknown: h.lost_pages_unknown,
+            lost: h.tally.lost(),
+            lost_pages_unknown: h.tally.lost_pages_unknown,
             overrun: kernel.iter().map(|k| k.overrun).sum(),
             dropped: kernel.iter().map(|k| k.dropped).sum(),
             vcpu_threads: h.feed.tids().iter().map(|&(_, t)| t).collect(),
