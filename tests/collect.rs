@@ -791,6 +791,19 @@ fn collect_host_trace_into_perfetto() {
         .collect();
     names.sort_unstable();
     assert_eq!(names, ["a", "b", "host"], "{}", v["processes"]);
+    // The host's CPUs are named tracks `host cpuN`, not vCPU threads.
+    let mut host_tracks: Vec<&str> = v["tracks"]
+        .as_object()
+        .expect("tracks")
+        .values()
+        .filter_map(|t| t["name"].as_str())
+        .collect();
+    host_tracks.sort_unstable();
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let want: Vec<String> = (0..cpus).map(|k| format!("host cpu{k}")).collect();
+    assert_eq!(host_tracks, want, "{}", v["tracks"]);
+    let threads = v["threads"].as_object().expect("threads");
+    assert_eq!(threads.len(), 2, "one vCPU thread per VM: {}", v["threads"]);
     let ftrace = v["ftrace"].as_array().expect("ftrace");
     assert_eq!(ftrace.len() as u64, host_events);
     assert!(ftrace

@@ -75,6 +75,25 @@ impl TraceMeta {
         }
     }
 
+    /// With host kernel events (`--host-trace`), the host CPU number of output CPU
+    /// `cpu`: the host CPUs are the last ones, after every CPU the cmdlines name (the
+    /// vCPUs, the VMM's).
+    pub fn host_cpu(&self, cpu: u32) -> Option<u32> {
+        if !self
+            .formats
+            .iter()
+            .any(|f| hyptrace_abi::registry::is_host_kernel_id(f.id))
+        {
+            return None;
+        }
+        let first = (0..self.nr_cpus).find(|&c| {
+            !self
+                .cmdlines
+                .contains_key(&hyptrace_abi::events::vcpu_pid(c))
+        })?;
+        cpu.checked_sub(first)
+    }
+
     /// The group of CPU `cpu` and its index ([`TraceMeta::groups`]; `None`: none, or a
     /// CPU of no group).
     pub fn group_of(&self, cpu: u32) -> Option<(usize, &CpuGroup)> {
@@ -86,12 +105,14 @@ impl TraceMeta {
 
     /// Appends a group ([`TraceMeta::groups`]) of `count` CPUs named `name` after the
     /// CPUs there are: vCPU `c` of it is named as `cmdlines` name pid `c + 1` (its
-    /// buffer's own), else `vcpuC`. Checked by [`TraceMeta::validate`].
+    /// buffer's own), else `vcpuC`; host CPUs (`cmdlines` `None`, a group that must come
+    /// last) get no name here: the sinks call them host CPUs ([`TraceMeta::host_cpu`]).
+    /// Checked by [`TraceMeta::validate`].
     pub fn push_group(
         &mut self,
         name: &str,
         count: u32,
-        cmdlines: &BTreeMap<i32, String>,
+        cmdlines: Option<&BTreeMap<i32, String>>,
     ) -> Result<(), OutputError> {
         let first = self.nr_cpus;
         let end = first
@@ -101,6 +122,7 @@ impl TraceMeta {
                 first.saturating_add(count),
             )))?;
         for c in 0..count {
+            let Some(cmdlines) = cmdlines else { break };
             let pid = hyptrace_abi::events::vcpu_pid(c);
             let comm = cmdlines
                 .get(&pid)

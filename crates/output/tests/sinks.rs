@@ -195,8 +195,9 @@ fn groups_name_vms_or_are_refused() {
     let mut meta = TraceMeta::guest(4096, 0, Clock::guest_tsc(2_000_000).unwrap());
     meta.nr_cpus = 0;
     meta.cmdlines.clear();
-    meta.push_group("web", 1, &Default::default()).unwrap();
-    meta.push_group("db", 1, &Default::default()).unwrap();
+    meta.push_group("web", 1, Some(&Default::default()))
+        .unwrap();
+    meta.push_group("db", 1, Some(&Default::default())).unwrap();
     assert_eq!(meta.nr_cpus, 2);
     meta.validate().unwrap();
     let path = dir.join("t.json");

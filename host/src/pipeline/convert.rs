@@ -645,7 +645,7 @@ fn grouped(f: &TraceFile) -> Result<(TraceMeta, PageCursors), OutputError> {
     for (i, inst) in f.instances.iter().enumerate() {
         let count = inst.cpus.iter().map(|b| b.cpu.saturating_add(1)).max();
         let first = meta.nr_cpus;
-        meta.push_group(&inst.name, count.unwrap_or(1), &f.cmdlines)?;
+        meta.push_group(&inst.name, count.unwrap_or(1), Some(&f.cmdlines))?;
         let pages = f.instance_pages(i).unwrap_or_default();
         cursors.extend(pages.into_iter().map(|c| (first + c.cpu(), c)));
     }

@@ -163,6 +163,7 @@ impl StreamSink for JsonSink {
                 .cmdlines
                 .get(&hyptrace_abi::events::vcpu_pid(cpu))
                 .cloned()
+                .or_else(|| s.meta.host_cpu(cpu).map(|k| format!("host cpu{k}")))
                 .unwrap_or_else(|| format!("vcpu{cpu}"));
             head.push(format!(
                 "{{\"name\":\"thread_name\",\"ph\":\"M\",\"ts\":0,{},\"args\":{{\"name\":{}}}}}",

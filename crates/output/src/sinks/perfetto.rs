@@ -474,21 +474,6 @@ fn host_sched(f: &EventFormat, ns: u64, payload: &[u8]) -> Option<FtraceEvent> {
     })
 }
 
-/// With host kernel events (`--host-trace`), the host CPU number of output CPU `cpu`:
-/// the host CPUs are the last ones, after every CPU the cmdlines name (the vCPUs, the
-/// VMM's).
-fn host_cpu(meta: &TraceMeta, cpu: u32) -> Option<u32> {
-    if !meta.formats.iter().any(is_host_kernel) {
-        return None;
-    }
-    let first = (0..meta.nr_cpus).find(|&c| {
-        !meta
-            .cmdlines
-            .contains_key(&hyptrace_abi::events::vcpu_pid(c))
-    })?;
-    cpu.checked_sub(first)
-}
-
 /// The host thread id of vCPU `cpu` (`--host-trace`: the cmdlines name it `vcpuN`
 /// besides the guest's pid), so its track is the thread the host's sched_switch
 /// events describe.
@@ -508,7 +493,7 @@ fn host_tid(meta: &TraceMeta, cpu: u32) -> Option<i32> {
 /// vCPU thread's host tid when the host's scheduling is recorded ([`host_tid`]).
 fn vcpu_track(meta: &TraceMeta, cpu: u32) -> TracePacket {
     let pid = hyptrace_abi::events::vcpu_pid(cpu);
-    if let Some(k) = host_cpu(meta, cpu) {
+    if let Some(k) = meta.host_cpu(cpu) {
         // A host CPU (`--host-trace`): a named track, not a thread (its number could be
         // a real host tid in the host's sched events).
         return descriptor(TrackDescriptor {

@@ -190,7 +190,14 @@ impl BufferSet {
         meta.groups.clear();
         meta.nr_cpus = 0;
         for o in &self.opened {
-            meta.push_group(&o.name, o.file.nr_cpus, &o.file.cmdlines)?;
+            // A part of host kernel events only (`collect --host-trace`) holds host
+            // CPUs, not vCPUs: its pids are the host's, no vCPU's name.
+            let host = !o.file.formats.is_empty()
+                && o.file
+                    .formats
+                    .iter()
+                    .all(|f| hyptrace_abi::registry::is_host_kernel_id(f.id));
+            meta.push_group(&o.name, o.file.nr_cpus, (!host).then_some(&o.file.cmdlines))?;
         }
         meta.validate()?;
         Ok(meta)

@@ -110,7 +110,7 @@ pub fn start(trace: HostTrace) -> Result<HostRecording, String> {
 }
 
 /// The host part's sink: a single-buffer trace.dat v7 (zstd, as the VMs' parts), clock
-/// `mono` in ns with no conversion, the host events' formats, no command lines (the
+/// `mono` in ns with no conversion, the host events' formats only, no command lines (the
 /// file's are its top level's: the host's comms go there, [`HostOutcome::cmdlines`]).
 fn open_part(
     part: &Path,
@@ -125,7 +125,9 @@ fn open_part(
     };
     let mut meta = TraceMeta::guest(page_size, nr_cpus, clock);
     meta.cmdlines.clear();
-    meta.formats.extend(formats.iter().cloned());
+    // The host events' formats only: a part of host kernel formats holds host CPUs,
+    // which a JSON or Perfetto output names as such (`BufferSet::sink_meta`).
+    meta.formats = formats.to_vec();
     crate::drain::sink::make_sink(
         &target,
         Format::Dat,
