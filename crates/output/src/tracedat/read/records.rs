@@ -69,15 +69,31 @@ pub fn page_damage(page: &[u8]) -> Option<String> {
     if page.len() < end {
         return Some(format!("commit {} past the page", end - PAGE_HEADER_SIZE));
     }
+    let (data, commit) = (&page[PAGE_HEADER_SIZE..], end - PAGE_HEADER_SIZE);
     let mut off = 0;
     // Bounded: each record decoded consumes at least 4 bytes of the page.
     loop {
-        match decode_like_kbuffer(&page[PAGE_HEADER_SIZE..], end - PAGE_HEADER_SIZE, off) {
+        if let Some(next) = short_data_record(data, commit, off) {
+            off = next;
+            continue;
+        }
+        match decode_like_kbuffer(data, commit, off) {
             Ok(None) => return None,
             Ok(Some((_, next))) => off = next,
             Err(e) => return Some(e.to_string()),
         }
     }
+}
+
+/// Where the record after the one at `off` starts when that one is the common record,
+/// decoded as [`decode_like_kbuffer`] decodes it: an aligned data event whose length is
+/// in its header (type_len 1..=28: `type_len × 4` bytes of payload after the 4-byte
+/// header) that ends within the `commit` bytes of `data`; `None` for any other record
+/// (left to [`decode_like_kbuffer`]).
+fn short_data_record(data: &[u8], commit: usize, off: usize) -> Option<usize> {
+    let type_len = data.get(..commit)?.get(off)? & 0x1f;
+    let next = off + 4 + usize::from(type_len) * 4;
+    ((1..=28).contains(&type_len) && off.is_multiple_of(4) && next <= commit).then_some(next)
 }
 
 /// `page` with its `commit` word as a trace.dat reader takes it: the length in trace-cmd's
