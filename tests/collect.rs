@@ -59,7 +59,13 @@ fn read(dir: &TempDir, name: &str) -> String {
 /// Starts a VMM writing `events` markers at 5000/s into a 8 MiB ring (stop mode: none
 /// lost), socket `DIR/NAME.sock`; waits (bounded) until the socket exists.
 fn start_vm(dir: &TempDir, name: &str, events: u64) -> Kid {
-    let (args, sock) = env::subscribed_vm_args(dir, name, events);
+    start_vm_with(dir, name, events, &[])
+}
+
+/// [`start_vm`] with `extra` arguments to its `run`.
+fn start_vm_with(dir: &TempDir, name: &str, events: u64, extra: &[&str]) -> Kid {
+    let (mut args, sock) = env::subscribed_vm_args(dir, name, events);
+    args.extend(extra.iter().map(|a| a.to_string()));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let mut vm = Kid::spawn(dir, name, &args);
     env::wait_until(
@@ -465,17 +471,8 @@ fn collect_leaves_out_a_vm_on_another_clock() {
     }
     let _l = vm_lock();
     let dir = TempDir::new("collectclock");
-    let (mut args, sa) = env::subscribed_vm_args(&dir, "a", 20_000);
-    args.extend(["--clock".to_string(), "tsc".to_string()]);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let mut a = Kid::spawn(&dir, "a", &args);
-    env::wait_until(
-        &mut a.0,
-        "the socket of a",
-        WALL,
-        || std::fs::symlink_metadata(&sa).is_ok_and(|m| m.file_type().is_socket()),
-        || read(&dir, "a.err"),
-    );
+    let mut a = start_vm_with(&dir, "a", 20_000, &["--clock", "tsc"]);
+    let sa = sock(&dir, "a");
     let mut b = start_vm(&dir, "b", 20_000);
     let dat = dir.file("all.dat");
     let sb = sock(&dir, "b");
@@ -719,17 +716,8 @@ fn collect_names_a_host_part_that_does_not_fit() {
     }
     let _l = vm_lock();
     let dir = TempDir::new("collecthostpage");
-    let (mut args, sa) = env::subscribed_vm_args(&dir, "a", 2_000);
-    args.extend(["--page-size".to_string(), "8192".to_string()]);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let mut a = Kid::spawn(&dir, "a", &args);
-    env::wait_until(
-        &mut a.0,
-        "the socket of a",
-        WALL,
-        || std::fs::symlink_metadata(&sa).is_ok_and(|m| m.file_type().is_socket()),
-        || read(&dir, "a.err"),
-    );
+    let mut a = start_vm_with(&dir, "a", 2_000, &["--page-size", "8192"]);
+    let sa = sock(&dir, "a");
     let dat = dir.file("all.dat");
     let args = [
         "collect",

@@ -21,7 +21,7 @@ pub struct Table {
 }
 
 /// The columns every row starts with.
-const WHO: [(&str, &str); 7] = [
+const WHO: [Column; 7] = [
     ("host", "String"),
     ("vm", "String"),
     ("run", "String"),
@@ -31,42 +31,41 @@ const WHO: [(&str, &str); 7] = [
     ("time_unix_ns", "UInt64"),
 ];
 
-const EVENT_COLUMNS: [(&str, &str); 15] = {
-    let w = WHO;
-    [
-        w[0],
-        w[1],
-        w[2],
-        w[3],
-        w[4],
-        w[5],
-        w[6],
-        ("system", "String"),
-        ("name", "String"),
-        ("id", "UInt16"),
-        ("pid", "Int32"),
-        ("int_keys", "Array(String)"),
-        ("int_values", "Array(Int64)"),
-        ("str_keys", "Array(String)"),
-        ("str_values", "Array(String)"),
-    ]
-};
+/// A column: its name and ClickHouse type.
+type Column = (&'static str, &'static str);
 
-const LOSS_COLUMNS: [(&str, &str); 10] = {
-    let w = WHO;
-    [
-        w[0],
-        w[1],
-        w[2],
-        w[3],
-        w[4],
-        w[5],
-        w[6],
-        ("lost", "UInt64"),
-        ("known", "UInt8"),
-        ("trailing", "UInt8"),
-    ]
-};
+/// [`WHO`]'s columns, then `rest`: `N` must be 7 + `M` (checked when built).
+const fn after_who<const M: usize, const N: usize>(rest: [Column; M]) -> [Column; N] {
+    assert!(N == WHO.len() + M, "N is WHO's columns and the rest");
+    let mut out = [("", ""); N];
+    let mut i = 0;
+    while i < N {
+        out[i] = if i < WHO.len() {
+            WHO[i]
+        } else {
+            rest[i - WHO.len()]
+        };
+        i += 1;
+    }
+    out
+}
+
+const EVENT_COLUMNS: [Column; 15] = after_who([
+    ("system", "String"),
+    ("name", "String"),
+    ("id", "UInt16"),
+    ("pid", "Int32"),
+    ("int_keys", "Array(String)"),
+    ("int_values", "Array(Int64)"),
+    ("str_keys", "Array(String)"),
+    ("str_values", "Array(String)"),
+]);
+
+const LOSS_COLUMNS: [Column; 10] = after_who([
+    ("lost", "UInt64"),
+    ("known", "UInt8"),
+    ("trailing", "UInt8"),
+]);
 
 /// `DATABASE.events`.
 pub const EVENTS: Table = Table {
