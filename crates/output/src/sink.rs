@@ -121,15 +121,16 @@ impl TraceMeta {
             .ok_or(OutputError::Meta(MetaError::Cpus(
                 first.saturating_add(count),
             )))?;
-        for c in 0..count {
-            let Some(cmdlines) = cmdlines else { break };
-            let pid = hyptrace_abi::events::vcpu_pid(c);
-            let comm = cmdlines
-                .get(&pid)
-                .cloned()
-                .unwrap_or_else(|| format!("vcpu{c}"));
-            self.cmdlines
-                .insert(hyptrace_abi::events::vcpu_pid(first + c), comm);
+        if let Some(cmdlines) = cmdlines {
+            for c in 0..count {
+                let pid = hyptrace_abi::events::vcpu_pid(c);
+                let comm = cmdlines
+                    .get(&pid)
+                    .cloned()
+                    .unwrap_or_else(|| format!("vcpu{c}"));
+                self.cmdlines
+                    .insert(hyptrace_abi::events::vcpu_pid(first + c), comm);
+            }
         }
         self.groups.push(CpuGroup {
             name: name.to_string(),

@@ -93,9 +93,13 @@ fn feed_page(
     on_damage: &mut dyn FnMut(crate::tracedat::Damage),
     filtered: bool,
 ) -> Result<(), OutputError> {
-    let mut page = std::borrow::Cow::Borrowed(page);
-    if let Some(why) = crate::tracedat::page_damage(&page) {
-        page = crate::tracedat::page_as_read(&page).into_owned().into();
+    let damage = crate::tracedat::page_damage(page);
+    // A damaged page goes with its commit as read (a copy only where that differs).
+    let page = match damage {
+        Some(_) => crate::tracedat::page_as_read(page),
+        None => std::borrow::Cow::Borrowed(page),
+    };
+    if let Some(why) = damage {
         let rest = if filtered {
             "its events before the damage filtered, the rest left out"
         } else {
