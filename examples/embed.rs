@@ -5,26 +5,33 @@
 //! ```sh
 //! cargo run --release --example embed -- OUT.dat && trace-cmd report OUT.dat
 //! cargo run --release --example embed -- OUT.pftrace   # Perfetto: ui.perfetto.dev
+//! cargo run --release --example embed -- OUT.dat --mmio   # the MMIO doorbell
 //! ```
+//!
+//! The guest rings its doorbell (docs/abi.md, "Doorbell") by port, or with `--mmio` by
+//! stores to an unbacked page whose address it gets in its entry `rcx`.
 //!
 //! It uses only library crates: `hyptrace-payload` (the guest and its boot recipe as
 //! plain data), `hyptrace-embed` (rings, registration, drain loop), `hyptrace-abi`,
 //! `hyptrace-reader`, `hyptrace-output`; KVM through kvm-ioctls, memory through
 //! vm-memory. Host-run swaps (the VMM takes full pages on guest memory), stop mode.
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hyptrace_abi::guest::{RunParamBlock, Workload};
 use hyptrace_abi::layout::{Mode, RingGeometry};
 use hyptrace_abi::registry::DEFAULT_TABLE_SIZE;
-use hyptrace_embed::{Access, Doorbell, Events, GuestRegionMem, PortDoorbell, Ring, Tracer};
+use hyptrace_embed::{
+    Access, Doorbell, Events, GuestRegionMem, MmioDoorbell, PortDoorbell, Ring, Tracer,
+};
 use hyptrace_output::{
     escape_guest_str, Clock, PageSink, PerfettoSink, StreamSink, TraceDatSink, TraceDatVersion,
 };
 use hyptrace_payload::boot::{Segment, VcpuBoot};
 use hyptrace_payload::exits::{decode_out, read_panic, Request};
+use hyptrace_payload::memory_map::DOORBELL_GPA;
 use hyptrace_payload::{Boot, GUEST_ELF};
 use kvm_bindings::{kvm_fpu, kvm_regs, kvm_segment, kvm_userspace_memory_region, CpuId};
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd};
@@ -53,8 +60,25 @@ enum Outcome {
     Crashed(String),
 }
 
+/// The doorbell this VMM serves: the stock guest rings where its entry `rcx` says.
+fn doorbell(mmio: bool) -> Box<dyn Doorbell> {
+    if mmio {
+        // The page Boot's page tables map and no memory slot backs.
+        Box::new(MmioDoorbell::new(DOORBELL_GPA))
+    } else {
+        Box::new(PortDoorbell::default())
+    }
+}
+
 fn main() -> Result<(), Error> {
-    let out = std::env::args().nth(1).ok_or("usage: embed OUT.dat")?;
+    let usage = "usage: embed OUT.dat [--mmio]";
+    let mut args = std::env::args().skip(1);
+    let out = args.next().ok_or(usage)?;
+    let mmio = match args.next().as_deref() {
+        None => false,
+        Some("--mmio") => true,
+        Some(_) => return Err(usage.into()),
+    };
     // The rings' shape (with a registration table) and the guest's memory map.
     let geometry = RingGeometry::new(VCPUS, PAGES, PAGE_SIZE, Mode::Stop, false)?
         .with_events(DEFAULT_TABLE_SIZE)?;
@@ -87,7 +111,9 @@ fn main() -> Result<(), Error> {
     let fds = (0..VCPUS)
         .map(|id| {
             let fd = vm.create_vcpu(u64::from(id))?;
-            setup_vcpu(&fd, &cpuid, &boot.vcpu(id))?;
+            let b = boot.vcpu(id);
+            // rcx: 0 (ring by port) or the MMIO doorbell page.
+            setup_vcpu(&fd, &cpuid, &if mmio { b.mmio_doorbell() } else { b })?;
             Ok(fd)
         })
         .collect::<Result<Vec<VcpuFd>, Error>>()?;
@@ -113,15 +139,24 @@ fn main() -> Result<(), Error> {
     };
     boot.write_params(&mem, &params)?;
 
-    // One thread per vCPU.
+    // One thread per vCPU; `rings` counts the doorbell's rings.
     let running = Arc::new(AtomicU32::new(VCPUS));
+    let rang = Arc::new(AtomicU64::new(0));
     let threads: Vec<_> = (0u32..)
         .zip(fds)
         .map(|(id, fd)| {
             let (mem, events, running) = (mem.clone(), events.clone(), running.clone());
-            let slot = layout.result_slot(id);
+            let (slot, rang) = (layout.result_slot(id), rang.clone());
             std::thread::spawn(move || {
-                let outcome = run_vcpu(id, fd, &mem, slot, &events, &PortDoorbell::default());
+                let v = Vcpu {
+                    id,
+                    mem: &mem,
+                    slot,
+                    ev: &events,
+                    bell: doorbell(mmio),
+                    rang: &rang,
+                };
+                let outcome = run_vcpu(&v, fd);
                 running.fetch_sub(1, Ordering::AcqRel);
                 outcome
             })
@@ -183,6 +218,8 @@ fn main() -> Result<(), Error> {
     }
     let read: u64 = accounts.iter().map(|a| a.stats.read).sum();
     let lost: u64 = accounts.iter().map(|a| a.stats.lost).sum();
+    let kind = if mmio { "mmio" } else { "port" };
+    println!("doorbell {kind}: {} rings", rang.load(Ordering::Relaxed));
     println!("wrote {out}: {read} events, {lost} lost");
     // L1: a registration after the wait gave up was refused; its events have no formats.
     if let Some(late) = events.late_registration() {
@@ -229,35 +266,47 @@ fn setup_vcpu(fd: &VcpuFd, cpuid: &CpuId, b: &VcpuBoot) -> Result<(), kvm_ioctls
         rdi: b.rdi,
         rsi: b.rsi,
         rdx: b.rdx,
+        rcx: b.rcx,
         rflags: b.rflags,
         ..Default::default()
     })
 }
 
-/// Runs vCPU `id` until the guest finishes or crashes, answering its port writes.
-fn run_vcpu(
+/// What a vCPU thread answers with.
+struct Vcpu<'a> {
     id: u32,
-    mut fd: VcpuFd,
-    mem: &GuestMemoryMmap,
+    mem: &'a GuestMemoryMmap,
+    /// Its result slot.
     slot: u64,
-    ev: &Events<Rings>,
-    bell: &dyn Doorbell,
-) -> Outcome {
+    ev: &'a Events<Rings>,
+    bell: Box<dyn Doorbell>,
+    /// Rings of the doorbell, all vCPUs together.
+    rang: &'a AtomicU64,
+}
+
+/// Runs vCPU `v.id` until the guest finishes or crashes, answering its doorbell and its
+/// port writes.
+fn run_vcpu(v: &Vcpu<'_>, mut fd: VcpuFd) -> Outcome {
+    let id = v.id;
     loop {
         let exit = match fd.run() {
             Ok(exit) => exit,
             Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => continue,
             Err(e) => return Outcome::Crashed(format!("KVM_RUN failed: {e}")),
         };
-        // The doorbell: what KVM says the guest wrote, mapped to what it rang (the stock
-        // guest rings by port; an MmioDoorbell would map VcpuExit::MmioWrite the same way).
-        let (access, port, data) = match exit {
-            VcpuExit::IoOut(port, data) => (Access::Pio { port, data }, port, data),
+        // The doorbell: what KVM says the guest wrote, mapped to what it rang.
+        let access = match exit {
+            VcpuExit::IoOut(port, data) => Access::Pio { port, data },
+            VcpuExit::MmioWrite(addr, data) => Access::Mmio { addr, data },
             other => return Outcome::Crashed(format!("unexpected exit {other:?}")),
         };
-        match bell.ring(access) {
+        let ring = v.bell.ring(access);
+        if ring.is_some() {
+            v.rang.fetch_add(1, Ordering::Relaxed);
+        }
+        match ring {
             Some(Ring::Register) => {
-                ev.on_register(id);
+                v.ev.on_register(id);
                 continue;
             }
             Some(Ring::Exit { vcpu }) if vcpu == id => return Outcome::Finished,
@@ -266,11 +315,17 @@ fn run_vcpu(
             }
             None => {}
         }
+        let (port, data) = match access {
+            Access::Pio { port, data } => (port, data),
+            Access::Mmio { addr, .. } => {
+                return Outcome::Crashed(format!("write to unbacked guest-physical {addr:#x}"))
+            }
+        };
         // The stock guest's other requests (hyptrace_payload::exits).
         match decode_out(port, data) {
             Some(Request::Sleep(d)) => std::thread::sleep(d),
             Some(Request::Panic(len)) => {
-                let msg = read_panic(mem, slot, len);
+                let msg = read_panic(v.mem, v.slot, len);
                 return Outcome::Crashed(format!("guest panic: {}", escape_guest_str(&msg)));
             }
             _ => return Outcome::Crashed(format!("unexpected write to port {port:#x}")),

@@ -450,6 +450,7 @@ fn memory_ping_measures_the_map_error() {
         guest_elf: GUEST_ELF.into(),
         trace_region_bytes: layout.region_size as u64,
         trace_region_align: 65536,
+        doorbell: hyptrace_host::DoorbellKind::Port,
     })
     .expect("create VM");
     let _reader = hyptrace_host::vmm::guest_mem::alloc_reader(

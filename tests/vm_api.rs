@@ -28,6 +28,7 @@ fn vm_with_reader(vcpus: u32, pages: u32) -> (Vm, hyptrace_host::vmm::guest_mem:
         guest_elf: GUEST_ELF.into(),
         trace_region_bytes: layout.region_size as u64,
         trace_region_align: 65536,
+        doorbell: hyptrace_host::DoorbellKind::Port,
     })
     .expect("create VM");
     let reader = hyptrace_host::vmm::guest_mem::alloc_reader(

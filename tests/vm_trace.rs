@@ -533,6 +533,7 @@ fn footers_consistent_after_run() {
             guest_elf: GUEST_ELF.into(),
             trace_region_bytes: layout.region_size as u64,
             trace_region_align: 4096,
+            doorbell: hyptrace_host::DoorbellKind::Port,
         })
         .expect("VM");
         let tsc_khz = vm.tsc_khz();

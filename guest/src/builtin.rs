@@ -2,14 +2,13 @@
 //! them: the host knows nothing of them but what this table says (formats, enable bits,
 //! requested ids). Shared by the payload and the adversary guest.
 
-use core::arch::asm;
-
 use hyptrace_abi::events::{
     MARKER_ID, MARKER_SIZE, MARKER_SLOT, SPAN_ID, SPAN_SIZE, SPAN_SLOT, SYSTEM, TEXT_ID, TEXT_SLOT,
     TEXT_STR_OFFSET,
 };
-use hyptrace_abi::registry::{DATA_LOC_STR, PORT_REGISTER};
+use hyptrace_abi::registry::DATA_LOC_STR;
 use hyptrace_abi::RawMem;
+use hyptrace_guest_rt::Doorbell;
 use hyptrace_writer::events::{register, wait_registered, Event, Field, RegisterError};
 
 const fn u64_field(name: &'static str, offset: u32) -> Field<'static> {
@@ -78,24 +77,14 @@ pub static BUILTINS: [&Event<'static>; 3] = [&MARKER, &SPAN, &TEXT];
 /// bound a host that never answers.
 const WAIT_SPINS: u64 = 1 << 32;
 
-/// `out` to `port` that is also a compiler barrier (no `nomem`): the table's stores stay
-/// before it and the loads of the answer after it.
-fn notify(port: u16, value: u32) {
-    // SAFETY: port I/O is allowed at CPL3 with IOPL=3; the VMM handles the exit and
-    // resumes the vCPU. The asm touches no memory the compiler knows of; without `nomem`
-    // it is treated as if it might, so memory accesses are not moved across it.
-    unsafe {
-        asm!("out dx, eax", in("dx") port, in("eax") value, options(nostack, preserves_flags))
-    };
-}
-
 /// Registers [`BUILTINS`] (vCPU 0) or waits for vCPU 0's registration to be answered
 /// (the others), before any event is written. Panics if the host refused the table (a
 /// bug on one side or the other); a pack without a table (an older host) leaves each
-/// event its requested id.
-pub fn register_builtins(mem: &RawMem, cpu: u32) {
+/// event its requested id. vCPU 0 rings `bell` (the entry's doorbell), a compiler
+/// barrier: the table's stores stay before it and the loads of the answer after it.
+pub fn register_builtins(mem: &RawMem, cpu: u32, bell: Doorbell) {
     let r = if cpu == 0 {
-        register(mem, &BUILTINS, || notify(PORT_REGISTER, cpu))
+        register(mem, &BUILTINS, || bell.register())
     } else {
         wait_registered(mem, &BUILTINS, WAIT_SPINS)
     };

@@ -13,15 +13,16 @@ mod emit;
 mod rt;
 mod workload;
 
-use hyptrace_abi::guest::{result, Workload, PORT_EXIT, VCPU_RESULT_SIZE};
+use hyptrace_abi::guest::{result, Workload, VCPU_RESULT_SIZE};
 
 use block::Block;
 use emit::{Emitter, WriterSink};
 use hyptrace_abi::guest::RUN_FLAG_SERVE_MAILBOX;
 use hyptrace_abi::layout::pack as pack_hdr;
 use hyptrace_abi::RawMem;
+use hyptrace_guest_rt::Doorbell;
 use hyptrace_writer::Writer;
-use rt::{out32, rdtsc};
+use rt::rdtsc;
 
 /// The run parameters the workloads use.
 pub struct Params {
@@ -43,9 +44,11 @@ pub struct Params {
     pub payload: u32,
 }
 
-/// Entry from `_start`: rdi = pack GPA, rsi = vCPU id, rdx = RunParams GPA.
+/// Entry from `_start`: rdi = pack GPA, rsi = vCPU id, rdx = RunParams GPA, rcx = the
+/// MMIO doorbell page or 0 (ring by port).
 #[no_mangle]
-pub extern "C" fn guest_main(pack: u64, cpu: u64, params_gpa: u64) -> ! {
+pub extern "C" fn guest_main(pack: u64, cpu: u64, params_gpa: u64, bell: u64) -> ! {
+    let bell = Doorbell::from_entry(bell);
     let tsc_start = rdtsc();
     let p = Block(params_gpa).read_params();
     if !p.header_ok() {
@@ -88,7 +91,7 @@ pub extern "C" fn guest_main(pack: u64, cpu: u64, params_gpa: u64) -> ! {
         Ok(w) => w,
         Err(e) => panic!("cannot attach the trace writer: {e}"),
     };
-    builtin::register_builtins(writer.mem(), cpu);
+    builtin::register_builtins(writer.mem(), cpu, bell);
     let serve = params.flags & RUN_FLAG_SERVE_MAILBOX != 0;
     let mut em = Emitter::new(WriterSink::new(writer, serve), cpu);
     // The --rate schedule starts now, once the registration is answered (the run holds
@@ -105,7 +108,7 @@ pub extern "C" fn guest_main(pack: u64, cpu: u64, params_gpa: u64) -> ! {
         slot.write_u64(result::BENCH_MIN_CHUNK, b.min_chunk);
     }
     slot.write_u64(result::STATUS, 1);
-    out32(PORT_EXIT, cpu);
+    bell.exit(cpu);
     loop {
         core::hint::spin_loop();
     }

@@ -2,13 +2,14 @@
 //! vCPU, guest at CPL3) and the `hyptrace` command line.
 //!
 //! ```no_run
-//! use hyptrace_host::{RunParams, Vm, VmConfig, GUEST_ELF};
+//! use hyptrace_host::{DoorbellKind, RunParams, Vm, VmConfig, GUEST_ELF};
 //! let vm = Vm::new(VmConfig {
 //!     vcpus: 2,
 //!     mem_bytes: 64 << 20,
 //!     guest_elf: GUEST_ELF.into(),
 //!     trace_region_bytes: 4 << 20,
 //!     trace_region_align: 4096,
+//!     doorbell: DoorbellKind::Port, // or Mmio (`--doorbell mmio`)
 //! })?;
 //! let region = vm.trace_region(); // hand to the ring-buffer reader before start
 //! let running = vm.start(&RunParams { events: 1000, ..Default::default() })?;
@@ -33,7 +34,7 @@ pub use vmm::guest_mem::TraceRegion;
 pub use vmm::memory_map::GuestMemoryMap;
 pub use vmm::time::host_tsc;
 pub use vmm::vcpu::{VcpuError, VcpuOutcome, VcpuStats};
-pub use vmm::vm::{RunParams, RunningVm, Vm, VmConfig};
+pub use vmm::vm::{DoorbellKind, RunParams, RunningVm, Vm, VmConfig};
 
 /// The guest payload built from guest/ (by the `hyptrace-payload` crate's build script).
 pub use hyptrace_payload::GUEST_ELF;

@@ -12,7 +12,8 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryError};
 
 use crate::elf::{ElfError, GuestImage};
 use crate::memory_map::{
-    GuestMemoryMap, MemoryMapError, GDT_ADDR, HUGE_PAGE, PDPT_ADDR, PD_ADDR, PML4_ADDR, TSS_ADDR,
+    GuestMemoryMap, MemoryMapError, DOORBELL_GPA, DOORBELL_PD_ADDR, GDT_ADDR, HUGE_PAGE, PDPT_ADDR,
+    PD_ADDR, PML4_ADDR, TSS_ADDR,
 };
 
 /// GDT: null, kernel code, kernel data, TSS (two slots, filled in), user code, user data.
@@ -39,6 +40,8 @@ const TSS_LIMIT: u64 = TSS_BASE_SIZE + IO_BITMAP_PORTS / 8;
 const PTE_P: u64 = 1;
 const PTE_RW: u64 = 1 << 1;
 const PTE_US: u64 = 1 << 2;
+const PTE_PWT: u64 = 1 << 3;
+const PTE_PCD: u64 = 1 << 4;
 const PTE_PS: u64 = 1 << 7;
 
 const CR0_PE: u64 = 1;
@@ -110,6 +113,11 @@ pub struct VcpuBoot {
     pub rsi: u64,
     /// Guest-physical address of the run parameter block.
     pub rdx: u64,
+    /// Where the guest rings its doorbell (entry ABI version 2, docs/abi.md "Doorbell"):
+    /// 0 = by port (what [`vcpu_boot`] gives), else the guest-physical address of the
+    /// MMIO doorbell page — [`crate::memory_map::DOORBELL_GPA`], which [`setup_memory`]
+    /// maps; the VMM then serves `hyptrace_embed::MmioDoorbell::new(DOORBELL_GPA)`.
+    pub rcx: u64,
     pub rflags: u64,
     pub cs: Segment,
     pub ds: Segment,
@@ -129,6 +137,26 @@ pub struct VcpuBoot {
     pub mxcsr: u32,
 }
 
+impl VcpuBoot {
+    /// This state with the MMIO doorbell handed over: `rcx` =
+    /// [`crate::memory_map::DOORBELL_GPA`] (docs/abi.md, "Doorbell"). The VMM serves
+    /// `hyptrace_embed::MmioDoorbell::new(DOORBELL_GPA)` and leaves that page unbacked.
+    ///
+    /// ```
+    /// use hyptrace_payload::{memory_map::DOORBELL_GPA, Boot, GUEST_ELF};
+    /// let boot = Boot::new(GUEST_ELF, 1, 1 << 20, 4096)?;
+    /// assert_eq!(boot.vcpu(0).rcx, 0); // by port
+    /// assert_eq!(boot.vcpu(0).mmio_doorbell().rcx, DOORBELL_GPA);
+    /// # Ok::<(), hyptrace_payload::BootError>(())
+    /// ```
+    pub fn mmio_doorbell(self) -> Self {
+        Self {
+            rcx: DOORBELL_GPA,
+            ..self
+        }
+    }
+}
+
 fn flat(selector: u16, type_: u8, code: bool) -> Segment {
     Segment {
         base: 0,
@@ -145,8 +173,9 @@ fn flat(selector: u16, type_: u8, code: bool) -> Segment {
 }
 
 /// The entry state of vCPU `id` (registers of the contract in `hyptrace_abi::guest`:
-/// rdi = trace region GPA, rsi = vCPU id, rdx = run parameter block GPA, rsp = top of its
-/// stack, GS base = its result slot).
+/// rdi = trace region GPA, rsi = vCPU id, rdx = run parameter block GPA, rcx = 0 (ring
+/// the doorbell by port; [`VcpuBoot::mmio_doorbell`] hands over the MMIO page), rsp =
+/// top of its stack, GS base = its result slot).
 pub fn vcpu_boot(layout: &GuestMemoryMap, id: u32, entry: u64) -> VcpuBoot {
     let data = flat(USER_DS, 0x3, false);
     VcpuBoot {
@@ -155,6 +184,7 @@ pub fn vcpu_boot(layout: &GuestMemoryMap, id: u32, entry: u64) -> VcpuBoot {
         rdi: layout.trace_gpa,
         rsi: u64::from(id),
         rdx: layout.params_gpa,
+        rcx: 0,
         rflags: RFLAGS,
         cs: flat(USER_CS, 0xb, true),
         ds: data,
@@ -188,7 +218,10 @@ pub fn vcpu_boot(layout: &GuestMemoryMap, id: u32, entry: u64) -> VcpuBoot {
 }
 
 /// Writes the GDT, the TSS and the identity page tables for `[0, layout.mem_bytes)`
-/// into `mem` (any vm-memory guest memory covering the VMM's low area).
+/// into `mem` (any vm-memory guest memory covering the VMM's low area). The 2 MiB page
+/// of [`DOORBELL_GPA`] is mapped too (user, writable, uncached), with no memory behind
+/// it: a guest told to ring there (`rcx`) exits on its store; another guest's access
+/// there is an unbacked access, a guest fault.
 pub fn setup_memory<M>(mem: &M, layout: &GuestMemoryMap) -> Result<(), GuestMemoryError>
 where
     M: Bytes<GuestAddress, E = GuestMemoryError> + ?Sized,
@@ -230,6 +263,14 @@ where
             GuestAddress(PD_ADDR + 8 * p),
         )?;
     }
+    // The doorbell's GiB has a PD of its own (guest memory ends before it).
+    let g = DOORBELL_GPA >> 30;
+    mem.write_obj(DOORBELL_PD_ADDR | table, GuestAddress(PDPT_ADDR + 8 * g))?;
+    let entry = ((DOORBELL_GPA >> 21) & 511) * 8;
+    mem.write_obj(
+        DOORBELL_GPA | table | PTE_PS | PTE_PWT | PTE_PCD,
+        GuestAddress(DOORBELL_PD_ADDR + entry),
+    )?;
     Ok(())
 }
 

@@ -17,6 +17,7 @@
 //! | `stacks_gpa`                 | one [`STACK_SIZE`] stack per vCPU (vCPU i: top at `stacks_gpa + (i+1)*STACK_SIZE`) |
 //! | `trace_gpa` (2 MiB aligned)  | trace region (`trace_len` bytes), rdi at entry        |
 //! | rest up to `mem_bytes`       | unused                                                |
+//! | [`DOORBELL_GPA`] `0xc000_0000` | no memory: the MMIO doorbell page (mapped, unbacked, uncached; its 2 MiB page's PD at [`DOORBELL_PD_ADDR`]) |
 //!
 //! Memory is limited to [`MAX_MEM_BYTES`] (3 GiB) so that it stays below the 32-bit
 //! hole, where KVM's TSS pages ([`KVM_TSS_ADDR`]) live.
@@ -40,6 +41,16 @@ pub const PML4_ADDR: u64 = 0x3000;
 pub const PDPT_ADDR: u64 = 0x4000;
 /// First PD (one per GiB of guest memory).
 pub const PD_ADDR: u64 = 0x5000;
+/// The MMIO doorbell page (docs/abi.md, "Doorbell"): the first address past the largest
+/// guest memory, 2 MiB-aligned. No memory slot backs it, so a guest store there exits
+/// (`KVM_EXIT_MMIO`). The identity map always maps its 2 MiB page (user, uncached); the
+/// guest is told to ring there only when its entry `rcx` holds this address
+/// ([`crate::boot::VcpuBoot::rcx`]).
+pub const DOORBELL_GPA: u64 = MAX_MEM_BYTES;
+/// The PD that maps the doorbell's GiB (the one after guest memory's last PD).
+pub const DOORBELL_PD_ADDR: u64 = PD_ADDR + (DOORBELL_GPA >> 30) * PAGE_SIZE;
+const _: () = assert!(DOORBELL_GPA >= MAX_MEM_BYTES && DOORBELL_GPA % HUGE_PAGE == 0);
+const _: () = assert!(DOORBELL_GPA < KVM_TSS_ADDR && DOORBELL_PD_ADDR + PAGE_SIZE <= LOW_END);
 /// End of the VMM's low area; the image must be loaded at or above it.
 pub const LOW_END: u64 = HUGE_PAGE;
 /// Largest guest memory.

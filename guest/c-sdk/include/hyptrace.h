@@ -136,14 +136,27 @@ extern "C" {
 // Attaches vCPU `cpu`'s writer to the rings in the pack at `pack_gpa` (the entry's
 // `rdi`); `params_gpa` (the entry's `rdx`, or 0) gives the run flags and the result
 // slot `ht_exit` fills. Returns NULL if `cpu` is out of range or the pack is not valid.
-// Call once per vCPU, on that vCPU.
+// Call once per vCPU, on that vCPU. `ht_register` and `ht_exit` ring the VMM by port;
+// `ht_attach_doorbell` rings where the VMM says.
 //
 // # Safety
 // `pack_gpa` and `params_gpa` are the addresses the VMM passed at entry.
 struct HtWriter *ht_attach(uint64_t pack_gpa, uint32_t cpu, uint64_t params_gpa);
 
+// `ht_attach`, with `doorbell_gpa` the entry's `rcx` (entry ABI version 2,
+// docs/abi.md "Doorbell"): 0 — ring the VMM by port (`ht_attach`), else the MMIO
+// doorbell page `ht_register` and `ht_exit` store to.
+//
+// # Safety
+// `pack_gpa`, `params_gpa` and `doorbell_gpa` are the values the VMM passed at entry.
+struct HtWriter *ht_attach_doorbell(uint64_t pack_gpa,
+                                    uint32_t cpu,
+                                    uint64_t params_gpa,
+                                    uint64_t doorbell_gpa);
+
 // Registers `events` (an array of `n` descriptor pointers) with the host: writes the
-// registration table, exits to the VMM once (port 0x512), reads the ids. Call it on one
+// registration table, exits to the VMM once (its doorbell: port 0x512, or the MMIO
+// page's register bell), reads the ids. Call it on one
 // vCPU (vCPU 0) before its first event; the others call `ht_wait_registered` with the
 // same array. Returns the number of events accepted, or a negative `HT_ERR_*`
 // (`HT_ERR_NO_TABLE`: an older host; every event got its requested id).

@@ -8,8 +8,9 @@
 //! by cbindgen (build.rs). Usage: docs/sdk-c.md; example: guest/examples/c/.
 //!
 //! Contract with the C program: it runs as the VMM's guest (entry `rdi` = pack GPA,
-//! `rsi` = vCPU id, `rdx` = run-parameter block GPA, CPL3, GS base = its result slot;
-//! `hyptrace_abi::guest`), calls `ht_attach` once per vCPU on that vCPU, and uses a
+//! `rsi` = vCPU id, `rdx` = run-parameter block GPA, `rcx` = MMIO doorbell page or 0,
+//! CPL3, GS base = its result slot; `hyptrace_abi::guest`), calls `ht_attach_doorbell`
+//! (or `ht_attach`, which rings by port) once per vCPU on that vCPU, and uses a
 //! writer only on its own vCPU. Event descriptors and their strings live as long as the
 //! program (static storage).
 #![no_std]
@@ -20,15 +21,13 @@ use core::mem::MaybeUninit;
 use core::panic::PanicInfo;
 use core::sync::atomic::{AtomicU32, Ordering};
 
-use hyptrace_abi::guest::{
-    result, RunParamBlock, PORT_EXIT, RUN_FLAG_SERVE_MAILBOX, VCPU_RESULT_SIZE,
-};
+use hyptrace_abi::guest::{result, RunParamBlock, RUN_FLAG_SERVE_MAILBOX, VCPU_RESULT_SIZE};
 use hyptrace_abi::layout::pack as pack_hdr;
 // The TSC, port I/O, the panic report and the C memory functions (there is no libc):
 // the guest images' shared runtime, which the embedded payload links too.
-use hyptrace_abi::registry::{MAX_EVENTS, MAX_FIELDS, PORT_REGISTER};
+use hyptrace_abi::registry::{MAX_EVENTS, MAX_FIELDS};
 use hyptrace_abi::RawMem;
-use hyptrace_guest_rt::out32;
+use hyptrace_guest_rt::Doorbell;
 use hyptrace_writer::events::{self, Event, Field, RegisterError};
 use hyptrace_writer::{WriteOutcome, Writer};
 
@@ -148,6 +147,8 @@ pub struct HtWriter {
     cpu: u32,
     params: u64,
     serve: bool,
+    /// Where `ht_register` and `ht_exit` ring the VMM.
+    bell: Doorbell,
 }
 
 /// Static storage written once per slot by its owner, then read.
@@ -385,12 +386,30 @@ unsafe fn with_events(
 /// Attaches vCPU `cpu`'s writer to the rings in the pack at `pack_gpa` (the entry's
 /// `rdi`); `params_gpa` (the entry's `rdx`, or 0) gives the run flags and the result
 /// slot `ht_exit` fills. Returns NULL if `cpu` is out of range or the pack is not valid.
-/// Call once per vCPU, on that vCPU.
+/// Call once per vCPU, on that vCPU. `ht_register` and `ht_exit` ring the VMM by port;
+/// `ht_attach_doorbell` rings where the VMM says.
 ///
 /// # Safety
 /// `pack_gpa` and `params_gpa` are the addresses the VMM passed at entry.
 #[no_mangle]
 pub unsafe extern "C" fn ht_attach(pack_gpa: u64, cpu: u32, params_gpa: u64) -> *mut HtWriter {
+    // SAFETY: per the caller.
+    unsafe { ht_attach_doorbell(pack_gpa, cpu, params_gpa, 0) }
+}
+
+/// `ht_attach`, with `doorbell_gpa` the entry's `rcx` (entry ABI version 2,
+/// docs/abi.md "Doorbell"): 0 — ring the VMM by port (`ht_attach`), else the MMIO
+/// doorbell page `ht_register` and `ht_exit` store to.
+///
+/// # Safety
+/// `pack_gpa`, `params_gpa` and `doorbell_gpa` are the values the VMM passed at entry.
+#[no_mangle]
+pub unsafe extern "C" fn ht_attach_doorbell(
+    pack_gpa: u64,
+    cpu: u32,
+    params_gpa: u64,
+    doorbell_gpa: u64,
+) -> *mut HtWriter {
     let tsc = ht_rdtsc();
     if cpu >= HT_MAX_CPUS || pack_gpa == 0 {
         return core::ptr::null_mut();
@@ -424,13 +443,15 @@ pub unsafe extern "C" fn ht_attach(pack_gpa: u64, cpu: u32, params_gpa: u64) -> 
             cpu,
             params: params_gpa,
             serve,
+            bell: Doorbell::from_entry(doorbell_gpa),
         })
     };
     p
 }
 
 /// Registers `events` (an array of `n` descriptor pointers) with the host: writes the
-/// registration table, exits to the VMM once (port 0x512), reads the ids. Call it on one
+/// registration table, exits to the VMM once (its doorbell: port 0x512, or the MMIO
+/// page's register bell), reads the ids. Call it on one
 /// vCPU (vCPU 0) before its first event; the others call `ht_wait_registered` with the
 /// same array. Returns the number of events accepted, or a negative `HT_ERR_*`
 /// (`HT_ERR_NO_TABLE`: an older host; every event got its requested id).
@@ -440,10 +461,12 @@ pub unsafe extern "C" fn ht_attach(pack_gpa: u64, cpu: u32, params_gpa: u64) -> 
 /// live for the program.
 #[no_mangle]
 pub unsafe extern "C" fn ht_register(w: *mut HtWriter, events: *const *mut HtEvent, n: u32) -> i32 {
+    // SAFETY: per the caller (NULL: `with_events` answers HT_ERR_NULL).
+    let bell = unsafe { w.as_ref() }.map_or(Doorbell::Port, |w| w.bell);
     // SAFETY: per the caller.
     unsafe {
         with_events(w, events, n, |mem, evs| {
-            events::register(mem, evs, || out32(PORT_REGISTER, 0))
+            events::register(mem, evs, || bell.register())
         })
     }
 }
@@ -656,7 +679,7 @@ pub unsafe extern "C" fn ht_exit(w: *mut HtWriter) -> ! {
         slot_store(w.params, &p, w.cpu, result::TSC_END, ht_rdtsc());
         slot_store(w.params, &p, w.cpu, result::STATUS, 1);
     }
-    out32(PORT_EXIT, w.cpu);
+    w.bell.exit(w.cpu);
     loop {
         core::hint::spin_loop();
     }

@@ -12,7 +12,8 @@
 #include "hyptrace.h"
 
 /* Entry (the VMM's contract, as the Rust payload's rt.rs): rdi = pack GPA, rsi = vCPU
- * id, rdx = run-parameter block GPA, rsp = top of this vCPU's stack. */
+ * id, rdx = run-parameter block GPA, rcx = MMIO doorbell page or 0 (ring by port), rsp =
+ * top of this vCPU's stack: c_main's four arguments. */
 __asm__(
     ".section .text.entry,\"ax\",@progbits\n"
     ".global _start\n"
@@ -57,9 +58,10 @@ static HtEvent sample = {
 
 static HtEvent *const events[] = {&sample};
 
-void c_main(uint64_t pack, uint64_t cpu, uint64_t params_gpa)
+void c_main(uint64_t pack, uint64_t cpu, uint64_t params_gpa, uint64_t doorbell)
 {
-    HtWriter *w = ht_attach(pack, (uint32_t)cpu, params_gpa);
+    /* Rings the VMM where it said: by port (doorbell 0) or at its MMIO doorbell page. */
+    HtWriter *w = ht_attach_doorbell(pack, (uint32_t)cpu, params_gpa, doorbell);
     if (!w)
         ht_panic("c guest: cannot attach the trace writer");
     HtRunParams p;

@@ -1,8 +1,9 @@
 //! The runtime the guest images share — the payload the VMM embeds (guest/src), the C
 //! SDK's `libhyptrace.a` (guest/c-sdk) and Rust guests of users (guest/template, a crate
 //! to copy out): the entry stub ([`entry!`]), the C memory functions ([`mem`]), the TSC,
-//! port I/O, the end of a vCPU's run ([`exit`]) and the report of a panic to the VMM. One
-//! copy, linked by all.
+//! port I/O, the doorbell ([`Doorbell`]: port or MMIO, as the VMM says at entry), the end
+//! of a vCPU's run ([`exit`], [`exit_by`]) and the report of a panic to the VMM. One copy,
+//! linked by all.
 //!
 //! A guest runs at CPL3 with IOPL=3 (so `in`/`out` work, `hlt` does not), with no
 //! interrupts and no IDT, and its GS base at its vCPU's result slot (the VMM's contract,
@@ -13,19 +14,27 @@ use core::arch::asm;
 use core::fmt::{self, Write};
 use core::panic::{Location, PanicInfo};
 
-use hyptrace_abi::guest::{result, PANIC_MSG_MAX, PORT_EXIT, PORT_PANIC};
+use hyptrace_abi::guest::{
+    result, DOORBELL_EXIT_OFF, DOORBELL_REGISTER_OFF, PANIC_MSG_MAX, PORT_EXIT, PORT_PANIC,
+};
+use hyptrace_abi::registry::PORT_REGISTER;
 
 pub mod mem;
 
 /// Defines the image's entry point `_start` (put first by the linker script, section
-/// `.text.entry`): aligns the stack and calls `$main(pack_gpa, vcpu, params_gpa)`, an
-/// `extern "C" fn(u64, u64, u64) -> !` — the VMM's entry registers `rdi`, `rsi`, `rdx`
-/// (docs/abi.md, "Entry").
+/// `.text.entry`): aligns the stack and calls `$main(pack_gpa, vcpu, params_gpa,
+/// doorbell)`, an `extern "C" fn(u64, u64, u64, u64) -> !` — the VMM's entry registers
+/// `rdi`, `rsi`, `rdx`, `rcx` (docs/abi.md, "Entry"; `rcx` since entry ABI version 2:
+/// [`Doorbell::from_entry`]). A `main` of three arguments ignores `rcx` and must ring by
+/// port.
 ///
 /// ```ignore
 /// hyptrace_guest_rt::entry!(guest_main);
 /// #[no_mangle]
-/// pub extern "C" fn guest_main(pack: u64, cpu: u64, params: u64) -> ! { ... }
+/// pub extern "C" fn guest_main(pack: u64, cpu: u64, params: u64, bell: u64) -> ! {
+///     let bell = hyptrace_guest_rt::Doorbell::from_entry(bell);
+///     ...
+/// }
 /// ```
 #[macro_export]
 macro_rules! entry {
@@ -79,6 +88,60 @@ pub fn notify(port: u16, value: u32) {
     };
 }
 
+/// Where this guest rings its VMM (docs/abi.md, "Doorbell"): the registration bell and
+/// the exit bell, by port or by a store to the MMIO doorbell page, as the VMM said in the
+/// entry's `rcx`. The other exits (panic, sleep, align) are port writes either way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Doorbell {
+    /// Port I/O: `PORT_REGISTER`, `PORT_EXIT` (entry `rcx` = 0, every VMM before entry
+    /// ABI version 2).
+    Port,
+    /// The MMIO doorbell page at this guest-physical (= virtual) address.
+    Mmio(u64),
+}
+
+impl Doorbell {
+    /// The doorbell the VMM handed over in the entry's `rcx` (0: ports).
+    pub fn from_entry(rcx: u64) -> Self {
+        match rcx {
+            0 => Self::Port,
+            page => Self::Mmio(page),
+        }
+    }
+
+    /// Rings the registration bell (the registration table is READY): the VMM answers
+    /// before the vCPU resumes. A compiler barrier: memory accesses stay on their side.
+    #[inline(always)]
+    pub fn register(self) {
+        match self {
+            Self::Port => notify(PORT_REGISTER, 0),
+            Self::Mmio(page) => mmio_store(page.wrapping_add(DOORBELL_REGISTER_OFF), 0),
+        }
+    }
+
+    /// Rings the exit bell with this vCPU's id (the VMM does not resume the vCPU).
+    #[inline(always)]
+    pub fn exit(self, cpu: u32) {
+        match self {
+            Self::Port => notify(PORT_EXIT, cpu),
+            Self::Mmio(page) => mmio_store(page.wrapping_add(DOORBELL_EXIT_OFF), cpu),
+        }
+    }
+}
+
+/// A 32-bit store to the MMIO doorbell page (an exit to the VMM), a compiler barrier.
+/// One plain `mov`, which every hypervisor's instruction decoder knows.
+#[inline(always)]
+pub fn mmio_store(addr: u64, value: u32) {
+    // SAFETY: `addr` is in the doorbell page the VMM handed over at entry: mapped by its
+    // page tables, backed by no memory, so the store exits to the VMM and touches no
+    // memory of this program. Without `nomem` the compiler keeps memory accesses on
+    // their side of it.
+    unsafe {
+        asm!("mov dword ptr [{a}], {v:e}", a = in(reg) addr, v = in(reg) value, options(nostack, preserves_flags))
+    };
+}
+
 /// Stamps this vCPU's start (the TSC, into its result slot's `tsc_start`): the VMM
 /// reports when each vCPU ran its first instruction and how long it took from there.
 /// Call it first thing at entry.
@@ -91,9 +154,14 @@ pub fn mark_start() {
 /// (finished) into its result slot, then its vCPU id to the exit port. Call
 /// `Writer::finish` first. Never returns (the VMM does not resume the vCPU).
 pub fn exit(cpu: u32) -> ! {
+    exit_by(Doorbell::Port, cpu)
+}
+
+/// [`exit`] through `bell` (the entry's [`Doorbell::from_entry`]).
+pub fn exit_by(bell: Doorbell, cpu: u32) -> ! {
     gs_store_u64(result::TSC_END, rdtsc());
     gs_store_u64(result::STATUS, 1);
-    notify(PORT_EXIT, cpu);
+    bell.exit(cpu);
     loop {
         core::hint::spin_loop();
     }

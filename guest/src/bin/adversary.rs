@@ -14,7 +14,8 @@
 //! footer magics, duplicate and decreasing `page_seq`, random byte flips while writing
 //! flat out, port abuse (unknown port, exit port with another vCPU's id, panic port
 //! with a huge length and a message full of control characters and a forged drop
-//! marker), mailbox lies (wrong seq, unknown status, "done" without swapping, no
+//! marker), MMIO doorbell abuse (a store at an offset that rings nothing, the exit bell
+//! with another vCPU's id: run with `--doorbell mmio`), mailbox lies (wrong seq, unknown status, "done" without swapping, no
 //! answer at all), hand-made pages with hostile-but-legal encodings, text events that
 //! try to forge output lines, a vCPU that stays silent while the others write, and
 //! crashes after N events (fault, panic, invalid opcode, hang) for the flight recorder.
@@ -46,6 +47,7 @@ use hyptrace_abi::page::{
     TYPE_PADDING,
 };
 use hyptrace_abi::{RawMem, SharedMem};
+use hyptrace_guest_rt::{mmio_store, Doorbell};
 use hyptrace_writer::{WriteOutcome, Writer};
 use rt::{out32, rdtsc};
 
@@ -111,6 +113,11 @@ enum Scenario {
     /// After `events` markers: publishes more skipped than attempted events (R3), then
     /// the writer finishes.
     AttemptsHostile = 24,
+    /// With the MMIO doorbell (`--doorbell mmio`): after 16 markers, a store at offset
+    /// 0x10 of the doorbell page, which rings nothing (an unbacked access).
+    MmioWrongOffset = 25,
+    /// With the MMIO doorbell: after 16 markers, the exit bell with vCPU id 0xffff_ffff.
+    MmioExitLie = 26,
 }
 
 impl Scenario {
@@ -142,6 +149,8 @@ impl Scenario {
             22 => CrashUd,
             23 => CrashHang,
             24 => AttemptsHostile,
+            25 => MmioWrongOffset,
+            26 => MmioExitLie,
             _ => return None,
         })
     }
@@ -168,6 +177,8 @@ struct Ctx {
     serve: bool,
     events: u64,
     seed: u64,
+    /// Where it rings the VMM (the entry's `rcx`).
+    bell: Doorbell,
 }
 
 /// An honest writer of `guest:marker` / `guest:text` events (one seq per vCPU).
@@ -247,7 +258,7 @@ impl Ctx {
     fn exit(&self) -> ! {
         self.slot.write_u64(result::TSC_END, rdtsc());
         self.slot.write_u64(result::STATUS, 1);
-        out32(PORT_EXIT, self.cpu);
+        self.bell.exit(self.cpu);
         spin_forever()
     }
 
@@ -283,9 +294,10 @@ fn spin_forever() -> ! {
     }
 }
 
-/// Entry from `_start` (rt.rs): rdi = pack GPA, rsi = vCPU id, rdx = RunParams GPA.
+/// Entry from `_start` (rt.rs): rdi = pack GPA, rsi = vCPU id, rdx = RunParams GPA, rcx
+/// = the MMIO doorbell page or 0 (ports).
 #[no_mangle]
-pub extern "C" fn guest_main(pack: u64, cpu: u64, params_gpa: u64) -> ! {
+pub extern "C" fn guest_main(pack: u64, cpu: u64, params_gpa: u64, bell: u64) -> ! {
     let p = Block(params_gpa).read_params();
     if p.magic != RUN_PARAMS_MAGIC {
         panic!("bad run parameter block");
@@ -326,9 +338,10 @@ pub extern "C" fn guest_main(pack: u64, cpu: u64, params_gpa: u64) -> ! {
         serve: p.flags & RUN_FLAG_SERVE_MAILBOX != 0,
         events: p.events,
         seed: p.seed,
+        bell: Doorbell::from_entry(bell),
     };
     // The built-in events it writes, registered as the payload does.
-    builtin::register_builtins(&cx.mem, cpu);
+    builtin::register_builtins(&cx.mem, cpu, cx.bell);
     if scenario == Scenario::Encodings && cpu == 0 {
         // Hand-made pages: no writer.
         encodings(&cx);
@@ -544,6 +557,22 @@ fn adversary(cx: &Ctx, s: Scenario, mut h: Honest) -> ! {
             cx.slot.write_u64(0, u64::MAX);
             cx.slot.write_u64(result::STATUS, 1);
             out32(PORT_EXIT, u32::MAX);
+            cx.stay(None)
+        }
+        MmioWrongOffset | MmioExitLie => {
+            let Doorbell::Mmio(page) = cx.bell else {
+                panic!("scenario {} needs --doorbell mmio", s as u32);
+            };
+            for _ in 0..16 {
+                h.marker();
+            }
+            h.w.finish();
+            if s == MmioWrongOffset {
+                mmio_store(page + 0x10, 0xdead_beef);
+            } else {
+                cx.slot.write_u64(result::STATUS, 1);
+                Doorbell::Mmio(page).exit(u32::MAX);
+            }
             cx.stay(None)
         }
         PortPanicForgery => {

@@ -10,9 +10,8 @@
 
 use hyptrace_abi::guest::RunParamBlock;
 use hyptrace_abi::layout::pack;
-use hyptrace_abi::registry::PORT_REGISTER;
 use hyptrace_abi::RawMem;
-use hyptrace_guest_rt::notify;
+use hyptrace_guest_rt::Doorbell;
 use hyptrace_writer::events::{register, wait_registered, Event};
 use hyptrace_writer::{event, Writer};
 
@@ -31,10 +30,12 @@ event! {
 }
 
 /// Entry (from `_start`): `pack` = the trace region's address, `cpu` = this vCPU's id,
-/// `params` = the run-parameter block's address.
+/// `params` = the run-parameter block's address, `bell` = where to ring the VMM (0: by
+/// port, else its MMIO doorbell page).
 #[no_mangle]
-pub extern "C" fn guest_main(pack_gpa: u64, cpu: u64, params: u64) -> ! {
+pub extern "C" fn guest_main(pack_gpa: u64, cpu: u64, params: u64, bell: u64) -> ! {
     hyptrace_guest_rt::mark_start();
+    let bell = Doorbell::from_entry(bell);
     // SAFETY: the VMM placed the run-parameter block at `params` (identity-mapped,
     // aligned) before any vCPU ran; plain integers, valid for any bytes.
     let p = unsafe { (params as usize as *const RunParamBlock).read_volatile() };
@@ -50,7 +51,7 @@ pub extern "C" fn guest_main(pack_gpa: u64, cpu: u64, params: u64) -> ! {
 
     let events: [&Event<'static>; 1] = [Step::event()];
     let registered = if cpu == 0 {
-        register(&mem, &events, || notify(PORT_REGISTER, 0))
+        register(&mem, &events, || bell.register())
     } else {
         wait_registered(&mem, &events, 1 << 34)
     };
@@ -65,7 +66,7 @@ pub extern "C" fn guest_main(pack_gpa: u64, cpu: u64, params: u64) -> ! {
         Step::emit(&mut w, i, cpu);
     }
     w.finish();
-    hyptrace_guest_rt::exit(cpu)
+    hyptrace_guest_rt::exit_by(bell, cpu)
 }
 
 #[panic_handler]

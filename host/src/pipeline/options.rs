@@ -575,6 +575,25 @@ pub enum SwapArg {
     Guest,
 }
 
+/// Where the guest rings the VMM (docs/abi.md, "Doorbell").
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DoorbellArg {
+    /// Port I/O (`out` to ports 0x512 and 0x510): every guest's.
+    Port,
+    /// Stores to an unbacked guest-physical page, whose address the guest gets in its
+    /// entry `rcx`; a guest that rings by port anyway is a guest fault (exit 3).
+    Mmio,
+}
+
+impl From<DoorbellArg> for crate::vmm::vm::DoorbellKind {
+    fn from(d: DoorbellArg) -> Self {
+        match d {
+            DoorbellArg::Port => Self::Port,
+            DoorbellArg::Mmio => Self::Mmio,
+        }
+    }
+}
+
 /// Options of `hyptrace run`.
 #[derive(Clone, Debug, Args)]
 pub struct RunArgs {
@@ -671,6 +690,11 @@ pub struct RunArgs {
     /// Guest payload ELF to load instead of the embedded one.
     #[arg(long, value_name = "PATH")]
     pub guest: Option<PathBuf>,
+    /// How the guest rings the VMM to have its event registration answered and to say it
+    /// finished: port I/O, or stores to an MMIO page (the embedded guest, the Rust
+    /// template and C guests using ht_attach_doorbell follow what the VMM says).
+    #[arg(long, value_enum, default_value_t = DoorbellArg::Port)]
+    pub doorbell: DoorbellArg,
     /// Clock of every timestamp (text, JSON, raw, trace.dat, --stats): host
     /// CLOCK_MONOTONIC, CLOCK_BOOTTIME, or the raw guest TSC counter.
     #[arg(long, value_enum, default_value_t = ClockArg::Mono)]
@@ -785,6 +809,7 @@ impl Default for RunArgs {
             duration: None,
             stats: None,
             guest: None,
+            doorbell: DoorbellArg::Port,
             clock: ClockArg::Mono,
             host_events: false,
             host_trace: Vec::new(),

@@ -414,6 +414,7 @@ impl Plan {
                 guest_elf: elf,
                 trace_region_bytes: trace,
                 trace_region_align: a.page_size,
+                doorbell: a.doorbell.into(),
             },
             params: RunParams {
                 workload: a.workload.into(),

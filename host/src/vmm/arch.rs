@@ -39,16 +39,21 @@ fn segment(s: Segment) -> kvm_segment {
 /// Sets up vCPU `id` to start at `entry` in 64-bit user mode, in the state
 /// `hyptrace_payload::boot::vcpu_boot` gives (the registers of the contract,
 /// `hyptrace_abi::guest`: rdi = trace region (pack) GPA, rsi = vCPU id, rdx = RunParams
-/// GPA, rsp = top of its stack, GS base = its result slot).
+/// GPA, rcx = the doorbell `doorbell` serves, rsp = top of its stack, GS base = its
+/// result slot).
 pub fn setup_vcpu(
     vcpu: &VcpuFd,
     cpuid: &CpuId,
     id: u32,
     layout: &GuestMemoryMap,
     entry: u64,
+    doorbell: crate::vmm::vm::DoorbellKind,
 ) -> Result<(), kvm_ioctls::Error> {
     vcpu.set_cpuid2(cpuid)?;
-    let b = boot::vcpu_boot(layout, id, entry);
+    let b = boot::VcpuBoot {
+        rcx: doorbell.entry_rcx(),
+        ..boot::vcpu_boot(layout, id, entry)
+    };
     let mut sregs = vcpu.get_sregs()?;
     (sregs.cs, sregs.ds, sregs.es) = (segment(b.cs), segment(b.ds), segment(b.es));
     (sregs.fs, sregs.gs, sregs.ss) = (segment(b.fs), segment(b.gs), segment(b.ss));
@@ -69,6 +74,7 @@ pub fn setup_vcpu(
         rdi: b.rdi,
         rsi: b.rsi,
         rdx: b.rdx,
+        rcx: b.rcx,
         rflags: b.rflags,
         ..Default::default()
     })

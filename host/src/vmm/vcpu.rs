@@ -225,8 +225,13 @@ fn run_loop(
                 Some(Request::Panic(len)) => {
                     return VcpuOutcome::Panicked(read_panic(mem, slot, len));
                 }
-                // Exit and Register ring the doorbell (above) when it is the stock one.
-                Some(Request::Exit(_) | Request::Register) | None => {
+                // Exit and Register ring the doorbell (above) when it is the port one.
+                Some(Request::Exit(_) | Request::Register) => {
+                    return VcpuOutcome::Faulted(format!(
+                        "write to I/O port {port:#x}, a port doorbell, but this run serves the MMIO doorbell (the guest does not take its doorbell from its entry rcx)"
+                    ));
+                }
+                None => {
                     return VcpuOutcome::Faulted(format!("unexpected write to I/O port {port:#x}"));
                 }
             },

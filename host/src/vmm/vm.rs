@@ -37,6 +37,41 @@ pub struct VmConfig {
     /// Alignment of the trace region: a power of two (e.g. the ring page size); the
     /// region is at least 2 MiB-aligned anyway, so 0 or 4096 mean 2 MiB.
     pub trace_region_align: u64,
+    /// Where the guest rings the VMM (`--doorbell`; docs/abi.md, "Doorbell").
+    pub doorbell: DoorbellKind,
+}
+
+/// Which doorbell the VM serves (docs/abi.md, "Doorbell"). The guest learns it from its
+/// entry `rcx`: 0 for ports, the page's address
+/// ([`crate::vmm::memory_map::DOORBELL_GPA`]) for MMIO. The VM serves that one only: a
+/// ring at the other is a guest fault.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DoorbellKind {
+    /// Port I/O (`PORT_REGISTER`, `PORT_EXIT`): every guest's, `rcx` = 0.
+    #[default]
+    Port,
+    /// Stores to the unbacked MMIO doorbell page at `DOORBELL_GPA`, `rcx` = that address.
+    Mmio,
+}
+
+impl DoorbellKind {
+    /// The entry's `rcx` (what the guest is told).
+    pub fn entry_rcx(self) -> u64 {
+        match self {
+            Self::Port => 0,
+            Self::Mmio => crate::vmm::memory_map::DOORBELL_GPA,
+        }
+    }
+
+    /// What maps the vCPUs' doorbell exits to rings.
+    fn doorbell(self) -> Box<dyn hyptrace_embed::Doorbell> {
+        match self {
+            Self::Port => Box::new(hyptrace_embed::PortDoorbell::default()),
+            Self::Mmio => Box::new(hyptrace_embed::MmioDoorbell::new(
+                crate::vmm::memory_map::DOORBELL_GPA,
+            )),
+        }
+    }
 }
 
 /// What the guest runs (the host side of the RunParams block). `nr_vcpus` and
@@ -89,6 +124,7 @@ pub struct Vm {
     tsc_khz: u64,
     tsc_offset: Option<i64>,
     entry: u64,
+    doorbell: DoorbellKind,
     host_events: Option<Arc<crate::vmm::host_events::HostEvents>>,
 }
 
@@ -271,7 +307,7 @@ impl Vm {
             let fd = vm_fd
                 .create_vcpu(u64::from(id))
                 .map_err(Error::kvm("KVM_CREATE_VCPU"))?;
-            arch::setup_vcpu(&fd, &cpuid, id, &layout, image.entry)
+            arch::setup_vcpu(&fd, &cpuid, id, &layout, image.entry, cfg.doorbell)
                 .map_err(Error::kvm("vCPU set-up"))?;
             vcpus.push(fd);
         }
@@ -297,6 +333,7 @@ impl Vm {
             tsc_khz,
             tsc_offset,
             entry: image.entry,
+            doorbell: cfg.doorbell,
             host_events: None,
         })
     }
@@ -402,7 +439,7 @@ impl Vm {
             cv: Condvar::new(),
             wake: AtomicBool::new(false),
             events,
-            doorbell: Box::new(hyptrace_embed::PortDoorbell::default()),
+            doorbell: self.doorbell.doorbell(),
         });
         let started_at = Instant::now();
         let start_tsc = host_tsc();
