@@ -1,14 +1,16 @@
 //! The contract between the VMM and the guest payload: entry registers, the run
 //! parameter block, per-vCPU result slots and the I/O ports.
 //!
-//! Entry (every vCPU): `rdi` = guest-physical address of the trace pack (the start of
-//! the trace region, see [`crate::layout::pack`]), `rsi` = vCPU id, `rdx` = guest-physical
-//! address of the [`RunParamBlock`], `rsp` = top of this vCPU's stack, GS base = the
-//! address of this vCPU's result slot. Guest memory is identity-mapped, so these addresses
-//! are also the guest's virtual addresses.
+//! Entry (every vCPU; entry ABI version 2, docs/abi.md): `rdi` = guest-physical address
+//! of the trace pack (the start of the trace region, see [`crate::layout::pack`]), `rsi` =
+//! vCPU id, `rdx` = guest-physical address of the [`RunParamBlock`], `rcx` = the doorbell
+//! (0: ring by port; else the guest-physical address of the MMIO doorbell page, see
+//! [`DOORBELL_REGISTER_OFF`]), `rsp` = top of this vCPU's stack, GS base = the address of
+//! this vCPU's result slot. Guest memory is identity-mapped, so these addresses are also
+//! the guest's virtual addresses.
 //!
 //! Exit: the guest fills its result slot (offsets in [`result`]), then writes its vCPU id to
-//! [`PORT_EXIT`] (32-bit `out`). A panic writes the message into the slot's `msg` bytes
+//! [`PORT_EXIT`] (32-bit `out`), or at [`DOORBELL_EXIT_OFF`] of the MMIO doorbell page. A panic writes the message into the slot's `msg` bytes
 //! and its length to [`PORT_PANIC`]. Any CPU exception triple-faults (the IDT is empty),
 //! which the VMM sees as `KVM_EXIT_SHUTDOWN`.
 //!
@@ -30,7 +32,7 @@ pub const PORT_ALIGN: u16 = 0x0513;
 /// next deadline is much further away.
 pub const PORT_SLEEP: u16 = 0x0514;
 /// MMIO doorbell (docs/abi.md, "Doorbell"): a guest whose VMM gives it a doorbell page
-/// instead of ports writes anything at this offset of the page to ask for its event
+/// (its entry `rcx`, entry ABI version 2) instead of ports writes anything at this offset of the page to ask for its event
 /// registration's answer (the MMIO form of `registry::PORT_REGISTER`).
 pub const DOORBELL_REGISTER_OFF: u64 = 0;
 /// MMIO doorbell: the guest writes its vCPU id (32 or 64 bits) at this offset of the

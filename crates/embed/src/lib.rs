@@ -10,10 +10,12 @@
 //! 2. Reserve `geometry.region_size` bytes of guest memory for it; wrap them in
 //!    [`GuestRegionMem::new`] (any vm-memory `GuestMemoryMmap`) and share it in an `Arc`.
 //! 3. [`Tracer::alloc`] writes the pack, control blocks and pages. Give the guest the
-//!    region's guest-physical address as docs/abi.md's entry ABI (version 1) says: `rdi`
-//!    at entry on every vCPU (another kind of guest: its own boot protocol).
-//!    Trap the guest's doorbell writes (a port `out`, or an unbacked MMIO page) and
-//!    map them with a [`Doorbell`] ([`PortDoorbell`], [`MmioDoorbell`]) to a [`Ring`].
+//!    region's guest-physical address as docs/abi.md's entry ABI (version 2) says: `rdi`
+//!    at entry on every vCPU (another kind of guest: its own boot protocol), and in
+//!    `rcx` the doorbell: 0 (ports) or the address of an MMIO page your page tables map
+//!    and no memory slot backs. Trap the guest's doorbell writes (a port `out`, or a
+//!    store to that page) and map them with the [`Doorbell`] you handed over
+//!    ([`PortDoorbell`], [`MmioDoorbell`]) to a [`Ring`].
 //! 4. [`Events::new`] on the same memory: its [`Events::on_register`] answers the guest's
 //!    registration ([`Ring::Register`]) on the vCPU thread (before resuming the vCPU). It is the one
 //!    registration state machine: the `hyptrace` binary runs it too.
