@@ -77,9 +77,21 @@ fn fields_of(name: &str) -> &'static [&'static str] {
 
 #[test]
 fn embed_example_writes_a_trace_dat_trace_cmd_reads() {
-    if !kvm_available(KRATE, "embed_example_writes_a_trace_dat_trace_cmd_reads")
-        || !trace_cmd_available()
-    {
+    check_example("embed_example_writes_a_trace_dat_trace_cmd_reads", "port");
+}
+
+/// The same with `--mmio`: the stock guest is handed the MMIO doorbell page in its entry
+/// `rcx` and the example serves only that page; one registration and one exit per vCPU
+/// ring it, and the trace is as complete.
+#[test]
+fn embed_example_serves_the_mmio_doorbell() {
+    check_example("embed_example_serves_the_mmio_doorbell", "mmio");
+}
+
+/// Runs the example with `doorbell` (`port`, or `mmio`: `--mmio`) and checks its
+/// accounts, its doorbell's rings and what trace-cmd reads of its trace.dat.
+fn check_example(name: &str, doorbell: &str) {
+    if !kvm_available(KRATE, name) || !trace_cmd_available() {
         return;
     }
     let bin = example_bin();
@@ -88,6 +100,11 @@ fn embed_example_writes_a_trace_dat_trace_cmd_reads() {
     let out = dir.file("out.dat");
     let mut child = Command::new(&bin)
         .arg(&out)
+        .args(if doorbell == "mmio" {
+            &["--mmio"][..]
+        } else {
+            &[]
+        })
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -117,6 +134,11 @@ fn embed_example_writes_a_trace_dat_trace_cmd_reads() {
         );
         assert!(a.read > 0, "cpu {cpu}: {a:?}");
     }
+    // vCPU 0's registration and each vCPU's exit, at the doorbell asked for.
+    assert!(
+        stdout.contains(&format!("\ndoorbell {doorbell}: 3 rings\n")),
+        "{stdout}"
+    );
     let total_read: u64 = accounts.iter().map(|a| a.read).sum();
     let total_lost: u64 = accounts.iter().map(|a| a.lost).sum();
     assert!(

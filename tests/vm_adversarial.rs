@@ -63,6 +63,8 @@ mod sc {
     pub const MBOX_ACK_NO_SWAP: u32 = 18;
     pub const MBOX_NEVER: u32 = 19;
     pub const ATTEMPTS_HOSTILE: u32 = 24;
+    pub const MMIO_WRONG_OFFSET: u32 = 25;
+    pub const MMIO_EXIT_LIE: u32 = 26;
 }
 
 /// What the run must end with.
@@ -600,6 +602,37 @@ fn port_exit_lie() {
         20_000,
         Expect::Crash(&["4294967295", "exit"]),
     ));
+}
+
+/// `--doorbell mmio`: vCPU 0 stores at offset 0x10 of the doorbell page, which rings
+/// nothing: an unbacked access, a guest crash (docs/abi.md, "Doorbell").
+#[test]
+fn mmio_wrong_offset() {
+    skip_without_kvm!("mmio_wrong_offset");
+    run_case(&Case {
+        extra: &["--doorbell", "mmio"],
+        ..Case::new(
+            "mmio_wrong_offset",
+            sc::MMIO_WRONG_OFFSET,
+            20_000,
+            Expect::Crash(&["unbacked guest-physical address 0xc0000010"]),
+        )
+    });
+}
+
+/// `--doorbell mmio`: vCPU 0 rings the MMIO exit bell as vCPU 0xffffffff: a guest crash.
+#[test]
+fn mmio_exit_lie() {
+    skip_without_kvm!("mmio_exit_lie");
+    run_case(&Case {
+        extra: &["--doorbell", "mmio"],
+        ..Case::new(
+            "mmio_exit_lie",
+            sc::MMIO_EXIT_LIE,
+            20_000,
+            Expect::Crash(&["reported exit as vCPU 4294967295"]),
+        )
+    });
 }
 
 /// A panic with length 0xffffffff and a message full of control characters and forged
