@@ -398,3 +398,78 @@ impl<'a> Boot<'a> {
         vcpu_boot(&self.layout, id, self.image.entry)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory_map::{MAX_MEM_BYTES, MIN_MEM_BYTES, PAGE_SIZE};
+    use vm_memory::GuestMemoryMmap;
+
+    /// The page-table entry that maps `va` with 2 MiB pages, walked as the CPU does.
+    fn pde(mem: &GuestMemoryMmap, va: u64) -> u64 {
+        let addr = |e: u64| e & 0x000f_ffff_ffff_f000;
+        let read = |gpa: u64| mem.read_obj::<u64>(GuestAddress(gpa)).unwrap();
+        let pml4e = read(PML4_ADDR + 8 * ((va >> 39) & 511));
+        let pdpte = read(addr(pml4e) + 8 * ((va >> 30) & 511));
+        assert_eq!(
+            pml4e & pdpte & (PTE_P | PTE_RW | PTE_US),
+            PTE_P | PTE_RW | PTE_US
+        );
+        read(addr(pdpte) + 8 * ((va >> 21) & 511))
+    }
+
+    /// The doorbell's 2 MiB page is mapped (user, writable, uncached) past the largest
+    /// guest memory, with its own PD in the VMM's low area, and the RAM mapping below
+    /// it is untouched.
+    #[test]
+    fn the_doorbell_page_is_mapped_uncached_past_the_largest_memory() {
+        let layout = GuestMemoryMap {
+            mem_bytes: MAX_MEM_BYTES,
+            vcpus: 1,
+            image: (HUGE_PAGE, 2 * HUGE_PAGE),
+            params_gpa: 2 * HUGE_PAGE,
+            params_len: PAGE_SIZE,
+            results_gpa: 2 * HUGE_PAGE + 128,
+            stacks_gpa: 2 * HUGE_PAGE + PAGE_SIZE,
+            trace_gpa: 4 * HUGE_PAGE,
+            trace_len: HUGE_PAGE,
+        };
+        // Only the low area (the tables) is needed to walk them.
+        let mem =
+            GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), HUGE_PAGE as usize)]).unwrap();
+        setup_memory(&mem, &layout).unwrap();
+        let bell = pde(&mem, DOORBELL_GPA);
+        let want = PTE_P | PTE_RW | PTE_US | PTE_PS | PTE_PWT | PTE_PCD;
+        assert_eq!(bell, DOORBELL_GPA | want);
+        let last = MAX_MEM_BYTES - HUGE_PAGE;
+        assert_eq!(pde(&mem, last), last | PTE_P | PTE_RW | PTE_US | PTE_PS);
+        assert_eq!(DOORBELL_PD_ADDR, PD_ADDR + 3 * PAGE_SIZE);
+        // Nothing else of the doorbell's GiB is mapped.
+        assert_eq!(pde(&mem, DOORBELL_GPA + HUGE_PAGE), 0);
+    }
+
+    /// `vcpu_boot` rings by port (rcx 0); `mmio_doorbell` hands over the page.
+    #[test]
+    fn rcx_is_the_doorbell() {
+        let layout = GuestMemoryMap {
+            mem_bytes: MIN_MEM_BYTES,
+            vcpus: 1,
+            image: (HUGE_PAGE, HUGE_PAGE + PAGE_SIZE),
+            params_gpa: HUGE_PAGE + PAGE_SIZE,
+            params_len: PAGE_SIZE,
+            results_gpa: HUGE_PAGE + PAGE_SIZE + 128,
+            stacks_gpa: HUGE_PAGE + 2 * PAGE_SIZE,
+            trace_gpa: HUGE_PAGE,
+            trace_len: HUGE_PAGE,
+        };
+        let b = vcpu_boot(&layout, 0, HUGE_PAGE);
+        assert_eq!(b.rcx, 0);
+        assert_eq!(
+            b.mmio_doorbell(),
+            VcpuBoot {
+                rcx: DOORBELL_GPA,
+                ..b
+            }
+        );
+    }
+}
