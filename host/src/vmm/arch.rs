@@ -39,19 +39,19 @@ fn segment(s: Segment) -> kvm_segment {
 /// Sets up vCPU `id` to start at `entry` in 64-bit user mode, in the state
 /// `hyptrace_payload::boot::vcpu_boot` gives (the registers of the contract,
 /// `hyptrace_abi::guest`: rdi = trace region (pack) GPA, rsi = vCPU id, rdx = RunParams
-/// GPA, rcx = the doorbell `doorbell` serves, rsp = top of its stack, GS base = its
-/// result slot).
+/// GPA, rcx = `doorbell`: 0 or the MMIO doorbell page (`DoorbellKind::entry_rcx`), rsp =
+/// top of its stack, GS base = its result slot).
 pub fn setup_vcpu(
     vcpu: &VcpuFd,
     cpuid: &CpuId,
     id: u32,
     layout: &GuestMemoryMap,
     entry: u64,
-    doorbell: crate::vmm::vm::DoorbellKind,
+    doorbell: u64,
 ) -> Result<(), kvm_ioctls::Error> {
     vcpu.set_cpuid2(cpuid)?;
     let b = boot::VcpuBoot {
-        rcx: doorbell.entry_rcx(),
+        rcx: doorbell,
         ..boot::vcpu_boot(layout, id, entry)
     };
     let mut sregs = vcpu.get_sregs()?;

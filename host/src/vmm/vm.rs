@@ -307,8 +307,15 @@ impl Vm {
             let fd = vm_fd
                 .create_vcpu(u64::from(id))
                 .map_err(Error::kvm("KVM_CREATE_VCPU"))?;
-            arch::setup_vcpu(&fd, &cpuid, id, &layout, image.entry, cfg.doorbell)
-                .map_err(Error::kvm("vCPU set-up"))?;
+            arch::setup_vcpu(
+                &fd,
+                &cpuid,
+                id,
+                &layout,
+                image.entry,
+                cfg.doorbell.entry_rcx(),
+            )
+            .map_err(Error::kvm("vCPU set-up"))?;
             vcpus.push(fd);
         }
         let tsc_offset = sync_tsc(&vcpus);
