@@ -49,7 +49,7 @@ pub const PD_ADDR: u64 = 0x5000;
 pub const DOORBELL_GPA: u64 = MAX_MEM_BYTES;
 /// The PD that maps the doorbell's GiB (the one after guest memory's last PD).
 pub const DOORBELL_PD_ADDR: u64 = PD_ADDR + (DOORBELL_GPA >> 30) * PAGE_SIZE;
-const _: () = assert!(DOORBELL_GPA >= MAX_MEM_BYTES && DOORBELL_GPA % HUGE_PAGE == 0);
+const _: () = assert!(DOORBELL_GPA >= MAX_MEM_BYTES && DOORBELL_GPA.is_multiple_of(HUGE_PAGE));
 const _: () = assert!(DOORBELL_GPA < KVM_TSS_ADDR && DOORBELL_PD_ADDR + PAGE_SIZE <= LOW_END);
 /// End of the VMM's low area; the image must be loaded at or above it.
 pub const LOW_END: u64 = HUGE_PAGE;
