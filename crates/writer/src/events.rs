@@ -327,7 +327,9 @@ pub fn read_answer<M: SharedMem + ?Sized>(
 }
 
 /// Registers `events`: writes the table ([`write_table`]), calls `notify` (the guest's
-/// exit to [`hyptrace_abi::registry::PORT_REGISTER`]: the host answers during it) and
+/// register bell, an exit: [`hyptrace_abi::registry::PORT_REGISTER`], or the MMIO
+/// doorbell page's `DOORBELL_REGISTER_OFF` — docs/abi.md, "Doorbell"; the host answers
+/// during it) and
 /// reads the answer ([`read_answer`]). Returns the number of events accepted; each
 /// event's [`Event::id`] is set. Run it on one CPU, before the first event.
 pub fn register<M: SharedMem + ?Sized>(
