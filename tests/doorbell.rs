@@ -130,3 +130,28 @@ fn port_ring_under_the_mmio_doorbell_is_a_guest_crash() {
         "{err}"
     );
 }
+
+/// With the largest guest memory (3 GiB, whose last PD sits right before the doorbell's)
+/// the MMIO doorbell still rings: the RAM map and the doorbell's map do not collide.
+#[test]
+fn mmio_doorbell_next_to_the_largest_memory() {
+    if !kvm_available(KRATE, "mmio_doorbell_next_to_the_largest_memory") {
+        return;
+    }
+    let _vm = vm_lock();
+    let o = env::run(
+        BIN,
+        &[
+            "run",
+            "--doorbell",
+            "mmio",
+            "--mem-mb",
+            "3072",
+            "--events",
+            "100",
+        ],
+    );
+    let err = env::stderr(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert!(err.contains("written 200 = read 200 + lost 0"), "{err}");
+}
