@@ -9,8 +9,8 @@
 //! changes them only with atomic `fetch_or` / `fetch_and`, so the other bits stay; the
 //! writer loads the word once per event and counts a disabled event as skipped (E1).
 
-use std::sync::atomic::Ordering::{Acquire, Relaxed, Release, SeqCst};
-use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::atomic::AtomicBool;
+use std::sync::atomic::Ordering::{Relaxed, SeqCst};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -26,26 +26,6 @@ use crate::select::{bit, mask_of, EventInfo, EventsError, Selection};
 /// Registration exits with the table not ready a guest may make before the table counts
 /// as refused (each costs a bounded look at one word).
 pub const MAX_EARLY_EXITS: u32 = 16;
-
-/// How long each side of the registration hand-off (the run waiting for the
-/// registration, the registering vCPU waiting for its held answer) spins before it
-/// sleeps on the condition variable. Waking a sleeping thread costs ~0.1 ms under a
-/// nested hypervisor (its idle CPU halted), twice per start-up; the waits themselves
-/// last ~0.1–1.5 ms (docs/benchmarks.md, start-up). Once per run, so at most twice
-/// this much CPU is spent.
-pub const HANDOFF_SPIN: Duration = Duration::from_millis(2);
-
-/// Spins while `busy()`, at most `max`; whether it stopped being busy.
-fn spin_while(max: Duration, mut busy: impl FnMut() -> bool) -> bool {
-    let start = Instant::now();
-    while busy() {
-        if start.elapsed() >= max {
-            return false;
-        }
-        std::hint::spin_loop();
-    }
-    true
-}
 
 /// Longest a registration's answer is held for the VMM to get ready to read
 /// ([`Events::hold_answers`]); past it the guest goes on regardless.
@@ -237,9 +217,6 @@ pub struct Events<M> {
     selection: Selection,
     state: Mutex<State>,
     cv: Condvar,
-    /// Bumped (Release) at every `cv` notification, so a waiter may spin on it before it
-    /// sleeps; its Acquire load pairs with the bump.
-    changes: AtomicU64,
     /// Answers wait for [`Events::release_answers`] (see [`Events::hold_answers`]).
     held: AtomicBool,
     /// A registration exit without a table was logged (once: a guest that loops on
@@ -313,16 +290,9 @@ impl<M: SharedMem> Events<M> {
             selection,
             state: Mutex::new(State::Waiting { early: 0 }),
             cv: Condvar::new(),
-            changes: AtomicU64::new(0),
             held: AtomicBool::new(false),
             told_no_table: AtomicBool::new(false),
         }
-    }
-
-    /// Wakes every waiter: spinning ones by `changes`, sleeping ones by `cv`.
-    fn changed(&self) {
-        self.changes.fetch_add(1, Release);
-        self.cv.notify_all();
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -379,7 +349,7 @@ impl<M: SharedMem> Events<M> {
     pub fn release_answers(&self) {
         let _st = self.lock();
         self.held.store(false, SeqCst);
-        self.changed();
+        self.cv.notify_all();
     }
 
     /// The registration exit of `vcpu`: reads and validates the table (bounded),
@@ -464,7 +434,7 @@ impl<M: SharedMem> Events<M> {
         log::warn!("vcpu {vcpu}: the registration table was refused: {refused}");
         refuse(&self.mem, &self.geometry);
         *st = State::Refused(refused);
-        self.changed();
+        self.cv.notify_all();
         Exit::Refused
     }
 
@@ -484,19 +454,11 @@ impl<M: SharedMem> Events<M> {
             reg.rejected.len()
         );
         *st = State::Registered { reg, error };
-        self.changed();
+        self.cv.notify_all();
         let held = Instant::now();
-        // Spin first (the lock released, as the condition variable's wait releases it):
-        // the release usually comes within HANDOFF_SPIN.
-        drop(st);
-        spin_while(HANDOFF_SPIN, || self.held.load(SeqCst));
-        let st = self
+        st = self
             .cv
-            .wait_timeout_while(
-                self.lock(),
-                ANSWER_HOLD_MAX.saturating_sub(held.elapsed()),
-                |_| self.held.load(SeqCst),
-            )
+            .wait_timeout_while(st, ANSWER_HOLD_MAX, |_| self.held.load(SeqCst))
             .unwrap_or_else(|e| e.into_inner())
             .0;
         if let State::Registered { reg, .. } = &*st {
@@ -562,7 +524,6 @@ impl<M: SharedMem> Events<M> {
     /// ```
     pub fn settle(&self, step: Duration, mut give_up: impl FnMut() -> bool) -> Settled {
         let no_table = self.geometry.events_size == 0;
-        let spin_until = Instant::now() + HANDOFF_SPIN;
         let mut st = self.lock();
         loop {
             let waiting = matches!(*st, State::Waiting { .. });
@@ -577,16 +538,6 @@ impl<M: SharedMem> Events<M> {
                     };
                 }
                 return settled;
-            }
-            if Instant::now() < spin_until {
-                // Spin (unlocked) until a change or about a step's worth, then look again.
-                let seen = self.changes.load(Acquire);
-                drop(st);
-                spin_while(step.min(HANDOFF_SPIN), || {
-                    self.changes.load(Acquire) == seen
-                });
-                st = self.lock();
-                continue;
             }
             st = self
                 .cv
