@@ -99,7 +99,8 @@ pub struct Table {
 
 /// The initial state of one vCPU, as plain numbers. Registers not named are zero;
 /// `fcw`/`mxcsr` are the x87/SSE defaults. On KVM also call `set_cpuid2` with the
-/// supported CPUID (the guest's core library uses SSE2).
+/// table of [`crate::cpuid::guest_cpuid`] (KVM refuses `EFER.LME` without its long-mode
+/// bit; the guest's core library uses SSE2).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[allow(missing_docs)]
 pub struct VcpuBoot {

@@ -19,6 +19,7 @@
 //! published").
 
 pub mod boot;
+pub mod cpuid;
 pub mod elf;
 pub mod exits;
 pub mod memory_map;

@@ -8,7 +8,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use hyptrace_abi::guest::{RunParamBlock, Workload};
-use kvm_bindings::{kvm_userspace_memory_region, KVM_MAX_CPUID_ENTRIES};
+use kvm_bindings::kvm_userspace_memory_region;
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 use vmm_sys_util::signal::Killable;
@@ -299,23 +299,13 @@ impl Vm {
         // Fresh anonymous memory is zero already: .bss needs nothing.
         hyptrace_payload::boot::load_image(&memory, &cfg.guest_elf, &image)?;
 
-        let cpuid = kvm
-            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
-            .map_err(Error::kvm("KVM_GET_SUPPORTED_CPUID"))?;
         let mut vcpus = Vec::with_capacity(cfg.vcpus as usize);
         for id in 0..cfg.vcpus {
             let fd = vm_fd
                 .create_vcpu(u64::from(id))
                 .map_err(Error::kvm("KVM_CREATE_VCPU"))?;
-            arch::setup_vcpu(
-                &fd,
-                &cpuid,
-                id,
-                &layout,
-                image.entry,
-                cfg.doorbell.entry_rcx(),
-            )
-            .map_err(Error::kvm("vCPU set-up"))?;
+            arch::setup_vcpu(&fd, id, &layout, image.entry, cfg.doorbell.entry_rcx())
+                .map_err(Error::kvm("vCPU set-up"))?;
             vcpus.push(fd);
         }
         let tsc_offset = sync_tsc(&vcpus);
