@@ -37,13 +37,18 @@ pub enum OutputError {
         #[source]
         source: std::io::Error,
     },
-    /// A trace.dat file is malformed.
-    #[error("malformed trace.dat at offset {offset}: {reason}")]
+    /// A trace.dat file is malformed: where (its text), and what is wrong there (the
+    /// source, printed after it by the chain printer).
+    #[error("malformed trace.dat at offset {offset}{}", .within.map_or_else(String::new, |b| format!(" (byte {b} of the section there)")))]
     Format {
         /// Byte offset in the file (or in the decompressed section) where the problem was found.
         offset: u64,
+        /// For a problem inside a (possibly decompressed) section at `offset`: the
+        /// offset within the section.
+        within: Option<u64>,
         /// What is wrong.
-        reason: String,
+        #[source]
+        problem: DatProblem,
     },
     /// A Perfetto trace (read back by tests and tools) does not decode.
     #[error("malformed perfetto trace")]
@@ -91,12 +96,33 @@ impl OutputError {
         }
     }
 
-    pub(crate) fn format(offset: impl TryInto<u64>, reason: impl Into<String>) -> Self {
+    pub(crate) fn format(offset: impl TryInto<u64>, problem: DatProblem) -> Self {
         Self::Format {
             offset: offset.try_into().unwrap_or(u64::MAX),
-            reason: reason.into(),
+            within: None,
+            problem,
         }
     }
+}
+
+/// The text of `e` and of each of its sources, joined by `": "`, a source whose text
+/// the text so far already holds left out (an I/O error naming its path after a
+/// message naming it): each cause printed once. Bounded at 16 links (a cycle of
+/// sources would not end). The one chain printer of the workspace (host/'s messages
+/// and the reader's damage notes).
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut next = e.source();
+    for _ in 0..16 {
+        let Some(src) = next else { break };
+        let s = src.to_string();
+        if !text.contains(&s) {
+            text.push_str(": ");
+            text.push_str(&s);
+        }
+        next = src.source();
+    }
+    text
 }
 
 impl From<std::io::Error> for OutputError {
@@ -106,10 +132,171 @@ impl From<std::io::Error> for OutputError {
 }
 
 /// A `format` or `header_page` text of a trace.dat that cannot be parsed is malformed
-/// trace.dat (the format error is the whole reason: it has no source of its own).
+/// trace.dat (the format error is the problem).
 impl From<hyptrace_format::FormatError> for OutputError {
     fn from(e: hyptrace_format::FormatError) -> Self {
-        Self::format(0u64, e.to_string())
+        Self::format(0u64, DatProblem::Text(e))
+    }
+}
+
+/// What is malformed in a trace.dat ([`OutputError::Format`]): each reason with its
+/// numbers. A `&'static str` names the item read (`"section size"`, `"cpu data
+/// offset"`): a label of the reader, not a message.
+#[derive(Debug, thiserror::Error)]
+pub enum DatProblem {
+    /// Not a trace.dat's magic.
+    #[error("not a trace.dat (bad magic)")]
+    Magic,
+    /// The version is not a number (the text the file has).
+    #[error("bad version {0:?}")]
+    Version(String),
+    /// A page size not accepted.
+    #[error("bad page size {0}")]
+    PageSize(usize),
+    /// An item runs past the end of the file (or of its section, option or block).
+    #[error("{0} runs past the end")]
+    PastEnd(&'static str),
+    /// A length larger than the bytes that follow it.
+    #[error("{what} {len} is more than the {left} bytes left")]
+    Length {
+        /// The item.
+        what: &'static str,
+        /// Its length.
+        len: u64,
+        /// Bytes left after it.
+        left: u64,
+    },
+    /// A `\0`-terminated name longer than the reader takes.
+    #[error("{what} longer than {max} bytes")]
+    LongName {
+        /// The item.
+        what: &'static str,
+        /// The longest accepted.
+        max: usize,
+    },
+    /// Another tag where a section's tag is (`header_page`, `header_event`, `options`
+    /// or `flyrecord`).
+    #[error("expected {0}")]
+    Expected(&'static str),
+    /// More CPUs than the reader takes.
+    #[error("{cpus} CPUs, more than {max}")]
+    Cpus {
+        /// The file's count.
+        cpus: u32,
+        /// The most accepted.
+        max: u32,
+    },
+    /// A v7 compression name no compressor has (an unknown one is
+    /// [`UnsupportedDat::Compression`]).
+    #[error("compression name damaged")]
+    CompressionName,
+    /// A v7 section offset past the end of the file.
+    #[error("section offset past the end of the file")]
+    SectionPastEnd,
+    /// A v7 section of another id than the option naming it says.
+    #[error("section id {id}, expected {want}")]
+    SectionId {
+        /// The id found.
+        id: u16,
+        /// The id expected.
+        want: u16,
+    },
+    /// A compressed section in a file that is not compressed.
+    #[error("compressed section in an uncompressed file")]
+    CompressedSection,
+    /// A compressed section's block larger than the section.
+    #[error("compressed size {csize} runs past the section of {size} bytes")]
+    CompressedSize {
+        /// The block's compressed size.
+        csize: usize,
+        /// The section's size.
+        size: usize,
+    },
+    /// A compressed block refused before it is decompressed.
+    #[error("compressed block {0}")]
+    Block(BlockProblem),
+    /// zstd could not decompress a block (or set up a decompressor): the zstd error is
+    /// the source.
+    #[error("zstd")]
+    Zstd(#[source] std::io::Error),
+    /// A block decompressed to another size than its header says.
+    #[error("zstd: {got} bytes, expected {want}")]
+    ZstdSize {
+        /// Bytes decompressed.
+        got: usize,
+        /// Bytes the header says.
+        want: usize,
+    },
+    /// The chain of v7 options sections comes back to a section (or is longer than the
+    /// reader follows).
+    #[error("options sections loop")]
+    OptionsLoop,
+    /// A v7 file whose options name no header_page section.
+    #[error("no header_page section")]
+    NoHeaderPage,
+    /// The `header_page` text does not fit in the metadata budget.
+    #[error("header_page text of {0}")]
+    OverBudget(BudgetOver),
+    /// A `format` or `header_page` text that does not parse.
+    #[error(transparent)]
+    Text(hyptrace_format::FormatError),
+}
+
+/// Why a compressed block (a v7 section or chunk) is refused before it is decompressed
+/// ([`DatProblem::Block`], and the damage note of a skipped chunk).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum BlockProblem {
+    /// More compressed bytes than any zstd frame of the uncompressed size takes.
+    #[error("claims {cs} bytes compressed for {us}: more than any zstd frame of them takes")]
+    Bound {
+        /// Compressed size.
+        cs: usize,
+        /// Uncompressed size.
+        us: usize,
+    },
+    /// More uncompressed bytes than a block may have.
+    #[error("claims {us} bytes uncompressed, more than the {cap} accepted")]
+    Cap {
+        /// Uncompressed size.
+        us: usize,
+        /// The most accepted.
+        cap: usize,
+    },
+    /// A ratio no real trace compresses to.
+    #[error("claims {us} bytes from {cs} compressed, more than {ratio} times: no real trace compresses so far")]
+    Ratio {
+        /// Uncompressed size.
+        us: usize,
+        /// Compressed size.
+        cs: usize,
+        /// The largest ratio accepted.
+        ratio: u64,
+    },
+}
+
+/// Bytes of metadata past the reader's budget, and the budget
+/// ([`DatProblem::OverBudget`] and the damage notes of what was not read).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BudgetOver {
+    /// Bytes that did not fit.
+    pub bytes: u64,
+    /// The budget of all metadata, MiB.
+    pub budget_mib: u64,
+    /// The share of it for options sections, MiB.
+    pub options_mib: u64,
+    /// MiB taken so far.
+    pub used_mib: u64,
+    /// MiB taken by options sections so far.
+    pub options_used_mib: u64,
+}
+
+impl std::fmt::Display for BudgetOver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} bytes past the metadata budget ({} MiB for all metadata, {} MiB of it for options sections; {} MiB taken, {} MiB by options sections)",
+            self.bytes, self.budget_mib, self.options_mib, self.used_mib, self.options_used_mib
+        )
     }
 }
 
@@ -327,7 +514,7 @@ pub enum PartProblem {
     },
     /// The part is damaged (the first damage it has).
     #[error("damaged: {0}")]
-    Damaged(String),
+    Damaged(crate::tracedat::Damage),
     /// Another clock, or one with offsets.
     #[error("clock {found:?}, not {want}")]
     Clock {

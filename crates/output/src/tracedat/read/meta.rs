@@ -8,7 +8,7 @@ use hyptrace_abi::page::PAGE_HEADER_SIZE;
 
 use crate::format::{EventFormat, HeaderPage};
 use crate::symbols::KernelSymbols;
-use crate::OutputError;
+use crate::{DatProblem, OutputError};
 
 use super::budget::{cmdline_cost, format_cost, symbol_cost, Budget, MAX_SECTION};
 use super::input::Input;
@@ -22,18 +22,18 @@ pub(super) fn parse_header_info(
     budget: &mut Budget,
 ) -> Result<Result<HeaderPage, OutputError>, OutputError> {
     if c.bytes(12, "header_page tag")? != b"header_page\0" {
-        return Err(c.err("expected header_page"));
+        return Err(c.err(DatProblem::Expected("header_page")));
     }
     let n = c.len64("header_page size")?;
     let hp = if budget.take(n as u64) {
         HeaderPage::parse(&c.text(n, "header_page text")?).map_err(OutputError::from)
     } else {
-        let e = c.err(&format!("header_page text of {}", budget.over(n as u64)));
+        let e = c.err(DatProblem::OverBudget(budget.over(n as u64)));
         c.skip(n as u64, "header_page text")?;
         Err(e)
     };
     if c.bytes(13, "header_event tag")? != b"header_event\0" {
-        return Err(c.err("expected header_event"));
+        return Err(c.err(DatProblem::Expected("header_event")));
     }
     let n = c.len64("header_event size")?;
     c.skip(n as u64, "header_event text")?;
@@ -110,7 +110,7 @@ pub(super) fn parse_event_formats(
 /// [`MAX_SECTION`] and in the budget, else walked over: `Err(its size)`.
 pub(super) fn u32_sized_text(
     c: &mut impl Input,
-    what: &str,
+    what: &'static str,
     budget: &mut Budget,
 ) -> Result<Result<Vec<u8>, u64>, OutputError> {
     let n = c.u32(what)?;

@@ -8,7 +8,7 @@
 //! file, every loop is bounded by the bytes it consumes or by a fixed limit, and errors
 //! are returned, never panics.
 
-use crate::error::UnsupportedDat;
+use crate::error::{DatProblem, UnsupportedDat};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::fs::File;
@@ -121,19 +121,21 @@ impl std::fmt::Display for Damage {
 impl Damage {
     /// Metadata damage: `what` (a section, an option) and the error that ended it.
     fn meta(what: &str, e: &OutputError, fallback: &str) -> Self {
-        let offset = match e {
-            OutputError::Format { offset, .. } => Some(*offset),
-            _ => None,
+        let (offset, why) = match e {
+            OutputError::Format {
+                offset,
+                within,
+                problem,
+            } => {
+                let at = within.map_or_else(String::new, |b| format!(" at byte {b} of the section"));
+                (Some(*offset), format!("{}{at}", crate::error_chain(problem)))
+            }
+            e => (None, crate::error_chain(e)),
         };
         Self {
             cpu: None,
             offset,
-            what: match e {
-                OutputError::Format { reason, .. } => {
-                    format!("{what} damaged ({reason}); {fallback}")
-                }
-                e => format!("{what} damaged ({e}); {fallback}"),
-            },
+            what: format!("{what} damaged ({why}); {fallback}"),
         }
     }
 }
@@ -218,19 +220,19 @@ impl TraceFile {
     fn from_source(src: Source) -> Result<Self, OutputError> {
         let mut c = FileCur::new(&src, 0);
         if c.bytes(10, "magic")? != MAGIC {
-            return Err(OutputError::format(0u64, "not a trace.dat (bad magic)"));
+            return Err(OutputError::format(0u64, DatProblem::Magic));
         }
         let ver = c.cstr("version")?;
         let version: u32 = ver
             .parse()
-            .map_err(|_| OutputError::format(10u64, "bad version"))?;
+            .map_err(|_| OutputError::format(10u64, DatProblem::Version(ver.clone())))?;
         if c.u8("endianness")? != 0 {
             return Err(OutputError::Unsupported(UnsupportedDat::BigEndian));
         }
         let long_size = c.u8("long size")?;
         let page_size = c.u32("page size")? as usize;
         check_page_size(page_size)
-            .map_err(|_| OutputError::format(c.pos.saturating_sub(4), "bad page size"))?;
+            .map_err(|_| OutputError::format(c.pos.saturating_sub(4), DatProblem::PageSize(page_size)))?;
         let pos = c.pos;
         let f = TraceFile {
             version,

@@ -38,6 +38,7 @@ impl Unzstd {
         };
         if let Err(e) = unzstd_into(d, &self.input, us, out, at + 8) {
             out.clear();
+            let e = crate::error_chain(&e);
             return Ok(Some(format!("chunk {i} damaged ({e}): skipped its {us} bytes ({} pages), reading goes on with the next chunk", us / ps)));
         }
         if us.is_multiple_of(ps) {

@@ -1,7 +1,7 @@
 //! The metadata of a trace.dat: the v6 sequence, the v7 options chain and the sections
 //! it names, the CPU table; everything within the metadata [`Budget`].
 
-use crate::error::UnsupportedDat;
+use crate::error::{DatProblem, UnsupportedDat};
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::clock::TscConversion;
@@ -130,10 +130,7 @@ impl Parser {
     /// block checked by [`check_block`]), within the budget.
     fn section(&mut self, off: u64, want: u16) -> Result<Section, OutputError> {
         if off >= self.src().len() {
-            return Err(OutputError::format(
-                off,
-                "section offset past the end of the file",
-            ));
+            return Err(OutputError::format(off, DatProblem::SectionPastEnd));
         }
         let mut c = FileCur::new(self.src(), off);
         let id = c.u16("section id")?;
@@ -141,10 +138,7 @@ impl Parser {
         let _string = c.u32("section name")?;
         let size = c.len64("section size")?;
         if id != want {
-            return Err(OutputError::format(
-                off,
-                format!("section id {id}, expected {want}"),
-            ));
+            return Err(OutputError::format(off, DatProblem::SectionId { id, want }));
         }
         if flags & 1 == 0 {
             if !self.take(want, size as u64) {
@@ -154,21 +148,15 @@ impl Parser {
             return Ok(Section::Body(body));
         }
         if !self.compressed {
-            return Err(OutputError::format(
-                off,
-                "compressed section in an uncompressed file",
-            ));
+            return Err(OutputError::format(off, DatProblem::CompressedSection));
         }
         let csize = c.u32("compressed size")? as usize;
         let usize_ = c.u32("uncompressed size")? as usize;
         if csize > size.saturating_sub(8) {
-            return Err(c.err("compressed size runs past the section"));
+            return Err(c.err(DatProblem::CompressedSize { csize, size }));
         }
         if let Some(why) = check_block(csize, usize_, MAX_SECTION) {
-            return Err(OutputError::format(
-                off + 16,
-                format!("compressed block {why}"),
-            ));
+            return Err(OutputError::format(off + 16, DatProblem::Block(why)));
         }
         if !self.take(want, (csize + usize_) as u64) {
             return Ok(Section::OverBudget((csize + usize_) as u64));
@@ -262,11 +250,14 @@ impl Parser {
                 b"options  \0" => has_clock |= self.v6_options(c)?,
                 b"latency  \0" => return Err(OutputError::Unsupported(UnsupportedDat::Latency)),
                 b"flyrecord\0" => break,
-                _ => return Err(c.err("expected options or flyrecord")),
+                _ => return Err(c.err(DatProblem::Expected("options or flyrecord"))),
             }
         }
         if self.f.nr_cpus > MAX_CPUS {
-            return Err(c.err("too many CPUs"));
+            return Err(c.err(DatProblem::Cpus {
+                cpus: self.f.nr_cpus,
+                max: MAX_CPUS,
+            }));
         }
         let mut table = Vec::new();
         for _ in 0..self.f.nr_cpus {
@@ -355,7 +346,7 @@ impl Parser {
                     .bytes()
                     .all(|b| b.is_ascii_alphanumeric() || b == b'-') =>
             {
-                return Err(c.err("compression name damaged"))
+                return Err(c.err(DatProblem::CompressionName))
             }
             other => {
                 return Err(OutputError::Unsupported(UnsupportedDat::Compression(
@@ -406,7 +397,7 @@ impl Parser {
         let mut top = None;
         while next != 0 {
             if !seen.insert(next) || seen.len() > MAX_OPTION_SECTIONS {
-                let e = OutputError::format(next, "options sections loop");
+                let e = OutputError::format(next, DatProblem::OptionsLoop);
                 self.damaged(Damage::meta("options", &e, "the loop is not followed"));
                 break;
             }
@@ -462,7 +453,7 @@ impl Parser {
     fn v7_sections(&mut self, sections: &BTreeMap<u16, u64>) {
         let fallback = "using the kernel's page layout";
         let hp = match sections.get(&option::HEADER_INFO) {
-            None => Some(Err(OutputError::format(0u64, "no header_page section"))),
+            None => Some(Err(OutputError::format(0u64, DatProblem::NoHeaderPage))),
             Some(&off) => self
                 .section_body(off, option::HEADER_INFO, "header_page", fallback)
                 .map(|s| {
@@ -655,7 +646,10 @@ fn buffer_table(o: &mut Cur<'_>, page_size: usize) -> Result<TopBuffer, OutputEr
     }
     let n = o.u32("buffer cpu count")?;
     if n > MAX_CPUS {
-        return Err(o.err("too many CPUs"));
+        return Err(o.err(DatProblem::Cpus {
+            cpus: n,
+            max: MAX_CPUS,
+        }));
     }
     let mut table = Vec::new();
     for _ in 0..n {
@@ -758,9 +752,12 @@ fn drop_shared(top: &[CpuBuffer], instances: &mut [Instance], file_len: u64) -> 
 /// offset `section`: placed at the section, the offset within it kept in the reason.
 pub(super) fn in_section(e: OutputError, section: u64) -> OutputError {
     match e {
-        OutputError::Format { offset, reason } => OutputError::Format {
+        OutputError::Format {
+            offset, problem, ..
+        } => OutputError::Format {
             offset: section,
-            reason: format!("{reason} at byte {offset} of the section"),
+            within: Some(offset),
+            problem,
         },
         e => e,
     }
