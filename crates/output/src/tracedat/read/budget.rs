@@ -182,10 +182,7 @@ pub(super) fn unzstd_into(
     if n != size {
         return Err(OutputError::format(
             at,
-            DatProblem::ZstdSize {
-                got: n,
-                want: size,
-            },
+            DatProblem::ZstdSize { got: n, want: size },
         ));
     }
     Ok(())

@@ -39,7 +39,12 @@ impl Source {
     }
 
     /// Fills `buf` from offset `off`; an error if that runs past the end of the file.
-    pub(super) fn read_at(&self, off: u64, buf: &mut [u8], what: &'static str) -> Result<(), OutputError> {
+    pub(super) fn read_at(
+        &self,
+        off: u64,
+        buf: &mut [u8],
+        what: &'static str,
+    ) -> Result<(), OutputError> {
         let end = off
             .checked_add(buf.len() as u64)
             .filter(|&e| e <= self.len())
@@ -58,7 +63,12 @@ impl Source {
 
     /// Reads `n` bytes at `off` into a new vector (checked against the file length
     /// before allocating).
-    pub(super) fn read_vec(&self, off: u64, n: usize, what: &'static str) -> Result<Vec<u8>, OutputError> {
+    pub(super) fn read_vec(
+        &self,
+        off: u64,
+        n: usize,
+        what: &'static str,
+    ) -> Result<Vec<u8>, OutputError> {
         if off.checked_add(n as u64).is_none_or(|e| e > self.len()) {
             return Err(OutputError::format(off, DatProblem::PastEnd(what)));
         }

@@ -127,8 +127,12 @@ impl Damage {
                 within,
                 problem,
             } => {
-                let at = within.map_or_else(String::new, |b| format!(" at byte {b} of the section"));
-                (Some(*offset), format!("{}{at}", crate::error_chain(problem)))
+                let at =
+                    within.map_or_else(String::new, |b| format!(" at byte {b} of the section"));
+                (
+                    Some(*offset),
+                    format!("{}{at}", crate::error_chain(problem)),
+                )
             }
             e => (None, crate::error_chain(e)),
         };
@@ -231,8 +235,9 @@ impl TraceFile {
         }
         let long_size = c.u8("long size")?;
         let page_size = c.u32("page size")? as usize;
-        check_page_size(page_size)
-            .map_err(|_| OutputError::format(c.pos.saturating_sub(4), DatProblem::PageSize(page_size)))?;
+        check_page_size(page_size).map_err(|_| {
+            OutputError::format(c.pos.saturating_sub(4), DatProblem::PageSize(page_size))
+        })?;
         let pos = c.pos;
         let f = TraceFile {
             version,
