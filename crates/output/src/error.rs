@@ -37,25 +37,13 @@ pub enum OutputError {
         #[source]
         source: std::io::Error,
     },
-    /// A trace.dat file is malformed: where (its text), and what is wrong there (the
-    /// source, printed after it by the chain printer).
-    #[error("malformed trace.dat at offset {offset}{}", .within.map_or_else(String::new, |b| format!(" (byte {b} of the section there)")))]
-    Format {
-        /// Byte offset in the file (or in the decompressed section) where the problem was found.
-        offset: u64,
-        /// For a problem inside a (possibly decompressed) section at `offset`: the
-        /// offset within the section.
-        within: Option<u64>,
-        /// What is wrong.
-        #[source]
-        problem: DatProblem,
-    },
+    /// Reading a trace.dat failed (its own error: the reader's; boxed: the error stays
+    /// small).
+    #[error(transparent)]
+    Dat(Box<DatError>),
     /// A Perfetto trace (read back by tests and tools) does not decode.
     #[error("malformed perfetto trace")]
     Perfetto(#[source] prost::DecodeError),
-    /// A trace.dat feature this reader does not implement.
-    #[error("unsupported trace.dat: {0}")]
-    Unsupported(UnsupportedDat),
     /// The output failed earlier (or was finished): nothing more is written. The first
     /// error said why; this one need not be reported again.
     #[error("output closed after an earlier error")]
@@ -74,7 +62,7 @@ pub enum OutputError {
     Part(Box<PartError>),
     /// Reading a part of a multi-buffer trace.dat failed.
     #[error("reading a buffer part")]
-    ReadPart(#[source] Box<OutputError>),
+    ReadPart(#[source] Box<DatError>),
     /// The CPU data of a trace.dat was placed after its first byte was written (a bug
     /// of the writer, not of its input).
     #[error("cpu {0}'s data moved after its start")]
@@ -92,6 +80,48 @@ impl OutputError {
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Self::Io {
             path: Some(path.into()),
+            source,
+        }
+    }
+}
+
+/// Reading a trace.dat failed ([`crate::TraceFile`]: opening it, its pages, its
+/// records). A sink fed from it, or a report written from it, fails with an
+/// [`OutputError`] that holds this one ([`OutputError::Dat`]).
+#[derive(Debug, thiserror::Error)]
+pub enum DatError {
+    /// Reading the file failed. Its text is the path; the OS error is its source.
+    #[error("{}", .path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What the system said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is malformed: where (its text), and what is wrong there (the source,
+    /// printed after it by the chain printer).
+    #[error("malformed trace.dat at offset {offset}{}", .within.map_or_else(String::new, |b| format!(" (byte {b} of the section there)")))]
+    Format {
+        /// Byte offset in the file where the problem was found (for a problem inside a
+        /// section: the section's).
+        offset: u64,
+        /// For a problem inside a (possibly decompressed) section at `offset`: the
+        /// offset within the section.
+        within: Option<u64>,
+        /// What is wrong.
+        #[source]
+        problem: DatProblem,
+    },
+    /// A trace.dat feature this reader does not implement.
+    #[error("unsupported trace.dat: {0}")]
+    Unsupported(UnsupportedDat),
+}
+
+impl DatError {
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Self::Io {
+            path: path.into(),
             source,
         }
     }
@@ -125,6 +155,12 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
     text
 }
 
+impl From<DatError> for OutputError {
+    fn from(e: DatError) -> Self {
+        Self::Dat(Box::new(e))
+    }
+}
+
 impl From<std::io::Error> for OutputError {
     fn from(source: std::io::Error) -> Self {
         Self::Io { path: None, source }
@@ -133,13 +169,13 @@ impl From<std::io::Error> for OutputError {
 
 /// A `format` or `header_page` text of a trace.dat that cannot be parsed is malformed
 /// trace.dat (the format error is the problem).
-impl From<hyptrace_format::FormatError> for OutputError {
+impl From<hyptrace_format::FormatError> for DatError {
     fn from(e: hyptrace_format::FormatError) -> Self {
         Self::format(0u64, DatProblem::Text(e))
     }
 }
 
-/// What is malformed in a trace.dat ([`OutputError::Format`]): each reason with its
+/// What is malformed in a trace.dat ([`DatError::Format`]): each reason with its
 /// numbers. A `&'static str` names the item read (`"section size"`, `"cpu data
 /// offset"`): a label of the reader, not a message.
 #[derive(Debug, thiserror::Error)]
@@ -422,7 +458,7 @@ pub enum MetaError {
     },
 }
 
-/// A trace.dat feature this reader does not implement ([`OutputError::Unsupported`]).
+/// A trace.dat feature this reader does not implement ([`DatError::Unsupported`]).
 #[derive(Debug, thiserror::Error)]
 pub enum UnsupportedDat {
     /// A big-endian file.
@@ -577,7 +613,39 @@ mod tests {
             problem: PageProblem::NoSuchCpu { cpu: 2, nr_cpus: 1 },
         };
         assert_eq!(e.to_string(), "bad page (cpu 2): cpu 2 ≥ nr_cpus 1");
-        let e = OutputError::Unsupported(UnsupportedDat::Version(9));
+        let e = DatError::Unsupported(UnsupportedDat::Version(9));
         assert_eq!(e.to_string(), "unsupported trace.dat: trace.dat version 9");
+    }
+
+    /// A malformed trace.dat says where, then (its source) what is wrong there.
+    #[test]
+    fn a_format_error_says_where_then_what() {
+        let ratio = BlockProblem::Ratio {
+            us: 2_048_000,
+            cs: 1000,
+            ratio: 1024,
+        };
+        let e = DatError::format(16u64, DatProblem::Block(ratio));
+        assert_eq!(e.to_string(), "malformed trace.dat at offset 16");
+        assert_eq!(
+            error_chain(&e),
+            "malformed trace.dat at offset 16: compressed block claims 2048000 bytes from 1000 compressed, more than 1024 times: no real trace compresses so far"
+        );
+        let chain = |d: &[u8]| error_chain(&crate::TraceFile::parse(d).expect_err("refused"));
+        assert_eq!(
+            chain(b"not a trace.dat"),
+            "malformed trace.dat at offset 0: not a trace.dat (bad magic)"
+        );
+        assert_eq!(
+            chain(&crate::tracedat::MAGIC[..5]),
+            "malformed trace.dat at offset 0: magic runs past the end"
+        );
+        let mut d = crate::tracedat::MAGIC.to_vec();
+        d.extend_from_slice(b"x6\0\0\x08");
+        d.extend_from_slice(&1000u32.to_le_bytes());
+        assert_eq!(
+            chain(&d),
+            "malformed trace.dat at offset 10: bad version \"x6\""
+        );
     }
 }

@@ -13,8 +13,8 @@ use std::path::{Path, PathBuf};
 
 use hyptrace_output::tracedat::{FilterCounts, FilterSet, ReportOutcome};
 use hyptrace_output::{
-    tracedat::MAGIC as DAT_MAGIC, KernelCpuStat, OutputError, PageSink, RawReader, ReportFilter,
-    RunSummary, TextSink, TraceFile, TraceMeta,
+    tracedat::MAGIC as DAT_MAGIC, DatError, KernelCpuStat, OutputError, PageSink, RawReader,
+    ReportFilter, RunSummary, TextSink, TraceFile, TraceMeta,
 };
 
 use crate::drain::sink::{behind_filters, format_for, Filters, Format};
@@ -141,7 +141,7 @@ pub enum ConvertError {
         name: String,
         /// The damage.
         #[source]
-        source: OutputError,
+        source: DatError,
     },
 }
 
@@ -273,13 +273,20 @@ fn input_name(path: &Path) -> std::borrow::Cow<'_, str> {
 /// An error reading the input `path`, which names it once: its name first, the path
 /// an I/O error or a raw stream's error carried (the input's, or the descriptor stdin
 /// is read through) left out.
-fn input_error(path: &Path, e: OutputError) -> ConvertError {
+fn input_error(path: &Path, e: impl Into<OutputError>) -> ConvertError {
     let name = input_name(path).into_owned();
-    match e {
+    match e.into() {
         OutputError::Io {
             path: Some(_),
             source,
         } => ConvertError::ReadInput { name, source },
+        OutputError::Dat(d) => match *d {
+            DatError::Io { source, .. } => ConvertError::ReadInput { name, source },
+            d => ConvertError::Input {
+                name,
+                source: d.into(),
+            },
+        },
         OutputError::Raw {
             path: Some(_),
             problem,
@@ -346,7 +353,7 @@ fn kind_of(head: &[u8], path: &Path) -> Result<InputKind, ConvertError> {
 /// what is opened (stdin's `/proc/self/fd/N`), `path` the name messages show.
 fn open_dat(at: &Path, path: &Path) -> Result<(TraceFile, usize), ConvertError> {
     let file = TraceFile::open(at).map_err(|e| match e {
-        source @ OutputError::Format { .. } => ConvertError::Unreadable {
+        source @ DatError::Format { .. } => ConvertError::Unreadable {
             name: input_name(path).into_owned(),
             source,
         },
@@ -913,9 +920,7 @@ pub fn convert(a: &ConvertArgs) -> Result<(), ConvertError> {
         OutputError::Io {
             path: Some(ref p), ..
         } if p.as_path() == a.input.as_path() => input_error(&a.input, e),
-        OutputError::Format { .. } | OutputError::Raw { .. } | OutputError::Unsupported(_) => {
-            input_error(&a.input, e)
-        }
+        OutputError::Dat(_) | OutputError::Raw { .. } => input_error(&a.input, e),
         e => ConvertError::Output(e),
     })
 }

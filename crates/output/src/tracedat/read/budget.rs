@@ -17,7 +17,7 @@
 //!   times its compressed size.
 
 use crate::error::{BlockProblem, BudgetOver, DatProblem, UnsupportedDat};
-use crate::OutputError;
+use crate::DatError;
 
 /// Metadata read, decompressed and kept, all sections and items of a file together.
 pub const METADATA_BUDGET: u64 = 128 << 20;
@@ -173,14 +173,14 @@ pub(super) fn unzstd_into(
     size: usize,
     out: &mut Vec<u8>,
     at: u64,
-) -> Result<(), OutputError> {
+) -> Result<(), DatError> {
     out.clear();
     out.resize(size, 0);
     let n = dec
         .decompress_to_buffer(input, out.as_mut_slice())
-        .map_err(|e| OutputError::format(at, DatProblem::Zstd(e)))?;
+        .map_err(|e| DatError::format(at, DatProblem::Zstd(e)))?;
     if n != size {
-        return Err(OutputError::format(
+        return Err(DatError::format(
             at,
             DatProblem::ZstdSize { got: n, want: size },
         ));
@@ -189,8 +189,8 @@ pub(super) fn unzstd_into(
 }
 
 /// A zstd decompression context.
-pub(super) fn decompressor(at: u64) -> Result<zstd::bulk::Decompressor<'static>, OutputError> {
-    zstd::bulk::Decompressor::new().map_err(|e| OutputError::format(at, DatProblem::Zstd(e)))
+pub(super) fn decompressor(at: u64) -> Result<zstd::bulk::Decompressor<'static>, DatError> {
+    zstd::bulk::Decompressor::new().map_err(|e| DatError::format(at, DatProblem::Zstd(e)))
 }
 
 #[cfg(test)]
