@@ -48,15 +48,10 @@ pub enum OutputError {
     /// error said why; this one need not be reported again.
     #[error("output closed after an earlier error")]
     Closed,
-    /// A raw page stream (`--format raw`) is malformed: the file, when known, and what
-    /// is wrong at it.
-    #[error("malformed raw page stream: {}{problem}", .path.as_ref().map_or_else(String::new, |p| format!("{}: ", p.display())))]
-    Raw {
-        /// The stream's file, when known.
-        path: Option<PathBuf>,
-        /// What is wrong.
-        problem: RawProblem,
-    },
+    /// Reading a raw page stream (`--format raw`) failed (its own error: the raw
+    /// reader's).
+    #[error(transparent)]
+    Raw(#[from] RawError),
     /// A part of a multi-buffer trace.dat is refused (boxed: the error stays small).
     #[error(transparent)]
     Part(Box<PartError>),
@@ -493,7 +488,32 @@ pub enum UnsupportedDat {
     },
 }
 
-/// What is wrong with a raw page stream ([`OutputError::Raw`]).
+/// Reading a raw page stream failed ([`crate::RawReader`], [`crate::RawTrace`]). A
+/// sink fed from it fails with an [`OutputError`] that holds this one
+/// ([`OutputError::Raw`]).
+#[derive(Debug, thiserror::Error)]
+pub enum RawError {
+    /// Reading failed. Its text is the stream's file (when known); the OS error is its
+    /// source.
+    #[error("{}", .path.as_ref().map_or_else(|| "reading a raw page stream".to_string(), |p| p.display().to_string()))]
+    Io {
+        /// The stream's file, when known.
+        path: Option<PathBuf>,
+        /// What the system said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The stream is malformed: the file, when known, and what is wrong at it.
+    #[error("malformed raw page stream: {}{problem}", .path.as_ref().map_or_else(String::new, |p| format!("{}: ", p.display())))]
+    Malformed {
+        /// The stream's file, when known.
+        path: Option<PathBuf>,
+        /// What is wrong.
+        problem: RawProblem,
+    },
+}
+
+/// What is wrong with a raw page stream ([`RawError::Malformed`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum RawProblem {
     /// It ends inside a record.
@@ -594,7 +614,7 @@ mod tests {
             e.to_string(),
             "bad trace metadata: page size 1000 is not a power of two in 4096..=64MiB"
         );
-        let e = OutputError::Raw {
+        let e = RawError::Malformed {
             path: Some("/tmp/a.raw".into()),
             problem: RawProblem::Truncated,
         };

@@ -99,6 +99,10 @@ fn errors() -> Vec<Box<dyn Error>> {
             name: "/tmp/x.dat".into(),
             source: bad_section(),
         }),
+        Box::new(OutputError::from(hyptrace_output::RawError::Io {
+            path: Some("/tmp/x.raw".into()),
+            source: enospc(),
+        })),
         Box::new(ConvertError::Spool {
             dir: "/tmp".into(),
             source: enospc(),
@@ -163,10 +167,11 @@ fn a_malformed_input_names_the_file_then_each_cause() {
     assert_eq!(chain(&e), format!("/tmp/x.dat: {}", enospc()));
     let e = ConvertError::Input {
         name: "stdin".into(),
-        source: OutputError::Raw {
+        source: hyptrace_output::RawError::Malformed {
             path: None,
             problem: hyptrace_output::RawProblem::Truncated,
-        },
+        }
+        .into(),
     };
     assert_eq!(chain(&e), "stdin: malformed raw page stream: truncated");
 }

@@ -13,8 +13,8 @@ use std::path::{Path, PathBuf};
 
 use hyptrace_output::tracedat::{FilterCounts, FilterSet, ReportOutcome};
 use hyptrace_output::{
-    tracedat::MAGIC as DAT_MAGIC, DatError, KernelCpuStat, OutputError, PageSink, RawReader,
-    ReportFilter, RunSummary, TextSink, TraceFile, TraceMeta,
+    tracedat::MAGIC as DAT_MAGIC, DatError, KernelCpuStat, OutputError, PageSink, RawError,
+    RawReader, ReportFilter, RunSummary, TextSink, TraceFile, TraceMeta,
 };
 
 use crate::drain::sink::{behind_filters, format_for, Filters, Format};
@@ -287,15 +287,14 @@ fn input_error(path: &Path, e: impl Into<OutputError>) -> ConvertError {
                 source: d.into(),
             },
         },
-        OutputError::Raw {
-            path: Some(_),
-            problem,
-        } => ConvertError::Input {
+        OutputError::Raw(RawError::Io { source, .. }) => ConvertError::ReadInput { name, source },
+        OutputError::Raw(RawError::Malformed { problem, .. }) => ConvertError::Input {
             name,
-            source: OutputError::Raw {
+            source: RawError::Malformed {
                 path: None,
                 problem,
-            },
+            }
+            .into(),
         },
         source => ConvertError::Input { name, source },
     }
@@ -917,10 +916,7 @@ pub fn convert(a: &ConvertArgs) -> Result<(), ConvertError> {
         });
     }
     r.map_err(|e| match e {
-        OutputError::Io {
-            path: Some(ref p), ..
-        } if p.as_path() == a.input.as_path() => input_error(&a.input, e),
-        OutputError::Dat(_) | OutputError::Raw { .. } => input_error(&a.input, e),
+        OutputError::Dat(_) | OutputError::Raw(_) => input_error(&a.input, e),
         e => ConvertError::Output(e),
     })
 }
