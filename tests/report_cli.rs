@@ -370,6 +370,35 @@ fn bad_flags_and_inputs_are_usage_errors() {
 /// `record --format raw` is read by `report` (detected by its magic) and prints what
 /// `record --format text` of the same workload would: the same lines as the text
 /// sink, since the run's pages are replayed into it.
+/// A trace.dat whose file header is damaged: nothing is readable (exit 1), said once
+/// on one line — the file, that nothing is readable, where, and what is wrong there.
+#[test]
+fn an_unreadable_header_names_where_and_what() {
+    let dir = TempDir::new("report-unreadable");
+    let magic = b"\x17\x08\x44tracing";
+    for (name, rest, why) in [
+        (
+            "cut.dat",
+            &b"7\0\0\x08\x00\x10\x00\x00"[..],
+            "malformed trace.dat at offset 18: compression name runs past the end",
+        ),
+        (
+            "version.dat",
+            &b"x7\0\0\x08\x00\x10\x00\x00"[..],
+            "malformed trace.dat at offset 10: bad version \"x7\"",
+        ),
+    ] {
+        let p = dir.file(name);
+        std::fs::write(&p, [&magic[..], rest].concat()).expect("write");
+        let o = env::run(BIN, &["report", &p]);
+        assert_eq!(o.status.code(), Some(1), "{}", env::stderr(&o));
+        assert_eq!(
+            env::stderr(&o),
+            format!("hyptrace: error: {p}: damaged trace.dat, nothing is readable: {why}\n")
+        );
+    }
+}
+
 #[test]
 fn raw_stream_is_reported() {
     if !kvm_available(KRATE, "raw_stream_is_reported") {

@@ -32,7 +32,7 @@ macro_rules! note {
 /// The line is [`printable`]: user and guest text an error echoes (a pattern, a path,
 /// a guest's string) cannot end the line or drive the terminal.
 pub fn chain(e: &dyn std::error::Error) -> String {
-    printable(&chain_raw(e)).into_owned()
+    printable(&hyptrace_output::error_chain(e)).into_owned()
 }
 
 /// User or guest text made safe for one line of a message: control characters (ESC,
@@ -41,22 +41,6 @@ pub fn chain(e: &dyn std::error::Error) -> String {
 /// text output and messages).
 pub fn printable(s: &str) -> std::borrow::Cow<'_, str> {
     hyptrace_output::escape_guest_str(s)
-}
-
-fn chain_raw(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut next = e.source();
-    // Bounded: error chains are finite, but a cycle would not be.
-    for _ in 0..16 {
-        let Some(src) = next else { break };
-        let s = src.to_string();
-        if !text.contains(&s) {
-            text.push_str(": ");
-            text.push_str(&s);
-        }
-        next = src.source();
-    }
-    text
 }
 
 #[cfg(test)]

@@ -290,7 +290,7 @@ impl ClickHouseSink {
         if !self.cancelled() {
             (self.opts.notify)(&format!(
                 "{}: checking and retrying {table} batch {batch}",
-                chain(&last)
+                hyptrace_output::error_chain(&last)
             ));
         }
         let deadline = Instant::now() + self.opts.retry_for;
@@ -377,19 +377,6 @@ impl ClickHouseSink {
             .and_then(|n| n.parse().ok())
             .ok_or_else(|| self.client.unexpected("a batch's row count", &a))
     }
-}
-
-/// `e` and its sources, `a: b: c` (one line).
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    // Bounded: an error chain is finite (a handful of links).
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
 }
 
 /// The fields of event `f` in `payload`: integers as Int64 (an unsigned 64-bit value

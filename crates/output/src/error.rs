@@ -37,39 +37,27 @@ pub enum OutputError {
         #[source]
         source: std::io::Error,
     },
-    /// A trace.dat file is malformed.
-    #[error("malformed trace.dat at offset {offset}: {reason}")]
-    Format {
-        /// Byte offset in the file (or in the decompressed section) where the problem was found.
-        offset: u64,
-        /// What is wrong.
-        reason: String,
-    },
+    /// Reading a trace.dat failed (its own error: the reader's; boxed: the error stays
+    /// small).
+    #[error(transparent)]
+    Dat(Box<DatError>),
     /// A Perfetto trace (read back by tests and tools) does not decode.
     #[error("malformed perfetto trace")]
     Perfetto(#[source] prost::DecodeError),
-    /// A trace.dat feature this reader does not implement.
-    #[error("unsupported trace.dat: {0}")]
-    Unsupported(UnsupportedDat),
     /// The output failed earlier (or was finished): nothing more is written. The first
     /// error said why; this one need not be reported again.
     #[error("output closed after an earlier error")]
     Closed,
-    /// A raw page stream (`--format raw`) is malformed: the file, when known, and what
-    /// is wrong at it.
-    #[error("malformed raw page stream: {}{problem}", .path.as_ref().map_or_else(String::new, |p| format!("{}: ", p.display())))]
-    Raw {
-        /// The stream's file, when known.
-        path: Option<PathBuf>,
-        /// What is wrong.
-        problem: RawProblem,
-    },
+    /// Reading a raw page stream (`--format raw`) failed (its own error: the raw
+    /// reader's).
+    #[error(transparent)]
+    Raw(#[from] RawError),
     /// A part of a multi-buffer trace.dat is refused (boxed: the error stays small).
     #[error(transparent)]
     Part(Box<PartError>),
     /// Reading a part of a multi-buffer trace.dat failed.
     #[error("reading a buffer part")]
-    ReadPart(#[source] Box<OutputError>),
+    ReadPart(#[source] Box<DatError>),
     /// The CPU data of a trace.dat was placed after its first byte was written (a bug
     /// of the writer, not of its input).
     #[error("cpu {0}'s data moved after its start")]
@@ -90,12 +78,81 @@ impl OutputError {
             source,
         }
     }
+}
 
-    pub(crate) fn format(offset: impl TryInto<u64>, reason: impl Into<String>) -> Self {
+/// Reading a trace.dat failed ([`crate::TraceFile`]: opening it, its pages, its
+/// records). A sink fed from it, or a report written from it, fails with an
+/// [`OutputError`] that holds this one ([`OutputError::Dat`]).
+#[derive(Debug, thiserror::Error)]
+pub enum DatError {
+    /// Reading the file failed. Its text is the path; the OS error is its source.
+    #[error("{}", .path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What the system said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is malformed: where (its text), and what is wrong there (the source,
+    /// printed after it by the chain printer).
+    #[error("malformed trace.dat at offset {offset}{}", .within.map_or_else(String::new, |b| format!(" (byte {b} of the section there)")))]
+    Format {
+        /// Byte offset in the file where the problem was found (for a problem inside a
+        /// section: the section's).
+        offset: u64,
+        /// For a problem inside a (possibly decompressed) section at `offset`: the
+        /// offset within the section.
+        within: Option<u64>,
+        /// What is wrong.
+        #[source]
+        problem: DatProblem,
+    },
+    /// A trace.dat feature this reader does not implement.
+    #[error("unsupported trace.dat: {0}")]
+    Unsupported(UnsupportedDat),
+}
+
+impl DatError {
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Self::Io {
+            path: path.into(),
+            source,
+        }
+    }
+
+    pub(crate) fn format(offset: impl TryInto<u64>, problem: DatProblem) -> Self {
         Self::Format {
             offset: offset.try_into().unwrap_or(u64::MAX),
-            reason: reason.into(),
+            within: None,
+            problem,
         }
+    }
+}
+
+/// The text of `e` and of each of its sources, joined by `": "`, a source whose text
+/// the text so far already holds left out (an I/O error naming its path after a
+/// message naming it): each cause printed once. Bounded at 16 links (a cycle of
+/// sources would not end). The one chain printer of the workspace (host/'s messages
+/// and the reader's damage notes).
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut next = e.source();
+    for _ in 0..16 {
+        let Some(src) = next else { break };
+        let s = src.to_string();
+        if !text.contains(&s) {
+            text.push_str(": ");
+            text.push_str(&s);
+        }
+        next = src.source();
+    }
+    text
+}
+
+impl From<DatError> for OutputError {
+    fn from(e: DatError) -> Self {
+        Self::Dat(Box::new(e))
     }
 }
 
@@ -106,10 +163,171 @@ impl From<std::io::Error> for OutputError {
 }
 
 /// A `format` or `header_page` text of a trace.dat that cannot be parsed is malformed
-/// trace.dat (the format error is the whole reason: it has no source of its own).
-impl From<hyptrace_format::FormatError> for OutputError {
+/// trace.dat (the format error is the problem).
+impl From<hyptrace_format::FormatError> for DatError {
     fn from(e: hyptrace_format::FormatError) -> Self {
-        Self::format(0u64, e.to_string())
+        Self::format(0u64, DatProblem::Text(e))
+    }
+}
+
+/// What is malformed in a trace.dat ([`DatError::Format`]): each reason with its
+/// numbers. A `&'static str` names the item read (`"section size"`, `"cpu data
+/// offset"`): a label of the reader, not a message.
+#[derive(Debug, thiserror::Error)]
+pub enum DatProblem {
+    /// Not a trace.dat's magic.
+    #[error("not a trace.dat (bad magic)")]
+    Magic,
+    /// The version is not a number (the text the file has).
+    #[error("bad version {0:?}")]
+    Version(String),
+    /// A page size not accepted.
+    #[error("bad page size {0}")]
+    PageSize(usize),
+    /// An item runs past the end of the file (or of its section, option or block).
+    #[error("{0} runs past the end")]
+    PastEnd(&'static str),
+    /// A length larger than the bytes that follow it.
+    #[error("{what} {len} is more than the {left} bytes left")]
+    Length {
+        /// The item.
+        what: &'static str,
+        /// Its length.
+        len: u64,
+        /// Bytes left after it.
+        left: u64,
+    },
+    /// A `\0`-terminated name longer than the reader takes.
+    #[error("{what} longer than {max} bytes")]
+    LongName {
+        /// The item.
+        what: &'static str,
+        /// The longest accepted.
+        max: usize,
+    },
+    /// Another tag where a section's tag is (`header_page`, `header_event`, `options`
+    /// or `flyrecord`).
+    #[error("expected {0}")]
+    Expected(&'static str),
+    /// More CPUs than the reader takes.
+    #[error("{cpus} CPUs, more than {max}")]
+    Cpus {
+        /// The file's count.
+        cpus: u32,
+        /// The most accepted.
+        max: u32,
+    },
+    /// A v7 compression name no compressor has (an unknown one is
+    /// [`UnsupportedDat::Compression`]).
+    #[error("compression name damaged")]
+    CompressionName,
+    /// A v7 section offset past the end of the file.
+    #[error("section offset past the end of the file")]
+    SectionPastEnd,
+    /// A v7 section of another id than the option naming it says.
+    #[error("section id {id}, expected {want}")]
+    SectionId {
+        /// The id found.
+        id: u16,
+        /// The id expected.
+        want: u16,
+    },
+    /// A compressed section in a file that is not compressed.
+    #[error("compressed section in an uncompressed file")]
+    CompressedSection,
+    /// A compressed section's block larger than the section.
+    #[error("compressed size {csize} runs past the section of {size} bytes")]
+    CompressedSize {
+        /// The block's compressed size.
+        csize: usize,
+        /// The section's size.
+        size: usize,
+    },
+    /// A compressed block refused before it is decompressed.
+    #[error("compressed block {0}")]
+    Block(BlockProblem),
+    /// zstd could not decompress a block (or set up a decompressor): the zstd error is
+    /// the source.
+    #[error("zstd")]
+    Zstd(#[source] std::io::Error),
+    /// A block decompressed to another size than its header says.
+    #[error("zstd: {got} bytes, expected {want}")]
+    ZstdSize {
+        /// Bytes decompressed.
+        got: usize,
+        /// Bytes the header says.
+        want: usize,
+    },
+    /// The chain of v7 options sections comes back to a section (or is longer than the
+    /// reader follows).
+    #[error("options sections loop")]
+    OptionsLoop,
+    /// A v7 file whose options name no header_page section.
+    #[error("no header_page section")]
+    NoHeaderPage,
+    /// The `header_page` text does not fit in the metadata budget.
+    #[error("header_page text of {0}")]
+    OverBudget(BudgetOver),
+    /// A `format` or `header_page` text that does not parse.
+    #[error(transparent)]
+    Text(hyptrace_format::FormatError),
+}
+
+/// Why a compressed block (a v7 section or chunk) is refused before it is decompressed
+/// ([`DatProblem::Block`], and the damage note of a skipped chunk).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum BlockProblem {
+    /// More compressed bytes than any zstd frame of the uncompressed size takes.
+    #[error("claims {cs} bytes compressed for {us}: more than any zstd frame of them takes")]
+    Bound {
+        /// Compressed size.
+        cs: usize,
+        /// Uncompressed size.
+        us: usize,
+    },
+    /// More uncompressed bytes than a block may have.
+    #[error("claims {us} bytes uncompressed, more than the {cap} accepted")]
+    Cap {
+        /// Uncompressed size.
+        us: usize,
+        /// The most accepted.
+        cap: usize,
+    },
+    /// A ratio no real trace compresses to.
+    #[error("claims {us} bytes from {cs} compressed, more than {ratio} times: no real trace compresses so far")]
+    Ratio {
+        /// Uncompressed size.
+        us: usize,
+        /// Compressed size.
+        cs: usize,
+        /// The largest ratio accepted.
+        ratio: u64,
+    },
+}
+
+/// Bytes of metadata past the reader's budget, and the budget
+/// ([`DatProblem::OverBudget`] and the damage notes of what was not read).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BudgetOver {
+    /// Bytes that did not fit.
+    pub bytes: u64,
+    /// The budget of all metadata, MiB.
+    pub budget_mib: u64,
+    /// The share of it for options sections, MiB.
+    pub options_mib: u64,
+    /// MiB taken so far.
+    pub used_mib: u64,
+    /// MiB taken by options sections so far.
+    pub options_used_mib: u64,
+}
+
+impl std::fmt::Display for BudgetOver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} bytes past the metadata budget ({} MiB for all metadata, {} MiB of it for options sections; {} MiB taken, {} MiB by options sections)",
+            self.bytes, self.budget_mib, self.options_mib, self.used_mib, self.options_used_mib
+        )
     }
 }
 
@@ -235,7 +453,7 @@ pub enum MetaError {
     },
 }
 
-/// A trace.dat feature this reader does not implement ([`OutputError::Unsupported`]).
+/// A trace.dat feature this reader does not implement ([`DatError::Unsupported`]).
 #[derive(Debug, thiserror::Error)]
 pub enum UnsupportedDat {
     /// A big-endian file.
@@ -270,7 +488,32 @@ pub enum UnsupportedDat {
     },
 }
 
-/// What is wrong with a raw page stream ([`OutputError::Raw`]).
+/// Reading a raw page stream failed ([`crate::RawReader`], [`crate::RawTrace`]). A
+/// sink fed from it fails with an [`OutputError`] that holds this one
+/// ([`OutputError::Raw`]).
+#[derive(Debug, thiserror::Error)]
+pub enum RawError {
+    /// Reading failed. Its text is the stream's file (when known); the OS error is its
+    /// source.
+    #[error("{}", .path.as_ref().map_or_else(|| "reading a raw page stream".to_string(), |p| p.display().to_string()))]
+    Io {
+        /// The stream's file, when known.
+        path: Option<PathBuf>,
+        /// What the system said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The stream is malformed: the file, when known, and what is wrong at it.
+    #[error("malformed raw page stream: {}{problem}", .path.as_ref().map_or_else(String::new, |p| format!("{}: ", p.display())))]
+    Malformed {
+        /// The stream's file, when known.
+        path: Option<PathBuf>,
+        /// What is wrong.
+        problem: RawProblem,
+    },
+}
+
+/// What is wrong with a raw page stream ([`RawError::Malformed`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum RawProblem {
     /// It ends inside a record.
@@ -327,7 +570,7 @@ pub enum PartProblem {
     },
     /// The part is damaged (the first damage it has).
     #[error("damaged: {0}")]
-    Damaged(String),
+    Damaged(crate::tracedat::Damage),
     /// Another clock, or one with offsets.
     #[error("clock {found:?}, not {want}")]
     Clock {
@@ -371,7 +614,7 @@ mod tests {
             e.to_string(),
             "bad trace metadata: page size 1000 is not a power of two in 4096..=64MiB"
         );
-        let e = OutputError::Raw {
+        let e = RawError::Malformed {
             path: Some("/tmp/a.raw".into()),
             problem: RawProblem::Truncated,
         };
@@ -390,7 +633,39 @@ mod tests {
             problem: PageProblem::NoSuchCpu { cpu: 2, nr_cpus: 1 },
         };
         assert_eq!(e.to_string(), "bad page (cpu 2): cpu 2 ≥ nr_cpus 1");
-        let e = OutputError::Unsupported(UnsupportedDat::Version(9));
+        let e = DatError::Unsupported(UnsupportedDat::Version(9));
         assert_eq!(e.to_string(), "unsupported trace.dat: trace.dat version 9");
+    }
+
+    /// A malformed trace.dat says where, then (its source) what is wrong there.
+    #[test]
+    fn a_format_error_says_where_then_what() {
+        let ratio = BlockProblem::Ratio {
+            us: 2_048_000,
+            cs: 1000,
+            ratio: 1024,
+        };
+        let e = DatError::format(16u64, DatProblem::Block(ratio));
+        assert_eq!(e.to_string(), "malformed trace.dat at offset 16");
+        assert_eq!(
+            error_chain(&e),
+            "malformed trace.dat at offset 16: compressed block claims 2048000 bytes from 1000 compressed, more than 1024 times: no real trace compresses so far"
+        );
+        let chain = |d: &[u8]| error_chain(&crate::TraceFile::parse(d).expect_err("refused"));
+        assert_eq!(
+            chain(b"not a trace.dat"),
+            "malformed trace.dat at offset 0: not a trace.dat (bad magic)"
+        );
+        assert_eq!(
+            chain(&crate::tracedat::MAGIC[..5]),
+            "malformed trace.dat at offset 0: magic runs past the end"
+        );
+        let mut d = crate::tracedat::MAGIC.to_vec();
+        d.extend_from_slice(b"x6\0\0\x08");
+        d.extend_from_slice(&1000u32.to_le_bytes());
+        assert_eq!(
+            chain(&d),
+            "malformed trace.dat at offset 10: bad version \"x6\""
+        );
     }
 }

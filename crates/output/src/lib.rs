@@ -52,7 +52,8 @@ pub mod tracedat;
 
 pub use clock::{Clock, ClockMap, Knot, TscConversion, SLOPE_SHIFT};
 pub use error::{
-    MetaError, OutputError, PageProblem, PartError, PartProblem, RawProblem, UnsupportedDat,
+    error_chain, BlockProblem, BudgetOver, DatError, DatProblem, MetaError, OutputError,
+    PageProblem, PartError, PartProblem, RawError, RawProblem, UnsupportedDat,
 };
 pub use export::{
     check_page_size, commit_len, export_page, export_page_into, page_missed, Missed, MAX_PAGE_SIZE,

@@ -15,7 +15,7 @@ use crate::exit::{EXIT_RUNTIME, EXIT_USAGE};
 pub enum ReportBenchError {
     /// The input trace cannot be read (exit 2).
     #[error(transparent)]
-    Input(hyptrace_output::OutputError),
+    Input(hyptrace_output::DatError),
     /// This program's own path is unknown.
     #[error("cannot find this program")]
     CurrentExe(#[source] std::io::Error),

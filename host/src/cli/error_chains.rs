@@ -5,11 +5,12 @@ use std::error::Error;
 use std::io;
 use std::path::PathBuf;
 
-use hyptrace_output::OutputError;
+use hyptrace_output::{DatError, DatProblem, OutputError};
 
 use crate::bench::{BenchError, SubscriberError};
 use crate::exit::chain;
 use crate::flight::trace_mem::{FileProblem, TraceMemError};
+use crate::pipeline::convert::ConvertError;
 use crate::pipeline::plan::PlanError;
 use crate::pipeline::run::RunError;
 
@@ -33,6 +34,24 @@ fn enospc() -> io::Error {
     io::Error::from_raw_os_error(libc::ENOSPC)
 }
 
+/// A chunk of a trace.dat zstd does not decompress.
+fn bad_zstd() -> DatError {
+    DatError::Format {
+        offset: 4096,
+        within: None,
+        problem: DatProblem::Zstd(io::Error::other("Unknown frame descriptor")),
+    }
+}
+
+/// A section whose id is not the one its option names, found inside the section.
+fn bad_section() -> DatError {
+    DatError::Format {
+        offset: 8192,
+        within: Some(24),
+        problem: DatProblem::SectionId { id: 3, want: 16 },
+    }
+}
+
 /// Representative errors with sources, from the output crate and host/'s layers.
 fn errors() -> Vec<Box<dyn Error>> {
     let trace_mem = || TraceMemError {
@@ -54,7 +73,10 @@ fn errors() -> Vec<Box<dyn Error>> {
             cpu: Some(3),
             source: io::Error::other("Destination buffer is too small"),
         }),
-        Box::new(OutputError::ReadPart(Box::new(dat_io()))),
+        Box::new(OutputError::ReadPart(Box::new(DatError::Io {
+            path: "/tmp/b.dat".into(),
+            source: enospc(),
+        }))),
         Box::new(hyptrace_output::perfetto::decode_trace(b"\xff\xff").expect_err("not a trace")),
         Box::new(PlanError::ReadGuest {
             path: PathBuf::from("/nonexistent/g.elf"),
@@ -63,6 +85,28 @@ fn errors() -> Vec<Box<dyn Error>> {
         Box::new(BenchError::Sink(dat_io())),
         Box::new(BenchError::TempFile(enospc())),
         Box::new(BenchError::Subscriber(SubscriberError::Thread(enospc()))),
+        Box::new(bad_zstd()),
+        Box::new(bad_section()),
+        Box::new(ConvertError::Input {
+            name: "/tmp/x.dat".into(),
+            source: bad_zstd().into(),
+        }),
+        Box::new(ConvertError::ReadInput {
+            name: "/tmp/x.dat".into(),
+            source: enospc(),
+        }),
+        Box::new(ConvertError::Unreadable {
+            name: "/tmp/x.dat".into(),
+            source: bad_section(),
+        }),
+        Box::new(OutputError::from(hyptrace_output::RawError::Io {
+            path: Some("/tmp/x.raw".into()),
+            source: enospc(),
+        })),
+        Box::new(ConvertError::Spool {
+            dir: "/tmp".into(),
+            source: enospc(),
+        }),
     ]
 }
 
@@ -95,6 +139,41 @@ fn the_chain_names_each_cause_once() {
         chain(&e),
         "zstd compression of cpu 3's data: Destination buffer is too small"
     );
+}
+
+/// A trace.dat's problem, and the cause under it, follow the input's name once each.
+#[test]
+fn a_malformed_input_names_the_file_then_each_cause() {
+    let e = ConvertError::Input {
+        name: "/tmp/x.dat".into(),
+        source: bad_zstd().into(),
+    };
+    assert_eq!(
+        chain(&e),
+        "/tmp/x.dat: malformed trace.dat at offset 4096: zstd: Unknown frame descriptor"
+    );
+    let e = ConvertError::Unreadable {
+        name: "/tmp/x.dat".into(),
+        source: bad_section(),
+    };
+    assert_eq!(
+        chain(&e),
+        "/tmp/x.dat: damaged trace.dat, nothing is readable: malformed trace.dat at offset 8192 (byte 24 of the section there): section id 3, expected 16"
+    );
+    let e = ConvertError::ReadInput {
+        name: "/tmp/x.dat".into(),
+        source: enospc(),
+    };
+    assert_eq!(chain(&e), format!("/tmp/x.dat: {}", enospc()));
+    let e = ConvertError::Input {
+        name: "stdin".into(),
+        source: hyptrace_output::RawError::Malformed {
+            path: None,
+            problem: hyptrace_output::RawProblem::Truncated,
+        }
+        .into(),
+    };
+    assert_eq!(chain(&e), "stdin: malformed raw page stream: truncated");
 }
 
 /// The check is not vacuous: an error printing its source in its own text is found.

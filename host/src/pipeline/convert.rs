@@ -13,8 +13,8 @@ use std::path::{Path, PathBuf};
 
 use hyptrace_output::tracedat::{FilterCounts, FilterSet, ReportOutcome};
 use hyptrace_output::{
-    tracedat::MAGIC as DAT_MAGIC, KernelCpuStat, OutputError, PageSink, RawReader, ReportFilter,
-    RunSummary, TextSink, TraceFile, TraceMeta,
+    tracedat::MAGIC as DAT_MAGIC, DatError, KernelCpuStat, OutputError, PageSink, RawError,
+    RawReader, ReportFilter, RunSummary, TextSink, TraceFile, TraceMeta,
 };
 
 use crate::drain::sink::{behind_filters, format_for, Filters, Format};
@@ -35,9 +35,77 @@ pub enum InputKind {
 /// Why `report` or `convert` failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ConvertError {
-    /// The input is not a readable trace, or asks for what its kind cannot give (exit 2).
-    #[error("{0}")]
-    Input(String),
+    /// The input is not a readable trace (exit 2): its name (`stdin` for `-`), then the
+    /// reader's error (the source; a path it carried left out: the name says it).
+    #[error("{name}")]
+    Input {
+        /// The input's name.
+        name: String,
+        /// What the reader found.
+        #[source]
+        source: OutputError,
+    },
+    /// The input cannot be read (exit 2): its name, then the I/O error.
+    #[error("{name}")]
+    ReadInput {
+        /// The input's name.
+        name: String,
+        /// What the system said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The input starts with neither magic (exit 2).
+    #[error("{name}: not a trace.dat, nor a hyptrace raw page stream (bad magic)")]
+    NotATrace {
+        /// The input's name.
+        name: String,
+    },
+    /// A trace.dat piped to stdin cannot be copied to the temporary file it is read from
+    /// (exit 2).
+    #[error("stdin: cannot copy the trace.dat to a temporary file in {}", dir.display())]
+    Spool {
+        /// The temporary directory.
+        dir: PathBuf,
+        /// What the system said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A trace.dat with buffer instances asked for what cannot keep them (exit 2):
+    /// `PATH: N buffer instances (NAMES): WHY`.
+    #[error("{}: {count} buffer instances ({}{}): {why}", path.display(), names.join(", "), if *count > names.len() { ", ..." } else { "" })]
+    Instances {
+        /// The input.
+        path: PathBuf,
+        /// Its instances.
+        count: usize,
+        /// The first few instances' names.
+        names: Vec<String>,
+        /// What cannot keep them, and what can.
+        why: &'static str,
+    },
+    /// `report --events` (exit 2).
+    #[error("report has no --events (that is run/record's event count); to select events use -F [SYSTEM:]EVENT")]
+    EventsMisused,
+    /// `report` of a raw page stream with an option only a trace.dat answers (exit 2).
+    #[error("{}: --skip, --count, --cpus, --first-event and --last-event need a trace.dat; convert the raw stream first: hyptrace convert -i {} -o trace.dat", path.display(), path.display())]
+    RawNeedsDat {
+        /// The input.
+        path: PathBuf,
+    },
+    /// `convert` to a raw page stream of a trace with events other than hyptrace's own
+    /// guest events (exit 2).
+    #[error("{}: event {system}:{name} has no place in a raw page stream (it carries no event formats; only hyptrace's own guest events convert to raw)", path.display())]
+    NotRaw {
+        /// The input.
+        path: PathBuf,
+        /// The event's system.
+        system: String,
+        /// The event's name.
+        name: String,
+    },
+    /// A `-F` filter is refused (exit 2).
+    #[error(transparent)]
+    Filter(#[from] hyptrace_output::tracedat::FilterError),
     /// The output path is unusable (exit 2).
     #[error(transparent)]
     Destination(#[from] crate::drain::sink::DestinationError),
@@ -65,19 +133,36 @@ pub enum ConvertError {
     #[error(transparent)]
     ClickHouse(#[from] crate::drain::sink::ServerOutputError),
     /// The trace.dat is damaged where nothing after the damage can be found (its file
-    /// header, its options chain, its CPU table): nothing was read (exit 1).
-    #[error("{0}")]
-    Unreadable(String),
+    /// header, its options chain, its CPU table): nothing was read (exit 1). Its name,
+    /// then the damage (the source).
+    #[error("{name}: damaged trace.dat, nothing is readable")]
+    Unreadable {
+        /// The input's name.
+        name: String,
+        /// The damage.
+        #[source]
+        source: DatError,
+    },
 }
 
 impl ConvertError {
     /// 2 for bad input or an unusable output path, else 1.
     pub fn exit_code(&self) -> i32 {
         match self {
-            Self::Input(_) | Self::Destination(_) | Self::Compression(_) => crate::exit::EXIT_USAGE,
+            Self::Input { .. }
+            | Self::ReadInput { .. }
+            | Self::NotATrace { .. }
+            | Self::Spool { .. }
+            | Self::Instances { .. }
+            | Self::EventsMisused
+            | Self::RawNeedsDat { .. }
+            | Self::NotRaw { .. }
+            | Self::Filter(_)
+            | Self::Destination(_)
+            | Self::Compression(_) => crate::exit::EXIT_USAGE,
             Self::ClickHouse(e) if e.is_usage() => crate::exit::EXIT_USAGE,
             Self::ClickHouse(_) => crate::exit::EXIT_RUNTIME,
-            Self::Write(_) | Self::Output(_) | Self::Damaged { .. } | Self::Unreadable(_) => {
+            Self::Write(_) | Self::Output(_) | Self::Damaged { .. } | Self::Unreadable { .. } => {
                 crate::exit::EXIT_RUNTIME
             }
         }
@@ -185,15 +270,34 @@ fn input_name(path: &Path) -> std::borrow::Cow<'_, str> {
     }
 }
 
-/// An input error naming `path` once (I/O errors name it already).
-fn input_error(path: &Path, e: &OutputError) -> ConvertError {
-    let msg = crate::exit::chain(e);
-    let p = input_name(path).to_string();
-    ConvertError::Input(if msg.contains(&p) {
-        msg
-    } else {
-        format!("{p}: {msg}")
-    })
+/// An error reading the input `path`, which names it once: its name first, the path
+/// an I/O error or a raw stream's error carried (the input's, or the descriptor stdin
+/// is read through) left out.
+fn input_error(path: &Path, e: impl Into<OutputError>) -> ConvertError {
+    let name = input_name(path).into_owned();
+    match e.into() {
+        OutputError::Io {
+            path: Some(_),
+            source,
+        } => ConvertError::ReadInput { name, source },
+        OutputError::Dat(d) => match *d {
+            DatError::Io { source, .. } => ConvertError::ReadInput { name, source },
+            d => ConvertError::Input {
+                name,
+                source: d.into(),
+            },
+        },
+        OutputError::Raw(RawError::Io { source, .. }) => ConvertError::ReadInput { name, source },
+        OutputError::Raw(RawError::Malformed { problem, .. }) => ConvertError::Input {
+            name,
+            source: RawError::Malformed {
+                path: None,
+                problem,
+            }
+            .into(),
+        },
+        source => ConvertError::Input { name, source },
+    }
 }
 
 /// An input trace, opened: a trace.dat (read by offset) or a raw page stream (read
@@ -207,13 +311,10 @@ pub enum Input {
 
 /// An I/O error reading `path` as an input error.
 fn read_error(path: &Path, source: std::io::Error) -> ConvertError {
-    input_error(
-        path,
-        &OutputError::Io {
-            path: Some(path.to_path_buf()),
-            source,
-        },
-    )
+    ConvertError::ReadInput {
+        name: input_name(path).into_owned(),
+        source,
+    }
 }
 
 /// Up to 10 bytes from the start of `r`: enough for either magic.
@@ -239,10 +340,9 @@ fn kind_of(head: &[u8], path: &Path) -> Result<InputKind, ConvertError> {
     } else if hyptrace_output::is_raw_stream(head) {
         Ok(InputKind::Raw)
     } else {
-        Err(ConvertError::Input(format!(
-            "{}: not a trace.dat, nor a hyptrace raw page stream (bad magic)",
-            input_name(path)
-        )))
+        Err(ConvertError::NotATrace {
+            name: input_name(path).into_owned(),
+        })
     }
 }
 
@@ -252,13 +352,11 @@ fn kind_of(head: &[u8], path: &Path) -> Result<InputKind, ConvertError> {
 /// what is opened (stdin's `/proc/self/fd/N`), `path` the name messages show.
 fn open_dat(at: &Path, path: &Path) -> Result<(TraceFile, usize), ConvertError> {
     let file = TraceFile::open(at).map_err(|e| match e {
-        OutputError::Format { .. } => match input_error(path, &e) {
-            ConvertError::Input(m) => {
-                ConvertError::Unreadable(format!("{m} (damaged trace.dat: nothing is readable)"))
-            }
-            other => other,
+        source @ DatError::Format { .. } => ConvertError::Unreadable {
+            name: input_name(path).into_owned(),
+            source,
         },
-        e => input_error(path, &e),
+        e => input_error(path, e),
     })?;
     for d in &file.damage {
         warn_damage(path, d);
@@ -285,21 +383,13 @@ fn refuse_instances(f: &TraceFile, path: &Path) -> Result<(), ConvertError> {
 
 /// The one line (exit 2) of why `path`, a file with buffer instances, does not
 /// convert: `PATH: N buffer instances (NAMES): WHY`.
-fn instances_error(f: &TraceFile, path: &Path, why: &str) -> ConvertError {
-    let names: Vec<&str> = f
-        .instances
-        .iter()
-        .take(8)
-        .map(|i| i.name.as_str())
-        .collect();
-    let more = if f.instances.len() > 8 { ", ..." } else { "" };
-    let line = format!(
-        "{}: {} buffer instances ({}{more}): {why}",
-        path.display(),
-        f.instances.len(),
-        names.join(", ")
-    );
-    ConvertError::Input(crate::exit::printable(&line).into_owned())
+fn instances_error(f: &TraceFile, path: &Path, why: &'static str) -> ConvertError {
+    ConvertError::Instances {
+        path: path.to_path_buf(),
+        count: f.instances.len(),
+        names: f.instances.iter().take(8).map(|i| i.name.clone()).collect(),
+        why,
+    }
 }
 
 /// The one-line warning of a damaged part of `path`.
@@ -318,7 +408,7 @@ pub fn open_input(path: &Path) -> Result<Input, ConvertError> {
         InputKind::TraceDat => open_dat(path, path).map(|(f, n)| Input::TraceDat(Box::new(f), n)),
         InputKind::Raw => RawReader::open(path)
             .map(Input::Raw)
-            .map_err(|e| input_error(path, &e)),
+            .map_err(|e| input_error(path, e)),
     }
 }
 
@@ -336,7 +426,7 @@ fn open_stdin(path: &Path) -> Result<Input, ConvertError> {
             let r = std::io::Cursor::new(head).chain(stdin);
             RawReader::from_reader(Box::new(r), "stdin")
                 .map(Input::Raw)
-                .map_err(|e| input_error(path, &e))
+                .map_err(|e| input_error(path, e))
         }
         InputKind::TraceDat => {
             let fd0 = Path::new("/proc/self/fd/0");
@@ -344,11 +434,9 @@ fn open_stdin(path: &Path) -> Result<Input, ConvertError> {
             if regular {
                 return open_dat(fd0, path).map(|(f, n)| Input::TraceDat(Box::new(f), n));
             }
-            let spool_err = |e: std::io::Error| {
-                ConvertError::Input(format!(
-                    "stdin: cannot copy the trace.dat to a temporary file in {}: {e}",
-                    std::env::temp_dir().display()
-                ))
+            let spool_err = |source| ConvertError::Spool {
+                dir: std::env::temp_dir(),
+                source,
             };
             let mut spool = tempfile::tempfile().map_err(spool_err)?;
             spool.write_all(&head).map_err(spool_err)?;
@@ -358,11 +446,6 @@ fn open_stdin(path: &Path) -> Result<Input, ConvertError> {
             open_dat(&at, path).map(|(f, n)| Input::TraceDat(Box::new(f), n))
         }
     }
-}
-
-/// Whether `e` is an error writing stdout (not reading the input).
-fn is_write_error(e: &OutputError) -> bool {
-    matches!(e, OutputError::Io { path: None, .. })
 }
 
 /// A failed write to stdout: quiet for a closed pipe (`| head`), else an error.
@@ -375,7 +458,7 @@ fn stdout_result(e: OutputError, path: &Path) -> Result<(), ConvertError> {
                 Err(ConvertError::Write(source))
             }
         }
-        e => Err(input_error(path, &e)),
+        e => Err(input_error(path, e)),
     }
 }
 
@@ -395,9 +478,7 @@ fn filter(a: &ReportArgs) -> ReportFilter {
 pub fn report(a: &ReportArgs) -> Result<(), ConvertError> {
     let path = a.path();
     if a.events_misused.is_some() {
-        return Err(ConvertError::Input(
-            "report has no --events (that is run/record's event count); to select events use -F [SYSTEM:]EVENT".into(),
-        ));
+        return Err(ConvertError::EventsMisused);
     }
     let f = filter(a);
     match open_input(&path)? {
@@ -423,8 +504,7 @@ pub fn report(a: &ReportArgs) -> Result<(), ConvertError> {
                 };
             }
             // Checked before the first line: a bad filter is exit 2 with nothing printed.
-            FilterSet::compile(&f.events, &file.formats)
-                .map_err(|e| ConvertError::Input(e.to_string()))?;
+            FilterSet::compile(&f.events, &file.formats)?;
             let r = file.write_report_outcome(&mut out, &f, &mut |d| {
                 damage += 1;
                 warn_damage(&path, &d);
@@ -489,7 +569,7 @@ fn cpu_list(f: &TraceFile, a: &ReportArgs, path: &Path) -> Result<String, Conver
         }
         let _ = write!(s, "  {cpu}");
         if a.first_event || a.last_event {
-            if let Some((first, last)) = f.cpu_span(cpu).map_err(|e| input_error(path, &e))? {
+            if let Some((first, last)) = f.cpu_span(cpu).map_err(|e| input_error(path, e))? {
                 if a.first_event {
                     let _ = write!(s, "\tFirst event:{}", t(first));
                 }
@@ -512,11 +592,9 @@ fn report_raw(
     reader: RawReader,
 ) -> Result<(), ConvertError> {
     if f.skip > 0 || f.limit.is_some() || a.list_cpus || a.first_event || a.last_event {
-        return Err(ConvertError::Input(format!(
-            "{}: --skip, --count, --cpus, --first-event and --last-event need a trace.dat; convert the raw stream first: hyptrace convert -i {} -o trace.dat",
-            path.display(),
-            path.display()
-        )));
+        return Err(ConvertError::RawNeedsDat {
+            path: path.to_path_buf(),
+        });
     }
     let cpus: Option<BTreeSet<u32>> = f.cpus.clone();
     let want = move |c: u32| cpus.as_ref().is_none_or(|s| s.contains(&c));
@@ -525,7 +603,7 @@ fn report_raw(
         let sink = Box::new(StatSink(summary.clone()));
         reader
             .replay(sink, want)
-            .map_err(|e| input_error(path, &e))?;
+            .map_err(|e| input_error(path, e))?;
         let s = summary
             .lock()
             .map(|g| g.clone())
@@ -541,8 +619,8 @@ fn report_raw(
     use hyptrace_output::StreamSink as _;
     let meta = reader.meta();
     let filters = compile_filters(&f.events, &meta)?;
-    let sink = TextSink::to_writer(Box::new(std::io::stdout()), meta)
-        .map_err(|e| input_error(path, &e))?;
+    let sink =
+        TextSink::to_writer(Box::new(std::io::stdout()), meta).map_err(|e| input_error(path, e))?;
     let (sink, counts) = behind_filters(Box::new(sink), filters, PageSource::Ring);
     match reader.replay(sink, want) {
         Ok(()) => {
@@ -557,7 +635,7 @@ fn report_raw(
 
 /// The `-F` filters of a command compiled against `meta` (a bad one: exit 2).
 fn compile_filters(specs: &[String], meta: &TraceMeta) -> Result<Option<Filters>, ConvertError> {
-    Filters::compile(specs, meta).map_err(|e| ConvertError::Input(e.to_string()))
+    Ok(Filters::compile(specs, meta)?)
 }
 
 /// What a whole input's -F kept, as a report's outcome.
@@ -746,12 +824,11 @@ fn check_raw_formats(f: &TraceFile, path: &Path) -> Result<(), ConvertError> {
         .find(|x| !x.is_trailing_lost() && !guest.contains(x))
     {
         None => Ok(()),
-        Some(x) => Err(ConvertError::Input(format!(
-            "{}: event {}:{} has no place in a raw page stream (it carries no event formats; only hyptrace's own guest events convert to raw)",
-            path.display(),
-            x.system,
-            x.name
-        ))),
+        Some(x) => Err(ConvertError::NotRaw {
+            path: path.to_path_buf(),
+            system: x.system.clone(),
+            name: x.name.clone(),
+        }),
     }
 }
 
@@ -786,8 +863,7 @@ pub fn convert(a: &ConvertArgs) -> Result<(), ConvertError> {
         (Input::TraceDat(f, n), Some((target, Format::Text, _))) if !f.instances.is_empty() => {
             damage = n;
             // `report`'s text: every instance's lines after its name.
-            FilterSet::compile(specs, &f.formats)
-                .map_err(|e| ConvertError::Input(e.to_string()))?;
+            FilterSet::compile(specs, &f.formats)?;
             let mut on_damage = |d| {
                 damage += 1;
                 warn_damage(&a.input, &d);
@@ -806,7 +882,7 @@ pub fn convert(a: &ConvertArgs) -> Result<(), ConvertError> {
                 if !matches!(dest.format(), Some(Format::Json | Format::Perfetto)) {
                     refuse_instances(&f, &a.input)?;
                 }
-                let (m, c) = grouped(&f).map_err(|e| input_error(&a.input, &e))?;
+                let (m, c) = grouped(&f).map_err(|e| input_error(&a.input, e))?;
                 (m, Some(c))
             };
             let filters = compile_filters(specs, &meta)?;
@@ -840,13 +916,7 @@ pub fn convert(a: &ConvertArgs) -> Result<(), ConvertError> {
         });
     }
     r.map_err(|e| match e {
-        OutputError::Io {
-            path: Some(ref p), ..
-        } if p.as_path() == a.input.as_path() => input_error(&a.input, &e),
-        OutputError::Format { .. } | OutputError::Raw { .. } | OutputError::Unsupported(_) => {
-            input_error(&a.input, &e)
-        }
-        e if is_write_error(&e) => ConvertError::Output(e),
+        OutputError::Dat(_) | OutputError::Raw(_) => input_error(&a.input, e),
         e => ConvertError::Output(e),
     })
 }

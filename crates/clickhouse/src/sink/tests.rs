@@ -311,7 +311,7 @@ fn a_server_failing_for_ever_is_given_up_in_time() {
         took >= Duration::from_secs(1) && took < Duration::from_secs(8),
         "{took:?}"
     );
-    let msg = chain(&e);
+    let msg = hyptrace_output::error_chain(&e);
     assert!(
         msg.contains("events batch 0 not stored after 1 s of retries")
             && msg.contains("HTTP 503: Code: 999, boom"),

@@ -1,7 +1,7 @@
 //! Raw page streams (`--format raw`): the sink, and the reader that replays a stream
 //! into another sink.
 
-use crate::error::RawProblem;
+use crate::error::{RawError, RawProblem};
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -175,25 +175,30 @@ struct RawStream<R> {
     done: bool,
 }
 
-fn raw_bad(problem: RawProblem) -> OutputError {
-    OutputError::Raw {
+fn raw_bad(problem: RawProblem) -> RawError {
+    RawError::Malformed {
         path: None,
         problem,
     }
 }
 
+/// An I/O error of a stream whose file is not known (yet).
+fn raw_io(source: std::io::Error) -> RawError {
+    RawError::Io { path: None, source }
+}
+
 /// `read_exact`, with a short read as "truncated" (other I/O errors kept).
-fn raw_read(r: &mut impl std::io::Read, buf: &mut [u8]) -> Result<(), OutputError> {
+fn raw_read(r: &mut impl std::io::Read, buf: &mut [u8]) -> Result<(), RawError> {
     r.read_exact(buf).map_err(|e| {
         if e.kind() == std::io::ErrorKind::UnexpectedEof {
             raw_bad(RawProblem::Truncated)
         } else {
-            OutputError::from(e)
+            raw_io(e)
         }
     })
 }
 
-fn raw_u32(r: &mut impl std::io::Read) -> Result<u32, OutputError> {
+fn raw_u32(r: &mut impl std::io::Read) -> Result<u32, RawError> {
     let mut w = [0u8; 4];
     raw_read(r, &mut w)?;
     Ok(u32::from_le_bytes(w))
@@ -201,7 +206,7 @@ fn raw_u32(r: &mut impl std::io::Read) -> Result<u32, OutputError> {
 
 impl<R: std::io::Read> RawStream<R> {
     /// Reads the header.
-    fn new(mut r: R) -> Result<Self, OutputError> {
+    fn new(mut r: R) -> Result<Self, RawError> {
         let mut magic = [0u8; 8];
         raw_read(&mut r, &mut magic)?;
         let v1 = &magic == RAW_MAGIC_V1;
@@ -253,7 +258,7 @@ impl<R: std::io::Read> RawStream<R> {
     }
 
     /// The next record; `None` after the end record or at the end of the stream.
-    fn next(&mut self) -> Result<Option<RawRecord<'_>>, OutputError> {
+    fn next(&mut self) -> Result<Option<RawRecord<'_>>, RawError> {
         if self.done {
             return Ok(None);
         }
@@ -269,7 +274,7 @@ impl<R: std::io::Read> RawStream<R> {
                 Ok(0) => return Err(raw_bad(RawProblem::Truncated)),
                 Ok(n) => got += n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e.into()),
+                Err(e) => return Err(raw_io(e)),
             }
         }
         match u32::from_le_bytes(t) {
@@ -332,9 +337,9 @@ pub struct RawReader {
 
 impl RawReader {
     /// Opens a raw page stream and reads its header.
-    pub fn open(path: impl AsRef<Path>) -> Result<Self, OutputError> {
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, RawError> {
         let p = path.as_ref();
-        let f = std::fs::File::open(p).map_err(|e| OutputError::Io {
+        let f = std::fs::File::open(p).map_err(|e| RawError::Io {
             path: Some(p.to_path_buf()),
             source: e,
         })?;
@@ -346,7 +351,7 @@ impl RawReader {
     pub fn from_reader(
         r: Box<dyn std::io::Read + Send>,
         name: impl Into<std::path::PathBuf>,
-    ) -> Result<Self, OutputError> {
+    ) -> Result<Self, RawError> {
         let stream = RawStream::new(std::io::BufReader::with_capacity(1 << 17, r))?;
         Ok(Self {
             stream,
@@ -388,13 +393,17 @@ impl RawReader {
         let mut held: Vec<Option<Vec<u8>>> = vec![None; self.stream.nr_cpus as usize];
         let mut summary = RunSummary::default();
         let path = self.path.clone();
-        let named = |e: OutputError| match e {
-            OutputError::Raw {
+        let named = |e: RawError| match e {
+            RawError::Malformed {
                 path: None,
                 problem,
-            } => OutputError::Raw {
+            } => RawError::Malformed {
                 path: Some(path.clone()),
                 problem,
+            },
+            RawError::Io { path: None, source } => RawError::Io {
+                path: Some(path.clone()),
+                source,
             },
             e => e,
         };
@@ -436,7 +445,7 @@ impl RawReader {
 
 impl RawTrace {
     /// Parses a raw page stream held in memory (hostile-safe).
-    pub fn parse(b: &[u8]) -> Result<Self, OutputError> {
+    pub fn parse(b: &[u8]) -> Result<Self, RawError> {
         let mut st = RawStream::new(b)?;
         let mut pages = Vec::new();
         let mut summary = None;

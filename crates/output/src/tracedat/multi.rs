@@ -73,7 +73,7 @@ fn open_part(part: &BufferPart, meta: &TraceMeta) -> Result<Opened, OutputError>
         ));
     }
     if !file.damage.is_empty() {
-        return Err(bad(part, PartProblem::Damaged(file.damage[0].what.clone())));
+        return Err(bad(part, PartProblem::Damaged(file.damage[0].clone())));
     }
     if file.clock.as_deref() != Some(clock.name.as_str()) || offsets || clock.tsc.is_some() {
         return Err(bad(

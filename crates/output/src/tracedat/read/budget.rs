@@ -16,8 +16,8 @@
 //!   exactly the size it declares, which is at most its cap and at most [`MAX_RATIO`]
 //!   times its compressed size.
 
-use crate::error::UnsupportedDat;
-use crate::OutputError;
+use crate::error::{BlockProblem, BudgetOver, DatProblem, UnsupportedDat};
+use crate::DatError;
 
 /// Metadata read, decompressed and kept, all sections and items of a file together.
 pub const METADATA_BUDGET: u64 = 128 << 20;
@@ -78,15 +78,15 @@ impl Budget {
         }
     }
 
-    /// The end of a damage note about `n` bytes that did not fit.
-    pub(super) fn over(&self, n: u64) -> String {
-        format!(
-            "{n} bytes past the metadata budget ({} MiB for all metadata, {} MiB of it for options sections; {} MiB taken, {} MiB by options sections)",
-            METADATA_BUDGET >> 20,
-            OPTIONS_SHARE >> 20,
-            self.used >> 20,
-            self.options >> 20
-        )
+    /// `n` bytes that did not fit, with the budget (the end of a damage note).
+    pub(super) fn over(&self, n: u64) -> BudgetOver {
+        BudgetOver {
+            bytes: n,
+            budget_mib: METADATA_BUDGET >> 20,
+            options_mib: OPTIONS_SHARE >> 20,
+            used_mib: self.used >> 20,
+            options_used_mib: self.options >> 20,
+        }
     }
 }
 
@@ -148,19 +148,17 @@ fn zstd_bound(n: usize) -> usize {
 /// Why a zstd block declaring `us` bytes from `cs` compressed bytes is refused (more
 /// than `cap`, a ratio above [`MAX_RATIO`], or more compressed bytes than any frame of
 /// `us` bytes takes), or `None`.
-pub(super) fn check_block(cs: usize, us: usize, cap: usize) -> Option<String> {
+pub(super) fn check_block(cs: usize, us: usize, cap: usize) -> Option<BlockProblem> {
     if cs > zstd_bound(us) {
-        Some(format!(
-            "claims {cs} bytes compressed for {us}: more than any zstd frame of them takes"
-        ))
+        Some(BlockProblem::Bound { cs, us })
     } else if us > cap {
-        Some(format!(
-            "claims {us} bytes uncompressed, more than the {cap} accepted"
-        ))
+        Some(BlockProblem::Cap { us, cap })
     } else if us as u64 > (cs as u64).saturating_mul(MAX_RATIO) {
-        Some(format!(
-            "claims {us} bytes from {cs} compressed, more than {MAX_RATIO} times: no real trace compresses so far"
-        ))
+        Some(BlockProblem::Ratio {
+            us,
+            cs,
+            ratio: MAX_RATIO,
+        })
     } else {
         None
     }
@@ -175,24 +173,24 @@ pub(super) fn unzstd_into(
     size: usize,
     out: &mut Vec<u8>,
     at: u64,
-) -> Result<(), OutputError> {
+) -> Result<(), DatError> {
     out.clear();
     out.resize(size, 0);
     let n = dec
         .decompress_to_buffer(input, out.as_mut_slice())
-        .map_err(|e| OutputError::format(at, format!("zstd: {e}")))?;
+        .map_err(|e| DatError::format(at, DatProblem::Zstd(e)))?;
     if n != size {
-        return Err(OutputError::format(
+        return Err(DatError::format(
             at,
-            format!("zstd: {n} bytes, expected {size}"),
+            DatProblem::ZstdSize { got: n, want: size },
         ));
     }
     Ok(())
 }
 
 /// A zstd decompression context.
-pub(super) fn decompressor(at: u64) -> Result<zstd::bulk::Decompressor<'static>, OutputError> {
-    zstd::bulk::Decompressor::new().map_err(|e| OutputError::format(at, format!("zstd: {e}")))
+pub(super) fn decompressor(at: u64) -> Result<zstd::bulk::Decompressor<'static>, DatError> {
+    zstd::bulk::Decompressor::new().map_err(|e| DatError::format(at, DatProblem::Zstd(e)))
 }
 
 #[cfg(test)]

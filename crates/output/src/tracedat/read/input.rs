@@ -5,7 +5,7 @@ use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use crate::OutputError;
+use crate::{DatError, DatProblem};
 
 /// Longest `\0`-terminated name (system, compression, buffer) accepted.
 const MAX_NAME: usize = 4096;
@@ -39,15 +39,20 @@ impl Source {
     }
 
     /// Fills `buf` from offset `off`; an error if that runs past the end of the file.
-    pub(super) fn read_at(&self, off: u64, buf: &mut [u8], what: &str) -> Result<(), OutputError> {
+    pub(super) fn read_at(
+        &self,
+        off: u64,
+        buf: &mut [u8],
+        what: &'static str,
+    ) -> Result<(), DatError> {
         let end = off
             .checked_add(buf.len() as u64)
             .filter(|&e| e <= self.len())
-            .ok_or_else(|| OutputError::format(off, format!("{what} runs past the end")))?;
+            .ok_or_else(|| DatError::format(off, DatProblem::PastEnd(what)))?;
         match self {
             Self::File { file, path, .. } => file
                 .read_exact_at(buf, off)
-                .map_err(|e| OutputError::io(path, e)),
+                .map_err(|e| DatError::io(path, e)),
             Self::Mem(d) => {
                 // In range: end <= len checked above.
                 buf.copy_from_slice(&d[off as usize..end as usize]);
@@ -58,12 +63,14 @@ impl Source {
 
     /// Reads `n` bytes at `off` into a new vector (checked against the file length
     /// before allocating).
-    pub(super) fn read_vec(&self, off: u64, n: usize, what: &str) -> Result<Vec<u8>, OutputError> {
+    pub(super) fn read_vec(
+        &self,
+        off: u64,
+        n: usize,
+        what: &'static str,
+    ) -> Result<Vec<u8>, DatError> {
         if off.checked_add(n as u64).is_none_or(|e| e > self.len()) {
-            return Err(OutputError::format(
-                off,
-                format!("{what} runs past the end"),
-            ));
+            return Err(DatError::format(off, DatProblem::PastEnd(what)));
         }
         let mut v = vec![0u8; n];
         self.read_at(off, &mut v, what)?;
@@ -74,30 +81,30 @@ impl Source {
 /// Sequential reading of metadata, from memory ([`Cur`]) or from the file ([`FileCur`]).
 pub(super) trait Input {
     /// The next `n` bytes.
-    fn bytes(&mut self, n: usize, what: &str) -> Result<&[u8], OutputError>;
+    fn bytes(&mut self, n: usize, what: &'static str) -> Result<&[u8], DatError>;
     /// Bytes left.
     fn remaining(&self) -> u64;
     /// An error at the current position.
-    fn err(&self, what: &str) -> OutputError;
+    fn err(&self, problem: DatProblem) -> DatError;
 
     /// Skips `n` bytes.
-    fn skip(&mut self, n: u64, what: &str) -> Result<(), OutputError>;
+    fn skip(&mut self, n: u64, what: &'static str) -> Result<(), DatError>;
 
-    fn u8(&mut self, what: &str) -> Result<u8, OutputError> {
+    fn u8(&mut self, what: &'static str) -> Result<u8, DatError> {
         Ok(self.bytes(1, what)?[0])
     }
 
-    fn u16(&mut self, what: &str) -> Result<u16, OutputError> {
+    fn u16(&mut self, what: &'static str) -> Result<u16, DatError> {
         let b = self.bytes(2, what)?;
         Ok(u16::from_le_bytes([b[0], b[1]]))
     }
 
-    fn u32(&mut self, what: &str) -> Result<u32, OutputError> {
+    fn u32(&mut self, what: &'static str) -> Result<u32, DatError> {
         let b = self.bytes(4, what)?;
         Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
     }
 
-    fn u64(&mut self, what: &str) -> Result<u64, OutputError> {
+    fn u64(&mut self, what: &'static str) -> Result<u64, DatError> {
         let b = self.bytes(8, what)?;
         let mut w = [0u8; 8];
         w.copy_from_slice(b);
@@ -105,16 +112,18 @@ pub(super) trait Input {
     }
 
     /// A u64 length that must fit in what is left.
-    fn len64(&mut self, what: &str) -> Result<usize, OutputError> {
+    fn len64(&mut self, what: &'static str) -> Result<usize, DatError> {
         let n = self.u64(what)?;
-        if n > self.remaining() {
-            return Err(self.err(what));
+        let left = self.remaining();
+        let too_long = || DatProblem::Length { what, len: n, left };
+        if n > left {
+            return Err(self.err(too_long()));
         }
-        usize::try_from(n).map_err(|_| self.err(what))
+        usize::try_from(n).map_err(|_| self.err(too_long()))
     }
 
     /// A `\0`-terminated string of at most [`MAX_NAME`] bytes.
-    fn cstr(&mut self, what: &str) -> Result<String, OutputError> {
+    fn cstr(&mut self, what: &'static str) -> Result<String, DatError> {
         let mut s = Vec::new();
         for _ in 0..=MAX_NAME {
             match self.u8(what)? {
@@ -122,10 +131,13 @@ pub(super) trait Input {
                 b => s.push(b),
             }
         }
-        Err(self.err(what))
+        Err(self.err(DatProblem::LongName {
+            what,
+            max: MAX_NAME,
+        }))
     }
 
-    fn text(&mut self, n: usize, what: &str) -> Result<String, OutputError> {
+    fn text(&mut self, n: usize, what: &'static str) -> Result<String, DatError> {
         Ok(String::from_utf8_lossy(self.bytes(n, what)?).into_owned())
     }
 }
@@ -143,12 +155,12 @@ impl<'a> Cur<'a> {
     }
 
     /// The next `n` bytes, borrowed from the buffer (not from the cursor).
-    pub(super) fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8], OutputError> {
+    pub(super) fn take(&mut self, n: usize, what: &'static str) -> Result<&'a [u8], DatError> {
         let end = self
             .pos
             .checked_add(n)
             .filter(|&e| e <= self.buf.len())
-            .ok_or_else(|| self.err(what))?;
+            .ok_or_else(|| self.err(DatProblem::PastEnd(what)))?;
         let b = &self.buf[self.pos..end];
         self.pos = end;
         Ok(b)
@@ -156,20 +168,20 @@ impl<'a> Cur<'a> {
 }
 
 impl Input for Cur<'_> {
-    fn err(&self, what: &str) -> OutputError {
-        OutputError::format(self.base + self.pos as u64, what.to_string())
+    fn err(&self, problem: DatProblem) -> DatError {
+        DatError::format(self.base + self.pos as u64, problem)
     }
 
     fn remaining(&self) -> u64 {
         self.buf.len().saturating_sub(self.pos) as u64
     }
 
-    fn bytes(&mut self, n: usize, what: &str) -> Result<&[u8], OutputError> {
+    fn bytes(&mut self, n: usize, what: &'static str) -> Result<&[u8], DatError> {
         self.take(n, what)
     }
 
-    fn skip(&mut self, n: u64, what: &str) -> Result<(), OutputError> {
-        let n = usize::try_from(n).map_err(|_| self.err(what))?;
+    fn skip(&mut self, n: u64, what: &'static str) -> Result<(), DatError> {
+        let n = usize::try_from(n).map_err(|_| self.err(DatProblem::PastEnd(what)))?;
         self.bytes(n, what).map(|_| ())
     }
 }
@@ -194,20 +206,20 @@ impl<'s> FileCur<'s> {
 }
 
 impl Input for FileCur<'_> {
-    fn err(&self, what: &str) -> OutputError {
-        OutputError::format(self.pos, what.to_string())
+    fn err(&self, problem: DatProblem) -> DatError {
+        DatError::format(self.pos, problem)
     }
 
     fn remaining(&self) -> u64 {
         self.src.len().saturating_sub(self.pos)
     }
 
-    fn bytes(&mut self, n: usize, what: &str) -> Result<&[u8], OutputError> {
+    fn bytes(&mut self, n: usize, what: &'static str) -> Result<&[u8], DatError> {
         let end = self
             .pos
             .checked_add(n as u64)
             .filter(|&e| e <= self.src.len())
-            .ok_or_else(|| self.err(what))?;
+            .ok_or_else(|| self.err(DatProblem::PastEnd(what)))?;
         let win_end = self.win_off + self.win.len() as u64;
         if self.pos < self.win_off || end > win_end {
             // Refill: at least 64 KiB, never past the end of the file.
@@ -221,9 +233,9 @@ impl Input for FileCur<'_> {
         Ok(&self.win[s..s + n])
     }
 
-    fn skip(&mut self, n: u64, what: &str) -> Result<(), OutputError> {
+    fn skip(&mut self, n: u64, what: &'static str) -> Result<(), DatError> {
         if n > self.remaining() {
-            return Err(self.err(what));
+            return Err(self.err(DatProblem::PastEnd(what)));
         }
         self.pos += n;
         Ok(())

@@ -5,7 +5,7 @@
 
 use crate::export::Missed;
 use crate::merge::{Merged, Merger};
-use crate::OutputError;
+use crate::DatError;
 
 use super::records::{CpuCursor, Slot, TraceItem, TraceRecord};
 use super::{Damage, TraceFile};
@@ -63,7 +63,7 @@ pub struct Records<'a> {
     /// them at first, then the one whose unit was just taken whole.
     to_fill: Vec<usize>,
     scratch: Vec<Slot>,
-    error: Option<OutputError>,
+    error: Option<DatError>,
     /// Damage the CPUs' readers found, not taken yet.
     damage: Vec<Damage>,
     _file: std::marker::PhantomData<&'a TraceFile>,
@@ -136,12 +136,12 @@ impl Records<'_> {
     }
 
     /// The read error that ended the items, if any.
-    pub fn error(&self) -> Option<&OutputError> {
+    pub fn error(&self) -> Option<&DatError> {
         self.error.as_ref()
     }
 
     /// Takes the read error that ended the items, if any.
-    pub fn take_error(&mut self) -> Option<OutputError> {
+    pub fn take_error(&mut self) -> Option<DatError> {
         self.error.take()
     }
 

@@ -8,7 +8,7 @@ use hyptrace_abi::page::PAGE_HEADER_SIZE;
 
 use crate::format::{EventFormat, HeaderPage};
 use crate::symbols::KernelSymbols;
-use crate::OutputError;
+use crate::{DatError, DatProblem};
 
 use super::budget::{cmdline_cost, format_cost, symbol_cost, Budget, MAX_SECTION};
 use super::input::Input;
@@ -20,20 +20,20 @@ use super::input::Input;
 pub(super) fn parse_header_info(
     c: &mut impl Input,
     budget: &mut Budget,
-) -> Result<Result<HeaderPage, OutputError>, OutputError> {
+) -> Result<Result<HeaderPage, DatError>, DatError> {
     if c.bytes(12, "header_page tag")? != b"header_page\0" {
-        return Err(c.err("expected header_page"));
+        return Err(c.err(DatProblem::Expected("header_page")));
     }
     let n = c.len64("header_page size")?;
     let hp = if budget.take(n as u64) {
-        HeaderPage::parse(&c.text(n, "header_page text")?).map_err(OutputError::from)
+        HeaderPage::parse(&c.text(n, "header_page text")?).map_err(DatError::from)
     } else {
-        let e = c.err(&format!("header_page text of {}", budget.over(n as u64)));
+        let e = c.err(DatProblem::OverBudget(budget.over(n as u64)));
         c.skip(n as u64, "header_page text")?;
         Err(e)
     };
     if c.bytes(13, "header_event tag")? != b"header_event\0" {
-        return Err(c.err("expected header_event"));
+        return Err(c.err(DatProblem::Expected("header_event")));
     }
     let n = c.len64("header_event size")?;
     c.skip(n as u64, "header_event text")?;
@@ -57,7 +57,7 @@ fn format(
     system: &str,
     out: &mut Vec<EventFormat>,
     budget: &mut Budget,
-) -> Result<bool, OutputError> {
+) -> Result<bool, DatError> {
     let len = c.len64("event format size")?;
     if !budget.take(format_cost(len)) {
         c.skip(len as u64, "event format")?;
@@ -76,7 +76,7 @@ pub(super) fn parse_ftrace_events(
     c: &mut impl Input,
     out: &mut Vec<EventFormat>,
     budget: &mut Budget,
-) -> Result<u64, OutputError> {
+) -> Result<u64, DatError> {
     let n = c.u32("ftrace event count")?;
     let mut over = 0;
     // Bounded: each format consumes at least its 8-byte length.
@@ -92,7 +92,7 @@ pub(super) fn parse_event_formats(
     c: &mut impl Input,
     out: &mut Vec<EventFormat>,
     budget: &mut Budget,
-) -> Result<u64, OutputError> {
+) -> Result<u64, DatError> {
     let systems = c.u32("system count")?;
     let mut over = 0;
     // Bounded: each system consumes its name and count, each format its length.
@@ -110,9 +110,9 @@ pub(super) fn parse_event_formats(
 /// [`MAX_SECTION`] and in the budget, else walked over: `Err(its size)`.
 pub(super) fn u32_sized_text(
     c: &mut impl Input,
-    what: &str,
+    what: &'static str,
     budget: &mut Budget,
-) -> Result<Result<Vec<u8>, u64>, OutputError> {
+) -> Result<Result<Vec<u8>, u64>, DatError> {
     let n = c.u32(what)?;
     if n as usize > MAX_SECTION || !budget.take(u64::from(n)) {
         c.skip(u64::from(n), what)?;
@@ -127,7 +127,7 @@ pub(super) fn parse_cmdlines(
     c: &mut impl Input,
     out: &mut BTreeMap<i32, String>,
     budget: &mut Budget,
-) -> Result<u64, OutputError> {
+) -> Result<u64, DatError> {
     let n = c.len64("cmdlines size")?;
     if !budget.take(n as u64) {
         c.skip(n as u64, "cmdlines")?;

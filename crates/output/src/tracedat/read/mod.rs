@@ -8,7 +8,7 @@
 //! file, every loop is bounded by the bytes it consumes or by a fixed limit, and errors
 //! are returned, never panics.
 
-use crate::error::UnsupportedDat;
+use crate::error::{DatError, DatProblem, UnsupportedDat};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::fs::File;
@@ -19,7 +19,6 @@ use crate::clock::TscConversion;
 use crate::export::{check_page_size, Missed};
 use crate::format::{EventFormat, HeaderPage};
 use crate::text::EventPrinter;
-use crate::OutputError;
 
 use super::{option, MAGIC};
 use input::{FileCur, Input, Source};
@@ -120,20 +119,26 @@ impl std::fmt::Display for Damage {
 
 impl Damage {
     /// Metadata damage: `what` (a section, an option) and the error that ended it.
-    fn meta(what: &str, e: &OutputError, fallback: &str) -> Self {
-        let offset = match e {
-            OutputError::Format { offset, .. } => Some(*offset),
-            _ => None,
+    fn meta(what: &str, e: &DatError, fallback: &str) -> Self {
+        let (offset, why) = match e {
+            DatError::Format {
+                offset,
+                within,
+                problem,
+            } => {
+                let at =
+                    within.map_or_else(String::new, |b| format!(" at byte {b} of the section"));
+                (
+                    Some(*offset),
+                    format!("{}{at}", crate::error_chain(problem)),
+                )
+            }
+            e => (None, crate::error_chain(e)),
         };
         Self {
             cpu: None,
             offset,
-            what: match e {
-                OutputError::Format { reason, .. } => {
-                    format!("{what} damaged ({reason}); {fallback}")
-                }
-                e => format!("{what} damaged ({e}); {fallback}"),
-            },
+            what: format!("{what} damaged ({why}); {fallback}"),
         }
     }
 }
@@ -199,10 +204,10 @@ pub struct TraceFile {
 impl TraceFile {
     /// Opens a trace.dat file and parses its metadata (the pages are read later, a few
     /// at a time, by [`TraceFile::records`]).
-    pub fn open(path: impl AsRef<Path>) -> Result<Self, OutputError> {
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, DatError> {
         let p = path.as_ref();
-        let file = File::open(p).map_err(|e| OutputError::io(p, e))?;
-        let len = file.metadata().map_err(|e| OutputError::io(p, e))?.len();
+        let file = File::open(p).map_err(|e| DatError::io(p, e))?;
+        let len = file.metadata().map_err(|e| DatError::io(p, e))?.len();
         Self::from_source(Source::File {
             file: Arc::new(file),
             path: p.to_path_buf(),
@@ -211,26 +216,27 @@ impl TraceFile {
     }
 
     /// Parses a trace.dat held in memory (copied).
-    pub fn parse(data: &[u8]) -> Result<Self, OutputError> {
+    pub fn parse(data: &[u8]) -> Result<Self, DatError> {
         Self::from_source(Source::Mem(Arc::from(data)))
     }
 
-    fn from_source(src: Source) -> Result<Self, OutputError> {
+    fn from_source(src: Source) -> Result<Self, DatError> {
         let mut c = FileCur::new(&src, 0);
         if c.bytes(10, "magic")? != MAGIC {
-            return Err(OutputError::format(0u64, "not a trace.dat (bad magic)"));
+            return Err(DatError::format(0u64, DatProblem::Magic));
         }
         let ver = c.cstr("version")?;
         let version: u32 = ver
             .parse()
-            .map_err(|_| OutputError::format(10u64, "bad version"))?;
+            .map_err(|_| DatError::format(10u64, DatProblem::Version(ver.clone())))?;
         if c.u8("endianness")? != 0 {
-            return Err(OutputError::Unsupported(UnsupportedDat::BigEndian));
+            return Err(DatError::Unsupported(UnsupportedDat::BigEndian));
         }
         let long_size = c.u8("long size")?;
         let page_size = c.u32("page size")? as usize;
-        check_page_size(page_size)
-            .map_err(|_| OutputError::format(c.pos.saturating_sub(4), "bad page size"))?;
+        check_page_size(page_size).map_err(|_| {
+            DatError::format(c.pos.saturating_sub(4), DatProblem::PageSize(page_size))
+        })?;
         let pos = c.pos;
         let f = TraceFile {
             version,
@@ -265,18 +271,18 @@ impl TraceFile {
         match version {
             6 => p.parse_v6(&mut c)?,
             7 => p.parse_v7(&mut c)?,
-            v => return Err(OutputError::Unsupported(UnsupportedDat::Version(v))),
+            v => return Err(DatError::Unsupported(UnsupportedDat::Version(v))),
         }
         p.finish();
         let mut f = p.f;
         f.compressed = p.compressed;
         if f.header_page.commit_size != 8 || f.header_page.data_offset != 16 {
-            return Err(OutputError::Unsupported(UnsupportedDat::HeaderPage(
+            return Err(DatError::Unsupported(UnsupportedDat::HeaderPage(
                 f.header_page,
             )));
         }
         if let Some(why) = budget::check_read_memory(f.readers(), f.page_size) {
-            return Err(OutputError::Unsupported(why));
+            return Err(DatError::Unsupported(why));
         }
         if f.nr_cpus == 0 {
             f.nr_cpus = f
@@ -429,7 +435,7 @@ impl TraceFile {
     /// The times (ns) of the first and the last event of the top-level buffer's CPU
     /// `cpu` (`None` without events), for `report --first-event/--last-event` (as
     /// trace-cmd, of the top level only); a read error is returned.
-    pub fn cpu_span(&self, cpu: u32) -> Result<Option<(u64, u64)>, OutputError> {
+    pub fn cpu_span(&self, cpu: u32) -> Result<Option<(u64, u64)>, DatError> {
         let mut span: Option<(u64, u64)> = None;
         let mut r = self.records_where(|i, c| i == 0 && c == cpu);
         while let Some(i) = r.next_item() {

@@ -3,7 +3,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use crate::OutputError;
+use crate::DatError;
 
 use super::budget::{check_block, decompressor, max_chunk, plain_batch, unzstd_into};
 use super::input::Source;
@@ -29,7 +29,7 @@ impl Unzstd {
         (cs, us): (usize, usize),
         ps: usize,
         out: &mut Vec<u8>,
-    ) -> Result<Option<String>, OutputError> {
+    ) -> Result<Option<String>, DatError> {
         self.input.resize(cs, 0);
         src.read_at(at + 8, &mut self.input, "chunk data")?;
         let d = match &mut self.dec {
@@ -38,6 +38,7 @@ impl Unzstd {
         };
         if let Err(e) = unzstd_into(d, &self.input, us, out, at + 8) {
             out.clear();
+            let e = crate::error_chain(&e);
             return Ok(Some(format!("chunk {i} damaged ({e}): skipped its {us} bytes ({} pages), reading goes on with the next chunk", us / ps)));
         }
         if us.is_multiple_of(ps) {
@@ -136,7 +137,7 @@ impl CpuPages {
     }
 
     /// Reads more whole pages into `buf`; false at the end of the CPU's data.
-    fn refill(&mut self) -> Result<bool, OutputError> {
+    fn refill(&mut self) -> Result<bool, DatError> {
         self.pos = 0;
         self.cur = None;
         match &mut self.kind {
@@ -179,7 +180,7 @@ impl CpuPages {
     /// of the CPU's data or of the file ends the CPU (noted). A chunk that is not whole
     /// pages loses its partial last page (noted). Bounded: each chunk consumes at least
     /// its 8-byte header of the CPU's data.
-    fn next_chunk(&mut self) -> Result<bool, OutputError> {
+    fn next_chunk(&mut self) -> Result<bool, DatError> {
         let (ps, file_len) = (self.page_size, self.src.len());
         let StreamKind::Zstd {
             next,
@@ -288,7 +289,7 @@ impl CpuPages {
     }
 
     /// The next whole page, or `None` at the end.
-    pub fn next_page(&mut self) -> Result<Option<&[u8]>, OutputError> {
+    pub fn next_page(&mut self) -> Result<Option<&[u8]>, DatError> {
         // Bounded: every refill consumes file bytes (a batch, or a chunk header).
         while self.pos + self.page_size > self.buf.len() {
             if !self.refill()? {

@@ -1,12 +1,12 @@
 //! The metadata of a trace.dat: the v6 sequence, the v7 options chain and the sections
 //! it names, the CPU table; everything within the metadata [`Budget`].
 
-use crate::error::UnsupportedDat;
+use crate::error::{DatProblem, UnsupportedDat};
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::clock::TscConversion;
 use crate::format::HeaderPage;
-use crate::OutputError;
+use crate::DatError;
 
 use super::budget::{
     check_block, decompressor, option_cost, unzstd_into, Budget, MAX_SECTION, METADATA_BUDGET,
@@ -128,12 +128,9 @@ impl Parser {
 
     /// Reads the v7 section at `off`: checks its id, decompresses it if flagged (the
     /// block checked by [`check_block`]), within the budget.
-    fn section(&mut self, off: u64, want: u16) -> Result<Section, OutputError> {
+    fn section(&mut self, off: u64, want: u16) -> Result<Section, DatError> {
         if off >= self.src().len() {
-            return Err(OutputError::format(
-                off,
-                "section offset past the end of the file",
-            ));
+            return Err(DatError::format(off, DatProblem::SectionPastEnd));
         }
         let mut c = FileCur::new(self.src(), off);
         let id = c.u16("section id")?;
@@ -141,10 +138,7 @@ impl Parser {
         let _string = c.u32("section name")?;
         let size = c.len64("section size")?;
         if id != want {
-            return Err(OutputError::format(
-                off,
-                format!("section id {id}, expected {want}"),
-            ));
+            return Err(DatError::format(off, DatProblem::SectionId { id, want }));
         }
         if flags & 1 == 0 {
             if !self.take(want, size as u64) {
@@ -154,21 +148,15 @@ impl Parser {
             return Ok(Section::Body(body));
         }
         if !self.compressed {
-            return Err(OutputError::format(
-                off,
-                "compressed section in an uncompressed file",
-            ));
+            return Err(DatError::format(off, DatProblem::CompressedSection));
         }
         let csize = c.u32("compressed size")? as usize;
         let usize_ = c.u32("uncompressed size")? as usize;
         if csize > size.saturating_sub(8) {
-            return Err(c.err("compressed size runs past the section"));
+            return Err(c.err(DatProblem::CompressedSize { csize, size }));
         }
         if let Some(why) = check_block(csize, usize_, MAX_SECTION) {
-            return Err(OutputError::format(
-                off + 16,
-                format!("compressed block {why}"),
-            ));
+            return Err(DatError::format(off + 16, DatProblem::Block(why)));
         }
         if !self.take(want, (csize + usize_) as u64) {
             return Ok(Section::OverBudget((csize + usize_) as u64));
@@ -223,7 +211,7 @@ impl Parser {
     }
 
     /// A parsed `header_page`, or the kernel's layout with a damage note.
-    fn header_page(&mut self, hp: Result<HeaderPage, OutputError>) {
+    fn header_page(&mut self, hp: Result<HeaderPage, DatError>) {
         match hp {
             Ok(hp) => self.f.header_page = hp,
             Err(e) => {
@@ -240,7 +228,7 @@ impl Parser {
         self.over.symbols += parse_symbols(syms, text, kallsyms, &mut self.budget);
     }
 
-    pub(super) fn parse_v6(&mut self, c: &mut FileCur<'_>) -> Result<(), OutputError> {
+    pub(super) fn parse_v6(&mut self, c: &mut FileCur<'_>) -> Result<(), DatError> {
         // The header_page text starts after the 18-byte file header, its tag and size.
         let hp = parse_header_info(c, &mut self.budget)?.map_err(|e| in_section(e, 18));
         self.header_page(hp);
@@ -260,13 +248,16 @@ impl Parser {
             let tag = c.bytes(10, "data kind")?;
             match tag {
                 b"options  \0" => has_clock |= self.v6_options(c)?,
-                b"latency  \0" => return Err(OutputError::Unsupported(UnsupportedDat::Latency)),
+                b"latency  \0" => return Err(DatError::Unsupported(UnsupportedDat::Latency)),
                 b"flyrecord\0" => break,
-                _ => return Err(c.err("expected options or flyrecord")),
+                _ => return Err(c.err(DatProblem::Expected("options or flyrecord"))),
             }
         }
         if self.f.nr_cpus > MAX_CPUS {
-            return Err(c.err("too many CPUs"));
+            return Err(c.err(DatProblem::Cpus {
+                cpus: self.f.nr_cpus,
+                max: MAX_CPUS,
+            }));
         }
         let mut table = Vec::new();
         for _ in 0..self.f.nr_cpus {
@@ -297,7 +288,7 @@ impl Parser {
 
     /// A v6 options block, up to its DONE; whether it held a TRACECLOCK. Options the
     /// reader does not keep, or past the budget, are walked over, not read.
-    fn v6_options(&mut self, c: &mut FileCur<'_>) -> Result<bool, OutputError> {
+    fn v6_options(&mut self, c: &mut FileCur<'_>) -> Result<bool, DatError> {
         let mut has_clock = false;
         // Bounded: each option consumes at least its 6-byte header.
         loop {
@@ -343,7 +334,7 @@ impl Parser {
         have
     }
 
-    pub(super) fn parse_v7(&mut self, c: &mut FileCur<'_>) -> Result<(), OutputError> {
+    pub(super) fn parse_v7(&mut self, c: &mut FileCur<'_>) -> Result<(), DatError> {
         let name = c.cstr("compression name")?;
         let ver = c.cstr("compression version")?;
         self.compressed = match name.as_str() {
@@ -355,10 +346,10 @@ impl Parser {
                     .bytes()
                     .all(|b| b.is_ascii_alphanumeric() || b == b'-') =>
             {
-                return Err(c.err("compression name damaged"))
+                return Err(c.err(DatProblem::CompressionName))
             }
             other => {
-                return Err(OutputError::Unsupported(UnsupportedDat::Compression(
+                return Err(DatError::Unsupported(UnsupportedDat::Compression(
                     other.to_string(),
                 )))
             }
@@ -382,7 +373,7 @@ impl Parser {
                 }
                 self.f.cpus = table;
             }
-            Some(Err(e @ OutputError::Format { .. })) => {
+            Some(Err(e @ DatError::Format { .. })) => {
                 self.damaged(Damage::meta("buffer option", &e, "no CPU data is read"));
             }
             Some(Err(e)) => return Err(e),
@@ -399,14 +390,14 @@ impl Parser {
     fn v7_options(
         &mut self,
         first: u64,
-    ) -> (BTreeMap<u16, u64>, Option<Result<TopBuffer, OutputError>>) {
+    ) -> (BTreeMap<u16, u64>, Option<Result<TopBuffer, DatError>>) {
         let mut next = first;
         let mut seen = BTreeSet::new();
         let mut sections: BTreeMap<u16, u64> = BTreeMap::new();
         let mut top = None;
         while next != 0 {
             if !seen.insert(next) || seen.len() > MAX_OPTION_SECTIONS {
-                let e = OutputError::format(next, "options sections loop");
+                let e = DatError::format(next, DatProblem::OptionsLoop);
                 self.damaged(Damage::meta("options", &e, "the loop is not followed"));
                 break;
             }
@@ -462,7 +453,7 @@ impl Parser {
     fn v7_sections(&mut self, sections: &BTreeMap<u16, u64>) {
         let fallback = "using the kernel's page layout";
         let hp = match sections.get(&option::HEADER_INFO) {
-            None => Some(Err(OutputError::format(0u64, "no header_page section"))),
+            None => Some(Err(DatError::format(0u64, DatProblem::NoHeaderPage))),
             Some(&off) => self
                 .section_body(off, option::HEADER_INFO, "header_page", fallback)
                 .map(|s| {
@@ -634,7 +625,7 @@ fn instance_name(d: &[u8]) -> Option<String> {
 /// Most buffer instances [`TraceFile::instances`] reads (the others are noted as damage).
 pub const MAX_INSTANCES: usize = crate::MAX_GROUPS;
 
-fn top_buffer(d: &[u8], page_size: usize) -> Option<Result<TopBuffer, OutputError>> {
+fn top_buffer(d: &[u8], page_size: usize) -> Option<Result<TopBuffer, DatError>> {
     let mut o = Cur::new(d, 0, 0);
     let name = o
         .u64("buffer offset")
@@ -647,15 +638,18 @@ fn top_buffer(d: &[u8], page_size: usize) -> Option<Result<TopBuffer, OutputErro
 }
 
 /// The rest of the top buffer's option after its name: clock and CPU table.
-fn buffer_table(o: &mut Cur<'_>, page_size: usize) -> Result<TopBuffer, OutputError> {
+fn buffer_table(o: &mut Cur<'_>, page_size: usize) -> Result<TopBuffer, DatError> {
     let clock = o.cstr("buffer clock")?;
     let ps = o.u32("buffer page size")? as usize;
     if ps != page_size {
-        return Err(OutputError::Unsupported(UnsupportedDat::BufferPageSize(ps)));
+        return Err(DatError::Unsupported(UnsupportedDat::BufferPageSize(ps)));
     }
     let n = o.u32("buffer cpu count")?;
     if n > MAX_CPUS {
-        return Err(o.err("too many CPUs"));
+        return Err(o.err(DatProblem::Cpus {
+            cpus: n,
+            max: MAX_CPUS,
+        }));
     }
     let mut table = Vec::new();
     for _ in 0..n {
@@ -756,18 +750,21 @@ fn drop_shared(top: &[CpuBuffer], instances: &mut [Instance], file_len: u64) -> 
 
 /// An error at an offset within the (possibly decompressed) body of the section at file
 /// offset `section`: placed at the section, the offset within it kept in the reason.
-pub(super) fn in_section(e: OutputError, section: u64) -> OutputError {
+pub(super) fn in_section(e: DatError, section: u64) -> DatError {
     match e {
-        OutputError::Format { offset, reason } => OutputError::Format {
+        DatError::Format {
+            offset, problem, ..
+        } => DatError::Format {
             offset: section,
-            reason: format!("{reason} at byte {offset} of the section"),
+            within: Some(offset),
+            problem,
         },
         e => e,
     }
 }
 
 /// The next option of an options section: id and data.
-fn next_option<'a>(o: &mut Cur<'a>) -> Result<(u16, &'a [u8]), OutputError> {
+fn next_option<'a>(o: &mut Cur<'a>) -> Result<(u16, &'a [u8]), DatError> {
     let id = o.u16("option id")?;
     let n = o.u32("option size")? as usize;
     o.take(n, "option data").map(|d| (id, d))

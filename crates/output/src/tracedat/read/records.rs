@@ -7,7 +7,7 @@ use hyptrace_abi::page::{
 
 use crate::clock::TscConversion;
 use crate::export::Missed;
-use crate::OutputError;
+use crate::DatError;
 
 use super::pages::CpuPages;
 use super::{CpuBuffer, TraceFile};
@@ -281,7 +281,7 @@ impl CpuCursor {
 
     /// Pushes the next unit to `q` (drop marker + event, or a bad page; reversed: pop
     /// from the end). Returns its sort key, or None when the CPU is done.
-    pub(super) fn fill(&mut self, q: &mut Vec<Slot>) -> Result<Option<u64>, OutputError> {
+    pub(super) fn fill(&mut self, q: &mut Vec<Slot>) -> Result<Option<u64>, DatError> {
         // Bounded: a record decoded strictly consumes at least 8 bytes of the page, one
         // read as kbuffer reads it a new offset of it (`visited`), each page read
         // consumes the CPU's data.

@@ -199,7 +199,7 @@ impl TraceFile {
             on_damage(d);
         }
         match recs.take_error() {
-            Some(e) => Err(e),
+            Some(e) => Err(e.into()),
             None => Ok(ReportOutcome {
                 printed,
                 read,
