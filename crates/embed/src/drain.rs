@@ -5,9 +5,9 @@ use std::time::{Duration, Instant};
 
 use hyptrace_abi::layout::RingGeometry;
 use hyptrace_abi::SharedMem;
-use hyptrace_output::{
-    Clock, EventFormat, KernelCpuStat, OutputError, PageSink, RunSummary, TraceMeta,
-};
+use hyptrace_output::{Clock, EventFormat, KernelCpuStat, OutputError, PageSink, TraceMeta};
+
+use crate::reads::{run_summary, CpuReads};
 use hyptrace_reader::{Attempts, Callbacks, CpuStats, ReadError, RingBuffer};
 
 /// Most page bytes one drain round hands to the sink from one CPU.
@@ -164,9 +164,9 @@ pub fn kernel_cpu_stat(written: u64, st: &CpuStats) -> KernelCpuStat {
     }
 }
 
-/// The final account of one CPU.
+/// The final account of one CPU ([`crate::CpuReads::account`]), with its error of type `E`.
 #[derive(Debug)]
-pub struct CpuAccount {
+pub struct CpuAccount<E = DrainError> {
     /// Events the writer took in (committed or dropped).
     pub written: u64,
     /// The reader's counters: `read`, `lost` (= `overrun + dropped` once all is read)...
@@ -176,42 +176,13 @@ pub struct CpuAccount {
     /// What the guest's writer published of its attempts (R3).
     pub attempts: Attempts,
     /// Why reading this CPU stopped early, if it did.
-    pub error: Option<DrainError>,
-}
-
-impl CpuAccount {
-    /// Whether every event written was read or counted lost (`written = read + lost`)
-    /// and the attempts agree ([`attempts_consistent`]).
-    /// # Examples
-    ///
-    /// ```
-    /// # use std::{sync::Arc, time::Duration};
-    /// # use hyptrace_abi::{layout::{Mode, RingGeometry}, HeapMem};
-    /// # use hyptrace_embed::Tracer;
-    /// # use hyptrace_output::{Clock, TraceDatSink, TraceDatVersion};
-    /// let geometry = RingGeometry::new(2, 4, 4096, Mode::Stop, false)?;
-    /// let mem = Arc::new(HeapMem::new(geometry.region_size)); // a VMM: GuestRegionMem
-    /// let cb = hyptrace_reader::callbacks::for_geometry(mem.clone(), geometry, Duration::from_secs(5));
-    /// # #[allow(unused_mut)]
-    /// let mut tracer = Tracer::alloc(mem.clone(), geometry, cb, 1_000_000)?;
-    /// # let dir = tempfile::tempdir()?;
-    /// let meta = tracer.trace_meta(Clock::guest_tsc(1_000_000)?, Vec::new());
-    /// let mut sink = TraceDatSink::create(dir.path().join("t.dat"), meta, TraceDatVersion::V7)?;
-    /// let accounts = tracer.finish(Box::new(sink))?;
-    /// assert!(accounts.iter().all(|a| a.consistent())); // written = read + lost, R3
-    /// # Ok::<(), Box<dyn std::error::Error>>(())
-    /// ```
-    pub fn consistent(&self) -> bool {
-        self.error.is_none()
-            && self.stats.read.checked_add(self.stats.lost) == Some(self.written)
-            && attempts_consistent(&self.attempts, self.written, self.finished)
-    }
+    pub error: Option<E>,
 }
 
 /// The reader of a VMM's trace rings with its drain loop: see the crate documentation.
 pub struct Tracer<M, C> {
     reader: RingBuffer<M, C>,
-    failed: Vec<Option<DrainError>>,
+    reads: CpuReads<DrainError>,
 }
 
 impl<M: SharedMem, C: Callbacks> Tracer<M, C> {
@@ -241,8 +212,8 @@ impl<M: SharedMem, C: Callbacks> Tracer<M, C> {
     /// ```
     pub fn alloc(mem: M, geometry: RingGeometry, cb: C, tsc_khz: u64) -> Result<Self, ReadError> {
         let reader = RingBuffer::alloc(mem, geometry, cb, tsc_khz, 1)?;
-        let failed = (0..geometry.nr_cpus).map(|_| None).collect();
-        Ok(Self { reader, failed })
+        let reads = CpuReads::new(geometry.nr_cpus);
+        Ok(Self { reader, reads })
     }
 
     /// The reader underneath (stats, positions, enable words).
@@ -328,7 +299,7 @@ impl<M: SharedMem, C: Callbacks> Tracer<M, C> {
     pub fn drain(&mut self, sink: &mut (impl PageSink + ?Sized)) -> Result<bool, OutputError> {
         let mut more = false;
         for cpu in 0..self.reader.nr_cpus() {
-            if self.failed[cpu as usize].is_some() {
+            if !self.reads.polls(cpu) {
                 continue;
             }
             match drain_pages(
@@ -344,7 +315,9 @@ impl<M: SharedMem, C: Callbacks> Tracer<M, C> {
                 // The guest writer finished (mailbox callbacks): the rest is read by
                 // the final walk.
                 Err(DrainError::Read(ReadError::WriterStopped { .. })) => {}
-                Err(e) => self.failed[cpu as usize] = Some(e),
+                Err(e) => {
+                    self.reads.fail(cpu, e);
+                }
             }
         }
         Ok(more)
@@ -383,51 +356,17 @@ impl<M: SharedMem, C: Callbacks> Tracer<M, C> {
         mut sink: Box<dyn PageSink + '_>,
     ) -> Result<Vec<CpuAccount>, OutputError> {
         for cpu in 0..self.reader.nr_cpus() {
-            if let Err(e) = self.final_walk(cpu, sink.as_mut()) {
-                if let DrainError::Sink(e) = e {
-                    return Err(e);
+            match self.reads.walk(&mut self.reader, cpu, sink.as_mut()) {
+                Ok(()) => {}
+                Err(DrainError::Sink(e)) => return Err(e),
+                Err(e) => {
+                    self.reads.record(cpu, || e);
                 }
-                self.failed[cpu as usize].get_or_insert(e);
             }
         }
-        let mut accounts = Vec::with_capacity(self.failed.len());
-        for cpu in 0..self.reader.nr_cpus() {
-            accounts.push(CpuAccount {
-                written: written(&self.reader, cpu, false),
-                stats: self.reader.stats(cpu),
-                finished: self.reader.writer_finished(cpu),
-                attempts: self.reader.attempts(cpu).unwrap_or_default(),
-                error: self.failed[cpu as usize].take(),
-            });
-        }
-        let summary = RunSummary {
-            cpus: accounts
-                .iter()
-                .map(|a| kernel_cpu_stat(a.written, &a.stats))
-                .collect(),
-        };
-        sink.finish(&summary)?;
+        let accounts = self.reads.into_accounts(&mut self.reader);
+        sink.finish(&run_summary(&accounts))?;
         Ok(accounts)
-    }
-
-    /// The final walk of `cpu` into `sink`, then its trailing loss.
-    fn final_walk(&mut self, cpu: u32, sink: &mut dyn PageSink) -> Result<(), DrainError> {
-        self.reader.sync_writer_counters(cpu)?;
-        self.reader.finalize(cpu)?;
-        // Bounded: each round consumes at least one page of those left, or ends.
-        while drain_pages(
-            &mut self.reader,
-            cpu,
-            cpu,
-            sink,
-            ROUND_MAX_BYTES,
-            ROUND_MAX_TIME,
-        )? {}
-        let lost = self.reader.take_trailing_loss(cpu);
-        if lost > 0 {
-            sink.trailing_lost(cpu, lost)?;
-        }
-        Ok(())
     }
 }
 
@@ -436,6 +375,7 @@ mod tests {
     use super::*;
     use hyptrace_abi::layout::{ctl, Mode};
     use hyptrace_abi::{events, HeapMem};
+    use hyptrace_output::RunSummary;
     use hyptrace_reader::Direct;
     use std::sync::atomic::Ordering::Release;
     use std::sync::Arc;

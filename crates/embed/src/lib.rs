@@ -41,6 +41,7 @@ mod doorbell;
 mod drain;
 mod events;
 mod mem;
+mod reads;
 mod select;
 
 pub use doorbell::{Access, Doorbell, MmioDoorbell, PortDoorbell, Ring};
@@ -53,4 +54,5 @@ pub use events::{
     MAX_EARLY_EXITS,
 };
 pub use mem::{GuestRegionMem, RegionError};
+pub use reads::{run_summary, CpuReads, Phase};
 pub use select::{matches, EventInfo, EventsError, Selection};
