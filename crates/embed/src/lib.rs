@@ -27,6 +27,10 @@
 //! 7. Once every vCPU stopped: [`Tracer::finish`] — the final walks, losses, the sink's
 //!    end — returns one [`CpuAccount`] per CPU, with `written = read + lost`.
 //!
+//! A VMM with outputs of its own (text lines, subscribers) builds on [`CpuReads`]
+//! instead, the per-CPU read state and final walk `Tracer` is made of: the `hyptrace`
+//! binary's session does, so both read, walk and account the same way.
+//!
 //! ## The documentation of each item
 //!
 //! In the manner of kvm-ioctls: every public function and method has an `# Examples`

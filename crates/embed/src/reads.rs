@@ -315,7 +315,7 @@ impl<E> CpuReads<E> {
     }
 
     /// Events the writer of `cpu` took in ([`written`]): with the one event a writer
-    /// stopped between commit and `entries` left beyond them once `cpu` ended.
+    /// stopped between commit and `entries` left beyond them once `cpu` ended (R1).
     /// # Examples
     ///
     /// See [`CpuReads::account`].
