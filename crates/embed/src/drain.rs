@@ -372,85 +372,10 @@ impl<M: SharedMem, C: Callbacks> Tracer<M, C> {
 
 #[cfg(test)]
 mod tests {
+    // The drain and final-walk cases (losses, a scribbled ring, a stopped writer, a
+    // trailing loss) are the shared table's: tests/support/drain_cases.rs, run against
+    // `Tracer` by tests/drain.rs and against the CLI's session by the host crate.
     use super::*;
-    use hyptrace_abi::layout::{ctl, Mode};
-    use hyptrace_abi::{events, HeapMem};
-    use hyptrace_output::RunSummary;
-    use hyptrace_reader::Direct;
-    use std::sync::atomic::Ordering::Release;
-    use std::sync::Arc;
-
-    /// Counts what it is given.
-    #[derive(Default)]
-    struct Count {
-        pages: u64,
-        missed: u64,
-        trailing: u64,
-    }
-
-    impl PageSink for Count {
-        fn page(&mut self, _: u32, _: &[u8], missed: Option<u64>) -> Result<(), OutputError> {
-            self.pages += 1;
-            self.missed += missed.unwrap_or(0);
-            Ok(())
-        }
-        fn trailing_lost(&mut self, _: u32, lost: u64) -> Result<(), OutputError> {
-            self.trailing += lost;
-            Ok(())
-        }
-        fn finish(self: Box<Self>, summary: &RunSummary) -> Result<(), OutputError> {
-            assert_eq!(summary.cpus.len(), 2);
-            Ok(())
-        }
-    }
-
-    type HeapTracer = Tracer<Arc<HeapMem>, Direct<Arc<HeapMem>>>;
-
-    fn tracer(mode: Mode) -> (Arc<HeapMem>, HeapTracer) {
-        let l = RingGeometry::new(2, 3, 4096, mode, false).expect("geometry");
-        let m = Arc::new(HeapMem::new(l.region_size));
-        let t = Tracer::alloc(m.clone(), l, Direct::new(m.clone(), l), 1_000_000).expect("alloc");
-        (m, t)
-    }
-
-    /// A full stop-mode ring drops; the drain and the final walk count every loss, where
-    /// it happened or after the last page: written = read + lost on every CPU.
-    #[test]
-    fn losses_are_counted_exactly() {
-        let (m, mut t) = tracer(Mode::Stop);
-        let mut w = hyptrace_writer::Writer::attach(m.clone(), 0).expect("attach");
-        let mut sink = Count::default();
-        for seq in 0..2000u64 {
-            w.write_enabled(seq, &events::marker(events::vcpu_pid(0), seq, 0));
-            if seq == 1000 {
-                t.drain(&mut sink).expect("drain");
-            }
-        }
-        w.finish();
-        let a = t.finish(Box::new(sink)).expect("finish");
-        assert_eq!(a[0].written, 2000);
-        assert!(a[0].stats.dropped > 0 && a[0].consistent(), "{:?}", a[0]);
-        assert!(a[1].consistent() && a[1].written == 0);
-    }
-
-    /// A ring the guest scribbled on: the CPU's account carries the error, the other
-    /// CPU is read, nothing panics.
-    #[test]
-    fn a_scribbled_ring_is_an_error_of_its_cpu() {
-        let (m, mut t) = tracer(Mode::Overwrite);
-        let l = *t.reader().layout();
-        let mut w = hyptrace_writer::Writer::attach(m.clone(), 1).expect("attach");
-        for seq in 0..10u64 {
-            w.write_enabled(seq, &events::marker(events::vcpu_pid(1), seq, 0));
-        }
-        m.store(l.ctl(0) + ctl::TAIL_PAGE, u64::MAX, Release);
-        m.store(l.ctl(0) + ctl::READER_PAGE, 12345, Release);
-        let mut sink = Count::default();
-        t.drain(&mut sink).expect("the sink is fine");
-        let a = t.finish(Box::new(sink)).expect("finish");
-        assert!(a[0].error.is_some() && !a[0].consistent(), "{:?}", a[0]);
-        assert_eq!((a[1].stats.read, a[1].written), (10, 10));
-    }
 
     /// R3's cases: exact for a finished writer; one attempt ahead of what was written
     /// for a writer stopped mid-event, never more, never behind; a problem seen or a
