@@ -47,16 +47,18 @@ mod events;
 mod mem;
 mod reads;
 mod select;
+mod tracer;
 
 pub use doorbell::{Access, Doorbell, MmioDoorbell, PortDoorbell, Ring};
 pub use drain::{
-    attempts_consistent, drain_pages, kernel_cpu_stat, written, CpuAccount, DrainError, Tracer,
-    ROUND_MAX_BYTES, ROUND_MAX_TIME,
+    attempts_consistent, drain_pages, kernel_cpu_stat, written, DrainError, ROUND_MAX_BYTES,
+    ROUND_MAX_TIME,
 };
 pub use events::{
     to_format, Events, Exit, LateRegistration, RegisterError, Registered, Settled, ANSWER_HOLD_MAX,
     MAX_EARLY_EXITS,
 };
 pub use mem::{GuestRegionMem, RegionError};
-pub use reads::{run_summary, CpuReads, Phase};
+pub use reads::{run_summary, CpuAccount, CpuReads, Phase};
 pub use select::{matches, EventInfo, EventsError, Selection};
+pub use tracer::Tracer;

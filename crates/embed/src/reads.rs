@@ -7,11 +7,11 @@
 
 use hyptrace_abi::SharedMem;
 use hyptrace_output::{PageSink, RunSummary};
-use hyptrace_reader::{Callbacks, ReadError, RingBuffer};
+use hyptrace_reader::{Attempts, Callbacks, CpuStats, ReadError, RingBuffer};
 
 use crate::drain::{
-    attempts_consistent, drain_pages, kernel_cpu_stat, written, CpuAccount, DrainError,
-    ROUND_MAX_BYTES, ROUND_MAX_TIME,
+    attempts_consistent, drain_pages, kernel_cpu_stat, written, DrainError, ROUND_MAX_BYTES,
+    ROUND_MAX_TIME,
 };
 
 /// Where the reading of one CPU stands; it only goes forward.
@@ -293,25 +293,60 @@ impl<E> CpuReads<E> {
         cpu: u32,
         sink: &mut (impl PageSink + ?Sized),
     ) -> Result<(), DrainError> {
-        if !self.is_live(cpu) {
-            return Ok(());
-        }
-        // Bounded: each round consumes at least one page of those left, or ends.
-        // (A walk begun earlier goes on where it is.)
-        let mut r = self
-            .begin_walk(reader, cpu)
-            .map(|_| true)
-            .map_err(DrainError::from);
-        while let Ok(true) = r {
-            r = drain_pages(reader, cpu, cpu, sink, ROUND_MAX_BYTES, ROUND_MAX_TIME);
-        }
-        let lost = self.trailing_loss(reader, cpu);
-        self.end(cpu);
+        let (r, lost) = self.walk_with(reader, cpu, |reader| {
+            drain_pages(reader, cpu, cpu, sink, ROUND_MAX_BYTES, ROUND_MAX_TIME)
+        });
         r?;
         if lost > 0 {
             sink.trailing_lost(cpu, lost)?;
         }
         Ok(())
+    }
+
+    /// The whole final walk of `cpu` (its vCPU stopped), each bounded round by `round`
+    /// (it returns whether it stopped at a bound: more may be left), for an output of
+    /// the caller's: begun ([`CpuReads::begin_walk`]; a walk begun earlier goes on where
+    /// it is), read to the end, the CPU ended — whatever failed. Returns the first
+    /// failure and the losses after the last page ([`CpuReads::trailing_loss`], for the
+    /// caller's output; 0 unless the walk read to the end); an ended CPU: `(Ok, 0)`.
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use hyptrace_abi::{layout::{Mode, RingGeometry}, HeapMem};
+    /// # use hyptrace_reader::{Direct, ReadError, RingBuffer};
+    /// # let l = RingGeometry::new(1, 4, 4096, Mode::Stop, false)?;
+    /// # let mem = Arc::new(HeapMem::new(l.region_size));
+    /// # let mut reader = RingBuffer::alloc(mem.clone(), l, Direct::new(mem, l), 1_000_000, 1)?;
+    /// let mut reads = hyptrace_embed::CpuReads::<String>::new(1);
+    /// let mut events = 0;
+    /// let (r, lost) = reads.walk_with(&mut reader, 0, |reader| {
+    ///     while reader.next_event(0)?.is_some() {
+    ///         events += 1; // the caller's output
+    ///     }
+    ///     Ok::<_, ReadError>(false)
+    /// });
+    /// assert!(r.is_ok() && (events, lost) == (0, 0) && !reads.is_live(0));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn walk_with<M: SharedMem, C: Callbacks, F: From<ReadError>>(
+        &mut self,
+        reader: &mut RingBuffer<M, C>,
+        cpu: u32,
+        mut round: impl FnMut(&mut RingBuffer<M, C>) -> Result<bool, F>,
+    ) -> (Result<(), F>, u64) {
+        if !self.is_live(cpu) {
+            return (Ok(()), 0);
+        }
+        let mut r = self.begin_walk(reader, cpu).map(|_| true).map_err(F::from);
+        // Bounded: each round consumes at least one item of those left, or ends.
+        while let Ok(true) = r {
+            r = round(reader);
+        }
+        // R1: the drops after the last page, once the walk read everything.
+        let lost = self.trailing_loss(reader, cpu);
+        self.end(cpu);
+        (r.map(|_| ()), lost)
     }
 
     /// Events the writer of `cpu` took in ([`written`]): with the one event a writer
@@ -392,6 +427,21 @@ impl<E> CpuReads<E> {
             error,
         }
     }
+}
+
+/// The final account of one CPU ([`crate::CpuReads::account`]), with its error of type `E`.
+#[derive(Debug)]
+pub struct CpuAccount<E = DrainError> {
+    /// Events the writer took in (committed or dropped).
+    pub written: u64,
+    /// The reader's counters: `read`, `lost` (= `overrun + dropped` once all is read)...
+    pub stats: CpuStats,
+    /// Whether the writer said it finished.
+    pub finished: bool,
+    /// What the guest's writer published of its attempts (R3).
+    pub attempts: Attempts,
+    /// Why reading this CPU stopped early, if it did.
+    pub error: Option<E>,
 }
 
 impl<E> CpuAccount<E> {

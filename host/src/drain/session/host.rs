@@ -163,25 +163,9 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
             return Ok(());
         }
         h.events.finish();
-        let mut r = h
-            .reads
-            .begin_walk(&mut h.reader, 0)
-            .map(|_| true)
-            .map_err(SessionError::from);
-        // Bounded: each round consumes what is left of a finished ring or ends.
-        while let Ok(true) = r {
-            r = drain_ring(
-                &mut h.reader,
-                0,
-                h.cpu,
-                &mut h.run,
-                &mut self.output,
-                &self.clock,
-            );
-        }
-        let trailing = h.reads.trailing_loss(&mut h.reader, 0);
-        h.reads.end(0);
-        let mut r = r.map(|_| ());
+        let (mut r, trailing) = h.reads.walk_with(&mut h.reader, 0, |reader| {
+            drain_ring(reader, 0, h.cpu, &mut h.run, &mut self.output, &self.clock)
+        });
         let lost = std::mem::take(&mut h.run.pending_lost).saturating_add(trailing);
         match &mut self.output {
             Output::Text { merger, .. } => {
