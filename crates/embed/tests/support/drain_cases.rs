@@ -73,11 +73,13 @@ impl PageSink for Tally {
         let (ts, commit) = page::page_header(bytes).expect("a whole page");
         let len = (commit & COMMIT_LEN_MASK) as usize;
         let data = &bytes[PAGE_HEADER_SIZE..PAGE_HEADER_SIZE + len];
-        let n = page::Events::new(data, ts)
-            .map(|e| e.expect("a valid page"))
-            .count();
+        let mut n = 0u64;
+        for e in page::Events::new(data, ts) {
+            e.expect("a valid page");
+            n += 1;
+        }
         let mut t = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        t.events[cpu as usize] += n as u64;
+        t.events[cpu as usize] += n;
         t.missed[cpu as usize] += missed.unwrap_or(0);
         Ok(())
     }
