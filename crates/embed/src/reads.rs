@@ -43,8 +43,9 @@ struct CpuRead<E> {
 /// type `E` (the reader's own [`DrainError`], or what a caller records).
 ///
 /// A CPU starts [`Phase::Live`]; a live read that fails makes it [`CpuReads::failed`]
-/// (no more live rounds, the error kept); once its vCPU stopped, [`CpuReads::walk`] (or,
-/// for a caller with outputs of its own, [`CpuReads::begin_walk`], its rounds,
+/// (no more live rounds, the error kept); once its vCPU stopped, [`CpuReads::walk`] (into
+/// a page sink; [`CpuReads::walk_with`]: rounds of the caller's; or, for a walk that goes
+/// on over several calls, [`CpuReads::begin_walk`], the rounds,
 /// [`CpuReads::trailing_loss`] and [`CpuReads::end`]) reads the rest read-only, a failed
 /// CPU included. Its account ([`CpuReads::account`]) counts the one event a writer
 /// stopped between its commit and its `entries` left behind only once it ended.
