@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use hyptrace_abi::SharedMem;
 use hyptrace_embed::Phase;
-use hyptrace_output::{Clock, Merged};
+use hyptrace_output::{Clock, Merged, OutputError};
 use hyptrace_reader::{Callbacks, CpuStats, Item, ReadError, RingBuffer};
 
 use super::print::merge_event;
@@ -127,20 +127,8 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
         }
         self.mark_ended(cpu);
         let ns = self.cpus[cpu as usize].last_ns;
-        match &mut self.output {
-            Output::Text { merger, .. } => {
-                if lost > 0 {
-                    merger.push(cpu as usize, ns, Merged::Lost(lost));
-                }
-                merger.finish(cpu as usize);
-            }
-            Output::Pages(sink) => {
-                if lost > 0 {
-                    if let Err(e) = sink.trailing_lost(cpu, lost) {
-                        r = r.and(Err(SessionError::Sink(e)));
-                    }
-                }
-            }
+        if let Err(e) = end_in_output(&mut self.output, cpu, ns, lost) {
+            r = r.and(Err(SessionError::Sink(e)));
         }
         if let Err(e) = &r {
             self.fail_cpu(cpu, e);
@@ -302,6 +290,28 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
             &mut self.output,
             &self.clock,
         )
+    }
+}
+
+/// The end of CPU `cpu` in `output`, whatever ended it: the `lost` events after its last
+/// one read (at its time `last_ns`) and, in text, the CPU finished in the merger, so that
+/// it never holds the other CPUs' output back.
+pub(super) fn end_in_output(
+    output: &mut Output,
+    cpu: u32,
+    last_ns: u64,
+    lost: u64,
+) -> Result<(), OutputError> {
+    match output {
+        Output::Text { merger, .. } => {
+            if lost > 0 {
+                merger.push(cpu as usize, last_ns, Merged::Lost(lost));
+            }
+            merger.finish(cpu as usize);
+            Ok(())
+        }
+        Output::Pages(sink) if lost > 0 => sink.trailing_lost(cpu, lost),
+        Output::Pages(_) => Ok(()),
     }
 }
 

@@ -5,12 +5,12 @@ use std::sync::Arc;
 
 use hyptrace_abi::SharedMem;
 use hyptrace_embed::CpuReads;
-use hyptrace_output::{Clock, EventFormat, EventPrinter, Merged};
+use hyptrace_output::{Clock, EventFormat, EventPrinter};
 use hyptrace_reader::{Callbacks, CpuStats};
 
 use crate::drain::host_trace::{Fed, FinalRead, HostTally, HostTraceFeed, FINAL_READ_POLL};
 
-use super::drain::drain_ring;
+use super::drain::{drain_ring, end_in_output};
 use super::print::text_page;
 use super::{CpuRun, Output, Session, SessionError};
 
@@ -167,20 +167,8 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
             drain_ring(reader, 0, h.cpu, &mut h.run, &mut self.output, &self.clock)
         });
         let lost = std::mem::take(&mut h.run.pending_lost).saturating_add(trailing);
-        match &mut self.output {
-            Output::Text { merger, .. } => {
-                if lost > 0 {
-                    merger.push(h.cpu as usize, h.run.last_ns, Merged::Lost(lost));
-                }
-                merger.finish(h.cpu as usize);
-            }
-            Output::Pages(sink) => {
-                if lost > 0 {
-                    if let Err(e) = sink.trailing_lost(h.cpu, lost) {
-                        r = r.and(Err(SessionError::Sink(e)));
-                    }
-                }
-            }
+        if let Err(e) = end_in_output(&mut self.output, h.cpu, h.run.last_ns, lost) {
+            r = r.and(Err(SessionError::Sink(e)));
         }
         r
     }
