@@ -29,6 +29,10 @@
 //! 7. Once every vCPU stopped: [`Tracer::finish`] — the final walks, losses, the sink's
 //!    end — returns one [`CpuAccount`] per CPU, with `written = read + lost`.
 //!
+//! A VMM with outputs of its own (text lines, subscribers) builds on [`CpuReads`]
+//! instead, the per-CPU read state and final walk `Tracer` is made of: the `hyptrace`
+//! binary's session does, so both read, walk and account the same way.
+//!
 //! ## The documentation of each item
 //!
 //! In the manner of kvm-ioctls: every public function and method has an `# Examples`
@@ -43,16 +47,20 @@ mod doorbell;
 mod drain;
 mod events;
 mod mem;
+mod reads;
 mod select;
+mod tracer;
 
 pub use doorbell::{Access, Doorbell, MmioDoorbell, PortDoorbell, Ring};
 pub use drain::{
-    attempts_consistent, drain_pages, kernel_cpu_stat, written, CpuAccount, DrainError, Tracer,
-    ROUND_MAX_BYTES, ROUND_MAX_TIME,
+    attempts_consistent, drain_pages, kernel_cpu_stat, written, DrainError, ROUND_MAX_BYTES,
+    ROUND_MAX_TIME,
 };
 pub use events::{
     to_format, Events, Exit, LateRegistration, RegisterError, Registered, Settled, ANSWER_HOLD_MAX,
     MAX_EARLY_EXITS,
 };
 pub use mem::{GuestRegionMem, RegionError};
+pub use reads::{run_summary, CpuAccount, CpuReads, Phase};
 pub use select::{matches, EventInfo, EventsError, Selection};
+pub use tracer::Tracer;

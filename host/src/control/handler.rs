@@ -115,9 +115,10 @@ impl RunControl<'_> {
         let nr = self.session.reader().nr_cpus();
         let cpus = (0..nr)
             .map(|cpu| {
-                let s = self.session.stats(cpu);
-                // R3: the guest's published attempts, read now (a problem seen is kept).
-                let a = self.session.attempts(cpu);
+                // The engine's account as it stands; R3: the guest's published
+                // attempts, read now (a problem seen is kept).
+                let acc = self.session.account(cpu);
+                let (s, a) = (acc.stats, acc.attempts);
                 CpuLive {
                     cpu,
                     running: !self.running.vcpu_finished(cpu),
@@ -126,7 +127,7 @@ impl RunControl<'_> {
                     attempts_problem: a.problem.map(|p| p.to_string()),
                     // Live from the control block (with --drain none nothing else
                     // refreshes it): events taken in, committed or dropped.
-                    written: s.written.max(self.session.writer_index(cpu)),
+                    written: s.written.max(acc.written),
                     read: s.read,
                     lost: s.lost,
                     overrun: s.overrun,
@@ -134,7 +135,7 @@ impl RunControl<'_> {
                     bytes: s.bytes,
                     pages_touched: s.pages_touched,
                     swaps: s.swaps,
-                    error: self.session.error(cpu).map(str::to_string),
+                    error: acc.error,
                 }
             })
             .collect();

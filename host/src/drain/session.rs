@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hyptrace_abi::SharedMem;
+use hyptrace_embed::{CpuAccount, CpuReads};
 use hyptrace_output::{
     guest_printers, Clock, EventFormat, EventPrinter, MergeWindow, Merger, PageSink,
 };
@@ -108,23 +109,16 @@ impl Output {
     }
 }
 
-/// Per-CPU state of a session.
+/// Per-CPU state of a session's policy (pacing, text merging, losses waiting for the
+/// output); where its reading stands is the engine's ([`CpuReads`]).
 #[derive(Debug, Default, Clone)]
 struct CpuRun {
-    /// The final walk has run (or was attempted): nothing more is read.
-    ended: bool,
-    /// The final walk has started (the reader is in its read-only walk); with a
-    /// subscriber it goes on over several rounds, as the subscriber takes the pieces.
-    walking: bool,
-    /// A live read failed: no more polls; the final walk runs once its vCPU stopped.
-    failed: bool,
     /// The last drain round stopped at its bound: more may be committed.
     more: bool,
     /// The time (ns, as the text merger holds it) of the last event read: where a loss
     /// found after it is merged.
     last_ns: u64,
     pending_lost: u64,
-    error: Option<String>,
     /// The writer's byte counter (control block) at the last [`Session::next_wait`],
     /// when, and the rate (bytes/s) it moved at: what the adaptive wait learns from.
     fill: Option<(Instant, u64)>,
@@ -148,6 +142,9 @@ struct CpuRun {
 pub struct Session<M = Arc<GuestTraceMem>, C = Box<dyn Callbacks + Send>> {
     reader: RingBuffer<M, C>,
     output: Output,
+    /// The engine's per-CPU read state (live, failed with its first error, walking,
+    /// ended): the one state machine `hyptrace_embed::Tracer` runs too.
+    reads: CpuReads<String>,
     cpus: Vec<CpuRun>,
     clock: Clock,
     printers: BTreeMap<u16, EventPrinter>,
@@ -219,6 +216,7 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
             .collect();
         let printed = (0..n).map(|c| reader_start(&reader, c)).collect();
         Self {
+            reads: CpuReads::new(n),
             reader,
             output,
             // Start as if every writer wrote fast: the first waits are short and double
@@ -310,14 +308,11 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
     /// Marks `cpu` ended: nothing more is read or output of it; `false` if there is no
     /// such CPU or it ended already.
     fn mark_ended(&mut self, cpu: u32) -> bool {
-        match self.cpus.get_mut(cpu as usize) {
-            Some(st) if !st.ended => {
-                st.ended = true;
-                st.more = false;
-                true
-            }
-            _ => false,
+        let ended = self.reads.end(cpu);
+        if ended {
+            self.cpus[cpu as usize].more = false;
         }
+        ended
     }
 
     /// Text lines printed so far (events, drop markers and merge-window markers).
@@ -327,29 +322,17 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
 
     /// Whether `cpu` still has to be read (its final walk has not run yet).
     pub fn is_live(&self, cpu: u32) -> bool {
-        self.cpus.get(cpu as usize).is_some_and(|c| !c.ended)
+        self.reads.is_live(cpu)
     }
 
     /// The first error seen on `cpu`, if any.
     pub fn error(&self, cpu: u32) -> Option<&str> {
-        self.cpus.get(cpu as usize).and_then(|c| c.error.as_deref())
+        self.reads.error(cpu).map(String::as_str)
     }
 
     /// Per-CPU statistics (reader's view, with the writer's counters once it stopped).
     pub fn stats(&self, cpu: u32) -> CpuStats {
         self.reader.stats(cpu)
-    }
-
-    /// What the writer of `cpu` has published of its attempts, read now (R3; a CPU out
-    /// of range reads as none).
-    pub fn attempts(&mut self, cpu: u32) -> hyptrace_reader::Attempts {
-        self.reader.attempts(cpu).unwrap_or_default()
-    }
-
-    /// Whether the writer of `cpu` said it finished (rather than being stopped or
-    /// crashing in the middle of a write).
-    pub fn writer_finished(&self, cpu: u32) -> bool {
-        self.reader.writer_finished(cpu)
     }
 
     /// Events the writer of `cpu` took in (committed or dropped), from its control block.
@@ -359,7 +342,12 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
     /// block one event behind its pages. Once such a CPU has been read to the end, the
     /// one committed event the reader found beyond `entries + dropped` counts as written.
     pub fn writer_index(&self, cpu: u32) -> u64 {
-        hyptrace_embed::written(&self.reader, cpu, self.is_live(cpu))
+        self.reads.written(&self.reader, cpu)
+    }
+
+    /// The account of `cpu` as it stands (R1, R3: the engine's, as `Tracer` gives it).
+    pub fn account(&mut self, cpu: u32) -> CpuAccount<String> {
+        self.reads.account(&mut self.reader, cpu)
     }
 
     /// Finishes the output: flushes text, or closes the sink with the summary.

@@ -145,6 +145,21 @@ pub struct CpuReport {
 }
 
 impl CpuReport {
+    /// The report of a CPU the engine accounted (`a`, with its error as a line);
+    /// `page_events`: most events one page of its ring holds.
+    pub fn from_account(a: hyptrace_embed::CpuAccount<String>, page_events: u64) -> Self {
+        Self {
+            finished: a.finished,
+            attempted: Some(a.attempts.attempted),
+            skipped: Some(a.attempts.skipped),
+            attempts_problem: a.attempts.problem,
+            written: a.written,
+            stats: a.stats,
+            error: a.error,
+            page_events,
+        }
+    }
+
     /// The one exemption from `lost == overrun + dropped` (R1): a writer that did not
     /// finish — its vCPU stopped or crashed while it overwrote a page — counted that
     /// page's events as overrun before it wrote over them, and the reader read them.

@@ -4,7 +4,8 @@
 use std::time::{Duration, Instant};
 
 use hyptrace_abi::SharedMem;
-use hyptrace_output::{Clock, Merged};
+use hyptrace_embed::Phase;
+use hyptrace_output::{Clock, Merged, OutputError};
 use hyptrace_reader::{Callbacks, CpuStats, Item, ReadError, RingBuffer};
 
 use super::print::merge_event;
@@ -17,10 +18,9 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
     /// One poll of a live CPU: one bounded drain round (swapping pages away from the
     /// writer), then a poke (update_footers) if the last one is [`POKE_EVERY`] old.
     pub fn poll(&mut self, cpu: u32) -> Result<(), SessionError> {
-        match self.cpus.get(cpu as usize) {
-            // A CPU in its final walk is read by the walk only (its writer stopped).
-            Some(st) if !st.ended && !st.failed && !st.walking => {}
-            _ => return Ok(()),
+        // A CPU in its final walk is read by the walk only (its writer stopped).
+        if !self.reads.polls(cpu) {
+            return Ok(());
         }
         let before = log::log_enabled!(log::Level::Debug).then(|| self.reader.stats(cpu));
         // Drain first (swaps), then poke: with the mailbox, one request is in flight
@@ -118,7 +118,7 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
             Ok(true) => Ok(()),
             Err(e) => Err(e),
         };
-        let trailing = self.reader.take_trailing_loss(cpu);
+        let trailing = self.reads.trailing_loss(&mut self.reader, cpu);
         let st = &mut self.cpus[cpu as usize];
         let lost = std::mem::take(&mut st.pending_lost).saturating_add(trailing);
         if self.subscriber.is_some() && r.is_ok() {
@@ -127,20 +127,8 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
         }
         self.mark_ended(cpu);
         let ns = self.cpus[cpu as usize].last_ns;
-        match &mut self.output {
-            Output::Text { merger, .. } => {
-                if lost > 0 {
-                    merger.push(cpu as usize, ns, Merged::Lost(lost));
-                }
-                merger.finish(cpu as usize);
-            }
-            Output::Pages(sink) => {
-                if lost > 0 {
-                    if let Err(e) = sink.trailing_lost(cpu, lost) {
-                        r = r.and(Err(SessionError::Sink(e)));
-                    }
-                }
-            }
+        if let Err(e) = end_in_output(&mut self.output, cpu, ns, lost) {
+            r = r.and(Err(SessionError::Sink(e)));
         }
         if let Err(e) = &r {
             self.fail_cpu(cpu, e);
@@ -152,11 +140,10 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
     /// in bounded rounds with the output flushed between them. Returns whether it is
     /// complete: not while a subscriber has the outbox full (it takes pieces first).
     fn final_walk(&mut self, cpu: u32, abort: &dyn Fn() -> bool) -> Result<bool, SessionError> {
-        if !std::mem::replace(&mut self.cpus[cpu as usize].walking, true) {
+        if self.reads.phase(cpu) == Phase::Live {
             log::debug!("cpu {cpu}: final read-only walk");
-            self.reader.sync_writer_counters(cpu)?;
-            self.reader.finalize(cpu)?;
         }
+        self.reads.begin_walk(&mut self.reader, cpu)?;
         // Bounded: the walk covers the pages left in the ring, each round consumes at
         // least one item of them or ends the walk.
         while !abort() && self.drain(cpu)? {
@@ -190,9 +177,7 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
 
     /// Records the first error seen on `cpu` (reported by [`Session::error`]).
     pub fn fail_cpu(&mut self, cpu: u32, e: &SessionError) {
-        if let Some(st) = self.cpus.get_mut(cpu as usize) {
-            st.error.get_or_insert_with(|| crate::exit::chain(e));
-        }
+        self.reads.record(cpu, || crate::exit::chain(e));
     }
 
     /// One round over the CPUs not yet ended: a CPU whose vCPU has stopped
@@ -205,14 +190,13 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
     pub fn service(&mut self, vcpu_stopped: impl Fn(u32) -> bool) -> Vec<(u32, SessionError)> {
         let mut failed = std::mem::take(&mut self.deferred);
         for cpu in 0..self.reader.nr_cpus() {
-            let st = &self.cpus[cpu as usize];
-            if st.ended {
+            if !self.reads.is_live(cpu) {
                 continue;
             }
-            let had_error = st.error.is_some();
+            let had_error = self.reads.error(cpu).is_some();
             let r = if vcpu_stopped(cpu) {
                 self.end_cpu(cpu)
-            } else if st.failed || !self.reads_live() {
+            } else if self.reads.failed(cpu) || !self.reads_live() {
                 continue;
             } else {
                 match self.poll(cpu) {
@@ -246,8 +230,7 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
 
     /// A live read of `cpu` failed: it is not polled again, and the error is recorded.
     fn poll_failed(&mut self, cpu: u32, e: &SessionError) {
-        self.cpus[cpu as usize].failed = true;
-        self.fail_cpu(cpu, e);
+        self.reads.fail(cpu, crate::exit::chain(e));
     }
 
     /// The standby drainer's turn ([`crate::drain::standby`]), taken while the drain loop is
@@ -267,8 +250,7 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
         for cpu in 0..self.reader.nr_cpus() {
             // Bounded: each poll is a bounded round, and the loop ends at the budget.
             loop {
-                let st = &self.cpus[cpu as usize];
-                if st.ended || st.failed {
+                if !self.reads.polls(cpu) {
                     break;
                 }
                 rounds += 1;
@@ -308,6 +290,28 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
             &mut self.output,
             &self.clock,
         )
+    }
+}
+
+/// The end of CPU `cpu` in `output`, whatever ended it: the `lost` events after its last
+/// one read (at its time `last_ns`) and, in text, the CPU finished in the merger, so that
+/// it never holds the other CPUs' output back.
+pub(super) fn end_in_output(
+    output: &mut Output,
+    cpu: u32,
+    last_ns: u64,
+    lost: u64,
+) -> Result<(), OutputError> {
+    match output {
+        Output::Text { merger, .. } => {
+            if lost > 0 {
+                merger.push(cpu as usize, last_ns, Merged::Lost(lost));
+            }
+            merger.finish(cpu as usize);
+            Ok(())
+        }
+        Output::Pages(sink) if lost > 0 => sink.trailing_lost(cpu, lost),
+        Output::Pages(_) => Ok(()),
     }
 }
 

@@ -4,12 +4,13 @@
 use std::sync::Arc;
 
 use hyptrace_abi::SharedMem;
-use hyptrace_output::{Clock, EventFormat, EventPrinter, Merged};
+use hyptrace_embed::CpuReads;
+use hyptrace_output::{Clock, EventFormat, EventPrinter};
 use hyptrace_reader::{Callbacks, CpuStats};
 
 use crate::drain::host_trace::{Fed, FinalRead, HostTally, HostTraceFeed, FINAL_READ_POLL};
 
-use super::drain::drain_ring;
+use super::drain::{drain_ring, end_in_output};
 use super::print::text_page;
 use super::{CpuRun, Output, Session, SessionError};
 
@@ -17,6 +18,8 @@ use super::{CpuRun, Output, Session, SessionError};
 pub(super) struct HostCpu {
     pub(super) reader: crate::vmm::host_events::HostReader,
     pub(super) events: Arc<crate::vmm::host_events::HostEvents>,
+    /// Where its reading stands (the engine's state machine, one CPU).
+    pub(super) reads: CpuReads<String>,
     pub(super) run: CpuRun,
     /// Its CPU number in the output (the guest's CPU count).
     pub(super) cpu: u32,
@@ -110,6 +113,7 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
         self.host = Some(HostCpu {
             reader,
             events,
+            reads: CpuReads::new(1),
             run: CpuRun::default(),
             cpu,
         });
@@ -120,7 +124,7 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
     /// VMM event older than the watermark taken before the round is still to come.
     pub(super) fn service_host(&mut self) -> Option<SessionError> {
         let h = self.host.as_mut()?;
-        if h.run.ended || h.run.failed {
+        if !h.reads.polls(0) {
             return None;
         }
         let mark = h.events.watermark();
@@ -144,8 +148,7 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
                 None
             }
             Err(e) => {
-                h.run.failed = true;
-                h.run.error.get_or_insert_with(|| crate::exit::chain(&e));
+                h.reads.fail(0, crate::exit::chain(&e));
                 Some(e)
             }
         }
@@ -156,48 +159,16 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
         let Some(h) = self.host.as_mut() else {
             return Ok(());
         };
-        if h.run.ended {
+        if !h.reads.is_live(0) {
             return Ok(());
         }
-        h.run.ended = true;
         h.events.finish();
-        let mut r = h
-            .reader
-            .sync_writer_counters(0)
-            .and_then(|_| h.reader.finalize(0))
-            .map_err(SessionError::from)
-            .map(|_| ());
-        // Bounded: each round consumes what is left of a finished ring or ends.
-        while r.is_ok() {
-            match drain_ring(
-                &mut h.reader,
-                0,
-                h.cpu,
-                &mut h.run,
-                &mut self.output,
-                &self.clock,
-            ) {
-                Ok(true) => {}
-                Ok(false) => break,
-                Err(e) => r = Err(e),
-            }
-        }
-        let lost =
-            std::mem::take(&mut h.run.pending_lost).saturating_add(h.reader.take_trailing_loss(0));
-        match &mut self.output {
-            Output::Text { merger, .. } => {
-                if lost > 0 {
-                    merger.push(h.cpu as usize, h.run.last_ns, Merged::Lost(lost));
-                }
-                merger.finish(h.cpu as usize);
-            }
-            Output::Pages(sink) => {
-                if lost > 0 {
-                    if let Err(e) = sink.trailing_lost(h.cpu, lost) {
-                        r = r.and(Err(SessionError::Sink(e)));
-                    }
-                }
-            }
+        let (mut r, trailing) = h.reads.walk_with(&mut h.reader, 0, |reader| {
+            drain_ring(reader, 0, h.cpu, &mut h.run, &mut self.output, &self.clock)
+        });
+        let lost = std::mem::take(&mut h.run.pending_lost).saturating_add(trailing);
+        if let Err(e) = end_in_output(&mut self.output, h.cpu, h.run.last_ns, lost) {
+            r = r.and(Err(SessionError::Sink(e)));
         }
         r
     }

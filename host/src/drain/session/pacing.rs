@@ -12,7 +12,9 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
     /// Whether the last round over a CPU stopped at its bound with more to read: the
     /// caller should come back without waiting.
     pub fn backlog(&self) -> bool {
-        self.cpus.iter().any(|c| !c.ended && !c.failed && c.more)
+        (0u32..)
+            .zip(&self.cpus)
+            .any(|(cpu, c)| self.reads.is_live(cpu) && !self.reads.failed(cpu) && c.more)
     }
 
     /// How long the drain loop may wait before its next round, from how full each live
@@ -46,8 +48,7 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
         let mut wait = idle;
         let mut fill: Option<f64> = None;
         for cpu in 0..self.reader.nr_cpus() {
-            let st = &self.cpus[cpu as usize];
-            if st.ended || st.failed {
+            if !self.reads.is_live(cpu) || self.reads.failed(cpu) {
                 continue;
             }
             let st = &mut self.cpus[cpu as usize];

@@ -4,6 +4,9 @@
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, PoisonError};
 
+use hyptrace_abi::SharedMem;
+use hyptrace_reader::Callbacks;
+
 use crate::drain::session::{HostTraceStats, Session};
 use crate::drain::signals::Interrupts;
 use crate::pipeline::plan::Plan;
@@ -28,8 +31,8 @@ pub(super) type Finished = (
 
 /// Every vCPU has stopped: the final read-only walks, the per-CPU accounting, the
 /// output finished. A second signal meanwhile aborts.
-pub(super) fn finish_session(
-    mut session: Session,
+pub(super) fn finish_session<M: SharedMem, C: Callbacks>(
+    mut session: Session<M, C>,
     mut failures: Failures,
     interrupts: Option<&Interrupts>,
 ) -> Result<Finished, RunError> {
@@ -69,28 +72,21 @@ pub(super) fn finish_session(
     if session.abandon_if(&aborted) {
         return Err(RunError::Aborted);
     }
-    let cpus: Vec<CpuReport> = (0..nr)
-        .map(|cpu| {
-            // R3: published by the guest's writer as it went, whatever the end.
-            let a = session.attempts(cpu);
-            CpuReport {
-                finished: session.writer_finished(cpu),
-                attempted: Some(a.attempted),
-                skipped: Some(a.skipped),
-                attempts_problem: a.problem,
-                written: session.writer_index(cpu),
-                stats: session.stats(cpu),
-                error: session.error(cpu).map(str::to_string),
-                page_events: page_events(session.reader().layout()),
-            }
-        })
+    // The engine's accounts (R1; R3: the attempts published by the guest's writer as it
+    // went, whatever the end), as `hyptrace_embed::Tracer::finish` gives them.
+    let accounts: Vec<_> = (0..nr).map(|cpu| session.account(cpu)).collect();
+    let summary = hyptrace_embed::run_summary(&accounts);
+    let page_events = page_events(session.reader().layout());
+    let cpus: Vec<CpuReport> = accounts
+        .into_iter()
+        .map(|a| CpuReport::from_account(a, page_events))
         .collect();
     let host = session.host_stats().map(|s| HostEventsStats {
         lost: s.lost,
         read: s.read,
     });
     let text = session.writes_text();
-    if let Err(e) = session.finish(&sink_summary(&cpus)) {
+    if let Err(e) = session.finish(&summary) {
         // An abort during the sink's last writes stopped them (ThreadedSink::cancel_on):
         // nothing was written (the unfinished sink removed its files).
         if aborted() {
@@ -112,16 +108,6 @@ pub(super) fn finish_session(
 /// a header word and the shortest payload).
 pub(super) fn page_events(l: &hyptrace_abi::RingGeometry) -> u64 {
     (l.data_capacity() / 8) as u64
-}
-
-/// The per-CPU statistics a page sink writes at its end (trace.dat's stat options).
-pub(super) fn sink_summary(cpus: &[CpuReport]) -> hyptrace_output::RunSummary {
-    hyptrace_output::RunSummary {
-        cpus: cpus
-            .iter()
-            .map(|r| hyptrace_embed::kernel_cpu_stat(r.written, &r.stats))
-            .collect(),
-    }
 }
 
 impl Live<'_> {
@@ -208,5 +194,67 @@ impl Live<'_> {
             host_trace,
             verbose: log::log_enabled!(log::Level::Info),
         })
+    }
+}
+
+/// The drain cases the embed library's `Tracer` runs too (one table for both).
+#[cfg(test)]
+#[path = "../../../../crates/embed/tests/support/drain_cases.rs"]
+mod drain_cases;
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use hyptrace_abi::layout::RingGeometry;
+    use hyptrace_abi::HeapMem;
+    use hyptrace_output::Clock;
+    use hyptrace_reader::{Direct, RingBuffer};
+
+    use super::drain_cases::{run_cases, Account, DrainPath, Tally};
+    use super::finish_session;
+    use crate::drain::session::{Output, Session};
+    use crate::pipeline::report::Failures;
+
+    /// The CLI's path: the run loop's rounds (`Session::service`, the vCPUs running) and
+    /// the run's end (`finish_session`: the final walks, the accounts, the reports).
+    struct Cli(Session<Arc<HeapMem>, Direct<Arc<HeapMem>>>);
+
+    impl DrainPath for Cli {
+        fn new(mem: Arc<HeapMem>, geometry: RingGeometry, sink: Tally) -> Self {
+            let cb = Direct::new(mem.clone(), geometry);
+            let rb = RingBuffer::alloc(mem, geometry, cb, 1_000_000, 1).expect("alloc");
+            Self(Session::new(
+                rb,
+                Output::Pages(Box::new(sink)),
+                Clock::nanoseconds(),
+            ))
+        }
+        fn drain(&mut self) {
+            // Bounded: every round reads what is committed, the writers do not run now.
+            loop {
+                let _ = self.0.service(|_| false);
+                if !self.0.backlog() {
+                    break;
+                }
+            }
+        }
+        fn finish(self) -> Vec<Account> {
+            let (cpus, _, _, _) =
+                finish_session(self.0, Failures::default(), None).expect("finish");
+            cpus.into_iter()
+                .map(|r| Account {
+                    written: r.written,
+                    balanced: r.consistent(),
+                    error: r.error.is_some(),
+                    stats: r.stats,
+                })
+                .collect()
+        }
+    }
+
+    #[test]
+    fn cli_drain_runs_the_shared_cases() {
+        run_cases::<Cli>();
     }
 }
