@@ -570,7 +570,7 @@ pub enum PartProblem {
     },
     /// The part is damaged (the first damage it has).
     #[error("damaged: {0}")]
-    Damaged(crate::tracedat::Damage),
+    Damaged(crate::damage::Damage),
     /// Another clock, or one with offsets.
     #[error("clock {found:?}, not {want}")]
     Clock {

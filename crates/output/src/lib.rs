@@ -37,6 +37,7 @@
 //! ```
 
 mod clock;
+mod damage;
 mod error;
 mod export;
 mod idtable;
