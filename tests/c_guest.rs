@@ -6,24 +6,14 @@
 //! VM tests skip without /dev/kvm unless HYPTRACE_REQUIRE_KVM=1; the trace-cmd part
 //! skips without trace-cmd unless HYPTRACE_REQUIRE_TRACE_CMD=1.
 
-use std::path::{Path, PathBuf};
-
 use hyptrace::cguest::c_guest;
 use hyptrace::env::{self, kvm_available, trace_cmd_available, vm_lock, TempDir};
 
 const BIN: &str = env!("CARGO_BIN_EXE_hyptrace");
 const KRATE: &str = env!("CARGO_CRATE_NAME");
 
-fn target_dir() -> PathBuf {
-    Path::new(BIN)
-        .parent()
-        .and_then(Path::parent)
-        .expect("the hyptrace binary lives in <target>/<profile>/")
-        .to_path_buf()
-}
-
 fn elf() -> String {
-    c_guest(&target_dir())
+    c_guest(&env::target_dir(BIN))
         .unwrap_or_else(|e| panic!("{e}"))
         .to_str()
         .expect("utf-8 path")
@@ -213,7 +203,7 @@ fn c_guest_registering_late_has_its_formats_in_trace_dat() {
     ) {
         return;
     }
-    let elf = hyptrace::cguest::c_test_guest(&target_dir(), "late_register")
+    let elf = hyptrace::cguest::c_test_guest(&env::target_dir(BIN), "late_register")
         .unwrap_or_else(|e| panic!("{e}"));
     let elf = elf.to_str().expect("utf-8 path");
     let _vm = vm_lock();

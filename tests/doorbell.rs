@@ -9,8 +9,6 @@
 //!
 //! Skipped without /dev/kvm unless HYPTRACE_REQUIRE_KVM=1. Counts, never durations.
 
-use std::path::{Path, PathBuf};
-
 use hyptrace::adversary::example_rust_guest;
 use hyptrace::cguest::c_guest;
 use hyptrace::env::{self, kvm_available, vm_lock, TempDir};
@@ -19,14 +17,6 @@ const BIN: &str = env!("CARGO_BIN_EXE_hyptrace");
 const KRATE: &str = env!("CARGO_CRATE_NAME");
 const VCPUS: u64 = 2;
 const EVENTS: u64 = 2000;
-
-fn target_dir() -> PathBuf {
-    Path::new(BIN)
-        .parent()
-        .and_then(Path::parent)
-        .expect("the hyptrace binary lives in <target>/<profile>/")
-        .to_path_buf()
-}
 
 /// The doorbell exits `vmm:vcpu_exit` recorded: (MMIO exits, port writes to the
 /// register port 0x512, port writes to the exit port 0x510).
@@ -102,7 +92,7 @@ fn c_guest_rings_the_mmio_doorbell() {
     if !kvm_available(KRATE, "c_guest_rings_the_mmio_doorbell") {
         return;
     }
-    let elf = c_guest(&target_dir()).unwrap_or_else(|e| panic!("{e}"));
+    let elf = c_guest(&env::target_dir(BIN)).unwrap_or_else(|e| panic!("{e}"));
     let elf = elf.to_str().expect("utf-8 path");
     assert_eq!(record(Some(elf), "mmio"), (RINGS, 0, 0));
 }
@@ -114,7 +104,7 @@ fn port_ring_under_the_mmio_doorbell_is_a_guest_crash() {
     if !kvm_available(KRATE, "port_ring_under_the_mmio_doorbell_is_a_guest_crash") {
         return;
     }
-    let guest = example_rust_guest(&target_dir()).unwrap_or_else(|e| panic!("{e}"));
+    let guest = example_rust_guest(&env::target_dir(BIN)).unwrap_or_else(|e| panic!("{e}"));
     let g = guest.to_str().expect("utf-8 path");
     let _vm = vm_lock();
     let o = env::run(

@@ -9,7 +9,6 @@
 //! without trace-cmd (fail with HYPTRACE_REQUIRE_TRACE_CMD=1). Counts and contents —
 //! never durations.
 
-use std::path::{Path, PathBuf};
 use std::process::Output;
 
 use hyptrace::adversary::example_rust_guest;
@@ -20,14 +19,6 @@ use hyptrace::model::Model;
 
 const BIN: &str = env!("CARGO_BIN_EXE_hyptrace");
 const KRATE: &str = env!("CARGO_CRATE_NAME");
-
-fn target_dir() -> PathBuf {
-    Path::new(BIN)
-        .parent()
-        .and_then(Path::parent)
-        .expect("the hyptrace binary lives in <target>/<profile>/")
-        .to_path_buf()
-}
 
 /// One CPU of `--stats`: attempted, skipped, written, read, lost.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -224,7 +215,7 @@ fn example_rust_guest_events_end_to_end() {
     if !kvm_available(KRATE, "example_rust_guest_events_end_to_end") {
         return;
     }
-    let guest = example_rust_guest(&target_dir()).unwrap_or_else(|e| panic!("{e}"));
+    let guest = example_rust_guest(&env::target_dir(BIN)).unwrap_or_else(|e| panic!("{e}"));
     let g = guest.to_str().expect("utf-8 path");
     let _lock = vm_lock();
     let out = env::run(BIN, &["list", "--guest", g]);
@@ -357,7 +348,7 @@ fn malformed_registrations_are_rejected_one_by_one_in_a_vm() {
     ) {
         return;
     }
-    let guest = example_rust_guest(&target_dir()).unwrap_or_else(|e| panic!("{e}"));
+    let guest = example_rust_guest(&env::target_dir(BIN)).unwrap_or_else(|e| panic!("{e}"));
     let g = guest.to_str().expect("utf-8 path");
     let _lock = vm_lock();
     let (out, cpus) = run(&["--guest", g, "--vcpus", "1", "--events", "5", "--rate", "1"]);

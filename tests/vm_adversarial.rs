@@ -20,7 +20,7 @@
 //! Every run prints a `MEASURE` line (exit, wall time, peak RSS): `cargo test --release
 //! --test vm_adversarial -- --nocapture --test-threads 1`.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use hyptrace::adversary::{adversary_guest, run_watched, Limits, Watched, FORGED_MARKER};
@@ -119,16 +119,8 @@ impl Case {
     }
 }
 
-fn target_dir() -> PathBuf {
-    Path::new(BIN)
-        .parent()
-        .and_then(Path::parent)
-        .expect("the hyptrace binary lives in <target>/<profile>/")
-        .to_path_buf()
-}
-
 fn guest() -> PathBuf {
-    adversary_guest(&target_dir()).unwrap_or_else(|e| panic!("{e}"))
+    adversary_guest(&hyptrace::env::target_dir(BIN)).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// Runs a case under the watchdog (one VM at a time) and checks what every run must

@@ -6,6 +6,16 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+/// The target directory of the `hyptrace` binary `bin` (`env!("CARGO_BIN_EXE_hyptrace")`,
+/// in `<target>/<profile>/`): where the guests built for tests go.
+pub fn target_dir(bin: &str) -> PathBuf {
+    Path::new(bin)
+        .parent()
+        .and_then(Path::parent)
+        .expect("the hyptrace binary lives in <target>/<profile>/")
+        .to_path_buf()
+}
+
 /// Whether KVM-backed tests can run. Prints `SKIP: /dev/kvm not available` when not;
 /// with `HYPTRACE_REQUIRE_KVM=1` a missing /dev/kvm fails the test instead. When it
 /// can, logs `crate: test` to `$HYPTRACE_VM_TEST_LOG` (CI checks that VM tests ran).
