@@ -49,7 +49,8 @@ fn part(dir: &Path, name: &str, cpus: u32, pages: u64, start: u64) -> BufferPart
     for i in 0..pages {
         for c in 0..cpus {
             let ts = start + i * 1000 + u64::from(c) * 3;
-            s.page(c, &page(c, ts, i * 20, 20), None).expect("page");
+            s.page(c, &page(c, ts, i * 20, 20), hyptrace_output::Missed::None)
+                .expect("page");
         }
     }
     Box::new(s).finish(&RunSummary::default()).expect("finish");

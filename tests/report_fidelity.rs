@@ -22,7 +22,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use hyptrace::env;
-use hyptrace_output::TraceFile;
+use hyptrace_output::{Missed, TraceFile};
 
 const BIN: &str = env!("CARGO_BIN_EXE_hyptrace");
 
@@ -477,12 +477,20 @@ fn filtered_losses_show_in_trace_cmd() {
         PageSource::TraceDat,
         Default::default(),
     );
-    sink.page(0, &page(1000, &[(5, 8)]), Some(3)).unwrap();
-    sink.page(0, &page(2000, &[(1 << 30, 8), (5, 7)]), Some(5))
+    sink.page(0, &page(1000, &[(5, 8)]), Missed::Count(3))
+        .unwrap();
+    sink.page(0, &page(2000, &[(1 << 30, 8), (5, 7)]), Missed::Count(5))
+        .unwrap();
+    // A loss of unknown count on a page the filter empties: carried to the next kept
+    // page as the flag alone, which trace-cmd prints without a count.
+    sink.page(0, &page(3_000_000_000, &[(5, 8)]), Missed::Unknown)
+        .unwrap();
+    sink.page(0, &page(4_000_000_000, &[(5, 7)]), Missed::None)
         .unwrap();
     Box::new(sink).finish(&RunSummary::default()).unwrap();
     let text = trace_cmd_report(&out, &[]);
     let _ = std::fs::remove_file(&out);
     assert!(text.contains("[8 EVENTS DROPPED]"), "{text}");
-    assert_eq!(text.matches("val=1").count(), 1, "{text}");
+    assert_eq!(text.matches(" [EVENTS DROPPED]").count(), 1, "{text}");
+    assert_eq!(text.matches("val=1").count(), 2, "{text}");
 }

@@ -12,7 +12,7 @@ use hyptrace_host::cli::{Cli, Command};
 use hyptrace_host::pipeline::plan::Plan;
 use hyptrace_host::pipeline::report::Destination;
 use hyptrace_host::pipeline::run::{Run, Target};
-use hyptrace_output::{OutputError, PageSink, RunSummary};
+use hyptrace_output::{Missed, OutputError, PageSink, RunSummary};
 use hyptrace_reader::{Callbacks, ReadError, SwapReply, SwapStatus};
 
 const KRATE: &str = env!("CARGO_CRATE_NAME");
@@ -24,7 +24,7 @@ struct CountSink {
 }
 
 impl PageSink for CountSink {
-    fn page(&mut self, _cpu: u32, _page: &[u8], _missed: Option<u64>) -> Result<(), OutputError> {
+    fn page(&mut self, _cpu: u32, _page: &[u8], _missed: Missed) -> Result<(), OutputError> {
         self.pages.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }

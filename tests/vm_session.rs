@@ -24,7 +24,7 @@ use hyptrace_abi::{HeapMem, SharedMem};
 use hyptrace_host::drain::session::{
     Output, Session, SessionError, MERGE_MAX_BYTES, MERGE_MAX_EVENTS,
 };
-use hyptrace_output::{Clock, OutputError, PageSink, RunSummary};
+use hyptrace_output::{Clock, Missed, OutputError, PageSink, RunSummary};
 use hyptrace_reader::{Direct, ReadError, RingBuffer};
 use hyptrace_writer::{WriteOutcome, Writer};
 
@@ -42,7 +42,7 @@ struct CountingSink {
 }
 
 impl PageSink for CountingSink {
-    fn page(&mut self, cpu: u32, page: &[u8], _missed: Option<u64>) -> Result<(), OutputError> {
+    fn page(&mut self, cpu: u32, page: &[u8], _missed: Missed) -> Result<(), OutputError> {
         assert_eq!(page.len(), 4096);
         let mut p = self.pages.lock().unwrap_or_else(|p| p.into_inner());
         if p.len() <= cpu as usize {

@@ -704,7 +704,7 @@ impl hyptrace_output::PageSink for NullSink {
         &mut self,
         _cpu: u32,
         _page: &[u8],
-        _missed: Option<u64>,
+        _missed: hyptrace_output::Missed,
     ) -> Result<(), hyptrace_output::OutputError> {
         Ok(())
     }

@@ -407,7 +407,7 @@ fn span_dur(format: Option<&EventFormat>, payload: &[u8]) -> Option<u64> {
 }
 
 impl PageSink for ClickHouseSink {
-    fn page(&mut self, cpu: u32, page: &[u8], missed: Option<u64>) -> Result<(), OutputError> {
+    fn page(&mut self, cpu: u32, page: &[u8], missed: Missed) -> Result<(), OutputError> {
         self.meta.check_page(cpu, page)?;
         export_page_into(cpu, page, missed, &mut self.scratch)?;
         let scratch = std::mem::take(&mut self.scratch);

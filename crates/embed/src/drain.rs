@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use hyptrace_abi::SharedMem;
-use hyptrace_output::{KernelCpuStat, OutputError, PageSink};
+use hyptrace_output::{KernelCpuStat, Missed, OutputError, PageSink};
 use hyptrace_reader::{Attempts, Callbacks, CpuStats, ReadError, RingBuffer};
 
 /// Most page bytes one drain round hands to the sink from one CPU.
@@ -46,7 +46,7 @@ pub enum DrainError {
 /// let mut reader = RingBuffer::alloc(mem.clone(), l, Direct::new(mem, l), 1_000_000, 1)?;
 /// # struct Count(u32);
 /// # impl hyptrace_output::PageSink for Count {
-/// #     fn page(&mut self, _: u32, _: &[u8], _: Option<u64>) -> Result<(), hyptrace_output::OutputError> { self.0 += 1; Ok(()) }
+/// #     fn page(&mut self, _: u32, _: &[u8], _: hyptrace_output::Missed) -> Result<(), hyptrace_output::OutputError> { self.0 += 1; Ok(()) }
 /// #     fn finish(self: Box<Self>, _: &hyptrace_output::RunSummary) -> Result<(), hyptrace_output::OutputError> { Ok(()) }
 /// # }
 /// let mut sink = Count(0); // any PageSink: TraceDatSink, PerfettoSink, ...
@@ -74,8 +74,7 @@ pub fn drain_pages<M: SharedMem, C: Callbacks>(
             return Ok(false);
         };
         bytes = bytes.saturating_add(page.bytes.len().max(1));
-        let missed = (page.missed > 0).then_some(page.missed);
-        sink.page(cpu, page.bytes, missed)?;
+        sink.page(cpu, page.bytes, Missed::count(page.missed))?;
     }
     Ok(true)
 }

@@ -64,7 +64,7 @@ struct CpuRead<E> {
 /// assert!(reads.polls(0));
 /// # struct Count;
 /// # impl hyptrace_output::PageSink for Count {
-/// #     fn page(&mut self, _: u32, _: &[u8], _: Option<u64>) -> Result<(), hyptrace_output::OutputError> { Ok(()) }
+/// #     fn page(&mut self, _: u32, _: &[u8], _: hyptrace_output::Missed) -> Result<(), hyptrace_output::OutputError> { Ok(()) }
 /// #     fn finish(self: Box<Self>, _: &hyptrace_output::RunSummary) -> Result<(), hyptrace_output::OutputError> { Ok(()) }
 /// # }
 /// reads.walk(&mut reader, 0, &mut Count)?; // its vCPU stopped

@@ -35,8 +35,8 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 use hyptrace_abi::events;
 use hyptrace_abi::page::{self, COMMIT_OFFSET, PAGE_HEADER_SIZE};
 use hyptrace_output::{
-    Clock, ClockMap, Compression, JsonSink, Knot, PageSink, PerfettoSink, RawSink, RunSummary,
-    StreamSink, TextSink, TraceDatSink, TraceDatVersion, TraceMeta, SLOPE_SHIFT,
+    Clock, ClockMap, Compression, JsonSink, Knot, Missed, PageSink, PerfettoSink, RawSink,
+    RunSummary, StreamSink, TextSink, TraceDatSink, TraceDatVersion, TraceMeta, SLOPE_SHIFT,
 };
 use std::path::PathBuf;
 use std::time::Duration;
@@ -132,7 +132,7 @@ fn out_path(tag: &str) -> PathBuf {
 
 fn write_all(mut sink: Box<dyn PageSink>, pages: &[(u32, Vec<u8>)]) {
     for (cpu, p) in pages {
-        sink.page(*cpu, p, None).expect("page");
+        sink.page(*cpu, p, Missed::None).expect("page");
     }
     sink.finish(&RunSummary::default()).expect("finish");
 }
@@ -142,7 +142,7 @@ fn write_by_cpu(mut sink: Box<dyn PageSink>, pages: &[(u32, Vec<u8>)]) {
     for cpu in 0..CPUS {
         for (c, p) in pages {
             if *c == cpu {
-                sink.page(cpu, p, None).expect("page");
+                sink.page(cpu, p, Missed::None).expect("page");
             }
         }
         sink.end_cpu(cpu).expect("end");

@@ -33,8 +33,9 @@ use std::collections::{BinaryHeap, VecDeque};
 pub enum Merged<T> {
     /// An event.
     Event(T),
-    /// `n` events of this CPU were lost here.
-    Lost(u64),
+    /// Events of this CPU were lost here ([`crate::Missed::Count`], or
+    /// [`crate::Missed::Unknown`] where the page said so without a count).
+    Lost(crate::Missed),
 }
 
 /// How much a merger holds before it releases events ahead of a lagging CPU.

@@ -5,7 +5,7 @@ use crate::error::{MetaError, PageProblem};
 use std::collections::BTreeMap;
 
 use crate::clock::Clock;
-use crate::OutputError;
+use crate::{Missed, OutputError};
 use hyptrace_format::{guest_formats, EventFormat};
 
 /// Most CPUs a trace holds ([`TraceMeta::nr_cpus`]).
@@ -210,7 +210,7 @@ impl TraceMeta {
         &self,
         cpu: u32,
         page: &[u8],
-        missed: Option<u64>,
+        missed: Missed,
         retime: bool,
         out: &mut [u8],
     ) -> Result<(), OutputError> {
@@ -327,11 +327,12 @@ impl OutputWaits {
 ///
 /// `page` receives the raw page as it is in the ring (header + data + private footer,
 /// exactly `TraceMeta::page_size` bytes); the sink makes the exported copy itself
-/// ([`crate::export_page`]): tail zeroed, `missed` (`Some(n)`, `n > 0`: `n` events lost
-/// before this page) stored the Linux way. Pages of one CPU arrive in order.
+/// ([`crate::export_page`]): tail zeroed, `missed` (the loss before this page:
+/// [`Missed::Count`] `(n)`, `n > 0`, `n` events lost; [`Missed::Unknown`], some events
+/// lost, count unknown) stored the Linux way. Pages of one CPU arrive in order.
 pub trait PageSink {
     /// One page of CPU `cpu`.
-    fn page(&mut self, cpu: u32, page: &[u8], missed: Option<u64>) -> Result<(), OutputError>;
+    fn page(&mut self, cpu: u32, page: &[u8], missed: Missed) -> Result<(), OutputError>;
     /// `lost` (> 0) events of CPU `cpu` were lost after its last page (stop mode: the
     /// ring was full when the writer stopped). Called at most once per CPU, after its
     /// last `page`. Each sink shows the loss in its format.

@@ -11,7 +11,7 @@
 //! `Tap` itself are checked by `clippy::missing_trait_methods`: every method is
 //! written out.
 
-use crate::{OutputError, OutputWaits, PageSink, RunSummary};
+use crate::{Missed, OutputError, OutputWaits, PageSink, RunSummary};
 
 /// A sink that takes every page and writes nothing (the reader alone, or a session
 /// whose pages all go to subscribers).
@@ -19,7 +19,7 @@ use crate::{OutputError, OutputWaits, PageSink, RunSummary};
 pub struct Discard;
 
 impl PageSink for Discard {
-    fn page(&mut self, _cpu: u32, _page: &[u8], _missed: Option<u64>) -> Result<(), OutputError> {
+    fn page(&mut self, _cpu: u32, _page: &[u8], _missed: Missed) -> Result<(), OutputError> {
         Ok(())
     }
     fn finish(self: Box<Self>, _summary: &RunSummary) -> Result<(), OutputError> {
@@ -34,7 +34,7 @@ impl PageSink for Discard {
 /// use hyptrace_output::{Discard, PageSink, Tap};
 /// let mut pages = 0;
 /// let mut tap = Tap::new(Box::new(Discard), |_cpu: u32, _page: &[u8]| pages += 1);
-/// tap.page(0, &[0u8; 4096], None).unwrap();
+/// tap.page(0, &[0u8; 4096], Missed::None).unwrap();
 /// drop(tap);
 /// assert_eq!(pages, 1);
 /// ```
@@ -52,7 +52,7 @@ impl<'a, F: FnMut(u32, &[u8])> Tap<'a, F> {
 
 #[deny(clippy::missing_trait_methods)]
 impl<F: FnMut(u32, &[u8])> PageSink for Tap<'_, F> {
-    fn page(&mut self, cpu: u32, page: &[u8], missed: Option<u64>) -> Result<(), OutputError> {
+    fn page(&mut self, cpu: u32, page: &[u8], missed: Missed) -> Result<(), OutputError> {
         (self.watch)(cpu, page);
         self.inner.page(cpu, page, missed)
     }
@@ -98,7 +98,7 @@ mod tests {
 
     #[deny(clippy::missing_trait_methods)]
     impl PageSink for Log {
-        fn page(&mut self, _: u32, _: &[u8], _: Option<u64>) -> Result<(), OutputError> {
+        fn page(&mut self, _: u32, _: &[u8], _: Missed) -> Result<(), OutputError> {
             self.push("page");
             Ok(())
         }
@@ -144,7 +144,7 @@ mod tests {
             |cpu: u32, p: &[u8]| seen.push((cpu, p.len())),
         ));
         tap.set_live();
-        tap.page(1, &[0; 16], None).unwrap();
+        tap.page(1, &[0; 16], Missed::None).unwrap();
         tap.quiet(1, 5).unwrap();
         tap.idle().unwrap();
         tap.trailing_lost(1, 3).unwrap();

@@ -27,7 +27,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::{OutputError, OutputWaits, PageSink, RunSummary};
+use crate::{Missed, OutputError, OutputWaits, PageSink, RunSummary};
 
 /// Page bytes per chunk (a chunk holds at least one page, whatever its size).
 pub const CHUNK_BYTES: usize = 1 << 20;
@@ -42,7 +42,7 @@ struct PageRef {
     cpu: u32,
     start: usize,
     len: usize,
-    missed: Option<u64>,
+    missed: Missed,
 }
 
 /// Pages copied back to back, and where each one is.
@@ -262,7 +262,7 @@ impl PageSink for ThreadedSink {
         self.tx = None;
     }
 
-    fn page(&mut self, cpu: u32, page: &[u8], missed: Option<u64>) -> Result<(), OutputError> {
+    fn page(&mut self, cpu: u32, page: &[u8], missed: Missed) -> Result<(), OutputError> {
         self.check()?;
         if !self.cur.pages.is_empty() && self.cur.data.len() + page.len() > CHUNK_BYTES {
             self.send_cur()?;
@@ -361,7 +361,7 @@ mod tests {
     }
 
     impl PageSink for Rec {
-        fn page(&mut self, cpu: u32, page: &[u8], missed: Option<u64>) -> Result<(), OutputError> {
+        fn page(&mut self, cpu: u32, page: &[u8], missed: Missed) -> Result<(), OutputError> {
             let mut log = self.log.lock().unwrap();
             if Some(log.len()) == self.fail_at {
                 return Err(OutputError::Meta(crate::MetaError::Cpus(7)));
@@ -388,7 +388,11 @@ mod tests {
         let n = (MAX_CHUNKS + 8) * (CHUNK_BYTES / 4096);
         for i in 0..n {
             let page = vec![(i % 251) as u8; 4096];
-            let missed = (i % 7 == 3).then_some(i as u64);
+            let missed = match i % 7 {
+                3 => Missed::Count(i as u64),
+                5 => Missed::Unknown,
+                _ => Missed::None,
+            };
             s.page((i % 3) as u32, &page, missed).unwrap();
             want.push(format!("p{}:{}:4096:{missed:?}", i % 3, i % 251));
             if i % 1000 == 0 {
@@ -406,7 +410,7 @@ mod tests {
     fn idle_hands_over_an_old_partial_chunk() {
         let rec = Rec::default();
         let mut s = ThreadedSink::new(Box::new(rec.clone())).unwrap();
-        s.page(0, &[1; 4096], None).unwrap();
+        s.page(0, &[1; 4096], Missed::None).unwrap();
         s.idle().unwrap();
         std::thread::sleep(FLUSH_AFTER + Duration::from_millis(5));
         s.idle().unwrap();
@@ -427,7 +431,7 @@ mod tests {
         let mut s = Box::new(ThreadedSink::new(Box::new(rec.clone())).unwrap());
         let mut errors = Vec::new();
         for _ in 0..(3 * CHUNK_BYTES / 4096) {
-            if let Err(e) = s.page(0, &[0; 4096], None) {
+            if let Err(e) = s.page(0, &[0; 4096], Missed::None) {
                 errors.push(e);
             }
         }
@@ -454,7 +458,7 @@ mod tests {
     }
 
     impl PageSink for Gated {
-        fn page(&mut self, _: u32, _: &[u8], _: Option<u64>) -> Result<(), OutputError> {
+        fn page(&mut self, _: u32, _: &[u8], _: Missed) -> Result<(), OutputError> {
             if !self.held {
                 self.held = true;
                 let _ = self.gate.recv_timeout(Duration::from_secs(10));
@@ -476,7 +480,7 @@ mod tests {
         // stalls in the inner sink), the next one has to wait for a chunk back.
         let page = vec![7u8; CHUNK_BYTES];
         for _ in 0..MAX_CHUNKS {
-            s.page(0, &page, None).unwrap();
+            s.page(0, &page, Missed::None).unwrap();
         }
         assert_eq!(s.waits(), OutputWaits::default());
         // The stalled write ends 300 ms from now, long after this thread asks for a
@@ -485,7 +489,7 @@ mod tests {
             std::thread::sleep(Duration::from_millis(300));
             open.send(()).unwrap();
         });
-        s.page(0, &page, None).unwrap();
+        s.page(0, &page, Missed::None).unwrap();
         let w = s.waits();
         assert_eq!(w.count, 1, "{w:?}");
         assert!(w.longest > Duration::ZERO && w.total == w.longest, "{w:?}");

@@ -46,7 +46,7 @@ fn ours(name: &str, data: &[u8]) -> (ScratchDir, std::path::PathBuf, Vec<String>
         &path,
         TraceMeta::guest(4096, 1, Clock::nanoseconds()),
         TraceDatVersion::V6,
-        [(0u32, p.as_slice(), None)],
+        [(0u32, p.as_slice(), Missed::None)],
         &RunSummary::default(),
     )
     .unwrap();

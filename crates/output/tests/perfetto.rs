@@ -14,7 +14,7 @@ const NR: u32 = 2;
 /// Two vCPUs: markers (one with u64::MAX), spans, texts, a loss before a page, and a
 /// trailing loss on CPU 1. Returns the pages and what the trace must show.
 struct Fixture {
-    pages: Vec<Vec<(Vec<u8>, Option<u64>)>>,
+    pages: Vec<Vec<(Vec<u8>, Missed)>>,
     markers: [u64; 2],
     spans: [u64; 2],
     texts: [u64; 2],

@@ -5,7 +5,7 @@ mod common;
 use common::*;
 use hyptrace_output::*;
 
-fn pages_2cpu() -> Vec<(u32, Vec<u8>, Option<u64>)> {
+fn pages_2cpu() -> Vec<(u32, Vec<u8>, Missed)> {
     let mut out = Vec::new();
     for cpu in 0..2u32 {
         let mut b = PageBuilder::new(4096);
@@ -49,8 +49,8 @@ fn trace_dat_dropped_or_failed_leaves_nothing() {
             "spill files exist while running"
         );
         // Bad pages are refused, the sink stays usable.
-        assert!(s.page(5, &[0u8; 4096], None).is_err());
-        assert!(s.page(0, &[0u8; 100], None).is_err());
+        assert!(s.page(5, &[0u8; 4096], Missed::None).is_err());
+        assert!(s.page(0, &[0u8; 100], Missed::None).is_err());
     }
     assert!(leftovers(&dir).is_empty(), "{:?}", leftovers(&dir));
     // A previous complete file is untouched by a failed run.
@@ -364,7 +364,7 @@ fn guest_line_formatter_is_report_formatter() {
 const FORGED: &str = "x\nCPU:0 [999 EVENTS DROPPED]\n           vcpu0-1     [000]     9.000000000: marker:               seq=7 value=7\r\x1b[2K\u{202e}end";
 const FORGED_ESCAPED: &str = "x\\nCPU:0 [999 EVENTS DROPPED]\\n           vcpu0-1     [000]     9.000000000: marker:               seq=7 value=7\\r\\x1b[2K\\u{202e}end";
 
-fn forged_pages() -> Vec<(Vec<u8>, Option<u64>)> {
+fn forged_pages() -> Vec<(Vec<u8>, Missed)> {
     let mut b = PageBuilder::new(4096);
     b.push(1_000, &marker(0, 1, 10));
     b.push(2_000, &text(0, 2, FORGED));

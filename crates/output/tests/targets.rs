@@ -18,7 +18,7 @@ fn meta(nr: u32) -> TraceMeta {
 }
 
 /// 2 CPUs × a few pages of markers.
-fn pages(nr: u32, per_cpu: u64) -> Vec<(u32, Vec<u8>, Option<u64>)> {
+fn pages(nr: u32, per_cpu: u64) -> Vec<(u32, Vec<u8>, Missed)> {
     let mut out = Vec::new();
     for cpu in 0..nr {
         let mut b = PageBuilder::new(4096);
@@ -30,7 +30,7 @@ fn pages(nr: u32, per_cpu: u64) -> Vec<(u32, Vec<u8>, Option<u64>)> {
     out
 }
 
-fn feed(sink: &mut dyn PageSink, pages: &[(u32, Vec<u8>, Option<u64>)]) -> Result<(), OutputError> {
+fn feed(sink: &mut dyn PageSink, pages: &[(u32, Vec<u8>, Missed)]) -> Result<(), OutputError> {
     for (c, p, m) in pages {
         sink.page(*c, p, *m)?;
     }

@@ -13,13 +13,13 @@ struct Gen {
     /// (cpu, raw ts, payload) in generation order.
     events: Vec<(u32, u64, Vec<u8>)>,
     /// Per CPU pages (raw ring pages, missed).
-    pages: Vec<Vec<(Vec<u8>, Option<u64>)>>,
-    /// (cpu, index in that cpu's event list) → missed count before it.
-    drops: BTreeMap<(u32, usize), u64>,
+    pages: Vec<Vec<(Vec<u8>, Missed)>>,
+    /// (cpu, index in that cpu's event list) → the loss before it.
+    drops: BTreeMap<(u32, usize), Missed>,
 }
 
 /// A deterministic workload: 3 CPUs, small and huge deltas (TIME_EXTEND), long
-/// strings, quotes, losses.
+/// strings, quotes, losses (every third one of unknown count: `RB_MISSED_EVENTS` alone).
 fn generate(page_size: usize, nr_cpus: u32, per_cpu: usize) -> Gen {
     let mut events = Vec::new();
     let mut pages = Vec::new();
@@ -43,8 +43,11 @@ fn generate(page_size: usize, nr_cpus: u32, per_cpu: usize) -> Gen {
                 _ => (r >> 50) % 5000 + 1,
             };
             if i > 0 && r % 97 == 0 {
-                let n = (r >> 20) % 1000 + 1;
-                b.lose(n);
+                let n = match drops.len() % 3 {
+                    2 => Missed::Unknown,
+                    _ => Missed::Count((r >> 20) % 1000 + 1),
+                };
+                b.lose_as(n);
                 let idx = events
                     .iter()
                     .filter(|e: &&(u32, u64, Vec<u8>)| e.0 == cpu)
@@ -161,8 +164,11 @@ fn expected_lines(g: &Gen, clock: &Clock) -> Vec<String> {
     all.sort_by_key(|e| (e.0, e.1, e.2));
     let mut out = vec![format!("cpus={}", per_cpu.len())];
     for (ns, cpu, i, p) in all {
-        if let Some(n) = g.drops.get(&(cpu, i)) {
-            out.push(format!("CPU:{cpu} [{n} EVENTS DROPPED]"));
+        // trace-cmd's words: "[%lld EVENTS DROPPED]", "[EVENTS DROPPED]" without a count.
+        match g.drops.get(&(cpu, i)) {
+            Some(Missed::Count(n)) => out.push(format!("CPU:{cpu} [{n} EVENTS DROPPED]")),
+            Some(_) => out.push(format!("CPU:{cpu} [EVENTS DROPPED]")),
+            None => {}
         }
         let seq = u64::from_le_bytes(p[8..16].try_into().unwrap());
         let w = |o: usize| u64::from_le_bytes(p[o..o + 8].try_into().unwrap());
@@ -235,6 +241,10 @@ fn check_in(
         }
     }
     assert!(!g.drops.is_empty(), "workload has losses");
+    assert!(
+        g.drops.values().any(|m| *m == Missed::Unknown),
+        "workload has a loss of unknown count"
+    );
     let dir = scratch_dir(name);
     let path = dir.join("trace.dat");
     write_in(

@@ -17,7 +17,7 @@ fn total() -> u64 {
 }
 
 /// Per CPU pages: 40 markers, a mid-run loss after the 20th.
-fn pages() -> Vec<Vec<(Vec<u8>, Option<u64>)>> {
+fn pages() -> Vec<Vec<(Vec<u8>, Missed)>> {
     (0..NR)
         .map(|cpu| {
             let mut b = PageBuilder::new(4096);

@@ -11,7 +11,7 @@ use std::time::Instant;
 use hyptrace_abi::guest::Workload;
 use hyptrace_abi::layout as ring;
 use hyptrace_abi::HeapMem;
-use hyptrace_output::{Clock, PageSink, RawSink, RunSummary, StreamSink, TraceMeta};
+use hyptrace_output::{Clock, Missed, PageSink, RawSink, RunSummary, StreamSink, TraceMeta};
 use hyptrace_reader::{Direct, RingBuffer};
 use hyptrace_writer::{WriteOutcome, Writer};
 use serde::Serialize;
@@ -155,7 +155,7 @@ pub(super) fn pump<S: PageSink + ?Sized>(
         read.bytes += pg.bytes.len() as u64;
         read.events += pg.events;
         match sink.as_mut() {
-            Some(s) => s.page(0, pg.bytes, (pg.missed > 0).then_some(pg.missed))?,
+            Some(s) => s.page(0, pg.bytes, Missed::count(pg.missed))?,
             None => {
                 std::hint::black_box(pg.bytes);
             }

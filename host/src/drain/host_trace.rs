@@ -686,19 +686,16 @@ impl HostTally {
     }
 
     /// Counts a page of host CPU `cpu` holding `events` ([`Fed::Page`]); returns the
-    /// loss before it, for the sink that takes the page.
-    pub fn page(&mut self, cpu: u32, page: &[u8], events: u64) -> Option<u64> {
-        let missed = match page_missed(page) {
-            Missed::Count(n) => Some(n),
-            Missed::Unknown => {
-                self.lost_pages_unknown = self.lost_pages_unknown.saturating_add(1);
-                None
-            }
-            Missed::None => None,
-        };
+    /// loss before it, as the page says (an unknown count too), for the sink that takes
+    /// the page.
+    pub fn page(&mut self, cpu: u32, page: &[u8], events: u64) -> Missed {
+        let missed = page_missed(page);
+        if missed == Missed::Unknown {
+            self.lost_pages_unknown = self.lost_pages_unknown.saturating_add(1);
+        }
         if let Some((read, lost)) = self.cpus.get_mut(cpu as usize) {
             *read = read.saturating_add(events);
-            *lost = lost.saturating_add(missed.unwrap_or(0));
+            *lost = lost.saturating_add(missed.counted());
         }
         missed
     }
@@ -894,14 +891,21 @@ mod tests {
         use hyptrace_abi::page::{RB_MISSED_EVENTS, RB_MISSED_STORED};
         let (events, stored) = (RB_MISSED_EVENTS, RB_MISSED_STORED);
         let mut t = HostTally::new(2);
-        assert_eq!(t.page(0, &kernel_page(8, 8, 0), 3), None);
+        assert_eq!(t.page(0, &kernel_page(8, 8, 0), 3), Missed::None);
         assert_eq!(
             t.page(1, &kernel_page(events | stored | 8, 8, 5), 2),
-            Some(5)
+            Missed::Count(5)
         );
-        assert_eq!(t.page(1, &kernel_page(events | 8, 8, 7), 1), None);
+        // A loss without a count reaches the sink as one (not as no loss), counted apart.
+        assert_eq!(
+            t.page(1, &kernel_page(events | 8, 8, 7), 1),
+            Missed::Unknown
+        );
         // A CPU the tally does not have (never sent): counted nowhere, no panic.
-        assert_eq!(t.page(9, &kernel_page(events | stored, 0, 4), 1), Some(4));
+        assert_eq!(
+            t.page(9, &kernel_page(events | stored, 0, 4), 1),
+            Missed::Count(4)
+        );
         assert_eq!(t.cpus, [(3, 0), (3, 5)]);
         assert_eq!(t.lost(), 5);
         assert_eq!(t.lost_pages_unknown, 1);

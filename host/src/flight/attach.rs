@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use hyptrace_abi::page::{page_header, Events, PAGE_HEADER_SIZE};
 use hyptrace_output::{
-    Clock, ClockMap, OutputError, OutputTarget, PageSink, RunSummary, TraceMeta,
+    Clock, ClockMap, Missed, OutputError, OutputTarget, PageSink, RunSummary, TraceMeta,
 };
 
 use crate::control::protocol::{
@@ -312,7 +312,7 @@ impl Subscriber {
         self.page.clear();
         self.page.extend_from_slice(bytes);
         self.page.resize(self.page_size, 0);
-        sink.page(cpu, &self.page, (missed > 0).then_some(missed))
+        sink.page(cpu, &self.page, Missed::count(missed))
             .map_err(|why| self.out_err(why))?;
         let c = &mut self.cpus[cpu as usize];
         c.next = Some(first.saturating_add(events));

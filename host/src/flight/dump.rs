@@ -16,8 +16,8 @@ use std::path::{Path, PathBuf};
 use hyptrace_abi::layout::RingGeometry;
 use hyptrace_abi::SharedMem;
 use hyptrace_output::{
-    format_guest_line, guest_printers, Clock, EventFormat, EventPrinter, OutputError, OutputTarget,
-    PageSink, RunSummary, TraceMeta,
+    format_guest_line, guest_printers, Clock, EventFormat, EventPrinter, Missed, OutputError,
+    OutputTarget, PageSink, RunSummary, TraceMeta,
 };
 use hyptrace_reader::postmortem::{walk_cpu, CpuDump, Position};
 use hyptrace_reader::trace_file;
@@ -252,7 +252,7 @@ pub fn dump_region<M: SharedMem + ?Sized>(
             continue;
         }
         let r = walk_cpu(mem, l, cpu, positions(cpu), |p| match sink.as_mut() {
-            Some(s) => s.page(cpu, p.bytes, (p.missed > 0).then_some(p.missed)),
+            Some(s) => s.page(cpu, p.bytes, Missed::count(p.missed)),
             None => Ok(()),
         });
         match r {

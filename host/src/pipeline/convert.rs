@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 use hyptrace_output::tracedat::{FilterCounts, FilterSet, ReportOutcome};
 use hyptrace_output::{
-    tracedat::MAGIC as DAT_MAGIC, DatError, KernelCpuStat, OutputError, PageSink, RawError,
+    tracedat::MAGIC as DAT_MAGIC, DatError, KernelCpuStat, Missed, OutputError, PageSink, RawError,
     RawReader, ReportFilter, RunSummary, TextSink, TraceFile, TraceMeta,
 };
 
@@ -690,7 +690,7 @@ fn stat_text(s: &RunSummary) -> String {
 struct StatSink(std::sync::Arc<std::sync::Mutex<Option<RunSummary>>>);
 
 impl PageSink for StatSink {
-    fn page(&mut self, _cpu: u32, _page: &[u8], _missed: Option<u64>) -> Result<(), OutputError> {
+    fn page(&mut self, _cpu: u32, _page: &[u8], _missed: Missed) -> Result<(), OutputError> {
         Ok(())
     }
 

@@ -12,7 +12,7 @@ use hyptrace_abi::events::{marker, vcpu_pid};
 use hyptrace_abi::layout::{ctl, Mode, RingGeometry};
 use hyptrace_abi::page::{self, COMMIT_LEN_MASK, PAGE_HEADER_SIZE};
 use hyptrace_abi::{HeapMem, SharedMem};
-use hyptrace_output::{OutputError, PageSink, RunSummary};
+use hyptrace_output::{Missed, OutputError, PageSink, RunSummary};
 use hyptrace_reader::CpuStats;
 use hyptrace_writer::Writer;
 
@@ -69,7 +69,7 @@ impl Tally {
 }
 
 impl PageSink for Tally {
-    fn page(&mut self, cpu: u32, bytes: &[u8], missed: Option<u64>) -> Result<(), OutputError> {
+    fn page(&mut self, cpu: u32, bytes: &[u8], missed: Missed) -> Result<(), OutputError> {
         let (ts, commit) = page::page_header(bytes).expect("a whole page");
         let len = (commit & COMMIT_LEN_MASK) as usize;
         let data = &bytes[PAGE_HEADER_SIZE..PAGE_HEADER_SIZE + len];
@@ -80,7 +80,11 @@ impl PageSink for Tally {
         }
         let mut t = self.0.lock().unwrap_or_else(PoisonError::into_inner);
         t.events[cpu as usize] += n;
-        t.missed[cpu as usize] += missed.unwrap_or(0);
+        t.missed[cpu as usize] += match missed {
+            Missed::Count(n) => n,
+            Missed::None => 0,
+            Missed::Unknown => panic!("the reader counts every loss"),
+        };
         Ok(())
     }
     fn trailing_lost(&mut self, cpu: u32, lost: u64) -> Result<(), OutputError> {

@@ -230,7 +230,7 @@ impl JsonSink {
 }
 
 impl PageSink for JsonSink {
-    fn page(&mut self, cpu: u32, page: &[u8], missed: Option<u64>) -> Result<(), OutputError> {
+    fn page(&mut self, cpu: u32, page: &[u8], missed: Missed) -> Result<(), OutputError> {
         self.meta.check_page(cpu, page)?;
         export_page_into(cpu, page, missed, &mut self.scratch)?;
         let scratch = std::mem::take(&mut self.scratch);

@@ -591,7 +591,7 @@ fn annotations(
 }
 
 impl PageSink for PerfettoSink {
-    fn page(&mut self, cpu: u32, page: &[u8], missed: Option<u64>) -> Result<(), OutputError> {
+    fn page(&mut self, cpu: u32, page: &[u8], missed: Missed) -> Result<(), OutputError> {
         self.meta.check_page(cpu, page)?;
         export_page_into(cpu, page, missed, &mut self.scratch)?;
         let scratch = std::mem::take(&mut self.scratch);

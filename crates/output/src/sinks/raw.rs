@@ -81,7 +81,7 @@ impl RawSink {
         &mut self,
         cpu: u32,
         page: &[u8],
-        missed: Option<u64>,
+        missed: Missed,
         retime: bool,
     ) -> Result<(), OutputError> {
         self.meta
@@ -97,7 +97,7 @@ impl RawSink {
 }
 
 impl PageSink for RawSink {
-    fn page(&mut self, cpu: u32, page: &[u8], missed: Option<u64>) -> Result<(), OutputError> {
+    fn page(&mut self, cpu: u32, page: &[u8], missed: Missed) -> Result<(), OutputError> {
         self.store_page(cpu, page, missed, true)
     }
 
@@ -111,7 +111,7 @@ impl PageSink for RawSink {
         if lost == 0 {
             return Ok(());
         }
-        self.store_page(cpu, &empty, Some(lost), false)
+        self.store_page(cpu, &empty, Missed::Count(lost), false)
     }
 
     fn finish(mut self: Box<Self>, summary: &RunSummary) -> Result<(), OutputError> {
@@ -319,15 +319,6 @@ impl<R: std::io::Read> RawStream<R> {
     }
 }
 
-/// The losses a page carries, as a sink takes them (a flag-only loss, count unknown,
-/// is not carried over: hyptrace never writes one).
-fn raw_missed(p: &[u8]) -> Option<u64> {
-    match page_missed(p) {
-        Missed::Count(n) => Some(n),
-        Missed::Unknown | Missed::None => None,
-    }
-}
-
 /// A raw page stream read from a file, streaming: [`RawReader::replay`] holds one page
 /// per CPU, whatever the file size.
 pub struct RawReader {
@@ -421,7 +412,7 @@ impl RawReader {
                     }
                     let slot = &mut held[cpu as usize];
                     if let Some(prev) = slot.as_mut() {
-                        sink.page(cpu, prev, raw_missed(prev))?;
+                        sink.page(cpu, prev, page_missed(prev))?;
                         prev.copy_from_slice(page);
                     } else {
                         let mut v = vec![0u8; ps];
@@ -434,8 +425,8 @@ impl RawReader {
         for (cpu, p) in held.iter().enumerate() {
             let Some(p) = p else { continue };
             let cpu = cpu as u32;
-            match (raw_missed(p), commit_len(p)) {
-                (Some(n), Some(0)) => sink.trailing_lost(cpu, n)?,
+            match (page_missed(p), commit_len(p)) {
+                (Missed::Count(n), Some(0)) => sink.trailing_lost(cpu, n)?,
                 (m, _) => sink.page(cpu, p, m)?,
             }
         }
@@ -475,8 +466,8 @@ impl RawTrace {
             last_of_cpu.insert(*cpu, i);
         }
         for (i, (cpu, p)) in self.pages.iter().enumerate() {
-            let missed = raw_missed(p);
-            if let (Some(n), Some(0)) = (missed, commit_len(p)) {
+            let missed = page_missed(p);
+            if let (Missed::Count(n), Some(0)) = (missed, commit_len(p)) {
                 if last_of_cpu.get(cpu) == Some(&i) {
                     sink.trailing_lost(*cpu, n)?;
                     continue;

@@ -78,7 +78,7 @@ impl StreamSink for TextSink {
 }
 
 impl PageSink for TextSink {
-    fn page(&mut self, cpu: u32, page: &[u8], missed: Option<u64>) -> Result<(), OutputError> {
+    fn page(&mut self, cpu: u32, page: &[u8], missed: Missed) -> Result<(), OutputError> {
         self.meta.check_page(cpu, page)?;
         export_page_into(cpu, page, missed, &mut self.scratch)?;
         let missed = page_missed(&self.scratch);

@@ -435,7 +435,7 @@ pub(super) mod tests {
         pages: u64,
         z: Compression,
     ) -> BufferPart {
-        part_with(dir, name, meta, pages, z, &|_, _| None)
+        part_with(dir, name, meta, pages, z, &|_, _| crate::Missed::None)
     }
 
     /// [`part`] of `meta`'s CPUs, with `missed(cpu, i)` events lost before page `i` of
@@ -446,7 +446,7 @@ pub(super) mod tests {
         meta: TraceMeta,
         pages: u64,
         z: Compression,
-        missed: &dyn Fn(u32, u64) -> Option<u64>,
+        missed: &dyn Fn(u32, u64) -> crate::Missed,
     ) -> BufferPart {
         let path = dir.join(format!("{name}.dat"));
         let cpus = meta.nr_cpus;

@@ -4,7 +4,7 @@
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
-use crate::{Clock, Missed, OutputError, PageSink, RunSummary, TraceFile, TraceMeta};
+use crate::{Clock, OutputError, PageSink, RunSummary, TraceFile, TraceMeta};
 
 /// The metadata a sink needs to write what `f` holds: its formats, cmdlines, clock.
 pub fn meta_of(f: &TraceFile) -> TraceMeta {
@@ -111,11 +111,7 @@ fn feed_page(
             what: format!("a page does not decode ({why}): {rest}"),
         });
     }
-    let missed = match crate::page_missed(&page) {
-        Missed::Count(n) => Some(n),
-        Missed::Unknown | Missed::None => None,
-    };
-    sink.page(cpu, &page, missed)
+    sink.page(cpu, &page, crate::page_missed(&page))
 }
 
 /// [`pump_pages`] for a sink that takes each CPU's pages in one piece (trace.dat): CPU

@@ -13,7 +13,7 @@ use super::head::{align_up, bound, metadata, Layout, Place};
 use super::params::{Compression, TraceDatVersion, ZSTD_CHUNK_PAGES};
 use crate::sink::{PageSink, RunSummary, TraceMeta};
 use crate::target::{OutputFile, OutputTarget};
-use crate::OutputError;
+use crate::{Missed, OutputError};
 use hyptrace_format::EventFormat;
 
 /// Preferred event id of `hyptrace:trailing_lost` (the highest free one below
@@ -318,7 +318,7 @@ impl TraceDatSink {
         &mut self,
         cpu: u32,
         page: &[u8],
-        missed: Option<u64>,
+        missed: Missed,
         retime: bool,
     ) -> Result<(), OutputError> {
         let (Some(data), Some(_)) = (self.data.as_mut(), self.out.as_ref()) else {
@@ -411,7 +411,7 @@ fn write_error(e: io::Error) -> OutputError {
 }
 
 impl PageSink for TraceDatSink {
-    fn page(&mut self, cpu: u32, page: &[u8], missed: Option<u64>) -> Result<(), OutputError> {
+    fn page(&mut self, cpu: u32, page: &[u8], missed: Missed) -> Result<(), OutputError> {
         self.store_page(cpu, page, missed, true)
     }
 
@@ -443,7 +443,7 @@ impl PageSink for TraceDatSink {
         raw[8..16].copy_from_slice(&(len as u64).to_le_bytes());
         raw[16..16 + n].copy_from_slice(&hdr[..n]);
         raw[16 + n..16 + len].copy_from_slice(&payload);
-        self.store_page(cpu, &raw, Some(lost), false)
+        self.store_page(cpu, &raw, Missed::Count(lost), false)
     }
 
     /// CPU `cpu` is complete: the next CPU to start may write straight into the output
@@ -509,7 +509,7 @@ pub fn write_trace_dat<'a>(
     path: impl AsRef<Path>,
     meta: TraceMeta,
     version: TraceDatVersion,
-    pages: impl IntoIterator<Item = (u32, &'a [u8], Option<u64>)>,
+    pages: impl IntoIterator<Item = (u32, &'a [u8], Missed)>,
     summary: &RunSummary,
 ) -> Result<(), OutputError> {
     write_trace_dat_with(path, meta, version, Compression::None, pages, summary)
@@ -521,7 +521,7 @@ pub fn write_trace_dat_with<'a>(
     meta: TraceMeta,
     version: TraceDatVersion,
     compression: Compression,
-    pages: impl IntoIterator<Item = (u32, &'a [u8], Option<u64>)>,
+    pages: impl IntoIterator<Item = (u32, &'a [u8], Missed)>,
     summary: &RunSummary,
 ) -> Result<(), OutputError> {
     let mut sink = Box::new(TraceDatSink::create_with(path, meta, version, compression)?);
@@ -581,9 +581,10 @@ mod tests {
         // CPU 2 gets no page; CPU 1 ends mid-chunk; losses and a trailing loss.
         let (a, b) = (test_pages(0, 95), test_pages(1, 23));
         for (i, p) in a.iter().enumerate() {
-            s.page(0, p, (i == 40).then_some(3)).unwrap();
+            s.page(0, p, Missed::count(if i == 40 { 3 } else { 0 }))
+                .unwrap();
             if let Some(p) = b.get(i) {
-                s.page(1, p, None).unwrap();
+                s.page(1, p, Missed::None).unwrap();
             }
         }
         s.trailing_lost(1, 9).unwrap();
@@ -635,7 +636,7 @@ mod tests {
     fn zstd_dropped_leaves_nothing() {
         let (dir, _, mut s) = zstd_sink();
         for p in test_pages(0, 200) {
-            s.page(0, &p, None).unwrap();
+            s.page(0, &p, Missed::None).unwrap();
         }
         drop(s);
         let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
@@ -648,16 +649,16 @@ mod tests {
         let (dir, path, mut s) = zstd_sink();
         let (a, b) = (test_pages(0, 25), test_pages(1, 5));
         for p in &a {
-            s.page(0, p, None).unwrap();
+            s.page(0, p, Missed::None).unwrap();
         }
         s.end_cpu(0).unwrap();
         assert!(matches!(
-            s.page(0, &a[0], None),
+            s.page(0, &a[0], Missed::None),
             Err(OutputError::BadPage { cpu: 0, .. })
         ));
         assert!(s.trailing_lost(0, 3).is_err());
         for p in &b {
-            s.page(1, p, None).unwrap();
+            s.page(1, p, Missed::None).unwrap();
         }
         s.end_cpu(1).unwrap();
         Box::new(s).finish(&RunSummary::default()).unwrap();
@@ -706,7 +707,7 @@ mod tests {
             let size = hyptrace_abi::page::data_event_size(n);
             page[8..16].copy_from_slice(&(size as u64).to_le_bytes());
             for _ in 0..3 {
-                s.page(0, &page, None).unwrap();
+                s.page(0, &page, Missed::None).unwrap();
             }
             s.assemble(&RunSummary::default()).unwrap();
             assert_eq!(s.replaced, 3, "inline {inline}");

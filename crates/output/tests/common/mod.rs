@@ -8,6 +8,7 @@ use hyptrace_abi::events;
 use hyptrace_abi::page::{
     data_event_size, encode_data_header, encode_time_extend, MAX_DELTA, PAGE_HEADER_SIZE,
 };
+use hyptrace_output::Missed;
 
 /// Bytes of private footer our ring pages carry (filled with garbage here).
 pub const FOOTER: usize = 64;
@@ -15,11 +16,11 @@ pub const FOOTER: usize = 64;
 /// Builds ring pages (header + data + garbage footer) for one CPU.
 pub struct PageBuilder {
     pub page_size: usize,
-    pub pages: Vec<(Vec<u8>, Option<u64>)>,
+    pub pages: Vec<(Vec<u8>, Missed)>,
     data: Vec<u8>,
     page_ts: u64,
     last_ts: u64,
-    pending_missed: Option<u64>,
+    pending_missed: Missed,
 }
 
 impl PageBuilder {
@@ -30,7 +31,7 @@ impl PageBuilder {
             data: Vec::new(),
             page_ts: 0,
             last_ts: 0,
-            pending_missed: None,
+            pending_missed: Missed::None,
         }
     }
 
@@ -83,17 +84,24 @@ impl PageBuilder {
         p[8..16].copy_from_slice(&(self.data.len() as u64).to_le_bytes());
         p[16..16 + self.data.len()].copy_from_slice(&self.data);
         // Garbage between the data and the footer too: the sink must zero it.
-        self.pages.push((p, self.pending_missed.take()));
+        self.pages
+            .push((p, std::mem::replace(&mut self.pending_missed, Missed::None)));
         self.data.clear();
     }
 
     /// Marks `n` events lost before the next page (closes the current one).
     pub fn lose(&mut self, n: u64) {
-        self.flush();
-        self.pending_missed = Some(n);
+        self.lose_as(Missed::Count(n));
     }
 
-    pub fn finish(mut self) -> Vec<(Vec<u8>, Option<u64>)> {
+    /// Marks a loss `missed` (e.g. [`Missed::Unknown`]) before the next page (closes
+    /// the current one).
+    pub fn lose_as(&mut self, missed: Missed) {
+        self.flush();
+        self.pending_missed = missed;
+    }
+
+    pub fn finish(mut self) -> Vec<(Vec<u8>, Missed)> {
         self.flush();
         self.pages
     }

@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 use hyptrace_abi::layout::{Mode, RingGeometry};
 use hyptrace_abi::page::{page_header, Events, PAGE_HEADER_SIZE};
 use hyptrace_abi::{events, HeapMem};
-use hyptrace_output::{Clock, OutputError, PageSink, RunSummary};
+use hyptrace_output::{Clock, Missed, OutputError, PageSink, RunSummary};
 use hyptrace_reader::callbacks::{Direct, Mailbox};
 use hyptrace_reader::{Callbacks, RingBuffer};
 use hyptrace_writer::Writer;
@@ -151,10 +151,13 @@ struct Recorded {
 struct RecordSink(Arc<Mutex<Recorded>>);
 
 impl PageSink for RecordSink {
-    fn page(&mut self, _cpu: u32, page: &[u8], missed: Option<u64>) -> Result<(), OutputError> {
+    fn page(&mut self, _cpu: u32, page: &[u8], missed: Missed) -> Result<(), OutputError> {
         let r = &mut *self.0.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(n) = missed {
-            r.stream.lost(n);
+        match missed {
+            Missed::Count(n) => r.stream.lost(n),
+            Missed::None => {}
+            // The VMM counts every loss of a guest ring: an unknown count is a fault.
+            Missed::Unknown => r.error = Some("the VMM's output lost a count".into()),
         }
         let (ts, commit) = page_header(page).unwrap_or((0, 0));
         let len = (commit as usize).min(page.len() - PAGE_HEADER_SIZE);

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use hyptrace_abi::SharedMem;
 use hyptrace_embed::Phase;
-use hyptrace_output::{Clock, Merged, OutputError};
+use hyptrace_output::{Clock, Merged, Missed, OutputError};
 use hyptrace_reader::{Callbacks, CpuStats, Item, ReadError, RingBuffer};
 
 use super::print::merge_event;
@@ -305,7 +305,7 @@ pub(super) fn end_in_output(
     match output {
         Output::Text { merger, .. } => {
             if lost > 0 {
-                merger.push(cpu as usize, last_ns, Merged::Lost(lost));
+                merger.push(cpu as usize, last_ns, Merged::Lost(Missed::Count(lost)));
             }
             merger.finish(cpu as usize);
             Ok(())

@@ -93,7 +93,7 @@ pub(super) fn text_page(
     fifo: &mut std::collections::VecDeque<u8>,
     cpu: u32,
     page: &[u8],
-    missed: Option<u64>,
+    missed: Missed,
     clock: &Clock,
 ) {
     let Some((ts, commit)) = hyptrace_abi::page::page_header(page) else {
@@ -104,12 +104,12 @@ pub(super) fn text_page(
         .saturating_add(len)
         .min(page.len());
     let data = &page[hyptrace_abi::page::PAGE_HEADER_SIZE..end];
-    let mut lost = missed;
+    let mut lost = missed.is_loss().then_some(missed);
     for ev in hyptrace_abi::page::Events::new(data, ts) {
         let Ok(ev) = ev else { break };
         let ns = clock.to_ns(ev.ts);
-        if let Some(n) = lost.take() {
-            merger.push(cpu as usize, ns, Merged::Lost(n));
+        if let Some(m) = lost.take() {
+            merger.push(cpu as usize, ns, Merged::Lost(m));
         }
         fifo.extend(ev.payload);
         let n = ev.payload.len();
@@ -131,7 +131,7 @@ pub(super) fn merge_event(
 ) {
     if st.pending_lost > 0 {
         let lost = std::mem::take(&mut st.pending_lost);
-        merger.push(cpu as usize, ns, Merged::Lost(lost));
+        merger.push(cpu as usize, ns, Merged::Lost(Missed::Count(lost)));
     }
     st.last_ns = ns;
     fifo.extend(payload);
@@ -174,12 +174,13 @@ impl LinePrinter<'_> {
                     &self.payload,
                 )
             }
-            Merged::Lost(n) => format_drop(self.line, cpu as u32, Missed::Count(n)),
+            Merged::Lost(m) => format_drop(self.line, cpu as u32, m),
         }
         if let Some(p) = self.printed.get_mut(cpu) {
             *p = p.saturating_add(match item {
                 Merged::Event(_) => 1,
-                Merged::Lost(n) => n,
+                // An unknown count adds none: its page is counted apart (HostTally).
+                Merged::Lost(m) => m.counted(),
             });
         }
         self.line.push('\n');

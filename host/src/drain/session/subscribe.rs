@@ -16,6 +16,7 @@ use super::{Output, Session, SessionError, ROUND_MAX_TIME};
 const PIECES_ROUND_BYTES: usize = 256 << 10;
 use crate::drain::outbox::{AckError, Batch, Item, Outbox, Piece, Unsent};
 use hyptrace_abi::SharedMem;
+use hyptrace_output::Missed;
 use hyptrace_reader::{Callbacks, ReadError};
 
 impl<M: SharedMem, C: Callbacks> Session<M, C> {
@@ -140,7 +141,7 @@ impl<M: SharedMem, C: Callbacks> Session<M, C> {
                 let n = p.bytes.len().min(size);
                 self.scratch[..n].copy_from_slice(&p.bytes[..n]);
                 let missed = std::mem::take(&mut st.pending_lost).saturating_add(p.missed);
-                sink.page(cpu, &self.scratch, (missed > 0).then_some(missed))?;
+                sink.page(cpu, &self.scratch, Missed::count(missed))?;
             }
             Output::Text {
                 merger, payloads, ..

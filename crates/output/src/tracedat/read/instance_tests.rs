@@ -14,7 +14,7 @@ use crate::OutputTarget;
 /// of its CPU 1) in `dir/all.dat`.
 fn two(dir: &Path, z: Compression) -> PathBuf {
     let meta = TraceMeta::guest(4096, 2, crate::Clock::nanoseconds());
-    let drop = |cpu: u32, i: u64| ((cpu, i) == (1, 3)).then_some(5);
+    let drop = |cpu: u32, i: u64| crate::Missed::count(if (cpu, i) == (1, 3) { 5 } else { 0 });
     let parts = vec![
         part(dir, "vm-a", 1, 30, z),
         part_with(dir, "vm-bb", meta.clone(), 7, z, &drop),

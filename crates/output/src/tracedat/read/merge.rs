@@ -3,7 +3,6 @@
 //! page) queued, and only the CPU whose item was just taken is read again, so an item
 //! costs O(log CPUs), not a look at every CPU.
 
-use crate::export::Missed;
 use crate::merge::{Merged, Merger};
 use crate::DatError;
 
@@ -127,10 +126,10 @@ impl Records<'_> {
                 page,
                 error,
             },
-            Merged::Lost(n) => TraceItem::Dropped {
+            Merged::Lost(missed) => TraceItem::Dropped {
                 cpu: c.cpu,
                 instance: c.instance,
-                missed: Missed::Count(n),
+                missed,
             },
         })
     }

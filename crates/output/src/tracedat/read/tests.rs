@@ -337,7 +337,7 @@ fn zstd_file() -> Vec<u8> {
             p[16..16 + k].copy_from_slice(&hdr[..k]);
             p[16 + k..16 + k + payload.len()].copy_from_slice(&payload);
             p[8..16].copy_from_slice(&((k + payload.len()) as u64).to_le_bytes());
-            crate::PageSink::page(&mut s, cpu as u32, &p, None).unwrap();
+            crate::PageSink::page(&mut s, cpu as u32, &p, Missed::None).unwrap();
         }
     }
     crate::PageSink::finish(Box::new(s), &crate::RunSummary::default()).unwrap();

@@ -22,7 +22,7 @@ use hyptrace_abi::page::{
 
 use super::{FilterSet, PageFilterError};
 use crate::sink::{OutputWaits, PageSink, RunSummary};
-use crate::OutputError;
+use crate::{Missed, OutputError};
 
 /// What [`FilterSet::filter_page`] did with a page.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -336,9 +336,11 @@ impl FilteredSink {
 
     /// The loss page `page` (from `missed` or its flags, read with the source's mask)
     /// says.
-    fn page_loss(&self, page: &[u8], missed: Option<u64>) -> Option<Carried> {
-        if let Some(n) = missed.filter(|&n| n > 0) {
-            return Some(Carried::Count(n));
+    fn page_loss(&self, page: &[u8], missed: Missed) -> Option<Carried> {
+        match missed {
+            Missed::Count(n) if n > 0 => return Some(Carried::Count(n)),
+            Missed::Unknown => return Some(Carried::Unknown),
+            Missed::Count(_) | Missed::None => {}
         }
         let (_, commit) = page_header(page)?;
         (commit & RB_MISSED_EVENTS != 0).then_some(Carried::Unknown)
@@ -349,7 +351,7 @@ impl FilteredSink {
 // (crate::tap).
 #[deny(clippy::missing_trait_methods)]
 impl PageSink for FilteredSink {
-    fn page(&mut self, cpu: u32, page: &[u8], missed: Option<u64>) -> Result<(), OutputError> {
+    fn page(&mut self, cpu: u32, page: &[u8], missed: Missed) -> Result<(), OutputError> {
         let done = self
             .filters
             .filter_page(cpu, page, self.src, &self.cmdlines, &mut self.buf)
@@ -372,8 +374,9 @@ impl PageSink for FilteredSink {
         }
         self.cpus.insert(cpu, (index + 1, None));
         let missed = match loss {
-            Some(Carried::Count(n)) => Some(n),
-            Some(Carried::Unknown) | None => missed,
+            Some(Carried::Count(n)) => Missed::Count(n),
+            Some(Carried::Unknown) => Missed::Unknown,
+            None => Missed::None,
         };
         if carried.is_some() {
             set_loss(&mut self.buf, loss);
@@ -755,7 +758,7 @@ mod tests {
     /// What a [`FilteredSink`] hands on.
     #[derive(Debug, PartialEq, Eq)]
     enum Call {
-        Page(u32, u64, Option<u64>),
+        Page(u32, u64, Missed),
         Quiet(u32, u64),
         Trailing(u32, u64),
     }
@@ -763,7 +766,7 @@ mod tests {
     struct Log(Arc<Mutex<Vec<Call>>>);
 
     impl PageSink for Log {
-        fn page(&mut self, cpu: u32, page: &[u8], missed: Option<u64>) -> Result<(), OutputError> {
+        fn page(&mut self, cpu: u32, page: &[u8], missed: Missed) -> Result<(), OutputError> {
             let ts = page_header(page).unwrap().0;
             self.0.lock().unwrap().push(Call::Page(cpu, ts, missed));
             Ok(())
@@ -795,10 +798,13 @@ mod tests {
         );
         let other = page(10, &[(5, 8, 0)], None);
         let kept = page(100, &[(3, 7, 1)], None);
-        sink.page(0, &other, Some(4)).unwrap();
-        sink.page(0, &other, None).unwrap();
-        sink.page(0, &kept, Some(2)).unwrap();
-        sink.page(1, &other, Some(6)).unwrap();
+        sink.page(0, &other, Missed::Count(4)).unwrap();
+        sink.page(0, &other, Missed::None).unwrap();
+        sink.page(0, &kept, Missed::Count(2)).unwrap();
+        sink.page(1, &other, Missed::Count(6)).unwrap();
+        // A loss of unknown count is carried as one, never as no loss.
+        sink.page(2, &other, Missed::Unknown).unwrap();
+        sink.page(2, &kept, Missed::None).unwrap();
         Box::new(sink).finish(&RunSummary::default()).unwrap();
         let calls = std::mem::take(&mut *log.lock().unwrap());
         assert_eq!(
@@ -806,12 +812,14 @@ mod tests {
             [
                 Call::Quiet(0, 15),
                 Call::Quiet(0, 15),
-                Call::Page(0, 103, Some(6)),
+                Call::Page(0, 103, Missed::Count(6)),
                 Call::Quiet(1, 15),
+                Call::Quiet(2, 15),
+                Call::Page(2, 103, Missed::Unknown),
                 Call::Trailing(1, 6),
             ]
         );
-        assert_eq!((counts.kept(), counts.dropped(), counts.cut()), (1, 3, 0));
+        assert_eq!((counts.kept(), counts.dropped(), counts.cut()), (2, 4, 0));
     }
 
     /// A writer into a shared buffer.
@@ -855,8 +863,9 @@ mod tests {
             let ts = n * per_page * 10;
             let other: Vec<_> = (0..per_page).map(|_| (10, 8, 0)).collect();
             let ev: Vec<_> = (0..per_page).map(|_| (10, 7, 1)).collect();
-            sink.page(0, &page(ts, &other, None), None).unwrap();
-            sink.page(1, &page(ts + 5, &ev, None), None).unwrap();
+            sink.page(0, &page(ts, &other, None), Missed::None).unwrap();
+            sink.page(1, &page(ts + 5, &ev, None), Missed::None)
+                .unwrap();
         }
         Box::new(sink).finish(&RunSummary::default()).unwrap();
         assert_eq!(counts.kept(), pages * per_page);
