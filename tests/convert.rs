@@ -159,6 +159,16 @@ fn raw_to_dat_to_report_gives_the_run_lines() {
     }
 }
 
+/// `trace-cmd report -t PATH` (exit 0), its stdout.
+fn trace_cmd_report(p: &str) -> String {
+    let o = std::process::Command::new("trace-cmd")
+        .args(["report", "-t", p])
+        .output()
+        .expect("trace-cmd");
+    assert!(o.status.success(), "trace-cmd report {p}");
+    env::stdout(&o)
+}
+
 /// A kernel trace.dat (v6, v7, v7-zstd) converts to trace.dat v7 and v6 with its formats
 /// and cmdlines: the report is the same.
 #[test]
@@ -173,14 +183,7 @@ fn kernel_dat_to_dat_keeps_the_report() {
             assert_eq!(ok(&["report", &out]), want, "{src} → {fmt}");
             // The real trace-cmd reads the converted file as it reads the original.
             if env::trace_cmd_available() {
-                let tc = |p: &str| {
-                    let o = std::process::Command::new("trace-cmd")
-                        .args(["report", "-t", p])
-                        .output()
-                        .expect("trace-cmd");
-                    assert!(o.status.success(), "trace-cmd report {p}");
-                    env::stdout(&o)
-                };
+                let tc = trace_cmd_report;
                 assert_eq!(tc(&out), tc(&f), "trace-cmd: {src} → {fmt}");
             }
         }
@@ -268,4 +271,96 @@ fn filters_are_checked_and_accounted() {
     );
     assert!(err.contains("hyptrace: -F kept 0 of "), "{err}");
     assert!(!read(&json).contains("sched_switch"), "{}", read(&json));
+}
+
+/// A copy of kernel trace.dat v6 `src` at `dst` whose CPU's second page says events
+/// were lost before it, count unknown (`RB_MISSED_EVENTS` without `RB_MISSED_STORED`,
+/// as the kernel writes when it cannot store the count). Returns that CPU.
+fn with_unknown_loss(src: &str, dst: &str) -> u32 {
+    use hyptrace_abi::page::{COMMIT_OFFSET, RB_MISSED_EVENTS};
+    let mut d = std::fs::read(src).expect("fixture");
+    let fly = d
+        .windows(10)
+        .position(|w| w == b"flyrecord\0")
+        .expect("v6 flyrecord section")
+        + 10;
+    let le = |d: &[u8], at: usize| u64::from_le_bytes(d[at..at + 8].try_into().unwrap());
+    // Per CPU (offset, size); the first CPU with two pages or more.
+    let cpu = (0..64)
+        .find(|&c| le(&d, fly + 16 * c + 8) >= 2 * 4096)
+        .expect("a CPU with two pages");
+    let at = le(&d, fly + 16 * cpu) as usize + 4096 + COMMIT_OFFSET;
+    let commit = le(&d, at) | RB_MISSED_EVENTS;
+    d[at..at + 8].copy_from_slice(&commit.to_le_bytes());
+    std::fs::write(dst, &d).expect("write");
+    cpu as u32
+}
+
+/// The loss lines (`CPU:N [..EVENTS DROPPED]`) of a report, in order.
+fn loss_lines(report: &str) -> Vec<&str> {
+    report
+        .lines()
+        .filter(|l| l.contains("EVENTS DROPPED]"))
+        .collect()
+}
+
+/// A kernel page that says events were lost without a count reaches every output
+/// (the sinks were handed no loss for it before `Missed`): trace.dat keeps the flag
+/// (trace-cmd prints `[EVENTS DROPPED]` where it does for the input), text prints
+/// trace-cmd's line, JSON a `lost events` instant with a null count, Perfetto a
+/// `lost events` instant without a count.
+#[test]
+fn kernel_loss_of_unknown_count_reaches_every_output() {
+    let dir = TempDir::new("convert-unknown-loss");
+    let f = dir.file("in.dat");
+    let cpu = with_unknown_loss(&fixture("kernel-v6.dat"), &f);
+    let line = format!("CPU:{cpu} [EVENTS DROPPED]");
+    let want = ok(&["report", &f]);
+    let losses = loss_lines(&want);
+    assert!(
+        losses.contains(&line.as_str()),
+        "our reader of the input: {losses:?}"
+    );
+    let tc = trace_cmd_report;
+    let tc_in = env::trace_cmd_available().then(|| tc(&f));
+    if let Some(t) = &tc_in {
+        assert_eq!(loss_lines(t), losses, "trace-cmd of the input");
+    }
+    for (fmt, name) in [("dat", "o7.dat"), ("dat6", "o6.dat")] {
+        let out = dir.file(name);
+        ok(&["convert", "-i", &f, "-o", &out, "--format", fmt]);
+        assert_eq!(ok(&["report", &out]), want, "→ {fmt}");
+        if let Some(t) = &tc_in {
+            // Every line, the loss line at its place among the events.
+            assert_eq!(&tc(&out), t, "trace-cmd: → {fmt}");
+        }
+    }
+    let txt = dir.file("o.txt");
+    ok(&["convert", "-i", &f, "-o", &txt]);
+    assert_eq!(read(&txt), want, "→ text");
+    let json = dir.file("o.json");
+    ok(&["convert", "-i", &f, "-o", &json]);
+    let v: serde_json::Value = serde_json::from_str(&read(&json)).expect("json");
+    let lost: Vec<_> = v["traceEvents"]
+        .as_array()
+        .expect("traceEvents")
+        .iter()
+        .filter(|e| e["name"] == "lost events")
+        .collect();
+    assert_eq!(lost.len(), losses.len(), "→ json: {lost:?}");
+    let unknown = lost.iter().filter(|e| e["args"]["count"].is_null()).count();
+    assert_eq!(unknown, 1, "→ json: {lost:?}");
+    if env::perfetto_available() {
+        let pf = dir.file("o.pftrace");
+        ok(&["convert", "-i", &f, "-o", &pf, "--format", "perfetto"]);
+        let v: serde_json::Value =
+            serde_json::from_slice(&env::perfetto_decode(&pf, false)).expect("decoder JSON");
+        let unknown: u64 = v["tracks"]
+            .as_object()
+            .expect("tracks")
+            .values()
+            .map(|t| t["lost_unknown"].as_u64().unwrap_or(0))
+            .sum();
+        assert_eq!(unknown, 1, "→ perfetto: {v}");
+    }
 }

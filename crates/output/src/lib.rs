@@ -8,7 +8,7 @@
 //!
 //! ```
 //! use hyptrace_abi::{events, page};
-//! use hyptrace_output::{Clock, PageSink, RunSummary, TraceDatSink, TraceDatVersion};
+//! use hyptrace_output::{Clock, Missed, PageSink, RunSummary, TraceDatSink, TraceDatVersion};
 //! use hyptrace_output::{TraceFile, TraceItem, TraceMeta};
 //!
 //! // One 4 KiB ring page of CPU 0 holding one `guest:marker` event at time 1000.
@@ -26,7 +26,7 @@
 //! let path = dir.path().join("t.dat");
 //! let meta = TraceMeta::guest(4096, 1, Clock::nanoseconds()); // + registered formats
 //! let mut sink = TraceDatSink::create(&path, meta, TraceDatVersion::V7)?;
-//! sink.page(0, &p, None)?;
+//! sink.page(0, &p, Missed::None)?;
 //! Box::new(sink).finish(&RunSummary::default())?;
 //!
 //! let file = TraceFile::open(&path)?;

@@ -31,7 +31,7 @@ impl PageSink for Discard {
 ///
 /// # Examples
 /// ```
-/// use hyptrace_output::{Discard, PageSink, Tap};
+/// use hyptrace_output::{Discard, Missed, PageSink, Tap};
 /// let mut pages = 0;
 /// let mut tap = Tap::new(Box::new(Discard), |_cpu: u32, _page: &[u8]| pages += 1);
 /// tap.page(0, &[0u8; 4096], Missed::None).unwrap();
