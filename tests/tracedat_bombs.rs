@@ -68,7 +68,8 @@ fn record(path: &Path, cpus: u32, pages: usize, compression: Compression) -> Vec
         for i in 0..pages {
             let ts = 1_000_000 + i as u64 * 100_000 + u64::from(cpu) * 7;
             let p = page(4096, cpu, ts, (i * EVENTS) as u64);
-            s.page(cpu, &p, None).expect("page");
+            s.page(cpu, &p, hyptrace_output::Missed::None)
+                .expect("page");
         }
     }
     Box::new(s)

@@ -652,7 +652,8 @@ fn write_small_dat(path: &str) {
         page[16..20].copy_from_slice(&(words as u32).to_le_bytes());
         page[20..20 + payload.len()].copy_from_slice(&payload);
         page[8..16].copy_from_slice(&(4 + 4 * words as u64).to_le_bytes());
-        sink.page(cpu, &page, None).expect("page");
+        sink.page(cpu, &page, hyptrace_output::Missed::None)
+            .expect("page");
     }
     Box::new(sink)
         .finish(&RunSummary { cpus: Vec::new() })
