@@ -130,7 +130,7 @@ fn put_event(
 
 /// Makes filtered page `out` say loss `loss` before it (flags in `commit`, a count
 /// stored after the data where it fits, else the flag alone).
-fn set_loss(out: &mut [u8], loss: Option<Carried>) {
+fn set_loss(out: &mut [u8], loss: Missed) {
     let Some((_, commit)) = page_header(out) else {
         return;
     };
@@ -139,12 +139,12 @@ fn set_loss(out: &mut [u8], loss: Option<Carried>) {
     out[end..].fill(0);
     let mut word = len;
     match loss {
-        Some(Carried::Count(n)) if end + 8 <= out.len() => {
+        Missed::Count(n) if n > 0 && end + 8 <= out.len() => {
             out[end..end + 8].copy_from_slice(&n.to_le_bytes());
             word |= RB_MISSED_FLAGS;
         }
-        Some(_) => word |= RB_MISSED_EVENTS,
-        None => {}
+        _ if loss.is_loss() => word |= RB_MISSED_EVENTS,
+        _ => {}
     }
     out[COMMIT_OFFSET..COMMIT_OFFSET + 8].copy_from_slice(&word.to_le_bytes());
 }
@@ -264,23 +264,15 @@ impl FilterCounts {
 /// Cut pages named on stderr, one line each; the rest are only counted.
 const CUT_WARNINGS: u64 = 10;
 
-/// A loss of a page not handed on, waiting for the CPU's next page handed on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Carried {
-    /// This many events.
-    Count(u64),
-    /// Some events, count unknown.
-    Unknown,
-}
-
-/// The loss of both `a` and `b` (`None`: no loss).
-fn add_loss(a: Option<Carried>, b: Option<Carried>) -> Option<Carried> {
+/// The loss of both `a` and `b` (a sum past `u64` is a loss of unknown count).
+fn add_loss(a: Missed, b: Missed) -> Missed {
     match (a, b) {
-        (None, x) | (x, None) => x,
-        (Some(Carried::Count(x)), Some(Carried::Count(y))) => {
-            Some(x.checked_add(y).map_or(Carried::Unknown, Carried::Count))
+        (x, y) if !y.is_loss() => x,
+        (x, y) if !x.is_loss() => y,
+        (Missed::Count(x), Missed::Count(y)) => {
+            x.checked_add(y).map_or(Missed::Unknown, Missed::Count)
         }
-        _ => Some(Carried::Unknown),
+        _ => Missed::Unknown,
     }
 }
 
@@ -296,8 +288,9 @@ pub struct FilteredSink {
     cmdlines: BTreeMap<i32, String>,
     buf: Vec<u8>,
     counts: Arc<FilterCounts>,
-    /// Per CPU: pages seen, the loss carried.
-    cpus: BTreeMap<u32, (u64, Option<Carried>)>,
+    /// Per CPU: pages seen, the loss of pages not handed on, waiting for the CPU's
+    /// next page handed on.
+    cpus: BTreeMap<u32, (u64, Missed)>,
 }
 
 impl FilteredSink {
@@ -336,14 +329,14 @@ impl FilteredSink {
 
     /// The loss page `page` (from `missed` or its flags, read with the source's mask)
     /// says.
-    fn page_loss(&self, page: &[u8], missed: Missed) -> Option<Carried> {
-        match missed {
-            Missed::Count(n) if n > 0 => return Some(Carried::Count(n)),
-            Missed::Unknown => return Some(Carried::Unknown),
-            Missed::Count(_) | Missed::None => {}
+    fn page_loss(&self, page: &[u8], missed: Missed) -> Missed {
+        if missed.is_loss() {
+            return missed;
         }
-        let (_, commit) = page_header(page)?;
-        (commit & RB_MISSED_EVENTS != 0).then_some(Carried::Unknown)
+        match page_header(page) {
+            Some((_, commit)) if commit & RB_MISSED_EVENTS != 0 => Missed::Unknown,
+            _ => Missed::None,
+        }
     }
 }
 
@@ -363,7 +356,7 @@ impl PageSink for FilteredSink {
         self.counts
             .dropped
             .fetch_add(done.dropped, Ordering::Relaxed);
-        let (index, carried) = self.cpus.get(&cpu).copied().unwrap_or((0, None));
+        let (index, carried) = self.cpus.get(&cpu).copied().unwrap_or((0, Missed::None));
         if done.cut {
             self.note_cut(cpu, index);
         }
@@ -372,31 +365,29 @@ impl PageSink for FilteredSink {
             self.cpus.insert(cpu, (index + 1, loss));
             return self.inner.quiet(cpu, done.end_ts);
         }
-        self.cpus.insert(cpu, (index + 1, None));
-        let missed = match loss {
-            Some(Carried::Count(n)) => Missed::Count(n),
-            Some(Carried::Unknown) => Missed::Unknown,
-            None => Missed::None,
-        };
-        if carried.is_some() {
+        self.cpus.insert(cpu, (index + 1, Missed::None));
+        if carried.is_loss() {
             set_loss(&mut self.buf, loss);
         }
-        self.inner.page(cpu, &self.buf, missed)
+        self.inner.page(cpu, &self.buf, loss)
     }
 
     fn trailing_lost(&mut self, cpu: u32, lost: u64) -> Result<(), OutputError> {
-        let carried = self.cpus.get_mut(&cpu).and_then(|c| c.1.take());
-        let total = match add_loss(carried, (lost > 0).then_some(Carried::Count(lost))) {
-            Some(Carried::Count(n)) => n,
+        let carried = self
+            .cpus
+            .get_mut(&cpu)
+            .map_or(Missed::None, |c| std::mem::replace(&mut c.1, Missed::None));
+        let total = match add_loss(carried, Missed::count(lost)) {
+            Missed::Count(n) if n > 0 => n,
             // A count is all `trailing_lost` carries: an unknown loss shows as one.
-            Some(Carried::Unknown) => lost.max(1),
-            None => return Ok(()),
+            Missed::Unknown => lost.max(1),
+            _ => return Ok(()),
         };
         self.inner.trailing_lost(cpu, total)
     }
 
     fn end_cpu(&mut self, cpu: u32) -> Result<(), OutputError> {
-        if self.cpus.get(&cpu).is_some_and(|c| c.1.is_some()) {
+        if self.cpus.get(&cpu).is_some_and(|c| c.1.is_loss()) {
             self.trailing_lost(cpu, 0)?;
         }
         self.inner.end_cpu(cpu)
@@ -422,7 +413,7 @@ impl PageSink for FilteredSink {
         let pending: Vec<u32> = self
             .cpus
             .iter()
-            .filter(|(_, c)| c.1.is_some())
+            .filter(|(_, c)| c.1.is_loss())
             .map(|(&cpu, _)| cpu)
             .collect();
         for cpu in pending {
