@@ -181,8 +181,8 @@ impl Zstd {
 /// the chunk record carries it), with its output buffer.
 pub(super) struct Zstd {
     c: zstd::bulk::Compressor<'static>,
-    /// The chunk records of one batch: per chunk 8 bytes of sizes, then room for the
-    /// bound of its frame (allocated once).
+    /// The chunk records of one batch ([`Zstd::compress`]): per chunk 8 bytes of sizes,
+    /// then room for the bound of its frame (allocated on first use, then reused).
     out: Vec<u8>,
     level: i32,
     /// Largest chunk (bytes).
@@ -212,7 +212,7 @@ impl Zstd {
         let per_batch = per_batch.max(1);
         Ok(Self {
             c: compressor(None)?,
-            out: vec![0; per_batch * (8 + zstd::zstd_safe::compress_bound(chunk))],
+            out: Vec::new(),
             level: ZSTD_LEVEL,
             chunk,
             per_batch,
@@ -228,6 +228,21 @@ impl Zstd {
     /// records (each: u32 compressed size, u32 uncompressed size, the zstd frame);
     /// returns them and how many.
     pub(super) fn compress(&mut self, data: &[u8], level: i32) -> io::Result<(&[u8], u32)> {
+        let mut out = std::mem::take(&mut self.out);
+        let r = self.compress_into(data, level, &mut out);
+        self.out = out;
+        let (used, n) = r?;
+        Ok((&self.out[..used], n))
+    }
+
+    /// [`Zstd::compress`] into `out` (grown to the batch's bound once, then reused):
+    /// the records are `out[..used]`; returns `used` and how many.
+    pub(super) fn compress_into(
+        &mut self,
+        data: &[u8],
+        level: i32,
+        out: &mut Vec<u8>,
+    ) -> io::Result<(usize, u32)> {
         if data.len() > self.chunk * self.per_batch {
             return Err(io::Error::other(format!(
                 "batch of {} bytes, more than the {} a batch holds",
@@ -240,18 +255,22 @@ impl Zstd {
             self.level = level;
         }
         let bound = zstd::zstd_safe::compress_bound(self.chunk);
+        let need = self.per_batch * (8 + bound);
+        if out.len() < need {
+            out.resize(need, 0);
+        }
         let (mut used, mut n) = (0, 0u32);
         for c in data.chunks(self.chunk) {
-            let frame = &mut self.out[used + 8..used + 8 + bound];
+            let frame = &mut out[used + 8..used + 8 + bound];
             let z = self.c.compress_to_buffer(c, frame)?;
             // Both fit: a chunk is at most ZSTD_CHUNK_PAGES pages (fewer of large pages) of
             // at most MAX_PAGE_SIZE.
-            self.out[used..used + 4].copy_from_slice(&(z as u32).to_le_bytes());
-            self.out[used + 4..used + 8].copy_from_slice(&(c.len() as u32).to_le_bytes());
+            out[used..used + 4].copy_from_slice(&(z as u32).to_le_bytes());
+            out[used + 4..used + 8].copy_from_slice(&(c.len() as u32).to_le_bytes());
             used += 8 + z;
             n += 1;
         }
-        Ok((&self.out[..used], n))
+        Ok((used, n))
     }
 
     /// [`Zstd::compress`], the records appended to `s`.

@@ -1,11 +1,15 @@
-//! Compression workers of the zstd trace.dat writer: the sink's thread hands each full
-//! batch of chunks of a CPU to the next worker thread in turn (whatever its CPU: one CPU
-//! fed alone, as `convert` feeds a trace.dat, keeps every worker busy), which makes its
-//! guest strings safe (G2), compresses it chunk by chunk, and appends the chunk records
-//! to its CPU's data itself — in the CPU's order: a batch numbered `n` of its CPU is
-//! written once batch `n - 1` is ([`Shared`]). No compression and no `write(2)` of CPU data runs on the
-//! sink's thread. At most [`ZPool::limit`] chunks are in flight (memory: that many
-//! chunks, buffers recycled).
+//! Compression workers of the zstd trace.dat writer: the sink's thread queues each full
+//! batch of chunks of a CPU on one queue that every worker thread takes from (whichever
+//! is free: one CPU fed alone, as `convert` feeds a trace.dat, keeps every worker busy,
+//! and a worker held off its core by the sink's thread holds up no other), which makes
+//! its guest strings safe (G2), compresses it chunk by chunk, and appends the chunk
+//! records to its CPU's data itself — in the CPU's order: a batch numbered `n` of its
+//! CPU is written once batch `n - 1` is. A batch compressed before its turn is parked
+//! with its CPU ([`Slot`]) and the worker goes on with the next batch; whichever worker
+//! writes batch `n - 1` writes the parked batches that follow it. No compression and
+//! no `write(2)` of CPU data runs on the sink's thread. At most [`ZPool::limit`]
+//! batches are in flight (memory: that many batches and their records, buffers
+//! recycled; parked batches are in flight).
 //!
 //! The level of each batch is chosen when it is handed over ([`ZPool::submit`]): the
 //! sink's level, or — for a sink fed by live rings ([`crate::PageSink::set_live`]) whose
@@ -13,13 +17,12 @@
 //! stores at about memory speed, up to twice `limit` batches in flight: the workers
 //! catch up instead of making the rings wait (a larger file, no lost events).
 //!
-//! No wait is for ever: a worker waiting for its turn gives up when the chunk before
-//! failed or the pool is dropped ([`Shared::abandon`]); a worker that panicked is seen
-//! by the sink's thread (its chunks never come back) within 100 ms.
+//! No wait is for ever: workers wait only for the queue, which closes when the pool is
+//! dropped; a worker that panicked is seen by the sink's thread (its batches never come
+//! back) within 100 ms.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -37,8 +40,8 @@ pub(super) struct DirectTo {
     pub(super) prefix: usize,
 }
 
-/// Chunk `seq` of CPU `cpu` (`data[..len]`) to compress at `level`; its buffer comes
-/// back in [`Done`].
+/// Batch `seq` of CPU `cpu` (`data[..len]`) to compress at `level` into `out`; both
+/// buffers come back in [`Done`].
 struct Job {
     cpu: usize,
     seq: u64,
@@ -46,90 +49,143 @@ struct Job {
     len: usize,
     level: i32,
     direct: Option<DirectTo>,
+    out: Vec<u8>,
 }
 
-/// A chunk compressed and written (or the error): its CPU's bytes written so far, and
-/// the string bytes it replaced.
+/// A job compressed, waiting for its turn at its CPU's data: its records
+/// `job.out[..used]` (`n` chunks), or zstd's error; the string bytes it replaced.
+struct Ready {
+    job: Job,
+    records: Result<(usize, u32), std::io::Error>,
+    replaced: u64,
+}
+
+/// A batch written (or the error): its CPU's bytes written so far, the string bytes it
+/// replaced, and its buffers.
 struct Done {
     cpu: usize,
     bytes: u64,
     data: Vec<u8>,
+    out: Vec<u8>,
     err: Option<OutputError>,
     replaced: u64,
 }
 
-/// One CPU's data, and the number of the next chunk to write into it (`None` once a
-/// chunk failed: the chunks after it are not written).
+/// One CPU's data, the number of the next batch to write into it (`None` once a batch
+/// failed: the batches after it are not written), and its batches compressed before
+/// their turn (at most the batches in flight).
 struct Slot {
     next: Option<u64>,
     out: CpuOut,
+    parked: Vec<Ready>,
 }
 
-/// What the workers share: every CPU's data, each behind its own lock.
+impl Slot {
+    /// Writes ready batch `r` (its turn has come) into the CPU's data; what the sink's
+    /// thread is told.
+    fn write(&mut self, r: Ready) -> Done {
+        let Ready {
+            mut job,
+            records,
+            replaced,
+        } = r;
+        let res = (|| {
+            let (used, n) = records.map_err(|e| self.out.zstd_err(e))?;
+            if let Some(d) = job.direct.take() {
+                self.out.go_direct(d.file, &d.path, d.start, d.prefix)?;
+            }
+            self.out.append(job.out.get(..used).ok_or_else(dead)?)?;
+            self.out.chunks += n;
+            Ok(())
+        })();
+        self.next = match res {
+            Ok(()) => Some(job.seq + 1),
+            Err(_) => None,
+        };
+        done(job, self.out.bytes, res.err(), replaced)
+    }
+
+    /// Takes ready batch `r` of this CPU: parks it before its turn, else writes it and
+    /// every parked batch that follows; what the sink's thread is told (a batch after
+    /// a failed one: that it was not written).
+    fn take(&mut self, r: Ready) -> Vec<Done> {
+        self.parked.push(r);
+        let mut told = Vec::new();
+        // Bounded: every step removes a parked batch.
+        loop {
+            let at = match self.next {
+                Some(n) => self.parked.iter().position(|p| p.job.seq == n),
+                None => (!self.parked.is_empty()).then_some(0),
+            };
+            let Some(at) = at else {
+                return told;
+            };
+            let r = self.parked.swap_remove(at);
+            told.push(match self.next {
+                Some(_) => self.write(r),
+                None => done(r.job, self.out.bytes, Some(dead()), r.replaced),
+            });
+        }
+    }
+}
+
+/// What the sink's thread is told of `job`.
+fn done(job: Job, bytes: u64, err: Option<OutputError>, replaced: u64) -> Done {
+    Done {
+        cpu: job.cpu,
+        bytes,
+        data: job.data,
+        out: job.out,
+        err,
+        replaced,
+    }
+}
+
+/// What the workers share: every CPU's data, each behind its own lock, and the queue.
 struct Shared {
     slots: Vec<Mutex<Slot>>,
-    /// Signalled when a chunk was written (or failed), and when the pool is dropped.
-    turn: Condvar,
-    /// The pool is dropped: waiting workers give up.
-    abandoned: AtomicBool,
+    jobs: Mutex<Receiver<Job>>,
 }
-
-/// How often a worker waiting for its turn looks whether the pool was dropped.
-const TURN_POLL: Duration = Duration::from_millis(100);
 
 impl Shared {
     fn lock(&self, cpu: usize) -> Option<MutexGuard<'_, Slot>> {
         // A worker that panicked while writing leaves a slot poisoned: its CPU's data
-        // is not trusted after that (later chunks fail, "worker died").
+        // is not trusted after that (later batches fail, "worker died").
         self.slots.get(cpu)?.lock().ok()
     }
 
-    /// Waits until chunk `seq` of CPU `cpu` is next; the slot, or `None` if a chunk
-    /// before failed, a worker died or the pool was dropped.
-    fn turn(&self, cpu: usize, seq: u64) -> Option<MutexGuard<'_, Slot>> {
-        let mut s = self.lock(cpu)?;
-        loop {
-            match s.next {
-                Some(n) if n == seq => return Some(s),
-                None => return None,
-                Some(_) if self.abandoned.load(Ordering::Relaxed) => return None,
-                Some(_) => {}
-            }
-            s = self.turn.wait_timeout(s, TURN_POLL).ok()?.0;
-        }
-    }
-
-    /// Wakes every waiting worker to give up.
-    fn abandon(&self) {
-        self.abandoned.store(true, Ordering::Relaxed);
-        self.turn.notify_all();
+    /// The next job, or `None` once the queue is closed and empty.
+    fn next_job(&self) -> Option<Job> {
+        // A worker cannot panic while it holds the queue: a poisoned lock is still sound.
+        let rx = self.jobs.lock().unwrap_or_else(PoisonError::into_inner);
+        rx.recv().ok()
     }
 }
 
 pub(super) struct ZPool {
-    jobs: Vec<SyncSender<Job>>,
+    /// The workers' queue (`None` once closed).
+    jobs: Option<SyncSender<Job>>,
     done: Receiver<Done>,
     handles: Vec<JoinHandle<()>>,
     shared: Arc<Shared>,
-    /// Worker the next chunk goes to.
-    next_worker: usize,
-    /// Per CPU, the number of its next chunk.
+    /// Per CPU, the number of its next batch.
     seqs: Vec<u64>,
     in_flight: usize,
     /// Batches in flight before the sink waits (or, live, goes on at the catch-up level).
     limit: usize,
-    /// Recycled chunk buffers (at most `limit`).
+    /// Recycled batch and record buffers (at most `2 × limit`).
     free: Vec<Vec<u8>>,
-    /// Chunks handed over at the catch-up level.
+    free_out: Vec<Vec<u8>>,
+    /// Batches handed over at the catch-up level.
     pub(super) caught_up: u64,
     /// Bytes of guest strings the workers replaced, in the batches finished so far.
     replaced: u64,
-    /// Each CPU's bytes written, as of the chunks finished so far.
+    /// Each CPU's bytes written, as of the batches finished so far.
     bytes: Vec<u64>,
 }
 
 impl ZPool {
-    /// `workers` threads (at least one) compressing the chunks (pages of `page_size`,
+    /// `workers` threads (at least one) compressing the batches (pages of `page_size`,
     /// their string fields `strings`) of the CPUs whose data `outs` holds (index = CPU)
     /// with copies of `zstd`; if a thread or a compressor cannot be made, `outs` comes
     /// back untouched (the caller compresses on its own thread).
@@ -147,25 +203,32 @@ impl ZPool {
         let small = batch_chunks(1) * ZSTD_CHUNK_BYTES;
         let limit = (4 * workers * small / batch).clamp(1, 4 * workers);
         let n = outs.len();
+        // The queue never holds more than the pool's bound, `2 × limit` batches.
+        let (tx, rx) = mpsc::sync_channel::<Job>(2 * limit);
         let shared = Arc::new(Shared {
             slots: outs
                 .into_iter()
-                .map(|out| Mutex::new(Slot { next: Some(0), out }))
+                .map(|out| {
+                    Mutex::new(Slot {
+                        next: Some(0),
+                        out,
+                        parked: Vec::new(),
+                    })
+                })
                 .collect(),
-            turn: Condvar::new(),
-            abandoned: AtomicBool::new(false),
+            jobs: Mutex::new(rx),
         });
         let (done_tx, done) = mpsc::channel::<Done>();
         let mut pool = Self {
-            jobs: Vec::new(),
+            jobs: Some(tx),
             done,
             handles: Vec::new(),
             shared,
-            next_worker: 0,
             seqs: vec![0; n],
             in_flight: 0,
             limit,
             free: Vec::new(),
+            free_out: Vec::new(),
             caught_up: 0,
             replaced: 0,
             bytes: vec![0; n],
@@ -174,8 +237,6 @@ impl ZPool {
             let Ok(z) = zstd.fresh() else {
                 return Err(pool.into_outs());
             };
-            // A worker never has more than `2 × limit` jobs queued (the pool's bound).
-            let (tx, rx) = mpsc::sync_channel::<Job>(2 * limit);
             let w = Worker {
                 z,
                 strings: Arc::clone(&strings),
@@ -185,20 +246,18 @@ impl ZPool {
             };
             let spawned = std::thread::Builder::new()
                 .name(format!("hyptrace-zstd{i}"))
-                .spawn(move || w.work(&rx));
+                .spawn(move || w.work());
             let Ok(h) = spawned else {
                 return Err(pool.into_outs());
             };
-            pool.jobs.push(tx);
             pool.handles.push(h);
         }
         Ok(pool)
     }
 
-    /// Closes the queues and joins the workers.
+    /// Closes the queue and joins the workers (each finishes the jobs it took).
     fn join(&mut self) {
-        self.jobs.clear();
-        self.shared.abandon();
+        self.jobs = None;
         for h in self.handles.drain(..) {
             let _ = h.join();
         }
@@ -208,12 +267,12 @@ impl ZPool {
     /// poisoned is taken as it is: the caller only uses it after an error, to drop it).
     fn into_outs(mut self) -> Vec<CpuOut> {
         self.join();
+        let (_, rx) = mpsc::sync_channel(0);
         let shared = std::mem::replace(
             &mut self.shared,
             Arc::new(Shared {
                 slots: Vec::new(),
-                turn: Condvar::new(),
-                abandoned: AtomicBool::new(true),
+                jobs: Mutex::new(rx),
             }),
         );
         match Arc::try_unwrap(shared) {
@@ -227,7 +286,7 @@ impl ZPool {
         }
     }
 
-    /// A buffer for the next chunk: a recycled one (its old bytes kept: the caller
+    /// A buffer for the next batch: a recycled one (its old bytes kept: the caller
     /// overwrites what it uses), else an empty one.
     pub(super) fn buffer(&mut self) -> Vec<u8> {
         self.free.pop().unwrap_or_default()
@@ -267,20 +326,16 @@ impl ZPool {
             len,
             level,
             direct,
+            out: self.free_out.pop().unwrap_or_default(),
         };
         *seq += 1;
-        let w = self.next_worker % self.jobs.len().max(1);
-        self.next_worker = w + 1;
-        self.jobs
-            .get(w)
-            .ok_or_else(dead)?
-            .send(job)
-            .map_err(|_| dead())?;
+        let tx = self.jobs.as_ref().ok_or_else(dead)?;
+        tx.send(job).map_err(|_| dead())?;
         self.in_flight += 1;
         Ok(())
     }
 
-    /// Takes every chunk finished meanwhile (their errors first).
+    /// Takes every batch finished meanwhile (their errors first).
     fn collect(&mut self) -> Result<(), OutputError> {
         while let Ok(d) = self.done.try_recv() {
             self.finished(d)?;
@@ -288,7 +343,7 @@ impl ZPool {
         Ok(())
     }
 
-    /// Waits for every chunk in flight; CPU `cpu`'s bytes written then.
+    /// Waits for every batch in flight; CPU `cpu`'s bytes written then.
     pub(super) fn settle_cpu(&mut self, cpu: usize) -> Result<u64, OutputError> {
         while self.in_flight > 0 {
             self.wait_one()?;
@@ -314,8 +369,8 @@ impl ZPool {
         loop {
             match self.done.recv_timeout(Duration::from_millis(100)) {
                 Ok(d) => return self.finished(d),
-                // Workers only end when the pool drops their queue: one that ended has
-                // panicked, and its chunks will never come.
+                // Workers only end when the pool closes their queue: one that ended has
+                // panicked, and its batches will never come.
                 Err(RecvTimeoutError::Timeout) if self.handles.iter().any(|h| h.is_finished()) => {
                     return Err(dead())
                 }
@@ -331,8 +386,9 @@ impl ZPool {
         if let Some(b) = self.bytes.get_mut(d.cpu) {
             *b = (*b).max(d.bytes);
         }
-        if self.free.len() < self.limit {
+        if self.free.len() < 2 * self.limit {
             self.free.push(d.data);
+            self.free_out.push(d.out);
         }
         match d.err {
             Some(e) => Err(e),
@@ -351,56 +407,34 @@ struct Worker {
 }
 
 impl Worker {
-    /// Makes each job's chunk safe (G2), compresses it and, in its CPU's turn, appends
-    /// it to the CPU's data; until the queue closes.
-    fn work(mut self, rx: &Receiver<Job>) {
-        while let Ok(mut j) = rx.recv() {
-            let (mut replaced, mut bytes) = (0, 0);
-            let err = match j.data.get_mut(..j.len) {
-                Some(chunk) => {
-                    replaced = self.strings.sanitize_pages(chunk, self.page_size);
-                    let r = self.write(&mut j, &mut bytes);
-                    r.err()
+    /// Makes each job's batch safe (G2), compresses it and hands it to its CPU's data
+    /// (written in its turn, [`Slot::take`]); until the queue closes.
+    fn work(mut self) {
+        while let Some(mut j) = self.shared.next_job() {
+            let (replaced, records) = match j.data.get_mut(..j.len) {
+                Some(batch) => {
+                    let replaced = self.strings.sanitize_pages(batch, self.page_size);
+                    let records = self.z.compress_into(batch, j.level, &mut j.out);
+                    (replaced, records)
                 }
-                None => Some(dead()),
+                None => (0, Err(std::io::Error::other("batch past its buffer"))),
             };
-            let d = Done {
-                cpu: j.cpu,
-                bytes,
-                data: j.data,
-                err,
+            let cpu = j.cpu;
+            let r = Ready {
+                job: j,
+                records,
                 replaced,
             };
-            if self.done.send(d).is_err() {
-                break;
+            let told = match self.shared.lock(cpu) {
+                Some(mut slot) => slot.take(r),
+                None => vec![done(r.job, 0, Some(dead()), r.replaced)],
+            };
+            for d in told {
+                if self.done.send(d).is_err() {
+                    return;
+                }
             }
         }
-    }
-
-    /// Compresses job `j`'s chunk and writes it into its CPU's data in its turn; sets
-    /// `bytes` to the CPU's bytes written then.
-    fn write(&mut self, j: &mut Job, bytes: &mut u64) -> Result<(), OutputError> {
-        let chunk = j.data.get(..j.len).ok_or_else(dead)?;
-        let records = self.z.compress(chunk, j.level);
-        let shared = Arc::clone(&self.shared);
-        let mut slot = shared.turn(j.cpu, j.seq).ok_or_else(dead)?;
-        let r = (|| {
-            let (records, n) = records.map_err(|e| slot.out.zstd_err(e))?;
-            if let Some(d) = j.direct.take() {
-                slot.out.go_direct(d.file, &d.path, d.start, d.prefix)?;
-            }
-            slot.out.append(records)?;
-            slot.out.chunks += n;
-            Ok(())
-        })();
-        slot.next = match r {
-            Ok(()) => Some(j.seq + 1),
-            Err(_) => None,
-        };
-        *bytes = slot.out.bytes;
-        drop(slot);
-        shared.turn.notify_all();
-        r
     }
 }
 
@@ -409,9 +443,158 @@ fn dead() -> OutputError {
 }
 
 impl Drop for ZPool {
-    /// Closes the queues and joins the workers (each finishes at most its queued chunks,
-    /// or gives up waiting for its turn); the CPU data is dropped (spill files removed).
+    /// Closes the queue and joins the workers (they finish the jobs queued: at most
+    /// `2 × limit`); the CPU data is dropped (spill files removed).
     fn drop(&mut self) {
         self.join();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::cpuout::ZSTD_LEVEL;
+    use super::super::params::chunk_pages;
+    use super::*;
+    use std::io::Read;
+
+    const PS: usize = 4096;
+
+    /// A pool of `workers` over `cpus` CPUs' spill files in `dir`, and a compressor like
+    /// its workers'.
+    fn pool(dir: &std::path::Path, workers: usize, cpus: u32) -> (ZPool, Zstd) {
+        let target = crate::OutputTarget::check(dir.join("x.dat")).unwrap();
+        let outs = (0..cpus)
+            .map(|c| CpuOut::new(&target, c).unwrap())
+            .collect();
+        let chunk = PS * chunk_pages(PS);
+        let z = Zstd::new(chunk, batch_chunks(chunk)).unwrap();
+        let strings = Arc::new(StringFields::new(&[]));
+        let p = ZPool::new(outs, workers, &z, strings, PS).unwrap_or_else(|_| panic!("pool"));
+        (p, z)
+    }
+
+    /// Batch `i`: its own bytes (so that batches out of order would show), of a length
+    /// that varies (whole pages, at most one batch).
+    fn batch(i: usize, most: usize) -> Vec<u8> {
+        let pages = (1 + i * 7 % (most / PS)).min(most / PS);
+        (0..pages * PS)
+            .map(|b| ((b / 64 + i * 31) % 251) as u8)
+            .collect()
+    }
+
+    fn spilled(o: &mut CpuOut) -> Vec<u8> {
+        o.flush().unwrap();
+        let mut v = Vec::new();
+        o.spill().unwrap().unwrap().read_to_end(&mut v).unwrap();
+        v
+    }
+
+    /// Batches taken by whichever worker is free and compressed out of order are written
+    /// in each CPU's order: each CPU's data is what one compressor writes batch after
+    /// batch.
+    #[test]
+    fn batches_are_written_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut p, mut z) = pool(dir.path(), 4, 2);
+        let most = z.batch_bytes();
+        let mut want = [Vec::new(), Vec::new()];
+        for i in 0..96 {
+            let (cpu, b) = (i % 3 / 2, batch(i, most));
+            let (records, _) = z.compress(&b, ZSTD_LEVEL).unwrap();
+            want[cpu].extend_from_slice(records);
+            let mut data = p.buffer();
+            data.clear();
+            data.extend_from_slice(&b);
+            p.submit(cpu, data, b.len(), ZSTD_LEVEL, None, None)
+                .unwrap();
+        }
+        let (mut outs, replaced) = p.finish().unwrap();
+        assert_eq!(replaced, 0);
+        for (cpu, o) in outs.iter_mut().enumerate() {
+            assert_eq!(o.bytes, want[cpu].len() as u64, "cpu {cpu}");
+            assert!(spilled(o) == want[cpu], "cpu {cpu}'s data out of order");
+        }
+    }
+
+    /// A ready batch of CPU 0 numbered `seq` whose records are `records`.
+    fn ready(seq: u64, records: &[u8]) -> Ready {
+        let job = Job {
+            cpu: 0,
+            seq,
+            data: Vec::new(),
+            len: 0,
+            level: ZSTD_LEVEL,
+            direct: None,
+            out: records.to_vec(),
+        };
+        Ready {
+            job,
+            records: Ok((records.len(), 1)),
+            replaced: 0,
+        }
+    }
+
+    /// A batch before its turn is parked; the batch whose turn it is is written with
+    /// the parked ones that follow it, in order; a batch after a failed one is told
+    /// as not written.
+    #[test]
+    fn slot_parks_until_the_turn() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = crate::OutputTarget::check(dir.path().join("x.dat")).unwrap();
+        let out = CpuOut::new(&target, 0).unwrap();
+        let mut s = Slot {
+            next: Some(0),
+            out,
+            parked: Vec::new(),
+        };
+        let told = |d: Vec<Done>| {
+            d.iter()
+                .map(|d| (d.bytes, d.err.is_some()))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(told(s.take(ready(2, b"cc"))), []);
+        assert_eq!(told(s.take(ready(3, b"ddd"))), []);
+        assert_eq!(told(s.take(ready(0, b"a"))), [(1, false)]);
+        assert_eq!(
+            told(s.take(ready(1, b"bb"))),
+            [(3, false), (5, false), (8, false)]
+        );
+        assert_eq!((s.next, s.out.chunks), (Some(4), 4));
+        assert_eq!(spilled(&mut s.out), b"abbccddd");
+        // Batch 4's records cannot be written (more than its buffer): it fails, and
+        // batch 5, parked before, is told as not written.
+        let mut bad = ready(4, b"e");
+        bad.records = Ok((2, 1));
+        assert_eq!(told(s.take(ready(5, b"f"))), []);
+        assert_eq!(told(s.take(bad)), [(8, true), (8, true)]);
+        assert_eq!(s.next, None);
+        assert_eq!(told(s.take(ready(6, b"g"))), [(8, true)]);
+    }
+
+    /// A batch that fails fails the run with its own error (not a later batch's), and
+    /// the pool neither hangs nor writes the batches after it.
+    #[test]
+    fn a_failed_batch_fails_the_run() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut p, z) = pool(dir.path(), 3, 1);
+        let most = z.batch_bytes();
+        let mut first = None;
+        for i in 0..40 {
+            let b = batch(i, most);
+            // Batch 5 claims more bytes than its buffer holds.
+            let len = if i == 5 { b.len() + 1 } else { b.len() };
+            if let Err(e) = p.submit(0, b, len, ZSTD_LEVEL, None, None) {
+                first = Some(e);
+                break;
+            }
+        }
+        let e = match first {
+            Some(e) => e,
+            None => p.finish().map(|_| ()).expect_err("batch 5 failed"),
+        };
+        assert!(
+            matches!(e, OutputError::Compress { cpu: Some(0), .. }),
+            "{e:?}"
+        );
     }
 }
