@@ -7,9 +7,10 @@
 //! CPU is written once batch `n - 1` is. A batch compressed before its turn is parked
 //! with its CPU ([`Slot`]) and the worker goes on with the next batch; whichever worker
 //! writes batch `n - 1` writes the parked batches that follow it. No compression and
-//! no `write(2)` of CPU data runs on the sink's thread. At most [`ZPool::limit`]
+//! no `write(2)` of CPU data runs on the sink's thread. At most twice [`ZPool::limit`]
 //! batches are in flight (memory: that many batches and their records, buffers
-//! recycled; parked batches are in flight).
+//! recycled; parked batches are in flight); a sink fed by live rings waits at `limit`
+//! (below).
 //!
 //! The level of each batch is chosen when it is handed over ([`ZPool::submit`]): the
 //! sink's level, or — for a sink fed by live rings ([`crate::PageSink::set_live`]) whose
@@ -293,8 +294,8 @@ impl ZPool {
     }
 
     /// Queues CPU `cpu`'s next batch `data[..len]` at `level`, waiting for a batch to
-    /// finish while `limit` are in flight — or, with `catch_up`, at that level while
-    /// `limit` to `2 × limit` are; `direct` with the CPU's first batch, if its data goes
+    /// finish while `2 × limit` are in flight — or, with `catch_up` (live), while `limit`
+    /// are, and at the catch-up level while `limit / 2` to `2 × limit` are; `direct` with the CPU's first batch, if its data goes
     /// straight into the output.
     pub(super) fn submit(
         &mut self,
@@ -307,13 +308,16 @@ impl ZPool {
     ) -> Result<(), OutputError> {
         self.collect()?;
         // Workers behind: a live sink goes on at the catch-up level (its batches cost
-        // the workers little) up to twice the limit; otherwise it waits at the limit.
+        // the workers little) up to twice the limit; otherwise it waits at the limit. A
+        // sink fed from a file (no catch-up) waits at twice the limit: a deeper queue
+        // keeps the workers fed while the feeding thread waits for a core.
         let (level, most) = match catch_up {
             Some(fast) if 2 * self.in_flight >= self.limit => {
                 self.caught_up += 1;
                 (fast, 2 * self.limit)
             }
-            _ => (level, self.limit),
+            Some(_) => (level, self.limit),
+            None => (level, 2 * self.limit),
         };
         while self.in_flight >= most {
             self.wait_one()?;
