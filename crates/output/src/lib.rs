@@ -36,6 +36,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+mod blockwrite;
 mod clock;
 mod damage;
 mod error;

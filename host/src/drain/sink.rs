@@ -120,14 +120,39 @@ pub fn check_destination(path: &Path, flag: &str) -> Result<OutputTarget, Destin
     })
 }
 
-/// [`check_destination`], the file to be created with the permission bits `mode`
-/// (`--output-mode`).
-pub fn check_with_mode(
+/// How the files written from trace data are made (`--output-mode`, `--direct-io`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FileOpts {
+    /// The permission bits a new file is created with (less the umask).
+    pub mode: u32,
+    /// Whole blocks of a regular file past the page cache
+    /// ([`OutputTarget::with_direct_io`]).
+    pub direct_io: bool,
+}
+
+impl Default for FileOpts {
+    fn default() -> Self {
+        Self {
+            mode: OutputTarget::PRIVATE,
+            direct_io: false,
+        }
+    }
+}
+
+/// [`check_destination`], the file to be made as `opts` says.
+pub fn check_with(
     path: &Path,
     flag: &str,
-    mode: u32,
+    opts: FileOpts,
 ) -> Result<OutputTarget, DestinationError> {
-    check_destination(path, flag).map(|t| t.with_mode(mode))
+    check_destination(path, flag).map(|t| {
+        let t = t.with_mode(opts.mode);
+        if opts.direct_io {
+            t.with_direct_io()
+        } else {
+            t
+        }
+    })
 }
 
 /// Writes `text` to a checked destination (temporary file renamed, or in place).

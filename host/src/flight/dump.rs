@@ -49,8 +49,8 @@ pub struct DumpPlan {
     pub output: PathBuf,
     /// The output format (`None`: from the extension).
     pub format: Option<Format>,
-    /// The permission bits of the output file.
-    pub output_mode: u32,
+    /// How the output file is made (its permission bits, the page cache).
+    pub files: crate::drain::sink::FileOpts,
 }
 
 /// Why a dump failed.
@@ -407,7 +407,7 @@ pub fn dump_trace_mem(
 /// stderr; 2: the file is unusable; 1: the output failed).
 pub fn dump(a: &DumpPlan) -> Result<i32, DumpCmdError> {
     let format = crate::drain::sink::format_for(a.format, &a.output, "-o")?;
-    let target = crate::drain::sink::check_with_mode(&a.output, "-o", a.output_mode)?;
+    let target = crate::drain::sink::check_with(&a.output, "-o", a.files)?;
     let started = std::time::Instant::now();
     let trace_mem = match &a.source {
         None => return Err(DumpCmdError::NoSource),

@@ -14,7 +14,7 @@ use hyptrace_abi::guest::Workload;
 
 use hyptrace_output::{Compression, OutputTarget};
 
-use crate::drain::sink::{check_with_mode, DestinationError, Format};
+use crate::drain::sink::{check_with, DestinationError, FileOpts, Format};
 use crate::flight::dump::{DumpPlan, DumpSource};
 use crate::vmm::memory_map::MAX_VCPUS;
 use crate::vmm::time::ClockKind;
@@ -392,20 +392,37 @@ pub struct OutputModeArg {
         value_parser = parse_mode
     )]
     pub output_mode: u32,
+    /// Write a regular output file in 4 MiB blocks past the page cache (O_DIRECT, where
+    /// the file system allows it). Faster where copying into fresh page-cache memory is
+    /// slow (a VM whose hypervisor takes freed memory back), and it leaves no dirty
+    /// pages to flush at the end; but the output goes at the disk's pace, where the
+    /// page cache takes a burst of a few GB. See docs/output.md
+    #[arg(long = "direct-io")]
+    pub direct_io: bool,
 }
 
 impl Default for OutputModeArg {
     fn default() -> Self {
         Self {
             output_mode: OutputTarget::PRIVATE,
+            direct_io: false,
         }
     }
 }
 
 impl OutputModeArg {
-    /// [`check_destination`](crate::drain::sink::check_destination), the file to be created with this mode.
+    /// How the files are made.
+    pub fn opts(&self) -> FileOpts {
+        FileOpts {
+            mode: self.output_mode,
+            direct_io: self.direct_io,
+        }
+    }
+
+    /// [`check_destination`](crate::drain::sink::check_destination), the file to be
+    /// made as these options say.
     pub fn check(&self, path: &Path, flag: &str) -> Result<OutputTarget, DestinationError> {
-        check_with_mode(path, flag, self.output_mode)
+        check_with(path, flag, self.opts())
     }
 }
 
@@ -501,7 +518,7 @@ impl DumpArgs {
             source,
             output: self.output.clone(),
             format: format(self.format),
-            output_mode: self.files.output_mode,
+            files: self.files.opts(),
         }
     }
 }
@@ -877,11 +894,21 @@ mod tests {
             assert!(parse_mode(bad).is_err(), "{bad}");
         }
         let dir = std::env::temp_dir();
-        let t = OutputModeArg { output_mode: 0o644 }
-            .check(&dir.join("x.dat"), "-o")
-            .expect("check");
+        let t = OutputModeArg {
+            output_mode: 0o644,
+            direct_io: false,
+        }
+        .check(&dir.join("x.dat"), "-o")
+        .expect("check");
         assert_eq!(t.mode(), 0o644);
+        assert!(!t.is_direct_io());
         let t = check_destination(&dir.join("x.dat"), "-o").expect("check");
         assert_eq!(t.mode(), OutputTarget::PRIVATE);
+        assert!(!t.is_direct_io(), "through the page cache by default");
+        // --direct-io reaches the target (`run`, `record`, `convert`, `dump` check
+        // through it).
+        let run = parse_run(&["--direct-io"]).expect("parses");
+        let t = run.files.check(&dir.join("x.dat"), "-o").expect("check");
+        assert!(t.is_direct_io());
     }
 }

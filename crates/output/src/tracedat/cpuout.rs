@@ -4,10 +4,11 @@
 //! buffer of pages into one of trace-cmd's chunk records ([`Zstd`]).
 
 use std::fs::File;
-use std::io::{self, BufWriter, Write};
+use std::io::{self, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
+use crate::blockwrite::BlockWriter;
 use crate::target::{OutputTarget, Temp};
 use crate::OutputError;
 
@@ -19,9 +20,6 @@ pub(super) const ZSTD_LEVEL: i32 = 3;
 /// zstd level of a chunk handed over while the workers are behind on a live run
 /// (`zpool`): stores at several GB/s (ratio about 1.0).
 pub(super) const ZSTD_CATCH_UP_LEVEL: i32 = -1000;
-/// Buffer of a CPU's writes (chunk records are small: they are gathered; a batch of
-/// uncompressed pages is as large and goes straight through).
-const OUT_BUF: usize = 1 << 20;
 
 /// A file written from an offset on with positioned writes: the output, shared by the
 /// CPUs that write straight into it, each in its own region.
@@ -51,10 +49,10 @@ impl Write for At {
 /// Where a CPU's bytes go.
 enum Dest {
     /// Its spill file, copied into the output at the end.
-    Spill(BufWriter<Temp>),
+    Spill(BlockWriter<Temp>),
     /// The output itself, from `start` (`path`: the output's, for errors).
     Direct {
-        w: BufWriter<At>,
+        w: BlockWriter<File>,
         start: u64,
         path: PathBuf,
     },
@@ -70,6 +68,8 @@ pub(super) struct CpuOut {
     pub(super) chunks: u32,
     /// The CPU (for errors).
     cpu: u32,
+    /// Whole blocks past the page cache ([`OutputTarget::is_direct_io`]).
+    direct_io: bool,
 }
 
 impl CpuOut {
@@ -78,10 +78,11 @@ impl CpuOut {
     pub(super) fn new(target: &OutputTarget, cpu: u32) -> Result<Self, OutputError> {
         let f = target.spill(&format!(".cpu{cpu}"))?;
         Ok(Self {
-            dest: Dest::Spill(BufWriter::with_capacity(OUT_BUF, f)),
+            dest: Dest::Spill(BlockWriter::new(f, 0, target.is_direct_io())),
             bytes: 0,
             chunks: 0,
             cpu,
+            direct_io: target.is_direct_io(),
         })
     }
 
@@ -98,7 +99,7 @@ impl CpuOut {
         if self.bytes != 0 {
             return Err(OutputError::Moved(self.cpu));
         }
-        let mut w = BufWriter::with_capacity(OUT_BUF, At::new(file, start));
+        let mut w = BlockWriter::new(file, start, self.direct_io);
         w.write_all(&[0u8; 8][..prefix.min(8)])
             .map_err(|e| OutputError::io(path, e))?;
         self.dest = Dest::Direct {

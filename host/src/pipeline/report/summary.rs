@@ -181,7 +181,7 @@ impl RunReport {
         let w = &r.output_waits;
         if w.count > 0 {
             out.push(format!(
-                "the reader waited {:.1} ms for the output to take pages ({} time{}, the longest {:.1} ms): the output was slower than the guest wrote ({:.0} MB/s of events on the busiest vCPU); write to a faster file system or lower --rate",
+                "the reader waited {:.1} ms for the output to take pages ({} time{}, the longest {:.1} ms): the output was slower than the guest wrote ({:.0} MB/s of events on the busiest vCPU); write to a faster file system, past the page cache (--direct-io) or at a lower --rate",
                 ms(w.total),
                 w.count,
                 if w.count == 1 { "" } else { "s" },
