@@ -20,6 +20,8 @@ use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::sync::mpsc::{self, Receiver, SyncSender, TryRecvError};
+use std::thread::JoinHandle;
 
 /// Alignment of a direct write's memory, length and file offset: the page size, a
 /// multiple of the logical block size of the devices Linux runs on.
@@ -43,21 +45,191 @@ impl HasFile for File {
     }
 }
 
-/// A buffered writer of a byte stream into a file from an offset on, whole aligned
-/// blocks past the page cache. [`Write::flush`] writes everything buffered (the tail
-/// through the page cache) and keeps the tail, so writing on after it keeps the blocks
-/// aligned.
-pub(crate) struct BlockWriter<T> {
-    inner: T,
-    /// The file again, opened with `O_DIRECT`; `None` where that is refused.
-    direct: Option<File>,
-    /// `cap + ALIGN` bytes: the buffer is `mem[base..base + cap]`, aligned.
+/// An aligned buffer: `mem[base..base + cap]` (`mem` holds `cap + ALIGN` bytes).
+struct Block {
     mem: Vec<u8>,
     base: usize,
-    cap: usize,
-    /// File offset of the buffer's first byte.
+}
+
+impl Block {
+    fn new(cap: usize) -> Self {
+        let mem = vec![0u8; cap + ALIGN];
+        // `align_offset` of a u8 pointer to a power of two is always computable.
+        let base = mem.as_ptr().align_offset(ALIGN);
+        Self { mem, base }
+    }
+
+    /// The first `n` bytes.
+    fn get(&self, n: usize) -> &[u8] {
+        &self.mem[self.base..self.base + n]
+    }
+
+    /// Bytes `from..to`, for writing.
+    fn get_mut(&mut self, from: usize, to: usize) -> &mut [u8] {
+        &mut self.mem[self.base + from..self.base + to]
+    }
+}
+
+/// Blocks in flight past the page cache at most, besides the one filling: the writer
+/// goes on filling while the device writes (a writer that waited for each write — a
+/// compression worker — made a 50 % record wait seconds for the disk). Memory: a writer
+/// holds `IN_FLIGHT + 1` blocks.
+const IN_FLIGHT: usize = 1;
+
+/// A thread of its own writing blocks past the page cache, one after the other; each
+/// block comes back with its result. Ends (joined) when dropped.
+struct Flight {
+    jobs: Option<SyncSender<(Block, usize, u64)>>,
+    done: Receiver<(Block, io::Result<()>)>,
+    thread: Option<JoinHandle<()>>,
+    in_flight: usize,
+    /// Blocks back from the thread, and how many were ever made.
+    spare: Vec<Block>,
+    made: usize,
+}
+
+impl Flight {
+    /// The thread writing through `direct`, or through `cached` (the same file) from
+    /// the first refusal on; `None` if no thread can be made.
+    fn start(direct: File, cached: File) -> Option<Self> {
+        let (jobs, rx) = mpsc::sync_channel::<(Block, usize, u64)>(IN_FLIGHT);
+        let (tx, done) = mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name("hyptrace-io".into())
+            .spawn(move || {
+                let mut direct = Some(direct);
+                for (block, n, pos) in rx {
+                    let r = write_past_cache(&mut direct, &cached, block.get(n), pos);
+                    if tx.send((block, r)).is_err() {
+                        return;
+                    }
+                }
+            })
+            .ok()?;
+        Some(Self {
+            jobs: Some(jobs),
+            done,
+            thread: Some(thread),
+            in_flight: 0,
+            spare: Vec::new(),
+            made: 0,
+        })
+    }
+
+    /// Takes a block back from the thread (`wait`: waiting for one); its write's error.
+    fn take_back(&mut self, wait: bool) -> io::Result<bool> {
+        let got = if wait {
+            self.done.recv().map_err(|_| gone())?
+        } else {
+            match self.done.try_recv() {
+                Ok(d) => d,
+                Err(TryRecvError::Empty) => return Ok(false),
+                Err(TryRecvError::Disconnected) => return Err(gone()),
+            }
+        };
+        self.in_flight -= 1;
+        self.spare.push(got.0);
+        got.1.map(|()| true)
+    }
+
+    /// A block to fill next: one back from the thread, a new one while fewer than
+    /// `IN_FLIGHT + 1` were made, else the first the thread gives back.
+    fn next_block(&mut self, cap: usize) -> io::Result<Block> {
+        while self.in_flight > 0 && self.take_back(false)? {}
+        if let Some(b) = self.spare.pop() {
+            return Ok(b);
+        }
+        if self.made <= IN_FLIGHT {
+            self.made += 1;
+            return Ok(Block::new(cap));
+        }
+        self.take_back(true)?;
+        self.spare.pop().ok_or_else(gone)
+    }
+
+    /// Hands over the first `n` bytes of `block`, for file offset `pos`.
+    fn send(&mut self, block: Block, n: usize, pos: u64) -> io::Result<()> {
+        let jobs = self.jobs.as_ref().ok_or_else(gone)?;
+        jobs.send((block, n, pos)).map_err(|_| gone())?;
+        self.in_flight += 1;
+        Ok(())
+    }
+
+    /// Waits for every block in flight; the first error among them.
+    fn settle(&mut self) -> io::Result<()> {
+        let mut first = Ok(());
+        while self.in_flight > 0 {
+            if let Err(e) = self.take_back(true) {
+                if matches!(e.kind(), io::ErrorKind::BrokenPipe) {
+                    return Err(e);
+                }
+                first = first.and(Err(e));
+            }
+        }
+        first
+    }
+}
+
+impl Drop for Flight {
+    /// Closes the queue and waits for the thread (it finishes the write it is in).
+    fn drop(&mut self) {
+        self.jobs = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The error of a writer thread that is gone (it panicked).
+fn gone() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::BrokenPipe,
+        "the output's writer thread ended",
+    )
+}
+
+/// Writes `bytes` at `pos` through `direct`, or — once the file system refused it
+/// (`EINVAL`: alignment, no `O_DIRECT`), this write and every later one — through
+/// `cached`, from the block's start.
+fn write_past_cache(
+    direct: &mut Option<File>,
+    cached: &File,
+    bytes: &[u8],
     pos: u64,
-    /// Bytes buffered.
+) -> io::Result<()> {
+    if let Some(d) = direct {
+        match d.write_all_at(bytes, pos) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => *direct = None,
+            Err(e) => return Err(e),
+        }
+    }
+    cached.write_all_at(bytes, pos)
+}
+
+/// How whole blocks are written.
+enum Way {
+    /// Through the page cache.
+    Cached,
+    /// Past it, on the caller's thread (before the first block, or no thread).
+    Direct(Option<File>),
+    /// Past it, on a thread of its own.
+    Flight(Box<Flight>),
+}
+
+/// A buffered writer of a byte stream into a file from an offset on, whole aligned
+/// blocks past the page cache (on a thread of its own, the next block filling
+/// meanwhile). [`Write::flush`] writes everything buffered (the tail through the page
+/// cache) and keeps the tail, so writing on after it keeps the blocks aligned.
+pub(crate) struct BlockWriter<T> {
+    inner: T,
+    way: Way,
+    /// The block filling.
+    cur: Block,
+    cap: usize,
+    /// File offset of the block's first byte.
+    pos: u64,
+    /// Bytes in it.
     len: usize,
 }
 
@@ -65,20 +237,18 @@ impl<T: HasFile> BlockWriter<T> {
     /// Writes into `inner`'s file from offset `start` on; whole blocks past the page
     /// cache if `direct` and the file system allows it.
     pub(crate) fn new(inner: T, start: u64, direct: bool) -> Self {
-        let direct = direct.then(|| reopen_direct(inner.file())).flatten();
-        let cap = if direct.is_some() {
-            BLOCK
-        } else {
-            CACHED_BLOCK
+        let way = match direct.then(|| reopen_direct(inner.file())).flatten() {
+            Some(f) => Way::Direct(Some(f)),
+            None => Way::Cached,
         };
-        let mem = vec![0u8; cap + ALIGN];
-        // `align_offset` of a u8 pointer to a power of two is always computable.
-        let base = mem.as_ptr().align_offset(ALIGN);
+        let cap = match way {
+            Way::Cached => CACHED_BLOCK,
+            _ => BLOCK,
+        };
         Self {
             inner,
-            direct,
-            mem,
-            base,
+            way,
+            cur: Block::new(cap),
             cap,
             pos: start,
             len: 0,
@@ -98,18 +268,22 @@ impl<T: HasFile> BlockWriter<T> {
     /// Writes out everything buffered and gives back what was written into.
     pub(crate) fn into_inner(mut self) -> io::Result<T> {
         self.flush()?;
+        // The thread, if any, is joined.
+        self.way = Way::Cached;
         Ok(self.inner)
     }
 
-    /// What was written into, the buffered bytes dropped (a failed output).
-    pub(crate) fn into_discarded(self) -> T {
+    /// What was written into, the buffered bytes dropped (a failed output; a write in
+    /// flight is waited for).
+    pub(crate) fn into_discarded(mut self) -> T {
+        self.way = Way::Cached;
         self.inner
     }
 
     /// Whether whole blocks go past the page cache (for tests and diagnostics).
     #[cfg(test)]
     fn is_direct(&self) -> bool {
-        self.direct.is_some()
+        !matches!(self.way, Way::Cached | Way::Direct(None))
     }
 
     /// Writes out what can go in aligned pieces: the head up to an aligned offset
@@ -121,37 +295,64 @@ impl<T: HasFile> BlockWriter<T> {
             let head = (ALIGN - mis).min(self.len);
             self.inner
                 .file()
-                .write_all_at(&self.mem[self.base..self.base + head], self.pos)?;
+                .write_all_at(self.cur.get(head), self.pos)?;
             self.consume(head);
         }
         let whole = self.len / ALIGN * ALIGN;
-        if whole > 0 {
-            self.write_aligned(whole)?;
-            self.consume(whole);
+        if whole == 0 {
+            return Ok(());
+        }
+        if let Way::Direct(Some(_)) = self.way {
+            self.start_flight()?;
+        }
+        match &mut self.way {
+            Way::Flight(f) => {
+                let mut next = f.next_block(self.cap)?;
+                let tail = self.len - whole;
+                next.get_mut(0, tail)
+                    .copy_from_slice(&self.cur.get(self.len)[whole..]);
+                let full = std::mem::replace(&mut self.cur, next);
+                f.send(full, whole, self.pos)?;
+                self.pos += whole as u64;
+                self.len = tail;
+            }
+            Way::Direct(d) => {
+                write_past_cache(d, self.inner.file(), self.cur.get(whole), self.pos)?;
+                self.consume(whole);
+            }
+            Way::Cached => {
+                self.inner
+                    .file()
+                    .write_all_at(self.cur.get(whole), self.pos)?;
+                self.consume(whole);
+            }
         }
         Ok(())
     }
 
-    /// Writes the first `n` buffered bytes (`pos` and `n` aligned): past the page cache
-    /// if it can, else — from the first refusal on — through it.
-    fn write_aligned(&mut self, n: usize) -> io::Result<()> {
-        let bytes = &self.mem[self.base..self.base + n];
-        if let Some(d) = &self.direct {
-            match d.write_all_at(bytes, self.pos) {
-                Ok(()) => return Ok(()),
-                // The file system's refusal (alignment, no O_DIRECT): the same bytes
-                // through the page cache, from the block's start.
-                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => self.direct = None,
-                Err(e) => return Err(e),
+    /// At the first whole block: the thread that writes past the page cache (if none
+    /// can be made, the blocks are written on this thread).
+    fn start_flight(&mut self) -> io::Result<()> {
+        let Way::Direct(d) = &mut self.way else {
+            return Ok(());
+        };
+        let cached = self.inner.file().try_clone()?;
+        if let Some(direct) = d.take() {
+            match direct.try_clone() {
+                Ok(keep) => match Flight::start(direct, cached) {
+                    Some(f) => self.way = Way::Flight(Box::new(f)),
+                    None => *d = Some(keep),
+                },
+                Err(_) => *d = Some(direct),
             }
         }
-        self.inner.file().write_all_at(bytes, self.pos)
+        Ok(())
     }
 
     /// Drops the first `n` buffered bytes (written), moving the rest to the start.
     fn consume(&mut self, n: usize) {
-        let (b, len) = (self.base, self.len);
-        self.mem.copy_within(b + n..b + len, b);
+        let (b, len) = (self.cur.base, self.len);
+        self.cur.mem.copy_within(b + n..b + len, b);
         self.pos += n as u64;
         self.len -= n;
     }
@@ -164,26 +365,31 @@ impl<T: HasFile> Write for BlockWriter<T> {
         }
         // Through the page cache, a write as large as the buffer goes straight through
         // (as `BufWriter` does: no copy of a batch of pages).
-        if self.direct.is_none() && self.len == 0 && buf.len() >= self.cap {
+        if matches!(self.way, Way::Cached) && self.len == 0 && buf.len() >= self.cap {
             self.inner.file().write_all_at(buf, self.pos)?;
             self.pos += buf.len() as u64;
             return Ok(buf.len());
         }
         let n = (self.cap - self.len).min(buf.len());
-        let at = self.base + self.len;
-        self.mem[at..at + n].copy_from_slice(&buf[..n]);
+        self.cur
+            .get_mut(self.len, self.len + n)
+            .copy_from_slice(&buf[..n]);
         self.len += n;
         Ok(n)
     }
 
-    /// Writes everything buffered; the unaligned tail (through the page cache) stays
-    /// buffered too, to be written again with the block it begins.
+    /// Writes everything buffered (and waits for the blocks in flight); the unaligned
+    /// tail (through the page cache) stays buffered too, to be written again with the
+    /// block it begins.
     fn flush(&mut self) -> io::Result<()> {
         self.drain()?;
+        if let Way::Flight(f) = &mut self.way {
+            f.settle()?;
+        }
         if self.len > 0 {
             self.inner
                 .file()
-                .write_all_at(&self.mem[self.base..self.base + self.len], self.pos)?;
+                .write_all_at(self.cur.get(self.len), self.pos)?;
         }
         Ok(())
     }
@@ -251,13 +457,15 @@ mod tests {
                 f.write_all_at(&before, 0).unwrap();
                 let data = bytes(i as u64 + 1, total);
                 let mut w = BlockWriter::new(f.try_clone().unwrap(), start, direct);
-                assert!(direct || !w.is_direct());
+                // Where the file system takes O_DIRECT (checked on its own), it is used.
+                let takes = reopen_direct(&f).is_some();
                 for (k, piece) in data.chunks(step).enumerate() {
                     w.write_all(piece).unwrap();
                     if k % 97 == 5 {
                         w.flush().unwrap();
                     }
                 }
+                assert_eq!(w.is_direct(), direct && takes, "case {i}");
                 drop(w.into_inner().unwrap());
                 let got = contents(&mut f);
                 assert_eq!(got.len(), before.len() + data.len(), "case {i}");
@@ -280,5 +488,29 @@ mod tests {
         }
         w.write_all(&bytes(5, 2 * BLOCK)).unwrap();
         assert!(w.is_direct(), "a direct write was refused");
+    }
+
+    /// A direct write the file system refuses (`EINVAL`: here a misaligned buffer) is
+    /// written whole through the page cache, and so is every later one.
+    #[test]
+    fn a_refused_direct_write_goes_through_the_page_cache() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut f = tempfile::tempfile_in(dir.path()).unwrap();
+        let Some(d) = reopen_direct(&f) else {
+            eprintln!("SKIP: this file system refuses O_DIRECT");
+            return;
+        };
+        let data = bytes(7, 3 * ALIGN + 1);
+        let mut direct = Some(d);
+        // One byte in: not aligned in memory, refused past the cache.
+        write_past_cache(&mut direct, &f, &data[1..=2 * ALIGN], 0).unwrap();
+        assert!(
+            direct.is_none(),
+            "refused once, the page cache from then on"
+        );
+        write_past_cache(&mut direct, &f, &data[..ALIGN], 2 * ALIGN as u64).unwrap();
+        let got = contents(&mut f);
+        assert!(got[..2 * ALIGN] == data[1..=2 * ALIGN]);
+        assert!(got[2 * ALIGN..] == data[..ALIGN]);
     }
 }

@@ -458,10 +458,6 @@ impl Temp {
         self.0.path()
     }
 
-    pub(crate) fn file(&self) -> &File {
-        self.0.as_file()
-    }
-
     pub(crate) fn file_mut(&mut self) -> &mut File {
         self.0.as_file_mut()
     }
@@ -470,15 +466,6 @@ impl Temp {
 impl HasFile for Temp {
     fn file(&self) -> &File {
         self.0.as_file()
-    }
-}
-
-impl Write for Temp {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        self.0.as_file_mut().write(buf)
-    }
-    fn flush(&mut self) -> io::Result<()> {
-        self.0.as_file_mut().flush()
     }
 }
 

@@ -414,7 +414,8 @@ fn dropped_sinks_remove_temporary_and_spill_files() {
 /// bytes as the page cache does, for every file sink: trace.dat with one CPU written
 /// straight into the output and the other spilled and copied (uncompressed, zstd, v6),
 /// the raw stream and text; each CPU's data larger than a direct block (4 MiB), so
-/// aligned blocks, the unaligned start of the CPU data and the tails all happen.
+/// whole blocks, blocks written while others are in flight and the tails all happen
+/// (the unaligned start of a stream: `blockwrite`'s own tests).
 #[test]
 fn direct_io_writes_the_same_bytes() {
     let dir = scratch_dir("direct-io");

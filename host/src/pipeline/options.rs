@@ -392,11 +392,13 @@ pub struct OutputModeArg {
         value_parser = parse_mode
     )]
     pub output_mode: u32,
-    /// Write a regular output file in 4 MiB blocks past the page cache (O_DIRECT, where
-    /// the file system allows it). Faster where copying into fresh page-cache memory is
-    /// slow (a VM whose hypervisor takes freed memory back), and it leaves no dirty
-    /// pages to flush at the end; but the output goes at the disk's pace, where the
-    /// page cache takes a burst of a few GB. See docs/output.md
+    /// Write the regular files made from trace data (the output, its per-CPU spill
+    /// files, --stats, a crash dump) in 4 MiB blocks past the page cache (O_DIRECT, where
+    /// the file system allows it; else silently through it), on a thread per file.
+    /// Faster where copying into fresh page-cache memory is slow (a VM whose hypervisor
+    /// takes freed memory back), and it leaves no dirty pages to flush at the end; but
+    /// the output goes at the disk's pace, where the page cache takes a burst of a few
+    /// GB, and each file holds 8 MiB of buffers. See docs/output.md
     #[arg(long = "direct-io")]
     pub direct_io: bool,
 }

@@ -257,6 +257,9 @@ pub enum Destination {
         format: Format,
         /// `-F`: what the filters kept and dropped.
         filter: Option<FilterReport>,
+        /// A regular file written through the page cache (no `--direct-io`): the loss
+        /// hint names the option.
+        page_cache: bool,
     },
 }
 

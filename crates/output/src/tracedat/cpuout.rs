@@ -5,7 +5,6 @@
 
 use std::fs::File;
 use std::io::{self, Write};
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use crate::blockwrite::BlockWriter;
@@ -20,31 +19,6 @@ pub(super) const ZSTD_LEVEL: i32 = 3;
 /// zstd level of a chunk handed over while the workers are behind on a live run
 /// (`zpool`): stores at several GB/s (ratio about 1.0).
 pub(super) const ZSTD_CATCH_UP_LEVEL: i32 = -1000;
-
-/// A file written from an offset on with positioned writes: the output, shared by the
-/// CPUs that write straight into it, each in its own region.
-pub(super) struct At {
-    file: File,
-    at: u64,
-}
-
-impl At {
-    pub(super) fn new(file: File, at: u64) -> Self {
-        Self { file, at }
-    }
-}
-
-impl Write for At {
-    fn write(&mut self, b: &[u8]) -> io::Result<usize> {
-        let n = self.file.write_at(b, self.at)?;
-        self.at += n as u64;
-        Ok(n)
-    }
-
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
-    }
-}
 
 /// Where a CPU's bytes go.
 enum Dest {

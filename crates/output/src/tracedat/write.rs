@@ -8,9 +8,10 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use super::cpudata::{CpuData, Finished, Tail};
-use super::cpuout::{At, CpuOut};
+use super::cpuout::CpuOut;
 use super::head::{align_up, bound, metadata, Layout, Place};
 use super::params::{Compression, TraceDatVersion, ZSTD_CHUNK_PAGES};
+use crate::blockwrite::BlockWriter;
 use crate::sink::{PageSink, RunSummary, TraceMeta};
 use crate::target::{OutputFile, OutputTarget};
 use crate::{Missed, OutputError};
@@ -234,12 +235,14 @@ impl TraceDatSink {
             }
             offsets[c] = end;
             let f = file.try_clone().map_err(|e| out.error(e))?;
-            let mut w = At::new(f, end);
+            // As the CPU data was written (past the page cache with --direct-io).
+            let mut w = BlockWriter::new(f, end, self.target.is_direct_io());
             if zstd {
                 w.write_all(&o.chunks.to_le_bytes())
                     .map_err(|e| out.error(e))?;
             }
             copy_spill(o, &mut w, &mut buf).map_err(|e| named(e, &out))?;
+            w.into_inner().map_err(|e| out.error(e))?;
             end = align_up(end + size, page);
         }
         for (c, o) in outs.iter().enumerate() {

@@ -372,6 +372,17 @@ fn loss_causes_name_the_output_and_the_absence() {
         ) && h[1].contains("(100 MB/s of events"),
         "{h:?}"
     );
+    // Not a regular file through the page cache (the test's report): no --direct-io.
+    assert!(!h[1].contains("--direct-io"), "{h:?}");
+    let mut r = r;
+    r.destination = Destination::File {
+        path: "t.dat".into(),
+        format: crate::drain::sink::Format::Dat,
+        filter: None,
+        page_cache: true,
+    };
+    let h = hints(&r);
+    assert!(h[1].contains("past the page cache (--direct-io)"), "{h:?}");
     // 12 ms away, the ring lasts 10 ms: 2 × 12 / 10 × 1024 KiB = 2458 → 4096.
     assert!(
         h[2].contains("up to 12.0 ms, while a 1024 KiB ring lasts 10.0 ms")
@@ -432,6 +443,7 @@ fn host_trace_cpus_and_filter_counts_read_as_meant() {
     r.destination = Destination::File {
         path: "t.dat".into(),
         format: crate::drain::sink::Format::Dat,
+        page_cache: true,
         filter: Some(FilterReport {
             kept: 7,
             dropped: 5,

@@ -168,9 +168,11 @@ impl Live<'_> {
                 path,
                 format,
                 filter,
+                page_cache,
             } => Destination::File {
                 path,
                 format,
+                page_cache,
                 filter: filter.map(|c| FilterReport {
                     kept: c.kept(),
                     dropped: c.dropped(),

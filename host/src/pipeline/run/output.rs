@@ -6,7 +6,9 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use hyptrace_output::{Clock, EventFormat, OutputError, QuietStdout, ThreadedSink, TraceMeta};
+use hyptrace_output::{
+    Clock, EventFormat, OutputError, QuietStdout, TargetKind, ThreadedSink, TraceMeta,
+};
 
 use crate::drain::host_trace::HostTraceFeed;
 use crate::drain::session::Output;
@@ -26,6 +28,8 @@ pub(super) enum Shown {
         format: Format,
         /// `-F`: what the filters kept and dropped.
         filter: Option<Arc<FilterCounts>>,
+        /// A regular file written through the page cache.
+        page_cache: bool,
     },
     Sink,
 }
@@ -97,6 +101,7 @@ pub(super) fn open_output(
             filters,
         } => {
             let meta = meta();
+            let page_cache = target.kind() == TargetKind::File && !target.is_direct_io();
             // Checked against the events the guest registered, before the file exists.
             let filters = Filters::compile(&filters, &meta)?;
             // The file is written on its own thread (ThreadedSink): a stalled write(2)
@@ -118,6 +123,7 @@ pub(super) fn open_output(
                         path,
                         format,
                         filter,
+                        page_cache,
                     },
                 )),
                 // A signal ended the wait for a FIFO's reader: nothing can be written.
