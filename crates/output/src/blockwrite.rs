@@ -70,10 +70,10 @@ impl Block {
     }
 }
 
-/// Blocks in flight past the page cache at most, besides the one filling: the writer
-/// goes on filling while the device writes (a writer that waited for each write — a
-/// compression worker — made a 50 % record wait seconds for the disk). Memory: a writer
-/// holds `IN_FLIGHT + 1` blocks.
+/// Blocks queued for the writer thread at most (the queue's bound); with the one it
+/// writes and the one filling, a writer holds at most `IN_FLIGHT + 2` blocks (12 MiB):
+/// the writer goes on filling while the device writes (a writer that waited for each
+/// write — a compression worker — made a 50 % record wait seconds for the disk).
 const IN_FLIGHT: usize = 1;
 
 /// A thread of its own writing blocks past the page cache, one after the other; each
@@ -133,7 +133,8 @@ impl Flight {
     }
 
     /// A block to fill next: one back from the thread, a new one while fewer than
-    /// `IN_FLIGHT + 1` were made, else the first the thread gives back.
+    /// `IN_FLIGHT + 1` were made (besides the first), else the first the thread gives
+    /// back.
     fn next_block(&mut self, cap: usize) -> io::Result<Block> {
         while self.in_flight > 0 && self.take_back(false)? {}
         if let Some(b) = self.spare.pop() {

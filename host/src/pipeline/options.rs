@@ -398,7 +398,7 @@ pub struct OutputModeArg {
     /// Faster where copying into fresh page-cache memory is slow (a VM whose hypervisor
     /// takes freed memory back), and it leaves no dirty pages to flush at the end; but
     /// the output goes at the disk's pace, where the page cache takes a burst of a few
-    /// GB, and each file holds 8 MiB of buffers. See docs/output.md
+    /// GB, and each file holds up to 12 MiB of buffers. See docs/output.md
     #[arg(long = "direct-io")]
     pub direct_io: bool,
 }
