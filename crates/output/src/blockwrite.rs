@@ -2,7 +2,7 @@
 //! blocks go through a second descriptor of the file opened with `O_DIRECT`, the
 //! unaligned edges (a start inside a block, the tail) through the page cache.
 //!
-//! Why (issue 37, docs/benchmarks.md "Output past the page cache"): a buffered write
+//! Why (issue 37, docs/benchmarks.md "Fifth session"): a buffered write
 //! copies every byte into page-cache pages, and on the machines this project runs on —
 //! virtual machines themselves — fresh page-cache memory is faulted in by the
 //! hypervisor below: that copy ran at 0.6–0.9 GB/s, on the core the reader needs, and a
@@ -89,9 +89,14 @@ struct Flight {
 }
 
 impl Flight {
-    /// The thread writing through `direct`, or through `cached` (the same file) from
-    /// the first refusal on; `None` if no thread can be made.
-    fn start(direct: File, cached: File) -> Option<Self> {
+    /// The thread writing through (handles of its own on) `direct`, or through
+    /// `cached` (the same file) from the first refusal on; `None` if no thread or no
+    /// second handle on `direct` can be made (the caller keeps its own).
+    fn start(direct: &File, cached: &File) -> io::Result<Option<Self>> {
+        let cached = cached.try_clone()?;
+        let Ok(direct) = direct.try_clone() else {
+            return Ok(None);
+        };
         let (jobs, rx) = mpsc::sync_channel::<(Block, usize, u64)>(IN_FLIGHT);
         let (tx, done) = mpsc::channel();
         let thread = std::thread::Builder::new()
@@ -104,16 +109,18 @@ impl Flight {
                         return;
                     }
                 }
-            })
-            .ok()?;
-        Some(Self {
+            });
+        let Ok(thread) = thread else {
+            return Ok(None);
+        };
+        Ok(Some(Self {
             jobs: Some(jobs),
             done,
             thread: Some(thread),
             in_flight: 0,
             spare: Vec::new(),
             made: 0,
-        })
+        }))
     }
 
     /// Takes a block back from the thread (`wait`: waiting for one); its write's error.
@@ -303,9 +310,7 @@ impl<T: HasFile> BlockWriter<T> {
         if whole == 0 {
             return Ok(());
         }
-        if let Way::Direct(Some(_)) = self.way {
-            self.start_flight()?;
-        }
+        self.start_flight()?;
         match &mut self.way {
             Way::Flight(f) => {
                 let mut next = f.next_block(self.cap)?;
@@ -334,18 +339,11 @@ impl<T: HasFile> BlockWriter<T> {
     /// At the first whole block: the thread that writes past the page cache (if none
     /// can be made, the blocks are written on this thread).
     fn start_flight(&mut self) -> io::Result<()> {
-        let Way::Direct(d) = &mut self.way else {
+        let Way::Direct(Some(direct)) = &self.way else {
             return Ok(());
         };
-        let cached = self.inner.file().try_clone()?;
-        if let Some(direct) = d.take() {
-            match direct.try_clone() {
-                Ok(keep) => match Flight::start(direct, cached) {
-                    Some(f) => self.way = Way::Flight(Box::new(f)),
-                    None => *d = Some(keep),
-                },
-                Err(_) => *d = Some(direct),
-            }
+        if let Some(f) = Flight::start(direct, self.inner.file())? {
+            self.way = Way::Flight(Box::new(f));
         }
         Ok(())
     }

@@ -23,13 +23,12 @@
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, BufWriter, Write};
-
-use crate::blockwrite::{BlockWriter, HasFile};
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use tempfile::NamedTempFile;
 
+use crate::blockwrite::{BlockWriter, HasFile};
 use crate::OutputError;
 
 /// Most symlinks followed (Linux's own limit).
