@@ -22,15 +22,17 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::sync::mpsc::{self, Receiver, SyncSender, TryRecvError};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 /// Alignment of a direct write's memory, length and file offset: the page size, a
 /// multiple of the logical block size of the devices Linux runs on.
 const ALIGN: usize = 4096;
 
-/// Bytes buffered past the page cache: one direct write when full (4 MiB wrote 1.4 GB/s
+/// Bytes buffered with `--direct-io`: one direct write when full (4 MiB wrote 1.4 GB/s
 /// here where 1 MiB wrote 1.1–1.4, one write at a time).
 const BLOCK: usize = 4 << 20;
-/// Bytes buffered through the page cache (`BufWriter`'s size before).
+/// Bytes buffered otherwise (`BufWriter`'s size before): each full block goes the way
+/// [`Pick`] chooses.
 const CACHED_BLOCK: usize = 1 << 20;
 
 /// What a [`BlockWriter`] writes into: something holding an open file.
@@ -89,19 +91,19 @@ pub(crate) struct Gone;
 /// comes back with its write's result. [`Thread`] is the real one; the model in the
 /// tests steps a thread of its own choosing.
 pub(crate) trait Courier: Sized {
-    /// The thread, writing through `direct` (its own handle on the file) or, from the
-    /// first refusal on, `cached`; `None` if no thread can be made.
-    fn start(direct: File, cached: File) -> Option<Self>;
+    /// The thread, writing the `ways` given (its own handles on the file; `cached` the
+    /// page cache's); `None` if no thread can be made.
+    fn start(ways: Ways, cached: File) -> Option<Self>;
     /// Hands `job` over, waiting while [`IN_FLIGHT`] are waiting.
     fn send(&mut self, job: Job) -> Result<(), Gone>;
     /// A block back, waiting for one if `wait` (`None`: none is back yet).
     fn recv(&mut self, wait: bool) -> Result<Option<Done>, Gone>;
 }
 
-/// What the writer thread does with a job: writes it past the page cache (see
-/// [`write_past_cache`]) and gives the block back.
-fn write_job(direct: &mut Option<File>, cached: &File, (block, n, pos): Job) -> Done {
-    let r = write_past_cache(direct, cached, block.get(n), pos);
+/// What the writer thread does with a job: writes it (see [`Ways::write`]) and gives
+/// the block back.
+fn write_job(ways: &mut Ways, cached: &File, (block, n, pos): Job) -> Done {
+    let r = ways.write(cached, block.get(n), pos);
     (block, r)
 }
 
@@ -114,15 +116,14 @@ pub(crate) struct Thread {
 }
 
 impl Courier for Thread {
-    fn start(direct: File, cached: File) -> Option<Self> {
+    fn start(mut ways: Ways, cached: File) -> Option<Self> {
         let (jobs, rx) = mpsc::sync_channel::<Job>(IN_FLIGHT);
         let (tx, done) = mpsc::channel();
         let thread = std::thread::Builder::new()
             .name("hyptrace-io".into())
             .spawn(move || {
-                let mut direct = Some(direct);
                 for job in rx {
-                    if tx.send(write_job(&mut direct, &cached, job)).is_err() {
+                    if tx.send(write_job(&mut ways, &cached, job)).is_err() {
                         return;
                     }
                 }
@@ -175,15 +176,15 @@ struct Flight<C> {
 }
 
 impl<C: Courier> Flight<C> {
-    /// The thread writing through (handles of its own on) `direct`, or through
-    /// `cached` (the same file) from the first refusal on; `None` if no thread or no
-    /// second handle on `direct` can be made (the caller keeps its own).
-    fn start(direct: &File, cached: &File) -> io::Result<Option<Self>> {
+    /// The thread writing the `ways` given (handles of its own on them) and `cached`
+    /// (the same file); `None` if no thread or no second handle on `direct` can be made
+    /// (the caller keeps its own).
+    fn start(ways: &Ways, cached: &File) -> io::Result<Option<Self>> {
         let cached = cached.try_clone()?;
-        let Ok(direct) = direct.try_clone() else {
+        let Ok(ways) = ways.try_clone() else {
             return Ok(None);
         };
-        Ok(C::start(direct, cached).map(|courier| Self {
+        Ok(C::start(ways, cached).map(|courier| Self {
             courier,
             in_flight: 0,
             spare: Vec::new(),
@@ -249,6 +250,78 @@ fn gone() -> io::Error {
     )
 }
 
+/// Of every `PROBE` blocks [`Pick`] writes one the way it did not choose, so a change of
+/// either way's speed is seen.
+const PROBE: u64 = 16;
+
+/// The way whole blocks go when `--direct-io` does not say: the faster of the page cache
+/// and past it, as the last writes each way measured (bytes per second of the write
+/// call; each new measure averaged with the one before), trying each once first and the
+/// slower one block in [`PROBE`] (docs/benchmarks.md, "Sixth session": on a VM whose
+/// freed memory the hypervisor takes back, writes into fresh page-cache pages went 0.3–0.5
+/// GB/s under load and past it 1.4 GB/s; on a host with warm memory the page cache takes
+/// several GB/s, and a slow disk throttles it no more than a direct write waits).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Pick {
+    /// Bytes per second through the page cache (`[0]`) and past it (`[1]`).
+    rate: [Option<f64>; 2],
+    /// Blocks written.
+    blocks: u64,
+}
+
+impl Pick {
+    /// Whether the next block goes past the page cache.
+    fn past_cache(&mut self) -> bool {
+        self.blocks += 1;
+        match self.rate {
+            [None, _] => false,
+            [_, None] => true,
+            [Some(cached), Some(past)] => (past > cached) != self.blocks.is_multiple_of(PROBE),
+        }
+    }
+
+    /// A block of `bytes` written (`past`: past the page cache) in `took`.
+    fn took(&mut self, past: bool, bytes: usize, took: Duration) {
+        let r = bytes as f64 / took.as_secs_f64().max(1e-9);
+        let e = &mut self.rate[usize::from(past)];
+        *e = Some(e.map_or(r, |old| (old + r) / 2.0));
+    }
+}
+
+/// How whole blocks are written: past the page cache through `direct` (a descriptor of
+/// the file opened with `O_DIRECT`, `None` once refused) — always (`--direct-io`), or
+/// where `pick` chooses it.
+pub(crate) struct Ways {
+    direct: Option<File>,
+    pick: Option<Pick>,
+}
+
+impl Ways {
+    /// A second handle on the same ways, for the writer thread.
+    fn try_clone(&self) -> io::Result<Self> {
+        Ok(Self {
+            direct: self.direct.as_ref().map(File::try_clone).transpose()?,
+            pick: self.pick.clone(),
+        })
+    }
+
+    /// Writes the block `bytes` at `pos`, past the page cache or through `cached`.
+    fn write(&mut self, cached: &File, bytes: &[u8], pos: u64) -> io::Result<()> {
+        let past = self.direct.is_some() && self.pick.as_mut().is_none_or(Pick::past_cache);
+        let t = Instant::now();
+        if past {
+            write_past_cache(&mut self.direct, cached, bytes, pos)?;
+        } else {
+            cached.write_all_at(bytes, pos)?;
+        }
+        if let Some(p) = &mut self.pick {
+            // A refused direct write went through the page cache: measured as that.
+            p.took(past && self.direct.is_some(), bytes.len(), t.elapsed());
+        }
+        Ok(())
+    }
+}
+
 /// Writes `bytes` at `pos` through `direct`, or — once the file system refused it
 /// (`EINVAL`: alignment, no `O_DIRECT`), this write and every later one — through
 /// `cached`, from the block's start.
@@ -272,8 +345,9 @@ fn write_past_cache(
 enum Way<C> {
     /// Through the page cache.
     Cached,
-    /// Past it, on the caller's thread (before the first block, or no thread).
-    Direct(Option<File>),
+    /// Past it or not as [`Ways`] says, on the caller's thread (before the first block,
+    /// or no thread).
+    Direct(Ways),
     /// Past it, on a thread of its own.
     Flight(Box<Flight<C>>),
 }
@@ -295,13 +369,19 @@ pub(crate) struct BlockWriter<T, C = Thread> {
 }
 
 impl<T: HasFile> BlockWriter<T> {
-    /// Writes into `inner`'s file from offset `start` on; whole blocks past the page
-    /// cache if `direct` and the file system allows it.
+    /// Writes into `inner`'s file from offset `start` on; where the file system allows
+    /// `O_DIRECT`, whole blocks past the page cache — always if `direct`
+    /// (`--direct-io`), else where [`Pick`] measures that faster.
     pub(crate) fn new(inner: T, start: u64, direct: bool) -> Self {
-        match direct.then(|| reopen_direct(inner.file())).flatten() {
-            Some(f) => Self::with(inner, start, Way::Direct(Some(f)), BLOCK),
-            None => Self::with(inner, start, Way::Cached, CACHED_BLOCK),
-        }
+        let Some(f) = reopen_direct(inner.file()) else {
+            return Self::with(inner, start, Way::Cached, CACHED_BLOCK);
+        };
+        let ways = Ways {
+            direct: Some(f),
+            pick: (!direct).then(Pick::default),
+        };
+        let cap = if direct { BLOCK } else { CACHED_BLOCK };
+        Self::with(inner, start, Way::Direct(ways), cap)
     }
 }
 
@@ -347,7 +427,10 @@ impl<T: HasFile, C: Courier> BlockWriter<T, C> {
     /// Whether whole blocks go past the page cache (for tests and diagnostics).
     #[cfg(test)]
     fn is_direct(&self) -> bool {
-        !matches!(self.way, Way::Cached | Way::Direct(None))
+        !matches!(
+            self.way,
+            Way::Cached | Way::Direct(Ways { direct: None, .. })
+        )
     }
 
     /// Writes out what can go in aligned pieces: the head up to an aligned offset
@@ -378,8 +461,8 @@ impl<T: HasFile, C: Courier> BlockWriter<T, C> {
                 self.pos += whole as u64;
                 self.len = tail;
             }
-            Way::Direct(d) => {
-                write_past_cache(d, self.inner.file(), self.cur.get(whole), self.pos)?;
+            Way::Direct(ways) => {
+                ways.write(self.inner.file(), self.cur.get(whole), self.pos)?;
                 self.consume(whole);
             }
             Way::Cached => {
@@ -395,10 +478,15 @@ impl<T: HasFile, C: Courier> BlockWriter<T, C> {
     /// At the first whole block: the thread that writes past the page cache (if none
     /// can be made, the blocks are written on this thread).
     fn start_flight(&mut self) -> io::Result<()> {
-        let Way::Direct(Some(direct)) = &self.way else {
+        let Way::Direct(
+            ways @ Ways {
+                direct: Some(_), ..
+            },
+        ) = &self.way
+        else {
             return Ok(());
         };
-        if let Some(f) = Flight::start(direct, self.inner.file())? {
+        if let Some(f) = Flight::start(ways, self.inner.file())? {
             self.way = Way::Flight(Box::new(f));
         }
         Ok(())
@@ -523,7 +611,9 @@ mod tests {
                         w.flush().unwrap();
                     }
                 }
-                assert_eq!(w.is_direct(), direct && takes, "case {i}");
+                // Where the file system takes O_DIRECT, blocks may go past the cache
+                // (always with `direct`, else as measured faster).
+                assert_eq!(w.is_direct(), takes, "case {i}");
                 drop(w.into_inner().unwrap());
                 let got = contents(&mut f);
                 assert_eq!(got.len(), before.len() + data.len(), "case {i}");
@@ -531,6 +621,28 @@ mod tests {
                 assert!(got[before.len()..] == data[..], "case {i}: stream");
             }
         }
+    }
+
+    /// Without `--direct-io` each block goes the faster way: each tried once first,
+    /// then the faster, and the slower again one block in `PROBE`; a way that slows
+    /// down loses its place.
+    #[test]
+    fn the_faster_way_is_picked_and_the_other_probed() {
+        let ms = Duration::from_millis;
+        let mut p = Pick::default();
+        assert!(!p.past_cache(), "the page cache first");
+        p.took(false, 4 << 20, ms(10));
+        assert!(p.past_cache(), "then past it");
+        p.took(true, 4 << 20, ms(3));
+        let ways: Vec<bool> = (2..=2 * PROBE).map(|_| p.past_cache()).collect();
+        let cached = ways.iter().filter(|&&w| !w).count();
+        assert_eq!(cached, 2, "the slower way once in {PROBE}: {ways:?}");
+        // Past the cache slows down (a disk that fills its cache): the page cache wins.
+        for _ in 0..4 {
+            p.took(true, 4 << 20, ms(40));
+        }
+        let ways: Vec<bool> = (0..PROBE).map(|_| p.past_cache()).collect();
+        assert_eq!(ways.iter().filter(|&&w| w).count(), 1, "{ways:?}");
     }
 
     /// On a file system that takes `O_DIRECT` (the build's, as here), whole blocks go

@@ -392,13 +392,14 @@ pub struct OutputModeArg {
         value_parser = parse_mode
     )]
     pub output_mode: u32,
-    /// Write the regular files made from trace data (the output, its per-CPU spill
-    /// files, --stats, a crash dump) in 4 MiB blocks past the page cache (O_DIRECT, where
-    /// the file system allows it; else silently through it), on a thread per file.
-    /// Faster where copying into fresh page-cache memory is slow (a VM whose hypervisor
-    /// takes freed memory back), and it leaves no dirty pages to flush at the end; but
-    /// the output goes at the disk's pace, where the page cache takes a burst of a few
-    /// GB, and each file holds up to 12 MiB of buffers. See docs/output.md
+    /// Write every whole block of the regular files made from trace data (the output,
+    /// its per-CPU spill files, --stats, a crash dump) past the page cache (O_DIRECT, in
+    /// 4 MiB blocks on a thread per file; where the file system refuses it, silently
+    /// through the cache). Without it each 1 MiB block goes the way the last writes
+    /// measured faster, the page cache or past it. Forcing it leaves no dirty pages to
+    /// flush at the end, but the output goes at the disk's pace even where the page
+    /// cache would take a burst of a few GB, and each file holds up to 12 MiB of buffers.
+    /// See docs/output.md
     #[arg(long = "direct-io")]
     pub direct_io: bool,
 }

@@ -257,8 +257,8 @@ pub enum Destination {
         format: Format,
         /// `-F`: what the filters kept and dropped.
         filter: Option<FilterReport>,
-        /// A regular file written through the page cache (no `--direct-io`): the loss
-        /// hint names the option.
+        /// A regular file whose blocks may go through the page cache (no `--direct-io`):
+        /// the loss hint names the option.
         page_cache: bool,
     },
 }

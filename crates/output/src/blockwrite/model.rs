@@ -85,7 +85,7 @@ struct Stepped {
     queue: VecDeque<Job>,
     writing: Option<Job>,
     done: VecDeque<Done>,
-    direct: Option<File>,
+    ways: Ways,
     cached: File,
     /// Jobs taken from the queue so far; whether the thread died.
     taken: usize,
@@ -114,7 +114,7 @@ impl Stepped {
                     self.done.push_back((job.0, Err(injected())));
                 }
                 _ => {
-                    let d = write_job(&mut self.direct, &self.cached, job);
+                    let d = write_job(&mut self.ways, &self.cached, job);
                     self.done.push_back(d);
                 }
             }
@@ -146,7 +146,7 @@ fn injected() -> io::Error {
 }
 
 impl Courier for Stepped {
-    fn start(direct: File, cached: File) -> Option<Self> {
+    fn start(ways: Ways, cached: File) -> Option<Self> {
         let plan = PLAN.with(|p| p.borrow_mut().take()).expect("a plan");
         Some(Self {
             rng: plan.rng,
@@ -154,7 +154,7 @@ impl Courier for Stepped {
             queue: VecDeque::new(),
             writing: None,
             done: VecDeque::new(),
-            direct: Some(direct),
+            ways,
             cached,
             taken: 0,
             dead: false,
@@ -276,8 +276,13 @@ fn run(dir: &std::path::Path, seed: u64) -> Result<(), String> {
         .map_err(|e| e.to_string())?;
     let own = f.try_clone().map_err(|e| e.to_string())?;
     let direct = f.try_clone().map_err(|e| e.to_string())?;
+    // Half the runs choose the way of each block by its speed, half go past the cache.
+    let ways = Ways {
+        direct: Some(direct),
+        pick: (rng.below(2) == 0).then(Pick::default),
+    };
     let mut w: BlockWriter<File, Stepped> =
-        BlockWriter::with(own, start as u64, Way::Direct(Some(direct)), cap);
+        BlockWriter::with(own, start as u64, Way::Direct(ways), cap);
     let stream: Vec<u8> = (0..12 * cap).map(|i| byte(seed, i)).collect();
     let mut written = 0;
     let mut failed = None;
