@@ -1,14 +1,17 @@
-//! Sequential writes into a file past the page cache ([`BlockWriter`]): whole aligned
-//! blocks go through a second descriptor of the file opened with `O_DIRECT`, the
-//! unaligned edges (a start inside a block, the tail) through the page cache.
+//! Sequential writes into a file in blocks ([`BlockWriter`]): where the file system takes
+//! `O_DIRECT`, whole aligned blocks go on a thread of the file's own, each through the
+//! page cache or through a second descriptor of the file opened with `O_DIRECT` — the
+//! way measured faster ([`Pick`]), or always past the cache with `--direct-io`; the
+//! unaligned edges (a start inside a block, the tail) go through the page cache.
 //!
-//! Why (issue 37, docs/benchmarks.md "Fifth session"): a buffered write
-//! copies every byte into page-cache pages, and on the machines this project runs on —
-//! virtual machines themselves — fresh page-cache memory is faulted in by the
-//! hypervisor below: that copy ran at 0.6–0.9 GB/s, on the core the reader needs, and a
+//! Why (issue 37, docs/benchmarks.md "Fifth session", "Sixth session"): a buffered
+//! write copies every byte into page-cache pages, and on the machines this project runs
+//! on — virtual machines themselves — fresh page-cache memory is faulted in by the
+//! hypervisor below: that copy ran at 0.3–0.9 GB/s, on the core the reader needs, and a
 //! record at a quarter of the writer's rate waited seconds for its output. A direct
 //! write hands the buffer to the device (1.4–1.7 GB/s here) with no copy and no dirty
-//! pages for the kernel's flusher threads to write back later.
+//! pages for the kernel's flusher threads to write back later; where memory is warm the
+//! page cache is faster.
 //!
 //! Where the file system refuses `O_DIRECT` (the reopen fails, or a write returns
 //! `EINVAL`), every write goes through the page cache instead: only the speed differs.
@@ -24,8 +27,9 @@ use std::sync::mpsc::{self, Receiver, SyncSender, TryRecvError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// Alignment of a direct write's memory, length and file offset: the page size, a
-/// multiple of the logical block size of the devices Linux runs on.
+/// Alignment of a direct write's memory, length and file offset: x86_64's page size
+/// (the one target), a multiple of the logical block size of the devices Linux runs
+/// on. A direct write covering only whole pages of its own stream rests on it.
 const ALIGN: usize = 4096;
 
 /// Bytes buffered with `--direct-io`: one direct write when full (4 MiB wrote 1.4 GB/s
@@ -73,7 +77,8 @@ impl Block {
 }
 
 /// Blocks queued for the writer thread at most (the queue's bound); with the one it
-/// writes and the one filling, a writer holds at most `IN_FLIGHT + 2` blocks (12 MiB):
+/// writes and the one filling, a writer holds at most `IN_FLIGHT + 2` blocks (3 MiB,
+/// 12 MiB with `--direct-io`):
 /// the writer goes on filling while the device writes (a writer that waited for each
 /// write — a compression worker — made a 50 % record wait seconds for the disk).
 const IN_FLIGHT: usize = 1;
@@ -86,13 +91,25 @@ pub(crate) type Done = (Block, io::Result<()>);
 /// The writer thread is gone (it panicked); see [`gone`].
 pub(crate) struct Gone;
 
+/// The source of [`gone`]'s error, which tells it from a write's own `EPIPE`.
+#[derive(Debug)]
+struct ThreadGone;
+
+impl std::fmt::Display for ThreadGone {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the output's writer thread ended")
+    }
+}
+
+impl std::error::Error for ThreadGone {}
+
 /// The hand-off between a [`BlockWriter`] and the thread writing its blocks (B1 in
 /// docs/design.md): jobs go over in order, at most [`IN_FLIGHT`] waiting; each block
 /// comes back with its write's result. [`Thread`] is the real one; the model in the
 /// tests steps a thread of its own choosing.
 pub(crate) trait Courier: Sized {
-    /// The thread, writing the `ways` given (its own handles on the file; `cached` the
-    /// page cache's); `None` if no thread can be made.
+    /// The thread, writing the `ways` given (its handles on the file; `cached` the page
+    /// cache's); `None` if no thread can be made.
     fn start(ways: Ways, cached: File) -> Option<Self>;
     /// Hands `job` over, waiting while [`IN_FLIGHT`] are waiting.
     fn send(&mut self, job: Job) -> Result<(), Gone>;
@@ -108,10 +125,11 @@ fn write_job(ways: &mut Ways, cached: &File, (block, n, pos): Job) -> Done {
 }
 
 /// The real writer thread ("hyptrace-io"): a bounded queue in, a queue of blocks back.
-/// Ends (joined, after the write it is in) when dropped.
+/// Ends (joined, after the write it is in; a job still queued is not written) when
+/// dropped.
 pub(crate) struct Thread {
     jobs: Option<SyncSender<Job>>,
-    done: Receiver<Done>,
+    done: Option<Receiver<Done>>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -131,7 +149,7 @@ impl Courier for Thread {
             .ok()?;
         Some(Self {
             jobs: Some(jobs),
-            done,
+            done: Some(done),
             thread: Some(thread),
         })
     }
@@ -142,10 +160,11 @@ impl Courier for Thread {
     }
 
     fn recv(&mut self, wait: bool) -> Result<Option<Done>, Gone> {
+        let done = self.done.as_ref().ok_or(Gone)?;
         if wait {
-            return self.done.recv().map(Some).map_err(|_| Gone);
+            return done.recv().map(Some).map_err(|_| Gone);
         }
-        match self.done.try_recv() {
+        match done.try_recv() {
             Ok(d) => Ok(Some(d)),
             Err(TryRecvError::Empty) => Ok(None),
             Err(TryRecvError::Disconnected) => Err(Gone),
@@ -154,17 +173,19 @@ impl Courier for Thread {
 }
 
 impl Drop for Thread {
-    /// Closes the queue and waits for the thread (it finishes the write it is in).
+    /// Closes both queues and waits for the thread: it finishes the write it is in,
+    /// then finds no one to give the block back to and ends.
     fn drop(&mut self) {
         self.jobs = None;
+        self.done = None;
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
     }
 }
 
-/// Blocks written past the page cache by a thread of their own (through `C`), one
-/// after the other, while the caller fills the next (B1: the blocks a caller holds are
+/// Blocks written by a thread of their own (through `C`), one after the other, while
+/// the caller fills the next (B1: the blocks a caller holds are
 /// bounded, every block handed over is written before [`Flight::settle`] returns, and
 /// every write's error reaches the caller).
 struct Flight<C> {
@@ -176,20 +197,16 @@ struct Flight<C> {
 }
 
 impl<C: Courier> Flight<C> {
-    /// The thread writing the `ways` given (handles of its own on them) and `cached`
-    /// (the same file); `None` if no thread or no second handle on `direct` can be made
-    /// (the caller keeps its own).
-    fn start(ways: &Ways, cached: &File) -> io::Result<Option<Self>> {
-        let cached = cached.try_clone()?;
-        let Ok(ways) = ways.try_clone() else {
-            return Ok(None);
-        };
-        Ok(C::start(ways, cached).map(|courier| Self {
+    /// The thread writing the `ways` given and through a handle of its own on `cached`
+    /// (the same file); `None` if no thread or no second handle can be made.
+    fn start(ways: Ways, cached: &File) -> Option<Self> {
+        let cached = cached.try_clone().ok()?;
+        C::start(ways, cached).map(|courier| Self {
             courier,
             in_flight: 0,
             spare: Vec::new(),
             made: 0,
-        }))
+        })
     }
 
     /// Takes a block back from the thread (`wait`: waiting for one); its write's error.
@@ -232,7 +249,7 @@ impl<C: Courier> Flight<C> {
         let left = usize::from(cfg!(hyptrace_seeded_bug_flush_early));
         while self.in_flight > left {
             if let Err(e) = self.take_back(true) {
-                if matches!(e.kind(), io::ErrorKind::BrokenPipe) {
+                if is_gone(&e) {
                     return Err(e);
                 }
                 first = first.and(Err(e));
@@ -244,10 +261,17 @@ impl<C: Courier> Flight<C> {
 
 /// The error of a writer thread that is gone (it panicked).
 fn gone() -> io::Error {
-    io::Error::new(
-        io::ErrorKind::BrokenPipe,
-        "the output's writer thread ended",
-    )
+    io::Error::new(io::ErrorKind::BrokenPipe, ThreadGone)
+}
+
+/// Whether `e` is [`gone`]'s (not a write's own `EPIPE`).
+fn is_gone(e: &io::Error) -> bool {
+    e.get_ref().is_some_and(|s| s.is::<ThreadGone>())
+}
+
+/// The error of every call after one failed: the stream has a hole.
+fn failed_before() -> io::Error {
+    io::Error::other("an earlier write to this output failed")
 }
 
 /// Of every `PROBE` blocks [`Pick`] writes one the way it did not choose, so a change of
@@ -255,16 +279,17 @@ fn gone() -> io::Error {
 const PROBE: u64 = 16;
 
 /// The way whole blocks go when `--direct-io` does not say: the faster of the page cache
-/// and past it, as the last writes each way measured (bytes per second of the write
-/// call; each new measure averaged with the one before), trying each once first and the
+/// and past it, as the last writes each way measured (bytes over seconds of the write
+/// calls, both sums halved at each new write, so a block weighs by its size and the
+/// latest count most), trying each once first and the
 /// slower one block in [`PROBE`] (docs/benchmarks.md, "Sixth session": on a VM whose
 /// freed memory the hypervisor takes back, writes into fresh page-cache pages went 0.3–0.5
 /// GB/s under load and past it 1.4 GB/s; on a host with warm memory the page cache takes
 /// several GB/s, and a slow disk throttles it no more than a direct write waits).
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Pick {
-    /// Bytes per second through the page cache (`[0]`) and past it (`[1]`).
-    rate: [Option<f64>; 2],
+    /// Bytes and seconds through the page cache (`[0]`) and past it (`[1]`), decayed.
+    sums: [Option<(f64, f64)>; 2],
     /// Blocks written.
     blocks: u64,
 }
@@ -273,18 +298,21 @@ impl Pick {
     /// Whether the next block goes past the page cache.
     fn past_cache(&mut self) -> bool {
         self.blocks += 1;
-        match self.rate {
+        match self.sums {
             [None, _] => false,
             [_, None] => true,
-            [Some(cached), Some(past)] => (past > cached) != self.blocks.is_multiple_of(PROBE),
+            [Some((cb, cs)), Some((pb, ps))] => {
+                // past faster: pb / ps > cb / cs (every sum > 0)
+                (pb * cs > cb * ps) != self.blocks.is_multiple_of(PROBE)
+            }
         }
     }
 
     /// A block of `bytes` written (`past`: past the page cache) in `took`.
     fn took(&mut self, past: bool, bytes: usize, took: Duration) {
-        let r = bytes as f64 / took.as_secs_f64().max(1e-9);
-        let e = &mut self.rate[usize::from(past)];
-        *e = Some(e.map_or(r, |old| (old + r) / 2.0));
+        let (b, t) = (bytes as f64, took.as_secs_f64().max(1e-9));
+        let e = &mut self.sums[usize::from(past)];
+        *e = Some(e.map_or((b, t), |(ob, ot)| (ob / 2.0 + b, ot / 2.0 + t)));
     }
 }
 
@@ -297,14 +325,6 @@ pub(crate) struct Ways {
 }
 
 impl Ways {
-    /// A second handle on the same ways, for the writer thread.
-    fn try_clone(&self) -> io::Result<Self> {
-        Ok(Self {
-            direct: self.direct.as_ref().map(File::try_clone).transpose()?,
-            pick: self.pick.clone(),
-        })
-    }
-
     /// Writes the block `bytes` at `pos`, past the page cache or through `cached`.
     fn write(&mut self, cached: &File, bytes: &[u8], pos: u64) -> io::Result<()> {
         let past = self.direct.is_some() && self.pick.as_mut().is_none_or(Pick::past_cache);
@@ -343,22 +363,26 @@ fn write_past_cache(
 
 /// How whole blocks are written.
 enum Way<C> {
-    /// Through the page cache.
+    /// Through the page cache, on the caller's thread (`O_DIRECT` refused, no thread).
     Cached,
-    /// Past it or not as [`Ways`] says, on the caller's thread (before the first block,
-    /// or no thread).
-    Direct(Ways),
-    /// Past it, on a thread of its own.
+    /// Before the first whole block (`forced`: `--direct-io`); then the `O_DIRECT`
+    /// descriptor and the thread are made.
+    Pending { forced: bool },
+    /// The ways made, the thread not yet (the model starts here).
+    Ready(Box<Ways>),
+    /// As [`Ways`] says, on a thread of its own.
     Flight(Box<Flight<C>>),
 }
 
 /// A buffered writer of a byte stream into a file from an offset on, whole aligned
-/// blocks past the page cache (on a thread of its own, the next block filling
-/// meanwhile). [`Write::flush`] writes everything buffered (the tail through the page
-/// cache) and keeps the tail, so writing on after it keeps the blocks aligned.
+/// blocks on a thread of its own (each through the page cache or past it, the next
+/// block filling meanwhile). [`Write::flush`] writes everything buffered (the tail
+/// through the page cache) and keeps the tail, so writing on after it keeps the blocks
+/// aligned. After an error every call fails: the stream has a hole.
 pub(crate) struct BlockWriter<T, C = Thread> {
     inner: T,
     way: Way<C>,
+    failed: bool,
     /// The block filling.
     cur: Block,
     cap: usize,
@@ -373,15 +397,8 @@ impl<T: HasFile> BlockWriter<T> {
     /// `O_DIRECT`, whole blocks past the page cache — always if `direct`
     /// (`--direct-io`), else where [`Pick`] measures that faster.
     pub(crate) fn new(inner: T, start: u64, direct: bool) -> Self {
-        let Some(f) = reopen_direct(inner.file()) else {
-            return Self::with(inner, start, Way::Cached, CACHED_BLOCK);
-        };
-        let ways = Ways {
-            direct: Some(f),
-            pick: (!direct).then(Pick::default),
-        };
         let cap = if direct { BLOCK } else { CACHED_BLOCK };
-        Self::with(inner, start, Way::Direct(ways), cap)
+        Self::with(inner, start, Way::Pending { forced: direct }, cap)
     }
 }
 
@@ -392,6 +409,7 @@ impl<T: HasFile, C: Courier> BlockWriter<T, C> {
         Self {
             inner,
             way,
+            failed: false,
             cur: Block::new(cap),
             cap,
             pos: start,
@@ -424,13 +442,15 @@ impl<T: HasFile, C: Courier> BlockWriter<T, C> {
         self.inner
     }
 
-    /// Whether whole blocks go past the page cache (for tests and diagnostics).
+    /// Whether whole blocks may go past the page cache (the `O_DIRECT` descriptor and
+    /// the thread were made; for tests).
     #[cfg(test)]
     fn is_direct(&self) -> bool {
-        !matches!(
-            self.way,
-            Way::Cached | Way::Direct(Ways { direct: None, .. })
-        )
+        match &self.way {
+            Way::Flight(_) => true,
+            Way::Ready(w) => w.direct.is_some(),
+            Way::Cached | Way::Pending { .. } => false,
+        }
     }
 
     /// Writes out what can go in aligned pieces: the head up to an aligned offset
@@ -449,7 +469,7 @@ impl<T: HasFile, C: Courier> BlockWriter<T, C> {
         if whole == 0 {
             return Ok(());
         }
-        self.start_flight()?;
+        self.start_flight();
         match &mut self.way {
             Way::Flight(f) => {
                 let mut next = f.next_block(self.cap)?;
@@ -461,11 +481,7 @@ impl<T: HasFile, C: Courier> BlockWriter<T, C> {
                 self.pos += whole as u64;
                 self.len = tail;
             }
-            Way::Direct(ways) => {
-                ways.write(self.inner.file(), self.cur.get(whole), self.pos)?;
-                self.consume(whole);
-            }
-            Way::Cached => {
+            Way::Cached | Way::Pending { .. } | Way::Ready(_) => {
                 self.inner
                     .file()
                     .write_all_at(self.cur.get(whole), self.pos)?;
@@ -475,21 +491,27 @@ impl<T: HasFile, C: Courier> BlockWriter<T, C> {
         Ok(())
     }
 
-    /// At the first whole block: the thread that writes past the page cache (if none
-    /// can be made, the blocks are written on this thread).
-    fn start_flight(&mut self) -> io::Result<()> {
-        let Way::Direct(
-            ways @ Ways {
-                direct: Some(_), ..
-            },
-        ) = &self.way
-        else {
-            return Ok(());
-        };
-        if let Some(f) = Flight::start(ways, self.inner.file())? {
-            self.way = Way::Flight(Box::new(f));
+    /// At the first whole block: the `O_DIRECT` descriptor and the thread that writes
+    /// the blocks; if either cannot be made (refused, out of descriptors or threads),
+    /// every block goes through the page cache on this thread, from then on.
+    fn start_flight(&mut self) {
+        if let Way::Pending { forced } = self.way {
+            self.way = match reopen_direct(self.inner.file()) {
+                Some(f) => Way::Ready(Box::new(Ways {
+                    direct: Some(f),
+                    pick: (!forced).then(Pick::default),
+                })),
+                None => Way::Cached,
+            };
         }
-        Ok(())
+        if !matches!(self.way, Way::Ready(_)) {
+            return;
+        }
+        if let Way::Ready(ways) = std::mem::replace(&mut self.way, Way::Cached) {
+            if let Some(f) = Flight::start(*ways, self.inner.file()) {
+                self.way = Way::Flight(Box::new(f));
+            }
+        }
     }
 
     /// Drops the first `n` buffered bytes (written), moving the rest to the start.
@@ -503,6 +525,30 @@ impl<T: HasFile, C: Courier> BlockWriter<T, C> {
 
 impl<T: HasFile, C: Courier> Write for BlockWriter<T, C> {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        if self.failed {
+            return Err(failed_before());
+        }
+        let r = self.put(buf);
+        self.failed = r.is_err();
+        r
+    }
+
+    /// Writes everything buffered (and waits for the blocks in flight); the unaligned
+    /// tail (through the page cache) stays buffered too, to be written again with the
+    /// block it begins.
+    fn flush(&mut self) -> io::Result<()> {
+        if self.failed {
+            return Err(failed_before());
+        }
+        let r = self.write_out();
+        self.failed = r.is_err();
+        r
+    }
+}
+
+impl<T: HasFile, C: Courier> BlockWriter<T, C> {
+    /// [`Write::write`], before the check for an earlier error.
+    fn put(&mut self, buf: &[u8]) -> io::Result<usize> {
         if self.len == self.cap {
             self.drain()?;
         }
@@ -521,10 +567,8 @@ impl<T: HasFile, C: Courier> Write for BlockWriter<T, C> {
         Ok(n)
     }
 
-    /// Writes everything buffered (and waits for the blocks in flight); the unaligned
-    /// tail (through the page cache) stays buffered too, to be written again with the
-    /// block it begins.
-    fn flush(&mut self) -> io::Result<()> {
+    /// [`Write::flush`], before the check for an earlier error.
+    fn write_out(&mut self) -> io::Result<()> {
         self.drain()?;
         if let Way::Flight(f) = &mut self.way {
             f.settle()?;
@@ -612,8 +656,12 @@ mod tests {
                     }
                 }
                 // Where the file system takes O_DIRECT, blocks may go past the cache
-                // (always with `direct`, else as measured faster).
-                assert_eq!(w.is_direct(), takes, "case {i}");
+                // (always with `direct`, else as measured faster) from the first whole
+                // block on.
+                w.flush().unwrap();
+                let head = (ALIGN - start as usize % ALIGN) % ALIGN;
+                let blocks = total >= head + ALIGN;
+                assert_eq!(w.is_direct(), takes && blocks, "case {i}");
                 drop(w.into_inner().unwrap());
                 let got = contents(&mut f);
                 assert_eq!(got.len(), before.len() + data.len(), "case {i}");
@@ -621,6 +669,25 @@ mod tests {
                 assert!(got[before.len()..] == data[..], "case {i}: stream");
             }
         }
+    }
+
+    /// After a failed write every later call fails: the stream has a hole, and a retry
+    /// that succeeded would make the file look whole.
+    #[test]
+    fn an_error_is_for_good() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ro");
+        std::fs::write(&path, b"").unwrap();
+        // Read-only: every write fails (EBADF), whichever way.
+        let f = File::open(&path).unwrap();
+        let mut w = BlockWriter::new(f, 0, false);
+        let data = bytes(3, 3 * CACHED_BLOCK);
+        let first = w.write_all(&data).and_then(|()| w.flush());
+        assert!(first.is_err(), "a read-only file took the writes");
+        let again = w.write(b"x").expect_err("a write after the error");
+        assert!(again.to_string().contains("earlier write"), "{again}");
+        assert!(w.flush().is_err());
+        assert!(w.into_inner().is_err());
     }
 
     /// Without `--direct-io` each block goes the faster way: each tried once first,
@@ -651,13 +718,15 @@ mod tests {
     fn whole_blocks_go_direct_where_the_file_system_allows() {
         let dir = tempfile::tempdir().unwrap();
         let f = tempfile::tempfile_in(dir.path()).unwrap();
-        let mut w = BlockWriter::new(f, 0, true);
-        if !w.is_direct() {
+        if reopen_direct(&f).is_none() {
             eprintln!("SKIP: this file system refuses O_DIRECT");
             return;
         }
+        let mut w = BlockWriter::new(f, 0, true);
+        assert!(!w.is_direct(), "made at the first whole block");
         w.write_all(&bytes(5, 2 * BLOCK)).unwrap();
-        assert!(w.is_direct(), "a direct write was refused");
+        w.flush().unwrap();
+        assert!(w.is_direct(), "the thread and the O_DIRECT descriptor");
     }
 
     /// A direct write the file system refuses (`EINVAL`: here a misaligned buffer) is

@@ -282,7 +282,7 @@ fn run(dir: &std::path::Path, seed: u64) -> Result<(), String> {
         pick: (rng.below(2) == 0).then(Pick::default),
     };
     let mut w: BlockWriter<File, Stepped> =
-        BlockWriter::with(own, start as u64, Way::Direct(ways), cap);
+        BlockWriter::with(own, start as u64, Way::Ready(Box::new(ways)), cap);
     let stream: Vec<u8> = (0..12 * cap).map(|i| byte(seed, i)).collect();
     let mut written = 0;
     let mut failed = None;
@@ -343,7 +343,6 @@ fn first_failure() -> Result<u64, String> {
 #[test]
 fn hand_off_model() {
     let runs = first_failure().unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(runs, 600);
     let c = COVER.with(|c| *c.borrow());
     eprintln!("{runs} runs reached {c:?}");
     for (what, n) in [
@@ -363,4 +362,8 @@ fn hand_off_model() {
 fn seeded_bug_is_caught() {
     let e = first_failure().expect_err("the seeded bug was not caught");
     eprintln!("seeded bug caught: {e}");
+    assert!(
+        e.contains("after a flush") || e.contains("at the end"),
+        "caught as something else: {e}"
+    );
 }

@@ -196,7 +196,7 @@ impl RunReport {
                 if w.count == 1 { "" } else { "s" },
                 ms(w.longest),
                 rate / 1e6,
-                if page_cache { ", past the page cache (--direct-io)" } else { "" },
+                if page_cache { ", every block past the page cache (--direct-io)" } else { "" },
             ));
         }
         if rate > 0.0 && r.ring_bytes > 0 {

@@ -382,7 +382,10 @@ fn loss_causes_name_the_output_and_the_absence() {
         page_cache: true,
     };
     let h = hints(&r);
-    assert!(h[1].contains("past the page cache (--direct-io)"), "{h:?}");
+    assert!(
+        h[1].contains("every block past the page cache (--direct-io)"),
+        "{h:?}"
+    );
     // 12 ms away, the ring lasts 10 ms: 2 × 12 / 10 × 1024 KiB = 2458 → 4096.
     assert!(
         h[2].contains("up to 12.0 ms, while a 1024 KiB ring lasts 10.0 ms")
