@@ -851,3 +851,29 @@ fn record_filters_keep_what_passes_and_account_for_the_rest() {
         "{err}"
     );
 }
+
+/// A soft limit on open files too low for a trace.dat of 8 vCPUs (their descriptors, a
+/// spill file each, and each output file's writer thread and `O_DIRECT` descriptor) is
+/// raised to the hard limit at start: the record succeeds where, before the raise, it
+/// failed with "Too many open files" below a soft limit of 29.
+#[test]
+fn a_low_soft_limit_on_open_files_is_raised() {
+    if !kvm_available(KRATE, "a_low_soft_limit_on_open_files_is_raised") {
+        return;
+    }
+    let _vm = vm_lock();
+    let dir = TempDir::new("nofile");
+    let path = dir.file("t.dat");
+    let cmd = format!("ulimit -Sn 24 && exec {BIN} record --vcpus 8 --events 20000 -o {path}");
+    let o = std::process::Command::new("sh")
+        .args(["-c", &cmd])
+        .output()
+        .expect("sh");
+    let err = env::stderr(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert!(!err.contains("Too many open files"), "{err}");
+    assert!(
+        err.contains("written 160000 = read 160000 + lost 0"),
+        "{err}"
+    );
+}

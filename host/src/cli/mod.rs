@@ -229,7 +229,30 @@ impl CliError {
 
 /// Runs the command line of this process; returns the exit code.
 pub fn main() -> i32 {
+    raise_open_files_limit();
     main_with(std::env::args_os())
+}
+
+/// Raises the soft limit on open files to the hard one: every output file takes up to
+/// three descriptors while it writes (the file's, its writer thread's and an `O_DIRECT`
+/// one: docs/output.md), and `record --vcpus 256` to a trace.dat has a spill file per
+/// vCPU beside the vCPUs' own descriptors, past a soft limit of 1024. Nothing here uses
+/// `select(2)`, the one reason to keep the soft limit low (Go's runtime raises it too).
+/// A failure leaves the limit as it was (a file that then cannot get its `O_DIRECT`
+/// descriptor is written through the page cache).
+fn raise_open_files_limit() {
+    let mut l = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the limit into `l`, a valid rlimit of ours.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) } != 0 || l.rlim_cur >= l.rlim_max {
+        return;
+    }
+    l.rlim_cur = l.rlim_max;
+    // SAFETY: setrlimit only reads `l`; raising the soft limit up to the hard one needs
+    // no privilege and touches nothing else of the process.
+    let _ = unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &l) };
 }
 
 /// Runs a command line; returns the exit code.
