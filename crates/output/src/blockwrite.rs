@@ -27,6 +27,8 @@ use std::sync::mpsc::{self, Receiver, SyncSender, TryRecvError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::error::Marker;
+
 /// Alignment of a direct write's memory, length and file offset: x86_64's page size
 /// (the one target), a multiple of the logical block size of the devices Linux runs
 /// on. A direct write covering only whole pages of its own stream rests on it.
@@ -90,18 +92,6 @@ pub(crate) type Done = (Block, io::Result<()>);
 
 /// The writer thread is gone (it panicked); see [`gone`].
 pub(crate) struct Gone;
-
-/// The source of [`gone`]'s error, which tells it from a write's own `EPIPE`.
-#[derive(Debug)]
-struct ThreadGone;
-
-impl std::fmt::Display for ThreadGone {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("the output's writer thread ended")
-    }
-}
-
-impl std::error::Error for ThreadGone {}
 
 /// The hand-off between a [`BlockWriter`] and the thread writing its blocks (B1 in
 /// docs/design.md): jobs go over in order, at most [`IN_FLIGHT`] waiting; each block
@@ -249,7 +239,7 @@ impl<C: Courier> Flight<C> {
         let left = usize::from(cfg!(hyptrace_seeded_bug_flush_early));
         while self.in_flight > left {
             if let Err(e) = self.take_back(true) {
-                if is_gone(&e) {
+                if Marker::ThreadGone.is(&e) {
                     return Err(e);
                 }
                 first = first.and(Err(e));
@@ -259,19 +249,10 @@ impl<C: Courier> Flight<C> {
     }
 }
 
-/// The error of a writer thread that is gone (it panicked).
+/// The error of a writer thread that is gone (it panicked), told from a write's own
+/// `EPIPE` by [`Marker::is`].
 fn gone() -> io::Error {
-    io::Error::new(io::ErrorKind::BrokenPipe, ThreadGone)
-}
-
-/// Whether `e` is [`gone`]'s (not a write's own `EPIPE`).
-fn is_gone(e: &io::Error) -> bool {
-    e.get_ref().is_some_and(|s| s.is::<ThreadGone>())
-}
-
-/// The error of every call after one failed: the stream has a hole.
-fn failed_before() -> io::Error {
-    io::Error::other("an earlier write to this output failed")
+    Marker::ThreadGone.error()
 }
 
 /// Of every `PROBE` blocks [`Pick`] writes one the way it did not choose, so a change of
@@ -504,13 +485,13 @@ impl<T: HasFile, C: Courier> BlockWriter<T, C> {
                 None => Way::Cached,
             };
         }
-        if !matches!(self.way, Way::Ready(_)) {
-            return;
-        }
-        if let Way::Ready(ways) = std::mem::replace(&mut self.way, Way::Cached) {
-            if let Some(f) = Flight::start(*ways, self.inner.file()) {
-                self.way = Way::Flight(Box::new(f));
+        match std::mem::replace(&mut self.way, Way::Cached) {
+            Way::Ready(ways) => {
+                if let Some(f) = Flight::start(*ways, self.inner.file()) {
+                    self.way = Way::Flight(Box::new(f));
+                }
             }
+            way => self.way = way,
         }
     }
 
@@ -525,28 +506,29 @@ impl<T: HasFile, C: Courier> BlockWriter<T, C> {
 
 impl<T: HasFile, C: Courier> Write for BlockWriter<T, C> {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        if self.failed {
-            return Err(failed_before());
-        }
-        let r = self.put(buf);
-        self.failed = r.is_err();
-        r
+        self.unless_failed(|w| w.put(buf))
     }
 
     /// Writes everything buffered (and waits for the blocks in flight); the unaligned
     /// tail (through the page cache) stays buffered too, to be written again with the
     /// block it begins.
     fn flush(&mut self) -> io::Result<()> {
-        if self.failed {
-            return Err(failed_before());
-        }
-        let r = self.write_out();
-        self.failed = r.is_err();
-        r
+        self.unless_failed(Self::write_out)
     }
 }
 
 impl<T: HasFile, C: Courier> BlockWriter<T, C> {
+    /// `call`, unless an earlier call failed (then the stream has a hole: every later
+    /// call fails, with the output's "closed" error, [`Marker::Closed`]).
+    fn unless_failed<R>(&mut self, call: impl FnOnce(&mut Self) -> io::Result<R>) -> io::Result<R> {
+        if self.failed {
+            return Err(Marker::Closed.error());
+        }
+        let r = call(self);
+        self.failed = r.is_err();
+        r
+    }
+
     /// [`Write::write`], before the check for an earlier error.
     fn put(&mut self, buf: &[u8]) -> io::Result<usize> {
         if self.len == self.cap {
@@ -685,7 +667,7 @@ mod tests {
         let first = w.write_all(&data).and_then(|()| w.flush());
         assert!(first.is_err(), "a read-only file took the writes");
         let again = w.write(b"x").expect_err("a write after the error");
-        assert!(again.to_string().contains("earlier write"), "{again}");
+        assert!(Marker::Closed.is(&again), "{again}");
         assert!(w.flush().is_err());
         assert!(w.into_inner().is_err());
     }

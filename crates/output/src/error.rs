@@ -602,6 +602,45 @@ pub enum PartProblem {
     EventIdTwice(u16),
 }
 
+/// Conditions of this crate carried in an `io::Error`, told from the system's own
+/// errors by their type ([`Marker::is`]), not by kind or message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Marker {
+    /// A write after the output failed or finished.
+    Closed,
+    /// A file's writer thread ended (it panicked).
+    ThreadGone,
+}
+
+impl std::fmt::Display for Marker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Marker::Closed => "output closed after an earlier error",
+            Marker::ThreadGone => "the output's writer thread ended",
+        })
+    }
+}
+
+impl std::error::Error for Marker {}
+
+impl Marker {
+    /// The `io::Error` carrying it.
+    pub(crate) fn error(self) -> std::io::Error {
+        let kind = match self {
+            Marker::Closed => std::io::ErrorKind::Other,
+            Marker::ThreadGone => std::io::ErrorKind::BrokenPipe,
+        };
+        std::io::Error::new(kind, self)
+    }
+
+    /// Whether `e` carries it.
+    pub(crate) fn is(self, e: &std::io::Error) -> bool {
+        e.get_ref()
+            .and_then(|s| s.downcast_ref::<Marker>())
+            .is_some_and(|m| *m == self)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -29,6 +29,7 @@ use std::path::{Path, PathBuf};
 use tempfile::NamedTempFile;
 
 use crate::blockwrite::{BlockWriter, HasFile};
+use crate::error::Marker;
 use crate::OutputError;
 
 /// Most symlinks followed (Linux's own limit).
@@ -554,24 +555,13 @@ impl OutputFile {
 }
 
 /// The error a write after a failure gets.
-#[derive(Debug)]
-struct ClosedMarker;
-
-impl std::fmt::Display for ClosedMarker {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("output closed after an earlier error")
-    }
-}
-
-impl std::error::Error for ClosedMarker {}
-
 fn closed() -> io::Error {
-    io::Error::other(ClosedMarker)
+    Marker::Closed.error()
 }
 
 /// Whether `e` is the error of a write after the output failed or finished.
 pub(crate) fn is_closed_error(e: &io::Error) -> bool {
-    e.get_ref().is_some_and(|x| x.is::<ClosedMarker>())
+    Marker::Closed.is(e)
 }
 
 impl Write for OutputFile {
