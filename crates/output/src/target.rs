@@ -499,7 +499,7 @@ impl OutputFile {
     /// it with the OS error as source, or [`OutputError::Closed`] for writes after a
     /// failure (the first error already said why).
     pub fn error(&self, e: io::Error) -> OutputError {
-        if is_closed_error(&e) {
+        if Marker::Closed.is(&e) {
             OutputError::Closed
         } else {
             OutputError::io(&self.target.path, e)
@@ -554,54 +554,36 @@ impl OutputFile {
     }
 }
 
-/// The error a write after a failure gets.
-fn closed() -> io::Error {
-    Marker::Closed.error()
-}
-
-/// Whether `e` is the error of a write after the output failed or finished.
-pub(crate) fn is_closed_error(e: &io::Error) -> bool {
-    Marker::Closed.is(e)
+impl OutputFile {
+    /// `call` on the open writer; after a failure or `finish` every call fails with the
+    /// output's "closed" error ([`Marker::Closed`]), and a failure of its own stops the
+    /// output ([`OutputFile::abort`]: the temporary file removed).
+    fn guarded<R>(&mut self, call: impl FnOnce(&mut dyn Write) -> io::Result<R>) -> io::Result<R> {
+        let w: &mut dyn Write = match &mut self.inner {
+            Inner::Temp(w) => w,
+            Inner::Stream(w) => w,
+            Inner::Stdout(w) => w,
+            Inner::Closed => return Err(Marker::Closed.error()),
+        };
+        let r = call(w);
+        if r.as_ref().is_err_and(|e| !Marker::Closed.is(e)) {
+            self.abort();
+        }
+        r
+    }
 }
 
 impl Write for OutputFile {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        let r = match &mut self.inner {
-            Inner::Temp(w) => w.write(buf),
-            Inner::Stream(w) => w.write(buf),
-            Inner::Stdout(w) => w.write(buf),
-            Inner::Closed => return Err(closed()),
-        };
-        if r.as_ref().is_err_and(|e| !is_closed_error(e)) {
-            self.abort();
-        }
-        r
+        self.guarded(|w| w.write(buf))
     }
 
     fn write_all(&mut self, buf: &[u8]) -> io::Result<()> {
-        let r = match &mut self.inner {
-            Inner::Temp(w) => w.write_all(buf),
-            Inner::Stream(w) => w.write_all(buf),
-            Inner::Stdout(w) => w.write_all(buf),
-            Inner::Closed => return Err(closed()),
-        };
-        if r.as_ref().is_err_and(|e| !is_closed_error(e)) {
-            self.abort();
-        }
-        r
+        self.guarded(|w| w.write_all(buf))
     }
 
     fn flush(&mut self) -> io::Result<()> {
-        let r = match &mut self.inner {
-            Inner::Temp(w) => w.flush(),
-            Inner::Stream(w) => w.flush(),
-            Inner::Stdout(w) => w.flush(),
-            Inner::Closed => return Err(closed()),
-        };
-        if r.as_ref().is_err_and(|e| !is_closed_error(e)) {
-            self.abort();
-        }
-        r
+        self.guarded(|w| w.flush())
     }
 }
 

@@ -403,7 +403,7 @@ fn copy_spill(o: &mut CpuOut, out: &mut dyn Write, buf: &mut [u8]) -> Result<(),
 /// A write error of [`copy_spill`]: an [`OutputFile`]'s names the output already
 /// (its `Closed` marker kept).
 fn write_error(e: io::Error) -> OutputError {
-    if crate::target::is_closed_error(&e) {
+    if crate::error::Marker::Closed.is(&e) {
         OutputError::Closed
     } else {
         OutputError::Io {
