@@ -2,10 +2,11 @@
 //! ```` ```sh ```` block parses as the CLI parses it (a renamed flag or command fails
 //! here), every other program a snippet runs is one this test knows, and with /dev/kvm
 //! the commands that run offline on their own (no background job, no running VM to talk
-//! to, no external viewer; `--host-trace` as root where tracefs takes instances) run in order, paths under /tmp
-//! and /dev/shm moved into a temporary directory, each exiting 0. A command that reads
-//! what a skipped one would have written is skipped too. (The Rust snippets of the
-//! crates' READMEs run as doc tests: each crate includes its README.)
+//! to, no external viewer; `--host-trace` as root where tracefs takes instances) run in
+//! order, paths under /tmp and /dev/shm moved into a temporary directory, each exiting
+//! 0. A command that reads what a skipped one would have written is skipped too. (The
+//! Rust snippets of the crates' READMEs run as doc tests: each crate includes its
+//! README.)
 
 use std::path::Path;
 
